@@ -1,0 +1,1 @@
+"""Spindle model service: the LLM engine and (later) its gRPC server."""

@@ -1,0 +1,1 @@
+"""The serving engine: scheduler, block manager, model runner, sampler, detokenizer."""

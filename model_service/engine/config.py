@@ -1,0 +1,38 @@
+"""Engine settings. Names follow vLLM's flags so operators can guess them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    device: str = "auto"  # auto = cuda when available
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides the memory budget below
+    kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, 90% of free memory on CUDA
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunk size)
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        try:
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+                self.dtype
+            ]
+        except KeyError:
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            ) from None

@@ -1,0 +1,241 @@
+"""The synchronous engine: add requests, step, abort. One thread drives it (see AsyncEngine).
+
+A step = schedule -> one mixed forward pass -> sample the rows that completed their pending
+tokens -> append, detokenize, check stop conditions -> free what finished.
+A fault confined to one request finishes that request with `finish_reason="error"`;
+a fault in the forward pass fails the requests of that batch, never the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from typing import Any
+
+import torch
+
+from model_service.engine.config import EngineConfig
+from model_service.engine.detokenizer import IncrementalDetokenizer
+from model_service.engine.model_runner import ModelRunner
+from model_service.engine.sampler import SampleRow, sample
+from model_service.engine.sampling_params import SamplingParams
+from model_service.engine.scheduler import Scheduler
+from model_service.engine.sequence import RequestOutput, Sequence, Status
+from model_service.errors import CapacityError, InvalidRequestError
+from model_service.models.loader import LoadedModel, load_model
+from model_service.models.protocol import PrefillChunk
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config.model, config.torch_dtype(), config.torch_device())
+        self.tokenizer = self.loaded.tokenizer
+        self.model = ModelRunner(self.loaded, config)
+        self.scheduler = Scheduler(self.model, config)
+        mc = self.loaded.config
+        kv_capacity = self.model.num_total_blocks() * config.block_size
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, kv_capacity)
+        self.eos_token_ids = set(mc.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._pending: list[RequestOutput] = []
+
+    # --- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Validate and queue a request; raises InvalidRequestError / CapacityError, changing nothing."""
+        params = params or SamplingParams()
+        params.validate(self.model.vocab_size)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        ids = self._prompt_ids(prompt, messages, prompt_token_ids)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; this engine's context is {self.max_model_len} tokens "
+                "and the prompt must leave room for at least one generated token"
+            )
+        if self.model.block_manager.blocks_for(len(ids) + 1) > self.model.num_total_blocks():
+            raise CapacityError(f"prompt of {len(ids)} tokens can never fit in the KV cache")
+        seq = Sequence(
+            request_id,
+            ids,
+            params,
+            IncrementalDetokenizer(self.tokenizer, ids),
+            arrival=next(self._arrivals),
+            priority=priority,
+            device=self.model.device,
+        )
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _prompt_ids(
+        self, prompt: str | None, messages: list[dict[str, Any]] | None, token_ids: list[int] | None
+    ) -> list[int]:
+        given = [x is not None for x in (prompt, messages, token_ids)]
+        if sum(given) != 1:
+            raise InvalidRequestError("give exactly one of `prompt`, `messages` or `prompt_token_ids`")
+        if token_ids is not None:
+            if not token_ids:
+                raise InvalidRequestError("prompt_token_ids is empty")
+            vocab = self.model.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+            return list(token_ids)
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; send `prompt_token_ids`")
+        if messages is not None:
+            if not messages:
+                raise InvalidRequestError("messages is empty")
+            return self.tokenizer.apply_chat_template(messages)
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt encodes to zero tokens")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free everything it holds; its stream ends with finish_reason "abort"."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.finished:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    # --- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch.work:
+            return outputs
+        try:
+            sampled = self._run(batch.work)
+        except Exception as e:  # a bad batch fails its requests, not the engine
+            log.exception("forward pass failed; failing %d requests", len(batch.work))
+            for seq, _ in batch.work:
+                seq.error = f"engine error: {e}"
+                self._finish(seq, "error")
+            return outputs + self._pending_drain()
+        for seq in sampled:
+            if not seq.finished:
+                outputs.append(seq.take_output())
+        return outputs + self._pending_drain()
+
+    def _pending_drain(self) -> list[RequestOutput]:
+        out, self._pending = self._pending, []
+        return out
+
+    def _run(self, work: list[tuple[Sequence, int]]) -> list[Sequence]:
+        chunks, decodes = [], []
+        for seq, n in work:
+            assert seq.state is not None
+            start = seq.num_computed
+            if seq.num_pending == 1:
+                decodes.append(seq)
+            else:
+                is_last = start + n == len(seq.token_ids)
+                chunks.append((seq, PrefillChunk(seq.state, seq.token_ids[start : start + n], is_last)))
+        decode_logits, chunk_logits = self.model.mixed_forward_batch(
+            [s.state for s in decodes], [s.token_ids[-1] for s in decodes], [c for _, c in chunks]
+        )
+        rows = [(seq, lg) for (seq, _), lg in zip(chunks, chunk_logits, strict=True) if lg is not None]
+        to_sample = [seq for seq, _ in rows] + decodes
+        if not to_sample:
+            return []
+        logits = torch.cat([torch.stack([lg for _, lg in rows]), decode_logits]) if rows else decode_logits
+        tokens, logprobs = sample(
+            logits,
+            [
+                SampleRow(s.params, s.generator, s.token_ids[: s.num_prompt_tokens], s.output_ids)
+                for s in to_sample
+            ],
+        )
+        for seq, token, lp in zip(to_sample, tokens, logprobs, strict=True):
+            try:
+                self._append(seq, token, lp)
+            except Exception as e:  # e.g. a tokenizer fault on this request's text
+                log.exception("request %s failed", seq.request_id)
+                seq.error = str(e)
+                self._finish(seq, "error")
+        return to_sample
+
+    def _append(self, seq: Sequence, token: int, lp: Any) -> None:
+        seq.token_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        delta = seq.detokenizer.push(token)
+        seq.text += delta
+        p = seq.params
+        if token in p.stop_token_ids:
+            return self._finish(seq, "stop", stop_reason=token)
+        if token in self.eos_token_ids and not p.ignore_eos:
+            return self._finish(seq, "stop", stop_reason=token)
+        if p.stop and self._match_stop_string(seq, len(delta)):
+            return None
+        if len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return self._finish(seq, "length")
+        return None
+
+    def _match_stop_string(self, seq: Sequence, new_chars: int) -> bool:
+        # A stop string can only end inside the new text, so it starts at most len(stop)-1 before it.
+        longest = max(map(len, seq.params.stop))
+        search_from = max(0, len(seq.text) - new_chars - longest + 1)
+        hits = [(seq.text.find(s, search_from), s) for s in seq.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        i, s = min(hits)
+        seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
+        self._finish(seq, "stop", stop_reason=s)
+        return True
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self._pending.append(seq.take_output())
+        del self.requests[seq.request_id]
+
+    # --- conveniences ---------------------------------------------------------------------
+
+    def generate(self, requests: list[dict[str, Any]]) -> list[RequestOutput]:
+        """Run request dicts (prompt/messages/prompt_token_ids + sampling fields) to completion,
+        as one batch; returns the final output of each, in input order."""
+        ids = []
+        for r in requests:
+            ids.append(
+                self.add_request(
+                    r.get("prompt"),
+                    messages=r.get("messages"),
+                    prompt_token_ids=r.get("prompt_token_ids"),
+                    params=SamplingParams.from_dict(r),
+                    request_id=r.get("request_id"),
+                    priority=int(r.get("priority", 0)),
+                )
+            )
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

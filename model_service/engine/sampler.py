@@ -1,0 +1,117 @@
+"""Turns one step's logits into one token per row, for rows with different settings.
+
+All rows are processed together as tensors; the only per-row Python work is drawing
+the random noise of seeded rows from their own generator, which is what makes a seeded
+request's tokens independent of whatever else shares its batch.
+
+Sampling uses the exponential-race form of the Gumbel trick: argmax(p / E) with
+E ~ Exp(1) draws from p exactly, and needs only one noise vector per row per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model_service.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: [N, vocab] float32 (not modified). Returns (token ids, logprobs or None) per row."""
+    want_logprobs = [r.params.logprobs is not None for r in rows]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    logits = _apply_penalties(logits, rows) if any(r.params.needs_penalties for r in rows) else logits
+
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        probs = _filtered_probs(logits[idx], [rows[i].params for i in random_rows])
+        noise = _exponential_noise(probs, [rows[i].generator for i in random_rows])
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+
+    token_list = tokens.tolist()
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    if raw_logprobs is not None:
+        for i, r in enumerate(rows):
+            if r.params.logprobs is None:
+                continue
+            top: list[tuple[int, float]] = []
+            if r.params.logprobs > 0:
+                vals, ids = raw_logprobs[i].topk(r.params.logprobs)
+                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+            out[i] = TokenLogprobs(float(raw_logprobs[i, token_list[i]]), top)
+    return token_list, out
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    device = logits.device
+    for i, r in enumerate(rows):
+        p = r.params
+        if not p.needs_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(
+                sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long, device=device
+            )
+            if seen.numel():
+                score = logits[i, seen]
+                logits[i, seen] = torch.where(
+                    score < 0, score * p.repetition_penalty, score / p.repetition_penalty
+                )
+        if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
+            counts = torch.bincount(torch.tensor(r.output_ids, device=device), minlength=vocab).float()
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p (HF's order); returns renormalized probabilities."""
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    vocab = logits.shape[1]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
+
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    remove = ranks >= top_k[:, None]
+    sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    remove |= mass_before >= top_p[:, None]
+    remove |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    return filtered.softmax(dim=-1)
+
+
+def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
+    return noise

@@ -1,0 +1,73 @@
+"""Per-request generation settings, named as vLLM and the gRPC request name them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from model_service.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF semantics, over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None = off; N = sampled token plus the top N
+    skip_special_tokens: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Build from request fields, ignoring unrelated keys (prompt, adapter, ...)."""
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names and v is not None}
+        if isinstance(kwargs.get("stop"), str):
+            kwargs["stop"] = [kwargs["stop"]]
+        p = cls(**kwargs)
+        p.validate()
+        return p
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def bad(msg: str) -> None:
+            raise InvalidRequestError(msg)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            bad(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0 or not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop strings must be non-empty strings")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            bad(f"seed must be in [0, 2^63), got {self.seed}")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            bad(f"stop_token_ids must be in [0, {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -1,0 +1,109 @@
+"""One request's life in the engine: its tokens, its settings, its KV state and its output."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from model_service.engine.detokenizer import IncrementalDetokenizer
+from model_service.engine.sampler import TokenLogprobs
+from model_service.engine.sampling_params import SamplingParams
+from model_service.models.protocol import SequenceState
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request. `text`/`token_ids` are cumulative; `new_*` are the delta."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    error: str | None = None
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        detokenizer: IncrementalDetokenizer,
+        arrival: int,
+        priority: int = 0,
+        device: torch.device | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.params = params
+        self.detokenizer = detokenizer
+        self.arrival = arrival  # monotonically increasing admission counter
+        self.priority = priority  # lower value = served first (vLLM's convention)
+        self.status = Status.WAITING
+        self.state: SequenceState | None = None
+        self.text = ""
+        self.emitted_tokens = 0
+        self.emitted_chars = 0
+        self.logprobs: list[TokenLogprobs] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device or "cpu")
+            self.generator.manual_seed(params.seed)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_computed(self) -> int:
+        return self.state.num_computed if self.state is not None else 0
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the KV cache (1 for a sequence in decode)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival)
+
+    def take_output(self) -> RequestOutput:
+        """The delta since the last call. Text that could still become a stop string is held back."""
+        hold = 0 if self.finished or not self.params.stop else max(map(len, self.params.stop)) - 1
+        end = max(self.emitted_chars, len(self.text) - hold)
+        out = RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=self.output_ids[self.emitted_tokens :],
+            new_text=self.text[self.emitted_chars : end],
+            token_ids=list(self.output_ids),
+            text=self.text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            new_logprobs=self.logprobs[self.emitted_tokens :],
+            stop_reason=self.stop_reason,
+            error=self.error,
+        )
+        self.emitted_tokens, self.emitted_chars = len(self.output_ids), end
+        return out

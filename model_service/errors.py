@@ -1,0 +1,20 @@
+"""Error types shared by the engine, loaders and (later) the gRPC layer.
+
+Each maps to one gRPC status code, so a caller gets a code it can act on rather than INTERNAL.
+"""
+
+
+class SpindleError(Exception):
+    """Base class: every error the engine raises on purpose."""
+
+
+class InvalidRequestError(SpindleError, ValueError):
+    """The request itself is wrong (INVALID_ARGUMENT): fixing the request fixes it."""
+
+
+class CapacityError(SpindleError):
+    """The engine cannot take this request now or ever (RESOURCE_EXHAUSTED)."""
+
+
+class ModelLoadError(SpindleError):
+    """A model path, checkpoint or GGUF file cannot be loaded (FAILED_PRECONDITION / NOT_FOUND)."""

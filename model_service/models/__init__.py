@@ -1,0 +1,1 @@
+"""Model definitions, the Model/TransformerLayer protocols, and weight loaders."""

