@@ -29,7 +29,8 @@ def hf_smollm2() -> Any:
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path("smollm2")
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return hf.eval()
 
 
 def make_engine(loaded: LoadedModel, **overrides: Any) -> Engine:

@@ -96,9 +96,11 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     ranks = torch.arange(vocab, device=device)[None, :]
     remove = ranks >= top_k[:, None]
     sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    remove |= mass_before >= top_p[:, None]
+    # Keep the smallest prefix whose mass reaches top_p (the first token always survives): drop a
+    # token when it and everything ranked below it hold at most 1 - top_p. Summing from the tail (as
+    # HF does) keeps the float error off the cut, so top_p=1 drops no token of nonzero probability.
+    mass_from = sorted_probs.flip(-1).cumsum(dim=-1).flip(-1)
+    remove |= mass_from <= 1.0 - top_p[:, None]
     remove |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))

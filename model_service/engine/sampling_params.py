@@ -7,6 +7,10 @@ from typing import Any
 
 from model_service.errors import InvalidRequestError
 
+# Temperatures below this sample greedily (as vLLM does): dividing logits by a near-zero
+# temperature overflows to inf, and softmax of inf is NaN.
+_GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -51,7 +55,7 @@ class SamplingParams:
             bad(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
+        if not 0.0 < self.repetition_penalty < float("inf"):
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0 or not -2.0 <= self.frequency_penalty <= 2.0:
             bad("presence_penalty and frequency_penalty must be in [-2, 2]")
@@ -66,7 +70,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < _GREEDY_BELOW
 
     @property
     def needs_penalties(self) -> bool:

@@ -38,6 +38,8 @@ class ModelConfig:
     rope_scaling: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    o_proj_bias: bool = False  # Llama/Qwen3 `attention_bias` covers o_proj too; Qwen2's q/k/v bias does not
+    mlp_bias: bool = False  # Llama `mlp_bias`
     qk_norm: bool = False
     # Per-layer sliding window (None = full attention for that layer).
     sliding_windows: list[int | None] = field(default_factory=list)
@@ -58,6 +60,9 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        # HF: Llama/Qwen3 put `attention_bias` on q/k/v/o; Qwen2 always has q/k/v bias and no o bias;
+        # Mistral has no bias at all whatever the config says.
+        attention_bias = family in ("llama", "qwen3") and bool(raw.get("attention_bias", False))
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -74,7 +79,9 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+                qkv_bias=family == "qwen2" or attention_bias,
+                o_proj_bias=attention_bias,
+                mlp_bias=family == "llama" and bool(raw.get("mlp_bias", False)),
                 qk_norm=family == "qwen3",
             )
         except KeyError as e:
@@ -106,9 +113,25 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
             f"unsupported RoPE scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
         )
     params["rope_type"] = rope_type
-    if rope_type == "yarn" and "original_max_position_embeddings" not in params:
+    # As HF: the pretraining length defaults to max_position_embeddings, and a YaRN config without
+    # `factor` means the ratio of the two.
+    if rope_type in ("llama3", "yarn") and not params.get("original_max_position_embeddings"):
         params["original_max_position_embeddings"] = raw.get("max_position_embeddings", 2048)
+    if rope_type == "yarn" and params.get("factor") is None and raw.get("max_position_embeddings"):
+        params["factor"] = raw["max_position_embeddings"] / params["original_max_position_embeddings"]
+    missing = [k for k in _ROPE_REQUIRED_KEYS.get(rope_type, ()) if params.get(k) is None]
+    if missing:
+        raise ModelLoadError(
+            f"RoPE scaling type {rope_type!r} needs {missing} in config.json's rope_parameters"
+        )
     return theta, params
+
+
+_ROPE_REQUIRED_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor",),
+}
 
 
 def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> list[int | None]:

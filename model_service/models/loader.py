@@ -85,7 +85,7 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     gen_file = path / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.exists() else None
     config = ModelConfig.from_hf(raw, gen)
-    files = sorted(path.glob("*.safetensors"))
+    files = _weight_files(path)
     if not files:
         pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
         if pickles:
@@ -101,6 +101,26 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         except Exception as e:
             raise ModelLoadError(f"cannot read {f.name}: {e}") from e
     return config, tensors
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index names when sharded, else `model.safetensors`,
+    else every `*.safetensors` file. Repos often ship other safetensors files beside the HF weights
+    (Mistral's `consolidated.safetensors`), which must not be merged in."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index} is not a valid safetensors index (no `weight_map`): {e}") from e
+        files = [path / name for name in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index.name} names shard files missing from {path}: {', '.join(missing)}")
+        return files
+    single = path / "model.safetensors"
+    return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
 
 
 def build_module(
@@ -119,6 +139,18 @@ def build_module(
             raise ModelLoadError(
                 f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(shape)} from config"
             )
+    # A tensor the config does not account for (say an o_proj bias the config does not declare) would
+    # otherwise be dropped silently and the model would run with wrong outputs.
+    unused = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unexpected = sorted(
+        k for k in tensors if k not in expected and k not in unused and not k.endswith("rotary_emb.inv_freq")
+    )
+    if unexpected:
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        raise ModelLoadError(
+            f"checkpoint has tensors the {config.family} config does not use: {unexpected[:5]}{more}; "
+            "config.json and the weights disagree"
+        )
     state = {k: tensors[k].to(device=device, dtype=dtype) for k in expected}
     module.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:

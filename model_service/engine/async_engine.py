@@ -1,0 +1,125 @@
+"""Runs an `Engine` on its own thread and streams outputs to asyncio callers.
+
+The engine is single-threaded by design (scheduler state, block tables). Callers on the
+event loop never touch it: they post commands to an inbox that the engine thread drains
+between steps, and receive outputs through per-request asyncio queues. A forward pass
+therefore never blocks the event loop, and validation errors still reach the caller that
+sent the bad request, as an exception from `generate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from model_service.engine.engine import Engine
+from model_service.engine.sequence import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="spindle-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request_id: str, **request: Any) -> AsyncIterator[RequestOutput]:
+        """Add a request (same keywords as `Engine.add_request`) and yield its outputs until finished.
+
+        Closing the iterator early (client went away, deadline hit) aborts the request in the engine.
+        """
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        added: asyncio.Future[str] = loop.create_future()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id=request_id, **request)
+                self._streams[request_id] = (loop, outputs)
+                loop.call_soon_threadsafe(_set_result, added, request_id)
+            except Exception as e:
+                loop.call_soon_threadsafe(_set_exception, added, e)
+
+        self._inbox.put(add)
+        await added
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(lambda: self.engine.abort(request_id))
+
+    def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread and wait for its result (for stats, control ops)."""
+        done: queue.Queue[tuple[bool, Any]] = queue.Queue()
+
+        def run() -> None:
+            try:
+                done.put((True, fn(self.engine)))
+            except Exception as e:
+                done.put((False, e))
+
+        self._inbox.put(run)
+        ok, value = done.get()
+        if not ok:
+            raise value
+        return value
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(lambda: None)
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            # Block for work when idle; otherwise drain the inbox without waiting.
+            busy = self.engine.has_unfinished()
+            with contextlib.suppress(queue.Empty):
+                cmd = self._inbox.get(timeout=None if not busy else 0)
+                cmd()
+                while True:
+                    self._inbox.get_nowait()()
+            if self._stop.is_set():
+                break
+            try:
+                outputs = self.engine.step()
+            except Exception:  # the engine contains per-request faults; this is the last guard
+                log.exception("engine step failed")
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                loop, q = stream
+                if out.finished:
+                    del self._streams[out.request_id]
+                try:
+                    loop.call_soon_threadsafe(q.put_nowait, out)
+                except RuntimeError:  # the caller's event loop is gone: nobody will read this
+                    self._streams.pop(out.request_id, None)
+                    self.engine.abort(out.request_id)
+
+
+def _set_result(fut: asyncio.Future[str], value: str) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future[str], e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)

@@ -1,0 +1,244 @@
+"""Engine behaviour on SmolLM2: batching, chunking, preemption, mixed steps, abort, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from model_service.engine.sampling_params import SamplingParams
+from model_service.errors import CapacityError, InvalidRequestError, ModelLoadError
+from model_service.models.loader import load_model
+from tests.conftest import assert_all_blocks_free, make_engine
+
+QUESTIONS = ["What is 2+2?", "Name a large animal.", "Say hello in French.", "What color is the sky?"]
+
+
+def _requests(smollm2, max_tokens: int = 12) -> list[dict]:
+    return [
+        {
+            "prompt_token_ids": smollm2.tokenizer.apply_chat_template([{"role": "user", "content": q}]),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        for q in QUESTIONS
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2) -> list[list[int]]:
+    """Each request run alone with a roomy engine: what every other schedule must reproduce."""
+    engine = make_engine(smollm2)
+    return [engine.generate([r])[0].token_ids for r in _requests(smollm2)]
+
+
+@pytest.mark.parametrize("budget", [5, 64])
+def test_chunked_prefill_matches_unchunked(smollm2, reference, budget):
+    engine = make_engine(smollm2, max_num_batched_tokens=budget)
+    assert [o.token_ids for o in engine.generate(_requests(smollm2))] == reference
+    assert_all_blocks_free(engine)
+
+
+def test_preemption_by_recompute_gives_identical_output(smollm2, reference):
+    # 4 sequences of ~47 tokens each need 12 blocks of 4 at the end; give them 20 in all, so
+    # the scheduler admits more than fit once they grow.
+    engine = make_engine(smollm2, num_kv_blocks=20, block_size=4, max_num_batched_tokens=64)
+    assert [o.token_ids for o in engine.generate(_requests(smollm2))] == reference
+    assert engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(engine)
+
+
+def test_mixed_step_each_request_samples_its_own_logits(smollm2, reference):
+    """The seed's cross-request corruption story: >= 2 finishing prefills and >= 1 running decode
+    in one forward pass; every request must still get its own tokens."""
+    reqs = _requests(smollm2)
+    engine = make_engine(smollm2)
+    engine.add_request(
+        prompt_token_ids=reqs[0]["prompt_token_ids"], params=SamplingParams.from_dict(reqs[0]), request_id="0"
+    )
+    engine.step()  # request 0 prefilled; it decodes from now on
+    for i in (1, 2, 3):
+        engine.add_request(
+            prompt_token_ids=reqs[i]["prompt_token_ids"],
+            params=SamplingParams.from_dict(reqs[i]),
+            request_id=str(i),
+        )
+    schedule = engine.scheduler.schedule
+    compositions = []
+
+    def recording_schedule():
+        batch = schedule()
+        decodes = sum(1 for seq, n in batch.work if seq.num_pending == 1)
+        finishing = sum(1 for seq, n in batch.work if n == seq.num_pending > 1)
+        compositions.append((decodes, finishing))
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.token_ids
+    assert compositions[0][0] >= 1 and compositions[0][1] >= 2  # the step the story needs
+    assert [final[str(i)] for i in range(4)] == reference
+    assert_all_blocks_free(engine)
+
+
+def test_mixed_forward_rows_equal_separate_passes(smollm2):
+    import torch
+
+    engine = make_engine(smollm2)
+    model = engine.model
+    prompts = [r["prompt_token_ids"] for r in _requests(smollm2)]
+
+    def fresh(ids):
+        s = model.alloc_sequence()
+        assert model.reserve(s, len(ids) + 1)
+        return s
+
+    # Separate: prefill each, then decode one token each.
+    separate_prefill, separate_decode = [], []
+    for ids in prompts:
+        s = fresh(ids)
+        separate_prefill.append(model.prefill_chunk(s, ids, True))
+        separate_decode.append(model.decode_batch([s], [7])[0])
+        model.free_sequence(s)
+    # Mixed: seq 0 decodes while 1..3 prefill, all in one pass.
+    s0 = fresh(prompts[0])
+    model.prefill_chunk(s0, prompts[0], True)
+    others = [fresh(ids) for ids in prompts[1:]]
+    from model_service.models.protocol import PrefillChunk
+
+    dec, pre = model.mixed_forward_batch(
+        [s0], [7], [PrefillChunk(s, ids, True) for s, ids in zip(others, prompts[1:], strict=True)]
+    )
+    assert torch.allclose(dec[0], separate_decode[0], atol=1e-4)
+    for got, want in zip(pre, separate_prefill[1:], strict=True):
+        assert torch.allclose(got, want, atol=1e-4)
+    for s in [s0, *others]:
+        model.free_sequence(s)
+    assert model.num_free_blocks() == model.num_total_blocks()
+
+
+def test_free_sequence_twice_is_an_error(smollm2):
+    engine = make_engine(smollm2)
+    s = engine.model.alloc_sequence()
+    engine.model.reserve(s, 40)
+    engine.model.free_sequence(s)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        engine.model.free_sequence(s)
+    assert engine.model.num_free_blocks() == engine.model.num_total_blocks()
+
+
+def test_abort_mid_generation_frees_every_block(smollm2):
+    engine = make_engine(smollm2)
+    reqs = _requests(smollm2, max_tokens=20)
+    for i, r in enumerate(reqs):
+        engine.add_request(
+            prompt_token_ids=r["prompt_token_ids"], params=SamplingParams.from_dict(r), request_id=str(i)
+        )
+    for _ in range(5):
+        engine.step()
+    assert engine.model.num_free_blocks() < engine.model.num_total_blocks()
+    assert engine.abort("1") and engine.abort("3")
+    assert not engine.abort("1")  # already gone
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["1"].finish_reason == "abort" and finals["3"].finish_reason == "abort"
+    assert finals["0"].finish_reason == "length" and len(finals["0"].token_ids) == 20
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"prompt": ""}, InvalidRequestError, "prompt is empty"),
+        ({"prompt_token_ids": []}, InvalidRequestError, "empty"),
+        ({"prompt_token_ids": [1, 10**9]}, InvalidRequestError, "outside"),
+        (
+            {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]},
+            InvalidRequestError,
+            "exactly one",
+        ),
+        ({"messages": [{"content": "no role"}]}, InvalidRequestError, "role"),
+        ({"prompt": "hi", "params": SamplingParams(max_tokens=0)}, InvalidRequestError, "max_tokens"),
+        ({"prompt": "hi", "params": SamplingParams(max_tokens=-3)}, InvalidRequestError, "max_tokens"),
+        ({"prompt": "hi", "params": SamplingParams(top_p=0)}, InvalidRequestError, "top_p"),
+        ({"prompt_token_ids": [5] * 300}, InvalidRequestError, "context"),
+    ],
+)
+def test_bad_input_is_refused_and_engine_keeps_serving(smollm2, reference, kwargs, error, message):
+    engine = make_engine(smollm2, max_model_len=256)
+    good = _requests(smollm2)[0]
+    engine.add_request(
+        prompt_token_ids=good["prompt_token_ids"], params=SamplingParams.from_dict(good), request_id="good"
+    )
+    engine.step()
+    with pytest.raises(error, match=message):
+        engine.add_request(**kwargs)
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            final = out if out.finished else final
+    assert final is not None and final.token_ids == reference[0]
+    assert_all_blocks_free(engine)
+
+
+def test_prompt_that_can_never_fit_is_refused(smollm2):
+    engine = make_engine(smollm2, num_kv_blocks=2, block_size=16, max_model_len=1000)
+    # The context is capped to what the KV cache holds, so this is refused as too long at once.
+    with pytest.raises((InvalidRequestError, CapacityError)):
+        engine.add_request(prompt_token_ids=[5] * 40)
+
+
+def test_unknown_model_path_is_a_clear_error():
+    import torch
+
+    with pytest.raises(ModelLoadError, match="neither a known alias"):
+        load_model("/definitely/not/here", torch.float32, torch.device("cpu"))
+
+
+def test_async_engine_streams_and_cancels(smollm2, reference):
+    from model_service.engine.async_engine import AsyncEngine
+
+    engine = make_engine(smollm2)
+    aengine = AsyncEngine(engine)
+    reqs = _requests(smollm2)
+
+    async def collect(i: int) -> list[int]:
+        params = SamplingParams.from_dict(reqs[i])
+        tokens: list[int] = []
+        async for out in aengine.generate(
+            str(i), prompt_token_ids=reqs[i]["prompt_token_ids"], params=params
+        ):
+            tokens.extend(out.new_token_ids)
+        return tokens
+
+    async def cancel_early() -> None:
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        stream = aengine.generate("cancel", prompt="Tell me a long story.", params=params)
+        async for _ in stream:
+            break
+        await stream.aclose()
+
+    async def bad() -> None:
+        with pytest.raises(InvalidRequestError):
+            async for _ in aengine.generate("bad", prompt=""):
+                pass
+
+    async def main():
+        results = await asyncio.gather(*(collect(i) for i in range(4)), cancel_early(), bad())
+        return results[:4]
+
+    try:
+        assert asyncio.run(main()) == reference
+        assert aengine.call(lambda e: (e.has_unfinished(), e.model.num_free_blocks())) == (
+            False,
+            engine.model.num_total_blocks(),
+        )
+    finally:
+        aengine.shutdown()
