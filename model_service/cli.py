@@ -61,6 +61,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once [256]")
     g.add_argument("--max-model-len", type=int, default=None, help="context length [model's maximum]")
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="queue bound; beyond it new requests are refused as RESOURCE_EXHAUSTED [1024]",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of identical prompt prefixes across requests [on]",
+    )
+    g.add_argument(
+        "--preemption-mode",
+        choices=["recompute", "swap"],
+        default="recompute",
+        help="when KV blocks run out: free and recompute, or swap KV to host memory [recompute]",
+    )
+    g.add_argument(
+        "--swap-space",
+        type=float,
+        default=4.0,
+        help="GiB of host memory for swapped-out KV; past it, preemption recomputes [4]",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -77,6 +101,10 @@ def engine_config(args: argparse.Namespace) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        max_waiting_requests=args.max_waiting_requests,
+        enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        swap_space_bytes=int(args.swap_space * (1 << 30)),
     )
 
 

@@ -81,3 +81,10 @@ def make_tiny_checkpoint(family: str, path: Path, seed: int = 0, **overrides: An
                 p.normal_(0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> LoadedModel:
+    """A tiny random Llama (no tokenizer): fast enough for randomized scheduling tests."""
+    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny_llama"))
+    return load_model(str(path), torch.float32, torch.device("cpu"))

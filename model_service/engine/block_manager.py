@@ -1,33 +1,66 @@
-"""Paged KV block accounting: which physical blocks are free, which a sequence holds.
+"""Paged KV block accounting, with a prefix cache over full blocks.
 
-Pure bookkeeping over block ids; the tensors live in `KVCache`. The invariant every test
-checks: once all requests are finished or aborted, `num_free == num_blocks`.
+Pure bookkeeping over block ids; the tensors live in `KVCache`.
+
+Prefix cache: a block that is full of computed tokens gets a key chained from the previous
+block's key, the block's token ids and the sequence's adapter identity, so a block is reused
+only under the exact same prefix and the same weights. Blocks nobody holds stay in the cache
+(in LRU order) until a new allocation needs them; a later request with the same prefix takes
+them back without recomputing. Keys are checked against the stored token ids, so a hash
+collision can cost a miss, never a wrong reuse.
+
+The invariant every test checks: once all requests are finished or aborted, `num_free == num_blocks`.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from model_service.models.protocol import SequenceState
 
 
+@dataclass
+class _Block:
+    ref_count: int = 0
+    key: int | None = None  # prefix-cache key once the block is full and registered
+    tokens: tuple[int, ...] = ()
+
+
+def block_key(prev_key: int | None, tokens: tuple[int, ...], adapter_id: int) -> int:
+    """The chained key of one full block."""
+    return hash((prev_key, adapter_id, tokens))
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block; raise the KV cache memory budget")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._ref_counts = [0] * num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block() for _ in range(num_blocks)]
+        # Unreferenced blocks, least recently used first; cached ones keep their key until reused.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # key -> block id
+        self.query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.hit_tokens = 0  # of which were found
 
     @property
     def num_free(self) -> int:
+        """Blocks no sequence holds (cached-but-unreferenced blocks count: they can be reclaimed)."""
         return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_reserve(self, state: SequenceState, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) - len(state.block_table) <= len(self._free)
+    def ref_count(self, block: int) -> int:
+        return self._blocks[block].ref_count
+
+    # --- allocation -----------------------------------------------------------------------
 
     def reserve(self, state: SequenceState, num_tokens: int) -> bool:
         """Grow `state`'s block table to hold `num_tokens`; all or nothing."""
@@ -35,16 +68,102 @@ class BlockManager:
         if need > len(self._free):
             return False
         for _ in range(need):
-            block = self._free.popleft()
-            self._ref_counts[block] = 1
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._blocks[block].ref_count = 1
             state.block_table.append(block)
         return True
 
     def release(self, state: SequenceState) -> None:
+        # Tail blocks go back first, so they are evicted before the shared prefix blocks.
         for block in reversed(state.block_table):
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] < 0:
-                raise RuntimeError(f"KV block {block} released more times than it was taken")
-            if self._ref_counts[block] == 0:
-                self._free.append(block)
+            self._decref(block)
         state.block_table.clear()
+        state.num_hashed_blocks = 0
+        state.last_block_key = None
+
+    def fork(self, parent: SequenceState, child: SequenceState) -> None:
+        """Give `child` the same blocks as `parent` (shared, copy-on-write for the partial last one)."""
+        for block in parent.block_table:
+            self._blocks[block].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.num_computed = parent.num_computed
+        child.num_hashed_blocks, child.last_block_key = parent.num_hashed_blocks, parent.last_block_key
+
+    def replace_block(self, state: SequenceState, index: int) -> int | None:
+        """Swap a shared block of `state` for a fresh private one (copy-on-write); returns the new
+        block id (the caller copies the KV), or None when no block is free."""
+        if not self._free:
+            return None
+        old = state.block_table[index]
+        new, _ = self._free.popitem(last=False)
+        self._evict(new)
+        self._blocks[new].ref_count = 1
+        state.block_table[index] = new
+        self._decref(old)
+        return new
+
+    def _decref(self, block: int) -> None:
+        b = self._blocks[block]
+        b.ref_count -= 1
+        if b.ref_count < 0:
+            raise RuntimeError(f"KV block {block} released more times than it was taken")
+        if b.ref_count == 0:
+            self._free[block] = None
+
+    def _evict(self, block: int) -> None:
+        b = self._blocks[block]
+        if b.key is not None and self._cached.get(b.key) == block:
+            del self._cached[b.key]
+        b.key, b.tokens = None, ()
+
+    # --- prefix cache ---------------------------------------------------------------------
+
+    def take_cached_prefix(self, state: SequenceState, token_ids: list[int], adapter_id: int) -> int:
+        """Attach the longest cached prefix of `token_ids` to an empty `state`; returns tokens reused.
+
+        At least one token is always left to compute: the step that computes it yields the logits
+        the request samples from.
+        """
+        assert not state.block_table
+        self.query_tokens += len(token_ids)
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        key: int | None = None
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            next_key = block_key(key, tokens, adapter_id)
+            block = self._cached.get(next_key)
+            if block is None or self._blocks[block].tokens != tokens:
+                break
+            if self._blocks[block].ref_count == 0:
+                del self._free[block]
+            self._blocks[block].ref_count += 1
+            state.block_table.append(block)
+            key = next_key
+        state.num_hashed_blocks, state.last_block_key = len(state.block_table), key
+        state.num_computed = len(state.block_table) * bs
+        self.hit_tokens += state.num_computed
+        return state.num_computed
+
+    def register_full_blocks(self, state: SequenceState, token_ids: list[int], adapter_id: int) -> None:
+        """Publish `state`'s newly completed blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(state.num_hashed_blocks, state.num_computed // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            key = block_key(state.last_block_key, tokens, adapter_id)
+            block = state.block_table[i]
+            if key not in self._cached and self._blocks[block].key is None:
+                self._cached[key] = block
+                self._blocks[block].key, self._blocks[block].tokens = key, tokens
+            state.num_hashed_blocks, state.last_block_key = i + 1, key
+
+    def reclaim_cached_blocks(self) -> int:
+        """Drop every unreferenced cached block from the prefix cache; returns how many."""
+        dropped = [b for b in self._free if self._blocks[b].key is not None]
+        for b in dropped:
+            self._evict(b)
+        return len(dropped)

@@ -19,6 +19,16 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunk size)
     max_num_seqs: int = 256
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_waiting_requests: int = 1024  # beyond this, new requests get RESOURCE_EXHAUSTED
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # or "swap": preempted KV goes to host memory
+    swap_space_bytes: int = 4 << 30  # host memory for swapped KV; beyond it, recompute
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

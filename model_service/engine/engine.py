@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +30,31 @@ from model_service.models.protocol import PrefillChunk
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class EngineStats:
+    """Counters and gauges for the services to export (Prometheus names come later)."""
+
+    num_waiting: int
+    num_swapped: int
+    num_running: int
+    kv_blocks_total: int
+    kv_blocks_free: int  # includes cached blocks no request holds (reclaimable)
+    kv_blocks_cached: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    num_computed_tokens: int
+    num_steps: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_blocks_free / self.kv_blocks_total
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / max(self.prefix_cache_query_tokens, 1)
+
+
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
@@ -43,6 +69,8 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []
+        self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits excluded)
+        self.num_steps = 0
 
     # --- requests -------------------------------------------------------------------------
 
@@ -79,8 +107,8 @@ class Engine:
             priority=priority,
             device=self.model.device,
         )
-        self.requests[request_id] = seq
         self.scheduler.add(seq)
+        self.requests[request_id] = seq
         return request_id
 
     def _prompt_ids(
@@ -128,6 +156,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.work:
             return outputs
+        self.num_steps += 1
         try:
             sampled = self._run(batch.work)
         except Exception as e:  # a bad batch fails its requests, not the engine
@@ -158,6 +187,10 @@ class Engine:
         decode_logits, chunk_logits = self.model.mixed_forward_batch(
             [s.state for s in decodes], [s.token_ids[-1] for s in decodes], [c for _, c in chunks]
         )
+        self.num_computed_tokens += sum(n for _, n in work)
+        for seq, _ in work:
+            assert seq.state is not None
+            self.model.block_manager.register_full_blocks(seq.state, seq.token_ids, seq.adapter_id)
         rows = [(seq, lg) for (seq, _), lg in zip(chunks, chunk_logits, strict=True) if lg is not None]
         to_sample = [seq for seq, _ in rows] + decodes
         if not to_sample:
@@ -215,6 +248,22 @@ class Engine:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self._pending.append(seq.take_output())
         del self.requests[seq.request_id]
+
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.model.block_manager
+        return EngineStats(
+            num_waiting=len(s.waiting) - s.num_swapped,
+            num_swapped=s.num_swapped,
+            num_running=len(s.running),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_free=bm.num_free,
+            kv_blocks_cached=bm.num_cached,
+            prefix_cache_query_tokens=s.prefix_query_tokens,
+            prefix_cache_hit_tokens=s.prefix_hit_tokens,
+            num_preemptions=s.num_preemptions,
+            num_computed_tokens=self.num_computed_tokens,
+            num_steps=self.num_steps,
+        )
 
     # --- conveniences ---------------------------------------------------------------------
 

@@ -24,6 +24,18 @@ _DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 @dataclass
+class SwappedState:
+    """A preempted sequence's KV, in host memory: [layers, 2, tokens, kv_heads, head_dim]."""
+
+    kv: torch.Tensor
+    num_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+@dataclass
 class _Work:
     state: SequenceState
     tokens: list[int]
@@ -50,7 +62,7 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.block_manager = BlockManager(num_blocks, self.block_size)
+        self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self._seq_ids = itertools.count()
 
     def _blocks_from_budget(self, config: EngineConfig) -> int:
@@ -119,6 +131,57 @@ class ModelRunner:
             chunk_logits.append(logits[row] if c.is_last else None)
             row += int(c.is_last)
         return logits[row:], chunk_logits
+
+    def swap_bytes(self, state: SequenceState) -> int:
+        cfg = self.loaded.config
+        per_token = KVCache.bytes_per_block(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        return per_token * state.num_computed
+
+    def save_sequence_state(self, state: SequenceState) -> SwappedState:
+        """Copy `state`'s computed KV to host memory and free its blocks (swap-out)."""
+        slots = self._slots(state.block_table, state.num_computed)
+        kv = self.kv_cache.data[:, :, slots].to("cpu")
+        saved = SwappedState(kv, state.num_computed)
+        self.free_sequence(state)
+        return saved
+
+    def restore_sequence_state(self, saved: SwappedState) -> SequenceState | None:
+        """Swap-in: a new state holding the saved KV, or None (nothing changed) if blocks run out."""
+        state = self.alloc_sequence()
+        if not self.reserve(state, saved.num_tokens):
+            self.free_sequence(state)
+            return None
+        slots = self._slots(state.block_table, saved.num_tokens)
+        self.kv_cache.data[:, :, slots] = saved.kv.to(self.device)
+        state.num_computed = saved.num_tokens
+        return state
+
+    def fork_sequence(self, parent: SequenceState) -> SequenceState:
+        """A new sequence sharing `parent`'s KV blocks (beam search); writes go through `make_writable`."""
+        child = self.alloc_sequence()
+        self.block_manager.fork(parent, child)
+        return child
+
+    def make_writable(self, state: SequenceState) -> bool:
+        """Copy-on-write: before appending into a partial last block shared with another sequence,
+        give `state` its own copy of it. False if no block is free."""
+        index = state.num_computed // self.block_size
+        if state.num_computed % self.block_size == 0 or index >= len(state.block_table):
+            return True  # the next token starts a fresh block
+        old = state.block_table[index]
+        if self.block_manager.ref_count(old) == 1:
+            return True
+        new = self.block_manager.replace_block(state, index)
+        if new is None:
+            return False
+        bs, kv = self.block_size, self.kv_cache.data
+        kv[:, :, new * bs : (new + 1) * bs] = kv[:, :, old * bs : (old + 1) * bs]
+        return True
+
+    def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        table = torch.tensor(block_table, dtype=torch.long)
+        slots = (table[:, None] * self.block_size + torch.arange(self.block_size)[None, :]).reshape(-1)
+        return slots[:num_tokens].to(self.device)
 
     def teardown(self) -> None:
         self.kv_cache.data = torch.empty(0)

@@ -15,7 +15,7 @@ _GREEDY_BELOW = 1e-5
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below 1e-5) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
@@ -56,7 +56,7 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0.0 < self.repetition_penalty < float("inf"):
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            bad(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0 or not -2.0 <= self.frequency_penalty <= 2.0:
             bad("presence_penalty and frequency_penalty must be in [-2, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

@@ -1,14 +1,17 @@
 """Decides, each step, which sequences run and how many of their pending tokens.
 
-A step has a token budget. Running sequences in decode (one pending token) go first, in
-priority order; then running sequences part-way through a chunked prefill; then waiting
-requests are admitted while budget, sequence slots and KV blocks last. A prompt longer
-than the budget is split into chunks across steps. Decode rows and prefill chunks of the
-same step go through the model in one mixed forward pass.
-
-When a running sequence cannot get a KV block, the scheduler preempts the least important
-running sequence not yet scheduled this step (highest priority value, then latest arrival):
-its blocks are freed and it returns to the waiting queue to be recomputed.
+A step has a token budget. Policies, each one method below:
+- `_schedule_running`: running sequences in decode (one pending token) first, then those
+  part-way through a chunked prefill; all in priority order.
+- `_admit_waiting`: waiting requests, most important first, while budget, sequence slots and
+  KV blocks last. A new request first takes the longest cached prefix of its tokens; a
+  swapped-out one gets its KV copied back.
+- `_pick_victim`: when a running sequence cannot get a KV block, the least important running
+  sequence not yet scheduled this step is preempted (highest priority value, then latest
+  arrival); the sequence itself when it is the least important.
+- `_preempt`: by swap (its KV goes to host memory, while the swap budget lasts) or by
+  recompute (its blocks are freed; it prefills again, mostly from the prefix cache).
+Decode rows and prefill chunks of one step go through the model in one mixed forward pass.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from model_service.engine.config import EngineConfig
 from model_service.engine.model_runner import ModelRunner
 from model_service.engine.sequence import Sequence, Status
+from model_service.errors import CapacityError
 
 
 @dataclass
@@ -32,75 +36,120 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, model: ModelRunner, config: EngineConfig) -> None:
         self.model = model
+        self.blocks = model.block_manager
         self.token_budget = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
+        self.max_waiting = config.max_waiting_requests
+        self.preemption_mode = config.preemption_mode
+        self.swap_budget = config.swap_space_bytes
+        self.swap_used = 0
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # --- queues ---------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_waiting:
+            raise CapacityError(f"the request queue is full ({self.max_waiting} waiting); retry later")
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
 
     def remove(self, seq: Sequence) -> None:
-        """Take `seq` out of the queues and free its KV state (finish or abort)."""
+        """Take `seq` out of the queues and free its KV state, wherever it is (finish or abort)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free_state(seq)
+        self._release_swap(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        return sum(1 for s in self.waiting if s.swapped is not None)
+
+    # --- one step -------------------------------------------------------------------------
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.token_budget
+        budget = self._schedule_running(self.token_budget, batch)
+        self._admit_waiting(budget, batch)
+        return batch
+
+    def _schedule_running(self, budget: int, batch: ScheduledBatch) -> int:
         self.running.sort(key=Sequence.sort_key)
         scheduled: set[int] = set()
-        # Decodes first, then continuing prefills: both already hold KV blocks.
         for decoding in (True, False):
             for seq in list(self.running):
-                if budget == 0:
-                    break
-                if seq.status is not Status.RUNNING or (seq.num_pending == 1) != decoding:
+                if budget == 0 or seq.status is not Status.RUNNING or (seq.num_pending == 1) != decoding:
                     continue
                 n = min(seq.num_pending, budget)
-                if not self._reserve_or_preempt(seq, n, scheduled, batch):
-                    continue
-                batch.work.append((seq, n))
-                scheduled.add(id(seq))
-                budget -= n
-        # Then admit waiting requests, most important first, while they fit.
+                if self._reserve_or_preempt(seq, n, scheduled, batch):
+                    batch.work.append((seq, n))
+                    scheduled.add(id(seq))
+                    budget -= n
+        return budget
+
+    def _admit_waiting(self, budget: int, batch: ScheduledBatch) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            seq.state = seq.state or self.model.alloc_sequence()
+            if not self._attach_state(seq):
+                break
             n = min(seq.num_pending, budget)
             if not self.model.reserve(seq.state, seq.num_computed + n):
-                self._free_state(seq)
+                self._free_state(seq)  # cached prefix blocks stay cached; swapped KV stays on host
                 break
+            self._release_swap(seq)
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.work.append((seq, n))
-            scheduled.add(id(seq))
             budget -= n
-        return batch
+
+    def _attach_state(self, seq: Sequence) -> bool:
+        """Give a waiting sequence its KV state: restored from host, or with its cached prefix."""
+        if seq.swapped is not None:
+            seq.state = self.model.restore_sequence_state(seq.swapped)
+            return seq.state is not None
+        seq.state = self.model.alloc_sequence()
+        cached = self.blocks.take_cached_prefix(seq.state, seq.token_ids, seq.adapter_id)
+        self.prefix_query_tokens += len(seq.token_ids)
+        self.prefix_hit_tokens += cached
+        return True
+
+    # --- preemption -----------------------------------------------------------------------
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
         assert seq.state is not None
         while not self.model.reserve(seq.state, seq.num_computed + n):
-            victims = [s for s in self.running if id(s) not in scheduled]
-            victim = max(victims, key=Sequence.sort_key)
+            victim = self._pick_victim(scheduled)
             self._preempt(victim, batch)
             if victim is seq:
                 return False
         return True
 
+    def _pick_victim(self, scheduled: set[int]) -> Sequence:
+        return max((s for s in self.running if id(s) not in scheduled), key=Sequence.sort_key)
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        assert seq.state is not None
         self.running.remove(seq)
-        self._free_state(seq)
-        self.add(seq)
+        size = self.model.swap_bytes(seq.state)
+        if self.preemption_mode == "swap" and self.swap_used + size <= self.swap_budget:
+            seq.swapped = self.model.save_sequence_state(seq.state)
+            self.swap_used += size
+            seq.state = None
+        else:
+            self._free_state(seq)
+        self._enqueue(seq)
         self.num_preemptions += 1
         batch.preempted.append(seq)
 
@@ -108,3 +157,9 @@ class Scheduler:
         if seq.state is not None:
             self.model.free_sequence(seq.state)
             seq.state = None
+
+    def _release_swap(self, seq: Sequence) -> None:
+        """Drop the host copy of a swapped sequence (it is back on the device, or gone)."""
+        if seq.swapped is not None:
+            self.swap_used -= seq.swapped.nbytes
+            seq.swapped = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.sampler import TokenLogprobs
 from model_service.engine.sampling_params import SamplingParams
 from model_service.models.protocol import SequenceState
+
+if TYPE_CHECKING:
+    from model_service.engine.model_runner import SwappedState
 
 
 class Status(enum.Enum):
@@ -56,6 +60,8 @@ class Sequence:
         self.priority = priority  # lower value = served first (vLLM's convention)
         self.status = Status.WAITING
         self.state: SequenceState | None = None
+        self.swapped: SwappedState | None = None  # host copy of the KV while swapped out
+        self.adapter_id = 0  # content identity of the weights serving it (0 = base model)
         self.text = ""
         self.emitted_tokens = 0
         self.emitted_chars = 0

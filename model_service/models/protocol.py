@@ -36,6 +36,8 @@ class SequenceState:
     seq_id: int
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    num_hashed_blocks: int = 0  # leading blocks already published to the prefix cache
+    last_block_key: int | None = None  # prefix-cache key of the last published block
     layer_states: list[LayerState] = field(default_factory=list)
     freed: bool = False
 
