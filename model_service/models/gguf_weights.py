@@ -45,6 +45,13 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
+def _required(reader: Any, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise ModelLoadError(f"GGUF file lacks required metadata key {key!r}")
+    return value
+
+
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -59,17 +66,19 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     arch = _field(reader, "general.architecture")
     if arch not in _FAMILIES:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_FAMILIES)}")
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    heads = int(_required(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    hidden = int(_required(reader, f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}
-    token_embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    token_embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if token_embd is None:
+        raise ModelLoadError(f"GGUF file {path.name} has no 'token_embd.weight' tensor")
     config = ModelConfig(
         family=_FAMILIES[arch],
         vocab_size=int(_field(reader, f"{arch}.vocab_size", token_embd.shape[-1])),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(_required(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_required(reader, f"{arch}.block_count")),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
@@ -93,7 +102,10 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         hf_name = _hf_name(t.name)
         if hf_name is None:
             continue
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        try:
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:  # e.g. a quantization type this gguf version cannot dequantize
+            raise ModelLoadError(f"cannot dequantize GGUF tensor {t.name!r} ({t.tensor_type!r}): {e}") from e
         data = np.array(data, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
         if arch == "llama" and hf_name.endswith("q_proj.weight"):
             data = _unpermute(data, heads)

