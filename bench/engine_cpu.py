@@ -16,9 +16,10 @@ import os
 import platform
 import time
 
-import torch
-
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see model_service/__init__
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch
 
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine

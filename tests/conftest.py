@@ -6,10 +6,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+# Before torch loads OpenMP (see model_service/__init__.py): spinning waits make small matmuls
+# ~100x slower on shared 2-core machines.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
 import pytest
 import torch
 
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.manual_seed(0)
 
 from model_service.engine.config import EngineConfig  # noqa: E402

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from model_service.engine.beam_search import BeamGroup
 from model_service.engine.config import EngineConfig
 from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.model_runner import ModelRunner
@@ -107,6 +108,16 @@ class Engine:
             priority=priority,
             device=self.model.device,
         )
+        if params.num_beams > 1:
+            seq.group = BeamGroup(
+                request_id,
+                params.num_beams,
+                params.length_penalty,
+                params.early_stopping,
+                min(params.max_tokens, self.max_model_len - len(ids)),
+                set() if params.ignore_eos else self.eos_token_ids,
+                beams=[seq],
+            )
         self.scheduler.add(seq)
         self.requests[request_id] = seq
         return request_id
@@ -143,7 +154,10 @@ class Engine:
         seq = self.requests.get(request_id)
         if seq is None or seq.finished:
             return False
-        self._finish(seq, "abort")
+        if seq.group is not None:
+            self._finish_beams(seq.group, "abort")
+        else:
+            self._finish(seq, "abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -162,8 +176,9 @@ class Engine:
         except Exception as e:  # a bad batch fails its requests, not the engine
             log.exception("forward pass failed; failing %d requests", len(batch.work))
             for seq, _ in batch.work:
-                seq.error = f"engine error: {e}"
-                self._finish(seq, "error")
+                if not seq.finished:
+                    seq.error = f"engine error: {e}"
+                    self._fail(seq)
             return outputs + self._pending_drain()
         for seq in sampled:
             if not seq.finished:
@@ -192,10 +207,14 @@ class Engine:
             assert seq.state is not None
             self.model.block_manager.register_full_blocks(seq.state, seq.token_ids, seq.adapter_id)
         rows = [(seq, lg) for (seq, _), lg in zip(chunks, chunk_logits, strict=True) if lg is not None]
-        to_sample = [seq for seq, _ in rows] + decodes
+        rows += list(zip(decodes, decode_logits, strict=True))
+        beam_rows = [(seq, lg) for seq, lg in rows if seq.group is not None]
+        rows = [(seq, lg) for seq, lg in rows if seq.group is None]
+        self._step_beams(beam_rows)
+        to_sample = [seq for seq, _ in rows]
         if not to_sample:
             return []
-        logits = torch.cat([torch.stack([lg for _, lg in rows]), decode_logits]) if rows else decode_logits
+        logits = torch.stack([lg for _, lg in rows])
         tokens, logprobs = sample(
             logits,
             [
@@ -209,8 +228,68 @@ class Engine:
             except Exception as e:  # e.g. a tokenizer fault on this request's text
                 log.exception("request %s failed", seq.request_id)
                 seq.error = str(e)
-                self._finish(seq, "error")
+                self._fail(seq)
         return to_sample
+
+    def _step_beams(self, rows: list[tuple[Sequence, torch.Tensor]]) -> None:
+        """Record beam logits; advance each group whose beams have all reported."""
+        for seq, logits in rows:
+            seq.beam_logits = logits
+        for group in {id(s.group): s.group for s, _ in rows if s.group is not None}.values():
+            if group.ready():
+                self._advance_beams(group)
+
+    def _advance_beams(self, group: BeamGroup) -> None:
+        parents = group.beams
+        choices = group.advance(
+            torch.stack([b.beam_logits for b in parents]), [b.output_ids for b in parents]
+        )
+        for b in parents:
+            b.beam_logits = None
+        if group.done:
+            return self._finish_beams(group, "length")
+        # The first child of a parent continues as the parent; later children fork its KV blocks.
+        children, taken = [], set()
+        for c in choices:
+            parent = parents[c.parent]
+            if c.parent in taken:
+                child = parent.fork()
+                assert parent.state is not None
+                child.state = self.model.fork_sequence(parent.state)
+                self.scheduler.running.append(child)
+            else:
+                child = parent
+                taken.add(c.parent)
+            children.append((child, c.token))
+        for child, token in children:  # extend only after every fork copied its parent's tokens
+            child.token_ids.append(token)
+        for i, parent in enumerate(parents):
+            if i not in taken:
+                self.scheduler.remove(parent)
+        group.beams = [child for child, _ in children]
+        return None
+
+    def _finish_beams(self, group: BeamGroup, reason: str) -> None:
+        for beam in group.beams:
+            self.scheduler.remove(beam)
+            beam.status = Status.FINISHED
+        best = group.best()
+        if reason == "length" and best.token_ids and best.token_ids[-1] in group.eos_token_ids:
+            reason = "stop"
+        root = self.requests.pop(group.request_id)
+        text = self.tokenizer.decode(best.token_ids) if self.tokenizer else ""
+        self._pending.append(
+            RequestOutput(
+                request_id=group.request_id,
+                new_token_ids=best.token_ids,
+                new_text=text,
+                token_ids=best.token_ids,
+                text=text,
+                finished=True,
+                finish_reason=reason,
+                num_prompt_tokens=root.num_prompt_tokens,
+            )
+        )
 
     def _append(self, seq: Sequence, token: int, lp: Any) -> None:
         seq.token_ids.append(token)
@@ -241,6 +320,12 @@ class Engine:
         seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
         self._finish(seq, "stop", stop_reason=s)
         return True
+
+    def _fail(self, seq: Sequence) -> None:
+        if seq.group is not None:
+            self._finish_beams(seq.group, "error")
+        else:
+            self._finish(seq, "error")
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         self.scheduler.remove(seq)

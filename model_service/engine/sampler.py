@@ -83,10 +83,24 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p (HF's order); returns renormalized probabilities."""
+    """Temperature, then top-k, top-p and min-p (HF's order); returns renormalized probabilities.
+
+    Only rows that ask for truncation pay for the full-vocabulary sort.
+    """
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
     logits = logits / temps[:, None]
+    truncated = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
+    if not truncated:
+        return logits.softmax(dim=-1)
+    idx = torch.tensor(truncated, device=device)
+    logits[idx] = _truncate(logits[idx], [params[i] for i in truncated])
+    return logits.softmax(dim=-1)
+
+
+def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Set the logits that top-k, top-p and min-p remove to -inf."""
+    device = logits.device
     vocab = logits.shape[1]
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
@@ -104,8 +118,7 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     remove |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    return filtered.softmax(dim=-1)
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
 def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -29,6 +29,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None = off; N = sampled token plus the top N
     skip_special_tokens: bool = True
+    num_beams: int = 1  # > 1: beam search (deterministic; sampling fields are ignored)
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never", as in HF generate
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -51,20 +54,27 @@ class SamplingParams:
             bad(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            bad(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0.0 < self.repetition_penalty < float("inf"):
             bad(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0 or not -2.0 <= self.frequency_penalty <= 2.0:
             bad("presence_penalty and frequency_penalty must be in [-2, 2]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        # (a float here would pass the range check and then fail the whole batch in the sampler)
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            bad(f"seed must be in [0, 2^63), got {self.seed}")
+        if not _is_int(self.num_beams) or not 1 <= self.num_beams <= 32:
+            bad(f"num_beams must be in [1, 32], got {self.num_beams!r}")
+        if self.early_stopping not in (True, False, "never"):
+            bad(f'early_stopping must be true, false or "never", got {self.early_stopping!r}')
+        if self.num_beams > 1 and (self.stop or self.logprobs is not None):
+            bad("stop strings and logprobs are not supported with num_beams > 1")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad(f"stop_token_ids must be in [0, {vocab_size})")
 
@@ -75,3 +85,7 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

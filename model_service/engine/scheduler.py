@@ -91,6 +91,8 @@ class Scheduler:
             for seq in list(self.running):
                 if budget == 0 or seq.status is not Status.RUNNING or (seq.num_pending == 1) != decoding:
                     continue
+                if seq.num_pending == 0:
+                    continue  # a beam waiting for its siblings' logits
                 n = min(seq.num_pending, budget)
                 if self._reserve_or_preempt(seq, n, scheduled, batch):
                     batch.work.append((seq, n))
@@ -129,7 +131,9 @@ class Scheduler:
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
         assert seq.state is not None
-        while not self.model.reserve(seq.state, seq.num_computed + n):
+        while not (
+            self.model.make_writable(seq.state) and self.model.reserve(seq.state, seq.num_computed + n)
+        ):
             victim = self._pick_victim(scheduled)
             self._preempt(victim, batch)
             if victim is seq:
@@ -143,7 +147,9 @@ class Scheduler:
         assert seq.state is not None
         self.running.remove(seq)
         size = self.model.swap_bytes(seq.state)
-        if self.preemption_mode == "swap" and self.swap_used + size <= self.swap_budget:
+        seq.beam_logits = None  # a preempted beam reports again once it has recomputed
+        swap = self.preemption_mode == "swap" and seq.group is None  # forked beams share blocks: recompute
+        if swap and self.swap_used + size <= self.swap_budget:
             seq.swapped = self.model.save_sequence_state(seq.state)
             self.swap_used += size
             seq.state = None

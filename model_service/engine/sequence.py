@@ -14,6 +14,7 @@ from model_service.engine.sampling_params import SamplingParams
 from model_service.models.protocol import SequenceState
 
 if TYPE_CHECKING:
+    from model_service.engine.beam_search import BeamGroup
     from model_service.engine.model_runner import SwappedState
 
 
@@ -62,6 +63,8 @@ class Sequence:
         self.state: SequenceState | None = None
         self.swapped: SwappedState | None = None  # host copy of the KV while swapped out
         self.adapter_id = 0  # content identity of the weights serving it (0 = base model)
+        self.group: BeamGroup | None = None  # set for the beams of a beam-search request
+        self.beam_logits: torch.Tensor | None = None  # this beam's next-token logits, awaiting siblings
         self.text = ""
         self.emitted_tokens = 0
         self.emitted_chars = 0
@@ -93,6 +96,20 @@ class Sequence:
 
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival)
+
+    def fork(self) -> Sequence:
+        """A sibling beam: same request and tokens so far; the caller gives it KV state."""
+        child = Sequence(
+            self.request_id,
+            self.token_ids[: self.num_prompt_tokens],
+            self.params,
+            self.detokenizer,
+            self.arrival,
+            self.priority,
+        )
+        child.token_ids = list(self.token_ids)
+        child.adapter_id, child.group, child.status = self.adapter_id, self.group, self.status
+        return child
 
     def take_output(self) -> RequestOutput:
         """The delta since the last call. Text that could still become a stop string is held back."""

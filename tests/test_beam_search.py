@@ -1,0 +1,98 @@
+"""Beam search equals HF `generate(num_beams=...)` and shares the prompt's KV blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_service.engine.sampling_params import SamplingParams
+from tests.conftest import assert_all_blocks_free, make_engine
+
+
+def _hf_beams(hf, ids: list[int], eos: int | None, **kw) -> list[int]:
+    out = hf.generate(torch.tensor([ids]), do_sample=False, eos_token_id=eos, pad_token_id=eos or 0, **kw)
+    gen = out[0, len(ids) :].tolist()
+    return gen[: gen.index(eos) + 1] if eos is not None and eos in gen else gen
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize(
+    ("num_beams", "length_penalty", "early_stopping"),
+    [(2, 1.0, False), (3, 0.5, True), (4, 2.0, "never"), (4, 1.0, True)],
+)
+def test_smollm2_beam_search_equals_hf(smollm2, hf_smollm2, num_beams, length_penalty, early_stopping):
+    engine = make_engine(smollm2)
+    questions = ["What is the capital of France?", "Name a color.", "Give me one word for happy."]
+    for q in questions:
+        ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": q}])
+        kw = {"num_beams": num_beams, "length_penalty": length_penalty, "early_stopping": early_stopping}
+        expected = _hf_beams(hf_smollm2, ids, eos=2, max_new_tokens=12, **kw)
+        got = engine.generate([{"prompt_token_ids": ids, "max_tokens": 12, **kw}])[0]
+        assert got.token_ids == expected, q
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize(
+    ("num_beams", "length_penalty", "early_stopping"), [(2, 1.0, False), (5, 0.7, True), (3, 1.5, "never")]
+)
+def test_tiny_beam_search_equals_hf_alongside_other_requests(
+    tiny_llama, hf_tiny, num_beams, length_penalty, early_stopping
+):
+    """Beams share the scheduler with ordinary requests and survive preemption."""
+    engine = make_engine(tiny_llama, num_kv_blocks=40, block_size=4, max_num_batched_tokens=16)
+    prompts = [[5 + i, 17, 33, 101 + i, 250, 7, 9, 64, 12 + i] for i in range(3)]
+    expected = [_hf_beams(hf_tiny, p, eos=None, num_beams=num_beams, max_new_tokens=10) for p in prompts]
+    for i, p in enumerate(prompts):
+        engine.add_request(
+            prompt_token_ids=p,
+            request_id=f"beam{i}",
+            params=SamplingParams(num_beams=num_beams, max_tokens=10, ignore_eos=True),
+        )
+        engine.add_request(
+            prompt_token_ids=p[::-1],
+            request_id=f"greedy{i}",
+            params=SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+        )
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [final[f"beam{i}"].token_ids for i in range(3)] == expected
+    assert all(final[f"beam{i}"].finish_reason == "length" for i in range(3))
+    assert_all_blocks_free(engine)
+
+
+def test_beams_share_prompt_blocks(tiny_llama):
+    engine = make_engine(tiny_llama, block_size=4, enable_prefix_caching=False)
+    prompt = list(range(10, 30))  # 20 tokens = 5 full blocks
+    engine.add_request(
+        prompt_token_ids=prompt, params=SamplingParams(num_beams=4, max_tokens=6, ignore_eos=True)
+    )
+    engine.step()  # prefill
+    engine.step()  # first beam step: four beams now exist
+    used = engine.model.num_total_blocks() - engine.model.num_free_blocks()
+    # Unshared, 4 beams x 6 blocks = 24; shared, the 5 prompt blocks count once.
+    assert used <= 5 + 4 * 2
+    while engine.has_unfinished():
+        engine.step()
+    assert_all_blocks_free(engine)
+
+
+def test_abort_beam_request_frees_all_beams(tiny_llama):
+    engine = make_engine(tiny_llama, block_size=4)
+    engine.add_request(
+        prompt_token_ids=list(range(10, 30)),
+        request_id="b",
+        params=SamplingParams(num_beams=3, max_tokens=20, ignore_eos=True),
+    )
+    for _ in range(4):
+        engine.step()
+    assert engine.abort("b")
+    outs = engine.step()
+    assert outs and outs[0].finish_reason == "abort"
+    assert_all_blocks_free(engine)
