@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -271,3 +272,25 @@ def test_gguf_without_embedding_tensor_is_named(tmp_path: Path):
     fields = {"embedding_length": 64, "block_count": 1, "feed_forward_length": 128}
     msg = load_error(write_gguf(tmp_path / "m.gguf", "llama", **fields, **{"attention.head_count": 4}))
     assert "token_embd.weight" in msg
+
+
+def test_gguf_with_rope_scaling_is_refused(tmp_path: Path):
+    import gguf
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    for key, value in {
+        "embedding_length": 64,
+        "block_count": 1,
+        "feed_forward_length": 128,
+        "attention.head_count": 4,
+    }.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_string("llama.rope.scaling.type", "yarn")
+    writer.add_tensor("token_embd.weight", np.zeros((32, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    msg = load_error(path)
+    assert "RoPE scaling" in msg and "yarn" in msg

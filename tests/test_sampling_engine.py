@@ -162,6 +162,7 @@ def test_stop_token_ids(stop_batch):
     assert final.token_ids[-1] == france and france not in final.token_ids[:-1]
     assert final.token_ids == stop_batch["plain"]["final"].token_ids[: len(final.token_ids)]
     assert final.text.startswith("The capital of")
+    assert "France" not in final.text  # the stop token's text is not part of the answer (as vLLM)
     _check_stream(s)
 
 

@@ -15,8 +15,11 @@ _WINDOW = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer | None, prompt_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[-_WINDOW:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -26,8 +29,10 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return ""
         self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        prefix = self.tokenizer.decode(
+            self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens
+        )
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

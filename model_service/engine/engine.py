@@ -103,7 +103,7 @@ class Engine:
             request_id,
             ids,
             params,
-            IncrementalDetokenizer(self.tokenizer, ids),
+            IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
             arrival=next(self._arrivals),
             priority=priority,
             device=self.model.device,
@@ -295,12 +295,13 @@ class Engine:
         seq.token_ids.append(token)
         if lp is not None:
             seq.logprobs.append(lp)
+        p = seq.params
+        stop_token = token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos)
+        if stop_token and not p.include_stop_str_in_output:
+            return self._finish(seq, "stop", stop_reason=token)  # its text is not part of the answer
         delta = seq.detokenizer.push(token)
         seq.text += delta
-        p = seq.params
-        if token in p.stop_token_ids:
-            return self._finish(seq, "stop", stop_reason=token)
-        if token in self.eos_token_ids and not p.ignore_eos:
+        if stop_token:
             return self._finish(seq, "stop", stop_reason=token)
         if p.stop and self._match_stop_string(seq, len(delta)):
             return None

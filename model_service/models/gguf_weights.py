@@ -73,6 +73,14 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     token_embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if token_embd is None:
         raise ModelLoadError(f"GGUF file {path.name} has no 'token_embd.weight' tensor")
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in names:
+        # Loading it with plain RoPE would run, and answer wrongly, past the original context.
+        what = scaling if scaling != "none" else "rope_freqs.weight"
+        raise ModelLoadError(
+            f"GGUF file {path.name} uses RoPE scaling ({what}), "
+            "which the GGUF loader does not support; load the HF checkpoint directory instead"
+        )
     config = ModelConfig(
         family=_FAMILIES[arch],
         vocab_size=int(_field(reader, f"{arch}.vocab_size", token_embd.shape[-1])),

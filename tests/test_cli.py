@@ -1,0 +1,85 @@
+"""`spindle generate`: help, JSON output order and fields, per-request errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from model_service.cli import main
+from tests.conftest import make_engine
+
+
+def test_help_explains_itself():
+    out = subprocess.run(
+        [sys.executable, "-m", "model_service.cli", "generate", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for flag in (
+        "--model",
+        "--prompt",
+        "--requests",
+        "--chat",
+        "--json",
+        "--max-num-batched-tokens",
+        "--enable-prefix-caching",
+        "--preemption-mode",
+        "--block-size",
+    ):
+        assert flag in out
+
+
+def test_requests_file_on_a_checkpoint_without_tokenizer(tiny_llama, tmp_path, capsys):
+    reqs = tmp_path / "reqs.jsonl"
+    lines = [
+        {"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+        {"prompt_token_ids": [9, 10], "max_tokens": 0},
+        {"prompt": "needs a tokenizer"},
+        {
+            "prompt_token_ids": [11, 12, 13],
+            "max_tokens": 3,
+            "temperature": 0,
+            "ignore_eos": True,
+            "num_beams": 2,
+        },
+    ]
+    reqs.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    rc = main(["generate", "--model", tiny_llama.name, "--requests", str(reqs), "--json", "--device", "cpu"])
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rc == 1  # some requests failed
+    assert [o["index"] for o in out] == [0, 1, 2, 3]
+    assert "max_tokens" in out[1]["error"] and "tokenizer" in out[2]["error"]
+    engine = make_engine(tiny_llama)
+    expected = engine.generate([lines[0]])[0].token_ids
+    assert out[0]["token_ids"] == expected and out[0]["finish_reason"] == "length"
+    assert out[0]["completion_tokens"] == 5 and out[0]["prompt_tokens"] == 4
+    assert len(out[3]["token_ids"]) == 3
+
+
+def test_chat_prompts_answer(capsys):
+    rc = main(
+        [
+            "generate",
+            "--chat",
+            "--prompt",
+            "What is the capital of France?",
+            "--prompt",
+            "Name a color.",
+            "--json",
+            "--max-tokens",
+            "16",
+            "--device",
+            "cpu",
+        ]
+    )
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rc == 0
+    assert "Paris" in out[0]["text"] and out[0]["finish_reason"] == "stop"
+    assert len(out) == 2 and out[1]["token_ids"]
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    assert main(["generate", "--model", "/no/such/model", "--prompt", "hi"]) == 2
+    assert "neither a known alias" in capsys.readouterr().err
