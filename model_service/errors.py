@@ -18,3 +18,7 @@ class CapacityError(SpindleError):
 
 class ModelLoadError(SpindleError):
     """A model path, checkpoint or GGUF file cannot be loaded (FAILED_PRECONDITION / NOT_FOUND)."""
+
+
+class NotFoundError(InvalidRequestError, LookupError):
+    """The request names something this server does not have, e.g. an adapter (NOT_FOUND)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"  # or "swap": preempted KV goes to host memory
     swap_space_bytes: int = 4 << 30  # host memory for swapped KV; beyond it, recompute
+    max_loras: int = 4  # adapters resident on the compute device (GPU slots)
+    max_cpu_loras: int = 16  # parsed adapters kept in host memory
+    max_lora_rank: int = 64
+    lora_modules: dict[str, str] = field(
+        default_factory=dict
+    )  # name -> PEFT adapter dir, registered at start
+    adapter_wait_timeout_s: float = 30.0  # a request waits this long for its adapter to get a slot
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
+import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +28,10 @@ from model_service.engine.sampler import SampleRow, sample
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence, Status
-from model_service.errors import CapacityError, InvalidRequestError
+from model_service.errors import CapacityError, InvalidRequestError, NotFoundError
+from model_service.lora.adapter import AdapterError
+from model_service.lora.control import ControlOp, ControlResult, execute
+from model_service.lora.pool import AdapterInfo, SlotsBusyError
 from model_service.models.loader import LoadedModel, load_model
 from model_service.models.protocol import PrefillChunk
 
@@ -70,6 +77,9 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []
+        self._control: queue.Queue[tuple[ControlOp, Future[ControlResult]]] = queue.Queue()
+        for name, path in config.lora_modules.items():
+            self.model.lora.register(name, Path(path))
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits excluded)
         self.num_steps = 0
 
@@ -84,6 +94,7 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        adapter: str | None = None,
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError / CapacityError, changing nothing."""
         params = params or SamplingParams()
@@ -91,6 +102,9 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if adapter is not None and not self.model.lora.known(adapter):
+            names = sorted(a.name for a in self.model.lora.report())
+            raise NotFoundError(f"unknown adapter {adapter!r}; this server has {names or 'no adapters'}")
         ids = self._prompt_ids(prompt, messages, prompt_token_ids)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
@@ -108,6 +122,7 @@ class Engine:
             priority=priority,
             device=self.model.device,
         )
+        seq.adapter_name = adapter
         if params.num_beams > 1:
             seq.group = BeamGroup(
                 request_id,
@@ -166,6 +181,9 @@ class Engine:
     # --- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        # Quiescent point: no forward pass is in flight, so adapter slots may change here.
+        self._run_control()
+        self._promote_demanded_adapters()
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if not batch.work:
@@ -184,6 +202,48 @@ class Engine:
             if not seq.finished:
                 outputs.append(seq.take_output())
         return outputs + self._pending_drain()
+
+    # --- adapters -------------------------------------------------------------------------
+
+    def submit_control(self, op: ControlOp) -> Future[ControlResult]:
+        """Queue an adapter operation (thread-safe); it runs at the start of the next step."""
+        future: Future[ControlResult] = Future()
+        self._control.put((op, future))
+        return future
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.model.lora.report()
+
+    def _run_control(self) -> None:
+        while not self._control.empty():
+            op, future = self._control.get_nowait()
+            try:
+                future.set_result(execute(op, self.model.lora))
+            except Exception as e:  # a failed operation fails its caller, not the engine
+                future.set_exception(e)
+
+    def _promote_demanded_adapters(self) -> None:
+        """Load the adapters waiting requests need; fail requests that waited too long."""
+        demand, self.scheduler.adapter_demand = self.scheduler.adapter_demand, {}
+        failed: dict[str, str] = {}
+        for name in demand:
+            try:
+                self.model.promote_lora_from_disk(name)
+            except SlotsBusyError:
+                pass  # its requests keep waiting, up to the deadline
+            except AdapterError as e:
+                failed[name] = str(e)
+        deadline = time.monotonic() - self.config.adapter_wait_timeout_s
+        for seq in list(self.scheduler.waiting):
+            name = seq.adapter_name
+            if name is None or self.model.lora.slot_of(name) is not None:
+                continue
+            if name in failed or seq.created < deadline:
+                reason = failed.get(
+                    name, f"no LoRA slot freed within {self.config.adapter_wait_timeout_s:g} s"
+                )
+                seq.error = f"adapter {name!r} could not be loaded: {reason}"
+                self._fail(seq)
 
     def _pending_drain(self) -> list[RequestOutput]:
         out, self._pending = self._pending, []
@@ -366,6 +426,7 @@ class Engine:
                     params=SamplingParams.from_dict(r),
                     request_id=r.get("request_id"),
                     priority=int(r.get("priority", 0)),
+                    adapter=r.get("adapter"),
                 )
             )
         final: dict[str, RequestOutput] = {}

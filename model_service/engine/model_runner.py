@@ -16,6 +16,8 @@ import torch
 
 from model_service.engine.block_manager import BlockManager
 from model_service.engine.config import EngineConfig
+from model_service.lora.batch import LoraBatch
+from model_service.lora.pool import LoraPool
 from model_service.models.attention import AttentionMetadata, KVCache
 from model_service.models.loader import LoadedModel
 from model_service.models.protocol import PrefillChunk, SequenceState
@@ -63,6 +65,9 @@ class ModelRunner:
             self.device,
         )
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.lora = LoraPool(
+            cfg, config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.device, self.dtype
+        )
         self._seq_ids = itertools.count()
         if self.device.type == "cuda":
             # cuDNN's SDPA builds a new graph for every new context length: 2.2 ms of CPU per layer
@@ -97,6 +102,8 @@ class ModelRunner:
     def free_sequence(self, state: SequenceState) -> None:
         if state.freed:
             raise RuntimeError(f"sequence {state.seq_id} freed twice: its blocks could go to two owners")
+        self.lora.release(state.lora_slot)
+        state.lora_slot = -1
         self.block_manager.release(state)
         for layer, layer_state in zip(self.module.layers, state.layer_states, strict=True):
             layer.release_state(layer_state)
@@ -106,6 +113,21 @@ class ModelRunner:
     def reserve(self, state: SequenceState, num_tokens: int) -> bool:
         """Make `state`'s block table cover `num_tokens` tokens; False (and no change) if blocks run out."""
         return self.block_manager.reserve(state, num_tokens)
+
+    def adapter_id_for(self, slot: int) -> int:
+        return self.lora.adapter_id_for(slot)
+
+    def acquire_adapter_slot(self, state: SequenceState, slot: int) -> int:
+        if state.lora_slot >= 0:
+            raise RuntimeError(f"sequence {state.seq_id} already holds LoRA slot {state.lora_slot}")
+        state.lora_slot = self.lora.acquire(slot)
+        return state.lora_slot
+
+    def set_active_lora(self, name: str | None) -> int:
+        return self.lora.set_active(name)
+
+    def promote_lora_from_disk(self, name: str) -> tuple[int, str | None]:
+        return self.lora.load(name)
 
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free
@@ -164,6 +186,8 @@ class ModelRunner:
         """A new sequence sharing `parent`'s KV blocks (beam search); writes go through `make_writable`."""
         child = self.alloc_sequence()
         self.block_manager.fork(parent, child)
+        if parent.lora_slot >= 0:
+            self.acquire_adapter_slot(child, parent.lora_slot)
         return child
 
     def make_writable(self, state: SequenceState) -> bool:
@@ -203,6 +227,8 @@ class ModelRunner:
             if len(w.state.block_table) * self.block_size < w.state.num_computed + len(w.tokens):
                 raise RuntimeError(f"sequence {w.state.seq_id} has too few KV blocks reserved for this step")
         meta = self._metadata(work)
+        if any(w.state.lora_slot >= 0 for w in work):
+            meta.lora = LoraBatch(self.lora, [w.state.lora_slot for w in work for _ in w.tokens], self.device)
         input_ids = torch.tensor([t for w in work for t in w.tokens], dtype=torch.long, device=self.device)
         logits = self.module(input_ids, meta, self.kv_cache)
         for w in work:

@@ -48,6 +48,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.adapter_demand: dict[str, None] = {}  # adapters waiting requests need (ordered set)
 
     # --- queues ---------------------------------------------------------------------------
 
@@ -101,20 +102,39 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, budget: int, batch: ScheduledBatch) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            ready, slot = self._adapter_slot(seq)
+            if not ready:
+                i += 1  # its adapter is being promoted: it waits, the requests behind it do not
+                continue
+            seq.adapter_id = self.model.adapter_id_for(slot) if slot is not None else 0
             if not self._attach_state(seq):
                 break
             n = min(seq.num_pending, budget)
             if not self.model.reserve(seq.state, seq.num_computed + n):
                 self._free_state(seq)  # cached prefix blocks stay cached; swapped KV stays on host
                 break
+            if slot is not None:
+                self.model.acquire_adapter_slot(seq.state, slot)
             self._release_swap(seq)
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.work.append((seq, n))
             budget -= n
+
+    def _adapter_slot(self, seq: Sequence) -> tuple[bool, int | None]:
+        """(ready, resident slot or None for the base model). A missing adapter is noted as demand,
+        which the engine serves at its next quiescent point."""
+        if seq.adapter_name is None:
+            return True, None
+        slot = self.model.lora.slot_of(seq.adapter_name)
+        if slot is None:
+            self.adapter_demand[seq.adapter_name] = None
+            return False, None
+        return True, slot
 
     def _attach_state(self, seq: Sequence) -> bool:
         """Give a waiting sequence its KV state: restored from host, or with its cached prefix."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,7 +63,9 @@ class Sequence:
         self.status = Status.WAITING
         self.state: SequenceState | None = None
         self.swapped: SwappedState | None = None  # host copy of the KV while swapped out
+        self.adapter_name: str | None = None  # the LoRA adapter requested (None = base model)
         self.adapter_id = 0  # content identity of the weights serving it (0 = base model)
+        self.created = time.monotonic()
         self.group: BeamGroup | None = None  # set for the beams of a beam-search request
         self.beam_logits: torch.Tensor | None = None  # this beam's next-token logits, awaiting siblings
         self.text = ""
@@ -108,7 +111,8 @@ class Sequence:
             self.priority,
         )
         child.token_ids = list(self.token_ids)
-        child.adapter_id, child.group, child.status = self.adapter_id, self.group, self.status
+        child.adapter_name, child.adapter_id = self.adapter_name, self.adapter_id
+        child.group, child.status = self.group, self.status
         return child
 
     def take_output(self) -> RequestOutput:

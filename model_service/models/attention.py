@@ -13,9 +13,13 @@ behind the same metadata.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from model_service.lora.batch import LoraBatch
 
 
 @dataclass
@@ -30,6 +34,7 @@ class AttentionMetadata:
     query_positions: torch.Tensor  # [S, Q] position of each padded query (-1 where padding)
     context_lens: torch.Tensor  # [S] tokens of context each sequence attends to after this step
     logits_rows: torch.Tensor  # [N] rows of the flat batch whose logits the caller wants
+    lora: LoraBatch | None = None  # which rows use which LoRA slot; None when no row does
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """[S, 1, Q, K] boolean mask: causal, within context, optionally within a sliding window."""

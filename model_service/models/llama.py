@@ -31,10 +31,19 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def project(
+    linear: nn.Linear, name: str, layer: int, x: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """A base projection plus, for rows served by an adapter, that adapter's LoRA delta."""
+    y = linear(x)
+    return meta.lora.add_delta(layer, name, x, y) if meta.lora is not None else y
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.layer_idx = layer_idx
         self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -54,27 +63,33 @@ class Attention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        i = self.layer_idx
+        q = project(self.q_proj, "q_proj", i, x, meta).view(n, self.num_heads, self.head_dim)
+        k = project(self.k_proj, "k_proj", i, x, meta).view(n, self.num_kv_heads, self.head_dim)
+        v = project(self.v_proj, "v_proj", i, x, meta).view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(
             q, k, v, kv[0], kv[1], meta, masks[self.sliding_window], scale=self.head_dim**-0.5
         )
-        return self.o_proj(out.reshape(n, -1))
+        return project(self.o_proj, "o_proj", i, out.reshape(n, -1), meta)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        i = self.layer_idx
+        h = F.silu(project(self.gate_proj, "gate_proj", i, x, meta)) * project(
+            self.up_proj, "up_proj", i, x, meta
+        )
+        return project(self.down_proj, "down_proj", i, h, meta)
 
 
 class DecoderLayer(nn.Module):
@@ -87,7 +102,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer_idx)
 
     def forward(
         self,
@@ -98,7 +113,7 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, meta, masks, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), meta)
 
     # Prefill chunks, decode rows and mixed batches differ only in their metadata.
     prefill = decode = forward

@@ -38,6 +38,7 @@ class SequenceState:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_hashed_blocks: int = 0  # leading blocks already published to the prefix cache
     last_block_key: int | None = None  # prefix-cache key of the last published block
+    lora_slot: int = -1  # RESOLVED LoRA slot this sequence holds a reference on (-1 = base model)
     layer_states: list[LayerState] = field(default_factory=list)
     freed: bool = False
 
@@ -90,6 +91,19 @@ class Model(Protocol):
         per-chunk last-token logits or None)."""
 
     def num_free_blocks(self) -> int: ...
+
+    def adapter_id_for(self, slot: int) -> int:
+        """Prefix-cache identity of the weights `slot` selects (-1 = active adapter); 0 = base model."""
+
+    def acquire_adapter_slot(self, state: SequenceState, slot: int) -> int:
+        """Take a reference on `slot` (-1 resolves to the active adapter) for `state`; returns the
+        RESOLVED index, which `free_sequence` releases exactly once."""
+
+    def set_active_lora(self, name: str | None) -> int:
+        """Rotate the active adapter (quiescent points only); running sequences keep their slot."""
+
+    def promote_lora_from_disk(self, name: str) -> tuple[int, str | None]:
+        """Make a registered adapter resident in the LRU idle slot: (slot, evicted adapter name)."""
 
     def num_total_blocks(self) -> int: ...
 

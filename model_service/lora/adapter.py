@@ -1,0 +1,208 @@
+"""Load and validate a PEFT LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`).
+
+Everything is checked against the base model before a byte reaches a GPU slot: module names,
+layer indices and shapes, rank against `max_lora_rank`, and features this engine does not
+run (DoRA, embedding LoRA, `modules_to_save`, bias). Each refusal names the file, tensor or
+field, because the reader is the person who trained the adapter.
+
+`adapter_id` is derived from the adapter's bytes (config + weights), not its name: the prefix
+cache keys KV by it, so re-uploading different weights under the same name never reuses KV
+computed with the old ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model_service.errors import SpindleError
+from model_service.models.config import ModelConfig
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
+)
+
+
+class AdapterError(SpindleError, ValueError):
+    """An adapter that cannot be served on this base model (INVALID_ARGUMENT / FAILED_PRECONDITION)."""
+
+
+@dataclass
+class LoraWeights:
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank]
+    scaling: float
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    adapter_id: int
+    path: Path | None
+    modules: dict[tuple[int, str], LoraWeights] = field(default_factory=dict)
+
+    @property
+    def max_rank(self) -> int:
+        return max((w.a.shape[0] for w in self.modules.values()), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size() for w in self.modules.values()
+        )
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> LoraAdapter:
+        moved = {
+            k: LoraWeights(w.a.to(device, dtype), w.b.to(device, dtype), w.scaling)
+            for k, w in self.modules.items()
+        }
+        return LoraAdapter(self.name, self.adapter_id, self.path, moved)
+
+
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each LoRA-targetable projection of the base model."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+
+
+def content_id(config_bytes: bytes, weight_bytes: bytes) -> int:
+    digest = hashlib.sha256(config_bytes + b"\0" + weight_bytes).digest()
+    return int.from_bytes(digest[:8], "big") >> 1 or 1  # positive, never the base model's 0
+
+
+def load_peft_adapter(name: str, path: Path, base: ModelConfig, max_lora_rank: int) -> LoraAdapter:
+    path = Path(path)
+    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not path.is_dir():
+        raise AdapterError(f"adapter {name!r}: {path} is not a directory")
+    if not config_file.exists():
+        raise AdapterError(f"adapter {name!r}: {path} has no adapter_config.json")
+    if not weights_file.exists():
+        pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        hint = f" (found pickle weights {pickles}; convert them to safetensors)" if pickles else ""
+        raise AdapterError(f"adapter {name!r}: {path} has no adapter_model.safetensors{hint}")
+    return parse_peft_adapter(
+        name, config_file.read_bytes(), weights_file.read_bytes(), base, max_lora_rank, path
+    )
+
+
+def parse_peft_adapter(
+    name: str,
+    config_bytes: bytes,
+    weight_bytes: bytes,
+    base: ModelConfig,
+    max_lora_rank: int,
+    path: Path | None = None,
+) -> LoraAdapter:
+    """Validate an adapter from its two files' bytes (from disk, S3, or a peer pod)."""
+    try:
+        config = json.loads(config_bytes)
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"adapter {name!r}: adapter_config.json is not valid JSON: {e}") from e
+    _check_config(name, config)
+    try:
+        from safetensors.torch import load as load_safetensors
+
+        tensors = load_safetensors(weight_bytes)
+    except Exception as e:
+        raise AdapterError(f"adapter {name!r}: cannot read adapter_model.safetensors: {e}") from e
+    adapter = LoraAdapter(name, content_id(config_bytes, weight_bytes), path)
+    adapter.modules = _modules(name, config, tensors, base, max_lora_rank)
+    if not adapter.modules:
+        raise AdapterError(f"adapter {name!r}: no LoRA weights found in adapter_model.safetensors")
+    return adapter
+
+
+def _check_config(name: str, config: dict[str, Any]) -> None:
+    def refuse(what: str) -> None:
+        raise AdapterError(f"adapter {name!r}: {what} is not supported")
+
+    if config.get("peft_type", "LORA") != "LORA":
+        refuse(f"peft_type {config.get('peft_type')!r} (only LORA)")
+    if config.get("use_dora"):
+        refuse("DoRA (use_dora=true)")
+    if config.get("modules_to_save"):
+        refuse(f"modules_to_save {config['modules_to_save']} (full-weight modules)")
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        refuse(f"bias={config.get('bias')!r} (LoRA bias terms)")
+    if config.get("fan_in_fan_out"):
+        refuse("fan_in_fan_out=true (Conv1D-style weights)")
+    targets = config.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else targets
+    for t in targets:
+        if any(k in t for k in ("embed", "lm_head")):
+            refuse(f"LoRA on embeddings or the LM head (target {t!r})")
+
+
+def _pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
+    """PEFT's rank_pattern / alpha_pattern lookup: a pattern matches the end of the module path."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return value
+    return default
+
+
+def _modules(
+    name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], base: ModelConfig, max_rank: int
+) -> dict[tuple[int, str], LoraWeights]:
+    shapes = module_shapes(base)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        if "lora_embedding" in key or "lora_magnitude_vector" in key:
+            what = "DoRA magnitude vectors" if "magnitude" in key else "LoRA on embeddings"
+            raise AdapterError(f"adapter {name!r}: {what} ({key}) is not supported")
+        m = _KEY.match(key)
+        if m is None:
+            raise AdapterError(
+                f"adapter {name!r}: tensor {key!r} does not match any module of the base model"
+            )
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        if module not in shapes:
+            raise AdapterError(
+                f"adapter {name!r}: tensor {key!r} targets {module!r}; LoRA is supported on {LORA_MODULES}"
+            )
+        if layer >= base.num_layers:
+            raise AdapterError(
+                f"adapter {name!r}: tensor {key!r} names layer {layer}; the base model has {base.num_layers}"
+            )
+        pairs.setdefault((layer, module), {})[ab] = tensor.float()
+
+    alpha, use_rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
+    out: dict[tuple[int, str], LoraWeights] = {}
+    for (layer, module), ab in sorted(pairs.items()):
+        path = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(
+                f"adapter {name!r}: {path} has lora_{''.join(ab)} but not both lora_A and lora_B"
+            )
+        a, b = ab["A"], ab["B"]
+        in_f, out_f = shapes[module]
+        rank = a.shape[0]
+        if a.shape != (rank, in_f) or b.shape != (out_f, rank):
+            raise AdapterError(
+                f"adapter {name!r}: {path} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
+                f"the base model needs ({rank}, {in_f}) and ({out_f}, {rank}): made for another base model?"
+            )
+        if rank > max_rank:
+            raise AdapterError(f"adapter {name!r}: {path} has rank {rank}, above max_lora_rank {max_rank}")
+        module_alpha = float(_pattern_value(config.get("alpha_pattern") or {}, path, alpha))
+        scaling = module_alpha / (math.sqrt(rank) if use_rslora else rank)
+        out[(layer, module)] = LoraWeights(a, b, scaling)
+    return out

@@ -1,0 +1,245 @@
+"""The tiers an adapter lives in, and the GPU slots that requests hold.
+
+- disk: adapters registered by name and directory (parsed and validated at registration);
+- host: parsed adapters in CPU memory, LRU, at most `max_cpu_loras`;
+- slots: `max_loras` adapters on the compute device; a request's forward rows use one.
+
+Slot layout: each resident adapter keeps its own exact-rank tensors per targeted module
+(A [r, in], B [out, r]), so a rank-8 adapter next to a rank-64 one wastes nothing on padding.
+The worst case, and the budget to plan for, is max_loras x max_lora_rank x layers x dtype
+bytes x the sum over targeted modules of (in + out). SmolLM2 with all seven modules targeted:
+(in + out) sums to 10,176, so rank 16 in bf16 is 16 x 30 x 2 x 10,176 = 9.8 MB per slot.
+
+Refcounts follow the seed contract: `acquire(slot)` resolves -1 to the active adapter and
+returns the RESOLVED index, and `release(resolved)` releases exactly that index, so a rotation
+between a request's start and end cannot make it release a slot it never held. A slot with a
+reference or a pin is never evicted or overwritten. Every method here runs on the engine
+thread at a quiescent point (between steps), so no forward pass sees a slot change.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model_service.lora.adapter import AdapterError, LoraAdapter, LoraWeights, load_peft_adapter
+from model_service.models.config import ModelConfig
+
+ACTIVE = "@active"  # the adapter name that follows rotation (the seed's slot -1)
+
+
+class SlotsBusyError(AdapterError):
+    """Every slot is referenced or pinned: promotion must wait for a sequence to finish."""
+
+
+@dataclass
+class Slot:
+    adapter: LoraAdapter | None = None  # device copy
+    refcount: int = 0
+    pinned: bool = False
+    stale: bool = False  # its name was re-registered with new content: serve no new requests
+    last_used: int = 0
+
+
+@dataclass
+class AdapterInfo:
+    name: str
+    adapter_id: int
+    tier: str  # "gpu" | "cpu" | "disk"
+    slot: int | None
+    refcount: int
+    pinned: bool
+
+
+class LoraPool:
+    def __init__(
+        self,
+        base: ModelConfig,
+        max_loras: int,
+        max_cpu_loras: int,
+        max_lora_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.base, self.max_lora_rank = base, max_lora_rank
+        self.device, self.dtype = device, dtype
+        self.max_cpu_loras = max_cpu_loras
+        self.slots = [Slot() for _ in range(max_loras)]
+        self.host: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self.disk: dict[str, Path] = {}
+        self.active = -1  # slot of the active adapter, -1 = none
+        self._clock = itertools.count(1)
+
+    # --- lookup ---------------------------------------------------------------------------
+
+    def known(self, name: str) -> bool:
+        return name == ACTIVE or name in self.disk or name in self.host or self.slot_of(name) is not None
+
+    def slot_of(self, name: str) -> int | None:
+        if name == ACTIVE:
+            return self.active if self.active >= 0 else None
+        for i, s in enumerate(self.slots):
+            if s.adapter is not None and s.adapter.name == name and not s.stale:
+                return i
+        return None
+
+    def adapter_id_for(self, slot: int) -> int:
+        """Prefix-cache identity of the weights `slot` selects (-1 = active); 0 for the base model."""
+        slot = self.active if slot == -1 else slot
+        adapter = self.slots[slot].adapter if slot >= 0 else None
+        return adapter.adapter_id if adapter is not None else 0
+
+    def weights(self, slot: int, layer: int, module: str) -> LoraWeights | None:
+        adapter = self.slots[slot].adapter
+        return adapter.modules.get((layer, module)) if adapter is not None else None
+
+    # --- refcounts ------------------------------------------------------------------------
+
+    def acquire(self, slot: int) -> int:
+        resolved = self.active if slot == -1 else slot
+        if resolved < 0:
+            return -1
+        s = self.slots[resolved]
+        if s.adapter is None:
+            raise RuntimeError(f"acquire of empty LoRA slot {resolved}")
+        s.refcount += 1
+        s.last_used = next(self._clock)
+        return resolved
+
+    def release(self, resolved: int) -> None:
+        if resolved < 0:
+            return
+        s = self.slots[resolved]
+        if s.refcount <= 0:
+            raise RuntimeError(f"LoRA slot {resolved} released more times than acquired")
+        s.refcount -= 1
+        if s.refcount == 0 and s.stale and not s.pinned:
+            self._clear(resolved)
+
+    # --- control operations (quiescent points only) ---------------------------------------
+
+    def register(self, name: str, path: Path) -> LoraAdapter:
+        """Add (or replace) a disk-tier adapter; parsed now so a bad one fails here, not mid-request."""
+        adapter = load_peft_adapter(name, path, self.base, self.max_lora_rank)
+        self.disk[name] = Path(path)
+        self._remember(adapter)
+        for s in self.slots:  # a resident older version keeps serving the requests that hold it
+            if (
+                s.adapter is not None
+                and s.adapter.name == name
+                and s.adapter.adapter_id != adapter.adapter_id
+            ):
+                s.stale = True
+        for i, s in enumerate(self.slots):
+            if s.stale and s.refcount == 0 and not s.pinned:
+                self._clear(i)
+        return adapter
+
+    def load(self, name: str, slot: int | None = None) -> tuple[int, str | None]:
+        """Make `name` resident (into `slot`, or the LRU free/idle slot). Returns (slot, evicted name)."""
+        current = self.slot_of(name)
+        if current is not None and (slot is None or slot == current):
+            self.slots[current].last_used = next(self._clock)
+            return current, None
+        adapter = self._host_copy(name)
+        target = self._victim() if slot is None else slot
+        if target is None:
+            raise SlotsBusyError(
+                f"cannot load adapter {name!r}: all {len(self.slots)} LoRA slots are in use or pinned"
+            )
+        if not 0 <= target < len(self.slots):
+            raise AdapterError(f"slot {target} does not exist (max_loras={len(self.slots)})")
+        victim = self.slots[target]
+        if victim.refcount > 0 or victim.pinned:
+            raise AdapterError(
+                f"slot {target} holds adapter {victim.adapter.name!r}, which is in use or pinned"
+            )
+        evicted = victim.adapter.name if victim.adapter is not None else None
+        if current is not None:
+            self._clear(current)
+        self.slots[target] = Slot(adapter.to(self.device, self.dtype), last_used=next(self._clock))
+        return target, evicted
+
+    def evict(self, name: str) -> int:
+        slot = self.slot_of(name)
+        if slot is None:
+            raise AdapterError(f"adapter {name!r} is not resident")
+        busy = self._busy(slot)
+        if busy:
+            raise AdapterError(f"adapter {name!r} {busy}; not evicted")
+        self._clear(slot)
+        return slot
+
+    def pin(self, name: str, pinned: bool) -> int:
+        slot = self.slot_of(name)
+        if slot is None:
+            raise AdapterError(f"adapter {name!r} is not resident; load it before pinning")
+        self.slots[slot].pinned = pinned
+        return slot
+
+    def set_active(self, name: str | None) -> int:
+        """Rotate: the adapter that requests for `@active` get from now on (running ones keep theirs)."""
+        if name is None:
+            self.active = -1
+            return -1
+        slot = self.slot_of(name)
+        if slot is None:
+            raise AdapterError(f"adapter {name!r} is not resident; load it before making it active")
+        self.active = slot
+        return slot
+
+    def report(self) -> list[AdapterInfo]:
+        out, seen = [], set()
+        for i, s in enumerate(self.slots):
+            if s.adapter is not None:
+                seen.add(s.adapter.name)
+                out.append(AdapterInfo(s.adapter.name, s.adapter.adapter_id, "gpu", i, s.refcount, s.pinned))
+        for name, a in self.host.items():
+            if name not in seen:
+                seen.add(name)
+                out.append(AdapterInfo(name, a.adapter_id, "cpu", None, 0, False))
+        for name in self.disk:
+            if name not in seen:
+                out.append(AdapterInfo(name, 0, "disk", None, 0, False))
+        return out
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _host_copy(self, name: str) -> LoraAdapter:
+        if name in self.host:
+            self.host.move_to_end(name)
+            return self.host[name]
+        if name not in self.disk:
+            raise AdapterError(f"unknown adapter {name!r}; register it first")
+        adapter = load_peft_adapter(name, self.disk[name], self.base, self.max_lora_rank)
+        self._remember(adapter)
+        return adapter
+
+    def _remember(self, adapter: LoraAdapter) -> None:
+        self.host[adapter.name] = adapter
+        self.host.move_to_end(adapter.name)
+        while len(self.host) > self.max_cpu_loras:
+            self.host.popitem(last=False)
+
+    def _victim(self) -> int | None:
+        free = [i for i, s in enumerate(self.slots) if s.adapter is None]
+        if free:
+            return free[0]
+        idle = [i for i, s in enumerate(self.slots) if s.refcount == 0 and not s.pinned and i != self.active]
+        return min(idle, key=lambda i: self.slots[i].last_used) if idle else None
+
+    def _busy(self, slot: int) -> str:
+        """Why `slot` must not change now ('' when it may)."""
+        s = self.slots[slot]
+        if s.refcount > 0:
+            return f"is in use by {s.refcount} running sequence(s)"
+        return "is pinned" if s.pinned else ""
+
+    def _clear(self, slot: int) -> None:
+        self.slots[slot] = Slot()
+        if self.active == slot:
+            self.active = -1

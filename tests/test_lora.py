@@ -1,0 +1,452 @@
+"""Many LoRA adapters: PEFT parity, mixed batches, slots and refcounts, control ops, refusals."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from model_service.engine.sampling_params import SamplingParams
+from model_service.errors import NotFoundError
+from model_service.lora.adapter import AdapterError, load_peft_adapter
+from model_service.lora.control import (
+    EvictAdapter,
+    LoadAdapter,
+    PinAdapter,
+    RegisterAdapter,
+    SetActiveAdapter,
+)
+from model_service.lora.pool import ACTIVE
+from tests.conftest import assert_all_blocks_free, make_engine
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SMOL_ADAPTERS = {
+    "attn_r8": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+    "all_r4_rslora": {"r": 4, "lora_alpha": 8, "target_modules": ALL, "use_rslora": True},
+    "mlp_r16": {"r": 16, "lora_alpha": 8, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
+    "mixed_ranks": {
+        "r": 6,
+        "lora_alpha": 12,
+        "target_modules": ["k_proj", "o_proj", "down_proj"],
+        "rank_pattern": {"down_proj": 2},
+        "alpha_pattern": {"o_proj": 3},
+    },
+}
+
+
+def make_adapter(hf_model, path: Path, seed: int, scale: float = 0.05, **lora_kwargs) -> Path:
+    """Save a random PEFT adapter for `hf_model` (left unmodified) and return its directory."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(hf_model, LoraConfig(init_lora_weights=False, **lora_kwargs))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, scale)
+    peft_model.save_pretrained(path)
+    peft_model.unload()
+    return path
+
+
+def peft_greedy(hf_model, adapter_dir: Path, ids: list[int], n: int, eos: int | None) -> list[int]:
+    from peft import PeftModel
+
+    peft_model = PeftModel.from_pretrained(hf_model, str(adapter_dir))
+    try:
+        out = peft_model.generate(
+            input_ids=torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos or 0,
+        )
+    finally:
+        peft_model.unload()
+    gen = out[0, len(ids) :].tolist()
+    return gen[: gen.index(eos) + 1] if eos is not None and eos in gen else gen
+
+
+@pytest.fixture(scope="module")
+def smol_adapters(hf_smollm2, tmp_path_factory):
+    root = tmp_path_factory.mktemp("smol_adapters")
+    return {
+        name: make_adapter(hf_smollm2, root / name, seed=i, **kw)
+        for i, (name, kw) in enumerate(SMOL_ADAPTERS.items())
+    }
+
+
+def test_smollm2_adapters_match_peft(smollm2, hf_smollm2, smol_adapters):
+    engine = make_engine(smollm2, max_loras=4, lora_modules={k: str(v) for k, v in smol_adapters.items()})
+    prompts = [
+        smollm2.tokenizer.apply_chat_template([{"role": "user", "content": q}])
+        for q in ("What is the capital of France?", "Write one word about rain.")
+    ]
+    base = [
+        engine.generate([{"prompt_token_ids": p, "max_tokens": 10, "temperature": 0}])[0].token_ids
+        for p in prompts
+    ]
+    for name, path in smol_adapters.items():
+        expected = [peft_greedy(hf_smollm2, path, ids, 10, eos=2) for ids in prompts]
+        got = engine.generate(
+            [
+                {"prompt_token_ids": ids, "max_tokens": 10, "temperature": 0, "adapter": name}
+                for ids in prompts
+            ]
+        )
+        assert [o.token_ids for o in got] == expected, name
+        # Otherwise the test could not tell a missing delta from a correct one.
+        assert expected != base, f"adapter {name} does not change the output"
+    assert_all_blocks_free(engine)
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_adapters(hf_tiny, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_adapters")
+    specs = [
+        {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        {"r": 8, "lora_alpha": 8, "target_modules": ALL},
+        {"r": 2, "lora_alpha": 4, "target_modules": ["down_proj", "o_proj"], "use_rslora": True},
+        {"r": 16, "lora_alpha": 16, "target_modules": ["gate_proj", "k_proj"]},
+        {"r": 4, "lora_alpha": 2, "target_modules": ["up_proj"]},
+    ]
+    return {
+        f"t{i}": make_adapter(hf_tiny, root / f"t{i}", seed=100 + i, scale=0.3, **s)
+        for i, s in enumerate(specs)
+    }
+
+
+PROMPTS = [
+    [5, 17, 33, 101, 250, 7],
+    [9, 64, 12, 8, 19, 200, 3, 44],
+    [77, 78, 79],
+    [300, 1, 150, 151, 152, 153],
+]
+
+
+def _run(engine, reqs):
+    return [o.token_ids for o in engine.generate(reqs)]
+
+
+def _req(prompt, adapter, n=8):
+    return {
+        "prompt_token_ids": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "adapter": adapter,
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_llama, tiny_adapters):
+    """Every (prompt, adapter) run alone: the answer any batch or schedule must reproduce."""
+    engine = make_engine(tiny_llama, max_loras=1, lora_modules={k: str(v) for k, v in tiny_adapters.items()})
+    return {
+        (i, a): _run(engine, [_req(p, a)])[0] for i, p in enumerate(PROMPTS) for a in [None, *tiny_adapters]
+    }
+
+
+def test_tiny_adapters_match_peft(hf_tiny, tiny_adapters, tiny_reference):
+    for name, path in tiny_adapters.items():
+        for i, p in enumerate(PROMPTS[:2]):
+            assert tiny_reference[(i, name)] == peft_greedy(hf_tiny, path, p, 8, eos=None), name
+
+
+def test_mixed_batch_of_base_and_five_adapters_equals_each_alone(tiny_llama, tiny_adapters, tiny_reference):
+    engine = make_engine(tiny_llama, max_loras=5, lora_modules={k: str(v) for k, v in tiny_adapters.items()})
+    combos = [(i, a) for i in range(len(PROMPTS)) for a in [None, *tiny_adapters]]
+    random.Random(0).shuffle(combos)
+    assert _run(engine, [_req(PROMPTS[i], a) for i, a in combos]) == [tiny_reference[c] for c in combos]
+    assert all(s.refcount == 0 for s in engine.model.lora.slots)
+    assert_all_blocks_free(engine)
+
+
+def test_waiting_adapter_does_not_block_base_or_resident(tiny_llama, tiny_adapters, tiny_reference):
+    """One slot, held by a long request: a request for another adapter waits (not fails), and
+    base requests queued behind it still run."""
+    engine = make_engine(tiny_llama, max_loras=1, lora_modules={k: str(v) for k, v in tiny_adapters.items()})
+    engine.add_request(
+        prompt_token_ids=PROMPTS[0],
+        adapter="t0",
+        request_id="long",
+        params=SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+    )
+    engine.step()
+    engine.add_request(
+        prompt_token_ids=PROMPTS[1],
+        adapter="t1",
+        request_id="needs_t1",
+        params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    )
+    engine.add_request(
+        prompt_token_ids=PROMPTS[2],
+        request_id="base",
+        params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    )
+    order, final = [], {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                order.append(o.request_id)
+                final[o.request_id] = o
+    assert order.index("base") < order.index("long") < order.index("needs_t1")
+    assert final["needs_t1"].token_ids == tiny_reference[(1, "t1")]
+    assert final["base"].token_ids == tiny_reference[(2, None)]
+    assert_all_blocks_free(engine)
+
+
+def run_control(engine, op):
+    future = engine.submit_control(op)
+    engine.step()
+    return future.result(timeout=0)
+
+
+def test_control_operations_report_slots_and_respect_refcounts_and_pins(tiny_llama, tiny_adapters):
+    engine = make_engine(tiny_llama, max_loras=2)
+    for name, path in tiny_adapters.items():
+        run_control(engine, RegisterAdapter(name, str(path)))
+    r0 = run_control(engine, LoadAdapter("t0"))
+    r1 = run_control(engine, LoadAdapter("t1"))
+    assert (r0.slot, r0.evicted, r1.slot, r1.evicted) == (0, None, 1, None) and r0.adapter_id != r1.adapter_id
+    run_control(engine, PinAdapter("t0"))
+    r2 = run_control(engine, LoadAdapter("t2"))  # LRU victim among unpinned idle slots: t1
+    assert (r2.slot, r2.evicted) == (1, "t1")
+    with pytest.raises(AdapterError, match="'t0' is pinned"):
+        run_control(engine, EvictAdapter("t0"))
+    run_control(engine, PinAdapter("t0", pinned=False))
+    engine.add_request(
+        prompt_token_ids=PROMPTS[0],
+        adapter="t0",
+        request_id="r",
+        params=SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+    )
+    engine.step()
+    with pytest.raises(AdapterError, match="in use by 1 running"):
+        run_control(engine, EvictAdapter("t0"))
+    with pytest.raises(AdapterError, match="slot 0 holds adapter 't0', which is in use"):
+        run_control(engine, LoadAdapter("t3", slot=0))
+    assert engine.abort("r")
+    assert run_control(engine, EvictAdapter("t0")).slot == 0
+    assert {a.name: a.tier for a in engine.list_adapters()} == {
+        "t2": "gpu",
+        "t0": "cpu",
+        "t1": "cpu",
+        "t3": "cpu",
+        "t4": "cpu",
+    }
+    assert_all_blocks_free(engine)
+
+
+def test_rotation_releases_the_resolved_slot(tiny_llama, tiny_adapters, tiny_reference):
+    """`@active` resolves at admission; rotating while it runs changes nothing for it, and its
+    release goes to the slot it actually took."""
+    engine = make_engine(tiny_llama, max_loras=2, lora_modules={k: str(v) for k, v in tiny_adapters.items()})
+    run_control(engine, LoadAdapter("t0"))
+    run_control(engine, LoadAdapter("t1"))
+    run_control(engine, SetActiveAdapter("t0"))
+    engine.add_request(
+        prompt_token_ids=PROMPTS[1],
+        adapter=ACTIVE,
+        request_id="a",
+        params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    )
+    engine.step()
+    assert [s.refcount for s in engine.model.lora.slots] == [1, 0]
+    run_control(engine, SetActiveAdapter("t1"))  # rotate mid-request
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert final["a"] == tiny_reference[(1, "t0")]
+    assert [s.refcount for s in engine.model.lora.slots] == [0, 0]
+    # The raw contract: acquire(-1) returns the resolved index; release by it.
+    state = engine.model.alloc_sequence()
+    resolved = engine.model.acquire_adapter_slot(state, -1)
+    assert resolved == 1
+    engine.model.set_active_lora("t0")
+    engine.model.free_sequence(state)
+    assert [s.refcount for s in engine.model.lora.slots] == [0, 0]
+
+
+def test_same_name_new_content_never_reuses_stale_kv(tiny_llama, tiny_adapters, tiny_reference, tmp_path):
+    engine = make_engine(tiny_llama, block_size=2, max_loras=2)
+    shutil.copytree(tiny_adapters["t1"], tmp_path / "x")
+    run_control(engine, RegisterAdapter("x", str(tmp_path / "x")))
+    assert _run(engine, [_req(PROMPTS[1], "x")]) == [tiny_reference[(1, "t1")]]
+    # Re-upload different weights under the same name.
+    shutil.rmtree(tmp_path / "x")
+    shutil.copytree(tiny_adapters["t3"], tmp_path / "x")
+    run_control(engine, RegisterAdapter("x", str(tmp_path / "x")))
+    hits_before = engine.stats().prefix_cache_hit_tokens
+    assert _run(engine, [_req(PROMPTS[1], "x")]) == [tiny_reference[(1, "t3")]]
+    assert engine.stats().prefix_cache_hit_tokens == hits_before  # nothing reused across contents
+    assert _run(engine, [_req(PROMPTS[1], "x")]) == [tiny_reference[(1, "t3")]]
+    assert engine.stats().prefix_cache_hit_tokens > hits_before  # same content: reused
+    assert_all_blocks_free(engine)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    events=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "add", "add", "abort", "step", "step", "rotate", "promote", "evict"]),
+            st.integers(0, 99),
+        ),
+        min_size=5,
+        max_size=40,
+    ),
+)
+def test_random_interleavings_keep_slots_and_requests_straight(
+    tiny_llama, tiny_adapters, tiny_reference, events
+):
+    engine = make_engine(
+        tiny_llama,
+        max_loras=2,
+        num_kv_blocks=24,
+        block_size=4,
+        lora_modules={k: str(v) for k, v in tiny_adapters.items()},
+    )
+    names = [None, *tiny_adapters]
+    which, aborted, finals = {}, set(), {}
+    for n, (kind, k) in enumerate(events):
+        if kind == "add":
+            adapter = names[k % len(names)]
+            engine.add_request(
+                prompt_token_ids=PROMPTS[k % len(PROMPTS)],
+                adapter=adapter,
+                request_id=f"r{n}",
+                params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+            )
+            which[f"r{n}"] = (k % len(PROMPTS), adapter)
+        elif kind == "abort":
+            rid = sorted(which)[k % len(which)] if which else "none"
+            if engine.abort(rid):
+                aborted.add(rid)
+        else:
+            op = {
+                "rotate": SetActiveAdapter(names[1 + k % 5]),
+                "promote": LoadAdapter(names[1 + k % 5]),
+                "evict": EvictAdapter(names[1 + k % 5]),
+                "step": None,
+            }[kind]
+            held = [s.adapter.name for s in engine.model.lora.slots if s.adapter and s.refcount]
+            future = engine.submit_control(op) if op else None
+            finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+            if (
+                future is not None
+                and isinstance(op, (EvictAdapter, LoadAdapter))
+                and future.exception() is None
+            ):
+                evicted = op.name if isinstance(op, EvictAdapter) else future.result().evicted
+                assert evicted not in held  # an adapter in use is never evicted
+    while engine.has_unfinished():
+        finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    for rid, key in which.items():
+        if rid in aborted:
+            assert tiny_reference[key][: len(finals[rid])] == finals[rid]
+        else:
+            assert finals[rid] == tiny_reference[key]  # never another adapter's weights
+    assert all(s.refcount == 0 for s in engine.model.lora.slots)
+    assert_all_blocks_free(engine)
+
+
+def test_unknown_adapter_is_not_found(tiny_llama):
+    engine = make_engine(tiny_llama)
+    with pytest.raises(NotFoundError, match="unknown adapter 'nope'"):
+        engine.add_request(prompt_token_ids=[1, 2], adapter="nope")
+
+
+# --- refusals --------------------------------------------------------------------------------
+
+
+def _broken(src: Path, dst: Path, config: dict | None = None, tensors=None) -> Path:
+    shutil.copytree(src, dst)
+    if config is not None:
+        cfg = json.loads((dst / "adapter_config.json").read_text())
+        cfg.update(config)
+        (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        from safetensors.torch import load_file, save_file
+
+        weights = dst / "adapter_model.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors(load_file(str(weights))).items()}, str(weights))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("config", "tensors", "message"),
+    [
+        ({"use_dora": True}, None, "DoRA"),
+        ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+        ({"bias": "all"}, None, "bias"),
+        ({"target_modules": ["embed_tokens"]}, None, "embeddings"),
+        (
+            None,
+            lambda t: {k.replace("q_proj", "qkv_proj"): v for k, v in t.items()},
+            "does not match|qkv_proj",
+        ),
+        (None, lambda t: {k: v[:, :-1] if "lora_A" in k else v for k, v in t.items()}, "another base model"),
+        (None, lambda t: {k.replace("layers.1.", "layers.9."): v for k, v in t.items()}, "layer 9"),
+        (None, lambda t: {k: v for k, v in t.items() if "lora_B" not in k}, "both lora_A and lora_B"),
+    ],
+)
+def test_bad_adapters_are_refused_with_a_named_reason(
+    tiny_llama, tiny_adapters, tmp_path, config, tensors, message
+):
+    bad = _broken(tiny_adapters["t0"], tmp_path / "bad", config, tensors)
+    with pytest.raises(AdapterError, match=message):
+        load_peft_adapter("bad", bad, tiny_llama.config, max_lora_rank=64)
+
+
+def test_rank_above_limit_and_pickle_weights_are_refused(tiny_llama, tiny_adapters, tmp_path):
+    with pytest.raises(AdapterError, match="rank 16, above max_lora_rank 8"):
+        load_peft_adapter("big", tiny_adapters["t3"], tiny_llama.config, max_lora_rank=8)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(tiny_adapters["t0"] / "adapter_config.json", pickled)
+    (pickled / "adapter_model.bin").write_bytes(b"not really")
+    with pytest.raises(AdapterError, match="pickle"):
+        load_peft_adapter("pickled", pickled, tiny_llama.config, max_lora_rank=64)
+
+
+def test_cli_generate_with_adapters(tiny_llama, tiny_adapters, tiny_reference, tmp_path, capsys):
+    from model_service.cli import main
+
+    reqs = tmp_path / "reqs.jsonl"
+    reqs.write_text("\n".join(json.dumps(_req(PROMPTS[i], a)) for i, a in [(0, "t0"), (1, None), (2, "t1")]))
+    argv = [
+        "generate",
+        "--model",
+        tiny_llama.name,
+        "--requests",
+        str(reqs),
+        "--json",
+        "--device",
+        "cpu",
+        "--lora",
+        f"t0={tiny_adapters['t0']}",
+        "--lora",
+        f"t1={tiny_adapters['t1']}",
+        "--max-loras",
+        "1",
+    ]
+    assert main(argv) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [o["token_ids"] for o in out] == [
+        tiny_reference[(0, "t0")],
+        tiny_reference[(1, None)],
+        tiny_reference[(2, "t1")],
+    ]
