@@ -1,0 +1,131 @@
+"""Prometheus metrics of a model pod, under vLLM's names where vLLM has one.
+
+Kubernetes inference gateways (Gateway API Inference Extension, llm-d) scrape model servers for
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` and `vllm:lora_requests_info` by
+default, so using those names lets them route to Spindle pods unconfigured. Metrics vLLM lacks
+are `spindle:*`. Engine gauges are read at scrape time (a snapshot taken on the engine thread);
+latency histograms are observed by the Generate handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+_REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
+
+
+@dataclass
+class Snapshot:
+    """What the engine reports at one instant (gathered on the engine thread)."""
+
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    max_adapters: int
+    running_adapters: list[str] = field(default_factory=list)
+    waiting_adapters: list[str] = field(default_factory=list)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model: str, snapshot: Callable[[], Snapshot | None]) -> None:
+        self.model, self.snapshot = model, snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        try:
+            s = self.snapshot()
+        except Exception:  # a scrape must not fail because the engine is busy shutting down
+            log.exception("metrics snapshot failed")
+            return
+        if s is None:  # the model is still loading
+            return
+        labels, values = ["model_name"], [self.model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("vllm:num_requests_running", "Sequences in the running batch.", s.num_running)
+        yield gauge("vllm:num_requests_swapped", "Sequences swapped out to host memory.", s.num_swapped)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", s.kv_usage)
+        yield gauge("vllm:gpu_cache_usage_perc", "Same as vllm:kv_cache_usage_perc (older name).", s.kv_usage)
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_queries,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits
+        )
+        yield counter("vllm:num_preemptions", "Sequences preempted (swap or recompute).", s.num_preemptions)
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Adapters of running and waiting requests (the value is the time of the report).",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        info.add_metric(
+            [str(s.max_adapters), ",".join(s.running_adapters), ",".join(s.waiting_adapters)], time.time()
+        )
+        yield info
+
+
+class PodMetrics:
+    """One registry per pod (not the process-global one), so several pods can share a process in tests."""
+
+    def __init__(self, model: str, snapshot: Callable[[], Snapshot | None]) -> None:
+        self.model = model
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(model, snapshot))
+        r, lbl = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...] = _REQUEST_BUCKETS) -> Histogram:
+            return Histogram(name, doc, lbl, registry=r, buckets=buckets).labels(model)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between output tokens.", _LATENCY_BUCKETS)
+        self.tpot = hist(
+            "vllm:time_per_output_token_seconds", "Time per output token (older name).", _LATENCY_BUCKETS
+        )
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to last token.")
+        self.queue = hist("vllm:request_queue_time_seconds", "Arrival to the first step that ran it.")
+        self.prefill = hist("vllm:request_prefill_time_seconds", "First step to first token.")
+        self.decode = hist("vllm:request_decode_time_seconds", "First token to last token.")
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens.", lbl, registry=r).labels(model)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generated tokens.", lbl, registry=r
+        ).labels(model)
+        self.finished = Counter(
+            "vllm:request_success", "Finished requests by reason.", [*lbl, "finished_reason"], registry=r
+        )
+        self._server = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Expose /metrics over HTTP; returns the port."""
+        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,214 @@
+"""A model pod's state, shared by its RPCs: the engine, the requests in flight, the drain.
+
+The engine runs on its own thread (AsyncEngine); everything here runs on the event loop and
+reaches the engine only through AsyncEngine's inbox, so a forward pass never blocks an RPC and
+no RPC ever touches scheduler state mid-step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from model_service.engine.async_engine import AsyncEngine
+from model_service.engine.sampling_params import SamplingParams
+from model_service.metrics import PodMetrics, Snapshot
+from spindle.serving import Health
+from spindle.v1 import pod_status_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """One Generate call, for load reports, metrics and the queue / prefill / decode spans."""
+
+    request_id: str
+    adapter: str | None
+    arrival: float  # time.monotonic()
+    arrival_ns: int  # time.time_ns(), for span timestamps
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+    chunks: int = 0
+    itl: list[float] = field(default_factory=list)
+
+    def on_tokens(self, now: float, n: int) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        elif n:
+            self.itl.append((now - (self.last_token or now)) / n)
+        self.last_token = now
+        self.num_tokens += n
+
+    def wall_ns(self, mono: float) -> int:
+        return self.arrival_ns + int((mono - self.arrival) * 1e9)
+
+
+class ModelPod:
+    def __init__(self, model_name: str, drain_timeout: float, health: Health | None = None) -> None:
+        self.model_name = model_name
+        self.drain_timeout = drain_timeout
+        self.health = health
+        self.async_engine: AsyncEngine | None = None
+        self.engine: Any = None  # TimedEngine (or an engine with the same surface)
+        self.max_model_len = 0
+        self.inflight: dict[str, InFlight] = {}
+        self.requests_total = 0
+        self.draining = False
+        self.drain_aborted: set[str] = set()
+        self.exit_requested = asyncio.Event()
+        self.exit_code = 0
+        self.metrics = PodMetrics(model_name, self.snapshot_blocking)
+        self._closed = False
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def load(self, build_engine: Callable[[], Any]) -> None:
+        """Build the engine off the event loop, warm it up, then report SERVING."""
+        started = time.monotonic()
+        engine = await asyncio.to_thread(build_engine)
+        self.engine, self.async_engine = engine, AsyncEngine(engine)
+        self.max_model_len = int(engine.max_model_len)
+        await self._warm_up()
+        log.info("model %s loaded and warmed in %.1f s", self.model_name, time.monotonic() - started)
+        if not self.draining and self.health is not None:
+            await self.health.set(True)
+
+    async def _warm_up(self) -> None:
+        """One tiny request through the whole path, so the first real request pays no first-use costs."""
+        assert self.async_engine is not None
+        vocab = int(self.engine.model.vocab_size)
+        ids = [t % vocab for t in (1, 2, 3)]
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        async for _ in self.async_engine.generate(
+            f"warmup-{time.monotonic_ns()}", prompt_token_ids=ids, params=params
+        ):
+            pass
+
+    @property
+    def ready(self) -> bool:
+        return self.async_engine is not None and self.health is not None and self.health.serving
+
+    def request_exit(self, why: str, code: int = 0) -> None:
+        log.info("shutting down (%s)", why)
+        self.exit_code = code
+        self.exit_requested.set()
+
+    async def drain(self, timeout: float | None = None) -> tuple[int, int]:
+        """Stop admitting; let in-flight requests finish within `timeout`; abort the rest.
+
+        Returns (finished, aborted). Aborted streams end with UNAVAILABLE, so a gateway knows the
+        pod, not the request, was at fault. One-way: a drained pod stays NOT_SERVING.
+        """
+        timeout = self.drain_timeout if timeout is None else timeout
+        self.draining = True
+        if self.health is not None:
+            await self.health.set(False)
+        at_start = len(self.inflight)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        left = list(self.inflight)
+        for rid in left:
+            self.drain_aborted.add(rid)
+            if self.async_engine is not None:
+                self.async_engine.abort(rid)
+        give_up = loop.time() + 5.0
+        while self.inflight and loop.time() < give_up:
+            await asyncio.sleep(0.02)
+        log.info("drained: %d finished, %d aborted", at_start - len(left), len(left))
+        return at_start - len(left), len(left)
+
+    def close(self) -> None:
+        self._closed = True
+        self.metrics.stop()
+        if self.async_engine is not None:
+            self.async_engine.shutdown()
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def begin(self, request_id: str, adapter: str | None) -> InFlight:
+        req = InFlight(request_id, adapter, time.monotonic(), time.time_ns())
+        self.inflight[request_id] = req
+        self.engine.watch(request_id)
+        self.requests_total += 1
+        return req
+
+    def end(self, req: InFlight) -> None:
+        self.inflight.pop(req.request_id, None)
+        self.drain_aborted.discard(req.request_id)
+        self.engine.forget(req.request_id)
+
+    # --- load ------------------------------------------------------------------------------------
+
+    def _gather(self, engine: Any) -> tuple[Any, list[Any]]:
+        """On the engine thread: its stats and adapters, consistent with each other."""
+        adapters = engine.list_adapters() if hasattr(engine, "list_adapters") else []
+        return engine.stats(), list(adapters)
+
+    def _max_adapters(self) -> int:
+        if not hasattr(self.engine, "list_adapters"):
+            return 0
+        return int(getattr(getattr(self.engine, "config", None), "max_loras", 0) or 0)
+
+    def _adapter_split(self) -> tuple[list[str], list[str]]:
+        """Adapters of in-flight requests that have started running, and of those still queued."""
+        running, waiting = set(), set()
+        for req in list(self.inflight.values()):
+            if req.adapter is not None:
+                started = req.first_token is not None or self.engine.admitted_at(req.request_id) is not None
+                (running if started else waiting).add(req.adapter)
+        return sorted(running), sorted(waiting)
+
+    def snapshot_blocking(self) -> Snapshot | None:
+        """For the metrics thread: blocks until the engine thread is between steps."""
+        if self.async_engine is None or self._closed:
+            return None
+        stats, _ = self.async_engine.call(self._gather)
+        running, waiting = self._adapter_split()
+        return Snapshot(
+            num_waiting=stats.num_waiting,
+            num_running=stats.num_running,
+            num_swapped=stats.num_swapped,
+            kv_usage=stats.kv_usage,
+            prefix_cache_queries=stats.prefix_cache_query_tokens,
+            prefix_cache_hits=stats.prefix_cache_hit_tokens,
+            num_preemptions=stats.num_preemptions,
+            max_adapters=self._max_adapters(),
+            running_adapters=running,
+            waiting_adapters=waiting,
+        )
+
+    async def adapters(self) -> list[Any]:
+        if self.async_engine is None or not hasattr(self.engine, "list_adapters"):
+            return []
+        _, adapters = await asyncio.to_thread(self.async_engine.call, self._gather)
+        return adapters
+
+    async def load_report(self) -> pod_status_pb2.PodLoad:
+        assert self.async_engine is not None
+        stats, adapters = await asyncio.to_thread(self.async_engine.call, self._gather)
+        _, waiting = self._adapter_split()
+        resident = [a.name for a in adapters if getattr(a, "tier", None) in ("gpu", "device")]
+        return pod_status_pb2.PodLoad(
+            model=self.model_name,
+            num_waiting=stats.num_waiting,
+            num_running=stats.num_running,
+            num_swapped=stats.num_swapped,
+            kv_usage=stats.kv_usage,
+            kv_blocks_total=stats.kv_blocks_total,
+            kv_blocks_free=stats.kv_blocks_free,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            resident_adapters=resident,
+            waiting_adapters=waiting,
+            max_adapters=self._max_adapters(),
+            draining=self.draining,
+            requests_total=self.requests_total,
+            requests_in_flight=len(self.inflight),
+        )

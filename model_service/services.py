@@ -1,0 +1,243 @@
+"""The model pod's RPCs: Generation (Generate, Abort, ListModels), PodStatus, and ModelControl.Drain.
+
+Every handler validates its input and answers with a status code a caller can act on; no
+per-request failure escapes the handler, so one bad request never takes the pod down.
+ModelControl's adapter operations are answered UNIMPLEMENTED until the LoRA engine work wires
+them (the generated base class does that); only Drain is served here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, NoReturn
+
+import grpc
+from opentelemetry import trace
+
+from model_service import wire
+from model_service.errors import CapacityError, InvalidRequestError, ModelLoadError, SpindleError
+from model_service.pod import InFlight, ModelPod
+from spindle import telemetry
+from spindle.v1 import generation_pb2 as pb
+from spindle.v1 import generation_pb2_grpc, model_control_pb2, model_control_pb2_grpc, pod_status_pb2_grpc
+
+log = logging.getLogger(__name__)
+Code = grpc.StatusCode
+
+
+def status_for(e: Exception, adapter: str | None = None) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status for an error the engine raised while admitting a request."""
+    if isinstance(e, SpindleError) and isinstance(e, LookupError):
+        return Code.NOT_FOUND, str(e)  # e.g. an unknown adapter
+    if isinstance(e, InvalidRequestError):
+        return Code.INVALID_ARGUMENT, str(e)
+    if isinstance(e, CapacityError):
+        return Code.RESOURCE_EXHAUSTED, str(e)
+    if isinstance(e, ModelLoadError):
+        return Code.FAILED_PRECONDITION, str(e)
+    if isinstance(e, TypeError) and adapter is not None:
+        # An engine without adapter support rejects the keyword itself.
+        return (
+            Code.NOT_FOUND,
+            f"adapter {adapter!r} is not available: this model pod serves the base model only",
+        )
+    return Code.INTERNAL, f"internal error ({type(e).__name__}: {e}); see the model pod's log"
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    await context.abort(code, message)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+async def _require_serving(pod: ModelPod, context: grpc.aio.ServicerContext) -> None:
+    if pod.draining:
+        await _abort(context, Code.UNAVAILABLE, "model pod is draining (shutting down); send to another pod")
+    if not pod.ready:
+        await _abort(context, Code.UNAVAILABLE, "model pod is still loading its model; retry shortly")
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, pod: ModelPod, tracer: trace.Tracer) -> None:
+        self.pod, self.tracer = pod, tracer
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        pod = self.pod
+        await _require_serving(pod, context)
+        try:
+            kwargs = wire.engine_request(request)
+        except SpindleError as e:
+            await _abort(context, *status_for(e))
+        if request.HasField("model") and request.model != pod.model_name:
+            await _abort(
+                context,
+                Code.NOT_FOUND,
+                f"model {request.model!r} is not served here (this pod: {pod.model_name!r})",
+            )
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in pod.inflight:
+            await _abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await _abort(
+                context, Code.DEADLINE_EXCEEDED, "the deadline expired before the request was admitted"
+            )
+        adapter = kwargs.get("adapter")
+        span = trace.get_current_span()
+        _annotate_request(span, request, pod.model_name, rid, kwargs)
+        req = pod.begin(rid, adapter)
+        try:
+            await context.send_initial_metadata((("x-request-id", rid),))
+            async with contextlib.aclosing(pod.async_engine.generate(rid, **kwargs)) as stream:
+                try:
+                    async for out in stream:
+                        msg = wire.chunk(out)
+                        if msg is not None:
+                            req.on_tokens(time.monotonic(), len(out.new_token_ids))
+                            yield msg
+                        if out.finished:
+                            self._record(req, out, span)
+                            yield await self._final(req, out, context)
+                except (SpindleError, TypeError) as e:  # raised only at admission, before any output
+                    await _abort(context, *status_for(e, adapter))
+        finally:
+            pod.end(req)
+
+    async def _final(self, req: InFlight, out: Any, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        if out.finish_reason == "error":
+            await _abort(
+                context, Code.INTERNAL, f"request {req.request_id} failed in the engine: {out.error}"
+            )
+        if out.finish_reason == "abort" and req.request_id in self.pod.drain_aborted:
+            await _abort(
+                context,
+                Code.UNAVAILABLE,
+                f"model pod shut down; request aborted after {req.num_tokens} tokens (retry it elsewhere)",
+            )
+        return wire.final(out)
+
+    def _record(self, req: InFlight, out: Any, span: trace.Span) -> None:
+        """Metrics and the queue / prefill / decode spans, once the request is done."""
+        now = time.monotonic()
+        m, pod = self.pod.metrics, self.pod
+        admitted = pod.engine.admitted_at(req.request_id) or req.first_token or now
+        first = req.first_token or now
+        m.e2e.observe(now - req.arrival)
+        m.queue.observe(admitted - req.arrival)
+        if req.first_token is not None:
+            m.ttft.observe(first - req.arrival)
+            m.prefill.observe(first - admitted)
+            m.decode.observe(now - first)
+        for gap in req.itl:
+            m.itl.observe(gap)
+            m.tpot.observe(gap)
+        m.prompt_tokens.inc(out.num_prompt_tokens)
+        m.generation_tokens.inc(len(out.token_ids))
+        m.finished.labels(pod.model_name, out.finish_reason or "unknown").inc()
+        if not span.is_recording():
+            return
+        span.set_attribute(telemetry.INPUT_TOKENS, out.num_prompt_tokens)
+        span.set_attribute(telemetry.OUTPUT_TOKENS, len(out.token_ids))
+        span.set_attribute(telemetry.FINISH_REASONS, [out.finish_reason or "unknown"])
+        if req.first_token is not None:
+            span.set_attribute(telemetry.TIME_TO_FIRST_TOKEN, first - req.arrival)
+        if telemetry.capture_content():
+            span.set_attribute(
+                telemetry.OUTPUT_MESSAGES, json.dumps([{"role": "assistant", "content": out.text}])
+            )
+        ctx = trace.set_span_in_context(span)
+        for name, start, end in (
+            ("queue", req.arrival, admitted),
+            ("prefill", admitted, first),
+            ("decode", first, now),
+        ):
+            if end > start:
+                child = self.tracer.start_span(f"spindle.{name}", context=ctx, start_time=req.wall_ns(start))
+                child.end(end_time=req.wall_ns(end))
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if not request.request_id:
+            await _abort(context, Code.INVALID_ARGUMENT, "request_id is empty: name the request to abort")
+        if request.request_id not in self.pod.inflight or self.pod.async_engine is None:
+            await _abort(
+                context,
+                Code.NOT_FOUND,
+                f"no request {request.request_id!r} is in flight here (finished already?)",
+            )
+        self.pod.async_engine.abort(request.request_id)
+        return pb.AbortResponse()
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        pod = self.pod
+        await _require_serving(pod, context)
+        models = [pb.ModelInfo(id=pod.model_name, kind=pb.MODEL_KIND_BASE, max_model_len=pod.max_model_len)]
+        for a in await pod.adapters():
+            name = a if isinstance(a, str) else a.name
+            models.append(pb.ModelInfo(id=name, kind=pb.MODEL_KIND_ADAPTER, base_model=pod.model_name))
+        return pb.ListModelsResponse(models=models)
+
+
+def _annotate_request(
+    span: trace.Span, request: pb.GenerateRequest, model: str, rid: str, kwargs: dict
+) -> None:
+    if not span.is_recording():
+        return
+    params = kwargs["params"]
+    span.set_attribute(telemetry.OPERATION, "chat" if "messages" in kwargs else "text_completion")
+    span.set_attribute(telemetry.PROVIDER, "spindle")
+    span.set_attribute(telemetry.REQUEST_MODEL, model)
+    span.set_attribute(telemetry.RESPONSE_ID, rid)
+    span.set_attribute(telemetry.MAX_TOKENS, params.max_tokens)
+    span.set_attribute(telemetry.TEMPERATURE, params.temperature)
+    span.set_attribute(telemetry.TOP_P, params.top_p)
+    if params.top_k:
+        span.set_attribute(telemetry.TOP_K, params.top_k)
+    if params.seed is not None:
+        span.set_attribute(telemetry.SEED, params.seed)
+    if kwargs.get("adapter"):
+        span.set_attribute(telemetry.ADAPTER, kwargs["adapter"])
+    if telemetry.capture_content():
+        if "messages" in kwargs:
+            span.set_attribute(telemetry.INPUT_MESSAGES, json.dumps(kwargs["messages"]))
+        elif "prompt" in kwargs:
+            span.set_attribute(
+                telemetry.INPUT_MESSAGES, json.dumps([{"role": "user", "content": kwargs["prompt"]}])
+            )
+
+
+class PodStatusService(pod_status_pb2_grpc.PodStatusServicer):
+    def __init__(self, pod: ModelPod) -> None:
+        self.pod = pod
+
+    async def GetLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if self.pod.async_engine is None:
+            await _abort(context, Code.UNAVAILABLE, "model pod is still loading its model")
+        return await self.pod.load_report()
+
+
+class DrainOnlyControl(model_control_pb2_grpc.ModelControlServicer):
+    """ModelControl with Drain only; the adapter operations inherit UNIMPLEMENTED for now."""
+
+    def __init__(self, pod: ModelPod) -> None:
+        self.pod = pod
+
+    async def Drain(
+        self, request: model_control_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> model_control_pb2.DrainResponse:
+        timeout = request.timeout_seconds if request.HasField("timeout_seconds") else None
+        if timeout is not None and not 0 <= timeout <= 3600:
+            await _abort(
+                context, Code.INVALID_ARGUMENT, f"timeout_seconds must be in [0, 3600], got {timeout}"
+            )
+        finished, aborted = await self.pod.drain(timeout)
+        if request.exit:
+            self.pod.request_exit("Drain RPC asked to exit")
+        return model_control_pb2.DrainResponse(finished=finished, aborted=aborted)

@@ -1,0 +1,102 @@
+"""Between the wire (spindle.v1 messages) and the engine (keywords, SamplingParams, RequestOutput).
+
+Proto3 cannot tell an unset scalar from zero, so every sampling field is `optional` in the
+proto and copied here only when `HasField` says the caller set it: an unset temperature is the
+engine's default (1.0), never a silent 0 (greedy). Values are validated by the engine's own
+`SamplingParams.validate`, so the wire and `spindle generate` accept exactly the same requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from model_service.engine.sampling_params import SamplingParams
+from model_service.engine.sequence import RequestOutput
+from model_service.errors import InvalidRequestError
+from spindle.v1 import generation_pb2 as pb
+
+_REQUEST_FIELDS = ("max_tokens", "seed", "logprobs")
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "num_beams",
+    "length_penalty",
+)
+_EARLY_STOPPING = {
+    pb.EARLY_STOPPING_FALSE: False,
+    pb.EARLY_STOPPING_TRUE: True,
+    pb.EARLY_STOPPING_NEVER: "never",
+}
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+
+def engine_request(req: pb.GenerateRequest) -> dict[str, Any]:
+    """Keywords for `Engine.add_request` (all but request_id); raises InvalidRequestError."""
+    which = req.WhichOneof("prompt")
+    kwargs: dict[str, Any] = {}
+    if which is None:
+        raise InvalidRequestError("the request has no prompt: set one of `text`, `chat` or `token_ids`")
+    if which == "text":
+        kwargs["prompt"] = req.text
+    elif which == "chat":
+        for i, m in enumerate(req.chat.messages):
+            if not m.role:
+                raise InvalidRequestError(f"chat.messages[{i}] has no role (system, user or assistant)")
+        kwargs["messages"] = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+    else:
+        kwargs["prompt_token_ids"] = list(req.token_ids.ids)
+    kwargs["params"] = sampling_params(req)
+    if req.HasField("priority"):
+        kwargs["priority"] = req.priority
+    if req.HasField("adapter"):
+        if not req.adapter:
+            raise InvalidRequestError("adapter is set but empty; leave it unset to use the base model")
+        kwargs["adapter"] = req.adapter
+    return kwargs
+
+
+def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
+    d: dict[str, Any] = {name: getattr(req, name) for name in _REQUEST_FIELDS if req.HasField(name)}
+    if req.stop:
+        d["stop"] = list(req.stop)
+    s = req.sampling
+    d.update({name: getattr(s, name) for name in _SAMPLING_FIELDS if s.HasField(name)})
+    if s.stop_token_ids:
+        d["stop_token_ids"] = list(s.stop_token_ids)
+    if s.early_stopping != pb.EARLY_STOPPING_UNSPECIFIED:
+        if s.early_stopping not in _EARLY_STOPPING:
+            raise InvalidRequestError(f"early_stopping has unknown value {s.early_stopping}")
+        d["early_stopping"] = _EARLY_STOPPING[s.early_stopping]
+    return SamplingParams.from_dict(d)
+
+
+def chunk(out: RequestOutput) -> pb.GenerateResponse | None:
+    """The tokens and text this output adds, or None when it adds nothing."""
+    if not out.new_token_ids and not out.new_text:
+        return None
+    c = pb.Chunk(token_ids=out.new_token_ids, text=out.new_text)
+    if out.new_logprobs and len(out.new_logprobs) == len(out.new_token_ids):
+        for token, lp in zip(out.new_token_ids, out.new_logprobs, strict=True):
+            top = [pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+            c.logprobs.append(pb.TokenLogprob(token_id=token, logprob=lp.logprob, top=top))
+    return pb.GenerateResponse(request_id=out.request_id, chunk=c)
+
+
+def final(out: RequestOutput) -> pb.GenerateResponse:
+    f = pb.Final(
+        finish_reason=_FINISH.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
+        usage=pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.token_ids)),
+    )
+    if isinstance(out.stop_reason, str):
+        f.stop_string = out.stop_reason
+    elif isinstance(out.stop_reason, int):
+        f.stop_token_id = out.stop_reason
+    return pb.GenerateResponse(request_id=out.request_id, final=f)

@@ -1,0 +1,55 @@
+"""Every command-line flag can also come from the environment, as `SPINDLE_<FLAG>`.
+
+Kubernetes manifests (and the Helm chart) configure containers through environment variables;
+flags are what a person types. One rule maps the two: `--max-num-seqs` is `SPINDLE_MAX_NUM_SEQS`.
+A flag given on the command line wins over the variable, which wins over the built-in default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+
+PREFIX = "SPINDLE_"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def env_name(option: str) -> str:
+    return PREFIX + option.lstrip("-").upper().replace("-", "_")
+
+
+def apply_env(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """Make each long option of `parser` default to its environment variable, and say so in --help."""
+    environ = os.environ if environ is None else environ
+    # argparse has no public list of its actions; `_actions` is stable across every Python 3 release.
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-")]
+        if not longs or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            continue
+        name = env_name(longs[0])
+        if action.help is not argparse.SUPPRESS and name not in (action.help or ""):
+            action.help = f"{action.help or ''} [env {name}]".strip()
+        raw = environ.get(name)
+        if raw is None or raw == "":
+            continue
+        try:
+            action.default = _convert(action, raw)
+        except (TypeError, ValueError) as e:
+            parser.error(f"environment variable {name}={raw!r}: {e}")
+        action.required = False
+
+
+def _convert(action: argparse.Action, raw: str) -> object:
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+        value = raw.strip().lower()
+        if value not in _TRUE | _FALSE:
+            raise ValueError("expected true or false")
+        on = value in _TRUE
+        return on if action.const is not False else not on  # store_false flags invert
+    convert = action.type or str
+    many = isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+")
+    values = [convert(v.strip()) for v in raw.split(",") if v.strip()] if many else [convert(raw)]
+    if action.choices is not None and any(v not in action.choices for v in values):
+        raise ValueError(f"expected one of {sorted(map(str, action.choices))}")
+    return values if many else values[0]

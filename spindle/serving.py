@@ -1,0 +1,77 @@
+"""What the gRPC servers (model pod, gateway) share: construction, health, reflection, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+_OPTIONS = [
+    # gRPC sets SO_REUSEPORT by default, which lets a second server silently share a port that is in
+    # use (and the kernel split connections between them). A port conflict must be an error.
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+def make_server(interceptors: Iterable[Any] = ()) -> grpc.aio.Server:
+    return grpc.aio.server(interceptors=list(interceptors), options=_OPTIONS)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Listen on host:port (port 0 = any free one); returns the port, or raises with a clear message."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise OSError(f"cannot listen on {address}: {e} (is the port in use?)") from e
+    if bound == 0:
+        raise OSError(f"cannot listen on {address} (is the port in use?)")
+    return bound
+
+
+class Health:
+    """grpc.health.v1 for the whole server ("") and each named service, starting NOT_SERVING."""
+
+    def __init__(self, server: grpc.aio.Server, services: Iterable[str]) -> None:
+        self.servicer = health_aio.HealthServicer()
+        self.services = ["", *services]
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        # The aio servicer starts with "" SERVING; nothing may route here before we say so.
+        self.servicer._server_status[""] = NOT_SERVING
+        self.serving = False
+
+    async def set(self, serving: bool) -> None:
+        self.serving = serving
+        for name in self.services:
+            await self.servicer.set(name, SERVING if serving else NOT_SERVING)
+
+
+def enable_reflection(server: grpc.aio.Server, services: Iterable[str]) -> None:
+    """Server reflection, so `grpcurl -plaintext HOST:PORT list` and `describe` work without protos."""
+    reflection.enable_server_reflection([*services, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
+
+
+def on_shutdown_signal(callback: Callable[[str], None]) -> None:
+    """Call `callback(signal name)` on the running loop for SIGTERM (Kubernetes) and SIGINT (Ctrl-C)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, callback, sig.name)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,108 @@
+"""OpenTelemetry for the gRPC services: one trace per request, gateway -> model pod.
+
+Configured only by the standard variables, so a cluster's OTel setup applies unchanged:
+`OTEL_SDK_DISABLED`, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER(_ARG)`,
+`OTEL_TRACES_EXPORTER` (`otlp`, `console`, `none`; default `otlp` when an
+`OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT` is set, else `none`: spans are still made and their
+context still crosses to the pods, but nothing is exported and nobody sees connection errors to a
+collector that does not exist), and the exporter's own `OTEL_EXPORTER_OTLP_*` settings.
+
+W3C trace context travels in gRPC metadata through opentelemetry-instrumentation-grpc's
+interceptors. Health checks, reflection and the gateway's load polls are not traced: at one
+poll per pod per second they would drown the requests. Prompt and completion text are recorded
+only when `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true` (the GenAI convention's switch).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+from opentelemetry.instrumentation.grpc import filters as grpc_filters
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+log = logging.getLogger(__name__)
+
+# GenAI semantic-convention attribute names (https://opentelemetry.io/docs/specs/semconv/gen-ai/).
+OPERATION = "gen_ai.operation.name"
+PROVIDER = "gen_ai.provider.name"
+REQUEST_MODEL = "gen_ai.request.model"
+RESPONSE_ID = "gen_ai.response.id"
+MAX_TOKENS = "gen_ai.request.max_tokens"
+TEMPERATURE = "gen_ai.request.temperature"
+TOP_P = "gen_ai.request.top_p"
+TOP_K = "gen_ai.request.top_k"
+SEED = "gen_ai.request.seed"
+INPUT_TOKENS = "gen_ai.usage.input_tokens"
+OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+FINISH_REASONS = "gen_ai.response.finish_reasons"
+INPUT_MESSAGES = "gen_ai.input.messages"
+OUTPUT_MESSAGES = "gen_ai.output.messages"
+TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token"
+# Ours: the GenAI conventions have no LoRA adapter attribute yet.
+ADAPTER = "spindle.adapter"
+
+_UNTRACED = grpc_filters.negate(
+    grpc_filters.any_of(
+        grpc_filters.health_check(),
+        grpc_filters.service_prefix("grpc.reflection."),
+        grpc_filters.service_name("spindle.v1.PodStatus"),
+    )
+)
+
+
+def capture_content() -> bool:
+    return os.environ.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "").lower() == "true"
+
+
+def tracer_provider_from_env(default_service_name: str) -> TracerProvider | None:
+    """A TracerProvider with the exporters the environment asks for; None when the SDK is disabled."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    resource = Resource.create({"service.name": default_service_name}).merge(OTELResourceDetector().detect())
+    provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER
+    for exporter in _exporters_from_env():
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+def _exporters_from_env() -> list[Any]:
+    endpoint_set = any(
+        os.environ.get(v) for v in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+    names = os.environ.get("OTEL_TRACES_EXPORTER", "otlp" if endpoint_set else "none")
+    exporters: list[Any] = []
+    for name in (n.strip().lower() for n in names.split(",") if n.strip()):
+        if name == "otlp":
+            protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
+                "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
+            )
+            if protocol != "grpc":
+                log.warning("OTLP protocol %r is not installed; exporting over OTLP/gRPC", protocol)
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            exporters.append(OTLPSpanExporter())
+        elif name == "console":
+            exporters.append(ConsoleSpanExporter())
+        elif name != "none":
+            log.warning("OTEL_TRACES_EXPORTER=%r is not supported (otlp, console, none); ignored", name)
+    return exporters
+
+
+def server_interceptors(provider: TracerProvider | None) -> list[Any]:
+    """Continue the caller's trace (W3C `traceparent` metadata) in a server span per RPC."""
+    return [] if provider is None else [aio_server_interceptor(tracer_provider=provider, filter_=_UNTRACED)]
+
+
+def client_interceptors(provider: TracerProvider | None) -> list[Any]:
+    """A client span per outgoing RPC, its context injected into the call's metadata."""
+    return [] if provider is None else aio_client_interceptors(tracer_provider=provider, filter_=_UNTRACED)
+
+
+def get_tracer(name: str, provider: TracerProvider | None) -> trace.Tracer:
+    return trace.get_tracer(name, tracer_provider=provider or trace.NoOpTracerProvider())

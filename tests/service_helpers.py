@@ -1,0 +1,131 @@
+"""Real service processes on loopback for the service tests: start, wait for SERVING, stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from spindle.v1 import generation_pb2 as pb
+from spindle.v1 import generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    proc: subprocess.Popen
+    address: str
+    log: Path
+    statuses: list[int] = field(default_factory=list)  # health statuses seen while waiting
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def spawn(command: str, args: list[str], log_dir: Path, name: str) -> Service:
+    port = free_port()
+    log = log_dir / f"{name}.log"
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OTEL_SDK_DISABLED": "true"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "model_service.cli",
+        command,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    return Service(proc, f"127.0.0.1:{port}", log)
+
+
+def spawn_pod(model: str, log_dir: Path, name: str = "pod", *extra: str) -> Service:
+    return spawn(
+        "serve", ["--model", model, "--metrics-port", "0", "--num-kv-blocks", "64", *extra], log_dir, name
+    )
+
+
+def wait_serving(service: Service, timeout: float = 120.0) -> Service:
+    deadline = time.monotonic() + timeout
+    with service.channel() as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if service.proc.poll() is not None:
+                raise RuntimeError(f"{service.address} exited {service.proc.returncode}:\n{service.output()}")
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                service.statuses.append(status)
+                if status == SERVING:
+                    return service
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise TimeoutError(f"{service.address} not SERVING after {timeout} s:\n{service.output()}")
+
+
+def load(service: Service) -> pod_status_pb2.PodLoad:
+    with service.channel() as ch:
+        return pod_status_pb2_grpc.PodStatusStub(ch).GetLoad(pod_status_pb2.GetLoadRequest(), timeout=5)
+
+
+def wait_idle(service: Service, timeout: float = 10.0) -> pod_status_pb2.PodLoad:
+    """Until the pod runs nothing and every KV block is free again (the engine freed everything)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rep = load(service)
+        idle = rep.num_running == 0 and rep.num_waiting == 0 and rep.requests_in_flight == 0
+        if idle and rep.kv_blocks_free == rep.kv_blocks_total:
+            return rep
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pod {service.address} not idle: {rep}")
+        time.sleep(0.05)
+
+
+def token_request(ids: list[int], max_tokens: int, **sampling: object) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_tokens=max_tokens)
+    req.sampling.ignore_eos = True
+    for k, v in sampling.items():
+        setattr(req.sampling, k, v)
+    return req
+
+
+def stub(channel: grpc.Channel) -> generation_pb2_grpc.GenerationStub:
+    return generation_pb2_grpc.GenerationStub(channel)
+
+
+def collect(responses) -> tuple[list[int], list[pb.GenerateResponse]]:
+    """All token ids of a stream, and its messages."""
+    msgs = list(responses)
+    return [t for m in msgs if m.HasField("chunk") for t in m.chunk.token_ids], msgs
