@@ -1,0 +1,115 @@
+"""API keys: who may call the gateway, and which adapters each caller may use.
+
+Keys come from a file, or a directory of files (a Kubernetes Secret mounted as a volume: one
+file per Secret key). Each non-blank, non-comment line is
+
+    NAME  KEY  ADAPTERS
+
+NAME labels the caller in logs and traces (the key itself is never logged); ADAPTERS is `*`
+(any), `-` (the base model only) or a comma-separated list. The files are re-read when they
+change, so rotating a Secret needs no restart. Callers send `authorization: Bearer KEY`
+(or `x-api-key: KEY`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class AuthError(Exception):
+    """`unauthenticated` = no valid key (UNAUTHENTICATED); else a known caller asked too much."""
+
+    def __init__(self, message: str, unauthenticated: bool) -> None:
+        super().__init__(message)
+        self.unauthenticated = unauthenticated
+
+
+@dataclass(frozen=True)
+class Caller:
+    name: str
+    adapters: frozenset[str] | None  # None = any adapter
+
+    def may_use(self, adapter: str | None) -> bool:
+        return adapter is None or self.adapters is None or adapter in self.adapters
+
+
+ANONYMOUS = Caller("anonymous", None)
+
+
+def _digest(key: str) -> bytes:
+    # Looked up by digest, so comparing against the table never short-circuits on the key's bytes.
+    return hashlib.sha256(key.encode()).digest()
+
+
+def parse_keys(text: str, source: str) -> dict[bytes, Caller]:
+    keys: dict[bytes, Caller] = {}
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 3:
+            raise ValueError(f"{source}:{n}: expected `NAME KEY ADAPTERS` (ADAPTERS: *, - or a,b,c)")
+        name, key, adapters = parts
+        allowed = (
+            None if adapters == "*" else frozenset() if adapters == "-" else frozenset(adapters.split(","))
+        )
+        keys[_digest(key)] = Caller(name, allowed)
+    return keys
+
+
+class ApiKeys:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._stamp: tuple = ()
+        self._keys: dict[bytes, Caller] = {}
+        self.reload()
+        if not self._keys:
+            raise ValueError(f"{self.path}: no API keys found")
+
+    def _files(self) -> list[Path]:
+        if self.path.is_dir():  # skip Kubernetes' ..data links and other hidden entries
+            return sorted(p for p in self.path.iterdir() if p.is_file() and not p.name.startswith("."))
+        return [self.path]
+
+    def reload(self) -> bool:
+        """Re-read the keys if a file changed; True when they did. A broken edit keeps the old keys."""
+        files = self._files()
+        stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in files)
+        if stamp == self._stamp:
+            return False
+        keys: dict[bytes, Caller] = {}
+        try:
+            for p in files:
+                keys.update(parse_keys(p.read_text(), str(p)))
+        except (OSError, ValueError) as e:
+            if not self._keys:
+                raise
+            log.error("API keys not reloaded, keeping the previous ones: %s", e)
+            return False
+        self._keys, self._stamp = keys, stamp
+        log.info("loaded %d API keys from %s", len(keys), self.path)
+        return True
+
+    def authenticate(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> Caller:
+        key = None
+        for k, v in metadata or ():
+            value = v.decode() if isinstance(v, bytes) else v
+            if k == "authorization" and value.lower().startswith("bearer "):
+                key = value[7:].strip()
+            elif k == "x-api-key":
+                key = value.strip()
+        if not key:
+            raise AuthError(
+                "missing API key: send metadata `authorization: Bearer <key>`", unauthenticated=True
+            )
+        caller = self._keys.get(_digest(key))
+        if caller is None:
+            raise AuthError("invalid API key", unauthenticated=True)
+        return caller

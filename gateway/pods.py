@@ -1,0 +1,183 @@
+"""The model pods behind the gateway: discovery, health, load, ejection.
+
+Pods come from a static list or from the DNS name of a Kubernetes headless Service (one A/AAAA
+record per ready pod), re-resolved periodically. Every `interval` seconds each pod gets a
+`grpc.health.v1` check and a PodStatus.GetLoad; the load feeds the router. A pod that answers
+NOT_SERVING (loading, draining) leaves the rotation at once; one that fails `failure_threshold`
+checks in a row (timeouts, refused connections) is ejected; a request that finds a pod
+UNAVAILABLE ejects it on the spot. Any ejected pod returns after one good check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.router import Candidate
+from spindle.v1 import generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [
+    # Reconnect quickly after a pod restarts (the default backoff grows to two minutes).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    # Notice a peer that vanished without closing the connection.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+
+
+class Pod:
+    def __init__(self, address: str, interceptors: Iterable[Any]) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(
+            address, options=_CHANNEL_OPTIONS, interceptors=list(interceptors)
+        )
+        self.generation = generation_pb2_grpc.GenerationStub(self.channel)
+        self.status = pod_status_pb2_grpc.PodStatusStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.healthy = False
+        self.failures = 0
+        self.last_error = ""
+        self.load: pod_status_pb2.PodLoad | None = None
+        self.in_flight = 0  # streams this gateway has open to the pod
+
+    def candidate(self) -> Candidate:
+        load = self.load or pod_status_pb2.PodLoad()
+        return Candidate(
+            address=self.address,
+            num_waiting=load.num_waiting,
+            kv_usage=load.kv_usage,
+            resident_adapters=set(load.resident_adapters),
+            waiting_adapters=set(load.waiting_adapters),
+            max_adapters=load.max_adapters,
+        )
+
+
+def static_discovery(addresses: list[str]) -> Callable[[], Awaitable[list[str]]]:
+    async def discover() -> list[str]:
+        return list(addresses)
+
+    return discover
+
+
+def dns_discovery(target: str) -> Callable[[], Awaitable[list[str]]]:
+    """`name:port` of a headless Service: every address it resolves to is a pod."""
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--pods-dns wants HOST:PORT, got {target!r}")
+
+    async def discover() -> list[str]:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        return sorted({f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos})
+
+    return discover
+
+
+class PodPool:
+    def __init__(
+        self,
+        discover: Callable[[], Awaitable[list[str]]],
+        *,
+        interval: float = 1.0,
+        timeout: float = 1.0,
+        failure_threshold: int = 2,
+        discovery_interval: float = 5.0,
+        interceptors: Iterable[Any] = (),
+        on_change: Callable[[], Awaitable[None]] | None = None,
+        on_eject: Callable[[str], None] | None = None,
+    ) -> None:
+        self.discover = discover
+        self.interval, self.timeout = interval, timeout
+        self.failure_threshold = failure_threshold
+        self.discovery_interval = discovery_interval
+        self.interceptors = list(interceptors)
+        self.on_change, self.on_eject = on_change, on_eject
+        self.pods: dict[str, Pod] = {}
+        self._last_discovery = float("-inf")
+        self._task: asyncio.Task | None = None
+
+    def healthy(self, exclude: Iterable[str] = ()) -> list[Pod]:
+        skip = set(exclude)
+        return [p for p in self.pods.values() if p.healthy and p.address not in skip]
+
+    def eject(self, pod: Pod, why: str) -> None:
+        was_healthy = pod.healthy
+        pod.healthy, pod.last_error = False, why
+        pod.failures = max(pod.failures, self.failure_threshold)
+        if was_healthy:
+            log.warning("ejecting model pod %s: %s", pod.address, why)
+            if self.on_eject is not None:
+                self.on_eject(pod.address)
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.gather(*(p.channel.close() for p in self.pods.values()), return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.refresh()
+            except Exception:  # the loop must outlive any one bad refresh
+                log.exception("pod refresh failed")
+
+    async def refresh(self) -> None:
+        if time.monotonic() - self._last_discovery >= self.discovery_interval:
+            await self._rediscover()
+        await asyncio.gather(*(self._check(p) for p in list(self.pods.values())))
+        if self.on_change is not None:
+            await self.on_change()
+
+    async def _rediscover(self) -> None:
+        try:
+            addresses = set(await self.discover())
+        except OSError as e:
+            log.warning("pod discovery failed, keeping %d known pods: %s", len(self.pods), e)
+            return
+        self._last_discovery = time.monotonic()
+        for address in addresses - self.pods.keys():
+            log.info("discovered model pod %s", address)
+            self.pods[address] = Pod(address, self.interceptors)
+        for address in self.pods.keys() - addresses:
+            log.info("model pod %s is gone from discovery", address)
+            pod = self.pods.pop(address)
+            if self.on_eject is not None:
+                self.on_eject(address)
+            await pod.channel.close()
+
+    async def _check(self, pod: Pod) -> None:
+        try:
+            reply = await pod.health.Check(
+                health_pb2.HealthCheckRequest(service="spindle.v1.Generation"), timeout=self.timeout
+            )
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                self.eject(pod, "health check says NOT_SERVING")
+                return
+            load = await pod.status.GetLoad(pod_status_pb2.GetLoadRequest(), timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            pod.failures += 1
+            pod.last_error = f"{e.code().name}: {e.details()}"
+            if pod.failures >= self.failure_threshold:
+                self.eject(pod, f"{pod.failures} failed checks, last: {pod.last_error}")
+            return
+        pod.load, pod.failures = load, 0
+        if not pod.healthy:
+            log.info("model pod %s is healthy", pod.address)
+            pod.healthy = True

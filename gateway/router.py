@@ -1,0 +1,89 @@
+"""Choosing a model pod for a request, scored as the Gateway API Inference Extension scores.
+
+Each healthy pod gets the weighted sum of four scores in [0, 1]; the best wins, ties broken at
+random so equal pods share the load:
+
+- adapter affinity: 1.0 the adapter is resident in a slot, 0.8 a slot is free to load it,
+  0.6 requests waiting there already asked for it (it is being loaded), 0 the pod is full.
+  A base-model request scores 1.0 everywhere;
+- prefix locality: the fraction of the prompt's leading blocks last sent to that pod;
+- queue depth: the pod's reported waiting requests, scaled between the least (1.0) and the
+  most (0.0) loaded candidate;
+- KV cache: 1 - the pod's KV usage.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+ADAPTER_RESIDENT, ADAPTER_ROOM, ADAPTER_WAITING, ADAPTER_FULL = 1.0, 0.8, 0.6, 0.0
+
+
+@dataclass
+class Candidate:
+    """What the router knows of one pod: its last load report."""
+
+    address: str
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    resident_adapters: set[str] = field(default_factory=set)
+    waiting_adapters: set[str] = field(default_factory=set)
+    max_adapters: int = 0
+
+
+@dataclass
+class Weights:
+    adapter: float = 1.0
+    prefix: float = 1.0
+    queue: float = 1.0
+    kv: float = 1.0
+
+
+def adapter_score(pod: Candidate, adapter: str | None) -> float:
+    if adapter is None:
+        return 1.0
+    if adapter in pod.resident_adapters:
+        return ADAPTER_RESIDENT
+    if len(pod.resident_adapters) < pod.max_adapters:
+        return ADAPTER_ROOM
+    if adapter in pod.waiting_adapters:
+        return ADAPTER_WAITING
+    return ADAPTER_FULL
+
+
+def queue_scores(pods: list[Candidate]) -> dict[str, float]:
+    lo, hi = min(p.num_waiting for p in pods), max(p.num_waiting for p in pods)
+    return {p.address: 1.0 if hi == lo else (hi - p.num_waiting) / (hi - lo) for p in pods}
+
+
+def score(
+    pods: list[Candidate], adapter: str | None, prefix: dict[str, float], weights: Weights | None = None
+) -> dict[str, float]:
+    w = weights or Weights()
+    if not pods:
+        return {}
+    queue = queue_scores(pods)
+    return {
+        p.address: w.adapter * adapter_score(p, adapter)
+        + w.prefix * prefix.get(p.address, 0.0)
+        + w.queue * queue[p.address]
+        + w.kv * (1.0 - p.kv_usage)
+        for p in pods
+    }
+
+
+def choose(
+    pods: list[Candidate],
+    adapter: str | None,
+    prefix: dict[str, float],
+    weights: Weights | None = None,
+    rng: random.Random | None = None,
+) -> str | None:
+    """The address of the best pod, or None when there is none."""
+    scores = score(pods, adapter, prefix, weights)
+    if not scores:
+        return None
+    best = max(scores.values())
+    top = sorted(a for a, s in scores.items() if s >= best - 1e-9)
+    return (rng or random).choice(top)

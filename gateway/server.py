@@ -1,0 +1,321 @@
+"""`spindle gateway`: one door in front of the model pods.
+
+It authenticates the caller (API key), checks which adapters the key may use, picks a pod
+(gateway/router.py), and relays the pod's stream. A request is retried on another pod only
+while no token has reached the caller: once text is out, a pod failure ends the stream with
+UNAVAILABLE, promptly, rather than repeating or mixing output. The caller's deadline is passed
+on to the pod and cancellation travels with it, so an abandoned request frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+from opentelemetry import trace
+
+from gateway import prefix, router
+from gateway.auth import ANONYMOUS, ApiKeys, AuthError, Caller
+from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
+from spindle import envflags, serving, telemetry
+from spindle.v1 import generation_pb2 as pb
+from spindle.v1 import generation_pb2_grpc
+
+log = logging.getLogger("spindle.gateway")
+Code = grpc.StatusCode
+SERVICES = ("spindle.v1.Generation",)
+_RETRYABLE = (Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED)
+
+
+@dataclass
+class Routed:
+    caller: Caller
+    pod: Pod
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    await context.abort(code, message)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+class GatewayService(generation_pb2_grpc.GenerationServicer):
+    def __init__(
+        self,
+        pool: PodPool,
+        keys: ApiKeys | None,
+        max_attempts: int = 3,
+        weights: router.Weights | None = None,
+    ) -> None:
+        self.pool, self.keys = pool, keys
+        self.max_attempts, self.weights = max_attempts, weights
+        self.prefixes = prefix.PrefixIndex()
+        self.inflight: dict[str, Routed] = {}
+        self.draining = False
+
+    async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        if self.keys is None:
+            return ANONYMOUS
+        try:
+            return self.keys.authenticate(context.invocation_metadata())
+        except AuthError as e:
+            await _abort(context, Code.UNAUTHENTICATED, str(e))
+
+    def _choose(self, req: pb.GenerateRequest, hashes: list[bytes], tried: set[str]) -> Pod | None:
+        pods = self.pool.healthy(exclude=tried)
+        adapter = req.adapter if req.HasField("adapter") else None
+        matched = self.prefixes.match(hashes, [p.address for p in pods])
+        address = router.choose([p.candidate() for p in pods], adapter, matched, self.weights)
+        return self.pool.pods.get(address) if address else None
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        caller = await self._caller(context)
+        if self.draining:
+            await _abort(context, Code.UNAVAILABLE, "the gateway is shutting down; retry")
+        if request.WhichOneof("prompt") is None:
+            await _abort(
+                context, Code.INVALID_ARGUMENT, "the request has no prompt: set `text`, `chat` or `token_ids`"
+            )
+        adapter = request.adapter if request.HasField("adapter") else None
+        if not caller.may_use(adapter):
+            allowed = "none" if not caller.adapters else ", ".join(sorted(caller.adapters))
+            await _abort(
+                context,
+                Code.PERMISSION_DENIED,
+                f"API key {caller.name!r} may not use adapter {adapter!r} (allowed: {allowed})",
+            )
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in self.inflight:
+            await _abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+        upstream = pb.GenerateRequest()
+        upstream.CopyFrom(request)
+        upstream.request_id = rid
+        span = trace.get_current_span()
+        _annotate(span, request, caller, rid)
+        hashes = prefix.block_hashes(upstream)
+        await context.send_initial_metadata((("x-request-id", rid),))
+        tried: set[str] = set()
+        last_error = "no healthy model pod"
+        try:
+            for attempt in range(1, self.max_attempts + 1):
+                pod = self._choose(upstream, hashes, tried)
+                if pod is None:
+                    break
+                tried.add(pod.address)
+                self.inflight[rid] = Routed(caller, pod)
+                self.prefixes.record(hashes, pod.address)
+                if span.is_recording():
+                    span.set_attribute("spindle.pod", pod.address)
+                    span.set_attribute("spindle.attempts", attempt)
+                streamed = 0
+                pod.in_flight += 1
+                call = pod.generation.Generate(upstream, timeout=context.time_remaining())
+                try:
+                    async for resp in call:
+                        if resp.HasField("chunk"):
+                            streamed += len(resp.chunk.token_ids) or 1
+                        elif resp.HasField("final") and span.is_recording():
+                            _annotate_final(span, resp.final)
+                        yield resp
+                    return
+                except grpc.aio.AioRpcError as e:
+                    code, details = e.code(), e.details()
+                    if code == Code.UNAVAILABLE:
+                        self.pool.eject(pod, f"Generate failed: {details}")
+                    if streamed == 0 and code in _RETRYABLE:
+                        last_error = f"{pod.address}: {code.name}: {details}"
+                        log.info("retrying %s on another pod after %s", rid, last_error)
+                        continue
+                    if code == Code.UNAVAILABLE:
+                        details = f"model pod failed after {streamed} tokens ({details}); not retried"
+                    await _abort(context, code, details)
+                finally:
+                    pod.in_flight -= 1
+                    call.cancel()
+            await _abort(context, Code.UNAVAILABLE, f"no model pod could take the request ({last_error})")
+        finally:
+            self.inflight.pop(rid, None)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        caller = await self._caller(context)
+        if not request.request_id:
+            await _abort(context, Code.INVALID_ARGUMENT, "request_id is empty: name the request to abort")
+        routed = self.inflight.get(request.request_id)
+        if routed is None or routed.caller != caller:  # another caller's request does not exist for you
+            await _abort(context, Code.NOT_FOUND, f"no request {request.request_id!r} of yours is in flight")
+        try:
+            return await routed.pod.generation.Abort(request, timeout=_remaining(context, 5.0))
+        except grpc.aio.AioRpcError as e:
+            await _abort(context, e.code(), e.details())
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        caller = await self._caller(context)
+        pods = self.pool.healthy()
+        if not pods:
+            await _abort(context, Code.UNAVAILABLE, "no healthy model pod")
+        replies = await asyncio.gather(
+            *(p.generation.ListModels(request, timeout=_remaining(context, 5.0)) for p in pods),
+            return_exceptions=True,
+        )
+        seen: dict[str, pb.ModelInfo] = {}
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                continue
+            for m in reply.models:
+                if m.kind != pb.MODEL_KIND_ADAPTER or caller.may_use(m.id):
+                    seen.setdefault(m.id, m)
+        if not seen:
+            await _abort(context, Code.UNAVAILABLE, "no model pod answered ListModels")
+        return pb.ListModelsResponse(models=sorted(seen.values(), key=lambda m: (m.kind, m.id)))
+
+
+def _remaining(context: grpc.aio.ServicerContext, default: float) -> float:
+    left = context.time_remaining()
+    return default if left is None else min(left, default)
+
+
+def _annotate(span: trace.Span, req: pb.GenerateRequest, caller: Caller, rid: str) -> None:
+    if not span.is_recording():
+        return
+    span.set_attribute(
+        telemetry.OPERATION, "chat" if req.WhichOneof("prompt") == "chat" else "text_completion"
+    )
+    span.set_attribute(telemetry.PROVIDER, "spindle")
+    span.set_attribute(telemetry.RESPONSE_ID, rid)
+    span.set_attribute("spindle.caller", caller.name)
+    if req.HasField("model"):
+        span.set_attribute(telemetry.REQUEST_MODEL, req.model)
+    if req.HasField("adapter"):
+        span.set_attribute(telemetry.ADAPTER, req.adapter)
+    if req.HasField("max_tokens"):
+        span.set_attribute(telemetry.MAX_TOKENS, req.max_tokens)
+
+
+def _annotate_final(span: trace.Span, final: pb.Final) -> None:
+    span.set_attribute(telemetry.INPUT_TOKENS, final.usage.prompt_tokens)
+    span.set_attribute(telemetry.OUTPUT_TOKENS, final.usage.completion_tokens)
+    span.set_attribute(telemetry.FINISH_REASONS, [pb.FinishReason.Name(final.finish_reason)])
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.description = "Run the gateway: authenticate, route and relay requests to model pods over gRPC."
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="address to listen on [0.0.0.0]")
+    g.add_argument("--port", type=int, default=50051, help="gRPC port [50051]")
+    g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]")
+    g.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds for in-flight streams [30]"
+    )
+    d = parser.add_argument_group("model pods")
+    d.add_argument("--pods", default="", help="static list of model pods, HOST:PORT,HOST:PORT")
+    d.add_argument("--pods-dns", default="", help="HOST:PORT of a headless Service; each address is a pod")
+    d.add_argument("--discovery-interval", type=float, default=5.0, help="seconds between DNS lookups [5]")
+    d.add_argument("--health-interval", type=float, default=1.0, help="seconds between pod checks [1]")
+    d.add_argument("--health-timeout", type=float, default=1.0, help="seconds a pod check may take [1]")
+    d.add_argument(
+        "--failure-threshold", type=int, default=2, help="failed checks in a row that eject a pod [2]"
+    )
+    d.add_argument(
+        "--max-attempts", type=int, default=3, help="pods tried for a request before its first token [3]"
+    )
+    a = parser.add_argument_group("authentication")
+    a.add_argument(
+        "--api-keys-file",
+        default="",
+        help="file or directory (mounted Secret) of `NAME KEY ADAPTERS` lines; see gateway/auth.py",
+    )
+    a.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve without API keys (local use only; every caller may use every adapter)",
+    )
+    envflags.apply_env(parser)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    serving.setup_logging(args.log_level)
+    if bool(args.pods) == bool(args.pods_dns):
+        raise SystemExit("spindle gateway: give exactly one of --pods HOST:PORT,... or --pods-dns HOST:PORT")
+    if not args.api_keys_file and not args.allow_unauthenticated:
+        raise SystemExit("spindle gateway: give --api-keys-file, or --allow-unauthenticated for local use")
+    return asyncio.run(serve(args))
+
+
+async def serve(args: argparse.Namespace) -> int:
+    provider = telemetry.tracer_provider_from_env("spindle-gateway")
+    gateway, server, health = await start(args, provider)
+    stop = asyncio.Event()
+    serving.on_shutdown_signal(lambda why: stop.set())
+    await stop.wait()
+    log.info("draining")
+    await shutdown(gateway, server, health, args.drain_timeout)
+    if provider is not None:
+        provider.shutdown()
+    return 0
+
+
+async def start(
+    args: argparse.Namespace, provider: Any = None
+) -> tuple[GatewayService, grpc.aio.Server, Any]:
+    """Build, bind and start a gateway (also used in-process by tests and the benchmark)."""
+    keys = ApiKeys(args.api_keys_file) if args.api_keys_file else None
+    if keys is None:
+        log.warning("no API keys: every caller is accepted (--allow-unauthenticated)")
+    discover = (
+        dns_discovery(args.pods_dns)
+        if args.pods_dns
+        else static_discovery([a.strip() for a in args.pods.split(",") if a.strip()])
+    )
+    server = serving.make_server(telemetry.server_interceptors(provider))
+    health = serving.Health(server, SERVICES)
+    gateway: GatewayService
+
+    async def on_change() -> None:
+        if keys is not None:
+            keys.reload()
+        await health.set(bool(pool.healthy()) and not gateway.draining)
+
+    pool = PodPool(
+        discover,
+        interval=args.health_interval,
+        timeout=args.health_timeout,
+        failure_threshold=args.failure_threshold,
+        discovery_interval=args.discovery_interval,
+        interceptors=telemetry.client_interceptors(provider),
+        on_change=on_change,
+        on_eject=lambda address: gateway.prefixes.forget_pod(address),
+    )
+    gateway = GatewayService(pool, keys, max_attempts=args.max_attempts)
+    generation_pb2_grpc.add_GenerationServicer_to_server(gateway, server)
+    serving.enable_reflection(server, SERVICES)
+    port = serving.bind(server, args.host, args.port)
+    await server.start()
+    await pool.start()
+    log.info("gateway listening on %s:%d in front of %d pods", args.host, port, len(pool.pods))
+    return gateway, server, health
+
+
+async def shutdown(
+    gateway: GatewayService, server: grpc.aio.Server, health: Any, drain_timeout: float
+) -> None:
+    gateway.draining = True
+    await health.set(False)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + drain_timeout
+    while gateway.inflight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(grace=1.0)
+    await gateway.pool.close()

@@ -1,0 +1,129 @@
+"""Pure parts of the services: routing scores, prefix hashes, API keys, env flags, wire mapping."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+
+from gateway import prefix, router
+from gateway.auth import ApiKeys, AuthError
+from model_service import wire
+from model_service.errors import InvalidRequestError
+from spindle import envflags
+from spindle.v1 import generation_pb2 as pb
+
+
+def test_adapter_affinity_levels_follow_the_inference_extension():
+    resident = router.Candidate("a", resident_adapters={"x"}, max_adapters=2)
+    room = router.Candidate("b", resident_adapters={"y"}, max_adapters=2)
+    waiting = router.Candidate("c", resident_adapters={"y", "z"}, waiting_adapters={"x"}, max_adapters=2)
+    full = router.Candidate("d", resident_adapters={"y", "z"}, max_adapters=2)
+    no_lora = router.Candidate("e")
+    scores = [router.adapter_score(p, "x") for p in (resident, room, waiting, full, no_lora)]
+    assert scores == [1.0, 0.8, 0.6, 0.0, 0.0]
+    assert router.adapter_score(full, None) == 1.0  # base-model requests fit anywhere
+    assert router.choose([full, waiting, room, resident], "x", {}) == "a"
+
+
+def test_queue_kv_and_prefix_scores_combine():
+    idle, busy = router.Candidate("idle"), router.Candidate("busy", num_waiting=8, kv_usage=0.9)
+    assert router.choose([idle, busy], None, {}) == "idle"
+    assert router.queue_scores([idle, busy, router.Candidate("mid", num_waiting=4)]) == {
+        "idle": 1.0,
+        "busy": 0.0,
+        "mid": 0.5,
+    }
+    # prefix locality outweighs a small KV difference
+    warm, cold = router.Candidate("warm", kv_usage=0.3), router.Candidate("cold", kv_usage=0.1)
+    assert router.choose([warm, cold], None, {"warm": 1.0}) == "warm"
+    # exact ties are broken at random, so equal pods share the load
+    picks = {
+        router.choose([router.Candidate("p"), router.Candidate("q")], None, {}, rng=random.Random(i))
+        for i in range(20)
+    }
+    assert picks == {"p", "q"}
+    assert router.choose([], None, {}) is None
+
+
+def test_prefix_hashes_chain_and_the_index_scores_leading_blocks():
+    base = "x" * (prefix.BLOCK_BYTES * 4)
+    a = prefix.block_hashes(pb.GenerateRequest(text=base))
+    b = prefix.block_hashes(pb.GenerateRequest(text=base[:200] + "y" * (len(base) - 200)))  # block 3 differs
+    assert len(a) == 4 and a[:3] == b[:3] and a[3] != b[3]  # same leading blocks, same hashes
+    assert prefix.block_hashes(pb.GenerateRequest(text=base, adapter="lora")) != a  # adapter seeds the chain
+    assert prefix.block_hashes(pb.GenerateRequest(text="short")) == []
+    index = prefix.PrefixIndex(capacity=100)
+    index.record(a, "pod1")
+    index.record(a[:2], "pod2")
+    assert index.match(a, ["pod1", "pod2", "pod3"]) == {"pod1": 1.0, "pod2": 0.5, "pod3": 0.0}
+    assert index.match(b, ["pod1"]) == {"pod1": 0.75}
+    index.forget_pod("pod1")
+    assert index.match(a, ["pod1", "pod2"]) == {"pod1": 0.0, "pod2": 0.5}
+    small = prefix.PrefixIndex(capacity=3)
+    small.record(a, "pod1")
+    assert len(small) == 3
+
+
+def test_api_keys_from_a_file_or_a_secret_directory(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nalice k1 *\nbob k2 -\ncarol k3 a,b\n")
+    api = ApiKeys(keys)
+    assert api.authenticate((("authorization", "Bearer k1"),)).adapters is None
+    assert api.authenticate((("x-api-key", "k2"),)).adapters == frozenset()
+    carol = api.authenticate((("authorization", "Bearer k3"),))
+    assert carol.may_use("a") and not carol.may_use("c") and carol.may_use(None)
+    for md in ((), (("authorization", "Bearer nope"),)):
+        with pytest.raises(AuthError) as e:
+            api.authenticate(md)
+        assert e.value.unauthenticated
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "team-a").write_text("dave k4 *\n")
+    (secret / "..data").mkdir()  # Kubernetes' own entries are skipped
+    assert ApiKeys(secret).authenticate((("x-api-key", "k4"),)).name == "dave"
+    (secret / "team-a").write_text("dave k5 *\n")  # rotated: re-read without a restart
+    api2 = ApiKeys(secret)
+    (secret / "team-a").write_text("erin k6 *\n")
+    assert api2.reload() and api2.authenticate((("x-api-key", "k6"),)).name == "erin"
+    bad = tmp_path / "bad"
+    bad.write_text("only-two fields\n")
+    with pytest.raises(ValueError, match="bad:1"):
+        ApiKeys(bad)
+
+
+def test_every_flag_reads_its_environment_variable():
+    p = argparse.ArgumentParser()
+    p.add_argument("--max-num-seqs", type=int, default=256, help="x")
+    p.add_argument("--allow-unauthenticated", action="store_true")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--stop", action="append", default=None)
+    env = {
+        "SPINDLE_MAX_NUM_SEQS": "8",
+        "SPINDLE_ALLOW_UNAUTHENTICATED": "true",
+        "SPINDLE_ENABLE_PREFIX_CACHING": "0",
+        "SPINDLE_STOP": "a,b",
+    }
+    envflags.apply_env(p, env)
+    args = p.parse_args([])
+    assert (args.max_num_seqs, args.allow_unauthenticated, args.enable_prefix_caching) == (8, True, False)
+    assert args.stop == ["a", "b"]
+    assert p.parse_args(["--max-num-seqs", "3"]).max_num_seqs == 3  # the flag wins
+    assert "SPINDLE_MAX_NUM_SEQS" in p.format_help()
+
+
+def test_wire_unset_fields_keep_engine_defaults_and_set_zeros_are_validated():
+    req = pb.GenerateRequest(text="hi")
+    params = wire.engine_request(req)["params"]
+    assert (params.temperature, params.top_p, params.max_tokens, params.seed) == (1.0, 1.0, 256, None)
+    req.sampling.temperature = 0.0
+    req.max_tokens = 5
+    req.sampling.early_stopping = pb.EARLY_STOPPING_NEVER
+    params = wire.engine_request(req)["params"]
+    assert (params.temperature, params.max_tokens, params.early_stopping) == (0.0, 5, "never")
+    req.sampling.top_p = 0.0
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        wire.engine_request(req)
+    with pytest.raises(InvalidRequestError, match="no prompt"):
+        wire.engine_request(pb.GenerateRequest())
