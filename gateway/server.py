@@ -57,6 +57,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         self.prefixes = prefix.PrefixIndex()
         self.inflight: dict[str, Routed] = {}
         self.draining = False
+        self.port = 0  # set once listening
 
     async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         if self.keys is None:
@@ -304,6 +305,7 @@ async def start(
     port = serving.bind(server, args.host, args.port)
     await server.start()
     await pool.start()
+    gateway.port = port
     log.info("gateway listening on %s:%d in front of %d pods", args.host, port, len(pool.pods))
     return gateway, server, health
 

@@ -1,4 +1,8 @@
-"""`spindle` command line. `spindle generate` runs the engine in-process on a batch of requests."""
+"""`spindle` command line.
+
+`spindle generate` runs the engine in-process on a batch of requests; the other commands live in
+their own modules and are imported only when named, so `spindle chat` does not pay for torch.
+"""
 
 from __future__ import annotations
 
@@ -85,6 +89,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=4.0,
         help="GiB of host memory for swapped-out KV; past it, preemption recomputes [4]",
     )
+    lora = p.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="register a PEFT adapter directory under NAME (repeatable)",
+    )
+    lora.add_argument("--max-loras", type=int, default=4, help="adapters resident on the device (slots) [4]")
+    lora.add_argument(
+        "--max-cpu-loras", type=int, default=16, help="parsed adapters kept in host memory [16]"
+    )
+    lora.add_argument("--max-lora-rank", type=int, default=64, help="refuse adapters of a higher rank [64]")
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -105,27 +122,37 @@ def engine_config(args: argparse.Namespace) -> Any:
         enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode,
         swap_space_bytes=int(args.swap_space * (1 << 30)),
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank,
+        lora_modules=_lora_modules(args.lora),
     )
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="spindle", description="Spindle: serve LLMs with many LoRA adapters."
+def _lora_modules(specs: list[str]) -> dict[str, str]:
+    modules = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SpindleError(f"--lora takes NAME=DIR, got {spec!r}")
+        modules[name] = path
+    return modules
+
+
+def _build_generate_parser(gen: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    gen.description = (
+        "Generate with the engine in-process. Prompts given together run as one batch. "
+        "Per-request fields in --requests override the sampling flags."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser(
-        "generate",
-        help="generate text for one or more prompts, as one batch, in this process",
-        description="Generate with the engine in-process. Prompts given together run as one batch. "
-        "Per-request fields in --requests override the sampling flags.",
-        epilog='examples:\n  spindle generate --chat --prompt "What is the capital of France?"\n'
+    gen.epilog = (
+        'examples:\n  spindle generate --chat --prompt "What is the capital of France?"\n'
         "  spindle generate --requests reqs.jsonl --json\n"
         "  each line of reqs.jsonl is one request, e.g.\n"
         '    {"prompt": "...", "max_tokens": 32, "temperature": 0.7, "seed": 1, "stop": ["\\n"]}\n'
         '    {"messages": [{"role": "user", "content": "hi"}]}\n'
-        '    {"prompt_token_ids": [1, 2, 3], "logprobs": 5}',
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        '    {"prompt_token_ids": [1, 2, 3], "logprobs": 5}'
     )
+    gen.formatter_class = argparse.RawDescriptionHelpFormatter
     src = gen.add_argument_group("input")
     src.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     src.add_argument("--requests", metavar="FILE", help="JSON lines, one request each ('-' = stdin)")
@@ -149,7 +176,7 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--logprobs", type=int, default=None, help="return the top-N logprobs of each token")
     s.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
-    return parser
+    return gen
 
 
 def _read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -197,6 +224,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     params=SamplingParams.from_dict(r),
                     request_id=r.get("request_id"),
                     priority=int(r.get("priority", 0)),
+                    adapter=r.get("adapter"),
                 )
             )
         except (SpindleError, TypeError, ValueError) as e:  # a bad request fails alone
@@ -232,17 +260,71 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 1 if errors or any(final[r].error for r in ids if r) else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+# name -> (one-line help, module, the module's function that adds the flags to a parser).
+# Each module also has `run(args) -> exit code`.
+_COMMANDS = {
+    "generate": (
+        "generate text for prompts, as one batch, in this process",
+        "model_service.cli",
+        "build_parser",
+    ),
+    "serve": ("run a model pod: the engine behind gRPC", "model_service.server", "build_parser"),
+    "gateway": ("run the gateway: one door in front of model pods", "gateway.server", "build_parser"),
+    "up": (
+        "start a local cluster (model pod + gateway), answer one prompt, keep serving",
+        "spindle.local",
+        "build_parser",
+    ),
+    "chat": ("chat with a model through a gateway", "spindle.client", "build_chat_parser"),
+    "complete": (
+        "complete a prompt (no chat template) through a gateway",
+        "spindle.client",
+        "build_complete_parser",
+    ),
+    "models": ("list the models and adapters a gateway offers you", "spindle.client", "build_models_parser"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: spindle COMMAND [--help] ...", "", "Spindle: serve LLMs with many LoRA adapters.", ""]
+    lines += [f"  {name:<10} {help_}" for name, (help_, _, _) in _COMMANDS.items()]
+    lines += ["", "Every flag can also be set as SPINDLE_<FLAG> (e.g. --max-num-seqs: SPINDLE_MAX_NUM_SEQS)."]
+    return "\n".join(lines)
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    return _build_generate_parser(parser)
+
+
+def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return cmd_generate(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import importlib
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in _COMMANDS:
+        print(f"{_usage()}\n\nspindle: error: unknown command {command!r}", file=sys.stderr)
+        return 2
+    help_, module_name, builder = _COMMANDS[command]
+    module = importlib.import_module(module_name)
+    parser = getattr(module, builder)(argparse.ArgumentParser(prog=f"spindle {command}", description=help_))
+    args = parser.parse_args(rest)
+    args.command = command
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
-        if args.command == "generate":
-            return cmd_generate(args)
+        return int(module.run(args) or 0)
     except SpindleError as e:
         print(f"spindle: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

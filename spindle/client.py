@@ -1,0 +1,228 @@
+"""A Generation client, and the `spindle chat`, `spindle complete`, `spindle models` commands.
+
+Works against any server of spindle.v1.Generation: a gateway (the usual case) or one model pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from spindle import envflags
+from spindle.v1 import generation_pb2 as pb
+from spindle.v1 import generation_pb2_grpc
+
+DEFAULT_GATEWAY = "127.0.0.1:50051"
+
+
+@dataclass
+class Completion:
+    """A finished stream, gathered."""
+
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
+        }
+
+
+class Client:
+    def __init__(self, target: str = DEFAULT_GATEWAY, api_key: str | None = None) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def stream(
+        self, request: pb.GenerateRequest, timeout: float | None = None
+    ) -> Iterator[pb.GenerateResponse]:
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+
+    def generate(
+        self, request: pb.GenerateRequest, timeout: float | None = None, on_text: Any = None
+    ) -> Completion:
+        """Run a request to the end; `on_text(delta)` sees the text as it streams."""
+        out = Completion()
+        for resp in self.stream(request, timeout):
+            out.request_id = resp.request_id
+            if resp.HasField("chunk"):
+                out.token_ids.extend(resp.chunk.token_ids)
+                out.text += resp.chunk.text
+                if on_text is not None and resp.chunk.text:
+                    on_text(resp.chunk.text)
+            else:
+                f = resp.final
+                out.finish_reason = (
+                    pb.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_").lower()
+                )
+                out.prompt_tokens, out.completion_tokens = f.usage.prompt_tokens, f.usage.completion_tokens
+        return out
+
+    def abort(self, request_id: str, timeout: float = 5.0) -> None:
+        self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout, metadata=self.metadata)
+
+    def list_models(self, timeout: float = 10.0) -> list[pb.ModelInfo]:
+        return list(
+            self.stub.ListModels(pb.ListModelsRequest(), timeout=timeout, metadata=self.metadata).models
+        )
+
+
+def chat_request(messages: list[dict[str, str]], **options: Any) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages]))
+    return _with_options(req, **options)
+
+
+def completion_request(prompt: str, **options: Any) -> pb.GenerateRequest:
+    return _with_options(pb.GenerateRequest(text=prompt), **options)
+
+
+def _with_options(
+    req: pb.GenerateRequest,
+    *,
+    adapter: str | None = None,
+    model: str | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+) -> pb.GenerateRequest:
+    """Set only what was given, so everything else keeps the server's default."""
+    for name, value in (("adapter", adapter), ("model", model), ("max_tokens", max_tokens), ("seed", seed)):
+        if value is not None:
+            setattr(req, name, value)
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
+        if value is not None:
+            setattr(req.sampling, name, value)
+    req.stop.extend(stop or [])
+    return req
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gateway", default=DEFAULT_GATEWAY, help=f"HOST:PORT of a gateway [{DEFAULT_GATEWAY}]"
+    )
+    parser.add_argument("--api-key", default=None, help="API key (prefer the environment variable)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds [300]")
+
+
+def _sampling(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--adapter", default=None, help="LoRA adapter name (see `spindle models`)")
+    parser.add_argument("--model", default=None, help="base model name [the gateway's]")
+    parser.add_argument("--max-tokens", type=int, default=None, help="[server default: 256]")
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy [server default: 1.0]")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object with text, tokens, usage")
+
+
+def build_chat_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "message", nargs="*", help="the message; none = read stdin, or chat interactively on a terminal"
+    )
+    parser.add_argument("--system", default=None, help="a system message to start the conversation")
+    _sampling(parser)
+    _common(parser)
+    envflags.apply_env(parser)
+    return parser
+
+
+def build_complete_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("prompt", nargs="*", help="the prompt text (no chat template); none = read stdin")
+    _sampling(parser)
+    _common(parser)
+    envflags.apply_env(parser)
+    return parser
+
+
+def build_models_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    _common(parser)
+    envflags.apply_env(parser)
+    return parser
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("adapter", "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+    return {n: getattr(args, n) for n in names}
+
+
+def _print_stream(delta: str) -> None:
+    sys.stdout.write(delta)
+    sys.stdout.flush()
+
+
+def _answer(client: Client, req: pb.GenerateRequest, args: argparse.Namespace) -> Completion:
+    if args.json:
+        out = client.generate(req, args.timeout)
+        print(json.dumps(out.as_dict()), flush=True)
+    else:
+        out = client.generate(req, args.timeout, on_text=_print_stream)
+        print(flush=True)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with Client(args.gateway, args.api_key) as client:
+            if args.command == "models":
+                for m in client.list_models():
+                    kind = pb.ModelKind.Name(m.kind).removeprefix("MODEL_KIND_").lower()
+                    print(f"{m.id}\t{kind}" + (f"\t(base: {m.base_model})" if m.base_model else ""))
+                return 0
+            if args.command == "complete":
+                prompt = " ".join(args.prompt) or sys.stdin.read()
+                _answer(client, completion_request(prompt, **_options(args)), args)
+                return 0
+            return _chat(client, args)
+    except grpc.RpcError as e:
+        print(f"spindle {args.command}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+
+
+def _chat(client: Client, args: argparse.Namespace) -> int:
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    if args.message or not sys.stdin.isatty():
+        history.append({"role": "user", "content": " ".join(args.message) or sys.stdin.read()})
+        _answer(client, chat_request(history, **_options(args)), args)
+        return 0
+    print("chatting; an empty line or Ctrl-D ends", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            return 0
+        if not line:
+            return 0
+        history.append({"role": "user", "content": line})
+        out = _answer(client, chat_request(history, **_options(args)), args)
+        history.append({"role": "assistant", "content": out.text})

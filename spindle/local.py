@@ -1,0 +1,124 @@
+"""`spindle up`: a local cluster. One model pod and a gateway as child processes on loopback.
+
+It waits until the gateway reports SERVING (which needs a healthy pod, which needs the model
+loaded and warmed), sends one chat request through the gateway, prints the answer, and keeps
+both serving until Ctrl-C (or SIGTERM), when it stops them the way Kubernetes would (SIGTERM,
+drain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from spindle import envflags
+from spindle.client import Client, chat_request
+
+DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "--model", default="smollm2-135m-instruct", help="the pod's --model [smollm2-135m-instruct]"
+    )
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the first request's message")
+    parser.add_argument("--max-tokens", type=int, default=64, help="for the first request [64]")
+    parser.add_argument("--host", default="127.0.0.1", help="address both services listen on [127.0.0.1]")
+    parser.add_argument("--gateway-port", type=int, default=50051, help="[50051]")
+    parser.add_argument("--pod-port", type=int, default=50052, help="[50052]")
+    parser.add_argument(
+        "--metrics-port", type=int, default=9090, help="the pod's /metrics port; 0 = off [9090]"
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING [600]"
+    )
+    envflags.apply_env(parser)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    me = [sys.executable, "-m", "model_service.cli"]
+    pod_cmd = [
+        *me, "serve", "--model", args.model, "--host", args.host, "--port", str(args.pod_port),
+        "--metrics-port", str(args.metrics_port),
+    ]  # fmt: skip
+    gateway_cmd = [
+        *me, "gateway", "--host", args.host, "--port", str(args.gateway_port),
+        "--pods", f"{args.host}:{args.pod_port}", "--allow-unauthenticated", "--health-interval", "0.5",
+    ]  # fmt: skip
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    children = [subprocess.Popen(pod_cmd), subprocess.Popen(gateway_cmd)]
+    gateway = f"{args.host}:{args.gateway_port}"
+    try:
+        if not _wait_serving(gateway, children, stop, args.startup_timeout):
+            return 0 if stop.is_set() else 1
+        with Client(gateway) as client:
+            req = chat_request(
+                [{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens, temperature=0.0
+            )
+            print(f"> {args.prompt}", flush=True)
+            client.generate(req, timeout=120, on_text=lambda d: print(d, end="", flush=True))
+            print(flush=True)
+        print(
+            f"\nServing: gateway {gateway} (model pod {args.host}:{args.pod_port}). Try:\n"
+            f'  spindle chat --gateway {gateway} "Tell me a joke."\n'
+            "Ctrl-C stops both.",
+            file=sys.stderr,
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            if any(c.poll() is not None for c in children):
+                print("spindle up: a service exited; stopping", file=sys.stderr)
+                return 1
+        return 0
+    except grpc.RpcError as e:
+        print(f"spindle up: the first request failed: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        _stop(children)
+
+
+def _wait_serving(
+    target: str, children: list[subprocess.Popen], stop: threading.Event, timeout: float
+) -> bool:
+    print(
+        f"spindle up: starting a model pod and a gateway; waiting for {target} to be SERVING", file=sys.stderr
+    )
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline and not stop.is_set():
+            if any(c.poll() is not None for c in children):
+                print("spindle up: a service exited during start-up", file=sys.stderr)
+                return False
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            stop.wait(0.25)
+    if not stop.is_set():
+        print(f"spindle up: not SERVING after {timeout:.0f} s", file=sys.stderr)
+    return False
+
+
+def _stop(children: list[subprocess.Popen]) -> None:
+    for c in reversed(children):  # the gateway first, so nothing new reaches the pod
+        if c.poll() is None:
+            c.send_signal(signal.SIGTERM)
+    for c in children:
+        try:
+            c.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            c.kill()
+            c.wait()

@@ -1,0 +1,78 @@
+"""One trace per request across gateway -> model pod, with the GenAI attributes.
+
+In-process (grpc.aio servers in this test's event loop) so an in-memory exporter sees both sides;
+the W3C context still crosses a real loopback gRPC connection between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import grpc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from gateway import server as gateway_server
+from model_service import server as pod_server
+from model_service.engine.config import EngineConfig
+from model_service.pod import ModelPod
+from model_service.timed_engine import TimedEngine
+from spindle.v1 import generation_pb2_grpc
+from tests.service_helpers import token_request
+
+GENERATE = "/spindle.v1.Generation/Generate"
+
+
+async def _run(tiny_llama, exporter: InMemorySpanExporter) -> None:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    pod = ModelPod("tiny", drain_timeout=1.0)
+    server, port = await pod_server.start(pod, "127.0.0.1", 0, provider)
+    config = EngineConfig(model=tiny_llama.name, device="cpu", dtype="float32", num_kv_blocks=64)
+    await pod.load(lambda: TimedEngine(config, loaded=tiny_llama))
+    args = argparse.Namespace(
+        api_keys_file="", pods=f"127.0.0.1:{port}", pods_dns="", health_interval=0.1, health_timeout=1.0,
+        failure_threshold=2, discovery_interval=5.0, max_attempts=3, host="127.0.0.1", port=0,
+    )  # fmt: skip
+    gateway, gserver, health = await gateway_server.start(args, provider)
+    try:
+        while not gateway.pool.healthy():
+            await asyncio.sleep(0.02)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as ch:
+            req = token_request([5, 6, 7, 8], 6, temperature=0.0)
+            req.model = "tiny"
+            async for _ in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=20):
+                pass
+        await asyncio.sleep(0.3)  # a few more health polls, which must not be traced
+    finally:
+        await gateway_server.shutdown(gateway, gserver, health, 1.0)
+        await server.stop(0)
+        pod.close()
+
+
+def test_one_trace_spans_gateway_and_pod_with_genai_attributes(tiny_llama):
+    exporter = InMemorySpanExporter()
+    asyncio.run(_run(tiny_llama, exporter))
+    spans = exporter.get_finished_spans()
+    assert not [s.name for s in spans if "Health" in s.name or "GetLoad" in s.name]
+    gw = next(
+        s
+        for s in spans
+        if s.name == GENERATE and s.kind == SpanKind.SERVER and "spindle.caller" in s.attributes
+    )
+    client = next(s for s in spans if s.name == GENERATE and s.kind == SpanKind.CLIENT)
+    pod = next(s for s in spans if s.name == GENERATE and s.kind == SpanKind.SERVER and s is not gw)
+    assert gw.context.trace_id == client.context.trace_id == pod.context.trace_id
+    assert client.parent.span_id == gw.context.span_id and pod.parent.span_id == client.context.span_id
+    for s in (gw, pod):
+        assert s.attributes["gen_ai.request.model"] == "tiny"
+        assert s.attributes["gen_ai.usage.input_tokens"] == 4
+        assert s.attributes["gen_ai.usage.output_tokens"] == 6
+    assert pod.attributes["gen_ai.request.max_tokens"] == 6
+    phases = {s.name: s for s in spans if s.parent is not None and s.parent.span_id == pod.context.span_id}
+    assert {"spindle.prefill", "spindle.decode"} <= set(phases)
+    assert phases["spindle.decode"].start_time >= phases["spindle.prefill"].end_time - 1000
+    assert not any("gen_ai.input.messages" in s.attributes for s in spans)  # prompts are off by default
