@@ -54,7 +54,7 @@ class Service:
 def spawn(command: str, args: list[str], log_dir: Path, name: str) -> Service:
     port = free_port()
     log = log_dir / f"{name}.log"
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OTEL_SDK_DISABLED": "true"}
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}  # tracing on (the default), nothing exported
     cmd = [
         sys.executable,
         "-m",

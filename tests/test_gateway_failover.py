@@ -9,15 +9,16 @@ import time
 import grpc
 import pytest
 
+from spindle.v1 import model_control_pb2, model_control_pb2_grpc
 from tests.service_helpers import load, stub, token_request
-from tests.test_gateway import _cluster, _generate, _long, _md, _served
+from tests.test_gateway import FAST_HEALTH, _cluster, _generate, _long, _md, _served
 
 Code = grpc.StatusCode
 
 
 @pytest.fixture
-def cluster(tiny_llama, tmp_path):
-    pods, gateway = _cluster(tiny_llama.name, tmp_path)
+def cluster(tiny_llama, tmp_path, request):
+    pods, gateway = _cluster(tiny_llama.name, tmp_path, getattr(request, "param", FAST_HEALTH))
     yield pods, gateway
     for s in (gateway, *pods):
         if s.proc.poll() is None:
@@ -65,3 +66,24 @@ def test_pod_killed_mid_stream_gives_unavailable_and_traffic_moves_on(cluster):
     for i in range(3):
         assert len(_generate(gateway, token_request([40 + i, 41], 3), timeout=5)[0]) == 3
     assert load(survivor).requests_total - before == 3
+
+
+@pytest.mark.parametrize("cluster", [["--health-interval", "60"]], indirect=True)
+def test_a_pod_refusing_before_the_first_token_is_retried_elsewhere(cluster):
+    pods, gateway = cluster  # health polls are a minute apart: the gateway learns of the drain by trying
+    shared = [10 + i % 200 for i in range(160)]
+    before = _served(pods)
+    _generate(gateway, token_request(shared, 2))
+    warm = [a - b for a, b in zip(_served(pods), before, strict=True)].index(1)
+    drained, other = pods[warm], pods[1 - warm]
+    with drained.channel() as ch:  # the pod the prefix points to now refuses new requests
+        reply = model_control_pb2_grpc.ModelControlStub(ch).Drain(
+            model_control_pb2.DrainRequest(), timeout=10
+        )
+    assert (reply.finished, reply.aborted) == (0, 0)
+    before = _served(pods)
+    for i in range(3):
+        assert len(_generate(gateway, token_request([*shared, 250 + i], 2), timeout=10)[0]) == 2
+    assert load(other).requests_total - before[1 - warm] == 3
+    assert load(drained).requests_total == before[warm]
+    assert "retrying" in gateway.output()
