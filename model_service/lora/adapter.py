@@ -48,6 +48,7 @@ class LoraAdapter:
     adapter_id: int
     path: Path | None
     modules: dict[tuple[int, str], LoraWeights] = field(default_factory=dict)
+    sha256: str = ""  # of adapter_model.safetensors: the identity peers and the adapter service check
 
     @property
     def max_rank(self) -> int:
@@ -123,7 +124,9 @@ def parse_peft_adapter(
         tensors = load_safetensors(weight_bytes)
     except Exception as e:
         raise AdapterError(f"adapter {name!r}: cannot read adapter_model.safetensors: {e}") from e
-    adapter = LoraAdapter(name, content_id(config_bytes, weight_bytes), path)
+    adapter = LoraAdapter(
+        name, content_id(config_bytes, weight_bytes), path, sha256=hashlib.sha256(weight_bytes).hexdigest()
+    )
     adapter.modules = _modules(name, config, tensors, base, max_lora_rank)
     if not adapter.modules:
         raise AdapterError(f"adapter {name!r}: no LoRA weights found in adapter_model.safetensors")

@@ -28,7 +28,10 @@ class LoadAdapter:
 
 @dataclass
 class EvictAdapter:
+    """Clear its slot (refused while in use or pinned); `from_host` also drops the parsed copy."""
+
     name: str
+    from_host: bool = False
 
 
 @dataclass
@@ -64,7 +67,10 @@ def execute(op: ControlOp, pool: LoraPool) -> ControlResult:
         slot, evicted = pool.load(op.name, op.slot)
         return ControlResult(slot, evicted, pool.adapter_id_for(slot))
     if isinstance(op, EvictAdapter):
-        return ControlResult(slot=pool.evict(op.name))
+        slot = pool.evict(op.name) if pool.slot_of(op.name) is not None or not op.from_host else None
+        if op.from_host:
+            pool.drop_host_copy(op.name)
+        return ControlResult(slot=slot)
     if isinstance(op, PinAdapter):
         return ControlResult(slot=pool.pin(op.name, op.pinned))
     if isinstance(op, SetActiveAdapter):

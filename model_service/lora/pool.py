@@ -32,7 +32,15 @@ from model_service.models.config import ModelConfig
 ACTIVE = "@active"  # the adapter name that follows rotation (the seed's slot -1)
 
 
-class SlotsBusyError(AdapterError):
+class AdapterNotFoundError(AdapterError, LookupError):
+    """The adapter is not known here, or not in the tier the operation needs (NOT_FOUND)."""
+
+
+class AdapterBusyError(AdapterError):
+    """The slot or adapter is in use or pinned; retry once it is released (FAILED_PRECONDITION)."""
+
+
+class SlotsBusyError(AdapterBusyError):
     """Every slot is referenced or pinned: promotion must wait for a sequence to finish."""
 
 
@@ -53,6 +61,8 @@ class AdapterInfo:
     slot: int | None
     refcount: int
     pinned: bool
+    rank: int = 0
+    sha256: str = ""
 
 
 class LoraPool:
@@ -71,6 +81,9 @@ class LoraPool:
         self.slots = [Slot() for _ in range(max_loras)]
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()
         self.disk: dict[str, Path] = {}
+        self.identity: dict[
+            str, tuple[int, int, str]
+        ] = {}  # name -> (adapter_id, rank, sha256) of its latest version
         self.active = -1  # slot of the active adapter, -1 = none
         self._clock = itertools.count(1)
 
@@ -126,6 +139,7 @@ class LoraPool:
         """Add (or replace) a disk-tier adapter; parsed now so a bad one fails here, not mid-request."""
         adapter = load_peft_adapter(name, path, self.base, self.max_lora_rank)
         self.disk[name] = Path(path)
+        self.identity[name] = (adapter.adapter_id, adapter.max_rank, adapter.sha256)
         self._remember(adapter)
         for s in self.slots:  # a resident older version keeps serving the requests that hold it
             if (
@@ -155,7 +169,7 @@ class LoraPool:
             raise AdapterError(f"slot {target} does not exist (max_loras={len(self.slots)})")
         victim = self.slots[target]
         if victim.refcount > 0 or victim.pinned:
-            raise AdapterError(
+            raise AdapterBusyError(
                 f"slot {target} holds adapter {victim.adapter.name!r}, which is in use or pinned"
             )
         evicted = victim.adapter.name if victim.adapter is not None else None
@@ -167,17 +181,17 @@ class LoraPool:
     def evict(self, name: str) -> int:
         slot = self.slot_of(name)
         if slot is None:
-            raise AdapterError(f"adapter {name!r} is not resident")
+            raise AdapterNotFoundError(f"adapter {name!r} is not resident")
         busy = self._busy(slot)
         if busy:
-            raise AdapterError(f"adapter {name!r} {busy}; not evicted")
+            raise AdapterBusyError(f"adapter {name!r} {busy}; not evicted")
         self._clear(slot)
         return slot
 
     def pin(self, name: str, pinned: bool) -> int:
         slot = self.slot_of(name)
         if slot is None:
-            raise AdapterError(f"adapter {name!r} is not resident; load it before pinning")
+            raise AdapterNotFoundError(f"adapter {name!r} is not resident; load it before pinning")
         self.slots[slot].pinned = pinned
         return slot
 
@@ -188,24 +202,32 @@ class LoraPool:
             return -1
         slot = self.slot_of(name)
         if slot is None:
-            raise AdapterError(f"adapter {name!r} is not resident; load it before making it active")
+            raise AdapterNotFoundError(f"adapter {name!r} is not resident; load it before making it active")
         self.active = slot
         return slot
 
     def report(self) -> list[AdapterInfo]:
+        """Every adapter at its highest tier (a stale slot's old version is listed under its slot)."""
         out, seen = [], set()
         for i, s in enumerate(self.slots):
-            if s.adapter is not None:
-                seen.add(s.adapter.name)
-                out.append(AdapterInfo(s.adapter.name, s.adapter.adapter_id, "gpu", i, s.refcount, s.pinned))
+            a = s.adapter
+            if a is not None:
+                seen.add(a.name)
+                out.append(
+                    AdapterInfo(a.name, a.adapter_id, "gpu", i, s.refcount, s.pinned, a.max_rank, a.sha256)
+                )
         for name, a in self.host.items():
             if name not in seen:
                 seen.add(name)
-                out.append(AdapterInfo(name, a.adapter_id, "cpu", None, 0, False))
+                out.append(AdapterInfo(name, a.adapter_id, "cpu", None, 0, False, a.max_rank, a.sha256))
         for name in self.disk:
             if name not in seen:
-                out.append(AdapterInfo(name, 0, "disk", None, 0, False))
+                adapter_id, rank, sha = self.identity[name]
+                out.append(AdapterInfo(name, adapter_id, "disk", None, 0, False, rank, sha))
         return out
+
+    def drop_host_copy(self, name: str) -> None:
+        self.host.pop(name, None)
 
     # --- internals ------------------------------------------------------------------------
 
@@ -214,7 +236,7 @@ class LoraPool:
             self.host.move_to_end(name)
             return self.host[name]
         if name not in self.disk:
-            raise AdapterError(f"unknown adapter {name!r}; register it first")
+            raise AdapterNotFoundError(f"unknown adapter {name!r}; register it first")
         adapter = load_peft_adapter(name, self.disk[name], self.base, self.max_lora_rank)
         self._remember(adapter)
         return adapter
