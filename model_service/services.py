@@ -90,7 +90,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         adapter = kwargs.get("adapter")
         span = trace.get_current_span()
-        _annotate_request(span, request, pod.model_name, rid, kwargs)
+        _annotate_request(span, pod.model_name, rid, kwargs)
         req = pod.begin(rid, adapter)
         try:
             await context.send_initial_metadata((("x-request-id", rid),))
@@ -185,9 +185,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return pb.ListModelsResponse(models=models)
 
 
-def _annotate_request(
-    span: trace.Span, request: pb.GenerateRequest, model: str, rid: str, kwargs: dict
-) -> None:
+def _annotate_request(span: trace.Span, model: str, rid: str, kwargs: dict[str, Any]) -> None:
     if not span.is_recording():
         return
     params = kwargs["params"]

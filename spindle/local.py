@@ -36,6 +36,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--metrics-port", type=int, default=9090, help="the pod's /metrics port; 0 = off [9090]"
     )
+    parser.add_argument("--log-level", default="WARNING", help="the services' log level [WARNING]")
     parser.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING [600]"
     )
@@ -47,11 +48,12 @@ def run(args: argparse.Namespace) -> int:
     me = [sys.executable, "-m", "model_service.cli"]
     pod_cmd = [
         *me, "serve", "--model", args.model, "--host", args.host, "--port", str(args.pod_port),
-        "--metrics-port", str(args.metrics_port),
+        "--metrics-port", str(args.metrics_port), "--log-level", args.log_level,
     ]  # fmt: skip
     gateway_cmd = [
         *me, "gateway", "--host", args.host, "--port", str(args.gateway_port),
         "--pods", f"{args.host}:{args.pod_port}", "--allow-unauthenticated", "--health-interval", "0.5",
+        "--log-level", args.log_level,
     ]  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
