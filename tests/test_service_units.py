@@ -127,3 +127,14 @@ def test_wire_unset_fields_keep_engine_defaults_and_set_zeros_are_validated():
         wire.engine_request(req)
     with pytest.raises(InvalidRequestError, match="no prompt"):
         wire.engine_request(pb.GenerateRequest())
+
+
+def test_dns_discovery_turns_every_address_into_a_pod():
+    import asyncio
+
+    from gateway.pods import dns_discovery
+
+    pods = asyncio.run(dns_discovery("localhost:50052")())
+    assert "127.0.0.1:50052" in pods or "[::1]:50052" in pods
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        dns_discovery("no-port")
