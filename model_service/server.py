@@ -16,8 +16,9 @@ from typing import Any
 
 import grpc
 
+from model_service.control_service import ModelControlService
 from model_service.pod import ModelPod
-from model_service.services import DrainOnlyControl, GenerationService, PodStatusService
+from model_service.services import GenerationService, PodStatusService
 from spindle import envflags, serving, telemetry
 from spindle.v1 import generation_pb2_grpc, model_control_pb2_grpc, pod_status_pb2_grpc
 
@@ -48,6 +49,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted [30]",
     )
+    g.add_argument(
+        "--adapter-cache-dir",
+        default=None,
+        help="where adapters fetched from peer pods are written [a new temporary directory]",
+    )
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]")
     add_engine_args(parser)
     envflags.apply_env(parser)
@@ -70,14 +76,17 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(serve(args))
 
 
-async def start(pod: ModelPod, host: str, port: int, provider: Any = None) -> tuple[grpc.aio.Server, int]:
+async def start(
+    pod: ModelPod, host: str, port: int, provider: Any = None, adapter_cache_dir: str | None = None
+) -> tuple[grpc.aio.Server, int]:
     """Register the pod's services on a new server and start listening (NOT_SERVING until loaded).
     Also used in-process by tests and the benchmark."""
     server = serving.make_server(telemetry.server_interceptors(provider))
     tracer = telemetry.get_tracer(__name__, provider)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(pod, tracer), server)
     pod_status_pb2_grpc.add_PodStatusServicer_to_server(PodStatusService(pod), server)
-    model_control_pb2_grpc.add_ModelControlServicer_to_server(DrainOnlyControl(pod), server)
+    control = ModelControlService(pod, adapter_cache_dir)
+    model_control_pb2_grpc.add_ModelControlServicer_to_server(control, server)
     pod.health = serving.Health(server, SERVICES)
     serving.enable_reflection(server, SERVICES)
     bound = serving.bind(server, host, port)
@@ -91,7 +100,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     provider = telemetry.tracer_provider_from_env("spindle-model")
     pod = ModelPod(served_name(args), args.drain_timeout)
-    server, port = await start(pod, args.host, args.port, provider)
+    server, port = await start(pod, args.host, args.port, provider, args.adapter_cache_dir)
     serving.on_shutdown_signal(pod.request_exit)
     if args.metrics_port:
         metrics_port = pod.metrics.serve(args.host, args.metrics_port)

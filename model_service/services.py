@@ -1,9 +1,8 @@
-"""The model pod's RPCs: Generation (Generate, Abort, ListModels), PodStatus, and ModelControl.Drain.
+"""The model pod's RPCs: Generation (Generate, Abort, ListModels) and PodStatus.
 
 Every handler validates its input and answers with a status code a caller can act on; no
 per-request failure escapes the handler, so one bad request never takes the pod down.
-ModelControl's adapter operations are answered UNIMPLEMENTED until the LoRA engine work wires
-them (the generated base class does that); only Drain is served here.
+ModelControl (adapters, Drain) is in control_service.py.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from model_service.errors import CapacityError, InvalidRequestError, ModelLoadEr
 from model_service.pod import InFlight, ModelPod
 from spindle import telemetry
 from spindle.v1 import generation_pb2 as pb
-from spindle.v1 import generation_pb2_grpc, model_control_pb2, model_control_pb2_grpc, pod_status_pb2_grpc
+from spindle.v1 import generation_pb2_grpc, pod_status_pb2_grpc
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
@@ -219,23 +218,3 @@ class PodStatusService(pod_status_pb2_grpc.PodStatusServicer):
         if self.pod.async_engine is None:
             await _abort(context, Code.UNAVAILABLE, "model pod is still loading its model")
         return await self.pod.load_report()
-
-
-class DrainOnlyControl(model_control_pb2_grpc.ModelControlServicer):
-    """ModelControl with Drain only; the adapter operations inherit UNIMPLEMENTED for now."""
-
-    def __init__(self, pod: ModelPod) -> None:
-        self.pod = pod
-
-    async def Drain(
-        self, request: model_control_pb2.DrainRequest, context: grpc.aio.ServicerContext
-    ) -> model_control_pb2.DrainResponse:
-        timeout = request.timeout_seconds if request.HasField("timeout_seconds") else None
-        if timeout is not None and not 0 <= timeout <= 3600:
-            await _abort(
-                context, Code.INVALID_ARGUMENT, f"timeout_seconds must be in [0, 3600], got {timeout}"
-            )
-        finished, aborted = await self.pod.drain(timeout)
-        if request.exit:
-            self.pod.request_exit("Drain RPC asked to exit")
-        return model_control_pb2.DrainResponse(finished=finished, aborted=aborted)

@@ -15,10 +15,12 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any
 
 from model_service.engine.engine import Engine
 from model_service.engine.sequence import RequestOutput
+from model_service.lora.control import ControlOp, ControlResult
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,12 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(lambda: self.engine.abort(request_id))
+
+    def submit_control(self, op: ControlOp) -> Future[ControlResult]:
+        """Queue an adapter operation; it runs on the engine thread at its next quiescent point."""
+        future = self.engine.submit_control(op)
+        self._inbox.put(lambda: None)  # wake an idle engine thread so the step that runs it happens
+        return future
 
     def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run `fn(engine)` on the engine thread and wait for its result (for stats, control ops)."""

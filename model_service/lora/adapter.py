@@ -65,7 +65,7 @@ class LoraAdapter:
             k: LoraWeights(w.a.to(device, dtype), w.b.to(device, dtype), w.scaling)
             for k, w in self.modules.items()
         }
-        return LoraAdapter(self.name, self.adapter_id, self.path, moved)
+        return LoraAdapter(self.name, self.adapter_id, self.path, moved, self.sha256)
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

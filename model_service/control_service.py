@@ -1,0 +1,260 @@
+"""ModelControl: the adapter operations the adapter service (and peer pods) drive on a model pod.
+
+Each operation becomes an engine control op, queued and executed on the engine thread at a
+quiescent point (between steps), so no forward pass sees a slot change. Errors keep their
+meaning on the wire: an unknown adapter is NOT_FOUND, a slot in use or pinned is
+FAILED_PRECONDITION, a bad adapter is INVALID_ARGUMENT, a checksum mismatch is DATA_LOSS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import grpc
+
+from model_service.lora.adapter import AdapterError
+from model_service.lora.control import ControlOp, EvictAdapter, LoadAdapter, PinAdapter, RegisterAdapter
+from model_service.lora.pool import AdapterBusyError, AdapterInfo, AdapterNotFoundError
+from model_service.pod import ModelPod
+from spindle.v1 import model_control_pb2 as pb
+from spindle.v1 import model_control_pb2_grpc
+
+Code = grpc.StatusCode
+_TIERS = {"gpu": pb.TIER_DEVICE, "cpu": pb.TIER_HOST, "disk": pb.TIER_DISK}
+_CHUNK = 1 << 20
+_MAX_CHUNK = 16 << 20
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    await context.abort(code, message)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+def _code(e: Exception) -> grpc.StatusCode:
+    if isinstance(e, AdapterNotFoundError):
+        return Code.NOT_FOUND
+    if isinstance(e, AdapterBusyError):
+        return Code.FAILED_PRECONDITION
+    if isinstance(e, AdapterError):
+        return Code.INVALID_ARGUMENT
+    return Code.INTERNAL
+
+
+def _state(info: AdapterInfo | None, name: str) -> pb.AdapterState:
+    if info is None:
+        return pb.AdapterState(name=name, tier=pb.TIER_UNSPECIFIED)
+    state = pb.AdapterState(
+        name=info.name,
+        tier=_TIERS[info.tier],
+        refcount=info.refcount,
+        pinned=info.pinned,
+        rank=info.rank,
+        sha256=info.sha256,
+        adapter_id=info.adapter_id,
+    )
+    if info.slot is not None:
+        state.slot = info.slot
+    return state
+
+
+class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
+    def __init__(self, pod: ModelPod, adapter_cache_dir: str | None = None) -> None:
+        self.pod = pod
+        self.cache_dir = Path(adapter_cache_dir or tempfile.mkdtemp(prefix="spindle-adapters-"))
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> None:
+        if self.pod.async_engine is None:
+            await _abort(context, Code.UNAVAILABLE, "model pod is still loading its model")
+
+    async def _name(self, name: str, context: grpc.aio.ServicerContext) -> str:
+        if not name or len(name) > 256 or any(c in name for c in "/\\\0") or name.startswith("@"):
+            await _abort(
+                context, Code.INVALID_ARGUMENT, f"adapter name {name!r} is empty, too long or has / \\ @"
+            )
+        return name
+
+    async def _run(self, op: ControlOp, context: grpc.aio.ServicerContext) -> Any:
+        await self._ready(context)
+        try:
+            return await asyncio.wrap_future(self.pod.async_engine.submit_control(op))
+        except Exception as e:
+            await _abort(context, _code(e), str(e))
+
+    async def _info(self, name: str) -> AdapterInfo | None:
+        adapters = await self.pod.adapters()
+        return next((a for a in adapters if a.name == name), None)
+
+    # --- RPCs -------------------------------------------------------------------------------------
+
+    async def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SlotChange:
+        name = await self._name(request.name, context)
+        slot = request.slot if request.HasField("slot") else None
+        path = request.path if request.HasField("path") else None
+        result = await self._run(LoadAdapter(name, path, slot), context)
+        return pb.SlotChange(
+            slot=result.slot, evicted=result.evicted or "", adapter=_state(await self._info(name), name)
+        )
+
+    async def PromoteFromDisk(
+        self, request: pb.PromoteFromDiskRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdapterState:
+        name = await self._name(request.name, context)
+        if not request.path:
+            await _abort(
+                context, Code.INVALID_ARGUMENT, "path is required: a directory with the PEFT adapter files"
+            )
+        await self._run(RegisterAdapter(name, request.path), context)
+        return _state(await self._info(name), name)
+
+    async def PromoteFromPeer(
+        self, request: pb.PromoteFromPeerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdapterState:
+        name = await self._name(request.name, context)
+        path = await self._fetch_from_peer(name, request.peer, request.sha256, context)
+        await self._run(RegisterAdapter(name, str(path)), context)
+        return _state(await self._info(name), name)
+
+    async def Rotate(self, request: pb.RotateRequest, context: grpc.aio.ServicerContext) -> pb.AdapterState:
+        """New weights under an existing name: new requests get them; running ones finish on the old."""
+        name = await self._name(request.name, context)
+        source = request.WhichOneof("source")
+        if source is None:
+            await _abort(context, Code.INVALID_ARGUMENT, "give the new weights' `path` or `peer`")
+        if source == "peer":
+            path = await self._fetch_from_peer(name, request.peer, request.sha256, context)
+        else:
+            path = Path(request.path)
+            if request.sha256:
+                got = await asyncio.to_thread(_file_sha256, path / "adapter_model.safetensors")
+                if got != request.sha256:
+                    await _abort(
+                        context, Code.DATA_LOSS, f"{path} has sha256 {got}, expected {request.sha256}"
+                    )
+        await self._run(RegisterAdapter(name, str(path)), context)
+        return _state(await self._info(name), name)
+
+    async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.SlotChange:
+        name = await self._name(request.name, context)
+        result = await self._run(EvictAdapter(name, request.from_host), context)
+        return pb.SlotChange(
+            slot=-1 if result.slot is None else result.slot,
+            evicted=name,
+            adapter=_state(await self._info(name), name),
+        )
+
+    async def Pin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.AdapterState:
+        name = await self._name(request.name, context)
+        await self._run(PinAdapter(name, request.pinned), context)
+        return _state(await self._info(name), name)
+
+    async def GetSlots(self, request: pb.GetSlotsRequest, context: grpc.aio.ServicerContext) -> pb.SlotReport:
+        await self._ready(context)
+
+        def snapshot(engine: Any) -> tuple[list[pb.Slot], list[AdapterInfo], str]:
+            pool = engine.model.lora
+            slots = [
+                pb.Slot(
+                    index=i, adapter=s.adapter.name if s.adapter else "", refcount=s.refcount, pinned=s.pinned
+                )
+                for i, s in enumerate(pool.slots)
+            ]
+            active = pool.slots[pool.active].adapter.name if pool.active >= 0 else ""
+            return slots, pool.report(), active
+
+        slots, adapters, active = await asyncio.to_thread(self.pod.async_engine.call, snapshot)
+        return pb.SlotReport(
+            slots=slots, adapters=[_state(a, a.name) for a in adapters], active_adapter=active
+        )
+
+    async def FetchAdapterWeights(
+        self, request: pb.FetchAdapterWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.AdapterWeightsChunk]:
+        name = await self._name(request.name, context)
+        await self._ready(context)
+        if not 0 <= request.chunk_bytes <= _MAX_CHUNK:
+            await _abort(context, Code.INVALID_ARGUMENT, f"chunk_bytes must be in [0, {_MAX_CHUNK}]")
+        path = await asyncio.to_thread(self.pod.async_engine.call, lambda e: e.model.lora.disk.get(name))
+        if path is None:
+            await _abort(context, Code.NOT_FOUND, f"adapter {name!r} has no files on this pod")
+        config, data = await asyncio.to_thread(
+            lambda: (
+                (path / "adapter_config.json").read_text(),
+                (path / "adapter_model.safetensors").read_bytes(),
+            )
+        )
+        step = request.chunk_bytes or _CHUNK
+        digest = hashlib.sha256(data).hexdigest()
+        for offset in range(0, max(len(data), 1), step):
+            first, last = offset == 0, offset + step >= len(data)
+            yield pb.AdapterWeightsChunk(
+                name=name,
+                config_json=config if first else "",
+                total_bytes=len(data) if first else 0,
+                offset=offset,
+                data=data[offset : offset + step],
+                last=last,
+                sha256=digest if last else "",
+            )
+
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
+        timeout = request.timeout_seconds if request.HasField("timeout_seconds") else None
+        if timeout is not None and not 0 <= timeout <= 3600:
+            await _abort(
+                context, Code.INVALID_ARGUMENT, f"timeout_seconds must be in [0, 3600], got {timeout}"
+            )
+        finished, aborted = await self.pod.drain(timeout)
+        if request.exit:
+            self.pod.request_exit("Drain RPC asked to exit")
+        return pb.DrainResponse(finished=finished, aborted=aborted)
+
+    # --- peers ------------------------------------------------------------------------------------
+
+    async def _fetch_from_peer(
+        self, name: str, peer: str, expected_sha: str, context: grpc.aio.ServicerContext
+    ) -> Path:
+        """Stream the adapter from a peer pod, check its checksum, and keep it in the local cache dir."""
+        if not peer:
+            await _abort(context, Code.INVALID_ARGUMENT, "peer (host:port of a model pod) is required")
+        parts, config, reported = [], "", ""
+        try:
+            async with grpc.aio.insecure_channel(peer) as channel:
+                stub = model_control_pb2_grpc.ModelControlStub(channel)
+                remaining = context.time_remaining()
+                async for chunk in stub.FetchAdapterWeights(
+                    pb.FetchAdapterWeightsRequest(name=name), timeout=remaining if remaining else 60
+                ):
+                    config = config or chunk.config_json
+                    parts.append(chunk.data)
+                    reported = chunk.sha256 or reported
+        except grpc.aio.AioRpcError as e:
+            code = Code.NOT_FOUND if e.code() == Code.NOT_FOUND else Code.UNAVAILABLE
+            await _abort(context, code, f"fetching adapter {name!r} from peer {peer}: {e.details()}")
+        data = b"".join(parts)
+        digest = hashlib.sha256(data).hexdigest()
+        for want in (reported, expected_sha):
+            if want and want != digest:
+                await _abort(
+                    context, Code.DATA_LOSS, f"adapter {name!r} from {peer}: sha256 {digest}, expected {want}"
+                )
+        path = self.cache_dir / f"{name}-{digest[:16]}"
+
+        def write() -> None:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "adapter_config.json").write_text(config)
+            (path / "adapter_model.safetensors").write_bytes(data)
+
+        await asyncio.to_thread(write)
+        return path
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -1,0 +1,162 @@
+"""ModelControl on real pod processes: load, pin, evict, slots, weights streaming, peer promotion."""
+
+from __future__ import annotations
+
+import hashlib
+
+import grpc
+import pytest
+
+from spindle.v1 import model_control_pb2 as mc
+from spindle.v1 import model_control_pb2_grpc
+from tests.conftest import make_engine
+from tests.service_helpers import collect, spawn_pod, stub, token_request, wait_idle, wait_serving
+from tests.test_lora import make_adapter
+
+Code = grpc.StatusCode
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama.name, dtype="float32")
+    root = tmp_path_factory.mktemp("control_adapters")
+    return {
+        "a": make_adapter(
+            hf, root / "a", seed=1, scale=0.3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
+        ),
+        "b": make_adapter(hf, root / "b", seed=2, scale=0.3, r=8, lora_alpha=8, target_modules=["down_proj"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def pods(tiny_llama, adapters, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("pods")
+    first = spawn_pod(tiny_llama.name, logs, "first", "--max-loras", "1", "--lora", f"a={adapters['a']}")
+    second = spawn_pod(tiny_llama.name, logs, "second", "--max-loras", "2")
+    yield wait_serving(first), wait_serving(second)
+    for p in (first, second):
+        assert p.stop() == 0, p.output()
+
+
+def _reference(tiny_llama, adapters, name):
+    engine = make_engine(tiny_llama, lora_modules={name: str(adapters[name])})
+    request = {
+        "prompt_token_ids": PROMPT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "adapter": name,
+    }
+    return engine.generate([request])[0].token_ids
+
+
+def _generate(channel, adapter):
+    req = token_request(PROMPT, 8, temperature=0.0)
+    req.adapter = adapter
+    return collect(stub(channel).Generate(req, timeout=30))[0]
+
+
+def _control(channel):
+    return model_control_pb2_grpc.ModelControlStub(channel)
+
+
+def test_load_pin_evict_and_slot_report(pods, tiny_llama, adapters):
+    first, _ = pods
+    with first.channel() as ch:
+        ctl = _control(ch)
+        change = ctl.LoadAdapter(mc.LoadAdapterRequest(name="a"), timeout=10)
+        assert change.slot == 0 and change.adapter.tier == mc.TIER_DEVICE and change.adapter.rank == 4
+        sha = hashlib.sha256((adapters["a"] / "adapter_model.safetensors").read_bytes()).hexdigest()
+        assert change.adapter.sha256 == sha
+        assert _generate(ch, "a") == _reference(tiny_llama, adapters, "a")
+        ctl.Pin(mc.PinRequest(name="a", pinned=True), timeout=10)
+        with pytest.raises(grpc.RpcError) as e:
+            ctl.Evict(mc.EvictRequest(name="a"), timeout=10)
+        assert e.value.code() == Code.FAILED_PRECONDITION and "pinned" in e.value.details()
+        # b cannot take the only slot while a is pinned: the load says why.
+        with pytest.raises(grpc.RpcError) as e:
+            ctl.LoadAdapter(mc.LoadAdapterRequest(name="b", path=str(adapters["b"])), timeout=10)
+        assert e.value.code() == Code.FAILED_PRECONDITION
+        ctl.Pin(mc.PinRequest(name="a", pinned=False), timeout=10)
+        change = ctl.LoadAdapter(mc.LoadAdapterRequest(name="b"), timeout=10)
+        assert (change.slot, change.evicted) == (0, "a")
+        report = ctl.GetSlots(mc.GetSlotsRequest(), timeout=10)
+        assert [(s.index, s.adapter, s.refcount) for s in report.slots] == [(0, "b", 0)]
+        assert {a.name: a.tier for a in report.adapters} == {"b": mc.TIER_DEVICE, "a": mc.TIER_HOST}
+        assert ctl.Evict(mc.EvictRequest(name="b"), timeout=10).slot == 0
+        wait_idle(first)
+
+
+def test_bad_control_requests_get_codes(pods):
+    first, _ = pods
+    with first.channel() as ch:
+        ctl = _control(ch)
+        cases = [
+            (lambda: ctl.LoadAdapter(mc.LoadAdapterRequest(name="nope"), timeout=10), Code.NOT_FOUND),
+            (lambda: ctl.LoadAdapter(mc.LoadAdapterRequest(name=""), timeout=10), Code.INVALID_ARGUMENT),
+            (
+                lambda: ctl.LoadAdapter(mc.LoadAdapterRequest(name="x", slot=7, path="/nope"), timeout=10),
+                Code.INVALID_ARGUMENT,
+            ),
+            (
+                lambda: ctl.PromoteFromDisk(mc.PromoteFromDiskRequest(name="x"), timeout=10),
+                Code.INVALID_ARGUMENT,
+            ),
+            (lambda: ctl.Pin(mc.PinRequest(name="nope", pinned=True), timeout=10), Code.NOT_FOUND),
+            (
+                lambda: list(ctl.FetchAdapterWeights(mc.FetchAdapterWeightsRequest(name="nope"), timeout=10)),
+                Code.NOT_FOUND,
+            ),
+        ]
+        for call, code in cases:
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == code and e.value.details()
+        assert _generate(ch, "a")  # still serving
+
+
+def test_weights_stream_and_peer_promotion(pods, tiny_llama, adapters):
+    first, second = pods
+    data = (adapters["a"] / "adapter_model.safetensors").read_bytes()
+    with first.channel() as ch:
+        chunks = list(
+            _control(ch).FetchAdapterWeights(mc.FetchAdapterWeightsRequest(name="a", chunk_bytes=1000))
+        )
+    assert len(chunks) == -(-len(data) // 1000) and chunks[-1].last
+    assert b"".join(c.data for c in chunks) == data and chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    with second.channel() as ch:
+        ctl = _control(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            ctl.PromoteFromPeer(
+                mc.PromoteFromPeerRequest(name="a", peer=first.address, sha256="0" * 64), timeout=30
+            )
+        assert e.value.code() == Code.DATA_LOSS
+        state = ctl.PromoteFromPeer(
+            mc.PromoteFromPeerRequest(name="a", peer=first.address, sha256=hashlib.sha256(data).hexdigest()),
+            timeout=30,
+        )
+        assert state.tier == mc.TIER_HOST and state.sha256 == hashlib.sha256(data).hexdigest()
+        assert _generate(ch, "a") == _reference(tiny_llama, adapters, "a")  # promoted on demand
+        # Rotate: the same name now means b's weights.
+        rotated = ctl.Rotate(mc.RotateRequest(name="a", path=str(adapters["b"])), timeout=30)
+        assert (
+            rotated.sha256
+            == hashlib.sha256((adapters["b"] / "adapter_model.safetensors").read_bytes()).hexdigest()
+        )
+        engine = make_engine(tiny_llama, lora_modules={"a": str(adapters["b"])})
+        expected = engine.generate(
+            [
+                {
+                    "prompt_token_ids": PROMPT,
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "adapter": "a",
+                }
+            ]
+        )[0].token_ids
+        assert _generate(ch, "a") == expected
+        wait_idle(second)
