@@ -96,3 +96,29 @@ def test_abort_beam_request_frees_all_beams(tiny_llama):
     outs = engine.step()
     assert outs and outs[0].finish_reason == "abort"
     assert_all_blocks_free(engine)
+
+
+def test_a_failing_beam_request_fails_alone(tiny_llama, monkeypatch):
+    from model_service.engine.beam_search import BeamGroup
+
+    def broken(self, logits, outputs):
+        raise RuntimeError("injected beam fault")
+
+    monkeypatch.setattr(BeamGroup, "advance", broken)
+    engine = make_engine(tiny_llama, block_size=4)
+    engine.add_request(
+        prompt_token_ids=[5, 6, 7],
+        request_id="beams",
+        params=SamplingParams(num_beams=2, max_tokens=5, ignore_eos=True),
+    )
+    engine.add_request(
+        prompt_token_ids=[8, 9, 10],
+        request_id="plain",
+        params=SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+    )
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert final["beams"].finish_reason == "error" and "injected beam fault" in final["beams"].error
+    assert final["plain"].finish_reason == "length" and len(final["plain"].token_ids) == 5
+    assert_all_blocks_free(engine)

@@ -63,7 +63,10 @@ class BeamGroup:
         """logits: [live beams, vocab]; outputs: each live beam's generated tokens so far.
         Returns the next live beams (empty once the search is done)."""
         vocab = logits.shape[1]
-        scores = torch.log_softmax(logits.float(), dim=-1) + torch.tensor(self.scores)[:, None]
+        scores = (
+            torch.log_softmax(logits.float(), dim=-1)
+            + torch.tensor(self.scores, device=logits.device)[:, None]
+        )
         keep = max(2, 1 + len(self.eos_token_ids)) * self.num_beams
         top_scores, top_index = scores.reshape(-1).topk(min(keep, scores.numel()))
         new_len = self.generated + 1

@@ -296,8 +296,14 @@ class Engine:
         for seq, logits in rows:
             seq.beam_logits = logits
         for group in {id(s.group): s.group for s, _ in rows if s.group is not None}.values():
-            if group.ready():
+            if not group.ready():
+                continue
+            try:
                 self._advance_beams(group)
+            except Exception as e:  # one beam request's fault fails that request only
+                log.exception("beam search for %s failed", group.request_id)
+                group.beams[0].error = f"beam search failed: {e}"
+                self._finish_beams(group, "error")
 
     def _advance_beams(self, group: BeamGroup) -> None:
         parents = group.beams
@@ -337,6 +343,7 @@ class Engine:
         if reason == "length" and best.token_ids and best.token_ids[-1] in group.eos_token_ids:
             reason = "stop"
         root = self.requests.pop(group.request_id)
+        errors = [b.error for b in group.beams if b.error]
         text = self.tokenizer.decode(best.token_ids) if self.tokenizer else ""
         self._pending.append(
             RequestOutput(
@@ -348,6 +355,7 @@ class Engine:
                 finished=True,
                 finish_reason=reason,
                 num_prompt_tokens=root.num_prompt_tokens,
+                error=errors[0] if errors else None,
             )
         )
 

@@ -1,0 +1,84 @@
+"""CUDA: the same random model and adapters on CPU and CUDA (both float32) give the same tokens,
+with base and adapter rows mixed, swap preemption, the prefix cache and beam search on.
+Skipped without a GPU; run it on a CUDA machine with `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model_service.engine.config import EngineConfig
+from model_service.engine.engine import Engine
+from model_service.models.config import ModelConfig
+from model_service.models.llama import DecoderModel
+from model_service.models.loader import LoadedModel
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_cuda_matches_cpu_with_adapters_swap_and_beams(tmp_path):
+    from bench.lora import write_adapter
+
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=1024,
+    )
+    cfg.sliding_windows = [None] * 3
+    torch.manual_seed(0)
+    reference = DecoderModel(cfg)
+    for p in reference.parameters():
+        torch.nn.init.normal_(p, 0, 0.2)
+    adapters = {f"a{i}": write_adapter(tmp_path / f"a{i}", cfg, rank=4 + 4 * i, seed=i) for i in range(3)}
+    for path in adapters.values():  # large enough deltas that a missing one changes tokens
+        weights = path / "adapter_model.safetensors"
+        save_file({k: v * 30 for k, v in load_file(str(weights)).items()}, str(weights))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    requests = [
+        {
+            "prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(10 + i)],
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "adapter": [None, "a0", "a1", "a2"][i % 4],
+        }
+        for i in range(8)
+    ]
+    requests.append(
+        {
+            "prompt_token_ids": [5, 9, 11, 13],
+            "max_tokens": 8,
+            "num_beams": 3,
+            "ignore_eos": True,
+            "adapter": "a1",
+        }
+    )
+    results = {}
+    for device in ("cpu", "cuda"):
+        model = DecoderModel(cfg)
+        model.load_state_dict(reference.state_dict())
+        loaded = LoadedModel("random", cfg, model.to(device).eval(), None)
+        engine = Engine(
+            EngineConfig(
+                device=device,
+                dtype="float32",
+                num_kv_blocks=14,
+                block_size=4,
+                max_loras=2,
+                preemption_mode="swap",
+                lora_modules={k: str(v) for k, v in adapters.items()},
+            ),
+            loaded=loaded,
+        )
+        results[device] = [o.token_ids for o in engine.generate(requests)]
+        assert engine.stats().num_preemptions > 0
+        assert engine.model.num_free_blocks() == engine.model.num_total_blocks()
+    assert results["cuda"] == results["cpu"]
