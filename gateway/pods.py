@@ -61,6 +61,7 @@ class Pod:
             resident_adapters=set(load.resident_adapters),
             waiting_adapters=set(load.waiting_adapters),
             max_adapters=load.max_adapters,
+            available_adapters=set(load.available_adapters),
         )
 
 

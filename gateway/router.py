@@ -1,7 +1,8 @@
 """Choosing a model pod for a request, scored as the Gateway API Inference Extension scores.
 
-Each healthy pod gets the weighted sum of four scores in [0, 1]; the best wins, ties broken at
-random so equal pods share the load:
+A request for an adapter goes only to pods that report the adapter available (resident, in
+host memory or on disk); among those, each gets the weighted sum of four scores in [0, 1]; the
+best wins, ties broken at random so equal pods share the load:
 
 - adapter affinity: 1.0 the adapter is resident in a slot, 0.8 a slot is free to load it,
   0.6 requests waiting there already asked for it (it is being loaded), 0 the pod is full.
@@ -30,6 +31,7 @@ class Candidate:
     resident_adapters: set[str] = field(default_factory=set)
     waiting_adapters: set[str] = field(default_factory=set)
     max_adapters: int = 0
+    available_adapters: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -80,7 +82,9 @@ def choose(
     weights: Weights | None = None,
     rng: random.Random | None = None,
 ) -> str | None:
-    """The address of the best pod, or None when there is none."""
+    """The address of the best pod, or None when there is none (for an adapter: none that has it)."""
+    if adapter is not None:
+        pods = [p for p in pods if adapter in p.available_adapters]
     scores = score(pods, adapter, prefix, weights)
     if not scores:
         return None

@@ -108,6 +108,10 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
             for attempt in range(1, self.max_attempts + 1):
                 pod = self._choose(upstream, hashes, tried)
                 if pod is None:
+                    if not tried and upstream.HasField("adapter") and self.pool.healthy():
+                        await _abort(
+                            context, Code.NOT_FOUND, f"no model pod serves adapter {upstream.adapter!r}"
+                        )
                     break
                 tried.add(pod.address)
                 self.inflight[rid] = Routed(caller, pod)

@@ -211,4 +211,5 @@ class ModelPod:
             draining=self.draining,
             requests_total=self.requests_total,
             requests_in_flight=len(self.inflight),
+            available_adapters=sorted(a.name for a in adapters),
         )

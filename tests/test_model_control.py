@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 
 import grpc
 import pytest
@@ -10,7 +11,16 @@ import pytest
 from spindle.v1 import model_control_pb2 as mc
 from spindle.v1 import model_control_pb2_grpc
 from tests.conftest import make_engine
-from tests.service_helpers import collect, spawn_pod, stub, token_request, wait_idle, wait_serving
+from tests.service_helpers import (
+    collect,
+    load,
+    spawn,
+    spawn_pod,
+    stub,
+    token_request,
+    wait_idle,
+    wait_serving,
+)
 from tests.test_lora import make_adapter
 
 Code = grpc.StatusCode
@@ -116,6 +126,36 @@ def test_bad_control_requests_get_codes(pods):
                 call()
             assert e.value.code() == code and e.value.details()
         assert _generate(ch, "a")  # still serving
+
+
+def test_gateway_sends_adapter_requests_only_to_pods_that_have_it(pods, tiny_llama, adapters, tmp_path):
+    first, second = pods
+    gateway = spawn(
+        "gateway",
+        [
+            "--pods",
+            f"{first.address},{second.address}",
+            "--allow-unauthenticated",
+            "--health-interval",
+            "0.2",
+        ],
+        tmp_path,
+        "gateway",
+    )
+    try:
+        wait_serving(gateway)
+        deadline = time.monotonic() + 10  # until the gateway has polled both pods
+        while gateway.output().count("is healthy") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with gateway.channel() as ch:
+            for _ in range(4):  # the second pod is idle and would win on load alone
+                assert _generate(ch, "a") == _reference(tiny_llama, adapters, "a")
+            with pytest.raises(grpc.RpcError) as e:
+                _generate(ch, "unknown-adapter")
+            assert e.value.code() == Code.NOT_FOUND and "unknown-adapter" in e.value.details()
+        assert load(second).requests_total == 0  # the warm-up does not count; no request reached it
+    finally:
+        gateway.stop()
 
 
 def test_weights_stream_and_peer_promotion(pods, tiny_llama, adapters):

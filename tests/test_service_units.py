@@ -16,15 +16,22 @@ from spindle.v1 import generation_pb2 as pb
 
 
 def test_adapter_affinity_levels_follow_the_inference_extension():
-    resident = router.Candidate("a", resident_adapters={"x"}, max_adapters=2)
-    room = router.Candidate("b", resident_adapters={"y"}, max_adapters=2)
-    waiting = router.Candidate("c", resident_adapters={"y", "z"}, waiting_adapters={"x"}, max_adapters=2)
-    full = router.Candidate("d", resident_adapters={"y", "z"}, max_adapters=2)
+    has = {"x", "y", "z"}
+    resident = router.Candidate("a", resident_adapters={"x"}, max_adapters=2, available_adapters=has)
+    room = router.Candidate("b", resident_adapters={"y"}, max_adapters=2, available_adapters=has)
+    waiting = router.Candidate(
+        "c", resident_adapters={"y", "z"}, waiting_adapters={"x"}, max_adapters=2, available_adapters=has
+    )
+    full = router.Candidate("d", resident_adapters={"y", "z"}, max_adapters=2, available_adapters=has)
     no_lora = router.Candidate("e")
     scores = [router.adapter_score(p, "x") for p in (resident, room, waiting, full, no_lora)]
     assert scores == [1.0, 0.8, 0.6, 0.0, 0.0]
     assert router.adapter_score(full, None) == 1.0  # base-model requests fit anywhere
     assert router.choose([full, waiting, room, resident], "x", {}) == "a"
+    # A pod that does not have the adapter at all is never chosen for it, however idle.
+    assert router.choose([no_lora, full], "x", {}) == "d"
+    assert router.choose([no_lora], "x", {}) is None
+    assert router.choose([no_lora], None, {}) == "e"
 
 
 def test_queue_kv_and_prefix_scores_combine():
