@@ -29,6 +29,13 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--model", default="smollm2-135m-instruct", help="the pod's --model [smollm2-135m-instruct]"
     )
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the first request's message")
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="register a PEFT adapter on the pod (repeatable); the prompt is then also answered with each",
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="for the first request [64]")
     parser.add_argument("--host", default="127.0.0.1", help="address both services listen on [127.0.0.1]")
     parser.add_argument("--gateway-port", type=int, default=50051, help="[50051]")
@@ -49,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     pod_cmd = [
         *me, "serve", "--model", args.model, "--host", args.host, "--port", str(args.pod_port),
         "--metrics-port", str(args.metrics_port), "--log-level", args.log_level,
+        *(f"--lora={spec}" for spec in args.lora),
     ]  # fmt: skip
     gateway_cmd = [
         *me, "gateway", "--host", args.host, "--port", str(args.gateway_port),
@@ -64,12 +72,18 @@ def run(args: argparse.Namespace) -> int:
         if not _wait_serving(gateway, children, stop, args.startup_timeout):
             return 0 if stop.is_set() else 1
         with Client(gateway) as client:
-            req = chat_request(
-                [{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens, temperature=0.0
-            )
             print(f"> {args.prompt}", flush=True)
-            client.generate(req, timeout=120, on_text=lambda d: print(d, end="", flush=True))
-            print(flush=True)
+            for adapter in [None, *(spec.partition("=")[0] for spec in args.lora)]:
+                options = {"adapter": adapter} if adapter else {}
+                req = chat_request(
+                    [{"role": "user", "content": args.prompt}],
+                    max_tokens=args.max_tokens,
+                    temperature=0.0,
+                    **options,
+                )
+                print(f"[{adapter or 'base model'}] ", end="", flush=True)
+                client.generate(req, timeout=120, on_text=lambda d: print(d, end="", flush=True))
+                print(flush=True)
         print(
             f"\nServing: gateway {gateway} (model pod {args.host}:{args.pod_port}). Try:\n"
             f'  spindle chat --gateway {gateway} "Tell me a joke."\n'

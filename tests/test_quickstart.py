@@ -23,10 +23,23 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
-def test_up_answers_through_the_gateway_then_serves_until_ctrl_c(tmp_path):
+def test_up_answers_through_the_gateway_then_serves_until_ctrl_c(tmp_path, smollm2):
+    from bench.lora import write_adapter
+
+    adapter = write_adapter(tmp_path / "demo", smollm2.config, rank=4, seed=0)
     gw, pod, metrics = free_port(), free_port(), free_port()
     env = {**os.environ, "OTEL_SDK_DISABLED": "true"}
-    args = ["up", "--gateway-port", str(gw), "--pod-port", str(pod), "--metrics-port", str(metrics)]
+    args = [
+        "up",
+        "--gateway-port",
+        str(gw),
+        "--pod-port",
+        str(pod),
+        "--metrics-port",
+        str(metrics),
+        "--lora",
+        f"demo={adapter}",
+    ]
     err = open(tmp_path / "up.err", "w")  # noqa: SIM115
     up = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, env=env)
     try:
@@ -49,7 +62,9 @@ def test_up_answers_through_the_gateway_then_serves_until_ctrl_c(tmp_path):
         assert health_pb2.HealthCheckResponse.NOT_SERVING in seen and refused, (seen, refused)
         assert up.stdout.readline().startswith("> What is the capital of France?")
         answer = up.stdout.readline()
-        assert "Paris" in answer
+        assert answer.startswith("[base model] ") and "Paris" in answer
+        with_adapter = up.stdout.readline()
+        assert with_adapter.startswith("[demo] ") and len(with_adapter.strip()) > len("[demo]")
         question = "What is the capital of Italy? Answer in one sentence."
         chat = _cli(
             "chat",
@@ -70,7 +85,7 @@ def test_up_answers_through_the_gateway_then_serves_until_ctrl_c(tmp_path):
         )
         assert complete.returncode == 0 and complete.stdout.strip(), complete.stderr
         models = _cli("models", "--gateway", f"127.0.0.1:{gw}")
-        assert models.stdout.startswith("smollm2-135m-instruct\tbase")
+        assert models.stdout.startswith("smollm2-135m-instruct\tbase") and "demo" in models.stdout
         bad = _cli("chat", "--gateway", f"127.0.0.1:{gw}", "--temperature", "-1", "hi")
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
         assert up.poll() is None  # still serving
