@@ -242,3 +242,11 @@ def test_async_engine_streams_and_cancels(smollm2, reference):
         )
     finally:
         aengine.shutdown()
+
+
+def test_generate_is_all_or_nothing(smollm2):
+    engine = make_engine(smollm2)
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        engine.generate([{"prompt": "fine", "max_tokens": 4}, {"prompt": "bad", "max_tokens": 0}])
+    assert not engine.has_unfinished()
+    assert_all_blocks_free(engine)
