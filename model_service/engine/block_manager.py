@@ -42,8 +42,6 @@ class BlockManager:
         # Unreferenced blocks, least recently used first; cached ones keep their key until reused.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # key -> block id
-        self.query_tokens = 0  # prompt tokens looked up in the prefix cache
-        self.hit_tokens = 0  # of which were found
 
     @property
     def num_free(self) -> int:
@@ -126,7 +124,6 @@ class BlockManager:
         the request samples from.
         """
         assert not state.block_table
-        self.query_tokens += len(token_ids)
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
@@ -144,7 +141,6 @@ class BlockManager:
             key = next_key
         state.num_hashed_blocks, state.last_block_key = len(state.block_table), key
         state.num_computed = len(state.block_table) * bs
-        self.hit_tokens += state.num_computed
         return state.num_computed
 
     def register_full_blocks(self, state: SequenceState, token_ids: list[int], adapter_id: int) -> None:
@@ -160,10 +156,3 @@ class BlockManager:
                 self._cached[key] = block
                 self._blocks[block].key, self._blocks[block].tokens = key, tokens
             state.num_hashed_blocks, state.last_block_key = i + 1, key
-
-    def reclaim_cached_blocks(self) -> int:
-        """Drop every unreferenced cached block from the prefix cache; returns how many."""
-        dropped = [b for b in self._free if self._blocks[b].key is not None]
-        for b in dropped:
-            self._evict(b)
-        return len(dropped)

@@ -273,6 +273,5 @@ class ModelRunner:
             token_rows=t(token_rows),
             key_slots=t(key_slots),
             query_positions=t(query_positions),
-            context_lens=t(ctx),
             logits_rows=t(logits_rows),
         )

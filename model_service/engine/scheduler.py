@@ -30,7 +30,6 @@ class ScheduledBatch:
     """`work` pairs each sequence with the number of its pending tokens that run this step."""
 
     work: list[tuple[Sequence, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
@@ -95,7 +94,7 @@ class Scheduler:
                 if seq.num_pending == 0:
                     continue  # a beam waiting for its siblings' logits
                 n = min(seq.num_pending, budget)
-                if self._reserve_or_preempt(seq, n, scheduled, batch):
+                if self._reserve_or_preempt(seq, n, scheduled):
                     batch.work.append((seq, n))
                     scheduled.add(id(seq))
                     budget -= n
@@ -149,13 +148,13 @@ class Scheduler:
 
     # --- preemption -----------------------------------------------------------------------
 
-    def _reserve_or_preempt(self, seq: Sequence, n: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
+    def _reserve_or_preempt(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
         assert seq.state is not None
         while not (
             self.model.make_writable(seq.state) and self.model.reserve(seq.state, seq.num_computed + n)
         ):
             victim = self._pick_victim(scheduled)
-            self._preempt(victim, batch)
+            self._preempt(victim)
             if victim is seq:
                 return False
         return True
@@ -163,7 +162,7 @@ class Scheduler:
     def _pick_victim(self, scheduled: set[int]) -> Sequence:
         return max((s for s in self.running if id(s) not in scheduled), key=Sequence.sort_key)
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         assert seq.state is not None
         self.running.remove(seq)
         size = self.model.swap_bytes(seq.state)
@@ -177,7 +176,6 @@ class Scheduler:
             self._free_state(seq)
         self._enqueue(seq)
         self.num_preemptions += 1
-        batch.preempted.append(seq)
 
     def _free_state(self, seq: Sequence) -> None:
         if seq.state is not None:

@@ -32,7 +32,6 @@ class AttentionMetadata:
     token_rows: torch.Tensor  # [T] index into the flattened [S*Q] grid for each token (unpadding)
     key_slots: torch.Tensor  # [S, K] cache slot of each sequence's context position (0 where padding)
     query_positions: torch.Tensor  # [S, Q] position of each padded query (-1 where padding)
-    context_lens: torch.Tensor  # [S] tokens of context each sequence attends to after this step
     logits_rows: torch.Tensor  # [N] rows of the flat batch whose logits the caller wants
     lora: LoraBatch | None = None  # which rows use which LoRA slot; None when no row does
 
