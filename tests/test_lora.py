@@ -450,3 +450,18 @@ def test_cli_generate_with_adapters(tiny_llama, tiny_adapters, tiny_reference, t
         tiny_reference[(1, None)],
         tiny_reference[(2, "t1")],
     ]
+
+
+def test_shipped_demo_adapter_matches_peft_and_changes_the_answer(smollm2, hf_smollm2):
+    from tests.service_helpers import ROOT
+
+    pirate = ROOT / "adapters" / "smollm2-pirate"
+    engine = make_engine(smollm2, lora_modules={"pirate": str(pirate)})
+    ids = smollm2.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of Japan?"}]
+    )
+    out = engine.generate(
+        [{"prompt_token_ids": ids, "max_tokens": 16, "temperature": 0, "adapter": "pirate"}]
+    )[0]
+    assert out.token_ids == peft_greedy(hf_smollm2, pirate, ids, 16, eos=2)
+    assert out.text.startswith("Arr") and "Tokyo" in out.text
