@@ -208,7 +208,6 @@ def _read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from model_service.engine.engine import Engine
-    from model_service.engine.sampling_params import SamplingParams
 
     requests = _read_requests(args)
     engine = Engine(engine_config(args))
@@ -216,25 +215,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     errors: dict[int, str] = {}
     for i, r in enumerate(requests):
         try:
-            ids.append(
-                engine.add_request(
-                    r.get("prompt"),
-                    messages=r.get("messages"),
-                    prompt_token_ids=r.get("prompt_token_ids"),
-                    params=SamplingParams.from_dict(r),
-                    request_id=r.get("request_id"),
-                    priority=int(r.get("priority", 0)),
-                    adapter=r.get("adapter"),
-                )
-            )
+            ids.append(engine.add_request_dict(r))
         except (SpindleError, TypeError, ValueError) as e:  # a bad request fails alone
             ids.append(None)
             errors[i] = str(e)
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
+    final = engine.run_to_completion()
     for i, rid in enumerate(ids):
         if rid is None:
             result: dict[str, Any] = {"index": i, "error": errors[i]}

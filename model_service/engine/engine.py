@@ -421,32 +421,40 @@ class Engine:
 
     # --- conveniences ---------------------------------------------------------------------
 
-    def generate(self, requests: list[dict[str, Any]]) -> list[RequestOutput]:
-        """Run request dicts (prompt/messages/prompt_token_ids + sampling fields) to completion,
-        as one batch; returns the final output of each, in input order. All or nothing: if one
-        request is refused, the ones already queued are withdrawn before the error is raised."""
-        ids: list[str] = []
-        try:
-            for r in requests:
-                ids.append(
-                    self.add_request(
-                        r.get("prompt"),
-                        messages=r.get("messages"),
-                        prompt_token_ids=r.get("prompt_token_ids"),
-                        params=SamplingParams.from_dict(r),
-                        request_id=r.get("request_id"),
-                        priority=int(r.get("priority", 0)),
-                        adapter=r.get("adapter"),
-                    )
-                )
-        except Exception:
-            for rid in ids:
-                self.abort(rid)
-            self._pending = [o for o in self._pending if o.request_id not in ids]  # nobody awaits them
-            raise
+    def add_request_dict(self, r: dict[str, Any]) -> str:
+        """`add_request` from one request object (prompt/messages/prompt_token_ids, sampling fields,
+        request_id, priority, adapter), as `--requests` files and `generate` spell them."""
+        return self.add_request(
+            r.get("prompt"),
+            messages=r.get("messages"),
+            prompt_token_ids=r.get("prompt_token_ids"),
+            params=SamplingParams.from_dict(r),
+            request_id=r.get("request_id"),
+            priority=int(r.get("priority", 0)),
+            adapter=r.get("adapter"),
+        )
+
+    def run_to_completion(self) -> dict[str, RequestOutput]:
+        """Step until nothing is left; the final output of every request that finished, by id."""
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
+        return final
+
+    def generate(self, requests: list[dict[str, Any]]) -> list[RequestOutput]:
+        """Run request dicts to completion, as one batch; returns the final output of each, in
+        input order. All or nothing: if one request is refused, the ones already queued are
+        withdrawn before the error is raised."""
+        ids: list[str] = []
+        try:
+            for r in requests:
+                ids.append(self.add_request_dict(r))
+        except Exception:
+            for rid in ids:
+                self.abort(rid)
+            self._pending = [o for o in self._pending if o.request_id not in ids]  # nobody awaits them
+            raise
+        final = self.run_to_completion()
         return [final[i] for i in ids]
