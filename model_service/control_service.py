@@ -160,7 +160,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         await self._ready(context)
 
         def snapshot(engine: Any) -> tuple[list[pb.Slot], list[AdapterInfo], str]:
-            pool = engine.model.lora
+            pool = engine.lora
             slots = [
                 pb.Slot(
                     index=i, adapter=s.adapter.name if s.adapter else "", refcount=s.refcount, pinned=s.pinned
@@ -182,7 +182,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         await self._ready(context)
         if not 0 <= request.chunk_bytes <= _MAX_CHUNK:
             await _abort(context, Code.INVALID_ARGUMENT, f"chunk_bytes must be in [0, {_MAX_CHUNK}]")
-        path = await asyncio.to_thread(self.pod.async_engine.call, lambda e: e.model.lora.disk.get(name))
+        path = await asyncio.to_thread(self.pod.async_engine.call, lambda e: e.lora.disk.get(name))
         if path is None:
             await _abort(context, Code.NOT_FOUND, f"adapter {name!r} has no files on this pod")
         config, data = await asyncio.to_thread(

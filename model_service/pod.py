@@ -82,7 +82,7 @@ class ModelPod:
     async def _warm_up(self) -> None:
         """One tiny request through the whole path, so the first real request pays no first-use costs."""
         assert self.async_engine is not None
-        vocab = int(self.engine.model.vocab_size)
+        vocab = int(self.engine.vocab_size)
         ids = [t % vocab for t in (1, 2, 3)]
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         async for _ in self.async_engine.generate(
