@@ -29,6 +29,7 @@ class EngineConfig:
     lora_modules: dict[str, str] = field(
         default_factory=dict
     )  # name -> PEFT adapter dir, registered at start
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (debugging, profiling)
     adapter_wait_timeout_s: float = 30.0  # a request waits this long for its adapter to get a slot
 
     def __post_init__(self) -> None:

@@ -83,9 +83,10 @@ class Engine:
             mc, config.block_size, dtype, device, config.kv_cache_memory_bytes, config.gpu_memory_utilization
         )
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.executor = ModelExecutor(
-            self.loaded, num_blocks, config.block_size, config.max_loras, config.max_lora_rank
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size
         )
+        self.executor = ModelExecutor(self.loaded, config, num_blocks, self.max_model_len)
         per_token = self.executor.kv_cache.bytes_per_block(
             mc.layer_kinds, 1, mc.num_kv_heads, mc.head_dim, dtype
         )
@@ -94,9 +95,6 @@ class Engine:
         self.lora = LoraPool(mc, config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.executor)
         self.scheduler = Scheduler(config, self.cache, self.lora)
         self.builder = BatchBuilder(config.block_size, device)
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size
-        )
         self.eos_token_ids = set(mc.eos_token_ids)
         self.prompts = PromptReader(
             self.tokenizer, mc.vocab_size, self.max_model_len, num_blocks * config.block_size

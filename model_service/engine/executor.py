@@ -14,11 +14,15 @@ from torch import nn
 
 from model_service.attention.kv_cache import KVCache
 from model_service.attention.reference import TorchReferenceBackend
+from model_service.attention.triton_backend import TritonBackend
+from model_service.engine.config import EngineConfig
+from model_service.engine.cuda_graphs import DecodeGraphs
+from model_service.kernels.paged_attention import triton
 from model_service.lora.adapter import LoraAdapter
 from model_service.lora.layers import LoraLayers, wrap_lora_layers
 from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel
-from model_service.models.step import ForwardContext, StepBatch
+from model_service.models.step import AttentionBackend, ForwardContext, StepBatch
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -55,26 +59,48 @@ class ModelExecutor:
     """Implements `KVMover` and the LoRA `SlotWriter` for one device."""
 
     def __init__(
-        self, loaded: LoadedModel, num_blocks: int, block_size: int, max_loras: int, max_lora_rank: int
+        self, loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int
     ) -> None:
+        max_loras = config.max_loras
         self.module = _own_module_tree(loaded.module) if max_loras > 0 else loaded.module
         self.config = loaded.config
         param = next(self.module.parameters())
         self.device, self.dtype = param.device, param.dtype
         cfg = self.config
         self.kv_cache = KVCache(
-            cfg.layer_kinds, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+            cfg.layer_kinds,
+            num_blocks,
+            config.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
         )
-        self.attention = TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
         self.lora: LoraLayers | None = (
-            wrap_lora_layers(self.module, max_loras, max_lora_rank) if max_loras > 0 else None
+            wrap_lora_layers(self.module, max_loras, config.max_lora_rank) if max_loras > 0 else None
         )
+        self.graphs: DecodeGraphs | None = None
+        self.attention: AttentionBackend
+        if self._kernels_apply():
+            triton_backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
+            self.attention = triton_backend
+            if not config.enforce_eager:
+                self.graphs = DecodeGraphs(
+                    self.module, triton_backend, config.max_num_seqs, max_model_len, self.device
+                )
+        else:
+            self.attention = TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
         # One tensor per recurrent layer, [slots, ...]; none for attention-only models.
         self.state_tensors: list[torch.Tensor] = []
         if self.device.type == "cuda":
             # cuDNN's SDPA builds a new graph for every new context length: 2.2 ms of CPU per layer
             # call on an H200, 25x the GPU time. The flash/efficient kernels have no such cost.
             torch.backends.cuda.enable_cudnn_sdp(False)
+
+    def _kernels_apply(self) -> bool:
+        """The Triton backend runs on CUDA for power-of-two head sizes (every common model)."""
+        dim = self.config.head_dim
+        return self.device.type == "cuda" and triton is not None and dim >= 16 and dim & (dim - 1) == 0
 
     @property
     def vocab_size(self) -> int:
@@ -83,9 +109,11 @@ class ModelExecutor:
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Float32 logits [len(batch.logits_rows), vocab], row i for `batch.logits_rows[i]`."""
-        self.attention.prepare(batch)
         if self.lora is not None:
-            self.lora.plan.prepare(batch)
+            self.lora.plan.prepare(batch)  # before capture too: a captured graph holds no LoRA rows
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        self.attention.prepare(batch)
         ctx = ForwardContext(attention=self.attention, logits_rows=batch.logits_rows)
         return self.module(batch.input_ids, batch.positions, ctx)
 

@@ -77,6 +77,11 @@ class GraphCapturable(Protocol):
         """Copy `batch`'s metadata into the static buffers (padding rows to `padded_num_seqs`)."""
 
 
+@runtime_checkable
+class CapturableBackend(AttentionBackend, GraphCapturable, Protocol):
+    """An attention backend a CUDA-graph runner can capture."""
+
+
 @dataclass
 class ForwardContext:
     """What a model's layers may use in one forward pass besides their activations."""
