@@ -23,7 +23,7 @@ from opentelemetry import trace
 from gateway import prefix, router
 from gateway.auth import ANONYMOUS, ApiKeys, AuthError, Caller
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
-from spindle import envflags, serving, telemetry
+from spindle import serving, telemetry
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc
 
@@ -246,7 +246,6 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="serve without API keys (local use only; every caller may use every adapter)",
     )
-    envflags.apply_env(parser)
     return parser
 
 

@@ -6,13 +6,13 @@ import json
 import subprocess
 import sys
 
-from model_service.cli import main
+from spindle.cli import main
 from tests.conftest import make_engine
 
 
 def test_help_explains_itself():
     out = subprocess.run(
-        [sys.executable, "-m", "model_service.cli", "generate", "--help"],
+        [sys.executable, "-m", "spindle.cli", "generate", "--help"],
         capture_output=True,
         text=True,
         check=True,

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EngineStats:
-    """Counters and gauges for the services to export (Prometheus names come later)."""
+    """Counters and gauges the model pod exports (as Prometheus metrics: model_service/pod/metrics.py)."""
 
     num_waiting: int
     num_swapped: int
@@ -82,6 +82,10 @@ class Engine:
             self.model.lora.register(name, Path(path))
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits excluded)
         self.num_steps = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
 
     # --- requests -------------------------------------------------------------------------
 
@@ -356,6 +360,7 @@ class Engine:
                 finish_reason=reason,
                 num_prompt_tokens=root.num_prompt_tokens,
                 error=errors[0] if errors else None,
+                first_scheduled_at=root.first_scheduled_at,
             )
         )
 

@@ -17,6 +17,7 @@ Decode rows and prefill chunks of one step go through the model in one mixed for
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from model_service.engine.config import EngineConfig
@@ -120,6 +121,7 @@ class Scheduler:
             self._release_swap(seq)
             self.waiting.pop(i)
             seq.status = Status.RUNNING
+            seq.first_scheduled_at = seq.first_scheduled_at or time.monotonic()
             self.running.append(seq)
             batch.work.append((seq, n))
             budget -= n

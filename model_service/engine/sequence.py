@@ -40,6 +40,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None
+    first_scheduled_at: float | None = None  # time.monotonic() of the first step that ran it
 
 
 class Sequence:
@@ -66,6 +67,7 @@ class Sequence:
         self.adapter_name: str | None = None  # the LoRA adapter requested (None = base model)
         self.adapter_id = 0  # content identity of the weights serving it (0 = base model)
         self.created = time.monotonic()
+        self.first_scheduled_at: float | None = None  # set by the scheduler when it first runs
         self.group: BeamGroup | None = None  # set for the beams of a beam-search request
         self.beam_logits: torch.Tensor | None = None  # this beam's next-token logits, awaiting siblings
         self.text = ""
@@ -131,6 +133,7 @@ class Sequence:
             new_logprobs=self.logprobs[self.emitted_tokens :],
             stop_reason=self.stop_reason,
             error=self.error,
+            first_scheduled_at=self.first_scheduled_at,
         )
         self.emitted_tokens, self.emitted_chars = len(self.output_ids), end
         return out
