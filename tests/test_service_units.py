@@ -180,3 +180,30 @@ def test_the_engine_and_the_bench_fake_offer_the_engine_handle(tiny_llama):
             got = inspect.signature(getattr(type(impl), name)).parameters
             assert list(got) == list(want), (type(impl).__name__, name)
             assert [p.kind for p in got.values()] == [p.kind for p in want.values()], name
+
+
+def test_engine_errors_map_to_codes_and_a_bug_is_internal():
+    import grpc
+
+    from model_service.errors import CapacityError, ModelLoadError, NotFoundError
+    from model_service.lora.adapter import AdapterError
+    from model_service.lora.pool import AdapterBusyError, AdapterNotFoundError, SlotsBusyError
+    from model_service.pod.status import status_for
+
+    code = grpc.StatusCode
+    cases = [
+        (NotFoundError("unknown adapter 'x'"), code.NOT_FOUND),
+        (AdapterNotFoundError("not resident"), code.NOT_FOUND),
+        (AdapterBusyError("pinned"), code.FAILED_PRECONDITION),
+        (SlotsBusyError("all busy"), code.FAILED_PRECONDITION),
+        (AdapterError("rank too high"), code.INVALID_ARGUMENT),
+        (InvalidRequestError("top_p"), code.INVALID_ARGUMENT),
+        (CapacityError("queue full"), code.RESOURCE_EXHAUSTED),
+        (ModelLoadError("no such file"), code.FAILED_PRECONDITION),
+        (TypeError("add_request() got an unexpected keyword argument 'adapter'"), code.INTERNAL),
+        (KeyError("x"), code.INTERNAL),
+    ]
+    for error, want in cases:
+        got, message = status_for(error)
+        assert got == want, (error, got)
+        assert str(error).strip("'") in message
