@@ -70,9 +70,10 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         address = router.choose([p.candidate() for p in pods], adapter, matched, self.weights)
         return self.pool.pods.get(address) if address else None
 
-    async def Generate(
+    async def _admissible(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> tuple[Caller, str]:
+        """The caller and request id of a request the gateway may relay, or abort."""
         caller = await self._caller(context)
         if self.draining:
             await abort(context, Code.UNAVAILABLE, "the gateway is shutting down; retry")
@@ -91,6 +92,12 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         rid = request.request_id or uuid.uuid4().hex
         if rid in self.inflight:
             await abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+        return caller, rid
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        caller, rid = await self._admissible(request, context)
         upstream = pb.GenerateRequest()
         upstream.CopyFrom(request)
         upstream.request_id = rid
