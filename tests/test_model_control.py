@@ -69,6 +69,17 @@ def _generate(channel, adapter):
     return collect(stub(channel).Generate(req, timeout=30))[0]
 
 
+def _gateway(pods, tmp_path):
+    """A gateway in front of `pods`, once it has polled them all."""
+    addresses = ",".join(p.address for p in pods)
+    args = ["--pods", addresses, "--allow-unauthenticated", "--health-interval", "0.2"]
+    gateway = wait_serving(spawn("gateway", args, tmp_path, "gateway"))
+    deadline = time.monotonic() + 10
+    while gateway.output().count("is healthy") < len(pods) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return gateway
+
+
 def _control(channel):
     return model_control_pb2_grpc.ModelControlStub(channel)
 
@@ -129,24 +140,9 @@ def test_bad_control_requests_get_codes(pods):
 
 
 def test_gateway_sends_adapter_requests_only_to_pods_that_have_it(pods, tiny_llama, adapters, tmp_path):
-    first, second = pods
-    gateway = spawn(
-        "gateway",
-        [
-            "--pods",
-            f"{first.address},{second.address}",
-            "--allow-unauthenticated",
-            "--health-interval",
-            "0.2",
-        ],
-        tmp_path,
-        "gateway",
-    )
+    second = pods[1]
+    gateway = _gateway(pods, tmp_path)
     try:
-        wait_serving(gateway)
-        deadline = time.monotonic() + 10  # until the gateway has polled both pods
-        while gateway.output().count("is healthy") < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
         with gateway.channel() as ch:
             for _ in range(4):  # the second pod is idle and would win on load alone
                 assert _generate(ch, "a") == _reference(tiny_llama, adapters, "a")
@@ -224,23 +220,8 @@ def test_set_active_makes_the_active_adapter_reachable_end_to_end(pods, tiny_lla
         assert "@active" in report.available_adapters and "@active" in report.resident_adapters
         assert "@active" not in load(first).available_adapters
         assert _generate(ch, "@active") == expected
-    gateway = spawn(
-        "gateway",
-        [
-            "--pods",
-            f"{first.address},{second.address}",
-            "--allow-unauthenticated",
-            "--health-interval",
-            "0.2",
-        ],
-        tmp_path,
-        "gateway",
-    )
+    gateway = _gateway(pods, tmp_path)
     try:
-        wait_serving(gateway)
-        deadline = time.monotonic() + 10  # until the gateway has polled both pods
-        while gateway.output().count("is healthy") < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
         with gateway.channel() as ch:
             for _ in range(3):  # only the second pod has an active adapter
                 assert _generate(ch, "@active") == expected
