@@ -179,13 +179,7 @@ class ModelPod:
         stats, _ = self.async_engine.call(self._gather)
         running, waiting = self._adapter_split()
         return Snapshot(
-            num_waiting=stats.num_waiting,
-            num_running=stats.num_running,
-            num_swapped=stats.num_swapped,
-            kv_usage=stats.kv_usage,
-            prefix_cache_queries=stats.prefix_cache_query_tokens,
-            prefix_cache_hits=stats.prefix_cache_hit_tokens,
-            num_preemptions=stats.num_preemptions,
+            stats=stats,
             max_adapters=self._max_adapters(),
             running_adapters=running,
             waiting_adapters=waiting,
