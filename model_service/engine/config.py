@@ -72,6 +72,7 @@ class EngineConfig:
         4 * _GIB,
         "GiB of host memory for swapped-out KV; past it, preemption recomputes",
         flag="swap-space",
+        metavar="GIB",
         type=float,
         to_field=lambda gib: int(gib * _GIB),
         shown=4,
