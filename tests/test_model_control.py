@@ -208,6 +208,9 @@ def test_set_active_makes_the_active_adapter_reachable_end_to_end(pods, tiny_lla
         ctl = _control(cc)
         assert ctl.GetSlots(mc.GetSlotsRequest(), timeout=10).active_adapter == ""
         assert "@active" not in load(second).available_adapters
+        with pytest.raises(grpc.RpcError) as e:
+            _generate(ch, "@active")
+        assert e.value.code() == Code.FAILED_PRECONDITION and "SetActive" in e.value.details()
         for name, code in (("b", Code.NOT_FOUND), ("@active", Code.INVALID_ARGUMENT)):
             with pytest.raises(grpc.RpcError) as e:  # b is not resident yet; @active is no adapter
                 ctl.SetActive(mc.SetActiveRequest(name=name), timeout=10)
@@ -237,4 +240,7 @@ def test_set_active_makes_the_active_adapter_reachable_end_to_end(pods, tiny_lla
         ctl.SetActive(mc.SetActiveRequest(name="b"), timeout=10)
         assert ctl.SetActive(mc.SetActiveRequest(name=""), timeout=10).name == ""  # cleared on request
         assert ctl.GetSlots(mc.GetSlotsRequest(), timeout=10).active_adapter == ""
+        with second.channel() as ch, pytest.raises(grpc.RpcError) as e:
+            _generate(ch, "@active")
+        assert e.value.code() == Code.FAILED_PRECONDITION
         ctl.Evict(mc.EvictRequest(name="b"), timeout=10)
