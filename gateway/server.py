@@ -15,7 +15,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -23,7 +23,8 @@ from opentelemetry import trace
 from gateway import prefix, router
 from gateway.auth import ANONYMOUS, ApiKeys, AuthError, Caller
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
-from spindle import envflags, serving, telemetry
+from spindle import serving, telemetry
+from spindle.grpc_status import abort
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc
 
@@ -37,11 +38,6 @@ _RETRYABLE = (Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED)
 class Routed:
     caller: Caller
     pod: Pod
-
-
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    await context.abort(code, message)
-    raise AssertionError("unreachable: context.abort raises")
 
 
 class GatewayService(generation_pb2_grpc.GenerationServicer):
@@ -65,7 +61,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         try:
             return self.keys.authenticate(context.invocation_metadata())
         except AuthError as e:
-            await _abort(context, Code.UNAUTHENTICATED, str(e))
+            await abort(context, Code.UNAUTHENTICATED, str(e))
 
     def _choose(self, req: pb.GenerateRequest, hashes: list[bytes], tried: set[str]) -> Pod | None:
         pods = self.pool.healthy(exclude=tried)
@@ -74,27 +70,34 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         address = router.choose([p.candidate() for p in pods], adapter, matched, self.weights)
         return self.pool.pods.get(address) if address else None
 
-    async def Generate(
+    async def _admissible(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> tuple[Caller, str]:
+        """The caller and request id of a request the gateway may relay, or abort."""
         caller = await self._caller(context)
         if self.draining:
-            await _abort(context, Code.UNAVAILABLE, "the gateway is shutting down; retry")
+            await abort(context, Code.UNAVAILABLE, "the gateway is shutting down; retry")
         if request.WhichOneof("prompt") is None:
-            await _abort(
+            await abort(
                 context, Code.INVALID_ARGUMENT, "the request has no prompt: set `text`, `chat` or `token_ids`"
             )
         adapter = request.adapter if request.HasField("adapter") else None
         if not caller.may_use(adapter):
             allowed = "none" if not caller.adapters else ", ".join(sorted(caller.adapters))
-            await _abort(
+            await abort(
                 context,
                 Code.PERMISSION_DENIED,
                 f"API key {caller.name!r} may not use adapter {adapter!r} (allowed: {allowed})",
             )
         rid = request.request_id or uuid.uuid4().hex
         if rid in self.inflight:
-            await _abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+            await abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+        return caller, rid
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        caller, rid = await self._admissible(request, context)
         upstream = pb.GenerateRequest()
         upstream.CopyFrom(request)
         upstream.request_id = rid
@@ -109,7 +112,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 pod = self._choose(upstream, hashes, tried)
                 if pod is None:
                     if not tried and upstream.HasField("adapter") and self.pool.healthy():
-                        await _abort(
+                        await abort(
                             context, Code.NOT_FOUND, f"no model pod serves adapter {upstream.adapter!r}"
                         )
                     break
@@ -140,25 +143,25 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                         continue
                     if code == Code.UNAVAILABLE:
                         details = f"model pod failed after {streamed} tokens ({details}); not retried"
-                    await _abort(context, code, details)
+                    await abort(context, code, details)
                 finally:
                     pod.in_flight -= 1
                     call.cancel()
-            await _abort(context, Code.UNAVAILABLE, f"no model pod could take the request ({last_error})")
+            await abort(context, Code.UNAVAILABLE, f"no model pod could take the request ({last_error})")
         finally:
             self.inflight.pop(rid, None)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         caller = await self._caller(context)
         if not request.request_id:
-            await _abort(context, Code.INVALID_ARGUMENT, "request_id is empty: name the request to abort")
+            await abort(context, Code.INVALID_ARGUMENT, "request_id is empty: name the request to abort")
         routed = self.inflight.get(request.request_id)
         if routed is None or routed.caller != caller:  # another caller's request does not exist for you
-            await _abort(context, Code.NOT_FOUND, f"no request {request.request_id!r} of yours is in flight")
+            await abort(context, Code.NOT_FOUND, f"no request {request.request_id!r} of yours is in flight")
         try:
             return await routed.pod.generation.Abort(request, timeout=_remaining(context, 5.0))
         except grpc.aio.AioRpcError as e:
-            await _abort(context, e.code(), e.details())
+            await abort(context, e.code(), e.details())
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -166,7 +169,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         caller = await self._caller(context)
         pods = self.pool.healthy()
         if not pods:
-            await _abort(context, Code.UNAVAILABLE, "no healthy model pod")
+            await abort(context, Code.UNAVAILABLE, "no healthy model pod")
         replies = await asyncio.gather(
             *(p.generation.ListModels(request, timeout=_remaining(context, 5.0)) for p in pods),
             return_exceptions=True,
@@ -179,7 +182,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 if m.kind != pb.MODEL_KIND_ADAPTER or caller.may_use(m.id):
                     seen.setdefault(m.id, m)
         if not seen:
-            await _abort(context, Code.UNAVAILABLE, "no model pod answered ListModels")
+            await abort(context, Code.UNAVAILABLE, "no model pod answered ListModels")
         return pb.ListModelsResponse(models=sorted(seen.values(), key=lambda m: (m.kind, m.id)))
 
 
@@ -246,7 +249,6 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="serve without API keys (local use only; every caller may use every adapter)",
     )
-    envflags.apply_env(parser)
     return parser
 
 

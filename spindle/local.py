@@ -18,7 +18,6 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from spindle import envflags
 from spindle.client import Client, chat_request
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -39,7 +38,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=64, help="for the first request [64]")
     parser.add_argument("--host", default="127.0.0.1", help="address both services listen on [127.0.0.1]")
     parser.add_argument("--gateway-port", type=int, default=50051, help="[50051]")
-    parser.add_argument("--pod-port", type=int, default=50052, help="[50052]")
+    parser.add_argument("--pod-port", type=int, default=50052, help="the pod's Generation port [50052]")
+    parser.add_argument(
+        "--pod-control-port", type=int, default=50053, help="the pod's ModelControl port [50053]"
+    )
     parser.add_argument(
         "--metrics-port", type=int, default=9090, help="the pod's /metrics port; 0 = off [9090]"
     )
@@ -47,15 +49,15 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING [600]"
     )
-    envflags.apply_env(parser)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    me = [sys.executable, "-m", "model_service.cli"]
+    me = [sys.executable, "-m", "spindle.cli"]
     pod_cmd = [
         *me, "serve", "--model", args.model, "--host", args.host, "--port", str(args.pod_port),
-        "--metrics-port", str(args.metrics_port), "--log-level", args.log_level,
+        "--control-port", str(args.pod_control_port), "--metrics-port", str(args.metrics_port),
+        "--log-level", args.log_level,
         *(f"--lora={spec}" for spec in args.lora),
     ]  # fmt: skip
     gateway_cmd = [
@@ -85,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
                 client.generate(req, timeout=120, on_text=lambda d: print(d, end="", flush=True))
                 print(flush=True)
         print(
-            f"\nServing: gateway {gateway} (model pod {args.host}:{args.pod_port}). Try:\n"
+            f"\nServing: gateway {gateway} (model pod {args.host}:{args.pod_port}, "
+            f"its ModelControl on {args.host}:{args.pod_control_port}). Try:\n"
             f'  spindle chat --gateway {gateway} "Tell me a joke."\n'
             "Ctrl-C stops both.",
             file=sys.stderr,

@@ -422,7 +422,7 @@ def test_rank_above_limit_and_pickle_weights_are_refused(tiny_llama, tiny_adapte
 
 
 def test_cli_generate_with_adapters(tiny_llama, tiny_adapters, tiny_reference, tmp_path, capsys):
-    from model_service.cli import main
+    from spindle.cli import main
 
     reqs = tmp_path / "reqs.jsonl"
     reqs.write_text("\n".join(json.dumps(_req(PROMPTS[i], a)) for i, a in [(0, "t0"), (1, None), (2, "t1")]))

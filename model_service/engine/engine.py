@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EngineStats:
-    """Counters and gauges the model pod exports (as vLLM-named Prometheus metrics)."""
+    """Counters and gauges the model pod exports (as Prometheus metrics: model_service/pod/metrics.py)."""
 
     num_waiting: int
     num_swapped: int
