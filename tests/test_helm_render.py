@@ -163,3 +163,24 @@ def test_notes_tell_how_to_reach_the_gateway():
     text = notes({})
     assert f"port-forward svc/{RELEASE}-spindle-gateway 50051:50051" in text
     assert f"get secret {RELEASE}-spindle-gateway-api-keys" in text and "spindle chat" in text
+
+
+def _documented_keys(values: dict, prefix: str = "") -> list[str]:
+    """values.yaml's keys as the README's table names them: whole blocks for images, resources
+    and security contexts, and for maps that are empty by default."""
+    keys = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        whole = key in ("image", "fetchImage", "resources") or path.endswith("ecurityContext")
+        if isinstance(value, dict) and value and not whole:
+            keys += _documented_keys(value, f"{path}.")
+        else:
+            keys.append(path)
+    return keys
+
+
+def test_the_readme_documents_every_value():
+    table = (CHART / "README.md").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    missing = [key for key in _documented_keys(values) if f"`{key}`" not in table]
+    assert not missing, f"helm/spindle/README.md's table lacks {missing}"
