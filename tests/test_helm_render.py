@@ -109,6 +109,12 @@ def test_a_misspelt_flag_in_config_is_refused_naming_it():
         chart.render({"gateway": {"config": {"max-atempts": 3}}}, name=RELEASE, namespace=NAMESPACE)
 
 
+def test_s3_without_credentials_is_refused_naming_the_value():
+    values = {"adapterService": {"s3": {"enabled": True, "bucket": "adapters"}}}
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmRenderError, match=r"s3\.accessKeyId"):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
 def test_every_gpu_type_the_schema_allows_selects_nodes():
     allowed = json.loads((CHART / "values.schema.json").read_text())
     types = allowed["properties"]["model"]["properties"]["gpu"]["properties"]["type"]["enum"]
