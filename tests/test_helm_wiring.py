@@ -136,6 +136,8 @@ def resolve(objects: list[dict], address: str) -> tuple[str, str, dict]:
     port_names = {p["containerPort"]: p["name"] for p in main_container(target)["ports"]}
     target_name = sp["targetPort"] if isinstance(sp["targetPort"], str) else port_names[sp["targetPort"]]
     assert target_name in port_names.values()
+    if service["spec"].get("clusterIP") == "None":  # a headless name resolves to the pods: no port mapping
+        assert port_names.get(int(port)) == target_name, f"{address}: the pods do not listen on {port}"
     return component(target), target_name, service
 
 
@@ -144,8 +146,9 @@ def test_addresses_reach_the_ports_they_mean(value_set):
     objects = render(VALUE_SETS[value_set])
     deployed = workloads(objects)
     gateway_env = container_env(main_container(deployed["gateway"]))
-    reached, _, service = resolve(objects, gateway_env["SPINDLE_PODS_DNS"])
-    assert (reached, _) == ("model", "grpc") and service["spec"]["clusterIP"] == "None"  # one address a pod
+    reached, port_name, service = resolve(objects, gateway_env["SPINDLE_PODS_DNS"])
+    assert (reached, port_name) == ("model", "grpc")
+    assert service["spec"]["clusterIP"] == "None"  # the gateway needs one address a pod
     if "adapter-service" not in deployed:
         assert "SPINDLE_ADAPTER_SERVICE" not in gateway_env
         return
@@ -172,6 +175,8 @@ def test_selectors_match_the_pods_they_mean(value_set):
         if kind == "Service":
             selected = [n for n, w in deployed.items() if matches(obj["spec"]["selector"], pod_labels(w))]
             assert selected == [component(obj)], f"Service {obj['metadata']['name']} selects {selected}"
+            ports = {p["name"] for p in main_container(deployed[selected[0]])["ports"]}
+            assert {p["targetPort"] for p in obj["spec"]["ports"]} <= ports
         elif kind == "PodDisruptionBudget":
             selected = [
                 n
