@@ -12,6 +12,7 @@ import argparse
 import importlib
 import os
 import sys
+from types import ModuleType
 
 from model_service.errors import SpindleError
 from spindle import envflags
@@ -47,6 +48,16 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def command_parser(command: str) -> tuple[ModuleType, argparse.ArgumentParser]:
+    """The module of `command` and its parser, with every flag also read from `SPINDLE_<FLAG>`:
+    exactly what `spindle COMMAND` parses (the Helm chart's tests check its environment with it)."""
+    help_, module_name, builder = _COMMANDS[command]
+    module = importlib.import_module(module_name)
+    parser = getattr(module, builder)(argparse.ArgumentParser(prog=f"spindle {command}", description=help_))
+    envflags.apply_env(parser)
+    return module, parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -56,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in _COMMANDS:
         print(f"{_usage()}\n\nspindle: error: unknown command {command!r}", file=sys.stderr)
         return 2
-    help_, module_name, builder = _COMMANDS[command]
-    module = importlib.import_module(module_name)
-    parser = getattr(module, builder)(argparse.ArgumentParser(prog=f"spindle {command}", description=help_))
-    envflags.apply_env(parser)
+    module, parser = command_parser(command)
     args = parser.parse_args(rest)
     args.command = command
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
