@@ -11,6 +11,7 @@ from model_service.attention.reference import TorchReferenceBackend
 from model_service.engine.batch_builder import BatchBuilder, StepItem
 from model_service.engine.cuda_graphs import batch_ladder
 from model_service.engine.seq_state import SequenceState
+from model_service.kernels.lora import lora_delta, lora_delta_reference
 from model_service.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -120,3 +121,60 @@ def test_triton_store_kv_matches_reference_and_skips_padding(kv_heads, dim):
     store_kv(k, v, caches[0], caches[1], slots)
     store_kv_reference(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def _lora_case(tokens: int, device: str, dtype: torch.dtype, seed: int):
+    """A fused q/k/v-like projection (parts of 64, 32, 32 columns) with 4 slots of ranks 8, 16, 0
+    (empty) and 4, zero-padded to 16, and rows spread over the slots and the base model."""
+    g = torch.Generator().manual_seed(seed)
+    sizes, in_features, max_rank = (64, 32, 32), 48, 16
+    a = torch.zeros(4, 3, max_rank, in_features)
+    b = torch.zeros(4, sum(sizes), max_rank)
+    scaling = torch.zeros(4, 3)
+    for slot, rank in enumerate((8, 16, 0, 4)):
+        a[slot, :, :rank] = torch.randn(3, rank, in_features, generator=g)
+        b[slot, :, :rank] = torch.randn(sum(sizes), rank, generator=g)
+        scaling[slot] = torch.rand(3, generator=g) * (rank > 0)
+    x = torch.randn(tokens, in_features, generator=g)
+    y = torch.randn(tokens, sum(sizes), generator=g)
+    slots = torch.randint(-1, 4, (tokens,), generator=g)
+    move = [t.to(device) for t in (x.to(dtype), y.to(dtype), a.to(dtype), b.to(dtype), scaling, slots)]
+    return sizes, *move
+
+
+def test_lora_reference_matches_the_segment_loop_of_the_lora_layer():
+    from model_service.lora.layers import LoraLinear, LoraStepPlan
+    from model_service.models.layers import PackedLinear
+
+    sizes, x, y, a, b, scaling, slots = _lora_case(40, "cpu", torch.float32, 0)
+    base = PackedLinear(x.shape[1], {"q_proj": sizes[0], "k_proj": sizes[1], "v_proj": sizes[2]}, bias=False)
+    torch.nn.init.zeros_(base.weight)
+    plan = LoraStepPlan(use_kernels=False)
+    layer = LoraLinear(base, 4, 16, plan)
+    for slot, rank in enumerate((8, 16, 0, 4)):
+        for part in range(3):
+            if rank:
+                lo, hi = layer.columns[part]
+                layer.write(
+                    slot, part, a[slot, part, :rank], b[slot, lo:hi, :rank], float(scaling[slot, part])
+                )
+    plan.segments = [(s, torch.nonzero(slots == s).flatten()) for s in range(4) if (slots == s).any()]
+    want = torch.zeros_like(y)
+    lora_delta_reference(x, want, a, b, scaling, slots, sizes)
+    assert torch.allclose(layer(x), want, atol=1e-5)
+    assert want[slots < 0].abs().sum() == 0  # base rows untouched
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 37, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_lora_matches_reference(tokens, dtype):
+    for seed in range(2):
+        sizes, x, y, a, b, scaling, slots = _lora_case(tokens, "cuda", dtype, seed)
+        want, got = y.clone(), y.clone()
+        lora_delta_reference(x, want, a, b, scaling, slots, sizes)
+        starts = torch.tensor([0, sizes[0], sizes[0] + sizes[1]], device="cuda")
+        lora_delta(x, got, a, b, scaling, slots, sizes, starts)
+        assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+        assert torch.equal(got[slots < 0], y[slots < 0])
