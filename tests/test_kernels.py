@@ -178,3 +178,34 @@ def test_triton_lora_matches_reference(tokens, dtype):
         lora_delta(x, got, a, b, scaling, slots, sizes, starts)
         assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
         assert torch.equal(got[slots < 0], y[slots < 0])
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [576, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rms_norm_silu_and_rope_match_references(dim, dtype):
+    from model_service.kernels.fused import (
+        apply_rotary,
+        apply_rotary_reference,
+        rms_norm,
+        rms_norm_reference,
+        silu_and_mul,
+    )
+
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for seed in range(2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x, res = (torch.randn(37, dim, generator=g, device="cuda").to(dtype) for _ in range(2))
+        w = torch.rand(dim, generator=g, device="cuda").to(dtype)
+        out, summed = rms_norm(x, w, 1e-5, res)
+        assert torch.equal(summed, x + res)
+        assert _rel(out, rms_norm_reference(x + res, w, 1e-5)) < tol
+        assert _rel(rms_norm(x, w, 1e-5)[0], rms_norm_reference(x, w, 1e-5)) < tol
+        gate_up = torch.randn(37, 2 * dim, generator=g, device="cuda").to(dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        assert _rel(silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up) < tol
+        q = torch.randn(37, 8, 128, generator=g, device="cuda").to(dtype)
+        cos, sin = (torch.randn(37, 128, generator=g, device="cuda").to(dtype) for _ in range(2))
+        want = apply_rotary_reference(q, cos, sin)
+        assert _rel(apply_rotary(q.clone(), cos, sin), want) < tol
