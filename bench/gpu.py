@@ -26,6 +26,7 @@ from model_service.lora.adapter import LoraAdapter, LoraWeights, module_shapes
 from model_service.models.config import ModelConfig
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
+from model_service.models.step import StepBatch
 
 LLAMA3_8B = {
     "vocab_size": 128256,
@@ -115,6 +116,49 @@ def decode_tok_s(
     return batch * (new_tokens - 1) / (full - one)
 
 
+def host_share(engine: Engine, batch: int, prompt_len: int, vocab: int) -> float:
+    """The share of decode steps' wall time spent outside the forward pass (scheduling, batch
+    building, sampling's host side, output processing): each forward is timed to completion."""
+    forward_s = 0.0
+    execute = engine.executor.execute
+
+    def timed_execute(step_batch: StepBatch) -> torch.Tensor:
+        nonlocal forward_s
+        start = time.perf_counter()
+        out = execute(step_batch)
+        torch.cuda.synchronize()
+        forward_s += time.perf_counter() - start
+        return out
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(batch):
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        engine.add_request_dict({"prompt_token_ids": prompt, "max_tokens": 32, "ignore_eos": True})
+    engine.step()  # the prefill step stays out of the measurement
+    engine.executor.execute = timed_execute
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    total = time.perf_counter() - start
+    engine.executor.execute = execute
+    return (total - forward_s) / total
+
+
+def ttft_ms(engine: Engine, vocab: int, prompt_len: int, cached: int) -> tuple[float, float]:
+    """Time to the first token in ms: a prompt never seen (cold), then one that shares its first
+    `cached` tokens with it (a prefix-cache hit)."""
+    g = torch.Generator().manual_seed(7)
+
+    def prompt(prefix: list[int]) -> list[int]:
+        return prefix + torch.randint(3, vocab, (prompt_len - len(prefix),), generator=g).tolist()
+
+    timed_generate(engine, [prompt([])], 1, [None])  # warm-up: kernels for these shapes
+    shared = torch.randint(3, vocab, (cached,), generator=g).tolist()
+    cold = timed_generate(engine, [prompt(shared)], 1, [None])
+    hit = timed_generate(engine, [prompt(shared)], 1, [None])
+    return cold * 1e3, hit * 1e3
+
+
 def lora_vs_base(loaded: LoadedModel, args: argparse.Namespace) -> tuple[float, float]:
     """(base, LoRA) decode tokens/s, `--lora-adapters` distinct adapters over `--lora-batch` rows.
     The adapters share random host tensors (each fills its own device slot, so the kernels read
@@ -196,6 +240,8 @@ def main() -> None:
     ap.add_argument("--lora-adapters", type=int, default=0, help="distinct adapters (0 = no LoRA run)")
     ap.add_argument("--lora-batch", type=int, default=64)
     ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--host-share-batch", type=int, default=0, help="measure host time at this batch")
+    ap.add_argument("--ttft", action="store_true", help="4,096-token prompt: cold and 3,584 cached")
     args = ap.parse_args()
     shape = SMOLLM2 if args.small else LLAMA3_8B
     setup = {
@@ -221,7 +267,7 @@ def main() -> None:
                 max_loras=0,
                 enforce_eager=eager,
                 kv_cache_memory_bytes=40 << 30,
-                max_model_len=4096,
+                max_model_len=8192,
             ),
             loaded=loaded,
         )
@@ -234,6 +280,32 @@ def main() -> None:
                 line["fraction_of_copy_bandwidth"] = round(weight_bytes * rate / 1e9 / bandwidth, 3)
             print(json.dumps({**line, **setup}), flush=True)
             rows.append(line)
+        if not eager and args.ttft:
+            cold, hit = ttft_ms(engine, shape["vocab_size"], 4096, 3584)
+            print(
+                json.dumps(
+                    {
+                        "bench": "gpu",
+                        "metric": "ttft_ms_4096",
+                        "cold": round(cold, 1),
+                        "hit_3584": round(hit, 1),
+                        **setup,
+                    }
+                )
+            )
+        if not eager and args.host_share_batch:
+            share = host_share(engine, args.host_share_batch, args.prompt_len, shape["vocab_size"])
+            print(
+                json.dumps(
+                    {
+                        "bench": "gpu",
+                        "metric": "host_share_of_decode_step",
+                        "batch": args.host_share_batch,
+                        "value": round(share, 3),
+                        **setup,
+                    }
+                )
+            )
         del engine
         torch.cuda.empty_cache()
     if args.lora_adapters:
