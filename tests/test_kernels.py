@@ -18,6 +18,7 @@ from model_service.kernels.paged_attention import (
     store_kv,
     store_kv_reference,
 )
+from model_service.kernels.prefill_attention import paged_prefill_attention_reference
 from model_service.models.config import attention_layers
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -209,3 +210,74 @@ def test_triton_rms_norm_silu_and_rope_match_references(dim, dtype):
         cos, sin = (torch.randn(37, 128, generator=g, device="cuda").to(dtype) for _ in range(2))
         want = apply_rotary_reference(q, cos, sin)
         assert _rel(apply_rotary(q.clone(), cos, sin), want) < tol
+
+
+def _mixed_case(device: str, dtype: torch.dtype, seed: int, heads: int = 4, kv_heads: int = 2, dim: int = 16):
+    """A step of a decode row, a mid-prompt chunk and a whole prompt over a pool of random K/V."""
+    bs = 4
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(37, 1), (90, 70), (130, 130)]  # (context length after the step, query rows)
+    blocks = [-(-n // bs) for n, _ in shapes]
+    perm = torch.randperm(sum(blocks) + 2, generator=g).tolist()
+    items, at = [], 0
+    for i, ((n, q_rows), nb) in enumerate(zip(shapes, blocks, strict=True)):
+        state = SequenceState(seq_id=i, block_table=perm[at : at + nb], num_computed=n - q_rows)
+        items.append(StepItem(state, [0] * q_rows, 1))
+        at += nb
+    batch = BatchBuilder(bs, torch.device(device)).build(items)
+    slots = len(perm) * bs
+    k_cache = torch.randn(slots, kv_heads, dim, generator=g).to(device, dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=g).to(device, dtype)
+    q = torch.randn(batch.num_tokens, heads, dim, generator=g).to(device, dtype)
+    return batch, q, k_cache, v_cache, bs
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_prefill_reference_matches_the_reference_backend(window):
+    batch, q, k_cache, v_cache, bs = _mixed_case("cpu", torch.float32, 0)
+    dim, kv_heads = q.shape[2], k_cache.shape[1]
+    want = paged_prefill_attention_reference(
+        q, k_cache, v_cache, batch.block_table, batch.query_start, batch.seq_lens, bs, dim**-0.5, window
+    )
+    cache = KVCache(
+        attention_layers([window]),
+        k_cache.shape[0] // bs,
+        bs,
+        kv_heads,
+        dim,
+        torch.float32,
+        torch.device("cpu"),
+    )
+    cache.data[0, 0], cache.data[0, 1] = k_cache, v_cache
+    backend = TorchReferenceBackend(cache, [window], dim)
+    backend.prepare(batch)
+    got = backend.forward(0, q, k_cache[batch.slot_mapping], v_cache[batch.slot_mapping])
+    assert _rel(got, want) < 1e-5
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads_dim", [(4, 2, 16), (32, 8, 128), (9, 3, 64)])
+def test_triton_prefill_attention_matches_reference(window, dtype, heads_dim):
+    from model_service.kernels.prefill_attention import paged_prefill_attention, prefill_tiles
+
+    for seed in range(2):
+        batch, q, k_cache, v_cache, bs = _mixed_case("cuda", dtype, seed, *heads_dim)
+        args = (
+            q,
+            k_cache,
+            v_cache,
+            batch.block_table,
+            batch.query_start,
+            batch.seq_lens,
+            bs,
+            heads_dim[2] ** -0.5,
+        )
+        want = paged_prefill_attention_reference(*args, window)
+        seqs, rows = prefill_tiles(batch.host_query_start)
+        tiles = (torch.from_numpy(seqs).cuda(), torch.from_numpy(rows).cuda())
+        got = paged_prefill_attention(*args, window, tiles)
+        assert torch.isfinite(got).all()
+        assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
