@@ -36,7 +36,7 @@ def _params(**kw) -> SamplingParams:
 
 def _row(seed: int | None = None, prompt=(), output=(), **kw) -> SampleRow:
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SampleRow(_params(**kw), gen, list(prompt), list(output))
+    return SampleRow(_params(**kw), gen, [*prompt, *output], len(prompt))
 
 
 def _hf_allowed(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> set[int]:

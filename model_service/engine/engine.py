@@ -209,25 +209,24 @@ class Engine:
             items.append(StepItem(seq.state, seq.token_ids[start : start + n], int(ends_prompt)))
         logits = self.executor.execute(self.builder.build(items))
         self.num_computed_tokens += sum(n for _, n in work)
-        rows = []
+        rows = []  # the sequence of each logits row, in row order
         for (seq, n), item in zip(work, items, strict=True):
             item.state.num_computed += n
             self.cache.register_full_blocks(item.state, seq.token_ids, seq.adapter_id)
             if item.num_logits:
                 rows.append(seq)
-        row_logits = list(zip(rows, logits, strict=True))
-        self._pending += self.beams.report([(s, lg) for s, lg in row_logits if s.group is not None])
-        to_sample = [(s, lg) for s, lg in row_logits if s.group is None]
-        if not to_sample:
+        beam_rows = [i for i, s in enumerate(rows) if s.group is not None]
+        self._pending += self.beams.report([(rows[i], logits[i]) for i in beam_rows])
+        if beam_rows:  # sample the other rows only
+            keep = [i for i, s in enumerate(rows) if s.group is None]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            rows = [rows[i] for i in keep]
+        if not rows:
             return []
         tokens, logprobs = sample(
-            torch.stack([lg for _, lg in to_sample]),
-            [
-                SampleRow(s.params, s.generator, s.token_ids[: s.num_prompt_tokens], s.output_ids)
-                for s, _ in to_sample
-            ],
+            logits, [SampleRow(s.params, s.generator, s.token_ids, s.num_prompt_tokens) for s in rows]
         )
-        for (seq, _), token, lp in zip(to_sample, tokens, logprobs, strict=True):
+        for seq, token, lp in zip(rows, tokens, logprobs, strict=True):
             try:
                 if self.outputs.append(seq, token, lp):
                     self._finish(seq, seq.finish_reason or "stop")
@@ -235,7 +234,7 @@ class Engine:
                 log.exception("request %s failed", seq.request_id)
                 seq.error = str(e)
                 self._finish(seq, "error")
-        return [s for s, _ in to_sample]
+        return rows
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Free `seq` (all beams of its request) and queue its final output."""

@@ -19,10 +19,21 @@ from model_service.engine.sampling_params import SamplingParams
 
 @dataclass
 class SampleRow:
+    """One row's settings and history. The history is the sequence's own list, sliced only when
+    a penalty needs it: copying every prompt every step costs milliseconds at large batches."""
+
     params: SamplingParams
     generator: torch.Generator | None
-    prompt_ids: list[int]
-    output_ids: list[int]
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass

@@ -102,18 +102,22 @@ class LoraLinear(nn.Module):
         return y
 
     def write(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        """Copy one part's weights into `slot` (a cleared part: only its first `rank` rows are
+        touched, so loading costs the adapter's size, not the slot's)."""
         r = a.shape[0]
         lo, hi = self.columns[part]
-        self.lora_a[slot, part].zero_()
         self.lora_a[slot, part, :r].copy_(a)
-        self.lora_b[slot, lo:hi].zero_()
         self.lora_b[slot, lo:hi, :r].copy_(b)
         self.ranks[slot][part], self.scaling[slot][part] = r, scaling
         self.lora_scaling[slot, part] = scaling
 
     def clear(self, slot: int) -> None:
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        """Zero what the slot's adapter wrote (the rest of the slot is zero already)."""
+        for part, r in enumerate(self.ranks[slot]):
+            if r:
+                lo, hi = self.columns[part]
+                self.lora_a[slot, part, :r].zero_()
+                self.lora_b[slot, lo:hi, :r].zero_()
         self.lora_scaling[slot].zero_()
         self.ranks[slot] = [0] * len(self.columns)
         self.scaling[slot] = [0.0] * len(self.columns)
