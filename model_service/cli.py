@@ -267,6 +267,8 @@ _COMMANDS = {
         "build_complete_parser",
     ),
     "models": ("list the models and adapters a gateway offers you", "spindle.client", "build_models_parser"),
+    "adapters": ("register, list, delete adapters (admin API)", "adapter_service.client", "build_parser"),
+    "adapter-service": ("run the adapter service", "adapter_service.server", "build_parser"),
 }
 
 

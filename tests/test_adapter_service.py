@@ -1,0 +1,313 @@
+"""The adapter service end to end: real Redis, moto's S3 server, two model pods, the service and
+the gateway, all processes on loopback (tiny random Llama). Outputs are compared token for token
+with the engine run directly on the adapter directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import struct
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from adapter_service.client import AdaptersClient
+from spindle.v1 import adapters_pb2 as apb
+from spindle.v1 import adapters_pb2_grpc
+from spindle.v1 import generation_pb2 as pb
+from tests.adapter_helpers import aws_env
+from tests.conftest import make_engine
+from tests.service_helpers import collect, spawn, spawn_pod, stub, token_request, wait_serving
+from tests.test_lora import make_adapter
+
+Code = grpc.StatusCode
+PROMPT = [5, 6, 7, 8, 9]
+KEYS = "admin key-admin * admin\nuser key-user *\n"
+ADMIN, USER = "key-admin", "key-user"
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama.name, dtype="float32")
+    root = tmp_path_factory.mktemp("svc_adapters")
+    specs = {
+        "a": dict(seed=11, r=4, target_modules=["q_proj", "v_proj"]),
+        "a2": dict(seed=12, r=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+        "b": dict(seed=13, r=8, target_modules=["o_proj", "up_proj"]),
+        "c": dict(seed=14, r=4, target_modules=["k_proj", "gate_proj"]),
+    }
+    return {n: make_adapter(hf, root / n, scale=0.3, lora_alpha=8, **kw) for n, kw in specs.items()}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama, redis_url, s3, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("svc")
+    pods = [spawn_pod(tiny_llama.name, logs, f"pod{i}", "--max-loras", "2") for i in range(2)]
+    for p in pods:
+        wait_serving(p)
+    service = spawn(
+        "adapter-service",
+        [
+            "--pods", ",".join(p.address for p in pods), "--redis-url", redis_url,
+            "--s3-bucket", s3.bucket, "--s3-endpoint-url", s3.endpoint, "--s3-region", "us-east-1",
+            "--base-model", tiny_llama.name, "--metrics-port", "0", "--poll-interval", "0.3",
+            "--lease-ttl", "1.5", "--max-adapter-bytes", "2000000", "--max-lora-rank", "16",
+            "--slot-idle-seconds", "0.5", "--host-idle-seconds", "1",
+        ],
+        logs, "adapter-service", env=aws_env(),
+    )  # fmt: skip
+    keys = logs / "keys"
+    keys.write_text(KEYS)
+    gateway = spawn(
+        "gateway",
+        ["--pods", ",".join(p.address for p in pods), "--api-keys-file", str(keys),
+         "--adapter-service", wait_serving(service).address, "--health-interval", "0.2"],
+        logs, "gateway",
+    )  # fmt: skip
+    wait_serving(gateway)
+    deadline = time.monotonic() + 10
+    while gateway.output().count("is healthy") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield {"pods": pods, "service": service, "gateway": gateway}
+    for s in (gateway, service, *pods):
+        s.stop()
+
+
+_references: dict[tuple[str, int], list[int]] = {}
+
+
+def _reference(tiny_llama, directory: Path, n: int = 8) -> list[int]:
+    key = (str(directory), n)
+    if key not in _references:
+        engine = make_engine(tiny_llama, lora_modules={"x": str(directory)})
+        req = {
+            "prompt_token_ids": PROMPT,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "adapter": "x",
+        }
+        _references[key] = engine.generate([req])[0].token_ids
+    return _references[key]
+
+
+def _generate(gateway, adapter: str, n: int = 8, key: str = USER) -> list[int]:
+    req = token_request(PROMPT, n, temperature=0.0)
+    req.adapter = adapter
+    with gateway.channel() as ch:
+        return collect(stub(ch).Generate(req, timeout=60, metadata=(("authorization", f"Bearer {key}"),)))[0]
+
+
+def _admin(target: str, key: str | None = ADMIN) -> AdaptersClient:
+    return AdaptersClient(target, key)
+
+
+def _place(service, adapter: str, pods: list[str]) -> apb.PlaceResponse:
+    with service.channel() as ch:
+        hints = [apb.PodHint(address=p) for p in pods]
+        return adapters_pb2_grpc.PlacementStub(ch).Place(
+            apb.PlaceRequest(adapter=adapter, pods=hints), timeout=60
+        )
+
+
+def test_register_through_the_gateway_then_generate(cluster, adapters, tiny_llama):
+    gateway = cluster["gateway"]
+    with _admin(gateway.address, USER) as c, pytest.raises(grpc.RpcError) as e:
+        c.register("a", adapters["a"])
+    assert e.value.code() == Code.PERMISSION_DENIED and "admin" in e.value.details()
+    with _admin(gateway.address) as c:
+        a = c.register("a", adapters["a"], description="first")
+        assert (a.name, a.version, a.rank) == ("a", 1, 4)
+        assert (
+            a.sha256 == hashlib.sha256((adapters["a"] / "adapter_model.safetensors").read_bytes()).hexdigest()
+        )
+        assert [x.name for x in c.list()] == ["a"]
+    with gateway.channel() as ch:  # registered, placed nowhere yet: listed all the same
+        models = stub(ch).ListModels(pb.ListModelsRequest(), metadata=(("authorization", f"Bearer {USER}"),))
+    assert [m.id for m in models.models if m.kind == pb.MODEL_KIND_ADAPTER] == ["a"]
+    assert _generate(gateway, "a") == _reference(tiny_llama, adapters["a"])
+    with pytest.raises(grpc.RpcError) as e:
+        _generate(gateway, "never-registered")
+    assert e.value.code() == Code.NOT_FOUND and "not registered" in e.value.details()
+
+
+def test_cold_adapter_from_a_peer_then_from_staging_and_storage(cluster, adapters, tiny_llama, redis_url):
+    import redis
+
+    service, (p0, p1) = cluster["service"], cluster["pods"]
+    holder = _place(service, "a", [])
+    assert holder.pods and holder.source == "resident"
+    other = p1.address if holder.pods[0] == p0.address else p0.address
+    placed = _place(service, "a", [other])  # only `other` is routable: the weights come from the peer
+    assert (placed.pods, placed.source) == ([other], "peer")
+    with _admin(service.address, None) as c:
+        c.register("b", adapters["b"])
+    assert _place(service, "b", []).source == "staging"  # staged when registered
+    with _admin(service.address, None) as c:
+        c.register("c", adapters["c"])
+    redis.Redis.from_url(redis_url).flushall()  # registry and staging gone: rebuilt from S3
+    placed = _place(service, "c", [])
+    assert placed.source == "storage" and placed.version == 1
+    with _admin(service.address, None) as c:
+        assert [x.name for x in c.list()] == ["a", "b", "c"]
+    gateway = cluster["gateway"]
+    for name in ("a", "b", "c"):
+        assert _generate(gateway, name) == _reference(tiny_llama, adapters[name])
+
+
+def test_under_load_nothing_in_use_is_evicted(cluster, adapters, tiny_llama):
+    """Three adapters on pods of two slots, cooled after 0.5 s idle: the controller keeps evicting
+    while requests run. Every answer must be right and none refused."""
+    gateway = cluster["gateway"]
+    want = {n: _reference(tiny_llama, adapters[n], 24) for n in ("a", "b", "c")}
+    wrong, errors = [], []
+
+    def worker(i: int) -> None:
+        for j in range(4):
+            name = "abc"[(i + j) % 3]
+            try:
+                got = _generate(gateway, name, 24)
+                if got != want[name]:
+                    wrong.append((name, got))
+            except grpc.RpcError as e:
+                errors.append(f"{name}: {e.code().name}: {e.details()}")
+            time.sleep(0.3 * (i % 3))  # let the idle timer fire between some requests
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (wrong, errors) == ([], [])
+
+
+def test_new_version_rotates_in_flight_old_ones_finish_on_old_weights(cluster, adapters, tiny_llama):
+    gateway = cluster["gateway"]
+    assert _generate(gateway, "a") == _reference(tiny_llama, adapters["a"])  # resident somewhere
+    n = 300
+    old = _reference(tiny_llama, adapters["a"], n)
+    req = token_request(PROMPT, n, temperature=0.0)
+    req.adapter = "a"
+    with gateway.channel() as ch:
+        stream = stub(ch).Generate(req, timeout=120, metadata=(("authorization", f"Bearer {USER}"),))
+        first = next(stream)
+        with _admin(gateway.address) as c:
+            v2 = c.register("a", adapters["a2"])
+        assert v2.version == 2
+        rest, _ = collect(stream)
+    tokens = [*first.chunk.token_ids, *rest]
+    assert tokens == old  # the in-flight request finished on version 1
+    assert _generate(gateway, "a") == _reference(tiny_llama, adapters["a2"])  # new ones get version 2
+
+
+def _header(name: str, config: bytes, data: bytes, sha: str | None = None) -> apb.RegisterChunk:
+    return apb.RegisterChunk(
+        header=apb.RegisterHeader(
+            name=name,
+            config_json=config,
+            total_bytes=len(data),
+            sha256=sha or hashlib.sha256(data).hexdigest(),
+        )
+    )
+
+
+def _upload(service, name: str, config: bytes, data: bytes, sha: str | None = None) -> grpc.RpcError:
+    with service.channel() as ch, pytest.raises(grpc.RpcError) as e:
+        adapters_pb2_grpc.AdaptersStub(ch).Register(
+            iter([_header(name, config, data, sha), apb.RegisterChunk(data=data)]), timeout=30
+        )
+    return e.value
+
+
+def test_bad_uploads_are_refused_and_leave_nothing(cluster, adapters, s3, redis_url, tmp_path):
+    import redis
+
+    service = cluster["service"]
+    config = (adapters["b"] / "adapter_config.json").read_bytes()
+    good = (adapters["b"] / "adapter_model.safetensors").read_bytes()
+    n = struct.unpack("<Q", good[:8])[0]
+    header = json.loads(good[8 : 8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["data_offsets"][1] += 1 << 20  # points past the end of the file
+    text = json.dumps(header).encode()
+    lying = struct.pack("<Q", len(text)) + text + good[8 + n :]
+    wide = json.loads(good[8 : 8 + n])
+    for t in wide.values():  # same bytes, shapes for a model twice as wide
+        if isinstance(t, dict) and "shape" in t:
+            t["shape"] = [d * 2 if d == 64 else d for d in t["shape"]]
+    before = s3.keys()
+    cases = [
+        ("bad-sha", config, good, "0" * 64, Code.DATA_LOSS, "sha256"),
+        ("pickle", config, b"\x80\x04\x95" + good[3:], None, Code.INVALID_ARGUMENT, "pickle"),
+        ("../escape", config, good, None, Code.INVALID_ARGUMENT, "not allowed"),
+        ("lying", config, lying, None, Code.INVALID_ARGUMENT, "lies"),
+        ("wide", config, struct.pack("<Q", len(json.dumps(wide))) + json.dumps(wide).encode() + good[8 + n :],
+         None, Code.INVALID_ARGUMENT, ""),
+        ("too-big", config, good + b"\0" * 2_000_000, None, Code.RESOURCE_EXHAUSTED, "max-adapter-bytes"),
+        ("not-lora", b'{"peft_type": "IA3"}', good, None, Code.INVALID_ARGUMENT, "IA3"),
+    ]  # fmt: skip
+    for name, cfg, data, sha, code, words in cases:
+        err = _upload(service, name, cfg, data, sha)
+        assert err.code() == code and words in err.details(), (name, err.code(), err.details())
+    assert s3.keys() == before
+    r = redis.Redis.from_url(redis_url)
+    names = {k.decode() for k in r.hkeys("spindle:adapters:index")}
+    assert not names & {c[0] for c in cases}
+    rank = make_rank_64(adapters, tmp_path)
+    with _admin(service.address, None) as c, pytest.raises(grpc.RpcError) as e:
+        c.register("rank64", rank)
+    assert e.value.code() == Code.INVALID_ARGUMENT and "rank 64" in e.value.details()
+    with _admin(service.address, None) as c, pytest.raises(grpc.RpcError) as e:
+        c.register("b", adapters["b"])  # the same weights again: nothing new
+    assert e.value.code() == Code.ALREADY_EXISTS
+
+
+def make_rank_64(adapters, tmp_path) -> Path:
+    """An adapter above the service's --max-lora-rank 16 (zeros: only the shapes matter)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "rank64"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 64, "target_modules": ["q_proj"]})
+    )
+    save_file(
+        {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((64, 64), np.float32),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": np.zeros((64, 64), np.float32),
+        },
+        str(d / "adapter_model.safetensors"),
+    )
+    return d
+
+
+def test_delete_then_a_killed_pods_adapters_are_placed_elsewhere(cluster, adapters, tiny_llama, s3):
+    service, gateway, (p0, p1) = cluster["service"], cluster["gateway"], cluster["pods"]
+    with _admin(gateway.address) as c:
+        assert c.delete("c") >= 1
+        with pytest.raises(grpc.RpcError) as e:
+            c.get("c")
+        assert e.value.code() == Code.NOT_FOUND
+    assert not s3.keys("adapters/c/")
+    with pytest.raises(grpc.RpcError) as e:
+        _generate(gateway, "c")
+    assert e.value.code() == Code.NOT_FOUND
+    placed = _place(service, "b", [])
+    victim = p0 if placed.pods[0] == p0.address else p1
+    survivor = p1 if victim is p0 else p0
+    victim.stop(signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    with _admin(service.address, None) as c:
+        while any(p.pod == victim.address for p in c.get("b").placements):
+            assert time.monotonic() < deadline, "the killed pod's lease never expired"
+            time.sleep(0.2)
+    assert _generate(gateway, "b") == _reference(tiny_llama, adapters["b"])
+    with _admin(service.address, None) as c:
+        assert [p.pod for p in c.get("b").placements] == [survivor.address]
