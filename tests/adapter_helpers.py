@@ -1,5 +1,6 @@
-"""Real backing servers for the adapter service tests: a Redis server and moto's S3 HTTP server,
-each a process on a free loopback port, started once per session and stopped afterwards."""
+"""For the adapter service tests: real backing servers (a Redis server and moto's S3 HTTP server,
+each a process on a free loopback port, started once per session and stopped afterwards) and
+the adapters they register."""
 
 from __future__ import annotations
 
@@ -94,3 +95,21 @@ def s3(tmp_path_factory) -> Iterator[S3]:
 def aws_env() -> dict[str, str]:
     """What the service processes need to reach moto (boto3's own variables, as in a cluster)."""
     return {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="session")
+def lora_dirs(tiny_llama, tmp_path_factory):
+    """Four PEFT adapters for the tiny Llama (a2 is a's next version), with different targets."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_lora import make_adapter
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama.name, dtype="float32")
+    root = tmp_path_factory.mktemp("svc_adapters")
+    specs = {
+        "a": dict(seed=11, r=4, target_modules=["q_proj", "v_proj"]),
+        "a2": dict(seed=12, r=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+        "b": dict(seed=13, r=8, target_modules=["o_proj", "up_proj"]),
+        "c": dict(seed=14, r=4, target_modules=["k_proj", "gate_proj"]),
+    }
+    return {n: make_adapter(hf, root / n, scale=0.3, lora_alpha=8, **kw) for n, kw in specs.items()}

@@ -21,8 +21,16 @@ from spindle.v1 import adapters_pb2_grpc
 from spindle.v1 import generation_pb2 as pb
 from tests.adapter_helpers import aws_env
 from tests.conftest import make_engine
-from tests.service_helpers import collect, spawn, spawn_pod, stub, token_request, wait_serving
-from tests.test_lora import make_adapter
+from tests.service_helpers import (
+    collect,
+    free_port,
+    load,
+    spawn,
+    spawn_pod,
+    stub,
+    token_request,
+    wait_serving,
+)
 
 Code = grpc.StatusCode
 PROMPT = [5, 6, 7, 8, 9]
@@ -31,23 +39,9 @@ ADMIN, USER = "key-admin", "key-user"
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_llama, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama.name, dtype="float32")
-    root = tmp_path_factory.mktemp("svc_adapters")
-    specs = {
-        "a": dict(seed=11, r=4, target_modules=["q_proj", "v_proj"]),
-        "a2": dict(seed=12, r=8, target_modules=["q_proj", "v_proj", "down_proj"]),
-        "b": dict(seed=13, r=8, target_modules=["o_proj", "up_proj"]),
-        "c": dict(seed=14, r=4, target_modules=["k_proj", "gate_proj"]),
-    }
-    return {n: make_adapter(hf, root / n, scale=0.3, lora_alpha=8, **kw) for n, kw in specs.items()}
-
-
-@pytest.fixture(scope="module")
 def cluster(tiny_llama, redis_url, s3, tmp_path_factory):
     logs = tmp_path_factory.mktemp("svc")
+    metrics = free_port()
     pods = [spawn_pod(tiny_llama.name, logs, f"pod{i}", "--max-loras", "2") for i in range(2)]
     for p in pods:
         wait_serving(p)
@@ -56,7 +50,7 @@ def cluster(tiny_llama, redis_url, s3, tmp_path_factory):
         [
             "--pods", ",".join(p.address for p in pods), "--redis-url", redis_url,
             "--s3-bucket", s3.bucket, "--s3-endpoint-url", s3.endpoint, "--s3-region", "us-east-1",
-            "--base-model", tiny_llama.name, "--metrics-port", "0", "--poll-interval", "0.3",
+            "--base-model", tiny_llama.name, "--metrics-port", str(metrics), "--poll-interval", "0.3",
             "--lease-ttl", "1.5", "--max-adapter-bytes", "2000000", "--max-lora-rank", "16",
             "--slot-idle-seconds", "0.5", "--host-idle-seconds", "1",
         ],
@@ -74,7 +68,12 @@ def cluster(tiny_llama, redis_url, s3, tmp_path_factory):
     deadline = time.monotonic() + 10
     while gateway.output().count("is healthy") < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    yield {"pods": pods, "service": service, "gateway": gateway}
+    yield {
+        "pods": pods,
+        "service": service,
+        "gateway": gateway,
+        "metrics": f"http://127.0.0.1:{metrics}/metrics",
+    }
     for s in (gateway, service, *pods):
         s.stop()
 
@@ -116,28 +115,29 @@ def _place(service, adapter: str, pods: list[str]) -> apb.PlaceResponse:
         )
 
 
-def test_register_through_the_gateway_then_generate(cluster, adapters, tiny_llama):
+def test_register_through_the_gateway_then_generate(cluster, lora_dirs, tiny_llama):
     gateway = cluster["gateway"]
     with _admin(gateway.address, USER) as c, pytest.raises(grpc.RpcError) as e:
-        c.register("a", adapters["a"])
+        c.register("a", lora_dirs["a"])
     assert e.value.code() == Code.PERMISSION_DENIED and "admin" in e.value.details()
     with _admin(gateway.address) as c:
-        a = c.register("a", adapters["a"], description="first")
+        a = c.register("a", lora_dirs["a"], description="first")
         assert (a.name, a.version, a.rank) == ("a", 1, 4)
         assert (
-            a.sha256 == hashlib.sha256((adapters["a"] / "adapter_model.safetensors").read_bytes()).hexdigest()
+            a.sha256
+            == hashlib.sha256((lora_dirs["a"] / "adapter_model.safetensors").read_bytes()).hexdigest()
         )
         assert [x.name for x in c.list()] == ["a"]
     with gateway.channel() as ch:  # registered, placed nowhere yet: listed all the same
         models = stub(ch).ListModels(pb.ListModelsRequest(), metadata=(("authorization", f"Bearer {USER}"),))
     assert [m.id for m in models.models if m.kind == pb.MODEL_KIND_ADAPTER] == ["a"]
-    assert _generate(gateway, "a") == _reference(tiny_llama, adapters["a"])
+    assert _generate(gateway, "a") == _reference(tiny_llama, lora_dirs["a"])
     with pytest.raises(grpc.RpcError) as e:
         _generate(gateway, "never-registered")
     assert e.value.code() == Code.NOT_FOUND and "not registered" in e.value.details()
 
 
-def test_cold_adapter_from_a_peer_then_from_staging_and_storage(cluster, adapters, tiny_llama, redis_url):
+def test_cold_adapter_from_a_peer_then_from_staging_and_storage(cluster, lora_dirs, tiny_llama, redis_url):
     import redis
 
     service, (p0, p1) = cluster["service"], cluster["pods"]
@@ -147,10 +147,10 @@ def test_cold_adapter_from_a_peer_then_from_staging_and_storage(cluster, adapter
     placed = _place(service, "a", [other])  # only `other` is routable: the weights come from the peer
     assert (placed.pods, placed.source) == ([other], "peer")
     with _admin(service.address, None) as c:
-        c.register("b", adapters["b"])
+        c.register("b", lora_dirs["b"])
     assert _place(service, "b", []).source == "staging"  # staged when registered
     with _admin(service.address, None) as c:
-        c.register("c", adapters["c"])
+        c.register("c", lora_dirs["c"])
     redis.Redis.from_url(redis_url).flushall()  # registry and staging gone: rebuilt from S3
     placed = _place(service, "c", [])
     assert placed.source == "storage" and placed.version == 1
@@ -158,14 +158,14 @@ def test_cold_adapter_from_a_peer_then_from_staging_and_storage(cluster, adapter
         assert [x.name for x in c.list()] == ["a", "b", "c"]
     gateway = cluster["gateway"]
     for name in ("a", "b", "c"):
-        assert _generate(gateway, name) == _reference(tiny_llama, adapters[name])
+        assert _generate(gateway, name) == _reference(tiny_llama, lora_dirs[name])
 
 
-def test_under_load_nothing_in_use_is_evicted(cluster, adapters, tiny_llama):
+def test_under_load_nothing_in_use_is_evicted(cluster, lora_dirs, tiny_llama):
     """Three adapters on pods of two slots, cooled after 0.5 s idle: the controller keeps evicting
     while requests run. Every answer must be right and none refused."""
     gateway = cluster["gateway"]
-    want = {n: _reference(tiny_llama, adapters[n], 24) for n in ("a", "b", "c")}
+    want = {n: _reference(tiny_llama, lora_dirs[n], 24) for n in ("a", "b", "c")}
     wrong, errors = [], []
 
     def worker(i: int) -> None:
@@ -179,31 +179,42 @@ def test_under_load_nothing_in_use_is_evicted(cluster, adapters, tiny_llama):
                 errors.append(f"{name}: {e.code().name}: {e.details()}")
             time.sleep(0.3 * (i % 3))  # let the idle timer fire between some requests
 
+    cooled_before = _metric(cluster, "spindle_adapter_cooled_total")
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert (wrong, errors) == ([], [])
+    assert _metric(cluster, "spindle_adapter_cooled_total") > cooled_before  # it did evict meanwhile
 
 
-def test_new_version_rotates_in_flight_old_ones_finish_on_old_weights(cluster, adapters, tiny_llama):
+def _metric(cluster, name: str) -> float:
+    """The sum of a Prometheus counter's series on the adapter service."""
+    from urllib.request import urlopen
+
+    text = urlopen(cluster["metrics"], timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_new_version_rotates_in_flight_old_ones_finish_on_old_weights(cluster, lora_dirs, tiny_llama):
     gateway = cluster["gateway"]
-    assert _generate(gateway, "a") == _reference(tiny_llama, adapters["a"])  # resident somewhere
-    n = 300
-    old = _reference(tiny_llama, adapters["a"], n)
+    assert _generate(gateway, "a") == _reference(tiny_llama, lora_dirs["a"])  # resident somewhere
+    n = 480  # long enough to still run while the new version is registered and rotated
+    old = _reference(tiny_llama, lora_dirs["a"], n)
     req = token_request(PROMPT, n, temperature=0.0)
     req.adapter = "a"
     with gateway.channel() as ch:
         stream = stub(ch).Generate(req, timeout=120, metadata=(("authorization", f"Bearer {USER}"),))
         first = next(stream)
         with _admin(gateway.address) as c:
-            v2 = c.register("a", adapters["a2"])
+            v2 = c.register("a", lora_dirs["a2"])
         assert v2.version == 2
+        assert sum(load(p).requests_in_flight for p in cluster["pods"]) == 1  # rotated under it
         rest, _ = collect(stream)
     tokens = [*first.chunk.token_ids, *rest]
     assert tokens == old  # the in-flight request finished on version 1
-    assert _generate(gateway, "a") == _reference(tiny_llama, adapters["a2"])  # new ones get version 2
+    assert _generate(gateway, "a") == _reference(tiny_llama, lora_dirs["a2"])  # new ones get version 2
 
 
 def _header(name: str, config: bytes, data: bytes, sha: str | None = None) -> apb.RegisterChunk:
@@ -225,12 +236,12 @@ def _upload(service, name: str, config: bytes, data: bytes, sha: str | None = No
     return e.value
 
 
-def test_bad_uploads_are_refused_and_leave_nothing(cluster, adapters, s3, redis_url, tmp_path):
+def test_bad_uploads_are_refused_and_leave_nothing(cluster, lora_dirs, s3, redis_url, tmp_path):
     import redis
 
     service = cluster["service"]
-    config = (adapters["b"] / "adapter_config.json").read_bytes()
-    good = (adapters["b"] / "adapter_model.safetensors").read_bytes()
+    config = (lora_dirs["b"] / "adapter_config.json").read_bytes()
+    good = (lora_dirs["b"] / "adapter_model.safetensors").read_bytes()
     n = struct.unpack("<Q", good[:8])[0]
     header = json.loads(good[8 : 8 + n])
     key = next(k for k in header if k != "__metadata__")
@@ -259,16 +270,16 @@ def test_bad_uploads_are_refused_and_leave_nothing(cluster, adapters, s3, redis_
     r = redis.Redis.from_url(redis_url)
     names = {k.decode() for k in r.hkeys("spindle:adapters:index")}
     assert not names & {c[0] for c in cases}
-    rank = make_rank_64(adapters, tmp_path)
+    rank = make_rank_64(lora_dirs, tmp_path)
     with _admin(service.address, None) as c, pytest.raises(grpc.RpcError) as e:
         c.register("rank64", rank)
     assert e.value.code() == Code.INVALID_ARGUMENT and "rank 64" in e.value.details()
     with _admin(service.address, None) as c, pytest.raises(grpc.RpcError) as e:
-        c.register("b", adapters["b"])  # the same weights again: nothing new
+        c.register("b", lora_dirs["b"])  # the same weights again: nothing new
     assert e.value.code() == Code.ALREADY_EXISTS
 
 
-def make_rank_64(adapters, tmp_path) -> Path:
+def make_rank_64(lora_dirs, tmp_path) -> Path:
     """An adapter above the service's --max-lora-rank 16 (zeros: only the shapes matter)."""
     import numpy as np
     from safetensors.numpy import save_file
@@ -288,7 +299,7 @@ def make_rank_64(adapters, tmp_path) -> Path:
     return d
 
 
-def test_delete_then_a_killed_pods_adapters_are_placed_elsewhere(cluster, adapters, tiny_llama, s3):
+def test_delete_then_a_killed_pods_adapters_are_placed_elsewhere(cluster, lora_dirs, tiny_llama, s3):
     service, gateway, (p0, p1) = cluster["service"], cluster["gateway"], cluster["pods"]
     with _admin(gateway.address) as c:
         assert c.delete("c") >= 1
@@ -308,6 +319,6 @@ def test_delete_then_a_killed_pods_adapters_are_placed_elsewhere(cluster, adapte
         while any(p.pod == victim.address for p in c.get("b").placements):
             assert time.monotonic() < deadline, "the killed pod's lease never expired"
             time.sleep(0.2)
-    assert _generate(gateway, "b") == _reference(tiny_llama, adapters["b"])
+    assert _generate(gateway, "b") == _reference(tiny_llama, lora_dirs["b"])
     with _admin(service.address, None) as c:
         assert [p.pod for p in c.get("b").placements] == [survivor.address]
