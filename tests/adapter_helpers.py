@@ -4,6 +4,7 @@ the adapters they register."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -57,13 +58,13 @@ class S3:
         return sorted(o["Key"] for p in pages for o in p.get("Contents", []))
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory) -> Iterator[str]:
+@contextlib.contextmanager
+def redis_server(workdir: Path) -> Iterator[str]:
+    """A Redis server on a free loopback port, nothing persisted; yields its URL."""
     binary = shutil.which("redis-server")
     if binary is None:
-        pytest.fail("redis-server is not installed: run scripts/setup.sh")
+        raise RuntimeError("redis-server is not installed: run scripts/setup.sh")
     port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(workdir)],
@@ -76,20 +77,32 @@ def redis_url(tmp_path_factory) -> Iterator[str]:
         _stop(proc)
 
 
-@pytest.fixture(scope="session")
-def s3(tmp_path_factory) -> Iterator[S3]:
+@contextlib.contextmanager
+def s3_server(workdir: Path, bucket: str = "spindle-test") -> Iterator[S3]:
+    """moto's standalone S3 HTTP server on a free loopback port, with one bucket."""
     port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
     server = Path(sys.executable).with_name("moto_server")
-    with open(log, "w") as out:
+    with open(workdir / "moto.log", "w") as out:
         proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out)
     try:
         _wait_port(port, proc, "moto_server")
-        store = S3(f"http://127.0.0.1:{port}", "spindle-test")
+        store = S3(f"http://127.0.0.1:{port}", bucket)
         store.client().create_bucket(Bucket=store.bucket)
         yield store
     finally:
         _stop(proc)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory) -> Iterator[S3]:
+    with s3_server(tmp_path_factory.mktemp("moto")) as store:
+        yield store
 
 
 def aws_env() -> dict[str, str]:
