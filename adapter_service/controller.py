@@ -263,6 +263,8 @@ class Controller:
             span.set_attribute("spindle.pod", target.address)
             source = await self._copy(self.pods[target.address], v, views, span)
             await self._load(self.pods[target.address], name)
+            if v.pinned:
+                await self.pin(name, True, [self.pods[target.address]])
             await self._poll(self.pods[target.address])
             metrics.PLACEMENTS.labels(source).inc()
             metrics.PLACE_SECONDS.labels(source).observe(time.monotonic() - started)
@@ -346,8 +348,10 @@ class Controller:
                 metrics.REFUSALS.labels("Evict").inc()
                 log.info("pod %s kept %s: %s", pod.view.address, name, e.details())
 
-    async def pin(self, name: str, pinned: bool) -> None:
-        for pod in [p for p in self.pods.values() if p.view.ok]:
+    async def pin(self, name: str, pinned: bool, pods: list[Pod] | None = None) -> None:
+        """Pin (or unpin) the adapter's device slots on `pods` (default: every pod), as last polled."""
+        for pod in [p for p in (pods or self.pods.values()) if p.view.ok]:
+            await self._poll(pod)
             a = pod.view.adapters.get(name)
             if a is not None and a.tier == mc.TIER_DEVICE:
                 try:
