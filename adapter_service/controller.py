@@ -292,7 +292,7 @@ class Controller:
                     v.name,
                     e.code().name,
                 )
-        staged = await self.registry.staged(v.sha256) is not None
+        staged = await self.registry.is_staged(v.sha256)
         try:
             await self._control(
                 target,
@@ -361,7 +361,7 @@ class Controller:
 
     # --- policy ----------------------------------------------------------------------------------
 
-    async def _latest(self) -> dict[str, Version]:
+    async def latest(self) -> dict[str, Version]:
         out, after = {}, ""
         while page := await self.registry.page(after, 500):
             out.update((v.name, v) for v in page)
@@ -369,7 +369,7 @@ class Controller:
         return out
 
     async def _apply_policy(self) -> None:
-        latest = await self._latest()
+        latest = await self.latest()
         views = self.views()
         for name in to_spread(views, {n: v.sha256 for n, v in latest.items()}, self.knobs):
             holders = {w.address for w in views if w.holds(name, latest[name].sha256)}

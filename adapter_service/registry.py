@@ -78,6 +78,9 @@ class MemoryRegistry:
     async def staged(self, sha: str) -> bytes | None:
         return self.staging.get(sha)
 
+    async def is_staged(self, sha: str) -> bool:
+        return sha in self.staging
+
 
 class RedisRegistry:
     """Redis: shared by every replica of the service; survives a service restart."""
@@ -175,6 +178,9 @@ class RedisRegistry:
 
     async def staged(self, sha: str) -> bytes | None:
         return await self.r.get(_P + f"staged:{sha}")
+
+    async def is_staged(self, sha: str) -> bool:
+        return bool(await self.r.exists(_P + f"staged:{sha}"))
 
     async def close(self) -> None:
         await self.r.aclose()

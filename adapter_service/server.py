@@ -141,7 +141,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
             await self.c.registry.put(v)
             if v.size_bytes <= self.c.staging_max_bytes:
                 await self.c.stage(sha, config, await asyncio.to_thread(weights.read_bytes))
-        metrics.REGISTERED.set(len(await self.c._latest()))
+        metrics.REGISTERED.set(len(await self.c.latest()))
         log.info("registered %s v%d (rank %d, %d bytes)", name, v.version, v.rank, v.size_bytes)
         if latest is not None:
             await self.c.rotate(v)
@@ -258,7 +258,13 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         async with self._locks.setdefault(v.name, asyncio.Lock()):
             await self.c.registry.remove(v.name)  # first: no new placement starts from here on
             await self.c.evict_everywhere(v.name)
-            n = await self.c.store.remove(v.name)
+            try:
+                n = await self.c.store.remove(v.name)
+            except Exception as e:  # storage is the truth: the next rebuild would bring it back
+                log.exception("deleting %s from storage failed", v.name)
+                await _abort(
+                    context, Code.UNAVAILABLE, f"storage failed; {v.name!r} is not deleted, retry: {e}"
+                )
         log.info("deleted %s (%d versions)", v.name, n)
         return apb.DeleteAdapterResponse(versions_deleted=n)
 
@@ -287,7 +293,7 @@ class PlacementService(adapters_pb2_grpc.PlacementServicer):
     ) -> apb.CatalogResponse:
         await self.c.ensure_built()
         out = []
-        for name, v in sorted((await self.c._latest()).items()):
+        for name, v in sorted((await self.c.latest()).items()):
             leases = await self.c.registry.leases(name)
             pods = sorted(p for p, i in leases.items() if i["sha256"] == v.sha256)
             out.append(apb.CatalogEntry(name=name, version=v.version, sha256=v.sha256, pods=pods))

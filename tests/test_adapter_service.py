@@ -45,17 +45,14 @@ def cluster(tiny_llama, redis_url, s3, tmp_path_factory):
     pods = [spawn_pod(tiny_llama.name, logs, f"pod{i}", "--max-loras", "2") for i in range(2)]
     for p in pods:
         wait_serving(p)
-    service = spawn(
-        "adapter-service",
-        [
-            "--pods", ",".join(p.address for p in pods), "--redis-url", redis_url,
-            "--s3-bucket", s3.bucket, "--s3-endpoint-url", s3.endpoint, "--s3-region", "us-east-1",
-            "--base-model", tiny_llama.name, "--metrics-port", str(metrics), "--poll-interval", "0.3",
-            "--lease-ttl", "1.5", "--max-adapter-bytes", "2000000", "--max-lora-rank", "16",
-            "--slot-idle-seconds", "0.5", "--host-idle-seconds", "1",
-        ],
-        logs, "adapter-service", env=aws_env(),
-    )  # fmt: skip
+    service_args = [
+        "--pods", ",".join(p.address for p in pods), "--redis-url", redis_url,
+        "--s3-bucket", s3.bucket, "--s3-endpoint-url", s3.endpoint, "--s3-region", "us-east-1",
+        "--base-model", tiny_llama.name, "--metrics-port", str(metrics), "--poll-interval", "0.3",
+        "--lease-ttl", "1.5", "--max-adapter-bytes", "2000000", "--max-lora-rank", "16",
+        "--slot-idle-seconds", "0.5", "--host-idle-seconds", "1",
+    ]  # fmt: skip
+    service = spawn("adapter-service", service_args, logs, "adapter-service", env=aws_env())
     keys = logs / "keys"
     keys.write_text(KEYS)
     gateway = spawn(
@@ -68,13 +65,16 @@ def cluster(tiny_llama, redis_url, s3, tmp_path_factory):
     deadline = time.monotonic() + 10
     while gateway.output().count("is healthy") < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    yield {
+    state = {
         "pods": pods,
         "service": service,
         "gateway": gateway,
+        "service_args": service_args,
+        "logs": logs,
         "metrics": f"http://127.0.0.1:{metrics}/metrics",
     }
-    for s in (gateway, service, *pods):
+    yield state
+    for s in (gateway, state["service"], *pods):
         s.stop()
 
 
@@ -297,6 +297,42 @@ def make_rank_64(lora_dirs, tmp_path) -> Path:
         str(d / "adapter_model.safetensors"),
     )
     return d
+
+
+def test_import_from_s3_pin_and_a_service_restart(cluster, lora_dirs, tiny_llama, s3):
+    service, gateway = cluster["service"], cluster["gateway"]
+    client = s3.client()
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        client.upload_file(str(lora_dirs["c"] / f), s3.bucket, f"uploads/team-x/{f}")
+    with service.channel() as ch:
+        admin = adapters_pb2_grpc.AdaptersStub(ch)
+        imported = admin.Import(
+            apb.ImportRequest(name="imported", uri=f"s3://{s3.bucket}/uploads/team-x/"), timeout=30
+        )
+        assert imported.version == 1 and imported.rank == 4
+        with pytest.raises(grpc.RpcError) as e:
+            admin.Import(apb.ImportRequest(name="missing", uri=f"s3://{s3.bucket}/nothing-here/"), timeout=30)
+        assert e.value.code() == Code.NOT_FOUND
+    assert _generate(gateway, "imported") == _reference(tiny_llama, lora_dirs["c"])
+    with _admin(gateway.address) as c:
+        assert c.pin("imported").pinned
+    # A restart of the service (same port): the index comes back from Redis, the pods' view from
+    # their slot reports; the pin is kept in storage.
+    port = service.address.rsplit(":", 1)[1]
+    service.stop()
+    restarted = spawn("adapter-service", [*cluster["service_args"], "--port", port], cluster["logs"],
+                      "adapter-service-2", env=aws_env())  # fmt: skip
+    restarted.address = service.address  # the later --port wins over the one spawn() chose
+    cluster["service"] = wait_serving(restarted)
+    with _admin(gateway.address) as c:
+        deadline = time.monotonic() + 10
+        while not c.get("imported").placements:
+            assert time.monotonic() < deadline, "the restarted service never saw the pods' slots"
+            time.sleep(0.2)
+        got = c.get("imported")
+        assert got.pinned and got.placements[0].tier == apb.PLACEMENT_TIER_DEVICE
+        assert c.pin("imported", False).pinned is False
+    assert _generate(gateway, "imported") == _reference(tiny_llama, lora_dirs["c"])
 
 
 def test_delete_then_a_killed_pods_adapters_are_placed_elsewhere(cluster, lora_dirs, tiny_llama, s3):
