@@ -144,12 +144,14 @@ class Controller:
             self.pods[address] = Pod(address, self.interceptors)
         for address in self.pods.keys() - addresses:
             await self.pods.pop(address).channel.close()
-        await asyncio.gather(*(self._poll(p) for p in list(self.pods.values())))
+        latest = await self.latest()
+        await asyncio.gather(*(self._poll(p, latest) for p in list(self.pods.values())))
         self._last_poll = time.monotonic()
         if policy:
-            await self._apply_policy()
+            await self._apply_policy(latest)
 
-    async def _poll(self, pod: Pod) -> None:
+    async def _poll(self, pod: Pod, latest: dict[str, Version] | None = None) -> None:
+        """GetSlots, and a lease for each registered adapter it holds (`latest`: the index, if read)."""
         try:
             report = await pod.control.GetSlots(mc.GetSlotsRequest(), timeout=2.0)
         except grpc.aio.AioRpcError as e:
@@ -161,7 +163,7 @@ class Controller:
         view.ok, view.slots = True, list(report.slots)
         view.adapters = {a.name: a for a in report.adapters}
         for a in report.adapters:
-            v = await self.registry.get(a.name)
+            v = latest.get(a.name) if latest is not None else await self.registry.get(a.name)
             if v is None:
                 continue
             info = {
@@ -253,16 +255,24 @@ class Controller:
             if holders and not exclude:
                 span.set_attribute("spindle.placement.source", "resident")
                 return apb.PlaceResponse(pods=holders, source="resident", version=v.version)
-            target = choose_target(views, name, v.sha256, routable)
-            if target is None:
-                reachable = sum(w.ok for w in views)
-                raise PlacementError(
-                    Code.UNAVAILABLE,
-                    f"no model pod can take adapter {name!r} now ({reachable} of {len(views)} reachable)",
-                )
-            span.set_attribute("spindle.pod", target.address)
-            source = await self._copy(self.pods[target.address], v, views, span)
-            await self._load(self.pods[target.address], name)
+            for attempt in (1, 2):  # a pod that fails mid-placement is skipped once for another
+                target = choose_target(views, name, v.sha256, routable)
+                if target is None:
+                    reachable = sum(w.ok for w in views)
+                    raise PlacementError(
+                        Code.UNAVAILABLE,
+                        f"no model pod can take adapter {name!r} now ({reachable} of {len(views)} reachable)",
+                    )
+                span.set_attribute("spindle.pod", target.address)
+                try:
+                    source = await self._copy(self.pods[target.address], v, views)
+                    await self._load(self.pods[target.address], name)
+                    break
+                except PlacementError as e:
+                    if e.code != Code.UNAVAILABLE or attempt == 2:
+                        raise
+                    log.warning("placing %s on %s failed (%s); trying another pod", name, target.address, e)
+                    target.ok = False
             if v.pinned:
                 await self.pin(name, True, [self.pods[target.address]])
             await self._poll(self.pods[target.address])
@@ -272,7 +282,7 @@ class Controller:
             log.info("placed %s v%d on %s from %s", name, v.version, target.address, source)
             return apb.PlaceResponse(pods=[target.address], source=source, version=v.version)
 
-    async def _copy(self, target: Pod, v: Version, views: list[PodView], span: trace.Span) -> str:
+    async def _copy(self, target: Pod, v: Version, views: list[PodView]) -> str:
         """Bring the weights to `target`: from a peer pod if one has them, else through the service."""
         peer = choose_peer(views, v.name, v.sha256, exclude=target.view.address)
         if peer is not None:
@@ -368,8 +378,7 @@ class Controller:
             after = page[-1].name
         return out
 
-    async def _apply_policy(self) -> None:
-        latest = await self.latest()
+    async def _apply_policy(self, latest: dict[str, Version]) -> None:
         views = self.views()
         for name in to_spread(views, {n: v.sha256 for n, v in latest.items()}, self.knobs):
             holders = {w.address for w in views if w.holds(name, latest[name].sha256)}

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import grpc
 
 from gateway.auth import Caller
-from gateway.pods import Pod
+from gateway.pods import CHANNEL_OPTIONS, Pod
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import adapters_pb2_grpc
 
@@ -32,9 +32,8 @@ class AdapterDirectory:
         self, target: str, interceptors: Iterable[Any] = (), placement_timeout: float = 60.0
     ) -> None:
         self.target = target
-        self.channel = grpc.aio.insecure_channel(
-            target, options=[("grpc.max_send_message_length", 64 << 20)], interceptors=list(interceptors)
-        )
+        options = [*CHANNEL_OPTIONS, ("grpc.max_send_message_length", 64 << 20)]  # reconnect fast, too
+        self.channel = grpc.aio.insecure_channel(target, options=options, interceptors=list(interceptors))
         self.adapters = adapters_pb2_grpc.AdaptersStub(self.channel)
         self.placement = adapters_pb2_grpc.PlacementStub(self.channel)
         self.placement_timeout = placement_timeout

@@ -326,10 +326,15 @@ def test_import_from_s3_pin_and_a_service_restart(cluster, lora_dirs, tiny_llama
     cluster["service"] = wait_serving(restarted)
     with _admin(gateway.address) as c:
         deadline = time.monotonic() + 10
-        while not c.get("imported").placements:
+        while True:  # until the gateway has reconnected and the service has polled the pods
+            try:
+                got = c.get("imported")
+                if got.placements:
+                    break
+            except grpc.RpcError as e:
+                assert e.code() == Code.UNAVAILABLE, e
             assert time.monotonic() < deadline, "the restarted service never saw the pods' slots"
             time.sleep(0.2)
-        got = c.get("imported")
         assert got.pinned and got.placements[0].tier == apb.PLACEMENT_TIER_DEVICE
         assert c.pin("imported", False).pinned is False
     assert _generate(gateway, "imported") == _reference(tiny_llama, lora_dirs["c"])
