@@ -99,8 +99,12 @@ class Controller:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.ensure_built()
-        await self.refresh(policy=False)
+        """First view of the pods, then the poll loop; Redis or S3 still down is retried there."""
+        try:
+            await self.ensure_built()
+            await self.refresh(policy=False)
+        except Exception as e:  # e.g. Redis not up yet: stay NOT_SERVING and keep trying
+            log.warning("storage or registry not reachable yet (%s); retrying", e)
         self._task = asyncio.create_task(self._loop())
 
     async def close(self) -> None:
@@ -145,6 +149,7 @@ class Controller:
         for address in self.pods.keys() - addresses:
             await self.pods.pop(address).channel.close()
         latest = await self.latest()
+        metrics.REGISTERED.set(len(latest))
         await asyncio.gather(*(self._poll(p, latest) for p in list(self.pods.values())))
         self._last_poll = time.monotonic()
         if policy:

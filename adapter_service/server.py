@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from adapter_service import base_model, metrics, validate
+from adapter_service import base_model, validate
 from adapter_service.controller import Controller, PlacementError
 from adapter_service.placement import Knobs
 from adapter_service.registry import MemoryRegistry, RedisRegistry, Registry
@@ -141,7 +141,6 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
             await self.c.registry.put(v)
             if v.size_bytes <= self.c.staging_max_bytes:
                 await self.c.stage(sha, config, await asyncio.to_thread(weights.read_bytes))
-        metrics.REGISTERED.set(len(await self.c.latest()))
         log.info("registered %s v%d (rank %d, %d bytes)", name, v.version, v.rank, v.size_bytes)
         if latest is not None:
             await self.c.rotate(v)
@@ -422,7 +421,7 @@ async def serve(args: argparse.Namespace) -> int:
     while not stop.is_set():
         await health.set(await _reachable(controller))
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), 5.0)
+            await asyncio.wait_for(stop.wait(), 2.0)
     await health.set(False)
     await server.stop(grace=5.0)
     await controller.close()

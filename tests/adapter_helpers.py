@@ -59,12 +59,12 @@ class S3:
 
 
 @contextlib.contextmanager
-def redis_server(workdir: Path) -> Iterator[str]:
-    """A Redis server on a free loopback port, nothing persisted; yields its URL."""
+def redis_server(workdir: Path, port: int = 0) -> Iterator[str]:
+    """A Redis server on loopback (`port`, or a free one), nothing persisted; yields its URL."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed: run scripts/setup.sh")
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(workdir)],

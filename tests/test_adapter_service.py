@@ -14,14 +14,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from adapter_service.client import AdaptersClient
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import adapters_pb2_grpc
 from spindle.v1 import generation_pb2 as pb
-from tests.adapter_helpers import aws_env
+from tests.adapter_helpers import aws_env, redis_server
 from tests.conftest import make_engine
 from tests.service_helpers import (
+    NOT_SERVING,
     collect,
     free_port,
     load,
@@ -363,3 +365,32 @@ def test_delete_then_a_killed_pods_adapters_are_placed_elsewhere(cluster, lora_d
     assert _generate(gateway, "b") == _reference(tiny_llama, lora_dirs["b"])
     with _admin(service.address, None) as c:
         assert [p.pod for p in c.get("b").placements] == [survivor.address]
+
+
+def test_not_serving_until_the_registry_answers(tmp_path, tiny_llama):
+    """Started before its Redis (as Kubernetes may): it waits NOT_SERVING, then serves."""
+    port = free_port()
+    service = spawn(
+        "adapter-service",
+        ["--redis-url", f"redis://127.0.0.1:{port}/0", "--storage-dir", str(tmp_path / "store"),
+         "--base-model", tiny_llama.name, "--metrics-port", "0"],
+        tmp_path, "late-redis",
+    )  # fmt: skip
+    try:
+        with service.channel() as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == NOT_SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                assert time.monotonic() < deadline and service.proc.poll() is None, service.output()
+                time.sleep(0.1)
+        with redis_server(tmp_path, port):
+            wait_serving(service, timeout=30)
+            with _admin(service.address, None) as c:
+                assert c.list() == []
+    finally:
+        service.stop()
