@@ -158,6 +158,7 @@ def test_cold_adapter_from_a_peer_then_from_staging_and_storage(cluster, lora_di
     assert placed.source == "storage" and placed.version == 1
     with _admin(service.address, None) as c:
         assert [x.name for x in c.list()] == ["a", "b", "c"]
+        assert [x.name for x in c.list(page_size=1)] == ["a", "b", "c"]  # three pages, by token
     gateway = cluster["gateway"]
     for name in ("a", "b", "c"):
         assert _generate(gateway, name) == _reference(tiny_llama, lora_dirs[name])

@@ -206,7 +206,7 @@ def _version(name: str, n: int) -> Version:
     return Version(name, n, f"sha{n}", 4, 8, ["q_proj"], "base", 0.0)
 
 
-def test_store_versions_pins_removal_and_no_half_writes(store, tmp_path):
+def test_store_versions_multipart_pins_removal_and_no_half_writes(store, tmp_path):
     weights = tmp_path / "w"
     weights.write_bytes(b"abcd")
 
@@ -214,7 +214,10 @@ def test_store_versions_pins_removal_and_no_half_writes(store, tmp_path):
         await store.check()
         await store.put(_version("a", 1), b"{}", weights)
         await store.put(_version("a", 2), b'{"r": 8}', weights)
-        await store.put(_version("b", 1), b"{}", weights)
+        big = tmp_path / "big"  # above the 8 MiB multipart threshold of the S3 store
+        big.write_bytes(bytes(range(256)) * (36 << 10))
+        await store.put(_version("b", 1), b"{}", big)
+        assert (await store.read("b", 1))[1] == big.read_bytes()
         assert [(v.name, v.version) for v in await store.versions()] == [("a", 1), ("a", 2), ("b", 1)]
         assert await store.read("a", 2) == (b'{"r": 8}', b"abcd")
         await store.set_pinned("a", True)
