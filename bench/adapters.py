@@ -114,9 +114,9 @@ def main() -> None:
             wait_serving(p, timeout=600)
         service = spawn(
             "adapter-service",
-            ["--pods", ",".join(p.address for p in pods), "--redis-url", url, "--s3-bucket", s3.bucket,
-             "--s3-endpoint-url", s3.endpoint, "--base-model", MODEL, "--metrics-port", "0",
-             "--poll-interval", "0.5"],
+            ["--pods", ",".join(p.control_address for p in pods), "--redis-url", url,
+             "--s3-bucket", s3.bucket, "--s3-endpoint-url", s3.endpoint, "--base-model", MODEL,
+             "--metrics-port", "0", "--poll-interval", "0.5"],
             tmp, "service", env=aws_env(),
         )  # fmt: skip
         stack.callback(service.stop)
@@ -167,10 +167,10 @@ def main() -> None:
                 with control(service.address) as ch:
                     placement = adapters_pb2_grpc.PlacementStub(ch)
                     holder = placement.Place(apb.PlaceRequest(adapter=staged), timeout=60).pods[0]
-                    other = next(p for p in pods if p.address != holder)
+                    other = next(p for p in pods if p.control_address != holder)
                     t = time.perf_counter()
                     reply = placement.Place(
-                        apb.PlaceRequest(adapter=staged, pods=[apb.PodHint(address=other.address)]),
+                        apb.PlaceRequest(adapter=staged, pods=[apb.PodHint(address=other.control_address)]),
                         timeout=60,
                     )
                     assert reply.source == "peer", reply
@@ -178,7 +178,7 @@ def main() -> None:
                         time.perf_counter() - t + first_token_s(other.address, staged)
                     )
                 # tiers on one pod: disk -> slot and host -> slot
-                with control(other.address) as ch:
+                with control(other.control_address) as ch:
                     ctl = model_control_pb2_grpc.ModelControlStub(ch)
                     ctl.Evict(mc.EvictRequest(name=staged, from_host=True), timeout=30)
                     t = time.perf_counter()

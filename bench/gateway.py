@@ -1,7 +1,7 @@
 """What the gateway costs: requests/s and p50/p99 latency through the gateway vs the pod directly.
 
 Setup (printed in every line): loopback; one model pod and one gateway, each its own process.
-The pod is the real model-pod server (grpc.aio, AsyncEngine thread, servicer, metrics, tracing
+The pod is the real model-pod server (grpc.aio, AsyncEngine thread, servicers, metrics, tracing
 SDK without an exporter) over a FAKE FAST ENGINE: the forward pass is replaced by a stub that
 gives every running request one token per step and sleeps `--step-ms` per step, so the numbers
 measure the serving path, not a model. The gateway is the real `spindle gateway`. A closed loop
@@ -23,7 +23,6 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -38,23 +37,28 @@ from spindle.v1 import generation_pb2_grpc  # noqa: E402
 
 
 class FakeFastEngine:
-    """The surface the model pod uses (Engine + TimedEngine's watch), with no model behind it."""
+    """The engine surface the model pod uses (`model_service.pod.handle.EngineHandle`), no model behind it."""
 
     max_model_len = 4096
+    vocab_size = 32000
 
     def __init__(self, step_s: float) -> None:
-        from model_service.engine.engine import EngineStats
+        from model_service.engine.config import EngineConfig
 
-        self._stats_cls, self.step_s = EngineStats, step_s
-        self.model = SimpleNamespace(vocab_size=32000)
-        self.config = SimpleNamespace(max_loras=0)
+        self.step_s = step_s
+        self.config = EngineConfig(max_loras=0)
         self.running: dict[str, list] = {}  # request id -> [prompt length, max tokens, tokens so far]
         self._pending: list = []
 
     def add_request(self, prompt=None, *, messages=None, prompt_token_ids=None, params=None, request_id=None,
-                    priority=0):  # fmt: skip
+                    priority=0, adapter=None):  # fmt: skip
+        from model_service.errors import NotFoundError
+
+        if adapter is not None:
+            raise NotFoundError(f"unknown adapter {adapter!r}; this engine serves no adapters")
         n = len(prompt_token_ids or []) or len(prompt or "") or 1
-        self.running[request_id or uuid.uuid4().hex] = [n, params.max_tokens, []]
+        request_id = request_id or uuid.uuid4().hex
+        self.running[request_id] = [n, params.max_tokens, [], time.monotonic()]
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -83,27 +87,35 @@ class FakeFastEngine:
 
         text = "x" * len(entry[2])
         return RequestOutput(
-            rid, new, "x" * len(new), list(entry[2]), text, reason is not None, reason, entry[0]
-        )
+            rid, new, "x" * len(new), list(entry[2]), text, reason is not None, reason, entry[0],
+            first_scheduled_at=entry[3],
+        )  # fmt: skip
 
     def stats(self):
-        return self._stats_cls(0, 0, len(self.running), 1000, 1000, 0, 0, 0, 0, 0, 0)
+        from model_service.engine.engine import EngineStats
 
-    def watch(self, request_id: str) -> None: ...
+        return EngineStats(0, 0, len(self.running), 1000, 1000, 0, 0, 0, 0, 0, 0)
 
-    def forget(self, request_id: str) -> None: ...
+    def list_adapters(self):
+        return []
 
-    def admitted_at(self, request_id: str) -> float | None:
-        return None
+    def submit_control(self, op):
+        from concurrent.futures import Future
+
+        from model_service.lora.pool import AdapterNotFoundError
+
+        future = Future()
+        future.set_exception(AdapterNotFoundError(f"{op!r}: this engine serves no adapters"))
+        return future
 
 
 async def run_pod(port: int, step_s: float) -> None:
-    from model_service import server
-    from model_service.pod import ModelPod
+    from model_service.pod import server
+    from model_service.pod.state import ModelPod
     from spindle import serving, telemetry
 
     pod = ModelPod("fake-fast-engine", drain_timeout=1.0)
-    srv, _ = await server.start(pod, "127.0.0.1", port, telemetry.tracer_provider_from_env("bench-pod"))
+    srv = await server.start(pod, "127.0.0.1", port, 0, telemetry.tracer_provider_from_env("bench-pod"))
     await pod.load(lambda: FakeFastEngine(step_s))
     serving.on_shutdown_signal(pod.request_exit)
     await pod.exit_requested.wait()
@@ -174,7 +186,7 @@ def main() -> None:
     pod = subprocess.Popen([sys.executable, __file__, "--role", "pod", "--port", str(pod_port),
                             "--step-ms", str(args.step_ms)], env=env, stderr=subprocess.DEVNULL)  # fmt: skip
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "model_service.cli", "gateway", "--host", "127.0.0.1", "--port", str(gw_port),
+        [sys.executable, "-m", "spindle.cli", "gateway", "--host", "127.0.0.1", "--port", str(gw_port),
          "--pods", f"127.0.0.1:{pod_port}", "--allow-unauthenticated", "--log-level", "WARNING"],
         env=env, cwd=ROOT,
     )  # fmt: skip

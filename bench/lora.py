@@ -65,7 +65,7 @@ def decode_tps(
         ]
         t = time.perf_counter()
         engine.generate(reqs)
-        if engine.model.device.type == "cuda":
+        if engine.executor.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t
 

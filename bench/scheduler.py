@@ -30,6 +30,7 @@ from model_service.engine.sampling_params import SamplingParams
 from model_service.models.config import ModelConfig
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel, load_model
+from model_service.models.step import StepBatch
 
 
 def _fake_model_engine(num_seqs: int) -> Engine:
@@ -45,7 +46,6 @@ def _fake_model_engine(num_seqs: int) -> Engine:
         rms_norm_eps=1e-6,
         max_position_embeddings=4096,
     )
-    cfg.sliding_windows = [None]
     loaded = LoadedModel("fake", cfg, DecoderModel(cfg), tokenizer=None)
     engine = Engine(
         EngineConfig(
@@ -58,12 +58,10 @@ def _fake_model_engine(num_seqs: int) -> Engine:
         loaded=loaded,
     )
 
-    def fake_forward(work):
-        for w in work:
-            w.state.num_computed += len(w.tokens)
-        return torch.randn(sum(w.want_logits for w in work), cfg.vocab_size)
+    def fake_execute(batch: StepBatch) -> torch.Tensor:
+        return torch.randn(len(batch.logits_rows), cfg.vocab_size)
 
-    engine.model._forward = fake_forward
+    engine.executor.execute = fake_execute
     return engine
 
 

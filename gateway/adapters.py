@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
 from gateway.auth import Caller
 from gateway.pods import CHANNEL_OPTIONS, Pod
+from spindle.grpc_status import abort
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import adapters_pb2_grpc
 
@@ -74,21 +75,18 @@ class AdapterDirectory:
 
 
 def _hint(pod: Pod) -> apb.PodHint:
+    """The pod by its control address (its host and reported control port), with its load."""
     load = pod.load
     if load is None:
         return apb.PodHint(address=pod.address)
+    host = pod.address.rpartition(":")[0]
     return apb.PodHint(
-        address=pod.address,
+        address=f"{host}:{load.control_port}" if load.control_port else pod.address,
         num_waiting=load.num_waiting,
         kv_usage=load.kv_usage,
         resident_adapters=len(load.resident_adapters),
         max_adapters=load.max_adapters,
     )
-
-
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    await context.abort(code, message)
-    raise AssertionError("unreachable: context.abort raises")
 
 
 class AdminProxy(adapters_pb2_grpc.AdaptersServicer):
@@ -104,13 +102,13 @@ class AdminProxy(adapters_pb2_grpc.AdaptersServicer):
     async def _admin(self, context: grpc.aio.ServicerContext) -> adapters_pb2_grpc.AdaptersStub:
         caller = await self.caller(context)
         if not caller.admin:
-            await _abort(
+            await abort(
                 context,
                 Code.PERMISSION_DENIED,
                 f"API key {caller.name!r} has no admin scope (see gateway/auth.py)",
             )
         if self.directory is None:
-            await _abort(
+            await abort(
                 context, Code.UNIMPLEMENTED, "this gateway has no adapter service (--adapter-service)"
             )
         return self.directory.adapters
@@ -120,7 +118,7 @@ class AdminProxy(adapters_pb2_grpc.AdaptersServicer):
         try:
             return await getattr(stub, method)(request, timeout=context.time_remaining())
         except grpc.aio.AioRpcError as e:
-            await _abort(context, e.code(), e.details() or "adapter service error")
+            await abort(context, e.code(), e.details() or "adapter service error")
 
     async def Register(self, request_iterator: AsyncIterator[apb.RegisterChunk], context: Any) -> apb.Adapter:
         return await self._forward(context, "Register", request_iterator)

@@ -15,7 +15,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -24,7 +24,8 @@ from gateway import prefix, router
 from gateway.adapters import AdapterDirectory, AdminProxy
 from gateway.auth import ANONYMOUS, ApiKeys, AuthError, Caller
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
-from spindle import envflags, serving, telemetry
+from spindle import serving, telemetry
+from spindle.grpc_status import abort
 from spindle.v1 import adapters_pb2_grpc, generation_pb2_grpc
 from spindle.v1 import generation_pb2 as pb
 
@@ -38,11 +39,6 @@ _RETRYABLE = (Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED)
 class Routed:
     caller: Caller
     pod: Pod
-
-
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    await context.abort(code, message)
-    raise AssertionError("unreachable: context.abort raises")
 
 
 class GatewayService(generation_pb2_grpc.GenerationServicer):
@@ -67,7 +63,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         try:
             return self.keys.authenticate(context.invocation_metadata())
         except AuthError as e:
-            await _abort(context, Code.UNAUTHENTICATED, str(e))
+            await abort(context, Code.UNAUTHENTICATED, str(e))
 
     def _choose(self, req: pb.GenerateRequest, hashes: list[bytes], tried: set[str]) -> Pod | None:
         pods = self.pool.healthy(exclude=tried)
@@ -76,20 +72,21 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         address = router.choose([p.candidate() for p in pods], adapter, matched, self.weights)
         return self.pool.pods.get(address) if address else None
 
-    async def Generate(
+    async def _admissible(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> tuple[Caller, str]:
+        """The caller and request id of a request the gateway may relay, or abort."""
         caller = await self._caller(context)
         if self.draining:
-            await _abort(context, Code.UNAVAILABLE, "the gateway is shutting down; retry")
+            await abort(context, Code.UNAVAILABLE, "the gateway is shutting down; retry")
         if request.WhichOneof("prompt") is None:
-            await _abort(
+            await abort(
                 context, Code.INVALID_ARGUMENT, "the request has no prompt: set `text`, `chat` or `token_ids`"
             )
         adapter = request.adapter if request.HasField("adapter") else None
         if not caller.may_use(adapter):
             allowed = "none" if not caller.adapters else ", ".join(sorted(caller.adapters))
-            await _abort(
+            await abort(
                 context,
                 Code.PERMISSION_DENIED,
                 f"API key {caller.name!r} may not use adapter {adapter!r} (allowed: {allowed})",
@@ -99,10 +96,16 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
             and self.directory is not None
             and not await self.directory.registered(adapter)
         ):
-            await _abort(context, Code.NOT_FOUND, f"adapter {adapter!r} is not registered")
+            await abort(context, Code.NOT_FOUND, f"adapter {adapter!r} is not registered")
         rid = request.request_id or uuid.uuid4().hex
         if rid in self.inflight:
-            await _abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+            await abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+        return caller, rid
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        caller, rid = await self._admissible(request, context)
         upstream = pb.GenerateRequest()
         upstream.CopyFrom(request)
         upstream.request_id = rid
@@ -112,18 +115,13 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         await context.send_initial_metadata((("x-request-id", rid),))
         tried: set[str] = set()
         last_error = "no healthy model pod"
-        if (
-            adapter is not None
-            and self.directory is not None
-            and self._choose(upstream, hashes, tried) is None
-        ):
-            await self._place(adapter, context)
+        await self._place_if_needed(upstream, hashes, context)
         try:
             for attempt in range(1, self.max_attempts + 1):
                 pod = self._choose(upstream, hashes, tried)
                 if pod is None:
                     if not tried and upstream.HasField("adapter") and self.pool.healthy():
-                        await _abort(
+                        await abort(
                             context, Code.NOT_FOUND, f"no model pod serves adapter {upstream.adapter!r}"
                         )
                     break
@@ -154,41 +152,45 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                         continue
                     if code == Code.UNAVAILABLE:
                         details = f"model pod failed after {streamed} tokens ({details}); not retried"
-                    await _abort(context, code, details)
+                    await abort(context, code, details)
                 finally:
                     pod.in_flight -= 1
                     call.cancel()
-            await _abort(context, Code.UNAVAILABLE, f"no model pod could take the request ({last_error})")
+            await abort(context, Code.UNAVAILABLE, f"no model pod could take the request ({last_error})")
         finally:
             self.inflight.pop(rid, None)
 
-    async def _place(self, adapter: str, context: grpc.aio.ServicerContext) -> None:
+    async def _place_if_needed(
+        self, req: pb.GenerateRequest, hashes: list[bytes], context: grpc.aio.ServicerContext
+    ) -> None:
         """No ready pod holds the adapter: have the adapter service place it, then see it placed."""
-        assert self.directory is not None
+        if self.directory is None or not req.HasField("adapter") or self._choose(req, hashes, set()):
+            return
+        adapter = req.adapter
         try:
             placed = await self.directory.place(adapter, self.pool.healthy(), context.time_remaining())
         except asyncio.TimeoutError:
-            await _abort(
+            await abort(
                 context,
                 Code.UNAVAILABLE,
                 f"placing adapter {adapter!r} on a model pod is taking too long; retry",
             )
         except grpc.aio.AioRpcError as e:
-            await _abort(context, e.code(), f"placing adapter {adapter!r}: {e.details()}")
+            await abort(context, e.code(), f"placing adapter {adapter!r}: {e.details()}")
         log.info("adapter %s placed on %s (%s)", adapter, ",".join(placed.pods), placed.source)
         await self.pool.refresh()  # the pods' load reports now list it
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         caller = await self._caller(context)
         if not request.request_id:
-            await _abort(context, Code.INVALID_ARGUMENT, "request_id is empty: name the request to abort")
+            await abort(context, Code.INVALID_ARGUMENT, "request_id is empty: name the request to abort")
         routed = self.inflight.get(request.request_id)
         if routed is None or routed.caller != caller:  # another caller's request does not exist for you
-            await _abort(context, Code.NOT_FOUND, f"no request {request.request_id!r} of yours is in flight")
+            await abort(context, Code.NOT_FOUND, f"no request {request.request_id!r} of yours is in flight")
         try:
             return await routed.pod.generation.Abort(request, timeout=_remaining(context, 5.0))
         except grpc.aio.AioRpcError as e:
-            await _abort(context, e.code(), e.details())
+            await abort(context, e.code(), e.details())
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -196,7 +198,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         caller = await self._caller(context)
         pods = self.pool.healthy()
         if not pods:
-            await _abort(context, Code.UNAVAILABLE, "no healthy model pod")
+            await abort(context, Code.UNAVAILABLE, "no healthy model pod")
         replies = await asyncio.gather(
             *(p.generation.ListModels(request, timeout=_remaining(context, 5.0)) for p in pods),
             return_exceptions=True,
@@ -209,7 +211,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 if m.kind != pb.MODEL_KIND_ADAPTER or caller.may_use(m.id):
                     seen.setdefault(m.id, m)
         if not seen:
-            await _abort(context, Code.UNAVAILABLE, "no model pod answered ListModels")
+            await abort(context, Code.UNAVAILABLE, "no model pod answered ListModels")
         if self.directory is not None and await self.directory.refresh():
             # The registry is the authority on adapters: every registered one, wherever it is.
             base = next((m.id for m in seen.values() if m.kind == pb.MODEL_KIND_BASE), "")
@@ -294,7 +296,6 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="serve without API keys (local use only; every caller may use every adapter)",
     )
-    envflags.apply_env(parser)
     return parser
 
 

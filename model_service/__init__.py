@@ -1,4 +1,5 @@
-"""Spindle model service: the LLM engine and (later) its gRPC server."""
+"""Spindle model service: the LLM engine (`engine/`, `models/`, `lora/`) and the model pod that
+serves it over gRPC (`pod/`)."""
 
 import os
 

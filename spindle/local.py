@@ -22,7 +22,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from adapter_service.client import AdaptersClient
-from spindle import envflags
 from spindle.client import Client, chat_request
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -44,7 +43,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=64, help="for the first request [64]")
     parser.add_argument("--host", default="127.0.0.1", help="address both services listen on [127.0.0.1]")
     parser.add_argument("--gateway-port", type=int, default=50051, help="[50051]")
-    parser.add_argument("--pod-port", type=int, default=50052, help="[50052]")
+    parser.add_argument("--pod-port", type=int, default=50052, help="the pod's Generation port [50052]")
+    parser.add_argument(
+        "--pod-control-port", type=int, default=50053, help="the pod's ModelControl port [50053]"
+    )
     parser.add_argument("--adapter-port", type=int, default=50060, help="the adapter service's [50060]")
     parser.add_argument(
         "--storage-dir",
@@ -58,20 +60,20 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING [600]"
     )
-    envflags.apply_env(parser)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    me = [sys.executable, "-m", "model_service.cli"]
+    me = [sys.executable, "-m", "spindle.cli"]
     pod_cmd = [
         *me, "serve", "--model", args.model, "--host", args.host, "--port", str(args.pod_port),
-        "--metrics-port", str(args.metrics_port), "--log-level", args.log_level,
+        "--control-port", str(args.pod_control_port), "--metrics-port", str(args.metrics_port),
+        "--log-level", args.log_level,
     ]  # fmt: skip
     service = f"{args.host}:{args.adapter_port}"
     service_cmd = [
         *me, "adapter-service", "--host", args.host, "--port", str(args.adapter_port),
-        "--pods", f"{args.host}:{args.pod_port}", "--base-model", args.model, "--metrics-port", "0",
+        "--pods", f"{args.host}:{args.pod_control_port}", "--base-model", args.model, "--metrics-port", "0",
         "--log-level", args.log_level, *(["--storage-dir", args.storage_dir] if args.storage_dir else []),
     ]  # fmt: skip
     gateway_cmd = [
@@ -103,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
                 client.generate(req, timeout=120, on_text=lambda d: print(d, end="", flush=True))
                 print(flush=True)
         print(
-            f"\nServing: gateway {gateway} (model pod {args.host}:{args.pod_port}, adapter service "
-            f"{service}). Try:\n"
+            f"\nServing: gateway {gateway} (model pod {args.host}:{args.pod_port}, "
+            f"its ModelControl on {args.host}:{args.pod_control_port}; adapter service {service}). Try:\n"
             f'  spindle chat --gateway {gateway} "Tell me a joke."\n'
             "Ctrl-C stops all three.",
             file=sys.stderr,

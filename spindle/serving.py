@@ -45,12 +45,14 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
 
 
 class Health:
-    """grpc.health.v1 for the whole server ("") and each named service, starting NOT_SERVING."""
+    """grpc.health.v1 for the whole server ("") and each named service, starting NOT_SERVING.
+    One status, answered on every server given (a process may listen on several ports)."""
 
-    def __init__(self, server: grpc.aio.Server, services: Iterable[str]) -> None:
+    def __init__(self, servers: grpc.aio.Server | Iterable[grpc.aio.Server], services: Iterable[str]) -> None:
         self.servicer = health_aio.HealthServicer()
         self.services = ["", *services]
-        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        for server in [servers] if isinstance(servers, grpc.aio.Server) else servers:
+            health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
         # The aio servicer starts with "" SERVING; nothing may route here before we say so.
         self.servicer._server_status[""] = NOT_SERVING
         self.serving = False

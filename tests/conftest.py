@@ -18,8 +18,10 @@ torch.manual_seed(0)
 
 pytest_plugins = ["tests.adapter_helpers"]  # the Redis and S3 servers of the adapter service tests
 
+from model_service.engine.batch_builder import StepItem  # noqa: E402
 from model_service.engine.config import EngineConfig  # noqa: E402
 from model_service.engine.engine import Engine  # noqa: E402
+from model_service.engine.seq_state import SequenceState  # noqa: E402
 from model_service.models.loader import LoadedModel, load_model, resolve_model_path  # noqa: E402
 
 
@@ -47,7 +49,34 @@ def make_engine(loaded: LoadedModel, **overrides: Any) -> Engine:
 
 def assert_all_blocks_free(engine: Engine) -> None:
     assert not engine.has_unfinished()
-    assert engine.model.num_free_blocks() == engine.model.num_total_blocks()
+    assert engine.cache.num_free_blocks == engine.cache.num_total_blocks
+
+
+def new_sequence(engine: Engine, num_tokens: int) -> SequenceState:
+    """A sequence with blocks for `num_tokens`, straight from the cache manager (no scheduler)."""
+    state = engine.cache.allocate()
+    assert engine.cache.reserve(state, num_tokens)
+    return state
+
+
+def forward(engine: Engine, items: list[tuple[SequenceState, list[int], int]]) -> torch.Tensor:
+    """One forward pass of (sequence, tokens, logits rows wanted) items through the executor, as
+    the engine runs a step; returns the logits rows in item order."""
+    logits = engine.executor.execute(engine.builder.build([StepItem(s, t, n) for s, t, n in items]))
+    for state, tokens, _ in items:
+        state.num_computed += len(tokens)
+    return logits
+
+
+def prefill_logits(engine: Engine, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """Last-token logits of `ids` prefilled in chunks of `chunk` tokens (one pass when None)."""
+    state = new_sequence(engine, len(ids))
+    step = chunk or len(ids)
+    for start in range(0, len(ids), step):
+        part = ids[start : start + step]
+        logits = forward(engine, [(state, part, int(start + step >= len(ids)))])
+    engine.cache.free(state)
+    return logits[0]
 
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {

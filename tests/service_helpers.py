@@ -34,9 +34,13 @@ class Service:
     address: str
     log: Path
     statuses: list[int] = field(default_factory=list)  # health statuses seen while waiting
+    control_address: str = ""  # a model pod's ModelControl port
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address)
+
+    def control_channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.control_address)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:
@@ -61,7 +65,7 @@ def spawn(
     cmd = [
         sys.executable,
         "-m",
-        "model_service.cli",
+        "spindle.cli",
         command,
         "--host",
         "127.0.0.1",
@@ -75,9 +79,11 @@ def spawn(
 
 
 def spawn_pod(model: str, log_dir: Path, name: str = "pod", *extra: str) -> Service:
-    return spawn(
-        "serve", ["--model", model, "--metrics-port", "0", "--num-kv-blocks", "64", *extra], log_dir, name
-    )
+    control = free_port()
+    args = ["--model", model, "--metrics-port", "0", "--num-kv-blocks", "64", "--control-port", str(control)]
+    service = spawn("serve", [*args, *extra], log_dir, name)
+    service.control_address = f"127.0.0.1:{control}"
+    return service
 
 
 def wait_serving(service: Service, timeout: float = 120.0) -> Service:

@@ -48,7 +48,7 @@ def cluster(tiny_llama, redis_url, s3, tmp_path_factory):
     for p in pods:
         wait_serving(p)
     service_args = [
-        "--pods", ",".join(p.address for p in pods), "--redis-url", redis_url,
+        "--pods", ",".join(p.control_address for p in pods), "--redis-url", redis_url,
         "--s3-bucket", s3.bucket, "--s3-endpoint-url", s3.endpoint, "--s3-region", "us-east-1",
         "--base-model", tiny_llama.name, "--metrics-port", str(metrics), "--poll-interval", "0.3",
         "--lease-ttl", "1.5", "--max-adapter-bytes", "2000000", "--max-lora-rank", "16",
@@ -145,7 +145,7 @@ def test_cold_adapter_from_a_peer_then_from_staging_and_storage(cluster, lora_di
     service, (p0, p1) = cluster["service"], cluster["pods"]
     holder = _place(service, "a", [])
     assert holder.pods and holder.source == "resident"
-    other = p1.address if holder.pods[0] == p0.address else p0.address
+    other = p1.control_address if holder.pods[0] == p0.control_address else p0.control_address
     placed = _place(service, "a", [other])  # only `other` is routable: the weights come from the peer
     assert (placed.pods, placed.source) == ([other], "peer")
     with _admin(service.address, None) as c:
@@ -355,17 +355,17 @@ def test_delete_then_a_killed_pods_adapters_are_placed_elsewhere(cluster, lora_d
         _generate(gateway, "c")
     assert e.value.code() == Code.NOT_FOUND
     placed = _place(service, "b", [])
-    victim = p0 if placed.pods[0] == p0.address else p1
+    victim = p0 if placed.pods[0] == p0.control_address else p1
     survivor = p1 if victim is p0 else p0
     victim.stop(signal.SIGKILL)
     deadline = time.monotonic() + 10
     with _admin(service.address, None) as c:
-        while any(p.pod == victim.address for p in c.get("b").placements):
+        while any(p.pod == victim.control_address for p in c.get("b").placements):
             assert time.monotonic() < deadline, "the killed pod's lease never expired"
             time.sleep(0.2)
     assert _generate(gateway, "b") == _reference(tiny_llama, lora_dirs["b"])
     with _admin(service.address, None) as c:
-        assert [p.pod for p in c.get("b").placements] == [survivor.address]
+        assert [p.pod for p in c.get("b").placements] == [survivor.control_address]
 
 
 def test_not_serving_until_the_registry_answers(tmp_path, tiny_llama):

@@ -23,7 +23,9 @@ from tests.service_helpers import spawn_pod, token_request, wait_serving
 GENERATE = "/spindle.v1.Generation/Generate"
 
 
-async def _run(pod: str, base: str, adapter_dir, storage, exporter: InMemorySpanExporter) -> None:
+async def _run(
+    pod: str, control: str, base: str, adapter_dir, storage, exporter: InMemorySpanExporter
+) -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     service_args = adapter_server.build_parser(argparse.ArgumentParser()).parse_args(
@@ -33,7 +35,7 @@ async def _run(pod: str, base: str, adapter_dir, storage, exporter: InMemorySpan
             "--port",
             "0",
             "--pods",
-            pod,
+            control,
             "--base-model",
             base,
             "--storage-dir",
@@ -68,7 +70,16 @@ def test_placement_spans_join_the_requests_trace(tiny_llama, lora_dirs, tmp_path
     try:
         wait_serving(pod)
         exporter = InMemorySpanExporter()
-        asyncio.run(_run(pod.address, tiny_llama.name, lora_dirs["a"], tmp_path / "store", exporter))
+        asyncio.run(
+            _run(
+                pod.address,
+                pod.control_address,
+                tiny_llama.name,
+                lora_dirs["a"],
+                tmp_path / "store",
+                exporter,
+            )
+        )
     finally:
         pod.stop()
     spans = exporter.get_finished_spans()

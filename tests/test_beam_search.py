@@ -75,7 +75,7 @@ def test_beams_share_prompt_blocks(tiny_llama):
     )
     engine.step()  # prefill
     engine.step()  # first beam step: four beams now exist
-    used = engine.model.num_total_blocks() - engine.model.num_free_blocks()
+    used = engine.cache.num_total_blocks - engine.cache.num_free_blocks
     # Unshared, 4 beams x 6 blocks = 24; shared, the 5 prompt blocks count once.
     assert used <= 5 + 4 * 2
     while engine.has_unfinished():

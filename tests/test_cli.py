@@ -6,13 +6,13 @@ import json
 import subprocess
 import sys
 
-from model_service.cli import main
+from spindle.cli import main
 from tests.conftest import make_engine
 
 
 def test_help_explains_itself():
     out = subprocess.run(
-        [sys.executable, "-m", "model_service.cli", "generate", "--help"],
+        [sys.executable, "-m", "spindle.cli", "generate", "--help"],
         capture_output=True,
         text=True,
         check=True,
@@ -83,3 +83,47 @@ def test_chat_prompts_answer(capsys):
 def test_unknown_model_is_a_clear_error(capsys):
     assert main(["generate", "--model", "/no/such/model", "--prompt", "hi"]) == 2
     assert "neither a known alias" in capsys.readouterr().err
+
+
+def test_every_engine_field_is_a_flag_and_an_environment_variable():
+    import argparse
+    import dataclasses
+
+    from model_service.engine.config import EngineConfig, add_engine_args, engine_config
+    from spindle import envflags
+
+    def parse(argv, environ=None):
+        parser = argparse.ArgumentParser()
+        add_engine_args(parser)
+        envflags.apply_env(parser, environ or {})
+        return parser, engine_config(parser.parse_args(argv))
+
+    parser, defaults = parse([])
+    assert defaults == EngineConfig()  # the flags' defaults are the dataclass's
+    help_ = parser.format_help()
+    renamed = {"swap_space_bytes": "--swap-space", "lora_modules": "--lora"}
+    for f in dataclasses.fields(EngineConfig):
+        flag = renamed.get(f.name, "--" + f.name.replace("_", "-"))
+        assert flag in help_ and envflags.env_name(flag) in help_, flag
+    assert "smollm2" in help_  # --model lists its aliases
+    argv = ["--adapter-wait-timeout-s", "2.5", "--swap-space", "0.5", "--no-enable-prefix-caching"]
+    argv += ["--lora", "a=/x", "--lora", "b=/y", "--max-num-seqs", "3", "--max-model-len", "64"]
+    _, config = parse(argv)
+    assert config.adapter_wait_timeout_s == 2.5 and config.swap_space_bytes == 1 << 29
+    assert not config.enable_prefix_caching and config.lora_modules == {"a": "/x", "b": "/y"}
+    assert (config.max_num_seqs, config.max_model_len) == (3, 64)
+    env = {
+        "SPINDLE_ADAPTER_WAIT_TIMEOUT_S": "7",
+        "SPINDLE_LORA": "c=/z",
+        "SPINDLE_ENABLE_PREFIX_CACHING": "0",
+    }
+    _, config = parse([], env)
+    assert config.adapter_wait_timeout_s == 7.0 and config.lora_modules == {"c": "/z"}
+    assert not config.enable_prefix_caching
+    _, config = parse(["--adapter-wait-timeout-s", "1"], env)  # the flag wins
+    assert config.adapter_wait_timeout_s == 1.0
+
+
+def test_bad_engine_flags_are_clear_errors(capsys):
+    assert main(["generate", "--prompt", "hi", "--lora", "no-equals-sign"]) == 2
+    assert "NAME=DIR" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import pytest
 from model_service.engine.sampling_params import SamplingParams
 from model_service.errors import CapacityError, InvalidRequestError, ModelLoadError
 from model_service.models.loader import load_model
-from tests.conftest import assert_all_blocks_free, make_engine
+from tests.conftest import assert_all_blocks_free, forward, make_engine, new_sequence
 
 QUESTIONS = ["What is 2+2?", "Name a large animal.", "Say hello in French.", "What color is the sky?"]
 
@@ -89,46 +89,34 @@ def test_mixed_forward_rows_equal_separate_passes(smollm2):
     import torch
 
     engine = make_engine(smollm2)
-    model = engine.model
     prompts = [r["prompt_token_ids"] for r in _requests(smollm2)]
-
-    def fresh(ids):
-        s = model.alloc_sequence()
-        assert model.reserve(s, len(ids) + 1)
-        return s
-
     # Separate: prefill each, then decode one token each.
     separate_prefill, separate_decode = [], []
     for ids in prompts:
-        s = fresh(ids)
-        separate_prefill.append(model.prefill_chunk(s, ids, True))
-        separate_decode.append(model.decode_batch([s], [7])[0])
-        model.free_sequence(s)
+        s = new_sequence(engine, len(ids) + 1)
+        separate_prefill.append(forward(engine, [(s, ids, 1)])[0])
+        separate_decode.append(forward(engine, [(s, [7], 1)])[0])
+        engine.cache.free(s)
     # Mixed: seq 0 decodes while 1..3 prefill, all in one pass.
-    s0 = fresh(prompts[0])
-    model.prefill_chunk(s0, prompts[0], True)
-    others = [fresh(ids) for ids in prompts[1:]]
-    from model_service.models.protocol import PrefillChunk
-
-    dec, pre = model.mixed_forward_batch(
-        [s0], [7], [PrefillChunk(s, ids, True) for s, ids in zip(others, prompts[1:], strict=True)]
-    )
-    assert torch.allclose(dec[0], separate_decode[0], atol=1e-4)
-    for got, want in zip(pre, separate_prefill[1:], strict=True):
+    s0 = new_sequence(engine, len(prompts[0]) + 1)
+    forward(engine, [(s0, prompts[0], 1)])
+    others = [new_sequence(engine, len(ids) + 1) for ids in prompts[1:]]
+    rows = forward(engine, [(s0, [7], 1)] + [(s, ids, 1) for s, ids in zip(others, prompts[1:], strict=True)])
+    assert torch.allclose(rows[0], separate_decode[0], atol=1e-4)
+    for got, want in zip(rows[1:], separate_prefill[1:], strict=True):
         assert torch.allclose(got, want, atol=1e-4)
     for s in [s0, *others]:
-        model.free_sequence(s)
-    assert model.num_free_blocks() == model.num_total_blocks()
+        engine.cache.free(s)
+    assert_all_blocks_free(engine)
 
 
 def test_free_sequence_twice_is_an_error(smollm2):
     engine = make_engine(smollm2)
-    s = engine.model.alloc_sequence()
-    engine.model.reserve(s, 40)
-    engine.model.free_sequence(s)
+    s = new_sequence(engine, 40)
+    engine.cache.free(s)
     with pytest.raises(RuntimeError, match="freed twice"):
-        engine.model.free_sequence(s)
-    assert engine.model.num_free_blocks() == engine.model.num_total_blocks()
+        engine.cache.free(s)
+    assert engine.cache.num_free_blocks == engine.cache.num_total_blocks
 
 
 def test_abort_mid_generation_frees_every_block(smollm2):
@@ -140,7 +128,7 @@ def test_abort_mid_generation_frees_every_block(smollm2):
         )
     for _ in range(5):
         engine.step()
-    assert engine.model.num_free_blocks() < engine.model.num_total_blocks()
+    assert engine.cache.num_free_blocks < engine.cache.num_total_blocks
     assert engine.abort("1") and engine.abort("3")
     assert not engine.abort("1")  # already gone
     finals = {}
@@ -236,9 +224,9 @@ def test_async_engine_streams_and_cancels(smollm2, reference):
 
     try:
         assert asyncio.run(main()) == reference
-        assert aengine.call(lambda e: (e.has_unfinished(), e.model.num_free_blocks())) == (
+        assert aengine.call(lambda e: (e.has_unfinished(), e.cache.num_free_blocks)) == (
             False,
-            engine.model.num_total_blocks(),
+            engine.cache.num_total_blocks,
         )
     finally:
         aengine.shutdown()

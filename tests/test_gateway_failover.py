@@ -76,7 +76,7 @@ def test_a_pod_refusing_before_the_first_token_is_retried_elsewhere(cluster):
     _generate(gateway, token_request(shared, 2))
     warm = [a - b for a, b in zip(_served(pods), before, strict=True)].index(1)
     drained, other = pods[warm], pods[1 - warm]
-    with drained.channel() as ch:  # the pod the prefix points to now refuses new requests
+    with drained.control_channel() as ch:  # the pod the prefix points to now refuses new requests
         reply = model_control_pb2_grpc.ModelControlStub(ch).Drain(
             model_control_pb2.DrainRequest(), timeout=10
         )

@@ -17,9 +17,7 @@ from model_service.models.loader import LoadedModel
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_cuda_matches_cpu_with_adapters_swap_and_beams(tmp_path):
-    from bench.lora import write_adapter
-
+def _random_model() -> tuple[ModelConfig, DecoderModel]:
     cfg = ModelConfig(
         family="llama",
         vocab_size=512,
@@ -32,11 +30,24 @@ def test_cuda_matches_cpu_with_adapters_swap_and_beams(tmp_path):
         rms_norm_eps=1e-5,
         max_position_embeddings=1024,
     )
-    cfg.sliding_windows = [None] * 3
     torch.manual_seed(0)
     reference = DecoderModel(cfg)
     for p in reference.parameters():
         torch.nn.init.normal_(p, 0, 0.2)
+    return cfg, reference
+
+
+def _engine(cfg: ModelConfig, reference: DecoderModel, device: str, **config: object) -> Engine:
+    model = DecoderModel(cfg)
+    model.load_state_dict(reference.state_dict())
+    loaded = LoadedModel("random", cfg, model.to(device).eval(), None)
+    return Engine(EngineConfig(device=device, dtype="float32", **config), loaded=loaded)
+
+
+def test_cuda_matches_cpu_with_adapters_swap_and_beams(tmp_path):
+    from bench.lora import write_adapter
+
+    cfg, reference = _random_model()
     adapters = {f"a{i}": write_adapter(tmp_path / f"a{i}", cfg, rank=4 + 4 * i, seed=i) for i in range(3)}
     for path in adapters.values():  # large enough deltas that a missing one changes tokens
         weights = path / "adapter_model.safetensors"
@@ -63,22 +74,47 @@ def test_cuda_matches_cpu_with_adapters_swap_and_beams(tmp_path):
     )
     results = {}
     for device in ("cpu", "cuda"):
-        model = DecoderModel(cfg)
-        model.load_state_dict(reference.state_dict())
-        loaded = LoadedModel("random", cfg, model.to(device).eval(), None)
-        engine = Engine(
-            EngineConfig(
-                device=device,
-                dtype="float32",
-                num_kv_blocks=14,
-                block_size=4,
-                max_loras=2,
-                preemption_mode="swap",
-                lora_modules={k: str(v) for k, v in adapters.items()},
-            ),
-            loaded=loaded,
+        engine = _engine(
+            cfg,
+            reference,
+            device,
+            num_kv_blocks=14,
+            block_size=4,
+            max_loras=2,
+            preemption_mode="swap",
+            lora_modules={k: str(v) for k, v in adapters.items()},
         )
         results[device] = [o.token_ids for o in engine.generate(requests)]
         assert engine.stats().num_preemptions > 0
-        assert engine.model.num_free_blocks() == engine.model.num_total_blocks()
+        assert engine.cache.num_free_blocks == engine.cache.num_total_blocks
     assert results["cuda"] == results["cpu"]
+
+
+def test_decode_graphs_replay_over_reused_blocks_with_fresh_metadata():
+    """CUDA graphs are captured once per padded batch size; later waves of requests get blocks and
+    rows that earlier ones used, and every replay must re-prepare the metadata (a graph replayed
+    over stale block tables would read another request's K/V). Graph, eager and CPU agree."""
+    cfg, reference = _random_model()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    waves = [
+        [
+            {
+                "prompt_token_ids": [(11 * w + 5 * i + j) % 500 + 3 for j in range(3 + 7 * i)],
+                "max_tokens": 10 + i,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            for i in range(n)
+        ]
+        for w, n in enumerate((5, 3, 9))  # padded to 8, 4, 16: three graphs, reused blocks
+    ]
+    results = {}
+    for device, eager in (("cpu", True), ("cuda", True), ("cuda", False)):
+        engine = _engine(
+            cfg, reference, device, num_kv_blocks=64, block_size=4, max_num_seqs=16, enforce_eager=eager
+        )
+        results[device, eager] = [[o.token_ids for o in engine.generate(wave)] for wave in waves]
+        if device == "cuda" and not eager:
+            assert engine.executor.graphs is not None and len(engine.executor.graphs.graphs) >= 3
+        assert engine.cache.num_free_blocks == engine.cache.num_total_blocks
+    assert results["cuda", False] == results["cuda", True] == results["cpu", True]

@@ -171,7 +171,7 @@ def test_mixed_batch_of_base_and_five_adapters_equals_each_alone(tiny_llama, tin
     combos = [(i, a) for i in range(len(PROMPTS)) for a in [None, *tiny_adapters]]
     random.Random(0).shuffle(combos)
     assert _run(engine, [_req(PROMPTS[i], a) for i, a in combos]) == [tiny_reference[c] for c in combos]
-    assert all(s.refcount == 0 for s in engine.model.lora.slots)
+    assert all(s.refcount == 0 for s in engine.lora.slots)
     assert_all_blocks_free(engine)
 
 
@@ -265,20 +265,19 @@ def test_rotation_releases_the_resolved_slot(tiny_llama, tiny_adapters, tiny_ref
         params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
     )
     engine.step()
-    assert [s.refcount for s in engine.model.lora.slots] == [1, 0]
+    assert [s.refcount for s in engine.lora.slots] == [1, 0]
     run_control(engine, SetActiveAdapter("t1"))  # rotate mid-request
     final = {}
     while engine.has_unfinished():
         final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     assert final["a"] == tiny_reference[(1, "t0")]
-    assert [s.refcount for s in engine.model.lora.slots] == [0, 0]
+    assert [s.refcount for s in engine.lora.slots] == [0, 0]
     # The raw contract: acquire(-1) returns the resolved index; release by it.
-    state = engine.model.alloc_sequence()
-    resolved = engine.model.acquire_adapter_slot(state, -1)
+    resolved = engine.lora.acquire(-1)
     assert resolved == 1
-    engine.model.set_active_lora("t0")
-    engine.model.free_sequence(state)
-    assert [s.refcount for s in engine.model.lora.slots] == [0, 0]
+    engine.lora.set_active("t0")
+    engine.lora.release(resolved)
+    assert [s.refcount for s in engine.lora.slots] == [0, 0]
 
 
 def test_same_name_new_content_never_reuses_stale_kv(tiny_llama, tiny_adapters, tiny_reference, tmp_path):
@@ -342,7 +341,7 @@ def test_random_interleavings_keep_slots_and_requests_straight(
                 "evict": EvictAdapter(names[1 + k % 5]),
                 "step": None,
             }[kind]
-            held = [s.adapter.name for s in engine.model.lora.slots if s.adapter and s.refcount]
+            held = [s.adapter.name for s in engine.lora.slots if s.adapter and s.refcount]
             future = engine.submit_control(op) if op else None
             finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
             if (
@@ -359,7 +358,7 @@ def test_random_interleavings_keep_slots_and_requests_straight(
             assert tiny_reference[key][: len(finals[rid])] == finals[rid]
         else:
             assert finals[rid] == tiny_reference[key]  # never another adapter's weights
-    assert all(s.refcount == 0 for s in engine.model.lora.slots)
+    assert all(s.refcount == 0 for s in engine.lora.slots)
     assert_all_blocks_free(engine)
 
 
@@ -423,7 +422,7 @@ def test_rank_above_limit_and_pickle_weights_are_refused(tiny_llama, tiny_adapte
 
 
 def test_cli_generate_with_adapters(tiny_llama, tiny_adapters, tiny_reference, tmp_path, capsys):
-    from model_service.cli import main
+    from spindle.cli import main
 
     reqs = tmp_path / "reqs.jsonl"
     reqs.write_text("\n".join(json.dumps(_req(PROMPTS[i], a)) for i, a in [(0, "t0"), (1, None), (2, "t1")]))

@@ -69,14 +69,25 @@ def _generate(channel, adapter):
     return collect(stub(channel).Generate(req, timeout=30))[0]
 
 
+def _gateway(pods, tmp_path):
+    """A gateway in front of `pods`, once it has polled them all."""
+    addresses = ",".join(p.address for p in pods)
+    args = ["--pods", addresses, "--allow-unauthenticated", "--health-interval", "0.2"]
+    gateway = wait_serving(spawn("gateway", args, tmp_path, "gateway"))
+    deadline = time.monotonic() + 10
+    while gateway.output().count("is healthy") < len(pods) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return gateway
+
+
 def _control(channel):
     return model_control_pb2_grpc.ModelControlStub(channel)
 
 
 def test_load_pin_evict_and_slot_report(pods, tiny_llama, adapters):
     first, _ = pods
-    with first.channel() as ch:
-        ctl = _control(ch)
+    with first.channel() as ch, first.control_channel() as cc:
+        ctl = _control(cc)
         change = ctl.LoadAdapter(mc.LoadAdapterRequest(name="a"), timeout=10)
         assert change.slot == 0 and change.adapter.tier == mc.TIER_DEVICE and change.adapter.rank == 4
         sha = hashlib.sha256((adapters["a"] / "adapter_model.safetensors").read_bytes()).hexdigest()
@@ -102,8 +113,8 @@ def test_load_pin_evict_and_slot_report(pods, tiny_llama, adapters):
 
 def test_bad_control_requests_get_codes(pods):
     first, _ = pods
-    with first.channel() as ch:
-        ctl = _control(ch)
+    with first.channel() as ch, first.control_channel() as cc:
+        ctl = _control(cc)
         cases = [
             (lambda: ctl.LoadAdapter(mc.LoadAdapterRequest(name="nope"), timeout=10), Code.NOT_FOUND),
             (lambda: ctl.LoadAdapter(mc.LoadAdapterRequest(name=""), timeout=10), Code.INVALID_ARGUMENT),
@@ -129,24 +140,9 @@ def test_bad_control_requests_get_codes(pods):
 
 
 def test_gateway_sends_adapter_requests_only_to_pods_that_have_it(pods, tiny_llama, adapters, tmp_path):
-    first, second = pods
-    gateway = spawn(
-        "gateway",
-        [
-            "--pods",
-            f"{first.address},{second.address}",
-            "--allow-unauthenticated",
-            "--health-interval",
-            "0.2",
-        ],
-        tmp_path,
-        "gateway",
-    )
+    second = pods[1]
+    gateway = _gateway(pods, tmp_path)
     try:
-        wait_serving(gateway)
-        deadline = time.monotonic() + 10  # until the gateway has polled both pods
-        while gateway.output().count("is healthy") < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
         with gateway.channel() as ch:
             for _ in range(4):  # the second pod is idle and would win on load alone
                 assert _generate(ch, "a") == _reference(tiny_llama, adapters, "a")
@@ -161,21 +157,22 @@ def test_gateway_sends_adapter_requests_only_to_pods_that_have_it(pods, tiny_lla
 def test_weights_stream_and_peer_promotion(pods, tiny_llama, adapters):
     first, second = pods
     data = (adapters["a"] / "adapter_model.safetensors").read_bytes()
-    with first.channel() as ch:
+    with first.control_channel() as cc:
         chunks = list(
-            _control(ch).FetchAdapterWeights(mc.FetchAdapterWeightsRequest(name="a", chunk_bytes=1000))
+            _control(cc).FetchAdapterWeights(mc.FetchAdapterWeightsRequest(name="a", chunk_bytes=1000))
         )
     assert len(chunks) == -(-len(data) // 1000) and chunks[-1].last
     assert b"".join(c.data for c in chunks) == data and chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
-    with second.channel() as ch:
-        ctl = _control(ch)
+    with second.channel() as ch, second.control_channel() as cc:
+        ctl = _control(cc)
         with pytest.raises(grpc.RpcError) as e:
             ctl.PromoteFromPeer(
-                mc.PromoteFromPeerRequest(name="a", peer=first.address, sha256="0" * 64), timeout=30
+                mc.PromoteFromPeerRequest(name="a", peer=first.control_address, sha256="0" * 64), timeout=30
             )
         assert e.value.code() == Code.DATA_LOSS
+        sha = hashlib.sha256(data).hexdigest()
         state = ctl.PromoteFromPeer(
-            mc.PromoteFromPeerRequest(name="a", peer=first.address, sha256=hashlib.sha256(data).hexdigest()),
+            mc.PromoteFromPeerRequest(name="a", peer=first.control_address, sha256=sha),
             timeout=30,
         )
         assert state.tier == mc.TIER_HOST and state.sha256 == hashlib.sha256(data).hexdigest()
@@ -200,3 +197,50 @@ def test_weights_stream_and_peer_promotion(pods, tiny_llama, adapters):
         )[0].token_ids
         assert _generate(ch, "a") == expected
         wait_idle(second)
+
+
+def test_set_active_makes_the_active_adapter_reachable_end_to_end(pods, tiny_llama, adapters, tmp_path):
+    """SetActive names the adapter that `@active` requests get; the pod then advertises `@active`,
+    so the gateway routes such requests only to pods that have one active."""
+    first, second = pods
+    expected = _reference(tiny_llama, adapters, "b")
+    with second.channel() as ch, second.control_channel() as cc:
+        ctl = _control(cc)
+        assert ctl.GetSlots(mc.GetSlotsRequest(), timeout=10).active_adapter == ""
+        assert "@active" not in load(second).available_adapters
+        with pytest.raises(grpc.RpcError) as e:
+            _generate(ch, "@active")
+        assert e.value.code() == Code.FAILED_PRECONDITION and "SetActive" in e.value.details()
+        for name, code in (("b", Code.NOT_FOUND), ("@active", Code.INVALID_ARGUMENT)):
+            with pytest.raises(grpc.RpcError) as e:  # b is not resident yet; @active is no adapter
+                ctl.SetActive(mc.SetActiveRequest(name=name), timeout=10)
+            assert e.value.code() == code and e.value.details()
+        ctl.LoadAdapter(mc.LoadAdapterRequest(name="b", path=str(adapters["b"])), timeout=10)
+        state = ctl.SetActive(mc.SetActiveRequest(name="b"), timeout=10)
+        assert state.name == "b" and state.tier == mc.TIER_DEVICE
+        assert ctl.GetSlots(mc.GetSlotsRequest(), timeout=10).active_adapter == "b"
+        report = load(second)
+        assert "@active" in report.available_adapters and "@active" in report.resident_adapters
+        assert "@active" not in load(first).available_adapters
+        assert _generate(ch, "@active") == expected
+    gateway = _gateway(pods, tmp_path)
+    try:
+        with gateway.channel() as ch:
+            for _ in range(3):  # only the second pod has an active adapter
+                assert _generate(ch, "@active") == expected
+    finally:
+        gateway.stop()
+    with second.control_channel() as cc:
+        ctl = _control(cc)
+        wait_idle(second)
+        ctl.Evict(mc.EvictRequest(name="b"), timeout=10)  # evicting it clears `@active`
+        assert ctl.GetSlots(mc.GetSlotsRequest(), timeout=10).active_adapter == ""
+        assert "@active" not in load(second).available_adapters
+        ctl.LoadAdapter(mc.LoadAdapterRequest(name="b"), timeout=10)
+        ctl.SetActive(mc.SetActiveRequest(name="b"), timeout=10)
+        assert ctl.SetActive(mc.SetActiveRequest(name=""), timeout=10).name == ""  # cleared on request
+        assert ctl.GetSlots(mc.GetSlotsRequest(), timeout=10).active_adapter == ""
+        with second.channel() as ch, pytest.raises(grpc.RpcError) as e:
+            _generate(ch, "@active")
+        assert e.value.code() == Code.FAILED_PRECONDITION
+        ctl.Evict(mc.EvictRequest(name="b"), timeout=10)

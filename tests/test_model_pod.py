@@ -9,10 +9,11 @@ import urllib.request
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from spindle.v1 import generation_pb2 as pb
-from spindle.v1 import model_control_pb2, model_control_pb2_grpc
+from spindle.v1 import model_control_pb2, model_control_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
 from tests.conftest import make_engine
 from tests.service_helpers import (
     collect,
@@ -154,7 +155,7 @@ BAD_GENERATE += [
 ]
 
 
-def test_bad_input_on_every_rpc_gets_a_code_and_a_message(channel):
+def test_bad_input_on_every_rpc_gets_a_code_and_a_message(pod, channel):
     g = stub(channel)
     for req, code, words in BAD_GENERATE:
         with pytest.raises(grpc.RpcError) as e:
@@ -172,13 +173,14 @@ def test_bad_input_on_every_rpc_gets_a_code_and_a_message(channel):
         list(g.Generate(_long("dup"), timeout=5))
     assert e.value.code() == Code.ALREADY_EXISTS
     stream.cancel()
-    control = model_control_pb2_grpc.ModelControlStub(channel)
-    with pytest.raises(grpc.RpcError) as e:
-        control.Drain(model_control_pb2.DrainRequest(timeout_seconds=-1), timeout=5)
-    assert e.value.code() == Code.INVALID_ARGUMENT and "timeout_seconds" in e.value.details()
-    with pytest.raises(grpc.RpcError) as e:
-        control.LoadAdapter(model_control_pb2.LoadAdapterRequest(name="x"), timeout=5)
-    assert e.value.code() == Code.NOT_FOUND and "unknown adapter 'x'" in e.value.details()
+    with pod.control_channel() as cc:
+        control = model_control_pb2_grpc.ModelControlStub(cc)
+        with pytest.raises(grpc.RpcError) as e:
+            control.Drain(model_control_pb2.DrainRequest(timeout_seconds=-1), timeout=5)
+        assert e.value.code() == Code.INVALID_ARGUMENT and "timeout_seconds" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            control.LoadAdapter(model_control_pb2.LoadAdapterRequest(name="x"), timeout=5)
+        assert e.value.code() == Code.NOT_FOUND and "unknown adapter 'x'" in e.value.details()
     # and the pod still serves
     tokens, _ = collect(g.Generate(token_request(PROMPT, 3, temperature=0.0), timeout=10))
     assert len(tokens) == 3
@@ -188,13 +190,9 @@ def test_list_models_reflection_and_metrics(pod, channel):
     models = stub(channel).ListModels(pb.ListModelsRequest(), timeout=5).models
     assert models[0].kind == pb.MODEL_KIND_BASE and models[0].max_model_len == 512
     services = ProtoReflectionDescriptorDatabase(channel).get_services()
-    for name in (
-        "spindle.v1.Generation",
-        "spindle.v1.PodStatus",
-        "spindle.v1.ModelControl",
-        "grpc.health.v1.Health",
-    ):
+    for name in ("spindle.v1.Generation", "spindle.v1.PodStatus", "grpc.health.v1.Health"):
         assert name in services
+    assert "spindle.v1.ModelControl" not in services  # on the control port
     text = urllib.request.urlopen(f"http://127.0.0.1:{pod.metrics_port}/metrics", timeout=5).read().decode()
     for name in (
         "vllm:num_requests_waiting",
@@ -209,6 +207,34 @@ def test_list_models_reflection_and_metrics(pod, channel):
         "vllm:generation_tokens_total",
     ):
         assert name in text, name
+
+
+def test_model_control_is_served_on_the_control_port_only(pod, channel):
+    """Generation (the gateway's) and ModelControl (the adapter service's) listen on separate ports,
+    so a NetworkPolicy can admit each caller to its own; each port refuses the other's RPCs."""
+    with pytest.raises(grpc.RpcError) as e:
+        model_control_pb2_grpc.ModelControlStub(channel).GetSlots(
+            model_control_pb2.GetSlotsRequest(), timeout=5
+        )
+    assert e.value.code() == Code.UNIMPLEMENTED
+    with pod.control_channel() as cc:
+        assert set(ProtoReflectionDescriptorDatabase(cc).get_services()) >= {
+            "spindle.v1.ModelControl",
+            "grpc.health.v1.Health",
+        }
+        health = health_pb2_grpc.HealthStub(cc).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        report = model_control_pb2_grpc.ModelControlStub(cc).GetSlots(
+            model_control_pb2.GetSlotsRequest(), timeout=5
+        )
+        assert len(report.slots) == 4 and report.active_adapter == ""  # --max-loras default
+        for call in (
+            lambda: list(stub(cc).Generate(token_request(PROMPT, 3), timeout=5)),
+            lambda: pod_status_pb2_grpc.PodStatusStub(cc).GetLoad(pod_status_pb2.GetLoadRequest(), timeout=5),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == Code.UNIMPLEMENTED
 
 
 def test_sigterm_drains_in_flight_then_exits(tiny_llama, tmp_path):

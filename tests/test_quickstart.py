@@ -16,7 +16,7 @@ from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc
 from tests.service_helpers import ROOT, free_port
 
-CLI = [sys.executable, "-m", "model_service.cli"]
+CLI = [sys.executable, "-m", "spindle.cli"]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -27,7 +27,7 @@ def test_up_answers_through_the_gateway_then_serves_until_ctrl_c(tmp_path, smoll
     from bench.lora import write_adapter
 
     adapter = write_adapter(tmp_path / "demo", smollm2.config, rank=4, seed=0)
-    gw, pod, metrics, adapters = free_port(), free_port(), free_port(), free_port()
+    gw, pod, control, metrics, adapters = (free_port() for _ in range(5))
     env = {**os.environ, "OTEL_SDK_DISABLED": "true"}
     args = [
         "up",
@@ -35,6 +35,8 @@ def test_up_answers_through_the_gateway_then_serves_until_ctrl_c(tmp_path, smoll
         str(gw),
         "--pod-port",
         str(pod),
+        "--pod-control-port",
+        str(control),
         "--metrics-port",
         str(metrics),
         "--adapter-port",

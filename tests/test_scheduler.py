@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from model_service.engine.block_manager import BlockManager
 from model_service.engine.sampling_params import SamplingParams
+from model_service.engine.seq_state import SequenceState
 from model_service.errors import CapacityError
-from model_service.models.protocol import SequenceState
 from tests.conftest import assert_all_blocks_free, make_engine
 
 

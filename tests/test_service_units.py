@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import random
+import subprocess
+import sys
 
 import pytest
 
 from gateway import prefix, router
 from gateway.auth import ApiKeys, AuthError
-from model_service import wire
 from model_service.errors import InvalidRequestError
+from model_service.pod import wire
 from spindle import envflags
 from spindle.v1 import generation_pb2 as pb
+from tests.service_helpers import ROOT
 
 
 def test_adapter_affinity_levels_follow_the_inference_extension():
@@ -156,3 +160,61 @@ def test_dns_discovery_turns_every_address_into_a_pod():
     assert "127.0.0.1:50052" in pods or "[::1]:50052" in pods
     with pytest.raises(ValueError, match="HOST:PORT"):
         dns_discovery("no-port")
+
+
+def test_the_gateway_client_and_dispatcher_import_no_torch():
+    code = (
+        "import spindle.cli, gateway.server, spindle.client, spindle.local, spindle.grpc_status; import sys; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_engine_and_the_bench_fake_offer_the_engine_handle(tiny_llama):
+    """Everything the model pod uses of an engine (EngineHandle) exists, with the same parameters,
+    on the real Engine and on the fake engine of bench/gateway.py."""
+    from bench.gateway import FakeFastEngine
+    from model_service.engine.config import EngineConfig
+    from model_service.pod.handle import EngineHandle
+    from tests.conftest import make_engine
+
+    members = {n for n in vars(EngineHandle) if not n.startswith("_")}
+    attributes = {"config", "max_model_len", "vocab_size"}
+    methods = {"add_request", "step", "abort", "has_unfinished", "stats", "list_adapters", "submit_control"}
+    assert members == attributes | methods
+    for impl in (make_engine(tiny_llama), FakeFastEngine(0.0)):
+        assert isinstance(impl.config, EngineConfig)
+        assert isinstance(impl.max_model_len, int) and isinstance(impl.vocab_size, int)
+        for name in methods:
+            want = inspect.signature(getattr(EngineHandle, name)).parameters
+            got = inspect.signature(getattr(type(impl), name)).parameters
+            assert list(got) == list(want), (type(impl).__name__, name)
+            assert [p.kind for p in got.values()] == [p.kind for p in want.values()], name
+
+
+def test_engine_errors_map_to_codes_and_a_bug_is_internal():
+    import grpc
+
+    from model_service.errors import CapacityError, ModelLoadError, NotFoundError
+    from model_service.lora.adapter import AdapterError
+    from model_service.lora.pool import AdapterBusyError, AdapterNotFoundError, SlotsBusyError
+    from model_service.pod.status import status_for
+
+    code = grpc.StatusCode
+    cases = [
+        (NotFoundError("unknown adapter 'x'"), code.NOT_FOUND),
+        (AdapterNotFoundError("not resident"), code.NOT_FOUND),
+        (AdapterBusyError("pinned"), code.FAILED_PRECONDITION),
+        (SlotsBusyError("all busy"), code.FAILED_PRECONDITION),
+        (AdapterError("rank too high"), code.INVALID_ARGUMENT),
+        (InvalidRequestError("top_p"), code.INVALID_ARGUMENT),
+        (CapacityError("queue full"), code.RESOURCE_EXHAUSTED),
+        (ModelLoadError("no such file"), code.FAILED_PRECONDITION),
+        (TypeError("add_request() got an unexpected keyword argument 'adapter'"), code.INTERNAL),
+        (KeyError("x"), code.INTERNAL),
+    ]
+    for error, want in cases:
+        got, message = status_for(error)
+        assert got == want, (error, got)
+        assert str(error).strip("'") in message

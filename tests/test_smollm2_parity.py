@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.conftest import assert_all_blocks_free, make_engine
+from tests.conftest import assert_all_blocks_free, make_engine, prefill_logits
 
 PROMPTS = [
     "What is the capital of France?",
@@ -39,8 +39,5 @@ def test_prefill_logits_match_hf(smollm2, hf_smollm2):
     with torch.no_grad():
         ref = hf_smollm2(torch.tensor([ids])).logits[0, -1]
     engine = make_engine(smollm2)
-    state = engine.model.alloc_sequence()
-    assert engine.model.reserve(state, len(ids))
-    ours = engine.model.prefill_chunk(state, ids, is_last=True)
-    engine.model.free_sequence(state)
+    ours = prefill_logits(engine, ids)
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4

@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from model_service.models.layers import checkpoint_tensors
 from model_service.models.loader import LoadedModel, load_model
-from tests.conftest import assert_all_blocks_free, make_engine, make_tiny_checkpoint
+from tests.conftest import assert_all_blocks_free, make_engine, make_tiny_checkpoint, prefill_logits
 
 VOCAB = 320  # make_tiny_checkpoint's vocab_size
 MAX_NEW = 16
@@ -156,10 +157,7 @@ def request(ids: list[int]) -> dict[str, Any]:
 
 def last_token_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     engine = make_engine(loaded)
-    state = engine.model.alloc_sequence()
-    assert engine.model.reserve(state, len(ids))
-    logits = engine.model.prefill_chunk(state, ids, is_last=True)
-    engine.model.free_sequence(state)
+    logits = prefill_logits(engine, ids)
     assert_all_blocks_free(engine)
     return logits
 
@@ -199,7 +197,7 @@ def test_config_switches_reach_our_model(case: Case):
         for t in (getattr(hf_cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_layers)
     ]
     assert cfg.sliding_windows == hf_windows
-    ours_params = dict(case.ours.module.named_parameters())
+    ours_params = checkpoint_tensors(case.ours.module)  # fused projections split into their parts
     for name, p in case.hf.named_parameters():
         if name in ours_params:
             torch.testing.assert_close(ours_params[name], p, rtol=0, atol=0)
@@ -242,12 +240,7 @@ def test_chunked_prefill_matches_hf(name: str, tmp_path: Path):
     assert_all_blocks_free(engine)
     # The whole prompt still agrees when it arrives in many prefill chunks through the model API.
     ids = PROMPTS[4]
-    state = engine.model.alloc_sequence()
-    assert engine.model.reserve(state, len(ids))
-    for start in range(0, len(ids), 5):
-        chunk = ids[start : start + 5]
-        logits = engine.model.prefill_chunk(state, chunk, is_last=start + 5 >= len(ids))
-    engine.model.free_sequence(state)
+    logits = prefill_logits(engine, ids, chunk=5)
     with torch.no_grad():
         ref = case.hf(torch.tensor([ids])).logits[0, -1]
     assert rel_err(logits, ref) < 1e-4

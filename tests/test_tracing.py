@@ -16,10 +16,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from gateway import server as gateway_server
-from model_service import server as pod_server
 from model_service.engine.config import EngineConfig
-from model_service.pod import ModelPod
-from model_service.timed_engine import TimedEngine
+from model_service.engine.engine import Engine
+from model_service.pod import server as pod_server
+from model_service.pod.state import ModelPod
 from spindle.v1 import generation_pb2_grpc
 from tests.service_helpers import token_request
 
@@ -30,12 +30,13 @@ async def _run(tiny_llama, exporter: InMemorySpanExporter) -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     pod = ModelPod("tiny", drain_timeout=1.0)
-    server, port = await pod_server.start(pod, "127.0.0.1", 0, provider)
+    servers = await pod_server.start(pod, "127.0.0.1", 0, 0, provider)
     config = EngineConfig(model=tiny_llama.name, device="cpu", dtype="float32", num_kv_blocks=64)
-    await pod.load(lambda: TimedEngine(config, loaded=tiny_llama))
+    await pod.load(lambda: Engine(config, loaded=tiny_llama))
     args = argparse.Namespace(
-        api_keys_file="", pods=f"127.0.0.1:{port}", pods_dns="", health_interval=0.1, health_timeout=1.0,
-        failure_threshold=2, discovery_interval=5.0, max_attempts=3, host="127.0.0.1", port=0,
+        api_keys_file="", pods=f"127.0.0.1:{servers.port}", pods_dns="", health_interval=0.1,
+        health_timeout=1.0, failure_threshold=2, discovery_interval=5.0, max_attempts=3, host="127.0.0.1",
+        port=0,
     )  # fmt: skip
     gateway, gserver, health = await gateway_server.start(args, provider)
     try:
@@ -49,7 +50,7 @@ async def _run(tiny_llama, exporter: InMemorySpanExporter) -> None:
         await asyncio.sleep(0.3)  # a few more health polls, which must not be traced
     finally:
         await gateway_server.shutdown(gateway, gserver, health, 1.0)
-        await server.stop(0)
+        await servers.stop(0)
         pod.close()
 
 

@@ -1,1 +1,1 @@
-"""The serving engine: scheduler, block manager, model runner, sampler, detokenizer."""
+"""The serving engine: engine, scheduler, cache manager, executor, step batch, sampler, outputs."""

@@ -7,22 +7,16 @@ max(2, 1 + #eos) * num_beams continuations over all beams; those ending in EOS (
 length limit) among the top num_beams become finished hypotheses, scored by
 sum_logprobs / generated_len ** length_penalty; the best num_beams others continue.
 
-A continuing beam is a fork of its parent: it shares the parent's KV blocks, and the
-scheduler copies the partial last block before the beam writes into it (copy-on-write).
-Beams wait for their siblings (a beam can be preempted alone), so `advance` runs only when
-all live beams have reported logits.
+This module is the algorithm only; engine/beams.py runs it over live sequences (forks that
+share KV blocks, copy-on-write), advancing a group once all its live beams have logits.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from model_service.engine.sequence import Sequence
 
 
 @dataclass
@@ -53,11 +47,6 @@ class BeamGroup:
     generated: int = 0  # tokens generated so far by every live beam
     improvable: bool = True  # HF's is_early_stop_heuristic_unsatisfied
     done: bool = False
-    beams: list[Sequence] = field(default_factory=list)  # live beams, in `scores` order
-
-    def ready(self) -> bool:
-        """True when every live beam has its next-token logits."""
-        return all(b.beam_logits is not None for b in self.beams)
 
     def advance(self, logits: torch.Tensor, outputs: list[list[int]]) -> list[BeamChoice]:
         """logits: [live beams, vocab]; outputs: each live beam's generated tokens so far.

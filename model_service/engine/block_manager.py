@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from model_service.models.protocol import SequenceState
+from model_service.engine.seq_state import SequenceState
 
 
 @dataclass
@@ -77,8 +77,20 @@ class BlockManager:
         for block in reversed(state.block_table):
             self._decref(block)
         state.block_table.clear()
-        state.num_hashed_blocks = 0
-        state.last_block_key = None
+        state.block_keys.clear()
+
+    def truncate(self, state: SequenceState, num_tokens: int) -> None:
+        """Forget `state`'s tokens from `num_tokens` on (speculative rollback): blocks wholly past it
+        go back, and a kept block whose tail will be rewritten leaves the prefix cache."""
+        keep = self.blocks_for(num_tokens)
+        for block in reversed(state.block_table[keep:]):
+            self._decref(block)
+        del state.block_table[keep:]
+        full = num_tokens // self.block_size
+        if len(state.block_keys) > full:
+            del state.block_keys[full:]
+            if keep > full and self._blocks[state.block_table[full]].ref_count == 1:
+                self._evict(state.block_table[full])  # shared copies are copied before writing
 
     def fork(self, parent: SequenceState, child: SequenceState) -> None:
         """Give `child` the same blocks as `parent` (shared, copy-on-write for the partial last one)."""
@@ -86,7 +98,7 @@ class BlockManager:
             self._blocks[block].ref_count += 1
         child.block_table = list(parent.block_table)
         child.num_computed = parent.num_computed
-        child.num_hashed_blocks, child.last_block_key = parent.num_hashed_blocks, parent.last_block_key
+        child.block_keys = list(parent.block_keys)
 
     def replace_block(self, state: SequenceState, index: int) -> int | None:
         """Swap a shared block of `state` for a fresh private one (copy-on-write); returns the new
@@ -139,7 +151,7 @@ class BlockManager:
             self._blocks[block].ref_count += 1
             state.block_table.append(block)
             key = next_key
-        state.num_hashed_blocks, state.last_block_key = len(state.block_table), key
+            state.block_keys.append(key)
         state.num_computed = len(state.block_table) * bs
         return state.num_computed
 
@@ -148,11 +160,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(state.num_hashed_blocks, state.num_computed // bs):
+        for i in range(len(state.block_keys), state.num_computed // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            key = block_key(state.last_block_key, tokens, adapter_id)
+            key = block_key(state.block_keys[-1] if state.block_keys else None, tokens, adapter_id)
             block = state.block_table[i]
             if key not in self._cached and self._blocks[block].key is None:
                 self._cached[key] = block
                 self._blocks[block].key, self._blocks[block].tokens = key, tokens
-            state.num_hashed_blocks, state.last_block_key = i + 1, key
+            state.block_keys.append(key)

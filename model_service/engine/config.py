@@ -1,35 +1,102 @@
-"""Engine settings. Names follow vLLM's flags so operators can guess them."""
+"""Engine settings: one definition for the dataclass, its command-line flags and their help.
+
+Each field's flag is its name with dashes (`max_num_seqs` -> `--max-num-seqs`, as vLLM spells
+them), typed by its annotation; booleans get `--x/--no-x`. A field's metadata holds its help and,
+where the flag differs from the field, how: `swap_space_bytes` is `--swap-space` in GiB and
+`lora_modules` is the repeatable `--lora NAME=DIR`. `spindle.envflags` then reads every flag from
+`SPINDLE_<FLAG>` as well.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from model_service.errors import SpindleError
+
+_GIB = 1 << 30
+
+
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    """A field with its flag's help; `meta` may hold group, choices, flag, type, metavar, action,
+    to_field (flag value -> field value) and shown (the default as the help shows it)."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+def _lora_modules(specs: list[str]) -> dict[str, str]:
+    modules = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SpindleError(f"--lora takes NAME=DIR, got {spec!r}")
+        modules[name] = path
+    return modules
 
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2-135m-instruct"
-    device: str = "auto"  # auto = cuda when available
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # overrides the memory budget below
-    kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, 90% of free memory on CUDA
-    gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunk size)
-    max_num_seqs: int = 256
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_waiting_requests: int = 1024  # beyond this, new requests get RESOURCE_EXHAUSTED
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"  # or "swap": preempted KV goes to host memory
-    swap_space_bytes: int = 4 << 30  # host memory for swapped KV; beyond it, recompute
-    max_loras: int = 4  # adapters resident on the compute device (GPU slots)
-    max_cpu_loras: int = 16  # parsed adapters kept in host memory
-    max_lora_rank: int = 64
-    lora_modules: dict[str, str] = field(
-        default_factory=dict
-    )  # name -> PEFT adapter dir, registered at start
-    adapter_wait_timeout_s: float = 30.0  # a request waits this long for its adapter to get a slot
+    model: str = _opt("smollm2-135m-instruct", "alias ({aliases}), an HF checkpoint dir, or a .gguf file")
+    device: str = _opt("auto", "cpu, cuda, cuda:N or auto (= cuda when available)")
+    dtype: str = _opt(
+        "auto",
+        "compute dtype; auto = float32 on CPU, bfloat16 on CUDA",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    block_size: int = _opt(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = _opt(None, "KV cache size in blocks (overrides the memory budget)")
+    kv_cache_memory_bytes: int | None = _opt(
+        None, "KV cache memory budget [CPU: 1 GiB; CUDA: --gpu-memory-utilization of free memory]"
+    )
+    gpu_memory_utilization: float = _opt(0.9, "fraction of free device memory the KV cache may take")
+    max_num_batched_tokens: int = _opt(
+        2048, "token budget of one engine step; longer prompts are prefilled in chunks"
+    )
+    max_num_seqs: int = _opt(256, "most sequences running at once")
+    max_model_len: int | None = _opt(None, "context length [the model's maximum]")
+    max_waiting_requests: int = _opt(
+        1024, "queue bound; beyond it new requests are refused as RESOURCE_EXHAUSTED"
+    )
+    enable_prefix_caching: bool = _opt(True, "reuse KV blocks of identical prompt prefixes across requests")
+    preemption_mode: str = _opt(
+        "recompute",
+        "when KV blocks run out: free and recompute, or swap KV to host memory",
+        choices=["recompute", "swap"],
+    )
+    swap_space_bytes: int = _opt(
+        4 * _GIB,
+        "GiB of host memory for swapped-out KV; past it, preemption recomputes",
+        flag="swap-space",
+        metavar="GIB",
+        type=float,
+        to_field=lambda gib: int(gib * _GIB),
+        shown=4,
+    )
+    max_loras: int = _opt(4, "adapters resident on the device (slots)", group="lora")
+    max_cpu_loras: int = _opt(16, "parsed adapters kept in host memory", group="lora")
+    max_lora_rank: int = _opt(64, "refuse adapters of a higher rank", group="lora")
+    lora_modules: dict[str, str] = field(  # name -> PEFT adapter dir, registered at start
+        default_factory=dict,
+        metadata={
+            "help": "register a PEFT adapter directory under NAME (repeatable)",
+            "group": "lora",
+            "flag": "lora",
+            "action": "append",
+            "metavar": "NAME=DIR",
+            "to_field": _lora_modules,
+        },
+    )
+    enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly, without CUDA graphs (debugging)")
+    adapter_wait_timeout_s: float = _opt(
+        30.0,
+        "seconds a request waits for its adapter to get a device slot before it fails",
+        group="lora",
+    )
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
@@ -53,3 +120,47 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             ) from None
+
+
+_GROUPS = {"engine": "engine", "lora": "LoRA adapters"}
+
+
+def _flag_type(f: dataclasses.Field[Any], hints: dict[str, Any]) -> Callable[[str], Any]:
+    if "type" in f.metadata:
+        return f.metadata["type"]
+    hint = hints[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint  # `int | None` -> int
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per EngineConfig field (see the module docstring)."""
+    from model_service.models.loader import ALIASES
+
+    hints = typing.get_type_hints(EngineConfig)
+    groups = {key: parser.add_argument_group(title) for key, title in _GROUPS.items()}
+    for f in dataclasses.fields(EngineConfig):
+        meta = f.metadata
+        default = meta.get("shown", [] if meta.get("action") == "append" else f.default)
+        help_ = meta["help"].format(aliases=", ".join(sorted(ALIASES)))
+        if default is not None and default != []:
+            help_ += f" [{'on' if default is True else default}]"
+        kwargs: dict[str, Any] = {"default": default, "help": help_, "dest": f.name}
+        if hints[f.name] is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif meta.get("action"):
+            kwargs.update(action=meta["action"], metavar=meta.get("metavar"))
+        else:
+            kwargs.update(type=_flag_type(f, hints), choices=meta.get("choices"), metavar=meta.get("metavar"))
+        flag = "--" + meta.get("flag", f.name.replace("_", "-"))
+        groups[meta.get("group", "engine")].add_argument(flag, **kwargs)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags of `add_engine_args` describe (raises SpindleError on a bad value)."""
+    values = {}
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(args, f.name)
+        convert = f.metadata.get("to_field")
+        values[f.name] = convert(value) if convert is not None else value
+    return EngineConfig(**values)

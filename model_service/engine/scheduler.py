@@ -17,12 +17,26 @@ Decode rows and prefill chunks of one step go through the model in one mixed for
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from model_service.engine.cache_manager import CacheManager
 from model_service.engine.config import EngineConfig
-from model_service.engine.model_runner import ModelRunner
 from model_service.engine.sequence import Sequence, Status
 from model_service.errors import CapacityError
+
+
+class AdapterSlots(Protocol):
+    """The LoRA slot bookkeeping the scheduler needs (implemented by `lora.pool.LoraPool`)."""
+
+    def slot_of(self, name: str) -> int | None: ...
+
+    def adapter_id_for(self, slot: int) -> int: ...
+
+    def acquire(self, slot: int) -> int: ...
+
+    def release(self, resolved: int) -> None: ...
 
 
 @dataclass
@@ -33,9 +47,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, model: ModelRunner, config: EngineConfig) -> None:
-        self.model = model
-        self.blocks = model.block_manager
+    def __init__(self, config: EngineConfig, cache: CacheManager, adapters: AdapterSlots) -> None:
+        self.cache, self.adapters = cache, adapters
         self.token_budget = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.max_waiting = config.max_waiting_requests
@@ -68,6 +81,16 @@ class Scheduler:
             self.waiting.remove(seq)
         self._free_state(seq)
         self._release_swap(seq)
+
+    def fork(self, parent: Sequence) -> Sequence:
+        """A running sibling of `parent` (beam search) sharing its blocks and its adapter slot."""
+        assert parent.state is not None
+        child = parent.fork()
+        child.state = self.cache.fork(parent.state)
+        if parent.state.lora_slot >= 0:
+            child.state.lora_slot = self.adapters.acquire(parent.state.lora_slot)
+        self.running.append(child)
+        return child
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -108,15 +131,17 @@ class Scheduler:
             if not ready:
                 i += 1  # its adapter is being promoted: it waits, the requests behind it do not
                 continue
-            seq.adapter_id = self.model.adapter_id_for(slot) if slot is not None else 0
+            seq.adapter_id = self.adapters.adapter_id_for(slot) if slot is not None else 0
             if not self._attach_state(seq):
                 break
             n = min(seq.num_pending, budget)
-            if not self.model.reserve(seq.state, seq.num_computed + n):
+            if not self.cache.reserve(seq.state, seq.num_computed + n):
                 self._free_state(seq)  # cached prefix blocks stay cached; swapped KV stays on host
                 break
             if slot is not None:
-                self.model.acquire_adapter_slot(seq.state, slot)
+                seq.state.lora_slot = self.adapters.acquire(slot)
+            if seq.first_scheduled_at is None:
+                seq.first_scheduled_at = time.monotonic()
             self._release_swap(seq)
             self.waiting.pop(i)
             seq.status = Status.RUNNING
@@ -129,7 +154,7 @@ class Scheduler:
         which the engine serves at its next quiescent point."""
         if seq.adapter_name is None:
             return True, None
-        slot = self.model.lora.slot_of(seq.adapter_name)
+        slot = self.adapters.slot_of(seq.adapter_name)
         if slot is None:
             self.adapter_demand[seq.adapter_name] = None
             return False, None
@@ -138,10 +163,12 @@ class Scheduler:
     def _attach_state(self, seq: Sequence) -> bool:
         """Give a waiting sequence its KV state: restored from host, or with its cached prefix."""
         if seq.swapped is not None:
-            seq.state = self.model.restore_sequence_state(seq.swapped)
+            seq.state = self.cache.swap_in(seq.swapped)
             return seq.state is not None
-        seq.state = self.model.alloc_sequence()
-        cached = self.blocks.take_cached_prefix(seq.state, seq.token_ids, seq.adapter_id)
+        if not self.cache.can_allocate():
+            return False
+        seq.state = self.cache.allocate()
+        cached = self.cache.take_cached_prefix(seq.state, seq.token_ids, seq.adapter_id)
         self.prefix_query_tokens += len(seq.token_ids)
         self.prefix_hit_tokens += cached
         return True
@@ -151,7 +178,7 @@ class Scheduler:
     def _reserve_or_preempt(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
         assert seq.state is not None
         while not (
-            self.model.make_writable(seq.state) and self.model.reserve(seq.state, seq.num_computed + n)
+            self.cache.make_writable(seq.state) and self.cache.reserve(seq.state, seq.num_computed + n)
         ):
             victim = self._pick_victim(scheduled)
             self._preempt(victim)
@@ -165,11 +192,12 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         assert seq.state is not None
         self.running.remove(seq)
-        size = self.model.swap_bytes(seq.state)
+        size = self.cache.swap_bytes(seq.state)
         seq.beam_logits = None  # a preempted beam reports again once it has recomputed
         swap = self.preemption_mode == "swap" and seq.group is None  # forked beams share blocks: recompute
         if swap and self.swap_used + size <= self.swap_budget:
-            seq.swapped = self.model.save_sequence_state(seq.state)
+            seq.swapped = self.cache.swap_out(seq.state)
+            self.adapters.release(seq.state.lora_slot)
             self.swap_used += size
             seq.state = None
         else:
@@ -179,7 +207,8 @@ class Scheduler:
 
     def _free_state(self, seq: Sequence) -> None:
         if seq.state is not None:
-            self.model.free_sequence(seq.state)
+            self.cache.free(seq.state)  # raises on a double free, before any refcount moves
+            self.adapters.release(seq.state.lora_slot)
             seq.state = None
 
     def _release_swap(self, seq: Sequence) -> None:

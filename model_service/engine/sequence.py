@@ -5,18 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from model_service.engine.beam_search import BeamGroup
+from model_service.engine.cache_manager import SwappedState
 from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.sampler import TokenLogprobs
 from model_service.engine.sampling_params import SamplingParams
-from model_service.models.protocol import SequenceState
-
-if TYPE_CHECKING:
-    from model_service.engine.beam_search import BeamGroup
-    from model_service.engine.model_runner import SwappedState
+from model_service.engine.seq_state import SequenceState
 
 
 class Status(enum.Enum):
@@ -40,6 +37,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None
+    first_scheduled_at: float | None = None  # time.monotonic() of the first step that ran it
 
 
 class Sequence:
@@ -66,6 +64,7 @@ class Sequence:
         self.adapter_name: str | None = None  # the LoRA adapter requested (None = base model)
         self.adapter_id = 0  # content identity of the weights serving it (0 = base model)
         self.created = time.monotonic()
+        self.first_scheduled_at: float | None = None  # end of its queue wait
         self.group: BeamGroup | None = None  # set for the beams of a beam-search request
         self.beam_logits: torch.Tensor | None = None  # this beam's next-token logits, awaiting siblings
         self.text = ""
@@ -113,6 +112,7 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.adapter_name, child.adapter_id = self.adapter_name, self.adapter_id
         child.group, child.status = self.group, self.status
+        child.first_scheduled_at = self.first_scheduled_at
         return child
 
     def take_output(self) -> RequestOutput:
@@ -131,6 +131,7 @@ class Sequence:
             new_logprobs=self.logprobs[self.emitted_tokens :],
             stop_reason=self.stop_reason,
             error=self.error,
+            first_scheduled_at=self.first_scheduled_at,
         )
         self.emitted_tokens, self.emitted_chars = len(self.output_ids), end
         return out

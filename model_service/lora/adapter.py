@@ -60,13 +60,6 @@ class LoraAdapter:
             w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size() for w in self.modules.values()
         )
 
-    def to(self, device: torch.device, dtype: torch.dtype) -> LoraAdapter:
-        moved = {
-            k: LoraWeights(w.a.to(device, dtype), w.b.to(device, dtype), w.scaling)
-            for k, w in self.modules.items()
-        }
-        return LoraAdapter(self.name, self.adapter_id, self.path, moved, self.sha256)
-
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each LoRA-targetable projection of the base model."""

@@ -4,11 +4,10 @@
 - host: parsed adapters in CPU memory, LRU, at most `max_cpu_loras`;
 - slots: `max_loras` adapters on the compute device; a request's forward rows use one.
 
-Slot layout: each resident adapter keeps its own exact-rank tensors per targeted module
-(A [r, in], B [out, r]), so a rank-8 adapter next to a rank-64 one wastes nothing on padding.
-The worst case, and the budget to plan for, is max_loras x max_lora_rank x layers x dtype
-bytes x the sum over targeted modules of (in + out). SmolLM2 with all seven modules targeted:
-(in + out) sums to 10,176, so rank 16 in bf16 is 16 x 30 x 2 x 10,176 = 9.8 MB per slot.
+Slot layout: a slot is an index into the stacked, preallocated weight buffers of the model's
+LoRA layers (lora/layers.py); loading copies an adapter into them and clearing zeroes them.
+The pool itself is bookkeeping only (names, tiers, refcounts), which is why one pool can serve
+several executors (one per tensor-parallel rank) through the `SlotWriter` they implement.
 
 Refcounts follow the seed contract: `acquire(slot)` resolves -1 to the active adapter and
 returns the RESOLVED index, and `release(resolved)` releases exactly that index, so a rotation
@@ -23,10 +22,9 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
-import torch
-
-from model_service.lora.adapter import AdapterError, LoraAdapter, LoraWeights, load_peft_adapter
+from model_service.lora.adapter import AdapterError, LoraAdapter, load_peft_adapter
 from model_service.models.config import ModelConfig
 
 ACTIVE = "@active"  # the adapter name that follows rotation (the seed's slot -1)
@@ -44,9 +42,17 @@ class SlotsBusyError(AdapterBusyError):
     """Every slot is referenced or pinned: promotion must wait for a sequence to finish."""
 
 
+class SlotWriter(Protocol):
+    """Where slot contents live: the device buffers of the model's LoRA layers."""
+
+    def load_slot(self, slot: int, adapter: LoraAdapter) -> None: ...
+
+    def clear_slot(self, slot: int) -> None: ...
+
+
 @dataclass
 class Slot:
-    adapter: LoraAdapter | None = None  # device copy
+    adapter: LoraAdapter | None = None  # the host copy whose weights the slot's buffers hold
     refcount: int = 0
     pinned: bool = False
     stale: bool = False  # its name was re-registered with new content: serve no new requests
@@ -72,11 +78,10 @@ class LoraPool:
         max_loras: int,
         max_cpu_loras: int,
         max_lora_rank: int,
-        device: torch.device,
-        dtype: torch.dtype,
+        writer: SlotWriter,
     ) -> None:
         self.base, self.max_lora_rank = base, max_lora_rank
-        self.device, self.dtype = device, dtype
+        self.writer = writer
         self.max_cpu_loras = max_cpu_loras
         self.slots = [Slot() for _ in range(max_loras)]
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()
@@ -105,10 +110,6 @@ class LoraPool:
         slot = self.active if slot == -1 else slot
         adapter = self.slots[slot].adapter if slot >= 0 else None
         return adapter.adapter_id if adapter is not None else 0
-
-    def weights(self, slot: int, layer: int, module: str) -> LoraWeights | None:
-        adapter = self.slots[slot].adapter
-        return adapter.modules.get((layer, module)) if adapter is not None else None
 
     # --- refcounts ------------------------------------------------------------------------
 
@@ -175,7 +176,8 @@ class LoraPool:
         evicted = victim.adapter.name if victim.adapter is not None else None
         if current is not None:
             self._clear(current)
-        self.slots[target] = Slot(adapter.to(self.device, self.dtype), last_used=next(self._clock))
+        self.writer.load_slot(target, adapter)
+        self.slots[target] = Slot(adapter, last_used=next(self._clock))
         return target, evicted
 
     def evict(self, name: str) -> int:
@@ -262,6 +264,7 @@ class LoraPool:
         return "is pinned" if s.pinned else ""
 
     def _clear(self, slot: int) -> None:
+        self.writer.clear_slot(slot)
         self.slots[slot] = Slot()
         if self.active == slot:
             self.active = -1

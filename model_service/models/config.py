@@ -7,6 +7,7 @@ HF `config.json` files spell the same thing several ways across transformers ver
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,34 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class Mixer(str, enum.Enum):
+    """What mixes tokens in a layer; it decides what per-sequence memory the layer needs."""
+
+    FULL_ATTENTION = "full_attention"  # K/V of every token, in the paged block pool
+    SLIDING_ATTENTION = "sliding_attention"  # K/V in the pool too; attention sees only the last `window`
+    LINEAR_ATTENTION = "linear_attention"  # a fixed-size recurrent state per sequence (state slots)
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One layer's shape as the cache manager and the attention backends need to know it."""
+
+    mixer: Mixer = Mixer.FULL_ATTENTION
+    window: int | None = None  # tokens a sliding-attention layer sees
+    moe: bool = False  # a mixture-of-experts MLP instead of a dense one
+
+    @property
+    def holds_kv(self) -> bool:
+        return self.mixer is not Mixer.LINEAR_ATTENTION
+
+
+def attention_layers(windows: list[int | None]) -> list[LayerKind]:
+    """Layer kinds of a pure-attention decoder from its per-layer sliding windows (None = full)."""
+    return [
+        LayerKind(Mixer.SLIDING_ATTENTION, w) if w else LayerKind(Mixer.FULL_ATTENTION) for w in windows
+    ]
 
 
 @dataclass
@@ -41,10 +70,22 @@ class ModelConfig:
     o_proj_bias: bool = False  # Llama/Qwen3 `attention_bias` covers o_proj too; Qwen2's q/k/v bias does not
     mlp_bias: bool = False  # Llama `mlp_bias`
     qk_norm: bool = False
-    # Per-layer sliding window (None = full attention for that layer).
-    sliding_windows: list[int | None] = field(default_factory=list)
+    layer_kinds: list[LayerKind] = field(default_factory=list)  # one per layer
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layer_kinds:
+            self.layer_kinds = attention_layers([None] * self.num_layers)
+
+    @property
+    def sliding_windows(self) -> list[int | None]:
+        return [k.window for k in self.layer_kinds]
+
+    @property
+    def num_state_layers(self) -> int:
+        """Layers that keep a recurrent state per sequence instead of K/V blocks."""
+        return sum(not k.holds_kv for k in self.layer_kinds)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
@@ -87,7 +128,7 @@ class ModelConfig:
         except KeyError as e:
             raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from e
         cfg.rope_theta, cfg.rope_scaling = _rope_from_hf(raw)
-        cfg.sliding_windows = _sliding_windows_from_hf(raw, family, layers)
+        cfg.layer_kinds = attention_layers(_sliding_windows_from_hf(raw, family, layers))
         cfg.eos_token_ids = _token_ids(raw.get("eos_token_id"))
         if generation_config:
             for t in _token_ids(generation_config.get("eos_token_id")):

@@ -99,11 +99,16 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         mlp_bias="blk.0.ffn_up.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
     )
-    config.sliding_windows = [None] * config.num_layers
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     config.eos_token_ids = [int(eos)] if eos is not None else []
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     config.bos_token_id = int(bos) if bos is not None else None
+    return config, _tensors(reader, arch, heads, kv_heads)
+
+
+def _tensors(reader: Any, arch: str, heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
+    """Every tensor the model uses, dequantized to float32, under its HF name and layout."""
+    import gguf
 
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -120,7 +125,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         elif arch == "llama" and hf_name.endswith("k_proj.weight"):
             data = _unpermute(data, kv_heads)
         tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(data))
-    return config, tensors
+    return tensors
 
 
 def _hf_name(name: str) -> str | None:

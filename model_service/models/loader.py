@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
 from model_service.models.gguf_weights import read_gguf
-from model_service.models.llama import DecoderModel
+from model_service.models.layers import checkpoint_layout
+from model_service.models.registry import model_class
 from model_service.models.rope import RotaryEmbedding
 from model_service.models.tokenizer import Tokenizer
 
@@ -31,7 +33,7 @@ ALIASES = {
 class LoadedModel:
     name: str
     config: ModelConfig
-    module: DecoderModel
+    module: nn.Module
     tokenizer: Tokenizer | None
 
 
@@ -125,22 +127,24 @@ def _weight_files(path: Path) -> list[Path]:
 
 def build_module(
     config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
-) -> DecoderModel:
-    """Check every expected tensor is present with the right shape, then build the module."""
+) -> nn.Module:
+    """Check every expected checkpoint tensor is present with the right shape, then build the module."""
     with torch.device("meta"):
-        module = DecoderModel(config)
-    expected = {k: v.shape for k, v in module.state_dict().items()}
+        module = model_class(config)(config)
+    layout = checkpoint_layout(module)
     if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-    for name, shape in expected.items():
-        if name not in tensors:
-            raise ModelLoadError(f"checkpoint is missing tensor {name!r} (expected shape {tuple(shape)})")
-        if tuple(tensors[name].shape) != tuple(shape):
-            raise ModelLoadError(
-                f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(shape)} from config"
-            )
+        layout.pop("lm_head.weight", None)
+    for parts in layout.values():
+        for name, shape in parts:
+            if name not in tensors:
+                raise ModelLoadError(f"checkpoint is missing tensor {name!r} (expected shape {shape})")
+            if tuple(tensors[name].shape) != shape:
+                raise ModelLoadError(
+                    f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape} from config"
+                )
     # A tensor the config does not account for (say an o_proj bias the config does not declare) would
     # otherwise be dropped silently and the model would run with wrong outputs.
+    expected = {name for parts in layout.values() for name, _ in parts}
     unused = {"lm_head.weight"} if config.tie_word_embeddings else set()
     unexpected = sorted(
         k for k in tensors if k not in expected and k not in unused and not k.endswith("rotary_emb.inv_freq")
@@ -151,7 +155,10 @@ def build_module(
             f"checkpoint has tensors the {config.family} config does not use: {unexpected[:5]}{more}; "
             "config.json and the weights disagree"
         )
-    state = {k: tensors[k].to(device=device, dtype=dtype) for k in expected}
+    state = {
+        param: torch.cat([tensors[name] for name, _ in parts]).to(device=device, dtype=dtype)
+        for param, parts in layout.items()
+    }
     module.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight

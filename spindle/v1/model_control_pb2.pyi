@@ -104,6 +104,12 @@ class PinRequest(_message.Message):
     pinned: bool
     def __init__(self, name: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
+class SetActiveRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
 class GetSlotsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -64,6 +64,11 @@ class ModelControlStub:
                 request_serializer=spindle_dot_v1_dot_model__control__pb2.PinRequest.SerializeToString,
                 response_deserializer=spindle_dot_v1_dot_model__control__pb2.AdapterState.FromString,
                 _registered_method=True)
+        self.SetActive = channel.unary_unary(
+                '/spindle.v1.ModelControl/SetActive',
+                request_serializer=spindle_dot_v1_dot_model__control__pb2.SetActiveRequest.SerializeToString,
+                response_deserializer=spindle_dot_v1_dot_model__control__pb2.AdapterState.FromString,
+                _registered_method=True)
         self.GetSlots = channel.unary_unary(
                 '/spindle.v1.ModelControl/GetSlots',
                 request_serializer=spindle_dot_v1_dot_model__control__pb2.GetSlotsRequest.SerializeToString,
@@ -126,6 +131,14 @@ class ModelControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetActive(self, request, context):
+        """Make a resident adapter the one that requests for the adapter `@active` get from now on
+        (running requests keep theirs); an empty name clears it. NOT_FOUND unless it is resident.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetSlots(self, request, context):
         """Every slot and known adapter with its tier, refcount and pin.
         """
@@ -178,6 +191,11 @@ def add_ModelControlServicer_to_server(servicer, server):
             'Pin': grpc.unary_unary_rpc_method_handler(
                     servicer.Pin,
                     request_deserializer=spindle_dot_v1_dot_model__control__pb2.PinRequest.FromString,
+                    response_serializer=spindle_dot_v1_dot_model__control__pb2.AdapterState.SerializeToString,
+            ),
+            'SetActive': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetActive,
+                    request_deserializer=spindle_dot_v1_dot_model__control__pb2.SetActiveRequest.FromString,
                     response_serializer=spindle_dot_v1_dot_model__control__pb2.AdapterState.SerializeToString,
             ),
             'GetSlots': grpc.unary_unary_rpc_method_handler(
@@ -357,6 +375,33 @@ class ModelControl:
             target,
             '/spindle.v1.ModelControl/Pin',
             spindle_dot_v1_dot_model__control__pb2.PinRequest.SerializeToString,
+            spindle_dot_v1_dot_model__control__pb2.AdapterState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetActive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/spindle.v1.ModelControl/SetActive',
+            spindle_dot_v1_dot_model__control__pb2.SetActiveRequest.SerializeToString,
             spindle_dot_v1_dot_model__control__pb2.AdapterState.FromString,
             options,
             channel_credentials,

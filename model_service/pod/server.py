@@ -1,4 +1,11 @@
-"""`spindle serve`: one model pod. The engine behind a grpc.aio server.
+"""`spindle serve`: one model pod. The engine behind two grpc.aio servers.
+
+- the serving port (`--port`, 50052): Generation, PodStatus, grpc.health.v1 and reflection, for
+  the gateway;
+- the control port (`--control-port`, 50053): ModelControl, grpc.health.v1 and reflection, for
+  the adapter service and peer pods (PromoteFromPeer fetches from a peer's control port).
+  Two servers rather than one with a filter, so each port simply has no handler for the other's
+  services (UNIMPLEMENTED) and a Kubernetes NetworkPolicy can admit each audience to its port.
 
 Start-up order: listen at once (health NOT_SERVING, so Kubernetes and the gateway hold traffic),
 load the model on a worker thread, warm it with one tiny request, then report SERVING.
@@ -11,32 +18,41 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
+from opentelemetry.sdk.trace import TracerProvider
 
-from model_service.control_service import ModelControlService
-from model_service.pod import ModelPod
-from model_service.services import GenerationService, PodStatusService
-from spindle import envflags, serving, telemetry
+from model_service.engine.config import add_engine_args, engine_config
+from model_service.pod.control import ModelControlService
+from model_service.pod.generation import GenerationService, PodStatusService
+from model_service.pod.state import ModelPod
+from spindle import serving, telemetry
 from spindle.v1 import generation_pb2_grpc, model_control_pb2_grpc, pod_status_pb2_grpc
 
 log = logging.getLogger("spindle.serve")
 
-SERVICES = ("spindle.v1.Generation", "spindle.v1.PodStatus", "spindle.v1.ModelControl")
+SERVICES = ("spindle.v1.Generation", "spindle.v1.PodStatus")
+CONTROL_SERVICES = ("spindle.v1.ModelControl",)
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from model_service.cli import add_engine_args
-
     parser.description = (
-        "Run a model pod: the engine behind gRPC (Generation, PodStatus, ModelControl, grpc.health.v1, "
-        "reflection) and Prometheus /metrics."
+        "Run a model pod: the engine behind gRPC (Generation, PodStatus, grpc.health.v1, reflection on "
+        "--port; ModelControl on --control-port) and Prometheus /metrics."
     )
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to listen on [0.0.0.0]")
-    g.add_argument("--port", type=int, default=50052, help="gRPC port (0 = any free port) [50052]")
+    g.add_argument(
+        "--port", type=int, default=50052, help="gRPC port for Generation (0 = any free port) [50052]"
+    )
+    g.add_argument(
+        "--control-port",
+        type=int,
+        default=50053,
+        help="gRPC port for ModelControl: the adapter service and peer pods (0 = any free port) [50053]",
+    )
     g.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 = off [9090]")
     g.add_argument(
         "--served-model-name",
@@ -56,7 +72,6 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]")
     add_engine_args(parser)
-    envflags.apply_env(parser)
     return parser
 
 
@@ -76,45 +91,73 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(serve(args))
 
 
+@dataclass
+class PodServers:
+    """The pod's two listening servers and the ports they got."""
+
+    serving: grpc.aio.Server
+    control: grpc.aio.Server
+    port: int
+    control_port: int
+
+    async def stop(self, grace: float | None) -> None:
+        await asyncio.gather(self.serving.stop(grace), self.control.stop(grace))
+
+
 async def start(
-    pod: ModelPod, host: str, port: int, provider: Any = None, adapter_cache_dir: str | None = None
-) -> tuple[grpc.aio.Server, int]:
-    """Register the pod's services on a new server and start listening (NOT_SERVING until loaded).
-    Also used in-process by tests and the benchmark."""
-    server = serving.make_server(telemetry.server_interceptors(provider))
+    pod: ModelPod,
+    host: str,
+    port: int,
+    control_port: int,
+    provider: TracerProvider | None = None,
+    adapter_cache_dir: str | None = None,
+) -> PodServers:
+    """Register the pod's services on its two servers and start listening (NOT_SERVING until
+    loaded). Also used in-process by tests and the benchmark."""
+    interceptors = telemetry.server_interceptors(provider)
+    server, control = serving.make_server(interceptors), serving.make_server(interceptors)
     tracer = telemetry.get_tracer(__name__, provider)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(pod, tracer), server)
     pod_status_pb2_grpc.add_PodStatusServicer_to_server(PodStatusService(pod), server)
-    control = ModelControlService(pod, adapter_cache_dir)
-    model_control_pb2_grpc.add_ModelControlServicer_to_server(control, server)
-    pod.health = serving.Health(server, SERVICES)
+    model_control_pb2_grpc.add_ModelControlServicer_to_server(
+        ModelControlService(pod, adapter_cache_dir), control
+    )
+    pod.health = serving.Health([server, control], SERVICES + CONTROL_SERVICES)
     serving.enable_reflection(server, SERVICES)
-    bound = serving.bind(server, host, port)
+    serving.enable_reflection(control, CONTROL_SERVICES)
+    servers = PodServers(
+        server, control, serving.bind(server, host, port), serving.bind(control, host, control_port)
+    )
+    pod.control_port = servers.control_port
     await server.start()
-    return server, bound
+    await control.start()
+    return servers
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from model_service.cli import engine_config
-    from model_service.timed_engine import TimedEngine
+    from model_service.engine.engine import Engine
 
     provider = telemetry.tracer_provider_from_env("spindle-model")
     pod = ModelPod(served_name(args), args.drain_timeout)
-    server, port = await start(pod, args.host, args.port, provider, args.adapter_cache_dir)
+    servers = await start(pod, args.host, args.port, args.control_port, provider, args.adapter_cache_dir)
     serving.on_shutdown_signal(pod.request_exit)
     if args.metrics_port:
         metrics_port = pod.metrics.serve(args.host, args.metrics_port)
         log.info("metrics on http://%s:%d/metrics", args.host, metrics_port)
     log.info(
-        "listening on %s:%d; loading %s (NOT_SERVING until loaded and warmed)", args.host, port, args.model
+        "listening on %s:%d (control %d); loading %s (NOT_SERVING until loaded and warmed)",
+        args.host,
+        servers.port,
+        servers.control_port,
+        args.model,
     )
     config = engine_config(args)
-    loading = asyncio.create_task(pod.load(lambda: TimedEngine(config)))
+    loading = asyncio.create_task(pod.load(lambda: Engine(config)))
     loading.add_done_callback(lambda t: _load_done(t, pod))
     await pod.exit_requested.wait()
     if loading.done() and not loading.cancelled() and loading.exception() is None:
         await pod.drain()
-    await server.stop(grace=1.0)
+    await servers.stop(grace=1.0)
     pod.close()
     if provider is not None:
         provider.shutdown()

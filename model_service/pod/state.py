@@ -12,11 +12,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from model_service.engine.async_engine import AsyncEngine
+from model_service.engine.engine import EngineStats
 from model_service.engine.sampling_params import SamplingParams
-from model_service.metrics import PodMetrics, Snapshot
+from model_service.engine.sequence import RequestOutput
+from model_service.lora.control import ControlResult
+from model_service.lora.pool import ACTIVE, AdapterInfo
+from model_service.pod.handle import EngineHandle
+from model_service.pod.metrics import PodMetrics, Snapshot
 from spindle.serving import Health
 from spindle.v1 import pod_status_pb2
 
@@ -31,11 +35,17 @@ class InFlight:
     adapter: str | None
     arrival: float  # time.monotonic()
     arrival_ns: int  # time.time_ns(), for span timestamps
+    scheduled: float | None = None  # the first step that ran it (end of its queue wait)
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
     chunks: int = 0
     itl: list[float] = field(default_factory=list)
+
+    def on_output(self, out: RequestOutput) -> None:
+        """Note when the engine first ran it, the first time an output says so."""
+        if self.scheduled is None:
+            self.scheduled = out.first_scheduled_at
 
     def on_tokens(self, now: float, n: int) -> None:
         if self.first_token is None:
@@ -55,8 +65,10 @@ class ModelPod:
         self.drain_timeout = drain_timeout
         self.health = health
         self.async_engine: AsyncEngine | None = None
-        self.engine: Any = None  # TimedEngine (or an engine with the same surface)
+        self.engine: EngineHandle | None = None
+        self.active = ActiveAdapter()
         self.max_model_len = 0
+        self.control_port = 0  # reported in PodLoad (the adapter service addresses pods by it)
         self.inflight: dict[str, InFlight] = {}
         self.requests_total = 0
         self.draining = False
@@ -68,21 +80,20 @@ class ModelPod:
 
     # --- lifecycle ----------------------------------------------------------------------------
 
-    async def load(self, build_engine: Callable[[], Any]) -> None:
+    async def load(self, build_engine: Callable[[], EngineHandle]) -> None:
         """Build the engine off the event loop, warm it up, then report SERVING."""
         started = time.monotonic()
         engine = await asyncio.to_thread(build_engine)
-        self.engine, self.async_engine = engine, AsyncEngine(engine)
-        self.max_model_len = int(engine.max_model_len)
-        await self._warm_up()
+        self.engine, self.async_engine = engine, AsyncEngine(engine)  # type: ignore[arg-type]
+        self.max_model_len = engine.max_model_len
+        await self._warm_up(engine.vocab_size)
         log.info("model %s loaded and warmed in %.1f s", self.model_name, time.monotonic() - started)
         if not self.draining and self.health is not None:
             await self.health.set(True)
 
-    async def _warm_up(self) -> None:
+    async def _warm_up(self, vocab: int) -> None:
         """One tiny request through the whole path, so the first real request pays no first-use costs."""
         assert self.async_engine is not None
-        vocab = int(self.engine.model.vocab_size)
         ids = [t % vocab for t in (1, 2, 3)]
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         async for _ in self.async_engine.generate(
@@ -136,33 +147,29 @@ class ModelPod:
     def begin(self, request_id: str, adapter: str | None) -> InFlight:
         req = InFlight(request_id, adapter, time.monotonic(), time.time_ns())
         self.inflight[request_id] = req
-        self.engine.watch(request_id)
         self.requests_total += 1
         return req
 
     def end(self, req: InFlight) -> None:
         self.inflight.pop(req.request_id, None)
         self.drain_aborted.discard(req.request_id)
-        self.engine.forget(req.request_id)
 
     # --- load ------------------------------------------------------------------------------------
 
-    def _gather(self, engine: Any) -> tuple[Any, list[Any]]:
+    @staticmethod
+    def _gather(engine: EngineHandle) -> tuple[EngineStats, list[AdapterInfo]]:
         """On the engine thread: its stats and adapters, consistent with each other."""
-        adapters = engine.list_adapters() if hasattr(engine, "list_adapters") else []
-        return engine.stats(), list(adapters)
+        return engine.stats(), engine.list_adapters()
 
     def _max_adapters(self) -> int:
-        if not hasattr(self.engine, "list_adapters"):
-            return 0
-        return int(getattr(getattr(self.engine, "config", None), "max_loras", 0) or 0)
+        return self.engine.config.max_loras if self.engine is not None else 0
 
     def _adapter_split(self) -> tuple[list[str], list[str]]:
         """Adapters of in-flight requests that have started running, and of those still queued."""
         running, waiting = set(), set()
         for req in list(self.inflight.values()):
             if req.adapter is not None:
-                started = req.first_token is not None or self.engine.admitted_at(req.request_id) is not None
+                started = req.first_token is not None or req.scheduled is not None
                 (running if started else waiting).add(req.adapter)
         return sorted(running), sorted(waiting)
 
@@ -173,20 +180,14 @@ class ModelPod:
         stats, _ = self.async_engine.call(self._gather)
         running, waiting = self._adapter_split()
         return Snapshot(
-            num_waiting=stats.num_waiting,
-            num_running=stats.num_running,
-            num_swapped=stats.num_swapped,
-            kv_usage=stats.kv_usage,
-            prefix_cache_queries=stats.prefix_cache_query_tokens,
-            prefix_cache_hits=stats.prefix_cache_hit_tokens,
-            num_preemptions=stats.num_preemptions,
+            stats=stats,
             max_adapters=self._max_adapters(),
             running_adapters=running,
             waiting_adapters=waiting,
         )
 
-    async def adapters(self) -> list[Any]:
-        if self.async_engine is None or not hasattr(self.engine, "list_adapters"):
+    async def adapters(self) -> list[AdapterInfo]:
+        if self.async_engine is None:
             return []
         _, adapters = await asyncio.to_thread(self.async_engine.call, self._gather)
         return adapters
@@ -195,7 +196,11 @@ class ModelPod:
         assert self.async_engine is not None
         stats, adapters = await asyncio.to_thread(self.async_engine.call, self._gather)
         _, waiting = self._adapter_split()
-        resident = [a.name for a in adapters if getattr(a, "tier", None) in ("gpu", "device")]
+        resident = [a.name for a in adapters if a.tier == "gpu"]
+        available = [a.name for a in adapters]
+        if self.active.current(adapters) is not None:  # `@active` requests can run here
+            resident.append(ACTIVE)
+            available.append(ACTIVE)
         return pod_status_pb2.PodLoad(
             model=self.model_name,
             num_waiting=stats.num_waiting,
@@ -211,5 +216,45 @@ class ModelPod:
             draining=self.draining,
             requests_total=self.requests_total,
             requests_in_flight=len(self.inflight),
-            available_adapters=sorted(a.name for a in adapters),
+            available_adapters=sorted(available),
+            control_port=self.control_port,
         )
+
+
+@dataclass
+class ActiveAdapter:
+    """Which resident adapter `@active` requests get, as the SetActive RPC last made it.
+
+    The engine resolves `@active` itself (its LoRA pool holds the active slot); its handle does not
+    report which one it is, so the pod keeps the answer of its own SetActive call and trusts it
+    only while `list_adapters` still shows that adapter, same content, in that slot, and no
+    control RPC of this pod has since evicted, replaced or moved it (each of which clears the
+    engine's active slot).
+    """
+
+    name: str | None = None
+    slot: int | None = None
+    adapter_id: int = 0
+
+    def set(self, name: str | None, result: ControlResult) -> None:
+        self.name, self.slot, self.adapter_id = name, result.slot, result.adapter_id
+
+    def clear(self) -> None:
+        self.set(None, ControlResult())
+
+    def on_slot_change(self, name: str, slot: int | None, evicted: str | None) -> None:
+        """After this pod loaded `name` into `slot` (evicting `evicted`) or evicted it from `slot`."""
+        if self.name is None:
+            return
+        moved = name == self.name and slot != self.slot
+        replaced = slot == self.slot and (name != self.name or evicted is not None)
+        if moved or replaced:
+            self.clear()
+
+    def current(self, adapters: list[AdapterInfo]) -> AdapterInfo | None:
+        if self.name is None:
+            return None
+        for a in adapters:
+            if (a.name, a.tier, a.slot, a.adapter_id) == (self.name, "gpu", self.slot, self.adapter_id):
+                return a
+        return None

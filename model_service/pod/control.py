@@ -1,9 +1,10 @@
 """ModelControl: the adapter operations the adapter service (and peer pods) drive on a model pod.
 
-Each operation becomes an engine control op, queued and executed on the engine thread at a
-quiescent point (between steps), so no forward pass sees a slot change. Errors keep their
-meaning on the wire: an unknown adapter is NOT_FOUND, a slot in use or pinned is
-FAILED_PRECONDITION, a bad adapter is INVALID_ARGUMENT, a checksum mismatch is DATA_LOSS.
+Served on the pod's control port only (see server.py). Each operation becomes an engine control
+op, queued and executed on the engine thread at a quiescent point (between steps), so no forward
+pass sees a slot change. Errors keep their meaning on the wire (status.py maps them): an unknown
+adapter is NOT_FOUND, a slot in use or pinned is FAILED_PRECONDITION, a bad adapter is
+INVALID_ARGUMENT, a checksum mismatch is DATA_LOSS.
 """
 
 from __future__ import annotations
@@ -13,14 +14,22 @@ import hashlib
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, NoReturn
 
 import grpc
 
-from model_service.lora.adapter import AdapterError
-from model_service.lora.control import ControlOp, EvictAdapter, LoadAdapter, PinAdapter, RegisterAdapter
-from model_service.lora.pool import AdapterBusyError, AdapterInfo, AdapterNotFoundError
-from model_service.pod import ModelPod
+from model_service.lora.control import (
+    ControlOp,
+    ControlResult,
+    EvictAdapter,
+    LoadAdapter,
+    PinAdapter,
+    RegisterAdapter,
+    SetActiveAdapter,
+)
+from model_service.lora.pool import AdapterInfo
+from model_service.pod.state import ModelPod
+from model_service.pod.status import abort_for
+from spindle.grpc_status import abort
 from spindle.v1 import model_control_pb2 as pb
 from spindle.v1 import model_control_pb2_grpc
 
@@ -28,21 +37,6 @@ Code = grpc.StatusCode
 _TIERS = {"gpu": pb.TIER_DEVICE, "cpu": pb.TIER_HOST, "disk": pb.TIER_DISK}
 _CHUNK = 1 << 20
 _MAX_CHUNK = 16 << 20
-
-
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    await context.abort(code, message)
-    raise AssertionError("unreachable: context.abort raises")
-
-
-def _code(e: Exception) -> grpc.StatusCode:
-    if isinstance(e, AdapterNotFoundError):
-        return Code.NOT_FOUND
-    if isinstance(e, AdapterBusyError):
-        return Code.FAILED_PRECONDITION
-    if isinstance(e, AdapterError):
-        return Code.INVALID_ARGUMENT
-    return Code.INTERNAL
 
 
 def _state(info: AdapterInfo | None, name: str) -> pb.AdapterState:
@@ -66,26 +60,39 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
     def __init__(self, pod: ModelPod, adapter_cache_dir: str | None = None) -> None:
         self.pod = pod
         self.cache_dir = Path(adapter_cache_dir or tempfile.mkdtemp(prefix="spindle-adapters-"))
+        self.dirs: dict[str, Path] = {}  # adapters registered through this service -> their files
 
     # --- helpers ----------------------------------------------------------------------------------
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> None:
         if self.pod.async_engine is None:
-            await _abort(context, Code.UNAVAILABLE, "model pod is still loading its model")
+            await abort(context, Code.UNAVAILABLE, "model pod is still loading its model")
 
     async def _name(self, name: str, context: grpc.aio.ServicerContext) -> str:
         if not name or len(name) > 256 or any(c in name for c in "/\\\0") or name.startswith("@"):
-            await _abort(
+            await abort(
                 context, Code.INVALID_ARGUMENT, f"adapter name {name!r} is empty, too long or has / \\ @"
             )
         return name
 
-    async def _run(self, op: ControlOp, context: grpc.aio.ServicerContext) -> Any:
+    async def _run(self, op: ControlOp, context: grpc.aio.ServicerContext) -> ControlResult:
         await self._ready(context)
+        assert self.pod.async_engine is not None
         try:
-            return await asyncio.wrap_future(self.pod.async_engine.submit_control(op))
+            result = await asyncio.wrap_future(self.pod.async_engine.submit_control(op))
         except Exception as e:
-            await _abort(context, _code(e), str(e))
+            await abort_for(context, e)
+        if isinstance(op, (RegisterAdapter, LoadAdapter)) and op.path is not None:
+            self.dirs[op.name] = Path(op.path)  # registered: FetchAdapterWeights serves these files
+        return result
+
+    def _files(self, name: str, adapters: list[AdapterInfo]) -> Path | None:
+        """The directory of a known adapter's files: registered here, or with the pod's --lora."""
+        assert self.pod.engine is not None
+        if not any(a.name == name for a in adapters):
+            return None
+        configured = self.pod.engine.config.lora_modules.get(name)
+        return self.dirs.get(name) or (Path(configured) if configured else None)
 
     async def _info(self, name: str) -> AdapterInfo | None:
         adapters = await self.pod.adapters()
@@ -100,6 +107,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         slot = request.slot if request.HasField("slot") else None
         path = request.path if request.HasField("path") else None
         result = await self._run(LoadAdapter(name, path, slot), context)
+        self.pod.active.on_slot_change(name, result.slot, result.evicted)
         return pb.SlotChange(
             slot=result.slot, evicted=result.evicted or "", adapter=_state(await self._info(name), name)
         )
@@ -109,7 +117,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
     ) -> pb.AdapterState:
         name = await self._name(request.name, context)
         if not request.path:
-            await _abort(
+            await abort(
                 context, Code.INVALID_ARGUMENT, "path is required: a directory with the PEFT adapter files"
             )
         await self._run(RegisterAdapter(name, request.path), context)
@@ -128,7 +136,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         name = await self._name(request.name, context)
         source = request.WhichOneof("source")
         if source is None:
-            await _abort(context, Code.INVALID_ARGUMENT, "give the new weights' `path` or `peer`")
+            await abort(context, Code.INVALID_ARGUMENT, "give the new weights' `path` or `peer`")
         if source == "peer":
             path = await self._fetch_from_peer(name, request.peer, request.sha256, context)
         else:
@@ -136,7 +144,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
             if request.sha256:
                 got = await asyncio.to_thread(_file_sha256, path / "adapter_model.safetensors")
                 if got != request.sha256:
-                    await _abort(
+                    await abort(
                         context, Code.DATA_LOSS, f"{path} has sha256 {got}, expected {request.sha256}"
                     )
         await self._run(RegisterAdapter(name, str(path)), context)
@@ -145,6 +153,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.SlotChange:
         name = await self._name(request.name, context)
         result = await self._run(EvictAdapter(name, request.from_host), context)
+        self.pod.active.on_slot_change(name, result.slot, name)
         return pb.SlotChange(
             slot=-1 if result.slot is None else result.slot,
             evicted=name,
@@ -156,23 +165,28 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         await self._run(PinAdapter(name, request.pinned), context)
         return _state(await self._info(name), name)
 
+    async def SetActive(
+        self, request: pb.SetActiveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdapterState:
+        """Make a resident adapter the one `@active` requests get (running ones keep theirs)."""
+        name = await self._name(request.name, context) if request.name else None
+        result = await self._run(SetActiveAdapter(name), context)
+        self.pod.active.set(name, result)
+        return _state(await self._info(name), name) if name else pb.AdapterState()
+
     async def GetSlots(self, request: pb.GetSlotsRequest, context: grpc.aio.ServicerContext) -> pb.SlotReport:
         await self._ready(context)
-
-        def snapshot(engine: Any) -> tuple[list[pb.Slot], list[AdapterInfo], str]:
-            pool = engine.model.lora
-            slots = [
-                pb.Slot(
-                    index=i, adapter=s.adapter.name if s.adapter else "", refcount=s.refcount, pinned=s.pinned
-                )
-                for i, s in enumerate(pool.slots)
-            ]
-            active = pool.slots[pool.active].adapter.name if pool.active >= 0 else ""
-            return slots, pool.report(), active
-
-        slots, adapters, active = await asyncio.to_thread(self.pod.async_engine.call, snapshot)
+        assert self.pod.engine is not None
+        adapters = await self.pod.adapters()
+        slots = [pb.Slot(index=i) for i in range(self.pod.engine.config.max_loras)]
+        for a in adapters:
+            if a.slot is not None and 0 <= a.slot < len(slots):
+                slots[a.slot] = pb.Slot(index=a.slot, adapter=a.name, refcount=a.refcount, pinned=a.pinned)
+        active = self.pod.active.current(adapters)
         return pb.SlotReport(
-            slots=slots, adapters=[_state(a, a.name) for a in adapters], active_adapter=active
+            slots=slots,
+            adapters=[_state(a, a.name) for a in adapters],
+            active_adapter=active.name if active is not None else "",
         )
 
     async def FetchAdapterWeights(
@@ -181,10 +195,10 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         name = await self._name(request.name, context)
         await self._ready(context)
         if not 0 <= request.chunk_bytes <= _MAX_CHUNK:
-            await _abort(context, Code.INVALID_ARGUMENT, f"chunk_bytes must be in [0, {_MAX_CHUNK}]")
-        path = await asyncio.to_thread(self.pod.async_engine.call, lambda e: e.model.lora.disk.get(name))
+            await abort(context, Code.INVALID_ARGUMENT, f"chunk_bytes must be in [0, {_MAX_CHUNK}]")
+        path = self._files(name, await self.pod.adapters())
         if path is None:
-            await _abort(context, Code.NOT_FOUND, f"adapter {name!r} has no files on this pod")
+            await abort(context, Code.NOT_FOUND, f"adapter {name!r} has no files on this pod")
         config, data = await asyncio.to_thread(
             lambda: (
                 (path / "adapter_config.json").read_text(),
@@ -208,7 +222,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
         timeout = request.timeout_seconds if request.HasField("timeout_seconds") else None
         if timeout is not None and not 0 <= timeout <= 3600:
-            await _abort(
+            await abort(
                 context, Code.INVALID_ARGUMENT, f"timeout_seconds must be in [0, 3600], got {timeout}"
             )
         finished, aborted = await self.pod.drain(timeout)
@@ -223,7 +237,9 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
     ) -> Path:
         """Stream the adapter from a peer pod, check its checksum, and keep it in the local cache dir."""
         if not peer:
-            await _abort(context, Code.INVALID_ARGUMENT, "peer (host:port of a model pod) is required")
+            await abort(
+                context, Code.INVALID_ARGUMENT, "peer (host:port of a model pod's control port) is required"
+            )
         parts, config, reported = [], "", ""
         try:
             async with grpc.aio.insecure_channel(peer) as channel:
@@ -237,12 +253,12 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
                     reported = chunk.sha256 or reported
         except grpc.aio.AioRpcError as e:
             code = Code.NOT_FOUND if e.code() == Code.NOT_FOUND else Code.UNAVAILABLE
-            await _abort(context, code, f"fetching adapter {name!r} from peer {peer}: {e.details()}")
+            await abort(context, code, f"fetching adapter {name!r} from peer {peer}: {e.details()}")
         data = b"".join(parts)
         digest = hashlib.sha256(data).hexdigest()
         for want in (reported, expected_sha):
             if want and want != digest:
-                await _abort(
+                await abort(
                     context, Code.DATA_LOSS, f"adapter {name!r} from {peer}: sha256 {digest}, expected {want}"
                 )
         path = self.cache_dir / f"{name}-{digest[:16]}"

@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from model_service.engine.engine import EngineStats
+
 log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
@@ -26,15 +28,9 @@ _REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.
 
 @dataclass
 class Snapshot:
-    """What the engine reports at one instant (gathered on the engine thread)."""
+    """What the engine reports at one instant (its stats gathered on the engine thread)."""
 
-    num_waiting: int
-    num_running: int
-    num_swapped: int
-    kv_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
+    stats: EngineStats
     max_adapters: int
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
@@ -52,6 +48,7 @@ class _EngineCollector(Collector):
             return
         if s is None:  # the model is still loading
             return
+        st = s.stats
         labels, values = ["model_name"], [self.model]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -64,20 +61,22 @@ class _EngineCollector(Collector):
             c.add_metric(values, value)
             return c
 
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield gauge("vllm:num_requests_running", "Sequences in the running batch.", s.num_running)
-        yield gauge("vllm:num_requests_swapped", "Sequences swapped out to host memory.", s.num_swapped)
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", s.kv_usage)
-        yield gauge("vllm:gpu_cache_usage_perc", "Same as vllm:kv_cache_usage_perc (older name).", s.kv_usage)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", st.num_waiting)
+        yield gauge("vllm:num_requests_running", "Sequences in the running batch.", st.num_running)
+        yield gauge("vllm:num_requests_swapped", "Sequences swapped out to host memory.", st.num_swapped)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", st.kv_usage)
+        yield gauge(
+            "vllm:gpu_cache_usage_perc", "Same as vllm:kv_cache_usage_perc (older name).", st.kv_usage
+        )
         yield counter(
             "vllm:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            s.prefix_cache_queries,
+            st.prefix_cache_query_tokens,
         )
         yield counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", st.prefix_cache_hit_tokens
         )
-        yield counter("vllm:num_preemptions", "Sequences preempted (swap or recompute).", s.num_preemptions)
+        yield counter("vllm:num_preemptions", "Sequences preempted (swap or recompute).", st.num_preemptions)
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "Adapters of running and waiting requests (the value is the time of the report).",

@@ -1,8 +1,8 @@
-"""The model pod's RPCs: Generation (Generate, Abort, ListModels) and PodStatus.
+"""The model pod's serving RPCs: Generation (Generate, Abort, ListModels) and PodStatus.
 
 Every handler validates its input and answers with a status code a caller can act on; no
 per-request failure escapes the handler, so one bad request never takes the pod down.
-ModelControl (adapters, Drain) is in control_service.py.
+ModelControl (adapters, Drain) is in control.py, on the pod's control port.
 """
 
 from __future__ import annotations
@@ -13,51 +13,31 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from opentelemetry import trace
 
-from model_service import wire
-from model_service.errors import CapacityError, InvalidRequestError, ModelLoadError, SpindleError
-from model_service.pod import InFlight, ModelPod
+from model_service.engine.sequence import RequestOutput
+from model_service.errors import SpindleError
+from model_service.lora.pool import ACTIVE
+from model_service.pod import wire
+from model_service.pod.state import InFlight, ModelPod
+from model_service.pod.status import abort_for
 from spindle import telemetry
+from spindle.grpc_status import abort
 from spindle.v1 import generation_pb2 as pb
-from spindle.v1 import generation_pb2_grpc, pod_status_pb2_grpc
+from spindle.v1 import generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
 
 
-def status_for(e: Exception, adapter: str | None = None) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status for an error the engine raised while admitting a request."""
-    if isinstance(e, SpindleError) and isinstance(e, LookupError):
-        return Code.NOT_FOUND, str(e)  # e.g. an unknown adapter
-    if isinstance(e, InvalidRequestError):
-        return Code.INVALID_ARGUMENT, str(e)
-    if isinstance(e, CapacityError):
-        return Code.RESOURCE_EXHAUSTED, str(e)
-    if isinstance(e, ModelLoadError):
-        return Code.FAILED_PRECONDITION, str(e)
-    if isinstance(e, TypeError) and adapter is not None:
-        # An engine without adapter support rejects the keyword itself.
-        return (
-            Code.NOT_FOUND,
-            f"adapter {adapter!r} is not available: this model pod serves the base model only",
-        )
-    return Code.INTERNAL, f"internal error ({type(e).__name__}: {e}); see the model pod's log"
-
-
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    await context.abort(code, message)
-    raise AssertionError("unreachable: context.abort raises")
-
-
 async def _require_serving(pod: ModelPod, context: grpc.aio.ServicerContext) -> None:
     if pod.draining:
-        await _abort(context, Code.UNAVAILABLE, "model pod is draining (shutting down); send to another pod")
+        await abort(context, Code.UNAVAILABLE, "model pod is draining (shutting down); send to another pod")
     if not pod.ready:
-        await _abort(context, Code.UNAVAILABLE, "model pod is still loading its model; retry shortly")
+        await abort(context, Code.UNAVAILABLE, "model pod is still loading its model; retry shortly")
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -67,65 +47,81 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        rid, kwargs = await self._admissible(request, context)
+        pod = self.pod
+        assert pod.async_engine is not None  # _admissible checked the pod is serving
+        span = trace.get_current_span()
+        _annotate_request(span, pod.model_name, rid, kwargs)
+        req = pod.begin(rid, kwargs.get("adapter"))
+        try:
+            await context.send_initial_metadata((("x-request-id", rid),))
+            async with contextlib.aclosing(pod.async_engine.generate(rid, **kwargs)) as stream:
+                out = await _admitted(stream, context)
+                while True:
+                    req.on_output(out)
+                    msg = wire.chunk(out)
+                    if msg is not None:
+                        req.on_tokens(time.monotonic(), len(out.new_token_ids))
+                        yield msg
+                    if out.finished:
+                        self._record(req, out, span)
+                        yield await self._final(req, out, context)
+                        return
+                    out = await anext(stream)
+        finally:
+            pod.end(req)
+
+    async def _admissible(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[str, dict[str, Any]]:
+        """The request id and engine keywords of a request this pod can take now, or abort."""
         pod = self.pod
         await _require_serving(pod, context)
         try:
             kwargs = wire.engine_request(request)
         except SpindleError as e:
-            await _abort(context, *status_for(e))
+            await abort_for(context, e)
         if request.HasField("model") and request.model != pod.model_name:
-            await _abort(
+            await abort(
                 context,
                 Code.NOT_FOUND,
                 f"model {request.model!r} is not served here (this pod: {pod.model_name!r})",
             )
+        if kwargs.get("adapter") == ACTIVE and pod.active.name is None:
+            await abort(
+                context,
+                Code.FAILED_PRECONDITION,
+                f"no adapter is active on this pod, so {ACTIVE!r} names none: ModelControl.SetActive "
+                "sets one (or name the adapter itself)",
+            )
         rid = request.request_id or uuid.uuid4().hex
         if rid in pod.inflight:
-            await _abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+            await abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
-            await _abort(
+            await abort(
                 context, Code.DEADLINE_EXCEEDED, "the deadline expired before the request was admitted"
             )
-        adapter = kwargs.get("adapter")
-        span = trace.get_current_span()
-        _annotate_request(span, pod.model_name, rid, kwargs)
-        req = pod.begin(rid, adapter)
-        try:
-            await context.send_initial_metadata((("x-request-id", rid),))
-            async with contextlib.aclosing(pod.async_engine.generate(rid, **kwargs)) as stream:
-                try:
-                    async for out in stream:
-                        msg = wire.chunk(out)
-                        if msg is not None:
-                            req.on_tokens(time.monotonic(), len(out.new_token_ids))
-                            yield msg
-                        if out.finished:
-                            self._record(req, out, span)
-                            yield await self._final(req, out, context)
-                except (SpindleError, TypeError) as e:  # raised only at admission, before any output
-                    await _abort(context, *status_for(e, adapter))
-        finally:
-            pod.end(req)
+        return rid, kwargs
 
-    async def _final(self, req: InFlight, out: Any, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+    async def _final(
+        self, req: InFlight, out: RequestOutput, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResponse:
         if out.finish_reason == "error":
-            await _abort(
-                context, Code.INTERNAL, f"request {req.request_id} failed in the engine: {out.error}"
-            )
+            await abort(context, Code.INTERNAL, f"request {req.request_id} failed in the engine: {out.error}")
         if out.finish_reason == "abort" and req.request_id in self.pod.drain_aborted:
-            await _abort(
+            await abort(
                 context,
                 Code.UNAVAILABLE,
                 f"model pod shut down; request aborted after {req.num_tokens} tokens (retry it elsewhere)",
             )
         return wire.final(out)
 
-    def _record(self, req: InFlight, out: Any, span: trace.Span) -> None:
+    def _record(self, req: InFlight, out: RequestOutput, span: trace.Span) -> None:
         """Metrics and the queue / prefill / decode spans, once the request is done."""
         now = time.monotonic()
         m, pod = self.pod.metrics, self.pod
-        admitted = pod.engine.admitted_at(req.request_id) or req.first_token or now
+        admitted = req.scheduled or req.first_token or now
         first = req.first_token or now
         m.e2e.observe(now - req.arrival)
         m.queue.observe(admitted - req.arrival)
@@ -162,9 +158,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:
-            await _abort(context, Code.INVALID_ARGUMENT, "request_id is empty: name the request to abort")
+            await abort(context, Code.INVALID_ARGUMENT, "request_id is empty: name the request to abort")
         if request.request_id not in self.pod.inflight or self.pod.async_engine is None:
-            await _abort(
+            await abort(
                 context,
                 Code.NOT_FOUND,
                 f"no request {request.request_id!r} is in flight here (finished already?)",
@@ -179,9 +175,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         await _require_serving(pod, context)
         models = [pb.ModelInfo(id=pod.model_name, kind=pb.MODEL_KIND_BASE, max_model_len=pod.max_model_len)]
         for a in await pod.adapters():
-            name = a if isinstance(a, str) else a.name
-            models.append(pb.ModelInfo(id=name, kind=pb.MODEL_KIND_ADAPTER, base_model=pod.model_name))
+            models.append(pb.ModelInfo(id=a.name, kind=pb.MODEL_KIND_ADAPTER, base_model=pod.model_name))
         return pb.ListModelsResponse(models=models)
+
+
+async def _admitted(stream: AsyncIterator[RequestOutput], context: grpc.aio.ServicerContext) -> RequestOutput:
+    """The stream's first output; the engine refuses a request only here, before any output."""
+    try:
+        return await anext(stream)
+    except Exception as e:  # a SpindleError is the request's fault; anything else a bug (INTERNAL)
+        await abort_for(context, e)
 
 
 def _annotate_request(span: trace.Span, model: str, rid: str, kwargs: dict[str, Any]) -> None:
@@ -214,7 +217,9 @@ class PodStatusService(pod_status_pb2_grpc.PodStatusServicer):
     def __init__(self, pod: ModelPod) -> None:
         self.pod = pod
 
-    async def GetLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def GetLoad(
+        self, request: pod_status_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pod_status_pb2.PodLoad:
         if self.pod.async_engine is None:
-            await _abort(context, Code.UNAVAILABLE, "model pod is still loading its model")
+            await abort(context, Code.UNAVAILABLE, "model pod is still loading its model")
         return await self.pod.load_report()

@@ -1,0 +1,203 @@
+"""GPU decode throughput of the engine on an 8B Llama-shaped model (random bf16 weights of the real
+shapes, no download), against the card's copy bandwidth and HF `transformers.generate`.
+
+Setup (printed in every line): one CUDA device, bf16, greedy, prompts of `--prompt-len` random
+token ids, EOS ignored. Decode tokens/s = batch x (new_tokens - 1) / (time(new_tokens) -
+time(1 token)), so prefill is excluded the same way for every system. Batch-1 achieved GB/s =
+weight bytes x tokens/s. Prints one JSON line per result, then a short table.
+
+    python bench/gpu.py [--batches 1 16 64 256] [--new-tokens 64] [--no-hf] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from model_service.engine.config import EngineConfig
+from model_service.engine.engine import Engine
+from model_service.models.config import ModelConfig
+from model_service.models.llama import DecoderModel
+from model_service.models.loader import LoadedModel
+
+LLAMA3_8B = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_layers": 32,
+    "num_heads": 32,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+}
+SMOLLM2 = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_layers": 30,
+    "num_heads": 9,
+    "num_kv_heads": 3,
+    "head_dim": 64,
+}
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.float32)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 4 * 10 / (time.perf_counter() - start) / 1e9
+
+
+def random_model(shape: dict[str, int]) -> LoadedModel:
+    cfg = ModelConfig(
+        family="llama", rms_norm_eps=1e-5, max_position_embeddings=8192, rope_theta=500000.0, **shape
+    )
+    with torch.device("meta"):
+        module = DecoderModel(cfg)
+    module = module.to_empty(device="cuda").to(torch.bfloat16)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.02)
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+    module.rotary = module.rotary.to("cuda")
+    module.rotary.inv_freq.copy_(
+        1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device="cuda").float() / cfg.head_dim))
+    )
+    return LoadedModel("random-8b" if shape is LLAMA3_8B else "random-smollm2", cfg, module.eval(), None)
+
+
+def timed_generate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    reqs = [
+        {"prompt_token_ids": p, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+        for p in prompts
+    ]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    failed = [o.error for o in engine.generate(reqs) if o.error]
+    torch.cuda.synchronize()
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
+    return time.perf_counter() - start
+
+
+def decode_tok_s(engine: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    timed_generate(engine, prompts, 4)  # warm-up: graphs for this batch size, kernel compiles
+    one = min(timed_generate(engine, prompts, 1) for _ in range(2))
+    full = min(timed_generate(engine, prompts, new_tokens) for _ in range(2))
+    return batch * (new_tokens - 1) / (full - one)
+
+
+def hf_decode_tok_s(loaded: LoadedModel, batch: int, prompt_len: int, new_tokens: int) -> float:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = loaded.config
+    hf_cfg = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+    )
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(hf_cfg)
+    hf = hf.to_empty(device="cuda").to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.02)
+    ids = torch.randint(3, c.vocab_size, (batch, prompt_len), device="cuda")
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(2)
+    return batch * (new_tokens - 1) / (run(new_tokens) - run(1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--eager-batches", type=int, nargs="*", default=[1, 64])
+    ap.add_argument("--hf-batches", type=int, nargs="*", default=[1, 64])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--small", action="store_true", help="SmolLM2's shape instead of the 8B one")
+    args = ap.parse_args()
+    shape = SMOLLM2 if args.small else LLAMA3_8B
+    setup = {
+        "model": "llama3-8b-shape" if shape is LLAMA3_8B else "smollm2-135m-shape",
+        "dtype": "bfloat16",
+        "device": torch.cuda.get_device_name(),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+    }
+    bandwidth = copy_bandwidth()
+    print(json.dumps({"bench": "gpu", "metric": "copy_bandwidth_gb_s", "value": round(bandwidth), **setup}))
+    loaded = random_model(shape)
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.module.parameters())
+    rows = []
+    for eager, batches in ((False, args.batches), (True, args.eager_batches)):
+        if not batches:
+            continue
+        engine = Engine(
+            EngineConfig(
+                device="cuda",
+                dtype="bfloat16",
+                max_num_seqs=max(batches),
+                max_loras=0,
+                enforce_eager=eager,
+                kv_cache_memory_bytes=40 << 30,
+                max_model_len=4096,
+            ),
+            loaded=loaded,
+        )
+        for batch in batches:
+            rate = decode_tok_s(engine, batch, args.prompt_len, args.new_tokens, shape["vocab_size"])
+            system = "spindle-eager" if eager else "spindle"
+            line = {"bench": "gpu", "system": system, "batch": batch, "decode_tokens_per_s": round(rate, 1)}
+            if batch == 1:
+                line["achieved_gb_s"] = round(weight_bytes * rate / 1e9)
+                line["fraction_of_copy_bandwidth"] = round(weight_bytes * rate / 1e9 / bandwidth, 3)
+            print(json.dumps({**line, **setup}), flush=True)
+            rows.append(line)
+        del engine
+        torch.cuda.empty_cache()
+    for batch in args.hf_batches:
+        torch.cuda.empty_cache()
+        rate = hf_decode_tok_s(loaded, batch, args.prompt_len, args.new_tokens)
+        line = {
+            "bench": "gpu",
+            "system": "hf-generate",
+            "batch": batch,
+            "decode_tokens_per_s": round(rate, 1),
+        }
+        print(json.dumps({**line, **setup}), flush=True)
+        rows.append(line)
+    print(f"\n{'system':<14} {'batch':>5} {'tok/s':>10} {'GB/s':>6}  (copy {bandwidth:.0f} GB/s)")
+    for r in rows:
+        gb_s = r.get("achieved_gb_s", "")
+        print(f"{r['system']:<14} {r['batch']:>5} {r['decode_tokens_per_s']:>10} {gb_s:>6}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+{{/* Names, labels and the pieces every workload shares. */}}
+
+{{- define "spindle.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "spindle.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The name of one component's objects: fullname-COMPONENT. Call with (list $ "gateway"). */}}
+{{- define "spindle.component" -}}
+{{- printf "%s-%s" (include "spindle.fullname" (index . 0)) (index . 1) -}}
+{{- end -}}
+
+{{- define "spindle.selectorLabels" -}}
+{{- $ := index . 0 -}}
+app.kubernetes.io/name: {{ include "spindle.name" $ }}
+app.kubernetes.io/instance: {{ $.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "spindle.labels" -}}
+{{- $ := index . 0 -}}
+{{ include "spindle.selectorLabels" . }}
+helm.sh/chart: {{ printf "%s-%s" $.Chart.Name $.Chart.Version | replace "+" "_" }}
+app.kubernetes.io/version: {{ $.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ $.Release.Service }}
+app.kubernetes.io/part-of: spindle
+{{- end -}}
+
+{{/* repository:tag of an image block; call with (list $ .Values.gateway.image "suffix"). */}}
+{{- define "spindle.image" -}}
+{{- $ := index . 0 -}}{{- $img := index . 1 -}}{{- $suffix := index . 2 -}}
+{{- $tag := default $.Chart.AppVersion $img.tag -}}
+{{- if $suffix -}}{{- $tag = printf "%s-%s" $tag $suffix -}}{{- end -}}
+{{- printf "%s:%s" $img.repository $tag -}}
+{{- end -}}
+
+{{/* A value as an env string: whole numbers without an exponent (Helm reads numbers as floats). */}}
+{{- define "spindle.str" -}}
+{{- if and (kindIs "float64" .) (eq (floor .) .) -}}{{- int64 . -}}{{- else -}}{{- toString . -}}{{- end -}}
+{{- end -}}
+
+{{/* Env entries for a map of flags: `max-num-seqs: 8` becomes SPINDLE_MAX_NUM_SEQS="8". */}}
+{{- define "spindle.flagEnv" -}}
+{{- range $flag, $value := . }}
+- name: {{ printf "SPINDLE_%s" ($flag | upper | replace "-" "_") }}
+  value: {{ include "spindle.str" $value | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* OpenTelemetry: the standard variables. Call with (list $ "spindle-gateway"). */}}
+{{- define "spindle.otelEnv" -}}
+{{- $ := index . 0 -}}{{- $otel := $.Values.otel -}}
+- name: OTEL_SERVICE_NAME
+  value: {{ index . 1 | quote }}
+- name: K8S_POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ printf "k8s.namespace.name=%s,k8s.pod.name=$(K8S_POD_NAME),service.namespace=%s" $.Release.Namespace $.Release.Name | quote }}
+{{- if $otel.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ $otel.endpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ $otel.protocol | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ $otel.sampler | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ $otel.samplerArg | quote }}
+{{- end }}
+- name: OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT
+  value: {{ $otel.captureMessageContent | quote }}
+{{- end -}}
+
+{{/* grpc.health.v1 probes on a port: startup (may be long), readiness, liveness. */}}
+{{- define "spindle.grpcProbes" -}}
+{{- $port := index . 0 -}}{{- $startupSeconds := index . 1 -}}{{- $liveSeconds := index . 2 -}}
+startupProbe:
+  grpc: {port: {{ $port }}}
+  periodSeconds: 5
+  failureThreshold: {{ div $startupSeconds 5 | max 1 }}
+readinessProbe:
+  grpc: {port: {{ $port }}}
+  periodSeconds: 5
+  failureThreshold: 2
+livenessProbe:
+  grpc: {port: {{ $port }}}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  # NOT_SERVING while draining must not get the pod killed before its drain timeout.
+  failureThreshold: {{ div $liveSeconds 10 | add 1 | max 3 }}
+{{- end -}}
+
+{{- define "spindle.securityContext" -}}
+{{ toYaml .Values.securityContext }}
+{{- end -}}
+
+{{- define "spindle.podSpecCommon" -}}
+{{- $ := index . 0 -}}{{- $c := index . 1 -}}
+{{- with $.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $c.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $c.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $c.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Addresses the services give each other. */}}
+{{- define "spindle.modelHeadless" -}}
+{{- printf "%s-headless.%s.svc.%s" (include "spindle.component" (list . "model")) .Release.Namespace .Values.clusterDomain -}}
+{{- end -}}
+
+{{- define "spindle.modelWorkloadKind" -}}
+{{- if .Values.model.adapterCache.persistence -}}StatefulSet{{- else -}}Deployment{{- end -}}
+{{- end -}}
+
+{{- define "spindle.s3Secret" -}}
+{{- default (include "spindle.component" (list . "s3")) .Values.s3.existingSecret -}}
+{{- end -}}
+
+{{/* S3 credentials for a container: keys from a Secret; nothing with IRSA (the web identity). */}}
+{{- define "spindle.s3Env" -}}
+{{- $s3 := .Values.s3 -}}
+{{- if eq $s3.auth "secret" }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef: {name: {{ include "spindle.s3Secret" . }}, key: AWS_ACCESS_KEY_ID}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef: {name: {{ include "spindle.s3Secret" . }}, key: AWS_SECRET_ACCESS_KEY}
+{{- end }}
+{{- if $s3.region }}
+- name: AWS_REGION
+  value: {{ $s3.region | quote }}
+{{- end }}
+{{- if $s3.endpointUrl }}
+- name: AWS_ENDPOINT_URL_S3
+  value: {{ $s3.endpointUrl | quote }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,76 @@
+"""The torch reference attention backend: correct everywhere, fast nowhere; CI runs it.
+
+From the backend-neutral batch (query offsets, sequence lengths, block table) `prepare` derives,
+with a handful of vectorized ops and no per-sequence Python: a padded [S, max_q] grid of query
+rows, each sequence's context slots gathered from the block table, and one boolean mask per
+sliding window (causal, within context, within the window). Each layer then writes its K/V into
+the pool and runs SDPA over the gathered context. A GPU kernel replaces all of this behind the
+same two methods, reading the block table directly instead of gathering.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from model_service.attention.kv_cache import KVCache
+from model_service.models.step import StepBatch
+
+
+class TorchReferenceBackend:
+    def __init__(self, kv_cache: KVCache, windows: list[int | None], head_dim: int) -> None:
+        self.kv_cache, self.windows = kv_cache, windows
+        self.scale = head_dim**-0.5
+        self._batch: StepBatch | None = None
+        self._query_index = self._token_rows = self._key_slots = torch.empty(0, dtype=torch.long)
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def prepare(self, batch: StepBatch) -> None:
+        device, bs = batch.input_ids.device, self.kv_cache.block_size
+        q_lens = batch.query_start[1:] - batch.query_start[:-1]  # [S]
+        max_q, max_k, total = batch.max_query_len, batch.max_seq_len, batch.num_tokens
+        j = torch.arange(max_q, device=device)
+        k = torch.arange(max_k, device=device)
+        valid_q = j[None, :] < q_lens[:, None]  # [S, Q]
+        self._query_index = torch.where(valid_q, batch.query_start[:-1, None] + j, total)
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(batch.num_seqs, device=device), q_lens, output_size=total
+        )
+        within = torch.arange(total, device=device) - batch.query_start[seq_of_token]
+        self._token_rows = seq_of_token * max_q + within
+        blocks = batch.block_table[:, (k // bs).clamp(max=batch.block_table.shape[1] - 1)]
+        in_context = k[None, :] < batch.seq_lens[:, None]
+        self._key_slots = torch.where(in_context, blocks * bs + k % bs, 0)  # [S, K]
+        query_pos = torch.where(valid_q, (batch.seq_lens - q_lens)[:, None] + j, -1)  # [S, Q]
+        self._masks = {w: _mask(query_pos, max_k, w) for w in set(self.windows)}
+        self._batch = batch
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        assert self._batch is not None, "prepare() must run before the first layer"
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        k_cache[self._batch.slot_mapping] = k
+        v_cache[self._batch.slot_mapping] = v
+        _, heads, dim = q.shape
+        q_padded = torch.cat((q, q.new_zeros(1, heads, dim)))[self._query_index]  # [S, Q, H, D]
+        keys, values = k_cache[self._key_slots], v_cache[self._key_slots]  # [S, K, KVH, D]
+        out = F.scaled_dot_product_attention(
+            q_padded.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=self._masks[self.windows[layer]],
+            scale=self.scale,
+            enable_gqa=heads != k.shape[1],
+        )  # [S, H, Q, D]
+        return out.transpose(1, 2).reshape(-1, heads, dim)[self._token_rows]
+
+
+def _mask(query_pos: torch.Tensor, max_k: int, window: int | None) -> torch.Tensor:
+    """[S, 1, Q, K]: causal, within context, optionally within a sliding window."""
+    key_pos = torch.arange(max_k, device=query_pos.device)
+    q = query_pos[:, :, None]
+    allowed = key_pos[None, None, :] <= q
+    if window is not None:
+        allowed &= key_pos[None, None, :] > q - window
+    # Padding query rows attend to position 0 so SDPA never sees an all-masked row (NaN).
+    allowed[:, :, 0] |= query_pos < 0
+    return allowed[:, None]

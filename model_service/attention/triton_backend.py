@@ -1,0 +1,97 @@
+"""The CUDA attention backend: Triton kernels for decode steps, graph-capturable.
+
+Decode steps (one query token per sequence) write K/V with `store_kv` and attend with the
+split-KV `paged_decode_attention` kernel straight over the block table. Prefill and mixed steps
+go to the torch reference backend for now (SDPA over the gathered context): they run eagerly and
+are a small share of a serving step's count.
+
+For CUDA graphs the backend owns static metadata buffers (block table, sequence lengths, slot
+mapping) sized once for the largest captured batch. A graph is captured reading them, and
+every replay first copies the step's metadata in (`prepare_for_replay`): a graph is never
+replayed over stale metadata, and padding rows (slot -1, length 0) write and read nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_service.attention.kv_cache import KVCache
+from model_service.attention.reference import TorchReferenceBackend
+from model_service.kernels.paged_attention import num_splits_for, paged_decode_attention, store_kv
+from model_service.models.step import StepBatch
+
+
+class TritonBackend:
+    def __init__(self, kv_cache: KVCache, windows: list[int | None], head_dim: int) -> None:
+        self.kv_cache, self.windows = kv_cache, windows
+        self.scale = head_dim**-0.5
+        self.reference = TorchReferenceBackend(kv_cache, windows, head_dim)
+        self.decode = False
+        self.num_splits = 1
+        self.slot_mapping = self.block_table = self.seq_lens = torch.empty(0, dtype=torch.long)
+        self._static: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def prepare(self, batch: StepBatch) -> None:
+        self.decode = batch.max_query_len == 1
+        if not self.decode:
+            self.reference.prepare(batch)
+            return
+        self.slot_mapping, self.block_table, self.seq_lens = (
+            batch.slot_mapping,
+            batch.block_table,
+            batch.seq_lens,
+        )
+        self.num_splits = num_splits_for(batch.num_seqs, self.kv_cache.data.shape[3])
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not self.decode:
+            return self.reference.forward(layer, q, k, v)
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, self.slot_mapping)
+        return paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            self.block_table,
+            self.seq_lens,
+            self.kv_cache.block_size,
+            self.scale,
+            self.windows[layer],
+            self.num_splits,
+        )
+
+    # --- GraphCapturable ----------------------------------------------------------------------
+
+    def init_graph_capture(self, max_num_seqs: int, max_seq_len: int) -> None:
+        device = self.kv_cache.data.device
+        max_blocks = -(-max_seq_len // self.kv_cache.block_size)
+        self._static = (
+            torch.full((max_num_seqs,), -1, dtype=torch.long, device=device),
+            torch.zeros(max_num_seqs, max_blocks, dtype=torch.long, device=device),
+            torch.zeros(max_num_seqs, dtype=torch.long, device=device),
+        )
+
+    def prepare_for_capture(self, num_seqs: int) -> None:
+        assert self._static is not None, "init_graph_capture first"
+        slots, table, lens = self._static
+        slots[:num_seqs] = -1
+        lens[:num_seqs] = 0
+        self.decode = True
+        self.slot_mapping, self.block_table, self.seq_lens = (
+            slots[:num_seqs],
+            table[:num_seqs],
+            lens[:num_seqs],
+        )
+        self.num_splits = num_splits_for(num_seqs, self.kv_cache.data.shape[3])
+
+    def prepare_for_replay(self, batch: StepBatch, padded_num_seqs: int) -> None:
+        assert self._static is not None, "init_graph_capture first"
+        slots, table, lens = self._static
+        n, width = batch.num_seqs, batch.block_table.shape[1]
+        if width > table.shape[1]:
+            raise ValueError(f"a context of {width} blocks exceeds the captured {table.shape[1]}")
+        slots[:n] = batch.slot_mapping
+        slots[n:padded_num_seqs] = -1
+        table[:n, :width] = batch.block_table
+        lens[:n] = batch.seq_lens
+        lens[n:padded_num_seqs] = 0

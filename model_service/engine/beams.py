@@ -1,0 +1,99 @@
+"""Runs beam search (beam_search.BeamGroup) over live sequences.
+
+A beam request starts as one sequence. Each beam reports its next-token logits as its row comes
+out of a step; once every live beam of a group has reported, the group advances: the first
+child of a parent continues as the parent, later children are forks that share the parent's
+KV blocks (the cache manager copies a shared partial block before a beam writes into it), and
+parents with no child leave. Beams wait for their siblings (one can be preempted alone).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from model_service.engine.beam_search import BeamGroup
+from model_service.engine.scheduler import Scheduler
+from model_service.engine.sequence import RequestOutput, Sequence, Status
+from model_service.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class BeamSearch:
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None) -> None:
+        self.scheduler, self.tokenizer = scheduler, tokenizer
+        self.live: dict[str, list[Sequence]] = {}  # request id -> live beams, in the group's score order
+
+    def start(self, root: Sequence, group: BeamGroup) -> None:
+        root.group = group
+        self.live[group.request_id] = [root]
+
+    def report(self, rows: list[tuple[Sequence, torch.Tensor]]) -> list[RequestOutput]:
+        """Record each beam's logits; advance every group whose beams have all reported.
+        Returns the final outputs of the groups that finished."""
+        for seq, logits in rows:
+            seq.beam_logits = logits
+        finished = []
+        for group in {id(s.group): s.group for s, _ in rows if s.group is not None}.values():
+            beams = self.live[group.request_id]
+            if any(b.beam_logits is None for b in beams):
+                continue
+            try:
+                if not self._advance(group, beams):
+                    finished.append(self.finish(group, "length"))
+            except Exception as e:  # one beam request's fault fails that request only
+                log.exception("beam search for %s failed", group.request_id)
+                beams[0].error = f"beam search failed: {e}"
+                finished.append(self.finish(group, "error"))
+        return finished
+
+    def _advance(self, group: BeamGroup, parents: list[Sequence]) -> bool:
+        """One search step; False once the search is done."""
+        choices = group.advance(
+            torch.stack([b.beam_logits for b in parents]), [b.output_ids for b in parents]
+        )
+        for b in parents:
+            b.beam_logits = None
+        if group.done:
+            return False
+        children, taken = [], set()
+        for c in choices:
+            if c.parent in taken:
+                child = self.scheduler.fork(parents[c.parent])
+            else:
+                child = parents[c.parent]
+                taken.add(c.parent)
+            children.append((child, c.token))
+        for child, token in children:  # extend only after every fork copied its parent's tokens
+            child.token_ids.append(token)
+        for i, parent in enumerate(parents):
+            if i not in taken:
+                self.scheduler.remove(parent)
+        self.live[group.request_id] = [child for child, _ in children]
+        return True
+
+    def finish(self, group: BeamGroup, reason: str) -> RequestOutput:
+        """End the search: free every live beam; the output is the best finished hypothesis."""
+        beams = self.live.pop(group.request_id)
+        for beam in beams:
+            self.scheduler.remove(beam)
+            beam.status = Status.FINISHED
+        best = group.best()
+        if reason == "length" and best.token_ids and best.token_ids[-1] in group.eos_token_ids:
+            reason = "stop"
+        errors = [b.error for b in beams if b.error]
+        text = self.tokenizer.decode(best.token_ids) if self.tokenizer else ""
+        return RequestOutput(
+            request_id=group.request_id,
+            new_token_ids=best.token_ids,
+            new_text=text,
+            token_ids=best.token_ids,
+            text=text,
+            finished=True,
+            finish_reason=reason,
+            num_prompt_tokens=beams[0].num_prompt_tokens,
+            error=errors[0] if errors else None,
+            first_scheduled_at=beams[0].first_scheduled_at,
+        )

@@ -1,0 +1,212 @@
+"""Everything the scheduler knows about device memory, and nothing about the model.
+
+The cache manager owns each sequence's block table (through `BlockManager`: paged blocks, the
+prefix cache, copy-on-write), its recurrent-state slot for models with linear-attention layers,
+swap to host memory, forks for beam search, and `truncate` for speculative rollback. It moves
+bytes only through `KVMover`, which the executor implements; so the scheduler and this class run
+unchanged over a CPU reference, a GPU, or N tensor-parallel executors behind one mover.
+
+Recurrent state cannot be cut back like K/V: a state slot holds the whole history. A sequence
+can `snapshot` its state at its current length (into a spare slot), and `truncate` to exactly a
+snapshotted length restores it; speculative verify snapshots before the draft tokens, hybrid
+prefix caching at block boundaries.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from model_service.engine.block_manager import BlockManager
+from model_service.engine.seq_state import SequenceState
+
+
+class KVMover(Protocol):
+    """The data movement the cache manager asks of the executor; ids are block or state slots."""
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (src, dst) block's K/V in every layer."""
+
+    def save_blocks(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
+        """The first `num_tokens` tokens' K/V held in `blocks`, in host memory."""
+
+    def load_blocks(self, saved: torch.Tensor, blocks: list[int]) -> None:
+        """Write K/V saved by `save_blocks` into `blocks`."""
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy recurrent-state slot `src` into `dst`."""
+
+    def save_state(self, slot: int) -> torch.Tensor:
+        """State slot `slot` in host memory (empty for a model without recurrent layers)."""
+
+    def load_state(self, saved: torch.Tensor, slot: int) -> None:
+        """Write a state saved by `save_state` into `slot`."""
+
+
+@dataclass
+class SwappedState:
+    """A preempted sequence's K/V (and recurrent state) in host memory."""
+
+    kv: torch.Tensor
+    state: torch.Tensor | None
+    num_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.state.numel() * self.state.element_size() if self.state is not None else 0
+        return self.kv.numel() * self.kv.element_size() + extra
+
+
+class CacheManager:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        mover: KVMover,
+        kv_bytes_per_token: int,
+        num_state_slots: int = 0,
+    ) -> None:
+        self.blocks, self.mover = blocks, mover
+        self.block_size = blocks.block_size
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.has_state = num_state_slots > 0
+        self._free_state_slots = list(range(num_state_slots))
+        self._seq_ids = itertools.count()
+
+    # --- capacity -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_state_slots)
+
+    def can_allocate(self) -> bool:
+        return not self.has_state or bool(self._free_state_slots)
+
+    # --- life of a sequence ---------------------------------------------------------------
+
+    def allocate(self) -> SequenceState:
+        """New, empty state; a state slot too when the model has recurrent layers."""
+        state = SequenceState(seq_id=next(self._seq_ids))
+        if self.has_state:
+            state.state_slot = self._take_state_slot()
+        return state
+
+    def free(self, state: SequenceState) -> None:
+        """Return every block and state slot of `state`; exactly once."""
+        if state.freed:
+            raise RuntimeError(f"sequence {state.seq_id} freed twice: its blocks could go to two owners")
+        self.blocks.release(state)
+        for slot in [state.state_slot, *state.snapshots.values()]:
+            if slot >= 0:
+                self._free_state_slots.append(slot)
+        state.state_slot, state.snapshots = -1, {}
+        state.num_computed = 0
+        state.freed = True
+
+    def reserve(self, state: SequenceState, num_tokens: int) -> bool:
+        """Make `state`'s block table cover `num_tokens` tokens; False (and no change) if blocks run out."""
+        return self.blocks.reserve(state, num_tokens)
+
+    def take_cached_prefix(self, state: SequenceState, token_ids: list[int], adapter_id: int) -> int:
+        """Attach the longest cached prefix of `token_ids`; returns the tokens reused. A model with
+        recurrent layers reuses none: its state at the prefix's end is not cached (yet)."""
+        if self.has_state:
+            return 0
+        return self.blocks.take_cached_prefix(state, token_ids, adapter_id)
+
+    def register_full_blocks(self, state: SequenceState, token_ids: list[int], adapter_id: int) -> None:
+        if not self.has_state:
+            self.blocks.register_full_blocks(state, token_ids, adapter_id)
+
+    def make_writable(self, state: SequenceState) -> bool:
+        """Copy-on-write: before appending into a partial last block shared with another sequence,
+        give `state` its own copy of it. False if no block is free."""
+        index = state.num_computed // self.block_size
+        if state.num_computed % self.block_size == 0 or index >= len(state.block_table):
+            return True  # the next token starts a fresh block
+        old = state.block_table[index]
+        if self.blocks.ref_count(old) == 1:
+            return True
+        new = self.blocks.replace_block(state, index)
+        if new is None:
+            return False
+        self.mover.copy_blocks([(old, new)])
+        return True
+
+    def fork(self, parent: SequenceState) -> SequenceState:
+        """A new sequence sharing `parent`'s blocks (beam search); its state slot is a copy."""
+        child = self.allocate()
+        self.blocks.fork(parent, child)
+        if self.has_state:
+            self.mover.copy_state(parent.state_slot, child.state_slot)
+        return child
+
+    # --- swap -----------------------------------------------------------------------------
+
+    def swap_bytes(self, state: SequenceState) -> int:
+        return self.kv_bytes_per_token * state.num_computed
+
+    def swap_out(self, state: SequenceState) -> SwappedState:
+        """Copy `state`'s computed K/V (and state) to host memory and free it on the device."""
+        kv = self.mover.save_blocks(state.block_table, state.num_computed)
+        recurrent = self.mover.save_state(state.state_slot) if self.has_state else None
+        saved = SwappedState(kv, recurrent, state.num_computed)
+        self.free(state)
+        return saved
+
+    def swap_in(self, saved: SwappedState) -> SequenceState | None:
+        """A new state holding the saved K/V, or None (nothing changed) if blocks or slots run out."""
+        if not self.can_allocate():
+            return None
+        state = self.allocate()
+        if not self.reserve(state, saved.num_tokens):
+            self.free(state)
+            return None
+        self.mover.load_blocks(saved.kv, state.block_table)
+        if saved.state is not None:
+            self.mover.load_state(saved.state, state.state_slot)
+        state.num_computed = saved.num_tokens
+        return state
+
+    # --- speculative rollback -------------------------------------------------------------
+
+    def snapshot(self, state: SequenceState) -> bool:
+        """Keep a copy of `state`'s recurrent state at its current length; False if no slot is
+        free. Nothing to keep for a model without recurrent layers."""
+        if not self.has_state:
+            return True
+        if not self._free_state_slots:
+            return False
+        slot = self._take_state_slot()
+        self.mover.copy_state(state.state_slot, slot)
+        state.snapshots[state.num_computed] = slot
+        return True
+
+    def truncate(self, state: SequenceState, num_tokens: int) -> None:
+        """Roll `state` back to its first `num_tokens` tokens. With recurrent layers, only to a
+        length `snapshot` was taken at; snapshots past it are released."""
+        if not 0 <= num_tokens <= state.num_computed:
+            raise ValueError(f"cannot truncate {state.num_computed} computed tokens to {num_tokens}")
+        if self.has_state and num_tokens != state.num_computed:
+            if num_tokens not in state.snapshots:
+                raise ValueError(f"no recurrent-state snapshot at length {num_tokens} to roll back to")
+            self.mover.copy_state(state.snapshots[num_tokens], state.state_slot)
+        for length in [n for n in state.snapshots if n >= num_tokens]:
+            self._free_state_slots.append(state.snapshots.pop(length))
+        self.blocks.truncate(state, num_tokens)
+        state.num_computed = num_tokens
+
+    def _take_state_slot(self) -> int:
+        if not self._free_state_slots:
+            raise RuntimeError("no recurrent-state slot is free; check can_allocate() first")
+        return self._free_state_slots.pop()

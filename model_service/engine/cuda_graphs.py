@@ -1,0 +1,78 @@
+"""CUDA graphs for decode steps, over a ladder of padded batch sizes (nano-vllm's scheme).
+
+A decode step of n sequences replays the graph captured for the smallest ladder size >= n:
+the step's token ids and positions are copied into static input buffers, the attention
+backend copies its metadata into its static buffers (padding rows write and read nothing), the
+graph replays every kernel of the forward pass with no Python in between, and the first n rows
+of the static logits are the step's. Graphs are captured lazily, the first time a size is
+needed, and share one memory pool. Steps with prefill chunks, several logits rows per sequence
+or LoRA rows run eagerly (the LoRA reference plans its segments on the host).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import torch
+
+from model_service.models.step import CapturableBackend, ForwardContext, StepBatch
+
+
+def batch_ladder(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8, *range(16, max_num_seqs + 1, 16)]
+    sizes = [s for s in sizes if s < max_num_seqs]
+    return [*sizes, max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor],
+        backend: CapturableBackend,
+        max_num_seqs: int,
+        max_seq_len: int,
+        device: torch.device,
+    ) -> None:
+        self.forward, self.backend = forward, backend
+        self.ladder = batch_ladder(max_num_seqs)
+        backend.init_graph_capture(max_num_seqs, max_seq_len)
+        self.input_ids = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        self.rows = torch.arange(max_num_seqs, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool: tuple[int, int] | None = None
+
+    def can_run(self, batch: StepBatch) -> bool:
+        return (
+            batch.max_query_len == 1
+            and batch.num_seqs <= self.ladder[-1]
+            and len(batch.logits_rows) == batch.num_seqs
+            and not batch.uses_lora
+        )
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        n = batch.num_seqs
+        size = self.ladder[bisect.bisect_left(self.ladder, n)]
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(size)
+        graph, logits = self.graphs[size]
+        self.input_ids[:n] = batch.input_ids
+        self.positions[:n] = batch.positions
+        self.backend.prepare_for_replay(batch, size)
+        graph.replay()
+        return logits[:n].clone()  # the next replay overwrites the static output
+
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self.backend.prepare_for_capture(size)
+        ctx = ForwardContext(attention=self.backend, logits_rows=self.rows[:size])
+        ids, pos = self.input_ids[:size], self.positions[:size]
+        self.forward(ids, pos, ctx)  # warm-up outside the graph: kernel compilation, allocator
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.forward(ids, pos, ctx)
+        if self.pool is None:
+            self.pool = graph.pool()
+        torch.cuda.synchronize()
+        return graph, logits

@@ -1,0 +1,164 @@
+"""The executor: one per device (later one per tensor-parallel rank). It owns the module, the K/V
+pool and recurrent-state tensors, the attention backend and the LoRA layers, and does two things:
+run a `StepBatch` through the model, and move cache bytes when the cache manager asks
+(`KVMover`). It keeps no per-sequence bookkeeping: that is the cache manager's.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+from torch import nn
+
+from model_service.attention.kv_cache import KVCache
+from model_service.attention.reference import TorchReferenceBackend
+from model_service.attention.triton_backend import TritonBackend
+from model_service.engine.config import EngineConfig
+from model_service.engine.cuda_graphs import DecodeGraphs
+from model_service.kernels.paged_attention import triton
+from model_service.lora.adapter import LoraAdapter
+from model_service.lora.layers import LoraLayers, wrap_lora_layers
+from model_service.models.config import ModelConfig
+from model_service.models.loader import LoadedModel
+from model_service.models.step import AttentionBackend, ForwardContext, StepBatch
+
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def kv_blocks_for_budget(
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    budget: int | None,
+    gpu_memory_utilization: float,
+) -> int:
+    """How many K/V blocks fit: `budget` bytes, else a share of free GPU memory, else 1 GiB on CPU."""
+    per_block = KVCache.bytes_per_block(
+        config.layer_kinds, block_size, config.num_kv_heads, config.head_dim, dtype
+    )
+    if budget is None:
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(free - total * (1 - gpu_memory_utilization))
+        else:
+            budget = _DEFAULT_CPU_KV_BYTES
+    return max(budget // per_block, 0)
+
+
+def _own_module_tree(module: nn.Module) -> nn.Module:
+    """A copy of `module`'s structure over the same weight tensors. Wrapping layers for LoRA
+    replaces submodules; this keeps that from changing a module another engine may be running."""
+    memo = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    return copy.deepcopy(module, memo)
+
+
+class ModelExecutor:
+    """Implements `KVMover` and the LoRA `SlotWriter` for one device."""
+
+    def __init__(
+        self, loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int
+    ) -> None:
+        max_loras = config.max_loras
+        self.module = _own_module_tree(loaded.module) if max_loras > 0 else loaded.module
+        self.config = loaded.config
+        param = next(self.module.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        cfg = self.config
+        self.kv_cache = KVCache(
+            cfg.layer_kinds,
+            num_blocks,
+            config.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.lora: LoraLayers | None = (
+            wrap_lora_layers(self.module, max_loras, config.max_lora_rank) if max_loras > 0 else None
+        )
+        self.graphs: DecodeGraphs | None = None
+        self.attention: AttentionBackend
+        if self._kernels_apply():
+            triton_backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
+            self.attention = triton_backend
+            if not config.enforce_eager:
+                self.graphs = DecodeGraphs(
+                    self.module, triton_backend, config.max_num_seqs, max_model_len, self.device
+                )
+        else:
+            self.attention = TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
+        # One tensor per recurrent layer, [slots, ...]; none for attention-only models.
+        self.state_tensors: list[torch.Tensor] = []
+        if self.device.type == "cuda":
+            # cuDNN's SDPA builds a new graph for every new context length: 2.2 ms of CPU per layer
+            # call on an H200, 25x the GPU time. The flash/efficient kernels have no such cost.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+
+    def _kernels_apply(self) -> bool:
+        """The Triton backend runs on CUDA for power-of-two head sizes (every common model)."""
+        dim = self.config.head_dim
+        return self.device.type == "cuda" and triton is not None and dim >= 16 and dim & (dim - 1) == 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Float32 logits [len(batch.logits_rows), vocab], row i for `batch.logits_rows[i]`."""
+        if self.lora is not None:
+            self.lora.plan.prepare(batch)  # before capture too: a captured graph holds no LoRA rows
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        self.attention.prepare(batch)
+        ctx = ForwardContext(attention=self.attention, logits_rows=batch.logits_rows)
+        return self.module(batch.input_ids, batch.positions, ctx)
+
+    # --- KVMover ------------------------------------------------------------------------
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        bs, kv = self.kv_cache.block_size, self.kv_cache.data
+        for src, dst in pairs:
+            kv[:, :, dst * bs : (dst + 1) * bs] = kv[:, :, src * bs : (src + 1) * bs]
+
+    def save_blocks(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
+        return self.kv_cache.data[:, :, self.kv_cache.block_slots(blocks, num_tokens)].to("cpu")
+
+    def load_blocks(self, saved: torch.Tensor, blocks: list[int]) -> None:
+        slots = self.kv_cache.block_slots(blocks, saved.shape[2])
+        self.kv_cache.data[:, :, slots] = saved.to(self.device)
+
+    def copy_state(self, src: int, dst: int) -> None:
+        for t in self.state_tensors:
+            t[dst] = t[src]
+
+    def save_state(self, slot: int) -> torch.Tensor:
+        return (
+            torch.stack([t[slot] for t in self.state_tensors]).to("cpu")
+            if self.state_tensors
+            else torch.empty(0)
+        )
+
+    def load_state(self, saved: torch.Tensor, slot: int) -> None:
+        for t, s in zip(self.state_tensors, saved, strict=True):
+            t[slot] = s.to(self.device)
+
+    # --- LoRA SlotWriter -----------------------------------------------------------------
+
+    def load_slot(self, slot: int, adapter: LoraAdapter) -> None:
+        assert self.lora is not None, "max_loras is 0: this executor has no LoRA slots"
+        self.lora.load_slot(slot, adapter)
+
+    def clear_slot(self, slot: int) -> None:
+        assert self.lora is not None, "max_loras is 0: this executor has no LoRA slots"
+        self.lora.clear_slot(slot)
+
+    def teardown(self) -> None:
+        """Release device memory; the executor is unusable afterwards."""
+        self.kv_cache.data = torch.empty(0)
+        self.module.to("meta")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,59 @@
+"""Admission checks and prompt tokenization: everything a request must pass before it is queued.
+
+Each refusal is an `InvalidRequestError`, `NotFoundError` or `CapacityError` whose message says
+what to change; nothing is queued or allocated for a refused request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from model_service.errors import CapacityError, InvalidRequestError
+from model_service.models.tokenizer import Tokenizer
+
+
+class PromptReader:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int, max_kv_tokens: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.max_model_len, self.max_kv_tokens = max_model_len, max_kv_tokens
+
+    def token_ids(
+        self, prompt: str | None, messages: list[dict[str, Any]] | None, token_ids: list[int] | None
+    ) -> list[int]:
+        """The prompt as token ids, from exactly one of the three forms, checked against the context."""
+        ids = self._read(prompt, messages, token_ids)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; this engine's context is {self.max_model_len} tokens "
+                "and the prompt must leave room for at least one generated token"
+            )
+        if len(ids) + 1 > self.max_kv_tokens:
+            raise CapacityError(f"prompt of {len(ids)} tokens can never fit in the KV cache")
+        return ids
+
+    def _read(
+        self, prompt: str | None, messages: list[dict[str, Any]] | None, token_ids: list[int] | None
+    ) -> list[int]:
+        given = [x is not None for x in (prompt, messages, token_ids)]
+        if sum(given) != 1:
+            raise InvalidRequestError("give exactly one of `prompt`, `messages` or `prompt_token_ids`")
+        if token_ids is not None:
+            if not token_ids:
+                raise InvalidRequestError("prompt_token_ids is empty")
+            vocab = self.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+            return list(token_ids)
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; send `prompt_token_ids`")
+        if messages is not None:
+            if not messages:
+                raise InvalidRequestError("messages is empty")
+            return self.tokenizer.apply_chat_template(messages)
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt encodes to zero tokens")
+        return ids

@@ -1,0 +1,137 @@
+"""`spindle generate`: the engine in-process on a batch of requests (torch side; the dispatcher is
+`spindle/cli.py`, which imports this module only when `generate` is named)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from model_service.engine.config import add_engine_args, engine_config
+from model_service.errors import SpindleError
+
+_SAMPLING_FLAGS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "logprobs",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def build_parser(gen: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    gen.description = (
+        "Generate with the engine in-process. Prompts given together run as one batch. "
+        "Per-request fields in --requests override the sampling flags."
+    )
+    gen.epilog = (
+        'examples:\n  spindle generate --chat --prompt "What is the capital of France?"\n'
+        "  spindle generate --requests reqs.jsonl --json\n"
+        "  each line of reqs.jsonl is one request, e.g.\n"
+        '    {"prompt": "...", "max_tokens": 32, "temperature": 0.7, "seed": 1, "stop": ["\\n"]}\n'
+        '    {"messages": [{"role": "user", "content": "hi"}]}\n'
+        '    {"prompt_token_ids": [1, 2, 3], "logprobs": 5}'
+    )
+    gen.formatter_class = argparse.RawDescriptionHelpFormatter
+    src = gen.add_argument_group("input")
+    src.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
+    src.add_argument("--requests", metavar="FILE", help="JSON lines, one request each ('-' = stdin)")
+    src.add_argument("--chat", action="store_true", help="apply the model's chat template to each --prompt")
+    src.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per request, in input order (token_ids, text, finish_reason, ...)",
+    )
+    s = gen.add_argument_group("sampling defaults")
+    s.add_argument("--max-tokens", type=int, default=256)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [default 0]")
+    s.add_argument("--top-p", type=float, default=None)
+    s.add_argument("--top-k", type=int, default=None)
+    s.add_argument("--min-p", type=float, default=None)
+    s.add_argument("--repetition-penalty", type=float, default=None)
+    s.add_argument("--presence-penalty", type=float, default=None)
+    s.add_argument("--frequency-penalty", type=float, default=None)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    s.add_argument("--logprobs", type=int, default=None, help="return the top-N logprobs of each token")
+    s.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(gen)
+    return gen
+
+
+def _read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
+    defaults = {k: getattr(args, k) for k in _SAMPLING_FLAGS if getattr(args, k) is not None}
+    if args.stop:
+        defaults["stop"] = args.stop
+    if args.ignore_eos:
+        defaults["ignore_eos"] = True
+    reqs: list[dict[str, Any]] = []
+    for text in args.prompt:
+        reqs.append({"messages": [{"role": "user", "content": text}]} if args.chat else {"prompt": text})
+    if args.requests:
+        stream = sys.stdin if args.requests == "-" else open(args.requests)  # noqa: SIM115
+        with stream:
+            for n, line in enumerate(stream, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SpindleError(f"{args.requests}:{n}: not valid JSON: {e}") from e
+                if not isinstance(obj, dict):
+                    raise SpindleError(f"{args.requests}:{n}: each line must be a JSON object")
+                reqs.append(obj)
+    if not reqs:
+        raise SpindleError("nothing to generate: give --prompt TEXT or --requests FILE")
+    return [{**defaults, **r} for r in reqs]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from model_service.engine.engine import Engine
+
+    requests = _read_requests(args)
+    engine = Engine(engine_config(args))
+    ids: list[str | None] = []
+    errors: dict[int, str] = {}
+    for i, r in enumerate(requests):
+        try:
+            ids.append(engine.add_request_dict(r))
+        except (SpindleError, TypeError, ValueError) as e:  # a bad request fails alone
+            ids.append(None)
+            errors[i] = str(e)
+    final = engine.run_to_completion()
+    for i, rid in enumerate(ids):
+        if rid is None:
+            result: dict[str, Any] = {"index": i, "error": errors[i]}
+        else:
+            o = final[rid]
+            result = {
+                "index": i,
+                "request_id": rid,
+                "text": o.text,
+                "token_ids": o.token_ids,
+                "finish_reason": o.finish_reason,
+                "prompt_tokens": o.num_prompt_tokens,
+                "completion_tokens": len(o.token_ids),
+            }
+            if o.error:
+                result["error"] = o.error
+        if args.json:
+            print(json.dumps(result), flush=True)
+        elif "error" in result:
+            print(f"[{i}] error: {result['error']}", file=sys.stderr)
+        else:
+            print(result["text"] if len(ids) == 1 else f"[{i}] {result['text']}", flush=True)
+    return 1 if errors or any(final[r].error for r in ids if r) else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return cmd_generate(args)

@@ -1,0 +1,1 @@
+"""GPU kernels (Triton), each beside the torch reference that CI runs on the CPU."""

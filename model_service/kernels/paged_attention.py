@@ -1,0 +1,176 @@
+"""Paged attention for decode steps, in Triton, with the torch references CI runs.
+
+`store_kv` writes each new token's K/V into its pool slot (a negative slot writes nothing: the
+padding rows of a CUDA-graph batch). `paged_decode_attention` attends one query token per
+sequence to that sequence's context through its block table, reading K/V in place (no gather).
+
+The decode kernel is split-KV: program (sequence, kv head, split) walks its share of the context
+in tiles of BLOCK_N tokens, keeps an online softmax for all query heads of its KV head (GQA
+packing: the group's queries share every K/V load), and writes a partial output and its
+log-sum-exp; a small reduction merges the splits. Splitting keeps the 132 SMs busy at batch 1,
+where one program per (sequence, kv head) would start only 8 programs for an 8B model. Every
+length is read from device tensors, so one launch shape serves every step of a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references below are the implementation there
+    triton = None
+
+
+def store_kv_reference(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    keep = slots >= 0
+    k_cache[slots[keep]] = k[keep]
+    v_cache[slots[keep]] = v[keep]
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """q: [S, H, D] (one token per sequence, at position seq_len - 1); returns [S, H, D] in
+    q's dtype, computed in float32. A sequence of length 0 (padding) gets zeros."""
+    out = torch.zeros_like(q)
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    for i, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        lo = max(0, n - window) if window else 0
+        pos = torch.arange(lo, n, device=q.device)
+        slots = block_table[i, pos // block_size] * block_size + pos % block_size
+        k = k_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1)  # [N, H, D]
+        v = v_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_kv_kernel(K, V, KC, VC, Slots, row_stride, cache_stride, width, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        slot = tl.load(Slots + t)
+        if slot >= 0:
+            offs = tl.arange(0, BLOCK)
+            m = offs < width
+            tl.store(KC + slot * cache_stride + offs, tl.load(K + t * row_stride + offs, mask=m), mask=m)
+            tl.store(VC + slot * cache_stride + offs, tl.load(V + t * row_stride + offs, mask=m), mask=m)
+
+    @triton.jit
+    def _decode_split_kernel(
+        Q, KC, VC, BlockTable, SeqLens, PartOut, PartLse,
+        q_stride_s, q_stride_h, kc_stride_slot, kc_stride_h, bt_stride, po_stride_s, po_stride_h,
+        po_stride_split, pl_stride_s, pl_stride_h, scale, window,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        seq_len = tl.load(SeqLens + seq)
+        lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+        per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = lo + split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        heads = kvh * GROUP + g
+        q_off = seq * q_stride_s + heads[:, None] * q_stride_h + d[None, :]
+        q = tl.load(Q + q_off, mask=g[:, None] < GROUP, other=0.0)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        denom = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for tile in range(start, end, BLOCK_N):
+            pos = tile + tl.arange(0, BLOCK_N)
+            valid = pos < end
+            block = tl.load(BlockTable + seq * bt_stride + pos // BLOCK_SIZE, mask=valid, other=0)
+            slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+            kv_off = slot[:, None] * kc_stride_slot + kvh * kc_stride_h + d[None, :]
+            k = tl.load(KC + kv_off, mask=valid[:, None], other=0.0)
+            v = tl.load(VC + kv_off, mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        lse = tl.where(denom > 0, m + tl.log(denom), float("-inf"))
+        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+        gm = g < GROUP
+        tl.store(
+            PartOut + seq * po_stride_s + heads[:, None] * po_stride_h + split * po_stride_split + d[None, :],
+            out,
+            mask=gm[:, None],
+        )
+        tl.store(PartLse + seq * pl_stride_s + heads * pl_stride_h + split, lse, mask=gm)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """k, v: [T, KVH, D] contiguous; caches: [slots, KVH, D]; slots: [T] (negative = skip)."""
+    if triton is None or not k.is_cuda:
+        return store_kv_reference(k, v, k_cache, v_cache, slots)
+    width = k.shape[1] * k.shape[2]
+    block = triton.next_power_of_2(width)
+    _store_kv_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slots, k.stride(0), k_cache.stride(0), width, block
+    )
+    return None
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    """The Triton kernel on CUDA (the reference elsewhere); same contract as the reference."""
+    if triton is None or not q.is_cuda:
+        return paged_decode_attention_reference(
+            q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window
+        )
+    num_seqs, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    part_out = torch.empty(num_seqs, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        scale, window or 0,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
+        BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
+    )  # fmt: skip
+    # Merge the splits: weight each by exp(lse - max); empty splits have lse = -inf (weight 0).
+    top = part_lse.amax(-1, keepdim=True).clamp(min=-1e30)
+    weights = torch.exp(part_lse - top)
+    total = weights.sum(-1, keepdim=True).clamp(min=1e-30)
+    return ((part_out * weights[..., None]).sum(2) / total).to(q.dtype)
+
+
+def num_splits_for(num_seqs: int, kv_heads: int, num_sms: int = 132) -> int:
+    """Splits per (sequence, kv head) so one launch has about two waves of programs: many at
+    batch 1 (long contexts would otherwise run on 8 SMs), one once the batch fills the GPU."""
+    return max(1, min(16, 2 * num_sms // max(num_seqs * kv_heads, 1)))

@@ -1,0 +1,125 @@
+"""LoRA as layer wrappers over the model's fused projections, with stacked per-slot weights.
+
+`wrap_lora_layers` replaces each `PackedLinear` of a model (q/k/v fused, o, gate/up fused,
+down) by a `LoraLinear` that owns two preallocated buffers for every adapter slot:
+A [max_loras, parts, max_rank, in] and B [max_loras, out, max_rank]. Loading an adapter into a
+slot copies its weights into those buffers (a smaller rank is zero-padded); the buffers' addresses
+never change, so a CUDA graph or a batched kernel can read any slot of any layer, and a request's
+rows pick their adapter by the per-token slot index of the step batch.
+
+The torch reference below loops over the slots present in the step (SGMV's segments), using
+each slot's exact rank, so zero padding costs memory, not arithmetic, on the CPU. The memory it
+costs: max_loras x max_rank x layers x dtype bytes x the sum over fused projections of
+(parts x in + out), whatever rank the adapters have. The models know nothing of LoRA: wrapping
+happens once, at load, by module type.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from model_service.lora.adapter import LoraAdapter
+from model_service.models.layers import PackedLinear
+from model_service.models.step import StepBatch
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class LoraStepPlan:
+    """Which rows each slot serves this step; shared by every `LoraLinear` of a model."""
+
+    def __init__(self) -> None:
+        self.segments: list[tuple[int, torch.Tensor]] = []
+
+    def prepare(self, batch: StepBatch) -> None:
+        slots = batch.host_lora_slots
+        device = batch.input_ids.device
+        self.segments = [
+            (int(slot), torch.from_numpy(np.flatnonzero(slots == slot)).to(device))
+            for slot in np.unique(slots[slots >= 0])
+        ]
+
+
+class LoraLinear(nn.Module):
+    def __init__(self, base: PackedLinear, max_loras: int, max_rank: int, plan: LoraStepPlan) -> None:
+        super().__init__()
+        self.base, self.plan = base, plan
+        w = base.weight
+        parts = len(base.parts)
+        self.register_buffer("lora_a", w.new_zeros(max_loras, parts, max_rank, base.in_features))
+        self.register_buffer("lora_b", w.new_zeros(max_loras, base.out_features, max_rank))
+        bounds = np.cumsum((0, *base.output_sizes))
+        self.columns = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds)]
+        # Host-side per slot and part: the adapter's rank (0 = part not targeted) and its scaling.
+        self.ranks = [[0] * parts for _ in range(max_loras)]
+        self.scaling = [[0.0] * parts for _ in range(max_loras)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for slot, rows in self.plan.segments:
+            ranks = self.ranks[slot]
+            if not any(ranks):
+                continue
+            xs = x[rows]
+            for part, (lo, hi) in enumerate(self.columns):
+                r = ranks[part]
+                if r:
+                    delta = (xs @ self.lora_a[slot, part, :r].T) @ self.lora_b[slot, lo:hi, :r].T
+                    y[:, lo:hi].index_add_(0, rows, delta, alpha=self.scaling[slot][part])
+        return y
+
+    def write(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        r = a.shape[0]
+        lo, hi = self.columns[part]
+        self.lora_a[slot, part].zero_()
+        self.lora_a[slot, part, :r].copy_(a)
+        self.lora_b[slot, lo:hi].zero_()
+        self.lora_b[slot, lo:hi, :r].copy_(b)
+        self.ranks[slot][part], self.scaling[slot][part] = r, scaling
+
+    def clear(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.ranks[slot] = [0] * len(self.columns)
+        self.scaling[slot] = [0.0] * len(self.columns)
+
+
+@dataclass
+class LoraLayers:
+    """The wrapped projections of one model, by (layer, PEFT module name) -> (wrapper, part)."""
+
+    plan: LoraStepPlan
+    targets: dict[tuple[int, str], tuple[LoraLinear, int]]
+
+    def load_slot(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy `adapter`'s weights into `slot` (quiescent points only), clearing what was there."""
+        self.clear_slot(slot)
+        for key, w in adapter.modules.items():
+            layer, part = self.targets[key]
+            layer.write(slot, part, w.a, w.b, w.scaling)
+
+    def clear_slot(self, slot: int) -> None:
+        for layer in {id(m): m for m, _ in self.targets.values()}.values():
+            layer.clear(slot)
+
+
+def wrap_lora_layers(module: nn.Module, max_loras: int, max_rank: int) -> LoraLayers:
+    """Replace every `PackedLinear` inside a decoder layer of `module` by a `LoraLinear`."""
+    plan = LoraStepPlan()
+    targets: dict[tuple[int, str], tuple[LoraLinear, int]] = {}
+    for name, sub in list(module.named_modules()):
+        match = _LAYER.search(name + ".")
+        if not isinstance(sub, PackedLinear) or match is None:
+            continue
+        wrapper = LoraLinear(sub, max_loras, max_rank, plan)
+        owner_name, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(owner_name), attr, wrapper)
+        for part, peft_name in enumerate(sub.parts):
+            targets[(int(match.group(1)), peft_name)] = (wrapper, part)
+    return LoraLayers(plan, targets)

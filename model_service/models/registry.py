@@ -1,0 +1,30 @@
+"""Architectures -> the module class that runs them.
+
+`ModelConfig.family` names the architecture (from `config.json`'s `architectures` or a GGUF
+file's metadata); a new architecture is one entry here plus its module. Every class registered
+takes a `ModelConfig` and is called as `module(input_ids, positions, ctx)`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from model_service.errors import ModelLoadError
+from model_service.models.config import ModelConfig
+from model_service.models.llama import DecoderModel
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": DecoderModel,
+    "mistral": DecoderModel,
+    "qwen2": DecoderModel,
+    "qwen3": DecoderModel,
+}
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    try:
+        return MODEL_CLASSES[config.family]
+    except KeyError:
+        raise ModelLoadError(
+            f"no model class for architecture family {config.family!r}; known: {sorted(MODEL_CLASSES)}"
+        ) from None

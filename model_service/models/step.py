@@ -1,0 +1,90 @@
+"""What one forward pass receives, and the seam between a model and its attention backend.
+
+`StepBatch` is backend-neutral: flat token rows of many sequences (decode rows, prefill
+chunks, verify runs; any order), described the way paged-attention kernels want them
+(`query_start` offsets, `seq_lens`, a block table), plus which rows' logits are wanted (any
+number per sequence), each sequence's recurrent-state slot and each token's LoRA slot. The
+engine builds it once per step (engine/batch_builder.py); every layer reads the same one.
+
+A model never builds attention masks or gathers context itself: its layers call
+`ctx.attention.forward(layer, q, k, v)`, and the backend keeps whatever metadata it derived from
+the batch in `prepare`. Backends that can be captured in CUDA graphs also implement
+`GraphCapturable`, whose hooks the executor calls around capture and replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepBatch:
+    """One step's inputs on the compute device (T tokens, S sequences, N logits rows)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] absolute position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] KV pool slot (block * block_size + offset) each token writes
+    query_start: torch.Tensor  # [S + 1] first row of each sequence's run; cu_seqlens_q / qo_indptr
+    seq_lens: torch.Tensor  # [S] context length of each sequence once this step's tokens are in
+    block_table: torch.Tensor  # [S, max_blocks] block ids of each sequence (0-padded)
+    logits_rows: torch.Tensor  # [N] rows whose logits the caller wants, in output order
+    state_slots: torch.Tensor  # [S] recurrent-state slot of each sequence (-1 for none)
+    lora_slots: torch.Tensor  # [T] LoRA slot serving each token (-1 = base model)
+    max_query_len: int  # host copies of the sizes, so backends plan without a device sync
+    max_seq_len: int
+    host_lora_slots: np.ndarray  # [T] the same LoRA slots on the host (segment planning)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def uses_lora(self) -> bool:
+        return bool((self.host_lora_slots >= 0).any())
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Attention over the paged KV pool for the layers of one model."""
+
+    def prepare(self, batch: StepBatch) -> None:
+        """Derive this backend's own metadata from `batch`; called once per step, before any layer."""
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write this step's K/V of `layer` into the pool, then attend each token to its own
+        sequence's context. q: [T, H, D]; k, v: [T, KVH, D]; returns [T, H, D]."""
+
+
+@runtime_checkable
+class GraphCapturable(Protocol):
+    """A backend whose `forward` can be recorded in a CUDA graph over fixed-address buffers."""
+
+    def init_graph_capture(self, max_num_seqs: int, max_seq_len: int) -> None:
+        """Allocate the static metadata buffers every captured graph reads."""
+
+    def prepare_for_capture(self, num_seqs: int) -> None:
+        """Fill the static buffers with a dummy decode batch of `num_seqs` rows before capture."""
+
+    def prepare_for_replay(self, batch: StepBatch, padded_num_seqs: int) -> None:
+        """Copy `batch`'s metadata into the static buffers (padding rows to `padded_num_seqs`)."""
+
+
+@runtime_checkable
+class CapturableBackend(AttentionBackend, GraphCapturable, Protocol):
+    """An attention backend a CUDA-graph runner can capture."""
+
+
+@dataclass
+class ForwardContext:
+    """What a model's layers may use in one forward pass besides their activations."""
+
+    attention: AttentionBackend  # already prepared for this step's batch
+    logits_rows: torch.Tensor  # [N] rows to run the LM head on

@@ -1,0 +1,60 @@
+"""`EngineHandle`: everything the model pod may use of an engine, as a typed protocol.
+
+The pod reaches the engine only through this surface (driven on the engine thread by
+`AsyncEngine`), so any engine that offers it can be served: the real `Engine`, or the fake fast
+engine of `bench/gateway.py`. Nothing else is probed for: no `hasattr`, no reaching into
+`engine.model`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Protocol
+
+from model_service.engine.config import EngineConfig
+from model_service.engine.engine import EngineStats
+from model_service.engine.sampling_params import SamplingParams
+from model_service.engine.sequence import RequestOutput
+from model_service.lora.control import ControlOp, ControlResult
+from model_service.lora.pool import AdapterInfo
+
+
+class EngineHandle(Protocol):
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output a request may have."""
+        ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def add_request(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        adapter: str | None = None,
+    ) -> str:
+        """Validate and queue a request; raises a SpindleError (see `pod.status`) and changes nothing."""
+        ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def list_adapters(self) -> list[AdapterInfo]: ...
+
+    def submit_control(self, op: ControlOp) -> Future[ControlResult]:
+        """Queue an adapter operation; it runs between two steps."""
+        ...

@@ -1,0 +1,43 @@
+"""The one mapping from errors the engine raises to the gRPC status a caller can act on.
+
+A SpindleError says what went wrong on purpose; anything else is a bug in the pod or the engine
+(a TypeError included) and is INTERNAL, with the details in the pod's log.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NoReturn
+
+import grpc
+
+from model_service.errors import CapacityError, InvalidRequestError, ModelLoadError, SpindleError
+from model_service.lora.adapter import AdapterError
+from model_service.lora.pool import AdapterBusyError
+from spindle.grpc_status import abort
+
+log = logging.getLogger(__name__)
+Code = grpc.StatusCode
+
+
+def status_for(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code and message for `e`, raised by an engine call or a control operation."""
+    if isinstance(e, SpindleError) and isinstance(e, LookupError):
+        return Code.NOT_FOUND, str(e)  # an unknown adapter (NotFoundError, AdapterNotFoundError)
+    if isinstance(e, AdapterBusyError):
+        return Code.FAILED_PRECONDITION, str(e)  # a slot in use or pinned: retry once released
+    if isinstance(e, (InvalidRequestError, AdapterError)):
+        return Code.INVALID_ARGUMENT, str(e)
+    if isinstance(e, CapacityError):
+        return Code.RESOURCE_EXHAUSTED, str(e)
+    if isinstance(e, ModelLoadError):
+        return Code.FAILED_PRECONDITION, str(e)
+    return Code.INTERNAL, f"internal error ({type(e).__name__}: {e}); see the model pod's log"
+
+
+async def abort_for(context: grpc.aio.ServicerContext, e: Exception) -> NoReturn:
+    """End the RPC with the status for `e`; a bug (INTERNAL) is logged with its traceback."""
+    code, message = status_for(e)
+    if code == Code.INTERNAL:
+        log.error("%s", message, exc_info=e)
+    await abort(context, code, message)

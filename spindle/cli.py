@@ -1,0 +1,86 @@
+"""`spindle` command line: a dispatcher that imports a command's module only when it is named.
+
+Each module in `_COMMANDS` has a function that adds its flags to a parser and `run(args) -> exit
+code`. The dispatcher then makes every flag of every command readable as `SPINDLE_<FLAG>` too
+(`spindle.envflags`). Torch-free: `spindle chat` and `spindle gateway` never pay for torch;
+`spindle generate` and `spindle serve` import it through their own modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from types import ModuleType
+
+from model_service.errors import SpindleError
+from spindle import envflags
+
+# name -> (one-line help, module, the module's function that adds the flags to a parser).
+_COMMANDS = {
+    "generate": (
+        "generate text for prompts, as one batch, in this process",
+        "model_service.generate",
+        "build_parser",
+    ),
+    "serve": ("run a model pod: the engine behind gRPC", "model_service.pod.server", "build_parser"),
+    "gateway": ("run the gateway: one door in front of model pods", "gateway.server", "build_parser"),
+    "up": (
+        "start a local cluster (model pod, adapter service, gateway), answer one prompt, keep serving",
+        "spindle.local",
+        "build_parser",
+    ),
+    "chat": ("chat with a model through a gateway", "spindle.client", "build_chat_parser"),
+    "complete": (
+        "complete a prompt (no chat template) through a gateway",
+        "spindle.client",
+        "build_complete_parser",
+    ),
+    "models": ("list the models and adapters a gateway offers you", "spindle.client", "build_models_parser"),
+    "adapters": ("register, list, delete adapters (admin API)", "adapter_service.client", "build_parser"),
+    "adapter-service": ("run the adapter service", "adapter_service.server", "build_parser"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: spindle COMMAND [--help] ...", "", "Spindle: serve LLMs with many LoRA adapters.", ""]
+    lines += [f"  {name:<10} {help_}" for name, (help_, _, _) in _COMMANDS.items()]
+    lines += ["", "Every flag can also be set as SPINDLE_<FLAG> (e.g. --max-num-seqs: SPINDLE_MAX_NUM_SEQS)."]
+    return "\n".join(lines)
+
+
+def command_parser(command: str) -> tuple[ModuleType, argparse.ArgumentParser]:
+    """The module of `command` and its parser, with every flag also read from `SPINDLE_<FLAG>`:
+    exactly what `spindle COMMAND` parses (the Helm chart's tests check its environment with it)."""
+    help_, module_name, builder = _COMMANDS[command]
+    module = importlib.import_module(module_name)
+    parser = getattr(module, builder)(argparse.ArgumentParser(prog=f"spindle {command}", description=help_))
+    envflags.apply_env(parser)
+    return module, parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in _COMMANDS:
+        print(f"{_usage()}\n\nspindle: error: unknown command {command!r}", file=sys.stderr)
+        return 2
+    module, parser = command_parser(command)
+    args = parser.parse_args(rest)
+    args.command = command
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        return int(module.run(args) or 0)
+    except SpindleError as e:
+        print(f"spindle: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The engine's seams without a model: the step batch's layout, and the scheduler and cache
+manager driven through a fake executor (the `KVMover` and LoRA slots they depend on)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from model_service.engine.batch_builder import BatchBuilder, StepItem
+from model_service.engine.block_manager import BlockManager
+from model_service.engine.cache_manager import CacheManager
+from model_service.engine.config import EngineConfig
+from model_service.engine.sampling_params import SamplingParams
+from model_service.engine.scheduler import Scheduler
+from model_service.engine.seq_state import SequenceState
+from model_service.engine.sequence import Sequence
+
+
+class FakeExecutor:
+    """Holds one integer per block slot and per state slot instead of K/V and recurrent state, so
+    every copy the cache manager asks for can be checked."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> None:
+        self.kv = torch.zeros(num_blocks * block_size, dtype=torch.long)
+        self.state = torch.zeros(max(num_state_slots, 1), dtype=torch.long)
+        self.block_size = block_size
+        self.copies: list[tuple[int, int]] = []
+
+    def _slots(self, blocks: list[int], n: int) -> torch.Tensor:
+        t = torch.tensor(blocks)[:, None] * self.block_size + torch.arange(self.block_size)
+        return t.reshape(-1)[:n]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.copies += pairs
+        for src, dst in pairs:
+            self.kv[self._slots([dst], self.block_size)] = self.kv[self._slots([src], self.block_size)]
+
+    def save_blocks(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
+        return self.kv[self._slots(blocks, num_tokens)].clone()
+
+    def load_blocks(self, saved: torch.Tensor, blocks: list[int]) -> None:
+        self.kv[self._slots(blocks, saved.shape[0])] = saved
+
+    def copy_state(self, src: int, dst: int) -> None:
+        self.state[dst] = self.state[src]
+
+    def save_state(self, slot: int) -> torch.Tensor:
+        return self.state[slot : slot + 1].clone()
+
+    def load_state(self, saved: torch.Tensor, slot: int) -> None:
+        self.state[slot] = saved[0]
+
+
+class FakeAdapters:
+    def __init__(self) -> None:
+        self.refs: dict[int, int] = {}
+
+    def slot_of(self, name: str) -> int | None:
+        return 0
+
+    def adapter_id_for(self, slot: int) -> int:
+        return 7
+
+    def acquire(self, slot: int) -> int:
+        self.refs[slot] = self.refs.get(slot, 0) + 1
+        return slot
+
+    def release(self, resolved: int) -> None:
+        if resolved >= 0:
+            self.refs[resolved] -= 1
+
+
+def _cache(
+    num_blocks: int = 32, block_size: int = 4, state_slots: int = 0
+) -> tuple[CacheManager, FakeExecutor]:
+    fake = FakeExecutor(num_blocks, block_size, state_slots)
+    return CacheManager(BlockManager(num_blocks, block_size), fake, 8, state_slots), fake
+
+
+# --- the step batch ---------------------------------------------------------------------------
+
+
+def _state(blocks: list[int], computed: int, lora: int = -1, state_slot: int = -1) -> SequenceState:
+    return SequenceState(
+        seq_id=0, block_table=blocks, num_computed=computed, lora_slot=lora, state_slot=state_slot
+    )
+
+
+def test_step_batch_layout_for_decode_chunk_and_multi_row_items():
+    bs = 4
+    decode = _state([5, 2], computed=6, lora=1)  # one token at position 6: block 2, offset 2
+    chunk = _state([7, 8, 9], computed=0, state_slot=3)  # first 5 tokens of a longer prompt, no logits
+    verify = _state([4], computed=1, lora=0)  # 3 tokens (a verify run), logits for all 3
+    batch = BatchBuilder(bs, torch.device("cpu")).build(
+        [StepItem(decode, [11], 1), StepItem(chunk, [1, 2, 3, 4, 5], 0), StepItem(verify, [6, 7, 8], 3)]
+    )
+    assert batch.input_ids.tolist() == [11, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert batch.positions.tolist() == [6, 0, 1, 2, 3, 4, 1, 2, 3]
+    assert batch.slot_mapping.tolist() == [2 * bs + 2, 28, 29, 30, 31, 32, 17, 18, 19]
+    assert batch.query_start.tolist() == [0, 1, 6, 9]
+    assert batch.seq_lens.tolist() == [7, 5, 4]
+    assert batch.block_table.tolist() == [[5, 2, 0], [7, 8, 9], [4, 0, 0]]
+    assert batch.logits_rows.tolist() == [0, 6, 7, 8]
+    assert batch.state_slots.tolist() == [-1, 3, -1]
+    assert batch.lora_slots.tolist() == [1, -1, -1, -1, -1, -1, 0, 0, 0]
+    assert (batch.max_query_len, batch.max_seq_len) == (5, 7)
+    assert batch.uses_lora
+
+
+def test_step_batch_refuses_an_item_without_enough_blocks():
+    with pytest.raises(RuntimeError, match="too few KV blocks"):
+        BatchBuilder(4, torch.device("cpu")).build([StepItem(_state([1], computed=3), [1, 2], 1)])
+
+
+def test_step_batch_buffers_are_reused_and_each_batch_keeps_its_values():
+    builder = BatchBuilder(4, torch.device("cpu"))
+    first = builder.build([StepItem(_state([1, 2], computed=0), list(range(8)), 1)])
+    second = builder.build([StepItem(_state([3], computed=0), [9], 1)])
+    assert first.input_ids.tolist() == list(range(8)) and second.input_ids.tolist() == [9]
+
+
+# --- the cache manager --------------------------------------------------------------------------
+
+
+def test_copy_on_write_copies_the_shared_partial_block_through_the_executor():
+    cache, fake = _cache()
+    parent = cache.allocate()
+    assert cache.reserve(parent, 6)
+    parent.num_computed = 6
+    fake.kv[:6] = torch.arange(1, 7) + 4 * parent.block_table[0]
+    child = cache.fork(parent)
+    assert child.block_table == parent.block_table
+    assert cache.make_writable(child)
+    assert fake.copies == [(parent.block_table[1], child.block_table[1])]
+    assert child.block_table[0] == parent.block_table[0]  # the full block stays shared
+    cache.free(parent)
+    cache.free(child)
+    assert cache.num_free_blocks == cache.num_total_blocks
+
+
+def test_swap_out_and_in_restores_kv_into_new_blocks():
+    cache, fake = _cache()
+    s = cache.allocate()
+    assert cache.reserve(s, 7)
+    s.num_computed = 7
+    slots = fake._slots(s.block_table, 7)
+    fake.kv[slots] = torch.arange(100, 107)
+    saved = cache.swap_out(s)
+    assert s.freed and cache.num_free_blocks == cache.num_total_blocks
+    fake.kv.zero_()
+    back = cache.swap_in(saved)
+    assert back is not None and back.num_computed == 7
+    assert fake.kv[fake._slots(back.block_table, 7)].tolist() == list(range(100, 107))
+    cache.free(back)
+
+
+def test_truncate_frees_blocks_and_unpublishes_the_rewritten_block():
+    cache, _ = _cache()
+    s = cache.allocate()
+    tokens = list(range(10))
+    assert cache.reserve(s, 10)
+    s.num_computed = 10
+    cache.register_full_blocks(s, tokens, 0)
+    assert len(s.block_keys) == 2
+    cache.truncate(s, 5)  # keep block 0 (full) and block 1 (partial, to be rewritten)
+    assert len(s.block_table) == 2 and s.num_computed == 5 and len(s.block_keys) == 1
+    other = cache.allocate()
+    assert cache.take_cached_prefix(other, tokens, 0) == 4  # block 1 is no longer a cache hit
+    for state in (s, other):
+        cache.free(state)
+    assert cache.num_free_blocks == cache.num_total_blocks
+
+
+def test_recurrent_state_slots_fork_swap_snapshot_and_roll_back():
+    cache, fake = _cache(state_slots=4)
+    s = cache.allocate()
+    assert cache.reserve(s, 8)
+    s.num_computed = 4
+    fake.state[s.state_slot] = 41
+    assert cache.snapshot(s)  # state after 4 tokens
+    s.num_computed = 8
+    fake.state[s.state_slot] = 81
+    with pytest.raises(ValueError, match="no recurrent-state snapshot"):
+        cache.truncate(s, 6)
+    cache.truncate(s, 4)
+    assert fake.state[s.state_slot] == 41 and s.num_computed == 4 and not s.snapshots
+    child = cache.fork(s)
+    assert fake.state[child.state_slot] == 41 and child.state_slot != s.state_slot
+    saved = cache.swap_out(child)
+    back = cache.swap_in(saved)
+    assert back is not None and fake.state[back.state_slot] == 41
+    for state in (s, back):
+        cache.free(state)
+    assert cache.num_free_state_slots == 4 and cache.num_free_blocks == cache.num_total_blocks
+
+
+# --- the scheduler over a fake executor ----------------------------------------------------------
+
+
+def _scheduler(num_blocks: int, **config) -> tuple[Scheduler, CacheManager, FakeAdapters]:
+    cache, _ = _cache(num_blocks=num_blocks)
+    adapters = FakeAdapters()
+    cfg = EngineConfig(block_size=4, max_num_batched_tokens=32, max_num_seqs=8, **config)
+    return Scheduler(cfg, cache, adapters), cache, adapters
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_scheduler_runs_to_completion_under_memory_pressure_without_a_model(mode):
+    """Randomized: every request gets all its tokens, each step respects the token budget, and
+    nothing leaks, with preemption forced by a small block pool."""
+    rng = random.Random(0)
+    scheduler, cache, adapters = _scheduler(num_blocks=24, preemption_mode=mode)
+    seqs = []
+    for i in range(12):
+        prompt = [rng.randrange(100) for _ in range(rng.randrange(3, 30))]
+        seq = Sequence(str(i), prompt, SamplingParams(max_tokens=12), None, arrival=i)  # type: ignore[arg-type]
+        seq.adapter_name = "a" if i % 3 == 0 else None
+        scheduler.add(seq)
+        seqs.append(seq)
+    for _ in range(2000):
+        work = scheduler.schedule().work
+        if not scheduler.has_work():
+            break
+        assert sum(n for _, n in work) <= 32
+        for seq, n in work:  # what the engine does after a forward pass, minus the model
+            seq.state.num_computed += n
+            if seq.num_pending == 0:
+                if len(seq.output_ids) + 1 >= seq.params.max_tokens:
+                    scheduler.remove(seq)
+                else:
+                    seq.token_ids.append(len(seq.token_ids))
+    assert not scheduler.has_work()
+    assert all(len(s.output_ids) == 11 for s in seqs)
+    assert scheduler.num_preemptions > 0
+    assert cache.num_free_blocks == cache.num_total_blocks
+    assert all(n == 0 for n in adapters.refs.values())

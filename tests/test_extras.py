@@ -1,0 +1,36 @@
+"""The gateway and the client install without the `model` extra (torch & co.), and run without it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+PROJECT = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+def test_the_core_install_has_none_of_the_model_extra():
+    model = _names(PROJECT["optional-dependencies"]["model"])
+    assert "torch" in model
+    assert not model & _names(PROJECT["dependencies"])
+    assert {"spindle[model,adapter]"} <= set(PROJECT["optional-dependencies"]["all"])
+
+
+def test_gateway_client_and_command_line_import_no_model_package():
+    entry_module = PROJECT["scripts"]["spindle"].split(":")[0]
+    heavy = sorted(_names(PROJECT["optional-dependencies"]["model"]))
+    code = (
+        f"import sys, json, gateway, gateway.server, spindle.client, {entry_module}\n"
+        f"print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == []
