@@ -91,11 +91,8 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 Code.PERMISSION_DENIED,
                 f"API key {caller.name!r} may not use adapter {adapter!r} (allowed: {allowed})",
             )
-        if (
-            adapter is not None
-            and self.directory is not None
-            and not await self.directory.registered(adapter)
-        ):
+        directory = self.directory
+        if directory is not None and _registered_name(adapter) and not await directory.registered(adapter):
             await abort(context, Code.NOT_FOUND, f"adapter {adapter!r} is not registered")
         rid = request.request_id or uuid.uuid4().hex
         if rid in self.inflight:
@@ -164,7 +161,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         self, req: pb.GenerateRequest, hashes: list[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         """No ready pod holds the adapter: have the adapter service place it, then see it placed."""
-        if self.directory is None or not req.HasField("adapter") or self._choose(req, hashes, set()):
+        if self.directory is None or not _registered_name(req.adapter) or self._choose(req, hashes, set()):
             return
         adapter = req.adapter
         try:
@@ -215,13 +212,20 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         if self.directory is not None and await self.directory.refresh():
             # The registry is the authority on adapters: every registered one, wherever it is.
             base = next((m.id for m in seen.values() if m.kind == pb.MODEL_KIND_BASE), "")
-            seen = {k: m for k, m in seen.items() if m.kind != pb.MODEL_KIND_ADAPTER}
+            seen = {
+                k: m for k, m in seen.items() if not _registered_name(k) or m.kind != pb.MODEL_KIND_ADAPTER
+            }
             for entry in (self.directory.catalog or {}).values():
                 if caller.may_use(entry.name):
                     seen[entry.name] = pb.ModelInfo(
                         id=entry.name, kind=pb.MODEL_KIND_ADAPTER, base_model=base, pods=entry.pods
                     )
         return pb.ListModelsResponse(models=sorted(seen.values(), key=lambda m: (m.kind, m.id)))
+
+
+def _registered_name(adapter: str | None) -> bool:
+    """An adapter the registry owns; `@active` and other `@` names are the pods' own (SetActive)."""
+    return bool(adapter) and not adapter.startswith("@")
 
 
 def _remaining(context: grpc.aio.ServicerContext, default: float) -> float:

@@ -139,6 +139,34 @@ def test_register_through_the_gateway_then_generate(cluster, lora_dirs, tiny_lla
     assert e.value.code() == Code.NOT_FOUND and "not registered" in e.value.details()
 
 
+def test_active_is_the_pods_own_name_not_the_registrys(cluster, lora_dirs, tiny_llama):
+    """`@active` (SetActive on a pod) passes the gateway's registry check and is never placed."""
+    from spindle.v1 import model_control_pb2 as mc
+    from spindle.v1 import model_control_pb2_grpc
+
+    gateway, service = cluster["gateway"], cluster["service"]
+    assert _generate(gateway, "a") == _reference(tiny_llama, lora_dirs["a"])
+    with _admin(gateway.address) as c:
+        c.pin("a")  # kept in its slot while the test runs
+    holder = _place(service, "a", []).pods[0]
+    with grpc.insecure_channel(holder) as ch:
+        control = model_control_pb2_grpc.ModelControlStub(ch)
+        control.SetActive(mc.SetActiveRequest(name="a"), timeout=10)
+        try:
+            deadline = time.monotonic() + 10
+            while True:  # until the gateway's next poll sees `@active` on that pod
+                try:
+                    assert _generate(gateway, "@active") == _reference(tiny_llama, lora_dirs["a"])
+                    break
+                except grpc.RpcError as e:
+                    assert e.code() == Code.NOT_FOUND and time.monotonic() < deadline, e
+                    time.sleep(0.2)
+        finally:
+            control.SetActive(mc.SetActiveRequest(name=""), timeout=10)
+            with _admin(gateway.address) as c:
+                c.pin("a", False)
+
+
 def test_cold_adapter_from_a_peer_then_from_staging_and_storage(cluster, lora_dirs, tiny_llama, redis_url):
     import redis
 
