@@ -35,19 +35,13 @@ from adapter_service.placement import (
 )
 from adapter_service.registry import Registry
 from adapter_service.store import Store, Version
+from gateway.pods import CHANNEL_OPTIONS  # quick reconnects, keepalive: the same needs as the gateway's
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import model_control_pb2 as mc
 from spindle.v1 import model_control_pb2_grpc
 
 log = logging.getLogger("spindle.adapters")
 Code = grpc.StatusCode
-_TIER_NAMES = {mc.TIER_DISK: "disk", mc.TIER_HOST: "host", mc.TIER_DEVICE: "device"}
-_CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-    ("grpc.max_receive_message_length", 64 << 20),
-]
 
 
 class PlacementError(Exception):
@@ -62,7 +56,7 @@ class Pod:
     def __init__(self, address: str, interceptors: Iterable[Any]) -> None:
         self.view = PodView(address)
         self.channel = grpc.aio.insecure_channel(
-            address, options=_CHANNEL_OPTIONS, interceptors=list(interceptors)
+            address, options=CHANNEL_OPTIONS, interceptors=list(interceptors)
         )
         self.control = model_control_pb2_grpc.ModelControlStub(self.channel)
 
@@ -114,6 +108,7 @@ class Controller:
         for t in self._placing.values():
             t.cancel()
         await asyncio.gather(*(p.channel.close() for p in self.pods.values()), return_exceptions=True)
+        await self.registry.close()
 
     async def _loop(self) -> None:
         while True:
@@ -121,8 +116,8 @@ class Controller:
             try:
                 await self.ensure_built()
                 await self.refresh()
-            except Exception:  # the loop must outlive one bad round (Redis or S3 blips)
-                log.exception("adapter controller round failed")
+            except Exception as e:  # the loop must outlive one bad round (Redis or S3 blips)
+                log.warning("adapter controller round failed: %s: %s", type(e).__name__, e)
 
     async def ensure_built(self) -> bool:
         """Rebuild the registry index from the store when it has none (new or flushed Redis)."""

@@ -34,6 +34,9 @@ class MemoryRegistry:
     async def check(self) -> None:
         return None
 
+    async def close(self) -> None:
+        return None
+
     async def is_built(self) -> bool:
         return self.built
 
@@ -63,9 +66,6 @@ class MemoryRegistry:
         for pod in [p for p, (exp, _) in table.items() if exp <= now]:
             del table[pod]
         return {pod: info for pod, (_, info) in table.items()}
-
-    async def drop_lease(self, name: str, pod: str) -> None:
-        self.lease_table.get(name, {}).pop(pod, None)
 
     async def stage(self, sha: str, data: bytes, max_total: int) -> None:
         if len(data) > max_total:
@@ -152,10 +152,6 @@ class RedisRegistry:
             return {}
         raws = await self.r.hmget(_P + f"leaseinfo:{name}", live)
         return {p.decode(): json.loads(r) for p, r in zip(live, raws, strict=True) if r is not None}
-
-    async def drop_lease(self, name: str, pod: str) -> None:
-        await self.r.zrem(_P + f"lease:{name}", pod)
-        await self.r.hdel(_P + f"leaseinfo:{name}", pod)
 
     async def stage(self, sha: str, data: bytes, max_total: int) -> None:
         if len(data) > max_total:

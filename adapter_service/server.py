@@ -33,6 +33,7 @@ from adapter_service.controller import Controller, PlacementError
 from adapter_service.placement import Knobs
 from adapter_service.registry import MemoryRegistry, RedisRegistry, Registry
 from adapter_service.store import LocalStore, S3Store, Store, Version
+from gateway.pods import dns_discovery, static_discovery
 from spindle import serving, telemetry
 from spindle.grpc_status import abort
 from spindle.v1 import adapters_pb2 as apb
@@ -50,13 +51,6 @@ async def _name(context: grpc.aio.ServicerContext, name: str) -> str:
         return validate.check_name(name)
     except validate.ValidationError as e:
         await abort(context, Code.INVALID_ARGUMENT, str(e))
-
-
-_KIND_CODES = {
-    "invalid": Code.INVALID_ARGUMENT,
-    "too_big": Code.RESOURCE_EXHAUSTED,
-    "checksum": Code.DATA_LOSS,
-}
 
 
 class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
@@ -106,7 +100,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         try:
             summary = await asyncio.to_thread(validate.validate, config, weights, self.base, self.max_rank)
         except validate.ValidationError as e:
-            await abort(context, _KIND_CODES[e.kind], f"adapter {name!r} refused: {e}")
+            await abort(context, Code.INVALID_ARGUMENT, f"adapter {name!r} refused: {e}")
         lock = self._locks.setdefault(name, asyncio.Lock())
         async with lock:
             latest = await self.c.lookup(name)
@@ -438,8 +432,6 @@ async def start(
     args: argparse.Namespace, provider: Any = None
 ) -> tuple[grpc.aio.Server, serving.Health, Controller]:
     """Build, bind and start the service (also used in-process by the benchmark)."""
-    from gateway.pods import dns_discovery, static_discovery
-
     base = base_model.load(args.base_model)
     store, registry = _backends(args)
     discover = (

@@ -30,11 +30,7 @@ _PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")
 
 
 class ValidationError(ValueError):
-    """An adapter the cluster will not serve. `kind`: invalid, too_big or checksum (the gRPC code)."""
-
-    def __init__(self, message: str, kind: str = "invalid") -> None:
-        super().__init__(message)
-        self.kind = kind
+    """An adapter the cluster will not serve (INVALID_ARGUMENT), with the reason."""
 
 
 @dataclass
