@@ -4,9 +4,12 @@ shapes, no download), against the card's copy bandwidth and HF `transformers.gen
 Setup (printed in every line): one CUDA device, bf16, greedy, prompts of `--prompt-len` random
 token ids, EOS ignored. Decode tokens/s = batch x (new_tokens - 1) / (time(new_tokens) -
 time(1 token)), so prefill is excluded the same way for every system. Batch-1 achieved GB/s =
-weight bytes x tokens/s. Prints one JSON line per result, then a short table.
+weight bytes x tokens/s. With `--lora-adapters N`, the same decode at `--lora-batch` rows with
+N distinct rank-`--lora-rank` adapters on all seven projections, against the base model in the
+same engine. Prints one JSON line per result, then a short table.
 
-    python bench/gpu.py [--batches 1 16 64 256] [--new-tokens 64] [--no-hf] [--small]
+    python bench/gpu.py [--batches 1 16 64 256] [--new-tokens 64] [--hf-batches] [--small]
+                        [--lora-adapters 64 --lora-batch 64 --lora-rank 16]
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import torch
 
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
+from model_service.lora.adapter import LoraAdapter, LoraWeights, module_shapes
 from model_service.models.config import ModelConfig
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
+from model_service.models.step import StepBatch
 
 LLAMA3_8B = {
     "vocab_size": 128256,
@@ -78,10 +83,12 @@ def random_model(shape: dict[str, int]) -> LoadedModel:
     return LoadedModel("random-8b" if shape is LLAMA3_8B else "random-smollm2", cfg, module.eval(), None)
 
 
-def timed_generate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+def timed_generate(
+    engine: Engine, prompts: list[list[int]], new_tokens: int, adapters: list[str | None]
+) -> float:
     reqs = [
-        {"prompt_token_ids": p, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-        for p in prompts
+        {"prompt_token_ids": p, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "adapter": a}
+        for p, a in zip(prompts, adapters, strict=True)
     ]
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -92,13 +99,101 @@ def timed_generate(engine: Engine, prompts: list[list[int]], new_tokens: int) ->
     return time.perf_counter() - start
 
 
-def decode_tok_s(engine: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
+def decode_tok_s(
+    engine: Engine,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    vocab: int,
+    adapters: list[str | None] | None = None,
+) -> float:
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    timed_generate(engine, prompts, 4)  # warm-up: graphs for this batch size, kernel compiles
-    one = min(timed_generate(engine, prompts, 1) for _ in range(2))
-    full = min(timed_generate(engine, prompts, new_tokens) for _ in range(2))
+    adapters = adapters or [None] * batch
+    timed_generate(engine, prompts, 4, adapters)  # warm-up: graphs, kernel compiles, adapter slots
+    one = min(timed_generate(engine, prompts, 1, adapters) for _ in range(2))
+    full = min(timed_generate(engine, prompts, new_tokens, adapters) for _ in range(2))
     return batch * (new_tokens - 1) / (full - one)
+
+
+def host_share(engine: Engine, batch: int, prompt_len: int, vocab: int) -> float:
+    """The share of decode steps' wall time spent outside the forward pass (scheduling, batch
+    building, sampling's host side, output processing): each forward is timed to completion."""
+    forward_s = 0.0
+    execute = engine.executor.execute
+
+    def timed_execute(step_batch: StepBatch) -> torch.Tensor:
+        nonlocal forward_s
+        start = time.perf_counter()
+        out = execute(step_batch)
+        torch.cuda.synchronize()
+        forward_s += time.perf_counter() - start
+        return out
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(batch):
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        engine.add_request_dict({"prompt_token_ids": prompt, "max_tokens": 32, "ignore_eos": True})
+    engine.step()  # the prefill step stays out of the measurement
+    engine.executor.execute = timed_execute
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    total = time.perf_counter() - start
+    engine.executor.execute = execute
+    return (total - forward_s) / total
+
+
+def ttft_ms(engine: Engine, vocab: int, prompt_len: int, cached: int) -> tuple[float, float]:
+    """Time to the first token in ms: a prompt never seen (cold), then one that shares its first
+    `cached` tokens with it (a prefix-cache hit)."""
+    g = torch.Generator().manual_seed(7)
+
+    def prompt(prefix: list[int]) -> list[int]:
+        return prefix + torch.randint(3, vocab, (prompt_len - len(prefix),), generator=g).tolist()
+
+    timed_generate(engine, [prompt([])], 1, [None])  # warm-up: kernels for these shapes
+    shared = torch.randint(3, vocab, (cached,), generator=g).tolist()
+    cold = timed_generate(engine, [prompt(shared)], 1, [None])
+    hit = timed_generate(engine, [prompt(shared)], 1, [None])
+    return cold * 1e3, hit * 1e3
+
+
+def lora_vs_base(loaded: LoadedModel, args: argparse.Namespace) -> tuple[float, float]:
+    """(base, LoRA) decode tokens/s, `--lora-adapters` distinct adapters over `--lora-batch` rows.
+    The adapters share random host tensors (each fills its own device slot, so the kernels read
+    N different slots); they go into the pool's host tier directly, skipping disk."""
+    n, rank, cfg = args.lora_adapters, args.lora_rank, loaded.config
+    engine = Engine(
+        EngineConfig(
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=args.lora_batch,
+            max_loras=n,
+            max_cpu_loras=n,
+            max_lora_rank=rank,
+            kv_cache_memory_bytes=20 << 30,
+            max_model_len=4096,
+        ),
+        loaded=loaded,
+    )
+    g = torch.Generator().manual_seed(0)
+    shared = {
+        m: (torch.randn(rank, i, generator=g) * 0.01, torch.randn(o, rank, generator=g) * 0.01)
+        for m, (i, o) in module_shapes(cfg).items()
+    }
+    for k in range(n):
+        weights = {
+            (layer, m): LoraWeights(a, b, 1.0 + k / n)
+            for layer in range(cfg.num_layers)
+            for m, (a, b) in shared.items()
+        }
+        engine.lora._remember(LoraAdapter(f"a{k}", k + 1, None, weights))  # bench only: no disk tier
+    batch, vocab = args.lora_batch, cfg.vocab_size
+    base = decode_tok_s(engine, batch, args.prompt_len, args.new_tokens, vocab)
+    names: list[str | None] = [f"a{i % n}" for i in range(batch)]
+    lora = decode_tok_s(engine, batch, args.prompt_len, args.new_tokens, vocab, names)
+    return base, lora
 
 
 def hf_decode_tok_s(loaded: LoadedModel, batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -136,12 +231,17 @@ def hf_decode_tok_s(loaded: LoadedModel, batch: int, prompt_len: int, new_tokens
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64, 256])
     ap.add_argument("--eager-batches", type=int, nargs="*", default=[1, 64])
     ap.add_argument("--hf-batches", type=int, nargs="*", default=[1, 64])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--small", action="store_true", help="SmolLM2's shape instead of the 8B one")
+    ap.add_argument("--lora-adapters", type=int, default=0, help="distinct adapters (0 = no LoRA run)")
+    ap.add_argument("--lora-batch", type=int, default=64)
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--host-share-batch", type=int, default=0, help="measure host time at this batch")
+    ap.add_argument("--ttft", action="store_true", help="4,096-token prompt: cold and 3,584 cached")
     args = ap.parse_args()
     shape = SMOLLM2 if args.small else LLAMA3_8B
     setup = {
@@ -167,7 +267,7 @@ def main() -> None:
                 max_loras=0,
                 enforce_eager=eager,
                 kv_cache_memory_bytes=40 << 30,
-                max_model_len=4096,
+                max_model_len=8192,
             ),
             loaded=loaded,
         )
@@ -180,8 +280,49 @@ def main() -> None:
                 line["fraction_of_copy_bandwidth"] = round(weight_bytes * rate / 1e9 / bandwidth, 3)
             print(json.dumps({**line, **setup}), flush=True)
             rows.append(line)
+        if not eager and args.ttft:
+            cold, hit = ttft_ms(engine, shape["vocab_size"], 4096, 3584)
+            print(
+                json.dumps(
+                    {
+                        "bench": "gpu",
+                        "metric": "ttft_ms_4096",
+                        "cold": round(cold, 1),
+                        "hit_3584": round(hit, 1),
+                        **setup,
+                    }
+                )
+            )
+        if not eager and args.host_share_batch:
+            share = host_share(engine, args.host_share_batch, args.prompt_len, shape["vocab_size"])
+            print(
+                json.dumps(
+                    {
+                        "bench": "gpu",
+                        "metric": "host_share_of_decode_step",
+                        "batch": args.host_share_batch,
+                        "value": round(share, 3),
+                        **setup,
+                    }
+                )
+            )
         del engine
         torch.cuda.empty_cache()
+    if args.lora_adapters:
+        base, lora = lora_vs_base(loaded, args)
+        for system, rate in (("spindle-base", base), (f"spindle-{args.lora_adapters}-loras", lora)):
+            line = {
+                "bench": "gpu",
+                "system": system,
+                "batch": args.lora_batch,
+                "decode_tokens_per_s": round(rate, 1),
+            }
+            print(
+                json.dumps(
+                    {**line, "lora_rank": args.lora_rank, "lora_over_base": round(lora / base, 3), **setup}
+                )
+            )
+            rows.append(line)
     for batch in args.hf_batches:
         torch.cuda.empty_cache()
         rate = hf_decode_tok_s(loaded, batch, args.prompt_len, args.new_tokens)

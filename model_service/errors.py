@@ -21,5 +21,10 @@ class ModelLoadError(SpindleError):
     """A model path, checkpoint or GGUF file cannot be loaded (FAILED_PRECONDITION / NOT_FOUND)."""
 
 
+class PreconditionError(SpindleError):
+    """The server's state does not allow the request now (FAILED_PRECONDITION): change the state
+    (for instance make an adapter active) or the request."""
+
+
 class NotFoundError(InvalidRequestError, LookupError):
     """The request names something this server does not have, e.g. an adapter (NOT_FOUND)."""

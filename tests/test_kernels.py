@@ -11,12 +11,14 @@ from model_service.attention.reference import TorchReferenceBackend
 from model_service.engine.batch_builder import BatchBuilder, StepItem
 from model_service.engine.cuda_graphs import batch_ladder
 from model_service.engine.seq_state import SequenceState
+from model_service.kernels.lora import lora_delta, lora_delta_reference
 from model_service.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
     store_kv,
     store_kv_reference,
 )
+from model_service.kernels.prefill_attention import paged_prefill_attention_reference
 from model_service.models.config import attention_layers
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -120,3 +122,162 @@ def test_triton_store_kv_matches_reference_and_skips_padding(kv_heads, dim):
     store_kv(k, v, caches[0], caches[1], slots)
     store_kv_reference(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def _lora_case(tokens: int, device: str, dtype: torch.dtype, seed: int):
+    """A fused q/k/v-like projection (parts of 64, 32, 32 columns) with 4 slots of ranks 8, 16, 0
+    (empty) and 4, zero-padded to 16, and rows spread over the slots and the base model."""
+    g = torch.Generator().manual_seed(seed)
+    sizes, in_features, max_rank = (64, 32, 32), 48, 16
+    a = torch.zeros(4, 3, max_rank, in_features)
+    b = torch.zeros(4, sum(sizes), max_rank)
+    scaling = torch.zeros(4, 3)
+    for slot, rank in enumerate((8, 16, 0, 4)):
+        a[slot, :, :rank] = torch.randn(3, rank, in_features, generator=g)
+        b[slot, :, :rank] = torch.randn(sum(sizes), rank, generator=g)
+        scaling[slot] = torch.rand(3, generator=g) * (rank > 0)
+    x = torch.randn(tokens, in_features, generator=g)
+    y = torch.randn(tokens, sum(sizes), generator=g)
+    slots = torch.randint(-1, 4, (tokens,), generator=g)
+    move = [t.to(device) for t in (x.to(dtype), y.to(dtype), a.to(dtype), b.to(dtype), scaling, slots)]
+    return sizes, *move
+
+
+def test_lora_reference_matches_the_segment_loop_of_the_lora_layer():
+    from model_service.lora.layers import LoraLinear, LoraStepPlan
+    from model_service.models.layers import PackedLinear
+
+    sizes, x, y, a, b, scaling, slots = _lora_case(40, "cpu", torch.float32, 0)
+    base = PackedLinear(x.shape[1], {"q_proj": sizes[0], "k_proj": sizes[1], "v_proj": sizes[2]}, bias=False)
+    torch.nn.init.zeros_(base.weight)
+    plan = LoraStepPlan(use_kernels=False)
+    layer = LoraLinear(base, 4, 16, plan)
+    for slot, rank in enumerate((8, 16, 0, 4)):
+        for part in range(3):
+            if rank:
+                lo, hi = layer.columns[part]
+                layer.write(
+                    slot, part, a[slot, part, :rank], b[slot, lo:hi, :rank], float(scaling[slot, part])
+                )
+    plan.segments = [(s, torch.nonzero(slots == s).flatten()) for s in range(4) if (slots == s).any()]
+    want = torch.zeros_like(y)
+    lora_delta_reference(x, want, a, b, scaling, slots, sizes)
+    assert torch.allclose(layer(x), want, atol=1e-5)
+    assert want[slots < 0].abs().sum() == 0  # base rows untouched
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 37, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_lora_matches_reference(tokens, dtype):
+    for seed in range(2):
+        sizes, x, y, a, b, scaling, slots = _lora_case(tokens, "cuda", dtype, seed)
+        want, got = y.clone(), y.clone()
+        lora_delta_reference(x, want, a, b, scaling, slots, sizes)
+        starts = torch.tensor([0, sizes[0], sizes[0] + sizes[1]], device="cuda")
+        lora_delta(x, got, a, b, scaling, slots, sizes, starts)
+        assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+        assert torch.equal(got[slots < 0], y[slots < 0])
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [576, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rms_norm_silu_and_rope_match_references(dim, dtype):
+    from model_service.kernels.fused import (
+        apply_rotary,
+        apply_rotary_reference,
+        rms_norm,
+        rms_norm_reference,
+        silu_and_mul,
+    )
+
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for seed in range(2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x, res = (torch.randn(37, dim, generator=g, device="cuda").to(dtype) for _ in range(2))
+        w = torch.rand(dim, generator=g, device="cuda").to(dtype)
+        out, summed = rms_norm(x, w, 1e-5, res)
+        assert torch.equal(summed, x + res)
+        assert _rel(out, rms_norm_reference(x + res, w, 1e-5)) < tol
+        assert _rel(rms_norm(x, w, 1e-5)[0], rms_norm_reference(x, w, 1e-5)) < tol
+        gate_up = torch.randn(37, 2 * dim, generator=g, device="cuda").to(dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        assert _rel(silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up) < tol
+        q = torch.randn(37, 8, 128, generator=g, device="cuda").to(dtype)
+        cos, sin = (torch.randn(37, 128, generator=g, device="cuda").to(dtype) for _ in range(2))
+        want = apply_rotary_reference(q, cos, sin)
+        assert _rel(apply_rotary(q.clone(), cos, sin), want) < tol
+
+
+def _mixed_case(device: str, dtype: torch.dtype, seed: int, heads: int = 4, kv_heads: int = 2, dim: int = 16):
+    """A step of a decode row, a mid-prompt chunk and a whole prompt over a pool of random K/V."""
+    bs = 4
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(37, 1), (90, 70), (130, 130)]  # (context length after the step, query rows)
+    blocks = [-(-n // bs) for n, _ in shapes]
+    perm = torch.randperm(sum(blocks) + 2, generator=g).tolist()
+    items, at = [], 0
+    for i, ((n, q_rows), nb) in enumerate(zip(shapes, blocks, strict=True)):
+        state = SequenceState(seq_id=i, block_table=perm[at : at + nb], num_computed=n - q_rows)
+        items.append(StepItem(state, [0] * q_rows, 1))
+        at += nb
+    batch = BatchBuilder(bs, torch.device(device)).build(items)
+    slots = len(perm) * bs
+    k_cache = torch.randn(slots, kv_heads, dim, generator=g).to(device, dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=g).to(device, dtype)
+    q = torch.randn(batch.num_tokens, heads, dim, generator=g).to(device, dtype)
+    return batch, q, k_cache, v_cache, bs
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_prefill_reference_matches_the_reference_backend(window):
+    batch, q, k_cache, v_cache, bs = _mixed_case("cpu", torch.float32, 0)
+    dim, kv_heads = q.shape[2], k_cache.shape[1]
+    want = paged_prefill_attention_reference(
+        q, k_cache, v_cache, batch.block_table, batch.query_start, batch.seq_lens, bs, dim**-0.5, window
+    )
+    cache = KVCache(
+        attention_layers([window]),
+        k_cache.shape[0] // bs,
+        bs,
+        kv_heads,
+        dim,
+        torch.float32,
+        torch.device("cpu"),
+    )
+    cache.data[0, 0], cache.data[0, 1] = k_cache, v_cache
+    backend = TorchReferenceBackend(cache, [window], dim)
+    backend.prepare(batch)
+    got = backend.forward(0, q, k_cache[batch.slot_mapping], v_cache[batch.slot_mapping])
+    assert _rel(got, want) < 1e-5
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads_dim", [(4, 2, 16), (32, 8, 128), (9, 3, 64)])
+def test_triton_prefill_attention_matches_reference(window, dtype, heads_dim):
+    from model_service.kernels.prefill_attention import paged_prefill_attention, prefill_tiles
+
+    for seed in range(2):
+        batch, q, k_cache, v_cache, bs = _mixed_case("cuda", dtype, seed, *heads_dim)
+        args = (
+            q,
+            k_cache,
+            v_cache,
+            batch.block_table,
+            batch.query_start,
+            batch.seq_lens,
+            bs,
+            heads_dim[2] ** -0.5,
+        )
+        want = paged_prefill_attention_reference(*args, window)
+        seqs, rows = prefill_tiles(batch.host_query_start)
+        tiles = (torch.from_numpy(seqs).cuda(), torch.from_numpy(rows).cuda())
+        got = paged_prefill_attention(*args, window, tiles)
+        assert torch.isfinite(got).all()
+        assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)

@@ -13,8 +13,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from model_service.errors import ModelLoadError
+from model_service.kernels.fused import apply_rotary
 from model_service.models.config import ModelConfig
-from model_service.models.rope import RotaryEmbedding, apply_rotary, inverse_frequencies
+from model_service.models.rope import RotaryEmbedding, inverse_frequencies
 
 LLAMA31 = {
     "rope_type": "llama3",

@@ -1,9 +1,9 @@
-"""The CUDA attention backend: Triton kernels for decode steps, graph-capturable.
+"""The CUDA attention backend: Triton kernels over the block table, decode steps graph-capturable.
 
-Decode steps (one query token per sequence) write K/V with `store_kv` and attend with the
-split-KV `paged_decode_attention` kernel straight over the block table. Prefill and mixed steps
-go to the torch reference backend for now (SDPA over the gathered context): they run eagerly and
-are a small share of a serving step's count.
+Every step writes its K/V with `store_kv`. Decode steps (one query token per sequence) attend
+with the split-KV `paged_decode_attention` kernel; prefill and mixed steps with the varlen
+`paged_prefill_attention` kernel, which skips key tiles above the causal diagonal. Neither
+gathers context: both read K/V in place through the block table.
 
 For CUDA graphs the backend owns static metadata buffers (block table, sequence lengths, slot
 mapping) sized once for the largest captured batch. A graph is captured reading them, and
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from model_service.attention.kv_cache import KVCache
-from model_service.attention.reference import TorchReferenceBackend
 from model_service.kernels.paged_attention import num_splits_for, paged_decode_attention, store_kv
+from model_service.kernels.prefill_attention import paged_prefill_attention, prefill_tiles
 from model_service.models.step import StepBatch
 
 
@@ -25,29 +25,44 @@ class TritonBackend:
     def __init__(self, kv_cache: KVCache, windows: list[int | None], head_dim: int) -> None:
         self.kv_cache, self.windows = kv_cache, windows
         self.scale = head_dim**-0.5
-        self.reference = TorchReferenceBackend(kv_cache, windows, head_dim)
         self.decode = False
+        self.query_start = torch.empty(0, dtype=torch.long)
+        self.tiles = (self.query_start, self.query_start)
         self.num_splits = 1
         self.slot_mapping = self.block_table = self.seq_lens = torch.empty(0, dtype=torch.long)
         self._static: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def prepare(self, batch: StepBatch) -> None:
         self.decode = batch.max_query_len == 1
-        if not self.decode:
-            self.reference.prepare(batch)
-            return
         self.slot_mapping, self.block_table, self.seq_lens = (
             batch.slot_mapping,
             batch.block_table,
             batch.seq_lens,
         )
-        self.num_splits = num_splits_for(batch.num_seqs, self.kv_cache.data.shape[3])
+        if self.decode:
+            self.num_splits = num_splits_for(batch.num_seqs, self.kv_cache.data.shape[3])
+            return
+        self.query_start = batch.query_start
+        seqs, rows = prefill_tiles(batch.host_query_start)
+        device = batch.input_ids.device
+        self.tiles = (torch.from_numpy(seqs).to(device), torch.from_numpy(rows).to(device))
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if not self.decode:
-            return self.reference.forward(layer, q, k, v)
         k_cache, v_cache = self.kv_cache.layer(layer)
         store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, self.slot_mapping)
+        if not self.decode:
+            return paged_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                self.block_table,
+                self.query_start,
+                self.seq_lens,
+                self.kv_cache.block_size,
+                self.scale,
+                self.windows[layer],
+                self.tiles,
+            )
         return paged_decode_attention(
             q,
             k_cache,

@@ -16,17 +16,34 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
-from model_service.engine.engine import Engine
 from model_service.engine.sequence import RequestOutput
 from model_service.lora.control import ControlOp, ControlResult
 
 log = logging.getLogger(__name__)
 
 
-class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+class SteppedEngine(Protocol):
+    """What the engine thread drives: `engine.Engine`, or any engine with the same calls."""
+
+    def add_request(self, *args: Any, **kwargs: Any) -> str: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def submit_control(self, op: ControlOp) -> Future[ControlResult]: ...
+
+
+E = TypeVar("E", bound=SteppedEngine)
+T = TypeVar("T")
+
+
+class AsyncEngine(Generic[E]):
+    def __init__(self, engine: E) -> None:
         self.engine = engine
         self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
@@ -72,7 +89,7 @@ class AsyncEngine:
         self._inbox.put(lambda: None)  # wake an idle engine thread so the step that runs it happens
         return future
 
-    def call(self, fn: Callable[[Engine], Any]) -> Any:
+    def call(self, fn: Callable[[E], T]) -> T:
         """Run `fn(engine)` on the engine thread and wait for its result (for stats, control ops)."""
         done: queue.Queue[tuple[bool, Any]] = queue.Queue()
 

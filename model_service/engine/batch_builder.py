@@ -85,6 +85,7 @@ class BatchBuilder:
             max_query_len=int(lens.max()),
             max_seq_len=int((starts + lens).max()),
             host_lora_slots=lora.copy(),
+            host_query_start=q_start.copy(),
         )
 
     def _host_buffer(self, size: int) -> np.ndarray:

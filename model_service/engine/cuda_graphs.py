@@ -5,8 +5,10 @@ the step's token ids and positions are copied into static input buffers, the att
 backend copies its metadata into its static buffers (padding rows write and read nothing), the
 graph replays every kernel of the forward pass with no Python in between, and the first n rows
 of the static logits are the step's. Graphs are captured lazily, the first time a size is
-needed, and share one memory pool. Steps with prefill chunks, several logits rows per sequence
-or LoRA rows run eagerly (the LoRA reference plans its segments on the host).
+needed, and share one memory pool. A step with LoRA rows replays a graph captured with the LoRA
+kernels (per-token slots in a static buffer too); without the kernels (a rank width that is not
+a power of two) it runs eagerly, as do steps with prefill chunks or several logits rows per
+sequence.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from model_service.lora.layers import LoraStepPlan
 from model_service.models.step import CapturableBackend, ForwardContext, StepBatch
 
 
@@ -33,14 +36,16 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_seq_len: int,
         device: torch.device,
+        lora: LoraStepPlan | None = None,
     ) -> None:
-        self.forward, self.backend = forward, backend
+        self.forward, self.backend, self.lora = forward, backend, lora
         self.ladder = batch_ladder(max_num_seqs)
         backend.init_graph_capture(max_num_seqs, max_seq_len)
         self.input_ids = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self.rows = torch.arange(max_num_seqs, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.lora_slots = torch.full((max_num_seqs,), -1, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: tuple[int, int] | None = None
 
     def can_run(self, batch: StepBatch) -> bool:
@@ -48,23 +53,28 @@ class DecodeGraphs:
             batch.max_query_len == 1
             and batch.num_seqs <= self.ladder[-1]
             and len(batch.logits_rows) == batch.num_seqs
-            and not batch.uses_lora
+            and (self.lora is not None or not batch.uses_lora)
         )
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         n = batch.num_seqs
         size = self.ladder[bisect.bisect_left(self.ladder, n)]
-        if size not in self.graphs:
-            self.graphs[size] = self._capture(size)
-        graph, logits = self.graphs[size]
+        key = (size, batch.uses_lora)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(*key)
+        graph, logits = self.graphs[key]
         self.input_ids[:n] = batch.input_ids
         self.positions[:n] = batch.positions
+        self.lora_slots[:n] = batch.lora_slots
+        self.lora_slots[n:size] = -1
         self.backend.prepare_for_replay(batch, size)
         graph.replay()
         return logits[:n].clone()  # the next replay overwrites the static output
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int, with_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self.backend.prepare_for_capture(size)
+        if self.lora is not None:  # the graph records the LoRA kernels only when it needs them
+            self.lora.enabled, self.lora.slots = with_lora, self.lora_slots[:size]
         ctx = ForwardContext(attention=self.backend, logits_rows=self.rows[:size])
         ids, pos = self.input_ids[:size], self.positions[:size]
         self.forward(ids, pos, ctx)  # warm-up outside the graph: kernel compilation, allocator

@@ -38,9 +38,9 @@ from model_service.engine.sampler import SampleRow, sample
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence, Status
-from model_service.errors import InvalidRequestError, NotFoundError
+from model_service.errors import InvalidRequestError, NotFoundError, PreconditionError
 from model_service.lora.control import ControlOp, ControlResult
-from model_service.lora.pool import AdapterInfo, LoraPool
+from model_service.lora.pool import ACTIVE, AdapterInfo, LoraPool
 from model_service.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,11 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if adapter == ACTIVE and self.lora.slot_of(ACTIVE) is None:
+            raise PreconditionError(
+                f"no adapter is active, so {ACTIVE!r} names none: ModelControl.SetActive sets one "
+                "(or name the adapter itself)"
+            )
         if adapter is not None and not self.lora.known(adapter):
             names = sorted(a.name for a in self.lora.report())
             raise NotFoundError(f"unknown adapter {adapter!r}; this server has {names or 'no adapters'}")

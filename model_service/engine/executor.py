@@ -76,17 +76,19 @@ class ModelExecutor:
             self.dtype,
             self.device,
         )
-        self.lora: LoraLayers | None = (
-            wrap_lora_layers(self.module, max_loras, config.max_lora_rank) if max_loras > 0 else None
-        )
+        kernels, rank = self._kernels_apply(), config.max_lora_rank
+        self.lora: LoraLayers | None = None
+        if max_loras > 0:  # the LoRA kernels need a power-of-two rank width
+            self.lora = wrap_lora_layers(self.module, max_loras, rank, kernels and rank & (rank - 1) == 0)
         self.graphs: DecodeGraphs | None = None
         self.attention: AttentionBackend
-        if self._kernels_apply():
+        if kernels:
             triton_backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
             self.attention = triton_backend
             if not config.enforce_eager:
+                plan = self.lora.plan if self.lora is not None and self.lora.plan.use_kernels else None
                 self.graphs = DecodeGraphs(
-                    self.module, triton_backend, config.max_num_seqs, max_model_len, self.device
+                    self.module, triton_backend, config.max_num_seqs, max_model_len, self.device, plan
                 )
         else:
             self.attention = TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)

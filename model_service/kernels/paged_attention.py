@@ -119,6 +119,28 @@ if triton is not None:
         tl.store(PartLse + seq * pl_stride_s + heads * pl_stride_h + split, lse, mask=gm)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _merge_splits_kernel(PartOut, PartLse, Out, num_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+        """One (sequence, head): weight each split's output by exp(lse - max); empty splits
+        (lse = -inf) weigh nothing, and a padding row (every split empty) gets zeros."""
+        row = tl.program_id(0)  # sequence * heads + head
+        s = tl.arange(0, SPLITS)
+        d = tl.arange(0, HEAD_DIM)
+        lse = tl.load(PartLse + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
+        top = tl.maximum(tl.max(lse, 0), -1e30)
+        w = tl.exp(lse - top)
+        total = tl.maximum(tl.sum(w, 0), 1e-30)
+        parts = tl.load(
+            PartOut + (row * num_splits + s[:, None]) * HEAD_DIM + d[None, :],
+            mask=s[:, None] < num_splits,
+            other=0.0,
+        )
+        out = tl.sum(parts * w[:, None], 0) / total
+        tl.store(Out + row * HEAD_DIM + d, out.to(Out.dtype.element_ty))
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
@@ -163,11 +185,11 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
     )  # fmt: skip
-    # Merge the splits: weight each by exp(lse - max); empty splits have lse = -inf (weight 0).
-    top = part_lse.amax(-1, keepdim=True).clamp(min=-1e30)
-    weights = torch.exp(part_lse - top)
-    total = weights.sum(-1, keepdim=True).clamp(min=1e-30)
-    return ((part_out * weights[..., None]).sum(2) / total).to(q.dtype)
+    out = torch.empty(num_seqs, heads, dim, dtype=q.dtype, device=q.device)
+    _merge_splits_kernel[(num_seqs * heads,)](
+        part_out, part_lse, out, num_splits, HEAD_DIM=dim, SPLITS=triton.next_power_of_2(num_splits)
+    )
+    return out
 
 
 def num_splits_for(num_seqs: int, kv_heads: int, num_sms: int = 132) -> int:

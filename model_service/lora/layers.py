@@ -7,8 +7,10 @@ slot copies its weights into those buffers (a smaller rank is zero-padded); the 
 never change, so a CUDA graph or a batched kernel can read any slot of any layer, and a request's
 rows pick their adapter by the per-token slot index of the step batch.
 
-The torch reference below loops over the slots present in the step (SGMV's segments), using
-each slot's exact rank, so zero padding costs memory, not arithmetic, on the CPU. The memory it
+On CUDA the delta is two Triton launches per projection for all rows of all adapters
+(kernels/lora.py), graph-capturable. The torch reference below loops over the slots present in
+the step (SGMV's segments), using each slot's exact rank, so zero padding costs memory, not
+arithmetic, on the CPU. The memory it
 costs: max_loras x max_rank x layers x dtype bytes x the sum over fused projections of
 (parts x in + out), whatever rank the adapters have. The models know nothing of LoRA: wrapping
 happens once, at load, by module type.
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from model_service.kernels.lora import lora_delta
 from model_service.lora.adapter import LoraAdapter
 from model_service.models.layers import PackedLinear
 from model_service.models.step import StepBatch
@@ -32,12 +35,21 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class LoraStepPlan:
-    """Which rows each slot serves this step; shared by every `LoraLinear` of a model."""
+    """Which rows each slot serves this step; shared by every `LoraLinear` of a model. With
+    kernels, the per-token slots on the device (`slots`, a static buffer under CUDA graphs);
+    without, the rows of each slot present (`segments`, planned on the host)."""
 
-    def __init__(self) -> None:
+    def __init__(self, use_kernels: bool) -> None:
+        self.use_kernels = use_kernels
+        self.enabled = False  # some row of this step uses an adapter
+        self.slots = torch.empty(0, dtype=torch.long)
         self.segments: list[tuple[int, torch.Tensor]] = []
 
     def prepare(self, batch: StepBatch) -> None:
+        self.enabled = batch.uses_lora
+        if self.use_kernels:
+            self.slots = batch.lora_slots
+            return
         slots = batch.host_lora_slots
         device = batch.input_ids.device
         self.segments = [
@@ -54,7 +66,9 @@ class LoraLinear(nn.Module):
         parts = len(base.parts)
         self.register_buffer("lora_a", w.new_zeros(max_loras, parts, max_rank, base.in_features))
         self.register_buffer("lora_b", w.new_zeros(max_loras, base.out_features, max_rank))
+        self.register_buffer("lora_scaling", torch.zeros(max_loras, parts, device=w.device))
         bounds = np.cumsum((0, *base.output_sizes))
+        self.register_buffer("part_starts", torch.tensor(bounds[:-1], dtype=torch.long, device=w.device))
         self.columns = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds)]
         # Host-side per slot and part: the adapter's rank (0 = part not targeted) and its scaling.
         self.ranks = [[0] * parts for _ in range(max_loras)]
@@ -62,6 +76,19 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        if self.plan.use_kernels:
+            if self.plan.enabled:
+                lora_delta(
+                    x,
+                    y,
+                    self.lora_a,
+                    self.lora_b,
+                    self.lora_scaling,
+                    self.plan.slots,
+                    self.base.output_sizes,
+                    self.part_starts,
+                )
+            return y
         for slot, rows in self.plan.segments:
             ranks = self.ranks[slot]
             if not any(ranks):
@@ -82,10 +109,12 @@ class LoraLinear(nn.Module):
         self.lora_b[slot, lo:hi].zero_()
         self.lora_b[slot, lo:hi, :r].copy_(b)
         self.ranks[slot][part], self.scaling[slot][part] = r, scaling
+        self.lora_scaling[slot, part] = scaling
 
     def clear(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.lora_scaling[slot].zero_()
         self.ranks[slot] = [0] * len(self.columns)
         self.scaling[slot] = [0.0] * len(self.columns)
 
@@ -109,9 +138,9 @@ class LoraLayers:
             layer.clear(slot)
 
 
-def wrap_lora_layers(module: nn.Module, max_loras: int, max_rank: int) -> LoraLayers:
+def wrap_lora_layers(module: nn.Module, max_loras: int, max_rank: int, use_kernels: bool) -> LoraLayers:
     """Replace every `PackedLinear` inside a decoder layer of `module` by a `LoraLinear`."""
-    plan = LoraStepPlan()
+    plan = LoraStepPlan(use_kernels)
     targets: dict[tuple[int, str], tuple[LoraLinear, int]] = {}
     for name, sub in list(module.named_modules()):
         match = _LAYER.search(name + ".")

@@ -69,6 +69,7 @@ class AdapterInfo:
     pinned: bool
     rank: int = 0
     sha256: str = ""
+    active: bool = False  # the adapter `@active` requests get
 
 
 class LoraPool:
@@ -216,7 +217,17 @@ class LoraPool:
             if a is not None:
                 seen.add(a.name)
                 out.append(
-                    AdapterInfo(a.name, a.adapter_id, "gpu", i, s.refcount, s.pinned, a.max_rank, a.sha256)
+                    AdapterInfo(
+                        a.name,
+                        a.adapter_id,
+                        "gpu",
+                        i,
+                        s.refcount,
+                        s.pinned,
+                        a.max_rank,
+                        a.sha256,
+                        i == self.active,
+                    )
                 )
         for name, a in self.host.items():
             if name not in seen:

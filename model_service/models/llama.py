@@ -10,12 +10,12 @@ Qwen3). Parameter names follow HF checkpoints, except that q/k/v and gate/up are
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from model_service.kernels.fused import apply_rotary, silu_and_mul
 from model_service.models.config import ModelConfig
 from model_service.models.layers import PackedLinear, RMSNorm
-from model_service.models.rope import RotaryEmbedding, apply_rotary
+from model_service.models.rope import RotaryEmbedding
 from model_service.models.step import ForwardContext
 
 
@@ -58,8 +58,7 @@ class MLP(nn.Module):
         self.down_proj = PackedLinear(inter, {"down_proj": cfg.hidden_size}, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -74,10 +73,20 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it): the next norm adds the two."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.with_residual(x, residual)
+        h = self.self_attn(h, rope, ctx)
+        h, residual = self.post_attention_layernorm.with_residual(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -99,7 +108,8 @@ class DecoderModel(nn.Module):
         """input_ids, positions: [T] flat batch. Returns float32 logits [len(ctx.logits_rows), vocab]."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, rope, ctx)
-        x = self.model.norm(x[ctx.logits_rows])
+            x, residual = layer(x, residual, rope, ctx)
+        x = self.model.norm((x + residual)[ctx.logits_rows])
         return self.lm_head(x).float()

@@ -37,6 +37,7 @@ class StepBatch:
     max_query_len: int  # host copies of the sizes, so backends plan without a device sync
     max_seq_len: int
     host_lora_slots: np.ndarray  # [T] the same LoRA slots on the host (segment planning)
+    host_query_start: np.ndarray  # [S + 1] the same query offsets on the host (kernel grids)
 
     @property
     def num_tokens(self) -> int:

@@ -107,7 +107,6 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         slot = request.slot if request.HasField("slot") else None
         path = request.path if request.HasField("path") else None
         result = await self._run(LoadAdapter(name, path, slot), context)
-        self.pod.active.on_slot_change(name, result.slot, result.evicted)
         return pb.SlotChange(
             slot=result.slot, evicted=result.evicted or "", adapter=_state(await self._info(name), name)
         )
@@ -153,7 +152,6 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.SlotChange:
         name = await self._name(request.name, context)
         result = await self._run(EvictAdapter(name, request.from_host), context)
-        self.pod.active.on_slot_change(name, result.slot, name)
         return pb.SlotChange(
             slot=-1 if result.slot is None else result.slot,
             evicted=name,
@@ -170,8 +168,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
     ) -> pb.AdapterState:
         """Make a resident adapter the one `@active` requests get (running ones keep theirs)."""
         name = await self._name(request.name, context) if request.name else None
-        result = await self._run(SetActiveAdapter(name), context)
-        self.pod.active.set(name, result)
+        await self._run(SetActiveAdapter(name), context)
         return _state(await self._info(name), name) if name else pb.AdapterState()
 
     async def GetSlots(self, request: pb.GetSlotsRequest, context: grpc.aio.ServicerContext) -> pb.SlotReport:
@@ -182,7 +179,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         for a in adapters:
             if a.slot is not None and 0 <= a.slot < len(slots):
                 slots[a.slot] = pb.Slot(index=a.slot, adapter=a.name, refcount=a.refcount, pinned=a.pinned)
-        active = self.pod.active.current(adapters)
+        active = next((a for a in adapters if a.active), None)
         return pb.SlotReport(
             slots=slots,
             adapters=[_state(a, a.name) for a in adapters],

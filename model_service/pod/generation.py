@@ -20,7 +20,6 @@ from opentelemetry import trace
 
 from model_service.engine.sequence import RequestOutput
 from model_service.errors import SpindleError
-from model_service.lora.pool import ACTIVE
 from model_service.pod import wire
 from model_service.pod.state import InFlight, ModelPod
 from model_service.pod.status import abort_for
@@ -86,13 +85,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 context,
                 Code.NOT_FOUND,
                 f"model {request.model!r} is not served here (this pod: {pod.model_name!r})",
-            )
-        if kwargs.get("adapter") == ACTIVE and pod.active.name is None:
-            await abort(
-                context,
-                Code.FAILED_PRECONDITION,
-                f"no adapter is active on this pod, so {ACTIVE!r} names none: ModelControl.SetActive "
-                "sets one (or name the adapter itself)",
             )
         rid = request.request_id or uuid.uuid4().hex
         if rid in pod.inflight:

@@ -17,7 +17,6 @@ from model_service.engine.async_engine import AsyncEngine
 from model_service.engine.engine import EngineStats
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import RequestOutput
-from model_service.lora.control import ControlResult
 from model_service.lora.pool import ACTIVE, AdapterInfo
 from model_service.pod.handle import EngineHandle
 from model_service.pod.metrics import PodMetrics, Snapshot
@@ -64,9 +63,8 @@ class ModelPod:
         self.model_name = model_name
         self.drain_timeout = drain_timeout
         self.health = health
-        self.async_engine: AsyncEngine | None = None
+        self.async_engine: AsyncEngine[EngineHandle] | None = None
         self.engine: EngineHandle | None = None
-        self.active = ActiveAdapter()
         self.max_model_len = 0
         self.control_port = 0  # reported in PodLoad (the adapter service addresses pods by it)
         self.inflight: dict[str, InFlight] = {}
@@ -84,7 +82,7 @@ class ModelPod:
         """Build the engine off the event loop, warm it up, then report SERVING."""
         started = time.monotonic()
         engine = await asyncio.to_thread(build_engine)
-        self.engine, self.async_engine = engine, AsyncEngine(engine)  # type: ignore[arg-type]
+        self.engine, self.async_engine = engine, AsyncEngine(engine)
         self.max_model_len = engine.max_model_len
         await self._warm_up(engine.vocab_size)
         log.info("model %s loaded and warmed in %.1f s", self.model_name, time.monotonic() - started)
@@ -198,7 +196,7 @@ class ModelPod:
         _, waiting = self._adapter_split()
         resident = [a.name for a in adapters if a.tier == "gpu"]
         available = [a.name for a in adapters]
-        if self.active.current(adapters) is not None:  # `@active` requests can run here
+        if any(a.active for a in adapters):  # `@active` requests can run here
             resident.append(ACTIVE)
             available.append(ACTIVE)
         return pod_status_pb2.PodLoad(
@@ -219,42 +217,3 @@ class ModelPod:
             available_adapters=sorted(available),
             control_port=self.control_port,
         )
-
-
-@dataclass
-class ActiveAdapter:
-    """Which resident adapter `@active` requests get, as the SetActive RPC last made it.
-
-    The engine resolves `@active` itself (its LoRA pool holds the active slot); its handle does not
-    report which one it is, so the pod keeps the answer of its own SetActive call and trusts it
-    only while `list_adapters` still shows that adapter, same content, in that slot, and no
-    control RPC of this pod has since evicted, replaced or moved it (each of which clears the
-    engine's active slot).
-    """
-
-    name: str | None = None
-    slot: int | None = None
-    adapter_id: int = 0
-
-    def set(self, name: str | None, result: ControlResult) -> None:
-        self.name, self.slot, self.adapter_id = name, result.slot, result.adapter_id
-
-    def clear(self) -> None:
-        self.set(None, ControlResult())
-
-    def on_slot_change(self, name: str, slot: int | None, evicted: str | None) -> None:
-        """After this pod loaded `name` into `slot` (evicting `evicted`) or evicted it from `slot`."""
-        if self.name is None:
-            return
-        moved = name == self.name and slot != self.slot
-        replaced = slot == self.slot and (name != self.name or evicted is not None)
-        if moved or replaced:
-            self.clear()
-
-    def current(self, adapters: list[AdapterInfo]) -> AdapterInfo | None:
-        if self.name is None:
-            return None
-        for a in adapters:
-            if (a.name, a.tier, a.slot, a.adapter_id) == (self.name, "gpu", self.slot, self.adapter_id):
-                return a
-        return None

@@ -11,7 +11,13 @@ from typing import NoReturn
 
 import grpc
 
-from model_service.errors import CapacityError, InvalidRequestError, ModelLoadError, SpindleError
+from model_service.errors import (
+    CapacityError,
+    InvalidRequestError,
+    ModelLoadError,
+    PreconditionError,
+    SpindleError,
+)
 from model_service.lora.adapter import AdapterError
 from model_service.lora.pool import AdapterBusyError
 from spindle.grpc_status import abort
@@ -24,7 +30,7 @@ def status_for(e: Exception) -> tuple[grpc.StatusCode, str]:
     """The status code and message for `e`, raised by an engine call or a control operation."""
     if isinstance(e, SpindleError) and isinstance(e, LookupError):
         return Code.NOT_FOUND, str(e)  # an unknown adapter (NotFoundError, AdapterNotFoundError)
-    if isinstance(e, AdapterBusyError):
+    if isinstance(e, (AdapterBusyError, PreconditionError)):
         return Code.FAILED_PRECONDITION, str(e)  # a slot in use or pinned: retry once released
     if isinstance(e, (InvalidRequestError, AdapterError)):
         return Code.INVALID_ARGUMENT, str(e)

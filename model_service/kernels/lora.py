@@ -1,0 +1,118 @@
+"""Multi-LoRA shrink and expand for one fused projection, over the stacked slot buffers (Triton),
+with the torch reference CI runs.
+
+Each token row picks its adapter by `slots[t]` (-1: the base model, skipped). Shrink computes
+`xa[t] = A[slot] @ x[t]` for every part of the projection at once (A: [max_loras, parts,
+max_rank, in], read as [parts * max_rank, in]); expand adds `scaling[slot, part] * B[slot] @ xa`
+into each part's output columns (B: [max_loras, out, max_rank]). One launch each, for every row
+of every adapter, so a decode step with 64 different adapters is 2 launches per projection
+instead of 64 x (gather + 2 matmuls + scatter), and both fit in a CUDA graph: they read only
+device tensors at fixed addresses. Zero-padded ranks add zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_service.kernels.paged_attention import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _shrink_kernel(
+        X, A, Slots, XA, x_stride, a_stride_slot, in_features, width, k_chunk,
+        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        t, rb, ks = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        slot = tl.load(Slots + t)
+        if slot >= 0:
+            r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+            acc = tl.zeros([BLOCK_R], tl.float32)
+            k_end = tl.minimum((ks + 1) * k_chunk, in_features)
+            for k0 in range(ks * k_chunk, k_end, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(X + t * x_stride + k, mask=k < k_end, other=0.0).to(tl.float32)
+                a_off = slot * a_stride_slot + r[:, None] * in_features + k[None, :]
+                a = tl.load(A + a_off, mask=(r[:, None] < width) & (k[None, :] < k_end), other=0.0)
+                acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
+            tl.atomic_add(XA + t * width + r, acc, mask=r < width)  # split-K partial sums
+
+    @triton.jit
+    def _expand_kernel(
+        XA, B, Scaling, Slots, Y, Bounds, y_stride, b_stride_slot, out_features, width, num_parts,
+        MAX_RANK: tl.constexpr, BLOCK_O: tl.constexpr,
+    ):  # fmt: skip
+        t, ob = tl.program_id(0), tl.program_id(1)
+        slot = tl.load(Slots + t)
+        if slot >= 0:
+            o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
+            valid = o < out_features
+            part = tl.zeros([BLOCK_O], tl.int32)
+            for j in range(1, num_parts):
+                part += (o >= tl.load(Bounds + j)).to(tl.int32)
+            r = tl.arange(0, MAX_RANK)
+            xa = tl.load(
+                XA + t * width + part[:, None] * MAX_RANK + r[None, :], mask=valid[:, None], other=0.0
+            )
+            b_off = slot * b_stride_slot + o[:, None] * MAX_RANK + r[None, :]
+            b = tl.load(B + b_off, mask=valid[:, None], other=0.0).to(tl.float32)
+            scale = tl.load(Scaling + slot * num_parts + part, mask=valid, other=0.0)
+            delta = tl.sum(xa * b, axis=1) * scale
+            y_ptr = Y + t * y_stride + o
+            y = tl.load(y_ptr, mask=valid, other=0.0)
+            tl.store(y_ptr, (y.to(tl.float32) + delta).to(y.dtype), mask=valid)
+
+
+def lora_delta_reference(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    slots: torch.Tensor,
+    output_sizes: tuple[int, ...],
+) -> None:
+    """y[t] += LoRA delta of slot `slots[t]` (in place; rows with slot -1 untouched), in float32."""
+    rows = torch.nonzero(slots >= 0).flatten()
+    if rows.numel() == 0:
+        return
+    s = slots[rows]
+    xa = torch.einsum("ti,tpri->tpr", x[rows].float(), a[s].float())  # [rows, parts, rank]
+    lo = 0
+    for part, size in enumerate(output_sizes):
+        delta = torch.einsum("tr,tor->to", xa[:, part], b[s, lo : lo + size].float())
+        y[rows, lo : lo + size] += (delta * scaling[s, part, None]).to(y.dtype)
+        lo += size
+
+
+def lora_delta(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    slots: torch.Tensor,
+    output_sizes: tuple[int, ...],
+    bounds: torch.Tensor,
+) -> None:
+    """The Triton shrink + expand on CUDA (the reference elsewhere); `bounds` holds each part's
+    first output column, on the device."""
+    if triton is None or not x.is_cuda:
+        return lora_delta_reference(x, y, a, b, scaling, slots, output_sizes)
+    tokens, in_features = x.shape
+    _, parts, max_rank, _ = a.shape
+    width = parts * max_rank
+    xa = torch.zeros(tokens, width, dtype=torch.float32, device=x.device)
+    # Split the input dimension so a decode step's few rows still start ~1,000+ programs.
+    split_k = max(1, min(16, in_features // 512))
+    k_chunk = triton.cdiv(triton.cdiv(in_features, split_k), 128) * 128
+    _shrink_kernel[(tokens, triton.cdiv(width, 16), triton.cdiv(in_features, k_chunk))](
+        x, a, slots, xa, x.stride(0), a.stride(0), in_features, width, k_chunk, BLOCK_R=16, BLOCK_K=128
+    )
+    out = y.shape[1]
+    _expand_kernel[(tokens, triton.cdiv(out, 128))](
+        xa, b, scaling, slots, y, bounds, y.stride(0), b.stride(0), out, width, parts,
+        MAX_RANK=max_rank, BLOCK_O=128,
+    )  # fmt: skip
+    return None
