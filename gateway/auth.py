@@ -3,12 +3,14 @@
 Keys come from a file, or a directory of files (a Kubernetes Secret mounted as a volume: one
 file per Secret key). Each non-blank, non-comment line is
 
-    NAME  KEY  ADAPTERS
+    NAME  KEY  ADAPTERS  [SCOPES]
 
 NAME labels the caller in logs and traces (the key itself is never logged); ADAPTERS is `*`
-(any), `-` (the base model only) or a comma-separated list. The files are re-read when they
-change, so rotating a Secret needs no restart. Callers send `authorization: Bearer KEY`
-(or `x-api-key: KEY`).
+(any), `-` (the base model only) or a comma-separated list. SCOPES, optional, is a
+comma-separated list; `admin` lets the key use the adapter admin API (register, delete, ...)
+that the gateway forwards to the adapter service. Lines without it keep their old meaning.
+The files are re-read when they change, so rotating a Secret needs no restart. Callers send
+`authorization: Bearer KEY` (or `x-api-key: KEY`).
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ class AuthError(Exception):
 class Caller:
     name: str
     adapters: frozenset[str] | None  # None = any adapter
+    admin: bool = False  # may call the adapter admin API
 
     def may_use(self, adapter: str | None) -> bool:
         return adapter is None or self.adapters is None or adapter in self.adapters
 
 
-ANONYMOUS = Caller("anonymous", None)
+ANONYMOUS = Caller("anonymous", None, admin=True)  # --allow-unauthenticated: local use, all allowed
+SCOPES = ("admin",)
 
 
 def _digest(key: str) -> bytes:
@@ -54,13 +58,20 @@ def parse_keys(text: str, source: str) -> dict[bytes, Caller]:
         if not line:
             continue
         parts = line.split()
-        if len(parts) != 3:
-            raise ValueError(f"{source}:{n}: expected `NAME KEY ADAPTERS` (ADAPTERS: *, - or a,b,c)")
-        name, key, adapters = parts
+        if len(parts) not in (3, 4):
+            raise ValueError(
+                f"{source}:{n}: expected `NAME KEY ADAPTERS [SCOPES]` (ADAPTERS: *, - or a,b,c; SCOPE: admin)"
+            )
+        name, key, adapters = parts[:3]
+        scopes = set(parts[3].split(",")) if len(parts) == 4 else set()
+        if scopes - set(SCOPES):
+            raise ValueError(
+                f"{source}:{n}: unknown scope(s) {sorted(scopes - set(SCOPES))}; known: {SCOPES}"
+            )
         allowed = (
             None if adapters == "*" else frozenset() if adapters == "-" else frozenset(adapters.split(","))
         )
-        keys[_digest(key)] = Caller(name, allowed)
+        keys[_digest(key)] = Caller(name, allowed, admin="admin" in scopes)
     return keys
 
 

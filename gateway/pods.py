@@ -25,7 +25,7 @@ from spindle.v1 import generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS = [
     # Reconnect quickly after a pod restarts (the default backoff grows to two minutes).
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
@@ -41,7 +41,7 @@ class Pod:
     def __init__(self, address: str, interceptors: Iterable[Any]) -> None:
         self.address = address
         self.channel = grpc.aio.insecure_channel(
-            address, options=_CHANNEL_OPTIONS, interceptors=list(interceptors)
+            address, options=CHANNEL_OPTIONS, interceptors=list(interceptors)
         )
         self.generation = generation_pb2_grpc.GenerationStub(self.channel)
         self.status = pod_status_pb2_grpc.PodStatusStub(self.channel)

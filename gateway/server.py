@@ -21,16 +21,17 @@ import grpc
 from opentelemetry import trace
 
 from gateway import prefix, router
+from gateway.adapters import AdapterDirectory, AdminProxy
 from gateway.auth import ANONYMOUS, ApiKeys, AuthError, Caller
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
 from spindle import serving, telemetry
 from spindle.grpc_status import abort
+from spindle.v1 import adapters_pb2_grpc, generation_pb2_grpc
 from spindle.v1 import generation_pb2 as pb
-from spindle.v1 import generation_pb2_grpc
 
 log = logging.getLogger("spindle.gateway")
 Code = grpc.StatusCode
-SERVICES = ("spindle.v1.Generation",)
+SERVICES = ("spindle.v1.Generation", "spindle.v1.Adapters")
 _RETRYABLE = (Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED)
 
 
@@ -47,8 +48,9 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         keys: ApiKeys | None,
         max_attempts: int = 3,
         weights: router.Weights | None = None,
+        directory: AdapterDirectory | None = None,
     ) -> None:
-        self.pool, self.keys = pool, keys
+        self.pool, self.keys, self.directory = pool, keys, directory
         self.max_attempts, self.weights = max_attempts, weights
         self.prefixes = prefix.PrefixIndex()
         self.inflight: dict[str, Routed] = {}
@@ -89,6 +91,9 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 Code.PERMISSION_DENIED,
                 f"API key {caller.name!r} may not use adapter {adapter!r} (allowed: {allowed})",
             )
+        directory = self.directory
+        if directory is not None and _registered_name(adapter) and not await directory.registered(adapter):
+            await abort(context, Code.NOT_FOUND, f"adapter {adapter!r} is not registered")
         rid = request.request_id or uuid.uuid4().hex
         if rid in self.inflight:
             await abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
@@ -107,6 +112,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         await context.send_initial_metadata((("x-request-id", rid),))
         tried: set[str] = set()
         last_error = "no healthy model pod"
+        await self._place_if_needed(upstream, hashes, context)
         try:
             for attempt in range(1, self.max_attempts + 1):
                 pod = self._choose(upstream, hashes, tried)
@@ -151,6 +157,26 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         finally:
             self.inflight.pop(rid, None)
 
+    async def _place_if_needed(
+        self, req: pb.GenerateRequest, hashes: list[bytes], context: grpc.aio.ServicerContext
+    ) -> None:
+        """No ready pod holds the adapter: have the adapter service place it, then see it placed."""
+        if self.directory is None or not _registered_name(req.adapter) or self._choose(req, hashes, set()):
+            return
+        adapter = req.adapter
+        try:
+            placed = await self.directory.place(adapter, self.pool.healthy(), context.time_remaining())
+        except asyncio.TimeoutError:
+            await abort(
+                context,
+                Code.UNAVAILABLE,
+                f"placing adapter {adapter!r} on a model pod is taking too long; retry",
+            )
+        except grpc.aio.AioRpcError as e:
+            await abort(context, e.code(), f"placing adapter {adapter!r}: {e.details()}")
+        log.info("adapter %s placed on %s (%s)", adapter, ",".join(placed.pods), placed.source)
+        await self.pool.refresh()  # the pods' load reports now list it
+
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         caller = await self._caller(context)
         if not request.request_id:
@@ -183,7 +209,23 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                     seen.setdefault(m.id, m)
         if not seen:
             await abort(context, Code.UNAVAILABLE, "no model pod answered ListModels")
+        if self.directory is not None and await self.directory.refresh():
+            # The registry is the authority on adapters: every registered one, wherever it is.
+            base = next((m.id for m in seen.values() if m.kind == pb.MODEL_KIND_BASE), "")
+            seen = {
+                k: m for k, m in seen.items() if not _registered_name(k) or m.kind != pb.MODEL_KIND_ADAPTER
+            }
+            for entry in (self.directory.catalog or {}).values():
+                if caller.may_use(entry.name):
+                    seen[entry.name] = pb.ModelInfo(
+                        id=entry.name, kind=pb.MODEL_KIND_ADAPTER, base_model=base, pods=entry.pods
+                    )
         return pb.ListModelsResponse(models=sorted(seen.values(), key=lambda m: (m.kind, m.id)))
+
+
+def _registered_name(adapter: str | None) -> bool:
+    """An adapter the registry owns; `@active` and other `@` names are the pods' own (SetActive)."""
+    return bool(adapter) and not adapter.startswith("@")
 
 
 def _remaining(context: grpc.aio.ServicerContext, default: float) -> float:
@@ -238,6 +280,15 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d.add_argument(
         "--max-attempts", type=int, default=3, help="pods tried for a request before its first token [3]"
     )
+    s = parser.add_argument_group("adapter service")
+    s.add_argument(
+        "--adapter-service",
+        default="",
+        help="HOST:PORT of the adapter service: place registered adapters on demand, serve the admin API",
+    )
+    s.add_argument(
+        "--placement-timeout", type=float, default=60.0, help="seconds a request waits for a placement [60]"
+    )
     a = parser.add_argument_group("authentication")
     a.add_argument(
         "--api-keys-file",
@@ -290,9 +341,20 @@ async def start(
     health = serving.Health(server, SERVICES)
     gateway: GatewayService
 
+    adapter_service = getattr(args, "adapter_service", "")
+    directory = (
+        AdapterDirectory(
+            adapter_service, telemetry.client_interceptors(provider), getattr(args, "placement_timeout", 60.0)
+        )
+        if adapter_service
+        else None
+    )
+
     async def on_change() -> None:
         if keys is not None:
             keys.reload()
+        if directory is not None:
+            await directory.refresh()
         await health.set(bool(pool.healthy()) and not gateway.draining)
 
     pool = PodPool(
@@ -305,8 +367,9 @@ async def start(
         on_change=on_change,
         on_eject=lambda address: gateway.prefixes.forget_pod(address),
     )
-    gateway = GatewayService(pool, keys, max_attempts=args.max_attempts)
+    gateway = GatewayService(pool, keys, max_attempts=args.max_attempts, directory=directory)
     generation_pb2_grpc.add_GenerationServicer_to_server(gateway, server)
+    adapters_pb2_grpc.add_AdaptersServicer_to_server(AdminProxy(directory, gateway._caller), server)
     serving.enable_reflection(server, SERVICES)
     port = serving.bind(server, args.host, args.port)
     await server.start()
@@ -327,3 +390,5 @@ async def shutdown(
         await asyncio.sleep(0.05)
     await server.stop(grace=1.0)
     await gateway.pool.close()
+    if gateway.directory is not None:
+        await gateway.directory.close()

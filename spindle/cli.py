@@ -27,7 +27,7 @@ _COMMANDS = {
     "serve": ("run a model pod: the engine behind gRPC", "model_service.pod.server", "build_parser"),
     "gateway": ("run the gateway: one door in front of model pods", "gateway.server", "build_parser"),
     "up": (
-        "start a local cluster (model pod + gateway), answer one prompt, keep serving",
+        "start a local cluster (model pod, adapter service, gateway), answer one prompt, keep serving",
         "spindle.local",
         "build_parser",
     ),
@@ -38,6 +38,8 @@ _COMMANDS = {
         "build_complete_parser",
     ),
     "models": ("list the models and adapters a gateway offers you", "spindle.client", "build_models_parser"),
+    "adapters": ("register, list, delete adapters (admin API)", "adapter_service.client", "build_parser"),
+    "adapter-service": ("run the adapter service", "adapter_service.server", "build_parser"),
 }
 
 

@@ -1,9 +1,12 @@
-"""`spindle up`: a local cluster. One model pod and a gateway as child processes on loopback.
+"""`spindle up`: a local cluster. A model pod, the adapter service and a gateway as child
+processes on loopback.
 
 It waits until the gateway reports SERVING (which needs a healthy pod, which needs the model
-loaded and warmed), sends one chat request through the gateway, prints the answer, and keeps
-both serving until Ctrl-C (or SIGTERM), when it stops them the way Kubernetes would (SIGTERM,
-drain).
+loaded and warmed) and the adapter service too, registers each `--lora` adapter through the
+gateway's admin API (the service runs embedded: a local directory for storage, its own memory
+for the registry; no Redis or S3), sends one chat request with the base model and one with each
+adapter (placed on the pod on demand), prints the answers, and keeps serving until Ctrl-C (or
+SIGTERM), when it stops them the way Kubernetes would (SIGTERM, drain).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from adapter_service.client import AdaptersClient
 from spindle.client import Client, chat_request
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -33,7 +37,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=DIR",
-        help="register a PEFT adapter on the pod (repeatable); the prompt is then also answered with each",
+        help="register a PEFT adapter with the adapter service (repeatable); the prompt is also answered "
+        "with each",
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="for the first request [64]")
     parser.add_argument("--host", default="127.0.0.1", help="address both services listen on [127.0.0.1]")
@@ -41,6 +46,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--pod-port", type=int, default=50052, help="the pod's Generation port [50052]")
     parser.add_argument(
         "--pod-control-port", type=int, default=50053, help="the pod's ModelControl port [50053]"
+    )
+    parser.add_argument("--adapter-port", type=int, default=50060, help="the adapter service's [50060]")
+    parser.add_argument(
+        "--storage-dir",
+        default="",
+        help="the adapter service's directory of registered adapters [~/.cache/spindle/adapters]",
     )
     parser.add_argument(
         "--metrics-port", type=int, default=9090, help="the pod's /metrics port; 0 = off [9090]"
@@ -58,21 +69,28 @@ def run(args: argparse.Namespace) -> int:
         *me, "serve", "--model", args.model, "--host", args.host, "--port", str(args.pod_port),
         "--control-port", str(args.pod_control_port), "--metrics-port", str(args.metrics_port),
         "--log-level", args.log_level,
-        *(f"--lora={spec}" for spec in args.lora),
+    ]  # fmt: skip
+    service = f"{args.host}:{args.adapter_port}"
+    service_cmd = [
+        *me, "adapter-service", "--host", args.host, "--port", str(args.adapter_port),
+        "--pods", f"{args.host}:{args.pod_control_port}", "--base-model", args.model, "--metrics-port", "0",
+        "--log-level", args.log_level, *(["--storage-dir", args.storage_dir] if args.storage_dir else []),
     ]  # fmt: skip
     gateway_cmd = [
         *me, "gateway", "--host", args.host, "--port", str(args.gateway_port),
         "--pods", f"{args.host}:{args.pod_port}", "--allow-unauthenticated", "--health-interval", "0.5",
-        "--log-level", args.log_level,
+        "--adapter-service", service, "--log-level", args.log_level,
     ]  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    children = [subprocess.Popen(pod_cmd), subprocess.Popen(gateway_cmd)]
+    children = [subprocess.Popen(pod_cmd), subprocess.Popen(service_cmd), subprocess.Popen(gateway_cmd)]
     gateway = f"{args.host}:{args.gateway_port}"
     try:
-        if not _wait_serving(gateway, children, stop, args.startup_timeout):
-            return 0 if stop.is_set() else 1
+        for target in (gateway, service):
+            if not _wait_serving(target, children, stop, args.startup_timeout):
+                return 0 if stop.is_set() else 1
+        _register(gateway, args.lora)
         with Client(gateway) as client:
             print(f"> {args.prompt}", flush=True)
             for adapter in [None, *(spec.partition("=")[0] for spec in args.lora)]:
@@ -88,9 +106,9 @@ def run(args: argparse.Namespace) -> int:
                 print(flush=True)
         print(
             f"\nServing: gateway {gateway} (model pod {args.host}:{args.pod_port}, "
-            f"its ModelControl on {args.host}:{args.pod_control_port}). Try:\n"
+            f"its ModelControl on {args.host}:{args.pod_control_port}; adapter service {service}). Try:\n"
             f'  spindle chat --gateway {gateway} "Tell me a joke."\n'
-            "Ctrl-C stops both.",
+            "Ctrl-C stops all three.",
             file=sys.stderr,
             flush=True,
         )
@@ -99,19 +117,36 @@ def run(args: argparse.Namespace) -> int:
                 print("spindle up: a service exited; stopping", file=sys.stderr)
                 return 1
         return 0
-    except grpc.RpcError as e:
+    except (grpc.RpcError, FileNotFoundError) as e:
+        if isinstance(e, FileNotFoundError):
+            print(f"spindle up: {e}", file=sys.stderr)
+            return 1
         print(f"spindle up: the first request failed: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     finally:
         _stop(children)
 
 
+def _register(gateway: str, specs: list[str]) -> None:
+    """Each NAME=DIR through the admin API; weights already registered under NAME are kept."""
+    with AdaptersClient(gateway) as admin:
+        for spec in specs:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise FileNotFoundError(f"--lora takes NAME=DIR, got {spec!r}")
+            try:
+                a = admin.register(name, path)
+                print(f"spindle up: registered adapter {name} (version {a.version})", file=sys.stderr)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+                print(f"spindle up: adapter {name} is registered already", file=sys.stderr)
+
+
 def _wait_serving(
     target: str, children: list[subprocess.Popen], stop: threading.Event, timeout: float
 ) -> bool:
-    print(
-        f"spindle up: starting a model pod and a gateway; waiting for {target} to be SERVING", file=sys.stderr
-    )
+    print(f"spindle up: waiting for {target} to be SERVING", file=sys.stderr)
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(target) as channel:
         health = health_pb2_grpc.HealthStub(channel)

@@ -16,6 +16,8 @@ import torch
 
 torch.manual_seed(0)
 
+pytest_plugins = ["tests.adapter_helpers"]  # the Redis and S3 servers of the adapter service tests
+
 from model_service.engine.batch_builder import StepItem  # noqa: E402
 from model_service.engine.config import EngineConfig  # noqa: E402
 from model_service.engine.engine import Engine  # noqa: E402

@@ -55,10 +55,13 @@ class Service:
         return self.log.read_text(errors="replace")
 
 
-def spawn(command: str, args: list[str], log_dir: Path, name: str) -> Service:
+def spawn(
+    command: str, args: list[str], log_dir: Path, name: str, env: dict[str, str] | None = None
+) -> Service:
     port = free_port()
     log = log_dir / f"{name}.log"
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}  # tracing on (the default), nothing exported
+    # tracing on (the default), nothing exported
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
     cmd = [
         sys.executable,
         "-m",

@@ -30,16 +30,12 @@ from spindle import cli, envflags
 # Each service's parser: component -> (module, builder). After a move, change the line here.
 PARSERS = {"gateway": "gateway", "model": "serve", "adapter-service": "adapter-service"}  # `spindle` commands
 # Variables the chart sets ahead of the service that will read them; drop each once it lands.
-PENDING = {
-    ("gateway", "SPINDLE_ADAPTER_SERVICE"): "gateway --adapter-service lands with issue 10",
-}
+PENDING: dict[tuple[str, str], str] = {}
 ANYONE = "anyone"
 
 
 def build_parser(name: str) -> argparse.ArgumentParser:
     """The parser `spindle COMMAND` uses, environment variables applied when it is built."""
-    if name == "adapter-service" and PARSERS[name] not in cli._COMMANDS:
-        pytest.xfail("adapter service lands with issue 10")
     return cli.command_parser(PARSERS[name])[1]
 
 
@@ -255,7 +251,7 @@ def test_network_policies_let_in_only_who_must(value_set):
     assert allowed_sources(objects, "model", "control") == {"model"} | adapter
     assert allowed_sources(objects, "gateway", "grpc") == ANYONE
     if adapter:
-        assert allowed_sources(objects, "adapter-service", "grpc") == {"gateway"}
+        assert allowed_sources(objects, "adapter-service", "grpc") == {"gateway", "model"}  # weight pulls
     if "redis" in deployed:
         assert allowed_sources(objects, "redis", "redis") == {"adapter-service"}
     for name, workload in deployed.items():

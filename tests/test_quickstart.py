@@ -27,7 +27,7 @@ def test_up_answers_through_the_gateway_then_serves_until_ctrl_c(tmp_path, smoll
     from bench.lora import write_adapter
 
     adapter = write_adapter(tmp_path / "demo", smollm2.config, rank=4, seed=0)
-    gw, pod, control, metrics = free_port(), free_port(), free_port(), free_port()
+    gw, pod, control, metrics, adapters = (free_port() for _ in range(5))
     env = {**os.environ, "OTEL_SDK_DISABLED": "true"}
     args = [
         "up",
@@ -39,6 +39,10 @@ def test_up_answers_through_the_gateway_then_serves_until_ctrl_c(tmp_path, smoll
         str(control),
         "--metrics-port",
         str(metrics),
+        "--adapter-port",
+        str(adapters),
+        "--storage-dir",
+        str(tmp_path / "registered"),
         "--lora",
         f"demo={adapter}",
     ]
@@ -88,6 +92,9 @@ def test_up_answers_through_the_gateway_then_serves_until_ctrl_c(tmp_path, smoll
         assert complete.returncode == 0 and complete.stdout.strip(), complete.stderr
         models = _cli("models", "--gateway", f"127.0.0.1:{gw}")
         assert models.stdout.startswith("smollm2-135m-instruct\tbase") and "demo" in models.stdout
+        listed = _cli("adapters", "--gateway", f"127.0.0.1:{gw}", "list")  # registered through the admin API
+        assert listed.returncode == 0 and json.loads(listed.stdout)["name"] == "demo", listed.stderr
+        assert (tmp_path / "registered" / "demo" / "v000001" / "meta.json").is_file()
         bad = _cli("chat", "--gateway", f"127.0.0.1:{gw}", "--temperature", "-1", "hi")
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
         assert up.poll() is None  # still serving
@@ -108,7 +115,7 @@ def test_up_answers_through_the_gateway_then_serves_until_ctrl_c(tmp_path, smoll
 
 def test_every_command_explains_itself():
     usage = _cli("--help").stdout
-    for command in ("generate", "serve", "gateway", "up", "chat", "complete", "models"):
+    for command in ("generate", "serve", "gateway", "up", "chat", "complete", "models", "adapters"):
         assert command in usage
     serve = _cli("serve", "--help").stdout
     for flag in ("--port", "--metrics-port", "--drain-timeout", "SPINDLE_PORT", "SPINDLE_MAX_NUM_SEQS"):
@@ -116,6 +123,9 @@ def test_every_command_explains_itself():
     gateway = _cli("gateway", "--help").stdout
     for flag in ("--pods", "--pods-dns", "--api-keys-file", "SPINDLE_API_KEYS_FILE", "--health-interval"):
         assert flag in gateway
+    service = _cli("adapter-service", "--help").stdout
+    for flag in ("--s3-bucket", "--redis-url", "--pods-dns", "--base-model", "SPINDLE_STAGING_MAX_BYTES"):
+        assert flag in service
     chat = _cli("chat", "--help").stdout
     assert "--adapter" in chat and "SPINDLE_API_KEY" in chat and "SPINDLE_GATEWAY" in chat
     no_pods = _cli("gateway", "--allow-unauthenticated")

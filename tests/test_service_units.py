@@ -104,6 +104,17 @@ def test_api_keys_from_a_file_or_a_secret_directory(tmp_path):
         ApiKeys(bad)
 
 
+def test_api_keys_admin_scope_is_an_optional_fourth_column(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("ops k1 * admin\nuser k2 *\n")
+    api = ApiKeys(keys)
+    assert api.authenticate((("x-api-key", "k1"),)).admin
+    assert not api.authenticate((("x-api-key", "k2"),)).admin  # three columns: as before, no admin
+    keys.write_text("ops k1 * root\n")
+    with pytest.raises(ValueError, match="unknown scope"):
+        ApiKeys(keys)
+
+
 def test_every_flag_reads_its_environment_variable():
     p = argparse.ArgumentParser()
     p.add_argument("--max-num-seqs", type=int, default=256, help="x")

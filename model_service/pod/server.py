@@ -128,6 +128,7 @@ async def start(
     servers = PodServers(
         server, control, serving.bind(server, host, port), serving.bind(control, host, control_port)
     )
+    pod.control_port = servers.control_port
     await server.start()
     await control.start()
     return servers

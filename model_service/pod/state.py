@@ -66,6 +66,7 @@ class ModelPod:
         self.async_engine: AsyncEngine[EngineHandle] | None = None
         self.engine: EngineHandle | None = None
         self.max_model_len = 0
+        self.control_port = 0  # reported in PodLoad (the adapter service addresses pods by it)
         self.inflight: dict[str, InFlight] = {}
         self.requests_total = 0
         self.draining = False
@@ -214,4 +215,5 @@ class ModelPod:
             requests_total=self.requests_total,
             requests_in_flight=len(self.inflight),
             available_adapters=sorted(available),
+            control_port=self.control_port,
         )

@@ -197,13 +197,15 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "kind", "base_model", "max_model_len")
+    __slots__ = ("id", "kind", "base_model", "max_model_len", "pods")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PODS_FIELD_NUMBER: _ClassVar[int]
     id: str
     kind: ModelKind
     base_model: str
     max_model_len: int
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., base_model: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    pods: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., base_model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., pods: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,156 @@
+"""A client of the adapter admin API, and `spindle adapters register | list | get | delete | pin`.
+
+It talks to a gateway (the usual case: an API key with the admin scope) or straight to an
+adapter service; both serve spindle.v1.Adapters. An upload is streamed in chunks with the sha256
+of the weights, which the service checks before acknowledging anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from spindle.client import DEFAULT_GATEWAY
+from spindle.v1 import adapters_pb2 as apb
+from spindle.v1 import adapters_pb2_grpc
+
+CHUNK = 1 << 20
+
+
+def _chunks(header: apb.RegisterHeader, weights: Path) -> Iterator[apb.RegisterChunk]:
+    yield apb.RegisterChunk(header=header)
+    with open(weights, "rb") as f:
+        while data := f.read(CHUNK):
+            yield apb.RegisterChunk(data=data)
+
+
+class AdaptersClient:
+    def __init__(self, target: str = DEFAULT_GATEWAY, api_key: str | None = None) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = adapters_pb2_grpc.AdaptersStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+    def __enter__(self) -> AdaptersClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.channel.close()
+
+    def register(
+        self, name: str, directory: str | Path, description: str = "", timeout: float = 300
+    ) -> apb.Adapter:
+        """Upload a PEFT directory (adapter_config.json + adapter_model.safetensors)."""
+        d = Path(directory)
+        weights = d / "adapter_model.safetensors"
+        if not (d / "adapter_config.json").is_file() or not weights.is_file():
+            found = sorted(p.name for p in d.iterdir()) if d.is_dir() else "not a directory"
+            raise FileNotFoundError(
+                f"{d} needs adapter_config.json and adapter_model.safetensors (found: {found})"
+            )
+        digest = hashlib.sha256()
+        with open(weights, "rb") as f:
+            while data := f.read(CHUNK):
+                digest.update(data)
+        header = apb.RegisterHeader(
+            name=name,
+            config_json=(d / "adapter_config.json").read_bytes(),
+            total_bytes=weights.stat().st_size,
+            sha256=digest.hexdigest(),
+            description=description,
+        )
+        return self.stub.Register(_chunks(header, weights), timeout=timeout, metadata=self.metadata)
+
+    def list(self, page_size: int = 100, timeout: float = 30) -> list[apb.Adapter]:
+        out, token = [], ""
+        while True:
+            page = self.stub.List(
+                apb.ListAdaptersRequest(page_size=page_size, page_token=token),
+                timeout=timeout,
+                metadata=self.metadata,
+            )
+            out += page.adapters
+            token = page.next_page_token
+            if not token:
+                return out
+
+    def get(self, name: str, timeout: float = 30) -> apb.Adapter:
+        return self.stub.Get(apb.GetAdapterRequest(name=name), timeout=timeout, metadata=self.metadata)
+
+    def delete(self, name: str, timeout: float = 60) -> int:
+        reply = self.stub.Delete(apb.DeleteAdapterRequest(name=name), timeout=timeout, metadata=self.metadata)
+        return reply.versions_deleted
+
+    def pin(self, name: str, pinned: bool = True, timeout: float = 30) -> apb.Adapter:
+        return self.stub.Pin(
+            apb.PinAdapterRequest(name=name, pinned=pinned), timeout=timeout, metadata=self.metadata
+        )
+
+
+def _summary(a: apb.Adapter) -> dict:
+    tiers = {
+        apb.PLACEMENT_TIER_DISK: "disk",
+        apb.PLACEMENT_TIER_HOST: "host",
+        apb.PLACEMENT_TIER_DEVICE: "device",
+    }
+    return {
+        "name": a.name,
+        "version": a.version,
+        "sha256": a.sha256,
+        "rank": a.rank,
+        "size_bytes": a.size_bytes,
+        "target_modules": list(a.target_modules),
+        "pinned": a.pinned,
+        "placements": [
+            {"pod": p.pod, "tier": tiers.get(p.tier, "?"), "version": p.version} for p in a.placements
+        ],
+    }
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "--gateway", default=DEFAULT_GATEWAY, help="HOST:PORT of a gateway or adapter service"
+    )
+    parser.add_argument("--api-key", default=None, help="an API key with the admin scope")
+    sub = parser.add_subparsers(dest="action", required=True)
+    reg = sub.add_parser("register", help="upload a PEFT adapter directory (a new version if NAME exists)")
+    reg.add_argument("name")
+    reg.add_argument("directory")
+    reg.add_argument("--description", default="")
+    sub.add_parser("list", help="every registered adapter, with where it is placed")
+    for action, help_ in (("get", "one adapter"), ("delete", "remove every version, everywhere")):
+        sub.add_parser(action, help=help_).add_argument("name")
+    pin = sub.add_parser("pin", help="keep an adapter resident (--off to release)")
+    pin.add_argument("name")
+    pin.add_argument("--off", action="store_true")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with AdaptersClient(args.gateway, args.api_key) as client:
+            if args.action == "register":
+                a = client.register(args.name, args.directory, args.description)
+                print(f"registered {a.name} version {a.version} (rank {a.rank}, sha256 {a.sha256[:12]})")
+            elif args.action == "list":
+                for a in client.list():
+                    print(json.dumps(_summary(a)))
+            elif args.action == "get":
+                print(json.dumps(_summary(client.get(args.name)), indent=2))
+            elif args.action == "delete":
+                print(f"deleted {args.name}: {client.delete(args.name)} versions")
+            else:
+                a = client.pin(args.name, not args.off)
+                print(f"{a.name}: {'pinned' if a.pinned else 'not pinned'}")
+        return 0
+    except FileNotFoundError as e:
+        print(f"spindle adapters: {e}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as e:
+        print(f"spindle adapters {args.action}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1

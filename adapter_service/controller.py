@@ -1,0 +1,402 @@
+"""The controller: keeps the cluster's view of the pods, places adapters, rotates and cools them.
+
+It talks to pods only over ModelControl; every weight change is one control op, which the pod
+runs at a quiescent point. It polls each pod's GetSlots every `poll_interval` seconds: a good poll
+renews the pod's leases in the registry (a pod that stops answering lets them lapse), feeds the
+policy (placement.py), and notices a registry that lost its index (then rebuilt from the store).
+
+Placement of one adapter is single-flight: concurrent requests for it share one placement task,
+which runs to its end even when the request that started it is cancelled. Control calls are
+retried with backoff only when the pod was unreachable; a refusal (FAILED_PRECONDITION: the slot
+is in use or pinned) is counted and respected, never retried blindly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+
+from adapter_service import metrics
+from adapter_service.placement import (
+    Knobs,
+    PodView,
+    choose_peer,
+    choose_target,
+    match_hints,
+    to_cool,
+    to_spread,
+)
+from adapter_service.registry import Registry
+from adapter_service.store import Store, Version
+from gateway.pods import CHANNEL_OPTIONS  # quick reconnects, keepalive: the same needs as the gateway's
+from spindle.v1 import adapters_pb2 as apb
+from spindle.v1 import model_control_pb2 as mc
+from spindle.v1 import model_control_pb2_grpc
+
+log = logging.getLogger("spindle.adapters")
+Code = grpc.StatusCode
+
+
+class PlacementError(Exception):
+    """Placement could not be done; `code` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Pod:
+    def __init__(self, address: str, interceptors: Iterable[Any]) -> None:
+        self.view = PodView(address)
+        self.channel = grpc.aio.insecure_channel(
+            address, options=CHANNEL_OPTIONS, interceptors=list(interceptors)
+        )
+        self.control = model_control_pb2_grpc.ModelControlStub(self.channel)
+
+
+class Controller:
+    def __init__(
+        self,
+        registry: Registry,
+        store: Store,
+        discover: Callable[[], Awaitable[list[str]]],
+        advertise: str,
+        *,
+        knobs: Knobs | None = None,
+        poll_interval: float = 2.0,
+        lease_ttl: float = 10.0,
+        staging_max_bytes: int = 256 << 20,
+        control_timeout: float = 60.0,
+        interceptors: Iterable[Any] = (),
+        tracer: trace.Tracer | None = None,
+    ) -> None:
+        self.registry, self.store, self.discover = registry, store, discover
+        self.advertise = advertise  # how pods reach this service's FetchAdapterWeights
+        self.knobs = knobs or Knobs()
+        self.poll_interval, self.lease_ttl = poll_interval, lease_ttl
+        self.staging_max_bytes, self.control_timeout = staging_max_bytes, control_timeout
+        self.interceptors = list(interceptors)
+        self.tracer = tracer or trace.NoOpTracer()
+        self.pods: dict[str, Pod] = {}
+        self.idle_since: dict[tuple[str, str], float] = {}
+        self._placing: dict[str, asyncio.Task] = {}
+        self._task: asyncio.Task | None = None
+        self._last_poll = float("-inf")
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """First view of the pods, then the poll loop; Redis or S3 still down is retried there."""
+        try:
+            await self.ensure_built()
+            await self.refresh(policy=False)
+        except Exception as e:  # e.g. Redis not up yet: stay NOT_SERVING and keep trying
+            log.warning("storage or registry not reachable yet (%s); retrying", e)
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for t in self._placing.values():
+            t.cancel()
+        await asyncio.gather(*(p.channel.close() for p in self.pods.values()), return_exceptions=True)
+        await self.registry.close()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            try:
+                await self.ensure_built()
+                await self.refresh()
+            except Exception as e:  # the loop must outlive one bad round (Redis or S3 blips)
+                log.warning("adapter controller round failed: %s: %s", type(e).__name__, e)
+
+    async def ensure_built(self) -> bool:
+        """Rebuild the registry index from the store when it has none (new or flushed Redis)."""
+        if await self.registry.is_built():
+            return False
+        versions = await self.store.versions()
+        await self.registry.rebuild(versions)
+        log.warning("registry index rebuilt from storage: %d adapters", len({v.name for v in versions}))
+        metrics.REBUILDS.inc()
+        return True
+
+    async def lookup(self, name: str) -> Version | None:
+        v = await self.registry.get(name)
+        if v is None and await self.ensure_built():
+            v = await self.registry.get(name)
+        return v
+
+    # --- the pods' view --------------------------------------------------------------------------
+
+    async def refresh(self, policy: bool = True) -> None:
+        addresses = set(await self.discover())
+        for address in addresses - self.pods.keys():
+            self.pods[address] = Pod(address, self.interceptors)
+        for address in self.pods.keys() - addresses:
+            await self.pods.pop(address).channel.close()
+        latest = await self.latest()
+        metrics.REGISTERED.set(len(latest))
+        await asyncio.gather(*(self._poll(p, latest) for p in list(self.pods.values())))
+        self._last_poll = time.monotonic()
+        if policy:
+            await self._apply_policy(latest)
+
+    async def _poll(self, pod: Pod, latest: dict[str, Version] | None = None) -> None:
+        """GetSlots, and a lease for each registered adapter it holds (`latest`: the index, if read)."""
+        try:
+            report = await pod.control.GetSlots(mc.GetSlotsRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError as e:
+            if pod.view.ok:
+                log.warning("pod %s stopped answering: %s", pod.view.address, e.code().name)
+            pod.view.ok = False
+            return
+        view = pod.view
+        view.ok, view.slots = True, list(report.slots)
+        view.adapters = {a.name: a for a in report.adapters}
+        for a in report.adapters:
+            v = latest.get(a.name) if latest is not None else await self.registry.get(a.name)
+            if v is None:
+                continue
+            info = {
+                "tier": int(a.tier),
+                "version": v.version if a.sha256 == v.sha256 else 0,
+                "refcount": a.refcount,
+                "sha256": a.sha256,
+            }
+            await self.registry.lease(a.name, view.address, info, self.lease_ttl)
+
+    def views(self) -> list[PodView]:
+        return [p.view for p in self.pods.values()]
+
+    async def placements(self, name: str) -> list[apb.PodPlacement]:
+        leases = await self.registry.leases(name)
+        return [
+            apb.PodPlacement(pod=pod, tier=i["tier"], version=i["version"], refcount=i["refcount"])
+            for pod, i in sorted(leases.items())
+        ]
+
+    # --- control ops -----------------------------------------------------------------------------
+
+    async def _control(self, pod: Pod, method: str, request: Any, attempts: int = 3) -> Any:
+        """One control op; retried with backoff only while the pod is unreachable."""
+        delay = 0.2
+        for attempt in range(1, attempts + 1):
+            try:
+                reply = await getattr(pod.control, method)(request, timeout=self.control_timeout)
+                metrics.CONTROL_OPS.labels(method, "OK").inc()
+                return reply
+            except grpc.aio.AioRpcError as e:
+                metrics.CONTROL_OPS.labels(method, e.code().name).inc()
+                if e.code() != Code.UNAVAILABLE or attempt == attempts:
+                    raise
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    # --- weights ---------------------------------------------------------------------------------
+
+    async def weights(self, name: str) -> tuple[bytes, bytes, Version, str]:
+        """The latest version's (config, weights), and where they came from: staging or storage."""
+        v = await self.lookup(name)
+        if v is None:
+            raise PlacementError(Code.NOT_FOUND, f"adapter {name!r} is not registered")
+        staged = await self.registry.staged(v.sha256)
+        config_key = f"config:{v.sha256}"
+        config = await self.registry.staged(config_key)
+        if staged is not None and config is not None:
+            return config, staged, v, "staging"
+        config, data = await self.store.read(v.name, v.version)
+        await self.stage(v.sha256, config, data)
+        return config, data, v, "storage"
+
+    async def stage(self, sha256: str, config: bytes, data: bytes) -> None:
+        await self.registry.stage(f"config:{sha256}", config, self.staging_max_bytes)
+        await self.registry.stage(sha256, data, self.staging_max_bytes)
+
+    # --- placement ---------------------------------------------------------------------------------
+
+    async def place(self, name: str, hints: list[apb.PodHint]) -> apb.PlaceResponse:
+        """Single-flight: a request joining a placement in progress waits for that one."""
+        task = self._placing.get(name)
+        if task is None:
+            task = asyncio.create_task(self._place(name, hints))
+            self._placing[name] = task
+            task.add_done_callback(lambda _: self._placing.pop(name, None))
+        return await asyncio.shield(task)
+
+    async def _place(
+        self, name: str, hints: list[apb.PodHint], exclude: set[str] | None = None
+    ) -> apb.PlaceResponse:
+        started = time.monotonic()
+        with self.tracer.start_as_current_span("spindle.adapter.place") as span:
+            span.set_attribute("spindle.adapter", name)
+            v = await self.lookup(name)
+            if v is None:
+                raise PlacementError(Code.NOT_FOUND, f"adapter {name!r} is not registered")
+            span.set_attribute("spindle.adapter.version", v.version)
+            if time.monotonic() - self._last_poll > self.poll_interval / 2:
+                await self.refresh(policy=False)
+            views = [w for w in self.views() if w.address not in (exclude or set())]
+            routable = match_hints(views, hints)
+            holders = [  # among the pods the gateway can route to, when it said which
+                w.address
+                for w in views
+                if w.ok and w.holds(name, v.sha256) and (routable is None or w.address in routable)
+            ]
+            if holders and not exclude:
+                span.set_attribute("spindle.placement.source", "resident")
+                return apb.PlaceResponse(pods=holders, source="resident", version=v.version)
+            for attempt in (1, 2):  # a pod that fails mid-placement is skipped once for another
+                target = choose_target(views, name, v.sha256, routable)
+                if target is None:
+                    reachable = sum(w.ok for w in views)
+                    raise PlacementError(
+                        Code.UNAVAILABLE,
+                        f"no model pod can take adapter {name!r} now ({reachable} of {len(views)} reachable)",
+                    )
+                span.set_attribute("spindle.pod", target.address)
+                try:
+                    source = await self._copy(self.pods[target.address], v, views)
+                    await self._load(self.pods[target.address], name)
+                    break
+                except PlacementError as e:
+                    if e.code != Code.UNAVAILABLE or attempt == 2:
+                        raise
+                    log.warning("placing %s on %s failed (%s); trying another pod", name, target.address, e)
+                    target.ok = False
+            if v.pinned:
+                await self.pin(name, True, [self.pods[target.address]])
+            await self._poll(self.pods[target.address])
+            metrics.PLACEMENTS.labels(source).inc()
+            metrics.PLACE_SECONDS.labels(source).observe(time.monotonic() - started)
+            span.set_attribute("spindle.placement.source", source)
+            log.info("placed %s v%d on %s from %s", name, v.version, target.address, source)
+            return apb.PlaceResponse(pods=[target.address], source=source, version=v.version)
+
+    async def _copy(self, target: Pod, v: Version, views: list[PodView]) -> str:
+        """Bring the weights to `target`: from a peer pod if one has them, else through the service."""
+        peer = choose_peer(views, v.name, v.sha256, exclude=target.view.address)
+        if peer is not None:
+            try:
+                await self._control(
+                    target,
+                    "PromoteFromPeer",
+                    mc.PromoteFromPeerRequest(name=v.name, peer=peer.address, sha256=v.sha256),
+                )
+                return "peer"
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in (Code.UNAVAILABLE, Code.NOT_FOUND, Code.DATA_LOSS):
+                    raise PlacementError(e.code(), f"pod {target.view.address}: {e.details()}") from e
+                log.info(
+                    "peer %s could not give %s (%s); sending it from the service",
+                    peer.address,
+                    v.name,
+                    e.code().name,
+                )
+        staged = await self.registry.is_staged(v.sha256)
+        try:
+            await self._control(
+                target,
+                "PromoteFromPeer",
+                mc.PromoteFromPeerRequest(name=v.name, peer=self.advertise, sha256=v.sha256),
+            )
+        except grpc.aio.AioRpcError as e:
+            raise PlacementError(
+                Code.UNAVAILABLE if e.code() == Code.UNAVAILABLE else e.code(),
+                f"pod {target.view.address} could not take adapter {v.name!r}: {e.details()}",
+            ) from e
+        return "staging" if staged else "storage"
+
+    async def _load(self, pod: Pod, name: str) -> None:
+        """Into a device slot now, if one is free or idle; a busy pod promotes on demand instead."""
+        try:
+            await self._control(pod, "LoadAdapter", mc.LoadAdapterRequest(name=name))
+        except grpc.aio.AioRpcError as e:
+            if e.code() != Code.FAILED_PRECONDITION:
+                raise PlacementError(e.code(), f"pod {pod.view.address}: {e.details()}") from e
+            metrics.REFUSALS.labels("LoadAdapter").inc()
+            log.info("pod %s has no idle slot for %s; it stays in host memory", pod.view.address, name)
+
+    # --- versions, deletion, pins ----------------------------------------------------------------
+
+    async def rotate(self, v: Version) -> list[str]:
+        """Point every pod that holds the name at the new version (in-flight requests keep the old)."""
+        await self.refresh(policy=False)
+        holders = [p for p in self.pods.values() if p.view.ok and v.name in p.view.adapters]
+        done = []
+        for pod in holders:
+            with self.tracer.start_as_current_span("spindle.adapter.rotate") as span:
+                span.set_attribute("spindle.pod", pod.view.address)
+                try:
+                    await self._control(
+                        pod, "Rotate", mc.RotateRequest(name=v.name, peer=self.advertise, sha256=v.sha256)
+                    )
+                    done.append(pod.view.address)
+                except grpc.aio.AioRpcError as e:
+                    log.warning("rotating %s on %s failed: %s", v.name, pod.view.address, e.details())
+        for pod in holders:
+            await self._poll(pod)
+        return done
+
+    async def evict_everywhere(self, name: str) -> None:
+        await self.refresh(policy=False)
+        for pod in [p for p in self.pods.values() if p.view.ok and name in p.view.adapters]:
+            with contextlib.suppress(grpc.aio.AioRpcError):  # not resident: nothing pinned
+                await self._control(pod, "Pin", mc.PinRequest(name=name, pinned=False))
+            try:
+                await self._control(pod, "Evict", mc.EvictRequest(name=name, from_host=True))
+            except grpc.aio.AioRpcError as e:
+                metrics.REFUSALS.labels("Evict").inc()
+                log.info("pod %s kept %s: %s", pod.view.address, name, e.details())
+
+    async def pin(self, name: str, pinned: bool, pods: list[Pod] | None = None) -> None:
+        """Pin (or unpin) the adapter's device slots on `pods` (default: every pod), as last polled."""
+        for pod in [p for p in (pods or self.pods.values()) if p.view.ok]:
+            await self._poll(pod)
+            a = pod.view.adapters.get(name)
+            if a is not None and a.tier == mc.TIER_DEVICE:
+                try:
+                    await self._control(pod, "Pin", mc.PinRequest(name=name, pinned=pinned))
+                except grpc.aio.AioRpcError as e:
+                    log.info("pin %s on %s: %s", name, pod.view.address, e.details())
+
+    # --- policy ----------------------------------------------------------------------------------
+
+    async def latest(self) -> dict[str, Version]:
+        out, after = {}, ""
+        while page := await self.registry.page(after, 500):
+            out.update((v.name, v) for v in page)
+            after = page[-1].name
+        return out
+
+    async def _apply_policy(self, latest: dict[str, Version]) -> None:
+        views = self.views()
+        for name in to_spread(views, {n: v.sha256 for n, v in latest.items()}, self.knobs):
+            holders = {w.address for w in views if w.holds(name, latest[name].sha256)}
+            try:
+                await self._place(name, [], exclude=holders)
+                metrics.SPREADS.inc()
+            except PlacementError as e:
+                log.info("not spreading %s: %s", name, e)
+        pinned = {n for n, v in latest.items() if v.pinned}
+        for ev in to_cool(views, self.idle_since, pinned, time.monotonic(), self.knobs):
+            pod = self.pods.get(ev.pod)
+            if pod is None:
+                continue
+            try:
+                await self._control(
+                    pod, "Evict", mc.EvictRequest(name=ev.name, from_host=ev.from_host), attempts=1
+                )
+                metrics.COOLED.labels("host" if ev.from_host else "device").inc()
+            except grpc.aio.AioRpcError as e:
+                metrics.REFUSALS.labels("Evict").inc()  # in use since the poll: the pod said no
+                log.debug("pod %s refused to cool %s: %s", ev.pod, ev.name, e.details())

@@ -1,0 +1,185 @@
+"""The registry: the index of registered adapters, pod leases, and the staging copies.
+
+Two implementations behind one interface: Redis (redis-py asyncio) for a cluster, and an
+in-process one for `spindle up`. Neither is the source of truth: the store is. The index is
+rebuilt from it whenever the `built` mark is missing (a new, flushed or replaced Redis).
+
+- index: name -> the latest Version (JSON), names kept sorted for paged listing;
+- leases: which pod holds which version in which tier, each with an expiry; a lease is renewed
+  by every successful poll of the pod, so a crashed pod's leases lapse on their own;
+- staging: a bounded hot copy of small adapters' weights by sha256, so placing one does not
+  always go to S3; the oldest copies go first when the bound is reached.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from adapter_service.store import Version
+
+_P = "spindle:adapters:"
+
+
+class MemoryRegistry:
+    """The embedded registry: this process's memory (lost on restart, rebuilt from the store)."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, Version] = {}
+        self.built = False
+        self.lease_table: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {}
+        self.staging: dict[str, bytes] = {}
+
+    async def check(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def is_built(self) -> bool:
+        return self.built
+
+    async def rebuild(self, versions: list[Version]) -> None:
+        self.index = {v.name: v for v in versions}  # oldest first: the latest wins
+        self.built = True
+
+    async def put(self, v: Version) -> None:
+        self.index[v.name] = v
+
+    async def get(self, name: str) -> Version | None:
+        return self.index.get(name)
+
+    async def remove(self, name: str) -> None:
+        self.index.pop(name, None)
+        self.lease_table.pop(name, None)
+
+    async def page(self, after: str, limit: int) -> list[Version]:
+        return [self.index[n] for n in sorted(self.index) if n > after][:limit]
+
+    async def lease(self, name: str, pod: str, info: dict[str, Any], ttl: float) -> None:
+        self.lease_table.setdefault(name, {})[pod] = (time.time() + ttl, info)
+
+    async def leases(self, name: str) -> dict[str, dict[str, Any]]:
+        now = time.time()
+        table = self.lease_table.get(name, {})
+        for pod in [p for p, (exp, _) in table.items() if exp <= now]:
+            del table[pod]
+        return {pod: info for pod, (_, info) in table.items()}
+
+    async def stage(self, sha: str, data: bytes, max_total: int) -> None:
+        if len(data) > max_total:
+            return
+        self.staging.pop(sha, None)
+        self.staging[sha] = data
+        while sum(map(len, self.staging.values())) > max_total:
+            del self.staging[next(iter(self.staging))]
+
+    async def staged(self, sha: str) -> bytes | None:
+        return self.staging.get(sha)
+
+    async def is_staged(self, sha: str) -> bool:
+        return sha in self.staging
+
+
+class RedisRegistry:
+    """Redis: shared by every replica of the service; survives a service restart."""
+
+    def __init__(self, url: str, password: str = "", lease_key_ttl: float = 3600) -> None:
+        import redis.asyncio as redis
+
+        self.r = redis.Redis.from_url(url, password=password or None, socket_timeout=5)
+        self.key_ttl = int(lease_key_ttl)
+
+    async def check(self) -> None:
+        await self.r.ping()
+
+    async def is_built(self) -> bool:
+        return bool(await self.r.exists(_P + "built"))
+
+    async def rebuild(self, versions: list[Version]) -> None:
+        latest = {v.name: v for v in versions}
+        async with self.r.pipeline(transaction=True) as p:
+            p.delete(_P + "index", _P + "names")
+            for name, v in latest.items():
+                p.hset(_P + "index", name, v.to_json())
+                p.zadd(_P + "names", {name: 0})
+            p.set(_P + "built", "1")
+            await p.execute()
+
+    async def put(self, v: Version) -> None:
+        async with self.r.pipeline(transaction=True) as p:
+            p.hset(_P + "index", v.name, v.to_json())
+            p.zadd(_P + "names", {v.name: 0})
+            await p.execute()
+
+    async def get(self, name: str) -> Version | None:
+        raw = await self.r.hget(_P + "index", name)
+        return None if raw is None else Version.from_json(raw)
+
+    async def remove(self, name: str) -> None:
+        async with self.r.pipeline(transaction=True) as p:
+            p.hdel(_P + "index", name)
+            p.zrem(_P + "names", name)
+            p.delete(_P + f"lease:{name}", _P + f"leaseinfo:{name}")
+            await p.execute()
+
+    async def page(self, after: str, limit: int) -> list[Version]:
+        lo = f"({after}" if after else "-"
+        names = await self.r.zrangebylex(_P + "names", lo, "+", start=0, num=limit)
+        if not names:
+            return []
+        raws = await self.r.hmget(_P + "index", names)
+        return [Version.from_json(r) for r in raws if r is not None]
+
+    async def lease(self, name: str, pod: str, info: dict[str, Any], ttl: float) -> None:
+        # The whole key also expires, so a name nobody renews leaves nothing behind.
+        async with self.r.pipeline(transaction=True) as p:
+            p.zadd(_P + f"lease:{name}", {pod: time.time() + ttl})
+            p.hset(_P + f"leaseinfo:{name}", pod, json.dumps(info))
+            p.expire(_P + f"lease:{name}", self.key_ttl)
+            p.expire(_P + f"leaseinfo:{name}", self.key_ttl)
+            await p.execute()
+
+    async def leases(self, name: str) -> dict[str, dict[str, Any]]:
+        now = time.time()
+        expired = await self.r.zrangebyscore(_P + f"lease:{name}", "-inf", now)
+        if expired:
+            await self.r.zrem(_P + f"lease:{name}", *expired)
+            await self.r.hdel(_P + f"leaseinfo:{name}", *expired)
+        live = await self.r.zrangebyscore(_P + f"lease:{name}", f"({now}", "+inf")
+        if not live:
+            return {}
+        raws = await self.r.hmget(_P + f"leaseinfo:{name}", live)
+        return {p.decode(): json.loads(r) for p, r in zip(live, raws, strict=True) if r is not None}
+
+    async def stage(self, sha: str, data: bytes, max_total: int) -> None:
+        if len(data) > max_total:
+            return
+        async with self.r.pipeline(transaction=True) as p:
+            p.set(_P + f"staged:{sha}", data)
+            p.zadd(_P + "staging", {sha: time.time()})
+            p.hset(_P + "staging:size", sha, len(data))
+            await p.execute()
+        sizes = {k.decode(): int(v) for k, v in (await self.r.hgetall(_P + "staging:size")).items()}
+        total = sum(sizes.values())
+        for old in await self.r.zrange(_P + "staging", 0, -1):
+            if total <= max_total:
+                break
+            old = old.decode()
+            total -= sizes.get(old, 0)
+            await self.r.delete(_P + f"staged:{old}")
+            await self.r.zrem(_P + "staging", old)
+            await self.r.hdel(_P + "staging:size", old)
+
+    async def staged(self, sha: str) -> bytes | None:
+        return await self.r.get(_P + f"staged:{sha}")
+
+    async def is_staged(self, sha: str) -> bool:
+        return bool(await self.r.exists(_P + f"staged:{sha}"))
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+
+Registry = MemoryRegistry | RedisRegistry

@@ -1,0 +1,471 @@
+"""`spindle adapter-service`: adapters registered once for the cluster, placed on pods on demand.
+
+Serves three gRPC services on one port: Adapters (the admin API; users reach it through the
+gateway with an admin-scoped key), Placement (for the gateway), and ModelControl's
+FetchAdapterWeights only, so a pod promotes an adapter "from a peer" that is this service and
+needs no S3 credentials. Storage is S3 (`--s3-bucket`) or, embedded, a local directory; the
+registry is Redis (`--redis-url`) or, embedded, this process's memory. Health is SERVING once
+both answer.
+
+An upload is validated completely (adapter_service/validate.py) and its sha256 compared before
+anything is written; a refused upload leaves nothing in storage or the registry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from adapter_service import base_model, validate
+from adapter_service.controller import Controller, PlacementError
+from adapter_service.placement import Knobs
+from adapter_service.registry import MemoryRegistry, RedisRegistry, Registry
+from adapter_service.store import LocalStore, S3Store, Store, Version
+from gateway.pods import dns_discovery, static_discovery
+from spindle import serving, telemetry
+from spindle.grpc_status import abort
+from spindle.v1 import adapters_pb2 as apb
+from spindle.v1 import adapters_pb2_grpc, model_control_pb2, model_control_pb2_grpc
+
+log = logging.getLogger("spindle.adapters")
+Code = grpc.StatusCode
+SERVICES = ("spindle.v1.Adapters", "spindle.v1.Placement", "spindle.v1.ModelControl")
+_MAX_CONFIG = 1 << 20
+_CHUNK = 1 << 20
+
+
+async def _name(context: grpc.aio.ServicerContext, name: str) -> str:
+    try:
+        return validate.check_name(name)
+    except validate.ValidationError as e:
+        await abort(context, Code.INVALID_ARGUMENT, str(e))
+
+
+class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
+    def __init__(
+        self,
+        controller: Controller,
+        base: base_model.BaseModel,
+        max_rank: int,
+        max_adapter_bytes: int,
+        s3_import: S3Store | None = None,
+    ) -> None:
+        self.c, self.base, self.max_rank = controller, base, max_rank
+        self.max_bytes, self.s3_import = max_adapter_bytes, s3_import
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def _proto(self, v: Version) -> apb.Adapter:
+        return apb.Adapter(
+            name=v.name,
+            version=v.version,
+            sha256=v.sha256,
+            size_bytes=v.size_bytes,
+            rank=v.rank,
+            target_modules=v.target_modules,
+            base_model=v.base_model,
+            created_at=v.created_at,
+            pinned=v.pinned,
+            description=v.description,
+            placements=await self.c.placements(v.name),
+        )
+
+    async def _get(self, name: str, context: grpc.aio.ServicerContext) -> Version:
+        v = await self.c.lookup(await _name(context, name))
+        if v is None:
+            await abort(context, Code.NOT_FOUND, f"adapter {name!r} is not registered")
+        return v
+
+    async def _commit(
+        self,
+        context: grpc.aio.ServicerContext,
+        name: str,
+        config: bytes,
+        weights: Path,
+        sha: str,
+        description: str,
+    ) -> apb.Adapter:
+        """Validate, then store (the source of truth) and index; a refusal writes nothing."""
+        try:
+            summary = await asyncio.to_thread(validate.validate, config, weights, self.base, self.max_rank)
+        except validate.ValidationError as e:
+            await abort(context, Code.INVALID_ARGUMENT, f"adapter {name!r} refused: {e}")
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            latest = await self.c.lookup(name)
+            if latest is not None and latest.sha256 == sha:
+                await abort(
+                    context,
+                    Code.ALREADY_EXISTS,
+                    f"adapter {name!r} version {latest.version} has these weights already",
+                )
+            known = await self.c.store.versions(name)
+            v = Version(
+                name=name,
+                version=max([x.version for x in known], default=0) + 1,
+                sha256=sha,
+                size_bytes=weights.stat().st_size,
+                rank=summary.rank,
+                target_modules=summary.target_modules,
+                base_model=self.base.name,
+                created_at=time.time(),
+                description=description,
+                pinned=latest.pinned if latest else False,
+            )
+            try:
+                await self.c.store.put(v, config, weights)
+            except Exception as e:
+                log.exception("storing %s v%d failed", name, v.version)
+                await abort(context, Code.UNAVAILABLE, f"storage failed, nothing registered; retry: {e}")
+            await self.c.registry.put(v)
+            if v.size_bytes <= self.c.staging_max_bytes:
+                await self.c.stage(sha, config, await asyncio.to_thread(weights.read_bytes))
+        log.info("registered %s v%d (rank %d, %d bytes)", name, v.version, v.rank, v.size_bytes)
+        if latest is not None:
+            await self.c.rotate(v)
+        return await self._proto(v)
+
+    async def Register(
+        self, request_iterator: AsyncIterator[apb.RegisterChunk], context: grpc.aio.ServicerContext
+    ) -> apb.Adapter:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "header":
+            await abort(
+                context,
+                Code.INVALID_ARGUMENT,
+                "the first message must be the header (name, config, size, sha256)",
+            )
+        h = first.header
+        name = await _name(context, h.name)
+        if len(h.sha256) != 64 or any(c not in "0123456789abcdef" for c in h.sha256):
+            await abort(
+                context,
+                Code.INVALID_ARGUMENT,
+                "sha256 must be the 64 lowercase hex digits of the weights file",
+            )
+        if not 0 < h.total_bytes <= self.max_bytes:
+            code = Code.RESOURCE_EXHAUSTED if h.total_bytes > 0 else Code.INVALID_ARGUMENT
+            await abort(
+                context,
+                code,
+                f"total_bytes {h.total_bytes} must be in [1, {self.max_bytes}] (--max-adapter-bytes)",
+            )
+        if not h.config_json or len(h.config_json) > _MAX_CONFIG:
+            await abort(context, Code.INVALID_ARGUMENT, f"config_json must be 1 byte to {_MAX_CONFIG} bytes")
+        fd, tmp = tempfile.mkstemp(prefix="spindle-upload-")
+        path = Path(tmp)
+        try:
+            digest, received = hashlib.sha256(), 0
+            with os.fdopen(fd, "wb") as out:
+                async for chunk in request_iterator:
+                    if chunk.WhichOneof("kind") != "data":
+                        await abort(context, Code.INVALID_ARGUMENT, "only the first message may be a header")
+                    received += len(chunk.data)
+                    if received > h.total_bytes:
+                        await abort(
+                            context,
+                            Code.RESOURCE_EXHAUSTED,
+                            f"more than the announced {h.total_bytes} bytes were sent",
+                        )
+                    digest.update(chunk.data)
+                    out.write(chunk.data)
+            if received != h.total_bytes:
+                await abort(
+                    context, Code.INVALID_ARGUMENT, f"received {received} bytes, announced {h.total_bytes}"
+                )
+            if digest.hexdigest() != h.sha256:
+                await abort(
+                    context,
+                    Code.DATA_LOSS,
+                    f"the weights received have sha256 {digest.hexdigest()}, the client said {h.sha256}: "
+                    "corrupted in transit; nothing was stored, send again",
+                )
+            return await self._commit(context, name, bytes(h.config_json), path, h.sha256, h.description)
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def Import(self, request: apb.ImportRequest, context: grpc.aio.ServicerContext) -> apb.Adapter:
+        name = await _name(context, request.name)
+        if self.s3_import is None:
+            await abort(
+                context, Code.FAILED_PRECONDITION, "Import needs S3: start the service with --s3-bucket"
+            )
+        try:
+            config, path = await asyncio.to_thread(self.s3_import.fetch_uri, request.uri, self.max_bytes)
+        except ValueError as e:
+            await abort(context, Code.INVALID_ARGUMENT, str(e))
+        except OverflowError as e:
+            await abort(context, Code.RESOURCE_EXHAUSTED, str(e))
+        except Exception as e:  # botocore's ClientError: missing object, access denied
+            await abort(context, Code.NOT_FOUND, f"cannot read {request.uri}: {e}")
+        try:
+            sha = await asyncio.to_thread(lambda: hashlib.sha256(path.read_bytes()).hexdigest())
+            if request.sha256 and request.sha256 != sha:
+                await abort(
+                    context, Code.DATA_LOSS, f"{request.uri} has sha256 {sha}, expected {request.sha256}"
+                )
+            return await self._commit(context, name, config, path, sha, request.description)
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def Get(self, request: apb.GetAdapterRequest, context: grpc.aio.ServicerContext) -> apb.Adapter:
+        return await self._proto(await self._get(request.name, context))
+
+    async def List(
+        self, request: apb.ListAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> apb.ListAdaptersResponse:
+        if not 0 <= request.page_size <= 1000:
+            await abort(
+                context, Code.INVALID_ARGUMENT, f"page_size must be in [0, 1000], got {request.page_size}"
+            )
+        if request.page_token:
+            await _name(context, request.page_token)
+        size = request.page_size or 100
+        await self.c.ensure_built()
+        page = await self.c.registry.page(request.page_token, size + 1)
+        more = len(page) > size
+        page = page[:size]
+        return apb.ListAdaptersResponse(
+            adapters=[await self._proto(v) for v in page], next_page_token=page[-1].name if more else ""
+        )
+
+    async def Delete(
+        self, request: apb.DeleteAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> apb.DeleteAdapterResponse:
+        v = await self._get(request.name, context)
+        async with self._locks.setdefault(v.name, asyncio.Lock()):
+            await self.c.registry.remove(v.name)  # first: no new placement starts from here on
+            await self.c.evict_everywhere(v.name)
+            try:
+                n = await self.c.store.remove(v.name)
+            except Exception as e:  # storage is the truth: the next rebuild would bring it back
+                log.exception("deleting %s from storage failed", v.name)
+                await abort(
+                    context, Code.UNAVAILABLE, f"storage failed; {v.name!r} is not deleted, retry: {e}"
+                )
+        log.info("deleted %s (%d versions)", v.name, n)
+        return apb.DeleteAdapterResponse(versions_deleted=n)
+
+    async def Pin(self, request: apb.PinAdapterRequest, context: grpc.aio.ServicerContext) -> apb.Adapter:
+        v = await self._get(request.name, context)
+        await self.c.store.set_pinned(v.name, request.pinned)
+        v.pinned = request.pinned
+        await self.c.registry.put(v)
+        await self.c.pin(v.name, request.pinned)
+        return await self._proto(v)
+
+
+class PlacementService(adapters_pb2_grpc.PlacementServicer):
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+
+    async def Place(self, request: apb.PlaceRequest, context: grpc.aio.ServicerContext) -> apb.PlaceResponse:
+        name = await _name(context, request.adapter)
+        try:
+            return await self.c.place(name, list(request.pods))
+        except PlacementError as e:
+            await abort(context, e.code, str(e))
+
+    async def Catalog(
+        self, request: apb.CatalogRequest, context: grpc.aio.ServicerContext
+    ) -> apb.CatalogResponse:
+        await self.c.ensure_built()
+        out = []
+        for name, v in sorted((await self.c.latest()).items()):
+            leases = await self.c.registry.leases(name)
+            pods = sorted(p for p, i in leases.items() if i["sha256"] == v.sha256)
+            out.append(apb.CatalogEntry(name=name, version=v.version, sha256=v.sha256, pods=pods))
+        return apb.CatalogResponse(adapters=out)
+
+
+class WeightsService(model_control_pb2_grpc.ModelControlServicer):
+    """Only FetchAdapterWeights: the pods' peer-to-peer stream, answered from staging or storage."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+
+    async def FetchAdapterWeights(
+        self, request: model_control_pb2.FetchAdapterWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[model_control_pb2.AdapterWeightsChunk]:
+        name = await _name(context, request.name)
+        if not 0 <= request.chunk_bytes <= 16 << 20:
+            await abort(context, Code.INVALID_ARGUMENT, "chunk_bytes must be in [0, 16 MiB]")
+        try:
+            config, data, v, _ = await self.c.weights(name)
+        except PlacementError as e:
+            await abort(context, e.code, str(e))
+        step = request.chunk_bytes or _CHUNK
+        for offset in range(0, max(len(data), 1), step):
+            first, last = offset == 0, offset + step >= len(data)
+            yield model_control_pb2.AdapterWeightsChunk(
+                name=name,
+                config_json=config.decode() if first else "",
+                total_bytes=len(data) if first else 0,
+                offset=offset,
+                data=data[offset : offset + step],
+                last=last,
+                sha256=v.sha256 if last else "",
+            )
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.description = "Run the adapter service: register adapters once, place them on model pods."
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="address to listen on [0.0.0.0]")
+    g.add_argument("--port", type=int, default=50060, help="gRPC port [50060]")
+    g.add_argument("--metrics-port", type=int, default=9091, help="Prometheus /metrics port; 0 = off [9091]")
+    g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]")
+    g.add_argument(
+        "--advertise-address",
+        default="",
+        help="HOST:PORT at which pods reach this service's weight stream [--host:--port, or this host's IP]",
+    )
+    s = parser.add_argument_group("storage (S3, or embedded: a local directory)")
+    s.add_argument("--s3-bucket", default="", help="bucket of the adapters; empty = the local --storage-dir")
+    s.add_argument("--s3-prefix", default="adapters/", help="key prefix in the bucket [adapters/]")
+    s.add_argument("--s3-endpoint-url", default="", help="S3-compatible endpoint (MinIO, ...); empty = AWS")
+    s.add_argument("--s3-region", default="", help="the bucket's region; empty = boto3's default")
+    s.add_argument(
+        "--storage-dir", default="", help="the embedded store's directory [~/.cache/spindle/adapters]"
+    )
+    r = parser.add_argument_group("registry (Redis, or embedded: this process)")
+    r.add_argument(
+        "--redis-url",
+        default="",
+        help="redis://HOST:PORT/DB; empty = in-process (password: in the URL or SPINDLE_REDIS_PASSWORD)",
+    )
+    r.add_argument("--staging-max-bytes", type=int, default=256 << 20, help="hot copies of weights [256 MiB]")
+    p = parser.add_argument_group("model pods (their ModelControl addresses)")
+    p.add_argument("--pods", default="", help="static list HOST:PORT,HOST:PORT of the pods' control ports")
+    p.add_argument(
+        "--pods-dns", default="", help="HOST:PORT of a headless Service of the pods' control ports"
+    )
+    p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between pod slot polls [2]")
+    p.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a pod's placement lease lives [10]")
+    v = parser.add_argument_group("validation")
+    v.add_argument(
+        "--base-model",
+        default="smollm2-135m-instruct",
+        help="what uploads must fit: an alias, an HF config dir or a .gguf [smollm2-135m-instruct]",
+    )
+    v.add_argument("--max-adapter-bytes", type=int, default=1 << 30, help="largest weights file [1 GiB]")
+    v.add_argument("--max-lora-rank", type=int, default=64, help="refuse adapters of a higher rank [64]")
+    k = parser.add_argument_group("policy (see docs/adapter_service.md)")
+    k.add_argument(
+        "--spread-threshold", type=float, default=8.0, help="running requests per holder that add a pod [8]"
+    )
+    k.add_argument("--max-replicas", type=int, default=4, help="most pods a hot adapter is spread to [4]")
+    k.add_argument("--slot-idle-seconds", type=float, default=300.0, help="idle device slot -> host [300]")
+    k.add_argument("--host-idle-seconds", type=float, default=1800.0, help="idle host copy -> disk [1800]")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    serving.setup_logging(args.log_level)
+    if args.pods and args.pods_dns:
+        raise SystemExit("spindle adapter-service: give at most one of --pods and --pods-dns")
+    return asyncio.run(serve(args))
+
+
+def _advertise(args: argparse.Namespace, port: int) -> str:
+    if args.advertise_address:
+        return args.advertise_address
+    host = args.host if args.host not in ("", "0.0.0.0", "::") else socket.gethostbyname(socket.gethostname())
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _backends(args: argparse.Namespace) -> tuple[Store, Registry]:
+    if args.s3_bucket:
+        store: Store = S3Store(args.s3_bucket, args.s3_prefix, args.s3_endpoint_url, args.s3_region)
+    else:
+        store = LocalStore(args.storage_dir or Path.home() / ".cache" / "spindle" / "adapters")
+    password = os.environ.get("SPINDLE_REDIS_PASSWORD", "")
+    registry: Registry = RedisRegistry(args.redis_url, password) if args.redis_url else MemoryRegistry()
+    return store, registry
+
+
+async def serve(args: argparse.Namespace) -> int:
+    provider = telemetry.tracer_provider_from_env("spindle-adapter-service")
+    server, health, controller = await start(args, provider)
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.host)
+    stop = asyncio.Event()
+    serving.on_shutdown_signal(lambda why: stop.set())
+    while not stop.is_set():
+        await health.set(await _reachable(controller))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), 2.0)
+    await health.set(False)
+    await server.stop(grace=5.0)
+    await controller.close()
+    if provider is not None:
+        provider.shutdown()
+    return 0
+
+
+async def _reachable(controller: Controller) -> bool:
+    try:
+        await asyncio.wait_for(asyncio.gather(controller.store.check(), controller.registry.check()), 5.0)
+        return True
+    except Exception as e:
+        log.warning("storage or registry unreachable: %s", e)
+        return False
+
+
+async def start(
+    args: argparse.Namespace, provider: Any = None
+) -> tuple[grpc.aio.Server, serving.Health, Controller]:
+    """Build, bind and start the service (also used in-process by the benchmark)."""
+    base = base_model.load(args.base_model)
+    store, registry = _backends(args)
+    discover = (
+        dns_discovery(args.pods_dns)
+        if args.pods_dns
+        else static_discovery([a.strip() for a in args.pods.split(",") if a.strip()])
+    )
+    server = serving.make_server(telemetry.server_interceptors(provider))
+    health = serving.Health(server, SERVICES)
+    port = serving.bind(server, args.host, args.port)
+    controller = Controller(
+        registry,
+        store,
+        discover,
+        _advertise(args, port),
+        knobs=Knobs(args.spread_threshold, args.max_replicas, args.slot_idle_seconds, args.host_idle_seconds),
+        poll_interval=args.poll_interval,
+        lease_ttl=args.lease_ttl,
+        staging_max_bytes=args.staging_max_bytes,
+        interceptors=telemetry.client_interceptors(provider),
+        tracer=telemetry.get_tracer("spindle.adapters", provider),
+    )
+    s3_import = store if isinstance(store, S3Store) else None
+    admin = AdaptersService(controller, base, args.max_lora_rank, args.max_adapter_bytes, s3_import)
+    adapters_pb2_grpc.add_AdaptersServicer_to_server(admin, server)
+    adapters_pb2_grpc.add_PlacementServicer_to_server(PlacementService(controller), server)
+    model_control_pb2_grpc.add_ModelControlServicer_to_server(WeightsService(controller), server)
+    serving.enable_reflection(server, SERVICES)
+    await server.start()
+    await controller.start()
+    await health.set(await _reachable(controller))
+    log.info(
+        "adapter service on %s:%d (advertised %s), %s storage, %s registry, %d pods",
+        args.host, port, controller.advertise,
+        type(store).__name__, type(registry).__name__, len(controller.pods),
+    )  # fmt: skip
+    return server, health, controller

@@ -1,0 +1,229 @@
+"""Where acknowledged adapters live: S3 (the source of truth) or, embedded, a local directory.
+
+Layout, under the prefix: `NAME/vNNNNNN/adapter_config.json`, `.../adapter_model.safetensors` and
+`.../meta.json`. meta.json is written last and is the commit mark: a version without it does not
+exist (a crash mid-upload leaves nothing that counts, and a failed upload deletes what it wrote).
+`NAME/pinned` marks a pinned adapter. Everything the registry holds can be rebuilt from this.
+The two stores differ only in their five primitives; the layout logic is shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONFIG, WEIGHTS, META = "adapter_config.json", "adapter_model.safetensors", "meta.json"
+
+
+@dataclass
+class Version:
+    """One registered version of an adapter: what meta.json and the registry index hold."""
+
+    name: str
+    version: int
+    sha256: str
+    size_bytes: int
+    rank: int
+    target_modules: list[str]
+    base_model: str
+    created_at: float
+    description: str = ""
+    pinned: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Version:
+        return cls(**json.loads(text))
+
+
+class Store:
+    """The layout over five primitives a backend implements (blocking; called in a thread)."""
+
+    def _write(self, key: str, data: bytes | Path) -> None:
+        raise NotImplementedError
+
+    def _read(self, key: str) -> bytes:
+        raise NotImplementedError
+
+    def _keys(self, prefix: str) -> list[str]:
+        raise NotImplementedError
+
+    def _delete(self, keys: list[str]) -> None:
+        raise NotImplementedError
+
+    def ping(self) -> None:
+        raise NotImplementedError
+
+    # --- the layout ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _dir(name: str, version: int) -> str:
+        return f"{name}/v{version:06d}/"
+
+    def _put(self, meta: Version, config: bytes, weights: Path) -> None:
+        base = self._dir(meta.name, meta.version)
+        written: list[str] = []
+        try:
+            for key, data in ((WEIGHTS, weights), (CONFIG, config), (META, meta.to_json().encode())):
+                written.append(base + key)
+                self._write(base + key, data)
+        except BaseException:
+            self._delete(written)  # nothing half-written survives a failed upload
+            raise
+
+    def _versions(self, name: str = "") -> list[Version]:
+        metas = [k for k in self._keys(f"{name}/" if name else "") if k.endswith("/" + META)]
+        out = [Version.from_json(self._read(k)) for k in sorted(metas)]
+        pinned = {k.split("/")[0] for k in self._keys(f"{name}/" if name else "") if k.endswith("/pinned")}
+        for v in out:
+            v.pinned = v.name in pinned
+        return out
+
+    def _remove(self, name: str) -> int:
+        keys = self._keys(f"{name}/")
+        self._delete(keys)
+        return sum(k.endswith("/" + META) for k in keys)
+
+    def _set_pinned(self, name: str, pinned: bool) -> None:
+        if pinned:
+            self._write(f"{name}/pinned", b"1")
+        else:
+            self._delete([f"{name}/pinned"])
+
+    # --- async surface -------------------------------------------------------------------------
+
+    async def put(self, meta: Version, config: bytes, weights: Path) -> None:
+        await asyncio.to_thread(self._put, meta, config, weights)
+
+    async def read(self, name: str, version: int) -> tuple[bytes, bytes]:
+        """(adapter_config.json, adapter_model.safetensors) of one version."""
+        base = self._dir(name, version)
+        return await asyncio.to_thread(lambda: (self._read(base + CONFIG), self._read(base + WEIGHTS)))
+
+    async def versions(self, name: str = "") -> list[Version]:
+        """Every committed version (of `name`, or of all adapters), oldest first per name."""
+        return await asyncio.to_thread(self._versions, name)
+
+    async def remove(self, name: str) -> int:
+        return await asyncio.to_thread(self._remove, name)
+
+    async def set_pinned(self, name: str, pinned: bool) -> None:
+        await asyncio.to_thread(self._set_pinned, name, pinned)
+
+    async def check(self) -> None:
+        await asyncio.to_thread(self.ping)
+
+
+class LocalStore(Store):
+    """The embedded store: a directory, for `spindle up` and single-machine use."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def _write(self, key: str, data: bytes | Path) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        if isinstance(data, Path):
+            shutil.copyfile(data, tmp)
+        else:
+            tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+    def _read(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def _keys(self, prefix: str) -> list[str]:
+        top = self._path(prefix) if prefix else self.root
+        if not top.exists():
+            return []
+        return sorted(str(p.relative_to(self.root)) for p in top.rglob("*") if p.is_file())
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
+            self._path(key).unlink(missing_ok=True)
+        for d in sorted({self._path(k).parent for k in keys}, key=lambda p: -len(p.parts)):
+            while d != self.root and d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+                d = d.parent
+
+    def ping(self) -> None:
+        if not os.access(self.root, os.W_OK):
+            raise OSError(f"storage directory {self.root} is not writable")
+
+
+class S3Store(Store):
+    """S3 (or any S3-compatible API) through boto3; large weights go up as multipart uploads.
+
+    Credentials come from boto3's own chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a web
+    identity token under IRSA, an instance profile), never from a flag.
+    """
+
+    def __init__(
+        self, bucket: str, prefix: str = "adapters/", endpoint_url: str = "", region: str = ""
+    ) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.bucket, self.prefix = bucket, prefix
+        self.s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint_url or None,
+            region_name=region or None,
+            config=Config(retries={"max_attempts": 5, "mode": "standard"}),
+        )
+        self.transfer = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20)
+
+    def _write(self, key: str, data: bytes | Path) -> None:
+        if isinstance(data, Path):
+            self.s3.upload_file(str(data), self.bucket, self.prefix + key, Config=self.transfer)
+        else:
+            self.s3.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data)
+
+    def _read(self, key: str) -> bytes:
+        return self.s3.get_object(Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
+
+    def _keys(self, prefix: str) -> list[str]:
+        out = []
+        for page in self.s3.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self.prefix + prefix
+        ):
+            out += [o["Key"][len(self.prefix) :] for o in page.get("Contents", [])]
+        return sorted(out)
+
+    def _delete(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            batch = [{"Key": self.prefix + k} for k in keys[i : i + 1000]]
+            self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+
+    def ping(self) -> None:
+        self.s3.head_bucket(Bucket=self.bucket)
+
+    def fetch_uri(self, uri: str, max_bytes: int) -> tuple[bytes, Path]:
+        """An `s3://bucket/prefix/` with the two PEFT files: the config, and the weights in a temp file."""
+        bucket, _, key = uri.removeprefix("s3://").partition("/")
+        if not uri.startswith("s3://") or not bucket:
+            raise ValueError(f"expected s3://BUCKET/PREFIX/, got {uri!r}")
+        key = key.rstrip("/") + "/" if key else ""
+        head = self.s3.head_object(Bucket=bucket, Key=key + WEIGHTS)
+        if head["ContentLength"] > max_bytes:
+            raise OverflowError(f"{uri}{WEIGHTS} is {head['ContentLength']} bytes; the limit is {max_bytes}")
+        config = self.s3.get_object(Bucket=bucket, Key=key + CONFIG)["Body"].read()
+        fd, tmp = tempfile.mkstemp(prefix="spindle-import-")
+        os.close(fd)
+        self.s3.download_file(bucket, key + WEIGHTS, tmp, Config=self.transfer)
+        return config, Path(tmp)

@@ -1,0 +1,157 @@
+"""Checking an uploaded adapter before it is acknowledged, without torch or a GPU.
+
+The safetensors header (8-byte little-endian length, then JSON) is parsed here and every tensor's
+byte range is checked against the file, so a header that lies about offsets is refused instead of
+failing later on a pod. Shapes, layers and rank are compared with the base model's projection
+shapes (adapter_service/base_model.py). Each refusal names the field or tensor, because the reader
+is the person who trained the adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from adapter_service.base_model import LORA_MODULES, BaseModel
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
+)
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+_MAX_HEADER = 16 << 20
+# pickle protocol 2+ starts with 0x80; torch.save writes a zip archive of pickles.
+_PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")
+
+
+class ValidationError(ValueError):
+    """An adapter the cluster will not serve (INVALID_ARGUMENT), with the reason."""
+
+
+@dataclass
+class Summary:
+    rank: int
+    target_modules: list[str]
+
+
+def check_name(name: str) -> str:
+    """Names become S3 keys, Redis keys and pod cache directories: no path tricks, nothing odd."""
+    if not NAME.match(name or "") or ".." in name:
+        raise ValidationError(
+            f"adapter name {name!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, without '..'"
+        )
+    return name
+
+
+def read_header(f: BinaryIO, size: int) -> dict[str, Any]:
+    """The tensors of a safetensors file, each range checked to lie inside the file."""
+    f.seek(0)
+    head = f.read(8)
+    if head[:1] in _PICKLE_MAGIC[:1] or head[:4] == _PICKLE_MAGIC[1]:
+        raise ValidationError(
+            "adapter_model.safetensors is a pickle (.bin/.pt) file; pickles can run code and are "
+            "refused: save the adapter with safe_serialization=True"
+        )
+    if len(head) < 8:
+        raise ValidationError(f"adapter_model.safetensors is {size} bytes: too short to be safetensors")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(_MAX_HEADER, size - 8):
+        raise ValidationError(
+            f"adapter_model.safetensors claims a {n}-byte header in a {size}-byte file: not safetensors"
+        )
+    try:
+        header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValidationError(f"adapter_model.safetensors header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise ValidationError("adapter_model.safetensors header is not a JSON object")
+    data_size = size - 8 - n
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    for key, t in tensors.items():
+        try:
+            dtype, shape, (begin, end) = t["dtype"], [int(d) for d in t["shape"]], t["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValidationError(f"tensor {key!r}: malformed header entry {t!r}") from e
+        if dtype not in _DTYPE_BYTES:
+            raise ValidationError(f"tensor {key!r}: dtype {dtype} is not a float type a LoRA uses")
+        want = math.prod(shape) * _DTYPE_BYTES[dtype]
+        if not (0 <= begin <= end <= data_size) or end - begin != want:
+            raise ValidationError(
+                f"tensor {key!r}: header says bytes [{begin}, {end}) of {data_size} for shape {shape} "
+                f"{dtype} ({want} bytes): the header lies about the file"
+            )
+    return tensors
+
+
+def parse_config(config_bytes: bytes) -> dict[str, Any]:
+    try:
+        config = json.loads(config_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValidationError(f"adapter_config.json is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ValidationError("adapter_config.json is not a JSON object")
+
+    def refuse(what: str) -> None:
+        raise ValidationError(f"adapter_config.json: {what} is not supported")
+
+    if config.get("peft_type", "LORA") != "LORA":
+        refuse(f"peft_type {config.get('peft_type')!r} (only LORA)")
+    if config.get("use_dora"):
+        refuse("DoRA (use_dora=true)")
+    if config.get("modules_to_save"):
+        refuse(f"modules_to_save {config['modules_to_save']}")
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        refuse(f"bias={config.get('bias')!r}")
+    if config.get("fan_in_fan_out"):
+        refuse("fan_in_fan_out=true")
+    targets = config.get("target_modules") or []
+    for t in [targets] if isinstance(targets, str) else targets:
+        if isinstance(targets, list) and t not in LORA_MODULES:
+            refuse(f"target module {t!r} (LoRA targets: {', '.join(LORA_MODULES)})")
+    return config
+
+
+def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int) -> Summary:
+    """Everything a pod would check, done before a byte is stored."""
+    parse_config(config_bytes)
+    size = weights.stat().st_size
+    with open(weights, "rb") as f:
+        tensors = read_header(f, size)
+    shapes = base.projection_shapes()
+    pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise ValidationError(f"tensor {key!r} is not a LoRA A/B weight of a decoder layer projection")
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        if module not in shapes:
+            raise ValidationError(
+                f"tensor {key!r} targets {module!r}; LoRA targets: {', '.join(LORA_MODULES)}"
+            )
+        if layer >= base.num_layers:
+            raise ValidationError(f"tensor {key!r} names layer {layer}; {base.name} has {base.num_layers}")
+        pairs.setdefault((layer, module), {})[ab] = [int(d) for d in t["shape"]]
+    if not pairs:
+        raise ValidationError("adapter_model.safetensors holds no LoRA weights")
+    rank = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValidationError(f"layer {layer} {module}: has lora_{''.join(ab)} but not both A and B")
+        a, b = ab["A"], ab["B"]
+        in_f, out_f = shapes[module]
+        r = a[0] if len(a) == 2 else -1
+        if a != [r, in_f] or b != [out_f, r]:
+            raise ValidationError(
+                f"layer {layer} {module}: lora_A {a} and lora_B {b}; {base.name} needs "
+                f"[r, {in_f}] and [{out_f}, r]: made for another base model?"
+            )
+        if r > max_rank:
+            raise ValidationError(f"layer {layer} {module}: rank {r} is above the limit {max_rank}")
+        rank = max(rank, r)
+    return Summary(rank, sorted({module for _, module in pairs}))

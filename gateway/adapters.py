@@ -1,0 +1,141 @@
+"""The gateway's side of the adapter service: placement on demand, the catalog, the admin API.
+
+- place: a request for a registered adapter that no ready pod holds asks the service to place
+  it, waits (bounded by --placement-timeout and the request's deadline), and is then routed.
+  Concurrent requests for one adapter share one placement call, which runs to its end even if
+  the request that started it goes away: a request is never failed for another's placement.
+- catalog: the registered adapters (refreshed with every pod poll), so ListModels shows them
+  all, placed or not, and a deleted adapter is refused even while a pod still has its files.
+- admin: spindle.v1.Adapters forwarded unchanged for callers whose API key has the admin scope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+
+from gateway.auth import Caller
+from gateway.pods import CHANNEL_OPTIONS, Pod
+from spindle.grpc_status import abort
+from spindle.v1 import adapters_pb2 as apb
+from spindle.v1 import adapters_pb2_grpc
+
+log = logging.getLogger("spindle.gateway")
+Code = grpc.StatusCode
+
+
+class AdapterDirectory:
+    def __init__(
+        self, target: str, interceptors: Iterable[Any] = (), placement_timeout: float = 60.0
+    ) -> None:
+        self.target = target
+        options = [*CHANNEL_OPTIONS, ("grpc.max_send_message_length", 64 << 20)]  # reconnect fast, too
+        self.channel = grpc.aio.insecure_channel(target, options=options, interceptors=list(interceptors))
+        self.adapters = adapters_pb2_grpc.AdaptersStub(self.channel)
+        self.placement = adapters_pb2_grpc.PlacementStub(self.channel)
+        self.placement_timeout = placement_timeout
+        self.catalog: dict[str, apb.CatalogEntry] | None = None  # None: never fetched
+        self._placing: dict[str, asyncio.Task] = {}
+
+    async def refresh(self) -> bool:
+        try:
+            reply = await self.placement.Catalog(apb.CatalogRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError as e:
+            log.warning("adapter service %s: catalog not refreshed: %s", self.target, e.code().name)
+            return False
+        self.catalog = {e.name: e for e in reply.adapters}
+        return True
+
+    async def registered(self, name: str) -> bool:
+        """Whether the service knows `name` (asks again before saying no; True if it never answered)."""
+        if self.catalog is not None and name in self.catalog:
+            return True
+        await self.refresh()
+        return self.catalog is None or name in self.catalog
+
+    async def place(self, name: str, pods: list[Pod], timeout: float | None) -> apb.PlaceResponse:
+        task = self._placing.get(name)
+        if task is None:
+            hints = [_hint(p) for p in pods]
+            task = asyncio.create_task(self._place(apb.PlaceRequest(adapter=name, pods=hints)))
+            self._placing[name] = task
+            task.add_done_callback(lambda _: self._placing.pop(name, None))
+        limit = self.placement_timeout if timeout is None else min(timeout, self.placement_timeout)
+        return await asyncio.wait_for(asyncio.shield(task), limit)
+
+    async def _place(self, request: apb.PlaceRequest) -> apb.PlaceResponse:
+        return await self.placement.Place(request, timeout=self.placement_timeout)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def _hint(pod: Pod) -> apb.PodHint:
+    """The pod by its control address (its host and reported control port), with its load."""
+    load = pod.load
+    if load is None:
+        return apb.PodHint(address=pod.address)
+    host = pod.address.rpartition(":")[0]
+    return apb.PodHint(
+        address=f"{host}:{load.control_port}" if load.control_port else pod.address,
+        num_waiting=load.num_waiting,
+        kv_usage=load.kv_usage,
+        resident_adapters=len(load.resident_adapters),
+        max_adapters=load.max_adapters,
+    )
+
+
+class AdminProxy(adapters_pb2_grpc.AdaptersServicer):
+    """The admin API through the gateway: authenticated here, answered by the adapter service."""
+
+    def __init__(
+        self,
+        directory: AdapterDirectory | None,
+        caller: Callable[[grpc.aio.ServicerContext], Awaitable[Caller]],
+    ) -> None:
+        self.directory, self.caller = directory, caller
+
+    async def _admin(self, context: grpc.aio.ServicerContext) -> adapters_pb2_grpc.AdaptersStub:
+        caller = await self.caller(context)
+        if not caller.admin:
+            await abort(
+                context,
+                Code.PERMISSION_DENIED,
+                f"API key {caller.name!r} has no admin scope (see gateway/auth.py)",
+            )
+        if self.directory is None:
+            await abort(
+                context, Code.UNIMPLEMENTED, "this gateway has no adapter service (--adapter-service)"
+            )
+        return self.directory.adapters
+
+    async def _forward(self, context: grpc.aio.ServicerContext, method: str, request: Any) -> Any:
+        stub = await self._admin(context)
+        try:
+            return await getattr(stub, method)(request, timeout=context.time_remaining())
+        except grpc.aio.AioRpcError as e:
+            await abort(context, e.code(), e.details() or "adapter service error")
+
+    async def Register(self, request_iterator: AsyncIterator[apb.RegisterChunk], context: Any) -> apb.Adapter:
+        return await self._forward(context, "Register", request_iterator)
+
+    async def Import(self, request: apb.ImportRequest, context: Any) -> apb.Adapter:
+        return await self._forward(context, "Import", request)
+
+    async def Get(self, request: apb.GetAdapterRequest, context: Any) -> apb.Adapter:
+        return await self._forward(context, "Get", request)
+
+    async def List(self, request: apb.ListAdaptersRequest, context: Any) -> apb.ListAdaptersResponse:
+        return await self._forward(context, "List", request)
+
+    async def Delete(self, request: apb.DeleteAdapterRequest, context: Any) -> apb.DeleteAdapterResponse:
+        reply = await self._forward(context, "Delete", request)
+        await self.directory.refresh()  # refused here at once (other gateways: at their next poll)
+        return reply
+
+    async def Pin(self, request: apb.PinAdapterRequest, context: Any) -> apb.Adapter:
+        return await self._forward(context, "Pin", request)

@@ -1,0 +1,290 @@
+"""The adapter service's parts without a cluster: validation, the placement policy, and both
+stores and both registries against the same contract (S3 on moto's server, a real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from adapter_service import base_model, validate
+from adapter_service.placement import Knobs, PodView, choose_target, match_hints, to_cool, to_spread
+from adapter_service.registry import MemoryRegistry, RedisRegistry
+from adapter_service.store import LocalStore, S3Store, Version
+from spindle.v1 import adapters_pb2 as apb
+from spindle.v1 import model_control_pb2 as mc
+from tests.adapter_helpers import aws_env
+
+ROOT = Path(__file__).resolve().parents[1]
+PIRATE = ROOT / "adapters" / "smollm2-pirate"
+
+
+@pytest.fixture(scope="module")
+def smol() -> base_model.BaseModel:
+    return base_model.load("smollm2-135m-instruct")
+
+
+def _safetensors(tensors: dict[str, tuple[list[int], int]]) -> bytes:
+    """A float32 safetensors file of zeros: {name: (shape, n_elements)}."""
+    header, offset = {}, 0
+    for name, (shape, n) in tensors.items():
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + 4 * n]}
+        offset += 4 * n
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + b"\0" * offset
+
+
+def _lora(rank: int, module: str = "q_proj", fan_in: int = 576, fan_out: int = 576, layer: int = 0) -> bytes:
+    prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+    return _safetensors(
+        {
+            f"{prefix}.lora_A.weight": ([rank, fan_in], rank * fan_in),
+            f"{prefix}.lora_B.weight": ([fan_out, rank], fan_out * rank),
+        }
+    )
+
+
+CONFIG = json.dumps({"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"]}).encode()
+
+
+def _check(
+    tmp_path: Path, data: bytes, base: base_model.BaseModel, config: bytes = CONFIG, max_rank: int = 64
+):
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(data)
+    return validate.validate(config, f, base, max_rank)
+
+
+def test_an_alias_has_the_shapes_of_its_gguf_file(smol):
+    from model_service.models.loader import resolve_model_path
+
+    from_file = base_model.load(str(resolve_model_path("smollm2-135m-instruct")))
+    assert dataclasses.replace(from_file, name=smol.name) == smol
+
+
+def test_the_shipped_adapter_fits_smollm2_without_torch(smol):
+    summary = validate.validate(
+        (PIRATE / "adapter_config.json").read_bytes(), PIRATE / "adapter_model.safetensors", smol, 64
+    )
+    assert (summary.rank, summary.target_modules) == (8, ["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize(
+    ("data", "config", "words"),
+    [
+        (b"\x80\x04\x95" + b"\0" * 64, CONFIG, "pickle"),
+        (b"PK\x03\x04" + b"\0" * 64, CONFIG, "pickle"),
+        (struct.pack("<Q", 1 << 40) + b"{}", CONFIG, "header"),
+        (_lora(8, fan_in=1024), CONFIG, "another base model"),
+        (_lora(8, module="v_proj", fan_out=576), CONFIG, "another base model"),  # v_proj is 576 -> 192
+        (_lora(8, layer=30), CONFIG, "layer 30"),
+        (_lora(128), CONFIG, "rank 128"),
+        (_lora(8), b"not json", "not valid JSON"),
+        (_lora(8), json.dumps({"target_modules": ["embed_tokens"]}).encode(), "embed_tokens"),
+        (_lora(8), json.dumps({"use_dora": True}).encode(), "DoRA"),
+        (_safetensors({"model.layers.0.mlp.up_proj.weight": ([4], 4)}), CONFIG, "not a LoRA"),
+        (_safetensors({}), CONFIG, "no LoRA weights"),
+    ],
+)
+def test_bad_adapters_are_refused_with_the_reason(tmp_path, smol, data, config, words):
+    with pytest.raises(validate.ValidationError) as e:
+        _check(tmp_path, data, smol, config)
+    assert words in str(e.value)
+
+
+def test_a_header_that_lies_about_offsets_is_refused(tmp_path, smol):
+    good = _lora(8)
+    n = struct.unpack("<Q", good[:8])[0]
+    header = json.loads(good[8 : 8 + n])
+    next(iter(header.values()))["data_offsets"] = [0, 10 << 20]
+    text = json.dumps(header).encode()
+    with pytest.raises(validate.ValidationError, match="lies"):
+        _check(tmp_path, struct.pack("<Q", len(text)) + text + good[8 + n :], smol)
+    assert _check(tmp_path, good, smol).rank == 8
+
+
+@pytest.mark.parametrize("name", ["", "../x", "a/b", "a\\b", ".hidden", "a" * 129, "x\0y", "a..b", "@active"])
+def test_unsafe_names_are_refused(name):
+    with pytest.raises(validate.ValidationError):
+        validate.check_name(name)
+
+
+def test_hf_config_dirs_give_the_projection_shapes(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            }
+        )
+    )  # fmt: skip
+    shapes = base_model.load(str(tmp_path)).projection_shapes()
+    assert shapes["q_proj"] == (64, 64) and shapes["k_proj"] == (64, 32) and shapes["down_proj"] == (128, 64)
+
+
+# --- the placement policy -------------------------------------------------------------------------
+
+
+def _view(address: str, slots: list[tuple[str, int, bool]], adapters: dict[str, tuple[int, int]]) -> PodView:
+    """slots: (adapter, refcount, pinned); adapters: name -> (tier, refcount)."""
+    return PodView(
+        address,
+        ok=True,
+        slots=[mc.Slot(index=i, adapter=a, refcount=r, pinned=p) for i, (a, r, p) in enumerate(slots)],
+        adapters={
+            n: mc.AdapterState(name=n, tier=t, refcount=r, sha256="s") for n, (t, r) in adapters.items()
+        },
+    )
+
+
+def test_target_prefers_room_then_the_shorter_queue():
+    free = _view("p1:1", [("", 0, False)], {})
+    idle = _view("p2:1", [("x", 0, False)], {"x": (mc.TIER_DEVICE, 0)})
+    busy = _view("p3:1", [("y", 2, False)], {"y": (mc.TIER_DEVICE, 2)})
+    assert choose_target([busy, idle, free], "a", "s", None).address == "p1:1"
+    hints = match_hints(
+        [busy, idle, free],
+        [
+            apb.PodHint(address="p1:1", num_waiting=9),
+            apb.PodHint(address="p2:1"),
+            apb.PodHint(address="p3:1"),
+        ],
+    )
+    assert choose_target([busy, idle, free], "a", "s", hints).address == "p2:1"
+    holder = _view("p4:1", [("a", 0, False)], {"a": (mc.TIER_DEVICE, 0)})
+    assert choose_target([holder], "a", "s", None) is None  # already there
+
+
+def test_gateway_addresses_map_to_control_addresses_by_pod_ip():
+    views = [_view("10.0.0.1:50053", [], {}), _view("10.0.0.2:50053", [], {})]
+    hints = match_hints(views, [apb.PodHint(address="10.0.0.2:50052", num_waiting=3)])
+    assert list(hints) == ["10.0.0.2:50053"] and hints["10.0.0.2:50053"].num_waiting == 3
+    assert match_hints(views, []) is None
+
+
+def test_cooling_never_touches_what_is_in_use_or_pinned():
+    knobs = Knobs(slot_idle_seconds=10, host_idle_seconds=20)
+    views = [
+        _view(
+            "p:1",
+            [("busy", 1, False), ("idle", 0, False), ("pinned", 0, True)],
+            {
+                "busy": (mc.TIER_DEVICE, 1), "idle": (mc.TIER_DEVICE, 0), "pinned": (mc.TIER_DEVICE, 0),
+                "cold": (mc.TIER_HOST, 0), "kept": (mc.TIER_HOST, 0),
+            },
+        )
+    ]  # fmt: skip
+    views[0].adapters["pinned"].pinned = True
+    idle: dict = {}
+    assert to_cool(views, idle, {"kept"}, 0.0, knobs) == []  # clocks start
+    out = to_cool(views, idle, {"kept"}, 10.0, knobs)
+    assert [(e.name, e.from_host) for e in out] == [("idle", False)]
+    views[0].adapters["idle"].tier = mc.TIER_HOST  # as the next poll reports it
+    out = to_cool(views, idle, {"kept"}, 20.0, knobs)
+    assert [(e.name, e.from_host) for e in out] == [("cold", True)]
+
+
+def test_hot_adapters_spread_up_to_the_replica_limit():
+    hot = [_view("p:1", [("a", 9, False)], {"a": (mc.TIER_DEVICE, 9)}), _view("q:1", [("", 0, False)], {})]
+    assert to_spread(hot, {"a": "s"}, Knobs(spread_threshold=8)) == ["a"]
+    assert to_spread(hot, {"a": "s"}, Knobs(spread_threshold=10)) == []
+    assert to_spread(hot, {"a": "s"}, Knobs(spread_threshold=8, max_replicas=1)) == []
+
+
+# --- stores and registries: one contract, both implementations -----------------------------------
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path, monkeypatch):
+    if request.param == "local":
+        return LocalStore(tmp_path / "store")
+    s3 = request.getfixturevalue("s3")
+    for k, v in aws_env().items():
+        monkeypatch.setenv(k, v)
+    return S3Store(s3.bucket, f"unit-{time.monotonic_ns()}/", s3.endpoint, "us-east-1")
+
+
+def _version(name: str, n: int) -> Version:
+    return Version(name, n, f"sha{n}", 4, 8, ["q_proj"], "base", 0.0)
+
+
+def test_store_versions_multipart_pins_removal_and_no_half_writes(store, tmp_path):
+    weights = tmp_path / "w"
+    weights.write_bytes(b"abcd")
+
+    async def go() -> None:
+        await store.check()
+        await store.put(_version("a", 1), b"{}", weights)
+        await store.put(_version("a", 2), b'{"r": 8}', weights)
+        big = tmp_path / "big"  # above the 8 MiB multipart threshold of the S3 store
+        big.write_bytes(bytes(range(256)) * (36 << 10))
+        await store.put(_version("b", 1), b"{}", big)
+        assert (await store.read("b", 1))[1] == big.read_bytes()
+        assert [(v.name, v.version) for v in await store.versions()] == [("a", 1), ("a", 2), ("b", 1)]
+        assert await store.read("a", 2) == (b'{"r": 8}', b"abcd")
+        await store.set_pinned("a", True)
+        assert [v.pinned for v in await store.versions("a")] == [True, True]
+        assert await store.remove("a") == 2
+        assert [v.name for v in await store.versions()] == ["b"]
+        original = store._write
+
+        def failing(key: str, data):  # storage fails at the commit mark: nothing may remain
+            if key.endswith("meta.json"):
+                raise OSError("disk full")
+            original(key, data)
+
+        store._write = failing
+        with pytest.raises(OSError):
+            await store.put(_version("c", 1), b"{}", weights)
+        assert store._keys("c/") == []
+
+    asyncio.run(go())
+
+
+@pytest.fixture(params=["memory", "redis"])
+def registry_factory(request):
+    if request.param == "memory":
+        return MemoryRegistry
+    url = request.getfixturevalue("redis_url")
+
+    def make():
+        return RedisRegistry(url)
+
+    import redis
+
+    redis.Redis.from_url(url).flushall()
+    return make
+
+
+def test_registry_index_leases_and_bounded_staging(registry_factory):
+    async def go() -> None:
+        reg = registry_factory()
+        await reg.check()
+        assert not await reg.is_built()
+        await reg.rebuild([_version("a", 1), _version("a", 2), _version("b", 1)])
+        assert await reg.is_built() and (await reg.get("a")).version == 2
+        await reg.put(_version("c", 1))
+        assert [v.name for v in await reg.page("", 2)] == ["a", "b"]
+        assert [v.name for v in await reg.page("b", 2)] == ["c"]
+        await reg.lease("a", "pod1", {"tier": 3}, ttl=0.3)
+        await reg.lease("a", "pod2", {"tier": 2}, ttl=30)
+        assert set(await reg.leases("a")) == {"pod1", "pod2"}
+        await asyncio.sleep(0.4)
+        assert await reg.leases("a") == {"pod2": {"tier": 2}}  # a pod that stopped renewing
+        await reg.stage("x", b"1" * 60, max_total=100)
+        await reg.stage("y", b"2" * 60, max_total=100)  # over the bound: the oldest goes
+        await reg.stage("z", b"3" * 200, max_total=100)  # too big to stage at all
+        assert (await reg.staged("x"), await reg.staged("y"), await reg.staged("z")) == (
+            None,
+            b"2" * 60,
+            None,
+        )
+        await reg.remove("a")
+        assert await reg.get("a") is None and await reg.leases("a") == {}
+
+    asyncio.run(go())
