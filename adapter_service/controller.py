@@ -353,7 +353,7 @@ class Controller:
             with contextlib.suppress(grpc.aio.AioRpcError):  # not resident: nothing pinned
                 await self._control(pod, "Pin", mc.PinRequest(name=name, pinned=False))
             try:
-                await self._control(pod, "Evict", mc.EvictRequest(name=name, from_host=True))
+                await self._control(pod, "Evict", mc.EvictRequest(name=name, from_disk=True))
             except grpc.aio.AioRpcError as e:
                 metrics.REFUSALS.labels("Evict").inc()
                 log.info("pod %s kept %s: %s", pod.view.address, name, e.details())
@@ -393,10 +393,8 @@ class Controller:
             if pod is None:
                 continue
             try:
-                await self._control(
-                    pod, "Evict", mc.EvictRequest(name=ev.name, from_host=ev.from_host), attempts=1
-                )
-                metrics.COOLED.labels("host" if ev.from_host else "device").inc()
+                await self._control(pod, "Evict", ev.request(), attempts=1)
+                metrics.COOLED.labels(ev.leaves).inc()
             except grpc.aio.AioRpcError as e:
                 metrics.REFUSALS.labels("Evict").inc()  # in use since the poll: the pod said no
                 log.debug("pod %s refused to cool %s: %s", ev.pod, ev.name, e.details())

@@ -11,7 +11,8 @@ read and tested without a cluster. The controller (controller.py) carries the de
 - spread: an adapter running on average `spread_threshold` or more requests per holding pod is
   placed on one more pod, up to `max_replicas`;
 - cool down: a device slot idle (refcount 0, not pinned) for `slot_idle_seconds` is evicted to
-  host memory; a host copy idle for `host_idle_seconds` is dropped to the pod's disk. The pods
+  host memory; a host copy idle for `host_idle_seconds` is dropped to the pod's disk; a disk
+  copy idle for `disk_idle_seconds` is forgotten by the pod (only storage keeps it). The pods
   refuse to evict anything in use, so a race with a new request costs a refusal, never a request.
 """
 
@@ -31,6 +32,7 @@ class Knobs:
     max_replicas: int = 4
     slot_idle_seconds: float = 300.0
     host_idle_seconds: float = 1800.0
+    disk_idle_seconds: float = 86400.0
 
 
 @dataclass
@@ -102,9 +104,16 @@ def choose_peer(views: list[PodView], name: str, sha256: str, exclude: str) -> P
 
 @dataclass
 class Evict:
+    """Move `name` on `pod` one tier down: out of the `leaves` tier ("device", "host" or "disk")."""
+
     pod: str
     name: str
-    from_host: bool
+    leaves: str
+
+    def request(self) -> mc.EvictRequest:
+        return mc.EvictRequest(
+            name=self.name, from_host=self.leaves in ("host", "disk"), from_disk=self.leaves == "disk"
+        )
 
 
 def to_spread(views: list[PodView], latest: dict[str, str], knobs: Knobs) -> list[str]:
@@ -130,16 +139,19 @@ def to_cool(
             continue
         for name, a in v.adapters.items():
             key = (v.address, name)
-            if a.refcount > 0 or a.pinned or name in pinned or a.tier == mc.TIER_DISK:
+            if a.refcount > 0 or a.pinned or name in pinned:
                 idle_since.pop(key, None)
                 continue
             seen.add(key)
             since = idle_since.setdefault(key, now)
             if a.tier == mc.TIER_DEVICE and now - since >= knobs.slot_idle_seconds:
-                out.append(Evict(v.address, name, from_host=False))
+                out.append(Evict(v.address, name, "device"))
                 idle_since[key] = now  # the host tier's clock starts now
             elif a.tier == mc.TIER_HOST and now - since >= knobs.host_idle_seconds:
-                out.append(Evict(v.address, name, from_host=True))
+                out.append(Evict(v.address, name, "host"))
+                idle_since[key] = now  # and the disk tier's
+            elif a.tier == mc.TIER_DISK and now - since >= knobs.disk_idle_seconds:
+                out.append(Evict(v.address, name, "disk"))
     for key in set(idle_since) - seen:
         del idle_since[key]
     return out

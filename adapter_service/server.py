@@ -371,6 +371,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     k.add_argument("--max-replicas", type=int, default=4, help="most pods a hot adapter is spread to [4]")
     k.add_argument("--slot-idle-seconds", type=float, default=300.0, help="idle device slot -> host [300]")
     k.add_argument("--host-idle-seconds", type=float, default=1800.0, help="idle host copy -> disk [1800]")
+    k.add_argument(
+        "--disk-idle-seconds",
+        type=float,
+        default=86400.0,
+        help="idle disk copy -> forgotten (storage only) [86400]",
+    )
     return parser
 
 
@@ -447,7 +453,13 @@ async def start(
         store,
         discover,
         _advertise(args, port),
-        knobs=Knobs(args.spread_threshold, args.max_replicas, args.slot_idle_seconds, args.host_idle_seconds),
+        knobs=Knobs(
+            args.spread_threshold,
+            args.max_replicas,
+            args.slot_idle_seconds,
+            args.host_idle_seconds,
+            args.disk_idle_seconds,
+        ),
         poll_interval=args.poll_interval,
         lease_ttl=args.lease_ttl,
         staging_max_bytes=args.staging_max_bytes,

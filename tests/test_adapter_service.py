@@ -18,8 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from adapter_service.client import AdaptersClient
 from spindle.v1 import adapters_pb2 as apb
-from spindle.v1 import adapters_pb2_grpc
+from spindle.v1 import adapters_pb2_grpc, model_control_pb2_grpc
 from spindle.v1 import generation_pb2 as pb
+from spindle.v1 import model_control_pb2 as mc
 from tests.adapter_helpers import aws_env, redis_server
 from tests.conftest import make_engine
 from tests.service_helpers import (
@@ -382,6 +383,10 @@ def test_delete_then_a_killed_pods_adapters_are_placed_elsewhere(cluster, lora_d
     with pytest.raises(grpc.RpcError) as e:
         _generate(gateway, "c")
     assert e.value.code() == Code.NOT_FOUND
+    for pod in (p0, p1):  # forgotten by the pods too, not just hidden by the gateway
+        with pod.control_channel() as cc:
+            report = model_control_pb2_grpc.ModelControlStub(cc).GetSlots(mc.GetSlotsRequest(), timeout=10)
+        assert "c" not in [a.name for a in report.adapters]
     placed = _place(service, "b", [])
     victim = p0 if placed.pods[0] == p0.control_address else p1
     survivor = p1 if victim is p0 else p0

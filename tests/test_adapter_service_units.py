@@ -168,7 +168,7 @@ def test_gateway_addresses_map_to_control_addresses_by_pod_ip():
 
 
 def test_cooling_never_touches_what_is_in_use_or_pinned():
-    knobs = Knobs(slot_idle_seconds=10, host_idle_seconds=20)
+    knobs = Knobs(slot_idle_seconds=10, host_idle_seconds=20, disk_idle_seconds=30)
     views = [
         _view(
             "p:1",
@@ -183,10 +183,15 @@ def test_cooling_never_touches_what_is_in_use_or_pinned():
     idle: dict = {}
     assert to_cool(views, idle, {"kept"}, 0.0, knobs) == []  # clocks start
     out = to_cool(views, idle, {"kept"}, 10.0, knobs)
-    assert [(e.name, e.from_host) for e in out] == [("idle", False)]
+    assert [(e.name, e.leaves) for e in out] == [("idle", "device")]
     views[0].adapters["idle"].tier = mc.TIER_HOST  # as the next poll reports it
     out = to_cool(views, idle, {"kept"}, 20.0, knobs)
-    assert [(e.name, e.from_host) for e in out] == [("cold", True)]
+    assert [(e.name, e.leaves) for e in out] == [("cold", "host")]
+    views[0].adapters["cold"].tier = mc.TIER_DISK
+    out = to_cool(views, idle, {"kept"}, 50.0, knobs)  # "cold" forgotten: only storage keeps it
+    assert [(e.name, e.leaves) for e in out] == [("idle", "host"), ("cold", "disk")]
+    request = out[1].request()
+    assert request.from_disk and request.from_host
 
 
 def test_hot_adapters_spread_up_to_the_replica_limit():

@@ -197,6 +197,12 @@ def test_weights_stream_and_peer_promotion(pods, tiny_llama, adapters):
         )[0].token_ids
         assert _generate(ch, "a") == expected
         wait_idle(second)
+        # Forget it on this pod: no tier holds it any more, and requests for it are NOT_FOUND.
+        ctl.Evict(mc.EvictRequest(name="a", from_disk=True), timeout=30)
+        assert "a" not in [a.name for a in ctl.GetSlots(mc.GetSlotsRequest(), timeout=10).adapters]
+        with pytest.raises(grpc.RpcError) as e:
+            _generate(ch, "a")
+        assert e.value.code() == Code.NOT_FOUND
 
 
 def test_set_active_makes_the_active_adapter_reachable_end_to_end(pods, tiny_llama, adapters, tmp_path):

@@ -28,10 +28,12 @@ class LoadAdapter:
 
 @dataclass
 class EvictAdapter:
-    """Clear its slot (refused while in use or pinned); `from_host` also drops the parsed copy."""
+    """Clear its slot (refused while in use or pinned); `from_host` also drops the parsed copy;
+    `from_disk` forgets the adapter here altogether (new requests for it get NOT_FOUND)."""
 
     name: str
     from_host: bool = False
+    from_disk: bool = False
 
 
 @dataclass
@@ -67,9 +69,12 @@ def execute(op: ControlOp, pool: LoraPool) -> ControlResult:
         slot, evicted = pool.load(op.name, op.slot)
         return ControlResult(slot, evicted, pool.adapter_id_for(slot))
     if isinstance(op, EvictAdapter):
-        slot = pool.evict(op.name) if pool.slot_of(op.name) is not None or not op.from_host else None
-        if op.from_host:
+        from_host = op.from_host or op.from_disk
+        slot = pool.evict(op.name) if pool.slot_of(op.name) is not None or not from_host else None
+        if from_host:
             pool.drop_host_copy(op.name)
+        if op.from_disk:
+            pool.forget(op.name)
         return ControlResult(slot=slot)
     if isinstance(op, PinAdapter):
         return ControlResult(slot=pool.pin(op.name, op.pinned))

@@ -242,6 +242,14 @@ class LoraPool:
     def drop_host_copy(self, name: str) -> None:
         self.host.pop(name, None)
 
+    def forget(self, name: str) -> None:
+        """Drop `name` from the disk tier (its slot and host copy must be gone already); a stale
+        slot of an older version keeps serving the requests that hold it."""
+        if self.slot_of(name) is not None:
+            raise AdapterBusyError(f"adapter {name!r} is resident; evict it before forgetting it")
+        self.disk.pop(name, None)
+        self.identity.pop(name, None)
+
     # --- internals ------------------------------------------------------------------------
 
     def _host_copy(self, name: str) -> LoraAdapter:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -86,6 +87,13 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
             self.dirs[op.name] = Path(op.path)  # registered: FetchAdapterWeights serves these files
         return result
 
+    def _forget_files(self, name: str) -> None:
+        """Delete the files this pod wrote for `name` (a peer or service transfer); directories
+        the operator registered are left alone."""
+        path = self.dirs.pop(name, None)
+        if path is not None and path.resolve().is_relative_to(self.cache_dir.resolve()):
+            shutil.rmtree(path, ignore_errors=True)
+
     def _files(self, name: str, adapters: list[AdapterInfo]) -> Path | None:
         """The directory of a known adapter's files: registered here, or with the pod's --lora."""
         assert self.pod.engine is not None
@@ -151,7 +159,9 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
 
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.SlotChange:
         name = await self._name(request.name, context)
-        result = await self._run(EvictAdapter(name, request.from_host), context)
+        result = await self._run(EvictAdapter(name, request.from_host, request.from_disk), context)
+        if request.from_disk:
+            self._forget_files(name)
         return pb.SlotChange(
             slot=-1 if result.slot is None else result.slot,
             evicted=name,

@@ -89,12 +89,14 @@ class RotateRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., peer: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("name", "from_host")
+    __slots__ = ("name", "from_host", "from_disk")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FROM_HOST_FIELD_NUMBER: _ClassVar[int]
+    FROM_DISK_FIELD_NUMBER: _ClassVar[int]
     name: str
     from_host: bool
-    def __init__(self, name: _Optional[str] = ..., from_host: _Optional[bool] = ...) -> None: ...
+    from_disk: bool
+    def __init__(self, name: _Optional[str] = ..., from_host: _Optional[bool] = ..., from_disk: _Optional[bool] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("name", "pinned")
