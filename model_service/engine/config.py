@@ -91,6 +91,11 @@ class EngineConfig:
             "to_field": _lora_modules,
         },
     )
+    speculative_config: str | None = _opt(
+        None,
+        'speculative decoding, as vLLM\'s JSON: \'{{"method": "ngram", "num_speculative_tokens": 4}}\' '
+        "(prompt lookup; prompt_lookup_max / prompt_lookup_min set the n-gram lengths)",
+    )
     enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly, without CUDA graphs (debugging)")
     adapter_wait_timeout_s: float = _opt(
         30.0,

@@ -34,10 +34,11 @@ from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.executor import ModelExecutor, kv_blocks_for_budget
 from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.requests import PromptReader
-from model_service.engine.sampler import SampleRow, sample
+from model_service.engine.sampler import SampleRow, TokenLogprobs, sample
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence, Status
+from model_service.engine.speculation import NgramProposer, SpeculativeConfig, accept_greedy, can_speculate
 from model_service.errors import InvalidRequestError, NotFoundError, PreconditionError
 from model_service.lora.control import ControlOp, ControlResult
 from model_service.lora.pool import ACTIVE, AdapterInfo, LoraPool
@@ -61,6 +62,8 @@ class EngineStats:
     num_preemptions: int
     num_computed_tokens: int
     num_steps: int
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -102,6 +105,9 @@ class Engine:
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.beams = BeamSearch(self.scheduler, self.tokenizer)
         self.adapters = AdapterControl(self.lora, self.scheduler, config.adapter_wait_timeout_s)
+        self.speculative = SpeculativeConfig.from_json(config.speculative_config)
+        self.proposer = NgramProposer(self.speculative) if self.speculative is not None else None
+        self.spec_proposed = self.spec_accepted = 0  # proposed and accepted speculative tokens
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []
@@ -200,41 +206,85 @@ class Engine:
         return outputs + self._take_pending()
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[Sequence]:
-        """One forward pass over the scheduled work; returns the sequences it sampled a token for."""
-        items = []
-        for seq, n in work:
-            assert seq.state is not None
-            start = seq.num_computed
-            ends_prompt = start + n == len(seq.token_ids)
-            items.append(StepItem(seq.state, seq.token_ids[start : start + n], int(ends_prompt)))
+        """One forward pass over the scheduled work; returns the sequences it produced tokens for."""
+        items = [self._item(seq, n) for seq, n in work]
         logits = self.executor.execute(self.builder.build(items))
         self.num_computed_tokens += sum(n for _, n in work)
-        rows = []  # the sequence of each logits row, in row order
+        rows, verify, first = [], [], 0  # one logits row per plain row; k + 1 per verify row
         for (seq, n), item in zip(work, items, strict=True):
             item.state.num_computed += n
-            self.cache.register_full_blocks(item.state, seq.token_ids, seq.adapter_id)
-            if item.num_logits:
-                rows.append(seq)
-        beam_rows = [i for i, s in enumerate(rows) if s.group is not None]
-        self._pending += self.beams.report([(rows[i], logits[i]) for i in beam_rows])
-        if beam_rows:  # sample the other rows only
-            keep = [i for i, s in enumerate(rows) if s.group is None]
-            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
-            rows = [rows[i] for i in keep]
-        if not rows:
-            return []
+            if item.num_logits > 1:
+                verify.append((seq, logits[first : first + item.num_logits]))
+            else:
+                self.cache.register_full_blocks(item.state, seq.token_ids, seq.adapter_id)
+                if item.num_logits:
+                    rows.append((seq, first))
+            first += item.num_logits
+        beams = [(s, logits[r]) for s, r in rows if s.group is not None]
+        self._pending += self.beams.report(beams)
+        plain = [(s, r) for s, r in rows if s.group is None]
+        if plain:
+            index = torch.tensor([r for _, r in plain], dtype=torch.long, device=logits.device)
+            self._sample([s for s, _ in plain], logits if len(plain) == len(logits) else logits[index])
+        for seq, seq_logits in verify:
+            self._verify(seq, seq_logits)
+        produced = [s for s, _ in plain] + [s for s, _ in verify]
+        if self.proposer is not None:
+            self._propose([s for s in produced if not s.finished])
+        return produced
+
+    def _item(self, seq: Sequence, n: int) -> StepItem:
+        """`n` of the sequence's pending tokens, or its last token and its proposals to verify."""
+        assert seq.state is not None
+        if n > seq.num_pending:  # the scheduler took its proposals
+            return StepItem(seq.state, [seq.token_ids[-1], *seq.spec_tokens], n)
+        start = seq.num_computed
+        ends_prompt = start + n == len(seq.token_ids)
+        return StepItem(seq.state, seq.token_ids[start : start + n], int(ends_prompt))
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         tokens, logprobs = sample(
-            logits, [SampleRow(s.params, s.generator, s.token_ids, s.num_prompt_tokens) for s in rows]
+            logits, [SampleRow(s.params, s.generator, s.token_ids, s.num_prompt_tokens) for s in seqs]
         )
-        for seq, token, lp in zip(rows, tokens, logprobs, strict=True):
-            try:
-                if self.outputs.append(seq, token, lp):
+        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+            self._emit(seq, [token], lp)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Keep the accepted proposals and the target's next token; cut the rest's K/V off."""
+        assert seq.state is not None
+        proposals, seq.spec_tokens = seq.spec_tokens, []
+        emitted = accept_greedy(proposals, logits)
+        self.spec_proposed += len(proposals)
+        self.spec_accepted += len(emitted) - 1
+        self.cache.truncate(seq.state, seq.state.num_computed - (len(proposals) - len(emitted) + 1))
+        self._emit(seq, emitted, None)
+        if not seq.finished:
+            self.cache.register_full_blocks(seq.state, seq.token_ids, seq.adapter_id)
+
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: TokenLogprobs | None) -> None:
+        """Append tokens until one finishes the request."""
+        try:
+            for token in tokens:
+                if self.outputs.append(seq, token, logprobs):
                     self._finish(seq, seq.finish_reason or "stop")
-            except Exception as e:  # e.g. a tokenizer fault on this request's text
-                log.exception("request %s failed", seq.request_id)
-                seq.error = str(e)
-                self._finish(seq, "error")
-        return rows
+                    return
+        except Exception as e:  # e.g. a tokenizer fault on this request's text
+            log.exception("request %s failed", seq.request_id)
+            seq.error = str(e)
+            self._finish(seq, "error")
+
+    def _propose(self, seqs: list[Sequence]) -> None:
+        """Proposals for each greedy decode row to verify in its next step."""
+        assert self.proposer is not None and self.speculative is not None
+        for seq in seqs:
+            if seq.group is not None or not can_speculate(seq.params):
+                continue
+            room = min(
+                self.speculative.num_speculative_tokens,
+                seq.params.max_tokens - len(seq.output_ids) - 1,
+                self.max_model_len - len(seq.token_ids) - 1,
+            )
+            seq.spec_tokens = self.proposer.propose(seq.token_ids, room) if room > 0 else []
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Free `seq` (all beams of its request) and queue its final output."""
@@ -275,6 +325,8 @@ class Engine:
             num_preemptions=s.num_preemptions,
             num_computed_tokens=self.num_computed_tokens,
             num_steps=self.num_steps,
+            spec_proposed_tokens=self.spec_proposed,
+            spec_accepted_tokens=self.spec_accepted,
         )
 
     # --- conveniences ---------------------------------------------------------------------

@@ -117,6 +117,11 @@ class Scheduler:
                 if seq.num_pending == 0:
                     continue  # a beam waiting for its siblings' logits
                 n = min(seq.num_pending, budget)
+                if decoding and seq.spec_tokens:  # verify its proposals too, if the budget allows
+                    if budget > len(seq.spec_tokens):
+                        n += len(seq.spec_tokens)
+                    else:
+                        seq.spec_tokens = []
                 if self._reserve_or_preempt(seq, n, scheduled):
                     batch.work.append((seq, n))
                     scheduled.add(id(seq))
@@ -194,6 +199,7 @@ class Scheduler:
         self.running.remove(seq)
         size = self.cache.swap_bytes(seq.state)
         seq.beam_logits = None  # a preempted beam reports again once it has recomputed
+        seq.spec_tokens = []
         swap = self.preemption_mode == "swap" and seq.group is None  # forked beams share blocks: recompute
         if swap and self.swap_used + size <= self.swap_budget:
             seq.swapped = self.cache.swap_out(seq.state)

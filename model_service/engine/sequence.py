@@ -67,6 +67,7 @@ class Sequence:
         self.first_scheduled_at: float | None = None  # end of its queue wait
         self.group: BeamGroup | None = None  # set for the beams of a beam-search request
         self.beam_logits: torch.Tensor | None = None  # this beam's next-token logits, awaiting siblings
+        self.spec_tokens: list[int] = []  # proposed continuation to verify in its next step
         self.text = ""
         self.emitted_tokens = 0
         self.emitted_chars = 0

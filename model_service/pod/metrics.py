@@ -77,6 +77,12 @@ class _EngineCollector(Collector):
             "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", st.prefix_cache_hit_tokens
         )
         yield counter("vllm:num_preemptions", "Sequences preempted (swap or recompute).", st.num_preemptions)
+        yield counter(
+            "vllm:spec_decode_num_draft_tokens", "Speculative tokens proposed.", st.spec_proposed_tokens
+        )
+        yield counter(
+            "vllm:spec_decode_num_accepted_tokens", "Speculative tokens accepted.", st.spec_accepted_tokens
+        )
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "Adapters of running and waiting requests (the value is the time of the report).",

@@ -1,0 +1,98 @@
+"""Speculative decoding with prompt lookup (n-gram) on the CPU: SmolLM2-135M-Instruct, greedy.
+
+Setup (printed in every line): float32, one request at a time (batch 1, where speculation pays
+most), `--max-tokens` new tokens, EOS honoured; each workload runs with speculation off and on
+in the same process. Reports acceptance rate (accepted / proposed), tokens per step and the
+wall-clock speed-up. Outputs are checked identical (greedy).
+
+    .venv/bin/python bench/spec.py [--max-tokens 96] [--k 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see model_service/__init__
+
+import torch
+
+from model_service.engine.config import EngineConfig
+from model_service.engine.engine import Engine
+from model_service.models.loader import load_model
+
+CODE = (
+    "Rename the function `area` to `rectangle_area` in this code and show the whole file:\n\n"
+    "def area(width, height):\n    return width * height\n\n"
+    "def describe(width, height):\n    a = area(width, height)\n    return f'{width}x{height} has area {a}'\n"
+)
+WORKLOADS = {
+    "code-edit (repetitive)": [{"role": "user", "content": CODE}],
+    "quoting (repetitive)": [
+        {
+            "role": "user",
+            "content": "Quote this sentence back to me twice, word for word: "
+            "'The committee will reconvene on Thursday to review the budget proposal in detail.'",
+        }
+    ],
+    "open question (non-repetitive)": [{"role": "user", "content": "Why do leaves change colour in autumn?"}],
+}
+
+
+def run(engine: Engine, messages: list[dict[str, str]], max_tokens: int) -> tuple[list[int], float, int]:
+    steps = engine.num_steps
+    start = time.perf_counter()
+    out = engine.generate([{"messages": messages, "max_tokens": max_tokens, "temperature": 0}])[0]
+    return out.token_ids, time.perf_counter() - start, engine.num_steps - steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    args = ap.parse_args()
+    loaded = load_model("smollm2", torch.float32, torch.device("cpu"))
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4})
+    engines = {
+        on: Engine(
+            EngineConfig(
+                device="cpu", dtype="float32", num_kv_blocks=512, speculative_config=spec if on else None
+            ),
+            loaded=loaded,
+        )
+        for on in (False, True)
+    }
+    setup = {
+        "model": "SmolLM2-135M-Instruct",
+        "device": "cpu",
+        "dtype": "float32",
+        "batch": 1,
+        "max_tokens": args.max_tokens,
+        "method": "ngram",
+        "k": args.k,
+        "threads": torch.get_num_threads(),
+    }
+    for name, messages in WORKLOADS.items():
+        run(engines[True], messages, 8)  # warm-up
+        base_tokens, base_s, base_steps = run(engines[False], messages, args.max_tokens)
+        e = engines[True]
+        proposed, accepted = e.spec_proposed, e.spec_accepted
+        tokens, spec_s, steps = run(e, messages, args.max_tokens)
+        proposed, accepted = e.spec_proposed - proposed, e.spec_accepted - accepted
+        line = {
+            "bench": "spec",
+            "workload": name,
+            "identical": tokens == base_tokens,
+            "acceptance_rate": round(accepted / max(proposed, 1), 3),
+            "tokens_per_step": round(len(tokens) / max(steps, 1), 2),
+            "tokens_per_step_without": round(len(base_tokens) / max(base_steps, 1), 2),
+            "speedup": round(base_s / spec_s, 2),
+            **setup,
+        }
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
