@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from model_service.engine.sampler import SampleRow, _apply_penalties, _filtered_probs, sample
+from model_service.engine.sampler import SampleRow, _apply_penalties, filtered_probs, sample
 from model_service.engine.sampling_params import SamplingParams
 from model_service.errors import InvalidRequestError
 
@@ -56,7 +56,7 @@ def _hf_allowed(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p
 
 
 def _our_allowed(logits: torch.Tensor, params: SamplingParams) -> set[int]:
-    return set((_filtered_probs(logits[None], [params])[0] > 0).nonzero().flatten().tolist())
+    return set((filtered_probs(logits[None], [params])[0] > 0).nonzero().flatten().tolist())
 
 
 # --- greedy -------------------------------------------------------------------------------
@@ -125,14 +125,14 @@ def test_default_top_p_filters_nothing_on_a_large_vocab():
     # Regression: with top_p=1 the cumulative mass summed from the head reached 1.0 early through
     # float rounding, and thousands of tail tokens were dropped.
     logits = _logits(4, vocab=49152, scale=10.0, seed=3)
-    probs = _filtered_probs(logits, [_params()] * 4)
+    probs = filtered_probs(logits, [_params()] * 4)
     assert torch.equal(probs > 0, logits.softmax(dim=-1) > 0)
 
 
 def test_mixed_rows_in_one_batch_match_hf_row_by_row():
     params = [_params(**kw) for kw in FILTER_CASES]
     logits = _logits(len(params), seed=4)
-    allowed = _filtered_probs(logits, params) > 0
+    allowed = filtered_probs(logits, params) > 0
     for i, p in enumerate(params):
         assert set(allowed[i].nonzero().flatten().tolist()) == _hf_allowed(logits[i], **_hf_kwargs(p))
 

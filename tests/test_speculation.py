@@ -1,7 +1,7 @@
-"""Speculative decoding (n-gram proposals, greedy verification): the proposer, the acceptance
-rule, and the promise that matters: greedy output with speculation is token-for-token the output
-without it, in mixed batches with adapters, sampled rows, chunked prefill, prefix-cache hits
-and preemption."""
+"""Speculative decoding (n-gram proposals): the proposer, the acceptance rules, and the promises
+that matter: greedy output with speculation is token-for-token the output without it, in mixed
+batches with adapters, sampled rows, chunked prefill, prefix-cache hits and preemption; sampled
+rows keep the target distribution exactly (rejection sampling)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.lora import write_adapter
-from model_service.engine.speculation import NgramProposer, SpeculativeConfig, accept_greedy
+from model_service.engine.speculation import NgramProposer, SpeculativeConfig, accept_greedy, accept_sampled
 from model_service.errors import InvalidRequestError
 from tests.conftest import assert_all_blocks_free, make_engine
 
@@ -32,6 +32,27 @@ def test_greedy_acceptance_keeps_matching_proposals_and_adds_the_target_token():
     assert accept_greedy([3, 4, 5], rows(3, 8, 5, 6)) == [3, 8]  # second proposal rejected
     assert accept_greedy([3], rows(2, 7)) == [2]  # none accepted: still one token
     assert accept_greedy([], rows(9)) == [9]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Over many draws, the first emitted token is distributed as the first row's p, and after an
+    accepted proposal the second is distributed as the second row's: whatever was proposed."""
+    probs = torch.tensor(
+        [[0.1, 0.4, 0.2, 0.25, 0.05], [0.3, 0.05, 0.05, 0.5, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]]
+    )
+    proposals, trials = [1, 0], 20_000
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.zeros(5), torch.zeros(5)
+    for _ in range(trials):
+        out = accept_sampled(proposals, probs, g)
+        first[out[0]] += 1
+        if out[0] == proposals[0]:
+            second[out[1]] += 1
+    tolerance = 4 * (0.25 / trials) ** 0.5  # four standard deviations at worst
+    assert (first / trials - probs[0]).abs().max() < tolerance
+    accepted = second.sum()
+    assert abs(accepted / trials - probs[0, 1]) < tolerance  # accepted with probability p(d)
+    assert (second / accepted - probs[1]).abs().max() < 4 * (0.25 / accepted) ** 0.5
 
 
 @pytest.mark.parametrize(
@@ -58,8 +79,9 @@ def test_greedy_output_is_identical_with_speculation(smollm2, tmp_path, preempti
         {"prompt": code, "max_tokens": 20, "temperature": 0.8, "seed": 3},  # sampled: no speculation
         {"messages": repeat, "max_tokens": 48, "temperature": 0, "stop": ["dog"]},
     ]
+    greedy = [i for i, r in enumerate(requests) if r["temperature"] == 0]
     outputs, engines = {}, {}
-    for spec in (None, NGRAM):
+    for spec in (None, NGRAM, NGRAM + " "):  # the last: the same config again, for the seeded row
         engine = make_engine(
             smollm2,
             num_kv_blocks=12,
@@ -71,8 +93,18 @@ def test_greedy_output_is_identical_with_speculation(smollm2, tmp_path, preempti
         outputs[spec] = [(o.token_ids, o.text, o.finish_reason) for o in engine.generate(requests)]
         engines[spec] = engine
         assert_all_blocks_free(engine)
-    assert outputs[NGRAM] == outputs[None]
+    assert [outputs[NGRAM][i] for i in greedy] == [outputs[None][i] for i in greedy]
+    assert outputs[NGRAM] == outputs[NGRAM + " "]  # a seeded sampled row is reproducible
     spec_engine = engines[NGRAM]
     assert spec_engine.spec_accepted > 0 and spec_engine.spec_proposed > spec_engine.spec_accepted
     assert spec_engine.stats().num_preemptions > 0  # the small cache really preempted
     assert spec_engine.num_steps < engines[None].num_steps
+
+
+def test_sampled_rows_speculate_and_finish_cleanly(smollm2):
+    engine = make_engine(smollm2, speculative_config=NGRAM)
+    quote = [{"role": "user", "content": "Quote twice, word for word: 'the cat sat on the mat by the door'."}]
+    out = engine.generate([{"messages": quote, "max_tokens": 40, "temperature": 0.7, "seed": 5}])[0]
+    assert out.finish_reason in ("stop", "length") and 0 < len(out.token_ids) <= 40
+    assert engine.spec_proposed > 0 and engine.spec_accepted > 0
+    assert_all_blocks_free(engine)

@@ -34,11 +34,17 @@ from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.executor import ModelExecutor, kv_blocks_for_budget
 from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.requests import PromptReader
-from model_service.engine.sampler import SampleRow, TokenLogprobs, sample
+from model_service.engine.sampler import SampleRow, TokenLogprobs, filtered_probs, sample
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence, Status
-from model_service.engine.speculation import NgramProposer, SpeculativeConfig, accept_greedy, can_speculate
+from model_service.engine.speculation import (
+    NgramProposer,
+    SpeculativeConfig,
+    accept_greedy,
+    accept_sampled,
+    can_speculate,
+)
 from model_service.errors import InvalidRequestError, NotFoundError, PreconditionError
 from model_service.lora.control import ControlOp, ControlResult
 from model_service.lora.pool import ACTIVE, AdapterInfo, LoraPool
@@ -253,7 +259,11 @@ class Engine:
         """Keep the accepted proposals and the target's next token; cut the rest's K/V off."""
         assert seq.state is not None
         proposals, seq.spec_tokens = seq.spec_tokens, []
-        emitted = accept_greedy(proposals, logits)
+        if seq.params.greedy:
+            emitted = accept_greedy(proposals, logits)
+        else:
+            probs = filtered_probs(logits, [seq.params] * len(logits))
+            emitted = accept_sampled(proposals, probs, seq.generator)
         self.spec_proposed += len(proposals)
         self.spec_accepted += len(emitted) - 1
         self.cache.truncate(seq.state, seq.state.num_computed - (len(proposals) - len(emitted) + 1))

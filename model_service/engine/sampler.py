@@ -52,7 +52,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
-        probs = _filtered_probs(logits[idx], [rows[i].params for i in random_rows])
+        probs = filtered_probs(logits[idx], [rows[i].params for i in random_rows])
         noise = _exponential_noise(probs, [rows[i].generator for i in random_rows])
         tokens[idx] = (probs / noise).argmax(dim=-1)
 
@@ -93,7 +93,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     return logits
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p (HF's order); returns renormalized probabilities.
 
     Only rows that ask for truncation pay for the full-vocabulary sort.

@@ -12,8 +12,15 @@ Proposers: prompt lookup (n-gram): the continuation of the most recent earlier o
 sequence's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`), no extra
 model. The `Proposer` protocol leaves room for a draft model or MTP heads.
 
-Which rows speculate: greedy rows without penalties or logprobs (their target token is the
-argmax of one row). Sampled rows decode one token a step until rejection sampling exists.
+Sampled rows (temperature > 0) verify by rejection sampling, which keeps the target
+distribution exactly: the n-gram proposal is a point mass q = one-hot(d), so proposal d is
+accepted with probability p(d) (the target's filtered probability), and on rejection the token
+is drawn from p with d removed, renormalized (max(p - q, 0) / its sum); after k acceptances a
+bonus token is drawn from the last row. Each request's own generator draws the uniforms, so a
+seeded request stays reproducible (its stream differs from a run without speculation).
+
+Which rows speculate: rows without penalties or logprobs (penalties would change between the
+rows of one verify), and no beams.
 """
 
 from __future__ import annotations
@@ -79,7 +86,7 @@ class NgramProposer:
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    return params.greedy and not params.needs_penalties and params.logprobs is None
+    return not params.needs_penalties and params.logprobs is None
 
 
 def accept_greedy(proposals: list[int], logits: torch.Tensor) -> list[int]:
@@ -89,3 +96,21 @@ def accept_greedy(proposals: list[int], logits: torch.Tensor) -> list[int]:
     while accepted < len(proposals) and proposals[accepted] == targets[accepted]:
         accepted += 1
     return targets[: accepted + 1]
+
+
+def accept_sampled(proposals: list[int], probs: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+    """The tokens a verify step emits for a sampled row: probs [k + 1, vocab], each row the
+    target's filtered distribution for the token after inputs (last, proposals...)."""
+    out: list[int] = []
+    for i, d in enumerate(proposals):
+        p = probs[i]
+        u = torch.rand((), generator=generator, device=p.device)
+        if u < p[d]:
+            out.append(d)
+            continue
+        residual = p.clone()
+        residual[d] = 0.0
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(probs[len(proposals)], 1, generator=generator)))
+    return out
