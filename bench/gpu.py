@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from model_service.engine.batch_builder import StepItem
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.lora.adapter import LoraAdapter, LoraWeights, module_shapes
@@ -159,6 +160,31 @@ def ttft_ms(engine: Engine, vocab: int, prompt_len: int, cached: int) -> tuple[f
     return cold * 1e3, hit * 1e3
 
 
+def verify_cost_ms(engine: Engine, batch: int, k: int, context: int) -> tuple[float, float]:
+    """(plain decode step, verify step of k proposals per row) forward time in ms at `batch` rows
+    with `context` tokens cached each: what speculation pays per step before any acceptance."""
+    states = [engine.cache.allocate() for _ in range(batch)]
+    for s in states:
+        assert engine.cache.reserve(s, context + k + 1)
+        s.num_computed = context  # timing only: the cached K/V's values do not matter
+
+    def timed(items: list[StepItem]) -> float:
+        for _ in range(3):
+            engine.executor.execute(engine.builder.build(items))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(20):
+            engine.executor.execute(engine.builder.build(items))
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / 20 * 1e3
+
+    plain = timed([StepItem(s, [7], 1) for s in states])
+    verify = timed([StepItem(s, [7] * (k + 1), k + 1) for s in states])
+    for s in states:
+        engine.cache.free(s)
+    return plain, verify
+
+
 def lora_vs_base(loaded: LoadedModel, args: argparse.Namespace) -> tuple[float, float]:
     """(base, LoRA) decode tokens/s, `--lora-adapters` distinct adapters over `--lora-batch` rows.
     The adapters share random host tensors (each fills its own device slot, so the kernels read
@@ -242,6 +268,7 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--host-share-batch", type=int, default=0, help="measure host time at this batch")
     ap.add_argument("--ttft", action="store_true", help="4,096-token prompt: cold and 3,584 cached")
+    ap.add_argument("--verify-k", type=int, default=0, help="time a verify step of K proposals (batch 1, 64)")
     args = ap.parse_args()
     shape = SMOLLM2 if args.small else LLAMA3_8B
     setup = {
@@ -293,6 +320,21 @@ def main() -> None:
                     }
                 )
             )
+        if not eager and args.verify_k:
+            for batch in (1, 64):
+                plain, verify = verify_cost_ms(engine, batch, args.verify_k, 512)
+                line = {
+                    "bench": "gpu",
+                    "metric": "verify_step_ms",
+                    "batch": batch,
+                    "k": args.verify_k,
+                    "decode_ms": round(plain, 2),
+                    "verify_ms": round(verify, 2),
+                    "context": 512,
+                }
+                print(
+                    json.dumps({**line, "verify_over_decode": round(verify / plain, 2), **setup}), flush=True
+                )
         if not eager and args.host_share_batch:
             share = host_share(engine, args.host_share_batch, args.prompt_len, shape["vocab_size"])
             print(
