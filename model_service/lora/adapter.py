@@ -24,8 +24,8 @@ import torch
 
 from model_service.errors import SpindleError
 from model_service.models.config import ModelConfig
+from spindle.peft import LORA_MODULES, projection_shapes, unsupported_feature
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
@@ -63,17 +63,9 @@ class LoraAdapter:
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each LoRA-targetable projection of the base model."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    return {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, i),
-        "up_proj": (h, i),
-        "down_proj": (i, h),
-    }
+    return projection_shapes(
+        cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    )
 
 
 def content_id(config_bytes: bytes, weight_bytes: bytes) -> int:
@@ -130,16 +122,9 @@ def _check_config(name: str, config: dict[str, Any]) -> None:
     def refuse(what: str) -> None:
         raise AdapterError(f"adapter {name!r}: {what} is not supported")
 
-    if config.get("peft_type", "LORA") != "LORA":
-        refuse(f"peft_type {config.get('peft_type')!r} (only LORA)")
-    if config.get("use_dora"):
-        refuse("DoRA (use_dora=true)")
-    if config.get("modules_to_save"):
-        refuse(f"modules_to_save {config['modules_to_save']} (full-weight modules)")
-    if config.get("bias", "none") != "none" or config.get("lora_bias"):
-        refuse(f"bias={config.get('bias')!r} (LoRA bias terms)")
-    if config.get("fan_in_fan_out"):
-        refuse("fan_in_fan_out=true (Conv1D-style weights)")
+    feature = unsupported_feature(config)
+    if feature is not None:
+        refuse(feature)
     targets = config.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else targets
     for t in targets:
