@@ -63,14 +63,14 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def run(args: argparse.Namespace) -> int:
+def _commands(args: argparse.Namespace) -> list[list[str]]:
+    """The model pod, the adapter service and the gateway, wired to each other on `--host`."""
     me = [sys.executable, "-m", "spindle.cli"]
     pod_cmd = [
         *me, "serve", "--model", args.model, "--host", args.host, "--port", str(args.pod_port),
         "--control-port", str(args.pod_control_port), "--metrics-port", str(args.metrics_port),
         "--log-level", args.log_level,
     ]  # fmt: skip
-    service = f"{args.host}:{args.adapter_port}"
     service_cmd = [
         *me, "adapter-service", "--host", args.host, "--port", str(args.adapter_port),
         "--pods", f"{args.host}:{args.pod_control_port}", "--base-model", args.model, "--metrics-port", "0",
@@ -79,31 +79,40 @@ def run(args: argparse.Namespace) -> int:
     gateway_cmd = [
         *me, "gateway", "--host", args.host, "--port", str(args.gateway_port),
         "--pods", f"{args.host}:{args.pod_port}", "--allow-unauthenticated", "--health-interval", "0.5",
-        "--adapter-service", service, "--log-level", args.log_level,
+        "--adapter-service", f"{args.host}:{args.adapter_port}", "--log-level", args.log_level,
     ]  # fmt: skip
+    return [pod_cmd, service_cmd, gateway_cmd]
+
+
+def _answer(gateway: str, args: argparse.Namespace) -> None:
+    """The first prompt, streamed by the base model and then by each registered adapter."""
+    with Client(gateway) as client:
+        print(f"> {args.prompt}", flush=True)
+        for adapter in [None, *(spec.partition("=")[0] for spec in args.lora)]:
+            options = {"adapter": adapter} if adapter else {}
+            req = chat_request(
+                [{"role": "user", "content": args.prompt}],
+                max_tokens=args.max_tokens,
+                temperature=0.0,
+                **options,
+            )
+            print(f"[{adapter or 'base model'}] ", end="", flush=True)
+            client.generate(req, timeout=120, on_text=lambda d: print(d, end="", flush=True))
+            print(flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    children = [subprocess.Popen(pod_cmd), subprocess.Popen(service_cmd), subprocess.Popen(gateway_cmd)]
-    gateway = f"{args.host}:{args.gateway_port}"
+    children = [subprocess.Popen(cmd) for cmd in _commands(args)]
+    gateway, service = f"{args.host}:{args.gateway_port}", f"{args.host}:{args.adapter_port}"
     try:
         for target in (gateway, service):
             if not _wait_serving(target, children, stop, args.startup_timeout):
                 return 0 if stop.is_set() else 1
         _register(gateway, args.lora)
-        with Client(gateway) as client:
-            print(f"> {args.prompt}", flush=True)
-            for adapter in [None, *(spec.partition("=")[0] for spec in args.lora)]:
-                options = {"adapter": adapter} if adapter else {}
-                req = chat_request(
-                    [{"role": "user", "content": args.prompt}],
-                    max_tokens=args.max_tokens,
-                    temperature=0.0,
-                    **options,
-                )
-                print(f"[{adapter or 'base model'}] ", end="", flush=True)
-                client.generate(req, timeout=120, on_text=lambda d: print(d, end="", flush=True))
-                print(flush=True)
+        _answer(gateway, args)
         print(
             f"\nServing: gateway {gateway} (model pod {args.host}:{args.pod_port}, "
             f"its ModelControl on {args.host}:{args.pod_control_port}; adapter service {service}). Try:\n"
