@@ -43,6 +43,9 @@ ADMIN, USER = "key-admin", "key-user"
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, redis_url, s3, tmp_path_factory):
+    import redis
+
+    redis.Redis.from_url(redis_url).flushall()  # the session's Redis may hold other tests' registries
     logs = tmp_path_factory.mktemp("svc")
     metrics = free_port()
     pods = [spawn_pod(tiny_llama.name, logs, f"pod{i}", "--max-loras", "2") for i in range(2)]
