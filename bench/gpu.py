@@ -268,7 +268,7 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--host-share-batch", type=int, default=0, help="measure host time at this batch")
     ap.add_argument("--ttft", action="store_true", help="4,096-token prompt: cold and 3,584 cached")
-    ap.add_argument("--verify-k", type=int, default=0, help="time a verify step of K proposals (batch 1, 64)")
+    ap.add_argument("--verify-k", type=int, default=0, help="time a K-proposal verify step")
     args = ap.parse_args()
     shape = SMOLLM2 if args.small else LLAMA3_8B
     setup = {
@@ -295,6 +295,10 @@ def main() -> None:
                 enforce_eager=eager,
                 kv_cache_memory_bytes=40 << 30,
                 max_model_len=8192,
+                # graphs then cover verify steps too: k + 1 rows per sequence
+                speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": args.verify_k})
+                if args.verify_k
+                else None,
             ),
             loaded=loaded,
         )
@@ -321,7 +325,7 @@ def main() -> None:
                 )
             )
         if not eager and args.verify_k:
-            for batch in (1, 64):
+            for batch in (1, 16, 64):
                 plain, verify = verify_cost_ms(engine, batch, args.verify_k, 512)
                 line = {
                     "bench": "gpu",

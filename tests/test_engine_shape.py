@@ -8,6 +8,8 @@ import random
 import pytest
 import torch
 
+from model_service.attention.kv_cache import KVCache
+from model_service.attention.reference import TorchReferenceBackend
 from model_service.engine.batch_builder import BatchBuilder, StepItem
 from model_service.engine.block_manager import BlockManager
 from model_service.engine.cache_manager import CacheManager
@@ -16,6 +18,7 @@ from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.seq_state import SequenceState
 from model_service.engine.sequence import Sequence
+from model_service.models.config import LayerKind
 
 
 class FakeExecutor:
@@ -107,6 +110,33 @@ def test_step_batch_layout_for_decode_chunk_and_multi_row_items():
     assert batch.lora_slots.tolist() == [1, -1, -1, -1, -1, -1, 0, 0, 0]
     assert (batch.max_query_len, batch.max_seq_len) == (5, 7)
     assert batch.uses_lora
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_verify_runs_as_token_rows_attend_exactly_as_the_runs_do(window):
+    """A step of decode rows and verify runs replays a decode graph with every token a row of
+    its own; each token must see exactly its own sequence's context up to itself."""
+    bs, heads, kv_heads, dim = 4, 4, 2, 8
+    decode = _state([5, 2], computed=6)
+    verify = _state([4, 1], computed=3, lora=0)  # 4 tokens at positions 3..6, across two blocks
+    batch = BatchBuilder(bs, torch.device("cpu")).build(
+        [StepItem(decode, [11], 1), StepItem(verify, [6, 7, 8, 9], 4)]
+    )
+    rows = batch.as_token_rows()
+    assert rows.query_start.tolist() == [0, 1, 2, 3, 4, 5]
+    assert rows.seq_lens.tolist() == [7, 4, 5, 6, 7]
+    assert rows.block_table.tolist() == [[5, 2], [4, 1], [4, 1], [4, 1], [4, 1]]
+    assert rows.logits_rows.tolist() == [0, 1, 2, 3, 4] and rows.max_query_len == 1
+    torch.manual_seed(0)
+    q, k, v = torch.randn(5, heads, dim), torch.randn(5, kv_heads, dim), torch.randn(5, kv_heads, dim)
+    outs = []
+    for step in (batch, rows):
+        cache = KVCache([LayerKind()], 8, bs, kv_heads, dim, torch.float32, torch.device("cpu"))
+        cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(1)))
+        backend = TorchReferenceBackend(cache, [window], dim)
+        backend.prepare(step)
+        outs.append(backend.forward(0, q, k, v))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
 
 
 def test_step_batch_refuses_an_item_without_enough_blocks():

@@ -118,3 +118,52 @@ def test_decode_graphs_replay_over_reused_blocks_with_fresh_metadata():
             assert engine.executor.graphs is not None and len(engine.executor.graphs.graphs) >= 3
         assert engine.cache.num_free_blocks == engine.cache.num_total_blocks
     assert results["cuda", False] == results["cuda", True] == results["cpu", True]
+
+
+def test_verify_steps_replay_decode_graphs_and_keep_greedy_output(monkeypatch):
+    """n-gram speculation on CUDA: verify steps (several logits rows per sequence) replay the
+    decode graphs with one row per token; tokens equal the eager run's and the CPU's without
+    speculation, with adapters' base rows and verify runs of different lengths in one step."""
+    from model_service.engine.cuda_graphs import DecodeGraphs
+
+    cfg, reference = _random_model()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    context = [(13 * j) % 500 + 3 for j in range(48)]
+    requests = [
+        {
+            "prompt_token_ids": context[: 24 + 6 * i],
+            "max_tokens": 6 + 5 * i,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        for i in range(5)
+    ]
+    replayed_verify = []
+    run = DecodeGraphs.run
+
+    def counting_run(self, batch):
+        replayed_verify.append(batch.max_query_len > 1)
+        return run(self, batch)
+
+    monkeypatch.setattr(DecodeGraphs, "run", counting_run)
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+    results = {}
+    for device, eager, speculative in (
+        ("cpu", True, None),
+        ("cuda", True, spec),
+        ("cuda", False, spec),
+    ):
+        engine = _engine(
+            cfg,
+            reference,
+            device,
+            num_kv_blocks=64,
+            block_size=4,
+            max_num_seqs=32,
+            enforce_eager=eager,
+            speculative_config=speculative,
+        )
+        results[device, eager] = [o.token_ids for o in engine.generate(requests)]
+        assert engine.cache.num_free_blocks == engine.cache.num_total_blocks
+    assert any(replayed_verify)
+    assert results["cuda", False] == results["cuda", True] == results["cpu", True]

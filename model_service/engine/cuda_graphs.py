@@ -7,8 +7,9 @@ graph replays every kernel of the forward pass with no Python in between, and th
 of the static logits are the step's. Graphs are captured lazily, the first time a size is
 needed, and share one memory pool. A step with LoRA rows replays a graph captured with the LoRA
 kernels (per-token slots in a static buffer too); without the kernels (a rank width that is not
-a power of two) it runs eagerly, as do steps with prefill chunks or several logits rows per
-sequence.
+a power of two) it runs eagerly, as do steps with prefill chunks. A step of decode rows and
+speculative verify runs (every token a logits row) replays the graph of its token count, each
+token a one-token row of its own (`StepBatch.as_token_rows`), in models without recurrent layers.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from model_service.lora.layers import LoraStepPlan
 from model_service.models.step import CapturableBackend, ForwardContext, StepBatch
 
 
-def batch_ladder(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8, *range(16, max_num_seqs + 1, 16)]
-    sizes = [s for s in sizes if s < max_num_seqs]
-    return [*sizes, max_num_seqs]
+def batch_ladder(max_rows: int) -> list[int]:
+    sizes = [1, 2, 4, 8, *range(16, max_rows + 1, 16)]
+    sizes = [s for s in sizes if s < max_rows]
+    return [*sizes, max_rows]
 
 
 class DecodeGraphs:
@@ -33,30 +34,34 @@ class DecodeGraphs:
         self,
         forward: Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor],
         backend: CapturableBackend,
-        max_num_seqs: int,
+        max_rows: int,
         max_seq_len: int,
         device: torch.device,
         lora: LoraStepPlan | None = None,
+        split_verify_runs: bool = True,
     ) -> None:
         self.forward, self.backend, self.lora = forward, backend, lora
-        self.ladder = batch_ladder(max_num_seqs)
-        backend.init_graph_capture(max_num_seqs, max_seq_len)
-        self.input_ids = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
-        self.rows = torch.arange(max_num_seqs, device=device)
-        self.lora_slots = torch.full((max_num_seqs,), -1, dtype=torch.long, device=device)
+        self.split_verify_runs = split_verify_runs
+        self.ladder = batch_ladder(max_rows)
+        backend.init_graph_capture(max_rows, max_seq_len)
+        self.input_ids = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.rows = torch.arange(max_rows, device=device)
+        self.lora_slots = torch.full((max_rows,), -1, dtype=torch.long, device=device)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: tuple[int, int] | None = None
 
     def can_run(self, batch: StepBatch) -> bool:
         return (
-            batch.max_query_len == 1
-            and batch.num_seqs <= self.ladder[-1]
-            and len(batch.logits_rows) == batch.num_seqs
+            (batch.max_query_len == 1 or self.split_verify_runs)
+            and batch.num_tokens <= self.ladder[-1]
+            and len(batch.logits_rows) == batch.num_tokens
             and (self.lora is not None or not batch.uses_lora)
         )
 
     def run(self, batch: StepBatch) -> torch.Tensor:
+        if batch.max_query_len > 1:
+            batch = batch.as_token_rows()
         n = batch.num_seqs
         size = self.ladder[bisect.bisect_left(self.ladder, n)]
         key = (size, batch.uses_lora)

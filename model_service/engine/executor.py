@@ -17,6 +17,7 @@ from model_service.attention.reference import TorchReferenceBackend
 from model_service.attention.triton_backend import TritonBackend
 from model_service.engine.config import EngineConfig
 from model_service.engine.cuda_graphs import DecodeGraphs
+from model_service.engine.speculation import SpeculativeConfig
 from model_service.kernels.paged_attention import triton
 from model_service.lora.adapter import LoraAdapter
 from model_service.lora.layers import LoraLayers, wrap_lora_layers
@@ -87,8 +88,16 @@ class ModelExecutor:
             self.attention = triton_backend
             if not config.enforce_eager:
                 plan = self.lora.plan if self.lora is not None and self.lora.plan.use_kernels else None
+                spec = SpeculativeConfig.from_json(config.speculative_config)
+                rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
                 self.graphs = DecodeGraphs(
-                    self.module, triton_backend, config.max_num_seqs, max_model_len, self.device, plan
+                    self.module,
+                    triton_backend,
+                    config.max_num_seqs * rows_per_seq,  # verify runs replay with a row per token
+                    max_model_len,
+                    self.device,
+                    plan,
+                    split_verify_runs=cfg.num_state_layers == 0,
                 )
         else:
             self.attention = TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)

@@ -51,6 +51,32 @@ class StepBatch:
     def uses_lora(self) -> bool:
         return bool((self.host_lora_slots >= 0).any())
 
+    def as_token_rows(self) -> StepBatch:
+        """The same step with every token as a one-token sequence of its own, attending to its
+        sequence's context up to itself. For a step whose every token is a logits row (decode
+        rows and speculative verify runs) this is a decode step, which the decode kernel and its
+        CUDA graphs run: a verify step replays a graph instead of launching every kernel from
+        Python. Only for attention-only models: a recurrent layer's state is per sequence."""
+        num_tokens = self.num_tokens
+        seqs = torch.arange(self.num_seqs, device=self.seq_lens.device)
+        seq_of = torch.repeat_interleave(seqs, self.query_start.diff(), output_size=num_tokens)
+        rows = torch.arange(num_tokens, device=self.seq_lens.device)
+        return StepBatch(
+            input_ids=self.input_ids,
+            positions=self.positions,
+            slot_mapping=self.slot_mapping,
+            query_start=torch.arange(num_tokens + 1, device=rows.device),
+            seq_lens=self.positions + 1,
+            block_table=self.block_table[seq_of],
+            logits_rows=rows,
+            state_slots=self.state_slots[seq_of],
+            lora_slots=self.lora_slots,
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+            host_lora_slots=self.host_lora_slots,
+            host_query_start=np.arange(num_tokens + 1),
+        )
+
 
 @runtime_checkable
 class AttentionBackend(Protocol):
