@@ -160,6 +160,29 @@ def ttft_ms(engine: Engine, vocab: int, prompt_len: int, cached: int) -> tuple[f
     return cold * 1e3, hit * 1e3
 
 
+def verify_costs(loaded: LoadedModel, k: int, setup: dict[str, object]) -> None:
+    """One JSON line per batch: a plain decode step against a verify step of k proposals a row,
+    in an engine configured for n-gram speculation (so its graphs cover k + 1 rows a sequence)."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": k})
+    engine = Engine(
+        EngineConfig(
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=64,
+            max_loras=0,
+            kv_cache_memory_bytes=20 << 30,
+            max_model_len=8192,
+            speculative_config=spec,
+        ),
+        loaded=loaded,
+    )
+    for batch in (1, 16, 64):
+        plain, verify = verify_cost_ms(engine, batch, k, 512)
+        line = {"bench": "gpu", "metric": "verify_step_ms", "batch": batch, "k": k, "context": 512}
+        times = {"decode_ms": round(plain, 2), "verify_ms": round(verify, 2)}
+        print(json.dumps({**line, **times, "verify_over_decode": round(verify / plain, 2), **setup}))
+
+
 def verify_cost_ms(engine: Engine, batch: int, k: int, context: int) -> tuple[float, float]:
     """(plain decode step, verify step of k proposals per row) forward time in ms at `batch` rows
     with `context` tokens cached each: what speculation pays per step before any acceptance."""
@@ -295,10 +318,6 @@ def main() -> None:
                 enforce_eager=eager,
                 kv_cache_memory_bytes=40 << 30,
                 max_model_len=8192,
-                # graphs then cover verify steps too: k + 1 rows per sequence
-                speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": args.verify_k})
-                if args.verify_k
-                else None,
             ),
             loaded=loaded,
         )
@@ -324,21 +343,6 @@ def main() -> None:
                     }
                 )
             )
-        if not eager and args.verify_k:
-            for batch in (1, 16, 64):
-                plain, verify = verify_cost_ms(engine, batch, args.verify_k, 512)
-                line = {
-                    "bench": "gpu",
-                    "metric": "verify_step_ms",
-                    "batch": batch,
-                    "k": args.verify_k,
-                    "decode_ms": round(plain, 2),
-                    "verify_ms": round(verify, 2),
-                    "context": 512,
-                }
-                print(
-                    json.dumps({**line, "verify_over_decode": round(verify / plain, 2), **setup}), flush=True
-                )
         if not eager and args.host_share_batch:
             share = host_share(engine, args.host_share_batch, args.prompt_len, shape["vocab_size"])
             print(
@@ -353,6 +357,9 @@ def main() -> None:
                 )
             )
         del engine
+        torch.cuda.empty_cache()
+    if args.verify_k:
+        verify_costs(loaded, args.verify_k, setup)
         torch.cuda.empty_cache()
     if args.lora_adapters:
         base, lora = lora_vs_base(loaded, args)

@@ -212,6 +212,31 @@ def test_triton_rms_norm_silu_and_rope_match_references(dim, dtype):
         assert _rel(apply_rotary(q.clone(), cos, sin), want) < tol
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_rotary_store_kv_matches_rope_then_store(dtype):
+    """q, k and v as the fused qkv projection leaves them (strided views); the fused kernel
+    rotates q in place and writes rotated k and v to their slots, skipping padding rows."""
+    from model_service.kernels.fused import apply_rotary_reference, rotary_store_kv
+
+    heads, kv_heads, dim, tokens = 8, 2, 64, 29
+    g = torch.Generator(device="cuda").manual_seed(3)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g, device="cuda").to(dtype)
+    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    q, k, v = (t.reshape(tokens, -1, dim) for t in (q, k, v))
+    cos, sin = (torch.randn(tokens, dim, generator=g, device="cuda").to(dtype) for _ in range(2))
+    slots = torch.randperm(100, device="cuda")[:tokens]
+    slots[::5] = -1
+    want_q, want_k = apply_rotary_reference(q, cos, sin), apply_rotary_reference(k, cos, sin)
+    caches = [torch.full((100, kv_heads, dim), 7.0, device="cuda", dtype=dtype) for _ in range(4)]
+    store_kv_reference(want_k, v, caches[2], caches[3], slots)
+    got_q = rotary_store_kv(q, k, v, (cos, sin), caches[0], caches[1], slots)
+    assert got_q.data_ptr() == q.data_ptr()  # in place
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # the kernel rounds once, torch after each op
+    assert _rel(got_q, want_q) < tol and _rel(caches[0], caches[2]) < tol
+    assert torch.equal(caches[1], caches[3])
+
+
 def _mixed_case(device: str, dtype: torch.dtype, seed: int, heads: int = 4, kv_heads: int = 2, dim: int = 16):
     """A step of a decode row, a mid-prompt chunk and a whole prompt over a pool of random K/V."""
     bs = 4

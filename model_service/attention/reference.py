@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from model_service.attention.kv_cache import KVCache
+from model_service.kernels.fused import apply_rotary
 from model_service.models.step import StepBatch
 
 
@@ -45,8 +46,17 @@ class TorchReferenceBackend:
         self._masks = {w: _mask(query_pos, max_k, w) for w in set(self.windows)}
         self._batch = batch
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         assert self._batch is not None, "prepare() must run before the first layer"
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k_cache, v_cache = self.kv_cache.layer(layer)
         k_cache[self._batch.slot_mapping] = k
         v_cache[self._batch.slot_mapping] = v

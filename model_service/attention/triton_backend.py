@@ -1,8 +1,10 @@
 """The CUDA attention backend: Triton kernels over the block table, decode steps graph-capturable.
 
-Every step writes its K/V with `store_kv`. Decode steps (one query token per sequence) attend
-with the split-KV `paged_decode_attention` kernel; prefill and mixed steps with the varlen
-`paged_prefill_attention` kernel, which skips key tiles above the causal diagonal. Neither
+Every step writes its K/V with `store_kv`, or, when the model hands over its RoPE tables,
+with `rotary_store_kv`, which rotates q and k and writes K/V in one launch. Decode steps (one
+query token per sequence) attend with the split-KV `paged_decode_attention` kernel; prefill and
+mixed steps with the varlen `paged_prefill_attention` kernel, which skips key tiles above the
+causal diagonal. Neither
 gathers context: both read K/V in place through the block table.
 
 For CUDA graphs the backend owns static metadata buffers (block table, sequence lengths, slot
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from model_service.attention.kv_cache import KVCache
+from model_service.kernels.fused import rotary_store_kv
 from model_service.kernels.paged_attention import num_splits_for, paged_decode_attention, store_kv
 from model_service.kernels.prefill_attention import paged_prefill_attention, prefill_tiles
 from model_service.models.step import StepBatch
@@ -47,9 +50,19 @@ class TritonBackend:
         device = batch.input_ids.device
         self.tiles = (torch.from_numpy(seqs).to(device), torch.from_numpy(rows).to(device))
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.layer(layer)
-        store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, self.slot_mapping)
+        if rope is not None:
+            q = rotary_store_kv(q, k, v, rope, k_cache, v_cache, self.slot_mapping)
+        else:
+            store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, self.slot_mapping)
         if not self.decode:
             return paged_prefill_attention(
                 q,

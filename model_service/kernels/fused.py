@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model_service.kernels.paged_attention import triton
+from model_service.kernels.paged_attention import store_kv, triton
 
 if triton is not None:
     import triton.language as tl
@@ -55,6 +55,37 @@ if triton is not None:
         sin2 = tl.load(Sin + token * 2 * HALF + HALF + offs)
         tl.store(base + offs, x1 * cos1 - x2 * sin1)
         tl.store(base + HALF + offs, x2 * cos2 + x1 * sin2)
+
+    @triton.jit
+    def _rope_store_kv_kernel(
+        Q, K, V, Cos, Sin, KC, VC, Slots, q_row, q_head, k_row, k_head, v_row, v_head, c_slot, c_head,
+        HEADS: tl.constexpr, HALF: tl.constexpr,
+    ):  # fmt: skip
+        """Program (token, head): a query head rotates in place; a KV head rotates its key into
+        the pool and copies its value there (a negative slot, a padding row, writes nothing)."""
+        token, head = tl.program_id(0), tl.program_id(1)
+        offs = tl.arange(0, HALF)
+        cos1 = tl.load(Cos + token * 2 * HALF + offs)
+        cos2 = tl.load(Cos + token * 2 * HALF + HALF + offs)
+        sin1 = tl.load(Sin + token * 2 * HALF + offs)
+        sin2 = tl.load(Sin + token * 2 * HALF + HALF + offs)
+        if head < HEADS:
+            base = Q + token * q_row + head * q_head
+            x1, x2 = tl.load(base + offs), tl.load(base + HALF + offs)
+            tl.store(base + offs, x1 * cos1 - x2 * sin1)
+            tl.store(base + HALF + offs, x2 * cos2 + x1 * sin2)
+        else:
+            slot = tl.load(Slots + token)
+            if slot >= 0:
+                kv = head - HEADS
+                src = K + token * k_row + kv * k_head
+                x1, x2 = tl.load(src + offs), tl.load(src + HALF + offs)
+                dst = KC + slot * c_slot + kv * c_head
+                tl.store(dst + offs, x1 * cos1 - x2 * sin1)
+                tl.store(dst + HALF + offs, x2 * cos2 + x1 * sin2)
+                src, dst = V + token * v_row + kv * v_head, VC + slot * c_slot + kv * c_head
+                tl.store(dst + offs, tl.load(src + offs))
+                tl.store(dst + HALF + offs, tl.load(src + HALF + offs))
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -112,3 +143,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         x, cos.contiguous(), sin.contiguous(), x.stride(0), x.stride(1), HALF=half
     )
     return x
+
+
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE on q and k, then k and v into their pool slots; returns the rotated q. On CUDA one
+    launch does all three and reads k and v where the qkv projection left them: separately,
+    the two rotations, two `.contiguous()` copies and the store were five launches a layer."""
+    cos, sin = rope
+    half = q.shape[-1] // 2
+    strided = all(t.stride(-1) == 1 and t.stride(1) == 2 * half for t in (q, k, v))
+    if not _on_gpu(q) or half & (half - 1) or not strided or k_cache.stride(1) != 2 * half:
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, slots)
+        return q
+    _rope_store_kv_kernel[(q.shape[0], q.shape[1] + k.shape[1])](
+        q, k, v, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), HEADS=q.shape[1], HALF=half,
+    )  # fmt: skip
+    return q

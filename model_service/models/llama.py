@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_service.kernels.fused import apply_rotary, silu_and_mul
+from model_service.kernels.fused import silu_and_mul
 from model_service.models.config import ModelConfig
 from model_service.models.layers import PackedLinear, RMSNorm
 from model_service.models.rope import RotaryEmbedding
@@ -43,8 +43,7 @@ class Attention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = ctx.attention.forward(self.layer_idx, q, k, v)
+        out = ctx.attention.forward(self.layer_idx, q, k, v, rope)
         return self.o_proj(out.reshape(n, -1))
 
 

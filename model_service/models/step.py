@@ -85,9 +85,18 @@ class AttentionBackend(Protocol):
     def prepare(self, batch: StepBatch) -> None:
         """Derive this backend's own metadata from `batch`; called once per step, before any layer."""
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Write this step's K/V of `layer` into the pool, then attend each token to its own
-        sequence's context. q: [T, H, D]; k, v: [T, KVH, D]; returns [T, H, D]."""
+        sequence's context. q: [T, H, D]; k, v: [T, KVH, D]; returns [T, H, D]. With `rope`
+        ((cos, sin), [T, D] each), q and k get full-width RoPE first: a backend can fuse it with
+        the K/V write. A model with another rotation applies it itself and passes none."""
 
 
 @runtime_checkable
