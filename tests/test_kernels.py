@@ -124,11 +124,11 @@ def test_triton_store_kv_matches_reference_and_skips_padding(kv_heads, dim):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
-def _lora_case(tokens: int, device: str, dtype: torch.dtype, seed: int):
+def _lora_case(tokens: int, device: str, dtype: torch.dtype, seed: int, in_features: int = 48):
     """A fused q/k/v-like projection (parts of 64, 32, 32 columns) with 4 slots of ranks 8, 16, 0
     (empty) and 4, zero-padded to 16, and rows spread over the slots and the base model."""
     g = torch.Generator().manual_seed(seed)
-    sizes, in_features, max_rank = (64, 32, 32), 48, 16
+    sizes, max_rank = (64, 32, 32), 16
     a = torch.zeros(4, 3, max_rank, in_features)
     b = torch.zeros(4, sum(sizes), max_rank)
     scaling = torch.zeros(4, 3)
@@ -170,9 +170,10 @@ def test_lora_reference_matches_the_segment_loop_of_the_lora_layer():
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 37, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_lora_matches_reference(tokens, dtype):
+@pytest.mark.parametrize("in_features", [48, 2048])  # 2,048 splits the input dimension at few rows
+def test_triton_lora_matches_reference(tokens, dtype, in_features):
     for seed in range(2):
-        sizes, x, y, a, b, scaling, slots = _lora_case(tokens, "cuda", dtype, seed)
+        sizes, x, y, a, b, scaling, slots = _lora_case(tokens, "cuda", dtype, seed, in_features)
         want, got = y.clone(), y.clone()
         lora_delta_reference(x, want, a, b, scaling, slots, sizes)
         starts = torch.tensor([0, sizes[0], sizes[0] + sizes[1]], device="cuda")

@@ -12,6 +12,8 @@ device tensors at fixed addresses. Zero-padded ranks add zeros.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from model_service.kernels.paged_attention import triton
@@ -22,7 +24,7 @@ if triton is not None:
     @triton.jit
     def _shrink_kernel(
         X, A, Slots, XA, x_stride, a_stride_slot, in_features, width, k_chunk,
-        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
         t, rb, ks = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(Slots + t)
@@ -36,7 +38,10 @@ if triton is not None:
                 a_off = slot * a_stride_slot + r[:, None] * in_features + k[None, :]
                 a = tl.load(A + a_off, mask=(r[:, None] < width) & (k[None, :] < k_end), other=0.0)
                 acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
-            tl.atomic_add(XA + t * width + r, acc, mask=r < width)  # split-K partial sums
+            if SPLIT_K:
+                tl.atomic_add(XA + t * width + r, acc, mask=r < width)  # partial sums
+            else:
+                tl.store(XA + t * width + r, acc, mask=r < width)
 
     @triton.jit
     def _expand_kernel(
@@ -62,6 +67,11 @@ if triton is not None:
             y_ptr = Y + t * y_stride + o
             y = tl.load(y_ptr, mask=valid, other=0.0)
             tl.store(y_ptr, (y.to(tl.float32) + delta).to(y.dtype), mask=valid)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def lora_delta_reference(
@@ -103,13 +113,18 @@ def lora_delta(
     tokens, in_features = x.shape
     _, parts, max_rank, _ = a.shape
     width = parts * max_rank
-    xa = torch.zeros(tokens, width, dtype=torch.float32, device=x.device)
-    # Split the input dimension so a decode step's few rows still start ~1,000+ programs.
-    split_k = max(1, min(16, in_features // 512))
+    # A decode step of few rows splits the input dimension (atomic partial sums into a zeroed
+    # buffer) so it still starts ~1,000+ programs; with rows enough to fill the SMs twice over,
+    # each program sums its whole row and stores it: no memset launch, no atomics.
+    programs = tokens * triton.cdiv(width, 16)
+    split_k = 1 if programs >= 2 * _num_sms(x.device) else max(1, min(16, in_features // 512))
     k_chunk = triton.cdiv(triton.cdiv(in_features, split_k), 128) * 128
+    alloc = torch.zeros if split_k > 1 else torch.empty
+    xa = alloc(tokens, width, dtype=torch.float32, device=x.device)
     _shrink_kernel[(tokens, triton.cdiv(width, 16), triton.cdiv(in_features, k_chunk))](
-        x, a, slots, xa, x.stride(0), a.stride(0), in_features, width, k_chunk, BLOCK_R=16, BLOCK_K=128
-    )
+        x, a, slots, xa, x.stride(0), a.stride(0), in_features, width, k_chunk,
+        BLOCK_R=16, BLOCK_K=128, SPLIT_K=split_k > 1,
+    )  # fmt: skip
     out = y.shape[1]
     _expand_kernel[(tokens, triton.cdiv(out, 128))](
         xa, b, scaling, slots, y, bounds, y.stride(0), b.stride(0), out, width, parts,
