@@ -151,6 +151,11 @@ def _modules(
         if "lora_embedding" in key or "lora_magnitude_vector" in key:
             what = "DoRA magnitude vectors" if "magnitude" in key else "LoRA on embeddings"
             raise AdapterError(f"adapter {name!r}: {what} ({key}) is not supported")
+        if ".experts." in key:  # PEFT turns gate/up/down targets on an MoE model into expert LoRA
+            raise AdapterError(
+                f"adapter {name!r}: tensor {key!r} adapts mixture-of-experts experts, which is not "
+                f"supported; target {_ATTENTION_MODULES} (and gate/up/down of dense layers only)"
+            )
         m = _KEY.match(key)
         if m is None:
             raise AdapterError(
