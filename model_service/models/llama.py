@@ -1,10 +1,12 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and their MoE kin Mixtral, Qwen2-MoE,
+Qwen3-MoE) over the paged KV cache.
 
-One module serves the four architectures; they differ only in switches read from
-`ModelConfig`: q/k/v bias (Qwen2), per-head RMSNorm on q and k before RoPE (Qwen3), sliding
-windows (Mistral, some Qwen layers), tied embeddings, optional attention/MLP biases (Llama,
-Qwen3). Parameter names follow HF checkpoints, except that q/k/v and gate/up are fused into one
-`PackedLinear` each (one matmul instead of three or two); the loader packs them by `parts`.
+One module serves them all; they differ only in switches read from `ModelConfig`: q/k/v bias
+(Qwen2), per-head RMSNorm on q and k before RoPE (Qwen3), sliding windows (Mistral, some Qwen
+layers), tied embeddings, optional attention/MLP biases (Llama, Qwen3), and a sparse MoE block
+instead of the dense MLP in the layers whose kind says `moe`. Parameter names follow HF
+checkpoints, except that q/k/v and gate/up are fused into one `PackedLinear` each (one matmul
+instead of three or two); the loader packs them by `parts`.
 """
 
 from __future__ import annotations
