@@ -296,7 +296,7 @@ def test_grouped_experts_match_the_reference_on_cuda(tokens: int):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_moe_engine_on_cuda(qwen3_moe_dir: Path):
     """float32 on CUDA (the expert reference, eager decode) gives the CPU engine's tokens; bf16
-    decode steps replayed from CUDA graphs (grouped experts) give the eager steps' tokens."""
+    decode steps replayed from CUDA graphs (grouped experts) give the eager bf16 steps' tokens."""
     reqs = [request(ids) for ids in PROMPTS]
     cpu = load_model(str(qwen3_moe_dir), torch.float32, torch.device("cpu"))
     want = [o.token_ids for o in make_engine(cpu).generate(reqs)]
@@ -309,4 +309,5 @@ def test_moe_engine_on_cuda(qwen3_moe_dir: Path):
     graphs = make_engine(bf16, device="cuda", dtype="bfloat16")
     assert graphs.executor.graphs is not None
     eager = make_engine(bf16, device="cuda", dtype="bfloat16", enforce_eager=True)
-    assert [o.token_ids for o in graphs.generate(reqs)] == [o.token_ids for o in eager.generate(reqs)]
+    for req in reqs:  # one at a time: the graph's batch is then unpadded, every GEMM the same shape
+        assert graphs.generate([req])[0].token_ids == eager.generate([req])[0].token_ids
