@@ -90,6 +90,25 @@ def test_logits_and_greedy_tokens_match_hf(case: Case):
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without grouped_mm")
+def test_grouped_experts_path_gives_hf_tokens(case: Case, monkeypatch: pytest.MonkeyPatch):
+    """The whole model with its experts on the grouped path (torch's CPU grouped_mm, float32)."""
+    import model_service.kernels.experts as experts
+
+    calls = []
+
+    def grouped(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return experts_grouped(*args)
+
+    monkeypatch.setattr(experts, "grouped_experts_apply", lambda dtype, device: True)
+    monkeypatch.setattr(experts, "experts_grouped", grouped)
+    engine = make_engine(case.ours)
+    outs = engine.generate([request(ids) for ids in PROMPTS[:3]])
+    assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(3)]
+    assert calls and max(calls) > 1  # prefill and decode steps both went through it
+
+
 def test_transformers5_stacked_layout_loads_the_same_weights(case: Case, tmp_path: Path):
     """`save_pretrained(save_original_format=False)` writes the experts stacked (and Mixtral's
     `block_sparse_moe` as `mlp`); it loads to the same module as the per-expert hub layout."""
