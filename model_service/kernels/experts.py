@@ -71,8 +71,9 @@ def experts_grouped(
 ) -> torch.Tensor:
     """Rows sorted by expert, `offs[e]` the end of expert e's rows, every shape fixed by T and k:
     nothing here waits for the device. Rows of remote experts sort last, past offs[-1], where
-    grouped_mm leaves them undefined; they are masked out before the combine, which sums each
-    token's k rows in float32 (deterministic, unlike an atomic index_add in bf16)."""
+    grouped_mm leaves them undefined; they are masked out before the combine, a batched
+    [1, k] x [k, H] product per token (float32 accumulation, deterministic, unlike an atomic
+    index_add in bf16)."""
     num_experts = gate_up.shape[0]
     tokens, top_k = ids.shape
     flat = ids.flatten()
@@ -84,7 +85,7 @@ def experts_grouped(
     rows = x[order // top_k]
     h = silu_and_mul(F.grouped_mm(rows, gate_up.transpose(1, 2), offs=offs))
     y = F.grouped_mm(h, down.transpose(1, 2), offs=offs)
-    row_weights = torch.where(local, weights.flatten(), 0.0)[order, None]
-    y = torch.where(local[order, None], y.float() * row_weights, 0.0)
-    combined = torch.empty_like(y).index_copy_(0, order, y)  # back to token-major order
-    return combined.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    y = torch.empty_like(y).index_copy_(0, order, y)  # back to token-major order
+    y = torch.where(local[:, None], y, 0.0).view(tokens, top_k, -1)
+    row_weights = torch.where(local, weights.flatten(), 0.0).to(x.dtype).view(tokens, 1, top_k)
+    return torch.bmm(row_weights, y).view(tokens, -1)
