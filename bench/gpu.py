@@ -67,9 +67,14 @@ def random_model(shape: dict[str, int]) -> LoadedModel:
     cfg = ModelConfig(
         family="llama", rms_norm_eps=1e-5, max_position_embeddings=8192, rope_theta=500000.0, **shape
     )
+    return LoadedModel("random-8b" if shape is LLAMA3_8B else "random-smollm2", cfg, random_module(cfg), None)
+
+
+def random_module(cfg: ModelConfig) -> DecoderModel:
+    """bf16 on CUDA, weights N(0, 0.02), norms 1; RoPE's table computed (a meta init leaves it empty)."""
     with torch.device("meta"):
         module = DecoderModel(cfg)
-    module = module.to_empty(device="cuda").to(torch.bfloat16)
+    module = module.to(torch.bfloat16).to_empty(device="cuda")  # never the float32 copy: MoE shapes are large
     torch.manual_seed(0)
     with torch.no_grad():
         for p in module.parameters():
@@ -81,7 +86,7 @@ def random_model(shape: dict[str, int]) -> LoadedModel:
     module.rotary.inv_freq.copy_(
         1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device="cuda").float() / cfg.head_dim))
     )
-    return LoadedModel("random-8b" if shape is LLAMA3_8B else "random-smollm2", cfg, module.eval(), None)
+    return module.eval()
 
 
 def timed_generate(

@@ -84,6 +84,9 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral": {"cls": "MistralConfig", "arch": "MistralForCausalLM"},
     "qwen2": {"cls": "Qwen2Config", "arch": "Qwen2ForCausalLM"},
     "qwen3": {"cls": "Qwen3Config", "arch": "Qwen3ForCausalLM"},
+    "mixtral": {"cls": "MixtralConfig", "arch": "MixtralForCausalLM"},
+    "qwen2_moe": {"cls": "Qwen2MoeConfig", "arch": "Qwen2MoeForCausalLM"},
+    "qwen3_moe": {"cls": "Qwen3MoeConfig", "arch": "Qwen3MoeForCausalLM"},
 }
 
 

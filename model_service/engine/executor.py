@@ -18,6 +18,7 @@ from model_service.attention.triton_backend import TritonBackend
 from model_service.engine.config import EngineConfig
 from model_service.engine.cuda_graphs import DecodeGraphs
 from model_service.engine.speculation import SpeculativeConfig
+from model_service.kernels.experts import grouped_experts_apply
 from model_service.kernels.paged_attention import triton
 from model_service.lora.adapter import LoraAdapter
 from model_service.lora.layers import LoraLayers, wrap_lora_layers
@@ -86,7 +87,7 @@ class ModelExecutor:
         if kernels:
             triton_backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
             self.attention = triton_backend
-            if not config.enforce_eager:
+            if not config.enforce_eager and self._graphs_apply():
                 plan = self.lora.plan if self.lora is not None and self.lora.plan.use_kernels else None
                 spec = SpeculativeConfig.from_json(config.speculative_config)
                 rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
@@ -112,6 +113,12 @@ class ModelExecutor:
         """The Triton backend runs on CUDA for power-of-two head sizes (every common model)."""
         dim = self.config.head_dim
         return self.device.type == "cuda" and triton is not None and dim >= 16 and dim & (dim - 1) == 0
+
+    def _graphs_apply(self) -> bool:
+        """MoE experts are capturable only on their grouped path (bf16, sm90+); elsewhere the
+        expert loop reads token counts on the host, so decode steps run eagerly."""
+        moe = any(kind.moe for kind in self.config.layer_kinds)
+        return not moe or grouped_experts_apply(self.dtype, self.device)
 
     @property
     def vocab_size(self) -> int:

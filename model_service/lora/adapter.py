@@ -30,6 +30,8 @@ _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
 
+_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
 
 class AdapterError(SpindleError, ValueError):
     """An adapter that cannot be served on this base model (INVALID_ARGUMENT / FAILED_PRECONDITION)."""
@@ -149,6 +151,11 @@ def _modules(
         if "lora_embedding" in key or "lora_magnitude_vector" in key:
             what = "DoRA magnitude vectors" if "magnitude" in key else "LoRA on embeddings"
             raise AdapterError(f"adapter {name!r}: {what} ({key}) is not supported")
+        if ".experts." in key:  # PEFT turns gate/up/down targets on an MoE model into expert LoRA
+            raise AdapterError(
+                f"adapter {name!r}: tensor {key!r} adapts mixture-of-experts experts, which is not "
+                f"supported; target {_ATTENTION_MODULES} (and gate/up/down of dense layers only)"
+            )
         m = _KEY.match(key)
         if m is None:
             raise AdapterError(
@@ -162,6 +169,11 @@ def _modules(
         if layer >= base.num_layers:
             raise AdapterError(
                 f"adapter {name!r}: tensor {key!r} names layer {layer}; the base model has {base.num_layers}"
+            )
+        if base.layer_kinds[layer].moe and module not in _ATTENTION_MODULES:
+            raise AdapterError(
+                f"adapter {name!r}: tensor {key!r} targets {module!r} of layer {layer}, a mixture-of-experts "
+                f"layer; LoRA on experts is not supported (target {_ATTENTION_MODULES} there)"
             )
         pairs.setdefault((layer, module), {})[ab] = tensor.float()
 

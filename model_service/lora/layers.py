@@ -31,7 +31,9 @@ from model_service.lora.adapter import LoraAdapter
 from model_service.models.layers import PackedLinear
 from model_service.models.step import StepBatch
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# A decoder layer's own projections (`layers.3.self_attn.qkv_proj`), not those nested deeper (an
+# MoE layer's shared expert), which PEFT adapters cannot name.
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.\w+$")
 
 
 class LoraStepPlan:
@@ -147,7 +149,7 @@ def wrap_lora_layers(module: nn.Module, max_loras: int, max_rank: int, use_kerne
     plan = LoraStepPlan(use_kernels)
     targets: dict[tuple[int, str], tuple[LoraLinear, int]] = {}
     for name, sub in list(module.named_modules()):
-        match = _LAYER.search(name + ".")
+        match = _LAYER.search(name)
         if not isinstance(sub, PackedLinear) or match is None:
             continue
         wrapper = LoraLinear(sub, max_loras, max_rank, plan)

@@ -8,7 +8,7 @@ HF `config.json` files spell the same thing several ways across transformers ver
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from model_service.errors import ModelLoadError
@@ -19,7 +19,11 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()}  # config.json model_type
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -73,6 +77,12 @@ class ModelConfig:
     layer_kinds: list[LayerKind] = field(default_factory=list)  # one per layer
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    # Mixture of experts (layers whose kind says `moe`); zero for dense models.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's width
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to one
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE / Qwen3-Next: a gated always-on expert
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:
@@ -93,9 +103,7 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if family is None:
-            family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
-                raw.get("model_type", "")
-            )
+            family = MODEL_TYPES.get(raw.get("model_type", ""))
         if family is None:
             raise ModelLoadError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
@@ -103,7 +111,7 @@ class ModelConfig:
             )
         # HF: Llama/Qwen3 put `attention_bias` on q/k/v/o; Qwen2 always has q/k/v bias and no o bias;
         # Mistral has no bias at all whatever the config says.
-        attention_bias = family in ("llama", "qwen3") and bool(raw.get("attention_bias", False))
+        attention_bias = family in ("llama", "qwen3", "qwen3_moe") and bool(raw.get("attention_bias", False))
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -120,15 +128,17 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=family == "qwen2" or attention_bias,
+                qkv_bias=family == "qwen2" or attention_bias or _qwen2_moe_qkv_bias(raw, family),
                 o_proj_bias=attention_bias,
                 mlp_bias=family == "llama" and bool(raw.get("mlp_bias", False)),
-                qk_norm=family == "qwen3",
+                qk_norm=family in ("qwen3", "qwen3_moe"),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from e
         cfg.rope_theta, cfg.rope_scaling = _rope_from_hf(raw)
         cfg.layer_kinds = attention_layers(_sliding_windows_from_hf(raw, family, layers))
+        if family in MOE_FAMILIES:
+            _moe_from_hf(cfg, raw)
         cfg.eos_token_ids = _token_ids(raw.get("eos_token_id"))
         if generation_config:
             for t in _token_ids(generation_config.get("eos_token_id")):
@@ -179,13 +189,52 @@ def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> l
     window = raw.get("sliding_window")
     if not window:
         return [None] * layers
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return [int(window)] * layers
-    # Qwen2/3 only slide where asked, per layer.
+    # Qwen2/3 only slide where asked, per layer; Qwen3-MoE everywhere when asked.
     if not raw.get("use_sliding_window", False):
         return [None] * layers
+    if family == "qwen3_moe":
+        return [int(window)] * layers
     types = raw.get("layer_types") or []
     if types:
         return [int(window) if t == "sliding_attention" else None for t in types]
     max_window_layers = int(raw.get("max_window_layers", layers))
     return [int(window) if i >= max_window_layers else None for i in range(layers)]
+
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def _qwen2_moe_qkv_bias(raw: dict[str, Any], family: str) -> bool:
+    """Qwen2-MoE's q/k/v carry a bias unless a transformers 5.x config says `qkv_bias: false`."""
+    return family == "qwen2_moe" and bool(raw.get("qkv_bias", True))
+
+
+def _moe_from_hf(cfg: ModelConfig, raw: dict[str, Any]) -> None:
+    """The MoE sizes and which layers are sparse. Mixtral: every layer, experts as wide as
+    `intermediate_size`, top-k always renormalized. Qwen: layer i is sparse unless listed in
+    `mlp_only_layers` or off the `decoder_sparse_step` stride; dense layers keep `intermediate_size`.
+    Qwen3-MoE hub configs say `num_experts`, transformers 5.x writes `num_local_experts`."""
+    try:
+        cfg.num_experts = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])
+        cfg.num_experts_per_tok = int(raw["num_experts_per_tok"])
+        if cfg.family == "mixtral":
+            cfg.moe_intermediate_size, cfg.norm_topk_prob = cfg.intermediate_size, True
+            sparse = [True] * cfg.num_layers
+        else:
+            cfg.moe_intermediate_size = int(raw["moe_intermediate_size"])
+            cfg.norm_topk_prob = bool(raw.get("norm_topk_prob", False))
+            cfg.shared_expert_intermediate_size = int(raw.get("shared_expert_intermediate_size") or 0)
+            dense, step = set(raw.get("mlp_only_layers") or []), int(raw.get("decoder_sparse_step") or 1)
+            sparse = [
+                cfg.num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers)
+            ]
+    except KeyError as e:
+        raise ModelLoadError(f"config.json is missing required MoE field {e.args[0]!r}") from e
+    if any(sparse) and not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
+        raise ModelLoadError(
+            f"num_experts_per_tok {cfg.num_experts_per_tok} must be between 1 and "
+            f"num_experts {cfg.num_experts}"
+        )
+    cfg.layer_kinds = [replace(k, moe=s) for k, s in zip(cfg.layer_kinds, sparse, strict=True)]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_service.kernels.fused import rms_norm
+from model_service.kernels.fused import rms_norm, silu_and_mul
+from model_service.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -37,6 +38,21 @@ class PackedLinear(nn.Linear):
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
         super().__init__(in_features, sum(parts.values()), bias=bias)
         self.parts, self.output_sizes = tuple(parts), tuple(parts.values())
+
+
+class MLP(nn.Module):
+    """The SwiGLU MLP: a dense layer's, or an MoE layer's shared expert (its own width)."""
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+        super().__init__()
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = PackedLinear(
+            cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, cfg.mlp_bias
+        )
+        self.down_proj = PackedLinear(inter, {"down_proj": cfg.hidden_size}, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 def checkpoint_layout(module: nn.Module) -> dict[str, list[tuple[str, tuple[int, ...]]]]:

@@ -1,10 +1,12 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and their MoE kin Mixtral, Qwen2-MoE,
+Qwen3-MoE) over the paged KV cache.
 
-One module serves the four architectures; they differ only in switches read from
-`ModelConfig`: q/k/v bias (Qwen2), per-head RMSNorm on q and k before RoPE (Qwen3), sliding
-windows (Mistral, some Qwen layers), tied embeddings, optional attention/MLP biases (Llama,
-Qwen3). Parameter names follow HF checkpoints, except that q/k/v and gate/up are fused into one
-`PackedLinear` each (one matmul instead of three or two); the loader packs them by `parts`.
+One module serves them all; they differ only in switches read from `ModelConfig`: q/k/v bias
+(Qwen2), per-head RMSNorm on q and k before RoPE (Qwen3), sliding windows (Mistral, some Qwen
+layers), tied embeddings, optional attention/MLP biases (Llama, Qwen3), and a sparse MoE block
+instead of the dense MLP in the layers whose kind says `moe`. Parameter names follow HF
+checkpoints, except that q/k/v and gate/up are fused into one `PackedLinear` each (one matmul
+instead of three or two); the loader packs them by `parts`.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_service.kernels.fused import silu_and_mul
 from model_service.models.config import ModelConfig
-from model_service.models.layers import PackedLinear, RMSNorm
+from model_service.models.layers import MLP, PackedLinear, RMSNorm
+from model_service.models.moe import SparseMoeBlock
 from model_service.models.rope import RotaryEmbedding
 from model_service.models.step import ForwardContext
 
@@ -47,19 +49,6 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        inter = cfg.intermediate_size
-        self.gate_up_proj = PackedLinear(
-            cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, cfg.mlp_bias
-        )
-        self.down_proj = PackedLinear(inter, {"down_proj": cfg.hidden_size}, cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
     """Attention state lives in the shared paged pool, so prefill chunks, decode rows and mixed
     batches are one flat-batch operation that differs only in the step batch."""
@@ -69,7 +58,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoeBlock(cfg) if cfg.layer_kinds[layer_idx].moe else MLP(cfg)
 
     def forward(
         self,

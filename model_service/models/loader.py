@@ -16,6 +16,7 @@ from torch import nn
 
 from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
+from model_service.models.expert_weights import stack_expert_tensors
 from model_service.models.gguf_weights import read_gguf
 from model_service.models.layers import checkpoint_layout
 from model_service.models.registry import model_class
@@ -129,6 +130,8 @@ def build_module(
     config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
     """Check every expected checkpoint tensor is present with the right shape, then build the module."""
+    if any(kind.moe for kind in config.layer_kinds):
+        tensors = stack_expert_tensors(tensors, config)
     with torch.device("meta"):
         module = model_class(config)(config)
     layout = checkpoint_layout(module)

@@ -18,6 +18,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mistral": DecoderModel,
     "qwen2": DecoderModel,
     "qwen3": DecoderModel,
+    "mixtral": DecoderModel,
+    "qwen2_moe": DecoderModel,
+    "qwen3_moe": DecoderModel,
 }
 
 

@@ -1,0 +1,160 @@
+"""One MoE layer's experts: the grouped path (two grouped_mm launches, no loop over experts)
+against the reference (one matmul pair per expert that has tokens), at Qwen3-30B-A3B's shapes.
+
+Setup (printed in every line): random weights of the real shapes (128 experts, top-8,
+H=2048, I=768; no router: each token's experts drawn uniformly, weights a softmax of random
+logits), T tokens, the device and dtype below. Times are the median of `--iters` calls after a
+warm-up; "graph" is the grouped path replayed from a CUDA graph, as decode steps run it.
+`weight_gbps` = bytes of the experts hit / time: against the card's bandwidth it says how close a
+decode-sized call is to reading its weights once. Prints one JSON line per (T, path).
+
+With `--engine`, instead: decode tokens/s of the whole engine on a Qwen3-30B-A3B-shaped model
+(48 layers, every one MoE; random bf16 weights, ~61 GB) at `--batches`, with CUDA graphs and
+eagerly, measured as bench/gpu.py measures it (prefill excluded); `active_gb_s` = bytes of the
+weights one token reads at batch 1 (attention, 8 experts a layer, embeddings row, LM head) x
+tokens/s.
+
+    python bench/moe.py [--tokens 1 64 512] [--device cuda] [--dtype bfloat16]
+    python bench/moe.py --device cpu --dtype float32 --experts 16 --hidden 256 --inter 128  # a smoke run
+    python bench/moe.py --engine [--batches 1 16 64] [--layers 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from bench.gpu import decode_tok_s, random_module
+from model_service.engine.config import EngineConfig
+from model_service.engine.engine import Engine
+from model_service.kernels.experts import experts_grouped, experts_reference
+from model_service.models.config import LayerKind, ModelConfig
+from model_service.models.loader import LoadedModel
+
+
+def timed(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    """Median seconds of one call."""
+    fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def bench(args: argparse.Namespace, tokens: int) -> list[dict[str, object]]:
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(tokens)
+    h, inter, experts, k = args.hidden, args.inter, args.experts, args.top_k
+    x = torch.randn(tokens, h, generator=g).to(device, dtype)
+    gate_up = (torch.randn(experts, 2 * inter, h, generator=g) / h**0.5).to(device, dtype)
+    down = (torch.randn(experts, h, inter, generator=g) / inter**0.5).to(device, dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).to(device)
+    weights = torch.softmax(torch.randn(tokens, k, generator=g), dim=-1).to(device)
+    hit = ids.unique().numel()
+    weight_bytes = hit * 3 * h * inter * gate_up.element_size()
+    paths: dict[str, Callable[[], object]] = {
+        "reference": lambda: experts_reference(x, gate_up, down, ids, weights),
+        "grouped": lambda: experts_grouped(x, gate_up, down, ids, weights),
+    }
+    if device.type == "cuda":
+        paths["graph"] = graphed(paths["grouped"])
+    setup = {"experts": experts, "top_k": k, "hidden": h, "inter": inter, "device": args.device,
+             "dtype": args.dtype, "experts_hit": hit}  # fmt: skip
+    rows = []
+    for name, fn in paths.items():
+        seconds = timed(fn, args.iters, device)
+        gbps = round(weight_bytes / seconds / 1e9, 1)
+        rows.append({"bench": "moe_experts", "path": name, "tokens": tokens, **setup,
+                     "ms": round(seconds * 1e3, 4), "weight_gbps": gbps})  # fmt: skip
+    return rows
+
+
+QWEN3_30B_A3B = {
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_heads": 32,
+    "num_kv_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+}
+
+
+def active_weight_bytes(cfg: ModelConfig) -> int:
+    """bf16 bytes one decode token reads: attention, router and its top-k experts in every layer,
+    its embedding row and the LM head."""
+    attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    moe = (cfg.num_experts + cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size) * cfg.hidden_size
+    return 2 * (cfg.num_layers * (attention + moe) + (cfg.vocab_size + 1) * cfg.hidden_size)
+
+
+def engine_decode(args: argparse.Namespace) -> None:
+    kinds = [LayerKind(moe=True)] * args.layers
+    cfg = ModelConfig(
+        family="qwen3_moe", num_layers=args.layers, rms_norm_eps=1e-6, max_position_embeddings=8192,
+        rope_theta=1e6, qk_norm=True, norm_topk_prob=True, layer_kinds=kinds, **QWEN3_30B_A3B,
+    )  # fmt: skip
+    loaded = LoadedModel("random-qwen3-30b-a3b", cfg, random_module(cfg), None)
+    setup = {"model": "qwen3-30b-a3b-shape", "layers": args.layers, "dtype": "bfloat16",
+             "device": torch.cuda.get_device_name(), "prompt_len": 128, "new_tokens": 64}  # fmt: skip
+    for eager in (False, True):
+        config = EngineConfig(
+            device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches), max_loras=0,
+            enforce_eager=eager, kv_cache_memory_bytes=20 << 30, max_model_len=8192,
+        )  # fmt: skip
+        engine = Engine(config, loaded=loaded)
+        for batch in args.batches:
+            rate = decode_tok_s(engine, batch, 128, 64, cfg.vocab_size)
+            system = "spindle-eager" if eager else "spindle"
+            line = {"bench": "moe_engine", "system": system, "batch": batch}
+            line["decode_tokens_per_s"] = round(rate, 1)
+            if batch == 1:
+                line["active_gb_s"] = round(active_weight_bytes(cfg) * rate / 1e9)
+            print(json.dumps({**line, **setup}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 64, 512])
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--engine", action="store_true", help="whole-engine decode on a Qwen3-30B-A3B shape")
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
+    ap.add_argument("--layers", type=int, default=48)
+    args = ap.parse_args()
+    if args.engine:
+        engine_decode(args)
+        return
+    for tokens in args.tokens:
+        for row in bench(args, tokens):
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

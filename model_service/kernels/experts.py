@@ -1,0 +1,91 @@
+"""The experts of a sparse MoE layer over stacked weights: each token's top-k experts, weighted
+and summed. A torch reference (one matmul per expert that has tokens) and, on Hopper/Blackwell
+in bf16, a grouped path: two `grouped_mm` launches for all experts, no Python loop over experts
+and no host synchronization, so a decode step with MoE layers still fits in a CUDA graph.
+
+Weights are stacked as transformers 5.x keeps them in memory: gate_up [E, 2I, H] (gate rows
+first) and down [E, H, I]. `ids` are expert indices *local* to these weights: an id outside
+[0, E) is an expert that lives elsewhere (another rank, under expert parallelism) and adds
+nothing here, so the layer's output is the sum of every owner's partial output.
+
+`grouped_mm` on CUDA runs its CUTLASS kernel only for bf16 on sm90/sm100; for any other dtype it
+falls back to a loop that copies the offsets to the host, which is slower than the reference and
+breaks graph capture, so those cases take the reference and the model reports itself not
+capturable (`grouped_experts_apply`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from model_service.kernels.fused import silu_and_mul
+
+
+def grouped_experts_apply(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `fused_experts` runs the grouped path for weights of this dtype on this device."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(F, "grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def fused_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for the experts held here.
+
+    x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; ids: [T, k] local expert ids; weights: [T, k]
+    float32 routing weights. Returns [T, H] in x's dtype.
+    """
+    if grouped_experts_apply(gate_up.dtype, x.device):
+        return experts_grouped(x, gate_up, down, ids, weights)
+    return experts_reference(x, gate_up, down, ids, weights)
+
+
+def experts_reference(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """HF's arithmetic (weight in the model's dtype, index_add into the output), with the token
+    rows sorted by expert once instead of a mask per expert."""
+    num_experts, top_k = gate_up.shape[0], ids.shape[1]
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts).tolist()
+    start = int((flat[order] < 0).sum())  # remote experts with negative ids sort first
+    row_weights = weights.flatten().to(x.dtype)
+    out = torch.zeros_like(x)
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = order[start : start + n]
+        tokens = rows // top_k
+        h = silu_and_mul(F.linear(x[tokens], gate_up[expert]))
+        y = F.linear(h, down[expert]) * row_weights[rows, None]
+        out.index_add_(0, tokens, y)
+        start += n
+    return out
+
+
+def experts_grouped(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Rows sorted by expert, `offs[e]` the end of expert e's rows, every shape fixed by T and k:
+    nothing here waits for the device. Rows of remote experts sort last, past offs[-1], where
+    grouped_mm leaves them undefined; they are masked out before the combine, a batched
+    [1, k] x [k, H] product per token (float32 accumulation, deterministic, unlike an atomic
+    index_add in bf16)."""
+    num_experts = gate_up.shape[0]
+    tokens, top_k = ids.shape
+    flat = ids.flatten()
+    local = (flat >= 0) & (flat < num_experts)
+    key = torch.where(local, flat, num_experts)
+    order = key.argsort(stable=True)
+    bounds = torch.arange(num_experts, device=x.device, dtype=key.dtype)
+    offs = torch.searchsorted(key[order], bounds, right=True).to(torch.int32)
+    rows = x[order // top_k]
+    h = silu_and_mul(F.grouped_mm(rows, gate_up.transpose(1, 2), offs=offs))
+    y = F.grouped_mm(h, down.transpose(1, 2), offs=offs)
+    y = torch.empty_like(y).index_copy_(0, order, y)  # back to token-major order
+    y = torch.where(local[:, None], y, 0.0).view(tokens, top_k, -1)
+    row_weights = torch.where(local, weights.flatten(), 0.0).to(x.dtype).view(tokens, 1, top_k)
+    return torch.bmm(row_weights, y).view(tokens, -1)

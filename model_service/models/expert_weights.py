@@ -1,0 +1,70 @@
+"""MoE checkpoint tensors -> the stacked expert tensors the model holds.
+
+Two layouts exist for the same weights. Hub checkpoints (and transformers 5.x `save_pretrained`,
+which converts back by default) keep one tensor per expert and projection:
+`mlp.experts.{e}.{gate,up,down}_proj.weight` (Qwen) or `block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`
+(Mixtral: w1 gate, w3 up, w2 down; `block_sparse_moe.gate` the router). transformers 5.x in
+memory, and `save_pretrained(save_original_format=False)`, has `mlp.experts.gate_up_proj`
+[E, 2I, H] (each expert's gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, I]:
+the per-expert [out, in] matrices stacked on a new first dimension, not transposed. The model
+uses the second; this turns the first into it so the loader's name and shape checks see one form.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from model_service.errors import ModelLoadError
+from model_service.models.config import ModelConfig
+
+_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def stack_expert_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """`tensors` with each MoE layer's per-expert tensors replaced by the stacked pair (a layer
+    already stacked is left alone). A missing expert tensor, or a layer in both layouts, is an error."""
+    out = {_hf_name(k): v for k, v in tensors.items()}
+    for layer, kind in enumerate(config.layer_kinds):
+        if kind.moe:
+            _stack_layer(out, f"model.layers.{layer}.mlp.experts", config.num_experts)
+    return out
+
+
+def _hf_name(name: str) -> str:
+    """Mixtral's hub names as Qwen's (and transformers 5.x's) for the same tensors."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return _MIXTRAL_EXPERT.sub(lambda m: f".experts.{m.group(1)}.{_MIXTRAL_NAMES[m.group(2)]}.weight", name)
+
+
+def _stack_layer(tensors: dict[str, torch.Tensor], prefix: str, num_experts: int) -> None:
+    per_expert = [k for k in tensors if k.startswith(f"{prefix}.") and k[len(prefix) + 1 : ][:1].isdigit()]
+    if f"{prefix}.gate_up_proj" in tensors or f"{prefix}.down_proj" in tensors:
+        if per_expert:
+            raise ModelLoadError(
+                f"checkpoint has both stacked ({prefix}.gate_up_proj/down_proj) and per-expert tensors "
+                f"({per_expert[0]!r}, ...) for the same layer; keep one layout"
+            )
+        return
+    if not per_expert:
+        return  # nothing of this layer's experts: the loader reports the missing stacked tensors
+
+    def take(e: int, proj: str) -> torch.Tensor:
+        name = f"{prefix}.{e}.{proj}.weight"
+        if name not in tensors:
+            raise ModelLoadError(
+                f"checkpoint is missing tensor {name!r} (expert {e} of the {num_experts} the config declares)"
+            )
+        return tensors.pop(name)
+
+    gates, ups, downs = zip(
+        *((take(e, "gate_proj"), take(e, "up_proj"), take(e, "down_proj")) for e in range(num_experts)),
+        strict=True,
+    )
+    try:
+        tensors[f"{prefix}.gate_up_proj"] = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
+        tensors[f"{prefix}.down_proj"] = torch.stack(downs)
+    except RuntimeError as e:
+        raise ModelLoadError(f"the experts of {prefix} do not all have the same shapes: {e}") from e
