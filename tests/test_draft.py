@@ -113,7 +113,9 @@ def plain(smollm2, adapter) -> tuple[Engine, Outputs]:
 
 
 @pytest.mark.parametrize("draft, preemption_mode", [("self", "swap"), ("tiny", "recompute")])
-def test_greedy_output_is_identical_with_a_draft_model(smollm2, adapter, plain, tiny_draft, draft, preemption_mode):
+def test_greedy_output_is_identical_with_a_draft_model(
+    smollm2, adapter, plain, tiny_draft, draft, preemption_mode
+):
     plain_engine, expected = plain
     engine, outputs = run_batch(
         smollm2, adapter, draft_config("smollm2" if draft == "self" else str(tiny_draft)), preemption_mode

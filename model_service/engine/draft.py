@@ -111,7 +111,9 @@ class DraftProposer:
     ) -> None:
         mc = loaded.config
         self.max_len = min(max_model_len, mc.max_position_embeddings)
-        self.executor = ModelExecutor(loaded, dataclasses.replace(config, max_loras=0), num_blocks, self.max_len)
+        self.executor = ModelExecutor(
+            loaded, dataclasses.replace(config, max_loras=0), num_blocks, self.max_len
+        )
         per_token = self.executor.kv_cache.bytes_per_block(
             mc.layer_kinds, 1, mc.num_kv_heads, mc.head_dim, self.executor.dtype
         )

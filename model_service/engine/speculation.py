@@ -125,7 +125,9 @@ class NgramProposer:
         self.max_n, self.min_n = config.prompt_lookup_max, config.prompt_lookup_min
 
     def propose(self, seqs: list[Sequence], room: list[int]) -> list[Proposal]:
-        return [Proposal(self.lookup(s.token_ids, k) if k > 0 else []) for s, k in zip(seqs, room, strict=True)]
+        return [
+            Proposal(self.lookup(s.token_ids, k) if k > 0 else []) for s, k in zip(seqs, room, strict=True)
+        ]
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:
         pass
