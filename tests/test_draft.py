@@ -23,7 +23,9 @@ from model_service.engine.draft import DraftProposer
 from model_service.engine.engine import Engine
 from model_service.engine.speculation import SpeculativeConfig
 from model_service.errors import InvalidRequestError, ModelLoadError
+from spindle.cli import main
 from tests.conftest import assert_all_blocks_free, make_engine, make_tiny_checkpoint
+from tests.test_speculation import CODE, MIXED_REQUESTS, REPEAT
 
 
 def draft_config(model: str, k: int = 4, method: str = "draft") -> str:
@@ -73,15 +75,9 @@ def test_a_draft_with_another_vocabulary_is_refused_naming_both(smollm2, tiny_ll
         make_engine(smollm2, speculative_config=draft_config(str(other)))
 
 
-REPEAT = [{"role": "user", "content": "Repeat exactly, twice: the quick brown fox jumps over the lazy dog."}]
-CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
-REQUESTS = [
-    {"messages": REPEAT, "max_tokens": 24, "temperature": 0},
-    {"messages": REPEAT, "max_tokens": 16, "temperature": 0, "adapter": "a"},  # verified with its adapter
-    {"prompt": CODE, "max_tokens": 16, "temperature": 0},
-    {"prompt": CODE + "    return a * b\n", "max_tokens": 12, "temperature": 0},  # a prefix-cache hit
-    {"prompt": CODE, "max_tokens": 12, "temperature": 0.8, "seed": 3},  # sampled: verified against q
-]
+# The n-gram test's mixed batch (a LoRA row, a prefix-cache hit, a sampled row verified against
+# the draft's q, a stop string), shorter.
+REQUESTS = [{**r, "max_tokens": min(r["max_tokens"], 16)} for r in MIXED_REQUESTS]
 GREEDY = [i for i, r in enumerate(REQUESTS) if r["temperature"] == 0]
 
 
@@ -162,3 +158,16 @@ def test_aborted_and_finished_sequences_free_their_draft_blocks_once(smollm2, ti
     assert set(proposer.drafts) == {keep}
     assert len(engine.run_to_completion()[keep].token_ids) == 8
     assert_draft_blocks_free(engine)
+
+
+def test_generate_takes_a_draft_config(tiny_llama, tmp_path, capsys):
+    request = {"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    reqs = tmp_path / "reqs.jsonl"
+    reqs.write_text(json.dumps(request) + "\n")
+    spec = draft_config(tiny_llama.name, k=3)
+    argv = ["generate", "--model", tiny_llama.name, "--requests", str(reqs), "--json", "--device", "cpu"]
+    assert main([*argv, "--speculative-config", spec]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == make_engine(tiny_llama).generate([request])[0].token_ids
+    assert main([*argv, "--speculative-config", draft_config("/no/such/draft")]) == 2
+    assert "/no/such/draft" in capsys.readouterr().err

@@ -72,21 +72,22 @@ def test_bad_speculative_configs_are_refused_with_a_message(text):
         SpeculativeConfig.from_json(text)
 
 
+REPEAT = [{"role": "user", "content": "Repeat exactly, three times: the quick brown fox jumps over the dog."}]
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+MIXED_REQUESTS = [  # shared with tests/test_draft.py
+    {"messages": REPEAT, "max_tokens": 48, "temperature": 0},
+    {"messages": REPEAT, "max_tokens": 40, "temperature": 0, "adapter": "a"},  # LoRA rows verify too
+    {"prompt": CODE, "max_tokens": 40, "temperature": 0},
+    {"prompt": CODE + "    return a * b\n", "max_tokens": 24, "temperature": 0},  # a prefix-cache hit
+    {"prompt": CODE, "max_tokens": 20, "temperature": 0.8, "seed": 3},  # sampled: rejection sampling
+    {"messages": REPEAT, "max_tokens": 48, "temperature": 0, "stop": ["dog"]},
+]
+
+
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_greedy_output_is_identical_with_speculation(smollm2, tmp_path, preemption_mode):
     adapter = write_adapter(tmp_path / "a", smollm2.config, rank=8, seed=1)
-    repeat = [
-        {"role": "user", "content": "Repeat exactly, three times: the quick brown fox jumps over the dog."}
-    ]
-    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
-    requests = [
-        {"messages": repeat, "max_tokens": 48, "temperature": 0},
-        {"messages": repeat, "max_tokens": 40, "temperature": 0, "adapter": "a"},  # LoRA rows verify too
-        {"prompt": code, "max_tokens": 40, "temperature": 0},
-        {"prompt": code + "    return a * b\n", "max_tokens": 24, "temperature": 0},  # a prefix-cache hit
-        {"prompt": code, "max_tokens": 20, "temperature": 0.8, "seed": 3},  # sampled: no speculation
-        {"messages": repeat, "max_tokens": 48, "temperature": 0, "stop": ["dog"]},
-    ]
+    requests = MIXED_REQUESTS
     greedy = [i for i, r in enumerate(requests) if r["temperature"] == 0]
     outputs, engines = {}, {}
     for spec in (None, NGRAM, NGRAM + " "):  # the last: the same config again, for the seeded row
