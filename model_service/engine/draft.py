@@ -52,7 +52,7 @@ def load_draft(
     if spec is None or not spec.is_draft:
         return None
     assert spec.model is not None
-    if resolve_model_path(spec.model) == resolve_model_path(target.name):
+    if _same_file(spec.model, target.name):
         return target
     draft = load_model(spec.model, config.torch_dtype(), config.torch_device())
     check_same_vocab(target, draft)
@@ -62,6 +62,16 @@ def load_draft(
             "the accepted tokens yet; use an attention-only draft model"
         )
     return draft
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two model names (aliases, paths) name one file; False when either names none."""
+    if a == b:
+        return True
+    try:
+        return resolve_model_path(a).resolve() == resolve_model_path(b).resolve()
+    except ModelLoadError:
+        return False
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
