@@ -12,7 +12,8 @@ tokens the sequence actually got and truncates the rest; so accepted, rejected a
 proposals (the scheduler drops them when the token budget is short) all come out right. Then
 it feeds what it has not seen (the target's bonus token; the whole prompt the first time, in
 chunks of the step's token budget, so a long prompt catches up over a few steps and speculation
-starts when it has) and proposes.
+starts when it has) and proposes. Past the draft's own context length a sequence decodes without
+proposals.
 
 The draft's blocks are freed exactly once: when the sequence finishes or is aborted
 (`on_finished`), when it is found preempted (not running) at the next `propose`, or when the
