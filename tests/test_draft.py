@@ -32,14 +32,17 @@ def draft_config(model: str, k: int = 4, method: str = "draft") -> str:
     return json.dumps({"method": method, "model": model, "num_speculative_tokens": k})
 
 
-@pytest.fixture(scope="module")
-def tiny_draft(smollm2, tmp_path_factory) -> Path:
-    """A tiny random Llama with SmolLM2's vocabulary and tokenizer files."""
-    path = make_tiny_checkpoint(
-        "llama", tmp_path_factory.mktemp("tiny_draft"), seed=3, vocab_size=smollm2.config.vocab_size
-    )
+def write_tiny_draft(smollm2, path: Path, extra_rows: int) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer files and `extra_rows` more (or fewer) rows in
+    its embedding table than SmolLM2 (padding rows, as the sizes of one family may differ)."""
+    make_tiny_checkpoint("llama", path, seed=3, vocab_size=smollm2.config.vocab_size + extra_rows)
     smollm2.tokenizer.hf.save_pretrained(str(path))
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(smollm2, tmp_path_factory) -> Path:
+    return write_tiny_draft(smollm2, tmp_path_factory.mktemp("tiny_draft"), extra_rows=64)
 
 
 def assert_draft_blocks_free(engine: Engine) -> None:
@@ -171,3 +174,17 @@ def test_generate_takes_a_draft_config(tiny_llama, tmp_path, capsys):
     assert out["token_ids"] == make_engine(tiny_llama).generate([request])[0].token_ids
     assert main([*argv, "--speculative-config", draft_config("/no/such/draft")]) == 2
     assert "/no/such/draft" in capsys.readouterr().err
+
+
+def test_a_draft_with_a_smaller_table_skips_sequences_holding_tokens_past_it(smollm2, tmp_path):
+    draft = write_tiny_draft(smollm2, tmp_path / "small", extra_rows=-8)
+    vocab = smollm2.config.vocab_size
+    requests = [
+        {"prompt_token_ids": [*smollm2.tokenizer.encode(CODE), vocab - 1], "max_tokens": 6, "temperature": 0},
+        {"prompt": CODE, "max_tokens": 6, "temperature": 0},
+    ]
+    engine = make_engine(smollm2, speculative_config=draft_config(str(draft), k=2))
+    outputs = [o.token_ids for o in engine.generate(requests)]
+    assert outputs == [o.token_ids for o in make_engine(smollm2).generate(requests)]
+    assert 0 < engine.spec_proposed <= 2 * 5  # only the second request drafts: at most 5 steps of 2
+    assert_draft_blocks_free(engine)

@@ -15,6 +15,10 @@ chunks of the step's token budget, so a long prompt catches up over a few steps 
 starts when it has) and proposes. Past the draft's own context length a sequence decodes without
 proposals.
 
+The draft's embedding table may be larger or smaller than the target's (padding rows differ
+between sizes of one family); its logits are cut or padded to the target's width, and a sequence
+holding a token past a smaller draft's table gets no proposals.
+
 The draft's blocks are freed exactly once: when the sequence finishes or is aborted
 (`on_finished`), when it is found preempted (not running) at the next `propose`, or when the
 draft's cache runs out of blocks for it (it starts again later, mostly from the draft's prefix
@@ -133,6 +137,8 @@ class DraftProposer:
         self.builder = BatchBuilder(config.block_size, self.executor.device)
         self.token_budget = config.max_num_batched_tokens
         self.vocab_size = vocab_size  # the target's: proposals and q are over its vocabulary
+        self.draft_vocab_size = mc.vocab_size
+        self.embeds_all = mc.vocab_size >= vocab_size  # else a rare target token may be past its table
         self.drafts: dict[str, _Draft] = {}  # by request id
 
     def propose(self, seqs: list[Sequence], room: list[int]) -> list[Proposal]:
@@ -168,6 +174,9 @@ class DraftProposer:
             draft = self._draft_for(seq)
             start = draft.state.num_computed
             n = min(len(seq.token_ids) - start, budget)
+            if not self.embeds_all and max(seq.token_ids[start : start + n]) >= self.draft_vocab_size:
+                self.on_finished(seq)  # a token past the draft's table: this sequence decodes unaided
+                continue
             done = start + n == len(seq.token_ids)
             if not self._reserve(draft, start + n + (k - 1 if done else 0)):
                 continue
