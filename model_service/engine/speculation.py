@@ -115,7 +115,8 @@ class Proposer(Protocol):
         (the target's own token follows them in `seq.token_ids`)."""
 
     def on_finished(self, seq: Sequence) -> None:
-        """`seq` finished or was aborted: release whatever the proposer holds for it."""
+        """`seq` finished or was aborted: release whatever the proposer holds for it. Preemption
+        is not reported: a proposer that holds memory finds preempted sequences by their status."""
 
 
 class NgramProposer:
