@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 from bench.lora import write_adapter
 from model_service.engine.draft import DraftProposer
 from model_service.engine.engine import Engine
+from model_service.engine.executor import kv_blocks_for_budget
 from model_service.engine.speculation import SpeculativeConfig
 from model_service.errors import InvalidRequestError, ModelLoadError
 from spindle.cli import main
@@ -188,3 +189,10 @@ def test_a_draft_with_a_smaller_table_skips_sequences_holding_tokens_past_it(smo
     assert outputs == [o.token_ids for o in make_engine(smollm2).generate(requests)]
     assert 0 < engine.spec_proposed <= 2 * 5  # only the second request drafts: at most 5 steps of 2
     assert_draft_blocks_free(engine)
+
+
+def test_the_kv_memory_budget_is_split_between_target_and_draft(smollm2):
+    cfg, budget = smollm2.config, 64 << 20
+    alone = kv_blocks_for_budget(cfg, 16, torch.float32, torch.device("cpu"), budget, 0.9)
+    with_self_draft = kv_blocks_for_budget(cfg, 16, torch.float32, torch.device("cpu"), budget, 0.9, cfg)
+    assert alone > 0 and with_self_draft == alone // 2
