@@ -167,3 +167,35 @@ def test_verify_steps_replay_decode_graphs_and_keep_greedy_output(monkeypatch):
         assert engine.cache.num_free_blocks == engine.cache.num_total_blocks
     assert any(replayed_verify)
     assert results["cuda", False] == results["cuda", True] == results["cpu", True]
+
+
+@pytest.mark.parametrize("draft", ["self", "tiny"])
+def test_draft_speculation_on_cuda_matches_cpu_without_it(tmp_path, draft):
+    """The draft model's own executor on CUDA (its decode rounds replay CUDA graphs of their own)
+    proposes; the greedy tokens are those of plain decoding on the CPU."""
+    from tests.conftest import make_tiny_checkpoint
+
+    cfg, reference = _random_model()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = (
+        "random" if draft == "self" else str(make_tiny_checkpoint("llama", tmp_path / "d", vocab_size=512))
+    )
+    spec = f'{{"method": "draft", "model": "{model}", "num_speculative_tokens": 3}}'
+    requests = [
+        {
+            "prompt_token_ids": [(5 * i + j) % 500 + 3 for j in range(6 + 5 * i)],
+            "max_tokens": 16,
+            "temperature": 0,
+        }
+        for i in range(6)
+    ]
+    results = {}
+    for device, config in (("cpu", {}), ("cuda", {"speculative_config": spec})):
+        engine = _engine(cfg, reference, device, num_kv_blocks=24, block_size=4, max_num_seqs=8, **config)
+        results[device] = [o.token_ids for o in engine.generate(requests)]
+        assert engine.cache.num_free_blocks == engine.cache.num_total_blocks
+    assert results["cuda"] == results["cpu"]
+    assert engine.spec_proposed > 0 and engine.proposer.executor.graphs is not None
+    if draft == "self":
+        assert engine.spec_accepted / engine.spec_proposed > 0.9
+        assert len(engine.proposer.executor.graphs.graphs) > 0

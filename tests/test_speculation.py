@@ -18,10 +18,10 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3
 
 def test_ngram_proposer_continues_the_most_recent_match_of_the_longest_tail():
     p = NgramProposer(SpeculativeConfig(prompt_lookup_max=3, prompt_lookup_min=1))
-    assert p.propose([1, 2, 3, 9, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # latest "1 2 3" wins
-    assert p.propose([5, 6, 7, 8, 6, 7], 4) == [8, 6, 7]  # shorter tail "6 7"; the rest is short
-    assert p.propose([1, 2, 3, 4], 3) == []  # no earlier occurrence of any tail
-    assert p.propose([4], 3) == []
+    assert p.lookup([1, 2, 3, 9, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # latest "1 2 3" wins
+    assert p.lookup([5, 6, 7, 8, 6, 7], 4) == [8, 6, 7]  # shorter tail "6 7"; the rest is short
+    assert p.lookup([1, 2, 3, 4], 3) == []  # no earlier occurrence of any tail
+    assert p.lookup([4], 3) == []
 
 
 def test_greedy_acceptance_keeps_matching_proposals_and_adds_the_target_token():
@@ -34,25 +34,33 @@ def test_greedy_acceptance_keeps_matching_proposals_and_adds_the_target_token():
     assert accept_greedy([], rows(9)) == [9]
 
 
-def test_rejection_sampling_keeps_the_target_distribution():
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_rejection_sampling_keeps_the_target_distribution(proposer):
     """Over many draws, the first emitted token is distributed as the first row's p, and after an
-    accepted proposal the second is distributed as the second row's: whatever was proposed."""
+    accepted proposal the second is distributed as the second row's: whatever was proposed. An
+    n-gram proposal is fixed (a point mass); a draft model's is drawn from its own q each time."""
     probs = torch.tensor(
         [[0.1, 0.4, 0.2, 0.25, 0.05], [0.3, 0.05, 0.05, 0.5, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]]
     )
-    proposals, trials = [1, 0], 20_000
+    draft_q = torch.tensor([[0.5, 0.1, 0.1, 0.1, 0.2], [0.05, 0.05, 0.6, 0.2, 0.1]])
+    q = draft_q if proposer == "draft" else None
+    trials = 20_000
     g = torch.Generator().manual_seed(0)
-    first, second = torch.zeros(5), torch.zeros(5)
+    first, second, accepted_first = torch.zeros(5), torch.zeros(5), 0
     for _ in range(trials):
-        out = accept_sampled(proposals, probs, g)
+        proposals = [1, 0] if q is None else [int(torch.multinomial(row, 1, generator=g)) for row in q]
+        out = accept_sampled(proposals, probs, g, q)
         first[out[0]] += 1
-        if out[0] == proposals[0]:
+        if len(out) > 1:  # the first proposal was accepted
+            accepted_first += 1
             second[out[1]] += 1
     tolerance = 4 * (0.25 / trials) ** 0.5  # four standard deviations at worst
     assert (first / trials - probs[0]).abs().max() < tolerance
-    accepted = second.sum()
-    assert abs(accepted / trials - probs[0, 1]) < tolerance  # accepted with probability p(d)
-    assert (second / accepted - probs[1]).abs().max() < 4 * (0.25 / accepted) ** 0.5
+    # accepted with probability p(d) for a point mass, sum(min(p, q)) for a draft: 0.45 here, where
+    # treating a draft's d as a point mass (still exact) would accept only sum(p * q) = 0.145
+    expected = probs[0, 1] if q is None else torch.minimum(probs[0], q[0]).sum()
+    assert abs(accepted_first / trials - expected) < tolerance
+    assert (second / accepted_first - probs[1]).abs().max() < 4 * (0.25 / accepted_first) ** 0.5
 
 
 @pytest.mark.parametrize(
@@ -64,21 +72,22 @@ def test_bad_speculative_configs_are_refused_with_a_message(text):
         SpeculativeConfig.from_json(text)
 
 
+REPEAT = [{"role": "user", "content": "Repeat exactly, three times: the quick brown fox jumps over the dog."}]
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+MIXED_REQUESTS = [  # shared with tests/test_draft.py
+    {"messages": REPEAT, "max_tokens": 48, "temperature": 0},
+    {"messages": REPEAT, "max_tokens": 40, "temperature": 0, "adapter": "a"},  # LoRA rows verify too
+    {"prompt": CODE, "max_tokens": 40, "temperature": 0},
+    {"prompt": CODE + "    return a * b\n", "max_tokens": 24, "temperature": 0},  # a prefix-cache hit
+    {"prompt": CODE, "max_tokens": 20, "temperature": 0.8, "seed": 3},  # sampled: rejection sampling
+    {"messages": REPEAT, "max_tokens": 48, "temperature": 0, "stop": ["dog"]},
+]
+
+
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_greedy_output_is_identical_with_speculation(smollm2, tmp_path, preemption_mode):
     adapter = write_adapter(tmp_path / "a", smollm2.config, rank=8, seed=1)
-    repeat = [
-        {"role": "user", "content": "Repeat exactly, three times: the quick brown fox jumps over the dog."}
-    ]
-    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
-    requests = [
-        {"messages": repeat, "max_tokens": 48, "temperature": 0},
-        {"messages": repeat, "max_tokens": 40, "temperature": 0, "adapter": "a"},  # LoRA rows verify too
-        {"prompt": code, "max_tokens": 40, "temperature": 0},
-        {"prompt": code + "    return a * b\n", "max_tokens": 24, "temperature": 0},  # a prefix-cache hit
-        {"prompt": code, "max_tokens": 20, "temperature": 0.8, "seed": 3},  # sampled: no speculation
-        {"messages": repeat, "max_tokens": 48, "temperature": 0, "stop": ["dog"]},
-    ]
+    requests = MIXED_REQUESTS
     greedy = [i for i, r in enumerate(requests) if r["temperature"] == 0]
     outputs, engines = {}, {}
     for spec in (None, NGRAM, NGRAM + " "):  # the last: the same config again, for the seeded row

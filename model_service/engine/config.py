@@ -94,7 +94,9 @@ class EngineConfig:
     speculative_config: str | None = _opt(
         None,
         'speculative decoding, as vLLM\'s JSON: \'{{"method": "ngram", "num_speculative_tokens": 4}}\' '
-        "(prompt lookup; prompt_lookup_max / prompt_lookup_min set the n-gram lengths)",
+        "(prompt lookup; prompt_lookup_max / prompt_lookup_min set the n-gram lengths) or "
+        '\'{{"method": "draft", "model": "DRAFT", "num_speculative_tokens": 4}}\' (a smaller model '
+        "with the same tokenizer: an alias, checkpoint dir or .gguf file)",
     )
     enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly, without CUDA graphs (debugging)")
     adapter_wait_timeout_s: float = _opt(

@@ -31,6 +31,7 @@ from model_service.engine.block_manager import BlockManager
 from model_service.engine.cache_manager import CacheManager
 from model_service.engine.config import EngineConfig
 from model_service.engine.detokenizer import IncrementalDetokenizer
+from model_service.engine.draft import DraftProposer, load_draft
 from model_service.engine.executor import ModelExecutor, kv_blocks_for_budget
 from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.requests import PromptReader
@@ -40,6 +41,7 @@ from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence, Status
 from model_service.engine.speculation import (
     NgramProposer,
+    Proposer,
     SpeculativeConfig,
     accept_greedy,
     accept_sampled,
@@ -88,8 +90,11 @@ class Engine:
         mc = self.loaded.config
         device = next(self.loaded.module.parameters()).device
         dtype = next(self.loaded.module.parameters()).dtype
+        self.speculative = SpeculativeConfig.from_json(config.speculative_config)
+        draft = load_draft(self.speculative, config, self.loaded)  # None unless method "draft"
         num_blocks = config.num_kv_blocks or kv_blocks_for_budget(
-            mc, config.block_size, dtype, device, config.kv_cache_memory_bytes, config.gpu_memory_utilization
+            mc, config.block_size, dtype, device, config.kv_cache_memory_bytes, config.gpu_memory_utilization,
+            draft.config if draft is not None else None,
         )
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_model_len = min(
@@ -111,8 +116,11 @@ class Engine:
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.beams = BeamSearch(self.scheduler, self.tokenizer)
         self.adapters = AdapterControl(self.lora, self.scheduler, config.adapter_wait_timeout_s)
-        self.speculative = SpeculativeConfig.from_json(config.speculative_config)
-        self.proposer = NgramProposer(self.speculative) if self.speculative is not None else None
+        self.proposer: Proposer | None = None
+        if draft is not None:  # its cache has as many blocks as the target's (budgeted above)
+            self.proposer = DraftProposer(draft, config, num_blocks, self.max_model_len, mc.vocab_size)
+        elif self.speculative is not None:
+            self.proposer = NgramProposer(self.speculative)
         self.spec_proposed = self.spec_accepted = 0  # proposed and accepted speculative tokens
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
@@ -259,17 +267,20 @@ class Engine:
         """Keep the accepted proposals and the target's next token; cut the rest's K/V off."""
         assert seq.state is not None
         proposals, seq.spec_tokens = seq.spec_tokens, []
+        draft_probs, seq.spec_probs = seq.spec_probs, None
         if seq.params.greedy:
             emitted = accept_greedy(proposals, logits)
         else:
             probs = filtered_probs(logits, [seq.params] * len(logits))
-            emitted = accept_sampled(proposals, probs, seq.generator)
+            emitted = accept_sampled(proposals, probs, seq.generator, draft_probs)
         self.spec_proposed += len(proposals)
         self.spec_accepted += len(emitted) - 1
         self.cache.truncate(seq.state, seq.state.num_computed - (len(proposals) - len(emitted) + 1))
         self._emit(seq, emitted, None)
         if not seq.finished:
             self.cache.register_full_blocks(seq.state, seq.token_ids, seq.adapter_id)
+            assert self.proposer is not None
+            self.proposer.on_verified(seq, len(emitted) - 1)
 
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: TokenLogprobs | None) -> None:
         """Append tokens until one finishes the request."""
@@ -284,17 +295,19 @@ class Engine:
             self._finish(seq, "error")
 
     def _propose(self, seqs: list[Sequence]) -> None:
-        """Proposals for each greedy decode row to verify in its next step."""
+        """Proposals for each decode row that can speculate, to verify in its next step."""
         assert self.proposer is not None and self.speculative is not None
-        for seq in seqs:
-            if seq.group is not None or not can_speculate(seq.params):
-                continue
-            room = min(
+        seqs = [s for s in seqs if s.group is None and can_speculate(s.params)]
+        room = [
+            min(
                 self.speculative.num_speculative_tokens,
                 seq.params.max_tokens - len(seq.output_ids) - 1,
                 self.max_model_len - len(seq.token_ids) - 1,
             )
-            seq.spec_tokens = self.proposer.propose(seq.token_ids, room) if room > 0 else []
+            for seq in seqs
+        ]
+        for seq, proposal in zip(seqs, self.proposer.propose(seqs, room), strict=True):
+            seq.spec_tokens, seq.spec_probs = proposal.tokens, proposal.probs
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Free `seq` (all beams of its request) and queue its final output."""
@@ -303,6 +316,8 @@ class Engine:
             self.requests.pop(seq.group.request_id, None)
             return
         self.scheduler.remove(seq)
+        if self.proposer is not None:
+            self.proposer.on_finished(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self._pending.append(seq.take_output())

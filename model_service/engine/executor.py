@@ -36,10 +36,13 @@ def kv_blocks_for_budget(
     device: torch.device,
     budget: int | None,
     gpu_memory_utilization: float,
+    draft: ModelConfig | None = None,
 ) -> int:
-    """How many K/V blocks fit: `budget` bytes, else a share of free GPU memory, else 1 GiB on CPU."""
-    per_block = KVCache.bytes_per_block(
-        config.layer_kinds, block_size, config.num_kv_heads, config.head_dim, dtype
+    """How many K/V blocks fit: `budget` bytes, else a share of free GPU memory, else 1 GiB on CPU.
+    With a draft model, each block of the target's pool comes with one of the draft's."""
+    per_block = sum(
+        KVCache.bytes_per_block(c.layer_kinds, block_size, c.num_kv_heads, c.head_dim, dtype)
+        for c in [config, *([draft] if draft is not None else [])]
     )
     if budget is None:
         if device.type == "cuda":

@@ -53,8 +53,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
         probs = filtered_probs(logits[idx], [rows[i].params for i in random_rows])
-        noise = _exponential_noise(probs, [rows[i].generator for i in random_rows])
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+        tokens[idx] = draw(probs, [rows[i].generator for i in random_rows])
 
     token_list = tokens.tolist()
     out: list[TokenLogprobs | None] = [None] * len(rows)
@@ -130,6 +129,11 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs` [N, vocab], row i drawn with `generators[i]` (None: the global one)."""
+    return (probs / _exponential_noise(probs, generators)).argmax(dim=-1)
 
 
 def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -68,6 +68,7 @@ class Sequence:
         self.group: BeamGroup | None = None  # set for the beams of a beam-search request
         self.beam_logits: torch.Tensor | None = None  # this beam's next-token logits, awaiting siblings
         self.spec_tokens: list[int] = []  # proposed continuation to verify in its next step
+        self.spec_probs: torch.Tensor | None = None  # the draft's q for each (None: point masses)
         self.text = ""
         self.emitted_tokens = 0
         self.emitted_chars = 0

@@ -8,16 +8,19 @@ output is exactly what plain greedy decoding produces, and every step emits at l
 The K/V of rejected proposals is cut off with `CacheManager.truncate` before the prefix cache
 sees it.
 
-Proposers: prompt lookup (n-gram): the continuation of the most recent earlier occurrence of the
-sequence's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`), no extra
-model. The `Proposer` protocol leaves room for a draft model or MTP heads.
+Proposers (the `Proposer` protocol: a batched `propose`, and hooks after each verify and when a
+sequence is done): prompt lookup (n-gram): the continuation of the most recent earlier
+occurrence of the sequence's last n tokens (n from `prompt_lookup_max` down to
+`prompt_lookup_min`), no extra model; a draft model (engine/draft.py). MTP heads would be a
+third implementation.
 
 Sampled rows (temperature > 0) verify by rejection sampling, which keeps the target
-distribution exactly: the n-gram proposal is a point mass q = one-hot(d), so proposal d is
-accepted with probability p(d) (the target's filtered probability), and on rejection the token
-is drawn from p with d removed, renormalized (max(p - q, 0) / its sum); after k acceptances a
-bonus token is drawn from the last row. Each request's own generator draws the uniforms, so a
-seeded request stays reproducible (its stream differs from a run without speculation).
+distribution exactly: proposal d, drawn from the proposer's distribution q, is accepted with
+probability min(1, p(d) / q(d)) (p: the target's filtered probabilities), and on rejection the
+token is drawn from max(p - q, 0), renormalized; after k acceptances a bonus token is drawn from
+the last row. The n-gram proposal is a point mass q = one-hot(d): accepted with probability
+p(d), the residual is p without d. Each request's own generator draws the uniforms, so a seeded
+request stays reproducible (its stream differs from a run without speculation).
 
 Which rows speculate: rows without penalties or logprobs (penalties would change between the
 rows of one verify), and no beams.
@@ -27,12 +30,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from model_service.engine.sampling_params import SamplingParams
 from model_service.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from model_service.engine.sequence import Sequence
+
+DRAFT_METHODS = ("draft", "draft_model")  # ours and vLLM's spelling
 
 
 @dataclass(frozen=True)
@@ -41,22 +49,26 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None  # the draft model (method "draft"): alias, checkpoint dir or .gguf
 
     @classmethod
     def from_json(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
-        """vLLM's `--speculative-config` JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
+        """vLLM's `--speculative-config` JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+        or {"method": "draft", "model": "PATH", "num_speculative_tokens": 4}."""
         if text in (None, "", {}):
             return None
         try:
             raw = json.loads(text) if isinstance(text, str) else dict(text)
+            if "model" in raw and "method" not in raw:  # vLLM infers a draft model from `model`
+                raw["method"] = "draft"
             config = cls(**raw)
         except (json.JSONDecodeError, TypeError) as e:
             raise InvalidRequestError(
                 f"--speculative-config: {e}; expected JSON such as "
-                '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+                '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} or '
+                '{"method": "draft", "model": "PATH", "num_speculative_tokens": 4}'
             ) from e
-        if config.method != "ngram":
-            raise InvalidRequestError(f"--speculative-config: method {config.method!r}; supported: 'ngram'")
+        config._check_method()
         if not 1 <= config.num_speculative_tokens <= 16:
             raise InvalidRequestError("--speculative-config: num_speculative_tokens must be 1..16")
         if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
@@ -65,17 +77,67 @@ class SpeculativeConfig:
             )
         return config
 
+    @property
+    def is_draft(self) -> bool:
+        return self.method in DRAFT_METHODS
+
+    def _check_method(self) -> None:
+        if self.method not in ("ngram", *DRAFT_METHODS):
+            raise InvalidRequestError(
+                f"--speculative-config: method {self.method!r}; supported: 'ngram', 'draft' ('draft_model')"
+            )
+        if self.is_draft and not self.model:
+            raise InvalidRequestError(
+                '--speculative-config: method "draft" needs "model": the draft model\'s alias or path'
+            )
+        if not self.is_draft and self.model:
+            raise InvalidRequestError(
+                f'--speculative-config: "model" is for method "draft"; method {self.method!r} runs no model'
+            )
+
+
+@dataclass
+class Proposal:
+    """Tokens to verify, and the distribution each was drawn from: `probs` [len(tokens), vocab]
+    (row i is q for token i), or None for tokens chosen deterministically (argmax, lookup)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
 
 class Proposer(Protocol):
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to `k` tokens likely to follow `token_ids` (fewer, or none, when unsure)."""
+    def propose(self, seqs: list[Sequence], room: list[int]) -> list[Proposal]:
+        """For each sequence about to decode, up to `room[i]` tokens likely to follow its
+        `token_ids` (fewer, or none, when unsure); one call per step for the whole batch."""
+
+    def on_verified(self, seq: Sequence, num_accepted: int) -> None:
+        """`seq`'s proposals were verified: the first `num_accepted` were kept, the rest rejected
+        (the target's own token follows them in `seq.token_ids`)."""
+
+    def on_finished(self, seq: Sequence) -> None:
+        """`seq` finished or was aborted: release whatever the proposer holds for it. Preemption
+        is not reported: a proposer that holds memory finds preempted sequences by their status."""
 
 
 class NgramProposer:
+    """Stateless: everything it needs is in the sequence's tokens."""
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.max_n, self.min_n = config.prompt_lookup_max, config.prompt_lookup_min
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, seqs: list[Sequence], room: list[int]) -> list[Proposal]:
+        return [
+            Proposal(self.lookup(s.token_ids, k) if k > 0 else []) for s, k in zip(seqs, room, strict=True)
+        ]
+
+    def on_verified(self, seq: Sequence, num_accepted: int) -> None:
+        pass
+
+    def on_finished(self, seq: Sequence) -> None:
+        pass
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to `k` tokens that followed the latest earlier occurrence of the longest tail."""
         length = len(token_ids)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             tail = token_ids[-n:]
@@ -98,18 +160,30 @@ def accept_greedy(proposals: list[int], logits: torch.Tensor) -> list[int]:
     return targets[: accepted + 1]
 
 
-def accept_sampled(proposals: list[int], probs: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+def accept_sampled(
+    proposals: list[int],
+    probs: torch.Tensor,
+    generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None = None,
+) -> list[int]:
     """The tokens a verify step emits for a sampled row: probs [k + 1, vocab], each row the
-    target's filtered distribution for the token after inputs (last, proposals...)."""
+    target's filtered distribution for the token after inputs (last, proposals...);
+    `draft_probs` [k, vocab] the distributions the proposals were drawn from (None: point masses)."""
     out: list[int] = []
     for i, d in enumerate(proposals):
         p = probs[i]
+        q_d = draft_probs[i, d] if draft_probs is not None else 1.0
         u = torch.rand((), generator=generator, device=p.device)
-        if u < p[d]:
+        if u * q_d < p[d]:  # u < p(d) / q(d)
             out.append(d)
             continue
-        residual = p.clone()
-        residual[d] = 0.0
+        if draft_probs is None:
+            residual = p.clone()
+            residual[d] = 0.0
+        else:
+            residual = (p - draft_probs[i]).clamp_(min=0.0)
+        if not residual.sum() > 0:  # p == q up to rounding: rejection had probability ~0
+            residual = p
         out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
         return out
     out.append(int(torch.multinomial(probs[len(proposals)], 1, generator=generator)))
