@@ -84,6 +84,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral": {"cls": "MistralConfig", "arch": "MistralForCausalLM"},
     "qwen2": {"cls": "Qwen2Config", "arch": "Qwen2ForCausalLM"},
     "qwen3": {"cls": "Qwen3Config", "arch": "Qwen3ForCausalLM"},
+    "qwen3_next": {"cls": "Qwen3NextConfig", "arch": "Qwen3NextForCausalLM"},
 }
 
 

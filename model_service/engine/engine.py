@@ -95,11 +95,12 @@ class Engine:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size
         )
-        self.executor = ModelExecutor(self.loaded, config, num_blocks, self.max_model_len)
+        self.speculative = SpeculativeConfig.from_json(config.speculative_config)
+        state_slots = self._num_state_slots()
+        self.executor = ModelExecutor(self.loaded, config, num_blocks, self.max_model_len, state_slots)
         per_token = self.executor.kv_cache.bytes_per_block(
             mc.layer_kinds, 1, mc.num_kv_heads, mc.head_dim, dtype
         )
-        state_slots = config.max_num_seqs * 2 if mc.num_state_layers else 0
         self.cache = CacheManager(blocks, self.executor, per_token, state_slots)
         self.lora = LoraPool(mc, config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.executor)
         self.scheduler = Scheduler(config, self.cache, self.lora)
@@ -111,7 +112,6 @@ class Engine:
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.beams = BeamSearch(self.scheduler, self.tokenizer)
         self.adapters = AdapterControl(self.lora, self.scheduler, config.adapter_wait_timeout_s)
-        self.speculative = SpeculativeConfig.from_json(config.speculative_config)
         self.proposer = NgramProposer(self.speculative) if self.speculative is not None else None
         self.spec_proposed = self.spec_accepted = 0  # proposed and accepted speculative tokens
         self.requests: dict[str, Sequence] = {}
@@ -125,6 +125,14 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return self.loaded.config.vocab_size
+
+    def _num_state_slots(self) -> int:
+        """Recurrent-state slots (hybrid models): per running sequence its own, one per speculative
+        token (verify checkpoints), and one for prefix-cache snapshots; none without recurrent layers."""
+        if not self.loaded.config.num_state_layers:
+            return 0
+        spec = self.speculative.num_speculative_tokens if self.speculative is not None else 0
+        return self.config.max_num_seqs * (2 + spec)
 
     # --- requests -------------------------------------------------------------------------
 
@@ -215,10 +223,10 @@ class Engine:
         """One forward pass over the scheduled work; returns the sequences it produced tokens for."""
         items = [self._item(seq, n) for seq, n in work]
         logits = self.executor.execute(self.builder.build(items))
-        self.num_computed_tokens += sum(n for _, n in work)
+        self.num_computed_tokens += sum(len(item.tokens) for item in items)
         rows, verify, first = [], [], 0  # one logits row per plain row; k + 1 per verify row
-        for (seq, n), item in zip(work, items, strict=True):
-            item.state.num_computed += n
+        for (seq, _), item in zip(work, items, strict=True):
+            item.state.num_computed += len(item.tokens)
             if item.num_logits > 1:
                 verify.append((seq, logits[first : first + item.num_logits]))
             else:
@@ -243,7 +251,13 @@ class Engine:
         """`n` of the sequence's pending tokens, or its last token and its proposals to verify."""
         assert seq.state is not None
         if n > seq.num_pending:  # the scheduler took its proposals
-            return StepItem(seq.state, [seq.token_ids[-1], *seq.spec_tokens], n)
+            # Recurrent state is checkpointed after each verify token but the last, for rollback;
+            # without the slots for that, the row runs as a plain decode row.
+            lengths = list(range(seq.num_computed + 1, seq.num_computed + n))
+            if self.cache.plan_checkpoints(seq.state, lengths):
+                return StepItem(seq.state, [seq.token_ids[-1], *seq.spec_tokens], n)
+            seq.spec_tokens, n = [], seq.num_pending
+        self.cache.plan_boundary_checkpoint(seq.state, n)
         start = seq.num_computed
         ends_prompt = start + n == len(seq.token_ids)
         return StepItem(seq.state, seq.token_ids[start : start + n], int(ends_prompt))

@@ -22,6 +22,7 @@ from model_service.lora.adapter import LoraAdapter
 from model_service.lora.layers import LoraLayers, wrap_lora_layers
 from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel
+from model_service.models.recurrent import RecurrentModel, RecurrentPlan, RecurrentStep
 from model_service.models.step import AttentionBackend, ForwardContext, StepBatch
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -59,7 +60,12 @@ class ModelExecutor:
     """Implements `KVMover` and the LoRA `SlotWriter` for one device."""
 
     def __init__(
-        self, loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        num_state_slots: int = 0,
     ) -> None:
         max_loras = config.max_loras
         self.module = _own_module_tree(loaded.module) if max_loras > 0 else loaded.module
@@ -85,15 +91,21 @@ class ModelExecutor:
         if kernels:
             triton_backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
             self.attention = triton_backend
-            if not config.enforce_eager:
+            if not config.enforce_eager and not cfg.num_state_layers:  # graphs hold no state slots
                 plan = self.lora.plan if self.lora is not None and self.lora.plan.use_kernels else None
                 self.graphs = DecodeGraphs(
                     self.module, triton_backend, config.max_num_seqs, max_model_len, self.device, plan
                 )
         else:
             self.attention = TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
-        # One tensor per recurrent layer, [slots, ...]; none for attention-only models.
+        # Float32 tensors [slots, ...], as many per recurrent layer as the model lists; none for
+        # attention-only models.
         self.state_tensors: list[torch.Tensor] = []
+        if isinstance(self.module, RecurrentModel) and num_state_slots > 0:
+            self.state_tensors = [
+                torch.zeros(num_state_slots, *shape, dtype=torch.float32, device=self.device)
+                for shape in self.module.recurrent_state_shapes()
+            ]
         if self.device.type == "cuda":
             # cuDNN's SDPA builds a new graph for every new context length: 2.2 ms of CPU per layer
             # call on an H200, 25x the GPU time. The flash/efficient kernels have no such cost.
@@ -116,7 +128,10 @@ class ModelExecutor:
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         self.attention.prepare(batch)
-        ctx = ForwardContext(attention=self.attention, logits_rows=batch.logits_rows)
+        recurrent = None
+        if self.state_tensors:
+            recurrent = RecurrentStep(RecurrentPlan.from_batch(batch), self.state_tensors)
+        ctx = ForwardContext(attention=self.attention, logits_rows=batch.logits_rows, recurrent=recurrent)
         return self.module(batch.input_ids, batch.positions, ctx)
 
     # --- KVMover ------------------------------------------------------------------------
@@ -138,15 +153,15 @@ class ModelExecutor:
             t[dst] = t[src]
 
     def save_state(self, slot: int) -> torch.Tensor:
-        return (
-            torch.stack([t[slot] for t in self.state_tensors]).to("cpu")
-            if self.state_tensors
-            else torch.empty(0)
-        )
+        """Every state tensor's row `slot`, flattened into one float32 host tensor (their shapes differ)."""
+        if not self.state_tensors:
+            return torch.empty(0)
+        return torch.cat([t[slot].reshape(-1) for t in self.state_tensors]).to("cpu")
 
     def load_state(self, saved: torch.Tensor, slot: int) -> None:
-        for t, s in zip(self.state_tensors, saved, strict=True):
-            t[slot] = s.to(self.device)
+        sizes = [t[0].numel() for t in self.state_tensors]
+        for t, part in zip(self.state_tensors, saved.to(self.device).split(sizes), strict=True):
+            t[slot] = part.view(t.shape[1:])
 
     # --- LoRA SlotWriter -----------------------------------------------------------------
 

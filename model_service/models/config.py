@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -51,6 +52,17 @@ def attention_layers(windows: list[int | None]) -> list[LayerKind]:
     ]
 
 
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """Sizes of a Gated DeltaNet mixer (Qwen3-Next's `linear_*` fields)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int  # causal depthwise conv width; the conv state keeps conv_kernel - 1 inputs
+
+
 @dataclass
 class ModelConfig:
     family: str
@@ -70,6 +82,8 @@ class ModelConfig:
     o_proj_bias: bool = False  # Llama/Qwen3 `attention_bias` covers o_proj too; Qwen2's q/k/v bias does not
     mlp_bias: bool = False  # Llama `mlp_bias`
     qk_norm: bool = False
+    rotary_dim: int | None = None  # partial rotary: RoPE on the first rotary_dim dims only (None: all)
+    linear_attention: LinearAttentionShape | None = None  # set when some layer is LINEAR_ATTENTION
     layer_kinds: list[LayerKind] = field(default_factory=list)  # one per layer
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
@@ -93,9 +107,7 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if family is None:
-            family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
-                raw.get("model_type", "")
-            )
+            family = next((f for f in SUPPORTED_ARCHITECTURES.values() if f == raw.get("model_type")), None)
         if family is None:
             raise ModelLoadError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
@@ -103,7 +115,7 @@ class ModelConfig:
             )
         # HF: Llama/Qwen3 put `attention_bias` on q/k/v/o; Qwen2 always has q/k/v bias and no o bias;
         # Mistral has no bias at all whatever the config says.
-        attention_bias = family in ("llama", "qwen3") and bool(raw.get("attention_bias", False))
+        attention_bias = family in ("llama", "qwen3", "qwen3_next") and bool(raw.get("attention_bias", False))
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -123,12 +135,14 @@ class ModelConfig:
                 qkv_bias=family == "qwen2" or attention_bias,
                 o_proj_bias=attention_bias,
                 mlp_bias=family == "llama" and bool(raw.get("mlp_bias", False)),
-                qk_norm=family == "qwen3",
+                qk_norm=family in ("qwen3", "qwen3_next"),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from e
         cfg.rope_theta, cfg.rope_scaling = _rope_from_hf(raw)
         cfg.layer_kinds = attention_layers(_sliding_windows_from_hf(raw, family, layers))
+        if family == "qwen3_next":
+            _hybrid_from_hf(raw, cfg)
         cfg.eos_token_ids = _token_ids(raw.get("eos_token_id"))
         if generation_config:
             for t in _token_ids(generation_config.get("eos_token_id")):
@@ -148,6 +162,7 @@ def _token_ids(value: Any) -> list[int]:
 def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
+    params.pop("partial_rotary_factor", None)  # a head-dim split, not a frequency scaling: see rotary_dim
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
@@ -189,3 +204,38 @@ def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> l
         return [int(window) if t == "sliding_attention" else None for t in types]
     max_window_layers = int(raw.get("max_window_layers", layers))
     return [int(window) if i >= max_window_layers else None for i in range(layers)]
+
+
+def _hybrid_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
+    """Qwen3-Next: per-layer linear / full attention, Gated DeltaNet sizes, partial rotary, and which
+    layers have a sparse-MoE MLP (HF's rule: not in `mlp_only_layers`, experts exist, every
+    `decoder_sparse_step`-th layer)."""
+    try:
+        cfg.linear_attention = LinearAttentionShape(
+            num_key_heads=int(raw["linear_num_key_heads"]),
+            num_value_heads=int(raw["linear_num_value_heads"]),
+            key_head_dim=int(raw["linear_key_head_dim"]),
+            value_head_dim=int(raw["linear_value_head_dim"]),
+            conv_kernel=int(raw["linear_conv_kernel_dim"]),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from e
+    shape = cfg.linear_attention
+    if shape.num_value_heads % shape.num_key_heads:
+        raise ModelLoadError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    factor = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    cfg.rotary_dim = int(cfg.head_dim * float(factor))
+    types = raw.get("layer_types") or [
+        "full_attention" if (i + 1) % int(raw.get("full_attention_interval", 4)) == 0 else "linear_attention"
+        for i in range(cfg.num_layers)
+    ]
+    mixers = {"linear_attention": Mixer.LINEAR_ATTENTION, "full_attention": Mixer.FULL_ATTENTION}
+    unknown = sorted(set(types) - set(mixers))
+    if unknown or len(types) != cfg.num_layers:
+        raise ModelLoadError(f"layer_types must list {cfg.num_layers} of {sorted(mixers)}, got {types}")
+    dense = set(raw.get("mlp_only_layers") or [])
+    experts, step = int(raw.get("num_experts") or 0), int(raw.get("decoder_sparse_step") or 1)
+    cfg.layer_kinds = [
+        LayerKind(mixers[t], moe=i not in dense and experts > 0 and (i + 1) % step == 0)
+        for i, t in enumerate(types)
+    ]

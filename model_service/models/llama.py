@@ -90,19 +90,25 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embeddings, the layer stack, final norm and LM head; logits only for requested rows."""
+    """Embeddings, the layer stack, final norm and LM head; logits only for requested rows.
+
+    A decoder whose layers or norm differ (the hybrid Qwen3-Next) subclasses this and names its
+    own `layer_class` / `norm_class`: the stack, the residual stream and the LM head are shared."""
+
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[nn.Module] = RMSNorm
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.model.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
+        self.model.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] flat batch. Returns float32 logits [len(ctx.logits_rows), vocab]."""

@@ -12,12 +12,14 @@ from torch import nn
 from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
 from model_service.models.llama import DecoderModel
+from model_service.models.qwen3_next import Qwen3NextModel
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": DecoderModel,
     "mistral": DecoderModel,
     "qwen2": DecoderModel,
     "qwen3": DecoderModel,
+    "qwen3_next": Qwen3NextModel,
 }
 
 
