@@ -1,0 +1,189 @@
+"""The hybrid Qwen3-Next decoder (Gated DeltaNet + gated attention) against HF transformers, and the
+engine paths that must carry its recurrent state: chunked prefill, mixed batches, speculative
+verify rollback, swap preemption and prefix-cache state snapshots.
+
+The checkpoint is tiny (4 layers, linear / full alternating, every MLP dense) with its 1-D weights
+randomized too: HF initializes the zero-centered norms to 0 and the decay so strong that the state
+forgets within a token or two, where a wrong (1 + weight) or a dropped state would go unseen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model_service.engine.engine import Engine
+from model_service.errors import ModelLoadError
+from model_service.models.config import Mixer, ModelConfig
+from model_service.models.layers import checkpoint_tensors
+from model_service.models.registry import model_class
+from tests.conftest import assert_all_blocks_free, make_engine, make_tiny_checkpoint, prefill_logits
+from tests.test_tiny_models import PROMPTS, VOCAB, Case, _one_torch_thread, random_prompt, rel_err, request
+
+__all__ = ["_one_torch_thread"]  # the module-scoped fixture applies here too
+
+HYBRID = {
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention"] * 2,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,  # two value heads per key head (grouped)
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "mlp_only_layers": [0, 1, 2, 3],  # every MLP dense: the MoE block is not ours yet
+}
+
+
+def _randomize_1d(path: Path, seed: int) -> None:
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if name.endswith("A_log"):  # decay rates exp(A_log) * softplus(.) well below 1 per token
+            tensors[name] = torch.empty(t.shape).uniform_(0.02, 0.5, generator=gen).log()
+        elif t.dim() == 1:  # norms (zero-centered and gated) and dt_bias
+            tensors[name] = t + torch.randn(t.shape, generator=gen) * 0.3
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory: pytest.TempPathFactory) -> Case:
+    path = make_tiny_checkpoint("qwen3_next", tmp_path_factory.mktemp("qwen3_next") / "ckpt", **HYBRID)
+    _randomize_1d(path, seed=0)
+    return Case(path)
+
+
+def _state_slots_all_back(engine: Engine) -> None:
+    """Every state slot is free or holds a prefix-cache snapshot: none leaked, none held twice."""
+    assert_all_blocks_free(engine)
+    cache = engine.cache
+    assert cache.num_free_state_slots + cache.num_cached_states == engine.executor.state_tensors[0].shape[0]
+    assert len(set(cache._free_state_slots) | set(cache._cached_states.values())) == (
+        cache.num_free_state_slots + cache.num_cached_states
+    )
+
+
+def test_config_and_weights_match_hf(case: Case):
+    cfg = case.ours.config
+    assert [k.mixer for k in cfg.layer_kinds] == [Mixer.LINEAR_ATTENTION, Mixer.FULL_ATTENTION] * 2
+    assert cfg.num_state_layers == 2 and not any(k.moe for k in cfg.layer_kinds)
+    assert cfg.rotary_dim == 4  # partial_rotary_factor 0.25 of head_dim 16
+    ours = checkpoint_tensors(case.ours.module)
+    hf = dict(case.hf.named_parameters())
+    assert set(ours) == set(hf)
+    for name, p in hf.items():
+        torch.testing.assert_close(ours[name], p, rtol=0, atol=0)
+
+
+def test_moe_layers_are_refused_by_name():
+    raw = {**case_config(), "mlp_only_layers": [0], "decoder_sparse_step": 1}
+    cfg = ModelConfig.from_hf(raw)
+    assert [k.moe for k in cfg.layer_kinds] == [False, True, True, True]
+    with torch.device("meta"), pytest.raises(ModelLoadError, match="layer 1 has a sparse-MoE MLP"):
+        model_class(cfg)(cfg)
+
+
+def case_config() -> dict:
+    return {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        **HYBRID,
+    }
+
+
+def test_logits_match_hf_in_one_pass_and_in_chunks(case: Case):
+    engine = make_engine(case.ours, block_size=4)
+    for ids in (PROMPTS[0], PROMPTS[4]):
+        with torch.no_grad():
+            ref = case.hf(torch.tensor([ids])).logits[0, -1]
+        assert rel_err(prefill_logits(engine, ids), ref) < 1e-4
+        assert rel_err(prefill_logits(engine, ids, chunk=3), ref) < 1e-4
+    assert_all_blocks_free(engine)
+
+
+def test_greedy_tokens_match_hf_alone_batched_and_chunked(case: Case):
+    """Alone (each reusing the slot the one before freed), all at once (mixed prefill + decode
+    steps), and with 5-token chunks of prefill interleaved with other sequences' decodes."""
+    expected = [case.hf_greedy(i) for i in range(len(PROMPTS))]
+    engine = make_engine(case.ours)
+    assert [engine.generate([request(ids)])[0].token_ids for ids in PROMPTS] == expected
+    assert [o.token_ids for o in engine.generate([request(ids) for ids in PROMPTS])] == expected
+    _state_slots_all_back(engine)
+    chunked = make_engine(case.ours, max_num_batched_tokens=5, block_size=4)
+    assert [o.token_ids for o in chunked.generate([request(ids) for ids in PROMPTS])] == expected
+    _state_slots_all_back(chunked)
+
+
+class _FlawedOracle:
+    """Proposes the known greedy continuation with one wrong token, at a position that cycles with
+    the length, so verify steps accept every count of proposals from 0 to k: each count rolls the
+    recurrent state back to a different checkpoint (k: none)."""
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.sequences = sequences
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        full = next(s for s in self.sequences if s[: len(token_ids)] == token_ids)
+        out = full[len(token_ids) : len(token_ids) + k]
+        wrong = len(token_ids) % (k + 1)
+        if wrong < len(out):
+            out[wrong] = (out[wrong] + 1) % VOCAB
+        return out
+
+
+def test_speculative_decoding_rolls_state_back_exactly(case: Case):
+    prompts = [PROMPTS[0], PROMPTS[2], random_prompt(9, seed=5)]
+    reqs = [{**request(ids), "max_tokens": 24} for ids in prompts]
+    plain = [o.token_ids for o in make_engine(case.ours).generate(reqs)]
+    ngram = make_engine(case.ours, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    assert [o.token_ids for o in ngram.generate(reqs)] == plain
+    assert ngram.stats().spec_proposed_tokens > 0  # all rejected: a random model does not repeat itself
+    _state_slots_all_back(ngram)
+    oracle = make_engine(case.ours, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    oracle.proposer = _FlawedOracle([ids + out for ids, out in zip(prompts, plain, strict=True)])
+    assert [o.token_ids for o in oracle.generate(reqs)] == plain
+    stats = oracle.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens
+    _state_slots_all_back(oracle)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_keeps_recurrent_state(case: Case, mode: str):
+    """A KV pool too small for all five: sequences are preempted (their state swapped out with
+    their K/V, or dropped and recomputed) and still produce exactly HF's tokens."""
+    engine = make_engine(case.ours, num_kv_blocks=14, block_size=4, preemption_mode=mode)
+    outs = engine.generate([request(ids) for ids in PROMPTS])
+    assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(len(PROMPTS))]
+    assert engine.stats().num_preemptions > 0
+    _state_slots_all_back(engine)
+
+
+def test_warm_multi_turn_request_resumes_from_a_state_snapshot(case: Case):
+    """Turn 2 resends turn 1's prompt and answer plus a new message: it reuses the cached blocks
+    and the recurrent state kept at the last block boundary turn 1 computed, prefills only the
+    rest, and answers exactly as a cold engine does."""
+    first = random_prompt(37, seed=11)
+    warm = make_engine(case.ours, block_size=4)
+    answer = warm.generate([{**request(first), "max_tokens": 10}])[0].token_ids
+    second = first + answer + random_prompt(6, seed=12)  # 53 tokens
+    before = warm.stats()
+    warm_out = warm.generate([request(second)])[0].token_ids
+    after = warm.stats()
+    # Turn 1 computed 46 tokens (its last answer token is never fed back): 11 full blocks, with
+    # a state snapshot at 44, so turn 2 computes 53 - 44 prompt tokens and 15 decode rows.
+    assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == 44
+    assert after.num_computed_tokens - before.num_computed_tokens == (53 - 44) + 15
+    cold = make_engine(case.ours, block_size=4, enable_prefix_caching=False)
+    assert warm_out == cold.generate([request(second)])[0].token_ids
+    _state_slots_all_back(warm)
+    assert warm.cache.num_cached_states > 0
