@@ -19,6 +19,7 @@ from model_service.engine.engine import Engine
 from model_service.errors import ModelLoadError
 from model_service.models.config import Mixer, ModelConfig
 from model_service.models.layers import checkpoint_tensors
+from model_service.models.loader import load_model
 from model_service.models.registry import model_class
 from tests.conftest import assert_all_blocks_free, make_engine, make_tiny_checkpoint, prefill_logits
 from tests.test_tiny_models import PROMPTS, VOCAB, Case, _one_torch_thread, random_prompt, rel_err, request
@@ -36,6 +37,9 @@ HYBRID = {
     "num_experts": 4,
     "mlp_only_layers": [0, 1, 2, 3],  # every MLP dense: the MoE block is not ours yet
 }
+
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
 
 
 def _randomize_1d(path: Path, seed: int) -> None:
@@ -145,11 +149,11 @@ def test_speculative_decoding_rolls_state_back_exactly(case: Case):
     prompts = [PROMPTS[0], PROMPTS[2], random_prompt(9, seed=5)]
     reqs = [{**request(ids), "max_tokens": 24} for ids in prompts]
     plain = [o.token_ids for o in make_engine(case.ours).generate(reqs)]
-    ngram = make_engine(case.ours, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    ngram = make_engine(case.ours, speculative_config=SPEC)
     assert [o.token_ids for o in ngram.generate(reqs)] == plain
     assert ngram.stats().spec_proposed_tokens > 0  # all rejected: a random model does not repeat itself
     _state_slots_all_back(ngram)
-    oracle = make_engine(case.ours, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    oracle = make_engine(case.ours, speculative_config=SPEC)
     oracle.proposer = _FlawedOracle([ids + out for ids, out in zip(prompts, plain, strict=True)])
     assert [o.token_ids for o in oracle.generate(reqs)] == plain
     stats = oracle.stats()
@@ -187,3 +191,18 @@ def test_warm_multi_turn_request_resumes_from_a_state_snapshot(case: Case):
     assert warm_out == cold.generate([request(second)])[0].token_ids
     _state_slots_all_back(warm)
     assert warm.cache.num_cached_states > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_hf_with_speculation_and_prefix_cache(case: Case):
+    """The same checkpoint on CUDA (Triton attention and RoPE, the torch recurrence) gives HF's
+    greedy tokens, with speculative rollback and prefix-state reuse on."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    loaded = load_model(str(case.path), torch.float32, torch.device("cuda"))
+    engine = make_engine(loaded, device="cuda", block_size=16, speculative_config=SPEC)
+    for _ in range(2):  # the second round resumes from the prefix cache's state snapshots
+        outs = engine.generate([request(ids) for ids in PROMPTS])
+        assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(len(PROMPTS))]
+    assert engine.stats().prefix_cache_hit_tokens > 0
+    _state_slots_all_back(engine)

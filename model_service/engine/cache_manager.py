@@ -139,7 +139,8 @@ class CacheManager:
         starts from a copy of that state."""
         if not self.has_state:
             return self.blocks.take_cached_prefix(state, token_ids, adapter_id)
-        reused = self.blocks.take_cached_prefix(state, token_ids, adapter_id, self._cached_states.__contains__)
+        has_state = self._cached_states.__contains__
+        reused = self.blocks.take_cached_prefix(state, token_ids, adapter_id, has_state)
         if reused:
             key = state.block_keys[-1]
             self._cached_states.move_to_end(key)

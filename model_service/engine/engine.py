@@ -31,7 +31,7 @@ from model_service.engine.block_manager import BlockManager
 from model_service.engine.cache_manager import CacheManager
 from model_service.engine.config import EngineConfig
 from model_service.engine.detokenizer import IncrementalDetokenizer
-from model_service.engine.executor import ModelExecutor, kv_blocks_for_budget
+from model_service.engine.executor import ModelExecutor, kv_blocks_for_budget, recurrent_state_bytes
 from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.requests import PromptReader
 from model_service.engine.sampler import SampleRow, TokenLogprobs, filtered_probs, sample
@@ -88,15 +88,21 @@ class Engine:
         mc = self.loaded.config
         device = next(self.loaded.module.parameters()).device
         dtype = next(self.loaded.module.parameters()).dtype
+        self.speculative = SpeculativeConfig.from_json(config.speculative_config)
+        state_slots = self._num_state_slots()
         num_blocks = config.num_kv_blocks or kv_blocks_for_budget(
-            mc, config.block_size, dtype, device, config.kv_cache_memory_bytes, config.gpu_memory_utilization
+            mc,
+            config.block_size,
+            dtype,
+            device,
+            config.kv_cache_memory_bytes,
+            config.gpu_memory_utilization,
+            recurrent_state_bytes(self.loaded.module, state_slots),
         )
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size
         )
-        self.speculative = SpeculativeConfig.from_json(config.speculative_config)
-        state_slots = self._num_state_slots()
         self.executor = ModelExecutor(self.loaded, config, num_blocks, self.max_model_len, state_slots)
         per_token = self.executor.kv_cache.bytes_per_block(
             mc.layer_kinds, 1, mc.num_kv_heads, mc.head_dim, dtype

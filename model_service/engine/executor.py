@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 
 import torch
 from torch import nn
@@ -35,18 +36,27 @@ def kv_blocks_for_budget(
     device: torch.device,
     budget: int | None,
     gpu_memory_utilization: float,
+    state_bytes: int = 0,
 ) -> int:
-    """How many K/V blocks fit: `budget` bytes, else a share of free GPU memory, else 1 GiB on CPU."""
+    """How many K/V blocks fit: `budget` bytes, else a share of free GPU memory less the recurrent
+    state tensors (`state_bytes`, allocated beside the pool), else 1 GiB on CPU."""
     per_block = KVCache.bytes_per_block(
         config.layer_kinds, block_size, config.num_kv_heads, config.head_dim, dtype
     )
     if budget is None:
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
-            budget = int(free - total * (1 - gpu_memory_utilization))
+            budget = int(free - total * (1 - gpu_memory_utilization)) - state_bytes
         else:
             budget = _DEFAULT_CPU_KV_BYTES
     return max(budget // per_block, 0)
+
+
+def recurrent_state_bytes(module: nn.Module, num_slots: int) -> int:
+    """Device bytes of the float32 state tensors `ModelExecutor` allocates for `num_slots` slots."""
+    if not isinstance(module, RecurrentModel):
+        return 0
+    return 4 * num_slots * sum(math.prod(shape) for shape in module.recurrent_state_shapes())
 
 
 def _own_module_tree(module: nn.Module) -> nn.Module:

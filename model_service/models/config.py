@@ -223,7 +223,8 @@ def _hybrid_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
     shape = cfg.linear_attention
     if shape.num_value_heads % shape.num_key_heads:
         raise ModelLoadError("linear_num_value_heads must be a multiple of linear_num_key_heads")
-    factor = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    rope = raw.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     cfg.rotary_dim = int(cfg.head_dim * float(factor))
     types = raw.get("layer_types") or [
         "full_attention" if (i + 1) % int(raw.get("full_attention_interval", 4)) == 0 else "linear_attention"

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from model_service.models.recurrent import RecurrentPlan
 
 
-def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, plan: RecurrentPlan) -> torch.Tensor:
+def causal_conv(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, plan: RecurrentPlan
+) -> torch.Tensor:
     """SiLU(depthwise causal conv) of flat rows x [T, C], continuing each sequence's conv state
     ([slots, K - 1, C]) and leaving in it the last K - 1 inputs of each run; weight [C, 1, K]."""
     past = plan.read(conv_state).to(weight.dtype)  # [S, K - 1, C]

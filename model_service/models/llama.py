@@ -61,16 +61,18 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
-    """Attention state lives in the shared paged pool, so prefill chunks, decode rows and mixed
-    batches are one flat-batch operation that differs only in the step batch."""
+class PreNormLayer(nn.Module):
+    """norm -> token mixer -> add & norm -> MLP, over a residual stream the next norm adds in.
+    Subclasses set `input_layernorm`, `post_attention_layernorm`, `mlp` and define `mix`."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    def mix(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
+    ) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(
         self,
@@ -84,9 +86,26 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.with_residual(x, residual)
-        h = self.self_attn(h, rope, ctx)
+        h = self.mix(h, rope, ctx)
         h, residual = self.post_attention_layernorm.with_residual(h, residual)
         return self.mlp(h), residual
+
+
+class DecoderLayer(PreNormLayer):
+    """Attention state lives in the shared paged pool, so prefill chunks, decode rows and mixed
+    batches are one flat-batch operation that differs only in the step batch."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def mix(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
+    ) -> torch.Tensor:
+        return self.self_attn(h, rope, ctx)
 
 
 class DecoderModel(nn.Module):

@@ -23,7 +23,7 @@ from model_service.kernels.fused import apply_rotary
 from model_service.models.config import LinearAttentionShape, Mixer, ModelConfig
 from model_service.models.gated_delta import causal_conv, gated_delta_rule
 from model_service.models.layers import PackedLinear
-from model_service.models.llama import MLP, DecoderModel
+from model_service.models.llama import MLP, DecoderModel, PreNormLayer
 from model_service.models.step import ForwardContext
 
 STATE_TENSORS_PER_LAYER = 2  # conv state [K - 1, conv_dim], delta-rule state [Hv, Dk, Dv]
@@ -158,7 +158,7 @@ def mlp_for(cfg: ModelConfig, layer_idx: int) -> nn.Module:
     return MLP(cfg)
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(PreNormLayer):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -172,21 +172,10 @@ class HybridDecoderLayer(nn.Module):
             self.self_attn = GatedAttention(cfg, layer_idx)
         self.mlp = mlp_for(cfg, layer_idx)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's output, the residual stream before it): the next norm adds the two."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.with_residual(x, residual)
-        h = self.linear_attn(h, ctx) if self.linear else self.self_attn(h, rope, ctx)
-        h, residual = self.post_attention_layernorm.with_residual(h, residual)
-        return self.mlp(h), residual
+    def mix(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
+    ) -> torch.Tensor:
+        return self.linear_attn(h, ctx) if self.linear else self.self_attn(h, rope, ctx)
 
 
 class Qwen3NextModel(DecoderModel):
