@@ -18,10 +18,12 @@ from safetensors.torch import load_file, save_file
 from model_service.engine.engine import Engine
 from model_service.errors import ModelLoadError
 from model_service.models.config import Mixer, ModelConfig
+from model_service.models.gated_delta import chunked_scan, recurrent_scan
 from model_service.models.layers import checkpoint_tensors
 from model_service.models.loader import load_model
 from model_service.models.registry import model_class
 from tests.conftest import assert_all_blocks_free, make_engine, make_tiny_checkpoint, prefill_logits
+from tests.test_beam_search import _hf_beams
 from tests.test_tiny_models import PROMPTS, VOCAB, Case, _one_torch_thread, random_prompt, rel_err, request
 
 __all__ = ["_one_torch_thread"]  # the module-scoped fixture applies here too
@@ -107,7 +109,7 @@ def case_config() -> dict:
 
 def test_logits_match_hf_in_one_pass_and_in_chunks(case: Case):
     engine = make_engine(case.ours, block_size=4)
-    for ids in (PROMPTS[0], PROMPTS[4]):
+    for ids in (PROMPTS[0], PROMPTS[4], random_prompt(150, seed=21)):  # the last one in chunked form
         with torch.no_grad():
             ref = case.hf(torch.tensor([ids])).logits[0, -1]
         assert rel_err(prefill_logits(engine, ids), ref) < 1e-4
@@ -161,6 +163,16 @@ def test_speculative_decoding_rolls_state_back_exactly(case: Case):
     _state_slots_all_back(oracle)
 
 
+def test_beam_search_forks_recurrent_state(case: Case):
+    """Each continuing beam is a fork: its state slot starts as a copy of its parent's."""
+    engine = make_engine(case.ours, block_size=4)
+    for ids, beams in ((PROMPTS[1], 3), (PROMPTS[2], 2)):
+        expected = _hf_beams(case.hf, ids, eos=None, num_beams=beams, max_new_tokens=10)
+        req = {"prompt_token_ids": ids, "max_tokens": 10, "num_beams": beams, "ignore_eos": True}
+        assert engine.generate([req])[0].token_ids == expected
+    _state_slots_all_back(engine)
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_keeps_recurrent_state(case: Case, mode: str):
     """A KV pool too small for all five: sequences are preempted (their state swapped out with
@@ -206,3 +218,21 @@ def test_cuda_matches_hf_with_speculation_and_prefix_cache(case: Case):
         assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(len(PROMPTS))]
     assert engine.stats().prefix_cache_hit_tokens > 0
     _state_slots_all_back(engine)
+
+
+def test_chunked_scan_equals_the_token_by_token_recurrence():
+    """Three chunks (the last one padded), grouped by sequence, from a nonzero state."""
+    gen = torch.Generator().manual_seed(3)
+    seqs, length, heads, dk, dv = 2, 150, 3, 8, 4
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    q, k = (torch.nn.functional.normalize(rand(seqs, length, heads, dk), dim=-1) for _ in range(2))
+    v, state = rand(seqs, length, heads, dv), rand(seqs, heads, dk, dv)
+    g = -torch.rand(seqs, length, heads, generator=gen) * 0.3
+    beta = torch.rand(seqs, length, heads, generator=gen)
+    ref_out, ref_state = recurrent_scan(q, k, v, g, beta, state)
+    out, final = chunked_scan(q, k, v, g, beta, state)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, ref_state, rtol=1e-4, atol=1e-4)

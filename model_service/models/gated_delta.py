@@ -7,8 +7,9 @@ S += k (beta (v - k^T S))), and emits q^T S. Keys and queries are L2-normalized 
 by key_dim^-0.5. Before the recurrence, q/k/v pass through a causal depthwise conv whose state
 is the last conv_kernel - 1 inputs.
 
-This is the token-by-token form (what HF calls the recurrent kernel): exact, and linear in the
-tokens of a step. Padding cells of the grid get g = 0 and beta = 0, which leave the state as is.
+Two forms of the same recurrence: token by token (decode and verify rows, short runs), and
+chunked (long prefill runs; `chunked_scan`). Padding cells of the grid get g = 0 and beta = 0,
+which leave the state as is.
 The state is float32 whatever the model's dtype (as the reference keeps it).
 """
 
@@ -18,6 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from model_service.models.recurrent import RecurrentPlan
+
+CHUNK = 64  # tokens per chunk of the chunked form
+MIN_CHUNKED_RUN = 32  # shorter segments (decode, verify rows) run token by token
 
 
 def causal_conv(
@@ -51,21 +55,81 @@ def gated_delta_rule(
 ) -> torch.Tensor:
     """Outputs [T, Hv, Dv] (in v's dtype) for flat rows q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta
     [T, Hv]; continues each sequence's state in ssm_state [slots, Hv, Dk, Dv] and checkpoints it
-    where the plan says."""
+    where the plan says. The grid's steps are scanned in segments that end at checkpoints."""
     dtype, group = v.dtype, v.shape[1] // k.shape[1]  # each q/k head serves `group` consecutive value heads
     q = l2norm(q.repeat_interleave(group, dim=1).float()) * q.shape[-1] ** -0.5
     k = l2norm(k.repeat_interleave(group, dim=1).float())
     q, k, v, g, beta = (plan.to_grid(t.float()) for t in (q, k, v, g, beta))
     state = plan.read(ssm_state)  # [S, Hv, Dk, Dv]
     out = torch.empty_like(v)
-    for t in range(plan.max_len):
+    start = 0
+    for end in sorted({t + 1 for t in plan.checkpoints} | {plan.max_len}):
+        scan = chunked_scan if end - start >= MIN_CHUNKED_RUN else recurrent_scan
+        part = slice(start, end)
+        out[:, part], state = scan(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], state)
+        if end - 1 in plan.checkpoints:
+            seqs, slots = plan.checkpoints[end - 1]
+            ssm_state[slots] = state[seqs]
+        start = end
+    ssm_state[plan.slots] = state
+    return plan.to_flat(out).to(dtype)
+
+
+def recurrent_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token. q, k [S, L, H, Dk], v [S, L, H, Dv], g, beta [S, L, H], state [S, H, Dk, Dv],
+    all float32; returns (outputs [S, L, H, Dv], the state after the last step)."""
+    out = torch.empty_like(v)
+    for t in range(v.shape[1]):
         state = state * g[:, t].exp()[..., None, None]
         k_t = k[:, t, :, :, None]
         delta = (v[:, t] - (state * k_t).sum(dim=-2)) * beta[:, t, :, None]
         state = state + k_t * delta[:, :, None, :]
         out[:, t] = (state * q[:, t, :, :, None]).sum(dim=-2)
-        if t in plan.checkpoints:
-            seqs, slots = plan.checkpoints[t]
-            ssm_state[slots] = state[seqs]
-    ssm_state[plan.slots] = state
-    return plan.to_flat(out).to(dtype)
+    return out, state
+
+
+def chunked_scan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same as `recurrent_scan`, CHUNK tokens at a time (the DeltaNet paper's UT / WY form):
+    within a chunk, the delta-rule updates are one unit-lower-triangular solve and a few matmuls,
+    so a long prefill takes L / CHUNK sequential steps instead of L. Zero padding (g = beta = 0,
+    k = v = 0) leaves the state and the real tokens' outputs unchanged."""
+    num_seqs, length, heads = v.shape[:3]
+    pad = (-length) % CHUNK
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2) for x in (q, k, v))  # [S, H, L', D]
+    g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(1, 2) for x in (g, beta))  # [S, H, L']
+    q, k, v = (x.reshape(num_seqs, heads, -1, CHUNK, x.shape[-1]) for x in (q, k, v))
+    g, beta = (x.reshape(num_seqs, heads, -1, CHUNK) for x in (g, beta))
+    cum = g.cumsum(dim=-1)  # log of the decay from the chunk's start through each position
+    future = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=v.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(future, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # its strictly lower part; the diagonal is taken as 1
+    intra = (q @ k.transpose(-1, -2)) * decay
+    new_values, k_read = (
+        torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        for rhs in (v * beta[..., None], k_beta * cum.exp()[..., None])
+    )
+    q = q * cum.exp()[..., None]
+    k_write = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    out = torch.empty_like(v)
+    for i in range(v.shape[2]):
+        v_new = new_values[:, :, i] - k_read[:, :, i] @ state
+        out[:, :, i] = q[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + k_write[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(num_seqs, heads, -1, v.shape[-1])[:, :, :length].transpose(1, 2)
+    return out, state
