@@ -276,7 +276,8 @@ class Engine:
             self._emit(seq, [token], lp)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Keep the accepted proposals and the target's next token; cut the rest's K/V off."""
+        """Keep the accepted proposals and the target's next token; cut the rest's K/V off (and
+        restore a hybrid model's recurrent state from the checkpoint after the last kept input)."""
         assert seq.state is not None
         proposals, seq.spec_tokens = seq.spec_tokens, []
         if seq.params.greedy:
