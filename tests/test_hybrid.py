@@ -39,8 +39,6 @@ HYBRID = {
     "num_experts": 4,
     "mlp_only_layers": [0, 1, 2, 3],  # every MLP dense: the MoE block is not ours yet
 }
-
-
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
 
 
@@ -86,15 +84,7 @@ def test_config_and_weights_match_hf(case: Case):
 
 
 def test_moe_layers_are_refused_by_name():
-    raw = {**case_config(), "mlp_only_layers": [0], "decoder_sparse_step": 1}
-    cfg = ModelConfig.from_hf(raw)
-    assert [k.moe for k in cfg.layer_kinds] == [False, True, True, True]
-    with torch.device("meta"), pytest.raises(ModelLoadError, match="layer 1 has a sparse-MoE MLP"):
-        model_class(cfg)(cfg)
-
-
-def case_config() -> dict:
-    return {
+    raw = {
         "architectures": ["Qwen3NextForCausalLM"],
         "vocab_size": 320,
         "hidden_size": 64,
@@ -102,9 +92,13 @@ def case_config() -> dict:
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         **HYBRID,
+        "mlp_only_layers": [0],
     }
+    cfg = ModelConfig.from_hf(raw)
+    assert [k.moe for k in cfg.layer_kinds] == [False, True, True, True]
+    with torch.device("meta"), pytest.raises(ModelLoadError, match="layer 1 has a sparse-MoE MLP"):
+        model_class(cfg)(cfg)
 
 
 def test_logits_match_hf_in_one_pass_and_in_chunks(case: Case):
