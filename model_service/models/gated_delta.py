@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from model_service.models.recurrent import RecurrentPlan
 
 CHUNK = 64  # tokens per chunk of the chunked form
 MIN_CHUNKED_RUN = 32  # shorter segments (decode, verify rows) run token by token
+ScanResult = tuple[Tensor, Tensor]  # (outputs, the state after the last step)
 
 
 def causal_conv(
@@ -75,14 +77,7 @@ def gated_delta_rule(
     return plan.to_flat(out).to(dtype)
 
 
-def recurrent_scan(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def recurrent_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> ScanResult:
     """Token by token. q, k [S, L, H, Dk], v [S, L, H, Dv], g, beta [S, L, H], state [S, H, Dk, Dv],
     all float32; returns (outputs [S, L, H, Dv], the state after the last step)."""
     out = torch.empty_like(v)
@@ -95,14 +90,7 @@ def recurrent_scan(
     return out, state
 
 
-def chunked_scan(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> ScanResult:
     """The same as `recurrent_scan`, CHUNK tokens at a time (the DeltaNet paper's UT / WY form):
     within a chunk, the delta-rule updates are one unit-lower-triangular solve and a few matmuls,
     so a long prefill takes L / CHUNK sequential steps instead of L. Zero padding (g = beta = 0,
