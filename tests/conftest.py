@@ -87,6 +87,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "mixtral": {"cls": "MixtralConfig", "arch": "MixtralForCausalLM"},
     "qwen2_moe": {"cls": "Qwen2MoeConfig", "arch": "Qwen2MoeForCausalLM"},
     "qwen3_moe": {"cls": "Qwen3MoeConfig", "arch": "Qwen3MoeForCausalLM"},
+    "qwen3_next": {"cls": "Qwen3NextConfig", "arch": "Qwen3NextForCausalLM"},
 }
 
 

@@ -226,6 +226,37 @@ def test_recurrent_state_slots_fork_swap_snapshot_and_roll_back():
     assert cache.num_free_state_slots == 4 and cache.num_free_blocks == cache.num_total_blocks
 
 
+def test_state_checkpoints_publish_at_block_boundaries_and_resume_prefixes():
+    """Marconi-style prefix caching for recurrent state, without a model: a step checkpoints at
+    the last block boundary it reaches (the batch marks the row that passes it), the checkpoint is
+    published with that block, a later request resumes from it only at that boundary, and a slot
+    needed when none is free comes from the least recently used snapshot."""
+    cache, fake = _cache(state_slots=4)
+    tokens = list(range(100, 111))  # 11 tokens, 4-token blocks
+    s = cache.allocate()
+    assert cache.reserve(s, 11)
+    assert not cache.plan_checkpoints(s, [1, 2, 3, 4]) and not s.snapshots  # 3 spare: all or nothing
+    cache.plan_boundary_checkpoint(s, 11)
+    assert list(s.snapshots) == [8]
+    batch = BatchBuilder(4, torch.device("cpu")).build([StepItem(s, tokens, 1)])
+    assert batch.host_state_snapshots.tolist() == [-1] * 7 + [s.snapshots[8]] + [-1] * 3
+    fake.state[s.snapshots[8]] = 8  # what the model leaves there as it passes length 8
+    s.num_computed = 11
+    cache.register_full_blocks(s, tokens, 0)
+    assert not s.snapshots and cache.num_cached_states == 1
+    other = cache.allocate()
+    assert cache.take_cached_prefix(other, [*tokens[:10], 5, 6], 0) == 8
+    assert fake.state[other.state_slot] == 8
+    third = cache.allocate()
+    assert cache.take_cached_prefix(third, [*tokens[:7], 1], 0) == 0  # block 1 is cached, no state at 4
+    assert cache.num_free_state_slots == 0 and cache.can_allocate()
+    fourth = cache.allocate()  # takes the snapshot's slot
+    assert cache.num_cached_states == 0 and not cache.can_allocate()
+    for state in (s, other, third, fourth):
+        cache.free(state)
+    assert cache.num_free_state_slots == 4 and cache.num_free_blocks == cache.num_total_blocks
+
+
 # --- the scheduler over a fake executor ----------------------------------------------------------
 
 

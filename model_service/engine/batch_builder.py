@@ -54,6 +54,7 @@ class BatchBuilder:
         table = table.reshape(num_seqs, max_blocks)
         table.fill(0)
         within = np.arange(self.block_size)
+        snapshots = np.full(total, -1, dtype=np.int64)
         r = 0
         for i, it in enumerate(items):
             n, s, o = lens[i], starts[i], q_start[i]
@@ -69,6 +70,9 @@ class BatchBuilder:
             slots[o : o + n] = blocks[p // self.block_size] * self.block_size + within[p % self.block_size]
             lora[o : o + n] = it.state.lora_slot
             state_slots[i] = it.state.state_slot
+            for length, slot in it.state.snapshots.items():  # checkpoints this step's tokens reach
+                if s < length <= s + n:
+                    snapshots[o + length - s - 1] = slot
             rows[r : r + it.num_logits] = np.arange(o + n - it.num_logits, o + n)
             r += it.num_logits
         views = self._to_device(sizes)
@@ -86,6 +90,7 @@ class BatchBuilder:
             max_seq_len=int((starts + lens).max()),
             host_lora_slots=lora.copy(),
             host_query_start=q_start.copy(),
+            host_state_snapshots=snapshots,
         )
 
     def _host_buffer(self, size: int) -> np.ndarray:

@@ -15,6 +15,7 @@ The invariant every test checks: once all requests are finished or aborted, `num
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from model_service.engine.seq_state import SequenceState
@@ -129,31 +130,47 @@ class BlockManager:
 
     # --- prefix cache ---------------------------------------------------------------------
 
-    def take_cached_prefix(self, state: SequenceState, token_ids: list[int], adapter_id: int) -> int:
+    def take_cached_prefix(
+        self,
+        state: SequenceState,
+        token_ids: list[int],
+        adapter_id: int,
+        usable: Callable[[int], bool] | None = None,
+    ) -> int:
         """Attach the longest cached prefix of `token_ids` to an empty `state`; returns tokens reused.
 
         At least one token is always left to compute: the step that computes it yields the logits
-        the request samples from.
+        the request samples from. With `usable`, the prefix ends at the last matched block whose key
+        it accepts (a recurrent model can resume only where a state snapshot was kept).
         """
         assert not state.block_table
         if not self.enable_prefix_caching:
             return 0
-        bs = self.block_size
-        key: int | None = None
-        for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            next_key = block_key(key, tokens, adapter_id)
-            block = self._cached.get(next_key)
-            if block is None or self._blocks[block].tokens != tokens:
-                break
+        matched = self._match(token_ids, adapter_id)
+        while usable is not None and matched and not usable(matched[-1][0]):
+            matched.pop()
+        for key, block in matched:
             if self._blocks[block].ref_count == 0:
                 del self._free[block]
             self._blocks[block].ref_count += 1
             state.block_table.append(block)
-            key = next_key
             state.block_keys.append(key)
-        state.num_computed = len(state.block_table) * bs
+        state.num_computed = len(state.block_table) * self.block_size
         return state.num_computed
+
+    def _match(self, token_ids: list[int], adapter_id: int) -> list[tuple[int, int]]:
+        """(key, block) of each block of the longest cached prefix that leaves a token to compute."""
+        bs = self.block_size
+        key: int | None = None
+        matched: list[tuple[int, int]] = []
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            key = block_key(key, tokens, adapter_id)
+            block = self._cached.get(key)
+            if block is None or self._blocks[block].tokens != tokens:
+                break
+            matched.append((key, block))
+        return matched
 
     def register_full_blocks(self, state: SequenceState, token_ids: list[int], adapter_id: int) -> None:
         """Publish `state`'s newly completed blocks to the prefix cache."""

@@ -7,14 +7,24 @@ bytes only through `KVMover`, which the executor implements; so the scheduler an
 unchanged over a CPU reference, a GPU, or N tensor-parallel executors behind one mover.
 
 Recurrent state cannot be cut back like K/V: a state slot holds the whole history. A sequence
-can `snapshot` its state at its current length (into a spare slot), and `truncate` to exactly a
-snapshotted length restores it; speculative verify snapshots before the draft tokens, hybrid
-prefix caching at block boundaries.
+keeps copies of it at given lengths in `SequenceState.snapshots` (length -> spare slot): `snapshot`
+copies it at the current length; `plan_checkpoints` reserves slots for lengths the next step will
+pass, which the model fills as its recurrence passes them. `truncate` to a kept length restores it.
+
+Speculative verify checkpoints after each of its tokens but the last (what the production engine
+does with its per-position "SSM intermediates"): any rejection point then restores with one copy,
+where snapshot-before-verify would have to run the accepted tokens through the model again.
+
+Prefix caching (Marconi-style): a step checkpoints at the last block boundary it reaches, and
+`register_full_blocks` publishes that state under the block's prefix key, in an LRU map whose
+entries give their slots back when a slot is needed. A new request resumes from the longest cached
+prefix that ends at a published state, so a warm multi-turn request computes only its new tokens.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,6 +83,7 @@ class CacheManager:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.has_state = num_state_slots > 0
         self._free_state_slots = list(range(num_state_slots))
+        self._cached_states: OrderedDict[int, int] = OrderedDict()  # block key -> state slot, LRU first
         self._seq_ids = itertools.count()
 
     # --- capacity -------------------------------------------------------------------------
@@ -89,8 +100,13 @@ class CacheManager:
     def num_free_state_slots(self) -> int:
         return len(self._free_state_slots)
 
+    @property
+    def num_cached_states(self) -> int:
+        """State slots holding prefix-cache snapshots (given back when a slot is needed)."""
+        return len(self._cached_states)
+
     def can_allocate(self) -> bool:
-        return not self.has_state or bool(self._free_state_slots)
+        return not self.has_state or self._spare_state_slots() > 0
 
     # --- life of a sequence ---------------------------------------------------------------
 
@@ -119,14 +135,57 @@ class CacheManager:
 
     def take_cached_prefix(self, state: SequenceState, token_ids: list[int], adapter_id: int) -> int:
         """Attach the longest cached prefix of `token_ids`; returns the tokens reused. A model with
-        recurrent layers reuses none: its state at the prefix's end is not cached (yet)."""
-        if self.has_state:
-            return 0
-        return self.blocks.take_cached_prefix(state, token_ids, adapter_id)
+        recurrent layers reuses a prefix only up to a block whose state snapshot is cached, and
+        starts from a copy of that state."""
+        if not self.has_state:
+            return self.blocks.take_cached_prefix(state, token_ids, adapter_id)
+        has_state = self._cached_states.__contains__
+        reused = self.blocks.take_cached_prefix(state, token_ids, adapter_id, has_state)
+        if reused:
+            key = state.block_keys[-1]
+            self._cached_states.move_to_end(key)
+            self.mover.copy_state(self._cached_states[key], state.state_slot)
+        return reused
 
     def register_full_blocks(self, state: SequenceState, token_ids: list[int], adapter_id: int) -> None:
+        """Publish `state`'s newly full blocks to the prefix cache; with recurrent layers, also the
+        snapshots taken at their boundaries. Other snapshots up to the current length are released."""
+        self.blocks.register_full_blocks(state, token_ids, adapter_id)
+        for length in [n for n in state.snapshots if n <= state.num_computed]:
+            slot = state.snapshots.pop(length)
+            key = self._key_ending_at(state, length)
+            if key is None or key in self._cached_states:
+                self._free_state_slots.append(slot)
+            else:
+                self._cached_states[key] = slot
+
+    def _key_ending_at(self, state: SequenceState, length: int) -> int | None:
+        """The prefix-cache key of `state`'s block that ends at `length`, once that block is registered."""
+        index = length // self.block_size - 1
+        if length % self.block_size or not 0 <= index < len(state.block_keys):
+            return None
+        return state.block_keys[index]
+
+    def plan_checkpoints(self, state: SequenceState, lengths: list[int]) -> bool:
+        """Reserve a slot for `state`'s recurrent state at each of `lengths` (past its current
+        length); the model writes them as the next step passes those lengths. All or nothing;
+        True at once for a model without recurrent layers."""
         if not self.has_state:
-            self.blocks.register_full_blocks(state, token_ids, adapter_id)
+            return True
+        if self._spare_state_slots() < len(lengths):
+            return False
+        for length in lengths:
+            state.snapshots[length] = self._take_state_slot()
+        return True
+
+    def plan_boundary_checkpoint(self, state: SequenceState, num_tokens: int) -> None:
+        """Prefix caching with recurrent layers: keep the state at the last block boundary that the
+        next `num_tokens` tokens reach, to publish with that block (best effort)."""
+        if not self.has_state or not self.blocks.enable_prefix_caching:
+            return
+        boundary = (state.num_computed + num_tokens) // self.block_size * self.block_size
+        if boundary > state.num_computed and boundary not in state.snapshots:
+            self.plan_checkpoints(state, [boundary])
 
     def make_writable(self, state: SequenceState) -> bool:
         """Copy-on-write: before appending into a partial last block shared with another sequence,
@@ -185,7 +244,7 @@ class CacheManager:
         free. Nothing to keep for a model without recurrent layers."""
         if not self.has_state:
             return True
-        if not self._free_state_slots:
+        if not self._spare_state_slots():
             return False
         slot = self._take_state_slot()
         self.mover.copy_state(state.state_slot, slot)
@@ -206,7 +265,13 @@ class CacheManager:
         self.blocks.truncate(state, num_tokens)
         state.num_computed = num_tokens
 
+    def _spare_state_slots(self) -> int:
+        return len(self._free_state_slots) + len(self._cached_states)
+
     def _take_state_slot(self) -> int:
-        if not self._free_state_slots:
-            raise RuntimeError("no recurrent-state slot is free; check can_allocate() first")
-        return self._free_state_slots.pop()
+        """A free slot, else the least recently used prefix-cache snapshot's."""
+        if self._free_state_slots:
+            return self._free_state_slots.pop()
+        if self._cached_states:
+            return self._cached_states.popitem(last=False)[1]
+        raise RuntimeError("no recurrent-state slot is free; check can_allocate() first")

@@ -32,7 +32,7 @@ from model_service.engine.cache_manager import CacheManager
 from model_service.engine.config import EngineConfig
 from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.draft import DraftProposer, load_draft
-from model_service.engine.executor import ModelExecutor, kv_blocks_for_budget
+from model_service.engine.executor import ModelExecutor, kv_blocks_for_budget, recurrent_state_bytes
 from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.requests import PromptReader
 from model_service.engine.sampler import SampleRow, TokenLogprobs, filtered_probs, sample
@@ -92,19 +92,25 @@ class Engine:
         dtype = next(self.loaded.module.parameters()).dtype
         self.speculative = SpeculativeConfig.from_json(config.speculative_config)
         draft = load_draft(self.speculative, config, self.loaded)  # None unless method "draft"
+        state_slots = self._num_state_slots()
         num_blocks = config.num_kv_blocks or kv_blocks_for_budget(
-            mc, config.block_size, dtype, device, config.kv_cache_memory_bytes, config.gpu_memory_utilization,
+            mc,
+            config.block_size,
+            dtype,
+            device,
+            config.kv_cache_memory_bytes,
+            config.gpu_memory_utilization,
             draft.config if draft is not None else None,
+            recurrent_state_bytes(self.loaded.module, state_slots),
         )
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size
         )
-        self.executor = ModelExecutor(self.loaded, config, num_blocks, self.max_model_len)
+        self.executor = ModelExecutor(self.loaded, config, num_blocks, self.max_model_len, state_slots)
         per_token = self.executor.kv_cache.bytes_per_block(
             mc.layer_kinds, 1, mc.num_kv_heads, mc.head_dim, dtype
         )
-        state_slots = config.max_num_seqs * 2 if mc.num_state_layers else 0
         self.cache = CacheManager(blocks, self.executor, per_token, state_slots)
         self.lora = LoraPool(mc, config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.executor)
         self.scheduler = Scheduler(config, self.cache, self.lora)
@@ -133,6 +139,14 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return self.loaded.config.vocab_size
+
+    def _num_state_slots(self) -> int:
+        """Recurrent-state slots (hybrid models): per running sequence its own, one per speculative
+        token (verify checkpoints), and one for prefix-cache snapshots; none without recurrent layers."""
+        if not self.loaded.config.num_state_layers:
+            return 0
+        spec = self.speculative.num_speculative_tokens if self.speculative is not None else 0
+        return self.config.max_num_seqs * (2 + spec)
 
     # --- requests -------------------------------------------------------------------------
 
@@ -223,10 +237,10 @@ class Engine:
         """One forward pass over the scheduled work; returns the sequences it produced tokens for."""
         items = [self._item(seq, n) for seq, n in work]
         logits = self.executor.execute(self.builder.build(items))
-        self.num_computed_tokens += sum(n for _, n in work)
+        self.num_computed_tokens += sum(len(item.tokens) for item in items)
         rows, verify, first = [], [], 0  # one logits row per plain row; k + 1 per verify row
-        for (seq, n), item in zip(work, items, strict=True):
-            item.state.num_computed += n
+        for (seq, _), item in zip(work, items, strict=True):
+            item.state.num_computed += len(item.tokens)
             if item.num_logits > 1:
                 verify.append((seq, logits[first : first + item.num_logits]))
             else:
@@ -251,7 +265,13 @@ class Engine:
         """`n` of the sequence's pending tokens, or its last token and its proposals to verify."""
         assert seq.state is not None
         if n > seq.num_pending:  # the scheduler took its proposals
-            return StepItem(seq.state, [seq.token_ids[-1], *seq.spec_tokens], n)
+            # Recurrent state is checkpointed after each verify token but the last, for rollback;
+            # without the slots for that, the row runs as a plain decode row.
+            lengths = list(range(seq.num_computed + 1, seq.num_computed + n))
+            if self.cache.plan_checkpoints(seq.state, lengths):
+                return StepItem(seq.state, [seq.token_ids[-1], *seq.spec_tokens], n)
+            seq.spec_tokens, n = [], seq.num_pending
+        self.cache.plan_boundary_checkpoint(seq.state, n)
         start = seq.num_computed
         ends_prompt = start + n == len(seq.token_ids)
         return StepItem(seq.state, seq.token_ids[start : start + n], int(ends_prompt))
@@ -264,7 +284,8 @@ class Engine:
             self._emit(seq, [token], lp)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Keep the accepted proposals and the target's next token; cut the rest's K/V off."""
+        """Keep the accepted proposals and the target's next token; cut the rest's K/V off (and
+        restore a hybrid model's recurrent state from the checkpoint after the last kept input)."""
         assert seq.state is not None
         proposals, seq.spec_tokens = seq.spec_tokens, []
         draft_probs, seq.spec_probs = seq.spec_probs, None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from model_service.lora.adapter import LoraAdapter
 from model_service.lora.layers import LoraLayers, wrap_lora_layers
 from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel
+from model_service.models.recurrent import RecurrentModel, RecurrentPlan, RecurrentStep
 from model_service.models.step import AttentionBackend, ForwardContext, StepBatch
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -37,9 +39,11 @@ def kv_blocks_for_budget(
     budget: int | None,
     gpu_memory_utilization: float,
     draft: ModelConfig | None = None,
+    state_bytes: int = 0,
 ) -> int:
-    """How many K/V blocks fit: `budget` bytes, else a share of free GPU memory, else 1 GiB on CPU.
-    With a draft model, each block of the target's pool comes with one of the draft's."""
+    """How many K/V blocks fit: `budget` bytes, else a share of free GPU memory less the recurrent
+    state tensors (`state_bytes`, allocated beside the pool), else 1 GiB on CPU. With a draft
+    model, each block of the target's pool comes with one of the draft's."""
     per_block = sum(
         KVCache.bytes_per_block(c.layer_kinds, block_size, c.num_kv_heads, c.head_dim, dtype)
         for c in [config, *([draft] if draft is not None else [])]
@@ -47,10 +51,17 @@ def kv_blocks_for_budget(
     if budget is None:
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
-            budget = int(free - total * (1 - gpu_memory_utilization))
+            budget = int(free - total * (1 - gpu_memory_utilization)) - state_bytes
         else:
             budget = _DEFAULT_CPU_KV_BYTES
     return max(budget // per_block, 0)
+
+
+def recurrent_state_bytes(module: nn.Module, num_slots: int) -> int:
+    """Device bytes of the float32 state tensors `ModelExecutor` allocates for `num_slots` slots."""
+    if not isinstance(module, RecurrentModel):
+        return 0
+    return 4 * num_slots * sum(math.prod(shape) for shape in module.recurrent_state_shapes())
 
 
 def _own_module_tree(module: nn.Module) -> nn.Module:
@@ -64,7 +75,12 @@ class ModelExecutor:
     """Implements `KVMover` and the LoRA `SlotWriter` for one device."""
 
     def __init__(
-        self, loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        num_state_slots: int = 0,
     ) -> None:
         max_loras = config.max_loras
         self.module = _own_module_tree(loaded.module) if max_loras > 0 else loaded.module
@@ -105,8 +121,14 @@ class ModelExecutor:
                 )
         else:
             self.attention = TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
-        # One tensor per recurrent layer, [slots, ...]; none for attention-only models.
+        # Float32 tensors [slots, ...], as many per recurrent layer as the model lists; none for
+        # attention-only models.
         self.state_tensors: list[torch.Tensor] = []
+        if isinstance(self.module, RecurrentModel) and num_state_slots > 0:
+            self.state_tensors = [
+                torch.zeros(num_state_slots, *shape, dtype=torch.float32, device=self.device)
+                for shape in self.module.recurrent_state_shapes()
+            ]
         if self.device.type == "cuda":
             # cuDNN's SDPA builds a new graph for every new context length: 2.2 ms of CPU per layer
             # call on an H200, 25x the GPU time. The flash/efficient kernels have no such cost.
@@ -119,7 +141,10 @@ class ModelExecutor:
 
     def _graphs_apply(self) -> bool:
         """MoE experts are capturable only on their grouped path (bf16, sm90+); elsewhere the
-        expert loop reads token counts on the host, so decode steps run eagerly."""
+        expert loop reads token counts on the host, so decode steps run eagerly. Graphs hold no
+        recurrent-state slots: hybrid models run eagerly too."""
+        if self.config.num_state_layers:
+            return False
         moe = any(kind.moe for kind in self.config.layer_kinds)
         return not moe or grouped_experts_apply(self.dtype, self.device)
 
@@ -135,7 +160,10 @@ class ModelExecutor:
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         self.attention.prepare(batch)
-        ctx = ForwardContext(attention=self.attention, logits_rows=batch.logits_rows)
+        recurrent = None
+        if self.state_tensors:
+            recurrent = RecurrentStep(RecurrentPlan.from_batch(batch), self.state_tensors)
+        ctx = ForwardContext(attention=self.attention, logits_rows=batch.logits_rows, recurrent=recurrent)
         return self.module(batch.input_ids, batch.positions, ctx)
 
     # --- KVMover ------------------------------------------------------------------------
@@ -157,15 +185,15 @@ class ModelExecutor:
             t[dst] = t[src]
 
     def save_state(self, slot: int) -> torch.Tensor:
-        return (
-            torch.stack([t[slot] for t in self.state_tensors]).to("cpu")
-            if self.state_tensors
-            else torch.empty(0)
-        )
+        """Every state tensor's row `slot`, flattened into one float32 host tensor (their shapes differ)."""
+        if not self.state_tensors:
+            return torch.empty(0)
+        return torch.cat([t[slot].reshape(-1) for t in self.state_tensors]).to("cpu")
 
     def load_state(self, saved: torch.Tensor, slot: int) -> None:
-        for t, s in zip(self.state_tensors, saved, strict=True):
-            t[slot] = s.to(self.device)
+        sizes = [t[0].numel() for t in self.state_tensors]
+        for t, part in zip(self.state_tensors, saved.to(self.device).split(sizes), strict=True):
+            t[slot] = part.view(t.shape[1:])
 
     # --- LoRA SlotWriter -----------------------------------------------------------------
 

@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()}  # config.json model_type
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -55,6 +56,17 @@ def attention_layers(windows: list[int | None]) -> list[LayerKind]:
     ]
 
 
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """Sizes of a Gated DeltaNet mixer (Qwen3-Next's `linear_*` fields)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int  # causal depthwise conv width; the conv state keeps conv_kernel - 1 inputs
+
+
 @dataclass
 class ModelConfig:
     family: str
@@ -74,6 +86,8 @@ class ModelConfig:
     o_proj_bias: bool = False  # Llama/Qwen3 `attention_bias` covers o_proj too; Qwen2's q/k/v bias does not
     mlp_bias: bool = False  # Llama `mlp_bias`
     qk_norm: bool = False
+    rotary_dim: int | None = None  # partial rotary: RoPE on the first rotary_dim dims only (None: all)
+    linear_attention: LinearAttentionShape | None = None  # set when some layer is LINEAR_ATTENTION
     layer_kinds: list[LayerKind] = field(default_factory=list)  # one per layer
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
@@ -111,7 +125,9 @@ class ModelConfig:
             )
         # HF: Llama/Qwen3 put `attention_bias` on q/k/v/o; Qwen2 always has q/k/v bias and no o bias;
         # Mistral has no bias at all whatever the config says.
-        attention_bias = family in ("llama", "qwen3", "qwen3_moe") and bool(raw.get("attention_bias", False))
+        attention_bias = family in ("llama", "qwen3", "qwen3_moe", "qwen3_next") and bool(
+            raw.get("attention_bias", False)
+        )
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -131,12 +147,14 @@ class ModelConfig:
                 qkv_bias=family == "qwen2" or attention_bias or _qwen2_moe_qkv_bias(raw, family),
                 o_proj_bias=attention_bias,
                 mlp_bias=family == "llama" and bool(raw.get("mlp_bias", False)),
-                qk_norm=family in ("qwen3", "qwen3_moe"),
+                qk_norm=family in ("qwen3", "qwen3_moe", "qwen3_next"),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from e
         cfg.rope_theta, cfg.rope_scaling = _rope_from_hf(raw)
         cfg.layer_kinds = attention_layers(_sliding_windows_from_hf(raw, family, layers))
+        if family == "qwen3_next":
+            _hybrid_from_hf(raw, cfg)
         if family in MOE_FAMILIES:
             _moe_from_hf(cfg, raw)
         cfg.eos_token_ids = _token_ids(raw.get("eos_token_id"))
@@ -158,6 +176,7 @@ def _token_ids(value: Any) -> list[int]:
 def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
+    params.pop("partial_rotary_factor", None)  # a head-dim split, not a frequency scaling: see rotary_dim
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
@@ -203,7 +222,7 @@ def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> l
     return [int(window) if i >= max_window_layers else None for i in range(layers)]
 
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next")
 
 
 def _qwen2_moe_qkv_bias(raw: dict[str, Any], family: str) -> bool:
@@ -238,3 +257,32 @@ def _moe_from_hf(cfg: ModelConfig, raw: dict[str, Any]) -> None:
             f"num_experts {cfg.num_experts}"
         )
     cfg.layer_kinds = [replace(k, moe=s) for k, s in zip(cfg.layer_kinds, sparse, strict=True)]
+
+
+def _hybrid_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
+    """Qwen3-Next: per-layer linear / full attention, Gated DeltaNet sizes, partial rotary."""
+    try:
+        cfg.linear_attention = LinearAttentionShape(
+            num_key_heads=int(raw["linear_num_key_heads"]),
+            num_value_heads=int(raw["linear_num_value_heads"]),
+            key_head_dim=int(raw["linear_key_head_dim"]),
+            value_head_dim=int(raw["linear_value_head_dim"]),
+            conv_kernel=int(raw["linear_conv_kernel_dim"]),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from e
+    shape = cfg.linear_attention
+    if shape.num_value_heads % shape.num_key_heads:
+        raise ModelLoadError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    rope = raw.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    cfg.rotary_dim = int(cfg.head_dim * float(factor))
+    types = raw.get("layer_types") or [
+        "full_attention" if (i + 1) % int(raw.get("full_attention_interval", 4)) == 0 else "linear_attention"
+        for i in range(cfg.num_layers)
+    ]
+    mixers = {"linear_attention": Mixer.LINEAR_ATTENTION, "full_attention": Mixer.FULL_ATTENTION}
+    unknown = sorted(set(types) - set(mixers))
+    if unknown or len(types) != cfg.num_layers:
+        raise ModelLoadError(f"layer_types must list {cfg.num_layers} of {sorted(mixers)}, got {types}")
+    cfg.layer_kinds = [LayerKind(mixers[t]) for t in types]  # which are sparse: _moe_from_hf

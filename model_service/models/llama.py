@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from model_service.models.config import ModelConfig
-from model_service.models.layers import MLP, PackedLinear, RMSNorm
-from model_service.models.moe import SparseMoeBlock
+from model_service.models.layers import PackedLinear, RMSNorm
+from model_service.models.moe import mlp_for
 from model_service.models.rope import RotaryEmbedding
 from model_service.models.step import ForwardContext
 
@@ -49,16 +49,18 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, -1))
 
 
-class DecoderLayer(nn.Module):
-    """Attention state lives in the shared paged pool, so prefill chunks, decode rows and mixed
-    batches are one flat-batch operation that differs only in the step batch."""
+class PreNormLayer(nn.Module):
+    """norm -> token mixer -> add & norm -> MLP, over a residual stream the next norm adds in.
+    Subclasses set `input_layernorm`, `post_attention_layernorm`, `mlp` and define `mix`."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoeBlock(cfg) if cfg.layer_kinds[layer_idx].moe else MLP(cfg)
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    def mix(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
+    ) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(
         self,
@@ -72,25 +74,48 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.with_residual(x, residual)
-        h = self.self_attn(h, rope, ctx)
+        h = self.mix(h, rope, ctx)
         h, residual = self.post_attention_layernorm.with_residual(h, residual)
         return self.mlp(h), residual
 
 
+class DecoderLayer(PreNormLayer):
+    """Attention state lives in the shared paged pool, so prefill chunks, decode rows and mixed
+    batches are one flat-batch operation that differs only in the step batch."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp_for(cfg, layer_idx)
+
+    def mix(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
+    ) -> torch.Tensor:
+        return self.self_attn(h, rope, ctx)
+
+
 class DecoderModel(nn.Module):
-    """Embeddings, the layer stack, final norm and LM head; logits only for requested rows."""
+    """Embeddings, the layer stack, final norm and LM head; logits only for requested rows.
+
+    A decoder whose layers or norm differ (the hybrid Qwen3-Next) subclasses this and names its
+    own `layer_class` / `norm_class`: the stack, the residual stream and the LM head are shared."""
+
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[nn.Module] = RMSNorm
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.model.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
+        self.model.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] flat batch. Returns float32 logits [len(ctx.logits_rows), vocab]."""

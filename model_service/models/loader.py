@@ -165,5 +165,6 @@ def build_module(
     module.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
-    module.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+    rotary_dim = config.rotary_dim or config.head_dim
+    module.rotary = RotaryEmbedding(rotary_dim, config.rope_theta, config.rope_scaling).to(device)
     return module.eval()

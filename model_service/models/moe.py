@@ -69,3 +69,9 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def mlp_for(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+    """Layer `layer_idx`'s MLP: the sparse-MoE block where the config marks the layer sparse,
+    else the dense SwiGLU MLP."""
+    return SparseMoeBlock(cfg) if cfg.layer_kinds[layer_idx].moe else MLP(cfg)

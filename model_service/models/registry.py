@@ -12,6 +12,7 @@ from torch import nn
 from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
 from model_service.models.llama import DecoderModel
+from model_service.models.qwen3_next import Qwen3NextModel
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": DecoderModel,
@@ -21,6 +22,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mixtral": DecoderModel,
     "qwen2_moe": DecoderModel,
     "qwen3_moe": DecoderModel,
+    "qwen3_next": Qwen3NextModel,
 }
 
 

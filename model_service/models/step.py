@@ -3,7 +3,8 @@
 `StepBatch` is backend-neutral: flat token rows of many sequences (decode rows, prefill
 chunks, verify runs; any order), described the way paged-attention kernels want them
 (`query_start` offsets, `seq_lens`, a block table), plus which rows' logits are wanted (any
-number per sequence), each sequence's recurrent-state slot and each token's LoRA slot. The
+number per sequence), each sequence's recurrent-state slot (and the slots that keep copies of it after given
+tokens) and each token's LoRA slot. The
 engine builds it once per step (engine/batch_builder.py); every layer reads the same one.
 
 A model never builds attention masks or gathers context itself: its layers call
@@ -15,10 +16,13 @@ the batch in `prepare`. Backends that can be captured in CUDA graphs also implem
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from model_service.models.recurrent import RecurrentStep
 
 
 @dataclass
@@ -38,6 +42,9 @@ class StepBatch:
     max_seq_len: int
     host_lora_slots: np.ndarray  # [T] the same LoRA slots on the host (segment planning)
     host_query_start: np.ndarray  # [S + 1] the same query offsets on the host (kernel grids)
+    # [T] state slot that receives each token's recurrent state once the token is in (-1: none):
+    # the per-position checkpoints of verify rows and the prefix cache's block-boundary snapshots.
+    host_state_snapshots: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -124,3 +131,4 @@ class ForwardContext:
 
     attention: AttentionBackend  # already prepared for this step's batch
     logits_rows: torch.Tensor  # [N] rows to run the LM head on
+    recurrent: RecurrentStep | None = None  # state tensors and this step's plan (hybrid models only)

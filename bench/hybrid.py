@@ -1,0 +1,115 @@
+"""Prefill and decode speed of the hybrid Qwen3-Next decoder (random weights, no download).
+
+Setup (printed in every line): a Qwen3-Next-shaped model with dense MLPs (the default: 3 Gated
+DeltaNet layers per gated-attention layer, Qwen3-Next-80B's mixer sizes, `--layers` layers;
+`--small` for a tiny one that runs on CPU), one device, greedy, random prompt ids, EOS ignored.
+- prefill: one request of `--prompt-len` tokens, one step, timed with the chunked scan and with
+  the token-by-token recurrence (the two forms of `models/gated_delta.py`).
+- decode: `--batches` requests decoding together; tokens/s = batch x steps / time, after prefill.
+Prints one JSON line per result.
+
+    python bench/hybrid.py [--layers 8] [--prompt-len 2048] [--batches 1 16 64] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from model_service.engine.config import EngineConfig
+from model_service.engine.engine import Engine
+from model_service.models import gated_delta
+from model_service.models.config import LayerKind, LinearAttentionShape, Mixer, ModelConfig
+from model_service.models.loader import LoadedModel
+from model_service.models.qwen3_next import Qwen3NextModel
+
+
+def _config(layers: int, small: bool) -> ModelConfig:
+    mixers = [Mixer.FULL_ATTENTION if i % 4 == 3 else Mixer.LINEAR_ATTENTION for i in range(layers)]
+    hidden, inter, heads, head_dim = (128, 256, 4, 32) if small else (2048, 5120, 16, 256)
+    sizes = {"hidden_size": hidden, "intermediate_size": inter, "num_heads": heads, "head_dim": head_dim}
+    linear = LinearAttentionShape(2, 4, 32, 32, 4) if small else LinearAttentionShape(16, 32, 128, 128, 4)
+    return ModelConfig(
+        family="qwen3_next",
+        vocab_size=32000,
+        num_layers=layers,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=65536,
+        qk_norm=True,
+        rotary_dim=sizes["head_dim"] // 4,
+        linear_attention=linear,
+        num_kv_heads=2,
+        layer_kinds=[LayerKind(m) for m in mixers],
+        **sizes,
+    )
+
+
+def _engine(cfg: ModelConfig, device: str, dtype: torch.dtype, **config: object) -> Engine:
+    torch.manual_seed(0)
+    with torch.device(device):
+        module = Qwen3NextModel(cfg)
+    for name, p in module.named_parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, 0, 0.02)
+        elif name.endswith("A_log"):
+            p.data.uniform_(1, 16).log_()
+    loaded = LoadedModel("hybrid-random", cfg, module.to(dtype).eval(), None)
+    dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    return Engine(EngineConfig(device=device, dtype=dtype_name, max_loras=0, **config), loaded=loaded)
+
+
+def _timed(engine: Engine, requests: list[dict], device: str) -> float:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.generate(requests)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 32000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--small", action="store_true")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg = _config(args.layers, args.small)
+    engine = _engine(cfg, device, dtype, max_num_batched_tokens=max(args.prompt_len, 2048), block_size=16)
+    setup = {"device": device, "dtype": str(dtype), "layers": args.layers, "small": args.small}
+    prefill = [{"prompt_token_ids": _prompt(64, 1), "max_tokens": 1, "temperature": 0}]
+    _timed(engine, prefill, device)  # warm-up
+    default_run = gated_delta.MIN_CHUNKED_RUN
+    for form, min_run in (("chunked", default_run), ("recurrent", 1 << 30)):
+        gated_delta.MIN_CHUNKED_RUN = min_run
+        ids = _prompt(args.prompt_len, seed=2 if form == "chunked" else 3)  # no prefix-cache reuse
+        seconds = _timed(engine, [{**prefill[0], "prompt_token_ids": ids}], device)
+        rate = round(args.prompt_len / seconds, 1)
+        result = {"bench": "prefill", "form": form, "prompt_len": args.prompt_len, "tokens_per_s": rate}
+        print(json.dumps({**setup, **result, "seconds": round(seconds, 4)}))
+    gated_delta.MIN_CHUNKED_RUN = default_run
+    for batch in args.batches:
+        reqs = [
+            {"prompt_token_ids": _prompt(16, 100 + i), "max_tokens": n, "temperature": 0, "ignore_eos": True}
+            for i in range(batch)
+            for n in (1, args.new_tokens)
+        ]
+        first, full = _timed(engine, reqs[0::2], device), _timed(engine, reqs[1::2], device)
+        rate = batch * (args.new_tokens - 1) / (full - first)
+        result = {"bench": "decode", "batch": batch, "new_tokens": args.new_tokens}
+        print(json.dumps({**setup, **result, "tokens_per_s": round(rate, 1)}))
+
+
+if __name__ == "__main__":
+    main()

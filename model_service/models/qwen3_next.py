@@ -1,0 +1,182 @@
+"""Qwen3-Next: a hybrid decoder of Gated DeltaNet (linear attention) and gated full-attention layers.
+
+What differs from the Llama-family decoder (`llama.py`, whose stack and residual stream it reuses):
+- Token mixers alternate per `ModelConfig.layer_kinds`: `GatedDeltaNet` layers keep a fixed-size
+  recurrent state per sequence (conv state + delta-rule state, in the executor's state tensors,
+  see `recurrent.py` and `gated_delta.py`); `GatedAttention` layers use the paged K/V pool.
+- Gated attention: q_proj emits, per head, the query and an output gate; the attention output is
+  multiplied by sigmoid(gate) before o_proj. q and k get a per-head norm; RoPE covers only the
+  first `rotary_dim` dims of each head (partial rotary).
+- Every RMSNorm except the gated one inside GatedDeltaNet is zero-centered: it scales by
+  (1 + weight), in float32, rounding once at the end.
+The MLP is chosen per layer by `mlp_for`: the place where the sparse-MoE block plugs in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_service.kernels.fused import apply_rotary
+from model_service.models.config import LinearAttentionShape, Mixer, ModelConfig
+from model_service.models.gated_delta import causal_conv, gated_delta_rule
+from model_service.models.layers import PackedLinear
+from model_service.models.llama import DecoderModel, PreNormLayer
+from model_service.models.moe import mlp_for
+from model_service.models.step import ForwardContext
+
+STATE_TENSORS_PER_LAYER = 2  # conv state [K - 1, conv_dim], delta-rule state [Hv, Dk, Dv]
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight): a zero weight is the identity scale (how Qwen3-Next stores it)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+    def with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = x + residual
+        return self(summed), summed
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of the DeltaNet output per value head, then times SiLU(z), z being the output gate."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (h * F.silu(gate.float())).to(x.dtype)
+
+
+def rotate_partial(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] dims of each head of x [T, H, D]; the rest pass through."""
+    dim = rope[0].shape[-1]
+    if dim == x.shape[-1]:
+        return apply_rotary(x, *rope)
+    return torch.cat([apply_rotary(x[..., :dim], *rope), x[..., dim:]], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.layer_idx = layer_idx
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_sizes = (2 * q, kv, kv)  # q_proj: per head, head_dim query then head_dim gate
+        self.qkv_proj = PackedLinear(
+            cfg.hidden_size, {"q_proj": 2 * q, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias
+        )
+        self.o_proj = PackedLinear(q, {"o_proj": cfg.hidden_size}, cfg.o_proj_bias)
+        self.q_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q_gate, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q, gate = q_gate.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = rotate_partial(self.q_norm(q), rope)
+        k = rotate_partial(self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)), rope)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        out = ctx.attention.forward(self.layer_idx, q.contiguous(), k.contiguous(), v)
+        return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1)))
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with a per-sequence recurrent state; `state_index` counts the recurrent
+    layers before this one, and picks this layer's tensors out of the executor's state list."""
+
+    def __init__(self, cfg: ModelConfig, shape: LinearAttentionShape, state_index: int) -> None:
+        super().__init__()
+        self.shape, self.state_index = shape, state_index
+        hk, hv, dk, dv = shape.num_key_heads, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim
+        self.key_dim, self.value_dim = hk * dk, hv * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        group = hv // hk
+        # Per key head: q (dk), k (dk), v (group * dv), z (group * dv); then b, a (group each).
+        self.qkvz_split = [dk, dk, group * dv, group * dv]
+        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * hv, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, shape.conv_kernel, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(hv))
+        self.A_log = nn.Parameter(torch.zeros(hv))
+        self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        s = self.shape
+        return [(s.conv_kernel - 1, self.conv_dim), (s.num_value_heads, s.key_head_dim, s.value_head_dim)]
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        assert ctx.recurrent is not None, "a linear-attention layer needs the executor's state tensors"
+        n, s = x.shape[0], self.shape
+        hk, hv = s.num_key_heads, s.num_value_heads
+        q, k, v, z = self.in_proj_qkvz(x).view(n, hk, -1).split(self.qkvz_split, dim=-1)
+        b, a = self.in_proj_ba(x).view(n, hk, -1).chunk(2, dim=-1)
+        conv_state, ssm_state = ctx.recurrent.layer_state(self.state_index, STATE_TENSORS_PER_LAYER)
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        mixed = causal_conv(mixed, conv_state, self.conv1d.weight, ctx.recurrent.plan)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta = b.reshape(n, hv).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(n, hv).float() + self.dt_bias)
+        core = gated_delta_rule(
+            q.reshape(n, hk, s.key_head_dim),
+            k.reshape(n, hk, s.key_head_dim),
+            v.reshape(n, hv, s.value_head_dim),
+            g,
+            beta,
+            ssm_state,
+            ctx.recurrent.plan,
+        )
+        out = self.norm(core, z.reshape(n, hv, s.value_head_dim))
+        return self.out_proj(out.reshape(n, -1))
+
+
+class HybridDecoderLayer(PreNormLayer):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.linear = cfg.layer_kinds[layer_idx].mixer is Mixer.LINEAR_ATTENTION
+        if self.linear:
+            assert cfg.linear_attention is not None
+            index = sum(not k.holds_kv for k in cfg.layer_kinds[:layer_idx])
+            self.linear_attn = GatedDeltaNet(cfg, cfg.linear_attention, index)
+        else:
+            self.self_attn = GatedAttention(cfg, layer_idx)
+        self.mlp = mlp_for(cfg, layer_idx)
+
+    def mix(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
+    ) -> torch.Tensor:
+        return self.linear_attn(h, ctx) if self.linear else self.self_attn(h, rope, ctx)
+
+
+class Qwen3NextModel(DecoderModel):
+    layer_class = HybridDecoderLayer
+    norm_class = ZeroCenteredRMSNorm
+
+    def recurrent_state_shapes(self) -> list[tuple[int, ...]]:
+        """Per linear-attention layer, in order: its conv state and its delta-rule state."""
+        return [
+            shape
+            for layer in self.model.layers
+            if layer.linear
+            for shape in layer.linear_attn.state_shapes()
+        ]

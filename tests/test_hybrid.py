@@ -1,0 +1,231 @@
+"""The hybrid Qwen3-Next decoder (Gated DeltaNet + gated attention) against HF transformers, and the
+engine paths that must carry its recurrent state: chunked prefill, mixed batches, speculative
+verify rollback, swap preemption and prefix-cache state snapshots.
+
+The checkpoint is tiny (4 layers, linear / full alternating, every MLP dense) with its 1-D weights
+randomized too: HF initializes the zero-centered norms to 0 and the decay so strong that the state
+forgets within a token or two, where a wrong (1 + weight) or a dropped state would go unseen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model_service.engine.engine import Engine
+from model_service.engine.speculation import NgramProposer, SpeculativeConfig
+from model_service.models.config import Mixer
+from model_service.models.gated_delta import chunked_scan, recurrent_scan
+from model_service.models.layers import checkpoint_tensors
+from model_service.models.loader import load_model
+from tests.conftest import assert_all_blocks_free, make_engine, make_tiny_checkpoint, prefill_logits
+from tests.test_beam_search import _hf_beams
+from tests.test_tiny_models import PROMPTS, VOCAB, Case, _one_torch_thread, random_prompt, rel_err, request
+
+__all__ = ["_one_torch_thread"]  # the module-scoped fixture applies here too
+
+HYBRID = {
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention"] * 2,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,  # two value heads per key head (grouped)
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "mlp_only_layers": [0, 1, 2, 3],  # every MLP dense here; test_sparse_moe_layers_match_hf has MoE
+}
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
+
+
+def _randomize_1d(path: Path, seed: int) -> None:
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if name.endswith("A_log"):  # decay rates exp(A_log) * softplus(.) well below 1 per token
+            tensors[name] = torch.empty(t.shape).uniform_(0.02, 0.5, generator=gen).log()
+        elif t.dim() == 1:  # norms (zero-centered and gated) and dt_bias
+            tensors[name] = t + torch.randn(t.shape, generator=gen) * 0.3
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory: pytest.TempPathFactory) -> Case:
+    path = make_tiny_checkpoint("qwen3_next", tmp_path_factory.mktemp("qwen3_next") / "ckpt", **HYBRID)
+    _randomize_1d(path, seed=0)
+    return Case(path)
+
+
+def _state_slots_all_back(engine: Engine) -> None:
+    """Every state slot is free or holds a prefix-cache snapshot: none leaked, none held twice."""
+    assert_all_blocks_free(engine)
+    cache = engine.cache
+    assert cache.num_free_state_slots + cache.num_cached_states == engine.executor.state_tensors[0].shape[0]
+    assert len(set(cache._free_state_slots) | set(cache._cached_states.values())) == (
+        cache.num_free_state_slots + cache.num_cached_states
+    )
+
+
+def test_config_and_weights_match_hf(case: Case):
+    cfg = case.ours.config
+    assert [k.mixer for k in cfg.layer_kinds] == [Mixer.LINEAR_ATTENTION, Mixer.FULL_ATTENTION] * 2
+    assert cfg.num_state_layers == 2 and not any(k.moe for k in cfg.layer_kinds)
+    assert cfg.rotary_dim == 4  # partial_rotary_factor 0.25 of head_dim 16
+    ours = checkpoint_tensors(case.ours.module)
+    hf = dict(case.hf.named_parameters())
+    assert set(ours) == set(hf)
+    for name, p in hf.items():
+        torch.testing.assert_close(ours[name], p, rtol=0, atol=0)
+
+
+def test_sparse_moe_layers_match_hf(tmp_path: Path):
+    """Qwen3-Next's sparse-MoE MLPs (router, top-k renormalized, shared expert behind a sigmoid
+    gate) on three of the four layers: logits and greedy tokens as HF's."""
+    moe = {**HYBRID, "mlp_only_layers": [0], "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    path = make_tiny_checkpoint("qwen3_next", tmp_path / "ckpt", **moe, shared_expert_intermediate_size=48)
+    _randomize_1d(path, seed=1)
+    sparse = Case(path)
+    assert [k.moe for k in sparse.ours.config.layer_kinds] == [False, True, True, True]
+    engine = make_engine(sparse.ours, block_size=4)
+    with torch.no_grad():
+        ref = sparse.hf(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    assert rel_err(prefill_logits(engine, PROMPTS[0]), ref) < 1e-4
+    outs = engine.generate([request(ids) for ids in PROMPTS[:3]])
+    assert [o.token_ids for o in outs] == [sparse.hf_greedy(i) for i in range(3)]
+    _state_slots_all_back(engine)
+
+
+def test_logits_match_hf_in_one_pass_and_in_chunks(case: Case):
+    engine = make_engine(case.ours, block_size=4)
+    for ids in (PROMPTS[0], PROMPTS[4], random_prompt(150, seed=21)):  # the last one in chunked form
+        with torch.no_grad():
+            ref = case.hf(torch.tensor([ids])).logits[0, -1]
+        assert rel_err(prefill_logits(engine, ids), ref) < 1e-4
+        assert rel_err(prefill_logits(engine, ids, chunk=3), ref) < 1e-4
+    assert_all_blocks_free(engine)
+
+
+def test_greedy_tokens_match_hf_alone_batched_and_chunked(case: Case):
+    """Alone (each reusing the slot the one before freed), all at once (mixed prefill + decode
+    steps), and with 5-token chunks of prefill interleaved with other sequences' decodes."""
+    expected = [case.hf_greedy(i) for i in range(len(PROMPTS))]
+    engine = make_engine(case.ours)
+    assert [engine.generate([request(ids)])[0].token_ids for ids in PROMPTS] == expected
+    assert [o.token_ids for o in engine.generate([request(ids) for ids in PROMPTS])] == expected
+    _state_slots_all_back(engine)
+    chunked = make_engine(case.ours, max_num_batched_tokens=5, block_size=4)
+    assert [o.token_ids for o in chunked.generate([request(ids) for ids in PROMPTS])] == expected
+    _state_slots_all_back(chunked)
+
+
+class _FlawedOracle(NgramProposer):
+    """Proposes the known greedy continuation with one wrong token, at a position that cycles with
+    the length, so verify steps accept every count of proposals from 0 to k: each count rolls the
+    recurrent state back to a different checkpoint (k: none)."""
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        super().__init__(SpeculativeConfig())
+        self.sequences = sequences
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        full = next(s for s in self.sequences if s[: len(token_ids)] == token_ids)
+        out = full[len(token_ids) : len(token_ids) + k]
+        wrong = len(token_ids) % (k + 1)
+        if wrong < len(out):
+            out[wrong] = (out[wrong] + 1) % VOCAB
+        return out
+
+
+def test_speculative_decoding_rolls_state_back_exactly(case: Case):
+    prompts = [PROMPTS[0], PROMPTS[2], random_prompt(9, seed=5)]
+    reqs = [{**request(ids), "max_tokens": 24} for ids in prompts]
+    plain = [o.token_ids for o in make_engine(case.ours).generate(reqs)]
+    ngram = make_engine(case.ours, speculative_config=SPEC)
+    assert [o.token_ids for o in ngram.generate(reqs)] == plain
+    assert ngram.stats().spec_proposed_tokens > 0  # all rejected: a random model does not repeat itself
+    _state_slots_all_back(ngram)
+    oracle = make_engine(case.ours, speculative_config=SPEC)
+    oracle.proposer = _FlawedOracle([ids + out for ids, out in zip(prompts, plain, strict=True)])
+    assert [o.token_ids for o in oracle.generate(reqs)] == plain
+    stats = oracle.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens
+    _state_slots_all_back(oracle)
+
+
+def test_beam_search_forks_recurrent_state(case: Case):
+    """Each continuing beam is a fork: its state slot starts as a copy of its parent's."""
+    engine = make_engine(case.ours, block_size=4)
+    for ids, beams in ((PROMPTS[1], 3), (PROMPTS[2], 2)):
+        expected = _hf_beams(case.hf, ids, eos=None, num_beams=beams, max_new_tokens=10)
+        req = {"prompt_token_ids": ids, "max_tokens": 10, "num_beams": beams, "ignore_eos": True}
+        assert engine.generate([req])[0].token_ids == expected
+    _state_slots_all_back(engine)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_keeps_recurrent_state(case: Case, mode: str):
+    """A KV pool too small for all five: sequences are preempted (their state swapped out with
+    their K/V, or dropped and recomputed) and still produce exactly HF's tokens."""
+    engine = make_engine(case.ours, num_kv_blocks=14, block_size=4, preemption_mode=mode)
+    outs = engine.generate([request(ids) for ids in PROMPTS])
+    assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(len(PROMPTS))]
+    assert engine.stats().num_preemptions > 0
+    _state_slots_all_back(engine)
+
+
+def test_warm_multi_turn_request_resumes_from_a_state_snapshot(case: Case):
+    """Turn 2 resends turn 1's prompt and answer plus a new message: it reuses the cached blocks
+    and the recurrent state kept at the last block boundary turn 1 computed, prefills only the
+    rest, and answers exactly as a cold engine does."""
+    first = random_prompt(37, seed=11)
+    warm = make_engine(case.ours, block_size=4)
+    answer = warm.generate([{**request(first), "max_tokens": 10}])[0].token_ids
+    second = first + answer + random_prompt(6, seed=12)  # 53 tokens
+    before = warm.stats()
+    warm_out = warm.generate([request(second)])[0].token_ids
+    after = warm.stats()
+    # Turn 1 computed 46 tokens (its last answer token is never fed back): 11 full blocks, with
+    # a state snapshot at 44, so turn 2 computes 53 - 44 prompt tokens and 15 decode rows.
+    assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == 44
+    assert after.num_computed_tokens - before.num_computed_tokens == (53 - 44) + 15
+    cold = make_engine(case.ours, block_size=4, enable_prefix_caching=False)
+    assert warm_out == cold.generate([request(second)])[0].token_ids
+    _state_slots_all_back(warm)
+    assert warm.cache.num_cached_states > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_hf_with_speculation_and_prefix_cache(case: Case):
+    """The same checkpoint on CUDA (Triton attention and RoPE, the torch recurrence) gives HF's
+    greedy tokens, with speculative rollback and prefix-state reuse on."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    loaded = load_model(str(case.path), torch.float32, torch.device("cuda"))
+    engine = make_engine(loaded, device="cuda", block_size=16, speculative_config=SPEC)
+    for _ in range(2):  # the second round resumes from the prefix cache's state snapshots
+        outs = engine.generate([request(ids) for ids in PROMPTS])
+        assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(len(PROMPTS))]
+    assert engine.stats().prefix_cache_hit_tokens > 0
+    _state_slots_all_back(engine)
+
+
+def test_chunked_scan_equals_the_token_by_token_recurrence():
+    """Three chunks (the last one padded), grouped by sequence, from a nonzero state."""
+    gen = torch.Generator().manual_seed(3)
+    seqs, length, heads, dk, dv = 2, 150, 3, 8, 4
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    q, k = (torch.nn.functional.normalize(rand(seqs, length, heads, dk), dim=-1) for _ in range(2))
+    v, state = rand(seqs, length, heads, dv), rand(seqs, heads, dk, dv)
+    g = -torch.rand(seqs, length, heads, generator=gen) * 0.3
+    beta = torch.rand(seqs, length, heads, generator=gen)
+    ref_out, ref_state = recurrent_scan(q, k, v, g, beta, state)
+    out, final = chunked_scan(q, k, v, g, beta, state)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, ref_state, rtol=1e-4, atol=1e-4)
