@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from spindle import tls as tls_files
-from spindle.service_token import RequireToken, SendToken, ServiceToken
+from spindle.service_token import RequireToken, ServiceToken, send_token
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Security:
         control: bool = False,
     ) -> grpc.aio.Channel:
         """A channel to another service; `control` adds the service token to every call."""
-        extra = [SendToken(self.token)] if control and self.token is not None else []
+        extra = send_token(self.token) if control and self.token is not None else []
         return tls_files.aio_channel(target, self.tls, options, [*interceptors, *extra])
 
 

@@ -110,30 +110,37 @@ def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMet
     )
 
 
-class SendToken(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds the service token to every call of a channel (read at each call, so rotation applies)."""
-
+class _SendToken:
     def __init__(self, token: ServiceToken) -> None:
         self.token = token
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
-        metadata.add(HEADER, self.token.value().decode())
+        metadata.add(HEADER, self.token.value().decode())  # read at each call: rotation applies
         return details._replace(metadata=metadata)
 
+
+class _UnaryUnary(_SendToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _UnaryStream(_SendToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _StreamUnary(_SendToken, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
 
+
+class _StreamStream(_SendToken, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
+
+
+def send_token(token: ServiceToken) -> list[Any]:
+    """Client interceptors adding the token to every call of a channel. One per call shape: an aio
+    channel files each interceptor under the first shape it implements."""
+    return [cls(token) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
