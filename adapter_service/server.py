@@ -421,6 +421,7 @@ async def serve(args: argparse.Namespace) -> int:
             await asyncio.wait_for(stop.wait(), 2.0)
     await health.set(False)
     await server.stop(grace=5.0)
+    await health.stop()
     await controller.close()
     if provider is not None:
         provider.shutdown()
@@ -452,6 +453,7 @@ async def start(
     server = serving.make_server([*guard, *telemetry.server_interceptors(provider)])
     health = serving.Health(server, SERVICES)
     port = serving.bind(server, args.host, args.port, security.tls)
+    await health.serve_plaintext(args.host, getattr(args, "health_port", 0))
     controller = Controller(
         registry,
         store,

@@ -369,6 +369,7 @@ async def start(
     )
     server = serving.make_server(telemetry.server_interceptors(provider))
     health = serving.Health(server, SERVICES)
+    await health.serve_plaintext(args.host, getattr(args, "health_port", 0))
     gateway: GatewayService
 
     adapter_service = getattr(args, "adapter_service", "")
@@ -423,6 +424,7 @@ async def shutdown(
     while gateway.inflight and loop.time() < deadline:
         await asyncio.sleep(0.05)
     await server.stop(grace=1.0)
+    await health.stop()
     await gateway.pool.close()
     if gateway.directory is not None:
         await gateway.directory.close()

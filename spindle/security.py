@@ -54,6 +54,13 @@ PLAINTEXT = Security()
 
 def add_security_args(parser: argparse.ArgumentParser) -> None:
     tls_files.add_tls_args(parser)
+    parser.add_argument_group("health").add_argument(
+        "--health-port",
+        type=int,
+        default=0,
+        help="also serve grpc.health.v1 alone, in plaintext, on this port: for Kubernetes' gRPC probes, "
+        "which speak no TLS; 0 = off [0]",
+    )
     parser.add_argument_group("service token").add_argument(
         "--control-token-file",
         default="",

@@ -62,6 +62,22 @@ class Health:
         # The aio servicer starts with "" SERVING; nothing may route here before we say so.
         self.servicer._server_status[""] = NOT_SERVING
         self.serving = False
+        self._plaintext: grpc.aio.Server | None = None
+
+    async def serve_plaintext(self, host: str, port: int) -> None:
+        """Also answer on `port` (0 = not), alone and without TLS: Kubernetes' gRPC probes speak no
+        TLS, and a health status is no secret."""
+        if not port:
+            return
+        server = make_server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        bind(server, host, port)
+        await server.start()
+        self._plaintext = server
+
+    async def stop(self) -> None:
+        if self._plaintext is not None:
+            await self._plaintext.stop(0)
 
     async def set(self, serving: bool) -> None:
         self.serving = serving

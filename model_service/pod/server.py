@@ -151,6 +151,7 @@ async def serve(args: argparse.Namespace) -> int:
     servers = await start(
         pod, args.host, args.port, args.control_port, provider, args.adapter_cache_dir, security
     )
+    await pod.health.serve_plaintext(args.host, args.health_port)
     serving.on_shutdown_signal(pod.request_exit)
     if args.metrics_port:
         metrics_port = pod.metrics.serve(args.host, args.metrics_port)
@@ -169,6 +170,7 @@ async def serve(args: argparse.Namespace) -> int:
     if loading.done() and not loading.cancelled() and loading.exception() is None:
         await pod.drain()
     await servers.stop(grace=1.0)
+    await pod.health.stop()
     pod.close()
     if provider is not None:
         provider.shutdown()
