@@ -14,6 +14,7 @@ import asyncio
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from adapter_service import server as adapter_server
 from adapter_service.client import AdaptersClient
@@ -33,7 +34,7 @@ from spindle.v1 import (
     model_control_pb2_grpc,
 )
 from tests.certs import authority, leaf
-from tests.service_helpers import token_request
+from tests.service_helpers import free_port, token_request
 
 Code = grpc.StatusCode
 KEYS = "ops key-ops * admin\nuser key-user *\n"
@@ -113,7 +114,8 @@ async def _run(tiny_llama, adapter: Path, tmp: Path) -> None:
     (tmp / "keys").write_text(KEYS)
     gateway_args = gateway_server.build_parser(argparse.ArgumentParser()).parse_args(
         ["--host", "127.0.0.1", "--port", "0", "--pods", f"127.0.0.1:{servers.port}", "--api-keys-file",
-         str(tmp / "keys"), "--health-interval", "0.1", "--adapter-service", controller.advertise, *flags]
+         str(tmp / "keys"), "--health-interval", "0.1", "--adapter-service", controller.advertise,
+         "--health-port", str(health_port := free_port()), *flags]
     )  # fmt: skip
     gateway, gserver, health = await gateway_server.start(gateway_args)
     target = f"127.0.0.1:{gateway.port}"
@@ -131,6 +133,9 @@ async def _run(tiny_llama, adapter: Path, tmp: Path) -> None:
             out = [r async for r in stream]
         assert out[-1].final.usage.completion_tokens == 4
         assert await asyncio.to_thread(_plaintext_refused, target)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as ch:  # the kubelet's probe
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await gateway_server.shutdown(gateway, gserver, health, 1.0)
         await server.stop(0)
