@@ -9,7 +9,6 @@ the answer in spans, which shows the search would find them.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 
@@ -18,13 +17,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway import server as gateway_server
-from model_service.engine.config import EngineConfig
-from model_service.engine.engine import Engine
-from model_service.pod import server as pod_server
-from model_service.pod.state import ModelPod
 from spindle.client import chat_request
 from spindle.v1 import generation_pb2_grpc
+from tests.service_helpers import gateway_in_process, pod_in_process
 
 SECRET = "hunter2-QX7Z-9931"
 API_KEY = "sk-live-5f0c1e8b9a7d4c2e"
@@ -60,19 +55,13 @@ async def _run(smollm2, tmp_path, caplog, monkeypatch) -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    pod = ModelPod("smollm2", drain_timeout=1.0)
-    servers = await pod_server.start(pod, "127.0.0.1", 0, 0, provider)
-    config = EngineConfig(model=smollm2.name, device="cpu", dtype="float32", num_kv_blocks=64)
-    await pod.load(lambda: Engine(config, loaded=smollm2))
     (tmp_path / "keys").write_text(f"alice {API_KEY} *\n")
-    args = gateway_server.build_parser(argparse.ArgumentParser()).parse_args(
-        ["--host", "127.0.0.1", "--port", "0", "--pods", f"127.0.0.1:{servers.port}",
-         "--api-keys-file", str(tmp_path / "keys"), "--health-interval", "0.1"]
-    )  # fmt: skip
-    gateway, gserver, health = await gateway_server.start(args, provider)
-    try:
-        while not gateway.pool.healthy():
-            await asyncio.sleep(0.02)
+    async with (
+        pod_in_process(smollm2, "smollm2", provider) as pod,
+        gateway_in_process(
+            ["--pods", f"127.0.0.1:{pod.port}", "--api-keys-file", str(tmp_path / "keys")], provider
+        ) as gateway,
+    ):
         assert "loaded 1 API keys" in _logs(caplog, 0)  # the logs are being searched
         monkeypatch.delenv("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", raising=False)
         since = len(caplog.records)
@@ -91,10 +80,6 @@ async def _run(smollm2, tmp_path, caplog, monkeypatch) -> None:
         spans, logs = _span_text(exporter), _logs(caplog, since)
         assert SECRET in spans and answer in spans.replace('\\"', '"')
         assert SECRET not in logs and API_KEY not in logs and API_KEY not in spans  # keys: never
-    finally:
-        await gateway_server.shutdown(gateway, gserver, health, 1.0)
-        await servers.stop(0)
-        pod.close()
 
 
 def test_prompts_answers_and_keys_stay_out_of_logs_and_spans_unless_opted_in(

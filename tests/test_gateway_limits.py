@@ -3,7 +3,6 @@ a retry hint from a real gateway (in this test's event loop, in front of an in-p
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
@@ -13,14 +12,9 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from gateway import auth
-from gateway import server as gateway_server
 from gateway.limits import Limits
-from model_service.engine.config import EngineConfig
-from model_service.engine.engine import Engine
-from model_service.pod import server as pod_server
-from model_service.pod.state import ModelPod
 from spindle.v1 import generation_pb2_grpc
-from tests.service_helpers import token_request
+from tests.service_helpers import gateway_in_process, pod_in_process, token_request
 
 Code = grpc.StatusCode
 
@@ -99,39 +93,28 @@ async def _exhausted(call) -> grpc.aio.AioRpcError:
 
 
 async def _run(tiny_llama, tmp_path) -> None:
-    pod = ModelPod("tiny", drain_timeout=1.0)
-    servers = await pod_server.start(pod, "127.0.0.1", 0, 0)
-    config = EngineConfig(model=tiny_llama.name, device="cpu", dtype="float32", num_kv_blocks=64)
-    await pod.load(lambda: Engine(config, loaded=tiny_llama))
     (tmp_path / "keys").write_text(KEYS)
-    args = gateway_server.build_parser(argparse.ArgumentParser()).parse_args(
-        ["--host", "127.0.0.1", "--port", "0", "--pods", f"127.0.0.1:{servers.port}",
-         "--api-keys-file", str(tmp_path / "keys"), "--health-interval", "0.1"]
-    )  # fmt: skip
-    gateway, gserver, health = await gateway_server.start(args)
-    try:
-        while not gateway.pool.healthy():
-            await asyncio.sleep(0.02)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as ch:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            short = token_request([5, 6, 7], 2, temperature=0.0)
-            assert len([r async for r in stub.Generate(short, metadata=_md("key-rated"), timeout=20)]) > 0
-            e = await _exhausted(stub.Generate(short, metadata=_md("key-rated"), timeout=20))
-            ms, delay = _retry_hint(e)
-            assert 0 < ms <= 1000 and delay == pytest.approx(ms / 1000) and "rate limit" in e.details()
+    keys = ["--api-keys-file", str(tmp_path / "keys")]
+    async with (
+        pod_in_process(tiny_llama, "tiny") as pod,
+        gateway_in_process(["--pods", f"127.0.0.1:{pod.port}", *keys]) as gw,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch,
+    ):
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        short = token_request([5, 6, 7], 2, temperature=0.0)
+        assert len([r async for r in stub.Generate(short, metadata=_md("key-rated"), timeout=20)]) > 0
+        e = await _exhausted(stub.Generate(short, metadata=_md("key-rated"), timeout=20))
+        ms, delay = _retry_hint(e)
+        assert 0 < ms <= 1000 and delay == pytest.approx(ms / 1000) and "rate limit" in e.details()
 
-            first = stub.Generate(token_request([5, 6, 7], 500), metadata=_md("key-single"), timeout=30)
-            await first.read()  # the stream is open and holds the key's only slot
-            e = await _exhausted(stub.Generate(short, metadata=_md("key-single"), timeout=20))
-            assert "streams open" in e.details() and _retry_hint(e)[0] > 0
-            first.cancel()
-            while gateway.limits.open_streams("single"):
-                await asyncio.sleep(0.01)
-            assert len([r async for r in stub.Generate(short, metadata=_md("key-single"), timeout=20)]) > 0
-    finally:
-        await gateway_server.shutdown(gateway, gserver, health, 1.0)
-        await servers.stop(0)
-        pod.close()
+        first = stub.Generate(token_request([5, 6, 7], 500), metadata=_md("key-single"), timeout=30)
+        await first.read()  # the stream is open and holds the key's only slot
+        e = await _exhausted(stub.Generate(short, metadata=_md("key-single"), timeout=20))
+        assert "streams open" in e.details() and _retry_hint(e)[0] > 0
+        first.cancel()
+        while gw.limits.open_streams("single"):
+            await asyncio.sleep(0.01)
+        assert len([r async for r in stub.Generate(short, metadata=_md("key-single"), timeout=20)]) > 0
 
 
 def test_rate_and_concurrency_limits_answer_resource_exhausted_with_a_retry_hint(tiny_llama, tmp_path):

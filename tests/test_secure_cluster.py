@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -18,11 +20,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from adapter_service import server as adapter_server
 from adapter_service.client import AdaptersClient
-from gateway import server as gateway_server
-from model_service.engine.config import EngineConfig
-from model_service.engine.engine import Engine
-from model_service.pod import server as pod_server
-from model_service.pod.state import ModelPod
 from spindle.security import Security, add_security_args, security_from_args
 from spindle.service_token import ServiceToken
 from spindle.tls import TlsConfig, aio_channel, sync_channel
@@ -34,7 +31,7 @@ from spindle.v1 import (
     model_control_pb2_grpc,
 )
 from tests.certs import authority, leaf
-from tests.service_helpers import free_port, token_request
+from tests.service_helpers import free_port, gateway_in_process, pod_in_process, token_request
 
 Code = grpc.StatusCode
 KEYS = "ops key-ops * admin\nuser key-user *\n"
@@ -97,34 +94,40 @@ def _admin_checks(gateway: str, service: str, client_tls: TlsConfig, token: byte
         assert [a.name for a in direct.list()] == ["secured"]
 
 
+@contextlib.asynccontextmanager
+async def _adapter_service(pod_control: str, base: str, tmp: Path, flags: list[str]) -> AsyncIterator[str]:
+    """The adapter service in this event loop; yields its address."""
+    service_args = adapter_server.build_parser(argparse.ArgumentParser()).parse_args(
+        ["--host", "127.0.0.1", "--port", "0", "--pods", pod_control, "--base-model", base,
+         "--storage-dir", str(tmp / "store"), *flags]
+    )  # fmt: skip
+    server, _, controller = await adapter_server.start(service_args)
+    try:
+        yield controller.advertise
+    finally:
+        await server.stop(0)
+        await controller.close()
+
+
 async def _run(tiny_llama, adapter: Path, tmp: Path) -> None:
     flags, client_tls = _secrets(tmp)
     parse = argparse.ArgumentParser()
     add_security_args(parse)
     security = security_from_args(parse.parse_args(flags))
-    pod = ModelPod("tiny", drain_timeout=1.0)
-    servers = await pod_server.start(pod, "127.0.0.1", 0, 0, None, str(tmp / "cache"), security)
-    config = EngineConfig(model=tiny_llama.name, device="cpu", dtype="float32", num_kv_blocks=64, max_loras=2)
-    await pod.load(lambda: Engine(config, loaded=tiny_llama))
-    service_args = adapter_server.build_parser(argparse.ArgumentParser()).parse_args(
-        ["--host", "127.0.0.1", "--port", "0", "--pods", f"127.0.0.1:{servers.control_port}",
-         "--base-model", tiny_llama.name, "--storage-dir", str(tmp / "store"), *flags]
-    )  # fmt: skip
-    server, _, controller = await adapter_server.start(service_args)
     (tmp / "keys").write_text(KEYS)
-    gateway_args = gateway_server.build_parser(argparse.ArgumentParser()).parse_args(
-        ["--host", "127.0.0.1", "--port", "0", "--pods", f"127.0.0.1:{servers.port}", "--api-keys-file",
-         str(tmp / "keys"), "--health-interval", "0.1", "--adapter-service", controller.advertise,
-         "--health-port", str(health_port := free_port()), *flags]
-    )  # fmt: skip
-    gateway, gserver, health = await gateway_server.start(gateway_args)
-    target = f"127.0.0.1:{gateway.port}"
-    try:
-        while not gateway.pool.healthy():
-            await asyncio.sleep(0.02)
-        await _control_checks(f"127.0.0.1:{servers.control_port}", security, client_tls)
+    health_port = free_port()
+    async with (
+        pod_in_process(tiny_llama, "tiny", None, security, max_loras=2) as pod,
+        _adapter_service(f"127.0.0.1:{pod.control_port}", tiny_llama.name, tmp, flags) as service,
+        gateway_in_process(
+            ["--pods", f"127.0.0.1:{pod.port}", "--api-keys-file", str(tmp / "keys"),
+             "--adapter-service", service, "--health-port", str(health_port), *flags]
+        ) as gateway,
+    ):  # fmt: skip
+        target = f"127.0.0.1:{gateway.port}"
+        await _control_checks(f"127.0.0.1:{pod.control_port}", security, client_tls)
         token = ServiceToken(str(tmp / "token")).value()
-        await asyncio.to_thread(_admin_checks, target, controller.advertise, client_tls, token, adapter)
+        await asyncio.to_thread(_admin_checks, target, service, client_tls, token, adapter)
         req = token_request([5, 6, 7], 4, temperature=0.0)
         req.adapter = "secured"
         md = (("authorization", "Bearer key-user"),)
@@ -136,12 +139,6 @@ async def _run(tiny_llama, adapter: Path, tmp: Path) -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as ch:  # the kubelet's probe
             reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        await gateway_server.shutdown(gateway, gserver, health, 1.0)
-        await server.stop(0)
-        await controller.close()
-        await servers.stop(0)
-        pod.close()
 
 
 def _plaintext_refused(target: str) -> bool:
