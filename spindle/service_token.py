@@ -114,33 +114,25 @@ class _SendToken:
     def __init__(self, token: ServiceToken) -> None:
         self.token = token
 
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    async def _intercept(self, continuation: Any, details: grpc.aio.ClientCallDetails, request: Any) -> Any:
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
         metadata.add(HEADER, self.token.value().decode())  # read at each call: rotation applies
-        return details._replace(metadata=metadata)
+        return await continuation(details._replace(metadata=metadata), request)
 
 
-class _UnaryUnary(_SendToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
-
-
-class _UnaryStream(_SendToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
-
-
-class _StreamUnary(_SendToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(self._details(details), requests)
-
-
-class _StreamStream(_SendToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(self._details(details), requests)
+_SHAPES = {
+    grpc.aio.UnaryUnaryClientInterceptor: "intercept_unary_unary",
+    grpc.aio.UnaryStreamClientInterceptor: "intercept_unary_stream",
+    grpc.aio.StreamUnaryClientInterceptor: "intercept_stream_unary",
+    grpc.aio.StreamStreamClientInterceptor: "intercept_stream_stream",
+}
 
 
 def send_token(token: ServiceToken) -> list[Any]:
-    """Client interceptors adding the token to every call of a channel. One per call shape: an aio
-    channel files each interceptor under the first shape it implements."""
-    return [cls(token) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    """Client interceptors adding the token to every call of a channel. One per call shape, each
+    the same method under that shape's name: an aio channel files an interceptor under the first
+    shape it implements."""
+    return [
+        type(f"SendToken{shape.__name__}", (_SendToken, shape), {method: _SendToken._intercept})(token)
+        for shape, method in _SHAPES.items()
+    ]
