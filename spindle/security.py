@@ -16,6 +16,7 @@ import grpc
 
 from spindle import tls as tls_files
 from spindle.service_token import RequireToken, ServiceToken, send_token
+from spindle.tls_channel import aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class Security:
     ) -> grpc.aio.Channel:
         """A channel to another service; `control` adds the service token to every call."""
         extra = send_token(self.token) if control and self.token is not None else []
-        return tls_files.aio_channel(target, self.tls, options, [*interceptors, *extra])
+        return aio_channel(target, self.tls, options, [*interceptors, *extra])
 
 
 PLAINTEXT = Security()

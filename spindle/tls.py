@@ -6,10 +6,9 @@ bundle it trusts, for the servers it calls and (with `--tls-require-client-cert`
 
 Rotation: a server re-reads the files on the next TLS handshake after they change (gRPC asks a
 certificate fetcher before each handshake), so cert-manager renewing a Secret needs no restart;
-a half-written pair (new certificate, old key) is ignored until both match. A client reads the
-files whenever it opens a channel; a channel that stays open keeps the connection it has, which
-its server keeps accepting (a server never re-checks a running connection), and picks up the new
-files once it reconnects through a new channel (a pod rediscovered, the next CLI run).
+a half-written pair (new certificate, old key) is ignored until both match. A service's client
+channel is made again with the new files (spindle/tls_channel.py); the synchronous channel of
+the CLI clients reads them once, at start.
 """
 
 from __future__ import annotations
@@ -66,7 +65,21 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def _stamp(paths: tuple[str, ...]) -> tuple:
+def paths(tls: TlsConfig) -> tuple[str, ...]:
+    return tuple(p for p in (tls.cert_file, tls.key_file, tls.ca_file) if p)
+
+
+def check_pair(tls: TlsConfig) -> None:
+    """Raise ValueError unless the key belongs to the certificate (a rotation may be half-way)."""
+    if not tls.cert_file:
+        return
+    try:  # the stdlib checks the pair; gRPC would only fail handshakes later
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(tls.cert_file, tls.key_file)
+    except ssl.SSLError as e:
+        raise ValueError(f"{tls.key_file} is not the key of {tls.cert_file}: {e}") from e
+
+
+def stamp(paths: tuple[str, ...]) -> tuple:
     """Changes whenever one of the files is replaced (a Secret update swaps a symlink) or rewritten."""
     out = []
     for p in paths:
@@ -80,13 +93,12 @@ class _ServerCertificates:
 
     def __init__(self, tls: TlsConfig) -> None:
         self.tls = tls
-        self.paths = tuple(p for p in (tls.cert_file, tls.key_file, tls.ca_file) if p)
-        self.stamp = _stamp(self.paths)
+        self.paths = paths(tls)
+        self.stamp = stamp(self.paths)
         self.initial = self._load()
 
     def _load(self) -> Any:
-        # The stdlib checks that the key belongs to the certificate; gRPC would only fail handshakes.
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.tls.cert_file, self.tls.key_file)
+        check_pair(self.tls)
         ca = _read(self.tls.ca_file) if self.tls.ca_file else None
         return grpc.ssl_server_certificate_configuration(
             [(_read(self.tls.key_file), _read(self.tls.cert_file))], root_certificates=ca
@@ -94,14 +106,14 @@ class _ServerCertificates:
 
     def __call__(self) -> Any:
         try:
-            stamp = _stamp(self.paths)
-            if stamp == self.stamp:
+            now = stamp(self.paths)
+            if now == self.stamp:
                 return None
             config = self._load()
-        except (OSError, ssl.SSLError) as e:  # mid-rotation: keep serving the previous files
+        except (OSError, ValueError) as e:  # mid-rotation: keep serving the previous files
             log.warning("TLS files changed but are not usable yet (%s); keeping the previous ones", e)
             return None
-        self.stamp = stamp
+        self.stamp = now
         log.info("TLS certificate reloaded from %s", self.tls.cert_file)
         return config
 
@@ -123,16 +135,6 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
 
 def channel_options(tls: TlsConfig) -> list[tuple[str, Any]]:
     return [("grpc.ssl_target_name_override", tls.server_name)] if tls.dials_tls and tls.server_name else []
-
-
-def aio_channel(
-    target: str, tls: TlsConfig, options: list[tuple[str, Any]] = (), interceptors: list[Any] = ()
-) -> grpc.aio.Channel:
-    """A channel to `target`: TLS when a CA is configured, else plaintext."""
-    opts, icpt = [*options, *channel_options(tls)], list(interceptors)
-    if tls.dials_tls:
-        return grpc.aio.secure_channel(target, channel_credentials(tls), options=opts, interceptors=icpt)
-    return grpc.aio.insecure_channel(target, options=opts, interceptors=icpt)
 
 
 def sync_channel(target: str, tls: TlsConfig, options: list[tuple[str, Any]] = ()) -> grpc.Channel:

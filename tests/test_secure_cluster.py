@@ -22,7 +22,8 @@ from adapter_service import server as adapter_server
 from adapter_service.client import AdaptersClient
 from spindle.security import Security, add_security_args, security_from_args
 from spindle.service_token import ServiceToken
-from spindle.tls import TlsConfig, aio_channel, sync_channel
+from spindle.tls import TlsConfig, sync_channel
+from spindle.tls_channel import aio_channel
 from spindle.v1 import (
     adapters_pb2,
     adapters_pb2_grpc,

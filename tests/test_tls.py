@@ -10,8 +10,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from spindle import serving
-from spindle.tls import TlsConfig, aio_channel
+from spindle import serving, tls_channel
+from spindle.tls import TlsConfig
+from spindle.tls_channel import aio_channel
 from tests.certs import authority, leaf
 
 
@@ -23,10 +24,10 @@ def _files(tmp: Path, require_client_cert: bool = False) -> tuple[TlsConfig, obj
     return tls.check(), ca
 
 
-async def _server(tls: TlsConfig) -> tuple[grpc.aio.Server, str]:
+async def _server(tls: TlsConfig, port: int = 0) -> tuple[grpc.aio.Server, str]:
     server = serving.make_server()
     health = serving.Health(server, ())
-    port = serving.bind(server, "127.0.0.1", 0, tls)
+    port = serving.bind(server, "127.0.0.1", port, tls)
     await server.start()
     await health.set(True)
     return server, f"127.0.0.1:{port}"
@@ -115,3 +116,35 @@ def test_contradictory_settings_are_refused_with_the_flag_to_fix(tmp_path):
         TlsConfig("a.crt", "a.key", require_client_cert=True).check()
     with pytest.raises(ValueError, match="does not exist"):
         TlsConfig(ca_file=str(tmp_path / "missing.crt")).check()
+
+
+def test_a_client_channel_follows_its_rotated_files(tmp_path, monkeypatch):
+    """The server is replaced by one that trusts only a new CA; the client's files are rotated to a
+    certificate of that CA. The same channel object gets through: it was made again."""
+    monkeypatch.setattr(tls_channel, "CHECK_EVERY", 0.0)
+
+    async def run() -> None:
+        tls, old_ca = _files(tmp_path, require_client_cert=True)
+        client = _client(tmp_path, old_ca.pem(), old_ca, "client")
+        server, target = await _server(tls)
+        port = int(target.rsplit(":", 1)[1])
+        channel = aio_channel(target, client)
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=3)
+            await server.stop(0)
+            new_ca = authority("rotated-ca")
+            (tmp_path / "ca.crt").write_bytes(new_ca.pem())  # the server trusts only the new CA,
+            crt, key = leaf(new_ca, "spindle-test", tmp_path, "server")  # and serves its certificate
+            server, target = await _server(TlsConfig(str(crt), str(key), tls.ca_file, True), port)
+            crt, key = leaf(new_ca, "spindle-client", tmp_path, "rotated-client")
+            _replace(crt, Path(client.cert_file))
+            _replace(key, Path(client.key_file))
+            (tmp_path / "client-ca.crt").write_bytes(new_ca.pem())
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(run())
