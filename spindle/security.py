@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ class Security:
     def dial(
         self,
         target: str,
-        options: list[tuple[str, Any]] = (),
+        options: Sequence[tuple[str, Any]] = (),
         interceptors: Iterable[Any] = (),
         control: bool = False,
     ) -> grpc.aio.Channel:

@@ -17,6 +17,7 @@ import argparse
 import logging
 import os
 import ssl
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,7 +138,7 @@ def channel_options(tls: TlsConfig) -> list[tuple[str, Any]]:
     return [("grpc.ssl_target_name_override", tls.server_name)] if tls.dials_tls and tls.server_name else []
 
 
-def sync_channel(target: str, tls: TlsConfig, options: list[tuple[str, Any]] = ()) -> grpc.Channel:
+def sync_channel(target: str, tls: TlsConfig, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
     opts = [*options, *channel_options(tls)]
     if tls.dials_tls:
         return grpc.secure_channel(target, channel_credentials(tls), options=opts)

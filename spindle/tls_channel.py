@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -26,7 +27,10 @@ RETIRE_GRACE = 600.0  # seconds a replaced channel's calls get before it is clos
 
 
 def aio_channel(
-    target: str, tls: tls_files.TlsConfig, options: list[tuple[str, Any]] = (), interceptors: list[Any] = ()
+    target: str,
+    tls: tls_files.TlsConfig,
+    options: Sequence[tuple[str, Any]] = (),
+    interceptors: Sequence[Any] = (),
 ) -> grpc.aio.Channel:
     """A channel to `target`: TLS when a CA (or the system's) is configured, made again when the
     files change; else plaintext."""
