@@ -60,14 +60,16 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         self.draining = False
         self.port = 0  # set once listening
 
-    async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+    async def _caller(self, context: grpc.aio.ServicerContext, metered: bool = True) -> Caller:
+        """The authenticated caller; `metered` calls spend one of its rate (Abort does not: a
+        cancel frees capacity)."""
         if self.keys is None:
             return ANONYMOUS
         try:
             caller = self.keys.authenticate(context.invocation_metadata())
         except AuthError as e:
             await abort(context, Code.UNAUTHENTICATED, str(e))
-        wait = self.limits.take(caller)
+        wait = self.limits.take(caller) if metered else 0.0
         if wait:
             await abort_exhausted(
                 context,
@@ -206,7 +208,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         await self.pool.refresh()  # the pods' load reports now list it
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        caller = await self._caller(context)
+        caller = await self._caller(context, metered=False)
         if not request.request_id:
             await abort(context, Code.INVALID_ARGUMENT, "request_id is empty: name the request to abort")
         routed = self.inflight.get(request.request_id)
