@@ -13,6 +13,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from gateway import auth
 from gateway.limits import Limits
+from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc
 from tests.service_helpers import gateway_in_process, pod_in_process, token_request
 
@@ -106,6 +107,9 @@ async def _run(tiny_llama, tmp_path) -> None:
         e = await _exhausted(stub.Generate(short, metadata=_md("key-rated"), timeout=20))
         ms, delay = _retry_hint(e)
         assert 0 < ms <= 1000 and delay == pytest.approx(ms / 1000) and "rate limit" in e.details()
+        with pytest.raises(grpc.aio.AioRpcError) as abort:  # a cancel is not metered: it is answered
+            await stub.Abort(pb.AbortRequest(request_id="gone"), metadata=_md("key-rated"), timeout=5)
+        assert abort.value.code() == Code.NOT_FOUND
 
         first = stub.Generate(token_request([5, 6, 7], 500), metadata=_md("key-single"), timeout=30)
         await first.read()  # the stream is open and holds the key's only slot
