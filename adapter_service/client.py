@@ -17,6 +17,9 @@ from pathlib import Path
 import grpc
 
 from spindle.client import DEFAULT_GATEWAY
+from spindle.service_token import HEADER as service_token_header
+from spindle.service_token import ServiceToken
+from spindle.tls import PLAINTEXT, TlsConfig, add_tls_args, sync_channel, tls_from_args
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import adapters_pb2_grpc
 
@@ -31,10 +34,19 @@ def _chunks(header: apb.RegisterHeader, weights: Path) -> Iterator[apb.RegisterC
 
 
 class AdaptersClient:
-    def __init__(self, target: str = DEFAULT_GATEWAY, api_key: str | None = None) -> None:
-        self.channel = grpc.insecure_channel(target)
+    def __init__(
+        self,
+        target: str = DEFAULT_GATEWAY,
+        api_key: str | None = None,
+        tls: TlsConfig = PLAINTEXT,
+        service_token: bytes | None = None,
+    ) -> None:
+        """`service_token`: talking straight to an adapter service that requires it (no gateway)."""
+        self.channel = sync_channel(target, tls)
         self.stub = adapters_pb2_grpc.AdaptersStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        if service_token:
+            self.metadata += ((service_token_header, service_token.decode()),)
 
     def __enter__(self) -> AdaptersClient:
         return self
@@ -117,6 +129,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--gateway", default=DEFAULT_GATEWAY, help="HOST:PORT of a gateway or adapter service"
     )
     parser.add_argument("--api-key", default=None, help="an API key with the admin scope")
+    add_tls_args(parser, server=False)
+    parser.add_argument(
+        "--control-token-file", default="", help="the service token, to call an adapter service directly"
+    )
     sub = parser.add_subparsers(dest="action", required=True)
     reg = sub.add_parser("register", help="upload a PEFT adapter directory (a new version if NAME exists)")
     reg.add_argument("name")
@@ -133,7 +149,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with AdaptersClient(args.gateway, args.api_key) as client:
+        token = ServiceToken(args.control_token_file).value() if args.control_token_file else None
+        with AdaptersClient(args.gateway, args.api_key, tls_from_args(args), token) as client:
             if args.action == "register":
                 a = client.register(args.name, args.directory, args.description)
                 print(f"registered {a.name} version {a.version} (rank {a.rank}, sha256 {a.sha256[:12]})")
@@ -148,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
                 a = client.pin(args.name, not args.off)
                 print(f"{a.name}: {'pinned' if a.pinned else 'not pinned'}")
         return 0
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"spindle adapters: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:

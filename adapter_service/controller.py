@@ -36,6 +36,7 @@ from adapter_service.placement import (
 from adapter_service.registry import Registry
 from adapter_service.store import Store, Version
 from gateway.pods import CHANNEL_OPTIONS  # quick reconnects, keepalive: the same needs as the gateway's
+from spindle.security import PLAINTEXT, Security
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import model_control_pb2 as mc
 from spindle.v1 import model_control_pb2_grpc
@@ -53,11 +54,9 @@ class PlacementError(Exception):
 
 
 class Pod:
-    def __init__(self, address: str, interceptors: Iterable[Any]) -> None:
+    def __init__(self, address: str, interceptors: Iterable[Any], security: Security = PLAINTEXT) -> None:
         self.view = PodView(address)
-        self.channel = grpc.aio.insecure_channel(
-            address, options=CHANNEL_OPTIONS, interceptors=list(interceptors)
-        )
+        self.channel = security.dial(address, CHANNEL_OPTIONS, interceptors, control=True)
         self.control = model_control_pb2_grpc.ModelControlStub(self.channel)
 
 
@@ -76,13 +75,14 @@ class Controller:
         control_timeout: float = 60.0,
         interceptors: Iterable[Any] = (),
         tracer: trace.Tracer | None = None,
+        security: Security = PLAINTEXT,
     ) -> None:
         self.registry, self.store, self.discover = registry, store, discover
         self.advertise = advertise  # how pods reach this service's FetchAdapterWeights
         self.knobs = knobs or Knobs()
         self.poll_interval, self.lease_ttl = poll_interval, lease_ttl
         self.staging_max_bytes, self.control_timeout = staging_max_bytes, control_timeout
-        self.interceptors = list(interceptors)
+        self.interceptors, self.security = list(interceptors), security
         self.tracer = tracer or trace.NoOpTracer()
         self.pods: dict[str, Pod] = {}
         self.idle_since: dict[tuple[str, str], float] = {}
@@ -140,7 +140,7 @@ class Controller:
     async def refresh(self, policy: bool = True) -> None:
         addresses = set(await self.discover())
         for address in addresses - self.pods.keys():
-            self.pods[address] = Pod(address, self.interceptors)
+            self.pods[address] = Pod(address, self.interceptors, self.security)
         for address in self.pods.keys() - addresses:
             await self.pods.pop(address).channel.close()
         latest = await self.latest()

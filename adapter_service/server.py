@@ -36,6 +36,7 @@ from adapter_service.store import LocalStore, S3Store, Store, Version
 from gateway.pods import dns_discovery, static_discovery
 from spindle import serving, telemetry
 from spindle.grpc_status import abort
+from spindle.security import add_security_args, security_from_args
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import adapters_pb2_grpc, model_control_pb2, model_control_pb2_grpc
 
@@ -377,6 +378,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=86400.0,
         help="idle disk copy -> forgotten (storage only) [86400]",
     )
+    add_security_args(parser)
     return parser
 
 
@@ -419,6 +421,7 @@ async def serve(args: argparse.Namespace) -> int:
             await asyncio.wait_for(stop.wait(), 2.0)
     await health.set(False)
     await server.stop(grace=5.0)
+    await health.stop()
     await controller.close()
     if provider is not None:
         provider.shutdown()
@@ -445,9 +448,12 @@ async def start(
         if args.pods_dns
         else static_discovery([a.strip() for a in args.pods.split(",") if a.strip()])
     )
-    server = serving.make_server(telemetry.server_interceptors(provider))
+    security = security_from_args(args)
+    guard = security.guard(SERVICES, "adapter service")
+    server = serving.make_server([*guard, *telemetry.server_interceptors(provider)])
     health = serving.Health(server, SERVICES)
-    port = serving.bind(server, args.host, args.port)
+    port = serving.bind(server, args.host, args.port, security.tls)
+    await health.serve_plaintext(args.host, getattr(args, "health_port", 0))
     controller = Controller(
         registry,
         store,
@@ -465,6 +471,7 @@ async def start(
         staging_max_bytes=args.staging_max_bytes,
         interceptors=telemetry.client_interceptors(provider),
         tracer=telemetry.get_tracer("spindle.adapters", provider),
+        security=security,
     )
     s3_import = store if isinstance(store, S3Store) else None
     admin = AdaptersService(controller, base, args.max_lora_rank, args.max_adapter_bytes, s3_import)

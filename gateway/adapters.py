@@ -21,6 +21,7 @@ import grpc
 from gateway.auth import Caller
 from gateway.pods import CHANNEL_OPTIONS, Pod
 from spindle.grpc_status import abort
+from spindle.security import PLAINTEXT, Security
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import adapters_pb2_grpc
 
@@ -30,11 +31,15 @@ Code = grpc.StatusCode
 
 class AdapterDirectory:
     def __init__(
-        self, target: str, interceptors: Iterable[Any] = (), placement_timeout: float = 60.0
+        self,
+        target: str,
+        interceptors: Iterable[Any] = (),
+        placement_timeout: float = 60.0,
+        security: Security = PLAINTEXT,
     ) -> None:
         self.target = target
         options = [*CHANNEL_OPTIONS, ("grpc.max_send_message_length", 64 << 20)]  # reconnect fast, too
-        self.channel = grpc.aio.insecure_channel(target, options=options, interceptors=list(interceptors))
+        self.channel = security.dial(target, options, interceptors, control=True)
         self.adapters = adapters_pb2_grpc.AdaptersStub(self.channel)
         self.placement = adapters_pb2_grpc.PlacementStub(self.channel)
         self.placement_timeout = placement_timeout

@@ -3,12 +3,15 @@
 Keys come from a file, or a directory of files (a Kubernetes Secret mounted as a volume: one
 file per Secret key). Each non-blank, non-comment line is
 
-    NAME  KEY  ADAPTERS  [SCOPES]
+    NAME  KEY  ADAPTERS  [SCOPES]  [rate=R] [burst=B] [concurrency=C]
 
 NAME labels the caller in logs and traces (the key itself is never logged); ADAPTERS is `*`
 (any), `-` (the base model only) or a comma-separated list. SCOPES, optional, is a
 comma-separated list; `admin` lets the key use the adapter admin API (register, delete, ...)
-that the gateway forwards to the adapter service. Lines without it keep their old meaning.
+that the gateway forwards to the adapter service. The optional limits (gateway/limits.py):
+`rate` requests per second with bursts of `burst` (default: the rate, rounded up), and at most
+`concurrency` open Generate streams; absent or 0 means unlimited. Lines without them keep their
+old meaning.
 The files are re-read when they change, so rotating a Secret needs no restart. Callers send
 `authorization: Bearer KEY` (or `x-api-key: KEY`).
 """
@@ -16,7 +19,9 @@ The files are re-read when they change, so rotating a Secret needs no restart. C
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +42,9 @@ class Caller:
     name: str
     adapters: frozenset[str] | None  # None = any adapter
     admin: bool = False  # may call the adapter admin API
+    rate: float = 0.0  # requests per second; 0 = unlimited
+    burst: int = 0  # token-bucket size; 0 = the rate, rounded up
+    concurrency: int = 0  # open Generate streams; 0 = unlimited
 
     def may_use(self, adapter: str | None) -> bool:
         return adapter is None or self.adapters is None or adapter in self.adapters
@@ -44,11 +52,25 @@ class Caller:
 
 ANONYMOUS = Caller("anonymous", None, admin=True)  # --allow-unauthenticated: local use, all allowed
 SCOPES = ("admin",)
+LIMITS = {"rate": float, "burst": int, "concurrency": int}
 
 
 def _digest(key: str) -> bytes:
-    # Looked up by digest, so comparing against the table never short-circuits on the key's bytes.
+    # Fixed-length digests, compared with hmac.compare_digest against every key (authenticate).
     return hashlib.sha256(key.encode()).digest()
+
+
+def _limits(options: list[str], where: str) -> dict[str, float | int]:
+    out: dict[str, float | int] = {}
+    for option in options:
+        name, _, value = option.partition("=")
+        try:
+            out[name] = LIMITS[name](value)
+        except ValueError:
+            raise ValueError(f"{where}: {option!r} is not a number") from None
+        if not 0 <= out[name] < math.inf:
+            raise ValueError(f"{where}: {option!r} must be a finite number >= 0")
+    return out
 
 
 def parse_keys(text: str, source: str) -> dict[bytes, Caller]:
@@ -57,11 +79,15 @@ def parse_keys(text: str, source: str) -> dict[bytes, Caller]:
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        parts = line.split()
+        parts = line.split()  # a key may hold `=` (base64): only words after the third are limits
+        options = [p for p in parts[3:] if p.partition("=")[0] in LIMITS and "=" in p]
+        parts = parts[:3] + [p for p in parts[3:] if p not in options]
         if len(parts) not in (3, 4):
             raise ValueError(
-                f"{source}:{n}: expected `NAME KEY ADAPTERS [SCOPES]` (ADAPTERS: *, - or a,b,c; SCOPE: admin)"
+                f"{source}:{n}: expected `NAME KEY ADAPTERS [SCOPES] [rate=R burst=B concurrency=C]` "
+                "(ADAPTERS: *, - or a,b,c; SCOPE: admin)"
             )
+        limits = _limits(options, f"{source}:{n}")
         name, key, adapters = parts[:3]
         scopes = set(parts[3].split(",")) if len(parts) == 4 else set()
         if scopes - set(SCOPES):
@@ -71,7 +97,7 @@ def parse_keys(text: str, source: str) -> dict[bytes, Caller]:
         allowed = (
             None if adapters == "*" else frozenset() if adapters == "-" else frozenset(adapters.split(","))
         )
-        keys[_digest(key)] = Caller(name, allowed, admin="admin" in scopes)
+        keys[_digest(key)] = Caller(name, allowed, admin="admin" in scopes, **limits)
     return keys
 
 
@@ -120,7 +146,10 @@ class ApiKeys:
             raise AuthError(
                 "missing API key: send metadata `authorization: Bearer <key>`", unauthenticated=True
             )
-        caller = self._keys.get(_digest(key))
+        offered, caller = _digest(key), None
+        for digest, candidate in self._keys.items():  # every key, no early exit: constant time
+            if hmac.compare_digest(digest, offered):
+                caller = candidate
         if caller is None:
             raise AuthError("invalid API key", unauthenticated=True)
         return caller

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.router import Candidate
+from spindle.security import PLAINTEXT, Security
 from spindle.v1 import generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,9 @@ CHANNEL_OPTIONS = [
 
 
 class Pod:
-    def __init__(self, address: str, interceptors: Iterable[Any]) -> None:
+    def __init__(self, address: str, interceptors: Iterable[Any], security: Security = PLAINTEXT) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(
-            address, options=CHANNEL_OPTIONS, interceptors=list(interceptors)
-        )
+        self.channel = security.dial(address, CHANNEL_OPTIONS, interceptors)
         self.generation = generation_pb2_grpc.GenerationStub(self.channel)
         self.status = pod_status_pb2_grpc.PodStatusStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -97,12 +96,13 @@ class PodPool:
         interceptors: Iterable[Any] = (),
         on_change: Callable[[], Awaitable[None]] | None = None,
         on_eject: Callable[[str], None] | None = None,
+        security: Security = PLAINTEXT,
     ) -> None:
         self.discover = discover
         self.interval, self.timeout = interval, timeout
         self.failure_threshold = failure_threshold
         self.discovery_interval = discovery_interval
-        self.interceptors = list(interceptors)
+        self.interceptors, self.security = list(interceptors), security
         self.on_change, self.on_eject = on_change, on_eject
         self.pods: dict[str, Pod] = {}
         self._last_discovery = float("-inf")
@@ -155,7 +155,7 @@ class PodPool:
         self._last_discovery = time.monotonic()
         for address in addresses - self.pods.keys():
             log.info("discovered model pod %s", address)
-            self.pods[address] = Pod(address, self.interceptors)
+            self.pods[address] = Pod(address, self.interceptors, self.security)
         for address in self.pods.keys() - addresses:
             log.info("model pod %s is gone from discovery", address)
             pod = self.pods.pop(address)

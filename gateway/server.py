@@ -23,9 +23,11 @@ from opentelemetry import trace
 from gateway import prefix, router
 from gateway.adapters import AdapterDirectory, AdminProxy
 from gateway.auth import ANONYMOUS, ApiKeys, AuthError, Caller
+from gateway.limits import STREAM_RETRY_S, Limits
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
 from spindle import serving, telemetry
-from spindle.grpc_status import abort
+from spindle.grpc_status import abort, abort_exhausted
+from spindle.security import add_security_args, security_from_args
 from spindle.v1 import adapters_pb2_grpc, generation_pb2_grpc
 from spindle.v1 import generation_pb2 as pb
 
@@ -54,16 +56,28 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         self.max_attempts, self.weights = max_attempts, weights
         self.prefixes = prefix.PrefixIndex()
         self.inflight: dict[str, Routed] = {}
+        self.limits = Limits()
         self.draining = False
         self.port = 0  # set once listening
 
-    async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+    async def _caller(self, context: grpc.aio.ServicerContext, metered: bool = True) -> Caller:
+        """The authenticated caller; `metered` calls spend one of its rate (Abort does not: a
+        cancel frees capacity)."""
         if self.keys is None:
             return ANONYMOUS
         try:
-            return self.keys.authenticate(context.invocation_metadata())
+            caller = self.keys.authenticate(context.invocation_metadata())
         except AuthError as e:
             await abort(context, Code.UNAUTHENTICATED, str(e))
+        wait = self.limits.take(caller) if metered else 0.0
+        if wait:
+            await abort_exhausted(
+                context,
+                f"API key {caller.name!r} is over its rate limit ({caller.rate:g} requests/s); "
+                f"retry in {wait:.2f} s",
+                wait,
+            )
+        return caller
 
     def _choose(self, req: pb.GenerateRequest, hashes: list[bytes], tried: set[str]) -> Pod | None:
         pods = self.pool.healthy(exclude=tried)
@@ -97,9 +111,25 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         rid = request.request_id or uuid.uuid4().hex
         if rid in self.inflight:
             await abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+        if not self.limits.acquire(caller, context):
+            await abort_exhausted(
+                context,
+                f"API key {caller.name!r} has {caller.concurrency} streams open, its limit; "
+                "retry when one ends",
+                STREAM_RETRY_S,
+            )
         return caller, rid
 
     async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:  # the stream holds one of its caller's concurrency slots (taken in _admissible)
+            async for resp in self._generate(request, context):
+                yield resp
+        finally:
+            self.limits.release(context)
+
+    async def _generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         caller, rid = await self._admissible(request, context)
@@ -178,7 +208,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         await self.pool.refresh()  # the pods' load reports now list it
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        caller = await self._caller(context)
+        caller = await self._caller(context, metered=False)
         if not request.request_id:
             await abort(context, Code.INVALID_ARGUMENT, "request_id is empty: name the request to abort")
         routed = self.inflight.get(request.request_id)
@@ -300,6 +330,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="serve without API keys (local use only; every caller may use every adapter)",
     )
+    add_security_args(parser)
     return parser
 
 
@@ -330,6 +361,7 @@ async def start(
 ) -> tuple[GatewayService, grpc.aio.Server, Any]:
     """Build, bind and start a gateway (also used in-process by tests and the benchmark)."""
     keys = ApiKeys(args.api_keys_file) if args.api_keys_file else None
+    security = security_from_args(args)
     if keys is None:
         log.warning("no API keys: every caller is accepted (--allow-unauthenticated)")
     discover = (
@@ -339,12 +371,16 @@ async def start(
     )
     server = serving.make_server(telemetry.server_interceptors(provider))
     health = serving.Health(server, SERVICES)
+    await health.serve_plaintext(args.host, getattr(args, "health_port", 0))
     gateway: GatewayService
 
     adapter_service = getattr(args, "adapter_service", "")
     directory = (
         AdapterDirectory(
-            adapter_service, telemetry.client_interceptors(provider), getattr(args, "placement_timeout", 60.0)
+            adapter_service,
+            telemetry.client_interceptors(provider),
+            getattr(args, "placement_timeout", 60.0),
+            security,
         )
         if adapter_service
         else None
@@ -366,12 +402,13 @@ async def start(
         interceptors=telemetry.client_interceptors(provider),
         on_change=on_change,
         on_eject=lambda address: gateway.prefixes.forget_pod(address),
+        security=security,
     )
     gateway = GatewayService(pool, keys, max_attempts=args.max_attempts, directory=directory)
     generation_pb2_grpc.add_GenerationServicer_to_server(gateway, server)
     adapters_pb2_grpc.add_AdaptersServicer_to_server(AdminProxy(directory, gateway._caller), server)
     serving.enable_reflection(server, SERVICES)
-    port = serving.bind(server, args.host, args.port)
+    port = serving.bind(server, args.host, args.port, security.tls)
     await server.start()
     await pool.start()
     gateway.port = port
@@ -389,6 +426,7 @@ async def shutdown(
     while gateway.inflight and loop.time() < deadline:
         await asyncio.sleep(0.05)
     await server.stop(grace=1.0)
+    await health.stop()
     await gateway.pool.close()
     if gateway.directory is not None:
         await gateway.directory.close()

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from spindle.tls import PLAINTEXT, TlsConfig, add_tls_args, sync_channel, tls_from_args
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc
 
@@ -42,8 +43,10 @@ class Completion:
 
 
 class Client:
-    def __init__(self, target: str = DEFAULT_GATEWAY, api_key: str | None = None) -> None:
-        self.channel = grpc.insecure_channel(target)
+    def __init__(
+        self, target: str = DEFAULT_GATEWAY, api_key: str | None = None, tls: TlsConfig = PLAINTEXT
+    ) -> None:
+        self.channel = sync_channel(target, tls)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
@@ -131,6 +134,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--api-key", default=None, help="API key (prefer the environment variable)")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds [300]")
+    add_tls_args(parser, server=False)
 
 
 def _sampling(parser: argparse.ArgumentParser) -> None:
@@ -189,7 +193,7 @@ def _answer(client: Client, req: pb.GenerateRequest, args: argparse.Namespace) -
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with Client(args.gateway, args.api_key) as client:
+        with Client(args.gateway, args.api_key, tls_from_args(args)) as client:
             if args.command == "models":
                 for m in client.list_models():
                     kind = pb.ModelKind.Name(m.kind).removeprefix("MODEL_KIND_").lower()

@@ -12,9 +12,12 @@ SIGTERM), when it stops them the way Kubernetes would (SIGTERM, drain).
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -63,7 +66,16 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _commands(args: argparse.Namespace) -> list[list[str]]:
+def _service_token_file() -> str:
+    """A fresh service token for this run, readable by this user only: the pod's control port and
+    the adapter service refuse control calls without it, as in a cluster."""
+    fd, path = tempfile.mkstemp(prefix="spindle-up-token-")  # mode 0600
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    return path
+
+
+def _commands(args: argparse.Namespace, token_file: str) -> list[list[str]]:
     """The model pod, the adapter service and the gateway, wired to each other on `--host`."""
     me = [sys.executable, "-m", "spindle.cli"]
     pod_cmd = [
@@ -81,7 +93,7 @@ def _commands(args: argparse.Namespace) -> list[list[str]]:
         "--pods", f"{args.host}:{args.pod_port}", "--allow-unauthenticated", "--health-interval", "0.5",
         "--adapter-service", f"{args.host}:{args.adapter_port}", "--log-level", args.log_level,
     ]  # fmt: skip
-    return [pod_cmd, service_cmd, gateway_cmd]
+    return [[*cmd, "--control-token-file", token_file] for cmd in (pod_cmd, service_cmd, gateway_cmd)]
 
 
 def _answer(gateway: str, args: argparse.Namespace) -> None:
@@ -105,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    children = [subprocess.Popen(cmd) for cmd in _commands(args)]
+    token_file = _service_token_file()
+    children = [subprocess.Popen(cmd) for cmd in _commands(args, token_file)]
     gateway, service = f"{args.host}:{args.gateway_port}", f"{args.host}:{args.adapter_port}"
     try:
         for target in (gateway, service):
@@ -134,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         _stop(children)
+        os.unlink(token_file)
 
 
 def _register(gateway: str, specs: list[str]) -> None:

@@ -13,6 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from spindle.tls import PLAINTEXT, TlsConfig, server_credentials
+
 log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -32,11 +34,15 @@ def make_server(interceptors: Iterable[Any] = ()) -> grpc.aio.Server:
     return grpc.aio.server(interceptors=list(interceptors), options=_OPTIONS)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Listen on host:port (port 0 = any free one); returns the port, or raises with a clear message."""
+def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig = PLAINTEXT) -> int:
+    """Listen on host:port (port 0 = any free one), with TLS when `tls` has a certificate; returns
+    the port, or raises with a clear message."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        if tls.serves_tls:
+            bound = server.add_secure_port(address, server_credentials(tls))
+        else:
+            bound = server.add_insecure_port(address)
     except RuntimeError as e:
         raise OSError(f"cannot listen on {address}: {e} (is the port in use?)") from e
     if bound == 0:
@@ -56,6 +62,22 @@ class Health:
         # The aio servicer starts with "" SERVING; nothing may route here before we say so.
         self.servicer._server_status[""] = NOT_SERVING
         self.serving = False
+        self._plaintext: grpc.aio.Server | None = None
+
+    async def serve_plaintext(self, host: str, port: int) -> None:
+        """Also answer on `port` (0 = not), alone and without TLS: Kubernetes' gRPC probes speak no
+        TLS, and a health status is no secret."""
+        if not port:
+            return
+        server = make_server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        bind(server, host, port)
+        await server.start()
+        self._plaintext = server
+
+    async def stop(self) -> None:
+        if self._plaintext is not None:
+            await self._plaintext.stop(0)
 
     async def set(self, serving: bool) -> None:
         self.serving = serving

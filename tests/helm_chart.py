@@ -59,6 +59,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
         "otel": {"endpoint": "http://otel-collector.observability:4317"},
     },
+    "mtls-own-token": {
+        "tls": {"enabled": True, "existingSecret": "spindle-tls", "gatewayRequiresClientCert": True},
+        "controlToken": {"existingSecret": "spindle-token"},
+        "networkPolicy": {"enabled": True},
+    },
+    "no-control-token": {"controlToken": {"enabled": False}},
     "statefulset-no-adapter-service": {
         "model": {"adapterCache": {"persistence": True}, "keda": {"enabled": True}},
         "adapterService": {"enabled": False},

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -138,3 +143,49 @@ def collect(responses) -> tuple[list[int], list[pb.GenerateResponse]]:
     """All token ids of a stream, and its messages."""
     msgs = list(responses)
     return [t for m in msgs if m.HasField("chunk") for t in m.chunk.token_ids], msgs
+
+
+@contextlib.asynccontextmanager
+async def pod_in_process(
+    loaded: Any, name: str, provider: Any = None, security: Any = None, **engine: Any
+) -> AsyncIterator[Any]:
+    """A model pod in the caller's event loop on `loaded` weights (loaded and SERVING): yields its
+    PodServers (`.port`, `.control_port`). For tests that need to see inside (spans, logs)."""
+    from model_service.engine.config import EngineConfig
+    from model_service.engine.engine import Engine
+    from model_service.pod import server as pod_server
+    from model_service.pod.state import ModelPod
+    from spindle.security import PLAINTEXT
+
+    pod = ModelPod(name, drain_timeout=1.0)
+    servers = await pod_server.start(
+        pod, "127.0.0.1", 0, 0, provider, tempfile.mkdtemp(prefix="spindle-test-"), security or PLAINTEXT
+    )
+    try:
+        config = EngineConfig(
+            model=loaded.name, device="cpu", dtype="float32", num_kv_blocks=64, **engine
+        )
+        await pod.load(lambda: Engine(config, loaded=loaded))
+        yield servers
+    finally:
+        await servers.stop(0)
+        pod.close()
+
+
+@contextlib.asynccontextmanager
+async def gateway_in_process(flags: list[str], provider: Any = None) -> AsyncIterator[Any]:
+    """`spindle gateway FLAGS` in the caller's event loop on a free port, once a pod is healthy:
+    yields the GatewayService (`.port`, `.limits`, `.pool`)."""
+    import argparse
+
+    from gateway import server as gateway_server
+
+    parser = gateway_server.build_parser(argparse.ArgumentParser())
+    args = parser.parse_args(["--host", "127.0.0.1", "--port", "0", "--health-interval", "0.1", *flags])
+    gateway, server, health = await gateway_server.start(args, provider)
+    try:
+        while not gateway.pool.healthy():
+            await asyncio.sleep(0.02)
+        yield gateway
+    finally:
+        await gateway_server.shutdown(gateway, server, health, 1.0)

@@ -169,6 +169,12 @@ def test_notes_tell_how_to_reach_the_gateway():
     text = notes({})
     assert f"port-forward svc/{RELEASE}-spindle-gateway 50051:50051" in text
     assert f"get secret {RELEASE}-spindle-gateway-api-keys" in text and "spindle chat" in text
+    assert "grpcurl -plaintext" in text and "--tls-ca-file" not in text
+    mtls = {"enabled": True, "existingSecret": "spindle-tls", "gatewayRequiresClientCert": True}
+    tls = notes({"tls": mtls})
+    assert "get secret spindle-tls" in tls and "-plaintext" not in tls
+    gateway = f"{RELEASE}-spindle-gateway"
+    assert f"--tls-ca-file ca.crt --tls-server-name {gateway} --tls-cert-file client.crt" in tls
 
 
 def _documented_keys(values: dict, prefix: str = "") -> list[str]:

@@ -9,10 +9,12 @@ import json
 import re
 from pathlib import Path
 
+import helm_python as helm
 import pytest
 from helm_chart import (
     CHART,
     NAMESPACE,
+    RELEASE,
     VALUE_SETS,
     component,
     container_env,
@@ -97,7 +99,7 @@ def test_environment_ports_and_probes_match_the_service(name, value_set, monkeyp
     container = spec["containers"][0]
     args = parse_env(name, container_env(container), monkeypatch)
     assert port_number(container, "grpc") == args.port
-    assert probe_ports(container) == {args.port}
+    assert probe_ports(container) == {args.health_port or args.port}  # plaintext health when TLS is on
     if hasattr(args, "metrics_port"):
         assert port_number(container, "metrics") == args.metrics_port
     if hasattr(args, "drain_timeout"):
@@ -282,6 +284,50 @@ def test_every_container_is_locked_down_and_traced(value_set):
             assert env["OTEL_SERVICE_NAME"] == f"spindle-{name}"
             endpoint = VALUE_SETS[value_set].get("otel", {}).get("endpoint")
             assert env.get("OTEL_EXPORTER_OTLP_ENDPOINT") == endpoint
+
+
+def secret_volumes(workload: dict) -> dict[str, str]:
+    """mount path -> the Secret mounted there, whole (no subPath: rotated files must show)."""
+    spec = workload["spec"]["template"]["spec"]
+    secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+    mounts = main_container(workload)["volumeMounts"]
+    assert not [m for m in mounts if m["name"] in secrets and "subPath" in m]
+    return {m["mountPath"]: secrets[m["name"]] for m in mounts if m["name"] in secrets}
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_tls_and_the_service_token_reach_every_service(name, value_set, monkeypatch):
+    values = VALUE_SETS[value_set]
+    objects = render(values)
+    deployed = workloads(objects)
+    if name not in deployed:
+        pytest.skip(f"{name} is off in {value_set}")
+    args = parse_env(name, container_env(main_container(deployed[name])), monkeypatch)
+    mounted = secret_volumes(deployed[name])
+    tls, token = values.get("tls", {}), values.get("controlToken", {})
+    if tls.get("enabled"):
+        for path in (args.tls_cert_file, args.tls_key_file, args.tls_ca_file):
+            assert mounted[str(Path(path).parent)] == tls["existingSecret"]
+        assert args.tls_server_name and args.health_port
+        mutual = tls.get("gatewayRequiresClientCert", False) if name == "gateway" else tls.get("mutual", True)
+        assert args.tls_require_client_cert is mutual
+    else:
+        assert not (args.tls_cert_file or args.tls_ca_file or args.health_port)
+    if token.get("enabled", True):
+        secret = mounted[str(Path(args.control_token_file).parent)]
+        assert secret == (token.get("existingSecret") or f"{RELEASE}-spindle-control-token")
+        made = [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == secret]
+        assert bool(made) != bool(token.get("existingSecret"))  # the chart makes it unless given
+        assert not made or made[0]["data"]["token"]
+        assert Path(args.control_token_file).name == "token"
+    else:
+        assert not args.control_token_file
+
+
+def test_tls_without_its_secret_is_refused_naming_the_value():
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmRenderError, match=r"tls\.existingSecret"):
+        chart.render({"tls": {"enabled": True}}, name=RELEASE, namespace=NAMESPACE)
 
 
 @pytest.mark.parametrize("name", sorted(PARSERS))

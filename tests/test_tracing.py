@@ -6,7 +6,6 @@ the W3C context still crosses a real loopback gRPC connection between them.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 
 import grpc
@@ -15,13 +14,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from gateway import server as gateway_server
-from model_service.engine.config import EngineConfig
-from model_service.engine.engine import Engine
-from model_service.pod import server as pod_server
-from model_service.pod.state import ModelPod
 from spindle.v1 import generation_pb2_grpc
-from tests.service_helpers import token_request
+from tests.service_helpers import gateway_in_process, pod_in_process, token_request
 
 GENERATE = "/spindle.v1.Generation/Generate"
 
@@ -29,29 +23,16 @@ GENERATE = "/spindle.v1.Generation/Generate"
 async def _run(tiny_llama, exporter: InMemorySpanExporter) -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    pod = ModelPod("tiny", drain_timeout=1.0)
-    servers = await pod_server.start(pod, "127.0.0.1", 0, 0, provider)
-    config = EngineConfig(model=tiny_llama.name, device="cpu", dtype="float32", num_kv_blocks=64)
-    await pod.load(lambda: Engine(config, loaded=tiny_llama))
-    args = argparse.Namespace(
-        api_keys_file="", pods=f"127.0.0.1:{servers.port}", pods_dns="", health_interval=0.1,
-        health_timeout=1.0, failure_threshold=2, discovery_interval=5.0, max_attempts=3, host="127.0.0.1",
-        port=0,
-    )  # fmt: skip
-    gateway, gserver, health = await gateway_server.start(args, provider)
-    try:
-        while not gateway.pool.healthy():
-            await asyncio.sleep(0.02)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as ch:
-            req = token_request([5, 6, 7, 8], 6, temperature=0.0)
-            req.model = "tiny"
-            async for _ in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=20):
-                pass
+    async with (
+        pod_in_process(tiny_llama, "tiny", provider) as pod,
+        gateway_in_process(["--pods", f"127.0.0.1:{pod.port}", "--allow-unauthenticated"], provider) as gw,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch,
+    ):
+        req = token_request([5, 6, 7, 8], 6, temperature=0.0)
+        req.model = "tiny"
+        async for _ in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=20):
+            pass
         await asyncio.sleep(0.3)  # a few more health polls, which must not be traced
-    finally:
-        await gateway_server.shutdown(gateway, gserver, health, 1.0)
-        await servers.stop(0)
-        pod.close()
 
 
 def test_one_trace_spans_gateway_and_pod_with_genai_attributes(tiny_llama):

@@ -31,6 +31,7 @@ from model_service.lora.pool import AdapterInfo
 from model_service.pod.state import ModelPod
 from model_service.pod.status import abort_for
 from spindle.grpc_status import abort
+from spindle.security import PLAINTEXT, Security
 from spindle.v1 import model_control_pb2 as pb
 from spindle.v1 import model_control_pb2_grpc
 
@@ -58,8 +59,10 @@ def _state(info: AdapterInfo | None, name: str) -> pb.AdapterState:
 
 
 class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
-    def __init__(self, pod: ModelPod, adapter_cache_dir: str | None = None) -> None:
-        self.pod = pod
+    def __init__(
+        self, pod: ModelPod, adapter_cache_dir: str | None = None, security: Security = PLAINTEXT
+    ) -> None:
+        self.pod, self.security = pod, security  # peers are dialled with the cluster's TLS and token
         self.cache_dir = Path(adapter_cache_dir or tempfile.mkdtemp(prefix="spindle-adapters-"))
         self.dirs: dict[str, Path] = {}  # adapters registered through this service -> their files
 
@@ -249,7 +252,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
             )
         parts, config, reported = [], "", ""
         try:
-            async with grpc.aio.insecure_channel(peer) as channel:
+            async with self.security.dial(peer, control=True) as channel:
                 stub = model_control_pb2_grpc.ModelControlStub(channel)
                 remaining = context.time_remaining()
                 async for chunk in stub.FetchAdapterWeights(

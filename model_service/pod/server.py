@@ -29,6 +29,7 @@ from model_service.pod.control import ModelControlService
 from model_service.pod.generation import GenerationService, PodStatusService
 from model_service.pod.state import ModelPod
 from spindle import serving, telemetry
+from spindle.security import PLAINTEXT, Security, add_security_args, security_from_args
 from spindle.v1 import generation_pb2_grpc, model_control_pb2_grpc, pod_status_pb2_grpc
 
 log = logging.getLogger("spindle.serve")
@@ -71,6 +72,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="where adapters fetched from peer pods are written [a new temporary directory]",
     )
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]")
+    add_security_args(parser)
     add_engine_args(parser)
     return parser
 
@@ -111,22 +113,28 @@ async def start(
     control_port: int,
     provider: TracerProvider | None = None,
     adapter_cache_dir: str | None = None,
+    security: Security = PLAINTEXT,
 ) -> PodServers:
     """Register the pod's services on its two servers and start listening (NOT_SERVING until
-    loaded). Also used in-process by tests and the benchmark."""
+    loaded). Also used in-process by tests and the benchmark. The control port's ModelControl
+    needs the service token when `security` has one."""
     interceptors = telemetry.server_interceptors(provider)
-    server, control = serving.make_server(interceptors), serving.make_server(interceptors)
+    guard = security.guard(CONTROL_SERVICES, "model pod's control port")
+    server, control = serving.make_server(interceptors), serving.make_server([*guard, *interceptors])
     tracer = telemetry.get_tracer(__name__, provider)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(pod, tracer), server)
     pod_status_pb2_grpc.add_PodStatusServicer_to_server(PodStatusService(pod), server)
     model_control_pb2_grpc.add_ModelControlServicer_to_server(
-        ModelControlService(pod, adapter_cache_dir), control
+        ModelControlService(pod, adapter_cache_dir, security), control
     )
     pod.health = serving.Health([server, control], SERVICES + CONTROL_SERVICES)
     serving.enable_reflection(server, SERVICES)
     serving.enable_reflection(control, CONTROL_SERVICES)
     servers = PodServers(
-        server, control, serving.bind(server, host, port), serving.bind(control, host, control_port)
+        server,
+        control,
+        serving.bind(server, host, port, security.tls),
+        serving.bind(control, host, control_port, security.tls),
     )
     pod.control_port = servers.control_port
     await server.start()
@@ -139,7 +147,11 @@ async def serve(args: argparse.Namespace) -> int:
 
     provider = telemetry.tracer_provider_from_env("spindle-model")
     pod = ModelPod(served_name(args), args.drain_timeout)
-    servers = await start(pod, args.host, args.port, args.control_port, provider, args.adapter_cache_dir)
+    security = security_from_args(args)
+    servers = await start(
+        pod, args.host, args.port, args.control_port, provider, args.adapter_cache_dir, security
+    )
+    await pod.health.serve_plaintext(args.host, args.health_port)
     serving.on_shutdown_signal(pod.request_exit)
     if args.metrics_port:
         metrics_port = pod.metrics.serve(args.host, args.metrics_port)
@@ -158,6 +170,7 @@ async def serve(args: argparse.Namespace) -> int:
     if loading.done() and not loading.cancelled() and loading.exception() is None:
         await pod.drain()
     await servers.stop(grace=1.0)
+    await pod.health.stop()
     pod.close()
     if provider is not None:
         provider.shutdown()

@@ -160,3 +160,59 @@ affinity:
   value: {{ $s3.endpointUrl | quote }}
 {{- end }}
 {{- end -}}
+
+{{/* TLS and the service token, the same for every Spindle container (docs/security.md).
+Call with (list $ REQUIRE_CLIENT_CERT). */}}
+{{- define "spindle.securityEnv" -}}
+{{- $ := index . 0 -}}{{- $tls := $.Values.tls -}}
+{{- if $tls.enabled }}
+{{- if not $tls.existingSecret }}{{ fail "tls.enabled needs tls.existingSecret: a Secret with tls.crt, tls.key and ca.crt" }}{{ end }}
+- name: SPINDLE_TLS_CERT_FILE
+  value: /etc/spindle/tls/tls.crt
+- name: SPINDLE_TLS_KEY_FILE
+  value: /etc/spindle/tls/tls.key
+- name: SPINDLE_TLS_CA_FILE
+  value: /etc/spindle/tls/ca.crt
+- name: SPINDLE_TLS_SERVER_NAME
+  value: {{ $tls.serverName | quote }}
+- name: SPINDLE_TLS_REQUIRE_CLIENT_CERT
+  value: {{ index . 1 | toString | quote }}
+- name: SPINDLE_HEALTH_PORT
+  value: {{ $tls.healthPort | quote }}
+{{- end }}
+{{- if $.Values.controlToken.enabled }}
+- name: SPINDLE_CONTROL_TOKEN_FILE
+  value: /etc/spindle/control-token/token
+{{- end }}
+{{- end -}}
+
+{{/* Whole Secrets as volumes (no subPath), so a rotated certificate or token reaches the files. */}}
+{{- define "spindle.securityMounts" -}}
+{{- if .Values.tls.enabled }}
+- {name: tls, mountPath: /etc/spindle/tls, readOnly: true}
+{{- end }}
+{{- if .Values.controlToken.enabled }}
+- {name: control-token, mountPath: /etc/spindle/control-token, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{- define "spindle.securityVolumes" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret: {secretName: {{ .Values.tls.existingSecret }}}
+{{- end }}
+{{- if .Values.controlToken.enabled }}
+- name: control-token
+  secret: {secretName: {{ include "spindle.controlTokenSecret" . }}}
+{{- end }}
+{{- end -}}
+
+{{- define "spindle.controlTokenSecret" -}}
+{{- default (printf "%s-control-token" (include "spindle.fullname" .)) .Values.controlToken.existingSecret -}}
+{{- end -}}
+
+{{/* The port the kubelet probes: the service's own, or with TLS its plaintext health port. */}}
+{{- define "spindle.probePort" -}}
+{{- $ := index . 0 -}}
+{{- ternary $.Values.tls.healthPort (index . 1) $.Values.tls.enabled -}}
+{{- end -}}

@@ -1,0 +1,138 @@
+"""The service token: what a caller of a control RPC (ModelControl, the adapter service) must show.
+
+The services of one cluster share a secret token from a file (`--control-token-file`, a mounted
+Secret); the control servers refuse calls without it, and every service sends it on its own
+control calls. The file is re-read when it changes. Health and reflection stay open (probes).
+Without a token file the control RPCs are open to whoever reaches the port: fine on a laptop,
+and the services say so at start-up unless mutual TLS guards the port instead.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+HEADER = "x-spindle-service-token"
+
+
+class ServiceToken:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._stamp: tuple = ()
+        self._value = b""
+        self.value()
+        if not self._value:
+            raise ValueError(f"control token file {path!r} is empty")
+
+    def value(self) -> bytes:
+        """The token, re-read if the file changed; a file that vanished mid-rotation keeps the old one."""
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if stamp != self._stamp:
+                with open(self.path, "rb") as f:
+                    value = f.read().strip()
+                if value:
+                    self._value, self._stamp = value, stamp
+        except OSError as e:
+            if not self._value:
+                raise ValueError(f"cannot read control token file {self.path!r}: {e}") from e
+            log.warning("control token file unreadable, keeping the previous token: %s", e)
+        return self._value
+
+    def matches(self, offered: str | bytes | None) -> bool:
+        offered_bytes = offered.encode() if isinstance(offered, str) else offered or b""
+        return hmac.compare_digest(offered_bytes, self.value())
+
+
+def _offered(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | bytes | None:
+    return next((v for k, v in metadata or () if k == HEADER), None)
+
+
+class RequireToken(grpc.aio.ServerInterceptor):
+    """Refuse the RPCs of the `protected` services unless they carry the service token."""
+
+    def __init__(self, token: ServiceToken, protected: Iterable[str], port_name: str) -> None:
+        self.token, self.protected, self.port_name = token, tuple(protected), port_name
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if details.method.lstrip("/").split("/", 1)[0] not in self.protected:
+            return handler
+        offered = _offered(details.invocation_metadata)
+        if offered is None:
+            return _refusal(
+                handler,
+                f"{details.method} is a control RPC of the {self.port_name}: send the cluster's service "
+                f"token as `{HEADER}` metadata (the file given by --control-token-file)",
+            )
+        if not self.token.matches(offered):
+            return _refusal(
+                handler, f"{details.method}: the service token is wrong (not this cluster's, or rotated)"
+            )
+        return handler
+
+
+def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler | None:
+    """A handler of the real one's call shape that ends the call UNAUTHENTICATED, reading nothing."""
+    if handler is None:  # no such method: UNIMPLEMENTED, as without the token
+        return None
+
+    async def deny(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def deny_stream(_request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # an async generator, as a streaming handler must be
+
+    shapes = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    shape = (handler.request_streaming, handler.response_streaming)
+    return shapes[shape](
+        deny_stream if handler.response_streaming else deny,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class _SendToken:
+    def __init__(self, token: ServiceToken) -> None:
+        self.token = token
+
+    async def _intercept(self, continuation: Any, details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()))
+        metadata.add(HEADER, self.token.value().decode())  # read at each call: rotation applies
+        return await continuation(details._replace(metadata=metadata), request)
+
+
+_SHAPES = {
+    grpc.aio.UnaryUnaryClientInterceptor: "intercept_unary_unary",
+    grpc.aio.UnaryStreamClientInterceptor: "intercept_unary_stream",
+    grpc.aio.StreamUnaryClientInterceptor: "intercept_stream_unary",
+    grpc.aio.StreamStreamClientInterceptor: "intercept_stream_stream",
+}
+
+
+def send_token(token: ServiceToken) -> list[Any]:
+    """Client interceptors adding the token to every call of a channel. One per call shape, each
+    the same method under that shape's name: an aio channel files an interceptor under the first
+    shape it implements."""
+    return [
+        type(f"SendToken{shape.__name__}", (_SendToken, shape), {method: _SendToken._intercept})(token)
+        for shape, method in _SHAPES.items()
+    ]

@@ -1,0 +1,102 @@
+"""The service token guard on every call shape, its rotation, and what it leaves open."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from spindle import serving
+from spindle.service_token import RequireToken, ServiceToken, send_token
+
+Code = grpc.StatusCode
+
+
+async def _unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    return b"ok:" + request
+
+
+async def _unary_stream(request: bytes, context: grpc.aio.ServicerContext):
+    yield b"ok:" + request
+
+
+async def _stream_unary(requests, context: grpc.aio.ServicerContext) -> bytes:
+    return b"ok:" + b"".join([r async for r in requests])
+
+
+async def _stream_stream(requests, context: grpc.aio.ServicerContext):
+    async for r in requests:
+        yield b"ok:" + r
+
+
+SHAPES = {
+    "UnaryUnary": grpc.unary_unary_rpc_method_handler(_unary),
+    "UnaryStream": grpc.unary_stream_rpc_method_handler(_unary_stream),
+    "StreamUnary": grpc.stream_unary_rpc_method_handler(_stream_unary),
+    "StreamStream": grpc.stream_stream_rpc_method_handler(_stream_stream),
+}
+
+
+async def _call(channel: grpc.aio.Channel, shape: str) -> bytes | Code:
+    """Every shape, with bytes in and out; the status code when refused."""
+    method = f"/test.Control/{shape}"
+    try:
+        if shape == "UnaryUnary":
+            return await channel.unary_unary(method)(b"x", timeout=5)
+        if shape == "UnaryStream":
+            return b"".join([r async for r in channel.unary_stream(method)(b"x", timeout=5)])
+        if shape == "StreamUnary":
+            return await channel.stream_unary(method)(iter([b"x"]), timeout=5)
+        return b"".join([r async for r in channel.stream_stream(method)(iter([b"x"]), timeout=5)])
+    except grpc.aio.AioRpcError as e:
+        assert e.code() != Code.UNAUTHENTICATED or "token" in e.details()
+        return e.code()
+
+
+def test_every_call_shape_needs_the_token_which_may_rotate_and_health_stays_open(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("first-token\n")
+    token = ServiceToken(str(path))
+
+    async def run() -> None:
+        server = serving.make_server([RequireToken(token, ["test.Control"], "test server")])
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Control", SHAPES)])
+        health = serving.Health(server, ())
+        port = serving.bind(server, "127.0.0.1", 0)
+        await server.start()
+        await health.set(True)
+        target = f"127.0.0.1:{port}"
+        try:
+            async with grpc.aio.insecure_channel(target) as bare:
+                for shape in SHAPES:
+                    assert await _call(bare, shape) == Code.UNAUTHENTICATED, shape
+                reply = await health_pb2_grpc.HealthStub(bare).Check(health_pb2.HealthCheckRequest())
+                assert reply.status == serving.SERVING  # answered without a token
+            mine = ServiceToken(str(path))  # the caller's view of the same Secret
+            async with grpc.aio.insecure_channel(target, interceptors=send_token(mine)) as ch:
+                for shape in SHAPES:
+                    assert await _call(ch, shape) == b"ok:x", shape
+                stale = tmp_path / "stale"
+                stale.write_text("first-token")
+                old = ServiceToken(str(stale))
+                (tmp_path / "next").write_text("second-token")
+                os.replace(tmp_path / "next", path)  # a Secret update: both sides read the new one
+                for shape in SHAPES:
+                    assert await _call(ch, shape) == b"ok:x", shape
+            async with grpc.aio.insecure_channel(target, interceptors=send_token(old)) as ch:
+                assert await _call(ch, "UnaryUnary") == Code.UNAUTHENTICATED  # the old token is refused
+        finally:
+            await server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_an_empty_or_missing_token_file_is_refused(tmp_path):
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        ServiceToken(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="cannot read"):
+        ServiceToken(str(tmp_path / "missing"))
