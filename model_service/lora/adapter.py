@@ -75,6 +75,14 @@ def content_id(config_bytes: bytes, weight_bytes: bytes) -> int:
 
 def load_peft_adapter(name: str, path: Path, base: ModelConfig, max_lora_rank: int) -> LoraAdapter:
     path = Path(path)
+    try:  # a path is user input: too long, a NUL byte, unreadable are the caller's to fix
+        config_bytes, weight_bytes = _read_files(name, path)
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"adapter {name!r}: cannot read {str(path)[:200]!r}: {e}") from e
+    return parse_peft_adapter(name, config_bytes, weight_bytes, base, max_lora_rank, path)
+
+
+def _read_files(name: str, path: Path) -> tuple[bytes, bytes]:
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not path.is_dir():
         raise AdapterError(f"adapter {name!r}: {path} is not a directory")
@@ -84,9 +92,7 @@ def load_peft_adapter(name: str, path: Path, base: ModelConfig, max_lora_rank: i
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
         hint = f" (found pickle weights {pickles}; convert them to safetensors)" if pickles else ""
         raise AdapterError(f"adapter {name!r}: {path} has no adapter_model.safetensors{hint}")
-    return parse_peft_adapter(
-        name, config_file.read_bytes(), weights_file.read_bytes(), base, max_lora_rank, path
-    )
+    return config_file.read_bytes(), weights_file.read_bytes()
 
 
 def parse_peft_adapter(
@@ -100,8 +106,10 @@ def parse_peft_adapter(
     """Validate an adapter from its two files' bytes (from disk, S3, or a peer pod)."""
     try:
         config = json.loads(config_bytes)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not text
         raise AdapterError(f"adapter {name!r}: adapter_config.json is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise AdapterError(f"adapter {name!r}: adapter_config.json is not a JSON object")
     _check_config(name, config)
     try:
         from safetensors.torch import load as load_safetensors
