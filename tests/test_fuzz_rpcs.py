@@ -308,3 +308,60 @@ def test_malformed_protobuf_bytes_are_invalid_argument(where, path, kind, tiny_p
                 _refused_properly(rpc, e)
 
         fuzz()
+
+
+def _reverse_offsets(header: dict) -> None:
+    from tests.test_upload_hardening import _first
+
+    _first(header)["data_offsets"].reverse()
+
+
+def _string_offsets(header: dict) -> None:
+    from tests.test_upload_hardening import _first
+
+    _first(header).update(data_offsets=["0", "1"])
+
+
+def test_lying_uploads_are_refused_before_anything_is_stored(adapter_service, lora_dirs, s3, redis_url):
+    """Each attack through the real Register RPC: refused, and neither S3 nor the Redis index moved."""
+    import hashlib
+    import json
+
+    import redis
+
+    from tests.test_upload_hardening import _with_header
+
+    config = json.loads((lora_dirs["a"] / "adapter_config.json").read_text())
+    good = (lora_dirs["a"] / "adapter_model.safetensors").read_bytes()
+    attacks = {
+        "../../etc/x": (config, good, Code.INVALID_ARGUMENT),
+        "rank-lie": ({**config, "r": config["r"] + 1}, good, Code.INVALID_ARGUMENT),
+        "target-lie": ({**config, "target_modules": ["o_proj"]}, good, Code.INVALID_ARGUMENT),
+        "offset-lie": (config, _with_header(good, _reverse_offsets), Code.INVALID_ARGUMENT),
+        "string-offsets": (config, _with_header(good, _string_offsets), Code.INVALID_ARGUMENT),
+        "pickle": (config, b"\x80\x04\x95" + good[3:], Code.INVALID_ARGUMENT),
+        "oversized": (config, good + b"\0" * 2_000_000, Code.RESOURCE_EXHAUSTED),
+    }  # fmt: skip
+    index = redis.Redis.from_url(redis_url)
+    before = (s3.keys(), sorted(index.hkeys("spindle:adapters:index")))
+    with adapter_service.channel() as ch:
+        admin = adapters_pb2_grpc.AdaptersStub(ch)
+        for name, (cfg, data, code) in attacks.items():
+            cfg_bytes, digest = json.dumps(cfg).encode(), hashlib.sha256(data).hexdigest()
+            header = apb.RegisterHeader(
+                name=name, config_json=cfg_bytes, total_bytes=len(data), sha256=digest
+            )
+            chunks = [apb.RegisterChunk(header=header), apb.RegisterChunk(data=data)]
+            with pytest.raises(grpc.RpcError) as e:
+                admin.Register(iter(chunks), timeout=30)
+            assert e.value.code() == code and e.value.details(), (name, e.value.details())
+        # truncated (fewer bytes than announced) and checksum mismatch
+        for total, digest in ((len(good) + 10, hashlib.sha256(good).hexdigest()), (len(good), "0" * 64)):
+            cfg_bytes = json.dumps(config).encode()
+            header = apb.RegisterHeader(name="cut", config_json=cfg_bytes, total_bytes=total, sha256=digest)
+            with pytest.raises(grpc.RpcError) as e:
+                admin.Register(
+                    iter([apb.RegisterChunk(header=header), apb.RegisterChunk(data=good)]), timeout=30
+                )
+            assert e.value.code() in (Code.INVALID_ARGUMENT, Code.DATA_LOSS), e.value.details()
+    assert (s3.keys(), sorted(index.hkeys("spindle:adapters:index"))) == before

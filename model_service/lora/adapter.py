@@ -24,7 +24,14 @@ import torch
 
 from model_service.errors import SpindleError
 from model_service.models.config import ModelConfig
-from spindle.peft import LORA_MODULES, projection_shapes, unsupported_feature
+from spindle.peft import (
+    LORA_MODULES,
+    declared_mismatch,
+    module_path,
+    pattern_value,
+    projection_shapes,
+    unsupported_feature,
+)
 
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
@@ -140,14 +147,6 @@ def _check_config(name: str, config: dict[str, Any]) -> None:
             refuse(f"LoRA on embeddings or the LM head (target {t!r})")
 
 
-def _pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
-    """PEFT's rank_pattern / alpha_pattern lookup: a pattern matches the end of the module path."""
-    for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", key):
-            return value
-    return default
-
-
 def _modules(
     name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], base: ModelConfig, max_rank: int
 ) -> dict[tuple[int, str], LoraWeights]:
@@ -176,7 +175,7 @@ def _modules(
     alpha, use_rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
     out: dict[tuple[int, str], LoraWeights] = {}
     for (layer, module), ab in sorted(pairs.items()):
-        path = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
+        path = module_path(layer, module)
         if set(ab) != {"A", "B"}:
             raise AdapterError(
                 f"adapter {name!r}: {path} has lora_{''.join(ab)} but not both lora_A and lora_B"
@@ -191,7 +190,10 @@ def _modules(
             )
         if rank > max_rank:
             raise AdapterError(f"adapter {name!r}: {path} has rank {rank}, above max_lora_rank {max_rank}")
-        module_alpha = float(_pattern_value(config.get("alpha_pattern") or {}, path, alpha))
+        wrong = declared_mismatch(config, layer, module, rank)
+        if wrong is not None:
+            raise AdapterError(f"adapter {name!r}: adapter_config.json: {wrong}")
+        module_alpha = float(pattern_value(config.get("alpha_pattern") or {}, path, alpha))
         scaling = module_alpha / (math.sqrt(rank) if use_rslora else rank)
         out[(layer, module)] = LoraWeights(a, b, scaling)
     return out
