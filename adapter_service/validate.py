@@ -42,7 +42,7 @@ class Summary:
 
 def check_name(name: str) -> str:
     """Names become S3 keys, Redis keys and pod cache directories: no path tricks, nothing odd."""
-    if not NAME.match(name or "") or ".." in name:
+    if not NAME.fullmatch(name or "") or ".." in name:  # (match: "$" accepts a trailing newline)
         raise ValidationError(
             f"adapter name {name!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit, without '..'"
@@ -147,7 +147,7 @@ def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int)
     shapes = base.projection_shapes()
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     for key, t in tensors.items():
-        m = _KEY.match(key)
+        m = _KEY.fullmatch(key)
         if m is None:
             raise ValidationError(f"tensor {key!r} is not a LoRA A/B weight of a decoder layer projection")
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ from gateway import prefix, router
 from gateway.adapters import AdapterDirectory, AdminProxy
 from gateway.auth import ANONYMOUS, ApiKeys, AuthError, Caller
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
-from spindle import serving, telemetry
+from spindle import request_ids, serving, telemetry
 from spindle.grpc_status import abort
 from spindle.v1 import adapters_pb2_grpc, generation_pb2_grpc
 from spindle.v1 import generation_pb2 as pb
@@ -94,7 +93,9 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         directory = self.directory
         if directory is not None and _registered_name(adapter) and not await directory.registered(adapter):
             await abort(context, Code.NOT_FOUND, f"adapter {adapter!r} is not registered")
-        rid = request.request_id or uuid.uuid4().hex
+        rid, problem = request_ids.request_id(request.request_id)
+        if problem is not None:
+            await abort(context, Code.INVALID_ARGUMENT, problem)
         if rid in self.inflight:
             await abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
         return caller, rid

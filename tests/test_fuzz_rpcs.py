@@ -366,3 +366,29 @@ def test_lying_uploads_are_refused_before_anything_is_stored(adapter_service, lo
                 )
             assert e.value.code() in (Code.INVALID_ARGUMENT, Code.DATA_LOSS), e.value.details()
     assert (s3.keys(), sorted(index.hkeys("spindle:adapters:index"))) == before
+
+
+def test_bad_input_regressions(tiny_pod):
+    """The fuzz's findings, one named case each (see docs/reliability.md)."""
+    from spindle.v1 import model_control_pb2 as mc
+
+    with tiny_pod.channel() as ch:
+        for rid in ("é", "a b", "x\n", "y" * 257):  # was INTERNAL "Invalid metadata"
+            req = token_request(PROMPT, 2, temperature=0.0)
+            req.request_id = rid
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub(ch).Generate(req, timeout=10))
+            assert e.value.code() == Code.INVALID_ARGUMENT and "request_id" in e.value.details()
+        for raw in _MALFORMED:  # was UNKNOWN "Unexpected DecodeError"
+            with pytest.raises(grpc.RpcError) as e:
+                list(ch.unary_stream("/spindle.v1.Generation/Generate")(raw, timeout=10))
+            assert e.value.code() == Code.INVALID_ARGUMENT and "protobuf" in e.value.details()
+    with tiny_pod.control_channel() as cc:
+        control = model_control_pb2_grpc.ModelControlStub(cc)
+        for path in ("/no/such/dir", "nul\0byte"):  # was UNKNOWN (FileNotFoundError, ValueError)
+            with pytest.raises(grpc.RpcError) as e:
+                control.Rotate(mc.RotateRequest(name="a", path=path, sha256="0" * 64), timeout=10)
+            assert e.value.code() == Code.NOT_FOUND and "cannot read" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # was INTERNAL (OSError: File name too long)
+            control.LoadAdapter(mc.LoadAdapterRequest(name="long", path="x" * 5000), timeout=10)
+        assert e.value.code() == Code.INVALID_ARGUMENT and "cannot read" in e.value.details()

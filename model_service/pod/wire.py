@@ -8,16 +8,14 @@ engine's default (1.0), never a silent 0 (greedy). Values are validated by the e
 
 from __future__ import annotations
 
-import re
-import uuid
 from typing import Any
 
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import RequestOutput
 from model_service.errors import InvalidRequestError
+from spindle import request_ids
 from spindle.v1 import generation_pb2 as pb
 
-_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 _REQUEST_FIELDS = ("max_tokens", "seed", "logprobs")
 _SAMPLING_FIELDS = (
     "temperature",
@@ -42,13 +40,10 @@ _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "ab
 
 
 def request_id(req: pb.GenerateRequest) -> str:
-    """The caller's id, or a new one. It is echoed as `x-request-id` metadata, whose values are
-    printable ASCII, so anything else is refused here rather than failing the stream INTERNAL."""
-    rid = req.request_id or uuid.uuid4().hex
-    if not _REQUEST_ID.match(rid):
-        raise InvalidRequestError(
-            f"request_id {rid[:80]!r} must be 1-256 printable ASCII characters without spaces"
-        )
+    """The caller's id, or a new one; raises InvalidRequestError for one metadata cannot carry."""
+    rid, problem = request_ids.request_id(req.request_id)
+    if problem is not None:
+        raise InvalidRequestError(problem)
     return rid
 
 
