@@ -22,7 +22,16 @@ from spindle.v1 import generation_pb2 as pb
 from tests.adapter_helpers import aws_env, s3_server
 from tests.conftest import make_engine
 from tests.fault_helpers import Outage, RestartableRedis
-from tests.service_helpers import collect, spawn, spawn_pod, stub, token_request, wait_idle, wait_serving
+from tests.service_helpers import (
+    collect,
+    load,
+    spawn,
+    spawn_pod,
+    stub,
+    token_request,
+    wait_idle,
+    wait_serving,
+)
 
 Code = grpc.StatusCode
 STREAMS = int(os.environ.get("SPINDLE_FAULT_STREAMS", "400"))
@@ -137,34 +146,37 @@ def test_thousands_of_streams_cancelled_at_random_points(pod, references):
 
 
 def test_a_stalled_pod_expires_deadlines_and_frees_everything(pod, references):
-    """SIGSTOP the pod for 2 s under load: callers with 1 s deadlines get DEADLINE_EXCEEDED; after
-    SIGCONT the pod frees the abandoned requests' blocks and slots and serves again unprompted."""
+    """12 long streams with 4 s deadlines are running; the pod is SIGSTOPped for 5 s, so every
+    deadline expires while it cannot answer. After SIGCONT it frees the abandoned requests' blocks
+    and slots and serves again, unprompted."""
     keys = list(references)
     with pod.channel() as ch:
         g = stub(ch)
-        calls = [
-            g.Generate(_request(keys[i % len(keys)], MAX_TOKENS, f"slow-{i}"), timeout=1.0) for i in range(12)
-        ]
-        time.sleep(0.05)
+        calls = [g.Generate(_request(keys[i % len(keys)], 400, f"slow-{i}"), timeout=4.0) for i in range(12)]
+        deadline = time.monotonic() + 3.0
+        while load(pod).requests_in_flight < len(calls) and time.monotonic() < deadline:
+            time.sleep(0.01)
         pod.proc.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
         try:
-            codes = []
-            for c in calls:
-                try:
-                    list(c)
-                    codes.append(Code.OK)
-                except grpc.RpcError as e:
-                    codes.append(e.code())
+            codes = [_code(c) for c in calls]
         finally:
-            time.sleep(max(0.0, stopped + 2.0 - time.monotonic()))
+            time.sleep(max(0.0, stopped + 5.0 - time.monotonic()))
             pod.proc.send_signal(signal.SIGCONT)
     print(f"FAULT stalled pod: {[c.name for c in codes]}")
-    assert Code.DEADLINE_EXCEEDED in codes and set(codes) <= {Code.OK, Code.DEADLINE_EXCEEDED}
+    assert Code.DEADLINE_EXCEEDED in codes and set(codes) <= {Code.OK, Code.DEADLINE_EXCEEDED}, codes
     _assert_nothing_held(pod)
     with pod.channel() as ch:
         tokens, _ = collect(stub(ch).Generate(_request((1, "b"), MAX_TOKENS, "after-stall"), timeout=30))
     assert tokens == references[(1, "b")]
+
+
+def _code(call) -> grpc.StatusCode:
+    try:
+        list(call)
+        return Code.OK
+    except grpc.RpcError as e:
+        return e.code()
 
 
 # --- the adapter service's backends -------------------------------------------------------------
