@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from adapter_service import base_model, validate
+from adapter_service.backend_errors import S3_DOWN, unavailable_when_backends_are_down
 from adapter_service.controller import Controller, PlacementError
 from adapter_service.placement import Knobs
 from adapter_service.registry import MemoryRegistry, RedisRegistry, Registry
@@ -54,6 +55,7 @@ async def _name(context: grpc.aio.ServicerContext, name: str) -> str:
         await abort(context, Code.INVALID_ARGUMENT, str(e))
 
 
+@unavailable_when_backends_are_down
 class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
     def __init__(
         self,
@@ -208,6 +210,8 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
             await abort(context, Code.INVALID_ARGUMENT, str(e))
         except OverflowError as e:
             await abort(context, Code.RESOURCE_EXHAUSTED, str(e))
+        except S3_DOWN as e:
+            await abort(context, Code.UNAVAILABLE, f"storage (S3) is unreachable, retry: {e}")
         except Exception as e:  # botocore's ClientError: missing object, access denied
             await abort(context, Code.NOT_FOUND, f"cannot read {request.uri}: {e}")
         try:
@@ -267,6 +271,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         return await self._proto(v)
 
 
+@unavailable_when_backends_are_down
 class PlacementService(adapters_pb2_grpc.PlacementServicer):
     def __init__(self, controller: Controller) -> None:
         self.c = controller
@@ -290,6 +295,7 @@ class PlacementService(adapters_pb2_grpc.PlacementServicer):
         return apb.CatalogResponse(adapters=out)
 
 
+@unavailable_when_backends_are_down
 class WeightsService(model_control_pb2_grpc.ModelControlServicer):
     """Only FetchAdapterWeights: the pods' peer-to-peer stream, answered from staging or storage."""
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from adapter_service.base_model import BaseModel
-from spindle.peft import LORA_MODULES, unsupported_feature
+from spindle.peft import LORA_MODULES, declared_mismatch, unsupported_feature
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _KEY = re.compile(
@@ -42,7 +42,7 @@ class Summary:
 
 def check_name(name: str) -> str:
     """Names become S3 keys, Redis keys and pod cache directories: no path tricks, nothing odd."""
-    if not NAME.match(name or "") or ".." in name:
+    if not NAME.fullmatch(name or "") or ".." in name:  # (match: "$" accepts a trailing newline)
         raise ValidationError(
             f"adapter name {name!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit, without '..'"
@@ -76,9 +76,12 @@ def read_header(f: BinaryIO, size: int) -> dict[str, Any]:
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     for key, t in tensors.items():
         try:
-            dtype, shape, (begin, end) = t["dtype"], [int(d) for d in t["shape"]], t["data_offsets"]
+            dtype, shape, (begin, end) = t["dtype"], [_whole(d) for d in t["shape"]], t["data_offsets"]
+            begin, end = _whole(begin), _whole(end)
         except (KeyError, TypeError, ValueError) as e:
-            raise ValidationError(f"tensor {key!r}: malformed header entry {t!r}") from e
+            raise ValidationError(f"tensor {key!r}: malformed header entry {str(t)[:200]}") from e
+        if any(d < 0 for d in shape):
+            raise ValidationError(f"tensor {key!r}: negative dimension in shape {shape}")
         if dtype not in _DTYPE_BYTES:
             raise ValidationError(f"tensor {key!r}: dtype {dtype} is not a float type a LoRA uses")
         want = math.prod(shape) * _DTYPE_BYTES[dtype]
@@ -87,7 +90,31 @@ def read_header(f: BinaryIO, size: int) -> dict[str, Any]:
                 f"tensor {key!r}: header says bytes [{begin}, {end}) of {data_size} for shape {shape} "
                 f"{dtype} ({want} bytes): the header lies about the file"
             )
+    _check_tiling(
+        sorted((t["data_offsets"][0], t["data_offsets"][1], k) for k, t in tensors.items()), data_size
+    )
     return tensors
+
+
+def _check_tiling(ranges: list[tuple[int, int, str]], data_size: int) -> None:
+    """safetensors (and so every pod) refuses tensors that overlap or leave gaps: so do we, before storing."""
+    at = 0
+    for begin, end, key in ranges:
+        if begin != at:
+            raise ValidationError(
+                f"tensor {key!r} starts at byte {begin}, not {at}: tensors overlap or leave a gap; "
+                "the header lies about the file"
+            )
+        at = end
+    if at != data_size:
+        raise ValidationError(f"the tensors end at byte {at} of {data_size}: the header lies about the file")
+
+
+def _whole(x: Any) -> int:
+    """A header integer: JSON floats, strings and booleans are refused, not truncated."""
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{x!r} is not an integer")
+    return x
 
 
 def parse_config(config_bytes: bytes) -> dict[str, Any]:
@@ -113,14 +140,14 @@ def parse_config(config_bytes: bytes) -> dict[str, Any]:
 
 def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int) -> Summary:
     """Everything a pod would check, done before a byte is stored."""
-    parse_config(config_bytes)
+    config = parse_config(config_bytes)
     size = weights.stat().st_size
     with open(weights, "rb") as f:
         tensors = read_header(f, size)
     shapes = base.projection_shapes()
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     for key, t in tensors.items():
-        m = _KEY.match(key)
+        m = _KEY.fullmatch(key)
         if m is None:
             raise ValidationError(f"tensor {key!r} is not a LoRA A/B weight of a decoder layer projection")
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
@@ -147,5 +174,8 @@ def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int)
             )
         if r > max_rank:
             raise ValidationError(f"layer {layer} {module}: rank {r} is above the limit {max_rank}")
+        wrong = declared_mismatch(config, layer, module, r)
+        if wrong is not None:
+            raise ValidationError(f"adapter_config.json: {wrong}")
         rank = max(rank, r)
     return Summary(rank, sorted({module for _, module in pairs}))

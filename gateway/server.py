@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,7 @@ from gateway.adapters import AdapterDirectory, AdminProxy
 from gateway.auth import ANONYMOUS, ApiKeys, AuthError, Caller
 from gateway.limits import STREAM_RETRY_S, Limits
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
-from spindle import serving, telemetry
+from spindle import request_ids, serving, telemetry
 from spindle.grpc_status import abort, abort_exhausted
 from spindle.security import add_security_args, security_from_args
 from spindle.v1 import adapters_pb2_grpc, generation_pb2_grpc
@@ -108,7 +107,9 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         directory = self.directory
         if directory is not None and _registered_name(adapter) and not await directory.registered(adapter):
             await abort(context, Code.NOT_FOUND, f"adapter {adapter!r} is not registered")
-        rid = request.request_id or uuid.uuid4().hex
+        rid, problem = request_ids.request_id(request.request_id)
+        if problem is not None:
+            await abort(context, Code.INVALID_ARGUMENT, problem)
         if rid in self.inflight:
             await abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
         if not self.limits.acquire(caller, context):

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from spindle.malformed import MalformedRequestInterceptor
 from spindle.tls import PLAINTEXT, TlsConfig, server_credentials
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,9 @@ _OPTIONS = [
 
 
 def make_server(interceptors: Iterable[Any] = ()) -> grpc.aio.Server:
-    return grpc.aio.server(interceptors=list(interceptors), options=_OPTIONS)
+    """A server whose requests that do not parse end INVALID_ARGUMENT (spindle/malformed.py); that
+    interceptor runs last, next to the handlers, so the others see the wrapped handler."""
+    return grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()], options=_OPTIONS)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig = PLAINTEXT) -> int:

@@ -108,7 +108,9 @@ def test_a_header_that_lies_about_offsets_is_refused(tmp_path, smol):
     assert _check(tmp_path, good, smol).rank == 8
 
 
-@pytest.mark.parametrize("name", ["", "../x", "a/b", "a\\b", ".hidden", "a" * 129, "x\0y", "a..b", "@active"])
+@pytest.mark.parametrize(
+    "name", ["", "../x", "a/b", "a\\b", ".hidden", "a" * 129, "x\0y", "a..b", "@active", "a\n"]
+)
 def test_unsafe_names_are_refused(name):
     with pytest.raises(validate.ValidationError):
         validate.check_name(name)

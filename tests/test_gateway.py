@@ -114,6 +114,8 @@ def test_bad_input_is_relayed_with_its_code_and_the_gateway_keeps_serving(cluste
             (pb.GenerateRequest(max_tokens=2), Code.INVALID_ARGUMENT),
             (token_request([5, 6], 2, temperature=-3.0), Code.INVALID_ARGUMENT),
             (token_request([5, 99999], 2), Code.INVALID_ARGUMENT),
+            (pb.GenerateRequest(request_id="é", text="x"), Code.INVALID_ARGUMENT),  # was INTERNAL (metadata)
+            (pb.GenerateRequest(request_id="a\nb", text="x"), Code.INVALID_ARGUMENT),
         ):
             with pytest.raises(grpc.RpcError) as e:
                 list(g.Generate(req, metadata=_md(), timeout=5))

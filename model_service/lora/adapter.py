@@ -24,7 +24,14 @@ import torch
 
 from model_service.errors import SpindleError
 from model_service.models.config import ModelConfig
-from spindle.peft import LORA_MODULES, projection_shapes, unsupported_feature
+from spindle.peft import (
+    LORA_MODULES,
+    declared_mismatch,
+    module_path,
+    pattern_value,
+    projection_shapes,
+    unsupported_feature,
+)
 
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
@@ -77,6 +84,14 @@ def content_id(config_bytes: bytes, weight_bytes: bytes) -> int:
 
 def load_peft_adapter(name: str, path: Path, base: ModelConfig, max_lora_rank: int) -> LoraAdapter:
     path = Path(path)
+    try:  # a path is user input: too long, a NUL byte, unreadable are the caller's to fix
+        config_bytes, weight_bytes = _read_files(name, path)
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"adapter {name!r}: cannot read {str(path)[:200]!r}: {e}") from e
+    return parse_peft_adapter(name, config_bytes, weight_bytes, base, max_lora_rank, path)
+
+
+def _read_files(name: str, path: Path) -> tuple[bytes, bytes]:
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not path.is_dir():
         raise AdapterError(f"adapter {name!r}: {path} is not a directory")
@@ -86,9 +101,7 @@ def load_peft_adapter(name: str, path: Path, base: ModelConfig, max_lora_rank: i
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
         hint = f" (found pickle weights {pickles}; convert them to safetensors)" if pickles else ""
         raise AdapterError(f"adapter {name!r}: {path} has no adapter_model.safetensors{hint}")
-    return parse_peft_adapter(
-        name, config_file.read_bytes(), weights_file.read_bytes(), base, max_lora_rank, path
-    )
+    return config_file.read_bytes(), weights_file.read_bytes()
 
 
 def parse_peft_adapter(
@@ -102,8 +115,10 @@ def parse_peft_adapter(
     """Validate an adapter from its two files' bytes (from disk, S3, or a peer pod)."""
     try:
         config = json.loads(config_bytes)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not text
         raise AdapterError(f"adapter {name!r}: adapter_config.json is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise AdapterError(f"adapter {name!r}: adapter_config.json is not a JSON object")
     _check_config(name, config)
     try:
         from safetensors.torch import load as load_safetensors
@@ -132,14 +147,6 @@ def _check_config(name: str, config: dict[str, Any]) -> None:
     for t in targets:
         if any(k in t for k in ("embed", "lm_head")):
             refuse(f"LoRA on embeddings or the LM head (target {t!r})")
-
-
-def _pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
-    """PEFT's rank_pattern / alpha_pattern lookup: a pattern matches the end of the module path."""
-    for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", key):
-            return value
-    return default
 
 
 def _modules(
@@ -180,7 +187,7 @@ def _modules(
     alpha, use_rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
     out: dict[tuple[int, str], LoraWeights] = {}
     for (layer, module), ab in sorted(pairs.items()):
-        path = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
+        path = module_path(layer, module)
         if set(ab) != {"A", "B"}:
             raise AdapterError(
                 f"adapter {name!r}: {path} has lora_{''.join(ab)} but not both lora_A and lora_B"
@@ -195,7 +202,10 @@ def _modules(
             )
         if rank > max_rank:
             raise AdapterError(f"adapter {name!r}: {path} has rank {rank}, above max_lora_rank {max_rank}")
-        module_alpha = float(_pattern_value(config.get("alpha_pattern") or {}, path, alpha))
+        wrong = declared_mismatch(config, layer, module, rank)
+        if wrong is not None:
+            raise AdapterError(f"adapter {name!r}: adapter_config.json: {wrong}")
+        module_alpha = float(pattern_value(config.get("alpha_pattern") or {}, path, alpha))
         scaling = module_alpha / (math.sqrt(rank) if use_rslora else rank)
         out[(layer, module)] = LoraWeights(a, b, scaling)
     return out

@@ -152,13 +152,19 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         else:
             path = Path(request.path)
             if request.sha256:
-                got = await asyncio.to_thread(_file_sha256, path / "adapter_model.safetensors")
+                got = await self._sha256_of(path / "adapter_model.safetensors", context)
                 if got != request.sha256:
                     await abort(
                         context, Code.DATA_LOSS, f"{path} has sha256 {got}, expected {request.sha256}"
                     )
         await self._run(RegisterAdapter(name, str(path)), context)
         return _state(await self._info(name), name)
+
+    async def _sha256_of(self, weights: Path, context: grpc.aio.ServicerContext) -> str:
+        try:
+            return await asyncio.to_thread(_file_sha256, weights)
+        except (OSError, ValueError) as e:  # missing, too long a name, a NUL byte
+            await abort(context, Code.NOT_FOUND, f"cannot read the new weights {str(weights)[:200]!r}: {e}")
 
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.SlotChange:
         name = await self._name(request.name, context)

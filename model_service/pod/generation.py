@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -77,7 +76,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         pod = self.pod
         await _require_serving(pod, context)
         try:
-            kwargs = wire.engine_request(request)
+            rid, kwargs = wire.request_id(request), wire.engine_request(request)
         except SpindleError as e:
             await abort_for(context, e)
         if request.HasField("model") and request.model != pod.model_name:
@@ -86,7 +85,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 Code.NOT_FOUND,
                 f"model {request.model!r} is not served here (this pod: {pod.model_name!r})",
             )
-        rid = request.request_id or uuid.uuid4().hex
         if rid in pod.inflight:
             await abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
         remaining = context.time_remaining()

@@ -13,6 +13,7 @@ from typing import Any
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import RequestOutput
 from model_service.errors import InvalidRequestError
+from spindle import request_ids
 from spindle.v1 import generation_pb2 as pb
 
 _REQUEST_FIELDS = ("max_tokens", "seed", "logprobs")
@@ -36,6 +37,14 @@ _EARLY_STOPPING = {
     pb.EARLY_STOPPING_NEVER: "never",
 }
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+
+def request_id(req: pb.GenerateRequest) -> str:
+    """The caller's id, or a new one; raises InvalidRequestError for one metadata cannot carry."""
+    rid, problem = request_ids.request_id(req.request_id)
+    if problem is not None:
+        raise InvalidRequestError(problem)
+    return rid
 
 
 def engine_request(req: pb.GenerateRequest) -> dict[str, Any]:

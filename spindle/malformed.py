@@ -1,0 +1,99 @@
+"""Requests whose bytes are not the method's message end INVALID_ARGUMENT, not UNKNOWN.
+
+grpc-python parses a request with the handler's deserializer before any handler code runs, and a
+`DecodeError` there (wrong wire types, truncated fields, invalid UTF-8 in a string) ends the call
+UNKNOWN "Unexpected DecodeError", which reads as a server bug. This interceptor swaps each
+deserializer for one that hands a `Malformed` marker to a thin wrapper around the handler, which
+refuses the call with a message that names the message type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+
+@dataclass(frozen=True)
+class Malformed:
+    error: str
+
+
+def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except DecodeError as e:
+            return Malformed(str(e))
+
+    return parse
+
+
+async def _refuse(context: grpc.aio.ServicerContext, bad: Malformed) -> None:
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid protobuf message: {bad.error}"
+    )
+
+
+async def _checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, Malformed):
+            await _refuse(context, request)
+        yield request
+
+
+def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The same handler, its deserializer tolerant and its behavior refusing malformed input."""
+    deserialize = _tolerant(handler.request_deserializer)
+    serialize = handler.response_serializer
+    if handler.unary_unary is not None:
+        inner_uu = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, Malformed):
+                await _refuse(context, request)
+            return await inner_uu(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, serialize)
+    if handler.unary_stream is not None:
+        inner_us = handler.unary_stream
+
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, Malformed):
+                await _refuse(context, request)
+            async for response in inner_us(request, context):
+                yield response
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, serialize)
+    if handler.stream_unary is not None:
+        inner_su = handler.stream_unary
+
+        async def stream_unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            return await inner_su(_checked(requests, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, deserialize, serialize)
+    inner_ss = handler.stream_stream
+
+    async def stream_stream(
+        requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        async for response in inner_ss(_checked(requests, context), context):
+            yield response
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, serialize)
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        return None if handler is None else _wrap(handler)

@@ -1,0 +1,394 @@
+"""Property-based fuzzing of every RPC of every service, through real gRPC to real processes.
+
+Each example is a hostile request (tests/fuzz_strategies.py). Every refusal must be a status the
+caller can act on (BAD_INPUT: never UNKNOWN or INTERNAL) with a message; every accepted request must
+finish properly; no process dies; afterwards the pod is idle (no KV block held) and a valid request
+returns exactly the engine's own tokens. SPINDLE_FUZZ_EXAMPLES sets the examples per RPC
+(default 25, so the file stays well under a minute; docs/reliability.md reports a 1,000 run).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from spindle.v1 import adapters_pb2 as apb
+from spindle.v1 import adapters_pb2_grpc, model_control_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
+from spindle.v1 import generation_pb2 as pb
+from tests import fuzz_strategies as fs
+from tests.adapter_helpers import aws_env
+from tests.conftest import make_engine
+from tests.service_helpers import collect, spawn, spawn_pod, stub, token_request, wait_idle, wait_serving
+
+Code = grpc.StatusCode
+EXAMPLES = int(os.environ.get("SPINDLE_FUZZ_EXAMPLES", "25"))
+PROMPT = [5, 6, 7, 8, 9]
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+)
+OUTCOMES: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_outcomes():
+    """Print what each RPC answered (for docs/reliability.md) when the module ends; run with -s."""
+    yield
+    for rpc, counts in sorted(OUTCOMES.items()):
+        print(f"FUZZ {rpc}: {sum(counts.values())} calls {dict(counts.most_common())}")
+
+
+def _note(rpc: str, outcome: str) -> None:
+    OUTCOMES[rpc][outcome] += 1
+
+
+def _refused_properly(rpc: str, e: grpc.RpcError, also: frozenset = frozenset()) -> None:
+    _note(rpc, e.code().name)
+    assert e.code() in fs.BAD_INPUT | also, f"{rpc}: {e.code()} {e.details()!r}"
+    assert e.details(), f"{rpc}: {e.code()} without a message"
+
+
+@pytest.fixture(scope="module")
+def tiny_pod(tiny_llama, lora_dirs, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("fuzz_pod")
+    service = spawn_pod(tiny_llama.name, logs, "pod", "--max-loras", "2", "--lora", f"a={lora_dirs['a']}")
+    yield wait_serving(service)
+    assert service.stop() == 0, service.output()
+
+
+def _assert_still_serves(pod, reference: list[int], ids: list[int] = PROMPT) -> None:
+    """The process is alive, nothing is held, and a valid request gets exactly the engine's tokens."""
+    assert pod.proc.poll() is None, pod.output()
+    wait_idle(pod, timeout=60)
+    with pod.channel() as ch:
+        tokens, _ = collect(
+            stub(ch).Generate(token_request(ids, len(reference), temperature=0.0), timeout=60)
+        )
+    assert tokens == reference
+
+
+def _drive_generate(g, rpc: str, req: pb.GenerateRequest, rng: random.Random) -> None:
+    """Send one request; an accepted one is read to its Final, or cancelled after a few chunks."""
+    cancel_after = rng.choice([None, None, 1, 3])
+    try:
+        call = g.Generate(req, timeout=60)
+        for n, msg in enumerate(call, 1):
+            if msg.HasField("final"):
+                assert msg.final.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                _note(rpc, "OK")
+                return
+            assert msg.HasField("chunk")
+            if cancel_after is not None and n >= cancel_after:
+                call.cancel()
+                _note(rpc, "OK (cancelled)")
+                return
+        raise AssertionError(f"{rpc}: stream ended without a Final")
+    except grpc.RpcError as e:
+        if e.code() == Code.CANCELLED and cancel_after is not None:
+            _note(rpc, "OK (cancelled)")
+            return
+        _refused_properly(rpc, e)
+
+
+def test_generate_fuzz_tiny_engine(tiny_llama, tiny_pod):
+    """Generation.Generate against a real engine (tiny random Llama: fast, no tokenizer)."""
+    rng = random.Random(0)
+    reference = (
+        make_engine(tiny_llama)
+        .generate([{"prompt_token_ids": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}])[0]
+        .token_ids
+    )
+
+    with tiny_pod.channel() as ch:
+        g = stub(ch)
+
+        @FUZZ
+        @given(fs.generate_requests(vocab=320, adapters=("a",)))
+        def fuzz(req: pb.GenerateRequest) -> None:
+            _drive_generate(g, "Generate (tiny)", req, rng)
+
+        fuzz()
+    _assert_still_serves(tiny_pod, reference)
+
+
+@pytest.fixture(scope="module")
+def smol_pod(tmp_path_factory):
+    service = spawn_pod("smollm2", tmp_path_factory.mktemp("fuzz_smol"), "smol", "--num-kv-blocks", "256")
+    yield wait_serving(service, timeout=300)
+    assert service.stop() == 0, service.output()
+
+
+@pytest.mark.slow  # starting a SmolLM2 pod takes ~45 s on a loaded 2-core VM; the fuzz itself ~5 s
+def test_generate_fuzz_smollm2(smollm2, smol_pod):
+    """Fewer examples against SmolLM2 (a tokenizer and a chat template): text, chat, stop strings,
+    unicode go through the real tokenizer and detokenizer."""
+    rng = random.Random(1)
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    engine = make_engine(smollm2)
+    reference = engine.generate(
+        [{"prompt_token_ids": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True}]
+    )
+    with smol_pod.channel() as ch:
+        g = stub(ch)
+
+        @settings(FUZZ, max_examples=max(10, EXAMPLES // 4))
+        @given(fs.generate_requests(vocab=49152))
+        def fuzz(req: pb.GenerateRequest) -> None:
+            _drive_generate(g, "Generate (SmolLM2)", req, rng)
+
+        fuzz()
+    _assert_still_serves(smol_pod, reference[0].token_ids, ids)
+
+
+def test_abort_list_models_and_get_load_fuzz(tiny_pod):
+    with tiny_pod.channel() as ch:
+        g, status = stub(ch), pod_status_pb2_grpc.PodStatusStub(ch)
+
+        @FUZZ
+        @given(fs.names)
+        def fuzz(rid: str) -> None:
+            try:
+                g.Abort(pb.AbortRequest(request_id=rid), timeout=10)
+                _note("Abort", "OK")
+            except grpc.RpcError as e:
+                _refused_properly("Abort", e)
+            assert g.ListModels(pb.ListModelsRequest(), timeout=10).models[0].max_model_len > 0
+            _note("ListModels", "OK")
+            rep = status.GetLoad(pod_status_pb2.GetLoadRequest(), timeout=10)
+            assert rep.kv_blocks_total == 64 and 0 <= rep.kv_blocks_free <= 64
+            _note("GetLoad", "OK")
+
+        fuzz()
+
+
+@pytest.mark.parametrize("method", sorted(fs.control_requests))
+def test_model_control_fuzz(method, tiny_llama, tiny_pod):
+    """Every ModelControl RPC; the pod's configured adapter `a` must survive and still serve."""
+    with tiny_pod.control_channel() as cc:
+        control = model_control_pb2_grpc.ModelControlStub(cc)
+        rpc = f"ModelControl.{method}"
+
+        @FUZZ
+        @given(fs.control_requests[method])
+        def fuzz(req) -> None:
+            try:
+                reply = getattr(control, method)(req, timeout=30)
+                if method == "FetchAdapterWeights":
+                    chunks = list(reply)
+                    assert chunks and chunks[-1].last
+                _note(rpc, "OK")
+            except grpc.RpcError as e:
+                # a peer that is not there is the peer's fault, not the request's
+                _refused_properly(rpc, e, frozenset({Code.UNAVAILABLE, Code.DATA_LOSS}))
+
+        fuzz()
+    reference = (
+        make_engine(tiny_llama)
+        .generate([{"prompt_token_ids": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}])[0]
+        .token_ids
+    )
+    _assert_still_serves(tiny_pod, reference)
+
+
+# --- the adapter service ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def adapter_service(tiny_llama, tiny_pod, redis_url, s3, tmp_path_factory):
+    import redis
+
+    redis.Redis.from_url(redis_url).flushall()
+    args = [
+        "--pods", tiny_pod.control_address, "--redis-url", redis_url, "--s3-bucket", s3.bucket,
+        "--s3-endpoint-url", s3.endpoint, "--s3-region", "us-east-1", "--base-model", tiny_llama.name,
+        "--metrics-port", "0", "--max-adapter-bytes", "2000000", "--max-lora-rank", "16",
+    ]  # fmt: skip
+    service = spawn("adapter-service", args, tmp_path_factory.mktemp("fuzz_svc"), "svc", env=aws_env())
+    yield wait_serving(service)
+    assert service.stop() == 0, service.output()
+
+
+@pytest.mark.parametrize("method", sorted(fs.adapter_requests))
+def test_adapter_service_fuzz(method, adapter_service, lora_dirs, s3):
+    from adapter_service.client import AdaptersClient
+
+    with AdaptersClient(adapter_service.address) as client:
+        known = {a.name: a for a in client.list()}
+        kept = known.get("kept") or client.register("kept", lora_dirs["b"])
+    before = s3.keys("kept/")
+    with adapter_service.channel() as ch:
+        stubs = {"Place": adapters_pb2_grpc.PlacementStub(ch), "Catalog": adapters_pb2_grpc.PlacementStub(ch)}
+        call = getattr(stubs.get(method) or adapters_pb2_grpc.AdaptersStub(ch), method)
+        rpc = f"Adapters.{method}"
+
+        @FUZZ
+        @given(fs.adapter_requests[method].filter(lambda r: getattr(r, "name", "") != "kept"))
+        def fuzz(req) -> None:
+            try:
+                call(req, timeout=30)
+                _note(rpc, "OK")
+            except grpc.RpcError as e:
+                _refused_properly(rpc, e, frozenset({Code.DATA_LOSS}))
+
+        fuzz()
+    with AdaptersClient(adapter_service.address) as client:
+        assert client.get("kept").sha256 == kept.sha256
+    assert s3.keys("kept/") == before
+    assert adapter_service.proc.poll() is None
+
+
+def test_register_fuzz(adapter_service, s3):
+    with adapter_service.channel() as ch:
+        admin = adapters_pb2_grpc.AdaptersStub(ch)
+        before = s3.keys()
+
+        @FUZZ
+        @given(fs.register_streams())
+        def fuzz(chunks: list[apb.RegisterChunk]) -> None:
+            try:
+                admin.Register(iter(chunks), timeout=30)
+                raise AssertionError("a fuzzed upload was registered")
+            except grpc.RpcError as e:
+                _refused_properly("Adapters.Register", e)
+
+        fuzz()
+    assert s3.keys() == before  # nothing refused was stored
+    assert adapter_service.proc.poll() is None
+
+
+# --- bytes that are not the message at all ------------------------------------------------------
+
+_MALFORMED = [
+    b"\x12\x03\xff\xfe\xfd",  # field 2 (text / name), invalid UTF-8
+    b"\x0a\x02\xc3\x28",  # field 1 string, invalid UTF-8
+    b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff",  # a varint past 10 bytes
+    b"\x0a\x7f",  # a length past the end
+    b"\x0f",  # wire type 7
+]
+
+_RAW_METHODS = [
+    ("pod", "/spindle.v1.Generation/Generate", "unary_stream"),
+    ("pod", "/spindle.v1.Generation/Abort", "unary_unary"),
+    ("pod", "/spindle.v1.PodStatus/GetLoad", "unary_unary"),
+    ("control", "/spindle.v1.ModelControl/LoadAdapter", "unary_unary"),
+    ("control", "/spindle.v1.ModelControl/FetchAdapterWeights", "unary_stream"),
+    ("adapters", "/spindle.v1.Adapters/Register", "stream_unary"),
+    ("adapters", "/spindle.v1.Adapters/Get", "unary_unary"),
+    ("adapters", "/spindle.v1.Placement/Place", "unary_unary"),
+]
+
+
+@pytest.mark.parametrize(("where", "path", "kind"), _RAW_METHODS)
+def test_malformed_protobuf_bytes_are_invalid_argument(where, path, kind, tiny_pod, adapter_service):
+    """Raw bytes that do not parse as the request message (wrong wire types, truncated varints,
+    invalid UTF-8 in a string): INVALID_ARGUMENT, not the library's UNKNOWN."""
+    target = {"pod": tiny_pod.address, "control": tiny_pod.control_address}.get(
+        where, adapter_service.address
+    )
+    rpc = f"raw {path}"
+    with grpc.insecure_channel(target) as ch:
+        send = getattr(ch, kind)(path)
+
+        @FUZZ
+        @given(st.one_of(st.binary(min_size=1, max_size=64), st.sampled_from(_MALFORMED)))
+        def fuzz(raw: bytes) -> None:
+            try:
+                reply = send(iter([raw]) if kind == "stream_unary" else raw, timeout=10)
+                if kind == "unary_stream":
+                    list(reply)
+                _note(rpc, "OK (parsed)")
+            except grpc.RpcError as e:
+                _refused_properly(rpc, e)
+
+        fuzz()
+
+
+def _reverse_offsets(header: dict) -> None:
+    from tests.test_upload_hardening import _first
+
+    _first(header)["data_offsets"].reverse()
+
+
+def _string_offsets(header: dict) -> None:
+    from tests.test_upload_hardening import _first
+
+    _first(header).update(data_offsets=["0", "1"])
+
+
+def test_lying_uploads_are_refused_before_anything_is_stored(adapter_service, lora_dirs, s3, redis_url):
+    """Each attack through the real Register RPC: refused, and neither S3 nor the Redis index moved."""
+    import hashlib
+    import json
+
+    import redis
+
+    from tests.test_upload_hardening import _with_header
+
+    config = json.loads((lora_dirs["a"] / "adapter_config.json").read_text())
+    good = (lora_dirs["a"] / "adapter_model.safetensors").read_bytes()
+    attacks = {
+        "../../etc/x": (config, good, Code.INVALID_ARGUMENT),
+        "rank-lie": ({**config, "r": config["r"] + 1}, good, Code.INVALID_ARGUMENT),
+        "target-lie": ({**config, "target_modules": ["o_proj"]}, good, Code.INVALID_ARGUMENT),
+        "offset-lie": (config, _with_header(good, _reverse_offsets), Code.INVALID_ARGUMENT),
+        "string-offsets": (config, _with_header(good, _string_offsets), Code.INVALID_ARGUMENT),
+        "pickle": (config, b"\x80\x04\x95" + good[3:], Code.INVALID_ARGUMENT),
+        "oversized": (config, good + b"\0" * 2_000_000, Code.RESOURCE_EXHAUSTED),
+    }  # fmt: skip
+    index = redis.Redis.from_url(redis_url)
+    before = (s3.keys(), sorted(index.hkeys("spindle:adapters:index")))
+    with adapter_service.channel() as ch:
+        admin = adapters_pb2_grpc.AdaptersStub(ch)
+        for name, (cfg, data, code) in attacks.items():
+            cfg_bytes, digest = json.dumps(cfg).encode(), hashlib.sha256(data).hexdigest()
+            header = apb.RegisterHeader(
+                name=name, config_json=cfg_bytes, total_bytes=len(data), sha256=digest
+            )
+            chunks = [apb.RegisterChunk(header=header), apb.RegisterChunk(data=data)]
+            with pytest.raises(grpc.RpcError) as e:
+                admin.Register(iter(chunks), timeout=30)
+            assert e.value.code() == code and e.value.details(), (name, e.value.details())
+        # truncated (fewer bytes than announced) and checksum mismatch
+        for total, digest in ((len(good) + 10, hashlib.sha256(good).hexdigest()), (len(good), "0" * 64)):
+            cfg_bytes = json.dumps(config).encode()
+            header = apb.RegisterHeader(name="cut", config_json=cfg_bytes, total_bytes=total, sha256=digest)
+            with pytest.raises(grpc.RpcError) as e:
+                admin.Register(
+                    iter([apb.RegisterChunk(header=header), apb.RegisterChunk(data=good)]), timeout=30
+                )
+            assert e.value.code() in (Code.INVALID_ARGUMENT, Code.DATA_LOSS), e.value.details()
+    assert (s3.keys(), sorted(index.hkeys("spindle:adapters:index"))) == before
+
+
+def test_bad_input_regressions(tiny_pod):
+    """The fuzz's findings, one named case each (see docs/reliability.md)."""
+    from spindle.v1 import model_control_pb2 as mc
+
+    with tiny_pod.channel() as ch:
+        for rid in ("é", "a b", "x\n", "y" * 257):  # was INTERNAL "Invalid metadata"
+            req = token_request(PROMPT, 2, temperature=0.0)
+            req.request_id = rid
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub(ch).Generate(req, timeout=10))
+            assert e.value.code() == Code.INVALID_ARGUMENT and "request_id" in e.value.details()
+        for raw in _MALFORMED:  # was UNKNOWN "Unexpected DecodeError"
+            with pytest.raises(grpc.RpcError) as e:
+                list(ch.unary_stream("/spindle.v1.Generation/Generate")(raw, timeout=10))
+            assert e.value.code() == Code.INVALID_ARGUMENT and "protobuf" in e.value.details()
+    with tiny_pod.control_channel() as cc:
+        control = model_control_pb2_grpc.ModelControlStub(cc)
+        for path in ("/no/such/dir", "nul\0byte"):  # was UNKNOWN (FileNotFoundError, ValueError)
+            with pytest.raises(grpc.RpcError) as e:
+                control.Rotate(mc.RotateRequest(name="a", path=path, sha256="0" * 64), timeout=10)
+            assert e.value.code() == Code.NOT_FOUND and "cannot read" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # was INTERNAL (OSError: File name too long)
+            control.LoadAdapter(mc.LoadAdapterRequest(name="long", path="x" * 5000), timeout=10)
+        assert e.value.code() == Code.INVALID_ARGUMENT and "cannot read" in e.value.details()

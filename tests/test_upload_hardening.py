@@ -1,0 +1,99 @@
+"""Adapter uploads that lie, refused by the service's validator before a byte is stored and by the
+engine's loader before a slot is written (the end-to-end refusals, with the store and registry
+checked unchanged, are in tests/test_fuzz_rpcs.py and tests/test_adapter_service.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+
+from adapter_service import base_model, validate
+from model_service.lora.adapter import AdapterError, load_peft_adapter
+from tests.test_adapter_service_units import CONFIG, _check, _lora
+
+
+@pytest.fixture(scope="module")
+def smol() -> base_model.BaseModel:
+    return base_model.load("smollm2-135m-instruct")
+
+
+def _config(**fields) -> bytes:
+    return json.dumps(
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], **fields}
+    ).encode()
+
+
+def _with_header(data: bytes, edit) -> bytes:
+    """The same file with its safetensors header rewritten by `edit(header)`."""
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data[8 + n :]
+
+
+def _first(header: dict) -> dict:
+    return next(v for k, v in header.items() if k != "__metadata__")
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        (_config(r=4), "config says r=4"),  # the tensors are rank 8: PEFT would scale by alpha / 4
+        (_config(rank_pattern={"q_proj": 16}), "config says r=16"),
+        (_config(rank_pattern={"(": 8}), "not a regular expression"),
+        (_config(lora_alpha=float("nan")), "lora_alpha"),
+        (_config(lora_alpha="16"), "lora_alpha"),
+        (_config(lora_alpha=-1), "lora_alpha"),
+        (_config(target_modules=["v_proj"]), "does not name 'q_proj'"),
+        (_config(r=True), "r=True"),
+    ],
+)
+def test_a_config_that_lies_about_the_weights_is_refused(tmp_path, smol, config, words):
+    with pytest.raises(validate.ValidationError) as e:
+        _check(tmp_path, _lora(8), smol, config)
+    assert words in str(e.value)
+    assert _check(tmp_path, _lora(8), smol, _config()).rank == 8  # the honest config passes
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda h: _first(h).update(data_offsets=["0", "4"]), "malformed"),  # was a TypeError (UNKNOWN)
+        (lambda h: _first(h).update(data_offsets=[0.0, 18432.0]), "malformed"),
+        (lambda h: _first(h).update(shape=[8.5, 576]), "malformed"),
+        (lambda h: _first(h).update(shape=[-8, -576]), "negative"),
+        (lambda h: _first(h).update(data_offsets=[4, 4 + 8 * 576 * 4]), "overlap"),  # into the next tensor
+        (lambda h: h.update(extra={"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}), "not a LoRA"),
+        (lambda h: _first(h).update(dtype="I64"), "dtype"),
+    ],
+)
+def test_a_header_that_lies_about_offsets_or_shapes_is_refused(tmp_path, smol, edit, words):
+    with pytest.raises(validate.ValidationError) as e:
+        _check(tmp_path, _with_header(_lora(8), edit), smol, CONFIG)
+    assert words in str(e.value)
+
+
+def test_rank_zero_is_refused(tmp_path, smol):
+    """Rank 0 passed every shape check and then divided by zero on the pod (alpha / r)."""
+    with pytest.raises(validate.ValidationError, match="rank >= 1"):
+        _check(tmp_path, _lora(0), smol, _config(r=0))
+
+
+def test_the_engine_loader_refuses_what_the_service_refuses(tiny_llama, lora_dirs, tmp_path):
+    """A pod loading from disk (--lora, PromoteFromDisk) applies the same rules: a named error."""
+    d = tmp_path / "lying"
+    shutil.copytree(lora_dirs["a"], d)
+    config = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**config, "r": config["r"] * 2}))
+    with pytest.raises(AdapterError, match="config says r="):
+        load_peft_adapter("lying", d, tiny_llama.config, 64)
+    (d / "adapter_config.json").write_text("[]")
+    with pytest.raises(AdapterError, match="not a JSON object"):
+        load_peft_adapter("lying", d, tiny_llama.config, 64)
+    for bad in (tmp_path / ("x" * 300), tmp_path / "nul\0byte"):  # ENAMETOOLONG / ValueError: not INTERNAL
+        with pytest.raises(AdapterError, match=r"cannot read|not a directory"):
+            load_peft_adapter("x", bad, tiny_llama.config, 64)
