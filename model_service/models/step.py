@@ -82,6 +82,7 @@ class StepBatch:
             max_seq_len=self.max_seq_len,
             host_lora_slots=self.host_lora_slots,
             host_query_start=np.arange(num_tokens + 1),
+            host_state_snapshots=self.host_state_snapshots,  # per token already
         )
 
 
