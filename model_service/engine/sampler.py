@@ -6,10 +6,16 @@ request's tokens independent of whatever else shares its batch.
 
 Sampling uses the exponential-race form of the Gumbel trick: argmax(p / E) with
 E ~ Exp(1) draws from p exactly, and needs only one noise vector per row per step.
+
+A seeded row's noise is a function of (seed, output position): its generator is re-seeded from
+both before each draw. So the token at position i depends on the seed and the history only, not
+on how many draws the generator made before: a request resumed on another server from its first
+i output tokens (a pod failed mid-stream) goes on exactly as it would have.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +59,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
         probs = filtered_probs(logits[idx], [rows[i].params for i in random_rows])
-        noise = _exponential_noise(probs, [rows[i].generator for i in random_rows])
+        noise = _exponential_noise(probs, [rows[i] for i in random_rows])
         tokens[idx] = (probs / noise).argmax(dim=-1)
 
     token_list = tokens.tolist()
@@ -132,12 +138,21 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded row's draw at output `position` (64 bits, well mixed)."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _exponential_noise(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     noise = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
     if unseeded:
         noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
-    for i, g in enumerate(generators):
-        if g is not None:
-            noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
+    for i, r in enumerate(rows):
+        if r.generator is None:
+            continue
+        if r.params.seed is not None:
+            r.generator.manual_seed(position_seed(r.params.seed, len(r.token_ids) - r.num_prompt_tokens))
+        noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=r.generator)
     return noise
