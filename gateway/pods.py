@@ -11,17 +11,18 @@ UNAVAILABLE ejects it on the spot. Any ejected pod returns after one good check.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.router import Candidate
-from spindle.v1 import generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
+from spindle.v1 import generation_pb2, generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,12 @@ class Pod:
             address, options=CHANNEL_OPTIONS, interceptors=list(interceptors)
         )
         self.generation = generation_pb2_grpc.GenerationStub(self.channel)
+        # Generate's replies stay serialized: the gateway relays them as they came (gateway/relay.py).
+        self.generate_raw = self.channel.unary_stream(
+            "/spindle.v1.Generation/Generate",
+            request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+            response_deserializer=None,
+        )
         self.status = pod_status_pb2_grpc.PodStatusStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False
@@ -51,12 +58,23 @@ class Pod:
         self.last_error = ""
         self.load: pod_status_pb2.PodLoad | None = None
         self.in_flight = 0  # streams this gateway has open to the pod
+        self.in_flight_at_report = 0  # ... when its last load report was asked for
+
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        """Count a stream as open to this pod while the block runs (the router scores with it)."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
     def candidate(self) -> Candidate:
         load = self.load or pod_status_pb2.PodLoad()
         return Candidate(
             address=self.address,
             num_waiting=load.num_waiting,
+            unreported=max(0, self.in_flight - self.in_flight_at_report),
             kv_usage=load.kv_usage,
             resident_adapters=set(load.resident_adapters),
             waiting_adapters=set(load.waiting_adapters),
@@ -171,6 +189,7 @@ class PodPool:
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
                 self.eject(pod, "health check says NOT_SERVING")
                 return
+            in_flight = pod.in_flight  # what the report will count (at most)
             load = await pod.status.GetLoad(pod_status_pb2.GetLoadRequest(), timeout=self.timeout)
         except grpc.aio.AioRpcError as e:
             pod.failures += 1
@@ -178,7 +197,7 @@ class PodPool:
             if pod.failures >= self.failure_threshold:
                 self.eject(pod, f"{pod.failures} failed checks, last: {pod.last_error}")
             return
-        pod.load, pod.failures = load, 0
+        pod.load, pod.in_flight_at_report, pod.failures = load, in_flight, 0
         if not pod.healthy:
             log.info("model pod %s is healthy", pod.address)
             pod.healthy = True
