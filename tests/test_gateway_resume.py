@@ -13,6 +13,8 @@ from tests.service_helpers import stub
 from tests.test_gateway import _cluster, _generate, _md, _served
 from tests.test_gateway_failover import _streaming_pod
 
+pytestmark = pytest.mark.slow  # two SmolLM2 pods take ~20-40 s to start on 2 shared cores
+
 PROMPT = "Write a short story about a lighthouse keeper and a storm:"
 
 
