@@ -45,8 +45,11 @@ class Pod:
             address, options=CHANNEL_OPTIONS, interceptors=list(interceptors)
         )
         self.generation = generation_pb2_grpc.GenerationStub(self.channel)
-        # Generate's replies stay serialized: the gateway relays them as they came (gateway/relay.py).
-        self.generate_raw = self.channel.unary_stream(
+        # Generate's replies stay serialized: the gateway relays them as they came, and traces the
+        # call itself (gateway/relay.py): an interceptor would wrap every message of the stream.
+        # Same target and options: gRPC shares the connection with `channel`.
+        self.relay_channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.generate_raw = self.relay_channel.unary_stream(
             "/spindle.v1.Generation/Generate",
             request_serializer=generation_pb2.GenerateRequest.SerializeToString,
             response_deserializer=None,
@@ -59,6 +62,9 @@ class Pod:
         self.load: pod_status_pb2.PodLoad | None = None
         self.in_flight = 0  # streams this gateway has open to the pod
         self.in_flight_at_report = 0  # ... when its last load report was asked for
+
+    async def close(self) -> None:
+        await asyncio.gather(self.channel.close(), self.relay_channel.close())
 
     @contextlib.contextmanager
     def streaming(self) -> Iterator[None]:
@@ -147,7 +153,7 @@ class PodPool:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.gather(*(p.channel.close() for p in self.pods.values()), return_exceptions=True)
+        await asyncio.gather(*(p.close() for p in self.pods.values()), return_exceptions=True)
 
     async def _run(self) -> None:
         while True:
@@ -179,7 +185,7 @@ class PodPool:
             pod = self.pods.pop(address)
             if self.on_eject is not None:
                 self.on_eject(address)
-            await pod.channel.close()
+            await pod.close()
 
     async def _check(self, pod: Pod) -> None:
         try:

@@ -7,11 +7,16 @@ resume on another pod from what the caller already has (`GenerateRequest.resume`
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
+from opentelemetry import propagate, trace
 
 from spindle.v1 import generation_pb2 as pb
+
+GENERATE = "/spindle.v1.Generation/Generate"
 
 
 class Relayed:
@@ -46,6 +51,29 @@ class Relayed:
     def final(self) -> pb.Final | None:
         last = pb.GenerateResponse.FromString(self.messages[-1]) if self.messages else None
         return last.final if last is not None and last.HasField("final") else None
+
+
+@contextlib.contextmanager
+def client_span(tracer: trace.Tracer, address: str) -> Iterator[tuple[trace.Span, list[tuple[str, str]]]]:
+    """The span of one Generate call to a pod, and the metadata that carries its context there;
+    what the client interceptor would record, without its per-message wrapper."""
+    span = tracer.start_span(
+        GENERATE,
+        kind=trace.SpanKind.CLIENT,
+        attributes={"rpc.system": "grpc", "rpc.service": "spindle.v1.Generation", "rpc.method": "Generate",
+                    "net.peer.name": address},
+    )  # fmt: skip
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    try:
+        yield span, list(carrier.items())
+        span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.OK.value[0])
+    except grpc.aio.AioRpcError as e:
+        span.set_attribute("rpc.grpc.status_code", e.code().value[0])
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{e.code().name}: {e.details()}"))
+        raise
+    finally:
+        span.end()
 
 
 def add_generation_service(servicer: Any, server: grpc.aio.Server) -> None:

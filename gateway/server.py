@@ -26,7 +26,7 @@ from gateway import prefix, router
 from gateway.adapters import AdapterDirectory, AdminProxy
 from gateway.auth import ANONYMOUS, ApiKeys, AuthError, Caller
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
-from gateway.relay import Relayed, add_generation_service
+from gateway.relay import Relayed, add_generation_service, client_span
 from spindle import serving, telemetry
 from spindle.grpc_status import abort
 from spindle.v1 import adapters_pb2_grpc, generation_pb2_grpc
@@ -51,8 +51,10 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         max_attempts: int = 3,
         weights: router.Weights | None = None,
         directory: AdapterDirectory | None = None,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.pool, self.keys, self.directory = pool, keys, directory
+        self.tracer = tracer or trace.get_tracer(__name__)
         self.max_attempts, self.weights = max_attempts, weights
         self.prefixes = prefix.PrefixIndex()
         self.inflight: dict[str, Routed] = {}
@@ -152,8 +154,8 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 span.set_attribute("spindle.pod", pod.address)
                 span.set_attribute("spindle.attempts", attempt)
             try:
-                with pod.streaming():
-                    call = pod.generate_raw(request, timeout=context.time_remaining())
+                with pod.streaming(), client_span(self.tracer, pod.address) as (_, metadata):
+                    call = pod.generate_raw(request, metadata=metadata, timeout=context.time_remaining())
                     try:
                         async for raw in call:
                             stream.add(raw)
@@ -395,7 +397,8 @@ async def start(
         on_change=on_change,
         on_eject=lambda address: gateway.prefixes.forget_pod(address),
     )
-    gateway = GatewayService(pool, keys, max_attempts=args.max_attempts, directory=directory)
+    tracer = telemetry.get_tracer("spindle.gateway", provider)
+    gateway = GatewayService(pool, keys, max_attempts=args.max_attempts, directory=directory, tracer=tracer)
     add_generation_service(gateway, server)
     adapters_pb2_grpc.add_AdaptersServicer_to_server(AdminProxy(directory, gateway._caller), server)
     serving.enable_reflection(server, SERVICES)
