@@ -33,18 +33,9 @@ class FakeFastEngine:
         self.running: dict[str, list] = {}  # request id -> [prompt length, max tokens, tokens, admitted]
         self._pending: list[RequestOutput] = []
 
-    def add_request(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        prompt_token_ids: list[int] | None = None,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        adapter: str | None = None,
-        resume: Resume | None = None,
-    ) -> str:
+    def add_request(self, prompt=None, *, messages=None, prompt_token_ids=None, params=None, request_id=None,
+                    priority=0, adapter=None, resume: Resume | None = None) -> str:  # fmt: skip
+        """EngineHandle.add_request (same parameters; tests/test_service_units.py checks)."""
         if adapter is not None and adapter not in self.adapters:
             raise NotFoundError(f"unknown adapter {adapter!r}; this engine serves {list(self.adapters)}")
         if len(self.running) >= self.max_running:
