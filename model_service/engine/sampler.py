@@ -59,7 +59,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
         probs = filtered_probs(logits[idx], [rows[i].params for i in random_rows])
-        noise = _exponential_noise(probs, [rows[i] for i in random_rows])
+        for i in random_rows:
+            _key_by_position(rows[i])
+        noise = _exponential_noise(probs, [rows[i].generator for i in random_rows])
         tokens[idx] = (probs / noise).argmax(dim=-1)
 
     token_list = tokens.tolist()
@@ -144,15 +146,18 @@ def position_seed(seed: int, position: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def _exponential_noise(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def _key_by_position(row: SampleRow) -> None:
+    """Re-seed a seeded row's generator for the draw at its current output position."""
+    if row.generator is not None and row.params.seed is not None:
+        row.generator.manual_seed(position_seed(row.params.seed, len(row.token_ids) - row.num_prompt_tokens))
+
+
+def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     noise = torch.empty_like(probs)
-    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
         noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
-    for i, r in enumerate(rows):
-        if r.generator is None:
-            continue
-        if r.params.seed is not None:
-            r.generator.manual_seed(position_seed(r.params.seed, len(r.token_ids) - r.num_prompt_tokens))
-        noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=r.generator)
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
     return noise
