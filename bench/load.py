@@ -207,7 +207,9 @@ def run_phase(name: str, args: argparse.Namespace, logs: Path, setup: dict) -> N
         rss = {"gateway_rss_mb_before": round(before, 1), "gateway_rss_mb_peak": round(peak, 1),
                "gateway_rss_mb_after": round(_rss_mb(gateway.proc.pid), 1)}  # fmt: skip
         phase_setup = {"streams": phase.streams, "tokens_per_request": phase.tokens, "pods": len(phase.pods)}
-        if name == "overload":
+        if name == "fake":
+            phase_setup["engine_step_ms"] = args.step_ms
+        elif name == "overload":
             phase_setup |= {"max_running_per_pod": args.max_running, "engine_step_ms": args.overload_step_ms}
         report(name, results, wall, rss, setup | phase_setup)
     finally:
@@ -227,7 +229,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16, help="tokens per request, fake phases [16]")
     ap.add_argument("--step-ms", type=float, default=5.0, help="fake engine step [5 ms]")
     ap.add_argument("--fake-pods", type=int, default=2)
-    ap.add_argument("--max-running", type=int, default=250, help="per fake pod, overload phase [250]")
+    ap.add_argument("--max-running", type=int, default=50, help="per fake pod, overload phase [50]")
     ap.add_argument("--overload-step-ms", type=float, default=50.0, help="fake step, overload phase [50 ms]")
     ap.add_argument("--smol-concurrency", type=int, default=4)
     ap.add_argument("--smol-requests", type=int, default=24)
@@ -243,7 +245,7 @@ def main() -> None:
     import tempfile
 
     logs = Path(tempfile.mkdtemp(prefix="spindle-load-"))
-    setup = {"engine_step_ms": args.step_ms, "cpus": os.cpu_count(), "keys": len(KEYS)}
+    setup = {"cpus": os.cpu_count(), "keys": len(KEYS)}
     for name in args.phases:
         run_phase(name, args, logs, setup)
 
