@@ -99,6 +99,25 @@ def test_a_burst_between_load_polls_is_spread_by_the_gateways_own_stream_counts(
     }
 
 
+def test_a_relayed_stream_resumes_after_what_the_caller_has():
+    from gateway.relay import Relayed
+
+    req = pb.GenerateRequest(request_id="r", text="hi", max_tokens=9)
+    req.resume.output_token_ids.extend([1, 2])  # the caller resumed it itself, with 3 characters
+    req.resume.text_chars = 3
+    stream = Relayed(req)
+    assert stream.next_request() is req  # nothing relayed yet: the request as it came
+    for ids, text in (([5], "ab"), ([6, 7], ""), ([], "é!")):
+        chunk = pb.Chunk(token_ids=ids, text=text)
+        stream.add(pb.GenerateResponse(request_id="r", chunk=chunk).SerializeToString())
+    resumed = stream.next_request()
+    assert list(resumed.resume.output_token_ids) == [1, 2, 5, 6, 7] and resumed.resume.text_chars == 7
+    assert (resumed.text, resumed.max_tokens) == ("hi", 9) and list(req.resume.output_token_ids) == [1, 2]
+    assert stream.final() is None
+    stream.add(pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_LENGTH)).SerializeToString())
+    assert stream.next_request() is None and stream.final().finish_reason == pb.FINISH_REASON_LENGTH
+
+
 def test_prefix_hashes_chain_and_the_index_scores_leading_blocks():
     base = "x" * (prefix.BLOCK_BYTES * 4)
     a = prefix.block_hashes(pb.GenerateRequest(text=base))
