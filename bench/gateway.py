@@ -2,9 +2,9 @@
 
 Setup (printed in every line): loopback; one model pod and one gateway, each its own process.
 The pod is the real model-pod server (grpc.aio, AsyncEngine thread, servicers, metrics, tracing
-SDK without an exporter) over a FAKE FAST ENGINE: the forward pass is replaced by a stub that
-gives every running request one token per step and sleeps `--step-ms` per step, so the numbers
-measure the serving path, not a model. The gateway is the real `spindle gateway`. A closed loop
+SDK without an exporter) over a FAKE FAST ENGINE (bench/fake_engine.py): every running request
+gets one token per step and a step sleeps `--step-ms`, so the numbers measure the serving path,
+not a model. The gateway is the real `spindle gateway`. A closed loop
 of `--concurrency` clients each sends requests of `--tokens` tokens, first straight to the pod,
 then through the gateway; "added" = gateway minus pod.
 
@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -34,93 +33,6 @@ sys.path.insert(0, str(ROOT))
 
 from spindle.v1 import generation_pb2 as pb  # noqa: E402
 from spindle.v1 import generation_pb2_grpc  # noqa: E402
-
-
-class FakeFastEngine:
-    """The engine surface the model pod uses (`model_service.pod.handle.EngineHandle`), no model behind it."""
-
-    max_model_len = 4096
-    vocab_size = 32000
-
-    def __init__(self, step_s: float) -> None:
-        from model_service.engine.config import EngineConfig
-
-        self.step_s = step_s
-        self.config = EngineConfig(max_loras=0)
-        self.running: dict[str, list] = {}  # request id -> [prompt length, max tokens, tokens so far]
-        self._pending: list = []
-
-    def add_request(self, prompt=None, *, messages=None, prompt_token_ids=None, params=None, request_id=None,
-                    priority=0, adapter=None):  # fmt: skip
-        from model_service.errors import NotFoundError
-
-        if adapter is not None:
-            raise NotFoundError(f"unknown adapter {adapter!r}; this engine serves no adapters")
-        n = len(prompt_token_ids or []) or len(prompt or "") or 1
-        request_id = request_id or uuid.uuid4().hex
-        self.running[request_id] = [n, params.max_tokens, [], time.monotonic()]
-        return request_id
-
-    def abort(self, request_id: str) -> bool:
-        entry = self.running.pop(request_id, None)
-        if entry is not None:
-            self._pending.append(self._out(request_id, entry, [], "abort"))
-        return entry is not None
-
-    def has_unfinished(self) -> bool:
-        return bool(self.running or self._pending)
-
-    def step(self):
-        time.sleep(self.step_s)
-        outputs, self._pending = self._pending, []
-        for rid, entry in list(self.running.items()):
-            token = 100 + len(entry[2])
-            entry[2].append(token)
-            done = len(entry[2]) >= entry[1]
-            if done:
-                del self.running[rid]
-            outputs.append(self._out(rid, entry, [token], "length" if done else None))
-        return outputs
-
-    def _out(self, rid, entry, new, reason):
-        from model_service.engine.sequence import RequestOutput
-
-        text = "x" * len(entry[2])
-        return RequestOutput(
-            rid, new, "x" * len(new), list(entry[2]), text, reason is not None, reason, entry[0],
-            first_scheduled_at=entry[3],
-        )  # fmt: skip
-
-    def stats(self):
-        from model_service.engine.engine import EngineStats
-
-        return EngineStats(0, 0, len(self.running), 1000, 1000, 0, 0, 0, 0, 0, 0)
-
-    def list_adapters(self):
-        return []
-
-    def submit_control(self, op):
-        from concurrent.futures import Future
-
-        from model_service.lora.pool import AdapterNotFoundError
-
-        future = Future()
-        future.set_exception(AdapterNotFoundError(f"{op!r}: this engine serves no adapters"))
-        return future
-
-
-async def run_pod(port: int, step_s: float) -> None:
-    from model_service.pod import server
-    from model_service.pod.state import ModelPod
-    from spindle import serving, telemetry
-
-    pod = ModelPod("fake-fast-engine", drain_timeout=1.0)
-    srv = await server.start(pod, "127.0.0.1", port, 0, telemetry.tracer_provider_from_env("bench-pod"))
-    await pod.load(lambda: FakeFastEngine(step_s))
-    serving.on_shutdown_signal(pod.request_exit)
-    await pod.exit_requested.wait()
-    await srv.stop(0)
-    pod.close()
 
 
 def _wait_serving(address: str, timeout: float = 60) -> None:
@@ -177,7 +89,9 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=1.0)
     args = ap.parse_args()
     if args.role == "pod":
-        asyncio.run(run_pod(args.port, args.step_ms / 1000))
+        from bench.fake_engine import FakeFastEngine, run_pod
+
+        asyncio.run(run_pod(args.port, FakeFastEngine(args.step_ms / 1000)))
         return
     from tests.service_helpers import free_port
 

@@ -11,10 +11,11 @@ UNAVAILABLE ejects it on the spot. Any ejected pod returns after one good check.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -22,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.router import Candidate
 from spindle.security import PLAINTEXT, Security
-from spindle.v1 import generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
+from spindle.v1 import generation_pb2, generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,15 @@ class Pod:
         self.address = address
         self.channel = security.dial(address, CHANNEL_OPTIONS, interceptors)
         self.generation = generation_pb2_grpc.GenerationStub(self.channel)
+        # Generate's replies stay serialized: the gateway relays them as they came, and traces the
+        # call itself (gateway/relay.py): an interceptor would wrap every message of the stream.
+        # Same target and options: gRPC shares the connection with `channel`.
+        self.relay_channel = security.dial(address, CHANNEL_OPTIONS)
+        self.generate_raw = self.relay_channel.unary_stream(
+            "/spindle.v1.Generation/Generate",
+            request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+            response_deserializer=None,
+        )
         self.status = pod_status_pb2_grpc.PodStatusStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.healthy = False
@@ -50,12 +60,26 @@ class Pod:
         self.last_error = ""
         self.load: pod_status_pb2.PodLoad | None = None
         self.in_flight = 0  # streams this gateway has open to the pod
+        self.in_flight_at_report = 0  # ... when its last load report was asked for
+
+    async def close(self) -> None:
+        await asyncio.gather(self.channel.close(), self.relay_channel.close())
+
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        """Count a stream as open to this pod while the block runs (the router scores with it)."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
     def candidate(self) -> Candidate:
         load = self.load or pod_status_pb2.PodLoad()
         return Candidate(
             address=self.address,
             num_waiting=load.num_waiting,
+            unreported=max(0, self.in_flight - self.in_flight_at_report),
             kv_usage=load.kv_usage,
             resident_adapters=set(load.resident_adapters),
             waiting_adapters=set(load.waiting_adapters),
@@ -129,7 +153,7 @@ class PodPool:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.gather(*(p.channel.close() for p in self.pods.values()), return_exceptions=True)
+        await asyncio.gather(*(p.close() for p in self.pods.values()), return_exceptions=True)
 
     async def _run(self) -> None:
         while True:
@@ -161,7 +185,7 @@ class PodPool:
             pod = self.pods.pop(address)
             if self.on_eject is not None:
                 self.on_eject(address)
-            await pod.channel.close()
+            await pod.close()
 
     async def _check(self, pod: Pod) -> None:
         try:
@@ -171,6 +195,7 @@ class PodPool:
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
                 self.eject(pod, "health check says NOT_SERVING")
                 return
+            in_flight = pod.in_flight  # what the report will count (at most)
             load = await pod.status.GetLoad(pod_status_pb2.GetLoadRequest(), timeout=self.timeout)
         except grpc.aio.AioRpcError as e:
             pod.failures += 1
@@ -178,7 +203,7 @@ class PodPool:
             if pod.failures >= self.failure_threshold:
                 self.eject(pod, f"{pod.failures} failed checks, last: {pod.last_error}")
             return
-        pod.load, pod.failures = load, 0
+        pod.load, pod.in_flight_at_report, pod.failures = load, in_flight, 0
         if not pod.healthy:
             log.info("model pod %s is healthy", pod.address)
             pod.healthy = True

@@ -8,8 +8,9 @@ best wins, ties broken at random so equal pods share the load:
   0.6 requests waiting there already asked for it (it is being loaded), 0 the pod is full.
   A base-model request scores 1.0 everywhere;
 - prefix locality: the fraction of the prompt's leading blocks last sent to that pod;
-- queue depth: the pod's reported waiting requests, scaled between the least (1.0) and the
-  most (0.0) loaded candidate;
+- queue depth: the pod's reported waiting requests plus the streams this gateway opened to it
+  since that report (a burst between two load polls must not all land on one pod), scaled
+  between the least (1.0) and the most (0.0) loaded candidate;
 - KV cache: 1 - the pod's KV usage.
 """
 
@@ -23,10 +24,11 @@ ADAPTER_RESIDENT, ADAPTER_ROOM, ADAPTER_WAITING, ADAPTER_FULL = 1.0, 0.8, 0.6, 0
 
 @dataclass
 class Candidate:
-    """What the router knows of one pod: its last load report."""
+    """What the router knows of one pod: its last load report, and the streams opened since."""
 
     address: str
     num_waiting: int = 0
+    unreported: int = 0  # streams this gateway opened to the pod since its last load report
     kv_usage: float = 0.0
     resident_adapters: set[str] = field(default_factory=set)
     waiting_adapters: set[str] = field(default_factory=set)
@@ -55,8 +57,9 @@ def adapter_score(pod: Candidate, adapter: str | None) -> float:
 
 
 def queue_scores(pods: list[Candidate]) -> dict[str, float]:
-    lo, hi = min(p.num_waiting for p in pods), max(p.num_waiting for p in pods)
-    return {p.address: 1.0 if hi == lo else (hi - p.num_waiting) / (hi - lo) for p in pods}
+    depth = {p.address: p.num_waiting + p.unreported for p in pods}
+    lo, hi = min(depth.values()), max(depth.values())
+    return {a: 1.0 if hi == lo else (hi - d) / (hi - lo) for a, d in depth.items()}
 
 
 def score(

@@ -1,10 +1,12 @@
 """`spindle gateway`: one door in front of the model pods.
 
 It authenticates the caller (API key), checks which adapters the key may use, picks a pod
-(gateway/router.py), and relays the pod's stream. A request is retried on another pod only
-while no token has reached the caller: once text is out, a pod failure ends the stream with
-UNAVAILABLE, promptly, rather than repeating or mixing output. The caller's deadline is passed
-on to the pod and cancellation travels with it, so an abandoned request frees its KV blocks.
+(gateway/router.py), and relays the pod's stream as serialized bytes (gateway/relay.py). A pod
+that fails goes out of rotation and the request goes on on another pod: from the start before
+its first token, and after that resumed from the tokens the caller already has
+(`GenerateRequest.resume`), so the caller sees one stream, neither repeated nor cut. The
+caller's deadline is passed on to the pod and cancellation travels with it, so an abandoned
+request frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from gateway.adapters import AdapterDirectory, AdminProxy
 from gateway.auth import ANONYMOUS, ApiKeys, AuthError, Caller
 from gateway.limits import STREAM_RETRY_S, Limits
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
+from gateway.relay import Relayed, add_generation_service, client_span
 from spindle import request_ids, serving, telemetry
 from spindle.grpc_status import abort, abort_exhausted
 from spindle.security import add_security_args, security_from_args
@@ -33,7 +36,6 @@ from spindle.v1 import generation_pb2 as pb
 log = logging.getLogger("spindle.gateway")
 Code = grpc.StatusCode
 SERVICES = ("spindle.v1.Generation", "spindle.v1.Adapters")
-_RETRYABLE = (Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED)
 
 
 @dataclass
@@ -50,8 +52,10 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         max_attempts: int = 3,
         weights: router.Weights | None = None,
         directory: AdapterDirectory | None = None,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.pool, self.keys, self.directory = pool, keys, directory
+        self.tracer = tracer or trace.get_tracer(__name__)
         self.max_attempts, self.weights = max_attempts, weights
         self.prefixes = prefix.PrefixIndex()
         self.inflight: dict[str, Routed] = {}
@@ -123,7 +127,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncIterator[bytes]:
         try:  # the stream holds one of its caller's concurrency slots (taken in _admissible)
             async for resp in self._generate(request, context):
                 yield resp
@@ -132,7 +136,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
 
     async def _generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncIterator[bytes]:
         caller, rid = await self._admissible(request, context)
         upstream = pb.GenerateRequest()
         upstream.CopyFrom(request)
@@ -141,52 +145,78 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         _annotate(span, request, caller, rid)
         hashes = prefix.block_hashes(upstream)
         await context.send_initial_metadata((("x-request-id", rid),))
-        tried: set[str] = set()
-        last_error = "no healthy model pod"
         await self._place_if_needed(upstream, hashes, context)
+        stream = Relayed(upstream)
         try:
-            for attempt in range(1, self.max_attempts + 1):
-                pod = self._choose(upstream, hashes, tried)
-                if pod is None:
-                    if not tried and upstream.HasField("adapter") and self.pool.healthy():
-                        await abort(
-                            context, Code.NOT_FOUND, f"no model pod serves adapter {upstream.adapter!r}"
-                        )
-                    break
-                tried.add(pod.address)
-                self.inflight[rid] = Routed(caller, pod)
-                self.prefixes.record(hashes, pod.address)
-                if span.is_recording():
-                    span.set_attribute("spindle.pod", pod.address)
-                    span.set_attribute("spindle.attempts", attempt)
-                streamed = 0
-                pod.in_flight += 1
-                call = pod.generation.Generate(upstream, timeout=context.time_remaining())
-                try:
-                    async for resp in call:
-                        if resp.HasField("chunk"):
-                            streamed += len(resp.chunk.token_ids) or 1
-                        elif resp.HasField("final") and span.is_recording():
-                            _annotate_final(span, resp.final)
-                        yield resp
-                    return
-                except grpc.aio.AioRpcError as e:
-                    code, details = e.code(), e.details()
-                    if code == Code.UNAVAILABLE:
-                        self.pool.eject(pod, f"Generate failed: {details}")
-                    if streamed == 0 and code in _RETRYABLE:
-                        last_error = f"{pod.address}: {code.name}: {details}"
-                        log.info("retrying %s on another pod after %s", rid, last_error)
-                        continue
-                    if code == Code.UNAVAILABLE:
-                        details = f"model pod failed after {streamed} tokens ({details}); not retried"
-                    await abort(context, code, details)
-                finally:
-                    pod.in_flight -= 1
-                    call.cancel()
-            await abort(context, Code.UNAVAILABLE, f"no model pod could take the request ({last_error})")
+            async for raw in self._relay(stream, caller, hashes, span, context):
+                yield raw
+            final = stream.final() if span.is_recording() else None
+            if final is not None:
+                _annotate_final(span, final)
         finally:
             self.inflight.pop(rid, None)
+
+    async def _relay(
+        self,
+        stream: Relayed,
+        caller: Caller,
+        hashes: list[bytes],
+        span: trace.Span,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[bytes]:
+        """Relay from the best pod; on a pod failure go on with the next one (up to max_attempts
+        pods): from the start before the first token, resumed after what was relayed later."""
+        tried: set[str] = set()
+        last_code, last_error = Code.UNAVAILABLE, "no healthy model pod"
+        upstream, rid = stream.request, stream.request.request_id
+        for attempt in range(1, self.max_attempts + 1):
+            pod = self._choose(upstream, hashes, tried)
+            if pod is None:
+                if not tried and upstream.HasField("adapter") and self.pool.healthy():
+                    await abort(context, Code.NOT_FOUND, f"no model pod serves adapter {upstream.adapter!r}")
+                break
+            request = stream.next_request()
+            if request is None:
+                return  # the pod failed after its final message: the caller has everything
+            tried.add(pod.address)
+            self.inflight[rid] = Routed(caller, pod)
+            self.prefixes.record(hashes, pod.address)
+            if span.is_recording():
+                span.set_attribute("spindle.pod", pod.address)
+                span.set_attribute("spindle.attempts", attempt)
+            try:
+                with pod.streaming(), client_span(self.tracer, pod.address) as (_, metadata):
+                    call = pod.generate_raw(request, metadata=metadata, timeout=context.time_remaining())
+                    try:
+                        async for raw in call:
+                            stream.add(raw)
+                            yield raw
+                    finally:
+                        call.cancel()
+                return
+            except grpc.aio.AioRpcError as e:
+                last_code, last_error = e.code(), f"{pod.address}: {e.code().name}: {e.details()}"
+                await self._after_failure(pod, e, stream, context)
+        code = Code.RESOURCE_EXHAUSTED if last_code == Code.RESOURCE_EXHAUSTED else Code.UNAVAILABLE
+        await abort(context, code, f"no model pod could take the request ({last_error})")
+
+    async def _after_failure(
+        self, pod: Pod, e: grpc.aio.AioRpcError, stream: Relayed, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Return to try the next pod, or end the call with the pod's status when it is final.
+
+        A pod that is UNAVAILABLE (it died, or drained) is ejected and the request goes on
+        elsewhere, resumed if tokens were relayed; one at capacity before the first token too.
+        Anything else is the request's own outcome (bad input, deadline, an engine fault)."""
+        code, rid = e.code(), stream.request.request_id
+        if code == Code.UNAVAILABLE:
+            self.pool.eject(pod, f"Generate failed: {e.details()}")
+        if code == Code.UNAVAILABLE or (code == Code.RESOURCE_EXHAUSTED and not stream.messages):
+            n = len(stream.messages)
+            what = f"resuming {rid} after {n} relayed messages" if n else f"retrying {rid}"
+            log.info("%s on another pod (%s: %s)", what, pod.address, code.name)
+            return
+        await abort(context, code, e.details())
 
     async def _place_if_needed(
         self, req: pb.GenerateRequest, hashes: list[bytes], context: grpc.aio.ServicerContext
@@ -405,8 +435,9 @@ async def start(
         on_eject=lambda address: gateway.prefixes.forget_pod(address),
         security=security,
     )
-    gateway = GatewayService(pool, keys, max_attempts=args.max_attempts, directory=directory)
-    generation_pb2_grpc.add_GenerationServicer_to_server(gateway, server)
+    tracer = telemetry.get_tracer("spindle.gateway", provider)
+    gateway = GatewayService(pool, keys, max_attempts=args.max_attempts, directory=directory, tracer=tracer)
+    add_generation_service(gateway, server)
     adapters_pb2_grpc.add_AdaptersServicer_to_server(AdminProxy(directory, gateway._caller), server)
     serving.enable_reflection(server, SERVICES)
     port = serving.bind(server, args.host, args.port, security.tls)

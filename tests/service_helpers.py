@@ -61,9 +61,14 @@ class Service:
 
 
 def spawn(
-    command: str, args: list[str], log_dir: Path, name: str, env: dict[str, str] | None = None
+    command: str,
+    args: list[str],
+    log_dir: Path,
+    name: str,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> Service:
-    port = free_port()
+    port = port or free_port()
     log = log_dir / f"{name}.log"
     # tracing on (the default), nothing exported
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
@@ -83,10 +88,11 @@ def spawn(
     return Service(proc, f"127.0.0.1:{port}", log)
 
 
-def spawn_pod(model: str, log_dir: Path, name: str = "pod", *extra: str) -> Service:
+def spawn_pod(model: str, log_dir: Path, name: str = "pod", *extra: str, port: int | None = None) -> Service:
+    """A model pod; `port` to restart one where its gateway knows it."""
     control = free_port()
     args = ["--model", model, "--metrics-port", "0", "--num-kv-blocks", "64", "--control-port", str(control)]
-    service = spawn("serve", [*args, *extra], log_dir, name)
+    service = spawn("serve", [*args, *extra], log_dir, name, port=port)
     service.control_address = f"127.0.0.1:{control}"
     return service
 

@@ -1,4 +1,5 @@
-"""Pod failures behind the gateway: a pod killed mid-stream, a pod that stops answering health checks."""
+"""Pod failures behind the gateway: a pod killed mid-stream (the stream resumes on another pod), a
+pod that stops answering health checks, a pod that refuses before the first token."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import time
 import grpc
 import pytest
 
+from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import model_control_pb2, model_control_pb2_grpc
-from tests.service_helpers import load, stub, token_request
-from tests.test_gateway import FAST_HEALTH, _cluster, _generate, _long, _md, _served
+from tests.service_helpers import load, spawn_pod, stub, token_request, wait_serving
+from tests.test_gateway import FAST_HEALTH, _cluster, _generate, _md, _served
 
 Code = grpc.StatusCode
 
@@ -48,24 +50,45 @@ def test_unhealthy_pod_is_ejected_and_comes_back(cluster):
         _generate(gateway, token_request([30, 31, int(time.monotonic() * 1000) % 300], 2), timeout=5)
 
 
-def test_pod_killed_mid_stream_gives_unavailable_and_traffic_moves_on(cluster):
-    pods, gateway = cluster
+def _streaming_pod(pods, before: list[int]) -> int:
+    """The index of the pod that took the one request sent since `before` (requests_total)."""
+    return next(i for i, p in enumerate(pods) if load(p).requests_total > before[i])
+
+
+def _killed_mid_stream(gateway, pods, req: pb.GenerateRequest) -> tuple[list, int]:
+    """Start `req`, kill its pod after the first messages; all the caller gets, and the victim."""
     with gateway.channel() as ch:
         before = _served(pods)
-        stream = stub(ch).Generate(_long("doomed"), metadata=_md(), timeout=30)
-        next(stream)
-        victim = next(i for i, p in enumerate(pods) if load(p).requests_total > before[i])
+        stream = stub(ch).Generate(req, metadata=_md(), timeout=30)
+        got = [next(stream) for _ in range(3)]
+        victim = _streaming_pod(pods, before)
         pods[victim].proc.kill()
-        started = time.monotonic()
-        with pytest.raises(grpc.RpcError) as e:
-            list(stream)
-        assert time.monotonic() - started < 2.0
-        assert e.value.code() == Code.UNAVAILABLE and "not retried" in e.value.details()
-    survivor = pods[1 - victim]
-    before = load(survivor).requests_total
-    for i in range(3):
-        assert len(_generate(gateway, token_request([40 + i, 41], 3), timeout=5)[0]) == 3
-    assert load(survivor).requests_total - before == 3
+        got += list(stream)
+    return got, victim
+
+
+def test_a_pod_killed_mid_stream_is_resumed_elsewhere_and_readmitted_when_back(cluster, tiny_llama, tmp_path):
+    pods, gateway = cluster
+    greedy = token_request([7, 7, 7], 300, temperature=0.0, repetition_penalty=1.2)
+    seeded = token_request([7, 7, 7], 300, temperature=0.9, top_k=50, frequency_penalty=0.3)
+    seeded.seed = 1234
+    expected = {id(r): _generate(gateway, r, timeout=30) for r in (greedy, seeded)}
+    for n, req in enumerate((greedy, seeded)):
+        msgs, victim = _killed_mid_stream(gateway, pods, req)
+        want_tokens, want_msgs = expected[id(req)]
+        assert [t for m in msgs if m.HasField("chunk") for t in m.chunk.token_ids] == want_tokens
+        assert [m.WhichOneof("kind") for m in msgs].count("final") == 1
+        assert msgs[-1].final == want_msgs[-1].final  # finish reason, usage: 3 prompt, 300 completion
+        assert gateway.output().count("resuming") == n + 1
+        assert "ejecting model pod " + pods[victim].address in gateway.output()
+        # The pod comes back where it was: the gateway takes it into rotation again.
+        healthy = gateway.output().count(f"model pod {pods[victim].address} is healthy")
+        port = int(pods[victim].address.rsplit(":", 1)[1])
+        pods[victim] = wait_serving(spawn_pod(tiny_llama.name, tmp_path, f"back{n}", port=port))
+        deadline = time.monotonic() + 10
+        while gateway.output().count(f"model pod {pods[victim].address} is healthy") == healthy:
+            assert time.monotonic() < deadline, gateway.output()
+            time.sleep(0.05)
 
 
 @pytest.mark.parametrize("cluster", [["--health-interval", "60"]], indirect=True)

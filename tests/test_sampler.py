@@ -35,8 +35,8 @@ def _params(**kw) -> SamplingParams:
 
 
 def _row(seed: int | None = None, prompt=(), output=(), **kw) -> SampleRow:
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SampleRow(_params(**kw), gen, [*prompt, *output], len(prompt))
+    gen = torch.Generator() if seed is not None else None
+    return SampleRow(_params(seed=seed, **kw), gen, [*prompt, *output], len(prompt))
 
 
 def _hf_allowed(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> set[int]:
@@ -233,7 +233,10 @@ def test_distribution_matches_probabilities(kw, expected):
     torch.manual_seed(9)
     unseeded, _ = sample(logits.expand(n, -1), [_row(**kw) for _ in range(n)])
     row = _row(seed=10, **kw)
-    seeded = [sample(logits, [row])[0][0] for _ in range(4000)]  # one generator, drawn repeatedly
+    seeded = []
+    for _ in range(4000):  # one request drawing 4000 tokens: one noise draw per output position
+        seeded += sample(logits, [row])[0]
+        row.token_ids.append(seeded[-1])
     assert _chi_square(unseeded, expected) < 30
     assert _chi_square(seeded, expected) < 30
 
@@ -254,7 +257,7 @@ def _seeded_run(position: int, others: list[dict], steps: int = 25) -> list[int]
         logits[position] = target_logits
         tokens, _ = sample(logits, rows)
         got.append(tokens[position])
-        target.output_ids.append(tokens[position])
+        target.token_ids.append(tokens[position])
     return got
 
 
@@ -272,6 +275,23 @@ def test_seeded_row_ignores_its_batch_and_position():
     assert _seeded_run(2, others) == alone
     assert _seeded_run(len(others), others) == alone
     assert _seeded_run(1, others[::-1]) == alone
+
+
+def test_a_seeded_row_resumed_from_its_history_draws_what_it_would_have():
+    """Noise is keyed by (seed, output position): a fresh generator given the first tokens of a
+    run (a stream resumed on another pod) continues it exactly."""
+    alone = _seeded_run(0, [])
+    for cut in (1, 7, 24):
+        resumed = _row(seed=42, temperature=0.8, top_p=0.9, top_k=100, output=alone[:cut])
+        resumed.generator.manual_seed(999)  # whatever state it is in: the position decides
+        logits = _logits(1, scale=1.0, seed=cut)
+        assert sample(logits, [resumed])[0] == [alone[cut]]
+    other = _row(seed=43, temperature=0.8, top_p=0.9, top_k=100)
+    others = []
+    for step in range(25):
+        others += sample(_logits(1, scale=1.0, seed=step), [other])[0]
+        other.token_ids.append(others[-1])
+    assert others != alone
 
 
 def test_different_seeds_differ_and_same_seed_repeats():

@@ -58,6 +58,66 @@ def test_queue_kv_and_prefix_scores_combine():
     assert router.choose([], None, {}) is None
 
 
+def test_a_burst_between_load_polls_is_spread_by_the_gateways_own_stream_counts():
+    """Load reports are a poll apart; the streams the gateway opened since a pod's report count as
+    waiting there, so a burst fills the emptier pod up to the other's depth, then alternates."""
+    import asyncio
+    import contextlib
+
+    from gateway.pods import Pod, PodPool, static_discovery
+    from gateway.server import GatewayService
+    from spindle.v1 import pod_status_pb2
+
+    def open_burst(gateway: GatewayService, streams: contextlib.ExitStack, n: int) -> None:
+        for i in range(n):
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[i, i + 1]))
+            pod = gateway._choose(req, prefix.block_hashes(req), set())
+            streams.enter_context(pod.streaming())
+
+    async def burst() -> list[list[int]]:
+        pool = PodPool(static_discovery([]))
+        for address, waiting in (("a:1", 0), ("b:1", 2)):
+            pool.pods[address] = Pod(address, [])
+            pool.pods[address].healthy = True
+            pool.pods[address].load = pod_status_pb2.PodLoad(num_waiting=waiting)
+        gateway, seen = GatewayService(pool, None), []
+        with contextlib.ExitStack() as streams:
+            open_burst(gateway, streams, 8)
+            seen.append([p.in_flight for p in pool.pods.values()])
+            for p in pool.pods.values():  # a poll: the reports now count every open stream
+                p.load, p.in_flight_at_report = pod_status_pb2.PodLoad(num_waiting=5), p.in_flight
+            open_burst(gateway, streams, 4)
+            seen.append([p.in_flight for p in pool.pods.values()])
+        seen.append([p.in_flight for p in pool.pods.values()])
+        await pool.close()
+        return seen
+
+    assert asyncio.run(burst()) == [[5, 3], [7, 5], [0, 0]]
+    assert router.queue_scores([router.Candidate("a", 1), router.Candidate("b", 0, unreported=3)]) == {
+        "a": 1.0,
+        "b": 0.0,
+    }
+
+
+def test_a_relayed_stream_resumes_after_what_the_caller_has():
+    from gateway.relay import Relayed
+
+    req = pb.GenerateRequest(request_id="r", text="hi", max_tokens=9)
+    req.resume.output_token_ids.extend([1, 2])  # the caller resumed it itself, with 3 characters
+    req.resume.text_chars = 3
+    stream = Relayed(req)
+    assert stream.next_request() is req  # nothing relayed yet: the request as it came
+    for ids, text in (([5], "ab"), ([6, 7], ""), ([], "é!")):
+        chunk = pb.Chunk(token_ids=ids, text=text)
+        stream.add(pb.GenerateResponse(request_id="r", chunk=chunk).SerializeToString())
+    resumed = stream.next_request()
+    assert list(resumed.resume.output_token_ids) == [1, 2, 5, 6, 7] and resumed.resume.text_chars == 7
+    assert (resumed.text, resumed.max_tokens) == ("hi", 9) and list(req.resume.output_token_ids) == [1, 2]
+    assert stream.final() is None
+    stream.add(pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_LENGTH)).SerializeToString())
+    assert stream.next_request() is None and stream.final().finish_reason == pb.FINISH_REASON_LENGTH
+
+
 def test_prefix_hashes_chain_and_the_index_scores_leading_blocks():
     base = "x" * (prefix.BLOCK_BYTES * 4)
     a = prefix.block_hashes(pb.GenerateRequest(text=base))
@@ -173,8 +233,8 @@ def test_the_gateway_client_and_dispatcher_import_no_torch():
 
 def test_the_engine_and_the_bench_fake_offer_the_engine_handle(tiny_llama):
     """Everything the model pod uses of an engine (EngineHandle) exists, with the same parameters,
-    on the real Engine and on the fake engine of bench/gateway.py."""
-    from bench.gateway import FakeFastEngine
+    on the real Engine and on the fake engine of bench/fake_engine.py."""
+    from bench.fake_engine import FakeFastEngine
     from model_service.engine.config import EngineConfig
     from model_service.pod.handle import EngineHandle
     from tests.conftest import make_engine

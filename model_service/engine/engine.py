@@ -34,7 +34,7 @@ from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.draft import DraftProposer, load_draft
 from model_service.engine.executor import ModelExecutor, kv_blocks_for_budget, recurrent_state_bytes
 from model_service.engine.output_processor import OutputProcessor
-from model_service.engine.requests import PromptReader
+from model_service.engine.requests import PromptReader, Resume
 from model_service.engine.sampler import SampleRow, TokenLogprobs, filtered_probs, sample
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.scheduler import Scheduler
@@ -160,8 +160,11 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         adapter: str | None = None,
+        resume: Resume | None = None,
     ) -> str:
-        """Validate and queue a request; raises InvalidRequestError / CapacityError, changing nothing."""
+        """Validate and queue a request; raises InvalidRequestError / CapacityError, changing nothing.
+
+        `resume`: output a previous engine produced for it; generation continues after it."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         request_id = request_id or uuid.uuid4().hex
@@ -176,6 +179,8 @@ class Engine:
             names = sorted(a.name for a in self.lora.report())
             raise NotFoundError(f"unknown adapter {adapter!r}; this server has {names or 'no adapters'}")
         ids = self.prompts.token_ids(prompt, messages, prompt_token_ids)
+        if resume is not None:
+            self.prompts.check_resume(resume, params, len(ids))
         seq = Sequence(
             request_id,
             ids,
@@ -186,6 +191,8 @@ class Engine:
             device=self.executor.device,
         )
         seq.adapter_name = adapter
+        if resume is not None and self._replay(seq, resume):
+            return request_id  # its resumed output already ended it: only its final output is left
         self.scheduler.add(seq)
         if params.num_beams > 1:
             group = BeamGroup(
@@ -199,6 +206,28 @@ class Engine:
             self.beams.start(seq, group)
         self.requests[request_id] = seq
         return request_id
+
+    def _replay(self, seq: Sequence, resume: Resume) -> bool:
+        """Append resumed output as if sampled here (stop strings, penalties and seeded noise see the
+        same history) and mark what the caller has as sent; True when that output finished the
+        request, whose final output is then queued."""
+        ids = resume.output_token_ids
+        for i, token in enumerate(ids):
+            if self.outputs.append(seq, token, None) and i + 1 < len(ids):
+                raise InvalidRequestError(
+                    f"resume.output_token_ids goes on after output token {i}, where this request stops"
+                )
+        if resume.text_chars > len(seq.text):
+            raise InvalidRequestError(
+                f"resume.text_chars is {resume.text_chars} but its output tokens make {len(seq.text)} "
+                "characters of text"
+            )
+        seq.emitted_tokens, seq.emitted_chars = len(seq.output_ids), resume.text_chars
+        if seq.finish_reason is None:
+            return False
+        seq.status = Status.FINISHED
+        self._pending.append(seq.take_output())
+        return True
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free everything it holds; its stream ends with finish_reason "abort"."""

@@ -6,10 +6,21 @@ what to change; nothing is queued or allocated for a refused request.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from model_service.engine.sampling_params import SamplingParams
 from model_service.errors import CapacityError, InvalidRequestError
 from model_service.models.tokenizer import Tokenizer
+
+
+@dataclass
+class Resume:
+    """Output another engine already produced for this request, which the caller has received:
+    a pod that died mid-stream costs the caller nothing when the next one starts from here."""
+
+    output_token_ids: list[int]
+    text_chars: int = 0  # how much of the output text the caller has (Unicode code points)
 
 
 class PromptReader:
@@ -30,6 +41,26 @@ class PromptReader:
         if len(ids) + 1 > self.max_kv_tokens:
             raise CapacityError(f"prompt of {len(ids)} tokens can never fit in the KV cache")
         return ids
+
+    def check_resume(self, resume: Resume, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """A resume this request can continue from: one stream, ids in the vocabulary, within
+        max_tokens, and room in the KV cache to recompute prompt and output."""
+        if params.num_beams > 1:
+            raise InvalidRequestError("resume continues one stream; beam search (num_beams > 1) has none")
+        vocab = self.vocab_size
+        bad = [t for t in resume.output_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"resume.output_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+        if len(resume.output_token_ids) > params.max_tokens:
+            raise InvalidRequestError(
+                f"resume has {len(resume.output_token_ids)} output tokens, more than max_tokens "
+                f"({params.max_tokens}): send the request's own max_tokens, not what is left of it"
+            )
+        if resume.text_chars < 0:
+            raise InvalidRequestError(f"resume.text_chars must be >= 0, got {resume.text_chars}")
+        total = num_prompt_tokens + len(resume.output_token_ids)
+        if total + 1 > self.max_kv_tokens:
+            raise CapacityError(f"prompt and resumed output ({total} tokens) can never fit in the KV cache")
 
     def _read(
         self, prompt: str | None, messages: list[dict[str, Any]] | None, token_ids: list[int] | None

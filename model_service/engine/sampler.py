@@ -6,10 +6,16 @@ request's tokens independent of whatever else shares its batch.
 
 Sampling uses the exponential-race form of the Gumbel trick: argmax(p / E) with
 E ~ Exp(1) draws from p exactly, and needs only one noise vector per row per step.
+
+A seeded row's noise is a function of (seed, output position): its generator is re-seeded from
+both before each draw. So the token at position i depends on the seed and the history only, not
+on how many draws the generator made before: a request resumed on another server from its first
+i output tokens (a pod failed mid-stream) goes on exactly as it would have.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +59,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
         probs = filtered_probs(logits[idx], [rows[i].params for i in random_rows])
+        for i in random_rows:
+            _key_by_position(rows[i])
         tokens[idx] = draw(probs, [rows[i].generator for i in random_rows])
 
     token_list = tokens.tolist()
@@ -134,6 +142,18 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row of `probs` [N, vocab], row i drawn with `generators[i]` (None: the global one)."""
     return (probs / _exponential_noise(probs, generators)).argmax(dim=-1)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded row's draw at output `position` (64 bits, well mixed)."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _key_by_position(row: SampleRow) -> None:
+    """Re-seed a seeded row's generator for the draw at its current output position."""
+    if row.generator is not None and row.params.seed is not None:
+        row.generator.manual_seed(position_seed(row.params.seed, len(row.token_ids) - row.num_prompt_tokens))
 
 
 def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

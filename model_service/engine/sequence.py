@@ -72,6 +72,7 @@ class Sequence:
         self.text = ""
         self.emitted_tokens = 0
         self.emitted_chars = 0
+        self.emitted_logprobs = 0
         self.logprobs: list[TokenLogprobs] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -130,10 +131,11 @@ class Sequence:
             finished=self.finished,
             finish_reason=self.finish_reason,
             num_prompt_tokens=self.num_prompt_tokens,
-            new_logprobs=self.logprobs[self.emitted_tokens :],
+            new_logprobs=self.logprobs[self.emitted_logprobs :],
             stop_reason=self.stop_reason,
             error=self.error,
             first_scheduled_at=self.first_scheduled_at,
         )
         self.emitted_tokens, self.emitted_chars = len(self.output_ids), end
+        self.emitted_logprobs = len(self.logprobs)
         return out

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import EngineStats
+from model_service.engine.requests import Resume
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import RequestOutput
 from model_service.lora.control import ControlOp, ControlResult
@@ -41,8 +42,10 @@ class EngineHandle(Protocol):
         request_id: str | None = None,
         priority: int = 0,
         adapter: str | None = None,
+        resume: Resume | None = None,
     ) -> str:
-        """Validate and queue a request; raises a SpindleError (see `pod.status`) and changes nothing."""
+        """Validate and queue a request; raises a SpindleError (see `pod.status`) and changes nothing.
+        `resume`: output another pod already streamed; only what follows it is produced."""
         ...
 
     def step(self) -> list[RequestOutput]: ...

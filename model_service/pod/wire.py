@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from model_service.engine.requests import Resume
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import RequestOutput
 from model_service.errors import InvalidRequestError
@@ -69,6 +70,8 @@ def engine_request(req: pb.GenerateRequest) -> dict[str, Any]:
         if not req.adapter:
             raise InvalidRequestError("adapter is set but empty; leave it unset to use the base model")
         kwargs["adapter"] = req.adapter
+    if req.HasField("resume"):
+        kwargs["resume"] = Resume(list(req.resume.output_token_ids), req.resume.text_chars)
     return kwargs
 
 
