@@ -99,6 +99,9 @@ class FakeFastEngine:
     def list_adapters(self):
         return []
 
+    def on_lost(self, callback):
+        """No device to lose."""
+
     def submit_control(self, op):
         from concurrent.futures import Future
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +25,9 @@ from model_service.lora.layers import LoraLayers, wrap_lora_layers
 from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel
 from model_service.models.step import AttentionBackend, ForwardContext, StepBatch
+
+if TYPE_CHECKING:
+    from model_service.distributed.executor import TensorParallelExecutor
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -48,7 +53,29 @@ def kv_blocks_for_budget(
     return max(budget // per_block, 0)
 
 
-def _own_module_tree(module: nn.Module) -> nn.Module:
+def kv_layout(
+    model: ModelConfig, config: EngineConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[int, int]:
+    """(K/V blocks, context length) for a module already on `device` whose K/V is shaped by `model`."""
+    num_blocks = config.num_kv_blocks or kv_blocks_for_budget(
+        model, config.block_size, dtype, device, config.kv_cache_memory_bytes, config.gpu_memory_utilization
+    )
+    max_model_len = min(config.max_model_len or model.max_position_embeddings, num_blocks * config.block_size)
+    return num_blocks, max_model_len
+
+
+def build_executor(loaded: LoadedModel, config: EngineConfig) -> ModelExecutor | TensorParallelExecutor:
+    """The executor `config` asks for: this process's device, or rank 0 of a tensor-parallel group
+    (whose `loaded` weights are on the host, to be sliced)."""
+    if config.tensor_parallel_size > 1:
+        from model_service.distributed.executor import start_tensor_parallel
+
+        return start_tensor_parallel(loaded, config)
+    param = next(loaded.module.parameters())
+    return ModelExecutor(loaded, config, *kv_layout(loaded.config, config, param.dtype, param.device))
+
+
+def own_module_tree(module: nn.Module) -> nn.Module:
     """A copy of `module`'s structure over the same weight tensors. Wrapping layers for LoRA
     replaces submodules; this keeps that from changing a module another engine may be running."""
     memo = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
@@ -62,7 +89,8 @@ class ModelExecutor:
         self, loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int
     ) -> None:
         max_loras = config.max_loras
-        self.module = _own_module_tree(loaded.module) if max_loras > 0 else loaded.module
+        self.max_model_len = max_model_len
+        self.module = own_module_tree(loaded.module) if max_loras > 0 else loaded.module
         self.config = loaded.config
         param = next(self.module.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -157,6 +185,9 @@ class ModelExecutor:
     def clear_slot(self, slot: int) -> None:
         assert self.lora is not None, "max_loras is 0: this executor has no LoRA slots"
         self.lora.clear_slot(slot)
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """One device has no peer to lose: `callback` is never called (see the tensor-parallel executor)."""
 
     def teardown(self) -> None:
         """Release device memory; the executor is unusable afterwards."""

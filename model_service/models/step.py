@@ -38,6 +38,10 @@ class StepBatch:
     max_seq_len: int
     host_lora_slots: np.ndarray  # [T] the same LoRA slots on the host (segment planning)
     host_query_start: np.ndarray  # [S + 1] the same query offsets on the host (kernel grids)
+    # The host int64 buffer every index array above was copied from, and the sizes that lay it out:
+    # what a tensor-parallel rank 0 broadcasts so the other ranks run the same step.
+    packed: torch.Tensor | None = None
+    packed_shape: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
