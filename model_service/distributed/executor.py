@@ -23,7 +23,14 @@ import torch
 import torch.distributed as dist
 
 from model_service.distributed.group import free_port, init_rank, rank_device
-from model_service.distributed.link import Command, CommandLink, LinkLostError, describe, raise_agreed
+from model_service.distributed.link import (
+    Command,
+    CommandFailedError,
+    CommandLink,
+    LinkLostError,
+    describe,
+    raise_agreed,
+)
 from model_service.distributed.rank import RankExecutor, build_rank
 from model_service.distributed.worker import Workers, WorkerSpec
 from model_service.engine.config import EngineConfig
@@ -59,14 +66,17 @@ class TensorParallelExecutor:
             callback(lost)
 
     def _lose(self, why: str) -> None:
+        # Listeners are told under the lock: a second caller (the engine thread, after a failed
+        # collective) returns only once they have been, so nothing it reports afterwards can
+        # reach the pod before the pod knows the rank is gone.
         with self._lock:
             if self.lost is not None:
                 return
             self.lost = why
-            listeners, self._listeners = self._listeners, []
-        log.error("tensor-parallel group lost: %s", why)
-        for callback in listeners:
-            callback(why)
+            log.error("tensor-parallel group lost: %s", why)
+            for callback in self._listeners:
+                callback(why)
+            self._listeners = []
 
     # --- commands ------------------------------------------------------------------------
 
@@ -89,9 +99,10 @@ class TensorParallelExecutor:
         except Exception as e:
             error = e
         errors = self._over_link(lambda: self.link.agree(describe(error)))
-        if error is not None:
-            raise error
-        raise_agreed(errors, "a tensor-parallel command")
+        try:
+            raise_agreed(errors, "a tensor-parallel command")
+        except CommandFailedError as e:
+            raise e from error
         return result
 
     def _over_link(self, op: Callable[[], Any]) -> Any:

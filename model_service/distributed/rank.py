@@ -62,7 +62,12 @@ class RankExecutor:
     def run(self, cmd: Received, builder: BatchBuilder) -> Any:
         """A worker's side of one command from rank 0."""
         if cmd.kind is Command.STEP:
-            return self.execute(builder.from_host(cmd.shape))
+            logits = self.execute(builder.from_host(cmd.shape))
+            if logits.is_cuda:
+                # The next command is received into the same pinned host buffer this step's batch
+                # is still being copied from (non_blocking); rank 0 waits for its logits anyway.
+                torch.cuda.current_stream().synchronize()
+            return None
         return self.call(cmd.method, cmd.args)
 
     def call(self, method: str, args: tuple[Any, ...]) -> Any:
