@@ -71,21 +71,18 @@ def greedy(engine: Engine, batch: list[list[int]], n: int) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(reqs)]
 
 
-def run(loaded: LoadedModel, args: argparse.Namespace, tp: int) -> dict[str, object]:
-    """Parity outputs and decode tokens/s of one engine, which is torn down afterwards."""
-    engine = make_engine(loaded, args, tp, args.dtype)
+def run(engine: Engine, loaded: LoadedModel, args: argparse.Namespace) -> dict[str, object]:
+    """Parity outputs and decode tokens/s of one engine."""
     vocab = loaded.config.vocab_size
     batch = prompts(args, vocab, args.parity_prompts)
     tok_s = {}
     if args.device == "cuda":
         tok_s = {b: decode_tok_s(engine, b, args.prompt_len, args.new_tokens, vocab) for b in args.batches}
-    out = {
+    return {
         "logits": last_token_logits(engine, batch),
         "tokens": greedy(engine, batch, args.parity_tokens),
         "tok_s": tok_s,
     }
-    engine.executor.teardown()
-    return out
 
 
 def float32_logits(loaded: LoadedModel, args: argparse.Namespace) -> torch.Tensor:
@@ -151,16 +148,18 @@ def main() -> None:
         "new_tokens": args.new_tokens,
     }
     loaded = random_model(shape, args.device, torch_dtype)
-    one = run(loaded, args, 1)
+    engine = make_engine(loaded, args, 1, args.dtype)
+    one = run(engine, loaded, args)
+    engine.executor.teardown()
     fp32 = float32_logits(loaded, args) if args.device == "cuda" else None
-    del loaded
+    del loaded, engine
     free_memory()
     # Every rank builds the same seeded weights on its own device; rank 0 keeps this copy.
     loaded = random_model(shape, args.device, torch_dtype)
     loaded.source = functools.partial(random_model, shape, args.device, torch_dtype)
-    many = run(loaded, args, args.tp)
-    report(setup, one, many, fp32, args.tp)
-
+    engine = make_engine(loaded, args, args.tp, args.dtype)
+    report(setup, one, run(engine, loaded, args), fp32, args.tp)
+    engine.executor.teardown()  # after the report: stopping the workers is not what is measured
 
 if __name__ == "__main__":
     main()
