@@ -13,6 +13,7 @@ Models with recurrent layers are refused by `Partition.of`, so no state is ever 
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import threading
@@ -51,6 +52,9 @@ class TensorParallelExecutor:
         self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
         workers.watch(self._lose)
+        # A process that ends without `teardown` (spindle generate, a signal) still stops its
+        # workers in order first, rather than having them terminated under a live process group.
+        atexit.register(self.teardown)
 
     @property
     def vocab_size(self) -> int:
@@ -143,16 +147,22 @@ class TensorParallelExecutor:
         self._call("clear_slot", slot)
 
     def teardown(self) -> None:
-        """Stop the workers and leave the process group; the executor is unusable afterwards."""
+        """Stop the workers and leave the process group; the executor is unusable afterwards.
+        With a rank lost, the survivors are killed, and an NCCL group is left as it is: the engine
+        thread may still wait in one of its collectives (gloo's fail as soon as a peer is gone)."""
+        atexit.unregister(self.teardown)
+        if self.workers.stopping:
+            return
         self.workers.stopping = True
         if self.lost is None:
             try:
                 self.link.send_stop()
             except Exception as e:
                 log.warning("could not send STOP to the workers: %s", e)
-        self.workers.stop(timeout=30)
+        self.workers.stop(timeout=30 if self.lost is None else 0)
         self.rank.executor.teardown()
-        dist.destroy_process_group()
+        if self.lost is None or self.device.type == "cpu":
+            dist.destroy_process_group()
 
 
 def start_tensor_parallel(loaded: LoadedModel, config: EngineConfig) -> TensorParallelExecutor:
