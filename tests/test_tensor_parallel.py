@@ -123,8 +123,42 @@ def test_a_command_that_fails_on_every_rank_is_an_error_and_the_workers_stay_up(
     assert tp.generate([request])[0].token_ids == reference.generate([request])[0].token_ids
 
 
-def test_killing_a_rank_turns_the_pod_not_serving_and_fails_its_streams(tp):
-    asyncio.run(_kill_rank_scenario(tp))
+@pytest.fixture(scope="module")
+def biased(tmp_path_factory) -> LoadedModel:
+    """A tiny Llama with every bias (column-parallel q/k/v and gate/up, row-parallel o and down:
+    added once, after the all-reduce), 3 KV heads (2 + 1), an odd intermediate size (50 + 49)
+    and an odd vocabulary (161 + 160, the last run zero-padded)."""
+    from model_service.models.loader import load_model
+    from tests.conftest import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(
+        "llama", tmp_path_factory.mktemp("tp_biased"), seed=5, vocab_size=321, hidden_size=96,
+        intermediate_size=99, num_attention_heads=6, num_key_value_heads=3,
+        attention_bias=True, mlp_bias=True,
+    )  # fmt: skip
+    weights = path / "model.safetensors"
+    tensors = load_file(str(weights))
+    g = torch.Generator().manual_seed(5)  # HF initializes biases to zero: make them count
+    save_file({k: torch.randn(v.shape, generator=g) if k.endswith("bias") else v for k, v in tensors.items()},
+              str(weights))  # fmt: skip
+    assert sum(k.endswith("bias") for k in tensors) == 7 * 2  # q, k, v, o, gate, up, down; 2 layers
+    return load_model(str(path), torch.float32, torch.device("cpu"))
+
+
+def test_biases_and_uneven_splits_then_a_killed_rank_turns_the_pod_not_serving(biased):
+    """One engine for both: a worker process costs seconds to start."""
+    requests = [
+        {"prompt_token_ids": [(5 * i + j) % 300 + 3 for j in range(4 + i)], "max_tokens": 8,
+         "temperature": 0, "ignore_eos": True}
+        for i in range(3)
+    ]  # fmt: skip
+    expected = [o.token_ids for o in make_engine(biased).generate(requests)]
+    engine = make_engine(biased, tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in engine.generate(requests)] == expected
+        asyncio.run(_kill_rank_scenario(engine))
+    finally:
+        engine.executor.teardown()
 
 
 async def _kill_rank_scenario(engine) -> None:

@@ -115,16 +115,17 @@ def _frozen(t: torch.Tensor, device: torch.device) -> nn.Parameter:
 
 def _column(lin: PackedLinear, slices: dict[str, range], device: torch.device) -> PackedLinear:
     """The rows of each fused part that this rank keeps, still fused in part order."""
-    starts = itertools.accumulate(lin.output_sizes, initial=0)
-    keep = [
-        range(s + r.start, s + r.stop) for s, r in zip(starts, (slices[p] for p in lin.parts), strict=False)
-    ]
-    index = torch.tensor([i for r in keep for i in r], dtype=torch.long)
+    starts = itertools.accumulate(lin.output_sizes, initial=0)  # each part's first row in `lin`
+    keep = [range(s + slices[p].start, s + slices[p].stop) for s, p in zip(starts, lin.parts, strict=False)]
+
+    def rows(t: torch.Tensor) -> nn.Parameter:
+        return _frozen(torch.cat([t.detach()[r.start : r.stop] for r in keep]), device)
+
     with torch.device("meta"):
         out = PackedLinear(lin.in_features, {p: len(r) for p, r in zip(lin.parts, keep, strict=True)}, False)
-    out.weight = _frozen(lin.weight.detach()[index.to(lin.weight.device)], device)
+    out.weight = rows(lin.weight)
     if lin.bias is not None:
-        out.bias = _frozen(lin.bias.detach()[index.to(lin.bias.device)], device)
+        out.bias = rows(lin.bias)
     return out
 
 
@@ -161,8 +162,9 @@ def _vocab_shard(weight: torch.Tensor, part: Partition, device: torch.device) ->
 
 
 def _replicate(module: nn.Module, device: torch.device) -> None:
-    """Give every remaining (replicated) parameter and buffer of `module` its own tensor on `device`,
-    so the shard never changes the full model it was cut from."""
+    """Put every remaining (replicated) parameter and buffer of the shard on `device` by replacing
+    the shard's own entries, never moving the full model's tensors (on their own device they stay
+    shared: nothing writes them)."""
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
             if p is not None and p.device != device:
