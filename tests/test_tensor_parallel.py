@@ -79,6 +79,45 @@ def test_partition_splits_kv_groups_unevenly_and_refuses_more_ranks_than_kv_head
         Partition.of(cfg, 0, 4)
 
 
+@pytest.fixture(scope="module")
+def biased(tmp_path_factory) -> LoadedModel:
+    """A tiny Llama with every bias (column-parallel q/k/v and gate/up, row-parallel o and down:
+    added once, after the all-reduce), 3 KV heads (2 + 1), an odd intermediate size (50 + 49)
+    and an odd vocabulary (161 + 160, the last run zero-padded)."""
+    from model_service.models.loader import load_model
+    from tests.conftest import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(
+        "llama", tmp_path_factory.mktemp("tp_biased"), seed=5, vocab_size=321, hidden_size=96,
+        intermediate_size=99, num_attention_heads=6, num_key_value_heads=3,
+        attention_bias=True, mlp_bias=True,
+    )  # fmt: skip
+    weights = path / "model.safetensors"
+    tensors = load_file(str(weights))
+    g = torch.Generator().manual_seed(5)  # HF initializes biases to zero: make them count
+    save_file({k: torch.randn(v.shape, generator=g) if k.endswith("bias") else v for k, v in tensors.items()},
+              str(weights))  # fmt: skip
+    assert sum(k.endswith("bias") for k in tensors) == 7 * 2  # q, k, v, o, gate, up, down; 2 layers
+    return load_model(str(path), torch.float32, torch.device("cpu"))
+
+
+def test_biases_and_uneven_splits_then_a_killed_rank_turns_the_pod_not_serving(biased):
+    """One engine for both: a worker process costs seconds to start. It runs before the module's
+    SmolLM2 engine starts (one tensor-parallel engine per process)."""
+    requests = [
+        {"prompt_token_ids": [(5 * i + j) % 300 + 3 for j in range(4 + i)], "max_tokens": 8,
+         "temperature": 0, "ignore_eos": True}
+        for i in range(3)
+    ]  # fmt: skip
+    expected = [o.token_ids for o in make_engine(biased).generate(requests)]
+    engine = make_engine(biased, tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in engine.generate(requests)] == expected
+        asyncio.run(_kill_rank_scenario(engine))
+    finally:
+        engine.executor.teardown()
+
+
 def test_greedy_tokens_equal_one_process_with_and_without_adapters(smollm2, reference, tp):
     prompts = [
         smollm2.tokenizer.apply_chat_template([{"role": "user", "content": q}])
@@ -123,44 +162,6 @@ def test_a_command_that_fails_on_every_rank_is_an_error_and_the_workers_stay_up(
     assert tp.generate([request])[0].token_ids == reference.generate([request])[0].token_ids
 
 
-@pytest.fixture(scope="module")
-def biased(tmp_path_factory) -> LoadedModel:
-    """A tiny Llama with every bias (column-parallel q/k/v and gate/up, row-parallel o and down:
-    added once, after the all-reduce), 3 KV heads (2 + 1), an odd intermediate size (50 + 49)
-    and an odd vocabulary (161 + 160, the last run zero-padded)."""
-    from model_service.models.loader import load_model
-    from tests.conftest import make_tiny_checkpoint
-
-    path = make_tiny_checkpoint(
-        "llama", tmp_path_factory.mktemp("tp_biased"), seed=5, vocab_size=321, hidden_size=96,
-        intermediate_size=99, num_attention_heads=6, num_key_value_heads=3,
-        attention_bias=True, mlp_bias=True,
-    )  # fmt: skip
-    weights = path / "model.safetensors"
-    tensors = load_file(str(weights))
-    g = torch.Generator().manual_seed(5)  # HF initializes biases to zero: make them count
-    save_file({k: torch.randn(v.shape, generator=g) if k.endswith("bias") else v for k, v in tensors.items()},
-              str(weights))  # fmt: skip
-    assert sum(k.endswith("bias") for k in tensors) == 7 * 2  # q, k, v, o, gate, up, down; 2 layers
-    return load_model(str(path), torch.float32, torch.device("cpu"))
-
-
-def test_biases_and_uneven_splits_then_a_killed_rank_turns_the_pod_not_serving(biased):
-    """One engine for both: a worker process costs seconds to start."""
-    requests = [
-        {"prompt_token_ids": [(5 * i + j) % 300 + 3 for j in range(4 + i)], "max_tokens": 8,
-         "temperature": 0, "ignore_eos": True}
-        for i in range(3)
-    ]  # fmt: skip
-    expected = [o.token_ids for o in make_engine(biased).generate(requests)]
-    engine = make_engine(biased, tensor_parallel_size=2)
-    try:
-        assert [o.token_ids for o in engine.generate(requests)] == expected
-        asyncio.run(_kill_rank_scenario(engine))
-    finally:
-        engine.executor.teardown()
-
-
 async def _kill_rank_scenario(engine) -> None:
     from model_service.pod.server import start
     from model_service.pod.state import ModelPod
@@ -191,50 +192,3 @@ async def _kill_rank_scenario(engine) -> None:
     await servers.stop(None)
     pod.close()
 
-
-def tiny_cuda_model() -> LoadedModel:
-    """A seeded random model on the current CUDA device: every rank builds the same one (a GPU
-    test's `source`; wide weights, so greedy ties are vanishingly rare)."""
-    from model_service.models.config import ModelConfig
-    from model_service.models.llama import DecoderModel
-
-    cfg = ModelConfig(
-        family="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3,
-        num_heads=8, num_kv_heads=4, head_dim=32, rms_norm_eps=1e-5, max_position_embeddings=1024,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    module = DecoderModel(cfg)
-    for p in module.parameters():
-        torch.nn.init.normal_(p, 0, 0.2)
-    return LoadedModel("tiny-random", cfg, module.to("cuda").eval(), None)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_gpus_with_nccl_graphs_and_adapters_equal_one(tmp_path):
-    from bench.lora import write_adapter
-    from model_service.engine.config import EngineConfig
-    from model_service.engine.engine import Engine
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = tiny_cuda_model().config
-    adapters = {f"a{i}": str(write_adapter(tmp_path / f"a{i}", cfg, rank=8, seed=i)) for i in range(2)}
-    for path in adapters.values():  # large enough deltas that a missing one changes tokens
-        weights = f"{path}/adapter_model.safetensors"
-        save_file({k: v * 30 for k, v in load_file(weights).items()}, weights)
-    requests = [
-        {"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(5 + i)], "max_tokens": 12,
-         "temperature": 0, "ignore_eos": True, "adapter": [None, "a0", "a1"][i % 3]}
-        for i in range(6)
-    ]  # fmt: skip
-    config = {"device": "cuda", "dtype": "float32", "max_loras": 2, "lora_modules": adapters}
-    one = Engine(EngineConfig(**config), loaded=tiny_cuda_model())
-    expected = [o.token_ids for o in one.generate(requests)]
-    loaded = dataclasses.replace(tiny_cuda_model(), source=tiny_cuda_model)
-    tp = Engine(EngineConfig(**config, tensor_parallel_size=2), loaded=loaded)
-    try:
-        assert [o.token_ids for o in tp.generate(requests)] == expected
-        graphs = tp.executor.rank.executor.graphs
-        assert graphs is not None and graphs.graphs, "decode steps did not replay CUDA graphs"
-    finally:
-        tp.executor.teardown()

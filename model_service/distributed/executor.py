@@ -35,6 +35,7 @@ from model_service.distributed.link import (
 from model_service.distributed.rank import RankExecutor, build_rank
 from model_service.distributed.worker import Workers, WorkerSpec
 from model_service.engine.config import EngineConfig
+from model_service.errors import ModelLoadError
 from model_service.lora.adapter import LoraAdapter
 from model_service.models.loader import LoadedModel, load_model
 from model_service.models.step import StepBatch
@@ -171,6 +172,8 @@ def start_tensor_parallel(loaded: LoadedModel, config: EngineConfig) -> TensorPa
     The workers load the same weights through `loaded.source` (a checkpoint's loader by default).
     """
     world = config.tensor_parallel_size
+    if dist.is_initialized():  # torch.distributed has one default group per process
+        raise ModelLoadError("this process already runs a tensor-parallel engine; it can run one")
     source = loaded.source or functools.partial(
         load_model, config.model, config.torch_dtype(), torch.device("cpu"), with_tokenizer=False
     )
@@ -178,11 +181,14 @@ def start_tensor_parallel(loaded: LoadedModel, config: EngineConfig) -> TensorPa
     workers = Workers([WorkerSpec(r, world, port, config, source) for r in range(1, world)])
     try:
         groups = init_rank(0, world, port, rank_device(config, 0))
+    except BaseException:
+        workers.stop(timeout=5)
+        raise
+    try:
         link = CommandLink(groups.control, 0, world)
         rank = build_rank(link, lambda: loaded, config, groups)
     except BaseException:
         workers.stop(timeout=5)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
         raise
     return TensorParallelExecutor(rank, link, workers)
