@@ -63,17 +63,13 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 * 10 / (time.perf_counter() - start) / 1e9
 
 
-def random_model(
-    shape: dict[str, int], device: str = "cuda", dtype: torch.dtype = torch.bfloat16
-) -> LoadedModel:
-    """Seeded: every call on the same kind of device gives the same weights (bench/tp.py's ranks
-    each build their own copy)."""
+def random_model(shape: dict[str, int]) -> LoadedModel:
     cfg = ModelConfig(
         family="llama", rms_norm_eps=1e-5, max_position_embeddings=8192, rope_theta=500000.0, **shape
     )
     with torch.device("meta"):
         module = DecoderModel(cfg)
-    module = module.to_empty(device=device).to(dtype)
+    module = module.to_empty(device="cuda").to(torch.bfloat16)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in module.parameters():
@@ -81,9 +77,9 @@ def random_model(
         for name, p in module.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-    module.rotary = module.rotary.to(device)
+    module.rotary = module.rotary.to("cuda")
     module.rotary.inv_freq.copy_(
-        1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim))
+        1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device="cuda").float() / cfg.head_dim))
     )
     return LoadedModel("random-8b" if shape is LLAMA3_8B else "random-smollm2", cfg, module.eval(), None)
 

@@ -12,7 +12,7 @@ random token ids, NCCL between the GPUs of one host, CUDA graphs on every rank.
 Prints one JSON line per result.
 
     python bench/tp.py [--tp 2] [--batches 1 64] [--new-tokens 64] [--small]
-    python bench/tp.py --cpu      # the same code over gloo, SmolLM2's shape in float32, parity only
+    python bench/tp.py --cpu      # the same code over gloo: SmolLM2 itself in float32, parity only
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ from bench.gpu import LLAMA3_8B, SMOLLM2, decode_tok_s, random_model
 from model_service.engine.batch_builder import StepItem
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
-from model_service.models.loader import LoadedModel
+from model_service.models.loader import LoadedModel, load_model
 
 
 def make_engine(loaded: LoadedModel, args: argparse.Namespace, tp: int, dtype: str) -> Engine:
     rows = max([*args.batches, args.parity_prompts])
     blocks = rows * math.ceil((args.prompt_len + max(args.new_tokens, args.parity_tokens) + 8) / 16) + 64
     config = EngineConfig(
+        model="smollm2",  # the CPU run's model; on CUDA the engine gets its weights from `loaded`
         device=args.device,
         dtype=dtype,
         max_num_seqs=rows,
@@ -125,6 +126,16 @@ def report(setup: dict[str, object], one: dict, many: dict, fp32: torch.Tensor |
                           "value": efficiency, "speedup": speedup, **setup}))  # fmt: skip
 
 
+def model(args: argparse.Namespace, shape: dict[str, int]) -> LoadedModel:
+    """On CUDA random weights of `shape`, seeded: every rank builds the same ones on its own GPU
+    (rank 0 keeps this copy). On the CPU the real SmolLM2, which the workers load by name."""
+    if args.cpu:
+        return load_model("smollm2", torch.float32, torch.device("cpu"))
+    loaded = random_model(shape)
+    loaded.source = functools.partial(random_model, shape)
+    return loaded
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=2)
@@ -134,32 +145,30 @@ def main() -> None:
     ap.add_argument("--parity-prompts", type=int, default=8)
     ap.add_argument("--parity-tokens", type=int, default=32)
     ap.add_argument("--small", action="store_true", help="SmolLM2's shape instead of the 8B one")
-    ap.add_argument("--cpu", action="store_true", help="gloo, SmolLM2's shape, float32, parity only")
+    ap.add_argument("--cpu", action="store_true", help="gloo, SmolLM2, float32, parity only")
     args = ap.parse_args()
     args.device, args.dtype = ("cpu", "float32") if args.cpu else ("cuda", "bfloat16")
-    shape = SMOLLM2 if args.small or args.cpu else LLAMA3_8B
-    torch_dtype = getattr(torch, args.dtype)
+    shape = SMOLLM2 if args.small else LLAMA3_8B
+    one_rank = model(args, shape)
     setup = {
-        "model": "llama3-8b-shape" if shape is LLAMA3_8B else "smollm2-135m-shape",
+        "model": one_rank.name,
         "dtype": args.dtype,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "tp": args.tp,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
     }
-    loaded = random_model(shape, args.device, torch_dtype)
-    engine = make_engine(loaded, args, 1, args.dtype)
-    one = run(engine, loaded, args)
+    engine = make_engine(one_rank, args, 1, args.dtype)
+    one = run(engine, one_rank, args)
     engine.executor.teardown()
-    fp32 = float32_logits(loaded, args) if args.device == "cuda" else None
-    del loaded, engine
+    fp32 = float32_logits(one_rank, args) if args.device == "cuda" else None
+    del one_rank, engine
     free_memory()
-    # Every rank builds the same seeded weights on its own device; rank 0 keeps this copy.
-    loaded = random_model(shape, args.device, torch_dtype)
-    loaded.source = functools.partial(random_model, shape, args.device, torch_dtype)
+    loaded = model(args, shape)
     engine = make_engine(loaded, args, args.tp, args.dtype)
     report(setup, one, run(engine, loaded, args), fp32, args.tp)
     engine.executor.teardown()  # after the report: stopping the workers is not what is measured
+
 
 if __name__ == "__main__":
     main()
