@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -36,6 +37,11 @@ class WorkerSpec:
 
 
 def worker_main(spec: WorkerSpec) -> None:
+    # Rank 0 decides when a worker ends (STOP, or its link closing when rank 0 is gone). A Ctrl-C or
+    # a SIGTERM sent to the whole process group must not kill a worker under a draining rank 0,
+    # which would take it for a lost rank.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = rank_device(spec.config, spec.rank)
     groups = init_rank(spec.rank, spec.world, spec.port, device)
