@@ -44,7 +44,6 @@ def make_engine(loaded: LoadedModel, args: argparse.Namespace, tp: int, dtype: s
         max_num_seqs=rows,
         max_loras=0,
         num_kv_blocks=blocks,
-        max_model_len=blocks * 16,
         tensor_parallel_size=tp,
     )
     return Engine(config, loaded=loaded)
@@ -160,8 +159,8 @@ def main() -> None:
     }
     engine = make_engine(one_rank, args, 1, args.dtype)
     one = run(engine, one_rank, args)
-    engine.executor.teardown()
     fp32 = float32_logits(one_rank, args) if args.device == "cuda" else None
+    engine.executor.teardown()  # after the float32 copy: teardown moves the weights to "meta"
     del one_rank, engine
     free_memory()
     loaded = model(args, shape)
