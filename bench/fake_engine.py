@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from model_service.engine.config import EngineConfig
@@ -81,6 +82,9 @@ class FakeFastEngine:
 
     def list_adapters(self) -> list[AdapterInfo]:
         return [AdapterInfo(name, i + 1, "gpu", i, 0, False) for i, name in enumerate(self.adapters)]
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """No device to lose."""
 
     def submit_control(self, op: ControlOp) -> Future[ControlResult]:
         future: Future[ControlResult] = Future()

@@ -26,5 +26,9 @@ class PreconditionError(SpindleError):
     (for instance make an adapter active) or the request."""
 
 
+class UnavailableError(SpindleError):
+    """The engine can no longer serve (UNAVAILABLE): a tensor-parallel rank is gone. Retry elsewhere."""
+
+
 class NotFoundError(InvalidRequestError, LookupError):
     """The request names something this server does not have, e.g. an adapter (NOT_FOUND)."""

@@ -242,6 +242,7 @@ def test_the_engine_and_the_bench_fake_offer_the_engine_handle(tiny_llama):
     members = {n for n in vars(EngineHandle) if not n.startswith("_")}
     attributes = {"config", "max_model_len", "vocab_size"}
     methods = {"add_request", "step", "abort", "has_unfinished", "stats", "list_adapters", "submit_control"}
+    methods.add("on_lost")
     assert members == attributes | methods
     for impl in (make_engine(tiny_llama), FakeFastEngine(0.0)):
         assert isinstance(impl.config, EngineConfig)

@@ -39,6 +39,7 @@ class SteppedEngine(Protocol):
 
 
 E = TypeVar("E", bound=SteppedEngine)
+Output = RequestOutput | Exception  # an exception ends the stream (see `fail_streams`)
 T = TypeVar("T")
 
 
@@ -46,7 +47,8 @@ class AsyncEngine(Generic[E]):
     def __init__(self, engine: E) -> None:
         self.engine = engine
         self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Output]]] = {}
+        self._adding: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[str]]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="spindle-engine", daemon=True)
         self._thread.start()
@@ -57,7 +59,7 @@ class AsyncEngine(Generic[E]):
         Closing the iterator early (client went away, deadline hit) aborts the request in the engine.
         """
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        outputs: asyncio.Queue[Output] = asyncio.Queue()
         added: asyncio.Future[str] = loop.create_future()
 
         def add() -> None:
@@ -68,12 +70,19 @@ class AsyncEngine(Generic[E]):
             except Exception as e:
                 loop.call_soon_threadsafe(_set_exception, added, e)
 
+        self._adding[request_id] = (loop, added)
         self._inbox.put(add)
-        await added
+        try:
+            await added
+        finally:
+            self._adding.pop(request_id, None)
         finished = False
         try:
             while not finished:
                 out = await outputs.get()
+                if isinstance(out, Exception):  # fail_streams: the engine cannot answer any more
+                    finished = True
+                    raise out
                 finished = out.finished
                 yield out
         finally:
@@ -88,6 +97,14 @@ class AsyncEngine(Generic[E]):
         future = self.engine.submit_control(op)
         self._inbox.put(lambda: None)  # wake an idle engine thread so the step that runs it happens
         return future
+
+    def fail_streams(self, error: Exception) -> None:
+        """End every open stream with `error`, from any thread, without the engine thread: it may be
+        stuck in a collective that will never complete (a lost tensor-parallel rank)."""
+        for loop, q in list(self._streams.values()):
+            loop.call_soon_threadsafe(q.put_nowait, error)
+        for loop, added in list(self._adding.values()):
+            loop.call_soon_threadsafe(_set_exception, added, error)
 
     def call(self, fn: Callable[[E], T]) -> T:
         """Run `fn(engine)` on the engine thread and wait for its result (for stats, control ops)."""

@@ -43,7 +43,7 @@ class BatchBuilder:
         total, num_seqs = int(lens.sum()), len(items)
         max_blocks = max(len(it.state.block_table) for it in items)
         num_logits = sum(it.num_logits for it in items)
-        sizes = [total] * 4 + [num_seqs + 1, num_seqs, num_seqs, num_logits, num_seqs * max_blocks]
+        sizes = _sizes((total, num_seqs, num_logits, max_blocks))
         host = self._host_buffer(sum(sizes))
         ids, pos, slots, lora, q_start, seq_lens, state_slots, rows, table = np.split(
             host[: sum(sizes)], np.cumsum(sizes)[:-1]
@@ -75,7 +75,26 @@ class BatchBuilder:
                     snapshots[o + length - s - 1] = slot
             rows[r : r + it.num_logits] = np.arange(o + n - it.num_logits, o + n)
             r += it.num_logits
+        max_query, max_seq = int(lens.max()), int((starts + lens).max())
+        return self._batch((total, num_seqs, num_logits, max_blocks, max_query, max_seq), snapshots)
+
+    def host_region(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The host buffer a batch of `shape` is packed into: a tensor-parallel worker receives rank
+        0's packed batch there, then calls `from_host`."""
+        size = sum(_sizes(shape))
+        self._host_buffer(size)
+        return self._host[:size]
+
+    def from_host(self, shape: tuple[int, ...]) -> StepBatch:
+        """The batch of `shape` packed in the host buffer (by `build`, or received into `host_region`)."""
+        return self._batch(shape, np.full(shape[0], -1, dtype=np.int64))  # no recurrent layers under TP
+
+    def _batch(self, shape: tuple[int, ...], snapshots: np.ndarray) -> StepBatch:
+        sizes = _sizes(shape)
+        used = sum(sizes)
+        regions = np.split(self._host.numpy()[:used], np.cumsum(sizes)[:-1])
         views = self._to_device(sizes)
+        num_seqs, max_blocks = shape[1], shape[3]
         return StepBatch(
             input_ids=views[0],
             positions=views[1],
@@ -86,11 +105,13 @@ class BatchBuilder:
             state_slots=views[6],
             logits_rows=views[7],
             block_table=views[8].view(num_seqs, max_blocks),
-            max_query_len=int(lens.max()),
-            max_seq_len=int((starts + lens).max()),
-            host_lora_slots=lora.copy(),
-            host_query_start=q_start.copy(),
+            max_query_len=shape[4],
+            max_seq_len=shape[5],
+            host_lora_slots=regions[3].copy(),
+            host_query_start=regions[4].copy(),
             host_state_snapshots=snapshots,
+            packed=self._host[:used],
+            packed_shape=shape,
         )
 
     def _host_buffer(self, size: int) -> np.ndarray:
@@ -108,3 +129,11 @@ class BatchBuilder:
             flat = self._device[:used]
             flat.copy_(self._host[:used], non_blocking=True)
         return list(flat.split(sizes))
+
+
+def _sizes(shape: tuple[int, ...]) -> list[int]:
+    """Region sizes of the packed buffer of a batch of (tokens, sequences, logits rows, blocks per
+    sequence, ...): ids, positions, slot mapping, LoRA slots, query starts, sequence lengths, state
+    slots, logits rows, block table."""
+    total, num_seqs, num_logits, max_blocks = shape[:4]
+    return [total] * 4 + [num_seqs + 1, num_seqs, num_seqs, num_logits, num_seqs * max_blocks]

@@ -98,6 +98,11 @@ class EngineConfig:
         '\'{{"method": "draft", "model": "DRAFT", "num_speculative_tokens": 4}}\' (a smaller model '
         "with the same tokenizer: an alias, checkpoint dir or .gguf file)",
     )
+    tensor_parallel_size: int = _opt(
+        1,
+        "split the model over this many devices of the host, one process each (rank 0 runs the "
+        "scheduler; NCCL on GPUs, gloo on the CPU)",
+    )
     enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly, without CUDA graphs (debugging)")
     adapter_wait_timeout_s: float = _opt(
         30.0,
@@ -110,6 +115,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from model_service.engine.cache_manager import CacheManager
 from model_service.engine.config import EngineConfig
 from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.draft import DraftProposer, load_draft
-from model_service.engine.executor import ModelExecutor, kv_blocks_for_budget, recurrent_state_bytes
+from model_service.engine.executor import build_executor
 from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.requests import PromptReader, Resume
 from model_service.engine.sampler import SampleRow, TokenLogprobs, filtered_probs, sample
@@ -85,29 +86,19 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.torch_dtype(), config.torch_device())
+        # Tensor-parallel ranks slice the weights from a host copy; one device loads onto itself.
+        load_device = torch.device("cpu") if config.tensor_parallel_size > 1 else config.torch_device()
+        self.loaded = loaded or load_model(config.model, config.torch_dtype(), load_device)
         self.tokenizer = self.loaded.tokenizer
         mc = self.loaded.config
-        device = next(self.loaded.module.parameters()).device
-        dtype = next(self.loaded.module.parameters()).dtype
         self.speculative = SpeculativeConfig.from_json(config.speculative_config)
         draft = load_draft(self.speculative, config, self.loaded)  # None unless method "draft"
         state_slots = self._num_state_slots()
-        num_blocks = config.num_kv_blocks or kv_blocks_for_budget(
-            mc,
-            config.block_size,
-            dtype,
-            device,
-            config.kv_cache_memory_bytes,
-            config.gpu_memory_utilization,
-            draft.config if draft is not None else None,
-            recurrent_state_bytes(self.loaded.module, state_slots),
-        )
+        draft_config = draft.config if draft is not None else None
+        self.executor = build_executor(self.loaded, config, draft_config, state_slots)
+        device, dtype = self.executor.device, self.executor.dtype
+        num_blocks, self.max_model_len = self.executor.kv_cache.num_blocks, self.executor.max_model_len
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, num_blocks * config.block_size
-        )
-        self.executor = ModelExecutor(self.loaded, config, num_blocks, self.max_model_len, state_slots)
         per_token = self.executor.kv_cache.bytes_per_block(
             mc.layer_kinds, 1, mc.num_kv_heads, mc.head_dim, dtype
         )
@@ -382,6 +373,11 @@ class Engine:
     def submit_control(self, op: ControlOp) -> Future[ControlResult]:
         """Queue an adapter operation (thread-safe); it runs at the start of the next step."""
         return self.adapters.submit(op)
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(why)`, from any thread, if this engine loses a device it cannot serve
+        without (a tensor-parallel rank); the engine thread may then be stuck in a collective."""
+        self.executor.on_lost(callback)
 
     def list_adapters(self) -> list[AdapterInfo]:
         return self.lora.report()

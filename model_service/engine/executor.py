@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +21,7 @@ from model_service.attention.triton_backend import TritonBackend
 from model_service.engine.config import EngineConfig
 from model_service.engine.cuda_graphs import DecodeGraphs
 from model_service.engine.speculation import SpeculativeConfig
+from model_service.errors import ModelLoadError
 from model_service.kernels.experts import grouped_experts_apply
 from model_service.kernels.paged_attention import triton
 from model_service.lora.adapter import LoraAdapter
@@ -27,6 +30,9 @@ from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel
 from model_service.models.recurrent import RecurrentModel, RecurrentPlan, RecurrentStep
 from model_service.models.step import AttentionBackend, ForwardContext, StepBatch
+
+if TYPE_CHECKING:
+    from model_service.distributed.executor import TensorParallelExecutor
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -64,7 +70,41 @@ def recurrent_state_bytes(module: nn.Module, num_slots: int) -> int:
     return 4 * num_slots * sum(math.prod(shape) for shape in module.recurrent_state_shapes())
 
 
-def _own_module_tree(module: nn.Module) -> nn.Module:
+def kv_layout(
+    model: ModelConfig,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    draft: ModelConfig | None = None,
+    state_bytes: int = 0,
+) -> tuple[int, int]:
+    """(K/V blocks, context length) for a module already on `device` whose K/V is shaped by `model`."""
+    num_blocks = config.num_kv_blocks or kv_blocks_for_budget(
+        model, config.block_size, dtype, device, config.kv_cache_memory_bytes, config.gpu_memory_utilization,
+        draft, state_bytes,
+    )
+    max_model_len = min(config.max_model_len or model.max_position_embeddings, num_blocks * config.block_size)
+    return num_blocks, max_model_len
+
+
+def build_executor(
+    loaded: LoadedModel, config: EngineConfig, draft: ModelConfig | None, state_slots: int
+) -> ModelExecutor | TensorParallelExecutor:
+    """The executor `config` asks for: this process's device, or rank 0 of a tensor-parallel group
+    (whose `loaded` weights are on the host, to be sliced; no draft model, no recurrent layers)."""
+    if config.tensor_parallel_size > 1:
+        from model_service.distributed.executor import start_tensor_parallel
+
+        if draft is not None:
+            raise ModelLoadError("draft-model speculation does not run with --tensor-parallel-size > 1 yet")
+        return start_tensor_parallel(loaded, config)
+    param = next(loaded.module.parameters())
+    state_bytes = recurrent_state_bytes(loaded.module, state_slots)
+    layout = kv_layout(loaded.config, config, param.dtype, param.device, draft, state_bytes)
+    return ModelExecutor(loaded, config, *layout, state_slots)
+
+
+def own_module_tree(module: nn.Module) -> nn.Module:
     """A copy of `module`'s structure over the same weight tensors. Wrapping layers for LoRA
     replaces submodules; this keeps that from changing a module another engine may be running."""
     memo = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
@@ -83,7 +123,8 @@ class ModelExecutor:
         num_state_slots: int = 0,
     ) -> None:
         max_loras = config.max_loras
-        self.module = _own_module_tree(loaded.module) if max_loras > 0 else loaded.module
+        self.max_model_len = max_model_len
+        self.module = own_module_tree(loaded.module) if max_loras > 0 else loaded.module
         self.config = loaded.config
         param = next(self.module.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -204,6 +245,9 @@ class ModelExecutor:
     def clear_slot(self, slot: int) -> None:
         assert self.lora is not None, "max_loras is 0: this executor has no LoRA slots"
         self.lora.clear_slot(slot)
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """One device has no peer to lose: `callback` is never called (see the tensor-parallel executor)."""
 
     def teardown(self) -> None:
         """Release device memory; the executor is unusable afterwards."""

@@ -33,7 +33,7 @@ from model_service.models.step import StepBatch
 
 # A decoder layer's own projections (`layers.3.self_attn.qkv_proj`), not those nested deeper (an
 # MoE layer's shared expert), which PEFT adapters cannot name.
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.\w+$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.\w+(?:\.inner)?$")  # .inner: RowParallel
 
 
 class LoraStepPlan:

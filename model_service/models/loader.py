@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,8 @@ class LoadedModel:
     config: ModelConfig
     module: nn.Module
     tokenizer: Tokenizer | None
+    # How another process loads the same weights (tensor-parallel workers); None: from `name`.
+    source: Callable[[], LoadedModel] | None = None
 
 
 def resolve_model_path(name_or_path: str) -> Path:
@@ -57,14 +60,20 @@ def resolve_model_path(name_or_path: str) -> Path:
     return path
 
 
-def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(
+    name_or_path: str, dtype: torch.dtype, device: torch.device, with_tokenizer: bool = True
+) -> LoadedModel:
+    """`with_tokenizer=False` for processes that never see text (tensor-parallel workers)."""
     path = resolve_model_path(name_or_path)
+    tokenizer = None
     if path.is_file() and path.suffix == ".gguf":
         config, tensors = read_gguf(path)
-        tokenizer = Tokenizer.from_dir(path.parent, gguf_file=path.name)
+        if with_tokenizer:
+            tokenizer = Tokenizer.from_dir(path.parent, gguf_file=path.name)
     elif path.is_dir():
         config, tensors = _read_hf_dir(path)
-        tokenizer = Tokenizer.from_dir(path)
+        if with_tokenizer:
+            tokenizer = Tokenizer.from_dir(path)
     else:
         raise ModelLoadError(
             f"{path} is not a checkpoint directory (config.json + *.safetensors) or .gguf file"

@@ -45,6 +45,10 @@ class StepBatch:
     # [T] state slot that receives each token's recurrent state once the token is in (-1: none):
     # the per-position checkpoints of verify rows and the prefix cache's block-boundary snapshots.
     host_state_snapshots: np.ndarray
+    # The host int64 buffer every index array above was copied from, and the sizes that lay it out:
+    # what a tensor-parallel rank 0 broadcasts so the other ranks run the same step.
+    packed: torch.Tensor | None = None
+    packed_shape: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

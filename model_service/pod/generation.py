@@ -18,7 +18,7 @@ import grpc
 from opentelemetry import trace
 
 from model_service.engine.sequence import RequestOutput
-from model_service.errors import SpindleError
+from model_service.errors import SpindleError, UnavailableError
 from model_service.pod import wire
 from model_service.pod.state import InFlight, ModelPod
 from model_service.pod.status import abort_for
@@ -32,6 +32,8 @@ Code = grpc.StatusCode
 
 
 async def _require_serving(pod: ModelPod, context: grpc.aio.ServicerContext) -> None:
+    if pod.lost is not None:
+        await abort(context, Code.UNAVAILABLE, pod.lost_message())
     if pod.draining:
         await abort(context, Code.UNAVAILABLE, "model pod is draining (shutting down); send to another pod")
     if not pod.ready:
@@ -66,6 +68,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         yield await self._final(req, out, context)
                         return
                     out = await anext(stream)
+        except UnavailableError as e:  # the pod lost a device mid-stream
+            await abort(context, Code.UNAVAILABLE, f"{e} (after {req.num_tokens} tokens)")
         finally:
             pod.end(req)
 
@@ -97,6 +101,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def _final(
         self, req: InFlight, out: RequestOutput, context: grpc.aio.ServicerContext
     ) -> pb.GenerateResponse:
+        if out.finish_reason == "error" and self.pod.lost is not None:
+            await abort(context, Code.UNAVAILABLE, self.pod.lost_message())
         if out.finish_reason == "error":
             await abort(context, Code.INTERNAL, f"request {req.request_id} failed in the engine: {out.error}")
         if out.finish_reason == "abort" and req.request_id in self.pod.drain_aborted:

@@ -8,6 +8,7 @@ engine of `bench/gateway.py`. Nothing else is probed for: no `hasattr`, no reach
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -57,6 +58,10 @@ class EngineHandle(Protocol):
     def stats(self) -> EngineStats: ...
 
     def list_adapters(self) -> list[AdapterInfo]: ...
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(why)` from any thread if the engine can no longer serve (a lost rank)."""
+        ...
 
     def submit_control(self, op: ControlOp) -> Future[ControlResult]:
         """Queue an adapter operation; it runs between two steps."""

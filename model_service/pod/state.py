@@ -17,6 +17,7 @@ from model_service.engine.async_engine import AsyncEngine
 from model_service.engine.engine import EngineStats
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import RequestOutput
+from model_service.errors import UnavailableError
 from model_service.lora.pool import ACTIVE, AdapterInfo
 from model_service.pod.handle import EngineHandle
 from model_service.pod.metrics import PodMetrics, Snapshot
@@ -70,6 +71,8 @@ class ModelPod:
         self.inflight: dict[str, InFlight] = {}
         self.requests_total = 0
         self.draining = False
+        self.lost: str | None = None  # why the engine can no longer serve (a lost tensor-parallel rank)
+        self._health_off: asyncio.Future[None] | None = None
         self.drain_aborted: set[str] = set()
         self.exit_requested = asyncio.Event()
         self.exit_code = 0
@@ -83,6 +86,8 @@ class ModelPod:
         started = time.monotonic()
         engine = await asyncio.to_thread(build_engine)
         self.engine, self.async_engine = engine, AsyncEngine(engine)
+        loop = asyncio.get_running_loop()
+        engine.on_lost(lambda why: loop.call_soon_threadsafe(self._on_lost, why))
         self.max_model_len = engine.max_model_len
         await self._warm_up(engine.vocab_size)
         log.info("model %s loaded and warmed in %.1f s", self.model_name, time.monotonic() - started)
@@ -98,6 +103,22 @@ class ModelPod:
             f"warmup-{time.monotonic_ns()}", prompt_token_ids=ids, params=params
         ):
             pass
+
+    def _on_lost(self, why: str) -> None:
+        """On the event loop: refuse new work at once (set before any later output is read), then
+        report NOT_SERVING, fail every open stream as UNAVAILABLE and exit so the pod restarts."""
+        if self.lost is not None:
+            return
+        self.lost = why
+        log.error("the engine cannot serve any more: %s", why)
+        if self.async_engine is not None:
+            self.async_engine.fail_streams(UnavailableError(self.lost_message()))
+        if self.health is not None:
+            self._health_off = asyncio.ensure_future(self.health.set(False))
+        self.request_exit(f"engine lost: {why}", code=1)
+
+    def lost_message(self) -> str:
+        return f"model pod lost a device ({self.lost}); retry on another pod"
 
     @property
     def ready(self) -> bool:

@@ -17,6 +17,7 @@ from model_service.errors import (
     ModelLoadError,
     PreconditionError,
     SpindleError,
+    UnavailableError,
 )
 from model_service.lora.adapter import AdapterError
 from model_service.lora.pool import AdapterBusyError
@@ -36,6 +37,8 @@ def status_for(e: Exception) -> tuple[grpc.StatusCode, str]:
         return Code.INVALID_ARGUMENT, str(e)
     if isinstance(e, CapacityError):
         return Code.RESOURCE_EXHAUSTED, str(e)
+    if isinstance(e, UnavailableError):
+        return Code.UNAVAILABLE, str(e)
     if isinstance(e, ModelLoadError):
         return Code.FAILED_PRECONDITION, str(e)
     return Code.INTERNAL, f"internal error ({type(e).__name__}: {e}); see the model pod's log"

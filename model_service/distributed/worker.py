@@ -1,0 +1,92 @@
+"""The worker processes of a tensor-parallel pod (ranks 1..N-1), started by rank 0 and watched by it.
+
+Rank 0 spawns its workers itself (one container, one command) and keeps their process handles:
+a worker that dies is seen through its process sentinel at once, whatever rank 0 is doing, even
+while its own thread waits on a GPU collective that will never complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+
+from model_service.distributed.group import init_rank, rank_device
+from model_service.distributed.link import CommandLink
+from model_service.distributed.rank import build_rank, serve_commands
+from model_service.engine.batch_builder import BatchBuilder
+from model_service.engine.config import EngineConfig
+from model_service.models.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    rank: int
+    world: int
+    port: int
+    config: EngineConfig
+    source: Callable[[], LoadedModel]  # loads the same full weights rank 0 has (picklable)
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    # Rank 0 decides when a worker ends (STOP, or its link closing when rank 0 is gone). A Ctrl-C or
+    # a SIGTERM sent to the whole process group must not kill a worker under a draining rank 0,
+    # which would take it for a lost rank.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device = rank_device(spec.config, spec.rank)
+    groups = init_rank(spec.rank, spec.world, spec.port, device)
+    link = CommandLink(groups.control, spec.rank, spec.world)
+    try:
+        rank = build_rank(link, spec.source, spec.config, groups)
+    except Exception as e:  # logged where it happened; rank 0 raises it
+        log.error("rank %d could not start: %s", spec.rank, e)
+        sys.exit(1)
+    code = serve_commands(link, rank, BatchBuilder(spec.config.block_size, device), log)
+    sys.exit(code)
+
+
+class Workers:
+    """Rank 0's handles on its worker processes."""
+
+    def __init__(self, specs: list[WorkerSpec]) -> None:
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+        self.processes: list[BaseProcess] = [
+            ctx.Process(target=worker_main, args=(spec,), name=f"spindle-tp-rank{spec.rank}", daemon=True)
+            for spec in specs
+        ]
+        self.stopping = False
+        for p in self.processes:
+            p.start()
+
+    def watch(self, on_exit: Callable[[str], None]) -> None:
+        """Call `on_exit(why)` from a watcher thread when any worker exits other than by `stop`."""
+
+        def wait() -> None:
+            sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+            ready = multiprocessing.connection.wait(list(sentinels))
+            if self.stopping:
+                return
+            rank = sentinels[ready[0]]
+            code = self.processes[rank - 1].exitcode
+            on_exit(f"tensor-parallel rank {rank} exited (exit code {code})")
+
+        threading.Thread(target=wait, name="spindle-tp-watch", daemon=True).start()
+
+    def stop(self, timeout: float) -> None:
+        """Wait for the workers to exit (after a STOP command); kill any still running."""
+        self.stopping = True
+        for p in self.processes:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                p.join()
