@@ -50,7 +50,9 @@ def test_two_gpus_with_nccl_graphs_and_adapters_equal_one(tmp_path):
          "temperature": 0, "ignore_eos": True, "adapter": [None, "a0", "a1"][i % 3]}
         for i in range(6)
     ]  # fmt: skip
-    config = {"device": "cuda", "dtype": "float32", "max_loras": 2, "lora_modules": adapters}
+    # A fixed K/V budget: by default the one-GPU engine would take most of GPU 0 for its cache.
+    config = {"device": "cuda", "dtype": "float32", "max_loras": 2, "lora_modules": adapters,
+              "kv_cache_memory_bytes": 64 << 20}  # fmt: skip
     one = Engine(EngineConfig(**config), loaded=tiny_cuda_model())
     expected = [o.token_ids for o in one.generate(requests)]
     loaded = dataclasses.replace(tiny_cuda_model(), source=tiny_cuda_model)

@@ -213,6 +213,7 @@ def test_triton_rms_norm_silu_and_rope_match_references(dim, dtype):
         assert _rel(apply_rotary(q.clone(), cos, sin), want) < tol
 
 
+@cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_rotary_store_kv_matches_rope_then_store(dtype):
