@@ -6,7 +6,9 @@ SDK without an exporter) over a FAKE FAST ENGINE (bench/fake_engine.py): every r
 gets one token per step and a step sleeps `--step-ms`, so the numbers measure the serving path,
 not a model. The gateway is the real `spindle gateway`. A closed loop
 of `--concurrency` clients each sends requests of `--tokens` tokens, first straight to the pod,
-then through the gateway; "added" = gateway minus pod.
+then through the gateway; "added" = gateway minus pod. `cpu_ms_per_request` is the CPU time
+(user + system, from /proc) each server process spent per request during the run: steadier than
+latency on a shared machine.
 
     .venv/bin/python bench/gateway.py [--requests 400] [--concurrency 1 16] [--tokens 16] [--step-ms 1]
 """
@@ -21,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -33,6 +36,12 @@ sys.path.insert(0, str(ROOT))
 
 from spindle.v1 import generation_pb2 as pb  # noqa: E402
 from spindle.v1 import generation_pb2_grpc  # noqa: E402
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_serving(address: str, timeout: float = 60) -> None:
@@ -49,33 +58,45 @@ def _wait_serving(address: str, timeout: float = 60) -> None:
     raise TimeoutError(address)
 
 
-async def load_test(address: str, requests: int, concurrency: int, tokens: int) -> dict:
+async def load_test(address: str, pids: dict[str, int], requests: int, concurrency: int, tokens: int) -> dict:
+    """A closed loop of `concurrency` clients for `requests` requests (after a warm-up), with the
+    CPU time each server process in `pids` spent per request meanwhile."""
     latencies: list[float] = []
-    counter = iter(range(requests))
+    messages = 0
     async with grpc.aio.insecure_channel(address) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
 
-        async def worker() -> None:
+        async def worker(counter: Iterator[int]) -> None:
+            nonlocal messages
             for i in counter:
                 req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3, i % 1000]), max_tokens=tokens)
                 start = time.perf_counter()
                 n = 0
                 async for resp in stub.Generate(req, timeout=30):
                     n += len(resp.chunk.token_ids)
+                    messages += 1
                 assert n == tokens
                 latencies.append(time.perf_counter() - start)
 
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, 4))))  # warm the connections
+        warm = iter(range(max(8, 2 * concurrency)))
+        await asyncio.gather(*(worker(warm) for _ in range(min(concurrency, 4))))  # warm the connections
         latencies.clear()
+        messages = 0
         counter = iter(range(requests))
+        cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
         started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(counter) for _ in range(concurrency)))
         wall = time.perf_counter() - started
+        cpu = {
+            name: round(1000 * (_cpu_s(pid) - cpu_before[name]) / requests, 2) for name, pid in pids.items()
+        }
     latencies.sort()
     return {
         "rps": round(len(latencies) / wall, 1),
         "p50_ms": round(1000 * statistics.median(latencies), 2),
         "p99_ms": round(1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 2),
+        "messages_per_request": round(messages / requests, 2),
+        "cpu_ms_per_request": cpu,
     }
 
 
@@ -115,8 +136,11 @@ def main() -> None:
             "cpus": os.cpu_count(),
         }
         for c in args.concurrency:
-            direct = asyncio.run(load_test(f"127.0.0.1:{pod_port}", args.requests, c, args.tokens))
-            via = asyncio.run(load_test(f"127.0.0.1:{gw_port}", args.requests, c, args.tokens))
+            direct = asyncio.run(
+                load_test(f"127.0.0.1:{pod_port}", {"pod": pod.pid}, args.requests, c, args.tokens)
+            )
+            pids = {"pod": pod.pid, "gateway": gateway.pid}
+            via = asyncio.run(load_test(f"127.0.0.1:{gw_port}", pids, args.requests, c, args.tokens))
             for target, r in (("pod", direct), ("gateway", via)):
                 print(
                     json.dumps({"bench": "gateway", "target": target, "concurrency": c, **r, **setup}),

@@ -11,7 +11,7 @@ COPY spindle spindle
 COPY gateway gateway
 COPY model_service model_service
 COPY adapter_service adapter_service
-RUN /opt/spindle/bin/pip install --no-cache-dir .
+RUN /opt/spindle/bin/pip install --no-cache-dir ".[gateway]"
 
 FROM ${PYTHON_IMAGE}
 RUN useradd --uid 10001 --user-group --no-create-home --home-dir /nonexistent spindle

@@ -8,7 +8,7 @@ resume on another pod from what the caller already has (`GenerateRequest.resume`
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -54,19 +54,27 @@ class Relayed:
 
 
 @contextlib.contextmanager
-def client_span(tracer: trace.Tracer, address: str) -> Iterator[tuple[trace.Span, list[tuple[str, str]]]]:
+def client_span(
+    tracer: trace.Tracer, address: str, incoming: Sequence[tuple[str, Any]]
+) -> Iterator[tuple[trace.Span, list[tuple[str, str]]]]:
     """The span of one Generate call to a pod, and the metadata that carries its context there;
-    what the client interceptor would record, without its per-message wrapper."""
+    what the client interceptor would record, without its per-message wrapper. Not tracing here
+    (no span context), the caller's own context (`incoming` metadata) goes on to the pod."""
     span = tracer.start_span(
         GENERATE,
         kind=trace.SpanKind.CLIENT,
         attributes={"rpc.system": "grpc", "rpc.service": "spindle.v1.Generation", "rpc.method": "Generate",
                     "net.peer.name": address},
     )  # fmt: skip
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    if span.get_span_context().is_valid:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(span))
+        metadata = list(carrier.items())
+    else:
+        fields = propagate.get_global_textmap().fields
+        metadata = [(k, v) for k, v in incoming if k in fields]
     try:
-        yield span, list(carrier.items())
+        yield span, metadata
         span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.OK.value[0])
     except grpc.aio.AioRpcError as e:
         span.set_attribute("rpc.grpc.status_code", e.code().value[0])

@@ -144,7 +144,6 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         span = trace.get_current_span()
         _annotate(span, request, caller, rid)
         hashes = prefix.block_hashes(upstream)
-        await context.send_initial_metadata((("x-request-id", rid),))
         await self._place_if_needed(upstream, hashes, context)
         stream = Relayed(upstream)
         try:
@@ -185,9 +184,12 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 span.set_attribute("spindle.pod", pod.address)
                 span.set_attribute("spindle.attempts", attempt)
             try:
-                with pod.streaming(), client_span(self.tracer, pod.address) as (_, metadata):
+                incoming = context.invocation_metadata() or ()
+                with pod.streaming(), client_span(self.tracer, pod.address, incoming) as (_, metadata):
                     call = pod.generate_raw(request, metadata=metadata, timeout=context.time_remaining())
                     try:
+                        if attempt == 1:  # the caller's x-request-id goes out while the pod's call starts
+                            await context.send_initial_metadata((("x-request-id", rid),))
                         async for raw in call:
                             stream.add(raw)
                             yield raw
@@ -371,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("spindle gateway: give exactly one of --pods HOST:PORT,... or --pods-dns HOST:PORT")
     if not args.api_keys_file and not args.allow_unauthenticated:
         raise SystemExit("spindle gateway: give --api-keys-file, or --allow-unauthenticated for local use")
-    return asyncio.run(serve(args))
+    return serving.run_event_loop(serve(args))
 
 
 async def serve(args: argparse.Namespace) -> int:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import signal
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,6 +18,7 @@ from spindle.malformed import MalformedRequestInterceptor
 from spindle.tls import PLAINTEXT, TlsConfig, server_credentials
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -102,3 +104,14 @@ def on_shutdown_signal(callback: Callable[[str], None]) -> None:
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(main)`, on uvloop when it is installed (`pip install 'spindle[gateway]'`):
+    grpc.aio's per-message callbacks cost the gateway ~6% less CPU there (docs/performance.md)."""
+    if importlib.util.find_spec("uvloop") is None:
+        return asyncio.run(main)
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)

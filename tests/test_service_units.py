@@ -279,3 +279,58 @@ def test_engine_errors_map_to_codes_and_a_bug_is_internal():
         got, message = status_for(error)
         assert got == want, (error, got)
         assert str(error).strip("'") in message
+
+
+def test_outputs_queued_behind_a_slow_consumer_go_out_as_one_message():
+    """A consumer slower than the engine's steps gets everything queued as one batch, and the
+    pod's one message for it carries exactly the tokens and text of one message per step."""
+    import asyncio
+
+    from bench.fake_engine import FakeFastEngine
+    from model_service.engine.async_engine import AsyncEngine
+    from model_service.engine.sampling_params import SamplingParams
+
+    engine = AsyncEngine(FakeFastEngine(0.001))
+
+    async def consume(rid: str, pause: float) -> list[list]:
+        batches = []
+        params = SamplingParams(max_tokens=12)
+        async for batch in engine.generate_batches(rid, prompt_token_ids=[1, 2], params=params):
+            batches.append(batch)
+            await asyncio.sleep(pause)
+        return batches
+
+    try:
+        slow = asyncio.run(consume("slow", 0.02))
+        steady = [[out] for out in asyncio.run(_outputs(engine, "steady"))]
+    finally:
+        engine.shutdown()
+    assert max(len(b) for b in slow) > 1 and slow[-1][-1].finished
+    messages = [wire.chunk(b) for b in slow]
+    one_each = [wire.chunk(b) for b in steady]
+    assert [t for m in messages for t in m.chunk.token_ids] == list(range(100, 112))
+    assert [t for m in one_each for t in m.chunk.token_ids] == list(range(100, 112))
+    assert "".join(m.chunk.text for m in messages) == "".join(m.chunk.text for m in one_each) == "x" * 12
+    assert len(messages) < len(one_each) == 12
+
+
+async def _outputs(engine, rid: str) -> list:
+    from model_service.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=12)
+    return [out async for out in engine.generate(rid, prompt_token_ids=[1, 2], params=params)]
+
+
+def test_a_message_for_several_outputs_keeps_each_tokens_logprobs():
+    from model_service.engine.sampler import TokenLogprobs
+    from model_service.engine.sequence import RequestOutput
+
+    def out(tokens: list[int], text: str) -> RequestOutput:
+        lps = [TokenLogprobs(-0.5 * t, [(t, -0.5 * t), (t + 1, -9.0)]) for t in tokens]
+        return RequestOutput("r", tokens, text, [], "", False, None, 3, new_logprobs=lps)
+
+    msg = wire.chunk([out([5], "a"), out([], ""), out([6, 7], "bc")])
+    assert list(msg.chunk.token_ids) == [5, 6, 7] and msg.chunk.text == "abc" and msg.request_id == "r"
+    assert [(lp.token_id, lp.logprob) for lp in msg.chunk.logprobs] == [(5, -2.5), (6, -3.0), (7, -3.5)]
+    assert [[t.token_id for t in lp.top] for lp in msg.chunk.logprobs] == [[5, 6], [6, 7], [7, 8]]
+    assert wire.chunk([out([], ""), out([], "")]) is None

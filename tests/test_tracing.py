@@ -20,19 +20,22 @@ from tests.service_helpers import gateway_in_process, pod_in_process, token_requ
 GENERATE = "/spindle.v1.Generation/Generate"
 
 
-async def _run(tiny_llama, exporter: InMemorySpanExporter) -> None:
+async def _run(tiny_llama, exporter: InMemorySpanExporter, gateway_traced: bool = True, metadata=()) -> None:
+    """One request through a gateway (traced with the pod's provider, or with none) to a traced pod."""
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    async with (
-        pod_in_process(tiny_llama, "tiny", provider) as pod,
-        gateway_in_process(["--pods", f"127.0.0.1:{pod.port}", "--allow-unauthenticated"], provider) as gw,
-        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch,
-    ):
-        req = token_request([5, 6, 7, 8], 6, temperature=0.0)
-        req.model = "tiny"
-        async for _ in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=20):
-            pass
-        await asyncio.sleep(0.3)  # a few more health polls, which must not be traced
+    async with pod_in_process(tiny_llama, "tiny", provider) as pod:
+        flags = ["--pods", f"127.0.0.1:{pod.port}", "--allow-unauthenticated"]
+        async with (
+            gateway_in_process(flags, provider if gateway_traced else None) as gw,
+            grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch,
+        ):
+            req = token_request([5, 6, 7, 8], 6, temperature=0.0)
+            req.model = "tiny"
+            call = generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=20, metadata=metadata)
+            async for _ in call:
+                pass
+            await asyncio.sleep(0.3)  # a few more health polls, which must not be traced
 
 
 def test_one_trace_spans_gateway_and_pod_with_genai_attributes(tiny_llama):
@@ -58,3 +61,20 @@ def test_one_trace_spans_gateway_and_pod_with_genai_attributes(tiny_llama):
     assert {"spindle.prefill", "spindle.decode"} <= set(phases)
     assert phases["spindle.decode"].start_time >= phases["spindle.prefill"].end_time - 1000
     assert not any("gen_ai.input.messages" in s.attributes for s in spans)  # prompts are off by default
+
+
+def test_a_gateway_that_exports_nothing_passes_the_callers_context_to_the_pod(tiny_llama, monkeypatch):
+    """No exporter: the gateway makes no spans (no provider), and the pod's span is the child of
+    the caller's own span instead of one nobody can see."""
+    from spindle import telemetry
+
+    for var in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    assert telemetry.tracer_provider_from_env("spindle-gateway") is None
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    assert telemetry.tracer_provider_from_env("spindle-gateway") is not None
+    exporter = InMemorySpanExporter()
+    trace_id, parent = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    asyncio.run(_run(tiny_llama, exporter, False, (("traceparent", f"00-{trace_id}-{parent}-01"),)))
+    pod = next(s for s in exporter.get_finished_spans() if s.name == GENERATE and s.kind == SpanKind.SERVER)
+    assert f"{pod.context.trace_id:032x}" == trace_id and f"{pod.parent.span_id:016x}" == parent

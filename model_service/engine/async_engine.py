@@ -58,6 +58,15 @@ class AsyncEngine(Generic[E]):
 
         Closing the iterator early (client went away, deadline hit) aborts the request in the engine.
         """
+        async with contextlib.aclosing(self.generate_batches(request_id, **request)) as batches:
+            async for batch in batches:
+                for out in batch:
+                    yield out
+
+    async def generate_batches(self, request_id: str, **request: Any) -> AsyncIterator[list[RequestOutput]]:
+        """`generate`, but each item is every output that was waiting when the caller asked for the
+        next (at least one, in order): a consumer slower than the engine's steps (a busy server
+        loop, a slow client) then sends one message for several steps instead of falling behind."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Output] = asyncio.Queue()
         added: asyncio.Future[str] = loop.create_future()
@@ -79,12 +88,14 @@ class AsyncEngine(Generic[E]):
         finished = False
         try:
             while not finished:
-                out = await outputs.get()
-                if isinstance(out, Exception):  # fail_streams: the engine cannot answer any more
-                    finished = True
-                    raise out
-                finished = out.finished
-                yield out
+                batch = _waiting(await outputs.get(), outputs)
+                last = batch[-1]
+                finished = isinstance(last, Exception) or last.finished
+                if isinstance(last, Exception):  # fail_streams: the engine cannot answer any more
+                    if len(batch) > 1:
+                        yield batch[:-1]
+                    raise last
+                yield batch
         finally:
             if not finished:
                 self.abort(request_id)
@@ -155,6 +166,15 @@ class AsyncEngine(Generic[E]):
                 except RuntimeError:  # the caller's event loop is gone: nobody will read this
                     self._streams.pop(out.request_id, None)
                     self.engine.abort(out.request_id)
+
+
+def _waiting(first: Output, outputs: asyncio.Queue[Output]) -> list[Output]:
+    """`first` and what else is queued behind it, up to and including the stream's last output
+    (a finished one, or an exception)."""
+    batch = [first]
+    while not outputs.empty() and not isinstance(batch[-1], Exception) and not batch[-1].finished:
+        batch.append(outputs.get_nowait())
+    return batch
 
 
 def _set_result(fut: asyncio.Future[str], value: str) -> None:

@@ -55,19 +55,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         req = pod.begin(rid, kwargs.get("adapter"))
         try:
             await context.send_initial_metadata((("x-request-id", rid),))
-            async with contextlib.aclosing(pod.async_engine.generate(rid, **kwargs)) as stream:
-                out = await _admitted(stream, context)
+            # Outputs that queued up while the last message was being sent go out as one message.
+            async with contextlib.aclosing(pod.async_engine.generate_batches(rid, **kwargs)) as stream:
+                batch = await _admitted(stream, context)
                 while True:
-                    req.on_output(out)
-                    msg = wire.chunk(out)
+                    out = batch[-1]
+                    req.on_output(batch[0])
+                    msg = wire.chunk(batch)
                     if msg is not None:
-                        req.on_tokens(time.monotonic(), len(out.new_token_ids))
+                        req.on_tokens(time.monotonic(), len(msg.chunk.token_ids))
                         yield msg
                     if out.finished:
                         self._record(req, out, span)
                         yield await self._final(req, out, context)
                         return
-                    out = await anext(stream)
+                    batch = await anext(stream)
         except UnavailableError as e:  # the pod lost a device mid-stream
             await abort(context, Code.UNAVAILABLE, f"{e} (after {req.num_tokens} tokens)")
         finally:
@@ -175,8 +177,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return pb.ListModelsResponse(models=models)
 
 
-async def _admitted(stream: AsyncIterator[RequestOutput], context: grpc.aio.ServicerContext) -> RequestOutput:
-    """The stream's first output; the engine refuses a request only here, before any output."""
+async def _admitted(
+    stream: AsyncIterator[list[RequestOutput]], context: grpc.aio.ServicerContext
+) -> list[RequestOutput]:
+    """The stream's first outputs; the engine refuses a request only here, before any output."""
     try:
         return await anext(stream)
     except Exception as e:  # a SpindleError is the request's fault; anything else a bug (INTERNAL)

@@ -90,16 +90,20 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
     return SamplingParams.from_dict(d)
 
 
-def chunk(out: RequestOutput) -> pb.GenerateResponse | None:
-    """The tokens and text this output adds, or None when it adds nothing."""
-    if not out.new_token_ids and not out.new_text:
+def chunk(outputs: list[RequestOutput]) -> pb.GenerateResponse | None:
+    """The tokens and text these consecutive outputs of one request add, as one message (the
+    same tokens, text and logprobs as one message each), or None when they add nothing."""
+    c = pb.Chunk()
+    for out in outputs:
+        c.token_ids.extend(out.new_token_ids)
+        c.text += out.new_text
+        if out.new_logprobs and len(out.new_logprobs) == len(out.new_token_ids):
+            for token, lp in zip(out.new_token_ids, out.new_logprobs, strict=True):
+                top = [pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+                c.logprobs.append(pb.TokenLogprob(token_id=token, logprob=lp.logprob, top=top))
+    if not c.token_ids and not c.text:
         return None
-    c = pb.Chunk(token_ids=out.new_token_ids, text=out.new_text)
-    if out.new_logprobs and len(out.new_logprobs) == len(out.new_token_ids):
-        for token, lp in zip(out.new_token_ids, out.new_logprobs, strict=True):
-            top = [pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
-            c.logprobs.append(pb.TokenLogprob(token_id=token, logprob=lp.logprob, top=top))
-    return pb.GenerateResponse(request_id=out.request_id, chunk=c)
+    return pb.GenerateResponse(request_id=outputs[0].request_id, chunk=c)
 
 
 def final(out: RequestOutput) -> pb.GenerateResponse:
