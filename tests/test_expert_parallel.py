@@ -22,7 +22,7 @@ from model_service.distributed.sharding import Partition
 from model_service.errors import ModelLoadError
 from model_service.models.loader import LoadedModel, load_model
 from spindle.cli import main
-from tests.conftest import make_engine, new_sequence, prefill_logits
+from tests.conftest import forward, make_engine, new_sequence, prefill_logits
 from tests.test_lora import make_adapter
 from tests.test_moe import VARIANTS as MOE_VARIANTS
 from tests.test_tiny_models import (
@@ -59,6 +59,20 @@ class Model:
     requests: list[dict]
     expected: list[list[int]]  # the single-process engine's greedy tokens for `requests`
     logits: torch.Tensor  # ... and its last-token logits of PROMPTS[0]
+    wide: torch.Tensor  # ... and of `WIDE`, prefilled in one step
+
+
+# Two 300-token prompts in one step: a packed batch larger than a command message carries inline
+# (distributed/link.py), so its remainder takes the second broadcast.
+WIDE = [torch.randint(3, 320, (300,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
+
+
+def wide_logits(engine) -> torch.Tensor:
+    states = [new_sequence(engine, len(ids)) for ids in WIDE]
+    logits = forward(engine, [(s, ids, 1) for s, ids in zip(states, WIDE, strict=True)])
+    for s in states:
+        engine.cache.free(s)
+    return logits
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +94,8 @@ def models(tmp_path_factory) -> dict[str, Model]:
         engine = make_engine(loaded, max_loras=1, lora_modules={"attn": str(adapter)})
         expected = [o.token_ids for o in engine.generate(requests)]
         assert expected[:2] != expected[-2:], "the adapter does not change the output"
-        out[name] = Model(path, loaded, adapter, requests, expected, prefill_logits(engine, PROMPTS[0]))
+        logits = prefill_logits(engine, PROMPTS[0])
+        out[name] = Model(path, loaded, adapter, requests, expected, logits, wide_logits(engine))
     return out
 
 
@@ -120,6 +135,7 @@ def test_two_ranks_match_one_process(models, name: str, expert_parallel: bool):
         assert (held.shape[0], held.shape[2]) == want
         assert [o.token_ids for o in engine.generate(m.requests)] == m.expected
         torch.testing.assert_close(prefill_logits(engine, PROMPTS[0], chunk=7), m.logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(wide_logits(engine), m.wide, atol=1e-4, rtol=0)
         state = new_sequence(engine, 4)
         with pytest.raises(CommandFailedError, match="rank 1"):
             engine.executor.load_blocks(torch.zeros(1, 2, 3, 4, 5), state.block_table)
