@@ -23,8 +23,8 @@ from model_service.errors import ModelLoadError
 from model_service.models.loader import LoadedModel, load_model
 from spindle.cli import main
 from tests.conftest import forward, make_engine, new_sequence, prefill_logits
-from tests.test_lora import make_adapter
 from tests.test_moe import VARIANTS as MOE_VARIANTS
+from tests.test_moe import attention_adapter
 from tests.test_tiny_models import (
     PROMPTS,
     Variant,
@@ -77,17 +77,11 @@ def wide_logits(engine) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Model]:
-    from transformers import AutoModelForCausalLM
-
     out = {}
     for name, variant in VARIANTS.items():
         root = tmp_path_factory.mktemp(name)
         path = save_checkpoint(variant, root)
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-        adapter = make_adapter(
-            hf, root / "attn", seed=7, scale=0.3, r=4, lora_alpha=8,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-        )  # fmt: skip
+        adapter = attention_adapter(path, root / "attn")[1]
         loaded = load_model(str(path), torch.float32, torch.device("cpu"))
         adapted = [{**request(ids), "adapter": "attn"} for ids in PROMPTS[:2]]
         requests = [request(ids) for ids in PROMPTS] + adapted
