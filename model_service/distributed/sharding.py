@@ -1,4 +1,4 @@
-"""Which slice of a dense decoder each tensor-parallel rank holds, and the slicing itself.
+"""Which slice of a decoder (dense or sparse-MoE) each tensor-parallel rank holds, and the slicing itself.
 
 Weights are loaded whole (from the checkpoint, on the host) and each rank keeps its slice, so
 the loader and its named errors stay the single-device ones.
