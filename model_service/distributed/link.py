@@ -5,8 +5,9 @@ The control group is gloo over host memory, separate from the device group the m
 collectives use: a worker waits for its next command on the host without holding the GPU, and
 a step's packed index buffer (batch_builder.py) is broadcast as it is, one int64 tensor, before
 each rank copies it to its own device. Every command is one fixed-size message: a header (kind
-+ batch shape) and the first `_INLINE` int64s of a step's payload, which holds a whole decode
-step's batch up to ~100 rows; only a larger payload's remainder follows in a second broadcast.
++ batch shape) and the first `_INLINE` int64s of a step's payload, which hold a whole decode
+step of 64 rows at up to 368 tokens of context; only a larger payload's remainder follows in a
+second broadcast.
 Each collective is a round trip on the critical path of every step (the workers start only once
 the command has arrived), so a decode step costs two (this message and `agree`), not three. The
 step's payload carries the sequences' state slots, so a model that keeps per-sequence state on a
@@ -32,9 +33,10 @@ from model_service.engine.batch_builder import BatchBuilder
 from model_service.errors import SpindleError, UnavailableError
 
 _HEADER = 8
-# A decode step's packed batch is 8 + (4 + K/V blocks per sequence) int64s per row: 2040 carry 64
-# rows of 27 blocks (432 tokens of context at block size 16). The message is then 16 KiB, which
-# costs gloo no more than 64 bytes would over loopback (bench/tp_control.py).
+# A decode step's packed batch is 1 + (8 + K/V blocks per sequence) int64s per row: 2040 carry 64
+# rows of 23 blocks (368 tokens of context at block size 16), or 16 rows of 119. The message is
+# then 16 KiB; over loopback a step costs about the same at 168 bytes and at 10 KiB of payload
+# (bench/tp_control.py, batch 1 and 64).
 _INLINE = 2040
 
 
