@@ -10,18 +10,20 @@ decode-sized call is to reading its weights once. Prints one JSON line per (T, p
 
 With `--engine`, instead: decode tokens/s of the whole engine on a Qwen3-30B-A3B-shaped model
 (48 layers, every one MoE; random bf16 weights, ~61 GB) at `--batches`, with CUDA graphs and
-eagerly, measured as bench/gpu.py measures it (prefill excluded); `active_gb_s` = bytes of the
-weights one token reads at batch 1 (attention, 8 experts a layer, embeddings row, LM head) x
-tokens/s.
+eagerly, measured as bench/gpu.py measures it (prefill excluded), on one GPU or over `--tp`
+GPUs (experts tensor-parallel, or whole experts per rank with `--enable-expert-parallel`);
+`active_gb_s` = bytes of the weights one token reads at batch 1 (attention, 8 experts a layer,
+embeddings row, LM head) x tokens/s.
 
     python bench/moe.py [--tokens 1 64 512] [--device cuda] [--dtype bfloat16]
     python bench/moe.py --device cpu --dtype float32 --experts 16 --hidden 256 --inter 128  # a smoke run
-    python bench/moe.py --engine [--batches 1 16 64] [--layers 48]
+    python bench/moe.py --engine [--batches 1 16 64] [--layers 48] [--tp 2 [--enable-expert-parallel]]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -109,19 +111,28 @@ def active_weight_bytes(cfg: ModelConfig) -> int:
     return 2 * (cfg.num_layers * (attention + moe) + (cfg.vocab_size + 1) * cfg.hidden_size)
 
 
-def engine_decode(args: argparse.Namespace) -> None:
-    kinds = [LayerKind(moe=True)] * args.layers
+def qwen3_30b_shape(layers: int) -> LoadedModel:
+    """Seeded random weights on the current CUDA device: every tensor-parallel rank builds the same."""
+    kinds = [LayerKind(moe=True)] * layers
     cfg = ModelConfig(
-        family="qwen3_moe", num_layers=args.layers, rms_norm_eps=1e-6, max_position_embeddings=8192,
+        family="qwen3_moe", num_layers=layers, rms_norm_eps=1e-6, max_position_embeddings=8192,
         rope_theta=1e6, qk_norm=True, norm_topk_prob=True, layer_kinds=kinds, **QWEN3_30B_A3B,
     )  # fmt: skip
-    loaded = LoadedModel("random-qwen3-30b-a3b", cfg, random_module(cfg), None)
+    return LoadedModel("random-qwen3-30b-a3b", cfg, random_module(cfg), None)
+
+
+def engine_decode(args: argparse.Namespace) -> None:
+    loaded = qwen3_30b_shape(args.layers)
+    loaded.source = functools.partial(qwen3_30b_shape, args.layers)
+    cfg = loaded.config
     setup = {"model": "qwen3-30b-a3b-shape", "layers": args.layers, "dtype": "bfloat16",
-             "device": torch.cuda.get_device_name(), "prompt_len": 128, "new_tokens": 64}  # fmt: skip
+             "device": torch.cuda.get_device_name(), "prompt_len": 128, "new_tokens": 64, "tp": args.tp,
+             "expert_parallel": args.enable_expert_parallel}  # fmt: skip
     for eager in (False, True):
         config = EngineConfig(
             device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches), max_loras=0,
             enforce_eager=eager, kv_cache_memory_bytes=20 << 30, max_model_len=8192,
+            tensor_parallel_size=args.tp, enable_expert_parallel=args.enable_expert_parallel,
         )  # fmt: skip
         engine = Engine(config, loaded=loaded)
         for batch in args.batches:
@@ -132,6 +143,8 @@ def engine_decode(args: argparse.Namespace) -> None:
             if batch == 1:
                 line["active_gb_s"] = round(active_weight_bytes(cfg) * rate / 1e9)
             print(json.dumps({**line, **setup}), flush=True)
+        if args.tp > 1:  # one tensor-parallel engine per process at a time
+            engine.executor.teardown()
 
 
 def main() -> None:
@@ -147,6 +160,10 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help="whole-engine decode on a Qwen3-30B-A3B shape")
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
     ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--tp", type=int, default=1, help="--engine: tensor-parallel ranks (GPUs)")
+    ap.add_argument(
+        "--enable-expert-parallel", action="store_true", help="--engine with --tp: whole experts per rank"
+    )
     args = ap.parse_args()
     if args.engine:
         engine_decode(args)

@@ -106,7 +106,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         except (SpindleError, TypeError, ValueError) as e:  # a bad request fails alone
             ids.append(None)
             errors[i] = str(e)
-    final = engine.run_to_completion()
+    try:
+        final = engine.run_to_completion()
+    finally:  # a tensor-parallel engine stops its workers in order and leaves its process group
+        engine.executor.teardown()
     for i, rid in enumerate(ids):
         if rid is None:
             result: dict[str, Any] = {"index": i, "error": errors[i]}

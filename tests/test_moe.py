@@ -177,14 +177,19 @@ def test_missing_moe_config_field_is_named():
         ModelConfig.from_hf({**raw, "moe_intermediate_size": 4, "num_experts_per_tok": 5})
 
 
-def test_lora_on_attention_of_an_moe_model_matches_peft(qwen3_moe_dir: Path, tmp_path: Path):
+def attention_adapter(checkpoint: Path, out: Path):
+    """(HF's load of `checkpoint`, a random PEFT adapter on its four attention projections at `out`)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(qwen3_moe_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     adapter = make_adapter(
-        hf, tmp_path / "attn", seed=7, scale=0.3, r=4, lora_alpha=8,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-    )  # fmt: skip
+        hf, out, seed=7, scale=0.3, r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    return hf, adapter
+
+
+def test_lora_on_attention_of_an_moe_model_matches_peft(qwen3_moe_dir: Path, tmp_path: Path):
+    hf, adapter = attention_adapter(qwen3_moe_dir, tmp_path / "attn")
     loaded = load_model(str(qwen3_moe_dir), torch.float32, torch.device("cpu"))
     engine = make_engine(loaded, max_loras=1, lora_modules={"attn": str(adapter)})
     want = [peft_greedy(hf, adapter, ids, 16, eos=None) for ids in PROMPTS[:3]]

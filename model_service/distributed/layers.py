@@ -1,5 +1,6 @@
 """The layers of a tensor-parallel shard that talk to the other ranks: one all-reduce after each
-attention and MLP block (in the row-parallel o / down projection), one in the vocab-parallel
+attention and MLP block (in the row-parallel o / down projection, or after a sparse-MoE block's
+per-rank share), one in the vocab-parallel
 embedding, and one all-gather of the logits. Column-parallel projections need no layer of their
 own: they are ordinary `PackedLinear`s over fewer output rows (distributed/sharding.py).
 
@@ -51,6 +52,18 @@ class RowParallel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.collectives.all_reduce(self.inner(x))
         return y if self.bias is None else y + self.bias
+
+
+class SummedOverRanks(nn.Module):
+    """A block whose ranks each compute a share of its output (a sparse-MoE layer's experts,
+    distributed/sharding.py): one all-reduce makes it the whole block's output."""
+
+    def __init__(self, share: nn.Module, collectives: Collectives) -> None:
+        super().__init__()
+        self.share, self.collectives = share, collectives
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.collectives.all_reduce(self.share(x))
 
 
 class VocabParallelEmbedding(nn.Module):

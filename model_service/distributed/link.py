@@ -4,9 +4,14 @@ outcome of each (the seed's expert-parallel worker protocol, for any model).
 The control group is gloo over host memory, separate from the device group the model's
 collectives use: a worker waits for its next command on the host without holding the GPU, and
 a step's packed index buffer (batch_builder.py) is broadcast as it is, one int64 tensor, before
-each rank copies it to its own device. Every command is a fixed header (kind + batch shape)
-then its payload; the step's payload carries the sequences' state slots, so a model that keeps
-per-sequence state on a worker (expert parallelism next) addresses it from the same command.
+each rank copies it to its own device. Every command is one fixed-size message: a header (kind
++ batch shape) and the first `_INLINE` int64s of a step's payload, which hold a whole decode
+step of 64 rows at up to 368 tokens of context; only a larger payload's remainder follows in a
+second broadcast.
+Each collective is a round trip on the critical path of every step (the workers start only once
+the command has arrived), so a decode step costs two (this message and `agree`), not three. The
+step's payload carries the sequences' state slots, so a model that keeps per-sequence state on a
+worker addresses it from the same command.
 
 After every command all ranks call `agree`: one all-reduce of "did it fail here". A command that
 ran and failed (on any rank) is that step's error on every rank: rank 0 fails the step's
@@ -28,6 +33,11 @@ from model_service.engine.batch_builder import BatchBuilder
 from model_service.errors import SpindleError, UnavailableError
 
 _HEADER = 8
+# A decode step's packed batch is 1 + (8 + K/V blocks per sequence) int64s per row: 2040 carry 64
+# rows of 23 blocks (368 tokens of context at block size 16), or 16 rows of 119. The message is
+# then 16 KiB; over loopback a step costs about the same at 168 bytes and at 10 KiB of payload
+# (bench/tp_control.py, batch 1 and 64).
+_INLINE = 2040
 
 
 class Command(IntEnum):
@@ -60,32 +70,39 @@ class CommandLink:
     # --- rank 0 ------------------------------------------------------------------------------
 
     def send_step(self, packed: torch.Tensor, shape: tuple[int, ...]) -> None:
-        self._header(Command.STEP, shape)
-        dist.broadcast(packed, 0, group=self.group)
+        self._message(Command.STEP, shape, packed[:_INLINE])
+        if packed.numel() > _INLINE:
+            dist.broadcast(packed[_INLINE:], 0, group=self.group)
 
     def send_call(self, kind: Command, method: str, args: tuple[Any, ...]) -> None:
-        self._header(kind, ())
+        self._message(kind, ())
         dist.broadcast_object_list([method, args], 0, group=self.group)
 
     def send_stop(self) -> None:
-        self._header(Command.STOP, ())
+        self._message(Command.STOP, ())
 
-    def _header(self, kind: Command, shape: tuple[int, ...]) -> None:
-        header = torch.zeros(_HEADER, dtype=torch.long)
-        header[0] = kind
-        header[1 : 1 + len(shape)] = torch.tensor(shape, dtype=torch.long)
-        dist.broadcast(header, 0, group=self.group)
+    def _message(self, kind: Command, shape: tuple[int, ...], inline: torch.Tensor | None = None) -> None:
+        message = torch.zeros(_HEADER + _INLINE, dtype=torch.long)
+        message[0] = kind
+        message[1 : 1 + len(shape)] = torch.tensor(shape, dtype=torch.long)
+        if inline is not None:
+            message[_HEADER : _HEADER + inline.numel()] = inline
+        dist.broadcast(message, 0, group=self.group)
 
     # --- workers -----------------------------------------------------------------------------
 
     def receive(self, builder: BatchBuilder) -> Received:
         """The next command; a STEP's packed buffer lands in `builder`'s host buffer."""
-        header = torch.empty(_HEADER, dtype=torch.long)
-        dist.broadcast(header, 0, group=self.group)
-        kind = Command(int(header[0]))
+        message = torch.empty(_HEADER + _INLINE, dtype=torch.long)
+        dist.broadcast(message, 0, group=self.group)
+        kind = Command(int(message[0]))
         if kind is Command.STEP:
-            shape = tuple(int(v) for v in header[1:7])
-            dist.broadcast(builder.host_region(shape), 0, group=self.group)
+            shape = tuple(int(v) for v in message[1:7])
+            region = builder.host_region(shape)
+            inline = min(region.numel(), _INLINE)
+            region[:inline] = message[_HEADER : _HEADER + inline]
+            if region.numel() > _INLINE:
+                dist.broadcast(region[_INLINE:], 0, group=self.group)
             return Received(kind, shape=shape)
         if kind in (Command.CALL, Command.GATHER):
             message: list[Any] = [None, None]

@@ -32,8 +32,8 @@ T = TypeVar("T")
 class RankShard:
     """A rank's shard of the weights before its K/V cache exists (see `RankExecutor.build`)."""
 
-    def __init__(self, full: LoadedModel, groups: RankGroups) -> None:
-        self.part = Partition.of(full.config, groups.rank, groups.world)
+    def __init__(self, full: LoadedModel, groups: RankGroups, expert_parallel: bool) -> None:
+        self.part = Partition.of(full.config, groups.rank, groups.world, expert_parallel)
         coll = Collectives(groups.device_group, groups.world)
         module = shard_module(full.module, self.part, coll, groups.device)
         self.loaded = LoadedModel(full.name, self.part.local_config(full.config), module, None)
@@ -133,7 +133,8 @@ def build_rank(
     """Load and shard, then size and allocate the K/V cache: every rank in the same order, with an
     `agree` after each phase, so one rank's failure is every rank's `ModelLoadError` and nobody
     waits in a collective the failed rank will never join."""
-    shard = _phase(link, lambda: RankShard(load(), groups), "loading the model shard")
+    expert_parallel = config.enable_expert_parallel
+    shard = _phase(link, lambda: RankShard(load(), groups, expert_parallel), "loading the model shard")
     layout = RankExecutor.layout(shard, config, groups.control)
     return _phase(link, lambda: RankExecutor(shard, config, *layout), "allocating the K/V cache")
 

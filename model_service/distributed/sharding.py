@@ -1,4 +1,4 @@
-"""Which slice of a dense decoder each tensor-parallel rank holds, and the slicing itself.
+"""Which slice of a decoder (dense or sparse-MoE) each tensor-parallel rank holds, and the slicing itself.
 
 Weights are loaded whole (from the checkpoint, on the host) and each rank keeps its slice, so
 the loader and its named errors stay the single-device ones.
@@ -13,6 +13,18 @@ the loader and its named errors stay the single-device ones.
   collective reads the intermediate, so unevenness again costs only balance.
 - The vocabulary is split into runs of ceil(V / tp) rows, the last one zero-padded: the logits
   are all-gathered, and all-gather wants equal sizes; the padding columns are cut off after.
+
+Sparse MoE layers (models/moe.py) keep the router and route every token on every rank; each
+rank computes its share of the block and the layer's output is one all-reduce of the shares:
+- by default the experts are tensor-parallel: every rank holds all experts, each expert's
+  intermediate split into the same runs (vLLM's default);
+- with `--enable-expert-parallel` rank r owns a contiguous run of whole experts (uneven when
+  not divisible), and routed ids outside its run add nothing there (kernels/experts.py).
+A shared expert (Qwen2-MoE) is split tensor-parallel by its intermediate columns in both modes,
+as vLLM does: every token goes through it, so computing it on one rank would make that rank
+every layer's straggler, and its partial output joins the same all-reduce (its sigmoid gate is
+a per-token scalar, replicated, and the sum is linear). Dense layers of an MoE model (Qwen3-MoE's
+`mlp_only_layers`) are split as any MLP.
 
 Column-parallel projections (q/k/v, gate/up) keep their shard's output rows; row-parallel ones
 (o, down) keep their shard's input columns and sum partial outputs in one all-reduce. LoRA
@@ -34,6 +46,7 @@ from torch import nn
 from model_service.distributed.layers import (
     Collectives,
     RowParallel,
+    SummedOverRanks,
     VocabParallelEmbedding,
     VocabParallelHead,
 )
@@ -43,6 +56,7 @@ from model_service.lora.adapter import LoraAdapter, LoraWeights
 from model_service.models.config import ModelConfig
 from model_service.models.layers import MLP, PackedLinear
 from model_service.models.llama import Attention
+from model_service.models.moe import SparseMoeBlock, StackedExperts
 
 COLUMN_PARALLEL = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}  # the rest are row-parallel
 
@@ -52,6 +66,24 @@ def runs(n: int, world: int) -> list[range]:
     base, extra = divmod(n, world)
     bounds = list(itertools.accumulate((base + (r < extra) for r in range(world)), initial=0))
     return [range(lo, hi) for lo, hi in itertools.pairwise(bounds)]
+
+
+def _expert_runs(cfg: ModelConfig, rank: int, world: int, expert_parallel: bool) -> dict[str, range]:
+    """The MoE fields of a `Partition` (empty ranges for a dense model)."""
+    if not cfg.num_experts:
+        return {}
+    if expert_parallel and world > cfg.num_experts:
+        raise ModelLoadError(
+            f"--enable-expert-parallel over {world} ranks needs at least {world} experts; this model "
+            f"has {cfg.num_experts}: use fewer ranks or leave the experts tensor-parallel"
+        )
+    experts, inter = range(cfg.num_experts), range(cfg.moe_intermediate_size)
+    if expert_parallel:
+        experts = runs(cfg.num_experts, world)[rank]
+    else:
+        inter = runs(cfg.moe_intermediate_size, world)[rank]
+    shared = runs(cfg.shared_expert_intermediate_size or 0, world)[rank]
+    return {"experts": experts, "expert_inter": inter, "shared_inter": shared}
 
 
 @dataclass(frozen=True)
@@ -66,9 +98,12 @@ class Partition:
     vocab: range  # real vocabulary rows; the shard has `vocab_rows` rows, the rest zero padding
     vocab_rows: int
     head_dim: int
+    experts: range = range(0)  # the MoE experts this rank holds (all of them unless expert-parallel)
+    expert_inter: range = range(0)  # each held expert's intermediate rows (all of them if expert-parallel)
+    shared_inter: range = range(0)  # the shared expert's intermediate columns
 
     @classmethod
-    def of(cls, cfg: ModelConfig, rank: int, world: int) -> Partition:
+    def of(cls, cfg: ModelConfig, rank: int, world: int, expert_parallel: bool = False) -> Partition:
         if world > cfg.num_kv_heads:
             raise ModelLoadError(
                 f"--tensor-parallel-size {world} is larger than the model's {cfg.num_kv_heads} KV heads; "
@@ -91,6 +126,7 @@ class Partition:
             vocab=range(lo, min(lo + rows, cfg.vocab_size)),
             vocab_rows=rows,
             head_dim=cfg.head_dim,
+            **_expert_runs(cfg, rank, world, expert_parallel),
         )
 
     def slices(self) -> dict[str, range]:
@@ -129,29 +165,61 @@ def _column(lin: PackedLinear, slices: dict[str, range], device: torch.device) -
     return out
 
 
-def _row(lin: PackedLinear, cols: range, collectives: Collectives, device: torch.device) -> RowParallel:
+def _columns(lin: PackedLinear, cols: range, device: torch.device) -> PackedLinear:
+    """A row-parallel projection's input columns `cols`, without bias or collective."""
     with torch.device("meta"):
         inner = PackedLinear(len(cols), dict(zip(lin.parts, lin.output_sizes, strict=True)), False)
     inner.weight = _frozen(lin.weight.detach()[:, cols.start : cols.stop], device)
+    return inner
+
+
+def _row(lin: PackedLinear, cols: range, collectives: Collectives, device: torch.device) -> RowParallel:
     bias = None if lin.bias is None else _frozen(lin.bias.detach(), device)
-    return RowParallel(inner, bias, collectives)
+    return RowParallel(_columns(lin, cols, device), bias, collectives)
 
 
-def _shard_layer(
-    attn: nn.Module, mlp: nn.Module, part: Partition, coll: Collectives, device: torch.device
-) -> None:
-    if not isinstance(attn, Attention) or not isinstance(mlp, MLP):
+def _shard_layer(layer: nn.Module, part: Partition, coll: Collectives, device: torch.device) -> None:
+    attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(attn, Attention) or not isinstance(mlp, MLP | SparseMoeBlock):
         raise ModelLoadError(
-            "tensor parallelism shards dense attention and MLP blocks; this model has other layers "
-            "(MoE layers need expert parallelism)"
+            "tensor parallelism shards attention with dense or sparse-MoE MLP blocks; this model "
+            f"has a {type(attn).__name__} / {type(mlp).__name__} layer"
         )
     s = part.slices()
     attn.qkv_proj = _column(attn.qkv_proj, s, device)
     attn.o_proj = _row(attn.o_proj, s["o_proj"], coll, device)
     attn.num_heads, attn.num_kv_heads = len(part.q_heads), len(part.kv_heads)
     attn.qkv_sizes = attn.qkv_proj.output_sizes
+    if isinstance(mlp, SparseMoeBlock):
+        layer.mlp = SummedOverRanks(_moe_share(mlp, part, device), coll)
+        return
     mlp.gate_up_proj = _column(mlp.gate_up_proj, s, device)
     mlp.down_proj = _row(mlp.down_proj, s["down_proj"], coll, device)
+
+
+def _moe_share(block: SparseMoeBlock, part: Partition, device: torch.device) -> SparseMoeBlock:
+    """`block` computing only this rank's share: its experts (`part.experts`), each over its
+    intermediate rows (`part.expert_inter`), and its columns of the shared expert. The caller
+    sums the shares over the ranks (the router and the shared expert's gate stay whole)."""
+    e, i = part.experts, part.expert_inter
+    gate_up = block.experts.gate_up_proj.detach()[e.start : e.stop]
+    down = block.experts.down_proj.detach()[e.start : e.stop]
+    inter = down.shape[2]
+    rows = [*range(i.start, i.stop), *range(inter + i.start, inter + i.stop)]  # gate rows, then up rows
+    with torch.device("meta"):
+        block.experts = StackedExperts(len(e), down.shape[1], len(i))
+    block.experts.gate_up_proj = _frozen(gate_up[:, rows], device)
+    block.experts.down_proj = _frozen(down[:, :, i.start : i.stop], device)
+    block.expert_range = e
+    shared = block.shared_expert
+    if shared is not None:
+        cols = part.shared_inter
+        shared.gate_up_proj = _column(shared.gate_up_proj, {"gate_proj": cols, "up_proj": cols}, device)
+        bias = shared.down_proj.bias
+        shared.down_proj = _columns(shared.down_proj, cols, device)
+        if bias is not None and part.rank == 0:  # added once to the sum
+            shared.down_proj.bias = _frozen(bias.detach(), device)
+    return block
 
 
 def _vocab_shard(weight: torch.Tensor, part: Partition, device: torch.device) -> nn.Parameter:
@@ -179,7 +247,7 @@ def shard_module(full: nn.Module, part: Partition, coll: Collectives, device: to
     cfg: ModelConfig = full.config
     shard = own_module_tree(full)
     for layer in shard.model.layers:
-        _shard_layer(layer.self_attn, layer.mlp, part, coll, device)
+        _shard_layer(layer, part, coll, device)
     embed = _vocab_shard(full.model.embed_tokens.weight, part, device)
     shard.model.embed_tokens = VocabParallelEmbedding(embed, part.vocab.start, coll)
     head = embed if cfg.tie_word_embeddings else _vocab_shard(full.lm_head.weight, part, device)

@@ -103,6 +103,11 @@ class EngineConfig:
         "split the model over this many devices of the host, one process each (rank 0 runs the "
         "scheduler; NCCL on GPUs, gloo on the CPU)",
     )
+    enable_expert_parallel: bool = _opt(
+        False,
+        "with --tensor-parallel-size N on a mixture-of-experts model: each rank holds whole experts "
+        "(a contiguous run of them) instead of a slice of every expert; no effect otherwise",
+    )
     enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly, without CUDA graphs (debugging)")
     adapter_wait_timeout_s: float = _opt(
         30.0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -33,6 +34,8 @@ from model_service.models.step import AttentionBackend, ForwardContext, StepBatc
 
 if TYPE_CHECKING:
     from model_service.distributed.executor import TensorParallelExecutor
+
+log = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -92,6 +95,9 @@ def build_executor(
 ) -> ModelExecutor | TensorParallelExecutor:
     """The executor `config` asks for: this process's device, or rank 0 of a tensor-parallel group
     (whose `loaded` weights are on the host, to be sliced; no draft model, no recurrent layers)."""
+    if config.enable_expert_parallel and (config.tensor_parallel_size == 1 or not loaded.config.num_experts):
+        log.warning("--enable-expert-parallel has no effect: it splits the experts of an MoE model over "
+                    "--tensor-parallel-size > 1 ranks")  # fmt: skip
     if config.tensor_parallel_size > 1:
         from model_service.distributed.executor import start_tensor_parallel
 

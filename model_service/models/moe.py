@@ -10,10 +10,10 @@ Parameter names are transformers 5.x's (`gate` the router, `experts.gate_up_proj
 `experts.down_proj` [E, H, I]); the loader stacks per-expert hub checkpoints into them
 (expert_weights.py).
 
-Expert parallelism is not built, but the block is shaped for it: it holds the weights of a
-contiguous range of experts (`experts`, all of them by default), routes over all experts, and
-returns only its own experts' share, so the layer's output is the sum over the ranks that own
-the ranges (the shared expert would be added by one rank only).
+The block is shaped for expert parallelism: it holds the weights of a contiguous range of
+experts (`experts`, all of them by default), routes over all experts, and returns only its own
+experts' share, so the layer's output is the sum over the ranks that own the ranges
+(distributed/sharding.py, which also splits the shared expert's columns over the ranks).
 """
 
 from __future__ import annotations

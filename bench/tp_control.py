@@ -1,0 +1,103 @@
+"""Per-step control overhead of a tensor-parallel pod: rank 0's command to the workers and the
+`agree` after it (distributed/link.py), with nothing run in between.
+
+Setup (printed in every line): two processes on this host, the gloo control group over
+loopback TCP, exactly the code a step runs (`send_step` / `receive` / `agree`); payloads the
+size of a decode step's packed batch at `--batches` rows (`--blocks` K/V blocks each). The time
+per step is the median over `--steps` round trips, after `--warmup`; for scale, the same for one
+bare all-reduce of one int64 on the control group (the cost of any one collective). On GPUs the same traffic
+sits on the critical path of every decode step: the workers start their step only once it has
+arrived, and rank 0 samples only after the agree.
+
+    python bench/tp_control.py [--batches 1 64] [--blocks 12] [--steps 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from model_service.distributed.group import free_port, init_rank
+from model_service.distributed.link import Command, CommandLink
+from model_service.engine.batch_builder import BatchBuilder, _sizes
+
+
+def step_shape(rows: int, blocks: int) -> tuple[int, ...]:
+    """A decode step of `rows` sequences, one token each, `blocks` K/V blocks per sequence."""
+    return (rows, rows, rows, blocks, 1, blocks * 16)
+
+
+def worker(port: int, collectives: int) -> None:
+    torch.set_num_threads(1)
+    link = CommandLink(init_rank(1, 2, port, torch.device("cpu")).control, 1, 2)
+    builder = BatchBuilder(16, torch.device("cpu"))
+    while link.receive(builder).kind is not Command.STOP:
+        link.agree(None)
+    one = torch.zeros(1, dtype=torch.long)
+    for _ in range(collectives):
+        dist.all_reduce(one, group=link.group)
+    dist.destroy_process_group()
+
+
+def bare_collectives(link: CommandLink, steps: int, warmup: int) -> list[float]:
+    one = torch.zeros(1, dtype=torch.long)
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        dist.all_reduce(one, group=link.group)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def line(metric: str, times: list[float], **fields: object) -> str:
+    return json.dumps({
+        "bench": "tp_control", "metric": metric, **fields, "median": round(statistics.median(times) * 1e6, 1),
+        "p90": round(statistics.quantiles(times, n=10)[-1] * 1e6, 1), "steps": len(times),
+        "setup": f"2 processes, gloo control group over loopback TCP, {os.cpu_count()} CPUs",
+    })  # fmt: skip
+
+
+def timed_steps(link: CommandLink, shape: tuple[int, ...], steps: int, warmup: int) -> list[float]:
+    packed = torch.zeros(sum(_sizes(shape)), dtype=torch.long)
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        link.send_step(packed, shape)
+        link.agree(None)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 64])
+    ap.add_argument("--blocks", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--warmup", type=int, default=200)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    port = free_port()
+    proc = multiprocessing.get_context("spawn").Process(target=worker, args=(port, args.steps + args.warmup))
+    proc.start()
+    link = CommandLink(init_rank(0, 2, port, torch.device("cpu")).control, 0, 2)
+    for rows in args.batches:
+        shape = step_shape(rows, args.blocks)
+        times = timed_steps(link, shape, args.steps, args.warmup)
+        print(line("step_control_us", times, batch=rows, payload_bytes=8 * sum(_sizes(shape))))
+    link.send_stop()
+    print(line("one_collective_us", bare_collectives(link, args.steps, args.warmup)))
+    proc.join()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
