@@ -9,7 +9,8 @@ needed, and share one memory pool. A step with LoRA rows replays a graph capture
 kernels (per-token slots in a static buffer too); without the kernels (a rank width that is not
 a power of two) it runs eagerly, as do steps with prefill chunks. A step of decode rows and
 speculative verify runs (every token a logits row) replays the graph of its token count, each
-token a one-token row of its own (`StepBatch.as_token_rows`), in models without recurrent layers.
+token a one-token row of its own (`StepBatch.as_token_rows`). Models with recurrent layers get no
+graphs (`ModelExecutor._graphs_apply`): their state is per sequence, not per row.
 """
 
 from __future__ import annotations
@@ -38,10 +39,8 @@ class DecodeGraphs:
         max_seq_len: int,
         device: torch.device,
         lora: LoraStepPlan | None = None,
-        split_verify_runs: bool = True,
     ) -> None:
         self.forward, self.backend, self.lora = forward, backend, lora
-        self.split_verify_runs = split_verify_runs
         self.ladder = batch_ladder(max_rows)
         backend.init_graph_capture(max_rows, max_seq_len)
         self.input_ids = torch.zeros(max_rows, dtype=torch.long, device=device)
@@ -53,8 +52,7 @@ class DecodeGraphs:
 
     def can_run(self, batch: StepBatch) -> bool:
         return (
-            (batch.max_query_len == 1 or self.split_verify_runs)
-            and batch.num_tokens <= self.ladder[-1]
+            batch.num_tokens <= self.ladder[-1]
             and len(batch.logits_rows) == batch.num_tokens
             and (self.lora is not None or not batch.uses_lora)
         )

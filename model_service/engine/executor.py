@@ -164,7 +164,6 @@ class ModelExecutor:
                     max_model_len,
                     self.device,
                     plan,
-                    split_verify_runs=cfg.num_state_layers == 0,
                 )
         else:
             self.attention = TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
