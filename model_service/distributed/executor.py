@@ -160,10 +160,12 @@ class TensorParallelExecutor:
                 self.link.send_stop()
             except Exception as e:
                 log.warning("could not send STOP to the workers: %s", e)
-        self.workers.stop(timeout=30 if self.lost is None else 0)
         self.rank.executor.teardown()
+        # Every rank destroys the group at the same time (NCCL finalizes its communicator with
+        # its peers), and only then does rank 0 wait for the workers to exit.
         if self.lost is None or self.device.type == "cpu":
             dist.destroy_process_group()
+        self.workers.stop(timeout=30 if self.lost is None else 0)
 
 
 def start_tensor_parallel(loaded: LoadedModel, config: EngineConfig) -> TensorParallelExecutor:

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
+import torch.distributed as dist
+
 from model_service.distributed.group import init_rank, rank_device
 from model_service.distributed.link import CommandLink
 from model_service.distributed.rank import build_rank, serve_commands
@@ -52,6 +54,9 @@ def worker_main(spec: WorkerSpec) -> None:
         log.error("rank %d could not start: %s", spec.rank, e)
         sys.exit(1)
     code = serve_commands(link, rank, BatchBuilder(spec.config.block_size, device), log)
+    if code == 0:  # STOP: leave the group with rank 0 (see TensorParallelExecutor.teardown)
+        rank.executor.teardown()
+        dist.destroy_process_group()
     sys.exit(code)
 
 

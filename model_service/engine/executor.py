@@ -255,7 +255,10 @@ class ModelExecutor:
         """One device has no peer to lose: `callback` is never called (see the tensor-parallel executor)."""
 
     def teardown(self) -> None:
-        """Release device memory; the executor is unusable afterwards."""
+        """Release device memory; the executor is unusable afterwards. The graphs go first: a
+        graph that recorded NCCL collectives keeps the communicator busy, and destroying the
+        process group under it hangs (pytorch/pytorch#115388)."""
+        self.graphs = None
         self.kv_cache.data = torch.empty(0)
         self.module.to("meta")
         if self.device.type == "cuda":
