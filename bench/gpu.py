@@ -122,9 +122,12 @@ def decode_tok_s(
     return batch * (new_tokens - 1) / (full - one)
 
 
-def host_share(engine: Engine, batch: int, prompt_len: int, vocab: int) -> float:
-    """The share of decode steps' wall time spent outside the forward pass (scheduling, batch
-    building, sampling's host side, output processing): each forward is timed to completion."""
+def host_share(engine: Engine, batch: int, prompt_len: int, vocab: int) -> tuple[float, float]:
+    """(host share, exposed host share) of a decode step at `batch`. The first: the share of a
+    step's wall time outside the forward pass (scheduling, batch building, sampling's host side,
+    outputs) when each forward is waited for. The second: 1 - forward time / step time with the
+    engine running as configured: what the host adds to a step that async scheduling does not
+    hide (near 0 when it hides it all)."""
     forward_s = 0.0
     execute = engine.executor.execute
 
@@ -136,18 +139,24 @@ def host_share(engine: Engine, batch: int, prompt_len: int, vocab: int) -> float
         forward_s += time.perf_counter() - start
         return out
 
-    g = torch.Generator().manual_seed(1)
-    for _ in range(batch):
-        prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
-        engine.add_request_dict({"prompt_token_ids": prompt, "max_tokens": 32, "ignore_eos": True})
-    engine.step()  # the prefill step stays out of the measurement
-    engine.executor.execute = timed_execute
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    total = time.perf_counter() - start
-    engine.executor.execute = execute
-    return (total - forward_s) / total
+    def decode_steps(timed: bool) -> tuple[float, int]:
+        g = torch.Generator().manual_seed(1)
+        for _ in range(batch):
+            prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+            engine.add_request_dict({"prompt_token_ids": prompt, "max_tokens": 32, "ignore_eos": True})
+        engine.step()  # the prefill step stays out of the measurement
+        engine.executor.execute = timed_execute if timed else execute
+        steps, start = engine.num_steps, time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        total = time.perf_counter() - start
+        engine.executor.execute = execute
+        return total, engine.num_steps - steps
+
+    total, steps = decode_steps(timed=True)
+    forward_per_step = forward_s / steps
+    untimed, untimed_steps = decode_steps(timed=False)
+    return (total - forward_s) / total, max(0.0, 1 - forward_per_step / (untimed / untimed_steps))
 
 
 def ttft_ms(engine: Engine, vocab: int, prompt_len: int, cached: int) -> tuple[float, float]:
@@ -297,6 +306,7 @@ def main() -> None:
     ap.add_argument("--host-share-batch", type=int, default=0, help="measure host time at this batch")
     ap.add_argument("--ttft", action="store_true", help="4,096-token prompt: cold and 3,584 cached")
     ap.add_argument("--verify-k", type=int, default=0, help="time a K-proposal verify step")
+    ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     args = ap.parse_args()
     shape = SMOLLM2 if args.small else LLAMA3_8B
     setup = {
@@ -305,6 +315,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "async_scheduling": args.async_scheduling,
     }
     bandwidth = copy_bandwidth()
     print(json.dumps({"bench": "gpu", "metric": "copy_bandwidth_gb_s", "value": round(bandwidth), **setup}))
@@ -323,6 +334,7 @@ def main() -> None:
                 enforce_eager=eager,
                 kv_cache_memory_bytes=40 << 30,
                 max_model_len=8192,
+                async_scheduling=args.async_scheduling,
             ),
             loaded=loaded,
         )
@@ -349,18 +361,10 @@ def main() -> None:
                 )
             )
         if not eager and args.host_share_batch:
-            share = host_share(engine, args.host_share_batch, args.prompt_len, shape["vocab_size"])
-            print(
-                json.dumps(
-                    {
-                        "bench": "gpu",
-                        "metric": "host_share_of_decode_step",
-                        "batch": args.host_share_batch,
-                        "value": round(share, 3),
-                        **setup,
-                    }
-                )
-            )
+            share, exposed = host_share(engine, args.host_share_batch, args.prompt_len, shape["vocab_size"])
+            line = {"bench": "gpu", "metric": "host_share_of_decode_step", "batch": args.host_share_batch,
+                    "value": round(share, 3), "exposed": round(exposed, 3)}  # fmt: skip
+            print(json.dumps({**line, **setup}))
         del engine
         torch.cuda.empty_cache()
     if args.verify_k:

@@ -199,3 +199,29 @@ def test_draft_speculation_on_cuda_matches_cpu_without_it(tmp_path, draft):
     if draft == "self":
         assert engine.spec_accepted / engine.spec_proposed > 0.9
         assert len(engine.proposer.executor.graphs.graphs) > 0
+
+
+def test_async_scheduling_on_cuda_gives_the_synchronous_tokens(monkeypatch):
+    """With CUDA graphs, steps launched before the previous step's tokens reach the host (input
+    ids fed on the device, engine/overlap.py) give the tokens of steps that wait for them: greedy,
+    seeded sampling and stop tokens, over waves that reuse rows and blocks."""
+    from tests.overlap_helpers import count_launches
+
+    cfg, reference = _random_model()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    requests = [
+        {"prompt_token_ids": [(13 * i + j) % 500 + 3 for j in range(4 + 5 * i)], "max_tokens": 6 + 3 * i,
+         "temperature": 0.8 if i % 3 == 1 else 0, "seed": i, "top_p": 0.9,
+         "stop_token_ids": [(13 * i) % 500 + 3] if i % 4 == 0 else []}
+        for i in range(11)
+    ]  # fmt: skip
+    launches = count_launches(monkeypatch)
+    results = {}
+    for mode in ("off", "on"):
+        engine = _engine(cfg, reference, "cuda", num_kv_blocks=96, block_size=4, max_num_seqs=16,
+                         async_scheduling=mode)  # fmt: skip
+        results[mode] = [[o.token_ids for o in engine.generate(requests)] for _ in range(2)]
+        assert engine.executor.graphs is not None and engine.executor.graphs.graphs
+        assert engine.cache.num_free_blocks == engine.cache.num_total_blocks
+    assert launches, "no step overlapped"
+    assert results["on"] == results["off"]

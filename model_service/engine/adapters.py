@@ -32,6 +32,10 @@ class AdapterControl:
         self._control.put((op, future))
         return future
 
+    def has_work(self) -> bool:
+        """Whether `at_quiescent_point` has operations to run or adapters to promote."""
+        return not self._control.empty() or bool(self.scheduler.adapter_demand)
+
     def at_quiescent_point(self) -> list[Sequence]:
         """Run queued operations and promote demanded adapters. Returns the waiting requests that
         must fail (their `error` says why); the caller finishes them."""

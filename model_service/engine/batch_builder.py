@@ -9,6 +9,7 @@ when a step needs more than any step before, so their addresses are stable in st
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,18 +33,29 @@ class StepItem:
 class BatchBuilder:
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size, self.device = block_size, device
+        # Two host buffers, used in turn: with async scheduling (engine/overlap.py) the next batch
+        # is packed while the copy out of the last one may still be queued on the device. The one
+        # before that has been copied: the engine waited for its step's tokens.
         self._host = torch.empty(0, dtype=torch.long)
+        self._spare = torch.empty(0, dtype=torch.long)
         self._device = torch.empty(0, dtype=torch.long, device=device)
 
     def build(self, items: list[StepItem]) -> StepBatch:
+        """Pack `items` with whole-array numpy operations: the host builds a step of 256 decode
+        rows while the GPU runs the previous one, so a Python loop per row would be the step."""
         if not items:
             raise ValueError("a step batch needs at least one sequence")
-        lens = np.array([len(it.tokens) for it in items], dtype=np.int64)
-        starts = np.array([it.state.num_computed for it in items], dtype=np.int64)
-        total, num_seqs = int(lens.sum()), len(items)
-        max_blocks = max(len(it.state.block_table) for it in items)
-        num_logits = sum(it.num_logits for it in items)
-        sizes = _sizes((total, num_seqs, num_logits, max_blocks))
+        self._host, self._spare = self._spare, self._host
+        n = len(items)
+        states = [it.state for it in items]
+        tables = [st.block_table for st in states]
+        lens = np.fromiter((len(it.tokens) for it in items), np.int64, n)
+        starts = np.fromiter((st.num_computed for st in states), np.int64, n)
+        num_logits = np.fromiter((it.num_logits for it in items), np.int64, n)
+        table_lens = np.fromiter(map(len, tables), np.int64, n)
+        self._check(states, table_lens, starts + lens)
+        total, max_blocks = int(lens.sum()), int(table_lens.max())
+        sizes = _sizes((total, n, int(num_logits.sum()), max_blocks))
         host = self._host_buffer(sum(sizes))
         ids, pos, slots, lora, q_start, seq_lens, state_slots, rows, table = np.split(
             host[: sum(sizes)], np.cumsum(sizes)[:-1]
@@ -51,32 +63,46 @@ class BatchBuilder:
         q_start[0] = 0
         np.cumsum(lens, out=q_start[1:])
         np.add(starts, lens, out=seq_lens)
-        table = table.reshape(num_seqs, max_blocks)
+        table = table.reshape(n, max_blocks)
         table.fill(0)
-        within = np.arange(self.block_size)
-        snapshots = np.full(total, -1, dtype=np.int64)
-        r = 0
-        for i, it in enumerate(items):
-            n, s, o = lens[i], starts[i], q_start[i]
-            if it.state.freed:
-                raise RuntimeError(f"sequence {it.state.seq_id} used after free")
-            if len(it.state.block_table) * self.block_size < s + n:
-                raise RuntimeError(f"sequence {it.state.seq_id} has too few KV blocks reserved for this step")
-            blocks = np.asarray(it.state.block_table, dtype=np.int64)
-            table[i, : len(blocks)] = blocks
-            p = np.arange(s, s + n)
-            ids[o : o + n] = it.tokens
-            pos[o : o + n] = p
-            slots[o : o + n] = blocks[p // self.block_size] * self.block_size + within[p % self.block_size]
-            lora[o : o + n] = it.state.lora_slot
-            state_slots[i] = it.state.state_slot
-            for length, slot in it.state.snapshots.items():  # checkpoints this step's tokens reach
+        table[np.arange(max_blocks) < table_lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(tables), np.int64, int(table_lens.sum())
+        )
+        ids[:] = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), np.int64, total)
+        pos[:] = np.repeat(starts - q_start[:-1], lens) + np.arange(total)
+        seq_of = np.repeat(np.arange(n), lens)
+        slots[:] = table[seq_of, pos // self.block_size] * self.block_size + pos % self.block_size
+        lora[:] = np.fromiter((st.lora_slot for st in states), np.int64, n)[seq_of]
+        state_slots[:] = np.fromiter((st.state_slot for st in states), np.int64, n)
+        # Each sequence's logits rows are its last `num_logits` tokens.
+        first_row = np.cumsum(num_logits) - num_logits
+        rows[:] = np.repeat(q_start[1:] - num_logits - first_row, num_logits) + np.arange(len(rows))
+        shape = (total, n, len(rows), max_blocks, int(lens.max()), int(seq_lens.max()))
+        return self._batch(shape, self._snapshots(states, starts, lens, q_start))
+
+    def _check(self, states: list[SequenceState], table_lens: np.ndarray, ends: np.ndarray) -> None:
+        for st in states:
+            if st.freed:
+                raise RuntimeError(f"sequence {st.seq_id} used after free")
+        short = np.flatnonzero(table_lens * self.block_size < ends)
+        if len(short):
+            raise RuntimeError(
+                f"sequence {states[short[0]].seq_id} has too few KV blocks reserved for this step"
+            )
+
+    @staticmethod
+    def _snapshots(
+        states: list[SequenceState], starts: np.ndarray, lens: np.ndarray, q_start: np.ndarray
+    ) -> np.ndarray:
+        """[T] the state slot that receives each token's recurrent state (-1: none): the
+        checkpoints this step's tokens reach."""
+        snapshots = np.full(int(q_start[-1]), -1, dtype=np.int64)
+        for i, st in enumerate(states):
+            s, n, o = int(starts[i]), int(lens[i]), int(q_start[i])
+            for length, slot in st.snapshots.items():
                 if s < length <= s + n:
                     snapshots[o + length - s - 1] = slot
-            rows[r : r + it.num_logits] = np.arange(o + n - it.num_logits, o + n)
-            r += it.num_logits
-        max_query, max_seq = int(lens.max()), int((starts + lens).max())
-        return self._batch((total, num_seqs, num_logits, max_blocks, max_query, max_seq), snapshots)
+        return snapshots
 
     def host_region(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The host buffer a batch of `shape` is packed into: a tensor-parallel worker receives rank
@@ -118,6 +144,8 @@ class BatchBuilder:
         if self._host.numel() < size:
             capacity = max(size, 2 * self._host.numel())
             self._host = torch.empty(capacity, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        if self._device.numel() < size:
+            capacity = max(size, 2 * self._device.numel())
             self._device = torch.empty(capacity, dtype=torch.long, device=self.device)
         return self._host.numpy()
 

@@ -109,6 +109,12 @@ class EngineConfig:
         "(a contiguous run of them) instead of a slice of every expert; no effect otherwise",
     )
     enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly, without CUDA graphs (debugging)")
+    async_scheduling: str = _opt(
+        "auto",
+        "run each step's host work (scheduling, batch building, detokenizing, stop checks) while "
+        "the device runs the step before: on, off, or auto (= on for CUDA without tensor parallelism)",
+        choices=["auto", "on", "off"],
+    )
     adapter_wait_timeout_s: float = _opt(
         30.0,
         "seconds a request waits for its adapter to get a device slot before it fails",
@@ -120,6 +126,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
 

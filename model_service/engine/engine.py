@@ -35,8 +35,9 @@ from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.draft import DraftProposer, load_draft
 from model_service.engine.executor import build_executor
 from model_service.engine.output_processor import OutputProcessor
+from model_service.engine.overlap import PLACEHOLDER, InFlight, can_overlap, feed, launch
 from model_service.engine.requests import PromptReader, Resume
-from model_service.engine.sampler import SampleRow, TokenLogprobs, filtered_probs, sample
+from model_service.engine.sampler import SampleRow, TokenLogprobs, filtered_probs, sample, to_device
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence, Status
@@ -122,6 +123,8 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []
+        self._inflight: InFlight | None = None  # the last step's tokens, still on the device
+        self.overlap = _async_scheduling(config, self.executor.device, self.proposer is None)
         for name, path in config.lora_modules.items():
             self.lora.register(name, Path(path))
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits excluded)
@@ -229,17 +232,21 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None
 
     # --- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self._inflight is not None and self.adapters.has_work():
+            self._emit_outputs(self._drain())  # adapter operations need a quiescent point
         for seq in self.adapters.at_quiescent_point():
             self._finish(seq, "error")
+        if self._inflight is not None and self._may_preempt():
+            self._emit_outputs(self._drain())  # a preempted sequence must have all its tokens
         outputs, self._pending = self._pending, []
         work = self.scheduler.schedule().work
         if not work:
-            return outputs
+            return outputs + self._outputs(self._drain()) + self._take_pending()
         self.num_steps += 1
         try:
             sampled = self._run(work)
@@ -249,31 +256,91 @@ class Engine:
                 if not seq.finished:
                     seq.error = f"engine error: {e}"
                     self._finish(seq, "error")
+            self._settle_in_flight(e)
             return outputs + self._take_pending()
-        outputs += [seq.take_output() for seq in sampled if not seq.finished]
-        return outputs + self._take_pending()
+        return outputs + self._outputs(sampled) + self._take_pending()
+
+    def _settle_in_flight(self, error: Exception) -> None:
+        """After a failed step: the step before's tokens are appended if they can still be read
+        (else the device is gone); a sequence whose token is lost fails rather than run on."""
+        try:
+            self._emit_outputs(self._drain())
+        except Exception:
+            log.exception("the tokens of the step before the failed one are lost")
+        for seq in list(self.requests.values()):
+            if seq.in_flight and not seq.finished:
+                seq.in_flight = 0
+                seq.error = f"engine error: {error}"
+                self._finish(seq, "error")
+
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """The new output of each sequence that produced tokens and goes on (once each)."""
+        return [seq.take_output() for seq in dict.fromkeys(seqs) if not seq.finished]
+
+    def _emit_outputs(self, seqs: list[Sequence]) -> None:
+        self._pending += self._outputs(seqs)
+
+    def _may_preempt(self) -> bool:
+        """Whether this step's scheduling could run out of K/V blocks and preempt a sequence:
+        never while the free blocks cover what every running sequence may reserve (its pending
+        tokens' blocks and one copy-on-write block)."""
+        bs, free, running = self.config.block_size, self.cache.num_free_blocks, self.scheduler.running
+        if free > 2 * len(running) + self.scheduler.token_budget // bs:  # bounds the sum below
+            return False
+        need = 0
+        for seq in running:
+            if seq.state is not None:
+                blocks = -(-(seq.num_computed + seq.num_pending) // bs) - len(seq.state.block_table)
+                need += max(blocks, 0) + 1
+        return need > free
 
     def _run(self, work: list[tuple[Sequence, int]]) -> list[Sequence]:
-        """One forward pass over the scheduled work; returns the sequences it produced tokens for."""
+        """One forward pass over the scheduled work; returns the sequences it produced tokens for
+        (with async scheduling: those the step before produced, whose tokens have just arrived)."""
         items = [self._item(seq, n) for seq, n in work]
-        logits = self.executor.execute(self.builder.build(items))
+        batch = self.builder.build(items)
+        if self._inflight is not None:
+            feed(batch, [(i, seq) for i, (seq, _) in enumerate(work) if seq.in_flight], self._inflight)
+        logits = self.executor.execute(batch)
         self.num_computed_tokens += sum(len(item.tokens) for item in items)
         rows, verify, first = [], [], 0  # one logits row per plain row; k + 1 per verify row
         for (seq, _), item in zip(work, items, strict=True):
             item.state.num_computed += len(item.tokens)
             if item.num_logits > 1:
                 verify.append((seq, logits[first : first + item.num_logits]))
-            else:
-                self.cache.register_full_blocks(item.state, seq.token_ids, seq.adapter_id)
-                if item.num_logits:
-                    rows.append((seq, first))
+            elif item.num_logits:
+                rows.append((seq, first))
             first += item.num_logits
+        launched = None
+        if self.overlap and not verify and all(can_overlap(seq) for seq, _ in work):
+            launched = launch([s for s, _ in rows], self._rows(logits, rows))
+        produced = self._drain()  # the step before: its tokens are needed from here on
+        for (seq, _), item in zip(work, items, strict=True):
+            if item.num_logits <= 1 and seq.state is item.state:
+                self.cache.register_full_blocks(item.state, seq.token_ids, seq.adapter_id)
+        if launched is not None:
+            self._inflight = launched
+            return produced
+        return produced + self._sample_now([(s, r) for s, r in rows if not s.finished], verify, logits)
+
+    @staticmethod
+    def _rows(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> torch.Tensor:
+        if len(rows) == len(logits):
+            return logits
+        return logits[to_device([r for _, r in rows], logits.device)]
+
+    def _sample_now(
+        self,
+        rows: list[tuple[Sequence, int]],
+        verify: list[tuple[Sequence, torch.Tensor]],
+        logits: torch.Tensor,
+    ) -> list[Sequence]:
+        """Sample, verify and propose on the host's schedule: the step's tokens are read at once."""
         beams = [(s, logits[r]) for s, r in rows if s.group is not None]
         self._pending += self.beams.report(beams)
         plain = [(s, r) for s, r in rows if s.group is None]
         if plain:
-            index = torch.tensor([r for _, r in plain], dtype=torch.long, device=logits.device)
-            self._sample([s for s, _ in plain], logits if len(plain) == len(logits) else logits[index])
+            self._sample([s for s, _ in plain], self._rows(logits, plain))
         for seq, seq_logits in verify:
             self._verify(seq, seq_logits)
         produced = [s for s, _ in plain] + [s for s, _ in verify]
@@ -281,9 +348,25 @@ class Engine:
             self._propose([s for s in produced if not s.finished])
         return produced
 
+    def _drain(self) -> list[Sequence]:
+        """Read the in-flight step's tokens and append them: the sequences that got one."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return []
+        got = []
+        for seq, token in zip(inflight.seqs, inflight.wait(), strict=True):
+            seq.in_flight -= 1
+            if not seq.finished:  # else it finished (a stop, an abort) while this token was in flight
+                self._emit(seq, [token], None)
+                got.append(seq)
+        return got
+
     def _item(self, seq: Sequence, n: int) -> StepItem:
         """`n` of the sequence's pending tokens, or its last token and its proposals to verify."""
         assert seq.state is not None
+        if seq.in_flight:  # its last token is still on the device: `feed` writes it in
+            self.cache.plan_boundary_checkpoint(seq.state, 1)
+            return StepItem(seq.state, [PLACEHOLDER], 1)
         if n > seq.num_pending:  # the scheduler took its proposals
             # Recurrent state is checkpointed after each verify token but the last, for rollback;
             # without the slots for that, the row runs as a plain decode row.
@@ -439,3 +522,12 @@ class Engine:
             raise
         final = self.run_to_completion()
         return [final[i] for i in ids]
+
+
+def _async_scheduling(config: EngineConfig, device: torch.device, without_speculation: bool) -> bool:
+    """Whether steps may overlap (engine/overlap.py): asked for, or by default on one GPU.
+    Tensor-parallel workers take their input ids from rank 0's host buffer, which an in-flight
+    token is not in yet; speculation needs each step's tokens on the host to propose the next."""
+    if config.async_scheduling == "off" or config.tensor_parallel_size > 1 or not without_speculation:
+        return False
+    return config.async_scheduling == "on" or device.type == "cuda"

@@ -32,6 +32,7 @@ class SampleRow:
     generator: torch.Generator | None
     token_ids: list[int]
     num_prompt_tokens: int
+    in_flight: int = 0  # tokens already sampled on the device and not yet in `token_ids`
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -53,17 +54,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
     logits = _apply_penalties(logits, rows) if any(r.params.needs_penalties for r in rows) else logits
-
-    tokens = logits.argmax(dim=-1)
-    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
-        probs = filtered_probs(logits[idx], [rows[i].params for i in random_rows])
-        for i in random_rows:
-            _key_by_position(rows[i])
-        tokens[idx] = draw(probs, [rows[i].generator for i in random_rows])
-
-    token_list = tokens.tolist()
+    token_list = sample_on_device(logits, rows).tolist()
     out: list[TokenLogprobs | None] = [None] * len(rows)
     if raw_logprobs is not None:
         for i, r in enumerate(rows):
@@ -75,6 +66,27 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
                 top = list(zip(ids.tolist(), vals.tolist(), strict=True))
             out[i] = TokenLogprobs(float(raw_logprobs[i, token_list[i]]), top)
     return token_list, out
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """One token per row, left on the device: nothing here waits for the device, so the host can
+    prepare the next step while this one runs (penalties, if any, are already in `logits`)."""
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        idx = to_device(random_rows, logits.device)
+        probs = filtered_probs(logits[idx], [rows[i].params for i in random_rows])
+        for i in random_rows:
+            _key_by_position(rows[i])
+        tokens[idx] = draw(probs, [rows[i].generator for i in random_rows])
+    return tokens
+
+
+def to_device(values: list[float], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device: a copy from pageable memory
+    waits until the stream is idle, one from pinned memory is queued behind the work before it."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -106,12 +118,12 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     Only rows that ask for truncation pay for the full-vocabulary sort.
     """
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    temps = to_device([p.temperature for p in params], device, logits.dtype)
     logits = logits / temps[:, None]
     truncated = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
     if not truncated:
         return logits.softmax(dim=-1)
-    idx = torch.tensor(truncated, device=device)
+    idx = to_device(truncated, device)
     logits[idx] = _truncate(logits[idx], [params[i] for i in truncated])
     return logits.softmax(dim=-1)
 
@@ -120,9 +132,9 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     """Set the logits that top-k, top-p and min-p remove to -inf."""
     device = logits.device
     vocab = logits.shape[1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
-    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
+    top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
+    top_p = to_device([p.top_p for p in params], device, logits.dtype)
+    min_p = to_device([p.min_p for p in params], device, logits.dtype)
 
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)[None, :]
@@ -153,14 +165,16 @@ def position_seed(seed: int, position: int) -> int:
 def _key_by_position(row: SampleRow) -> None:
     """Re-seed a seeded row's generator for the draw at its current output position."""
     if row.generator is not None and row.params.seed is not None:
-        row.generator.manual_seed(position_seed(row.params.seed, len(row.token_ids) - row.num_prompt_tokens))
+        position = len(row.token_ids) + row.in_flight - row.num_prompt_tokens
+        row.generator.manual_seed(position_seed(row.params.seed, position))
 
 
 def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     noise = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        rows = to_device(unseeded, probs.device)
+        noise[rows] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
     for i, g in enumerate(generators):
         if g is not None:
             noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)

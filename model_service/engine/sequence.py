@@ -69,6 +69,7 @@ class Sequence:
         self.beam_logits: torch.Tensor | None = None  # this beam's next-token logits, awaiting siblings
         self.spec_tokens: list[int] = []  # proposed continuation to verify in its next step
         self.spec_probs: torch.Tensor | None = None  # the draft's q for each (None: point masses)
+        self.in_flight = 0  # tokens sampled on the device and not yet appended (engine/overlap.py)
         self.text = ""
         self.emitted_tokens = 0
         self.emitted_chars = 0
@@ -93,7 +94,7 @@ class Sequence:
     @property
     def num_pending(self) -> int:
         """Tokens not yet in the KV cache (1 for a sequence in decode)."""
-        return len(self.token_ids) - self.num_computed
+        return len(self.token_ids) + self.in_flight - self.num_computed
 
     @property
     def finished(self) -> bool:
