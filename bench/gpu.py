@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -125,38 +126,67 @@ def decode_tok_s(
 def host_share(engine: Engine, batch: int, prompt_len: int, vocab: int) -> tuple[float, float]:
     """(host share, exposed host share) of a decode step at `batch`. The first: the share of a
     step's wall time outside the forward pass (scheduling, batch building, sampling's host side,
-    outputs) when each forward is waited for. The second: 1 - forward time / step time with the
-    engine running as configured: what the host adds to a step that async scheduling does not
-    hide (near 0 when it hides it all)."""
-    forward_s = 0.0
+    outputs) when each forward is waited for. The second, with the engine running as configured
+    (nothing waited for): 1 - the device's forward time (CUDA events around each forward) / the
+    step's wall time, i.e. what the host adds to a step that async scheduling does not hide."""
     execute = engine.executor.execute
+    waited, events = 0.0, []
 
-    def timed_execute(step_batch: StepBatch) -> torch.Tensor:
-        nonlocal forward_s
+    def waited_execute(step_batch: StepBatch) -> torch.Tensor:
+        nonlocal waited
         start = time.perf_counter()
         out = execute(step_batch)
         torch.cuda.synchronize()
-        forward_s += time.perf_counter() - start
+        waited += time.perf_counter() - start
         return out
 
-    def decode_steps(timed: bool) -> tuple[float, int]:
+    def event_execute(step_batch: StepBatch) -> torch.Tensor:
+        events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        events[-1][0].record()
+        out = execute(step_batch)
+        events[-1][1].record()
+        return out
+
+    def decode_steps(timed: Callable[[StepBatch], torch.Tensor]) -> float:
         g = torch.Generator().manual_seed(1)
         for _ in range(batch):
             prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
             engine.add_request_dict({"prompt_token_ids": prompt, "max_tokens": 32, "ignore_eos": True})
         engine.step()  # the prefill step stays out of the measurement
-        engine.executor.execute = timed_execute if timed else execute
-        steps, start = engine.num_steps, time.perf_counter()
+        engine.executor.execute = timed
+        start = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
-        total = time.perf_counter() - start
+        torch.cuda.synchronize()
         engine.executor.execute = execute
-        return total, engine.num_steps - steps
+        return time.perf_counter() - start
 
-    total, steps = decode_steps(timed=True)
-    forward_per_step = forward_s / steps
-    untimed, untimed_steps = decode_steps(timed=False)
-    return (total - forward_s) / total, max(0.0, 1 - forward_per_step / (untimed / untimed_steps))
+    total = decode_steps(waited_execute)
+    wall = decode_steps(event_execute)
+    device = sum(a.elapsed_time(b) for a, b in events) / 1e3
+    return (total - waited) / total, max(0.0, 1 - device / wall)
+
+
+def kernel_profile(engine: Engine, batch: int, prompt_len: int, vocab: int, steps: int = 8) -> str:
+    """Device time per kernel over `steps` decode steps at `batch` (torch.profiler, CUPTI: the
+    kernels inside replayed graphs too): where a step's device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(2)
+    for _ in range(batch):
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        engine.add_request_dict({"prompt_token_ids": prompt, "max_tokens": steps + 64, "ignore_eos": True})
+    engine.step()
+    while engine.scheduler.waiting or any(s.num_pending > 1 for s in engine.scheduler.running):
+        engine.step()  # prefill stays out of the profile
+    engine.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished():
+        engine.step()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60)
 
 
 def ttft_ms(engine: Engine, vocab: int, prompt_len: int, cached: int) -> tuple[float, float]:
@@ -307,6 +337,7 @@ def main() -> None:
     ap.add_argument("--ttft", action="store_true", help="4,096-token prompt: cold and 3,584 cached")
     ap.add_argument("--verify-k", type=int, default=0, help="time a K-proposal verify step")
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--profile-batches", type=int, nargs="*", default=[], help="device time per kernel")
     args = ap.parse_args()
     shape = SMOLLM2 if args.small else LLAMA3_8B
     setup = {
@@ -365,6 +396,9 @@ def main() -> None:
             line = {"bench": "gpu", "metric": "host_share_of_decode_step", "batch": args.host_share_batch,
                     "value": round(share, 3), "exposed": round(exposed, 3)}  # fmt: skip
             print(json.dumps({**line, **setup}))
+        for batch in [] if eager else args.profile_batches:
+            print(f"device time per kernel, batch {batch}:")
+            print(kernel_profile(engine, batch, args.prompt_len, shape["vocab_size"]))
         del engine
         torch.cuda.empty_cache()
     if args.verify_k:

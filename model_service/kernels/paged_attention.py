@@ -72,7 +72,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(
-        Q, KC, VC, BlockTable, SeqLens, PartOut, PartLse,
+        Q, KC, VC, BlockTable, SeqLens, PartOut, PartLse, Out,
         q_stride_s, q_stride_h, kc_stride_slot, kc_stride_h, bt_stride, po_stride_s, po_stride_h,
         po_stride_split, pl_stride_s, pl_stride_h, scale, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -111,6 +111,10 @@ if triton is not None:
         lse = tl.where(denom > 0, m + tl.log(denom), float("-inf"))
         out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         gm = g < GROUP
+        if NUM_SPLITS == 1:  # nothing to merge: the output itself, [S, H, D] contiguous
+            out_off = (seq * tl.num_programs(1) * GROUP + heads[:, None]) * HEAD_DIM + d[None, :]
+            tl.store(Out + out_off, out.to(Out.dtype.element_ty), mask=gm[:, None])
+            return
         tl.store(
             PartOut + seq * po_stride_s + heads[:, None] * po_stride_h + split * po_stride_split + d[None, :],
             out,
@@ -174,10 +178,12 @@ def paged_decode_attention(
     num_seqs, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
+    out = torch.empty(num_seqs, heads, dim, dtype=q.dtype, device=q.device)
+    # One split (a batch that fills the GPU by itself) writes `out` directly: no merge launch.
     part_out = torch.empty(num_seqs, heads, num_splits, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse,
+        q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         scale, window or 0,
@@ -185,10 +191,10 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
     )  # fmt: skip
-    out = torch.empty(num_seqs, heads, dim, dtype=q.dtype, device=q.device)
-    _merge_splits_kernel[(num_seqs * heads,)](
-        part_out, part_lse, out, num_splits, HEAD_DIM=dim, SPLITS=triton.next_power_of_2(num_splits)
-    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs * heads,)](
+            part_out, part_lse, out, num_splits, HEAD_DIM=dim, SPLITS=triton.next_power_of_2(num_splits)
+        )
     return out
 
 
