@@ -1,15 +1,19 @@
 """Per-step control overhead of a tensor-parallel pod: rank 0's command to the workers and the
 `agree` after it (distributed/link.py), with nothing run in between.
 
-Setup (printed in every line): two processes on this host, the gloo control group over
-loopback TCP, exactly the code a step runs (`send_step` / `receive` / `agree`); payloads the
-size of a decode step's packed batch at `--batches` rows (`--blocks` K/V blocks each). The time
-per step is the median over `--steps` round trips, after `--warmup`; for scale, the same for one
-bare all-reduce of one int64 on the control group (the cost of any one collective). On GPUs the same traffic
-sits on the critical path of every decode step: the workers start their step only once it has
-arrived, and rank 0 samples only after the agree.
+Setup (printed in every line): two processes on this host, exactly the code a step runs
+(`send_step` / `receive` / `agree`): the shared-memory channel (shm_channel.py) with the GPU
+ranks' spin time unless `--spin-ms` says otherwise, and the gloo control group over loopback TCP
+for what does not fit it; payloads the size of a decode step's packed batch at `--batches` rows
+(`--blocks` K/V blocks each). `step_control_us` is rank 0's time from `send_step` to the end of
+`agree`, the median over `--steps` round trips after `--warmup`; with `--gap-us G` rank 0 first
+busy-waits G us outside the timed part, as its sampling and scheduling would (a gap longer than
+the spin time finds the worker asleep). For scale, `one_collective_us` is one bare all-reduce of
+one int64 on the gloo control group (what each of the two collectives of a step cost before the
+channel). On GPUs this traffic sits on the critical path of every decode step: the workers start
+their step only once the command has arrived, and rank 0 samples only after the agree.
 
-    python bench/tp_control.py [--batches 1 64] [--blocks 12] [--steps 2000]
+    python bench/tp_control.py [--batches 1 64] [--blocks 12] [--gap-us 0 2000] [--steps 2000]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.distributed as dist
 
 from model_service.distributed.group import free_port, init_rank
 from model_service.distributed.link import Command, CommandLink
+from model_service.distributed.shm_channel import SPIN_GPU_S, ShmChannel
 from model_service.engine.batch_builder import BatchBuilder, _sizes
 
 
@@ -34,9 +39,10 @@ def step_shape(rows: int, blocks: int) -> tuple[int, ...]:
     return (rows, rows, rows, blocks, 1, blocks * 16)
 
 
-def worker(port: int, collectives: int) -> None:
+def worker(port: int, path: str, spin_s: float, collectives: int) -> None:
     torch.set_num_threads(1)
-    link = CommandLink(init_rank(1, 2, port, torch.device("cpu")).control, 1, 2)
+    channel = ShmChannel.attach(path, 2, 1, spin_s)
+    link = CommandLink(init_rank(1, 2, port, torch.device("cpu")).control, channel)
     builder = BatchBuilder(16, torch.device("cpu"))
     while link.receive(builder).kind is not Command.STOP:
         link.agree(None)
@@ -57,18 +63,24 @@ def bare_collectives(link: CommandLink, steps: int, warmup: int) -> list[float]:
     return times
 
 
-def line(metric: str, times: list[float], **fields: object) -> str:
+def line(metric: str, times: list[float], spin_s: float, **fields: object) -> str:
     return json.dumps({
         "bench": "tp_control", "metric": metric, **fields, "median": round(statistics.median(times) * 1e6, 1),
         "p90": round(statistics.quantiles(times, n=10)[-1] * 1e6, 1), "steps": len(times),
-        "setup": f"2 processes, gloo control group over loopback TCP, {os.cpu_count()} CPUs",
+        "setup": f"2 processes, shared-memory channel (spin {spin_s * 1e3:g} ms) + gloo control group over "
+                 f"loopback TCP, {os.cpu_count()} CPUs",
     })  # fmt: skip
 
 
-def timed_steps(link: CommandLink, shape: tuple[int, ...], steps: int, warmup: int) -> list[float]:
+def timed_steps(
+    link: CommandLink, shape: tuple[int, ...], gap_s: float, steps: int, warmup: int
+) -> list[float]:
     packed = torch.zeros(sum(_sizes(shape)), dtype=torch.long)
     times = []
     for i in range(warmup + steps):
+        until = time.perf_counter() + gap_s
+        while time.perf_counter() < until:  # rank 0's host work between two steps
+            pass
         start = time.perf_counter()
         link.send_step(packed, shape)
         link.agree(None)
@@ -81,20 +93,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 64])
     ap.add_argument("--blocks", type=int, default=12)
+    ap.add_argument("--gap-us", type=float, nargs="*", default=[0.0])
+    ap.add_argument("--spin-ms", type=float, default=SPIN_GPU_S * 1e3)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=200)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    port = free_port()
-    proc = multiprocessing.get_context("spawn").Process(target=worker, args=(port, args.steps + args.warmup))
-    proc.start()
-    link = CommandLink(init_rank(0, 2, port, torch.device("cpu")).control, 0, 2)
-    for rows in args.batches:
-        shape = step_shape(rows, args.blocks)
-        times = timed_steps(link, shape, args.steps, args.warmup)
-        print(line("step_control_us", times, batch=rows, payload_bytes=8 * sum(_sizes(shape))))
+    port, spin_s = free_port(), args.spin_ms / 1e3
+    channel = ShmChannel.create(2, spin_s)
+    try:
+        proc = multiprocessing.get_context("spawn").Process(
+            target=worker, args=(port, channel.path, spin_s, args.steps + args.warmup)
+        )
+        proc.start()
+        link = CommandLink(init_rank(0, 2, port, torch.device("cpu")).control, channel)
+    finally:
+        channel.unlink()
+    for gap in args.gap_us:
+        for rows in args.batches:
+            shape = step_shape(rows, args.blocks)
+            times = timed_steps(link, shape, gap / 1e6, args.steps, args.warmup)
+            bytes_ = 8 * sum(_sizes(shape))
+            print(line("step_control_us", times, spin_s, batch=rows, payload_bytes=bytes_, gap_us=gap))
     link.send_stop()
-    print(line("one_collective_us", bare_collectives(link, args.steps, args.warmup)))
+    print(line("one_collective_us", bare_collectives(link, args.steps, args.warmup), spin_s))
     proc.join()
     dist.destroy_process_group()
 
