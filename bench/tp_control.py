@@ -3,7 +3,7 @@
 
 Setup (printed in every line): two processes on this host, exactly the code a step runs
 (`send_step` / `receive` / `agree`): the shared-memory channel (shm_channel.py) with the GPU
-ranks' spin time unless `--spin-ms` says otherwise, and the gloo control group over loopback TCP
+ranks' spin times unless `--spin cpu`, and the gloo control group over loopback TCP
 for what does not fit it; payloads the size of a decode step's packed batch at `--batches` rows
 (`--blocks` K/V blocks each). `step_control_us` is rank 0's time from `send_step` to the end of
 `agree`, the median over `--steps` round trips after `--warmup`; with `--gap-us G` rank 0 first
@@ -13,7 +13,7 @@ one int64 on the gloo control group (what each of the two collectives of a step 
 channel). On GPUs this traffic sits on the critical path of every decode step: the workers start
 their step only once the command has arrived, and rank 0 samples only after the agree.
 
-    python bench/tp_control.py [--batches 1 64] [--blocks 12] [--gap-us 0 2000] [--steps 2000]
+    python bench/tp_control.py [--batches 1 64] [--blocks 12] [--gap-us 0 2000] [--spin cuda] [--steps 2000]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from model_service.distributed.group import free_port, init_rank
 from model_service.distributed.link import Command, CommandLink
-from model_service.distributed.shm_channel import SPIN_GPU_S, ShmChannel
+from model_service.distributed.shm_channel import ShmChannel, Spin, spin_for
 from model_service.engine.batch_builder import BatchBuilder, _sizes
 
 
@@ -39,9 +39,9 @@ def step_shape(rows: int, blocks: int) -> tuple[int, ...]:
     return (rows, rows, rows, blocks, 1, blocks * 16)
 
 
-def worker(port: int, path: str, spin_s: float, collectives: int) -> None:
+def worker(port: int, path: str, spin: Spin, collectives: int) -> None:
     torch.set_num_threads(1)
-    channel = ShmChannel.attach(path, 2, 1, spin_s)
+    channel = ShmChannel.attach(path, 2, 1, spin)
     link = CommandLink(init_rank(1, 2, port, torch.device("cpu")).control, channel)
     builder = BatchBuilder(16, torch.device("cpu"))
     while link.receive(builder).kind is not Command.STOP:
@@ -63,11 +63,11 @@ def bare_collectives(link: CommandLink, steps: int, warmup: int) -> list[float]:
     return times
 
 
-def line(metric: str, times: list[float], spin_s: float, **fields: object) -> str:
+def line(metric: str, times: list[float], spin: str, **fields: object) -> str:
     return json.dumps({
         "bench": "tp_control", "metric": metric, **fields, "median": round(statistics.median(times) * 1e6, 1),
         "p90": round(statistics.quantiles(times, n=10)[-1] * 1e6, 1), "steps": len(times),
-        "setup": f"2 processes, shared-memory channel (spin {spin_s * 1e3:g} ms) + gloo control group over "
+        "setup": f"2 processes, shared-memory channel ({spin} ranks' spin) + gloo control group over "
                  f"loopback TCP, {os.cpu_count()} CPUs",
     })  # fmt: skip
 
@@ -94,16 +94,16 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 64])
     ap.add_argument("--blocks", type=int, default=12)
     ap.add_argument("--gap-us", type=float, nargs="*", default=[0.0])
-    ap.add_argument("--spin-ms", type=float, default=SPIN_GPU_S * 1e3)
+    ap.add_argument("--spin", choices=["cuda", "cpu"], default="cuda", help="whose shm_channel.Spin")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=200)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    port, spin_s = free_port(), args.spin_ms / 1e3
-    channel = ShmChannel.create(2, spin_s)
+    port, spin = free_port(), spin_for(args.spin)
+    channel = ShmChannel.create(2, spin)
     try:
         proc = multiprocessing.get_context("spawn").Process(
-            target=worker, args=(port, channel.path, spin_s, args.steps + args.warmup)
+            target=worker, args=(port, channel.path, spin, args.steps + args.warmup)
         )
         proc.start()
         link = CommandLink(init_rank(0, 2, port, torch.device("cpu")).control, channel)
@@ -114,9 +114,9 @@ def main() -> None:
             shape = step_shape(rows, args.blocks)
             times = timed_steps(link, shape, gap / 1e6, args.steps, args.warmup)
             bytes_ = 8 * sum(_sizes(shape))
-            print(line("step_control_us", times, spin_s, batch=rows, payload_bytes=bytes_, gap_us=gap))
+            print(line("step_control_us", times, args.spin, batch=rows, payload_bytes=bytes_, gap_us=gap))
     link.send_stop()
-    print(line("one_collective_us", bare_collectives(link, args.steps, args.warmup), spin_s))
+    print(line("one_collective_us", bare_collectives(link, args.steps, args.warmup), args.spin))
     proc.join()
     dist.destroy_process_group()
 

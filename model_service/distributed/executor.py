@@ -34,7 +34,7 @@ from model_service.distributed.link import (
     raise_agreed,
 )
 from model_service.distributed.rank import RankExecutor, build_rank
-from model_service.distributed.shm_channel import ShmChannel, spin_seconds
+from model_service.distributed.shm_channel import ShmChannel, spin_for
 from model_service.distributed.worker import Workers, WorkerSpec
 from model_service.engine.config import EngineConfig
 from model_service.errors import ModelLoadError
@@ -183,7 +183,7 @@ def start_tensor_parallel(loaded: LoadedModel, config: EngineConfig) -> TensorPa
         load_model, config.model, config.torch_dtype(), torch.device("cpu"), with_tokenizer=False
     )
     port, device = free_port(), rank_device(config, 0)
-    channel = ShmChannel.create(world, spin_seconds(device))
+    channel = ShmChannel.create(world, spin_for(device.type))
     try:
         workers = Workers([WorkerSpec(r, world, port, config, source, channel.path) for r in range(1, world)])
         try:

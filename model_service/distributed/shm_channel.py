@@ -27,8 +27,8 @@ shm_broadcast uses for weakly ordered CPUs (aarch64, e.g. GH200): a lock acquire
 which glibc implements with barrier instructions; it is not a C11 full fence by definition.
 
 Waiting: a waiter polls its flag, yielding the CPU (`sched_yield`, which releases the GIL) for
-`spin_s`, then sleeps with a back-off doubling from 20 us to 1 ms, so an idle pod does not burn
-a core yet a command that arrives within a step's host work is seen within microseconds. Every
+a while (`Spin`), then sleeps with a back-off doubling from 20 us to 1 ms, so an idle pod does
+not burn a core yet a command that arrives within a step's host work is seen within microseconds. Every
 poll checks `abort`; a worker's sleeps also check that its parent (rank 0) still lives.
 
 The segment is a file under /dev/shm that rank 0 creates and unlinks exactly once, as soon as
@@ -44,27 +44,41 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-HEADER = 8  # message words before the payload (link.py: kind, batch shape, ...)
-# Payload words a message carries: a prefill step of 8k tokens, or a decode step of 64 rows at
-# 480 K/V blocks each; only the part a step uses is copied. A larger step's remainder follows on gloo.
-INLINE = 32768
-# How long a waiter spins before it sleeps: on GPUs, longer than rank 0's host work between two
-# steps (sampling, scheduling, packing: about a millisecond), so a busy pod's workers never sleep
-# through a command; on the CPU the ranks' compute shares the cores a spinning waiter would take.
-SPIN_GPU_S, SPIN_CPU_S = 5e-3, 2e-4
+HEADER = 8  # message words before the payload (link.py: kind, batch shape)
+# Payload words a message carries (512 KiB): a decode step of 256 rows at 247 K/V blocks each, or
+# a prefill step of 16k tokens; only what a step uses is copied. A larger step's remainder follows
+# on gloo.
+INLINE = 1 << 16
+
+
+@dataclass(frozen=True)
+class Spin:
+    """How long a waiter spins before it sleeps. A worker waits for its next `message` while the
+    pod is idle, too, so that spin is short; a rank waits in an agreement (`agree`) only while
+    the pod runs a command, for as long as the other ranks' step takes, which it should not
+    overshoot by a sleep."""
+
+    message_s: float
+    agree_s: float
+
+
+# GPU ranks: a busy pod's next command comes after rank 0's host work between two steps
+# (sampling, scheduling, packing: about a millisecond), a step takes milliseconds. CPU ranks:
+# the ranks' compute shares the cores a spinning waiter would take.
+GPU_SPIN, CPU_SPIN = Spin(message_s=5e-3, agree_s=5e-2), Spin(message_s=2e-4, agree_s=2e-4)
+
+
+def spin_for(device_type: str) -> Spin:
+    return GPU_SPIN if device_type == "cuda" else CPU_SPIN
 _LINE = 8  # int64 words per cache line
 _SEQ, _ABORT, _ACKS = 0, _LINE, 2 * _LINE
 _SLEEP_MIN_S, _SLEEP_MAX_S = 2e-5, 1e-3
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None  # else the temp dir (still mapped shared)
 _fence_lock = threading.Lock()
-
-
-def spin_seconds(device: torch.device) -> float:
-    return SPIN_GPU_S if device.type == "cuda" else SPIN_CPU_S
 
 
 class ChannelClosedError(ConnectionError):
@@ -77,8 +91,8 @@ def _fence() -> None:
 
 
 class ShmChannel:
-    def __init__(self, path: str, world: int, rank: int, spin_s: float, inline: int, create: bool) -> None:
-        self.path, self.world, self.rank, self.spin_s, self.inline = path, world, rank, spin_s, inline
+    def __init__(self, path: str, world: int, rank: int, spin: Spin, inline: int, create: bool) -> None:
+        self.path, self.world, self.rank, self.spin, self.inline = path, world, rank, spin, inline
         size = 8 * ((2 + world) * _LINE + HEADER + inline)
         fd = os.open(path, os.O_RDWR)
         try:
@@ -97,20 +111,20 @@ class ShmChannel:
         self._unlinked = False
 
     @classmethod
-    def create(cls, world: int, spin_s: float, inline: int = INLINE) -> ShmChannel:
+    def create(cls, world: int, spin: Spin, inline: int = INLINE) -> ShmChannel:
         """Rank 0's channel: a new segment the workers `attach` to by its path."""
         fd, path = tempfile.mkstemp(prefix="spindle-tp-", dir=_SHM_DIR)  # mode 0600: this user's only
         os.close(fd)
         try:
-            return cls(path, world, 0, spin_s, inline, create=True)
+            return cls(path, world, 0, spin, inline, create=True)
         except BaseException:
             os.unlink(path)
             raise
 
     @classmethod
-    def attach(cls, path: str, world: int, rank: int, spin_s: float, inline: int = INLINE) -> ShmChannel:
+    def attach(cls, path: str, world: int, rank: int, spin: Spin, inline: int = INLINE) -> ShmChannel:
         """A worker's mapping of rank 0's segment; call it before joining the process group."""
-        return cls(path, world, rank, spin_s, inline, create=False)
+        return cls(path, world, rank, spin, inline, create=False)
 
     def unlink(self) -> None:
         """Remove the segment's name (rank 0, once every rank mapped it or never will); idempotent."""
@@ -129,7 +143,7 @@ class ShmChannel:
     def wait_message(self) -> None:
         """A worker: return once rank 0 published its next message (then in `header` / `payload`)."""
         self._seq += 1
-        self._wait(lambda: self._words[_SEQ] >= self._seq)
+        self._wait(lambda: self._words[_SEQ] >= self._seq, self.spin.message_s)
 
     # --- agreement ---------------------------------------------------------------------------
 
@@ -143,7 +157,7 @@ class ShmChannel:
         done = 2 * self._round
         _fence()  # this rank's reads of the message happen before rank 0 may overwrite it
         self._acks[self.rank] = done + int(failed)
-        self._wait(lambda: self._acks.min() >= done)
+        self._wait(lambda: self._acks.min() >= done, self.spin.agree_s)
         return bool((self._acks == done + 1).any())
 
     def abort(self) -> None:
@@ -152,8 +166,8 @@ class ShmChannel:
 
     # --- waiting -----------------------------------------------------------------------------
 
-    def _wait(self, ready: Callable[[], bool]) -> None:
-        deadline = time.perf_counter() + self.spin_s
+    def _wait(self, ready: Callable[[], bool], spin_s: float) -> None:
+        deadline = time.perf_counter() + spin_s
         while not ready():
             self._check()
             if time.perf_counter() > deadline:

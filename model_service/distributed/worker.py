@@ -22,7 +22,7 @@ import torch.distributed as dist
 from model_service.distributed.group import init_rank, rank_device
 from model_service.distributed.link import CommandLink
 from model_service.distributed.rank import build_rank, serve_commands
-from model_service.distributed.shm_channel import ShmChannel, spin_seconds
+from model_service.distributed.shm_channel import ShmChannel, spin_for
 from model_service.engine.batch_builder import BatchBuilder
 from model_service.engine.config import EngineConfig
 from model_service.models.loader import LoadedModel
@@ -48,7 +48,7 @@ def worker_main(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = rank_device(spec.config, spec.rank)
-    channel = ShmChannel.attach(spec.channel, spec.world, spec.rank, spin_seconds(device))
+    channel = ShmChannel.attach(spec.channel, spec.world, spec.rank, spin_for(device.type))
     groups = init_rank(spec.rank, spec.world, spec.port, device)
     link = CommandLink(groups.control, channel)
     try:
