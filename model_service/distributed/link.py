@@ -5,13 +5,13 @@ Two channels, one order. The per-step path is host shared memory (shm_channel.py
 a command, a header (kind + batch shape) and the first `INLINE` int64s of a step's packed index
 buffer (batch_builder.py), into the shared message and publishes its number; each worker copies it
 into its own host buffer and runs it. Everything else goes over the gloo control group (loopback
-TCP), always announced first by a shared-memory message so the two never reorder: a step's
-payload beyond `INLINE` follows in a gloo broadcast, a CALL / GATHER's pickled method and
-arguments in `broadcast_object_list`, a GATHER's results and the error strings of a failed
-command in gather collectives. The control group is separate from the device group the model's
-collectives use: a worker waits for its next command on the host without holding the GPU.
-The step's payload carries the sequences' state slots, so a model that keeps per-sequence state
-on a worker addresses it from the same command.
+TCP), always after the shared-memory message or agreement that leads to it on every rank, so the
+two never reorder: a step's payload beyond `INLINE` follows in a gloo broadcast, a CALL /
+GATHER's pickled method and arguments in `broadcast_object_list`, a GATHER's results and the
+error strings of a failed command in gather collectives. Both are separate from the device group
+the model's collectives use: a worker waits for its next command on the host without holding
+the GPU. The step's payload carries the sequences' state slots, so a model that keeps
+per-sequence state on a worker addresses it from the same command.
 
 After every command all ranks call `agree`: each writes "did it fail here" into its ack word and
 waits for everyone's (shared memory; the error strings follow on gloo only when a rank failed).

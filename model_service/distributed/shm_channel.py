@@ -19,16 +19,18 @@ message n out, so a message is never overwritten while a worker still reads it.
 
 Ordering: payload before flag. A writer fills the message (or finishes reading it) before it
 stores a flag word, and a reader reads the message only after it saw the flag. Flags are single
-aligned 8-byte stores and loads (never torn on x86-64 or aarch64). On x86-64 (TSO: stores become
-visible in program order and loads are not reordered with older loads or stores) the numpy
-stores, separate C calls in program order, are ordered by the hardware itself; that is the
-platform this is measured and tested on. `_fence` between data and flag is what vLLM's
-shm_broadcast uses for weakly ordered CPUs (aarch64, e.g. GH200): a lock acquire + release,
-which glibc implements with barrier instructions; it is not a C11 full fence by definition.
+aligned 8-byte stores and loads (never torn on x86-64 or aarch64). The protocol needs stores
+ordered with stores, loads with loads, and loads with later stores (never a store with a later
+load: no rank waits on a flag to decide whether to store one). x86-64's TSO guarantees exactly
+that for the numpy copies and flag stores, separate C calls in program order; x86-64 is what this
+is measured and tested on. `_fence` between data and flag is what vLLM's shm_broadcast uses for
+weakly ordered CPUs (aarch64, e.g. GH200): a lock acquire + release, which glibc implements with
+barrier instructions, but which is not a full fence by the C11 definition.
 
-Waiting: a waiter polls its flag, yielding the CPU (`sched_yield`, which releases the GIL) for
-a while (`Spin`), then sleeps with a back-off doubling from 20 us to 1 ms, so an idle pod does
-not burn a core yet a command that arrives within a step's host work is seen within microseconds. Every
+Waiting: a waiter polls its flag, yielding the CPU (`sched_yield`, which releases the GIL: rank
+0's gRPC thread keeps running while its engine thread waits) for a while (`Spin`), then sleeps
+with a back-off doubling from 20 us to 1 ms, so an idle pod does not burn a core, yet a command
+that arrives within a busy pod's host work between steps is seen within microseconds. Every
 poll checks `abort`; a worker's sleeps also check that its parent (rank 0) still lives.
 
 The segment is a file under /dev/shm that rank 0 creates and unlinks exactly once, as soon as
@@ -74,6 +76,8 @@ GPU_SPIN, CPU_SPIN = Spin(message_s=5e-3, agree_s=5e-2), Spin(message_s=2e-4, ag
 
 def spin_for(device_type: str) -> Spin:
     return GPU_SPIN if device_type == "cuda" else CPU_SPIN
+
+
 _LINE = 8  # int64 words per cache line
 _SEQ, _ABORT, _ACKS = 0, _LINE, 2 * _LINE
 _SLEEP_MIN_S, _SLEEP_MAX_S = 2e-5, 1e-3
