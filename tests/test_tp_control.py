@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import pytest
@@ -138,9 +139,8 @@ def test_a_worker_waiting_for_a_message_exits_when_rank_0_is_killed():
 
 def _echo_worker(port: int, path: str, inline: int) -> None:
     """Rank 1: runs rank 0's commands the way rank.serve_commands does, on no model."""
-    link = CommandLink(
-        init_rank(1, 2, port, torch.device("cpu")).control, ShmChannel.attach(path, 2, 1, CPU_SPIN, inline)
-    )
+    channel = ShmChannel.attach(path, 2, 1, CPU_SPIN, inline)  # before the rendezvous: then rank 0 unlinks it
+    link = CommandLink(init_rank(1, 2, port, torch.device("cpu")).control, channel)
     builder = BatchBuilder(16, torch.device("cpu"))
     received: list[list[int]] = []
     while (cmd := link.receive(builder)).kind is not Command.STOP:
@@ -168,8 +168,10 @@ def test_steps_larger_than_a_message_calls_failures_and_gathers_keep_their_order
         link = CommandLink(init_rank(0, 2, port, torch.device("cpu")).control, channel)
     finally:
         channel.unlink()
-    # as rank 0's executor does: a worker that exits ends every wait on the channel
-    threading.Thread(target=lambda: (worker.join(), channel.abort()), daemon=True).start()
+    # as rank 0's executor does (Workers.watch): a worker that exits ends every wait on the channel
+    watch = threading.Thread(target=lambda: (wait([worker.sentinel]), channel.abort()), daemon=True)
+    watch.start()
+    stopped = False
     try:
         sent = []
         for rows, blocks in [(1, 2), (8, 12), (2, 3)]:  # 21 words inline, 233 (164 over gloo), 33
@@ -185,9 +187,12 @@ def test_steps_larger_than_a_message_calls_failures_and_gathers_keep_their_order
         assert link.agree(None) == [None, None]
         assert link.gather(None) == [None, ("echo", ("x", 3), sent)]
         link.send_stop()
-        worker.join(30)
-        assert worker.exitcode == 0
+        stopped = True
     finally:
+        if not stopped:
+            channel.abort()
+        dist.destroy_process_group()  # with the worker, as TensorParallelExecutor.teardown does
+        worker.join(30)
         if worker.is_alive():
             worker.kill()
-        dist.destroy_process_group()
+    assert worker.exitcode == 0
