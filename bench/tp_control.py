@@ -23,7 +23,9 @@ import json
 import multiprocessing
 import os
 import statistics
+import threading
 import time
+from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
@@ -109,6 +111,8 @@ def main() -> None:
         link = CommandLink(init_rank(0, 2, port, torch.device("cpu")).control, channel)
     finally:
         channel.unlink()
+    # as rank 0's executor does: a worker that dies ends rank 0's waits rather than hanging the bench
+    threading.Thread(target=lambda: (wait([proc.sentinel]), channel.abort()), daemon=True).start()
     for gap in args.gap_us:
         for rows in args.batches:
             shape = step_shape(rows, args.blocks)
