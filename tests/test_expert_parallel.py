@@ -62,8 +62,8 @@ class Model:
     wide: torch.Tensor  # ... and of `WIDE`, prefilled in one step
 
 
-# Two 300-token prompts in one step: a packed batch larger than a command message carries inline
-# (distributed/link.py), so its remainder takes the second broadcast.
+# Two 300-token prompts in one step: a wide prefill batch on every rank (a packed batch too large
+# for a command message, whose remainder follows on gloo, is tested in test_tp_control.py).
 WIDE = [torch.randint(3, 320, (300,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
 
 

@@ -6,7 +6,8 @@ call is broadcast as a command (distributed/link.py), run by rank 0's own `RankE
 every worker's, and agreed on. Logits come back gathered, so sampling happens on rank 0 alone.
 
 Losing a rank (a worker process that exits, or a send / agree that fails) is final: `lost` is set
-once, every `on_lost` listener is told (the pod turns NOT_SERVING and fails its streams as
+once, the command channel is aborted (so no rank waits on it for a rank that is gone), every
+`on_lost` listener is told (the pod turns NOT_SERVING and fails its streams as
 UNAVAILABLE), and every later call raises `LinkLostError` without touching a collective.
 Models with recurrent layers are refused by `Partition.of`, so no state is ever swapped here.
 """
@@ -33,6 +34,7 @@ from model_service.distributed.link import (
     raise_agreed,
 )
 from model_service.distributed.rank import RankExecutor, build_rank
+from model_service.distributed.shm_channel import ShmChannel, spin_for
 from model_service.distributed.worker import Workers, WorkerSpec
 from model_service.engine.config import EngineConfig
 from model_service.errors import ModelLoadError
@@ -78,6 +80,7 @@ class TensorParallelExecutor:
             if self.lost is not None:
                 return
             self.lost = why
+            self.link.channel.abort()  # ends this rank's and the workers' waits on the channel
             log.error("tensor-parallel group lost: %s", why)
             for callback in self._listeners:
                 callback(why)
@@ -179,15 +182,21 @@ def start_tensor_parallel(loaded: LoadedModel, config: EngineConfig) -> TensorPa
     source = loaded.source or functools.partial(
         load_model, config.model, config.torch_dtype(), torch.device("cpu"), with_tokenizer=False
     )
-    port = free_port()
-    workers = Workers([WorkerSpec(r, world, port, config, source) for r in range(1, world)])
+    port, device = free_port(), rank_device(config, 0)
+    channel = ShmChannel.create(world, spin_for(device.type))
     try:
-        groups = init_rank(0, world, port, rank_device(config, 0))
-    except BaseException:
-        workers.stop(timeout=5)
-        raise
+        workers = Workers([WorkerSpec(r, world, port, config, source, channel.path) for r in range(1, world)])
+        try:
+            groups = init_rank(0, world, port, device)
+        except BaseException:
+            workers.stop(timeout=5)
+            raise
+    finally:
+        channel.unlink()  # every worker mapped it before joining the group (or never will)
+    # Until the executor watches them too: a worker that dies while loading ends rank 0's waits.
+    workers.watch(lambda _why: channel.abort())
     try:
-        link = CommandLink(groups.control, 0, world)
+        link = CommandLink(groups.control, channel)
         rank = build_rank(link, lambda: loaded, config, groups)
     except BaseException:
         workers.stop(timeout=5)

@@ -1,6 +1,6 @@
 """Process-group setup for one tensor-parallel rank: its device, the device group the model's
-collectives use (NCCL on GPUs, gloo on the CPU) and the gloo control group rank 0's commands
-travel on (distributed/link.py)."""
+collectives use (NCCL on GPUs, gloo on the CPU) and the gloo control group that carries what rank
+0's commands do not fit in shared memory (distributed/link.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from model_service.errors import ModelLoadError
 # A collective of the model that waits this long has lost a peer (NCCL's watchdog then ends the
 # process); a step takes milliseconds.
 DEVICE_TIMEOUT = timedelta(minutes=5)
-# A worker waits on the control group for its next command, for as long as the pod is idle.
-# A dead peer is seen at once (its sockets close), not through this timeout.
+# A rank enters a control-group collective only once a shared-memory message announced it, but
+# that may be while a peer still runs a long command. A dead peer is seen at once (its sockets
+# close), not through this timeout.
 CONTROL_TIMEOUT = timedelta(days=365)
 
 

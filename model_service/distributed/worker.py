@@ -22,6 +22,7 @@ import torch.distributed as dist
 from model_service.distributed.group import init_rank, rank_device
 from model_service.distributed.link import CommandLink
 from model_service.distributed.rank import build_rank, serve_commands
+from model_service.distributed.shm_channel import ShmChannel, spin_for
 from model_service.engine.batch_builder import BatchBuilder
 from model_service.engine.config import EngineConfig
 from model_service.models.loader import LoadedModel
@@ -36,18 +37,20 @@ class WorkerSpec:
     port: int
     config: EngineConfig
     source: Callable[[], LoadedModel]  # loads the same full weights rank 0 has (picklable)
+    channel: str  # rank 0's shared-memory command channel (shm_channel.py), mapped before the rendezvous
 
 
 def worker_main(spec: WorkerSpec) -> None:
-    # Rank 0 decides when a worker ends (STOP, or its link closing when rank 0 is gone). A Ctrl-C or
+    # Rank 0 decides when a worker ends (STOP, an aborted channel, or rank 0 gone). A Ctrl-C or
     # a SIGTERM sent to the whole process group must not kill a worker under a draining rank 0,
     # which would take it for a lost rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = rank_device(spec.config, spec.rank)
+    channel = ShmChannel.attach(spec.channel, spec.world, spec.rank, spin_for(device.type))
     groups = init_rank(spec.rank, spec.world, spec.port, device)
-    link = CommandLink(groups.control, spec.rank, spec.world)
+    link = CommandLink(groups.control, channel)
     try:
         rank = build_rank(link, spec.source, spec.config, groups)
     except Exception as e:  # logged where it happened; rank 0 raises it
