@@ -127,9 +127,10 @@ def host_share(engine: Engine, batch: int, prompt_len: int, vocab: int) -> tuple
     """(host share, exposed host share) of a decode step at `batch`. The first: the share of a
     step's wall time outside the forward pass (scheduling, batch building, sampling's host side,
     outputs) when each forward is waited for. The second, with the engine running as configured
-    (nothing waited for): 1 - the device's forward time (CUDA events around each forward) / the
-    step's wall time, i.e. what the host adds to a step that async scheduling does not hide."""
-    execute = engine.executor.execute
+    (nothing waited for): the share of wall time the device spends idle, waiting for the host
+    (1 - the device's busy time / wall time; a step's busy time runs from the start of its forward
+    to the end of its sampling and token copy, CUDA events): what async scheduling leaves exposed."""
+    execute, run = engine.executor.execute, engine._run
     waited, events = 0.0, []
 
     def waited_execute(step_batch: StepBatch) -> torch.Tensor:
@@ -141,30 +142,35 @@ def host_share(engine: Engine, batch: int, prompt_len: int, vocab: int) -> tuple
         return out
 
     def event_execute(step_batch: StepBatch) -> torch.Tensor:
-        events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        events.append([torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)])
         events[-1][0].record()
-        out = execute(step_batch)
-        events[-1][1].record()
+        return execute(step_batch)
+
+    def event_run(work: list) -> list:
+        out = run(work)
+        events[-1][1].record()  # every device op of the step is queued by now
         return out
 
-    def decode_steps(timed: Callable[[StepBatch], torch.Tensor]) -> float:
+    def decode_steps(timed: Callable[[StepBatch], torch.Tensor], with_events: bool) -> float:
         g = torch.Generator().manual_seed(1)
         for _ in range(batch):
             prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
             engine.add_request_dict({"prompt_token_ids": prompt, "max_tokens": 32, "ignore_eos": True})
         engine.step()  # the prefill step stays out of the measurement
         engine.executor.execute = timed
+        if with_events:
+            engine._run = event_run
         start = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
         torch.cuda.synchronize()
-        engine.executor.execute = execute
+        engine.executor.execute, engine._run = execute, run
         return time.perf_counter() - start
 
-    total = decode_steps(waited_execute)
-    wall = decode_steps(event_execute)
-    device = sum(a.elapsed_time(b) for a, b in events) / 1e3
-    return (total - waited) / total, max(0.0, 1 - device / wall)
+    total = decode_steps(waited_execute, False)
+    wall = decode_steps(event_execute, True)
+    busy = sum(a.elapsed_time(b) for a, b in events) / 1e3
+    return (total - waited) / total, max(0.0, 1 - busy / wall)
 
 
 def kernel_profile(engine: Engine, batch: int, prompt_len: int, vocab: int, steps: int = 8) -> str:

@@ -216,7 +216,7 @@ class Engine:
                 f"resume.text_chars is {resume.text_chars} but its output tokens make {len(seq.text)} "
                 "characters of text"
             )
-        seq.emitted_tokens, seq.emitted_chars = len(seq.output_ids), resume.text_chars
+        seq.emitted_tokens, seq.emitted_chars = seq.num_output_tokens, resume.text_chars
         if seq.finish_reason is None:
             return False
         seq.status = Status.FINISHED
@@ -425,7 +425,7 @@ class Engine:
         room = [
             min(
                 self.speculative.num_speculative_tokens,
-                seq.params.max_tokens - len(seq.output_ids) - 1,
+                seq.params.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - len(seq.token_ids) - 1,
             )
             for seq in seqs

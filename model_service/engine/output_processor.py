@@ -30,7 +30,7 @@ class OutputProcessor:
             return _stop(seq, "stop", token)
         if p.stop and self._match_stop_string(seq, len(delta)):
             return True
-        if len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return _stop(seq, "length", None)
         return False
 

@@ -110,22 +110,25 @@ class Scheduler:
     def _schedule_running(self, budget: int, batch: ScheduledBatch) -> int:
         self.running.sort(key=Sequence.sort_key)
         scheduled: set[int] = set()
-        for decoding in (True, False):
-            for seq in list(self.running):
-                if budget == 0 or seq.status is not Status.RUNNING or (seq.num_pending == 1) != decoding:
-                    continue
-                if seq.num_pending == 0:
-                    continue  # a beam waiting for its siblings' logits
-                n = min(seq.num_pending, budget)
-                if decoding and seq.spec_tokens:  # verify its proposals too, if the budget allows
-                    if budget > len(seq.spec_tokens):
-                        n += len(seq.spec_tokens)
-                    else:
-                        seq.spec_tokens = []
-                if self._reserve_or_preempt(seq, n, scheduled):
-                    batch.work.append((seq, n))
-                    scheduled.add(id(seq))
-                    budget -= n
+        # Decode rows first, then prefill chunks; a beam waiting for its siblings' logits (0
+        # pending) waits. Pending counts do not change in this loop, except by preemption.
+        pending = [(seq, seq.num_pending) for seq in self.running]
+        order = [sp for sp in pending if sp[1] == 1] + [sp for sp in pending if sp[1] > 1]
+        for seq, num_pending in order:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted by a reservation before it
+            n = min(num_pending, budget)
+            if num_pending == 1 and seq.spec_tokens:  # verify its proposals too, if the budget allows
+                if budget > len(seq.spec_tokens):
+                    n += len(seq.spec_tokens)
+                else:
+                    seq.spec_tokens = []
+            if self._reserve_or_preempt(seq, n, scheduled):
+                batch.work.append((seq, n))
+                scheduled.add(id(seq))
+                budget -= n
         return budget
 
     def _admit_waiting(self, budget: int, batch: ScheduledBatch) -> None:

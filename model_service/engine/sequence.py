@@ -88,6 +88,10 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens  # without copying `output_ids`
+
+    @property
     def num_computed(self) -> int:
         return self.state.num_computed if self.state is not None else 0
 
@@ -123,11 +127,12 @@ class Sequence:
         """The delta since the last call. Text that could still become a stop string is held back."""
         hold = 0 if self.finished or not self.params.stop else max(map(len, self.params.stop)) - 1
         end = max(self.emitted_chars, len(self.text) - hold)
+        output_ids = self.output_ids  # a fresh copy: the output keeps it as the sequence grows
         out = RequestOutput(
             request_id=self.request_id,
-            new_token_ids=self.output_ids[self.emitted_tokens :],
+            new_token_ids=output_ids[self.emitted_tokens :],
             new_text=self.text[self.emitted_chars : end],
-            token_ids=list(self.output_ids),
+            token_ids=output_ids,
             text=self.text,
             finished=self.finished,
             finish_reason=self.finish_reason,
@@ -137,6 +142,6 @@ class Sequence:
             error=self.error,
             first_scheduled_at=self.first_scheduled_at,
         )
-        self.emitted_tokens, self.emitted_chars = len(self.output_ids), end
+        self.emitted_tokens, self.emitted_chars = len(output_ids), end
         self.emitted_logprobs = len(self.logprobs)
         return out
