@@ -7,6 +7,7 @@ run a `StepBatch` through the model, and move cache bytes when the cache manager
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 import logging
 import math
@@ -259,6 +260,7 @@ class ModelExecutor:
         graph that recorded NCCL collectives keeps the communicator busy, and destroying the
         process group under it hangs (pytorch/pytorch#115388)."""
         self.graphs = None
+        gc.collect()  # a graph in a reference cycle would outlive the line above
         self.kv_cache.data = torch.empty(0)
         self.module.to("meta")
         if self.device.type == "cuda":
