@@ -7,10 +7,9 @@ sequence to that sequence's context through its block table, reading K/V in plac
 The decode kernel is split-KV: program (sequence, kv head, split) walks its share of the context
 in tiles of BLOCK_N tokens, keeps an online softmax for all query heads of its KV head (GQA
 packing: the group's queries share every K/V load), and writes a partial output and its
-log-sum-exp; the last split to finish merges them (one launch a layer, no reduction kernel).
-Splitting keeps the 132 SMs busy at batch 1, where one program per (sequence, kv head) would
-start only 8 programs for an 8B model. Every length is read from device tensors, so one launch
-shape serves every step of a CUDA graph.
+log-sum-exp; a small reduction merges the splits. Splitting keeps the 132 SMs busy at batch 1,
+where one program per (sequence, kv head) would start only 8 programs for an 8B model. Every
+length is read from device tensors, so one launch shape serves every step of a CUDA graph.
 """
 
 from __future__ import annotations
@@ -73,12 +72,11 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(
-        Q, KC, VC, BlockTable, SeqLens, PartOut, PartLse, Out, Counters,
+        Q, KC, VC, BlockTable, SeqLens, PartOut, PartLse, Out,
         q_stride_s, q_stride_h, kc_stride_slot, kc_stride_h, bt_stride, po_stride_s, po_stride_h,
         po_stride_split, pl_stride_s, pl_stride_h, scale, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-        PRECISION: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq_len = tl.load(SeqLens + seq)
@@ -123,38 +121,28 @@ if triton is not None:
             mask=gm[:, None],
         )
         tl.store(PartLse + seq * pl_stride_s + heads * pl_stride_h + split, lse, mask=gm)
-        # The last split of this (sequence, KV head) to finish merges them all: no second launch.
-        # Every thread's stores are issued before the counter moves (barrier, then a release);
-        # the merging program reads the others' partials from L2 (.cg) after its acquire.
-        tl.debug_barrier()
-        counter = Counters + seq * tl.num_programs(1) + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            po = PartOut + seq * po_stride_s + heads[:, None] * po_stride_h + d[None, :]
-            pl = PartLse + seq * pl_stride_s + heads * pl_stride_h
-            dst = Out + (seq * tl.num_programs(1) * GROUP + heads[:, None]) * HEAD_DIM + d[None, :]
-            _merge_splits(po, po_stride_split, pl, dst, gm, GROUP_PAD, HEAD_DIM, NUM_SPLITS, SPLITS_PAD)
-            tl.atomic_xchg(counter, 0)  # ready for the next launch (graphs replay this one)
+
+
+if triton is not None:
 
     @triton.jit
-    def _merge_splits(
-        po, po_stride_split, pl, out_ptr, gm,
-        GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    ):  # fmt: skip
-        """Weight each split's output by exp(lse - max); empty splits (lse = -inf) weigh nothing,
-        and a padding row (every split empty) gets zeros."""
-        s = tl.arange(0, SPLITS_PAD)
-        lse = tl.load(
-            pl[:, None] + s[None, :], mask=gm[:, None] & (s[None, :] < NUM_SPLITS), other=float("-inf"),
-            cache_modifier=".cg",
-        )  # fmt: skip
-        top = tl.maximum(tl.max(lse, 1), -1e30)
-        w = tl.exp(lse - top[:, None])
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for i in tl.static_range(NUM_SPLITS):
-            part = tl.load(po + i * po_stride_split, mask=gm[:, None], other=0.0, cache_modifier=".cg")
-            acc += part * tl.sum(tl.where(s[None, :] == i, w, 0.0), 1)[:, None]
-        out = acc / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]
-        tl.store(out_ptr, out.to(out_ptr.dtype.element_ty), mask=gm[:, None])
+    def _merge_splits_kernel(PartOut, PartLse, Out, num_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+        """One (sequence, head): weight each split's output by exp(lse - max); empty splits
+        (lse = -inf) weigh nothing, and a padding row (every split empty) gets zeros."""
+        row = tl.program_id(0)  # sequence * heads + head
+        s = tl.arange(0, SPLITS)
+        d = tl.arange(0, HEAD_DIM)
+        lse = tl.load(PartLse + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
+        top = tl.maximum(tl.max(lse, 0), -1e30)
+        w = tl.exp(lse - top)
+        total = tl.maximum(tl.sum(w, 0), 1e-30)
+        parts = tl.load(
+            PartOut + (row * num_splits + s[:, None]) * HEAD_DIM + d[None, :],
+            mask=s[:, None] < num_splits,
+            other=0.0,
+        )
+        out = tl.sum(parts * w[:, None], 0) / total
+        tl.store(Out + row * HEAD_DIM + d, out.to(Out.dtype.element_ty))
 
 
 def store_kv(
@@ -196,29 +184,18 @@ def paged_decode_attention(
     part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, out,
-        _merge_counters(num_seqs * kv_heads, q.device),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         scale, window or 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
-        BLOCK_SIZE=block_size, BLOCK_N=64,
-        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
     )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs * heads,)](
+            part_out, part_lse, out, num_splits, HEAD_DIM=dim, SPLITS=triton.next_power_of_2(num_splits)
+        )
     return out
-
-
-# Arrival counters of the splits of each (sequence, KV head), zero between launches. A buffer is
-# never freed: a captured CUDA graph keeps its address.
-_counters: list[torch.Tensor] = []
-
-
-def _merge_counters(n: int, device: torch.device) -> torch.Tensor:
-    for c in _counters:
-        if c.device == device and c.numel() >= n:
-            return c
-    _counters.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
-    return _counters[-1]
 
 
 def num_splits_for(num_seqs: int, kv_heads: int, num_sms: int = 132) -> int:
