@@ -357,6 +357,40 @@ def test_a_stream_interval_sends_n_tokens_a_message_but_the_first_and_the_rest()
     assert len(paced) <= 2 + -(-13 // 4)  # the first, 13 more four at a time, the final
 
 
+def test_tokens_held_for_the_stream_interval_go_out_before_a_lost_engine_ends_the_stream():
+    """Outputs held back for `stream_interval` are yielded before the stream's error (the gateway
+    resumes from what it relayed), and the first token was not held at all."""
+    import asyncio
+
+    from bench.fake_engine import FakeFastEngine
+    from model_service.engine.async_engine import AsyncEngine
+    from model_service.engine.sampling_params import SamplingParams
+    from model_service.errors import UnavailableError
+
+    engine = AsyncEngine(FakeFastEngine(0.002))
+
+    async def consume() -> tuple[list[list[int]], BaseException | None]:
+        batches: list[list[int]] = []
+        params = SamplingParams(max_tokens=500)
+        stream = engine.generate_batches("held", stream_interval=400, prompt_token_ids=[1, 2], params=params)
+        try:
+            async for batch in stream:
+                batches.append([t for out in batch for t in out.new_token_ids])
+                if len(batches) == 1:  # the engine is lost while the next batch is held back
+                    asyncio.get_running_loop().call_later(0.05, engine.fail_streams, UnavailableError("lost"))
+        except UnavailableError as e:
+            return batches, e
+        return batches, None
+
+    try:
+        batches, error = asyncio.run(consume())
+    finally:
+        engine.shutdown()
+    assert isinstance(error, UnavailableError)
+    assert len(batches) == 2 and batches[0] == [100] and len(batches[1]) > 1
+    assert batches[1] == list(range(101, 101 + len(batches[1])))
+
+
 async def _outputs(engine, rid: str) -> list:
     from model_service.engine.sampling_params import SamplingParams
 
