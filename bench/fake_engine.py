@@ -92,14 +92,14 @@ class FakeFastEngine:
         return future
 
 
-async def run_pod(port: int, engine: FakeFastEngine) -> None:
+async def run_pod(port: int, engine: FakeFastEngine, stream_interval: int = 1) -> None:
     """A real model-pod server (grpc.aio, AsyncEngine thread, servicers, metrics) over `engine`,
     until SIGTERM."""
     from model_service.pod import server
     from model_service.pod.state import ModelPod
     from spindle import serving, telemetry
 
-    pod = ModelPod("fake-fast-engine", drain_timeout=1.0)
+    pod = ModelPod("fake-fast-engine", drain_timeout=1.0, stream_interval=stream_interval)
     srv = await server.start(pod, "127.0.0.1", port, 0, telemetry.tracer_provider_from_env("bench-pod"))
     await pod.load(lambda: engine)
     serving.on_shutdown_signal(pod.request_exit)

@@ -6,11 +6,15 @@ SDK without an exporter) over a FAKE FAST ENGINE (bench/fake_engine.py): every r
 gets one token per step and a step sleeps `--step-ms`, so the numbers measure the serving path,
 not a model. The gateway is the real `spindle gateway`. A closed loop
 of `--concurrency` clients each sends requests of `--tokens` tokens, first straight to the pod,
-then through the gateway; "added" = gateway minus pod. `cpu_ms_per_request` is the CPU time
-(user + system, from /proc) each server process spent per request during the run: steadier than
-latency on a shared machine.
+then through the gateway, alternating in `--slices` parts (a change in the machine's load then
+hits both); "added" = gateway minus pod. `cpu_ms_per_request` is the CPU time
+(user + system, from /proc) each process spent per request during the run, the client's (this
+process) included: steadier than latency on a shared machine. `--stream-interval N` runs the pod
+with `spindle serve --stream-interval N`; `--pin POD GATEWAY CLIENT` gives each its CPUs
+(taskset lists, e.g. `--pin 0 1 1`).
 
     .venv/bin/python bench/gateway.py [--requests 400] [--concurrency 1 16] [--tokens 16] [--step-ms 1]
+        [--slices 4] [--stream-interval 1] [--pin POD GATEWAY CLIENT]
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -58,9 +63,32 @@ def _wait_serving(address: str, timeout: float = 60) -> None:
     raise TimeoutError(address)
 
 
-async def load_test(address: str, pids: dict[str, int], requests: int, concurrency: int, tokens: int) -> dict:
+@dataclass
+class Sample:
+    """What the closed loops against one target measured, over one or more slices."""
+
+    latencies: list[float] = field(default_factory=list)
+    wall: float = 0.0
+    requests: int = 0
+    messages: int = 0
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        lat = sorted(self.latencies)
+        return {
+            "rps": round(len(lat) / self.wall, 1),
+            "p50_ms": round(1000 * statistics.median(lat), 2),
+            "p99_ms": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2),
+            "messages_per_request": round(self.messages / self.requests, 2),
+            "cpu_ms_per_request": {k: round(1000 * v / self.requests, 2) for k, v in self.cpu_s.items()},
+        }
+
+
+async def load_test(
+    address: str, pids: dict[str, int], requests: int, concurrency: int, tokens: int, into: Sample
+) -> None:
     """A closed loop of `concurrency` clients for `requests` requests (after a warm-up), with the
-    CPU time each server process in `pids` spent per request meanwhile."""
+    CPU time each process in `pids` and this one (the client) spent meanwhile, added to `into`."""
     latencies: list[float] = []
     messages = 0
     async with grpc.aio.insecure_channel(address) as ch:
@@ -83,21 +111,16 @@ async def load_test(address: str, pids: dict[str, int], requests: int, concurren
         latencies.clear()
         messages = 0
         counter = iter(range(requests))
+        pids = {**pids, "client": os.getpid()}
         cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
         started = time.perf_counter()
         await asyncio.gather(*(worker(counter) for _ in range(concurrency)))
-        wall = time.perf_counter() - started
-        cpu = {
-            name: round(1000 * (_cpu_s(pid) - cpu_before[name]) / requests, 2) for name, pid in pids.items()
-        }
-    latencies.sort()
-    return {
-        "rps": round(len(latencies) / wall, 1),
-        "p50_ms": round(1000 * statistics.median(latencies), 2),
-        "p99_ms": round(1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 2),
-        "messages_per_request": round(messages / requests, 2),
-        "cpu_ms_per_request": cpu,
-    }
+        into.wall += time.perf_counter() - started
+        for name, pid in pids.items():
+            into.cpu_s[name] = into.cpu_s.get(name, 0.0) + _cpu_s(pid) - cpu_before[name]
+    into.latencies += latencies
+    into.requests += requests
+    into.messages += messages
 
 
 def main() -> None:
@@ -108,22 +131,32 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--step-ms", type=float, default=1.0)
+    ap.add_argument("--slices", type=int, default=4, help="pod and gateway runs alternate this often [4]")
+    ap.add_argument("--stream-interval", type=int, default=1, help="the pod's --stream-interval [1]")
+    ap.add_argument("--pin", nargs=3, metavar=("POD", "GATEWAY", "CLIENT"), help="CPU lists (taskset -c)")
+    ap.add_argument("--gateway-env", nargs="*", default=[], metavar="NAME=VALUE", help="for the gateway only")
     args = ap.parse_args()
     if args.role == "pod":
         from bench.fake_engine import FakeFastEngine, run_pod
 
-        asyncio.run(run_pod(args.port, FakeFastEngine(args.step_ms / 1000)))
+        asyncio.run(run_pod(args.port, FakeFastEngine(args.step_ms / 1000), args.stream_interval))
         return
     from tests.service_helpers import free_port
 
+    pin_pod, pin_gateway = [["taskset", "-c", cpus] for cpus in args.pin[:2]] if args.pin else ([], [])
+    if args.pin:  # this process (the client), every thread
+        subprocess.run(["taskset", "-a", "-pc", args.pin[2], str(os.getpid())], check=True,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
     pod_port, gw_port = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    pod = subprocess.Popen([sys.executable, __file__, "--role", "pod", "--port", str(pod_port),
-                            "--step-ms", str(args.step_ms)], env=env, stderr=subprocess.DEVNULL)  # fmt: skip
+    pod = subprocess.Popen([*pin_pod, sys.executable, __file__, "--role", "pod", "--port", str(pod_port),
+                            "--step-ms", str(args.step_ms), "--stream-interval", str(args.stream_interval)],
+                           env=env, stderr=subprocess.DEVNULL)  # fmt: skip
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "spindle.cli", "gateway", "--host", "127.0.0.1", "--port", str(gw_port),
-         "--pods", f"127.0.0.1:{pod_port}", "--allow-unauthenticated", "--log-level", "WARNING"],
-        env=env, cwd=ROOT,
+        [*pin_gateway, sys.executable, "-m", "spindle.cli", "gateway", "--host", "127.0.0.1",
+         "--port", str(gw_port), "--pods", f"127.0.0.1:{pod_port}", "--allow-unauthenticated",
+         "--log-level", "WARNING"],
+        env={**env, **dict(kv.split("=", 1) for kv in args.gateway_env)}, cwd=ROOT,
     )  # fmt: skip
     try:
         _wait_serving(f"127.0.0.1:{pod_port}")
@@ -132,15 +165,22 @@ def main() -> None:
             "engine": "fake fast engine (no model; one token per request per step)",
             "step_ms": args.step_ms,
             "tokens_per_request": args.tokens,
+            "stream_interval": args.stream_interval,
             "requests": args.requests,
+            "slices": args.slices,
             "cpus": os.cpu_count(),
+            "gateway_env": args.gateway_env,
+            "pinned": dict(zip(("pod", "gateway", "client"), args.pin, strict=True)) if args.pin else None,
         }
+        pids = {"pod": pod.pid, "gateway": gateway.pid}
         for c in args.concurrency:
-            direct = asyncio.run(
-                load_test(f"127.0.0.1:{pod_port}", {"pod": pod.pid}, args.requests, c, args.tokens)
-            )
-            pids = {"pod": pod.pid, "gateway": gateway.pid}
-            via = asyncio.run(load_test(f"127.0.0.1:{gw_port}", pids, args.requests, c, args.tokens))
+            samples = Sample(), Sample()
+            n = args.requests // args.slices
+            for _ in range(args.slices):  # alternate, so that a change in the machine's load hits both
+                direct_pids = {"pod": pod.pid}
+                asyncio.run(load_test(f"127.0.0.1:{pod_port}", direct_pids, n, c, args.tokens, samples[0]))
+                asyncio.run(load_test(f"127.0.0.1:{gw_port}", pids, n, c, args.tokens, samples[1]))
+            direct, via = (sample.summary() for sample in samples)
             for target, r in (("pod", direct), ("gateway", via)):
                 print(
                     json.dumps({"bench": "gateway", "target": target, "concurrency": c, **r, **setup}),

@@ -314,6 +314,83 @@ def test_outputs_queued_behind_a_slow_consumer_go_out_as_one_message():
     assert len(messages) < len(one_each) == 12
 
 
+def test_a_stream_interval_sends_n_tokens_a_message_but_the_first_and_the_rest():
+    """`spindle serve --stream-interval 4`: through the pod's real gRPC server, the first token
+    goes out alone (time to first token stays), then at least 4 a message, the rest at the end;
+    the tokens and text are those of one message per step."""
+    import asyncio
+    import tempfile
+
+    import grpc
+
+    from bench.fake_engine import FakeFastEngine
+    from model_service.pod import server as pod_server
+    from model_service.pod.state import ModelPod
+    from spindle.v1 import generation_pb2_grpc
+
+    parser = pod_server.build_parser(argparse.ArgumentParser())
+    assert parser.parse_args(["--model", "m", "--stream-interval", "4"]).stream_interval == 4
+    assert parser.parse_args(["--model", "m"]).stream_interval == 1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--stream-interval", "0"])
+
+    async def stream(interval: int) -> list[pb.GenerateResponse]:
+        pod = ModelPod("fake", drain_timeout=1.0, stream_interval=interval)
+        cache = tempfile.mkdtemp(prefix="spindle-test-")
+        servers = await pod_server.start(pod, "127.0.0.1", 0, 0, None, cache)
+        try:
+            await pod.load(lambda: FakeFastEngine(0.002))
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{servers.port}") as ch:
+                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), max_tokens=14)
+                return [m async for m in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=30)]
+        finally:
+            await servers.stop(0)
+            pod.close()
+
+    paced, steady = asyncio.run(stream(4)), asyncio.run(stream(1))
+    for msgs in (paced, steady):
+        assert [t for m in msgs for t in m.chunk.token_ids] == list(range(100, 114))
+        assert "".join(m.chunk.text for m in msgs) == "x" * 14
+        assert msgs[-1].final.usage.completion_tokens == 14
+    sizes = [len(m.chunk.token_ids) for m in paced[:-1]]
+    assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1])
+    assert len(paced) <= 2 + -(-13 // 4)  # the first, 13 more four at a time, the final
+
+
+def test_tokens_held_for_the_stream_interval_go_out_before_a_lost_engine_ends_the_stream():
+    """Outputs held back for `stream_interval` are yielded before the stream's error (the gateway
+    resumes from what it relayed), and the first token was not held at all."""
+    import asyncio
+
+    from bench.fake_engine import FakeFastEngine
+    from model_service.engine.async_engine import AsyncEngine
+    from model_service.engine.sampling_params import SamplingParams
+    from model_service.errors import UnavailableError
+
+    engine = AsyncEngine(FakeFastEngine(0.002))
+
+    async def consume() -> tuple[list[list[int]], BaseException | None]:
+        batches: list[list[int]] = []
+        params = SamplingParams(max_tokens=500)
+        stream = engine.generate_batches("held", stream_interval=400, prompt_token_ids=[1, 2], params=params)
+        try:
+            async for batch in stream:
+                batches.append([t for out in batch for t in out.new_token_ids])
+                if len(batches) == 1:  # the engine is lost while the next batch is held back
+                    asyncio.get_running_loop().call_later(0.05, engine.fail_streams, UnavailableError("lost"))
+        except UnavailableError as e:
+            return batches, e
+        return batches, None
+
+    try:
+        batches, error = asyncio.run(consume())
+    finally:
+        engine.shutdown()
+    assert isinstance(error, UnavailableError)
+    assert len(batches) == 2 and batches[0] == [100] and len(batches[1]) > 1
+    assert batches[1] == list(range(101, 101 + len(batches[1])))
+
+
 async def _outputs(engine, rid: str) -> list:
     from model_service.engine.sampling_params import SamplingParams
 

@@ -63,10 +63,17 @@ class AsyncEngine(Generic[E]):
                 for out in batch:
                     yield out
 
-    async def generate_batches(self, request_id: str, **request: Any) -> AsyncIterator[list[RequestOutput]]:
+    async def generate_batches(
+        self, request_id: str, *, stream_interval: int = 1, **request: Any
+    ) -> AsyncIterator[list[RequestOutput]]:
         """`generate`, but each item is every output that was waiting when the caller asked for the
         next (at least one, in order): a consumer slower than the engine's steps (a busy server
-        loop, a slow client) then sends one message for several steps instead of falling behind."""
+        loop, a slow client) then sends one message for several steps instead of falling behind.
+
+        `stream_interval` N > 1 also holds outputs back until they add N tokens (vLLM's
+        `--stream-interval`): a stream costs its senders and receivers one message per N tokens
+        instead of one per step. The first token goes out at once (time to first token stays)
+        and the last item carries whatever is left."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Output] = asyncio.Queue()
         added: asyncio.Future[str] = loop.create_future()
@@ -85,12 +92,14 @@ class AsyncEngine(Generic[E]):
             await added
         finally:
             self._adding.pop(request_id, None)
-        finished = False
+        finished, tokens = False, 0
         try:
             while not finished:
-                batch = _waiting(await outputs.get(), outputs)
+                hold = stream_interval if tokens and stream_interval > 1 else 0
+                batch = await _gather(outputs, hold)
                 last = batch[-1]
-                finished = isinstance(last, Exception) or last.finished
+                finished = _ends(last)
+                tokens += sum(len(out.new_token_ids) for out in batch if not isinstance(out, Exception))
                 if isinstance(last, Exception):  # fail_streams: the engine cannot answer any more
                     if len(batch) > 1:
                         yield batch[:-1]
@@ -172,9 +181,22 @@ def _waiting(first: Output, outputs: asyncio.Queue[Output]) -> list[Output]:
     """`first` and what else is queued behind it, up to and including the stream's last output
     (a finished one, or an exception)."""
     batch = [first]
-    while not outputs.empty() and not isinstance(batch[-1], Exception) and not batch[-1].finished:
+    while not outputs.empty() and not _ends(batch[-1]):
         batch.append(outputs.get_nowait())
     return batch
+
+
+async def _gather(outputs: asyncio.Queue[Output], tokens: int) -> list[Output]:
+    """What `_waiting` gives, and more as it comes until the batch adds `tokens` tokens or holds
+    the stream's last output."""
+    batch = _waiting(await outputs.get(), outputs)
+    while not _ends(batch[-1]) and sum(len(out.new_token_ids) for out in batch) < tokens:
+        batch += _waiting(await outputs.get(), outputs)
+    return batch
+
+
+def _ends(out: Output) -> bool:
+    return isinstance(out, Exception) or out.finished
 
 
 def _set_result(fut: asyncio.Future[str], value: str) -> None:

@@ -55,8 +55,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         req = pod.begin(rid, kwargs.get("adapter"))
         try:
             await context.send_initial_metadata((("x-request-id", rid),))
-            # Outputs that queued up while the last message was being sent go out as one message.
-            async with contextlib.aclosing(pod.async_engine.generate_batches(rid, **kwargs)) as stream:
+            # Outputs that queued up while the last message was being sent go out as one message,
+            # and with --stream-interval N at least N tokens go in one (but the first and last).
+            batches = pod.async_engine.generate_batches(rid, stream_interval=pod.stream_interval, **kwargs)
+            async with contextlib.aclosing(batches) as stream:
                 batch = await _admitted(stream, context)
                 while True:
                     out = batch[-1]

@@ -71,10 +71,24 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="where adapters fetched from peer pods are written [a new temporary directory]",
     )
+    g.add_argument(
+        "--stream-interval",
+        type=_positive,
+        default=1,
+        help="send a stream's tokens N at a time (the first token and the rest at the end at once): "
+        "fewer messages for the pod, gateway and client, a burstier stream (vLLM's --stream-interval) [1]",
+    )
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]")
     add_security_args(parser)
     add_engine_args(parser)
     return parser
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
+    return n
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -146,7 +160,7 @@ async def serve(args: argparse.Namespace) -> int:
     from model_service.engine.engine import Engine
 
     provider = telemetry.tracer_provider_from_env("spindle-model")
-    pod = ModelPod(served_name(args), args.drain_timeout)
+    pod = ModelPod(served_name(args), args.drain_timeout, stream_interval=args.stream_interval)
     security = security_from_args(args)
     servers = await start(
         pod, args.host, args.port, args.control_port, provider, args.adapter_cache_dir, security

@@ -60,9 +60,12 @@ class InFlight:
 
 
 class ModelPod:
-    def __init__(self, model_name: str, drain_timeout: float, health: Health | None = None) -> None:
+    def __init__(
+        self, model_name: str, drain_timeout: float, health: Health | None = None, stream_interval: int = 1
+    ) -> None:
         self.model_name = model_name
         self.drain_timeout = drain_timeout
+        self.stream_interval = stream_interval  # tokens a Generate message carries (--stream-interval)
         self.health = health
         self.async_engine: AsyncEngine[EngineHandle] | None = None
         self.engine: EngineHandle | None = None
