@@ -96,7 +96,7 @@ class CommandLink:
         header = self.channel.header
         kind = Command(int(header[0]))
         if kind is Command.STEP:
-            shape = tuple(int(v) for v in header[1:7])
+            shape = tuple(int(v) for v in header[1:8])
             region = builder.host_region(shape)
             inline = min(region.numel(), self.channel.inline)
             region[:inline] = torch.from_numpy(self.channel.payload[:inline])
@@ -112,7 +112,10 @@ class CommandLink:
     # --- every rank --------------------------------------------------------------------------
 
     def agree(self, error: str | None) -> list[str | None]:
-        """Every rank's error for the command just run (None where it succeeded)."""
+        """Every rank's error for the command just run (None where it succeeded). A STEP is
+        agreed on once every rank has launched it, not run it (no rank waits for its device per
+        step): this reports what fails at launch; a fault on the device surfaces in a later
+        command that reads from it (rank 0 reading sampled tokens, a swap-out)."""
         errors: list[str | None] = [None] * self.world
         if self.channel.agree(error is not None):
             dist.all_gather_object(errors, error, group=self.group)

@@ -1,0 +1,77 @@
+"""Async scheduling under tensor parallelism on the CPU: two processes over gloo, the same code as
+on GPUs over NCCL. Rank 0 launches step N + 1 before it reads step N's tokens and broadcasts the
+in-flight ones to rank 1 over the device group (distributed/rank.py), and no rank waits for its
+device per step. The oracle is the single-process synchronous engine over the same weights:
+greedy and seeded sampled tokens identical, on a batch mixing the base model and two adapters,
+stop tokens, steps that sample on the host's schedule (a penalty, logprobs), chunked prefill,
+preemption and aborts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_service.engine.config import EngineConfig
+from model_service.engine.engine import _async_scheduling
+from tests.conftest import make_engine
+from tests.overlap_helpers import (
+    ABORTS,
+    PREEMPTING,
+    assert_same_but_aborts,
+    count_launches,
+    long_requests,
+    mixed_requests,
+    run_steps,
+)
+
+ADAPTERS = (None, "pirate", "all")
+
+
+@pytest.fixture(scope="module")
+def config(tp_adapters) -> dict:
+    return {"max_loras": 2, "lora_modules": tp_adapters, **PREEMPTING}
+
+
+@pytest.fixture(scope="module")
+def sync(smollm2, config):
+    """The oracle, run on the same requests in the same order as `tp_async`, so that their
+    prefix caches (and with them the steps an abort lands in) stay the same."""
+    return make_engine(smollm2, async_scheduling="off", **config)
+
+
+@pytest.fixture(scope="module")
+def tp_async(tp_weights, config):
+    engine = make_engine(tp_weights, tensor_parallel_size=2, async_scheduling="on", **config)
+    yield engine
+    engine.executor.teardown()
+
+
+def test_async_scheduling_is_on_by_default_for_tensor_parallel_gpus_and_off_when_asked():
+    def on(mode: str, device: str) -> bool:
+        cfg = EngineConfig(model="smollm2", tensor_parallel_size=2, async_scheduling=mode)
+        return _async_scheduling(cfg, torch.device(device), without_speculation=True)
+
+    assert on("auto", "cuda") and on("on", "cpu")
+    assert not on("off", "cuda") and not on("auto", "cpu")
+
+
+def test_two_ranks_overlapping_give_the_synchronous_tokens(smollm2, sync, tp_async, monkeypatch):
+    mixed = mixed_requests(smollm2.config.vocab_size, ADAPTERS)
+    reqs = [{**r, "max_tokens": min(r["max_tokens"], 16)} for r in mixed]
+    expected = run_steps(sync, reqs)
+    assert sum(reason == "stop" for _, reason in expected.values()) >= 1, "no stop token hit"
+    launches = count_launches(monkeypatch)
+    assert tp_async.overlap
+    assert run_steps(tp_async, reqs) == expected
+    assert len(launches) > 10, "no step overlapped"
+
+
+def test_two_ranks_overlapping_through_preemption_and_aborts(smollm2, sync, tp_async, monkeypatch):
+    reqs = long_requests(smollm2.config.vocab_size, ADAPTERS, n=16)
+    preempted = sync.scheduler.num_preemptions
+    expected = run_steps(sync, reqs, ABORTS)
+    assert sync.scheduler.num_preemptions > preempted, "the KV budget should force preemption"
+    launches = count_launches(monkeypatch)
+    preempted = tp_async.scheduler.num_preemptions
+    assert_same_but_aborts(run_steps(tp_async, reqs, ABORTS), expected, ABORTS)
+    assert tp_async.scheduler.num_preemptions > preempted and launches
