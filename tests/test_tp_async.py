@@ -13,23 +13,15 @@ import torch
 
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import _async_scheduling
+from tests import overlap_helpers as overlap
 from tests.conftest import make_engine
-from tests.overlap_helpers import (
-    ABORTS,
-    PREEMPTING,
-    assert_same_but_aborts,
-    count_launches,
-    long_requests,
-    mixed_requests,
-    run_steps,
-)
 
 ADAPTERS = (None, "pirate", "all")
 
 
 @pytest.fixture(scope="module")
 def config(tp_adapters) -> dict:
-    return {"max_loras": 2, "lora_modules": tp_adapters, **PREEMPTING}
+    return {"max_loras": 2, "lora_modules": tp_adapters, **overlap.PREEMPTING}
 
 
 @pytest.fixture(scope="module")
@@ -56,22 +48,23 @@ def test_async_scheduling_is_on_by_default_for_tensor_parallel_gpus_and_off_when
 
 
 def test_two_ranks_overlapping_give_the_synchronous_tokens(smollm2, sync, tp_async, monkeypatch):
-    mixed = mixed_requests(smollm2.config.vocab_size, ADAPTERS)
+    mixed = overlap.mixed_requests(smollm2.config.vocab_size, ADAPTERS)
     reqs = [{**r, "max_tokens": min(r["max_tokens"], 16)} for r in mixed]
-    expected = run_steps(sync, reqs)
+    expected = overlap.run_steps(sync, reqs)
     assert sum(reason == "stop" for _, reason in expected.values()) >= 1, "no stop token hit"
-    launches = count_launches(monkeypatch)
+    launches = overlap.count_launches(monkeypatch)
     assert tp_async.overlap
-    assert run_steps(tp_async, reqs) == expected
+    assert overlap.run_steps(tp_async, reqs) == expected
     assert len(launches) > 10, "no step overlapped"
 
 
 def test_two_ranks_overlapping_through_preemption_and_aborts(smollm2, sync, tp_async, monkeypatch):
-    reqs = long_requests(smollm2.config.vocab_size, ADAPTERS, n=16)
+    reqs = overlap.long_requests(smollm2.config.vocab_size, ADAPTERS, n=16)
     preempted = sync.scheduler.num_preemptions
-    expected = run_steps(sync, reqs, ABORTS)
+    expected = overlap.run_steps(sync, reqs, overlap.ABORTS)
     assert sync.scheduler.num_preemptions > preempted, "the KV budget should force preemption"
-    launches = count_launches(monkeypatch)
+    launches = overlap.count_launches(monkeypatch)
     preempted = tp_async.scheduler.num_preemptions
-    assert_same_but_aborts(run_steps(tp_async, reqs, ABORTS), expected, ABORTS)
+    got = overlap.run_steps(tp_async, reqs, overlap.ABORTS)
+    overlap.assert_same_but_aborts(got, expected, overlap.ABORTS)
     assert tp_async.scheduler.num_preemptions > preempted and launches
