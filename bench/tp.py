@@ -11,7 +11,7 @@ random token ids, NCCL between the GPUs of one host, CUDA graphs on every rank.
   the scaling efficiency tok/s(TP=N) / (N x tok/s(TP=1)).
 Prints one JSON line per result.
 
-    python bench/tp.py [--tp 2] [--batches 1 64] [--new-tokens 64] [--small]
+    python bench/tp.py [--tp 2] [--batches 1 64] [--new-tokens 64] [--small] [--async-scheduling off]
     python bench/tp.py --cpu      # the same code over gloo: SmolLM2 itself in float32, parity only
 """
 
@@ -45,6 +45,7 @@ def make_engine(loaded: LoadedModel, args: argparse.Namespace, tp: int, dtype: s
         max_loras=0,
         num_kv_blocks=blocks,
         tensor_parallel_size=tp,
+        async_scheduling=args.async_scheduling,  # both sizes alike: auto is on on CUDA
     )
     return Engine(config, loaded=loaded)
 
@@ -145,6 +146,7 @@ def main() -> None:
     ap.add_argument("--parity-tokens", type=int, default=32)
     ap.add_argument("--small", action="store_true", help="SmolLM2's shape instead of the 8B one")
     ap.add_argument("--cpu", action="store_true", help="gloo, SmolLM2, float32, parity only")
+    ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     args = ap.parse_args()
     args.device, args.dtype = ("cpu", "float32") if args.cpu else ("cuda", "bfloat16")
     shape = SMOLLM2 if args.small else LLAMA3_8B
@@ -156,6 +158,7 @@ def main() -> None:
         "tp": args.tp,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "async_scheduling": args.async_scheduling,
     }
     engine = make_engine(one_rank, args, 1, args.dtype)
     one = run(engine, one_rank, args)

@@ -38,7 +38,7 @@ from model_service.engine.batch_builder import BatchBuilder, _sizes
 
 def step_shape(rows: int, blocks: int) -> tuple[int, ...]:
     """A decode step of `rows` sequences, one token each, `blocks` K/V blocks per sequence."""
-    return (rows, rows, rows, blocks, 1, blocks * 16)
+    return (rows, rows, rows, blocks, 0, 1, blocks * 16)
 
 
 def worker(port: int, path: str, spin: Spin, collectives: int) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest
 import torch
 from hypothesis import settings
+from safetensors.torch import load_file, save_file
 
 torch.manual_seed(0)
 # The same examples on every run, so CI does not fail on whichever new counterexample a random
@@ -31,11 +34,34 @@ from model_service.engine.engine import Engine  # noqa: E402
 from model_service.engine.seq_state import SequenceState  # noqa: E402
 from model_service.models.loader import LoadedModel, load_model, resolve_model_path  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """Our SmolLM2 load (float32, CPU), shared by every engine a test builds."""
     return load_model("smollm2", torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def tp_adapters(smollm2, tmp_path_factory) -> dict[str, str]:
+    """The shipped pirate adapter (q/v) and a random one on all seven projections, large enough
+    that a missing or mis-sliced delta changes greedy tokens."""
+    from bench.lora import write_adapter
+
+    path = write_adapter(tmp_path_factory.mktemp("tp_adapter") / "all", smollm2.config, rank=8, seed=3)
+    weights = path / "adapter_model.safetensors"
+    save_file({k: v * 8 for k, v in load_file(str(weights)).items()}, str(weights))
+    return {"pirate": str(ROOT / "adapters" / "smollm2-pirate"), "all": str(path)}
+
+
+@pytest.fixture(scope="session")
+def tp_weights(smollm2, tmp_path_factory) -> LoadedModel:
+    """SmolLM2 whose workers load the test's float32 weights from one torch file (a second GGUF
+    dequantization per worker would cost more than the test)."""
+    path = tmp_path_factory.mktemp("tp_weights") / "smollm2.pt"
+    torch.save(dataclasses.replace(smollm2, tokenizer=None), path)
+    return dataclasses.replace(smollm2, source=functools.partial(torch.load, str(path), weights_only=False))
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
-"""Tensor parallelism on two GPUs: NCCL, CUDA graphs on every rank, LoRA kernels; greedy tokens
-equal one GPU's (float32). Skipped without two GPUs; run it with `pytest -m gpu`."""
+"""Tensor parallelism on two GPUs: NCCL, CUDA graphs on every rank, LoRA kernels, async scheduling
+on (the default) and off; greedy and seeded sampled tokens equal one synchronous GPU's (float32).
+Skipped without two GPUs; run it with `pytest -m gpu`."""
 
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ def tiny_cuda_model() -> LoadedModel:
     return LoadedModel("tiny-random", cfg, module.to("cuda").eval(), None)
 
 
-def test_two_gpus_with_nccl_graphs_and_adapters_equal_one(tmp_path):
+@pytest.mark.parametrize("async_scheduling", ["auto", "off"])
+def test_two_gpus_with_nccl_graphs_and_adapters_equal_one(tmp_path, monkeypatch, async_scheduling):
     from bench.lora import write_adapter
     from model_service.engine.config import EngineConfig
     from model_service.engine.engine import Engine
+    from tests.overlap_helpers import count_launches
 
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = tiny_cuda_model().config
@@ -50,15 +53,19 @@ def test_two_gpus_with_nccl_graphs_and_adapters_equal_one(tmp_path):
          "temperature": 0, "ignore_eos": True, "adapter": [None, "a0", "a1"][i % 3]}
         for i in range(6)
     ]  # fmt: skip
+    requests += [{**r, "temperature": 0.8, "top_p": 0.9, "seed": 7 + i} for i, r in enumerate(requests[:3])]
     # A fixed K/V budget: by default the one-GPU engine would take most of GPU 0 for its cache.
     config = {"device": "cuda", "dtype": "float32", "max_loras": 2, "lora_modules": adapters,
               "kv_cache_memory_bytes": 64 << 20}  # fmt: skip
-    one = Engine(EngineConfig(**config), loaded=tiny_cuda_model())
+    one = Engine(EngineConfig(**config, async_scheduling="off"), loaded=tiny_cuda_model())
     expected = [o.token_ids for o in one.generate(requests)]
     loaded = dataclasses.replace(tiny_cuda_model(), source=tiny_cuda_model)
-    tp = Engine(EngineConfig(**config, tensor_parallel_size=2), loaded=loaded)
+    tp_config = EngineConfig(**config, tensor_parallel_size=2, async_scheduling=async_scheduling)
+    tp = Engine(tp_config, loaded=loaded)
+    launches = count_launches(monkeypatch)
     try:
         assert [o.token_ids for o in tp.generate(requests)] == expected
+        assert tp.overlap == bool(launches) == (async_scheduling == "auto")
         # No reference to the graphs may outlive this check: teardown must free them before it
         # destroys the NCCL group, which hangs under a live graph that recorded its collectives.
         assert tp.executor.rank.executor.graphs.graphs, "decode steps did not replay CUDA graphs"

@@ -9,12 +9,9 @@ partition is what runs here. The last test kills rank 1 under a live pod.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import os
 import signal
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -31,38 +28,15 @@ from spindle.v1 import generation_pb2_grpc
 from tests.conftest import make_engine, new_sequence, prefill_logits
 from tests.service_helpers import token_request
 
-PIRATE = Path(__file__).resolve().parents[1] / "adapters" / "smollm2-pirate"
+
+@pytest.fixture(scope="module")
+def reference(smollm2, tp_adapters):
+    return make_engine(smollm2, max_loras=2, lora_modules=tp_adapters)
 
 
 @pytest.fixture(scope="module")
-def adapters(smollm2, tmp_path_factory) -> dict[str, str]:
-    """The shipped pirate adapter (q/v) and a random one on all seven projections, large enough
-    that a missing or mis-sliced delta changes greedy tokens."""
-    from bench.lora import write_adapter
-
-    path = write_adapter(tmp_path_factory.mktemp("tp_adapter") / "all", smollm2.config, rank=8, seed=3)
-    weights = path / "adapter_model.safetensors"
-    save_file({k: v * 8 for k, v in load_file(str(weights)).items()}, str(weights))
-    return {"pirate": str(PIRATE), "all": str(path)}
-
-
-@pytest.fixture(scope="module")
-def shared_weights(smollm2, tmp_path_factory) -> LoadedModel:
-    """SmolLM2 whose workers load the test's float32 weights from one torch file (a second GGUF
-    dequantization per worker would cost more than the test)."""
-    path = tmp_path_factory.mktemp("tp_weights") / "smollm2.pt"
-    torch.save(dataclasses.replace(smollm2, tokenizer=None), path)
-    return dataclasses.replace(smollm2, source=functools.partial(torch.load, str(path), weights_only=False))
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2, adapters):
-    return make_engine(smollm2, max_loras=2, lora_modules=adapters)
-
-
-@pytest.fixture(scope="module")
-def tp(shared_weights, adapters):
-    engine = make_engine(shared_weights, max_loras=2, lora_modules=adapters, tensor_parallel_size=2)
+def tp(tp_weights, tp_adapters):
+    engine = make_engine(tp_weights, max_loras=2, lora_modules=tp_adapters, tensor_parallel_size=2)
     yield engine
     engine.executor.teardown()
 

@@ -89,6 +89,8 @@ class TensorParallelExecutor:
     # --- commands ------------------------------------------------------------------------
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Launch the step on every rank; returns once all launched it, without waiting for any
+        device (the logits are queued on rank 0's), so async scheduling overlaps as on one GPU."""
         assert batch.packed is not None, "a tensor-parallel step needs the batch's packed buffer"
         packed, shape = batch.packed, batch.packed_shape
         return self._command(lambda: self.link.send_step(packed, shape), lambda: self.rank.execute(batch))

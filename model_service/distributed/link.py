@@ -11,7 +11,9 @@ GATHER's pickled method and arguments in `broadcast_object_list`, a GATHER's res
 error strings of a failed command in gather collectives. Both are separate from the device group
 the model's collectives use: a worker waits for its next command on the host without holding
 the GPU. The step's payload carries the sequences' state slots, so a model that keeps
-per-sequence state on a worker addresses it from the same command.
+per-sequence state on a worker addresses it from the same command, and async scheduling's feed
+index; the in-flight tokens it names are on rank 0's device and follow on the device group
+(rank.py), never through the host.
 
 After every command all ranks call `agree`: each writes "did it fail here" into its ack word and
 waits for everyone's (shared memory; the error strings follow on gloo only when a rank failed).
@@ -39,7 +41,7 @@ from model_service.errors import SpindleError, UnavailableError
 
 
 class Command(IntEnum):
-    STEP = 1  # header: the batch shape; payload: the packed step buffer
+    STEP = 1  # header: the batch shape (7 words: HEADER - 1); payload: the packed step buffer
     CALL = 2  # gloo: (method, args) every rank's RankExecutor runs
     GATHER = 3  # a CALL whose per-rank results are gathered on rank 0
     STOP = 4
@@ -96,7 +98,7 @@ class CommandLink:
         header = self.channel.header
         kind = Command(int(header[0]))
         if kind is Command.STEP:
-            shape = tuple(int(v) for v in header[1:7])
+            shape = tuple(int(v) for v in header[1:8])
             region = builder.host_region(shape)
             inline = min(region.numel(), self.channel.inline)
             region[:inline] = torch.from_numpy(self.channel.payload[:inline])
@@ -112,7 +114,10 @@ class CommandLink:
     # --- every rank --------------------------------------------------------------------------
 
     def agree(self, error: str | None) -> list[str | None]:
-        """Every rank's error for the command just run (None where it succeeded)."""
+        """Every rank's error for the command just run (None where it succeeded). A STEP is
+        agreed on once every rank has launched it, not run it (no rank waits for its device per
+        step): this reports what fails at launch; a fault on the device surfaces in a later
+        command that reads from it (rank 0 reading sampled tokens, a swap-out)."""
         errors: list[str | None] = [None] * self.world
         if self.channel.agree(error is not None):
             dist.all_gather_object(errors, error, group=self.group)

@@ -37,6 +37,7 @@ class RankShard:
         coll = Collectives(groups.device_group, groups.world)
         module = shard_module(full.module, self.part, coll, groups.device)
         self.loaded = LoadedModel(full.name, self.part.local_config(full.config), module, None)
+        self.device_group = groups.device_group
 
 
 class RankExecutor:
@@ -46,7 +47,7 @@ class RankExecutor:
     )
 
     def __init__(self, shard: RankShard, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
-        self.part = shard.part
+        self.part, self.device_group = shard.part, shard.device_group
         self.executor = ModelExecutor(shard.loaded, config, num_blocks, max_model_len)
 
     @staticmethod
@@ -60,13 +61,11 @@ class RankExecutor:
         return layout[0]
 
     def run(self, cmd: Received, builder: BatchBuilder) -> Any:
-        """A worker's side of one command from rank 0."""
+        """A worker's side of one command from rank 0. A step is only launched: the worker goes on
+        to receive the next command while its device runs it (the builder receives into its
+        other host buffer, and waits for the copy out of one before reusing it)."""
         if cmd.kind is Command.STEP:
-            logits = self.execute(builder.from_host(cmd.shape))
-            if logits.is_cuda:
-                # The next command is received into the same pinned host buffer this step's batch
-                # is still being copied from (non_blocking); rank 0 waits for its logits anyway.
-                torch.cuda.current_stream().synchronize()
+            self.execute(builder.from_host(cmd.shape))
             return None
         return self.call(cmd.method, cmd.args)
 
@@ -76,7 +75,25 @@ class RankExecutor:
         return getattr(self, method)(*args)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
+        self._share_fed(batch)
         return self.executor.execute(batch)
+
+    def _share_fed(self, batch: StepBatch) -> None:
+        """Async scheduling (engine/overlap.py): rank 0 wrote the step before's sampled tokens into
+        its input ids on its device, but the workers' ids come from rank 0's host buffer, which
+        holds placeholders there. Rank 0 broadcasts those tokens over the device group, queued
+        behind the step that samples them like any collective (no rank waits on the host), and
+        each worker writes them into the same rows."""
+        index = batch.feed_index
+        if index is None or not index.shape[1]:
+            return
+        if self.part.rank == 0:
+            assert batch.fed_ids is not None, "overlap.feed runs on rank 0 before the step"
+            dist.broadcast(batch.fed_ids, 0, group=self.device_group)
+            return
+        fed = torch.empty(index.shape[1], dtype=torch.long, device=index.device)
+        dist.broadcast(fed, 0, group=self.device_group)
+        batch.input_ids[index[0]] = fed
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.executor.copy_blocks(pairs)

@@ -28,16 +28,41 @@ class StepItem:
     state: SequenceState
     tokens: list[int]
     num_logits: int
+    # Async scheduling (engine/overlap.py): the index of this one-token item's token among the
+    # previous step's sampled tokens, still on the device (its `tokens` hold a placeholder); -1: none.
+    fed_from: int = -1
+
+
+class _Staging:
+    """A host buffer batches are packed (or received) into, and the event recorded after the last
+    copy out of it to the device, which must be done before the buffer is written again."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.tensor, self.pinned = torch.empty(0, dtype=torch.long), pinned
+        self.copied: torch.cuda.Event | None = None
+
+    def reuse(self, size: int) -> torch.Tensor:
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+        if self.tensor.numel() < size:
+            capacity = max(size, 2 * self.tensor.numel())
+            self.tensor = torch.empty(capacity, dtype=torch.long, pin_memory=self.pinned)
+        return self.tensor
 
 
 class BatchBuilder:
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size, self.device = block_size, device
-        # Two host buffers, used in turn: with async scheduling (engine/overlap.py) the next batch
-        # is packed while the copy out of the last one may still be queued on the device. The one
-        # before that has been copied: the engine waited for its step's tokens.
-        self._host = torch.empty(0, dtype=torch.long)
-        self._spare = torch.empty(0, dtype=torch.long)
+        # Two host buffers, used in turn, so that packing (or, on a tensor-parallel worker,
+        # receiving) the next batch never waits for the device: the copy out of the last one may
+        # still be queued behind the running step (async scheduling, engine/overlap.py; a worker
+        # that does not wait for its steps). The one before that has been copied by then, but for
+        # a host that ran two steps ahead, `_Staging.reuse` waits for its copy.
+        pinned = device.type == "cuda"
+        self._staging = (_Staging(pinned), _Staging(pinned))
+        self._turn = 0
+        self._host = self._staging[0].tensor
         self._device = torch.empty(0, dtype=torch.long, device=device)
 
     def build(self, items: list[StepItem]) -> StepBatch:
@@ -45,7 +70,6 @@ class BatchBuilder:
         rows while the GPU runs the previous one, so a Python loop per row would be the step."""
         if not items:
             raise ValueError("a step batch needs at least one sequence")
-        self._host, self._spare = self._spare, self._host
         n = len(items)
         states = [it.state for it in items]
         tables = [st.block_table for st in states]
@@ -55,9 +79,11 @@ class BatchBuilder:
         table_lens = np.fromiter(map(len, tables), np.int64, n)
         self._check(states, table_lens, starts + lens)
         total, max_blocks = int(lens.sum()), int(table_lens.max())
-        sizes = _sizes((total, n, int(num_logits.sum()), max_blocks))
-        host = self._host_buffer(sum(sizes))
-        ids, pos, slots, lora, q_start, seq_lens, state_slots, rows, table = np.split(
+        fed_from = np.fromiter((it.fed_from for it in items), np.int64, n)
+        fed = np.flatnonzero(fed_from >= 0)
+        sizes = _sizes((total, n, int(num_logits.sum()), max_blocks, len(fed)))
+        host = self._next_host(sum(sizes))
+        ids, pos, slots, lora, q_start, seq_lens, state_slots, rows, table, feed = np.split(
             host[: sum(sizes)], np.cumsum(sizes)[:-1]
         )
         q_start[0] = 0
@@ -77,7 +103,8 @@ class BatchBuilder:
         # Each sequence's logits rows are its last `num_logits` tokens.
         first_row = np.cumsum(num_logits) - num_logits
         rows[:] = np.repeat(q_start[1:] - num_logits - first_row, num_logits) + np.arange(len(rows))
-        shape = (total, n, len(rows), max_blocks, int(lens.max()), int(seq_lens.max()))
+        feed[: len(fed)], feed[len(fed) :] = q_start[fed], fed_from[fed]
+        shape = (total, n, len(rows), max_blocks, len(fed), int(lens.max()), int(seq_lens.max()))
         return self._batch(shape, self._snapshots(states, starts, lens, q_start))
 
     def _check(self, states: list[SequenceState], table_lens: np.ndarray, ends: np.ndarray) -> None:
@@ -105,10 +132,10 @@ class BatchBuilder:
         return snapshots
 
     def host_region(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """The host buffer a batch of `shape` is packed into: a tensor-parallel worker receives rank
-        0's packed batch there, then calls `from_host`."""
+        """The next host buffer, sized for a batch of `shape`: a tensor-parallel worker receives
+        rank 0's packed batch there, then calls `from_host` (once per region)."""
         size = sum(_sizes(shape))
-        self._host_buffer(size)
+        self._next_host(size)
         return self._host[:size]
 
     def from_host(self, shape: tuple[int, ...]) -> StepBatch:
@@ -120,7 +147,7 @@ class BatchBuilder:
         used = sum(sizes)
         regions = np.split(self._host.numpy()[:used], np.cumsum(sizes)[:-1])
         views = self._to_device(sizes)
-        num_seqs, max_blocks = shape[1], shape[3]
+        num_seqs, max_blocks, num_fed = shape[1], shape[3], shape[4]
         return StepBatch(
             input_ids=views[0],
             positions=views[1],
@@ -131,19 +158,20 @@ class BatchBuilder:
             state_slots=views[6],
             logits_rows=views[7],
             block_table=views[8].view(num_seqs, max_blocks),
-            max_query_len=shape[4],
-            max_seq_len=shape[5],
+            max_query_len=shape[5],
+            max_seq_len=shape[6],
             host_lora_slots=regions[3].copy(),
             host_query_start=regions[4].copy(),
             host_state_snapshots=snapshots,
             packed=self._host[:used],
             packed_shape=shape,
+            feed_index=views[9].view(2, num_fed),
         )
 
-    def _host_buffer(self, size: int) -> np.ndarray:
-        if self._host.numel() < size:
-            capacity = max(size, 2 * self._host.numel())
-            self._host = torch.empty(capacity, dtype=torch.long, pin_memory=self.device.type == "cuda")
+    def _next_host(self, size: int) -> np.ndarray:
+        """Switch to the other host buffer, grown to `size` words, once the copy out of it is done."""
+        self._turn ^= 1
+        self._host = self._staging[self._turn].reuse(size)
         if self._device.numel() < size:
             capacity = max(size, 2 * self._device.numel())
             self._device = torch.empty(capacity, dtype=torch.long, device=self.device)
@@ -156,12 +184,15 @@ class BatchBuilder:
         else:
             flat = self._device[:used]
             flat.copy_(self._host[:used], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            self._staging[self._turn].copied = copied
         return list(flat.split(sizes))
 
 
 def _sizes(shape: tuple[int, ...]) -> list[int]:
     """Region sizes of the packed buffer of a batch of (tokens, sequences, logits rows, blocks per
-    sequence, ...): ids, positions, slot mapping, LoRA slots, query starts, sequence lengths, state
-    slots, logits rows, block table."""
-    total, num_seqs, num_logits, max_blocks = shape[:4]
-    return [total] * 4 + [num_seqs + 1, num_seqs, num_seqs, num_logits, num_seqs * max_blocks]
+    sequence, fed rows, ...): ids, positions, slot mapping, LoRA slots, query starts, sequence
+    lengths, state slots, logits rows, block table, feed index."""
+    total, num_seqs, num_logits, max_blocks, num_fed = shape[:5]
+    return [total] * 4 + [num_seqs + 1, num_seqs, num_seqs, num_logits, num_seqs * max_blocks, 2 * num_fed]

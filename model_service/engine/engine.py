@@ -300,7 +300,7 @@ class Engine:
         items = [self._item(seq, n) for seq, n in work]
         batch = self.builder.build(items)
         if self._inflight is not None:
-            feed(batch, [(i, seq) for i, (seq, _) in enumerate(work) if seq.in_flight], self._inflight)
+            feed(batch, self._inflight)
         logits = self.executor.execute(batch)
         self.num_computed_tokens += sum(len(item.tokens) for item in items)
         rows, verify, first = [], [], 0  # one logits row per plain row; k + 1 per verify row
@@ -365,8 +365,9 @@ class Engine:
         """`n` of the sequence's pending tokens, or its last token and its proposals to verify."""
         assert seq.state is not None
         if seq.in_flight:  # its last token is still on the device: `feed` writes it in
+            assert self._inflight is not None
             self.cache.plan_boundary_checkpoint(seq.state, 1)
-            return StepItem(seq.state, [PLACEHOLDER], 1)
+            return StepItem(seq.state, [PLACEHOLDER], 1, self._inflight.row_of[id(seq)])
         if n > seq.num_pending:  # the scheduler took its proposals
             # Recurrent state is checkpointed after each verify token but the last, for rollback;
             # without the slots for that, the row runs as a plain decode row.
@@ -525,9 +526,9 @@ class Engine:
 
 
 def _async_scheduling(config: EngineConfig, device: torch.device, without_speculation: bool) -> bool:
-    """Whether steps may overlap (engine/overlap.py): asked for, or by default on one GPU.
-    Tensor-parallel workers take their input ids from rank 0's host buffer, which an in-flight
-    token is not in yet; speculation needs each step's tokens on the host to propose the next."""
-    if config.async_scheduling == "off" or config.tensor_parallel_size > 1 or not without_speculation:
+    """Whether steps may overlap (engine/overlap.py): asked for, or by default on GPUs (one, or a
+    tensor-parallel pod's, whose rank 0 sends the in-flight tokens on over the device group).
+    Speculation needs each step's tokens on the host to propose the next."""
+    if config.async_scheduling == "off" or not without_speculation:
         return False
     return config.async_scheduling == "on" or device.type == "cuda"

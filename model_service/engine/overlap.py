@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model_service.engine.sampler import SampleRow, sample_on_device, to_device
+from model_service.engine.sampler import SampleRow, sample_on_device
 from model_service.engine.sequence import Sequence
 from model_service.models.step import StepBatch
 
@@ -68,12 +68,13 @@ def launch(seqs: list[Sequence], logits: torch.Tensor) -> InFlight:
     return InFlight(seqs, tokens, host, ready, {id(s): i for i, s in enumerate(seqs)})
 
 
-def feed(batch: StepBatch, rows: list[tuple[int, Sequence]], inflight: InFlight) -> None:
-    """Write each in-flight token into the input id of its sequence's row (`rows`: (batch row of
-    the sequence, sequence)), on the device, queued after the step that samples it."""
-    if not rows:
+def feed(batch: StepBatch, inflight: InFlight) -> None:
+    """Write each in-flight token into the input id of its row (`batch.feed_index`, packed by the
+    batch builder from `StepItem.fed_from`), on the device, queued after the step that samples
+    it. The tokens stay on the batch (`fed_ids`): a tensor-parallel rank 0 sends them on to its
+    workers over the device group (distributed/rank.py), whose input ids come from the host."""
+    index = batch.feed_index
+    if index is None or not index.shape[1]:
         return
-    dst = [int(batch.host_query_start[i]) for i, _ in rows]
-    src = [inflight.row_of[id(seq)] for _, seq in rows]
-    index = to_device(dst + src, batch.input_ids.device).view(2, -1)
-    batch.input_ids[index[0]] = inflight.tokens[index[1]]
+    batch.fed_ids = inflight.tokens[index[1]]
+    batch.input_ids[index[0]] = batch.fed_ids

@@ -49,6 +49,11 @@ class StepBatch:
     # what a tensor-parallel rank 0 broadcasts so the other ranks run the same step.
     packed: torch.Tensor | None = None
     packed_shape: tuple[int, ...] = ()
+    # Async scheduling (engine/overlap.py): [2, K] the rows of `input_ids` whose token the step
+    # before sampled and is still on the device, and each one's index among that step's tokens.
+    feed_index: torch.Tensor | None = None
+    # [K] those tokens, once rank 0 wrote them in: what a tensor-parallel rank 0 sends its workers.
+    fed_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,91 @@
+"""Async scheduling under tensor parallelism on the CPU: two processes over gloo, the same code as
+on GPUs over NCCL. Rank 0 launches step N + 1 before it reads step N's tokens and broadcasts the
+in-flight ones to rank 1 over the device group (distributed/rank.py), and no rank waits for its
+device per step. The oracle is the single-process synchronous engine over the same weights:
+greedy and seeded sampled tokens identical, on a batch mixing the base model and two adapters,
+stop tokens, steps that sample on the host's schedule (a penalty, logprobs), chunked prefill,
+preemption and aborts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_service.engine.batch_builder import BatchBuilder, StepItem
+from model_service.engine.config import EngineConfig
+from model_service.engine.engine import _async_scheduling
+from model_service.engine.overlap import InFlight, feed
+from tests import overlap_helpers as overlap
+from tests.conftest import make_engine, new_sequence
+
+ADAPTERS = (None, "pirate", "all")
+
+
+@pytest.fixture(scope="module")
+def config(tp_adapters) -> dict:
+    return {"max_loras": 2, "lora_modules": tp_adapters, **overlap.PREEMPTING}
+
+
+@pytest.fixture(scope="module")
+def sync(smollm2, config):
+    """The oracle, run on the same requests in the same order as `tp_async`, so that their
+    prefix caches (and with them the steps an abort lands in) stay the same."""
+    return make_engine(smollm2, async_scheduling="off", **config)
+
+
+@pytest.fixture(scope="module")
+def tp_async(tp_weights, config):
+    engine = make_engine(tp_weights, tensor_parallel_size=2, async_scheduling="on", **config)
+    yield engine
+    engine.executor.teardown()
+
+
+def test_async_scheduling_is_on_by_default_for_tensor_parallel_gpus_and_off_when_asked():
+    def on(mode: str, device: str) -> bool:
+        cfg = EngineConfig(model="smollm2", tensor_parallel_size=2, async_scheduling=mode)
+        return _async_scheduling(cfg, torch.device(device), without_speculation=True)
+
+    assert on("auto", "cuda") and on("on", "cpu")
+    assert not on("off", "cuda") and not on("auto", "cpu")
+
+
+def test_the_feed_index_travels_in_the_packed_batch_and_feed_writes_the_in_flight_tokens(tiny_llama):
+    """What rank 0 packs is what a worker rebuilds from the same host words (its header shape
+    included); `feed` writes step N's tokens into the placeholder rows and keeps them to send."""
+    engine = make_engine(tiny_llama, max_loras=0)
+    states = [new_sequence(engine, 4) for _ in range(3)]
+    tokens, fed_from = ([0], [5, 6, 7], [0]), (2, -1, 0)  # rows 0 and 4: step N's third and first
+    items = [StepItem(st, ids, 1, f) for st, ids, f in zip(states, tokens, fed_from, strict=True)]
+    batch = engine.builder.build(items)
+    worker = BatchBuilder(engine.config.block_size, torch.device("cpu"))
+    worker.host_region(batch.packed_shape)[:] = batch.packed
+    rebuilt = worker.from_host(batch.packed_shape)
+    assert batch.feed_index.tolist() == rebuilt.feed_index.tolist() == [[0, 4], [2, 0]]
+    feed(batch, InFlight([], torch.tensor([10, 11, 12]), torch.tensor([10, 11, 12]), None))
+    assert batch.input_ids.tolist() == [12, 5, 6, 7, 10] and batch.fed_ids.tolist() == [12, 10]
+    assert rebuilt.input_ids.tolist() == [0, 5, 6, 7, 0]  # a worker's: `_share_fed` writes them
+    for state in states:
+        engine.cache.free(state)
+
+
+def test_two_ranks_overlapping_give_the_synchronous_tokens(smollm2, sync, tp_async, monkeypatch):
+    mixed = overlap.mixed_requests(smollm2.config.vocab_size, ADAPTERS)
+    reqs = [{**r, "max_tokens": min(r["max_tokens"], 16)} for r in mixed]
+    expected = overlap.run_steps(sync, reqs)
+    assert sum(reason == "stop" for _, reason in expected.values()) >= 1, "no stop token hit"
+    launches = overlap.count_launches(monkeypatch)
+    assert tp_async.overlap
+    assert overlap.run_steps(tp_async, reqs) == expected
+    assert len(launches) > 10, "no step overlapped"
+
+
+def test_two_ranks_overlapping_through_preemption_and_aborts(smollm2, sync, tp_async, monkeypatch):
+    reqs = overlap.long_requests(smollm2.config.vocab_size, ADAPTERS, n=16)
+    preempted = sync.scheduler.num_preemptions
+    expected = overlap.run_steps(sync, reqs, overlap.ABORTS)
+    assert sync.scheduler.num_preemptions > preempted, "the KV budget should force preemption"
+    launches = overlap.count_launches(monkeypatch)
+    preempted = tp_async.scheduler.num_preemptions
+    got = overlap.run_steps(tp_async, reqs, overlap.ABORTS)
+    overlap.assert_same_but_aborts(got, expected, overlap.ABORTS)
+    assert tp_async.scheduler.num_preemptions > preempted and launches
