@@ -35,7 +35,7 @@ def tiny_cuda_model() -> LoadedModel:
     return LoadedModel("tiny-random", cfg, module.to("cuda").eval(), None)
 
 
-@pytest.mark.parametrize("async_scheduling", ["auto", "off"])
+@pytest.mark.parametrize("async_scheduling", ["on", "off"])
 def test_two_gpus_with_nccl_graphs_and_adapters_equal_one(tmp_path, monkeypatch, async_scheduling):
     from bench.lora import write_adapter
     from model_service.engine.config import EngineConfig
@@ -65,7 +65,7 @@ def test_two_gpus_with_nccl_graphs_and_adapters_equal_one(tmp_path, monkeypatch,
     launches = count_launches(monkeypatch)
     try:
         assert [o.token_ids for o in tp.generate(requests)] == expected
-        assert tp.overlap == bool(launches) == (async_scheduling == "auto")
+        assert tp.overlap == bool(launches) == (async_scheduling == "on")
         # No reference to the graphs may outlive this check: teardown must free them before it
         # destroys the NCCL group, which hangs under a live graph that recorded its collectives.
         assert tp.executor.rank.executor.graphs.graphs, "decode steps did not replay CUDA graphs"

@@ -526,9 +526,11 @@ class Engine:
 
 
 def _async_scheduling(config: EngineConfig, device: torch.device, without_speculation: bool) -> bool:
-    """Whether steps may overlap (engine/overlap.py): asked for, or by default on GPUs (one, or a
-    tensor-parallel pod's, whose rank 0 sends the in-flight tokens on over the device group).
-    Speculation needs each step's tokens on the host to propose the next."""
+    """Whether steps may overlap (engine/overlap.py): asked for, or by default on one GPU. A
+    tensor-parallel pod overlaps when asked (`on`: rank 0 sends the in-flight tokens on over the
+    device group); `auto` leaves it off there until it has been measured on GPUs (the CPU tests
+    hold it to the synchronous tokens). Speculation needs each step's tokens on the host."""
     if config.async_scheduling == "off" or not without_speculation:
         return False
-    return config.async_scheduling == "on" or device.type == "cuda"
+    single_gpu = device.type == "cuda" and config.tensor_parallel_size == 1
+    return config.async_scheduling == "on" or single_gpu
