@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import NamedTuple
 
 import torch
 
@@ -22,14 +21,11 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-class OutputIds(NamedTuple):
-    """A request's output ids as of one step: `source[start:end]` of the sequence's own token list,
-    which only ever grows (a forked beam gets a new list). Copied only when read: copying the whole
-    output into every step's output cost O(output length) per sequence per step."""
-
-    source: list[int]
-    start: int
-    end: int
+# A request's output ids as of one step, (source, start, end): `source[start:end]` of the
+# sequence's own token list, which only ever grows (a forked beam gets a new list). Copied only
+# when read: copying the whole output into every step's output cost O(output length) per
+# sequence per step. A plain tuple: a NamedTuple's constructor is a Python call.
+OutputIds = tuple[list[int], int, int]
 
 
 class RequestOutput:
@@ -74,8 +70,9 @@ class RequestOutput:
     @property
     def token_ids(self) -> list[int]:
         ids = self._token_ids
-        if isinstance(ids, OutputIds):
-            ids = self._token_ids = ids.source[ids.start : ids.end]
+        if isinstance(ids, tuple):
+            source, start, end = ids
+            ids = self._token_ids = source[start:end]
         return ids
 
     def __repr__(self) -> str:
@@ -177,7 +174,7 @@ class Sequence:
             self.request_id,
             ids[first + self.emitted_tokens :],
             self.text[self.emitted_chars : end],
-            OutputIds(ids, first, len(ids)),
+            (ids, first, len(ids)),
             self.text,
             finished,
             self.finish_reason,
