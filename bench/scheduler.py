@@ -10,13 +10,15 @@
    appending, stop checks, outputs) is what is measured, not argmax. KV blocks for every
    token, so nothing is preempted. Median over every decode step of outputs `--output-len`
    tokens long (64 and 512 by default): the per-step cost grows with output length where a
-   step copies a whole output.
+   step copies a whole output. `--async-scheduling on` runs the same with overlapped steps
+   (engine/overlap.py; on the CPU the token "copy" is immediate).
 3. `multi_turn_prefix_cache`: SmolLM2, float32 CPU, greedy; conversations that resend their
    whole history each turn. Reports the prefix-cache hit rate and mean time-to-first-token
    with the cache on and off (same run, same prompts).
 
     .venv/bin/python bench/scheduler.py [--seqs 256] [--conversations 4] [--turns 4]
     .venv/bin/python bench/scheduler.py --only host_cpu [--output-len 64 512] [--repeats 3]
+        [--async-scheduling off|on]
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ from model_service.models.step import StepBatch
 
 
 def _fake_model_engine(
-    num_seqs: int, vocab_size: int = 32000, max_len: int = 4096, fixed_logits: bool = False
+    num_seqs: int,
+    vocab_size: int = 32000,
+    max_len: int = 4096,
+    fixed_logits: bool = False,
+    async_scheduling: str = "auto",
 ) -> Engine:
     """An engine whose forward is a fake: random logits each step, or one fixed draw (`fixed_logits`)."""
     cfg = ModelConfig(
@@ -65,6 +71,7 @@ def _fake_model_engine(
             num_kv_blocks=num_seqs * max(16, -(-max_len // 16)),
             max_num_seqs=num_seqs,
             max_num_batched_tokens=max(2048, num_seqs),
+            async_scheduling=async_scheduling,
         ),
         loaded=loaded,
     )
@@ -130,10 +137,12 @@ def bench_scheduler_step(num_seqs: int, steps: int = 50) -> None:
     )
 
 
-def bench_host_cpu(num_seqs: int, output_len: int, vocab_size: int = 512) -> float:
+def bench_host_cpu(num_seqs: int, output_len: int, overlap: str = "off", vocab_size: int = 512) -> float:
     """Median process CPU time (ms) of a decode step; see the module docstring."""
     prompt_len = 64
-    engine = _fake_model_engine(num_seqs, vocab_size, prompt_len + output_len + 16, fixed_logits=True)
+    engine = _fake_model_engine(
+        num_seqs, vocab_size, prompt_len + output_len + 16, fixed_logits=True, async_scheduling=overlap
+    )
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     for i in range(num_seqs):
         engine.add_request(prompt_token_ids=[1 + (i % 100)] * prompt_len, params=params)
@@ -235,10 +244,11 @@ def main() -> None:
     ap.add_argument("--only", choices=["host_cpu"], help="run only this measurement")
     ap.add_argument("--output-len", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--repeats", type=int, default=1, help="host_cpu runs per output length")
+    ap.add_argument("--async-scheduling", choices=["off", "on"], default="off", help="for host_cpu")
     args = ap.parse_args()
     for _ in range(args.repeats):
         for output_len in args.output_len:
-            bench_host_cpu(args.seqs, output_len)
+            bench_host_cpu(args.seqs, output_len, args.async_scheduling)
     if args.only == "host_cpu":
         return
     bench_scheduler_step(args.seqs)
