@@ -4,11 +4,21 @@
    the model's forward replaced by a fake that returns random logits (vocab 32000). Reports
    the scheduler's `schedule()` alone and the whole step (scheduling, metadata-free fake
    forward, batched sampling, stop checks, outputs).
-2. `multi_turn_prefix_cache`: SmolLM2, float32 CPU, greedy; conversations that resend their
+2. `host_cpu_per_step`: process CPU time (time.process_time) of each decode step with 256
+   running greedy sequences (EOS ignored) and a fake forward returning fixed logits over a
+   vocab of 512, so the host work (scheduling, batch building, sampling's host side,
+   appending, stop checks, outputs) is what is measured, not argmax. KV blocks for every
+   token, so nothing is preempted. Median over every decode step of outputs `--output-len`
+   tokens long (64 and 512 by default): the per-step cost grows with output length where a
+   step copies a whole output. `--async-scheduling on` runs the same with overlapped steps
+   (engine/overlap.py; on the CPU the token "copy" is immediate).
+3. `multi_turn_prefix_cache`: SmolLM2, float32 CPU, greedy; conversations that resend their
    whole history each turn. Reports the prefix-cache hit rate and mean time-to-first-token
    with the cache on and off (same run, same prompts).
 
     .venv/bin/python bench/scheduler.py [--seqs 256] [--conversations 4] [--turns 4]
+    .venv/bin/python bench/scheduler.py --only host_cpu [--output-len 64 512] [--repeats 3]
+        [--async-scheduling off|on]
 """
 
 from __future__ import annotations
@@ -33,10 +43,17 @@ from model_service.models.loader import LoadedModel, load_model
 from model_service.models.step import StepBatch
 
 
-def _fake_model_engine(num_seqs: int) -> Engine:
+def _fake_model_engine(
+    num_seqs: int,
+    vocab_size: int = 32000,
+    max_len: int = 4096,
+    fixed_logits: bool = False,
+    async_scheduling: str = "auto",
+) -> Engine:
+    """An engine whose forward is a fake: random logits each step, or one fixed draw (`fixed_logits`)."""
     cfg = ModelConfig(
         family="llama",
-        vocab_size=32000,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_layers=1,
@@ -44,21 +61,26 @@ def _fake_model_engine(num_seqs: int) -> Engine:
         num_kv_heads=4,
         head_dim=16,
         rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_len,
     )
     loaded = LoadedModel("fake", cfg, DecoderModel(cfg), tokenizer=None)
     engine = Engine(
         EngineConfig(
             device="cpu",
             dtype="float32",
-            num_kv_blocks=num_seqs * 16,
+            num_kv_blocks=num_seqs * max(16, -(-max_len // 16)),
             max_num_seqs=num_seqs,
             max_num_batched_tokens=max(2048, num_seqs),
+            async_scheduling=async_scheduling,
         ),
         loaded=loaded,
     )
 
+    fixed = torch.randn(num_seqs, cfg.vocab_size)
+
     def fake_execute(batch: StepBatch) -> torch.Tensor:
+        if fixed_logits:
+            return fixed[: len(batch.logits_rows)]
         return torch.randn(len(batch.logits_rows), cfg.vocab_size)
 
     engine.executor.execute = fake_execute
@@ -113,6 +135,45 @@ def bench_scheduler_step(num_seqs: int, steps: int = 50) -> None:
         ),
         flush=True,
     )
+
+
+def bench_host_cpu(num_seqs: int, output_len: int, overlap: str = "off", vocab_size: int = 512) -> float:
+    """Median process CPU time (ms) of a decode step; see the module docstring."""
+    prompt_len = 64
+    engine = _fake_model_engine(
+        num_seqs, vocab_size, prompt_len + output_len + 16, fixed_logits=True, async_scheduling=overlap
+    )
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    for i in range(num_seqs):
+        engine.add_request(prompt_token_ids=[1 + (i % 100)] * prompt_len, params=params)
+    while any(seq.num_output_tokens == 0 for seq in engine.requests.values()):
+        engine.step()  # chunked prefills, each sequence sampling its first token
+    times, preemptions = [], engine.stats().num_preemptions
+    while engine.has_unfinished():
+        t = time.process_time()
+        engine.step()
+        times.append(time.process_time() - t)
+    assert engine.stats().num_preemptions == preemptions == 0
+    value = statistics.median(times) * 1e3
+    print(
+        json.dumps(
+            {
+                "bench": "host_cpu_per_step",
+                "running_seqs": num_seqs,
+                "prompt_len": prompt_len,
+                "output_len": output_len,
+                "steps": len(times),
+                "forward": f"fake (fixed logits, vocab {vocab_size})",
+                "sampling": "greedy, ignore_eos",
+                "async_scheduling": engine.overlap,
+                "metric": "median_process_cpu_ms_per_step",
+                "value": round(value, 3),
+                "us_per_seq": round(value * 1e3 / num_seqs, 2),
+            }
+        ),
+        flush=True,
+    )
+    return value
 
 
 def bench_multi_turn(loaded: LoadedModel, conversations: int, turns: int) -> None:
@@ -180,7 +241,16 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=256)
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--only", choices=["host_cpu"], help="run only this measurement")
+    ap.add_argument("--output-len", type=int, nargs="+", default=[64, 512])
+    ap.add_argument("--repeats", type=int, default=1, help="host_cpu runs per output length")
+    ap.add_argument("--async-scheduling", choices=["off", "on"], default="off", help="for host_cpu")
     args = ap.parse_args()
+    for _ in range(args.repeats):
+        for output_len in args.output_len:
+            bench_host_cpu(args.seqs, output_len, args.async_scheduling)
+    if args.only == "host_cpu":
+        return
     bench_scheduler_step(args.seqs)
     bench_multi_turn(
         load_model("smollm2", torch.float32, torch.device("cpu")), args.conversations, args.turns

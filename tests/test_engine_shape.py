@@ -139,6 +139,29 @@ def test_verify_runs_as_token_rows_attend_exactly_as_the_runs_do(window):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
 
 
+def test_step_batch_block_table_follows_growth_copy_on_write_and_truncation():
+    # The builder keeps a copy of each table between steps; every kind of change must reach it.
+    bs, blocks = 4, BlockManager(16, 4)
+    a, b = SequenceState(seq_id=0), SequenceState(seq_id=1)
+    builder = BatchBuilder(bs, torch.device("cpu"))
+
+    def table(state: SequenceState) -> list[int]:
+        return builder.build([StepItem(state, [1], 1)]).block_table[0].tolist()
+
+    assert blocks.reserve(a, 6)
+    a.num_computed = 5
+    first = list(a.block_table)
+    assert table(a) == first
+    assert blocks.reserve(a, 9)  # grows by a block
+    assert table(a) == a.block_table and len(a.block_table) == 3
+    blocks.fork(a, b)
+    new = blocks.replace_block(b, 1)  # copy-on-write: same length, another block
+    assert new is not None and table(b) == [first[0], new, a.block_table[2]]
+    blocks.truncate(a, 4)  # back to one block, then regrown with other blocks
+    assert blocks.reserve(a, 9)
+    assert table(a) == a.block_table
+
+
 def test_step_batch_refuses_an_item_without_enough_blocks():
     with pytest.raises(RuntimeError, match="too few KV blocks"):
         BatchBuilder(4, torch.device("cpu")).build([StepItem(_state([1], computed=3), [1, 2], 1)])

@@ -72,12 +72,10 @@ class BatchBuilder:
             raise ValueError("a step batch needs at least one sequence")
         n = len(items)
         states = [it.state for it in items]
-        tables = [st.block_table for st in states]
-        lens = np.fromiter((len(it.tokens) for it in items), np.int64, n)
-        starts = np.fromiter((st.num_computed for st in states), np.int64, n)
-        num_logits = np.fromiter((it.num_logits for it in items), np.int64, n)
-        table_lens = np.fromiter(map(len, tables), np.int64, n)
-        self._check(states, table_lens, starts + lens)
+        lens, starts, num_logits, table_lens, lora_of, state_of, has_snapshots, freed = _columns(
+            items, states
+        )
+        self._check(states, freed, table_lens, starts + lens)
         total, max_blocks = int(lens.sum()), int(table_lens.max())
         fed_from = np.fromiter((it.fed_from for it in items), np.int64, n)
         fed = np.flatnonzero(fed_from >= 0)
@@ -91,26 +89,26 @@ class BatchBuilder:
         np.add(starts, lens, out=seq_lens)
         table = table.reshape(n, max_blocks)
         table.fill(0)
-        table[np.arange(max_blocks) < table_lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(tables), np.int64, int(table_lens.sum())
-        )
+        table[np.arange(max_blocks) < table_lens[:, None]] = _table_arrays(states)
         ids[:] = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), np.int64, total)
         pos[:] = np.repeat(starts - q_start[:-1], lens) + np.arange(total)
         seq_of = np.repeat(np.arange(n), lens)
         slots[:] = table[seq_of, pos // self.block_size] * self.block_size + pos % self.block_size
-        lora[:] = np.fromiter((st.lora_slot for st in states), np.int64, n)[seq_of]
-        state_slots[:] = np.fromiter((st.state_slot for st in states), np.int64, n)
+        lora[:] = lora_of[seq_of]
+        state_slots[:] = state_of
         # Each sequence's logits rows are its last `num_logits` tokens.
         first_row = np.cumsum(num_logits) - num_logits
         rows[:] = np.repeat(q_start[1:] - num_logits - first_row, num_logits) + np.arange(len(rows))
         feed[: len(fed)], feed[len(fed) :] = q_start[fed], fed_from[fed]
         shape = (total, n, len(rows), max_blocks, len(fed), int(lens.max()), int(seq_lens.max()))
-        return self._batch(shape, self._snapshots(states, starts, lens, q_start))
+        snapshots = self._snapshots(states, np.flatnonzero(has_snapshots), starts, lens, q_start)
+        return self._batch(shape, snapshots)
 
-    def _check(self, states: list[SequenceState], table_lens: np.ndarray, ends: np.ndarray) -> None:
-        for st in states:
-            if st.freed:
-                raise RuntimeError(f"sequence {st.seq_id} used after free")
+    def _check(
+        self, states: list[SequenceState], freed: np.ndarray, table_lens: np.ndarray, ends: np.ndarray
+    ) -> None:
+        if freed.any():
+            raise RuntimeError(f"sequence {states[int(freed.argmax())].seq_id} used after free")
         short = np.flatnonzero(table_lens * self.block_size < ends)
         if len(short):
             raise RuntimeError(
@@ -119,12 +117,17 @@ class BatchBuilder:
 
     @staticmethod
     def _snapshots(
-        states: list[SequenceState], starts: np.ndarray, lens: np.ndarray, q_start: np.ndarray
+        states: list[SequenceState],
+        with_snapshots: np.ndarray,
+        starts: np.ndarray,
+        lens: np.ndarray,
+        q_start: np.ndarray,
     ) -> np.ndarray:
         """[T] the state slot that receives each token's recurrent state (-1: none): the
-        checkpoints this step's tokens reach."""
+        checkpoints this step's tokens reach (`with_snapshots`: the rows that have any)."""
         snapshots = np.full(int(q_start[-1]), -1, dtype=np.int64)
-        for i, st in enumerate(states):
+        for i in with_snapshots.tolist():
+            st = states[i]
             s, n, o = int(starts[i]), int(lens[i]), int(q_start[i])
             for length, slot in st.snapshots.items():
                 if s < length <= s + n:
@@ -188,6 +191,34 @@ class BatchBuilder:
             copied.record()
             self._staging[self._turn].copied = copied
         return list(flat.split(sizes))
+
+
+def _columns(items: list[StepItem], states: list[SequenceState]) -> np.ndarray:
+    """[8, N] per row: tokens, start position, logits rows, block-table length, LoRA slot, state
+    slot, recurrent-state snapshots, freed. One pass over the rows, not one per column."""
+    values = itertools.chain.from_iterable(
+        (
+            len(it.tokens),
+            s.num_computed,
+            it.num_logits,
+            len(s.block_table),
+            s.lora_slot,
+            s.state_slot,
+            len(s.snapshots),
+            s.freed,
+        )
+        for it, s in zip(items, states, strict=True)
+    )
+    return np.fromiter(values, np.int64, 8 * len(items)).reshape(len(items), 8).T
+
+
+def _table_arrays(states: list[SequenceState]) -> np.ndarray:
+    """Every row's block table, concatenated, from each state's `table_array` (refreshed where the
+    table grew or was rewritten): O(rows) Python work a step, not O(blocks)."""
+    for st in states:
+        if st.table_array is None or len(st.table_array) != len(st.block_table):
+            st.table_array = np.array(st.block_table, dtype=np.int64)
+    return np.concatenate([st.table_array for st in states])
 
 
 def _sizes(shape: tuple[int, ...]) -> list[int]:

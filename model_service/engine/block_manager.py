@@ -87,6 +87,7 @@ class BlockManager:
         for block in reversed(state.block_table[keep:]):
             self._decref(block)
         del state.block_table[keep:]
+        state.table_array = None  # the table may grow back to this length with other blocks
         full = num_tokens // self.block_size
         if len(state.block_keys) > full:
             del state.block_keys[full:]
@@ -111,6 +112,7 @@ class BlockManager:
         self._evict(new)
         self._blocks[new].ref_count = 1
         state.block_table[index] = new
+        state.table_array = None  # same length, another block
         self._decref(old)
         return new
 

@@ -150,7 +150,10 @@ class CacheManager:
     def register_full_blocks(self, state: SequenceState, token_ids: list[int], adapter_id: int) -> None:
         """Publish `state`'s newly full blocks to the prefix cache; with recurrent layers, also the
         snapshots taken at their boundaries. Other snapshots up to the current length are released."""
-        self.blocks.register_full_blocks(state, token_ids, adapter_id)
+        if len(state.block_keys) < state.num_computed // self.block_size:  # a block just filled
+            self.blocks.register_full_blocks(state, token_ids, adapter_id)
+        if not state.snapshots:
+            return
         for length in [n for n in state.snapshots if n <= state.num_computed]:
             slot = state.snapshots.pop(length)
             key = self._key_ending_at(state, length)
@@ -186,6 +189,15 @@ class CacheManager:
         boundary = (state.num_computed + num_tokens) // self.block_size * self.block_size
         if boundary > state.num_computed and boundary not in state.snapshots:
             self.plan_checkpoints(state, [boundary])
+
+    def has_room(self, state: SequenceState, num_tokens: int) -> bool:
+        """Whether `state`'s next `num_tokens` tokens fit with nothing to do: its blocks cover them
+        and the first lands in a fresh block or a private partial one (`make_writable` and
+        `reserve` would change nothing). The common decode row; checked first, for speed."""
+        computed, table, bs = state.num_computed, state.block_table, self.block_size
+        if computed + num_tokens > len(table) * bs:
+            return False
+        return computed % bs == 0 or self.blocks.ref_count(table[computed // bs]) == 1
 
     def make_writable(self, state: SequenceState) -> bool:
         """Copy-on-write: before appending into a partial last block shared with another sequence,

@@ -17,7 +17,8 @@ class OutputProcessor:
 
     def append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> bool:
         """Add `token` to `seq`; True when that finished it (`seq.finish_reason` says why)."""
-        seq.token_ids.append(token)
+        ids = seq.token_ids
+        ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         p = seq.params
@@ -25,12 +26,13 @@ class OutputProcessor:
         if stop_token and not p.include_stop_str_in_output:
             return _stop(seq, "stop", token)  # its text is not part of the answer
         delta = seq.detokenizer.push(token)
-        seq.text += delta
+        if delta:
+            seq.text += delta
         if stop_token:
             return _stop(seq, "stop", token)
         if p.stop and self._match_stop_string(seq, len(delta)):
             return True
-        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if len(ids) - seq.num_prompt_tokens >= p.max_tokens or len(ids) >= self.max_model_len:
             return _stop(seq, "length", None)
         return False
 

@@ -17,6 +17,7 @@ Decode rows and prefill chunks of one step go through the model in one mixed for
 from __future__ import annotations
 
 import bisect
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -25,6 +26,8 @@ from model_service.engine.cache_manager import CacheManager
 from model_service.engine.config import EngineConfig
 from model_service.engine.sequence import Sequence, Status
 from model_service.errors import CapacityError
+
+_SORT_KEY = operator.attrgetter("priority", "arrival")  # Sequence.sort_key without a Python call
 
 
 class AdapterSlots(Protocol):
@@ -108,16 +111,16 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, budget: int, batch: ScheduledBatch) -> int:
-        self.running.sort(key=Sequence.sort_key)
-        scheduled: set[int] = set()
+        self.running.sort(key=_SORT_KEY)
         # Decode rows first, then prefill chunks; a beam waiting for its siblings' logits (0
         # pending) waits. Pending counts do not change in this loop, except by preemption.
         pending = [(seq, seq.num_pending) for seq in self.running]
         order = [sp for sp in pending if sp[1] == 1] + [sp for sp in pending if sp[1] > 1]
+        work, running, cache = batch.work, Status.RUNNING, self.cache  # locals: 256 rows a step
         for seq, num_pending in order:
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:
+            if seq.status is not running:
                 continue  # preempted by a reservation before it
             n = min(num_pending, budget)
             if num_pending == 1 and seq.spec_tokens:  # verify its proposals too, if the budget allows
@@ -125,9 +128,8 @@ class Scheduler:
                     n += len(seq.spec_tokens)
                 else:
                     seq.spec_tokens = []
-            if self._reserve_or_preempt(seq, n, scheduled):
-                batch.work.append((seq, n))
-                scheduled.add(id(seq))
+            if cache.has_room(seq.state, n) or self._reserve_or_preempt(seq, n, work):
+                work.append((seq, n))
                 budget -= n
         return budget
 
@@ -183,12 +185,13 @@ class Scheduler:
 
     # --- preemption -----------------------------------------------------------------------
 
-    def _reserve_or_preempt(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
+    def _reserve_or_preempt(self, seq: Sequence, n: int, work: list[tuple[Sequence, int]]) -> bool:
+        """Make room for `seq`'s next `n` tokens, preempting what `work` has not scheduled yet."""
         assert seq.state is not None
         while not (
             self.cache.make_writable(seq.state) and self.cache.reserve(seq.state, seq.num_computed + n)
         ):
-            victim = self._pick_victim(scheduled)
+            victim = self._pick_victim({id(s) for s, _ in work})
             self._preempt(victim)
             if victim is seq:
                 return False

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -15,3 +19,7 @@ class SequenceState:
     state_slot: int = -1  # recurrent-state slot (-1: the model has no recurrent layers)
     snapshots: dict[int, int] = field(default_factory=dict)  # position -> state slot holding a copy
     freed: bool = False
+    # The batch builder's int64 copy of `block_table`, current while it is as long as the table:
+    # tables only grow during decode, so a step copies only the tables that grew. Whoever rewrites
+    # an entry in place (copy-on-write, truncation) sets it to None.
+    table_array: np.ndarray | None = field(default=None, compare=False, repr=False)

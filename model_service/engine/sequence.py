@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -22,22 +21,63 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# A request's output ids as of one step, (source, start, end): `source[start:end]` of the
+# sequence's own token list, which only ever grows (a forked beam gets a new list). Copied only
+# when read: copying the whole output into every step's output cost O(output length) per
+# sequence per step. A plain tuple: a NamedTuple's constructor is a Python call.
+OutputIds = tuple[list[int], int, int]
+
+
 class RequestOutput:
     """What one step produced for one request. `text`/`token_ids` are cumulative; `new_*` are the delta."""
 
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    num_prompt_tokens: int
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    stop_reason: str | int | None = None  # the stop string or token id that ended it
-    error: str | None = None
-    first_scheduled_at: float | None = None  # time.monotonic() of the first step that ran it
+    __slots__ = (
+        "_token_ids",
+        "error",
+        "finish_reason",  # "stop" | "length" | "abort" | "error"
+        "finished",
+        "first_scheduled_at",  # time.monotonic() of the first step that ran it
+        "new_logprobs",
+        "new_text",
+        "new_token_ids",
+        "num_prompt_tokens",
+        "request_id",
+        "stop_reason",  # the stop string or token id that ended it
+        "text",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        new_token_ids: list[int],
+        new_text: str,
+        token_ids: list[int] | OutputIds,
+        text: str,
+        finished: bool,
+        finish_reason: str | None,
+        num_prompt_tokens: int,
+        new_logprobs: list[TokenLogprobs] | None = None,
+        stop_reason: str | int | None = None,
+        error: str | None = None,
+        first_scheduled_at: float | None = None,
+    ) -> None:
+        self.request_id, self.new_token_ids, self.new_text = request_id, new_token_ids, new_text
+        self._token_ids, self.text, self.finished = token_ids, text, finished
+        self.finish_reason, self.num_prompt_tokens = finish_reason, num_prompt_tokens
+        self.new_logprobs = new_logprobs if new_logprobs is not None else []
+        self.stop_reason, self.error, self.first_scheduled_at = stop_reason, error, first_scheduled_at
+
+    @property
+    def token_ids(self) -> list[int]:
+        ids = self._token_ids
+        if isinstance(ids, tuple):
+            source, start, end = ids
+            ids = self._token_ids = source[start:end]
+        return ids
+
+    def __repr__(self) -> str:
+        names = [slot.lstrip("_") for slot in self.__slots__]  # `token_ids`, not its lazy form
+        return "RequestOutput(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
 
 
 class Sequence:
@@ -98,7 +138,8 @@ class Sequence:
     @property
     def num_pending(self) -> int:
         """Tokens not yet in the KV cache (1 for a sequence in decode)."""
-        return len(self.token_ids) + self.in_flight - self.num_computed
+        computed = self.state.num_computed if self.state is not None else 0  # hot: no property hop
+        return len(self.token_ids) + self.in_flight - computed
 
     @property
     def finished(self) -> bool:
@@ -125,23 +166,24 @@ class Sequence:
 
     def take_output(self) -> RequestOutput:
         """The delta since the last call. Text that could still become a stop string is held back."""
-        hold = 0 if self.finished or not self.params.stop else max(map(len, self.params.stop)) - 1
+        finished, stop = self.status is Status.FINISHED, self.params.stop
+        hold = max(map(len, stop)) - 1 if stop and not finished else 0
         end = max(self.emitted_chars, len(self.text) - hold)
-        output_ids = self.output_ids  # a fresh copy: the output keeps it as the sequence grows
+        ids, first = self.token_ids, self.num_prompt_tokens
         out = RequestOutput(
-            request_id=self.request_id,
-            new_token_ids=output_ids[self.emitted_tokens :],
-            new_text=self.text[self.emitted_chars : end],
-            token_ids=output_ids,
-            text=self.text,
-            finished=self.finished,
-            finish_reason=self.finish_reason,
-            num_prompt_tokens=self.num_prompt_tokens,
-            new_logprobs=self.logprobs[self.emitted_logprobs :],
-            stop_reason=self.stop_reason,
-            error=self.error,
-            first_scheduled_at=self.first_scheduled_at,
+            self.request_id,
+            ids[first + self.emitted_tokens :],
+            self.text[self.emitted_chars : end],
+            (ids, first, len(ids)),
+            self.text,
+            finished,
+            self.finish_reason,
+            first,
+            self.logprobs[self.emitted_logprobs :],
+            self.stop_reason,
+            self.error,
+            self.first_scheduled_at,
         )
-        self.emitted_tokens, self.emitted_chars = len(output_ids), end
+        self.emitted_tokens, self.emitted_chars = len(ids) - first, end
         self.emitted_logprobs = len(self.logprobs)
         return out
