@@ -22,8 +22,13 @@ TEXTS = {
 TEXTS["long"] = " ".join(TEXTS.values()) * 3
 
 
-def _stream(tokenizer, ids: list[int], prompt: list[int]) -> list[str]:
+def _stream(tokenizer, ids: list[int], prompt: list[int], windowed: bool = False) -> list[str]:
+    """The deltas of pushing `ids`: through tokenizers' streaming decoder (SmolLM2 has a fast
+    tokenizer), or through the windowed `decode` path other tokenizers take (`windowed`)."""
     detok = IncrementalDetokenizer(tokenizer, prompt)
+    assert detok.stream is not None, "SmolLM2's fast tokenizer should decode as a stream"
+    if windowed:
+        detok.stream = None
     return [detok.push(t) for t in ids]
 
 
@@ -41,30 +46,33 @@ def prompts(tok):
     }
 
 
+@pytest.mark.parametrize("windowed", [False, True])
 @pytest.mark.parametrize("prompt_kind", ["none", "text", "chat"])
 @pytest.mark.parametrize("name", list(TEXTS))
-def test_incremental_equals_full_decode(tok, prompts, name, prompt_kind):
+def test_incremental_equals_full_decode(tok, prompts, name, prompt_kind, windowed):
     text = TEXTS[name]
     ids = tok.encode(text)
-    deltas = _stream(tok, ids, prompts[prompt_kind])
+    deltas = _stream(tok, ids, prompts[prompt_kind], windowed)
     assert "".join(deltas) == tok.decode(ids) == text
     assert not any("\ufffd" in d for d in deltas)
 
 
-def test_split_characters_are_held_back_then_emitted_whole(tok):
+@pytest.mark.parametrize("windowed", [False, True])
+def test_split_characters_are_held_back_then_emitted_whole(tok, windowed):
     ids = tok.encode("a😀b")
     # a 4-byte emoji is several byte-level tokens: only the last one of them emits it
     pieces = [tok.decode([t]) for t in ids]
     assert any("\ufffd" in p for p in pieces), "the emoji should be split across tokens"
-    deltas = _stream(tok, ids, [])
+    deltas = _stream(tok, ids, [], windowed)
     assert "".join(deltas) == "a😀b"
     assert "" in deltas
     assert any("😀" in d for d in deltas)
 
 
-def test_special_tokens_are_skipped(tok, prompts):
+@pytest.mark.parametrize("windowed", [False, True])
+def test_special_tokens_are_skipped(tok, prompts, windowed):
     ids = [*tok.encode("Hi 😀"), 2, 1, *tok.encode(" there 日本")]  # <|im_end|>, <|im_start|>
-    deltas = _stream(tok, ids, prompts["chat"])
+    deltas = _stream(tok, ids, prompts["chat"], windowed)
     assert "".join(deltas) == tok.decode(ids) == "Hi 😀 there 日本"
 
 
@@ -85,13 +93,13 @@ _ALPHABET = st.one_of(
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=st.text(_ALPHABET, min_size=1, max_size=60), with_prompt=st.booleans())
-def test_property_incremental_equals_full_decode(tok, prompts, text, with_prompt):
+@given(text=st.text(_ALPHABET, min_size=1, max_size=60), with_prompt=st.booleans(), windowed=st.booleans())
+def test_property_incremental_equals_full_decode(tok, prompts, text, with_prompt, windowed):
     ids = tok.encode(text)
     full = tok.decode(ids)
     # The GGUF vocab cannot spell a few lead bytes (e.g. 0xF1, unassigned planes 4-13): such text
     # does not survive encode at all, so there is nothing clean to detokenize.
     assume("\ufffd" not in full)
-    deltas = _stream(tok, ids, prompts["chat"] if with_prompt else [])
+    deltas = _stream(tok, ids, prompts["chat"] if with_prompt else [], windowed)
     assert "".join(deltas) == full
     assert not any("\ufffd" in d for d in deltas)
