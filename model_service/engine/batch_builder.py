@@ -72,12 +72,10 @@ class BatchBuilder:
             raise ValueError("a step batch needs at least one sequence")
         n = len(items)
         states = [it.state for it in items]
-        lens, starts, num_logits, table_lens, lora_of, state_of, has_snapshots, freed = _columns(
-            items, states
-        )
+        columns = _columns(items, states)
+        lens, starts, num_logits, table_lens, lora_of, state_of, has_snapshots, freed, fed_from = columns
         self._check(states, freed, table_lens, starts + lens)
         total, max_blocks = int(lens.sum()), int(table_lens.max())
-        fed_from = np.fromiter((it.fed_from for it in items), np.int64, n)
         fed = np.flatnonzero(fed_from >= 0)
         sizes = _sizes((total, n, int(num_logits.sum()), max_blocks, len(fed)))
         host = self._next_host(sum(sizes))
@@ -194,8 +192,9 @@ class BatchBuilder:
 
 
 def _columns(items: list[StepItem], states: list[SequenceState]) -> np.ndarray:
-    """[8, N] per row: tokens, start position, logits rows, block-table length, LoRA slot, state
-    slot, recurrent-state snapshots, freed. One pass over the rows, not one per column."""
+    """[9, N] per row: tokens, start position, logits rows, block-table length, LoRA slot, state
+    slot, recurrent-state snapshots, freed, fed-from index. One pass over the rows, not one per
+    column."""
     values = itertools.chain.from_iterable(
         (
             len(it.tokens),
@@ -206,10 +205,11 @@ def _columns(items: list[StepItem], states: list[SequenceState]) -> np.ndarray:
             s.state_slot,
             len(s.snapshots),
             s.freed,
+            it.fed_from,
         )
         for it, s in zip(items, states, strict=True)
     )
-    return np.fromiter(values, np.int64, 8 * len(items)).reshape(len(items), 8).T
+    return np.fromiter(values, np.int64, 9 * len(items)).reshape(len(items), 9).T
 
 
 def _table_arrays(states: list[SequenceState]) -> np.ndarray:
