@@ -123,6 +123,20 @@ def decode_tok_s(
     return batch * (new_tokens - 1) / (full - one)
 
 
+def start_decode(engine: Engine, batch: int, prompt_len: int, vocab: int, max_tokens: int) -> None:
+    """Admit `batch` random prompts and step until every one is past its prefill (chunked
+    prefill spreads a large batch's prompts over several steps): what follows is decode only."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(batch):
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        engine.add_request_dict({"prompt_token_ids": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+    engine.step()
+    while engine.scheduler.waiting or any(s.num_pending > 1 for s in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    torch.cuda.synchronize()
+
+
 def host_share(engine: Engine, batch: int, prompt_len: int, vocab: int) -> tuple[float, float]:
     """(host share, exposed host share) of a decode step at `batch`. The first: the share of a
     step's wall time outside the forward pass (scheduling, batch building, sampling's host side,
@@ -152,11 +166,8 @@ def host_share(engine: Engine, batch: int, prompt_len: int, vocab: int) -> tuple
         return out
 
     def decode_steps(timed: Callable[[StepBatch], torch.Tensor], with_events: bool) -> float:
-        g = torch.Generator().manual_seed(1)
-        for _ in range(batch):
-            prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
-            engine.add_request_dict({"prompt_token_ids": prompt, "max_tokens": 32, "ignore_eos": True})
-        engine.step()  # the prefill step stays out of the measurement
+        start_decode(engine, batch, prompt_len, vocab, max_tokens=96)
+        events.clear()
         engine.executor.execute = timed
         if with_events:
             engine._run = event_run
@@ -178,14 +189,7 @@ def kernel_profile(engine: Engine, batch: int, prompt_len: int, vocab: int, step
     kernels inside replayed graphs too): where a step's device time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    g = torch.Generator().manual_seed(2)
-    for _ in range(batch):
-        prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
-        engine.add_request_dict({"prompt_token_ids": prompt, "max_tokens": steps + 64, "ignore_eos": True})
-    engine.step()
-    while engine.scheduler.waiting or any(s.num_pending > 1 for s in engine.scheduler.running):
-        engine.step()  # prefill stays out of the profile
-    engine.step()
+    start_decode(engine, batch, prompt_len, vocab, max_tokens=steps + 64)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
