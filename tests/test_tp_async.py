@@ -40,13 +40,13 @@ def tp_async(tp_weights, config):
     engine.executor.teardown()
 
 
-def test_async_scheduling_is_on_by_default_on_one_gpu_and_on_request_for_tensor_parallel():
+def test_async_scheduling_is_on_by_default_on_gpus_and_on_request_on_the_cpu():
     def on(mode: str, device: str, tp: int = 2) -> bool:
         cfg = EngineConfig(model="smollm2", tensor_parallel_size=tp, async_scheduling=mode)
         return _async_scheduling(cfg, torch.device(device), without_speculation=True)
 
-    assert on("auto", "cuda", tp=1) and on("on", "cuda") and on("on", "cpu")
-    assert not on("auto", "cuda") and not on("off", "cuda") and not on("auto", "cpu")
+    assert on("auto", "cuda", tp=1) and on("auto", "cuda") and on("on", "cuda") and on("on", "cpu")
+    assert not on("off", "cuda") and not on("auto", "cpu") and not on("auto", "cpu", tp=1)
 
 
 def test_the_feed_index_travels_in_the_packed_batch_and_feed_writes_the_in_flight_tokens(tiny_llama):

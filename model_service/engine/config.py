@@ -112,7 +112,7 @@ class EngineConfig:
     async_scheduling: str = _opt(
         "auto",
         "run each step's host work (scheduling, batch building, detokenizing, stop checks) while "
-        "the device runs the step before: on, off, or auto (= on for one GPU; tensor-parallel: on request)",
+        "the device runs the step before: on, off, or auto (= on for CUDA, one GPU or tensor-parallel)",
         choices=["auto", "on", "off"],
     )
     adapter_wait_timeout_s: float = _opt(
