@@ -90,11 +90,18 @@ def random_module(cfg: ModelConfig) -> DecoderModel:
     return module.eval()
 
 
+GREEDY = {"temperature": 0}
+
+
 def timed_generate(
-    engine: Engine, prompts: list[list[int]], new_tokens: int, adapters: list[str | None]
+    engine: Engine,
+    prompts: list[list[int]],
+    new_tokens: int,
+    adapters: list[str | None],
+    sampling: dict[str, float] = GREEDY,
 ) -> float:
     reqs = [
-        {"prompt_token_ids": p, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "adapter": a}
+        {"prompt_token_ids": p, "max_tokens": new_tokens, "ignore_eos": True, "adapter": a, **sampling}
         for p, a in zip(prompts, adapters, strict=True)
     ]
     torch.cuda.synchronize()
@@ -113,13 +120,14 @@ def decode_tok_s(
     new_tokens: int,
     vocab: int,
     adapters: list[str | None] | None = None,
+    sampling: dict[str, float] = GREEDY,
 ) -> float:
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     adapters = adapters or [None] * batch
-    timed_generate(engine, prompts, 4, adapters)  # warm-up: graphs, kernel compiles, adapter slots
-    one = min(timed_generate(engine, prompts, 1, adapters) for _ in range(2))
-    full = min(timed_generate(engine, prompts, new_tokens, adapters) for _ in range(2))
+    timed_generate(engine, prompts, 4, adapters, sampling)  # warm-up: graphs, kernel compiles, adapter slots
+    one = min(timed_generate(engine, prompts, 1, adapters, sampling) for _ in range(2))
+    full = min(timed_generate(engine, prompts, new_tokens, adapters, sampling) for _ in range(2))
     return batch * (new_tokens - 1) / (full - one)
 
 
@@ -346,6 +354,8 @@ def main() -> None:
     ap.add_argument("--host-share-batch", type=int, default=0, help="measure host time at this batch")
     ap.add_argument("--ttft", action="store_true", help="4,096-token prompt: cold and 3,584 cached")
     ap.add_argument("--verify-k", type=int, default=0, help="time a K-proposal verify step")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (no truncation)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--profile-batches", type=int, nargs="*", default=[], help="device time per kernel")
     args = ap.parse_args()
@@ -357,7 +367,10 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "async_scheduling": args.async_scheduling,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
     }
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
     bandwidth = copy_bandwidth()
     print(json.dumps({"bench": "gpu", "metric": "copy_bandwidth_gb_s", "value": round(bandwidth), **setup}))
     loaded = random_model(shape)
@@ -380,7 +393,8 @@ def main() -> None:
             loaded=loaded,
         )
         for batch in batches:
-            rate = decode_tok_s(engine, batch, args.prompt_len, args.new_tokens, shape["vocab_size"])
+            vocab = shape["vocab_size"]
+            rate = decode_tok_s(engine, batch, args.prompt_len, args.new_tokens, vocab, None, sampling)
             system = "spindle-eager" if eager else "spindle"
             line = {"bench": "gpu", "system": system, "batch": batch, "decode_tokens_per_s": round(rate, 1)}
             if batch == 1:

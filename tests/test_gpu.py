@@ -211,7 +211,7 @@ def test_async_scheduling_on_cuda_gives_the_synchronous_tokens(monkeypatch):
     torch.backends.cuda.matmul.allow_tf32 = False
     requests = [
         {"prompt_token_ids": [(13 * i + j) % 500 + 3 for j in range(4 + 5 * i)], "max_tokens": 6 + 3 * i,
-         "temperature": 0.8 if i % 3 == 1 else 0, "seed": i, "top_p": 0.9,
+         "temperature": 0.8 if i % 3 else 0, "seed": i, "top_p": 0.9 if i % 3 == 1 else 1.0,
          "stop_token_ids": [(13 * i) % 500 + 3] if i % 4 == 0 else []}
         for i in range(11)
     ]  # fmt: skip
@@ -225,3 +225,19 @@ def test_async_scheduling_on_cuda_gives_the_synchronous_tokens(monkeypatch):
         assert engine.cache.num_free_blocks == engine.cache.num_total_blocks
     assert launches, "no step overlapped"
     assert results["on"] == results["off"]
+
+
+def test_seeded_sampling_on_cuda_does_not_depend_on_the_batch():
+    """The fused Gumbel-max kernel (temperature only) and the truncating path (top-p) key a seeded
+    row's draw by its seed and output position: the same request alone, in a batch of others
+    (seeded, unseeded, greedy), and again, gives the same tokens; unseeded rows vary."""
+    cfg, reference = _random_model()
+    engine = _engine(cfg, reference, "cuda", num_kv_blocks=96, block_size=4, max_num_seqs=16)
+    base = {"prompt_token_ids": [5, 9, 17, 33], "max_tokens": 24, "ignore_eos": True, "temperature": 1.3}
+    probes = [base | {"seed": 7}, base | {"seed": 7, "top_p": 0.8}]
+    others = [base | {"seed": 100 + i, "temperature": 0.5 * i} for i in range(6)] + [base, base]
+    alone = [engine.generate([p])[0].token_ids for p in probes]
+    mixed = engine.generate([*others[:3], probes[0], *others[3:], probes[1]])
+    assert [mixed[3].token_ids, mixed[-1].token_ids] == alone
+    assert [o.token_ids for o in engine.generate(probes)] == alone
+    assert mixed[-2].token_ids != mixed[-3].token_ids  # two unseeded rows: their own draws

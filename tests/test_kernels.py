@@ -19,6 +19,7 @@ from model_service.kernels.paged_attention import (
     store_kv_reference,
 )
 from model_service.kernels.prefill_attention import paged_prefill_attention_reference
+from model_service.kernels.sampling import gumbel_max, gumbel_max_reference, philox_uniforms
 from model_service.models.config import attention_layers
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -308,3 +309,36 @@ def test_triton_prefill_attention_matches_reference(window, dtype, heads_dim):
         got = paged_prefill_attention(*args, window, tiles)
         assert torch.isfinite(got).all()
         assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def _softmax_frequencies(draws: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(draws.cpu(), minlength=vocab).float() / len(draws)
+
+
+def test_gumbel_max_reference_draws_from_the_tempered_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -30.0])
+    temps = torch.full((40_000,), 0.8)
+    draws = gumbel_max_reference(logits.expand(40_000, -1), temps, torch.rand(40_000, 6).clamp_min(1e-12))
+    assert (_softmax_frequencies(draws, 6) - (logits / 0.8).softmax(0)).abs().max() < 0.01
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, vocab", [(1, 128_256), (5, 1000), (64, 50), (64, 49_152)])
+def test_triton_gumbel_max_matches_reference_on_the_same_uniforms(rows, vocab):
+    g = torch.Generator(device="cuda").manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab, device="cuda", generator=g) * 3
+    temps = torch.rand(rows, device="cuda", generator=g) * 1.7 + 0.3
+    seeds = torch.randint(1 << 62, (rows,), device="cuda", generator=g)
+    want = gumbel_max_reference(logits, temps, philox_uniforms(seeds, vocab))
+    assert torch.equal(gumbel_max(logits, temps, seeds), want)
+    assert torch.equal(gumbel_max(logits, temps, seeds), want)  # a seed's draw repeats
+
+
+@cuda
+@pytest.mark.gpu
+def test_triton_gumbel_max_draws_from_the_tempered_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -30.0], device="cuda")
+    seeds = torch.randint(1 << 62, (40_000,), device="cuda")
+    draws = gumbel_max(logits.expand(40_000, -1), torch.full((40_000,), 0.8, device="cuda"), seeds)
+    assert (_softmax_frequencies(draws, 6) - (logits / 0.8).softmax(0).cpu()).abs().max() < 0.01

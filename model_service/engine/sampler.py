@@ -4,13 +4,16 @@ All rows are processed together as tensors; the only per-row Python work is draw
 the random noise of seeded rows from their own generator, which is what makes a seeded
 request's tokens independent of whatever else shares its batch.
 
-Sampling uses the exponential-race form of the Gumbel trick: argmax(p / E) with
-E ~ Exp(1) draws from p exactly, and needs only one noise vector per row per step.
+Sampling uses the Gumbel trick. On CUDA, rows at a temperature with no top-k, top-p or min-p
+take one fused kernel that draws argmax(logits / T + Gumbel noise) in one pass over the logits
+(kernels/sampling.py: sampled decode at 64 rows of the 8B shape went 11,246-11,342 -> 11,704-
+11,776 tok/s, greedy's speed). Other rows use its exponential-race form, argmax(p / E) with
+E ~ Exp(1), on the truncated, renormalized probabilities.
 
-A seeded row's noise is a function of (seed, output position): its generator is re-seeded from
-both before each draw. So the token at position i depends on the seed and the history only, not
-on how many draws the generator made before: a request resumed on another server from its first
-i output tokens (a pod failed mid-stream) goes on exactly as it would have.
+A seeded row's noise is a function of (seed, output position): its generator (or the kernel's
+Philox stream) is seeded from both before each draw. So the token at position i depends on the
+seed and the history only, not on how many draws came before: a request resumed on another
+server from its first i output tokens (a pod failed mid-stream) goes on exactly as it would have.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from model_service.engine.sampling_params import SamplingParams
+from model_service.kernels.paged_attention import triton
+from model_service.kernels.sampling import gumbel_max
 
 
 @dataclass
@@ -70,16 +75,38 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
 
 def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """One token per row, left on the device: nothing here waits for the device, so the host can
-    prepare the next step while this one runs (penalties, if any, are already in `logits`)."""
+    prepare the next step while this one runs (penalties, if any, are already in `logits`).
+    On CUDA, rows at a temperature without truncation take the one-pass Gumbel-max kernel."""
+    fused = logits.is_cuda and triton is not None
+    plain: list[int] = []  # at a temperature only
+    truncated: list[int] = []  # top-k / top-p / min-p (or no kernel): sorted and renormalized
+    for i, r in enumerate(rows):
+        if not r.params.greedy:
+            (plain if fused and not r.params.truncates else truncated).append(i)
+    if len(plain) == len(rows):  # the whole batch in one launch: no argmax, no gather
+        return _gumbel_sample(logits, rows)
     tokens = logits.argmax(dim=-1)
-    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if random_rows:
-        idx = to_device(random_rows, logits.device)
-        probs = filtered_probs(logits[idx], [rows[i].params for i in random_rows])
-        for i in random_rows:
-            _key_by_position(rows[i])
-        tokens[idx] = draw(probs, [rows[i].generator for i in random_rows])
+    for group, draw_rows in ((plain, _gumbel_sample), (truncated, _filtered_sample)):
+        if group:
+            idx = to_device(group, logits.device)
+            tokens[idx] = draw_rows(logits[idx], [rows[i] for i in group])
     return tokens
+
+
+def _gumbel_sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """The fused kernel's draw. Its Philox seed: from (seed, output position) for a seeded row,
+    from torch's global generator otherwise (so torch.manual_seed repeats a run)."""
+    temps = to_device([r.params.temperature for r in rows], logits.device, torch.float32)
+    drawn = torch.randint(1 << 62, (len(rows),)).tolist()
+    seeds = [d if r.params.seed is None else _position_seed(r) >> 1 for d, r in zip(drawn, rows, strict=True)]
+    return gumbel_max(logits, temps, to_device(seeds, logits.device))  # >> 1: int64 holds 63 bits
+
+
+def _filtered_sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    probs = filtered_probs(logits, [r.params for r in rows])
+    for r in rows:
+        _key_by_position(r)
+    return draw(probs, [r.generator for r in rows])
 
 
 def to_device(values: list[float], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -120,7 +147,7 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     device = logits.device
     temps = to_device([p.temperature for p in params], device, logits.dtype)
     logits = logits / temps[:, None]
-    truncated = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
+    truncated = [i for i, p in enumerate(params) if p.truncates]
     if not truncated:
         return logits.softmax(dim=-1)
     idx = to_device(truncated, device)
@@ -165,8 +192,12 @@ def position_seed(seed: int, position: int) -> int:
 def _key_by_position(row: SampleRow) -> None:
     """Re-seed a seeded row's generator for the draw at its current output position."""
     if row.generator is not None and row.params.seed is not None:
-        position = len(row.token_ids) + row.in_flight - row.num_prompt_tokens
-        row.generator.manual_seed(position_seed(row.params.seed, position))
+        row.generator.manual_seed(_position_seed(row))
+
+
+def _position_seed(row: SampleRow) -> int:
+    assert row.params.seed is not None
+    return position_seed(row.params.seed, len(row.token_ids) + row.in_flight - row.num_prompt_tokens)
 
 
 def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -83,6 +83,11 @@ class SamplingParams:
         return self.temperature < _GREEDY_BELOW
 
     @property
+    def truncates(self) -> bool:
+        """Whether top-k, top-p or min-p remove tokens before the draw (a sort per row)."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
