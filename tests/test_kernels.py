@@ -10,6 +10,8 @@ from model_service.attention.kv_cache import KVCache
 from model_service.attention.reference import TorchReferenceBackend
 from model_service.engine.batch_builder import BatchBuilder, StepItem
 from model_service.engine.cuda_graphs import batch_ladder
+from model_service.engine.sampler import filtered_probs
+from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.seq_state import SequenceState
 from model_service.kernels.lora import lora_delta, lora_delta_reference
 from model_service.kernels.paged_attention import (
@@ -19,7 +21,14 @@ from model_service.kernels.paged_attention import (
     store_kv_reference,
 )
 from model_service.kernels.prefill_attention import paged_prefill_attention_reference
-from model_service.kernels.sampling import gumbel_max, gumbel_max_reference, philox_uniforms
+from model_service.kernels.sampling import (
+    MAX_ROUNDS,
+    gumbel_max,
+    gumbel_max_reference,
+    philox_uniforms,
+    top_p_sample,
+    top_p_sample_reference,
+)
 from model_service.models.config import attention_layers
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -311,6 +320,11 @@ def test_triton_prefill_attention_matches_reference(window, dtype, heads_dim):
         assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def _nucleus(logits: torch.Tensor, temp: float, top_p: float) -> torch.Tensor:
+    """The nucleus distribution as the sorting sampler builds it."""
+    return filtered_probs(logits[None], [SamplingParams(temperature=temp, top_p=top_p)])[0]
+
+
 def _softmax_frequencies(draws: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.bincount(draws.cpu(), minlength=vocab).float() / len(draws)
 
@@ -342,3 +356,40 @@ def test_triton_gumbel_max_draws_from_the_tempered_softmax():
     seeds = torch.randint(1 << 62, (40_000,), device="cuda")
     draws = gumbel_max(logits.expand(40_000, -1), torch.full((40_000,), 0.8, device="cuda"), seeds)
     assert (_softmax_frequencies(draws, 6) - (logits / 0.8).softmax(0).cpu()).abs().max() < 0.01
+
+
+def test_top_p_reference_draws_from_the_nucleus_the_sorting_sampler_builds():
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0])
+    n = 6000
+    u = torch.rand(n, 8, 8).clamp_min(1e-12)
+    temps, top_p = torch.full((n,), 0.9), torch.full((n,), 0.7)
+    draws = top_p_sample_reference(logits.expand(n, -1), temps, top_p, u)
+    want = _nucleus(logits, 0.9, 0.7)
+    assert set(draws.tolist()) == set(want.nonzero().flatten().tolist())
+    assert (_softmax_frequencies(draws, 8) - want).abs().max() < 0.025
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "rows, vocab, top_p", [(1, 128_256, 0.95), (6, 1000, 0.5), (64, 50, 0.9), (3, 4097, 0.05)]
+)
+def test_triton_top_p_matches_reference_on_the_same_uniforms(rows, vocab, top_p):
+    g = torch.Generator(device="cuda").manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab, device="cuda", generator=g) * 4
+    temps = torch.rand(rows, device="cuda", generator=g) + 0.5
+    seeds = torch.randint(1 << 62, (rows,), device="cuda", generator=g)
+    top = torch.full((rows,), top_p, device="cuda")
+    want = top_p_sample_reference(logits, temps, top, philox_uniforms(seeds, vocab, MAX_ROUNDS))
+    assert torch.equal(top_p_sample(logits, temps, top, seeds), want)
+
+
+@cuda
+@pytest.mark.gpu
+def test_triton_top_p_draws_from_the_nucleus_the_sorting_sampler_builds():
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0], device="cuda")
+    n = 40_000
+    seeds = torch.randint(1 << 62, (n,), device="cuda")
+    temps, top_p = torch.full((n,), 0.9, device="cuda"), torch.full((n,), 0.7, device="cuda")
+    draws = top_p_sample(logits.expand(n, -1), temps, top_p, seeds)
+    assert (_softmax_frequencies(draws, 8) - _nucleus(logits.cpu(), 0.9, 0.7)).abs().max() < 0.01

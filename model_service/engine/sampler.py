@@ -7,8 +7,10 @@ request's tokens independent of whatever else shares its batch.
 Sampling uses the Gumbel trick. On CUDA, rows at a temperature with no top-k, top-p or min-p
 take one fused kernel that draws argmax(logits / T + Gumbel noise) in one pass over the logits
 (kernels/sampling.py: sampled decode at 64 rows of the 8B shape went 11,246-11,342 -> 11,704-
-11,776 tok/s, greedy's speed). Other rows use its exponential-race form, argmax(p / E) with
-E ~ Exp(1), on the truncated, renormalized probabilities.
+11,776 tok/s, greedy's speed); top-p rows a kernel that draws from the nucleus by rejection,
+without sorting the vocabulary. Rows with top-k or min-p (and every row on the CPU) use its
+exponential-race form, argmax(p / E) with E ~ Exp(1), on the truncated, renormalized
+probabilities.
 
 A seeded row's noise is a function of (seed, output position): its generator (or the kernel's
 Philox stream) is seeded from both before each draw. So the token at position i depends on the
@@ -19,13 +21,14 @@ server from its first i output tokens (a pod failed mid-stream) goes on exactly 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from model_service.engine.sampling_params import SamplingParams
 from model_service.kernels.paged_attention import triton
-from model_service.kernels.sampling import gumbel_max
+from model_service.kernels.sampling import gumbel_max, top_p_sample
 
 
 @dataclass
@@ -46,6 +49,9 @@ class SampleRow:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+
+RowSampler = Callable[[torch.Tensor, list["SampleRow"]], torch.Tensor]  # logits rows -> a token each
 
 
 @dataclass
@@ -76,30 +82,48 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
 def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """One token per row, left on the device: nothing here waits for the device, so the host can
     prepare the next step while this one runs (penalties, if any, are already in `logits`).
-    On CUDA, rows at a temperature without truncation take the one-pass Gumbel-max kernel."""
+    On CUDA, rows at a temperature take the one-pass Gumbel-max kernel, top-p rows the
+    sort-free nucleus kernel whatever the batch (a seeded row's draw must not depend on what
+    else is in it; the kernel runs one program a row, 1.5% slower a step than sorting at one
+    row, 17% faster at 64, 40% at 256 on the 8B shape); rows with top-k or min-p sort."""
     fused = logits.is_cuda and triton is not None
-    plain: list[int] = []  # at a temperature only
-    truncated: list[int] = []  # top-k / top-p / min-p (or no kernel): sorted and renormalized
+    groups: dict[RowSampler, list[int]] = {}
     for i, r in enumerate(rows):
         if not r.params.greedy:
-            (plain if fused and not r.params.truncates else truncated).append(i)
-    if len(plain) == len(rows):  # the whole batch in one launch: no argmax, no gather
-        return _gumbel_sample(logits, rows)
+            groups.setdefault(_sampler_for(r.params, fused), []).append(i)
+    if len(groups) == 1 and len(next(iter(groups.values()))) == len(rows):
+        draw_rows = next(iter(groups))  # the whole batch in one launch: no argmax, no gather
+        return draw_rows(logits, rows)
     tokens = logits.argmax(dim=-1)
-    for group, draw_rows in ((plain, _gumbel_sample), (truncated, _filtered_sample)):
-        if group:
-            idx = to_device(group, logits.device)
-            tokens[idx] = draw_rows(logits[idx], [rows[i] for i in group])
+    for draw_rows, group in groups.items():
+        idx = to_device(group, logits.device)
+        tokens[idx] = draw_rows(logits[idx], [rows[i] for i in group])
     return tokens
 
 
+def _sampler_for(params: SamplingParams, fused: bool) -> RowSampler:
+    if not fused or params.top_k > 0 or params.min_p > 0.0:
+        return _filtered_sample
+    return _nucleus_sample if params.top_p < 1.0 else _gumbel_sample
+
+
 def _gumbel_sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """The fused kernel's draw. Its Philox seed: from (seed, output position) for a seeded row,
-    from torch's global generator otherwise (so torch.manual_seed repeats a run)."""
     temps = to_device([r.params.temperature for r in rows], logits.device, torch.float32)
+    return gumbel_max(logits, temps, _kernel_seeds(rows, logits.device))
+
+
+def _nucleus_sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    temps = to_device([r.params.temperature for r in rows], logits.device, torch.float32)
+    top_p = to_device([r.params.top_p for r in rows], logits.device, torch.float32)
+    return top_p_sample(logits, temps, top_p, _kernel_seeds(rows, logits.device))
+
+
+def _kernel_seeds(rows: list[SampleRow], device: torch.device) -> torch.Tensor:
+    """The kernels' Philox seeds: from (seed, output position) for a seeded row, from torch's
+    global generator otherwise (so torch.manual_seed repeats a run); int64 holds 63 bits."""
     drawn = torch.randint(1 << 62, (len(rows),)).tolist()
     seeds = [d if r.params.seed is None else _position_seed(r) >> 1 for d, r in zip(drawn, rows, strict=True)]
-    return gumbel_max(logits, temps, to_device(seeds, logits.device))  # >> 1: int64 holds 63 bits
+    return to_device(seeds, device)
 
 
 def _filtered_sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -14,6 +14,15 @@ Programs split the vocabulary in chunks (so that a batch of one still spreads ov
 each writes its chunk's best score and column, and a small argmax over the chunks picks the
 row's token. `philox_uniforms` returns the exact uniforms the kernel draws, so tests compare the
 kernel with the reference token for token.
+
+Top-p (nucleus) rows take `top_p_sample`, which needs no sort either (the rejection scheme of
+FlashInfer's sampling kernels, written here): draw a candidate by Gumbel-max from the tokens
+still eligible; it is in the nucleus when the probability mass of the tokens strictly more
+likely than it is below top_p; if not, every token at most as likely is out too, so the next
+round draws from the more likely ones only. Conditioned on acceptance, the draw is the nucleus
+distribution renormalized, exactly what sorting and cutting gives (ties aside), in a few passes
+over the row instead of a sort of the vocabulary. The reference is `top_p_sample_reference`, the
+same rounds in torch on given uniforms.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import torch
 
 from model_service.kernels.paged_attention import triton
 
+MAX_ROUNDS = 32  # each round at least halves the eligible tokens in expectation: 17 for 128k
 CHUNK = 8192  # vocabulary columns a program walks: 16 programs a row for a 128k vocabulary
 BLOCK = 1024
 
@@ -53,11 +63,65 @@ if triton is not None:
         tl.store(PartCol + row * num_chunks + chunk, tl.minimum(col, vocab - 1))
 
     @triton.jit
-    def _uniforms_kernel(Seeds, Out, vocab, BLOCK: tl.constexpr):
+    def _uniforms_kernel(Seeds, Out, vocab, rounds, BLOCK: tl.constexpr):
         row, block = tl.program_id(0), tl.program_id(1)
         cols = block * BLOCK + tl.arange(0, BLOCK)
-        u = tl.rand(tl.load(Seeds + row), cols)
-        tl.store(Out + row * vocab + cols, u, mask=cols < vocab)
+        for r in range(rounds):
+            u = tl.rand(tl.load(Seeds + row), r * vocab + cols)
+            tl.store(Out + (row * rounds + r) * vocab + cols, u, mask=cols < vocab)
+
+    @triton.jit
+    def _top_p_kernel(
+        Logits, Temps, TopP, Seeds, Out, vocab, stride, MAX_ROUNDS: tl.constexpr, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        inv_t = 1.0 / tl.load(Temps + row)
+        base = Logits + row * stride
+        top = tl.full([], float("-inf"), tl.float32)  # pass 0: the max, its column, the normalizer
+        total = tl.zeros([], tl.float32)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_col = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")) * inv_t
+            new_top = tl.maximum(top, tl.max(x, 0))
+            total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), 0)
+            top = new_top
+            best_col = tl.where(x > best, cols, best_col)
+            best = tl.maximum(x, best)
+        mass = tl.load(TopP + row) * total
+        floor = tl.full([], float("-inf"), tl.float32)  # eligible: scaled logits strictly above it
+        token = tl.full([], -1, tl.int32)
+        r = 0
+        while (token < 0) & (r < MAX_ROUNDS):
+            cand, cand_x = _draw_above(base, vocab, inv_t, floor, tl.load(Seeds + row), r * vocab, BLOCK)
+            above = tl.zeros([], tl.float32)
+            for start in range(0, vocab, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")) * inv_t
+                above += tl.sum(tl.where(x > cand_x, tl.exp(x - top), 0.0), 0)
+            token = tl.where(above < mass, cand, -1)
+            floor = cand_x
+            r += 1
+        fallback = tl.min(tl.where(best == tl.max(best, 0), best_col, vocab), 0)  # the most likely
+        tl.store(Out + row, tl.where(token >= 0, token, fallback))
+
+    @triton.jit
+    def _draw_above(base, vocab, inv_t, floor, seed, offset, BLOCK: tl.constexpr):
+        """Gumbel-max over the tokens whose scaled logit is above `floor`: (column, scaled logit)."""
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_col = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")) * inv_t
+            gumbel = -tl.log(-tl.log(tl.rand(seed, offset + cols)))
+            score = tl.where(x > floor, x + gumbel, float("-inf"))
+            better = score > best
+            best = tl.where(better, score, best)
+            best_col = tl.where(better, cols, best_col)
+        cand = tl.min(tl.where(best == tl.max(best, 0), best_col, vocab), 0)
+        cand = tl.minimum(cand, vocab - 1)
+        return cand, tl.load(base + cand) * inv_t
 
 
 def gumbel_max_reference(logits: torch.Tensor, temps: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -79,8 +143,41 @@ def gumbel_max(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor) -
     return col.gather(1, score.argmax(dim=1, keepdim=True)).squeeze(1).long()
 
 
-def philox_uniforms(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[N, vocab] float32: the uniforms `gumbel_max` draws for rows of these seeds."""
-    out = torch.empty(len(seeds), vocab, dtype=torch.float32, device=seeds.device)
-    _uniforms_kernel[(len(seeds), triton.cdiv(vocab, BLOCK))](seeds, out, vocab, BLOCK=BLOCK)
-    return out
+def top_p_sample_reference(
+    logits: torch.Tensor, temps: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """The rounds of `top_p_sample` in torch; uniforms: [N, rounds, vocab] (round r's noise)."""
+    tokens = []
+    for i in range(len(logits)):
+        x = logits[i].float() * (1.0 / temps[i])
+        probs = torch.exp(x - x.max())
+        floor, token = float("-inf"), int(x.argmax())  # the fallback, as the kernel's
+        for u in uniforms[i]:
+            cand = int(torch.where(x > floor, x - torch.log(-torch.log(u)), float("-inf")).argmax())
+            if probs[x > x[cand]].sum() < top_p[i] * probs.sum():
+                token = cand
+                break
+            floor = float(x[cand])
+        tokens.append(token)
+    return torch.tensor(tokens, device=logits.device)
+
+
+def top_p_sample(
+    logits: torch.Tensor, temps: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor
+) -> torch.Tensor:
+    """One token per row from the top-p nucleus of softmax(logits / T), no sort; one program per
+    row. After MAX_ROUNDS rejections (not expected in practice) the row's most likely token."""
+    out = torch.empty(len(logits), dtype=torch.int32, device=logits.device)
+    rows, vocab = logits.shape
+    _top_p_kernel[(rows,)](
+        logits, temps, top_p, seeds, out, vocab, logits.stride(0), MAX_ROUNDS=MAX_ROUNDS, BLOCK=BLOCK
+    )
+    return out.long()
+
+
+def philox_uniforms(seeds: torch.Tensor, vocab: int, rounds: int = 1) -> torch.Tensor:
+    """[N, vocab] float32 (rounds = 1) or [N, rounds, vocab]: the uniforms the kernels draw for
+    rows of these seeds (`gumbel_max` uses round 0; `top_p_sample` round r in its r-th round)."""
+    out = torch.empty(len(seeds), rounds, vocab, dtype=torch.float32, device=seeds.device)
+    _uniforms_kernel[(len(seeds), triton.cdiv(vocab, BLOCK))](seeds, out, vocab, rounds, BLOCK=BLOCK)
+    return out[:, 0] if rounds == 1 else out
