@@ -51,7 +51,7 @@ class SampleRow:
         return self.token_ids[self.num_prompt_tokens :]
 
 
-RowSampler = Callable[[torch.Tensor, list["SampleRow"]], torch.Tensor]  # logits rows -> a token each
+RowSampler = Callable[[torch.Tensor, list[SampleRow]], torch.Tensor]  # logits rows -> a token each
 
 
 @dataclass

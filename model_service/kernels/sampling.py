@@ -1,4 +1,4 @@
-"""Sampling at a temperature in one pass over the logits (Triton), with the torch reference CI runs.
+"""Sampling on CUDA without a probability tensor or a sort (Triton), with the torch references CI runs.
 
 For rows that sample from softmax(logits / T) with no top-k, top-p or min-p (most sampled
 traffic), the Gumbel-max trick draws the token as argmax(logits / T + G), G = -log(-log U), U
