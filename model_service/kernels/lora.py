@@ -7,7 +7,8 @@ max_rank, in], read as [parts * max_rank, in]); expand adds `scaling[slot, part]
 into each part's output columns (B: [max_loras, out, max_rank]). One launch each, for every row
 of every adapter, so a decode step with 64 different adapters is 2 launches per projection
 instead of 64 x (gather + 2 matmuls + scatter), and both fit in a CUDA graph: they read only
-device tensors at fixed addresses. Zero-padded ranks add zeros.
+device tensors at fixed addresses. Zero-padded ranks add zeros. Shrink needs only the
+projection's input, so the layer runs it beside the base GEMM (lora/layers.py).
 """
 
 from __future__ import annotations
@@ -96,20 +97,9 @@ def lora_delta_reference(
         lo += size
 
 
-def lora_delta(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scaling: torch.Tensor,
-    slots: torch.Tensor,
-    output_sizes: tuple[int, ...],
-    bounds: torch.Tensor,
-) -> None:
-    """The Triton shrink + expand on CUDA (the reference elsewhere); `bounds` holds each part's
-    first output column, on the device."""
-    if triton is None or not x.is_cuda:
-        return lora_delta_reference(x, y, a, b, scaling, slots, output_sizes)
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """xa [tokens, parts * max_rank] in float32: every row's input times its slot's A (Triton,
+    CUDA only); rows of slot -1 are left at whatever the buffer holds."""
     tokens, in_features = x.shape
     _, parts, max_rank, _ = a.shape
     width = parts * max_rank
@@ -125,9 +115,40 @@ def lora_delta(
         x, a, slots, xa, x.stride(0), a.stride(0), in_features, width, k_chunk,
         BLOCK_R=16, BLOCK_K=128, SPLIT_K=split_k > 1,
     )  # fmt: skip
-    out = y.shape[1]
+    return xa
+
+
+def lora_expand(
+    xa: torch.Tensor,
+    y: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    slots: torch.Tensor,
+    bounds: torch.Tensor,
+) -> None:
+    """y[t] += scaling[slot, part] * B[slot] @ xa[t] for every part (Triton, CUDA only, in place);
+    `bounds` holds each part's first output column, on the device."""
+    tokens, out = y.shape
+    parts = scaling.shape[1]
+    max_rank = b.shape[2]
     _expand_kernel[(tokens, triton.cdiv(out, 128))](
-        xa, b, scaling, slots, y, bounds, y.stride(0), b.stride(0), out, width, parts,
+        xa, b, scaling, slots, y, bounds, y.stride(0), b.stride(0), out, parts * max_rank, parts,
         MAX_RANK=max_rank, BLOCK_O=128,
     )  # fmt: skip
+
+
+def lora_delta(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    slots: torch.Tensor,
+    output_sizes: tuple[int, ...],
+    bounds: torch.Tensor,
+) -> None:
+    """Shrink then expand on CUDA (the reference elsewhere), in place on `y`."""
+    if triton is None or not x.is_cuda:
+        return lora_delta_reference(x, y, a, b, scaling, slots, output_sizes)
+    lora_expand(lora_shrink(x, a, slots), y, b, scaling, slots, bounds)
     return None
