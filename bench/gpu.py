@@ -131,13 +131,21 @@ def decode_tok_s(
     return batch * (new_tokens - 1) / (full - one)
 
 
-def start_decode(engine: Engine, batch: int, prompt_len: int, vocab: int, max_tokens: int) -> None:
+def start_decode(
+    engine: Engine,
+    batch: int,
+    prompt_len: int,
+    vocab: int,
+    max_tokens: int,
+    adapters: list[str | None] | None = None,
+) -> None:
     """Admit `batch` random prompts and step until every one is past its prefill (chunked
     prefill spreads a large batch's prompts over several steps): what follows is decode only."""
     g = torch.Generator().manual_seed(1)
-    for _ in range(batch):
+    for adapter in adapters or [None] * batch:
         prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
-        engine.add_request_dict({"prompt_token_ids": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+        request = {"prompt_token_ids": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        engine.add_request_dict({**request, "adapter": adapter})
     engine.step()
     while engine.scheduler.waiting or any(s.num_pending > 1 for s in engine.scheduler.running):
         engine.step()
@@ -192,12 +200,19 @@ def host_share(engine: Engine, batch: int, prompt_len: int, vocab: int) -> tuple
     return (total - waited) / total, max(0.0, 1 - busy / wall)
 
 
-def kernel_profile(engine: Engine, batch: int, prompt_len: int, vocab: int, steps: int = 8) -> str:
+def kernel_profile(
+    engine: Engine,
+    batch: int,
+    prompt_len: int,
+    vocab: int,
+    adapters: list[str | None] | None = None,
+    steps: int = 8,
+) -> str:
     """Device time per kernel over `steps` decode steps at `batch` (torch.profiler, CUPTI: the
     kernels inside replayed graphs too): where a step's device time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    start_decode(engine, batch, prompt_len, vocab, max_tokens=steps + 64)
+    start_decode(engine, batch, prompt_len, vocab, steps + 64, adapters)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
@@ -304,6 +319,9 @@ def lora_vs_base(loaded: LoadedModel, args: argparse.Namespace) -> tuple[float, 
     base = decode_tok_s(engine, batch, args.prompt_len, args.new_tokens, vocab)
     names: list[str | None] = [f"a{i % n}" for i in range(batch)]
     lora = decode_tok_s(engine, batch, args.prompt_len, args.new_tokens, vocab, names)
+    if args.profile_lora:
+        print(f"device time per kernel, batch {batch}, {n} adapters:")
+        print(kernel_profile(engine, batch, args.prompt_len, vocab, names))
     return base, lora
 
 
@@ -354,10 +372,13 @@ def main() -> None:
     ap.add_argument("--host-share-batch", type=int, default=0, help="measure host time at this batch")
     ap.add_argument("--ttft", action="store_true", help="4,096-token prompt: cold and 3,584 cached")
     ap.add_argument("--verify-k", type=int, default=0, help="time a K-proposal verify step")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (no truncation)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--profile-batches", type=int, nargs="*", default=[], help="device time per kernel")
+    ap.add_argument("--profile-lora", action="store_true", help="device time per kernel of the LoRA run")
     args = ap.parse_args()
     shape = SMOLLM2 if args.small else LLAMA3_8B
     setup = {
@@ -369,8 +390,10 @@ def main() -> None:
         "async_scheduling": args.async_scheduling,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
     }
-    sampling = {"temperature": args.temperature, "top_p": args.top_p}
+    sampling = {k: setup[k] for k in ("temperature", "top_p", "top_k", "min_p")}
     bandwidth = copy_bandwidth()
     print(json.dumps({"bench": "gpu", "metric": "copy_bandwidth_gb_s", "value": round(bandwidth), **setup}))
     loaded = random_model(shape)
