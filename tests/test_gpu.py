@@ -228,18 +228,21 @@ def test_async_scheduling_on_cuda_gives_the_synchronous_tokens(monkeypatch):
 
 
 def test_seeded_sampling_on_cuda_does_not_depend_on_the_batch():
-    """The Gumbel-max kernel (temperature only), the nucleus kernel (top-p) and the sorting path
-    (top-k) key a seeded row's draw by its seed and output position: the same request alone, in
-    a batch of others (seeded, unseeded, greedy), and again, gives the same tokens; unseeded rows
-    vary."""
+    """The Gumbel-max kernel (temperature only), the rejection kernel (top-p, top-k, min-p) and
+    the sorting path (top-k with top-p) key a seeded row's draw by its seed and output position:
+    the same request alone, in a batch of others (seeded, unseeded, greedy), and again, gives the
+    same tokens; unseeded rows vary."""
     cfg, reference = _random_model()
-    engine = _engine(cfg, reference, "cuda", num_kv_blocks=96, block_size=4, max_num_seqs=16)
+    engine = _engine(cfg, reference, "cuda", num_kv_blocks=128, block_size=4, max_num_seqs=16)
     base = {"prompt_token_ids": [5, 9, 17, 33], "max_tokens": 24, "ignore_eos": True, "temperature": 1.3}
-    probes = [base | {"seed": 7}, base | {"seed": 7, "top_p": 0.8}, base | {"seed": 7, "top_k": 20}]
+    cuts = [{}, {"top_p": 0.8}, {"top_k": 20}, {"min_p": 0.05}, {"top_k": 20, "top_p": 0.9}]
+    probes = [base | {"seed": 7} | cut for cut in cuts]
     others = [base | {"seed": 100 + i, "temperature": 0.5 * i} for i in range(6)] + [base, base]
     alone = [engine.generate([p])[0].token_ids for p in probes]
-    mixed = engine.generate([*others[:3], probes[0], *others[3:6], probes[1], *others[6:], probes[2]])
-    assert [mixed[3].token_ids, mixed[7].token_ids, mixed[-1].token_ids] == alone
+    mixed = engine.generate([*others[:3], *probes[:2], *others[3:6], *probes[2:4], *others[6:], probes[4]])
+    assert [mixed[i].token_ids for i in (3, 4, 8, 9, 12)] == alone
     assert [o.token_ids for o in engine.generate(probes)] == alone
     assert mixed[-2].token_ids != mixed[-3].token_ids  # two unseeded rows: their own draws
-    assert len({tuple(t) for t in alone}) == 3
+    # The first three differ (the cuts bite); min-p 0.05 may keep every token of this flat random
+    # model, and a cut that keeps the drawn token draws what the plain row draws.
+    assert len({tuple(t) for t in alone[:3]}) == 3

@@ -26,8 +26,8 @@ from model_service.kernels.sampling import (
     gumbel_max,
     gumbel_max_reference,
     philox_uniforms,
-    top_p_sample,
-    top_p_sample_reference,
+    truncated_sample,
+    truncated_sample_reference,
 )
 from model_service.models.config import attention_layers
 
@@ -320,9 +320,28 @@ def test_triton_prefill_attention_matches_reference(window, dtype, heads_dim):
         assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def _nucleus(logits: torch.Tensor, temp: float, top_p: float) -> torch.Tensor:
-    """The nucleus distribution as the sorting sampler builds it."""
-    return filtered_probs(logits[None], [SamplingParams(temperature=temp, top_p=top_p)])[0]
+CUTS = [
+    {"top_p": 0.7},
+    {"top_k": 3},
+    {"min_p": 0.2},
+    {"top_k": 4, "min_p": 0.3},
+    {"top_p": 0.8, "min_p": 0.1},
+]
+
+
+def _truncated(logits: torch.Tensor, temp: float, cut: dict) -> torch.Tensor:
+    """The truncated distribution as the sorting sampler builds it."""
+    return filtered_probs(logits[None], [SamplingParams(temperature=temp, **cut)])[0]
+
+
+def _cut_tensors(n: int, vocab: int, device: str, cut: dict) -> tuple[torch.Tensor, ...]:
+    """(top_p, top_k, min_p) per row as `truncated_sample` takes them."""
+    top_k = cut.get("top_k", 0) or vocab
+    return (
+        torch.full((n,), cut.get("top_p", 1.0), device=device),
+        torch.full((n,), top_k, dtype=torch.int32, device=device),
+        torch.full((n,), cut.get("min_p", 0.0), device=device),
+    )
 
 
 def _softmax_frequencies(draws: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -358,13 +377,14 @@ def test_triton_gumbel_max_draws_from_the_tempered_softmax():
     assert (_softmax_frequencies(draws, 6) - (logits / 0.8).softmax(0).cpu()).abs().max() < 0.01
 
 
-def test_top_p_reference_draws_from_the_nucleus_the_sorting_sampler_builds():
+@pytest.mark.parametrize("cut", CUTS)
+def test_truncated_reference_draws_from_what_the_sorting_sampler_keeps(cut):
     logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0])
     n = 6000
     u = torch.rand(n, 8, 8).clamp_min(1e-12)
-    temps, top_p = torch.full((n,), 0.9), torch.full((n,), 0.7)
-    draws = top_p_sample_reference(logits.expand(n, -1), temps, top_p, u)
-    want = _nucleus(logits, 0.9, 0.7)
+    temps = torch.full((n,), 0.9)
+    draws = truncated_sample_reference(logits.expand(n, -1), temps, _cut_tensors(n, 8, "cpu", cut), u)
+    want = _truncated(logits, 0.9, cut)
     assert set(draws.tolist()) == set(want.nonzero().flatten().tolist())
     assert (_softmax_frequencies(draws, 8) - want).abs().max() < 0.025
 
@@ -372,24 +392,35 @@ def test_top_p_reference_draws_from_the_nucleus_the_sorting_sampler_builds():
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "rows, vocab, top_p", [(1, 128_256, 0.95), (6, 1000, 0.5), (64, 50, 0.9), (3, 4097, 0.05)]
+    "rows, vocab, cut",
+    [
+        (1, 128_256, {"top_p": 0.95}),
+        (6, 1000, {"top_p": 0.5}),
+        (64, 50, {"top_p": 0.9}),
+        (3, 4097, {"top_p": 0.05}),
+        (5, 32_000, {"top_k": 40}),
+        (7, 128_256, {"min_p": 0.05}),
+        (4, 2048, {"top_k": 1}),
+        (9, 5000, {"top_p": 0.9, "min_p": 0.02, "top_k": 5000}),
+    ],
 )
-def test_triton_top_p_matches_reference_on_the_same_uniforms(rows, vocab, top_p):
+def test_triton_truncated_sample_matches_reference_on_the_same_uniforms(rows, vocab, cut):
     g = torch.Generator(device="cuda").manual_seed(rows + vocab)
     logits = torch.randn(rows, vocab, device="cuda", generator=g) * 4
     temps = torch.rand(rows, device="cuda", generator=g) + 0.5
     seeds = torch.randint(1 << 62, (rows,), device="cuda", generator=g)
-    top = torch.full((rows,), top_p, device="cuda")
-    want = top_p_sample_reference(logits, temps, top, philox_uniforms(seeds, vocab, MAX_ROUNDS))
-    assert torch.equal(top_p_sample(logits, temps, top, seeds), want)
+    cuts = _cut_tensors(rows, vocab, "cuda", cut)
+    want = truncated_sample_reference(logits, temps, cuts, philox_uniforms(seeds, vocab, MAX_ROUNDS))
+    assert torch.equal(truncated_sample(logits, temps, cuts, seeds), want)
 
 
 @cuda
 @pytest.mark.gpu
-def test_triton_top_p_draws_from_the_nucleus_the_sorting_sampler_builds():
+@pytest.mark.parametrize("cut", CUTS)
+def test_triton_truncated_sample_draws_from_what_the_sorting_sampler_keeps(cut):
     logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0], device="cuda")
     n = 40_000
     seeds = torch.randint(1 << 62, (n,), device="cuda")
-    temps, top_p = torch.full((n,), 0.9, device="cuda"), torch.full((n,), 0.7, device="cuda")
-    draws = top_p_sample(logits.expand(n, -1), temps, top_p, seeds)
-    assert (_softmax_frequencies(draws, 8) - _nucleus(logits.cpu(), 0.9, 0.7)).abs().max() < 0.01
+    temps = torch.full((n,), 0.9, device="cuda")
+    draws = truncated_sample(logits.expand(n, -1), temps, _cut_tensors(n, 8, "cuda", cut), seeds)
+    assert (_softmax_frequencies(draws, 8) - _truncated(logits.cpu(), 0.9, cut)).abs().max() < 0.01

@@ -7,10 +7,10 @@ request's tokens independent of whatever else shares its batch.
 Sampling uses the Gumbel trick. On CUDA, rows at a temperature with no top-k, top-p or min-p
 take one fused kernel that draws argmax(logits / T + Gumbel noise) in one pass over the logits
 (kernels/sampling.py: sampled decode at 64 rows of the 8B shape went 11,246-11,342 -> 11,704-
-11,776 tok/s, greedy's speed); top-p rows a kernel that draws from the nucleus by rejection,
-without sorting the vocabulary. Rows with top-k or min-p (and every row on the CPU) use its
-exponential-race form, argmax(p / E) with E ~ Exp(1), on the truncated, renormalized
-probabilities.
+11,776 tok/s, greedy's speed); rows with top-p, top-k or min-p a kernel that draws from the
+truncated distribution by rejection, without sorting the vocabulary. Rows with both top-k and
+top-p (and every row on the CPU) use its exponential-race form, argmax(p / E) with E ~ Exp(1),
+on the truncated, renormalized probabilities.
 
 A seeded row's noise is a function of (seed, output position): its generator (or the kernel's
 Philox stream) is seeded from both before each draw. So the token at position i depends on the
@@ -28,7 +28,7 @@ import torch
 
 from model_service.engine.sampling_params import SamplingParams
 from model_service.kernels.paged_attention import triton
-from model_service.kernels.sampling import gumbel_max, top_p_sample
+from model_service.kernels.sampling import gumbel_max, truncated_sample
 
 
 @dataclass
@@ -82,10 +82,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
 def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """One token per row, left on the device: nothing here waits for the device, so the host can
     prepare the next step while this one runs (penalties, if any, are already in `logits`).
-    On CUDA, rows at a temperature take the one-pass Gumbel-max kernel, top-p rows the
-    sort-free nucleus kernel whatever the batch (a seeded row's draw must not depend on what
-    else is in it; the kernel runs one program a row, 1.5% slower a step than sorting at one
-    row, 17% faster at 64, 40% at 256 on the 8B shape); rows with top-k or min-p sort."""
+    On CUDA, rows at a temperature take the one-pass Gumbel-max kernel, rows with top-p, top-k
+    or min-p the sort-free rejection kernel whatever the batch (a seeded row's draw must not
+    depend on what else is in it; the kernel runs one program a row, 1.5% slower a step than
+    sorting at one row, 17% faster at 64, 40% at 256 on the 8B shape with top-p); rows with
+    both top-k and top-p sort."""
     fused = logits.is_cuda and triton is not None
     groups: dict[RowSampler, list[int]] = {}
     for i, r in enumerate(rows):
@@ -102,9 +103,9 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
 
 
 def _sampler_for(params: SamplingParams, fused: bool) -> RowSampler:
-    if not fused or params.top_k > 0 or params.min_p > 0.0:
+    if not fused or (params.top_k > 0 and params.top_p < 1.0):
         return _filtered_sample
-    return _nucleus_sample if params.top_p < 1.0 else _gumbel_sample
+    return _truncated_sample if params.truncates else _gumbel_sample
 
 
 def _gumbel_sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -112,10 +113,12 @@ def _gumbel_sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return gumbel_max(logits, temps, _kernel_seeds(rows, logits.device))
 
 
-def _nucleus_sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    temps = to_device([r.params.temperature for r in rows], logits.device, torch.float32)
-    top_p = to_device([r.params.top_p for r in rows], logits.device, torch.float32)
-    return top_p_sample(logits, temps, top_p, _kernel_seeds(rows, logits.device))
+def _truncated_sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    device, vocab, params = logits.device, logits.shape[1], [r.params for r in rows]
+    floats = [p.temperature for p in params] + [p.top_p for p in params] + [p.min_p for p in params]
+    temps, top_p, min_p = to_device(floats, device, torch.float32).view(3, len(rows))  # one copy
+    top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device, torch.int32)
+    return truncated_sample(logits, temps, (top_p, top_k, min_p), _kernel_seeds(rows, device))
 
 
 def _kernel_seeds(rows: list[SampleRow], device: torch.device) -> torch.Tensor:
