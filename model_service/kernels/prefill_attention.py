@@ -3,7 +3,8 @@ reference CI runs.
 
 Each program takes one tile of BLOCK_M query rows of one sequence and one query head, and walks
 that sequence's keys through its block table in tiles of BLOCK_N, from the window's start (or 0)
-to the tile's last query position: tiles wholly above the causal diagonal are never loaded.
+to the tile's last query position: tiles wholly above the causal diagonal are never loaded, and
+tiles wholly below it (no sliding window) skip the mask.
 Online softmax in float32 (FlashAttention's recurrence). The tile table (which sequence, which
 first row) is built on the host from the step's query offsets, so the grid fits the batch.
 """
@@ -46,32 +47,57 @@ if triton is not None:
         hi = tl.minimum(seq_len, first_pos + m0 + BLOCK_M)
         lo = tl.where(window > 0, tl.maximum(first_pos + m0 - window + 1, 0), 0)
         lo = (lo // BLOCK_N) * BLOCK_N
+        # Key tiles that every query row of this tile sees in full (wholly at or before its first
+        # row's position, no window) skip the mask; only the tiles on the diagonal pay for it.
+        unmasked = tl.where(window > 0, 0, (tl.minimum(hi, first_pos + m0 + 1) - lo) // BLOCK_N)
+        mid = lo + tl.maximum(unmasked, 0) * BLOCK_N
         m_i = tl.full([BLOCK_M], -1e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
-            pos_n = n0 + tl.arange(0, BLOCK_N)
-            valid_n = pos_n < hi
-            block = tl.load(BlockTable + seq * bt_stride + pos_n // BLOCK_SIZE, mask=valid_n, other=0)
-            kv_off = (block * BLOCK_SIZE + pos_n % BLOCK_SIZE)[:, None] * kc_stride_slot + kvh * kc_stride_h
-            k = tl.load(KC + kv_off + d[None, :], mask=valid_n[:, None], other=0.0)
-            v = tl.load(VC + kv_off + d[None, :], mask=valid_n[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            allowed = valid_n[None, :] & (pos_n[None, :] <= pos_m[:, None])
-            allowed &= (window <= 0) | (pos_n[None, :] > pos_m[:, None] - window)
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        table, head_offset = BlockTable + seq * bt_stride, kvh * kc_stride_h
+        for n0 in range(lo, mid, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, KC, VC, table, kc_stride_slot, head_offset, n0, hi, pos_m, window, scale, m_i, l_i, acc,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False,
+            )  # fmt: skip
+        for n0 in range(mid, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, KC, VC, table, kc_stride_slot, head_offset, n0, hi, pos_m, window, scale, m_i, l_i, acc,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True,
+            )  # fmt: skip
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             Out + (q_start + rows)[:, None] * o_stride_t + head * o_stride_h + d[None, :],
             out.to(Out.dtype.element_ty),
             mask=valid_m[:, None],
         )
+
+    @triton.jit
+    def _attend_tile(
+        q, KC, VC, table, kc_stride_slot, head_offset, n0, hi, pos_m, window, scale, m_i, l_i, acc,
+        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    ):  # fmt: skip
+        """One key tile's online-softmax update; MASKED applies the causal / window mask and the
+        sequence's end (unmasked tiles are whole and visible to every row)."""
+        pos_n = n0 + tl.arange(0, BLOCK_N)
+        d = tl.arange(0, HEAD_DIM)
+        valid_n = pos_n < hi
+        block = tl.load(table + pos_n // BLOCK_SIZE, mask=valid_n, other=0)
+        kv_off = (block * BLOCK_SIZE + pos_n % BLOCK_SIZE)[:, None] * kc_stride_slot + head_offset
+        k = tl.load(KC + kv_off + d[None, :], mask=valid_n[:, None], other=0.0)
+        v = tl.load(VC + kv_off + d[None, :], mask=valid_n[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if MASKED:
+            allowed = valid_n[None, :] & (pos_n[None, :] <= pos_m[:, None])
+            allowed &= (window <= 0) | (pos_n[None, :] > pos_m[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i, acc
 
 
 def paged_prefill_attention_reference(
@@ -138,6 +164,6 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_table.stride(0), scale, window or 0,
         GROUP=heads // k_cache.shape[1], HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_M=64, BLOCK_N=64,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_stages=2,
     )  # fmt: skip
     return out
