@@ -73,3 +73,19 @@ def test_async_scheduling_is_off_on_the_cpu_by_default_and_with_speculation(tiny
     assert not make_engine(tiny_llama, max_loras=0).overlap
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
     assert not make_engine(tiny_llama, max_loras=0, async_scheduling="on", speculative_config=spec).overlap
+
+
+def test_a_request_whose_last_token_is_on_the_device_gets_no_more_rows(tiny_llama, monkeypatch):
+    """max_tokens is known in advance, so the step after a request's last token does not compute
+    a row for it that would be dropped: max_tokens = n costs n forward rows, with or without
+    overlap (a 1-token request, the time-to-first-token case, costs one step, not two)."""
+    engine = make_engine(tiny_llama, async_scheduling="on", max_loras=0)
+    rows: list[int] = []
+    execute = engine.executor.execute
+    monkeypatch.setattr(engine.executor, "execute", lambda b: rows.append(len(b.input_ids)) or execute(b))
+    prompt = list(range(3, 40))
+    for n in (1, 2, 5):
+        rows.clear()
+        out = engine.generate([{"prompt_token_ids": prompt, "max_tokens": n, "ignore_eos": True}])[0]
+        assert len(out.token_ids) == n
+        assert len(rows) == n and sum(rows[1:]) == n - 1  # one prefill step (cached prefix), then decode

@@ -8,11 +8,13 @@ the device gets a placeholder input id, which `feed` overwrites on the device fr
 tensor (in stream order, so no wait), and step N's tokens are read (`InFlight.wait`) once step
 N + 1 is queued behind them.
 
-The price, as in vLLM's async scheduling: a request that step N finishes (a stop token or string)
-has already been given a row in step N + 1, whose token is dropped; its K/V write lands in blocks
-that were its own (freed only after, in stream order). A step overlaps only when every row's
-sampling needs nothing the host learns from step N: no penalties (they count the history), no
-logprobs, no beams, no speculation; any other step reads step N's tokens first, as before.
+The price, as in vLLM's async scheduling: a request that step N finishes by a stop token or
+string has already been given a row in step N + 1, whose token is dropped; its K/V write lands
+in blocks that were its own (freed only after, in stream order). One that step N finishes by
+`max_tokens` gets no such row (`Sequence.num_pending` is 0 once its last token is in flight).
+A step overlaps only when every row's sampling needs nothing the host learns from step N: no
+penalties (they count the history), no logprobs, no beams, no speculation; any other step reads
+step N's tokens first, as before.
 """
 
 from __future__ import annotations

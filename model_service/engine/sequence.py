@@ -137,9 +137,14 @@ class Sequence:
 
     @property
     def num_pending(self) -> int:
-        """Tokens not yet in the KV cache (1 for a sequence in decode)."""
+        """Tokens not yet in the KV cache (1 for a sequence in decode); 0 once the token on the
+        device is its last by `max_tokens`, so that async scheduling gives it no row that would
+        be computed and dropped (a stop token cannot be foreseen; that row is still paid)."""
         computed = self.state.num_computed if self.state is not None else 0  # hot: no property hop
-        return len(self.token_ids) + self.in_flight - computed
+        total = len(self.token_ids) + self.in_flight
+        if self.in_flight and total - self.num_prompt_tokens >= self.params.max_tokens:
+            return 0
+        return total - computed
 
     @property
     def finished(self) -> bool:
