@@ -136,19 +136,3 @@ def lora_expand(
         MAX_RANK=max_rank, BLOCK_O=128,
     )  # fmt: skip
 
-
-def lora_delta(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scaling: torch.Tensor,
-    slots: torch.Tensor,
-    output_sizes: tuple[int, ...],
-    bounds: torch.Tensor,
-) -> None:
-    """Shrink then expand on CUDA (the reference elsewhere), in place on `y`."""
-    if triton is None or not x.is_cuda:
-        return lora_delta_reference(x, y, a, b, scaling, slots, output_sizes)
-    lora_expand(lora_shrink(x, a, slots), y, b, scaling, slots, bounds)
-    return None
