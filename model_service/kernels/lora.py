@@ -135,4 +135,3 @@ def lora_expand(
         xa, b, scaling, slots, y, bounds, y.stride(0), b.stride(0), out, parts * max_rank, parts,
         MAX_RANK=max_rank, BLOCK_O=128,
     )  # fmt: skip
-
