@@ -186,6 +186,26 @@ def test_presence_and_frequency_penalties_follow_openai(presence, frequency):
     torch.testing.assert_close(ours[0], expected)
 
 
+def test_penalties_of_a_batch_are_each_row_s_own():
+    """Rows with different penalties, histories with repeats, rows without output or penalties:
+    the batch gives every row what that row alone gives."""
+    g = torch.Generator().manual_seed(11)
+    rows = []
+    for i in range(12):
+        prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g)
+        output = torch.randint(0, 20, (i % 4 * 7,), generator=g)  # small ids: repeats
+        penalties = {
+            "repetition_penalty": 1.0 + 0.1 * (i % 3),
+            "presence_penalty": 0.25 * (i % 2),
+            "frequency_penalty": 0.1 * (i % 5),
+        }
+        rows.append(_row(prompt=prompt.tolist(), output=output.tolist(), **penalties))
+    logits = _logits(len(rows), seed=12)
+    alone = torch.cat([_apply_penalties(logits[i : i + 1], [r]) for i, r in enumerate(rows)])
+    assert torch.equal(_apply_penalties(logits, rows), alone)
+    assert not torch.equal(alone, logits)
+
+
 def test_all_penalties_combined_and_only_on_their_rows():
     logits = _logits(3, seed=8)
     prompt, output = [1, 2, 3], [3, 3, 50]

