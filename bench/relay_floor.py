@@ -22,8 +22,11 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gateway import ROOT, Sample, _wait_serving, load_test
 
