@@ -64,21 +64,32 @@ class TokenLogprobs:
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [N, vocab] float32 (not modified). Returns (token ids, logprobs or None) per row."""
-    want_logprobs = [r.params.logprobs is not None for r in rows]
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
     logits = _apply_penalties(logits, rows) if any(r.params.needs_penalties for r in rows) else logits
-    token_list = sample_on_device(logits, rows).tolist()
+    tokens = sample_on_device(logits, rows)
     out: list[TokenLogprobs | None] = [None] * len(rows)
-    if raw_logprobs is not None:
-        for i, r in enumerate(rows):
-            if r.params.logprobs is None:
-                continue
-            top: list[tuple[int, float]] = []
-            if r.params.logprobs > 0:
-                vals, ids = raw_logprobs[i].topk(r.params.logprobs)
-                top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-            out[i] = TokenLogprobs(float(raw_logprobs[i, token_list[i]]), top)
+    if raw_logprobs is None:
+        return tokens.tolist(), out
+    top_n = [rows[i].params.logprobs or 0 for i in want]
+    chosen, top_vals, top_ids = _logprobs(raw_logprobs, tokens, want, max(top_n))
+    token_list = tokens.tolist()  # the one wait for the device; the lists below are ready then
+    for i, n, logprob, vals, ids in zip(
+        want, top_n, chosen.tolist(), top_vals.tolist(), top_ids.tolist(), strict=True
+    ):
+        out[i] = TokenLogprobs(logprob, list(zip(ids[:n], vals[:n], strict=True)))
     return token_list, out
+
+
+def _logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, want: list[int], k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows `want`, all at once: the sampled token's logprob, and the top k logprobs and
+    their ids (a row asking for fewer takes the first of them); no wait for the device here."""
+    idx = to_device(want, raw.device)
+    sub = raw[idx]
+    vals, ids = sub.topk(k, dim=-1)
+    return sub.gather(1, tokens[idx, None])[:, 0], vals, ids
 
 
 def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
