@@ -246,3 +246,46 @@ def test_seeded_sampling_on_cuda_does_not_depend_on_the_batch():
     # The first three differ (the cuts bite); min-p 0.05 may keep every token of this flat random
     # model, and a cut that keeps the drawn token draws what the plain row draws.
     assert len({tuple(t) for t in alone[:3]}) == 3
+
+
+def _stream(engine: Engine, requests: list[dict]) -> list[tuple[list[int], list]]:
+    """(token ids, logprobs) of each request, stepping the engine to the end."""
+    ids = [engine.add_request_dict(r) for r in requests]
+    got: dict[str, tuple[list[int], list]] = {i: ([], []) for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id][0].extend(out.new_token_ids)
+            got[out.request_id][1].extend(out.new_logprobs or [])
+    return [got[i] for i in ids]
+
+
+def test_penalties_and_logprobs_on_cuda_match_the_cpu():
+    """Penalties and logprobs are computed for all rows at once (one copy of the histories, one
+    top-k): greedy rows with repetition, presence and frequency penalties and logprobs give the
+    CPU's tokens, and logprobs within float tolerance."""
+    cfg, reference = _random_model()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    penalties = [
+        {"repetition_penalty": 1.3 + 0.1 * i, "presence_penalty": 0.5 * (i % 2), "frequency_penalty": 0.2 * i}
+        for i in range(5)
+    ]
+    requests = [
+        {
+            "prompt_token_ids": [(5 * i + j) % 500 + 3 for j in range(6 + i)] * 2,
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": [0, 3, None, 5, 2, 4][i],
+            **(penalties[i] if i < 5 else {}),
+        }
+        for i in range(6)
+    ]
+    devices = ("cpu", "cuda")
+    results = [_stream(_engine(cfg, reference, d, num_kv_blocks=64, block_size=4), requests) for d in devices]
+    for (cpu_ids, cpu_lps), (gpu_ids, gpu_lps) in zip(*results, strict=True):
+        assert gpu_ids == cpu_ids
+        assert len(gpu_lps) == len(cpu_lps)
+        for a, b in zip(cpu_lps, gpu_lps, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-4
+            assert len(a.top) == len(b.top)
+            assert all(abs(x[1] - y[1]) < 1e-4 for x, y in zip(a.top, b.top, strict=True))
