@@ -222,18 +222,20 @@ def kernel_profile(
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60)
 
 
-def ttft_ms(engine: Engine, vocab: int, prompt_len: int, cached: int) -> tuple[float, float]:
+def ttft_ms(
+    engine: Engine, vocab: int, prompt_len: int, cached: int, adapter: str | None = None
+) -> tuple[float, float]:
     """Time to the first token in ms: a prompt never seen (cold), then one that shares its first
-    `cached` tokens with it (a prefix-cache hit)."""
+    `cached` tokens with it (a prefix-cache hit); with `adapter`, through that LoRA adapter."""
     g = torch.Generator().manual_seed(7)
 
     def prompt(prefix: list[int]) -> list[int]:
         return prefix + torch.randint(3, vocab, (prompt_len - len(prefix),), generator=g).tolist()
 
-    timed_generate(engine, [prompt([])], 1, [None])  # warm-up: kernels for these shapes
+    timed_generate(engine, [prompt([])], 1, [adapter])  # warm-up: kernels for these shapes
     shared = torch.randint(3, vocab, (cached,), generator=g).tolist()
-    cold = timed_generate(engine, [prompt(shared)], 1, [None])
-    hit = timed_generate(engine, [prompt(shared)], 1, [None])
+    cold = timed_generate(engine, [prompt(shared)], 1, [adapter])
+    hit = timed_generate(engine, [prompt(shared)], 1, [adapter])
     return cold * 1e3, hit * 1e3
 
 
@@ -299,7 +301,7 @@ def lora_vs_base(loaded: LoadedModel, args: argparse.Namespace) -> tuple[float, 
             max_cpu_loras=n,
             max_lora_rank=rank,
             kv_cache_memory_bytes=20 << 30,
-            max_model_len=4096,
+            max_model_len=8192,
         ),
         loaded=loaded,
     )
@@ -319,6 +321,10 @@ def lora_vs_base(loaded: LoadedModel, args: argparse.Namespace) -> tuple[float, 
     base = decode_tok_s(engine, batch, args.prompt_len, args.new_tokens, vocab)
     names: list[str | None] = [f"a{i % n}" for i in range(batch)]
     lora = decode_tok_s(engine, batch, args.prompt_len, args.new_tokens, vocab, names)
+    for adapter in (None, "a0") if args.ttft else ():  # prefill with one adapter against none
+        cold, hit = ttft_ms(engine, vocab, 4096, 3584, adapter)
+        line = {"bench": "gpu", "metric": "ttft_ms_4096", "adapter": adapter, "lora_rank": rank}
+        print(json.dumps({**line, "cold": round(cold, 1), "hit_3584": round(hit, 1)}), flush=True)
     if args.profile_lora:
         print(f"device time per kernel, batch {batch}, {n} adapters:")
         print(kernel_profile(engine, batch, args.prompt_len, vocab, names))
@@ -370,7 +376,8 @@ def main() -> None:
     ap.add_argument("--lora-batch", type=int, default=64)
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--host-share-batch", type=int, default=0, help="measure host time at this batch")
-    ap.add_argument("--ttft", action="store_true", help="4,096-token prompt: cold and 3,584 cached")
+    ttft_help = "4,096-token prompt: cold and 3,584 cached (also with and without an adapter in the LoRA run)"
+    ap.add_argument("--ttft", action="store_true", help=ttft_help)
     ap.add_argument("--verify-k", type=int, default=0, help="time a K-proposal verify step")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
