@@ -90,6 +90,37 @@ def test_cuda_matches_cpu_with_adapters_swap_and_beams(tmp_path):
     assert results["cuda"] == results["cpu"]
 
 
+def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path):
+    """Prompts long enough that their prefill chunks take the LoRA tile kernels (runs of one
+    adapter cut into row tiles), chunked and mixed with decode rows of other adapters."""
+    from bench.lora import write_adapter
+
+    cfg, reference = _random_model()
+    adapters = {f"a{i}": write_adapter(tmp_path / f"a{i}", cfg, rank=8 * (i + 1), seed=i) for i in range(2)}
+    for path in adapters.values():
+        weights = path / "adapter_model.safetensors"
+        save_file({k: v * 30 for k, v in load_file(str(weights)).items()}, str(weights))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    requests = [
+        {
+            "prompt_token_ids": [(13 * i + 3 * j) % 500 + 3 for j in range(20 + 37 * i)],
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "adapter": ["a0", None, "a1", "a0", "a1"][i],
+        }
+        for i in range(5)
+    ]
+    results = {}
+    for device in ("cpu", "cuda"):
+        engine = _engine(
+            cfg, reference, device, max_loras=2, max_num_batched_tokens=96,
+            lora_modules={k: str(v) for k, v in adapters.items()},
+        )  # fmt: skip
+        results[device] = [o.token_ids for o in engine.generate(requests)]
+    assert results["cuda"] == results["cpu"]
+
+
 def test_decode_graphs_replay_over_reused_blocks_with_fresh_metadata():
     """CUDA graphs are captured once per padded batch size; later waves of requests get blocks and
     rows that earlier ones used, and every replay must re-prepare the metadata (a graph replayed

@@ -3,6 +3,7 @@ reference attention backend (everywhere, so CI checks what the kernels are check
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from model_service.engine.sampler import filtered_probs
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.seq_state import SequenceState
 from model_service.kernels.lora import lora_delta_reference, lora_expand, lora_shrink
+from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
 from model_service.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -188,6 +190,44 @@ def test_triton_lora_matches_reference(tokens, dtype, in_features):
         lora_delta_reference(x, want, a, b, scaling, slots, sizes)
         starts = torch.tensor([0, sizes[0], sizes[0] + sizes[1]], device="cuda")
         lora_expand(lora_shrink(x, a, slots), got, b, scaling, slots, starts)
+        assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+        assert torch.equal(got[slots < 0], y[slots < 0])
+
+
+def test_lora_tiles_cut_runs_of_one_slot_and_skip_base_rows():
+    slots = np.array([-1, -1] + [2] * 70 + [0, -1, 0, 0] + [3] * 64)
+    tiles = lora_tiles(slots, tile_rows=32)
+    want = [(2, 34, 2), (34, 66, 2), (66, 72, 2), (72, 73, 0), (74, 76, 0), (76, 108, 3), (108, 140, 3)]
+    assert [tuple(t) for t in tiles.tolist()] == want
+    assert lora_tiles(np.array([-1, -1])).shape == (0, 3)
+
+
+def _runs_of_slots(tokens: int, seed: int) -> torch.Tensor:
+    """Per-row slots in runs of random length (prefill chunks of requests with one adapter each),
+    base-model runs and single rows among them."""
+    g = torch.Generator().manual_seed(seed)
+    runs, total = [], 0
+    while total < tokens:
+        length = int(torch.randint(1, 150, (1,), generator=g)) if len(runs) % 3 else 1
+        runs.append(torch.full((min(length, tokens - total),), int(torch.randint(-1, 4, (1,), generator=g))))
+        total += runs[-1].numel()
+    return torch.cat(runs)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [20, 300, 2048])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [48, 2048])
+def test_triton_lora_tiles_match_reference(tokens, dtype, in_features):
+    for seed in range(2):
+        sizes, x, y, a, b, scaling, _ = _lora_case(tokens, "cuda", dtype, seed, in_features)
+        slots = _runs_of_slots(tokens, seed).cuda()
+        want, got = y.clone(), y.clone()
+        lora_delta_reference(x, want, a, b, scaling, slots, sizes)
+        starts = torch.tensor([0, sizes[0], sizes[0] + sizes[1]], device="cuda")
+        tiles = torch.from_numpy(lora_tiles(slots.cpu().numpy())).cuda()
+        lora_expand_tiles(lora_shrink_tiles(x, a, tiles), got, b, scaling, tiles, starts)
         assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
         assert torch.equal(got[slots < 0], y[slots < 0])
 

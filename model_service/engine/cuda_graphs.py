@@ -77,7 +77,7 @@ class DecodeGraphs:
     def _capture(self, size: int, with_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self.backend.prepare_for_capture(size)
         if self.lora is not None:  # the graph records the LoRA kernels only when it needs them
-            self.lora.enabled, self.lora.slots = with_lora, self.lora_slots[:size]
+            self.lora.for_capture(self.lora_slots[:size], with_lora)
         ctx = ForwardContext(attention=self.backend, logits_rows=self.rows[:size])
         ids, pos = self.input_ids[:size], self.positions[:size]
         self.forward(ids, pos, ctx)  # warm-up outside the graph: kernel compilation, allocator

@@ -71,7 +71,7 @@ if triton is not None:
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -107,7 +107,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.
     # buffer) so it still starts ~1,000+ programs; with rows enough to fill the SMs twice over,
     # each program sums its whole row and stores it: no memset launch, no atomics.
     programs = tokens * triton.cdiv(width, 16)
-    split_k = 1 if programs >= 2 * _num_sms(x.device) else max(1, min(16, in_features // 512))
+    split_k = 1 if programs >= 2 * num_sms(x.device) else max(1, min(16, in_features // 512))
     k_chunk = triton.cdiv(triton.cdiv(in_features, split_k), 128) * 128
     alloc = torch.zeros if split_k > 1 else torch.empty
     xa = alloc(tokens, width, dtype=torch.float32, device=x.device)

@@ -9,6 +9,8 @@ rows pick their adapter by the per-token slot index of the step batch.
 
 On CUDA the delta is two Triton launches per projection for all rows of all adapters
 (kernels/lora.py), graph-capturable; the shrink runs on a side stream beside the base GEMM.
+Steps with long runs of one adapter (prefill chunks) take the row-tile kernels instead
+(kernels/lora_grouped.py), which read each adapter's weights once per tile, not once per row.
 The torch reference below loops over the slots present in the step (SGMV's segments), using
 each slot's exact rank, so zero padding costs memory, not arithmetic, on the CPU. The memory it
 costs: max_loras x max_rank x layers x dtype bytes x the sum over fused projections of
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from model_service.kernels.lora import lora_expand, lora_shrink
+from model_service.kernels.lora_grouped import TILE_ROWS, lora_expand_tiles, lora_shrink_tiles, lora_tiles
 from model_service.lora.adapter import LoraAdapter
 from model_service.models.layers import PackedLinear
 from model_service.models.step import StepBatch
@@ -38,15 +41,25 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.\w+(?:\.inner)?$
 
 class LoraStepPlan:
     """Which rows each slot serves this step; shared by every `LoraLinear` of a model. With
-    kernels, the per-token slots on the device (`slots`, a static buffer under CUDA graphs);
-    without, the rows of each slot present (`segments`, planned on the host)."""
+    kernels, the per-token slots on the device (`slots`, a static buffer under CUDA graphs) and,
+    on steps with long runs of one adapter (prefill chunks), those runs cut into row tiles
+    (`tiles`); without kernels, the rows of each slot present (`segments`, planned on the host)."""
+
+    # A run of this many rows of one adapter makes the step take the tile kernels: below it the
+    # per-row kernels, tuned for decode, read the weights about as often.
+    TILE_MIN_RUN = 16
 
     def __init__(self, use_kernels: bool) -> None:
         self.use_kernels = use_kernels
         self.enabled = False  # some row of this step uses an adapter
         self.slots = torch.empty(0, dtype=torch.long)
+        self.tiles: torch.Tensor | None = None
         self.segments: list[tuple[int, torch.Tensor]] = []
         self._side: torch.cuda.Stream | None = None
+
+    def for_capture(self, slots: torch.Tensor, enabled: bool) -> None:
+        """A CUDA graph reads the rows' slots from a static buffer, with the per-row kernels."""
+        self.enabled, self.slots, self.tiles = enabled, slots, None
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The stream the shrink kernels run on beside the base GEMMs (one for the model)."""
@@ -58,6 +71,7 @@ class LoraStepPlan:
         self.enabled = batch.uses_lora
         if self.use_kernels:
             self.slots = batch.lora_slots
+            self.tiles = self._tiles(batch) if self.enabled else None
             return
         slots = batch.host_lora_slots
         device = batch.input_ids.device
@@ -65,6 +79,29 @@ class LoraStepPlan:
             (int(slot), torch.from_numpy(np.flatnonzero(slots == slot)).to(device))
             for slot in np.unique(slots[slots >= 0])
         ]
+
+
+    def _tiles(self, batch: StepBatch) -> torch.Tensor | None:
+        slots = batch.host_lora_slots
+        if slots.size < self.TILE_MIN_RUN:
+            return None
+        tiles = lora_tiles(slots)
+        if int((tiles[:, 1] - tiles[:, 0]).max()) < min(self.TILE_MIN_RUN, TILE_ROWS):
+            return None
+        return torch.from_numpy(tiles).to(batch.input_ids.device)
+
+    def shrink(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        if self.tiles is None:
+            return lora_shrink(x, a, self.slots)
+        return lora_shrink_tiles(x, a, self.tiles)
+
+    def expand(
+        self, xa: torch.Tensor, y: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, bounds: torch.Tensor
+    ) -> None:
+        if self.tiles is None:
+            lora_expand(xa, y, b, scaling, self.slots, bounds)
+        else:
+            lora_expand_tiles(xa, y, b, scaling, self.tiles, bounds)
 
 
 class LoraLinear(nn.Module):
@@ -110,10 +147,10 @@ class LoraLinear(nn.Module):
         side = self.plan.side_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            xa = lora_shrink(x, self.lora_a, self.plan.slots)
+            xa = self.plan.shrink(x, self.lora_a)
         y = self.base(x)
         main.wait_stream(side)
-        lora_expand(xa, y, self.lora_b, self.lora_scaling, self.plan.slots, self.part_starts)
+        self.plan.expand(xa, y, self.lora_b, self.lora_scaling, self.part_starts)
         return y
 
     def write(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:

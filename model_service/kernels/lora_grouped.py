@@ -1,0 +1,151 @@
+"""Multi-LoRA shrink and expand for steps whose rows come in runs of one adapter (prefill chunks),
+as matrix tiles (SGMV-style, Triton).
+
+The per-row kernels of kernels/lora.py read an adapter's A and B once per token row: right for
+decode, where each row is another request, but a 2,048-token prefill chunk with one adapter
+re-reads the same weights 2,048 times (from L2, ~0.5 ms a layer on the 8B shape). Here the
+host cuts each run of equal slots into tiles of up to `TILE_ROWS` rows (`lora_tiles`), and one
+program multiplies a tile of rows by its adapter's weights with `tl.dot`, so the weights are read
+once per tile. The math and the slot buffers are those of kernels/lora.py, whose
+`lora_delta_reference` is the reference for both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from model_service.kernels.lora import num_sms
+from model_service.kernels.paged_attention import triton
+
+TILE_ROWS = 64
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _tile(Tiles, tile):
+        return tl.load(Tiles + tile * 3), tl.load(Tiles + tile * 3 + 1), tl.load(Tiles + tile * 3 + 2)
+
+    @triton.jit
+    def _shrink_tiles_kernel(
+        X, A, Tiles, XA, x_stride, a_stride_slot, in_features, width, k_chunk,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        tile, nb, ks = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start, end, slot = _tile(Tiles, tile)
+        m = start + tl.arange(0, BLOCK_M)
+        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        k_end = tl.minimum((ks + 1) * k_chunk, in_features)
+        for k0 in range(ks * k_chunk, k_end, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x_mask = m[:, None] < end
+            a_mask = n[:, None] < width
+            if not EVEN_K:
+                x_mask = x_mask & (k[None, :] < k_end)
+                a_mask = a_mask & (k[None, :] < k_end)
+            x = tl.load(X + m[:, None] * x_stride + k[None, :], mask=x_mask, other=0.0)
+            a_off = slot * a_stride_slot + n[:, None] * in_features + k[None, :]
+            a = tl.load(A + a_off, mask=a_mask, other=0.0)  # rows of A as stored: reads coalesce
+            acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        xa_ptr = XA + m[:, None] * width + n[None, :]
+        mask = (m[:, None] < end) & (n[None, :] < width)
+        if SPLIT_K:
+            tl.atomic_add(xa_ptr, acc, mask=mask)  # partial sums into a zeroed buffer
+        else:
+            tl.store(xa_ptr, acc, mask=mask)
+
+    @triton.jit
+    def _expand_tiles_kernel(
+        XA, B, Scaling, Tiles, Y, Bounds, y_stride, b_stride_slot, out_features, width, num_parts,
+        MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        tile, ob = tl.program_id(0), tl.program_id(1)
+        start, end, slot = _tile(Tiles, tile)
+        m = start + tl.arange(0, BLOCK_M)
+        o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
+        r = tl.arange(0, RANK_PAD)
+        rows, cols = m < end, o < out_features
+        acc = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
+        for j in range(num_parts):  # a column block may straddle parts (q | k | v)
+            in_part = cols & (o >= tl.load(Bounds + j))
+            if j + 1 < num_parts:
+                in_part = in_part & (o < tl.load(Bounds + j + 1))
+            xa = tl.load(
+                XA + m[:, None] * width + j * MAX_RANK + r[None, :],
+                mask=rows[:, None] & (r[None, :] < MAX_RANK), other=0.0,
+            )  # fmt: skip
+            b_off = slot * b_stride_slot + o[:, None] * MAX_RANK + r[None, :]
+            b = tl.load(B + b_off, mask=in_part[:, None] & (r[None, :] < MAX_RANK), other=0.0)
+            scale = tl.load(Scaling + slot * num_parts + j)
+            acc += tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision=PRECISION) * scale
+        y_ptr = Y + m[:, None] * y_stride + o[None, :]
+        mask = rows[:, None] & cols[None, :]
+        y = tl.load(y_ptr, mask=mask, other=0.0)
+        tl.store(y_ptr, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+def lora_tiles(host_slots: np.ndarray, tile_rows: int = TILE_ROWS) -> np.ndarray:
+    """[tiles, 3] int32 (first row, end row, slot): every run of rows with the same adapter
+    slot cut into tiles of at most `tile_rows` rows; base-model rows (slot -1) get none."""
+    slots = np.asarray(host_slots, dtype=np.int64)
+    if slots.size == 0:
+        return np.zeros((0, 3), dtype=np.int32)
+    run_starts = np.flatnonzero(np.diff(slots, prepend=slots[0] - 1))
+    run_ends = np.append(run_starts[1:], slots.size)
+    keep = slots[run_starts] >= 0
+    run_starts, run_ends = run_starts[keep], run_ends[keep]
+    per_run = -(-(run_ends - run_starts) // tile_rows)
+    run = np.repeat(np.arange(run_starts.size), per_run)
+    first = np.arange(run.size) - np.repeat(np.cumsum(per_run) - per_run, per_run)
+    starts = run_starts[run] + first * tile_rows
+    ends = np.minimum(starts + tile_rows, run_ends[run])
+    return np.stack([starts, ends, slots[starts]], axis=1).astype(np.int32)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # float32 models stay float32
+
+
+def lora_shrink_tiles(x: torch.Tensor, a: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """xa [tokens, parts * max_rank] float32 for the rows `tiles` covers (others left as the
+    buffer holds), like `lora_shrink`; `tiles` from `lora_tiles`, on the device."""
+    tokens, in_features = x.shape
+    _, parts, max_rank, _ = a.shape
+    width = parts * max_rank
+    block_n = min(64, max(16, triton.next_power_of_2(width)))
+    programs = tiles.shape[0] * triton.cdiv(width, block_n)
+    # One tile of a few rows cannot fill the GPU: split the input dimension until there are
+    # about two programs per SM (atomic partial sums into a zeroed buffer).
+    split_k = max(1, min(triton.cdiv(2 * num_sms(x.device), programs), in_features // 256))
+    k_chunk = triton.cdiv(triton.cdiv(in_features, split_k), 64) * 64
+    alloc = torch.zeros if split_k > 1 else torch.empty
+    xa = alloc(tokens, width, dtype=torch.float32, device=x.device)
+    grid = (tiles.shape[0], triton.cdiv(width, block_n), triton.cdiv(in_features, k_chunk))
+    _shrink_tiles_kernel[grid](
+        x, a, tiles, xa, x.stride(0), a.stride(0), in_features, width, k_chunk,
+        BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_K=64, SPLIT_K=split_k > 1, EVEN_K=in_features % 64 == 0,
+        PRECISION=_precision(x.dtype),
+    )  # fmt: skip
+    return xa
+
+
+def lora_expand_tiles(
+    xa: torch.Tensor,
+    y: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    tiles: torch.Tensor,
+    bounds: torch.Tensor,
+) -> None:
+    """y += the LoRA delta of the rows `tiles` covers, like `lora_expand` (in place)."""
+    _, out = y.shape
+    parts, max_rank = scaling.shape[1], b.shape[2]
+    _expand_tiles_kernel[(tiles.shape[0], triton.cdiv(out, 64))](
+        xa, b, scaling, tiles, y, bounds, y.stride(0), b.stride(0), out, parts * max_rank, parts,
+        MAX_RANK=max_rank, RANK_PAD=max(16, triton.next_power_of_2(max_rank)), BLOCK_M=TILE_ROWS,
+        BLOCK_O=64, PRECISION=_precision(y.dtype),
+    )  # fmt: skip
