@@ -297,3 +297,27 @@ def test_gguf_with_rope_scaling_is_refused(tmp_path: Path):
     writer.close()
     msg = load_error(path)
     assert "RoPE scaling" in msg and "yarn" in msg
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_transposed_weight_storage_changes_strides_only(tied: bool):
+    from model_service.models.config import ModelConfig
+    from model_service.models.layers import store_weights_transposed
+    from model_service.models.llama import DecoderModel
+
+    cfg = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                      max_position_embeddings=64, tie_word_embeddings=tied)  # fmt: skip
+    model = DecoderModel(cfg)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 32)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    want = qkv(x)
+    store_weights_transposed(model)
+    store_weights_transposed(model)  # twice: nothing more changes
+    assert qkv.weight.t().is_contiguous() and not qkv.weight.is_contiguous()
+    assert torch.allclose(qkv(x), want, atol=1e-6)  # another GEMM kernel: last-bit differences
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    # A tied LM head is the embedding's table: its rows stay contiguous for the lookups.
+    assert model.lm_head.weight.is_contiguous() == tied
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied

@@ -29,6 +29,7 @@ from model_service.kernels.paged_attention import triton
 from model_service.lora.adapter import LoraAdapter
 from model_service.lora.layers import LoraLayers, wrap_lora_layers
 from model_service.models.config import ModelConfig
+from model_service.models.layers import store_weights_transposed
 from model_service.models.loader import LoadedModel
 from model_service.models.recurrent import RecurrentModel, RecurrentPlan, RecurrentStep
 from model_service.models.step import AttentionBackend, ForwardContext, StepBatch
@@ -135,6 +136,8 @@ class ModelExecutor:
         self.config = loaded.config
         param = next(self.module.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if self.device.type == "cuda":
+            store_weights_transposed(self.module)
         cfg = self.config
         self.kv_cache = KVCache(
             cfg.layer_kinds,
