@@ -137,19 +137,25 @@ class LoraLinear(nn.Module):
         return y
 
     def _forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
-        """The shrink reads only `x`, so it runs on a side stream while the base GEMM streams its
-        weights: a few-microsecond kernel too small to fill the GPU hides behind one that does
-        (8B shape, 64 rows, 64 adapters: 79 -> 60 us of LoRA a layer). Graph capture follows the
-        fork and join. `xa` is allocated on the side stream and freed once the expand is queued
-        on this one; the side stream's next work waits for this one first, so the allocator
-        never hands its block out early."""
-        main = torch.cuda.current_stream(x.device)
-        side = self.plan.side_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
+        """The shrink reads only `x`, so on decode steps it runs on a side stream while the base
+        GEMM streams its weights: a few-microsecond kernel too small to fill the GPU hides behind
+        one that does (8B shape, 64 rows, 64 adapters: 79 -> 60 us of LoRA a layer). Graph
+        capture follows the fork and join. `xa` is allocated on the side stream and freed once
+        the expand is queued on this one; the side stream's next work waits for this one first,
+        so the allocator never hands its block out early. Prefill steps (row tiles) do not
+        fork: their GEMMs fill the GPU anyway, and on an eager step the fork and join cost the
+        host more than the overlap saves."""
+        if self.plan.tiles is not None:
             xa = self.plan.shrink(x, self.lora_a)
-        y = self.base(x)
-        main.wait_stream(side)
+            y = self.base(x)
+        else:
+            main = torch.cuda.current_stream(x.device)
+            side = self.plan.side_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                xa = self.plan.shrink(x, self.lora_a)
+            y = self.base(x)
+            main.wait_stream(side)
         self.plan.expand(xa, y, self.lora_b, self.lora_scaling, self.part_starts)
         return y
 
