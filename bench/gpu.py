@@ -334,7 +334,8 @@ def lora_vs_base(loaded: LoadedModel, args: argparse.Namespace) -> tuple[float, 
     return base, lora
 
 
-def hf_decode_tok_s(loaded: LoadedModel, batch: int, prompt_len: int, new_tokens: int) -> float:
+def hf_llama(loaded: LoadedModel) -> torch.nn.Module:
+    """HF's Llama on CUDA in bf16 with `loaded`'s shapes and its own random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     c = loaded.config
@@ -354,7 +355,12 @@ def hf_decode_tok_s(loaded: LoadedModel, batch: int, prompt_len: int, new_tokens
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.02)
-    ids = torch.randint(3, c.vocab_size, (batch, prompt_len), device="cuda")
+    return hf
+
+
+def hf_decode_tok_s(loaded: LoadedModel, batch: int, prompt_len: int, new_tokens: int) -> float:
+    hf = hf_llama(loaded)
+    ids = torch.randint(3, loaded.config.vocab_size, (batch, prompt_len), device="cuda")
 
     def run(n: int) -> float:
         torch.cuda.synchronize()

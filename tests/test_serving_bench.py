@@ -1,0 +1,39 @@
+"""`bench/serving.py`'s closed loop, on the CPU with a tiny random model: every request of the
+workload runs to its length, and never more than `concurrency` are in flight at once."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.serving import spindle_serving, workload
+from model_service.engine.config import EngineConfig
+from model_service.engine.engine import Engine
+from model_service.models.config import ModelConfig
+from model_service.models.llama import DecoderModel
+from model_service.models.loader import LoadedModel
+
+
+def test_closed_loop_keeps_concurrency_and_runs_every_request():
+    cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                      max_position_embeddings=512)  # fmt: skip
+    torch.manual_seed(0)
+    loaded = LoadedModel("random", cfg, DecoderModel(cfg).eval(), None)
+    engine = Engine(EngineConfig(device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64),
+                    loaded=loaded)  # fmt: skip
+    requests = workload(11, cfg.vocab_size, 3, (5, 90), (2, 9))
+    assert all(5 <= len(p) <= 90 and 2 <= n <= 9 for p, n in requests)
+    assert workload(11, cfg.vocab_size, 3, (5, 90), (2, 9)) == requests  # seeded
+    most = 0
+    step = engine.step
+
+    def counting_step() -> list:
+        nonlocal most
+        most = max(most, len(engine.scheduler.running) + len(engine.scheduler.waiting))
+        return step()
+
+    engine.step = counting_step
+    result = spindle_serving(engine, requests, concurrency=3)
+    assert most == 3
+    assert result["output_tokens"] == sum(n for _, n in requests)
+    assert result["output_tokens_per_s"] > 0 and result["ttft_p50_ms"] > 0 and result["tpot_p50_ms"] >= 0
