@@ -136,8 +136,6 @@ class ModelExecutor:
         self.config = loaded.config
         param = next(self.module.parameters())
         self.device, self.dtype = param.device, param.dtype
-        if self.device.type == "cuda":
-            store_weights_transposed(self.module)
         cfg = self.config
         self.kv_cache = KVCache(
             cfg.layer_kinds,
@@ -158,17 +156,7 @@ class ModelExecutor:
             triton_backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
             self.attention = triton_backend
             if not config.enforce_eager and self._graphs_apply():
-                plan = self.lora.plan if self.lora is not None and self.lora.plan.use_kernels else None
-                spec = SpeculativeConfig.from_json(config.speculative_config)
-                rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-                self.graphs = DecodeGraphs(
-                    self.module,
-                    triton_backend,
-                    config.max_num_seqs * rows_per_seq,  # verify runs replay with a row per token
-                    max_model_len,
-                    self.device,
-                    plan,
-                )
+                self.graphs = self._decode_graphs(config, triton_backend)
         else:
             self.attention = TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
         # Float32 tensors [slots, ...], as many per recurrent layer as the model lists; none for
@@ -180,9 +168,17 @@ class ModelExecutor:
                 for shape in self.module.recurrent_state_shapes()
             ]
         if self.device.type == "cuda":
+            store_weights_transposed(self.module)  # before any graph is captured (lazily)
             # cuDNN's SDPA builds a new graph for every new context length: 2.2 ms of CPU per layer
             # call on an H200, 25x the GPU time. The flash/efficient kernels have no such cost.
             torch.backends.cuda.enable_cudnn_sdp(False)
+
+    def _decode_graphs(self, config: EngineConfig, backend: TritonBackend) -> DecodeGraphs:
+        plan = self.lora.plan if self.lora is not None and self.lora.plan.use_kernels else None
+        spec = SpeculativeConfig.from_json(config.speculative_config)
+        rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        max_rows = config.max_num_seqs * rows_per_seq  # verify runs replay with a row per token
+        return DecodeGraphs(self.module, backend, max_rows, self.max_model_len, self.device, plan)
 
     def _kernels_apply(self) -> bool:
         """The Triton backend runs on CUDA for power-of-two head sizes (every common model)."""
