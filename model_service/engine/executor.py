@@ -201,10 +201,10 @@ class ModelExecutor:
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Float32 logits [len(batch.logits_rows), vocab], row i for `batch.logits_rows[i]`."""
-        if self.lora is not None:
-            self.lora.plan.prepare(batch)  # before capture too: a captured graph holds no LoRA rows
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+            return self.graphs.run(batch)  # reads LoRA slots from its static buffer (`for_capture`)
+        if self.lora is not None:
+            self.lora.plan.prepare(batch)
         self.attention.prepare(batch)
         recurrent = None
         if self.state_tensors:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from model_service.kernels.lora import lora_expand, lora_shrink
-from model_service.kernels.lora_grouped import TILE_ROWS, lora_expand_tiles, lora_shrink_tiles, lora_tiles
+from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
 from model_service.lora.adapter import LoraAdapter
 from model_service.models.layers import PackedLinear
 from model_service.models.step import StepBatch
@@ -45,8 +45,8 @@ class LoraStepPlan:
     on steps with long runs of one adapter (prefill chunks), those runs cut into row tiles
     (`tiles`); without kernels, the rows of each slot present (`segments`, planned on the host)."""
 
-    # A run of this many rows of one adapter makes the step take the tile kernels: below it the
-    # per-row kernels, tuned for decode, read the weights about as often.
+    # A prefill chunk of this many rows with an adapter makes the step take the tile kernels:
+    # below it the per-row kernels, tuned for decode, read the weights about as often.
     TILE_MIN_RUN = 16
 
     def __init__(self, use_kernels: bool) -> None:
@@ -82,11 +82,14 @@ class LoraStepPlan:
 
 
     def _tiles(self, batch: StepBatch) -> torch.Tensor | None:
-        slots = batch.host_lora_slots
-        if slots.size < self.TILE_MIN_RUN:
+        """Row tiles for a step with a long prefill chunk through an adapter, else None. Decode
+        rows of many sequences with one adapter form runs too, but such steps keep the per-row
+        kernels: the tiles' copy to the device waits for the stream (as the prefill attention's
+        does), which would stall an eager decode step's overlap with the host."""
+        if batch.max_query_len < self.TILE_MIN_RUN:
             return None
-        tiles = lora_tiles(slots)
-        if int((tiles[:, 1] - tiles[:, 0]).max()) < min(self.TILE_MIN_RUN, TILE_ROWS):
+        tiles = lora_tiles(batch.host_lora_slots)
+        if int((tiles[:, 1] - tiles[:, 0]).max()) < self.TILE_MIN_RUN:  # TILE_MIN_RUN <= TILE_ROWS
             return None
         return torch.from_numpy(tiles).to(batch.input_ids.device)
 
