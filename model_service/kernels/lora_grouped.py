@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from model_service.kernels.lora import num_sms
-from model_service.kernels.paged_attention import triton
+from model_service.kernels.paged_attention import dot_precision, triton
 
 TILE_ROWS = 64
 
@@ -106,10 +106,6 @@ def lora_tiles(host_slots: np.ndarray, tile_rows: int = TILE_ROWS) -> np.ndarray
     return np.stack([starts, ends, slots[starts]], axis=1).astype(np.int32)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # float32 models stay float32
-
-
 def lora_shrink_tiles(x: torch.Tensor, a: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
     """xa [tokens, parts * max_rank] float32 for the rows `tiles` covers (others left as the
     buffer holds), like `lora_shrink`; `tiles` from `lora_tiles`, on the device."""
@@ -128,7 +124,7 @@ def lora_shrink_tiles(x: torch.Tensor, a: torch.Tensor, tiles: torch.Tensor) -> 
     _shrink_tiles_kernel[grid](
         x, a, tiles, xa, x.stride(0), a.stride(0), in_features, width, k_chunk,
         BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_K=64, SPLIT_K=split_k > 1, EVEN_K=in_features % 64 == 0,
-        PRECISION=_precision(x.dtype),
+        PRECISION=dot_precision(x.dtype),
     )  # fmt: skip
     return xa
 
@@ -147,5 +143,5 @@ def lora_expand_tiles(
     _expand_tiles_kernel[(tiles.shape[0], triton.cdiv(out, 64))](
         xa, b, scaling, tiles, y, bounds, y.stride(0), b.stride(0), out, parts * max_rank, parts,
         MAX_RANK=max_rank, RANK_PAD=max(16, triton.next_power_of_2(max_rank)), BLOCK_M=TILE_ROWS,
-        BLOCK_O=64, PRECISION=_precision(y.dtype),
+        BLOCK_O=64, PRECISION=dot_precision(y.dtype),
     )  # fmt: skip

@@ -23,6 +23,12 @@ except ImportError:  # CPU-only installs: the references below are the implement
     triton = None
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input precision: float32 inputs stay IEEE float32 (TF32 would cost float32
+    models their agreement with the CPU); half-precision inputs ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def store_kv_reference(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
@@ -189,7 +195,7 @@ def paged_decode_attention(
         scale, window or 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
+        PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs * heads,)](

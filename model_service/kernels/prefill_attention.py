@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model_service.kernels.paged_attention import triton
+from model_service.kernels.paged_attention import dot_precision, triton
 
 if triton is not None:
     import triton.language as tl
@@ -164,6 +164,6 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_table.stride(0), scale, window or 0,
         GROUP=heads // k_cache.shape[1], HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_M=64, BLOCK_N=64,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_stages=2,
+        PRECISION=dot_precision(q.dtype), num_stages=2,
     )  # fmt: skip
     return out
