@@ -9,6 +9,7 @@ import torch
 
 from model_service.attention.kv_cache import KVCache
 from model_service.attention.reference import TorchReferenceBackend
+from model_service.attention.triton_backend import TritonBackend
 from model_service.engine.batch_builder import BatchBuilder, StepItem
 from model_service.engine.cuda_graphs import batch_ladder
 from model_service.engine.sampler import filtered_probs
@@ -289,11 +290,17 @@ def test_triton_rotary_store_kv_matches_rope_then_store(dtype):
     assert torch.equal(caches[1], caches[3])
 
 
-def _mixed_case(device: str, dtype: torch.dtype, seed: int, heads: int = 4, kv_heads: int = 2, dim: int = 16):
-    """A step of a decode row, a mid-prompt chunk and a whole prompt over a pool of random K/V."""
+MIXED = [(37, 1), (90, 70), (130, 130)]  # (context length after the step, query rows)
+
+
+def _mixed_case(
+    device: str, dtype: torch.dtype, seed: int, heads: int = 4, kv_heads: int = 2, dim: int = 16,
+    shapes: list[tuple[int, int]] = MIXED,
+):  # fmt: skip
+    """A step of the given sequences (by default a decode row, a mid-prompt chunk and a whole
+    prompt) over a pool of random K/V."""
     bs = 4
     g = torch.Generator().manual_seed(seed)
-    shapes = [(37, 1), (90, 70), (130, 130)]  # (context length after the step, query rows)
     blocks = [-(-n // bs) for n, _ in shapes]
     perm = torch.randperm(sum(blocks) + 2, generator=g).tolist()
     items, at = [], 0
@@ -330,6 +337,31 @@ def test_prefill_reference_matches_the_reference_backend(window):
     backend.prepare(batch)
     got = backend.forward(0, q, k_cache[batch.slot_mapping], v_cache[batch.slot_mapping])
     assert _rel(got, want) < 1e-5
+
+
+# Decode rows first (the scheduler's order), a chunk, a one-token run after it, a whole prompt.
+LEADING_DECODE = [(37, 1), (200, 1), (5, 1), (90, 70), (64, 1), (130, 130)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[cuda, pytest.mark.gpu])])
+@pytest.mark.parametrize("window", [None, 50])
+def test_mixed_step_splits_leading_decode_rows_to_the_decode_kernel(device, window):
+    """A mixed step's leading one-token sequences go to the decode kernel, the rest to the prefill
+    kernel's tiles, into one output; both halves must land, in the right rows."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    batch, q, k_cache, v_cache, bs = _mixed_case(device, dtype, 3, 8, 2, 64, LEADING_DECODE)
+    args = (batch.block_table, batch.query_start, batch.seq_lens, bs, 64**-0.5, window)
+    want = paged_prefill_attention_reference(q, k_cache, v_cache, *args)
+    layers, blocks = attention_layers([window]), k_cache.shape[0] // bs
+    cache = KVCache(layers, blocks, bs, 2, 64, dtype, torch.device(device))
+    backend = TritonBackend(cache, [window], 64)
+    backend.prepare(batch)
+    assert backend.num_decode == 3
+    k, v = k_cache[batch.slot_mapping], v_cache[batch.slot_mapping]  # rewrites the pool's own values
+    cache.data[0, 0], cache.data[0, 1] = k_cache, v_cache
+    got = backend.forward(0, q, k, v)
+    assert torch.isfinite(got).all()
+    assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @cuda

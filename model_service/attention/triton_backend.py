@@ -2,10 +2,14 @@
 
 Every step writes its K/V with `store_kv`, or, when the model hands over its RoPE tables,
 with `rotary_store_kv`, which rotates q and k and writes K/V in one launch. Decode steps (one
-query token per sequence) attend with the split-KV `paged_decode_attention` kernel; prefill and
-mixed steps with the varlen `paged_prefill_attention` kernel, which skips key tiles above the
-causal diagonal. Neither
-gathers context: both read K/V in place through the block table.
+query token per sequence) attend with the split-KV `paged_decode_attention` kernel; prefill
+chunks with the varlen `paged_prefill_attention` kernel, which skips key tiles above the causal
+diagonal. A mixed step runs both: its leading one-token sequences (the scheduler puts decode rows
+first) through the decode kernel, the rest through the prefill kernel, into one output. The
+prefill kernel would give each decode row a 64-row query tile with one live row, one program per
+query head, each reading the whole context (on an 8B model with 256 decode rows of ~1.2k tokens
+beside a chunk that is ~10 TFLOP of padding a step). Neither kernel gathers context: both read
+K/V in place through the block table.
 
 For CUDA graphs the backend owns static metadata buffers (block table, sequence lengths, slot
 mapping) sized once for the largest captured batch. A graph is captured reading them, and
@@ -15,6 +19,7 @@ replayed over stale metadata, and padding rows (slot -1, length 0) write and rea
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from model_service.attention.kv_cache import KVCache
@@ -29,6 +34,7 @@ class TritonBackend:
         self.kv_cache, self.windows = kv_cache, windows
         self.scale = head_dim**-0.5
         self.decode = False
+        self.num_decode = 0  # a mixed step's leading one-token sequences: the decode kernel's
         self.query_start = torch.empty(0, dtype=torch.long)
         self.tiles = (self.query_start, self.query_start)
         self.num_splits = 1
@@ -42,11 +48,14 @@ class TritonBackend:
             batch.block_table,
             batch.seq_lens,
         )
+        kv_heads = self.kv_cache.data.shape[3]
         if self.decode:
-            self.num_splits = num_splits_for(batch.num_seqs, self.kv_cache.data.shape[3])
+            self.num_splits = num_splits_for(batch.num_seqs, kv_heads)
             return
         self.query_start = batch.query_start
-        seqs, rows = prefill_tiles(batch.host_query_start)
+        self.num_decode = int(np.argmax(np.diff(batch.host_query_start) != 1))  # some run is longer
+        self.num_splits = num_splits_for(self.num_decode, kv_heads)
+        seqs, rows = prefill_tiles(batch.host_query_start, first_seq=self.num_decode)
         device = batch.input_ids.device
         self.tiles = (torch.from_numpy(seqs).to(device), torch.from_numpy(rows).to(device))
 
@@ -63,30 +72,22 @@ class TritonBackend:
             q = rotary_store_kv(q, k, v, rope, k_cache, v_cache, self.slot_mapping)
         else:
             store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, self.slot_mapping)
-        if not self.decode:
-            return paged_prefill_attention(
-                q,
-                k_cache,
-                v_cache,
-                self.block_table,
-                self.query_start,
-                self.seq_lens,
-                self.kv_cache.block_size,
-                self.scale,
-                self.windows[layer],
-                self.tiles,
-            )
-        return paged_decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            self.block_table,
-            self.seq_lens,
-            self.kv_cache.block_size,
-            self.scale,
-            self.windows[layer],
-            self.num_splits,
-        )
+        block_size, window = self.kv_cache.block_size, self.windows[layer]
+        if self.decode:
+            return paged_decode_attention(
+                q, k_cache, v_cache, self.block_table, self.seq_lens, block_size, self.scale, window,
+                self.num_splits,
+            )  # fmt: skip
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if (d := self.num_decode) > 0:
+            paged_decode_attention(
+                q[:d], k_cache, v_cache, self.block_table[:d], self.seq_lens[:d], block_size, self.scale,
+                window, self.num_splits, out=out[:d],
+            )  # fmt: skip
+        return paged_prefill_attention(
+            q, k_cache, v_cache, self.block_table, self.query_start, self.seq_lens, block_size, self.scale,
+            window, self.tiles, out=out,
+        )  # fmt: skip
 
     # --- GraphCapturable ----------------------------------------------------------------------
 

@@ -175,16 +175,19 @@ def paged_decode_attention(
     scale: float,
     window: int | None = None,
     num_splits: int = 1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Triton kernel on CUDA (the reference elsewhere); same contract as the reference."""
+    """The Triton kernel on CUDA (the reference elsewhere); same contract as the reference.
+    `out` ([S, H, D] contiguous, new if None): where to write, e.g. the decode rows of a mixed step."""
+    num_seqs, heads, dim = q.shape
+    out = torch.empty(num_seqs, heads, dim, dtype=q.dtype, device=q.device) if out is None else out
     if triton is None or not q.is_cuda:
-        return paged_decode_attention_reference(
+        want = paged_decode_attention_reference(
             q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window
         )
-    num_seqs, heads, dim = q.shape
+        return out.copy_(want)
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    out = torch.empty(num_seqs, heads, dim, dtype=q.dtype, device=q.device)
     # One split (a batch that fills the GPU by itself) writes `out` directly: no merge launch.
     part_out = torch.empty(num_seqs, heads, num_splits, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)

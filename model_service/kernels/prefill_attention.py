@@ -131,10 +131,13 @@ def paged_prefill_attention_reference(
     return out
 
 
-def prefill_tiles(query_start: np.ndarray, block_m: int = 64) -> tuple[np.ndarray, np.ndarray]:
-    """(sequence, first row) of every BLOCK_M-row query tile of a step."""
-    lens = np.diff(query_start)
-    seqs = np.repeat(np.arange(len(lens)), -(-lens // block_m))
+def prefill_tiles(
+    query_start: np.ndarray, block_m: int = 64, first_seq: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence, first row) of every BLOCK_M-row query tile of the step's sequences from
+    `first_seq` on (those before it attend elsewhere: the decode kernel)."""
+    lens = np.diff(query_start)[first_seq:]
+    seqs = first_seq + np.repeat(np.arange(len(lens)), -(-lens // block_m))
     first = np.concatenate([np.arange(0, n, block_m) for n in lens]) if len(lens) else lens
     return seqs, first
 
@@ -150,14 +153,19 @@ def paged_prefill_attention(
     scale: float,
     window: int | None,
     tiles: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Triton kernel on CUDA (the reference elsewhere); `tiles` from `prefill_tiles`, on the device."""
+    """The Triton kernel on CUDA (the reference elsewhere); `tiles` from `prefill_tiles`, on the
+    device. Writes the tiles' rows of `out` ([T, H, D], new if None) and returns it."""
+    tokens, heads, dim = q.shape
+    out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device) if out is None else out
     if triton is None or not q.is_cuda:
-        return paged_prefill_attention_reference(
+        want = paged_prefill_attention_reference(
             q, k_cache, v_cache, block_table, query_start, seq_lens, block_size, scale, window
         )
-    tokens, heads, dim = q.shape
-    out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
+        first = int(query_start[int(tiles[0].min())]) if tiles[0].numel() else tokens
+        out[first:] = want[first:]  # the tiles' rows: those of their first sequence on
+        return out
     tile_seq, tile_row = tiles
     _prefill_kernel[(tile_seq.shape[0], heads)](
         q, k_cache, v_cache, out, block_table, query_start, seq_lens, tile_seq, tile_row,
