@@ -496,11 +496,3 @@ def test_triton_truncated_sample_draws_from_what_the_sorting_sampler_keeps(cut):
     temps = torch.full((n,), 0.9, device="cuda")
     draws = truncated_sample(logits.expand(n, -1), temps, _cut_tensors(n, 8, "cuda", cut), seeds)
     assert (_softmax_frequencies(draws, 8) - _truncated(logits.cpu(), 0.9, cut)).abs().max() < 0.01
-
-
-def test_token_ladder_of_piecewise_graphs():
-    from model_service.engine.piecewise_graphs import token_ladder
-
-    assert token_ladder(2048) == [16, 32, 48, 64, 80, 96, 112, 128, 192, 256, 320, 384, 448, 512]
-    assert token_ladder(100) == [16, 32, 48, 64, 80, 96, 100]
-    assert token_ladder(8) == [8]

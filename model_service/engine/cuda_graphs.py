@@ -7,8 +7,7 @@ graph replays every kernel of the forward pass with no Python in between, and th
 of the static logits are the step's. Graphs are captured lazily, the first time a size is
 needed, and share one memory pool. A step with LoRA rows replays a graph captured with the LoRA
 kernels (per-token slots in a static buffer too); without the kernels (a rank width that is not
-a power of two) it runs eagerly. Steps with prefill chunks replay piecewise graphs split at
-attention (engine/piecewise_graphs.py) when they are small enough, else run eagerly. A step of decode rows and
+a power of two) it runs eagerly, as do steps with prefill chunks. A step of decode rows and
 speculative verify runs (every token a logits row) replays the graph of its token count, each
 token a one-token row of its own (`StepBatch.as_token_rows`). Models with recurrent layers get no
 graphs (`ModelExecutor._graphs_apply`): their state is per sequence, not per row.
