@@ -112,12 +112,13 @@ def main() -> None:
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[64, 2048])
     ap.add_argument("--output-range", type=int, nargs=2, default=[32, 512])
     ap.add_argument("--small", action="store_true", help="SmolLM2's shape instead of the 8B one")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = ap.parse_args()
     shape = LLAMA3_8B if not args.small else SMOLLM2
     ranges = (tuple(args.prompt_range), tuple(args.output_range))
     setup = {"model": "llama3-8b-shape" if shape is LLAMA3_8B else "smollm2-135m-shape", "dtype": "bfloat16",
              "device": torch.cuda.get_device_name(), "prompt_range": ranges[0],
-             "output_range": ranges[1]}  # fmt: skip
+             "output_range": ranges[1], "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
     loaded, vocab, rows = random_model(shape), shape["vocab_size"], []
 
     def requests_for(c: int) -> list:
@@ -125,7 +126,7 @@ def main() -> None:
 
     engine = Engine(
         EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=max(args.concurrency), max_loras=0,
-                     kv_cache_memory_bytes=64 << 30, max_model_len=8192),
+                     kv_cache_memory_bytes=64 << 30, max_model_len=8192, kv_cache_dtype=args.kv_cache_dtype),
         loaded=loaded,
     )  # fmt: skip
     spindle_serving(engine, workload(8, vocab, 99, (64, 512), (8, 16)), 8)  # prefill and mixed kernels

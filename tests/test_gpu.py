@@ -320,3 +320,17 @@ def test_penalties_and_logprobs_on_cuda_match_the_cpu():
             assert abs(a.logprob - b.logprob) < 1e-4
             assert len(a.top) == len(b.top)
             assert all(abs(x[1] - y[1]) < 1e-4 for x, y in zip(a.top, b.top, strict=True))
+
+
+def test_fp8_kv_cache_on_cuda_gives_the_cpu_reference_tokens():
+    """The Triton stores and attention kernels over an FP8 pool (prefill, decode graphs) give the
+    CPU reference backend's tokens: both compute in float32 and round the same K/V to e4m3."""
+    cfg, reference = _random_model()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = [[(5 * i + j) % 500 + 3 for j in range(20 + 7 * i)] for i in range(4)]
+    requests = [{"prompt_token_ids": p, "max_tokens": 10, "temperature": 0} for p in prompts]
+    tokens = []
+    for device in ("cpu", "cuda"):
+        engine = _engine(cfg, reference, device, kv_cache_dtype="fp8", num_kv_blocks=64)
+        tokens.append([o.token_ids for o in engine.generate(requests)])
+    assert tokens[1] == tokens[0]

@@ -496,3 +496,57 @@ def test_triton_truncated_sample_draws_from_what_the_sorting_sampler_keeps(cut):
     temps = torch.full((n,), 0.9, device="cuda")
     draws = truncated_sample(logits.expand(n, -1), temps, _cut_tensors(n, 8, "cuda", cut), seeds)
     assert (_softmax_frequencies(draws, 8) - _truncated(logits.cpu(), 0.9, cut)).abs().max() < 0.01
+
+
+@cuda
+@pytest.mark.gpu
+def test_triton_stores_into_an_fp8_cache_round_and_saturate_as_the_reference():
+    """The plain and the RoPE-fused K/V stores into an FP8 pool: e4m3 rounding, +-448 saturation
+    (~2% of these values are beyond it), padding rows untouched. References on the CPU."""
+    from model_service.kernels.fused import apply_rotary_reference, rotary_store_kv
+    from model_service.kernels.paged_attention import FP8
+
+    heads, kv_heads, dim, tokens = 8, 2, 64, 29
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qkv = 200 * torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g, device="cuda")
+    q, k, v = qkv.bfloat16().split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    q, k, v = (t.reshape(tokens, -1, dim) for t in (q, k, v))
+    cos, sin = (torch.randn(tokens, dim, generator=g, device="cuda").bfloat16() for _ in range(2))
+    slots = torch.randperm(100, device="cuda")[:tokens]
+    slots[::5] = -1
+    got = [torch.zeros(100, kv_heads, dim, device="cuda", dtype=FP8) for _ in range(4)]
+    store_kv(k.contiguous(), v.contiguous(), got[0], got[1], slots)
+    rotary_store_kv(q.clone(), k, v, (cos, sin), got[2], got[3], slots)
+    want = [torch.zeros(100, kv_heads, dim, dtype=FP8) for _ in range(4)]
+    store_kv_reference(k.cpu(), v.cpu(), want[0], want[1], slots.cpu())
+    rotated = apply_rotary_reference(k, cos, sin).cpu()
+    store_kv_reference(rotated, v.cpu(), want[2], want[3], slots.cpu())
+    for pool, expected in zip(got, want, strict=True):  # whole pools: a write to a padding slot shows
+        assert torch.isfinite(pool.float()).all()
+        assert _rel(pool.cpu(), expected) < 0.02  # an e4m3 step is 6-12%: a few values round the other way
+    assert got[0].float().abs().max() == 448.0
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 50])
+def test_triton_attention_over_an_fp8_cache_matches_the_reference(window):
+    """Both attention kernels widen FP8 K/V to the query's dtype; references on the CPU over the
+    same FP8 pool."""
+    from model_service.kernels.paged_attention import FP8
+    from model_service.kernels.prefill_attention import paged_prefill_attention, prefill_tiles
+
+    q, k_cache, v_cache, table, lens = _decode_case(9, 8, 2, 64, 16, "cuda", torch.bfloat16, 7)
+    k8, v8 = k_cache.to(FP8), v_cache.to(FP8)
+    cpu = [t.cpu() for t in (q, k8, v8, table, lens)]
+    want = paged_decode_attention_reference(*cpu, 16, 64**-0.5, window)
+    for splits in (1, 4):
+        got = paged_decode_attention(q, k8, v8, table, lens, 16, 64**-0.5, window, splits)
+        assert _rel(got.cpu(), want) < 1e-2
+    batch, q, k_cache, v_cache, bs = _mixed_case("cuda", torch.bfloat16, 1, 8, 2, 64, LEADING_DECODE)
+    args = [q, k_cache.to(FP8), v_cache.to(FP8), batch.block_table, batch.query_start, batch.seq_lens]
+    want = paged_prefill_attention_reference(*[t.cpu() for t in args], bs, 0.125, window)
+    seqs, rows = prefill_tiles(batch.host_query_start)
+    tiles = (torch.from_numpy(seqs).cuda(), torch.from_numpy(rows).cuda())
+    got = paged_prefill_attention(*args, bs, 0.125, window, tiles)
+    assert _rel(got.cpu(), want) < 1e-2

@@ -1,10 +1,30 @@
-"""The paged K/V pool: the device memory every attention backend reads and writes."""
+"""The paged K/V pool: the device memory every attention backend reads and writes.
+
+The pool is kept in the compute dtype, or in FP8 (e4m3, `--kv-cache-dtype fp8`): half the bytes
+of bfloat16, so twice the tokens fit and a decode step reads half the K/V, for a rounding of K
+and V to three mantissa bits. No scales are stored (a scale of 1, as vLLM's default for
+uncalibrated models): values beyond e4m3's +-448 saturate there.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from model_service.kernels.paged_attention import FP8
 from model_service.models.config import LayerKind
+
+
+def cache_dtype(name: str, compute: torch.dtype, device: torch.device) -> torch.dtype:
+    """The pool's dtype for `--kv-cache-dtype` `name` (auto: the compute dtype)."""
+    if name == "auto":
+        return compute
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper, "
+            f"Blackwell); {torch.cuda.get_device_name(device)} is {major}.{minor}: use auto"
+        )
+    return FP8
 
 
 class KVCache:
@@ -33,6 +53,12 @@ class KVCache:
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self.data[self.index[layer]]
         return kv[0], kv[1]
+
+    @property
+    def movable(self) -> torch.Tensor:
+        """The pool as block copies and swaps move it: an FP8 pool as its bytes (torch's float8
+        support in indexing kernels varies by version and device; bytes move the same anywhere)."""
+        return self.data.view(torch.uint8) if self.data.dtype == FP8 else self.data
 
     def block_slots(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
         """Flat slot ids of the first `num_tokens` tokens held in `blocks`, on the pool's device."""

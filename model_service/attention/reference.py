@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from model_service.attention.kv_cache import KVCache
 from model_service.kernels.fused import apply_rotary
+from model_service.kernels.paged_attention import to_cache
 from model_service.models.step import StepBatch
 
 
@@ -58,11 +59,12 @@ class TorchReferenceBackend:
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k_cache, v_cache = self.kv_cache.layer(layer)
-        k_cache[self._batch.slot_mapping] = k
-        v_cache[self._batch.slot_mapping] = v
+        k_cache[self._batch.slot_mapping] = to_cache(k, k_cache)
+        v_cache[self._batch.slot_mapping] = to_cache(v, v_cache)
         _, heads, dim = q.shape
         q_padded = torch.cat((q, q.new_zeros(1, heads, dim)))[self._query_index]  # [S, Q, H, D]
-        keys, values = k_cache[self._key_slots], v_cache[self._key_slots]  # [S, K, KVH, D]
+        keys = k_cache[self._key_slots].to(q.dtype)  # [S, K, KVH, D]
+        values = v_cache[self._key_slots].to(q.dtype)
         out = F.scaled_dot_product_attention(
             q_padded.transpose(1, 2),
             keys.transpose(1, 2),

@@ -54,6 +54,12 @@ class EngineConfig:
         None, "KV cache memory budget [CPU: 1 GiB; CUDA: --gpu-memory-utilization of free memory]"
     )
     gpu_memory_utilization: float = _opt(0.9, "fraction of free device memory the KV cache may take")
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "KV cache storage: auto = the compute dtype; fp8 = float8 e4m3, half of bfloat16's bytes (twice "
+        "the tokens, half the decode attention's reads) for K/V rounded to 3 mantissa bits (sm89+ on CUDA)",
+        choices=["auto", "fp8"],
+    )
     max_num_batched_tokens: int = _opt(
         2048, "token budget of one engine step; longer prompts are prefilled in chunks"
     )
@@ -128,6 +134,8 @@ class EngineConfig:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from model_service.attention.kv_cache import KVCache
+from model_service.attention.kv_cache import KVCache, cache_dtype
 from model_service.attention.reference import TorchReferenceBackend
 from model_service.attention.triton_backend import TritonBackend
 from model_service.engine.config import EngineConfig
@@ -83,10 +83,11 @@ def kv_layout(
     draft: ModelConfig | None = None,
     state_bytes: int = 0,
 ) -> tuple[int, int]:
-    """(K/V blocks, context length) for a module already on `device` whose K/V is shaped by `model`."""
+    """(K/V blocks, context length) for a module already on `device` whose K/V is shaped by `model`
+    and computed in `dtype` (stored as `config.kv_cache_dtype` says)."""
     num_blocks = config.num_kv_blocks or kv_blocks_for_budget(
-        model, config.block_size, dtype, device, config.kv_cache_memory_bytes, config.gpu_memory_utilization,
-        draft, state_bytes,
+        model, config.block_size, cache_dtype(config.kv_cache_dtype, dtype, device), device,
+        config.kv_cache_memory_bytes, config.gpu_memory_utilization, draft, state_bytes,
     )
     max_model_len = min(config.max_model_len or model.max_position_embeddings, num_blocks * config.block_size)
     return num_blocks, max_model_len
@@ -143,7 +144,7 @@ class ModelExecutor:
             config.block_size,
             cfg.num_kv_heads,
             cfg.head_dim,
-            self.dtype,
+            cache_dtype(config.kv_cache_dtype, self.dtype, self.device),
             self.device,
         )
         kernels, rank = self._kernels_apply(), config.max_lora_rank
@@ -215,16 +216,16 @@ class ModelExecutor:
     # --- KVMover ------------------------------------------------------------------------
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        bs, kv = self.kv_cache.block_size, self.kv_cache.data
+        bs, kv = self.kv_cache.block_size, self.kv_cache.movable
         for src, dst in pairs:
             kv[:, :, dst * bs : (dst + 1) * bs] = kv[:, :, src * bs : (src + 1) * bs]
 
     def save_blocks(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
-        return self.kv_cache.data[:, :, self.kv_cache.block_slots(blocks, num_tokens)].to("cpu")
+        return self.kv_cache.movable[:, :, self.kv_cache.block_slots(blocks, num_tokens)].to("cpu")
 
     def load_blocks(self, saved: torch.Tensor, blocks: list[int]) -> None:
         slots = self.kv_cache.block_slots(blocks, saved.shape[2])
-        self.kv_cache.data[:, :, slots] = saved.to(self.device)
+        self.kv_cache.movable[:, :, slots] = saved.to(self.device)
 
     def copy_state(self, src: int, dst: int) -> None:
         for t in self.state_tensors:

@@ -29,12 +29,25 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+# An FP8 K/V cache (attention/kv_cache.py) stores e4m3 with no scale: values beyond its largest
+# finite magnitude saturate there instead of overflowing.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def to_cache(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """`x` as `cache` stores it."""
+    if cache.dtype == FP8:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(cache.dtype)
+
+
 def store_kv_reference(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
     keep = slots >= 0
-    k_cache[slots[keep]] = k[keep]
-    v_cache[slots[keep]] = v[keep]
+    k_cache[slots[keep]] = to_cache(k[keep], k_cache)
+    v_cache[slots[keep]] = to_cache(v[keep], v_cache)
 
 
 def paged_decode_attention_reference(
@@ -67,14 +80,25 @@ def paged_decode_attention_reference(
 if triton is not None:
 
     @triton.jit
-    def _store_kv_kernel(K, V, KC, VC, Slots, row_stride, cache_stride, width, BLOCK: tl.constexpr):
+    def cache_value(x, FP8: tl.constexpr):
+        """`x` as the K/V cache stores it (tl.store then casts): saturated for an FP8 cache."""
+        if FP8:
+            x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        return x
+
+    @triton.jit
+    def _store_kv_kernel(
+        K, V, KC, VC, Slots, row_stride, cache_stride, width, BLOCK: tl.constexpr, FP8: tl.constexpr
+    ):
         t = tl.program_id(0)
         slot = tl.load(Slots + t)
         if slot >= 0:
             offs = tl.arange(0, BLOCK)
             m = offs < width
-            tl.store(KC + slot * cache_stride + offs, tl.load(K + t * row_stride + offs, mask=m), mask=m)
-            tl.store(VC + slot * cache_stride + offs, tl.load(V + t * row_stride + offs, mask=m), mask=m)
+            k = cache_value(tl.load(K + t * row_stride + offs, mask=m), FP8)
+            v = cache_value(tl.load(V + t * row_stride + offs, mask=m), FP8)
+            tl.store(KC + slot * cache_stride + offs, k, mask=m)
+            tl.store(VC + slot * cache_stride + offs, v, mask=m)
 
     @triton.jit
     def _decode_split_kernel(
@@ -104,8 +128,8 @@ if triton is not None:
             block = tl.load(BlockTable + seq * bt_stride + pos // BLOCK_SIZE, mask=valid, other=0)
             slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_off = slot[:, None] * kc_stride_slot + kvh * kc_stride_h + d[None, :]
-            k = tl.load(KC + kv_off, mask=valid[:, None], other=0.0)
-            v = tl.load(VC + kv_off, mask=valid[:, None], other=0.0)
+            k = tl.load(KC + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)  # an FP8 cache widens
+            v = tl.load(VC + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -160,7 +184,7 @@ def store_kv(
     width = k.shape[1] * k.shape[2]
     block = triton.next_power_of_2(width)
     _store_kv_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slots, k.stride(0), k_cache.stride(0), width, block
+        k, v, k_cache, v_cache, slots, k.stride(0), k_cache.stride(0), width, block, k_cache.dtype == FP8
     )
     return None
 

@@ -85,8 +85,8 @@ if triton is not None:
         valid_n = pos_n < hi
         block = tl.load(table + pos_n // BLOCK_SIZE, mask=valid_n, other=0)
         kv_off = (block * BLOCK_SIZE + pos_n % BLOCK_SIZE)[:, None] * kc_stride_slot + head_offset
-        k = tl.load(KC + kv_off + d[None, :], mask=valid_n[:, None], other=0.0)
-        v = tl.load(VC + kv_off + d[None, :], mask=valid_n[:, None], other=0.0)
+        k = tl.load(KC + kv_off + d[None, :], mask=valid_n[:, None], other=0.0).to(q.dtype)  # FP8 widens
+        v = tl.load(VC + kv_off + d[None, :], mask=valid_n[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         if MASKED:
             allowed = valid_n[None, :] & (pos_n[None, :] <= pos_m[:, None])
