@@ -61,7 +61,7 @@ if triton is not None:
     @triton.jit
     def _rope_store_kv_kernel(
         Q, K, V, Cos, Sin, KC, VC, Slots, q_row, q_head, k_row, k_head, v_row, v_head, c_slot, c_head,
-        HEADS: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr,
+        HEADS: tl.constexpr, HALF: tl.constexpr, TO_FP8: tl.constexpr,
     ):  # fmt: skip
         """Program (token, head): a query head rotates in place; a KV head rotates its key into
         the pool and copies its value there (a negative slot, a padding row, writes nothing)."""
@@ -83,11 +83,11 @@ if triton is not None:
                 src = K + token * k_row + kv * k_head
                 x1, x2 = tl.load(src + offs), tl.load(src + HALF + offs)
                 dst = KC + slot * c_slot + kv * c_head
-                tl.store(dst + offs, cache_value(x1 * cos1 - x2 * sin1, FP8))
-                tl.store(dst + HALF + offs, cache_value(x2 * cos2 + x1 * sin2, FP8))
+                tl.store(dst + offs, cache_value(x1 * cos1 - x2 * sin1, TO_FP8))
+                tl.store(dst + HALF + offs, cache_value(x2 * cos2 + x1 * sin2, TO_FP8))
                 src, dst = V + token * v_row + kv * v_head, VC + slot * c_slot + kv * c_head
-                tl.store(dst + offs, cache_value(tl.load(src + offs), FP8))
-                tl.store(dst + HALF + offs, cache_value(tl.load(src + HALF + offs), FP8))
+                tl.store(dst + offs, cache_value(tl.load(src + offs), TO_FP8))
+                tl.store(dst + HALF + offs, cache_value(tl.load(src + HALF + offs), TO_FP8))
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -169,6 +169,6 @@ def rotary_store_kv(
     _rope_store_kv_kernel[(q.shape[0], q.shape[1] + k.shape[1])](
         q, k, v, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), HEADS=q.shape[1], HALF=half, FP8=k_cache.dtype == FP8,
+        k_cache.stride(0), k_cache.stride(1), HEADS=q.shape[1], HALF=half, TO_FP8=k_cache.dtype == FP8,
     )  # fmt: skip
     return q

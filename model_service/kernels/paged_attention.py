@@ -80,23 +80,23 @@ def paged_decode_attention_reference(
 if triton is not None:
 
     @triton.jit
-    def cache_value(x, FP8: tl.constexpr):
+    def cache_value(x, TO_FP8: tl.constexpr):
         """`x` as the K/V cache stores it (tl.store then casts): saturated for an FP8 cache."""
-        if FP8:
+        if TO_FP8:
             x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
         return x
 
     @triton.jit
     def _store_kv_kernel(
-        K, V, KC, VC, Slots, row_stride, cache_stride, width, BLOCK: tl.constexpr, FP8: tl.constexpr
+        K, V, KC, VC, Slots, row_stride, cache_stride, width, BLOCK: tl.constexpr, TO_FP8: tl.constexpr
     ):
         t = tl.program_id(0)
         slot = tl.load(Slots + t)
         if slot >= 0:
             offs = tl.arange(0, BLOCK)
             m = offs < width
-            k = cache_value(tl.load(K + t * row_stride + offs, mask=m), FP8)
-            v = cache_value(tl.load(V + t * row_stride + offs, mask=m), FP8)
+            k = cache_value(tl.load(K + t * row_stride + offs, mask=m), TO_FP8)
+            v = cache_value(tl.load(V + t * row_stride + offs, mask=m), TO_FP8)
             tl.store(KC + slot * cache_stride + offs, k, mask=m)
             tl.store(VC + slot * cache_stride + offs, v, mask=m)
 
