@@ -290,10 +290,28 @@ def verify_cost_ms(engine: Engine, batch: int, k: int, context: int) -> tuple[fl
     return plain, verify
 
 
+def register_random_adapters(engine: Engine, cfg: ModelConfig, n: int, rank: int) -> list[str]:
+    """Adapters a0 .. a{n-1} of rank `rank` on all seven projections, sharing random host tensors
+    (each fills its own device slot, so the kernels read n different slots); they go into the
+    pool's host tier directly, skipping disk. Returns their names."""
+    g = torch.Generator().manual_seed(0)
+    shared = {
+        m: (torch.randn(rank, i, generator=g) * 0.01, torch.randn(o, rank, generator=g) * 0.01)
+        for m, (i, o) in module_shapes(cfg).items()
+    }
+    for k in range(n):
+        weights = {
+            (layer, m): LoraWeights(a, b, 1.0 + k / n)
+            for layer in range(cfg.num_layers)
+            for m, (a, b) in shared.items()
+        }
+        engine.lora._remember(LoraAdapter(f"a{k}", k + 1, None, weights))  # bench only: no disk tier
+    return [f"a{k}" for k in range(n)]
+
+
 def lora_vs_base(loaded: LoadedModel, args: argparse.Namespace) -> tuple[float, float]:
-    """(base, LoRA) decode tokens/s, `--lora-adapters` distinct adapters over `--lora-batch` rows.
-    The adapters share random host tensors (each fills its own device slot, so the kernels read
-    N different slots); they go into the pool's host tier directly, skipping disk."""
+    """(base, LoRA) decode tokens/s, `--lora-adapters` distinct adapters over `--lora-batch` rows
+    (`register_random_adapters`)."""
     n, rank, cfg = args.lora_adapters, args.lora_rank, loaded.config
     engine = Engine(
         EngineConfig(
@@ -308,18 +326,7 @@ def lora_vs_base(loaded: LoadedModel, args: argparse.Namespace) -> tuple[float, 
         ),
         loaded=loaded,
     )
-    g = torch.Generator().manual_seed(0)
-    shared = {
-        m: (torch.randn(rank, i, generator=g) * 0.01, torch.randn(o, rank, generator=g) * 0.01)
-        for m, (i, o) in module_shapes(cfg).items()
-    }
-    for k in range(n):
-        weights = {
-            (layer, m): LoraWeights(a, b, 1.0 + k / n)
-            for layer in range(cfg.num_layers)
-            for m, (a, b) in shared.items()
-        }
-        engine.lora._remember(LoraAdapter(f"a{k}", k + 1, None, weights))  # bench only: no disk tier
+    register_random_adapters(engine, cfg, n, rank)
     batch, vocab = args.lora_batch, cfg.vocab_size
     base = decode_tok_s(engine, batch, args.prompt_len, args.new_tokens, vocab)
     names: list[str | None] = [f"a{i % n}" for i in range(batch)]

@@ -2,6 +2,7 @@
 Spindle against HF `transformers.generate` on the same shapes in the same run.
 
     PYTHONPATH=. python3 bench/serving.py [--concurrency 1 16 64 256] [--hf-concurrency 16 64] [--small]
+        [--lora-adapters 64 [--lora-rank 16]] [--kv-cache-dtype fp8]
 
 Workload: per concurrency C, `max(16, 4 * C)` requests (`--requests-per-slot`), prompt lengths
 uniform in [64, 2,048] and output lengths uniform in [32, 512] (seeded, random token ids, EOS
@@ -13,22 +14,27 @@ batches of C padded on the left to the longest prompt and run to the longest out
 tokens each request asked for count. Both clocks include prefill; Spindle's runs come after a
 warm-up that captures its decode graphs (a pod's first minutes pay those captures, once). One
 JSON line per (system, concurrency), then a table. Random bf16 weights of the 8B shape
-(`--small`: SmolLM2's), one GPU.
+(`--small`: SmolLM2's), one GPU. `--lora-adapters N` (issue 9's third benchmark) runs every
+concurrency a second time in the same engine with request i through adapter i mod N (random
+rank-16 weights on all seven projections) and reports `lora_over_base`.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
-from bench.gpu import LLAMA3_8B, SMOLLM2, hf_llama, random_model
+from bench.gpu import LLAMA3_8B, SMOLLM2, hf_llama, random_model, register_random_adapters
 from model_service.engine.config import EngineConfig
 from model_service.engine.cuda_graphs import batch_ladder
 from model_service.engine.engine import Engine
+from model_service.models.loader import LoadedModel
 
 
 def workload(n: int, vocab: int, seed: int, prompts: tuple[int, int], outputs: tuple[int, int]) -> list:
@@ -40,16 +46,20 @@ def workload(n: int, vocab: int, seed: int, prompts: tuple[int, int], outputs: t
             for p, o in zip(lengths, outs, strict=True)]
 
 
-def spindle_serving(engine: Engine, requests: list, concurrency: int) -> dict[str, float]:
+def spindle_serving(
+    engine: Engine, requests: list, concurrency: int, adapters: Sequence[str] = ()
+) -> dict[str, float]:
     """Closed loop at `concurrency`: output tokens/s over the whole run, and the median time to
-    first token and time per output token after it (ms) of the requests."""
+    first token and time per output token after it (ms) of the requests. With `adapters`,
+    request i goes through adapter i mod their number."""
     queue, submitted, first, done = list(reversed(requests)), {}, {}, {}
     start = time.perf_counter()
     while queue or engine.has_unfinished():
         while queue and len(submitted) - len(done) < concurrency:
             prompt, n = queue.pop()
-            rid = engine.add_request_dict({"prompt_token_ids": prompt, "max_tokens": n, "ignore_eos": True})
-            submitted[rid] = time.perf_counter()
+            adapter = adapters[len(submitted) % len(adapters)] if adapters else None
+            r = {"prompt_token_ids": prompt, "max_tokens": n, "ignore_eos": True, "adapter": adapter}
+            submitted[engine.add_request_dict(r)] = time.perf_counter()
         for out in engine.step():
             now = time.perf_counter()
             if out.error:
@@ -70,12 +80,15 @@ def spindle_serving(engine: Engine, requests: list, concurrency: int) -> dict[st
     }
 
 
-def warm_up(engine: Engine, vocab: int, concurrency: int) -> None:
+def warm_up(engine: Engine, vocab: int, concurrency: int, adapters: Sequence[str]) -> None:
     """Compile the kernels and capture every decode graph up to `concurrency` rows (one per size of
-    the padded batch ladder), so that no measured run pays a first-use cost: the engine captures a
-    graph the first time a batch size shows up (~0.1-0.5 s each on the 8B shape)."""
+    the padded batch ladder, with and without LoRA when there are adapters), so that no measured
+    run pays a first-use cost: the engine captures a graph the first time a batch size shows up
+    (~0.1-0.5 s each on the 8B shape)."""
+    spindle_serving(engine, workload(8, vocab, 99, (64, 512), (8, 16)), 8, adapters)  # prefill, mixed
     for n in batch_ladder(concurrency):
-        spindle_serving(engine, workload(n, vocab, 99, (16, 32), (8, 8)), n)
+        for names in ((), adapters) if adapters else ((),):
+            spindle_serving(engine, workload(n, vocab, 99, (16, 32), (8, 8)), n, names)
 
 
 def hf_serving(hf: torch.nn.Module, requests: list, concurrency: int) -> dict[str, float]:
@@ -98,10 +111,32 @@ def hf_serving(hf: torch.nn.Module, requests: list, concurrency: int) -> dict[st
     return {"output_tokens_per_s": tokens / (time.perf_counter() - start), "output_tokens": tokens}
 
 
-def report(rows: list, system: str, concurrency: int, requests: int, result: dict, setup: dict) -> None:
-    rows.append((system, concurrency, result))
-    line = {"bench": "serving", "system": system, "concurrency": concurrency, "requests": requests}
-    print(json.dumps({**line, **{k: round(v, 1) for k, v in result.items()}, **setup}), flush=True)
+def requests_at(args: argparse.Namespace, vocab: int, concurrency: int) -> list:
+    """The workload of one concurrency (seeded by it): `--requests-per-slot` requests a slot."""
+    return workload(max(16, args.requests_per_slot * concurrency), vocab, concurrency, *args.ranges)
+
+
+def spindle_runs(loaded: LoadedModel, args: argparse.Namespace, report: Callable[..., None]) -> None:
+    """Spindle at each concurrency; with `--lora-adapters N`, each run again with request i
+    through adapter i mod N (rank `--lora-rank`, all seven projections), in the same engine."""
+    n, vocab = args.lora_adapters, loaded.config.vocab_size
+    engine = Engine(
+        EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=max(args.concurrency), max_loras=n,
+                     max_cpu_loras=max(n, 1), max_lora_rank=args.lora_rank, kv_cache_memory_bytes=64 << 30,
+                     max_model_len=8192, kv_cache_dtype=args.kv_cache_dtype),
+        loaded=loaded,
+    )  # fmt: skip
+    adapters = register_random_adapters(engine, loaded.config, n, args.lora_rank) if n else []
+    warm_up(engine, vocab, max(args.concurrency), adapters)
+    for c in args.concurrency:
+        requests = requests_at(args, vocab, c)
+        base = spindle_serving(engine, requests, c)
+        report("spindle", c, len(requests), base)
+        if adapters:
+            lora = spindle_serving(engine, requests, c, adapters)
+            ratio = lora["output_tokens_per_s"] / base["output_tokens_per_s"]
+            lora |= {"lora_over_base": ratio, "lora_rank": args.lora_rank}
+            report(f"spindle-{n}-loras", c, len(requests), lora)
 
 
 def main() -> None:
@@ -113,37 +148,31 @@ def main() -> None:
     ap.add_argument("--output-range", type=int, nargs=2, default=[32, 512])
     ap.add_argument("--small", action="store_true", help="SmolLM2's shape instead of the 8B one")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    ap.add_argument("--lora-adapters", type=int, default=0, help="also run through N distinct adapters")
+    ap.add_argument("--lora-rank", type=int, default=16)
     args = ap.parse_args()
     shape = LLAMA3_8B if not args.small else SMOLLM2
-    ranges = (tuple(args.prompt_range), tuple(args.output_range))
+    args.ranges = (tuple(args.prompt_range), tuple(args.output_range))
     setup = {"model": "llama3-8b-shape" if shape is LLAMA3_8B else "smollm2-135m-shape", "dtype": "bfloat16",
-             "device": torch.cuda.get_device_name(), "prompt_range": ranges[0],
-             "output_range": ranges[1], "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
-    loaded, vocab, rows = random_model(shape), shape["vocab_size"], []
+             "device": torch.cuda.get_device_name(), "prompt_range": args.ranges[0],
+             "output_range": args.ranges[1], "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
+    loaded, rows = random_model(shape), []
 
-    def requests_for(c: int) -> list:
-        return workload(max(16, args.requests_per_slot * c), vocab, c, *ranges)
+    def report(system: str, concurrency: int, requests: int, result: dict) -> None:
+        rows.append((system, concurrency, result))
+        line = {"bench": "serving", "system": system, "concurrency": concurrency, "requests": requests}
+        print(json.dumps({**line, **{k: round(v, 3) for k, v in result.items()}, **setup}), flush=True)
 
-    engine = Engine(
-        EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=max(args.concurrency), max_loras=0,
-                     kv_cache_memory_bytes=64 << 30, max_model_len=8192, kv_cache_dtype=args.kv_cache_dtype),
-        loaded=loaded,
-    )  # fmt: skip
-    spindle_serving(engine, workload(8, vocab, 99, (64, 512), (8, 16)), 8)  # prefill and mixed kernels
-    warm_up(engine, vocab, max(args.concurrency))
-    for c in args.concurrency:
-        requests = requests_for(c)
-        report(rows, "spindle", c, len(requests), spindle_serving(engine, requests, c), setup)
-    del engine
+    spindle_runs(loaded, args, report)
+    gc.collect()  # the engine and its K/V pool, before HF's copy of the weights
     torch.cuda.empty_cache()
     hf = hf_llama(loaded) if args.hf_concurrency else None
-    for c in args.hf_concurrency:
-        requests = requests_for(c)[: 2 * c]  # the first requests of Spindle's workload at c
-        report(rows, "hf-generate", c, len(requests), hf_serving(hf, requests, c), setup)
-    print(f"\n{'system':14s} {'concurrency':>11s} {'out tok/s':>10s} {'ttft p50 ms':>12s} {'tpot p50':>9s}")
+    for c in args.hf_concurrency:  # the first 2c requests of Spindle's workload at c
+        report("hf-generate", c, 2 * c, hf_serving(hf, requests_at(args, shape["vocab_size"], c)[: 2 * c], c))
+    print(f"\n{'system':16s} {'concurrency':>11s} {'out tok/s':>10s} {'ttft p50 ms':>12s} {'tpot p50':>9s}")
     for system, c, r in rows:
         ttft, tpot = r.get("ttft_p50_ms", float("nan")), r.get("tpot_p50_ms", float("nan"))
-        print(f"{system:14s} {c:11d} {r['output_tokens_per_s']:10.1f} {ttft:12.1f} {tpot:9.2f}")
+        print(f"{system:16s} {c:11d} {r['output_tokens_per_s']:10.1f} {ttft:12.1f} {tpot:9.2f}")
 
 
 if __name__ == "__main__":

@@ -37,3 +37,24 @@ def test_closed_loop_keeps_concurrency_and_runs_every_request():
     assert most == 3
     assert result["output_tokens"] == sum(n for _, n in requests)
     assert result["output_tokens_per_s"] > 0 and result["ttft_p50_ms"] > 0 and result["tpot_p50_ms"] >= 0
+
+
+def test_the_lora_run_sends_requests_through_every_adapter_in_turn():
+    from bench.gpu import register_random_adapters
+
+    cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                      max_position_embeddings=512)  # fmt: skip
+    torch.manual_seed(0)
+    loaded = LoadedModel("random", cfg, DecoderModel(cfg).eval(), None)
+    engine = Engine(EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, max_loras=3, max_cpu_loras=3,
+                                 max_lora_rank=8), loaded=loaded)  # fmt: skip
+    names = register_random_adapters(engine, cfg, 3, 8)
+    seen = []
+    add = engine.add_request_dict
+    engine.add_request_dict = lambda r: seen.append(r["adapter"]) or add(r)
+    requests = workload(7, cfg.vocab_size, 1, (5, 40), (2, 5))
+    result = spindle_serving(engine, requests, concurrency=2, adapters=names)
+    assert seen == ["a0", "a1", "a2", "a0", "a1", "a2", "a0"]
+    assert result["output_tokens"] == sum(n for _, n in requests)
+    assert sorted(s.adapter.name for s in engine.lora.slots if s.adapter is not None) == names
