@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from model_service.kernels.paged_attention import FP8
+from model_service.kernels.paged_attention import FP8, indexable
 from model_service.models.config import LayerKind
 
 
@@ -56,9 +56,8 @@ class KVCache:
 
     @property
     def movable(self) -> torch.Tensor:
-        """The pool as block copies and swaps move it: an FP8 pool as its bytes (torch's float8
-        support in indexing kernels varies by version and device; bytes move the same anywhere)."""
-        return self.data.view(torch.uint8) if self.data.dtype == FP8 else self.data
+        """The pool as block copies and swaps index it (an FP8 pool as its bytes: `indexable`)."""
+        return indexable(self.data)
 
     def block_slots(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
         """Flat slot ids of the first `num_tokens` tokens held in `blocks`, on the pool's device."""

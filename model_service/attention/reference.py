@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from model_service.attention.kv_cache import KVCache
 from model_service.kernels.fused import apply_rotary
-from model_service.kernels.paged_attention import to_cache
+from model_service.kernels.paged_attention import cache_rows, write_cache_rows
 from model_service.models.step import StepBatch
 
 
@@ -59,12 +59,12 @@ class TorchReferenceBackend:
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k_cache, v_cache = self.kv_cache.layer(layer)
-        k_cache[self._batch.slot_mapping] = to_cache(k, k_cache)
-        v_cache[self._batch.slot_mapping] = to_cache(v, v_cache)
+        write_cache_rows(k_cache, self._batch.slot_mapping, k)
+        write_cache_rows(v_cache, self._batch.slot_mapping, v)
         _, heads, dim = q.shape
         q_padded = torch.cat((q, q.new_zeros(1, heads, dim)))[self._query_index]  # [S, Q, H, D]
-        keys = k_cache[self._key_slots].to(q.dtype)  # [S, K, KVH, D]
-        values = v_cache[self._key_slots].to(q.dtype)
+        keys = cache_rows(k_cache, self._key_slots).to(q.dtype)  # [S, K, KVH, D]
+        values = cache_rows(v_cache, self._key_slots).to(q.dtype)
         out = F.scaled_dot_product_attention(
             q_padded.transpose(1, 2),
             keys.transpose(1, 2),

@@ -42,12 +42,28 @@ def to_cache(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return x.to(cache.dtype)
 
 
+def indexable(t: torch.Tensor) -> torch.Tensor:
+    """`t`, an FP8 one as its bytes: torch's float8 support in indexing kernels varies by version
+    and device (index_put, index_cpu and index_cuda each came in a different release)."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def cache_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots], in the cache's dtype."""
+    return indexable(cache)[slots].view(cache.dtype)
+
+
+def write_cache_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """cache[slots] = x, as the cache stores it."""
+    indexable(cache)[slots] = indexable(to_cache(x, cache))
+
+
 def store_kv_reference(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
     keep = slots >= 0
-    k_cache[slots[keep]] = to_cache(k[keep], k_cache)
-    v_cache[slots[keep]] = to_cache(v[keep], v_cache)
+    write_cache_rows(k_cache, slots[keep], k[keep])
+    write_cache_rows(v_cache, slots[keep], v[keep])
 
 
 def paged_decode_attention_reference(
@@ -70,8 +86,8 @@ def paged_decode_attention_reference(
         lo = max(0, n - window) if window else 0
         pos = torch.arange(lo, n, device=q.device)
         slots = block_table[i, pos // block_size] * block_size + pos % block_size
-        k = k_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1)  # [N, H, D]
-        v = v_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        k = cache_rows(k_cache, slots).float().repeat_interleave(heads // kv_heads, dim=1)  # [N, H, D]
+        v = cache_rows(v_cache, slots).float().repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model_service.kernels.paged_attention import dot_precision, triton
+from model_service.kernels.paged_attention import cache_rows, dot_precision, triton
 
 if triton is not None:
     import triton.language as tl
@@ -119,8 +119,8 @@ def paged_prefill_attention_reference(
         a, b = starts[i], starts[i + 1]
         pos = torch.arange(n, device=q.device)
         slots = block_table[i, pos // block_size] * block_size + pos % block_size
-        k = k_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1)  # [N, H, D]
-        v = v_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        k = cache_rows(k_cache, slots).float().repeat_interleave(heads // kv_heads, dim=1)  # [N, H, D]
+        v = cache_rows(v_cache, slots).float().repeat_interleave(heads // kv_heads, dim=1)
         q_pos = torch.arange(n - (b - a), n, device=q.device)
         allowed = pos[None, :] <= q_pos[:, None]
         if window:
