@@ -13,17 +13,21 @@ from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
 
 
-def test_closed_loop_keeps_concurrency_and_runs_every_request():
+def _tiny_engine(**config: object) -> Engine:
+    """A tiny random Llama (vocab 256) on the CPU."""
     cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
                       max_position_embeddings=512)  # fmt: skip
     torch.manual_seed(0)
     loaded = LoadedModel("random", cfg, DecoderModel(cfg).eval(), None)
-    engine = Engine(EngineConfig(device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64),
-                    loaded=loaded)  # fmt: skip
-    requests = workload(11, cfg.vocab_size, 3, (5, 90), (2, 9))
+    return Engine(EngineConfig(device="cpu", dtype="float32", **config), loaded=loaded)
+
+
+def test_closed_loop_keeps_concurrency_and_runs_every_request():
+    engine = _tiny_engine(max_num_seqs=8, max_num_batched_tokens=64)
+    requests = workload(11, 256, 3, (5, 90), (2, 9))
     assert all(5 <= len(p) <= 90 and 2 <= n <= 9 for p, n in requests)
-    assert workload(11, cfg.vocab_size, 3, (5, 90), (2, 9)) == requests  # seeded
+    assert workload(11, 256, 3, (5, 90), (2, 9)) == requests  # seeded
     most = 0
     step = engine.step
 
@@ -42,18 +46,12 @@ def test_closed_loop_keeps_concurrency_and_runs_every_request():
 def test_the_lora_run_sends_requests_through_every_adapter_in_turn():
     from bench.gpu import register_random_adapters
 
-    cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                      max_position_embeddings=512)  # fmt: skip
-    torch.manual_seed(0)
-    loaded = LoadedModel("random", cfg, DecoderModel(cfg).eval(), None)
-    engine = Engine(EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, max_loras=3, max_cpu_loras=3,
-                                 max_lora_rank=8), loaded=loaded)  # fmt: skip
-    names = register_random_adapters(engine, cfg, 3, 8)
+    engine = _tiny_engine(max_num_seqs=4, max_loras=3, max_cpu_loras=3, max_lora_rank=8)
+    names = register_random_adapters(engine, engine.executor.config, 3, 8)
     seen = []
     add = engine.add_request_dict
     engine.add_request_dict = lambda r: seen.append(r["adapter"]) or add(r)
-    requests = workload(7, cfg.vocab_size, 1, (5, 40), (2, 5))
+    requests = workload(7, 256, 1, (5, 40), (2, 5))
     result = spindle_serving(engine, requests, concurrency=2, adapters=names)
     assert seen == ["a0", "a1", "a2", "a0", "a1", "a2", "a0"]
     assert result["output_tokens"] == sum(n for _, n in requests)
