@@ -550,3 +550,18 @@ def test_triton_attention_over_an_fp8_cache_matches_the_reference(window):
     tiles = (torch.from_numpy(seqs).cuda(), torch.from_numpy(rows).cuda())
     got = paged_prefill_attention(*args, bs, 0.125, window, tiles)
     assert _rel(got.cpu(), want) < 1e-2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[cuda, pytest.mark.gpu])])
+def test_host_planned_arrays_reach_the_device_unchanged(device):
+    """`to_device` (tile tables, grids): on CUDA through pinned memory without waiting, and the
+    host array may be rewritten at once (the copy keeps the values it had); on the CPU a view."""
+    from model_service.models.step import to_device
+
+    host = np.arange(1000, dtype=np.int64).reshape(10, 100)
+    moved = [to_device(host, torch.device(device)) for _ in range(3)]
+    if device == "cuda":
+        host[:] = -1
+    for m in moved:
+        assert m.device.type == device and m.dtype == torch.int64
+        assert torch.equal(m.cpu(), torch.arange(1000).reshape(10, 100))

@@ -26,7 +26,7 @@ from model_service.attention.kv_cache import KVCache
 from model_service.kernels.fused import rotary_store_kv
 from model_service.kernels.paged_attention import num_splits_for, paged_decode_attention, store_kv
 from model_service.kernels.prefill_attention import paged_prefill_attention, prefill_tiles
-from model_service.models.step import StepBatch
+from model_service.models.step import StepBatch, to_device
 
 
 class TritonBackend:
@@ -57,7 +57,7 @@ class TritonBackend:
         self.num_splits = num_splits_for(self.num_decode, kv_heads)
         seqs, rows = prefill_tiles(batch.host_query_start, first_seq=self.num_decode)
         device = batch.input_ids.device
-        self.tiles = (torch.from_numpy(seqs).to(device), torch.from_numpy(rows).to(device))
+        self.tiles = (to_device(seqs, device), to_device(rows, device))
 
     def forward(
         self,

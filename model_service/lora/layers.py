@@ -32,7 +32,7 @@ from model_service.kernels.lora import lora_expand, lora_shrink
 from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
 from model_service.lora.adapter import LoraAdapter
 from model_service.models.layers import PackedLinear
-from model_service.models.step import StepBatch
+from model_service.models.step import StepBatch, to_device
 
 # A decoder layer's own projections (`layers.3.self_attn.qkv_proj`), not those nested deeper (an
 # MoE layer's shared expert), which PEFT adapters cannot name.
@@ -84,14 +84,13 @@ class LoraStepPlan:
     def _tiles(self, batch: StepBatch) -> torch.Tensor | None:
         """Row tiles for a step with a long prefill chunk through an adapter, else None. Decode
         rows of many sequences with one adapter form runs too, but such steps keep the per-row
-        kernels: the tiles' copy to the device waits for the stream (as the prefill attention's
-        does), which would stall an eager decode step's overlap with the host."""
+        kernels, tuned for them."""
         if batch.max_query_len < self.TILE_MIN_RUN:
             return None
         tiles = lora_tiles(batch.host_lora_slots)
         if int((tiles[:, 1] - tiles[:, 0]).max()) < self.TILE_MIN_RUN:  # TILE_MIN_RUN <= TILE_ROWS
             return None
-        return torch.from_numpy(tiles).to(batch.input_ids.device)
+        return to_device(tiles, batch.input_ids.device)
 
     def shrink(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         if self.tiles is None:

@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from model_service.models.step import StepBatch
+from model_service.models.step import StepBatch, to_device
 
 
 @dataclass
@@ -53,14 +53,14 @@ class RecurrentPlan:
                 torch.tensor(seq_of_row[hit], device=dev),
                 torch.tensor(batch.host_state_snapshots[hit], device=dev),
             )
-        q_lens = torch.from_numpy(lens).to(dev)
+        q_lens = to_device(lens, dev)
         return cls(
             slots=batch.state_slots,
             fresh=batch.seq_lens == q_lens,
             lengths=q_lens,
-            grid_rows=torch.from_numpy(rows).to(dev),
-            valid=torch.from_numpy(valid).to(dev),
-            flat_cells=torch.from_numpy(flat_cells).to(dev),
+            grid_rows=to_device(rows, dev),
+            valid=to_device(valid, dev),
+            flat_cells=to_device(flat_cells, dev),
             checkpoints=checkpoints,
             max_len=width,
         )
