@@ -1,0 +1,92 @@
+"""The split-KV decode kernel alone, over how many splits each (sequence, KV head) is cut into:
+microseconds a call and achieved K/V GB/s, per batch size and context-length range.
+
+    PYTHONPATH=. python3 bench/decode_splits.py [--cases 16:64:2500 64:64:2500 ...] [--splits 1 2 4 8 16]
+
+Setup (in every line): one CUDA device, bf16, the 8B shape's attention (32 query heads, 8 KV
+heads of 128), block size 16, each row's context length uniform in the case's range, its blocks
+shuffled over the pool; 20 calls captured in a CUDA graph, replayed 5 times. Engine today: splits
+= `num_splits_for(rows, kv_heads)`, fixed when a decode graph is captured (whatever the context
+lengths it will replay over): the sweep shows what that costs at long and short contexts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from collections.abc import Callable
+
+import torch
+
+from model_service.kernels.paged_attention import num_splits_for, paged_decode_attention
+
+HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
+
+
+def case(rows: int, lo: int, hi: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(q, k_cache, v_cache, block table, lengths) for `rows` sequences of lo..hi tokens."""
+    lens = torch.randint(lo, hi + 1, (rows,), generator=g)
+    blocks = (lens + BLOCK - 1) // BLOCK
+    perm = torch.randperm(int(blocks.sum()), generator=g)
+    table = torch.zeros(rows, int(blocks.max()), dtype=torch.long)
+    starts = torch.cumsum(blocks, 0) - blocks
+    for i, (start, n) in enumerate(zip(starts.tolist(), blocks.tolist(), strict=True)):
+        table[i, :n] = perm[start : start + n]
+    k_cache = torch.randn(len(perm) * BLOCK, KV_HEADS, DIM, generator=g).to("cuda", torch.bfloat16)
+    q = torch.randn(rows, HEADS, DIM, generator=g).to("cuda", torch.bfloat16)
+    return q, k_cache, torch.randn_like(k_cache), table.cuda(), lens.cuda()
+
+
+def graphed_us(fn: Callable[[], object], calls: int = 20, replays: int = 5) -> float:
+    """Microseconds a call of `fn`, captured `calls` times in one graph (no launch overhead)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(), fn()  # compile and warm up outside the graph
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", nargs="*", default=["16:64:2500", "64:64:2500", "256:64:2500", "64:128:192",
+                                                     "1:1000:1000"], help="rows:min_len:max_len")  # fmt: skip
+    ap.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4, 8, 16])
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    setup = {"device": torch.cuda.get_device_name(), "dtype": "bfloat16", "heads": HEADS,
+             "kv_heads": KV_HEADS, "head_dim": DIM, "block_size": BLOCK}  # fmt: skip
+    lines = [f"{'rows':>5} {'context':>10} {'splits':>6} {'us':>8} {'GB/s':>7}  (*: the engine's choice)"]
+    for spec in args.cases:
+        rows, lo, hi = (int(x) for x in spec.split(":"))
+        inputs = case(rows, lo, hi, g)
+        kv_gb = int(inputs[-1].sum()) * KV_HEADS * DIM * 2 * 2 / 1e9
+        want = paged_decode_attention(*inputs, BLOCK, DIM**-0.5, None, 1)
+        for splits in args.splits:
+            call = functools.partial(paged_decode_attention, *inputs, BLOCK, DIM**-0.5, None, splits)
+            assert (call().float() - want.float()).abs().max() < 2e-2, "the split counts disagree"
+            us = graphed_us(call)
+            chosen = splits == num_splits_for(rows, KV_HEADS)
+            line = {"bench": "decode_splits", "rows": rows, "context": [lo, hi], "splits": splits,
+                    "us": round(us, 1), "kv_gb_s": round(kv_gb / us * 1e6),
+                    "engine_choice": chosen}  # fmt: skip
+            print(json.dumps({**line, **setup}), flush=True)
+            mark = " *" if chosen else ""
+            lines.append(f"{rows:5d} {lo:4d}-{hi:5d} {splits:6d} {us:8.1f} {kv_gb / us * 1e6:7.0f}{mark}")
+    print("\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
