@@ -2,7 +2,7 @@
 Spindle against HF `transformers.generate` on the same shapes in the same run.
 
     PYTHONPATH=. python3 bench/serving.py [--concurrency 1 16 64 256] [--hf-concurrency 16 64] [--small]
-        [--lora-adapters 64 [--lora-rank 16]] [--kv-cache-dtype fp8]
+        [--lora-adapters 64 [--lora-rank 16]] [--kv-cache-dtype fp8] [--profile 256:250:30]
 
 Workload: per concurrency C, `max(16, 4 * C)` requests (`--requests-per-slot`), prompt lengths
 uniform in [64, 2,048] and output lengths uniform in [32, 512] (seeded, random token ids, EOS
@@ -47,14 +47,21 @@ def workload(n: int, vocab: int, seed: int, prompts: tuple[int, int], outputs: t
 
 
 def spindle_serving(
-    engine: Engine, requests: list, concurrency: int, adapters: Sequence[str] = ()
+    engine: Engine,
+    requests: list,
+    concurrency: int,
+    adapters: Sequence[str] = (),
+    before_step: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Closed loop at `concurrency`: output tokens/s over the whole run, and the median time to
     first token and time per output token after it (ms) of the requests. With `adapters`,
-    request i goes through adapter i mod their number."""
+    request i goes through adapter i mod their number; `before_step(i)` runs before step i."""
     queue, submitted, first, done = list(reversed(requests)), {}, {}, {}
-    start = time.perf_counter()
+    start, steps = time.perf_counter(), 0
     while queue or engine.has_unfinished():
+        if before_step is not None:
+            before_step(steps)
+        steps += 1
         while queue and len(submitted) - len(done) < concurrency:
             prompt, n = queue.pop()
             adapter = adapters[len(submitted) % len(adapters)] if adapters else None
@@ -116,6 +123,31 @@ def requests_at(args: argparse.Namespace, vocab: int, concurrency: int) -> list:
     return workload(max(16, args.requests_per_slot * concurrency), vocab, concurrency, *args.ranges)
 
 
+def profile_steps(engine: Engine, requests: list, concurrency: int, skip: int, steps: int) -> None:
+    """Device time per kernel (torch.profiler, CUPTI: graph replays included) and wall time per
+    step over steps [skip, skip + steps) of the closed loop at `concurrency`: where a serving
+    step's time goes once prefill chunks and decode rows share steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof, clock = profile(activities=[ProfilerActivity.CUDA]), {}
+
+    def before_step(i: int) -> None:
+        if i == skip:
+            torch.cuda.synchronize()
+            prof.start()
+            clock["start"] = time.perf_counter()
+        elif i == skip + steps:
+            torch.cuda.synchronize()
+            clock["ms"] = (time.perf_counter() - clock["start"]) * 1e3 / steps
+            prof.stop()
+
+    spindle_serving(engine, requests, concurrency, before_step=before_step)
+    if "ms" not in clock:
+        raise SystemExit(f"the run ended before step {skip + steps}: profile fewer or earlier steps")
+    print(f"\nconcurrency {concurrency}, steps {skip}-{skip + steps}: {clock['ms']:.1f} ms a step (wall)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+
+
 def spindle_runs(loaded: LoadedModel, args: argparse.Namespace, report: Callable[..., None]) -> None:
     """Spindle at each concurrency; with `--lora-adapters N`, each run again with request i
     through adapter i mod N (rank `--lora-rank`, all seven projections), in the same engine."""
@@ -128,6 +160,9 @@ def spindle_runs(loaded: LoadedModel, args: argparse.Namespace, report: Callable
     )  # fmt: skip
     adapters = register_random_adapters(engine, loaded.config, n, args.lora_rank) if n else []
     warm_up(engine, vocab, max(args.concurrency), adapters)
+    if args.profile:
+        c, skip, steps = (int(x) for x in args.profile.split(":"))
+        profile_steps(engine, requests_at(args, vocab, c), c, skip, steps)
     for c in args.concurrency:
         requests = requests_at(args, vocab, c)
         base = spindle_serving(engine, requests, c)
@@ -150,6 +185,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--lora-adapters", type=int, default=0, help="also run through N distinct adapters")
     ap.add_argument("--lora-rank", type=int, default=16)
+    profile_help = "first, device time per kernel over steps SKIP.. at concurrency C"
+    ap.add_argument("--profile", default="", metavar="C:SKIP:STEPS", help=profile_help)
     args = ap.parse_args()
     shape = LLAMA3_8B if not args.small else SMOLLM2
     args.ranges = (tuple(args.prompt_range), tuple(args.output_range))
