@@ -152,16 +152,18 @@ def spindle_runs(loaded: LoadedModel, args: argparse.Namespace, report: Callable
     """Spindle at each concurrency; with `--lora-adapters N`, each run again with request i
     through adapter i mod N (rank `--lora-rank`, all seven projections), in the same engine."""
     n, vocab = args.lora_adapters, loaded.config.vocab_size
+    profile = [int(x) for x in args.profile.split(":")] if args.profile else []
+    top = max([*args.concurrency, *profile[:1]])
     engine = Engine(
-        EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=max(args.concurrency), max_loras=n,
+        EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=top, max_loras=n,
                      max_cpu_loras=max(n, 1), max_lora_rank=args.lora_rank, kv_cache_memory_bytes=64 << 30,
                      max_model_len=8192, kv_cache_dtype=args.kv_cache_dtype),
         loaded=loaded,
     )  # fmt: skip
     adapters = register_random_adapters(engine, loaded.config, n, args.lora_rank) if n else []
-    warm_up(engine, vocab, max(args.concurrency), adapters)
-    if args.profile:
-        c, skip, steps = (int(x) for x in args.profile.split(":"))
+    warm_up(engine, vocab, top, adapters)
+    if profile:
+        c, skip, steps = profile
         profile_steps(engine, requests_at(args, vocab, c), c, skip, steps)
     for c in args.concurrency:
         requests = requests_at(args, vocab, c)
