@@ -65,3 +65,26 @@ def test_an_unknown_cache_dtype_or_an_old_gpu_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(ValueError, match=r"compute capability 8\.9 or later.*A100 is 8\.0"):
         cache_dtype("fp8", torch.bfloat16, torch.device("cuda"))
+
+
+def test_tensor_parallel_fp8_pools_swap_their_heads_back_byte_for_byte(tiny_llama):
+    """Two gloo ranks, each holding its KV heads in FP8: logits stay those of one process, and a
+    swap-out gathers every rank's heads (as bytes) in head order; swapped back in elsewhere, each
+    rank writes its own heads and the blocks read back identical."""
+    from model_service.engine.batch_builder import StepItem
+    from tests.conftest import new_sequence
+
+    ids = [(7 * j) % 300 + 3 for j in range(21)]
+    expected = prefill_logits(make_engine(tiny_llama, kv_cache_dtype="fp8"), ids)
+    tp = make_engine(tiny_llama, kv_cache_dtype="fp8", tensor_parallel_size=2)
+    try:
+        torch.testing.assert_close(prefill_logits(tp, ids, chunk=8), expected, atol=2e-2, rtol=0)
+        state, other = new_sequence(tp, len(ids)), new_sequence(tp, len(ids))
+        tp.executor.execute(tp.builder.build([StepItem(state, ids, 1)]))
+        saved = tp.executor.save_blocks(state.block_table, len(ids))
+        assert saved.dtype == torch.uint8 and saved.shape[3] == tiny_llama.config.num_kv_heads
+        assert saved.any()
+        tp.executor.load_blocks(saved, other.block_table)
+        assert torch.equal(tp.executor.save_blocks(other.block_table, len(ids)), saved)
+    finally:
+        tp.executor.teardown()
