@@ -229,3 +229,17 @@ def test_chunked_scan_equals_the_token_by_token_recurrence():
     out, final = chunked_scan(q, k, v, g, beta, state)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final, ref_state, rtol=1e-4, atol=1e-4)
+
+
+def test_an_fp8_kv_cache_holds_the_attention_layers_and_leaves_the_recurrent_state(case: Case):
+    """`--kv-cache-dtype fp8` on a hybrid: its attention layers' K/V in FP8 (logits near HF's,
+    not equal), its recurrent state float32 as before, every slot back after a run."""
+    engine = make_engine(case.ours, block_size=4, kv_cache_dtype="fp8")
+    assert engine.executor.kv_cache.data.dtype == torch.float8_e4m3fn
+    assert all(t.dtype == torch.float32 for t in engine.executor.state_tensors)
+    ids = random_prompt(40, seed=5)
+    with torch.no_grad():
+        ref = case.hf(torch.tensor([ids])).logits[0, -1]
+    assert 0 < rel_err(prefill_logits(engine, ids, chunk=7), ref) < 0.1
+    engine.generate([request(p) for p in PROMPTS[:3]])
+    _state_slots_all_back(engine)
