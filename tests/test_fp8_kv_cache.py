@@ -88,3 +88,14 @@ def test_tensor_parallel_fp8_pools_swap_their_heads_back_byte_for_byte(tiny_llam
         assert torch.equal(tp.executor.save_blocks(other.block_table, len(ids)), saved)
     finally:
         tp.executor.teardown()
+
+
+def test_a_prefix_cache_hit_on_fp8_blocks_gives_the_cold_tokens(tiny_llama):
+    shared = [(11 * j) % 300 + 3 for j in range(40)]
+    request = {"prompt_token_ids": [*shared, 7, 8, 9], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    cold = make_engine(tiny_llama, kv_cache_dtype="fp8", block_size=4).generate([request])[0].token_ids
+    warm = make_engine(tiny_llama, kv_cache_dtype="fp8", block_size=4)
+    warm.generate([{**request, "prompt_token_ids": [*shared, 5]}])
+    assert warm.generate([request])[0].token_ids == cold
+    assert warm.stats().prefix_cache_hit_tokens >= 40
+    assert_all_blocks_free(warm)
