@@ -5,7 +5,7 @@ microseconds a call and achieved K/V GB/s, per batch size and context-length ran
 
 Setup (in every line): one CUDA device, bf16, the 8B shape's attention (32 query heads, 8 KV
 heads of 128), block size 16, each row's context length uniform in the case's range, its blocks
-shuffled over the pool; 20 calls captured in a CUDA graph, replayed 5 times. Engine today: splits
+shuffled over the pool; 20 calls captured in a CUDA graph, the median of 5 replays. Engine today: splits
 = `num_splits_for(rows, kv_heads)`, fixed when a decode graph is captured (whatever the context
 lengths it will replay over): the sweep shows what that costs at long and short contexts.
 """
@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-from collections.abc import Callable
 
 import torch
 
+from bench.allreduce import graph_us
 from model_service.kernels.paged_attention import num_splits_for, paged_decode_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
@@ -36,27 +36,6 @@ def case(rows: int, lo: int, hi: int, g: torch.Generator) -> tuple[torch.Tensor,
     k_cache = torch.randn(len(perm) * BLOCK, KV_HEADS, DIM, generator=g).to("cuda", torch.bfloat16)
     q = torch.randn(rows, HEADS, DIM, generator=g).to("cuda", torch.bfloat16)
     return q, k_cache, torch.randn_like(k_cache), table.cuda(), lens.cuda()
-
-
-def graphed_us(fn: Callable[[], object], calls: int = 20, replays: int = 5) -> float:
-    """Microseconds a call of `fn`, captured `calls` times in one graph (no launch overhead)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(), fn()  # compile and warm up outside the graph
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def main() -> None:
@@ -77,7 +56,7 @@ def main() -> None:
         for splits in args.splits:
             call = functools.partial(paged_decode_attention, *inputs, BLOCK, DIM**-0.5, None, splits)
             assert (call().float() - want.float()).abs().max() < 2e-2, "the split counts disagree"
-            us = graphed_us(call)
+            us = graph_us(call, per_graph=20, iters=5)
             chosen = splits == num_splits_for(rows, KV_HEADS)
             line = {"bench": "decode_splits", "rows": rows, "context": [lo, hi], "splits": splits,
                     "us": round(us, 1), "kv_gb_s": round(kv_gb / us * 1e6),
