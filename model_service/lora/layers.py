@@ -80,7 +80,6 @@ class LoraStepPlan:
             for slot in np.unique(slots[slots >= 0])
         ]
 
-
     def _tiles(self, batch: StepBatch) -> torch.Tensor | None:
         """Row tiles for a step with a long prefill chunk through an adapter, else None. Decode
         rows of many sequences with one adapter form runs too, but such steps keep the per-row

@@ -50,8 +50,8 @@ class RecurrentPlan:
         for step in sorted({int(flat_cells[r] % width) for r in marked}):
             hit = [r for r in marked if flat_cells[r] % width == step]
             checkpoints[step] = (
-                torch.tensor(seq_of_row[hit], device=dev),
-                torch.tensor(batch.host_state_snapshots[hit], device=dev),
+                to_device(seq_of_row[hit], dev),
+                to_device(batch.host_state_snapshots[hit], dev),
             )
         q_lens = to_device(lens, dev)
         return cls(
