@@ -110,6 +110,11 @@ def test_step_batch_layout_for_decode_chunk_and_multi_row_items():
     assert batch.lora_slots.tolist() == [1, -1, -1, -1, -1, -1, 0, 0, 0]
     assert (batch.max_query_len, batch.max_seq_len) == (5, 7)
     assert batch.uses_lora
+    # Every view starts on a 128-byte boundary of the packed buffer, whatever the region sizes
+    # (9 tokens, 3 sequences): Triton compiles a kernel once per pointer alignment.
+    views = [batch.input_ids, batch.positions, batch.slot_mapping, batch.lora_slots, batch.query_start,
+             batch.seq_lens, batch.state_slots, batch.logits_rows, batch.block_table]  # fmt: skip
+    assert all((v.data_ptr() - batch.input_ids.data_ptr()) % 128 == 0 for v in views)
 
 
 @pytest.mark.parametrize("window", [None, 3])

@@ -18,6 +18,7 @@ from model_service.engine.seq_state import SequenceState
 from model_service.kernels.lora import lora_delta_reference, lora_expand, lora_shrink
 from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
 from model_service.kernels.paged_attention import (
+    num_splits_for,
     paged_decode_attention,
     paged_decode_attention_reference,
     store_kv,
@@ -102,6 +103,18 @@ def test_batch_ladder_covers_every_size_up_to_the_maximum():
     assert batch_ladder(1) == [1]
     for n in range(1, 300):
         assert any(s >= n for s in batch_ladder(300))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 3, 8, 32])
+@pytest.mark.parametrize("max_rows", [8, 64, 100, 256])
+def test_every_decode_split_count_a_step_can_choose_is_compiled_by_the_graph_ladder(kv_heads, max_rows):
+    """The split count is a compile-time constant of the decode kernel. A mixed step's decode
+    rows can number anything up to the batch, so the counts they choose must be among those of
+    the graph ladder's sizes, captured (so compiled) at start-up, or a pod compiles kernels under
+    traffic (~1 s each on an H200)."""
+    ladder = {num_splits_for(n, kv_heads) for n in batch_ladder(max_rows)}
+    chosen = {num_splits_for(n, kv_heads) for n in range(1, max_rows + 1)}
+    assert chosen <= ladder and all(c & (c - 1) == 0 for c in chosen)
 
 
 @cuda

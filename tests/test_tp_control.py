@@ -24,7 +24,7 @@ import torch.distributed as dist
 from model_service.distributed.group import free_port, init_rank
 from model_service.distributed.link import Command, CommandLink
 from model_service.distributed.shm_channel import CPU_SPIN, ChannelClosedError, ShmChannel
-from model_service.engine.batch_builder import BatchBuilder, _sizes
+from model_service.engine.batch_builder import BatchBuilder, _layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,7 +159,7 @@ def _echo_worker(port: int, path: str, inline: int) -> None:
 def test_steps_larger_than_a_message_calls_failures_and_gathers_keep_their_order():
     """A step's payload past the channel's inline words follows on gloo; a CALL's arguments
     follow on gloo after the shared-memory message announcing it; neither overtakes a step."""
-    port, inline = free_port(), 64
+    port, inline = free_port(), 256
     channel = ShmChannel.create(2, CPU_SPIN, inline)
     try:
         ctx = multiprocessing.get_context("spawn")
@@ -174,9 +174,9 @@ def test_steps_larger_than_a_message_calls_failures_and_gathers_keep_their_order
     stopped = False
     try:
         sent = []
-        for rows, blocks in [(1, 2), (8, 12), (2, 3)]:  # 21 words inline, 233 (164 over gloo), 33
+        for rows, blocks in [(1, 2), (16, 24), (2, 3)]:  # 144 words inline, 528 (272 over gloo), 144
             shape = (rows, rows, rows, blocks, 0, 1, blocks * 16)
-            packed = torch.randint(0, 1 << 40, (sum(_sizes(shape)),))
+            packed = torch.randint(0, 1 << 40, (_layout(shape)[1],))
             link.send_step(packed, shape)
             assert link.agree(None) == [None, None]
             sent.append(packed.tolist())

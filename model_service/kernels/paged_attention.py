@@ -116,7 +116,7 @@ if triton is not None:
             tl.store(KC + slot * cache_stride + offs, k, mask=m)
             tl.store(VC + slot * cache_stride + offs, v, mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["bt_stride"])  # the block table's width changes every eager step
     def _decode_split_kernel(
         Q, KC, VC, BlockTable, SeqLens, PartOut, PartLse, Out,
         q_stride_s, q_stride_h, kc_stride_slot, kc_stride_h, bt_stride, po_stride_s, po_stride_h,
@@ -249,5 +249,9 @@ def paged_decode_attention(
 
 def num_splits_for(num_seqs: int, kv_heads: int, num_sms: int = 132) -> int:
     """Splits per (sequence, kv head) so one launch has about two waves of programs: many at
-    batch 1 (long contexts would otherwise run on 8 SMs), one once the batch fills the GPU."""
-    return max(1, min(16, 2 * num_sms // max(num_seqs * kv_heads, 1)))
+    batch 1 (long contexts would otherwise run on 8 SMs), one once the batch fills the GPU. A
+    power of two: the split count is a compile-time constant of the kernel, and the decode
+    graphs' batch ladder compiles these few at start-up, where any count would make a mixed step
+    with an unseen number of decode rows compile a new kernel under traffic."""
+    splits = max(1, min(16, 2 * num_sms // max(num_seqs * kv_heads, 1)))
+    return 1 << (splits.bit_length() - 1)

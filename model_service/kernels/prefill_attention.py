@@ -19,7 +19,7 @@ from model_service.kernels.paged_attention import cache_rows, dot_precision, tri
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["bt_stride"])  # the block table's width changes every step
     def _prefill_kernel(
         Q, KC, VC, Out, BlockTable, QueryStart, SeqLens, TileSeq, TileRow,
         q_stride_t, q_stride_h, o_stride_t, o_stride_h, kc_stride_slot, kc_stride_h, bt_stride,
