@@ -11,8 +11,9 @@ one finishes, so prefill chunks and decode rows share steps as they do in servic
 eager steps count here, unlike `bench/gpu.py`'s decode-only figures). HF has no continuous
 batching: it runs the first `2 * C` requests of the same workload in arrival order, in static
 batches of C padded on the left to the longest prompt and run to the longest output; only the
-tokens each request asked for count. Both clocks include prefill; Spindle's runs come after a
-warm-up that captures its decode graphs (a pod's first minutes pay those captures, once). One
+tokens each request asked for count. Both clocks include prefill; Spindle's runs come after
+the pod's warm-up (`Engine.warm_up`: every decode graph captured) and a short closed loop that
+compiles the prefill kernels (the first measured run would pay ~1 s a kernel variant). One
 JSON line per (system, concurrency), then a table. Random bf16 weights of the 8B shape
 (`--small`: SmolLM2's), one GPU. `--lora-adapters N` (issue 9's third benchmark) runs every
 concurrency a second time in the same engine with request i through adapter i mod N (random
@@ -32,7 +33,6 @@ import torch
 
 from bench.gpu import LLAMA3_8B, SMOLLM2, hf_llama, random_model, register_random_adapters
 from model_service.engine.config import EngineConfig
-from model_service.engine.cuda_graphs import batch_ladder
 from model_service.engine.engine import Engine
 from model_service.models.loader import LoadedModel
 
@@ -87,15 +87,12 @@ def spindle_serving(
     }
 
 
-def warm_up(engine: Engine, vocab: int, concurrency: int, adapters: Sequence[str]) -> None:
-    """Compile the kernels and capture every decode graph up to `concurrency` rows (one per size of
-    the padded batch ladder, with and without LoRA when there are adapters), so that no measured
-    run pays a first-use cost: the engine captures a graph the first time a batch size shows up
-    (~0.1-0.5 s each on the 8B shape)."""
-    spindle_serving(engine, workload(8, vocab, 99, (64, 512), (8, 16)), 8, adapters)  # prefill, mixed
-    for n in batch_ladder(concurrency):
-        for names in ((), adapters) if adapters else ((),):
-            spindle_serving(engine, workload(n, vocab, 99, (16, 32), (8, 8)), n, names)
+def warm_up(engine: Engine, vocab: int, adapters: Sequence[str]) -> None:
+    """What a pod does before it serves (every decode graph captured), then prefill chunks and
+    mixed steps, with the adapters' kernels too, so that no measured run pays a first use."""
+    engine.warm_up()
+    for names in ((), adapters) if adapters else ((),):
+        spindle_serving(engine, workload(8, vocab, 99, (64, 2048), (8, 16)), 8, names)
 
 
 def hf_serving(hf: torch.nn.Module, requests: list, concurrency: int) -> dict[str, float]:
@@ -161,7 +158,7 @@ def spindle_runs(loaded: LoadedModel, args: argparse.Namespace, report: Callable
         loaded=loaded,
     )  # fmt: skip
     adapters = register_random_adapters(engine, loaded.config, n, args.lora_rank) if n else []
-    warm_up(engine, vocab, top, adapters)
+    warm_up(engine, vocab, adapters)
     if profile:
         c, skip, steps = profile
         profile_steps(engine, requests_at(args, vocab, c), c, skip, steps)

@@ -151,6 +151,36 @@ def test_decode_graphs_replay_over_reused_blocks_with_fresh_metadata():
     assert results["cuda", False] == results["cuda", True] == results["cpu", True]
 
 
+def test_warm_up_captures_every_decode_graph_so_serving_captures_none(tmp_path):
+    """A pod warms its engine up before it reports SERVING: every size of the batch ladder, with
+    the LoRA kernels and without, is captured then, so no request waits on a capture (or on the
+    kernel compiles one brings); requests afterwards replay those graphs and give the CPU's tokens."""
+    from bench.lora import write_adapter
+    from model_service.engine.cuda_graphs import batch_ladder
+
+    cfg, reference = _random_model()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    adapter = str(write_adapter(tmp_path / "a", cfg, rank=8, seed=3))
+    requests = [
+        {"prompt_token_ids": [(5 * i + j) % 500 + 3 for j in range(4 + 3 * i)], "max_tokens": 8,
+         "temperature": 0, "ignore_eos": True, "adapter": "a" if i % 2 else None}
+        for i in range(6)
+    ]  # fmt: skip
+    results = {}
+    for device in ("cpu", "cuda"):
+        engine = _engine(cfg, reference, device, num_kv_blocks=64, block_size=4, max_num_seqs=24,
+                         max_loras=2, max_lora_rank=8, lora_modules={"a": adapter})  # fmt: skip
+        engine.warm_up()
+        graphs = engine.executor.graphs
+        if device == "cuda":
+            assert graphs is not None
+            assert set(graphs.graphs) == {(n, lora) for n in batch_ladder(24) for lora in (False, True)}
+            captured = dict(graphs.graphs)
+        results[device] = [o.token_ids for o in engine.generate(requests)]
+    assert graphs.graphs == captured  # nothing captured while serving
+    assert results["cuda"] == results["cpu"]
+
+
 def test_verify_steps_replay_decode_graphs_and_keep_greedy_output(monkeypatch):
     """n-gram speculation on CUDA: verify steps (several logits rows per sequence) replay the
     decode graphs with one row per token; tokens equal the eager run's and the CPU's without

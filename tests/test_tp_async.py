@@ -36,6 +36,7 @@ def sync(smollm2, config):
 @pytest.fixture(scope="module")
 def tp_async(tp_weights, config):
     engine = make_engine(tp_weights, tensor_parallel_size=2, async_scheduling="on", **config)
+    engine.warm_up()  # as a pod does: every rank gets the command (no graphs to capture on a CPU)
     yield engine
     engine.executor.teardown()
 

@@ -152,6 +152,10 @@ class TensorParallelExecutor:
     def clear_slot(self, slot: int) -> None:
         self._call("clear_slot", slot)
 
+    def capture_graphs(self) -> None:
+        """Every rank captures the same sizes together: a graph records the step's collectives."""
+        self._call("capture_graphs")
+
     def teardown(self) -> None:
         """Stop the workers and leave the process group; the executor is unusable afterwards.
         With a rank lost, the survivors are killed, and an NCCL group is left as it is: the engine

@@ -43,7 +43,15 @@ class RankShard:
 class RankExecutor:
     # The methods rank 0 may ask every rank to run (CALL / GATHER commands).
     COMMANDS = frozenset(
-        {"copy_blocks", "save_blocks", "load_blocks", "copy_state", "load_slot", "clear_slot"}
+        {
+            "copy_blocks",
+            "save_blocks",
+            "load_blocks",
+            "copy_state",
+            "load_slot",
+            "clear_slot",
+            "capture_graphs",
+        }
     )
 
     def __init__(self, shard: RankShard, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
@@ -114,6 +122,9 @@ class RankExecutor:
 
     def clear_slot(self, slot: int) -> None:
         self.executor.clear_slot(slot)
+
+    def capture_graphs(self) -> None:
+        self.executor.capture_graphs()
 
 
 def serve_commands(link: CommandLink, rank: RankExecutor, builder: BatchBuilder, log: Any) -> int:

@@ -4,13 +4,15 @@ A decode step of n sequences replays the graph captured for the smallest ladder 
 the step's token ids and positions are copied into static input buffers, the attention
 backend copies its metadata into its static buffers (padding rows write and read nothing), the
 graph replays every kernel of the forward pass with no Python in between, and the first n rows
-of the static logits are the step's. Graphs are captured lazily, the first time a size is
-needed, and share one memory pool. A step with LoRA rows replays a graph captured with the LoRA
-kernels (per-token slots in a static buffer too); without the kernels (a rank width that is not
-a power of two) it runs eagerly, as do steps with prefill chunks. A step of decode rows and
-speculative verify runs (every token a logits row) replays the graph of its token count, each
-token a one-token row of its own (`StepBatch.as_token_rows`). Models with recurrent layers get no
-graphs (`ModelExecutor._graphs_apply`): their state is per sequence, not per row.
+of the static logits are the step's. A pod captures every size at start-up (`capture_all`,
+largest first, so the smaller graphs fit in the memory the largest left in the shared pool);
+elsewhere a size is captured the first time it is needed. A step with LoRA rows replays a graph
+captured with the LoRA kernels (per-token slots in a static buffer too); without the kernels (a
+rank width that is not a power of two) it runs eagerly, as do steps with prefill chunks. A step
+of decode rows and speculative verify runs (every token a logits row) replays the graph of its
+token count, each token a one-token row of its own (`StepBatch.as_token_rows`). Models with
+recurrent layers get no graphs (`ModelExecutor._graphs_apply`): their state is per sequence, not
+per row.
 """
 
 from __future__ import annotations
@@ -73,6 +75,15 @@ class DecodeGraphs:
         self.backend.prepare_for_replay(batch, size)
         graph.replay()
         return logits[:n].clone()  # the next replay overwrites the static output
+
+    def capture_all(self) -> None:
+        """Every ladder size, with the LoRA kernels and without, now: a capture compiles the
+        step's kernels and records them (~0.1-0.5 s a size on an 8B model), a cost a pod pays
+        before it reports SERVING rather than as stalls of its first requests."""
+        for size in reversed(self.ladder):
+            for with_lora in (False, True) if self.lora is not None else (False,):
+                if (size, with_lora) not in self.graphs:
+                    self.graphs[size, with_lora] = self._capture(size, with_lora)
 
     def _capture(self, size: int, with_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self.backend.prepare_for_capture(size)

@@ -134,6 +134,11 @@ class Engine:
     def vocab_size(self) -> int:
         return self.loaded.config.vocab_size
 
+    def warm_up(self) -> None:
+        """Capture every decode graph (compiling the kernels they run) before serving: a pod
+        calls this before it reports SERVING, so its first requests do not wait on captures."""
+        self.executor.capture_graphs()
+
     def _num_state_slots(self) -> int:
         """Recurrent-state slots (hybrid models): per running sequence its own, one per speculative
         token (verify checkpoints), and one for prefix-cache snapshots; none without recurrent layers."""

@@ -174,6 +174,11 @@ class ModelExecutor:
             # call on an H200, 25x the GPU time. The flash/efficient kernels have no such cost.
             torch.backends.cuda.enable_cudnn_sdp(False)
 
+    def capture_graphs(self) -> None:
+        """Capture every decode graph now (nothing without graphs: CPU, eager, hybrids)."""
+        if self.graphs is not None:
+            self.graphs.capture_all()
+
     def _decode_graphs(self, config: EngineConfig, backend: TritonBackend) -> DecodeGraphs:
         plan = self.lora.plan if self.lora is not None and self.lora.plan.use_kernels else None
         spec = SpeculativeConfig.from_json(config.speculative_config)

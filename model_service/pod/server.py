@@ -20,17 +20,21 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
-from model_service.engine.config import add_engine_args, engine_config
+from model_service.engine.config import EngineConfig, add_engine_args, engine_config
 from model_service.pod.control import ModelControlService
 from model_service.pod.generation import GenerationService, PodStatusService
 from model_service.pod.state import ModelPod
 from spindle import serving, telemetry
 from spindle.security import PLAINTEXT, Security, add_security_args, security_from_args
 from spindle.v1 import generation_pb2_grpc, model_control_pb2_grpc, pod_status_pb2_grpc
+
+if TYPE_CHECKING:
+    from model_service.engine.engine import Engine
 
 log = logging.getLogger("spindle.serve")
 
@@ -120,6 +124,16 @@ class PodServers:
         await asyncio.gather(self.serving.stop(grace), self.control.stop(grace))
 
 
+def warmed_engine(config: EngineConfig) -> Engine:
+    """The engine with every decode graph captured (and so its kernels compiled): the pod pays
+    that before it reports SERVING, not as stalls of its first requests."""
+    from model_service.engine.engine import Engine  # torch's import takes seconds: after the bind
+
+    engine = Engine(config)
+    engine.warm_up()
+    return engine
+
+
 async def start(
     pod: ModelPod,
     host: str,
@@ -157,8 +171,6 @@ async def start(
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from model_service.engine.engine import Engine
-
     provider = telemetry.tracer_provider_from_env("spindle-model")
     pod = ModelPod(served_name(args), args.drain_timeout, stream_interval=args.stream_interval)
     security = security_from_args(args)
@@ -178,7 +190,7 @@ async def serve(args: argparse.Namespace) -> int:
         args.model,
     )
     config = engine_config(args)
-    loading = asyncio.create_task(pod.load(lambda: Engine(config)))
+    loading = asyncio.create_task(pod.load(lambda: warmed_engine(config)))
     loading.add_done_callback(lambda t: _load_done(t, pod))
     await pod.exit_requested.wait()
     if loading.done() and not loading.cancelled() and loading.exception() is None:
