@@ -2,8 +2,10 @@
 microseconds a call and achieved K/V GB/s, per batch size and context-length range.
 
     PYTHONPATH=. python3 bench/decode_splits.py [--cases 16:64:2500 64:64:2500 ...] [--splits 1 2 4 8 16]
+        [--kv-cache-dtype fp8]
 
-Setup (in every line): one CUDA device, bf16, the 8B shape's attention (32 query heads, 8 KV
+Setup (in every line): one CUDA device, bf16 queries and K/V cache (`--kv-cache-dtype fp8`:
+float8 e4m3 K/V, as the engine's flag stores it), the 8B shape's attention (32 query heads, 8 KV
 heads of 128), block size 16, each row's context length uniform in the case's range, its blocks
 shuffled over the pool; 20 calls captured in a CUDA graph, the median of 5 replays. Engine today: splits
 = `num_splits_for(rows, kv_heads)`, fixed when a decode graph is captured (whatever the context
@@ -19,12 +21,12 @@ import json
 import torch
 
 from bench.allreduce import graph_us
-from model_service.kernels.paged_attention import num_splits_for, paged_decode_attention
+from model_service.kernels.paged_attention import FP8, num_splits_for, paged_decode_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 
 
-def case(rows: int, lo: int, hi: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+def case(rows: int, lo: int, hi: int, g: torch.Generator, kv: torch.dtype) -> tuple[torch.Tensor, ...]:
     """(q, k_cache, v_cache, block table, lengths) for `rows` sequences of lo..hi tokens."""
     lens = torch.randint(lo, hi + 1, (rows,), generator=g)
     blocks = (lens + BLOCK - 1) // BLOCK
@@ -33,9 +35,10 @@ def case(rows: int, lo: int, hi: int, g: torch.Generator) -> tuple[torch.Tensor,
     starts = torch.cumsum(blocks, 0) - blocks
     for i, (start, n) in enumerate(zip(starts.tolist(), blocks.tolist(), strict=True)):
         table[i, :n] = perm[start : start + n]
-    k_cache = torch.randn(len(perm) * BLOCK, KV_HEADS, DIM, generator=g).to("cuda", torch.bfloat16)
+    k_cache, v_cache = (torch.randn(len(perm) * BLOCK, KV_HEADS, DIM, generator=g) for _ in "kv")
+    k_cache, v_cache = k_cache.to("cuda", kv), v_cache.to("cuda", kv)
     q = torch.randn(rows, HEADS, DIM, generator=g).to("cuda", torch.bfloat16)
-    return q, k_cache, torch.randn_like(k_cache), table.cuda(), lens.cuda()
+    return q, k_cache, v_cache, table.cuda(), lens.cuda()
 
 
 def main() -> None:
@@ -43,15 +46,18 @@ def main() -> None:
     ap.add_argument("--cases", nargs="*", default=["16:64:2500", "64:64:2500", "256:64:2500", "64:128:192",
                                                      "1:1000:1000"], help="rows:min_len:max_len")  # fmt: skip
     ap.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
-    setup = {"device": torch.cuda.get_device_name(), "dtype": "bfloat16", "heads": HEADS,
-             "kv_heads": KV_HEADS, "head_dim": DIM, "block_size": BLOCK}  # fmt: skip
+    kv = FP8 if args.kv_cache_dtype == "fp8" else torch.bfloat16
+    setup = {"device": torch.cuda.get_device_name(), "dtype": "bfloat16",
+             "kv_cache_dtype": args.kv_cache_dtype, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM,
+             "block_size": BLOCK}  # fmt: skip
     lines = [f"{'rows':>5} {'context':>10} {'splits':>6} {'us':>8} {'GB/s':>7}  (*: the engine's choice)"]
     for spec in args.cases:
         rows, lo, hi = (int(x) for x in spec.split(":"))
-        inputs = case(rows, lo, hi, g)
-        kv_gb = int(inputs[-1].sum()) * KV_HEADS * DIM * 2 * 2 / 1e9
+        inputs = case(rows, lo, hi, g, kv)
+        kv_gb = int(inputs[-1].sum()) * KV_HEADS * DIM * 2 * kv.itemsize / 1e9
         want = paged_decode_attention(*inputs, BLOCK, DIM**-0.5, None, 1)
         for splits in args.splits:
             call = functools.partial(paged_decode_attention, *inputs, BLOCK, DIM**-0.5, None, splits)
