@@ -121,6 +121,36 @@ def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path):
     assert results["cuda"] == results["cpu"]
 
 
+def test_piecewise_graphs_of_prefill_and_mixed_steps_match_eager_and_cpu():
+    """Prefill chunks and mixed steps of up to 512 tokens replay graphs split at attention
+    (padded token counts, the real attention eager between them): same tokens as eager steps
+    and the CPU, over waves that reuse buckets with other lengths and other blocks."""
+    cfg, reference = _random_model()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    waves = [
+        [
+            {
+                "prompt_token_ids": [(7 * w + 3 * i + j) % 500 + 3 for j in range(5 + 41 * i + 13 * w)],
+                "max_tokens": 6 + i,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            for i in range(n)
+        ]
+        for w, n in enumerate((4, 7, 3))
+    ]
+    results, used = {}, 0
+    for device, eager in (("cpu", True), ("cuda", True), ("cuda", False)):
+        engine = _engine(cfg, reference, device, num_kv_blocks=256, block_size=4, max_num_seqs=8,
+                         max_num_batched_tokens=96, enforce_eager=eager)  # fmt: skip
+        results[device, eager] = [[o.token_ids for o in engine.generate(wave)] for wave in waves]
+        if device == "cuda" and not eager:
+            assert engine.executor.pieces is not None
+            used = len(engine.executor.pieces.buckets)
+    assert used >= 3  # chunks of 96 tokens, tails and mixed steps: several buckets
+    assert results["cuda", False] == results["cuda", True] == results["cpu", True]
+
+
 def test_decode_graphs_replay_over_reused_blocks_with_fresh_metadata():
     """CUDA graphs are captured once per padded batch size; later waves of requests get blocks and
     rows that earlier ones used, and every replay must re-prepare the metadata (a graph replayed

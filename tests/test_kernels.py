@@ -578,3 +578,11 @@ def test_host_planned_arrays_reach_the_device_unchanged(device):
     for m in moved:
         assert m.device.type == device and m.dtype == torch.int64
         assert torch.equal(m.cpu(), torch.arange(1000).reshape(10, 100))
+
+
+def test_token_ladder_of_piecewise_graphs():
+    from model_service.engine.piecewise_graphs import token_ladder
+
+    assert token_ladder(2048) == [16, 32, 48, 64, 80, 96, 112, 128, 192, 256, 320, 384, 448, 512]
+    assert token_ladder(100) == [16, 32, 48, 64, 80, 96, 100]
+    assert token_ladder(8) == [8]

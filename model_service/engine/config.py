@@ -115,6 +115,9 @@ class EngineConfig:
         "(a contiguous run of them) instead of a slice of every expert; no effect otherwise",
     )
     enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly, without CUDA graphs (debugging)")
+    piecewise_graphs: bool = _opt(
+        True, "CUDA: capture prefill and mixed steps of up to 512 tokens as graphs between attention calls"
+    )
     async_scheduling: str = _opt(
         "auto",
         "run each step's host work (scheduling, batch building, detokenizing, stop checks) while "

@@ -22,6 +22,7 @@ from model_service.attention.reference import TorchReferenceBackend
 from model_service.attention.triton_backend import TritonBackend
 from model_service.engine.config import EngineConfig
 from model_service.engine.cuda_graphs import DecodeGraphs
+from model_service.engine.piecewise_graphs import PiecewiseGraphs
 from model_service.engine.speculation import SpeculativeConfig
 from model_service.errors import ModelLoadError
 from model_service.kernels.experts import grouped_experts_apply
@@ -30,6 +31,7 @@ from model_service.lora.adapter import LoraAdapter
 from model_service.lora.layers import LoraLayers, wrap_lora_layers
 from model_service.models.config import ModelConfig
 from model_service.models.layers import store_weights_transposed
+from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
 from model_service.models.recurrent import RecurrentModel, RecurrentPlan, RecurrentStep
 from model_service.models.step import AttentionBackend, ForwardContext, StepBatch
@@ -152,12 +154,17 @@ class ModelExecutor:
         if max_loras > 0:  # the LoRA kernels need a power-of-two rank width
             self.lora = wrap_lora_layers(self.module, max_loras, rank, kernels and rank & (rank - 1) == 0)
         self.graphs: DecodeGraphs | None = None
+        self.pieces: PiecewiseGraphs | None = None
         self.attention: AttentionBackend
         if kernels:
             triton_backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
             self.attention = triton_backend
             if not config.enforce_eager and self._graphs_apply():
                 self.graphs = self._decode_graphs(config, triton_backend)
+                if config.piecewise_graphs and isinstance(self.module, DecoderModel):
+                    self.pieces = PiecewiseGraphs(
+                        self.module, triton_backend, config.max_num_batched_tokens, self.device
+                    )
         else:
             self.attention = TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
         # Float32 tensors [slots, ...], as many per recurrent layer as the model lists; none for
@@ -211,6 +218,8 @@ class ModelExecutor:
             return self.graphs.run(batch)  # reads LoRA slots from its static buffer (`for_capture`)
         if self.lora is not None:
             self.lora.plan.prepare(batch)
+        if self.pieces is not None and self.pieces.can_run(batch):
+            return self.pieces.run(batch)  # steps without LoRA rows: the plan is off
         self.attention.prepare(batch)
         recurrent = None
         if self.state_tensors:

@@ -119,10 +119,20 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] flat batch. Returns float32 logits [len(ctx.logits_rows), vocab]."""
+        return self.logits(self.hidden_states(input_ids, positions, ctx), ctx.logits_rows)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """The residual stream after the last layer, [T, hidden], before the final norm: every row,
+        so a caller may capture it for a padded token count (engine/piecewise_graphs.py)."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, rope, ctx)
-        x = self.model.norm((x + residual)[ctx.logits_rows])
-        return self.lm_head(x).float()
+        return x + residual
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of `hidden`'s `rows` (final norm, LM head)."""
+        return self.lm_head(self.model.norm(hidden[rows])).float()

@@ -1,0 +1,126 @@
+"""CUDA graphs for prefill and mixed steps of up to 512 tokens, split at every attention call.
+
+A step that carries a prefill chunk cannot replay a decode graph: its attention kernel's grid
+and metadata follow the chunk lengths, planned on the host. Run eagerly, it pays the host's
+launch cost for every kernel (~400 a step on a 32-layer model, 15-60 us each on a slow host),
+and a small step is host-bound. Here everything but attention is captured, once per padded token
+count (a ladder of buckets), as one graph per stretch between two attention calls (vLLM's
+piecewise graphs): the forward runs once under capture with a `_SplitAtAttention` backend that
+ends the current graph at each attention call, keeps that call's q / k / v / RoPE (tensors of the
+graph pool: fixed addresses) and hands back a static output buffer, then begins the next graph.
+A replay runs graph 0, the real attention on the step's rows (eager: `backend.prepare` planned
+it), copies its output into the static buffer, graph 1, ... and the LM head on the step's logits
+rows last, eagerly. Padding rows (id 0, KV slot -1) compute garbage nobody reads.
+
+Every replay writes each pooled tensor before reading it, so all buckets share one pool. Steps
+with LoRA rows or larger than the ladder run eagerly, as do models without decode graphs.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from model_service.attention.triton_backend import TritonBackend
+from model_service.models.llama import DecoderModel
+from model_service.models.step import ForwardContext, StepBatch
+
+Rope = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def token_ladder(max_tokens: int) -> list[int]:
+    """Padded token counts: every 16 up to 128, every 64 up to `max_tokens` (at most 512)."""
+    top = min(max_tokens, 512)
+    sizes = [*range(16, min(top, 128) + 1, 16), *range(192, top + 1, 64)]
+    return sorted({*(s for s in sizes if s < top), top})
+
+
+class _Pieces:
+    """One bucket's graphs and the attention calls between them."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, Rope, torch.Tensor]] = []
+        self.hidden: torch.Tensor | None = None
+
+
+class _SplitAtAttention:
+    """The attention backend a bucket's forward sees while it is captured: every call closes the
+    graph so far and opens the next one; with `capturing` off (the warm-up) it only returns a
+    zeroed output."""
+
+    def __init__(self, pieces: _Pieces, pool: tuple[int, int] | None, capturing: bool) -> None:
+        self.pieces, self.pool, self.capturing = pieces, pool, capturing
+
+    def begin(self) -> None:
+        if self.capturing:
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool)
+            self.pieces.graphs.append(graph)
+
+    def end(self) -> None:
+        if self.capturing:
+            self.pieces.graphs[-1].capture_end()
+            self.pool = self.pool or self.pieces.graphs[-1].pool()
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope = None
+    ) -> torch.Tensor:
+        self.end()
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # outside the pool: persists
+        if self.capturing:
+            self.pieces.calls.append((layer, q, k, v, rope, out))
+        self.begin()
+        return out
+
+
+class PiecewiseGraphs:
+    def __init__(
+        self, module: DecoderModel, backend: TritonBackend, max_tokens: int, device: torch.device
+    ) -> None:
+        self.module, self.backend = module, backend
+        self.ladder = token_ladder(max_tokens)
+        self.input_ids = torch.zeros(self.ladder[-1], dtype=torch.long, device=device)
+        self.positions = torch.zeros(self.ladder[-1], dtype=torch.long, device=device)
+        self.stream = torch.cuda.Stream(device=device)
+        self.buckets: dict[int, _Pieces] = {}
+        self.pool: tuple[int, int] | None = None
+
+    def can_run(self, batch: StepBatch) -> bool:
+        return batch.num_tokens <= self.ladder[-1] and not batch.uses_lora
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        n = batch.num_tokens
+        size = self.ladder[bisect.bisect_left(self.ladder, n)]
+        if size not in self.buckets:
+            self.buckets[size] = self._capture(size)
+        pieces = self.buckets[size]
+        self.input_ids[:n] = batch.input_ids
+        self.positions[:n] = batch.positions
+        self.input_ids[n:size] = 0
+        self.positions[n:size] = 0
+        self.backend.prepare(batch)  # the real step's attention metadata, for the eager calls
+        for graph, call in zip(pieces.graphs, [*pieces.calls, None], strict=True):
+            graph.replay()
+            if call is not None:
+                layer, q, k, v, rope, out = call
+                rows = rope if rope is None else (rope[0][:n], rope[1][:n])
+                out[:n] = self.backend.forward(layer, q[:n], k[:n], v[:n], rows)
+        assert pieces.hidden is not None
+        return self.module.logits(pieces.hidden[:n], batch.logits_rows)
+
+    def _capture(self, size: int) -> _Pieces:
+        ids, pos = self.input_ids[:size], self.positions[:size]
+        pieces = _Pieces()
+        with torch.cuda.stream(self.stream):
+            for capturing in (False, True):  # a warm-up first: kernel compilation, allocator, cuBLAS
+                torch.cuda.synchronize()
+                split = _SplitAtAttention(pieces, self.pool, capturing)
+                split.begin()
+                hidden = self.module.hidden_states(ids, pos, ForwardContext(attention=split, logits_rows=ids))
+                split.end()
+                self.pool = split.pool
+        torch.cuda.synchronize()
+        pieces.hidden = hidden
+        return pieces
