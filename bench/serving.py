@@ -154,7 +154,8 @@ def spindle_runs(loaded: LoadedModel, args: argparse.Namespace, report: Callable
     engine = Engine(
         EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=top, max_loras=n,
                      max_cpu_loras=max(n, 1), max_lora_rank=args.lora_rank, kv_cache_memory_bytes=64 << 30,
-                     max_model_len=8192, kv_cache_dtype=args.kv_cache_dtype),
+                     max_model_len=8192, kv_cache_dtype=args.kv_cache_dtype,
+                     piecewise_graphs=not args.no_piecewise_graphs),
         loaded=loaded,
     )  # fmt: skip
     adapters = register_random_adapters(engine, loaded.config, n, args.lora_rank) if n else []
@@ -186,12 +187,14 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16)
     profile_help = "first, device time per kernel over steps SKIP.. at concurrency C"
     ap.add_argument("--profile", default="", metavar="C:SKIP:STEPS", help=profile_help)
+    ap.add_argument("--no-piecewise-graphs", action="store_true", help="prefill and mixed steps eager")
     args = ap.parse_args()
     shape = LLAMA3_8B if not args.small else SMOLLM2
     args.ranges = (tuple(args.prompt_range), tuple(args.output_range))
     setup = {"model": "llama3-8b-shape" if shape is LLAMA3_8B else "smollm2-135m-shape", "dtype": "bfloat16",
              "device": torch.cuda.get_device_name(), "prompt_range": args.ranges[0],
-             "output_range": args.ranges[1], "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
+             "output_range": args.ranges[1], "kv_cache_dtype": args.kv_cache_dtype,
+             "piecewise_graphs": not args.no_piecewise_graphs}  # fmt: skip
     loaded, rows = random_model(shape), []
 
     def report(system: str, concurrency: int, requests: int, result: dict) -> None:

@@ -180,6 +180,8 @@ class ModelExecutor:
             # cuDNN's SDPA builds a new graph for every new context length: 2.2 ms of CPU per layer
             # call on an H200, 25x the GPU time. The flash/efficient kernels have no such cost.
             torch.backends.cuda.enable_cudnn_sdp(False)
+        if self.pieces is not None:
+            self.pieces.capture_all()  # after the weights' final layout: graphs hold their addresses
 
     def capture_graphs(self) -> None:
         """Capture every decode graph now (nothing without graphs: CPU, eager, hybrids)."""

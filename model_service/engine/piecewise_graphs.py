@@ -12,8 +12,10 @@ A replay runs graph 0, the real attention on the step's rows (eager: `backend.pr
 it), copies its output into the static buffer, graph 1, ... and the LM head on the step's logits
 rows last, eagerly. Padding rows (id 0, KV slot -1) compute garbage nobody reads.
 
-Every replay writes each pooled tensor before reading it, so all buckets share one pool. Steps
-with LoRA rows or larger than the ladder run eagerly, as do models without decode graphs.
+Every replay writes each pooled tensor before reading it, so all buckets share one pool; each
+bucket keeps its attention calls' q / k / v and output (~1.5 GB for the whole ladder on the 8B
+shape). Every bucket is captured at start-up (`capture_all`). Steps with LoRA rows or larger
+than the ladder run eagerly, as do models without decode graphs.
 """
 
 from __future__ import annotations
@@ -93,8 +95,6 @@ class PiecewiseGraphs:
     def run(self, batch: StepBatch) -> torch.Tensor:
         n = batch.num_tokens
         size = self.ladder[bisect.bisect_left(self.ladder, n)]
-        if size not in self.buckets:
-            self.buckets[size] = self._capture(size)
         pieces = self.buckets[size]
         self.input_ids[:n] = batch.input_ids
         self.positions[:n] = batch.positions
@@ -109,6 +109,14 @@ class PiecewiseGraphs:
                 out[:n] = self.backend.forward(layer, q[:n], k[:n], v[:n], rows)
         assert pieces.hidden is not None
         return self.module.logits(pieces.hidden[:n], batch.logits_rows)
+
+    def capture_all(self) -> None:
+        """Capture every bucket now, at the engine's start-up, after the weights took their final
+        layout. A bucket costs two forward passes and ~33 graph instantiations (~0.65 s on the 8B
+        shape); paid lazily, the first time a step of its size showed up, that halved
+        short-prompt serving (3,738 against 7,225 out tok/s eager at concurrency 64)."""
+        for size in self.ladder:
+            self.buckets[size] = self._capture(size)
 
     def _capture(self, size: int) -> _Pieces:
         ids, pos = self.input_ids[:size], self.positions[:size]
