@@ -116,7 +116,9 @@ class EngineConfig:
     )
     enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly, without CUDA graphs (debugging)")
     piecewise_graphs: bool = _opt(
-        True, "CUDA: capture prefill and mixed steps of up to 512 tokens as graphs between attention calls"
+        True,
+        "CUDA, dense models: at start-up, capture prefill and mixed steps of up to 512 tokens as CUDA "
+        "graphs split at attention (~1.5 GB on an 8B model; short prompts serve ~30% faster)",
     )
     async_scheduling: str = _opt(
         "auto",

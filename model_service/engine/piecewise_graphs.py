@@ -14,8 +14,9 @@ rows last, eagerly. Padding rows (id 0, KV slot -1) compute garbage nobody reads
 
 Every replay writes each pooled tensor before reading it, so all buckets share one pool; each
 bucket keeps its attention calls' q / k / v and output (~1.5 GB for the whole ladder on the 8B
-shape). Every bucket is captured at start-up (`capture_all`). Steps with LoRA rows or larger
-than the ladder run eagerly, as do models without decode graphs.
+shape). Buckets are captured only by `capture_all`, in the pod's warm-up (`Engine.warm_up`);
+until then, and for steps with LoRA rows or larger than the ladder, steps run eagerly, as do
+models without decode graphs.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class PiecewiseGraphs:
         self.pool: tuple[int, int] | None = None
 
     def can_run(self, batch: StepBatch) -> bool:
-        return batch.num_tokens <= self.ladder[-1] and not batch.uses_lora
+        return bool(self.buckets) and batch.num_tokens <= self.ladder[-1] and not batch.uses_lora
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         n = batch.num_tokens
@@ -111,10 +112,10 @@ class PiecewiseGraphs:
         return self.module.logits(pieces.hidden[:n], batch.logits_rows)
 
     def capture_all(self) -> None:
-        """Capture every bucket now, at the engine's start-up, after the weights took their final
-        layout. A bucket costs two forward passes and ~33 graph instantiations (~0.65 s on the 8B
-        shape); paid lazily, the first time a step of its size showed up, that halved
-        short-prompt serving (3,738 against 7,225 out tok/s eager at concurrency 64)."""
+        """Capture every bucket now, before serving. A bucket costs two forward passes and ~33
+        graph instantiations (~0.65 s on the 8B shape); paid lazily, the first time a step of its
+        size showed up, that halved short-prompt serving (3,738 against 7,225 out tok/s eager at
+        concurrency 64), so there is no lazy capture."""
         for size in self.ladder:
             self.buckets[size] = self._capture(size)
 
