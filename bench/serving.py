@@ -3,6 +3,7 @@ Spindle against HF `transformers.generate` on the same shapes in the same run.
 
     PYTHONPATH=. python3 bench/serving.py [--concurrency 1 16 64 256] [--hf-concurrency 16 64] [--small]
         [--lora-adapters 64 [--lora-rank 16]] [--kv-cache-dtype fp8] [--profile 256:250:30]
+        [--piecewise-graphs]
 
 Workload: per concurrency C, `max(16, 4 * C)` requests (`--requests-per-slot`), prompt lengths
 uniform in [64, 2,048] and output lengths uniform in [32, 512] (seeded, random token ids, EOS
@@ -155,7 +156,7 @@ def spindle_runs(loaded: LoadedModel, args: argparse.Namespace, report: Callable
         EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=top, max_loras=n,
                      max_cpu_loras=max(n, 1), max_lora_rank=args.lora_rank, kv_cache_memory_bytes=64 << 30,
                      max_model_len=8192, kv_cache_dtype=args.kv_cache_dtype,
-                     piecewise_graphs=not args.no_piecewise_graphs),
+                     piecewise_graphs=args.piecewise_graphs),
         loaded=loaded,
     )  # fmt: skip
     adapters = register_random_adapters(engine, loaded.config, n, args.lora_rank) if n else []
@@ -187,14 +188,14 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16)
     profile_help = "first, device time per kernel over steps SKIP.. at concurrency C"
     ap.add_argument("--profile", default="", metavar="C:SKIP:STEPS", help=profile_help)
-    ap.add_argument("--no-piecewise-graphs", action="store_true", help="prefill and mixed steps eager")
+    ap.add_argument("--piecewise-graphs", action="store_true", help="prefill and mixed steps as graphs too")
     args = ap.parse_args()
     shape = LLAMA3_8B if not args.small else SMOLLM2
     args.ranges = (tuple(args.prompt_range), tuple(args.output_range))
     setup = {"model": "llama3-8b-shape" if shape is LLAMA3_8B else "smollm2-135m-shape", "dtype": "bfloat16",
              "device": torch.cuda.get_device_name(), "prompt_range": args.ranges[0],
              "output_range": args.ranges[1], "kv_cache_dtype": args.kv_cache_dtype,
-             "piecewise_graphs": not args.no_piecewise_graphs}  # fmt: skip
+             "piecewise_graphs": args.piecewise_graphs}  # fmt: skip
     loaded, rows = random_model(shape), []
 
     def report(system: str, concurrency: int, requests: int, result: dict) -> None:

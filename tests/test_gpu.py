@@ -153,7 +153,7 @@ def test_piecewise_graphs_of_prefill_and_mixed_steps_match_eager_and_cpu(monkeyp
     results = {}
     for device, eager in (("cpu", True), ("cuda", True), ("cuda", False)):
         engine = _engine(cfg, reference, device, num_kv_blocks=256, block_size=4, max_num_seqs=8,
-                         max_num_batched_tokens=96, enforce_eager=eager)  # fmt: skip
+                         max_num_batched_tokens=96, enforce_eager=eager, piecewise_graphs=True)  # fmt: skip
         engine.warm_up()  # captures the buckets (none with enforce_eager or on the CPU)
         results[device, eager] = [[o.token_ids for o in engine.generate(wave)] for wave in waves]
     assert len({-(-n // 16) for n in replayed}) >= 3  # chunks of 96 tokens, tails, mixed: several buckets
