@@ -121,10 +121,13 @@ def requests_at(args: argparse.Namespace, vocab: int, concurrency: int) -> list:
     return workload(max(16, args.requests_per_slot * concurrency), vocab, concurrency, *args.ranges)
 
 
-def profile_steps(engine: Engine, requests: list, concurrency: int, skip: int, steps: int) -> None:
+def profile_steps(
+    engine: Engine, requests: list, concurrency: int, skip: int, steps: int, adapters: Sequence[str] = ()
+) -> None:
     """Device time per kernel (torch.profiler, CUPTI: graph replays included) and wall time per
-    step over steps [skip, skip + steps) of the closed loop at `concurrency`: where a serving
-    step's time goes once prefill chunks and decode rows share steps."""
+    step over steps [skip, skip + steps) of the closed loop at `concurrency` (through `adapters`
+    as `spindle_serving` routes them): where a serving step's time goes once prefill chunks and
+    decode rows share steps."""
     from torch.profiler import ProfilerActivity, profile
 
     prof, clock = profile(activities=[ProfilerActivity.CUDA]), {}
@@ -139,7 +142,7 @@ def profile_steps(engine: Engine, requests: list, concurrency: int, skip: int, s
             clock["ms"] = (time.perf_counter() - clock["start"]) * 1e3 / steps
             prof.stop()
 
-    spindle_serving(engine, requests, concurrency, before_step=before_step)
+    spindle_serving(engine, requests, concurrency, adapters, before_step=before_step)
     if "ms" not in clock:
         raise SystemExit(f"the run ended before step {skip + steps}: profile fewer or earlier steps")
     print(f"\nconcurrency {concurrency}, steps {skip}-{skip + steps}: {clock['ms']:.1f} ms a step (wall)")
@@ -163,7 +166,7 @@ def spindle_runs(loaded: LoadedModel, args: argparse.Namespace, report: Callable
     warm_up(engine, vocab, adapters)
     if profile:
         c, skip, steps = profile
-        profile_steps(engine, requests_at(args, vocab, c), c, skip, steps)
+        profile_steps(engine, requests_at(args, vocab, c), c, skip, steps, adapters)
     for c in args.concurrency:
         requests = requests_at(args, vocab, c)
         base = spindle_serving(engine, requests, c)
@@ -186,7 +189,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--lora-adapters", type=int, default=0, help="also run through N distinct adapters")
     ap.add_argument("--lora-rank", type=int, default=16)
-    profile_help = "first, device time per kernel over steps SKIP.. at concurrency C"
+    profile_help = "first, device time per kernel over steps SKIP.. at concurrency C (through the adapters)"
     ap.add_argument("--profile", default="", metavar="C:SKIP:STEPS", help=profile_help)
     ap.add_argument("--piecewise-graphs", action="store_true", help="prefill and mixed steps as graphs too")
     args = ap.parse_args()
