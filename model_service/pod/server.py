@@ -8,7 +8,8 @@
   services (UNIMPLEMENTED) and a Kubernetes NetworkPolicy can admit each audience to its port.
 
 Start-up order: listen at once (health NOT_SERVING, so Kubernetes and the gateway hold traffic),
-load the model on a worker thread, warm it with one tiny request, then report SERVING.
+load the model and capture its CUDA graphs on a worker thread (`Engine.warm_up`), warm it with
+one tiny request, then report SERVING.
 SIGTERM (or SIGINT) drains: NOT_SERVING, refuse new requests, let in-flight ones finish within
 --drain-timeout, abort the rest (their streams end UNAVAILABLE), stop, exit 0.
 """
