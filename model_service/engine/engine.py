@@ -135,8 +135,9 @@ class Engine:
         return self.loaded.config.vocab_size
 
     def warm_up(self) -> None:
-        """Capture every decode graph (compiling the kernels they run) before serving: a pod
-        calls this before it reports SERVING, so its first requests do not wait on captures."""
+        """Capture every decode graph (and piecewise bucket, when on), compiling the kernels
+        they run, before serving: a pod calls this before it reports SERVING, so its first
+        requests do not wait on captures. The draft model's graphs are still captured lazily."""
         self.executor.capture_graphs()
 
     def _num_state_slots(self) -> int:
