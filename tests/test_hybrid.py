@@ -37,11 +37,10 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> Case:
 def _state_slots_all_back(engine: Engine) -> None:
     """Every state slot is free or holds a prefix-cache snapshot: none leaked, none held twice."""
     assert_all_blocks_free(engine)
-    cache = engine.cache
-    assert cache.num_free_state_slots + cache.num_cached_states == engine.executor.state_tensors[0].shape[0]
-    assert len(set(cache._free_state_slots) | set(cache._cached_states.values())) == (
-        cache.num_free_state_slots + cache.num_cached_states
-    )
+    stats, cache = engine.stats(), engine.cache
+    assert stats.state_slots_free == stats.state_slots_total == engine.executor.state_tensors[0].shape[0]
+    assert stats.state_slots_cached == cache.num_cached_states
+    assert len(set(cache._free_state_slots) | set(cache._cached_states.values())) == stats.state_slots_free
 
 
 def test_config_and_weights_match_hf(case: Case):
