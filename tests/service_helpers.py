@@ -121,12 +121,14 @@ def load(service: Service) -> pod_status_pb2.PodLoad:
 
 
 def wait_idle(service: Service, timeout: float = 10.0) -> pod_status_pb2.PodLoad:
-    """Until the pod runs nothing and every KV block is free again (the engine freed everything)."""
+    """Until the pod runs nothing and every KV block and recurrent-state slot is free again (the
+    engine freed everything)."""
     deadline = time.monotonic() + timeout
     while True:
         rep = load(service)
         idle = rep.num_running == 0 and rep.num_waiting == 0 and rep.requests_in_flight == 0
-        if idle and rep.kv_blocks_free == rep.kv_blocks_total:
+        free = rep.kv_blocks_free == rep.kv_blocks_total and rep.state_slots_free == rep.state_slots_total
+        if idle and free:
             return rep
         if time.monotonic() > deadline:
             raise AssertionError(f"pod {service.address} not idle: {rep}")

@@ -122,3 +122,29 @@ def test_a_failing_beam_request_fails_alone(tiny_llama, monkeypatch):
     assert final["beams"].finish_reason == "error" and "injected beam fault" in final["beams"].error
     assert final["plain"].finish_reason == "length" and len(final["plain"].token_ids) == 5
     assert_all_blocks_free(engine)
+
+
+def test_a_finished_beam_search_frees_its_request_id(tiny_llama):
+    """Found by the beam cancel storm (tests/test_faults.py): a search that ended by itself stayed
+    in the engine's request table, so its id stayed "in use", and an Abort after the end raised
+    KeyError on the engine thread (the pod then hung every stream)."""
+    engine = make_engine(tiny_llama, block_size=4)
+    req = {"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 8, "num_beams": 3, "request_id": "b"}
+    first = engine.generate([req])[0].token_ids
+    assert engine.requests == {} and engine.abort("b") is False
+    assert engine.generate([req])[0].token_ids == first  # the id is free again
+    assert_all_blocks_free(engine)
+
+
+def test_every_beam_of_a_group_finished_at_once_ends_it_once(tiny_llama):
+    """As when a waiting adapter fails every waiting beam of one request: one final output."""
+    engine = make_engine(tiny_llama, block_size=4)
+    engine.add_request(
+        prompt_token_ids=[5, 6, 7, 8], request_id="b", params=SamplingParams(num_beams=3, max_tokens=8)
+    )
+    for _ in range(3):
+        engine.step()
+    for beam in list(engine.beams.live["b"]):
+        engine._finish(beam, "error")
+    assert [o.request_id for o in engine.step()] == ["b"]
+    assert_all_blocks_free(engine)

@@ -232,6 +232,27 @@ def test_async_engine_streams_and_cancels(smollm2, reference):
         aengine.shutdown()
 
 
+def test_a_command_that_raises_does_not_end_the_engine_thread(tiny_llama, monkeypatch):
+    """An abort that raised on the engine thread used to end it: every stream then waited forever
+    on a pod that still answered health checks (found by the beam cancel storm)."""
+    from model_service.engine.async_engine import AsyncEngine
+
+    engine = make_engine(tiny_llama)
+    monkeypatch.setattr(engine, "abort", lambda request_id: 1 / 0)
+    aengine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def after() -> list[int]:
+        stream = aengine.generate("after", prompt_token_ids=[5, 6, 7], params=params)
+        return [t async for out in stream for t in out.new_token_ids]
+
+    try:
+        aengine.abort("nobody")
+        assert len(asyncio.run(asyncio.wait_for(after(), timeout=30))) == 3
+    finally:
+        aengine.shutdown()
+
+
 def test_generate_is_all_or_nothing(smollm2):
     engine = make_engine(smollm2)
     with pytest.raises(InvalidRequestError, match="max_tokens"):

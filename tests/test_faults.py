@@ -1,24 +1,24 @@
 """Faults on loopback, each bounded in count and time and undone by the test itself: Redis killed and
 restarted empty, S3 unreachable, a stalled pod whose callers' deadlines expire, thousands of streams
-cancelled at random points. After each: nothing leaked (KV blocks, LoRA slot refcounts, Redis lease
-keys), no acknowledged adapter lost, no stream got another's tokens, and serving resumed by itself.
-SPINDLE_FAULT_STREAMS sets the number of cancelled streams (default 400; docs/reliability.md
+cancelled at random points (greedy, then greedy and beam search mixed; tests/storm_helpers.py).
+After each: nothing leaked (KV blocks, LoRA slot refcounts, Redis lease keys), no acknowledged
+adapter lost, no stream got another's tokens, and serving resumed by itself.
+SPINDLE_FAULT_STREAMS sets the number of streams of each storm (default 400; docs/reliability.md
 reports a 3,000 run)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import time
+from collections import Counter
 
 import grpc
 import pytest
 
 from spindle.v1 import adapters_pb2 as apb
-from spindle.v1 import adapters_pb2_grpc, generation_pb2_grpc, model_control_pb2, model_control_pb2_grpc
-from spindle.v1 import generation_pb2 as pb
+from spindle.v1 import adapters_pb2_grpc, model_control_pb2, model_control_pb2_grpc
 from tests.adapter_helpers import aws_env, s3_server
 from tests.conftest import make_engine
 from tests.fault_helpers import Outage, RestartableRedis
@@ -28,16 +28,18 @@ from tests.service_helpers import (
     spawn,
     spawn_pod,
     stub,
-    token_request,
     wait_idle,
     wait_serving,
 )
+from tests.storm_helpers import Key, Storm, reference_tokens, request, run_storm
 
 Code = grpc.StatusCode
 STREAMS = int(os.environ.get("SPINDLE_FAULT_STREAMS", "400"))
-PROMPTS = [[5 + i, 17, 40 + 3 * i, 9, 100 + i] for i in range(6)]
+PROMPTS = [(5 + i, 17, 40 + 3 * i, 9, 100 + i) for i in range(6)]
 ADAPTERS = [None, "a", "b"]
 MAX_TOKENS = 12
+GREEDY = [Key(p, a) for p in PROMPTS for a in ADAPTERS]
+BEAMS = [Key(p, a, 2 + (i + j) % 3) for i, p in enumerate(PROMPTS) for j, a in enumerate(ADAPTERS)]  # 2-4
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +53,10 @@ def pod(tiny_llama, lora_dirs, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(tiny_llama, lora_dirs) -> dict[tuple[int, str | None], list[int]]:
-    """Each (prompt, adapter)'s greedy tokens from the engine run directly: the oracle per stream."""
+def references(tiny_llama, lora_dirs) -> dict[Key, list[int]]:
+    """Each greedy and beam key's tokens from the engine run directly: the oracle per stream."""
     engine = make_engine(tiny_llama, lora_modules={"a": str(lora_dirs["a"]), "b": str(lora_dirs["b"])})
-    keys = [(i, a) for i in range(len(PROMPTS)) for a in ADAPTERS]
-    reqs = [
-        {"prompt_token_ids": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-         **({"adapter": a} if a else {})}
-        for i, a in keys
-    ]  # fmt: skip
-    return {k: out.token_ids for k, out in zip(keys, engine.generate(reqs), strict=True)}
+    return reference_tokens(engine, GREEDY + BEAMS, MAX_TOKENS)
 
 
 def _assert_nothing_held(pod) -> None:
@@ -74,85 +70,39 @@ def _assert_nothing_held(pod) -> None:
     assert all(a.refcount == 0 for a in report.adapters), report
 
 
-def _request(key: tuple[int, str | None], max_tokens: int, rid: str) -> pb.GenerateRequest:
-    req = token_request(PROMPTS[key[0]], max_tokens, temperature=0.0)
-    req.request_id = rid
-    if key[1]:
-        req.adapter = key[1]
-    return req
-
-
-async def _one_stream(g, key, rid: str, rng: random.Random, refs, tally: dict[str, int]) -> None:
-    """A stream cut at a random point (client cancel, Abort RPC, or none); its tokens must be a
-    prefix of its own (prompt, adapter)'s greedy tokens, whoever shared its batches."""
-    max_tokens = rng.randint(1, MAX_TOKENS)
-    cut_after, how = rng.randint(0, max_tokens), rng.choice(["cancel", "abort", "none"])
-    call = g.Generate(_request(key, max_tokens, rid), timeout=120)
-    tokens: list[int] = []
-    try:
-        if how != "none" and cut_after == 0:
-            await _cut(g, call, how, rid)
-        async for msg in call:
-            tokens += list(msg.chunk.token_ids)
-            if msg.HasField("final"):
-                if msg.final.finish_reason == pb.FINISH_REASON_ABORT:
-                    break
-                assert msg.final.finish_reason == pb.FINISH_REASON_LENGTH, msg
-                assert tokens == refs[key][:max_tokens], (rid, key, tokens)
-                tally["finished"] += 1
-                return
-            if how != "none" and len(tokens) >= cut_after > 0:
-                await _cut(g, call, how, rid)
-    except grpc.aio.AioRpcError as e:
-        assert e.code() in (Code.CANCELLED, Code.NOT_FOUND), (rid, e.code(), e.details())
-    except asyncio.CancelledError:
-        pass
-    assert tokens == refs[key][: len(tokens)], (rid, key, tokens)  # a prefix of its own output
-    tally[how] += 1
-
-
-async def _cut(g, call, how: str, rid: str) -> None:
-    if how == "cancel":
-        call.cancel()
-    else:
-        await g.Abort(pb.AbortRequest(request_id=rid), timeout=10)
-
-
-async def _storm(address: str, n: int, refs, seed: int) -> dict[str, int]:
-    rng, tally = random.Random(seed), {"finished": 0, "cancel": 0, "abort": 0, "none": 0}
-    keys = list(refs)
-    gate = asyncio.Semaphore(32)
-    async with grpc.aio.insecure_channel(address) as ch:
-        g = generation_pb2_grpc.GenerationStub(ch)
-
-        async def run(i: int) -> None:
-            async with gate:
-                await _one_stream(g, rng.choice(keys), f"storm-{seed}-{i}", rng, refs, tally)
-
-        await asyncio.wait_for(asyncio.gather(*(run(i) for i in range(n))), timeout=600)
+def _storm_then_exact(pod, references, keys: list[Key], seed: int, what: str) -> Counter[str]:
+    """A cancel storm over `keys`, then nothing held and the next request exact."""
+    storm = Storm({k: references[k] for k in keys}, MAX_TOKENS)
+    started = time.monotonic()
+    tally = asyncio.run(run_storm(pod.address, STREAMS, storm, seed=seed))
+    print(f"FAULT {what}: {STREAMS} streams in {time.monotonic() - started:.1f} s: {dict(tally)}")
+    assert sum(tally.values()) == STREAMS
+    _assert_nothing_held(pod)
+    with pod.channel() as ch:  # and serving continues, exactly
+        tokens, _ = collect(stub(ch).Generate(request(GREEDY[1], MAX_TOKENS, f"after-{seed}"), timeout=30))
+    assert tokens == references[GREEDY[1]]
     return tally
 
 
 def test_thousands_of_streams_cancelled_at_random_points(pod, references):
-    started = time.monotonic()
-    tally = asyncio.run(_storm(pod.address, STREAMS, references, seed=7))
-    elapsed = time.monotonic() - started
-    print(f"FAULT cancel storm: {STREAMS} streams in {elapsed:.1f} s: {tally}")
-    assert sum(tally.values()) == STREAMS
-    _assert_nothing_held(pod)
-    with pod.channel() as ch:  # and serving continues, exactly
-        tokens, _ = collect(stub(ch).Generate(_request((0, "a"), MAX_TOKENS, "after-storm"), timeout=30))
-    assert tokens == references[(0, "a")]
+    _storm_then_exact(pod, references, GREEDY, seed=7, what="cancel storm")
+
+
+def test_beam_search_in_the_cancel_storm(pod, references):
+    """Half the streams are beam requests (2-4 beams, base and adapters) cut at random search
+    steps: a finished one is exactly its uninterrupted beam output, a cut one frees every beam's
+    forked blocks and adapter references."""
+    tally = _storm_then_exact(pod, references, GREEDY + BEAMS, seed=11, what="beam cancel storm")
+    assert tally["beam finished"] and tally["beam cancel"] + tally["beam abort"], tally
 
 
 def test_a_stalled_pod_expires_deadlines_and_frees_everything(pod, references):
     """12 long streams with 4 s deadlines are running; the pod is SIGSTOPped for 5 s, so every
     deadline expires while it cannot answer. After SIGCONT it frees the abandoned requests' blocks
     and slots and serves again, unprompted."""
-    keys = list(references)
     with pod.channel() as ch:
         g = stub(ch)
-        calls = [g.Generate(_request(keys[i % len(keys)], 400, f"slow-{i}"), timeout=4.0) for i in range(12)]
+        calls = [g.Generate(request(k, 400, f"slow-{i}"), timeout=4.0) for i, k in enumerate(GREEDY[:12])]
         deadline = time.monotonic() + 3.0
         while load(pod).requests_in_flight < len(calls) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -167,8 +117,8 @@ def test_a_stalled_pod_expires_deadlines_and_frees_everything(pod, references):
     assert Code.DEADLINE_EXCEEDED in codes and set(codes) <= {Code.OK, Code.DEADLINE_EXCEEDED}, codes
     _assert_nothing_held(pod)
     with pod.channel() as ch:
-        tokens, _ = collect(stub(ch).Generate(_request((1, "b"), MAX_TOKENS, "after-stall"), timeout=30))
-    assert tokens == references[(1, "b")]
+        tokens, _ = collect(stub(ch).Generate(request(GREEDY[5], MAX_TOKENS, "after-stall"), timeout=30))
+    assert tokens == references[GREEDY[5]]
 
 
 def _code(call) -> grpc.StatusCode:

@@ -2,9 +2,8 @@
 engine paths that must carry its recurrent state: chunked prefill, mixed batches, speculative
 verify rollback, swap preemption and prefix-cache state snapshots.
 
-The checkpoint is tiny (4 layers, linear / full alternating, every MLP dense) with its 1-D weights
-randomized too: HF initializes the zero-centered norms to 0 and the decay so strong that the state
-forgets within a token or two, where a wrong (1 + weight) or a dropped state would go unseen.
+The checkpoint is tests/hybrid_models.py's tiny hybrid (4 layers, linear / full alternating, 1-D
+weights randomized so a wrong norm or a dropped state shows).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from model_service.engine.engine import Engine
 from model_service.engine.speculation import NgramProposer, SpeculativeConfig
@@ -21,53 +19,28 @@ from model_service.models.config import Mixer
 from model_service.models.gated_delta import chunked_scan, recurrent_scan
 from model_service.models.layers import checkpoint_tensors
 from model_service.models.loader import load_model
-from tests.conftest import assert_all_blocks_free, make_engine, make_tiny_checkpoint, prefill_logits
+from tests.conftest import assert_all_blocks_free, make_engine, prefill_logits
+from tests.hybrid_models import make_tiny_hybrid
 from tests.test_beam_search import _hf_beams
 from tests.test_tiny_models import PROMPTS, VOCAB, Case, _one_torch_thread, random_prompt, rel_err, request
 
 __all__ = ["_one_torch_thread"]  # the module-scoped fixture applies here too
 
-HYBRID = {
-    "num_hidden_layers": 4,
-    "layer_types": ["linear_attention", "full_attention"] * 2,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,  # two value heads per key head (grouped)
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 8,
-    "linear_conv_kernel_dim": 4,
-    "num_experts": 4,
-    "mlp_only_layers": [0, 1, 2, 3],  # every MLP dense here; test_sparse_moe_layers_match_hf has MoE
-}
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
-
-
-def _randomize_1d(path: Path, seed: int) -> None:
-    file = path / "model.safetensors"
-    tensors = load_file(str(file))
-    gen = torch.Generator().manual_seed(seed)
-    for name, t in tensors.items():
-        if name.endswith("A_log"):  # decay rates exp(A_log) * softplus(.) well below 1 per token
-            tensors[name] = torch.empty(t.shape).uniform_(0.02, 0.5, generator=gen).log()
-        elif t.dim() == 1:  # norms (zero-centered and gated) and dt_bias
-            tensors[name] = t + torch.randn(t.shape, generator=gen) * 0.3
-    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory: pytest.TempPathFactory) -> Case:
-    path = make_tiny_checkpoint("qwen3_next", tmp_path_factory.mktemp("qwen3_next") / "ckpt", **HYBRID)
-    _randomize_1d(path, seed=0)
-    return Case(path)
+    return Case(make_tiny_hybrid(tmp_path_factory.mktemp("qwen3_next") / "ckpt", seed=0))
 
 
 def _state_slots_all_back(engine: Engine) -> None:
     """Every state slot is free or holds a prefix-cache snapshot: none leaked, none held twice."""
     assert_all_blocks_free(engine)
-    cache = engine.cache
-    assert cache.num_free_state_slots + cache.num_cached_states == engine.executor.state_tensors[0].shape[0]
-    assert len(set(cache._free_state_slots) | set(cache._cached_states.values())) == (
-        cache.num_free_state_slots + cache.num_cached_states
-    )
+    stats, cache = engine.stats(), engine.cache
+    assert stats.state_slots_free == stats.state_slots_total == engine.executor.state_tensors[0].shape[0]
+    assert stats.state_slots_cached == cache.num_cached_states
+    assert len(set(cache._free_state_slots) | set(cache._cached_states.values())) == stats.state_slots_free
 
 
 def test_config_and_weights_match_hf(case: Case):
@@ -85,10 +58,8 @@ def test_config_and_weights_match_hf(case: Case):
 def test_sparse_moe_layers_match_hf(tmp_path: Path):
     """Qwen3-Next's sparse-MoE MLPs (router, top-k renormalized, shared expert behind a sigmoid
     gate) on three of the four layers: logits and greedy tokens as HF's."""
-    moe = {**HYBRID, "mlp_only_layers": [0], "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-    path = make_tiny_checkpoint("qwen3_next", tmp_path / "ckpt", **moe, shared_expert_intermediate_size=48)
-    _randomize_1d(path, seed=1)
-    sparse = Case(path)
+    moe = {"mlp_only_layers": [0], "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    sparse = Case(make_tiny_hybrid(tmp_path / "ckpt", seed=1, **moe, shared_expert_intermediate_size=48))
     assert [k.moe for k in sparse.ours.config.layer_kinds] == [False, True, True, True]
     engine = make_engine(sparse.ours, block_size=4)
     with torch.no_grad():

@@ -152,10 +152,9 @@ class AsyncEngine(Generic[E]):
             # Block for work when idle; otherwise drain the inbox without waiting.
             busy = self.engine.has_unfinished()
             with contextlib.suppress(queue.Empty):
-                cmd = self._inbox.get(timeout=None if not busy else 0)
-                cmd()
+                _run(self._inbox.get(timeout=None if not busy else 0))
                 while True:
-                    self._inbox.get_nowait()()
+                    _run(self._inbox.get_nowait())
             if self._stop.is_set():
                 break
             try:
@@ -175,6 +174,15 @@ class AsyncEngine(Generic[E]):
                 except RuntimeError:  # the caller's event loop is gone: nobody will read this
                     self._streams.pop(out.request_id, None)
                     self.engine.abort(out.request_id)
+
+
+def _run(command: Callable[[], object]) -> None:
+    """One inbox command (an abort, a wake-up, a `call`). A command that raises must not end the
+    engine thread: every stream would then wait forever on a pod that still answers health checks."""
+    try:
+        command()
+    except Exception:
+        log.exception("engine command failed")
 
 
 def _waiting(first: Output, outputs: asyncio.Queue[Output]) -> list[Output]:

@@ -74,6 +74,11 @@ class BeamSearch:
         self.live[group.request_id] = [child for child, _ in children]
         return True
 
+    def is_live(self, group: BeamGroup) -> bool:
+        """Whether `group`'s search is still on (its request id may since name a new request)."""
+        beams = self.live.get(group.request_id)
+        return beams is not None and beams[0].group is group
+
     def finish(self, group: BeamGroup, reason: str) -> RequestOutput:
         """End the search: free every live beam; the output is the best finished hypothesis."""
         beams = self.live.pop(group.request_id)

@@ -82,6 +82,7 @@ class CacheManager:
         self.block_size = blocks.block_size
         self.kv_bytes_per_token = kv_bytes_per_token
         self.has_state = num_state_slots > 0
+        self.num_state_slots = num_state_slots
         self._free_state_slots = list(range(num_state_slots))
         self._cached_states: OrderedDict[int, int] = OrderedDict()  # block key -> state slot, LRU first
         self._seq_ids = itertools.count()

@@ -74,6 +74,12 @@ class EngineStats:
     num_steps: int
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Recurrent-state slots (hybrid models; 0 without recurrent layers). Free includes the slots
+    # holding prefix-cache snapshots, which are given back when a sequence needs one; so once
+    # nothing runs, free == total, or a slot leaked.
+    state_slots_total: int = 0
+    state_slots_free: int = 0
+    state_slots_cached: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -343,7 +349,9 @@ class Engine:
     ) -> list[Sequence]:
         """Sample, verify and propose on the host's schedule: the step's tokens are read at once."""
         beams = [(s, logits[r]) for s, r in rows if s.group is not None]
-        self._pending += self.beams.report(beams)
+        for out in self.beams.report(beams):  # searches that ended: their ids are free again
+            self.requests.pop(out.request_id, None)
+            self._pending.append(out)
         plain = [(s, r) for s, r in rows if s.group is None]
         if plain:
             self._sample([s for s, _ in plain], self._rows(logits, plain))
@@ -443,8 +451,9 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Free `seq` (all beams of its request) and queue its final output."""
         if seq.group is not None:
-            self._pending.append(self.beams.finish(seq.group, reason))
-            self.requests.pop(seq.group.request_id, None)
+            if self.beams.is_live(seq.group):  # else ended already: several beams can be doomed at once
+                self._pending.append(self.beams.finish(seq.group, reason))
+                self.requests.pop(seq.group.request_id, None)
             return
         self.scheduler.remove(seq)
         if self.proposer is not None:
@@ -488,6 +497,9 @@ class Engine:
             num_steps=self.num_steps,
             spec_proposed_tokens=self.spec_proposed,
             spec_accepted_tokens=self.spec_accepted,
+            state_slots_total=self.cache.num_state_slots,
+            state_slots_free=self.cache.num_free_state_slots + self.cache.num_cached_states,
+            state_slots_cached=self.cache.num_cached_states,
         )
 
     # --- conveniences ---------------------------------------------------------------------

@@ -240,4 +240,6 @@ class ModelPod:
             requests_in_flight=len(self.inflight),
             available_adapters=sorted(available),
             control_port=self.control_port,
+            state_slots_total=stats.state_slots_total,
+            state_slots_free=stats.state_slots_free,
         )
