@@ -118,8 +118,9 @@ class EngineConfig:
     piecewise_graphs: bool = _opt(
         False,
         "CUDA, dense models, experimental: at start-up, capture prefill and mixed steps of up to 512 "
-        "tokens as CUDA graphs split at attention (~1.5 GB on an 8B model; short prompts serve ~30% "
-        "faster); off by default until a capture-order fault is understood (docs/performance.md)",
+        "tokens as CUDA graphs split at attention (~1.5 GB on an 8B model; short prompts serve about "
+        "a third faster); off by default until a capture-order fault is understood "
+        "(docs/performance.md)",
     )
     async_scheduling: str = _opt(
         "auto",
