@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from gateway.server import GatewayService
+from spindle import serving
 from spindle.serving import SERVICE_UNKNOWN
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import adapters_pb2_grpc
@@ -485,3 +486,46 @@ def test_after_the_fuzz_the_gateways_serve_exactly_and_hold_nothing(gateways, ti
             assert msgs[-1].final.finish_reason == pb.FINISH_REASON_LENGTH
     wait_idle(tiny_pod, timeout=30)
     gateways.assert_settled()
+
+
+def test_fuzz_findings_regressions(gateways):
+    """What this fuzz found, one named case each (docs/reliability.md)."""
+    ch = gateways.channels["plain"]
+    for md in ((("x-api-key-bin", b"\xff\xfe"),), (("authorization-bin", b"key-admin"),)):  # was UNKNOWN
+        with pytest.raises(grpc.RpcError) as e:
+            stub(ch).ListModels(pb.ListModelsRequest(), metadata=md, timeout=10)
+        assert e.value.code() == Code.UNAUTHENTICATED and "API key" in e.value.details()
+    got = raw_http2.call(  # invalid UTF-8 in the key header itself: was UNKNOWN (UnicodeDecodeError)
+        f"127.0.0.1:{gateways.servers['plain'].port}", "/spindle.v1.Generation/ListModels",
+        [(b"authorization", b"Bearer \xff\xfe")], b"",
+    )  # fmt: skip
+    assert got.status == Code.UNAUTHENTICATED.value[0] and got.message, got
+    health = health_pb2_grpc.HealthStub(ch)
+    watch = health.Watch(health_pb2.HealthCheckRequest(service="spindle.v1.Generation"), timeout=10)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING  # was UNKNOWN on every server
+    watch.cancel()
+    with pytest.raises(grpc.RpcError) as e:  # was NOT_FOUND without a message
+        health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+    assert e.value.code() == Code.NOT_FOUND and "spindle.v1.Generation" in e.value.details()
+    server, health, port = gateways.loop.run(_health_server())  # unknown names leave no watcher
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as own:
+            for n in range(20):
+                watch = health_pb2_grpc.HealthStub(own).Watch(
+                    health_pb2.HealthCheckRequest(service=f"new-{n}"), timeout=10
+                )
+                assert next(watch).status == SERVICE_UNKNOWN
+                watch.cancel()
+        assert set(health.servicer._server_watchers) <= {""}  # grpc's kept every name: memory grew
+    finally:
+        gateways.loop.run(server.stop(0))
+
+
+async def _health_server() -> tuple[grpc.aio.Server, serving.Health, int]:
+    """A server with only grpc.health.v1 (serving.Health), SERVING, on a free port."""
+    server = serving.make_server()
+    health = serving.Health(server, ["x"])
+    await health.set(True)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, health, port
