@@ -39,17 +39,9 @@ from spindle.serving import SERVICE_UNKNOWN
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import adapters_pb2_grpc
 from spindle.v1 import generation_pb2 as pb
+from tests import fuzz_harness as fh
 from tests import fuzz_strategies as fs
 from tests import raw_http2
-from tests.fuzz_harness import (
-    EXAMPLES,
-    FUZZ,
-    drive_generate,
-    fuzz_raw_bytes,
-    note,
-    refused_properly,
-    registered,
-)
 from tests.service_helpers import collect, gateway_in_process, stub, token_request, wait_idle
 
 Code = grpc.StatusCode
@@ -134,7 +126,7 @@ class Gateways:
 
 @pytest.fixture(scope="module")
 def gateways(tiny_pod, adapter_service, lora_dirs, tmp_path_factory):
-    registered(adapter_service, "kept", lora_dirs["b"])  # placed on the pod by the first request for it
+    fh.registered(adapter_service, "kept", lora_dirs["b"])  # placed on the pod by the first request for it
     keys = tmp_path_factory.mktemp("gateway_keys") / "keys"
     keys.write_text(KEY_LINES)
     flags = ["--pods", tiny_pod.address, "--api-keys-file", str(keys), "--adapter-service",
@@ -176,7 +168,7 @@ def _check_key(outcome: str, auth: fs.Auth, timeout: float | None, denied: bool)
 
 
 def test_generate_fuzz(gateways, tiny_pod):
-    @FUZZ
+    @fh.FUZZ
     @given(
         which=WHICH,
         auth=fs.api_key_metadata(KEYS),
@@ -187,7 +179,7 @@ def test_generate_fuzz(gateways, tiny_pod):
     def fuzz(which, auth, timeout, cancel_after, req) -> None:
         g = stub(gateways.channels[which])
         also = _also(timeout)
-        outcome = drive_generate(
+        outcome = fh.drive_generate(
             g, "gateway Generate", req, cancel_after, also, _silent(auth), timeout=timeout,
             metadata=auth.metadata,
         )  # fmt: skip
@@ -202,22 +194,22 @@ def test_generate_fuzz(gateways, tiny_pod):
 
 
 def test_abort_and_list_models_fuzz(gateways):
-    @FUZZ
+    @fh.FUZZ
     @given(which=WHICH, auth=fs.api_key_metadata(KEYS), timeout=fs.deadlines, rid=fs.names)
     def fuzz(which, auth, timeout, rid) -> None:
         g = stub(gateways.channels[which])
         try:
             g.Abort(pb.AbortRequest(request_id=rid), metadata=auth.metadata, timeout=timeout)
-            outcome = note("gateway Abort", "OK")
+            outcome = fh.note("gateway Abort", "OK")
         except grpc.RpcError as e:
-            outcome = refused_properly("gateway Abort", e, _also(timeout), _silent(auth))
+            outcome = fh.refused_properly("gateway Abort", e, _also(timeout), _silent(auth))
         _check_key(outcome, auth, timeout, denied=False)
         assert outcome != "OK", "nothing of this caller's is in flight to abort"
         try:
             models = g.ListModels(pb.ListModelsRequest(), metadata=auth.metadata, timeout=timeout).models
-            outcome = note("gateway ListModels", "OK")
+            outcome = fh.note("gateway ListModels", "OK")
         except grpc.RpcError as e:
-            outcome, models = refused_properly("gateway ListModels", e, _also(timeout), _silent(auth)), []
+            outcome, models = fh.refused_properly("gateway ListModels", e, _also(timeout), _silent(auth)), []
         _check_key(outcome, auth, timeout, denied=False)
         allowed = MAY_USE.get(auth.caller or "")
         shown = {m.id for m in models if m.kind == pb.MODEL_KIND_ADAPTER}
@@ -230,7 +222,7 @@ def test_abort_and_list_models_fuzz(gateways):
 _serial = itertools.count()
 
 
-@settings(FUZZ, max_examples=max(5, EXAMPLES // 5))
+@settings(fh.FUZZ, max_examples=max(5, fh.EXAMPLES // 5))
 @given(
     which=WHICH,
     rid=st.from_regex(r"[!-~]{1,40}", fullmatch=True),
@@ -254,17 +246,17 @@ def test_aborts_and_duplicate_ids_of_live_streams(gateways, which, rid, owner, o
         if action == "abort":
             g.Abort(pb.AbortRequest(request_id=rid), metadata=(("x-api-key", owner),), timeout=10)
             assert list(stream)[-1].final.finish_reason == pb.FINISH_REASON_ABORT
-            note("gateway Abort (live)", "OK")
+            fh.note("gateway Abort (live)", "OK")
         elif action == "abort by another key" and other != owner:
             with pytest.raises(grpc.RpcError) as e:
                 g.Abort(pb.AbortRequest(request_id=rid), metadata=md, timeout=10)
             assert e.value.code().name == (expect or "NOT_FOUND"), e.value.details()
-            note("gateway Abort (live, another key)", e.value.code().name)
+            fh.note("gateway Abort (live, another key)", e.value.code().name)
         elif action == "same id again":
             with pytest.raises(grpc.RpcError) as e:
                 list(g.Generate(req, metadata=md, timeout=10))
             assert e.value.code().name in ({expect} if expect else {"ALREADY_EXISTS", "RESOURCE_EXHAUSTED"})
-            note("gateway Generate (id in flight)", e.value.code().name)
+            fh.note("gateway Generate (id in flight)", e.value.code().name)
     finally:
         stream.cancel()
     gateways.assert_settled()
@@ -279,7 +271,7 @@ def test_admin_api_fuzz(method, gateways, adapter_service, s3):
     before = s3.keys("kept/")
     rpc = f"gateway Adapters.{method}"
 
-    @FUZZ
+    @fh.FUZZ
     @given(
         which=WHICH,
         auth=fs.api_key_metadata(KEYS),
@@ -290,9 +282,9 @@ def test_admin_api_fuzz(method, gateways, adapter_service, s3):
         call = getattr(adapters_pb2_grpc.AdaptersStub(gateways.channels[which]), method)
         try:
             call(req, metadata=auth.metadata, timeout=timeout)
-            outcome = note(rpc, "OK")
+            outcome = fh.note(rpc, "OK")
         except grpc.RpcError as e:
-            outcome = refused_properly(rpc, e, _also(timeout) | {Code.DATA_LOSS}, _silent(auth))
+            outcome = fh.refused_properly(rpc, e, _also(timeout) | {Code.DATA_LOSS}, _silent(auth))
         _check_key(outcome, auth, timeout, denied=auth.caller not in (None, "admin"))
 
     fuzz()
@@ -304,7 +296,7 @@ def test_admin_api_fuzz(method, gateways, adapter_service, s3):
 def test_admin_register_fuzz(gateways, s3):
     before = s3.keys()
 
-    @FUZZ
+    @fh.FUZZ
     @given(which=WHICH, auth=fs.api_key_metadata(KEYS), timeout=fs.deadlines, chunks=fs.register_streams())
     def fuzz(which, auth, timeout, chunks) -> None:
         admin = adapters_pb2_grpc.AdaptersStub(gateways.channels[which])
@@ -312,7 +304,7 @@ def test_admin_register_fuzz(gateways, s3):
             admin.Register(iter(chunks), metadata=auth.metadata, timeout=timeout)
             raise AssertionError("a fuzzed upload was registered")
         except grpc.RpcError as e:
-            outcome = refused_properly("gateway Adapters.Register", e, _also(timeout), _silent(auth))
+            outcome = fh.refused_properly("gateway Adapters.Register", e, _also(timeout), _silent(auth))
         _check_key(outcome, auth, timeout, denied=auth.caller not in (None, "admin"))
 
     fuzz()
@@ -346,7 +338,7 @@ _reflection_requests = st.one_of(
 def test_health_and_reflection_fuzz(gateways):
     """Open to anyone (a probe has no key): any service name, any metadata."""
 
-    @FUZZ
+    @fh.FUZZ
     @given(
         which=WHICH,
         auth=fs.api_key_metadata(KEYS),
@@ -360,16 +352,16 @@ def test_health_and_reflection_fuzz(gateways):
         try:
             status = health.Check(request, metadata=auth.metadata, timeout=10).status
             assert service in _HEALTHY and status == health_pb2.HealthCheckResponse.SERVING
-            note("gateway Health.Check", "OK")
+            fh.note("gateway Health.Check", "OK")
         except grpc.RpcError as e:
-            refused_properly("gateway Health.Check", e, silent=_silent(auth))
+            fh.refused_properly("gateway Health.Check", e, silent=_silent(auth))
             assert e.code() == Code.NOT_FOUND or auth.size > fs.METADATA_LIMIT, e
         watch = health.Watch(request, metadata=auth.metadata, timeout=10)
         with contextlib.suppress(grpc.RpcError):  # refused as Check was
             first = next(watch).status
             known = service in _HEALTHY
             assert first == (health_pb2.HealthCheckResponse.SERVING if known else SERVICE_UNKNOWN)
-            note("gateway Health.Watch", "OK")
+            fh.note("gateway Health.Watch", "OK")
         watch.cancel()
         _reflect(ch, reflect, auth)
 
@@ -382,14 +374,14 @@ def _reflect(ch: grpc.Channel, requests: list[rpb.ServerReflectionRequest], auth
     try:
         replies = list(reflection.ServerReflectionInfo(iter(requests), metadata=auth.metadata, timeout=10))
     except grpc.RpcError as e:
-        refused_properly("gateway ServerReflectionInfo", e, silent=_silent(auth))
+        fh.refused_properly("gateway ServerReflectionInfo", e, silent=_silent(auth))
         assert auth.size > fs.METADATA_LIMIT, e
         return
     assert len(replies) == len(requests)
     for reply in replies:
         if reply.HasField("error_response"):
             assert reply.error_response.error_code and reply.error_response.error_message
-    note("gateway ServerReflectionInfo", "OK")
+    fh.note("gateway ServerReflectionInfo", "OK")
 
 
 _RAW_METHODS = [
@@ -404,7 +396,7 @@ _RAW_METHODS = [
 
 @pytest.mark.parametrize(("path", "kind"), _RAW_METHODS)
 def test_malformed_protobuf_bytes_through_the_gateway(path, kind, gateways):
-    fuzz_raw_bytes(gateways.channels["traced"], path, kind, metadata=ADMIN)
+    fh.fuzz_raw_bytes(gateways.channels["traced"], path, kind, metadata=ADMIN)
 
 
 _raw_key = st.one_of(
@@ -440,20 +432,20 @@ def test_raw_http2_headers(gateways):
     the transport's refusal (a stream reset, or _TRANSPORT_REFUSALS); no valid key never succeeds."""
     message = token_request(PROMPT, 2, temperature=0.0).SerializeToString()
 
-    @FUZZ
+    @fh.FUZZ
     @given(which=WHICH, headers=st.lists(st.one_of(_raw_key, _raw_other), max_size=4))
     def fuzz(which, headers) -> None:
         address = f"127.0.0.1:{gateways.servers[which].port}"
         got = raw_http2.call(address, "/spindle.v1.Generation/Generate", headers, message)
         if got.status is None:
-            note("gateway raw HTTP/2 headers", got.reset.split(" ")[0])
+            fh.note("gateway raw HTTP/2 headers", got.reset.split(" ")[0])
             return
         code = next(c for c in Code if c.value[0] == got.status)
         if code == Code.INTERNAL and got.message.startswith(_TRANSPORT_REFUSALS):
             # gRPC's HTTP/2 layer refuses the request before any handler runs
-            note("gateway raw HTTP/2 headers", "INTERNAL (gRPC's transport, no handler ran)")
+            fh.note("gateway raw HTTP/2 headers", "INTERNAL (gRPC's transport, no handler ran)")
             return
-        note("gateway raw HTTP/2 headers", code.name)
+        fh.note("gateway raw HTTP/2 headers", code.name)
         assert code not in (Code.UNKNOWN, Code.INTERNAL), (headers, got)
         assert code == Code.OK or got.message, (headers, got)
         assert code != Code.OK, f"served without a valid key: {headers}"
@@ -498,6 +490,16 @@ def test_fuzz_findings_regressions(gateways):
         with pytest.raises(grpc.RpcError) as e:
             admin.Register(iter(headless), metadata=ADMIN, timeout=10)
         assert e.value.code() == Code.INVALID_ARGUMENT and e.value.details(), e.value
+    kept = token_request(PROMPT, 2)
+    kept.adapter = "kept"
+    for _ in range(10):  # the caller's deadline passing was UNAVAILABLE ("no model pod answered",
+        for call in (  # "placing adapter ... taking too long; retry"): now DEADLINE_EXCEEDED
+            lambda: stub(ch).ListModels(pb.ListModelsRequest(), metadata=ADMIN, timeout=1e-6),
+            lambda: list(stub(ch).Generate(kept, metadata=ADMIN, timeout=1e-6)),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == Code.DEADLINE_EXCEEDED, e.value
     health = health_pb2_grpc.HealthStub(ch)
     watch = health.Watch(health_pb2.HealthCheckRequest(service="spindle.v1.Generation"), timeout=10)
     assert next(watch).status == health_pb2.HealthCheckResponse.SERVING  # was UNKNOWN on every server
