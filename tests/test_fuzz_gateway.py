@@ -490,6 +490,16 @@ def test_fuzz_findings_regressions(gateways):
         with pytest.raises(grpc.RpcError) as e:
             admin.Register(iter(headless), metadata=ADMIN, timeout=10)
         assert e.value.code() == Code.INVALID_ARGUMENT and e.value.details(), e.value
+    for giant in ("r" * 10_000, "r" * 1_000_000):  # echoed whole in the message, the trailers went
+        for call, code in (  # past gRPC's 8 KiB limit: the caller got RESOURCE_EXHAUSTED, not the code
+            (lambda g=giant: stub(ch).Abort(pb.AbortRequest(request_id=g), metadata=ADMIN, timeout=10),
+             Code.NOT_FOUND),
+            (lambda g=giant: admin.Get(apb.GetAdapterRequest(name=g), metadata=ADMIN, timeout=10),
+             Code.INVALID_ARGUMENT),
+        ):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == code and "more characters" in e.value.details(), e.value
     kept = token_request(PROMPT, 2)
     kept.adapter = "kept"
     for _ in range(10):  # the caller's deadline passing was UNAVAILABLE ("no model pod answered",
