@@ -153,7 +153,7 @@ def _silent(auth: fs.Auth) -> frozenset:
     return frozenset({Code.RESOURCE_EXHAUSTED}) if auth.size > fs.METADATA_LIMIT else frozenset()
 
 
-def _check_key(outcome: str, auth: fs.Auth, timeout: float | None, denied: bool) -> None:
+def _check_key(outcome: str, auth: fs.Auth, denied: bool) -> None:
     """The verdict the key decides: none valid -> UNAUTHENTICATED; `denied` (the caller may not
     use the adapter, or the admin API) -> PERMISSION_DENIED; else neither."""
     if outcome == "DEADLINE_EXCEEDED" or (outcome == "RESOURCE_EXHAUSTED" and auth.size > fs.METADATA_LIMIT):
@@ -186,7 +186,7 @@ def test_generate_fuzz(gateways, tiny_pod):
         adapter = req.adapter if req.HasField("adapter") else None
         allowed = MAY_USE.get(auth.caller or "")
         denied = req.WhichOneof("prompt") is not None and adapter is not None and allowed is not None
-        _check_key(outcome, auth, timeout, denied and adapter not in allowed)
+        _check_key(outcome, auth, denied and adapter not in allowed)
 
     fuzz()
     gateways.assert_settled()
@@ -203,14 +203,14 @@ def test_abort_and_list_models_fuzz(gateways):
             outcome = fh.note("gateway Abort", "OK")
         except grpc.RpcError as e:
             outcome = fh.refused_properly("gateway Abort", e, _also(timeout), _silent(auth))
-        _check_key(outcome, auth, timeout, denied=False)
+        _check_key(outcome, auth, denied=False)
         assert outcome != "OK", "nothing of this caller's is in flight to abort"
         try:
             models = g.ListModels(pb.ListModelsRequest(), metadata=auth.metadata, timeout=timeout).models
             outcome = fh.note("gateway ListModels", "OK")
         except grpc.RpcError as e:
             outcome, models = fh.refused_properly("gateway ListModels", e, _also(timeout), _silent(auth)), []
-        _check_key(outcome, auth, timeout, denied=False)
+        _check_key(outcome, auth, denied=False)
         allowed = MAY_USE.get(auth.caller or "")
         shown = {m.id for m in models if m.kind == pb.MODEL_KIND_ADAPTER}
         assert allowed is None or shown <= allowed, (auth.caller, shown)  # only adapters it may use
@@ -285,7 +285,7 @@ def test_admin_api_fuzz(method, gateways, adapter_service, s3):
             outcome = fh.note(rpc, "OK")
         except grpc.RpcError as e:
             outcome = fh.refused_properly(rpc, e, _also(timeout) | {Code.DATA_LOSS}, _silent(auth))
-        _check_key(outcome, auth, timeout, denied=auth.caller not in (None, "admin"))
+        _check_key(outcome, auth, denied=auth.caller not in (None, "admin"))
 
     fuzz()
     admin = adapters_pb2_grpc.AdaptersStub(gateways.channels["plain"])
@@ -305,7 +305,7 @@ def test_admin_register_fuzz(gateways, s3):
             raise AssertionError("a fuzzed upload was registered")
         except grpc.RpcError as e:
             outcome = fh.refused_properly("gateway Adapters.Register", e, _also(timeout), _silent(auth))
-        _check_key(outcome, auth, timeout, denied=auth.caller not in (None, "admin"))
+        _check_key(outcome, auth, denied=auth.caller not in (None, "admin"))
 
     fuzz()
     assert s3.keys() == before  # nothing refused was stored
@@ -357,12 +357,16 @@ def test_health_and_reflection_fuzz(gateways):
             fh.refused_properly("gateway Health.Check", e, silent=_silent(auth))
             assert e.code() == Code.NOT_FOUND or auth.size > fs.METADATA_LIMIT, e
         watch = health.Watch(request, metadata=auth.metadata, timeout=10)
-        with contextlib.suppress(grpc.RpcError):  # refused as Check was
+        try:
             first = next(watch).status
             known = service in _HEALTHY
             assert first == (health_pb2.HealthCheckResponse.SERVING if known else SERVICE_UNKNOWN)
             fh.note("gateway Health.Watch", "OK")
-        watch.cancel()
+        except grpc.RpcError as e:
+            fh.refused_properly("gateway Health.Watch", e, silent=_silent(auth))
+            assert auth.size > fs.METADATA_LIMIT, e  # only metadata gRPC refuses
+        finally:
+            watch.cancel()
         _reflect(ch, reflect, auth)
 
     fuzz()
