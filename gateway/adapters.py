@@ -79,6 +79,14 @@ class AdapterDirectory:
         await self.channel.close()
 
 
+def _lost_refusal(e: grpc.aio.AioRpcError) -> bool:
+    """grpc.aio's streaming client, when the server answers before the last message went out (the
+    adapter service refuses a bad upload at once), may fail the next send and report INTERNAL
+    "Internal error from Core" in place of the server's status (grpc/aio/_call.py `_write`:
+    `set_internal_error`). Only a refusal ends an upload early, so it is the caller's bad input."""
+    return e.code() == Code.INTERNAL and "SendMessageOperation" in (e.debug_error_string() or "")
+
+
 def _hint(pod: Pod) -> apb.PodHint:
     """The pod by its control address (its host and reported control port), with its load."""
     load = pod.load
@@ -123,6 +131,13 @@ class AdminProxy(adapters_pb2_grpc.AdaptersServicer):
         try:
             return await getattr(stub, method)(request, timeout=context.time_remaining())
         except grpc.aio.AioRpcError as e:
+            if _lost_refusal(e):
+                await abort(
+                    context,
+                    Code.INVALID_ARGUMENT,
+                    "the adapter service refused the upload before it ended (its reason was lost in "
+                    "transit; the service's log has it): check the header (name, config, size, sha256)",
+                )
             await abort(context, e.code(), e.details() or "adapter service error")
 
     async def Register(self, request_iterator: AsyncIterator[apb.RegisterChunk], context: Any) -> apb.Adapter:

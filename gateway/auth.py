@@ -136,8 +136,9 @@ class ApiKeys:
 
     def authenticate(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> Caller:
         key = None
-        for k, v in metadata or ():
-            value = v.decode() if isinstance(v, bytes) else v
+        for k, value in metadata or ():
+            if not isinstance(value, str):  # a `-bin` header's bytes (may be any bytes): never a key
+                continue
             if k == "authorization" and value.lower().startswith("bearer "):
                 key = value[7:].strip()
             elif k == "x-api-key":

@@ -226,10 +226,17 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         """No ready pod holds the adapter: have the adapter service place it, then see it placed."""
         if self.directory is None or not _registered_name(req.adapter) or self._choose(req, hashes, set()):
             return
-        adapter = req.adapter
+        adapter, left = req.adapter, context.time_remaining()
+        caller_bound = left is not None and left < self.directory.placement_timeout
         try:
-            placed = await self.directory.place(adapter, self.pool.healthy(), context.time_remaining())
+            placed = await self.directory.place(adapter, self.pool.healthy(), left)
         except asyncio.TimeoutError:
+            if caller_bound:  # the caller's own deadline ran out, not --placement-timeout
+                await abort(
+                    context,
+                    Code.DEADLINE_EXCEEDED,
+                    f"the request's deadline passed while adapter {adapter!r} was being placed on a pod",
+                )
             await abort(
                 context,
                 Code.UNAVAILABLE,
@@ -270,6 +277,8 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
             for m in reply.models:
                 if m.kind != pb.MODEL_KIND_ADAPTER or caller.may_use(m.id):
                     seen.setdefault(m.id, m)
+        if not seen and all(_code(r) == Code.DEADLINE_EXCEEDED for r in replies):
+            await abort(context, Code.DEADLINE_EXCEEDED, "the deadline passed before a model pod answered")
         if not seen:
             await abort(context, Code.UNAVAILABLE, "no model pod answered ListModels")
         if self.directory is not None and await self.directory.refresh():
@@ -289,6 +298,10 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
 def _registered_name(adapter: str | None) -> bool:
     """An adapter the registry owns; `@active` and other `@` names are the pods' own (SetActive)."""
     return bool(adapter) and not adapter.startswith("@")
+
+
+def _code(reply: object) -> grpc.StatusCode | None:
+    return reply.code() if isinstance(reply, grpc.aio.AioRpcError) else None
 
 
 def _remaining(context: grpc.aio.ServicerContext, default: float) -> float:

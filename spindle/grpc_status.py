@@ -9,17 +9,31 @@ import grpc
 from google.protobuf.duration_pb2 import Duration
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+# A status message travels in the trailers, percent-encoded (up to 3 bytes a byte); past gRPC's
+# 8 KiB metadata limit the caller gets RESOURCE_EXHAUSTED "received metadata size exceeds ..."
+# in place of the code. Messages echo the caller's input (an id, a name): it may be 1 MB.
+MAX_MESSAGE_BYTES = 2_000
+
+
+def bounded(message: str) -> str:
+    """`message`, cut to MAX_MESSAGE_BYTES of UTF-8 with a note of how much was left out."""
+    data = message.encode()
+    if len(data) <= MAX_MESSAGE_BYTES:
+        return message
+    kept = data[:MAX_MESSAGE_BYTES].decode(errors="ignore")
+    return f"{kept}... ({len(message) - len(kept)} more characters)"
+
 
 async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
     """End the RPC with `code` and an actionable `message` (`context.abort` raises)."""
-    await context.abort(code, message)
+    await context.abort(code, bounded(message))
     raise AssertionError("unreachable: context.abort raises")
 
 
 async def abort_exhausted(context: grpc.aio.ServicerContext, message: str, retry_after: float) -> NoReturn:
     """RESOURCE_EXHAUSTED with when to retry: `retry-after-ms` trailing metadata for any client, and
     google.rpc.RetryInfo in `grpc-status-details-bin` for clients that read rich errors."""
-    ms = max(1, math.ceil(retry_after * 1000))
+    ms, message = max(1, math.ceil(retry_after * 1000)), bounded(message)
     status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message)
     delay = Duration(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000)
     status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))

@@ -4,11 +4,14 @@ grpc-python parses a request with the handler's deserializer before any handler 
 `DecodeError` there (wrong wire types, truncated fields, invalid UTF-8 in a string) ends the call
 UNKNOWN "Unexpected DecodeError", which reads as a server bug. This interceptor swaps each
 deserializer for one that hands a `Malformed` marker to a thin wrapper around the handler, which
-refuses the call with a message that names the message type.
+refuses the call with a message that names the message type. A streaming handler that writes
+with `context.write` instead of yielding (grpc's health Watch) keeps that style: wrapped as an
+async generator it ended UNKNOWN ("'async for' requires an object with __aiter__ method").
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +64,15 @@ def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             return await inner_uu(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, serialize)
+    if handler.unary_stream is not None and not inspect.isasyncgenfunction(handler.unary_stream):
+        inner_uw = handler.unary_stream  # streams with context.write (grpc's health Watch)
+
+        async def unary_writes(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if isinstance(request, Malformed):
+                await _refuse(context, request)
+            await inner_uw(request, context)
+
+        return grpc.unary_stream_rpc_method_handler(unary_writes, deserialize, serialize)
     if handler.unary_stream is not None:
         inner_us = handler.unary_stream
 

@@ -22,6 +22,7 @@ T = TypeVar("T")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 _OPTIONS = [
@@ -55,12 +56,33 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig = PLAINTE
     return bound
 
 
+class _HealthServicer(health_aio.HealthServicer):
+    """grpc's health servicer, for names it does not know: Check's NOT_FOUND says which it does
+    (it had no message), and Watch answers SERVICE_UNKNOWN without keeping a watcher entry for
+    the name (grpc's are never removed: watching ever-new names grew memory on an open port).
+    A server's services are fixed when it starts, so an unknown name stays unknown."""
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> Any:
+        if request.service not in self._server_status:
+            known = ", ".join(repr(n) for n in sorted(self._server_status))
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no service {request.service[:200]!r} here; known: {known}"
+            )
+        return await super().Check(request, context)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        if request.service in self._server_status:
+            return await super().Watch(request, context)
+        await context.write(health_pb2.HealthCheckResponse(status=SERVICE_UNKNOWN))
+        await asyncio.Event().wait()  # until the caller goes away
+
+
 class Health:
     """grpc.health.v1 for the whole server ("") and each named service, starting NOT_SERVING.
     One status, answered on every server given (a process may listen on several ports)."""
 
     def __init__(self, servers: grpc.aio.Server | Iterable[grpc.aio.Server], services: Iterable[str]) -> None:
-        self.servicer = health_aio.HealthServicer()
+        self.servicer = _HealthServicer()
         self.services = ["", *services]
         for server in [servers] if isinstance(servers, grpc.aio.Server) else servers:
             health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)

@@ -26,7 +26,8 @@ settings.register_profile("ci", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-pytest_plugins = ["tests.adapter_helpers"]  # the Redis and S3 servers of the adapter service tests
+# the Redis and S3 servers of the adapter service tests; the RPC fuzzers' processes and checks
+pytest_plugins = ["tests.adapter_helpers", "tests.fuzz_harness"]
 
 from model_service.engine.batch_builder import StepItem  # noqa: E402
 from model_service.engine.config import EngineConfig  # noqa: E402

@@ -4,6 +4,7 @@ and odd unicode strings, malformed token ids, path tricks. Shared by the fuzz te
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import grpc
 from hypothesis import strategies as st
@@ -80,6 +81,7 @@ names = st.one_of(
     st.text(max_size=20),
     st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True),
     st.sampled_from(["..", "a/../../b", "/abs", "a\\b", "@active", "a" * 300, "no-such-adapter"]),
+    giant("n", (10_000, 1_000_000)),  # echoed in a message, past gRPC's 8 KiB limit on trailers
 )
 
 
@@ -149,6 +151,9 @@ def generate_requests(draw: st.DrawFn, vocab: int, adapters: tuple[str, ...] = (
         if draw(st.booleans()):
             setattr(req, name, draw(values))
     req.sampling.CopyFrom(draw(sampling()))
+    if draw(st.integers(0, 3)) == 0:  # what a caller (or the gateway, after a pod failed) already has
+        req.resume.output_token_ids.extend(draw(token_ids(vocab)))
+        req.resume.text_chars = draw(st.one_of(int32, st.integers(-1, 4)))
     return req
 
 
@@ -180,6 +185,8 @@ def plausible_requests(draw: st.DrawFn, vocab: int, adapters: tuple[str, ...]) -
     s.frequency_penalty = draw(st.sampled_from([0.0, -2.0, 2.0]))
     s.ignore_eos = draw(st.booleans())
     s.stop_token_ids.extend(draw(st.lists(st.integers(0, vocab - 1), max_size=3)))
+    if draw(st.integers(0, 4)) == 0:
+        req.resume.output_token_ids.extend(draw(st.lists(st.integers(0, vocab - 1), max_size=3)))
     return req
 
 
@@ -282,3 +289,87 @@ def register_streams(draw: st.DrawFn) -> list[apb.RegisterChunk]:
     if layout == "two-headers":
         return first + data + first
     return first + data
+
+
+# --- the gateway's own inputs: API keys, other metadata, deadlines ---------------------------------
+
+printable = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=40)
+IGNORED = "ignored"  # a header the gateway does not read as a key
+METADATA_LIMIT = 7_000  # about where gRPC's 8 KiB soft limit on a call's metadata starts to refuse
+
+
+@dataclass(frozen=True)
+class Auth:
+    """A call's metadata and the caller the gateway must see in it (None: no valid key)."""
+
+    metadata: tuple[tuple[str, str | bytes], ...]
+    caller: str | None
+    size: int  # bytes: above METADATA_LIMIT the transport may refuse the call (RESOURCE_EXHAUSTED)
+
+
+def _key_headers(keys: dict[str, str]) -> st.SearchStrategy[tuple[tuple[str, str | bytes], str | None]]:
+    """One header that offers a key, with the caller it names (gateway/auth.py: the last key
+    header wins; `authorization` without `Bearer ` and `-bin` headers are not keys)."""
+    valid = st.sampled_from(sorted(keys))
+    return st.one_of(
+        valid.map(lambda k: (("authorization", f"Bearer {k}"), keys[k])),
+        valid.map(lambda k: (("authorization", f"bEaReR   {k}  "), keys[k])),
+        valid.map(lambda k: (("x-api-key", k), keys[k])),
+        valid.map(lambda k: (("x-api-key", k.upper()), None)),
+        valid.map(lambda k: (("authorization", k), IGNORED)),
+        valid.map(lambda k: (("x-api-key-bin", k.encode()), IGNORED)),
+        printable.map(lambda k: (("authorization", f"Bearer {k}"), keys.get(k))),
+        printable.map(lambda k: (("x-api-key", k), keys.get(k))),
+        st.sampled_from(
+            [
+                (("authorization", "Bearer "), None),
+                (("x-api-key", ""), None),
+                (("authorization", "Basic a2V5LWFkbWlu"), IGNORED),
+                (("authorization-bin", b"\xff\x00\xfe"), IGNORED),
+            ]
+        ),
+    )
+
+
+_NOISE_VALUES = [
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",  # a valid W3C traceparent
+    "00-" + "0" * 32 + "-" + "0" * 16 + "-00",  # all-zero ids: invalid
+    "ff-zz-zz-zz",
+    "k=v,k2=v2;p=1",
+    "1S",
+    "-1S",
+    "99999999H",
+    "127.0.0.1:1",
+    "@active",
+]
+_NOISE_KEYS = ["x-request-id", "traceparent", "tracestate", "baggage", "grpc-timeout", "user-agent",
+               "x-spindle-pod", "x-adapter", "x-forwarded-for", "cookie"]  # fmt: skip
+_noise = st.one_of(
+    st.tuples(st.sampled_from(_NOISE_KEYS), st.one_of(printable, st.sampled_from(_NOISE_VALUES))),
+    st.tuples(st.sampled_from(["trace-bin", "x-blob-bin"]), st.binary(max_size=64)),
+)
+
+
+@st.composite
+def api_key_metadata(draw: st.DrawFn, keys: dict[str, str]) -> Auth:
+    """Metadata a client may send (gRPC refuses non-ASCII, upper-case or CR/LF metadata before it
+    leaves: tests/raw_http2.py sends those): no key, empty, huge, wrong, several, a -bin twin,
+    tracing and routing-looking noise, hundreds of headers. `keys`: key -> caller name."""
+    parts = draw(st.lists(st.one_of(_key_headers(keys), _noise.map(lambda h: (h, IGNORED))), max_size=6))
+    if draw(st.booleans()):  # half the calls end with a good key, so the request goes further
+        key = draw(st.sampled_from(sorted(keys)))
+        parts.append((("authorization", f"Bearer {key}"), keys[key]))
+    rare = draw(st.integers(0, 19))
+    if rare == 0:  # a huge key: gRPC refuses a call's metadata past 8 KiB (at times), 16 KiB (always)
+        n = draw(st.sampled_from([1_000, 7_000, 9_000, 20_000]))
+        parts.insert(draw(st.integers(0, len(parts))), (("x-api-key", "k" * n), None))
+    elif rare == 1:  # hundreds of headers
+        at = draw(st.integers(0, len(parts)))
+        parts[at:at] = [(("x-noise", str(i)), IGNORED) for i in range(draw(st.sampled_from([50, 300])))]
+    meanings = [m for _, m in parts if m != IGNORED]
+    headers = tuple(h for h, _ in parts)
+    return Auth(headers, meanings[-1] if meanings else None, sum(len(k) + len(v) + 32 for k, v in headers))
+
+
+# seconds; None: no deadline. <= 0 and tiny ones expire before or while the call runs.
+deadlines = st.sampled_from([None, None, None, 60.0, 5.0, 0.5, 0.05, 1e-3, 1e-6, 0.0, -1.0, 1e9])

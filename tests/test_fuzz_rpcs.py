@@ -9,93 +9,33 @@ returns exactly the engine's own tokens. SPINDLE_FUZZ_EXAMPLES sets the examples
 
 from __future__ import annotations
 
-import collections
-import os
 import random
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings
 
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import adapters_pb2_grpc, model_control_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
 from spindle.v1 import generation_pb2 as pb
 from tests import fuzz_strategies as fs
-from tests.adapter_helpers import aws_env
 from tests.conftest import make_engine
-from tests.service_helpers import collect, spawn, spawn_pod, stub, token_request, wait_idle, wait_serving
+from tests.fuzz_harness import (
+    EXAMPLES,
+    FUZZ,
+    MALFORMED,
+    assert_still_serves,
+    drive_generate,
+    fuzz_raw_bytes,
+    note,
+    refused_properly,
+    registered,
+)
+from tests.service_helpers import spawn_pod, stub, token_request, wait_serving
 
 Code = grpc.StatusCode
-EXAMPLES = int(os.environ.get("SPINDLE_FUZZ_EXAMPLES", "25"))
 PROMPT = [5, 6, 7, 8, 9]
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
-)
-OUTCOMES: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _report_outcomes():
-    """Print what each RPC answered (for docs/reliability.md) when the module ends; run with -s."""
-    yield
-    for rpc, counts in sorted(OUTCOMES.items()):
-        print(f"FUZZ {rpc}: {sum(counts.values())} calls {dict(counts.most_common())}")
-
-
-def _note(rpc: str, outcome: str) -> None:
-    OUTCOMES[rpc][outcome] += 1
-
-
-def _refused_properly(rpc: str, e: grpc.RpcError, also: frozenset = frozenset()) -> None:
-    _note(rpc, e.code().name)
-    assert e.code() in fs.BAD_INPUT | also, f"{rpc}: {e.code()} {e.details()!r}"
-    assert e.details(), f"{rpc}: {e.code()} without a message"
-
-
-@pytest.fixture(scope="module")
-def tiny_pod(tiny_llama, lora_dirs, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("fuzz_pod")
-    service = spawn_pod(tiny_llama.name, logs, "pod", "--max-loras", "2", "--lora", f"a={lora_dirs['a']}")
-    yield wait_serving(service)
-    assert service.stop() == 0, service.output()
-
-
-def _assert_still_serves(pod, reference: list[int], ids: list[int] = PROMPT) -> None:
-    """The process is alive, nothing is held, and a valid request gets exactly the engine's tokens."""
-    assert pod.proc.poll() is None, pod.output()
-    wait_idle(pod, timeout=60)
-    with pod.channel() as ch:
-        tokens, _ = collect(
-            stub(ch).Generate(token_request(ids, len(reference), temperature=0.0), timeout=60)
-        )
-    assert tokens == reference
-
-
-def _drive_generate(g, rpc: str, req: pb.GenerateRequest, rng: random.Random) -> None:
-    """Send one request; an accepted one is read to its Final, or cancelled after a few chunks."""
-    cancel_after = rng.choice([None, None, 1, 3])
-    try:
-        call = g.Generate(req, timeout=60)
-        for n, msg in enumerate(call, 1):
-            if msg.HasField("final"):
-                assert msg.final.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-                _note(rpc, "OK")
-                return
-            assert msg.HasField("chunk")
-            if cancel_after is not None and n >= cancel_after:
-                call.cancel()
-                _note(rpc, "OK (cancelled)")
-                return
-        raise AssertionError(f"{rpc}: stream ended without a Final")
-    except grpc.RpcError as e:
-        if e.code() == Code.CANCELLED and cancel_after is not None:
-            _note(rpc, "OK (cancelled)")
-            return
-        _refused_properly(rpc, e)
+pytestmark = pytest.mark.usefixtures("fuzz_report")
 
 
 def test_generate_fuzz_tiny_engine(tiny_llama, tiny_pod):
@@ -113,10 +53,10 @@ def test_generate_fuzz_tiny_engine(tiny_llama, tiny_pod):
         @FUZZ
         @given(fs.generate_requests(vocab=320, adapters=("a",)))
         def fuzz(req: pb.GenerateRequest) -> None:
-            _drive_generate(g, "Generate (tiny)", req, rng)
+            drive_generate(g, "Generate (tiny)", req, rng.choice([None, None, 1, 3]))
 
         fuzz()
-    _assert_still_serves(tiny_pod, reference)
+    assert_still_serves(tiny_pod, reference, PROMPT)
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +82,10 @@ def test_generate_fuzz_smollm2(smollm2, smol_pod):
         @settings(FUZZ, max_examples=max(10, EXAMPLES // 4))
         @given(fs.generate_requests(vocab=49152))
         def fuzz(req: pb.GenerateRequest) -> None:
-            _drive_generate(g, "Generate (SmolLM2)", req, rng)
+            drive_generate(g, "Generate (SmolLM2)", req, rng.choice([None, None, 1, 3]))
 
         fuzz()
-    _assert_still_serves(smol_pod, reference[0].token_ids, ids)
+    assert_still_serves(smol_pod, reference[0].token_ids, ids)
 
 
 def test_abort_list_models_and_get_load_fuzz(tiny_pod):
@@ -157,14 +97,14 @@ def test_abort_list_models_and_get_load_fuzz(tiny_pod):
         def fuzz(rid: str) -> None:
             try:
                 g.Abort(pb.AbortRequest(request_id=rid), timeout=10)
-                _note("Abort", "OK")
+                note("Abort", "OK")
             except grpc.RpcError as e:
-                _refused_properly("Abort", e)
+                refused_properly("Abort", e)
             assert g.ListModels(pb.ListModelsRequest(), timeout=10).models[0].max_model_len > 0
-            _note("ListModels", "OK")
+            note("ListModels", "OK")
             rep = status.GetLoad(pod_status_pb2.GetLoadRequest(), timeout=10)
             assert rep.kv_blocks_total == 64 and 0 <= rep.kv_blocks_free <= 64
-            _note("GetLoad", "OK")
+            note("GetLoad", "OK")
 
         fuzz()
 
@@ -184,10 +124,10 @@ def test_model_control_fuzz(method, tiny_llama, tiny_pod):
                 if method == "FetchAdapterWeights":
                     chunks = list(reply)
                     assert chunks and chunks[-1].last
-                _note(rpc, "OK")
+                note(rpc, "OK")
             except grpc.RpcError as e:
                 # a peer that is not there is the peer's fault, not the request's
-                _refused_properly(rpc, e, frozenset({Code.UNAVAILABLE, Code.DATA_LOSS}))
+                refused_properly(rpc, e, frozenset({Code.UNAVAILABLE, Code.DATA_LOSS}))
 
         fuzz()
     reference = (
@@ -195,34 +135,17 @@ def test_model_control_fuzz(method, tiny_llama, tiny_pod):
         .generate([{"prompt_token_ids": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}])[0]
         .token_ids
     )
-    _assert_still_serves(tiny_pod, reference)
+    assert_still_serves(tiny_pod, reference, PROMPT)
 
 
 # --- the adapter service ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def adapter_service(tiny_llama, tiny_pod, redis_url, s3, tmp_path_factory):
-    import redis
-
-    redis.Redis.from_url(redis_url).flushall()
-    args = [
-        "--pods", tiny_pod.control_address, "--redis-url", redis_url, "--s3-bucket", s3.bucket,
-        "--s3-endpoint-url", s3.endpoint, "--s3-region", "us-east-1", "--base-model", tiny_llama.name,
-        "--metrics-port", "0", "--max-adapter-bytes", "2000000", "--max-lora-rank", "16",
-    ]  # fmt: skip
-    service = spawn("adapter-service", args, tmp_path_factory.mktemp("fuzz_svc"), "svc", env=aws_env())
-    yield wait_serving(service)
-    assert service.stop() == 0, service.output()
 
 
 @pytest.mark.parametrize("method", sorted(fs.adapter_requests))
 def test_adapter_service_fuzz(method, adapter_service, lora_dirs, s3):
     from adapter_service.client import AdaptersClient
 
-    with AdaptersClient(adapter_service.address) as client:
-        known = {a.name: a for a in client.list()}
-        kept = known.get("kept") or client.register("kept", lora_dirs["b"])
+    kept = registered(adapter_service, "kept", lora_dirs["b"])
     before = s3.keys("kept/")
     with adapter_service.channel() as ch:
         stubs = {"Place": adapters_pb2_grpc.PlacementStub(ch), "Catalog": adapters_pb2_grpc.PlacementStub(ch)}
@@ -234,9 +157,9 @@ def test_adapter_service_fuzz(method, adapter_service, lora_dirs, s3):
         def fuzz(req) -> None:
             try:
                 call(req, timeout=30)
-                _note(rpc, "OK")
+                note(rpc, "OK")
             except grpc.RpcError as e:
-                _refused_properly(rpc, e, frozenset({Code.DATA_LOSS}))
+                refused_properly(rpc, e, frozenset({Code.DATA_LOSS}))
 
         fuzz()
     with AdaptersClient(adapter_service.address) as client:
@@ -257,7 +180,7 @@ def test_register_fuzz(adapter_service, s3):
                 admin.Register(iter(chunks), timeout=30)
                 raise AssertionError("a fuzzed upload was registered")
             except grpc.RpcError as e:
-                _refused_properly("Adapters.Register", e)
+                refused_properly("Adapters.Register", e)
 
         fuzz()
     assert s3.keys() == before  # nothing refused was stored
@@ -265,14 +188,6 @@ def test_register_fuzz(adapter_service, s3):
 
 
 # --- bytes that are not the message at all ------------------------------------------------------
-
-_MALFORMED = [
-    b"\x12\x03\xff\xfe\xfd",  # field 2 (text / name), invalid UTF-8
-    b"\x0a\x02\xc3\x28",  # field 1 string, invalid UTF-8
-    b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff",  # a varint past 10 bytes
-    b"\x0a\x7f",  # a length past the end
-    b"\x0f",  # wire type 7
-]
 
 _RAW_METHODS = [
     ("pod", "/spindle.v1.Generation/Generate", "unary_stream"),
@@ -293,22 +208,8 @@ def test_malformed_protobuf_bytes_are_invalid_argument(where, path, kind, tiny_p
     target = {"pod": tiny_pod.address, "control": tiny_pod.control_address}.get(
         where, adapter_service.address
     )
-    rpc = f"raw {path}"
     with grpc.insecure_channel(target) as ch:
-        send = getattr(ch, kind)(path)
-
-        @FUZZ
-        @given(st.one_of(st.binary(min_size=1, max_size=64), st.sampled_from(_MALFORMED)))
-        def fuzz(raw: bytes) -> None:
-            try:
-                reply = send(iter([raw]) if kind == "stream_unary" else raw, timeout=10)
-                if kind == "unary_stream":
-                    list(reply)
-                _note(rpc, "OK (parsed)")
-            except grpc.RpcError as e:
-                _refused_properly(rpc, e)
-
-        fuzz()
+        fuzz_raw_bytes(ch, path, kind)
 
 
 def _reverse_offsets(header: dict) -> None:
@@ -379,7 +280,7 @@ def test_bad_input_regressions(tiny_pod):
             with pytest.raises(grpc.RpcError) as e:
                 list(stub(ch).Generate(req, timeout=10))
             assert e.value.code() == Code.INVALID_ARGUMENT and "request_id" in e.value.details()
-        for raw in _MALFORMED:  # was UNKNOWN "Unexpected DecodeError"
+        for raw in MALFORMED:  # was UNKNOWN "Unexpected DecodeError"
             with pytest.raises(grpc.RpcError) as e:
                 list(ch.unary_stream("/spindle.v1.Generation/Generate")(raw, timeout=10))
             assert e.value.code() == Code.INVALID_ARGUMENT and "protobuf" in e.value.details()

@@ -139,6 +139,48 @@ def test_bad_control_requests_get_codes(pods):
         assert _generate(ch, "a")  # still serving
 
 
+def test_paths_that_are_not_regular_files_are_refused_promptly(pods, tiny_llama, adapters, tmp_path):
+    """A FIFO, /dev/zero (symlinked as the weights), a directory, a 1 GiB + 1 sparse file: every
+    RPC that reads a path is INVALID_ARGUMENT within its short deadline (a read would block or
+    exhaust memory: DEADLINE_EXCEEDED or a dead pod), and the pod keeps serving `a` unchanged."""
+    import os
+
+    from tests.test_upload_hardening import _special_dirs
+
+    first, _ = pods
+    cases = _special_dirs(adapters["a"], tmp_path)
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "adapter_config.json").write_bytes((adapters["a"] / "adapter_config.json").read_bytes())
+    with open(big / "adapter_model.safetensors", "wb") as f:
+        os.truncate(f.fileno(), (1 << 30) + 1)  # sparse: no disk used, never read
+    cases["big"] = (big, "above the limit")
+    with first.channel() as ch, first.control_channel() as cc:
+        ctl = _control(cc)
+        for what, (d, words) in cases.items():
+            calls = {
+                "LoadAdapter": lambda d=d: ctl.LoadAdapter(
+                    mc.LoadAdapterRequest(name="x", path=str(d)), timeout=5
+                ),
+                "PromoteFromDisk": lambda d=d: ctl.PromoteFromDisk(
+                    mc.PromoteFromDiskRequest(name="x", path=str(d)), timeout=5
+                ),
+                "Rotate": lambda d=d: ctl.Rotate(mc.RotateRequest(name="a", path=str(d)), timeout=5),
+                "Rotate+sha256": lambda d=d: ctl.Rotate(
+                    mc.RotateRequest(name="a", path=str(d), sha256="0" * 64), timeout=5
+                ),
+            }
+            for rpc, call in calls.items():
+                if what == "fifo-config" and rpc == "Rotate+sha256":
+                    continue  # reads only the weights: refused by their checksum
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == Code.INVALID_ARGUMENT, (what, rpc, e.value.code(), e.value.details())
+                assert words in e.value.details(), (what, rpc, e.value.details())
+        assert _generate(ch, "a") == _reference(tiny_llama, adapters, "a")
+    assert first.proc.poll() is None
+
+
 def test_gateway_sends_adapter_requests_only_to_pods_that_have_it(pods, tiny_llama, adapters, tmp_path):
     second = pods[1]
     gateway = _gateway(pods, tmp_path)

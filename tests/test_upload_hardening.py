@@ -97,3 +97,38 @@ def test_the_engine_loader_refuses_what_the_service_refuses(tiny_llama, lora_dir
     for bad in (tmp_path / ("x" * 300), tmp_path / "nul\0byte"):  # ENAMETOOLONG / ValueError: not INTERNAL
         with pytest.raises(AdapterError, match=r"cannot read|not a directory"):
             load_peft_adapter("x", bad, tiny_llama.config, 64)
+
+
+def _special_dirs(src, tmp_path) -> dict[str, tuple[object, str]]:
+    """Adapter directories whose file is not a regular file, and the words each refusal names."""
+    import os
+
+    out = {}
+    for what, make, words in (
+        ("fifo-weights", lambda p: os.mkfifo(p), "FIFO"),
+        ("zero-weights", lambda p: p.symlink_to("/dev/zero"), "character device"),
+        ("dir-weights", lambda p: p.mkdir(), "a directory"),
+    ):
+        d = tmp_path / what
+        shutil.copytree(src, d)
+        (d / "adapter_model.safetensors").unlink()
+        make(d / "adapter_model.safetensors")
+        out[what] = (d, words)
+    d = tmp_path / "fifo-config"
+    shutil.copytree(src, d)
+    (d / "adapter_config.json").unlink()
+    os.mkfifo(d / "adapter_config.json")
+    out["fifo-config"] = (d, "FIFO")
+    return out
+
+
+def test_the_loader_refuses_fifos_devices_directories_and_oversized_files(tiny_llama, lora_dirs, tmp_path):
+    """Refused before a byte is read: a FIFO would block the engine thread, /dev/zero exhaust memory
+    (the test would hang or run out of memory if either were opened and read)."""
+    for d, words in _special_dirs(lora_dirs["a"], tmp_path).values():
+        with pytest.raises(AdapterError, match=words):
+            load_peft_adapter("x", d, tiny_llama.config, 64)
+    size = (lora_dirs["a"] / "adapter_model.safetensors").stat().st_size
+    with pytest.raises(AdapterError, match=r"above the limit of .* \(--max-adapter-bytes\)"):
+        load_peft_adapter("x", lora_dirs["a"], tiny_llama.config, 64, max_bytes=size - 1)
+    assert load_peft_adapter("x", lora_dirs["a"], tiny_llama.config, 64, max_bytes=size).modules

@@ -86,6 +86,11 @@ class EngineConfig:
     max_loras: int = _opt(4, "adapters resident on the device (slots)", group="lora")
     max_cpu_loras: int = _opt(16, "parsed adapters kept in host memory", group="lora")
     max_lora_rank: int = _opt(64, "refuse adapters of a higher rank", group="lora")
+    max_adapter_bytes: int = _opt(
+        _GIB,
+        "refuse adapter weight files larger than this (as the adapter service's --max-adapter-bytes)",
+        group="lora",
+    )
     lora_modules: dict[str, str] = field(  # name -> PEFT adapter dir, registered at start
         default_factory=dict,
         metadata={

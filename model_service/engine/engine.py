@@ -110,7 +110,10 @@ class Engine:
             mc.layer_kinds, 1, mc.num_kv_heads, mc.head_dim, dtype
         )
         self.cache = CacheManager(blocks, self.executor, per_token, state_slots)
-        self.lora = LoraPool(mc, config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.executor)
+        self.lora = LoraPool(
+            mc, config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.executor,
+            config.max_adapter_bytes,
+        )  # fmt: skip
         self.scheduler = Scheduler(config, self.cache, self.lora)
         self.builder = BatchBuilder(config.block_size, device)
         self.eos_token_ids = set(mc.eos_token_ids)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from model_service.errors import SpindleError
+from model_service.lora.files import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, read_regular
 from model_service.models.config import ModelConfig
 from spindle.peft import (
     LORA_MODULES,
@@ -82,16 +83,18 @@ def content_id(config_bytes: bytes, weight_bytes: bytes) -> int:
     return int.from_bytes(digest[:8], "big") >> 1 or 1  # positive, never the base model's 0
 
 
-def load_peft_adapter(name: str, path: Path, base: ModelConfig, max_lora_rank: int) -> LoraAdapter:
+def load_peft_adapter(
+    name: str, path: Path, base: ModelConfig, max_lora_rank: int, max_bytes: int = MAX_ADAPTER_BYTES
+) -> LoraAdapter:
     path = Path(path)
-    try:  # a path is user input: too long, a NUL byte, unreadable are the caller's to fix
-        config_bytes, weight_bytes = _read_files(name, path)
+    try:  # a path is user input: too long, a NUL byte, unreadable, a FIFO are the caller's to fix
+        config_bytes, weight_bytes = _read_files(name, path, max_bytes)
     except (OSError, ValueError) as e:
         raise AdapterError(f"adapter {name!r}: cannot read {str(path)[:200]!r}: {e}") from e
     return parse_peft_adapter(name, config_bytes, weight_bytes, base, max_lora_rank, path)
 
 
-def _read_files(name: str, path: Path) -> tuple[bytes, bytes]:
+def _read_files(name: str, path: Path, max_bytes: int) -> tuple[bytes, bytes]:
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not path.is_dir():
         raise AdapterError(f"adapter {name!r}: {path} is not a directory")
@@ -101,7 +104,8 @@ def _read_files(name: str, path: Path) -> tuple[bytes, bytes]:
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
         hint = f" (found pickle weights {pickles}; convert them to safetensors)" if pickles else ""
         raise AdapterError(f"adapter {name!r}: {path} has no adapter_model.safetensors{hint}")
-    return config_file.read_bytes(), weights_file.read_bytes()
+    config = read_regular(config_file, MAX_CONFIG_BYTES, "adapter_config.json's limit")
+    return config, read_regular(weights_file, max_bytes)
 
 
 def parse_peft_adapter(

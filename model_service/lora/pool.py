@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from model_service.lora.adapter import AdapterError, LoraAdapter, load_peft_adapter
+from model_service.lora.files import MAX_ADAPTER_BYTES
 from model_service.models.config import ModelConfig
 
 ACTIVE = "@active"  # the adapter name that follows rotation (the seed's slot -1)
@@ -80,8 +81,9 @@ class LoraPool:
         max_cpu_loras: int,
         max_lora_rank: int,
         writer: SlotWriter,
+        max_adapter_bytes: int = MAX_ADAPTER_BYTES,
     ) -> None:
-        self.base, self.max_lora_rank = base, max_lora_rank
+        self.base, self.max_lora_rank, self.max_adapter_bytes = base, max_lora_rank, max_adapter_bytes
         self.writer = writer
         self.max_cpu_loras = max_cpu_loras
         self.slots = [Slot() for _ in range(max_loras)]
@@ -139,7 +141,7 @@ class LoraPool:
 
     def register(self, name: str, path: Path) -> LoraAdapter:
         """Add (or replace) a disk-tier adapter; parsed now so a bad one fails here, not mid-request."""
-        adapter = load_peft_adapter(name, path, self.base, self.max_lora_rank)
+        adapter = load_peft_adapter(name, path, self.base, self.max_lora_rank, self.max_adapter_bytes)
         self.disk[name] = Path(path)
         self.identity[name] = (adapter.adapter_id, adapter.max_rank, adapter.sha256)
         self._remember(adapter)
@@ -258,7 +260,9 @@ class LoraPool:
             return self.host[name]
         if name not in self.disk:
             raise AdapterNotFoundError(f"unknown adapter {name!r}; register it first")
-        adapter = load_peft_adapter(name, self.disk[name], self.base, self.max_lora_rank)
+        adapter = load_peft_adapter(
+            name, self.disk[name], self.base, self.max_lora_rank, self.max_adapter_bytes
+        )
         self._remember(adapter)
         return adapter
 

@@ -27,6 +27,7 @@ from model_service.lora.control import (
     RegisterAdapter,
     SetActiveAdapter,
 )
+from model_service.lora.files import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, UnsafeFileError, read_regular
 from model_service.lora.pool import AdapterInfo
 from model_service.pod.state import ModelPod
 from model_service.pod.status import abort_for
@@ -162,9 +163,16 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
 
     async def _sha256_of(self, weights: Path, context: grpc.aio.ServicerContext) -> str:
         try:
-            return await asyncio.to_thread(_file_sha256, weights)
+            data = await asyncio.to_thread(read_regular, weights, self._max_bytes())
+        except UnsafeFileError as e:  # a FIFO, a device, a directory, too large
+            await abort(context, Code.INVALID_ARGUMENT, f"cannot read the new weights: {e}")
         except (OSError, ValueError) as e:  # missing, too long a name, a NUL byte
             await abort(context, Code.NOT_FOUND, f"cannot read the new weights {str(weights)[:200]!r}: {e}")
+        return hashlib.sha256(data).hexdigest()
+
+    def _max_bytes(self) -> int:
+        engine = self.pod.engine
+        return engine.config.max_adapter_bytes if engine is not None else MAX_ADAPTER_BYTES
 
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.SlotChange:
         name = await self._name(request.name, context)
@@ -215,12 +223,15 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         path = self._files(name, await self.pod.adapters())
         if path is None:
             await abort(context, Code.NOT_FOUND, f"adapter {name!r} has no files on this pod")
-        config, data = await asyncio.to_thread(
-            lambda: (
-                (path / "adapter_config.json").read_text(),
-                (path / "adapter_model.safetensors").read_bytes(),
+        try:  # the registered files may have been replaced or removed since
+            config, data = await asyncio.to_thread(
+                lambda: (
+                    read_regular(path / "adapter_config.json", MAX_CONFIG_BYTES).decode(),
+                    read_regular(path / "adapter_model.safetensors", self._max_bytes()),
+                )
             )
-        )
+        except (OSError, ValueError) as e:
+            await abort(context, Code.FAILED_PRECONDITION, f"adapter {name!r}: cannot read its files: {e}")
         step = request.chunk_bytes or _CHUNK
         digest = hashlib.sha256(data).hexdigest()
         for offset in range(0, max(len(data), 1), step):
@@ -287,6 +298,3 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         await asyncio.to_thread(write)
         return path
 
-
-def _file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()

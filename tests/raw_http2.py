@@ -1,0 +1,72 @@
+"""One gRPC call as raw HTTP/2 (the `h2` library), for header bytes a gRPC client refuses to send:
+non-ASCII or invalid UTF-8 keys, CR / LF / NUL, upper-case names, malformed `grpc-timeout`."""
+
+from __future__ import annotations
+
+import socket
+import urllib.parse
+from dataclasses import dataclass
+
+import h2.config
+import h2.connection
+import h2.events
+
+
+@dataclass
+class RawOutcome:
+    status: int | None  # grpc-status; None when the stream was reset or the connection closed
+    message: str
+    reset: str = ""  # why there is no status: RST_STREAM's error code, GOAWAY, or closed
+
+
+def call(
+    address: str, path: str, headers: list[tuple[bytes, bytes]], message: bytes, timeout: float = 10.0
+) -> RawOutcome:
+    """Send one request message on a fresh connection with exactly `headers` after the
+    pseudo-headers; read until the stream ends."""
+    config = h2.config.H2Configuration(
+        client_side=True,
+        header_encoding=None,
+        validate_outbound_headers=False,
+        normalize_outbound_headers=False,
+        validate_inbound_headers=False,
+    )
+    conn = h2.connection.H2Connection(config=config)
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        conn.initiate_connection()
+        stream = conn.get_next_available_stream_id()
+        base = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()),
+                (b":authority", address.encode()), (b"content-type", b"application/grpc"),
+                (b"te", b"trailers")]  # fmt: skip
+        conn.send_headers(stream, base + headers)
+        conn.send_data(stream, b"\0" + len(message).to_bytes(4, "big") + message, end_stream=True)
+        sock.sendall(conn.data_to_send())
+        return _read(sock, conn, stream)
+
+
+def _read(sock: socket.socket, conn: h2.connection.H2Connection, stream: int) -> RawOutcome:
+    fields: dict[bytes, bytes] = {}
+    while True:
+        data = sock.recv(65536)
+        if not data:
+            return _outcome(fields, "connection closed")
+        for event in conn.receive_data(data):
+            if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                fields.update(dict(event.headers))
+            elif isinstance(event, h2.events.DataReceived):
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            elif isinstance(event, h2.events.StreamReset) and event.stream_id == stream:
+                return _outcome(fields, f"RST_STREAM {event.error_code!r}")
+            elif isinstance(event, h2.events.ConnectionTerminated):
+                return _outcome(fields, f"GOAWAY {event.error_code!r}")
+            elif isinstance(event, h2.events.StreamEnded) and event.stream_id == stream:
+                return _outcome(fields, "")
+        sock.sendall(conn.data_to_send())
+
+
+def _outcome(fields: dict[bytes, bytes], reset: str) -> RawOutcome:
+    if b"grpc-status" not in fields:
+        return RawOutcome(None, "", reset or "no grpc-status")
+    message = urllib.parse.unquote(fields.get(b"grpc-message", b"").decode("ascii", "replace"))
+    return RawOutcome(int(fields[b"grpc-status"]), message)
