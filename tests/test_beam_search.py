@@ -148,3 +148,27 @@ def test_every_beam_of_a_group_finished_at_once_ends_it_once(tiny_llama):
         engine._finish(beam, "error")
     assert [o.request_id for o in engine.step()] == ["b"]
     assert_all_blocks_free(engine)
+
+
+def test_a_beam_search_larger_than_the_kv_cache_ends_with_a_capacity_error(tiny_llama):
+    """8 beams of 40 new tokens need up to ~85 blocks of 4 tokens at once. With 12 the beams that
+    ran waited for siblings that could never be admitted (their blocks
+    held by those same beams): the engine stepped forever doing nothing and every other request
+    starved. Now the search ends with finish_reason "capacity" (the pod: RESOURCE_EXHAUSTED),
+    every block comes back, and the next request is served."""
+    engine = make_engine(tiny_llama, block_size=4, num_kv_blocks=12)
+    engine.add_request(
+        prompt_token_ids=list(range(3, 23)), request_id="big",
+        params=SamplingParams(num_beams=8, max_tokens=40, ignore_eos=True),
+    )  # fmt: skip
+    outputs = []
+    for _ in range(200):
+        outputs += engine.step()
+        if not engine.has_unfinished():
+            break
+    [final] = [o for o in outputs if o.finished]
+    assert final.finish_reason == "capacity" and "beam search of 8 beams needs" in (final.error or "")
+    assert_all_blocks_free(engine)
+    small = {"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 4, "num_beams": 2}
+    assert engine.generate([small])[0].finish_reason == "length"
+    assert_all_blocks_free(engine)

@@ -266,3 +266,25 @@ def test_sigterm_drains_in_flight_then_exits(tiny_llama, tmp_path):
     assert time.monotonic() - started < 8
     assert isinstance(results["short"], list) and len(results["short"]) == 8  # finished within the bound
     assert [results[f"long{i}"] for i in range(4)] == [Code.UNAVAILABLE] * 4  # aborted when it ran out
+
+
+
+def test_a_beam_search_larger_than_the_kv_cache_is_resource_exhausted(tiny_llama, tmp_path):
+    """A 200-token prompt fills 50 of this pod's 64 blocks of 4 tokens; 32 beams then need a
+    block each beside it. Before, the pod stepped forever doing nothing while that search held
+    every block (each stream after it waited until its deadline); now the caller gets
+    RESOURCE_EXHAUSTED naming the limit, nothing leaks, and the next request is served exactly."""
+    small = wait_serving(spawn_pod(tiny_llama.name, tmp_path, "beams", "--block-size", "4"))
+    try:
+        with small.channel() as ch:
+            prompt = [(7 * i) % 200 + 3 for i in range(200)]
+            with pytest.raises(grpc.RpcError) as err:
+                collect(stub(ch).Generate(token_request(prompt, 20, num_beams=32), timeout=60))
+            assert err.value.code() == Code.RESOURCE_EXHAUSTED, err.value.details()
+            assert "beam search of 32 beams needs more K/V cache" in err.value.details()
+            wait_idle(small)
+            tokens, _ = collect(stub(ch).Generate(token_request(PROMPT, 8, temperature=0.0)))
+        want = {"prompt_token_ids": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        assert tokens == _engine_tokens(tiny_llama, **want)
+    finally:
+        assert small.stop() == 0, small.output()

@@ -261,6 +261,8 @@ class Engine:
         outputs, self._pending = self._pending, []
         work = self.scheduler.schedule().work
         if not work:
+            if self._inflight is None and self.scheduler.running and not self.scheduler.adapter_demand:
+                self._end_stalled_beam_search()
             return outputs + self._outputs(self._drain()) + self._take_pending()
         self.num_steps += 1
         try:
@@ -274,6 +276,25 @@ class Engine:
             self._settle_in_flight(e)
             return outputs + self._take_pending()
         return outputs + self._outputs(sampled) + self._take_pending()
+
+    def _end_stalled_beam_search(self) -> None:
+        """Nothing was scheduled, nothing is in flight, yet sequences run: they are beams waiting
+        for siblings that cannot be admitted, because the K/V blocks the search needs at once are
+        held by the waiting beams' own siblings. Nothing will free
+        them, so the pod would hang (holding those blocks from every other request); end the
+        youngest such search with a capacity error instead, which frees its beams."""
+        stalled = [s for s in self.scheduler.running if s.group is not None]
+        if not stalled:
+            return
+        beam = max(stalled, key=Sequence.sort_key)
+        assert beam.group is not None
+        beam.error = (
+            f"beam search of {beam.group.num_beams} beams needs more K/V cache at once than this engine "
+            f"has ({self.cache.num_total_blocks} blocks of {self.cache.block_size} tokens): ask for fewer "
+            "beams or fewer max_tokens"
+        )
+        log.warning("request %s: %s", beam.group.request_id, beam.error)
+        self._finish(beam, "capacity")
 
     def _settle_in_flight(self, error: Exception) -> None:
         """After a failed step: the step before's tokens are appended if they can still be read

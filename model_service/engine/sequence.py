@@ -34,7 +34,7 @@ class RequestOutput:
     __slots__ = (
         "_token_ids",
         "error",
-        "finish_reason",  # "stop" | "length" | "abort" | "error"
+        "finish_reason",  # "stop" | "length" | "abort" | "error" | "capacity"
         "finished",
         "first_scheduled_at",  # time.monotonic() of the first step that ran it
         "new_logprobs",
