@@ -279,19 +279,22 @@ class Engine:
 
     def _end_stalled_beam_search(self) -> None:
         """Nothing was scheduled, nothing is in flight, yet sequences run: they are beams waiting
-        for siblings that cannot be admitted, because the K/V blocks the search needs at once are
-        held by the waiting beams' own siblings. Nothing will free
-        them, so the pod would hang (holding those blocks from every other request); end the
-        youngest such search with a capacity error instead, which frees its beams."""
+        for siblings that cannot be admitted, because the K/V blocks they need are held by
+        running beams, which wait too. Nothing would free them, and the pod would hang (holding
+        those blocks from every other request), so the youngest stalled search ends with a
+        capacity error, which frees its beams for the others. Alone, such a search can never
+        run; beside another it may have fitted by itself (with two searches of 8 beams of 40
+        tokens on 28-34 blocks of 4, the second one ends so; requeueing it instead did not
+        help: recomputed beams no longer share their blocks)."""
         stalled = [s for s in self.scheduler.running if s.group is not None]
         if not stalled:
             return
         beam = max(stalled, key=Sequence.sort_key)
         assert beam.group is not None
         beam.error = (
-            f"beam search of {beam.group.num_beams} beams needs more K/V cache at once than this engine "
-            f"has ({self.cache.num_total_blocks} blocks of {self.cache.block_size} tokens): ask for fewer "
-            "beams or fewer max_tokens"
+            f"beam search of {beam.group.num_beams} beams needs more K/V cache at once than is free for "
+            f"it (this engine has {self.cache.num_total_blocks} blocks of {self.cache.block_size} tokens): "
+            "ask for fewer beams or fewer max_tokens, or retry"
         )
         log.warning("request %s: %s", beam.group.request_id, beam.error)
         self._finish(beam, "capacity")
