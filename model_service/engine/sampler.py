@@ -31,6 +31,7 @@ import torch
 from model_service.engine.sampling_params import SamplingParams
 from model_service.kernels.paged_attention import triton
 from model_service.kernels.sampling import gumbel_max, truncated_sample
+from model_service.models import step
 
 
 @dataclass
@@ -152,11 +153,9 @@ def _filtered_sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
 def to_device(
     values: list[float] | np.ndarray, device: torch.device, dtype: torch.dtype = torch.long
 ) -> torch.Tensor:
-    """A small host list or array on `device` without waiting for the device: a copy from
-    pageable memory waits until the stream is idle, one from pinned memory is queued behind the
-    work before it."""
-    t = torch.as_tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    """`models.step.to_device` with the sampler's default: index and seed lists (an empty one
+    too) are int64."""
+    return step.to_device(values, device, dtype)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -25,13 +25,15 @@ if TYPE_CHECKING:
     from model_service.models.recurrent import RecurrentStep
 
 
-def to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A step's host-planned array (kernel tile tables, grids) on `device` without waiting for it.
-    A copy from pageable memory returns only once every kernel queued before it has run, which
-    stalls an overlapped host (async scheduling) until the step before is done; on CUDA the copy
-    goes through pinned memory instead, in stream order (the caching host allocator keeps the
-    pinned block until the copy is done)."""
-    tensor = torch.from_numpy(host)
+def to_device(
+    host: np.ndarray | list[int] | list[float], device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A host-planned array (kernel tile tables, grids, sampling parameters) on `device` without
+    waiting for it. A copy from pageable memory returns only once every kernel queued before it
+    has run, which stalls an overlapped host (async scheduling) until the step before is done; on
+    CUDA the copy goes through pinned memory instead, in stream order (the caching host allocator
+    keeps the pinned block until the copy is done)."""
+    tensor = torch.as_tensor(host, dtype=dtype)
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
