@@ -163,8 +163,9 @@ class ModelExecutor:
                 self.graphs = self._decode_graphs(config, triton_backend)
                 dense = not any(kind.moe for kind in cfg.layer_kinds)  # MoE: not yet run piecewise on a GPU
                 if config.piecewise_graphs and dense and isinstance(self.module, DecoderModel):
+                    plan = self.lora.plan if self.lora is not None else None
                     self.pieces = PiecewiseGraphs(
-                        self.module, triton_backend, config.max_num_batched_tokens, self.device
+                        self.module, triton_backend, config.max_num_batched_tokens, self.device, plan
                     )
         else:
             self.attention = TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
@@ -183,11 +184,8 @@ class ModelExecutor:
             torch.backends.cuda.enable_cudnn_sdp(False)
 
     def capture_graphs(self) -> None:
-        """Capture every piecewise bucket, then every decode graph (nothing without graphs: CPU,
-        eager, hybrids); after `__init__`, once the weights have their final layout. In that
-        order: piecewise buckets captured after the decode graphs replayed wrong tokens on an
-        H200, then an illegal address (float32 test model; the cause is not found yet), while
-        decode graphs captured after the buckets, as lazily captured ones are, replay right."""
+        """Capture every piecewise bucket and every decode graph (nothing without graphs: CPU,
+        eager, hybrids); after `__init__`, once the weights have their final layout."""
         if self.pieces is not None:
             self.pieces.capture_all()
         if self.graphs is not None:

@@ -26,6 +26,7 @@ import bisect
 import torch
 
 from model_service.attention.triton_backend import TritonBackend
+from model_service.lora.layers import LoraStepPlan
 from model_service.models.llama import DecoderModel
 from model_service.models.step import ForwardContext, StepBatch
 
@@ -80,9 +81,14 @@ class _SplitAtAttention:
 
 class PiecewiseGraphs:
     def __init__(
-        self, module: DecoderModel, backend: TritonBackend, max_tokens: int, device: torch.device
+        self,
+        module: DecoderModel,
+        backend: TritonBackend,
+        max_tokens: int,
+        device: torch.device,
+        lora: LoraStepPlan | None = None,
     ) -> None:
-        self.module, self.backend = module, backend
+        self.module, self.backend, self.lora = module, backend, lora
         self.ladder = token_ladder(max_tokens)
         self.input_ids = torch.zeros(self.ladder[-1], dtype=torch.long, device=device)
         self.positions = torch.zeros(self.ladder[-1], dtype=torch.long, device=device)
@@ -115,13 +121,20 @@ class PiecewiseGraphs:
         """Capture every bucket now, before serving. A bucket costs two forward passes and ~33
         graph instantiations (~0.65 s on the 8B shape); paid lazily, the first time a step of its
         size showed up, that halved short-prompt serving (3,738 against 7,225 out tok/s eager at
-        concurrency 64), so there is no lazy capture."""
+        concurrency 64), so there is no lazy capture.
+
+        The LoRA plan is switched off for the capture: the decode graphs' capture leaves it on
+        (its last graph has the LoRA kernels over a static slot buffer of one row), and buckets
+        captured after them recorded those kernels reading slots far past that buffer: wrong
+        tokens, then an illegal address on an H200, in base-model steps."""
         for size in self.ladder:
             self.buckets[size] = self._capture(size)
 
     def _capture(self, size: int) -> _Pieces:
         ids, pos = self.input_ids[:size], self.positions[:size]
         pieces = _Pieces()
+        if self.lora is not None:  # base rows only: the plan's state is whatever the last step or
+            self.lora.for_capture(ids[:0], enabled=False)  # decode capture left (see `capture_all`)
         with torch.cuda.stream(self.stream):
             for capturing in (False, True):  # a warm-up first: kernel compilation, allocator, cuBLAS
                 torch.cuda.synchronize()
