@@ -246,6 +246,55 @@ def test_triton_lora_tiles_match_reference(tokens, dtype, in_features):
         assert torch.equal(got[slots < 0], y[slots < 0])
 
 
+def _lora_mixed_batch(device: str):
+    """Five decode rows of four adapters, a 40-token chunk of adapter 2, a decode row of adapter 1
+    after it, a 20-token prompt on the base model: the scheduler's order of a mixed step."""
+    shapes = [(9, 1, 0), (30, 1, 1), (4, 1, 2), (17, 1, 3), (12, 1, 0), (60, 40, 2), (8, 1, 1), (20, 20, -1)]
+    items = []
+    for i, (n, q_rows, slot) in enumerate(shapes):
+        state = SequenceState(seq_id=i, block_table=list(range(i * 16, i * 16 + 16)), num_computed=n - q_rows)
+        state.lora_slot = slot
+        items.append(StepItem(state, [0] * q_rows, 1))
+    return BatchBuilder(4, torch.device(device)).build(items)
+
+
+def test_lora_plan_serves_a_mixed_steps_decode_rows_per_row_and_tiles_the_rest():
+    from model_service.lora.layers import LoraStepPlan
+
+    batch = _lora_mixed_batch("cpu")
+    assert batch.num_leading_decodes == 5
+    plan = LoraStepPlan(use_kernels=True)
+    plan.prepare(batch)
+    assert plan.lead == 5
+    assert plan.tiles.tolist() == [[5, 45, 2], [45, 46, 1]]  # no tile for the decode rows or base rows
+    decode = BatchBuilder(4, torch.device("cpu")).build(
+        [StepItem(SequenceState(seq_id=0, block_table=[0], num_computed=2), [0], 1)]
+    )
+    plan.prepare(decode)
+    assert (plan.lead, plan.tiles, decode.num_leading_decodes) == (0, None, 1)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [48, 2048])
+def test_triton_lora_of_a_mixed_step_matches_reference(dtype, in_features):
+    """Per-row kernels on the leading decode rows and tiles on the rest write one buffer each way:
+    both halves must land, in the right rows, and base rows stay untouched."""
+    from model_service.lora.layers import LoraStepPlan
+
+    batch = _lora_mixed_batch("cuda")
+    sizes, x, y, a, b, scaling, _ = _lora_case(batch.num_tokens, "cuda", dtype, 0, in_features)
+    plan = LoraStepPlan(use_kernels=True)
+    plan.prepare(batch)
+    want, got = y.clone(), y.clone()
+    lora_delta_reference(x, want, a, b, scaling, batch.lora_slots, sizes)
+    starts = torch.tensor([0, sizes[0], sizes[0] + sizes[1]], device="cuda")
+    plan.expand(plan.shrink(x, a), got, b, scaling, starts)
+    assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(got[batch.lora_slots < 0], y[batch.lora_slots < 0])
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dim", [576, 4096])

@@ -19,7 +19,6 @@ replayed over stale metadata, and padding rows (slot -1, length 0) write and rea
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from model_service.attention.kv_cache import KVCache
@@ -53,7 +52,7 @@ class TritonBackend:
             self.num_splits = num_splits_for(batch.num_seqs, kv_heads)
             return
         self.query_start = batch.query_start
-        self.num_decode = int(np.argmax(np.diff(batch.host_query_start) != 1))  # some run is longer
+        self.num_decode = batch.num_leading_decodes
         self.num_splits = num_splits_for(self.num_decode, kv_heads)
         seqs, rows = prefill_tiles(batch.host_query_start, first_seq=self.num_decode)
         device = batch.input_ids.device

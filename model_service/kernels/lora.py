@@ -97,9 +97,12 @@ def lora_delta_reference(
         lo += size
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def lora_shrink(
+    x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """xa [tokens, parts * max_rank] in float32: every row's input times its slot's A (Triton,
-    CUDA only); rows of slot -1 are left at whatever the buffer holds."""
+    CUDA only); rows of slot -1 are left at whatever the buffer holds. `out`: rows of a larger
+    buffer to write (a mixed step's decode rows, beside the tile kernels' rows)."""
     tokens, in_features = x.shape
     _, parts, max_rank, _ = a.shape
     width = parts * max_rank
@@ -109,8 +112,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.
     programs = tokens * triton.cdiv(width, 16)
     split_k = 1 if programs >= 2 * num_sms(x.device) else max(1, min(16, in_features // 512))
     k_chunk = triton.cdiv(triton.cdiv(in_features, split_k), 128) * 128
-    alloc = torch.zeros if split_k > 1 else torch.empty
-    xa = alloc(tokens, width, dtype=torch.float32, device=x.device)
+    xa = torch.empty(tokens, width, dtype=torch.float32, device=x.device) if out is None else out
+    if split_k > 1:
+        xa.zero_()  # the programs add their partial sums into it
     _shrink_kernel[(tokens, triton.cdiv(width, 16), triton.cdiv(in_features, k_chunk))](
         x, a, slots, xa, x.stride(0), a.stride(0), in_features, width, k_chunk,
         BLOCK_R=16, BLOCK_K=128, SPLIT_K=split_k > 1,

@@ -71,17 +71,18 @@ if triton is not None:
         rows, cols = m < end, o < out_features
         acc = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
         for j in range(num_parts):  # a column block may straddle parts (q | k | v)
-            in_part = cols & (o >= tl.load(Bounds + j))
-            if j + 1 < num_parts:
-                in_part = in_part & (o < tl.load(Bounds + j + 1))
-            xa = tl.load(
-                XA + m[:, None] * width + j * MAX_RANK + r[None, :],
-                mask=rows[:, None] & (r[None, :] < MAX_RANK), other=0.0,
-            )  # fmt: skip
-            b_off = slot * b_stride_slot + o[:, None] * MAX_RANK + r[None, :]
-            b = tl.load(B + b_off, mask=in_part[:, None] & (r[None, :] < MAX_RANK), other=0.0)
-            scale = tl.load(Scaling + slot * num_parts + j)
-            acc += tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision=PRECISION) * scale
+            lo = tl.load(Bounds + j)
+            hi = tl.load(Bounds + j + 1, mask=j + 1 < num_parts, other=out_features)
+            if (ob * BLOCK_O < hi) & (ob * BLOCK_O + BLOCK_O > lo):  # the parts it covers only
+                in_part = cols & (o >= lo) & (o < hi)
+                xa = tl.load(
+                    XA + m[:, None] * width + j * MAX_RANK + r[None, :],
+                    mask=rows[:, None] & (r[None, :] < MAX_RANK), other=0.0,
+                )  # fmt: skip
+                b_off = slot * b_stride_slot + o[:, None] * MAX_RANK + r[None, :]
+                b = tl.load(B + b_off, mask=in_part[:, None] & (r[None, :] < MAX_RANK), other=0.0)
+                scale = tl.load(Scaling + slot * num_parts + j)
+                acc += tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision=PRECISION) * scale
         y_ptr = Y + m[:, None] * y_stride + o[None, :]
         mask = rows[:, None] & cols[None, :]
         y = tl.load(y_ptr, mask=mask, other=0.0)

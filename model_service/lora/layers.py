@@ -54,6 +54,7 @@ class LoraStepPlan:
         self.enabled = False  # some row of this step uses an adapter
         self.slots = torch.empty(0, dtype=torch.long)
         self.tiles: torch.Tensor | None = None
+        self.lead = 0  # with tiles: the step's leading decode rows, which the per-row kernels serve
         self.segments: list[tuple[int, torch.Tensor]] = []
         self._side: torch.cuda.Stream | None = None
 
@@ -71,6 +72,7 @@ class LoraStepPlan:
         self.enabled = batch.uses_lora
         if self.use_kernels:
             self.slots = batch.lora_slots
+            self.lead = batch.num_leading_decodes if batch.max_query_len > 1 else 0
             self.tiles = self._tiles(batch) if self.enabled else None
             return
         slots = batch.host_lora_slots
@@ -81,28 +83,38 @@ class LoraStepPlan:
         ]
 
     def _tiles(self, batch: StepBatch) -> torch.Tensor | None:
-        """Row tiles for a step with a long prefill chunk through an adapter, else None. Decode
-        rows of many sequences with one adapter form runs too, but such steps keep the per-row
-        kernels, tuned for them."""
+        """Row tiles for the rows after `lead` on a step with a long prefill chunk through an
+        adapter, else None. The leading decode rows keep the per-row kernels: as tiles, each of
+        another adapter was a 64-row tile with one live row (8B shape, 64 decode rows of 64
+        adapters beside a 2,048-token chunk: 404 -> 286 us of LoRA a layer, `bench/lora_kernels.py`).
+        Decode rows of many sequences with one adapter form runs too, but decode steps keep the
+        per-row kernels, tuned for them."""
         if batch.max_query_len < self.TILE_MIN_RUN:
             return None
-        tiles = lora_tiles(batch.host_lora_slots)
-        if int((tiles[:, 1] - tiles[:, 0]).max()) < self.TILE_MIN_RUN:  # TILE_MIN_RUN <= TILE_ROWS
-            return None
+        tiles = lora_tiles(batch.host_lora_slots[self.lead :])
+        if tiles.size == 0 or int((tiles[:, 1] - tiles[:, 0]).max()) < self.TILE_MIN_RUN:
+            return None  # TILE_MIN_RUN <= TILE_ROWS
+        tiles[:, :2] += self.lead
         return to_device(tiles, batch.input_ids.device)
 
     def shrink(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         if self.tiles is None:
             return lora_shrink(x, a, self.slots)
-        return lora_shrink_tiles(x, a, self.tiles)
+        xa = lora_shrink_tiles(x, a, self.tiles)
+        if self.lead:
+            lora_shrink(x[: self.lead], a, self.slots[: self.lead], out=xa[: self.lead])
+        return xa
 
     def expand(
         self, xa: torch.Tensor, y: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, bounds: torch.Tensor
     ) -> None:
         if self.tiles is None:
             lora_expand(xa, y, b, scaling, self.slots, bounds)
-        else:
-            lora_expand_tiles(xa, y, b, scaling, self.tiles, bounds)
+            return
+        lora_expand_tiles(xa, y, b, scaling, self.tiles, bounds)
+        if self.lead:
+            d = self.lead
+            lora_expand(xa[:d], y[:d], b, scaling, self.slots[:d], bounds)
 
 
 class LoraLinear(nn.Module):

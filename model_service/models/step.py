@@ -81,6 +81,14 @@ class StepBatch:
     def uses_lora(self) -> bool:
         return bool((self.host_lora_slots >= 0).any())
 
+    @property
+    def num_leading_decodes(self) -> int:
+        """How many one-token sequences open the step (the scheduler puts decode rows first):
+        a mixed step sends these rows through the per-row kernels tuned for decode (attention,
+        LoRA) and only the rest through the tile kernels."""
+        longer = np.flatnonzero(np.diff(self.host_query_start) != 1)
+        return int(longer[0]) if longer.size else len(self.host_query_start) - 1
+
     def as_token_rows(self) -> StepBatch:
         """The same step with every token as a one-token sequence of its own, attending to its
         sequence's context up to itself. For a step whose every token is a logits row (decode

@@ -1,0 +1,138 @@
+"""The LoRA kernels of one step on the 8B shape, per projection, against the base GEMM.
+
+Setup: one H200 (CUDA only), bf16, Llama-3-8B projection shapes (q/k/v fused, o, gate/up fused,
+down), `--adapters` distinct rank-`--rank` adapters in as many slots (random weights, all seven
+projections). Three steps: `decode` (one row per adapter, the per-row kernels a decode graph
+replays), `mixed` (those decode rows first, then a `--chunk`-token prefill chunk of adapter 0,
+as the scheduler orders a mixed step: what `LoraStepPlan` runs now, decode rows per row and the
+chunk as tiles) and `mixed-all-tiles` (the same step with every row a tile, as before). Each
+result is checked against the float32 reference, then timed with CUDA events (`--iters` calls in
+one CUDA graph), one JSON line per step and projection, a table last.
+
+    PYTHONPATH=. python3 bench/lora_kernels.py [--adapters 64] [--rank 16] [--chunk 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from model_service.kernels.lora import lora_delta_reference
+from model_service.kernels.lora_grouped import lora_tiles
+from model_service.lora.layers import LoraStepPlan
+from model_service.models.step import StepBatch, to_device
+
+# in_features, output sizes of each fused projection of the 8B shape
+PROJECTIONS = {
+    "qkv": (4096, (4096, 1024, 1024)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (14336, 14336)),
+    "down": (14336, (4096,)),
+}
+
+
+def step_batch(slots: list[int], lengths: list[int]) -> StepBatch:
+    """The fields `LoraStepPlan.prepare` reads, for sequences of `lengths` rows with `slots`."""
+    dev = torch.device("cuda")
+    host_slots = torch.tensor([s for s, n in zip(slots, lengths, strict=True) for _ in range(n)])
+    query_start = torch.tensor([0, *lengths]).cumsum(0)
+    empty = torch.empty(0, dtype=torch.long, device=dev)
+    return StepBatch(
+        input_ids=torch.zeros(int(query_start[-1]), dtype=torch.long, device=dev),
+        positions=empty, slot_mapping=empty, query_start=query_start.to(dev), seq_lens=empty,
+        block_table=empty, logits_rows=empty, state_slots=empty, lora_slots=host_slots.to(dev),
+        max_query_len=max(lengths), max_seq_len=max(lengths), host_lora_slots=host_slots.numpy(),
+        host_query_start=query_start.numpy(), host_state_snapshots=host_slots.numpy() * 0 - 1,
+    )  # fmt: skip
+
+
+def timed(fn, iters: int) -> float:
+    """Microseconds of one `fn` on the device: `iters` calls captured in one CUDA graph, as a
+    decode step replays them (timed eagerly, a call would measure the host's launches)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def run_projection(name: str, batch: StepBatch, tiles_only: bool, args: argparse.Namespace) -> dict:
+    in_features, sizes = PROJECTIONS[name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, out = batch.num_tokens, sum(sizes)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    x, w = randn(n, in_features), randn(out, in_features, scale=in_features**-0.5)
+    a = randn(args.adapters, len(sizes), args.rank, in_features, scale=in_features**-0.5)
+    b = randn(args.adapters, out, args.rank, scale=args.rank**-0.5)
+    scaling = torch.full((args.adapters, len(sizes)), 2.0, device="cuda")
+    starts = torch.tensor([0, *sizes[:-1]], device="cuda").cumsum(0)
+    plan = LoraStepPlan(use_kernels=True)
+    plan.prepare(batch)
+    if tiles_only:  # the plan before the decode rows were split off
+        plan.lead, plan.tiles = 0, to_device(lora_tiles(batch.host_lora_slots), torch.device("cuda"))
+
+    def lora(y: torch.Tensor) -> None:
+        plan.expand(plan.shrink(x, a), y, b, scaling, starts)
+
+    y = x @ w.T
+    want, got = y.float(), y.clone()
+    lora_delta_reference(x.float(), want, a, b, scaling, batch.lora_slots, sizes)
+    lora(got)
+    err = float((got.float() - want).norm() / want.norm())
+    return {
+        "projection": name,
+        "rows": n,
+        "base_gemm_us": round(timed(lambda: x @ w.T, args.iters), 1),
+        "lora_us": round(timed(lambda: lora(y), args.iters), 1),
+        "rel_err": float(f"{err:.2e}"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--adapters", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args()
+    decode_slots = list(range(args.adapters))
+    steps = {
+        "decode": (step_batch(decode_slots, [1] * args.adapters), False),
+        "mixed": (step_batch([*decode_slots, 0], [1] * args.adapters + [args.chunk]), False),
+        "mixed-all-tiles": (step_batch([*decode_slots, 0], [1] * args.adapters + [args.chunk]), True),
+    }
+    setup = {"adapters": args.adapters, "rank": args.rank, "chunk": args.chunk, "dtype": "bfloat16"}
+    rows = []
+    for step, (batch, tiles_only) in steps.items():
+        for name in PROJECTIONS:
+            result = {"bench": "lora_kernels", "step": step, **run_projection(name, batch, tiles_only, args)}
+            print(json.dumps({**result, **setup, "device": torch.cuda.get_device_name()}), flush=True)
+            rows.append(result)
+    print(f"\n{'step':<16} {'projection':<9} {'rows':>5} {'base us':>8} {'lora us':>8} {'rel err':>8}")
+    for r in rows:
+        print(
+            f"{r['step']:<16} {r['projection']:<9} {r['rows']:>5} {r['base_gemm_us']:>8} "
+            f"{r['lora_us']:>8} {r['rel_err']:>8.1e}"
+        )
+    for step in steps:
+        total = [r for r in rows if r["step"] == step]
+        base, lora = sum(r["base_gemm_us"] for r in total), sum(r["lora_us"] for r in total)
+        layers_ms = lora * 32 / 1000
+        print(f"{step:<16} a layer: base {base:.0f} us, LoRA {lora:.0f} us, 32 layers {layers_ms:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
