@@ -429,7 +429,7 @@ def main() -> None:
             EngineConfig(
                 device="cuda",
                 dtype="bfloat16",
-                max_num_seqs=max(batches),
+                max_num_seqs=max(*batches, args.host_share_batch),
                 max_loras=0,
                 enforce_eager=eager,
                 kv_cache_memory_bytes=40 << 30,

@@ -145,7 +145,9 @@ def profile_steps(
     spindle_serving(engine, requests, concurrency, adapters, before_step=before_step)
     if "ms" not in clock:
         raise SystemExit(f"the run ended before step {skip + steps}: profile fewer or earlier steps")
-    print(f"\nconcurrency {concurrency}, steps {skip}-{skip + steps}: {clock['ms']:.1f} ms a step (wall)")
+    lora = f", {len(adapters)} adapters" if adapters else ""
+    ms = clock["ms"]
+    print(f"\nconcurrency {concurrency}{lora}, steps {skip}-{skip + steps}: {ms:.1f} ms a step (wall)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
 
 
@@ -164,9 +166,10 @@ def spindle_runs(loaded: LoadedModel, args: argparse.Namespace, report: Callable
     )  # fmt: skip
     adapters = register_random_adapters(engine, loaded.config, n, args.lora_rank) if n else []
     warm_up(engine, vocab, adapters)
-    if profile:
-        c, skip, steps = profile
-        profile_steps(engine, requests_at(args, vocab, c), c, skip, steps, adapters)
+    if profile:  # the base model too, for a side-by-side table (a concurrency not measured below
+        c, skip, steps = profile  # avoids prefix-cache hits from the profiled pass)
+        for through in [(), adapters] if adapters else [()]:
+            profile_steps(engine, requests_at(args, vocab, c), c, skip, steps, through)
     for c in args.concurrency:
         requests = requests_at(args, vocab, c)
         base = spindle_serving(engine, requests, c)
@@ -189,7 +192,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--lora-adapters", type=int, default=0, help="also run through N distinct adapters")
     ap.add_argument("--lora-rank", type=int, default=16)
-    profile_help = "first, device time per kernel over steps SKIP.. at concurrency C (through the adapters)"
+    profile_help = "first, device time per kernel over steps SKIP.. at concurrency C (and with the adapters)"
     ap.add_argument("--profile", default="", metavar="C:SKIP:STEPS", help=profile_help)
     ap.add_argument("--piecewise-graphs", action="store_true", help="prefill and mixed steps as graphs too")
     args = ap.parse_args()
