@@ -124,8 +124,8 @@ class EngineConfig:
         False,
         "CUDA, dense models, experimental: at start-up, capture prefill and mixed steps of up to 512 "
         "tokens as CUDA graphs split at attention (~1.5 GB on an 8B model; short prompts serve about "
-        "a third faster); off by default until a capture-order fault is understood "
-        "(docs/performance.md)",
+        "a third faster); off by default until it has run under tensor parallelism and the whole "
+        "GPU test suite (docs/performance.md)",
     )
     async_scheduling: str = _opt(
         "auto",
