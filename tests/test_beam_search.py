@@ -172,3 +172,55 @@ def test_a_beam_search_larger_than_the_kv_cache_ends_with_a_capacity_error(tiny_
     small = {"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 4, "num_beams": 2}
     assert engine.generate([small])[0].finish_reason == "length"
     assert_all_blocks_free(engine)
+
+
+
+def _two_searches(tiny_llama, num_kv_blocks: int, names: str = "ab", abort_restarted: bool = False) -> dict:
+    """Searches of 8 beams of 40 tokens, "a" on a 20-token prompt from 3, "b" from 50 (which needs
+    fewer blocks at once: beams that end alike share more), run to the end: request id ->
+    (finish_reason, token ids). `abort_restarted`: abort a search as soon as it has started over."""
+    engine = make_engine(tiny_llama, block_size=4, num_kv_blocks=num_kv_blocks)
+    for name in names:
+        start = 3 if name == "a" else 50
+        engine.add_request(
+            prompt_token_ids=list(range(start, start + 20)), request_id=name,
+            params=SamplingParams(num_beams=8, max_tokens=40, ignore_eos=True),
+        )  # fmt: skip
+    finals = {}
+    for _ in range(3000):
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = (out.finish_reason, out.token_ids)
+        restarted = [rid for rid, beams in engine.beams.live.items() if beams[0].group.restarted]
+        if abort_restarted and restarted:
+            assert engine.abort(restarted[0])
+            abort_restarted = False
+        if not engine.has_unfinished():
+            break
+    assert_all_blocks_free(engine)
+    assert not engine.requests and not engine.beams.live
+    return finals
+
+
+def test_two_beam_searches_that_each_fit_alone_both_finish_side_by_side(tiny_llama):
+    """On 28 blocks, a or b alone finishes; together the older preempted the younger's beams one
+    by one, which then could not come back (they no longer shared blocks) and the younger ended
+    with a capacity error. Now it starts over whole, with the same output."""
+    alone = {**_two_searches(tiny_llama, 256, "a"), **_two_searches(tiny_llama, 256, "b")}
+    assert _two_searches(tiny_llama, 28) == alone
+    assert {reason for reason, _ in alone.values()} == {"length"}
+
+
+def test_of_two_beam_searches_the_one_that_never_fits_ends_and_the_other_finishes(tiny_llama):
+    """On 24 blocks "a" cannot run even alone, "b" can: "a" ends with a capacity error after
+    starting over once, "b" finishes with its own output (both used to end)."""
+    both = _two_searches(tiny_llama, 24)
+    assert both["a"][0] == "capacity"
+    assert both["b"] == _two_searches(tiny_llama, 256, "b")["b"]
+
+
+def test_a_beam_search_that_started_over_can_be_aborted(tiny_llama):
+    """The request table follows the search's new root: an abort by request id still ends it."""
+    both = _two_searches(tiny_llama, 28, abort_restarted=True)
+    assert both["b"][0] == "abort"
+    assert both["a"] == _two_searches(tiny_llama, 256, "a")["a"]

@@ -47,6 +47,12 @@ class BeamGroup:
     generated: int = 0  # tokens generated so far by every live beam
     improvable: bool = True  # HF's is_early_stop_heuristic_unsatisfied
     done: bool = False
+    restarted: bool = False  # started over once for lack of K/V blocks (engine/beams.py)
+
+    def restart(self) -> None:
+        """Back to the first step, as if the search had just been admitted."""
+        self.scores, self.finished, self.generated = [0.0], [], 0
+        self.improvable, self.done, self.restarted = True, False, True
 
     def advance(self, logits: torch.Tensor, outputs: list[list[int]]) -> list[BeamChoice]:
         """logits: [live beams, vocab]; outputs: each live beam's generated tokens so far.

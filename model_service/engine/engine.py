@@ -281,22 +281,28 @@ class Engine:
         """Nothing was scheduled, nothing is in flight, yet sequences run: they are beams waiting
         for siblings that cannot be admitted, because the K/V blocks they need are held by
         running beams, which wait too. Nothing would free them, and the pod would hang (holding
-        those blocks from every other request), so the youngest stalled search ends with a
-        capacity error, which frees its beams for the others. Alone, such a search can never
-        run; beside another it may have fitted by itself (with two searches of 8 beams of 40
-        tokens on 28-34 blocks of 4, the second one ends so; requeueing it instead did not
-        help: recomputed beams no longer share their blocks)."""
+        those blocks from every other request). So the youngest stalled search starts over from
+        its prompt, whole (`BeamSearch.restart`: beams preempted one by one may be what stalls
+        it); if it stalls again, it ends with a capacity error, since it cannot run as it is. On
+        28 blocks of 4, two searches of 8 beams of 40 tokens now both finish, where the younger
+        used to end; on 24 the older, which cannot run even alone, ends and the younger finishes
+        (it used to end too)."""
         stalled = [s for s in self.scheduler.running if s.group is not None]
         if not stalled:
             return
         beam = max(stalled, key=Sequence.sort_key)
-        assert beam.group is not None
+        group = beam.group
+        assert group is not None
+        if not group.restarted:
+            log.info("request %s: beam search starts over, for lack of K/V blocks", group.request_id)
+            self.requests[group.request_id] = self.beams.restart(group)
+            return
         beam.error = (
-            f"beam search of {beam.group.num_beams} beams needs more K/V cache at once than is free for "
+            f"beam search of {group.num_beams} beams needs more K/V cache at once than is free for "
             f"it (this engine has {self.cache.num_total_blocks} blocks of {self.cache.block_size} tokens): "
             "ask for fewer beams or fewer max_tokens, or retry"
         )
-        log.warning("request %s: %s", beam.group.request_id, beam.error)
+        log.warning("request %s: %s", group.request_id, beam.error)
         self._finish(beam, "capacity")
 
     def _settle_in_flight(self, error: Exception) -> None:

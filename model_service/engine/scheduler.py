@@ -72,6 +72,10 @@ class Scheduler:
             raise CapacityError(f"the request queue is full ({self.max_waiting} waiting); retry later")
         self._enqueue(seq)
 
+    def requeue(self, seq: Sequence) -> None:
+        """Queue `seq` again whatever the queue's length: its request was admitted once."""
+        self._enqueue(seq)
+
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)

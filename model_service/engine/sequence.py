@@ -155,7 +155,15 @@ class Sequence:
 
     def fork(self) -> Sequence:
         """A sibling beam: same request and tokens so far; the caller gives it KV state."""
-        child = Sequence(
+        child = self.from_prompt()
+        child.token_ids = list(self.token_ids)
+        child.group, child.status = self.group, self.status
+        return child
+
+    def from_prompt(self) -> Sequence:
+        """The same request (prompt, adapter, place in the queue) with no output and no state:
+        a beam search started over (engine/beams.py) or a fork's base."""
+        twin = Sequence(
             self.request_id,
             self.token_ids[: self.num_prompt_tokens],
             self.params,
@@ -163,11 +171,9 @@ class Sequence:
             self.arrival,
             self.priority,
         )
-        child.token_ids = list(self.token_ids)
-        child.adapter_name, child.adapter_id = self.adapter_name, self.adapter_id
-        child.group, child.status = self.group, self.status
-        child.first_scheduled_at = self.first_scheduled_at
-        return child
+        twin.adapter_name, twin.adapter_id = self.adapter_name, self.adapter_id
+        twin.first_scheduled_at = self.first_scheduled_at
+        return twin
 
     def take_output(self) -> RequestOutput:
         """The delta since the last call. Text that could still become a stop string is held back."""
