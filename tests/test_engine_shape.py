@@ -325,3 +325,15 @@ def test_scheduler_runs_to_completion_under_memory_pressure_without_a_model(mode
     assert scheduler.num_preemptions > 0
     assert cache.num_free_blocks == cache.num_total_blocks
     assert all(n == 0 for n in adapters.refs.values())
+
+
+def test_a_recurrent_state_slot_freed_twice_raises_instead_of_going_to_two_sequences():
+    """A slot given back twice would later go to two sequences at once; the free count cannot show
+    it (a double free beside a leak adds up), so the pool refuses it."""
+    cache, _ = _cache(state_slots=2)
+    state = cache.allocate()
+    slot = state.state_slot
+    cache.free(state)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        cache._release_state_slot(slot)
+    assert {cache.allocate().state_slot, cache.allocate().state_slot} == {0, 1}

@@ -83,7 +83,7 @@ class CacheManager:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.has_state = num_state_slots > 0
         self.num_state_slots = num_state_slots
-        self._free_state_slots = list(range(num_state_slots))
+        self._free_state_slots = dict.fromkeys(range(num_state_slots))  # an ordered set, taken LIFO
         self._cached_states: OrderedDict[int, int] = OrderedDict()  # block key -> state slot, LRU first
         self._seq_ids = itertools.count()
 
@@ -125,7 +125,7 @@ class CacheManager:
         self.blocks.release(state)
         for slot in [state.state_slot, *state.snapshots.values()]:
             if slot >= 0:
-                self._free_state_slots.append(slot)
+                self._release_state_slot(slot)
         state.state_slot, state.snapshots = -1, {}
         state.num_computed = 0
         state.freed = True
@@ -159,7 +159,7 @@ class CacheManager:
             slot = state.snapshots.pop(length)
             key = self._key_ending_at(state, length)
             if key is None or key in self._cached_states:
-                self._free_state_slots.append(slot)
+                self._release_state_slot(slot)
             else:
                 self._cached_states[key] = slot
 
@@ -274,7 +274,7 @@ class CacheManager:
                 raise ValueError(f"no recurrent-state snapshot at length {num_tokens} to roll back to")
             self.mover.copy_state(state.snapshots[num_tokens], state.state_slot)
         for length in [n for n in state.snapshots if n >= num_tokens]:
-            self._free_state_slots.append(state.snapshots.pop(length))
+            self._release_state_slot(state.snapshots.pop(length))
         self.blocks.truncate(state, num_tokens)
         state.num_computed = num_tokens
 
@@ -284,7 +284,15 @@ class CacheManager:
     def _take_state_slot(self) -> int:
         """A free slot, else the least recently used prefix-cache snapshot's."""
         if self._free_state_slots:
-            return self._free_state_slots.pop()
+            return self._free_state_slots.popitem()[0]
         if self._cached_states:
             return self._cached_states.popitem(last=False)[1]
         raise RuntimeError("no recurrent-state slot is free; check can_allocate() first")
+
+    def _release_state_slot(self, slot: int) -> None:
+        """Back to the free pool, exactly once: a slot freed twice would go to two sequences, whose
+        recurrent states would overwrite each other, and the free count cannot show it (a double
+        free beside a leak adds up)."""
+        if slot in self._free_state_slots:
+            raise RuntimeError(f"recurrent-state slot {slot} freed twice: it could go to two sequences")
+        self._free_state_slots[slot] = None
