@@ -19,6 +19,8 @@ import json
 
 import torch
 
+from model_service.engine.batch_builder import BatchBuilder, StepItem
+from model_service.engine.seq_state import SequenceState
 from model_service.kernels.lora import lora_delta_reference
 from model_service.kernels.lora_grouped import lora_tiles
 from model_service.lora.layers import LoraStepPlan
@@ -31,21 +33,20 @@ PROJECTIONS = {
     "gate_up": (4096, (14336, 14336)),
     "down": (14336, (4096,)),
 }
+BLOCK_SIZE = 16
 
 
-def step_batch(slots: list[int], lengths: list[int]) -> StepBatch:
-    """The fields `LoraStepPlan.prepare` reads, for sequences of `lengths` rows with `slots`."""
-    dev = torch.device("cuda")
-    host_slots = torch.tensor([s for s, n in zip(slots, lengths, strict=True) for _ in range(n)])
-    query_start = torch.tensor([0, *lengths]).cumsum(0)
-    empty = torch.empty(0, dtype=torch.long, device=dev)
-    return StepBatch(
-        input_ids=torch.zeros(int(query_start[-1]), dtype=torch.long, device=dev),
-        positions=empty, slot_mapping=empty, query_start=query_start.to(dev), seq_lens=empty,
-        block_table=empty, logits_rows=empty, state_slots=empty, lora_slots=host_slots.to(dev),
-        max_query_len=max(lengths), max_seq_len=max(lengths), host_lora_slots=host_slots.numpy(),
-        host_query_start=query_start.numpy(), host_state_snapshots=host_slots.numpy() * 0 - 1,
-    )  # fmt: skip
+def step_batch(slots: list[int], lengths: list[int], device: torch.device) -> StepBatch:
+    """A step batch as the engine packs it (`BatchBuilder`): sequences of `lengths` new rows,
+    each through LoRA slot `slots[i]`, on blocks of their own."""
+    items, first_block = [], 0
+    for i, (slot, n) in enumerate(zip(slots, lengths, strict=True)):
+        blocks = list(range(first_block, first_block + -(-n // BLOCK_SIZE)))
+        first_block += len(blocks)
+        state = SequenceState(seq_id=i, block_table=blocks, num_computed=0)
+        state.lora_slot = slot
+        items.append(StepItem(state, [0] * n, 1))
+    return BatchBuilder(BLOCK_SIZE, device).build(items)
 
 
 def timed(fn, iters: int) -> float:
@@ -108,11 +109,12 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
-    decode_slots = list(range(args.adapters))
+    decode_slots, cuda = list(range(args.adapters)), torch.device("cuda")
+    mixed = ([*decode_slots, 0], [1] * args.adapters + [args.chunk], cuda)
     steps = {
-        "decode": (step_batch(decode_slots, [1] * args.adapters), False),
-        "mixed": (step_batch([*decode_slots, 0], [1] * args.adapters + [args.chunk]), False),
-        "mixed-all-tiles": (step_batch([*decode_slots, 0], [1] * args.adapters + [args.chunk]), True),
+        "decode": (step_batch(decode_slots, [1] * args.adapters, cuda), False),
+        "mixed": (step_batch(*mixed), False),
+        "mixed-all-tiles": (step_batch(*mixed), True),
     }
     setup = {"adapters": args.adapters, "rank": args.rank, "chunk": args.chunk, "dtype": "bfloat16"}
     rows = []
