@@ -194,7 +194,8 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16)
     profile_help = "first, device time per kernel over steps SKIP.. at concurrency C (and with the adapters)"
     ap.add_argument("--profile", default="", metavar="C:SKIP:STEPS", help=profile_help)
-    ap.add_argument("--piecewise-graphs", action="store_true", help="prefill and mixed steps as graphs too")
+    ap.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="prefill and mixed steps as graphs too (the engine's default)")
     args = ap.parse_args()
     shape = LLAMA3_8B if not args.small else SMOLLM2
     args.ranges = (tuple(args.prompt_range), tuple(args.output_range))

@@ -35,8 +35,10 @@ def tiny_cuda_model() -> LoadedModel:
     return LoadedModel("tiny-random", cfg, module.to("cuda").eval(), None)
 
 
-@pytest.mark.parametrize("async_scheduling", ["on", "off"])
-def test_two_gpus_with_nccl_graphs_and_adapters_equal_one(tmp_path, monkeypatch, async_scheduling):
+@pytest.mark.parametrize("async_scheduling, piecewise", [("on", False), ("off", False), ("on", True)])
+def test_two_gpus_with_nccl_graphs_and_adapters_equal_one(tmp_path, monkeypatch, async_scheduling, piecewise):
+    """With `piecewise`, prefill steps replay graphs split at attention too, each rank's pieces
+    with the all-reduces of its projections recorded in them."""
     from bench.lora import write_adapter
     from model_service.engine.config import EngineConfig
     from model_service.engine.engine import Engine
@@ -60,8 +62,11 @@ def test_two_gpus_with_nccl_graphs_and_adapters_equal_one(tmp_path, monkeypatch,
     one = Engine(EngineConfig(**config, async_scheduling="off"), loaded=tiny_cuda_model())
     expected = [o.token_ids for o in one.generate(requests)]
     loaded = dataclasses.replace(tiny_cuda_model(), source=tiny_cuda_model)
-    tp_config = EngineConfig(**config, tensor_parallel_size=2, async_scheduling=async_scheduling)
+    tp_config = EngineConfig(
+        **config, tensor_parallel_size=2, async_scheduling=async_scheduling, piecewise_graphs=piecewise
+    )
     tp = Engine(tp_config, loaded=loaded)
+    tp.warm_up()
     launches = count_launches(monkeypatch)
     try:
         assert [o.token_ids for o in tp.generate(requests)] == expected
@@ -69,6 +74,7 @@ def test_two_gpus_with_nccl_graphs_and_adapters_equal_one(tmp_path, monkeypatch,
         # No reference to the graphs may outlive this check: teardown must free them before it
         # destroys the NCCL group, which hangs under a live graph that recorded its collectives.
         assert tp.executor.rank.executor.graphs.graphs, "decode steps did not replay CUDA graphs"
+        assert (tp.executor.rank.executor.pieces is not None) == piecewise
     finally:
         tp.executor.teardown()
 

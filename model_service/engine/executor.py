@@ -278,7 +278,7 @@ class ModelExecutor:
         """Release device memory; the executor is unusable afterwards. The graphs go first: a
         graph that recorded NCCL collectives keeps the communicator busy, and destroying the
         process group under it hangs (pytorch/pytorch#115388)."""
-        self.graphs = None
+        self.graphs = self.pieces = None
         gc.collect()  # a graph in a reference cycle would outlive the line above
         self.kv_cache.data = torch.empty(0)
         self.module.to("meta")
