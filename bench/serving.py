@@ -90,10 +90,15 @@ def spindle_serving(
 
 def warm_up(engine: Engine, vocab: int, adapters: Sequence[str]) -> None:
     """What a pod does before it serves (every decode graph captured), then prefill chunks and
-    mixed steps, with the adapters' kernels too, so that no measured run pays a first use."""
+    mixed steps, with the adapters' kernels too, so that no measured run pays a first use. Every
+    adapter goes through once, so each is in its GPU slot as a pod serving them would have it:
+    loaded during the measured run instead, the first uses of 56 of 64 adapters stalled the
+    engine 1.44 s (26 ms a load on the 8B shape, all seven projections), most of the LoRA
+    ratio's run-to-run spread (docs/performance.md, session k)."""
     engine.warm_up()
     for names in ((), adapters) if adapters else ((),):
-        spindle_serving(engine, workload(8, vocab, 99, (64, 2048), (8, 16)), 8, names)
+        n = max(8, len(names))
+        spindle_serving(engine, workload(n, vocab, 99, (64, 2048), (8, 16)), min(n, 64), names)
 
 
 def hf_serving(hf: torch.nn.Module, requests: list, concurrency: int) -> dict[str, float]:
