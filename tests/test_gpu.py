@@ -91,10 +91,22 @@ def test_cuda_matches_cpu_with_adapters_swap_and_beams(tmp_path):
     assert results["cuda"] == results["cpu"]
 
 
-def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path):
+def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path, monkeypatch):
     """Prompts long enough that their prefill chunks take the LoRA tile kernels (runs of one
-    adapter cut into row tiles), chunked and mixed with decode rows of other adapters."""
+    adapter cut into row tiles), chunked and mixed with decode rows of other adapters: eager,
+    then replayed from piecewise graphs that record both kinds of LoRA kernels over static
+    buffers (steps with and without tiles, and with leading decode rows, among them)."""
     from bench.lora import write_adapter
+    from model_service.engine.piecewise_graphs import PiecewiseGraphs
+
+    replayed: list[tuple[bool, bool]] = []  # (LoRA rows, tiles) of each step the pieces ran
+    run = PiecewiseGraphs.run
+
+    def counted(self: PiecewiseGraphs, batch: StepBatch) -> torch.Tensor:
+        replayed.append((batch.uses_lora, self.lora.tiles is not None))
+        return run(self, batch)
+
+    monkeypatch.setattr(PiecewiseGraphs, "run", counted)
 
     cfg, reference = _random_model()
     adapters = {f"a{i}": write_adapter(tmp_path / f"a{i}", cfg, rank=8 * (i + 1), seed=i) for i in range(2)}
@@ -113,13 +125,17 @@ def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path):
         for i in range(5)
     ]
     results = {}
-    for device in ("cpu", "cuda"):
+    for device, pieces in (("cpu", False), ("cuda", False), ("cuda", True)):
         engine = _engine(
-            cfg, reference, device, max_loras=2, max_num_batched_tokens=96,
+            cfg, reference, device, max_loras=2, max_num_batched_tokens=96, kv_cache_memory_bytes=64 << 20,
             lora_modules={k: str(v) for k, v in adapters.items()},
         )  # fmt: skip
-        results[device] = [o.token_ids for o in engine.generate(requests)]
-    assert results["cuda"] == results["cpu"]
+        if pieces:
+            engine.warm_up()
+        short = {**requests[2], "prompt_token_ids": [7, 11, 13, 17, 19]}  # a prefill without tiles
+        results[device, pieces] = [o.token_ids for wave in (requests, [short]) for o in engine.generate(wave)]
+    assert {(True, True), (True, False)} <= set(replayed)
+    assert results["cuda", False] == results["cuda", True] == results["cpu", False]
 
 
 def test_piecewise_graphs_of_prefill_and_mixed_steps_match_eager_and_cpu(monkeypatch):

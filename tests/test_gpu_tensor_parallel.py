@@ -37,12 +37,18 @@ def tiny_cuda_model() -> LoadedModel:
 
 @pytest.mark.parametrize("async_scheduling, piecewise", [("on", False), ("off", False), ("on", True)])
 def test_two_gpus_with_nccl_graphs_and_adapters_equal_one(tmp_path, monkeypatch, async_scheduling, piecewise):
-    """With `piecewise`, prefill steps replay graphs split at attention too, each rank's pieces
-    with the all-reduces of its projections recorded in them."""
+    """With `piecewise`, prefill steps without LoRA rows (the second wave: base-model requests
+    alone) replay graphs split at attention, each rank's pieces with the all-reduces of its
+    projections recorded in them."""
     from bench.lora import write_adapter
     from model_service.engine.config import EngineConfig
     from model_service.engine.engine import Engine
+    from model_service.engine.piecewise_graphs import PiecewiseGraphs
     from tests.overlap_helpers import count_launches
+
+    replayed: list[int] = []  # rank 0's: its executor runs in this process
+    run = PiecewiseGraphs.run
+    monkeypatch.setattr(PiecewiseGraphs, "run", lambda self, batch: replayed.append(1) or run(self, batch))
 
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = tiny_cuda_model().config
@@ -70,11 +76,13 @@ def test_two_gpus_with_nccl_graphs_and_adapters_equal_one(tmp_path, monkeypatch,
     launches = count_launches(monkeypatch)
     try:
         assert [o.token_ids for o in tp.generate(requests)] == expected
+        base = [i for i, r in enumerate(requests) if r["adapter"] is None]
+        assert [o.token_ids for o in tp.generate([requests[i] for i in base])] == [expected[i] for i in base]
+        assert bool(replayed) == piecewise
         assert tp.overlap == bool(launches) == (async_scheduling == "on")
         # No reference to the graphs may outlive this check: teardown must free them before it
         # destroys the NCCL group, which hangs under a live graph that recorded its collectives.
         assert tp.executor.rank.executor.graphs.graphs, "decode steps did not replay CUDA graphs"
-        assert (tp.executor.rank.executor.pieces is not None) == piecewise
     finally:
         tp.executor.teardown()
 

@@ -224,7 +224,7 @@ class ModelExecutor:
         if self.lora is not None:
             self.lora.plan.prepare(batch)
         if self.pieces is not None and self.pieces.can_run(batch):
-            return self.pieces.run(batch)  # steps without LoRA rows: the plan is off
+            return self.pieces.run(batch)  # reads the plan `prepare` made (LoRA rows)
         self.attention.prepare(batch)
         recurrent = None
         if self.state_tensors:

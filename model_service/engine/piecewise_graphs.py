@@ -12,11 +12,17 @@ A replay runs graph 0, the real attention on the step's rows (eager: `backend.pr
 it), copies its output into the static buffer, graph 1, ... and the LM head on the step's logits
 rows last, eagerly. Padding rows (id 0, KV slot -1) compute garbage nobody reads.
 
+With the LoRA kernels on, every bucket is captured twice: without LoRA, and with both kinds of
+LoRA kernels over static buffers (`LoraStepPlan.for_pieces`: per-row slots for the step's
+leading decode rows, row tiles for its prefill chunks, at most `tile_capacity` of them). An
+eager mixed step with LoRA rows paid ~20 ms of Triton launches on the host, more than the
+device time of a few-hundred-token step (8B shape, 64 adapters: docs/performance.md).
+
 Every replay writes each pooled tensor before reading it, so all buckets share one pool; each
 bucket keeps its attention calls' q / k / v and output (~1.5 GB for the whole ladder on the 8B
-shape). Buckets are captured only by `capture_all`, in the pod's warm-up (`Engine.warm_up`);
-until then, and for steps with LoRA rows or larger than the ladder, steps run eagerly, as do
-models without decode graphs.
+shape, twice that with LoRA). Buckets are captured only by `capture_all`, in the pod's warm-up
+(`Engine.warm_up`); until then, and for steps larger than the ladder or with more tiles than
+the bucket holds, steps run eagerly, as do models without decode graphs.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import bisect
 import torch
 
 from model_service.attention.triton_backend import TritonBackend
+from model_service.kernels.lora_grouped import TILE_ROWS
 from model_service.lora.layers import LoraStepPlan
 from model_service.models.llama import DecoderModel
 from model_service.models.step import ForwardContext, StepBatch
@@ -38,6 +45,13 @@ def token_ladder(max_tokens: int) -> list[int]:
     top = min(max_tokens, 512)
     sizes = [*range(16, min(top, 128) + 1, 16), *range(192, top + 1, 64)]
     return sorted({*(s for s in sizes if s < top), top})
+
+
+def tile_capacity(size: int) -> int:
+    """LoRA row tiles a bucket of `size` tokens records: full tiles for every row plus one
+    partial tile for each of 16 runs (prefill chunks of distinct adapters); a step with more
+    runs of tile length runs eagerly."""
+    return -(-size // TILE_ROWS) + 16
 
 
 class _Pieces:
@@ -93,20 +107,34 @@ class PiecewiseGraphs:
         self.input_ids = torch.zeros(self.ladder[-1], dtype=torch.long, device=device)
         self.positions = torch.zeros(self.ladder[-1], dtype=torch.long, device=device)
         self.stream = torch.cuda.Stream(device=device)
-        self.buckets: dict[int, _Pieces] = {}
+        top = self.ladder[-1]
+        self.lora_slots = torch.full((top,), -1, dtype=torch.long, device=device)
+        self.lora_tiles = torch.zeros(tile_capacity(top), 3, dtype=torch.int32, device=device)
+        self.buckets: dict[tuple[int, bool], _Pieces] = {}
         self.pool: tuple[int, int] | None = None
 
+    @property
+    def with_lora(self) -> bool:
+        return self.lora is not None and self.lora.use_kernels
+
     def can_run(self, batch: StepBatch) -> bool:
-        return bool(self.buckets) and batch.num_tokens <= self.ladder[-1] and not batch.uses_lora
+        """After `LoraStepPlan.prepare(batch)`: a step with LoRA rows needs its tiles to fit."""
+        if not self.buckets or batch.num_tokens > self.ladder[-1]:
+            return False
+        if not batch.uses_lora:
+            return True
+        tiles = self.lora.tiles if self.with_lora else None
+        return self.with_lora and (tiles is None or len(tiles) <= tile_capacity(self._bucket(batch)))
 
     def run(self, batch: StepBatch) -> torch.Tensor:
-        n = batch.num_tokens
-        size = self.ladder[bisect.bisect_left(self.ladder, n)]
-        pieces = self.buckets[size]
+        n, size = batch.num_tokens, self._bucket(batch)
+        pieces = self.buckets[size, batch.uses_lora]
         self.input_ids[:n] = batch.input_ids
         self.positions[:n] = batch.positions
         self.input_ids[n:size] = 0
         self.positions[n:size] = 0
+        if batch.uses_lora:
+            self._lora_rows(batch, size)
         self.backend.prepare(batch)  # the real step's attention metadata, for the eager calls
         for graph, call in zip(pieces.graphs, [*pieces.calls, None], strict=True):
             graph.replay()
@@ -116,6 +144,23 @@ class PiecewiseGraphs:
                 out[:n] = self.backend.forward(layer, q[:n], k[:n], v[:n], rows)
         assert pieces.hidden is not None
         return self.module.logits(pieces.hidden[:n], batch.logits_rows)
+
+    def _bucket(self, batch: StepBatch) -> int:
+        return self.ladder[bisect.bisect_left(self.ladder, batch.num_tokens)]
+
+    def _lora_rows(self, batch: StepBatch, size: int) -> None:
+        """The static LoRA buffers from the step's plan: per-row slots for the rows the tiles do
+        not take (all rows without tiles), the tiles, empty tiles after them."""
+        n, plan = batch.num_tokens, self.lora
+        assert plan is not None
+        self.lora_slots[:n] = batch.lora_slots
+        self.lora_slots[n:size] = -1
+        used = 0
+        if plan.tiles is not None:
+            self.lora_slots[plan.lead : n] = -1
+            used = len(plan.tiles)
+            self.lora_tiles[:used] = plan.tiles
+        self.lora_tiles[used : tile_capacity(size)] = 0
 
     def capture_all(self) -> None:
         """Capture every bucket now, before serving. A bucket costs two forward passes and ~33
@@ -128,13 +173,16 @@ class PiecewiseGraphs:
         captured after them recorded those kernels reading slots far past that buffer: wrong
         tokens, then an illegal address on an H200, in base-model steps."""
         for size in self.ladder:
-            self.buckets[size] = self._capture(size)
+            for with_lora in (False, True) if self.with_lora else (False,):
+                self.buckets[size, with_lora] = self._capture(size, with_lora)
 
-    def _capture(self, size: int) -> _Pieces:
+    def _capture(self, size: int, with_lora: bool) -> _Pieces:
         ids, pos = self.input_ids[:size], self.positions[:size]
         pieces = _Pieces()
-        if self.lora is not None:  # base rows only: the plan's state is whatever the last step or
-            self.lora.for_capture(ids[:0], enabled=False)  # decode capture left (see `capture_all`)
+        if with_lora:  # the buffers hold no work now (slots -1, empty tiles): warm-up runs safely
+            self.lora.for_pieces(self.lora_slots[:size], self.lora_tiles[: tile_capacity(size)])
+        elif self.lora is not None:  # base rows only: the plan's state is whatever the last step
+            self.lora.for_capture(ids[:0], enabled=False)  # or decode capture left (`capture_all`)
         with torch.cuda.stream(self.stream):
             for capturing in (False, True):  # a warm-up first: kernel compilation, allocator, cuBLAS
                 torch.cuda.synchronize()

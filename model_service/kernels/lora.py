@@ -97,20 +97,31 @@ def lora_delta_reference(
         lo += size
 
 
+def few_rows_split(in_features: int) -> int:
+    """How many parts a per-row shrink splits its input dimension into when it has few rows."""
+    return max(1, min(16, in_features // 512))
+
+
 def lora_shrink(
-    x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    a: torch.Tensor,
+    slots: torch.Tensor,
+    out: torch.Tensor | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """xa [tokens, parts * max_rank] in float32: every row's input times its slot's A (Triton,
-    CUDA only); rows of slot -1 are left at whatever the buffer holds. `out`: rows of a larger
-    buffer to write (a mixed step's decode rows, beside the tile kernels' rows)."""
+    CUDA only); rows of slot -1 are left at whatever the buffer holds (zero when `split_k` > 1).
+    `out`: rows of a larger buffer to write (a mixed step's decode rows, beside the tile
+    kernels' rows). `split_k`: the split for a caller that knows its live rows better."""
     tokens, in_features = x.shape
     _, parts, max_rank, _ = a.shape
     width = parts * max_rank
     # A decode step of few rows splits the input dimension (atomic partial sums into a zeroed
     # buffer) so it still starts ~1,000+ programs; with rows enough to fill the SMs twice over,
     # each program sums its whole row and stores it: no memset launch, no atomics.
-    programs = tokens * triton.cdiv(width, 16)
-    split_k = 1 if programs >= 2 * num_sms(x.device) else max(1, min(16, in_features // 512))
+    if split_k is None:
+        programs = tokens * triton.cdiv(width, 16)
+        split_k = 1 if programs >= 2 * num_sms(x.device) else few_rows_split(in_features)
     k_chunk = triton.cdiv(triton.cdiv(in_features, split_k), 128) * 128
     xa = torch.empty(tokens, width, dtype=torch.float32, device=x.device) if out is None else out
     if split_k > 1:

@@ -35,27 +35,28 @@ if triton is not None:
     ):  # fmt: skip
         tile, nb, ks = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start, end, slot = _tile(Tiles, tile)
-        m = start + tl.arange(0, BLOCK_M)
-        n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        k_end = tl.minimum((ks + 1) * k_chunk, in_features)
-        for k0 in range(ks * k_chunk, k_end, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x_mask = m[:, None] < end
-            a_mask = n[:, None] < width
-            if not EVEN_K:
-                x_mask = x_mask & (k[None, :] < k_end)
-                a_mask = a_mask & (k[None, :] < k_end)
-            x = tl.load(X + m[:, None] * x_stride + k[None, :], mask=x_mask, other=0.0)
-            a_off = slot * a_stride_slot + n[:, None] * in_features + k[None, :]
-            a = tl.load(A + a_off, mask=a_mask, other=0.0)  # rows of A as stored: reads coalesce
-            acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-        xa_ptr = XA + m[:, None] * width + n[None, :]
-        mask = (m[:, None] < end) & (n[None, :] < width)
-        if SPLIT_K:
-            tl.atomic_add(xa_ptr, acc, mask=mask)  # partial sums into a zeroed buffer
-        else:
-            tl.store(xa_ptr, acc, mask=mask)
+        if start < end:  # a static buffer's unused tiles are empty (piecewise graphs)
+            m = start + tl.arange(0, BLOCK_M)
+            n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            k_end = tl.minimum((ks + 1) * k_chunk, in_features)
+            for k0 in range(ks * k_chunk, k_end, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                x_mask = m[:, None] < end
+                a_mask = n[:, None] < width
+                if not EVEN_K:
+                    x_mask = x_mask & (k[None, :] < k_end)
+                    a_mask = a_mask & (k[None, :] < k_end)
+                x = tl.load(X + m[:, None] * x_stride + k[None, :], mask=x_mask, other=0.0)
+                a_off = slot * a_stride_slot + n[:, None] * in_features + k[None, :]
+                a = tl.load(A + a_off, mask=a_mask, other=0.0)  # rows of A as stored: reads coalesce
+                acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+            xa_ptr = XA + m[:, None] * width + n[None, :]
+            mask = (m[:, None] < end) & (n[None, :] < width)
+            if SPLIT_K:
+                tl.atomic_add(xa_ptr, acc, mask=mask)  # partial sums into a zeroed buffer
+            else:
+                tl.store(xa_ptr, acc, mask=mask)
 
     @triton.jit
     def _expand_tiles_kernel(
@@ -65,28 +66,29 @@ if triton is not None:
     ):  # fmt: skip
         tile, ob = tl.program_id(0), tl.program_id(1)
         start, end, slot = _tile(Tiles, tile)
-        m = start + tl.arange(0, BLOCK_M)
-        o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
-        r = tl.arange(0, RANK_PAD)
-        rows, cols = m < end, o < out_features
-        acc = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
-        for j in range(num_parts):  # a column block may straddle parts (q | k | v)
-            lo = tl.load(Bounds + j)
-            hi = tl.load(Bounds + j + 1, mask=j + 1 < num_parts, other=out_features)
-            if (ob * BLOCK_O < hi) & (ob * BLOCK_O + BLOCK_O > lo):  # the parts it covers only
-                in_part = cols & (o >= lo) & (o < hi)
-                xa = tl.load(
-                    XA + m[:, None] * width + j * MAX_RANK + r[None, :],
-                    mask=rows[:, None] & (r[None, :] < MAX_RANK), other=0.0,
-                )  # fmt: skip
-                b_off = slot * b_stride_slot + o[:, None] * MAX_RANK + r[None, :]
-                b = tl.load(B + b_off, mask=in_part[:, None] & (r[None, :] < MAX_RANK), other=0.0)
-                scale = tl.load(Scaling + slot * num_parts + j)
-                acc += tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision=PRECISION) * scale
-        y_ptr = Y + m[:, None] * y_stride + o[None, :]
-        mask = rows[:, None] & cols[None, :]
-        y = tl.load(y_ptr, mask=mask, other=0.0)
-        tl.store(y_ptr, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+        if start < end:
+            m = start + tl.arange(0, BLOCK_M)
+            o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
+            r = tl.arange(0, RANK_PAD)
+            rows, cols = m < end, o < out_features
+            acc = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
+            for j in range(num_parts):  # a column block may straddle parts (q | k | v)
+                lo = tl.load(Bounds + j)
+                hi = tl.load(Bounds + j + 1, mask=j + 1 < num_parts, other=out_features)
+                if (ob * BLOCK_O < hi) & (ob * BLOCK_O + BLOCK_O > lo):  # the parts it covers only
+                    in_part = cols & (o >= lo) & (o < hi)
+                    xa = tl.load(
+                        XA + m[:, None] * width + j * MAX_RANK + r[None, :],
+                        mask=rows[:, None] & (r[None, :] < MAX_RANK), other=0.0,
+                    )  # fmt: skip
+                    b_off = slot * b_stride_slot + o[:, None] * MAX_RANK + r[None, :]
+                    b = tl.load(B + b_off, mask=in_part[:, None] & (r[None, :] < MAX_RANK), other=0.0)
+                    scale = tl.load(Scaling + slot * num_parts + j)
+                    acc += tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision=PRECISION) * scale
+            y_ptr = Y + m[:, None] * y_stride + o[None, :]
+            mask = rows[:, None] & cols[None, :]
+            y = tl.load(y_ptr, mask=mask, other=0.0)
+            tl.store(y_ptr, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
 def lora_tiles(host_slots: np.ndarray, tile_rows: int = TILE_ROWS) -> np.ndarray:
@@ -107,9 +109,12 @@ def lora_tiles(host_slots: np.ndarray, tile_rows: int = TILE_ROWS) -> np.ndarray
     return np.stack([starts, ends, slots[starts]], axis=1).astype(np.int32)
 
 
-def lora_shrink_tiles(x: torch.Tensor, a: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+def lora_shrink_tiles(
+    x: torch.Tensor, a: torch.Tensor, tiles: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """xa [tokens, parts * max_rank] float32 for the rows `tiles` covers (others left as the
-    buffer holds), like `lora_shrink`; `tiles` from `lora_tiles`, on the device."""
+    buffer holds), like `lora_shrink`; `tiles` from `lora_tiles`, on the device. `out`: a buffer
+    to write instead (zeroed where the tiles go: the programs may add partial sums into it)."""
     tokens, in_features = x.shape
     _, parts, max_rank, _ = a.shape
     width = parts * max_rank
@@ -120,7 +125,7 @@ def lora_shrink_tiles(x: torch.Tensor, a: torch.Tensor, tiles: torch.Tensor) -> 
     split_k = max(1, min(triton.cdiv(2 * num_sms(x.device), programs), in_features // 256))
     k_chunk = triton.cdiv(triton.cdiv(in_features, split_k), 64) * 64
     alloc = torch.zeros if split_k > 1 else torch.empty
-    xa = alloc(tokens, width, dtype=torch.float32, device=x.device)
+    xa = alloc(tokens, width, dtype=torch.float32, device=x.device) if out is None else out
     grid = (tiles.shape[0], triton.cdiv(width, block_n), triton.cdiv(in_features, k_chunk))
     _shrink_tiles_kernel[grid](
         x, a, tiles, xa, x.stride(0), a.stride(0), in_features, width, k_chunk,

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from model_service.kernels.lora import lora_expand, lora_shrink
+from model_service.kernels.lora import few_rows_split, lora_expand, lora_shrink
 from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
 from model_service.lora.adapter import LoraAdapter
 from model_service.models.layers import PackedLinear
@@ -55,12 +55,21 @@ class LoraStepPlan:
         self.slots = torch.empty(0, dtype=torch.long)
         self.tiles: torch.Tensor | None = None
         self.lead = 0  # with tiles: the step's leading decode rows, which the per-row kernels serve
+        self.static = False  # a piecewise graph's: both kinds of kernels over fixed buffers (`for_pieces`)
         self.segments: list[tuple[int, torch.Tensor]] = []
         self._side: torch.cuda.Stream | None = None
 
     def for_capture(self, slots: torch.Tensor, enabled: bool) -> None:
         """A CUDA graph reads the rows' slots from a static buffer, with the per-row kernels."""
-        self.enabled, self.slots, self.tiles = enabled, slots, None
+        self.enabled, self.slots, self.tiles, self.static = enabled, slots, None, False
+
+    def for_pieces(self, slots: torch.Tensor, tiles: torch.Tensor) -> None:
+        """A piecewise graph cannot know which rows a step's tiles take, so it records both
+        kinds of kernels over static buffers of the bucket's size: the per-row kernels over
+        every row (`slots`: -1 where the tiles serve the row, or on padding) and the tile
+        kernels over a fixed number of tiles (`tiles`, unused ones empty). The step fills both
+        from its plan (`engine/piecewise_graphs.py`)."""
+        self.enabled, self.slots, self.tiles, self.static = True, slots, tiles, True
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The stream the shrink kernels run on beside the base GEMMs (one for the model)."""
@@ -69,7 +78,7 @@ class LoraStepPlan:
         return self._side
 
     def prepare(self, batch: StepBatch) -> None:
-        self.enabled = batch.uses_lora
+        self.enabled, self.static = batch.uses_lora, False
         if self.use_kernels:
             self.slots = batch.lora_slots
             self.lead = batch.num_leading_decodes if batch.max_query_len > 1 else 0
@@ -100,6 +109,9 @@ class LoraStepPlan:
     def shrink(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         if self.tiles is None:
             return lora_shrink(x, a, self.slots)
+        if self.static:  # the per-row rows are few (decode rows) among the bucket's: split them,
+            split = max(2, few_rows_split(x.shape[1]))  # which also zeroes xa for the tiles' sums
+            return lora_shrink_tiles(x, a, self.tiles, out=lora_shrink(x, a, self.slots, split_k=split))
         xa = lora_shrink_tiles(x, a, self.tiles)
         if self.lead:
             lora_shrink(x[: self.lead], a, self.slots[: self.lead], out=xa[: self.lead])
@@ -112,7 +124,9 @@ class LoraStepPlan:
             lora_expand(xa, y, b, scaling, self.slots, bounds)
             return
         lora_expand_tiles(xa, y, b, scaling, self.tiles, bounds)
-        if self.lead:
+        if self.static:
+            lora_expand(xa, y, b, scaling, self.slots, bounds)
+        elif self.lead:
             d = self.lead
             lora_expand(xa[:d], y[:d], b, scaling, self.slots[:d], bounds)
 
