@@ -88,17 +88,22 @@ def spindle_serving(
     }
 
 
-def warm_up(engine: Engine, vocab: int, adapters: Sequence[str]) -> None:
+def warm_up(engine: Engine, vocab: int, adapters: Sequence[str]) -> dict[str, float]:
     """What a pod does before it serves (every decode graph captured), then prefill chunks and
     mixed steps, with the adapters' kernels too, so that no measured run pays a first use. Every
     adapter goes through once, so each is in its GPU slot as a pod serving them would have it:
     loaded during the measured run instead, the first uses of 56 of 64 adapters stalled the
     engine 1.44 s (26 ms a load on the 8B shape, all seven projections), most of the LoRA
-    ratio's run-to-run spread (docs/performance.md, session k)."""
+    ratio's run-to-run spread (docs/performance.md, session k). Returns what the pod's warm-up
+    (the graph captures) cost: seconds and GiB of device memory."""
+    free, start = torch.cuda.mem_get_info()[0], time.perf_counter()
     engine.warm_up()
+    seconds, gib = time.perf_counter() - start, (free - torch.cuda.mem_get_info()[0]) / 2**30
+    cost = {"capture_s": seconds, "capture_gib": gib}
     for names in ((), adapters) if adapters else ((),):
         n = max(8, len(names))
         spindle_serving(engine, workload(n, vocab, 99, (64, 2048), (8, 16)), min(n, 64), names)
+    return cost
 
 
 def hf_serving(hf: torch.nn.Module, requests: list, concurrency: int) -> dict[str, float]:
@@ -170,7 +175,7 @@ def spindle_runs(loaded: LoadedModel, args: argparse.Namespace, report: Callable
         loaded=loaded,
     )  # fmt: skip
     adapters = register_random_adapters(engine, loaded.config, n, args.lora_rank) if n else []
-    warm_up(engine, vocab, adapters)
+    report("spindle-warm-up", 0, 0, warm_up(engine, vocab, adapters))
     if profile:  # the base model too, for a side-by-side table (a concurrency not measured below
         c, skip, steps = profile  # avoids prefix-cache hits from the profiled pass)
         for through in [(), adapters] if adapters else [()]:
@@ -223,6 +228,8 @@ def main() -> None:
         report("hf-generate", c, 2 * c, hf_serving(hf, requests_at(args, shape["vocab_size"], c)[: 2 * c], c))
     print(f"\n{'system':16s} {'concurrency':>11s} {'out tok/s':>10s} {'ttft p50 ms':>12s} {'tpot p50':>9s}")
     for system, c, r in rows:
+        if "output_tokens_per_s" not in r:
+            continue  # the warm-up's line
         ttft, tpot = r.get("ttft_p50_ms", float("nan")), r.get("tpot_p50_ms", float("nan"))
         print(f"{system:16s} {c:11d} {r['output_tokens_per_s']:10.1f} {ttft:12.1f} {tpot:9.2f}")
 

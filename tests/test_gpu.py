@@ -142,6 +142,7 @@ def test_piecewise_graphs_of_prefill_and_mixed_steps_match_eager_and_cpu(monkeyp
     """Prefill chunks and mixed steps of up to 512 tokens replay graphs split at attention
     (padded token counts, the real attention eager between them): same tokens as eager steps
     and the CPU, over waves that reuse buckets with other lengths and other blocks."""
+    from model_service.engine import piecewise_graphs
     from model_service.engine.piecewise_graphs import PiecewiseGraphs
 
     replayed: list[int] = []
@@ -167,19 +168,25 @@ def test_piecewise_graphs_of_prefill_and_mixed_steps_match_eager_and_cpu(monkeyp
         for w, n in enumerate((4, 7, 3))
     ]
     results = {}
-    for device, mode in (("cpu", "eager"), ("cuda", "eager"), ("cuda", "warm-up"), ("cuda", "decode first")):
+    modes = ["eager", "warm-up", "decode first", "tight"]
+    for device, mode in [("cpu", "eager"), *(("cuda", mode) for mode in modes)]:
         eager = mode == "eager"
         engine = _engine(cfg, reference, device, num_kv_blocks=256, block_size=4, max_num_seqs=8,
                          max_num_batched_tokens=96, enforce_eager=eager, piecewise_graphs=True)  # fmt: skip
         if mode == "decode first":  # leaves the LoRA plan on (its last graph has the LoRA kernels),
             engine.executor.graphs.capture_all()  # which buckets captured next once recorded
             engine.executor.pieces.capture_all()
+        elif mode == "tight":  # room for the first bucket only: the larger steps run eagerly
+            with monkeypatch.context() as m:
+                m.setattr(piecewise_graphs, "capture_reserve", lambda total: torch.cuda.mem_get_info()[0] - 1)
+                engine.warm_up()
+            assert set(engine.executor.pieces.buckets) == {(16, False)}
         else:
             engine.warm_up()  # captures the buckets (none with enforce_eager or on the CPU)
         results[device, mode] = [[o.token_ids for o in engine.generate(wave)] for wave in waves]
     assert len({-(-n // 16) for n in replayed}) >= 3  # chunks of 96 tokens, tails, mixed: several buckets
     assert results["cuda", "warm-up"] == results["cuda", "eager"] == results["cpu", "eager"]
-    assert results["cuda", "decode first"] == results["cpu", "eager"]
+    assert results["cuda", "decode first"] == results["cuda", "tight"] == results["cpu", "eager"]
 
 
 def test_decode_graphs_replay_over_reused_blocks_with_fresh_metadata():

@@ -21,13 +21,17 @@ device time of a few-hundred-token step (8B shape, 64 adapters: docs/performance
 Every replay writes each pooled tensor before reading it, so all buckets share one pool; each
 bucket keeps its attention calls' q / k / v and output (~1.5 GB for the whole ladder on the 8B
 shape, twice that with LoRA). Buckets are captured only by `capture_all`, in the pod's warm-up
-(`Engine.warm_up`); until then, and for steps larger than the ladder or with more tiles than
-the bucket holds, steps run eagerly, as do models without decode graphs.
+(`Engine.warm_up`), smallest first and only while they fit in the device memory the K/V pool
+left (`capture_reserve` kept free for eager steps): a card with less headroom captures fewer
+buckets instead of failing to start. Steps without a bucket (before the warm-up, larger than
+the ladder or than the buckets captured, with more tiles than the bucket holds) run eagerly,
+as do models without decode graphs.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 
 import torch
 
@@ -38,6 +42,7 @@ from model_service.models.llama import DecoderModel
 from model_service.models.step import ForwardContext, StepBatch
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
+log = logging.getLogger(__name__)
 
 
 def token_ladder(max_tokens: int) -> list[int]:
@@ -52,6 +57,12 @@ def tile_capacity(size: int) -> int:
     partial tile for each of 16 runs (prefill chunks of distinct adapters); a step with more
     runs of tile length runs eagerly."""
     return -(-size // TILE_ROWS) + 16
+
+
+def capture_reserve(total_bytes: int) -> int:
+    """Device memory the capture leaves free for eager steps (a 2,048-token chunk's activations
+    and logits on the 8B shape take well under 1 GiB): 1 GiB, or 5% of larger cards."""
+    return max(1 << 30, total_bytes // 20)
 
 
 class _Pieces:
@@ -119,12 +130,13 @@ class PiecewiseGraphs:
 
     def can_run(self, batch: StepBatch) -> bool:
         """After `LoraStepPlan.prepare(batch)`: a step with LoRA rows needs its tiles to fit."""
-        if not self.buckets or batch.num_tokens > self.ladder[-1]:
+        if batch.num_tokens > self.ladder[-1] or (batch.uses_lora and not self.with_lora):
             return False
-        if not batch.uses_lora:
-            return True
-        tiles = self.lora.tiles if self.with_lora else None
-        return self.with_lora and (tiles is None or len(tiles) <= tile_capacity(self._bucket(batch)))
+        size = self._bucket(batch)
+        if (size, batch.uses_lora) not in self.buckets:
+            return False
+        tiles = self.lora.tiles if batch.uses_lora and self.lora is not None else None
+        return tiles is None or len(tiles) <= tile_capacity(size)
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         n, size = batch.num_tokens, self._bucket(batch)
@@ -163,18 +175,34 @@ class PiecewiseGraphs:
         self.lora_tiles[used : tile_capacity(size)] = 0
 
     def capture_all(self) -> None:
-        """Capture every bucket now, before serving. A bucket costs two forward passes and ~33
+        """Capture the buckets now, before serving. A bucket costs two forward passes and ~33
         graph instantiations (~0.65 s on the 8B shape); paid lazily, the first time a step of its
         size showed up, that halved short-prompt serving (3,738 against 7,225 out tok/s eager at
-        concurrency 64), so there is no lazy capture.
+        concurrency 64), so there is no lazy capture. Without LoRA first, then with it, each
+        smallest first, while the next bucket's memory (extrapolated per token from those
+        captured) leaves `capture_reserve` free.
 
-        The LoRA plan is switched off for the capture: the decode graphs' capture leaves it on
+        The base buckets capture with the LoRA plan off: the decode graphs' capture leaves it on
         (its last graph has the LoRA kernels over a static slot buffer of one row), and buckets
         captured after them recorded those kernels reading slots far past that buffer: wrong
         tokens, then an illegal address on an H200, in base-model steps."""
-        for size in self.ladder:
-            for with_lora in (False, True) if self.with_lora else (False,):
+        device = self.input_ids.device
+        free, total = torch.cuda.mem_get_info(device)
+        start, tokens = free, 0
+        for with_lora in (False, True) if self.with_lora else (False,):
+            for size in self.ladder:
+                need = (start - free) * size // tokens if tokens else 0
+                if free - need < capture_reserve(total):
+                    kind = "with" if with_lora else "without"
+                    log.warning(
+                        "piecewise graphs: %.1f GiB of device memory left; buckets %s LoRA of %d+ "
+                        "tokens not captured (those steps run eagerly; a lower "
+                        "--gpu-memory-utilization leaves room for them)", free / 2**30, kind, size,
+                    )  # fmt: skip
+                    break
                 self.buckets[size, with_lora] = self._capture(size, with_lora)
+                tokens += size
+                free = torch.cuda.mem_get_info(device)[0]
 
     def _capture(self, size: int, with_lora: bool) -> _Pieces:
         ids, pos = self.input_ids[:size], self.positions[:size]
