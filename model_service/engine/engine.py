@@ -13,6 +13,7 @@ names, tiers and slot refcounts; this class only wires them and keeps the reques
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import uuid
@@ -50,6 +51,7 @@ from model_service.engine.speculation import (
     can_speculate,
 )
 from model_service.errors import InvalidRequestError, NotFoundError, PreconditionError
+from model_service.lora.adapter import host_form
 from model_service.lora.control import ControlOp, ControlResult
 from model_service.lora.pool import ACTIVE, AdapterInfo, LoraPool
 from model_service.models.loader import LoadedModel, load_model
@@ -110,9 +112,10 @@ class Engine:
             mc.layer_kinds, 1, mc.num_kv_heads, mc.head_dim, dtype
         )
         self.cache = CacheManager(blocks, self.executor, per_token, state_slots)
+        held = functools.partial(host_form, dtype=dtype, pin=device.type == "cuda")
         self.lora = LoraPool(
             mc, config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.executor,
-            config.max_adapter_bytes,
+            config.max_adapter_bytes, held,
         )  # fmt: skip
         self.scheduler = Scheduler(config, self.cache, self.lora)
         self.builder = BatchBuilder(config.block_size, device)

@@ -12,6 +12,7 @@ computed with the old ones.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -69,6 +70,21 @@ class LoraAdapter:
         return sum(
             w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size() for w in self.modules.values()
         )
+
+
+def host_form(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> LoraAdapter:
+    """The copy a pool keeps in host memory: weights already in the slots' dtype and, for slots
+    on a GPU, in page-locked memory, so loading a slot is asynchronous copies with nothing cast
+    on the engine thread. Float32 pageable copies cost 26 ms a load on the 8B shape (rank 16,
+    all seven projections: a cast on the CPU and a pageable transfer per tensor, 448 of them),
+    and every step waits for a load (docs/performance.md, session k)."""
+
+    def held(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(dtype)
+        return t.pin_memory() if pin else t
+
+    modules = {key: LoraWeights(held(w.a), held(w.b), w.scaling) for key, w in adapter.modules.items()}
+    return dataclasses.replace(adapter, modules=modules)
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -191,8 +191,8 @@ class LoraLinear(nn.Module):
         touched, so loading costs the adapter's size, not the slot's)."""
         r = a.shape[0]
         lo, hi = self.columns[part]
-        self.lora_a[slot, part, :r].copy_(a)
-        self.lora_b[slot, lo:hi, :r].copy_(b)
+        self.lora_a[slot, part, :r].copy_(a, non_blocking=True)  # page-locked: `adapter.host_form`
+        self.lora_b[slot, lo:hi, :r].copy_(b, non_blocking=True)
         self.ranks[slot][part], self.scaling[slot][part] = r, scaling
         self.lora_scaling[slot, part] = scaling
 

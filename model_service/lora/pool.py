@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -82,9 +83,12 @@ class LoraPool:
         max_lora_rank: int,
         writer: SlotWriter,
         max_adapter_bytes: int = MAX_ADAPTER_BYTES,
+        host_form: Callable[[LoraAdapter], LoraAdapter] | None = None,
     ) -> None:
+        """`host_form`: what a parsed adapter becomes in the host tier (`adapter.host_form`:
+        the slots' dtype, page-locked for a GPU); kept as parsed without it."""
         self.base, self.max_lora_rank, self.max_adapter_bytes = base, max_lora_rank, max_adapter_bytes
-        self.writer = writer
+        self.writer, self.host_form = writer, host_form
         self.max_cpu_loras = max_cpu_loras
         self.slots = [Slot() for _ in range(max_loras)]
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()
@@ -144,7 +148,7 @@ class LoraPool:
         adapter = load_peft_adapter(name, path, self.base, self.max_lora_rank, self.max_adapter_bytes)
         self.disk[name] = Path(path)
         self.identity[name] = (adapter.adapter_id, adapter.max_rank, adapter.sha256)
-        self._remember(adapter)
+        adapter = self._remember(adapter)
         for s in self.slots:  # a resident older version keeps serving the requests that hold it
             if (
                 s.adapter is not None
@@ -263,14 +267,16 @@ class LoraPool:
         adapter = load_peft_adapter(
             name, self.disk[name], self.base, self.max_lora_rank, self.max_adapter_bytes
         )
-        self._remember(adapter)
-        return adapter
+        return self._remember(adapter)
 
-    def _remember(self, adapter: LoraAdapter) -> None:
+    def _remember(self, adapter: LoraAdapter) -> LoraAdapter:
+        if self.host_form is not None:
+            adapter = self.host_form(adapter)
         self.host[adapter.name] = adapter
         self.host.move_to_end(adapter.name)
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
+        return adapter
 
     def _victim(self) -> int | None:
         free = [i for i, s in enumerate(self.slots) if s.adapter is None]
