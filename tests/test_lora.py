@@ -464,3 +464,36 @@ def test_shipped_demo_adapter_matches_peft_and_changes_the_answer(smollm2, hf_sm
     )[0]
     assert out.token_ids == peft_greedy(hf_smollm2, pirate, ids, 16, eos=2)
     assert out.text.startswith("Arr") and "Tokyo" in out.text
+
+
+def test_host_tier_holds_adapters_in_the_slots_dtype(tiny_llama, tiny_adapters):
+    """The pool's host copy is what `host_form` makes of the parsed adapter (here bf16 and, on a
+    CPU, pageable), and a slot load writes exactly those weights."""
+    from model_service.lora.adapter import host_form
+    from model_service.lora.pool import LoraPool
+
+    written: dict[int, object] = {}
+
+    class Writer:
+        def load_slot(self, slot: int, adapter: object) -> None:
+            written[slot] = adapter
+
+        def clear_slot(self, slot: int) -> None:
+            written.pop(slot, None)
+
+    def bf16(adapter):
+        return host_form(adapter, torch.bfloat16, pin=False)
+
+    name, path = next(iter(tiny_adapters.items()))
+    pool = LoraPool(tiny_llama.config, 1, 2, 64, Writer(), host_form=bf16)
+    parsed = pool.register(name, path)
+    held = pool.host[name]
+    fresh = load_peft_adapter(name, path, tiny_llama.config, 64)
+    assert parsed is held and held.adapter_id == fresh.adapter_id
+    assert held.modules.keys() == fresh.modules.keys()
+    for key, w in held.modules.items():
+        want = fresh.modules[key]
+        assert w.a.dtype == w.b.dtype == torch.bfloat16 and w.scaling == want.scaling
+        assert torch.equal(w.a, want.a.to(torch.bfloat16)) and torch.equal(w.b, want.b.to(torch.bfloat16))
+    slot, _ = pool.load(name)
+    assert written[slot] is held
