@@ -123,8 +123,9 @@ class EngineConfig:
     piecewise_graphs: bool = _opt(
         True,
         "CUDA, dense models: at start-up, capture prefill and mixed steps of up to 512 tokens "
-        "without LoRA rows as CUDA graphs split at attention (~1.5 GB on an 8B model; short "
-        "prompts serve about a third faster); --no-piecewise-graphs runs them eagerly",
+        "as CUDA graphs split at attention, while they fit in memory (~1.5 GB on an 8B model, "
+        "twice that with LoRA on; short prompts serve about a third faster); "
+        "--no-piecewise-graphs runs them eagerly",
     )
     async_scheduling: str = _opt(
         "auto",
