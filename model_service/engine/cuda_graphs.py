@@ -9,9 +9,9 @@ largest first, so the smaller graphs fit in the memory the largest left in the s
 elsewhere a size is captured the first time it is needed. A step with LoRA rows replays a graph
 captured with the LoRA kernels (per-token slots in a static buffer too); without the kernels (a
 rank width that is not a power of two) it runs eagerly. Steps with prefill chunks replay graphs
-split at attention (engine/piecewise_graphs.py) when they are small enough and have no LoRA
-rows, else run eagerly. A step of decode rows and speculative verify runs (every token a logits
-row) replays the graph of its token count, each token a one-token row of its own
+split at attention (engine/piecewise_graphs.py) when they are small enough, else run eagerly.
+A step of decode rows and speculative verify runs (every token a logits row) replays the graph
+of its token count, each token a one-token row of its own
 (`StepBatch.as_token_rows`). Models with recurrent layers get no graphs
 (`ModelExecutor._graphs_apply`): their state is per sequence, not per row.
 """
