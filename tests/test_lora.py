@@ -497,3 +497,18 @@ def test_host_tier_holds_adapters_in_the_slots_dtype(tiny_llama, tiny_adapters):
         assert torch.equal(w.a, want.a.to(torch.bfloat16)) and torch.equal(w.b, want.b.to(torch.bfloat16))
     slot, _ = pool.load(name)
     assert written[slot] is held
+
+
+def test_host_form_keeps_an_adapter_pageable_when_page_locked_memory_fails(
+    tiny_llama, tiny_adapters, monkeypatch, caplog
+):
+    from model_service.lora.adapter import host_form
+
+    def exhausted(self: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", exhausted)
+    name, path = next(iter(tiny_adapters.items()))
+    held = host_form(load_peft_adapter(name, path, tiny_llama.config, 64), torch.float16, pin=True)
+    assert all(w.a.dtype == torch.float16 and not w.a.is_pinned() for w in held.modules.values())
+    assert "pageable host memory" in caplog.text

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from spindle.peft import (
     unsupported_feature,
 )
 
+log = logging.getLogger(__name__)
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
@@ -75,13 +77,20 @@ class LoraAdapter:
 def host_form(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> LoraAdapter:
     """The copy a pool keeps in host memory: weights already in the slots' dtype and, for slots
     on a GPU, in page-locked memory, so loading a slot is asynchronous copies with nothing cast
-    on the engine thread. Float32 pageable copies cost 26 ms a load on the 8B shape (rank 16,
-    all seven projections: a cast on the CPU and a pageable transfer per tensor, 448 of them),
-    and every step waits for a load (docs/performance.md, session k)."""
+    on the engine thread, which every step waits for. Float32 pageable copies held it 38.9 ms a
+    load on the 8B shape (rank 16, all seven projections: a cast on the CPU and a pageable
+    transfer for each of 448 tensors); this form, 17.9 (docs/performance.md, session k). When
+    page-locked memory runs out, the copy stays pageable: slower loads, never a refused adapter."""
 
     def held(t: torch.Tensor) -> torch.Tensor:
         t = t.to(dtype)
-        return t.pin_memory() if pin else t
+        if not pin:
+            return t
+        try:
+            return t.pin_memory()
+        except RuntimeError as e:  # the driver's page-locked allocation failed
+            log.warning("adapter %r stays in pageable host memory (%s): slower slot loads", adapter.name, e)
+            return t
 
     modules = {key: LoraWeights(held(w.a), held(w.b), w.scaling) for key, w in adapter.modules.items()}
     return dataclasses.replace(adapter, modules=modules)
