@@ -116,5 +116,6 @@ def main() -> None:
         result = {"bench": "decode", "batch": batch, "new_tokens": args.new_tokens}
         print(json.dumps({**setup, **result, "tokens_per_s": round(rate, 1)}))
 
+
 if __name__ == "__main__":
     main()

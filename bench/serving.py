@@ -43,8 +43,9 @@ def workload(n: int, vocab: int, seed: int, prompts: tuple[int, int], outputs: t
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(prompts[0], prompts[1] + 1, (n,), generator=g).tolist()
     outs = torch.randint(outputs[0], outputs[1] + 1, (n,), generator=g).tolist()
-    return [(torch.randint(3, vocab, (p,), generator=g).tolist(), o)
-            for p, o in zip(lengths, outs, strict=True)]
+    return [
+        (torch.randint(3, vocab, (p,), generator=g).tolist(), o) for p, o in zip(lengths, outs, strict=True)
+    ]
 
 
 def spindle_serving(
@@ -204,8 +205,12 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16)
     profile_help = "first, device time per kernel over steps SKIP.. at concurrency C (and with the adapters)"
     ap.add_argument("--profile", default="", metavar="C:SKIP:STEPS", help=profile_help)
-    ap.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction, default=True,
-                    help="prefill and mixed steps as graphs too (the engine's default)")
+    ap.add_argument(
+        "--piecewise-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prefill and mixed steps as graphs too (the engine's default)",
+    )
     args = ap.parse_args()
     shape = LLAMA3_8B if not args.small else SMOLLM2
     args.ranges = (tuple(args.prompt_range), tuple(args.output_range))

@@ -157,4 +157,3 @@ def registered(adapter_service, name: str, directory) -> apb.Adapter:
     with AdaptersClient(adapter_service.address) as client:
         known = {a.name: a for a in client.list()}
         return known.get(name) or client.register(name, directory)
-

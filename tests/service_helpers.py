@@ -170,9 +170,7 @@ async def pod_in_process(
         pod, "127.0.0.1", 0, 0, provider, tempfile.mkdtemp(prefix="spindle-test-"), security or PLAINTEXT
     )
     try:
-        config = EngineConfig(
-            model=loaded.name, device="cpu", dtype="float32", num_kv_blocks=64, **engine
-        )
+        config = EngineConfig(model=loaded.name, device="cpu", dtype="float32", num_kv_blocks=64, **engine)
         await pod.load(lambda: Engine(config, loaded=loaded))
         yield servers
     finally:

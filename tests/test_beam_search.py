@@ -174,7 +174,6 @@ def test_a_beam_search_larger_than_the_kv_cache_ends_with_a_capacity_error(tiny_
     assert_all_blocks_free(engine)
 
 
-
 def _two_searches(tiny_llama, num_kv_blocks: int, names: str = "ab", abort_restarted: bool = False) -> dict:
     """Searches of 8 beams of 40 tokens, "a" on a 20-token prompt from 3, "b" from 50 (which needs
     fewer blocks at once: beams that end alike share more), run to the end: request id ->

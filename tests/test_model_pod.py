@@ -268,7 +268,6 @@ def test_sigterm_drains_in_flight_then_exits(tiny_llama, tmp_path):
     assert [results[f"long{i}"] for i in range(4)] == [Code.UNAVAILABLE] * 4  # aborted when it ran out
 
 
-
 def test_a_beam_search_larger_than_the_kv_cache_is_resource_exhausted(tiny_llama, tmp_path):
     """A 200-token prompt fills 50 of this pod's 64 blocks of 4 tokens; 32 beams then need a
     block each beside it. Before, the pod stepped forever doing nothing while that search held

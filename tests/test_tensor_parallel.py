@@ -165,4 +165,3 @@ async def _kill_rank_scenario(engine) -> None:
     assert pod.exit_requested.is_set() and pod.exit_code == 1
     await servers.stop(None)
     pod.close()
-

@@ -88,8 +88,14 @@ def kv_layout(
     """(K/V blocks, context length) for a module already on `device` whose K/V is shaped by `model`
     and computed in `dtype` (stored as `config.kv_cache_dtype` says)."""
     num_blocks = config.num_kv_blocks or kv_blocks_for_budget(
-        model, config.block_size, cache_dtype(config.kv_cache_dtype, dtype, device), device,
-        config.kv_cache_memory_bytes, config.gpu_memory_utilization, draft, state_bytes,
+        model,
+        config.block_size,
+        cache_dtype(config.kv_cache_dtype, dtype, device),
+        device,
+        config.kv_cache_memory_bytes,
+        config.gpu_memory_utilization,
+        draft,
+        state_bytes,
     )
     max_model_len = min(config.max_model_len or model.max_position_embeddings, num_blocks * config.block_size)
     return num_blocks, max_model_len

@@ -51,9 +51,7 @@ class LayerKind:
 
 def attention_layers(windows: list[int | None]) -> list[LayerKind]:
     """Layer kinds of a pure-attention decoder from its per-layer sliding windows (None = full)."""
-    return [
-        LayerKind(Mixer.SLIDING_ATTENTION, w) if w else LayerKind(Mixer.FULL_ATTENTION) for w in windows
-    ]
+    return [LayerKind(Mixer.SLIDING_ATTENTION, w) if w else LayerKind(Mixer.FULL_ATTENTION) for w in windows]
 
 
 @dataclass(frozen=True)

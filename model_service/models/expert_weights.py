@@ -40,7 +40,7 @@ def _hf_name(name: str) -> str:
 
 
 def _stack_layer(tensors: dict[str, torch.Tensor], prefix: str, num_experts: int) -> None:
-    per_expert = [k for k in tensors if k.startswith(f"{prefix}.") and k[len(prefix) + 1 : ][:1].isdigit()]
+    per_expert = [k for k in tensors if k.startswith(f"{prefix}.") and k[len(prefix) + 1 :][:1].isdigit()]
     if f"{prefix}.gate_up_proj" in tensors or f"{prefix}.down_proj" in tensors:
         if per_expert:
             raise ModelLoadError(

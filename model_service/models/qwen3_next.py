@@ -175,8 +175,5 @@ class Qwen3NextModel(DecoderModel):
     def recurrent_state_shapes(self) -> list[tuple[int, ...]]:
         """Per linear-attention layer, in order: its conv state and its delta-rule state."""
         return [
-            shape
-            for layer in self.model.layers
-            if layer.linear
-            for shape in layer.linear_attn.state_shapes()
+            shape for layer in self.model.layers if layer.linear for shape in layer.linear_attn.state_shapes()
         ]

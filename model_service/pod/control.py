@@ -297,4 +297,3 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
 
         await asyncio.to_thread(write)
         return path
-
