@@ -170,6 +170,7 @@ def _lora_case(tokens: int, device: str, dtype: torch.dtype, seed: int, in_featu
 
 
 def test_lora_reference_matches_the_segment_loop_of_the_lora_layer():
+    from model_service.lora.adapter import LoraWeights
     from model_service.lora.layers import LoraLinear, LoraStepPlan
     from model_service.models.layers import PackedLinear
 
@@ -179,17 +180,40 @@ def test_lora_reference_matches_the_segment_loop_of_the_lora_layer():
     plan = LoraStepPlan(use_kernels=False)
     layer = LoraLinear(base, 4, 16, plan)
     for slot, rank in enumerate((8, 16, 0, 4)):
-        for part in range(3):
-            if rank:
-                lo, hi = layer.columns[part]
-                layer.write(
-                    slot, part, a[slot, part, :rank], b[slot, lo:hi, :rank], float(scaling[slot, part])
-                )
+        weights = {
+            part: LoraWeights(a[slot, part, :rank], b[slot, lo:hi, :rank], float(scaling[slot, part]))
+            for part, (lo, hi) in enumerate(layer.columns)
+        }
+        layer.load(slot, weights if rank else {})
     plan.segments = [(s, torch.nonzero(slots == s).flatten()) for s in range(4) if (slots == s).any()]
     want = torch.zeros_like(y)
     lora_delta_reference(x, want, a, b, scaling, slots, sizes)
     assert torch.allclose(layer(x), want, atol=1e-5)
     assert want[slots < 0].abs().sum() == 0  # base rows untouched
+
+
+def test_a_slot_load_leaves_nothing_of_the_previous_adapter():
+    """A rank-4 adapter on one part loaded over a rank-16 one on all three: the slot holds the
+    new weights, zeros beyond them (rows and parts), and only the new scaling."""
+    from model_service.lora.adapter import LoraWeights
+    from model_service.lora.layers import LoraLinear, LoraStepPlan
+    from model_service.models.layers import PackedLinear
+
+    sizes, x, _, a, b, _, _ = _lora_case(40, "cpu", torch.float32, 1)
+    base = PackedLinear(x.shape[1], {"q_proj": sizes[0], "k_proj": sizes[1], "v_proj": sizes[2]}, bias=False)
+    layer = LoraLinear(base, 2, 16, LoraStepPlan(use_kernels=False))
+    columns = layer.columns
+    layer.load(1, {p: LoraWeights(a[1, p], b[1, lo:hi], 2.0) for p, (lo, hi) in enumerate(columns)})
+    lo, hi = columns[1]
+    layer.load(1, {1: LoraWeights(a[0, 1, :4], b[0, lo:hi, :4], 0.5)})
+    assert torch.equal(layer.lora_a[1, 1, :4], a[0, 1, :4]) and torch.equal(
+        layer.lora_b[1, lo:hi, :4], b[0, lo:hi, :4]
+    )
+    assert layer.lora_a[1, 1, 4:].abs().sum() == 0 and layer.lora_a[1, [0, 2]].abs().sum() == 0
+    assert layer.lora_b[1, :, 4:].abs().sum() == 0 and layer.lora_b[1, :lo].abs().sum() == 0
+    assert layer.lora_scaling[1].tolist() == [0.0, 0.5, 0.0] and layer.ranks[1] == [0, 4, 0]
+    layer.load(1, {})
+    assert layer.lora_a.abs().sum() == layer.lora_b.abs().sum() == layer.lora_scaling.abs().sum() == 0
 
 
 @cuda

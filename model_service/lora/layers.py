@@ -30,7 +30,7 @@ from torch import nn
 
 from model_service.kernels.lora import few_rows_split, lora_expand, lora_shrink
 from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
-from model_service.lora.adapter import LoraAdapter
+from model_service.lora.adapter import LoraAdapter, LoraWeights
 from model_service.models.layers import PackedLinear
 from model_service.models.step import StepBatch, to_device
 
@@ -186,26 +186,25 @@ class LoraLinear(nn.Module):
         self.plan.expand(xa, y, self.lora_b, self.lora_scaling, self.part_starts)
         return y
 
-    def write(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
-        """Copy one part's weights into `slot` (a cleared part: only its first `rank` rows are
-        touched, so loading costs the adapter's size, not the slot's)."""
-        r = a.shape[0]
-        lo, hi = self.columns[part]
-        self.lora_a[slot, part, :r].copy_(a, non_blocking=True)  # page-locked: `adapter.host_form`
-        self.lora_b[slot, lo:hi, :r].copy_(b, non_blocking=True)
-        self.ranks[slot][part], self.scaling[slot][part] = r, scaling
-        self.lora_scaling[slot, part] = scaling
-
-    def clear(self, slot: int) -> None:
-        """Zero what the slot's adapter wrote (the rest of the slot is zero already)."""
-        for part, r in enumerate(self.ranks[slot]):
-            if r:
-                lo, hi = self.columns[part]
-                self.lora_a[slot, part, :r].zero_()
-                self.lora_b[slot, lo:hi, :r].zero_()
-        self.lora_scaling[slot].zero_()
-        self.ranks[slot] = [0] * len(self.columns)
-        self.scaling[slot] = [0.0] * len(self.columns)
+    def load(self, slot: int, weights: dict[int, LoraWeights]) -> None:
+        """Make `slot` hold `weights` (part -> weights; none: the slot cleared). Only the rows an
+        adapter has are touched, so a load costs its size, not the slot's: each part's rows
+        copied (asynchronously from the page-locked host tier, `adapter.host_form`), what the
+        previous adapter wrote beyond them zeroed, the scalings in one copy. Every step waits
+        for a load, so it is kept to a few launches a projection."""
+        if not weights and not any(self.ranks[slot]):
+            return  # nothing there, nothing to put
+        for part, (lo, hi) in enumerate(self.columns):
+            w, old = weights.get(part), self.ranks[slot][part]
+            r = 0 if w is None else w.a.shape[0]
+            if w is not None:
+                self.lora_a[slot, part, :r].copy_(w.a, non_blocking=True)
+                self.lora_b[slot, lo:hi, :r].copy_(w.b, non_blocking=True)
+            if old > r:
+                self.lora_a[slot, part, r:old].zero_()
+                self.lora_b[slot, lo:hi, r:old].zero_()
+            self.ranks[slot][part], self.scaling[slot][part] = r, 0.0 if w is None else w.scaling
+        self.lora_scaling[slot] = to_device(self.scaling[slot], self.lora_scaling.device, torch.float32)
 
 
 @dataclass
@@ -216,15 +215,19 @@ class LoraLayers:
     targets: dict[tuple[int, str], tuple[LoraLinear, int]]
 
     def load_slot(self, slot: int, adapter: LoraAdapter) -> None:
-        """Copy `adapter`'s weights into `slot` (quiescent points only), clearing what was there."""
-        self.clear_slot(slot)
+        """Copy `adapter`'s weights into `slot` (quiescent points only), replacing what was there."""
+        parts: dict[int, tuple[LoraLinear, dict[int, LoraWeights]]] = {
+            id(m): (m, {}) for m, _ in self.targets.values()
+        }
         for key, w in adapter.modules.items():
             layer, part = self.targets[key]
-            layer.write(slot, part, w.a, w.b, w.scaling)
+            parts[id(layer)][1][part] = w
+        for layer, weights in parts.values():
+            layer.load(slot, weights)
 
     def clear_slot(self, slot: int) -> None:
         for layer in {id(m): m for m, _ in self.targets.values()}.values():
-            layer.clear(slot)
+            layer.load(slot, {})
 
 
 def wrap_lora_layers(module: nn.Module, max_loras: int, max_rank: int, use_kernels: bool) -> LoraLayers:
