@@ -190,8 +190,8 @@ class LoraLinear(nn.Module):
         """Make `slot` hold `weights` (part -> weights; none: the slot cleared). Only the rows an
         adapter has are touched, so a load costs its size, not the slot's: each part's rows
         copied (asynchronously from the page-locked host tier, `adapter.host_form`), what the
-        previous adapter wrote beyond them zeroed, the scalings in one copy. Every step waits
-        for a load, so it is kept to a few launches a projection."""
+        previous adapter wrote beyond them zeroed, each scaling filled in. Every step waits for a
+        load, so it is kept to three launches a part (was five, and a clear of the slot first)."""
         if not weights and not any(self.ranks[slot]):
             return  # nothing there, nothing to put
         for part, (lo, hi) in enumerate(self.columns):
@@ -203,8 +203,9 @@ class LoraLinear(nn.Module):
             if old > r:
                 self.lora_a[slot, part, r:old].zero_()
                 self.lora_b[slot, lo:hi, r:old].zero_()
-            self.ranks[slot][part], self.scaling[slot][part] = r, 0.0 if w is None else w.scaling
-        self.lora_scaling[slot] = to_device(self.scaling[slot], self.lora_scaling.device, torch.float32)
+            if w is not None or old:
+                self.ranks[slot][part], self.scaling[slot][part] = r, 0.0 if w is None else w.scaling
+                self.lora_scaling[slot, part] = self.scaling[slot][part]  # a fill: no host copy
 
 
 @dataclass
