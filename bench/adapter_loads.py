@@ -1,0 +1,65 @@
+"""How long an adapter's slot load holds the engine thread (every step waits for it).
+
+Setup: one GPU, random bf16 weights of the 8B shape (`--small`: SmolLM2's), `--adapters`
+adapters of rank `--rank` on all seven projections in the pool's host tier (as registration
+leaves them: `adapter.host_form`), `--slots` GPU slots, so all but the first loads evict.
+Each `LoraPool.load` is timed twice: the host's time (what the engine thread spends) and the
+time until its copies are done (a synchronize after it). One JSON line, then a short line.
+
+    PYTHONPATH=. python3 bench/adapter_loads.py [--small] [--adapters 24] [--slots 8] [--rank 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from bench.gpu import LLAMA3_8B, SMOLLM2, random_model, register_random_adapters
+from model_service.engine.config import EngineConfig
+from model_service.engine.engine import Engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--small", action="store_true", help="SmolLM2's shape instead of the 8B one")
+    ap.add_argument("--adapters", type=int, default=24)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    args = ap.parse_args()
+    shape = SMOLLM2 if args.small else LLAMA3_8B
+    loaded = random_model(shape)
+    config = EngineConfig(
+        device="cuda", dtype="bfloat16", max_loras=args.slots, max_cpu_loras=args.adapters,
+        max_lora_rank=args.rank, kv_cache_memory_bytes=1 << 30, piecewise_graphs=False,
+    )  # fmt: skip
+    engine = Engine(config, loaded=loaded)
+    start = time.perf_counter()
+    names = register_random_adapters(engine, loaded.config, args.adapters, args.rank)
+    host_tier_s = time.perf_counter() - start
+    host, done = [], []
+    for name in names:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.lora.load(name)
+        host.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+        done.append((time.perf_counter() - start) * 1e3)
+    adapter = engine.lora.host[names[-1]]
+    host_ms, done_ms = round(statistics.median(host), 2), round(statistics.median(done), 2)
+    result = {
+        "bench": "adapter_loads", "loads": len(names), "host_ms_p50": host_ms, "done_ms_p50": done_ms,
+        "adapter_mb": round(adapter.nbytes / 2**20, 1),
+        "host_tier_s_per_adapter": round(host_tier_s / len(names), 3), "rank": args.rank, "slots": args.slots,
+        "model": "smollm2-135m-shape" if args.small else "llama3-8b-shape",
+        "device": torch.cuda.get_device_name(),
+    }  # fmt: skip
+    print(json.dumps(result))
+    print(f"\na slot load: {host_ms} ms of the engine thread, {done_ms} ms until its copies are done")
+
+
+if __name__ == "__main__":
+    main()
