@@ -24,7 +24,8 @@ from collections.abc import Callable
 import torch
 
 from model_service.lora.layers import LoraStepPlan
-from model_service.models.step import CapturableBackend, ForwardContext, StepBatch
+from model_service.models.context import ForwardContext
+from model_service.models.step import CapturableBackend, StepBatch
 
 
 def batch_ladder(max_rows: int) -> list[int]:

@@ -30,11 +30,12 @@ from model_service.kernels.paged_attention import triton
 from model_service.lora.adapter import LoraAdapter
 from model_service.lora.layers import LoraLayers, wrap_lora_layers
 from model_service.models.config import ModelConfig
+from model_service.models.context import ForwardContext
 from model_service.models.layers import store_weights_transposed
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
 from model_service.models.recurrent import RecurrentModel, RecurrentPlan, RecurrentStep
-from model_service.models.step import AttentionBackend, ForwardContext, StepBatch
+from model_service.models.step import AttentionBackend, StepBatch
 
 if TYPE_CHECKING:
     from model_service.distributed.executor import TensorParallelExecutor

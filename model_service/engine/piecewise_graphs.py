@@ -38,8 +38,9 @@ import torch
 from model_service.attention.triton_backend import TritonBackend
 from model_service.kernels.lora_grouped import TILE_ROWS
 from model_service.lora.layers import LoraStepPlan
+from model_service.models.context import ForwardContext
 from model_service.models.llama import DecoderModel
-from model_service.models.step import ForwardContext, StepBatch
+from model_service.models.step import StepBatch
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
 log = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from model_service.models.config import ModelConfig
+from model_service.models.context import ForwardContext
 from model_service.models.layers import PackedLinear, RMSNorm
 from model_service.models.moe import mlp_for
 from model_service.models.rope import RotaryEmbedding
-from model_service.models.step import ForwardContext
 
 
 class Attention(nn.Module):

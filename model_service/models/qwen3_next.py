@@ -20,11 +20,11 @@ from torch import nn
 
 from model_service.kernels.fused import apply_rotary
 from model_service.models.config import LinearAttentionShape, Mixer, ModelConfig
+from model_service.models.context import ForwardContext
 from model_service.models.gated_delta import causal_conv, gated_delta_rule
 from model_service.models.layers import PackedLinear
 from model_service.models.llama import DecoderModel, PreNormLayer
 from model_service.models.moe import mlp_for
-from model_service.models.step import ForwardContext
 
 STATE_TENSORS_PER_LAYER = 2  # conv state [K - 1, conv_dim], delta-rule state [Hv, Dk, Dv]
 

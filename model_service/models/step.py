@@ -16,13 +16,10 @@ the batch in `prepare`. Backends that can be captured in CUDA graphs also implem
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from model_service.models.recurrent import RecurrentStep
 
 
 def to_device(
@@ -155,12 +152,3 @@ class GraphCapturable(Protocol):
 @runtime_checkable
 class CapturableBackend(AttentionBackend, GraphCapturable, Protocol):
     """An attention backend a CUDA-graph runner can capture."""
-
-
-@dataclass
-class ForwardContext:
-    """What a model's layers may use in one forward pass besides their activations."""
-
-    attention: AttentionBackend  # already prepared for this step's batch
-    logits_rows: torch.Tensor  # [N] rows to run the LM head on
-    recurrent: RecurrentStep | None = None  # state tensors and this step's plan (hybrid models only)
