@@ -3,7 +3,7 @@ Spindle against HF `transformers.generate` on the same shapes in the same run.
 
     PYTHONPATH=. python3 bench/serving.py [--concurrency 1 16 64 256] [--hf-concurrency 16 64] [--small]
         [--lora-adapters 64 [--lora-rank 16]] [--kv-cache-dtype fp8] [--profile 256:250:30]
-        [--piecewise-graphs]
+        [--no-piecewise-graphs] [--step-times]
 
 Workload: per concurrency C, `max(16, 4 * C)` requests (`--requests-per-slot`), prompt lengths
 uniform in [64, 2,048] and output lengths uniform in [32, 512] (seeded, random token ids, EOS
@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from bench.gpu import LLAMA3_8B, SMOLLM2, hf_llama, random_model, register_random_adapters
+from bench.step_times import StepTimes
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.models.loader import LoadedModel
@@ -183,13 +184,27 @@ def spindle_runs(loaded: LoadedModel, args: argparse.Namespace, report: Callable
             profile_steps(engine, requests_at(args, vocab, c), c, skip, steps, through)
     for c in args.concurrency:
         requests = requests_at(args, vocab, c)
-        base = spindle_serving(engine, requests, c)
+        base = measured(engine, requests, c, (), args.step_times)
         report("spindle", c, len(requests), base)
         if adapters:
-            lora = spindle_serving(engine, requests, c, adapters)
+            lora = measured(engine, requests, c, adapters, args.step_times)
             ratio = lora["output_tokens_per_s"] / base["output_tokens_per_s"]
             lora |= {"lora_over_base": ratio, "lora_rank": args.lora_rank}
             report(f"spindle-{n}-loras", c, len(requests), lora)
+
+
+def measured(
+    engine: Engine, requests: list, concurrency: int, adapters: Sequence[str], step_times: bool
+) -> dict[str, float]:
+    """`spindle_serving`, with `--step-times` the run's steps by class after it (`bench/step_times.py`)."""
+    if not step_times:
+        return spindle_serving(engine, requests, concurrency, adapters)
+    with StepTimes(engine.executor) as steps:
+        result = spindle_serving(engine, requests, concurrency, adapters)
+    for row in steps.classes():
+        line = {"bench": "serving_steps", "concurrency": concurrency, "adapters": len(adapters), **row}
+        print(json.dumps(line), flush=True)
+    return result
 
 
 def main() -> None:
@@ -205,6 +220,7 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16)
     profile_help = "first, device time per kernel over steps SKIP.. at concurrency C (and with the adapters)"
     ap.add_argument("--profile", default="", metavar="C:SKIP:STEPS", help=profile_help)
+    ap.add_argument("--step-times", action="store_true", help="host and device time of each kind of step")
     ap.add_argument(
         "--piecewise-graphs",
         action=argparse.BooleanOptionalAction,
