@@ -84,7 +84,9 @@ class EngineConfig:
         shown=4,
     )
     max_loras: int = _opt(4, "adapters resident on the device (slots)", group="lora")
-    max_cpu_loras: int = _opt(16, "parsed adapters kept in host memory", group="lora")
+    max_cpu_loras: int = _opt(
+        16, "parsed adapters kept in host memory (in the model's dtype; page-locked on a GPU)", group="lora"
+    )
     max_lora_rank: int = _opt(64, "refuse adapters of a higher rank", group="lora")
     max_adapter_bytes: int = _opt(
         _GIB,
