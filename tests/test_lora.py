@@ -504,10 +504,14 @@ def test_host_form_keeps_an_adapter_pageable_when_page_locked_memory_fails(
 ):
     from model_service.lora.adapter import host_form
 
-    def exhausted(self: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("CUDA error: out of memory")
+    empty = torch.empty
 
-    monkeypatch.setattr(torch.Tensor, "pin_memory", exhausted)
+    def exhausted(*args, pin_memory: bool = False, **kwargs) -> torch.Tensor:
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", exhausted)
     name, path = next(iter(tiny_adapters.items()))
     held = host_form(load_peft_adapter(name, path, tiny_llama.config, 64), torch.float16, pin=True)
     assert all(w.a.dtype == torch.float16 and not w.a.is_pinned() for w in held.modules.values())

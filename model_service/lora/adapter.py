@@ -83,14 +83,13 @@ def host_form(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> LoraAdapte
     page-locked memory runs out, the copy stays pageable: slower loads, never a refused adapter."""
 
     def held(t: torch.Tensor) -> torch.Tensor:
-        t = t.to(dtype)
         if not pin:
-            return t
-        try:
-            return t.pin_memory()
+            return t.to(dtype)
+        try:  # cast straight into page-locked memory: one copy, not a cast and then a pin
+            return torch.empty(t.shape, dtype=dtype, pin_memory=True).copy_(t)
         except RuntimeError as e:  # the driver's page-locked allocation failed
             log.warning("adapter %r stays in pageable host memory (%s): slower slot loads", adapter.name, e)
-            return t
+            return t.to(dtype)
 
     modules = {key: LoraWeights(held(w.a), held(w.b), w.scaling) for key, w in adapter.modules.items()}
     return dataclasses.replace(adapter, modules=modules)
