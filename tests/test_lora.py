@@ -514,5 +514,23 @@ def test_host_form_keeps_an_adapter_pageable_when_page_locked_memory_fails(
     monkeypatch.setattr(torch, "empty", exhausted)
     name, path = next(iter(tiny_adapters.items()))
     held = host_form(load_peft_adapter(name, path, tiny_llama.config, 64), torch.float16, pin=True)
-    assert all(w.a.dtype == torch.float16 and not w.a.is_pinned() for w in held.modules.values())
+    assert held.packed is not None and held.packed.dtype == torch.float16 and not held.packed.is_pinned()
     assert "pageable host memory" in caplog.text
+
+
+def test_a_packed_adapter_pickles_its_buffer_once_and_keeps_its_views(tiny_llama, tiny_adapters):
+    """Tensor-parallel ranks receive adapters pickled: the packed buffer goes once (not once a
+    view), and the copy's modules are views of its own buffer with the same values."""
+    import pickle
+
+    from model_service.lora.adapter import host_form, in_buffer
+
+    name, path = next(iter(tiny_adapters.items()))
+    held = host_form(load_peft_adapter(name, path, tiny_llama.config, 64), torch.float32, pin=False)
+    data = pickle.dumps(held)
+    assert len(data) < 1.5 * held.packed.numel() * 4
+    copy = pickle.loads(data)
+    assert copy.adapter_id == held.adapter_id and copy.modules.keys() == held.modules.keys()
+    for key, w in copy.modules.items():
+        assert in_buffer(w.a, copy.packed) and in_buffer(w.b, copy.packed)
+        assert torch.equal(w.a, held.modules[key].a) and torch.equal(w.b, held.modules[key].b)

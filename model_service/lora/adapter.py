@@ -13,6 +13,7 @@ computed with the old ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -62,6 +63,24 @@ class LoraAdapter:
     path: Path | None
     modules: dict[tuple[int, str], LoraWeights] = field(default_factory=dict)
     sha256: str = ""  # of adapter_model.safetensors: the identity peers and the adapter service check
+    packed: torch.Tensor | None = None  # `host_form`'s one buffer, of which the modules' A and B are views
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (to tensor-parallel ranks) as the packed buffer once and each view's place in
+        it: pickle would write the whole buffer again for every view of it."""
+        state = dict(self.__dict__)
+        if self.packed is not None:
+            place = functools.partial(_place, self.packed)
+            state["modules"] = {k: (place(w.a), place(w.b), w.scaling) for k, w in self.modules.items()}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        packed = state.get("packed")
+        if packed is not None:
+            view = functools.partial(_view, packed)
+            modules = state["modules"].items()
+            state["modules"] = {k: LoraWeights(view(a), view(b), s) for k, (a, b, s) in modules}
+        self.__dict__.update(state)
 
     @property
     def max_rank(self) -> int:
@@ -74,25 +93,54 @@ class LoraAdapter:
         )
 
 
+def in_buffer(t: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether `t` is a view of `packed` (a sharded copy of a module is not)."""
+    return t.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+
+
+# Where a view lies in its packed buffer (offset, shape, stride), or a tensor outside it.
+Place = tuple[int, tuple[int, ...], tuple[int, ...]] | torch.Tensor
+
+
+def _place(packed: torch.Tensor, t: torch.Tensor) -> Place:
+    if not in_buffer(t, packed):
+        return t
+    return t.storage_offset() - packed.storage_offset(), tuple(t.shape), tuple(t.stride())
+
+
+def _view(packed: torch.Tensor, place: Place) -> torch.Tensor:
+    if isinstance(place, torch.Tensor):
+        return place
+    offset, shape, stride = place
+    return packed.as_strided(shape, stride, packed.storage_offset() + offset)
+
+
 def host_form(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> LoraAdapter:
-    """The copy a pool keeps in host memory: weights already in the slots' dtype and, for slots
-    on a GPU, in page-locked memory, so loading a slot is asynchronous copies with nothing cast
-    on the engine thread, which every step waits for. Float32 pageable copies held it 38.9 ms a
-    load on the 8B shape (rank 16, all seven projections: a cast on the CPU and a pageable
-    transfer for each of 448 tensors); this form, 17.9 (docs/performance.md, session k). When
-    page-locked memory runs out, the copy stays pageable: slower loads, never a refused adapter."""
+    """The copy a pool keeps in host memory: every module's A and B, in the slots' dtype, packed
+    into one buffer (`packed`; the modules are views of it), page-locked for slots on a GPU. A
+    slot load is then one asynchronous transfer of the whole adapter and a few batched device
+    copies, with nothing cast on the engine thread, which every step waits for: float32 pageable
+    copies, tensor by tensor, held it 38.9 ms a load on the 8B shape (rank 16, all seven
+    projections), page-locked ones 17.9 (docs/performance.md, session k). When page-locked
+    memory runs out, the buffer stays pageable: slower loads, never a refused adapter."""
+    weights = [t for w in adapter.modules.values() for t in (w.a, w.b)]
+    size = sum(t.numel() for t in weights)
+    try:
+        packed = torch.empty(size, dtype=dtype, pin_memory=pin)
+    except RuntimeError as e:  # the driver's page-locked allocation failed
+        log.warning("adapter %r stays in pageable host memory (%s): slower slot loads", adapter.name, e)
+        packed = torch.empty(size, dtype=dtype)
+    offset = 0
 
     def held(t: torch.Tensor) -> torch.Tensor:
-        if not pin:
-            return t.to(dtype)
-        try:  # cast straight into page-locked memory: one copy, not a cast and then a pin
-            return torch.empty(t.shape, dtype=dtype, pin_memory=True).copy_(t)
-        except RuntimeError as e:  # the driver's page-locked allocation failed
-            log.warning("adapter %r stays in pageable host memory (%s): slower slot loads", adapter.name, e)
-            return t.to(dtype)
+        nonlocal offset
+        view = packed[offset : offset + t.numel()].view(t.shape)
+        view.copy_(t)
+        offset += t.numel()
+        return view
 
     modules = {key: LoraWeights(held(w.a), held(w.b), w.scaling) for key, w in adapter.modules.items()}
-    return dataclasses.replace(adapter, modules=modules)
+    return dataclasses.replace(adapter, modules=modules, packed=packed)
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

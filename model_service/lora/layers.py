@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 
 from model_service.kernels.lora import few_rows_split, lora_expand, lora_shrink
 from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
-from model_service.lora.adapter import LoraAdapter, LoraWeights
+from model_service.lora.adapter import LoraAdapter, LoraWeights, in_buffer
 from model_service.models.layers import PackedLinear
 from model_service.models.step import StepBatch, to_device
 
@@ -187,25 +188,52 @@ class LoraLinear(nn.Module):
         return y
 
     def load(self, slot: int, weights: dict[int, LoraWeights]) -> None:
-        """Make `slot` hold `weights` (part -> weights; none: the slot cleared). Only the rows an
-        adapter has are touched, so a load costs its size, not the slot's: each part's rows
-        copied (asynchronously from the page-locked host tier, `adapter.host_form`), what the
-        previous adapter wrote beyond them zeroed, each scaling filled in. Every step waits for a
-        load, so it is kept to three launches a part (was five, and a clear of the slot first)."""
-        if not weights and not any(self.ranks[slot]):
-            return  # nothing there, nothing to put
+        """Make `slot` hold `weights` (part -> weights; none: the slot cleared)."""
+        writes = SlotWrites()
+        self.slot_writes(slot, weights, writes)
+        writes.apply()
+
+    def slot_writes(self, slot: int, weights: dict[int, LoraWeights], writes: SlotWrites) -> None:
+        """Add to `writes` what makes `slot` hold `weights`. Only the rows an adapter has are
+        touched, so a load costs its size, not the slot's: each part's rows copied, what the
+        previous adapter wrote beyond them zeroed, each scaling set."""
         for part, (lo, hi) in enumerate(self.columns):
             w, old = weights.get(part), self.ranks[slot][part]
             r = 0 if w is None else w.a.shape[0]
             if w is not None:
-                self.lora_a[slot, part, :r].copy_(w.a, non_blocking=True)
-                self.lora_b[slot, lo:hi, :r].copy_(w.b, non_blocking=True)
+                writes.copies += [(self.lora_a[slot, part, :r], w.a), (self.lora_b[slot, lo:hi, :r], w.b)]
             if old > r:
-                self.lora_a[slot, part, r:old].zero_()
-                self.lora_b[slot, lo:hi, r:old].zero_()
+                writes.zeros += [self.lora_a[slot, part, r:old], self.lora_b[slot, lo:hi, r:old]]
             if w is not None or old:
                 self.ranks[slot][part], self.scaling[slot][part] = r, 0.0 if w is None else w.scaling
-                self.lora_scaling[slot, part] = self.scaling[slot][part]  # a fill: no host copy
+                writes.scalings.append((self.lora_scaling[slot, part : part + 1], self.scaling[slot][part]))
+
+
+@dataclass
+class SlotWrites:
+    """A slot load's device writes, applied together: every step waits for a load, and one at a
+    time they were ~1,250 launches of Python on the 8B shape (17.9 ms; docs/performance.md,
+    session k). Copies whose source is already on the device (views of an adapter's packed
+    buffer, moved in one transfer) go in batched launches; the rest one by one."""
+
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (slot view, weights)
+    zeros: list[torch.Tensor] = field(default_factory=list)
+    scalings: list[tuple[torch.Tensor, float]] = field(default_factory=list)
+
+    def apply(self, moved: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
+        """`moved(t)`: the weights `t` on the device, when they were moved there already."""
+        copies = [(dst, moved(src)) for dst, src in self.copies]
+        local = [(dst, src) for dst, src in copies if src.device == dst.device]
+        if local:
+            torch._foreach_copy_([d for d, _ in local], [s for _, s in local])
+        for dst, src in copies:
+            if src.device != dst.device:
+                dst.copy_(src, non_blocking=True)  # page-locked: `adapter.host_form`
+        views = self.zeros + [v for v, _ in self.scalings]
+        if views:
+            torch._foreach_zero_(views)
+        if self.scalings:
+            torch._foreach_add_([v for v, _ in self.scalings], [value for _, value in self.scalings])
 
 
 @dataclass
@@ -216,19 +244,37 @@ class LoraLayers:
     targets: dict[tuple[int, str], tuple[LoraLinear, int]]
 
     def load_slot(self, slot: int, adapter: LoraAdapter) -> None:
-        """Copy `adapter`'s weights into `slot` (quiescent points only), replacing what was there."""
+        """Copy `adapter`'s weights into `slot` (quiescent points only), replacing what was there.
+        A packed adapter (`adapter.host_form`) crosses to the device in one transfer first."""
         parts: dict[int, tuple[LoraLinear, dict[int, LoraWeights]]] = {
             id(m): (m, {}) for m, _ in self.targets.values()
         }
         for key, w in adapter.modules.items():
             layer, part = self.targets[key]
             parts[id(layer)][1][part] = w
+        writes = SlotWrites()
         for layer, weights in parts.values():
-            layer.load(slot, weights)
+            if weights or any(layer.ranks[slot]):
+                layer.slot_writes(slot, weights, writes)
+        packed = adapter.packed
+        if packed is None:
+            writes.apply()
+            return
+        device = next(iter(parts.values()))[0].lora_a.device
+        staged = packed.to(device, non_blocking=True)
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            if not in_buffer(t, packed):
+                return t  # a tensor-parallel shard's own copy
+            return staged.as_strided(t.shape, t.stride(), t.storage_offset() - packed.storage_offset())
+
+        writes.apply(moved)
 
     def clear_slot(self, slot: int) -> None:
+        writes = SlotWrites()
         for layer in {id(m): m for m, _ in self.targets.values()}.values():
-            layer.load(slot, {})
+            layer.slot_writes(slot, {}, writes)
+        writes.apply()
 
 
 def wrap_lora_layers(module: nn.Module, max_loras: int, max_rank: int, use_kernels: bool) -> LoraLayers:
