@@ -659,3 +659,18 @@ def test_token_ladder_of_piecewise_graphs():
     assert token_ladder(2048) == [16, 32, 48, 64, 80, 96, 112, 128, 192, 256, 320, 384, 448, 512]
     assert token_ladder(100) == [16, 32, 48, 64, 80, 96, 100]
     assert token_ladder(8) == [8]
+
+
+def test_piece_tiles_leave_the_leading_decode_rows_to_the_per_row_kernels():
+    """A LoRA bucket's step: decode rows first (per-row kernels), then every LoRA row after them
+    as tiles, a 5-row run too (the eager plan would send a step of only short runs per row),
+    base-model rows none."""
+    from bench.lora_kernels import step_batch
+    from model_service.engine.piecewise_graphs import piece_tiles
+
+    batch = step_batch([0, 1, -1, 2, 1, -1], [1, 1, 1, 100, 5, 10], torch.device("cpu"))
+    lead, tiles = piece_tiles(batch)
+    assert lead == 3
+    assert tiles.tolist() == [[3, 67, 2], [67, 103, 2], [103, 108, 1]]
+    lead, tiles = piece_tiles(step_batch([3, 3], [7, 2], torch.device("cpu")))
+    assert lead == 0 and tiles.tolist() == [[0, 9, 3]]  # a run of one adapter spans its sequences

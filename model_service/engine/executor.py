@@ -172,8 +172,9 @@ class ModelExecutor:
                 if config.piecewise_graphs and dense and isinstance(self.module, DecoderModel):
                     plan = self.lora.plan if self.lora is not None else None
                     self.pieces = PiecewiseGraphs(
-                        self.module, triton_backend, config.max_num_batched_tokens, self.device, plan
-                    )
+                        self.module, triton_backend, config.max_num_batched_tokens, self.device, plan,
+                        config.max_num_seqs,
+                    )  # fmt: skip
         else:
             self.attention = TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
         # Float32 tensors [slots, ...], as many per recurrent layer as the model lists; none for

@@ -14,9 +14,12 @@ rows last, eagerly. Padding rows (id 0, KV slot -1) compute garbage nobody reads
 
 With the LoRA kernels on, every bucket is captured twice: without LoRA, and with both kinds of
 LoRA kernels over static buffers (`LoraStepPlan.for_pieces`: per-row slots for the step's
-leading decode rows, row tiles for its prefill chunks, at most `tile_capacity` of them). An
-eager mixed step with LoRA rows paid ~20 ms of Triton launches on the host, more than the
-device time of a few-hundred-token step (8B shape, 64 adapters: docs/performance.md).
+leading decode rows, row tiles for every LoRA row after them, at most `tile_capacity` tiles;
+`piece_tiles`). An eager mixed step with LoRA rows paid ~20 ms of Triton launches on the host,
+more than the device time of a few-hundred-token step (8B shape, 64 adapters:
+docs/performance.md). The per-row kernels cover only the bucket's first `max_num_seqs` rows
+(there is at most one decode row a sequence): over all 512 rows of the largest bucket they
+started ~200,000 programs a layer that had nothing to do.
 
 Every replay writes each pooled tensor before reading it, so all buckets share one pool; each
 bucket keeps its attention calls' q / k / v and output (~1.5 GB for the whole ladder on the 8B
@@ -33,14 +36,15 @@ from __future__ import annotations
 import bisect
 import logging
 
+import numpy as np
 import torch
 
 from model_service.attention.triton_backend import TritonBackend
-from model_service.kernels.lora_grouped import TILE_ROWS
+from model_service.kernels.lora_grouped import TILE_ROWS, lora_tiles
 from model_service.lora.layers import LoraStepPlan
 from model_service.models.context import ForwardContext
 from model_service.models.llama import DecoderModel
-from model_service.models.step import StepBatch
+from model_service.models.step import StepBatch, to_device
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
 log = logging.getLogger(__name__)
@@ -58,6 +62,15 @@ def tile_capacity(size: int) -> int:
     partial tile for each of 16 runs (prefill chunks of distinct adapters); a step with more
     runs of tile length runs eagerly."""
     return -(-size // TILE_ROWS) + 16
+
+
+def piece_tiles(batch: StepBatch) -> tuple[int, np.ndarray]:
+    """(leading decode rows, row tiles of every LoRA row after them) of a step a LoRA bucket
+    replays: the per-row kernels serve the first, the tile kernels the rest, short runs too."""
+    lead = batch.num_leading_decodes
+    tiles = lora_tiles(batch.host_lora_slots[lead:])
+    tiles[:, :2] += lead
+    return lead, tiles
 
 
 def capture_reserve(total_bytes: int) -> int:
@@ -112,16 +125,19 @@ class PiecewiseGraphs:
         backend: TritonBackend,
         max_tokens: int,
         device: torch.device,
-        lora: LoraStepPlan | None = None,
+        lora: LoraStepPlan | None,
+        max_lead_rows: int,
     ) -> None:
         self.module, self.backend, self.lora = module, backend, lora
+        self.max_lead_rows = max_lead_rows  # decode rows a step can open with: one a sequence
         self.ladder = token_ladder(max_tokens)
         self.input_ids = torch.zeros(self.ladder[-1], dtype=torch.long, device=device)
         self.positions = torch.zeros(self.ladder[-1], dtype=torch.long, device=device)
         self.stream = torch.cuda.Stream(device=device)
         top = self.ladder[-1]
-        self.lora_slots = torch.full((top,), -1, dtype=torch.long, device=device)
+        self.lora_slots = torch.full((min(top, max_lead_rows),), -1, dtype=torch.long, device=device)
         self.lora_tiles = torch.zeros(tile_capacity(top), 3, dtype=torch.int32, device=device)
+        self._planned: tuple[StepBatch, int, np.ndarray] | None = None  # `piece_tiles` of the last step
         self.buckets: dict[tuple[int, bool], _Pieces] = {}
         self.pool: tuple[int, int] | None = None
 
@@ -130,14 +146,16 @@ class PiecewiseGraphs:
         return self.lora is not None and self.lora.use_kernels
 
     def can_run(self, batch: StepBatch) -> bool:
-        """After `LoraStepPlan.prepare(batch)`: a step with LoRA rows needs its tiles to fit."""
+        """A step with LoRA rows needs its tiles to fit the bucket."""
         if batch.num_tokens > self.ladder[-1] or (batch.uses_lora and not self.with_lora):
             return False
         size = self._bucket(batch)
         if (size, batch.uses_lora) not in self.buckets:
             return False
-        tiles = self.lora.tiles if batch.uses_lora and self.lora is not None else None
-        return tiles is None or len(tiles) <= tile_capacity(size)
+        if not batch.uses_lora:
+            return True
+        lead, tiles = self._plan(batch)
+        return lead <= self.max_lead_rows and len(tiles) <= tile_capacity(size)
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         n, size = batch.num_tokens, self._bucket(batch)
@@ -161,19 +179,20 @@ class PiecewiseGraphs:
     def _bucket(self, batch: StepBatch) -> int:
         return self.ladder[bisect.bisect_left(self.ladder, batch.num_tokens)]
 
+    def _plan(self, batch: StepBatch) -> tuple[int, np.ndarray]:
+        if self._planned is None or self._planned[0] is not batch:
+            self._planned = (batch, *piece_tiles(batch))
+        return self._planned[1], self._planned[2]
+
     def _lora_rows(self, batch: StepBatch, size: int) -> None:
-        """The static LoRA buffers from the step's plan: per-row slots for the rows the tiles do
-        not take (all rows without tiles), the tiles, empty tiles after them."""
-        n, plan = batch.num_tokens, self.lora
-        assert plan is not None
-        self.lora_slots[:n] = batch.lora_slots
-        self.lora_slots[n:size] = -1
-        used = 0
-        if plan.tiles is not None:
-            self.lora_slots[plan.lead : n] = -1
-            used = len(plan.tiles)
-            self.lora_tiles[:used] = plan.tiles
-        self.lora_tiles[used : tile_capacity(size)] = 0
+        """The static LoRA buffers for this step: the leading decode rows' slots (-1 after them),
+        the tiles of the other LoRA rows, empty tiles after those."""
+        lead, tiles = self._plan(batch)
+        self.lora_slots[:lead] = batch.lora_slots[:lead]
+        self.lora_slots[lead : min(size, self.max_lead_rows)] = -1
+        if len(tiles):
+            self.lora_tiles[: len(tiles)] = to_device(tiles, self.lora_tiles.device)
+        self.lora_tiles[len(tiles) : tile_capacity(size)] = 0
 
     def capture_all(self) -> None:
         """Capture the buckets now, before serving. A bucket costs two forward passes and ~33
@@ -209,7 +228,8 @@ class PiecewiseGraphs:
         ids, pos = self.input_ids[:size], self.positions[:size]
         pieces = _Pieces()
         if with_lora:  # the buffers hold no work now (slots -1, empty tiles): warm-up runs safely
-            self.lora.for_pieces(self.lora_slots[:size], self.lora_tiles[: tile_capacity(size)])
+            rows = min(size, self.max_lead_rows)
+            self.lora.for_pieces(self.lora_slots[:rows], self.lora_tiles[: tile_capacity(size)])
         elif self.lora is not None:  # base rows only: the plan's state is whatever the last step
             self.lora.for_capture(ids[:0], enabled=False)  # or decode capture left (`capture_all`)
         with torch.cuda.stream(self.stream):

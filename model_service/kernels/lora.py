@@ -108,11 +108,13 @@ def lora_shrink(
     slots: torch.Tensor,
     out: torch.Tensor | None = None,
     split_k: int | None = None,
+    zeroed: bool = False,
 ) -> torch.Tensor:
     """xa [tokens, parts * max_rank] in float32: every row's input times its slot's A (Triton,
     CUDA only); rows of slot -1 are left at whatever the buffer holds (zero when `split_k` > 1).
     `out`: rows of a larger buffer to write (a mixed step's decode rows, beside the tile
-    kernels' rows). `split_k`: the split for a caller that knows its live rows better."""
+    kernels' rows). `split_k`: the split for a caller that knows its live rows better; `zeroed`:
+    `out` holds zeros already (no memset)."""
     tokens, in_features = x.shape
     _, parts, max_rank, _ = a.shape
     width = parts * max_rank
@@ -124,7 +126,7 @@ def lora_shrink(
         split_k = 1 if programs >= 2 * num_sms(x.device) else few_rows_split(in_features)
     k_chunk = triton.cdiv(triton.cdiv(in_features, split_k), 128) * 128
     xa = torch.empty(tokens, width, dtype=torch.float32, device=x.device) if out is None else out
-    if split_k > 1:
+    if split_k > 1 and not zeroed:
         xa.zero_()  # the programs add their partial sums into it
     _shrink_kernel[(tokens, triton.cdiv(width, 16), triton.cdiv(in_features, k_chunk))](
         x, a, slots, xa, x.stride(0), a.stride(0), in_features, width, k_chunk,

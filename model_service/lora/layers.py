@@ -66,10 +66,10 @@ class LoraStepPlan:
 
     def for_pieces(self, slots: torch.Tensor, tiles: torch.Tensor) -> None:
         """A piecewise graph cannot know which rows a step's tiles take, so it records both
-        kinds of kernels over static buffers of the bucket's size: the per-row kernels over
-        every row (`slots`: -1 where the tiles serve the row, or on padding) and the tile
-        kernels over a fixed number of tiles (`tiles`, unused ones empty). The step fills both
-        from its plan (`engine/piecewise_graphs.py`)."""
+        kinds of kernels over static buffers: the per-row kernels over the bucket's first
+        `len(slots)` rows (the leading decode rows' slots, -1 after them) and the tile kernels
+        over a fixed number of tiles (`tiles`, unused ones empty) for every other LoRA row. The
+        step fills both (`engine/piecewise_graphs.py`)."""
         self.enabled, self.slots, self.tiles, self.static = True, slots, tiles, True
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -110,9 +110,11 @@ class LoraStepPlan:
     def shrink(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         if self.tiles is None:
             return lora_shrink(x, a, self.slots)
-        if self.static:  # the per-row rows are few (decode rows) among the bucket's: split them,
-            split = max(2, few_rows_split(x.shape[1]))  # which also zeroes xa for the tiles' sums
-            return lora_shrink_tiles(x, a, self.tiles, out=lora_shrink(x, a, self.slots, split_k=split))
+        if self.static:  # the per-row rows are few (decode rows): split their input dimension
+            rows, split = len(self.slots), max(2, few_rows_split(x.shape[1]))
+            xa = torch.zeros(x.shape[0], a.shape[1] * a.shape[2], dtype=torch.float32, device=x.device)
+            lora_shrink(x[:rows], a, self.slots, out=xa[:rows], split_k=split, zeroed=True)
+            return lora_shrink_tiles(x, a, self.tiles, out=xa)  # zeroed: the tiles may add partial sums
         xa = lora_shrink_tiles(x, a, self.tiles)
         if self.lead:
             lora_shrink(x[: self.lead], a, self.slots[: self.lead], out=xa[: self.lead])
@@ -126,7 +128,8 @@ class LoraStepPlan:
             return
         lora_expand_tiles(xa, y, b, scaling, self.tiles, bounds)
         if self.static:
-            lora_expand(xa, y, b, scaling, self.slots, bounds)
+            rows = len(self.slots)
+            lora_expand(xa[:rows], y[:rows], b, scaling, self.slots, bounds)
         elif self.lead:
             d = self.lead
             lora_expand(xa[:d], y[:d], b, scaling, self.slots[:d], bounds)
