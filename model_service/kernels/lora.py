@@ -54,6 +54,8 @@ if triton is not None:
         if slot >= 0:
             o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
             valid = o < out_features
+            y_ptr = Y + t * y_stride + o
+            y = tl.load(y_ptr, mask=valid, other=0.0)  # first: its latency hides under xa's and B's
             part = tl.zeros([BLOCK_O], tl.int32)
             for j in range(1, num_parts):
                 part += (o >= tl.load(Bounds + j)).to(tl.int32)
@@ -65,8 +67,6 @@ if triton is not None:
             b = tl.load(B + b_off, mask=valid[:, None], other=0.0).to(tl.float32)
             scale = tl.load(Scaling + slot * num_parts + part, mask=valid, other=0.0)
             delta = tl.sum(xa * b, axis=1) * scale
-            y_ptr = Y + t * y_stride + o
-            y = tl.load(y_ptr, mask=valid, other=0.0)
             tl.store(y_ptr, (y.to(tl.float32) + delta).to(y.dtype), mask=valid)
 
 
