@@ -46,6 +46,7 @@ Code = grpc.StatusCode
 SERVICES = ("spindle.v1.Adapters", "spindle.v1.Placement", "spindle.v1.ModelControl")
 _MAX_CONFIG = 1 << 20
 _CHUNK = 1 << 20
+_DRAIN_BYTES = 64 << 20
 
 
 async def _name(context: grpc.aio.ServicerContext, name: str) -> str:
@@ -53,6 +54,59 @@ async def _name(context: grpc.aio.ServicerContext, name: str) -> str:
         return validate.check_name(name)
     except validate.ValidationError as e:
         await abort(context, Code.INVALID_ARGUMENT, str(e))
+
+
+class _Refused(Exception):
+    """An upload refused before it was stored: the status to answer with once it is drained."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+async def _receive(h: apb.RegisterHeader, chunks: AsyncIterator[apb.RegisterChunk]) -> Path:
+    """The announced weights, checked for size and sha256, in a temporary file the caller removes."""
+    fd, tmp = tempfile.mkstemp(prefix="spindle-upload-")
+    path = Path(tmp)
+    try:
+        digest, received = hashlib.sha256(), 0
+        with os.fdopen(fd, "wb") as out:
+            async for chunk in chunks:
+                if chunk.WhichOneof("kind") != "data":
+                    raise _Refused(Code.INVALID_ARGUMENT, "only the first message may be a header")
+                received += len(chunk.data)
+                if received > h.total_bytes:
+                    raise _Refused(
+                        Code.RESOURCE_EXHAUSTED, f"more than the announced {h.total_bytes} bytes were sent"
+                    )
+                digest.update(chunk.data)
+                out.write(chunk.data)
+        if received != h.total_bytes:
+            raise _Refused(Code.INVALID_ARGUMENT, f"received {received} bytes, announced {h.total_bytes}")
+        if digest.hexdigest() != h.sha256:
+            raise _Refused(
+                Code.DATA_LOSS,
+                f"the weights received have sha256 {digest.hexdigest()}, the client said {h.sha256}: "
+                "corrupted in transit; nothing was stored, send again",
+            )
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return path
+
+
+async def _drain(chunks: AsyncIterator[apb.RegisterChunk]) -> None:
+    """Read what the client still sends of a refused upload (up to `_DRAIN_BYTES`) before the
+    refusal goes out. A grpc.aio client still sending when the status arrives reports INTERNAL
+    "Internal error from Core" in its place (grpc/aio/_call.py `_write`), so without this the
+    gateway's relay, or any asyncio client, lost the reason ("name not allowed", "more than the
+    announced bytes"). Past the bound the refusal goes out at once: a client sending gigabytes
+    after a refused header gets the INTERNAL and the service's log the reason."""
+    drained = 0
+    async for chunk in chunks:
+        drained += len(chunk.data)
+        if drained > _DRAIN_BYTES:
+            return
 
 
 @unavailable_when_backends_are_down
@@ -142,61 +196,40 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
     async def Register(
         self, request_iterator: AsyncIterator[apb.RegisterChunk], context: grpc.aio.ServicerContext
     ) -> apb.Adapter:
-        first = await anext(aiter(request_iterator), None)
+        chunks = aiter(request_iterator)
+        try:
+            h = self._header(await anext(chunks, None))
+            path = await _receive(h, chunks)
+        except _Refused as e:
+            await _drain(chunks)
+            await abort(context, e.code, e.message)
+        try:
+            return await self._commit(context, h.name, bytes(h.config_json), path, h.sha256, h.description)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _header(self, first: apb.RegisterChunk | None) -> apb.RegisterHeader:
         if first is None or first.WhichOneof("kind") != "header":
-            await abort(
-                context,
-                Code.INVALID_ARGUMENT,
-                "the first message must be the header (name, config, size, sha256)",
+            raise _Refused(
+                Code.INVALID_ARGUMENT, "the first message must be the header (name, config, size, sha256)"
             )
         h = first.header
-        name = await _name(context, h.name)
+        try:
+            validate.check_name(h.name)
+        except validate.ValidationError as e:
+            raise _Refused(Code.INVALID_ARGUMENT, str(e)) from None
         if len(h.sha256) != 64 or any(c not in "0123456789abcdef" for c in h.sha256):
-            await abort(
-                context,
-                Code.INVALID_ARGUMENT,
-                "sha256 must be the 64 lowercase hex digits of the weights file",
+            raise _Refused(
+                Code.INVALID_ARGUMENT, "sha256 must be the 64 lowercase hex digits of the weights file"
             )
         if not 0 < h.total_bytes <= self.max_bytes:
-            code = Code.RESOURCE_EXHAUSTED if h.total_bytes > 0 else Code.INVALID_ARGUMENT
-            await abort(
-                context,
-                code,
+            raise _Refused(
+                Code.RESOURCE_EXHAUSTED if h.total_bytes > 0 else Code.INVALID_ARGUMENT,
                 f"total_bytes {h.total_bytes} must be in [1, {self.max_bytes}] (--max-adapter-bytes)",
             )
         if not h.config_json or len(h.config_json) > _MAX_CONFIG:
-            await abort(context, Code.INVALID_ARGUMENT, f"config_json must be 1 byte to {_MAX_CONFIG} bytes")
-        fd, tmp = tempfile.mkstemp(prefix="spindle-upload-")
-        path = Path(tmp)
-        try:
-            digest, received = hashlib.sha256(), 0
-            with os.fdopen(fd, "wb") as out:
-                async for chunk in request_iterator:
-                    if chunk.WhichOneof("kind") != "data":
-                        await abort(context, Code.INVALID_ARGUMENT, "only the first message may be a header")
-                    received += len(chunk.data)
-                    if received > h.total_bytes:
-                        await abort(
-                            context,
-                            Code.RESOURCE_EXHAUSTED,
-                            f"more than the announced {h.total_bytes} bytes were sent",
-                        )
-                    digest.update(chunk.data)
-                    out.write(chunk.data)
-            if received != h.total_bytes:
-                await abort(
-                    context, Code.INVALID_ARGUMENT, f"received {received} bytes, announced {h.total_bytes}"
-                )
-            if digest.hexdigest() != h.sha256:
-                await abort(
-                    context,
-                    Code.DATA_LOSS,
-                    f"the weights received have sha256 {digest.hexdigest()}, the client said {h.sha256}: "
-                    "corrupted in transit; nothing was stored, send again",
-                )
-            return await self._commit(context, name, bytes(h.config_json), path, h.sha256, h.description)
-        finally:
-            path.unlink(missing_ok=True)
+            raise _Refused(Code.INVALID_ARGUMENT, f"config_json must be 1 byte to {_MAX_CONFIG} bytes")
+        return h
 
     async def Import(self, request: apb.ImportRequest, context: grpc.aio.ServicerContext) -> apb.Adapter:
         name = await _name(context, request.name)

@@ -83,7 +83,9 @@ def _lost_refusal(e: grpc.aio.AioRpcError) -> bool:
     """grpc.aio's streaming client, when the server answers before the last message went out (the
     adapter service refuses a bad upload at once), may fail the next send and report INTERNAL
     "Internal error from Core" in place of the server's status (grpc/aio/_call.py `_write`:
-    `set_internal_error`). Only a refusal ends an upload early, so it is the caller's bad input."""
+    `set_internal_error`). Only a refusal ends an upload early, so it is the caller's bad input.
+    The service reads up to 64 MB of a refused upload before answering, so this is left for
+    clients that keep sending past that."""
     return e.code() == Code.INTERNAL and "SendMessageOperation" in (e.debug_error_string() or "")
 
 
