@@ -22,13 +22,14 @@ docs/performance.md). The per-row kernels cover only the bucket's first `max_num
 started ~200,000 programs a layer that had nothing to do.
 
 Every replay writes each pooled tensor before reading it, so all buckets share one pool; each
-bucket keeps its attention calls' q / k / v and output: ~0.9 MB a token of the bucket on the 8B
-shape, 2.5 GB for the ladder, 5 GB with the LoRA buckets (measured per bucket). Buckets are
-captured only by `capture_all`, in the pod's warm-up (`Engine.warm_up`), smallest first and only
-while they fit in the device memory the K/V pool left (`capture_reserve` kept free for eager
-steps): a card with less headroom captures fewer buckets instead of failing to start. Steps
-without a bucket (before the warm-up, larger than the ladder or than the buckets captured, with
-more tiles than the bucket holds) run eagerly, as do models without decode graphs.
+bucket keeps its attention calls' q / k / v and output, and more: ~0.9 MB a token of the bucket
+stays allocated on the 8B shape (~0.66 of it those), 2.5 GB for the ladder, 5 GB with the LoRA
+buckets (measured per bucket; docs/performance.md, lead 3). Buckets are captured only by
+`capture_all`, in the pod's warm-up (`Engine.warm_up`), smallest first and only while they fit
+in the device memory the K/V pool left (`capture_reserve` kept free for eager steps): a card
+with less headroom captures fewer buckets instead of failing to start. Steps without a bucket
+(before the warm-up, larger than the ladder or than the buckets captured, with more tiles than
+the bucket holds) run eagerly, as do models without decode graphs.
 """
 
 from __future__ import annotations
