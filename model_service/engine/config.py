@@ -125,7 +125,7 @@ class EngineConfig:
     piecewise_graphs: bool = _opt(
         True,
         "CUDA, dense models: at start-up, capture prefill and mixed steps of up to 512 tokens "
-        "as CUDA graphs split at attention, while they fit in memory (~1.5 GB on an 8B model, "
+        "as CUDA graphs split at attention, while they fit in memory (~2.5 GB on an 8B model, "
         "twice that with LoRA on; short prompts serve about a third faster); "
         "--no-piecewise-graphs runs them eagerly",
     )
