@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -380,6 +382,18 @@ def hf_decode_tok_s(loaded: LoadedModel, batch: int, prompt_len: int, new_tokens
     return batch * (new_tokens - 1) / (run(new_tokens) - run(1))
 
 
+def host_cpu() -> str:
+    """The host's CPU model, in every result's setup: the device tool lends hosts that differ
+    between calls, and host-bound figures (eager steps' launches) move with them (0.839x and
+    0.816x for the LoRA ratio on two hosts, same code: docs/performance.md, session l)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64, 256])
@@ -408,6 +422,7 @@ def main() -> None:
         "model": "llama3-8b-shape" if shape is LLAMA3_8B else "smollm2-135m-shape",
         "dtype": "bfloat16",
         "device": torch.cuda.get_device_name(),
+        "host_cpu": host_cpu(),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "async_scheduling": args.async_scheduling,

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from bench.gpu import LLAMA3_8B, SMOLLM2, hf_llama, random_model, register_random_adapters
+from bench.gpu import LLAMA3_8B, SMOLLM2, hf_llama, host_cpu, random_model, register_random_adapters
 from bench.step_times import StepTimes
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
@@ -231,7 +231,7 @@ def main() -> None:
     shape = LLAMA3_8B if not args.small else SMOLLM2
     args.ranges = (tuple(args.prompt_range), tuple(args.output_range))
     setup = {"model": "llama3-8b-shape" if shape is LLAMA3_8B else "smollm2-135m-shape", "dtype": "bfloat16",
-             "device": torch.cuda.get_device_name(), "prompt_range": args.ranges[0],
+             "device": torch.cuda.get_device_name(), "host_cpu": host_cpu(), "prompt_range": args.ranges[0],
              "output_range": args.ranges[1], "kv_cache_dtype": args.kv_cache_dtype,
              "piecewise_graphs": args.piecewise_graphs}  # fmt: skip
     loaded, rows = random_model(shape), []

@@ -56,3 +56,17 @@ def test_the_lora_run_sends_requests_through_every_adapter_in_turn():
     assert seen == ["a0", "a1", "a2", "a0", "a1", "a2", "a0"]
     assert result["output_tokens"] == sum(n for _, n in requests)
     assert sorted(s.adapter.name for s in engine.lora.slots if s.adapter is not None) == names
+
+
+def test_results_name_the_host_cpu_even_without_proc_cpuinfo(monkeypatch):
+    """Host-bound figures move between the device tool's hosts, so every result says which."""
+    from pathlib import Path
+
+    from bench.gpu import host_cpu
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [line for line in lines if line.startswith("model name")]
+    assert host_cpu() == (names[0].split(":", 1)[1].strip() if names else host_cpu())
+    monkeypatch.setattr(Path, "read_text", lambda self: (_ for _ in ()).throw(OSError("none")))
+    assert isinstance(host_cpu(), str) and host_cpu()
