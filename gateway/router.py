@@ -2,7 +2,10 @@
 
 A request for an adapter goes only to pods that report the adapter available (resident, in
 host memory or on disk); among those, each gets the weighted sum of four scores in [0, 1]; the
-best wins, ties broken at random so equal pods share the load:
+best wins. Of pods with equal sums the one holding more of the prompt's prefix wins (a full
+prefix hit on a pod one request busier ties with the idle pod: that tie used to be a coin flip,
+half of a conversation's turns recomputing their prefix elsewhere); the rest are broken at
+random, so equal pods share the load:
 
 - adapter affinity: 1.0 the adapter is resident in a slot, 0.8 a slot is free to load it,
   0.6 requests waiting there already asked for it (it is being loaded), 0 the pod is full.
@@ -92,5 +95,6 @@ def choose(
     if not scores:
         return None
     best = max(scores.values())
-    top = sorted(a for a, s in scores.items() if s >= best - 1e-9)
-    return (rng or random).choice(top)
+    top = [a for a, s in scores.items() if s >= best - 1e-9]
+    most = max(prefix.get(a, 0.0) for a in top)
+    return (rng or random).choice(sorted(a for a in top if prefix.get(a, 0.0) >= most))

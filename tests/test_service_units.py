@@ -56,6 +56,13 @@ def test_queue_kv_and_prefix_scores_combine():
     }
     assert picks == {"p", "q"}
     assert router.choose([], None, {}) is None
+    # A full prefix hit on a pod with one more waiting request ties with the idle pod: the tie
+    # goes to the prefix (it was a coin flip: the gateway test's sequential turns split 3 / 3)
+    holder, other = router.Candidate("holder", num_waiting=1), router.Candidate("other")
+    scores = router.score([holder, other], None, {"holder": 1.0})
+    assert scores["holder"] == scores["other"]
+    picks = {router.choose([holder, other], None, {"holder": 1.0}, rng=random.Random(i)) for i in range(20)}
+    assert picks == {"holder"}
 
 
 def test_a_burst_between_load_polls_is_spread_by_the_gateways_own_stream_counts():
