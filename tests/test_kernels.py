@@ -169,6 +169,15 @@ def _lora_case(tokens: int, device: str, dtype: torch.dtype, seed: int, in_featu
     return sizes, *move
 
 
+def _load_slot(layer, slot: int, weights: dict) -> None:
+    """One layer's share of a slot load (`LoraLayers.load_slot` gathers every layer's)."""
+    from model_service.lora.layers import SlotWrites
+
+    writes = SlotWrites()
+    layer.slot_writes(slot, weights, writes)
+    writes.apply()
+
+
 def test_lora_reference_matches_the_segment_loop_of_the_lora_layer():
     from model_service.lora.adapter import LoraWeights
     from model_service.lora.layers import LoraLinear, LoraStepPlan
@@ -184,7 +193,7 @@ def test_lora_reference_matches_the_segment_loop_of_the_lora_layer():
             part: LoraWeights(a[slot, part, :rank], b[slot, lo:hi, :rank], float(scaling[slot, part]))
             for part, (lo, hi) in enumerate(layer.columns)
         }
-        layer.load(slot, weights if rank else {})
+        _load_slot(layer, slot, weights if rank else {})
     plan.segments = [(s, torch.nonzero(slots == s).flatten()) for s in range(4) if (slots == s).any()]
     want = torch.zeros_like(y)
     lora_delta_reference(x, want, a, b, scaling, slots, sizes)
@@ -203,16 +212,16 @@ def test_a_slot_load_leaves_nothing_of_the_previous_adapter():
     base = PackedLinear(x.shape[1], {"q_proj": sizes[0], "k_proj": sizes[1], "v_proj": sizes[2]}, bias=False)
     layer = LoraLinear(base, 2, 16, LoraStepPlan(use_kernels=False))
     columns = layer.columns
-    layer.load(1, {p: LoraWeights(a[1, p], b[1, lo:hi], 2.0) for p, (lo, hi) in enumerate(columns)})
+    _load_slot(layer, 1, {p: LoraWeights(a[1, p], b[1, lo:hi], 2.0) for p, (lo, hi) in enumerate(columns)})
     lo, hi = columns[1]
-    layer.load(1, {1: LoraWeights(a[0, 1, :4], b[0, lo:hi, :4], 0.5)})
+    _load_slot(layer, 1, {1: LoraWeights(a[0, 1, :4], b[0, lo:hi, :4], 0.5)})
     assert torch.equal(layer.lora_a[1, 1, :4], a[0, 1, :4]) and torch.equal(
         layer.lora_b[1, lo:hi, :4], b[0, lo:hi, :4]
     )
     assert layer.lora_a[1, 1, 4:].abs().sum() == 0 and layer.lora_a[1, [0, 2]].abs().sum() == 0
     assert layer.lora_b[1, :, 4:].abs().sum() == 0 and layer.lora_b[1, :lo].abs().sum() == 0
     assert layer.lora_scaling[1].tolist() == [0.0, 0.5, 0.0] and layer.ranks[1] == [0, 4, 0]
-    layer.load(1, {})
+    _load_slot(layer, 1, {})
     assert layer.lora_a.abs().sum() == layer.lora_b.abs().sum() == layer.lora_scaling.abs().sum() == 0
 
 

@@ -190,12 +190,6 @@ class LoraLinear(nn.Module):
         self.plan.expand(xa, y, self.lora_b, self.lora_scaling, self.part_starts)
         return y
 
-    def load(self, slot: int, weights: dict[int, LoraWeights]) -> None:
-        """Make `slot` hold `weights` (part -> weights; none: the slot cleared)."""
-        writes = SlotWrites()
-        self.slot_writes(slot, weights, writes)
-        writes.apply()
-
     def slot_writes(self, slot: int, weights: dict[int, LoraWeights], writes: SlotWrites) -> None:
         """Add to `writes` what makes `slot` hold `weights`. Only the rows an adapter has are
         touched, so a load costs its size, not the slot's: each part's rows copied, what the
