@@ -137,7 +137,8 @@ class Controller:
 
     # --- the pods' view --------------------------------------------------------------------------
 
-    async def refresh(self, policy: bool = True) -> None:
+    async def refresh(self, policy: bool = True, wait: bool = False) -> None:
+        """`wait`: give each pod the poll's timeout to connect, for a channel still in backoff."""
         addresses = set(await self.discover())
         for address in addresses - self.pods.keys():
             self.pods[address] = Pod(address, self.interceptors, self.security)
@@ -145,15 +146,15 @@ class Controller:
             await self.pods.pop(address).channel.close()
         latest = await self.latest()
         metrics.REGISTERED.set(len(latest))
-        await asyncio.gather(*(self._poll(p, latest) for p in list(self.pods.values())))
+        await asyncio.gather(*(self._poll(p, latest, wait) for p in list(self.pods.values())))
         self._last_poll = time.monotonic()
         if policy:
             await self._apply_policy(latest)
 
-    async def _poll(self, pod: Pod, latest: dict[str, Version] | None = None) -> None:
+    async def _poll(self, pod: Pod, latest: dict[str, Version] | None = None, wait: bool = False) -> None:
         """GetSlots, and a lease for each registered adapter it holds (`latest`: the index, if read)."""
         try:
-            report = await pod.control.GetSlots(mc.GetSlotsRequest(), timeout=2.0)
+            report = await pod.control.GetSlots(mc.GetSlotsRequest(), timeout=2.0, wait_for_ready=wait)
         except grpc.aio.AioRpcError as e:
             if pod.view.ok:
                 log.warning("pod %s stopped answering: %s", pod.view.address, e.code().name)
@@ -243,7 +244,9 @@ class Controller:
             if v is None:
                 raise PlacementError(Code.NOT_FOUND, f"adapter {name!r} is not registered")
             span.set_attribute("spindle.adapter.version", v.version)
-            if time.monotonic() - self._last_poll > self.poll_interval / 2:
+            if not any(w.ok for w in self.views()):  # one may have come up since: wait for it
+                await self.refresh(policy=False, wait=True)
+            elif time.monotonic() - self._last_poll > self.poll_interval / 2:
                 await self.refresh(policy=False)
             views = [w for w in self.views() if w.address not in (exclude or set())]
             routable = match_hints(views, hints)

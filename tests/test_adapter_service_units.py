@@ -10,15 +10,19 @@ import struct
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from adapter_service import base_model, validate
+from adapter_service.controller import Controller
 from adapter_service.placement import Knobs, PodView, choose_target, match_hints, to_cool, to_spread
 from adapter_service.registry import MemoryRegistry, RedisRegistry
 from adapter_service.store import LocalStore, S3Store, Version
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import model_control_pb2 as mc
+from spindle.v1 import model_control_pb2_grpc
 from tests.adapter_helpers import aws_env
+from tests.service_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PIRATE = ROOT / "adapters" / "smollm2-pirate"
@@ -160,6 +164,57 @@ def test_target_prefers_room_then_the_shorter_queue():
     assert choose_target([busy, idle, free], "a", "s", hints).address == "p2:1"
     holder = _view("p4:1", [("a", 0, False)], {"a": (mc.TIER_DEVICE, 0)})
     assert choose_target([holder], "a", "s", None) is None  # already there
+
+
+class _FakePod(model_control_pb2_grpc.ModelControlServicer):
+    """A pod's control API with one device slot: what placement asks of a pod, and no engine."""
+
+    def __init__(self) -> None:
+        self.adapters: dict[str, mc.AdapterState] = {}
+
+    async def GetSlots(self, request, context):
+        names = [n for n, a in self.adapters.items() if a.tier == mc.TIER_DEVICE]
+        return mc.SlotReport(slots=[mc.Slot(index=0, adapter=names[0] if names else "")],
+                             adapters=list(self.adapters.values()))  # fmt: skip
+
+    async def PromoteFromPeer(self, request, context):
+        self.adapters[request.name] = mc.AdapterState(
+            name=request.name, tier=mc.TIER_HOST, sha256=request.sha256
+        )
+        return self.adapters[request.name]
+
+    async def LoadAdapter(self, request, context):
+        self.adapters[request.name].tier = mc.TIER_DEVICE
+        return mc.SlotChange(slot=0, adapter=self.adapters[request.name])
+
+
+def test_a_pod_that_comes_up_between_polls_can_take_an_adapter(tmp_path):
+    """The quickstart's failure: the service's first poll came before the pod served, and a
+    placement right after start-up was refused as '0 of 1 reachable' until the next poll."""
+    address = f"127.0.0.1:{free_port()}"
+
+    async def go() -> None:
+        registry = MemoryRegistry()
+        controller = Controller(
+            registry, LocalStore(tmp_path), discover=lambda: asyncio.sleep(0, [address]),
+            advertise="127.0.0.1:1", poll_interval=60.0,
+        )  # fmt: skip
+        await controller.start()  # nothing listens yet: the pod is down in its view
+        assert [w.ok for w in controller.views()] == [False]
+        await registry.put(Version("a", 1, "sha-a", 10, 8, ["q_proj"], "m", time.time()))
+        server = grpc.aio.server()
+        model_control_pb2_grpc.add_ModelControlServicer_to_server(_FakePod(), server)
+        server.add_insecure_port(address)
+        await server.start()
+        try:
+            placed = await controller.place("a", [])
+            assert list(placed.pods) == [address] and placed.source == "storage"
+            assert controller.views()[0].adapters["a"].tier == mc.TIER_DEVICE
+        finally:
+            await controller.close()
+            await server.stop(None)
+
+    asyncio.run(go())
 
 
 def test_gateway_addresses_map_to_control_addresses_by_pod_ip():
