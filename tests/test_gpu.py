@@ -93,20 +93,28 @@ def test_cuda_matches_cpu_with_adapters_swap_and_beams(tmp_path):
 
 def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path, monkeypatch):
     """Prompts long enough that their prefill chunks take the LoRA tile kernels (runs of one
-    adapter cut into row tiles), chunked and mixed with decode rows of other adapters: eager,
-    then replayed from piecewise graphs that record both kinds of LoRA kernels over static
-    buffers (steps with and without tiles, and with leading decode rows, among them)."""
+    adapter cut into row tiles), chunked and mixed with decode rows of other adapters: eager
+    (gate_up's delta added inside the SiLU-mul), then replayed from piecewise graphs that record
+    both kinds of LoRA kernels over static buffers (steps with and without tiles, and with
+    leading decode rows, among them)."""
     from bench.lora import write_adapter
     from model_service.engine.piecewise_graphs import PiecewiseGraphs
+    from model_service.lora import layers
 
     replayed: list[tuple[bool, bool]] = []  # (LoRA rows, tiles) of each step the pieces ran
-    run = PiecewiseGraphs.run
+    run, fused = PiecewiseGraphs.run, layers.silu_mul_lora_tiles
+    activations: list[int] = []  # rows of each eager SiLU-mul with the gate_up delta folded in
 
     def counted(self: PiecewiseGraphs, batch: StepBatch) -> torch.Tensor:
         replayed.append((batch.uses_lora, self.lora.tiles is not None))
         return run(self, batch)
 
+    def counted_activation(y: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        activations.append(y.shape[0])
+        return fused(y, *args)
+
     monkeypatch.setattr(PiecewiseGraphs, "run", counted)
+    monkeypatch.setattr(layers, "silu_mul_lora_tiles", counted_activation)
 
     cfg, reference = _random_model()
     adapters = {f"a{i}": write_adapter(tmp_path / f"a{i}", cfg, rank=8 * (i + 1), seed=i) for i in range(2)}
@@ -135,6 +143,7 @@ def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path, monkeypat
         short = {**requests[2], "prompt_token_ids": [7, 11, 13, 17, 19]}  # a prefill without tiles
         results[device, pieces] = [o.token_ids for wave in (requests, [short]) for o in engine.generate(wave)]
     assert {(True, True), (True, False)} <= set(replayed)
+    assert activations  # the eager CUDA run's chunks with adapters took the fused activation
     assert results["cuda", False] == results["cuda", True] == results["cpu", False]
 
 

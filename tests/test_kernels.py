@@ -247,6 +247,62 @@ def test_lora_tiles_cut_runs_of_one_slot_and_skip_base_rows():
     want = [(2, 34, 2), (34, 66, 2), (66, 72, 2), (72, 73, 0), (74, 76, 0), (76, 108, 3), (108, 140, 3)]
     assert [tuple(t) for t in tiles.tolist()] == want
     assert lora_tiles(np.array([-1, -1])).shape == (0, 3)
+    cover = lora_tiles(slots, tile_rows=32, with_base=True)  # SiLU-mul's tiles: every row once
+    assert [tuple(t) for t in cover[:2].tolist()] == [(0, 2, -1), (2, 34, 2)]
+    assert np.array_equal(np.concatenate([np.arange(s, e) for s, e, _ in cover]), np.arange(len(slots)))
+    assert all(e - s <= 32 and (slots[s:e] == slot).all() for s, e, slot in cover)
+
+
+def _gate_up_case(tokens: int, device: str, dtype: torch.dtype, seed: int):
+    """A gate_up output [T, 2 * 48] before its LoRA expand, the shrink's xa [T, 2 * 16] (parts
+    gate and up), B and scaling of 4 slots (slot 2 empty) and per-row slots in runs."""
+    g = torch.Generator().manual_seed(seed)
+    inter, max_rank = 48, 16
+    y = torch.randn(tokens, 2 * inter, generator=g)
+    xa = torch.randn(tokens, 2 * max_rank, generator=g)
+    b = torch.randn(4, 2 * inter, max_rank, generator=g) / 4
+    b[2] = 0
+    scaling = torch.rand(4, 2, generator=g)
+    slots = _runs_of_slots(tokens, seed)
+    return y.to(device, dtype), xa.to(device), b.to(device, dtype), scaling.to(device), slots.to(device)
+
+
+def test_silu_mul_lora_reference_is_the_expand_then_silu_mul():
+    """The fused activation's reference against the two steps it replaces (float32, CPU)."""
+    from model_service.kernels.fused import silu_and_mul
+    from model_service.kernels.lora_grouped import silu_mul_lora_reference
+
+    y, xa, b, scaling, slots = _gate_up_case(300, "cpu", torch.float32, 0)
+    full = y.clone()
+    for t in torch.nonzero(slots >= 0).flatten().tolist():
+        s = int(slots[t])
+        for part in range(2):
+            cols = slice(part * 48, (part + 1) * 48)
+            full[t, cols] += b[s, cols] @ xa[t, part * 16 : (part + 1) * 16] * scaling[s, part]
+    assert _rel(silu_mul_lora_reference(y, xa, b, scaling, slots), silu_and_mul(full)) < 1e-6
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 70, 2048])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_silu_mul_lora_matches_reference_and_the_unfused_kernels(tokens, dtype):
+    """Over tiles of every row (adapter runs, base rows, single rows), against the reference
+    and against the expand kernel followed by the SiLU-mul kernel, which it replaces."""
+    from model_service.kernels.fused import silu_and_mul
+    from model_service.kernels.lora_grouped import silu_mul_lora_reference, silu_mul_lora_tiles
+
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for seed in range(2):
+        y, xa, b, scaling, slots = _gate_up_case(tokens, "cuda", dtype, seed)
+        cover = torch.from_numpy(lora_tiles(slots.cpu().numpy(), with_base=True)).cuda()
+        got = silu_mul_lora_tiles(y, xa, b, scaling, cover)
+        assert _rel(got, silu_mul_lora_reference(y, xa, b, scaling, slots)) < tol
+        tiles = torch.from_numpy(lora_tiles(slots.cpu().numpy())).cuda()
+        unfused = y.clone()
+        if len(tiles):
+            lora_expand_tiles(xa, unfused, b, scaling, tiles, torch.tensor([0, 48], device="cuda"))
+        assert _rel(got, silu_and_mul(unfused)) < tol
 
 
 def _runs_of_slots(tokens: int, seed: int) -> torch.Tensor:

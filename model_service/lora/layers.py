@@ -29,8 +29,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from model_service.kernels.fused import silu_and_mul
 from model_service.kernels.lora import few_rows_split, lora_expand, lora_shrink
-from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
+from model_service.kernels.lora_grouped import (
+    lora_expand_tiles,
+    lora_shrink_tiles,
+    lora_tiles,
+    silu_mul_lora_tiles,
+)
 from model_service.lora.adapter import LoraAdapter, LoraWeights, in_buffer
 from model_service.models.layers import PackedLinear
 from model_service.models.step import StepBatch, to_device
@@ -57,12 +63,13 @@ class LoraStepPlan:
         self.tiles: torch.Tensor | None = None
         self.lead = 0  # with tiles: the step's leading decode rows, which the per-row kernels serve
         self.static = False  # a piecewise graph's: both kinds of kernels over fixed buffers (`for_pieces`)
+        self.cover: torch.Tensor | None = None  # with tiles, eager: tiles of every row (`forward_silu_mul`)
         self.segments: list[tuple[int, torch.Tensor]] = []
         self._side: torch.cuda.Stream | None = None
 
     def for_capture(self, slots: torch.Tensor, enabled: bool) -> None:
         """A CUDA graph reads the rows' slots from a static buffer, with the per-row kernels."""
-        self.enabled, self.slots, self.tiles, self.static = enabled, slots, None, False
+        self.enabled, self.slots, self.tiles, self.static, self.cover = enabled, slots, None, False, None
 
     def for_pieces(self, slots: torch.Tensor, tiles: torch.Tensor) -> None:
         """A piecewise graph cannot know which rows a step's tiles take, so it records both
@@ -70,7 +77,7 @@ class LoraStepPlan:
         `len(slots)` rows (the leading decode rows' slots, -1 after them) and the tile kernels
         over a fixed number of tiles (`tiles`, unused ones empty) for every other LoRA row. The
         step fills both (`engine/piecewise_graphs.py`)."""
-        self.enabled, self.slots, self.tiles, self.static = True, slots, tiles, True
+        self.enabled, self.slots, self.tiles, self.static, self.cover = True, slots, tiles, True, None
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The stream the shrink kernels run on beside the base GEMMs (one for the model)."""
@@ -84,6 +91,8 @@ class LoraStepPlan:
             self.slots = batch.lora_slots
             self.lead = batch.num_leading_decodes if batch.max_query_len > 1 else 0
             self.tiles = self._tiles(batch) if self.enabled else None
+            cover = None if self.tiles is None else lora_tiles(batch.host_lora_slots, with_base=True)
+            self.cover = None if cover is None else to_device(cover, batch.input_ids.device)
             return
         slots = batch.host_lora_slots
         device = batch.input_ids.device
@@ -168,6 +177,24 @@ class LoraLinear(nn.Module):
         return y
 
     def _forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
+        xa, y = self._shrink_and_base(x)
+        self.plan.expand(xa, y, self.lora_b, self.lora_scaling, self.part_starts)
+        return y
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate_up projection (SwiGLU's `MLP`). On an eager step with
+        row tiles (prefill chunks), the adapters' delta is added inside the activation
+        (`silu_mul_lora_tiles`): the expand's read and write of the 2I-wide output, the largest
+        LoRA cost of a long chunk on the 8B shape (docs/performance.md), is not paid. Decode
+        graphs and piecewise graphs keep the expand and the plain activation."""
+        plan = self.plan
+        if not (plan.use_kernels and plan.enabled and plan.cover is not None and not plan.static):
+            return silu_and_mul(self(x))
+        assert self.columns == [(0, self.columns[0][1]), (self.columns[0][1], 2 * self.columns[0][1])]
+        xa, y = self._shrink_and_base(x)
+        return silu_mul_lora_tiles(y, xa, self.lora_b, self.lora_scaling, plan.cover)
+
+    def _shrink_and_base(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The shrink reads only `x`, so on decode steps it runs on a side stream while the base
         GEMM streams its weights: a few-microsecond kernel too small to fill the GPU hides behind
         one that does (8B shape, 64 rows, 64 adapters: 79 -> 60 us of LoRA a layer). Graph
@@ -187,8 +214,7 @@ class LoraLinear(nn.Module):
                 xa = self.plan.shrink(x, self.lora_a)
             y = self.base(x)
             main.wait_stream(side)
-        self.plan.expand(xa, y, self.lora_b, self.lora_scaling, self.part_starts)
-        return y
+        return xa, y
 
     def slot_writes(self, slot: int, weights: dict[int, LoraWeights], writes: SlotWrites) -> None:
         """Add to `writes` what makes `slot` hold `weights`. Only the rows an adapter has are

@@ -39,6 +39,11 @@ class PackedLinear(nn.Linear):
         super().__init__(in_features, sum(parts.values()), bias=bias)
         self.parts, self.output_sizes = tuple(parts), tuple(parts.values())
 
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a gate_up projection: SwiGLU's consumer asks for both at once, so a
+        LoRA wrapper (`lora.layers.LoraLinear`) can add its delta inside the activation."""
+        return silu_and_mul(self(x))
+
 
 class MLP(nn.Module):
     """The SwiGLU MLP: a dense layer's, or an MoE layer's shared expert (its own width)."""
@@ -52,7 +57,7 @@ class MLP(nn.Module):
         self.down_proj = PackedLinear(inter, {"down_proj": cfg.hidden_size}, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
 
 
 def checkpoint_layout(module: nn.Module) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
