@@ -6,10 +6,10 @@ projections). Three steps: `decode` (one row per adapter, the per-row kernels a 
 replays), `mixed` (those decode rows first, then a `--chunk`-token prefill chunk of adapter 0, as
 the scheduler orders a mixed step: what `LoraStepPlan` runs now, decode rows per row and the chunk
 as tiles) and `mixed-all-tiles` (the same step with every row a tile, as before); then, on the
-mixed step, gate_up's expand followed by SiLU-mul against the two fused (`silu_mul_lora_tiles`:
-what eager steps with tiles run). Each result is checked against the float32 reference, then timed
-with CUDA events (`--iters` calls in one CUDA graph), one JSON line per step and projection, a
-table last.
+decode and mixed steps, gate_up's expand followed by SiLU-mul against the two fused
+(`silu_mul_lora_rows` / `silu_mul_lora_tiles`). Each result is checked against the float32
+reference, then timed with CUDA events (`--iters` calls in one CUDA graph), one JSON line per step
+and projection, a table last.
 
     PYTHONPATH=. python3 bench/lora_kernels.py [--adapters 64] [--rank 16] [--chunk 2048]
 """
@@ -105,10 +105,11 @@ def run_projection(name: str, batch: StepBatch, tiles_only: bool, args: argparse
 
 
 def run_fused_activation(batch: StepBatch, args: argparse.Namespace) -> dict:
-    """gate_up's LoRA expand and then SiLU-mul (what decode and piecewise graphs run) against the
-    activation with the delta added inside it (`silu_mul_lora_tiles`: eager steps with tiles),
-    the shrink's output given. Checked against each other."""
+    """gate_up's LoRA expand and then SiLU-mul (what piecewise graphs run) against the
+    activation with the delta added inside it (per row on a decode step, over tiles of every
+    row on a mixed one), the shrink's output given. Checked against each other."""
     from model_service.kernels.fused import silu_and_mul
+    from model_service.kernels.lora import silu_mul_lora_rows
     from model_service.kernels.lora_grouped import silu_mul_lora_tiles
 
     sizes = PROJECTIONS["gate_up"][1]
@@ -128,13 +129,17 @@ def run_fused_activation(batch: StepBatch, args: argparse.Namespace) -> dict:
         plan.expand(xa, target, b, scaling, starts)
         return silu_and_mul(target)
 
-    want = unfused(y.clone())
-    got = silu_mul_lora_tiles(y, xa, b, scaling, plan.cover)
+    def fused() -> torch.Tensor:
+        if plan.tiles is None:
+            return silu_mul_lora_rows(y, xa, b, scaling, plan.slots)
+        return silu_mul_lora_tiles(y, xa, b, scaling, plan.cover)
+
+    want, got = unfused(y.clone()), fused()
     return {
         "projection": "gate_up+silu_mul",
         "rows": n,
         "unfused_us": round(timed(lambda: unfused(y.clone()), args.iters), 1),
-        "fused_us": round(timed(lambda: silu_mul_lora_tiles(y, xa, b, scaling, plan.cover), args.iters), 1),
+        "fused_us": round(timed(fused, args.iters), 1),
         "rel_err": float(f"{float((got.float() - want.float()).norm() / want.float().norm()):.2e}"),
     }
 
@@ -166,17 +171,26 @@ def main() -> None:
             f"{r['step']:<16} {r['projection']:<9} {r['rows']:>5} {r['base_gemm_us']:>8} "
             f"{r['lora_us']:>8} {r['rel_err']:>8.1e}"
         )
-    fused = {"bench": "lora_kernels", "step": "mixed", **run_fused_activation(steps["mixed"][0], args)}
-    print(json.dumps({**fused, **setup, "device": torch.cuda.get_device_name()}), flush=True)
+    fused = {step: run_fused_activation(steps[step][0], args) for step in ("decode", "mixed")}
+    for step, result in fused.items():
+        line = {
+            "bench": "lora_kernels",
+            "step": step,
+            **result,
+            **setup,
+            "device": torch.cuda.get_device_name(),
+        }
+        print(json.dumps(line), flush=True)
     for step in steps:
         total = [r for r in rows if r["step"] == step]
         base, lora = sum(r["base_gemm_us"] for r in total), sum(r["lora_us"] for r in total)
         layers_ms = lora * 32 / 1000
         print(f"{step:<16} a layer: base {base:.0f} us, LoRA {lora:.0f} us, 32 layers {layers_ms:.2f} ms")
-    print(
-        f"mixed            gate_up expand + SiLU-mul {fused['unfused_us']} us, fused {fused['fused_us']} us"
-        f" (rel err {fused['rel_err']:.1e})"
-    )
+    for step, r in fused.items():
+        print(
+            f"{step:<16} gate_up expand + SiLU-mul {r['unfused_us']} us, fused {r['fused_us']} us"
+            f" (rel err {r['rel_err']:.1e})"
+        )
 
 
 if __name__ == "__main__":

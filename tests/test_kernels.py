@@ -270,7 +270,7 @@ def _gate_up_case(tokens: int, device: str, dtype: torch.dtype, seed: int):
 def test_silu_mul_lora_reference_is_the_expand_then_silu_mul():
     """The fused activation's reference against the two steps it replaces (float32, CPU)."""
     from model_service.kernels.fused import silu_and_mul
-    from model_service.kernels.lora_grouped import silu_mul_lora_reference
+    from model_service.kernels.lora import silu_mul_lora_reference
 
     y, xa, b, scaling, slots = _gate_up_case(300, "cpu", torch.float32, 0)
     full = y.clone()
@@ -287,10 +287,12 @@ def test_silu_mul_lora_reference_is_the_expand_then_silu_mul():
 @pytest.mark.parametrize("tokens", [1, 70, 2048])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_silu_mul_lora_matches_reference_and_the_unfused_kernels(tokens, dtype):
-    """Over tiles of every row (adapter runs, base rows, single rows), against the reference
-    and against the expand kernel followed by the SiLU-mul kernel, which it replaces."""
+    """Per row, and over tiles of every row (adapter runs, base rows, single rows), against the
+    reference and against the expand kernels followed by the SiLU-mul kernel they replace (per
+    row: the same arithmetic, so the same bits)."""
     from model_service.kernels.fused import silu_and_mul
-    from model_service.kernels.lora_grouped import silu_mul_lora_reference, silu_mul_lora_tiles
+    from model_service.kernels.lora import silu_mul_lora_reference, silu_mul_lora_rows
+    from model_service.kernels.lora_grouped import silu_mul_lora_tiles
 
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for seed in range(2):
@@ -303,6 +305,10 @@ def test_triton_silu_mul_lora_matches_reference_and_the_unfused_kernels(tokens, 
         if len(tiles):
             lora_expand_tiles(xa, unfused, b, scaling, tiles, torch.tensor([0, 48], device="cuda"))
         assert _rel(got, silu_and_mul(unfused)) < tol
+        per_row, unfused = silu_mul_lora_rows(y, xa, b, scaling, slots), y.clone()
+        lora_expand(xa, unfused, b, scaling, slots, torch.tensor([0, 48], device="cuda"))
+        assert torch.equal(per_row, silu_and_mul(unfused))
+        assert _rel(per_row, silu_mul_lora_reference(y, xa, b, scaling, slots)) < tol
 
 
 def _runs_of_slots(tokens: int, seed: int) -> torch.Tensor:

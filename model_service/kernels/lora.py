@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from model_service.kernels.paged_attention import triton
 
@@ -68,6 +69,32 @@ if triton is not None:
             scale = tl.load(Scaling + slot * num_parts + part, mask=valid, other=0.0)
             delta = tl.sum(xa * b, axis=1) * scale
             tl.store(y_ptr, (y.to(tl.float32) + delta).to(y.dtype), mask=valid)
+
+    @triton.jit
+    def _silu_mul_rows_kernel(
+        Y, XA, B, Scaling, Slots, Out, y_stride, xa_stride, b_stride_slot, inter,
+        MAX_RANK: tl.constexpr, BLOCK_O: tl.constexpr,
+    ):  # fmt: skip
+        t, ob = tl.program_id(0), tl.program_id(1)
+        o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
+        valid = o < inter
+        gate = tl.load(Y + t * y_stride + o, mask=valid, other=0.0)
+        up = tl.load(Y + t * y_stride + inter + o, mask=valid, other=0.0)
+        slot = tl.load(Slots + t)
+        if slot >= 0:  # the expand's arithmetic (`_expand_kernel`) for part 0 (gate) and 1 (up)
+            r = tl.arange(0, MAX_RANK)
+            b_ptr = B + slot * b_stride_slot + o[:, None] * MAX_RANK + r[None, :]
+            xa = tl.load(XA + t * xa_stride + r)
+            b = tl.load(b_ptr, mask=valid[:, None], other=0.0).to(tl.float32)
+            delta = tl.sum(xa[None, :] * b, axis=1) * tl.load(Scaling + slot * 2)
+            gate = (gate.to(tl.float32) + delta).to(gate.dtype)
+            xa = tl.load(XA + t * xa_stride + MAX_RANK + r)
+            b = tl.load(b_ptr + inter * MAX_RANK, mask=valid[:, None], other=0.0).to(tl.float32)
+            delta = tl.sum(xa[None, :] * b, axis=1) * tl.load(Scaling + slot * 2 + 1)
+            up = (up.to(tl.float32) + delta).to(up.dtype)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(up.dtype)  # as kernels/fused.py's SiLU-mul rounds it
+        tl.store(Out + t * inter + o, act * up, mask=valid)
 
 
 @functools.cache
@@ -152,3 +179,38 @@ def lora_expand(
         xa, b, scaling, slots, y, bounds, y.stride(0), b.stride(0), out, parts * max_rank, parts,
         MAX_RANK=max_rank, BLOCK_O=128,
     )  # fmt: skip
+
+
+def silu_mul_lora_rows(
+    y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """silu(gate) * up of a SwiGLU gate_up output `y` [T, 2I] whose LoRA expand was left out,
+    each row's delta (its slot's B times `xa` [T, 2 * max_rank], parts gate and up) added as the
+    activation reads the row: the expand's read and write of y and a launch are not paid. Rows
+    of slot -1 take the activation alone. Same arithmetic as `lora_expand` then `silu_and_mul`."""
+    rows, inter = y.shape[0], y.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=y.dtype, device=y.device)
+    _silu_mul_rows_kernel[(rows, triton.cdiv(inter, 128))](
+        y, xa, b, scaling, slots, out, y.stride(0), xa.stride(0), b.stride(0), inter,
+        MAX_RANK=b.shape[2], BLOCK_O=128,
+    )  # fmt: skip
+    return out
+
+
+def silu_mul_lora_reference(
+    y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """The fused activations (`silu_mul_lora_rows`, `silu_mul_lora_tiles`) in torch: the expand
+    (float32, rounded to y's dtype) then SiLU-mul."""
+    inter, max_rank = y.shape[1] // 2, b.shape[2]
+    rows = torch.nonzero(slots >= 0).flatten()
+    full = y.clone()
+    if rows.numel():
+        s = slots[rows]
+        for part in range(2):
+            cols = slice(part * inter, (part + 1) * inter)
+            part_xa = xa[rows, part * max_rank : (part + 1) * max_rank].float()
+            delta = torch.einsum("tr,tor->to", part_xa, b[s, cols].float()) * scaling[s, part, None]
+            full[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)
+    gate, up = full.chunk(2, dim=-1)
+    return (F.silu(gate.float()).to(y.dtype) * up).to(y.dtype)

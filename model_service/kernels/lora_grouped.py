@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from model_service.kernels.lora import num_sms
 from model_service.kernels.paged_attention import dot_precision, triton
@@ -203,21 +202,3 @@ def silu_mul_lora_tiles(
         BLOCK_O=64, PRECISION=dot_precision(y.dtype),
     )  # fmt: skip
     return out
-
-
-def silu_mul_lora_reference(
-    y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, slots: torch.Tensor
-) -> torch.Tensor:
-    """`silu_mul_lora_tiles` in torch: the expand (float32, rounded to y's dtype) then SiLU-mul."""
-    inter, max_rank = y.shape[1] // 2, b.shape[2]
-    rows = torch.nonzero(slots >= 0).flatten()
-    full = y.clone()
-    if rows.numel():
-        s = slots[rows]
-        for part in range(2):
-            cols = slice(part * inter, (part + 1) * inter)
-            part_xa = xa[rows, part * max_rank : (part + 1) * max_rank].float()
-            delta = torch.einsum("tr,tor->to", part_xa, b[s, cols].float()) * scaling[s, part, None]
-            full[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)
-    gate, up = full.chunk(2, dim=-1)
-    return (F.silu(gate.float()).to(y.dtype) * up).to(y.dtype)

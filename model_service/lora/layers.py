@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from model_service.kernels.fused import silu_and_mul
-from model_service.kernels.lora import few_rows_split, lora_expand, lora_shrink
+from model_service.kernels.lora import few_rows_split, lora_expand, lora_shrink, silu_mul_lora_rows
 from model_service.kernels.lora_grouped import (
     lora_expand_tiles,
     lora_shrink_tiles,
@@ -182,16 +182,21 @@ class LoraLinear(nn.Module):
         return y
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of this gate_up projection (SwiGLU's `MLP`). On an eager step with
-        row tiles (prefill chunks), the adapters' delta is added inside the activation
-        (`silu_mul_lora_tiles`): the expand's read and write of the 2I-wide output, the largest
-        LoRA cost of a long chunk on the 8B shape (docs/performance.md), is not paid. Decode
-        graphs and piecewise graphs keep the expand and the plain activation."""
+        """silu(gate) * up of this gate_up projection (SwiGLU's `MLP`), with the adapters' delta
+        added inside the activation instead of by an expand: the expand's read and write of the
+        2I-wide output and a launch a layer are not paid; on a long chunk that read and write is
+        the largest LoRA cost left (docs/performance.md). Per row on decode steps and in decode
+        graphs (`silu_mul_lora_rows`), over tiles of every row on eager steps with prefill
+        chunks (`silu_mul_lora_tiles`). Piecewise graphs keep the expand (their static tiles
+        leave base rows uncovered) and the plain activation."""
         plan = self.plan
-        if not (plan.use_kernels and plan.enabled and plan.cover is not None and not plan.static):
+        if not (plan.use_kernels and plan.enabled) or plan.static:
             return silu_and_mul(self(x))
         assert self.columns == [(0, self.columns[0][1]), (self.columns[0][1], 2 * self.columns[0][1])]
         xa, y = self._shrink_and_base(x)
+        if plan.tiles is None:
+            return silu_mul_lora_rows(y, xa, self.lora_b, self.lora_scaling, plan.slots)
+        assert plan.cover is not None
         return silu_mul_lora_tiles(y, xa, self.lora_b, self.lora_scaling, plan.cover)
 
     def _shrink_and_base(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
