@@ -6,8 +6,8 @@ projections). Three steps: `decode` (one row per adapter, the per-row kernels a 
 replays), `mixed` (those decode rows first, then a `--chunk`-token prefill chunk of adapter 0, as
 the scheduler orders a mixed step: what `LoraStepPlan` runs now, decode rows per row and the chunk
 as tiles) and `mixed-all-tiles` (the same step with every row a tile, as before); then, on the
-decode and mixed steps, gate_up's expand followed by SiLU-mul against the two fused
-(`silu_mul_lora_rows` / `silu_mul_lora_tiles`). Each result is checked against the float32
+decode step, gate_up's expand followed by SiLU-mul against the fused `silu_mul_lora_rows` that
+decode steps and graphs run. Each result is checked against the float32
 reference, then timed with CUDA events (`--iters` calls in one CUDA graph), one JSON line per step
 and projection, a table last.
 
@@ -105,12 +105,11 @@ def run_projection(name: str, batch: StepBatch, tiles_only: bool, args: argparse
 
 
 def run_fused_activation(batch: StepBatch, args: argparse.Namespace) -> dict:
-    """gate_up's LoRA expand and then SiLU-mul (what piecewise graphs run) against the
-    activation with the delta added inside it (per row on a decode step, over tiles of every
-    row on a mixed one), the shrink's output given. Checked against each other."""
+    """gate_up's LoRA expand and then SiLU-mul (what steps with row tiles run) against the
+    activation with each row's delta added inside it (decode steps), the shrink's output given.
+    Checked against each other."""
     from model_service.kernels.fused import silu_and_mul
     from model_service.kernels.lora import silu_mul_lora_rows
-    from model_service.kernels.lora_grouped import silu_mul_lora_tiles
 
     sizes = PROJECTIONS["gate_up"][1]
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -130,9 +129,7 @@ def run_fused_activation(batch: StepBatch, args: argparse.Namespace) -> dict:
         return silu_and_mul(target)
 
     def fused() -> torch.Tensor:
-        if plan.tiles is None:
-            return silu_mul_lora_rows(y, xa, b, scaling, plan.slots)
-        return silu_mul_lora_tiles(y, xa, b, scaling, plan.cover)
+        return silu_mul_lora_rows(y, xa, b, scaling, plan.slots)
 
     want, got = unfused(y.clone()), fused()
     return {
@@ -171,7 +168,7 @@ def main() -> None:
             f"{r['step']:<16} {r['projection']:<9} {r['rows']:>5} {r['base_gemm_us']:>8} "
             f"{r['lora_us']:>8} {r['rel_err']:>8.1e}"
         )
-    fused = {step: run_fused_activation(steps[step][0], args) for step in ("decode", "mixed")}
+    fused = {"decode": run_fused_activation(steps["decode"][0], args)}
     for step, result in fused.items():
         line = {
             "bench": "lora_kernels",

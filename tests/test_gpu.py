@@ -94,16 +94,16 @@ def test_cuda_matches_cpu_with_adapters_swap_and_beams(tmp_path):
 def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path, monkeypatch):
     """Prompts long enough that their prefill chunks take the LoRA tile kernels (runs of one
     adapter cut into row tiles), chunked and mixed with decode rows of other adapters: eager
-    (gate_up's delta added inside the SiLU-mul), then replayed from piecewise graphs that record
-    both kinds of LoRA kernels over static buffers (steps with and without tiles, and with
-    leading decode rows, among them)."""
+    (decode steps add gate_up's delta inside the SiLU-mul), then replayed from piecewise graphs
+    that record both kinds of LoRA kernels over static buffers (steps with and without tiles,
+    and with leading decode rows, among them)."""
     from bench.lora import write_adapter
     from model_service.engine.piecewise_graphs import PiecewiseGraphs
     from model_service.lora import layers
 
     replayed: list[tuple[bool, bool]] = []  # (LoRA rows, tiles) of each step the pieces ran
-    run, fused = PiecewiseGraphs.run, layers.silu_mul_lora_tiles
-    activations: list[int] = []  # rows of each eager SiLU-mul with the gate_up delta folded in
+    run, fused = PiecewiseGraphs.run, layers.silu_mul_lora_rows
+    activations: list[int] = []  # rows of each SiLU-mul with the gate_up delta folded in
 
     def counted(self: PiecewiseGraphs, batch: StepBatch) -> torch.Tensor:
         replayed.append((batch.uses_lora, self.lora.tiles is not None))
@@ -114,7 +114,7 @@ def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path, monkeypat
         return fused(y, *args)
 
     monkeypatch.setattr(PiecewiseGraphs, "run", counted)
-    monkeypatch.setattr(layers, "silu_mul_lora_tiles", counted_activation)
+    monkeypatch.setattr(layers, "silu_mul_lora_rows", counted_activation)
 
     cfg, reference = _random_model()
     adapters = {f"a{i}": write_adapter(tmp_path / f"a{i}", cfg, rank=8 * (i + 1), seed=i) for i in range(2)}
@@ -143,7 +143,7 @@ def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path, monkeypat
         short = {**requests[2], "prompt_token_ids": [7, 11, 13, 17, 19]}  # a prefill without tiles
         results[device, pieces] = [o.token_ids for wave in (requests, [short]) for o in engine.generate(wave)]
     assert {(True, True), (True, False)} <= set(replayed)
-    assert activations  # the eager CUDA run's chunks with adapters took the fused activation
+    assert activations  # the CUDA runs' decode steps with adapters took the fused activation
     assert results["cuda", False] == results["cuda", True] == results["cpu", False]
 
 

@@ -200,7 +200,7 @@ def silu_mul_lora_rows(
 def silu_mul_lora_reference(
     y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, slots: torch.Tensor
 ) -> torch.Tensor:
-    """The fused activations (`silu_mul_lora_rows`, `silu_mul_lora_tiles`) in torch: the expand
+    """The fused activation (`silu_mul_lora_rows`) in torch: the expand
     (float32, rounded to y's dtype) then SiLU-mul."""
     inter, max_rank = y.shape[1] // 2, b.shape[2]
     rows = torch.nonzero(slots >= 0).flatten()

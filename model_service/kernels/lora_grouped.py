@@ -90,49 +90,16 @@ if triton is not None:
             y = tl.load(y_ptr, mask=mask, other=0.0)
             tl.store(y_ptr, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
-    @triton.jit
-    def _silu_mul_tiles_kernel(
-        Y, XA, B, Scaling, Tiles, Out, y_stride, xa_stride, b_stride_slot, inter,
-        MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        tile, ob = tl.program_id(0), tl.program_id(1)
-        start, end, slot = _tile(Tiles, tile)
-        m = start + tl.arange(0, BLOCK_M)
-        o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
-        rows, cols = m < end, o < inter
-        mask = rows[:, None] & cols[None, :]
-        gate = tl.load(Y + m[:, None] * y_stride + o[None, :], mask=mask, other=0.0)
-        up = tl.load(Y + m[:, None] * y_stride + inter + o[None, :], mask=mask, other=0.0)
-        if slot >= 0:  # base-model rows (slot -1) take the activation alone
-            r = tl.arange(0, RANK_PAD)
-            xa_mask = rows[:, None] & (r[None, :] < MAX_RANK)
-            b_mask = cols[:, None] & (r[None, :] < MAX_RANK)
-            xa_ptr = XA + m[:, None] * xa_stride + r[None, :]
-            b_ptr = B + slot * b_stride_slot + o[:, None] * MAX_RANK + r[None, :]
-            xa = tl.load(xa_ptr, mask=xa_mask, other=0.0)  # part 0: gate
-            b = tl.load(b_ptr, mask=b_mask, other=0.0).to(tl.float32)
-            delta = tl.dot(xa, tl.trans(b), input_precision=PRECISION) * tl.load(Scaling + slot * 2)
-            gate = (gate.to(tl.float32) + delta).to(gate.dtype)  # rounded where the expand stored it
-            xa = tl.load(xa_ptr + MAX_RANK, mask=xa_mask, other=0.0)  # part 1: up
-            b = tl.load(b_ptr + inter * MAX_RANK, mask=b_mask, other=0.0).to(tl.float32)
-            delta = tl.dot(xa, tl.trans(b), input_precision=PRECISION) * tl.load(Scaling + slot * 2 + 1)
-            up = (up.to(tl.float32) + delta).to(up.dtype)
-        g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(up.dtype)  # as kernels/fused.py's SiLU-mul rounds it
-        tl.store(Out + m[:, None] * inter + o[None, :], act * up, mask=mask)
 
-
-def lora_tiles(host_slots: np.ndarray, tile_rows: int = TILE_ROWS, with_base: bool = False) -> np.ndarray:
+def lora_tiles(host_slots: np.ndarray, tile_rows: int = TILE_ROWS) -> np.ndarray:
     """[tiles, 3] int32 (first row, end row, slot): every run of rows with the same adapter
-    slot cut into tiles of at most `tile_rows` rows; base-model rows (slot -1) get none, or
-    with `with_base` tiles of slot -1 too (every row covered: `silu_mul_lora_tiles`)."""
+    slot cut into tiles of at most `tile_rows` rows; base-model rows (slot -1) get none."""
     slots = np.asarray(host_slots, dtype=np.int64)
     if slots.size == 0:
         return np.zeros((0, 3), dtype=np.int32)
     run_starts = np.flatnonzero(np.diff(slots, prepend=slots[0] - 1))
     run_ends = np.append(run_starts[1:], slots.size)
-    keep = slots[run_starts] >= (-1 if with_base else 0)
+    keep = slots[run_starts] >= 0
     run_starts, run_ends = run_starts[keep], run_ends[keep]
     per_run = -(-(run_ends - run_starts) // tile_rows)
     run = np.repeat(np.arange(run_starts.size), per_run)
@@ -184,21 +151,3 @@ def lora_expand_tiles(
         MAX_RANK=max_rank, RANK_PAD=max(16, triton.next_power_of_2(max_rank)), BLOCK_M=TILE_ROWS,
         BLOCK_O=64, PRECISION=dot_precision(y.dtype),
     )  # fmt: skip
-
-
-def silu_mul_lora_tiles(
-    y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, tiles: torch.Tensor
-) -> torch.Tensor:
-    """silu(gate) * up of a SwiGLU gate_up output `y` [T, 2I] whose LoRA expand was left out:
-    each row's delta (`xa` [T, 2 * max_rank] from the shrink, parts gate and up) is added where
-    the activation reads it, so the expand's read and write of y (2I columns a row) never
-    happen. `tiles` must cover every row (`lora_tiles(..., with_base=True)`)."""
-    rows, inter = y.shape[0], y.shape[1] // 2
-    max_rank = b.shape[2]
-    out = torch.empty(rows, inter, dtype=y.dtype, device=y.device)
-    _silu_mul_tiles_kernel[(tiles.shape[0], triton.cdiv(inter, 64))](
-        y, xa, b, scaling, tiles, out, y.stride(0), xa.stride(0), b.stride(0), inter,
-        MAX_RANK=max_rank, RANK_PAD=max(16, triton.next_power_of_2(max_rank)), BLOCK_M=TILE_ROWS,
-        BLOCK_O=64, PRECISION=dot_precision(y.dtype),
-    )  # fmt: skip
-    return out

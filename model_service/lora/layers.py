@@ -31,12 +31,7 @@ from torch import nn
 
 from model_service.kernels.fused import silu_and_mul
 from model_service.kernels.lora import few_rows_split, lora_expand, lora_shrink, silu_mul_lora_rows
-from model_service.kernels.lora_grouped import (
-    lora_expand_tiles,
-    lora_shrink_tiles,
-    lora_tiles,
-    silu_mul_lora_tiles,
-)
+from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
 from model_service.lora.adapter import LoraAdapter, LoraWeights, in_buffer
 from model_service.models.layers import PackedLinear
 from model_service.models.step import StepBatch, to_device
@@ -63,13 +58,12 @@ class LoraStepPlan:
         self.tiles: torch.Tensor | None = None
         self.lead = 0  # with tiles: the step's leading decode rows, which the per-row kernels serve
         self.static = False  # a piecewise graph's: both kinds of kernels over fixed buffers (`for_pieces`)
-        self.cover: torch.Tensor | None = None  # with tiles, eager: tiles of every row (`forward_silu_mul`)
         self.segments: list[tuple[int, torch.Tensor]] = []
         self._side: torch.cuda.Stream | None = None
 
     def for_capture(self, slots: torch.Tensor, enabled: bool) -> None:
         """A CUDA graph reads the rows' slots from a static buffer, with the per-row kernels."""
-        self.enabled, self.slots, self.tiles, self.static, self.cover = enabled, slots, None, False, None
+        self.enabled, self.slots, self.tiles, self.static = enabled, slots, None, False
 
     def for_pieces(self, slots: torch.Tensor, tiles: torch.Tensor) -> None:
         """A piecewise graph cannot know which rows a step's tiles take, so it records both
@@ -77,7 +71,7 @@ class LoraStepPlan:
         `len(slots)` rows (the leading decode rows' slots, -1 after them) and the tile kernels
         over a fixed number of tiles (`tiles`, unused ones empty) for every other LoRA row. The
         step fills both (`engine/piecewise_graphs.py`)."""
-        self.enabled, self.slots, self.tiles, self.static, self.cover = True, slots, tiles, True, None
+        self.enabled, self.slots, self.tiles, self.static = True, slots, tiles, True
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The stream the shrink kernels run on beside the base GEMMs (one for the model)."""
@@ -91,8 +85,6 @@ class LoraStepPlan:
             self.slots = batch.lora_slots
             self.lead = batch.num_leading_decodes if batch.max_query_len > 1 else 0
             self.tiles = self._tiles(batch) if self.enabled else None
-            cover = None if self.tiles is None else lora_tiles(batch.host_lora_slots, with_base=True)
-            self.cover = None if cover is None else to_device(cover, batch.input_ids.device)
             return
         slots = batch.host_lora_slots
         device = batch.input_ids.device
@@ -182,22 +174,18 @@ class LoraLinear(nn.Module):
         return y
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of this gate_up projection (SwiGLU's `MLP`), with the adapters' delta
-        added inside the activation instead of by an expand: the expand's read and write of the
-        2I-wide output and a launch a layer are not paid; on a long chunk that read and write is
-        the largest LoRA cost left (docs/performance.md). Per row on decode steps and in decode
-        graphs (`silu_mul_lora_rows`), over tiles of every row on eager steps with prefill
-        chunks (`silu_mul_lora_tiles`). Piecewise graphs keep the expand (their static tiles
-        leave base rows uncovered) and the plain activation."""
+        """silu(gate) * up of this gate_up projection (SwiGLU's `MLP`). On decode steps and in
+        decode graphs (the per-row kernels) each row's delta is added inside the activation
+        (`silu_mul_lora_rows`): the expand's read and write of the 2I-wide output and a launch a
+        layer are not paid (8B shape, 64 rows: 25.0 -> 19.7 us a layer). Steps with row tiles
+        keep the expand: a fused kernel over tiles of every row measured slower in the serving
+        run (single decode rows each took a whole tile; docs/performance.md, session m)."""
         plan = self.plan
-        if not (plan.use_kernels and plan.enabled) or plan.static:
+        if not (plan.use_kernels and plan.enabled) or plan.tiles is not None:
             return silu_and_mul(self(x))
         assert self.columns == [(0, self.columns[0][1]), (self.columns[0][1], 2 * self.columns[0][1])]
         xa, y = self._shrink_and_base(x)
-        if plan.tiles is None:
-            return silu_mul_lora_rows(y, xa, self.lora_b, self.lora_scaling, plan.slots)
-        assert plan.cover is not None
-        return silu_mul_lora_tiles(y, xa, self.lora_b, self.lora_scaling, plan.cover)
+        return silu_mul_lora_rows(y, xa, self.lora_b, self.lora_scaling, plan.slots)
 
     def _shrink_and_base(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The shrink reads only `x`, so on decode steps it runs on a side stream while the base
