@@ -3,7 +3,7 @@ Spindle against HF `transformers.generate` on the same shapes in the same run.
 
     PYTHONPATH=. python3 bench/serving.py [--concurrency 1 16 64 256] [--hf-concurrency 16 64] [--small]
         [--lora-adapters 64 [--lora-rank 16]] [--kv-cache-dtype fp8] [--profile 256:250:30]
-        [--no-piecewise-graphs] [--step-times]
+        [--no-piecewise-graphs] [--step-times] [--rounds 2]
 
 Workload: per concurrency C, `max(16, 4 * C)` requests (`--requests-per-slot`), prompt lengths
 uniform in [64, 2,048] and output lengths uniform in [32, 512] (seeded, random token ids, EOS
@@ -18,7 +18,10 @@ compiles the prefill kernels (the first measured run would pay ~1 s a kernel var
 JSON line per (system, concurrency), then a table. Random bf16 weights of the 8B shape
 (`--small`: SmolLM2's), one GPU. `--lora-adapters N` (issue 9's third benchmark) runs every
 concurrency a second time in the same engine with request i through adapter i mod N (random
-rank-16 weights on all seven projections) and reports `lora_over_base`.
+rank-16 weights on all seven projections) and reports `lora_over_base`; with `--rounds N` the
+base and adapter runs alternate N times (other prompts each round) and a last line gives the
+ratio over all rounds: the device tool's hosts drift within a call by more than the gaps
+measured (0.848x then 0.823x for the same code, docs/performance.md, session m).
 """
 
 from __future__ import annotations
@@ -128,9 +131,12 @@ def hf_serving(hf: torch.nn.Module, requests: list, concurrency: int) -> dict[st
     return {"output_tokens_per_s": tokens / (time.perf_counter() - start), "output_tokens": tokens}
 
 
-def requests_at(args: argparse.Namespace, vocab: int, concurrency: int) -> list:
-    """The workload of one concurrency (seeded by it): `--requests-per-slot` requests a slot."""
-    return workload(max(16, args.requests_per_slot * concurrency), vocab, concurrency, *args.ranges)
+def requests_at(args: argparse.Namespace, vocab: int, concurrency: int, round_: int = 0) -> list:
+    """The workload of one concurrency and round (seeded by both): `--requests-per-slot`
+    requests a slot. Rounds draw other prompts, so a round never hits the prefix cache that an
+    earlier one left (64 GiB of K/V holds a whole round's prompts)."""
+    n = max(16, args.requests_per_slot * concurrency)
+    return workload(n, vocab, concurrency + 1000 * round_, *args.ranges)
 
 
 def profile_steps(
@@ -183,14 +189,29 @@ def spindle_runs(loaded: LoadedModel, args: argparse.Namespace, report: Callable
         for through in [(), adapters] if adapters else [()]:
             profile_steps(engine, requests_at(args, vocab, c), c, skip, steps, through)
     for c in args.concurrency:
-        requests = requests_at(args, vocab, c)
+        measure_rounds(engine, args, vocab, c, adapters, report)
+
+
+def measure_rounds(
+    engine: Engine, args: argparse.Namespace, vocab: int, c: int, adapters: Sequence[str], report: Callable
+) -> None:
+    """`--rounds` rounds at concurrency `c`, each the base model then the adapters on the same
+    requests; with several, a last line with the ratio over all of them."""
+    seconds: dict[str, list[float]] = {"base": [], "lora": []}
+    for r in range(args.rounds):
+        requests = requests_at(args, vocab, c, r)
         base = measured(engine, requests, c, (), args.step_times)
-        report("spindle", c, len(requests), base)
+        report("spindle", c, len(requests), base | {"round": r})
+        seconds["base"].append(base["output_tokens"] / base["output_tokens_per_s"])
         if adapters:
             lora = measured(engine, requests, c, adapters, args.step_times)
             ratio = lora["output_tokens_per_s"] / base["output_tokens_per_s"]
-            lora |= {"lora_over_base": ratio, "lora_rank": args.lora_rank}
-            report(f"spindle-{n}-loras", c, len(requests), lora)
+            lora |= {"lora_over_base": ratio, "lora_rank": args.lora_rank, "round": r}
+            report(f"spindle-{len(adapters)}-loras", c, len(requests), lora)
+            seconds["lora"].append(lora["output_tokens"] / lora["output_tokens_per_s"])
+    if adapters and args.rounds > 1:  # the same tokens both ways: the ratio of the summed times
+        overall = {"lora_over_base": sum(seconds["base"]) / sum(seconds["lora"]), "rounds": args.rounds}
+        report(f"spindle-{len(adapters)}-loras-all-rounds", c, 0, overall)
 
 
 def measured(
@@ -212,6 +233,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64, 256])
     ap.add_argument("--hf-concurrency", type=int, nargs="*", default=[16, 64])
     ap.add_argument("--requests-per-slot", type=int, default=4)
+    rounds_help = "base and adapter runs alternate this many times, other prompts each round"
+    ap.add_argument("--rounds", type=int, default=1, help=rounds_help)
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[64, 2048])
     ap.add_argument("--output-range", type=int, nargs=2, default=[32, 512])
     ap.add_argument("--small", action="store_true", help="SmolLM2's shape instead of the 8B one")
@@ -253,6 +276,9 @@ def main() -> None:
             continue  # the warm-up's line
         ttft, tpot = r.get("ttft_p50_ms", float("nan")), r.get("tpot_p50_ms", float("nan"))
         print(f"{system:16s} {c:11d} {r['output_tokens_per_s']:10.1f} {ttft:12.1f} {tpot:9.2f}")
+    for system, c, r in rows:
+        if "lora_over_base" in r:
+            print(f"{system} at {c}: {r['lora_over_base']:.3f}x the base model's out tok/s")
 
 
 if __name__ == "__main__":

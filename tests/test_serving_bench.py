@@ -70,3 +70,28 @@ def test_results_name_the_host_cpu_even_without_proc_cpuinfo(monkeypatch):
     assert host_cpu() == (names[0].split(":", 1)[1].strip() if names else host_cpu())
     monkeypatch.setattr(Path, "read_text", lambda self: (_ for _ in ()).throw(OSError("none")))
     assert isinstance(host_cpu(), str) and host_cpu()
+
+
+def test_rounds_alternate_base_and_adapters_on_fresh_prompts_and_sum_their_times():
+    """`--rounds 2`: base then adapters on the same requests each round, other prompts in the
+    second round (no prefix-cache hits left by the first), and the overall ratio from the
+    summed times of all rounds."""
+    import argparse
+
+    from bench.gpu import register_random_adapters
+    from bench.serving import measure_rounds, requests_at
+
+    engine = _tiny_engine(max_num_seqs=4, max_loras=2, max_cpu_loras=2, max_lora_rank=8)
+    names = register_random_adapters(engine, engine.executor.config, 2, 8)
+    args = argparse.Namespace(
+        rounds=2, requests_per_slot=2, ranges=((5, 40), (2, 5)), step_times=False, lora_rank=8
+    )
+    assert requests_at(args, 256, 2, 0) != requests_at(args, 256, 2, 1)
+    assert requests_at(args, 256, 2, 1) == requests_at(args, 256, 2, 1)
+    lines = []
+    measure_rounds(engine, args, 256, 2, names, lambda *line: lines.append(line))
+    systems = [(system, r.get("round")) for system, _, _, r in lines]
+    assert systems == [("spindle", 0), ("spindle-2-loras", 0), ("spindle", 1), ("spindle-2-loras", 1),
+                       ("spindle-2-loras-all-rounds", None)]  # fmt: skip
+    seconds = [r["output_tokens"] / r["output_tokens_per_s"] for _, _, _, r in lines[:4]]
+    assert lines[-1][3]["lora_over_base"] == (seconds[0] + seconds[2]) / (seconds[1] + seconds[3])
