@@ -3,7 +3,7 @@ Spindle against HF `transformers.generate` on the same shapes in the same run.
 
     PYTHONPATH=. python3 bench/serving.py [--concurrency 1 16 64 256] [--hf-concurrency 16 64] [--small]
         [--lora-adapters 64 [--lora-rank 16]] [--kv-cache-dtype fp8] [--profile 256:250:30]
-        [--no-piecewise-graphs] [--step-times] [--rounds 2]
+        [--no-piecewise-graphs] [--step-times] [--rounds 2] [--host-profile 30]
 
 Workload: per concurrency C, `max(16, 4 * C)` requests (`--requests-per-slot`), prompt lengths
 uniform in [64, 2,048] and output lengths uniform in [32, 512] (seeded, random token ids, EOS
@@ -27,9 +27,13 @@ measured (0.848x then 0.823x for the same code, docs/performance.md, session m).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import gc
 import json
+import pstats
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -200,11 +204,11 @@ def measure_rounds(
     seconds: dict[str, list[float]] = {"base": [], "lora": []}
     for r in range(args.rounds):
         requests = requests_at(args, vocab, c, r)
-        base = measured(engine, requests, c, (), args.step_times)
+        base = measured(engine, requests, c, (), args)
         report("spindle", c, len(requests), base | {"round": r})
         seconds["base"].append(base["output_tokens"] / base["output_tokens_per_s"])
         if adapters:
-            lora = measured(engine, requests, c, adapters, args.step_times)
+            lora = measured(engine, requests, c, adapters, args)
             ratio = lora["output_tokens_per_s"] / base["output_tokens_per_s"]
             lora |= {"lora_over_base": ratio, "lora_rank": args.lora_rank, "round": r}
             report(f"spindle-{len(adapters)}-loras", c, len(requests), lora)
@@ -215,16 +219,25 @@ def measure_rounds(
 
 
 def measured(
-    engine: Engine, requests: list, concurrency: int, adapters: Sequence[str], step_times: bool
+    engine: Engine, requests: list, concurrency: int, adapters: Sequence[str], args: argparse.Namespace
 ) -> dict[str, float]:
-    """`spindle_serving`, with `--step-times` the run's steps by class after it (`bench/step_times.py`)."""
-    if not step_times:
-        return spindle_serving(engine, requests, concurrency, adapters)
-    with StepTimes(engine.executor) as steps:
+    """`spindle_serving`; with `--step-times` the run's steps by class after it
+    (`bench/step_times.py`), with `--host-profile N` the N functions that held the host longest
+    (cProfile, which slows Python down: a profiled run's own figures do not count). A step
+    whose host time exceeds its device time waits on these."""
+    with contextlib.ExitStack() as stack:
+        steps = stack.enter_context(StepTimes(engine.executor)) if args.step_times else None
+        profile = cProfile.Profile() if args.host_profile else None
+        if profile is not None:
+            stack.callback(profile.disable)
+            profile.enable()
         result = spindle_serving(engine, requests, concurrency, adapters)
-    for row in steps.classes():
+    for row in steps.classes() if steps is not None else []:
         line = {"bench": "serving_steps", "concurrency": concurrency, "adapters": len(adapters), **row}
         print(json.dumps(line), flush=True)
+    if profile is not None:
+        print(f"\nhost profile, concurrency {concurrency}, {len(adapters)} adapters:")
+        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.host_profile)
     return result
 
 
@@ -243,6 +256,8 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16)
     profile_help = "first, device time per kernel over steps SKIP.. at concurrency C (and with the adapters)"
     ap.add_argument("--profile", default="", metavar="C:SKIP:STEPS", help=profile_help)
+    host_help = "print the N functions that held the host longest in each run (cProfile)"
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N", help=host_help)
     ap.add_argument("--step-times", action="store_true", help="host and device time of each kind of step")
     ap.add_argument(
         "--piecewise-graphs",

@@ -84,7 +84,7 @@ def test_rounds_alternate_base_and_adapters_on_fresh_prompts_and_sum_their_times
     engine = _tiny_engine(max_num_seqs=4, max_loras=2, max_cpu_loras=2, max_lora_rank=8)
     names = register_random_adapters(engine, engine.executor.config, 2, 8)
     args = argparse.Namespace(
-        rounds=2, requests_per_slot=2, ranges=((5, 40), (2, 5)), step_times=False, lora_rank=8
+        rounds=2, requests_per_slot=2, ranges=((5, 40), (2, 5)), step_times=False, lora_rank=8, host_profile=0
     )
     assert requests_at(args, 256, 2, 0) != requests_at(args, 256, 2, 1)
     assert requests_at(args, 256, 2, 1) == requests_at(args, 256, 2, 1)
@@ -95,3 +95,18 @@ def test_rounds_alternate_base_and_adapters_on_fresh_prompts_and_sum_their_times
                        ("spindle-2-loras-all-rounds", None)]  # fmt: skip
     seconds = [r["output_tokens"] / r["output_tokens_per_s"] for _, _, _, r in lines[:4]]
     assert lines[-1][3]["lora_over_base"] == (seconds[0] + seconds[2]) / (seconds[1] + seconds[3])
+
+
+def test_a_host_profile_names_the_functions_that_held_the_host(capsys):
+    """`--host-profile N`: after the run, cProfile's N functions by their own time."""
+    import argparse
+
+    from bench.serving import measured
+
+    engine = _tiny_engine(max_num_seqs=4)
+    args = argparse.Namespace(step_times=False, host_profile=5)
+    result = measured(engine, workload(4, 256, 2, (5, 20), (2, 4)), 2, (), args)
+    assert result["output_tokens"] > 0
+    out = capsys.readouterr().out
+    assert "host profile, concurrency 2, 0 adapters:" in out and "tottime" in out
+    assert "List reduced from" in out and "to 5 due to restriction" in out
