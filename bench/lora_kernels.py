@@ -7,9 +7,9 @@ replays), `mixed` (those decode rows first, then a `--chunk`-token prefill chunk
 the scheduler orders a mixed step: what `LoraStepPlan` runs now, decode rows per row and the chunk
 as tiles) and `mixed-all-tiles` (the same step with every row a tile, as before); then, on the
 decode step, gate_up's expand followed by SiLU-mul against the fused `silu_mul_lora_rows` that
-decode steps and graphs run. Each result is checked against the float32
-reference, then timed with CUDA events (`--iters` calls in one CUDA graph), one JSON line per step
-and projection, a table last.
+decode steps and graphs run. Each result is checked against the float32 reference, then timed
+with CUDA events (`--iters` calls in one CUDA graph), one JSON line per step and projection, a
+table last.
 
     PYTHONPATH=. python3 bench/lora_kernels.py [--adapters 64] [--rank 16] [--chunk 2048]
 """
@@ -155,12 +155,13 @@ def main() -> None:
         "mixed": (step_batch(*mixed), False),
         "mixed-all-tiles": (step_batch(*mixed), True),
     }
-    setup = {"adapters": args.adapters, "rank": args.rank, "chunk": args.chunk, "dtype": "bfloat16"}
+    setup = {"adapters": args.adapters, "rank": args.rank, "chunk": args.chunk, "dtype": "bfloat16",
+             "device": torch.cuda.get_device_name()}  # fmt: skip
     rows = []
     for step, (batch, tiles_only) in steps.items():
         for name in PROJECTIONS:
             result = {"bench": "lora_kernels", "step": step, **run_projection(name, batch, tiles_only, args)}
-            print(json.dumps({**result, **setup, "device": torch.cuda.get_device_name()}), flush=True)
+            print(json.dumps({**result, **setup}), flush=True)
             rows.append(result)
     print(f"\n{'step':<16} {'projection':<9} {'rows':>5} {'base us':>8} {'lora us':>8} {'rel err':>8}")
     for r in rows:
@@ -168,26 +169,17 @@ def main() -> None:
             f"{r['step']:<16} {r['projection']:<9} {r['rows']:>5} {r['base_gemm_us']:>8} "
             f"{r['lora_us']:>8} {r['rel_err']:>8.1e}"
         )
-    fused = {"decode": run_fused_activation(steps["decode"][0], args)}
-    for step, result in fused.items():
-        line = {
-            "bench": "lora_kernels",
-            "step": step,
-            **result,
-            **setup,
-            "device": torch.cuda.get_device_name(),
-        }
-        print(json.dumps(line), flush=True)
+    fused = run_fused_activation(steps["decode"][0], args)
+    print(json.dumps({"bench": "lora_kernels", "step": "decode", **fused, **setup}), flush=True)
     for step in steps:
         total = [r for r in rows if r["step"] == step]
         base, lora = sum(r["base_gemm_us"] for r in total), sum(r["lora_us"] for r in total)
         layers_ms = lora * 32 / 1000
         print(f"{step:<16} a layer: base {base:.0f} us, LoRA {lora:.0f} us, 32 layers {layers_ms:.2f} ms")
-    for step, r in fused.items():
-        print(
-            f"{step:<16} gate_up expand + SiLU-mul {r['unfused_us']} us, fused {r['fused_us']} us"
-            f" (rel err {r['rel_err']:.1e})"
-        )
+    print(
+        f"{'decode':<16} gate_up expand + SiLU-mul {fused['unfused_us']} us, fused {fused['fused_us']} us"
+        f" (rel err {fused['rel_err']:.1e})"
+    )
 
 
 if __name__ == "__main__":
