@@ -1,7 +1,9 @@
 """The CUDA attention backend: Triton kernels over the block table, decode steps graph-capturable.
 
 Every step writes its K/V with `store_kv`, or, when the model hands over its RoPE tables,
-with `rotary_store_kv`, which rotates q and k and writes K/V in one launch. Decode steps (one
+with `rotary_store_kv`, which rotates q and k and writes K/V in one launch; a decode step that
+splits each context several ways (a small batch, where launches are what a step costs) leaves
+that to the attention kernel itself (`rotary_decode_attention`). Decode steps (one
 query token per sequence) attend with the split-KV `paged_decode_attention` kernel; prefill
 chunks with the varlen `paged_prefill_attention` kernel, which skips key tiles above the causal
 diagonal. A mixed step runs both: its leading one-token sequences (the scheduler puts decode rows
@@ -68,7 +70,7 @@ class TritonBackend:
     ) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.layer(layer)
         block_size, window = self.kv_cache.block_size, self.windows[layer]
-        if self.decode and rope is not None:
+        if self.decode and rope is not None and self.num_splits > 1:  # see docs/performance.md
             return rotary_decode_attention(
                 q, k, v, rope, k_cache, v_cache, self.slot_mapping, block_table=self.block_table,
                 seq_lens=self.seq_lens, block_size=block_size, scale=self.scale, window=window,

@@ -148,6 +148,20 @@ if triton is not None:
             tl.store(VC + dst, v)
         return k.to(KC.dtype.element_ty), v.to(VC.dtype.element_ty)
 
+    @triton.jit
+    def _attend_one_more(q, k, v, m, denom, acc, scale, attend):
+        """The online softmax's step for one more key when `attend` (k, v: [1, HEAD_DIM]), with
+        the rounding of the tile loop: its probabilities meet V in V's dtype."""
+        if attend:
+            s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale
+            m_new = tl.maximum(m, s)
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            denom = denom * alpha + p
+            acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)
+            m = m_new
+        return m, denom, acc
+
     @triton.jit(do_not_specialize=["bt_stride"])  # the block table's width changes every eager step
     def _decode_split_kernel(
         Q, KC, VC, BlockTable, SeqLens, PartOut, PartLse, Out, K, V, Cos, Sin, Slots,
@@ -159,7 +173,8 @@ if triton is not None:
     ):  # fmt: skip
         """With ROPE, q, k and v come straight from the projection: each program rotates its
         query heads in registers, and the token's K/V (position seq_len - 1) are written to the
-        pool by the split whose share holds it, which attends to them from registers."""
+        pool by the split whose share holds it, which attends to them from registers after its
+        loop (a select inside the loop cost 8% at batch 64)."""
         seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq_len = tl.load(SeqLens + seq)
         lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
@@ -173,12 +188,14 @@ if triton is not None:
             cos, sin = tl.load(Cos + seq * HEAD_DIM + d), tl.load(Sin + seq * HEAD_DIM + d)
             rows = seq * q_stride_s + heads * q_stride_h
             q = rotated_rows(Q, rows, d, cos, sin, g < GROUP, HEAD_DIM // 2).to(Q.dtype.element_ty)
-            slot = tl.load(Slots + seq)
-            new_pos = tl.where(slot >= 0, seq_len - 1, -1)  # a padding row (slot -1) writes nothing
+            new_slot = tl.load(Slots + seq)
+            new_pos = tl.where(new_slot >= 0, seq_len - 1, -1)  # a padding row (slot -1) writes nothing
+            owner = (start <= new_pos) & (new_pos < end)
             k_new, v_new = _new_token_kv(
-                K, V, KC, VC, Cos, Sin, seq, kvh, d, slot, (start <= new_pos) & (new_pos < end),
+                K, V, KC, VC, Cos, Sin, seq, kvh, d, new_slot, owner,
                 k_row, k_head, v_row, v_head, kc_stride_slot, kc_stride_h, HEAD_DIM, TO_FP8,
             )  # fmt: skip
+            end = tl.where(owner, new_pos, end)  # the new token joins after the loop, from registers
         else:
             q_off = seq * q_stride_s + heads[:, None] * q_stride_h + d[None, :]
             q = tl.load(Q + q_off, mask=g[:, None] < GROUP, other=0.0)
@@ -193,9 +210,6 @@ if triton is not None:
             kv_off = slot[:, None] * kc_stride_slot + kvh * kc_stride_h + d[None, :]
             k = tl.load(KC + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)  # an FP8 cache widens
             v = tl.load(VC + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
-            if ROPE:  # the new token from registers: its pool write need not be visible yet
-                new = (pos == new_pos)[:, None]
-                k, v = tl.where(new, k_new.to(q.dtype), k), tl.where(new, v_new.to(q.dtype), v)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -204,6 +218,10 @@ if triton is not None:
             denom = denom * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
+        if ROPE:
+            m, denom, acc = _attend_one_more(
+                q, k_new.to(q.dtype), v_new.to(q.dtype), m, denom, acc, scale, owner
+            )
         lse = tl.where(denom > 0, m + tl.log(denom), float("-inf"))
         out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         gm = g < GROUP
