@@ -18,6 +18,7 @@ from model_service.engine.seq_state import SequenceState
 from model_service.kernels.lora import lora_delta_reference, lora_expand, lora_shrink
 from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
 from model_service.kernels.paged_attention import (
+    FP8,
     num_splits_for,
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -431,6 +432,85 @@ def test_triton_rotary_store_kv_matches_rope_then_store(dtype):
     tol = 1e-6 if dtype == torch.float32 else 1e-2  # the kernel rounds once, torch after each op
     assert _rel(got_q, want_q) < tol and _rel(caches[0], caches[2]) < tol
     assert torch.equal(caches[1], caches[3])
+
+
+def _rope_decode_step(
+    device: str, dtype: torch.dtype, cache_dtype: torch.dtype, heads: int, kv_heads: int, dim: int, seed: int
+):  # fmt: skip
+    """A decode step as the qkv projection leaves it (q, k, v strided views of one output), its
+    RoPE tables, a pool of random K/V, and a last row of padding (length 0, slot -1)."""
+    _, k_cache, v_cache, table, lens = _decode_case(5, heads, kv_heads, dim, 16, "cpu", torch.float32, seed)
+    lens[-1] = 0
+    pos = (lens - 1).clamp(min=0)
+    slots = torch.where(lens > 0, table[torch.arange(5), pos // 16] * 16 + pos % 16, -1)
+    g = torch.Generator().manual_seed(seed)
+    spread = 200.0 if cache_dtype == FP8 else 1.0  # FP8: some of the step's K/V saturate at 448
+    q, k, v = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=g).split(
+        (heads * dim, kv_heads * dim, kv_heads * dim), dim=-1
+    )
+    qkv = torch.cat((q / spread, k * spread, v * spread), dim=-1).to(device, dtype)  # scores stay O(1)
+    q, k, v = (t.reshape(5, -1, dim) for t in qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), -1))
+    cos, sin = (torch.randn(5, dim, generator=g).to(device, dtype) for _ in range(2))
+    pool = [c.to(device, cache_dtype) for c in (k_cache, v_cache)]
+    return (q, k, v, (cos, sin)), pool, table.to(device), lens.to(device), slots.to(device)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, cache", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, FP8)])
+@pytest.mark.parametrize("shape", [(8, 2, 64), (32, 8, 128)])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("splits", [1, 4, 16])
+def test_triton_decode_attention_with_rope_matches_rope_then_attention(dtype, cache, shape, window, splits):
+    """The decode kernel that rotates q and k itself and writes the step's K/V (the split that
+    owns the new position, which attends to it from registers): the same output and pool as RoPE,
+    the store and attention run apart on the CPU, padding row and its slot untouched."""
+    from model_service.kernels.fused import apply_rotary_reference, rotary_decode_attention
+
+    dim = shape[2]
+    for seed in range(2):
+        (q, k, v, rope), pool, table, lens, slots = _rope_decode_step("cuda", dtype, cache, *shape, seed)
+        want_pool = [c.cpu() for c in pool]
+        cpu_rope = [t.cpu() for t in rope]
+        rotated = [apply_rotary_reference(t.cpu(), *cpu_rope) for t in (q, k)]
+        store_kv_reference(rotated[1], v.cpu(), *want_pool, slots.cpu())
+        args = (table.cpu(), lens.cpu(), 16, dim**-0.5, window)
+        want = paged_decode_attention_reference(rotated[0], *want_pool, *args)
+        got = rotary_decode_attention(
+            q, k, v, rope, *pool, slots, block_table=table, seq_lens=lens, block_size=16,
+            scale=dim**-0.5, window=window, num_splits=splits,
+        )  # fmt: skip
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.isfinite(got).all() and got[-1].abs().max() == 0
+        assert _rel(got.cpu(), want) < tol
+        for got_pool, want_c in zip(pool, want_pool, strict=True):  # whole pools: a stray write shows
+            assert _rel(got_pool.cpu(), want_c) < tol
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[cuda, pytest.mark.gpu])])
+def test_a_decode_step_with_rope_through_the_backend_rotates_writes_and_attends(device):
+    """The backend's decode step with RoPE (the kernel's own rotation and store on CUDA, RoPE and
+    the store before attention elsewhere) against the reference backend on the same pool."""
+    dtype = torch.float32
+    kv_heads, dim = 2, 64
+    (q, k, v, rope), pool, table, lens, slots = _rope_decode_step(device, dtype, dtype, 8, kv_heads, dim, 1)
+    items = []
+    for i, n in enumerate(lens.tolist()[:-1]):  # the padding row is the kernel test's
+        state = SequenceState(seq_id=i, block_table=table[i].tolist()[: -(-n // 16)], num_computed=n - 1)
+        items.append(StepItem(state, [0], 1))
+    batch = BatchBuilder(16, torch.device(device)).build(items)
+    assert torch.equal(batch.slot_mapping, slots[:-1])
+    outputs, pools = [], []
+    for backend_type in (TritonBackend, TorchReferenceBackend):
+        cache = KVCache(attention_layers([None]), pool[0].shape[0] // 16, 16, kv_heads, dim, dtype, q.device)
+        cache.data[0, 0], cache.data[0, 1] = pool
+        backend = backend_type(cache, [None], dim)
+        backend.prepare(batch)
+        rows = [t[:-1] for t in (q, k, v)]
+        outputs.append(backend.forward(0, *rows, tuple(t[:-1] for t in rope)))
+        pools.append(cache.data[0].clone())
+    assert _rel(outputs[0], outputs[1]) < 1e-5
+    assert _rel(pools[0], pools[1]) < 1e-6
 
 
 MIXED = [(37, 1), (90, 70), (130, 130)]  # (context length after the step, query rows)

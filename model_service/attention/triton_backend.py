@@ -1,7 +1,9 @@
 """The CUDA attention backend: Triton kernels over the block table, decode steps graph-capturable.
 
 Every step writes its K/V with `store_kv`, or, when the model hands over its RoPE tables,
-with `rotary_store_kv`, which rotates q and k and writes K/V in one launch. Decode steps (one
+with `rotary_store_kv`, which rotates q and k and writes K/V in one launch; a decode step that
+splits each context several ways (a small batch, where launches are what a step costs) leaves
+that to the attention kernel itself (`rotary_decode_attention`). Decode steps (one
 query token per sequence) attend with the split-KV `paged_decode_attention` kernel; prefill
 chunks with the varlen `paged_prefill_attention` kernel, which skips key tiles above the causal
 diagonal. A mixed step runs both: its leading one-token sequences (the scheduler puts decode rows
@@ -22,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from model_service.attention.kv_cache import KVCache
-from model_service.kernels.fused import rotary_store_kv
+from model_service.kernels.fused import rotary_decode_attention, rotary_store_kv
 from model_service.kernels.paged_attention import num_splits_for, paged_decode_attention, store_kv
 from model_service.kernels.prefill_attention import paged_prefill_attention, prefill_tiles
 from model_service.models.step import StepBatch, to_device
@@ -67,11 +69,17 @@ class TritonBackend:
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.layer(layer)
+        block_size, window = self.kv_cache.block_size, self.windows[layer]
+        if self.decode and rope is not None and self.num_splits > 1:  # see docs/performance.md
+            return rotary_decode_attention(
+                q, k, v, rope, k_cache, v_cache, self.slot_mapping, block_table=self.block_table,
+                seq_lens=self.seq_lens, block_size=block_size, scale=self.scale, window=window,
+                num_splits=self.num_splits,
+            )  # fmt: skip
         if rope is not None:
             q = rotary_store_kv(q, k, v, rope, k_cache, v_cache, self.slot_mapping)
         else:
             store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, self.slot_mapping)
-        block_size, window = self.kv_cache.block_size, self.windows[layer]
         if self.decode:
             return paged_decode_attention(
                 q, k_cache, v_cache, self.block_table, self.seq_lens, block_size, self.scale, window,

@@ -10,10 +10,12 @@ to the model's dtype, then scale by the weight.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from model_service.kernels.paged_attention import FP8, store_kv, triton
+from model_service.kernels.paged_attention import FP8, paged_decode_attention, store_kv, triton
 
 if triton is not None:
     import triton.language as tl
@@ -147,6 +149,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x
 
 
+def _rope_in_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the Triton kernels can rotate and store these heads where they lie: CUDA, a
+    power-of-two half head, unit-stride head vectors (the views the qkv projection leaves)."""
+    half = q.shape[-1] // 2
+    strided = all(t.stride(-1) == 1 and t.stride(1) == 2 * half for t in (q, k, v))
+    return _on_gpu(q) and not half & (half - 1) and strided and k_cache.stride(1) == 2 * half
+
+
 def rotary_store_kv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -161,8 +171,7 @@ def rotary_store_kv(
     the two rotations, two `.contiguous()` copies and the store were five launches a layer."""
     cos, sin = rope
     half = q.shape[-1] // 2
-    strided = all(t.stride(-1) == 1 and t.stride(1) == 2 * half for t in (q, k, v))
-    if not _on_gpu(q) or half & (half - 1) or not strided or k_cache.stride(1) != 2 * half:
+    if not _rope_in_kernels(q, k, v, k_cache):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, slots)
         return q
@@ -172,3 +181,23 @@ def rotary_store_kv(
         k_cache.stride(0), k_cache.stride(1), HEADS=q.shape[1], HALF=half, TO_FP8=k_cache.dtype == FP8,
     )  # fmt: skip
     return q
+
+
+def rotary_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    **attention: Any,
+) -> torch.Tensor:
+    """A decode step's RoPE, K/V write and attention (`paged_decode_attention`'s keyword
+    arguments in `attention`). On CUDA the attention kernel does all three, one launch a layer
+    fewer than `rotary_store_kv` and then attention; elsewhere it is exactly that pair."""
+    if not _rope_in_kernels(q, k, v, k_cache):
+        q = rotary_store_kv(q, k, v, rope, k_cache, v_cache, slots)
+        return paged_decode_attention(q, k_cache, v_cache, **attention)
+    rope_kv = (k, v, rope[0].contiguous(), rope[1].contiguous(), slots)
+    return paged_decode_attention(q, k_cache, v_cache, rope_kv=rope_kv, **attention)

@@ -34,6 +34,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
+# A decode step's k [S, KVH, D], v [S, KVH, D], cos and sin [S, D] (contiguous) and slots [S].
+RopeKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 def to_cache(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """`x` as `cache` stores it."""
@@ -116,14 +119,62 @@ if triton is not None:
             tl.store(KC + slot * cache_stride + offs, k, mask=m)
             tl.store(VC + slot * cache_stride + offs, v, mask=m)
 
+    @triton.jit
+    def rotated_rows(X, rows, d, cos, sin, mask, HALF: tl.constexpr):
+        """The head vectors at X + rows (offsets [R]) with RoPE applied (half-rotation layout):
+        the arithmetic of the RoPE kernels in fused.py, so both paths round alike."""
+        x = tl.load(X + rows[:, None] + d[None, :], mask=mask[:, None], other=0.0)
+        partner = tl.load(X + rows[:, None] + (d[None, :] + HALF) % (2 * HALF), mask=mask[:, None], other=0.0)
+        c, s = cos[None, :], sin[None, :]
+        return tl.where(d[None, :] < HALF, x * c - partner * s, x * c + partner * s)
+
+    @triton.jit
+    def _new_token_kv(
+        K, V, KC, VC, Cos, Sin, seq, kvh, d, slot, write, k_row, k_head, v_row, v_head,
+        kc_stride_slot, kc_stride_h, HEAD_DIM: tl.constexpr, TO_FP8: tl.constexpr,
+    ):  # fmt: skip
+        """The new token's rotated K and its V for one kv head, [1, HEAD_DIM] each, as the pool
+        holds them; with `write` (the split that owns the token's position) stored at `slot`."""
+        cos = tl.load(Cos + seq * HEAD_DIM + d)
+        sin = tl.load(Sin + seq * HEAD_DIM + d)
+        one = tl.arange(0, 1)
+        k = cache_value(
+            rotated_rows(K, seq * k_row + kvh * k_head + one, d, cos, sin, one == 0, HEAD_DIM // 2), TO_FP8
+        )
+        v = cache_value(tl.load(V + seq * v_row + kvh * v_head + d)[None, :], TO_FP8)
+        if write:
+            dst = slot * kc_stride_slot + kvh * kc_stride_h + d[None, :]
+            tl.store(KC + dst, k)
+            tl.store(VC + dst, v)
+        return k.to(KC.dtype.element_ty), v.to(VC.dtype.element_ty)
+
+    @triton.jit
+    def _attend_one_more(q, k, v, m, denom, acc, scale, attend):
+        """The online softmax's step for one more key when `attend` (k, v: [1, HEAD_DIM]), with
+        the rounding of the tile loop: its probabilities meet V in V's dtype."""
+        if attend:
+            s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale
+            m_new = tl.maximum(m, s)
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            denom = denom * alpha + p
+            acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)
+            m = m_new
+        return m, denom, acc
+
     @triton.jit(do_not_specialize=["bt_stride"])  # the block table's width changes every eager step
     def _decode_split_kernel(
-        Q, KC, VC, BlockTable, SeqLens, PartOut, PartLse, Out,
+        Q, KC, VC, BlockTable, SeqLens, PartOut, PartLse, Out, K, V, Cos, Sin, Slots,
         q_stride_s, q_stride_h, kc_stride_slot, kc_stride_h, bt_stride, po_stride_s, po_stride_h,
-        po_stride_split, pl_stride_s, pl_stride_h, scale, window,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+        po_stride_split, pl_stride_s, pl_stride_h, k_row, k_head, v_row, v_head, scale, window,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+        TO_FP8: tl.constexpr,
     ):  # fmt: skip
+        """With ROPE, q, k and v come straight from the projection: each program rotates its
+        query heads in registers, and the token's K/V (position seq_len - 1) are written to the
+        pool by the split whose share holds it, which attends to them from registers after its
+        loop (a select inside the loop cost 8% at batch 64)."""
         seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq_len = tl.load(SeqLens + seq)
         lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
@@ -133,8 +184,21 @@ if triton is not None:
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
         heads = kvh * GROUP + g
-        q_off = seq * q_stride_s + heads[:, None] * q_stride_h + d[None, :]
-        q = tl.load(Q + q_off, mask=g[:, None] < GROUP, other=0.0)
+        if ROPE:
+            cos, sin = tl.load(Cos + seq * HEAD_DIM + d), tl.load(Sin + seq * HEAD_DIM + d)
+            rows = seq * q_stride_s + heads * q_stride_h
+            q = rotated_rows(Q, rows, d, cos, sin, g < GROUP, HEAD_DIM // 2).to(Q.dtype.element_ty)
+            new_slot = tl.load(Slots + seq)
+            new_pos = tl.where(new_slot >= 0, seq_len - 1, -1)  # a padding row (slot -1) writes nothing
+            owner = (start <= new_pos) & (new_pos < end)
+            k_new, v_new = _new_token_kv(
+                K, V, KC, VC, Cos, Sin, seq, kvh, d, new_slot, owner,
+                k_row, k_head, v_row, v_head, kc_stride_slot, kc_stride_h, HEAD_DIM, TO_FP8,
+            )  # fmt: skip
+            end = tl.where(owner, new_pos, end)  # the new token joins after the loop, from registers
+        else:
+            q_off = seq * q_stride_s + heads[:, None] * q_stride_h + d[None, :]
+            q = tl.load(Q + q_off, mask=g[:, None] < GROUP, other=0.0)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         denom = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -154,6 +218,10 @@ if triton is not None:
             denom = denom * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
+        if ROPE:
+            m, denom, acc = _attend_one_more(
+                q, k_new.to(q.dtype), v_new.to(q.dtype), m, denom, acc, scale, owner
+            )
         lse = tl.where(denom > 0, m + tl.log(denom), float("-inf"))
         out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         gm = g < GROUP
@@ -216,12 +284,16 @@ def paged_decode_attention(
     window: int | None = None,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    rope_kv: RopeKV | None = None,
 ) -> torch.Tensor:
     """The Triton kernel on CUDA (the reference elsewhere); same contract as the reference.
-    `out` ([S, H, D] contiguous, new if None): where to write, e.g. the decode rows of a mixed step."""
+    `out` ([S, H, D] contiguous, new if None): where to write, e.g. the decode rows of a mixed step.
+    `rope_kv`: q and this step's K/V as the projection left them, rotated and written by the
+    kernel itself (CUDA only: `fused.rotary_decode_attention` decides when it applies)."""
     num_seqs, heads, dim = q.shape
     out = torch.empty(num_seqs, heads, dim, dtype=q.dtype, device=q.device) if out is None else out
     if triton is None or not q.is_cuda:
+        assert rope_kv is None, "the reference attends over a pool that already holds the step's K/V"
         want = paged_decode_attention_reference(
             q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window
         )
@@ -231,14 +303,15 @@ def paged_decode_attention(
     # One split (a batch that fills the GPU by itself) writes `out` directly: no merge launch.
     part_out = torch.empty(num_seqs, heads, num_splits, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
+    k, v, cos, sin, slots = rope_kv if rope_kv is not None else (q, q, q, q, seq_lens)
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, out,
+        q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, out, k, v, cos, sin, slots,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        scale, window or 0,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale, window or 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
-        BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits,
-        PRECISION=dot_precision(q.dtype),
+        BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
+        ROPE=rope_kv is not None, TO_FP8=k_cache.dtype == FP8,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs * heads,)](
