@@ -458,7 +458,7 @@ def _rope_decode_step(
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, cache", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, FP8)])
-@pytest.mark.parametrize("shape", [(8, 2, 64), (32, 8, 128)])
+@pytest.mark.parametrize("shape", [(8, 2, 64), (9, 3, 64), (32, 8, 128)])  # (9, 3, 64): SmolLM2
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("splits", [1, 4, 16])
 def test_triton_decode_attention_with_rope_matches_rope_then_attention(dtype, cache, shape, window, splits):

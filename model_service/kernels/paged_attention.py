@@ -120,7 +120,7 @@ if triton is not None:
             tl.store(VC + slot * cache_stride + offs, v, mask=m)
 
     @triton.jit
-    def rotated_rows(X, rows, d, cos, sin, mask, HALF: tl.constexpr):
+    def _rotated_rows(X, rows, d, cos, sin, mask, HALF: tl.constexpr):
         """The head vectors at X + rows (offsets [R]) with RoPE applied (half-rotation layout):
         the arithmetic of the RoPE kernels in fused.py, so both paths round alike."""
         x = tl.load(X + rows[:, None] + d[None, :], mask=mask[:, None], other=0.0)
@@ -130,16 +130,14 @@ if triton is not None:
 
     @triton.jit
     def _new_token_kv(
-        K, V, KC, VC, Cos, Sin, seq, kvh, d, slot, write, k_row, k_head, v_row, v_head,
+        K, V, KC, VC, cos, sin, seq, kvh, d, slot, write, k_row, k_head, v_row, v_head,
         kc_stride_slot, kc_stride_h, HEAD_DIM: tl.constexpr, TO_FP8: tl.constexpr,
     ):  # fmt: skip
         """The new token's rotated K and its V for one kv head, [1, HEAD_DIM] each, as the pool
         holds them; with `write` (the split that owns the token's position) stored at `slot`."""
-        cos = tl.load(Cos + seq * HEAD_DIM + d)
-        sin = tl.load(Sin + seq * HEAD_DIM + d)
         one = tl.arange(0, 1)
         k = cache_value(
-            rotated_rows(K, seq * k_row + kvh * k_head + one, d, cos, sin, one == 0, HEAD_DIM // 2), TO_FP8
+            _rotated_rows(K, seq * k_row + kvh * k_head + one, d, cos, sin, one == 0, HEAD_DIM // 2), TO_FP8
         )
         v = cache_value(tl.load(V + seq * v_row + kvh * v_head + d)[None, :], TO_FP8)
         if write:
@@ -187,12 +185,12 @@ if triton is not None:
         if ROPE:
             cos, sin = tl.load(Cos + seq * HEAD_DIM + d), tl.load(Sin + seq * HEAD_DIM + d)
             rows = seq * q_stride_s + heads * q_stride_h
-            q = rotated_rows(Q, rows, d, cos, sin, g < GROUP, HEAD_DIM // 2).to(Q.dtype.element_ty)
+            q = _rotated_rows(Q, rows, d, cos, sin, g < GROUP, HEAD_DIM // 2).to(Q.dtype.element_ty)
             new_slot = tl.load(Slots + seq)
             new_pos = tl.where(new_slot >= 0, seq_len - 1, -1)  # a padding row (slot -1) writes nothing
             owner = (start <= new_pos) & (new_pos < end)
             k_new, v_new = _new_token_kv(
-                K, V, KC, VC, Cos, Sin, seq, kvh, d, new_slot, owner,
+                K, V, KC, VC, cos, sin, seq, kvh, d, new_slot, owner,
                 k_row, k_head, v_row, v_head, kc_stride_slot, kc_stride_h, HEAD_DIM, TO_FP8,
             )  # fmt: skip
             end = tl.where(owner, new_pos, end)  # the new token joins after the loop, from registers
