@@ -147,6 +147,35 @@ if triton is not None:
         return k.to(KC.dtype.element_ty), v.to(VC.dtype.element_ty)
 
     @triton.jit
+    def _attend_tiles(
+        q, KC, VC, BlockTable, seq, kvh, d, start, end, bt_stride, kc_stride_slot, kc_stride_h, scale,
+        GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """The online softmax of a query group over context positions [start, end) of one
+        sequence, read in place through its block table: (running max, denominator, output)."""
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        denom = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for tile in range(start, end, BLOCK_N):
+            pos = tile + tl.arange(0, BLOCK_N)
+            valid = pos < end
+            block = tl.load(BlockTable + seq * bt_stride + pos // BLOCK_SIZE, mask=valid, other=0)
+            slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+            kv_off = slot[:, None] * kc_stride_slot + kvh * kc_stride_h + d[None, :]
+            k = tl.load(KC + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)  # an FP8 cache widens
+            v = tl.load(VC + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        return m, denom, acc
+
+    @triton.jit
     def _attend_one_more(q, k, v, m, denom, acc, scale, attend):
         """The online softmax's step for one more key when `attend` (k, v: [1, HEAD_DIM]), with
         the rounding of the tile loop: its probabilities meet V in V's dtype."""
@@ -197,25 +226,10 @@ if triton is not None:
         else:
             q_off = seq * q_stride_s + heads[:, None] * q_stride_h + d[None, :]
             q = tl.load(Q + q_off, mask=g[:, None] < GROUP, other=0.0)
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        denom = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for tile in range(start, end, BLOCK_N):
-            pos = tile + tl.arange(0, BLOCK_N)
-            valid = pos < end
-            block = tl.load(BlockTable + seq * bt_stride + pos // BLOCK_SIZE, mask=valid, other=0)
-            slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
-            kv_off = slot[:, None] * kc_stride_slot + kvh * kc_stride_h + d[None, :]
-            k = tl.load(KC + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)  # an FP8 cache widens
-            v = tl.load(VC + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            denom = denom * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+        m, denom, acc = _attend_tiles(
+            q, KC, VC, BlockTable, seq, kvh, d, start, end, bt_stride, kc_stride_slot, kc_stride_h, scale,
+            GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
+        )  # fmt: skip
         if ROPE:
             m, denom, acc = _attend_one_more(
                 q, k_new.to(q.dtype), v_new.to(q.dtype), m, denom, acc, scale, owner
