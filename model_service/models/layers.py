@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from model_service.kernels.fused import rms_norm, silu_and_mul
+from model_service.kernels.skinny_gemm import skinny_applies, skinny_linear
 from model_service.models.config import ModelConfig
 
 
@@ -38,6 +39,18 @@ class PackedLinear(nn.Linear):
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
         super().__init__(in_features, sum(parts.values()), bias=bias)
         self.parts, self.output_sizes = tuple(parts), tuple(parts.values())
+        self.arrivals: torch.Tensor | None = None  # the few-row kernel's counters, made on first use
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Decode steps of a few rows take the few-row kernel (`kernels/skinny_gemm.py`; ~3% of
+        an 8B batch-1 step). Its counters are made on the first such call, which is eager: the
+        warm-up before every graph capture. A capture that comes first keeps cuBLAS."""
+        if skinny_applies(x, self.weight):
+            if self.arrivals is None and not torch.cuda.is_current_stream_capturing():
+                self.arrivals = torch.zeros(self.out_features // 64, dtype=torch.int32, device=x.device)
+            if self.arrivals is not None and self.arrivals.device == x.device:
+                return skinny_linear(x, self.weight, self.bias, self.arrivals)
+        return super().forward(x)
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a gate_up projection: SwiGLU's consumer asks for both at once, so a

@@ -1,0 +1,102 @@
+"""The few-row product kernel (decode steps of small batches) against F.linear, its reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_service.kernels.skinny_gemm import MAX_ROWS, skinny_applies, skinny_config, skinny_linear
+from model_service.models.layers import PackedLinear, store_weights_transposed
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def transposed_weight(n: int, k: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """[n, k] stored as its contiguous transpose, as the engine keeps linear weights."""
+    return (torch.randn(n, k, device=device) * k**-0.5).to(dtype).t().contiguous().t()
+
+
+def test_wide_outputs_take_one_program_per_column_block_and_narrow_ones_split_k():
+    assert skinny_config(4096, 6144).split_k == 1  # 8B qkv
+    assert skinny_config(4096, 28672).block_n == 256  # 8B gate_up
+    assert skinny_config(4096, 4096).split_k == 4  # 8B o
+    assert skinny_config(14336, 4096).split_k == 4  # 8B down
+    assert skinny_config(576, 576) is None  # SmolLM2's o: K is no multiple of 4 x 64
+    assert skinny_config(4096, 4100) is None
+
+
+def test_the_kernel_is_only_chosen_where_it_applies():
+    w = transposed_weight(4096, 4096, torch.bfloat16, "cpu")
+    assert not skinny_applies(torch.randn(1, 4096, dtype=torch.bfloat16), w)  # CPU: the reference
+    layer = PackedLinear(64, {"o_proj": 64}, bias=True)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert layer.arrivals is None
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, MAX_ROWS])
+@pytest.mark.parametrize("k, n", [(4096, 4096), (14336, 4096), (4096, 6144), (1024, 24576), (1536, 576)])
+@pytest.mark.parametrize("dtype, bias", [(torch.bfloat16, False), (torch.float16, True)])
+def test_triton_skinny_linear_matches_f_linear(rows, k, n, dtype, bias):
+    torch.manual_seed(rows + k + n)
+    w = transposed_weight(n, k, dtype, "cuda")
+    x = torch.randn(rows, k, device="cuda").to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype) if bias else None
+    assert skinny_applies(x, w)
+    arrivals = torch.zeros(n // 64, dtype=torch.int32, device="cuda")
+    got = skinny_linear(x, w, b, arrivals)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=1e-2)  # rounding of the output only
+    assert int(arrivals.abs().sum()) == 0, "the last program of each column block resets its counter"
+    assert torch.equal(skinny_linear(x, w, b, arrivals), got), "split-K sums in a fixed order"
+
+
+@cuda
+@pytest.mark.gpu
+def test_skinny_linear_replays_in_a_cuda_graph_over_new_inputs():
+    """The counters are reset inside the kernel, so a graph replays it with nothing re-prepared."""
+    w = transposed_weight(4096, 4096, torch.bfloat16, "cuda")
+    x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+    arrivals = torch.zeros(64, dtype=torch.int32, device="cuda")
+    skinny_linear(x, w, None, arrivals)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = skinny_linear(x, w, None, arrivals)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(y, skinny_linear(x, w, None, arrivals), atol=0, rtol=0)
+    assert int(arrivals.abs().sum()) == 0
+
+
+@cuda
+@pytest.mark.gpu
+def test_packed_linear_takes_the_kernel_for_few_rows_and_cublas_for_more():
+    layer = PackedLinear(4096, {"o_proj": 4096}, bias=False).to("cuda", torch.bfloat16)
+    store_weights_transposed(layer)
+    few = torch.randn(MAX_ROWS, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(few), F.linear(few, layer.weight), atol=2e-2, rtol=1e-2)
+    assert layer.arrivals is not None
+    many = torch.randn(MAX_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert not skinny_applies(many, layer.weight)
+    torch.testing.assert_close(layer(many), F.linear(many, layer.weight), atol=0, rtol=0)
+
+
+@cuda
+@pytest.mark.gpu
+def test_a_capture_before_any_eager_call_keeps_cublas():
+    """The counters are made by an eager call; a graph captured first must not allocate them
+    inside the capture (they would hold garbage until a replay zeroed them)."""
+    layer = PackedLinear(4096, {"o_proj": 4096}, bias=False).to("cuda", torch.bfloat16)
+    store_weights_transposed(layer)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    F.linear(x, layer.weight)  # cuBLAS's own warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+    graph.replay()
+    assert layer.arrivals is None
+    torch.testing.assert_close(y, F.linear(x, layer.weight), atol=0, rtol=0)
