@@ -6,8 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model_service.engine.config import EngineConfig
+from model_service.engine.engine import Engine
 from model_service.kernels.skinny_gemm import MAX_ROWS, skinny_applies, skinny_config, skinny_linear
+from model_service.models import layers
+from model_service.models.config import ModelConfig
 from model_service.models.layers import PackedLinear, store_weights_transposed
+from model_service.models.llama import DecoderModel
+from model_service.models.loader import LoadedModel
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -100,3 +106,42 @@ def test_a_capture_before_any_eager_call_keeps_cublas():
     graph.replay()
     assert layer.arrivals is None
     torch.testing.assert_close(y, F.linear(x, layer.weight), atol=0, rtol=0)
+
+
+@cuda
+@pytest.mark.gpu
+def test_bf16_decode_through_the_kernel_gives_the_tokens_of_cublas_and_the_cpu(monkeypatch):
+    """A model whose four projections all take the kernel (K a multiple of 256), in bf16 on
+    CUDA: greedy tokens from decode graphs, from eager steps and with the kernel turned off
+    (cuBLAS) agree, and their first tokens are the CPU float32 engine's."""
+    cfg = ModelConfig(
+        family="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=1024,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = DecoderModel(cfg)
+    for p in reference.parameters():
+        torch.nn.init.normal_(p, 0, 0.2)
+    requests = [
+        {"prompt_token_ids": [(11 * i + j) % 500 + 3 for j in range(5 + 7 * i)], "max_tokens": 10,
+         "temperature": 0, "ignore_eos": True}
+        for i in range(3)
+    ]  # fmt: skip
+
+    def run(device: str, dtype: torch.dtype, **config: object) -> tuple[Engine, list[list[int]]]:
+        model = DecoderModel(cfg)
+        model.load_state_dict(reference.state_dict())
+        loaded = LoadedModel("random", cfg, model.to(device, dtype).eval(), None)
+        name = str(dtype).removeprefix("torch.")
+        engine = Engine(EngineConfig(device=device, dtype=name, num_kv_blocks=64, **config), loaded=loaded)
+        return engine, [o.token_ids for o in engine.generate(requests)]
+
+    _, cpu = run("cpu", torch.float32)
+    engine, graphs = run("cuda", torch.bfloat16)
+    projections = [m for m in engine.executor.module.modules() if isinstance(m, PackedLinear)]
+    assert len(projections) == 4 * cfg.num_layers and all(m.arrivals is not None for m in projections)
+    _, eager = run("cuda", torch.bfloat16, enforce_eager=True)
+    monkeypatch.setattr(layers, "skinny_applies", lambda x, w: False)
+    _, cublas = run("cuda", torch.bfloat16)
+    assert graphs == eager == cublas
+    assert [t[:4] for t in graphs] == [t[:4] for t in cpu]
