@@ -30,6 +30,9 @@ def test_wide_outputs_take_one_program_per_column_block_and_narrow_ones_split_k(
     assert skinny_config(14336, 4096).split_k == 4  # 8B down
     assert skinny_config(576, 576) is None  # SmolLM2's o: K is no multiple of 4 x 64
     assert skinny_config(4096, 4100) is None
+    assert skinny_config(4096, 6144).num_stages == 6  # an H200's 227 KiB a program: the measured tiling
+    assert skinny_config(4096, 6144, smem=101_376).num_stages == 4  # 99 KiB (sm86 / sm89): fewer stages
+    assert skinny_config(4096, 6144, smem=32_768) is None  # not two stages
 
 
 def test_the_kernel_is_only_chosen_where_it_applies():

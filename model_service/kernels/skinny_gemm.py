@@ -17,6 +17,7 @@ down 31.31 -> 30.20.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,6 @@ if triton is not None:
     import triton.language as tl
 
 MAX_ROWS = 16  # the kernel's row tile: more rows go to cuBLAS
-_NUM_SMS = 132  # H200; the split rule below was measured there
 
 
 @dataclass(frozen=True)
@@ -39,16 +39,31 @@ class SkinnyConfig:
     num_stages: int
 
 
-def skinny_config(k: int, n: int) -> SkinnyConfig | None:
-    """The tiling for a [*, k] x [k, n] product, None where the kernel does not apply. Wide
-    outputs (qkv, gate_up) fill the GPU with one program per column block; narrow ones (o,
+@functools.cache
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """(SMs, shared memory bytes a program may use) of `device`; (0, 0) before Ampere, whose
+    tensor cores `tl.dot` cannot use in bf16."""
+    props = torch.cuda.get_device_properties(device)
+    if props.major < 8:
+        return 0, 0
+    return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 49152)
+
+
+def skinny_config(k: int, n: int, sms: int = 132, smem: int = 232_448) -> SkinnyConfig | None:
+    """The tiling for a [*, k] x [k, n] product on a GPU of `sms` SMs and `smem` bytes of shared
+    memory a program (measured on an H200: 132, 227 KiB), None where the kernel does not apply.
+    Wide outputs (qkv, gate_up) fill the GPU with one program per column block; narrow ones (o,
     down) split K four ways: one program per 64 columns of o gave 12.7 us, four 11.5."""
-    if 3 * (n // 64) >= 2 * _NUM_SMS:  # two thirds of the SMs or more: qkv's 96 programs beat split-K
-        block_n = 256 if 3 * (n // 256) >= 2 * _NUM_SMS else 64
-        cfg = SkinnyConfig(block_n, 64 if block_n == 256 else 128, 1, 4 if block_n == 256 else 6)
+    if 3 * (n // 64) >= 2 * sms:  # two thirds of the SMs or more: qkv's 96 programs beat split-K
+        block_n = 256 if 3 * (n // 256) >= 2 * sms else 64
+        block_k, split_k, stages = (64, 1, 4) if block_n == 256 else (128, 1, 6)
     else:
-        cfg = SkinnyConfig(64, 64, 4, 4)
-    return cfg if n % cfg.block_n == 0 and k % (cfg.block_k * cfg.split_k) == 0 else None
+        block_n, block_k, split_k, stages = 64, 64, 4, 4
+    # Each pipeline stage holds a [16, block_k] tile of x and a [block_k, block_n] one of the weight.
+    stages = min(stages, smem // (2 * block_k * (MAX_ROWS + block_n)))
+    if stages < 2 or n % block_n or k % (block_k * split_k):
+        return None
+    return SkinnyConfig(block_n, block_k, split_k, stages)
 
 
 def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -63,7 +78,8 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == x.dtype
         and x.stride(1) == 1
         and weight.t().is_contiguous()
-        and skinny_config(weight.shape[1], weight.shape[0]) is not None
+        and _device_limits(x.device)[0] > 0
+        and skinny_config(weight.shape[1], weight.shape[0], *_device_limits(x.device)) is not None
     )
 
 
@@ -74,7 +90,7 @@ def skinny_linear(
     64 output columns, owned by the caller (one per layer) and left zeroed by every call."""
     rows, k = x.shape
     n = weight.shape[0]
-    cfg = skinny_config(k, n)
+    cfg = skinny_config(k, n, *_device_limits(x.device))
     assert cfg is not None and arrivals.numel() >= n // cfg.block_n
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     parts = torch.empty(cfg.split_k if cfg.split_k > 1 else 0, rows, n, dtype=torch.float32, device=x.device)
