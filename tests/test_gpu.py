@@ -14,28 +14,9 @@ from model_service.models.config import ModelConfig
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
 from model_service.models.step import StepBatch
+from tests.random_models import random_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-def _random_model() -> tuple[ModelConfig, DecoderModel]:
-    cfg = ModelConfig(
-        family="llama",
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=1024,
-    )
-    torch.manual_seed(0)
-    reference = DecoderModel(cfg)
-    for p in reference.parameters():
-        torch.nn.init.normal_(p, 0, 0.2)
-    return cfg, reference
 
 
 def _engine(cfg: ModelConfig, reference: DecoderModel, device: str, **config: object) -> Engine:
@@ -48,7 +29,7 @@ def _engine(cfg: ModelConfig, reference: DecoderModel, device: str, **config: ob
 def test_cuda_matches_cpu_with_adapters_swap_and_beams(tmp_path):
     from bench.lora import write_adapter
 
-    cfg, reference = _random_model()
+    cfg, reference = random_llama()
     adapters = {f"a{i}": write_adapter(tmp_path / f"a{i}", cfg, rank=4 + 4 * i, seed=i) for i in range(3)}
     for path in adapters.values():  # large enough deltas that a missing one changes tokens
         weights = path / "adapter_model.safetensors"
@@ -116,7 +97,7 @@ def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path, monkeypat
     monkeypatch.setattr(PiecewiseGraphs, "run", counted)
     monkeypatch.setattr(layers, "silu_mul_lora_rows", counted_activation)
 
-    cfg, reference = _random_model()
+    cfg, reference = random_llama()
     adapters = {f"a{i}": write_adapter(tmp_path / f"a{i}", cfg, rank=8 * (i + 1), seed=i) for i in range(2)}
     for path in adapters.values():
         weights = path / "adapter_model.safetensors"
@@ -162,7 +143,7 @@ def test_piecewise_graphs_of_prefill_and_mixed_steps_match_eager_and_cpu(monkeyp
         return run(self, batch)
 
     monkeypatch.setattr(PiecewiseGraphs, "run", counted)
-    cfg, reference = _random_model()
+    cfg, reference = random_llama()
     torch.backends.cuda.matmul.allow_tf32 = False
     waves = [
         [
@@ -202,7 +183,7 @@ def test_decode_graphs_replay_over_reused_blocks_with_fresh_metadata():
     """CUDA graphs are captured once per padded batch size; later waves of requests get blocks and
     rows that earlier ones used, and every replay must re-prepare the metadata (a graph replayed
     over stale block tables would read another request's K/V). Graph, eager and CPU agree."""
-    cfg, reference = _random_model()
+    cfg, reference = random_llama()
     torch.backends.cuda.matmul.allow_tf32 = False
     waves = [
         [
@@ -235,7 +216,7 @@ def test_warm_up_captures_every_decode_graph_so_serving_captures_none(tmp_path):
     from bench.lora import write_adapter
     from model_service.engine.cuda_graphs import batch_ladder
 
-    cfg, reference = _random_model()
+    cfg, reference = random_llama()
     torch.backends.cuda.matmul.allow_tf32 = False
     adapter = str(write_adapter(tmp_path / "a", cfg, rank=8, seed=3))
     requests = [
@@ -264,7 +245,7 @@ def test_verify_steps_replay_decode_graphs_and_keep_greedy_output(monkeypatch):
     speculation, with adapters' base rows and verify runs of different lengths in one step."""
     from model_service.engine.cuda_graphs import DecodeGraphs
 
-    cfg, reference = _random_model()
+    cfg, reference = random_llama()
     torch.backends.cuda.matmul.allow_tf32 = False
     context = [(13 * j) % 500 + 3 for j in range(48)]
     requests = [
@@ -313,7 +294,7 @@ def test_draft_speculation_on_cuda_matches_cpu_without_it(tmp_path, draft):
     proposes; the greedy tokens are those of plain decoding on the CPU."""
     from tests.conftest import make_tiny_checkpoint
 
-    cfg, reference = _random_model()
+    cfg, reference = random_llama()
     torch.backends.cuda.matmul.allow_tf32 = False
     model = (
         "random" if draft == "self" else str(make_tiny_checkpoint("llama", tmp_path / "d", vocab_size=512))
@@ -345,7 +326,7 @@ def test_async_scheduling_on_cuda_gives_the_synchronous_tokens(monkeypatch):
     seeded sampling and stop tokens, over waves that reuse rows and blocks."""
     from tests.overlap_helpers import count_launches
 
-    cfg, reference = _random_model()
+    cfg, reference = random_llama()
     torch.backends.cuda.matmul.allow_tf32 = False
     requests = [
         {"prompt_token_ids": [(13 * i + j) % 500 + 3 for j in range(4 + 5 * i)], "max_tokens": 6 + 3 * i,
@@ -370,7 +351,7 @@ def test_seeded_sampling_on_cuda_does_not_depend_on_the_batch():
     the sorting path (top-k with top-p) key a seeded row's draw by its seed and output position:
     the same request alone, in a batch of others (seeded, unseeded, greedy), and again, gives the
     same tokens; unseeded rows vary."""
-    cfg, reference = _random_model()
+    cfg, reference = random_llama()
     engine = _engine(cfg, reference, "cuda", num_kv_blocks=128, block_size=4, max_num_seqs=16)
     base = {"prompt_token_ids": [5, 9, 17, 33], "max_tokens": 24, "ignore_eos": True, "temperature": 1.3}
     cuts = [{}, {"top_p": 0.8}, {"top_k": 20}, {"min_p": 0.05}, {"top_k": 20, "top_p": 0.9}]
@@ -401,7 +382,7 @@ def test_penalties_and_logprobs_on_cuda_match_the_cpu():
     """Penalties and logprobs are computed for all rows at once (one copy of the histories, one
     top-k): greedy rows with repetition, presence and frequency penalties and logprobs give the
     CPU's tokens, and logprobs within float tolerance."""
-    cfg, reference = _random_model()
+    cfg, reference = random_llama()
     torch.backends.cuda.matmul.allow_tf32 = False
     penalties = [
         {"repetition_penalty": 1.3 + 0.1 * i, "presence_penalty": 0.5 * (i % 2), "frequency_penalty": 0.2 * i}
@@ -432,7 +413,7 @@ def test_penalties_and_logprobs_on_cuda_match_the_cpu():
 def test_fp8_kv_cache_on_cuda_gives_the_cpu_reference_tokens():
     """The Triton stores and attention kernels over an FP8 pool (prefill, decode graphs) give the
     CPU reference backend's tokens: both compute in float32 and round the same K/V to e4m3."""
-    cfg, reference = _random_model()
+    cfg, reference = random_llama()
     torch.backends.cuda.matmul.allow_tf32 = False
     prompts = [[(5 * i + j) % 500 + 3 for j in range(20 + 7 * i)] for i in range(4)]
     requests = [{"prompt_token_ids": p, "max_tokens": 10, "temperature": 0} for p in prompts]

@@ -21,17 +21,9 @@ pytestmark = [
 def tiny_cuda_model() -> LoadedModel:
     """A seeded random model on the current CUDA device: every rank builds the same one (a GPU
     test's `source`; wide weights, so greedy ties are vanishingly rare)."""
-    from model_service.models.config import ModelConfig
-    from model_service.models.llama import DecoderModel
+    from tests.random_models import random_llama
 
-    cfg = ModelConfig(
-        family="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3,
-        num_heads=8, num_kv_heads=4, head_dim=32, rms_norm_eps=1e-5, max_position_embeddings=1024,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    module = DecoderModel(cfg)
-    for p in module.parameters():
-        torch.nn.init.normal_(p, 0, 0.2)
+    cfg, module = random_llama(num_heads=8, num_kv_heads=4)
     return LoadedModel("tiny-random", cfg, module.to("cuda").eval(), None)
 
 

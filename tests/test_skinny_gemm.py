@@ -10,10 +10,10 @@ from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.kernels.skinny_gemm import MAX_ROWS, skinny_applies, skinny_config, skinny_linear
 from model_service.models import layers
-from model_service.models.config import ModelConfig
 from model_service.models.layers import PackedLinear, store_weights_transposed
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
+from tests.random_models import random_llama
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -117,14 +117,7 @@ def test_bf16_decode_through_the_kernel_gives_the_tokens_of_cublas_and_the_cpu(m
     """A model whose four projections all take the kernel (K a multiple of 256), in bf16 on
     CUDA: greedy tokens from decode graphs, from eager steps and with the kernel turned off
     (cuBLAS) agree, and their first tokens are the CPU float32 engine's."""
-    cfg = ModelConfig(
-        family="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=1024,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    reference = DecoderModel(cfg)
-    for p in reference.parameters():
-        torch.nn.init.normal_(p, 0, 0.2)
+    cfg, reference = random_llama(hidden_size=256, intermediate_size=512, num_layers=2, head_dim=64)
     requests = [
         {"prompt_token_ids": [(11 * i + j) % 500 + 3 for j in range(5 + 7 * i)], "max_tokens": 10,
          "temperature": 0, "ignore_eos": True}
