@@ -15,7 +15,7 @@ from model_service.engine.cuda_graphs import batch_ladder
 from model_service.engine.sampler import filtered_probs
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.seq_state import SequenceState
-from model_service.kernels.lora import lora_delta_reference, lora_expand, lora_shrink
+from model_service.kernels.lora import AdapterTable, lora_delta_reference, lora_expand, lora_shrink
 from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
 from model_service.kernels.paged_attention import (
     FP8,
@@ -34,7 +34,11 @@ from model_service.kernels.sampling import (
     truncated_sample,
     truncated_sample_reference,
 )
+from model_service.lora.adapter import LoraAdapter, LoraWeights
+from model_service.lora.arena import ArenaSpace
+from model_service.lora.layers import wrap_lora_layers
 from model_service.models.config import attention_layers
+from model_service.models.layers import PackedLinear
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -151,79 +155,91 @@ def test_triton_store_kv_matches_reference_and_skips_padding(kv_heads, dim):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+# Ranks of 4 slots' adapters on the three parts of a q/k/v-like projection: one on every part,
+# mixed ranks with a part left out, an empty slot, and one on a single part.
+_RANKS = ((8, 8, 8), (16, 0, 16), (0, 0, 0), (0, 4, 0))
+
+
+def _lora_table(in_features: int, sizes: tuple[int, ...], dtype: torch.dtype, device: str, g) -> AdapterTable:
+    """4 adapters (`_RANKS`) in an arena as the engine lays them out (A [rank, in] then B [out,
+    rank] per targeted part, each at its own rank), with NaN between them: a kernel that reads
+    outside an adapter's own elements poisons its result. The tables are strided views of
+    wider ones, as each projection's are of the model's."""
+    entries = torch.zeros(len(_RANKS), 2, len(sizes), 3, dtype=torch.long)
+    scaling = torch.zeros(len(_RANKS), 2, len(sizes))
+    pieces, cursor = [torch.full((7,), float("nan"))], 7
+    for slot, ranks in enumerate(_RANKS):
+        for part, (rank, size) in enumerate(zip(ranks, sizes, strict=True)):
+            if rank:
+                a, b = torch.randn(rank, in_features, generator=g), torch.randn(size, rank, generator=g)
+                entries[slot, 1, part] = torch.tensor([cursor, cursor + a.numel(), rank])
+                scaling[slot, 1, part] = float(torch.rand(1, generator=g)) + 0.5
+                pieces += [a.flatten(), b.flatten(), torch.full((5,), float("nan"))]
+                cursor += a.numel() + b.numel() + 5
+    weights = torch.cat(pieces).to(device, dtype)
+    return AdapterTable(weights, entries.to(device)[:, 1], scaling.to(device)[:, 1], max_rank=16)
+
+
 def _lora_case(tokens: int, device: str, dtype: torch.dtype, seed: int, in_features: int = 48):
-    """A fused q/k/v-like projection (parts of 64, 32, 32 columns) with 4 slots of ranks 8, 16, 0
-    (empty) and 4, zero-padded to 16, and rows spread over the slots and the base model."""
+    """A fused q/k/v-like projection (parts of 64, 32, 32 columns), the `_lora_table` adapters
+    and rows spread over the slots and the base model."""
     g = torch.Generator().manual_seed(seed)
-    sizes, max_rank = (64, 32, 32), 16
-    a = torch.zeros(4, 3, max_rank, in_features)
-    b = torch.zeros(4, sum(sizes), max_rank)
-    scaling = torch.zeros(4, 3)
-    for slot, rank in enumerate((8, 16, 0, 4)):
-        a[slot, :, :rank] = torch.randn(3, rank, in_features, generator=g)
-        b[slot, :, :rank] = torch.randn(sum(sizes), rank, generator=g)
-        scaling[slot] = torch.rand(3, generator=g) * (rank > 0)
+    sizes = (64, 32, 32)
+    table = _lora_table(in_features, sizes, dtype, device, g)
     x = torch.randn(tokens, in_features, generator=g)
     y = torch.randn(tokens, sum(sizes), generator=g)
     slots = torch.randint(-1, 4, (tokens,), generator=g)
-    move = [t.to(device) for t in (x.to(dtype), y.to(dtype), a.to(dtype), b.to(dtype), scaling, slots)]
-    return sizes, *move
+    return sizes, x.to(device, dtype), y.to(device, dtype), table, slots.to(device)
 
 
-def _load_slot(layer, slot: int, weights: dict) -> None:
-    """One layer's share of a slot load (`LoraLayers.load_slot` gathers every layer's)."""
-    from model_service.lora.layers import SlotWrites
+def _one_projection_model(base: PackedLinear) -> torch.nn.Module:
+    """`base` as a decoder layer's q/k/v projection (`layers.0.self_attn.qkv_proj`)."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].self_attn = torch.nn.Module()
+    model.layers[0].self_attn.qkv_proj = base
+    return model
 
-    writes = SlotWrites()
-    layer.slot_writes(slot, weights, writes)
-    writes.apply()
+
+def _adapter(name: str, table: AdapterTable, slot: int, in_features: int, sizes) -> LoraAdapter:
+    """The adapter `table` holds in `slot`, as the pool would hand it over."""
+    modules = {}
+    for part, name_ in enumerate(("q_proj", "k_proj", "v_proj")):
+        weights = table.part_weights(slot, part, in_features, sizes[part])
+        if weights is not None:
+            modules[(0, name_)] = LoraWeights(*(w.clone() for w in weights), float(table.scaling[slot, part]))
+    return LoraAdapter(name, slot + 1, None, modules)
 
 
-def test_lora_reference_matches_the_segment_loop_of_the_lora_layer():
-    from model_service.lora.adapter import LoraWeights
-    from model_service.lora.layers import LoraLinear, LoraStepPlan
-    from model_service.models.layers import PackedLinear
-
-    sizes, x, y, a, b, scaling, slots = _lora_case(40, "cpu", torch.float32, 0)
-    base = PackedLinear(x.shape[1], {"q_proj": sizes[0], "k_proj": sizes[1], "v_proj": sizes[2]}, bias=False)
+def test_lora_reference_matches_the_lora_layer_over_its_arena_through_loads_moves_and_clears():
+    """Adapters of mixed ranks and targets loaded into a model's arena at scattered offsets: the
+    layer's torch path gives the reference's delta; after the arena is compacted (adapters
+    moved) it still does; a cleared slot adds nothing."""
+    sizes, x, y, table, slots = _lora_case(40, "cpu", torch.float32, 0)
+    base = PackedLinear(x.shape[1], dict(zip(("q_proj", "k_proj", "v_proj"), sizes, strict=True)), bias=False)
     torch.nn.init.zeros_(base.weight)
-    plan = LoraStepPlan(use_kernels=False)
-    layer = LoraLinear(base, 4, 16, plan)
-    for slot, rank in enumerate((8, 16, 0, 4)):
-        weights = {
-            part: LoraWeights(a[slot, part, :rank], b[slot, lo:hi, :rank], float(scaling[slot, part]))
-            for part, (lo, hi) in enumerate(layer.columns)
-        }
-        _load_slot(layer, slot, weights if rank else {})
-    plan.segments = [(s, torch.nonzero(slots == s).flatten()) for s in range(4) if (slots == s).any()]
+    model = _one_projection_model(base)
+    lora = wrap_lora_layers(model, 4, 16, 20_000, use_kernels=False)
+    layer = model.layers[0].self_attn.qkv_proj
+    space = ArenaSpace(20_000)
+    space.place(99, 3_000)  # a gap before the first adapter
+    for slot in range(4):
+        adapter = _adapter(f"a{slot}", table, slot, x.shape[1], sizes)
+        lora.load_slot(slot, adapter, space.place(slot, adapter.numel))
+    lora.plan.segments = [(s, torch.nonzero(slots == s).flatten()) for s in range(4) if (slots == s).any()]
     want = torch.zeros_like(y)
-    lora_delta_reference(x, want, a, b, scaling, slots, sizes)
+    lora_delta_reference(x, want, table, slots, sizes)
     assert torch.allclose(layer(x), want, atol=1e-5)
     assert want[slots < 0].abs().sum() == 0  # base rows untouched
-
-
-def test_a_slot_load_leaves_nothing_of_the_previous_adapter():
-    """A rank-4 adapter on one part loaded over a rank-16 one on all three: the slot holds the
-    new weights, zeros beyond them (rows and parts), and only the new scaling."""
-    from model_service.lora.adapter import LoraWeights
-    from model_service.lora.layers import LoraLinear, LoraStepPlan
-    from model_service.models.layers import PackedLinear
-
-    sizes, x, _, a, b, _, _ = _lora_case(40, "cpu", torch.float32, 1)
-    base = PackedLinear(x.shape[1], {"q_proj": sizes[0], "k_proj": sizes[1], "v_proj": sizes[2]}, bias=False)
-    layer = LoraLinear(base, 2, 16, LoraStepPlan(use_kernels=False))
-    columns = layer.columns
-    _load_slot(layer, 1, {p: LoraWeights(a[1, p], b[1, lo:hi], 2.0) for p, (lo, hi) in enumerate(columns)})
-    lo, hi = columns[1]
-    _load_slot(layer, 1, {1: LoraWeights(a[0, 1, :4], b[0, lo:hi, :4], 0.5)})
-    assert torch.equal(layer.lora_a[1, 1, :4], a[0, 1, :4]) and torch.equal(
-        layer.lora_b[1, lo:hi, :4], b[0, lo:hi, :4]
-    )
-    assert layer.lora_a[1, 1, 4:].abs().sum() == 0 and layer.lora_a[1, [0, 2]].abs().sum() == 0
-    assert layer.lora_b[1, :, 4:].abs().sum() == 0 and layer.lora_b[1, :lo].abs().sum() == 0
-    assert layer.lora_scaling[1].tolist() == [0.0, 0.5, 0.0] and layer.ranks[1] == [0, 4, 0]
-    _load_slot(layer, 1, {})
-    assert layer.lora_a.abs().sum() == layer.lora_b.abs().sum() == layer.lora_scaling.abs().sum() == 0
+    space.release(99)
+    moves = space.compaction()
+    assert [slot for slot, _ in moves] == [0, 1, 2, 3] and moves[0][1] == 0
+    for slot, offset in moves:
+        lora.move_slot(slot, offset)
+    assert torch.allclose(layer(x), want, atol=1e-5)
+    lora.clear_slot(1)
+    assert torch.allclose(layer(x)[slots == 1], torch.zeros(1), atol=0)
+    assert torch.allclose(layer(x)[slots != 1], want[slots != 1], atol=1e-5)
 
 
 @cuda
@@ -233,13 +249,14 @@ def test_a_slot_load_leaves_nothing_of_the_previous_adapter():
 @pytest.mark.parametrize("in_features", [48, 2048])  # 2,048 splits the input dimension at few rows
 def test_triton_lora_matches_reference(tokens, dtype, in_features):
     for seed in range(2):
-        sizes, x, y, a, b, scaling, slots = _lora_case(tokens, "cuda", dtype, seed, in_features)
+        sizes, x, y, table, slots = _lora_case(tokens, "cuda", dtype, seed, in_features)
         want, got = y.clone(), y.clone()
-        lora_delta_reference(x, want, a, b, scaling, slots, sizes)
+        lora_delta_reference(x, want, table, slots, sizes)
         starts = torch.tensor([0, sizes[0], sizes[0] + sizes[1]], device="cuda")
-        lora_expand(lora_shrink(x, a, slots), got, b, scaling, slots, starts)
+        lora_expand(lora_shrink(x, table, slots), got, table, slots, starts)
         assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
         assert torch.equal(got[slots < 0], y[slots < 0])
+        assert torch.equal(got[slots == 2], y[slots == 2])  # an empty slot adds nothing
 
 
 def test_lora_tiles_cut_runs_of_one_slot_and_skip_base_rows():
@@ -252,16 +269,20 @@ def test_lora_tiles_cut_runs_of_one_slot_and_skip_base_rows():
 
 def _gate_up_case(tokens: int, device: str, dtype: torch.dtype, seed: int):
     """A gate_up output [T, 2 * 48] before its LoRA expand, the shrink's xa [T, 2 * 16] (parts
-    gate and up), B and scaling of 4 slots (slot 2 empty) and per-row slots in runs."""
+    gate and up; NaN beyond each adapter's rank, which nothing may read), the `_lora_table`
+    adapters' first two parts and per-row slots in runs."""
     g = torch.Generator().manual_seed(seed)
-    inter, max_rank = 48, 16
+    inter = 48
+    table = _lora_table(64, (inter, inter, 1), dtype, device, g)
+    table = AdapterTable(table.weights, table.entries[:, :2], table.scaling[:, :2], table.max_rank)
     y = torch.randn(tokens, 2 * inter, generator=g)
-    xa = torch.randn(tokens, 2 * max_rank, generator=g)
-    b = torch.randn(4, 2 * inter, max_rank, generator=g) / 4
-    b[2] = 0
-    scaling = torch.rand(4, 2, generator=g)
+    xa = torch.randn(tokens, 2 * 16, generator=g)
     slots = _runs_of_slots(tokens, seed)
-    return y.to(device, dtype), xa.to(device), b.to(device, dtype), scaling.to(device), slots.to(device)
+    for t, slot in enumerate(slots.tolist()):
+        for part in range(2):
+            rank = _RANKS[slot][part] if slot >= 0 else 0
+            xa[t, part * 16 + rank : (part + 1) * 16] = float("nan")
+    return y.to(device, dtype), xa.to(device), table, slots.to(device)
 
 
 def test_silu_mul_lora_reference_is_the_expand_then_silu_mul():
@@ -269,14 +290,17 @@ def test_silu_mul_lora_reference_is_the_expand_then_silu_mul():
     from model_service.kernels.fused import silu_and_mul
     from model_service.kernels.lora import silu_mul_lora_reference
 
-    y, xa, b, scaling, slots = _gate_up_case(300, "cpu", torch.float32, 0)
+    y, xa, table, slots = _gate_up_case(300, "cpu", torch.float32, 0)
     full = y.clone()
     for t in torch.nonzero(slots >= 0).flatten().tolist():
         s = int(slots[t])
         for part in range(2):
-            cols = slice(part * 48, (part + 1) * 48)
-            full[t, cols] += b[s, cols] @ xa[t, part * 16 : (part + 1) * 16] * scaling[s, part]
-    assert _rel(silu_mul_lora_reference(y, xa, b, scaling, slots), silu_and_mul(full)) < 1e-6
+            weights = table.part_weights(s, part, 64, 48)
+            if weights is not None:
+                b = weights[1]
+                cols = slice(part * 48, (part + 1) * 48)
+                full[t, cols] += b @ xa[t, part * 16 : part * 16 + b.shape[1]] * table.scaling[s, part]
+    assert _rel(silu_mul_lora_reference(y, xa, table, slots), silu_and_mul(full)) < 1e-6
 
 
 @cuda
@@ -291,11 +315,11 @@ def test_triton_silu_mul_lora_matches_reference_and_the_unfused_kernels(tokens, 
 
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for seed in range(2):
-        y, xa, b, scaling, slots = _gate_up_case(tokens, "cuda", dtype, seed)
-        per_row, unfused = silu_mul_lora_rows(y, xa, b, scaling, slots), y.clone()
-        lora_expand(xa, unfused, b, scaling, slots, torch.tensor([0, 48], device="cuda"))
+        y, xa, table, slots = _gate_up_case(tokens, "cuda", dtype, seed)
+        per_row, unfused = silu_mul_lora_rows(y, xa, table, slots), y.clone()
+        lora_expand(xa, unfused, table, slots, torch.tensor([0, 48], device="cuda"))
         assert _rel(per_row, silu_and_mul(unfused)) < (1e-6 if dtype == torch.float32 else 1e-2)
-        assert _rel(per_row, silu_mul_lora_reference(y, xa, b, scaling, slots)) < tol
+        assert _rel(per_row, silu_mul_lora_reference(y, xa, table, slots)) < tol
 
 
 def _runs_of_slots(tokens: int, seed: int) -> torch.Tensor:
@@ -317,13 +341,13 @@ def _runs_of_slots(tokens: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("in_features", [48, 2048])
 def test_triton_lora_tiles_match_reference(tokens, dtype, in_features):
     for seed in range(2):
-        sizes, x, y, a, b, scaling, _ = _lora_case(tokens, "cuda", dtype, seed, in_features)
+        sizes, x, y, table, _ = _lora_case(tokens, "cuda", dtype, seed, in_features)
         slots = _runs_of_slots(tokens, seed).cuda()
         want, got = y.clone(), y.clone()
-        lora_delta_reference(x, want, a, b, scaling, slots, sizes)
+        lora_delta_reference(x, want, table, slots, sizes)
         starts = torch.tensor([0, sizes[0], sizes[0] + sizes[1]], device="cuda")
         tiles = torch.from_numpy(lora_tiles(slots.cpu().numpy())).cuda()
-        lora_expand_tiles(lora_shrink_tiles(x, a, tiles), got, b, scaling, tiles, starts)
+        lora_expand_tiles(lora_shrink_tiles(x, table, tiles), got, table, tiles, starts)
         assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
         assert torch.equal(got[slots < 0], y[slots < 0])
 
@@ -366,13 +390,13 @@ def test_triton_lora_of_a_mixed_step_matches_reference(dtype, in_features):
     from model_service.lora.layers import LoraStepPlan
 
     batch = _lora_mixed_batch("cuda")
-    sizes, x, y, a, b, scaling, _ = _lora_case(batch.num_tokens, "cuda", dtype, 0, in_features)
+    sizes, x, y, table, _ = _lora_case(batch.num_tokens, "cuda", dtype, 0, in_features)
     plan = LoraStepPlan(use_kernels=True)
     plan.prepare(batch)
     want, got = y.clone(), y.clone()
-    lora_delta_reference(x, want, a, b, scaling, batch.lora_slots, sizes)
+    lora_delta_reference(x, want, table, batch.lora_slots, sizes)
     starts = torch.tensor([0, sizes[0], sizes[0] + sizes[1]], device="cuda")
-    plan.expand(plan.shrink(x, a), got, b, scaling, starts)
+    plan.expand(plan.shrink(x, table), got, table, starts)
     assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
     assert torch.equal(got[batch.lora_slots < 0], y[batch.lora_slots < 0])
 

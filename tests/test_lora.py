@@ -475,17 +475,20 @@ def test_host_tier_holds_adapters_in_the_slots_dtype(tiny_llama, tiny_adapters):
     written: dict[int, object] = {}
 
     class Writer:
-        def load_slot(self, slot: int, adapter: object) -> None:
+        def load_slot(self, slot: int, adapter: object, offset: int) -> None:
             written[slot] = adapter
 
         def clear_slot(self, slot: int) -> None:
             written.pop(slot, None)
 
+        def move_slot(self, slot: int, offset: int) -> None:
+            pass
+
     def bf16(adapter):
         return host_form(adapter, torch.bfloat16, pin=False)
 
     name, path = next(iter(tiny_adapters.items()))
-    pool = LoraPool(tiny_llama.config, 1, 2, 64, Writer(), host_form=bf16)
+    pool = LoraPool(tiny_llama.config, 1, 2, 64, Writer(), (1 << 20, 2), host_form=bf16)
     parsed = pool.register(name, path)
     held = pool.host[name]
     fresh = load_peft_adapter(name, path, tiny_llama.config, 64)

@@ -51,6 +51,7 @@ class TensorParallelExecutor:
         local = rank.executor
         self.device, self.dtype, self.kv_cache = local.device, local.dtype, local.kv_cache
         self.max_model_len, self.config = local.max_model_len, local.config
+        self.lora_arena = local.lora_arena  # every rank's: the pool places whole adapters, ranks hold shards
         self.lost: str | None = None
         self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
@@ -146,11 +147,14 @@ class TensorParallelExecutor:
     def load_state(self, saved: torch.Tensor, slot: int) -> None:
         self.rank.executor.load_state(saved, slot)
 
-    def load_slot(self, slot: int, adapter: LoraAdapter) -> None:
-        self._call("load_slot", slot, adapter)
+    def load_slot(self, slot: int, adapter: LoraAdapter, offset: int) -> None:
+        self._call("load_slot", slot, adapter, offset)
 
     def clear_slot(self, slot: int) -> None:
         self._call("clear_slot", slot)
+
+    def move_slot(self, slot: int, offset: int) -> None:
+        self._call("move_slot", slot, offset)
 
     def capture_graphs(self) -> None:
         """Every rank captures the same sizes together: a graph records the step's collectives."""

@@ -20,7 +20,7 @@ from model_service.distributed.link import Command, CommandLink, Received, descr
 from model_service.distributed.sharding import Partition, shard_adapter, shard_module
 from model_service.engine.batch_builder import BatchBuilder
 from model_service.engine.config import EngineConfig
-from model_service.engine.executor import ModelExecutor, kv_layout
+from model_service.engine.executor import ModelExecutor, kv_layout, lora_arena_elements
 from model_service.errors import ModelLoadError
 from model_service.lora.adapter import LoraAdapter
 from model_service.models.loader import LoadedModel
@@ -50,6 +50,7 @@ class RankExecutor:
             "copy_state",
             "load_slot",
             "clear_slot",
+            "move_slot",
             "capture_graphs",
         }
     )
@@ -64,7 +65,8 @@ class RankExecutor:
         layout: list[Any] = [None]
         if dist.get_rank() == 0:
             param = next(shard.loaded.module.parameters())
-            layout[0] = kv_layout(shard.loaded.config, config, param.dtype, param.device)
+            arena = lora_arena_elements(shard.loaded.module, config) * param.element_size()
+            layout[0] = kv_layout(shard.loaded.config, config, param.dtype, param.device, state_bytes=arena)
         dist.broadcast_object_list(layout, 0, group=control)
         return layout[0]
 
@@ -117,11 +119,14 @@ class RankExecutor:
     def copy_state(self, src: int, dst: int) -> None:
         self.executor.copy_state(src, dst)
 
-    def load_slot(self, slot: int, adapter: LoraAdapter) -> None:
-        self.executor.load_slot(slot, shard_adapter(adapter, self.part))
+    def load_slot(self, slot: int, adapter: LoraAdapter, offset: int) -> None:
+        self.executor.load_slot(slot, shard_adapter(adapter, self.part), offset)
 
     def clear_slot(self, slot: int) -> None:
         self.executor.clear_slot(slot)
+
+    def move_slot(self, slot: int, offset: int) -> None:
+        self.executor.move_slot(slot, offset)
 
     def capture_graphs(self) -> None:
         self.executor.capture_graphs()

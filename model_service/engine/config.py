@@ -83,7 +83,17 @@ class EngineConfig:
         to_field=lambda gib: int(gib * _GIB),
         shown=4,
     )
-    max_loras: int = _opt(4, "adapters resident on the device (slots)", group="lora")
+    max_loras: int = _opt(
+        4,
+        "most adapters resident on the device at once (slots); their bytes: --lora-memory-bytes",
+        group="lora",
+    )
+    lora_memory_bytes: int | None = _opt(
+        None,
+        "device memory for adapter weights, each stored at its own rank and targets "
+        "[room for --max-loras adapters of --max-lora-rank on every projection]",
+        group="lora",
+    )
     max_cpu_loras: int = _opt(
         16, "parsed adapters kept in host memory (in the model's dtype; page-locked on a GPU)", group="lora"
     )

@@ -115,7 +115,7 @@ class Engine:
         held = functools.partial(host_form, dtype=dtype, pin=device.type == "cuda")
         self.lora = LoraPool(
             mc, config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.executor,
-            config.max_adapter_bytes, held,
+            self.executor.lora_arena, config.max_adapter_bytes, held,
         )  # fmt: skip
         self.scheduler = Scheduler(config, self.cache, self.lora)
         self.builder = BatchBuilder(config.block_size, device)

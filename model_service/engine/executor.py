@@ -28,7 +28,7 @@ from model_service.errors import ModelLoadError
 from model_service.kernels.experts import grouped_experts_apply
 from model_service.kernels.paged_attention import triton
 from model_service.lora.adapter import LoraAdapter
-from model_service.lora.layers import LoraLayers, wrap_lora_layers
+from model_service.lora.layers import LoraLayers, full_adapter_elements, wrap_lora_layers
 from model_service.models.config import ModelConfig
 from model_service.models.context import ForwardContext
 from model_service.models.layers import store_weights_transposed
@@ -55,8 +55,9 @@ def kv_blocks_for_budget(
     draft: ModelConfig | None = None,
     state_bytes: int = 0,
 ) -> int:
-    """How many K/V blocks fit: `budget` bytes, else a share of free GPU memory less the recurrent
-    state tensors (`state_bytes`, allocated beside the pool), else 1 GiB on CPU. With a draft
+    """How many K/V blocks fit: `budget` bytes, else a share of free GPU memory less what is
+    allocated beside the pool (`state_bytes`: recurrent state tensors, the adapter arena), else
+    1 GiB on CPU. With a draft
     model, each block of the target's pool comes with one of the draft's."""
     per_block = sum(
         KVCache.bytes_per_block(c.layer_kinds, block_size, c.num_kv_heads, c.head_dim, dtype)
@@ -69,6 +70,17 @@ def kv_blocks_for_budget(
         else:
             budget = _DEFAULT_CPU_KV_BYTES
     return max(budget // per_block, 0)
+
+
+def lora_arena_elements(module: nn.Module, config: EngineConfig) -> int:
+    """Elements of the adapter arena (lora/layers.py) for `module`: `--lora-memory-bytes`, else
+    room for `--max-loras` adapters of `--max-lora-rank` on every projection (what fixed,
+    padded slots took before the arena)."""
+    if config.max_loras == 0:
+        return 0
+    if config.lora_memory_bytes is not None:
+        return config.lora_memory_bytes // next(module.parameters()).element_size()
+    return config.max_loras * full_adapter_elements(module, config.max_lora_rank)
 
 
 def recurrent_state_bytes(module: nn.Module, num_slots: int) -> int:
@@ -118,6 +130,7 @@ def build_executor(
         return start_tensor_parallel(loaded, config)
     param = next(loaded.module.parameters())
     state_bytes = recurrent_state_bytes(loaded.module, state_slots)
+    state_bytes += lora_arena_elements(loaded.module, config) * param.element_size()
     layout = kv_layout(loaded.config, config, param.dtype, param.device, draft, state_bytes)
     return ModelExecutor(loaded, config, *layout, state_slots)
 
@@ -158,8 +171,10 @@ class ModelExecutor:
         )
         kernels, rank = self._kernels_apply(), config.max_lora_rank
         self.lora: LoraLayers | None = None
+        self.lora_arena = (lora_arena_elements(self.module, config), param.element_size())
         if max_loras > 0:  # the LoRA kernels need a power-of-two rank width
-            self.lora = wrap_lora_layers(self.module, max_loras, rank, kernels and rank & (rank - 1) == 0)
+            use_kernels = kernels and rank & (rank - 1) == 0
+            self.lora = wrap_lora_layers(self.module, max_loras, rank, self.lora_arena[0], use_kernels)
         self.graphs: DecodeGraphs | None = None
         self.pieces: PiecewiseGraphs | None = None
         self.attention: AttentionBackend
@@ -271,13 +286,17 @@ class ModelExecutor:
 
     # --- LoRA SlotWriter -----------------------------------------------------------------
 
-    def load_slot(self, slot: int, adapter: LoraAdapter) -> None:
+    def load_slot(self, slot: int, adapter: LoraAdapter, offset: int) -> None:
         assert self.lora is not None, "max_loras is 0: this executor has no LoRA slots"
-        self.lora.load_slot(slot, adapter)
+        self.lora.load_slot(slot, adapter, offset)
 
     def clear_slot(self, slot: int) -> None:
         assert self.lora is not None, "max_loras is 0: this executor has no LoRA slots"
         self.lora.clear_slot(slot)
+
+    def move_slot(self, slot: int, offset: int) -> None:
+        assert self.lora is not None, "max_loras is 0: this executor has no LoRA slots"
+        self.lora.move_slot(slot, offset)
 
     def on_lost(self, callback: Callable[[str], None]) -> None:
         """One device has no peer to lose: `callback` is never called (see the tensor-parallel executor)."""

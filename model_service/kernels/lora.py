@@ -1,78 +1,148 @@
-"""Multi-LoRA shrink and expand for one fused projection, over the stacked slot buffers (Triton),
-with the torch reference CI runs.
+"""Multi-LoRA shrink and expand for one fused projection, over the adapter arena (Triton), with
+the torch reference CI runs.
 
-Each token row picks its adapter by `slots[t]` (-1: the base model, skipped). Shrink computes
-`xa[t] = A[slot] @ x[t]` for every part of the projection at once (A: [max_loras, parts,
-max_rank, in], read as [parts * max_rank, in]); expand adds `scaling[slot, part] * B[slot] @ xa`
-into each part's output columns (B: [max_loras, out, max_rank]). One launch each, for every row
-of every adapter, so a decode step with 64 different adapters is 2 launches per projection
-instead of 64 x (gather + 2 matmuls + scatter), and both fit in a CUDA graph: they read only
-device tensors at fixed addresses. Zero-padded ranks add zeros. Shrink needs only the
-projection's input, so the layer runs it beside the base GEMM (lora/layers.py).
+Each token row picks its adapter by `slots[t]` (-1: the base model, skipped). An adapter's
+weights lie in one flat arena at their own rank and only for the parts it targets
+(`AdapterTable`): `entries[slot, part]` gives A's and B's offsets and the rank, 0 for a part it
+does not target. Shrink computes `xa[t] = A @ x[t]` for every part of the projection at once
+(`xa` is [tokens, parts * max_rank]: each part's first `rank` columns are written, the rest are
+never read); expand adds `scaling[slot, part] * B @ xa` into each part's output columns. One
+launch each, for every row of every adapter, so a decode step with 64 different adapters is 2
+launches per projection instead of 64 x (gather + 2 matmuls + scatter), and both fit in a CUDA
+graph: they read only device tensors at fixed addresses. A program reads exactly its adapter's
+rank and skips parts its adapter does not target, so a rank-8 q/v adapter costs the o, gate_up
+and down projections one table read a row, not a padded rank-64 product (issue 30's padding).
+Shrink needs only the projection's input, so the layer runs it beside the base GEMM
+(lora/layers.py).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from model_service.kernels.paged_attention import triton
 
+
+@dataclass(frozen=True)
+class AdapterTable:
+    """One fused projection's view of the adapter arena.
+
+    `weights`: the arena, 1-D in the model's dtype, shared by every projection of the model.
+    `entries[slot, part]`: (A's offset, B's offset, rank) in elements of `weights`; A is
+    [rank, in_features] and B [part's out_features, rank], row-major as PEFT stores them, so a
+    load copies an adapter's tensors as they are. `scaling[slot, part]`: float32. Both tables
+    are views of the model-wide tables (their row stride is not `parts`). `max_rank`: each
+    part's width in `xa`."""
+
+    weights: torch.Tensor
+    entries: torch.Tensor  # [slots, parts, 3] int64
+    scaling: torch.Tensor  # [slots, parts] float32
+    max_rank: int
+
+    @property
+    def parts(self) -> int:
+        return self.entries.shape[1]
+
+    def part_weights(
+        self, slot: int, part: int, in_features: int, out_features: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A, B) of `slot`'s adapter for `part` as views of the arena, or None when untargeted
+        (reads the table: for references and tests, not for the engine's steps)."""
+        a_off, b_off, rank = (int(v) for v in self.entries[slot, part].tolist())
+        if rank == 0:
+            return None
+        w = self.weights
+        return (
+            w[a_off : a_off + rank * in_features].view(rank, in_features),
+            w[b_off : b_off + out_features * rank].view(out_features, rank),
+        )
+
+
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
     def _shrink_kernel(
-        X, A, Slots, XA, x_stride, a_stride_slot, in_features, width, k_chunk,
-        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        X, W, Entries, Slots, XA, x_stride, e_stride, in_features, width, k_chunk,
+        MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
         t, rb, ks = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(Slots + t)
         if slot >= 0:
-            r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-            acc = tl.zeros([BLOCK_R], tl.float32)
-            k_end = tl.minimum((ks + 1) * k_chunk, in_features)
-            for k0 in range(ks * k_chunk, k_end, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(X + t * x_stride + k, mask=k < k_end, other=0.0).to(tl.float32)
-                a_off = slot * a_stride_slot + r[:, None] * in_features + k[None, :]
-                a = tl.load(A + a_off, mask=(r[:, None] < width) & (k[None, :] < k_end), other=0.0)
-                acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
-            if SPLIT_K:
-                tl.atomic_add(XA + t * width + r, acc, mask=r < width)  # partial sums
-            else:
-                tl.store(XA + t * width + r, acc, mask=r < width)
+            r = rb * BLOCK_R + tl.arange(0, BLOCK_R)  # columns of xa: part * MAX_RANK + rank row
+            entry = Entries + slot * e_stride + (r // MAX_RANK) * 3
+            rank = tl.load(entry + 2, mask=r < width, other=0)
+            live = (r % MAX_RANK) < rank
+            if tl.max(live.to(tl.int32), axis=0) > 0:  # a block of rows the adapter has
+                a_row = tl.load(entry, mask=live, other=0) + (r % MAX_RANK) * in_features
+                acc = tl.zeros([BLOCK_R], tl.float32)
+                k_end = tl.minimum((ks + 1) * k_chunk, in_features)
+                for k0 in range(ks * k_chunk, k_end, BLOCK_K):
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    x = tl.load(X + t * x_stride + k, mask=k < k_end, other=0.0).to(tl.float32)
+                    a = tl.load(
+                        W + a_row[:, None] + k[None, :], mask=live[:, None] & (k[None, :] < k_end), other=0.0
+                    )
+                    acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
+                if SPLIT_K:
+                    tl.atomic_add(XA + t * width + r, acc, mask=live)  # partial sums
+                else:
+                    tl.store(XA + t * width + r, acc, mask=live)
+
+    @triton.jit
+    def _row_delta(XA, W, Entries, Scaling, xa_row, entry_row, scaling_row, part, o_in_part, valid,
+                   MAX_RANK: tl.constexpr):  # fmt: skip
+        """Each output column's delta for one row: its part's B row (at the adapter's own rank)
+        times the row's xa, scaled; 0 where the part is not targeted."""
+        entry = Entries + entry_row + part * 3
+        rank = tl.load(entry + 2, mask=valid, other=0)
+        r = tl.arange(0, MAX_RANK)
+        live = valid[:, None] & (r[None, :] < rank[:, None])
+        b_row = tl.load(entry + 1, mask=valid, other=0) + o_in_part * rank
+        xa = tl.load(XA + xa_row + part[:, None] * MAX_RANK + r[None, :], mask=live, other=0.0)
+        b = tl.load(W + b_row[:, None] + r[None, :], mask=live, other=0.0).to(tl.float32)
+        scale = tl.load(Scaling + scaling_row + part, mask=valid & (rank > 0), other=0.0)
+        return tl.sum(xa * b, axis=1) * scale, tl.max(rank, axis=0)
 
     @triton.jit
     def _expand_kernel(
-        XA, B, Scaling, Slots, Y, Bounds, y_stride, b_stride_slot, out_features, width, num_parts,
-        MAX_RANK: tl.constexpr, BLOCK_O: tl.constexpr,
+        XA, W, Entries, Scaling, Slots, Y, Bounds, y_stride, e_stride, s_stride, out_features, width,
+        num_parts, MAX_RANK: tl.constexpr, BLOCK_O: tl.constexpr,
     ):  # fmt: skip
         t, ob = tl.program_id(0), tl.program_id(1)
         slot = tl.load(Slots + t)
         if slot >= 0:
             o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
             valid = o < out_features
-            y_ptr = Y + t * y_stride + o
-            y = tl.load(y_ptr, mask=valid, other=0.0)  # first: its latency hides under xa's and B's
             part = tl.zeros([BLOCK_O], tl.int32)
             for j in range(1, num_parts):
                 part += (o >= tl.load(Bounds + j)).to(tl.int32)
-            r = tl.arange(0, MAX_RANK)
-            xa = tl.load(
-                XA + t * width + part[:, None] * MAX_RANK + r[None, :], mask=valid[:, None], other=0.0
+            lo = tl.load(Bounds + part, mask=valid, other=0)
+            delta, top = _row_delta(
+                XA,
+                W,
+                Entries,
+                Scaling,
+                t * width,
+                slot * e_stride,
+                slot * s_stride,
+                part,
+                o - lo,
+                valid,
+                MAX_RANK,
             )
-            b_off = slot * b_stride_slot + o[:, None] * MAX_RANK + r[None, :]
-            b = tl.load(B + b_off, mask=valid[:, None], other=0.0).to(tl.float32)
-            scale = tl.load(Scaling + slot * num_parts + part, mask=valid, other=0.0)
-            delta = tl.sum(xa * b, axis=1) * scale
-            tl.store(y_ptr, (y.to(tl.float32) + delta).to(y.dtype), mask=valid)
+            if top > 0:  # some part of this block is targeted: read and write y
+                y_ptr = Y + t * y_stride + o
+                y = tl.load(y_ptr, mask=valid, other=0.0)
+                tl.store(y_ptr, (y.to(tl.float32) + delta).to(y.dtype), mask=valid)
 
     @triton.jit
     def _silu_mul_rows_kernel(
-        Y, XA, B, Scaling, Slots, Out, y_stride, xa_stride, b_stride_slot, inter,
+        Y, XA, W, Entries, Scaling, Slots, Out, y_stride, xa_stride, e_stride, s_stride, inter,
         MAX_RANK: tl.constexpr, BLOCK_O: tl.constexpr,
     ):  # fmt: skip
         t, ob = tl.program_id(0), tl.program_id(1)
@@ -82,15 +152,15 @@ if triton is not None:
         up = tl.load(Y + t * y_stride + inter + o, mask=valid, other=0.0)
         slot = tl.load(Slots + t)
         if slot >= 0:  # the expand's arithmetic (`_expand_kernel`) for part 0 (gate) and 1 (up)
-            r = tl.arange(0, MAX_RANK)
-            b_ptr = B + slot * b_stride_slot + o[:, None] * MAX_RANK + r[None, :]
-            xa = tl.load(XA + t * xa_stride + r)
-            b = tl.load(b_ptr, mask=valid[:, None], other=0.0).to(tl.float32)
-            delta = tl.sum(xa[None, :] * b, axis=1) * tl.load(Scaling + slot * 2)
+            part = tl.zeros([BLOCK_O], tl.int32)
+            xa_row, entry_row, scaling_row = t * xa_stride, slot * e_stride, slot * s_stride
+            delta, _ = _row_delta(
+                XA, W, Entries, Scaling, xa_row, entry_row, scaling_row, part, o, valid, MAX_RANK
+            )
             gate = (gate.to(tl.float32) + delta).to(gate.dtype)
-            xa = tl.load(XA + t * xa_stride + MAX_RANK + r)
-            b = tl.load(b_ptr + inter * MAX_RANK, mask=valid[:, None], other=0.0).to(tl.float32)
-            delta = tl.sum(xa[None, :] * b, axis=1) * tl.load(Scaling + slot * 2 + 1)
+            delta, _ = _row_delta(
+                XA, W, Entries, Scaling, xa_row, entry_row, scaling_row, part + 1, o, valid, MAX_RANK
+            )
             up = (up.to(tl.float32) + delta).to(up.dtype)
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(up.dtype)  # as kernels/fused.py's SiLU-mul rounds it
@@ -103,25 +173,19 @@ def num_sms(device: torch.device) -> int:
 
 
 def lora_delta_reference(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scaling: torch.Tensor,
-    slots: torch.Tensor,
-    output_sizes: tuple[int, ...],
+    x: torch.Tensor, y: torch.Tensor, table: AdapterTable, slots: torch.Tensor, output_sizes: tuple[int, ...]
 ) -> None:
     """y[t] += LoRA delta of slot `slots[t]` (in place; rows with slot -1 untouched), in float32."""
-    rows = torch.nonzero(slots >= 0).flatten()
-    if rows.numel() == 0:
-        return
-    s = slots[rows]
-    xa = torch.einsum("ti,tpri->tpr", x[rows].float(), a[s].float())  # [rows, parts, rank]
-    lo = 0
-    for part, size in enumerate(output_sizes):
-        delta = torch.einsum("tr,tor->to", xa[:, part], b[s, lo : lo + size].float())
-        y[rows, lo : lo + size] += (delta * scaling[s, part, None]).to(y.dtype)
-        lo += size
+    for slot in torch.unique(slots[slots >= 0]).tolist():
+        rows = torch.nonzero(slots == slot).flatten()
+        lo = 0
+        for part, size in enumerate(output_sizes):
+            weights = table.part_weights(slot, part, x.shape[1], size)
+            if weights is not None:
+                a, b = (w.float() for w in weights)
+                delta = (x[rows].float() @ a.T) @ b.T * table.scaling[slot, part].float()
+                y[rows, lo : lo + size] += delta.to(y.dtype)
+            lo += size
 
 
 def few_rows_split(in_features: int) -> int:
@@ -131,20 +195,19 @@ def few_rows_split(in_features: int) -> int:
 
 def lora_shrink(
     x: torch.Tensor,
-    a: torch.Tensor,
+    table: AdapterTable,
     slots: torch.Tensor,
     out: torch.Tensor | None = None,
     split_k: int | None = None,
     zeroed: bool = False,
 ) -> torch.Tensor:
-    """xa [tokens, parts * max_rank] in float32: every row's input times its slot's A (Triton,
-    CUDA only); rows of slot -1 are left at whatever the buffer holds (zero when `split_k` > 1).
+    """xa [tokens, parts * max_rank] in float32: every row's input times its adapter's A (Triton,
+    CUDA only); columns beyond a part's rank, and rows of slot -1, are left as the buffer holds.
     `out`: rows of a larger buffer to write (a mixed step's decode rows, beside the tile
     kernels' rows). `split_k`: the split for a caller that knows its live rows better; `zeroed`:
     `out` holds zeros already (no memset)."""
     tokens, in_features = x.shape
-    _, parts, max_rank, _ = a.shape
-    width = parts * max_rank
+    width = table.parts * table.max_rank
     # A decode step of few rows splits the input dimension (atomic partial sums into a zeroed
     # buffer) so it still starts ~1,000+ programs; with rows enough to fill the SMs twice over,
     # each program sums its whole row and stores it: no memset launch, no atomics.
@@ -156,61 +219,58 @@ def lora_shrink(
     if split_k > 1 and not zeroed:
         xa.zero_()  # the programs add their partial sums into it
     _shrink_kernel[(tokens, triton.cdiv(width, 16), triton.cdiv(in_features, k_chunk))](
-        x, a, slots, xa, x.stride(0), a.stride(0), in_features, width, k_chunk,
-        BLOCK_R=16, BLOCK_K=128, SPLIT_K=split_k > 1,
+        x, table.weights, table.entries, slots, xa, x.stride(0), table.entries.stride(0), in_features,
+        width, k_chunk, MAX_RANK=table.max_rank, BLOCK_R=16, BLOCK_K=128, SPLIT_K=split_k > 1,
     )  # fmt: skip
     return xa
 
 
 def lora_expand(
-    xa: torch.Tensor,
-    y: torch.Tensor,
-    b: torch.Tensor,
-    scaling: torch.Tensor,
-    slots: torch.Tensor,
-    bounds: torch.Tensor,
+    xa: torch.Tensor, y: torch.Tensor, table: AdapterTable, slots: torch.Tensor, bounds: torch.Tensor
 ) -> None:
-    """y[t] += scaling[slot, part] * B[slot] @ xa[t] for every part (Triton, CUDA only, in place);
+    """y[t] += scaling[slot, part] * B @ xa[t] for every part (Triton, CUDA only, in place);
     `bounds` holds each part's first output column, on the device."""
     tokens, out = y.shape
-    parts = scaling.shape[1]
-    max_rank = b.shape[2]
     _expand_kernel[(tokens, triton.cdiv(out, 128))](
-        xa, b, scaling, slots, y, bounds, y.stride(0), b.stride(0), out, parts * max_rank, parts,
-        MAX_RANK=max_rank, BLOCK_O=128,
+        xa, table.weights, table.entries, table.scaling, slots, y, bounds, y.stride(0),
+        table.entries.stride(0), table.scaling.stride(0), out, table.parts * table.max_rank, table.parts,
+        MAX_RANK=table.max_rank, BLOCK_O=128,
     )  # fmt: skip
 
 
 def silu_mul_lora_rows(
-    y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, slots: torch.Tensor
+    y: torch.Tensor, xa: torch.Tensor, table: AdapterTable, slots: torch.Tensor
 ) -> torch.Tensor:
     """silu(gate) * up of a SwiGLU gate_up output `y` [T, 2I] whose LoRA expand was left out,
-    each row's delta (its slot's B times `xa` [T, 2 * max_rank], parts gate and up) added as the
-    activation reads the row: the expand's read and write of y and a launch are not paid. Rows
-    of slot -1 take the activation alone. Same arithmetic as `lora_expand` then `silu_and_mul`."""
+    each row's delta (its adapter's B times `xa` [T, 2 * max_rank], parts gate and up) added as
+    the activation reads the row: the expand's read and write of y and a launch are not paid.
+    Rows of slot -1 take the activation alone. Same arithmetic as `lora_expand` then `silu_and_mul`."""
     rows, inter = y.shape[0], y.shape[1] // 2
     out = torch.empty(rows, inter, dtype=y.dtype, device=y.device)
     _silu_mul_rows_kernel[(rows, triton.cdiv(inter, 128))](
-        y, xa, b, scaling, slots, out, y.stride(0), xa.stride(0), b.stride(0), inter,
-        MAX_RANK=b.shape[2], BLOCK_O=128,
+        y, xa, table.weights, table.entries, table.scaling, slots, out, y.stride(0), xa.stride(0),
+        table.entries.stride(0), table.scaling.stride(0), inter, MAX_RANK=table.max_rank, BLOCK_O=128,
     )  # fmt: skip
     return out
 
 
 def silu_mul_lora_reference(
-    y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, slots: torch.Tensor
+    y: torch.Tensor, xa: torch.Tensor, table: AdapterTable, slots: torch.Tensor
 ) -> torch.Tensor:
     """The fused activation (`silu_mul_lora_rows`) in torch: the expand
     (float32, rounded to y's dtype) then SiLU-mul."""
-    inter, max_rank = y.shape[1] // 2, b.shape[2]
-    rows = torch.nonzero(slots >= 0).flatten()
+    inter, max_rank = y.shape[1] // 2, table.max_rank
     full = y.clone()
-    if rows.numel():
-        s = slots[rows]
+    for t in torch.nonzero(slots >= 0).flatten().tolist():
+        slot = int(slots[t])
         for part in range(2):
+            weights = table.part_weights(slot, part, 0, inter)
+            if weights is None:
+                continue
+            b = weights[1].float()
             cols = slice(part * inter, (part + 1) * inter)
-            part_xa = xa[rows, part * max_rank : (part + 1) * max_rank].float()
-            delta = torch.einsum("tr,tor->to", part_xa, b[s, cols].float()) * scaling[s, part, None]
-            full[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)
+            part_xa = xa[t, part * max_rank : part * max_rank + b.shape[1]].float()
+            delta = b @ part_xa * table.scaling[slot, part]
+            full[t, cols] = (y[t, cols].float() + delta).to(y.dtype)
     gate, up = full.chunk(2, dim=-1)
     return (F.silu(gate.float()).to(y.dtype) * up).to(y.dtype)

@@ -6,8 +6,8 @@ decode, where each row is another request, but a 2,048-token prefill chunk with 
 re-reads the same weights 2,048 times (from L2, ~0.5 ms a layer on the 8B shape). Here the
 host cuts each run of equal slots into tiles of up to `TILE_ROWS` rows (`lora_tiles`), and one
 program multiplies a tile of rows by its adapter's weights with `tl.dot`, so the weights are read
-once per tile. The math and the slot buffers are those of kernels/lora.py, whose
-`lora_delta_reference` is the reference for both.
+once per tile. The math and the arena layout (`AdapterTable`) are those of kernels/lora.py,
+whose `lora_delta_reference` is the reference for both.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model_service.kernels.lora import num_sms
+from model_service.kernels.lora import AdapterTable, num_sms
 from model_service.kernels.paged_attention import dot_precision, triton
 
 TILE_ROWS = 64
@@ -29,40 +29,46 @@ if triton is not None:
 
     @triton.jit
     def _shrink_tiles_kernel(
-        X, A, Tiles, XA, x_stride, a_stride_slot, in_features, width, k_chunk,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        X, W, Entries, Tiles, XA, x_stride, e_stride, in_features, width, k_chunk,
+        MAX_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         tile, nb, ks = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start, end, slot = _tile(Tiles, tile)
         if start < end:  # a static buffer's unused tiles are empty (piecewise graphs)
-            m = start + tl.arange(0, BLOCK_M)
-            n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            k_end = tl.minimum((ks + 1) * k_chunk, in_features)
-            for k0 in range(ks * k_chunk, k_end, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                x_mask = m[:, None] < end
-                a_mask = n[:, None] < width
-                if not EVEN_K:
-                    x_mask = x_mask & (k[None, :] < k_end)
-                    a_mask = a_mask & (k[None, :] < k_end)
-                x = tl.load(X + m[:, None] * x_stride + k[None, :], mask=x_mask, other=0.0)
-                a_off = slot * a_stride_slot + n[:, None] * in_features + k[None, :]
-                a = tl.load(A + a_off, mask=a_mask, other=0.0)  # rows of A as stored: reads coalesce
-                acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-            xa_ptr = XA + m[:, None] * width + n[None, :]
-            mask = (m[:, None] < end) & (n[None, :] < width)
-            if SPLIT_K:
-                tl.atomic_add(xa_ptr, acc, mask=mask)  # partial sums into a zeroed buffer
-            else:
-                tl.store(xa_ptr, acc, mask=mask)
+            n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of xa: part * MAX_RANK + rank row
+            entry = Entries + slot * e_stride + (n // MAX_RANK) * 3
+            rank = tl.load(entry + 2, mask=n < width, other=0)
+            live = (n % MAX_RANK) < rank
+            if tl.max(live.to(tl.int32), axis=0) > 0:  # rows of A the adapter has
+                a_row = tl.load(entry, mask=live, other=0) + (n % MAX_RANK) * in_features
+                m = start + tl.arange(0, BLOCK_M)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                k_end = tl.minimum((ks + 1) * k_chunk, in_features)
+                for k0 in range(ks * k_chunk, k_end, BLOCK_K):
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    x_mask = m[:, None] < end
+                    a_mask = live[:, None]
+                    if not EVEN_K:
+                        x_mask = x_mask & (k[None, :] < k_end)
+                        a_mask = a_mask & (k[None, :] < k_end)
+                    x = tl.load(X + m[:, None] * x_stride + k[None, :], mask=x_mask, other=0.0)
+                    a = tl.load(
+                        W + a_row[:, None] + k[None, :], mask=a_mask, other=0.0
+                    )  # rows of A: coalesced
+                    acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+                xa_ptr = XA + m[:, None] * width + n[None, :]
+                mask = (m[:, None] < end) & live[None, :]
+                if SPLIT_K:
+                    tl.atomic_add(xa_ptr, acc, mask=mask)  # partial sums into a zeroed buffer
+                else:
+                    tl.store(xa_ptr, acc, mask=mask)
 
     @triton.jit
     def _expand_tiles_kernel(
-        XA, B, Scaling, Tiles, Y, Bounds, y_stride, b_stride_slot, out_features, width, num_parts,
-        MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr,
-        PRECISION: tl.constexpr,
+        XA, W, Entries, Scaling, Tiles, Y, Bounds, y_stride, e_stride, s_stride, out_features, width,
+        num_parts, MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_O: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         tile, ob = tl.program_id(0), tl.program_id(1)
         start, end, slot = _tile(Tiles, tile)
@@ -72,23 +78,32 @@ if triton is not None:
             r = tl.arange(0, RANK_PAD)
             rows, cols = m < end, o < out_features
             acc = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
+            hits = tl.zeros([BLOCK_O], tl.int32)  # columns some targeted part covers
             for j in range(num_parts):  # a column block may straddle parts (q | k | v)
                 lo = tl.load(Bounds + j)
                 hi = tl.load(Bounds + j + 1, mask=j + 1 < num_parts, other=out_features)
-                if (ob * BLOCK_O < hi) & (ob * BLOCK_O + BLOCK_O > lo):  # the parts it covers only
+                entry = Entries + slot * e_stride + j * 3
+                rank = tl.load(entry + 2)
+                if (
+                    (rank > 0) & (ob * BLOCK_O < hi) & (ob * BLOCK_O + BLOCK_O > lo)
+                ):  # targeted parts it covers
                     in_part = cols & (o >= lo) & (o < hi)
+                    in_rank = r[None, :] < rank
                     xa = tl.load(
                         XA + m[:, None] * width + j * MAX_RANK + r[None, :],
-                        mask=rows[:, None] & (r[None, :] < MAX_RANK), other=0.0,
-                    )  # fmt: skip
-                    b_off = slot * b_stride_slot + o[:, None] * MAX_RANK + r[None, :]
-                    b = tl.load(B + b_off, mask=in_part[:, None] & (r[None, :] < MAX_RANK), other=0.0)
-                    scale = tl.load(Scaling + slot * num_parts + j)
+                        mask=rows[:, None] & in_rank,
+                        other=0.0,
+                    )
+                    b_ptr = W + tl.load(entry + 1) + (o - lo)[:, None] * rank + r[None, :]
+                    b = tl.load(b_ptr, mask=in_part[:, None] & in_rank, other=0.0)
+                    scale = tl.load(Scaling + slot * s_stride + j)
                     acc += tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision=PRECISION) * scale
-            y_ptr = Y + m[:, None] * y_stride + o[None, :]
-            mask = rows[:, None] & cols[None, :]
-            y = tl.load(y_ptr, mask=mask, other=0.0)
-            tl.store(y_ptr, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+                    hits += in_part.to(tl.int32)
+            if tl.max(hits, axis=0) > 0:
+                y_ptr = Y + m[:, None] * y_stride + o[None, :]
+                mask = rows[:, None] & cols[None, :]
+                y = tl.load(y_ptr, mask=mask, other=0.0)
+                tl.store(y_ptr, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
 def lora_tiles(host_slots: np.ndarray, tile_rows: int = TILE_ROWS) -> np.ndarray:
@@ -110,14 +125,13 @@ def lora_tiles(host_slots: np.ndarray, tile_rows: int = TILE_ROWS) -> np.ndarray
 
 
 def lora_shrink_tiles(
-    x: torch.Tensor, a: torch.Tensor, tiles: torch.Tensor, out: torch.Tensor | None = None
+    x: torch.Tensor, table: AdapterTable, tiles: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """xa [tokens, parts * max_rank] float32 for the rows `tiles` covers (others left as the
     buffer holds), like `lora_shrink`; `tiles` from `lora_tiles`, on the device. `out`: a buffer
     to write instead (zeroed where the tiles go: the programs may add partial sums into it)."""
     tokens, in_features = x.shape
-    _, parts, max_rank, _ = a.shape
-    width = parts * max_rank
+    width = table.parts * table.max_rank
     block_n = min(64, max(16, triton.next_power_of_2(width)))
     programs = tiles.shape[0] * triton.cdiv(width, block_n)
     # One tile of a few rows cannot fill the GPU: split the input dimension until there are
@@ -128,26 +142,22 @@ def lora_shrink_tiles(
     xa = alloc(tokens, width, dtype=torch.float32, device=x.device) if out is None else out
     grid = (tiles.shape[0], triton.cdiv(width, block_n), triton.cdiv(in_features, k_chunk))
     _shrink_tiles_kernel[grid](
-        x, a, tiles, xa, x.stride(0), a.stride(0), in_features, width, k_chunk,
-        BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_K=64, SPLIT_K=split_k > 1, EVEN_K=in_features % 64 == 0,
-        PRECISION=dot_precision(x.dtype),
+        x, table.weights, table.entries, tiles, xa, x.stride(0), table.entries.stride(0), in_features,
+        width, k_chunk, MAX_RANK=table.max_rank, BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_K=64,
+        SPLIT_K=split_k > 1, EVEN_K=in_features % 64 == 0, PRECISION=dot_precision(x.dtype),
     )  # fmt: skip
     return xa
 
 
 def lora_expand_tiles(
-    xa: torch.Tensor,
-    y: torch.Tensor,
-    b: torch.Tensor,
-    scaling: torch.Tensor,
-    tiles: torch.Tensor,
-    bounds: torch.Tensor,
+    xa: torch.Tensor, y: torch.Tensor, table: AdapterTable, tiles: torch.Tensor, bounds: torch.Tensor
 ) -> None:
     """y += the LoRA delta of the rows `tiles` covers, like `lora_expand` (in place)."""
     _, out = y.shape
-    parts, max_rank = scaling.shape[1], b.shape[2]
+    max_rank = table.max_rank
     _expand_tiles_kernel[(tiles.shape[0], triton.cdiv(out, 64))](
-        xa, b, scaling, tiles, y, bounds, y.stride(0), b.stride(0), out, parts * max_rank, parts,
+        xa, table.weights, table.entries, table.scaling, tiles, y, bounds, y.stride(0),
+        table.entries.stride(0), table.scaling.stride(0), out, table.parts * max_rank, table.parts,
         MAX_RANK=max_rank, RANK_PAD=max(16, triton.next_power_of_2(max_rank)), BLOCK_M=TILE_ROWS,
         BLOCK_O=64, PRECISION=dot_precision(y.dtype),
     )  # fmt: skip

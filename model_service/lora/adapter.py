@@ -87,6 +87,11 @@ class LoraAdapter:
         return max((w.a.shape[0] for w in self.modules.values()), default=0)
 
     @property
+    def numel(self) -> int:
+        """Elements of all its A and B: its extent in the adapter arena (lora/arena.py)."""
+        return sum(w.a.numel() + w.b.numel() for w in self.modules.values())
+
+    @property
     def nbytes(self) -> int:
         return sum(
             w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size() for w in self.modules.values()

@@ -55,7 +55,7 @@ ControlOp = RegisterAdapter | LoadAdapter | EvictAdapter | PinAdapter | SetActiv
 @dataclass
 class ControlResult:
     slot: int | None = None  # the slot used
-    evicted: str | None = None  # the adapter that slot held before, if any
+    evicted: str | None = None  # the adapters evicted to make room, comma-separated, if any
     adapter_id: int = 0
 
 
@@ -67,7 +67,7 @@ def execute(op: ControlOp, pool: LoraPool) -> ControlResult:
         if op.path is not None:
             pool.register(op.name, Path(op.path))
         slot, evicted = pool.load(op.name, op.slot)
-        return ControlResult(slot, evicted, pool.adapter_id_for(slot))
+        return ControlResult(slot, ", ".join(evicted) or None, pool.adapter_id_for(slot))
     if isinstance(op, EvictAdapter):
         from_host = op.from_host or op.from_disk
         slot = pool.evict(op.name) if pool.slot_of(op.name) is not None or not from_host else None

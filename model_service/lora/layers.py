@@ -1,44 +1,52 @@
-"""LoRA as layer wrappers over the model's fused projections, with stacked per-slot weights.
+"""LoRA as layer wrappers over the model's fused projections, reading one adapter arena.
 
 `wrap_lora_layers` replaces each `PackedLinear` of a model (q/k/v fused, o, gate/up fused,
-down) by a `LoraLinear` that owns two preallocated buffers for every adapter slot:
-A [max_loras, parts, max_rank, in] and B [max_loras, out, max_rank]. Loading an adapter into a
-slot copies its weights into those buffers (a smaller rank is zero-padded); the buffers' addresses
-never change, so a CUDA graph or a batched kernel can read any slot of any layer, and a request's
-rows pick their adapter by the per-token slot index of the step batch.
+down) by a `LoraLinear`. Every resident adapter's weights live in one flat device tensor, the
+arena, at the adapter's own rank and only for the modules it targets: an adapter takes its
+bytes, not a padded `[max_rank, in]` slot per projection (a rank-8 q/v adapter of the 8B shape
+is 6.8 MB; a padded slot was 335 MB). The pool (lora/pool.py) decides where in the arena an
+adapter goes; `LoraLayers` copies it there and writes its row of the model-wide tables: for each
+projection and part, where A and B start and their rank (0 = not targeted). The arena and the
+tables never move, so a CUDA graph or a batched kernel can read any adapter of any layer, and a
+request's rows pick their adapter by the per-token slot index (its table row) of the step batch.
 
 On CUDA the delta is two Triton launches per projection for all rows of all adapters
 (kernels/lora.py), graph-capturable; the shrink runs on a side stream beside the base GEMM.
 Steps with long runs of one adapter (prefill chunks) take the row-tile kernels instead
 (kernels/lora_grouped.py), which read each adapter's weights once per tile, not once per row.
-The torch reference below loops over the slots present in the step (SGMV's segments), using
-each slot's exact rank, so zero padding costs memory, not arithmetic, on the CPU. The memory it
-costs: max_loras x max_rank x layers x dtype bytes x the sum over fused projections of
-(parts x in + out), whatever rank the adapters have. The models know nothing of LoRA: wrapping
-happens once, at load, by module type.
+The torch path below loops over the slots present in the step (SGMV's segments), each at its
+exact rank. The models know nothing of LoRA: wrapping happens once, at load, by module type.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
 from model_service.kernels.fused import silu_and_mul
-from model_service.kernels.lora import few_rows_split, lora_expand, lora_shrink, silu_mul_lora_rows
+from model_service.kernels.lora import (
+    AdapterTable,
+    few_rows_split,
+    lora_expand,
+    lora_shrink,
+    silu_mul_lora_rows,
+)
 from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
-from model_service.lora.adapter import LoraAdapter, LoraWeights, in_buffer
+from model_service.lora.adapter import LoraAdapter, in_buffer
 from model_service.models.layers import PackedLinear
 from model_service.models.step import StepBatch, to_device
 
 # A decoder layer's own projections (`layers.3.self_attn.qkv_proj`), not those nested deeper (an
 # MoE layer's shared expert), which PEFT adapters cannot name.
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.\w+(?:\.inner)?$")  # .inner: RowParallel
+
+# A compaction moves an adapter through a bounce buffer of at most this many elements: its old
+# and new places may overlap, and a whole-adapter copy could need hundreds of MB at once.
+_MOVE_CHUNK = 1 << 24
 
 
 class LoraStepPlan:
@@ -108,69 +116,69 @@ class LoraStepPlan:
         tiles[:, :2] += self.lead
         return to_device(tiles, batch.input_ids.device)
 
-    def shrink(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    def shrink(self, x: torch.Tensor, table: AdapterTable) -> torch.Tensor:
         if self.tiles is None:
-            return lora_shrink(x, a, self.slots)
+            return lora_shrink(x, table, self.slots)
         if self.static:  # the per-row rows are few (decode rows): split their input dimension
             rows, split = len(self.slots), max(2, few_rows_split(x.shape[1]))
-            xa = torch.zeros(x.shape[0], a.shape[1] * a.shape[2], dtype=torch.float32, device=x.device)
-            lora_shrink(x[:rows], a, self.slots, out=xa[:rows], split_k=split, zeroed=True)
-            return lora_shrink_tiles(x, a, self.tiles, out=xa)  # zeroed: the tiles may add partial sums
-        xa = lora_shrink_tiles(x, a, self.tiles)
+            width = table.parts * table.max_rank
+            xa = torch.zeros(x.shape[0], width, dtype=torch.float32, device=x.device)
+            lora_shrink(x[:rows], table, self.slots, out=xa[:rows], split_k=split, zeroed=True)
+            return lora_shrink_tiles(x, table, self.tiles, out=xa)  # zeroed: the tiles may add partial sums
+        xa = lora_shrink_tiles(x, table, self.tiles)
         if self.lead:
-            lora_shrink(x[: self.lead], a, self.slots[: self.lead], out=xa[: self.lead])
+            lora_shrink(x[: self.lead], table, self.slots[: self.lead], out=xa[: self.lead])
         return xa
 
-    def expand(
-        self, xa: torch.Tensor, y: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, bounds: torch.Tensor
-    ) -> None:
+    def expand(self, xa: torch.Tensor, y: torch.Tensor, table: AdapterTable, bounds: torch.Tensor) -> None:
         if self.tiles is None:
-            lora_expand(xa, y, b, scaling, self.slots, bounds)
+            lora_expand(xa, y, table, self.slots, bounds)
             return
-        lora_expand_tiles(xa, y, b, scaling, self.tiles, bounds)
+        lora_expand_tiles(xa, y, table, self.tiles, bounds)
         if self.static:
             rows = len(self.slots)
-            lora_expand(xa[:rows], y[:rows], b, scaling, self.slots, bounds)
+            lora_expand(xa[:rows], y[:rows], table, self.slots, bounds)
         elif self.lead:
             d = self.lead
-            lora_expand(xa[:d], y[:d], b, scaling, self.slots[:d], bounds)
+            lora_expand(xa[:d], y[:d], table, self.slots[:d], bounds)
 
 
 class LoraLinear(nn.Module):
-    def __init__(self, base: PackedLinear, max_loras: int, max_rank: int, plan: LoraStepPlan) -> None:
+    def __init__(
+        self, base: PackedLinear, table: AdapterTable, host: tuple[np.ndarray, np.ndarray], plan: LoraStepPlan
+    ) -> None:
+        """`table`: this projection's view of the arena and the tables; `host`: the same tables'
+        host copies (entries [slots, parts, 3], scaling [slots, parts]), which the torch path
+        reads without a device sync."""
         super().__init__()
-        self.base, self.plan = base, plan
-        w = base.weight
-        parts = len(base.parts)
-        self.register_buffer("lora_a", w.new_zeros(max_loras, parts, max_rank, base.in_features))
-        self.register_buffer("lora_b", w.new_zeros(max_loras, base.out_features, max_rank))
-        self.register_buffer("lora_scaling", torch.zeros(max_loras, parts, device=w.device))
+        self.base, self.table, self.plan = base, table, plan
+        self.host_entries, self.host_scaling = host
         bounds = np.cumsum((0, *base.output_sizes))
-        self.register_buffer("part_starts", torch.tensor(bounds[:-1], dtype=torch.long, device=w.device))
+        self.register_buffer(
+            "part_starts", torch.tensor(bounds[:-1], dtype=torch.long, device=base.weight.device)
+        )
         self.columns = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds)]
-        # Host-side per slot and part: the adapter's rank (0 = part not targeted) and its scaling.
-        self.ranks = [[0] * parts for _ in range(max_loras)]
-        self.scaling = [[0.0] * parts for _ in range(max_loras)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plan.use_kernels:
             return self._forward_kernels(x) if self.plan.enabled else self.base(x)
         y = self.base(x)
+        weights = self.table.weights
         for slot, rows in self.plan.segments:
-            ranks = self.ranks[slot]
-            if not any(ranks):
-                continue
-            xs = x[rows]
+            xs = None
             for part, (lo, hi) in enumerate(self.columns):
-                r = ranks[part]
-                if r:
-                    delta = (xs @ self.lora_a[slot, part, :r].T) @ self.lora_b[slot, lo:hi, :r].T
-                    y[:, lo:hi].index_add_(0, rows, delta, alpha=self.scaling[slot][part])
+                a_off, b_off, r = (int(v) for v in self.host_entries[slot, part])
+                if not r:
+                    continue
+                xs = x[rows] if xs is None else xs
+                a = weights[a_off : a_off + r * x.shape[1]].view(r, x.shape[1])
+                b = weights[b_off : b_off + (hi - lo) * r].view(hi - lo, r)
+                y[:, lo:hi].index_add_(0, rows, (xs @ a.T) @ b.T, alpha=float(self.host_scaling[slot, part]))
         return y
 
     def _forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
         xa, y = self._shrink_and_base(x)
-        self.plan.expand(xa, y, self.lora_b, self.lora_scaling, self.part_starts)
+        self.plan.expand(xa, y, self.table, self.part_starts)
         return y
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,7 +193,7 @@ class LoraLinear(nn.Module):
             return silu_and_mul(self(x))
         assert self.columns == [(0, self.columns[0][1]), (self.columns[0][1], 2 * self.columns[0][1])]
         xa, y = self._shrink_and_base(x)
-        return silu_mul_lora_rows(y, xa, self.lora_b, self.lora_scaling, plan.slots)
+        return silu_mul_lora_rows(y, xa, self.table, plan.slots)
 
     def _shrink_and_base(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The shrink reads only `x`, so on decode steps it runs on a side stream while the base
@@ -197,113 +205,155 @@ class LoraLinear(nn.Module):
         fork: their GEMMs fill the GPU anyway, and on an eager step the fork and join cost the
         host more than the overlap saves."""
         if self.plan.tiles is not None:
-            xa = self.plan.shrink(x, self.lora_a)
+            xa = self.plan.shrink(x, self.table)
             y = self.base(x)
         else:
             main = torch.cuda.current_stream(x.device)
             side = self.plan.side_stream(x.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                xa = self.plan.shrink(x, self.lora_a)
+                xa = self.plan.shrink(x, self.table)
             y = self.base(x)
             main.wait_stream(side)
         return xa, y
 
-    def slot_writes(self, slot: int, weights: dict[int, LoraWeights], writes: SlotWrites) -> None:
-        """Add to `writes` what makes `slot` hold `weights`. Only the rows an adapter has are
-        touched, so a load costs its size, not the slot's: each part's rows copied, what the
-        previous adapter wrote beyond them zeroed, each scaling set."""
-        for part, (lo, hi) in enumerate(self.columns):
-            w, old = weights.get(part), self.ranks[slot][part]
-            r = 0 if w is None else w.a.shape[0]
-            if w is not None:
-                writes.copies += [(self.lora_a[slot, part, :r], w.a), (self.lora_b[slot, lo:hi, :r], w.b)]
-            if old > r:
-                writes.zeros += [self.lora_a[slot, part, r:old], self.lora_b[slot, lo:hi, r:old]]
-            if w is not None or old:
-                self.ranks[slot][part], self.scaling[slot][part] = r, 0.0 if w is None else w.scaling
-                writes.scalings.append((self.lora_scaling[slot, part : part + 1], self.scaling[slot][part]))
 
+class LoraLayers:
+    """The wrapped projections of one model and the adapter arena they read.
 
-@dataclass
-class SlotWrites:
-    """A slot load's device writes, applied together: every step waits for a load, and one at a
-    time they were ~1,250 launches of Python on the 8B shape (17.9 ms; docs/performance.md,
-    session k). Copies whose source is already on the device (views of an adapter's packed
-    buffer, moved in one transfer) go in batched launches; the rest one by one."""
+    `targets` maps (layer, PEFT module name) to (projection index, part). The device tables
+    `entries` [slots, projections, parts, 3] (A offset, B offset, rank) and `scaling` [slots,
+    projections, parts] have a host copy each; a slot's row is written whole, in one transfer, so
+    a load is one copy of the adapter's bytes plus two small ones, whatever it targets."""
 
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (slot view, weights)
-    zeros: list[torch.Tensor] = field(default_factory=list)
-    scalings: list[tuple[torch.Tensor, float]] = field(default_factory=list)
+    def __init__(
+        self, plan: LoraStepPlan, weights: torch.Tensor, num_slots: int, projections: int, parts: int
+    ) -> None:
+        self.plan, self.weights = plan, weights
+        self.targets: dict[tuple[int, str], tuple[int, int]] = {}
+        self.host_entries = np.zeros((num_slots, projections, parts, 3), dtype=np.int64)
+        self.host_scaling = np.zeros((num_slots, projections, parts), dtype=np.float32)
+        self.entries = torch.zeros(self.host_entries.shape, dtype=torch.long, device=weights.device)
+        self.scaling = torch.zeros(self.host_scaling.shape, dtype=torch.float32, device=weights.device)
+        self.extents: dict[int, tuple[int, int]] = {}  # slot -> (offset, elements) in the arena
 
-    def apply(self, moved: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
-        """`moved(t)`: the weights `t` on the device, when they were moved there already."""
-        copies = [(dst, moved(src)) for dst, src in self.copies]
-        local = [(dst, src) for dst, src in copies if src.device == dst.device]
+    def wrap(self, base: PackedLinear, index: int, layer: int, max_rank: int) -> LoraLinear:
+        """The wrapper of `base`, projection `index` of the tables, in decoder layer `layer`."""
+        parts = len(base.parts)
+        table = AdapterTable(
+            self.weights, self.entries[:, index, :parts], self.scaling[:, index, :parts], max_rank
+        )
+        host = (self.host_entries[:, index, :parts], self.host_scaling[:, index, :parts])
+        for part, peft_name in enumerate(base.parts):
+            self.targets[(layer, peft_name)] = (index, part)
+        return LoraLinear(base, table, host, self.plan)
+
+    def load_slot(self, slot: int, adapter: LoraAdapter, offset: int) -> None:
+        """Copy `adapter`'s weights into the arena at `offset` (elements; the pool found the
+        room) and point `slot`'s table row at them (quiescent points only). A packed adapter
+        (`adapter.host_form`) whose layout is the arena's crosses in one asynchronous transfer."""
+        entries = np.zeros(self.host_entries.shape[1:], dtype=np.int64)
+        scaling = np.zeros(self.host_scaling.shape[1:], dtype=np.float32)
+        places: list[tuple[int, torch.Tensor]] = []
+        cursor = offset
+        for key, w in adapter.modules.items():
+            index, part = self.targets[key]
+            a_size, b_size = w.a.numel(), w.b.numel()
+            entries[index, part] = (cursor, cursor + a_size, w.a.shape[0])
+            scaling[index, part] = w.scaling
+            places += [(cursor, w.a), (cursor + a_size, w.b)]
+            cursor += a_size + b_size
+        self._copy_weights(adapter.packed, offset, cursor - offset, places)
+        self.extents[slot] = (offset, cursor - offset)
+        self._set_row(slot, entries, scaling)
+
+    def clear_slot(self, slot: int) -> None:
+        """Forget `slot`'s adapter: its table row says rank 0 everywhere (its bytes stay until reused)."""
+        self.extents.pop(slot, None)
+        self._set_row(slot, np.zeros_like(self.host_entries[slot]), np.zeros_like(self.host_scaling[slot]))
+
+    def move_slot(self, slot: int, offset: int) -> None:
+        """Move `slot`'s adapter to `offset` (compaction, at a quiescent point). The pool moves
+        adapters towards the arena's start in address order, so the destination never covers
+        an adapter not moved yet; a move within one adapter's own range goes through chunks."""
+        old, size = self.extents[slot]
+        for start in range(0, size, _MOVE_CHUNK):
+            n = min(_MOVE_CHUNK, size - start)
+            self.weights[offset + start : offset + start + n].copy_(
+                self.weights[old + start : old + start + n].clone()
+            )
+        entries = self.host_entries[slot].copy()
+        live = entries[..., 2] > 0
+        entries[..., :2][live] += offset - old
+        self.extents[slot] = (offset, size)
+        self._set_row(slot, entries, self.host_scaling[slot].copy())
+
+    def _copy_weights(
+        self, packed: torch.Tensor | None, offset: int, size: int, places: list[tuple[int, torch.Tensor]]
+    ) -> None:
+        arena = self.weights
+        if (
+            packed is not None
+            and packed.numel() == size
+            and all(
+                in_buffer(t, packed)
+                and t.is_contiguous()
+                and t.storage_offset() - packed.storage_offset() == at - offset
+                for at, t in places
+            )
+        ):
+            arena[offset : offset + size].copy_(packed, non_blocking=True)  # page-locked: one transfer
+            return
+        staged = packed.to(arena.device, non_blocking=True) if packed is not None else None
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            if staged is None or not in_buffer(t, packed):
+                return t  # a tensor-parallel shard's own copy, or a parsed adapter's tensor
+            return staged.as_strided(t.shape, t.stride(), t.storage_offset() - packed.storage_offset())
+
+        copies = [(arena[at : at + t.numel()].view(t.shape), moved(t)) for at, t in places]
+        local = [(d, s) for d, s in copies if s.device == d.device]
         if local:
             torch._foreach_copy_([d for d, _ in local], [s for _, s in local])
         for dst, src in copies:
             if src.device != dst.device:
-                dst.copy_(src, non_blocking=True)  # page-locked: `adapter.host_form`
-        views = self.zeros + [v for v, _ in self.scalings]
-        if views:
-            torch._foreach_zero_(views)
-        if self.scalings:
-            torch._foreach_add_([v for v, _ in self.scalings], [value for _, value in self.scalings])
+                dst.copy_(src)
+
+    def _set_row(self, slot: int, entries: np.ndarray, scaling: np.ndarray) -> None:
+        self.host_entries[slot], self.host_scaling[slot] = entries, scaling
+        self.entries[slot].copy_(torch.from_numpy(entries), non_blocking=False)
+        self.scaling[slot].copy_(torch.from_numpy(scaling), non_blocking=False)
 
 
-@dataclass
-class LoraLayers:
-    """The wrapped projections of one model, by (layer, PEFT module name) -> (wrapper, part)."""
-
-    plan: LoraStepPlan
-    targets: dict[tuple[int, str], tuple[LoraLinear, int]]
-
-    def load_slot(self, slot: int, adapter: LoraAdapter) -> None:
-        """Copy `adapter`'s weights into `slot` (quiescent points only), replacing what was there.
-        A packed adapter (`adapter.host_form`) crosses to the device in one transfer first."""
-        parts: dict[int, tuple[LoraLinear, dict[int, LoraWeights]]] = {
-            id(m): (m, {}) for m, _ in self.targets.values()
-        }
-        for key, w in adapter.modules.items():
-            layer, part = self.targets[key]
-            parts[id(layer)][1][part] = w
-        writes = SlotWrites()
-        for layer, weights in parts.values():
-            if weights or any(layer.ranks[slot]):
-                layer.slot_writes(slot, weights, writes)
-        packed = adapter.packed
-        if packed is None:
-            writes.apply()
-            return
-        device = next(iter(parts.values()))[0].lora_a.device
-        staged = packed.to(device, non_blocking=True)
-
-        def moved(t: torch.Tensor) -> torch.Tensor:
-            if not in_buffer(t, packed):
-                return t  # a tensor-parallel shard's own copy
-            return staged.as_strided(t.shape, t.stride(), t.storage_offset() - packed.storage_offset())
-
-        writes.apply(moved)
-
-    def clear_slot(self, slot: int) -> None:
-        writes = SlotWrites()
-        for layer in {id(m): m for m, _ in self.targets.values()}.values():
-            layer.slot_writes(slot, {}, writes)
-        writes.apply()
-
-
-def wrap_lora_layers(module: nn.Module, max_loras: int, max_rank: int, use_kernels: bool) -> LoraLayers:
-    """Replace every `PackedLinear` inside a decoder layer of `module` by a `LoraLinear`."""
-    plan = LoraStepPlan(use_kernels)
-    targets: dict[tuple[int, str], tuple[LoraLinear, int]] = {}
-    for name, sub in list(module.named_modules()):
-        match = _LAYER.search(name)
-        if not isinstance(sub, PackedLinear) or match is None:
-            continue
-        wrapper = LoraLinear(sub, max_loras, max_rank, plan)
+def wrap_lora_layers(
+    module: nn.Module, num_slots: int, max_rank: int, arena_elements: int, use_kernels: bool
+) -> LoraLayers:
+    """Replace every `PackedLinear` inside a decoder layer of `module` by a `LoraLinear` over one
+    arena of `arena_elements` (the model's dtype) and tables of `num_slots` rows."""
+    found = _projections(module)
+    param = next(module.parameters())
+    weights = torch.empty(arena_elements, dtype=param.dtype, device=param.device)
+    parts = max((len(sub.parts) for _, sub, _ in found), default=1)
+    lora = LoraLayers(LoraStepPlan(use_kernels), weights, num_slots, len(found), parts)
+    for index, (name, sub, layer) in enumerate(found):
         owner_name, _, attr = name.rpartition(".")
-        setattr(module.get_submodule(owner_name), attr, wrapper)
-        for part, peft_name in enumerate(sub.parts):
-            targets[(int(match.group(1)), peft_name)] = (wrapper, part)
-    return LoraLayers(plan, targets)
+        setattr(module.get_submodule(owner_name), attr, lora.wrap(sub, index, layer, max_rank))
+    return lora
+
+
+def full_adapter_elements(module: nn.Module, max_rank: int) -> int:
+    """Elements of an adapter of `max_rank` on every projection `wrap_lora_layers` would wrap in
+    `module`: the arena's default is room for `--max-loras` of them (what padded slots took)."""
+    return sum(
+        max_rank * (len(sub.parts) * sub.in_features + sub.out_features) for _, sub, _ in _projections(module)
+    )
+
+
+def _projections(module: nn.Module) -> list[tuple[str, PackedLinear, int]]:
+    """(name, projection, decoder layer) of every projection a PEFT adapter can target."""
+    found = []
+    for name, sub in module.named_modules():
+        match = _LAYER.search(name)
+        if isinstance(sub, PackedLinear) and match is not None:
+            found.append((name, sub, int(match.group(1))))
+    return found

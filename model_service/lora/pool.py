@@ -1,13 +1,18 @@
-"""The tiers an adapter lives in, and the GPU slots that requests hold.
+"""The tiers an adapter lives in, and the device slots that requests hold.
 
 - disk: adapters registered by name and directory (parsed and validated at registration);
 - host: parsed adapters in CPU memory, LRU, at most `max_cpu_loras`;
-- slots: `max_loras` adapters on the compute device; a request's forward rows use one.
+- device: resident adapters, each in a slot (a row of the LoRA layers' tables, at most
+  `max_loras`) and an extent of the adapter arena as large as its own weights
+  (lora/arena.py): how many fit is set by their bytes, so many small adapters share the memory
+  a few padded slots took. A request's forward rows use one slot.
 
-Slot layout: a slot is an index into the stacked, preallocated weight buffers of the model's
-LoRA layers (lora/layers.py); loading copies an adapter into them and clearing zeroes them.
-The pool itself is bookkeeping only (names, tiers, refcounts), which is why one pool can serve
-several executors (one per tensor-parallel rank) through the `SlotWriter` they implement.
+Making an adapter resident takes a free slot (else the least recently used idle one) and room
+in the arena: idle adapters are evicted, least recently used first, until its extent fits
+(compacting the arena when the free elements suffice but no gap does). The pool itself is
+bookkeeping only (names, tiers, refcounts, extents), which is why one pool can serve several
+executors (one per tensor-parallel rank) through the `SlotWriter` they implement: a rank's shard
+of an adapter is smaller than the adapter, so it fits the extent the pool gave the whole.
 
 Refcounts follow the seed contract: `acquire(slot)` resolves -1 to the active adapter and
 returns the RESOLVED index, and `release(resolved)` releases exactly that index, so a rotation
@@ -26,6 +31,7 @@ from pathlib import Path
 from typing import Protocol
 
 from model_service.lora.adapter import AdapterError, LoraAdapter, load_peft_adapter
+from model_service.lora.arena import ArenaSpace
 from model_service.lora.files import MAX_ADAPTER_BYTES
 from model_service.models.config import ModelConfig
 
@@ -41,15 +47,18 @@ class AdapterBusyError(AdapterError):
 
 
 class SlotsBusyError(AdapterBusyError):
-    """Every slot is referenced or pinned: promotion must wait for a sequence to finish."""
+    """The slots or the adapter memory needed are held by adapters in use or pinned: promotion
+    must wait for sequences to finish."""
 
 
 class SlotWriter(Protocol):
-    """Where slot contents live: the device buffers of the model's LoRA layers."""
+    """Where resident adapters live: the arena and tables of the model's LoRA layers."""
 
-    def load_slot(self, slot: int, adapter: LoraAdapter) -> None: ...
+    def load_slot(self, slot: int, adapter: LoraAdapter, offset: int) -> None: ...
 
     def clear_slot(self, slot: int) -> None: ...
+
+    def move_slot(self, slot: int, offset: int) -> None: ...
 
 
 @dataclass
@@ -82,15 +91,19 @@ class LoraPool:
         max_cpu_loras: int,
         max_lora_rank: int,
         writer: SlotWriter,
+        arena: tuple[int, int],
         max_adapter_bytes: int = MAX_ADAPTER_BYTES,
         host_form: Callable[[LoraAdapter], LoraAdapter] | None = None,
     ) -> None:
-        """`host_form`: what a parsed adapter becomes in the host tier (`adapter.host_form`:
-        the slots' dtype, page-locked for a GPU); kept as parsed without it."""
+        """`arena`: (elements, bytes per element) of the writer's adapter arena. `host_form`: what
+        a parsed adapter becomes in the host tier (`adapter.host_form`: the arena's dtype,
+        page-locked for a GPU); kept as parsed without it."""
         self.base, self.max_lora_rank, self.max_adapter_bytes = base, max_lora_rank, max_adapter_bytes
         self.writer, self.host_form = writer, host_form
         self.max_cpu_loras = max_cpu_loras
+        self.space, self.element_size = ArenaSpace(arena[0]), arena[1]
         self.slots = [Slot() for _ in range(max_loras)]
+        self._resident: dict[str, int] = {}  # name -> slot of its current version
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()
         self.disk: dict[str, Path] = {}
         self.identity: dict[
@@ -107,10 +120,15 @@ class LoraPool:
     def slot_of(self, name: str) -> int | None:
         if name == ACTIVE:
             return self.active if self.active >= 0 else None
-        for i, s in enumerate(self.slots):
-            if s.adapter is not None and s.adapter.name == name and not s.stale:
-                return i
-        return None
+        return self._resident.get(name)
+
+    @property
+    def memory_capacity_bytes(self) -> int:
+        return self.space.capacity * self.element_size
+
+    @property
+    def memory_used_bytes(self) -> int:
+        return self.space.used * self.element_size
 
     def adapter_id_for(self, slot: int) -> int:
         """Prefix-cache identity of the weights `slot` selects (-1 = active); 0 for the base model."""
@@ -156,18 +174,26 @@ class LoraPool:
                 and s.adapter.adapter_id != adapter.adapter_id
             ):
                 s.stale = True
+                self._resident.pop(name, None)
         for i, s in enumerate(self.slots):
             if s.stale and s.refcount == 0 and not s.pinned:
                 self._clear(i)
         return adapter
 
-    def load(self, name: str, slot: int | None = None) -> tuple[int, str | None]:
-        """Make `name` resident (into `slot`, or the LRU free/idle slot). Returns (slot, evicted name)."""
+    def load(self, name: str, slot: int | None = None) -> tuple[int, list[str]]:
+        """Make `name` resident (into `slot`, or a free or the LRU idle slot). Returns (slot, the
+        adapters evicted to make room)."""
         current = self.slot_of(name)
         if current is not None and (slot is None or slot == current):
             self.slots[current].last_used = next(self._clock)
-            return current, None
+            return current, []
         adapter = self._host_copy(name)
+        size = adapter.numel
+        if size > self.space.capacity:
+            raise AdapterError(
+                f"adapter {name!r} needs {self._mb(size)} of adapter memory; the arena holds "
+                f"{self._mb(self.space.capacity)} (raise --lora-memory-bytes)"
+            )
         target = self._victim() if slot is None else slot
         if target is None:
             raise SlotsBusyError(
@@ -180,12 +206,39 @@ class LoraPool:
             raise AdapterBusyError(
                 f"slot {target} holds adapter {victim.adapter.name!r}, which is in use or pinned"
             )
-        evicted = victim.adapter.name if victim.adapter is not None else None
-        if current is not None:
+        if current is not None:  # moving to another slot: the old one must be idle too
+            busy = self._busy(current)
+            if busy:
+                raise AdapterBusyError(f"adapter {name!r} {busy}; not moved to slot {target}")
             self._clear(current)
-        self.writer.load_slot(target, adapter)
+        evicted = [victim.adapter.name] if victim.adapter is not None else []
+        self._clear(target)
+        offset = self._room(name, target, size, evicted)
+        self.writer.load_slot(target, adapter, offset)
         self.slots[target] = Slot(adapter, last_used=next(self._clock))
+        self._resident[name] = target
         return target, evicted
+
+    def _room(self, name: str, slot: int, size: int, evicted: list[str]) -> int:
+        """An arena offset for `slot`'s `size` elements: idle adapters are evicted, least
+        recently used first, until a gap holds it (compacting when the free elements would)."""
+        while True:
+            offset = self.space.place(slot, size)
+            if offset is not None:
+                return offset
+            if self.space.free >= size:
+                for moved, to in self.space.compaction():
+                    self.writer.move_slot(moved, to)
+                continue
+            idle = self._idle()
+            if not idle:
+                raise SlotsBusyError(
+                    f"cannot load adapter {name!r}: it needs {self._mb(size)} of adapter memory, "
+                    f"{self._mb(self.space.free)} is free and the rest is held by adapters in use or pinned"
+                )
+            victim = min(idle, key=lambda i: self.slots[i].last_used)
+            evicted.append(self.slots[victim].adapter.name)
+            self._clear(victim)
 
     def evict(self, name: str) -> int:
         slot = self.slot_of(name)
@@ -279,11 +332,23 @@ class LoraPool:
         return adapter
 
     def _victim(self) -> int | None:
-        free = [i for i, s in enumerate(self.slots) if s.adapter is None]
-        if free:
-            return free[0]
-        idle = [i for i, s in enumerate(self.slots) if s.refcount == 0 and not s.pinned and i != self.active]
+        """A slot to load into: a free one, else the least recently used idle one."""
+        free = next((i for i, s in enumerate(self.slots) if s.adapter is None), None)
+        if free is not None:
+            return free
+        idle = self._idle()
         return min(idle, key=lambda i: self.slots[i].last_used) if idle else None
+
+    def _idle(self) -> list[int]:
+        """Resident slots that may be evicted: no reference, no pin, not the active adapter."""
+        return [
+            i
+            for i, s in enumerate(self.slots)
+            if s.adapter is not None and s.refcount == 0 and not s.pinned and i != self.active
+        ]
+
+    def _mb(self, elements: int) -> str:
+        return f"{elements * self.element_size / 2**20:.1f} MB"
 
     def _busy(self, slot: int) -> str:
         """Why `slot` must not change now ('' when it may)."""
@@ -293,7 +358,13 @@ class LoraPool:
         return "is pinned" if s.pinned else ""
 
     def _clear(self, slot: int) -> None:
+        adapter = self.slots[slot].adapter
+        if adapter is None:
+            return
+        if self._resident.get(adapter.name) == slot:
+            del self._resident[adapter.name]
         self.writer.clear_slot(slot)
+        self.space.release(slot)
         self.slots[slot] = Slot()
         if self.active == slot:
             self.active = -1
