@@ -15,7 +15,13 @@ from model_service.engine.cuda_graphs import batch_ladder
 from model_service.engine.sampler import filtered_probs
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.seq_state import SequenceState
-from model_service.kernels.lora import AdapterTable, lora_delta_reference, lora_expand, lora_shrink
+from model_service.kernels.lora import (
+    AdapterTable,
+    aligned_up,
+    lora_delta_reference,
+    lora_expand,
+    lora_shrink,
+)
 from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
 from model_service.kernels.paged_attention import (
     FP8,
@@ -167,15 +173,17 @@ def _lora_table(in_features: int, sizes: tuple[int, ...], dtype: torch.dtype, de
     wider ones, as each projection's are of the model's."""
     entries = torch.zeros(len(_RANKS), 2, len(sizes), 3, dtype=torch.long)
     scaling = torch.zeros(len(_RANKS), 2, len(sizes))
-    pieces, cursor = [torch.full((7,), float("nan"))], 7
+    pieces, cursor = [torch.full((8,), float("nan"))], 8
     for slot, ranks in enumerate(_RANKS):
         for part, (rank, size) in enumerate(zip(ranks, sizes, strict=True)):
-            if rank:
+            if rank:  # B's rows padded to `aligned_up(rank)` (NaN in the padding), A and B 8-aligned
                 a, b = torch.randn(rank, in_features, generator=g), torch.randn(size, rank, generator=g)
-                entries[slot, 1, part] = torch.tensor([cursor, cursor + a.numel(), rank])
+                b = torch.cat([b, torch.full((size, aligned_up(rank) - rank), float("nan"))], dim=1)
+                entries[slot, 1, part] = torch.tensor([cursor, cursor + a.numel() + 8, rank])
                 scaling[slot, 1, part] = float(torch.rand(1, generator=g)) + 0.5
-                pieces += [a.flatten(), b.flatten(), torch.full((5,), float("nan"))]
-                cursor += a.numel() + b.numel() + 5
+                gap = torch.full((8,), float("nan"))
+                pieces += [a.flatten(), gap, b.flatten(), gap]
+                cursor += a.numel() + b.numel() + 16
     weights = torch.cat(pieces).to(device, dtype)
     return AdapterTable(weights, entries.to(device)[:, 1], scaling.to(device)[:, 1], max_rank=16)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model_service.kernels.lora import AdapterTable, num_sms
+from model_service.kernels.lora import TENSOR_ALIGN, AdapterTable, num_sms
 from model_service.kernels.paged_attention import dot_precision, triton
 
 TILE_ROWS = 64
@@ -31,7 +31,7 @@ if triton is not None:
     def _shrink_tiles_kernel(
         X, W, Entries, Tiles, XA, x_stride, e_stride, in_features, width, k_chunk,
         MAX_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, VEC: tl.constexpr,
     ):  # fmt: skip
         tile, nb, ks = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start, end, slot = _tile(Tiles, tile)
@@ -42,6 +42,7 @@ if triton is not None:
             live = (n % MAX_RANK) < rank
             if tl.max(live.to(tl.int32), axis=0) > 0:  # rows of A the adapter has
                 a_row = tl.load(entry, mask=live, other=0) + (n % MAX_RANK) * in_features
+                a_row = tl.multiple_of(a_row, VEC)  # VEC: in_features' alignment (arena_layout)
                 m = start + tl.arange(0, BLOCK_M)
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 k_end = tl.minimum((ks + 1) * k_chunk, in_features)
@@ -94,7 +95,8 @@ if triton is not None:
                         mask=rows[:, None] & in_rank,
                         other=0.0,
                     )
-                    b_ptr = W + tl.load(entry + 1) + (o - lo)[:, None] * rank + r[None, :]
+                    b_row = tl.multiple_of(tl.load(entry + 1) + (o - lo) * ((rank + 7) // 8 * 8), 8)
+                    b_ptr = W + b_row[:, None] + r[None, :]  # B's rows are aligned_up(rank) apart
                     b = tl.load(b_ptr, mask=in_part[:, None] & in_rank, other=0.0)
                     scale = tl.load(Scaling + slot * s_stride + j)
                     acc += tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision=PRECISION) * scale
@@ -145,6 +147,7 @@ def lora_shrink_tiles(
         x, table.weights, table.entries, tiles, xa, x.stride(0), table.entries.stride(0), in_features,
         width, k_chunk, MAX_RANK=table.max_rank, BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_K=64,
         SPLIT_K=split_k > 1, EVEN_K=in_features % 64 == 0, PRECISION=dot_precision(x.dtype),
+        VEC=TENSOR_ALIGN if in_features % TENSOR_ALIGN == 0 else 1,
     )  # fmt: skip
     return xa
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from model_service.errors import SpindleError
+from model_service.kernels.lora import aligned_up
 from model_service.lora.files import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, read_regular
 from model_service.models.config import ModelConfig
 from spindle.peft import (
@@ -88,8 +89,8 @@ class LoraAdapter:
 
     @property
     def numel(self) -> int:
-        """Elements of all its A and B: its extent in the adapter arena (lora/arena.py)."""
-        return sum(w.a.numel() + w.b.numel() for w in self.modules.values())
+        """Elements of its extent in the adapter arena (lora/arena.py): `arena_layout`'s."""
+        return arena_layout(self.modules)[1]
 
     @property
     def nbytes(self) -> int:
@@ -120,6 +121,30 @@ def _view(packed: torch.Tensor, place: Place) -> torch.Tensor:
     return packed.as_strided(shape, stride, packed.storage_offset() + offset)
 
 
+def arena_layout(modules: dict[tuple[int, str], LoraWeights]) -> tuple[list[tuple[int, int]], int]:
+    """Where each module's A and B start, relative to the adapter's start, and the elements it
+    takes, as the adapter arena holds it (kernels/lora.py's `AdapterTable`): modules in order,
+    A [rank, in] then B [out, rank] with rows `aligned_up(rank)` apart, each start aligned. The
+    host copy (`host_form`) is laid out the same, so a load is one transfer."""
+    places, cursor = [], 0
+    for w in modules.values():
+        a = cursor
+        b = aligned_up(a + w.a.numel())
+        places.append((a, b))
+        cursor = aligned_up(b + w.b.shape[0] * aligned_up(w.b.shape[1]))
+    return places, cursor
+
+
+def laid_out(packed: torch.Tensor, w: LoraWeights, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of `w`'s A and B at their places (`arena_layout`) in the 1-D buffer `packed`."""
+    (rank, in_features), out = w.a.shape, w.b.shape[0]
+    stride = aligned_up(rank)
+    return (
+        packed[a : a + rank * in_features].view(rank, in_features),
+        packed[b : b + out * stride].view(out, stride)[:, :rank],
+    )
+
+
 def host_form(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> LoraAdapter:
     """The copy a pool keeps in host memory: every module's A and B, in the slots' dtype, packed
     into one buffer (`packed`; the modules are views of it), page-locked for slots on a GPU. A
@@ -128,23 +153,18 @@ def host_form(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> LoraAdapte
     copies, tensor by tensor, held it 38.9 ms a load on the 8B shape (rank 16, all seven
     projections), page-locked ones 17.9 (docs/performance.md, session k). When page-locked
     memory runs out, the buffer stays pageable: slower loads, never a refused adapter."""
-    weights = [t for w in adapter.modules.values() for t in (w.a, w.b)]
-    size = sum(t.numel() for t in weights)
+    places, size = arena_layout(adapter.modules)
     try:
-        packed = torch.empty(size, dtype=dtype, pin_memory=pin)
+        packed = torch.zeros(size, dtype=dtype, pin_memory=pin)
     except RuntimeError as e:  # the driver's page-locked allocation failed
         log.warning("adapter %r stays in pageable host memory (%s): slower slot loads", adapter.name, e)
-        packed = torch.empty(size, dtype=dtype)
-    offset = 0
-
-    def held(t: torch.Tensor) -> torch.Tensor:
-        nonlocal offset
-        view = packed[offset : offset + t.numel()].view(t.shape)
-        view.copy_(t)
-        offset += t.numel()
-        return view
-
-    modules = {key: LoraWeights(held(w.a), held(w.b), w.scaling) for key, w in adapter.modules.items()}
+        packed = torch.zeros(size, dtype=dtype)
+    modules = {}
+    for (key, w), (a, b) in zip(adapter.modules.items(), places, strict=True):
+        a_view, b_view = laid_out(packed, w, a, b)
+        a_view.copy_(w.a)
+        b_view.copy_(w.b)
+        modules[key] = LoraWeights(a_view, b_view, w.scaling)
     return dataclasses.replace(adapter, modules=modules, packed=packed)
 
 

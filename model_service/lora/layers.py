@@ -30,13 +30,14 @@ from torch import nn
 from model_service.kernels.fused import silu_and_mul
 from model_service.kernels.lora import (
     AdapterTable,
+    arena_views,
     few_rows_split,
     lora_expand,
     lora_shrink,
     silu_mul_lora_rows,
 )
 from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
-from model_service.lora.adapter import LoraAdapter, in_buffer
+from model_service.lora.adapter import LoraAdapter, arena_layout, in_buffer, laid_out
 from model_service.models.layers import PackedLinear
 from model_service.models.step import StepBatch, to_device
 
@@ -163,17 +164,15 @@ class LoraLinear(nn.Module):
         if self.plan.use_kernels:
             return self._forward_kernels(x) if self.plan.enabled else self.base(x)
         y = self.base(x)
-        weights = self.table.weights
         for slot, rows in self.plan.segments:
             xs = None
             for part, (lo, hi) in enumerate(self.columns):
-                a_off, b_off, r = (int(v) for v in self.host_entries[slot, part])
-                if not r:
+                ab = arena_views(self.table.weights, self.host_entries[slot, part], x.shape[1], hi - lo)
+                if ab is None:
                     continue
                 xs = x[rows] if xs is None else xs
-                a = weights[a_off : a_off + r * x.shape[1]].view(r, x.shape[1])
-                b = weights[b_off : b_off + (hi - lo) * r].view(hi - lo, r)
-                y[:, lo:hi].index_add_(0, rows, (xs @ a.T) @ b.T, alpha=float(self.host_scaling[slot, part]))
+                delta = (xs @ ab[0].T) @ ab[1].T
+                y[:, lo:hi].index_add_(0, rows, delta, alpha=float(self.host_scaling[slot, part]))
         return y
 
     def _forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
@@ -251,20 +250,16 @@ class LoraLayers:
     def load_slot(self, slot: int, adapter: LoraAdapter, offset: int) -> None:
         """Copy `adapter`'s weights into the arena at `offset` (elements; the pool found the
         room) and point `slot`'s table row at them (quiescent points only). A packed adapter
-        (`adapter.host_form`) whose layout is the arena's crosses in one asynchronous transfer."""
+        (`adapter.host_form`, laid out as the arena is) crosses in one asynchronous transfer."""
         entries = np.zeros(self.host_entries.shape[1:], dtype=np.int64)
         scaling = np.zeros(self.host_scaling.shape[1:], dtype=np.float32)
-        places: list[tuple[int, torch.Tensor]] = []
-        cursor = offset
-        for key, w in adapter.modules.items():
+        places, size = arena_layout(adapter.modules)
+        for (key, w), (a, b) in zip(adapter.modules.items(), places, strict=True):
             index, part = self.targets[key]
-            a_size, b_size = w.a.numel(), w.b.numel()
-            entries[index, part] = (cursor, cursor + a_size, w.a.shape[0])
+            entries[index, part] = (offset + a, offset + b, w.a.shape[0])
             scaling[index, part] = w.scaling
-            places += [(cursor, w.a), (cursor + a_size, w.b)]
-            cursor += a_size + b_size
-        self._copy_weights(adapter.packed, offset, cursor - offset, places)
-        self.extents[slot] = (offset, cursor - offset)
+        self._copy_weights(adapter, offset, places, size)
+        self.extents[slot] = (offset, size)
         self._set_row(slot, entries, scaling)
 
     def clear_slot(self, slot: int) -> None:
@@ -289,21 +284,19 @@ class LoraLayers:
         self._set_row(slot, entries, self.host_scaling[slot].copy())
 
     def _copy_weights(
-        self, packed: torch.Tensor | None, offset: int, size: int, places: list[tuple[int, torch.Tensor]]
+        self, adapter: LoraAdapter, offset: int, places: list[tuple[int, int]], size: int
     ) -> None:
-        arena = self.weights
-        if (
-            packed is not None
-            and packed.numel() == size
-            and all(
-                in_buffer(t, packed)
-                and t.is_contiguous()
-                and t.storage_offset() - packed.storage_offset() == at - offset
-                for at, t in places
-            )
-        ):
-            arena[offset : offset + size].copy_(packed, non_blocking=True)  # page-locked: one transfer
-            return
+        arena, packed = self.weights[offset : offset + size], adapter.packed
+        if packed is not None and packed.numel() == size:
+            held = [
+                laid_out(packed, w, a, b) for w, (a, b) in zip(adapter.modules.values(), places, strict=True)
+            ]
+            if all(
+                _same_view(w.a, at[0]) and _same_view(w.b, at[1])
+                for w, at in zip(adapter.modules.values(), held, strict=True)
+            ):
+                arena.copy_(packed, non_blocking=True)  # page-locked: one transfer
+                return
         staged = packed.to(arena.device, non_blocking=True) if packed is not None else None
 
         def moved(t: torch.Tensor) -> torch.Tensor:
@@ -311,7 +304,11 @@ class LoraLayers:
                 return t  # a tensor-parallel shard's own copy, or a parsed adapter's tensor
             return staged.as_strided(t.shape, t.stride(), t.storage_offset() - packed.storage_offset())
 
-        copies = [(arena[at : at + t.numel()].view(t.shape), moved(t)) for at, t in places]
+        copies = [
+            (dst, moved(src))
+            for w, (a, b) in zip(adapter.modules.values(), places, strict=True)
+            for dst, src in zip(laid_out(arena, w, a, b), (w.a, w.b), strict=True)
+        ]
         local = [(d, s) for d, s in copies if s.device == d.device]
         if local:
             torch._foreach_copy_([d for d, _ in local], [s for _, s in local])
@@ -323,6 +320,10 @@ class LoraLayers:
         self.host_entries[slot], self.host_scaling[slot] = entries, scaling
         self.entries[slot].copy_(torch.from_numpy(entries), non_blocking=False)
         self.scaling[slot].copy_(torch.from_numpy(scaling), non_blocking=False)
+
+
+def _same_view(t: torch.Tensor, place: torch.Tensor) -> bool:
+    return t.data_ptr() == place.data_ptr() and t.shape == place.shape and t.stride() == place.stride()
 
 
 def wrap_lora_layers(
