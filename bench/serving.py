@@ -152,7 +152,8 @@ def prime(
     serving them would have it: loaded during the measured run instead, the first uses of 56 of
     64 adapters stalled the engine 1.44 s (26 ms a load on the 8B shape, all seven
     projections), most of the LoRA ratio's run-to-run spread (docs/performance.md, session k).
-    `concurrency`: at most the engine's slots, for adapters each of whose requests must not wait."""
+    With more adapters than slots, a `concurrency` of at most the slots keeps requests from
+    waiting for one (and failing after `adapter_wait_timeout_s`)."""
     for names in ((), adapters) if adapters else ((),):
         n = max(8, len(names))
         spindle_serving(engine, workload(n, vocab, 99, prompts, (8, 16)), min(n, concurrency), names)
