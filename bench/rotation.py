@@ -19,6 +19,9 @@ Configurations, each a closed loop at `--concurrency` over the same seeded workl
   (seeded, per adapter), request j through the adapter at quantile u_j of Zipf(1);
 - few: the same requests over 5 adapters (the first 5 of zipf's kinds), Zipf(1) at the same u_j.
 
+`--requests` bounds each run; `--duration S` also stops admitting after S seconds (a guard for
+a run that stalls on loads: configurations cut by it ran fewer requests, as their lines say).
+
 Each engine's `max_lora_rank` is the highest rank of its configuration's adapters (few takes
 zipf's, so the two differ in traffic only); configurations with equal settings share an engine
 (its graphs captured once). Before each run the adapters go through once, as `bench/serving.py`
