@@ -19,7 +19,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -67,18 +67,24 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 * 10 / (time.perf_counter() - start) / 1e9
 
 
-def random_model(shape: dict[str, int]) -> LoadedModel:
+def random_model(
+    shape: dict[str, int], device: str = "cuda", dtype: torch.dtype = torch.bfloat16
+) -> LoadedModel:
     cfg = ModelConfig(
         family="llama", rms_norm_eps=1e-5, max_position_embeddings=8192, rope_theta=500000.0, **shape
     )
-    return LoadedModel("random-8b" if shape is LLAMA3_8B else "random-smollm2", cfg, random_module(cfg), None)
+    name = "random-8b" if shape is LLAMA3_8B else "random-smollm2" if shape is SMOLLM2 else "random"
+    return LoadedModel(name, cfg, random_module(cfg, device, dtype), None)
 
 
-def random_module(cfg: ModelConfig) -> DecoderModel:
-    """bf16 on CUDA, weights N(0, 0.02), norms 1; RoPE's table computed (a meta init leaves it empty)."""
+def random_module(
+    cfg: ModelConfig, device: str = "cuda", dtype: torch.dtype = torch.bfloat16
+) -> DecoderModel:
+    """Weights N(0, 0.02), norms 1; RoPE's table computed (a meta init leaves it empty). bf16 on
+    CUDA unless told: the CPU modes of the benchmarks build the same model small."""
     with torch.device("meta"):
         module = DecoderModel(cfg)
-    module = module.to(torch.bfloat16).to_empty(device="cuda")  # never the float32 copy: MoE shapes are large
+    module = module.to(dtype).to_empty(device=device)  # never the float32 copy: MoE shapes are large
     torch.manual_seed(0)
     with torch.no_grad():
         for p in module.parameters():
@@ -86,9 +92,9 @@ def random_module(cfg: ModelConfig) -> DecoderModel:
         for name, p in module.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-    module.rotary = module.rotary.to("cuda")
+    module.rotary = module.rotary.to(device)
     module.rotary.inv_freq.copy_(
-        1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device="cuda").float() / cfg.head_dim))
+        1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim))
     )
     return module.eval()
 
@@ -292,22 +298,44 @@ def verify_cost_ms(engine: Engine, batch: int, k: int, context: int) -> tuple[fl
     return plain, verify
 
 
+def random_lora_modules(
+    cfg: ModelConfig, rank: int, modules: Collection[str] | None = None, seed: int = 0
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Random (A, B) of rank `rank` for each of `modules` (PEFT names; all seven by default),
+    N(0, 0.01), float32 on the host: one pair a module, which `random_adapter` repeats in every layer."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        m: (torch.randn(rank, i, generator=g) * 0.01, torch.randn(o, rank, generator=g) * 0.01)
+        for m, (i, o) in module_shapes(cfg).items()
+        if modules is None or m in modules
+    }
+
+
+def random_adapter(
+    name: str,
+    adapter_id: int,
+    cfg: ModelConfig,
+    shared: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    scaling: float = 1.0,
+) -> LoraAdapter:
+    """An adapter with `shared`'s (A, B) in every layer, without a disk copy: the benchmarks skip
+    writing and parsing PEFT files (the host tier's copy is the pool's own, `adapter.host_form`)."""
+    weights = {
+        (layer, m): LoraWeights(a, b, scaling)
+        for layer in range(cfg.num_layers)
+        for m, (a, b) in shared.items()
+    }
+    return LoraAdapter(name, adapter_id, None, weights)
+
+
 def register_random_adapters(engine: Engine, cfg: ModelConfig, n: int, rank: int) -> list[str]:
     """Adapters a0 .. a{n-1} of rank `rank` on all seven projections, sharing random host tensors
     (each fills its own device slot, so the kernels read n different slots); they go into the
     pool's host tier directly, skipping disk. Returns their names."""
-    g = torch.Generator().manual_seed(0)
-    shared = {
-        m: (torch.randn(rank, i, generator=g) * 0.01, torch.randn(o, rank, generator=g) * 0.01)
-        for m, (i, o) in module_shapes(cfg).items()
-    }
+    shared = random_lora_modules(cfg, rank)
     for k in range(n):
-        weights = {
-            (layer, m): LoraWeights(a, b, 1.0 + k / n)
-            for layer in range(cfg.num_layers)
-            for m, (a, b) in shared.items()
-        }
-        engine.lora._remember(LoraAdapter(f"a{k}", k + 1, None, weights))  # bench only: no disk tier
+        adapter = random_adapter(f"a{k}", k + 1, cfg, shared, 1.0 + k / n)
+        engine.lora._remember(adapter)  # bench only: no disk tier
     return [f"a{k}" for k in range(n)]
 
 

@@ -31,8 +31,8 @@ import contextlib
 import cProfile
 import gc
 import json
+import math
 import pstats
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -62,16 +62,23 @@ def spindle_serving(
     concurrency: int,
     adapters: Sequence[str] = (),
     before_step: Callable[[int], None] | None = None,
+    failed: list[str] | None = None,
+    admit_for_s: float | None = None,
 ) -> dict[str, float]:
-    """Closed loop at `concurrency`: output tokens/s over the whole run, and the median time to
-    first token and time per output token after it (ms) of the requests. With `adapters`,
-    request i goes through adapter i mod their number; `before_step(i)` runs before step i."""
-    queue, submitted, first, done = list(reversed(requests)), {}, {}, {}
+    """Closed loop at `concurrency`: output tokens/s over the whole run, and the time to first
+    token (median and p99) and time per output token after it (median, ms) of the requests.
+    With `adapters`, request i goes through adapter i mod their number; `before_step(i)` runs
+    before step i. A failed request raises, unless `failed` is given: then it is listed there
+    ("id: error") and left out of the figures, so a run with failures still reports them. With
+    `admit_for_s`, no request is admitted after that many seconds (those in flight finish)."""
+    queue, submitted, first, done, errors = list(reversed(requests)), {}, {}, {}, {}
     start, steps = time.perf_counter(), 0
     while queue or engine.has_unfinished():
         if before_step is not None:
             before_step(steps)
         steps += 1
+        if admit_for_s is not None and time.perf_counter() - start > admit_for_s:
+            queue.clear()
         while queue and len(submitted) - len(done) < concurrency:
             prompt, n = queue.pop()
             adapter = adapters[len(submitted) % len(adapters)] if adapters else None
@@ -80,39 +87,76 @@ def spindle_serving(
         for out in engine.step():
             now = time.perf_counter()
             if out.error:
-                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                if failed is None:
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                errors[out.request_id] = out.error
             if out.new_token_ids and out.request_id not in first:
                 first[out.request_id] = now
             if out.finished:
                 done[out.request_id] = (now, len(out.token_ids))
     wall = time.perf_counter() - start
-    tokens = sum(n for _, n in done.values())
-    ttft = [first[r] - t for r, t in submitted.items()]
-    tpot = [(done[r][0] - first[r]) / max(done[r][1] - 1, 1) for r in submitted]
+    if failed is not None:
+        failed += [f"{r}: {e}" for r, e in errors.items()]
+    ok = [r for r in submitted if r not in errors]
+    ttft = [first[r] - submitted[r] for r in ok]
+    tpot = [(done[r][0] - first[r]) / max(done[r][1] - 1, 1) for r in ok]
     return {
-        "output_tokens_per_s": tokens / wall,
-        "ttft_p50_ms": statistics.median(ttft) * 1e3,
-        "tpot_p50_ms": statistics.median(tpot) * 1e3,
-        "output_tokens": tokens,
+        "output_tokens_per_s": sum(done[r][1] for r in ok) / wall,
+        "ttft_p50_ms": percentile(ttft, 50) * 1e3,
+        "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+        "tpot_p50_ms": percentile(tpot, 50) * 1e3,
+        "output_tokens": sum(done[r][1] for r in ok),
+        "requests": len(submitted),
+        "wall_s": wall,
     }
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The `q`th percentile, linear between the two nearest ranks (numpy's default; the median
+    at 50); nan for no values (every request failed)."""
+    if not values:
+        return float("nan")
+    ordered, pos = sorted(values), q / 100 * (len(values) - 1)
+    low, high = ordered[math.floor(pos)], ordered[math.ceil(pos)]
+    return low + (high - low) * (pos - math.floor(pos))
+
+
 def warm_up(engine: Engine, vocab: int, adapters: Sequence[str]) -> dict[str, float]:
-    """What a pod does before it serves (every decode graph captured), then prefill chunks and
-    mixed steps, with the adapters' kernels too, so that no measured run pays a first use. Every
-    adapter goes through once, so each is in its GPU slot as a pod serving them would have it:
-    loaded during the measured run instead, the first uses of 56 of 64 adapters stalled the
-    engine 1.44 s (26 ms a load on the 8B shape, all seven projections), most of the LoRA
-    ratio's run-to-run spread (docs/performance.md, session k). Returns what the pod's warm-up
-    (the graph captures) cost: seconds and GiB of device memory."""
-    free, start = torch.cuda.mem_get_info()[0], time.perf_counter()
+    """What a pod does before it serves (`capture`), then `prime`. Returns what the capture cost."""
+    cost = capture(engine)
+    prime(engine, vocab, adapters)
+    return cost
+
+
+def capture(engine: Engine) -> dict[str, float]:
+    """The pod's warm-up (every decode graph captured; nothing on the CPU): what it cost, in
+    seconds and, on a GPU, GiB of device memory."""
+    cuda = engine.executor.device.type == "cuda"
+    free, start = torch.cuda.mem_get_info()[0] if cuda else 0, time.perf_counter()
     engine.warm_up()
-    seconds, gib = time.perf_counter() - start, (free - torch.cuda.mem_get_info()[0]) / 2**30
-    cost = {"capture_s": seconds, "capture_gib": gib}
+    cost = {"capture_s": time.perf_counter() - start}
+    if cuda:
+        cost["capture_gib"] = (free - torch.cuda.mem_get_info()[0]) / 2**30
+    return cost
+
+
+def prime(
+    engine: Engine,
+    vocab: int,
+    adapters: Sequence[str],
+    prompts: tuple[int, int] = (64, 2048),
+    concurrency: int = 64,
+) -> None:
+    """Prefill chunks and mixed steps, with the adapters' kernels too, so that no measured run
+    pays a first use. Every adapter goes through once, so each is in its GPU slot as a pod
+    serving them would have it: loaded during the measured run instead, the first uses of 56 of
+    64 adapters stalled the engine 1.44 s (26 ms a load on the 8B shape, all seven
+    projections), most of the LoRA ratio's run-to-run spread (docs/performance.md, session k).
+    With more adapters than slots, a `concurrency` of at most the slots keeps requests from
+    waiting for one (and failing after `adapter_wait_timeout_s`)."""
     for names in ((), adapters) if adapters else ((),):
         n = max(8, len(names))
-        spindle_serving(engine, workload(n, vocab, 99, (64, 2048), (8, 16)), min(n, 64), names)
-    return cost
+        spindle_serving(engine, workload(n, vocab, 99, prompts, (8, 16)), min(n, concurrency), names)
 
 
 def hf_serving(hf: torch.nn.Module, requests: list, concurrency: int) -> dict[str, float]:
