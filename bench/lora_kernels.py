@@ -1,17 +1,19 @@
 """The LoRA kernels of one step on the 8B shape, per projection, against the base GEMM.
 
 Setup: one H200 (CUDA only), bf16, Llama-3-8B projection shapes (q/k/v fused, o, gate/up fused,
-down), `--adapters` distinct rank-`--rank` adapters in as many slots (random weights, all seven
-projections). Three steps: `decode` (one row per adapter, the per-row kernels a decode graph
-replays), `mixed` (those decode rows first, then a `--chunk`-token prefill chunk of adapter 0, as
-the scheduler orders a mixed step: what `LoraStepPlan` runs now, decode rows per row and the chunk
-as tiles) and `mixed-all-tiles` (the same step with every row a tile, as before); then, on the
-decode step, gate_up's expand followed by SiLU-mul against the fused `silu_mul_lora_rows` that
-decode steps and graphs run. Each result is checked against the float32 reference, then timed
-with CUDA events (`--iters` calls in one CUDA graph), one JSON line per step and projection, a
-table last.
+down), `--adapters` distinct rank-`--rank` adapters in the arena (random weights, on all seven
+projections or, with `--targets qv`, PEFT's default q and v: the other projections then show what
+a projection no row's adapter targets costs). Three steps: `decode` (one row per adapter, the
+per-row kernels a decode graph replays), `mixed` (those decode rows first, then a
+`--chunk`-token prefill chunk of adapter 0, as the scheduler orders a mixed step: what
+`LoraStepPlan` runs now, decode rows per row and the chunk as tiles) and `mixed-all-tiles` (the
+same step with every row a tile, as before); then, on the decode step, gate_up's expand followed
+by SiLU-mul against the fused `silu_mul_lora_rows` that decode steps and graphs run. Each result
+is checked against the float32 reference, then timed with CUDA events (`--iters` calls in one
+CUDA graph), one JSON line per step and projection, a table last.
 
-    PYTHONPATH=. python3 bench/lora_kernels.py [--adapters 64] [--rank 16] [--chunk 2048]
+    PYTHONPATH=. python3 bench/lora_kernels.py [--adapters 64] [--rank 16] [--targets all|qv]
+        [--chunk 2048]
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from model_service.engine.batch_builder import BatchBuilder, StepItem
 from model_service.engine.seq_state import SequenceState
-from model_service.kernels.lora import lora_delta_reference
+from model_service.kernels.lora import AdapterTable, aligned_up, lora_delta_reference
 from model_service.kernels.lora_grouped import lora_tiles
 from model_service.lora.layers import LoraStepPlan
 from model_service.models.step import StepBatch, to_device
@@ -36,6 +38,7 @@ PROJECTIONS = {
     "down": (14336, (4096,)),
 }
 BLOCK_SIZE = 16
+TARGETS = {"all": None, "qv": {"qkv": (0, 2)}}  # parts each projection's adapters target (None: all)
 
 
 def step_batch(slots: list[int], lengths: list[int], device: torch.device) -> StepBatch:
@@ -69,6 +72,26 @@ def timed(fn, iters: int) -> float:
     return start.elapsed_time(end) * 1000 / iters
 
 
+def adapter_table(name: str, args: argparse.Namespace, g: torch.Generator) -> AdapterTable:
+    """`args.adapters` adapters of rank `args.rank` laid out in an arena as the engine lays them
+    out (kernels/lora.py: A [rank, in], B rows `aligned_up(rank)` apart), on the parts of
+    projection `name` that `--targets` names."""
+    in_features, sizes = PROJECTIONS[name]
+    wanted = TARGETS[args.targets]
+    parts = range(len(sizes)) if wanted is None else wanted.get(name, ())
+    rank, stride = args.rank, aligned_up(args.rank)
+    per_part = [aligned_up(rank * in_features) + size * stride for size in sizes]
+    entries = torch.zeros(args.adapters, len(sizes), 3, dtype=torch.long)
+    cursor = 0
+    for slot in range(args.adapters):
+        for part in parts:
+            entries[slot, part] = torch.tensor([cursor, cursor + aligned_up(rank * in_features), rank])
+            cursor += per_part[part]
+    weights = (torch.randn(max(cursor, 1), generator=g, device="cuda") * in_features**-0.5).to(torch.bfloat16)
+    scaling = torch.full((args.adapters, len(sizes)), 2.0, device="cuda")
+    return AdapterTable(weights, entries.cuda(), scaling, max_rank=max(16, 1 << (rank - 1).bit_length()))
+
+
 def run_projection(name: str, batch: StepBatch, tiles_only: bool, args: argparse.Namespace) -> dict:
     in_features, sizes = PROJECTIONS[name]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -78,9 +101,7 @@ def run_projection(name: str, batch: StepBatch, tiles_only: bool, args: argparse
         return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
 
     x, w = randn(n, in_features), randn(out, in_features, scale=in_features**-0.5)
-    a = randn(args.adapters, len(sizes), args.rank, in_features, scale=in_features**-0.5)
-    b = randn(args.adapters, out, args.rank, scale=args.rank**-0.5)
-    scaling = torch.full((args.adapters, len(sizes)), 2.0, device="cuda")
+    table = adapter_table(name, args, g)
     starts = torch.tensor([0, *sizes[:-1]], device="cuda").cumsum(0)
     plan = LoraStepPlan(use_kernels=True)
     plan.prepare(batch)
@@ -88,13 +109,13 @@ def run_projection(name: str, batch: StepBatch, tiles_only: bool, args: argparse
         plan.lead, plan.tiles = 0, to_device(lora_tiles(batch.host_lora_slots), torch.device("cuda"))
 
     def lora(y: torch.Tensor) -> None:
-        plan.expand(plan.shrink(x, a), y, b, scaling, starts)
+        plan.expand(plan.shrink(x, table), y, table, starts)
 
     y = x @ w.T
     want, got = y.float(), y.clone()
-    lora_delta_reference(x.float(), want, a, b, scaling, batch.lora_slots, sizes)
+    lora_delta_reference(x.float(), want, table, batch.lora_slots, sizes)
     lora(got)
-    err = float((got.float() - want).norm() / want.norm())
+    err = float((got.float() - want).norm() / max(float(want.norm()), 1e-30))
     return {
         "projection": name,
         "rows": n,
@@ -115,21 +136,18 @@ def run_fused_activation(batch: StepBatch, args: argparse.Namespace) -> dict:
     g = torch.Generator(device="cuda").manual_seed(1)
     n, out = batch.num_tokens, sum(sizes)
     y = torch.randn(n, out, generator=g, device="cuda").to(torch.bfloat16)
-    xa = torch.randn(n, 2 * args.rank, generator=g, device="cuda")
-    b = (torch.randn(args.adapters, out, args.rank, generator=g, device="cuda") / args.rank).to(
-        torch.bfloat16
-    )
-    scaling = torch.full((args.adapters, 2), 2.0, device="cuda")
+    table = adapter_table("gate_up", args, g)
+    xa = torch.randn(n, 2 * table.max_rank, generator=g, device="cuda")
     starts = torch.tensor([0, sizes[0]], device="cuda")
     plan = LoraStepPlan(use_kernels=True)
     plan.prepare(batch)
 
     def unfused(target: torch.Tensor) -> torch.Tensor:
-        plan.expand(xa, target, b, scaling, starts)
+        plan.expand(xa, target, table, starts)
         return silu_and_mul(target)
 
     def fused() -> torch.Tensor:
-        return silu_mul_lora_rows(y, xa, b, scaling, plan.slots)
+        return silu_mul_lora_rows(y, xa, table, plan.slots)
 
     want, got = unfused(y.clone()), fused()
     return {
@@ -145,6 +163,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--adapters", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--targets", choices=list(TARGETS), default="all")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
@@ -155,8 +174,8 @@ def main() -> None:
         "mixed": (step_batch(*mixed), False),
         "mixed-all-tiles": (step_batch(*mixed), True),
     }
-    setup = {"adapters": args.adapters, "rank": args.rank, "chunk": args.chunk, "dtype": "bfloat16",
-             "device": torch.cuda.get_device_name()}  # fmt: skip
+    setup = {"adapters": args.adapters, "rank": args.rank, "targets": args.targets, "chunk": args.chunk,
+             "dtype": "bfloat16", "device": torch.cuda.get_device_name()}  # fmt: skip
     rows = []
     for step, (batch, tiles_only) in steps.items():
         for name in PROJECTIONS:
