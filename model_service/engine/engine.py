@@ -125,7 +125,7 @@ class Engine:
         )
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.beams = BeamSearch(self.scheduler, self.tokenizer)
-        self.adapters = AdapterControl(self.lora, self.scheduler, config.adapter_wait_timeout_s)
+        self.adapters = AdapterControl(self.lora, self.scheduler, config)
         self.proposer: Proposer | None = None
         if draft is not None:  # its cache has as many blocks as the target's (budgeted above)
             self.proposer = DraftProposer(draft, config, num_blocks, self.max_model_len, mc.vocab_size)
