@@ -76,6 +76,7 @@ class EngineStats:
     num_steps: int
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    adapter_drains: int = 0  # resident adapters drained so that a starving one could load
     # Recurrent-state slots (hybrid models; 0 without recurrent layers). Free includes the slots
     # holding prefix-cache snapshots, which are given back when a sequence needs one; so once
     # nothing runs, free == total, or a slot leaked.
@@ -533,6 +534,7 @@ class Engine:
             num_steps=self.num_steps,
             spec_proposed_tokens=self.spec_proposed,
             spec_accepted_tokens=self.spec_accepted,
+            adapter_drains=self.adapters.num_drains,
             state_slots_total=self.cache.num_state_slots,
             state_slots_free=self.cache.num_free_state_slots + self.cache.num_cached_states,
             state_slots_cached=self.cache.num_cached_states,
