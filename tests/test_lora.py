@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from model_service.engine.sampling_params import SamplingParams
-from model_service.errors import NotFoundError
+from model_service.errors import NotFoundError, PreconditionError
 from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.lora.control import (
     EvictAdapter,
@@ -392,6 +392,13 @@ def test_unknown_adapter_is_not_found(tiny_llama):
     engine = make_engine(tiny_llama)
     with pytest.raises(NotFoundError, match="unknown adapter 'nope'"):
         engine.add_request(prompt_token_ids=[1, 2], adapter="nope")
+
+
+def test_an_adapter_request_without_slots_is_refused_not_left_waiting(tiny_llama, tiny_adapters):
+    engine = make_engine(tiny_llama, max_loras=0, lora_modules={"t0": str(tiny_adapters["t0"])})
+    with pytest.raises(PreconditionError, match="no LoRA slots"):
+        engine.add_request(prompt_token_ids=[1, 2], adapter="t0")
+    assert not engine.has_unfinished()
 
 
 # --- refusals --------------------------------------------------------------------------------

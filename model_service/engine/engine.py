@@ -188,6 +188,10 @@ class Engine:
                 f"no adapter is active, so {ACTIVE!r} names none: ModelControl.SetActive sets one "
                 "(or name the adapter itself)"
             )
+        if adapter is not None and self.config.max_loras == 0:  # it would wait forever for a slot
+            raise PreconditionError(
+                f"adapter {adapter!r} asked for, but this server has no LoRA slots (--max-loras 0)"
+            )
         if adapter is not None and not self.lora.known(adapter):
             names = sorted(a.name for a in self.lora.report())
             raise NotFoundError(f"unknown adapter {adapter!r}; this server has {names or 'no adapters'}")
