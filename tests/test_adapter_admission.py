@@ -55,9 +55,11 @@ class Harness:
         **config: float,
     ) -> None:
         self.unreadable: set[str] = set()  # adapters whose files can no longer be read
+        self.failed_reads = 0
 
         def load_adapter(name: str, path: Path, *_: object) -> LoraAdapter:
             if name in self.unreadable:
+                self.failed_reads += 1
                 raise AdapterError(f"adapter {name!r}: cannot read {str(path)!r}: no such file")
             return LoraAdapter(name, zlib.crc32(name.encode()) + 1, path)
 
@@ -304,6 +306,7 @@ def test_a_bad_adapter_file_fails_its_requests_after_the_timeout_with_a_clear_me
     assert not h.failed and h.slot_of("a0") == 0 and h.control.num_drains == 0
     h.run(until=3.5)
     assert list(h.failed) == [doomed.request_id]
+    assert h.failed_reads == 2  # at 0.1 s and 1.1 s: the next, 2 s later, would have come at 3.1 s
     assert doomed.error == (
         "adapter 'a2' could not be loaded: adapter 'a2': cannot read '/adapters/a2': no such file"
     )

@@ -40,8 +40,9 @@ adapter does not make room for another (capacity in bytes), k + 1 becomes the nu
 the adapters ahead and its own need.
 
 Busy memory never fails a request. Only a load that fails for another reason (a bad file,
-unreachable storage) can: it is tried again every `RETRY_S` seconds, and a request that has
-waited `adapter_wait_timeout_s` while its adapter fails to load ends with that error.
+unreachable storage) can: it is tried again after `RETRY_S` seconds, then twice as long each
+time (a load reads the files on the engine thread), and a request that has waited
+`adapter_wait_timeout_s` while its adapter fails to load ends with that error.
 """
 
 from __future__ import annotations
@@ -57,13 +58,14 @@ from model_service.lora.adapter import AdapterError
 from model_service.lora.control import ControlOp, ControlResult, execute
 from model_service.lora.pool import LoraPool, SlotsBusyError
 
-RETRY_S = 1.0  # seconds between attempts to load an adapter that failed for a reason other than memory
+RETRY_S = 1.0  # the first wait before loading again an adapter that failed for a reason other than memory
 
 
 @dataclass
 class _LoadFailure:
     error: str  # why the latest attempt failed
     retry_at: float
+    backoff: float  # the wait before `retry_at`; the next one is twice as long
 
 
 class AdapterControl:
@@ -105,6 +107,8 @@ class AdapterControl:
     # --- admission ------------------------------------------------------------------------
 
     def _admit(self) -> list[Sequence]:
+        """Load what waiting requests need, plan the drains, end the overdue ones (and load into
+        what they free); returns the requests whose adapter failed to load for too long."""
         self.scheduler.adapter_demand = {}
         now = self.clock()
         blocked = self.scheduler.blocked_adapters()
@@ -132,7 +136,7 @@ class AdapterControl:
                 except SlotsBusyError:
                     return [n for n in names[i:] if self._waits_for_memory(n)]
                 except AdapterError as e:
-                    self._failures[name] = _LoadFailure(str(e), now + RETRY_S)
+                    self._note_failure(name, str(e), now)
                     continue
                 self._failures.pop(name, None)
                 held.append(self.pool.acquire(slot))
@@ -140,6 +144,11 @@ class AdapterControl:
         finally:
             for slot in held:
                 self.pool.release(slot)
+
+    def _note_failure(self, name: str, error: str, now: float) -> None:
+        last = self._failures.get(name)
+        backoff = RETRY_S if last is None else 2 * last.backoff
+        self._failures[name] = _LoadFailure(error, now + backoff, backoff)
 
     def _may_try(self, name: str, now: float) -> bool:
         failure = self._failures.get(name)

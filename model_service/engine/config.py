@@ -151,7 +151,7 @@ class EngineConfig:
     adapter_wait_timeout_s: float = _opt(
         30.0,
         "seconds a request waits while its adapter cannot be loaded at all (a bad file, unreachable "
-        "storage; retried every second) before it fails; busy device memory never fails a request",
+        "storage; retried after 1, 2, 4... s) before it fails; busy device memory never fails a request",
         group="lora",
     )
 
