@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from model_service.engine.sampling_params import SamplingParams
-from model_service.errors import NotFoundError
+from model_service.errors import NotFoundError, PreconditionError
 from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.lora.control import (
     EvictAdapter,
@@ -209,6 +209,32 @@ def test_waiting_adapter_does_not_block_base_or_resident(tiny_llama, tiny_adapte
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_starving_adapter_drains_a_busy_one_and_both_answers_stay_exact(
+    tiny_llama, tiny_adapters, tiny_reference, overlap
+):
+    """One slot, held by a long t0 request; a t1 request starves at once (0 s) and its drain
+    preempts at once (0 s), so the two adapters take turns, every turn a preemption recomputed
+    from the prefix cache. Both answers stay exact (each request sees its own adapter's weights
+    only), with async scheduling too (the step in flight is read before a preemption)."""
+    modules = {k: str(v) for k, v in tiny_adapters.items()}
+    long = _req(PROMPTS[0], "t0", n=30)
+    expected = _run(make_engine(tiny_llama, max_loras=1, lora_modules=modules), [long])[0]
+    engine = make_engine(
+        tiny_llama, max_loras=1, lora_modules=modules, block_size=4, async_scheduling=overlap,
+        adapter_starvation_s=0.0, adapter_drain_s=0.0,
+    )  # fmt: skip
+    engine.add_request_dict({**long, "request_id": "long"})
+    engine.step()
+    engine.add_request_dict({**_req(PROMPTS[1], "t1"), "request_id": "cold"})
+    final = engine.run_to_completion()
+    assert final["long"].token_ids == expected and final["cold"].token_ids == tiny_reference[(1, "t1")]
+    stats = engine.stats()
+    assert stats.adapter_drains > 0 and stats.num_preemptions > 0
+    assert all(s.refcount == 0 for s in engine.lora.slots) and not engine.scheduler.draining
+    assert_all_blocks_free(engine)
+
+
 def run_control(engine, op):
     future = engine.submit_control(op)
     engine.step()
@@ -366,6 +392,13 @@ def test_unknown_adapter_is_not_found(tiny_llama):
     engine = make_engine(tiny_llama)
     with pytest.raises(NotFoundError, match="unknown adapter 'nope'"):
         engine.add_request(prompt_token_ids=[1, 2], adapter="nope")
+
+
+def test_an_adapter_request_without_slots_is_refused_not_left_waiting(tiny_llama, tiny_adapters):
+    engine = make_engine(tiny_llama, max_loras=0, lora_modules={"t0": str(tiny_adapters["t0"])})
+    with pytest.raises(PreconditionError, match="no LoRA slots"):
+        engine.add_request(prompt_token_ids=[1, 2], adapter="t0")
+    assert not engine.has_unfinished()
 
 
 # --- refusals --------------------------------------------------------------------------------

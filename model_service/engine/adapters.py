@@ -1,29 +1,82 @@
-"""The engine's adapter duties: control operations and the adapters waiting requests need.
+"""The engine's adapter duties: control operations, and admission of requests whose adapter is
+not resident.
 
 Both run at the start of a step, a quiescent point (no forward pass in flight), so slot
 contents change only between passes. Control operations come from other threads through a
-queue; each answers its caller's future. Demand comes from the scheduler: a waiting request
-whose adapter has no slot. Its adapter is promoted from host or disk when a slot is idle; the
-request keeps waiting while every slot is busy, and fails once it has waited
-`adapter_wait_timeout_s` or its adapter cannot be loaded at all.
+queue; each answers its caller's future.
+
+Admission. A waiting request whose adapter is not resident, or is draining, waits without
+blocking the requests behind it; its wait starts when the scheduler first finds it so
+(`Sequence.adapter_blocked_since`). At each quiescent point the adapters waited for are loaded,
+longest wait first, until the pool answers that its memory is taken (`SlotsBusyError`): a
+younger adapter never takes memory an older one waits for. An adapter whose oldest request has
+waited `adapter_starvation_s` is *starving*, and starving adapters take precedence, oldest
+first: each one the pool cannot place gets a drain in progress. A drain picks a resident
+adapter held by running requests, neither pinned nor `@active`, the one with the least work
+left, and stops admitting its new requests (`Scheduler.draining`) so that its refcount reaches
+zero; the starving adapter is then loaded into the freed memory. A drain that has run
+`adapter_drain_s` preempts the drained adapter's running sequences (they requeue; their K/V
+mostly comes back from the prefix cache), so it ends at that quiescent point. Whether an
+adapter fits is the pool's answer, not a count of slots: while a starving adapter still does
+not fit, the memory already drained stays reserved and one more adapter is drained. A drained
+adapter's own waiting requests age like any others: once it is evicted they wait for a
+non-resident adapter, from the moment they first waited, and starve in their turn.
+
+Bound. Let T = `adapter_starvation_s`, D = `adapter_drain_s`, δ the longest step (adapter
+loads included), and m the slots a drain may take (`max_loras` less the pinned and `@active`
+ones; at least 1). If nothing but its adapter holds a request back (K/V blocks, the token
+budget and `max_num_seqs` suffice) and each adapter fits the memory of one drained adapter,
+a request is first scheduled within
+
+    T + 2δ + ceil((k + 1) / m) × (D + 2δ)
+
+of its arrival, where k counts the other adapters that requests were already waiting for when
+its own wait began and still are when its wait reaches T. Its wait starts within δ of
+arrival; within T + δ after that its adapter is starving and at most (k+1)-th in line; every
+drain ends within D + δ of its start and serves the head of the line, and a slot can be
+drained again one step after it is loaded, so each of the m slots serves one starving adapter
+per D + 2δ. With the defaults (1 s and 1 s) and k < m that is 2 s + 4δ. Where one drained
+adapter does not make room for another (capacity in bytes), k + 1 becomes the number of drains
+the adapters ahead and its own need.
+
+Busy memory never fails a request. Only a load that fails for another reason (a bad file,
+unreachable storage) can: it is tried again after `RETRY_S` seconds, then twice as long each
+time (a load reads the files on the engine thread), and a request that has waited
+`adapter_wait_timeout_s` while its adapter fails to load ends with that error.
 """
 
 from __future__ import annotations
 
 import queue
-import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
+from model_service.engine.config import EngineConfig
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import Sequence
 from model_service.lora.adapter import AdapterError
 from model_service.lora.control import ControlOp, ControlResult, execute
 from model_service.lora.pool import LoraPool, SlotsBusyError
 
+RETRY_S = 1.0  # the first wait before loading again an adapter that failed for a reason other than memory
+
+
+@dataclass
+class _LoadFailure:
+    error: str  # why the latest attempt failed
+    retry_at: float
+    backoff: float  # the wait before `retry_at`; the next one is twice as long
+
 
 class AdapterControl:
-    def __init__(self, pool: LoraPool, scheduler: Scheduler, wait_timeout_s: float) -> None:
-        self.pool, self.scheduler, self.wait_timeout_s = pool, scheduler, wait_timeout_s
+    def __init__(self, pool: LoraPool, scheduler: Scheduler, config: EngineConfig) -> None:
+        """Times come from `scheduler.clock`, the clock the scheduler stamps waits with."""
+        self.pool, self.scheduler, self.clock = pool, scheduler, scheduler.clock
+        self.wait_timeout_s = config.adapter_wait_timeout_s
+        self.starvation_s = config.adapter_starvation_s
+        self.drain_s = config.adapter_drain_s
+        self.num_drains = 0  # drains begun for starving adapters
+        self._failures: dict[str, _LoadFailure] = {}
         self._control: queue.Queue[tuple[ControlOp, Future[ControlResult]]] = queue.Queue()
 
     def submit(self, op: ControlOp) -> Future[ControlResult]:
@@ -33,38 +86,132 @@ class AdapterControl:
         return future
 
     def has_work(self) -> bool:
-        """Whether `at_quiescent_point` has operations to run or adapters to promote."""
-        return not self._control.empty() or bool(self.scheduler.adapter_demand)
+        """Whether `at_quiescent_point` may change slots or preempt: operations to run, adapters
+        to load, or drains under way."""
+        s = self.scheduler
+        return not self._control.empty() or bool(s.adapter_demand) or bool(s.draining)
 
     def at_quiescent_point(self) -> list[Sequence]:
-        """Run queued operations and promote demanded adapters. Returns the waiting requests that
-        must fail (their `error` says why); the caller finishes them."""
+        """Run queued operations, then admission (see the module docstring). Returns the waiting
+        requests that must fail (their `error` says why); the caller finishes them."""
         while not self._control.empty():
             op, future = self._control.get_nowait()
             try:
                 future.set_result(execute(op, self.pool))
             except Exception as e:  # a failed operation fails its caller, not the engine
                 future.set_exception(e)
-        return self._serve_demand()
+        if not (self.scheduler.adapter_demand or self.scheduler.draining):
+            return []
+        return self._admit()
 
-    def _serve_demand(self) -> list[Sequence]:
-        demand, self.scheduler.adapter_demand = self.scheduler.adapter_demand, {}
-        failed: dict[str, str] = {}
-        for name in demand:
-            try:
-                self.pool.load(name)
-            except SlotsBusyError:
-                pass  # its requests keep waiting, up to the deadline
-            except AdapterError as e:
-                failed[name] = str(e)
-        deadline = time.monotonic() - self.wait_timeout_s
+    # --- admission ------------------------------------------------------------------------
+
+    def _admit(self) -> list[Sequence]:
+        """Load what waiting requests need, plan the drains, end the overdue ones (and load into
+        what they free); returns the requests whose adapter failed to load for too long."""
+        self.scheduler.adapter_demand = {}
+        now = self.clock()
+        blocked = self.scheduler.blocked_adapters()
+        self._failures = {n: f for n, f in self._failures.items() if n in blocked}
+        unloaded = self._load_in_order(list(blocked), now)
+        starving = [n for n in unloaded if now - blocked[n] >= self.starvation_s]
+        self._plan_drains(starving, now)
+        if self._end_overdue_drains(now):
+            unloaded = self._load_in_order(unloaded, now)
+            self._plan_drains([n for n in starving if n in unloaded], now)
+        return self._doomed(now)
+
+    def _load_in_order(self, names: list[str], now: float) -> list[str]:
+        """Load `names` in order until the pool is full. Returns those still waiting for memory, in
+        order (not the draining, not those whose load fails otherwise). Every adapter loaded or
+        found resident holds a reference until the end, so that a later load cannot evict it
+        before the scheduler admits its requests."""
+        held: list[int] = []
+        try:
+            for i, name in enumerate(names):
+                if name in self.scheduler.draining or not self._may_try(name, now):
+                    continue
+                try:
+                    slot, _ = self.pool.load(name)
+                except SlotsBusyError:
+                    return [n for n in names[i:] if self._waits_for_memory(n)]
+                except AdapterError as e:
+                    self._note_failure(name, str(e), now)
+                    continue
+                self._failures.pop(name, None)
+                held.append(self.pool.acquire(slot))
+            return []
+        finally:
+            for slot in held:
+                self.pool.release(slot)
+
+    def _note_failure(self, name: str, error: str, now: float) -> None:
+        last = self._failures.get(name)
+        backoff = RETRY_S if last is None else 2 * last.backoff
+        self._failures[name] = _LoadFailure(error, now + backoff, backoff)
+
+    def _may_try(self, name: str, now: float) -> bool:
+        failure = self._failures.get(name)
+        return failure is None or now >= failure.retry_at
+
+    def _waits_for_memory(self, name: str) -> bool:
+        return (
+            name not in self.scheduler.draining
+            and name not in self._failures
+            and self.pool.slot_of(name) is None
+        )
+
+    def _plan_drains(self, starving: list[str], now: float) -> None:
+        """Give each starving adapter, oldest first, a drain in progress: the earliest-begun one no
+        adapter before it claimed, else a new one. A drain no starving adapter claims ends (its
+        adapter admits requests again), except that drained memory already free stays reserved
+        while any adapter starves: it may take several drains to fit one adapter."""
+        draining = self.scheduler.draining
+        candidates = self.pool.displaceable()
+        for name in [n for n in draining if n not in candidates]:
+            del draining[name]  # evicted, pinned or made @active since
+        if not starving:
+            draining.clear()
+            return
+        in_progress = [n for n in draining if candidates[n][1] > 0]  # in the order they began
+        for name in in_progress[len(starving) :]:
+            del draining[name]
+        if len(starving) > len(in_progress):
+            self._begin_drains(len(starving) - len(in_progress), candidates, now)
+
+    def _begin_drains(self, n: int, candidates: dict[str, tuple[int, int]], now: float) -> None:
+        """Drain up to `n` more adapters: among those held by running requests, the least work left
+        first (the drain that ends soonest, and wastes least if it must preempt)."""
+        work = self.scheduler.work_left()
+        held = sorted(
+            (work.get(slot, 0), slot, name)
+            for name, (slot, refcount) in candidates.items()
+            if refcount > 0 and name not in self.scheduler.draining
+        )
+        for _, _, name in held[:n]:
+            self.scheduler.draining[name] = now
+            self.num_drains += 1
+
+    def _end_overdue_drains(self, now: float) -> bool:
+        """Preempt the running sequences of every drain that has run `adapter_drain_s`, so that no
+        drain outlasts it by more than a step. Whether any sequence was preempted."""
+        candidates = self.pool.displaceable()
+        preempted = 0
+        for name, began in self.scheduler.draining.items():
+            if now - began >= self.drain_s:
+                preempted += self.scheduler.preempt_adapter(candidates[name][0])
+        return preempted > 0
+
+    def _doomed(self, now: float) -> list[Sequence]:
+        """Waiting requests that have waited `adapter_wait_timeout_s` for an adapter whose latest
+        load failed for a reason other than memory."""
+        if not self._failures:
+            return []
         doomed = []
         for seq in self.scheduler.waiting:
-            name = seq.adapter_name
-            if name is None or self.pool.slot_of(name) is not None:
-                continue
-            if name in failed or seq.created < deadline:
-                reason = failed.get(name, f"no LoRA slot freed within {self.wait_timeout_s:g} s")
-                seq.error = f"adapter {name!r} could not be loaded: {reason}"
+            name, since = seq.adapter_name, seq.adapter_blocked_since
+            failure = self._failures.get(name) if name is not None else None
+            if failure is not None and since is not None and now - since >= self.wait_timeout_s:
+                seq.error = f"adapter {name!r} could not be loaded: {failure.error}"
                 doomed.append(seq)
         return doomed

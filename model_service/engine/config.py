@@ -145,9 +145,23 @@ class EngineConfig:
         "the device runs the step before: on, off, or auto (= on for CUDA, one GPU or tensor-parallel)",
         choices=["auto", "on", "off"],
     )
+    adapter_starvation_s: float = _opt(
+        1.0,
+        "seconds a request may wait for device memory for its adapter before the adapter takes "
+        "precedence: a resident adapter (the one with the least work left) stops admitting requests "
+        "until its running ones are done, and the waiting adapter takes its place",
+        group="lora",
+    )
+    adapter_drain_s: float = _opt(
+        1.0,
+        "seconds such a displaced adapter's running requests may take to finish before they are "
+        "preempted (they queue again; their K/V mostly comes back from the prefix cache)",
+        group="lora",
+    )
     adapter_wait_timeout_s: float = _opt(
         30.0,
-        "seconds a request waits for its adapter to get a device slot before it fails",
+        "seconds a request waits while its adapter cannot be loaded at all (a bad file, unreachable "
+        "storage; retried after 1, 2, 4... s) before it fails; busy device memory never fails a request",
         group="lora",
     )
 
@@ -160,6 +174,8 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if min(self.adapter_starvation_s, self.adapter_drain_s, self.adapter_wait_timeout_s) < 0:
+            raise ValueError("the adapter_*_s waits must not be negative")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
 

@@ -76,6 +76,7 @@ class EngineStats:
     num_steps: int
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    adapter_drains: int = 0  # resident adapters drained so that a starving one could load
     # Recurrent-state slots (hybrid models; 0 without recurrent layers). Free includes the slots
     # holding prefix-cache snapshots, which are given back when a sequence needs one; so once
     # nothing runs, free == total, or a slot leaked.
@@ -125,7 +126,7 @@ class Engine:
         )
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.beams = BeamSearch(self.scheduler, self.tokenizer)
-        self.adapters = AdapterControl(self.lora, self.scheduler, config.adapter_wait_timeout_s)
+        self.adapters = AdapterControl(self.lora, self.scheduler, config)
         self.proposer: Proposer | None = None
         if draft is not None:  # its cache has as many blocks as the target's (budgeted above)
             self.proposer = DraftProposer(draft, config, num_blocks, self.max_model_len, mc.vocab_size)
@@ -186,6 +187,10 @@ class Engine:
             raise PreconditionError(
                 f"no adapter is active, so {ACTIVE!r} names none: ModelControl.SetActive sets one "
                 "(or name the adapter itself)"
+            )
+        if adapter is not None and self.config.max_loras == 0:  # it would wait forever for a slot
+            raise PreconditionError(
+                f"adapter {adapter!r} asked for, but this server has no LoRA slots (--max-loras 0)"
             )
         if adapter is not None and not self.lora.known(adapter):
             names = sorted(a.name for a in self.lora.report())
@@ -533,6 +538,7 @@ class Engine:
             num_steps=self.num_steps,
             spec_proposed_tokens=self.spec_proposed,
             spec_accepted_tokens=self.spec_accepted,
+            adapter_drains=self.adapters.num_drains,
             state_slots_total=self.cache.num_state_slots,
             state_slots_free=self.cache.num_free_state_slots + self.cache.num_cached_states,
             state_slots_cached=self.cache.num_cached_states,

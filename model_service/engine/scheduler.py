@@ -11,6 +11,10 @@ A step has a token budget. Policies, each one method below:
   arrival); the sequence itself when it is the least important.
 - `_preempt`: by swap (its KV goes to host memory, while the swap budget lasts) or by
   recompute (its blocks are freed; it prefills again, mostly from the prefix cache).
+- Adapters: a waiting request whose adapter is not resident, or is `draining`, waits without
+  blocking the requests behind it and is noted in `adapter_demand`; `AdapterControl`
+  (engine/adapters.py) loads adapters and decides which to drain, `preempt_adapter` ends a drain
+  that has taken too long.
 Decode rows and prefill chunks of one step go through the model in one mixed forward pass.
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 import bisect
 import operator
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -50,8 +55,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheManager, adapters: AdapterSlots) -> None:
-        self.cache, self.adapters = cache, adapters
+    def __init__(
+        self,
+        config: EngineConfig,
+        cache: CacheManager,
+        adapters: AdapterSlots,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`clock`: the time the scheduler stamps waits with (and `AdapterControl` reads); tests
+        pass a simulated one."""
+        self.cache, self.adapters, self.clock = cache, adapters, clock
         self.token_budget = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.max_waiting = config.max_waiting_requests
@@ -64,6 +77,9 @@ class Scheduler:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.adapter_demand: dict[str, None] = {}  # adapters waiting requests need (ordered set)
+        # Adapters admitting no new requests until their running ones are done (name -> when the
+        # drain began), so that a starving adapter can take their memory. Set by AdapterControl.
+        self.draining: dict[str, float] = {}
 
     # --- queues ---------------------------------------------------------------------------
 
@@ -155,7 +171,7 @@ class Scheduler:
             if slot is not None:
                 seq.state.lora_slot = self.adapters.acquire(slot)
             if seq.first_scheduled_at is None:
-                seq.first_scheduled_at = time.monotonic()
+                seq.first_scheduled_at = self.clock()
             self._release_swap(seq)
             self.waiting.pop(i)
             seq.status = Status.RUNNING
@@ -164,15 +180,50 @@ class Scheduler:
             budget -= n
 
     def _adapter_slot(self, seq: Sequence) -> tuple[bool, int | None]:
-        """(ready, resident slot or None for the base model). A missing adapter is noted as demand,
-        which the engine serves at its next quiescent point."""
-        if seq.adapter_name is None:
+        """(ready, resident slot or None for the base model). A missing or draining adapter is
+        noted as demand, which the engine serves at its next quiescent point, and the request's
+        adapter wait starts."""
+        name = seq.adapter_name
+        if name is None:
             return True, None
-        slot = self.adapters.slot_of(seq.adapter_name)
+        slot = self.adapters.slot_of(name) if name not in self.draining else None
         if slot is None:
-            self.adapter_demand[seq.adapter_name] = None
+            self.adapter_demand[name] = None
+            if seq.adapter_blocked_since is None:
+                seq.adapter_blocked_since = self.clock()
             return False, None
+        seq.adapter_blocked_since = None
         return True, slot
+
+    def blocked_adapters(self) -> dict[str, float]:
+        """Adapters that waiting requests wait for, each with the start of its longest wait, the
+        longest first. Made from the queue itself, so a request the last step did not look at
+        (the budget ran out before it) still counts, and an aborted one no longer does."""
+        since: dict[str, float] = {}
+        for seq in self.waiting:
+            t = seq.adapter_blocked_since
+            if t is not None and seq.adapter_name is not None:
+                since[seq.adapter_name] = min(t, since.get(seq.adapter_name, t))
+        return dict(sorted(since.items(), key=operator.itemgetter(1)))
+
+    def work_left(self) -> dict[int, int]:
+        """Per LoRA slot, the tokens its running sequences still have to run at most (prompt not
+        yet computed plus output not yet produced): how long draining that slot may take."""
+        left: dict[int, int] = {}
+        for seq in self.running:
+            if seq.state is not None and seq.state.lora_slot >= 0:
+                n = len(seq.token_ids) - seq.num_computed + seq.params.max_tokens - seq.num_output_tokens
+                left[seq.state.lora_slot] = left.get(seq.state.lora_slot, 0) + n
+        return left
+
+    def preempt_adapter(self, slot: int) -> int:
+        """Preempt every running sequence that holds LoRA `slot`, so its refcount drops to zero
+        now; they wait again (recomputed mostly from the prefix cache, or swapped). Only at a
+        quiescent point: no token of theirs may be in flight. Returns how many were preempted."""
+        holders = [s for s in self.running if s.state is not None and s.state.lora_slot == slot]
+        for seq in holders:
+            self._preempt(seq)
+        return len(holders)
 
     def _attach_state(self, seq: Sequence) -> bool:
         """Give a waiting sequence its KV state: restored from host, or with its cached prefix."""

@@ -105,6 +105,9 @@ class Sequence:
         self.adapter_id = 0  # content identity of the weights serving it (0 = base model)
         self.created = time.monotonic()
         self.first_scheduled_at: float | None = None  # end of its queue wait
+        # When the scheduler first found it waiting for its adapter (not resident, or draining);
+        # None once its adapter can serve it. Starvation is measured from here (engine/adapters.py).
+        self.adapter_blocked_since: float | None = None
         self.group: BeamGroup | None = None  # set for the beams of a beam-search request
         self.beam_logits: torch.Tensor | None = None  # this beam's next-token logits, awaiting siblings
         self.spec_tokens: list[int] = []  # proposed continuation to verify in its next step

@@ -309,6 +309,18 @@ class LoraPool:
         self.disk.pop(name, None)
         self.identity.pop(name, None)
 
+    # --- admission (engine/adapters.py drains adapters through this) ------------------------
+
+    def displaceable(self) -> dict[str, tuple[int, int]]:
+        """Resident adapters that may be drained to make room for a starving one, as name ->
+        (slot, refcount): neither pinned nor `@active` (a stale slot takes no new requests and
+        frees itself)."""
+        return {
+            s.adapter.name: (i, s.refcount)
+            for i, s in enumerate(self.slots)
+            if s.adapter is not None and not s.pinned and not s.stale and i != self.active
+        }
+
     # --- internals ------------------------------------------------------------------------
 
     def _host_copy(self, name: str) -> LoraAdapter:

@@ -78,6 +78,11 @@ class _EngineCollector(Collector):
         )
         yield counter("vllm:num_preemptions", "Sequences preempted (swap or recompute).", st.num_preemptions)
         yield counter(
+            "spindle:lora_adapter_drains",
+            "Resident adapters drained (new requests held back) so that a starving adapter could load.",
+            st.adapter_drains,
+        )
+        yield counter(
             "vllm:spec_decode_num_draft_tokens", "Speculative tokens proposed.", st.spec_proposed_tokens
         )
         yield counter(
