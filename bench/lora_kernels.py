@@ -19,6 +19,7 @@ CUDA graph), one JSON line per step and projection, a table last.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -102,7 +103,7 @@ def run_projection(name: str, batch: StepBatch, tiles_only: bool, args: argparse
 
     x, w = randn(n, in_features), randn(out, in_features, scale=in_features**-0.5)
     table = adapter_table(name, args, g)
-    starts = torch.tensor([0, *sizes[:-1]], device="cuda").cumsum(0)
+    starts = tuple(itertools.accumulate(sizes[:-1], initial=0))
     plan = LoraStepPlan(use_kernels=True)
     plan.prepare(batch)
     if tiles_only:  # the plan before the decode rows were split off
@@ -138,7 +139,7 @@ def run_fused_activation(batch: StepBatch, args: argparse.Namespace) -> dict:
     y = torch.randn(n, out, generator=g, device="cuda").to(torch.bfloat16)
     table = adapter_table("gate_up", args, g)
     xa = torch.randn(n, 2 * table.max_rank, generator=g, device="cuda")
-    starts = torch.tensor([0, sizes[0]], device="cuda")
+    starts = (0, sizes[0])
     plan = LoraStepPlan(use_kernels=True)
     plan.prepare(batch)
 

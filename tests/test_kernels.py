@@ -260,7 +260,7 @@ def test_triton_lora_matches_reference(tokens, dtype, in_features):
         sizes, x, y, table, slots = _lora_case(tokens, "cuda", dtype, seed, in_features)
         want, got = y.clone(), y.clone()
         lora_delta_reference(x, want, table, slots, sizes)
-        starts = torch.tensor([0, sizes[0], sizes[0] + sizes[1]], device="cuda")
+        starts = (0, sizes[0], sizes[0] + sizes[1])
         lora_expand(lora_shrink(x, table, slots), got, table, slots, starts)
         assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
         assert torch.equal(got[slots < 0], y[slots < 0])
@@ -325,7 +325,7 @@ def test_triton_silu_mul_lora_matches_reference_and_the_unfused_kernels(tokens, 
     for seed in range(2):
         y, xa, table, slots = _gate_up_case(tokens, "cuda", dtype, seed)
         per_row, unfused = silu_mul_lora_rows(y, xa, table, slots), y.clone()
-        lora_expand(xa, unfused, table, slots, torch.tensor([0, 48], device="cuda"))
+        lora_expand(xa, unfused, table, slots, (0, 48))
         assert _rel(per_row, silu_and_mul(unfused)) < (1e-6 if dtype == torch.float32 else 1e-2)
         assert _rel(per_row, silu_mul_lora_reference(y, xa, table, slots)) < tol
 
@@ -353,7 +353,7 @@ def test_triton_lora_tiles_match_reference(tokens, dtype, in_features):
         slots = _runs_of_slots(tokens, seed).cuda()
         want, got = y.clone(), y.clone()
         lora_delta_reference(x, want, table, slots, sizes)
-        starts = torch.tensor([0, sizes[0], sizes[0] + sizes[1]], device="cuda")
+        starts = (0, sizes[0], sizes[0] + sizes[1])
         tiles = torch.from_numpy(lora_tiles(slots.cpu().numpy())).cuda()
         lora_expand_tiles(lora_shrink_tiles(x, table, tiles), got, table, tiles, starts)
         assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
@@ -403,7 +403,7 @@ def test_triton_lora_of_a_mixed_step_matches_reference(dtype, in_features):
     plan.prepare(batch)
     want, got = y.clone(), y.clone()
     lora_delta_reference(x, want, table, batch.lora_slots, sizes)
-    starts = torch.tensor([0, sizes[0], sizes[0] + sizes[1]], device="cuda")
+    starts = (0, sizes[0], sizes[0] + sizes[1])
     plan.expand(plan.shrink(x, table), got, table, starts)
     assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
     assert torch.equal(got[batch.lora_slots < 0], y[batch.lora_slots < 0])

@@ -85,76 +85,83 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def per_part(Table, row, part, field: tl.constexpr, NUM_PARTS: tl.constexpr, STRIDE: tl.constexpr):
+        """Each element's value of its part's `field` in one adapter's table row (`row`: where
+        the row starts; `STRIDE`: values per part): one scalar load per part, all issued at
+        once, and a select, so nothing waits on a gather of per-element addresses (a chain of
+        dependent loads made the per-row kernels latency-bound)."""
+        value = tl.load(Table + row + field) + tl.zeros_like(part)
+        for p in tl.static_range(1, NUM_PARTS):
+            value = tl.where(part == p, tl.load(Table + row + p * STRIDE + field), value)
+        return value
+
+    @triton.jit
     def _shrink_kernel(
-        X, W, Entries, Slots, XA, x_stride, e_stride, in_features, width, k_chunk,
-        MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        VEC: tl.constexpr,
+        X, W, Entries, Slots, XA, x_stride, e_stride, in_features, k_chunk,
+        NUM_PARTS: tl.constexpr, MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, VEC: tl.constexpr,
     ):  # fmt: skip
         t, rb, ks = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(Slots + t)
         if slot >= 0:
             r = rb * BLOCK_R + tl.arange(0, BLOCK_R)  # columns of xa: part * MAX_RANK + rank row
-            entry = Entries + slot * e_stride + (r // MAX_RANK) * 3
-            rank = tl.load(entry + 2, mask=r < width, other=0)
-            live = (r % MAX_RANK) < rank
+            part, row = r // MAX_RANK, slot * e_stride
+            rank = per_part(Entries, row, part, 2, NUM_PARTS, 3)
+            a_row = per_part(Entries, row, part, 0, NUM_PARTS, 3) + (r % MAX_RANK) * in_features
+            live = ((r % MAX_RANK) < rank) & (r < NUM_PARTS * MAX_RANK)
             if tl.max(live.to(tl.int32), axis=0) > 0:  # a block of rows the adapter has
-                a_row = tl.load(entry, mask=live, other=0) + (r % MAX_RANK) * in_features
                 a_row = tl.multiple_of(a_row, VEC)  # VEC: in_features' alignment (arena_layout)
                 acc = tl.zeros([BLOCK_R], tl.float32)
                 k_end = tl.minimum((ks + 1) * k_chunk, in_features)
                 for k0 in range(ks * k_chunk, k_end, BLOCK_K):
                     k = k0 + tl.arange(0, BLOCK_K)
                     x = tl.load(X + t * x_stride + k, mask=k < k_end, other=0.0).to(tl.float32)
-                    a = tl.load(
-                        W + a_row[:, None] + k[None, :], mask=live[:, None] & (k[None, :] < k_end), other=0.0
-                    )
+                    mask = live[:, None] & (k[None, :] < k_end)
+                    a = tl.load(W + a_row[:, None] + k[None, :], mask=mask, other=0.0)
                     acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
+                xa = XA + t * NUM_PARTS * MAX_RANK + r
                 if SPLIT_K:
-                    tl.atomic_add(XA + t * width + r, acc, mask=live)  # partial sums
+                    tl.atomic_add(xa, acc, mask=live)  # partial sums
                 else:
-                    tl.store(XA + t * width + r, acc, mask=live)
+                    tl.store(xa, acc, mask=live)
 
     @triton.jit
-    def _row_rank(Entries, entry_row, part, valid):
-        """Each output column's part's rank for one row's adapter (0: the part is not targeted)."""
-        return tl.load(Entries + entry_row + part * 3 + 2, mask=valid, other=0)
-
-    @triton.jit
-    def _row_delta(XA, W, Entries, Scaling, xa_row, entry_row, scaling_row, part, rank, o_in_part, valid,
-                   MAX_RANK: tl.constexpr):  # fmt: skip
-        """Each output column's delta for one row: its part's B row (at the adapter's own rank)
-        times the row's xa, scaled; 0 where the part is not targeted."""
+    def _row_delta(
+        XA, W, Entries, Scaling, xa_row, slot, e_stride, s_stride, part, o_in_part, valid,
+        NUM_PARTS: tl.constexpr, MAX_RANK: tl.constexpr,
+    ):  # fmt: skip
+        """Each output column's delta for one row: its part's B row (at the adapter's own rank,
+        rows `aligned_up(rank)` apart) times the row's xa, scaled; 0 where the part is not
+        targeted. Also the block's largest rank: 0 when no column of it is targeted."""
+        rank = tl.where(valid, per_part(Entries, slot * e_stride, part, 2, NUM_PARTS, 3), 0)
+        b_row = per_part(Entries, slot * e_stride, part, 1, NUM_PARTS, 3) + o_in_part * ((rank + 7) // 8 * 8)
+        scale = per_part(Scaling, slot * s_stride, part, 0, NUM_PARTS, 1)
         r = tl.arange(0, MAX_RANK)
         live = valid[:, None] & (r[None, :] < rank[:, None])
-        b_row = tl.load(Entries + entry_row + part * 3 + 1, mask=valid, other=0)
-        b_row = tl.multiple_of(b_row + o_in_part * ((rank + 7) // 8 * 8), 8)  # rows aligned_up(rank) apart
         xa = tl.load(XA + xa_row + part[:, None] * MAX_RANK + r[None, :], mask=live, other=0.0)
-        b = tl.load(W + b_row[:, None] + r[None, :], mask=live, other=0.0).to(tl.float32)
-        scale = tl.load(Scaling + scaling_row + part, mask=valid & (rank > 0), other=0.0)
-        return tl.sum(xa * b, axis=1) * scale
+        b = tl.load(W + tl.multiple_of(b_row, 8)[:, None] + r[None, :], mask=live, other=0.0)
+        return tl.sum(xa * b.to(tl.float32), axis=1) * scale, tl.max(rank, axis=0)
 
     @triton.jit
     def _expand_kernel(
-        XA, W, Entries, Scaling, Slots, Y, Bounds, y_stride, e_stride, s_stride, out_features, width,
-        num_parts, MAX_RANK: tl.constexpr, BLOCK_O: tl.constexpr,
+        XA, W, Entries, Scaling, Slots, Y, y_stride, e_stride, s_stride, out_features,
+        NUM_PARTS: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, MAX_RANK: tl.constexpr,
+        BLOCK_O: tl.constexpr,
     ):  # fmt: skip
         t, ob = tl.program_id(0), tl.program_id(1)
         slot = tl.load(Slots + t)
         if slot >= 0:
             o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
             valid = o < out_features
-            part = tl.zeros([BLOCK_O], tl.int32)
-            for j in range(1, num_parts):
-                part += (o >= tl.load(Bounds + j)).to(tl.int32)
-            rank = _row_rank(Entries, slot * e_stride, part, valid)
-            if tl.max(rank, axis=0) > 0:  # some part of this block is targeted: read and write y
-                y_ptr = Y + t * y_stride + o
-                y = tl.load(y_ptr, mask=valid, other=0.0)  # first: its latency hides under xa's and B's
-                lo = tl.load(Bounds + part, mask=valid, other=0)
-                delta = _row_delta(
-                    XA, W, Entries, Scaling, t * width, slot * e_stride, slot * s_stride, part, rank, o - lo,
-                    valid, MAX_RANK,
-                )  # fmt: skip
+            y_ptr = Y + t * y_stride + o
+            part = (o >= B1).to(tl.int32) + (o >= B2).to(tl.int32)  # B1, B2: parts 1 and 2 start
+            lo = tl.where(part == 0, 0, tl.where(part == 1, B1, B2))
+            delta, top = _row_delta(
+                XA, W, Entries, Scaling, t * NUM_PARTS * MAX_RANK, slot, e_stride, s_stride, part, o - lo,
+                valid, NUM_PARTS, MAX_RANK,
+            )  # fmt: skip
+            if top > 0:  # some column of this block is targeted: read and write y
+                y = tl.load(y_ptr, mask=valid, other=0.0)
                 tl.store(y_ptr, (y.to(tl.float32) + delta).to(y.dtype), mask=valid)
 
     @triton.jit
@@ -169,17 +176,27 @@ if triton is not None:
         up = tl.load(Y + t * y_stride + inter + o, mask=valid, other=0.0)
         slot = tl.load(Slots + t)
         if slot >= 0:  # the expand's arithmetic (`_expand_kernel`) for part 0 (gate) and 1 (up)
-            xa_row, entry_row, scaling_row = t * xa_stride, slot * e_stride, slot * s_stride
-            for p in tl.static_range(2):
-                part = tl.full([BLOCK_O], p, tl.int32)
-                rank = _row_rank(Entries, entry_row, part, valid)
-                delta = _row_delta(
-                    XA, W, Entries, Scaling, xa_row, entry_row, scaling_row, part, rank, o, valid, MAX_RANK
-                )
-                if p == 0:
-                    gate = (gate.to(tl.float32) + delta).to(gate.dtype)
-                else:
-                    up = (up.to(tl.float32) + delta).to(up.dtype)
+            zero = tl.zeros([BLOCK_O], tl.int32)
+            delta, _ = _row_delta(
+                XA, W, Entries, Scaling, t * xa_stride, slot, e_stride, s_stride, zero, o, valid, 2, MAX_RANK
+            )
+            gate = (gate.to(tl.float32) + delta).to(gate.dtype)
+            delta, _ = _row_delta(
+                XA,
+                W,
+                Entries,
+                Scaling,
+                t * xa_stride,
+                slot,
+                e_stride,
+                s_stride,
+                zero + 1,
+                o,
+                valid,
+                2,
+                MAX_RANK,
+            )
+            up = (up.to(tl.float32) + delta).to(up.dtype)
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(up.dtype)  # as kernels/fused.py's SiLU-mul rounds it
         tl.store(Out + t * inter + o, act * up, mask=valid)
@@ -238,22 +255,30 @@ def lora_shrink(
         xa.zero_()  # the programs add their partial sums into it
     _shrink_kernel[(tokens, triton.cdiv(width, 16), triton.cdiv(in_features, k_chunk))](
         x, table.weights, table.entries, slots, xa, x.stride(0), table.entries.stride(0), in_features,
-        width, k_chunk, MAX_RANK=table.max_rank, BLOCK_R=16, BLOCK_K=128, SPLIT_K=split_k > 1,
-        VEC=TENSOR_ALIGN if in_features % TENSOR_ALIGN == 0 else 1,
+        k_chunk, NUM_PARTS=table.parts, MAX_RANK=table.max_rank, BLOCK_R=16, BLOCK_K=128,
+        SPLIT_K=split_k > 1, VEC=TENSOR_ALIGN if in_features % TENSOR_ALIGN == 0 else 1,
     )  # fmt: skip
     return xa
 
 
+def part_bounds(starts: Sequence[int], out_features: int) -> tuple[int, int]:
+    """Where parts 1 and 2 of a projection begin (`out_features` for a part it does not have):
+    compile-time constants of the expand kernels, which then find a column's part without loads."""
+    padded = [*starts[1:], out_features, out_features]
+    return padded[0], padded[1]
+
+
 def lora_expand(
-    xa: torch.Tensor, y: torch.Tensor, table: AdapterTable, slots: torch.Tensor, bounds: torch.Tensor
+    xa: torch.Tensor, y: torch.Tensor, table: AdapterTable, slots: torch.Tensor, starts: Sequence[int]
 ) -> None:
     """y[t] += scaling[slot, part] * B @ xa[t] for every part (Triton, CUDA only, in place);
-    `bounds` holds each part's first output column, on the device."""
+    `starts`: each part's first output column."""
     tokens, out = y.shape
+    b1, b2 = part_bounds(starts, out)
     _expand_kernel[(tokens, triton.cdiv(out, 128))](
-        xa, table.weights, table.entries, table.scaling, slots, y, bounds, y.stride(0),
-        table.entries.stride(0), table.scaling.stride(0), out, table.parts * table.max_rank, table.parts,
-        MAX_RANK=table.max_rank, BLOCK_O=128,
+        xa, table.weights, table.entries, table.scaling, slots, y, y.stride(0), table.entries.stride(0),
+        table.scaling.stride(0), out, NUM_PARTS=table.parts, B1=b1, B2=b2, MAX_RANK=table.max_rank,
+        BLOCK_O=128,
     )  # fmt: skip
 
 

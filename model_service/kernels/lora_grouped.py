@@ -12,10 +12,12 @@ whose `lora_delta_reference` is the reference for both.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-from model_service.kernels.lora import TENSOR_ALIGN, AdapterTable, num_sms
+from model_service.kernels.lora import TENSOR_ALIGN, AdapterTable, num_sms, part_bounds
 from model_service.kernels.paged_attention import dot_precision, triton
 
 TILE_ROWS = 64
@@ -23,25 +25,28 @@ TILE_ROWS = 64
 if triton is not None:
     import triton.language as tl
 
+    from model_service.kernels.lora import per_part
+
     @triton.jit
     def _tile(Tiles, tile):
         return tl.load(Tiles + tile * 3), tl.load(Tiles + tile * 3 + 1), tl.load(Tiles + tile * 3 + 2)
 
     @triton.jit
     def _shrink_tiles_kernel(
-        X, W, Entries, Tiles, XA, x_stride, e_stride, in_features, width, k_chunk,
-        MAX_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, VEC: tl.constexpr,
+        X, W, Entries, Tiles, XA, x_stride, e_stride, in_features, k_chunk,
+        NUM_PARTS: tl.constexpr, MAX_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+        VEC: tl.constexpr,
     ):  # fmt: skip
         tile, nb, ks = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start, end, slot = _tile(Tiles, tile)
         if start < end:  # a static buffer's unused tiles are empty (piecewise graphs)
             n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of xa: part * MAX_RANK + rank row
-            entry = Entries + slot * e_stride + (n // MAX_RANK) * 3
-            rank = tl.load(entry + 2, mask=n < width, other=0)
-            live = (n % MAX_RANK) < rank
+            part, row = n // MAX_RANK, slot * e_stride
+            rank = per_part(Entries, row, part, 2, NUM_PARTS, 3)
+            a_row = per_part(Entries, row, part, 0, NUM_PARTS, 3) + (n % MAX_RANK) * in_features
+            live = ((n % MAX_RANK) < rank) & (n < NUM_PARTS * MAX_RANK)
             if tl.max(live.to(tl.int32), axis=0) > 0:  # rows of A the adapter has
-                a_row = tl.load(entry, mask=live, other=0) + (n % MAX_RANK) * in_features
                 a_row = tl.multiple_of(a_row, VEC)  # VEC: in_features' alignment (arena_layout)
                 m = start + tl.arange(0, BLOCK_M)
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -54,11 +59,9 @@ if triton is not None:
                         x_mask = x_mask & (k[None, :] < k_end)
                         a_mask = a_mask & (k[None, :] < k_end)
                     x = tl.load(X + m[:, None] * x_stride + k[None, :], mask=x_mask, other=0.0)
-                    a = tl.load(
-                        W + a_row[:, None] + k[None, :], mask=a_mask, other=0.0
-                    )  # rows of A: coalesced
+                    a = tl.load(W + a_row[:, None] + k[None, :], mask=a_mask, other=0.0)  # rows of A
                     acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-                xa_ptr = XA + m[:, None] * width + n[None, :]
+                xa_ptr = XA + m[:, None] * (NUM_PARTS * MAX_RANK) + n[None, :]
                 mask = (m[:, None] < end) & live[None, :]
                 if SPLIT_K:
                     tl.atomic_add(xa_ptr, acc, mask=mask)  # partial sums into a zeroed buffer
@@ -67,9 +70,9 @@ if triton is not None:
 
     @triton.jit
     def _expand_tiles_kernel(
-        XA, W, Entries, Scaling, Tiles, Y, Bounds, y_stride, e_stride, s_stride, out_features, width,
-        num_parts, MAX_RANK: tl.constexpr, RANK_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_O: tl.constexpr, PRECISION: tl.constexpr,
+        XA, W, Entries, Scaling, Tiles, Y, y_stride, e_stride, s_stride, out_features,
+        NUM_PARTS: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, MAX_RANK: tl.constexpr,
+        RANK_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         tile, ob = tl.program_id(0), tl.program_id(1)
         start, end, slot = _tile(Tiles, tile)
@@ -80,25 +83,19 @@ if triton is not None:
             rows, cols = m < end, o < out_features
             acc = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
             hits = tl.zeros([BLOCK_O], tl.int32)  # columns some targeted part covers
-            for j in range(num_parts):  # a column block may straddle parts (q | k | v)
-                lo = tl.load(Bounds + j)
-                hi = tl.load(Bounds + j + 1, mask=j + 1 < num_parts, other=out_features)
-                entry = Entries + slot * e_stride + j * 3
-                rank = tl.load(entry + 2)
-                if (
-                    (rank > 0) & (ob * BLOCK_O < hi) & (ob * BLOCK_O + BLOCK_O > lo)
-                ):  # targeted parts it covers
+            for j in tl.static_range(NUM_PARTS):  # a column block may straddle parts (q | k | v)
+                lo = 0 if j == 0 else (B1 if j == 1 else B2)
+                hi = B1 if j == 0 else (B2 if j == 1 else out_features)
+                rank = tl.load(Entries + slot * e_stride + j * 3 + 2)  # the part's three values,
+                b_off = tl.load(Entries + slot * e_stride + j * 3 + 1)  # loaded side by side
+                scale = tl.load(Scaling + slot * s_stride + j)
+                if (rank > 0) & (ob * BLOCK_O < hi) & (ob * BLOCK_O + BLOCK_O > lo):  # targeted, covered
                     in_part = cols & (o >= lo) & (o < hi)
                     in_rank = r[None, :] < rank
-                    xa = tl.load(
-                        XA + m[:, None] * width + j * MAX_RANK + r[None, :],
-                        mask=rows[:, None] & in_rank,
-                        other=0.0,
-                    )
-                    b_row = tl.multiple_of(tl.load(entry + 1) + (o - lo) * ((rank + 7) // 8 * 8), 8)
-                    b_ptr = W + b_row[:, None] + r[None, :]  # B's rows are aligned_up(rank) apart
-                    b = tl.load(b_ptr, mask=in_part[:, None] & in_rank, other=0.0)
-                    scale = tl.load(Scaling + slot * s_stride + j)
+                    xa_ptr = XA + m[:, None] * (NUM_PARTS * MAX_RANK) + j * MAX_RANK + r[None, :]
+                    xa = tl.load(xa_ptr, mask=rows[:, None] & in_rank, other=0.0)
+                    b_row = tl.multiple_of(b_off + (o - lo) * ((rank + 7) // 8 * 8), 8)  # aligned_up(rank)
+                    b = tl.load(W + b_row[:, None] + r[None, :], mask=in_part[:, None] & in_rank, other=0.0)
                     acc += tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision=PRECISION) * scale
                     hits += in_part.to(tl.int32)
             if tl.max(hits, axis=0) > 0:
@@ -145,22 +142,23 @@ def lora_shrink_tiles(
     grid = (tiles.shape[0], triton.cdiv(width, block_n), triton.cdiv(in_features, k_chunk))
     _shrink_tiles_kernel[grid](
         x, table.weights, table.entries, tiles, xa, x.stride(0), table.entries.stride(0), in_features,
-        width, k_chunk, MAX_RANK=table.max_rank, BLOCK_M=TILE_ROWS, BLOCK_N=block_n, BLOCK_K=64,
-        SPLIT_K=split_k > 1, EVEN_K=in_features % 64 == 0, PRECISION=dot_precision(x.dtype),
+        k_chunk, NUM_PARTS=table.parts, MAX_RANK=table.max_rank, BLOCK_M=TILE_ROWS, BLOCK_N=block_n,
+        BLOCK_K=64, SPLIT_K=split_k > 1, EVEN_K=in_features % 64 == 0, PRECISION=dot_precision(x.dtype),
         VEC=TENSOR_ALIGN if in_features % TENSOR_ALIGN == 0 else 1,
     )  # fmt: skip
     return xa
 
 
 def lora_expand_tiles(
-    xa: torch.Tensor, y: torch.Tensor, table: AdapterTable, tiles: torch.Tensor, bounds: torch.Tensor
+    xa: torch.Tensor, y: torch.Tensor, table: AdapterTable, tiles: torch.Tensor, starts: Sequence[int]
 ) -> None:
     """y += the LoRA delta of the rows `tiles` covers, like `lora_expand` (in place)."""
     _, out = y.shape
     max_rank = table.max_rank
+    b1, b2 = part_bounds(starts, out)
     _expand_tiles_kernel[(tiles.shape[0], triton.cdiv(out, 64))](
-        xa, table.weights, table.entries, table.scaling, tiles, y, bounds, y.stride(0),
-        table.entries.stride(0), table.scaling.stride(0), out, table.parts * max_rank, table.parts,
-        MAX_RANK=max_rank, RANK_PAD=max(16, triton.next_power_of_2(max_rank)), BLOCK_M=TILE_ROWS,
-        BLOCK_O=64, PRECISION=dot_precision(y.dtype),
+        xa, table.weights, table.entries, table.scaling, tiles, y, y.stride(0), table.entries.stride(0),
+        table.scaling.stride(0), out, NUM_PARTS=table.parts, B1=b1, B2=b2, MAX_RANK=max_rank,
+        RANK_PAD=max(16, triton.next_power_of_2(max_rank)), BLOCK_M=TILE_ROWS, BLOCK_O=64,
+        PRECISION=dot_precision(y.dtype),
     )  # fmt: skip

@@ -38,6 +38,10 @@ class ArenaSpace:
     def free(self) -> int:
         return self.capacity - self.used
 
+    def compacting_frees(self, size: int) -> bool:
+        """Whether the free elements, once compacted into one gap, would hold `size`."""
+        return self.free >= aligned(size)
+
     def place(self, slot: int, size: int) -> int | None:
         """Give `slot` an extent of `size` elements at the first gap that holds it (None: none does)."""
         need, cursor = aligned(size), 0

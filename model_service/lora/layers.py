@@ -131,17 +131,17 @@ class LoraStepPlan:
             lora_shrink(x[: self.lead], table, self.slots[: self.lead], out=xa[: self.lead])
         return xa
 
-    def expand(self, xa: torch.Tensor, y: torch.Tensor, table: AdapterTable, bounds: torch.Tensor) -> None:
+    def expand(self, xa: torch.Tensor, y: torch.Tensor, table: AdapterTable, starts: tuple[int, ...]) -> None:
         if self.tiles is None:
-            lora_expand(xa, y, table, self.slots, bounds)
+            lora_expand(xa, y, table, self.slots, starts)
             return
-        lora_expand_tiles(xa, y, table, self.tiles, bounds)
+        lora_expand_tiles(xa, y, table, self.tiles, starts)
         if self.static:
             rows = len(self.slots)
-            lora_expand(xa[:rows], y[:rows], table, self.slots, bounds)
+            lora_expand(xa[:rows], y[:rows], table, self.slots, starts)
         elif self.lead:
             d = self.lead
-            lora_expand(xa[:d], y[:d], table, self.slots[:d], bounds)
+            lora_expand(xa[:d], y[:d], table, self.slots[:d], starts)
 
 
 class LoraLinear(nn.Module):
@@ -155,9 +155,7 @@ class LoraLinear(nn.Module):
         self.base, self.table, self.plan = base, table, plan
         self.host_entries, self.host_scaling = host
         bounds = np.cumsum((0, *base.output_sizes))
-        self.register_buffer(
-            "part_starts", torch.tensor(bounds[:-1], dtype=torch.long, device=base.weight.device)
-        )
+        self.starts = tuple(int(lo) for lo in bounds[:-1])  # each part's first output column
         self.columns = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +175,7 @@ class LoraLinear(nn.Module):
 
     def _forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
         xa, y = self._shrink_and_base(x)
-        self.plan.expand(xa, y, self.table, self.part_starts)
+        self.plan.expand(xa, y, self.table, self.starts)
         return y
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:

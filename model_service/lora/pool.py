@@ -226,7 +226,7 @@ class LoraPool:
             offset = self.space.place(slot, size)
             if offset is not None:
                 return offset
-            if self.space.free >= size:
+            if self.space.compacting_frees(size):
                 for moved, to in self.space.compaction():
                     self.writer.move_slot(moved, to)
                 continue
