@@ -18,6 +18,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see model_service/__init__
@@ -34,12 +35,16 @@ from model_service.models.config import ModelConfig
 from model_service.models.loader import load_model
 
 
-def write_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int) -> Path:
+def write_adapter(
+    path: Path, cfg: ModelConfig, rank: int, seed: int, targets: Sequence[str] | None = None
+) -> Path:
+    """A random PEFT adapter of `rank` on `targets` (all seven projections without it)."""
     torch.manual_seed(seed)
     path.mkdir(parents=True)
     tensors = {}
+    shapes = {m: s for m, s in module_shapes(cfg).items() if targets is None or m in targets}
     for layer in range(cfg.num_layers):
-        for module, (fan_in, fan_out) in module_shapes(cfg).items():
+        for module, (fan_in, fan_out) in shapes.items():
             block = "self_attn" if module[0] in "qkvo" else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in) * 0.01
@@ -49,7 +54,7 @@ def write_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int) -> Path:
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": 2 * rank,
-        "target_modules": list(module_shapes(cfg)),
+        "target_modules": list(shapes),
     }
     (path / "adapter_config.json").write_text(json.dumps(config))
     return path

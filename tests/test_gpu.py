@@ -232,10 +232,46 @@ def test_warm_up_captures_every_decode_graph_so_serving_captures_none(tmp_path):
         graphs = engine.executor.graphs
         if device == "cuda":
             assert graphs is not None
-            assert set(graphs.graphs) == {(n, lora) for n in batch_ladder(24) for lora in (False, True)}
+            kinds = (0, 1, engine.executor.lora.plan.all_kinds)  # none, q/k/v (PEFT's default), all
+            assert set(graphs.graphs) == {(n, k) for n in batch_ladder(24) for k in kinds}
             captured = dict(graphs.graphs)
         results[device] = [o.token_ids for o in engine.generate(requests)]
     assert graphs.graphs == captured  # nothing captured while serving
+    assert results["cuda"] == results["cpu"]
+
+
+def _requests(adapters: list[str | None]) -> list[dict]:
+    """Greedy requests of varied prompt lengths, one through each of `adapters` (None: the base)."""
+    return [
+        {"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(5 + 2 * i)], "max_tokens": 6,
+         "temperature": 0, "ignore_eos": True, "adapter": name}
+        for i, name in enumerate(adapters)
+    ]  # fmt: skip
+
+
+def test_decode_graphs_run_lora_kernels_only_on_the_projections_the_step_targets(tmp_path):
+    """Adapters on q/v, on the MLP, and on all seven projections, alone and together in steps:
+    each step replays the graph of the projections its adapters target (captured at warm-up for
+    q/k/v and all, on first use for the MLP's), and the tokens are the CPU's."""
+    from bench.lora import write_adapter
+
+    cfg, reference = random_llama()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    targets = {"qv": ("q_proj", "v_proj"), "mlp": ("gate_proj", "up_proj", "down_proj"), "all": None}
+    adapters = {n: str(write_adapter(tmp_path / n, cfg, rank=8, seed=i, targets=t))
+                for i, (n, t) in enumerate(targets.items())}  # fmt: skip
+    rounds = [["qv", None], ["mlp", "mlp"], ["qv", "mlp", "all", None]]
+    results = {}
+    for device in ("cpu", "cuda"):
+        engine = _engine(cfg, reference, device, num_kv_blocks=96, block_size=4, max_num_seqs=8,
+                         max_loras=3, max_lora_rank=8, lora_modules=adapters)  # fmt: skip
+        engine.warm_up()
+        results[device] = [[o.token_ids for o in engine.generate(_requests(names))] for names in rounds]
+        if device == "cuda":
+            plan = engine.executor.lora.plan
+            kinds = {k for _, k in engine.executor.graphs.graphs}
+            mlp = plan.slot_kinds[engine.lora.slot_of("mlp")]
+            assert {1, int(mlp), plan.all_kinds} <= kinds and mlp & 1 == 0
     assert results["cuda"] == results["cpu"]
 
 

@@ -8,7 +8,9 @@ of the static logits are the step's. A pod captures every size at start-up (`cap
 largest first, so the smaller graphs fit in the memory the largest left in the shared pool);
 elsewhere a size is captured the first time it is needed. A step with LoRA rows replays a graph
 captured with the LoRA kernels (per-token slots in a static buffer too); without the kernels (a
-rank width that is not a power of two) it runs eagerly. Steps with prefill chunks replay graphs
+rank width that is not a power of two) it runs eagerly. Graphs are keyed by the kinds of
+projection the step's adapters target (`LoraStepPlan.kinds`): a step of q/v adapters replays
+one that has no LoRA kernels on o, gate_up and down. Steps with prefill chunks replay graphs
 split at attention (engine/piecewise_graphs.py) when they are small enough, else run eagerly.
 A step of decode rows and speculative verify runs (every token a logits row) replays the graph
 of its token count, each token a one-token row of its own
@@ -51,7 +53,7 @@ class DecodeGraphs:
         self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.rows = torch.arange(max_rows, device=device)
         self.lora_slots = torch.full((max_rows,), -1, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: tuple[int, int] | None = None
 
     def can_run(self, batch: StepBatch) -> bool:
@@ -66,7 +68,7 @@ class DecodeGraphs:
             batch = batch.as_token_rows()
         n = batch.num_seqs
         size = self.ladder[bisect.bisect_left(self.ladder, n)]
-        key = (size, batch.uses_lora)
+        key = (size, self.lora.kinds_of(batch.host_lora_slots) if self.lora is not None else 0)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         graph, logits = self.graphs[key]
@@ -79,18 +81,21 @@ class DecodeGraphs:
         return logits[:n].clone()  # the next replay overwrites the static output
 
     def capture_all(self) -> None:
-        """Every ladder size, with the LoRA kernels and without, now: a capture compiles the
-        step's kernels and records them (~0.1-0.5 s a size on an 8B model), a cost a pod pays
-        before it reports SERVING rather than as stalls of its first requests."""
+        """Every ladder size, without LoRA, with LoRA on every kind of projection and with it on
+        q/k/v alone (PEFT's default targets), now: a capture compiles the step's kernels and
+        records them (~0.1-0.5 s a size on an 8B model), a cost a pod pays before it reports
+        SERVING rather than as stalls of its first requests. Steps whose adapters target another
+        set of projections capture their graphs when first needed."""
+        sets = (0, 1, self.lora.all_kinds) if self.lora is not None else (0,)
         for size in reversed(self.ladder):
-            for with_lora in (False, True) if self.lora is not None else (False,):
-                if (size, with_lora) not in self.graphs:
-                    self.graphs[size, with_lora] = self._capture(size, with_lora)
+            for kinds in dict.fromkeys(sets):
+                if (size, kinds) not in self.graphs:
+                    self.graphs[size, kinds] = self._capture(size, kinds)
 
-    def _capture(self, size: int, with_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int, kinds: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self.backend.prepare_for_capture(size)
-        if self.lora is not None:  # the graph records the LoRA kernels only when it needs them
-            self.lora.for_capture(self.lora_slots[:size], with_lora)
+        if self.lora is not None:  # the graph records the LoRA kernels of the projections `kinds` names
+            self.lora.for_capture(self.lora_slots[:size], kinds)
         ctx = ForwardContext(attention=self.backend, logits_rows=self.rows[:size])
         ids, pos = self.input_ids[:size], self.positions[:size]
         self.forward(ids, pos, ctx)  # warm-up outside the graph: kernel compilation, allocator

@@ -232,7 +232,7 @@ class PiecewiseGraphs:
             rows = min(size, self.max_lead_rows)
             self.lora.for_pieces(self.lora_slots[:rows], self.lora_tiles[: tile_capacity(size)])
         elif self.lora is not None:  # base rows only: the plan's state is whatever the last step
-            self.lora.for_capture(ids[:0], enabled=False)  # or decode capture left (`capture_all`)
+            self.lora.for_capture(ids[:0], kinds=0)  # or decode capture left (`capture_all`)
         with torch.cuda.stream(self.stream):
             for capturing in (False, True):  # a warm-up first: kernel compilation, allocator, cuBLAS
                 torch.cuda.synchronize()

@@ -63,6 +63,12 @@ class LoraStepPlan:
     def __init__(self, use_kernels: bool) -> None:
         self.use_kernels = use_kernels
         self.enabled = False  # some row of this step uses an adapter
+        # Which kinds of projection (q/k/v, o, gate/up, down: a bit each) some row's adapter
+        # targets; the others run no LoRA kernel at all, so PEFT's default q/v adapters cost o,
+        # gate_up and down nothing (8B shape, 64 rows: 57 -> ~13 us of LoRA a layer).
+        self.kinds = 0
+        self.all_kinds = 0
+        self.slot_kinds: np.ndarray | None = None  # per slot, its adapter's kinds (`LoraLayers`)
         self.slots = torch.empty(0, dtype=torch.long)
         self.tiles: torch.Tensor | None = None
         self.lead = 0  # with tiles: the step's leading decode rows, which the per-row kernels serve
@@ -70,9 +76,19 @@ class LoraStepPlan:
         self.segments: list[tuple[int, torch.Tensor]] = []
         self._side: torch.cuda.Stream | None = None
 
-    def for_capture(self, slots: torch.Tensor, enabled: bool) -> None:
-        """A CUDA graph reads the rows' slots from a static buffer, with the per-row kernels."""
-        self.enabled, self.slots, self.tiles, self.static = enabled, slots, None, False
+    def kinds_of(self, host_slots: np.ndarray) -> int:
+        """The kinds of projection the adapters of these rows target (0: no adapter row)."""
+        used = np.unique(host_slots[host_slots >= 0])
+        if not used.size:
+            return 0
+        if self.slot_kinds is None:  # a plan no model's layers own (kernel benchmarks): all of them
+            return -1
+        return int(np.bitwise_or.reduce(self.slot_kinds[used]))
+
+    def for_capture(self, slots: torch.Tensor, kinds: int) -> None:
+        """A CUDA graph reads the rows' slots from a static buffer, with the per-row kernels of
+        the projections `kinds` names (a graph is captured for each set a step needs)."""
+        self.enabled, self.kinds, self.slots, self.tiles, self.static = kinds != 0, kinds, slots, None, False
 
     def for_pieces(self, slots: torch.Tensor, tiles: torch.Tensor) -> None:
         """A piecewise graph cannot know which rows a step's tiles take, so it records both
@@ -80,7 +96,8 @@ class LoraStepPlan:
         `len(slots)` rows (the leading decode rows' slots, -1 after them) and the tile kernels
         over a fixed number of tiles (`tiles`, unused ones empty) for every other LoRA row. The
         step fills both (`engine/piecewise_graphs.py`)."""
-        self.enabled, self.slots, self.tiles, self.static = True, slots, tiles, True
+        self.enabled, self.kinds, self.static = True, self.all_kinds, True
+        self.slots, self.tiles = slots, tiles
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The stream the shrink kernels run on beside the base GEMMs (one for the model)."""
@@ -90,6 +107,7 @@ class LoraStepPlan:
 
     def prepare(self, batch: StepBatch) -> None:
         self.enabled, self.static = batch.uses_lora, False
+        self.kinds = self.kinds_of(batch.host_lora_slots) if self.enabled else 0
         if self.use_kernels:
             self.slots = batch.lora_slots
             self.lead = batch.num_leading_decodes if batch.max_query_len > 1 else 0
@@ -154,13 +172,14 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base, self.table, self.plan = base, table, plan
         self.host_entries, self.host_scaling = host
+        self.kind = 0  # its bit in `LoraStepPlan.kinds` (`LoraLayers.wrap`)
         bounds = np.cumsum((0, *base.output_sizes))
         self.starts = tuple(int(lo) for lo in bounds[:-1])  # each part's first output column
         self.columns = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plan.use_kernels:
-            return self._forward_kernels(x) if self.plan.enabled else self.base(x)
+            return self._forward_kernels(x) if self._applies() else self.base(x)
         y = self.base(x)
         for slot, rows in self.plan.segments:
             xs = None
@@ -186,11 +205,15 @@ class LoraLinear(nn.Module):
         keep the expand: a fused kernel over tiles of every row measured slower in the serving
         run (single decode rows each took a whole tile; docs/performance.md, session m)."""
         plan = self.plan
-        if not (plan.use_kernels and plan.enabled) or plan.tiles is not None:
+        if not (plan.use_kernels and self._applies()) or plan.tiles is not None:
             return silu_and_mul(self(x))
         assert self.columns == [(0, self.columns[0][1]), (self.columns[0][1], 2 * self.columns[0][1])]
         xa, y = self._shrink_and_base(x)
         return silu_mul_lora_rows(y, xa, self.table, plan.slots)
+
+    def _applies(self) -> bool:
+        """Whether this step's kernels run here: some row's adapter targets this kind of projection."""
+        return self.plan.enabled and bool(self.plan.kinds & self.kind)
 
     def _shrink_and_base(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The shrink reads only `x`, so on decode steps it runs on a side stream while the base
@@ -233,6 +256,9 @@ class LoraLayers:
         self.entries = torch.zeros(self.host_entries.shape, dtype=torch.long, device=weights.device)
         self.scaling = torch.zeros(self.host_scaling.shape, dtype=torch.float32, device=weights.device)
         self.extents: dict[int, tuple[int, int]] = {}  # slot -> (offset, elements) in the arena
+        self.kind_bits: dict[tuple[str, ...], int] = {}  # a projection's PEFT parts -> its kind's bit
+        self.index_kinds = np.zeros(projections, dtype=np.int64)  # each projection's kind bit
+        plan.slot_kinds = np.zeros(num_slots, dtype=np.int64)
 
     def wrap(self, base: PackedLinear, index: int, layer: int, max_rank: int) -> LoraLinear:
         """The wrapper of `base`, projection `index` of the tables, in decoder layer `layer`."""
@@ -243,7 +269,11 @@ class LoraLayers:
         host = (self.host_entries[:, index, :parts], self.host_scaling[:, index, :parts])
         for part, peft_name in enumerate(base.parts):
             self.targets[(layer, peft_name)] = (index, part)
-        return LoraLinear(base, table, host, self.plan)
+        wrapper = LoraLinear(base, table, host, self.plan)
+        wrapper.kind = self.kind_bits.setdefault(base.parts, 1 << len(self.kind_bits))
+        self.index_kinds[index] = wrapper.kind
+        self.plan.all_kinds |= wrapper.kind
+        return wrapper
 
     def load_slot(self, slot: int, adapter: LoraAdapter, offset: int) -> None:
         """Copy `adapter`'s weights into the arena at `offset` (elements; the pool found the
@@ -316,6 +346,8 @@ class LoraLayers:
 
     def _set_row(self, slot: int, entries: np.ndarray, scaling: np.ndarray) -> None:
         self.host_entries[slot], self.host_scaling[slot] = entries, scaling
+        targeted = self.index_kinds[(entries[..., 2] > 0).any(axis=1)]
+        self.plan.slot_kinds[slot] = int(np.bitwise_or.reduce(targeted)) if targeted.size else 0
         self.entries[slot].copy_(torch.from_numpy(entries), non_blocking=False)
         self.scaling[slot].copy_(torch.from_numpy(scaling), non_blocking=False)
 
