@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from model_service.engine.config import EngineConfig
-from model_service.engine.engine import EngineStats
+from model_service.engine.engine import NOT_COUNTED, AdapterMemory, EngineStats
 from model_service.engine.requests import Resume
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import RequestOutput
@@ -82,6 +82,11 @@ class FakeFastEngine:
 
     def list_adapters(self) -> list[AdapterInfo]:
         return [AdapterInfo(name, i + 1, "gpu", i, 0, False) for i, name in enumerate(self.adapters)]
+
+    @property
+    def adapter_memory(self) -> AdapterMemory:
+        """Not counted: the adapters it serves take no memory."""
+        return NOT_COUNTED
 
     def on_lost(self, callback: Callable[[str], None]) -> None:
         """No device to lose."""

@@ -247,13 +247,15 @@ def test_the_engine_and_the_bench_fake_offer_the_engine_handle(tiny_llama):
     from tests.conftest import make_engine
 
     members = {n for n in vars(EngineHandle) if not n.startswith("_")}
-    attributes = {"config", "max_model_len", "vocab_size"}
+    attributes = {"config", "max_model_len", "vocab_size", "adapter_memory"}
     methods = {"add_request", "step", "abort", "has_unfinished", "stats", "list_adapters", "submit_control"}
     methods.add("on_lost")
     assert members == attributes | methods
     for impl in (make_engine(tiny_llama), FakeFastEngine(0.0)):
         assert isinstance(impl.config, EngineConfig)
         assert isinstance(impl.max_model_len, int) and isinstance(impl.vocab_size, int)
+        memory = impl.adapter_memory
+        assert isinstance(memory.memory_used_bytes, int) and isinstance(memory.memory_capacity_bytes, int)
         for name in methods:
             want = inspect.signature(getattr(EngineHandle, name)).parameters
             got = inspect.signature(getattr(type(impl), name)).parameters

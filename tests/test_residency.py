@@ -1,0 +1,63 @@
+"""Residency for the fleet: what a pod reports of its adapters' tiers and memory (PodLoad and
+Prometheus), and how the gateway scores pods on it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.fake_engine import FakeFastEngine
+from model_service.engine.engine import AdapterMemory, MemoryCount
+from model_service.lora.pool import AdapterInfo
+from model_service.pod.state import ModelPod
+
+
+class _TieredEngine(FakeFastEngine):
+    """The fake engine with adapters in every tier and a byte-counted pool (as LoraPool's
+    `memory_used_bytes` / `memory_capacity_bytes` will be)."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0, adapters=("dev", "host", "disk"))
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return [
+            AdapterInfo("dev", 1, "gpu", 0, 0, False, active=True),
+            AdapterInfo("host", 2, "cpu", None, 0, False),
+            AdapterInfo("disk", 3, "disk", None, 0, False),
+        ]
+
+    @property
+    def adapter_memory(self) -> AdapterMemory:
+        return MemoryCount(memory_used_bytes=20 << 20, memory_capacity_bytes=512 << 20)
+
+
+def _samples(pod: ModelPod) -> dict[str, list]:
+    text = generate_latest(pod.metrics.registry).decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def test_a_pod_reports_each_tier_and_its_adapter_memory():
+    async def go() -> tuple:
+        pod = ModelPod("m", drain_timeout=1.0)
+        await pod.load(_TieredEngine)
+        try:
+            pod.begin("r1", "host")  # queued, not yet run: a waiting adapter
+            return await pod.load_report(), _samples(pod)
+        finally:
+            pod.close()
+
+    load, metrics = asyncio.run(go())
+    assert list(load.resident_adapters) == ["@active", "dev"]
+    assert (list(load.host_adapters), list(load.disk_adapters)) == (["host"], ["disk"])
+    assert list(load.available_adapters) == ["@active", "dev", "disk", "host"]
+    assert (load.adapter_memory_used_bytes, load.adapter_memory_capacity_bytes) == (20 << 20, 512 << 20)
+
+    [info] = metrics["vllm:lora_requests_info"]  # vLLM's labels and value, no model label
+    assert info.labels == {"max_lora": "3", "waiting_lora_adapters": "host", "running_lora_adapters": ""}
+    assert info.value > 1e9  # the time of the report
+    tiers = {s.labels["tier"]: s.value for s in metrics["spindle:lora_resident_adapters"]}
+    assert tiers == {"device": 1, "host": 1, "disk": 1}  # `@active` is a name, not an adapter
+    assert metrics["spindle:lora_memory_used_bytes"][0].value == 20 << 20
+    assert metrics["spindle:lora_memory_capacity_bytes"][0].value == 512 << 20
