@@ -85,6 +85,9 @@ class Pod:
             waiting_adapters=set(load.waiting_adapters),
             max_adapters=load.max_adapters,
             available_adapters=set(load.available_adapters),
+            host_adapters=set(load.host_adapters),
+            memory_used_bytes=load.adapter_memory_used_bytes,
+            memory_capacity_bytes=load.adapter_memory_capacity_bytes,
         )
 
 

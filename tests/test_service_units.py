@@ -29,7 +29,7 @@ def test_adapter_affinity_levels_follow_the_inference_extension():
     full = router.Candidate("d", resident_adapters={"y", "z"}, max_adapters=2, available_adapters=has)
     no_lora = router.Candidate("e")
     scores = [router.adapter_score(p, "x") for p in (resident, room, waiting, full, no_lora)]
-    assert scores == [1.0, 0.8, 0.6, 0.0, 0.0]
+    assert scores == [1.0, 0.75, 0.6, 0.0, 0.0]  # room: a load from disk, half the slots free
     assert router.adapter_score(full, None) == 1.0  # base-model requests fit anywhere
     assert router.choose([full, waiting, room, resident], "x", {}) == "a"
     # A pod that does not have the adapter at all is never chosen for it, however idle.
