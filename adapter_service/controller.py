@@ -3,7 +3,8 @@
 It talks to pods only over ModelControl; every weight change is one control op, which the pod
 runs at a quiescent point. It polls each pod's GetSlots every `poll_interval` seconds: a good poll
 renews the pod's leases in the registry (a pod that stops answering lets them lapse), feeds the
-policy (placement.py), and notices a registry that lost its index (then rebuilt from the store).
+adapters' popularity (popularity.py: the pods count each adapter's requests) and the policy
+(placement.py), and notices a registry that lost its index (then rebuilt from the store).
 
 Placement of one adapter is single-flight: concurrent requests for it share one placement task,
 which runs to its end even when the request that started it is cancelled. Control calls are
@@ -30,9 +31,11 @@ from adapter_service.placement import (
     choose_peer,
     choose_target,
     match_hints,
+    replicas_for,
     to_cool,
     to_spread,
 )
+from adapter_service.popularity import Popularity
 from adapter_service.registry import Registry
 from adapter_service.store import Store, Version
 from gateway.pods import CHANNEL_OPTIONS  # quick reconnects, keepalive: the same needs as the gateway's
@@ -86,6 +89,7 @@ class Controller:
         self.tracer = tracer or trace.NoOpTracer()
         self.pods: dict[str, Pod] = {}
         self.idle_since: dict[tuple[str, str], float] = {}
+        self.popularity = Popularity(self.knobs.popularity_half_life)
         self._placing: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
         self._last_poll = float("-inf")
@@ -144,10 +148,12 @@ class Controller:
             self.pods[address] = Pod(address, self.interceptors, self.security)
         for address in self.pods.keys() - addresses:
             await self.pods.pop(address).channel.close()
+            self.popularity.forget_pod(address)
         latest = await self.latest()
         metrics.REGISTERED.set(len(latest))
         await asyncio.gather(*(self._poll(p, latest, wait) for p in list(self.pods.values())))
         self._last_poll = time.monotonic()
+        self.popularity.decay(self._last_poll)
         if policy:
             await self._apply_policy(latest)
 
@@ -163,17 +169,19 @@ class Controller:
         view = pod.view
         view.ok, view.slots = True, list(report.slots)
         view.adapters = {a.name: a for a in report.adapters}
+        self.popularity.observe(view.address, {a.name: a.requests_total for a in report.adapters})
+        infos = {}
         for a in report.adapters:
             v = latest.get(a.name) if latest is not None else await self.registry.get(a.name)
             if v is None:
                 continue
-            info = {
+            infos[a.name] = {
                 "tier": int(a.tier),
                 "version": v.version if a.sha256 == v.sha256 else 0,
                 "refcount": a.refcount,
                 "sha256": a.sha256,
             }
-            await self.registry.lease(a.name, view.address, info, self.lease_ttl)
+        await self.registry.lease_many(view.address, infos, self.lease_ttl)
 
     def views(self) -> list[PodView]:
         return [p.view for p in self.pods.values()]
@@ -235,8 +243,9 @@ class Controller:
         return await asyncio.shield(task)
 
     async def _place(
-        self, name: str, hints: list[apb.PodHint], exclude: set[str] | None = None
+        self, name: str, hints: list[apb.PodHint], exclude: set[str] | None = None, hot: bool = False
     ) -> apb.PlaceResponse:
+        """`hot`: a replica of a popular adapter (its pod is chosen by load; see placement.py)."""
         started = time.monotonic()
         with self.tracer.start_as_current_span("spindle.adapter.place") as span:
             span.set_attribute("spindle.adapter", name)
@@ -258,8 +267,9 @@ class Controller:
             if holders and not exclude:
                 span.set_attribute("spindle.placement.source", "resident")
                 return apb.PlaceResponse(pods=holders, source="resident", version=v.version)
+            hot = hot or replicas_for(self.popularity.share(name), self.knobs) > 1
             for attempt in (1, 2):  # a pod that fails mid-placement is skipped once for another
-                target = choose_target(views, name, v.sha256, routable)
+                target = choose_target(views, name, v.sha256, routable, hot)
                 if target is None:
                     reachable = sum(w.ok for w in views)
                     raise PlacementError(
@@ -382,11 +392,12 @@ class Controller:
         return out
 
     async def _apply_policy(self, latest: dict[str, Version]) -> None:
-        views = self.views()
-        for name in to_spread(views, {n: v.sha256 for n, v in latest.items()}, self.knobs):
+        views, shares = self.views(), self.popularity.shares()
+        metrics.HOT.set(sum(replicas_for(share, self.knobs) > 1 for share in shares.values()))
+        for name in to_spread(views, {n: v.sha256 for n, v in latest.items()}, shares, self.knobs):
             holders = {w.address for w in views if w.holds(name, latest[name].sha256)}
             try:
-                await self._place(name, [], exclude=holders)
+                await self._place(name, [], exclude=holders, hot=True)
                 metrics.SPREADS.inc()
             except PlacementError as e:
                 log.info("not spreading %s: %s", name, e)

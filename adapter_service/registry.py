@@ -58,14 +58,25 @@ class MemoryRegistry:
         return [self.index[n] for n in sorted(self.index) if n > after][:limit]
 
     async def lease(self, name: str, pod: str, info: dict[str, Any], ttl: float) -> None:
-        self.lease_table.setdefault(name, {})[pod] = (time.time() + ttl, info)
+        await self.lease_many(pod, {name: info}, ttl)
+
+    async def lease_many(self, pod: str, infos: dict[str, dict[str, Any]], ttl: float) -> None:
+        expiry = time.time() + ttl
+        for name, info in infos.items():
+            self.lease_table.setdefault(name, {})[pod] = (expiry, info)
 
     async def leases(self, name: str) -> dict[str, dict[str, Any]]:
+        return (await self.leases_many([name]))[name]
+
+    async def leases_many(self, names: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
         now = time.time()
-        table = self.lease_table.get(name, {})
-        for pod in [p for p, (exp, _) in table.items() if exp <= now]:
-            del table[pod]
-        return {pod: info for pod, (_, info) in table.items()}
+        out = {}
+        for name in names:
+            table = self.lease_table.get(name, {})
+            for pod in [p for p, (exp, _) in table.items() if exp <= now]:
+                del table[pod]
+            out[name] = {pod: info for pod, (_, info) in table.items()}
+        return out
 
     async def stage(self, sha: str, data: bytes, max_total: int) -> None:
         if len(data) > max_total:
@@ -133,12 +144,20 @@ class RedisRegistry:
         return [Version.from_json(r) for r in raws if r is not None]
 
     async def lease(self, name: str, pod: str, info: dict[str, Any], ttl: float) -> None:
-        # The whole key also expires, so a name nobody renews leaves nothing behind.
-        async with self.r.pipeline(transaction=True) as p:
-            p.zadd(_P + f"lease:{name}", {pod: time.time() + ttl})
-            p.hset(_P + f"leaseinfo:{name}", pod, json.dumps(info))
-            p.expire(_P + f"lease:{name}", self.key_ttl)
-            p.expire(_P + f"leaseinfo:{name}", self.key_ttl)
+        await self.lease_many(pod, {name: info}, ttl)
+
+    async def lease_many(self, pod: str, infos: dict[str, dict[str, Any]], ttl: float) -> None:
+        """Every lease of one pod's poll in one round trip (a pod may hold hundreds of adapters)."""
+        if not infos:
+            return
+        expiry = time.time() + ttl
+        # The whole keys also expire, so a name nobody renews leaves nothing behind.
+        async with self.r.pipeline(transaction=False) as p:
+            for name, info in infos.items():
+                p.zadd(_P + f"lease:{name}", {pod: expiry})
+                p.hset(_P + f"leaseinfo:{name}", pod, json.dumps(info))
+                p.expire(_P + f"lease:{name}", self.key_ttl)
+                p.expire(_P + f"leaseinfo:{name}", self.key_ttl)
             await p.execute()
 
     async def leases(self, name: str) -> dict[str, dict[str, Any]]:
@@ -152,6 +171,25 @@ class RedisRegistry:
             return {}
         raws = await self.r.hmget(_P + f"leaseinfo:{name}", live)
         return {p.decode(): json.loads(r) for p, r in zip(live, raws, strict=True) if r is not None}
+
+    async def leases_many(self, names: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+        """The live leases of many names in two round trips (the catalog lists every adapter);
+        expired ones are skipped here and removed by `leases` and the keys' own expiry."""
+        now = time.time()
+        async with self.r.pipeline(transaction=False) as p:
+            for name in names:
+                p.zrangebyscore(_P + f"lease:{name}", f"({now}", "+inf")
+            lives = await p.execute()
+        async with self.r.pipeline(transaction=False) as p:
+            for name, live in zip(names, lives, strict=True):
+                if live:
+                    p.hmget(_P + f"leaseinfo:{name}", live)
+            raws = iter(await p.execute())
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for name, live in zip(names, lives, strict=True):
+            infos = zip(live, next(raws) if live else [], strict=True)
+            out[name] = {pod.decode(): json.loads(r) for pod, r in infos if r is not None}
+        return out
 
     async def stage(self, sha: str, data: bytes, max_total: int) -> None:
         if len(data) > max_total:
