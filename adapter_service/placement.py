@@ -54,6 +54,12 @@ class PodView:
     ok: bool = False
     slots: list[mc.Slot] = field(default_factory=list)
     adapters: dict[str, mc.AdapterState] = field(default_factory=dict)
+    placing: int = 0  # placements to it under way: adapters it will hold, not yet polled
+
+    def load(self) -> int:
+        """Adapters it holds (any tier) or is being given: what least-adapters balances. The
+        placements under way count, or concurrent placements all chose the same emptiest pod."""
+        return len(self.adapters) + self.placing
 
     def holds(self, name: str, sha256: str) -> bool:
         a = self.adapters.get(name)
@@ -112,7 +118,7 @@ def choose_target(
         return v.room() + queue + (1.0 - h.kv_usage)
 
     def score(v: PodView) -> tuple[float, float, str]:
-        fewest = -len(v.adapters)
+        fewest = -v.load()
         return (load(v), fewest, v.address) if hot else (fewest, load(v), v.address)
 
     return max(candidates, key=score)
@@ -143,9 +149,14 @@ def to_spread(
 ) -> list[str]:
     """Registered adapters held by fewer pods than they belong on (`shares`: each adapter's
     share of recent requests), most popular first: each is placed on one more pod."""
+    held: dict[str, list[PodView]] = {}  # one pass over the pods, not one per registered adapter
+    for v in views:
+        for name in v.adapters if v.ok else ():
+            held.setdefault(name, []).append(v)
     out = []
-    for name, sha in latest.items():
-        holders = [v for v in views if v.ok and v.holds(name, sha)]
+    for name, views_of in held.items():
+        sha = latest.get(name)
+        holders = [v for v in views_of if sha is not None and v.holds(name, sha)]
         if not holders or len(holders) >= knobs.max_replicas:
             continue
         running = sum(v.adapters[name].refcount for v in holders)

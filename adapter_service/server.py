@@ -321,14 +321,13 @@ class PlacementService(adapters_pb2_grpc.PlacementServicer):
     ) -> apb.CatalogResponse:
         await self.c.ensure_built()
         latest = await self.c.latest()
-        names = sorted(latest)
-        leases = await self.c.registry.leases_many(names)  # one round trip for every adapter
-        out = []
-        for name in names:
-            v = latest[name]
-            pods = sorted(p for p, i in leases[name].items() if i["sha256"] == v.sha256)
-            out.append(apb.CatalogEntry(name=name, version=v.version, sha256=v.sha256, pods=pods))
-        return apb.CatalogResponse(adapters=out)
+        holders = self.c.holders(latest)  # the last polls, not the leases: the gateway asks often
+        return apb.CatalogResponse(
+            adapters=[
+                apb.CatalogEntry(name=name, version=v.version, sha256=v.sha256, pods=holders.get(name, []))
+                for name, v in sorted(latest.items())
+            ]
+        )
 
 
 @unavailable_when_backends_are_down

@@ -398,7 +398,10 @@ def test_registry_index_leases_and_bounded_staging(registry_factory):
         assert not await reg.is_built()
         await reg.rebuild([_version("a", 1), _version("a", 2), _version("b", 1)])
         assert await reg.is_built() and (await reg.get("a")).version == 2
+        built = await reg.generation()
         await reg.put(_version("c", 1))
+        assert built is not None and await reg.generation() not in (None, built)  # the index changed
+        assert set(await reg.get_many(["a", "c", "x"])) == {"a", "c"}
         assert [v.name for v in await reg.page("", 2)] == ["a", "b"]
         assert [v.name for v in await reg.page("b", 2)] == ["c"]
         await reg.lease("a", "pod1", {"tier": 3}, ttl=0.3)
@@ -407,11 +410,7 @@ def test_registry_index_leases_and_bounded_staging(registry_factory):
         await reg.lease_many("pod3", {"a": {"tier": 1}, "b": {"tier": 3}}, ttl=30)  # one poll's
         await asyncio.sleep(0.4)
         assert await reg.leases("a") == {"pod2": {"tier": 2}, "pod3": {"tier": 1}}  # pod1 stopped
-        assert await reg.leases_many(["a", "b", "c"]) == {
-            "a": {"pod2": {"tier": 2}, "pod3": {"tier": 1}},
-            "b": {"pod3": {"tier": 3}},
-            "c": {},
-        }
+        assert await reg.leases("b") == {"pod3": {"tier": 3}} and await reg.leases("c") == {}
         await reg.stage("x", b"1" * 60, max_total=100)
         await reg.stage("y", b"2" * 60, max_total=100)  # over the bound: the oldest goes
         await reg.stage("z", b"3" * 200, max_total=100)  # too big to stage at all
@@ -420,7 +419,9 @@ def test_registry_index_leases_and_bounded_staging(registry_factory):
             b"2" * 60,
             None,
         )
+        before = await reg.generation()
         await reg.remove("a")
         assert await reg.get("a") is None and await reg.leases("a") == {}
+        assert await reg.generation() != before
 
     asyncio.run(go())
