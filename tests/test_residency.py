@@ -44,18 +44,24 @@ def test_a_pod_reports_each_tier_and_its_adapter_memory():
         await pod.load(_TieredEngine)
         try:
             pod.begin("r1", "host")  # queued, not yet run: a waiting adapter
-            return await pod.load_report(), _samples(pod)
+            running = pod.begin("r2", "dev")
+            running.scheduled = 1.0  # the engine ran it: a running adapter
+            pod.accepted(running)
+            pod.begin("r3", "nobody-serves-this")  # refused by the engine: not counted
+            return await pod.load_report(), _samples(pod), pod.adapter_requests
         finally:
             pod.close()
 
-    load, metrics = asyncio.run(go())
+    load, metrics, counts = asyncio.run(go())
     assert list(load.resident_adapters) == ["@active", "dev"]
     assert (list(load.host_adapters), list(load.disk_adapters)) == (["host"], ["disk"])
     assert list(load.available_adapters) == ["@active", "dev", "disk", "host"]
     assert (load.adapter_memory_used_bytes, load.adapter_memory_capacity_bytes) == (20 << 20, 512 << 20)
+    assert dict(counts) == {"dev": 1}  # what GetSlots reports as each adapter's requests_total
 
     [info] = metrics["vllm:lora_requests_info"]  # vLLM's labels and value, no model label
-    assert info.labels == {"max_lora": "3", "waiting_lora_adapters": "host", "running_lora_adapters": ""}
+    waiting = "host,nobody-serves-this"
+    assert info.labels == {"max_lora": "3", "waiting_lora_adapters": waiting, "running_lora_adapters": "dev"}
     assert info.value > 1e9  # the time of the report
     tiers = {s.labels["tier"]: s.value for s in metrics["spindle:lora_resident_adapters"]}
     assert tiers == {"device": 1, "host": 1, "disk": 1}  # `@active` is a name, not an adapter

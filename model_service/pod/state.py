@@ -100,8 +100,8 @@ class ModelPod:
         self.control_port = 0  # reported in PodLoad (the adapter service addresses pods by it)
         self.inflight: dict[str, InFlight] = {}
         self.requests_total = 0
-        # Generate calls admitted per adapter (GetSlots reports them: the adapter service's
-        # popularity signal)
+        # Requests the engine accepted, per adapter (GetSlots reports them: the adapter
+        # service's popularity signal). Only accepted ones: a name nobody serves adds no entry.
         self.adapter_requests: Counter[str] = Counter()
         self.draining = False
         self.lost: str | None = None  # why the engine can no longer serve (a lost tensor-parallel rank)
@@ -200,9 +200,12 @@ class ModelPod:
         req = InFlight(request_id, adapter, time.monotonic(), time.time_ns())
         self.inflight[request_id] = req
         self.requests_total += 1
-        if adapter is not None:
-            self.adapter_requests[adapter] += 1
         return req
+
+    def accepted(self, req: InFlight) -> None:
+        """The engine took the request (its first output came): count it for its adapter."""
+        if req.adapter is not None:
+            self.adapter_requests[req.adapter] += 1
 
     def end(self, req: InFlight) -> None:
         self.inflight.pop(req.request_id, None)
