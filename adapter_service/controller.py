@@ -3,7 +3,8 @@
 It talks to pods only over ModelControl; every weight change is one control op, which the pod
 runs at a quiescent point. It polls each pod's GetSlots every `poll_interval` seconds: a good poll
 renews the pod's leases in the registry (a pod that stops answering lets them lapse), feeds the
-policy (placement.py), and notices a registry that lost its index (then rebuilt from the store).
+adapters' popularity (popularity.py: the pods count each adapter's requests) and the policy
+(placement.py), and notices a registry that lost its index (then rebuilt from the store).
 
 Placement of one adapter is single-flight: concurrent requests for it share one placement task,
 which runs to its end even when the request that started it is cancelled. Control calls are
@@ -30,12 +31,15 @@ from adapter_service.placement import (
     choose_peer,
     choose_target,
     match_hints,
+    replicas_for,
     to_cool,
     to_spread,
 )
+from adapter_service.popularity import Popularity
 from adapter_service.registry import Registry
 from adapter_service.store import Store, Version
 from gateway.pods import CHANNEL_OPTIONS  # quick reconnects, keepalive: the same needs as the gateway's
+from spindle.coalesce import Coalesced
 from spindle.security import PLAINTEXT, Security
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import model_control_pb2 as mc
@@ -86,9 +90,14 @@ class Controller:
         self.tracer = tracer or trace.NoOpTracer()
         self.pods: dict[str, Pod] = {}
         self.idle_since: dict[tuple[str, str], float] = {}
+        self.popularity = Popularity(self.knobs.popularity_half_life)
+        self._renewed: dict[str, dict[str, tuple[tuple, float]]] = {}  # pod -> name -> (lease, when)
         self._placing: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
         self._last_poll = float("-inf")
+        self._latest: tuple[str | None, dict[str, Version]] = (None, {})  # (generation, index)
+        # A placement's fresh view of the pods: concurrent placements share one poll round.
+        self._refresh_now = Coalesced(lambda: self.refresh(policy=False))
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -144,10 +153,13 @@ class Controller:
             self.pods[address] = Pod(address, self.interceptors, self.security)
         for address in self.pods.keys() - addresses:
             await self.pods.pop(address).channel.close()
+            self.popularity.forget_pod(address)
+            self._renewed.pop(address, None)
         latest = await self.latest()
         metrics.REGISTERED.set(len(latest))
         await asyncio.gather(*(self._poll(p, latest, wait) for p in list(self.pods.values())))
         self._last_poll = time.monotonic()
+        self.popularity.decay(self._last_poll)
         if policy:
             await self._apply_policy(latest)
 
@@ -163,20 +175,53 @@ class Controller:
         view = pod.view
         view.ok, view.slots = True, list(report.slots)
         view.adapters = {a.name: a for a in report.adapters}
+        self.popularity.observe(view.address, {a.name: a.requests_total for a in report.adapters})
+        if latest is None:  # one round trip for all of them (a pod may hold hundreds)
+            latest = await self.registry.get_many([a.name for a in report.adapters])
+        infos = {}
         for a in report.adapters:
-            v = latest.get(a.name) if latest is not None else await self.registry.get(a.name)
+            v = latest.get(a.name)
             if v is None:
                 continue
-            info = {
+            infos[a.name] = {
                 "tier": int(a.tier),
                 "version": v.version if a.sha256 == v.sha256 else 0,
                 "refcount": a.refcount,
                 "sha256": a.sha256,
             }
-            await self.registry.lease(a.name, view.address, info, self.lease_ttl)
+        await self.registry.lease_many(view.address, self._due(view.address, infos), self.lease_ttl)
+
+    def _due(self, pod: str, infos: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """The leases to write after a poll: those whose tier, version or weights changed, and
+        those last renewed a third of their TTL ago. A pod holding hundreds of adapters, polled
+        every `poll_interval`, wrote every one of them each time; the refcount a lease shows
+        (Get's placements) may now be that much older."""
+        now, before = time.monotonic(), self._renewed.get(pod, {})
+        renewed, due = {}, {}
+        for name, info in infos.items():
+            lease = (info["tier"], info["version"], info["sha256"])
+            last = before.get(name)
+            if last is None or last[0] != lease or now - last[1] >= self.lease_ttl / 3:
+                due[name], last = info, (lease, now)
+            renewed[name] = last
+        self._renewed[pod] = renewed
+        return due
 
     def views(self) -> list[PodView]:
         return [p.view for p in self.pods.values()]
+
+    def holders(self, latest: dict[str, Version]) -> dict[str, list[str]]:
+        """The reachable pods that hold each adapter's latest version, as last polled (sorted).
+        What the leases say too, without reading them: every replica of the service polls every
+        pod, and the gateway asks for all of it every poll (with 10,000 adapters, reading the
+        leases made most of the catalog's cost)."""
+        out: dict[str, list[str]] = {}
+        for view in sorted(self.views(), key=lambda v: v.address):
+            for name, a in view.adapters.items() if view.ok else ():
+                v = latest.get(name)
+                if v is not None and a.sha256 == v.sha256:
+                    out.setdefault(name, []).append(view.address)
+        return out
 
     async def placements(self, name: str) -> list[apb.PodPlacement]:
         leases = await self.registry.leases(name)
@@ -235,8 +280,9 @@ class Controller:
         return await asyncio.shield(task)
 
     async def _place(
-        self, name: str, hints: list[apb.PodHint], exclude: set[str] | None = None
+        self, name: str, hints: list[apb.PodHint], exclude: set[str] | None = None, hot: bool = False
     ) -> apb.PlaceResponse:
+        """`hot`: a replica of a popular adapter (its pod is chosen by load; see placement.py)."""
         started = time.monotonic()
         with self.tracer.start_as_current_span("spindle.adapter.place") as span:
             span.set_attribute("spindle.adapter", name)
@@ -247,7 +293,7 @@ class Controller:
             if not any(w.ok for w in self.views()):  # one may have come up since: wait for it
                 await self.refresh(policy=False, wait=True)
             elif time.monotonic() - self._last_poll > self.poll_interval / 2:
-                await self.refresh(policy=False)
+                await self._refresh_now()
             views = [w for w in self.views() if w.address not in (exclude or set())]
             routable = match_hints(views, hints)
             holders = [  # among the pods the gateway can route to, when it said which
@@ -258,8 +304,9 @@ class Controller:
             if holders and not exclude:
                 span.set_attribute("spindle.placement.source", "resident")
                 return apb.PlaceResponse(pods=holders, source="resident", version=v.version)
+            hot = hot or replicas_for(self.popularity.share(name), self.knobs) > 1
             for attempt in (1, 2):  # a pod that fails mid-placement is skipped once for another
-                target = choose_target(views, name, v.sha256, routable)
+                target = choose_target(views, name, v.sha256, routable, hot)
                 if target is None:
                     reachable = sum(w.ok for w in views)
                     raise PlacementError(
@@ -267,18 +314,21 @@ class Controller:
                         f"no model pod can take adapter {name!r} now ({reachable} of {len(views)} reachable)",
                     )
                 span.set_attribute("spindle.pod", target.address)
+                target.placing += 1  # counted by concurrent placements until polled as held
                 try:
                     source = await self._copy(self.pods[target.address], v, views)
                     await self._load(self.pods[target.address], name)
+                    await self._poll(self.pods[target.address])
                     break
                 except PlacementError as e:
                     if e.code != Code.UNAVAILABLE or attempt == 2:
                         raise
                     log.warning("placing %s on %s failed (%s); trying another pod", name, target.address, e)
                     target.ok = False
+                finally:
+                    target.placing -= 1
             if v.pinned:
                 await self.pin(name, True, [self.pods[target.address]])
-            await self._poll(self.pods[target.address])
             metrics.PLACEMENTS.labels(source).inc()
             metrics.PLACE_SECONDS.labels(source).observe(time.monotonic() - started)
             span.set_attribute("spindle.placement.source", source)
@@ -375,18 +425,25 @@ class Controller:
     # --- policy ----------------------------------------------------------------------------------
 
     async def latest(self) -> dict[str, Version]:
+        """Every registered adapter's latest version: read again only when the index changed
+        (its generation); callers must not change what they get."""
+        generation = await self.registry.generation()
+        if generation is not None and generation == self._latest[0]:
+            return self._latest[1]
         out, after = {}, ""
         while page := await self.registry.page(after, 500):
             out.update((v.name, v) for v in page)
             after = page[-1].name
+        self._latest = (generation, out)
         return out
 
     async def _apply_policy(self, latest: dict[str, Version]) -> None:
-        views = self.views()
-        for name in to_spread(views, {n: v.sha256 for n, v in latest.items()}, self.knobs):
+        views, shares = self.views(), self.popularity.shares()
+        metrics.HOT.set(sum(replicas_for(share, self.knobs) > 1 for share in shares.values()))
+        for name in to_spread(views, {n: v.sha256 for n, v in latest.items()}, shares, self.knobs):
             holders = {w.address for w in views if w.holds(name, latest[name].sha256)}
             try:
-                await self._place(name, [], exclude=holders)
+                await self._place(name, [], exclude=holders, hot=True)
                 metrics.SPREADS.inc()
             except PlacementError as e:
                 log.info("not spreading %s: %s", name, e)

@@ -16,6 +16,7 @@ REFUSALS = Counter(
     "spindle_adapter_refusals", "Control ops a pod refused because the adapter or slot was in use", ["op"]
 )
 SPREADS = Counter("spindle_adapter_spreads", "Extra replicas placed for hot adapters")
+HOT = Gauge("spindle_adapter_hot", "Adapters popular enough to belong on more than one pod (--hot-share)")
 COOLED = Counter("spindle_adapter_cooled", "Idle adapters moved down a tier, by the tier left", ["tier"])
 REBUILDS = Counter("spindle_adapter_registry_rebuilds", "Registry index rebuilt from storage")
 REGISTERED = Gauge("spindle_adapter_registered", "Adapters registered (latest versions)")

@@ -3,13 +3,21 @@
 Pure functions over the pods' slot reports (and the gateway's load hints), so the policy can be
 read and tested without a cluster. The controller (controller.py) carries the decisions out.
 
-- target: among reachable pods that lack the adapter's latest version, the best by the gateway's
-  signals: room in slots (1.0 a free slot, 0.8 an idle slot that can be evicted, 0 all slots
-  busy), the queue (fewest waiting) and the KV cache (1 - usage);
+- replicas: an adapter drawing more than `hot_share` of recent requests (popularity.py) is
+  hot and belongs on one pod per `hot_share` of traffic it draws, up to `max_replicas`: the
+  head of the distribution is replicated, so its requests are spread and find it resident
+  wherever they are routed; the tail (everything else) is on one pod. An adapter running on
+  average `spread_threshold` or more requests per holding pod also gets one more pod (a burst
+  is seen at the next poll, before its share has grown);
+- target: among reachable pods that lack the adapter's latest version. A tail adapter goes to
+  the pod that holds the fewest adapters (any tier; AIBrix's least-adapters policy), so each
+  pod serves about as many distinct adapters and their device memory is pressed evenly; ties
+  go to the better of room in slots (1.0 a free slot, 0.8 an idle slot that can be evicted, 0
+  all slots busy) + the queue (fewest waiting) + the KV cache (1 - usage). A hot adapter's
+  pod is chosen the other way round: the best room + queue + KV first (its requests are many,
+  the pod's load matters more), the fewest adapters breaking ties;
 - source: a reachable peer pod that holds the same sha256, else the service itself (staging
   copy, else storage);
-- spread: an adapter running on average `spread_threshold` or more requests per holding pod is
-  placed on one more pod, up to `max_replicas`;
 - cool down: a device slot idle (refcount 0, not pinned) for `slot_idle_seconds` is evicted to
   host memory; a host copy idle for `host_idle_seconds` is dropped to the pod's disk; a disk
   copy idle for `disk_idle_seconds` is forgotten by the pod (only storage keeps it). The pods
@@ -18,6 +26,7 @@ read and tested without a cluster. The controller (controller.py) carries the de
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from spindle.v1 import adapters_pb2 as apb
@@ -33,6 +42,8 @@ class Knobs:
     slot_idle_seconds: float = 300.0
     host_idle_seconds: float = 1800.0
     disk_idle_seconds: float = 86400.0
+    hot_share: float = 0.02  # of recent requests: above it an adapter gets more pods
+    popularity_half_life: float = 120.0  # seconds: how fast request counts are forgotten
 
 
 @dataclass
@@ -43,6 +54,12 @@ class PodView:
     ok: bool = False
     slots: list[mc.Slot] = field(default_factory=list)
     adapters: dict[str, mc.AdapterState] = field(default_factory=dict)
+    placing: int = 0  # placements to it under way: adapters it will hold, not yet polled
+
+    def load(self) -> int:
+        """Adapters it holds (any tier) or is being given: what least-adapters balances. The
+        placements under way count, or concurrent placements all chose the same emptiest pod."""
+        return len(self.adapters) + self.placing
 
     def holds(self, name: str, sha256: str) -> bool:
         a = self.adapters.get(name)
@@ -76,10 +93,17 @@ def match_hints(views: list[PodView], hints: list[apb.PodHint]) -> dict[str, apb
     return out
 
 
+def replicas_for(share: float, knobs: Knobs) -> int:
+    """Pods an adapter drawing `share` of recent requests belongs on: one per `hot_share` of
+    traffic (so a replica carries at most about `hot_share` of all requests), 1 to `max_replicas`."""
+    return max(1, min(knobs.max_replicas, math.ceil(share / knobs.hot_share - 1e-9)))
+
+
 def choose_target(
-    views: list[PodView], name: str, sha256: str, hints: dict[str, apb.PodHint] | None
+    views: list[PodView], name: str, sha256: str, hints: dict[str, apb.PodHint] | None, hot: bool = False
 ) -> PodView | None:
-    """`hints`: from match_hints; only pods the gateway can route to are candidates."""
+    """`hints`: from match_hints; only pods the gateway can route to are candidates. `hot`: the
+    adapter is hot (replicas_for > 1), its pod is chosen by load first, else by fewest adapters."""
     candidates = [v for v in views if v.ok and not v.holds(name, sha256)]
     if hints is not None:
         candidates = [v for v in candidates if v.address in hints]
@@ -88,10 +112,14 @@ def choose_target(
     hint = {v.address: (hints or {}).get(v.address) or apb.PodHint() for v in candidates}
     lo, hi = min(h.num_waiting for h in hint.values()), max(h.num_waiting for h in hint.values())
 
-    def score(v: PodView) -> tuple[float, str]:
+    def load(v: PodView) -> float:
         h = hint[v.address]
         queue = 1.0 if hi == lo else (hi - h.num_waiting) / (hi - lo)
-        return v.room() + queue + (1.0 - h.kv_usage), v.address
+        return v.room() + queue + (1.0 - h.kv_usage)
+
+    def score(v: PodView) -> tuple[float, float, str]:
+        fewest = -v.load()
+        return (load(v), fewest, v.address) if hot else (fewest, load(v), v.address)
 
     return max(candidates, key=score)
 
@@ -116,17 +144,26 @@ class Evict:
         )
 
 
-def to_spread(views: list[PodView], latest: dict[str, str], knobs: Knobs) -> list[str]:
-    """Registered adapters hot enough to be placed on one more pod."""
+def to_spread(
+    views: list[PodView], latest: dict[str, str], shares: dict[str, float], knobs: Knobs
+) -> list[str]:
+    """Registered adapters held by fewer pods than they belong on (`shares`: each adapter's
+    share of recent requests), most popular first: each is placed on one more pod."""
+    held: dict[str, list[PodView]] = {}  # one pass over the pods, not one per registered adapter
+    for v in views:
+        for name in v.adapters if v.ok else ():
+            held.setdefault(name, []).append(v)
     out = []
-    for name, sha in sorted(latest.items()):
-        holders = [v for v in views if v.ok and v.holds(name, sha)]
+    for name, views_of in held.items():
+        sha = latest.get(name)
+        holders = [v for v in views_of if sha is not None and v.holds(name, sha)]
         if not holders or len(holders) >= knobs.max_replicas:
             continue
         running = sum(v.adapters[name].refcount for v in holders)
-        if running / len(holders) >= knobs.spread_threshold:
+        busy = running / len(holders) >= knobs.spread_threshold
+        if busy or len(holders) < replicas_for(shares.get(name, 0.0), knobs):
             out.append(name)
-    return out
+    return sorted(out, key=lambda n: (-shares.get(n, 0.0), n))
 
 
 def to_cool(

@@ -320,12 +320,14 @@ class PlacementService(adapters_pb2_grpc.PlacementServicer):
         self, request: apb.CatalogRequest, context: grpc.aio.ServicerContext
     ) -> apb.CatalogResponse:
         await self.c.ensure_built()
-        out = []
-        for name, v in sorted((await self.c.latest()).items()):
-            leases = await self.c.registry.leases(name)
-            pods = sorted(p for p, i in leases.items() if i["sha256"] == v.sha256)
-            out.append(apb.CatalogEntry(name=name, version=v.version, sha256=v.sha256, pods=pods))
-        return apb.CatalogResponse(adapters=out)
+        latest = await self.c.latest()
+        holders = self.c.holders(latest)  # the last polls, not the leases: the gateway asks often
+        return apb.CatalogResponse(
+            adapters=[
+                apb.CatalogEntry(name=name, version=v.version, sha256=v.sha256, pods=holders.get(name, []))
+                for name, v in sorted(latest.items())
+            ]
+        )
 
 
 @unavailable_when_backends_are_down
@@ -409,6 +411,18 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--spread-threshold", type=float, default=8.0, help="running requests per holder that add a pod [8]"
     )
     k.add_argument("--max-replicas", type=int, default=4, help="most pods a hot adapter is spread to [4]")
+    k.add_argument(
+        "--hot-share",
+        type=float,
+        default=0.02,
+        help="share of recent requests above which an adapter is hot: one pod per this share [0.02]",
+    )
+    k.add_argument(
+        "--popularity-half-life",
+        type=float,
+        default=120.0,
+        help="seconds after which an adapter's request counts weigh half [120]",
+    )
     k.add_argument("--slot-idle-seconds", type=float, default=300.0, help="idle device slot -> host [300]")
     k.add_argument("--host-idle-seconds", type=float, default=1800.0, help="idle host copy -> disk [1800]")
     k.add_argument(
@@ -499,11 +513,13 @@ async def start(
         discover,
         _advertise(args, port),
         knobs=Knobs(
-            args.spread_threshold,
-            args.max_replicas,
-            args.slot_idle_seconds,
-            args.host_idle_seconds,
-            args.disk_idle_seconds,
+            spread_threshold=args.spread_threshold,
+            max_replicas=args.max_replicas,
+            slot_idle_seconds=args.slot_idle_seconds,
+            host_idle_seconds=args.host_idle_seconds,
+            disk_idle_seconds=args.disk_idle_seconds,
+            hot_share=args.hot_share,
+            popularity_half_life=args.popularity_half_life,
         ),
         poll_interval=args.poll_interval,
         lease_ttl=args.lease_ttl,

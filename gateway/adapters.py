@@ -20,6 +20,7 @@ import grpc
 
 from gateway.auth import Caller
 from gateway.pods import CHANNEL_OPTIONS, Pod
+from spindle.coalesce import Coalesced
 from spindle.grpc_status import abort
 from spindle.security import PLAINTEXT, Security
 from spindle.v1 import adapters_pb2 as apb
@@ -45,6 +46,9 @@ class AdapterDirectory:
         self.placement_timeout = placement_timeout
         self.catalog: dict[str, apb.CatalogEntry] | None = None  # None: never fetched
         self._placing: dict[str, asyncio.Task] = {}
+        # Requests for names not in the catalog (or before it was ever fetched) share one fetch:
+        # with 10,000 adapters, one each was a storm the service could not answer in time.
+        self._refresh_now = Coalesced(self.refresh)
 
     async def refresh(self) -> bool:
         try:
@@ -59,7 +63,7 @@ class AdapterDirectory:
         """Whether the service knows `name` (asks again before saying no; True if it never answered)."""
         if self.catalog is not None and name in self.catalog:
             return True
-        await self.refresh()
+        await self._refresh_now()
         return self.catalog is None or name in self.catalog
 
     async def place(self, name: str, pods: list[Pod], timeout: float | None) -> apb.PlaceResponse:

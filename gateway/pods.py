@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import time
@@ -22,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.router import Candidate
+from spindle.coalesce import Coalesced
 from spindle.security import PLAINTEXT, Security
 from spindle.v1 import generation_pb2, generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
 
@@ -59,6 +61,7 @@ class Pod:
         self.failures = 0
         self.last_error = ""
         self.load: pod_status_pb2.PodLoad | None = None
+        self._candidate: tuple[pod_status_pb2.PodLoad | None, Candidate] | None = None  # of `load`
         self.in_flight = 0  # streams this gateway has open to the pod
         self.in_flight_at_report = 0  # ... when its last load report was asked for
 
@@ -75,16 +78,26 @@ class Pod:
             self.in_flight -= 1
 
     def candidate(self) -> Candidate:
-        load = self.load or pod_status_pb2.PodLoad()
-        return Candidate(
-            address=self.address,
-            num_waiting=load.num_waiting,
-            unreported=max(0, self.in_flight - self.in_flight_at_report),
-            kv_usage=load.kv_usage,
-            resident_adapters=set(load.resident_adapters),
-            waiting_adapters=set(load.waiting_adapters),
-            max_adapters=load.max_adapters,
-            available_adapters=set(load.available_adapters),
+        """What the router needs of this pod: its last report (its adapter sets built once per
+        report: a pod may list hundreds of adapters, and every request asks) and the streams
+        opened since."""
+        if self._candidate is None or self._candidate[0] is not self.load:
+            load = self.load or pod_status_pb2.PodLoad()
+            reported = Candidate(
+                address=self.address,
+                num_waiting=load.num_waiting,
+                kv_usage=load.kv_usage,
+                resident_adapters=set(load.resident_adapters),
+                waiting_adapters=set(load.waiting_adapters),
+                max_adapters=load.max_adapters,
+                available_adapters=set(load.available_adapters),
+                host_adapters=set(load.host_adapters),
+                memory_used_bytes=load.adapter_memory_used_bytes,
+                memory_capacity_bytes=load.adapter_memory_capacity_bytes,
+            )
+            self._candidate = (self.load, reported)
+        return dataclasses.replace(
+            self._candidate[1], unreported=max(0, self.in_flight - self.in_flight_at_report)
         )
 
 
@@ -131,6 +144,8 @@ class PodPool:
         self.pods: dict[str, Pod] = {}
         self._last_discovery = float("-inf")
         self._task: asyncio.Task | None = None
+        # After a placement: every pod's load again, concurrent placements sharing one poll.
+        self.poll_now = Coalesced(self._check_all)
 
     def healthy(self, exclude: Iterable[str] = ()) -> list[Pod]:
         skip = set(exclude)
@@ -166,7 +181,7 @@ class PodPool:
     async def refresh(self) -> None:
         if time.monotonic() - self._last_discovery >= self.discovery_interval:
             await self._rediscover()
-        await asyncio.gather(*(self._check(p) for p in list(self.pods.values())))
+        await self._check_all()
         if self.on_change is not None:
             await self.on_change()
 
@@ -186,6 +201,9 @@ class PodPool:
             if self.on_eject is not None:
                 self.on_eject(address)
             await pod.close()
+
+    async def _check_all(self) -> None:
+        await asyncio.gather(*(self._check(p) for p in list(self.pods.values())))
 
     async def _check(self, pod: Pod) -> None:
         try:

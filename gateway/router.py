@@ -7,8 +7,17 @@ prefix hit on a pod one request busier ties with the idle pod: that tie used to 
 half of a conversation's turns recomputing their prefix elsewhere); the rest are broken at
 random, so equal pods share the load:
 
-- adapter affinity: 1.0 the adapter is resident in a slot, 0.8 a slot is free to load it,
-  0.6 requests waiting there already asked for it (it is being loaded), 0 the pod is full.
+- adapter affinity, in this order (the Inference Extension's LoRA affinity scorer: 1.0 resident,
+  0.8 room to load it, 0.6 requests queued there for it, 0 full; with its "room" split by
+  where the load comes from and how much room there is):
+    1.0         resident on the device: the request runs at once;
+    0.8 .. 0.9  in host memory, and adapter memory is left: a load is a copy;
+    0.7 .. 0.8  on the pod's disk only, and memory is left: a load parses the files first;
+    (within each: + 0.1 x the fraction of adapter memory left, in bytes when the pod counts
+    bytes, else in slots: the emptier pod evicts less for the load)
+    0.6         no memory left, but requests waiting there already asked for it (being loaded);
+    0.0         no memory left: the load waits for an idle adapter to evict.
+  A pod that does not report tiers (older pods) has its non-resident adapters scored as disk.
   A base-model request scores 1.0 everywhere;
 - prefix locality: the fraction of the prompt's leading blocks last sent to that pod;
 - queue depth: the pod's reported waiting requests plus the streams this gateway opened to it
@@ -22,7 +31,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-ADAPTER_RESIDENT, ADAPTER_ROOM, ADAPTER_WAITING, ADAPTER_FULL = 1.0, 0.8, 0.6, 0.0
+ADAPTER_RESIDENT, ADAPTER_HOST, ADAPTER_DISK, ADAPTER_WAITING, ADAPTER_FULL = 1.0, 0.8, 0.7, 0.6, 0.0
+MEMORY_LEFT = 0.1  # what all of a pod's adapter memory left adds to a host or disk load
 
 
 @dataclass
@@ -33,10 +43,22 @@ class Candidate:
     num_waiting: int = 0
     unreported: int = 0  # streams this gateway opened to the pod since its last load report
     kv_usage: float = 0.0
-    resident_adapters: set[str] = field(default_factory=set)
+    resident_adapters: set[str] = field(default_factory=set)  # on the device
     waiting_adapters: set[str] = field(default_factory=set)
     max_adapters: int = 0
-    available_adapters: set[str] = field(default_factory=set)
+    available_adapters: set[str] = field(default_factory=set)  # any tier
+    host_adapters: set[str] = field(default_factory=set)
+    memory_used_bytes: int = 0
+    memory_capacity_bytes: int = 0  # 0: the pod counts slots (max_adapters), not bytes
+
+    def memory_left(self) -> float:
+        """The fraction of adapter memory free: bytes when the pod counts them, else slots."""
+        if self.memory_capacity_bytes > 0:
+            return max(0.0, 1.0 - self.memory_used_bytes / self.memory_capacity_bytes)
+        if self.max_adapters > 0:  # `@active` names a resident adapter, it takes no slot
+            used = sum(not a.startswith("@") for a in self.resident_adapters)
+            return max(0.0, 1.0 - used / self.max_adapters)
+        return 0.0
 
 
 @dataclass
@@ -48,12 +70,15 @@ class Weights:
 
 
 def adapter_score(pod: Candidate, adapter: str | None) -> float:
+    """Adapter affinity, in the order of the module's docstring."""
     if adapter is None:
         return 1.0
     if adapter in pod.resident_adapters:
         return ADAPTER_RESIDENT
-    if len(pod.resident_adapters) < pod.max_adapters:
-        return ADAPTER_ROOM
+    left = pod.memory_left()
+    if left > 0:
+        tier = ADAPTER_HOST if adapter in pod.host_adapters else ADAPTER_DISK
+        return tier + MEMORY_LEFT * left
     if adapter in pod.waiting_adapters:
         return ADAPTER_WAITING
     return ADAPTER_FULL

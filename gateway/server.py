@@ -245,7 +245,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         except grpc.aio.AioRpcError as e:
             await abort(context, e.code(), f"placing adapter {adapter!r}: {e.details()}")
         log.info("adapter %s placed on %s (%s)", adapter, ",".join(placed.pods), placed.source)
-        await self.pool.refresh()  # the pods' load reports now list it
+        await self.pool.poll_now()  # the pods' load reports now list it
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         caller = await self._caller(context, metered=False)

@@ -57,6 +57,7 @@ def cluster(tiny_llama, redis_url, s3, tmp_path_factory):
         "--base-model", tiny_llama.name, "--metrics-port", str(metrics), "--poll-interval", "0.3",
         "--lease-ttl", "1.5", "--max-adapter-bytes", "2000000", "--max-lora-rank", "16",
         "--slot-idle-seconds", "0.5", "--host-idle-seconds", "1",
+        "--hot-share", "1",  # a few adapters draw all the traffic here: replicas only where asked
     ]  # fmt: skip
     service = spawn("adapter-service", service_args, logs, "adapter-service", env=aws_env())
     keys = logs / "keys"

@@ -15,7 +15,16 @@ import pytest
 
 from adapter_service import base_model, validate
 from adapter_service.controller import Controller
-from adapter_service.placement import Knobs, PodView, choose_target, match_hints, to_cool, to_spread
+from adapter_service.placement import (
+    Knobs,
+    PodView,
+    choose_target,
+    match_hints,
+    replicas_for,
+    to_cool,
+    to_spread,
+)
+from adapter_service.popularity import Popularity
 from adapter_service.registry import MemoryRegistry, RedisRegistry
 from adapter_service.store import LocalStore, S3Store, Version
 from spindle.v1 import adapters_pb2 as apb
@@ -152,7 +161,8 @@ def test_target_prefers_room_then_the_shorter_queue():
     free = _view("p1:1", [("", 0, False)], {})
     idle = _view("p2:1", [("x", 0, False)], {"x": (mc.TIER_DEVICE, 0)})
     busy = _view("p3:1", [("y", 2, False)], {"y": (mc.TIER_DEVICE, 2)})
-    assert choose_target([busy, idle, free], "a", "s", None).address == "p1:1"
+    for hot in (False, True):
+        assert choose_target([busy, idle, free], "a", "s", None, hot).address == "p1:1"
     hints = match_hints(
         [busy, idle, free],
         [
@@ -161,9 +171,67 @@ def test_target_prefers_room_then_the_shorter_queue():
             apb.PodHint(address="p3:1"),
         ],
     )
-    assert choose_target([busy, idle, free], "a", "s", hints).address == "p2:1"
+    assert choose_target([busy, idle, free], "a", "s", hints, hot=True).address == "p2:1"
     holder = _view("p4:1", [("a", 0, False)], {"a": (mc.TIER_DEVICE, 0)})
     assert choose_target([holder], "a", "s", None) is None  # already there
+
+
+def test_tail_adapters_go_to_the_pod_with_the_fewest_adapters():
+    """AIBrix's least-adapters: a tail adapter goes where the fewest adapters are (any tier),
+    whatever the room and queue; ties by room + queue + KV. A hot one goes by load first."""
+    crowded = _view(
+        "p1:1", [("", 0, False)], {"x": (mc.TIER_HOST, 0), "y": (mc.TIER_DISK, 0), "z": (mc.TIER_DISK, 0)}
+    )
+    sparse = _view("p2:1", [("w", 0, False)], {"w": (mc.TIER_DEVICE, 0)})
+    tie = _view("p3:1", [("v", 0, False)], {"v": (mc.TIER_DEVICE, 0)})
+    hints = match_hints(
+        [crowded, sparse, tie],
+        [
+            apb.PodHint(address="p1:1"),
+            apb.PodHint(address="p2:1", num_waiting=4),
+            apb.PodHint(address="p3:1"),
+        ],
+    )
+    assert (
+        choose_target([crowded, sparse, tie], "a", "s", hints).address == "p3:1"
+    )  # 1 adapter, shorter queue
+    assert choose_target([crowded, sparse, tie], "a", "s", hints, hot=True).address == "p1:1"  # a free slot
+
+
+def test_popularity_is_each_adapters_share_of_recent_requests():
+    pop = Popularity(half_life=10.0)
+    pop.observe("p", {"a": 30, "b": 10})
+    pop.observe("q", {"a": 0, "b": 10})
+    pop.decay(0.0)
+    assert pop.shares() == {"a": 0.6, "b": 0.4}
+    pop.observe("p", {"a": 30, "b": 10})  # nothing new
+    assert pop.shares() == {"a": 0.6, "b": 0.4}
+    pop.decay(10.0)  # one half-life: the old counts weigh half
+    pop.observe("p", {"a": 30, "b": 25})  # 15 new for b
+    assert pop.shares() == {"a": 15 / 40, "b": 25 / 40}
+    pop.observe("p", {"a": 2, "b": 25})  # p restarted: its 2 requests for a are new
+    assert pop.weight["a"] == 17
+    pop.forget_pod("p")  # gone: its next appearance counts from zero
+    pop.observe("p", {"a": 1})
+    assert pop.weight["a"] == 18 and pop.share("c") == 0.0
+    pop.decay(1000.0)  # everything forgotten
+    assert pop.shares() == {}
+
+
+def test_hot_adapters_get_replicas_in_proportion_to_their_share():
+    knobs = Knobs(hot_share=0.02, max_replicas=4)
+    assert [replicas_for(s, knobs) for s in (0.0, 0.01, 0.02, 0.021, 0.05, 0.5)] == [1, 1, 1, 2, 3, 4]
+    views = [_view(f"p{i}:1", [("", 0, False)], {}) for i in range(6)]
+    for name, holders in (("head", 1), ("second", 2), ("tail", 1)):
+        for v in views[:holders]:
+            v.adapters[name] = mc.AdapterState(name=name, tier=mc.TIER_DEVICE, sha256="s")
+    latest = {"head": "s", "second": "s", "tail": "s", "unplaced": "s"}
+    shares = {"head": 0.1, "second": 0.05, "tail": 0.001, "unplaced": 0.2}
+    # head belongs on 4 pods, second on 3; the tail stays on one; one nobody holds is placed on demand
+    assert to_spread(views, latest, shares, knobs) == ["head", "second"]
+    for v in views[:3]:
+        v.adapters["second"] = mc.AdapterState(name="second", tier=mc.TIER_DEVICE, sha256="s")
+    assert to_spread(views, latest, shares, knobs) == ["head"]
 
 
 class _FakePod(model_control_pb2_grpc.ModelControlServicer):
@@ -251,11 +319,11 @@ def test_cooling_never_touches_what_is_in_use_or_pinned():
     assert request.from_disk and request.from_host
 
 
-def test_hot_adapters_spread_up_to_the_replica_limit():
+def test_busy_adapters_spread_up_to_the_replica_limit():
     hot = [_view("p:1", [("a", 9, False)], {"a": (mc.TIER_DEVICE, 9)}), _view("q:1", [("", 0, False)], {})]
-    assert to_spread(hot, {"a": "s"}, Knobs(spread_threshold=8)) == ["a"]
-    assert to_spread(hot, {"a": "s"}, Knobs(spread_threshold=10)) == []
-    assert to_spread(hot, {"a": "s"}, Knobs(spread_threshold=8, max_replicas=1)) == []
+    assert to_spread(hot, {"a": "s"}, {}, Knobs(spread_threshold=8)) == ["a"]
+    assert to_spread(hot, {"a": "s"}, {}, Knobs(spread_threshold=10)) == []
+    assert to_spread(hot, {"a": "s"}, {}, Knobs(spread_threshold=8, max_replicas=1)) == []
 
 
 # --- stores and registries: one contract, both implementations -----------------------------------
@@ -330,14 +398,19 @@ def test_registry_index_leases_and_bounded_staging(registry_factory):
         assert not await reg.is_built()
         await reg.rebuild([_version("a", 1), _version("a", 2), _version("b", 1)])
         assert await reg.is_built() and (await reg.get("a")).version == 2
+        built = await reg.generation()
         await reg.put(_version("c", 1))
+        assert built is not None and await reg.generation() not in (None, built)  # the index changed
+        assert set(await reg.get_many(["a", "c", "x"])) == {"a", "c"}
         assert [v.name for v in await reg.page("", 2)] == ["a", "b"]
         assert [v.name for v in await reg.page("b", 2)] == ["c"]
         await reg.lease("a", "pod1", {"tier": 3}, ttl=0.3)
         await reg.lease("a", "pod2", {"tier": 2}, ttl=30)
         assert set(await reg.leases("a")) == {"pod1", "pod2"}
+        await reg.lease_many("pod3", {"a": {"tier": 1}, "b": {"tier": 3}}, ttl=30)  # one poll's
         await asyncio.sleep(0.4)
-        assert await reg.leases("a") == {"pod2": {"tier": 2}}  # a pod that stopped renewing
+        assert await reg.leases("a") == {"pod2": {"tier": 2}, "pod3": {"tier": 1}}  # pod1 stopped
+        assert await reg.leases("b") == {"pod3": {"tier": 3}} and await reg.leases("c") == {}
         await reg.stage("x", b"1" * 60, max_total=100)
         await reg.stage("y", b"2" * 60, max_total=100)  # over the bound: the oldest goes
         await reg.stage("z", b"3" * 200, max_total=100)  # too big to stage at all
@@ -346,7 +419,9 @@ def test_registry_index_leases_and_bounded_staging(registry_factory):
             b"2" * 60,
             None,
         )
+        before = await reg.generation()
         await reg.remove("a")
         assert await reg.get("a") is None and await reg.leases("a") == {}
+        assert await reg.generation() != before
 
     asyncio.run(go())

@@ -107,6 +107,9 @@ def test_load_pin_evict_and_slot_report(pods, tiny_llama, adapters):
         report = ctl.GetSlots(mc.GetSlotsRequest(), timeout=10)
         assert [(s.index, s.adapter, s.refcount) for s in report.slots] == [(0, "b", 0)]
         assert {a.name: a.tier for a in report.adapters} == {"b": mc.TIER_DEVICE, "a": mc.TIER_HOST}
+        assert {a.name: a.requests_total for a in report.adapters} == {"b": 0, "a": 1}  # popularity
+        where = load(first)  # the same residency, as the gateway sees it
+        assert (list(where.resident_adapters), list(where.host_adapters)) == (["b"], ["a"])
         assert ctl.Evict(mc.EvictRequest(name="b"), timeout=10).slot == 0
         wait_idle(first)
 

@@ -29,7 +29,7 @@ def test_adapter_affinity_levels_follow_the_inference_extension():
     full = router.Candidate("d", resident_adapters={"y", "z"}, max_adapters=2, available_adapters=has)
     no_lora = router.Candidate("e")
     scores = [router.adapter_score(p, "x") for p in (resident, room, waiting, full, no_lora)]
-    assert scores == [1.0, 0.8, 0.6, 0.0, 0.0]
+    assert scores == [1.0, 0.75, 0.6, 0.0, 0.0]  # room: a load from disk, half the slots free
     assert router.adapter_score(full, None) == 1.0  # base-model requests fit anywhere
     assert router.choose([full, waiting, room, resident], "x", {}) == "a"
     # A pod that does not have the adapter at all is never chosen for it, however idle.
@@ -247,13 +247,15 @@ def test_the_engine_and_the_bench_fake_offer_the_engine_handle(tiny_llama):
     from tests.conftest import make_engine
 
     members = {n for n in vars(EngineHandle) if not n.startswith("_")}
-    attributes = {"config", "max_model_len", "vocab_size"}
+    attributes = {"config", "max_model_len", "vocab_size", "adapter_memory"}
     methods = {"add_request", "step", "abort", "has_unfinished", "stats", "list_adapters", "submit_control"}
     methods.add("on_lost")
     assert members == attributes | methods
     for impl in (make_engine(tiny_llama), FakeFastEngine(0.0)):
         assert isinstance(impl.config, EngineConfig)
         assert isinstance(impl.max_model_len, int) and isinstance(impl.vocab_size, int)
+        memory = impl.adapter_memory
+        assert isinstance(memory.memory_used_bytes, int) and isinstance(memory.memory_capacity_bytes, int)
         for name in methods:
             want = inspect.signature(getattr(EngineHandle, name)).parameters
             got = inspect.signature(getattr(type(impl), name)).parameters

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -91,6 +91,30 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hit_tokens / max(self.prefix_cache_query_tokens, 1)
+
+
+class AdapterMemory(Protocol):
+    """Device memory for adapter weights, as the LoRA pool counts it: what the pod reports so the
+    gateway can prefer a pod with room, and an operator can see memory pressure."""
+
+    @property
+    def memory_used_bytes(self) -> int: ...
+
+    @property
+    def memory_capacity_bytes(self) -> int:
+        """All the device memory adapters may take; 0 = not counted in bytes (slots only)."""
+        ...
+
+
+@dataclass(frozen=True)
+class MemoryCount:
+    """An `AdapterMemory` of fixed values: what an engine without byte accounting reports."""
+
+    memory_used_bytes: int = 0
+    memory_capacity_bytes: int = 0
+
+
+NOT_COUNTED = MemoryCount()
 
 
 class Engine:
@@ -521,6 +545,17 @@ class Engine:
 
     def list_adapters(self) -> list[AdapterInfo]:
         return self.lora.report()
+
+    @property
+    def adapter_memory(self) -> AdapterMemory:
+        """The LoRA pool, whose `memory_used_bytes` / `memory_capacity_bytes` the pod reports.
+
+        A pool of fixed slots has no byte counts: the pod then reports capacity 0 ("not
+        counted", PodLoad.adapter_memory_capacity_bytes). Once the pool is sized in bytes (issue
+        30) this is just `return self.lora`."""
+        if not hasattr(self.lora, "memory_capacity_bytes"):
+            return NOT_COUNTED
+        return self.lora
 
     def stats(self) -> EngineStats:
         s, blocks = self.scheduler, self.cache.blocks

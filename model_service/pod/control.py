@@ -42,9 +42,10 @@ _CHUNK = 1 << 20
 _MAX_CHUNK = 16 << 20
 
 
-def _state(info: AdapterInfo | None, name: str) -> pb.AdapterState:
+def _state(info: AdapterInfo | None, name: str, requests: int = 0) -> pb.AdapterState:
+    """`requests`: the pod's Generate calls for the adapter so far (ModelPod.adapter_requests)."""
     if info is None:
-        return pb.AdapterState(name=name, tier=pb.TIER_UNSPECIFIED)
+        return pb.AdapterState(name=name, tier=pb.TIER_UNSPECIFIED, requests_total=requests)
     state = pb.AdapterState(
         name=info.name,
         tier=_TIERS[info.tier],
@@ -53,6 +54,7 @@ def _state(info: AdapterInfo | None, name: str) -> pb.AdapterState:
         rank=info.rank,
         sha256=info.sha256,
         adapter_id=info.adapter_id,
+        requests_total=requests,
     )
     if info.slot is not None:
         state.slot = info.slot
@@ -110,6 +112,9 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         adapters = await self.pod.adapters()
         return next((a for a in adapters if a.name == name), None)
 
+    async def _described(self, name: str) -> pb.AdapterState:
+        return _state(await self._info(name), name, self.pod.adapter_requests[name])
+
     # --- RPCs -------------------------------------------------------------------------------------
 
     async def LoadAdapter(
@@ -120,7 +125,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         path = request.path if request.HasField("path") else None
         result = await self._run(LoadAdapter(name, path, slot), context)
         return pb.SlotChange(
-            slot=result.slot, evicted=result.evicted or "", adapter=_state(await self._info(name), name)
+            slot=result.slot, evicted=result.evicted or "", adapter=await self._described(name)
         )
 
     async def PromoteFromDisk(
@@ -132,7 +137,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
                 context, Code.INVALID_ARGUMENT, "path is required: a directory with the PEFT adapter files"
             )
         await self._run(RegisterAdapter(name, request.path), context)
-        return _state(await self._info(name), name)
+        return await self._described(name)
 
     async def PromoteFromPeer(
         self, request: pb.PromoteFromPeerRequest, context: grpc.aio.ServicerContext
@@ -140,7 +145,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         name = await self._name(request.name, context)
         path = await self._fetch_from_peer(name, request.peer, request.sha256, context)
         await self._run(RegisterAdapter(name, str(path)), context)
-        return _state(await self._info(name), name)
+        return await self._described(name)
 
     async def Rotate(self, request: pb.RotateRequest, context: grpc.aio.ServicerContext) -> pb.AdapterState:
         """New weights under an existing name: new requests get them; running ones finish on the old."""
@@ -159,7 +164,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
                         context, Code.DATA_LOSS, f"{path} has sha256 {got}, expected {request.sha256}"
                     )
         await self._run(RegisterAdapter(name, str(path)), context)
-        return _state(await self._info(name), name)
+        return await self._described(name)
 
     async def _sha256_of(self, weights: Path, context: grpc.aio.ServicerContext) -> str:
         try:
@@ -182,13 +187,13 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         return pb.SlotChange(
             slot=-1 if result.slot is None else result.slot,
             evicted=name,
-            adapter=_state(await self._info(name), name),
+            adapter=await self._described(name),
         )
 
     async def Pin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.AdapterState:
         name = await self._name(request.name, context)
         await self._run(PinAdapter(name, request.pinned), context)
-        return _state(await self._info(name), name)
+        return await self._described(name)
 
     async def SetActive(
         self, request: pb.SetActiveRequest, context: grpc.aio.ServicerContext
@@ -196,7 +201,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         """Make a resident adapter the one `@active` requests get (running ones keep theirs)."""
         name = await self._name(request.name, context) if request.name else None
         await self._run(SetActiveAdapter(name), context)
-        return _state(await self._info(name), name) if name else pb.AdapterState()
+        return await self._described(name) if name else pb.AdapterState()
 
     async def GetSlots(self, request: pb.GetSlotsRequest, context: grpc.aio.ServicerContext) -> pb.SlotReport:
         await self._ready(context)
@@ -209,7 +214,7 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         active = next((a for a in adapters if a.active), None)
         return pb.SlotReport(
             slots=slots,
-            adapters=[_state(a, a.name) for a in adapters],
+            adapters=[_state(a, a.name, self.pod.adapter_requests[a.name]) for a in adapters],
             active_adapter=active.name if active is not None else "",
         )
 

@@ -60,6 +60,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             batches = pod.async_engine.generate_batches(rid, stream_interval=pod.stream_interval, **kwargs)
             async with contextlib.aclosing(batches) as stream:
                 batch = await _admitted(stream, context)
+                pod.accepted(req)
                 while True:
                     out = batch[-1]
                     req.on_output(batch[0])

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from model_service.engine.config import EngineConfig
-from model_service.engine.engine import EngineStats
+from model_service.engine.engine import AdapterMemory, EngineStats
 from model_service.engine.requests import Resume
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import RequestOutput
@@ -24,6 +24,11 @@ from model_service.lora.pool import AdapterInfo
 class EngineHandle(Protocol):
     @property
     def config(self) -> EngineConfig: ...
+
+    @property
+    def adapter_memory(self) -> AdapterMemory:
+        """The adapters' device memory (the LoRA pool's byte counts); read on the engine thread."""
+        ...
 
     @property
     def max_model_len(self) -> int:

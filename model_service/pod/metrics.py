@@ -19,11 +19,23 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from model_service.engine.engine import EngineStats
+from model_service.lora.pool import ACTIVE
 
 log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 _REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
+
+
+@dataclass
+class Residency:
+    """Where the pod's adapters are (names, sorted) and the device memory they take."""
+
+    device: list[str] = field(default_factory=list)  # a request for one runs at once
+    host: list[str] = field(default_factory=list)  # a load is a copy to the device
+    disk: list[str] = field(default_factory=list)  # a load parses the files first
+    memory_used_bytes: int = 0
+    memory_capacity_bytes: int = 0  # 0: the pool counts slots, not bytes
 
 
 @dataclass
@@ -34,6 +46,7 @@ class Snapshot:
     max_adapters: int
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
+    residency: Residency = field(default_factory=Residency)
 
 
 class _EngineCollector(Collector):
@@ -52,9 +65,7 @@ class _EngineCollector(Collector):
         labels, values = ["model_name"], [self.model]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(values, value)
-            return g
+            return _gauge(name, doc, labels, values, value)
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             c = CounterMetricFamily(name, doc, labels=labels)
@@ -88,15 +99,51 @@ class _EngineCollector(Collector):
         yield counter(
             "vllm:spec_decode_num_accepted_tokens", "Speculative tokens accepted.", st.spec_accepted_tokens
         )
-        info = GaugeMetricFamily(
-            "vllm:lora_requests_info",
-            "Adapters of running and waiting requests (the value is the time of the report).",
-            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-        )
-        info.add_metric(
-            [str(s.max_adapters), ",".join(s.running_adapters), ",".join(s.waiting_adapters)], time.time()
-        )
-        yield info
+        yield _lora_requests_info(s)
+        yield from _residency(s.residency, labels, values)
+
+
+def _lora_requests_info(s: Snapshot) -> GaugeMetricFamily:
+    """vLLM's `vllm:lora_requests_info` as vLLM defines it (vllm/v1/metrics/loggers.py): a gauge
+    whose value is the time of the report, labelled max_lora and the comma-joined adapters of
+    waiting and of running requests, and no model label. The Inference Extension's LoRA
+    affinity scorer reads it as is."""
+    info = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+    )
+    info.add_metric(
+        [str(s.max_adapters), ",".join(s.waiting_adapters), ",".join(s.running_adapters)], time.time()
+    )
+    return info
+
+
+def _residency(r: Residency, labels: list[str], values: list[str]) -> Iterator[GaugeMetricFamily]:
+    """Adapters per tier and the device memory they take: what vLLM has no metric for."""
+    tiers = GaugeMetricFamily(
+        "spindle:lora_resident_adapters",
+        "Adapters this pod holds, by tier: device (runs at once), host (a copy away), disk (a parse away).",
+        labels=[*labels, "tier"],
+    )
+    for tier, names in (("device", r.device), ("host", r.host), ("disk", r.disk)):
+        tiers.add_metric([*values, tier], len([n for n in names if n != ACTIVE]))
+    yield tiers
+    yield _gauge(
+        "spindle:lora_memory_used_bytes", "Device memory adapter weights take now.", labels, values,
+        r.memory_used_bytes,
+    )  # fmt: skip
+    yield _gauge(
+        "spindle:lora_memory_capacity_bytes",
+        "Device memory adapter weights may take (0: counted in slots, not bytes).",
+        labels, values, r.memory_capacity_bytes,
+    )  # fmt: skip
+
+
+def _gauge(name: str, doc: str, labels: list[str], values: list[str], value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=labels)
+    g.add_metric(values, value)
+    return g
 
 
 class PodMetrics:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from model_service.engine.sequence import RequestOutput
 from model_service.errors import UnavailableError
 from model_service.lora.pool import ACTIVE, AdapterInfo
 from model_service.pod.handle import EngineHandle
-from model_service.pod.metrics import PodMetrics, Snapshot
+from model_service.pod.metrics import PodMetrics, Residency, Snapshot
 from spindle.serving import Health
 from spindle.v1 import pod_status_pb2
 
@@ -59,6 +60,32 @@ class InFlight:
         return self.arrival_ns + int((mono - self.arrival) * 1e9)
 
 
+@dataclass
+class Gathered:
+    """What the engine thread reports at one instant: stats, adapters and their memory, consistent
+    with each other."""
+
+    stats: EngineStats
+    adapters: list[AdapterInfo]
+    memory_used_bytes: int
+    memory_capacity_bytes: int
+
+    def residency(self) -> Residency:
+        """The adapters by tier; `@active` is on the device when some adapter is active."""
+        tiers: dict[str, list[str]] = {"gpu": [], "cpu": [], "disk": []}
+        for a in self.adapters:
+            tiers[a.tier].append(a.name)
+        if any(a.active for a in self.adapters):  # `@active` requests can run here
+            tiers["gpu"].append(ACTIVE)
+        return Residency(
+            sorted(tiers["gpu"]),
+            sorted(tiers["cpu"]),
+            sorted(tiers["disk"]),
+            self.memory_used_bytes,
+            self.memory_capacity_bytes,
+        )
+
+
 class ModelPod:
     def __init__(
         self, model_name: str, drain_timeout: float, health: Health | None = None, stream_interval: int = 1
@@ -73,6 +100,9 @@ class ModelPod:
         self.control_port = 0  # reported in PodLoad (the adapter service addresses pods by it)
         self.inflight: dict[str, InFlight] = {}
         self.requests_total = 0
+        # Requests the engine accepted, per adapter (GetSlots reports them: the adapter
+        # service's popularity signal). Only accepted ones: a name nobody serves adds no entry.
+        self.adapter_requests: Counter[str] = Counter()
         self.draining = False
         self.lost: str | None = None  # why the engine can no longer serve (a lost tensor-parallel rank)
         self._health_off: asyncio.Future[None] | None = None
@@ -172,6 +202,11 @@ class ModelPod:
         self.requests_total += 1
         return req
 
+    def accepted(self, req: InFlight) -> None:
+        """The engine took the request (its first output came): count it for its adapter."""
+        if req.adapter is not None:
+            self.adapter_requests[req.adapter] += 1
+
     def end(self, req: InFlight) -> None:
         self.inflight.pop(req.request_id, None)
         self.drain_aborted.discard(req.request_id)
@@ -179,9 +214,12 @@ class ModelPod:
     # --- load ------------------------------------------------------------------------------------
 
     @staticmethod
-    def _gather(engine: EngineHandle) -> tuple[EngineStats, list[AdapterInfo]]:
-        """On the engine thread: its stats and adapters, consistent with each other."""
-        return engine.stats(), engine.list_adapters()
+    def _gather(engine: EngineHandle) -> Gathered:
+        """On the engine thread, between steps (the pool's counts do not move under it)."""
+        memory = engine.adapter_memory
+        return Gathered(
+            engine.stats(), engine.list_adapters(), memory.memory_used_bytes, memory.memory_capacity_bytes
+        )
 
     def _max_adapters(self) -> int:
         return self.engine.config.max_loras if self.engine is not None else 0
@@ -199,30 +237,27 @@ class ModelPod:
         """For the metrics thread: blocks until the engine thread is between steps."""
         if self.async_engine is None or self._closed:
             return None
-        stats, _ = self.async_engine.call(self._gather)
+        now = self.async_engine.call(self._gather)
         running, waiting = self._adapter_split()
         return Snapshot(
-            stats=stats,
+            stats=now.stats,
             max_adapters=self._max_adapters(),
             running_adapters=running,
             waiting_adapters=waiting,
+            residency=now.residency(),
         )
 
     async def adapters(self) -> list[AdapterInfo]:
         if self.async_engine is None:
             return []
-        _, adapters = await asyncio.to_thread(self.async_engine.call, self._gather)
-        return adapters
+        now = await asyncio.to_thread(self.async_engine.call, self._gather)
+        return now.adapters
 
     async def load_report(self) -> pod_status_pb2.PodLoad:
         assert self.async_engine is not None
-        stats, adapters = await asyncio.to_thread(self.async_engine.call, self._gather)
+        now = await asyncio.to_thread(self.async_engine.call, self._gather)
+        stats, where = now.stats, now.residency()
         _, waiting = self._adapter_split()
-        resident = [a.name for a in adapters if a.tier == "gpu"]
-        available = [a.name for a in adapters]
-        if any(a.active for a in adapters):  # `@active` requests can run here
-            resident.append(ACTIVE)
-            available.append(ACTIVE)
         return pod_status_pb2.PodLoad(
             model=self.model_name,
             num_waiting=stats.num_waiting,
@@ -232,14 +267,18 @@ class ModelPod:
             kv_blocks_total=stats.kv_blocks_total,
             kv_blocks_free=stats.kv_blocks_free,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-            resident_adapters=resident,
+            resident_adapters=where.device,
             waiting_adapters=waiting,
             max_adapters=self._max_adapters(),
             draining=self.draining,
             requests_total=self.requests_total,
             requests_in_flight=len(self.inflight),
-            available_adapters=sorted(available),
+            available_adapters=sorted({*where.device, *where.host, *where.disk}),
             control_port=self.control_port,
             state_slots_total=stats.state_slots_total,
             state_slots_free=stats.state_slots_free,
+            host_adapters=where.host,
+            disk_adapters=where.disk,
+            adapter_memory_used_bytes=where.memory_used_bytes,
+            adapter_memory_capacity_bytes=where.memory_capacity_bytes,
         )

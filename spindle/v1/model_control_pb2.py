@@ -24,47 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1espindle/v1/model_control.proto\x12\nspindle.v1\"\xac\x01\n\x0c\x41\x64\x61pterState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.spindle.v1.Tier\x12\x11\n\x04slot\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x08refcount\x18\x04 \x01(\x05\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12\x12\n\nadapter_id\x18\x08 \x01(\x03\x42\x07\n\x05_slot\"Z\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\x04slot\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\x04path\x18\x03 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05_slotB\x07\n\x05_path\"V\n\nSlotChange\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x0f\n\x07\x65victed\x18\x02 \x01(\t\x12)\n\x07\x61\x64\x61pter\x18\x03 \x01(\x0b\x32\x18.spindle.v1.AdapterState\"4\n\x16PromoteFromDiskRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"D\n\x16PromoteFromPeerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04peer\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"W\n\rRotateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x04path\x18\x02 \x01(\tH\x00\x12\x0e\n\x04peer\x18\x03 \x01(\tH\x00\x12\x0e\n\x06sha256\x18\x04 \x01(\tB\x08\n\x06source\"B\n\x0c\x45victRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tfrom_host\x18\x02 \x01(\x08\x12\x11\n\tfrom_disk\x18\x03 \x01(\x08\"*\n\nPinRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\" \n\x10SetActiveRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x11\n\x0fGetSlotsRequest\"H\n\x04Slot\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x10\n\x08refcount\x18\x03 \x01(\x05\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\"q\n\nSlotReport\x12\x1f\n\x05slots\x18\x01 \x03(\x0b\x32\x10.spindle.v1.Slot\x12*\n\x08\x61\x64\x61pters\x18\x02 \x03(\x0b\x32\x18.spindle.v1.AdapterState\x12\x16\n\x0e\x61\x63tive_adapter\x18\x03 \x01(\t\"?\n\x1a\x46\x65tchAdapterWeightsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x05\"\x89\x01\n\x13\x41\x64\x61pterWeightsChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0c\n\x04last\x18\x06 \x01(\x08\x12\x0e\n\x06sha256\x18\x07 \x01(\t\"N\n\x0c\x44rainRequest\x12\x1c\n\x0ftimeout_seconds\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04\x65xit\x18\x02 \x01(\x08\x42\x12\n\x10_timeout_seconds\"2\n\rDrainResponse\x12\x10\n\x08\x66inished\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\x05*K\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DISK\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\x0f\n\x0bTIER_DEVICE\x10\x03\x32\xd0\x05\n\x0cModelControl\x12\x45\n\x0bLoadAdapter\x12\x1e.spindle.v1.LoadAdapterRequest\x1a\x16.spindle.v1.SlotChange\x12O\n\x0fPromoteFromDisk\x12\".spindle.v1.PromoteFromDiskRequest\x1a\x18.spindle.v1.AdapterState\x12O\n\x0fPromoteFromPeer\x12\".spindle.v1.PromoteFromPeerRequest\x1a\x18.spindle.v1.AdapterState\x12=\n\x06Rotate\x12\x19.spindle.v1.RotateRequest\x1a\x18.spindle.v1.AdapterState\x12\x39\n\x05\x45vict\x12\x18.spindle.v1.EvictRequest\x1a\x16.spindle.v1.SlotChange\x12\x37\n\x03Pin\x12\x16.spindle.v1.PinRequest\x1a\x18.spindle.v1.AdapterState\x12\x43\n\tSetActive\x12\x1c.spindle.v1.SetActiveRequest\x1a\x18.spindle.v1.AdapterState\x12?\n\x08GetSlots\x12\x1b.spindle.v1.GetSlotsRequest\x1a\x16.spindle.v1.SlotReport\x12`\n\x13\x46\x65tchAdapterWeights\x12&.spindle.v1.FetchAdapterWeightsRequest\x1a\x1f.spindle.v1.AdapterWeightsChunk0\x01\x12<\n\x05\x44rain\x12\x18.spindle.v1.DrainRequest\x1a\x19.spindle.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1espindle/v1/model_control.proto\x12\nspindle.v1\"\xc4\x01\n\x0c\x41\x64\x61pterState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.spindle.v1.Tier\x12\x11\n\x04slot\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x08refcount\x18\x04 \x01(\x05\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12\x12\n\nadapter_id\x18\x08 \x01(\x03\x12\x16\n\x0erequests_total\x18\t \x01(\x03\x42\x07\n\x05_slot\"Z\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\x04slot\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\x04path\x18\x03 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05_slotB\x07\n\x05_path\"V\n\nSlotChange\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x0f\n\x07\x65victed\x18\x02 \x01(\t\x12)\n\x07\x61\x64\x61pter\x18\x03 \x01(\x0b\x32\x18.spindle.v1.AdapterState\"4\n\x16PromoteFromDiskRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"D\n\x16PromoteFromPeerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04peer\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"W\n\rRotateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x04path\x18\x02 \x01(\tH\x00\x12\x0e\n\x04peer\x18\x03 \x01(\tH\x00\x12\x0e\n\x06sha256\x18\x04 \x01(\tB\x08\n\x06source\"B\n\x0c\x45victRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tfrom_host\x18\x02 \x01(\x08\x12\x11\n\tfrom_disk\x18\x03 \x01(\x08\"*\n\nPinRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\" \n\x10SetActiveRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x11\n\x0fGetSlotsRequest\"H\n\x04Slot\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x10\n\x08refcount\x18\x03 \x01(\x05\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\"q\n\nSlotReport\x12\x1f\n\x05slots\x18\x01 \x03(\x0b\x32\x10.spindle.v1.Slot\x12*\n\x08\x61\x64\x61pters\x18\x02 \x03(\x0b\x32\x18.spindle.v1.AdapterState\x12\x16\n\x0e\x61\x63tive_adapter\x18\x03 \x01(\t\"?\n\x1a\x46\x65tchAdapterWeightsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x05\"\x89\x01\n\x13\x41\x64\x61pterWeightsChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0c\n\x04last\x18\x06 \x01(\x08\x12\x0e\n\x06sha256\x18\x07 \x01(\t\"N\n\x0c\x44rainRequest\x12\x1c\n\x0ftimeout_seconds\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04\x65xit\x18\x02 \x01(\x08\x42\x12\n\x10_timeout_seconds\"2\n\rDrainResponse\x12\x10\n\x08\x66inished\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\x05*K\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DISK\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\x0f\n\x0bTIER_DEVICE\x10\x03\x32\xd0\x05\n\x0cModelControl\x12\x45\n\x0bLoadAdapter\x12\x1e.spindle.v1.LoadAdapterRequest\x1a\x16.spindle.v1.SlotChange\x12O\n\x0fPromoteFromDisk\x12\".spindle.v1.PromoteFromDiskRequest\x1a\x18.spindle.v1.AdapterState\x12O\n\x0fPromoteFromPeer\x12\".spindle.v1.PromoteFromPeerRequest\x1a\x18.spindle.v1.AdapterState\x12=\n\x06Rotate\x12\x19.spindle.v1.RotateRequest\x1a\x18.spindle.v1.AdapterState\x12\x39\n\x05\x45vict\x12\x18.spindle.v1.EvictRequest\x1a\x16.spindle.v1.SlotChange\x12\x37\n\x03Pin\x12\x16.spindle.v1.PinRequest\x1a\x18.spindle.v1.AdapterState\x12\x43\n\tSetActive\x12\x1c.spindle.v1.SetActiveRequest\x1a\x18.spindle.v1.AdapterState\x12?\n\x08GetSlots\x12\x1b.spindle.v1.GetSlotsRequest\x1a\x16.spindle.v1.SlotReport\x12`\n\x13\x46\x65tchAdapterWeights\x12&.spindle.v1.FetchAdapterWeightsRequest\x1a\x1f.spindle.v1.AdapterWeightsChunk0\x01\x12<\n\x05\x44rain\x12\x18.spindle.v1.DrainRequest\x1a\x19.spindle.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'spindle.v1.model_control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1305
-  _globals['_TIER']._serialized_end=1380
+  _globals['_TIER']._serialized_start=1329
+  _globals['_TIER']._serialized_end=1404
   _globals['_ADAPTERSTATE']._serialized_start=47
-  _globals['_ADAPTERSTATE']._serialized_end=219
-  _globals['_LOADADAPTERREQUEST']._serialized_start=221
-  _globals['_LOADADAPTERREQUEST']._serialized_end=311
-  _globals['_SLOTCHANGE']._serialized_start=313
-  _globals['_SLOTCHANGE']._serialized_end=399
-  _globals['_PROMOTEFROMDISKREQUEST']._serialized_start=401
-  _globals['_PROMOTEFROMDISKREQUEST']._serialized_end=453
-  _globals['_PROMOTEFROMPEERREQUEST']._serialized_start=455
-  _globals['_PROMOTEFROMPEERREQUEST']._serialized_end=523
-  _globals['_ROTATEREQUEST']._serialized_start=525
-  _globals['_ROTATEREQUEST']._serialized_end=612
-  _globals['_EVICTREQUEST']._serialized_start=614
-  _globals['_EVICTREQUEST']._serialized_end=680
-  _globals['_PINREQUEST']._serialized_start=682
-  _globals['_PINREQUEST']._serialized_end=724
-  _globals['_SETACTIVEREQUEST']._serialized_start=726
-  _globals['_SETACTIVEREQUEST']._serialized_end=758
-  _globals['_GETSLOTSREQUEST']._serialized_start=760
-  _globals['_GETSLOTSREQUEST']._serialized_end=777
-  _globals['_SLOT']._serialized_start=779
-  _globals['_SLOT']._serialized_end=851
-  _globals['_SLOTREPORT']._serialized_start=853
-  _globals['_SLOTREPORT']._serialized_end=966
-  _globals['_FETCHADAPTERWEIGHTSREQUEST']._serialized_start=968
-  _globals['_FETCHADAPTERWEIGHTSREQUEST']._serialized_end=1031
-  _globals['_ADAPTERWEIGHTSCHUNK']._serialized_start=1034
-  _globals['_ADAPTERWEIGHTSCHUNK']._serialized_end=1171
-  _globals['_DRAINREQUEST']._serialized_start=1173
-  _globals['_DRAINREQUEST']._serialized_end=1251
-  _globals['_DRAINRESPONSE']._serialized_start=1253
-  _globals['_DRAINRESPONSE']._serialized_end=1303
-  _globals['_MODELCONTROL']._serialized_start=1383
-  _globals['_MODELCONTROL']._serialized_end=2103
+  _globals['_ADAPTERSTATE']._serialized_end=243
+  _globals['_LOADADAPTERREQUEST']._serialized_start=245
+  _globals['_LOADADAPTERREQUEST']._serialized_end=335
+  _globals['_SLOTCHANGE']._serialized_start=337
+  _globals['_SLOTCHANGE']._serialized_end=423
+  _globals['_PROMOTEFROMDISKREQUEST']._serialized_start=425
+  _globals['_PROMOTEFROMDISKREQUEST']._serialized_end=477
+  _globals['_PROMOTEFROMPEERREQUEST']._serialized_start=479
+  _globals['_PROMOTEFROMPEERREQUEST']._serialized_end=547
+  _globals['_ROTATEREQUEST']._serialized_start=549
+  _globals['_ROTATEREQUEST']._serialized_end=636
+  _globals['_EVICTREQUEST']._serialized_start=638
+  _globals['_EVICTREQUEST']._serialized_end=704
+  _globals['_PINREQUEST']._serialized_start=706
+  _globals['_PINREQUEST']._serialized_end=748
+  _globals['_SETACTIVEREQUEST']._serialized_start=750
+  _globals['_SETACTIVEREQUEST']._serialized_end=782
+  _globals['_GETSLOTSREQUEST']._serialized_start=784
+  _globals['_GETSLOTSREQUEST']._serialized_end=801
+  _globals['_SLOT']._serialized_start=803
+  _globals['_SLOT']._serialized_end=875
+  _globals['_SLOTREPORT']._serialized_start=877
+  _globals['_SLOTREPORT']._serialized_end=990
+  _globals['_FETCHADAPTERWEIGHTSREQUEST']._serialized_start=992
+  _globals['_FETCHADAPTERWEIGHTSREQUEST']._serialized_end=1055
+  _globals['_ADAPTERWEIGHTSCHUNK']._serialized_start=1058
+  _globals['_ADAPTERWEIGHTSCHUNK']._serialized_end=1195
+  _globals['_DRAINREQUEST']._serialized_start=1197
+  _globals['_DRAINREQUEST']._serialized_end=1275
+  _globals['_DRAINRESPONSE']._serialized_start=1277
+  _globals['_DRAINRESPONSE']._serialized_end=1327
+  _globals['_MODELCONTROL']._serialized_start=1407
+  _globals['_MODELCONTROL']._serialized_end=2127
 # @@protoc_insertion_point(module_scope)

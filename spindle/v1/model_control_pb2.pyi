@@ -19,7 +19,7 @@ TIER_HOST: Tier
 TIER_DEVICE: Tier
 
 class AdapterState(_message.Message):
-    __slots__ = ("name", "tier", "slot", "refcount", "pinned", "rank", "sha256", "adapter_id")
+    __slots__ = ("name", "tier", "slot", "refcount", "pinned", "rank", "sha256", "adapter_id", "requests_total")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class AdapterState(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     name: str
     tier: Tier
     slot: int
@@ -36,7 +37,8 @@ class AdapterState(_message.Message):
     rank: int
     sha256: str
     adapter_id: int
-    def __init__(self, name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., slot: _Optional[int] = ..., refcount: _Optional[int] = ..., pinned: _Optional[bool] = ..., rank: _Optional[int] = ..., sha256: _Optional[str] = ..., adapter_id: _Optional[int] = ...) -> None: ...
+    requests_total: int
+    def __init__(self, name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., slot: _Optional[int] = ..., refcount: _Optional[int] = ..., pinned: _Optional[bool] = ..., rank: _Optional[int] = ..., sha256: _Optional[str] = ..., adapter_id: _Optional[int] = ..., requests_total: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("name", "slot", "path")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspindle/v1/pod_status.proto\x12\nspindle.v1\"\x10\n\x0eGetLoadRequest\"\xb1\x03\n\x07PodLoad\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_swapped\x18\x04 \x01(\x05\x12\x10\n\x08kv_usage\x18\x05 \x01(\x01\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\x05\x12\x1d\n\x15prefix_cache_hit_rate\x18\x08 \x01(\x01\x12\x19\n\x11resident_adapters\x18\t \x03(\t\x12\x18\n\x10waiting_adapters\x18\n \x03(\t\x12\x14\n\x0cmax_adapters\x18\x0b \x01(\x05\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x16\n\x0erequests_total\x18\r \x01(\x03\x12\x1a\n\x12requests_in_flight\x18\x0e \x01(\x05\x12\x1a\n\x12\x61vailable_adapters\x18\x0f \x03(\t\x12\x14\n\x0c\x63ontrol_port\x18\x10 \x01(\x05\x12\x19\n\x11state_slots_total\x18\x11 \x01(\x05\x12\x18\n\x10state_slots_free\x18\x12 \x01(\x05\x32G\n\tPodStatus\x12:\n\x07GetLoad\x12\x1a.spindle.v1.GetLoadRequest\x1a\x13.spindle.v1.PodLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspindle/v1/pod_status.proto\x12\nspindle.v1\"\x10\n\x0eGetLoadRequest\"\xa9\x04\n\x07PodLoad\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_swapped\x18\x04 \x01(\x05\x12\x10\n\x08kv_usage\x18\x05 \x01(\x01\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\x05\x12\x1d\n\x15prefix_cache_hit_rate\x18\x08 \x01(\x01\x12\x19\n\x11resident_adapters\x18\t \x03(\t\x12\x18\n\x10waiting_adapters\x18\n \x03(\t\x12\x14\n\x0cmax_adapters\x18\x0b \x01(\x05\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x16\n\x0erequests_total\x18\r \x01(\x03\x12\x1a\n\x12requests_in_flight\x18\x0e \x01(\x05\x12\x1a\n\x12\x61vailable_adapters\x18\x0f \x03(\t\x12\x14\n\x0c\x63ontrol_port\x18\x10 \x01(\x05\x12\x19\n\x11state_slots_total\x18\x11 \x01(\x05\x12\x18\n\x10state_slots_free\x18\x12 \x01(\x05\x12\x15\n\rhost_adapters\x18\x13 \x03(\t\x12\x15\n\rdisk_adapters\x18\x14 \x03(\t\x12!\n\x19\x61\x64\x61pter_memory_used_bytes\x18\x15 \x01(\x03\x12%\n\x1d\x61\x64\x61pter_memory_capacity_bytes\x18\x16 \x01(\x03\x32G\n\tPodStatus\x12:\n\x07GetLoad\x12\x1a.spindle.v1.GetLoadRequest\x1a\x13.spindle.v1.PodLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,7 +34,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLOADREQUEST']._serialized_start=43
   _globals['_GETLOADREQUEST']._serialized_end=59
   _globals['_PODLOAD']._serialized_start=62
-  _globals['_PODLOAD']._serialized_end=495
-  _globals['_PODSTATUS']._serialized_start=497
-  _globals['_PODSTATUS']._serialized_end=568
+  _globals['_PODLOAD']._serialized_end=615
+  _globals['_PODSTATUS']._serialized_start=617
+  _globals['_PODSTATUS']._serialized_end=688
 # @@protoc_insertion_point(module_scope)
