@@ -108,7 +108,8 @@ class AdapterMemory(Protocol):
 
 @dataclass(frozen=True)
 class MemoryCount:
-    """An `AdapterMemory` of fixed values: what an engine without byte accounting reports."""
+    """An `AdapterMemory` of fixed values: what an engine that keeps no adapters on a device
+    (the benchmarks' fake engine) reports; capacity 0 = not counted."""
 
     memory_used_bytes: int = 0
     memory_capacity_bytes: int = 0
@@ -548,13 +549,8 @@ class Engine:
 
     @property
     def adapter_memory(self) -> AdapterMemory:
-        """The LoRA pool, whose `memory_used_bytes` / `memory_capacity_bytes` the pod reports.
-
-        A pool of fixed slots has no byte counts: the pod then reports capacity 0 ("not
-        counted", PodLoad.adapter_memory_capacity_bytes). Once the pool is sized in bytes (issue
-        30) this is just `return self.lora`."""
-        if not hasattr(self.lora, "memory_capacity_bytes"):
-            return NOT_COUNTED
+        """The LoRA pool, whose `memory_used_bytes` / `memory_capacity_bytes` (its adapter
+        arena, lora/arena.py) the pod reports."""
         return self.lora
 
     def stats(self) -> EngineStats:
