@@ -176,9 +176,9 @@ def _lora_table(in_features: int, sizes: tuple[int, ...], dtype: torch.dtype, de
     pieces, cursor = [torch.full((8,), float("nan"))], 8
     for slot, ranks in enumerate(_RANKS):
         for part, (rank, size) in enumerate(zip(ranks, sizes, strict=True)):
-            if rank:  # B's rows padded to `aligned_up(rank)` (NaN in the padding), A and B 8-aligned
+            if rank:  # B's rows padded to `aligned_up(rank)` with zeros, A and B 8-aligned
                 a, b = torch.randn(rank, in_features, generator=g), torch.randn(size, rank, generator=g)
-                b = torch.cat([b, torch.full((size, aligned_up(rank) - rank), float("nan"))], dim=1)
+                b = torch.cat([b, torch.zeros(size, aligned_up(rank) - rank)], dim=1)
                 entries[slot, 1, part] = torch.tensor([cursor, cursor + a.numel() + 8, rank])
                 scaling[slot, 1, part] = float(torch.rand(1, generator=g)) + 0.5
                 gap = torch.full((8,), float("nan"))

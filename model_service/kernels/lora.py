@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from model_service.kernels.paged_attention import triton
 
 # Where each A and B starts in the arena, and B's row stride, are multiples of this many elements
-# (16 bytes of bf16): the kernels then load whole vectors from offsets they read from a table,
-# which the compiler cannot prove aligned on its own (unaligned, the 8B shape's 64-adapter
-# serving run fell from 0.83x to 0.73x the base model).
+# (16 bytes of bf16), and B's padding columns hold zeros: the kernels then load whole vectors from
+# offsets they read from a table, which the compiler cannot prove aligned on its own.
 TENSOR_ALIGN = 8
 
 
@@ -45,8 +44,8 @@ class AdapterTable:
     `weights`: the arena, 1-D in the model's dtype, shared by every projection of the model.
     `entries[slot, part]`: (A's offset, B's offset, rank) in elements of `weights`, offsets
     multiples of `TENSOR_ALIGN`; A is [rank, in_features] row-major, B [part's out_features,
-    rank] with rows `aligned_up(rank)` apart (`lora.adapter.arena_layout`, which the host copy
-    shares, so a load is one transfer). `scaling[slot, part]`: float32. Both tables
+    rank] with rows `aligned_up(rank)` apart, zeros in the padding (`lora.adapter.arena_layout`,
+    which the host copy shares, so a load is one transfer). `scaling[slot, part]`: float32. Both tables
     are views of the model-wide tables (their row stride is not `parts`). `max_rank`: each
     part's width in `xa`."""
 
@@ -139,7 +138,10 @@ if triton is not None:
         r = tl.arange(0, MAX_RANK)
         live = valid[:, None] & (r[None, :] < rank[:, None])
         xa = tl.load(XA + xa_row + part[:, None] * MAX_RANK + r[None, :], mask=live, other=0.0)
-        b = tl.load(W + tl.multiple_of(b_row, 8)[:, None] + r[None, :], mask=live, other=0.0)
+        # B's padding columns (rank up to aligned_up(rank)) hold zeros: masking whole 8-element
+        # groups keeps its loads vectorized, where an exact-rank mask made them scalar.
+        padded = valid[:, None] & ((r[None, :] // 8) < ((rank[:, None] + 7) // 8))
+        b = tl.load(W + tl.multiple_of(b_row, 8)[:, None] + r[None, :], mask=padded, other=0.0)
         return tl.sum(xa * b.to(tl.float32), axis=1) * scale, tl.max(rank, axis=0)
 
     @triton.jit

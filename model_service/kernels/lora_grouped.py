@@ -92,10 +92,11 @@ if triton is not None:
                 if (rank > 0) & (ob * BLOCK_O < hi) & (ob * BLOCK_O + BLOCK_O > lo):  # targeted, covered
                     in_part = cols & (o >= lo) & (o < hi)
                     in_rank = r[None, :] < rank
+                    padded = (r[None, :] // 8) < (rank + 7) // 8  # B's zero padding: vector loads
                     xa_ptr = XA + m[:, None] * (NUM_PARTS * MAX_RANK) + j * MAX_RANK + r[None, :]
                     xa = tl.load(xa_ptr, mask=rows[:, None] & in_rank, other=0.0)
                     b_row = tl.multiple_of(b_off + (o - lo) * ((rank + 7) // 8 * 8), 8)  # aligned_up(rank)
-                    b = tl.load(W + b_row[:, None] + r[None, :], mask=in_part[:, None] & in_rank, other=0.0)
+                    b = tl.load(W + b_row[:, None] + r[None, :], mask=in_part[:, None] & padded, other=0.0)
                     acc += tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision=PRECISION) * scale
                     hits += in_part.to(tl.int32)
             if tl.max(hits, axis=0) > 0:

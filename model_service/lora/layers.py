@@ -325,6 +325,7 @@ class LoraLayers:
             ):
                 arena.copy_(packed, non_blocking=True)  # page-locked: one transfer
                 return
+        arena.zero_()  # B's padding columns must read as zeros (kernels/lora.py)
         staged = packed.to(arena.device, non_blocking=True) if packed is not None else None
 
         def moved(t: torch.Tensor) -> torch.Tensor:
