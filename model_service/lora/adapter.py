@@ -124,8 +124,8 @@ def _view(packed: torch.Tensor, place: Place) -> torch.Tensor:
 def arena_layout(modules: dict[tuple[int, str], LoraWeights]) -> tuple[list[tuple[int, int]], int]:
     """Where each module's A and B start, relative to the adapter's start, and the elements it
     takes, as the adapter arena holds it (kernels/lora.py's `AdapterTable`): modules in order,
-    A [rank, in] then B [out, rank] with rows `aligned_up(rank)` apart (zeros between), each start aligned. The
-    host copy (`host_form`) is laid out the same, so a load is one transfer."""
+    A [rank, in] then B [out, rank] with rows `aligned_up(rank)` apart (zeros between), each
+    start aligned. The host copy (`host_form`) is laid out the same, so a load is one transfer."""
     places, cursor = [], 0
     for w in modules.values():
         a = cursor
