@@ -24,6 +24,7 @@ from model_service.lora.control import (
 )
 from model_service.lora.pool import ACTIVE
 from tests.conftest import assert_all_blocks_free, make_engine
+from tests.overlap_helpers import mixed_requests, run_steps
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOL_ADAPTERS = {
@@ -570,3 +571,22 @@ def test_a_packed_adapter_pickles_its_buffer_once_and_keeps_its_views(tiny_llama
     for key, w in copy.modules.items():
         assert in_buffer(w.a, copy.packed) and in_buffer(w.b, copy.packed)
         assert torch.equal(w.a, held.modules[key].a) and torch.equal(w.b, held.modules[key].b)
+
+
+def test_adapter_loads_go_on_while_a_step_is_in_flight(tiny_llama, tiny_adapters, monkeypatch):
+    """Requests on three adapters with two slots: adapters are loaded (idle ones evicted) while
+    a step is in flight, without draining the pipeline, and every request's tokens are the
+    synchronous engine's."""
+    config = {"max_loras": 2, "lora_modules": {k: str(v) for k, v in tiny_adapters.items()}}
+    reqs = mixed_requests(tiny_llama.config.vocab_size, [*list(tiny_adapters)[:3], None])
+    expected = run_steps(make_engine(tiny_llama, async_scheduling="off", **config), reqs)
+    engine = make_engine(tiny_llama, async_scheduling="on", **config)
+    load, in_flight = engine.lora.load, []
+
+    def counted(*args, **kwargs):
+        in_flight.append(engine._inflight is not None)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(engine.lora, "load", counted)
+    assert run_steps(engine, reqs) == expected
+    assert any(in_flight), "no adapter was loaded while a step was in flight"

@@ -85,11 +85,14 @@ class AdapterControl:
         self._control.put((op, future))
         return future
 
-    def has_work(self) -> bool:
-        """Whether `at_quiescent_point` may change slots or preempt: operations to run, adapters
-        to load, or drains under way."""
-        s = self.scheduler
-        return not self._control.empty() or bool(s.adapter_demand) or bool(s.draining)
+    def needs_quiescence(self) -> bool:
+        """Whether `at_quiescent_point` must not run while a step is in flight: control
+        operations (they answer callers about state that step may still change) or drains (they
+        may preempt its sequences). Loading a waiting request's adapter needs none: it writes
+        arena memory and a table row that no adapter of a running row uses (only idle adapters
+        are evicted, and compaction moves bytes and table rows together), by copies queued on
+        the device after the step in flight, so the async pipeline keeps going."""
+        return not self._control.empty() or bool(self.scheduler.draining)
 
     def at_quiescent_point(self) -> list[Sequence]:
         """Run queued operations, then admission (see the module docstring). Returns the waiting

@@ -285,8 +285,8 @@ class Engine:
     # --- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        if self._inflight is not None and self.adapters.has_work():
-            self._emit_outputs(self._drain())  # adapter operations need a quiescent point
+        if self._inflight is not None and self.adapters.needs_quiescence():
+            self._emit_outputs(self._drain())  # control operations and adapter drains need one
         for seq in self.adapters.at_quiescent_point():
             self._finish(seq, "error")
         if self._inflight is not None and self._may_preempt():
