@@ -507,13 +507,16 @@ def test_fuzz_findings_regressions(gateways):
     kept = token_request(PROMPT, 2)
     kept.adapter = "kept"
     for _ in range(10):  # the caller's deadline passing was UNAVAILABLE ("no model pod answered",
-        for call in (  # "placing adapter ... taking too long; retry"): now DEADLINE_EXCEEDED
-            lambda: stub(ch).ListModels(pb.ListModelsRequest(), metadata=ADMIN, timeout=1e-6),
-            lambda: list(stub(ch).Generate(kept, metadata=ADMIN, timeout=1e-6)),
-        ):
-            with pytest.raises(grpc.RpcError) as e:
-                call()
-            assert e.value.code() == Code.DEADLINE_EXCEEDED, e.value
+        # "placing adapter ... taking too long; retry"): now DEADLINE_EXCEEDED. A local ListModels
+        # can come back before the client's own 1 us timer fires (once in CI, 2026-12-01 p): an
+        # answer is allowed there, any refusal but DEADLINE_EXCEEDED is not.
+        try:
+            stub(ch).ListModels(pb.ListModelsRequest(), metadata=ADMIN, timeout=1e-6)
+        except grpc.RpcError as e:
+            assert e.code() == Code.DEADLINE_EXCEEDED, e
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub(ch).Generate(kept, metadata=ADMIN, timeout=1e-6))
+        assert e.value.code() == Code.DEADLINE_EXCEEDED, e.value
     health = health_pb2_grpc.HealthStub(ch)
     watch = health.Watch(health_pb2.HealthCheckRequest(service="spindle.v1.Generation"), timeout=10)
     assert next(watch).status == health_pb2.HealthCheckResponse.SERVING  # was UNKNOWN on every server
