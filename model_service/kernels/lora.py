@@ -178,26 +178,14 @@ if triton is not None:
         up = tl.load(Y + t * y_stride + inter + o, mask=valid, other=0.0)
         slot = tl.load(Slots + t)
         if slot >= 0:  # the expand's arithmetic (`_expand_kernel`) for part 0 (gate) and 1 (up)
-            zero = tl.zeros([BLOCK_O], tl.int32)
+            zero, xa_row = tl.zeros([BLOCK_O], tl.int32), t * xa_stride
             delta, _ = _row_delta(
-                XA, W, Entries, Scaling, t * xa_stride, slot, e_stride, s_stride, zero, o, valid, 2, MAX_RANK
-            )
+                XA, W, Entries, Scaling, xa_row, slot, e_stride, s_stride, zero, o, valid, 2, MAX_RANK
+            )  # fmt: skip
             gate = (gate.to(tl.float32) + delta).to(gate.dtype)
             delta, _ = _row_delta(
-                XA,
-                W,
-                Entries,
-                Scaling,
-                t * xa_stride,
-                slot,
-                e_stride,
-                s_stride,
-                zero + 1,
-                o,
-                valid,
-                2,
-                MAX_RANK,
-            )
+                XA, W, Entries, Scaling, xa_row, slot, e_stride, s_stride, zero + 1, o, valid, 2, MAX_RANK
+            )  # fmt: skip
             up = (up.to(tl.float32) + delta).to(up.dtype)
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(up.dtype)  # as kernels/fused.py's SiLU-mul rounds it

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from model_service.errors import SpindleError
-from model_service.kernels.lora import aligned_up
+from model_service.kernels.lora import aligned_up, arena_views
 from model_service.lora.files import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, read_regular
 from model_service.models.config import ModelConfig
 from spindle.peft import (
@@ -138,11 +138,9 @@ def arena_layout(modules: dict[tuple[int, str], LoraWeights]) -> tuple[list[tupl
 def laid_out(packed: torch.Tensor, w: LoraWeights, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of `w`'s A and B at their places (`arena_layout`) in the 1-D buffer `packed`."""
     (rank, in_features), out = w.a.shape, w.b.shape[0]
-    stride = aligned_up(rank)
-    return (
-        packed[a : a + rank * in_features].view(rank, in_features),
-        packed[b : b + out * stride].view(out, stride)[:, :rank],
-    )
+    views = arena_views(packed, (a, b, rank), in_features, out)
+    assert views is not None, "an adapter module has rank >= 1"
+    return views
 
 
 def host_form(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> LoraAdapter:

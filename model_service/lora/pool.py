@@ -230,13 +230,12 @@ class LoraPool:
                 for moved, to in self.space.compaction():
                     self.writer.move_slot(moved, to)
                 continue
-            idle = self._idle()
-            if not idle:
+            victim = self._lru_idle()
+            if victim is None:
                 raise SlotsBusyError(
                     f"cannot load adapter {name!r}: it needs {self._mb(size)} of adapter memory, "
                     f"{self._mb(self.space.free)} is free and the rest is held by adapters in use or pinned"
                 )
-            victim = min(idle, key=lambda i: self.slots[i].last_used)
             evicted.append(self.slots[victim].adapter.name)
             self._clear(victim)
 
@@ -346,18 +345,17 @@ class LoraPool:
     def _victim(self) -> int | None:
         """A slot to load into: a free one, else the least recently used idle one."""
         free = next((i for i, s in enumerate(self.slots) if s.adapter is None), None)
-        if free is not None:
-            return free
-        idle = self._idle()
-        return min(idle, key=lambda i: self.slots[i].last_used) if idle else None
+        return free if free is not None else self._lru_idle()
 
-    def _idle(self) -> list[int]:
-        """Resident slots that may be evicted: no reference, no pin, not the active adapter."""
-        return [
+    def _lru_idle(self) -> int | None:
+        """The least recently used resident slot that may be evicted (no reference, no pin, not
+        the active adapter), or None."""
+        idle = [
             i
             for i, s in enumerate(self.slots)
             if s.adapter is not None and s.refcount == 0 and not s.pinned and i != self.active
         ]
+        return min(idle, key=lambda i: self.slots[i].last_used) if idle else None
 
     def _mb(self, elements: int) -> str:
         return f"{elements * self.element_size / 2**20:.1f} MB"
