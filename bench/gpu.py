@@ -28,6 +28,7 @@ from model_service.engine.batch_builder import StepItem
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.lora.adapter import LoraAdapter, LoraWeights, module_shapes
+from model_service.lora.layers import full_adapter_elements
 from model_service.models.config import ModelConfig
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
@@ -328,11 +329,20 @@ def random_adapter(
     return LoraAdapter(name, adapter_id, None, weights)
 
 
-def register_random_adapters(engine: Engine, cfg: ModelConfig, n: int, rank: int) -> list[str]:
-    """Adapters a0 .. a{n-1} of rank `rank` on all seven projections, sharing random host tensors
-    (each fills its own device slot, so the kernels read n different slots); they go into the
-    pool's host tier directly, skipping disk. Returns their names."""
-    shared = random_lora_modules(cfg, rank)
+def adapter_room(loaded: LoadedModel, n: int, rank: int, element_size: int = 2) -> int:
+    """`lora_memory_bytes` that keeps `n` adapters of `rank` on every projection resident (5% for
+    the arena's alignment of each tensor)."""
+    return int(1.05 * n * full_adapter_elements(loaded.module, rank) * element_size)
+
+
+def register_random_adapters(
+    engine: Engine, cfg: ModelConfig, n: int, rank: int, modules: Collection[str] | None = None
+) -> list[str]:
+    """Adapters a0 .. a{n-1} of rank `rank` on `modules` (all seven projections by default),
+    sharing random host tensors (each fills its own device slot, so the kernels read n
+    different slots); they go into the pool's host tier directly, skipping disk. Returns their
+    names."""
+    shared = random_lora_modules(cfg, rank, modules)
     for k in range(n):
         adapter = random_adapter(f"a{k}", k + 1, cfg, shared, 1.0 + k / n)
         engine.lora._remember(adapter)  # bench only: no disk tier
@@ -349,6 +359,7 @@ def lora_vs_base(loaded: LoadedModel, args: argparse.Namespace) -> tuple[float, 
             dtype="bfloat16",
             max_num_seqs=args.lora_batch,
             max_loras=n,
+            lora_memory_bytes=adapter_room(loaded, n, rank),
             max_cpu_loras=n,
             max_lora_rank=rank,
             kv_cache_memory_bytes=20 << 30,

@@ -27,6 +27,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch
 from safetensors.torch import save_file
 
+from bench.gpu import adapter_room
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.lora.adapter import module_shapes
@@ -99,6 +100,7 @@ def main() -> None:
             dtype=str(dtype).removeprefix("torch."),
             num_kv_blocks=2048,
             max_loras=64,
+            lora_memory_bytes=adapter_room(loaded, 64, args.rank, dtype.itemsize),
             max_cpu_loras=64,
             max_lora_rank=args.rank,
             lora_modules=dirs,

@@ -39,7 +39,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from bench.gpu import LLAMA3_8B, SMOLLM2, hf_llama, host_cpu, random_model, register_random_adapters
+from bench.gpu import (
+    LLAMA3_8B,
+    SMOLLM2,
+    adapter_room,
+    hf_llama,
+    host_cpu,
+    random_model,
+    register_random_adapters,
+)
 from bench.step_times import StepTimes
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
@@ -225,6 +233,7 @@ def spindle_runs(loaded: LoadedModel, args: argparse.Namespace, report: Callable
     top = max([*args.concurrency, *profile[:1]])
     engine = Engine(
         EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=top, max_loras=n,
+                     lora_memory_bytes=adapter_room(loaded, n, args.lora_rank) if n else None,
                      max_cpu_loras=max(n, 1), max_lora_rank=args.lora_rank, kv_cache_memory_bytes=64 << 30,
                      max_model_len=8192, kv_cache_dtype=args.kv_cache_dtype,
                      piecewise_graphs=args.piecewise_graphs),

@@ -57,9 +57,11 @@ class Harness:
         num_adapters: int,
         max_loras: int = 4,
         memory_units: int | None = None,
+        num_slots: int | None = None,
         **config: float,
     ) -> None:
-        """`memory_units`: adapter memory for that many of these (weightless) adapters, each
+        """`max_loras`: distinct adapters in a step, and the pool's slots unless `num_slots`
+        says. `memory_units`: adapter memory for that many of these (weightless) adapters, each
         taking one arena unit; unbounded without it, so the slots are the limit."""
         self.unreadable: set[str] = set()  # adapters whose files can no longer be read
         self.failed_reads = 0
@@ -79,7 +81,8 @@ class Harness:
         self.cache = CacheManager(BlockManager(blocks, 4), FakeExecutor(blocks, 4), 8)
         self.writer = RecordingWriter()
         arena = (ALIGN * memory_units if memory_units else 1 << 30, 2)
-        self.pool = LoraPool(None, max_loras, self.config.max_cpu_loras, 64, self.writer, arena)  # type: ignore[arg-type]
+        slots = num_slots or max_loras
+        self.pool = LoraPool(None, slots, self.config.max_cpu_loras, 64, self.writer, arena)  # type: ignore[arg-type]
         for i in range(num_adapters):
             self.pool.register(f"a{i}", Path(f"/adapters/a{i}"))
         self.scheduler = Scheduler(self.config, self.cache, self.pool, clock=lambda: self.now)
@@ -146,17 +149,23 @@ def wait_bound(config: EngineConfig, k: int, m: int) -> float:
 # --- the property: Zipf traffic over many adapters, a few slots ---------------------------------
 
 
-@pytest.mark.parametrize(("seed", "limit"), [(0, "slots"), (1, "slots"), (2, "slots"), (0, "bytes")])
+@pytest.mark.parametrize(
+    ("seed", "limit"), [(0, "slots"), (1, "slots"), (2, "slots"), (0, "bytes"), (0, "step"), (1, "step")]
+)
 def test_zipf_traffic_every_request_finishes_within_the_wait_bound(monkeypatch, seed, limit):
-    """1,000 adapters, 4 slots (or 64 slots and memory for 4 adapters), Zipf(1) popularity,
-    random prompt and output lengths, 90 simulated
+    """1,000 adapters, 4 slots (or 64 slots and memory for 4 adapters, or room for all of them
+    and `max_loras` 4 in a step), Zipf(1) popularity, random prompt and output lengths, 90 simulated
     seconds of arrivals at 2 a second: all 4 slots are held by running requests most of the time
     (80-90% of steps), so few go idle by themselves. Every request must finish (none fails, with
     the default adapter_wait_timeout_s), and each must be first scheduled within the bound for
     its k: the other adapters waited for since before it, when it starts starving. (The old
     policy, waiting for a slot to go idle, failed 13-21 requests of each seed after 30 s.)"""
     rng = random.Random(seed)
-    bounds = {"slots": {"max_loras": 4}, "bytes": {"max_loras": 64, "memory_units": 4}}[limit]
+    bounds = {
+        "slots": {"max_loras": 4},
+        "bytes": {"max_loras": 64, "memory_units": 4},
+        "step": {"max_loras": 4, "num_slots": 1024},
+    }[limit]
     h = Harness(monkeypatch, num_adapters=1000, **bounds)
     names = [f"a{i}" for i in range(1000)]
     cum = list(itertools.accumulate(1 / (i + 1) for i in range(1000)))

@@ -21,7 +21,7 @@ from tests.service_helpers import (
     wait_idle,
     wait_serving,
 )
-from tests.test_lora import make_adapter
+from tests.test_lora import arena_bytes, make_adapter
 
 Code = grpc.StatusCode
 PROMPT = [5, 6, 7, 8, 9]
@@ -44,7 +44,10 @@ def adapters(tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="module")
 def pods(tiny_llama, adapters, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pods")
-    first = spawn_pod(tiny_llama.name, logs, "first", "--max-loras", "1", "--lora", f"a={adapters['a']}")
+    room = str(max(arena_bytes(tiny_llama, adapters["a"]), arena_bytes(tiny_llama, adapters["b"])))
+    first = spawn_pod(
+        tiny_llama.name, logs, "first", "--lora-memory-bytes", room, "--lora", f"a={adapters['a']}"
+    )
     second = spawn_pod(tiny_llama.name, logs, "second", "--max-loras", "2")
     yield wait_serving(first), wait_serving(second)
     for p in (first, second):
@@ -97,20 +100,22 @@ def test_load_pin_evict_and_slot_report(pods, tiny_llama, adapters):
         with pytest.raises(grpc.RpcError) as e:
             ctl.Evict(mc.EvictRequest(name="a"), timeout=10)
         assert e.value.code() == Code.FAILED_PRECONDITION and "pinned" in e.value.details()
-        # b cannot take the only slot while a is pinned: the load says why.
+        # b does not fit beside a, which is pinned: the load says why.
         with pytest.raises(grpc.RpcError) as e:
             ctl.LoadAdapter(mc.LoadAdapterRequest(name="b", path=str(adapters["b"])), timeout=10)
         assert e.value.code() == Code.FAILED_PRECONDITION
         ctl.Pin(mc.PinRequest(name="a", pinned=False), timeout=10)
         change = ctl.LoadAdapter(mc.LoadAdapterRequest(name="b"), timeout=10)
-        assert (change.slot, change.evicted) == (0, "a")
+        assert (change.slot, change.evicted) == (1, "a")  # a free table row, a's memory
         report = ctl.GetSlots(mc.GetSlotsRequest(), timeout=10)
-        assert [(s.index, s.adapter, s.refcount) for s in report.slots] == [(0, "b", 0)]
+        room_left = arena_bytes(tiny_llama, adapters["b"]) < arena_bytes(tiny_llama, adapters["a"])
+        free = [(0, "", 0)] if room_left else []  # the occupied slots, then one free if memory is left
+        assert [(s.index, s.adapter, s.refcount) for s in report.slots] == [(1, "b", 0), *free]
         assert {a.name: a.tier for a in report.adapters} == {"b": mc.TIER_DEVICE, "a": mc.TIER_HOST}
         assert {a.name: a.requests_total for a in report.adapters} == {"b": 0, "a": 1}  # popularity
         where = load(first)  # the same residency, as the gateway sees it
         assert (list(where.resident_adapters), list(where.host_adapters)) == (["b"], ["a"])
-        assert ctl.Evict(mc.EvictRequest(name="b"), timeout=10).slot == 0
+        assert ctl.Evict(mc.EvictRequest(name="b"), timeout=10).slot == 1
         wait_idle(first)
 
 

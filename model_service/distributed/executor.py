@@ -52,6 +52,7 @@ class TensorParallelExecutor:
         self.device, self.dtype, self.kv_cache = local.device, local.dtype, local.kv_cache
         self.max_model_len, self.config = local.max_model_len, local.config
         self.lora_arena = local.lora_arena  # every rank's: the pool places whole adapters, ranks hold shards
+        self.lora_slots = local.lora_slots
         self.lost: str | None = None
         self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()

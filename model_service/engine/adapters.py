@@ -5,13 +5,15 @@ Both run at the start of a step, a quiescent point (no forward pass in flight), 
 contents change only between passes. Control operations come from other threads through a
 queue; each answers its caller's future.
 
-Admission. A waiting request whose adapter is not resident, or is draining, waits without
-blocking the requests behind it; its wait starts when the scheduler first finds it so
+Admission. A waiting request whose adapter is not resident, or is draining, or would make
+more than `max_loras` distinct adapters in the running batch, waits without blocking the
+requests behind it; its wait starts when the scheduler first finds it so
 (`Sequence.adapter_blocked_since`). At each quiescent point the adapters waited for are loaded,
 longest wait first, until the pool answers that its memory is taken (`SlotsBusyError`): a
 younger adapter never takes memory an older one waits for. An adapter whose oldest request has
-waited `adapter_starvation_s` is *starving*, and starving adapters take precedence, oldest
-first: each one the pool cannot place gets a drain in progress. A drain picks a resident
+waited `adapter_starvation_s` is *starving* (until its requests are admitted), and starving
+adapters take precedence, oldest first: each one the pool cannot place, or the step has no
+place for, gets a drain in progress. A drain picks a resident
 adapter held by running requests, neither pinned nor `@active`, the one with the least work
 left, and stops admitting its new requests (`Scheduler.draining`) so that its refcount reaches
 zero; the starving adapter is then loaded into the freed memory. A drain that has run
@@ -23,9 +25,10 @@ adapter's own waiting requests age like any others: once it is evicted they wait
 non-resident adapter, from the moment they first waited, and starve in their turn.
 
 Bound. Let T = `adapter_starvation_s`, D = `adapter_drain_s`, δ the longest step (adapter
-loads included), and m the slots a drain may take (`max_loras` less the pinned and `@active`
-ones; at least 1). If nothing but its adapter holds a request back (K/V blocks, the token
-budget and `max_num_seqs` suffice) and each adapter fits the memory of one drained adapter,
+loads included), and m the places a drain may free (the resident adapters, or `max_loras`
+when fewer, less the pinned and `@active` ones; at least 1). If nothing but its adapter holds
+a request back (K/V blocks, the token budget and `max_num_seqs` suffice) and each adapter fits
+the memory of one drained adapter,
 a request is first scheduled within
 
     T + 2δ + ceil((k + 1) / m) × (D + 2δ)
@@ -48,6 +51,7 @@ time (a load reads the files on the engine thread), and a request that has waite
 from __future__ import annotations
 
 import queue
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -103,7 +107,7 @@ class AdapterControl:
                 future.set_result(execute(op, self.pool))
             except Exception as e:  # a failed operation fails its caller, not the engine
                 future.set_exception(e)
-        if not (self.scheduler.adapter_demand or self.scheduler.draining):
+        if not (self.scheduler.adapter_demand or self.scheduler.draining or self.scheduler.starving):
             return []
         return self._admit()
 
@@ -117,12 +121,37 @@ class AdapterControl:
         blocked = self.scheduler.blocked_adapters()
         self._failures = {n: f for n, f in self._failures.items() if n in blocked}
         unloaded = self._load_in_order(list(blocked), now)
-        starving = [n for n in unloaded if now - blocked[n] >= self.starvation_s]
-        self._plan_drains(starving, now)
+        starving = self._update_starving(blocked, unloaded, now)
+        self._plan_drains(starving, unloaded, now)
         if self._end_overdue_drains(now):
             unloaded = self._load_in_order(unloaded, now)
-            self._plan_drains([n for n in starving if n in unloaded], now)
+            self._plan_drains(starving, unloaded, now)
         return self._doomed(now)
+
+    def _update_starving(self, blocked: dict[str, float], unloaded: list[str], now: float) -> list[str]:
+        """The starving adapters, longest wait first (also `Scheduler.starving`). An adapter
+        starts starving once its oldest request has waited `adapter_starvation_s` for memory or
+        for a place among the step's `max_loras` adapters, and starves until its requests are
+        admitted: the scheduler gives free places in the step to starving adapters in this
+        order, or requests queued before its own (a drained adapter's) would take the place
+        its drain freed."""
+        room = set(unloaded) | self._without_place(blocked)
+        was = set(self.scheduler.starving)
+        self.scheduler.starving = [
+            n
+            for n, since in blocked.items()
+            if n not in self.scheduler.draining
+            and n not in self._failures
+            and (n in was or (n in room and now - since >= self.starvation_s))
+        ]
+        return self.scheduler.starving
+
+    def _without_place(self, names: Iterable[str]) -> set[str]:
+        """Those of `names` (in line order) that are resident but will get no place in the step
+        at the next schedule: the free places among `max_loras` go to the first in line."""
+        in_step = self.scheduler.adapters_in_step()
+        line = [n for n in names if (slot := self.pool.slot_of(n)) is not None and slot not in in_step]
+        return set(line[max(0, self.scheduler.max_loras - len(in_step)) :])
 
     def _load_in_order(self, names: list[str], now: float) -> list[str]:
         """Load `names` in order until the pool is full. Returns those still waiting for memory, in
@@ -164,23 +193,32 @@ class AdapterControl:
             and self.pool.slot_of(name) is None
         )
 
-    def _plan_drains(self, starving: list[str], now: float) -> None:
-        """Give each starving adapter, oldest first, a drain in progress: the earliest-begun one no
-        adapter before it claimed, else a new one. A drain no starving adapter claims ends (its
-        adapter admits requests again), except that drained memory already free stays reserved
-        while any adapter starves: it may take several drains to fit one adapter."""
+    def _plan_drains(self, starving: list[str], unloaded: list[str], now: float) -> None:
+        """Give each starving adapter that still needs room (not resident: `unloaded`, or without
+        a place in the step), oldest first, a drain in progress: the earliest-begun one no
+        adapter before it claimed, else a new one. A drain no such adapter claims ends (its
+        adapter admits requests again), except that a drained adapter no request holds any
+        more stays drained while a starving adapter waits for memory: its memory is reserved
+        for it, and it may take several drains to fit one adapter. (A place in the step needs
+        no such reservation: the scheduler keeps places for starving adapters.)"""
         draining = self.scheduler.draining
         candidates = self.pool.displaceable()
         for name in [n for n in draining if n not in candidates]:
             del draining[name]  # evicted, pinned or made @active since
-        if not starving:
+        waiting_memory = [n for n in starving if n in unloaded]
+        without_place = self._without_place(starving)
+        unplaced = waiting_memory + [n for n in starving if n in without_place]
+        if not unplaced:
             draining.clear()
             return
         in_progress = [n for n in draining if candidates[n][1] > 0]  # in the order they began
-        for name in in_progress[len(starving) :]:
+        ended = in_progress[len(unplaced) :]
+        if not waiting_memory:
+            ended += [n for n in draining if candidates[n][1] == 0]
+        for name in ended:
             del draining[name]
-        if len(starving) > len(in_progress):
-            self._begin_drains(len(starving) - len(in_progress), candidates, now)
+        if len(unplaced) > len(in_progress):
+            self._begin_drains(len(unplaced) - len(in_progress), candidates, now)
 
     def _begin_drains(self, n: int, candidates: dict[str, tuple[int, int]], now: float) -> None:
         """Drain up to `n` more adapters: among those held by running requests, the least work left

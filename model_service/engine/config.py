@@ -20,6 +20,9 @@ import torch
 
 from model_service.errors import SpindleError
 
+# The default adapter memory holds this many adapters of --max-lora-rank on every projection
+# (the memory the 4 padded slots of the old default took); smaller adapters fit many more.
+DEFAULT_LORA_ROOM = 4
 _GIB = 1 << 30
 
 
@@ -84,14 +87,15 @@ class EngineConfig:
         shown=4,
     )
     max_loras: int = _opt(
-        4,
-        "most adapters resident on the device at once (slots); their bytes: --lora-memory-bytes",
+        32,
+        "most distinct adapters in one step (vLLM's meaning; 0 = no adapters); how many stay "
+        "resident is set by --lora-memory-bytes",
         group="lora",
     )
     lora_memory_bytes: int | None = _opt(
         None,
-        "device memory for adapter weights, each stored at its own rank and targets "
-        "[room for --max-loras adapters of --max-lora-rank on every projection]",
+        "device memory for resident adapters, each stored at its own rank and targets "
+        f"[room for {DEFAULT_LORA_ROOM} adapters of --max-lora-rank on every projection]",
         group="lora",
     )
     max_cpu_loras: int = _opt(

@@ -140,7 +140,7 @@ class Engine:
         self.cache = CacheManager(blocks, self.executor, per_token, state_slots)
         held = functools.partial(host_form, dtype=dtype, pin=device.type == "cuda")
         self.lora = LoraPool(
-            mc, config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.executor,
+            mc, self.executor.lora_slots, config.max_cpu_loras, config.max_lora_rank, self.executor,
             self.executor.lora_arena, config.max_adapter_bytes, held,
         )  # fmt: skip
         self.scheduler = Scheduler(config, self.cache, self.lora)

@@ -20,7 +20,7 @@ from torch import nn
 from model_service.attention.kv_cache import KVCache, cache_dtype
 from model_service.attention.reference import TorchReferenceBackend
 from model_service.attention.triton_backend import TritonBackend
-from model_service.engine.config import EngineConfig
+from model_service.engine.config import DEFAULT_LORA_ROOM, EngineConfig
 from model_service.engine.cuda_graphs import DecodeGraphs
 from model_service.engine.piecewise_graphs import PiecewiseGraphs
 from model_service.engine.speculation import SpeculativeConfig
@@ -28,7 +28,7 @@ from model_service.errors import ModelLoadError
 from model_service.kernels.experts import grouped_experts_apply
 from model_service.kernels.paged_attention import triton
 from model_service.lora.adapter import LoraAdapter
-from model_service.lora.layers import LoraLayers, full_adapter_elements, wrap_lora_layers
+from model_service.lora.layers import LoraLayers, full_adapter_elements, resident_slots, wrap_lora_layers
 from model_service.models.config import ModelConfig
 from model_service.models.context import ForwardContext
 from model_service.models.layers import store_weights_transposed
@@ -74,13 +74,13 @@ def kv_blocks_for_budget(
 
 def lora_arena_elements(module: nn.Module, config: EngineConfig) -> int:
     """Elements of the adapter arena (lora/layers.py) for `module`: `--lora-memory-bytes`, else
-    room for `--max-loras` adapters of `--max-lora-rank` on every projection (what fixed,
-    padded slots took before the arena)."""
+    room for `DEFAULT_LORA_ROOM` adapters of `--max-lora-rank` on every projection (what the
+    default's fixed, padded slots took before the arena)."""
     if config.max_loras == 0:
         return 0
     if config.lora_memory_bytes is not None:
         return config.lora_memory_bytes // next(module.parameters()).element_size()
-    return config.max_loras * full_adapter_elements(module, config.max_lora_rank)
+    return DEFAULT_LORA_ROOM * full_adapter_elements(module, config.max_lora_rank)
 
 
 def recurrent_state_bytes(module: nn.Module, num_slots: int) -> int:
@@ -172,9 +172,10 @@ class ModelExecutor:
         kernels, rank = self._kernels_apply(), config.max_lora_rank
         self.lora: LoraLayers | None = None
         self.lora_arena = (lora_arena_elements(self.module, config), param.element_size())
+        self.lora_slots = resident_slots(self.module, self.lora_arena[0]) if max_loras > 0 else 0
         if max_loras > 0:  # the LoRA kernels need a power-of-two rank width
             use_kernels = kernels and rank & (rank - 1) == 0
-            self.lora = wrap_lora_layers(self.module, max_loras, rank, self.lora_arena[0], use_kernels)
+            self.lora = wrap_lora_layers(self.module, self.lora_slots, rank, self.lora_arena[0], use_kernels)
         self.graphs: DecodeGraphs | None = None
         self.pieces: PiecewiseGraphs | None = None
         self.attention: AttentionBackend

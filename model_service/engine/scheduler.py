@@ -11,8 +11,9 @@ A step has a token budget. Policies, each one method below:
   arrival); the sequence itself when it is the least important.
 - `_preempt`: by swap (its KV goes to host memory, while the swap budget lasts) or by
   recompute (its blocks are freed; it prefills again, mostly from the prefix cache).
-- Adapters: a waiting request whose adapter is not resident, or is `draining`, waits without
-  blocking the requests behind it and is noted in `adapter_demand`; `AdapterControl`
+- Adapters: a waiting request whose adapter is not resident, or is `draining`, or would be one
+  adapter more than `max_loras` distinct adapters in the running batch (vLLM's meaning), waits
+  without blocking the requests behind it and is noted in `adapter_demand`; `AdapterControl`
   (engine/adapters.py) loads adapters and decides which to drain, `preempt_adapter` ends a drain
   that has taken too long.
 Decode rows and prefill chunks of one step go through the model in one mixed forward pass.
@@ -67,6 +68,7 @@ class Scheduler:
         self.cache, self.adapters, self.clock = cache, adapters, clock
         self.token_budget = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
+        self.max_loras = config.max_loras
         self.max_waiting = config.max_waiting_requests
         self.preemption_mode = config.preemption_mode
         self.swap_budget = config.swap_space_bytes
@@ -80,6 +82,9 @@ class Scheduler:
         # Adapters admitting no new requests until their running ones are done (name -> when the
         # drain began), so that a starving adapter can take their memory. Set by AdapterControl.
         self.draining: dict[str, float] = {}
+        # Adapters whose requests have waited too long, longest first (set by AdapterControl):
+        # free places among the step's `max_loras` adapters go to them first, in this order.
+        self.starving: list[str] = []
 
     # --- queues ---------------------------------------------------------------------------
 
@@ -155,9 +160,12 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, batch: ScheduledBatch) -> None:
         i = 0
+        in_step: set[int] | None = None  # the running rows' adapter slots, made on first need
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            ready, slot = self._adapter_slot(seq)
+            if in_step is None and seq.adapter_name is not None:
+                in_step = self.adapters_in_step()
+            ready, slot = self._adapter_slot(seq, in_step)
             if not ready:
                 i += 1  # its adapter is being promoted: it waits, the requests behind it do not
                 continue
@@ -170,6 +178,7 @@ class Scheduler:
                 break
             if slot is not None:
                 seq.state.lora_slot = self.adapters.acquire(slot)
+                in_step.add(seq.state.lora_slot)
             if seq.first_scheduled_at is None:
                 seq.first_scheduled_at = self.clock()
             self._release_swap(seq)
@@ -179,14 +188,17 @@ class Scheduler:
             batch.work.append((seq, n))
             budget -= n
 
-    def _adapter_slot(self, seq: Sequence) -> tuple[bool, int | None]:
-        """(ready, resident slot or None for the base model). A missing or draining adapter is
-        noted as demand, which the engine serves at its next quiescent point, and the request's
-        adapter wait starts."""
+    def _adapter_slot(self, seq: Sequence, in_step: set[int] | None) -> tuple[bool, int | None]:
+        """(ready, resident slot or None for the base model). A missing or draining adapter, or
+        one that would exceed `max_loras` in the step (`in_step`: the slots running rows hold),
+        is noted as demand, which the engine serves at its next quiescent point, and the
+        request's adapter wait starts."""
         name = seq.adapter_name
         if name is None:
             return True, None
         slot = self.adapters.slot_of(name) if name not in self.draining else None
+        if slot is not None and slot not in in_step and not self._may_take_place(name, in_step):
+            slot = None
         if slot is None:
             self.adapter_demand[name] = None
             if seq.adapter_blocked_since is None:
@@ -194,6 +206,19 @@ class Scheduler:
             return False, None
         seq.adapter_blocked_since = None
         return True, slot
+
+    def _may_take_place(self, name: str, in_step: set[int]) -> bool:
+        """Whether adapter `name`, not in the step, may join it: a free place among `max_loras`
+        that no starving adapter before it in line needs."""
+        free = self.max_loras - len(in_step)
+        if not self.starving:
+            return free > 0
+        line = [n for n in self.starving if self.adapters.slot_of(n) not in in_step]
+        return (line.index(name) if name in line else len(line)) < free
+
+    def adapters_in_step(self) -> set[int]:
+        """The adapter slots of the running rows: at most `max_loras` distinct ones."""
+        return {s.state.lora_slot for s in self.running if s.state is not None and s.state.lora_slot >= 0}
 
     def blocked_adapters(self) -> dict[str, float]:
         """Adapters that waiting requests wait for, each with the start of its longest wait, the

@@ -251,8 +251,13 @@ class LoraLayers:
     ) -> None:
         self.plan, self.weights = plan, weights
         self.targets: dict[tuple[int, str], tuple[int, int]] = {}
-        self.host_entries = np.zeros((num_slots, projections, parts, 3), dtype=np.int64)
-        self.host_scaling = np.zeros((num_slots, projections, parts), dtype=np.float32)
+        # The host copies are page-locked on a GPU, so a row's copy is asynchronous: a
+        # synchronous one from pageable memory would wait for the step in flight.
+        pin = weights.device.type == "cuda"
+        shape = (num_slots, projections, parts)
+        self._pinned_entries = torch.zeros((*shape, 3), dtype=torch.long, pin_memory=pin)
+        self._pinned_scaling = torch.zeros(shape, dtype=torch.float32, pin_memory=pin)
+        self.host_entries, self.host_scaling = self._pinned_entries.numpy(), self._pinned_scaling.numpy()
         self.entries = torch.zeros(self.host_entries.shape, dtype=torch.long, device=weights.device)
         self.scaling = torch.zeros(self.host_scaling.shape, dtype=torch.float32, device=weights.device)
         self.extents: dict[int, tuple[int, int]] = {}  # slot -> (offset, elements) in the arena
@@ -349,8 +354,9 @@ class LoraLayers:
         self.host_entries[slot], self.host_scaling[slot] = entries, scaling
         targeted = self.index_kinds[(entries[..., 2] > 0).any(axis=1)]
         self.plan.slot_kinds[slot] = int(np.bitwise_or.reduce(targeted)) if targeted.size else 0
-        self.entries[slot].copy_(torch.from_numpy(entries), non_blocking=False)
-        self.scaling[slot].copy_(torch.from_numpy(scaling), non_blocking=False)
+        # A later write of this row before the copy runs is copied too: the last one issued wins.
+        self.entries[slot].copy_(self._pinned_entries[slot], non_blocking=True)
+        self.scaling[slot].copy_(self._pinned_scaling[slot], non_blocking=True)
 
 
 def _same_view(t: torch.Tensor, place: torch.Tensor) -> bool:
@@ -371,6 +377,26 @@ def wrap_lora_layers(
         owner_name, _, attr = name.rpartition(".")
         setattr(module.get_submodule(owner_name), attr, lora.wrap(sub, index, layer, max_rank))
     return lora
+
+
+# Table rows (resident adapters) are at most this many: the tables cost 77 MB at this size on the
+# 8B shape (224 projections), and a larger arena is not the common case.
+MAX_RESIDENT_SLOTS = 4096
+# The smallest adapter the rows are sized for: this rank on the narrowest part of each layer.
+# An arena full of such adapters runs out of rows before memory; anything larger runs out of memory.
+_SMALLEST_RANK = 4
+
+
+def resident_slots(module: nn.Module, arena_elements: int) -> int:
+    """Rows of the LoRA tables for an arena of `arena_elements`: as many adapters as it can hold
+    of the smallest size worth serving (rank 4 on one projection of every layer), at most
+    `MAX_RESIDENT_SLOTS`. So residency is set by the adapters' bytes, not by a slot count."""
+    narrowest: dict[int, int] = {}
+    for _, sub, layer in _projections(module):
+        size = sub.in_features + min(sub.output_sizes)
+        narrowest[layer] = min(size, narrowest.get(layer, size))
+    smallest = _SMALLEST_RANK * sum(narrowest.values())
+    return max(1, min(MAX_RESIDENT_SLOTS, arena_elements // max(smallest, 1)))
 
 
 def full_adapter_elements(module: nn.Module, max_rank: int) -> int:

@@ -2,10 +2,12 @@
 
 - disk: adapters registered by name and directory (parsed and validated at registration);
 - host: parsed adapters in CPU memory, LRU, at most `max_cpu_loras`;
-- device: resident adapters, each in a slot (a row of the LoRA layers' tables, at most
-  `max_loras`) and an extent of the adapter arena as large as its own weights
-  (lora/arena.py): how many fit is set by their bytes, so many small adapters share the memory
-  a few padded slots took. A request's forward rows use one slot.
+- device: resident adapters, each in a slot (a row of the LoRA layers' tables; there are
+  `RESIDENT_SLOTS` rows, more than any arena holds adapters of a useful size) and an extent of
+  the adapter arena as large as its own weights (lora/arena.py): how many are resident is set
+  by their bytes, so many small adapters share the memory a few padded slots took. A request's
+  forward rows use one slot. (How many distinct adapters one step may run is the scheduler's
+  `--max-loras`, vLLM's meaning.)
 
 Making an adapter resident takes a free slot (else the least recently used idle one) and room
 in the arena: idle adapters are evicted, least recently used first, until its extent fits
@@ -23,7 +25,6 @@ thread at a quiescent point (between steps), so no forward pass sees a slot chan
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,7 +68,6 @@ class Slot:
     refcount: int = 0
     pinned: bool = False
     stale: bool = False  # its name was re-registered with new content: serve no new requests
-    last_used: int = 0
 
 
 @dataclass
@@ -87,7 +87,7 @@ class LoraPool:
     def __init__(
         self,
         base: ModelConfig,
-        max_loras: int,
+        num_slots: int,
         max_cpu_loras: int,
         max_lora_rank: int,
         writer: SlotWriter,
@@ -102,7 +102,9 @@ class LoraPool:
         self.writer, self.host_form = writer, host_form
         self.max_cpu_loras = max_cpu_loras
         self.space, self.element_size = ArenaSpace(arena[0]), arena[1]
-        self.slots = [Slot() for _ in range(max_loras)]
+        self.slots = [Slot() for _ in range(num_slots)]
+        self._free = set(range(num_slots))
+        self._in_use_order: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recent first
         self._resident: dict[str, int] = {}  # name -> slot of its current version
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()
         self.disk: dict[str, Path] = {}
@@ -110,7 +112,6 @@ class LoraPool:
             str, tuple[int, int, str]
         ] = {}  # name -> (adapter_id, rank, sha256) of its latest version
         self.active = -1  # slot of the active adapter, -1 = none
-        self._clock = itertools.count(1)
 
     # --- lookup ---------------------------------------------------------------------------
 
@@ -146,7 +147,7 @@ class LoraPool:
         if s.adapter is None:
             raise RuntimeError(f"acquire of empty LoRA slot {resolved}")
         s.refcount += 1
-        s.last_used = next(self._clock)
+        self._in_use_order.move_to_end(resolved)
         return resolved
 
     def release(self, resolved: int) -> None:
@@ -167,15 +168,11 @@ class LoraPool:
         self.disk[name] = Path(path)
         self.identity[name] = (adapter.adapter_id, adapter.max_rank, adapter.sha256)
         adapter = self._remember(adapter)
-        for s in self.slots:  # a resident older version keeps serving the requests that hold it
-            if (
-                s.adapter is not None
-                and s.adapter.name == name
-                and s.adapter.adapter_id != adapter.adapter_id
-            ):
+        for i in list(self._in_use_order):  # a resident older version keeps serving its requests
+            s = self.slots[i]
+            if s.adapter.name == name and s.adapter.adapter_id != adapter.adapter_id:
                 s.stale = True
                 self._resident.pop(name, None)
-        for i, s in enumerate(self.slots):
             if s.stale and s.refcount == 0 and not s.pinned:
                 self._clear(i)
         return adapter
@@ -185,7 +182,7 @@ class LoraPool:
         adapters evicted to make room)."""
         current = self.slot_of(name)
         if current is not None and (slot is None or slot == current):
-            self.slots[current].last_used = next(self._clock)
+            self._in_use_order.move_to_end(current)
             return current, []
         adapter = self._host_copy(name)
         size = adapter.numel
@@ -200,7 +197,7 @@ class LoraPool:
                 f"cannot load adapter {name!r}: all {len(self.slots)} LoRA slots are in use or pinned"
             )
         if not 0 <= target < len(self.slots):
-            raise AdapterError(f"slot {target} does not exist (max_loras={len(self.slots)})")
+            raise AdapterError(f"slot {target} does not exist (there are {len(self.slots)})")
         victim = self.slots[target]
         if victim.refcount > 0 or victim.pinned:
             raise AdapterBusyError(
@@ -215,7 +212,9 @@ class LoraPool:
         self._clear(target)
         offset = self._room(name, target, size, evicted)
         self.writer.load_slot(target, adapter, offset)
-        self.slots[target] = Slot(adapter, last_used=next(self._clock))
+        self.slots[target] = Slot(adapter)
+        self._free.discard(target)
+        self._in_use_order[target] = None
         self._resident[name] = target
         return target, evicted
 
@@ -270,7 +269,8 @@ class LoraPool:
     def report(self) -> list[AdapterInfo]:
         """Every adapter at its highest tier (a stale slot's old version is listed under its slot)."""
         out, seen = [], set()
-        for i, s in enumerate(self.slots):
+        for i in sorted(self._in_use_order):
+            s = self.slots[i]
             a = s.adapter
             if a is not None:
                 seen.add(a.name)
@@ -316,9 +316,13 @@ class LoraPool:
         frees itself)."""
         return {
             s.adapter.name: (i, s.refcount)
-            for i, s in enumerate(self.slots)
-            if s.adapter is not None and not s.pinned and not s.stale and i != self.active
+            for i, s in ((i, self.slots[i]) for i in self._in_use_order)
+            if not s.pinned and not s.stale and i != self.active
         }
+
+    def first_free_slot(self) -> int | None:
+        """The lowest slot holding no adapter (a new one may go there without an eviction)."""
+        return min(self._free) if self._free else None
 
     # --- internals ------------------------------------------------------------------------
 
@@ -344,18 +348,20 @@ class LoraPool:
 
     def _victim(self) -> int | None:
         """A slot to load into: a free one, else the least recently used idle one."""
-        free = next((i for i, s in enumerate(self.slots) if s.adapter is None), None)
+        free = self.first_free_slot()
         return free if free is not None else self._lru_idle()
 
     def _lru_idle(self) -> int | None:
         """The least recently used resident slot that may be evicted (no reference, no pin, not
-        the active adapter), or None."""
-        idle = [
-            i
-            for i, s in enumerate(self.slots)
-            if s.adapter is not None and s.refcount == 0 and not s.pinned and i != self.active
-        ]
-        return min(idle, key=lambda i: self.slots[i].last_used) if idle else None
+        the active adapter), or None. Busy slots were used recently, so the scan stops early."""
+        return next(
+            (
+                i
+                for i in self._in_use_order
+                if self.slots[i].refcount == 0 and not self.slots[i].pinned and i != self.active
+            ),
+            None,
+        )
 
     def _mb(self, elements: int) -> str:
         return f"{elements * self.element_size / 2**20:.1f} MB"
@@ -376,5 +382,7 @@ class LoraPool:
         self.writer.clear_slot(slot)
         self.space.release(slot)
         self.slots[slot] = Slot()
+        self._free.add(slot)
+        self._in_use_order.pop(slot, None)
         if self.active == slot:
             self.active = -1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
@@ -206,11 +207,16 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
     async def GetSlots(self, request: pb.GetSlotsRequest, context: grpc.aio.ServicerContext) -> pb.SlotReport:
         await self._ready(context)
         assert self.pod.engine is not None
-        adapters = await self.pod.adapters()
-        slots = [pb.Slot(index=i) for i in range(self.pod.engine.config.max_loras)]
-        for a in adapters:
-            if a.slot is not None and 0 <= a.slot < len(slots):
-                slots[a.slot] = pb.Slot(index=a.slot, adapter=a.name, refcount=a.refcount, pinned=a.pinned)
+        now = await self.pod.gathered()
+        adapters = now.adapters
+        slots = [
+            pb.Slot(index=a.slot, adapter=a.name, refcount=a.refcount, pinned=a.pinned)
+            for a in adapters
+            if a.slot is not None
+        ]
+        if now.memory_used_bytes < now.memory_capacity_bytes:  # room without an eviction
+            used = {s.index for s in slots}
+            slots.append(pb.Slot(index=next(i for i in itertools.count() if i not in used)))
         active = next((a for a in adapters if a.active), None)
         return pb.SlotReport(
             slots=slots,

@@ -248,10 +248,12 @@ class ModelPod:
         )
 
     async def adapters(self) -> list[AdapterInfo]:
-        if self.async_engine is None:
-            return []
-        now = await asyncio.to_thread(self.async_engine.call, self._gather)
-        return now.adapters
+        return (await self.gathered()).adapters if self.async_engine is not None else []
+
+    async def gathered(self) -> Gathered:
+        """The adapters, their memory and the engine's stats, at one instant (engine loaded)."""
+        assert self.async_engine is not None
+        return await asyncio.to_thread(self.async_engine.call, self._gather)
 
     async def load_report(self) -> pod_status_pb2.PodLoad:
         assert self.async_engine is not None
