@@ -10,6 +10,7 @@ import itertools
 import math
 import random
 import zlib
+from concurrent.futures import Executor, Future
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,18 @@ from model_service.lora.pool import LoraPool
 from tests.test_engine_shape import FakeExecutor
 
 STEP_S = 1 / 16  # simulated seconds per engine step (δ); a power of two, so times add up exactly
+
+
+class Inline(Executor):
+    """Reads adapters at once, on the caller's thread: the simulated clock stays the only one."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as e:
+            future.set_exception(e)
+        return future
 
 
 class RecordingWriter:
@@ -82,7 +95,10 @@ class Harness:
         self.writer = RecordingWriter()
         arena = (ALIGN * memory_units if memory_units else 1 << 30, 2)
         slots = num_slots or max_loras
-        self.pool = LoraPool(None, slots, self.config.max_cpu_loras, 64, self.writer, arena)  # type: ignore[arg-type]
+        self.pool = LoraPool(
+            None,  # type: ignore[arg-type]
+            slots, self.config.max_cpu_loras, 64, self.writer, arena, readers=Inline(),
+        )  # fmt: skip
         for i in range(num_adapters):
             self.pool.register(f"a{i}", Path(f"/adapters/a{i}"))
         self.scheduler = Scheduler(self.config, self.cache, self.pool, clock=lambda: self.now)

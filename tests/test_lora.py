@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 
 from model_service.engine.sampling_params import SamplingParams
 from model_service.errors import NotFoundError, PreconditionError
+from model_service.lora import pool as pool_module
 from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.lora.control import (
     EvictAdapter,
@@ -171,6 +174,34 @@ def test_tiny_adapters_match_peft(hf_tiny, tiny_adapters, tiny_reference):
     for name, path in tiny_adapters.items():
         for i, p in enumerate(PROMPTS[:2]):
             assert tiny_reference[(i, name)] == peft_greedy(hf_tiny, path, p, 8, eos=None), name
+
+
+def test_a_disk_only_adapter_is_read_in_a_worker_while_other_requests_run(
+    tiny_llama, tiny_adapters, tiny_reference, monkeypatch
+):
+    """The host tier holds one adapter, so t0 is on disk only when its request comes. Its read
+    (slowed to 0.5 s here) runs in a worker thread: the base request beside it finishes before
+    t0's is admitted, and t0's answer is exact."""
+    modules = {k: str(tiny_adapters[k]) for k in ("t0", "t1")}
+    engine = make_engine(tiny_llama, max_cpu_loras=1, lora_modules=modules)
+    assert "t0" not in engine.lora.host and engine.lora.slot_of("t0") is None
+    readers = []
+
+    def slow_read(*args, **kwargs):
+        readers.append(threading.current_thread().name)
+        time.sleep(0.5)
+        return load_peft_adapter(*args, **kwargs)
+
+    monkeypatch.setattr(pool_module, "load_peft_adapter", slow_read)
+    engine.add_request_dict({**_req(PROMPTS[0], "t0"), "request_id": "lora"})
+    engine.add_request_dict({**_req(PROMPTS[1], None), "request_id": "base"})
+    finished = []
+    while engine.has_unfinished():
+        finished += [(o.request_id, o.token_ids) for o in engine.step() if o.finished]
+    assert [rid for rid, _ in finished] == ["base", "lora"]
+    assert dict(finished) == {"base": tiny_reference[(1, None)], "lora": tiny_reference[(0, "t0")]}
+    assert len(readers) == 1 and readers[0].startswith("lora-read")
+    assert engine.stats().adapter_loads == 1
 
 
 def test_mixed_batch_of_base_and_five_adapters_equals_each_alone(tiny_llama, tiny_adapters, tiny_reference):

@@ -5,6 +5,10 @@ Both run at the start of a step, a quiescent point (no forward pass in flight), 
 contents change only between passes. Control operations come from other threads through a
 queue; each answers its caller's future.
 
+Loads. An adapter only on disk is read (parsed, validated, packed in page-locked memory) by a
+worker thread (`LoraPool.host_ready`) while steps run, and loaded at the first quiescent
+point after: the engine thread only copies it to the device.
+
 Admission. A waiting request whose adapter is not resident, or is draining, or would make
 more than `max_loras` distinct adapters in the running batch, waits without blocking the
 requests behind it; its wait starts when the scheduler first finds it so
@@ -44,7 +48,7 @@ the adapters ahead and its own need.
 
 Busy memory never fails a request. Only a load that fails for another reason (a bad file,
 unreachable storage) can: it is tried again after `RETRY_S` seconds, then twice as long each
-time (a load reads the files on the engine thread), and a request that has waited
+time, and a request that has waited
 `adapter_wait_timeout_s` while its adapter fails to load ends with that error.
 """
 
@@ -164,6 +168,8 @@ class AdapterControl:
                 if name in self.scheduler.draining or not self._may_try(name, now):
                     continue
                 try:
+                    if not self.pool.host_ready(name):
+                        continue  # read from disk in a worker meanwhile: loaded once it is in
                     slot, _ = self.pool.load(name)
                 except SlotsBusyError:
                     return [n for n in names[i:] if self._waits_for_memory(n)]

@@ -57,6 +57,9 @@ from model_service.lora.pool import ACTIVE, AdapterInfo, LoraPool
 from model_service.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
+# An engine with nothing to run but a request whose adapter a worker is reading waits this long
+# for the read, rather than spinning through empty steps.
+IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -77,6 +80,9 @@ class EngineStats:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     adapter_drains: int = 0  # resident adapters drained so that a starving one could load
+    adapter_loads: int = 0  # adapters copied to the device
+    adapter_load_seconds: float = 0.0  # the engine thread's time in those loads
+    adapter_evictions: int = 0  # idle adapters evicted from the device to make room
     # Recurrent-state slots (hybrid models; 0 without recurrent layers). Free includes the slots
     # holding prefix-cache snapshots, which are given back when a sequence needs one; so once
     # nothing runs, free == total, or a slot leaked.
@@ -296,6 +302,8 @@ class Engine:
         if not work:
             if self._inflight is None and self.scheduler.running and not self.scheduler.adapter_demand:
                 self._end_stalled_beam_search()
+            if self._inflight is None and self.scheduler.adapter_demand:
+                self.lora.wait_for_reads(IDLE_WAIT_S)  # an adapter still being read: wait for it
             return outputs + self._outputs(self._drain()) + self._take_pending()
         self.num_steps += 1
         try:
@@ -570,6 +578,9 @@ class Engine:
             spec_proposed_tokens=self.spec_proposed,
             spec_accepted_tokens=self.spec_accepted,
             adapter_drains=self.adapters.num_drains,
+            adapter_loads=self.lora.num_loads,
+            adapter_load_seconds=self.lora.load_seconds,
+            adapter_evictions=self.lora.num_evictions,
             state_slots_total=self.cache.num_state_slots,
             state_slots_free=self.cache.num_free_state_slots + self.cache.num_cached_states,
             state_slots_cached=self.cache.num_cached_states,

@@ -16,6 +16,12 @@ bookkeeping only (names, tiers, refcounts, extents), which is why one pool can s
 executors (one per tensor-parallel rank) through the `SlotWriter` they implement: a rank's shard
 of an adapter is smaller than the adapter, so it fits the extent the pool gave the whole.
 
+Reading a disk-only adapter (parse, validate, pack into page-locked memory: ~100 ms for 84 MB)
+happens in worker threads when admission asks for it (`host_ready`), so steps go on meanwhile;
+the engine thread only adds the result to the host tier and copies it to the device. Explicit
+control operations (register, LoadAdapter) still read on the engine thread: their caller waits
+for the answer anyway.
+
 Refcounts follow the seed contract: `acquire(slot)` resolves -1 to the active adapter and
 returns the RESOLVED index, and `release(resolved)` releases exactly that index, so a rotation
 between a request's start and end cannot make it release a slot it never held. A slot with a
@@ -25,8 +31,10 @@ thread at a quiescent point (between steps), so no forward pass sees a slot chan
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -37,6 +45,7 @@ from model_service.lora.files import MAX_ADAPTER_BYTES
 from model_service.models.config import ModelConfig
 
 ACTIVE = "@active"  # the adapter name that follows rotation (the seed's slot -1)
+READ_WORKERS = 2  # threads reading adapters from disk for admission
 
 
 class AdapterNotFoundError(AdapterError, LookupError):
@@ -94,10 +103,12 @@ class LoraPool:
         arena: tuple[int, int],
         max_adapter_bytes: int = MAX_ADAPTER_BYTES,
         host_form: Callable[[LoraAdapter], LoraAdapter] | None = None,
+        readers: Executor | None = None,
     ) -> None:
         """`arena`: (elements, bytes per element) of the writer's adapter arena. `host_form`: what
         a parsed adapter becomes in the host tier (`adapter.host_form`: the arena's dtype,
-        page-locked for a GPU); kept as parsed without it."""
+        page-locked for a GPU); kept as parsed without it. `readers`: where disk reads for
+        admission run (`READ_WORKERS` threads by default)."""
         self.base, self.max_lora_rank, self.max_adapter_bytes = base, max_lora_rank, max_adapter_bytes
         self.writer, self.host_form = writer, host_form
         self.max_cpu_loras = max_cpu_loras
@@ -112,6 +123,11 @@ class LoraPool:
             str, tuple[int, int, str]
         ] = {}  # name -> (adapter_id, rank, sha256) of its latest version
         self.active = -1  # slot of the active adapter, -1 = none
+        self._reads: dict[str, Future[LoraAdapter]] = {}  # disk reads in worker threads
+        self._readers = readers or ThreadPoolExecutor(READ_WORKERS, thread_name_prefix="lora-read")
+        # Counters the pod exports: device loads, the engine thread's time in them, evictions.
+        self.num_loads = self.num_evictions = 0
+        self.load_seconds = 0.0
 
     # --- lookup ---------------------------------------------------------------------------
 
@@ -165,6 +181,7 @@ class LoraPool:
     def register(self, name: str, path: Path) -> LoraAdapter:
         """Add (or replace) a disk-tier adapter; parsed now so a bad one fails here, not mid-request."""
         adapter = load_peft_adapter(name, path, self.base, self.max_lora_rank, self.max_adapter_bytes)
+        self._reads.pop(name, None)  # a read of the old files: its result is dropped
         self.disk[name] = Path(path)
         self.identity[name] = (adapter.adapter_id, adapter.max_rank, adapter.sha256)
         adapter = self._remember(adapter)
@@ -180,6 +197,37 @@ class LoraPool:
     def load(self, name: str, slot: int | None = None) -> tuple[int, list[str]]:
         """Make `name` resident (into `slot`, or a free or the LRU idle slot). Returns (slot, the
         adapters evicted to make room)."""
+        start = time.perf_counter()
+        placed, evicted = self._load(name, slot)
+        self.load_seconds += time.perf_counter() - start
+        return placed, evicted
+
+    def host_ready(self, name: str) -> bool:
+        """Whether `name` can be made resident without reading its files: it is resident, in the
+        host tier, or a worker has read it since (it joins the host tier now). Otherwise a
+        worker starts reading it, if it is registered, and the answer is False. A worker's
+        failure (a bad or vanished file) is raised here, as `load` would raise it."""
+        if self.slot_of(name) is not None or name in self.host or name not in self.disk:
+            return True  # (an unknown name: `load` says so)
+        read = self._reads.get(name)
+        if read is None:
+            read = self._reads[name] = self._readers.submit(self._read, name, self.disk[name])
+        if not read.done():
+            return False
+        del self._reads[name]
+        adapter = read.result()
+        if adapter.adapter_id != self.identity[name][0]:
+            return self.host_ready(name)  # re-registered while it was read: read the new files
+        self._keep(adapter)
+        return True
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """Block until a worker's read finishes, at most `timeout` seconds (an idle engine waits
+        here rather than spinning)."""
+        if self._reads:
+            wait(list(self._reads.values()), timeout, FIRST_COMPLETED)
+
+    def _load(self, name: str, slot: int | None) -> tuple[int, list[str]]:
         current = self.slot_of(name)
         if current is not None and (slot is None or slot == current):
             self._in_use_order.move_to_end(current)
@@ -212,6 +260,8 @@ class LoraPool:
         self._clear(target)
         offset = self._room(name, target, size, evicted)
         self.writer.load_slot(target, adapter, offset)
+        self.num_loads += 1
+        self.num_evictions += len(evicted)
         self.slots[target] = Slot(adapter)
         self._free.discard(target)
         self._in_use_order[target] = None
@@ -307,6 +357,7 @@ class LoraPool:
             raise AdapterBusyError(f"adapter {name!r} is resident; evict it before forgetting it")
         self.disk.pop(name, None)
         self.identity.pop(name, None)
+        self._reads.pop(name, None)
 
     # --- admission (engine/adapters.py drains adapters through this) ------------------------
 
@@ -337,9 +388,16 @@ class LoraPool:
         )
         return self._remember(adapter)
 
+    def _read(self, name: str, path: Path) -> LoraAdapter:
+        """A worker thread's read: parsed, validated and in its host form."""
+        adapter = load_peft_adapter(name, path, self.base, self.max_lora_rank, self.max_adapter_bytes)
+        return self.host_form(adapter) if self.host_form is not None else adapter
+
     def _remember(self, adapter: LoraAdapter) -> LoraAdapter:
-        if self.host_form is not None:
-            adapter = self.host_form(adapter)
+        return self._keep(self.host_form(adapter) if self.host_form is not None else adapter)
+
+    def _keep(self, adapter: LoraAdapter) -> LoraAdapter:
+        """Add an adapter in its host form to the host tier (least recently used ones leave)."""
         self.host[adapter.name] = adapter
         self.host.move_to_end(adapter.name)
         while len(self.host) > self.max_cpu_loras:

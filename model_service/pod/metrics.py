@@ -93,6 +93,15 @@ class _EngineCollector(Collector):
             "Resident adapters drained (new requests held back) so that a starving adapter could load.",
             st.adapter_drains,
         )
+        yield counter("spindle:lora_loads", "Adapters made resident on the device.", st.adapter_loads)
+        yield counter(
+            "spindle:lora_load_seconds",
+            "Engine-thread seconds spent making adapters resident (every step waits for them).",
+            st.adapter_load_seconds,
+        )
+        yield counter(
+            "spindle:lora_evictions", "Idle adapters evicted from the device for room.", st.adapter_evictions
+        )
         yield counter(
             "vllm:spec_decode_num_draft_tokens", "Speculative tokens proposed.", st.spec_proposed_tokens
         )
