@@ -266,4 +266,4 @@ def shard_adapter(adapter: LoraAdapter, part: Partition) -> LoraAdapter:
             modules[(layer, name)] = LoraWeights(w.a, w.b[r.start : r.stop], w.scaling)
         else:
             modules[(layer, name)] = LoraWeights(w.a[:, r.start : r.stop].contiguous(), w.b, w.scaling)
-    return dataclasses.replace(adapter, modules=modules)
+    return dataclasses.replace(adapter, modules=modules, packed_layout=None)  # not views at those places

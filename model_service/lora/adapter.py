@@ -65,6 +65,9 @@ class LoraAdapter:
     modules: dict[tuple[int, str], LoraWeights] = field(default_factory=dict)
     sha256: str = ""  # of adapter_model.safetensors: the identity peers and the adapter service check
     packed: torch.Tensor | None = None  # `host_form`'s one buffer, of which the modules' A and B are views
+    # `arena_layout` of the modules, set by `host_form` while the modules are views of `packed` at
+    # exactly those places (a load then copies `packed` whole, unchecked); None otherwise.
+    packed_layout: tuple[list[tuple[int, int]], int] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (to tensor-parallel ranks) as the packed buffer once and each view's place in
@@ -90,7 +93,12 @@ class LoraAdapter:
     @property
     def numel(self) -> int:
         """Elements of its extent in the adapter arena (lora/arena.py): `arena_layout`'s."""
-        return arena_layout(self.modules)[1]
+        return self.layout[1]
+
+    @property
+    def layout(self) -> tuple[list[tuple[int, int]], int]:
+        """`arena_layout` of its modules (computed once by `host_form`: 224 modules on the 8B shape)."""
+        return self.packed_layout or arena_layout(self.modules)
 
     @property
     def nbytes(self) -> int:
@@ -163,7 +171,7 @@ def host_form(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> LoraAdapte
         a_view.copy_(w.a)
         b_view.copy_(w.b)
         modules[key] = LoraWeights(a_view, b_view, w.scaling)
-    return dataclasses.replace(adapter, modules=modules, packed=packed)
+    return dataclasses.replace(adapter, modules=modules, packed=packed, packed_layout=(places, size))
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

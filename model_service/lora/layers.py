@@ -37,7 +37,7 @@ from model_service.kernels.lora import (
     silu_mul_lora_rows,
 )
 from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
-from model_service.lora.adapter import LoraAdapter, arena_layout, in_buffer, laid_out
+from model_service.lora.adapter import LoraAdapter, in_buffer, laid_out
 from model_service.models.layers import PackedLinear
 from model_service.models.step import StepBatch, to_device
 
@@ -286,7 +286,7 @@ class LoraLayers:
         (`adapter.host_form`, laid out as the arena is) crosses in one asynchronous transfer."""
         entries = np.zeros(self.host_entries.shape[1:], dtype=np.int64)
         scaling = np.zeros(self.host_scaling.shape[1:], dtype=np.float32)
-        places, size = arena_layout(adapter.modules)
+        places, size = adapter.layout
         for (key, w), (a, b) in zip(adapter.modules.items(), places, strict=True):
             index, part = self.targets[key]
             entries[index, part] = (offset + a, offset + b, w.a.shape[0])
@@ -320,16 +320,9 @@ class LoraLayers:
         self, adapter: LoraAdapter, offset: int, places: list[tuple[int, int]], size: int
     ) -> None:
         arena, packed = self.weights[offset : offset + size], adapter.packed
-        if packed is not None and packed.numel() == size:
-            held = [
-                laid_out(packed, w, a, b) for w, (a, b) in zip(adapter.modules.values(), places, strict=True)
-            ]
-            if all(
-                _same_view(w.a, at[0]) and _same_view(w.b, at[1])
-                for w, at in zip(adapter.modules.values(), held, strict=True)
-            ):
-                arena.copy_(packed, non_blocking=True)  # page-locked: one transfer
-                return
+        if packed is not None and adapter.packed_layout is not None:
+            arena.copy_(packed, non_blocking=True)  # laid out as the arena is, page-locked: one transfer
+            return
         arena.zero_()  # B's padding columns must read as zeros (kernels/lora.py)
         staged = packed.to(arena.device, non_blocking=True) if packed is not None else None
 
@@ -357,10 +350,6 @@ class LoraLayers:
         # A later write of this row before the copy runs is copied too: the last one issued wins.
         self.entries[slot].copy_(self._pinned_entries[slot], non_blocking=True)
         self.scaling[slot].copy_(self._pinned_scaling[slot], non_blocking=True)
-
-
-def _same_view(t: torch.Tensor, place: torch.Tensor) -> bool:
-    return t.data_ptr() == place.data_ptr() and t.shape == place.shape and t.stride() == place.stride()
 
 
 def wrap_lora_layers(
