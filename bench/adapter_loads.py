@@ -7,7 +7,11 @@ tier (as registration leaves them: `adapter.host_form`), device memory for about
 adapters of that rank on every projection (or `--memory-gb`), so once it is full loads evict.
 Each `LoraPool.load` is timed twice: the host's time (what the engine thread spends) and the
 time until its copies are done (a synchronize after it). One JSON line: the medians, the
-adapters resident at the end and the evictions.
+adapters resident at the end and the evictions. With `--disk N`, N more adapters are written as
+PEFT directories (float32 safetensors) to a temporary directory, registered, and their host
+copies dropped; each is then timed from disk to usable on the device through the pool's
+worker-thread read (`host_ready`) and the load: a second JSON line. The files were just written,
+so the page cache is warm (what a pod sees right after the adapter service stages a file).
 
     PYTHONPATH=. python3 bench/adapter_loads.py [--small] [--adapters 24] [--slots 8] [--rank 16]
     PYTHONPATH=. python3 bench/adapter_loads.py --adapters 1000 --rank 8 --modules q_proj,v_proj \
@@ -19,14 +23,37 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from bench.gpu import LLAMA3_8B, SMOLLM2, random_model, register_random_adapters
+from bench.lora import write_adapter
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.lora.layers import full_adapter_elements
+from model_service.models.config import ModelConfig
+
+
+def from_disk(engine: Engine, cfg: ModelConfig, args: argparse.Namespace) -> dict[str, object]:
+    """Median ms from a registered directory to usable on the device (worker read + load)."""
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.disk):
+            name = f"disk{k}"
+            path = write_adapter(Path(tmp) / name, cfg, args.rank, seed=k, targets=args.modules)
+            engine.lora.register(name, path)
+            engine.lora.drop_host_copy(name)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            while not engine.lora.host_ready(name):
+                engine.lora.wait_for_reads(0.001)
+            engine.lora.load(name)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+    return {"from_disk_loads": args.disk, "from_disk_ms_p50": round(statistics.median(times), 1)}
 
 
 def main() -> None:
@@ -37,6 +64,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--modules", type=lambda s: s.split(","), help="PEFT names, comma-separated")
     ap.add_argument("--memory-gb", type=float, default=None, help="adapter memory instead of --slots'")
+    ap.add_argument("--disk", type=int, default=0, help="adapters also timed from disk")
     args = ap.parse_args()
     shape = SMOLLM2 if args.small else LLAMA3_8B
     loaded = random_model(shape)
@@ -70,6 +98,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
     }  # fmt: skip
     print(json.dumps(result))
+    if args.disk:
+        print(json.dumps(result | from_disk(engine, loaded.config, args)))
     print(f"\na slot load: {host_ms} ms of the engine thread, {done_ms} ms until its copies are done")
 
 

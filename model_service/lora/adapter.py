@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,8 +182,13 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     )
 
 
-def content_id(config_bytes: bytes, weight_bytes: bytes) -> int:
-    digest = hashlib.sha256(config_bytes + b"\0" + weight_bytes).digest()
+_HASHER = ThreadPoolExecutor(2, thread_name_prefix="lora-hash")
+
+
+def content_id(config_bytes: bytes, weights_digest: bytes) -> int:
+    """The adapter's identity in prefix-cache keys: its config and its weights file's sha256
+    (the weights are hashed once, for both this and `LoraAdapter.sha256`)."""
+    digest = hashlib.sha256(config_bytes + b"\0" + weights_digest).digest()
     return int.from_bytes(digest[:8], "big") >> 1 or 1  # positive, never the base model's 0
 
 
@@ -227,16 +233,19 @@ def parse_peft_adapter(
     if not isinstance(config, dict):
         raise AdapterError(f"adapter {name!r}: adapter_config.json is not a JSON object")
     _check_config(name, config)
+    # The hash (170 ms for the 168 MB of a float32 rank-16 adapter on all seven projections of
+    # the 8B shape) runs beside the parse: hashlib lets go of the GIL for large buffers.
+    digest = _HASHER.submit(lambda: hashlib.sha256(weight_bytes).digest())
     try:
         from safetensors.torch import load as load_safetensors
 
         tensors = load_safetensors(weight_bytes)
     except Exception as e:
         raise AdapterError(f"adapter {name!r}: cannot read adapter_model.safetensors: {e}") from e
-    adapter = LoraAdapter(
-        name, content_id(config_bytes, weight_bytes), path, sha256=hashlib.sha256(weight_bytes).hexdigest()
-    )
-    adapter.modules = _modules(name, config, tensors, base, max_lora_rank)
+    modules = _modules(name, config, tensors, base, max_lora_rank)
+    weights_digest = digest.result()
+    adapter = LoraAdapter(name, content_id(config_bytes, weights_digest), path, sha256=weights_digest.hex())
+    adapter.modules = modules
     if not adapter.modules:
         raise AdapterError(f"adapter {name!r}: no LoRA weights found in adapter_model.safetensors")
     return adapter
