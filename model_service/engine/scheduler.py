@@ -11,6 +11,8 @@ A step has a token budget. Policies, each one method below:
   arrival); the sequence itself when it is the least important.
 - `_preempt`: by swap (its KV goes to host memory, while the swap budget lasts) or by
   recompute (its blocks are freed; it prefills again, mostly from the prefix cache).
+- Structured output: a waiting request whose grammar is still compiling waits without blocking
+  the requests behind it.
 - Adapters: a waiting request whose adapter is not resident, or is `draining`, or would be one
   adapter more than `max_loras` distinct adapters in the running batch (vLLM's meaning), waits
   without blocking the requests behind it and is noted in `adapter_demand`; `AdapterControl`
@@ -163,6 +165,9 @@ class Scheduler:
         in_step: set[int] | None = None  # the running rows' adapter slots, made on first need
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
+            if seq.constraint is not None and not seq.constraint.ready:
+                i += 1  # its grammar is compiling: it waits, the requests behind it do not
+                continue
             if in_step is None and seq.adapter_name is not None:
                 in_step = self.adapters_in_step()
             ready, slot = self._adapter_slot(seq, in_step)
