@@ -3,7 +3,7 @@ time and JSON-Schema coverage (the comparison behind the grammar engine's choice
 docs/architecture.md "Structured output"). Needs both libraries, which the project does not:
 
     .venv/bin/pip install xgrammar llguidance
-    .venv/bin/python -m bench.grammar_libs
+    PYTHONPATH=. .venv/bin/python bench/grammar_libs.py     # one JSON line per library
 
 Mask time is measured walking a valid instance of each schema token by token: compute the
 allowed-token bitmask, then accept the instance's next token (what one decode step costs a
@@ -142,8 +142,12 @@ class XGrammar:
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled)
 
-    def fill(self, m: Any, mask: torch.Tensor) -> None:
-        m.fill_next_token_bitmask(mask, 0)
+    def fill(self, m: Any, mask: torch.Tensor, row: int = 0) -> None:
+        m.fill_next_token_bitmask(mask, row)
+
+    def fill_batch(self, matchers: list[Any], mask: torch.Tensor) -> None:
+        for i, m in enumerate(matchers):  # what vLLM's xgrammar backend does on one thread
+            m.fill_next_token_bitmask(mask, i)
 
     def accept(self, m: Any, token: int) -> bool:
         return bool(m.accept_token(token))
@@ -173,8 +177,13 @@ class LLGuidance:
             raise ValueError(m.get_error())
         return m
 
-    def fill(self, m: Any, mask: torch.Tensor) -> None:
-        self.llt.fill_next_token_bitmask(m, mask, 0)
+    def fill(self, m: Any, mask: torch.Tensor, row: int = 0) -> None:
+        self.llt.fill_next_token_bitmask(m, mask, row)
+
+    def fill_batch(self, matchers: list[Any], mask: torch.Tensor) -> None:
+        if not hasattr(self, "executor"):
+            self.executor = self.ll.LLExecutor()
+        self.llt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], mask)
 
     def accept(self, m: Any, token: int) -> bool:
         return bool(m.consume_token(token))
@@ -192,6 +201,23 @@ def _walk(lib: Any, compiled: Any, ids: list[int], eos: int) -> tuple[bool, list
         if not (int(mask[0, token // 32]) >> (token % 32)) & 1 or not lib.accept(m, token):
             return False, times
     return True, times
+
+
+def _batch_mask_ms(lib: Any, compiled: Any, ids: list[int], rows: int = 64) -> float:
+    """Median time to fill the masks of `rows` matchers at different places of the instance (one
+    decode step of a batch of constrained rows; llguidance spreads it over its thread pool)."""
+    matchers = []
+    for j in range(rows):
+        m = lib.matcher(compiled)
+        for token in ids[: (7 * j) % len(ids)]:
+            lib.accept(m, token)
+        matchers.append(m)
+    mask, times = torch.full((rows, (VOCAB + 31) // 32), -1, dtype=torch.int32), []
+    for _ in range(20):
+        t = time.perf_counter()
+        lib.fill_batch(matchers, mask)
+        times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
 
 
 def _accepts(lib: Any, compiled: Any, tokenizer: Any, value: Any, eos: int) -> bool:
@@ -221,21 +247,37 @@ def main() -> None:
         ids = hf.encode(json.dumps(INSTANCE), add_special_tokens=False)
         ok, times = _walk(lib, compiled, ids, eos)
         us = sorted(1e6 * x for x in times)
-        print(
-            f"{lib.name}: tokenizer setup {setup * 1e3:.0f} ms; 20-property schema compile "
-            f"median {statistics.median(compile_ms):.1f} ms (min {min(compile_ms):.1f}); "
-            f"{len(ids)} tokens walked ({'valid' if ok else 'REFUSED'}): mask p50 "
-            f"{us[len(us) // 2]:.0f} us, p90 {us[int(len(us) * 0.9)]:.0f} us, max {us[-1]:.0f} us"
-        )
+        features = {}
         for feature, (schema, good, bad) in FEATURES.items():
             try:
-                compiled = lib.compile(schema)
+                compiled_feature = lib.compile(schema)
             except Exception as e:  # the library's refusal is the result
-                print(f"  {feature:28s} refused: {str(e).splitlines()[0][:90]}")
+                features[feature] = "refused: " + str(e).splitlines()[0][:90]
                 continue
-            accepts = _accepts(lib, compiled, hf, good, eos)
-            enforces = not _accepts(lib, compiled, hf, bad, eos)
-            print(f"  {feature:28s} valid accepted: {accepts}  violation refused: {enforces}")
+            accepts = _accepts(lib, compiled_feature, hf, good, eos)
+            enforces = not _accepts(lib, compiled_feature, hf, bad, eos)
+            features[feature] = (
+                "enforced" if accepts and enforces else f"valid ok {accepts}, violation refused {enforces}"
+            )
+        result = {
+            "library": lib.name,
+            "setup": "SmolLM2 tokenizer, CPU, one torch thread",
+            "tokenizer_setup_ms": round(setup * 1e3),
+            "compile_20_properties_ms": {
+                "median": round(statistics.median(compile_ms), 1),
+                "min": round(min(compile_ms), 1),
+            },
+            "instance_tokens": len(ids),
+            "instance_accepted": ok,
+            "mask_us": {
+                "p50": round(us[len(us) // 2]),
+                "p90": round(us[int(len(us) * 0.9)]),
+                "max": round(us[-1]),
+            },
+            "masks_64_rows_ms": round(_batch_mask_ms(lib, compiled, ids), 2),
+            "json_schema_features": features,
+        }
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

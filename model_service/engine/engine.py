@@ -356,6 +356,8 @@ class Engine:
             try:
                 if not self.grammars.poll(seq.constraint, seq.output_ids):
                     waiting.append(seq)
+                elif seq.constraint.done:  # a resumed output that was already complete
+                    self._finish(seq, "stop")
             except (InvalidRequestError, GrammarError) as e:
                 seq.error = str(e)
                 self._finish(seq, "error")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+from llguidance.gbnf_to_lark import any_to_lark
 
 from model_service.errors import InvalidRequestError
 
@@ -66,6 +66,12 @@ class StructuredOutput:
         return text
 
     def _grammar(self) -> str:
+        try:
+            return self._llguidance_grammar()
+        except ValueError as e:  # llguidance's own refusals (a schema it cannot read as one)
+            raise InvalidRequestError(f"structured_output.{self.kind}: {e}") from e
+
+    def _llguidance_grammar(self) -> str:
         kind, spec, matcher = self.kind, self.spec, llguidance.LLMatcher
         if kind == "json_object":
             if spec is not True:
@@ -85,7 +91,7 @@ class StructuredOutput:
             return matcher.grammar_from_regex(spec)
         try:
             lark = any_to_lark(spec)  # GBNF is converted; Lark passes through unchanged
-        except GbnfToLarkError as e:
+        except Exception as e:  # the converter raises GbnfToLarkError, bare Exception, RecursionError
             raise InvalidRequestError(f"structured_output.grammar: not Lark or GBNF: {e}") from e
         return matcher.grammar_from_lark(lark)
 
@@ -98,7 +104,7 @@ def _schema(spec: Any) -> dict[str, Any]:
     if isinstance(spec, str):
         try:
             spec = json.loads(spec)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
             raise InvalidRequestError(f"structured_output.json_schema is not valid JSON: {e}") from e
     if not isinstance(spec, dict):
         raise InvalidRequestError(
