@@ -44,7 +44,7 @@ class SamplingParams:
         kwargs = {k: v for k, v in d.items() if k in names and v is not None}
         if isinstance(kwargs.get("stop"), str):
             kwargs["stop"] = [kwargs["stop"]]
-        if "structured_output" in kwargs:
+        if "structured_output" in kwargs and not isinstance(kwargs["structured_output"], StructuredOutput):
             kwargs["structured_output"] = StructuredOutput.from_dict(kwargs["structured_output"])
         p = cls(**kwargs)
         p.validate()
