@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import re
+import threading
 from typing import Any
 
 import grpc
@@ -21,6 +22,7 @@ from model_service.engine.grammar import GrammarCompiler
 from model_service.engine.requests import Resume
 from model_service.engine.sampler import AllowedTokens, SampleRow, sample
 from model_service.engine.sampling_params import SamplingParams
+from model_service.engine.sequence import Status
 from model_service.engine.structured_output import StructuredOutput
 from model_service.errors import InvalidRequestError
 from spindle.v1 import generation_pb2 as pb
@@ -88,14 +90,9 @@ PROMPTS = {
 CAT = "Describe a cat as a JSON object with its name and age."
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
 CHOICES = ["yes", "no", "maybe"]
+SIDES = ["left", "right"]  # a grammar no other test compiles
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +169,26 @@ def test_a_cached_grammar_starts_at_once_and_resume_continues_it(engine, batch):
     assert seq.constraint.compiled.done()  # the schema's compile is cached: no wait
     final = engine.run_to_completion()[rid]
     assert final.token_ids == person.token_ids and final.text == person.text
+
+
+def test_a_request_waits_for_its_grammar_and_the_others_do_not(engine):
+    gate = threading.Event()
+    engine.grammars._worker.submit(gate.wait)  # the compile worker is busy until the gate opens
+    try:
+        sides = StructuredOutput("choice", SIDES)
+        waits = engine.add_request(
+            messages=[{"role": "user", "content": "Left or right?"}],
+            params=SamplingParams(temperature=0, max_tokens=3, structured_output=sides),
+        )
+        runs = engine.add_request(prompt="Hello", params=SamplingParams(temperature=0, max_tokens=3))
+        engine.step()
+        assert engine.requests[runs].status is Status.RUNNING
+        assert engine.requests[waits].status is Status.WAITING
+    finally:
+        gate.set()
+    final = engine.run_to_completion()
+    assert final[waits].text in SIDES and final[waits].finish_reason == "stop"
+    assert len(final[runs].token_ids) == 3
 
 
 def test_speculation_checks_drafts_against_the_grammar(smollm2, batch):
