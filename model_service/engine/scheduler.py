@@ -165,15 +165,13 @@ class Scheduler:
         in_step: set[int] | None = None  # the running rows' adapter slots, made on first need
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            if seq.constraint is not None and not seq.constraint.ready:
-                i += 1  # its grammar is compiling: it waits, the requests behind it do not
-                continue
             if in_step is None and seq.adapter_name is not None:
                 in_step = self.adapters_in_step()
+            # (its adapter's demand is noted first, so that a load and a compile overlap)
             ready, slot = self._adapter_slot(seq, in_step)
-            if not ready:
-                i += 1  # its adapter is being promoted: it waits, the requests behind it do not
-                continue
+            if not ready or (seq.constraint is not None and not seq.constraint.ready):
+                i += 1  # its adapter is being promoted or its grammar compiled: it waits, the
+                continue  # requests behind it do not
             seq.adapter_id = self.adapters.adapter_id_for(slot) if slot is not None else 0
             if not self._attach_state(seq):
                 break
