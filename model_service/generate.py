@@ -37,7 +37,9 @@ def build_parser(gen: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "  each line of reqs.jsonl is one request, e.g.\n"
         '    {"prompt": "...", "max_tokens": 32, "temperature": 0.7, "seed": 1, "stop": ["\\n"]}\n'
         '    {"messages": [{"role": "user", "content": "hi"}]}\n'
-        '    {"prompt_token_ids": [1, 2, 3], "logprobs": 5}'
+        '    {"prompt_token_ids": [1, 2, 3], "logprobs": 5}\n'
+        '    {"prompt": "...", "structured_output": {"json_schema": {"type": "object"}}}\n'
+        '  spindle generate --chat --prompt "Is water wet?" --choice yes --choice no'
     )
     gen.formatter_class = argparse.RawDescriptionHelpFormatter
     src = gen.add_argument_group("input")
@@ -62,6 +64,18 @@ def build_parser(gen: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s.add_argument("--logprobs", type=int, default=None, help="return the top-N logprobs of each token")
     s.add_argument("--ignore-eos", action="store_true")
+    so = gen.add_argument_group(
+        "structured output (at most one; the output is in the language it names, docs/architecture.md)"
+    ).add_mutually_exclusive_group()
+    so.add_argument(
+        "--json-schema", metavar="FILE", help="a JSON Schema file: the output is JSON valid under it"
+    )
+    so.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    so.add_argument("--regex", metavar="RE", help="the whole output matches this regex (Rust syntax)")
+    so.add_argument(
+        "--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)"
+    )
+    so.add_argument("--grammar", metavar="FILE", help="a Lark (llguidance) or GBNF grammar file")
     add_engine_args(gen)
     return gen
 
@@ -72,6 +86,9 @@ def _read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
         defaults["stop"] = args.stop
     if args.ignore_eos:
         defaults["ignore_eos"] = True
+    structured = _structured_output(args)
+    if structured is not None:
+        defaults["structured_output"] = structured
     reqs: list[dict[str, Any]] = []
     for text in args.prompt:
         reqs.append({"messages": [{"role": "user", "content": text}]} if args.chat else {"prompt": text})
@@ -91,6 +108,25 @@ def _read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not reqs:
         raise SpindleError("nothing to generate: give --prompt TEXT or --requests FILE")
     return [{**defaults, **r} for r in reqs]
+
+
+def _structured_output(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The `structured_output` object the structured-output flags name (None: free text); files are
+    read here, so a missing one is an error before the model loads."""
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": args.choice}
+    for kind, path in (("json_schema", args.json_schema), ("grammar", args.grammar)):
+        if path is not None:
+            try:
+                with open(path) as f:
+                    return {kind: f.read()}
+            except OSError as e:
+                raise SpindleError(f"--{kind.replace('_', '-')} {path}: {e.strerror}") from e
+    return None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

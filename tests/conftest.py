@@ -75,6 +75,17 @@ def hf_smollm2() -> Any:
     return hf.eval()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One-token decode steps gain little from a second thread, and when other processes share the
+    two cores, torch's threads wait on each other (a module ran 20-50x slower that way). A module
+    asks for it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_engine(loaded: LoadedModel, **overrides: Any) -> Engine:
     """A fresh engine (own KV cache and scheduler) over already-loaded weights."""
     cfg = {"model": loaded.name, "device": "cpu", "dtype": "float32", "num_kv_blocks": 256, **overrides}

@@ -127,3 +127,33 @@ def test_every_engine_field_is_a_flag_and_an_environment_variable():
 def test_bad_engine_flags_are_clear_errors(capsys):
     assert main(["generate", "--prompt", "hi", "--lora", "no-equals-sign"]) == 2
     assert "NAME=DIR" in capsys.readouterr().err
+
+
+def test_structured_output_flags_become_the_requests_field(tmp_path):
+    import argparse
+
+    import pytest
+
+    from model_service.engine.sampling_params import SamplingParams
+    from model_service.errors import SpindleError
+    from model_service.generate import _read_requests, build_parser
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "required": ["a"]}')
+    grammar = tmp_path / "yes.gbnf"
+    grammar.write_text('root ::= "yes" | "no"')
+    parser = build_parser(argparse.ArgumentParser())
+    for flags, expected in (
+        (["--json-schema", str(schema)], {"json_schema": schema.read_text()}),
+        (["--json-object"], {"json_object": True}),
+        (["--regex", "[0-9]+"], {"regex": "[0-9]+"}),
+        (["--choice", "yes", "--choice", "no"], {"choice": ["yes", "no"]}),
+        (["--grammar", str(grammar)], {"grammar": grammar.read_text()}),
+    ):
+        (request,) = _read_requests(parser.parse_args(["--prompt", "hi", *flags]))
+        assert request["structured_output"] == expected
+        assert SamplingParams.from_dict(request).structured_output.kind == next(iter(expected))
+    with pytest.raises(SystemExit):  # one kind at most
+        parser.parse_args(["--prompt", "hi", "--regex", "a", "--choice", "a"])
+    with pytest.raises(SpindleError, match=r"no-such\.json"):
+        _read_requests(parser.parse_args(["--prompt", "hi", "--json-schema", str(tmp_path / "no-such.json")]))

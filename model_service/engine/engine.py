@@ -13,6 +13,7 @@ names, tiers and slot refcounts; this class only wires them and keeps the reques
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import logging
@@ -35,10 +36,18 @@ from model_service.engine.config import EngineConfig
 from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.draft import DraftProposer, load_draft
 from model_service.engine.executor import build_executor
+from model_service.engine.grammar import GrammarCompiler, GrammarError
 from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.overlap import PLACEHOLDER, InFlight, can_overlap, feed, launch
 from model_service.engine.requests import PromptReader, Resume
-from model_service.engine.sampler import SampleRow, TokenLogprobs, filtered_probs, sample, to_device
+from model_service.engine.sampler import (
+    AllowedTokens,
+    SampleRow,
+    TokenLogprobs,
+    filtered_probs,
+    sample,
+    to_device,
+)
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence, Status
@@ -157,6 +166,9 @@ class Engine:
         )
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.beams = BeamSearch(self.scheduler, self.tokenizer)
+        # Structured output (engine/grammar.py); none without a tokenizer (token-id serving).
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size) if self.tokenizer is not None else None
+        self._compiling: list[Sequence] = []  # waiting for their grammar's matcher
         self.adapters = AdapterControl(self.lora, self.scheduler, config)
         self.proposer: Proposer | None = None
         if draft is not None:  # its cache has as many blocks as the target's (budgeted above)
@@ -226,6 +238,10 @@ class Engine:
         if adapter is not None and not self.lora.known(adapter):
             names = sorted(a.name for a in self.lora.report())
             raise NotFoundError(f"unknown adapter {adapter!r}; this server has {names or 'no adapters'}")
+        if params.structured_output is not None and self.grammars is None:
+            raise InvalidRequestError(
+                "structured_output needs the model's tokenizer, and this model has none"
+            )
         ids = self.prompts.token_ids(prompt, messages, prompt_token_ids)
         if resume is not None:
             self.prompts.check_resume(resume, params, len(ids))
@@ -242,6 +258,10 @@ class Engine:
         if resume is not None and self._replay(seq, resume):
             return request_id  # its resumed output already ended it: only its final output is left
         self.scheduler.add(seq)
+        if params.structured_output is not None:
+            assert self.grammars is not None
+            seq.constraint = self.grammars.constraint(params.structured_output)
+            self._compiling.append(seq)
         if params.num_beams > 1:
             group = BeamGroup(
                 request_id,
@@ -297,6 +317,7 @@ class Engine:
             self._finish(seq, "error")
         if self._inflight is not None and self._may_preempt():
             self._emit_outputs(self._drain())  # a preempted sequence must have all its tokens
+        self._start_grammars()
         outputs, self._pending = self._pending, []
         work = self.scheduler.schedule().work
         if not work:
@@ -304,6 +325,9 @@ class Engine:
                 self._end_stalled_beam_search()
             if self._inflight is None and self.scheduler.adapter_demand:
                 self.lora.wait_for_reads(IDLE_WAIT_S)  # an adapter still being read: wait for it
+            if self._compiling and not self.scheduler.running:  # a grammar still compiling: wait for it
+                compiles = [s.constraint.compiled for s in self._compiling if s.constraint is not None]
+                concurrent.futures.wait(compiles, IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
             return outputs + self._outputs(self._drain()) + self._take_pending()
         self.num_steps += 1
         try:
@@ -317,6 +341,27 @@ class Engine:
             self._settle_in_flight(e)
             return outputs + self._take_pending()
         return outputs + self._outputs(sampled) + self._take_pending()
+
+    def _start_grammars(self) -> None:
+        """Start the matchers whose grammars have compiled, so their requests can be admitted; a
+        grammar that does not compile for this vocabulary (or a resumed output it refuses) fails
+        its request."""
+        if not self._compiling:
+            return
+        assert self.grammars is not None  # add_request queues none without it
+        waiting = []
+        for seq in self._compiling:
+            if seq.finished or seq.constraint is None:
+                continue
+            try:
+                if not self.grammars.poll(seq.constraint, seq.output_ids):
+                    waiting.append(seq)
+                elif seq.constraint.done:  # a resumed output that was already complete
+                    self._finish(seq, "stop")
+            except (InvalidRequestError, GrammarError) as e:
+                seq.error = str(e)
+                self._finish(seq, "error")
+        self._compiling = waiting
 
     def _end_stalled_beam_search(self) -> None:
         """Nothing was scheduled, nothing is in flight, yet sequences run: they are beams waiting
@@ -469,8 +514,13 @@ class Engine:
         return StepItem(seq.state, seq.token_ids[start : start + n], int(ends_prompt))
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        allowed = None
+        if self.grammars is not None and any(s.constraint is not None for s in seqs):
+            allowed = self.grammars.allowed_tokens([s.constraint for s in seqs])
         tokens, logprobs = sample(
-            logits, [SampleRow(s.params, s.generator, s.token_ids, s.num_prompt_tokens) for s in seqs]
+            logits,
+            [SampleRow(s.params, s.generator, s.token_ids, s.num_prompt_tokens) for s in seqs],
+            allowed,
         )
         for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
             self._emit(seq, [token], lp)
@@ -481,6 +531,9 @@ class Engine:
         assert seq.state is not None
         proposals, seq.spec_tokens = seq.spec_tokens, []
         draft_probs, seq.spec_probs = seq.spec_probs, None
+        if seq.constraint is not None:  # the target's distribution under the grammar, at each row
+            bits = seq.constraint.verify_bitmask(proposals, self.vocab_size)
+            logits = AllowedTokens(list(range(len(logits))), bits).apply(logits)
         if seq.params.greedy:
             emitted = accept_greedy(proposals, logits)
         else:
@@ -521,6 +574,10 @@ class Engine:
         ]
         for seq, proposal in zip(seqs, self.proposer.propose(seqs, room), strict=True):
             seq.spec_tokens, seq.spec_probs = proposal.tokens, proposal.probs
+            if seq.constraint is not None:  # verify only what the grammar allows
+                n = seq.constraint.valid_prefix(proposal.tokens)
+                seq.spec_tokens = proposal.tokens[:n]
+                seq.spec_probs = proposal.probs[:n] if proposal.probs is not None and n else None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Free `seq` (all beams of its request) and queue its final output."""

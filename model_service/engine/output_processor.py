@@ -2,7 +2,10 @@
 
 Stop conditions, in order: a stop token (EOS or `stop_token_ids`; its text is part of the
 answer only with `include_stop_str_in_output`), a stop string (searched only where the new text
-could complete one), `max_tokens`, the context length. The caller frees what finished.
+could complete one), a structured output that is complete (its grammar allows nothing but EOS:
+"stop"), `max_tokens`, the context length ("length": a structured output may be cut short). A
+constrained sequence's matcher takes every token appended here (a refused one raises
+`GrammarError`). The caller frees what finished.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ class OutputProcessor:
         """Add `token` to `seq`; True when that finished it (`seq.finish_reason` says why)."""
         ids = seq.token_ids
         ids.append(token)
+        grammar = seq.constraint
+        if grammar is not None and grammar.ready:  # else it takes the output once compiled
+            grammar.accept(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         p = seq.params
@@ -32,6 +38,8 @@ class OutputProcessor:
             return _stop(seq, "stop", token)
         if p.stop and self._match_stop_string(seq, len(delta)):
             return True
+        if grammar is not None and grammar.done:
+            return _stop(seq, "stop", None)
         if len(ids) - seq.num_prompt_tokens >= p.max_tokens or len(ids) >= self.max_model_len:
             return _stop(seq, "length", None)
         return False

@@ -13,8 +13,9 @@ string has already been given a row in step N + 1, whose token is dropped; its K
 in blocks that were its own (freed only after, in stream order). One that step N finishes by
 `max_tokens` gets no such row (`Sequence.num_pending` is 0 once its last token is in flight).
 A step overlaps only when every row's sampling needs nothing the host learns from step N: no
-penalties (they count the history), no logprobs, no beams, no speculation; any other step reads
-step N's tokens first, as before.
+penalties (they count the history), no logprobs, no beams, no speculation, no structured output
+(its next mask needs the matcher advanced by step N's token); any other step reads step N's
+tokens first, as before.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class InFlight:
 def can_overlap(seq: Sequence) -> bool:
     """Whether `seq`'s next token can be sampled before its previous one reaches the host."""
     p = seq.params
-    return seq.group is None and not p.needs_penalties and p.logprobs is None
+    return seq.group is None and not p.needs_penalties and p.logprobs is None and seq.constraint is None
 
 
 def launch(seqs: list[Sequence], logits: torch.Tensor) -> InFlight:

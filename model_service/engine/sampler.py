@@ -54,6 +54,28 @@ class SampleRow:
         return self.token_ids[self.num_prompt_tokens :]
 
 
+@dataclass
+class AllowedTokens:
+    """The tokens some rows of a step may take (structured output, engine/grammar.py): row
+    `rows[j]` may take token t when bit t % 32 of word t // 32 of `bits[j]` is set. `bits` is
+    built on the host (pinned on CUDA) and crosses to the device in one copy."""
+
+    rows: list[int]
+    bits: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of `logits` with every token a row may not take at -inf; nothing here waits for
+        the device (the copy and the unpacking are queued behind the step)."""
+        device, vocab = logits.device, logits.shape[1]
+        bits = self.bits.to(device, non_blocking=True)
+        shifts = torch.arange(32, device=device, dtype=torch.int32)
+        allowed = ((bits[:, :, None] >> shifts) & 1).view(len(self.rows), -1)[:, :vocab].bool()
+        rows = to_device(self.rows, device)
+        out = logits.clone()
+        out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
+        return out
+
+
 RowSampler = Callable[[torch.Tensor, list[SampleRow]], torch.Tensor]  # logits rows -> a token each
 
 
@@ -63,11 +85,15 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: [N, vocab] float32 (not modified). Returns (token ids, logprobs or None) per row."""
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], allowed: AllowedTokens | None = None
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: [N, vocab] float32 (not modified). Returns (token ids, logprobs or None) per row.
+    Logprobs are the model's own (before penalties and `allowed`), as vLLM returns them."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
     logits = _apply_penalties(logits, rows) if any(r.params.needs_penalties for r in rows) else logits
+    logits = allowed.apply(logits) if allowed is not None else logits
     tokens = sample_on_device(logits, rows)
     out: list[TokenLogprobs | None] = [None] * len(rows)
     if raw_logprobs is None:

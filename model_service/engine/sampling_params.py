@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from model_service.engine.structured_output import StructuredOutput
 from model_service.errors import InvalidRequestError
 
 # Temperatures below this sample greedily (as vLLM does): dividing logits by a near-zero
@@ -32,6 +33,9 @@ class SamplingParams:
     num_beams: int = 1  # > 1: beam search (deterministic; sampling fields are ignored)
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never", as in HF generate
+    # The language the output must be in (JSON Schema, regex, choice, grammar); None = free text.
+    # A request's dict gives it as {"json_schema": {...}} (or regex, choice, grammar, json_object).
+    structured_output: StructuredOutput | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -40,6 +44,8 @@ class SamplingParams:
         kwargs = {k: v for k, v in d.items() if k in names and v is not None}
         if isinstance(kwargs.get("stop"), str):
             kwargs["stop"] = [kwargs["stop"]]
+        if "structured_output" in kwargs and not isinstance(kwargs["structured_output"], StructuredOutput):
+            kwargs["structured_output"] = StructuredOutput.from_dict(kwargs["structured_output"])
         p = cls(**kwargs)
         p.validate()
         return p
@@ -73,6 +79,12 @@ class SamplingParams:
             bad(f'early_stopping must be true, false or "never", got {self.early_stopping!r}')
         if self.num_beams > 1 and (self.stop or self.logprobs is not None):
             bad("stop strings and logprobs are not supported with num_beams > 1")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                bad(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
+            if self.num_beams > 1:
+                bad("structured_output is not supported with num_beams > 1 (beam search)")
+            _ = self.structured_output.grammar  # raises with llguidance's message
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):

@@ -11,6 +11,8 @@ A step has a token budget. Policies, each one method below:
   arrival); the sequence itself when it is the least important.
 - `_preempt`: by swap (its KV goes to host memory, while the swap budget lasts) or by
   recompute (its blocks are freed; it prefills again, mostly from the prefix cache).
+- Structured output: a waiting request whose grammar is still compiling waits without blocking
+  the requests behind it.
 - Adapters: a waiting request whose adapter is not resident, or is `draining`, or would be one
   adapter more than `max_loras` distinct adapters in the running batch (vLLM's meaning), waits
   without blocking the requests behind it and is noted in `adapter_demand`; `AdapterControl`
@@ -165,10 +167,11 @@ class Scheduler:
             seq = self.waiting[i]
             if in_step is None and seq.adapter_name is not None:
                 in_step = self.adapters_in_step()
+            # (its adapter's demand is noted first, so that a load and a compile overlap)
             ready, slot = self._adapter_slot(seq, in_step)
-            if not ready:
-                i += 1  # its adapter is being promoted: it waits, the requests behind it do not
-                continue
+            if not ready or (seq.constraint is not None and not seq.constraint.ready):
+                i += 1  # its adapter is being promoted or its grammar compiled: it waits, the
+                continue  # requests behind it do not
             seq.adapter_id = self.adapters.adapter_id_for(slot) if slot is not None else 0
             if not self._attach_state(seq):
                 break

@@ -10,6 +10,7 @@ import torch
 from model_service.engine.beam_search import BeamGroup
 from model_service.engine.cache_manager import SwappedState
 from model_service.engine.detokenizer import IncrementalDetokenizer
+from model_service.engine.grammar import Constraint
 from model_service.engine.sampler import TokenLogprobs
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.seq_state import SequenceState
@@ -113,6 +114,8 @@ class Sequence:
         self.spec_tokens: list[int] = []  # proposed continuation to verify in its next step
         self.spec_probs: torch.Tensor | None = None  # the draft's q for each (None: point masses)
         self.in_flight = 0  # tokens sampled on the device and not yet appended (engine/overlap.py)
+        # Its structured output's matcher (engine/grammar.py); it waits in the queue until ready.
+        self.constraint: Constraint | None = None
         self.text = ""
         self.emitted_tokens = 0
         self.emitted_chars = 0

@@ -83,11 +83,24 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
     d.update({name: getattr(s, name) for name in _SAMPLING_FIELDS if s.HasField(name)})
     if s.stop_token_ids:
         d["stop_token_ids"] = list(s.stop_token_ids)
+    if s.HasField("structured_output"):
+        d["structured_output"] = structured_output(s.structured_output)
     if s.early_stopping != pb.EARLY_STOPPING_UNSPECIFIED:
         if s.early_stopping not in _EARLY_STOPPING:
             raise InvalidRequestError(f"early_stopping has unknown value {s.early_stopping}")
         d["early_stopping"] = _EARLY_STOPPING[s.early_stopping]
     return SamplingParams.from_dict(d)
+
+
+def structured_output(so: pb.StructuredOutput) -> dict[str, Any]:
+    """The engine's `structured_output` object (`StructuredOutput.from_dict` checks it)."""
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError(
+            "sampling.structured_output is set but names no kind: set one of json_schema, json_object, "
+            "regex, choice or grammar (or leave it unset for free text)"
+        )
+    return {kind: list(so.choice.choices) if kind == "choice" else getattr(so, kind)}
 
 
 def chunk(outputs: list[RequestOutput]) -> pb.GenerateResponse | None:

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspindle/v1/generation.proto\x12\nspindle.v1\"\xc0\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.spindle.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.spindle.v1.TokenIdsH\x00\x12\x12\n\x05model\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x14\n\x07\x61\x64\x61pter\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x05\x88\x01\x01\x12,\n\x08sampling\x18\x0b \x01(\x0b\x32\x1a.spindle.v1.SamplingParams\x12\x15\n\x08priority\x18\x0c \x01(\x05H\x06\x88\x01\x01\x12\"\n\x06resume\x18\r \x01(\x0b\x32\x12.spindle.v1.ResumeB\x08\n\x06promptB\x08\n\x06_modelB\n\n\x08_adapterB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0b\n\t_priority\"6\n\x06Resume\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\x12\x12\n\ntext_chars\x18\x02 \x01(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.spindle.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x81\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x07\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08H\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\t\x88\x01\x01\x12\x16\n\tnum_beams\x18\x0c \x01(\x05H\n\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\r \x01(\x01H\x0b\x88\x01\x01\x12\x31\n\x0e\x65\x61rly_stopping\x18\x0e \x01(\x0e\x32\x19.spindle.v1.EarlyStoppingB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x0c\n\n_num_beamsB\x11\n\x0f_length_penalty\"v\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.spindle.v1.ChunkH\x00\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.spindle.v1.FinalH\x00\x42\x06\n\x04kind\"T\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.spindle.v1.TokenLogprob\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.spindle.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\x99\x01\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.spindle.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.spindle.v1.UsageB\r\n\x0bstop_reason\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.spindle.v1.ModelInfo\"u\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.spindle.v1.ModelKind\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x0c\n\x04pods\x18\x05 \x03(\t*|\n\rEarlyStopping\x12\x1e\n\x1a\x45\x41RLY_STOPPING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45\x41RLY_STOPPING_FALSE\x10\x01\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x02\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*T\n\tModelKind\x12\x1a\n\x16MODEL_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fMODEL_KIND_BASE\x10\x01\x12\x16\n\x12MODEL_KIND_ADAPTER\x10\x02\x32\xe0\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.spindle.v1.GenerateRequest\x1a\x1c.spindle.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.spindle.v1.AbortRequest\x1a\x19.spindle.v1.AbortResponse\x12K\n\nListModels\x12\x1d.spindle.v1.ListModelsRequest\x1a\x1e.spindle.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspindle/v1/generation.proto\x12\nspindle.v1\"\xc0\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.spindle.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.spindle.v1.TokenIdsH\x00\x12\x12\n\x05model\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x14\n\x07\x61\x64\x61pter\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x05\x88\x01\x01\x12,\n\x08sampling\x18\x0b \x01(\x0b\x32\x1a.spindle.v1.SamplingParams\x12\x15\n\x08priority\x18\x0c \x01(\x05H\x06\x88\x01\x01\x12\"\n\x06resume\x18\r \x01(\x0b\x32\x12.spindle.v1.ResumeB\x08\n\x06promptB\x08\n\x06_modelB\n\n\x08_adapterB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0b\n\t_priority\"6\n\x06Resume\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\x12\x12\n\ntext_chars\x18\x02 \x01(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.spindle.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xba\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x07\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08H\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\t\x88\x01\x01\x12\x16\n\tnum_beams\x18\x0c \x01(\x05H\n\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\r \x01(\x01H\x0b\x88\x01\x01\x12\x31\n\x0e\x65\x61rly_stopping\x18\x0e \x01(\x0e\x32\x19.spindle.v1.EarlyStopping\x12\x37\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1c.spindle.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x0c\n\n_num_beamsB\x11\n\x0f_length_penalty\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.spindle.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"v\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.spindle.v1.ChunkH\x00\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.spindle.v1.FinalH\x00\x42\x06\n\x04kind\"T\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.spindle.v1.TokenLogprob\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.spindle.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\x99\x01\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.spindle.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.spindle.v1.UsageB\r\n\x0bstop_reason\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.spindle.v1.ModelInfo\"u\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.spindle.v1.ModelKind\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x0c\n\x04pods\x18\x05 \x03(\t*|\n\rEarlyStopping\x12\x1e\n\x1a\x45\x41RLY_STOPPING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45\x41RLY_STOPPING_FALSE\x10\x01\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x02\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*T\n\tModelKind\x12\x1a\n\x16MODEL_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fMODEL_KIND_BASE\x10\x01\x12\x16\n\x12MODEL_KIND_ADAPTER\x10\x02\x32\xe0\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.spindle.v1.GenerateRequest\x1a\x1c.spindle.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.spindle.v1.AbortRequest\x1a\x19.spindle.v1.AbortResponse\x12K\n\nListModels\x12\x1d.spindle.v1.ListModelsRequest\x1a\x1e.spindle.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'spindle.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EARLYSTOPPING']._serialized_start=2136
-  _globals['_EARLYSTOPPING']._serialized_end=2260
-  _globals['_FINISHREASON']._serialized_start=2262
-  _globals['_FINISHREASON']._serialized_end=2382
-  _globals['_MODELKIND']._serialized_start=2384
-  _globals['_MODELKIND']._serialized_end=2468
+  _globals['_EARLYSTOPPING']._serialized_start=2371
+  _globals['_EARLYSTOPPING']._serialized_end=2495
+  _globals['_FINISHREASON']._serialized_start=2497
+  _globals['_FINISHREASON']._serialized_end=2617
+  _globals['_MODELKIND']._serialized_start=2619
+  _globals['_MODELKIND']._serialized_end=2703
   _globals['_GENERATEREQUEST']._serialized_start=44
   _globals['_GENERATEREQUEST']._serialized_end=492
   _globals['_RESUME']._serialized_start=494
@@ -48,29 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=655
   _globals['_TOKENIDS']._serialized_end=678
   _globals['_SAMPLINGPARAMS']._serialized_start=681
-  _globals['_SAMPLINGPARAMS']._serialized_end=1322
-  _globals['_GENERATERESPONSE']._serialized_start=1324
-  _globals['_GENERATERESPONSE']._serialized_end=1442
-  _globals['_CHUNK']._serialized_start=1444
-  _globals['_CHUNK']._serialized_end=1528
-  _globals['_TOKENLOGPROB']._serialized_start=1530
-  _globals['_TOKENLOGPROB']._serialized_end=1616
-  _globals['_TOPLOGPROB']._serialized_start=1618
-  _globals['_TOPLOGPROB']._serialized_end=1665
-  _globals['_FINAL']._serialized_start=1668
-  _globals['_FINAL']._serialized_end=1821
-  _globals['_USAGE']._serialized_start=1823
-  _globals['_USAGE']._serialized_end=1880
-  _globals['_ABORTREQUEST']._serialized_start=1882
-  _globals['_ABORTREQUEST']._serialized_end=1916
-  _globals['_ABORTRESPONSE']._serialized_start=1918
-  _globals['_ABORTRESPONSE']._serialized_end=1933
-  _globals['_LISTMODELSREQUEST']._serialized_start=1935
-  _globals['_LISTMODELSREQUEST']._serialized_end=1954
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1956
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2015
-  _globals['_MODELINFO']._serialized_start=2017
-  _globals['_MODELINFO']._serialized_end=2134
-  _globals['_GENERATION']._serialized_start=2471
-  _globals['_GENERATION']._serialized_end=2695
+  _globals['_SAMPLINGPARAMS']._serialized_end=1379
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1382
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1529
+  _globals['_CHOICES']._serialized_start=1531
+  _globals['_CHOICES']._serialized_end=1557
+  _globals['_GENERATERESPONSE']._serialized_start=1559
+  _globals['_GENERATERESPONSE']._serialized_end=1677
+  _globals['_CHUNK']._serialized_start=1679
+  _globals['_CHUNK']._serialized_end=1763
+  _globals['_TOKENLOGPROB']._serialized_start=1765
+  _globals['_TOKENLOGPROB']._serialized_end=1851
+  _globals['_TOPLOGPROB']._serialized_start=1853
+  _globals['_TOPLOGPROB']._serialized_end=1900
+  _globals['_FINAL']._serialized_start=1903
+  _globals['_FINAL']._serialized_end=2056
+  _globals['_USAGE']._serialized_start=2058
+  _globals['_USAGE']._serialized_end=2115
+  _globals['_ABORTREQUEST']._serialized_start=2117
+  _globals['_ABORTREQUEST']._serialized_end=2151
+  _globals['_ABORTRESPONSE']._serialized_start=2153
+  _globals['_ABORTRESPONSE']._serialized_end=2168
+  _globals['_LISTMODELSREQUEST']._serialized_start=2170
+  _globals['_LISTMODELSREQUEST']._serialized_end=2189
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2191
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2250
+  _globals['_MODELINFO']._serialized_start=2252
+  _globals['_MODELINFO']._serialized_end=2369
+  _globals['_GENERATION']._serialized_start=2706
+  _globals['_GENERATION']._serialized_end=2930
 # @@protoc_insertion_point(module_scope)

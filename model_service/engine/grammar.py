@@ -1,0 +1,169 @@
+"""Structured output in the engine: grammars compiled off the step's critical path, one matcher per
+constrained sequence, and the bitmask of the tokens each may take next.
+
+The grammar engine is llguidance (docs/architecture.md "Structured output" says why). A request's
+grammar is checked when it is read (engine/structured_output.py); compiling it against the
+model's vocabulary runs on `GrammarCompiler`'s worker thread, so a step never waits for a
+compile: the request waits in the waiting queue until its matcher is ready (the scheduler skips
+it, the requests behind it are admitted), as a request waits for its adapter. Compiled grammars
+are cached by their text (LRU), so a repeated schema starts at once: each request gets a copy of
+the cached matcher. The llguidance view of the vocabulary (2 s for SmolLM2's 49k tokens, once
+per tokenizer) is built by the first compile, on that thread too.
+
+Each step the engine asks `allowed_tokens` for the constrained rows' bitmasks (computed on the
+host, in parallel across rows by llguidance's executor; one pinned buffer, one copy to the
+device), the sampler sets the forbidden logits to -inf on the device, and every appended token
+advances its sequence's matcher (`Constraint.accept`). A matcher that can take nothing but EOS
+ends its request ("stop"). With speculative decoding, proposals are cut at the first token the
+grammar refuses before they are verified, and each verify row's k + 1 masks are computed by
+advancing the matcher over the proposals and rolling it back (`verify_bitmask`).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from model_service.engine.sampler import AllowedTokens
+from model_service.engine.structured_output import StructuredOutput
+from model_service.errors import InvalidRequestError
+from model_service.models.tokenizer import Tokenizer
+
+
+class GrammarError(RuntimeError):
+    """A matcher refused a token, or failed: the request cannot go on under its grammar."""
+
+
+class Constraint:
+    """One sequence's grammar: its matcher once compiled (None until then)."""
+
+    def __init__(self, grammar: str, compiled: Future[llguidance.LLMatcher]) -> None:
+        self.grammar, self.compiled = grammar, compiled
+        self.matcher: llguidance.LLMatcher | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.matcher is not None
+
+    def start(self, template: llguidance.LLMatcher, output_ids: list[int]) -> None:
+        """Take a copy of the compiled matcher and advance it over output the request already has
+        (a resumed request's replayed tokens)."""
+        self.matcher = template.deep_copy()
+        for token in output_ids:
+            self.accept(token)
+
+    def accept(self, token: int) -> None:
+        assert self.matcher is not None
+        if not self.matcher.consume_token(token):
+            raise GrammarError(
+                f"structured output: token {token} is not allowed here ({self.matcher.get_error()})"
+            )
+
+    @property
+    def done(self) -> bool:
+        """Whether the output is complete: only EOS could follow."""
+        return self.matcher is not None and self.matcher.is_stopped()
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` the grammar accepts from here, in order (the matcher is unchanged)."""
+        assert self.matcher is not None
+        return self.matcher.validate_tokens(tokens)
+
+    def verify_bitmask(self, proposals: list[int], vocab_size: int) -> torch.Tensor:
+        """[k + 1, words]: the mask before each proposal and after the last, computed by advancing
+        the matcher over the proposals (all valid: `valid_prefix` cut them) and rolling it back."""
+        assert self.matcher is not None
+        bits = torch.empty((len(proposals) + 1, _words(vocab_size)), dtype=torch.int32)
+        for i in range(len(proposals) + 1):
+            llguidance.torch.fill_next_token_bitmask(self.matcher, bits, i)
+            if i < len(proposals):
+                self.accept(proposals[i])
+        self.matcher.rollback(len(proposals))
+        return bits
+
+
+class GrammarCompiler:
+    """Compiles grammars against one tokenizer on a worker thread and caches them by text. Used
+    from the engine thread only (the worker runs `_compile` and touches nothing else)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
+        self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
+        self._cache: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
+        self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="spindle-grammar")
+        self._executor: llguidance.LLExecutor | None = None
+
+    def constraint(self, structured: StructuredOutput) -> Constraint:
+        """A constraint whose matcher is compiled (or found in the cache) in the background."""
+        grammar = structured.grammar
+        cached = self._cache.get(grammar)
+        if cached is not None:
+            self._cache.move_to_end(grammar)
+            done: Future[llguidance.LLMatcher] = Future()
+            done.set_result(cached)
+            return Constraint(grammar, done)
+        future = self._compiling.get(grammar)  # requests with one grammar share its compile
+        if future is None:
+            future = self._compiling[grammar] = self._worker.submit(self._compile, grammar)
+        return Constraint(grammar, future)
+
+    def poll(self, constraint: Constraint, output_ids: list[int]) -> bool:
+        """Start `constraint`'s matcher if its compile has finished; True once it is ready.
+        Raises InvalidRequestError when the grammar does not compile for this vocabulary."""
+        if constraint.ready:
+            return True
+        if not constraint.compiled.done():
+            return False
+        if self._compiling.pop(constraint.grammar, None) is not None and not constraint.compiled.exception():
+            self._cache[constraint.grammar] = constraint.compiled.result()
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        constraint.start(constraint.compiled.result(), output_ids)  # raises the compile's error
+        return True
+
+    def allowed_tokens(self, constraints: list[Constraint | None]) -> AllowedTokens | None:
+        """The next-token bitmask of every constrained row of a step (rows are the list's
+        indices), computed in parallel; None when no row is constrained."""
+        rows = [i for i, c in enumerate(constraints) if c is not None]
+        if not rows:
+            return None
+        bits = torch.empty(
+            (len(rows), _words(self.vocab_size)), dtype=torch.int32, pin_memory=torch.cuda.is_available()
+        )
+        matchers = [(c.matcher, k) for k, c in enumerate(c for c in constraints if c is not None)]
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, bits)
+        return AllowedTokens(rows, bits)
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(_llg_tokenizer(self.tokenizer, self.vocab_size), grammar)
+        if matcher.is_error():
+            raise InvalidRequestError(f"structured_output: {matcher.get_error()}")
+        return matcher
+
+
+_tokenizer_lock = threading.Lock()
+
+
+def _llg_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """llguidance's view of the vocabulary: built once per tokenizer (engines over one loaded model
+    share it), under a lock so that two engines' workers do not both build it."""
+    with _tokenizer_lock:
+        return _build_llg_tokenizer(tokenizer, vocab_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _build_llg_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    return llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size)
+
+
+def _words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32

@@ -1,0 +1,113 @@
+"""What language a request's output must be in (`SamplingParams.structured_output`), and its
+llguidance grammar.
+
+Checked when the request is read (`SamplingParams.validate`, on the pod's gRPC thread before any
+engine work): an invalid schema, regex or grammar, or a JSON Schema keyword llguidance cannot
+enforce (it refuses those rather than ignore them), is an `InvalidRequestError` carrying the
+library's own message. The check needs no tokenizer; compiling against the model's vocabulary
+happens later, off the step's critical path (engine/grammar.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
+
+from model_service.errors import InvalidRequestError
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+# Compact JSON, as json.dumps writes it: free whitespace lets a small model pad its output with
+# newlines until max_tokens. A schema's own "x-guidance" object overrides these (llguidance's
+# JSON options, applied after the defaults).
+_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """One of: `json_schema` (a JSON Schema, as a dict or JSON text), `json_object` (True: any JSON
+    object), `regex` (the whole output matches it), `choice` (a list of strings: the output is
+    one of them), `grammar` (llguidance's Lark syntax, or GBNF)."""
+
+    kind: str
+    spec: Any
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StructuredOutput:
+        """From a request's `structured_output` object, which sets exactly one of KINDS (as
+        vLLM's `structured_outputs` does); raises InvalidRequestError."""
+        if not isinstance(d, dict):
+            raise InvalidRequestError(
+                f"structured_output must be an object with one of {list(KINDS)}, got {d!r}"
+            )
+        given = [k for k in d if d[k] is not None]
+        unknown = [k for k in given if k not in KINDS]
+        if unknown or len(given) != 1:
+            raise InvalidRequestError(
+                f"structured_output must set exactly one of {list(KINDS)}, got {given or 'none'}"
+            )
+        out = cls(given[0], d[given[0]])
+        _ = out.grammar  # validates
+        return out
+
+    @functools.cached_property
+    def grammar(self) -> str:
+        """The llguidance grammar (its JSON top-level form), checked once; raises
+        InvalidRequestError with llguidance's message."""
+        text = self._grammar()
+        problem = llguidance.LLMatcher.validate_grammar(text)
+        if problem:
+            raise InvalidRequestError(f"structured_output.{self.kind}: {problem.strip()}")
+        return text
+
+    def _grammar(self) -> str:
+        try:
+            return self._llguidance_grammar()
+        except ValueError as e:  # llguidance's own refusals (a schema it cannot read as one)
+            raise InvalidRequestError(f"structured_output.{self.kind}: {e}") from e
+
+    def _llguidance_grammar(self) -> str:
+        kind, spec, matcher = self.kind, self.spec, llguidance.LLMatcher
+        if kind == "json_object":
+            if spec is not True:
+                raise InvalidRequestError("structured_output.json_object must be true when set")
+            return matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        if kind == "json_schema":
+            return matcher.grammar_from_json_schema(_schema(spec), defaults=_JSON_OPTIONS)
+        if kind == "choice":
+            if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
+                raise InvalidRequestError(
+                    "structured_output.choice must be a non-empty list of non-empty strings"
+                )
+            return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+        if not isinstance(spec, str) or not spec:
+            raise InvalidRequestError(f"structured_output.{kind} must be a non-empty string")
+        if kind == "regex":
+            return matcher.grammar_from_regex(spec)
+        try:
+            lark = any_to_lark(spec)  # GBNF is converted; Lark passes through unchanged
+        except Exception as e:  # the converter raises GbnfToLarkError, bare Exception, RecursionError
+            raise InvalidRequestError(f"structured_output.grammar: not Lark or GBNF: {e}") from e
+        return matcher.grammar_from_lark(lark)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.kind: self.spec}
+
+
+def _schema(spec: Any) -> dict[str, Any]:
+    """A JSON Schema given as JSON text or as an object, as an object."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+            raise InvalidRequestError(f"structured_output.json_schema is not valid JSON: {e}") from e
+    if not isinstance(spec, dict):
+        raise InvalidRequestError(
+            f"structured_output.json_schema must be a JSON Schema object, got {type(spec).__name__}"
+        )
+    return spec

@@ -1,0 +1,326 @@
+"""Structured output (JSON Schema, regex, choice, grammar) on the embedded SmolLM2: outputs checked
+by `jsonschema` and `re`, rows beside a constrained one unchanged, speculation, resume, the
+bitmask against a plain-torch reference, and bad requests refused (INVALID_ARGUMENT on the pod)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import threading
+from typing import Any
+
+import grpc
+import jsonschema
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from model_service.engine.grammar import GrammarCompiler
+from model_service.engine.requests import Resume
+from model_service.engine.sampler import AllowedTokens, SampleRow, sample
+from model_service.engine.sampling_params import SamplingParams
+from model_service.engine.sequence import Status
+from model_service.engine.structured_output import StructuredOutput
+from model_service.errors import InvalidRequestError
+from spindle.v1 import generation_pb2 as pb
+from spindle.v1 import generation_pb2_grpc
+from tests.conftest import ROOT, assert_all_blocks_free, make_engine
+from tests.service_helpers import pod_in_process
+
+PIRATE = str(ROOT / "adapters" / "smollm2-pirate")
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    "enum": {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    },
+    "array": {
+        "type": "array",
+        "items": {"type": "string", "maxLength": 12},
+        "minItems": 2,
+        "maxItems": 3,
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "city": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 20},
+                    "population": {"type": "integer", "minimum": 0, "maximum": 10**9},
+                },
+                "required": ["name", "population"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "numbers": {
+        "type": "object",
+        "properties": {
+            "lat": {"type": "number", "minimum": -90, "maximum": 90},
+            "lon": {"type": "number", "minimum": -180, "maximum": 180},
+        },
+        "required": ["lat", "lon"],
+        "additionalProperties": False,
+    },
+}
+PROMPTS = {
+    "person": "Describe a person as JSON with a name and an age.",
+    "enum": "What color is the sky? Answer in JSON.",
+    "array": "List some fruits as a JSON array.",
+    "nested": "Describe Paris as JSON: its name and population.",
+    "numbers": "Give the latitude and longitude of Paris, rounded to one decimal, as JSON.",
+}
+CAT = "Describe a cat as a JSON object with its name and age."
+DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+CHOICES = ["yes", "no", "maybe"]
+SIDES = ["left", "right"]  # a grammar no other test compiles
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    """One engine for the module, with the pirate adapter, and async scheduling on (a constrained
+    row makes its steps read the tokens before the next; the other rows' tokens stay the same)."""
+    return make_engine(smollm2, max_loras=1, lora_modules={"pirate": PIRATE}, async_scheduling="on")
+
+
+def _chat(content: str, **fields: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], "temperature": 0, **fields}
+
+
+FREE = [
+    _chat("What is the capital of France?", max_tokens=10),
+    _chat("Where is the treasure?", max_tokens=10, adapter="pirate"),
+]
+
+
+@pytest.fixture(scope="module")
+def batch(engine) -> dict[str, Any]:
+    """The free rows alone, then with every kind of constrained row in one batch."""
+    alone = engine.generate(FREE)
+    by_regex, person = {"regex": DATE}, {"json_schema": SCHEMAS["person"]}
+    constrained = [
+        *(_chat(PROMPTS[k], max_tokens=32, structured_output={"json_schema": s}) for k, s in SCHEMAS.items()),
+        _chat(CAT, max_tokens=32, structured_output={"json_object": True}),
+        _chat("When did the French Revolution start? A date.", max_tokens=12, structured_output=by_regex),
+        _chat("Is the sky blue?", max_tokens=5, structured_output={"choice": CHOICES}),
+        _chat(PROMPTS["person"], max_tokens=3, structured_output=person),  # cut short
+    ]
+    outs = engine.generate(constrained + FREE)
+    assert_all_blocks_free(engine)
+    return {"alone": alone, "outs": outs}
+
+
+def test_json_outputs_validate_under_their_schemas(batch):
+    for (name, schema), out in zip(SCHEMAS.items(), batch["outs"], strict=False):
+        assert out.finish_reason == "stop", (name, out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+    json_object = batch["outs"][len(SCHEMAS)]
+    assert json_object.finish_reason == "stop" and isinstance(json.loads(json_object.text), dict)
+
+
+def test_regex_and_choice_outputs_match(batch):
+    date, choice = batch["outs"][len(SCHEMAS) + 1 : len(SCHEMAS) + 3]
+    assert date.finish_reason == "stop" and re.fullmatch(DATE, date.text), date.text
+    assert choice.finish_reason == "stop" and choice.text in CHOICES, choice.text
+
+
+def test_length_marks_a_cut_short_output(batch):
+    cut = batch["outs"][len(SCHEMAS) + 3]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 3
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.text)
+
+
+def test_rows_beside_constrained_ones_are_unchanged(batch):
+    """A plain row and a LoRA row give the same tokens batched with constrained rows as alone."""
+    for alone, beside in zip(batch["alone"], batch["outs"][-len(FREE) :], strict=True):
+        assert beside.token_ids == alone.token_ids
+    assert "Paris" in batch["alone"][0].text
+
+
+def test_a_cached_grammar_starts_at_once_and_resume_continues_it(engine, batch):
+    person = batch["outs"][0]
+    request = _chat(PROMPTS["person"], max_tokens=32, structured_output={"json_schema": SCHEMAS["person"]})
+    rid = engine.add_request(
+        messages=request["messages"],
+        params=SamplingParams.from_dict(request),
+        resume=Resume(person.token_ids[:5], 0),
+    )
+    seq = engine.requests[rid]
+    assert seq.constraint.compiled.done()  # the schema's compile is cached: no wait
+    final = engine.run_to_completion()[rid]
+    assert final.token_ids == person.token_ids and final.text == person.text
+
+
+def test_a_request_waits_for_its_grammar_and_the_others_do_not(engine):
+    gate = threading.Event()
+    engine.grammars._worker.submit(gate.wait)  # the compile worker is busy until the gate opens
+    try:
+        sides = StructuredOutput("choice", SIDES)
+        waits = engine.add_request(
+            messages=[{"role": "user", "content": "Left or right?"}],
+            params=SamplingParams(temperature=0, max_tokens=3, structured_output=sides),
+        )
+        runs = engine.add_request(prompt="Hello", params=SamplingParams(temperature=0, max_tokens=3))
+        engine.step()
+        assert engine.requests[runs].status is Status.RUNNING
+        assert engine.requests[waits].status is Status.WAITING
+    finally:
+        gate.set()
+    final = engine.run_to_completion()
+    assert final[waits].text in SIDES and final[waits].finish_reason == "stop"
+    assert len(final[runs].token_ids) == 3
+
+
+def test_speculation_checks_drafts_against_the_grammar(smollm2, batch):
+    """n-gram drafts are cut to what the grammar allows and verified under its masks: the greedy
+    tokens are those of the run without speculation, and some drafts were accepted."""
+    spec = make_engine(smollm2, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    request = _chat(PROMPTS["array"], max_tokens=32, structured_output={"json_schema": SCHEMAS["array"]})
+    assert spec.generate([request])[0].token_ids == batch["outs"][2].token_ids
+    stats = spec.stats()
+    assert stats.spec_proposed_tokens > 0 and stats.spec_accepted_tokens > 0
+
+
+def test_drafts_are_cut_and_verify_masks_roll_back(engine, smollm2):
+    compiler = GrammarCompiler(smollm2.tokenizer, smollm2.config.vocab_size)
+    constraint = compiler.constraint(StructuredOutput("choice", ["yes", "no"]))
+    constraint.compiled.result()
+    assert compiler.poll(constraint, [])
+    yes = smollm2.tokenizer.encode("yes")[-1]
+    no = smollm2.tokenizer.encode("no")[-1]
+    assert constraint.valid_prefix([yes, no]) == 1  # "yesno" is not a choice
+    before = compiler.allowed_tokens([constraint]).bits.clone()
+    bits = constraint.verify_bitmask([yes], smollm2.config.vocab_size)
+    assert torch.equal(bits[0], before[0])  # row 0: the mask before the draft
+    assert _allowed(bits[1]) == set(smollm2.config.eos_token_ids)  # after "yes": only EOS
+    assert torch.equal(compiler.allowed_tokens([constraint]).bits, before)  # rolled back
+
+
+def _allowed(bits: torch.Tensor) -> set[int]:
+    return {32 * w + b for w, word in enumerate(bits.tolist()) for b in range(32) if (word >> b) & 1}
+
+
+# --- the bitmask in the sampler, against plain torch ---------------------------------------
+
+
+def test_allowed_tokens_match_a_torch_reference():
+    torch.manual_seed(0)
+    vocab, words = 70, 3  # a vocabulary that does not fill its last word
+    logits = torch.randn(5, vocab)
+    bits = torch.randint(-(2**31), 2**31, (2, words), dtype=torch.int32)
+    bits[1] = 0
+    bits[1, 2] = 1 << 3  # row 3 may take token 67 only
+    masked = AllowedTokens([1, 3], bits).apply(logits)
+    expected = logits.clone()
+    for row, word_bits in zip([1, 3], bits.tolist(), strict=True):
+        for t in range(vocab):
+            if not (word_bits[t // 32] >> (t % 32)) & 1:
+                expected[row, t] = float("-inf")
+    assert torch.equal(masked, expected)
+    greedy = [SampleRow(SamplingParams(temperature=0), None, [], 0)] * 5
+    sampled = [SampleRow(SamplingParams(temperature=2.0), None, [], 0)] * 5
+    assert sample(logits, greedy, AllowedTokens([1, 3], bits))[0] == expected.argmax(-1).tolist()
+    for _ in range(20):
+        tokens, _ = sample(logits, sampled, AllowedTokens([1, 3], bits))
+        assert tokens[3] == 67 and expected[1, tokens[1]] > float("-inf")
+
+
+# --- bad requests --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("structured", "message"),
+    [
+        ({"json_schema": {"type": "array", "uniqueItems": True}}, 'Unimplemented keys: ["uniqueItems"]'),
+        ({"json_schema": "{not json"}, "not valid JSON"),
+        ({"regex": "a(b"}, "unclosed group"),
+        ({"grammar": "start: missing"}, 'unknown name: "missing"'),
+        ({"choice": []}, "non-empty list"),
+        ({"json_object": False}, "must be true"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one of"),
+        ({"xml": "x"}, "exactly one of"),
+    ],
+)
+def test_bad_structured_outputs_are_refused_with_the_library_message(structured, message):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        SamplingParams.from_dict({"structured_output": structured})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    st.sampled_from(["json_schema", "regex", "grammar", "choice"]),
+    st.one_of(
+        st.text(max_size=30),
+        st.text(alphabet='()[]{}|*+?\\^$.:=";#-az ', max_size=30),
+        st.sampled_from(["[" * 5000, '{"items": ' * 3000, "(" * 3000, "root ::= " + "(" * 2000, "#"]),
+    ),
+)
+def test_any_text_is_accepted_or_refused_never_an_unexpected_error(kind, text):
+    """What a hostile caller may send: only InvalidRequestError (INVALID_ARGUMENT) or a grammar."""
+    with contextlib.suppress(InvalidRequestError):
+        StructuredOutput.from_dict({kind: [text] if kind == "choice" else text})
+
+
+def test_gbnf_grammars_are_converted():
+    so = StructuredOutput.from_dict({"grammar": 'root ::= "yes" | "no"'})
+    assert "yes" in so.grammar
+
+
+def test_beams_are_refused():
+    with pytest.raises(InvalidRequestError, match="num_beams"):
+        SamplingParams.from_dict({"num_beams": 2, "structured_output": {"choice": ["a"]}})
+
+
+def test_the_pod_refuses_bad_structured_output_and_serves_good(smollm2):
+    async def run() -> None:
+        async with (
+            pod_in_process(smollm2, "smollm2") as pod,
+            grpc.aio.insecure_channel(f"127.0.0.1:{pod.port}") as channel,
+        ):
+            stub = generation_pb2_grpc.GenerationStub(channel)
+
+            async def generate(**structured: Any) -> list[pb.GenerateResponse]:
+                request = pb.GenerateRequest(
+                    chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Is water wet?")]),
+                    max_tokens=4,
+                    sampling=pb.SamplingParams(
+                        temperature=0, structured_output=pb.StructuredOutput(**structured)
+                    ),
+                )
+                return [m async for m in stub.Generate(request)]
+
+            refusals = {
+                'Unimplemented keys: ["not"]': {"json_schema": json.dumps({"not": {"type": "string"}})},
+                "unclosed character class": {"regex": "(["},
+                "names no kind": {},
+            }
+            for message, structured in refusals.items():
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await generate(**structured)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert message in e.value.details()
+            msgs = await generate(choice=pb.Choices(choices=CHOICES))
+            text = "".join(m.chunk.text for m in msgs if m.HasField("chunk"))
+            assert text in CHOICES and msgs[-1].final.finish_reason == pb.FINISH_REASON_STOP
+
+    asyncio.run(run())
