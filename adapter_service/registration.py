@@ -2,10 +2,13 @@
 
 Under the name's registration lease (adapter_service/leases.py), one replica at a time:
 
-1. sweeps files of versions that never got their commit mark (a writer that timed out or died);
-2. reads the versions in storage: if the latest has these weights, that version is the answer
-   (indexed if a registration that timed out stored it but never indexed it): registering the
-   same name and sha256 again never makes a second version, so a caller may retry blindly;
+1. rolls back what earlier registrations of the name left in storage without being
+   acknowledged: files without a commit mark, and versions above the one indexed (stored, then
+   the registration timed out, lost its lease or died before indexing; its caller was told it
+   failed). A version is registered once it is indexed, and only then acknowledged;
+2. reads the versions in storage: if the latest has these weights, that version is the answer:
+   registering the same name and sha256 again never makes a second version, so a caller may
+   retry blindly (ALREADY_EXISTS, naming the version);
 3. gets the next version number from the registry's `assign_version` script (one past both the
    index and storage, and only for the lease's holder), so versions are unique and dense;
 4. writes the version to storage, its commit mark last;
@@ -14,13 +17,19 @@ Under the name's registration lease (adapter_service/leases.py), one replica at 
 It runs as a task of its own, shielded from the RPC: when the RPC's bound runs out the caller is
 answered at once, and the task gives up at its next step (the commit mark is not written once
 it was abandoned) but keeps the lease until its storage call has returned, so no other replica
-writes the same version meanwhile. A replica that dies mid-way leaves at most files without a
-commit mark (swept by the next registration) and a lease that expires.
+writes the same version meanwhile. A replica that dies mid-way leaves at most an unindexed version
+(rolled back by the next registration of the name) and a lease that expires.
+
+The index is rebuilt from storage when Redis lost it; a version a timed-out registration stored
+may then be indexed (a retry of it answers ALREADY_EXISTS with that version). Rolling back reads
+the index and checks the lease again just before deleting, so a Redis restart in between cannot
+make it delete an acknowledged version (it sees "not built", rebuilds, reads again).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,9 +39,12 @@ from adapter_service.controller import Controller
 from adapter_service.leases import Leases
 from adapter_service.store import Version
 
+log = logging.getLogger("spindle.adapters")
+
 
 class LeaseLost(Exception):
-    """The registration lease of a name expired or vanished (a registry restart) mid-way."""
+    """The registration lease of a name expired or vanished (a registry restart) mid-way: the
+    registration is not acknowledged (a retry finds what it stored, if it was indexed)."""
 
 
 @dataclass
@@ -73,7 +85,7 @@ async def _register(
     abandoned: threading.Event,
 ) -> Registered:
     async with leases.hold(f"register:{name}", f"another registration of {name!r}", abandoned):
-        await c.store.sweep(name)
+        await _roll_back(c, leases, name)
         stored = await c.store.versions(name)
         latest = stored[-1] if stored else None
         if latest is not None and latest.sha256 == sha:
@@ -88,9 +100,20 @@ async def _register(
         return Registered(v, new=True)
 
 
+async def _roll_back(c: Controller, leases: Leases, name: str) -> None:
+    indexed = await c.registry.indexed_version(name)
+    if indexed is None:  # a new or restarted Redis: the index comes from storage first
+        await c.ensure_built()
+        indexed = await c.registry.indexed_version(name)
+    if indexed is None or not await c.registry.renew(f"register:{name}", leases.owner, leases.ttl):
+        raise LeaseLost(f"the registry changed under the registration of {name!r} (restarted?)")
+    if n := await c.store.roll_back(name, above=indexed):
+        log.warning("rolled back %d files of %s above version %d (never acknowledged)", n, name, indexed)
+
+
 async def _index(c: Controller, leases: Leases, v: Version) -> None:
     if not await c.registry.commit(v, leases.owner):
         raise LeaseLost(
             f"the registration lease of {v.name!r} was lost (the registry restarted or did not answer) "
-            f"after version {v.version} was stored"
+            f"before version {v.version} was indexed"
         )

@@ -115,6 +115,12 @@ class MemoryRegistry:
         owner, expiry = self.locks.get(key, ("", 0.0))
         return owner if expiry > time.monotonic() else None
 
+    async def indexed_version(self, name: str) -> int | None:
+        """The version of `name` in the index (0: none); None while the index is not built."""
+        if not self.built:
+            return None
+        return self.index[name].version if name in self.index else 0
+
     async def acquire(self, key: str, owner: str, ttl: float) -> bool:
         if self._holder(key) is not None:
             return False
@@ -247,6 +253,17 @@ class RedisRegistry:
         triples = [x for v in latest.values() for x in (v.name, v.version, v.to_json())]
         keys = [_P + "index", _P + "names", _P + "built", _P + "generation"]
         await self._rebuild(keys=keys, args=[uuid.uuid4().hex, *triples])
+
+    async def indexed_version(self, name: str) -> int | None:
+        """The version of `name` in the index (0: none); None while the index is not built. Read
+        in one transaction: a Redis restarted in between must not read as "not registered"."""
+        async with self.r.pipeline(transaction=True) as p:
+            p.exists(_P + "built")
+            p.hget(_P + "index", name)
+            built, raw = await p.execute()
+        if not built:
+            return None
+        return Version.from_json(raw).version if raw is not None else 0
 
     async def acquire(self, key: str, owner: str, ttl: float) -> bool:
         return bool(await self.r.set(_P + f"lock:{key}", owner, nx=True, px=int(ttl * 1000)))

@@ -188,7 +188,8 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
             await abort(
                 context,
                 Code.UNAVAILABLE,
-                f"{e}; retry with the same weights: a version already stored is returned, not made again",
+                f"{e}; not registered unless a retry with the same weights answers ALREADY_EXISTS "
+                "(a retry never makes a second version)",
             )
         v = done.version
         if not done.new:

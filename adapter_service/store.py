@@ -9,8 +9,9 @@ The two stores differ only in their five primitives; the layout logic is shared.
 Every S3 call is bounded (adapter_service/deadlines.py): a connect and a read timeout and a few
 attempts. A write that times out may still land later (a frozen endpoint processes what it had
 received when it wakes up), so a version being written is guarded by its registration lease in
-the registry, and files of a version without its meta.json are swept by the next registration
-of the name (`sweep`).
+the registry, and what a registration left behind without being acknowledged (files without a
+meta.json, or a whole version the registry never indexed) is rolled back by the next
+registration of the name (`roll_back`).
 """
 
 from __future__ import annotations
@@ -106,13 +107,19 @@ class Store:
             v.pinned = v.name in pinned
         return out
 
-    def _sweep(self, name: str) -> int:
-        """Delete the files of `name`'s versions that have no commit mark; how many files."""
+    def _roll_back(self, name: str, above: int) -> int:
+        """Delete the files of `name`'s versions above `above` and of those without a commit mark;
+        how many files."""
         keys = self._keys(f"{name}/")
         committed = {k.rsplit("/", 1)[0] for k in keys if k.endswith("/" + META)}
-        stray = [k for k in keys if k.count("/") == 2 and k.rsplit("/", 1)[0] not in committed]
-        self._delete(stray)
-        return len(stray)
+        gone = [
+            k
+            for k in keys
+            if k.count("/") == 2
+            and (k.rsplit("/", 1)[0] not in committed or int(k.split("/")[1].lstrip("v")) > above)
+        ]
+        self._delete(gone)
+        return len(gone)
 
     def _remove(self, name: str) -> int:
         keys = self._keys(f"{name}/")
@@ -143,8 +150,8 @@ class Store:
         """Every committed version (of `name`, or of all adapters), oldest first per name."""
         return await asyncio.to_thread(self._versions, name)
 
-    async def sweep(self, name: str) -> int:
-        return await asyncio.to_thread(self._sweep, name)
+    async def roll_back(self, name: str, above: int) -> int:
+        return await asyncio.to_thread(self._roll_back, name, above)
 
     async def remove(self, name: str) -> int:
         return await asyncio.to_thread(self._remove, name)

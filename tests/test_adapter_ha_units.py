@@ -1,6 +1,7 @@
 """Several adapter-service replicas on one registry, and bounded backend calls, without a cluster:
 the leases and version scripts against both registries (a real Redis), concurrent registrations
-from two replicas, a registration given up by its bound, a dead replica's lease and stray files,
+from two replicas, a registration given up by its bound, a dead replica's lease and what it left
+unindexed,
 Redis and S3 calls to a server that accepts and never answers, and the CLI's --timeout."""
 
 from __future__ import annotations
@@ -148,20 +149,24 @@ def test_a_registration_past_its_bound_names_storage_and_stores_nothing(tmp_path
     asyncio.run(go())
 
 
-def test_a_dead_replicas_lease_expires_and_its_stray_files_are_swept(registries, tmp_path):
+def test_a_dead_replicas_lease_expires_and_what_it_left_unindexed_is_rolled_back(registries, tmp_path):
     weights = tmp_path / "w"
     weights.write_bytes(b"weights")
 
     async def go() -> None:
         store = LocalStore(tmp_path / "store")
-        store._write("x/v000001/adapter_model.safetensors", b"half")  # no meta.json: never committed
         registry = registries()
+        await registry.rebuild([])  # the index is built: it has no "x"
+        await store.put(_v("x", 1, "c" * 64), b"{}", weights)  # stored, never indexed: not acknowledged
+        store._write("x/v000002/adapter_model.safetensors", b"half")  # no commit mark
         assert await registry.acquire("register:x", "dead-replica", ttl=0.3)
         c = _replica(registry, store)
         started = time.monotonic()
         done = await register(c, c.leases, "x", "b" * 64, b"{}", weights, _describe("x", "b" * 64))
         assert time.monotonic() - started >= 0.2  # waited for the dead replica's lease
-        assert done.version.version == 1 and (await store.read("x", 1))[1] == b"weights"
+        assert done.version.version == 1 and done.version.sha256 == "b" * 64
+        assert [v.sha256 for v in await store.versions("x")] == ["b" * 64]
+        assert store._keys("x/v000002/") == []
 
     asyncio.run(go())
 
