@@ -1,8 +1,7 @@
 """Several adapter-service replicas on one registry, and bounded backend calls, without a cluster:
 the leases and version scripts against both registries (a real Redis), concurrent registrations
 from two replicas, a registration given up by its bound, a dead replica's lease and what it left
-unindexed,
-Redis and S3 calls to a server that accepts and never answers, and the CLI's --timeout."""
+unindexed, Redis and S3 calls to a server that accepts and never answers, and the CLI's --timeout."""
 
 from __future__ import annotations
 
