@@ -4,9 +4,9 @@ does not answer ends it DEADLINE_EXCEEDED within the RPC's bound, naming what it
 The registry (Redis) and the store (S3) are other processes; while one restarts, every RPC that
 reaches it would otherwise end UNKNOWN "Unexpected ConnectionError", which a caller cannot tell
 from a bug. UNAVAILABLE says: nothing was changed, retry. A frozen backend (no refusal, no
-answer) used to hold an RPC for minutes; each RPC now runs within `--rpc-timeout`
-(adapter_service/deadlines.py), read from the servicer's controller (`self.c.bounds`). A class
-decorator, so a new RPC of a decorated servicer is covered without remembering to. Register
+answer) used to hold an admin RPC for minutes; each now runs within `--rpc-timeout`
+(adapter_service/deadlines.py), read from the servicer's controller (`self.c.bounds`). Class
+decorators, so a new RPC of a decorated servicer is covered without remembering to. Register
 bounds itself (`bounded_after_upload`): its upload may take long and is bounded by the client.
 """
 
@@ -62,32 +62,27 @@ def bounded_after_upload(method: Callable[..., Any]) -> Callable[..., Any]:
     return method
 
 
-def _wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap(method: Callable[..., Any], bounded: bool) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)
         async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-            items = aiter(method(self, request, context))
             try:
-                while True:  # each message within the bound: a stream of weights may be long
-                    try:
-                        item = await within(self.c.bounds.rpc, anext(items))
-                    except StopAsyncIteration:
-                        return
+                async for item in method(self, request, context):
                     yield item
             except (*REDIS_DOWN, *S3_DOWN) as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, _message(e))
-            except BoundExceeded as e:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _late(e))
 
         return stream
+
+    bounded = bounded and not getattr(method, "bounds_itself", False)
 
     @functools.wraps(method)
     async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            if getattr(method, "bounds_itself", False):
-                return await method(self, request, context)
-            return await within(self.c.bounds.rpc, method(self, request, context))
+            if bounded:
+                return await within(self.c.bounds.rpc, method(self, request, context))
+            return await method(self, request, context)
         except (*REDIS_DOWN, *S3_DOWN) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, _message(e))
         except BoundExceeded as e:
@@ -96,9 +91,21 @@ def _wrap(method: Callable[..., Any]) -> Callable[..., Any]:
     return unary
 
 
-def bounded_and_unavailable_when_backends_are_down(cls: T) -> T:
-    """Wrap every RPC method (an upper-case name defined on `cls`) of a servicer class."""
+def _wrap_rpcs(cls: T, bounded: bool) -> T:
     for name, method in list(vars(cls).items()):
         if name[:1].isupper() and (inspect.iscoroutinefunction(method) or inspect.isasyncgenfunction(method)):
-            setattr(cls, name, _wrap(method))
+            setattr(cls, name, _wrap(method, bounded))
     return cls
+
+
+def unavailable_when_backends_are_down(cls: T) -> T:
+    """Wrap every RPC method (an upper-case name defined on `cls`) of a servicer class: Placement
+    and the weight stream, which the gateway's --placement-timeout and the pods' deadlines bound
+    (a placement may take a while: weights copied, a slot loaded)."""
+    return _wrap_rpcs(cls, bounded=False)
+
+
+def admin_rpcs_bounded(cls: T) -> T:
+    """The same, and each RPC within `--rpc-timeout` (DEADLINE_EXCEEDED naming what it waited on
+    after): the admin API, which a person waits on."""
+    return _wrap_rpcs(cls, bounded=True)

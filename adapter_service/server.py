@@ -5,7 +5,7 @@ gateway with an admin-scoped key), Placement (for the gateway), and ModelControl
 FetchAdapterWeights only, so a pod promotes an adapter "from a peer" that is this service and
 needs no S3 credentials. Storage is S3 (`--s3-bucket`) or, embedded, a local directory; the
 registry is Redis (`--redis-url`) or, embedded, this process's memory. Health is SERVING while
-both answer (checked every 2 s, each check bounded), NOT_SERVING while either does not.
+both answer (checked every second, each check within 2 s), NOT_SERVING while either does not.
 
 Several replicas may serve one cluster, sharing Redis and S3: registrations of a name are
 serialised by a lease and versions assigned by a Redis script (adapter_service/registration.py),
@@ -36,8 +36,9 @@ import grpc
 from adapter_service import base_model, deadlines, validate
 from adapter_service.backend_errors import (
     S3_DOWN,
+    admin_rpcs_bounded,
     bounded_after_upload,
-    bounded_and_unavailable_when_backends_are_down,
+    unavailable_when_backends_are_down,
 )
 from adapter_service.controller import Controller, PlacementError
 from adapter_service.placement import Knobs
@@ -119,7 +120,7 @@ async def _drain(chunks: AsyncIterator[apb.RegisterChunk]) -> None:
             return
 
 
-@bounded_and_unavailable_when_backends_are_down
+@admin_rpcs_bounded
 class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
     def __init__(
         self,
@@ -161,7 +162,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         weights: Path,
         sha: str,
         description: str,
-    ) -> apb.Adapter:
+    ) -> Version:
         """Validate, then store (the source of truth) and index; a refusal writes nothing."""
         try:
             summary = await asyncio.to_thread(validate.validate, config, weights, self.base, self.max_rank)
@@ -201,9 +202,17 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         if v.size_bytes <= self.c.staging_max_bytes:
             await self.c.stage(sha, config, await asyncio.to_thread(weights.read_bytes))
         log.info("registered %s v%d (rank %d, %d bytes)", name, v.version, v.rank, v.size_bytes)
-        if v.version > 1:
-            await self.c.rotate(v)
-        return await self._proto(v)
+        return v
+
+    async def _rotated(self, v: Version, seconds: float) -> None:
+        """Rotate the pods holding `v`'s name, for at most `seconds`: `v` is registered already,
+        so running out of time is no failure (the policy leader rotates what is left)."""
+        if v.version == 1:
+            return
+        try:
+            await asyncio.wait_for(self.c.rotate(v), max(seconds, 0.1))
+        except asyncio.TimeoutError:
+            log.warning("rotating the pods to %s v%d goes on under the policy leader", v.name, v.version)
 
     @bounded_after_upload
     async def Register(
@@ -216,11 +225,14 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         except _Refused as e:
             await _drain(chunks)
             await abort(context, e.code, e.message)
+        started = time.monotonic()
         try:
             commit = self._commit(context, h.name, bytes(h.config_json), path, h.sha256, h.description)
-            return await deadlines.within(self.c.bounds.rpc, commit)
+            v = await deadlines.within(self.c.bounds.rpc, commit)
         finally:
             path.unlink(missing_ok=True)
+        await self._rotated(v, self.c.bounds.rpc - (time.monotonic() - started))
+        return await self._proto(v)
 
     def _header(self, first: apb.RegisterChunk | None) -> apb.RegisterHeader:
         if first is None or first.WhichOneof("kind") != "header":
@@ -246,6 +258,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         return h
 
     async def Import(self, request: apb.ImportRequest, context: grpc.aio.ServicerContext) -> apb.Adapter:
+        started = time.monotonic()
         name = await _name(context, request.name)
         if self.s3_import is None:
             await abort(
@@ -267,9 +280,12 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
                 await abort(
                     context, Code.DATA_LOSS, f"{request.uri} has sha256 {sha}, expected {request.sha256}"
                 )
-            return await self._commit(context, name, config, path, sha, request.description)
+            v = await self._commit(context, name, config, path, sha, request.description)
         finally:
             path.unlink(missing_ok=True)
+        # Import is bounded as a whole (its download too): the rotation gets what is left of it.
+        await self._rotated(v, self.c.bounds.rpc - (time.monotonic() - started) - 0.5)
+        return await self._proto(v)
 
     async def Get(self, request: apb.GetAdapterRequest, context: grpc.aio.ServicerContext) -> apb.Adapter:
         return await self._proto(await self._get(request.name, context))
@@ -319,7 +335,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         return await self._proto(v)
 
 
-@bounded_and_unavailable_when_backends_are_down
+@unavailable_when_backends_are_down
 class PlacementService(adapters_pb2_grpc.PlacementServicer):
     def __init__(self, controller: Controller) -> None:
         self.c = controller
@@ -345,7 +361,7 @@ class PlacementService(adapters_pb2_grpc.PlacementServicer):
         )
 
 
-@bounded_and_unavailable_when_backends_are_down
+@unavailable_when_backends_are_down
 class WeightsService(model_control_pb2_grpc.ModelControlServicer):
     """Only FetchAdapterWeights: the pods' peer-to-peer stream, answered from staging or storage."""
 
@@ -494,7 +510,7 @@ async def serve(args: argparse.Namespace) -> int:
     while not stop.is_set():
         await health.set(await _reachable(controller, args.rpc_timeout))
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), 2.0)
+            await asyncio.wait_for(stop.wait(), 1.0)
     await health.set(False)
     await server.stop(grace=5.0)
     await health.stop()
