@@ -1,7 +1,8 @@
 """Several adapter-service replicas on one registry, and bounded backend calls, without a cluster:
 the leases and version scripts against both registries (a real Redis), concurrent registrations
-from two replicas, a registration given up by its bound, a dead replica's lease and what it left
-unindexed, Redis and S3 calls to a server that accepts and never answers, and the CLI's --timeout."""
+and placements from two replicas, a registration given up by its bound, a dead replica's lease
+and what it left unindexed, Redis and S3 calls to a server that accepts and never answers, and
+the CLI's --timeout."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from adapter_service import client as adapters_cli
@@ -24,6 +26,9 @@ from adapter_service.registration import register
 from adapter_service.registry import MemoryRegistry, RedisRegistry
 from adapter_service.store import LocalStore, S3Store, Version
 from spindle import envflags
+from spindle.v1 import model_control_pb2_grpc
+from tests.service_helpers import free_port
+from tests.test_adapter_service_units import _FakePod
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -73,6 +78,46 @@ def test_one_leader_at_a_time_and_another_takes_over(registries):
         assert await first.lead(0.4) and not await second.lead(0.4)  # renewed in time: still first's
         await asyncio.sleep(0.5)  # first stops (dies)
         assert await second.lead(0.4) and not await first.lead(0.4)
+
+    asyncio.run(go())
+
+
+class _SlowPod(_FakePod):
+    """A pod whose weight copy takes a while, so two placements overlap; counts the copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+
+    async def PromoteFromPeer(self, request, context):
+        self.copies += 1
+        await asyncio.sleep(0.3)
+        return await super().PromoteFromPeer(request, context)
+
+
+def test_two_replicas_asked_to_place_one_adapter_at_once_load_it_once(registries, tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+
+    async def go() -> None:
+        pod, server = _SlowPod(), grpc.aio.server()
+        model_control_pb2_grpc.add_ModelControlServicer_to_server(pod, server)
+        server.add_insecure_port(address)
+        await server.start()
+        store = LocalStore(tmp_path / "store")
+        replicas = [
+            Controller(r, store, discover=lambda: asyncio.sleep(0, [address]), advertise="127.0.0.1:1")
+            for r in (registries(), registries())
+        ]
+        try:
+            await replicas[0].registry.rebuild([_v("a", 1, "sha-a")])
+            placed = await asyncio.gather(*(c.place("a", []) for c in replicas))
+            assert pod.copies == 1  # one replica placed it; the other waited and found it there
+            assert [list(p.pods) for p in placed] == [[address], [address]]
+            assert sorted(p.source for p in placed) == ["resident", "storage"]
+        finally:
+            for c in replicas:
+                await c.close()
+            await server.stop(None)
 
     asyncio.run(go())
 
