@@ -100,7 +100,7 @@ class Controller:
         self.tracer = tracer or trace.NoOpTracer()
         self.bounds = bounds or Bounds()
         self.leases = leases or Leases(registry, ttl=lease_ttl)
-        self.stale_since: dict[tuple[str, str], float] = {}  # (pod, name) on an old version since
+        self._stale_since: dict[tuple[str, str], float] = {}  # (pod, name) on an old version since
         self.pods: dict[str, Pod] = {}
         self.idle_since: dict[tuple[str, str], float] = {}
         self.popularity = Popularity(self.knobs.popularity_half_life)
@@ -461,13 +461,13 @@ class Controller:
             for name, a in pod.view.adapters.items()
             if name in latest and a.sha256 != latest[name].sha256
         }
-        self.stale_since = {key: self.stale_since.get(key, now) for key in stale}
-        for (address, name), since in list(self.stale_since.items()):
+        self._stale_since = {key: self._stale_since.get(key, now) for key in stale}
+        for (address, name), since in list(self._stale_since.items()):
             if now - since >= self.lease_ttl and address in self.pods:
                 log.info("pod %s still holds an old version of %s: rotating it", address, name)
                 if await self._rotate_one(self.pods[address], latest[name]):
                     metrics.ROTATED_LATE.inc()
-                    del self.stale_since[(address, name)]
+                    del self._stale_since[(address, name)]
 
     async def evict_everywhere(self, name: str) -> None:
         await self.refresh(policy=False)

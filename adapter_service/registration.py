@@ -15,9 +15,10 @@ Under the name's registration lease (adapter_service/leases.py), one replica at 
 5. indexes it with the registry's `commit` script, which refuses if the lease was lost.
 
 It runs as a task of its own, shielded from the RPC: when the RPC's bound runs out the caller is
-answered at once, and the task gives up at its next step (the commit mark is not written once
-it was abandoned) but keeps the lease until its storage call has returned, so no other replica
-writes the same version meanwhile. A replica that dies mid-way leaves at most an unindexed version
+answered at once, and the task stops before its next write to storage (if the commit mark was
+written already, it indexes the version, which the caller's retry then finds), keeping the
+lease until its storage call has returned, so no other replica writes the same version
+meanwhile. A replica that dies mid-way leaves at most an unindexed version
 (rolled back by the next registration of the name) and a lease that expires.
 
 The index is rebuilt from storage when Redis lost it; a version a timed-out registration stored
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapter_service.controller import Controller
-from adapter_service.leases import Leases
+from adapter_service.leases import GaveUp, Leases
 from adapter_service.store import Version
 
 log = logging.getLogger("spindle.adapters")
@@ -91,6 +92,8 @@ async def _register(
         if latest is not None and latest.sha256 == sha:
             await _index(c, leases, latest)
             return Registered(latest, new=False)
+        if abandoned.is_set():
+            raise GaveUp(name)
         number = await c.registry.assign_version(name, leases.owner, latest.version if latest else 0)
         if number is None:
             raise LeaseLost(f"the registration lease of {name!r} was lost before a version was assigned")
