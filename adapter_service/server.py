@@ -265,7 +265,8 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
                 context, Code.FAILED_PRECONDITION, "Import needs S3: start the service with --s3-bucket"
             )
         try:
-            config, path = await asyncio.to_thread(self.s3_import.fetch_uri, request.uri, self.max_bytes)
+            with deadlines.waiting_for(f"storage (S3) reading {request.uri}"):
+                config, path = await asyncio.to_thread(self.s3_import.fetch_uri, request.uri, self.max_bytes)
         except ValueError as e:
             await abort(context, Code.INVALID_ARGUMENT, str(e))
         except OverflowError as e:
