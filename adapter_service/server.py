@@ -10,7 +10,7 @@ both answer (checked every second, each check within 2 s), NOT_SERVING while eit
 Several replicas may serve one cluster, sharing Redis and S3: registrations of a name are
 serialised by a lease and versions assigned by a Redis script (adapter_service/registration.py),
 placements and the policy loop decided once (adapter_service/leases.py). Every storage and
-registry call and every RPC is bounded (adapter_service/deadlines.py).
+registry call and every admin RPC is bounded (adapter_service/deadlines.py).
 
 An upload is validated completely (adapter_service/validate.py) and its sha256 compared before
 anything is written; a refused upload leaves nothing in storage or the registry.
