@@ -24,6 +24,7 @@ from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import adapters_pb2_grpc
 
 CHUNK = 1 << 20
+TIMEOUT = 60.0  # the CLI's default deadline of one call: more than the service's own bound (30 s)
 
 
 def _chunks(header: apb.RegisterHeader, weights: Path) -> Iterator[apb.RegisterChunk]:
@@ -133,17 +134,22 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--control-token-file", default="", help="the service token, to call an adapter service directly"
     )
+    timeout_help = f"seconds to wait for the answer (register: the upload too) [{TIMEOUT:g}]"
+    parser.add_argument("--timeout", type=float, default=TIMEOUT, help=timeout_help)
     sub = parser.add_subparsers(dest="action", required=True)
     reg = sub.add_parser("register", help="upload a PEFT adapter directory (a new version if NAME exists)")
     reg.add_argument("name")
     reg.add_argument("directory")
     reg.add_argument("--description", default="")
-    sub.add_parser("list", help="every registered adapter, with where it is placed")
+    actions = [reg, sub.add_parser("list", help="every registered adapter, with where it is placed")]
     for action, help_ in (("get", "one adapter"), ("delete", "remove every version, everywhere")):
-        sub.add_parser(action, help=help_).add_argument("name")
+        actions.append(sub.add_parser(action, help=help_))
+        actions[-1].add_argument("name")
     pin = sub.add_parser("pin", help="keep an adapter resident (--off to release)")
     pin.add_argument("name")
     pin.add_argument("--off", action="store_true")
+    for action in [*actions, pin]:  # also after the action; unset there, the one before it holds
+        action.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help=timeout_help)
     return parser
 
 
@@ -151,23 +157,27 @@ def run(args: argparse.Namespace) -> int:
     try:
         token = ServiceToken(args.control_token_file).value() if args.control_token_file else None
         with AdaptersClient(args.gateway, args.api_key, tls_from_args(args), token) as client:
+            t = args.timeout
             if args.action == "register":
-                a = client.register(args.name, args.directory, args.description)
+                a = client.register(args.name, args.directory, args.description, timeout=t)
                 print(f"registered {a.name} version {a.version} (rank {a.rank}, sha256 {a.sha256[:12]})")
             elif args.action == "list":
-                for a in client.list():
+                for a in client.list(timeout=t):
                     print(json.dumps(_summary(a)))
             elif args.action == "get":
-                print(json.dumps(_summary(client.get(args.name)), indent=2))
+                print(json.dumps(_summary(client.get(args.name, timeout=t)), indent=2))
             elif args.action == "delete":
-                print(f"deleted {args.name}: {client.delete(args.name)} versions")
+                print(f"deleted {args.name}: {client.delete(args.name, timeout=t)} versions")
             else:
-                a = client.pin(args.name, not args.off)
+                a = client.pin(args.name, not args.off, timeout=t)
                 print(f"{a.name}: {'pinned' if a.pinned else 'not pinned'}")
         return 0
     except (FileNotFoundError, ValueError) as e:
         print(f"spindle adapters: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:
-        print(f"spindle adapters {args.action}: {e.code().name}: {e.details()}", file=sys.stderr)
+        details = e.details()
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
+            details = f"no answer within --timeout {args.timeout:g} s (the service or its storage is slow)"
+        print(f"spindle adapters {args.action}: {e.code().name}: {details}", file=sys.stderr)
         return 1

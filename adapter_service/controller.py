@@ -7,7 +7,11 @@ adapters' popularity (popularity.py: the pods count each adapter's requests) and
 (placement.py), and notices a registry that lost its index (then rebuilt from the store).
 
 Placement of one adapter is single-flight: concurrent requests for it share one placement task,
-which runs to its end even when the request that started it is cancelled. Control calls are
+which runs to its end even when the request that started it is cancelled; across replicas of
+the service, the adapter's `place:NAME` lease lets one of them place it and the others answer
+with its choice (adapter_service/leases.py). Every replica polls every pod (its leases, the
+catalog); only the replica holding the `leader` lease runs the policy (spread, cool, and
+rotating a pod a registration left on an old version). Control calls are
 retried with backoff only when the pod was unreachable; a refusal (FAILED_PRECONDITION: the slot
 is in use or pinned) is counted and respected, never retried blindly.
 """
@@ -25,6 +29,8 @@ import grpc
 from opentelemetry import trace
 
 from adapter_service import metrics
+from adapter_service.deadlines import Bounds
+from adapter_service.leases import Leases
 from adapter_service.placement import (
     Knobs,
     PodView,
@@ -80,7 +86,11 @@ class Controller:
         interceptors: Iterable[Any] = (),
         tracer: trace.Tracer | None = None,
         security: Security = PLAINTEXT,
+        bounds: Bounds | None = None,
+        leases: Leases | None = None,
     ) -> None:
+        """`leases`: this replica's (by default a new owner on `registry`, renewed every
+        `lease_ttl` / 3 s); `bounds`: the RPCs' (the service's handlers read them here)."""
         self.registry, self.store, self.discover = registry, store, discover
         self.advertise = advertise  # how pods reach this service's FetchAdapterWeights
         self.knobs = knobs or Knobs()
@@ -88,6 +98,9 @@ class Controller:
         self.staging_max_bytes, self.control_timeout = staging_max_bytes, control_timeout
         self.interceptors, self.security = list(interceptors), security
         self.tracer = tracer or trace.NoOpTracer()
+        self.bounds = bounds or Bounds()
+        self.leases = leases or Leases(registry, ttl=lease_ttl)
+        self._stale_since: dict[tuple[str, str], float] = {}  # (pod, name) on an old version since
         self.pods: dict[str, Pod] = {}
         self.idle_since: dict[tuple[str, str], float] = {}
         self.popularity = Popularity(self.knobs.popularity_half_life)
@@ -161,7 +174,10 @@ class Controller:
         self._last_poll = time.monotonic()
         self.popularity.decay(self._last_poll)
         if policy:
-            await self._apply_policy(latest)
+            leading = await self.leases.lead(max(3 * self.poll_interval, self.lease_ttl))
+            metrics.LEADER.set(int(leading))
+            if leading:
+                await self._apply_policy(latest)
 
     async def _poll(self, pod: Pod, latest: dict[str, Version] | None = None, wait: bool = False) -> None:
         """GetSlots, and a lease for each registered adapter it holds (`latest`: the index, if read)."""
@@ -296,44 +312,69 @@ class Controller:
                 await self._refresh_now()
             views = [w for w in self.views() if w.address not in (exclude or set())]
             routable = match_hints(views, hints)
-            holders = [  # among the pods the gateway can route to, when it said which
-                w.address
-                for w in views
-                if w.ok and w.holds(name, v.sha256) and (routable is None or w.address in routable)
-            ]
-            if holders and not exclude:
-                span.set_attribute("spindle.placement.source", "resident")
-                return apb.PlaceResponse(pods=holders, source="resident", version=v.version)
-            hot = hot or replicas_for(self.popularity.share(name), self.knobs) > 1
-            for attempt in (1, 2):  # a pod that fails mid-placement is skipped once for another
-                target = choose_target(views, name, v.sha256, routable, hot)
-                if target is None:
-                    reachable = sum(w.ok for w in views)
-                    raise PlacementError(
-                        Code.UNAVAILABLE,
-                        f"no model pod can take adapter {name!r} now ({reachable} of {len(views)} reachable)",
-                    )
-                span.set_attribute("spindle.pod", target.address)
-                target.placing += 1  # counted by concurrent placements until polled as held
-                try:
-                    source = await self._copy(self.pods[target.address], v, views)
-                    await self._load(self.pods[target.address], name)
-                    await self._poll(self.pods[target.address])
-                    break
-                except PlacementError as e:
-                    if e.code != Code.UNAVAILABLE or attempt == 2:
-                        raise
-                    log.warning("placing %s on %s failed (%s); trying another pod", name, target.address, e)
-                    target.ok = False
-                finally:
-                    target.placing -= 1
-            if v.pinned:
-                await self.pin(name, True, [self.pods[target.address]])
-            metrics.PLACEMENTS.labels(source).inc()
-            metrics.PLACE_SECONDS.labels(source).observe(time.monotonic() - started)
-            span.set_attribute("spindle.placement.source", source)
-            log.info("placed %s v%d on %s from %s", name, v.version, target.address, source)
-            return apb.PlaceResponse(pods=[target.address], source=source, version=v.version)
+            holders = self._holders_of(views, v, routable)
+            if not holders or exclude:
+                async with self.leases.hold(f"place:{name}", f"another replica's placement of {name!r}"):
+                    # Another replica may have placed it while this one waited for the lease.
+                    await self._refresh_now()
+                    views = [w for w in self.views() if w.address not in (exclude or set())]
+                    if not exclude and (holders := self._holders_of(views, v, routable)):
+                        span.set_attribute("spindle.placement.source", "resident")
+                        return apb.PlaceResponse(pods=holders, source="resident", version=v.version)
+                    return await self._place_on_a_pod(name, v, views, routable, hot, started, span)
+            span.set_attribute("spindle.placement.source", "resident")
+            return apb.PlaceResponse(pods=holders, source="resident", version=v.version)
+
+    @staticmethod
+    def _holders_of(views: list[PodView], v: Version, routable: dict[str, Any] | None) -> list[str]:
+        """The reachable pods holding `v`'s weights, among those the gateway can route to if it said."""
+        return [
+            w.address
+            for w in views
+            if w.ok and w.holds(v.name, v.sha256) and (routable is None or w.address in routable)
+        ]
+
+    async def _place_on_a_pod(
+        self,
+        name: str,
+        v: Version,
+        views: list[PodView],
+        routable: dict[str, Any] | None,
+        hot: bool,
+        started: float,
+        span: trace.Span,
+    ) -> apb.PlaceResponse:
+        """Choose a pod, bring the weights, load a slot: under the adapter's placement lease."""
+        hot = hot or replicas_for(self.popularity.share(name), self.knobs) > 1
+        for attempt in (1, 2):  # a pod that fails mid-placement is skipped once for another
+            target = choose_target(views, name, v.sha256, routable, hot)
+            if target is None:
+                reachable = sum(w.ok for w in views)
+                raise PlacementError(
+                    Code.UNAVAILABLE,
+                    f"no model pod can take adapter {name!r} now ({reachable} of {len(views)} reachable)",
+                )
+            span.set_attribute("spindle.pod", target.address)
+            target.placing += 1  # counted by concurrent placements until polled as held
+            try:
+                source = await self._copy(self.pods[target.address], v, views)
+                await self._load(self.pods[target.address], name)
+                await self._poll(self.pods[target.address])
+                break
+            except PlacementError as e:
+                if e.code != Code.UNAVAILABLE or attempt == 2:
+                    raise
+                log.warning("placing %s on %s failed (%s); trying another pod", name, target.address, e)
+                target.ok = False
+            finally:
+                target.placing -= 1
+        if v.pinned:
+            await self.pin(name, True, [self.pods[target.address]])
+        metrics.PLACEMENTS.labels(source).inc()
+        metrics.PLACE_SECONDS.labels(source).observe(time.monotonic() - started)
+        span.set_attribute("spindle.placement.source", source)
+        log.info("placed %s v%d on %s from %s", name, v.version, target.address, source)
+        return apb.PlaceResponse(pods=[target.address], source=source, version=v.version)
 
     async def _copy(self, target: Pod, v: Version, views: list[PodView]) -> str:
         """Bring the weights to `target`: from a peer pod if one has them, else through the service."""
@@ -382,23 +423,51 @@ class Controller:
     # --- versions, deletion, pins ----------------------------------------------------------------
 
     async def rotate(self, v: Version) -> list[str]:
-        """Point every pod that holds the name at the new version (in-flight requests keep the old)."""
+        """Point every pod that holds the name at the new version (in-flight requests keep the old).
+        Skipped when a newer version was registered since (its registration rotates); a pod this
+        misses (a replica died first, the pod did not answer) is rotated by the leader's policy."""
         await self.refresh(policy=False)
+        latest = await self.lookup(v.name)
+        if latest is None or latest.version != v.version:
+            return []
         holders = [p for p in self.pods.values() if p.view.ok and v.name in p.view.adapters]
         done = []
         for pod in holders:
-            with self.tracer.start_as_current_span("spindle.adapter.rotate") as span:
-                span.set_attribute("spindle.pod", pod.view.address)
-                try:
-                    await self._control(
-                        pod, "Rotate", mc.RotateRequest(name=v.name, peer=self.advertise, sha256=v.sha256)
-                    )
-                    done.append(pod.view.address)
-                except grpc.aio.AioRpcError as e:
-                    log.warning("rotating %s on %s failed: %s", v.name, pod.view.address, e.details())
+            if await self._rotate_one(pod, v):
+                done.append(pod.view.address)
         for pod in holders:
             await self._poll(pod)
         return done
+
+    async def _rotate_one(self, pod: Pod, v: Version) -> bool:
+        with self.tracer.start_as_current_span("spindle.adapter.rotate") as span:
+            span.set_attribute("spindle.pod", pod.view.address)
+            try:
+                await self._control(
+                    pod, "Rotate", mc.RotateRequest(name=v.name, peer=self.advertise, sha256=v.sha256)
+                )
+                return True
+            except grpc.aio.AioRpcError as e:
+                log.warning("rotating %s on %s failed: %s", v.name, pod.view.address, e.details())
+                return False
+
+    async def _rotate_stale(self, latest: dict[str, Version], now: float) -> None:
+        """Rotate pods that have held an old version of an adapter for a lease TTL: longer than a
+        registration's own rotation takes, so the two do not both load the new weights."""
+        stale = {
+            (pod.view.address, name)
+            for pod in self.pods.values()
+            if pod.view.ok
+            for name, a in pod.view.adapters.items()
+            if name in latest and a.sha256 != latest[name].sha256
+        }
+        self._stale_since = {key: self._stale_since.get(key, now) for key in stale}
+        for (address, name), since in list(self._stale_since.items()):
+            if now - since >= self.lease_ttl and address in self.pods:
+                log.info("pod %s still holds an old version of %s: rotating it", address, name)
+                if await self._rotate_one(self.pods[address], latest[name]):
+                    metrics.ROTATED_LATE.inc()
+                    del self._stale_since[(address, name)]
 
     async def evict_everywhere(self, name: str) -> None:
         await self.refresh(policy=False)
@@ -438,6 +507,7 @@ class Controller:
         return out
 
     async def _apply_policy(self, latest: dict[str, Version]) -> None:
+        await self._rotate_stale(latest, time.monotonic())
         views, shares = self.views(), self.popularity.shares()
         metrics.HOT.set(sum(replicas_for(share, self.knobs) > 1 for share in shares.values()))
         for name in to_spread(views, {n: v.sha256 for n, v in latest.items()}, shares, self.knobs):

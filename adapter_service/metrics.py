@@ -20,3 +20,7 @@ HOT = Gauge("spindle_adapter_hot", "Adapters popular enough to belong on more th
 COOLED = Counter("spindle_adapter_cooled", "Idle adapters moved down a tier, by the tier left", ["tier"])
 REBUILDS = Counter("spindle_adapter_registry_rebuilds", "Registry index rebuilt from storage")
 REGISTERED = Gauge("spindle_adapter_registered", "Adapters registered (latest versions)")
+ROTATED_LATE = Counter(
+    "spindle_adapter_late_rotations", "Pods rotated by the policy leader after a registration missed them"
+)
+LEADER = Gauge("spindle_adapter_leader", "1 while this replica runs the policy loop (the leader lease)")

@@ -11,7 +11,15 @@ rebuilt from it whenever the `built` mark is missing (a new, flushed or replaced
   always go to S3; the oldest copies go first when the bound is reached;
 - generation: a token that changes with every change to the index, so a reader of the whole
   index (the controller, every poll) reads and decodes it again only when it changed: with
-  10,000 adapters that was most of the service's CPU.
+  10,000 adapters that was most of the service's CPU;
+- locks: named leases held by one replica of the service (`acquire`, `renew`, `release`; see
+  adapter_service/leases.py), and the two steps of a registration that must be atomic across
+  replicas: `assign_version` (the next version of a name, only for the holder of the name's
+  registration lease) and `commit` (index it, only while still holding that lease). In Redis
+  each is one Lua script, so no replica acts on what another changed between a read and a write.
+
+The index never goes back: a rebuild or a commit leaves a name whose indexed version is higher
+alone (a rebuild racing a registration on another replica must not undo it).
 """
 
 from __future__ import annotations
@@ -21,16 +29,65 @@ import time
 import uuid
 from typing import Any
 
+from adapter_service.deadlines import Bounds, track
 from adapter_service.store import Version
 
 _P = "spindle:adapters:"
 
+# KEYS: the lock; ARGV: owner, ttl in ms. The lock renewed only by its holder.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+# KEYS: the lock; ARGV: owner. Released only by its holder (an expired one may be another's now).
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# KEYS: the name's registration lock, the index; ARGV: owner, name, floor (the highest version
+# in storage). The next version: one past both the index's and storage's; -1 without the lock.
+_ASSIGN = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local indexed = redis.call('HGET', KEYS[2], ARGV[2])
+local top = tonumber(ARGV[3])
+if indexed then top = math.max(top, cjson.decode(indexed)['version']) end
+return top + 1
+"""
+# KEYS: the lock, index, names, generation; ARGV: owner, name, version JSON, version, token.
+# 1 = indexed, 0 = the lock is not the caller's (expired, taken, or Redis restarted).
+_COMMIT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local indexed = redis.call('HGET', KEYS[2], ARGV[2])
+if indexed and cjson.decode(indexed)['version'] > tonumber(ARGV[4]) then return 1 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('ZADD', KEYS[3], 0, ARGV[2])
+redis.call('SET', KEYS[4], ARGV[5])
+return 1
+"""
+# KEYS: index, names, built, generation; ARGV: token, then (name, version, JSON) triples.
+_REBUILD = """
+for i = 2, #ARGV, 3 do
+  local indexed = redis.call('HGET', KEYS[1], ARGV[i])
+  if not indexed or cjson.decode(indexed)['version'] < tonumber(ARGV[i + 1]) then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 2])
+    redis.call('ZADD', KEYS[2], 0, ARGV[i])
+  end
+end
+redis.call('SET', KEYS[3], '1')
+redis.call('SET', KEYS[4], ARGV[1])
+return 1
+"""
 
+
+@track
 class MemoryRegistry:
     """The embedded registry: this process's memory (lost on restart, rebuilt from the store)."""
 
+    label = "registry (in-process)"
+
     def __init__(self) -> None:
         self.index: dict[str, Version] = {}
+        self.locks: dict[str, tuple[str, float]] = {}  # key -> (owner, expiry)
         self.built = False
         self.lease_table: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {}
         self.staging: dict[str, bytes] = {}
@@ -49,8 +106,50 @@ class MemoryRegistry:
         return self.built
 
     async def rebuild(self, versions: list[Version]) -> None:
-        self.index = {v.name: v for v in versions}  # oldest first: the latest wins
+        for v in versions:
+            if v.name not in self.index or self.index[v.name].version < v.version:
+                self.index[v.name] = v
         self.built, self.changed = True, uuid.uuid4().hex
+
+    def _holder(self, key: str) -> str | None:
+        owner, expiry = self.locks.get(key, ("", 0.0))
+        return owner if expiry > time.monotonic() else None
+
+    async def indexed_version(self, name: str) -> int | None:
+        """The version of `name` in the index (0: none); None while the index is not built."""
+        if not self.built:
+            return None
+        return self.index[name].version if name in self.index else 0
+
+    async def acquire(self, key: str, owner: str, ttl: float) -> bool:
+        if self._holder(key) is not None:
+            return False
+        self.locks[key] = (owner, time.monotonic() + ttl)
+        return True
+
+    async def renew(self, key: str, owner: str, ttl: float) -> bool:
+        if self._holder(key) != owner:
+            return False
+        self.locks[key] = (owner, time.monotonic() + ttl)
+        return True
+
+    async def release(self, key: str, owner: str) -> None:
+        if self._holder(key) == owner:
+            del self.locks[key]
+
+    async def assign_version(self, name: str, owner: str, floor: int) -> int | None:
+        if self._holder(f"register:{name}") != owner:
+            return None
+        indexed = self.index.get(name)
+        return max(floor, indexed.version if indexed else 0) + 1
+
+    async def commit(self, v: Version, owner: str) -> bool:
+        if self._holder(f"register:{v.name}") != owner:
+            return False
+        indexed = self.index.get(v.name)
+        if indexed is None or indexed.version <= v.version:
+            await self.put(v)
+        return True
 
     async def put(self, v: Version) -> None:
         self.index[v.name] = v
@@ -100,21 +199,43 @@ class MemoryRegistry:
         return sha in self.staging
 
 
+@track
 class RedisRegistry:
     """Redis: shared by every replica of the service; survives a service restart."""
 
+    label = "registry (Redis)"
+
     def __init__(
-        self, url: str, password: str = "", lease_key_ttl: float = 3600, max_connections: int = 64
+        self,
+        url: str,
+        password: str = "",
+        lease_key_ttl: float = 3600,
+        max_connections: int = 64,
+        bounds: Bounds | None = None,
     ) -> None:
         import redis.asyncio as redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
 
+        b = bounds or Bounds()
         # A burst of placements waits for one of `max_connections` connections rather than
-        # failing (the default pool refuses the 101st with MaxConnectionsError).
+        # failing (the default pool refuses the 101st with MaxConnectionsError). Every command
+        # is bounded: connect and read timeouts, and `redis_attempts` tries in all (redis-py's
+        # own default backs off up to 10 s between three retries).
         pool = redis.BlockingConnectionPool.from_url(
-            url, password=password or None, socket_timeout=5, max_connections=max_connections, timeout=10
+            url,
+            password=password or None,
+            socket_timeout=b.redis,
+            socket_connect_timeout=b.redis,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), max(b.redis_attempts - 1, 0)),
+            max_connections=max_connections,
+            timeout=b.redis,
         )
         self.r = redis.Redis.from_pool(pool)  # closed with the client
         self.key_ttl = int(lease_key_ttl)
+        self._renew, self._release = self.r.register_script(_RENEW), self.r.register_script(_RELEASE)
+        self._assign, self._commit = self.r.register_script(_ASSIGN), self.r.register_script(_COMMIT)
+        self._rebuild = self.r.register_script(_REBUILD)
 
     async def check(self) -> None:
         await self.r.ping()
@@ -128,15 +249,43 @@ class RedisRegistry:
         return raw.decode() if raw is not None else None
 
     async def rebuild(self, versions: list[Version]) -> None:
-        latest = {v.name: v for v in versions}
+        latest = {v.name: v for v in versions}  # oldest first: the latest wins
+        triples = [x for v in latest.values() for x in (v.name, v.version, v.to_json())]
+        keys = [_P + "index", _P + "names", _P + "built", _P + "generation"]
+        await self._rebuild(keys=keys, args=[uuid.uuid4().hex, *triples])
+
+    async def indexed_version(self, name: str) -> int | None:
+        """The version of `name` in the index (0: none); None while the index is not built. Read
+        in one transaction: a Redis restarted in between must not read as "not registered"."""
         async with self.r.pipeline(transaction=True) as p:
-            p.delete(_P + "index", _P + "names")
-            for name, v in latest.items():
-                p.hset(_P + "index", name, v.to_json())
-                p.zadd(_P + "names", {name: 0})
-            p.set(_P + "built", "1")
-            p.set(_P + "generation", uuid.uuid4().hex)
-            await p.execute()
+            p.exists(_P + "built")
+            p.hget(_P + "index", name)
+            built, raw = await p.execute()
+        if not built:
+            return None
+        return Version.from_json(raw).version if raw is not None else 0
+
+    async def acquire(self, key: str, owner: str, ttl: float) -> bool:
+        return bool(await self.r.set(_P + f"lock:{key}", owner, nx=True, px=int(ttl * 1000)))
+
+    async def renew(self, key: str, owner: str, ttl: float) -> bool:
+        return bool(await self._renew(keys=[_P + f"lock:{key}"], args=[owner, int(ttl * 1000)]))
+
+    async def release(self, key: str, owner: str) -> None:
+        await self._release(keys=[_P + f"lock:{key}"], args=[owner])
+
+    async def assign_version(self, name: str, owner: str, floor: int) -> int | None:
+        """The next version of `name`, if `owner` holds its registration lease; else None."""
+        keys = [_P + f"lock:register:{name}", _P + "index"]
+        version = int(await self._assign(keys=keys, args=[owner, name, floor]))
+        return version if version > 0 else None
+
+    async def commit(self, v: Version, owner: str) -> bool:
+        """Index `v` if `owner` still holds the name's registration lease (False if not)."""
+        keys = [_P + f"lock:register:{v.name}", _P + "index", _P + "names", _P + "generation"]
+        return bool(
+            await self._commit(keys=keys, args=[owner, v.name, v.to_json(), v.version, uuid.uuid4().hex])
+        )
 
     async def put(self, v: Version) -> None:
         async with self.r.pipeline(transaction=True) as p:

@@ -4,8 +4,13 @@ Serves three gRPC services on one port: Adapters (the admin API; users reach it 
 gateway with an admin-scoped key), Placement (for the gateway), and ModelControl's
 FetchAdapterWeights only, so a pod promotes an adapter "from a peer" that is this service and
 needs no S3 credentials. Storage is S3 (`--s3-bucket`) or, embedded, a local directory; the
-registry is Redis (`--redis-url`) or, embedded, this process's memory. Health is SERVING once
-both answer.
+registry is Redis (`--redis-url`) or, embedded, this process's memory. Health is SERVING while
+both answer (checked every second, each check within 2 s), NOT_SERVING while either does not.
+
+Several replicas may serve one cluster, sharing Redis and S3: registrations of a name are
+serialised by a lease and versions assigned by a Redis script (adapter_service/registration.py),
+placements and the policy loop decided once (adapter_service/leases.py). Every storage and
+registry call and every admin RPC is bounded (adapter_service/deadlines.py).
 
 An upload is validated completely (adapter_service/validate.py) and its sha256 compared before
 anything is written; a refused upload leaves nothing in storage or the registry.
@@ -28,10 +33,16 @@ from typing import Any
 
 import grpc
 
-from adapter_service import base_model, validate
-from adapter_service.backend_errors import S3_DOWN, unavailable_when_backends_are_down
+from adapter_service import base_model, deadlines, validate
+from adapter_service.backend_errors import (
+    S3_DOWN,
+    admin_rpcs_bounded,
+    bounded_after_upload,
+    unavailable_when_backends_are_down,
+)
 from adapter_service.controller import Controller, PlacementError
 from adapter_service.placement import Knobs
+from adapter_service.registration import LeaseLost, register
 from adapter_service.registry import MemoryRegistry, RedisRegistry, Registry
 from adapter_service.store import LocalStore, S3Store, Store, Version
 from gateway.pods import dns_discovery, static_discovery
@@ -109,7 +120,7 @@ async def _drain(chunks: AsyncIterator[apb.RegisterChunk]) -> None:
             return
 
 
-@unavailable_when_backends_are_down
+@admin_rpcs_bounded
 class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
     def __init__(
         self,
@@ -121,7 +132,6 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
     ) -> None:
         self.c, self.base, self.max_rank = controller, base, max_rank
         self.max_bytes, self.s3_import = max_adapter_bytes, s3_import
-        self._locks: dict[str, asyncio.Lock] = {}
 
     async def _proto(self, v: Version) -> apb.Adapter:
         return apb.Adapter(
@@ -152,25 +162,17 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         weights: Path,
         sha: str,
         description: str,
-    ) -> apb.Adapter:
+    ) -> Version:
         """Validate, then store (the source of truth) and index; a refusal writes nothing."""
         try:
             summary = await asyncio.to_thread(validate.validate, config, weights, self.base, self.max_rank)
         except validate.ValidationError as e:
             await abort(context, Code.INVALID_ARGUMENT, f"adapter {name!r} refused: {e}")
-        lock = self._locks.setdefault(name, asyncio.Lock())
-        async with lock:
-            latest = await self.c.lookup(name)
-            if latest is not None and latest.sha256 == sha:
-                await abort(
-                    context,
-                    Code.ALREADY_EXISTS,
-                    f"adapter {name!r} version {latest.version} has these weights already",
-                )
-            known = await self.c.store.versions(name)
-            v = Version(
+
+        def describe(number: int, latest: Version | None) -> Version:
+            return Version(
                 name=name,
-                version=max([x.version for x in known], default=0) + 1,
+                version=number,
                 sha256=sha,
                 size_bytes=weights.stat().st_size,
                 rank=summary.rank,
@@ -180,19 +182,39 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
                 description=description,
                 pinned=latest.pinned if latest else False,
             )
-            try:
-                await self.c.store.put(v, config, weights)
-            except Exception as e:
-                log.exception("storing %s v%d failed", name, v.version)
-                await abort(context, Code.UNAVAILABLE, f"storage failed, nothing registered; retry: {e}")
-            await self.c.registry.put(v)
-            if v.size_bytes <= self.c.staging_max_bytes:
-                await self.c.stage(sha, config, await asyncio.to_thread(weights.read_bytes))
-        log.info("registered %s v%d (rank %d, %d bytes)", name, v.version, v.rank, v.size_bytes)
-        if latest is not None:
-            await self.c.rotate(v)
-        return await self._proto(v)
 
+        try:
+            done = await register(self.c, self.c.leases, name, sha, config, weights, describe)
+        except LeaseLost as e:
+            await abort(
+                context,
+                Code.UNAVAILABLE,
+                f"{e}; not registered unless a retry with the same weights answers ALREADY_EXISTS "
+                "(a retry never makes a second version)",
+            )
+        v = done.version
+        if not done.new:
+            await abort(
+                context,
+                Code.ALREADY_EXISTS,
+                f"adapter {name!r} version {v.version} has these weights already",
+            )
+        if v.size_bytes <= self.c.staging_max_bytes:
+            await self.c.stage(sha, config, await asyncio.to_thread(weights.read_bytes))
+        log.info("registered %s v%d (rank %d, %d bytes)", name, v.version, v.rank, v.size_bytes)
+        return v
+
+    async def _rotated(self, v: Version, seconds: float) -> None:
+        """Rotate the pods holding `v`'s name, for at most `seconds`: `v` is registered already,
+        so running out of time is no failure (the policy leader rotates what is left)."""
+        if v.version == 1:
+            return
+        try:
+            await asyncio.wait_for(self.c.rotate(v), max(seconds, 0.1))
+        except asyncio.TimeoutError:
+            log.warning("rotating the pods to %s v%d goes on under the policy leader", v.name, v.version)
+
+    @bounded_after_upload
     async def Register(
         self, request_iterator: AsyncIterator[apb.RegisterChunk], context: grpc.aio.ServicerContext
     ) -> apb.Adapter:
@@ -203,10 +225,14 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         except _Refused as e:
             await _drain(chunks)
             await abort(context, e.code, e.message)
+        started = time.monotonic()
         try:
-            return await self._commit(context, h.name, bytes(h.config_json), path, h.sha256, h.description)
+            commit = self._commit(context, h.name, bytes(h.config_json), path, h.sha256, h.description)
+            v = await deadlines.within(self.c.bounds.rpc, commit)
         finally:
             path.unlink(missing_ok=True)
+        await self._rotated(v, self.c.bounds.rpc - (time.monotonic() - started))
+        return await self._proto(v)
 
     def _header(self, first: apb.RegisterChunk | None) -> apb.RegisterHeader:
         if first is None or first.WhichOneof("kind") != "header":
@@ -232,13 +258,15 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         return h
 
     async def Import(self, request: apb.ImportRequest, context: grpc.aio.ServicerContext) -> apb.Adapter:
+        started = time.monotonic()
         name = await _name(context, request.name)
         if self.s3_import is None:
             await abort(
                 context, Code.FAILED_PRECONDITION, "Import needs S3: start the service with --s3-bucket"
             )
         try:
-            config, path = await asyncio.to_thread(self.s3_import.fetch_uri, request.uri, self.max_bytes)
+            with deadlines.waiting_for(f"storage (S3) reading {request.uri}"):
+                config, path = await asyncio.to_thread(self.s3_import.fetch_uri, request.uri, self.max_bytes)
         except ValueError as e:
             await abort(context, Code.INVALID_ARGUMENT, str(e))
         except OverflowError as e:
@@ -253,9 +281,12 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
                 await abort(
                     context, Code.DATA_LOSS, f"{request.uri} has sha256 {sha}, expected {request.sha256}"
                 )
-            return await self._commit(context, name, config, path, sha, request.description)
+            v = await self._commit(context, name, config, path, sha, request.description)
         finally:
             path.unlink(missing_ok=True)
+        # Import is bounded as a whole (its download too): the rotation gets what is left of it.
+        await self._rotated(v, self.c.bounds.rpc - (time.monotonic() - started) - 0.5)
+        return await self._proto(v)
 
     async def Get(self, request: apb.GetAdapterRequest, context: grpc.aio.ServicerContext) -> apb.Adapter:
         return await self._proto(await self._get(request.name, context))
@@ -282,7 +313,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         self, request: apb.DeleteAdapterRequest, context: grpc.aio.ServicerContext
     ) -> apb.DeleteAdapterResponse:
         v = await self._get(request.name, context)
-        async with self._locks.setdefault(v.name, asyncio.Lock()):
+        async with self.c.leases.hold(f"register:{v.name}", f"a registration of {v.name!r}"):
             await self.c.registry.remove(v.name)  # first: no new placement starts from here on
             await self.c.evict_everywhere(v.name)
             try:
@@ -296,10 +327,11 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         return apb.DeleteAdapterResponse(versions_deleted=n)
 
     async def Pin(self, request: apb.PinAdapterRequest, context: grpc.aio.ServicerContext) -> apb.Adapter:
-        v = await self._get(request.name, context)
-        await self.c.store.set_pinned(v.name, request.pinned)
-        v.pinned = request.pinned
-        await self.c.registry.put(v)
+        async with self.c.leases.hold(f"register:{request.name}", f"a registration of {request.name!r}"):
+            v = await self._get(request.name, context)  # the latest, read under the name's lease
+            await self.c.store.set_pinned(v.name, request.pinned)
+            v.pinned = request.pinned
+            await self.c.registry.put(v)
         await self.c.pin(v.name, request.pinned)
         return await self._proto(v)
 
@@ -397,7 +429,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--pods-dns", default="", help="HOST:PORT of a headless Service of the pods' control ports"
     )
     p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between pod slot polls [2]")
-    p.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a pod's placement lease lives [10]")
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=10.0,
+        help="seconds a pod's placement lease lives, and a replica's lease on a name or the policy loop [10]",
+    )
     v = parser.add_argument_group("validation")
     v.add_argument(
         "--base-model",
@@ -431,6 +468,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=86400.0,
         help="idle disk copy -> forgotten (storage only) [86400]",
     )
+    deadlines.add_args(parser)
     add_security_args(parser)
     return parser
 
@@ -449,13 +487,15 @@ def _advertise(args: argparse.Namespace, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _backends(args: argparse.Namespace) -> tuple[Store, Registry]:
+def _backends(args: argparse.Namespace, bounds: deadlines.Bounds) -> tuple[Store, Registry]:
     if args.s3_bucket:
-        store: Store = S3Store(args.s3_bucket, args.s3_prefix, args.s3_endpoint_url, args.s3_region)
+        store: Store = S3Store(args.s3_bucket, args.s3_prefix, args.s3_endpoint_url, args.s3_region, bounds)
     else:
         store = LocalStore(args.storage_dir or Path.home() / ".cache" / "spindle" / "adapters")
     password = os.environ.get("SPINDLE_REDIS_PASSWORD", "")
-    registry: Registry = RedisRegistry(args.redis_url, password) if args.redis_url else MemoryRegistry()
+    registry: Registry = (
+        RedisRegistry(args.redis_url, password, bounds=bounds) if args.redis_url else MemoryRegistry()
+    )
     return store, registry
 
 
@@ -469,9 +509,9 @@ async def serve(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     serving.on_shutdown_signal(lambda why: stop.set())
     while not stop.is_set():
-        await health.set(await _reachable(controller))
+        await health.set(await _reachable(controller, args.rpc_timeout))
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), 2.0)
+            await asyncio.wait_for(stop.wait(), 1.0)
     await health.set(False)
     await server.stop(grace=5.0)
     await health.stop()
@@ -481,9 +521,11 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _reachable(controller: Controller) -> bool:
+async def _reachable(controller: Controller, bound: float) -> bool:
+    """Both backends answered a check within 2 s (or the RPC bound, if shorter)."""
     try:
-        await asyncio.wait_for(asyncio.gather(controller.store.check(), controller.registry.check()), 5.0)
+        checks = asyncio.gather(controller.store.check(), controller.registry.check())
+        await asyncio.wait_for(checks, min(2.0, bound))
         return True
     except Exception as e:
         log.warning("storage or registry unreachable: %s", e)
@@ -495,7 +537,8 @@ async def start(
 ) -> tuple[grpc.aio.Server, serving.Health, Controller]:
     """Build, bind and start the service (also used in-process by the benchmark)."""
     base = base_model.load(args.base_model)
-    store, registry = _backends(args)
+    bounds = deadlines.Bounds.from_args(args)
+    store, registry = _backends(args, bounds)
     discover = (
         dns_discovery(args.pods_dns)
         if args.pods_dns
@@ -523,6 +566,7 @@ async def start(
         ),
         poll_interval=args.poll_interval,
         lease_ttl=args.lease_ttl,
+        bounds=bounds,
         staging_max_bytes=args.staging_max_bytes,
         interceptors=telemetry.client_interceptors(provider),
         tracer=telemetry.get_tracer("spindle.adapters", provider),
@@ -536,7 +580,7 @@ async def start(
     serving.enable_reflection(server, SERVICES)
     await server.start()
     await controller.start()
-    await health.set(await _reachable(controller))
+    await health.set(await _reachable(controller, bounds.rpc))
     log.info(
         "adapter service on %s:%d (advertised %s), %s storage, %s registry, %d pods",
         args.host, port, controller.advertise,

@@ -5,6 +5,13 @@ Layout, under the prefix: `NAME/vNNNNNN/adapter_config.json`, `.../adapter_model
 exist (a crash mid-upload leaves nothing that counts, and a failed upload deletes what it wrote).
 `NAME/pinned` marks a pinned adapter. Everything the registry holds can be rebuilt from this.
 The two stores differ only in their five primitives; the layout logic is shared.
+
+Every S3 call is bounded (adapter_service/deadlines.py): a connect and a read timeout and a few
+attempts. A write that times out may still land later (a frozen endpoint processes what it had
+received when it wakes up), so a version being written is guarded by its registration lease in
+the registry, and what a registration left behind without being acknowledged (files without a
+meta.json, or a whole version the registry never indexed) is rolled back by the next
+registration of the name (`roll_back`).
 """
 
 from __future__ import annotations
@@ -14,9 +21,12 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from adapter_service.deadlines import Bounds, track
 
 CONFIG, WEIGHTS, META = "adapter_config.json", "adapter_model.safetensors", "meta.json"
 
@@ -45,8 +55,15 @@ class Version:
         return cls(**json.loads(text))
 
 
+class Abandoned(Exception):
+    """The registration that started a write gave up on it: the commit mark is not written."""
+
+
+@track
 class Store:
     """The layout over five primitives a backend implements (blocking; called in a thread)."""
+
+    label = "storage"  # what an RPC waiting on this store names when it runs out of time
 
     def _write(self, key: str, data: bytes | Path) -> None:
         raise NotImplementedError
@@ -69,11 +86,13 @@ class Store:
     def _dir(name: str, version: int) -> str:
         return f"{name}/v{version:06d}/"
 
-    def _put(self, meta: Version, config: bytes, weights: Path) -> None:
+    def _put(self, meta: Version, config: bytes, weights: Path, abandoned: threading.Event) -> None:
         base = self._dir(meta.name, meta.version)
         written: list[str] = []
         try:
             for key, data in ((WEIGHTS, weights), (CONFIG, config), (META, meta.to_json().encode())):
+                if abandoned.is_set():
+                    raise Abandoned(f"{meta.name} v{meta.version}: the registration gave up before {key}")
                 written.append(base + key)
                 self._write(base + key, data)
         except BaseException:
@@ -88,6 +107,20 @@ class Store:
             v.pinned = v.name in pinned
         return out
 
+    def _roll_back(self, name: str, above: int) -> int:
+        """Delete the files of `name`'s versions above `above` and of those without a commit mark;
+        how many files."""
+        keys = self._keys(f"{name}/")
+        committed = {k.rsplit("/", 1)[0] for k in keys if k.endswith("/" + META)}
+        gone = [
+            k
+            for k in keys
+            if k.count("/") == 2
+            and (k.rsplit("/", 1)[0] not in committed or int(k.split("/")[1].lstrip("v")) > above)
+        ]
+        self._delete(gone)
+        return len(gone)
+
     def _remove(self, name: str) -> int:
         keys = self._keys(f"{name}/")
         self._delete(keys)
@@ -101,8 +134,12 @@ class Store:
 
     # --- async surface -------------------------------------------------------------------------
 
-    async def put(self, meta: Version, config: bytes, weights: Path) -> None:
-        await asyncio.to_thread(self._put, meta, config, weights)
+    async def put(
+        self, meta: Version, config: bytes, weights: Path, abandoned: threading.Event | None = None
+    ) -> None:
+        """Write one version, its commit mark last; nothing of it remains if a write fails. Once
+        `abandoned` is set the commit mark is not written (the caller answered already)."""
+        await asyncio.to_thread(self._put, meta, config, weights, abandoned or threading.Event())
 
     async def read(self, name: str, version: int) -> tuple[bytes, bytes]:
         """(adapter_config.json, adapter_model.safetensors) of one version."""
@@ -112,6 +149,9 @@ class Store:
     async def versions(self, name: str = "") -> list[Version]:
         """Every committed version (of `name`, or of all adapters), oldest first per name."""
         return await asyncio.to_thread(self._versions, name)
+
+    async def roll_back(self, name: str, above: int) -> int:
+        return await asyncio.to_thread(self._roll_back, name, above)
 
     async def remove(self, name: str) -> int:
         return await asyncio.to_thread(self._remove, name)
@@ -128,6 +168,7 @@ class LocalStore(Store):
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self.label = f"storage (directory {self.root})"
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
@@ -172,19 +213,31 @@ class S3Store(Store):
     identity token under IRSA, an instance profile), never from a flag.
     """
 
+    label = "storage (S3)"
+
     def __init__(
-        self, bucket: str, prefix: str = "adapters/", endpoint_url: str = "", region: str = ""
+        self,
+        bucket: str,
+        prefix: str = "adapters/",
+        endpoint_url: str = "",
+        region: str = "",
+        bounds: Bounds | None = None,
     ) -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
 
+        b = bounds or Bounds()
         self.bucket, self.prefix = bucket, prefix
         self.s3 = boto3.client(
             "s3",
             endpoint_url=endpoint_url or None,
             region_name=region or None,
-            config=Config(retries={"max_attempts": 5, "mode": "standard"}),
+            config=Config(
+                connect_timeout=b.s3_connect,
+                read_timeout=b.s3_read,
+                retries={"max_attempts": b.s3_attempts, "mode": "standard"},
+            ),
         )
         self.transfer = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20)
 

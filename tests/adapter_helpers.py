@@ -44,6 +44,7 @@ def _stop(proc: subprocess.Popen) -> None:
 class S3:
     endpoint: str
     bucket: str
+    proc: subprocess.Popen | None = None  # moto's server (tests/test_adapter_chaos.py freezes it)
 
     def client(self):
         import boto3
@@ -86,7 +87,7 @@ def s3_server(workdir: Path, bucket: str = "spindle-test") -> Iterator[S3]:
         proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out)
     try:
         _wait_port(port, proc, "moto_server")
-        store = S3(f"http://127.0.0.1:{port}", bucket)
+        store = S3(f"http://127.0.0.1:{port}", bucket, proc)
         store.client().create_bucket(Bucket=store.bucket)
         yield store
     finally:

@@ -5,11 +5,14 @@ with the engine run directly on the adapter directory."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import os
 import signal
 import struct
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -21,10 +24,14 @@ from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import adapters_pb2_grpc, model_control_pb2_grpc
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import model_control_pb2 as mc
-from tests.adapter_helpers import aws_env, redis_server
+from tests import chaos_helpers as chaos
+from tests.adapter_helpers import aws_env, redis_server, s3_server
 from tests.conftest import make_engine
+from tests.fault_helpers import RestartableRedis
 from tests.service_helpers import (
     NOT_SERVING,
+    SERVING,
+    Service,
     collect,
     free_port,
     load,
@@ -41,48 +48,89 @@ KEYS = "admin key-admin * admin\nuser key-user *\n"
 ADMIN, USER = "key-admin", "key-user"
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama, redis_url, s3, tmp_path_factory):
-    import redis
+RPC_BOUND = 3.0  # the replicas' --rpc-timeout
 
-    redis.Redis.from_url(redis_url).flushall()  # the session's Redis may hold other tests' registries
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama, tmp_path_factory):
+    """Its own Redis (restartable) and moto (freezable), two pods, two replicas of the service
+    sharing them (the gateway knows both), the gateway. Everything starts at once: the replicas
+    wait NOT_SERVING for the pods and Redis."""
     logs = tmp_path_factory.mktemp("svc")
-    metrics = free_port()
-    pods = [spawn_pod(tiny_llama.name, logs, f"pod{i}", "--max-loras", "2") for i in range(2)]
-    for p in pods:
-        wait_serving(p)
-    service_args = [
-        "--pods", ",".join(p.control_address for p in pods), "--redis-url", redis_url,
-        "--s3-bucket", s3.bucket, "--s3-endpoint-url", s3.endpoint, "--s3-region", "us-east-1",
-        "--base-model", tiny_llama.name, "--metrics-port", str(metrics), "--poll-interval", "0.3",
-        "--lease-ttl", "1.5", "--max-adapter-bytes", "2000000", "--max-lora-rank", "16",
-        "--slot-idle-seconds", "0.5", "--host-idle-seconds", "1",
-        "--hot-share", "1",  # a few adapters draw all the traffic here: replicas only where asked
-    ]  # fmt: skip
-    service = spawn("adapter-service", service_args, logs, "adapter-service", env=aws_env())
-    keys = logs / "keys"
-    keys.write_text(KEYS)
-    gateway = spawn(
-        "gateway",
-        ["--pods", ",".join(p.address for p in pods), "--api-keys-file", str(keys),
-         "--adapter-service", wait_serving(service).address, "--health-interval", "0.2"],
-        logs, "gateway",
+    redis_proc = RestartableRedis(logs)
+    redis_proc.start()
+    with s3_server(logs) as s3:
+        pods = [spawn_pod(tiny_llama.name, logs, f"pod{i}", "--max-loras", "2") for i in range(2)]
+        ports, metrics = [free_port(), free_port()], [free_port(), free_port()]
+        service_args = [
+            "--pods", ",".join(p.control_address for p in pods), "--redis-url", redis_proc.url,
+            "--s3-bucket", s3.bucket, "--s3-endpoint-url", s3.endpoint, "--s3-region", "us-east-1",
+            "--base-model", tiny_llama.name, "--poll-interval", "0.3",
+            "--lease-ttl", "1.5", "--max-adapter-bytes", "2000000", "--max-lora-rank", "16",
+            "--slot-idle-seconds", "0.5", "--host-idle-seconds", "1",
+            "--hot-share", "1",  # a few adapters draw all the traffic here: replicas only where asked
+            "--rpc-timeout", str(RPC_BOUND), "--s3-connect-timeout", "0.5", "--s3-read-timeout", "1",
+            "--s3-max-attempts", "2", "--redis-timeout", "0.5", "--redis-max-attempts", "2",
+        ]  # fmt: skip
+        state = {
+            "pods": pods,
+            "replicas": [],
+            "service_args": service_args,
+            "ports": ports,
+            "logs": logs,
+            "metrics_ports": metrics,
+            "redis": redis_proc,
+            "s3": s3,
+        }
+        for i in range(2):
+            state["replicas"].append(_replica(state, i))
+        keys = logs / "keys"
+        keys.write_text(KEYS)
+        targets = ",".join(f"127.0.0.1:{p}" for p in ports)
+        gateway = spawn(
+            "gateway",
+            ["--pods", ",".join(p.address for p in pods), "--api-keys-file", str(keys),
+             "--adapter-service", f"ipv4:{targets}", "--health-interval", "0.2"],
+            logs, "gateway",
+        )  # fmt: skip
+        state["gateway"] = gateway
+        for service in [*pods, *state["replicas"], gateway]:
+            wait_serving(service)
+        state["service"] = state["replicas"][0]
+        deadline = time.monotonic() + 10
+        while gateway.output().count("is healthy") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield state
+        for service in (gateway, *state["replicas"], *pods):
+            service.stop()
+    redis_proc.stop()
+
+
+def _replica(cluster: dict, i: int, tag: str = "") -> Service:
+    """Replica `i` of the service, started (or restarted) on its port; `cluster["service"]` is the
+    first. Not waited for."""
+    metrics = str(cluster["metrics_ports"][i])
+    replica = spawn(
+        "adapter-service", [*cluster["service_args"], "--metrics-port", metrics], cluster["logs"],
+        f"adapter-service{i}{tag}", env=aws_env(), port=cluster["ports"][i],
     )  # fmt: skip
-    wait_serving(gateway)
-    deadline = time.monotonic() + 10
-    while gateway.output().count("is healthy") < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    state = {
-        "pods": pods,
-        "service": service,
-        "gateway": gateway,
-        "service_args": service_args,
-        "logs": logs,
-        "metrics": f"http://127.0.0.1:{metrics}/metrics",
-    }
-    yield state
-    for s in (gateway, state["service"], *pods):
-        s.stop()
+    if len(cluster["replicas"]) > i:
+        cluster["replicas"][i] = replica
+    if i == 0 and "service" in cluster:
+        cluster["service"] = replica
+    return replica
+
+
+@pytest.fixture
+def redis_url(cluster) -> str:
+    """The cluster's Redis, not the session's (this module restarts it)."""
+    return cluster["redis"].url
+
+
+@pytest.fixture
+def s3(cluster):
+    """The cluster's S3, not the session's (this module freezes it)."""
+    return cluster["s3"]
 
 
 _references: dict[tuple[str, int], list[int]] = {}
@@ -226,11 +274,14 @@ def test_under_load_nothing_in_use_is_evicted(cluster, lora_dirs, tiny_llama):
 
 
 def _metric(cluster, name: str) -> float:
-    """The sum of a Prometheus counter's series on the adapter service."""
+    """The sum of a Prometheus counter's series on the replicas of the adapter service."""
     from urllib.request import urlopen
 
-    text = urlopen(cluster["metrics"], timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+    urls = [f"http://127.0.0.1:{port}/metrics" for port in cluster["metrics_ports"]]
+    texts = [urlopen(url, timeout=5).read().decode() for url in urls]
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for text in texts for line in text.splitlines() if line.startswith(name)
+    )
 
 
 def test_new_version_rotates_in_flight_old_ones_finish_on_old_weights(cluster, lora_dirs, tiny_llama):
@@ -385,12 +436,8 @@ def test_import_from_s3_pin_and_a_service_restart(cluster, lora_dirs, tiny_llama
         assert c.pin("imported").pinned
     # A restart of the service (same port): the index comes back from Redis, the pods' view from
     # their slot reports; the pin is kept in storage.
-    port = service.address.rsplit(":", 1)[1]
     service.stop()
-    restarted = spawn("adapter-service", [*cluster["service_args"], "--port", port], cluster["logs"],
-                      "adapter-service-2", env=aws_env())  # fmt: skip
-    restarted.address = service.address  # the later --port wins over the one spawn() chose
-    cluster["service"] = wait_serving(restarted)
+    wait_serving(_replica(cluster, 0, "-restarted"))
     with _admin(gateway.address) as c:
         deadline = time.monotonic() + 10
         while True:  # until the gateway has reconnected and the service has polled the pods
@@ -405,6 +452,163 @@ def test_import_from_s3_pin_and_a_service_restart(cluster, lora_dirs, tiny_llama
         assert got.pinned and got.placements[0].tier == apb.PLACEMENT_TIER_DEVICE
         assert c.pin("imported", False).pinned is False
     assert _generate(gateway, "imported") == _reference(tiny_llama, lora_dirs["c"])
+
+
+def test_registrations_survive_a_killed_replica_a_restarted_redis_and_a_frozen_s3(
+    cluster, lora_dirs, tiny_llama, tmp_path
+):
+    """Three clients register new versions of two adapters (one through the gateway, two straight
+    to a replica each; every call retried until acknowledged, as a careful client does) and a
+    fourth generates with them through the gateway, while one
+    replica is killed (SIGKILL, then restarted on its port), Redis is killed and restarted empty,
+    and S3 is frozen (SIGSTOP) for 2.5 s. Afterwards: every acknowledged version is in S3 with its
+    sha256, the index holds each name's latest, versions are dense and unique per name, every pod
+    holding an adapter holds its latest version and serves it token for token, nothing failed
+    outside a fault's window, every failed call returned within the service's bound. Prints the
+    counts and the recovery times (docs/reliability.md, "The adapter manager")."""
+    import redis
+
+    gateway, pods, replicas, s3 = cluster["gateway"], cluster["pods"], cluster["replicas"], cluster["s3"]
+    versions = chaos.variants(lora_dirs, tmp_path)
+    by_sha = {chaos.sha256_of(d): d for ds in versions.values() for d in ds}
+    log, stop, taken, pick = (
+        chaos.Log(),
+        threading.Event(),
+        {name: 1 for name in chaos.NAMES},
+        threading.Lock(),
+    )
+    with _admin(gateway.address) as c:
+        for name in chaos.NAMES:
+            chaos.register_until_acked(c, name, versions[name][0], log)
+    for name in chaos.NAMES:
+        _generate(gateway, name)  # placed on a pod: the later versions rotate it there
+
+    def client(k: int) -> None:
+        """Client 0 goes through the gateway (to one replica: its channel picks the first that
+        answers); 1 and 2 straight to replica 0 and 1, so both replicas register at once."""
+        target = gateway.address if k == 0 else f"127.0.0.1:{cluster['ports'][k - 1]}"
+        with _admin(target, ADMIN if k == 0 else None) as c:
+            for i in itertools.count(k):
+                name = list(chaos.NAMES)[i % 2]
+                with pick:
+                    n, taken[name] = taken[name], taken[name] + 1
+                if stop.is_set() or n >= chaos.VERSIONS:
+                    return
+                chaos.register_until_acked(c, name, versions[name][n], log)
+
+    def generator() -> None:
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            start = time.monotonic()
+            try:
+                _generate(gateway, list(chaos.NAMES)[i % 2], key=USER)
+                log.counts["generated"] += 1
+            except grpc.RpcError as e:
+                log.fail("generate", start, e)
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(3)] + [
+        threading.Thread(target=generator)
+    ]
+    for t in threads:
+        t.start()
+    recovery: dict[str, float] = {}
+    try:
+        time.sleep(1.0)
+        killed = time.monotonic()
+        replicas[0].stop(signal.SIGKILL)
+        chaos.until(lambda: log.first_ack_after(killed) < float("inf"))
+        recovery["replica killed: next acknowledged registration"] = log.first_ack_after(killed)
+        restarted = _replica(cluster, 0, "-after-chaos-kill")  # on its port, as Kubernetes restarts it
+        log.faults["replica killed"] = (killed, time.monotonic())
+        serving = threading.Thread(target=wait_serving, args=(restarted, 30))
+        serving.start()  # while the next fault runs
+
+        time.sleep(0.5)
+        down = time.monotonic()
+        cluster["redis"].kill()
+        time.sleep(0.5)
+        cluster["redis"].start()  # same port, empty: the index is rebuilt from S3
+        up = time.monotonic()
+        log.faults["redis restarted empty"] = (down, up)
+        chaos.until(lambda: log.first_ack_after(up) < float("inf"))
+        recovery["redis restarted: next acknowledged registration"] = log.first_ack_after(up)
+        serving.join()
+        recovery["replica killed: its restart SERVING (Redis restarted meanwhile)"] = (
+            time.monotonic() - killed
+        )
+
+        frozen = time.monotonic()
+        os.kill(s3.proc.pid, signal.SIGSTOP)
+        try:
+            recovery["s3 frozen: both replicas NOT_SERVING after"] = chaos.until(
+                lambda: all(chaos.health(r) == NOT_SERVING for r in replicas), timeout=10
+            )
+            time.sleep(max(0.0, 2.5 - (time.monotonic() - frozen)))
+        finally:
+            os.kill(s3.proc.pid, signal.SIGCONT)
+        thawed = time.monotonic()
+        log.faults["s3 frozen (SIGSTOP)"] = (frozen, thawed)
+        recovery["s3 thawed: both replicas SERVING after"] = chaos.until(
+            lambda: all(chaos.health(r) == SERVING for r in replicas), timeout=10
+        )
+        chaos.until(lambda: log.first_ack_after(thawed) < float("inf"))
+        recovery["s3 thawed: next acknowledged registration"] = log.first_ack_after(thawed)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+    stored = chaos.stored_versions(s3)
+    indexed = chaos.indexed_versions(cluster["redis"].url)
+    acked = {(n, v): sha for n, v, sha, _ in log.acked}
+    for name in chaos.NAMES:
+        numbers = sorted(v for n, v in stored if n == name)
+        assert numbers == list(range(1, len(numbers) + 1)), f"{name}: versions not dense: {numbers}"
+        assert indexed[name] == (numbers[-1], stored[(name, numbers[-1])]), (name, indexed[name])
+    lost = {k: sha for k, sha in acked.items() if stored.get(k) != sha}
+    assert not lost, f"acknowledged versions not in S3 as acknowledged: {lost}"
+    unacked = {k: sha for k, sha in stored.items() if k not in acked and k[0] in chaos.NAMES}
+    for k, sha in unacked.items():  # indexed, but its answer was lost; the retry made another
+        assert sha in set(acked.values()), f"{k} stored, never acknowledged nor retried"
+    latest = {name: indexed[name][1] for name in chaos.NAMES}
+
+    def pods_hold_latest() -> bool:
+        return all(h.get(n, latest[n]) == latest[n] for h in map(chaos.held, pods) for n in chaos.NAMES)
+
+    recovery["after the faults: every holding pod on the latest version"] = chaos.until(pods_hold_latest)
+    for name in chaos.NAMES:  # twice: whichever holding pod the gateway picks
+        want = _reference(tiny_llama, by_sha[latest[name]])
+        assert _generate(gateway, name) == want and _generate(gateway, name) == want
+    r = redis.Redis.from_url(cluster["redis"].url)
+    assert all(r.ttl(k) > 0 for k in r.keys("spindle:adapters:lock:*")), "a lease without expiry"
+
+    expected, unexpected = Counter(), []
+    for op, start, end, code, text in log.failures:
+        fault = log.fault_of(start, end)
+        bounded = end - start <= RPC_BOUND + chaos.SLACK
+        if fault is None or not bounded or code not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            unexpected.append((op, round(start - log.started, 2), round(end - start, 2), code, text))
+        else:
+            expected[f"{op} {code} during {fault}"] += 1
+    report = {
+        "operations": dict(log.counts, versions_in_s3=len([k for k in stored if k[0] in chaos.NAMES]),
+                           stored_but_answer_lost=len(unacked)),
+        "faults": list(log.faults),
+        "failures_expected": dict(expected),
+        "failures_unexpected": unexpected,
+        "longest_failed_call_s": round(max((e - s for _, s, e, *_ in log.failures), default=0.0), 2),
+        "recovery_s": {k: round(v, 2) for k, v in recovery.items()},
+        "messages": sorted({f"{code}: {text[:160]}" for *_, code, text in log.failures}),
+    }  # fmt: skip
+    print("CHAOS", json.dumps(report, indent=1))
+    assert not unexpected, unexpected
+    assert not [f for f in log.failures if f[0] == "generate"], "serving must go on through every fault"
+    assert log.counts["acknowledged"] >= 10 and log.counts["generated"] >= 10
+    with _admin(gateway.address) as c:  # what the next tests expect: only their adapters
+        for name in chaos.NAMES:
+            c.delete(name)
 
 
 def test_delete_then_a_killed_pods_adapters_are_placed_elsewhere(cluster, lora_dirs, tiny_llama, s3):

@@ -154,6 +154,21 @@ def test_model_source_and_adapter_cache():
     assert [c["metadata"]["name"] for c in sts["spec"]["volumeClaimTemplates"]] == ["adapter-cache"]
 
 
+def test_the_adapter_service_runs_two_replicas_with_a_disruption_budget_on_shared_storage():
+    name = f"{RELEASE}-spindle-adapter-service"
+    for value_set in ("irsa", "s3-keys-minio"):  # S3: the replicas share it
+        objects = render(VALUE_SETS[value_set])
+        assert workloads(objects)["adapter-service"]["spec"]["replicas"] == 2
+        assert one(objects, "PodDisruptionBudget", name)["spec"]["maxUnavailable"] == 1
+    claim = render({"adapterService": {"storage": {"existingClaim": "adapters-rwx"}, "replicas": 3}})
+    assert workloads(claim)["adapter-service"]["spec"]["replicas"] == 3
+    objects = render({})  # the default emptyDir is one pod's: one replica, nothing to budget
+    assert workloads(objects)["adapter-service"]["spec"]["replicas"] == 1
+    assert not [o for o in objects if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == name]
+    assert "The adapter service runs 1 replica, not 2" in notes({})
+    assert "adapter service runs" not in notes(VALUE_SETS["irsa"])
+
+
 def test_irsa_puts_the_role_on_the_service_accounts_and_no_keys_anywhere():
     objects = render(VALUE_SETS["irsa"])
     role = VALUE_SETS["irsa"]["s3"]["irsaRoleArn"]

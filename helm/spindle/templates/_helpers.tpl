@@ -216,3 +216,11 @@ Call with (list $ REQUIRE_CLIENT_CERT). */}}
 {{- $ := index . 0 -}}
 {{- ternary $.Values.tls.healthPort (index . 1) $.Values.tls.enabled -}}
 {{- end -}}
+
+{{/* The adapter service's replicas: `adapterService.replicas` where its storage is shared (S3, or
+an existing claim, which must then be ReadWriteMany); one on the default emptyDir, which only one
+pod can see (two would each keep their own adapters). */}}
+{{- define "spindle.adapterServiceReplicas" -}}
+{{- $a := .Values.adapterService -}}
+{{- if or $a.s3.enabled $a.storage.existingClaim }}{{ $a.replicas }}{{ else }}{{ min $a.replicas 1 }}{{ end -}}
+{{- end }}
