@@ -154,8 +154,8 @@ def main() -> None:
                            env=env, stderr=subprocess.DEVNULL)  # fmt: skip
     gateway = subprocess.Popen(
         [*pin_gateway, sys.executable, "-m", "spindle.cli", "gateway", "--host", "127.0.0.1",
-         "--port", str(gw_port), "--pods", f"127.0.0.1:{pod_port}", "--allow-unauthenticated",
-         "--log-level", "WARNING"],
+         "--port", str(gw_port), "--http-port", "0", "--pods", f"127.0.0.1:{pod_port}",
+         "--allow-unauthenticated", "--log-level", "WARNING"],
         env={**env, **dict(kv.split("=", 1) for kv in args.gateway_env)}, cwd=ROOT,
     )  # fmt: skip
     try:
