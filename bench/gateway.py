@@ -99,8 +99,9 @@ async def closed_loop(
         nonlocal messages
         for i in counter:
             start = time.perf_counter()
-            messages += await send(i)
+            received = await send(i)  # not `messages += await ...`: that reads `messages` before the wait
             latencies.append(time.perf_counter() - start)
+            messages += received
 
     warm = iter(range(max(8, 2 * concurrency)))
     await asyncio.gather(*(worker(warm) for _ in range(min(concurrency, 4))))  # warm the connections

@@ -44,7 +44,9 @@ def _idle(pod: str, timeout: float = 10.0) -> float:
 
 def test_sync_chat_plain_and_streamed_equal_grpc_greedy(spindle_up):
     client = _sdk(spindle_up.http)
-    plain = client.chat.completions.create(model=BASE, messages=QUESTION, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(
+        model=BASE, messages=QUESTION, max_tokens=8, temperature=0, extra_headers={"x-request-id": "http-1"}
+    )
     chunks = list(
         client.chat.completions.create(
             model=BASE, messages=QUESTION, max_tokens=8, temperature=0, stream=True,
@@ -55,7 +57,7 @@ def test_sync_chat_plain_and_streamed_equal_grpc_greedy(spindle_up):
         via_grpc = grpc_client.generate(chat_request(QUESTION, max_tokens=8, temperature=0.0), timeout=60)
     text = plain.choices[0].message.content
     assert text and text == via_grpc.text
-    assert plain.model == BASE and plain.object == "chat.completion"
+    assert plain.model == BASE and plain.object == "chat.completion" and plain.id == "chatcmpl-http-1"
     assert plain.usage.completion_tokens == via_grpc.completion_tokens
     assert plain.usage.prompt_tokens == via_grpc.prompt_tokens
     assert plain.choices[0].finish_reason == via_grpc.finish_reason

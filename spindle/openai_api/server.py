@@ -93,6 +93,7 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, fmt: Format) -> web.StreamResponse:
         req, call = fmt.parse(await _json_object(request), self.base_models())
+        req.request_id = request.headers.get("x-request-id", "")  # checked as gRPC's request_id is
         context = HttpCallContext(request.headers)
         parent = propagate.extract(request.headers)
         with self.tracer.start_as_current_span(f"POST {request.path}", parent, trace.SpanKind.SERVER):
