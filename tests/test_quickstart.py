@@ -75,10 +75,12 @@ def test_every_command_explains_itself():
     for command in ("generate", "serve", "gateway", "up", "chat", "complete", "models", "adapters"):
         assert command in usage
     serve = _cli("serve", "--help").stdout
-    for flag in ("--port", "--metrics-port", "--drain-timeout", "SPINDLE_PORT", "SPINDLE_MAX_NUM_SEQS"):
+    for flag in ("--port", "--metrics-port", "--drain-timeout", "SPINDLE_PORT", "SPINDLE_MAX_NUM_SEQS",
+                 "--http-port", "SPINDLE_HTTP_PORT"):  # fmt: skip
         assert flag in serve
     gateway = _cli("gateway", "--help").stdout
-    for flag in ("--pods", "--pods-dns", "--api-keys-file", "SPINDLE_API_KEYS_FILE", "--health-interval"):
+    for flag in ("--pods", "--pods-dns", "--api-keys-file", "SPINDLE_API_KEYS_FILE", "--health-interval",
+                 "--http-port", "SPINDLE_HTTP_PORT"):  # fmt: skip
         assert flag in gateway
     service = _cli("adapter-service", "--help").stdout
     for flag in ("--s3-bucket", "--redis-url", "--pods-dns", "--base-model", "SPINDLE_STAGING_MAX_BYTES"):
