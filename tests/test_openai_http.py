@@ -12,6 +12,10 @@ import grpc
 import httpx
 import openai
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from spindle.client import Client, chat_request, completion_request
 from spindle.openai_api.errors import ApiError
@@ -156,8 +160,12 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         str(http_port),
     ]
 
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
     async def run() -> None:
-        async with gateway_in_process(flags):
+        async with gateway_in_process(flags, provider):
             url = f"http://127.0.0.1:{http_port}/v1"
 
             def client(key: str) -> openai.AsyncOpenAI:
@@ -183,8 +191,14 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
                 await admin.chat.completions.create(model=BASE, response_format=schema, **ask)
             with pytest.raises(openai.BadRequestError, match="temperature"):
                 await admin.chat.completions.create(model=BASE, temperature=-1, **ask)
+            exporter.clear()
             done = await admin.completions.create(model=BASE, prompt="Hi", max_tokens=2, temperature=0)
             assert done.usage.completion_tokens == 2
+            # Traced as a gRPC request is: the HTTP server span, the gateway's call to the pod inside it.
+            (server,) = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/completions"]
+            (client,) = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.CLIENT]
+            assert server.kind == SpanKind.SERVER and client.parent.span_id == server.context.span_id
+            assert server.attributes["gen_ai.response.id"] == done.id.removeprefix("cmpl-")
 
     asyncio.run(run())
 
