@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -12,7 +14,7 @@ from grpc_health.v1 import health_pb2
 from spindle import local
 from spindle.cli import command_parser
 from tests.service_helpers import ROOT
-from tests.up_cluster import ADAPTER
+from tests.up_cluster import ADAPTER, try_lines
 
 CLI = [sys.executable, "-m", "spindle.cli"]
 
@@ -48,6 +50,25 @@ def test_up_answers_through_the_gateway_then_serves(spindle_up):
     assert (up.storage / ADAPTER / "v000001" / "meta.json").is_file()
     bad = _cli("chat", "--gateway", gw, "--temperature", "-1", "hi")
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
+
+
+def test_up_prints_a_curl_line_and_an_sdk_snippet_that_work(spindle_up):
+    """Run as printed, but for max_tokens (64 tokens of the random adapter cost seconds here)."""
+    lines = [line.replace('"max_tokens": 64', '"max_tokens": 4') for line in try_lines(spindle_up)]
+    (curl,) = [line for line in lines if line.startswith("curl ")]
+    (sdk,) = [
+        line.split("   # ")[0].replace("max_tokens=64", "max_tokens=4") for line in lines if "-c " in line
+    ]
+    assert spindle_up.http in curl and spindle_up.http in sdk and "max_tokens=4" in sdk and '": 4' in curl
+    if shutil.which("curl"):
+        answer = json.loads(
+            subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=60).stdout
+        )
+        assert answer["model"] == ADAPTER and answer["usage"]["completion_tokens"] <= 4
+    python = shlex.quote(sys.executable)
+    printed = subprocess.run(python + sdk.removeprefix("python"), shell=True, capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+    assert printed.returncode == 0 and printed.stdout.strip(), printed.stderr
 
 
 def test_up_picks_free_ports_for_what_the_user_did_not_name():

@@ -36,9 +36,19 @@ class Up:
     pod: str  # the pod's gRPC HOST:PORT
     pod_http: str  # the pod's OpenAI base URL
     storage: Path
+    stderr: Path  # where it says what it serves and how to try it
     health_seen: set[int] = field(default_factory=set)  # the pod's statuses while it loaded
     refused_while_loading: str | None = None
     answers: list[str] = field(default_factory=list)  # the first lines it printed
+
+
+def try_lines(up: Up, timeout: float = 30) -> list[str]:
+    """The commands `spindle up` printed under "Try:" (it prints them once it has answered)."""
+    deadline = time.monotonic() + timeout
+    while "Ctrl-C stops" not in up.stderr.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = up.stderr.read_text()
+    return [line.strip() for line in text[text.index("Try:") : text.index("Ctrl-C stops")].splitlines()[1:]]
 
 
 def _watch_loading(up: Up, timeout: float = 90) -> None:
@@ -87,7 +97,7 @@ def spindle_up(smollm2, tmp_path_factory) -> Iterator[Up]:
         env=env,
     )
     up = Up(proc, f"127.0.0.1:{gw}", f"http://127.0.0.1:{http}/v1", f"127.0.0.1:{pod}",
-            f"http://127.0.0.1:{pod_http}/v1", tmp / "registered")  # fmt: skip
+            f"http://127.0.0.1:{pod_http}/v1", tmp / "registered", tmp / "up.err")  # fmt: skip
     try:
         _watch_loading(up)
         up.answers = [proc.stdout.readline() for _ in range(3)]  # the prompt, the base model, the adapter
