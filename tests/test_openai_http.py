@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from spindle.client import Client, chat_request, completion_request
-from spindle.openai_api.errors import ApiError
+from spindle.openai_api.errors import ApiError, from_status
 from spindle.openai_api.requests import chat_request as http_chat_request
 from spindle.openai_api.requests import completion_request as http_completion_request
 from spindle.v1 import pod_status_pb2, pod_status_pb2_grpc
@@ -254,3 +254,29 @@ def test_fields_map_onto_the_grpc_request():
     req, call = http_completion_request({"prompt": [[1, 2, 3]]}, {BASE})
     assert list(req.token_ids.ids) == [1, 2, 3] and call.model == BASE and not req.HasField("adapter")
     assert not req.sampling.HasField("temperature")  # unset stays unset: the engine's default
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "error_class"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, openai.BadRequestError),
+        (grpc.StatusCode.UNAUTHENTICATED, 401, openai.AuthenticationError),
+        (grpc.StatusCode.PERMISSION_DENIED, 403, openai.PermissionDeniedError),
+        (grpc.StatusCode.NOT_FOUND, 404, openai.NotFoundError),
+        (grpc.StatusCode.ALREADY_EXISTS, 409, openai.ConflictError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, openai.RateLimitError),
+        (grpc.StatusCode.UNAVAILABLE, 503, openai.InternalServerError),
+        (grpc.StatusCode.INTERNAL, 500, openai.InternalServerError),
+    ],
+)
+def test_each_status_is_the_http_status_the_sdk_expects(code, status, error_class):
+    error = from_status(code, "why", (("retry-after-ms", "1500"),))
+    assert error.status == status and error.body()["error"]["code"] == code.name
+    assert error.headers == {"retry-after-ms": "1500", "retry-after": "2"}
+    # What the SDK raises for that answer (served by a stub transport: no server needed)
+    answer = httpx.MockTransport(lambda _: httpx.Response(status, json=error.body(), headers=error.headers))
+    client = openai.OpenAI(
+        base_url="http://x/v1", api_key="k", max_retries=0, http_client=httpx.Client(transport=answer)
+    )
+    with pytest.raises(error_class, match="why"):
+        client.completions.create(model=BASE, prompt="hi")
