@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import json
 import logging
-import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
@@ -28,7 +27,7 @@ from spindle.openai_api import responses
 from spindle.openai_api.context import HttpCallContext, Refused
 from spindle.openai_api.errors import ApiError, bad_request, from_status
 from spindle.openai_api.responses import ChatFormat, CompletionFormat, Format, Reply
-from spindle.tls import PLAINTEXT, TlsConfig
+from spindle.tls import PLAINTEXT, ServerSslContext, TlsConfig
 from spindle.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -73,11 +72,12 @@ class OpenAIServer:
         self._runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int, tls: TlsConfig = PLAINTEXT) -> int:
-        """Listen on host:port (0 = any free port), with TLS when `tls` has a certificate; returns
-        the port."""
+        """Listen on host:port (0 = any free port), with TLS when `tls` has a certificate (its files
+        re-read when they change); returns the port."""
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, ssl_context=_ssl_context(tls))
+        ssl_context = ServerSslContext(tls).listening if tls.serves_tls else None
+        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
         try:
             await site.start()
         except OSError as e:
@@ -193,15 +193,3 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
         log.exception("HTTP %s %s failed", request.method, request.path)
         error = ApiError(500, "server_error", "INTERNAL", f"internal error ({type(e).__name__}: {e})")
     return _json(error.body(), status=error.status, headers=error.headers)
-
-
-def _ssl_context(tls: TlsConfig) -> ssl.SSLContext | None:
-    """The server's TLS (and client-certificate check), from the same files as its gRPC ports."""
-    if not tls.serves_tls:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(tls.cert_file, tls.key_file)
-    if tls.require_client_cert:
-        context.load_verify_locations(tls.ca_file)
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
