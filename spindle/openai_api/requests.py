@@ -9,6 +9,7 @@ and unknown ones are ignored, as vLLM does.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ _SAMPLING_FLOATS = (
     "repetition_penalty",
 )
 _SAMPLING_BOOLS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
-# Fields that would change what the answer is, which Spindle cannot do yet: refused, not ignored.
+# Fields that would change what the answer is, which Spindle cannot do: refused, not ignored.
 _REFUSED = {
     "tools": "tool calling is not supported",
     "functions": "function calling is not supported",
@@ -51,16 +52,72 @@ class Call:
 
 
 def structured_output(body: dict[str, Any], request: pb.GenerateRequest) -> None:
-    """Structured output (OpenAI's `response_format` json_object / json_schema; vLLM's
-    `structured_outputs` and `guided_json|regex|choice|grammar`): the one place these fields are
-    read. Not served yet: refused with a 400, so a caller never gets unconstrained text it took
-    for valid JSON. Wiring them means setting `request`'s structured-output fields here."""
-    asked = [name for name in STRUCTURED_FIELDS if body.get(name) is not None]
-    fmt = body.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") == "text":  # plain text: what is served anyway
-        asked.remove("response_format")
-    if asked:
-        raise bad_request(f"structured output is not supported yet ({', '.join(asked)})", param=asked[0])
+    """Structured output, the one place its fields are read: OpenAI's `response_format`
+    (`json_object`; `json_schema` with its `schema`, enforced strictly whatever `strict` says)
+    and vLLM's `structured_outputs` / `guided_json|regex|choice|grammar`, onto
+    `sampling.structured_output` as generation.proto maps them. At most one form; the schema,
+    regex or grammar itself is checked by the pod's grammar engine (a 400 with its message)."""
+    forms = [
+        (name, _structured_form(name, body[name])) for name in STRUCTURED_FIELDS if body.get(name) is not None
+    ]
+    forms = [(name, form) for name, form in forms if form is not None]  # response_format text: free text
+    if len(forms) > 1:
+        names = ", ".join(name for name, _ in forms)
+        raise bad_request(f"give one structured-output form, not several ({names})", forms[1][0])
+    if forms:
+        request.sampling.structured_output.CopyFrom(forms[0][1])
+
+
+def _structured_form(name: str, value: Any) -> pb.StructuredOutput | None:
+    """One structured-output field of the body as a StructuredOutput (None: free text)."""
+    if name == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return pb.StructuredOutput(json_object=True)
+        schema = (value.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                '`response_format` must be {"type": "text"}, {"type": "json_object"} or '
+                '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                name,
+            )
+        return pb.StructuredOutput(json_schema=json.dumps(schema))
+    if name == "structured_outputs":  # vLLM's object: exactly one of its forms
+        given = {k: v for k, v in value.items() if v not in (None, False)} if isinstance(value, dict) else {}
+        if len(given) != 1 or next(iter(given)) not in _VLLM_FORMS:
+            raise bad_request(f"`structured_outputs` must set exactly one of {', '.join(_VLLM_FORMS)}", name)
+        ((key, value),) = given.items()
+        return _form(f"structured_outputs.{key}", _VLLM_FORMS[key], value)
+    return _form(name, _GUIDED_FORMS[name], value)
+
+
+def _form(where: str, form: str, value: Any) -> pb.StructuredOutput:
+    """`value` as StructuredOutput's `form` (json_schema, json_object, regex, choice, grammar)."""
+    if form == "json_schema" and isinstance(value, dict):
+        return pb.StructuredOutput(json_schema=json.dumps(value))
+    if form == "json_object" and value is True:
+        return pb.StructuredOutput(json_object=True)
+    if form == "choice" and isinstance(value, list) and value and all(isinstance(c, str) for c in value):
+        return pb.StructuredOutput(choice=pb.Choices(choices=value))
+    if form in ("json_schema", "regex", "grammar") and isinstance(value, str):
+        return pb.StructuredOutput(**{form: value})
+    raise bad_request(f"`{where}` must be {_STRUCTURED_KINDS[form]}", where)
+
+
+# vLLM's spellings -> the StructuredOutput field each one sets.
+_VLLM_FORMS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+               "json_object": "json_object"}  # fmt: skip
+_GUIDED_FORMS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}  # fmt: skip
+_STRUCTURED_KINDS = {
+    "json_schema": "a JSON Schema (an object, or its JSON text)",
+    "regex": "a regular expression (a string)",
+    "choice": "a non-empty list of strings",
+    "grammar": "a grammar (Lark or GBNF text)",
+    "json_object": "true",
+}
 
 
 def chat_request(body: dict[str, Any], base_models: Collection[str]) -> tuple[pb.GenerateRequest, Call]:
