@@ -223,6 +223,8 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"messages": QUESTION, "top_logprobs": 2}, "logprobs: true"),
         ({"messages": QUESTION, "max_tokens": "9"}, "an integer"),
         ({"prompt": ["a", "b"]}, "several prompts"),
+        ({"prompt": [1, 2**40]}, "token ids"),
+        ({"prompt": "a", "max_tokens": 2**40}, "out of range"),
         ({"prompt": "a", "echo": True}, "echo"),
     ],
 )

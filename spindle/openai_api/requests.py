@@ -144,11 +144,7 @@ def completion_request(body: dict[str, Any], base_models: Collection[str]) -> tu
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         req = pb.GenerateRequest(text=prompt)
-    elif (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
+    elif isinstance(prompt, list) and prompt and _token_ids(prompt):
         req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
     else:
         raise bad_request(
@@ -204,7 +200,7 @@ def _common(
     if top_k is not None:
         s.top_k = 0 if top_k == -1 else top_k  # vLLM's -1 and Spindle's 0 both mean off
     stop_ids = _typed(body, "stop_token_ids", list) or []
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+    if not _token_ids(stop_ids):
         raise bad_request("`stop_token_ids` must be a list of token ids", "stop_token_ids")
     s.stop_token_ids.extend(stop_ids)
     structured_output(body, req)
@@ -224,6 +220,11 @@ def _max_tokens(body: dict[str, Any], req: pb.GenerateRequest, *names: str) -> N
         if value is not None:
             req.max_tokens = value
             return
+
+
+def _token_ids(values: list[Any]) -> bool:
+    """Every value a token id the wire can carry (int32, not negative)."""
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in values)
 
 
 def _message(m: Any, i: int) -> pb.ChatMessage:
@@ -251,6 +252,9 @@ def _typed(body: dict[str, Any], name: str, kind: type) -> Any:
         return float(value)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise bad_request(f"`{name}` must be {_KINDS[kind]}, got {str(value)[:100]!r}", name)
+    bits = 64 if name == "seed" else 32  # the proto field's width
+    if kind is int and not -(2 ** (bits - 1)) <= value < 2 ** (bits - 1):
+        raise bad_request(f"`{name}` is out of range ({bits}-bit integer): {str(value)[:100]}", name)
     return value
 
 
