@@ -125,7 +125,7 @@ def _summary(a: apb.Adapter) -> dict:
     }
 
 
-def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def _connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gateway", default=DEFAULT_GATEWAY, help="HOST:PORT of a gateway or adapter service"
     )
@@ -134,22 +134,38 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--control-token-file", default="", help="the service token, to call an adapter service directly"
     )
-    timeout_help = f"seconds to wait for the answer (register: the upload too) [{TIMEOUT:g}]"
-    parser.add_argument("--timeout", type=float, default=TIMEOUT, help=timeout_help)
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=TIMEOUT,
+        help=f"seconds to wait for the answer (register: the upload too) [{TIMEOUT:g}]",
+    )
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The connection flags go before the action (`adapters --gateway G list`) or after it
+    (`adapters list --gateway G`), as people type them: each action's parser has them too, with
+    no default of its own, so it sets one only when it is given there."""
+    _connection_args(parser)
+    after = argparse.ArgumentParser(add_help=False)
+    _connection_args(after)
+    for action in after._actions:  # argparse has no public list of its actions (envflags.py)
+        action.default = argparse.SUPPRESS
     sub = parser.add_subparsers(dest="action", required=True)
-    reg = sub.add_parser("register", help="upload a PEFT adapter directory (a new version if NAME exists)")
+
+    def action(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, parents=[after])
+
+    reg = action("register", "upload a PEFT adapter directory (a new version if NAME exists)")
     reg.add_argument("name")
     reg.add_argument("directory")
     reg.add_argument("--description", default="")
-    actions = [reg, sub.add_parser("list", help="every registered adapter, with where it is placed")]
-    for action, help_ in (("get", "one adapter"), ("delete", "remove every version, everywhere")):
-        actions.append(sub.add_parser(action, help=help_))
-        actions[-1].add_argument("name")
-    pin = sub.add_parser("pin", help="keep an adapter resident (--off to release)")
+    action("list", "every registered adapter, with where it is placed")
+    for name, help_ in (("get", "one adapter"), ("delete", "remove every version, everywhere")):
+        action(name, help_).add_argument("name")
+    pin = action("pin", "keep an adapter resident (--off to release)")
     pin.add_argument("name")
     pin.add_argument("--off", action="store_true")
-    for action in [*actions, pin]:  # also after the action; unset there, the one before it holds
-        action.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help=timeout_help)
     return parser
 
 

@@ -27,7 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,43 +84,92 @@ class Sample:
         }
 
 
-async def load_test(
-    address: str, pids: dict[str, int], requests: int, concurrency: int, tokens: int, into: Sample
+Send = Callable[[int], Awaitable[int]]  # request number -> messages received (its tokens checked)
+
+
+async def closed_loop(
+    send: Send, pids: dict[str, int], requests: int, concurrency: int, into: Sample
 ) -> None:
     """A closed loop of `concurrency` clients for `requests` requests (after a warm-up), with the
     CPU time each process in `pids` and this one (the client) spent meanwhile, added to `into`."""
     latencies: list[float] = []
     messages = 0
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = generation_pb2_grpc.GenerationStub(ch)
 
-        async def worker(counter: Iterator[int]) -> None:
-            nonlocal messages
-            for i in counter:
-                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3, i % 1000]), max_tokens=tokens)
-                start = time.perf_counter()
-                n = 0
-                async for resp in stub.Generate(req, timeout=30):
-                    n += len(resp.chunk.token_ids)
-                    messages += 1
-                assert n == tokens
-                latencies.append(time.perf_counter() - start)
+    async def worker(counter: Iterator[int]) -> None:
+        nonlocal messages
+        for i in counter:
+            start = time.perf_counter()
+            received = await send(i)  # not `messages += await ...`: that reads `messages` before the wait
+            latencies.append(time.perf_counter() - start)
+            messages += received
 
-        warm = iter(range(max(8, 2 * concurrency)))
-        await asyncio.gather(*(worker(warm) for _ in range(min(concurrency, 4))))  # warm the connections
-        latencies.clear()
-        messages = 0
-        counter = iter(range(requests))
-        pids = {**pids, "client": os.getpid()}
-        cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
-        started = time.perf_counter()
-        await asyncio.gather(*(worker(counter) for _ in range(concurrency)))
-        into.wall += time.perf_counter() - started
-        for name, pid in pids.items():
-            into.cpu_s[name] = into.cpu_s.get(name, 0.0) + _cpu_s(pid) - cpu_before[name]
+    warm = iter(range(max(8, 2 * concurrency)))
+    await asyncio.gather(*(worker(warm) for _ in range(min(concurrency, 4))))  # warm the connections
+    latencies.clear()
+    messages = 0
+    counter = iter(range(requests))
+    pids = {**pids, "client": os.getpid()}
+    cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(counter) for _ in range(concurrency)))
+    into.wall += time.perf_counter() - started
+    for name, pid in pids.items():
+        into.cpu_s[name] = into.cpu_s.get(name, 0.0) + _cpu_s(pid) - cpu_before[name]
     into.latencies += latencies
     into.requests += requests
     into.messages += messages
+
+
+async def load_test(
+    address: str, pids: dict[str, int], requests: int, concurrency: int, tokens: int, into: Sample
+) -> None:
+    """`closed_loop` of gRPC Generate streams of `tokens` tokens to `address`."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+
+        async def send(i: int) -> int:
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3, i % 1000]), max_tokens=tokens)
+            n = messages = 0
+            async for resp in stub.Generate(req, timeout=30):
+                n += len(resp.chunk.token_ids)
+                messages += 1
+            assert n == tokens
+            return messages
+
+        await closed_loop(send, pids, requests, concurrency, into)
+
+
+def start_pod_and_gateway(
+    step_ms: float,
+    stream_interval: int,
+    pin: list[str] | None = None,
+    gateway_args: Sequence[str] = (),
+    gateway_env: Sequence[str] = (),
+) -> tuple[subprocess.Popen, subprocess.Popen, int, int]:
+    """A fake-engine pod and a `spindle gateway` (with `gateway_args`) in front of it, SERVING:
+    the processes and their gRPC ports."""
+    from tests.service_helpers import free_port
+
+    pin_pod, pin_gateway = [["taskset", "-c", cpus] for cpus in pin[:2]] if pin else ([], [])
+    pod_port, gw_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    pod = subprocess.Popen([*pin_pod, sys.executable, __file__, "--role", "pod", "--port", str(pod_port),
+                            "--step-ms", str(step_ms), "--stream-interval", str(stream_interval)],
+                           env=env, stderr=subprocess.DEVNULL)  # fmt: skip
+    gateway = subprocess.Popen(
+        [*pin_gateway, sys.executable, "-m", "spindle.cli", "gateway", "--host", "127.0.0.1",
+         "--port", str(gw_port), "--http-port", "0", "--pods", f"127.0.0.1:{pod_port}",
+         "--allow-unauthenticated", "--log-level", "WARNING", *gateway_args],
+        env={**env, **dict(kv.split("=", 1) for kv in gateway_env)}, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        _wait_serving(f"127.0.0.1:{pod_port}")
+        _wait_serving(f"127.0.0.1:{gw_port}")
+    except BaseException:
+        for p in (gateway, pod):
+            p.terminate()
+        raise
+    return pod, gateway, pod_port, gw_port
 
 
 def main() -> None:
@@ -141,26 +190,13 @@ def main() -> None:
 
         asyncio.run(run_pod(args.port, FakeFastEngine(args.step_ms / 1000), args.stream_interval))
         return
-    from tests.service_helpers import free_port
-
-    pin_pod, pin_gateway = [["taskset", "-c", cpus] for cpus in args.pin[:2]] if args.pin else ([], [])
     if args.pin:  # this process (the client), every thread
         subprocess.run(["taskset", "-a", "-pc", args.pin[2], str(os.getpid())], check=True,
                        stdout=subprocess.DEVNULL)  # fmt: skip
-    pod_port, gw_port = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    pod = subprocess.Popen([*pin_pod, sys.executable, __file__, "--role", "pod", "--port", str(pod_port),
-                            "--step-ms", str(args.step_ms), "--stream-interval", str(args.stream_interval)],
-                           env=env, stderr=subprocess.DEVNULL)  # fmt: skip
-    gateway = subprocess.Popen(
-        [*pin_gateway, sys.executable, "-m", "spindle.cli", "gateway", "--host", "127.0.0.1",
-         "--port", str(gw_port), "--pods", f"127.0.0.1:{pod_port}", "--allow-unauthenticated",
-         "--log-level", "WARNING"],
-        env={**env, **dict(kv.split("=", 1) for kv in args.gateway_env)}, cwd=ROOT,
-    )  # fmt: skip
+    pod, gateway, pod_port, gw_port = start_pod_and_gateway(
+        args.step_ms, args.stream_interval, args.pin, gateway_env=args.gateway_env
+    )
     try:
-        _wait_serving(f"127.0.0.1:{pod_port}")
-        _wait_serving(f"127.0.0.1:{gw_port}")
         setup = {
             "engine": "fake fast engine (no model; one token per request per step)",
             "step_ms": args.step_ms,

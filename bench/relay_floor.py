@@ -78,7 +78,8 @@ def _start(ports: dict[str, int]) -> dict[str, subprocess.Popen]:
         "aio": [*me, "aio", "--port", str(ports["aio"]), "--pod", pod],
         "sync": [*me, "sync", "--port", str(ports["sync"]), "--pod", pod],
         "gateway": [sys.executable, "-m", "spindle.cli", "gateway", "--host", "127.0.0.1", "--port",
-                    str(ports["gateway"]), "--pods", pod, "--allow-unauthenticated", "--log-level", "ERROR"],
+                    str(ports["gateway"]), "--http-port", "0", "--pods", pod, "--allow-unauthenticated",
+                    "--log-level", "ERROR"],
     }  # fmt: skip
     quiet = subprocess.DEVNULL
     return {name: subprocess.Popen(cmd, env=env, cwd=ROOT, stderr=quiet) for name, cmd in procs.items()}

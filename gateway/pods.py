@@ -151,6 +151,11 @@ class PodPool:
         skip = set(exclude)
         return [p for p in self.pods.values() if p.healthy and p.address not in skip]
 
+    def base_models(self) -> set[str]:
+        """The base models the pods reported serving (an HTTP request's `model` is one of these or
+        an adapter's name)."""
+        return {p.load.model for p in self.pods.values() if p.load is not None and p.load.model}
+
     def eject(self, pod: Pod, why: str) -> None:
         was_healthy = pod.healthy
         pod.healthy, pod.last_error = False, why

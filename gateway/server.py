@@ -29,6 +29,7 @@ from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
 from gateway.relay import Relayed, add_generation_service, client_span
 from spindle import request_ids, serving, telemetry
 from spindle.grpc_status import abort, abort_exhausted
+from spindle.openai_api.server import OpenAIServer, add_http_args
 from spindle.security import add_security_args, security_from_args
 from spindle.v1 import adapters_pb2_grpc, generation_pb2_grpc
 from spindle.v1 import generation_pb2 as pb
@@ -62,6 +63,8 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         self.limits = Limits()
         self.draining = False
         self.port = 0  # set once listening
+        self.http: OpenAIServer | None = None  # the OpenAI-compatible API, when --http-port is set
+        self.http_port = 0
 
     async def _caller(self, context: grpc.aio.ServicerContext, metered: bool = True) -> Caller:
         """The authenticated caller; `metered` calls spend one of its rate (Abort does not: a
@@ -340,6 +343,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to listen on [0.0.0.0]")
     g.add_argument("--port", type=int, default=50051, help="gRPC port [50051]")
+    add_http_args(g)
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]")
     g.add_argument(
         "--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds for in-flight streams [30]"
@@ -460,6 +464,10 @@ async def start(
     await pool.start()
     gateway.port = port
     log.info("gateway listening on %s:%d in front of %d pods", args.host, port, len(pool.pods))
+    if getattr(args, "http_port", 0):
+        gateway.http = OpenAIServer(gateway, pool.base_models, lambda: health.serving, tracer)
+        gateway.http_port = await gateway.http.start(args.host, args.http_port, security.tls)
+        log.info("OpenAI-compatible HTTP API on %s:%d", args.host, gateway.http_port)
     return gateway, server, health
 
 
@@ -472,6 +480,8 @@ async def shutdown(
     deadline = loop.time() + drain_timeout
     while gateway.inflight and loop.time() < deadline:
         await asyncio.sleep(0.05)
+    if gateway.http is not None:
+        await gateway.http.stop()
     await server.stop(grace=1.0)
     await health.stop()
     await gateway.pool.close()

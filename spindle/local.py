@@ -7,14 +7,21 @@ gateway's admin API (the service runs embedded: a local directory for storage, i
 for the registry; no Redis or S3), sends one chat request with the base model and one with each
 adapter (placed on the pod on demand), prints the answers, and keeps serving until Ctrl-C (or
 SIGTERM), when it stops them the way Kubernetes would (SIGTERM, drain).
+
+The ports a caller uses have fixed defaults (the gateway's gRPC 50051 and OpenAI-compatible
+HTTP 8000); the internal ones (the pod's, the adapter service's, metrics) are free ports
+unless named, so two clusters on one machine only need different gateway ports. All are printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -45,25 +52,53 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="for the first request [64]")
     parser.add_argument("--host", default="127.0.0.1", help="address both services listen on [127.0.0.1]")
-    parser.add_argument("--gateway-port", type=int, default=50051, help="[50051]")
-    parser.add_argument("--pod-port", type=int, default=50052, help="the pod's Generation port [50052]")
+    parser.add_argument("--gateway-port", type=int, default=50051, help="the gateway's gRPC port [50051]")
     parser.add_argument(
-        "--pod-control-port", type=int, default=50053, help="the pod's ModelControl port [50053]"
+        "--http-port",
+        type=int,
+        default=8000,
+        help="the gateway's OpenAI-compatible HTTP port; 0 = off [8000]",
     )
-    parser.add_argument("--adapter-port", type=int, default=50060, help="the adapter service's [50060]")
+    parser.add_argument("--pod-port", type=int, default=None, help="the pod's Generation port [a free port]")
+    parser.add_argument(
+        "--pod-control-port", type=int, default=None, help="the pod's ModelControl port [a free port]"
+    )
+    parser.add_argument(
+        "--pod-http-port", type=int, default=None, help="the pod's OpenAI-compatible HTTP port [a free port]"
+    )
+    parser.add_argument("--adapter-port", type=int, default=None, help="the adapter service's [a free port]")
     parser.add_argument(
         "--storage-dir",
         default="",
         help="the adapter service's directory of registered adapters [~/.cache/spindle/adapters]",
     )
     parser.add_argument(
-        "--metrics-port", type=int, default=9090, help="the pod's /metrics port; 0 = off [9090]"
+        "--metrics-port", type=int, default=None, help="the pod's /metrics port; 0 = off [a free port]"
     )
     parser.add_argument("--log-level", default="WARNING", help="the services' log level [WARNING]")
     parser.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING [600]"
     )
     return parser
+
+
+_INTERNAL_PORTS = ("pod_port", "pod_control_port", "pod_http_port", "adapter_port", "metrics_port")
+
+
+def _pick_free_ports(args: argparse.Namespace) -> None:
+    """A free port for each internal port the user did not name (all held open until every one
+    is picked, so no two are the same)."""
+    held = []
+    try:
+        for name in _INTERNAL_PORTS:
+            if getattr(args, name) is None:
+                sock = socket.socket()
+                sock.bind((args.host, 0))
+                held.append(sock)
+                setattr(args, name, sock.getsockname()[1])
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def _service_token_file() -> str:
@@ -81,7 +116,7 @@ def _commands(args: argparse.Namespace, token_file: str) -> list[list[str]]:
     pod_cmd = [
         *me, "serve", "--model", args.model, "--host", args.host, "--port", str(args.pod_port),
         "--control-port", str(args.pod_control_port), "--metrics-port", str(args.metrics_port),
-        "--log-level", args.log_level,
+        "--http-port", str(args.pod_http_port), "--log-level", args.log_level,
     ]  # fmt: skip
     service_cmd = [
         *me, "adapter-service", "--host", args.host, "--port", str(args.adapter_port),
@@ -90,7 +125,8 @@ def _commands(args: argparse.Namespace, token_file: str) -> list[list[str]]:
     ]  # fmt: skip
     gateway_cmd = [
         *me, "gateway", "--host", args.host, "--port", str(args.gateway_port),
-        "--pods", f"{args.host}:{args.pod_port}", "--allow-unauthenticated", "--health-interval", "0.5",
+        "--http-port", str(args.http_port), "--pods", f"{args.host}:{args.pod_port}",
+        "--allow-unauthenticated", "--health-interval", "0.5",
         "--adapter-service", f"{args.host}:{args.adapter_port}", "--log-level", args.log_level,
     ]  # fmt: skip
     return [[*cmd, "--control-token-file", token_file] for cmd in (pod_cmd, service_cmd, gateway_cmd)]
@@ -113,7 +149,41 @@ def _answer(gateway: str, args: argparse.Namespace) -> None:
             print(flush=True)
 
 
+def _try_it(args: argparse.Namespace, gateway: str, service: str) -> str:
+    """Where everything listens, and commands that work against it as they are."""
+    pod = f"{args.host}:{args.pod_port}"
+    lines = [
+        f"\nServing: gateway {gateway} (gRPC)"
+        + (f" and http://{args.host}:{args.http_port}/v1 (OpenAI-compatible HTTP)" if args.http_port else ""),
+        f"  model pod {pod} (ModelControl {args.host}:{args.pod_control_port}, HTTP {args.pod_http_port}, "
+        f"metrics {args.metrics_port or 'off'}); adapter service {service}",
+        "Try:",
+        f'  spindle chat --gateway {gateway} "Tell me a joke."',
+    ]
+    if args.http_port:
+        model = args.lora[0].partition("=")[0] if args.lora else args.model
+        base_url = f"http://{args.host}:{args.http_port}/v1"
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "Tell me a joke."}],
+            "max_tokens": 64,
+        }
+        sdk = (  # double quotes inside, so the shell's single quotes wrap it cleanly
+            "from openai import OpenAI; "
+            f'client = OpenAI(base_url={json.dumps(base_url)}, api_key="none"); '
+            f"print(client.chat.completions.create(model={json.dumps(model)}, max_tokens=64, "
+            f"messages={json.dumps(body['messages'])}).choices[0].message.content)"
+        )
+        lines += [
+            f"  curl -s {base_url}/chat/completions -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(json.dumps(body))}",
+            f"  python -c {shlex.quote(sdk)}   # pip install openai",
+        ]
+    return "\n".join([*lines, "Ctrl-C stops all three."])
+
+
 def run(args: argparse.Namespace) -> int:
+    _pick_free_ports(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -126,14 +196,7 @@ def run(args: argparse.Namespace) -> int:
                 return 0 if stop.is_set() else 1
         _register(gateway, args.lora)
         _answer(gateway, args)
-        print(
-            f"\nServing: gateway {gateway} (model pod {args.host}:{args.pod_port}, "
-            f"its ModelControl on {args.host}:{args.pod_control_port}; adapter service {service}). Try:\n"
-            f'  spindle chat --gateway {gateway} "Tell me a joke."\n'
-            "Ctrl-C stops all three.",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(_try_it(args, gateway, service), file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             if any(c.poll() is not None for c in children):
                 print("spindle up: a service exited; stopping", file=sys.stderr)

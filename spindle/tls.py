@@ -119,6 +119,40 @@ class _ServerCertificates:
         return config
 
 
+class ServerSslContext:
+    """The TLS of a server that is not gRPC (the OpenAI HTTP port), following its files as the
+    gRPC servers' do: `listening` is the context to serve with; before each handshake (Python's
+    `sni_callback` runs for every ClientHello, with or without a server name) the files are
+    checked, and a changed, matching pair is served from then on."""
+
+    def __init__(self, tls: TlsConfig) -> None:
+        self.tls = tls
+        self.paths = paths(tls)
+        self.stamp = stamp(self.paths)
+        self.current = self._load()
+        self.listening = self._load()
+        self.listening.sni_callback = self._choose
+
+    def _load(self) -> ssl.SSLContext:
+        check_pair(self.tls)
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.tls.cert_file, self.tls.key_file)
+        if self.tls.require_client_cert:
+            context.load_verify_locations(self.tls.ca_file)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def _choose(self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+        try:
+            now = stamp(self.paths)
+            if now != self.stamp:
+                self.current, self.stamp = self._load(), now
+                log.info("TLS certificate reloaded from %s", self.tls.cert_file)
+        except (OSError, ValueError, ssl.SSLError) as e:  # mid-rotation: keep serving the previous files
+            log.warning("TLS files changed but are not usable yet (%s); keeping the previous ones", e)
+        connection.context = self.current
+
+
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
     certificates = _ServerCertificates(tls)
     return grpc.dynamic_ssl_server_credentials(

@@ -62,9 +62,13 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "mtls-own-token": {
         "tls": {"enabled": True, "existingSecret": "spindle-tls", "gatewayRequiresClientCert": True},
         "controlToken": {"existingSecret": "spindle-token"},
-        "networkPolicy": {"enabled": True},
+        "networkPolicy": {
+            "enabled": True,
+            "modelHttpFrom": [{"namespaceSelector": {"matchLabels": {"name": "inference-gateway"}}}],
+        },
     },
     "no-control-token": {"controlToken": {"enabled": False}},
+    "no-http": {"gateway": {"httpPort": 0}, "model": {"httpPort": 0}},
     "statefulset-no-adapter-service": {
         "model": {"adapterCache": {"persistence": True}, "keda": {"enabled": True}},
         "adapterService": {"enabled": False},

@@ -81,8 +81,9 @@ def spawn(
 ) -> Service:
     port = port or free_port()
     log = log_dir / f"{name}.log"
-    # tracing on (the default), nothing exported
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
+    # tracing on (the default), nothing exported; no OpenAI HTTP port unless a test asks (they
+    # would all want the default one)
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "SPINDLE_HTTP_PORT": "0", **(env or {})}
     cmd = [
         sys.executable,
         "-m",
@@ -198,7 +199,9 @@ async def gateway_in_process(flags: list[str], provider: Any = None) -> AsyncIte
     from gateway import server as gateway_server
 
     parser = gateway_server.build_parser(argparse.ArgumentParser())
-    args = parser.parse_args(["--host", "127.0.0.1", "--port", "0", "--health-interval", "0.1", *flags])
+    args = parser.parse_args(
+        ["--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--health-interval", "0.1", *flags]
+    )
     gateway, server, health = await gateway_server.start(args, provider)
     try:
         while not gateway.pool.healthy():

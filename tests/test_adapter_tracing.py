@@ -44,7 +44,7 @@ async def _run(
     )
     server, _, controller = await adapter_server.start(service_args, provider)
     gateway_args = gateway_server.build_parser(argparse.ArgumentParser()).parse_args(
-        ["--host", "127.0.0.1", "--port", "0", "--pods", pod, "--allow-unauthenticated",
+        ["--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--pods", pod, "--allow-unauthenticated",
          "--health-interval", "0.1", "--adapter-service", controller.advertise]
     )  # fmt: skip
     gateway, gserver, health = await gateway_server.start(gateway_args, provider)

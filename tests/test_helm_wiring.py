@@ -83,9 +83,18 @@ def test_pending_variables_are_read_by_their_service(name, variable):
         pytest.xfail(PENDING[(name, variable)])
 
 
-def probe_ports(container: dict) -> set[int]:
-    probes = [container[p] for p in ("startupProbe", "readinessProbe", "livenessProbe")]
-    assert all("grpc" in p for p in probes), f"{container['name']}: every probe is grpc.health.v1"
+def probe_ports(container: dict, http_ready: bool) -> set[int]:
+    """The grpc.health.v1 probes' ports; readiness is GET /health on the `http` port when
+    `http_ready` (an OpenAI HTTP port in plaintext)."""
+    names = (
+        ("startupProbe", "livenessProbe")
+        if http_ready
+        else ("startupProbe", "readinessProbe", "livenessProbe")
+    )
+    probes = [container[p] for p in names]
+    assert all("grpc" in p for p in probes), f"{container['name']}: {names} are grpc.health.v1"
+    if http_ready:
+        assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     return {p["grpc"]["port"] for p in probes}
 
 
@@ -99,7 +108,13 @@ def test_environment_ports_and_probes_match_the_service(name, value_set, monkeyp
     container = spec["containers"][0]
     args = parse_env(name, container_env(container), monkeypatch)
     assert port_number(container, "grpc") == args.port
-    assert probe_ports(container) == {args.health_port or args.port}  # plaintext health when TLS is on
+    http = getattr(args, "http_port", 0)
+    if http:
+        assert port_number(container, "http") == http
+    else:
+        assert "http" not in {p["name"] for p in container["ports"]}
+    http_ready = bool(http) and not args.tls_cert_file
+    assert probe_ports(container, http_ready) == {args.health_port or args.port}  # plaintext health with TLS
     if hasattr(args, "metrics_port"):
         assert port_number(container, "metrics") == args.metrics_port
     if hasattr(args, "drain_timeout"):
@@ -252,6 +267,9 @@ def test_network_policies_let_in_only_who_must(value_set):
     assert allowed_sources(objects, "model", "grpc") == {"gateway"}
     assert allowed_sources(objects, "model", "control") == {"model"} | adapter
     assert allowed_sources(objects, "gateway", "grpc") == ANYONE
+    assert allowed_sources(objects, "gateway", "http") == ANYONE  # the same callers, the same API keys
+    http = "http" in {p["name"] for p in main_container(deployed["model"])["ports"]}
+    assert not http or allowed_sources(objects, "model", "http") == {"gateway"}  # no keys on a pod
     if adapter:
         assert allowed_sources(objects, "adapter-service", "grpc") == {"gateway", "model"}  # weight pulls
     if "redis" in deployed:

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
+import shlex
+import shutil
+import socket
 import subprocess
 import sys
-import time
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from spindle.v1 import generation_pb2 as pb
-from spindle.v1 import generation_pb2_grpc
-from tests.service_helpers import ROOT, free_port
+from spindle import local
+from spindle.cli import command_parser
+from tests.service_helpers import ROOT
+from tests.up_cluster import ADAPTER, try_lines
 
 CLI = [sys.executable, "-m", "spindle.cli"]
 
@@ -23,94 +23,72 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
-def test_up_answers_through_the_gateway_then_serves_until_ctrl_c(tmp_path, smollm2):
-    from bench.lora import write_adapter
+def test_up_answers_through_the_gateway_then_serves(spindle_up):
+    """`spindle up` (tests/up_cluster.py; Ctrl-C's clean stop is checked when the session ends)."""
+    up, gw = spindle_up, spindle_up.gateway
+    # While the pod loads it is up but NOT_SERVING, and refuses work with UNAVAILABLE.
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in up.health_seen and up.refused_while_loading, (
+        up.health_seen,
+        up.refused_while_loading,
+    )
+    prompt, answer, with_adapter = up.answers
+    assert prompt.startswith("> What is the capital of France?")
+    assert answer.startswith("[base model] ") and "Paris" in answer
+    assert with_adapter.startswith(f"[{ADAPTER}] ") and len(with_adapter.strip()) > len(f"[{ADAPTER}]")
+    question = "What is the capital of Italy? Answer in one sentence."
+    chat = _cli("chat", "--gateway", gw, "--temperature", "0", "--max-tokens", "24", "--json", question)
+    assert chat.returncode == 0, chat.stderr
+    out = json.loads(chat.stdout)
+    assert "Rome" in out["text"] and out["usage"]["completion_tokens"] == len(out["token_ids"])
+    complete = _cli("complete", "--gateway", gw, "--max-tokens", "5", "--seed", "1", "Once upon a")
+    assert complete.returncode == 0 and complete.stdout.strip(), complete.stderr
+    models = _cli("models", "--gateway", gw)
+    assert models.stdout.startswith("smollm2-135m-instruct\tbase") and ADAPTER in models.stdout
+    for args in (("--gateway", gw, "list"), ("list", "--gateway", gw)):  # connection flags before or after
+        listed = _cli("adapters", *args)  # registered through the admin API
+        assert listed.returncode == 0 and json.loads(listed.stdout)["name"] == ADAPTER, listed.stderr
+    assert (up.storage / ADAPTER / "v000001" / "meta.json").is_file()
+    bad = _cli("chat", "--gateway", gw, "--temperature", "-1", "hi")
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
 
-    adapter = write_adapter(tmp_path / "demo", smollm2.config, rank=4, seed=0)
-    gw, pod, control, metrics, adapters = (free_port() for _ in range(5))
-    env = {**os.environ, "OTEL_SDK_DISABLED": "true"}
-    args = [
-        "up",
-        "--gateway-port",
-        str(gw),
-        "--pod-port",
-        str(pod),
-        "--pod-control-port",
-        str(control),
-        "--metrics-port",
-        str(metrics),
-        "--adapter-port",
-        str(adapters),
-        "--storage-dir",
-        str(tmp_path / "registered"),
-        "--lora",
-        f"demo={adapter}",
+
+def test_up_prints_a_curl_line_and_an_sdk_snippet_that_work(spindle_up):
+    """Run as printed, but for max_tokens (64 tokens of the random adapter cost seconds here)."""
+    lines = [line.replace('"max_tokens": 64', '"max_tokens": 4') for line in try_lines(spindle_up)]
+    (curl,) = [line for line in lines if line.startswith("curl ")]
+    (sdk,) = [
+        line.split("   # ")[0].replace("max_tokens=64", "max_tokens=4") for line in lines if "-c " in line
     ]
-    err = open(tmp_path / "up.err", "w")  # noqa: SIM115
-    up = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, env=env)
-    try:
-        # While the pod loads it is up but NOT_SERVING, and refuses work with UNAVAILABLE.
-        seen: set[int] = set()
-        refused = None
-        with grpc.insecure_channel(f"127.0.0.1:{pod}") as ch:
-            health = health_pb2_grpc.HealthStub(ch)
-            deadline = time.monotonic() + 60
-            while health_pb2.HealthCheckResponse.SERVING not in seen and time.monotonic() < deadline:
-                try:
-                    seen.add(health.Check(health_pb2.HealthCheckRequest(), timeout=1).status)
-                    if refused is None and seen == {health_pb2.HealthCheckResponse.NOT_SERVING}:
-                        stub = generation_pb2_grpc.GenerationStub(ch)
-                        list(stub.Generate(pb.GenerateRequest(text="hi"), timeout=5))
-                except grpc.RpcError as e:
-                    if e.code() == grpc.StatusCode.UNAVAILABLE and "loading" in (e.details() or ""):
-                        refused = e.details()
-                time.sleep(0.05)
-        assert health_pb2.HealthCheckResponse.NOT_SERVING in seen and refused, (seen, refused)
-        assert up.stdout.readline().startswith("> What is the capital of France?")
-        answer = up.stdout.readline()
-        assert answer.startswith("[base model] ") and "Paris" in answer
-        with_adapter = up.stdout.readline()
-        assert with_adapter.startswith("[demo] ") and len(with_adapter.strip()) > len("[demo]")
-        question = "What is the capital of Italy? Answer in one sentence."
-        chat = _cli(
-            "chat",
-            "--gateway",
-            f"127.0.0.1:{gw}",
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "24",
-            "--json",
-            question,
+    assert spindle_up.http in curl and spindle_up.http in sdk and "max_tokens=4" in sdk and '": 4' in curl
+    if shutil.which("curl"):
+        answer = json.loads(
+            subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=60).stdout
         )
-        assert chat.returncode == 0, chat.stderr
-        out = json.loads(chat.stdout)
-        assert "Rome" in out["text"] and out["usage"]["completion_tokens"] == len(out["token_ids"])
-        complete = _cli(
-            "complete", "--gateway", f"127.0.0.1:{gw}", "--max-tokens", "5", "--seed", "1", "Once upon a"
-        )
-        assert complete.returncode == 0 and complete.stdout.strip(), complete.stderr
-        models = _cli("models", "--gateway", f"127.0.0.1:{gw}")
-        assert models.stdout.startswith("smollm2-135m-instruct\tbase") and "demo" in models.stdout
-        listed = _cli("adapters", "--gateway", f"127.0.0.1:{gw}", "list")  # registered through the admin API
-        assert listed.returncode == 0 and json.loads(listed.stdout)["name"] == "demo", listed.stderr
-        assert (tmp_path / "registered" / "demo" / "v000001" / "meta.json").is_file()
-        bad = _cli("chat", "--gateway", f"127.0.0.1:{gw}", "--temperature", "-1", "hi")
-        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
-        assert up.poll() is None  # still serving
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        err.close()
-    with grpc.insecure_channel(f"127.0.0.1:{gw}") as ch:  # both services are gone
-        try:
-            grpc.channel_ready_future(ch).result(timeout=0.5)
-            raise AssertionError("the gateway still listens")
-        except grpc.FutureTimeoutError:
-            pass
+        assert answer["model"] == ADAPTER and answer["usage"]["completion_tokens"] <= 4
+    python = shlex.quote(sys.executable)
+    printed = subprocess.run(python + sdk.removeprefix("python"), shell=True, capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+    assert printed.returncode == 0 and printed.stdout.strip(), printed.stderr
+
+
+def test_up_picks_free_ports_for_what_the_user_did_not_name():
+    """Two local clusters need only different gateway ports: the internal ones are free ports."""
+    _, parser = command_parser("up")
+    args = parser.parse_args(["--gateway-port", "1", "--http-port", "2", "--pod-control-port", "3"])
+    local._pick_free_ports(args)
+    picked = [args.pod_port, args.pod_http_port, args.adapter_port, args.metrics_port]
+    assert args.pod_control_port == 3 and len(set(picked)) == 4 and not {1, 2, 3} & set(picked)
+    for port in picked:  # free: each can be bound
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    pod, service, gateway = local._commands(args, "token")
+    assert pod[pod.index("--control-port") + 1] == "3" and pod[pod.index("--http-port") + 1] == str(picked[1])
+    assert service[service.index("--pods") + 1] == "127.0.0.1:3"
+    assert gateway[gateway.index("--pods") + 1] == f"127.0.0.1:{picked[0]}"
+    text = local._try_it(args, "127.0.0.1:1", f"127.0.0.1:{picked[2]}")
+    assert (
+        "http://127.0.0.1:2/v1/chat/completions" in text and str(picked[2]) in text and str(picked[1]) in text
+    )
 
 
 def test_every_command_explains_itself():
@@ -118,10 +96,12 @@ def test_every_command_explains_itself():
     for command in ("generate", "serve", "gateway", "up", "chat", "complete", "models", "adapters"):
         assert command in usage
     serve = _cli("serve", "--help").stdout
-    for flag in ("--port", "--metrics-port", "--drain-timeout", "SPINDLE_PORT", "SPINDLE_MAX_NUM_SEQS"):
+    for flag in ("--port", "--metrics-port", "--drain-timeout", "SPINDLE_PORT", "SPINDLE_MAX_NUM_SEQS",
+                 "--http-port", "SPINDLE_HTTP_PORT"):  # fmt: skip
         assert flag in serve
     gateway = _cli("gateway", "--help").stdout
-    for flag in ("--pods", "--pods-dns", "--api-keys-file", "SPINDLE_API_KEYS_FILE", "--health-interval"):
+    for flag in ("--pods", "--pods-dns", "--api-keys-file", "SPINDLE_API_KEYS_FILE", "--health-interval",
+                 "--http-port", "SPINDLE_HTTP_PORT"):  # fmt: skip
         assert flag in gateway
     service = _cli("adapter-service", "--help").stdout
     for flag in ("--s3-bucket", "--redis-url", "--pods-dns", "--base-model", "SPINDLE_STAGING_MAX_BYTES"):

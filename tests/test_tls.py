@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace
 
 from spindle import serving, tls_channel
+from spindle.openai_api.server import OpenAIServer
 from spindle.tls import TlsConfig
 from spindle.tls_channel import aio_channel
 from tests.certs import authority, leaf
@@ -105,6 +109,45 @@ def test_rotated_certificate_files_are_served_without_a_restart(tmp_path):
             assert await _check(target, trusts_old) != grpc.StatusCode.OK
         finally:
             await server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_the_http_port_serves_tls_and_follows_rotated_files(tmp_path):
+    """The OpenAI HTTP port (its /health; no servicer is needed for it): HTTPS with client
+    certificates when required, and rotated files served without a restart, as the gRPC ports."""
+
+    async def get(port: int, client: TlsConfig) -> int | str:
+        context = ssl.create_default_context(cafile=client.ca_file)
+        if client.cert_file:
+            context.load_cert_chain(client.cert_file, client.key_file)
+        try:
+            async with httpx.AsyncClient(verify=context) as http:  # a new connection, a new handshake
+                return (await http.get(f"https://127.0.0.1:{port}/health", timeout=3)).status_code
+        except httpx.HTTPError as e:
+            return type(e).__name__
+
+    async def run() -> None:
+        tls, old_ca = _files(tmp_path, require_client_cert=True)
+        server = OpenAIServer(None, tuple, lambda: True, trace.NoOpTracer())
+        port = await server.start("127.0.0.1", 0, tls)
+        new_ca = authority("rotated-ca")
+        trusts_old, trusts_new = (
+            _client(tmp_path, old_ca.pem(), old_ca, "old"),
+            _client(tmp_path, new_ca.pem(), old_ca, "new"),
+        )
+        try:
+            assert await get(port, trusts_old) == 200
+            assert await get(port, _client(tmp_path, old_ca.pem(), name="nocert")) != 200  # mutual TLS
+            assert await get(port, trusts_new) != 200
+            crt, key = leaf(new_ca, "spindle-test", tmp_path, "rotated")
+            _replace(crt, Path(tls.cert_file))  # half-way: the new certificate with the old key
+            assert await get(port, trusts_old) == 200  # the old pair is kept
+            _replace(key, Path(tls.key_file))
+            assert await get(port, trusts_new) == 200
+            assert await get(port, trusts_old) != 200
+        finally:
+            await server.stop()
 
     asyncio.run(run())
 

@@ -31,6 +31,7 @@ from model_service.pod.control import ModelControlService
 from model_service.pod.generation import GenerationService, PodStatusService
 from model_service.pod.state import ModelPod
 from spindle import serving, telemetry
+from spindle.openai_api.server import OpenAIServer, add_http_args
 from spindle.security import PLAINTEXT, Security, add_security_args, security_from_args
 from spindle.v1 import generation_pb2_grpc, model_control_pb2_grpc, pod_status_pb2_grpc
 
@@ -59,6 +60,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=50053,
         help="gRPC port for ModelControl: the adapter service and peer pods (0 = any free port) [50053]",
     )
+    add_http_args(g)
     g.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 = off [9090]")
     g.add_argument(
         "--served-model-name",
@@ -114,14 +116,18 @@ def run(args: argparse.Namespace) -> int:
 
 @dataclass
 class PodServers:
-    """The pod's two listening servers and the ports they got."""
+    """The pod's listening servers and the ports they got."""
 
     serving: grpc.aio.Server
     control: grpc.aio.Server
     port: int
     control_port: int
+    http: OpenAIServer | None = None  # the OpenAI-compatible API on --http-port (0 = none)
+    http_port: int = 0
 
     async def stop(self, grace: float | None) -> None:
+        if self.http is not None:
+            await self.http.stop()
         await asyncio.gather(self.serving.stop(grace), self.control.stop(grace))
 
 
@@ -143,15 +149,18 @@ async def start(
     provider: TracerProvider | None = None,
     adapter_cache_dir: str | None = None,
     security: Security = PLAINTEXT,
+    http_port: int = 0,
 ) -> PodServers:
     """Register the pod's services on its two servers and start listening (NOT_SERVING until
-    loaded). Also used in-process by tests and the benchmark. The control port's ModelControl
+    loaded), and on `http_port` the OpenAI-compatible API over the same Generation servicer
+    (0 = none). Also used in-process by tests and the benchmark. The control port's ModelControl
     needs the service token when `security` has one."""
     interceptors = telemetry.server_interceptors(provider)
     guard = security.guard(CONTROL_SERVICES, "model pod's control port")
     server, control = serving.make_server(interceptors), serving.make_server([*guard, *interceptors])
     tracer = telemetry.get_tracer(__name__, provider)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(pod, tracer), server)
+    generation = GenerationService(pod, tracer)
+    generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
     pod_status_pb2_grpc.add_PodStatusServicer_to_server(PodStatusService(pod), server)
     model_control_pb2_grpc.add_ModelControlServicer_to_server(
         ModelControlService(pod, adapter_cache_dir, security), control
@@ -168,6 +177,9 @@ async def start(
     pod.control_port = servers.control_port
     await server.start()
     await control.start()
+    if http_port:
+        servers.http = OpenAIServer(generation, lambda: (pod.model_name,), lambda: pod.health.serving, tracer)
+        servers.http_port = await servers.http.start(host, http_port, security.tls)
     return servers
 
 
@@ -176,7 +188,14 @@ async def serve(args: argparse.Namespace) -> int:
     pod = ModelPod(served_name(args), args.drain_timeout, stream_interval=args.stream_interval)
     security = security_from_args(args)
     servers = await start(
-        pod, args.host, args.port, args.control_port, provider, args.adapter_cache_dir, security
+        pod,
+        args.host,
+        args.port,
+        args.control_port,
+        provider,
+        args.adapter_cache_dir,
+        security,
+        args.http_port,
     )
     await pod.health.serve_plaintext(args.host, args.health_port)
     serving.on_shutdown_signal(pod.request_exit)
@@ -184,10 +203,11 @@ async def serve(args: argparse.Namespace) -> int:
         metrics_port = pod.metrics.serve(args.host, args.metrics_port)
         log.info("metrics on http://%s:%d/metrics", args.host, metrics_port)
     log.info(
-        "listening on %s:%d (control %d); loading %s (NOT_SERVING until loaded and warmed)",
+        "listening on %s:%d (control %d, HTTP %s); loading %s (NOT_SERVING until loaded and warmed)",
         args.host,
         servers.port,
         servers.control_port,
+        servers.http_port or "off",
         args.model,
     )
     config = engine_config(args)

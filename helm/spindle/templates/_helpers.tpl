@@ -85,14 +85,21 @@ app.kubernetes.io/part-of: spindle
 {{- end -}}
 
 {{/* grpc.health.v1 probes on a port: startup (may be long), readiness, liveness. */}}
-{{- define "spindle.grpcProbes" -}}
+{{- /* Readiness is GET /health on the OpenAI HTTP port when there is one in plaintext (what the
+Gateway API Inference Extension and HTTP load balancers see too); grpc.health.v1 otherwise. */}}
+{{- define "spindle.probes" -}}
 {{- $port := index . 0 -}}{{- $startupSeconds := index . 1 -}}{{- $liveSeconds := index . 2 -}}
+{{- $httpReady := index . 3 -}}
 startupProbe:
   grpc: {port: {{ $port }}}
   periodSeconds: 5
   failureThreshold: {{ div $startupSeconds 5 | max 1 }}
 readinessProbe:
+  {{- if $httpReady }}
+  httpGet: {path: /health, port: http}
+  {{- else }}
   grpc: {port: {{ $port }}}
+  {{- end }}
   periodSeconds: 5
   failureThreshold: 2
 livenessProbe:

@@ -1,0 +1,13 @@
+"""OpenAI's HTTP API (chat completions, completions, models) in front of a Generation servicer.
+
+One implementation for the gateway and the model pods: an HTTP request becomes the same
+`GenerateRequest` a gRPC caller would send and goes through the same servicer method
+(`Generate`, `ListModels`), so authentication, limits, routing, retries, resume, tracing and
+metrics are the gRPC path's own. Torch-free, like the gateway.
+
+- `requests.py`: OpenAI's JSON body -> `GenerateRequest` (what is refused, and how);
+- `responses.py`: `GenerateResponse` messages -> OpenAI's JSON objects and stream chunks;
+- `errors.py`: gRPC status -> HTTP status and OpenAI's error JSON;
+- `context.py`: the part of a gRPC servicer context the servicers use, for an HTTP call;
+- `server.py`: the aiohttp server and its routes.
+"""

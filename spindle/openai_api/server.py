@@ -1,0 +1,195 @@
+"""The OpenAI-compatible HTTP server (aiohttp) of the gateway and of each model pod.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (both with `stream: true` as
+server-sent events), GET /v1/models, and GET /health (200 while the process serves, 503 while
+it loads or drains: the readiness Kubernetes and the Gateway API Inference Extension probe).
+A request is handed to the process's own Generation servicer (the gateway's `GatewayService`
+or the pod's `GenerationService`) with an `HttpCallContext`, so it takes exactly the path a gRPC
+request takes. A client that disconnects cancels its handler (aiohttp's handler cancellation),
+which closes the servicer's stream: the pod aborts the request in the engine, the gateway
+cancels its call to the pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from typing import Any
+
+import grpc
+from aiohttp import web
+from opentelemetry import propagate, trace
+
+from spindle.openai_api import responses
+from spindle.openai_api.context import HttpCallContext, Refused
+from spindle.openai_api.errors import ApiError, bad_request, from_status
+from spindle.openai_api.responses import ChatFormat, CompletionFormat, Format, Reply
+from spindle.tls import PLAINTEXT, ServerSslContext, TlsConfig
+from spindle.v1 import generation_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20  # as the gRPC servers' largest message
+DEFAULT_PORT = 8000  # vLLM's, and what OpenAI-compatible clients and routers assume
+ROUTES = "served: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
+    """`--http-port`, the same flag (and SPINDLE_HTTP_PORT) on the gateway and the model pod."""
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions, /v1/models, "
+        f"/health); 0 = off [{DEFAULT_PORT}]",
+    )
+
+
+class OpenAIServer:
+    """OpenAI's HTTP API over `generation` (a Generation servicer: `Generate` yields
+    GenerateResponse messages or their serialized bytes, `ListModels` answers one).
+    `base_models()` names the base models (a `model` that is none of them is an adapter);
+    `ready()` is the process's health status."""
+
+    def __init__(
+        self,
+        generation: Any,
+        base_models: Callable[[], Collection[str]],
+        ready: Callable[[], bool],
+        tracer: trace.Tracer,
+    ) -> None:
+        self.generation, self.base_models, self.ready, self.tracer = generation, base_models, ready, tracer
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_openai_errors])
+        chat, completion = ChatFormat(), CompletionFormat()
+        self.app.router.add_post("/v1/chat/completions", lambda r: self._generate(r, chat))
+        self.app.router.add_post("/v1/completions", lambda r: self._generate(r, completion))
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/health", self._health)
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int, tls: TlsConfig = PLAINTEXT) -> int:
+        """Listen on host:port (0 = any free port), with TLS when `tls` has a certificate (its files
+        re-read when they change); returns the port."""
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        ssl_context = ServerSslContext(tls).listening if tls.serves_tls else None
+        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
+        try:
+            await site.start()
+        except OSError as e:
+            await self._runner.cleanup()
+            raise OSError(
+                f"cannot listen for HTTP on {host}:{port}: {e.strerror} (is the port in use?)"
+            ) from e
+        return self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _generate(self, request: web.Request, fmt: Format) -> web.StreamResponse:
+        req, call = fmt.parse(await _json_object(request), self.base_models())
+        req.request_id = request.headers.get("x-request-id", "")  # checked as gRPC's request_id is
+        context = HttpCallContext(request.headers)
+        parent = propagate.extract(request.headers)
+        with self.tracer.start_as_current_span(f"POST {request.path}", parent, trace.SpanKind.SERVER):
+            async with contextlib.aclosing(_messages(self.generation, req, context)) as stream:
+                first = await anext(stream, None)  # a refusal raises here, before any byte is sent
+                if first is None:
+                    raise from_status(grpc.StatusCode.INTERNAL, "the model stream ended without an answer")
+                reply = Reply(fmt, call, context.request_id() or req.request_id)
+                headers = {"x-request-id": reply.request_id}
+                if not call.stream:
+                    messages = [first, *[m async for m in stream]]
+                    return _json(reply.whole(messages), headers=headers)
+                return await _stream(request, reply, first, stream, headers)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        listed = await self.generation.ListModels(pb.ListModelsRequest(), HttpCallContext(request.headers))
+        return _json(responses.models(listed))
+
+    async def _health(self, request: web.Request) -> web.Response:
+        ready = self.ready()
+        return _json({"status": "ok" if ready else "not serving"}, status=200 if ready else 503)
+
+
+async def _messages(
+    generation: Any, request: pb.GenerateRequest, context: HttpCallContext
+) -> AsyncIterator[pb.GenerateResponse]:
+    """The servicer's stream as messages (the gateway relays serialized bytes), closed with this
+    one, so a disconnect reaches the servicer's cleanup at once."""
+    async with contextlib.aclosing(generation.Generate(request, context)) as stream:
+        async for m in stream:
+            yield m if isinstance(m, pb.GenerateResponse) else pb.GenerateResponse.FromString(m)
+
+
+async def _stream(
+    request: web.Request,
+    reply: Reply,
+    first: pb.GenerateResponse,
+    stream: AsyncIterator[pb.GenerateResponse],
+    headers: dict[str, str],
+) -> web.StreamResponse:
+    """Server-sent events: the first message's chunks, the rest as they come, then [DONE]. A
+    failure after the first byte is an `error` event (what the `openai` SDKs raise from)."""
+    response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
+                                           **headers})  # fmt: skip
+    await response.prepare(request)
+    try:
+        await _send(response, reply.chunks(first, first=True))
+        async for message in stream:
+            await _send(response, reply.chunks(message, first=False))
+    except Refused as e:
+        await _send(response, [from_status(e.code, e.details, e.trailers).body()])
+    except ConnectionResetError:
+        return response  # the client left; closing the stream aborts the request
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+async def _send(response: web.StreamResponse, objects: list[dict[str, Any]]) -> None:
+    await response.write(b"".join(b"data: " + _dumps(o).encode() + b"\n\n" for o in objects))
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.read())
+    except ValueError as e:
+        raise bad_request(f"the request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(obj, status=status, headers=headers, dumps=_dumps)
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every refusal as OpenAI's error JSON: ours, the servicer's statuses, and aiohttp's own
+    (unknown path, wrong method, body too large)."""
+    try:
+        return await handler(request)
+    except Refused as e:
+        error = from_status(e.code, e.details, e.trailers)
+    except ApiError as e:
+        error = e
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        where = f" ({ROUTES})" if e.status in (404, 405) else ""
+        message = f"{e.reason}: {request.method} {request.path}{where}"
+        error = ApiError(e.status, "invalid_request_error", e.reason.upper().replace(" ", "_"), message)
+    except Exception as e:
+        log.exception("HTTP %s %s failed", request.method, request.path)
+        error = ApiError(500, "server_error", "INTERNAL", f"internal error ({type(e).__name__}: {e})")
+    return _json(error.body(), status=error.status, headers=error.headers)

@@ -1,0 +1,327 @@
+"""The OpenAI-compatible HTTP API through a client no one here wrote: the official `openai` SDK,
+sync and async, plain and streaming, against `spindle up` (tests/up_cluster.py, shared with the
+quickstart test) and against a gateway with API keys in front of its pod. Every request is a
+few tokens: the cluster is real, the CPU is small."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from spindle.client import Client, chat_request, completion_request
+from spindle.openai_api.errors import ApiError, from_status
+from spindle.openai_api.requests import chat_request as http_chat_request
+from spindle.openai_api.requests import completion_request as http_completion_request
+from spindle.v1 import generation_pb2 as pb
+from spindle.v1 import pod_status_pb2, pod_status_pb2_grpc
+from tests.service_helpers import free_port, gateway_in_process
+from tests.up_cluster import ADAPTER
+
+BASE = "smollm2-135m-instruct"
+QUESTION = [{"role": "user", "content": "Name a fruit."}]
+
+
+def _sdk(base_url: str, **options) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, **options)
+
+
+def _idle(pod: str, timeout: float = 10.0) -> float:
+    """Seconds until the pod runs nothing and holds no KV block; fails after `timeout`."""
+    start = time.monotonic()
+    with grpc.insecure_channel(pod) as ch:
+        status = pod_status_pb2_grpc.PodStatusStub(ch)
+        while True:
+            rep = status.GetLoad(pod_status_pb2.GetLoadRequest(), timeout=5)
+            if rep.num_running == rep.num_waiting == 0 and rep.kv_blocks_free == rep.kv_blocks_total:
+                return time.monotonic() - start
+            assert time.monotonic() - start < timeout, f"the pod still runs a request: {rep}"
+            time.sleep(0.05)
+
+
+def test_sync_chat_plain_and_streamed_equal_grpc_greedy(spindle_up):
+    client = _sdk(spindle_up.http)
+    plain = client.chat.completions.create(
+        model=BASE, messages=QUESTION, max_tokens=8, temperature=0, extra_headers={"x-request-id": "http-1"}
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=BASE, messages=QUESTION, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    with Client(spindle_up.gateway) as grpc_client:
+        via_grpc = grpc_client.generate(chat_request(QUESTION, max_tokens=8, temperature=0.0), timeout=60)
+    text = plain.choices[0].message.content
+    assert text and text == via_grpc.text
+    assert plain.model == BASE and plain.object == "chat.completion" and plain.id == "chatcmpl-http-1"
+    assert plain.usage.completion_tokens == via_grpc.completion_tokens
+    assert plain.usage.prompt_tokens == via_grpc.prompt_tokens
+    assert plain.choices[0].finish_reason == via_grpc.finish_reason
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == plain.usage.total_tokens
+    assert chunks[-2].choices[0].finish_reason == plain.choices[0].finish_reason
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_async_completions_with_an_adapter_and_logprobs(spindle_up):
+    async def run() -> tuple:
+        client = openai.AsyncOpenAI(base_url=spindle_up.http, api_key="none", max_retries=0)
+        plain = await client.completions.create(
+            model=ADAPTER, prompt="Once upon a", max_tokens=4, temperature=0, logprobs=2
+        )
+        stream = await client.completions.create(
+            model=ADAPTER, prompt="Once upon a", max_tokens=4, temperature=0, logprobs=2, stream=True
+        )
+        pieces = [c async for c in stream]
+        base = await client.completions.create(
+            model=BASE, prompt="Once upon a", max_tokens=4, temperature=0, logprobs=2
+        )
+        await client.close()
+        return plain, pieces, base
+
+    plain, pieces, base = asyncio.run(run())
+    with Client(spindle_up.gateway) as grpc_client:
+        via_grpc = grpc_client.generate(
+            completion_request("Once upon a", max_tokens=4, temperature=0.0, adapter=ADAPTER), timeout=60
+        )
+    choice = plain.choices[0]
+    assert choice.text == via_grpc.text
+    assert choice.logprobs.token_logprobs != base.choices[0].logprobs.token_logprobs  # the adapter is applied
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in via_grpc.token_ids]
+    assert len(choice.logprobs.token_logprobs) == 4 and all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+    assert "".join(p.choices[0].text for p in pieces) == choice.text
+    assert [t for p in pieces for t in (p.choices[0].logprobs.tokens or [])] == choice.logprobs.tokens
+    assert pieces[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_logprobs_and_models(spindle_up):
+    client = _sdk(spindle_up.http)
+    out = client.chat.completions.create(
+        model=BASE, messages=QUESTION, max_tokens=3, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob for c in content)
+    models = {m.id: m for m in client.models.list()}
+    assert models[ADAPTER].model_extra["parent"] == BASE and models[BASE].model_extra["parent"] is None
+
+
+def test_the_pod_serves_the_same_api(spindle_up):
+    pod = _sdk(spindle_up.pod_http)
+    gateway = _sdk(spindle_up.http)
+    asked = {"messages": QUESTION, "max_tokens": 5, "temperature": 0, "model": ADAPTER}
+    assert (
+        pod.chat.completions.create(**asked).choices[0].message.content
+        == gateway.chat.completions.create(**asked).choices[0].message.content
+    )
+    for url in (spindle_up.http, spindle_up.pod_http):
+        health = httpx.get(url.removesuffix("/v1") + "/health", timeout=5)
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_a_client_that_hangs_up_aborts_its_request_in_the_engine(spindle_up):
+    long = {"model": BASE, "messages": QUESTION, "max_tokens": 2000, "extra_body": {"ignore_eos": True}}
+    stream = _sdk(spindle_up.http).chat.completions.create(**long, stream=True)
+    next(iter(stream))  # it runs
+    stream.close()
+    assert _idle(spindle_up.pod) < 5  # 2,000 tokens would take a minute
+    with pytest.raises(openai.APITimeoutError):  # not streamed: the client gives up waiting
+        _sdk(spindle_up.pod_http, timeout=1.0).chat.completions.create(**long)
+    assert _idle(spindle_up.pod) < 5
+
+
+KEYS = """
+admin   key-admin  *
+limited key-limited  -  rate=0.001 burst=1
+"""
+
+
+def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path):
+    """A gateway with API keys in front of the same pod: every refusal is the status and error
+    class the SDK expects, with OpenAI's error JSON."""
+    (tmp_path / "keys").write_text(KEYS)
+    http_port = free_port()
+    flags = [
+        "--pods",
+        spindle_up.pod,
+        "--api-keys-file",
+        str(tmp_path / "keys"),
+        "--http-port",
+        str(http_port),
+    ]
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def run() -> None:
+        async with gateway_in_process(flags, provider):
+            url = f"http://127.0.0.1:{http_port}/v1"
+
+            def client(key: str) -> openai.AsyncOpenAI:
+                return openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+
+            ask = {"messages": QUESTION, "max_tokens": 1}
+            with pytest.raises(openai.AuthenticationError, match="invalid API key"):
+                await client("wrong").chat.completions.create(model=BASE, **ask)
+            with pytest.raises(openai.PermissionDeniedError, match="may not use adapter"):
+                await client("key-limited").chat.completions.create(model=ADAPTER, **ask)
+            with pytest.raises(openai.RateLimitError) as limited:  # its one request was the 403's
+                await client("key-limited").chat.completions.create(model=BASE, **ask)
+            assert int(limited.value.response.headers["retry-after"]) > 1
+            admin = client("key-admin")
+            assert {m.id async for m in admin.models.list()} >= {BASE, ADAPTER}
+            with pytest.raises(openai.NotFoundError, match="nope"):
+                await admin.chat.completions.create(model="nope", **ask)
+            with pytest.raises(openai.BadRequestError, match="`n` other than 1") as refused:
+                await admin.chat.completions.create(model=BASE, n=2, **ask)
+            assert refused.value.body["param"] == "n" and refused.value.body["code"] == "INVALID_ARGUMENT"
+            unenforceable = {"type": "array", "uniqueItems": True}  # the grammar engine's refusal, as gRPC's
+            schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": unenforceable}}
+            with pytest.raises(openai.BadRequestError, match="uniqueItems"):
+                await admin.chat.completions.create(model=BASE, response_format=schema, **ask)
+            with pytest.raises(openai.BadRequestError, match="temperature"):
+                await admin.chat.completions.create(model=BASE, temperature=-1, **ask)
+            exporter.clear()
+            done = await admin.completions.create(model=BASE, prompt="Hi", max_tokens=2, temperature=0)
+            assert done.usage.completion_tokens == 2
+            # Traced as a gRPC request is: the HTTP server span, the gateway's call to the pod inside it.
+            (server,) = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/completions"]
+            (client,) = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.CLIENT]
+            assert server.kind == SpanKind.SERVER and client.parent.span_id == server.context.span_id
+            assert server.attributes["gen_ai.response.id"] == done.id.removeprefix("cmpl-")
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "role 'tool'"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
+        ({"messages": QUESTION, "tools": [{"type": "function"}]}, "tool calling"),
+        ({"messages": QUESTION, "guided_choice": []}, "non-empty list of strings"),
+        ({"messages": QUESTION, "response_format": {"type": "json_schema"}}, "response_format"),
+        ({"messages": QUESTION, "structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
+        (
+            {"messages": QUESTION, "guided_regex": "a", "response_format": {"type": "json_object"}},
+            "not several",
+        ),
+        ({"messages": QUESTION, "stream_options": {"include_usage": True}}, "stream: true"),
+        ({"messages": QUESTION, "top_logprobs": 2}, "logprobs: true"),
+        ({"messages": QUESTION, "max_tokens": "9"}, "an integer"),
+        ({"prompt": ["a", "b"]}, "several prompts"),
+        ({"prompt": [1, 2**40]}, "token ids"),
+        ({"prompt": "a", "max_tokens": 2**40}, "out of range"),
+        ({"prompt": "a", "echo": True}, "echo"),
+    ],
+)
+def test_what_is_refused_is_named(body, problem):
+    parse = http_completion_request if "prompt" in body else http_chat_request
+    with pytest.raises(ApiError, match=problem) as refused:
+        parse(body, {BASE})
+    assert refused.value.status == 400
+
+
+def test_fields_map_onto_the_grpc_request():
+    req, call = http_chat_request(
+        {"model": ADAPTER,
+         "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}, *QUESTION],
+         "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": "x",
+         "presence_penalty": 0.1, "frequency_penalty": 0.2, "top_k": -1, "min_p": 0.05,
+         "repetition_penalty": 1.1,
+         "ignore_eos": True, "skip_special_tokens": False, "logprobs": True, "user": "u",
+         "response_format": {"type": "text"}, "stream": True, "stream_options": {"include_usage": True}},
+        {BASE},
+    )  # fmt: skip
+    assert req.adapter == ADAPTER and not req.HasField("model") and req.max_tokens == 7 and req.seed == 3
+    assert [(m.role, m.content) for m in req.chat.messages] == [
+        ("system", "Be brief."),
+        ("user", "Name a fruit."),
+    ]
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty) == (0, 0.5, 0, 0.05, 1.1)
+    assert (s.presence_penalty, s.frequency_penalty, s.ignore_eos, s.skip_special_tokens) == (
+        0.1,
+        0.2,
+        True,
+        False,
+    )
+    assert list(req.stop) == ["x"] and req.logprobs == 0 and s.HasField("top_k")
+    assert call.stream and call.include_usage and call.logprobs and call.model == ADAPTER
+    req, call = http_completion_request({"prompt": [[1, 2, 3]]}, {BASE})
+    assert list(req.token_ids.ids) == [1, 2, 3] and call.model == BASE and not req.HasField("adapter")
+    assert not req.sampling.HasField("temperature")  # unset stays unset: the engine's default
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "error_class"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, openai.BadRequestError),
+        (grpc.StatusCode.UNAUTHENTICATED, 401, openai.AuthenticationError),
+        (grpc.StatusCode.PERMISSION_DENIED, 403, openai.PermissionDeniedError),
+        (grpc.StatusCode.NOT_FOUND, 404, openai.NotFoundError),
+        (grpc.StatusCode.ALREADY_EXISTS, 409, openai.ConflictError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, openai.RateLimitError),
+        (grpc.StatusCode.UNAVAILABLE, 503, openai.InternalServerError),
+        (grpc.StatusCode.INTERNAL, 500, openai.InternalServerError),
+    ],
+)
+def test_each_status_is_the_http_status_the_sdk_expects(code, status, error_class):
+    error = from_status(code, "why", (("retry-after-ms", "1500"),))
+    assert error.status == status and error.body()["error"]["code"] == code.name
+    assert error.headers == {"retry-after-ms": "1500", "retry-after": "2"}
+    # What the SDK raises for that answer (served by a stub transport: no server needed)
+    answer = httpx.MockTransport(lambda _: httpx.Response(status, json=error.body(), headers=error.headers))
+    client = openai.OpenAI(
+        base_url="http://x/v1", api_key="k", max_retries=0, http_client=httpx.Client(transport=answer)
+    )
+    with pytest.raises(error_class, match="why"):
+        client.completions.create(model=BASE, prompt="hi")
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": True,
+                                                                         "schema": {"type": "object"}}}},
+            {"json_schema": '{"type": "object"}'},
+        ),
+        ({"structured_outputs": {"json": {"type": "integer"}}}, {"json_schema": '{"type": "integer"}'}),
+        ({"structured_outputs": {"json_object": True}}, {"json_object": True}),
+        ({"structured_outputs": {"grammar": "start: 'a'"}}, {"grammar": "start: 'a'"}),
+        ({"guided_json": '{"type": "string"}'}, {"json_schema": '{"type": "string"}'}),
+        ({"guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+        ({"guided_choice": ["yes", "no"]}, {"choice": {"choices": ["yes", "no"]}}),
+    ],
+)  # fmt: skip
+def test_structured_output_fields_map_onto_the_grpc_request(fields, expected):
+    req, _ = http_chat_request({"messages": QUESTION, **fields}, {BASE})
+    if expected is None:
+        assert not req.sampling.HasField("structured_output")
+    else:
+        assert req.sampling.structured_output == pb.StructuredOutput(**expected)
+
+
+def test_a_structured_output_through_the_sdk(spindle_up):
+    """The wiring, end to end (what the outputs are worth: the structured-output tests)."""
+    out = _sdk(spindle_up.http).chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=4, temperature=0,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )  # fmt: skip
+    assert out.choices[0].message.content in ("yes", "no") and out.choices[0].finish_reason == "stop"
