@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 ruff check .
-exec python -m pytest -q "$@"
+# Two workers (pytest-xdist), a file each at a time: 11.6 -> 8.2 min on 2 cores.
+exec python -m pytest -q -n 2 --dist loadfile "$@"
