@@ -159,10 +159,9 @@ async def write_store(root: Path, names: list[str], rng: random.Random) -> None:
     service indexes them all at its start. The weights file is a few unique bytes: only its
     sha256 travels; the fake pods take an adapter's size from its rank."""
     store = LocalStore(root)
-    tmp = Path(tempfile.mkdtemp(prefix="fleet-weights-"))
     now = time.time()
 
-    async def one(name: str) -> None:
+    async def one(tmp: Path, name: str) -> None:
         rank = rng.choices(RANKS, RANK_WEIGHTS)[0]
         config = json.dumps({"peft_type": "LORA", "r": rank, "target_modules": ["q_proj", "v_proj"]}).encode()
         weights = tmp / name
@@ -170,8 +169,9 @@ async def write_store(root: Path, names: list[str], rng: random.Random) -> None:
         v = Version(name, 1, _sha256(weights), rank * BYTES_PER_RANK, rank, ["q_proj", "v_proj"], "fake", now)
         await store.put(v, config, weights)
 
-    for i in range(0, len(names), 256):
-        await asyncio.gather(*(one(n) for n in names[i : i + 256]))
+    with tempfile.TemporaryDirectory(prefix="fleet-weights-") as tmp:
+        for i in range(0, len(names), 256):
+            await asyncio.gather(*(one(Path(tmp), n) for n in names[i : i + 256]))
 
 
 def _sha256(path: Path) -> str:

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -178,9 +177,7 @@ async def pod_in_process(
     from spindle.security import PLAINTEXT
 
     pod = ModelPod(name, drain_timeout=1.0)
-    servers = await pod_server.start(
-        pod, "127.0.0.1", 0, 0, provider, tempfile.mkdtemp(prefix="spindle-test-"), security or PLAINTEXT
-    )
+    servers = await pod_server.start(pod, "127.0.0.1", 0, 0, provider, None, security or PLAINTEXT)
     try:
         config = EngineConfig(model=loaded.name, device="cpu", dtype="float32", num_kv_blocks=64, **engine)
         await pod.load(lambda: Engine(config, loaded=loaded))

@@ -328,7 +328,6 @@ def test_a_stream_interval_sends_n_tokens_a_message_but_the_first_and_the_rest()
     goes out alone (time to first token stays), then at least 4 a message, the rest at the end;
     the tokens and text are those of one message per step."""
     import asyncio
-    import tempfile
 
     import grpc
 
@@ -345,8 +344,7 @@ def test_a_stream_interval_sends_n_tokens_a_message_but_the_first_and_the_rest()
 
     async def stream(interval: int) -> list[pb.GenerateResponse]:
         pod = ModelPod("fake", drain_timeout=1.0, stream_interval=interval)
-        cache = tempfile.mkdtemp(prefix="spindle-test-")
-        servers = await pod_server.start(pod, "127.0.0.1", 0, 0, None, cache)
+        servers = await pod_server.start(pod, "127.0.0.1", 0, 0)
         try:
             await pod.load(lambda: FakeFastEngine(0.002))
             async with grpc.aio.insecure_channel(f"127.0.0.1:{servers.port}") as ch:

@@ -67,7 +67,10 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         self, pod: ModelPod, adapter_cache_dir: str | None = None, security: Security = PLAINTEXT
     ) -> None:
         self.pod, self.security = pod, security  # peers are dialled with the cluster's TLS and token
-        self.cache_dir = Path(adapter_cache_dir or tempfile.mkdtemp(prefix="spindle-adapters-"))
+        # Without --adapter-cache-dir, a temporary directory of its own, removed at exit.
+        own = None if adapter_cache_dir else tempfile.TemporaryDirectory(prefix="spindle-adapters-")
+        self._own_cache = own  # kept: the directory goes when this object does
+        self.cache_dir = Path(adapter_cache_dir or own.name)
         self.dirs: dict[str, Path] = {}  # adapters registered through this service -> their files
 
     # --- helpers ----------------------------------------------------------------------------------
