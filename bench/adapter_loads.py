@@ -21,6 +21,7 @@ so the page cache is warm (what a pod sees right after the adapter service stage
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import statistics
 import tempfile
@@ -49,7 +50,7 @@ def from_disk(engine: Engine, cfg: ModelConfig, args: argparse.Namespace) -> dic
             torch.cuda.synchronize()
             start = time.perf_counter()
             while not engine.lora.host_ready(name):
-                engine.lora.wait_for_reads(0.001)
+                concurrent.futures.wait(engine.lora.pending_reads())
             engine.lora.load(name)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1e3)

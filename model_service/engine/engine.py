@@ -66,8 +66,8 @@ from model_service.lora.pool import ACTIVE, AdapterInfo, LoraPool
 from model_service.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
-# An engine with nothing to run but a request whose adapter a worker is reading waits this long
-# for the read, rather than spinning through empty steps.
+# An engine with nothing to run but a request whose adapter a worker is reading, or whose grammar
+# is compiling, waits this long for it rather than spinning through empty steps.
 IDLE_WAIT_S = 0.005
 
 
@@ -323,11 +323,7 @@ class Engine:
         if not work:
             if self._inflight is None and self.scheduler.running and not self.scheduler.adapter_demand:
                 self._end_stalled_beam_search()
-            if self._inflight is None and self.scheduler.adapter_demand:
-                self.lora.wait_for_reads(IDLE_WAIT_S)  # an adapter still being read: wait for it
-            if self._compiling and not self.scheduler.running:  # a grammar still compiling: wait for it
-                compiles = [s.constraint.compiled for s in self._compiling if s.constraint is not None]
-                concurrent.futures.wait(compiles, IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
+            self._wait_for_background()
             return outputs + self._outputs(self._drain()) + self._take_pending()
         self.num_steps += 1
         try:
@@ -341,6 +337,17 @@ class Engine:
             self._settle_in_flight(e)
             return outputs + self._take_pending()
         return outputs + self._outputs(sampled) + self._take_pending()
+
+    def _wait_for_background(self) -> None:
+        """Nothing was scheduled: wait, `IDLE_WAIT_S` at most, for a worker's adapter read or
+        grammar compile that a waiting request needs, rather than spin through empty steps."""
+        pending: list[concurrent.futures.Future[Any]] = []
+        if self._inflight is None and self.scheduler.adapter_demand:
+            pending += self.lora.pending_reads()
+        if self._compiling and not self.scheduler.running:
+            pending += [s.constraint.compiled for s in self._compiling if s.constraint is not None]
+        if pending:
+            concurrent.futures.wait(pending, IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
 
     def _start_grammars(self) -> None:
         """Start the matchers whose grammars have compiled, so their requests can be admitted; a

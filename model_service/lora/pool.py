@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -221,11 +221,9 @@ class LoraPool:
         self._keep(adapter)
         return True
 
-    def wait_for_reads(self, timeout: float) -> None:
-        """Block until a worker's read finishes, at most `timeout` seconds (an idle engine waits
-        here rather than spinning)."""
-        if self._reads:
-            wait(list(self._reads.values()), timeout, FIRST_COMPLETED)
+    def pending_reads(self) -> list[Future[LoraAdapter]]:
+        """The workers' reads not yet taken in (an idle engine waits on them rather than spinning)."""
+        return list(self._reads.values())
 
     def _load(self, name: str, slot: int | None) -> tuple[int, list[str]]:
         current = self.slot_of(name)
