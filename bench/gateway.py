@@ -30,6 +30,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -216,20 +217,27 @@ def main() -> None:
                 direct_pids = {"pod": pod.pid}
                 asyncio.run(load_test(f"127.0.0.1:{pod_port}", direct_pids, n, c, args.tokens, samples[0]))
                 asyncio.run(load_test(f"127.0.0.1:{gw_port}", pids, n, c, args.tokens, samples[1]))
-            direct, via = (sample.summary() for sample in samples)
-            for target, r in (("pod", direct), ("gateway", via)):
-                print(
-                    json.dumps({"bench": "gateway", "target": target, "concurrency": c, **r, **setup}),
-                    flush=True,
-                )
-            added = {k: round(via[k] - direct[k], 2) for k in ("p50_ms", "p99_ms")}
-            ratio = round(via["rps"] / direct["rps"], 3)
-            line = {"bench": "gateway", "target": "added_by_gateway", "concurrency": c, "rps_ratio": ratio}
-            print(json.dumps({**line, **added, **setup}), flush=True)
+            report_pair("gateway", c, ("pod", samples[0]), ("gateway", samples[1]), setup)
     finally:
         for p in (gateway, pod):
             p.terminate()
             p.wait(timeout=30)
+
+
+def report_pair(
+    bench: str, concurrency: int, base: tuple[str, Sample], other: tuple[str, Sample], setup: dict[str, Any]
+) -> None:
+    """A JSON line for each of two targets at one concurrency, then one for what the second adds
+    over the first (`added_by_<other>`: p50 / p99 ms, and its requests/s ratio)."""
+    (base_name, base_sample), (other_name, other_sample) = base, other
+    first, second = base_sample.summary(), other_sample.summary()
+    for target, r in ((base_name, first), (other_name, second)):
+        line = {"bench": bench, "target": target, "concurrency": concurrency}
+        print(json.dumps({**line, **r, **setup}), flush=True)
+    added = {k: round(second[k] - first[k], 2) for k in ("p50_ms", "p99_ms")}
+    line = {"bench": bench, "target": f"added_by_{other_name}", "concurrency": concurrency,
+            "rps_ratio": round(second["rps"] / first["rps"], 3)}  # fmt: skip
+    print(json.dumps({**line, **added, **setup}), flush=True)
 
 
 if __name__ == "__main__":

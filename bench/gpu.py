@@ -21,6 +21,7 @@ import statistics
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -108,7 +109,7 @@ def timed_generate(
     prompts: list[list[int]],
     new_tokens: int,
     adapters: list[str | None],
-    sampling: dict[str, float] = GREEDY,
+    sampling: dict[str, Any] = GREEDY,
 ) -> float:
     reqs = [
         {"prompt_token_ids": p, "max_tokens": new_tokens, "ignore_eos": True, "adapter": a, **sampling}
@@ -130,7 +131,7 @@ def decode_tok_s(
     new_tokens: int,
     vocab: int,
     adapters: list[str | None] | None = None,
-    sampling: dict[str, float] = GREEDY,
+    sampling: dict[str, Any] = GREEDY,
 ) -> float:
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]

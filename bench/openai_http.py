@@ -32,7 +32,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gateway import Sample, closed_loop, load_test, start_pod_and_gateway
+from bench.gateway import Sample, closed_loop, load_test, report_pair, start_pod_and_gateway
 from tests.service_helpers import free_port
 
 
@@ -93,16 +93,7 @@ def main() -> None:
             for _ in range(args.slices):
                 asyncio.run(load_test(f"127.0.0.1:{gw_port}", pids, n, c, args.tokens, grpc_sample))
                 asyncio.run(http_load_test(url, pids, n, c, args.tokens, args.stream, http_sample))
-            via_grpc, via_http = grpc_sample.summary(), http_sample.summary()
-            for target, r in (("grpc", via_grpc), ("http", via_http)):
-                print(
-                    json.dumps({"bench": "http", "target": target, "concurrency": c, **r, **setup}),
-                    flush=True,
-                )
-            added = {k: round(via_http[k] - via_grpc[k], 2) for k in ("p50_ms", "p99_ms")}
-            line = {"bench": "http", "target": "added_by_http", "concurrency": c,
-                    "rps_ratio": round(via_http["rps"] / via_grpc["rps"], 3)}  # fmt: skip
-            print(json.dumps({**line, **added, **setup}), flush=True)
+            report_pair("http", c, ("grpc", grpc_sample), ("http", http_sample), setup)
     finally:
         for p in (gateway, pod):
             p.terminate()

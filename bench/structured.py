@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu import LLAMA3_8B, random_model, timed_generate
+from bench.gpu import GREEDY, LLAMA3_8B, decode_tok_s, random_model
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.engine.structured_output import StructuredOutput
@@ -56,24 +56,17 @@ def main() -> None:
         kv_cache_memory_bytes=16 << 30, max_model_len=4096,
     )  # fmt: skip
     engine = Engine(config, loaded=loaded)
-    g = torch.Generator().manual_seed(0)
-    vocab = loaded.config.vocab_size
-    prompts = [torch.randint(3, vocab, (128,), generator=g).tolist() for _ in range(args.batch)]
     schema = {"type": "array", "items": {"type": "string"}, "minItems": args.new_tokens}
-    runs = {"plain": {}, "json_schema": {"structured_output": {"json_schema": schema}}}
-    base = {"temperature": 0.0}
+    runs = {"plain": GREEDY, "json_schema": GREEDY | {"structured_output": {"json_schema": schema}}}
     meta = {
         "model": "smollm2-135m" if args.small else "llama3-8b-shape, smollm2 vocabulary",
         "batch": args.batch, "new_tokens": args.new_tokens, "device": torch.cuda.get_device_name(),
     }  # fmt: skip
     tok_s = {}
-    for name, extra in runs.items():
-        sampling = base | extra
-        adapters = [None] * args.batch
-        timed_generate(engine, prompts, 4, adapters, sampling)  # warm-up: graphs, the grammar's compile
-        one = min(timed_generate(engine, prompts, 1, adapters, sampling) for _ in range(2))
-        full = min(timed_generate(engine, prompts, args.new_tokens, adapters, sampling) for _ in range(2))
-        tok_s[name] = args.batch * (args.new_tokens - 1) / (full - one)
+    for name, sampling in runs.items():  # the warm-up inside compiles the grammar
+        tok_s[name] = decode_tok_s(
+            engine, args.batch, 128, args.new_tokens, loaded.config.vocab_size, sampling=sampling
+        )
         print(json.dumps({"bench": "structured", "run": name, "decode_tok_s": round(tok_s[name], 1)} | meta))
     cost = 1 - tok_s["json_schema"] / tok_s["plain"]
     schema20 = twenty_properties()
