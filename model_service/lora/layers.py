@@ -11,7 +11,7 @@ tables never move, so a CUDA graph or a batched kernel can read any adapter of a
 request's rows pick their adapter by the per-token slot index (its table row) of the step batch.
 
 On CUDA the delta is two Triton launches per projection for all rows of all adapters
-(kernels/lora.py), graph-capturable; the shrink runs on a side stream beside the base GEMM.
+(kernels/lora.py), graph-capturable.
 Steps with long runs of one adapter (prefill chunks) take the row-tile kernels instead
 (kernels/lora_grouped.py), which read each adapter's weights once per tile, not once per row.
 The torch path below loops over the slots present in the step (SGMV's segments), each at its
@@ -74,7 +74,6 @@ class LoraStepPlan:
         self.lead = 0  # with tiles: the step's leading decode rows, which the per-row kernels serve
         self.static = False  # a piecewise graph's: both kinds of kernels over fixed buffers (`for_pieces`)
         self.segments: list[tuple[int, torch.Tensor]] = []
-        self._side: torch.cuda.Stream | None = None
 
     def kinds_of(self, host_slots: np.ndarray) -> int:
         """The kinds of projection the adapters of these rows target (0: no adapter row)."""
@@ -98,12 +97,6 @@ class LoraStepPlan:
         step fills both (`engine/piecewise_graphs.py`)."""
         self.enabled, self.kinds, self.static = True, self.all_kinds, True
         self.slots, self.tiles = slots, tiles
-
-    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The stream the shrink kernels run on beside the base GEMMs (one for the model)."""
-        if self._side is None:
-            self._side = torch.cuda.Stream(device=device)
-        return self._side
 
     def prepare(self, batch: StepBatch) -> None:
         self.enabled, self.static = batch.uses_lora, False
@@ -216,26 +209,12 @@ class LoraLinear(nn.Module):
         return self.plan.enabled and bool(self.plan.kinds & self.kind)
 
     def _shrink_and_base(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The shrink reads only `x`, so on decode steps it runs on a side stream while the base
-        GEMM streams its weights: a few-microsecond kernel too small to fill the GPU hides behind
-        one that does (8B shape, 64 rows, 64 adapters: 79 -> 60 us of LoRA a layer). Graph
-        capture follows the fork and join. `xa` is allocated on the side stream and freed once
-        the expand is queued on this one; the side stream's next work waits for this one first,
-        so the allocator never hands its block out early. Prefill steps (row tiles) do not
-        fork: their GEMMs fill the GPU anyway, and on an eager step the fork and join cost the
-        host more than the overlap saves."""
-        if self.plan.tiles is not None:
-            xa = self.plan.shrink(x, self.table)
-            y = self.base(x)
-        else:
-            main = torch.cuda.current_stream(x.device)
-            side = self.plan.side_stream(x.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                xa = self.plan.shrink(x, self.table)
-            y = self.base(x)
-            main.wait_stream(side)
-        return xa, y
+        """The shrink, then the base GEMM, on one stream. A side stream for the shrink beside
+        the GEMM won 79 -> 60 us a layer in a kernel benchmark, but lost in serving (8B shape,
+        `bench/rotation.py`: one adapter 0.85 -> 0.91x, r8-qv 0.88 -> 0.92x, r16-all 0.68 ->
+        0.72x without it): the GEMM holds every SM, so the shrink waited for it anyway and the
+        join delayed the expand."""
+        return self.plan.shrink(x, self.table), self.base(x)
 
 
 class LoraLayers:
