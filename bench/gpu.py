@@ -425,7 +425,7 @@ def hf_decode_tok_s(loaded: LoadedModel, batch: int, prompt_len: int, new_tokens
 def host_cpu() -> str:
     """The host's CPU model, in every result's setup: the device tool lends hosts that differ
     between calls, and host-bound figures (eager steps' launches) move with them (0.839x and
-    0.816x for the LoRA ratio on two hosts, same code: docs/performance.md, session l)."""
+    0.816x for the LoRA ratio on two hosts, same code: docs/performance-notes.md, session l)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:

@@ -21,7 +21,7 @@ concurrency a second time in the same engine with request i through adapter i mo
 rank-16 weights on all seven projections) and reports `lora_over_base`; with `--rounds N` the
 base and adapter runs alternate N times (other prompts each round) and a last line gives the
 ratio over all rounds: the device tool's hosts drift within a call by more than the gaps
-measured (0.848x then 0.823x for the same code, docs/performance.md, session m).
+measured (0.848x then 0.823x for the same code, docs/performance-notes.md, session m).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def prime(
     pays a first use. Every adapter goes through once, so each is in its GPU slot as a pod
     serving them would have it: loaded during the measured run instead, the first uses of 56 of
     64 adapters stalled the engine 1.44 s (26 ms a load on the 8B shape, all seven
-    projections), most of the LoRA ratio's run-to-run spread (docs/performance.md, session k).
+    projections), most of the LoRA ratio's run-to-run spread (docs/performance-notes.md, session k).
     With more adapters than slots, a `concurrency` of at most the slots keeps requests from
     waiting for one (and failing after `adapter_wait_timeout_s`)."""
     for names in ((), adapters) if adapters else ((),):

@@ -7,7 +7,7 @@ when the host is the slower side). Steps are classed after the call by what ran 
 graph, piecewise graphs, eager), what they held (decode rows only, a prefill chunk with or
 without leading decode rows) and their token count. `bench/serving.py --step-times` prints the
 classes of every measured run; they told session k that eager mixed steps with LoRA rows were
-host-bound (docs/performance.md).
+host-bound (docs/performance-notes.md, session k).
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class TritonBackend:
     ) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.layer(layer)
         block_size, window = self.kv_cache.block_size, self.windows[layer]
-        if self.decode and rope is not None and self.num_splits > 1:  # see docs/performance.md
+        if self.decode and rope is not None and self.num_splits > 1:  # docs/performance-notes.md, session n
             return rotary_decode_attention(
                 q, k, v, rope, k_cache, v_cache, self.slot_mapping, block_table=self.block_table,
                 seq_lens=self.seq_lens, block_size=block_size, scale=self.scale, window=window,

@@ -17,14 +17,14 @@ LoRA kernels over static buffers (`LoraStepPlan.for_pieces`: per-row slots for t
 leading decode rows, row tiles for every LoRA row after them, at most `tile_capacity` tiles;
 `piece_tiles`). An eager mixed step with LoRA rows paid ~20 ms of Triton launches on the host,
 more than the device time of a few-hundred-token step (8B shape, 64 adapters:
-docs/performance.md). The per-row kernels cover only the bucket's first `max_num_seqs` rows
+docs/performance-notes.md, session k). The per-row kernels cover only the bucket's first `max_num_seqs` rows
 (there is at most one decode row a sequence): over all 512 rows of the largest bucket they
 started ~200,000 programs a layer that had nothing to do.
 
 Every replay writes each pooled tensor before reading it, so all buckets share one pool; each
 bucket keeps its attention calls' q / k / v and output, and more: ~0.9 MB a token of the bucket
 stays allocated on the 8B shape (~0.66 of it those), 2.5 GB for the ladder, 5 GB with the LoRA
-buckets (measured per bucket; docs/performance.md, lead 3). Buckets are captured only by
+buckets (measured per bucket; docs/performance-notes.md, session l, lead 3). Buckets are captured only by
 `capture_all`, in the pod's warm-up (`Engine.warm_up`), smallest first and only while they fit
 in the device memory the K/V pool left (`capture_reserve` kept free for eager steps): a card
 with less headroom captures fewer buckets instead of failing to start. Steps without a bucket

@@ -158,7 +158,7 @@ def host_form(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> LoraAdapte
     slot load is then one asynchronous transfer of the whole adapter and a few batched device
     copies, with nothing cast on the engine thread, which every step waits for: float32 pageable
     copies, tensor by tensor, held it 38.9 ms a load on the 8B shape (rank 16, all seven
-    projections), page-locked ones 17.9 (docs/performance.md, session k). When page-locked
+    projections), page-locked ones 17.9 (docs/performance-notes.md, session k). When page-locked
     memory runs out, the buffer stays pageable: slower loads, never a refused adapter."""
     places, size = arena_layout(adapter.modules)
     try:

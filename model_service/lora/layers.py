@@ -196,7 +196,7 @@ class LoraLinear(nn.Module):
         (`silu_mul_lora_rows`): the expand's read and write of the 2I-wide output and a launch a
         layer are not paid (8B shape, 64 rows: 25.0 -> 19.7 us a layer). Steps with row tiles
         keep the expand: a fused kernel over tiles of every row measured slower in the serving
-        run (single decode rows each took a whole tile; docs/performance.md, session m)."""
+        run (single decode rows each took a whole tile; docs/performance-notes.md, session m)."""
         plan = self.plan
         if not (plan.use_kernels and self._applies()) or plan.tiles is not None:
             return silu_and_mul(self(x))

@@ -111,7 +111,7 @@ def store_weights_transposed(module: nn.Module) -> None:
 
     `F.linear(x, W)` is `x @ W.T`: with W.T contiguous cuBLAS runs its x @ B kernels, which on an
     H200 stream an 8B model's decode GEMMs ~4% faster at 64 rows and ~2% at one (the LM head's
-    128k x 4,096 at 64 rows: 283 -> 253 us; bench notes in docs/performance.md). Same math, same
+    128k x 4,096 at 64 rows: 283 -> 253 us; docs/performance-notes.md, session g). Same math, same
     parameters and shapes (results may differ in the last bit: another kernel sums in another
     order); only the strides change, so loaders, LoRA and state dicts see nothing.
     A weight an embedding shares (tied LM head) keeps its rows contiguous for the lookups."""
