@@ -152,3 +152,28 @@ def test_random_loads_and_evictions_keep_every_resident_adapter_intact_in_the_ar
                 part = list(SIZES).index(module)
                 a, b = arena_views(lora.weights, layer.host_entries[slot, part], IN, SIZES[module])
                 assert torch.equal(a, w.a) and torch.equal(b, w.b)
+
+
+@pytest.mark.parametrize("distance", ["beyond", "within", "short"])
+def test_a_move_within_the_adapters_own_range_keeps_its_bytes(monkeypatch, distance):
+    """Compaction moves an adapter towards the start, possibly onto part of its own range:
+    direct chunk copies no longer than the distance, or (a short distance over a long adapter)
+    a temporary; either way the adapter reads back as its host copy at its new place."""
+    from model_service.lora import layers
+
+    monkeypatch.setattr(layers, "_MOVE_CHUNK", 2048)  # several chunks even for a small adapter
+    base = PackedLinear(IN, SIZES, bias=False)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].self_attn = torch.nn.Module()
+    model.layers[0].self_attn.qkv_proj = base
+    lora = wrap_lora_layers(model, 2, 32, 40 * IN * 8, use_kernels=False)
+    adapter = _adapter("a", 16, tuple(SIZES), 0)
+    shift = {"beyond": adapter.numel + ALIGN, "within": adapter.numel // 4, "short": ALIGN}[distance]
+    lora.weights.fill_(float("nan"))
+    lora.load_slot(0, adapter, shift)
+    lora.move_slot(0, 0)
+    layer = model.layers[0].self_attn.qkv_proj
+    for (_, module), w in adapter.modules.items():
+        a, b = arena_views(lora.weights, layer.host_entries[0, list(SIZES).index(module)], IN, SIZES[module])
+        assert torch.equal(a, w.a) and torch.equal(b, w.b)

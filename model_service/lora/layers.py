@@ -45,9 +45,10 @@ from model_service.models.step import StepBatch, to_device
 # MoE layer's shared expert), which PEFT adapters cannot name.
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.\w+(?:\.inner)?$")  # .inner: RowParallel
 
-# A compaction moves an adapter through a bounce buffer of at most this many elements: its old
-# and new places may overlap, and a whole-adapter copy could need hundreds of MB at once.
+# A compaction copies an adapter in chunks of at most this many elements (a whole-adapter
+# temporary could need hundreds of MB at once), and at most `_MAX_MOVE_COPIES` chunks without one.
 _MOVE_CHUNK = 1 << 24
+_MAX_MOVE_COPIES = 16
 
 
 class LoraStepPlan:
@@ -282,13 +283,17 @@ class LoraLayers:
     def move_slot(self, slot: int, offset: int) -> None:
         """Move `slot`'s adapter to `offset` (compaction, at a quiescent point). The pool moves
         adapters towards the arena's start in address order, so the destination never covers
-        an adapter not moved yet; a move within one adapter's own range goes through chunks."""
+        an adapter not moved yet; within the adapter's own range, a forward copy of chunks no
+        longer than the distance never overwrites bytes not yet copied. Only a short distance
+        over a long adapter (too many such chunks) bounces through a temporary copy."""
         old, size = self.extents[slot]
-        for start in range(0, size, _MOVE_CHUNK):
-            n = min(_MOVE_CHUNK, size - start)
-            self.weights[offset + start : offset + start + n].copy_(
-                self.weights[old + start : old + start + n].clone()
-            )
+        chunk = min(old - offset, _MOVE_CHUNK)
+        bounce = chunk * _MAX_MOVE_COPIES < size
+        chunk = _MOVE_CHUNK if bounce else chunk
+        for start in range(0, size, chunk):
+            n = min(chunk, size - start)
+            source = self.weights[old + start : old + start + n]
+            self.weights[offset + start : offset + start + n].copy_(source.clone() if bounce else source)
         entries = self.host_entries[slot].copy()
         live = entries[..., 2] > 0
         entries[..., :2][live] += offset - old
