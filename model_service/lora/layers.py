@@ -20,8 +20,10 @@ exact rank. The models know nothing of LoRA: wrapping happens once, at load, by 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -218,6 +220,38 @@ class LoraLinear(nn.Module):
         return self.plan.shrink(x, self.table), self.base(x)
 
 
+class LoadStream:
+    """Where adapter loads copy their bytes on a GPU: a stream of their own, so a load's
+    transfer runs beside the step in flight instead of after it (issue 30: a load into free
+    memory does not wait for the async pipeline). Two orders keep it safe. The compute stream
+    waits for the load before any step queued after it, which is the first that can read the
+    adapter. And a load waits for the compute stream's work queued before the latest release
+    (an eviction or a compaction move): a step in flight may still read bytes an idle adapter
+    left, so a copy over freed memory must not start before that step ends. A load into memory
+    free since before the step in flight was queued waits for nothing. Without a GPU, a no-op."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._release = torch.cuda.Event() if self.stream is not None else None
+
+    def released(self) -> None:
+        """Memory was freed: later loads wait for the work queued before this point."""
+        if self._release is not None:
+            self._release.record(torch.cuda.current_stream(self.stream.device))
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        """Device work issued inside runs on the load stream, in the two orders above."""
+        if self.stream is None:
+            yield
+            return
+        compute = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_event(self._release)
+        with torch.cuda.stream(self.stream):
+            yield
+        compute.wait_stream(self.stream)
+
+
 class LoraLayers:
     """The wrapped projections of one model and the adapter arena they read.
 
@@ -241,6 +275,7 @@ class LoraLayers:
         self.entries = torch.zeros(self.host_entries.shape, dtype=torch.long, device=weights.device)
         self.scaling = torch.zeros(self.host_scaling.shape, dtype=torch.float32, device=weights.device)
         self.extents: dict[int, tuple[int, int]] = {}  # slot -> (offset, elements) in the arena
+        self._loads = LoadStream(weights.device)
         self.kind_bits: dict[tuple[str, ...], int] = {}  # a projection's PEFT parts -> its kind's bit
         self.index_kinds = np.zeros(projections, dtype=np.int64)  # each projection's kind bit
         plan.slot_kinds = np.zeros(num_slots, dtype=np.int64)
@@ -263,7 +298,8 @@ class LoraLayers:
     def load_slot(self, slot: int, adapter: LoraAdapter, offset: int) -> None:
         """Copy `adapter`'s weights into the arena at `offset` (elements; the pool found the
         room) and point `slot`'s table row at them (quiescent points only). A packed adapter
-        (`adapter.host_form`, laid out as the arena is) crosses in one asynchronous transfer."""
+        (`adapter.host_form`, laid out as the arena is) crosses in one asynchronous transfer,
+        on the load stream (`LoadStream`): beside the step in flight, before the next."""
         entries = np.zeros(self.host_entries.shape[1:], dtype=np.int64)
         scaling = np.zeros(self.host_scaling.shape[1:], dtype=np.float32)
         places, size = adapter.layout
@@ -271,14 +307,17 @@ class LoraLayers:
             index, part = self.targets[key]
             entries[index, part] = (offset + a, offset + b, w.a.shape[0])
             scaling[index, part] = w.scaling
-        self._copy_weights(adapter, offset, places, size)
-        self.extents[slot] = (offset, size)
-        self._set_row(slot, entries, scaling)
+        with self._loads.copying():
+            self._copy_weights(adapter, offset, places, size)
+            self.extents[slot] = (offset, size)
+            self._set_row(slot, entries, scaling)
 
     def clear_slot(self, slot: int) -> None:
-        """Forget `slot`'s adapter: its table row says rank 0 everywhere (its bytes stay until reused)."""
+        """Forget `slot`'s adapter: its table row says rank 0 everywhere (its bytes stay until
+        reused, and a load's copy over them waits for the steps already queued)."""
         self.extents.pop(slot, None)
         self._set_row(slot, np.zeros_like(self.host_entries[slot]), np.zeros_like(self.host_scaling[slot]))
+        self._loads.released()
 
     def move_slot(self, slot: int, offset: int) -> None:
         """Move `slot`'s adapter to `offset` (compaction, at a quiescent point). The pool moves
@@ -299,6 +338,7 @@ class LoraLayers:
         entries[..., :2][live] += offset - old
         self.extents[slot] = (offset, size)
         self._set_row(slot, entries, self.host_scaling[slot].copy())
+        self._loads.released()
 
     def _copy_weights(
         self, adapter: LoraAdapter, offset: int, places: list[tuple[int, int]], size: int
