@@ -201,6 +201,19 @@ def test_speculation_checks_drafts_against_the_grammar(smollm2, batch):
     assert stats.spec_proposed_tokens > 0 and stats.spec_accepted_tokens > 0
 
 
+def test_a_draft_model_speculates_under_the_grammar(smollm2, batch):
+    """A draft model proposes without the grammar (here SmolLM2 itself, so its proposals are
+    the target's unconstrained greedy tokens); they are cut to what the grammar allows and
+    verified under its masks: the same tokens as without speculation, some drafts accepted."""
+    draft = json.dumps({"method": "draft", "model": "smollm2", "num_speculative_tokens": 3})
+    spec = make_engine(smollm2, speculative_config=draft)
+    request = _chat(PROMPTS["array"], max_tokens=32, structured_output={"json_schema": SCHEMAS["array"]})
+    assert spec.generate([request])[0].token_ids == batch["outs"][2].token_ids
+    stats = spec.stats()
+    assert stats.spec_proposed_tokens > 0 and stats.spec_accepted_tokens > 0
+    assert_all_blocks_free(spec)
+
+
 def test_drafts_are_cut_and_verify_masks_roll_back(engine, smollm2):
     compiler = GrammarCompiler(smollm2.tokenizer, smollm2.config.vocab_size)
     constraint = compiler.constraint(StructuredOutput("choice", ["yes", "no"]))
