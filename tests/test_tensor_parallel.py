@@ -9,9 +9,11 @@ partition is what runs here. The last test kills rank 1 under a live pod.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 import time
+import typing
 
 import grpc
 import pytest
@@ -107,6 +109,33 @@ def test_greedy_tokens_equal_one_process_with_and_without_adapters(smollm2, refe
     assert got == expected
     for i in range(0, len(expected), 3):  # else a dropped delta could not be told from a correct one
         assert expected[i] != expected[i + 1] and expected[i] != expected[i + 2]
+
+
+def test_both_executors_offer_every_member_of_the_executor_protocol(reference, tp):
+    """`ModelExecutor` and `TensorParallelExecutor` both implement `Executor`: every method with
+    the protocol's parameters, every attribute of its type. Both engines run steps through them
+    (the test above: the same greedy tokens)."""
+    from model_service.distributed.executor import TensorParallelExecutor
+    from model_service.engine.executor import ModelExecutor
+    from model_service.engine.executors import Executor
+
+    hints = typing.get_type_hints(Executor)
+    methods = {n for n, v in vars(Executor).items() if callable(v) and not n.startswith("_")}
+    methods |= {"copy_blocks", "save_blocks", "load_blocks", "copy_state", "save_state", "load_state"}
+    methods |= {"load_slot", "clear_slot", "move_slot"}  # KVMover's and SlotWriter's
+    assert {"execute", "capture_graphs", "on_lost", "teardown"} <= methods
+    for engine, cls in ((reference, ModelExecutor), (tp, TensorParallelExecutor)):
+        assert type(engine.executor) is cls
+        for name in methods:
+            want = inspect.signature(getattr(Executor, name)).parameters
+            got = inspect.signature(getattr(cls, name)).parameters
+            assert list(got) == list(want), (cls.__name__, name)
+            assert [p.kind for p in got.values()] == [p.kind for p in want.values()], (cls.__name__, name)
+        for name, kind in hints.items():
+            assert isinstance(getattr(engine.executor, name), typing.get_origin(kind) or kind), (
+                cls.__name__,
+                name,
+            )
 
 
 def test_logits_and_swapped_kv_match_one_process(reference, tp):

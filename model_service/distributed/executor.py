@@ -61,10 +61,6 @@ class TensorParallelExecutor:
         # workers in order first, rather than having them terminated under a live process group.
         atexit.register(self.teardown)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
     def on_lost(self, callback: Callable[[str], None]) -> None:
         """Call `callback(why)` (from any thread) once, when a rank is lost; at once if it is already."""
         with self._lock:

@@ -41,7 +41,8 @@ class RankShard:
 
 
 class RankExecutor:
-    # The methods rank 0 may ask every rank to run (CALL / GATHER commands).
+    # The methods rank 0 may ask every rank to run (CALL / GATHER commands): the rank's
+    # `ModelExecutor`'s own, but for those a shard changes (`SHARDED`), which this class wraps.
     COMMANDS = frozenset(
         {
             "copy_blocks",
@@ -54,6 +55,7 @@ class RankExecutor:
             "capture_graphs",
         }
     )
+    SHARDED = frozenset({"load_blocks", "load_slot"})
 
     def __init__(self, shard: RankShard, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
         self.part, self.device_group = shard.part, shard.device_group
@@ -82,7 +84,7 @@ class RankExecutor:
     def call(self, method: str, args: tuple[Any, ...]) -> Any:
         if method not in self.COMMANDS:
             raise ValueError(f"{method!r} is not a tensor-parallel command")
-        return getattr(self, method)(*args)
+        return getattr(self if method in self.SHARDED else self.executor, method)(*args)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         self._share_fed(batch)
@@ -105,31 +107,13 @@ class RankExecutor:
         dist.broadcast(fed, 0, group=self.device_group)
         batch.input_ids[index[0]] = fed
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        self.executor.copy_blocks(pairs)
-
-    def save_blocks(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
-        return self.executor.save_blocks(blocks, num_tokens)
-
     def load_blocks(self, saved: torch.Tensor, blocks: list[int]) -> None:
         """`saved` holds every rank's heads (dim 3, rank order); this rank writes its own."""
         heads = self.part.kv_heads
         self.executor.load_blocks(saved[:, :, :, heads.start : heads.stop], blocks)
 
-    def copy_state(self, src: int, dst: int) -> None:
-        self.executor.copy_state(src, dst)
-
     def load_slot(self, slot: int, adapter: LoraAdapter, offset: int) -> None:
         self.executor.load_slot(slot, shard_adapter(adapter, self.part), offset)
-
-    def clear_slot(self, slot: int) -> None:
-        self.executor.clear_slot(slot)
-
-    def move_slot(self, slot: int, offset: int) -> None:
-        self.executor.move_slot(slot, offset)
-
-    def capture_graphs(self) -> None:
-        self.executor.capture_graphs()
 
 
 def serve_commands(link: CommandLink, rank: RankExecutor, builder: BatchBuilder, log: Any) -> int:

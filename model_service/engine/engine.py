@@ -35,7 +35,7 @@ from model_service.engine.cache_manager import CacheManager
 from model_service.engine.config import EngineConfig
 from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.draft import DraftProposer, load_draft
-from model_service.engine.executor import build_executor
+from model_service.engine.executors import build_executor
 from model_service.engine.grammar import GrammarCompiler, GrammarError
 from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.overlap import PLACEHOLDER, InFlight, can_overlap, feed, launch

@@ -9,10 +9,8 @@ from __future__ import annotations
 import copy
 import gc
 import itertools
-import logging
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,7 +22,6 @@ from model_service.engine.config import DEFAULT_LORA_ROOM, EngineConfig
 from model_service.engine.cuda_graphs import DecodeGraphs
 from model_service.engine.piecewise_graphs import PiecewiseGraphs
 from model_service.engine.speculation import SpeculativeConfig
-from model_service.errors import ModelLoadError
 from model_service.kernels.experts import grouped_experts_apply
 from model_service.kernels.paged_attention import triton
 from model_service.lora.adapter import LoraAdapter
@@ -36,11 +33,6 @@ from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
 from model_service.models.recurrent import RecurrentModel, RecurrentPlan, RecurrentStep
 from model_service.models.step import AttentionBackend, StepBatch
-
-if TYPE_CHECKING:
-    from model_service.distributed.executor import TensorParallelExecutor
-
-log = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -112,27 +104,6 @@ def kv_layout(
     )
     max_model_len = min(config.max_model_len or model.max_position_embeddings, num_blocks * config.block_size)
     return num_blocks, max_model_len
-
-
-def build_executor(
-    loaded: LoadedModel, config: EngineConfig, draft: ModelConfig | None, state_slots: int
-) -> ModelExecutor | TensorParallelExecutor:
-    """The executor `config` asks for: this process's device, or rank 0 of a tensor-parallel group
-    (whose `loaded` weights are on the host, to be sliced; no draft model, no recurrent layers)."""
-    if config.enable_expert_parallel and (config.tensor_parallel_size == 1 or not loaded.config.num_experts):
-        log.warning("--enable-expert-parallel has no effect: it splits the experts of an MoE model over "
-                    "--tensor-parallel-size > 1 ranks")  # fmt: skip
-    if config.tensor_parallel_size > 1:
-        from model_service.distributed.executor import start_tensor_parallel
-
-        if draft is not None:
-            raise ModelLoadError("draft-model speculation does not run with --tensor-parallel-size > 1 yet")
-        return start_tensor_parallel(loaded, config)
-    param = next(loaded.module.parameters())
-    state_bytes = recurrent_state_bytes(loaded.module, state_slots)
-    state_bytes += lora_arena_elements(loaded.module, config) * param.element_size()
-    layout = kv_layout(loaded.config, config, param.dtype, param.device, draft, state_bytes)
-    return ModelExecutor(loaded, config, *layout, state_slots)
 
 
 def own_module_tree(module: nn.Module) -> nn.Module:
@@ -235,10 +206,6 @@ class ModelExecutor:
             return False
         moe = any(kind.moe for kind in self.config.layer_kinds)
         return not moe or grouped_experts_apply(self.dtype, self.device)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
