@@ -1,12 +1,10 @@
 """Error types shared by the engine, the loaders and the model pod.
 
 Each maps to one gRPC status code (model_service/pod/status.py), so a caller gets a code it can
-act on rather than INTERNAL.
+act on rather than INTERNAL. Their base, `SpindleError`, is the shared one (spindle/errors.py).
 """
 
-
-class SpindleError(Exception):
-    """Base class: every error the engine raises on purpose."""
+from spindle.errors import SpindleError  # the services' errors derive from it; importers find it here too
 
 
 class InvalidRequestError(SpindleError, ValueError):

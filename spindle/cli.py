@@ -14,8 +14,8 @@ import os
 import sys
 from types import ModuleType
 
-from model_service.errors import SpindleError
 from spindle import envflags
+from spindle.errors import SpindleError
 
 # name -> (one-line help, module, the module's function that adds the flags to a parser).
 _COMMANDS = {

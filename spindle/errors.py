@@ -1,0 +1,8 @@
+"""`SpindleError`, the base of every error Spindle raises on purpose: the `spindle` command prints
+one as a message (exit code 2) rather than a traceback. It lives here, in the torch-free shared
+package, so that the services derive their errors from it (model_service/errors.py) and the
+command catches them without importing a service."""
+
+
+class SpindleError(Exception):
+    """Base class: every error a command, the engine or a loader raises on purpose."""
