@@ -36,6 +36,7 @@ from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.lora.layers import full_adapter_elements
 from model_service.models.config import ModelConfig
+from model_service.startup import configure_process
 
 
 def from_disk(engine: Engine, cfg: ModelConfig, args: argparse.Namespace) -> dict[str, object]:
@@ -105,4 +106,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

@@ -16,7 +16,7 @@ import os
 import platform
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see model_service/__init__
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see model_service/startup.py
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
@@ -24,6 +24,7 @@ import torch
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.models.loader import load_model, resolve_model_path
+from model_service.startup import configure_process
 
 TOPICS = [
     "the sea",
@@ -138,4 +139,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

@@ -15,13 +15,14 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see model_service/__init__
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see model_service/startup.py
 
 import torch
 
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.engine.sampling_params import SamplingParams
+from model_service.startup import configure_process
 
 
 def main() -> None:
@@ -60,4 +61,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

@@ -34,6 +34,7 @@ from model_service.models.config import ModelConfig
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
 from model_service.models.step import StepBatch
+from model_service.startup import configure_process
 
 LLAMA3_8B = {
     "vocab_size": 128256,
@@ -562,4 +563,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

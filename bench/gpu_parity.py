@@ -19,6 +19,7 @@ import torch
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.models.loader import load_model
+from model_service.startup import configure_process
 
 PROMPTS = [
     "What is the capital of France?",
@@ -96,4 +97,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

@@ -25,6 +25,7 @@ from model_service.models import gated_delta
 from model_service.models.config import LayerKind, LinearAttentionShape, Mixer, ModelConfig
 from model_service.models.loader import LoadedModel
 from model_service.models.qwen3_next import Qwen3NextModel
+from model_service.startup import configure_process
 
 
 def _config(layers: int, small: bool) -> ModelConfig:
@@ -118,4 +119,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see model_service/__init__
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see model_service/startup.py
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
@@ -34,6 +34,7 @@ from model_service.lora.adapter import module_shapes
 from model_service.lora.control import LoadAdapter
 from model_service.models.config import ModelConfig
 from model_service.models.loader import load_model
+from model_service.startup import configure_process
 
 
 def write_adapter(
@@ -184,4 +185,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

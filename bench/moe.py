@@ -37,6 +37,7 @@ from model_service.engine.engine import Engine
 from model_service.kernels.experts import experts_grouped, experts_reference
 from model_service.models.config import LayerKind, ModelConfig
 from model_service.models.loader import LoadedModel
+from model_service.startup import configure_process
 
 
 def timed(fn: Callable[[], object], iters: int, device: torch.device) -> float:
@@ -174,4 +175,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

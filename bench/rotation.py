@@ -70,6 +70,7 @@ from model_service.lora.adapter import LoraAdapter, LoraWeights, content_id
 from model_service.lora.pool import LoraPool
 from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel
+from model_service.startup import configure_process
 
 TINY = {
     "vocab_size": 512,
@@ -521,4 +522,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

@@ -29,7 +29,7 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see model_service/__init__
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see model_service/startup.py
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
@@ -41,6 +41,7 @@ from model_service.models.config import ModelConfig
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel, load_model
 from model_service.models.step import StepBatch
+from model_service.startup import configure_process
 
 
 def _fake_model_engine(
@@ -258,4 +259,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

@@ -52,6 +52,7 @@ from bench.step_times import StepTimes
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.models.loader import LoadedModel
+from model_service.startup import configure_process
 
 
 def workload(n: int, vocab: int, seed: int, prompts: tuple[int, int], outputs: tuple[int, int]) -> list:
@@ -350,4 +351,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

@@ -21,13 +21,14 @@ import json
 import os
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see model_service/__init__
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; see model_service/startup.py
 
 import torch
 
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.models.loader import load_model
+from model_service.startup import configure_process
 
 CODE = (
     "Rename the function `area` to `rectangle_area` in this code and show the whole file:\n\n"
@@ -107,4 +108,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

@@ -29,6 +29,7 @@ from bench.gpu import LLAMA3_8B, SMOLLM2, random_model, timed_generate
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.models.loader import LoadedModel
+from model_service.startup import configure_process
 
 
 def successor_model(shape: dict[str, int], cycle: list[int]) -> LoadedModel:
@@ -123,4 +124,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

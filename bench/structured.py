@@ -28,6 +28,7 @@ from model_service.engine.engine import Engine
 from model_service.engine.structured_output import StructuredOutput
 from model_service.models.loader import load_model
 from model_service.models.tokenizer import Tokenizer
+from model_service.startup import configure_process
 
 
 def twenty_properties() -> dict[str, object]:
@@ -90,4 +91,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

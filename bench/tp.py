@@ -32,6 +32,7 @@ from model_service.engine.batch_builder import StepItem
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.models.loader import LoadedModel, load_model
+from model_service.startup import configure_process
 
 
 def make_engine(loaded: LoadedModel, args: argparse.Namespace, tp: int, dtype: str) -> Engine:
@@ -173,4 +174,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_process()
     main()

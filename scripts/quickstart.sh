@@ -4,7 +4,7 @@
 # (adapters/smollm2-pirate) through the admin API, answer one prompt with the base model and with
 # the adapter, and keep serving until Ctrl-C. Neither Redis nor S3 is needed.
 set -euo pipefail
-# Spinning OpenMP waits make small CPU matmuls ~100x slower on shared cores (model_service/__init__.py).
+# Spinning OpenMP waits make small CPU matmuls ~100x slower on shared cores (model_service/startup.py).
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

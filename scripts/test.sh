@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set everything up, then run the linter and the test suite.
 set -euo pipefail
-# Spinning OpenMP waits make small CPU matmuls ~100x slower on shared cores (model_service/__init__.py).
+# Spinning OpenMP waits make small CPU matmuls ~100x slower on shared cores (model_service/startup.py).
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

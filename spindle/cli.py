@@ -14,6 +14,7 @@ import os
 import sys
 from types import ModuleType
 
+from model_service.startup import configure_process
 from spindle import envflags
 from spindle.errors import SpindleError
 
@@ -41,6 +42,9 @@ _COMMANDS = {
     "adapters": ("register, list, delete adapters (admin API)", "adapter_service.client", "build_parser"),
     "adapter-service": ("run the adapter service", "adapter_service.server", "build_parser"),
 }
+# The commands that run the engine in this process: their process settings come first, before
+# their module imports torch (model_service/startup.py).
+_ENGINE_COMMANDS = {"generate", "serve"}
 
 
 def _usage() -> str:
@@ -69,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     if command not in _COMMANDS:
         print(f"{_usage()}\n\nspindle: error: unknown command {command!r}", file=sys.stderr)
         return 2
+    if command in _ENGINE_COMMANDS:
+        configure_process()
     module, parser = command_parser(command)
     args = parser.parse_args(rest)
     args.command = command

@@ -8,15 +8,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-# Before torch loads OpenMP (see model_service/__init__.py): spinning waits make small matmuls
-# ~100x slower on shared 2-core machines.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from model_service.startup import configure_process
+
+# Before torch loads OpenMP: spinning waits make small matmuls ~100x slower on shared 2-core
+# machines (model_service/startup.py); the engine's processes make the same settings.
+configure_process()
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import pytest
-import torch
-from hypothesis import settings
-from safetensors.torch import load_file, save_file
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 torch.manual_seed(0)
 # The same examples on every run, so CI does not fail on whichever new counterexample a random

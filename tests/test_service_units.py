@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import random
 import subprocess
 import sys
@@ -235,6 +236,21 @@ def test_the_gateway_client_and_dispatcher_import_no_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_importing_the_engine_changes_no_process_setting():
+    """Process-wide settings are made at start-up (model_service/startup.py), never on import."""
+    code = (
+        "import os, model_service.engine.engine, model_service.pod.server, torch; "
+        "assert 'OMP_WAIT_POLICY' not in os.environ; assert torch.backends.cuda.cudnn_sdp_enabled(); "
+        "from model_service.startup import configure_process; configure_process(); "
+        "assert os.environ['OMP_WAIT_POLICY'] == 'PASSIVE' and not torch.backends.cuda.cudnn_sdp_enabled()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+    )
     assert done.returncode == 0, done.stderr
 
 

@@ -26,6 +26,7 @@ from model_service.distributed.shm_channel import ShmChannel, spin_for
 from model_service.engine.batch_builder import BatchBuilder
 from model_service.engine.config import EngineConfig
 from model_service.models.loader import LoadedModel
+from model_service.startup import configure_process
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ def worker_main(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_process()  # a process of its own (spawned): rank 0's settings do not carry over
     device = rank_device(spec.config, spec.rank)
     channel = ShmChannel.attach(spec.channel, spec.world, spec.rank, spin_for(device.type))
     groups = init_rank(spec.rank, spec.world, spec.port, device)

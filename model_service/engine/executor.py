@@ -174,9 +174,6 @@ class ModelExecutor:
             ]
         if self.device.type == "cuda":
             store_weights_transposed(self.module)  # before any graph is captured (lazily)
-            # cuDNN's SDPA builds a new graph for every new context length: 2.2 ms of CPU per layer
-            # call on an H200, 25x the GPU time. The flash/efficient kernels have no such cost.
-            torch.backends.cuda.enable_cudnn_sdp(False)
 
     def capture_graphs(self) -> None:
         """Capture every piecewise bucket and every decode graph (nothing without graphs: CPU,
