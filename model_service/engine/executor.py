@@ -124,56 +124,56 @@ class ModelExecutor:
         max_model_len: int,
         num_state_slots: int = 0,
     ) -> None:
-        max_loras = config.max_loras
         self.max_model_len = max_model_len
-        self.module = own_module_tree(loaded.module) if max_loras > 0 else loaded.module
+        self.module = own_module_tree(loaded.module) if config.max_loras > 0 else loaded.module
         self.config = loaded.config
         param = next(self.module.parameters())
         self.device, self.dtype = param.device, param.dtype
-        cfg = self.config
-        self.kv_cache = KVCache(
-            cfg.layer_kinds,
-            num_blocks,
-            config.block_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cache_dtype(config.kv_cache_dtype, self.dtype, self.device),
-            self.device,
-        )
-        kernels, rank = self._kernels_apply(), config.max_lora_rank
-        self.lora: LoraLayers | None = None
+        self.kv_cache = self._kv_cache(config, num_blocks)
         self.lora_arena = (lora_arena_elements(self.module, config), param.element_size())
-        self.lora_slots = resident_slots(self.module, self.lora_arena[0]) if max_loras > 0 else 0
-        if max_loras > 0:  # the LoRA kernels need a power-of-two rank width
-            use_kernels = kernels and rank & (rank - 1) == 0
-            self.lora = wrap_lora_layers(self.module, self.lora_slots, rank, self.lora_arena[0], use_kernels)
-        self.graphs: DecodeGraphs | None = None
-        self.pieces: PiecewiseGraphs | None = None
-        self.attention: AttentionBackend
-        if kernels:
-            triton_backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
-            self.attention = triton_backend
-            if not config.enforce_eager and self._graphs_apply():
-                self.graphs = self._decode_graphs(config, triton_backend)
-                dense = not any(kind.moe for kind in cfg.layer_kinds)  # MoE: not yet run piecewise on a GPU
-                if config.piecewise_graphs and dense and isinstance(self.module, DecoderModel):
-                    plan = self.lora.plan if self.lora is not None else None
-                    self.pieces = PiecewiseGraphs(
-                        self.module, triton_backend, config.max_num_batched_tokens, self.device, plan,
-                        config.max_num_seqs,
-                    )  # fmt: skip
-        else:
-            self.attention = TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
-        # Float32 tensors [slots, ...], as many per recurrent layer as the model lists; none for
-        # attention-only models.
-        self.state_tensors: list[torch.Tensor] = []
-        if isinstance(self.module, RecurrentModel) and num_state_slots > 0:
-            self.state_tensors = [
-                torch.zeros(num_state_slots, *shape, dtype=torch.float32, device=self.device)
-                for shape in self.module.recurrent_state_shapes()
-            ]
+        self.lora_slots = resident_slots(self.module, self.lora_arena[0]) if config.max_loras > 0 else 0
+        self.lora = self._wrap_lora(config)
+        self.attention, self.graphs, self.pieces = self._attention(config)
+        self.state_tensors = self._state_tensors(num_state_slots)
         if self.device.type == "cuda":
             store_weights_transposed(self.module)  # before any graph is captured (lazily)
+
+    def _kv_cache(self, config: EngineConfig, num_blocks: int) -> KVCache:
+        cfg = self.config
+        dtype = cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        return KVCache(
+            cfg.layer_kinds, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device
+        )
+
+    def _wrap_lora(self, config: EngineConfig) -> LoraLayers | None:
+        """The module's projections wrapped for `lora_slots` resident adapters (none without
+        `--max-loras`); with the LoRA kernels where the rank width is a power of two, as they need."""
+        if config.max_loras == 0:
+            return None
+        rank = config.max_lora_rank
+        use_kernels = self._kernels_apply() and rank & (rank - 1) == 0
+        return wrap_lora_layers(self.module, self.lora_slots, rank, self.lora_arena[0], use_kernels)
+
+    def _attention(
+        self, config: EngineConfig
+    ) -> tuple[AttentionBackend, DecodeGraphs | None, PiecewiseGraphs | None]:
+        """The attention backend, and the CUDA graphs that replay steps over it (the Triton
+        backend's only: the reference backend cannot be captured)."""
+        cfg = self.config
+        if not self._kernels_apply():
+            return TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim), None, None
+        backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
+        if config.enforce_eager or not self._graphs_apply():
+            return backend, None, None
+        return backend, self._decode_graphs(config, backend), self._piecewise_graphs(config, backend)
+
+    def _state_tensors(self, num_slots: int) -> list[torch.Tensor]:
+        """Float32 tensors [slots, ...], as many per recurrent layer as the model lists; none for
+        attention-only models."""
+        if not isinstance(self.module, RecurrentModel) or num_slots == 0:
+            return []
+        shapes = self.module.recurrent_state_shapes()
+        return [torch.zeros(num_slots, *shape, dtype=torch.float32, device=self.device) for shape in shapes]
 
     def capture_graphs(self) -> None:
         """Capture every piecewise bucket and every decode graph (nothing without graphs: CPU,
@@ -182,6 +182,15 @@ class ModelExecutor:
             self.pieces.capture_all()
         if self.graphs is not None:
             self.graphs.capture_all()
+
+    def _piecewise_graphs(self, config: EngineConfig, backend: TritonBackend) -> PiecewiseGraphs | None:
+        dense = not any(kind.moe for kind in self.config.layer_kinds)  # MoE: not yet run piecewise on a GPU
+        if not (config.piecewise_graphs and dense and isinstance(self.module, DecoderModel)):
+            return None
+        plan = self.lora.plan if self.lora is not None else None
+        return PiecewiseGraphs(
+            self.module, backend, config.max_num_batched_tokens, self.device, plan, config.max_num_seqs
+        )
 
     def _decode_graphs(self, config: EngineConfig, backend: TritonBackend) -> DecodeGraphs:
         plan = self.lora.plan if self.lora is not None and self.lora.plan.use_kernels else None
