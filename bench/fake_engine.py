@@ -1,5 +1,5 @@
 """Fake fast engines for the serving benchmarks: the surface the model pod uses
-(`model_service.pod.handle.EngineHandle`), no model behind it.
+(`model_service.engine.handle.EngineHandle`), no model behind it.
 
 Every running request gets one token per step (ids 100, 101, ...; text "x" per token) and a
 step sleeps `step_s`, so a benchmark measures the serving path (pod, gateway), not a model.

@@ -259,7 +259,7 @@ def test_the_engine_and_the_bench_fake_offer_the_engine_handle(tiny_llama):
     on the real Engine and on the fake engine of bench/fake_engine.py."""
     from bench.fake_engine import FakeFastEngine
     from model_service.engine.config import EngineConfig
-    from model_service.pod.handle import EngineHandle
+    from model_service.engine.handle import EngineHandle
     from tests.conftest import make_engine
 
     members = {n for n in vars(EngineHandle) if not n.startswith("_")}

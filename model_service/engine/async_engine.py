@@ -16,29 +16,16 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
+from model_service.engine.handle import EngineHandle
 from model_service.engine.sequence import RequestOutput
 from model_service.lora.control import ControlOp, ControlResult
 
 log = logging.getLogger(__name__)
 
 
-class SteppedEngine(Protocol):
-    """What the engine thread drives: `engine.Engine`, or any engine with the same calls."""
-
-    def add_request(self, *args: Any, **kwargs: Any) -> str: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def abort(self, request_id: str) -> bool: ...
-
-    def has_unfinished(self) -> bool: ...
-
-    def submit_control(self, op: ControlOp) -> Future[ControlResult]: ...
-
-
-E = TypeVar("E", bound=SteppedEngine)
+E = TypeVar("E", bound=EngineHandle)
 Output = RequestOutput | Exception  # an exception ends the stream (see `fail_streams`)
 T = TypeVar("T")
 

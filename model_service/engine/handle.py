@@ -1,8 +1,8 @@
-"""`EngineHandle`: everything the model pod may use of an engine, as a typed protocol.
+"""`EngineHandle`: everything the model pod and `AsyncEngine` may use of an engine, as one typed protocol.
 
-The pod reaches the engine only through this surface (driven on the engine thread by
-`AsyncEngine`), so any engine that offers it can be served: the real `Engine`, or the fake fast
-engine of `bench/gateway.py`. Nothing else is probed for: no `hasattr`, no reaching into
+`AsyncEngine` drives an engine through it on the engine thread, and the pod reaches the engine
+only through that, so any engine that offers it can be served: the real `Engine`, or the fake
+fast engine of `bench/gateway.py`. Nothing else is probed for: no `hasattr`, no reaching into
 `engine.model`.
 """
 

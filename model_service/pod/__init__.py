@@ -3,8 +3,8 @@
 - `server`: flags, start-up order, the two listening ports (serving and control), signals, drain;
 - `generation`: the Generation and PodStatus services;
 - `control`: the ModelControl service (adapter placement, peer fetch, Drain);
-- `state`: what the RPCs share (the engine, the requests in flight, the load report);
-- `handle`: `EngineHandle`, the typed surface of the engine the pod uses (and nothing more);
+- `state`: what the RPCs share (the engine, through its typed surface `engine.handle.EngineHandle`;
+  the requests in flight, the load report);
 - `status`: engine errors -> gRPC status codes (the one mapping);
 - `wire`: proto messages <-> engine keywords and outputs;
 - `metrics`: Prometheus, under vLLM's names.

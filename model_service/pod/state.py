@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 from model_service.engine.async_engine import AsyncEngine
 from model_service.engine.engine import EngineStats
+from model_service.engine.handle import EngineHandle
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import RequestOutput
 from model_service.errors import UnavailableError
 from model_service.lora.pool import ACTIVE, AdapterInfo
-from model_service.pod.handle import EngineHandle
 from model_service.pod.metrics import PodMetrics, Residency, Snapshot
 from spindle.serving import Health
 from spindle.v1 import pod_status_pb2
