@@ -175,25 +175,25 @@ def host_share(engine: Engine, batch: int, prompt_len: int, vocab: int) -> tuple
     execute, run = engine.executor.execute, engine._run
     waited, events = 0.0, []
 
-    def waited_execute(step_batch: StepBatch) -> torch.Tensor:
+    def waited_execute(step_batch: StepBatch, fed: torch.Tensor | None = None) -> torch.Tensor:
         nonlocal waited
         start = time.perf_counter()
-        out = execute(step_batch)
+        out = execute(step_batch, fed)
         torch.cuda.synchronize()
         waited += time.perf_counter() - start
         return out
 
-    def event_execute(step_batch: StepBatch) -> torch.Tensor:
+    def event_execute(step_batch: StepBatch, fed: torch.Tensor | None = None) -> torch.Tensor:
         events.append([torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)])
         events[-1][0].record()
-        return execute(step_batch)
+        return execute(step_batch, fed)
 
     def event_run(work: list) -> list:
         out = run(work)
         events[-1][1].record()  # every device op of the step is queued by now
         return out
 
-    def decode_steps(timed: Callable[[StepBatch], torch.Tensor], with_events: bool) -> float:
+    def decode_steps(timed: Callable[..., torch.Tensor], with_events: bool) -> float:
         start_decode(engine, batch, prompt_len, vocab, max_tokens=96)
         events.clear()
         engine.executor.execute = timed

@@ -79,7 +79,7 @@ def _fake_model_engine(
 
     fixed = torch.randn(num_seqs, cfg.vocab_size)
 
-    def fake_execute(batch: StepBatch) -> torch.Tensor:
+    def fake_execute(batch: StepBatch, fed: torch.Tensor | None = None) -> torch.Tensor:
         if fixed_logits:
             return fixed[: len(batch.logits_rows)]
         return torch.randn(len(batch.logits_rows), cfg.vocab_size)

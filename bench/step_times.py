@@ -45,17 +45,19 @@ class StepTimes:
 
     def __enter__(self) -> StepTimes:
         run = self.executor.execute
-        self.executor.execute = lambda batch: self._timed(run, batch)  # the instance shadows the class
+        self.executor.execute = lambda batch, fed=None: self._timed(run, batch, fed)  # shadows the class's
         return self
 
     def __exit__(self, kind: type | None, error: BaseException | None, tb: TracebackType | None) -> None:
         del self.executor.execute
 
-    def _timed(self, run: Callable[[StepBatch], torch.Tensor], batch: StepBatch) -> torch.Tensor:
+    def _timed(
+        self, run: Callable[..., torch.Tensor], batch: StepBatch, fed: torch.Tensor | None
+    ) -> torch.Tensor:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         began = time.perf_counter()
-        logits = run(batch)
+        logits = run(batch, fed)
         host = time.perf_counter() - began
         end.record()
         self.records.append((step_class(self.executor, batch), host, start, end))

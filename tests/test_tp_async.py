@@ -14,7 +14,6 @@ import torch
 from model_service.engine.batch_builder import BatchBuilder, StepItem
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import _async_scheduling
-from model_service.engine.overlap import InFlight, feed
 from tests import overlap_helpers as overlap
 from tests.conftest import make_engine, new_sequence
 
@@ -50,9 +49,9 @@ def test_async_scheduling_is_on_by_default_on_gpus_and_on_request_on_the_cpu():
     assert not on("off", "cuda") and not on("auto", "cpu") and not on("auto", "cpu", tp=1)
 
 
-def test_the_feed_index_travels_in_the_packed_batch_and_feed_writes_the_in_flight_tokens(tiny_llama):
+def test_the_feed_index_travels_in_the_packed_batch_and_the_executor_writes_the_in_flight_tokens(tiny_llama):
     """What rank 0 packs is what a worker rebuilds from the same host words (its header shape
-    included); `feed` writes step N's tokens into the placeholder rows and keeps them to send."""
+    included); the executor writes step N's tokens (`fed`) into the placeholder rows."""
     engine = make_engine(tiny_llama, max_loras=0)
     states = [new_sequence(engine, 4) for _ in range(3)]
     tokens, fed_from = ([0], [5, 6, 7], [0]), (2, -1, 0)  # rows 0 and 4: step N's third and first
@@ -62,8 +61,8 @@ def test_the_feed_index_travels_in_the_packed_batch_and_feed_writes_the_in_fligh
     worker.host_region(batch.packed_shape)[:] = batch.packed
     rebuilt = worker.from_host(batch.packed_shape)
     assert batch.feed_index.tolist() == rebuilt.feed_index.tolist() == [[0, 4], [2, 0]]
-    feed(batch, InFlight([], torch.tensor([10, 11, 12]), torch.tensor([10, 11, 12]), None))
-    assert batch.input_ids.tolist() == [12, 5, 6, 7, 10] and batch.fed_ids.tolist() == [12, 10]
+    engine.executor.execute(batch, torch.tensor([10, 11, 12]))
+    assert batch.input_ids.tolist() == [12, 5, 6, 7, 10]
     assert rebuilt.input_ids.tolist() == [0, 5, 6, 7, 0]  # a worker's: `_share_fed` writes them
     for state in states:
         engine.cache.free(state)

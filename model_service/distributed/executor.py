@@ -36,6 +36,7 @@ from model_service.distributed.link import (
 from model_service.distributed.rank import RankExecutor, build_rank
 from model_service.distributed.shm_channel import ShmChannel, spin_for
 from model_service.distributed.worker import Workers, WorkerSpec
+from model_service.engine.batch_builder import PackedBatch
 from model_service.engine.config import EngineConfig
 from model_service.errors import ModelLoadError
 from model_service.lora.adapter import LoraAdapter
@@ -86,12 +87,12 @@ class TensorParallelExecutor:
 
     # --- commands ------------------------------------------------------------------------
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
+    def execute(self, batch: StepBatch, fed: torch.Tensor | None = None) -> torch.Tensor:
         """Launch the step on every rank; returns once all launched it, without waiting for any
         device (the logits are queued on rank 0's), so async scheduling overlaps as on one GPU."""
-        assert batch.packed is not None, "a tensor-parallel step needs the batch's packed buffer"
-        packed, shape = batch.packed, batch.packed_shape
-        return self._command(lambda: self.link.send_step(packed, shape), lambda: self.rank.execute(batch))
+        assert isinstance(batch, PackedBatch), "a tensor-parallel step sends the batch's packed words"
+        send = functools.partial(self.link.send_step, batch.packed, batch.packed_shape)
+        return self._command(send, lambda: self.rank.execute(batch, fed))
 
     def _call(self, method: str, *args: Any) -> Any:
         send = functools.partial(self.link.send_call, Command.CALL, method, args)

@@ -86,26 +86,26 @@ class RankExecutor:
             raise ValueError(f"{method!r} is not a tensor-parallel command")
         return getattr(self if method in self.SHARDED else self.executor, method)(*args)
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        self._share_fed(batch)
+    def execute(self, batch: StepBatch, fed: torch.Tensor | None = None) -> torch.Tensor:
+        self._share_fed(batch, fed)
         return self.executor.execute(batch)
 
-    def _share_fed(self, batch: StepBatch) -> None:
-        """Async scheduling (engine/overlap.py): rank 0 wrote the step before's sampled tokens into
-        its input ids on its device, but the workers' ids come from rank 0's host buffer, which
-        holds placeholders there. Rank 0 broadcasts those tokens over the device group, queued
-        behind the step that samples them like any collective (no rank waits on the host), and
-        each worker writes them into the same rows."""
+    def _share_fed(self, batch: StepBatch, fed: torch.Tensor | None) -> None:
+        """Async scheduling (engine/overlap.py): only rank 0 holds the step before's sampled tokens
+        (`fed`, on its device); the workers' input ids come from rank 0's host words, which hold
+        placeholders in those rows. Rank 0 broadcasts the rows' tokens over the device group,
+        queued behind the step that samples them like any collective (no rank waits on the
+        host), and every rank writes them into the same rows."""
         index = batch.feed_index
         if index is None or not index.shape[1]:
             return
         if self.part.rank == 0:
-            assert batch.fed_ids is not None, "overlap.feed runs on rank 0 before the step"
-            dist.broadcast(batch.fed_ids, 0, group=self.device_group)
-            return
-        fed = torch.empty(index.shape[1], dtype=torch.long, device=index.device)
-        dist.broadcast(fed, 0, group=self.device_group)
-        batch.input_ids[index[0]] = fed
+            assert fed is not None, "rank 0 is handed the in-flight tokens its batch's rows take"
+            ids = fed[index[1]]
+        else:
+            ids = torch.empty(index.shape[1], dtype=torch.long, device=index.device)
+        dist.broadcast(ids, 0, group=self.device_group)
+        batch.input_ids[index[0]] = ids
 
     def load_blocks(self, saved: torch.Tensor, blocks: list[int]) -> None:
         """`saved` holds every rank's heads (dim 3, rank order); this rank writes its own."""

@@ -38,6 +38,16 @@ class StepItem:
     fed_from: int = -1
 
 
+@dataclass(kw_only=True)
+class PackedBatch(StepBatch):
+    """A step batch as the builder packed it: the host int64 words every index array was copied
+    from, and the sizes that lay them out. A tensor-parallel rank 0 sends these to its workers,
+    which rebuild the same batch from them (`BatchBuilder.from_host`)."""
+
+    packed: torch.Tensor
+    packed_shape: tuple[int, ...]
+
+
 class _Staging:
     """A host buffer batches are packed (or received) into, and the event recorded after the last
     copy out of it to the device, which must be done before the buffer is written again."""
@@ -70,7 +80,7 @@ class BatchBuilder:
         self._host = self._staging[0].tensor
         self._device = torch.empty(0, dtype=torch.long, device=device)
 
-    def build(self, items: list[StepItem]) -> StepBatch:
+    def build(self, items: list[StepItem]) -> PackedBatch:
         """Pack `items` with whole-array numpy operations: the host builds a step of 256 decode
         rows while the GPU runs the previous one, so a Python loop per row would be the step."""
         if not items:
@@ -142,16 +152,16 @@ class BatchBuilder:
         self._next_host(size)
         return self._host[:size]
 
-    def from_host(self, shape: tuple[int, ...]) -> StepBatch:
+    def from_host(self, shape: tuple[int, ...]) -> PackedBatch:
         """The batch of `shape` packed in the host buffer (by `build`, or received into `host_region`)."""
         return self._batch(shape, np.full(shape[0], -1, dtype=np.int64))  # no recurrent layers under TP
 
-    def _batch(self, shape: tuple[int, ...], snapshots: np.ndarray) -> StepBatch:
+    def _batch(self, shape: tuple[int, ...], snapshots: np.ndarray) -> PackedBatch:
         used = _layout(shape)[1]
         regions = _regions(self._host.numpy(), shape)
         views = _regions(self._to_device(used), shape)
         num_seqs, max_blocks, num_fed = shape[1], shape[3], shape[4]
-        return StepBatch(
+        return PackedBatch(
             input_ids=views[0],
             positions=views[1],
             slot_mapping=views[2],

@@ -38,7 +38,7 @@ from model_service.engine.draft import DraftProposer, load_draft
 from model_service.engine.executors import build_executor
 from model_service.engine.grammar import GrammarCompiler, GrammarError
 from model_service.engine.output_processor import OutputProcessor
-from model_service.engine.overlap import PLACEHOLDER, InFlight, can_overlap, feed, launch
+from model_service.engine.overlap import PLACEHOLDER, InFlight, can_overlap, launch
 from model_service.engine.requests import PromptReader, Resume
 from model_service.engine.sampler import (
     AllowedTokens,
@@ -437,9 +437,7 @@ class Engine:
         (with async scheduling: those the step before produced, whose tokens have just arrived)."""
         items = [self._item(seq, n) for seq, n in work]
         batch = self.builder.build(items)
-        if self._inflight is not None:
-            feed(batch, self._inflight)
-        logits = self.executor.execute(batch)
+        logits = self.executor.execute(batch, self._inflight.tokens if self._inflight is not None else None)
         self.num_computed_tokens += sum(len(item.tokens) for item in items)
         rows, verify, first = [], [], 0  # one logits row per plain row; k + 1 per verify row
         for (seq, _), item in zip(work, items, strict=True):

@@ -214,14 +214,21 @@ class ModelExecutor:
         return not moe or grouped_experts_apply(self.dtype, self.device)
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Float32 logits [len(batch.logits_rows), vocab], row i for `batch.logits_rows[i]`."""
+    def execute(self, batch: StepBatch, fed: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits [len(batch.logits_rows), vocab], row i for `batch.logits_rows[i]`; `fed`
+        (async scheduling): the step before's sampled tokens, still on the device, which the rows
+        `batch.feed_index` names take as input ids (queued after the step that samples them)."""
+        index = batch.feed_index
+        if fed is not None and index is not None and index.shape[1]:
+            batch.input_ids[index[0]] = fed[index[1]]
+        # Each path sets up what it reads: a replay's LoRA kernels read the static buffers `run`
+        # fills (slots; the pieces' tiles too), never the LoRA plan, which only an eager pass reads.
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)  # reads LoRA slots from its static buffer (`for_capture`)
+            return self.graphs.run(batch)
+        if self.pieces is not None and self.pieces.can_run(batch):
+            return self.pieces.run(batch)
         if self.lora is not None:
             self.lora.plan.prepare(batch)
-        if self.pieces is not None and self.pieces.can_run(batch):
-            return self.pieces.run(batch)  # reads the plan `prepare` made (LoRA rows)
         self.attention.prepare(batch)
         recurrent = None
         if self.state_tensors:

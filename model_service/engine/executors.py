@@ -42,8 +42,11 @@ class Executor(KVMover, SlotWriter, Protocol):
     lora_slots: int  # device-resident adapter slots (0 without LoRA)
     lora_arena: tuple[int, int]  # (elements, bytes per element) of the adapter arena
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Float32 logits [len(batch.logits_rows), vocab], row i for `batch.logits_rows[i]`."""
+    def execute(self, batch: StepBatch, fed: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits [len(batch.logits_rows), vocab], row i for `batch.logits_rows[i]`.
+        `fed`: async scheduling's in-flight tokens (engine/overlap.py), the step before's sampled
+        tokens still on the device; the rows `batch.feed_index` names take theirs as input ids.
+        An argument, not state an earlier call left: each call runs on what it is handed."""
         ...
 
     def capture_graphs(self) -> None:

@@ -4,9 +4,9 @@ Without it every step ends in a device-to-host wait for the sampled tokens, and 
 idles while the host appends them, detokenizes, checks stop conditions, schedules and packs the
 next batch: at 256 decode rows that is as long as a third of the step. With it, the engine
 launches step N + 1 before it reads step N's tokens: a decode row whose last token is still on
-the device gets a placeholder input id, which `feed` overwrites on the device from step N's token
-tensor (in stream order, so no wait), and step N's tokens are read (`InFlight.wait`) once step
-N + 1 is queued behind them.
+the device gets a placeholder input id, which the executor overwrites on the device from step N's
+token tensor (in stream order, so no wait; `Executor.execute`'s `fed`), and step N's tokens are
+read (`InFlight.wait`) once step N + 1 is queued behind them.
 
 The price, as in vLLM's async scheduling: a request that step N finishes by a stop token or
 string has already been given a row in step N + 1, whose token is dropped; its K/V write lands
@@ -26,9 +26,8 @@ import torch
 
 from model_service.engine.sampler import SampleRow, sample_on_device
 from model_service.engine.sequence import Sequence
-from model_service.models.step import StepBatch
 
-# The input id of a row whose token is still on the device; `feed` replaces it before the forward.
+# The input id of a row whose token is still on the device; the executor replaces it before the forward.
 PLACEHOLDER = 0
 
 
@@ -69,15 +68,3 @@ def launch(seqs: list[Sequence], logits: torch.Tensor) -> InFlight:
     for seq in seqs:
         seq.in_flight += 1
     return InFlight(seqs, tokens, host, ready, {id(s): i for i, s in enumerate(seqs)})
-
-
-def feed(batch: StepBatch, inflight: InFlight) -> None:
-    """Write each in-flight token into the input id of its row (`batch.feed_index`, packed by the
-    batch builder from `StepItem.fed_from`), on the device, queued after the step that samples
-    it. The tokens stay on the batch (`fed_ids`): a tensor-parallel rank 0 sends them on to its
-    workers over the device group (distributed/rank.py), whose input ids come from the host."""
-    index = batch.feed_index
-    if index is None or not index.shape[1]:
-        return
-    batch.fed_ids = inflight.tokens[index[1]]
-    batch.input_ids[index[0]] = batch.fed_ids

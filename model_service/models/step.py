@@ -56,15 +56,10 @@ class StepBatch:
     # [T] state slot that receives each token's recurrent state once the token is in (-1: none):
     # the per-position checkpoints of verify rows and the prefix cache's block-boundary snapshots.
     host_state_snapshots: np.ndarray
-    # The host int64 buffer every index array above was copied from, and the sizes that lay it out:
-    # what a tensor-parallel rank 0 broadcasts so the other ranks run the same step.
-    packed: torch.Tensor | None = None
-    packed_shape: tuple[int, ...] = ()
     # Async scheduling (engine/overlap.py): [2, K] the rows of `input_ids` whose token the step
-    # before sampled and is still on the device, and each one's index among that step's tokens.
+    # before sampled and is still on the device, and each one's index among that step's tokens;
+    # the executor writes those tokens in (`Executor.execute`'s `fed`). None: no such rows.
     feed_index: torch.Tensor | None = None
-    # [K] those tokens, once rank 0 wrote them in: what a tensor-parallel rank 0 sends its workers.
-    fed_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
