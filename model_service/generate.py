@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import sys
+from collections import Counter
 from typing import Any
 
 from model_service.engine.config import add_engine_args, engine_config
@@ -107,6 +108,10 @@ def _read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
                 reqs.append(obj)
     if not reqs:
         raise SpindleError("nothing to generate: give --prompt TEXT or --requests FILE")
+    named = Counter(r["request_id"] for r in reqs if r.get("request_id") is not None)
+    for rid, n in named.items():
+        if n > 1:  # the one check of this process: the engine trusts its caller's ids
+            raise SpindleError(f"request id {rid!r} is already in use ({n} requests name it)")
     return [{**defaults, **r} for r in reqs]
 
 

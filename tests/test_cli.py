@@ -155,5 +155,9 @@ def test_structured_output_flags_become_the_requests_field(tmp_path):
         assert SamplingParams.from_dict(request).structured_output.kind == next(iter(expected))
     with pytest.raises(SystemExit):  # one kind at most
         parser.parse_args(["--prompt", "hi", "--regex", "a", "--choice", "a"])
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"prompt": "a", "request_id": "x"}\n{"prompt": "b", "request_id": "x"}\n')
+    with pytest.raises(SpindleError, match="request id 'x' is already in use"):
+        _read_requests(parser.parse_args(["--requests", str(requests)]))
     with pytest.raises(SpindleError, match=r"no-such\.json"):
         _read_requests(parser.parse_args(["--prompt", "hi", "--json-schema", str(tmp_path / "no-such.json")]))

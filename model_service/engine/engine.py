@@ -220,12 +220,12 @@ class Engine:
     ) -> str:
         """Validate and queue a request; raises InvalidRequestError / CapacityError, changing nothing.
 
-        `resume`: output a previous engine produced for it; generation continues after it."""
+        `resume`: output a previous engine produced for it; generation continues after it.
+        `request_id` must not be one this engine still runs: a process's entry keeps ids unique
+        (the pod's Generate handler, `spindle generate`'s request reader), in one place."""
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if adapter == ACTIVE and self.lora.slot_of(ACTIVE) is None:
             raise PreconditionError(
                 f"no adapter is active, so {ACTIVE!r} names none: ModelControl.SetActive sets one "

@@ -94,7 +94,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 Code.NOT_FOUND,
                 f"model {request.model!r} is not served here (this pod: {pod.model_name!r})",
             )
-        if rid in pod.inflight:
+        if rid in pod.inflight:  # this process's one check (the engine trusts it): see Engine.add_request
             await abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
