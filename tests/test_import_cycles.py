@@ -9,6 +9,7 @@ three: the `spindle` command's dispatcher and `spindle up`.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +56,7 @@ def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return out
 
 
+@functools.cache  # read once for both tests
 def import_graph() -> dict[str, set[str]]:
     modules = _modules()
     return {name: _imported(name, path, modules) for name, path in modules.items()}
