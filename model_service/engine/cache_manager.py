@@ -130,6 +130,13 @@ class CacheManager:
         state.num_computed = 0
         state.freed = True
 
+    def commit(self, state: SequenceState, num_tokens: int) -> None:
+        """Count `state`'s next `num_tokens` tokens as in the cache: a step that writes their K/V
+        (and recurrent state) was launched. The one place a forward pass moves `num_computed`
+        (`truncate` takes it back), so that it is always the tokens the cache holds; the batch
+        builder has checked that the reserved blocks cover them."""
+        state.num_computed += num_tokens
+
     def reserve(self, state: SequenceState, num_tokens: int) -> bool:
         """Make `state`'s block table cover `num_tokens` tokens; False (and no change) if blocks run out."""
         return self.blocks.reserve(state, num_tokens)

@@ -231,7 +231,7 @@ class DraftProposer:
         """Logits over the target's vocabulary (padding rows of either table never win)."""
         logits = self.executor.execute(self.builder.build(items))
         for item in items:
-            item.state.num_computed += len(item.tokens)
+            self.cache.commit(item.state, len(item.tokens))
         extra = self.vocab_size - logits.shape[1]
         if extra > 0:
             return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))

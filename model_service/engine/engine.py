@@ -315,7 +315,7 @@ class Engine:
             self._emit_outputs(self._drain())  # control operations and adapter drains need one
         for seq in self.adapters.at_quiescent_point():
             self._finish(seq, "error")
-        if self._inflight is not None and self._may_preempt():
+        if self._inflight is not None and self.scheduler.may_preempt():
             self._emit_outputs(self._drain())  # a preempted sequence must have all its tokens
         self._start_grammars()
         outputs, self._pending = self._pending, []
@@ -418,30 +418,16 @@ class Engine:
     def _emit_outputs(self, seqs: list[Sequence]) -> None:
         self._pending += self._outputs(seqs)
 
-    def _may_preempt(self) -> bool:
-        """Whether this step's scheduling could run out of K/V blocks and preempt a sequence:
-        never while the free blocks cover what every running sequence may reserve (its pending
-        tokens' blocks and one copy-on-write block)."""
-        bs, free, running = self.config.block_size, self.cache.num_free_blocks, self.scheduler.running
-        if free > 2 * len(running) + self.scheduler.token_budget // bs:  # bounds the sum below
-            return False
-        need = 0
-        for seq in running:
-            if seq.state is not None:
-                blocks = -(-(seq.num_computed + seq.num_pending) // bs) - len(seq.state.block_table)
-                need += max(blocks, 0) + 1
-        return need > free
-
     def _run(self, work: list[tuple[Sequence, int]]) -> list[Sequence]:
         """One forward pass over the scheduled work; returns the sequences it produced tokens for
         (with async scheduling: those the step before produced, whose tokens have just arrived)."""
         items = [self._item(seq, n) for seq, n in work]
         batch = self.builder.build(items)
         logits = self.executor.execute(batch, self._inflight.tokens if self._inflight is not None else None)
+        self.scheduler.commit(work)
         self.num_computed_tokens += sum(len(item.tokens) for item in items)
         rows, verify, first = [], [], 0  # one logits row per plain row; k + 1 per verify row
         for (seq, _), item in zip(work, items, strict=True):
-            item.state.num_computed += len(item.tokens)
             if item.num_logits > 1:
                 verify.append((seq, logits[first : first + item.num_logits]))
             elif item.num_logits:
@@ -452,8 +438,8 @@ class Engine:
             launched = launch([s for s, _ in rows], self._rows(logits, rows))
         produced = self._drain()  # the step before: its tokens are needed from here on
         for (seq, _), item in zip(work, items, strict=True):
-            if item.num_logits <= 1 and seq.state is item.state:
-                self.cache.register_full_blocks(item.state, seq.token_ids, seq.adapter_id)
+            if item.num_logits <= 1:
+                self.scheduler.register_prefix(seq)
         if launched is not None:
             self._inflight = launched
             return produced
@@ -504,16 +490,9 @@ class Engine:
         assert seq.state is not None
         if seq.in_flight:  # its last token is still on the device: `feed` writes it in
             assert self._inflight is not None
-            self.cache.plan_boundary_checkpoint(seq.state, 1)
             return StepItem(seq.state, [PLACEHOLDER], 1, self._inflight.row_of[id(seq)])
         if n > seq.num_pending:  # the scheduler took its proposals
-            # Recurrent state is checkpointed after each verify token but the last, for rollback;
-            # without the slots for that, the row runs as a plain decode row.
-            lengths = list(range(seq.num_computed + 1, seq.num_computed + n))
-            if self.cache.plan_checkpoints(seq.state, lengths):
-                return StepItem(seq.state, [seq.token_ids[-1], *seq.spec_tokens], n)
-            seq.spec_tokens, n = [], seq.num_pending
-        self.cache.plan_boundary_checkpoint(seq.state, n)
+            return StepItem(seq.state, [seq.token_ids[-1], *seq.spec_tokens], n)
         start = seq.num_computed
         ends_prompt = start + n == len(seq.token_ids)
         return StepItem(seq.state, seq.token_ids[start : start + n], int(ends_prompt))
@@ -546,10 +525,10 @@ class Engine:
             emitted = accept_sampled(proposals, probs, seq.generator, draft_probs)
         self.spec_proposed += len(proposals)
         self.spec_accepted += len(emitted) - 1
-        self.cache.truncate(seq.state, seq.state.num_computed - (len(proposals) - len(emitted) + 1))
+        self.scheduler.rollback(seq, len(proposals) - len(emitted) + 1)
         self._emit(seq, emitted, None)
         if not seq.finished:
-            self.cache.register_full_blocks(seq.state, seq.token_ids, seq.adapter_id)
+            self.scheduler.register_prefix(seq)
             assert self.proposer is not None
             self.proposer.on_verified(seq, len(emitted) - 1)
 

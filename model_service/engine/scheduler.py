@@ -135,7 +135,60 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self._schedule_running(self.token_budget, batch)
         self._admit_waiting(budget, batch)
+        if self.cache.has_state:
+            batch.work = [(seq, self._plan_checkpoints(seq, n)) for seq, n in batch.work]
         return batch
+
+    def _plan_checkpoints(self, seq: Sequence, n: int) -> int:
+        """Reserve the recurrent-state checkpoints that `seq`'s `n` tokens of this step pass: one
+        after each verify token but the last (to roll back to), else one at the last block
+        boundary (for the prefix cache). Returns the tokens it runs: a verify row that finds no
+        slots for its checkpoints drops its proposals and runs as a plain decode row."""
+        assert seq.state is not None
+        if n > seq.num_pending:  # its proposals to verify
+            start = seq.state.num_computed
+            if self.cache.plan_checkpoints(seq.state, list(range(start + 1, start + n))):
+                return n
+            seq.spec_tokens, n = [], seq.num_pending
+        self.cache.plan_boundary_checkpoint(seq.state, n)
+        return n
+
+    def may_preempt(self) -> bool:
+        """Whether the next `schedule` could run out of K/V blocks and preempt a sequence: never
+        while the free blocks cover what every running sequence may reserve (its pending tokens'
+        blocks and one copy-on-write block)."""
+        bs, free = self.cache.block_size, self.cache.num_free_blocks
+        if free > 2 * len(self.running) + self.token_budget // bs:  # bounds the sum below
+            return False
+        need = 0
+        for seq in self.running:
+            if seq.state is not None:
+                blocks = -(-(seq.num_computed + seq.num_pending) // bs) - len(seq.state.block_table)
+                need += max(blocks, 0) + 1
+        return need > free
+
+    # --- the cache, as steps move it --------------------------------------------------------
+    # The engine asks for these; it never moves a sequence's cache state itself.
+
+    def commit(self, work: list[tuple[Sequence, int]]) -> None:
+        """The step running `work` was launched: its tokens count as in the cache."""
+        for seq, n in work:
+            assert seq.state is not None
+            self.cache.commit(seq.state, n)
+
+    def register_prefix(self, seq: Sequence) -> None:
+        """Publish `seq`'s newly full blocks to the prefix cache, once the ids of the tokens they
+        hold are known (after a verify, or once a token in flight has arrived); nothing for a
+        sequence that finished meanwhile."""
+        if seq.state is not None:
+            self.cache.register_full_blocks(seq.state, seq.token_ids, seq.adapter_id)
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Cut `seq`'s last `num_tokens` computed tokens (rejected proposals) out of its cache,
+        before the prefix cache sees them; a hybrid model's recurrent state is restored from
+        the checkpoint planned for that length."""
+        assert seq.state is not None
+        self.cache.truncate(seq.state, seq.state.num_computed - num_tokens)
 
     def _schedule_running(self, budget: int, batch: ScheduledBatch) -> int:
         self.running.sort(key=_SORT_KEY)
