@@ -166,7 +166,7 @@ def bench_host_cpu(num_seqs: int, output_len: int, overlap: str = "off", vocab_s
                 "steps": len(times),
                 "forward": f"fake (fixed logits, vocab {vocab_size})",
                 "sampling": "greedy, ignore_eos",
-                "async_scheduling": engine.overlap,
+                "async_scheduling": engine.overlap.enabled,
                 "metric": "median_process_cpu_ms_per_step",
                 "value": round(value, 3),
                 "us_per_seq": round(value * 1e3 / num_seqs, 2),

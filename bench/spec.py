@@ -91,9 +91,9 @@ def main() -> None:
             run(engine, messages, 8)
         base_tokens, base_s, base_steps = run(engines[False], messages, args.max_tokens)
         e = engines[True]
-        proposed, accepted = e.spec_proposed, e.spec_accepted
+        proposed, accepted = e.speculation.proposed, e.speculation.accepted
         tokens, spec_s, steps = run(e, messages, args.max_tokens)
-        proposed, accepted = e.spec_proposed - proposed, e.spec_accepted - accepted
+        proposed, accepted = e.speculation.proposed - proposed, e.speculation.accepted - accepted
         line = {
             "bench": "spec",
             "workload": name,

@@ -109,9 +109,9 @@ def main() -> None:
             prompts = [walk(cycle, args.prompt_len, noise, seed) for seed in range(batch)]
             base_s, base_out = decode_run(engines[False], prompts, args.new_tokens)
             e = engines[True]
-            proposed, accepted = e.spec_proposed, e.spec_accepted
+            proposed, accepted = e.speculation.proposed, e.speculation.accepted
             spec_s, spec_out = decode_run(e, prompts, args.new_tokens)
-            proposed, accepted = e.spec_proposed - proposed, e.spec_accepted - accepted
+            proposed, accepted = e.speculation.proposed - proposed, e.speculation.accepted - accepted
             expected = [walk_from(cycle, p[-1], args.new_tokens) for p in prompts]
             decoded = batch * (args.new_tokens - 1)
             print(json.dumps({

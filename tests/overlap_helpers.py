@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-import model_service.engine.engine as engine_module
+import model_service.engine.overlap as overlap_module
 from tests.conftest import assert_all_blocks_free
 
 
@@ -18,13 +18,13 @@ def count_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The engine's device-side sampling launches from here on: one entry (its rows) per step
     that went on without reading its tokens."""
     launches: list[int] = []
-    original = engine_module.launch
+    original = overlap_module.launch
 
     def counted(seqs, logits):
         launches.append(len(seqs))
         return original(seqs, logits)
 
-    monkeypatch.setattr(engine_module, "launch", counted)
+    monkeypatch.setattr(overlap_module, "launch", counted)
     return launches
 
 

@@ -36,7 +36,7 @@ def test_async_scheduling_gives_the_synchronous_tokens(tiny_llama, monkeypatch, 
     expected = run_steps(make_engine(tiny_llama, async_scheduling="off", **config), reqs)
     launches = count_launches(monkeypatch)
     engine = make_engine(tiny_llama, async_scheduling="on", **config)
-    assert engine.overlap
+    assert engine.overlap.enabled
     assert run_steps(engine, reqs) == expected
     assert len(launches) > 10, "no step overlapped"
 
@@ -70,9 +70,11 @@ def test_async_scheduling_with_stop_strings_and_eos(smollm2, monkeypatch):
 
 
 def test_async_scheduling_is_off_on_the_cpu_by_default_and_with_speculation(tiny_llama):
-    assert not make_engine(tiny_llama, max_loras=0).overlap
+    assert not make_engine(tiny_llama, max_loras=0).overlap.enabled
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
-    assert not make_engine(tiny_llama, max_loras=0, async_scheduling="on", speculative_config=spec).overlap
+    assert not make_engine(
+        tiny_llama, max_loras=0, async_scheduling="on", speculative_config=spec
+    ).overlap.enabled
 
 
 def test_a_request_whose_last_token_is_on_the_device_gets_no_more_rows(tiny_llama, monkeypatch):

@@ -48,7 +48,7 @@ def tiny_draft(smollm2, tmp_path_factory) -> Path:
 
 def assert_draft_blocks_free(engine: Engine) -> None:
     assert_all_blocks_free(engine)
-    proposer = engine.proposer
+    proposer = engine.speculation.proposer
     assert isinstance(proposer, DraftProposer)
     assert not proposer.drafts
     assert proposer.cache.num_free_blocks == proposer.cache.num_total_blocks
@@ -145,7 +145,7 @@ def test_sampled_rows_carry_the_draft_distribution_and_stay_reproducible(smollm2
         assert torch.allclose(q.sum(-1), torch.ones(3)) and int((q[0] > 0).sum()) <= 50  # top-k
         assert all(q[i, t] > 0 for i, t in enumerate(seq.spec_tokens))  # drawn from q
         outputs.append(engine.run_to_completion()[rid].token_ids)
-        assert engine.spec_proposed > 0
+        assert engine.speculation.proposed > 0
         assert_draft_blocks_free(engine)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 10
 
@@ -156,7 +156,7 @@ def test_aborted_and_finished_sequences_free_their_draft_blocks_once(smollm2, ti
     gone = engine.add_request_dict({"messages": REPEAT, "max_tokens": 30, "temperature": 0})
     engine.step()
     engine.step()
-    proposer = engine.proposer
+    proposer = engine.speculation.proposer
     assert isinstance(proposer, DraftProposer) and set(proposer.drafts) == {keep, gone}
     assert engine.abort(gone)
     assert set(proposer.drafts) == {keep}
@@ -187,7 +187,7 @@ def test_a_draft_with_a_smaller_table_skips_sequences_holding_tokens_past_it(smo
     engine = make_engine(smollm2, speculative_config=draft_config(str(draft), k=2))
     outputs = [o.token_ids for o in engine.generate(requests)]
     assert outputs == [o.token_ids for o in make_engine(smollm2).generate(requests)]
-    assert 0 < engine.spec_proposed <= 2 * 5  # only the second request drafts: at most 5 steps of 2
+    assert 0 < engine.speculation.proposed <= 2 * 5  # only the second request drafts: at most 5 steps of 2
     assert_draft_blocks_free(engine)
 
 

@@ -350,10 +350,10 @@ def test_draft_speculation_on_cuda_matches_cpu_without_it(tmp_path, draft):
         results[device] = [o.token_ids for o in engine.generate(requests)]
         assert engine.cache.num_free_blocks == engine.cache.num_total_blocks
     assert results["cuda"] == results["cpu"]
-    assert engine.spec_proposed > 0 and engine.proposer.executor.graphs is not None
+    assert engine.speculation.proposed > 0 and engine.speculation.proposer.executor.graphs is not None
     if draft == "self":
-        assert engine.spec_accepted / engine.spec_proposed > 0.9
-        assert len(engine.proposer.executor.graphs.graphs) > 0
+        assert engine.speculation.accepted / engine.speculation.proposed > 0.9
+        assert len(engine.speculation.proposer.executor.graphs.graphs) > 0
 
 
 def test_async_scheduling_on_cuda_gives_the_synchronous_tokens(monkeypatch):

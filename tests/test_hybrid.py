@@ -120,7 +120,7 @@ def test_speculative_decoding_rolls_state_back_exactly(case: Case):
     assert ngram.stats().spec_proposed_tokens > 0  # all rejected: a random model does not repeat itself
     _state_slots_all_back(ngram)
     oracle = make_engine(case.ours, speculative_config=SPEC)
-    oracle.proposer = _FlawedOracle([ids + out for ids, out in zip(prompts, plain, strict=True)])
+    oracle.speculation.proposer = _FlawedOracle([ids + out for ids, out in zip(prompts, plain, strict=True)])
     assert [o.token_ids for o in oracle.generate(reqs)] == plain
     stats = oracle.stats()
     assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens

@@ -622,7 +622,7 @@ def test_adapter_loads_go_on_while_a_step_is_in_flight(tiny_llama, tiny_adapters
     load, in_flight = engine.lora.load, []
 
     def counted(*args, **kwargs):
-        in_flight.append(engine._inflight is not None)
+        in_flight.append(engine.overlap.busy)
         return load(*args, **kwargs)
 
     monkeypatch.setattr(engine.lora, "load", counted)

@@ -105,7 +105,10 @@ def test_greedy_output_is_identical_with_speculation(smollm2, tmp_path, preempti
     assert [outputs[NGRAM][i] for i in greedy] == [outputs[None][i] for i in greedy]
     assert outputs[NGRAM] == outputs[NGRAM + " "]  # a seeded sampled row is reproducible
     spec_engine = engines[NGRAM]
-    assert spec_engine.spec_accepted > 0 and spec_engine.spec_proposed > spec_engine.spec_accepted
+    assert (
+        spec_engine.speculation.accepted > 0
+        and spec_engine.speculation.proposed > spec_engine.speculation.accepted
+    )
     assert spec_engine.stats().num_preemptions > 0  # the small cache really preempted
     assert spec_engine.num_steps < engines[None].num_steps
 
@@ -115,5 +118,5 @@ def test_sampled_rows_speculate_and_finish_cleanly(smollm2):
     quote = [{"role": "user", "content": "Quote twice, word for word: 'the cat sat on the mat by the door'."}]
     out = engine.generate([{"messages": quote, "max_tokens": 40, "temperature": 0.7, "seed": 5}])[0]
     assert out.finish_reason in ("stop", "length") and 0 < len(out.token_ids) <= 40
-    assert engine.spec_proposed > 0 and engine.spec_accepted > 0
+    assert engine.speculation.proposed > 0 and engine.speculation.accepted > 0
     assert_all_blocks_free(engine)

@@ -13,7 +13,7 @@ import torch
 
 from model_service.engine.batch_builder import BatchBuilder, StepItem
 from model_service.engine.config import EngineConfig
-from model_service.engine.engine import _async_scheduling
+from model_service.engine.overlap import Overlap
 from tests import overlap_helpers as overlap
 from tests.conftest import make_engine, new_sequence
 
@@ -43,7 +43,7 @@ def tp_async(tp_weights, config):
 def test_async_scheduling_is_on_by_default_on_gpus_and_on_request_on_the_cpu():
     def on(mode: str, device: str, tp: int = 2) -> bool:
         cfg = EngineConfig(model="smollm2", tensor_parallel_size=tp, async_scheduling=mode)
-        return _async_scheduling(cfg, torch.device(device), without_speculation=True)
+        return Overlap.wanted(cfg, torch.device(device), with_speculation=False)
 
     assert on("auto", "cuda", tp=1) and on("auto", "cuda") and on("on", "cuda") and on("on", "cpu")
     assert not on("off", "cuda") and not on("auto", "cpu") and not on("auto", "cpu", tp=1)
@@ -74,7 +74,7 @@ def test_two_ranks_overlapping_give_the_synchronous_tokens(smollm2, sync, tp_asy
     expected = overlap.run_steps(sync, reqs)
     assert sum(reason == "stop" for _, reason in expected.values()) >= 1, "no stop token hit"
     launches = overlap.count_launches(monkeypatch)
-    assert tp_async.overlap
+    assert tp_async.overlap.enabled
     assert overlap.run_steps(tp_async, reqs) == expected
     assert len(launches) > 10, "no step overlapped"
 

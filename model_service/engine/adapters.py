@@ -62,9 +62,10 @@ from dataclasses import dataclass
 from model_service.engine.config import EngineConfig
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import Sequence
+from model_service.errors import NotFoundError, PreconditionError
 from model_service.lora.adapter import AdapterError
 from model_service.lora.control import ControlOp, ControlResult, execute
-from model_service.lora.pool import LoraPool, SlotsBusyError
+from model_service.lora.pool import ACTIVE, LoraPool, SlotsBusyError
 
 RETRY_S = 1.0  # the first wait before loading again an adapter that failed for a reason other than memory
 
@@ -83,6 +84,7 @@ class AdapterControl:
         self.wait_timeout_s = config.adapter_wait_timeout_s
         self.starvation_s = config.adapter_starvation_s
         self.drain_s = config.adapter_drain_s
+        self.max_loras = config.max_loras
         self.num_drains = 0  # drains begun for starving adapters
         self._failures: dict[str, _LoadFailure] = {}
         self._control: queue.Queue[tuple[ControlOp, Future[ControlResult]]] = queue.Queue()
@@ -92,6 +94,22 @@ class AdapterControl:
         future: Future[ControlResult] = Future()
         self._control.put((op, future))
         return future
+
+    def check_request(self, adapter: str | None) -> None:
+        """Refuse, at admission, a request for an adapter it would wait for forever: none is
+        active (for `@active`), the server has no slots, or no adapter has that name."""
+        if adapter == ACTIVE and self.pool.slot_of(ACTIVE) is None:
+            raise PreconditionError(
+                f"no adapter is active, so {ACTIVE!r} names none: ModelControl.SetActive sets one "
+                "(or name the adapter itself)"
+            )
+        if adapter is not None and self.max_loras == 0:
+            raise PreconditionError(
+                f"adapter {adapter!r} asked for, but this server has no LoRA slots (--max-loras 0)"
+            )
+        if adapter is not None and not self.pool.known(adapter):
+            names = sorted(a.name for a in self.pool.report())
+            raise NotFoundError(f"unknown adapter {adapter!r}; this server has {names or 'no adapters'}")
 
     def needs_quiescence(self) -> bool:
         """Whether `at_quiescent_point` must not run while a step is in flight: control

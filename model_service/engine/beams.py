@@ -92,6 +92,36 @@ class BeamSearch:
         self.scheduler.requeue(root)
         return root
 
+    def unstall(self, running: list[Sequence]) -> Sequence | None:
+        """Called when nothing was scheduled and nothing is in flight, yet `running` sequences
+        run: they are beams waiting for siblings that cannot be admitted, because the K/V blocks
+        they need are held by running beams, which wait too. Nothing would free them, and the
+        pod would hang (holding those blocks from every other request). So the youngest stalled
+        search starts over from its prompt, whole (`restart`: beams preempted one by one may be
+        what stalls it); if it stalls again, it cannot run as it is. On 28 blocks of 4, two
+        searches of 8 beams of 40 tokens now both finish, where the younger used to end; on 24
+        the older, which cannot run even alone, ends and the younger finishes (it used to end
+        too). Returns the sequence that now stands for the request: the restarted search's new
+        root, or a beam whose `error` is set, for the caller to finish ("capacity"); None when
+        no beam is running."""
+        stalled = [s for s in running if s.group is not None]
+        if not stalled:
+            return None
+        beam = max(stalled, key=Sequence.sort_key)
+        group = beam.group
+        assert group is not None
+        if not group.restarted:
+            log.info("request %s: beam search starts over, for lack of K/V blocks", group.request_id)
+            return self.restart(group)
+        cache = self.scheduler.cache
+        beam.error = (
+            f"beam search of {group.num_beams} beams needs more K/V cache at once than is free for "
+            f"it (this engine has {cache.num_total_blocks} blocks of {cache.block_size} tokens): "
+            "ask for fewer beams or fewer max_tokens, or retry"
+        )
+        log.warning("request %s: %s", group.request_id, beam.error)
+        return beam
+
     def is_live(self, group: BeamGroup) -> bool:
         """Whether `group`'s search is still on (its request id may since name a new request)."""
         beams = self.live.get(group.request_id)

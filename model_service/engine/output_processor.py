@@ -10,8 +10,10 @@ constrained sequence's matcher takes every token appended here (a refused one ra
 
 from __future__ import annotations
 
+from model_service.engine.requests import Resume
 from model_service.engine.sampler import TokenLogprobs
 from model_service.engine.sequence import Sequence
+from model_service.errors import InvalidRequestError
 
 
 class OutputProcessor:
@@ -43,6 +45,24 @@ class OutputProcessor:
         if len(ids) - seq.num_prompt_tokens >= p.max_tokens or len(ids) >= self.max_model_len:
             return _stop(seq, "length", None)
         return False
+
+    def replay(self, seq: Sequence, resume: Resume) -> bool:
+        """Append a resumed request's output as if sampled here (stop strings, penalties and
+        seeded noise see the same history) and mark what the caller has as sent; True when that
+        output finished the request (`seq.finish_reason` says why)."""
+        ids = resume.output_token_ids
+        for i, token in enumerate(ids):
+            if self.append(seq, token, None) and i + 1 < len(ids):
+                raise InvalidRequestError(
+                    f"resume.output_token_ids goes on after output token {i}, where this request stops"
+                )
+        if resume.text_chars > len(seq.text):
+            raise InvalidRequestError(
+                f"resume.text_chars is {resume.text_chars} but its output tokens make {len(seq.text)} "
+                "characters of text"
+            )
+        seq.emitted_tokens, seq.emitted_chars = seq.num_output_tokens, resume.text_chars
+        return seq.finish_reason is not None
 
     @staticmethod
     def _match_stop_string(seq: Sequence, new_chars: int) -> bool:

@@ -184,6 +184,13 @@ def to_device(
     return step.to_device(values, device, dtype)
 
 
+def select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`logits`' rows `rows` (distinct, ascending): the whole tensor, uncopied, when that is all of them."""
+    if len(rows) == len(logits):
+        return logits
+    return logits[to_device(rows, logits.device)]
+
+
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Repetition penalty (HF: over the prompt and the output), then presence and frequency
     (OpenAI: over the output), for all rows at once on the (row, token) pairs of their histories:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from model_service.engine.sampler import AllowedTokens, filtered_probs
 from model_service.engine.sampling_params import SamplingParams
 from model_service.errors import InvalidRequestError
 
@@ -117,6 +118,56 @@ class Proposer(Protocol):
     def on_finished(self, seq: Sequence) -> None:
         """`seq` finished or was aborted: release whatever the proposer holds for it. Preemption
         is not reported: a proposer that holds memory finds preempted sequences by their status."""
+
+
+class Speculation:
+    """Speculative decoding in the step loop: proposals for the rows about to decode (after a
+    step's tokens are appended), and each verify row's check against the target's logits (in the
+    sample stage); with the counts the pod exports. The proposer is the only variable part."""
+
+    def __init__(
+        self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int, vocab_size: int
+    ) -> None:
+        self.config, self.proposer = config, proposer
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.proposed = self.accepted = 0  # proposed and accepted tokens
+
+    def propose(self, seqs: list[Sequence]) -> None:
+        """Proposals for each of `seqs` that can speculate, to verify in its next step; cut to
+        the room left by `max_tokens` and the context, and to what its grammar allows."""
+        seqs = [s for s in seqs if s.group is None and can_speculate(s.params)]
+        room = [
+            min(
+                self.config.num_speculative_tokens,
+                seq.params.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - len(seq.token_ids) - 1,
+            )
+            for seq in seqs
+        ]
+        for seq, proposal in zip(seqs, self.proposer.propose(seqs, room), strict=True):
+            seq.spec_tokens, seq.spec_probs = proposal.tokens, proposal.probs
+            if seq.constraint is not None:  # verify only what the grammar allows
+                n = seq.constraint.valid_prefix(proposal.tokens)
+                seq.spec_tokens = proposal.tokens[:n]
+                seq.spec_probs = proposal.probs[:n] if proposal.probs is not None and n else None
+
+    def verify(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], int]:
+        """`seq`'s verify row, its logits [k + 1, vocab]: the tokens it emits (the accepted
+        proposals and the target's next token) and how many of the tokens it computed were
+        rejected, which the caller cuts out of the cache before appending."""
+        proposals, seq.spec_tokens = seq.spec_tokens, []
+        draft_probs, seq.spec_probs = seq.spec_probs, None
+        if seq.constraint is not None:  # the target's distribution under the grammar, at each row
+            bits = seq.constraint.verify_bitmask(proposals, self.vocab_size)
+            logits = AllowedTokens(list(range(len(logits))), bits).apply(logits)
+        if seq.params.greedy:
+            emitted = accept_greedy(proposals, logits)
+        else:
+            probs = filtered_probs(logits, [seq.params] * len(logits))
+            emitted = accept_sampled(proposals, probs, seq.generator, draft_probs)
+        self.proposed += len(proposals)
+        self.accepted += len(emitted) - 1
+        return emitted, len(proposals) - len(emitted) + 1
 
 
 class NgramProposer:
