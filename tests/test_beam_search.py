@@ -145,7 +145,7 @@ def test_every_beam_of_a_group_finished_at_once_ends_it_once(tiny_llama):
     for _ in range(3):
         engine.step()
     for beam in list(engine.beams.live["b"]):
-        engine._finish(beam, "error")
+        engine.table.finish(beam, "error")
     assert [o.request_id for o in engine.step()] == ["b"]
     assert_all_blocks_free(engine)
 

@@ -26,7 +26,15 @@ class BeamSearch:
         self.scheduler, self.tokenizer = scheduler, tokenizer
         self.live: dict[str, list[Sequence]] = {}  # request id -> live beams, in the group's score order
 
-    def start(self, root: Sequence, group: BeamGroup) -> None:
+    def start(self, root: Sequence, eos_token_ids: set[int], max_model_len: int) -> None:
+        """Start `root`'s request as a search of `root.params.num_beams` beams."""
+        p = root.params
+        max_tokens = min(p.max_tokens, max_model_len - root.num_prompt_tokens)
+        eos = set() if p.ignore_eos else eos_token_ids
+        group = BeamGroup(root.request_id, p.num_beams, p.length_penalty, p.early_stopping, max_tokens, eos)
+        self._track(root, group)
+
+    def _track(self, root: Sequence, group: BeamGroup) -> None:
         root.group = group
         self.live[group.request_id] = [root]
 
@@ -88,7 +96,7 @@ class BeamSearch:
             beam.status = Status.FINISHED
         root = beams[0].from_prompt()
         group.restart()
-        self.start(root, group)
+        self._track(root, group)
         self.scheduler.requeue(root)
         return root
 

@@ -37,7 +37,6 @@ import torch
 
 from model_service.engine.adapters import AdapterControl
 from model_service.engine.batch_builder import BatchBuilder, StepItem
-from model_service.engine.beam_search import BeamGroup
 from model_service.engine.beams import BeamSearch
 from model_service.engine.block_manager import BlockManager
 from model_service.engine.cache_manager import CacheManager
@@ -48,8 +47,9 @@ from model_service.engine.executors import Executor, build_executor
 from model_service.engine.grammar import GrammarCompiler, GrammarError
 from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.overlap import InFlight, Overlap
+from model_service.engine.request_table import RequestTable
 from model_service.engine.requests import PromptReader, Resume
-from model_service.engine.sampler import SampleRow, TokenLogprobs, sample, select_rows
+from model_service.engine.sampler import SampleRow, sample, select_rows
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence, Status
@@ -160,9 +160,8 @@ class Engine:
             speculative, draft, config, num_blocks, self.max_model_len, mc.vocab_size
         )
         self.overlap = Overlap(Overlap.wanted(config, self.executor.device, self.speculation is not None))
-        self.requests: dict[str, Sequence] = {}
+        self.table = RequestTable(self.scheduler, self.beams, self.outputs, self.speculation)
         self._arrivals = itertools.count()
-        self._pending: list[RequestOutput] = []  # outputs for the next `step` to return
         for name, path in config.lora_modules.items():
             self.lora.register(name, Path(path))
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits excluded)
@@ -171,6 +170,11 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return self.loaded.config.vocab_size
+
+    @property
+    def requests(self) -> dict[str, Sequence]:
+        """The live requests, by id."""
+        return self.table.by_id
 
     def warm_up(self) -> None:
         """Capture every decode graph (and piecewise bucket, when on), compiling the kernels
@@ -214,76 +218,61 @@ class Engine:
         )
         seq.adapter_name = adapter
         if resume is not None and self.outputs.replay(seq, resume):
-            # Its resumed output already ended it: only its final output is left.
-            seq.status = Status.FINISHED
-            self._pending.append(seq.take_output())
+            seq.status = Status.FINISHED  # its resumed output ended it: only its final output is left
+            self.table.ended(seq.take_output())
             return request_id
         self.scheduler.add(seq)
-        self._start_features(seq)
-        self.requests[request_id] = seq
-        return request_id
-
-    def _start_features(self, seq: Sequence) -> None:
-        """A queued request's structured output starts compiling; a beam search starts as one beam."""
-        params = seq.params
-        if params.structured_output is not None:
+        if params.structured_output is not None:  # it waits for its matcher (engine/grammar.py)
             assert self.grammars is not None
             seq.constraint = self.grammars.constraint(params.structured_output)
             self._compiling.append(seq)
         if params.num_beams > 1:
-            eos = set() if params.ignore_eos else self.eos_token_ids
-            max_tokens = min(params.max_tokens, self.max_model_len - seq.num_prompt_tokens)
-            group = BeamGroup(
-                seq.request_id,
-                params.num_beams,
-                params.length_penalty,
-                params.early_stopping,
-                max_tokens,
-                eos,
-            )
-            self.beams.start(seq, group)
+            self.beams.start(seq, self.eos_token_ids, self.max_model_len)
+        self.table.add(seq)
+        return request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free everything it holds; its stream ends with finish_reason "abort"."""
         seq = self.requests.get(request_id)
         if seq is None or seq.finished:
             return False
-        self._finish(seq, "abort")
+        self.table.finish(seq, "abort")
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending) or self.overlap.busy
+        return self.scheduler.has_work() or self.table.has_pending or self.overlap.busy
 
     # --- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One turn of the loop (the module docstring draws its stages)."""
         self._quiescent_point()
-        outputs, self._pending = self._pending, []
+        outputs = self.table.take()
         work = self.scheduler.schedule().work
         if work:
             outputs += self._step(work)
         else:
             self._idle()
-            outputs += self._outputs(self._drain())
-        return outputs + self._take_pending()
+            outputs += self.table.outputs_of(self._drain())
+        return outputs + self.table.take()
 
     def _quiescent_point(self) -> None:
         """Before scheduling: adapter control and admission, which need the step in flight read
         first when they may change what it runs (as does a scheduling that may preempt: a
         preempted sequence must have all its tokens); then the grammars that have compiled."""
         if self.overlap.busy and (self.adapters.needs_quiescence() or self.scheduler.may_preempt()):
-            self._pending += self._outputs(self._drain())
-        for seq in self.adapters.at_quiescent_point():
-            self._finish(seq, "error")
+            self.table.report(self._drain())
+        for seq in self.adapters.at_quiescent_point():  # their `error` says why
+            self.table.finish(seq, "error")
         self._start_grammars()
 
     def _step(self, work: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         """Run the scheduled `work`; a bad batch fails its requests, not the engine."""
         self.num_steps += 1
         try:
-            return self._outputs(self._run(work))
+            return self.table.outputs_of(self._run(work))
         except Exception as e:
+            log.exception("forward pass failed; failing %d requests", len(work))
             self._fail(work, e)
             return []
 
@@ -330,8 +319,7 @@ class Engine:
         """The sample stage on the host's schedule, then the outputs: beams report their logits,
         plain rows sample, verify rows keep what they accept; survivors get new proposals."""
         for out in self.beams.report([(s, logits[r]) for s, r in rows if s.group is not None]):
-            self.requests.pop(out.request_id, None)  # searches that ended: their ids are free again
-            self._pending.append(out)
+            self.table.ended(out)  # a search that ended
         plain = [(s, r) for s, r in rows if s.group is None]
         if plain:
             self._sample_plain([s for s, _ in plain], select_rows(logits, [r for _, r in plain]))
@@ -349,14 +337,14 @@ class Engine:
         rows = [SampleRow(s.params, s.generator, s.token_ids, s.num_prompt_tokens) for s in seqs]
         tokens, logprobs = sample(logits, rows, allowed)
         for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
-            self._emit(seq, [token], lp)
+            self.table.emit(seq, [token], lp)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Keep the accepted proposals and the target's next token; the rest leave the cache."""
         assert self.speculation is not None
         emitted, rejected = self.speculation.verify(seq, logits)
         self.scheduler.rollback(seq, rejected)
-        self._emit(seq, emitted, None)
+        self.table.emit(seq, emitted, None)
         if not seq.finished:
             self.scheduler.register_prefix(seq)
             self.speculation.proposer.on_verified(seq, len(emitted) - 1)
@@ -366,61 +354,18 @@ class Engine:
         a step just launched, is in flight after."""
         got = self.overlap.drain(then)
         for seq, token in got:
-            self._emit(seq, [token], None)
+            self.table.emit(seq, [token], None)
         return [seq for seq, _ in got]
-
-    def _emit(self, seq: Sequence, tokens: list[int], logprobs: TokenLogprobs | None) -> None:
-        """Append tokens until one finishes the request."""
-        try:
-            for token in tokens:
-                if self.outputs.append(seq, token, logprobs):
-                    self._finish(seq, seq.finish_reason or "stop")
-                    return
-        except Exception as e:  # e.g. a tokenizer fault on this request's text
-            log.exception("request %s failed", seq.request_id)
-            seq.error = str(e)
-            self._finish(seq, "error")
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        """Free `seq` (all beams of its request) and queue its final output."""
-        if seq.group is not None:
-            if self.beams.is_live(seq.group):  # else ended already: several beams can be doomed at once
-                self._pending.append(self.beams.finish(seq.group, reason))
-                self.requests.pop(seq.group.request_id, None)
-            return
-        self.scheduler.remove(seq)
-        if self.speculation is not None:
-            self.speculation.proposer.on_finished(seq)
-        seq.status = Status.FINISHED
-        seq.finish_reason = reason
-        self._pending.append(seq.take_output())
-        del self.requests[seq.request_id]
-
-    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """The new output of each sequence that produced tokens and goes on (once each)."""
-        return [seq.take_output() for seq in dict.fromkeys(seqs) if not seq.finished]
-
-    def _take_pending(self) -> list[RequestOutput]:
-        out, self._pending = self._pending, []
-        return out
 
     def _fail(self, work: list[tuple[Sequence, int]], error: Exception) -> None:
         """A forward pass failed: its requests fail. The step before's tokens are appended if they
-        can still be read (else the device is gone); a sequence whose token is lost fails too."""
-        log.exception("forward pass failed; failing %d requests", len(work))
-        for seq, _ in work:
-            if not seq.finished:
-                seq.error = f"engine error: {error}"
-                self._finish(seq, "error")
+        can still be read (else the device is gone, and the requests waiting for them fail)."""
+        self.table.fail([seq for seq, _ in work], f"engine error: {error}")
         try:
-            self._pending += self._outputs(self._drain())
+            self.table.report(self._drain())
         except Exception:
             log.exception("the tokens of the step before the failed one are lost")
-        for seq in list(self.requests.values()):
-            if seq.in_flight and not seq.finished:
-                seq.in_flight = 0
-                seq.error = f"engine error: {error}"
-                self._finish(seq, "error")
+        self.table.fail_in_flight(f"engine error: {error}")
 
     def _idle(self) -> None:
         """Nothing was scheduled. Beams that wait for each other with nothing in flight are a
@@ -429,9 +374,9 @@ class Engine:
         if not self.overlap.busy and self.scheduler.running and not self.scheduler.adapter_demand:
             seq = self.beams.unstall(self.scheduler.running)
             if seq is not None and seq.error is not None:
-                self._finish(seq, "capacity")
+                self.table.finish(seq, "capacity")
             elif seq is not None:
-                self.requests[seq.request_id] = seq
+                self.table.add(seq)  # the restarted search's root
         pending: list[concurrent.futures.Future[Any]] = []
         if not self.overlap.busy and self.scheduler.adapter_demand:
             pending += self.lora.pending_reads()
@@ -455,10 +400,9 @@ class Engine:
                 if not self.grammars.poll(seq.constraint, seq.output_ids):
                     waiting.append(seq)
                 elif seq.constraint.done:  # a resumed output that was already complete
-                    self._finish(seq, "stop")
+                    self.table.finish(seq, "stop")
             except (InvalidRequestError, GrammarError) as e:
-                seq.error = str(e)
-                self._finish(seq, "error")
+                self.table.fail([seq], str(e))
         self._compiling = waiting
 
     # --- adapters -------------------------------------------------------------------------
@@ -541,7 +485,7 @@ class Engine:
         except Exception:
             for rid in ids:
                 self.abort(rid)
-            self._pending = [o for o in self._pending if o.request_id not in ids]  # nobody awaits them
+            self.table.withdraw(ids)
             raise
         final = self.run_to_completion()
         return [final[i] for i in ids]

@@ -1,0 +1,104 @@
+"""The requests an engine serves, by id, and their way out: the "process outputs" stage.
+
+A request's end has one owner. Tokens are appended here (through `OutputProcessor`: text, stop
+conditions); a request that they finish, or that fails or is aborted, is freed here (its beams,
+its cache through the scheduler, what the proposer holds for it) and its final output queued;
+the loop collects each step's outputs here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from model_service.engine.beams import BeamSearch
+from model_service.engine.output_processor import OutputProcessor
+from model_service.engine.sampler import TokenLogprobs
+from model_service.engine.scheduler import Scheduler
+from model_service.engine.sequence import RequestOutput, Sequence, Status
+from model_service.engine.speculation import Speculation
+
+log = logging.getLogger(__name__)
+
+
+class RequestTable:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        beams: BeamSearch,
+        outputs: OutputProcessor,
+        speculation: Speculation | None,
+    ) -> None:
+        self.scheduler, self.beams, self.outputs, self.speculation = scheduler, beams, outputs, speculation
+        self.by_id: dict[str, Sequence] = {}  # each live request's sequence (a beam search's root)
+        self._pending: list[RequestOutput] = []  # outputs for the next step to return
+
+    def add(self, seq: Sequence) -> None:
+        self.by_id[seq.request_id] = seq
+
+    def emit(self, seq: Sequence, tokens: list[int], logprobs: TokenLogprobs | None) -> None:
+        """Append tokens until one finishes the request."""
+        try:
+            for token in tokens:
+                if self.outputs.append(seq, token, logprobs):
+                    self.finish(seq, seq.finish_reason or "stop")
+                    return
+        except Exception as e:  # e.g. a tokenizer fault on this request's text
+            log.exception("request %s failed", seq.request_id)
+            seq.error = str(e)
+            self.finish(seq, "error")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Free `seq` (all beams of its request) and queue its final output."""
+        if seq.group is not None:
+            if self.beams.is_live(seq.group):  # else ended already: several beams can be doomed at once
+                self.ended(self.beams.finish(seq.group, reason))
+            return
+        self.scheduler.remove(seq)
+        if self.speculation is not None:
+            self.speculation.proposer.on_finished(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self._pending.append(seq.take_output())
+        del self.by_id[seq.request_id]
+
+    def ended(self, out: RequestOutput) -> None:
+        """Queue a final output made elsewhere (a beam search that ended, a resumed output that
+        was complete already); its request id is free again."""
+        self.by_id.pop(out.request_id, None)
+        self._pending.append(out)
+
+    def fail(self, seqs: list[Sequence], error: str) -> None:
+        """Finish each of `seqs` that still runs with `error`."""
+        for seq in seqs:
+            if not seq.finished:
+                seq.error = error
+                self.finish(seq, "error")
+
+    def fail_in_flight(self, error: str) -> None:
+        """After a failed step whose step before could not be read: a sequence whose token is lost
+        fails rather than run on without it."""
+        lost = [seq for seq in self.by_id.values() if seq.in_flight and not seq.finished]
+        for seq in lost:
+            seq.in_flight = 0
+        self.fail(lost, error)
+
+    def outputs_of(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """The new output of each sequence that produced tokens and goes on (once each)."""
+        return [seq.take_output() for seq in dict.fromkeys(seqs) if not seq.finished]
+
+    def report(self, seqs: list[Sequence]) -> None:
+        """Queue `outputs_of(seqs)` for the next step to return."""
+        self._pending += self.outputs_of(seqs)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def take(self) -> list[RequestOutput]:
+        """The queued outputs, in order; the queue is empty after."""
+        out, self._pending = self._pending, []
+        return out
+
+    def withdraw(self, request_ids: list[str]) -> None:
+        """Drop the queued outputs of `request_ids`: nobody awaits them."""
+        self._pending = [o for o in self._pending if o.request_id not in request_ids]
