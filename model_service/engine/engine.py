@@ -44,17 +44,16 @@ from model_service.engine.config import EngineConfig
 from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.draft import DraftProposer, load_draft
 from model_service.engine.executors import Executor, build_executor
-from model_service.engine.grammar import GrammarCompiler, GrammarError
+from model_service.engine.grammar import GrammarCompiler
 from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.overlap import InFlight, Overlap
 from model_service.engine.request_table import RequestTable
-from model_service.engine.requests import PromptReader, Resume
-from model_service.engine.sampler import SampleRow, sample, select_rows
+from model_service.engine.requests import GrammarWait, PromptReader, Resume
+from model_service.engine.sample_stage import SampleStage
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence, Status
 from model_service.engine.speculation import NgramProposer, Proposer, Speculation, SpeculativeConfig
-from model_service.errors import InvalidRequestError
 from model_service.lora.adapter import host_form
 from model_service.lora.control import ControlOp, ControlResult
 from model_service.lora.pool import AdapterInfo, LoraPool
@@ -154,13 +153,14 @@ class Engine:
         self.beams = BeamSearch(self.scheduler, self.tokenizer)
         # Structured output (engine/grammar.py); none without a tokenizer (token-id serving).
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size) if self.tokenizer is not None else None
-        self._compiling: list[Sequence] = []  # waiting for their grammar's matcher
+        self.grammar_wait = GrammarWait(self.grammars)
         self.adapters = AdapterControl(self.lora, self.scheduler, config)
         self.speculation = _speculation(
             speculative, draft, config, num_blocks, self.max_model_len, mc.vocab_size
         )
         self.overlap = Overlap(Overlap.wanted(config, self.executor.device, self.speculation is not None))
         self.table = RequestTable(self.scheduler, self.beams, self.outputs, self.speculation)
+        self.sampling = SampleStage(self.scheduler, self.table, self.beams, self.grammars, self.speculation)
         self._arrivals = itertools.count()
         for name, path in config.lora_modules.items():
             self.lora.register(name, Path(path))
@@ -205,10 +205,7 @@ class Engine:
         params.validate(self.vocab_size)
         request_id = request_id or uuid.uuid4().hex
         self.adapters.check_request(adapter)
-        if params.structured_output is not None and self.grammars is None:
-            raise InvalidRequestError(
-                "structured_output needs the model's tokenizer, and this model has none"
-            )
+        self.grammar_wait.check(params)
         ids = self.prompts.token_ids(prompt, messages, prompt_token_ids)
         if resume is not None:
             self.prompts.check_resume(resume, params, len(ids))
@@ -222,10 +219,7 @@ class Engine:
             self.table.ended(seq.take_output())
             return request_id
         self.scheduler.add(seq)
-        if params.structured_output is not None:  # it waits for its matcher (engine/grammar.py)
-            assert self.grammars is not None
-            seq.constraint = self.grammars.constraint(params.structured_output)
-            self._compiling.append(seq)
+        self.grammar_wait.add(seq)
         if params.num_beams > 1:
             self.beams.start(seq, self.eos_token_ids, self.max_model_len)
         self.table.add(seq)
@@ -264,7 +258,8 @@ class Engine:
             self.table.report(self._drain())
         for seq in self.adapters.at_quiescent_point():  # their `error` says why
             self.table.finish(seq, "error")
-        self._start_grammars()
+        for seq, reason in self.grammar_wait.start_compiled():
+            self.table.finish(seq, reason)
 
     def _step(self, work: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         """Run the scheduled `work`; a bad batch fails its requests, not the engine."""
@@ -297,7 +292,7 @@ class Engine:
                 self.scheduler.register_prefix(seq)
         if self.overlap.busy:  # this step's tokens stay on the device, to be read next step
             return produced
-        return produced + self._sample([(s, r) for s, r in rows if not s.finished], verify, logits)
+        return produced + self.sampling.run([(s, r) for s, r in rows if not s.finished], verify, logits)
 
     def _item(self, seq: Sequence, n: int) -> StepItem:
         """`n` of the sequence's pending tokens, or its last token and its proposals to verify."""
@@ -309,45 +304,6 @@ class Engine:
         start = seq.num_computed
         ends_prompt = start + n == len(seq.token_ids)
         return StepItem(seq.state, seq.token_ids[start : start + n], int(ends_prompt))
-
-    def _sample(
-        self,
-        rows: list[tuple[Sequence, int]],
-        verify: list[tuple[Sequence, torch.Tensor]],
-        logits: torch.Tensor,
-    ) -> list[Sequence]:
-        """The sample stage on the host's schedule, then the outputs: beams report their logits,
-        plain rows sample, verify rows keep what they accept; survivors get new proposals."""
-        for out in self.beams.report([(s, logits[r]) for s, r in rows if s.group is not None]):
-            self.table.ended(out)  # a search that ended
-        plain = [(s, r) for s, r in rows if s.group is None]
-        if plain:
-            self._sample_plain([s for s, _ in plain], select_rows(logits, [r for _, r in plain]))
-        for seq, seq_logits in verify:
-            self._verify(seq, seq_logits)
-        produced = [s for s, _ in plain] + [s for s, _ in verify]
-        if self.speculation is not None:
-            self.speculation.propose([s for s in produced if not s.finished])
-        return produced
-
-    def _sample_plain(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        allowed = None
-        if self.grammars is not None and any(s.constraint is not None for s in seqs):
-            allowed = self.grammars.allowed_tokens([s.constraint for s in seqs])
-        rows = [SampleRow(s.params, s.generator, s.token_ids, s.num_prompt_tokens) for s in seqs]
-        tokens, logprobs = sample(logits, rows, allowed)
-        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
-            self.table.emit(seq, [token], lp)
-
-    def _verify(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Keep the accepted proposals and the target's next token; the rest leave the cache."""
-        assert self.speculation is not None
-        emitted, rejected = self.speculation.verify(seq, logits)
-        self.scheduler.rollback(seq, rejected)
-        self.table.emit(seq, emitted, None)
-        if not seq.finished:
-            self.scheduler.register_prefix(seq)
-            self.speculation.proposer.on_verified(seq, len(emitted) - 1)
 
     def _drain(self, then: InFlight | None = None) -> list[Sequence]:
         """Read the in-flight step's tokens and append them: the sequences that got one. `then`,
@@ -380,30 +336,10 @@ class Engine:
         pending: list[concurrent.futures.Future[Any]] = []
         if not self.overlap.busy and self.scheduler.adapter_demand:
             pending += self.lora.pending_reads()
-        if self._compiling and not self.scheduler.running:
-            pending += [s.constraint.compiled for s in self._compiling if s.constraint is not None]
+        if not self.scheduler.running:
+            pending += self.grammar_wait.compiles()
         if pending:
             concurrent.futures.wait(pending, IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
-
-    def _start_grammars(self) -> None:
-        """Start the matchers whose grammars have compiled, so their requests can be admitted; a
-        grammar that does not compile for this vocabulary (or a resumed output it refuses) fails
-        its request."""
-        if not self._compiling:
-            return
-        assert self.grammars is not None  # add_request queues none without it
-        waiting = []
-        for seq in self._compiling:
-            if seq.finished or seq.constraint is None:
-                continue
-            try:
-                if not self.grammars.poll(seq.constraint, seq.output_ids):
-                    waiting.append(seq)
-                elif seq.constraint.done:  # a resumed output that was already complete
-                    self.table.finish(seq, "stop")
-            except (InvalidRequestError, GrammarError) as e:
-                self.table.fail([seq], str(e))
-        self._compiling = waiting
 
     # --- adapters -------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Admission checks and prompt tokenization: everything a request must pass before it is queued.
+"""Admission checks and prompt tokenization: everything a request must pass before it is queued;
+and the wait of a queued request for its grammar's matcher.
 
 Each refusal is an `InvalidRequestError`, `NotFoundError` or `CapacityError` whose message says
 what to change; nothing is queued or allocated for a refused request.
@@ -6,10 +7,13 @@ what to change; nothing is queued or allocated for a refused request.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from model_service.engine.grammar import GrammarCompiler, GrammarError
 from model_service.engine.sampling_params import SamplingParams
+from model_service.engine.sequence import Sequence
 from model_service.errors import CapacityError, InvalidRequestError
 from model_service.models.tokenizer import Tokenizer
 
@@ -88,3 +92,53 @@ class PromptReader:
         if not ids:
             raise InvalidRequestError("prompt encodes to zero tokens")
         return ids
+
+
+class GrammarWait:
+    """Requests whose structured output waits for its matcher: the grammar compiles off the
+    step's path (engine/grammar.py) and the request waits in the queue, the scheduler skipping
+    it, until its matcher is started here."""
+
+    def __init__(self, compiler: GrammarCompiler | None) -> None:
+        self.compiler = compiler  # none without a tokenizer (token-id serving)
+        self.waiting: list[Sequence] = []
+
+    def check(self, params: SamplingParams) -> None:
+        if params.structured_output is not None and self.compiler is None:
+            raise InvalidRequestError(
+                "structured_output needs the model's tokenizer, and this model has none"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        """Start compiling a queued request's grammar, if it has one."""
+        if seq.params.structured_output is not None:
+            assert self.compiler is not None  # `check` refused it otherwise
+            seq.constraint = self.compiler.constraint(seq.params.structured_output)
+            self.waiting.append(seq)
+
+    def start_compiled(self) -> list[tuple[Sequence, str]]:
+        """Start the matchers whose grammars have compiled, so their requests can be admitted.
+        Returns the requests to finish, each with its reason: "stop" for a resumed output that
+        was complete already, "error" (`seq.error` says why) for a grammar that does not compile
+        for this vocabulary or a resumed output it refuses."""
+        if not self.waiting:
+            return []
+        assert self.compiler is not None
+        ended, waiting = [], []
+        for seq in self.waiting:
+            if seq.finished or seq.constraint is None:
+                continue
+            try:
+                if not self.compiler.poll(seq.constraint, seq.output_ids):
+                    waiting.append(seq)
+                elif seq.constraint.done:
+                    ended.append((seq, "stop"))
+            except (InvalidRequestError, GrammarError) as e:
+                seq.error = str(e)
+                ended.append((seq, "error"))
+        self.waiting = waiting
+        return ended
+
+    def compiles(self) -> list[Future[Any]]:
+        """The compiles the waiting requests wait for."""
+        return [s.constraint.compiled for s in self.waiting if s.constraint is not None]

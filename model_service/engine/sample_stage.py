@@ -1,0 +1,72 @@
+"""The sample stage on the host's schedule: a step's logits rows turned into tokens at once.
+
+Beam rows report their logits to the beam search (which advances a group once every beam of it
+has), plain rows sample in one batch (a structured-output row's bitmask applied first), and
+verify rows keep the proposals the target accepts (the rest leave the cache through the
+scheduler). The tokens go to the request table; the rows that go on get their next proposals.
+With async scheduling a step samples on the device instead (engine/overlap.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_service.engine.beams import BeamSearch
+from model_service.engine.grammar import GrammarCompiler
+from model_service.engine.request_table import RequestTable
+from model_service.engine.sampler import SampleRow, sample, select_rows
+from model_service.engine.scheduler import Scheduler
+from model_service.engine.sequence import Sequence
+from model_service.engine.speculation import Speculation
+
+
+class SampleStage:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        table: RequestTable,
+        beams: BeamSearch,
+        grammars: GrammarCompiler | None,
+        speculation: Speculation | None,
+    ) -> None:
+        self.scheduler, self.table, self.beams = scheduler, table, beams
+        self.grammars, self.speculation = grammars, speculation
+
+    def run(
+        self,
+        rows: list[tuple[Sequence, int]],
+        verify: list[tuple[Sequence, torch.Tensor]],
+        logits: torch.Tensor,
+    ) -> list[Sequence]:
+        """Sample `rows` (sequence, logits row) and verify `verify` (sequence, its k + 1 rows);
+        returns the sequences that got tokens."""
+        for out in self.beams.report([(s, logits[r]) for s, r in rows if s.group is not None]):
+            self.table.ended(out)  # a search that ended
+        plain = [(s, r) for s, r in rows if s.group is None]
+        if plain:
+            self._sample([s for s, _ in plain], select_rows(logits, [r for _, r in plain]))
+        for seq, seq_logits in verify:
+            self._verify(seq, seq_logits)
+        produced = [s for s, _ in plain] + [s for s, _ in verify]
+        if self.speculation is not None:
+            self.speculation.propose([s for s in produced if not s.finished])
+        return produced
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        allowed = None
+        if self.grammars is not None and any(s.constraint is not None for s in seqs):
+            allowed = self.grammars.allowed_tokens([s.constraint for s in seqs])
+        rows = [SampleRow(s.params, s.generator, s.token_ids, s.num_prompt_tokens) for s in seqs]
+        tokens, logprobs = sample(logits, rows, allowed)
+        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+            self.table.emit(seq, [token], lp)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Keep the accepted proposals and the target's next token; the rest leave the cache."""
+        assert self.speculation is not None
+        emitted, rejected = self.speculation.verify(seq, logits)
+        self.scheduler.rollback(seq, rejected)
+        self.table.emit(seq, emitted, None)
+        if not seq.finished:
+            self.scheduler.register_prefix(seq)
+            self.speculation.proposer.on_verified(seq, len(emitted) - 1)
