@@ -43,8 +43,8 @@ from model_service.engine.config import EngineConfig
 from model_service.engine.executor import ModelExecutor
 from model_service.engine.sampler import draw, filtered_probs
 from model_service.engine.seq_state import SequenceState
-from model_service.engine.sequence import Sequence, Status
-from model_service.engine.speculation import Proposal, SpeculativeConfig
+from model_service.engine.sequence import Proposal, Sequence, Status
+from model_service.engine.speculation import SpeculativeConfig
 from model_service.errors import ModelLoadError
 from model_service.models.loader import LoadedModel, load_model, resolve_model_path
 

@@ -300,7 +300,8 @@ class Engine:
         if seq.in_flight:  # its last token is still on the device
             return self.overlap.item(seq)
         if n > seq.num_pending:  # the scheduler took its proposals
-            return StepItem(seq.state, [seq.token_ids[-1], *seq.spec_tokens], n)
+            assert seq.proposal is not None
+            return StepItem(seq.state, [seq.token_ids[-1], *seq.proposal.tokens], n)
         start = seq.num_computed
         ends_prompt = start + n == len(seq.token_ids)
         return StepItem(seq.state, seq.token_ids[start : start + n], int(ends_prompt))

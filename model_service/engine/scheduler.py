@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from model_service.engine.cache_manager import CacheManager
+from model_service.engine.cache_manager import CacheManager, SwappedState
 from model_service.engine.config import EngineConfig
 from model_service.engine.sequence import Sequence, Status
 from model_service.errors import CapacityError
@@ -75,6 +75,7 @@ class Scheduler:
         self.preemption_mode = config.preemption_mode
         self.swap_budget = config.swap_space_bytes
         self.swap_used = 0
+        self._swapped: dict[Sequence, SwappedState] = {}  # the host copy of each swapped-out one's K/V
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -127,7 +128,7 @@ class Scheduler:
 
     @property
     def num_swapped(self) -> int:
-        return sum(1 for s in self.waiting if s.swapped is not None)
+        return len(self._swapped)  # each waits (admitted or removed, it is dropped)
 
     # --- one step -------------------------------------------------------------------------
 
@@ -149,7 +150,7 @@ class Scheduler:
             start = seq.state.num_computed
             if self.cache.plan_checkpoints(seq.state, list(range(start + 1, start + n))):
                 return n
-            seq.spec_tokens, n = [], seq.num_pending
+            seq.proposal, n = None, seq.num_pending
         self.cache.plan_boundary_checkpoint(seq.state, n)
         return n
 
@@ -203,11 +204,11 @@ class Scheduler:
             if seq.status is not running:
                 continue  # preempted by a reservation before it
             n = min(num_pending, budget)
-            if num_pending == 1 and seq.spec_tokens:  # verify its proposals too, if the budget allows
-                if budget > len(seq.spec_tokens):
-                    n += len(seq.spec_tokens)
+            if num_pending == 1 and seq.proposal is not None:  # verify it too, if the budget allows
+                if budget > len(seq.proposal.tokens):
+                    n += len(seq.proposal.tokens)
                 else:
-                    seq.spec_tokens = []
+                    seq.proposal = None
             if cache.has_room(seq.state, n) or self._reserve_or_preempt(seq, n, work):
                 work.append((seq, n))
                 budget -= n
@@ -308,8 +309,9 @@ class Scheduler:
 
     def _attach_state(self, seq: Sequence) -> bool:
         """Give a waiting sequence its KV state: restored from host, or with its cached prefix."""
-        if seq.swapped is not None:
-            seq.state = self.cache.swap_in(seq.swapped)
+        swapped = self._swapped.get(seq)
+        if swapped is not None:
+            seq.state = self.cache.swap_in(swapped)
             return seq.state is not None
         if not self.cache.can_allocate():
             return False
@@ -341,10 +343,10 @@ class Scheduler:
         self.running.remove(seq)
         size = self.cache.swap_bytes(seq.state)
         seq.beam_logits = None  # a preempted beam reports again once it has recomputed
-        seq.spec_tokens = []
+        seq.proposal = None
         swap = self.preemption_mode == "swap" and seq.group is None  # forked beams share blocks: recompute
         if swap and self.swap_used + size <= self.swap_budget:
-            seq.swapped = self.cache.swap_out(seq.state)
+            self._swapped[seq] = self.cache.swap_out(seq.state)
             self.adapters.release(seq.state.lora_slot)
             self.swap_used += size
             seq.state = None
@@ -361,6 +363,6 @@ class Scheduler:
 
     def _release_swap(self, seq: Sequence) -> None:
         """Drop the host copy of a swapped sequence (it is back on the device, or gone)."""
-        if seq.swapped is not None:
-            self.swap_used -= seq.swapped.nbytes
-            seq.swapped = None
+        swapped = self._swapped.pop(seq, None)
+        if swapped is not None:
+            self.swap_used -= swapped.nbytes

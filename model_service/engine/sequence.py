@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import enum
-import time
+from dataclasses import dataclass
 
 import torch
 
 from model_service.engine.beam_search import BeamGroup
-from model_service.engine.cache_manager import SwappedState
 from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.grammar import Constraint
 from model_service.engine.sampler import TokenLogprobs
@@ -81,6 +80,15 @@ class RequestOutput:
         return "RequestOutput(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
 
 
+@dataclass
+class Proposal:
+    """Tokens to verify, and the distribution each was drawn from: `probs` [len(tokens), vocab]
+    (row i is q for token i), or None for tokens chosen deterministically (argmax, lookup)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
 class Sequence:
     def __init__(
         self,
@@ -101,18 +109,15 @@ class Sequence:
         self.priority = priority  # lower value = served first (vLLM's convention)
         self.status = Status.WAITING
         self.state: SequenceState | None = None
-        self.swapped: SwappedState | None = None  # host copy of the KV while swapped out
         self.adapter_name: str | None = None  # the LoRA adapter requested (None = base model)
         self.adapter_id = 0  # content identity of the weights serving it (0 = base model)
-        self.created = time.monotonic()
         self.first_scheduled_at: float | None = None  # end of its queue wait
         # When the scheduler first found it waiting for its adapter (not resident, or draining);
         # None once its adapter can serve it. Starvation is measured from here (engine/adapters.py).
         self.adapter_blocked_since: float | None = None
         self.group: BeamGroup | None = None  # set for the beams of a beam-search request
         self.beam_logits: torch.Tensor | None = None  # this beam's next-token logits, awaiting siblings
-        self.spec_tokens: list[int] = []  # proposed continuation to verify in its next step
-        self.spec_probs: torch.Tensor | None = None  # the draft's q for each (None: point masses)
+        self.proposal: Proposal | None = None  # to verify in its next step (engine/speculation.py)
         self.in_flight = 0  # tokens sampled on the device and not yet appended (engine/overlap.py)
         # Its structured output's matcher (engine/grammar.py); it waits in the queue until ready.
         self.constraint: Constraint | None = None

@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from model_service.engine.sampler import AllowedTokens, filtered_probs
 from model_service.engine.sampling_params import SamplingParams
+from model_service.engine.sequence import Proposal, Sequence
 from model_service.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from model_service.engine.sequence import Sequence
 
 DRAFT_METHODS = ("draft", "draft_model")  # ours and vLLM's spelling
 
@@ -97,15 +95,6 @@ class SpeculativeConfig:
             )
 
 
-@dataclass
-class Proposal:
-    """Tokens to verify, and the distribution each was drawn from: `probs` [len(tokens), vocab]
-    (row i is q for token i), or None for tokens chosen deterministically (argmax, lookup)."""
-
-    tokens: list[int]
-    probs: torch.Tensor | None = None
-
-
 class Proposer(Protocol):
     def propose(self, seqs: list[Sequence], room: list[int]) -> list[Proposal]:
         """For each sequence about to decode, up to `room[i]` tokens likely to follow its
@@ -145,18 +134,19 @@ class Speculation:
             for seq in seqs
         ]
         for seq, proposal in zip(seqs, self.proposer.propose(seqs, room), strict=True):
-            seq.spec_tokens, seq.spec_probs = proposal.tokens, proposal.probs
             if seq.constraint is not None:  # verify only what the grammar allows
                 n = seq.constraint.valid_prefix(proposal.tokens)
-                seq.spec_tokens = proposal.tokens[:n]
-                seq.spec_probs = proposal.probs[:n] if proposal.probs is not None and n else None
+                probs = proposal.probs[:n] if proposal.probs is not None and n else None
+                proposal = Proposal(proposal.tokens[:n], probs)
+            seq.proposal = proposal if proposal.tokens else None
 
     def verify(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], int]:
         """`seq`'s verify row, its logits [k + 1, vocab]: the tokens it emits (the accepted
         proposals and the target's next token) and how many of the tokens it computed were
         rejected, which the caller cuts out of the cache before appending."""
-        proposals, seq.spec_tokens = seq.spec_tokens, []
-        draft_probs, seq.spec_probs = seq.spec_probs, None
+        proposal, seq.proposal = seq.proposal, None
+        assert proposal is not None
+        proposals, draft_probs = proposal.tokens, proposal.probs
         if seq.constraint is not None:  # the target's distribution under the grammar, at each row
             bits = seq.constraint.verify_bitmask(proposals, self.vocab_size)
             logits = AllowedTokens(list(range(len(logits))), bits).apply(logits)
