@@ -2,22 +2,22 @@
 
 A step is a loop of stages, each with one owner:
 
-    quiescent point   AdapterControl (adapter control, loads, drains); grammars that compiled
+    quiescent point   AdapterControl (control ops, loads, drains); GrammarWait (matchers)
     schedule          Scheduler: the rows and their token counts; it plans their cache too
     build the batch   BatchBuilder (Overlap: a placeholder for a token still on the device)
     launch            the executor's forward pass; Scheduler.commit counts the tokens cached
-    sample            Overlap.launch on the device, or on the host: the sampler, BeamSearch,
-                      Speculation.verify
-    process outputs   OutputProcessor (append, detokenize, stop), then free what finished;
-                      Speculation.propose for the rows that go on
+    sample            Overlap.launch on the device, else SampleStage on the host: the sampler,
+                      BeamSearch, Speculation.verify (Scheduler.rollback of rejected tokens)
+    process outputs   RequestTable + OutputProcessor (append, detokenize, stop), then free what
+                      finished; Speculation.propose for the rows that go on
 
 A fault confined to one request finishes that request with `finish_reason="error"`; a fault in
 the forward pass fails the requests of that batch, never the engine.
 
 Who owns what: the scheduler owns the queues and, through the cache manager, every block table,
 state slot and `num_computed` (the engine asks it, never the cache); the executor owns the module
-and the device tensors; the LoRA pool owns adapter names, tiers and slot refcounts; this class
-wires them, keeps the request table and runs the loop.
+and the device tensors; the LoRA pool owns adapter names, tiers and slot refcounts; the request
+table owns the live requests and their outputs; this class wires them and runs the loop.
 """
 
 from __future__ import annotations
