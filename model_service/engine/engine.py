@@ -292,7 +292,14 @@ class Engine:
                 self.scheduler.register_prefix(seq)
         if self.overlap.busy:  # this step's tokens stay on the device, to be read next step
             return produced
-        return produced + self.sampling.run([(s, r) for s, r in rows if not s.finished], verify, logits)
+        live = [(s, r) for s, r in rows if not s.finished]
+        if live and self.overlap.overlaps(work):  # structured output: masks from the tokens just read
+            assert self.grammars is not None  # a constrained row needs them
+            allowed = self.grammars.allowed_tokens([s.constraint for s, _ in live])
+            assert allowed is not None  # else the step had overlapped
+            self.overlap.launch_masked(live, logits, allowed)
+            return produced
+        return produced + self.sampling.run(live, verify, logits)
 
     def _item(self, seq: Sequence, n: int) -> StepItem:
         """`n` of the sequence's pending tokens, or its last token and its proposals to verify."""

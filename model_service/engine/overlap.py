@@ -12,10 +12,11 @@ The price, as in vLLM's async scheduling: a request that step N finishes by a st
 string has already been given a row in step N + 1, whose token is dropped; its K/V write lands
 in blocks that were its own (freed only after, in stream order). One that step N finishes by
 `max_tokens` gets no such row (`Sequence.num_pending` is 0 once its last token is in flight).
-A step overlaps only when every row's sampling needs nothing the host learns from step N: no
-penalties (they count the history), no logprobs, no beams, no speculation, no structured output
-(its next mask needs the matcher advanced by step N's token); any other step reads step N's
-tokens first, as before.
+A step overlaps only when every row's sampling needs nothing the host learns from step N but a
+grammar's state: no penalties (they count the history), no logprobs, no beams, no speculation;
+any other step reads step N's tokens first, as before. A structured-output row's mask needs its
+matcher advanced by step N's token, so such a step's forward is queued first, step N's tokens
+are read while it runs, and its sampling is queued under the masks after (`launch_masked`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from model_service.engine.batch_builder import StepItem
 from model_service.engine.config import EngineConfig
-from model_service.engine.sampler import SampleRow, sample_on_device, select_rows
+from model_service.engine.sampler import AllowedTokens, SampleRow, sample_on_device, select_rows
 from model_service.engine.sequence import Sequence
 
 # The input id of a row whose token is still on the device; the executor replaces it before the forward.
@@ -50,16 +51,18 @@ class InFlight:
 
 
 def can_overlap(seq: Sequence) -> bool:
-    """Whether `seq`'s next token can be sampled before its previous one reaches the host."""
+    """Whether `seq`'s next forward can be queued before its previous token reaches the host (a
+    structured-output row's sampling then waits for that token: `Overlap.launch_masked`)."""
     p = seq.params
-    return seq.group is None and not p.needs_penalties and p.logprobs is None and seq.constraint is None
+    return seq.group is None and not p.needs_penalties and p.logprobs is None
 
 
-def launch(seqs: list[Sequence], logits: torch.Tensor) -> InFlight:
-    """Sample one token per row of `logits` (one row per sequence) on the device and start copying
-    them to the host; marks each sequence as having one more token in flight."""
+def launch(seqs: list[Sequence], logits: torch.Tensor, allowed: AllowedTokens | None = None) -> InFlight:
+    """Sample one token per row of `logits` (one row per sequence) on the device, each row limited
+    to the tokens `allowed` lets it take, and start copying them to the host; marks each sequence
+    as having one more token in flight."""
     rows = [SampleRow(s.params, s.generator, s.token_ids, s.num_prompt_tokens, s.in_flight) for s in seqs]
-    tokens = sample_on_device(logits, rows)
+    tokens = sample_on_device(logits if allowed is None else allowed.apply(logits), rows)
     if tokens.is_cuda:
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
@@ -109,14 +112,32 @@ class Overlap:
         step's placeholder rows; None when nothing is in flight."""
         return self.inflight.tokens if self.inflight is not None else None
 
+    def overlaps(self, work: list[tuple[Sequence, int]]) -> bool:
+        """Whether the step's `work` samples on the device (speculation turns overlap off, so no
+        verify row gets here)."""
+        return self.enabled and all(can_overlap(seq) for seq, _ in work)
+
     def launch(
         self, work: list[tuple[Sequence, int]], rows: list[tuple[Sequence, int]], logits: torch.Tensor
     ) -> InFlight | None:
-        """Sample the step's `rows` (sequence, logits row) on the device, when every row of its
-        `work` allows it; None: the host samples them once they are read."""
-        if not self.enabled or not all(can_overlap(seq) for seq, _ in work):
-            return None  # (speculation turns overlap off: no verify row gets here)
+        """Sample the step's `rows` (sequence, logits row) on the device before the step
+        before's tokens are read; None when its `work` does not overlap, or when a row's
+        grammar mask needs those tokens first (`launch_masked` then samples after the drain)."""
+        if not self.overlaps(work) or any(s.constraint is not None for s, _ in rows):
+            return None
         return launch([s for s, _ in rows], select_rows(logits, [r for _, r in rows]))
+
+    def launch_masked(
+        self, rows: list[tuple[Sequence, int]], logits: torch.Tensor, allowed: AllowedTokens
+    ) -> None:
+        """Sample `rows` on the device under their grammars' masks, computed once the step
+        before's tokens advanced the matchers (after the drain). This step's forward was
+        queued before that read, so the device runs it while the host fills the masks: a
+        structured-output step no longer waits for its tokens and idles the device while the
+        host prepares the next (issue 31; vLLM's async scheduling keeps its grammar bitmask
+        out of the forward the same way). Its tokens are in flight after, as `launch`'s."""
+        assert self.inflight is None, "the step before is read before its masks are computed"
+        self.inflight = launch([s for s, _ in rows], select_rows(logits, [r for _, r in rows]), allowed)
 
     def drain(self, then: InFlight | None = None) -> list[tuple[Sequence, int]]:
         """The in-flight step's tokens, read: (sequence, token) for each sequence not finished
