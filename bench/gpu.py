@@ -322,7 +322,7 @@ def random_adapter(
     scaling: float = 1.0,
 ) -> LoraAdapter:
     """An adapter with `shared`'s (A, B) in every layer, without a disk copy: the benchmarks skip
-    writing and parsing PEFT files (the host tier's copy is the pool's own, `adapter.host_form`)."""
+    writing and parsing PEFT files (the host tier's copy is the pool's own, `adapter.HostForm`)."""
     weights = {
         (layer, m): LoraWeights(a, b, scaling)
         for layer in range(cfg.num_layers)

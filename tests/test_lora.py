@@ -539,9 +539,10 @@ def test_shipped_demo_adapter_matches_peft_and_changes_the_answer(smollm2, hf_sm
 
 
 def test_host_tier_holds_adapters_in_the_slots_dtype(tiny_llama, tiny_adapters):
-    """The pool's host copy is what `host_form` makes of the parsed adapter (here bf16 and, on a
-    CPU, pageable), and a slot load writes exactly those weights."""
-    from model_service.lora.adapter import host_form
+    """The pool's host copy is the adapter in the pool's host form (here bf16 and, on a CPU,
+    pageable), and a slot load writes exactly those weights."""
+    from model_service.lora.adapter import HostForm
+    from model_service.lora.buffers import HostBuffers
     from model_service.lora.pool import LoraPool
 
     written: dict[int, object] = {}
@@ -556,9 +557,7 @@ def test_host_tier_holds_adapters_in_the_slots_dtype(tiny_llama, tiny_adapters):
         def move_slot(self, slot: int, offset: int) -> None:
             pass
 
-    def bf16(adapter):
-        return host_form(adapter, torch.bfloat16, pin=False)
-
+    bf16 = HostForm(torch.bfloat16, HostBuffers(torch.device("cpu")))
     name, path = next(iter(tiny_adapters.items()))
     pool = LoraPool(tiny_llama.config, 1, 2, 64, Writer(), (1 << 20, 2), host_form=bf16)
     parsed = pool.register(name, path)
@@ -577,7 +576,8 @@ def test_host_tier_holds_adapters_in_the_slots_dtype(tiny_llama, tiny_adapters):
 def test_host_form_keeps_an_adapter_pageable_when_page_locked_memory_fails(
     tiny_llama, tiny_adapters, monkeypatch, caplog
 ):
-    from model_service.lora.adapter import host_form
+    from model_service.lora.adapter import HostForm
+    from model_service.lora.buffers import HostBuffers
 
     empty = torch.empty
 
@@ -588,7 +588,8 @@ def test_host_form_keeps_an_adapter_pageable_when_page_locked_memory_fails(
 
     monkeypatch.setattr(torch, "empty", exhausted)
     name, path = next(iter(tiny_adapters.items()))
-    held = host_form(load_peft_adapter(name, path, tiny_llama.config, 64), torch.float16, pin=True)
+    form = HostForm(torch.float16, HostBuffers(torch.device("cuda")))
+    held = form(load_peft_adapter(name, path, tiny_llama.config, 64))
     assert held.packed is not None and held.packed.dtype == torch.float16 and not held.packed.is_pinned()
     assert "pageable host memory" in caplog.text
 
@@ -598,10 +599,12 @@ def test_a_packed_adapter_pickles_its_buffer_once_and_keeps_its_views(tiny_llama
     view), and the copy's modules are views of its own buffer with the same values."""
     import pickle
 
-    from model_service.lora.adapter import host_form, in_buffer
+    from model_service.lora.adapter import HostForm, in_buffer
+    from model_service.lora.buffers import HostBuffers
 
     name, path = next(iter(tiny_adapters.items()))
-    held = host_form(load_peft_adapter(name, path, tiny_llama.config, 64), torch.float32, pin=False)
+    form = HostForm(torch.float32, HostBuffers(torch.device("cpu")))
+    held = form(load_peft_adapter(name, path, tiny_llama.config, 64))
     data = pickle.dumps(held)
     assert len(data) < 1.5 * held.packed.numel() * 4
     copy = pickle.loads(data)

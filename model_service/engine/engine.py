@@ -23,7 +23,6 @@ table owns the live requests and their outputs; this class wires them and runs t
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import itertools
 import logging
 import uuid
@@ -54,7 +53,8 @@ from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence, Status
 from model_service.engine.speculation import NgramProposer, Proposer, Speculation, SpeculativeConfig
-from model_service.lora.adapter import host_form
+from model_service.lora.adapter import HostForm
+from model_service.lora.buffers import HostBuffers
 from model_service.lora.control import ControlOp, ControlResult
 from model_service.lora.pool import AdapterInfo, LoraPool
 from model_service.models.config import ModelConfig
@@ -459,7 +459,7 @@ def _cache_manager(
 
 def _lora_pool(executor: Executor, config: EngineConfig, mc: ModelConfig) -> LoraPool:
     """The adapter pool over the executor's LoRA slots and arena; host copies pinned on CUDA."""
-    held = functools.partial(host_form, dtype=executor.dtype, pin=executor.device.type == "cuda")
+    held = HostForm(executor.dtype, HostBuffers(executor.device))
     return LoraPool(
         mc, executor.lora_slots, config.max_cpu_loras, config.max_lora_rank, executor,
         executor.lora_arena, config.max_adapter_bytes, held,

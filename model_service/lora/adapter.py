@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import logging
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +27,7 @@ import torch
 
 from model_service.errors import SpindleError
 from model_service.kernels.lora import aligned_up, arena_views
+from model_service.lora.buffers import HostBuffers
 from model_service.lora.files import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, read_regular
 from model_service.models.config import ModelConfig
 from spindle.peft import (
@@ -39,12 +39,12 @@ from spindle.peft import (
     unsupported_feature,
 )
 
-log = logging.getLogger(__name__)
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
 
 _ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+Key = tuple[int, str]  # (layer, PEFT module name)
 
 
 class AdapterError(SpindleError, ValueError):
@@ -63,10 +63,10 @@ class LoraAdapter:
     name: str
     adapter_id: int
     path: Path | None
-    modules: dict[tuple[int, str], LoraWeights] = field(default_factory=dict)
+    modules: dict[Key, LoraWeights] = field(default_factory=dict)
     sha256: str = ""  # of adapter_model.safetensors: the identity peers and the adapter service check
-    packed: torch.Tensor | None = None  # `host_form`'s one buffer, of which the modules' A and B are views
-    # `arena_layout` of the modules, set by `host_form` while the modules are views of `packed` at
+    packed: torch.Tensor | None = None  # the host form's one buffer, of which the modules' A and B are views
+    # `arena_layout` of the modules, set by `HostForm` while the modules are views of `packed` at
     # exactly those places (a load then copies `packed` whole, unchecked); None otherwise.
     packed_layout: tuple[list[tuple[int, int]], int] | None = None
 
@@ -98,7 +98,7 @@ class LoraAdapter:
 
     @property
     def layout(self) -> tuple[list[tuple[int, int]], int]:
-        """`arena_layout` of its modules (computed once by `host_form`: 224 modules on the 8B shape)."""
+        """`arena_layout` of its modules (computed once by `HostForm`: 224 modules on the 8B shape)."""
         return self.packed_layout or arena_layout(self.modules)
 
     @property
@@ -130,11 +130,11 @@ def _view(packed: torch.Tensor, place: Place) -> torch.Tensor:
     return packed.as_strided(shape, stride, packed.storage_offset() + offset)
 
 
-def arena_layout(modules: dict[tuple[int, str], LoraWeights]) -> tuple[list[tuple[int, int]], int]:
+def arena_layout(modules: dict[Key, LoraWeights]) -> tuple[list[tuple[int, int]], int]:
     """Where each module's A and B start, relative to the adapter's start, and the elements it
     takes, as the adapter arena holds it (kernels/lora.py's `AdapterTable`): modules in order,
     A [rank, in] then B [out, rank] with rows `aligned_up(rank)` apart (zeros between), each
-    start aligned. The host copy (`host_form`) is laid out the same, so a load is one transfer."""
+    start aligned. The host copy (`HostForm`) is laid out the same, so a load is one transfer."""
     places, cursor = [], 0
     for w in modules.values():
         a = cursor
@@ -152,27 +152,38 @@ def laid_out(packed: torch.Tensor, w: LoraWeights, a: int, b: int) -> tuple[torc
     return views
 
 
-def host_form(adapter: LoraAdapter, dtype: torch.dtype, pin: bool) -> LoraAdapter:
+@dataclass(frozen=True)
+class HostForm:
     """The copy a pool keeps in host memory: every module's A and B, in the slots' dtype, packed
-    into one buffer (`packed`; the modules are views of it), page-locked for slots on a GPU. A
-    slot load is then one asynchronous transfer of the whole adapter and a few batched device
-    copies, with nothing cast on the engine thread, which every step waits for: float32 pageable
-    copies, tensor by tensor, held it 38.9 ms a load on the 8B shape (rank 16, all seven
-    projections), page-locked ones 17.9 (docs/performance-notes.md, session k). When page-locked
-    memory runs out, the buffer stays pageable: slower loads, never a refused adapter."""
-    places, size = arena_layout(adapter.modules)
-    try:
-        packed = torch.zeros(size, dtype=dtype, pin_memory=pin)
-    except RuntimeError as e:  # the driver's page-locked allocation failed
-        log.warning("adapter %r stays in pageable host memory (%s): slower slot loads", adapter.name, e)
-        packed = torch.zeros(size, dtype=dtype)
-    modules = {}
-    for (key, w), (a, b) in zip(adapter.modules.items(), places, strict=True):
-        a_view, b_view = laid_out(packed, w, a, b)
-        a_view.copy_(w.a)
-        b_view.copy_(w.b)
-        modules[key] = LoraWeights(a_view, b_view, w.scaling)
-    return dataclasses.replace(adapter, modules=modules, packed=packed, packed_layout=(places, size))
+    into one buffer (`packed`; the modules are views of it) laid out as the arena is, from
+    `buffers` (page-locked for slots on a GPU). A slot load is then one asynchronous transfer of
+    the whole adapter and a few batched device copies, with nothing cast on the engine thread,
+    which every step waits for: float32 pageable copies, tensor by tensor, held it 38.9 ms a
+    load on the 8B shape (rank 16, all seven projections), page-locked ones 17.9
+    (docs/performance-notes.md, session k). Calling it packs a parsed adapter: each tensor converted
+    once, into its place."""
+
+    dtype: torch.dtype
+    buffers: HostBuffers
+
+    def __call__(self, adapter: LoraAdapter) -> LoraAdapter:
+        return dataclasses.replace(adapter, **self.pack(adapter.modules))
+
+    def pack(self, modules: dict[Key, LoraWeights]) -> dict[str, Any]:
+        """The `packed`, `packed_layout` and `modules` of an adapter of these modules (their A
+        and B of any dtype: each converted by its one copy into place)."""
+        places, size = arena_layout(modules)
+        packed = self.buffers.take(size, self.dtype)
+        held = {}
+        for (key, w), (a, b) in zip(modules.items(), places, strict=True):
+            a_view, b_view = laid_out(packed, w, a, b)
+            a_view.copy_(w.a)
+            b_view.copy_(w.b)
+            rank, stride = w.b.shape[1], aligned_up(w.b.shape[1])
+            if stride > rank:  # the kernels read B's padding columns: zeros (the buffer is reused)
+                packed[b : b + w.b.shape[0] * stride].view(-1, stride)[:, rank:].zero_()
+            held[key] = LoraWeights(a_view, b_view, w.scaling)
+        return {"packed": packed, "packed_layout": (places, size), "modules": held}
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

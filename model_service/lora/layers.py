@@ -298,7 +298,7 @@ class LoraLayers:
     def load_slot(self, slot: int, adapter: LoraAdapter, offset: int) -> None:
         """Copy `adapter`'s weights into the arena at `offset` (elements; the pool found the
         room) and point `slot`'s table row at them (quiescent points only). A packed adapter
-        (`adapter.host_form`, laid out as the arena is) crosses in one asynchronous transfer,
+        (`adapter.HostForm`, laid out as the arena is) crosses in one asynchronous transfer,
         on the load stream (`LoadStream`): beside the step in flight, before the next."""
         entries = np.zeros(self.host_entries.shape[1:], dtype=np.int64)
         scaling = np.zeros(self.host_scaling.shape[1:], dtype=np.float32)

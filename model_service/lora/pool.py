@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from model_service.lora.adapter import AdapterError, LoraAdapter, load_peft_adapter
+from model_service.lora.adapter import AdapterError, HostForm, LoraAdapter, load_peft_adapter
 from model_service.lora.arena import ArenaSpace
 from model_service.lora.files import MAX_ADAPTER_BYTES
 from model_service.models.config import ModelConfig
@@ -102,12 +101,12 @@ class LoraPool:
         writer: SlotWriter,
         arena: tuple[int, int],
         max_adapter_bytes: int = MAX_ADAPTER_BYTES,
-        host_form: Callable[[LoraAdapter], LoraAdapter] | None = None,
+        host_form: HostForm | None = None,
         readers: Executor | None = None,
     ) -> None:
         """`arena`: (elements, bytes per element) of the writer's adapter arena. `host_form`: what
-        a parsed adapter becomes in the host tier (`adapter.host_form`: the arena's dtype,
-        page-locked for a GPU); kept as parsed without it. `readers`: where disk reads for
+        a parsed adapter becomes in the host tier (the arena's dtype, page-locked for a GPU);
+        kept as parsed without it. `readers`: where disk reads for
         admission run (`READ_WORKERS` threads by default)."""
         self.base, self.max_lora_rank, self.max_adapter_bytes = base, max_lora_rank, max_adapter_bytes
         self.writer, self.host_form = writer, host_form
