@@ -540,7 +540,7 @@ def test_shipped_demo_adapter_matches_peft_and_changes_the_answer(smollm2, hf_sm
 
 def test_host_tier_holds_adapters_in_the_slots_dtype(tiny_llama, tiny_adapters):
     """The pool's host copy is the adapter in the pool's host form (here bf16 and, on a CPU,
-    pageable), and a slot load writes exactly those weights."""
+    pageable), converted from the file once, and a slot load writes exactly those weights."""
     from model_service.lora.adapter import HostForm
     from model_service.lora.buffers import HostBuffers
     from model_service.lora.pool import LoraPool
@@ -588,8 +588,9 @@ def test_host_form_keeps_an_adapter_pageable_when_page_locked_memory_fails(
 
     monkeypatch.setattr(torch, "empty", exhausted)
     name, path = next(iter(tiny_adapters.items()))
-    form = HostForm(torch.float16, HostBuffers(torch.device("cuda")))
-    held = form(load_peft_adapter(name, path, tiny_llama.config, 64))
+    held = load_peft_adapter(
+        name, path, tiny_llama.config, 64, form=HostForm(torch.float16, HostBuffers(torch.device("cuda")))
+    )
     assert held.packed is not None and held.packed.dtype == torch.float16 and not held.packed.is_pinned()
     assert "pageable host memory" in caplog.text
 
@@ -599,12 +600,10 @@ def test_a_packed_adapter_pickles_its_buffer_once_and_keeps_its_views(tiny_llama
     view), and the copy's modules are views of its own buffer with the same values."""
     import pickle
 
-    from model_service.lora.adapter import HostForm, in_buffer
-    from model_service.lora.buffers import HostBuffers
+    from model_service.lora.adapter import in_buffer
 
     name, path = next(iter(tiny_adapters.items()))
-    form = HostForm(torch.float32, HostBuffers(torch.device("cpu")))
-    held = form(load_peft_adapter(name, path, tiny_llama.config, 64))
+    held = load_peft_adapter(name, path, tiny_llama.config, 64)
     data = pickle.dumps(held)
     assert len(data) < 1.5 * held.packed.numel() * 4
     copy = pickle.loads(data)

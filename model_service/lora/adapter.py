@@ -8,6 +8,12 @@ field, because the reader is the person who trained the adapter.
 `adapter_id` is derived from the adapter's bytes (config + weights), not its name: the prefix
 cache keys KV by it, so re-uploading different weights under the same name never reuses KV
 computed with the old ones.
+
+From disk, an adapter goes straight into its host form (`HostForm`: the slots' dtype, laid out
+as the arena is, in a buffer reused from earlier adapters): the checks need only the safetensors
+header, so each tensor is then converted once, from the file's bytes to its place in the packed
+buffer, with no float32 copy of the whole adapter in between (lora/reading.py has why the file is
+read and hashed as it is).
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ import hashlib
 import json
 import math
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,7 @@ from model_service.errors import SpindleError
 from model_service.kernels.lora import aligned_up, arena_views
 from model_service.lora.buffers import HostBuffers
 from model_service.lora.files import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, read_regular
+from model_service.lora.reading import WeightsFile, read_weights, sha256_of
 from model_service.models.config import ModelConfig
 from spindle.peft import (
     LORA_MODULES,
@@ -38,12 +44,21 @@ from spindle.peft import (
     projection_shapes,
     unsupported_feature,
 )
+from spindle.safetensors_header import HeaderError, TensorEntry, header_length, parse_header
 
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
 
 _ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 Key = tuple[int, str]  # (layer, PEFT module name)
 
 
@@ -65,6 +80,7 @@ class LoraAdapter:
     path: Path | None
     modules: dict[Key, LoraWeights] = field(default_factory=dict)
     sha256: str = ""  # of adapter_model.safetensors: the identity peers and the adapter service check
+    chunked: bytes = b""  # adapter_model.safetensors' chunked digest (lora/reading.py): adapter_id's input
     packed: torch.Tensor | None = None  # the host form's one buffer, of which the modules' A and B are views
     # `arena_layout` of the modules, set by `HostForm` while the modules are views of `packed` at
     # exactly those places (a load then copies `packed` whole, unchecked); None otherwise.
@@ -160,8 +176,8 @@ class HostForm:
     the whole adapter and a few batched device copies, with nothing cast on the engine thread,
     which every step waits for: float32 pageable copies, tensor by tensor, held it 38.9 ms a
     load on the 8B shape (rank 16, all seven projections), page-locked ones 17.9
-    (docs/performance-notes.md, session k). Calling it packs a parsed adapter: each tensor converted
-    once, into its place."""
+    (docs/performance-notes.md, session k). Adapters read from disk are converted into this
+    form directly (`load_peft_adapter`); calling it packs an adapter made in memory."""
 
     dtype: torch.dtype
     buffers: HostBuffers
@@ -186,6 +202,10 @@ class HostForm:
         return {"packed": packed, "packed_layout": (places, size), "modules": held}
 
 
+# What `load_peft_adapter` makes without a host form: float32, pageable, nothing kept for reuse.
+_PARSED = HostForm(torch.float32, HostBuffers(torch.device("cpu"), spare=0))
+
+
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each LoRA-targetable projection of the base model."""
     return projection_shapes(
@@ -193,28 +213,36 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     )
 
 
-_HASHER = ThreadPoolExecutor(2, thread_name_prefix="lora-hash")
-
-
 def content_id(config_bytes: bytes, weights_digest: bytes) -> int:
-    """The adapter's identity in prefix-cache keys: its config and its weights file's sha256
-    (the weights are hashed once, for both this and `LoraAdapter.sha256`)."""
+    """The adapter's identity in prefix-cache keys: its config and its weights file's chunked
+    digest (lora/reading.py: the same bytes give the same id in every process)."""
     digest = hashlib.sha256(config_bytes + b"\0" + weights_digest).digest()
     return int.from_bytes(digest[:8], "big") >> 1 or 1  # positive, never the base model's 0
 
 
 def load_peft_adapter(
-    name: str, path: Path, base: ModelConfig, max_lora_rank: int, max_bytes: int = MAX_ADAPTER_BYTES
+    name: str,
+    path: Path,
+    base: ModelConfig,
+    max_lora_rank: int,
+    max_bytes: int = MAX_ADAPTER_BYTES,
+    form: HostForm | None = None,
+    known: tuple[bytes, str] | None = None,
 ) -> LoraAdapter:
+    """The adapter in the PEFT directory `path`, validated against `base` and in `form` (float32
+    and pageable without one). `known`: (chunked digest, sha256) of a version read before (at
+    registration): when the file's chunked digest is that, its sha256 is that one, not hashed
+    again (the plain hash would take most of the load)."""
     path = Path(path)
     try:  # a path is user input: too long, a NUL byte, unreadable, a FIFO are the caller's to fix
-        config_bytes, weight_bytes = _read_files(name, path, max_bytes)
+        config_bytes, weights = _read_files(name, path, max_bytes)
     except (OSError, ValueError) as e:
         raise AdapterError(f"adapter {name!r}: cannot read {str(path)[:200]!r}: {e}") from e
-    return parse_peft_adapter(name, config_bytes, weight_bytes, base, max_lora_rank, path)
+    sha256 = known[1] if known is not None and known[0] == weights.chunked else None
+    return parse_peft_adapter(name, config_bytes, weights, base, max_lora_rank, path, form or _PARSED, sha256)
 
 
-def _read_files(name: str, path: Path, max_bytes: int) -> tuple[bytes, bytes]:
+def _read_files(name: str, path: Path, max_bytes: int) -> tuple[bytes, WeightsFile]:
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not path.is_dir():
         raise AdapterError(f"adapter {name!r}: {path} is not a directory")
@@ -225,18 +253,22 @@ def _read_files(name: str, path: Path, max_bytes: int) -> tuple[bytes, bytes]:
         hint = f" (found pickle weights {pickles}; convert them to safetensors)" if pickles else ""
         raise AdapterError(f"adapter {name!r}: {path} has no adapter_model.safetensors{hint}")
     config = read_regular(config_file, MAX_CONFIG_BYTES, "adapter_config.json's limit")
-    return config, read_regular(weights_file, max_bytes)
+    return config, read_weights(weights_file, max_bytes)
 
 
 def parse_peft_adapter(
     name: str,
     config_bytes: bytes,
-    weight_bytes: bytes,
+    weights: WeightsFile,
     base: ModelConfig,
     max_lora_rank: int,
-    path: Path | None = None,
+    path: Path,
+    form: HostForm,
+    sha256: str | None,
 ) -> LoraAdapter:
-    """Validate an adapter from its two files' bytes (from disk, S3, or a peer pod)."""
+    """Validate an adapter from its files' contents (`weights`: as `reading.read_weights` left
+    them) and convert it into `form`; `sha256` of the weights when known, else hashed beside the
+    conversion."""
     try:
         config = json.loads(config_bytes)
     except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not text
@@ -244,22 +276,33 @@ def parse_peft_adapter(
     if not isinstance(config, dict):
         raise AdapterError(f"adapter {name!r}: adapter_config.json is not a JSON object")
     _check_config(name, config)
-    # The hash (170 ms for the 168 MB of a float32 rank-16 adapter on all seven projections of
-    # the 8B shape) runs beside the parse: hashlib lets go of the GIL for large buffers.
-    digest = _HASHER.submit(lambda: hashlib.sha256(weight_bytes).digest())
+    data, raw = weights.data, weights.data.numpy()
     try:
-        from safetensors.torch import load as load_safetensors
-
-        tensors = load_safetensors(weight_bytes)
-    except Exception as e:
+        n = header_length(raw[:8].tobytes(), len(raw))
+        tensors = parse_header(raw[8 : 8 + n].tobytes(), len(raw))
+    except HeaderError as e:
         raise AdapterError(f"adapter {name!r}: cannot read adapter_model.safetensors: {e}") from e
     modules = _modules(name, config, tensors, base, max_lora_rank)
-    weights_digest = digest.result()
-    adapter = LoraAdapter(name, content_id(config_bytes, weights_digest), path, sha256=weights_digest.hex())
-    adapter.modules = modules
-    if not adapter.modules:
+    if not modules:
         raise AdapterError(f"adapter {name!r}: no LoRA weights found in adapter_model.safetensors")
-    return adapter
+    digest = sha256_of(data) if sha256 is None else None  # beside the conversion
+    body = data[8 + n :]
+    packed = form.pack(
+        {k: LoraWeights(_tensor(body, a), _tensor(body, b), s) for k, (a, b, s) in modules.items()}
+    )
+    sha256 = sha256 if digest is None else digest.result()
+    adapter_id = content_id(config_bytes, weights.chunked)
+    return LoraAdapter(name, adapter_id, path, sha256=sha256, chunked=weights.chunked, **packed)
+
+
+def _tensor(body: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The tensor `entry` describes, as a view of the file's data `body` (uint8) where it lies
+    aligned for its dtype, else a copy (safetensors writers align the data; others may not)."""
+    raw = body[entry.begin : entry.end]
+    dtype = _DTYPES[entry.dtype]
+    if raw.data_ptr() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).view(entry.shape)
 
 
 def _check_config(name: str, config: dict[str, Any]) -> None:
@@ -277,10 +320,12 @@ def _check_config(name: str, config: dict[str, Any]) -> None:
 
 
 def _modules(
-    name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], base: ModelConfig, max_rank: int
-) -> dict[tuple[int, str], LoraWeights]:
+    name: str, config: dict[str, Any], tensors: dict[str, TensorEntry], base: ModelConfig, max_rank: int
+) -> dict[Key, tuple[TensorEntry, TensorEntry, float]]:
+    """Each module's A, B and scaling, in (layer, module) order, once every tensor's name and
+    shape and every module's rank have been checked against the base model and the config."""
     shapes = module_shapes(base)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    pairs: dict[Key, dict[str, TensorEntry]] = {}
     for key, tensor in tensors.items():
         if "lora_embedding" in key or "lora_magnitude_vector" in key:
             what = "DoRA magnitude vectors" if "magnitude" in key else "LoRA on embeddings"
@@ -309,10 +354,10 @@ def _modules(
                 f"adapter {name!r}: tensor {key!r} targets {module!r} of layer {layer}, a mixture-of-experts "
                 f"layer; LoRA on experts is not supported (target {_ATTENTION_MODULES} there)"
             )
-        pairs.setdefault((layer, module), {})[ab] = tensor.float()
+        pairs.setdefault((layer, module), {})[ab] = tensor
 
     alpha, use_rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
-    out: dict[tuple[int, str], LoraWeights] = {}
+    out: dict[Key, tuple[TensorEntry, TensorEntry, float]] = {}
     for (layer, module), ab in sorted(pairs.items()):
         path = module_path(layer, module)
         if set(ab) != {"A", "B"}:
@@ -321,7 +366,7 @@ def _modules(
             )
         a, b = ab["A"], ab["B"]
         in_f, out_f = shapes[module]
-        rank = a.shape[0]
+        rank = a.shape[0] if a.shape else 0
         if a.shape != (rank, in_f) or b.shape != (out_f, rank):
             raise AdapterError(
                 f"adapter {name!r}: {path} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
@@ -334,5 +379,5 @@ def _modules(
             raise AdapterError(f"adapter {name!r}: adapter_config.json: {wrong}")
         module_alpha = float(pattern_value(config.get("alpha_pattern") or {}, path, alpha))
         scaling = module_alpha / (math.sqrt(rank) if use_rslora else rank)
-        out[(layer, module)] = LoraWeights(a, b, scaling)
+        out[(layer, module)] = (a, b, scaling)
     return out

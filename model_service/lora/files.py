@@ -11,9 +11,12 @@ accepts a pod can load.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from model_service.errors import InvalidRequestError
 
@@ -46,14 +49,25 @@ def _check(path: Path, st: os.stat_result, max_bytes: int, flag: str) -> None:
         )
 
 
-def read_regular(path: Path, max_bytes: int, flag: str = "--max-adapter-bytes") -> bytes:
-    """The bytes of `path`, a regular file of at most `max_bytes`; UnsafeFileError otherwise
-    (OSError when it cannot be stat'ed or opened). `flag` names the setting that raises the cap."""
+@contextlib.contextmanager
+def opened_regular(
+    path: Path, max_bytes: int, flag: str = "--max-adapter-bytes"
+) -> Iterator[tuple[BinaryIO, int]]:
+    """`path` opened for reading, and its size: a regular file of at most `max_bytes`;
+    UnsafeFileError otherwise (OSError when it cannot be stat'ed or opened). `flag` names the
+    setting that raises the cap."""
     _check(path, os.stat(path), max_bytes, flag)
     # O_NONBLOCK: should the name have become a FIFO since the stat, opening it does not wait.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
-        _check(path, os.fstat(f.fileno()), max_bytes, flag)
+        st = os.fstat(f.fileno())
+        _check(path, st, max_bytes, flag)
+        yield f, st.st_size
+
+
+def read_regular(path: Path, max_bytes: int, flag: str = "--max-adapter-bytes") -> bytes:
+    """The bytes of `path`, checked as `opened_regular` checks it."""
+    with opened_regular(path, max_bytes, flag) as (f, _):
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:  # it grew after the checks
         raise UnsafeFileError(f"{str(path)[:200]!r} is above the limit of {max_bytes} bytes ({flag})")

@@ -16,11 +16,12 @@ bookkeeping only (names, tiers, refcounts, extents), which is why one pool can s
 executors (one per tensor-parallel rank) through the `SlotWriter` they implement: a rank's shard
 of an adapter is smaller than the adapter, so it fits the extent the pool gave the whole.
 
-Reading a disk-only adapter (parse, validate, pack into page-locked memory: ~100 ms for 84 MB)
+Reading a disk-only adapter (read and hash the file, validate, convert into its host form)
 happens in worker threads when admission asks for it (`host_ready`), so steps go on meanwhile;
-the engine thread only adds the result to the host tier and copies it to the device. Explicit
-control operations (register, LoadAdapter) still read on the engine thread: their caller waits
-for the answer anyway.
+the engine thread only adds the result to the host tier and copies it to the device. Such a read
+takes the sha256 that registration computed (`Identity`) when the file's chunked digest is the
+registered one, rather than hashing the file a second time. Explicit control operations
+(register, LoadAdapter) still read on the engine thread: their caller waits for the answer anyway.
 
 Refcounts follow the seed contract: `acquire(slot)` resolves -1 to the active adapter and
 returns the RESOLVED index, and `release(resolved)` releases exactly that index, so a rotation
@@ -36,7 +37,7 @@ from collections import OrderedDict
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from model_service.lora.adapter import AdapterError, HostForm, LoraAdapter, load_peft_adapter
 from model_service.lora.arena import ArenaSpace
@@ -68,6 +69,15 @@ class SlotWriter(Protocol):
     def clear_slot(self, slot: int) -> None: ...
 
     def move_slot(self, slot: int, offset: int) -> None: ...
+
+
+class Identity(NamedTuple):
+    """A registered adapter's latest version, as reported while it is on disk only."""
+
+    adapter_id: int
+    rank: int
+    sha256: str
+    chunked: bytes  # its weights' chunked digest: a read that finds it again has this sha256
 
 
 @dataclass
@@ -105,9 +115,9 @@ class LoraPool:
         readers: Executor | None = None,
     ) -> None:
         """`arena`: (elements, bytes per element) of the writer's adapter arena. `host_form`: what
-        a parsed adapter becomes in the host tier (the arena's dtype, page-locked for a GPU);
-        kept as parsed without it. `readers`: where disk reads for
-        admission run (`READ_WORKERS` threads by default)."""
+        an adapter becomes in the host tier (the arena's dtype, page-locked for a GPU); without
+        it, adapters read from disk are float32 and those made in memory stay as they are.
+        `readers`: where disk reads for admission run (`READ_WORKERS` threads by default)."""
         self.base, self.max_lora_rank, self.max_adapter_bytes = base, max_lora_rank, max_adapter_bytes
         self.writer, self.host_form = writer, host_form
         self.max_cpu_loras = max_cpu_loras
@@ -118,9 +128,7 @@ class LoraPool:
         self._resident: dict[str, int] = {}  # name -> slot of its current version
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()
         self.disk: dict[str, Path] = {}
-        self.identity: dict[
-            str, tuple[int, int, str]
-        ] = {}  # name -> (adapter_id, rank, sha256) of its latest version
+        self.identity: dict[str, Identity] = {}  # name -> its latest version
         self.active = -1  # slot of the active adapter, -1 = none
         self._reads: dict[str, Future[LoraAdapter]] = {}  # disk reads in worker threads
         self._readers = readers or ThreadPoolExecutor(READ_WORKERS, thread_name_prefix="lora-read")
@@ -179,11 +187,11 @@ class LoraPool:
 
     def register(self, name: str, path: Path) -> LoraAdapter:
         """Add (or replace) a disk-tier adapter; parsed now so a bad one fails here, not mid-request."""
-        adapter = load_peft_adapter(name, path, self.base, self.max_lora_rank, self.max_adapter_bytes)
+        adapter = self._read(name, Path(path), self.identity.get(name))  # the same bytes again: no hash
         self._reads.pop(name, None)  # a read of the old files: its result is dropped
         self.disk[name] = Path(path)
-        self.identity[name] = (adapter.adapter_id, adapter.max_rank, adapter.sha256)
-        adapter = self._remember(adapter)
+        self.identity[name] = Identity(adapter.adapter_id, adapter.max_rank, adapter.sha256, adapter.chunked)
+        adapter = self._keep(adapter)
         for i in list(self._in_use_order):  # a resident older version keeps serving its requests
             s = self.slots[i]
             if s.adapter.name == name and s.adapter.adapter_id != adapter.adapter_id:
@@ -210,12 +218,13 @@ class LoraPool:
             return True  # (an unknown name: `load` says so)
         read = self._reads.get(name)
         if read is None:
-            read = self._reads[name] = self._readers.submit(self._read, name, self.disk[name])
+            known = self.identity[name]
+            read = self._reads[name] = self._readers.submit(self._read, name, self.disk[name], known)
         if not read.done():
             return False
         del self._reads[name]
         adapter = read.result()
-        if adapter.adapter_id != self.identity[name][0]:
+        if adapter.adapter_id != self.identity[name].adapter_id:
             return self.host_ready(name)  # re-registered while it was read: read the new files
         self._keep(adapter)
         return True
@@ -340,8 +349,10 @@ class LoraPool:
                 out.append(AdapterInfo(name, a.adapter_id, "cpu", None, 0, False, a.max_rank, a.sha256))
         for name in self.disk:
             if name not in seen:
-                adapter_id, rank, sha = self.identity[name]
-                out.append(AdapterInfo(name, adapter_id, "disk", None, 0, False, rank, sha))
+                known = self.identity[name]
+                out.append(
+                    AdapterInfo(name, known.adapter_id, "disk", None, 0, False, known.rank, known.sha256)
+                )
         return out
 
     def drop_host_copy(self, name: str) -> None:
@@ -380,15 +391,20 @@ class LoraPool:
             return self.host[name]
         if name not in self.disk:
             raise AdapterNotFoundError(f"unknown adapter {name!r}; register it first")
-        adapter = load_peft_adapter(
-            name, self.disk[name], self.base, self.max_lora_rank, self.max_adapter_bytes
-        )
-        return self._remember(adapter)
+        return self._keep(self._read(name, self.disk[name], self.identity[name]))
 
-    def _read(self, name: str, path: Path) -> LoraAdapter:
-        """A worker thread's read: parsed, validated and in its host form."""
-        adapter = load_peft_adapter(name, path, self.base, self.max_lora_rank, self.max_adapter_bytes)
-        return self.host_form(adapter) if self.host_form is not None else adapter
+    def _read(self, name: str, path: Path, known: Identity | None) -> LoraAdapter:
+        """An adapter's files read, validated and in their host form (in a worker thread for
+        admission). `known`: the registered version, whose sha256 a read of the same bytes has."""
+        return load_peft_adapter(
+            name,
+            path,
+            self.base,
+            self.max_lora_rank,
+            self.max_adapter_bytes,
+            self.host_form,
+            (known.chunked, known.sha256) if known is not None else None,
+        )
 
     def _remember(self, adapter: LoraAdapter) -> LoraAdapter:
         return self._keep(self.host_form(adapter) if self.host_form is not None else adapter)
