@@ -14,10 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save, save_file
 
+from bench.adapter_loads import NoSlots
 from bench.lora import write_adapter
 from model_service.lora import adapter as adapter_module
 from model_service.lora import reading
-from model_service.lora.adapter import AdapterError, HostForm, LoraAdapter, load_peft_adapter
+from model_service.lora.adapter import AdapterError, HostForm, load_peft_adapter
 from model_service.lora.buffers import HostBuffers
 from model_service.lora.pool import LoraPool
 from model_service.models.config import ModelConfig
@@ -109,23 +110,12 @@ def test_a_read_takes_the_known_sha256_only_for_the_same_bytes(adapter_dir):
     assert load_peft_adapter("a", adapter_dir, CFG, 64, known=(bytes(32), "registered")).sha256 == a.sha256
 
 
-class _NoSlots:
-    def load_slot(self, slot: int, adapter: LoraAdapter, offset: int) -> None:
-        raise AssertionError("nothing is made resident here")
-
-    def clear_slot(self, slot: int) -> None:
-        pass
-
-    def move_slot(self, slot: int, offset: int) -> None:
-        pass
-
-
 def test_reads_for_admission_reuse_host_memory_and_hash_no_file_whole(adapter_dir, monkeypatch):
     """Registration hashes the file; a read for admission (a worker thread) reuses the buffer the
     last host copy left and takes the registered sha256, without a plain hash of its own."""
     form = HostForm(torch.bfloat16, HostBuffers(CPU))
     readers = concurrent.futures.ThreadPoolExecutor(1)
-    pool = LoraPool(CFG, 1, 1, 64, _NoSlots(), (1 << 20, 2), host_form=form, readers=readers)
+    pool = LoraPool(CFG, 1, 1, 64, NoSlots(), (1 << 20, 2), host_form=form, readers=readers)
     registered = pool.register("a", adapter_dir)
     assert registered.sha256 == hashlib.sha256((adapter_dir / WEIGHTS).read_bytes()).hexdigest()
 
