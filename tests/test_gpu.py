@@ -87,7 +87,9 @@ def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path, monkeypat
     activations: list[int] = []  # rows of each SiLU-mul with the gate_up delta folded in
 
     def counted(self: PiecewiseGraphs, batch: StepBatch) -> torch.Tensor:
-        replayed.append((batch.uses_lora, self.lora.tiles is not None))
+        eager = layers.LoraStepPlan(use_kernels=True)  # what an eager pass of this step would run
+        eager.prepare(batch)
+        replayed.append((batch.uses_lora, eager.tiles is not None))
         return run(self, batch)
 
     def counted_activation(y: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
