@@ -61,6 +61,27 @@ class AsyncEngine(Generic[E]):
         `--stream-interval`): a stream costs its senders and receivers one message per N tokens
         instead of one per step. The first token goes out at once (time to first token stays)
         and the last item carries whatever is left."""
+        outputs = await self._add(request_id, request)
+        finished, tokens = False, 0
+        try:
+            while not finished:
+                hold = stream_interval if tokens and stream_interval > 1 else 0
+                batch = await _gather(outputs, hold)
+                last = batch[-1]
+                finished = _ends(last)
+                tokens += sum(len(out.new_token_ids) for out in batch if not isinstance(out, Exception))
+                if isinstance(last, Exception):  # fail_streams: the engine cannot answer any more
+                    if len(batch) > 1:
+                        yield batch[:-1]
+                    raise last
+                yield batch
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def _add(self, request_id: str, request: dict[str, Any]) -> asyncio.Queue[Output]:
+        """Hand the request to the engine's thread and wait until it is accepted (or refused:
+        the engine's error is raised here); returns the queue its outputs will arrive on."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Output] = asyncio.Queue()
         added: asyncio.Future[str] = loop.create_future()
@@ -79,22 +100,7 @@ class AsyncEngine(Generic[E]):
             await added
         finally:
             self._adding.pop(request_id, None)
-        finished, tokens = False, 0
-        try:
-            while not finished:
-                hold = stream_interval if tokens and stream_interval > 1 else 0
-                batch = await _gather(outputs, hold)
-                last = batch[-1]
-                finished = _ends(last)
-                tokens += sum(len(out.new_token_ids) for out in batch if not isinstance(out, Exception))
-                if isinstance(last, Exception):  # fail_streams: the engine cannot answer any more
-                    if len(batch) > 1:
-                        yield batch[:-1]
-                    raise last
-                yield batch
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return outputs
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(lambda: self.engine.abort(request_id))
