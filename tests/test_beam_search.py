@@ -22,19 +22,27 @@ def hf_tiny(tiny_llama):
     return AutoModelForCausalLM.from_pretrained(tiny_llama.name, dtype=torch.float32).eval()
 
 
+# Two questions, each one a beam-search rule decides: France's answer ends in EOS within the 12
+# tokens, and HF's result there moves with the length penalty; the colour's runs all 12 tokens and
+# moves with the beam width (one beam fewer gives another answer). A third question ("Give me one
+# word for happy.") behaved as the colour one in every case here, so it proved nothing more.
+BEAM_QUESTIONS = ["What is the capital of France?", "Name a color."]
+
+
 @pytest.mark.parametrize(
     ("num_beams", "length_penalty", "early_stopping"),
     [(2, 1.0, False), (3, 0.5, True), (4, 2.0, "never"), (4, 1.0, True)],
 )
 def test_smollm2_beam_search_equals_hf(smollm2, hf_smollm2, num_beams, length_penalty, early_stopping):
+    """HF searches one question at a time; the engine runs both at once (two beam groups in one
+    batch), so the steps it takes are half and the batch is harder."""
     engine = make_engine(smollm2)
-    questions = ["What is the capital of France?", "Name a color.", "Give me one word for happy."]
-    for q in questions:
-        ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": q}])
-        kw = {"num_beams": num_beams, "length_penalty": length_penalty, "early_stopping": early_stopping}
-        expected = _hf_beams(hf_smollm2, ids, eos=2, max_new_tokens=12, **kw)
-        got = engine.generate([{"prompt_token_ids": ids, "max_tokens": 12, **kw}])[0]
-        assert got.token_ids == expected, q
+    kw = {"num_beams": num_beams, "length_penalty": length_penalty, "early_stopping": early_stopping}
+    chat = smollm2.tokenizer.apply_chat_template
+    prompts = [chat([{"role": "user", "content": q}]) for q in BEAM_QUESTIONS]
+    expected = [_hf_beams(hf_smollm2, ids, eos=2, max_new_tokens=12, **kw) for ids in prompts]
+    got = engine.generate([{"prompt_token_ids": ids, "max_tokens": 12, **kw} for ids in prompts])
+    assert [o.token_ids for o in got] == expected
     assert_all_blocks_free(engine)
 
 

@@ -29,7 +29,7 @@ carol  key-carol  sql-lora
 FAST_HEALTH = ["--health-interval", "0.2", "--health-timeout", "0.5", "--failure-threshold", "2"]
 
 
-def _cluster(model: str, tmp, health: list[str] = FAST_HEALTH):
+def _cluster(model: str, tmp):
     pods = [spawn_pod(model, tmp, f"pod{i}") for i in range(2)]
     keys = tmp / "keys"
     keys.write_text(KEYS)

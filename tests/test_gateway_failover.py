@@ -12,29 +12,41 @@ import pytest
 
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import model_control_pb2, model_control_pb2_grpc
-from tests.service_helpers import load, spawn_pod, stub, token_request, wait_serving
-from tests.test_gateway import FAST_HEALTH, _cluster, _generate, _md, _served
+from tests.service_helpers import load, spawn, spawn_pod, stub, token_request, wait_serving
+from tests.test_gateway import KEYS, _cluster, _generate, _md, _served
 
 Code = grpc.StatusCode
 
 
-@pytest.fixture
-def cluster(tiny_llama, tmp_path, request):
-    pods, gateway = _cluster(tiny_llama.name, tmp_path, getattr(request, "param", FAST_HEALTH))
-    yield pods, gateway
+def _stop_all(pods, gateway) -> None:
     for s in (gateway, *pods):
         if s.proc.poll() is None:
             os.kill(s.proc.pid, signal.SIGCONT)
         s.stop()
 
 
+@pytest.fixture(scope="module")
+def cluster(tiny_llama, tmp_path_factory):
+    """Two pods and a gateway polling their health fast, shared: three processes cost seconds to
+    start, and each test that breaks a pod leaves the cluster whole again (the frozen pod thawed
+    and back in rotation, the killed ones restarted on their ports and healthy)."""
+    pods, gateway = _cluster(tiny_llama.name, tmp_path_factory.mktemp("cluster"))
+    yield pods, gateway
+    _stop_all(pods, gateway)
+
+
+def _ejections(gateway, pod) -> int:
+    return gateway.output().count("ejecting model pod " + pod.address)
+
+
 def test_unhealthy_pod_is_ejected_and_comes_back(cluster):
     pods, gateway = cluster
     a, b = pods
+    ejected = _ejections(gateway, a)
     os.kill(a.proc.pid, signal.SIGSTOP)  # alive but silent: health checks time out
     try:
         deadline = time.monotonic() + 10
-        while "ejecting model pod " + a.address not in gateway.output():
+        while _ejections(gateway, a) == ejected:
             assert time.monotonic() < deadline, gateway.output()
             time.sleep(0.05)
         before = load(b).requests_total
@@ -73,40 +85,63 @@ def test_a_pod_killed_mid_stream_is_resumed_elsewhere_and_readmitted_when_back(c
     seeded = token_request([7, 7, 7], 300, temperature=0.9, top_k=50, frequency_penalty=0.3)
     seeded.seed = 1234
     expected = {id(r): _generate(gateway, r, timeout=30) for r in (greedy, seeded)}
+    resumed = gateway.output().count("resuming")
     for n, req in enumerate((greedy, seeded)):
+        ejected = [_ejections(gateway, p) for p in pods]
         msgs, victim = _killed_mid_stream(gateway, pods, req)
         want_tokens, want_msgs = expected[id(req)]
         assert [t for m in msgs if m.HasField("chunk") for t in m.chunk.token_ids] == want_tokens
         assert [m.WhichOneof("kind") for m in msgs].count("final") == 1
         assert msgs[-1].final == want_msgs[-1].final  # finish reason, usage: 3 prompt, 300 completion
-        assert gateway.output().count("resuming") == n + 1
-        assert "ejecting model pod " + pods[victim].address in gateway.output()
-        # The pod comes back where it was: the gateway takes it into rotation again.
-        healthy = gateway.output().count(f"model pod {pods[victim].address} is healthy")
-        port = int(pods[victim].address.rsplit(":", 1)[1])
-        pods[victim] = wait_serving(spawn_pod(tiny_llama.name, tmp_path, f"back{n}", port=port))
+        assert gateway.output().count("resuming") == resumed + n + 1
+        assert _ejections(gateway, pods[victim]) > ejected[victim]
+        _restart(pods, victim, gateway, tiny_llama, tmp_path / f"back{n}")
+
+
+def _restart(pods, i: int, gateway, tiny_llama, log_dir) -> None:
+    """Pod `i` (stopped, or killed) starts again where it was, and `gateway` takes it into
+    rotation again."""
+    pods[i].stop()
+    healthy = gateway.output().count(f"model pod {pods[i].address} is healthy")
+    port = int(pods[i].address.rsplit(":", 1)[1])
+    log_dir.mkdir()
+    pods[i] = wait_serving(spawn_pod(tiny_llama.name, log_dir, "pod", port=port))
+    deadline = time.monotonic() + 10
+    while gateway.output().count(f"model pod {pods[i].address} is healthy") == healthy:
+        assert time.monotonic() < deadline, gateway.output()
+        time.sleep(0.05)
+
+
+def test_a_pod_refusing_before_the_first_token_is_retried_elsewhere(cluster, tiny_llama, tmp_path):
+    """A gateway of its own in front of the module's pods, polling their health a minute apart: it
+    learns of the drain by trying. It starts once both pods serve, so its first poll finds them
+    healthy; the drained pod is restarted afterwards for the module's gateway."""
+    pods, module_gateway = cluster
+    (tmp_path / "keys").write_text(KEYS)
+    pods_flag = ",".join(p.address for p in pods)
+    flags = ["--pods", pods_flag, "--api-keys-file", str(tmp_path / "keys"), "--health-interval", "60"]
+    gateway = wait_serving(spawn("gateway", flags, tmp_path, "gateway"))
+    try:
         deadline = time.monotonic() + 10
-        while gateway.output().count(f"model pod {pods[victim].address} is healthy") == healthy:
+        while gateway.output().count("is healthy") < 2:
             assert time.monotonic() < deadline, gateway.output()
             time.sleep(0.05)
-
-
-@pytest.mark.parametrize("cluster", [["--health-interval", "60"]], indirect=True)
-def test_a_pod_refusing_before_the_first_token_is_retried_elsewhere(cluster):
-    pods, gateway = cluster  # health polls are a minute apart: the gateway learns of the drain by trying
-    shared = [10 + i % 200 for i in range(160)]
-    before = _served(pods)
-    _generate(gateway, token_request(shared, 2))
-    warm = [a - b for a, b in zip(_served(pods), before, strict=True)].index(1)
-    drained, other = pods[warm], pods[1 - warm]
-    with drained.control_channel() as ch:  # the pod the prefix points to now refuses new requests
-        reply = model_control_pb2_grpc.ModelControlStub(ch).Drain(
-            model_control_pb2.DrainRequest(), timeout=10
-        )
-    assert (reply.finished, reply.aborted) == (0, 0)
-    before = _served(pods)
-    for i in range(3):
-        assert len(_generate(gateway, token_request([*shared, 250 + i], 2), timeout=10)[0]) == 2
-    assert load(other).requests_total - before[1 - warm] == 3
-    assert load(drained).requests_total == before[warm]
-    assert "retrying" in gateway.output()
+        shared = [10 + i % 200 for i in range(160)]
+        before = _served(pods)
+        _generate(gateway, token_request(shared, 2))
+        warm = [a - b for a, b in zip(_served(pods), before, strict=True)].index(1)
+        drained, other = pods[warm], pods[1 - warm]
+        with drained.control_channel() as ch:  # the pod the prefix points to now refuses new requests
+            reply = model_control_pb2_grpc.ModelControlStub(ch).Drain(
+                model_control_pb2.DrainRequest(), timeout=10
+            )
+        assert (reply.finished, reply.aborted) == (0, 0)
+        before = _served(pods)
+        for i in range(3):
+            assert len(_generate(gateway, token_request([*shared, 250 + i], 2), timeout=10)[0]) == 2
+        assert load(other).requests_total - before[1 - warm] == 3
+        assert load(drained).requests_total == before[warm]
+        assert "retrying" in gateway.output()
+    finally:
+        gateway.stop()
+    _restart(pods, warm, module_gateway, tiny_llama, tmp_path / "restarted")

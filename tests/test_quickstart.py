@@ -91,22 +91,29 @@ def test_up_picks_free_ports_for_what_the_user_did_not_name():
     )
 
 
+def _help(command: str) -> str:
+    """What `spindle COMMAND --help` prints, from the parser the command builds, without a process
+    of its own: `serve`'s alone spends seconds importing the engine. The program itself answers
+    `--help` here and in tests/test_cli.py."""
+    return command_parser(command)[1].format_help()
+
+
 def test_every_command_explains_itself():
     usage = _cli("--help").stdout
     for command in ("generate", "serve", "gateway", "up", "chat", "complete", "models", "adapters"):
         assert command in usage
-    serve = _cli("serve", "--help").stdout
+    serve = _help("serve")
     for flag in ("--port", "--metrics-port", "--drain-timeout", "SPINDLE_PORT", "SPINDLE_MAX_NUM_SEQS",
                  "--http-port", "SPINDLE_HTTP_PORT"):  # fmt: skip
         assert flag in serve
-    gateway = _cli("gateway", "--help").stdout
+    gateway = _help("gateway")
     for flag in ("--pods", "--pods-dns", "--api-keys-file", "SPINDLE_API_KEYS_FILE", "--health-interval",
                  "--http-port", "SPINDLE_HTTP_PORT"):  # fmt: skip
         assert flag in gateway
-    service = _cli("adapter-service", "--help").stdout
+    service = _help("adapter-service")
     for flag in ("--s3-bucket", "--redis-url", "--pods-dns", "--base-model", "SPINDLE_STAGING_MAX_BYTES"):
         assert flag in service
-    chat = _cli("chat", "--help").stdout
+    chat = _help("chat")
     assert "--adapter" in chat and "SPINDLE_API_KEY" in chat and "SPINDLE_GATEWAY" in chat
     no_pods = _cli("gateway", "--allow-unauthenticated")
     assert no_pods.returncode != 0 and "--pods" in no_pods.stderr

@@ -6,11 +6,14 @@ import torch
 
 from tests.conftest import assert_all_blocks_free, make_engine, prefill_logits
 
+# The hardest of the five prompts this test once ran, by HF's smallest gap between its top two
+# logits over the greedy answer (where a float difference would flip a token): 0.003 (primes),
+# 0.010 (haiku), 0.026 (Spanish, which also ends in EOS, 9 tokens in). The two dropped ones were
+# easier on both counts: "What is the capital of France?" (0.082, EOS after 8 tokens) and
+# "Explain what a hash table is in two sentences." (0.32).
 PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain what a hash table is in two sentences.",
     "List three prime numbers.",
+    "Write a haiku about autumn leaves.",
     "Translate 'good morning' into Spanish.",
 ]
 MAX_NEW = 24
@@ -35,7 +38,8 @@ def test_greedy_tokens_match_hf_alone_and_batched(smollm2, hf_smollm2):
 
 
 def test_prefill_logits_match_hf(smollm2, hf_smollm2):
-    ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[2]}])
+    question = "Explain what a hash table is in two sentences."
+    ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": question}])
     with torch.no_grad():
         ref = hf_smollm2(torch.tensor([ids])).logits[0, -1]
     engine = make_engine(smollm2)

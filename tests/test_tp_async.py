@@ -18,6 +18,10 @@ from tests import overlap_helpers as overlap
 from tests.conftest import make_engine, new_sequence
 
 ADAPTERS = (None, "pirate", "all")
+# Tokens per request: every SmolLM2 step costs the same on a CPU whatever the batch, so the time
+# goes with the steps. At 12 both runs still hit a stop token, preempt (3 and 2 times) and
+# overlap 13 and 15 steps (16 tokens took ~40% more steps and proved nothing more).
+MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +74,7 @@ def test_the_feed_index_travels_in_the_packed_batch_and_the_executor_writes_the_
 
 def test_two_ranks_overlapping_give_the_synchronous_tokens(smollm2, sync, tp_async, monkeypatch):
     mixed = overlap.mixed_requests(smollm2.config.vocab_size, ADAPTERS)
-    reqs = [{**r, "max_tokens": min(r["max_tokens"], 16)} for r in mixed]
+    reqs = [{**r, "max_tokens": min(r["max_tokens"], MAX_TOKENS)} for r in mixed]
     expected = overlap.run_steps(sync, reqs)
     assert sum(reason == "stop" for _, reason in expected.values()) >= 1, "no stop token hit"
     launches = overlap.count_launches(monkeypatch)
@@ -80,7 +84,7 @@ def test_two_ranks_overlapping_give_the_synchronous_tokens(smollm2, sync, tp_asy
 
 
 def test_two_ranks_overlapping_through_preemption_and_aborts(smollm2, sync, tp_async, monkeypatch):
-    reqs = overlap.long_requests(smollm2.config.vocab_size, ADAPTERS, n=16)
+    reqs = overlap.long_requests(smollm2.config.vocab_size, ADAPTERS, n=MAX_TOKENS)
     preempted = sync.scheduler.num_preemptions
     expected = overlap.run_steps(sync, reqs, overlap.ABORTS)
     assert sync.scheduler.num_preemptions > preempted, "the KV budget should force preemption"
