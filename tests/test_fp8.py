@@ -28,10 +28,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from model_service.engine.config import EngineConfig
+from model_service.errors import ModelLoadError
 from model_service.kernels.fp8_gemm import E4M3, E4M3_MAX
 from model_service.models.fp8_linear import Fp8Linear
 from model_service.models.layers import PackedLinear, checkpoint_tensors
 from model_service.models.loader import LoadedModel, load_model
+from model_service.models.quantization import QuantizationError
 from tests.conftest import assert_all_blocks_free, forward, make_engine, make_tiny_checkpoint, new_sequence
 
 W8A8_LOGITS_TOL = 1e-3
@@ -347,3 +350,109 @@ def test_logits_and_greedy_tokens_against_hf_on_dequantized_weights(case: Case):
     assert ours == [hf_greedy(oracle, ids) for ids in PROMPTS]
     if not case.fmt.weight_only:
         assert greedy_agreement(case.hf, PROMPTS, ours) >= W8A8_GREEDY_AGREEMENT
+
+
+def test_online_quantization_is_per_channel_w8a8(tmp_path: Path):
+    """`--quantization fp8` on a float32 checkpoint: the projections this test's own quantizer
+    makes per channel (bit for bit), and the tokens of HF rounding inputs per token on them."""
+    case = Case(FORMATS["ct-channel-dynamic"], tmp_path)
+    online = load_model(str(tmp_path / "src"), torch.float32, torch.device("cpu"), quantization="fp8")
+    assert online.config.quantization is not None and online.config.quantization.method == "online"
+    assert type(online.module.lm_head) is torch.nn.Linear
+    ours, theirs = online.module.state_dict(), case.ours.module.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, t in ours.items():
+        assert t.dtype == theirs[name].dtype and torch.equal(t.float(), theirs[name].float()), name
+    assert greedy(online, PROMPTS) == [hf_greedy(case.hf_w8a8, ids) for ids in PROMPTS]
+
+
+@pytest.mark.parametrize("name", ["ct-channel-w8a16", "ct-channel-dynamic"])
+def test_lora_on_an_fp8_base_matches_peft_on_the_dequantized_base(name: str, tmp_path: Path):
+    """PEFT adapters (made for the bfloat16/float32 base) on the FP8 base: our base GEMM in FP8
+    plus the adapters' float deltas give PEFT's tokens on HF's dequantized base (rounding the
+    base layers' inputs for W8A8, as the engine's FP8 GEMM does; the adapters see them unrounded)."""
+    from tests.test_lora import ALL, make_adapter, peft_greedy
+
+    case = Case(FORMATS[name], tmp_path)
+    oracle = case.hf_w8a8 or case.hf
+    specs = {
+        "qv": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "all": {"r": 8, "lora_alpha": 8, "target_modules": ALL},
+    }
+    adapters = {
+        a: make_adapter(oracle, tmp_path / a, seed=i, scale=0.3, **s)
+        for i, (a, s) in enumerate(specs.items())
+    }
+    engine = make_engine(case.ours, max_loras=2, lora_modules={a: str(p) for a, p in adapters.items()})
+    request = {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    base = [o.token_ids for o in engine.generate([{"prompt_token_ids": p, **request} for p in PROMPTS[:2]])]
+    for adapter, path in adapters.items():
+        reqs = [{"prompt_token_ids": p, "adapter": adapter, **request} for p in PROMPTS[:2]]
+        got = [o.token_ids for o in engine.generate(reqs)]
+        assert got == [peft_greedy(oracle, path, p, MAX_NEW, eos=None) for p in PROMPTS[:2]], adapter
+        assert got != base, f"adapter {adapter} does not change the output"
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq"),
+        ({"quant_method": "awq", "bits": 4}, "awq"),
+        (_ct({"strategy": "channel", "type": "int"}, TOKEN, []), "'type': 'int'"),
+        ({**_ct({"strategy": "channel"}, TOKEN, []), "format": "pack-quantized"}, "pack-quantized"),
+        (_ct({"strategy": "group", "group_size": 32}, TOKEN, []), "'strategy': 'group'"),
+        (_ct({"strategy": "channel"}, {"dynamic": False, "strategy": "token"}, []), "input_activations"),
+        ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "[64, 64]"),
+        ({"quant_method": "fp8", "fmt": "e5m2"}, "e5m2"),
+    ],
+)
+def test_unsupported_schemes_are_refused_naming_them(config: dict[str, Any], named: str, tmp_path: Path):
+    path = make_tiny_checkpoint("llama", tmp_path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
+    with pytest.raises(QuantizationError) as refused:
+        load_model(str(path), torch.float32, torch.device("cpu"))
+    assert isinstance(refused.value, ValueError)
+    assert named in str(refused.value) and "supported" in str(refused.value)
+
+
+def test_unknown_quantization_flag_is_refused(tmp_path: Path):
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(QuantizationError, match="'int4'"):
+        load_model(
+            str(make_tiny_checkpoint("llama", tmp_path)),
+            torch.float32,
+            torch.device("cpu"),
+            quantization="int4",
+        )
+
+
+def test_tensor_parallel_over_fp8_weights_gives_one_process_tokens(tmp_path: Path):
+    """Two gloo ranks, each holding its rows (q/k/v, gate/up, with their scales) or columns (o,
+    down, scales whole) of the FP8 projections: one process's tokens. Weight-only, so the ranks'
+    partial sums are the one product split in two (per-token activation scales would be taken
+    per rank, over fewer columns, and round differently)."""
+    case = Case(FORMATS["ct-channel-w8a16"], tmp_path)
+    expected = greedy(case.ours, PROMPTS)
+    engine = make_engine(case.ours, tensor_parallel_size=2)
+    try:
+        reqs = [
+            {"prompt_token_ids": p, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+            for p in PROMPTS
+        ]
+        assert [o.token_ids for o in engine.generate(reqs)] == expected
+    finally:
+        engine.executor.teardown()
+
+
+def test_block_fp8_shards_must_start_on_a_block(tmp_path: Path):
+    """Rank 1 of 2 would hold o_proj's input columns 96..191: mid-block of a 128x128 checkpoint."""
+    from model_service.distributed.layers import Collectives
+    from model_service.distributed.sharding import Partition, shard_module
+
+    case = Case(FORMATS["fp8-block"], tmp_path)
+    part = Partition.of(case.ours.config, 1, 2)
+    with pytest.raises(ModelLoadError, match="128-column block"):
+        shard_module(case.ours.module, part, Collectives(None, 2), torch.device("cpu"))
