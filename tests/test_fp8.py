@@ -456,3 +456,14 @@ def test_block_fp8_shards_must_start_on_a_block(tmp_path: Path):
     part = Partition.of(case.ours.config, 1, 2)
     with pytest.raises(ModelLoadError, match="128-column block"):
         shard_module(case.ours.module, part, Collectives(None, 2), torch.device("cpu"))
+
+
+def test_smollm2_perplexity_in_fp8(smollm2):
+    """SmolLM2 quantized online (W8A8) on bench/fp8_quality.py's text: 30.11 -> 32.05 (+6.4%;
+    weight-only FP8 alone gives +5.1%, bfloat16 rounding of the same weights +0.15%). Issue 33's
+    target is +2%: this small model's MLP weights lose more to e4m3's 3 mantissa bits than that.
+    The bound guards what is measured, so a regression in the path shows."""
+    from bench.fp8_quality import measure
+
+    result = measure("cpu", smollm2)
+    assert 1.0 < result["ratio"] < 1.08, result
