@@ -470,6 +470,30 @@ def test_smollm2_perplexity_in_fp8(smollm2):
     assert 1.0 < result["ratio"] < 1.08, result
 
 
+def test_the_gpu_benchmarks_quantize_their_random_model_online():
+    """bench/gpu.py and bench/serving.py's `--quantization fp8`: the random model's projections
+    (not its embeddings or LM head) in FP8, counted at one byte a weight plus their scales, and
+    the copy runs (here on the CPU reference) beside the bf16 original, which stays as it was."""
+    from bench.gpu import quantized, random_model, weight_bytes
+
+    shape = {"vocab_size": 320, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2,
+             "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}  # fmt: skip
+    base = random_model(shape, device="cpu", dtype=torch.bfloat16)
+    fp8 = quantized(base)
+    layers = [m for m in fp8.module.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == 8 and all(isinstance(m, Fp8Linear) for m in layers)
+    assert not any(isinstance(m, Fp8Linear) for m in base.module.modules())
+    projections = sum(m.weight.numel() for m in layers)
+    assert weight_bytes(base.module) - weight_bytes(fp8.module) == projections - 4 * sum(
+        m.out_features for m in layers
+    )
+    engine = make_engine(fp8, dtype="bfloat16")
+    out = engine.generate(
+        [{"prompt_token_ids": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}]
+    )
+    assert len(out[0].token_ids) == 4
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
