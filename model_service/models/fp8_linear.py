@@ -35,16 +35,15 @@ class Fp8Linear(PackedLinear):
         self.scheme = scheme
 
     @classmethod
-    def like(cls, linear: PackedLinear, scheme: Fp8Scheme, in_features: int | None = None) -> Fp8Linear:
-        """An empty (meta) FP8 layer of `linear`'s parts; `in_features` narrows it (a row-parallel
-        shard's)."""
+    def like(cls, linear: PackedLinear, scheme: Fp8Scheme) -> Fp8Linear:
+        """An empty (meta) FP8 layer of `linear`'s shape."""
         parts = dict(zip(linear.parts, linear.output_sizes, strict=True))
-        return cls(in_features or linear.in_features, parts, linear.bias is not None, scheme)
+        return cls(linear.in_features, parts, linear.bias is not None, scheme)
 
     @classmethod
-    def quantized(cls, linear: PackedLinear, scheme: Fp8Scheme = ONLINE) -> Fp8Linear:
+    def quantized(cls, linear: PackedLinear) -> Fp8Linear:
         """`linear` quantized online: e4m3 rows, each scaled by its own maximum (per channel)."""
-        layer = cls.like(linear, scheme)
+        layer = cls.like(linear, ONLINE)
         weight, scale = quantize_groups(linear.weight.detach(), layer.group)
         layer.weight = nn.Parameter(weight, requires_grad=False)
         layer.weight_scale = scale
