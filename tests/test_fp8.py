@@ -470,6 +470,42 @@ def test_smollm2_perplexity_in_fp8(smollm2):
     assert 1.0 < result["ratio"] < 1.08, result
 
 
+def test_an_moe_checkpoints_fp8_experts_are_dequantized_at_load(tmp_path: Path):
+    """Qwen3-MoE in FP8: attention runs as `Fp8Linear`, the experts and the router (FP8 in the
+    file) are dequantized at load into the stacked float experts; HF's tokens on the same weights."""
+    src = make_tiny_checkpoint(
+        "qwen3_moe", tmp_path / "src", seed=7, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+    fp8_path, deq_path = write_fp8_checkpoint(src, tmp_path, FORMATS["ct-channel-w8a16"])
+    ours = load_model(str(fp8_path), torch.float32, torch.device("cpu"))
+    assert sum(isinstance(m, Fp8Linear) for m in ours.module.modules()) == 4  # q/k/v and o, two layers
+    assert all(p.dtype == torch.float32 for n, p in ours.module.named_parameters() if "mlp" in n)
+    hf = hf_model(deq_path)
+    assert rel_err(all_logits(ours, PROMPTS[0]), hf_logits(hf, PROMPTS[0])) < 1e-4
+    assert greedy(ours, PROMPTS) == [hf_greedy(hf, ids) for ids in PROMPTS]
+
+
+def test_the_scaled_mm_call_matches_the_reference_on_cpu():
+    """The GPU path's `torch._scaled_mm` call (row-wise scales, bf16 out, static and dynamic
+    activations, bias) as it runs on CUDA; recent torch runs it on the CPU too, so its arguments
+    are checked here. Only the bf16 output rounding differs from the reference."""
+    from model_service.kernels.fp8_gemm import (
+        ActivationQuant,
+        _scaled_mm_rowwise,
+        fp8_linear_reference,
+        quantize_groups,
+    )
+
+    torch.manual_seed(0)
+    weight, scale = quantize_groups(torch.randn(96, 64) * 0.1, 64)
+    x, bias = torch.randn(5, 64).bfloat16(), torch.randn(96).bfloat16()
+    for acts in (ActivationQuant("dynamic", 64), ActivationQuant("static", 64, torch.tensor([0.02]))):
+        got = _scaled_mm_rowwise(x, weight, scale, bias, acts)
+        want = fp8_linear_reference(x.float(), weight, scale, 64, bias, acts)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
 def test_the_gpu_benchmarks_quantize_their_random_model_online():
     """bench/gpu.py and bench/serving.py's `--quantization fp8`: the random model's projections
     (not its embeddings or LM head) in FP8, counted at one byte a weight plus their scales, and
