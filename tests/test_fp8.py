@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,8 @@ class Format:
     static: bool = False  # an input_scale per projection
     weight_only: bool = False
     ignore: tuple[str, ...] = ("lm_head",)  # modules the checkpoint keeps in float32
-    extra: dict[str, str] = field(default_factory=dict)
+    kv_scales: bool = False  # compressed-tensors' kv_cache_scheme: k_scale / v_scale per attention
+    config_key: str = "quantization_config"
 
 
 def _ct(weights: dict[str, Any], acts: dict[str, Any] | None, ignore: list[str]) -> dict[str, Any]:
@@ -93,6 +94,16 @@ FORMATS = {
         ignore=("lm_head", "layers.1.mlp."),
     ),
     "ct-channel-dynamic": Format(_ct({"strategy": "channel"}, TOKEN, ["lm_head"]), (1, 0)),
+    "ct-tensor-dynamic-kv": Format(  # an older file's spelling, K/V cache scales beside (not used)
+        {
+            **_ct({"strategy": "tensor"}, {"dynamic": True, "strategy": "tensor"}, ["lm_head"]),
+            "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+        },
+        (0, 0),
+        scale_shape="flat",
+        kv_scales=True,
+        config_key="compression_config",
+    ),
     "ct-tensor-static": Format(
         # lm_head quantized too: the loader dequantizes what it runs in high precision
         _ct({"strategy": "tensor"}, {"dynamic": False, "strategy": "tensor"}, []),
@@ -184,6 +195,9 @@ def write_fp8_checkpoint(src: Path, root: Path, fmt: Format) -> tuple[Path, Path
         fp8[key] = q
         shape = {"rows": scales.shape, "flat": (1,), "scalar": ()}[fmt.scale_shape]
         fp8[f"{name}.{fmt.scale_name}"] = scales.reshape(shape).contiguous()
+        if fmt.kv_scales and name.endswith("k_proj"):
+            attn = name.rpartition(".")[0]
+            fp8[f"{attn}.k_scale"], fp8[f"{attn}.v_scale"] = torch.tensor(0.05), torch.tensor(0.04)
         if fmt.static and name != "lm_head":
             # k_proj calibrated wider than q/v: the fused q/k/v layer must take the parts' maximum
             widen = 1.5 if name.endswith("k_proj") else 1.0
@@ -194,7 +208,7 @@ def write_fp8_checkpoint(src: Path, root: Path, fmt: Format) -> tuple[Path, Path
         path = root / sub
         path.mkdir(parents=True)
         save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-        (path / "config.json").write_text(json.dumps({**config, "quantization_config": qc} if qc else config))
+        (path / "config.json").write_text(json.dumps({**config, fmt.config_key: qc} if qc else config))
         paths.append(path)
     return paths[0], paths[1]
 
@@ -404,6 +418,7 @@ def test_lora_on_an_fp8_base_matches_peft_on_the_dequantized_base(name: str, tmp
         ({**_ct({"strategy": "channel"}, TOKEN, []), "format": "pack-quantized"}, "pack-quantized"),
         (_ct({"strategy": "group", "group_size": 32}, TOKEN, []), "'strategy': 'group'"),
         (_ct({"strategy": "channel"}, {"dynamic": False, "strategy": "token"}, []), "input_activations"),
+        (_ct({"strategy": "channel", "symmetric": False}, TOKEN, []), "'symmetric': False"),
         ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "[64, 64]"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "e5m2"),
     ],

@@ -154,7 +154,10 @@ class ModelConfig:
         except KeyError as e:
             raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from e
         cfg.rope_theta, cfg.rope_scaling = _rope_from_hf(raw)
-        cfg.quantization = quantization_scheme(raw.get("quantization_config"))
+        # compressed-tensors' older checkpoints say `compression_config`
+        cfg.quantization = quantization_scheme(
+            raw.get("quantization_config") or raw.get("compression_config")
+        )
         cfg.layer_kinds = attention_layers(_sliding_windows_from_hf(raw, family, layers))
         if family == "qwen3_next":
             _hybrid_from_hf(raw, cfg)

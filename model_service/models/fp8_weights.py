@@ -29,7 +29,10 @@ def fp8_checkpoint(
 ) -> dict[str, torch.Tensor]:
     """Replace the quantized projections of `module` (on the meta device) by `Fp8Linear`s and
     return `tensors` as their checkpoint layout expects them (see the module docstring)."""
-    tensors, taken = dict(tensors), set()
+    # K/V cache scales (compressed-tensors' kv_cache_scheme): the engine's K/V pool keeps the compute
+    # dtype, or its own unscaled e4m3 with --kv-cache-dtype fp8, so they have nothing to scale.
+    tensors = {k: t for k, t in tensors.items() if not k.endswith(_KV_SCALES)}
+    taken: set[str] = set()
     for prefix, sub in list(module.named_modules()):
         if type(sub) is not PackedLinear:
             continue
@@ -53,6 +56,9 @@ def fp8_checkpoint(
         setattr(module.get_submodule(owner), prefix.rpartition(".")[2], Fp8Linear.like(sub, scheme))
     _dequantize_rest(tensors, scheme, taken)
     return tensors
+
+
+_KV_SCALES = (".k_scale", ".v_scale", ".kv_scale")
 
 
 def _part_tensors(

@@ -127,7 +127,7 @@ def _compressed_tensors(raw: dict[str, Any]) -> Fp8Scheme:
     fmt = group.get("format") or raw.get("format")
     weights, acts = group.get("weights") or {}, group.get("input_activations")
     described = f"compressed-tensors format={fmt!r} weights={weights} input_activations={acts}"
-    if fmt != "float-quantized" or weights.get("type") != "float" or weights.get("num_bits") != 8:
+    if fmt != "float-quantized" or not _symmetric_fp8(weights):
         raise QuantizationError(f"unsupported quantization scheme {described}; supported: {SUPPORTED}")
     strategy = weights.get("strategy")
     block = BLOCK if strategy == "block" else None
@@ -139,15 +139,24 @@ def _compressed_tensors(raw: dict[str, Any]) -> Fp8Scheme:
     return Fp8Scheme("compressed-tensors", block, activations, ignore=tuple(raw.get("ignore") or ()))
 
 
+def _symmetric_fp8(args: dict[str, Any]) -> bool:
+    """8-bit float without zero points (an asymmetric scheme would need them)."""
+    return args.get("type", "float") == "float" and args.get("num_bits") == 8 and args.get("symmetric", True)
+
+
 def _ct_activations(acts: dict[str, Any] | None, block: int | None, described: str) -> str:
+    """Dynamic per-tensor activations run per token too: no calibrated value to honour, and
+    finer scales lose less."""
     if acts is None:
         return "none"
-    if acts.get("type", "float") != "float" or acts.get("num_bits") != 8:
-        raise QuantizationError(f"unsupported activations in {described}; supported: 8-bit float")
-    wanted = ("group", BLOCK) if block else ("token", None)
-    if acts.get("dynamic") and (acts.get("strategy"), acts.get("group_size")) == wanted:
+    if not _symmetric_fp8(acts):
+        raise QuantizationError(f"unsupported activations in {described}; supported: symmetric 8-bit float")
+    strategy = (acts.get("strategy"), acts.get("group_size"))
+    if acts.get("dynamic") and (
+        strategy == ("group", BLOCK) if block else strategy[0] in ("token", "tensor")
+    ):
         return "dynamic"
     if not acts.get("dynamic") and acts.get("strategy") == "tensor" and not block:
         return "static"
-    need = "dynamic per-token-group 128" if block else "dynamic per-token or static per-tensor"
+    need = "dynamic per-token-group 128" if block else "dynamic or static per-tensor, dynamic per-token"
     raise QuantizationError(f"unsupported activations in {described}; supported with these weights: {need}")
