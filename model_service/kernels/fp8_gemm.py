@@ -9,12 +9,14 @@ token and `group` columns), statically (one scale from the checkpoint), or not a
 (weight-only).
 
 The reference quantizes activations exactly that way, dequantizes both operands and multiplies
-in float32: the CPU path and the oracle the GPU path is tested against.
+in the activations' dtype: in float32 (the CPU path) it is the oracle the GPU path is tested
+against.
 
 On CUDA (sm89+, bfloat16), per-channel W8A8 products go to `torch._scaled_mm` with row-wise
 scales (activations [M, 1], weights [1, N]): cuBLASLt's FP8 tensor-core GEMM, the rescale fused
-into its epilogue. Everything else there (weight-only and block-wise schemes) falls back to the
-reference: correct, and slower than bfloat16, until a Triton kernel replaces it. The few-row
+into its epilogue. Everything else there (weight-only and block-wise schemes) takes the
+reference in bfloat16, i.e. dequantize-then-matmul: correct, and slower than bfloat16 weights
+(each call writes and reads a bf16 copy of the weight), until a Triton kernel replaces it. The few-row
 decode case (<= 16 rows, where the bf16 path takes `skinny_gemm`) currently takes `_scaled_mm`
 too; a few-row FP8 kernel is the next step and slots in beside it in `fp8_linear`.
 """
@@ -106,12 +108,11 @@ def fp8_linear_reference(
     bias: torch.Tensor | None,
     acts: ActivationQuant,
 ) -> torch.Tensor:
-    """x [M, K] through the FP8 layer in float32: both operands' quantization applied, no other
-    rounding."""
-    y = _activations(x, acts) @ dequantize_groups(weight, weight_scale, group).T
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)
+    """x [M, K] through the FP8 layer in x's dtype: both operands' quantization applied, then one
+    matmul (in float32, no other rounding)."""
+    w = dequantize_groups(weight, weight_scale, group).to(x.dtype)
+    y = _activations(x, acts).to(x.dtype) @ w.T
+    return y if bias is None else y + bias.to(x.dtype)
 
 
 @functools.cache
