@@ -20,6 +20,8 @@ from model_service.models.quantization import ONLINE, Fp8Scheme
 
 
 class Fp8Linear(PackedLinear):
+    """See the module docstring; `weight_scale` is concatenated by part with the weight's rows."""
+
     ROW_TENSORS = ("weight", "bias", "weight_scale")
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool, scheme: Fp8Scheme) -> None:

@@ -74,7 +74,7 @@ def _part_tensors(
             "float8_e4m3fn"
         )
     scale = _pop(tensors, name, scheme.weight_scale_name)
-    tensors[f"{name}.weight_scale"] = row_scales(scale, rows, cols, scheme)
+    tensors[f"{name}.weight_scale"] = _row_scales(scale, rows, cols, scheme)
     tensors.pop(f"{name}.input_scale_ub", None)  # fbgemm's copy of activation_scale_ub
     if scheme.activations != "static":
         tensors.pop(f"{name}.input_scale", None)  # calibrated, but the scheme quantizes dynamically
@@ -89,7 +89,7 @@ def _pop(tensors: dict[str, torch.Tensor], name: str, suffix: str) -> torch.Tens
         raise ModelLoadError(f"FP8 checkpoint is missing tensor {name + '.' + suffix!r}") from None
 
 
-def row_scales(scale: torch.Tensor, rows: int, cols: int, scheme: Fp8Scheme) -> torch.Tensor:
+def _row_scales(scale: torch.Tensor, rows: int, cols: int, scheme: Fp8Scheme) -> torch.Tensor:
     """A checkpoint's weight scale of a [rows, cols] weight as float32 [rows, groups]."""
     s = scale.float()
     if scheme.block:
@@ -114,7 +114,7 @@ def _dequantize_rest(tensors: dict[str, torch.Tensor], scheme: Fp8Scheme, taken:
     for key in [k for k, t in tensors.items() if t.dtype == E4M3 and k.removesuffix(".weight") not in taken]:
         name = key.removesuffix(".weight")
         rows, cols = tensors[key].shape
-        scale = row_scales(_pop(tensors, name, scheme.weight_scale_name), rows, cols, scheme)
+        scale = _row_scales(_pop(tensors, name, scheme.weight_scale_name), rows, cols, scheme)
         tensors[key] = dequantize_groups(tensors[key], scale, scheme.block or cols)
         for suffix in ("input_scale", "input_scale_ub"):
             tensors.pop(f"{name}.{suffix}", None)
