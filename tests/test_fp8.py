@@ -447,17 +447,23 @@ def test_unknown_quantization_flag_is_refused(tmp_path: Path):
 
 def test_tensor_parallel_over_fp8_weights_gives_one_process_tokens(tmp_path: Path):
     """Two gloo ranks, each holding its rows (q/k/v, gate/up, with their scales) or columns (o,
-    down, scales whole) of the FP8 projections: one process's tokens. Weight-only, so the ranks'
-    partial sums are the one product split in two (per-token activation scales would be taken
-    per rank, over fewer columns, and round differently)."""
+    down, scales whole) of the FP8 projections, with an adapter on all seven projections split
+    as S-LoRA splits it: one process's tokens. Weight-only, so the ranks' partial sums are the
+    one product split in two (per-token activation scales would be taken per rank, over fewer
+    columns, and round differently)."""
+    from tests.test_lora import ALL, make_adapter
+
     case = Case(FORMATS["ct-channel-w8a16"], tmp_path)
-    expected = greedy(case.ours, PROMPTS)
-    engine = make_engine(case.ours, tensor_parallel_size=2)
+    adapter = make_adapter(
+        case.hf, tmp_path / "all", seed=3, scale=0.3, r=8, lora_alpha=8, target_modules=ALL
+    )
+    lora = {"max_loras": 1, "lora_modules": {"all": str(adapter)}}
+    request = {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    reqs = [{"prompt_token_ids": p, "adapter": a, **request} for p in PROMPTS for a in (None, "all")]
+    expected = [o.token_ids for o in make_engine(case.ours, **lora).generate(reqs)]
+    assert expected[0] != expected[1]
+    engine = make_engine(case.ours, tensor_parallel_size=2, **lora)
     try:
-        reqs = [
-            {"prompt_token_ids": p, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
-            for p in PROMPTS
-        ]
         assert [o.token_ids for o in engine.generate(reqs)] == expected
     finally:
         engine.executor.teardown()
