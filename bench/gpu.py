@@ -6,15 +6,20 @@ token ids, EOS ignored. Decode tokens/s = batch x (new_tokens - 1) / (time(new_t
 time(1 token)), so prefill is excluded the same way for every system. Batch-1 achieved GB/s =
 weight bytes x tokens/s. With `--lora-adapters N`, the same decode at `--lora-batch` rows with
 N distinct rank-`--lora-rank` adapters on all seven projections, against the base model in the
-same engine. Prints one JSON line per result, then a short table.
+same engine. With `--quantization fp8`, the same model's projections quantized online (per-channel
+e4m3 weights, per-token activations, `torch._scaled_mm`: `--quantization fp8` of the engine) run
+instead, and with `--compare` as well as the bf16 model, each figure beside the other (and their
+ratio) in one run. Prints one JSON line per result, then a short table.
 
     python bench/gpu.py [--batches 1 16 64 256] [--new-tokens 64] [--hf-batches] [--small]
                         [--lora-adapters 64 --lora-batch 64 --lora-rank 16]
+                        [--quantization fp8 [--compare]]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -28,11 +33,14 @@ import torch
 from model_service.engine.batch_builder import StepItem
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
+from model_service.engine.executor import own_module_tree
 from model_service.lora.adapter import LoraAdapter, LoraWeights, module_shapes
 from model_service.lora.layers import full_adapter_elements
 from model_service.models.config import ModelConfig
+from model_service.models.fp8_linear import Fp8Linear, quantize_online
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
+from model_service.models.quantization import ONLINE
 from model_service.models.step import StepBatch
 from model_service.startup import configure_process
 
@@ -100,6 +108,21 @@ def random_module(
         1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim))
     )
     return module.eval()
+
+
+def quantized(loaded: LoadedModel) -> LoadedModel:
+    """`loaded` with its projections quantized online to FP8 (what `--quantization fp8` does at
+    load), on a copy of its module tree: the embeddings, norms and LM head stay shared."""
+    module = own_module_tree(loaded.module)
+    quantize_online(module)
+    config = dataclasses.replace(loaded.config, quantization=ONLINE)
+    return LoadedModel(f"{loaded.name}-fp8", config, module, None)
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes a batch-1 decode step streams: every parameter, and the FP8 projections' scales."""
+    scales = [m.weight_scale for m in module.modules() if isinstance(m, Fp8Linear)]
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *scales])
 
 
 GREEDY = {"temperature": 0}
@@ -435,6 +458,94 @@ def host_cpu() -> str:
     return names[0] if names else platform.processor() or "unknown"
 
 
+def engine_runs(
+    loaded: LoadedModel, args: argparse.Namespace, setup: dict[str, Any], bandwidth: float
+) -> list[dict[str, Any]]:
+    """Every figure of our engine over `loaded` (graphs, eager, TTFT, host share, profiles,
+    verify cost, LoRA); returns the table's rows. The system names end in -fp8 for FP8 weights."""
+    fp8 = loaded.config.quantization is not None
+    setup = {**setup, "quantization": "fp8" if fp8 else "none"}
+    suffix = "-fp8" if fp8 else ""
+    vocab = loaded.config.vocab_size
+    sampling = {k: setup[k] for k in ("temperature", "top_p", "top_k", "min_p")}
+    weights = weight_bytes(loaded.module)
+    rows = []
+    for eager, batches in ((False, args.batches), (True, args.eager_batches)):
+        if not batches:
+            continue
+        engine = Engine(
+            EngineConfig(
+                device="cuda",
+                dtype="bfloat16",
+                max_num_seqs=max(*batches, args.host_share_batch),
+                max_loras=0,
+                enforce_eager=eager,
+                kv_cache_memory_bytes=40 << 30,
+                max_model_len=8192,
+                async_scheduling=args.async_scheduling,
+            ),
+            loaded=loaded,
+        )
+        for batch in batches:
+            rate = decode_tok_s(engine, batch, args.prompt_len, args.new_tokens, vocab, None, sampling)
+            system = f"spindle{suffix}-eager" if eager else f"spindle{suffix}"
+            line = {"bench": "gpu", "system": system, "batch": batch, "decode_tokens_per_s": round(rate, 1)}
+            if batch == 1:
+                line["achieved_gb_s"] = round(weights * rate / 1e9)
+                line["fraction_of_copy_bandwidth"] = round(weights * rate / 1e9 / bandwidth, 3)
+            print(json.dumps({**line, **setup}), flush=True)
+            rows.append(line)
+        if not eager and args.ttft:
+            cold, hit = ttft_ms(engine, vocab, 4096, 3584)
+            line = {
+                "bench": "gpu",
+                "metric": "ttft_ms_4096",
+                "cold": round(cold, 1),
+                "hit_3584": round(hit, 1),
+            }
+            print(json.dumps({**line, **setup}))
+        if not eager and args.host_share_batch:
+            share, exposed = host_share(engine, args.host_share_batch, args.prompt_len, vocab)
+            line = {"bench": "gpu", "metric": "host_share_of_decode_step", "batch": args.host_share_batch,
+                    "value": round(share, 3), "exposed": round(exposed, 3)}  # fmt: skip
+            print(json.dumps({**line, **setup}))
+        for batch in [] if eager else args.profile_batches:
+            print(f"device time per kernel, batch {batch}{suffix}:")
+            print(kernel_profile(engine, batch, args.prompt_len, vocab))
+        del engine
+        torch.cuda.empty_cache()
+    if args.verify_k:
+        verify_costs(loaded, args.verify_k, setup)
+        torch.cuda.empty_cache()
+    if args.lora_adapters:
+        base, lora = lora_vs_base(loaded, args)
+        for system, rate in (
+            (f"spindle{suffix}-base", base),
+            (f"spindle{suffix}-{args.lora_adapters}-loras", lora),
+        ):
+            line = {
+                "bench": "gpu",
+                "system": system,
+                "batch": args.lora_batch,
+                "decode_tokens_per_s": round(rate, 1),
+            }
+            ratio = {"lora_rank": args.lora_rank, "lora_over_base": round(lora / base, 3)}
+            print(json.dumps({**line, **ratio, **setup}))
+            rows.append(line)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_fp8_over_bf16(rows: list[dict[str, Any]], setup: dict[str, Any]) -> None:
+    """One line per system and batch that ran both ways: FP8 tokens/s over bf16 tokens/s."""
+    rates = {(r["system"], r["batch"]): r["decode_tokens_per_s"] for r in rows}
+    for (system, batch), rate in rates.items():
+        fp8 = rates.get((system.replace("spindle", "spindle-fp8", 1), batch))
+        if "-fp8" not in system and fp8 is not None:
+            line = {"bench": "gpu", "metric": "fp8_over_bf16", "system": system, "batch": batch}
+            print(json.dumps({**line, "bf16": rate, "fp8": fp8, "value": round(fp8 / rate, 3), **setup}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64, 256])
@@ -457,7 +568,11 @@ def main() -> None:
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--profile-batches", type=int, nargs="*", default=[], help="device time per kernel")
     ap.add_argument("--profile-lora", action="store_true", help="device time per kernel of the LoRA run")
+    ap.add_argument("--quantization", default="none", choices=["none", "fp8"], help="the engine's flag")
+    ap.add_argument("--compare", action="store_true", help="with --quantization fp8: the bf16 model too")
     args = ap.parse_args()
+    if args.compare and args.quantization == "none":
+        ap.error("--compare compares --quantization fp8 with bf16: give --quantization fp8")
     shape = SMOLLM2 if args.small else LLAMA3_8B
     setup = {
         "model": "llama3-8b-shape" if shape is LLAMA3_8B else "smollm2-135m-shape",
@@ -472,79 +587,14 @@ def main() -> None:
         "top_k": args.top_k,
         "min_p": args.min_p,
     }
-    sampling = {k: setup[k] for k in ("temperature", "top_p", "top_k", "min_p")}
     bandwidth = copy_bandwidth()
     print(json.dumps({"bench": "gpu", "metric": "copy_bandwidth_gb_s", "value": round(bandwidth), **setup}))
     loaded = random_model(shape)
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.module.parameters())
-    rows = []
-    for eager, batches in ((False, args.batches), (True, args.eager_batches)):
-        if not batches:
-            continue
-        engine = Engine(
-            EngineConfig(
-                device="cuda",
-                dtype="bfloat16",
-                max_num_seqs=max(*batches, args.host_share_batch),
-                max_loras=0,
-                enforce_eager=eager,
-                kv_cache_memory_bytes=40 << 30,
-                max_model_len=8192,
-                async_scheduling=args.async_scheduling,
-            ),
-            loaded=loaded,
-        )
-        for batch in batches:
-            vocab = shape["vocab_size"]
-            rate = decode_tok_s(engine, batch, args.prompt_len, args.new_tokens, vocab, None, sampling)
-            system = "spindle-eager" if eager else "spindle"
-            line = {"bench": "gpu", "system": system, "batch": batch, "decode_tokens_per_s": round(rate, 1)}
-            if batch == 1:
-                line["achieved_gb_s"] = round(weight_bytes * rate / 1e9)
-                line["fraction_of_copy_bandwidth"] = round(weight_bytes * rate / 1e9 / bandwidth, 3)
-            print(json.dumps({**line, **setup}), flush=True)
-            rows.append(line)
-        if not eager and args.ttft:
-            cold, hit = ttft_ms(engine, shape["vocab_size"], 4096, 3584)
-            print(
-                json.dumps(
-                    {
-                        "bench": "gpu",
-                        "metric": "ttft_ms_4096",
-                        "cold": round(cold, 1),
-                        "hit_3584": round(hit, 1),
-                        **setup,
-                    }
-                )
-            )
-        if not eager and args.host_share_batch:
-            share, exposed = host_share(engine, args.host_share_batch, args.prompt_len, shape["vocab_size"])
-            line = {"bench": "gpu", "metric": "host_share_of_decode_step", "batch": args.host_share_batch,
-                    "value": round(share, 3), "exposed": round(exposed, 3)}  # fmt: skip
-            print(json.dumps({**line, **setup}))
-        for batch in [] if eager else args.profile_batches:
-            print(f"device time per kernel, batch {batch}:")
-            print(kernel_profile(engine, batch, args.prompt_len, shape["vocab_size"]))
-        del engine
-        torch.cuda.empty_cache()
-    if args.verify_k:
-        verify_costs(loaded, args.verify_k, setup)
-        torch.cuda.empty_cache()
-    if args.lora_adapters:
-        base, lora = lora_vs_base(loaded, args)
-        for system, rate in (("spindle-base", base), (f"spindle-{args.lora_adapters}-loras", lora)):
-            line = {
-                "bench": "gpu",
-                "system": system,
-                "batch": args.lora_batch,
-                "decode_tokens_per_s": round(rate, 1),
-            }
-            print(
-                json.dumps(
-                    {**line, "lora_rank": args.lora_rank, "lora_over_base": round(lora / base, 3), **setup}
-                )
-            )
-            rows.append(line)
+    models = [loaded] if args.quantization == "none" or args.compare else []
+    models += [quantized(loaded)] if args.quantization == "fp8" else []
+    rows = [row for model in models for row in engine_runs(model, args, setup, bandwidth)]
+    if args.compare:
+        print_fp8_over_bf16(rows, setup)
     for batch in args.hf_batches:
         torch.cuda.empty_cache()
         rate = hf_decode_tok_s(loaded, batch, args.prompt_len, args.new_tokens)
@@ -556,10 +606,10 @@ def main() -> None:
         }
         print(json.dumps({**line, **setup}), flush=True)
         rows.append(line)
-    print(f"\n{'system':<14} {'batch':>5} {'tok/s':>10} {'GB/s':>6}  (copy {bandwidth:.0f} GB/s)")
+    print(f"\n{'system':<20} {'batch':>5} {'tok/s':>10} {'GB/s':>6}  (copy {bandwidth:.0f} GB/s)")
     for r in rows:
         gb_s = r.get("achieved_gb_s", "")
-        print(f"{r['system']:<14} {r['batch']:>5} {r['decode_tokens_per_s']:>10} {gb_s:>6}")
+        print(f"{r['system']:<20} {r['batch']:>5} {r['decode_tokens_per_s']:>10} {gb_s:>6}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Spindle against HF `transformers.generate` on the same shapes in the same run.
     PYTHONPATH=. python3 bench/serving.py [--concurrency 1 16 64 256] [--hf-concurrency 16 64] [--small]
         [--lora-adapters 64 [--lora-rank 16]] [--kv-cache-dtype fp8] [--profile 256:250:30]
         [--no-piecewise-graphs] [--step-times] [--rounds 2] [--host-profile 30]
+        [--quantization fp8 [--compare]]
 
 Workload: per concurrency C, `max(16, 4 * C)` requests (`--requests-per-slot`), prompt lengths
 uniform in [64, 2,048] and output lengths uniform in [32, 512] (seeded, random token ids, EOS
@@ -22,6 +23,9 @@ rank-16 weights on all seven projections) and reports `lora_over_base`; with `--
 base and adapter runs alternate N times (other prompts each round) and a last line gives the
 ratio over all rounds: the device tool's hosts drift within a call by more than the gaps
 measured (0.848x then 0.823x for the same code, docs/performance-notes.md, session m).
+`--quantization fp8` runs the same model with its projections quantized online (the engine's
+`--quantization fp8`; systems named spindle-fp8...), and `--compare` runs the bf16 model first in
+the same run, with a last line per concurrency giving FP8's output tok/s over bf16's.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from bench.gpu import (
     adapter_room,
     hf_llama,
     host_cpu,
+    quantized,
     random_model,
     register_random_adapters,
 )
@@ -319,7 +324,11 @@ def main() -> None:
         default=True,
         help="prefill and mixed steps as graphs too (the engine's default)",
     )
+    ap.add_argument("--quantization", default="none", choices=["none", "fp8"], help="the engine's flag")
+    ap.add_argument("--compare", action="store_true", help="with --quantization fp8: the bf16 model too")
     args = ap.parse_args()
+    if args.compare and args.quantization == "none":
+        ap.error("--compare compares --quantization fp8 with bf16: give --quantization fp8")
     shape = LLAMA3_8B if not args.small else SMOLLM2
     args.ranges = (tuple(args.prompt_range), tuple(args.output_range))
     setup = {"model": "llama3-8b-shape" if shape is LLAMA3_8B else "smollm2-135m-shape", "dtype": "bfloat16",
@@ -327,15 +336,20 @@ def main() -> None:
              "output_range": args.ranges[1], "kv_cache_dtype": args.kv_cache_dtype,
              "piecewise_graphs": args.piecewise_graphs}  # fmt: skip
     loaded, rows = random_model(shape), []
+    fp8 = False  # whether the model being run is the FP8 one: its systems are named spindle-fp8...
 
     def report(system: str, concurrency: int, requests: int, result: dict) -> None:
+        system = system.replace("spindle", "spindle-fp8", 1) if fp8 else system
         rows.append((system, concurrency, result))
         line = {"bench": "serving", "system": system, "concurrency": concurrency, "requests": requests}
-        print(json.dumps({**line, **{k: round(v, 3) for k, v in result.items()}, **setup}), flush=True)
+        quantization = {"quantization": "fp8" if fp8 else "none"}
+        print(json.dumps({**line, **{k: round(v, 3) for k, v in result.items()}, **setup, **quantization}))
 
-    spindle_runs(loaded, args, report)
-    gc.collect()  # the engine and its K/V pool, before HF's copy of the weights
-    torch.cuda.empty_cache()
+    bf16_run = [False] if args.quantization == "none" or args.compare else []
+    for fp8 in bf16_run + ([True] if args.quantization == "fp8" else []):
+        spindle_runs(quantized(loaded) if fp8 else loaded, args, report)
+        gc.collect()  # the engine and its K/V pool, before the next model's or HF's copy of the weights
+        torch.cuda.empty_cache()
     hf = hf_llama(loaded) if args.hf_concurrency else None
     for c in args.hf_concurrency:  # the first 2c requests of Spindle's workload at c
         report("hf-generate", c, 2 * c, hf_serving(hf, requests_at(args, shape["vocab_size"], c)[: 2 * c], c))
@@ -348,6 +362,13 @@ def main() -> None:
     for system, c, r in rows:
         if "lora_over_base" in r:
             print(f"{system} at {c}: {r['lora_over_base']:.3f}x the base model's out tok/s")
+    rates = {(s, c): r["output_tokens_per_s"] for s, c, r in rows if "output_tokens_per_s" in r}
+    for (system, c), rate in rates.items():
+        fp8_rate = rates.get((system.replace("spindle", "spindle-fp8", 1), c))
+        if "-fp8" not in system and fp8_rate is not None:
+            line = {"bench": "serving", "metric": "fp8_over_bf16", "system": system, "concurrency": c}
+            print(json.dumps({**line, "bf16": round(rate, 1), "fp8": round(fp8_rate, 1),
+                              "value": round(fp8_rate / rate, 3), **setup}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -188,7 +188,12 @@ def start_tensor_parallel(loaded: LoadedModel, config: EngineConfig) -> TensorPa
     if dist.is_initialized():  # torch.distributed has one default group per process
         raise ModelLoadError("this process already runs a tensor-parallel engine; it can run one")
     source = loaded.source or functools.partial(
-        load_model, config.model, config.torch_dtype(), torch.device("cpu"), with_tokenizer=False
+        load_model,
+        config.model,
+        config.torch_dtype(),
+        torch.device("cpu"),
+        with_tokenizer=False,
+        quantization=config.quantization,
     )
     port, device = free_port(), rank_device(config, 0)
     channel = ShmChannel.create(world, spin_for(device.type))

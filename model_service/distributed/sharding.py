@@ -27,7 +27,11 @@ a per-token scalar, replicated, and the sum is linear). Dense layers of an MoE m
 `mlp_only_layers`) are split as any MLP.
 
 Column-parallel projections (q/k/v, gate/up) keep their shard's output rows; row-parallel ones
-(o, down) keep their shard's input columns and sum partial outputs in one all-reduce. LoRA
+(o, down) keep their shard's input columns and sum partial outputs in one all-reduce. FP8
+projections (models/fp8_linear.py) slice their per-row scales with the rows; a row-parallel one
+keeps them whole (per channel) or its columns' 128-column groups (block-wise, whose shard must
+then start on a group boundary). Per-token activation scales become per token and rank: each
+rank quantizes its own columns, finer than one process does, so the two differ in rounding. LoRA
 follows S-LoRA's split so it adds no collective: a column-parallel projection keeps A whole and
 B's rows of its shard; a row-parallel one keeps A's columns of its shard and B whole, and its
 partial delta joins the partial output before the block's one all-reduce (the sum is linear).
@@ -54,6 +58,7 @@ from model_service.engine.executor import own_module_tree
 from model_service.errors import ModelLoadError
 from model_service.lora.adapter import LoraAdapter, LoraWeights
 from model_service.models.config import ModelConfig
+from model_service.models.fp8_linear import Fp8Linear
 from model_service.models.layers import MLP, PackedLinear
 from model_service.models.llama import Attention
 from model_service.models.moe import SparseMoeBlock, StackedExperts
@@ -149,6 +154,14 @@ def _frozen(t: torch.Tensor, device: torch.device) -> nn.Parameter:
     return nn.Parameter(t.to(device).contiguous(), requires_grad=False)
 
 
+def _empty_like(lin: PackedLinear, in_features: int, parts: dict[str, int]) -> PackedLinear:
+    """A meta projection of `lin`'s kind (FP8 or not) and these sizes, without bias."""
+    if isinstance(lin, Fp8Linear):
+        return Fp8Linear(in_features, parts, False, lin.scheme)
+    with torch.device("meta"):
+        return PackedLinear(in_features, parts, False)
+
+
 def _column(lin: PackedLinear, slices: dict[str, range], device: torch.device) -> PackedLinear:
     """The rows of each fused part that this rank keeps, still fused in part order."""
     starts = itertools.accumulate(lin.output_sizes, initial=0)  # each part's first row in `lin`
@@ -157,20 +170,36 @@ def _column(lin: PackedLinear, slices: dict[str, range], device: torch.device) -
     def rows(t: torch.Tensor) -> nn.Parameter:
         return _frozen(torch.cat([t.detach()[r.start : r.stop] for r in keep]), device)
 
-    with torch.device("meta"):
-        out = PackedLinear(lin.in_features, {p: len(r) for p, r in zip(lin.parts, keep, strict=True)}, False)
+    out = _empty_like(lin, lin.in_features, {p: len(r) for p, r in zip(lin.parts, keep, strict=True)})
     out.weight = rows(lin.weight)
     if lin.bias is not None:
         out.bias = rows(lin.bias)
+    if isinstance(lin, Fp8Linear):
+        out.weight_scale = rows(lin.weight_scale).data
+        out.input_scale = lin.input_scale
     return out
 
 
 def _columns(lin: PackedLinear, cols: range, device: torch.device) -> PackedLinear:
     """A row-parallel projection's input columns `cols`, without bias or collective."""
-    with torch.device("meta"):
-        inner = PackedLinear(len(cols), dict(zip(lin.parts, lin.output_sizes, strict=True)), False)
+    inner = _empty_like(lin, len(cols), dict(zip(lin.parts, lin.output_sizes, strict=True)))
     inner.weight = _frozen(lin.weight.detach()[:, cols.start : cols.stop], device)
+    if isinstance(lin, Fp8Linear):
+        inner.weight_scale = _scale_columns(lin, cols).to(device)
+        inner.input_scale = lin.input_scale
     return inner
+
+
+def _scale_columns(lin: Fp8Linear, cols: range) -> torch.Tensor:
+    """The weight scales of input columns `cols`: all of them per channel, else their groups."""
+    if lin.group == lin.in_features:
+        return lin.weight_scale
+    if cols.start % lin.group:
+        raise ModelLoadError(
+            f"a tensor-parallel shard of input columns {cols.start}..{cols.stop} of a block-wise FP8 "
+            f"projection must start on a {lin.group}-column block; use another --tensor-parallel-size"
+        )
+    return lin.weight_scale[:, cols.start // lin.group : -(-cols.stop // lin.group)]
 
 
 def _row(lin: PackedLinear, cols: range, collectives: Collectives, device: torch.device) -> RowParallel:

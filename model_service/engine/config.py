@@ -63,6 +63,13 @@ class EngineConfig:
         "the tokens, half the decode attention's reads) for K/V rounded to 3 mantissa bits (sm89+ on CUDA)",
         choices=["auto", "fp8"],
     )
+    quantization: str = _opt(
+        "none",
+        "weights: none = as the checkpoint stores them (an FP8 checkpoint runs in FP8); fp8 = quantize an "
+        "unquantized checkpoint's projections at load: float8 e4m3 weights scaled per channel, inputs "
+        "quantized per token (half of bfloat16's weight bytes; W8A8 GEMMs on sm89+)",
+        choices=["none", "fp8"],
+    )
     max_num_batched_tokens: int = _opt(
         2048, "token budget of one engine step; longer prompts are prefilled in chunks"
     )
@@ -178,6 +185,8 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.quantization not in ("none", "fp8"):
+            raise ValueError(f"quantization must be none or fp8, got {self.quantization!r}")
         if min(self.adapter_starvation_s, self.adapter_drain_s, self.adapter_wait_timeout_s) < 0:
             raise ValueError("the adapter_*_s waits must not be negative")
         if self.tensor_parallel_size < 1:

@@ -133,7 +133,9 @@ class Engine:
         self.config = config
         # Tensor-parallel ranks slice the weights from a host copy; one device loads onto itself.
         load_device = torch.device("cpu") if config.tensor_parallel_size > 1 else config.torch_device()
-        self.loaded = loaded or load_model(config.model, config.torch_dtype(), load_device)
+        self.loaded = loaded or load_model(
+            config.model, config.torch_dtype(), load_device, quantization=config.quantization
+        )
         self.tokenizer, mc = self.loaded.tokenizer, self.loaded.config
         speculative = SpeculativeConfig.from_json(config.speculative_config)
         draft = load_draft(speculative, config, self.loaded)  # None unless method "draft"

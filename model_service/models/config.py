@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from model_service.errors import ModelLoadError
+from model_service.models.quantization import Fp8Scheme, quantization_scheme
 
 # Architectures whose forward pass is the Llama decoder with small switches.
 SUPPORTED_ARCHITECTURES = {
@@ -95,6 +96,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's width
     norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to one
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE / Qwen3-Next: a gated always-on expert
+    # FP8 weights: the checkpoint's scheme (config.json's quantization_config, which also says which
+    # projections stay in high precision) or --quantization fp8's; None: the compute dtype throughout.
+    quantization: Fp8Scheme | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:
@@ -150,6 +154,10 @@ class ModelConfig:
         except KeyError as e:
             raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from e
         cfg.rope_theta, cfg.rope_scaling = _rope_from_hf(raw)
+        # compressed-tensors' older checkpoints say `compression_config`
+        cfg.quantization = quantization_scheme(
+            raw.get("quantization_config") or raw.get("compression_config")
+        )
         cfg.layer_kinds = attention_layers(_sliding_windows_from_hf(raw, family, layers))
         if family == "qwen3_next":
             _hybrid_from_hf(raw, cfg)

@@ -36,6 +36,8 @@ class PackedLinear(nn.Linear):
     layers apply each part's adapter to its own output columns.
     """
 
+    ROW_TENSORS = ("weight", "bias")  # tensors whose rows are the output's: concatenated by part
+
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
         super().__init__(in_features, sum(parts.values()), bias=bias)
         self.parts, self.output_sizes = tuple(parts), tuple(parts.values())
@@ -77,15 +79,16 @@ class MLP(nn.Module):
 def checkpoint_layout(module: nn.Module) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """Each parameter of `module` -> the checkpoint tensors (name, shape) it is made of, in order.
 
-    A `PackedLinear` parameter is the concatenation of its parts' tensors along dim 0; every other
-    parameter is one checkpoint tensor of its own name.
+    A `PackedLinear`'s row tensors (`ROW_TENSORS`) are the concatenation of its parts' tensors
+    along dim 0; every other parameter or buffer is one checkpoint tensor of its own name.
     """
     layout = {name: [(name, tuple(t.shape))] for name, t in module.state_dict().items()}
     for prefix, sub in module.named_modules():
         if not isinstance(sub, PackedLinear):
             continue
         owner = prefix.rpartition(".")[0]
-        for pname, param in (("weight", sub.weight), ("bias", sub.bias)):
+        for pname in sub.ROW_TENSORS:
+            param = getattr(sub, pname)
             if param is None:
                 continue
             rest = tuple(param.shape[1:])
@@ -114,8 +117,14 @@ def store_weights_transposed(module: nn.Module) -> None:
     128k x 4,096 at 64 rows: 283 -> 253 us; docs/performance-notes.md, session g). Same math, same
     parameters and shapes (results may differ in the last bit: another kernel sums in another
     order); only the strides change, so loaders, LoRA and state dicts see nothing.
-    A weight an embedding shares (tied LM head) keeps its rows contiguous for the lookups."""
+    A weight an embedding shares (tied LM head) keeps its rows contiguous for the lookups, and an
+    FP8 weight keeps them too: `torch._scaled_mm` takes its transpose as the column-major operand."""
     embedded = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     for sub in module.modules():
-        if isinstance(sub, nn.Linear) and id(sub.weight) not in embedded and sub.weight.is_contiguous():
+        if (
+            isinstance(sub, nn.Linear)
+            and id(sub.weight) not in embedded
+            and sub.weight.is_contiguous()
+            and sub.weight.dtype != torch.float8_e4m3fn
+        ):
             sub.weight.data = sub.weight.data.t().contiguous().t()

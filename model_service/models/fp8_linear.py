@@ -1,0 +1,82 @@
+"""`Fp8Linear`: a fused projection whose weight is e4m3 with float32 scales (issue 33).
+
+It is a `PackedLinear` (same parts, widths, names and forward signature), so everything that
+finds or wraps projections by that type keeps working on an FP8 model: the loader's checkpoint
+layout, the LoRA wrapper (its base output comes from the FP8 GEMM, its bf16 delta is added on
+top), the SwiGLU consumer and tensor-parallel sharding (weight rows and their scales are sliced
+together). What it changes: `weight` is e4m3 [out, in] with rows contiguous (the layout
+`torch._scaled_mm` wants, so `store_weights_transposed` leaves it), `weight_scale` is float32
+[out, groups], and `input_scale` the static activation scale where the scheme has one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model_service.kernels.fp8_gemm import E4M3, ActivationQuant, fp8_linear, quantize_groups
+from model_service.models.layers import PackedLinear
+from model_service.models.quantization import ONLINE, Fp8Scheme
+
+
+class Fp8Linear(PackedLinear):
+    """See the module docstring; `weight_scale` is concatenated by part with the weight's rows."""
+
+    ROW_TENSORS = ("weight", "bias", "weight_scale")
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, scheme: Fp8Scheme) -> None:
+        """Made on the meta device (a loader assigns the tensors): quantized models are big."""
+        with torch.device("meta"):
+            super().__init__(in_features, parts, bias)
+            self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=E4M3), False)
+            self.group = scheme.block or in_features  # input columns one weight scale covers
+            groups = -(-in_features // self.group)
+            self.register_buffer("weight_scale", torch.empty(self.out_features, groups))
+            static = scheme.activations == "static"
+            self.register_buffer("input_scale", torch.empty(1) if static else None)
+        self.scheme = scheme
+
+    @classmethod
+    def like(cls, linear: PackedLinear, scheme: Fp8Scheme) -> Fp8Linear:
+        """An empty (meta) FP8 layer of `linear`'s shape."""
+        parts = dict(zip(linear.parts, linear.output_sizes, strict=True))
+        return cls(linear.in_features, parts, linear.bias is not None, scheme)
+
+    @classmethod
+    def quantized(cls, linear: PackedLinear) -> Fp8Linear:
+        """`linear` quantized online: e4m3 rows, each scaled by its own maximum (per channel)."""
+        layer = cls.like(linear, ONLINE)
+        weight, scale = quantize_groups(linear.weight.detach(), layer.group)
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.weight_scale = scale
+        layer.bias = linear.bias
+        return layer
+
+    def activations(self) -> ActivationQuant:
+        scheme = self.scheme
+        return ActivationQuant(scheme.activations, self.group, self.input_scale, scheme.activation_scale_ub)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale, self.group, self.bias, self.activations())
+
+
+def quantize_online(module: nn.Module) -> None:
+    """Replace every `PackedLinear` of `module` by its per-channel FP8 quantization
+    (`--quantization fp8`); the embeddings and the LM head stay in the compute dtype, as vLLM
+    leaves them."""
+    for name, sub in list(module.named_modules()):
+        if type(sub) is PackedLinear:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, Fp8Linear.quantized(sub))
+
+
+def fp8_dtypes(module: nn.Module) -> dict[str, torch.dtype]:
+    """State-dict names of `module`'s FP8 tensors -> the dtype they keep whatever the compute
+    dtype: e4m3 weights, float32 scales."""
+    return {
+        f"{prefix}.{name}": t.dtype
+        for prefix, sub in module.named_modules()
+        if isinstance(sub, Fp8Linear)
+        for name, t in (*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False))
+        if name != "bias"
+    }

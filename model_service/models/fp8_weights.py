@@ -1,0 +1,120 @@
+"""An FP8 checkpoint's tensors in the form `Fp8Linear` holds, whatever format wrote them.
+
+Each quantized projection part arrives as an e4m3 `weight` and a scale whose shape says its
+granularity: one per tensor ([] or [1]), one per output channel ([out, 1]) or one per 128x128
+block ([ceil(out/128), ceil(in/128)], DeepSeek's `weight_scale_inv`). Every one becomes float32
+scales per output row, [out, 1] or [out, ceil(in/128)], so the parts of a fused projection
+(q/k/v with three different per-tensor scales, say) concatenate into one layer with each row
+still scaled by its own part's scale. Static activation scales of fused parts become one, their
+maximum (as vLLM does): the parts share one input, so one quantization of it must cover all.
+
+An FP8 tensor of a module the engine runs in high precision (an MoE expert, an LM head the
+checkpoint did quantize) is dequantized here, so the rest of the loader sees ordinary weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model_service.errors import ModelLoadError
+from model_service.kernels.fp8_gemm import E4M3, dequantize_groups
+from model_service.models.fp8_linear import Fp8Linear
+from model_service.models.layers import PackedLinear
+from model_service.models.quantization import Fp8Scheme, QuantizationError
+
+
+def fp8_checkpoint(
+    module: nn.Module, tensors: dict[str, torch.Tensor], scheme: Fp8Scheme
+) -> dict[str, torch.Tensor]:
+    """Replace the quantized projections of `module` (on the meta device) by `Fp8Linear`s and
+    return `tensors` as their checkpoint layout expects them (see the module docstring)."""
+    # K/V cache scales (compressed-tensors' kv_cache_scheme): the engine's K/V pool keeps the compute
+    # dtype, or its own unscaled e4m3 with --kv-cache-dtype fp8, so they have nothing to scale.
+    tensors = {k: t for k, t in tensors.items() if not k.endswith(_KV_SCALES)}
+    taken: set[str] = set()
+    for prefix, sub in list(module.named_modules()):
+        if type(sub) is not PackedLinear:
+            continue
+        owner = prefix.rpartition(".")[0]
+        names = [f"{owner}.{part}" for part in sub.parts]
+        quantized = [scheme.quantizes(name) for name in names]
+        if not any(quantized):
+            continue
+        if not all(quantized):
+            raise QuantizationError(
+                f"{names} are fused into one projection, but the quantization_config leaves only some of "
+                "them in high precision: quantize all or none"
+            )
+        input_scales = [
+            _part_tensors(tensors, name, rows, sub.in_features, scheme)
+            for name, rows in zip(names, sub.output_sizes, strict=True)
+        ]
+        taken.update(names)
+        if scheme.activations == "static":
+            tensors[f"{prefix}.input_scale"] = torch.stack(input_scales).amax().reshape(1)
+        setattr(module.get_submodule(owner), prefix.rpartition(".")[2], Fp8Linear.like(sub, scheme))
+    _dequantize_rest(tensors, scheme, taken)
+    return tensors
+
+
+_KV_SCALES = (".k_scale", ".v_scale", ".kv_scale")
+
+
+def _part_tensors(
+    tensors: dict[str, torch.Tensor], name: str, rows: int, cols: int, scheme: Fp8Scheme
+) -> torch.Tensor | None:
+    """Put part `name`'s weight scale in row form; return its static input scale (None if dynamic)."""
+    weight = tensors.get(f"{name}.weight")
+    if weight is None:
+        raise ModelLoadError(f"checkpoint is missing tensor {name + '.weight'!r} (shape {(rows, cols)})")
+    if weight.dtype != E4M3:
+        raise QuantizationError(
+            f"{name}.weight is {weight.dtype}, but the quantization_config ({scheme.method}) says {name} is "
+            "float8_e4m3fn"
+        )
+    scale = _pop(tensors, name, scheme.weight_scale_name)
+    tensors[f"{name}.weight_scale"] = _row_scales(scale, rows, cols, scheme)
+    tensors.pop(f"{name}.input_scale_ub", None)  # fbgemm's copy of activation_scale_ub
+    if scheme.activations != "static":
+        tensors.pop(f"{name}.input_scale", None)  # calibrated, but the scheme quantizes dynamically
+        return None
+    return _pop(tensors, name, "input_scale").float().reshape(())
+
+
+def _pop(tensors: dict[str, torch.Tensor], name: str, suffix: str) -> torch.Tensor:
+    try:
+        return tensors.pop(f"{name}.{suffix}")
+    except KeyError:
+        raise ModelLoadError(f"FP8 checkpoint is missing tensor {name + '.' + suffix!r}") from None
+
+
+def _row_scales(scale: torch.Tensor, rows: int, cols: int, scheme: Fp8Scheme) -> torch.Tensor:
+    """A checkpoint's weight scale of a [rows, cols] weight as float32 [rows, groups]."""
+    s = scale.float()
+    if scheme.block:
+        b = scheme.block
+        expected = (-(-rows // b), -(-cols // b))
+        if tuple(s.shape) != expected:
+            raise ModelLoadError(
+                f"block scale has shape {tuple(s.shape)}, expected {expected} for a {rows}x{cols} weight"
+            )
+        return s.repeat_interleave(b, dim=0)[:rows].contiguous()
+    if s.numel() == 1:
+        return s.reshape(1, 1).expand(rows, 1).contiguous()
+    if s.numel() == rows:
+        return s.reshape(rows, 1).contiguous()
+    raise ModelLoadError(
+        f"weight scale has shape {tuple(s.shape)}: neither per tensor nor per channel of {rows} rows"
+    )
+
+
+def _dequantize_rest(tensors: dict[str, torch.Tensor], scheme: Fp8Scheme, taken: set[str]) -> None:
+    """Dequantize, to float32, every FP8 weight of a module not in `taken` (the `Fp8Linear` parts)."""
+    for key in [k for k, t in tensors.items() if t.dtype == E4M3 and k.removesuffix(".weight") not in taken]:
+        name = key.removesuffix(".weight")
+        rows, cols = tensors[key].shape
+        scale = _row_scales(_pop(tensors, name, scheme.weight_scale_name), rows, cols, scheme)
+        tensors[key] = dequantize_groups(tensors[key], scale, scheme.block or cols)
+        for suffix in ("input_scale", "input_scale_ub"):
+            tensors.pop(f"{name}.{suffix}", None)

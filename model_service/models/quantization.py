@@ -1,0 +1,162 @@
+"""Which FP8 scheme a checkpoint's `quantization_config` describes, normalized to one `Fp8Scheme`.
+
+Three producers ship FP8 checkpoints, each spelling the same few choices its own way:
+- compressed-tensors (llm-compressor, vLLM's own format): `format: float-quantized`, one config
+  group whose `weights` are 8-bit floats per tensor, per channel or in 128x128 blocks, and whose
+  `input_activations` are dynamic per token (or per 128-column group), static per tensor (an
+  `input_scale` tensor per projection), or absent (weight-only); `ignore` lists names or `re:`
+  patterns left in high precision.
+- HF `fbgemm_fp8`: per-channel weights, dynamic per-token activations whose row maximum is capped
+  at `activation_scale_ub`; `modules_to_not_convert` are substrings of names left alone.
+- HF `fp8` (FineGrainedFP8, DeepSeek's): 128x128 weight blocks (`weight_scale_inv`) with dynamic
+  per-token-group activations; without `weight_block_size`, AutoFP8's per-tensor weights with a
+  static or dynamic activation scheme.
+Anything else is refused by name: a wrong guess at a scale's meaning gives a model that runs and
+talks nonsense, which is worse than no model.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from model_service.errors import ModelLoadError
+
+BLOCK = 128  # the only block size supported: DeepSeek's and compressed-tensors' 128x128
+
+SUPPORTED = (
+    "compressed-tensors (float-quantized, 8-bit float weights per tensor, channel or 128x128 block; "
+    "activations dynamic per token, static per tensor, or none), fbgemm_fp8, "
+    "fp8 (weight_block_size [128, 128] or per-tensor)"
+)
+
+
+class QuantizationError(ModelLoadError, ValueError):
+    """A checkpoint quantized in a scheme the engine does not run (or describes inconsistently)."""
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """One FP8 scheme as the engine runs it: e4m3 weights with float32 scales, one per output row
+    (`block` None: per channel; a per-tensor scale is repeated down the rows) or one per row and
+    `block` input columns (block-wise), and activations quantized `dynamic`ally (per token, or
+    per token and `block` columns), `static`ally (the checkpoint's per-tensor `input_scale`) or
+    not at all (`none`: weight-only)."""
+
+    method: str  # config.json's quant_method, or "online" for --quantization fp8
+    block: int | None = None
+    activations: str = "dynamic"
+    activation_scale_ub: float | None = None  # fbgemm: per-token maxima are capped here
+    ignore: tuple[str, ...] = ()  # modules kept in high precision
+    ignore_substrings: bool = False  # HF's modules_to_not_convert match anywhere in a name
+
+    @property
+    def weight_scale_name(self) -> str:
+        """The checkpoint's suffix of a weight's scale (DeepSeek's is misnamed: it multiplies)."""
+        return "weight_scale_inv" if self.method == "fp8" and self.block else "weight_scale"
+
+    def quantizes(self, name: str) -> bool:
+        """Whether the linear module `name` (checkpoint spelling, `model.layers.0.mlp.up_proj`)
+        holds FP8 weights."""
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], name):
+                    return False
+            elif pattern in name if self.ignore_substrings else pattern == name:
+                return False
+        return True
+
+
+ONLINE = Fp8Scheme(method="online")  # --quantization fp8: per-channel weights, per-token activations
+
+
+def quantization_scheme(raw: dict[str, Any] | None) -> Fp8Scheme | None:
+    """The scheme of a `quantization_config` (None: an unquantized checkpoint)."""
+    if not raw:
+        return None
+    method = raw.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(raw)
+    if method == "fbgemm_fp8":
+        ub = raw.get("activation_scale_ub")
+        return Fp8Scheme(
+            method=method,
+            activation_scale_ub=float(ub) if ub is not None else None,
+            ignore=tuple(raw.get("modules_to_not_convert") or ()),
+            ignore_substrings=True,
+        )
+    if method == "fp8":
+        return _hf_fp8(raw)
+    raise QuantizationError(
+        f"unsupported quantization scheme quant_method={method!r}; supported: {SUPPORTED}"
+    )
+
+
+def _hf_fp8(raw: dict[str, Any]) -> Fp8Scheme:
+    if raw.get("fmt", "e4m3") != "e4m3":
+        raise QuantizationError(f"unsupported fp8 format fmt={raw['fmt']!r}; supported: e4m3")
+    block = raw.get("weight_block_size")
+    activations = raw.get("activation_scheme", "dynamic")
+    if block is not None and (list(block) != [BLOCK, BLOCK] or activations != "dynamic"):
+        raise QuantizationError(
+            f"unsupported fp8 scheme weight_block_size={block}, activation_scheme={activations!r}; "
+            f"supported: weight_block_size [{BLOCK}, {BLOCK}] with dynamic activations"
+        )
+    if activations not in ("dynamic", "static"):
+        raise QuantizationError(
+            f"unsupported fp8 activation_scheme {activations!r}; supported: dynamic, static"
+        )
+    return Fp8Scheme(
+        method="fp8",
+        block=BLOCK if block else None,
+        activations=activations,
+        # HF's spelling, then AutoFP8's
+        ignore=tuple(raw.get("modules_to_not_convert") or raw.get("ignored_layers") or ()),
+        ignore_substrings=True,
+    )
+
+
+def _compressed_tensors(raw: dict[str, Any]) -> Fp8Scheme:
+    groups = list((raw.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise QuantizationError(
+            f"compressed-tensors checkpoint with {len(groups)} config groups; supported: exactly one"
+        )
+    group = groups[0]
+    fmt = group.get("format") or raw.get("format")
+    weights, acts = group.get("weights") or {}, group.get("input_activations")
+    described = f"compressed-tensors format={fmt!r} weights={weights} input_activations={acts}"
+    if fmt != "float-quantized" or not _symmetric_fp8(weights):
+        raise QuantizationError(f"unsupported quantization scheme {described}; supported: {SUPPORTED}")
+    strategy = weights.get("strategy")
+    block = BLOCK if strategy == "block" else None
+    if strategy not in ("tensor", "channel", "block") or (
+        block and list(weights.get("block_structure") or ()) != [BLOCK, BLOCK]
+    ):
+        raise QuantizationError(f"unsupported weight strategy in {described}; supported: {SUPPORTED}")
+    activations = _ct_activations(acts, block, described)
+    return Fp8Scheme("compressed-tensors", block, activations, ignore=tuple(raw.get("ignore") or ()))
+
+
+def _symmetric_fp8(args: dict[str, Any]) -> bool:
+    """8-bit float without zero points (an asymmetric scheme would need them)."""
+    return args.get("type", "float") == "float" and args.get("num_bits") == 8 and args.get("symmetric", True)
+
+
+def _ct_activations(acts: dict[str, Any] | None, block: int | None, described: str) -> str:
+    """Dynamic per-tensor activations run per token too: no calibrated value to honour, and
+    finer scales lose less."""
+    if acts is None:
+        return "none"
+    if not _symmetric_fp8(acts):
+        raise QuantizationError(f"unsupported activations in {described}; supported: symmetric 8-bit float")
+    strategy = (acts.get("strategy"), acts.get("group_size"))
+    if acts.get("dynamic") and (
+        strategy == ("group", BLOCK) if block else strategy[0] in ("token", "tensor")
+    ):
+        return "dynamic"
+    if not acts.get("dynamic") and acts.get("strategy") == "tensor" and not block:
+        return "static"
+    need = "dynamic per-token-group 128" if block else "dynamic or static per-tensor, dynamic per-token"
+    raise QuantizationError(f"unsupported activations in {described}; supported with these weights: {need}")

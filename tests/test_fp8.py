@@ -1,0 +1,630 @@
+"""FP8 base models (issue 33): random checkpoints written in each supported format, loaded by our
+engine, against HF transformers running the same weights dequantized (weight.float() * scale).
+
+Weight-only schemes compute exactly what HF computes (the same float32 weights): logits to 1e-4,
+greedy tokens identical. W8A8 schemes also round every projection's input to e4m3. Against HF
+with the same rounding of each projection's input (forward pre-hooks written here, independently
+of the engine's quantizer) the logits agree to `W8A8_LOGITS_TOL` = 1e-3 of their range, not 1e-4:
+the two sum in different orders, and an activation within that last bit of an e4m3 rounding
+boundary rounds the other way, moving by 2^-4 of itself. Against plain HF (activations not
+rounded) the logits differ by a few percent of their range per layer (e4m3's 3 mantissa bits: up
+to 2^-4 per element, ~2.5% on a projection's output, measured), which these random models amplify
+layer over layer to 10-40%; there greedy tokens are compared instead: HF, fed our greedy output,
+picks the same next token at >= 60% of the positions (`W8A8_GREEDY_AGREEMENT`; measured 0.64-0.69).
+That is low because these random models are chaotic (weights of std 0.2: attention nearly
+argmax, small top-2 gaps in their generated text; halving the weights gives 0.89), not because
+FP8 is: quality on real weights is SmolLM2's perplexity (`bench/fp8_quality.py`, the test below).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model_service.engine.config import EngineConfig
+from model_service.engine.engine import Engine
+from model_service.errors import ModelLoadError
+from model_service.kernels.fp8_gemm import E4M3, E4M3_MAX
+from model_service.models.fp8_linear import Fp8Linear
+from model_service.models.layers import PackedLinear, checkpoint_tensors
+from model_service.models.loader import LoadedModel, load_model
+from model_service.models.quantization import QuantizationError
+from tests.conftest import assert_all_blocks_free, forward, make_engine, make_tiny_checkpoint, new_sequence
+
+W8A8_LOGITS_TOL = 1e-3
+W8A8_GREEDY_AGREEMENT = 0.6
+MAX_NEW = 12
+# Not multiples of 128: q (192 rows), k/v (96), gate/up (320) and down's input (320) end in
+# partial 128x128 blocks, and the fused parts' blocks do not line up with the fused rows.
+SHAPE = {"hidden_size": 192, "intermediate_size": 320, "num_attention_heads": 4, "head_dim": 48}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [_prompt(n, 50 + n) for n in (9, 17, 4)]
+
+
+@dataclass(frozen=True)
+class Format:
+    """How a format stores one projection: scale granularity (rows, cols per scale; 0 = all),
+    the scale tensor's name and shape, and whether its activations are quantized."""
+
+    config: dict[str, Any]
+    block: tuple[int, int]  # (rows, cols) one scale covers; 0 = the whole dimension
+    scale_name: str = "weight_scale"
+    scale_shape: str = "rows"  # "rows": as many rows as scales ([out, 1], blocks); "flat": [1]; "scalar": []
+    static: bool = False  # an input_scale per projection
+    weight_only: bool = False
+    ignore: tuple[str, ...] = ("lm_head",)  # modules the checkpoint keeps in float32
+    kv_scales: bool = False  # compressed-tensors' kv_cache_scheme: k_scale / v_scale per attention
+    config_key: str = "quantization_config"
+
+
+def _ct(weights: dict[str, Any], acts: dict[str, Any] | None, ignore: list[str]) -> dict[str, Any]:
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "symmetric": True, **weights}}
+    if acts is not None:
+        group["input_activations"] = {"num_bits": 8, "type": "float", "symmetric": True, **acts}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+        "ignore": ignore,
+    }
+
+
+TOKEN = {"dynamic": True, "strategy": "token"}
+FORMATS = {
+    "ct-channel-w8a16": Format(_ct({"strategy": "channel"}, None, ["lm_head"]), (1, 0), weight_only=True),
+    "ct-tensor-w8a16": Format(
+        _ct({"strategy": "tensor"}, None, ["lm_head", r"re:.*layers\.1\.mlp\..*"]),
+        (0, 0),
+        scale_shape="flat",
+        weight_only=True,
+        ignore=("lm_head", "layers.1.mlp."),
+    ),
+    "ct-channel-dynamic": Format(_ct({"strategy": "channel"}, TOKEN, ["lm_head"]), (1, 0)),
+    "ct-tensor-dynamic-kv": Format(  # an older file's spelling, K/V cache scales beside (not used)
+        {
+            **_ct({"strategy": "tensor"}, {"dynamic": True, "strategy": "tensor"}, ["lm_head"]),
+            "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+        },
+        (0, 0),
+        scale_shape="flat",
+        kv_scales=True,
+        config_key="compression_config",
+    ),
+    "ct-tensor-static": Format(
+        # lm_head quantized too: the loader dequantizes what it runs in high precision
+        _ct({"strategy": "tensor"}, {"dynamic": False, "strategy": "tensor"}, []),
+        (0, 0),
+        scale_shape="flat",
+        static=True,
+        ignore=(),
+    ),
+    "ct-block": Format(
+        _ct(
+            {"strategy": "block", "block_structure": [128, 128]},
+            {"dynamic": True, "strategy": "group", "group_size": 128},
+            ["lm_head"],
+        ),
+        (128, 128),
+    ),
+    "fbgemm": Format(
+        {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]},
+        (1, 0),
+    ),
+    "fp8-block": Format(
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+        (128, 128),
+        scale_name="weight_scale_inv",
+    ),
+    "fp8-tensor-static": Format(
+        {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]},
+        (0, 0),
+        scale_shape="scalar",
+        static=True,
+    ),
+}
+
+
+def quantize(w: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, scales [ceil(out/rows), ceil(in/cols)], dequantized float32 weight) of w, each
+    rows x cols block scaled by its own maximum (0 = the whole dimension). Written out block by
+    block, independently of the engine's vectorized quantizer."""
+    rows, cols = rows or w.shape[0], cols or w.shape[1]
+    scales = torch.empty(math.ceil(w.shape[0] / rows), math.ceil(w.shape[1] / cols))
+    q, deq = torch.empty(w.shape, dtype=E4M3), torch.empty_like(w)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            block = (slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols))
+            scales[i, j] = w[block].abs().amax() / E4M3_MAX
+            q[block] = (w[block] / scales[i, j]).to(E4M3)
+            deq[block] = q[block].float() * scales[i, j]
+    return q, scales, deq
+
+
+def _ignored(fmt: Format, name: str) -> bool:
+    return any(pattern in name for pattern in fmt.ignore)
+
+
+def _input_amax(path: Path) -> dict[str, float]:
+    """Each projection's largest input magnitude over the test prompts, HF's forward on `path`:
+    a static format's calibration."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    amax: dict[str, float] = {}
+
+    def hook(name: str):
+        def record(_module: Any, args: tuple[torch.Tensor, ...]) -> None:
+            amax[name] = max(amax.get(name, 0.0), args[0].abs().max().item())
+
+        return record
+
+    for name, sub in hf.named_modules():
+        if isinstance(sub, torch.nn.Linear):
+            sub.register_forward_pre_hook(hook(name))
+    with torch.no_grad():
+        for ids in PROMPTS:
+            hf(torch.tensor([ids]))
+    return amax
+
+
+def write_fp8_checkpoint(src: Path, root: Path, fmt: Format) -> tuple[Path, Path]:
+    """`src` (a float32 checkpoint) written in `fmt` under root/fp8, and its dequantized twin
+    (HF's oracle: the same config, each FP8 weight replaced by weight.float() * scale) under root/deq."""
+    tensors = load_file(str(src / "model.safetensors"))
+    amax = _input_amax(src) if fmt.static else {}
+    fp8, deq = dict(tensors), dict(tensors)
+    for key, w in tensors.items():
+        name = key.removesuffix(".weight")
+        if not key.endswith(".weight") or w.dim() != 2 or "embed" in key or _ignored(fmt, name):
+            continue
+        q, scales, deq[key] = quantize(w, *fmt.block)
+        fp8[key] = q
+        shape = {"rows": scales.shape, "flat": (1,), "scalar": ()}[fmt.scale_shape]
+        fp8[f"{name}.{fmt.scale_name}"] = scales.reshape(shape).contiguous()
+        if fmt.kv_scales and name.endswith("k_proj"):
+            attn = name.rpartition(".")[0]
+            fp8[f"{attn}.k_scale"], fp8[f"{attn}.v_scale"] = torch.tensor(0.05), torch.tensor(0.04)
+        if fmt.static and name != "lm_head":
+            # k_proj calibrated wider than q/v: the fused q/k/v layer must take the parts' maximum
+            widen = 1.5 if name.endswith("k_proj") else 1.0
+            fp8[f"{name}.input_scale"] = torch.tensor([amax[name] * widen / E4M3_MAX])
+    config = json.loads((src / "config.json").read_text())
+    paths = []
+    for sub, weights, qc in (("fp8", fp8, fmt.config), ("deq", deq, None)):
+        path = root / sub
+        path.mkdir(parents=True)
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps({**config, fmt.config_key: qc} if qc else config))
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def round_inputs(x: torch.Tensor, group: int, static: float | None, ub: float | None) -> torch.Tensor:
+    """x [..., K] rounded as a W8A8 scheme rounds a projection's input: by `static`, or each
+    `group` columns of a row by its own maximum (capped at `ub`) / 448."""
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[-1], group):
+        part = x[..., start : start + group]
+        amax = part.abs().amax(-1, keepdim=True).clamp(min=1e-12, max=ub)
+        scale = torch.tensor(static) if static is not None else amax / E4M3_MAX
+        out[..., start : start + group] = (part / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * scale
+    return out
+
+
+def hf_rounding_inputs(hf: Any, fmt: Format, fp8_path: Path) -> Any:
+    """`hf` with every quantized projection's input rounded as `fmt` rounds it (a fused part takes
+    the largest static scale of its fusion, as the engine's fused layer does)."""
+    tensors = load_file(str(fp8_path / "model.safetensors"))
+    ub = fmt.config.get("activation_scale_ub")
+    for name, sub in hf.named_modules():
+        quantized = isinstance(sub, torch.nn.Linear) and tensors[f"{name}.weight"].dtype == E4M3
+        if not quantized or name == "lm_head":  # the engine dequantizes an FP8 LM head at load
+            continue
+        static = None
+        if fmt.static:
+            owner, _, proj = name.rpartition(".")
+            fused = next((f for f in FUSED if proj in f), (proj,))
+            static = max(tensors[f"{owner}.{p}.input_scale"].item() for p in fused)
+        group = fmt.block[1] or sub.in_features
+        sub.register_forward_pre_hook(lambda _m, args, g=group, s=static: (round_inputs(args[0], g, s, ub),))
+    return hf
+
+
+class Case:
+    """One format's checkpoint: ours loaded from the FP8 files, HF's from the dequantized twin
+    (and, for W8A8, HF again with the activations rounded)."""
+
+    def __init__(self, fmt: Format, root: Path) -> None:
+        src = make_tiny_checkpoint("llama", root / "src", seed=7, **SHAPE)
+        self.fmt = fmt
+        self.fp8_path, self.deq_path = write_fp8_checkpoint(src, root, fmt)
+        self.hf = hf_model(self.deq_path)
+        self.hf_w8a8 = None
+        if not fmt.weight_only:
+            self.hf_w8a8 = hf_rounding_inputs(hf_model(self.deq_path), fmt, self.fp8_path)
+        self.ours: LoadedModel = load_model(str(self.fp8_path), torch.float32, torch.device("cpu"))
+
+
+def hf_model(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread(one_torch_thread):
+    """Tiny models: a second thread buys nothing on a shared 2-core machine (tests/conftest.py)."""
+
+
+@pytest.fixture(scope="module", params=list(FORMATS), ids=list(FORMATS))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+    return Case(FORMATS[request.param], tmp_path_factory.mktemp(request.param))
+
+
+def all_logits(loaded: LoadedModel, ids: list[int], **engine: Any) -> torch.Tensor:
+    """Our logits at every position of `ids` (one prefill), [len(ids), vocab]."""
+    eng = make_engine(loaded, **engine)
+    state = new_sequence(eng, len(ids))
+    logits = forward(eng, [(state, ids, len(ids))])
+    eng.cache.free(state)
+    return logits
+
+
+def hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def greedy(loaded: LoadedModel, prompts: list[list[int]], **engine: Any) -> list[list[int]]:
+    eng = make_engine(loaded, **engine)
+    reqs = [
+        {"prompt_token_ids": p, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True} for p in prompts
+    ]
+    outs = [o.token_ids for o in eng.generate(reqs)]
+    assert_all_blocks_free(eng)
+    return outs
+
+
+def hf_greedy(hf: Any, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def greedy_agreement(hf: Any, prompts: list[list[int]], ours: list[list[int]]) -> float:
+    """The share of our greedy tokens HF picks too when fed our sequence up to them."""
+    same = total = 0
+    for ids, gen in zip(prompts, ours, strict=True):
+        picks = hf_logits(hf, ids + gen[:-1])[len(ids) - 1 :].argmax(-1)
+        same += int((picks == torch.tensor(gen)).sum())
+        total += len(gen)
+    return same / total
+
+
+def test_projections_load_as_fp8_with_each_parts_scales(case: Case):
+    """Every quantized projection is an `Fp8Linear` whose dequantized weight is the checkpoint's
+    parts' (each fused part scaled by its own scales); the ignored ones are plain float32."""
+    module, fmt = case.ours.module, case.fmt
+    assert type(module.lm_head) is torch.nn.Linear and module.lm_head.weight.dtype == torch.float32
+    fp8 = [s for s in module.modules() if isinstance(s, Fp8Linear)]
+    plain = [s for s in module.modules() if type(s) is PackedLinear]
+    assert len(fp8) == 8 - 2 * ("layers.1.mlp." in fmt.ignore) and len(plain) == 8 - len(fp8)
+    for layer in fp8:
+        assert layer.weight.dtype == E4M3 and layer.weight_scale.dtype == torch.float32
+        assert (layer.input_scale is not None) == fmt.static
+    dequantized = load_file(str(case.deq_path / "model.safetensors"))
+    ours = {k: v for k, v in checkpoint_tensors(module).items() if k.endswith(".weight")}
+    for prefix, layer in module.named_modules():
+        if isinstance(layer, Fp8Linear):
+            owner = prefix.rpartition(".")[0]
+            scales = layer.weight_scale.repeat_interleave(layer.group, 1)[:, : layer.in_features]
+            w = layer.weight.float() * scales
+            parts = torch.cat([dequantized[f"{owner}.{p}.weight"] for p in layer.parts])
+            torch.testing.assert_close(w, parts, rtol=0, atol=0)
+            ours.pop(f"{owner}.{layer.parts[0]}.weight")
+    for name, w in ours.items():
+        if w.dtype == torch.float32:
+            torch.testing.assert_close(w, dequantized[name], rtol=0, atol=0)
+    if fmt.static:  # the fused q/k/v input scale is the largest of its parts' (k's, widened)
+        raw = load_file(str(case.fp8_path / "model.safetensors"))
+        attn = module.model.layers[0].self_attn.qkv_proj
+        assert attn.input_scale.item() == raw["model.layers.0.self_attn.k_proj.input_scale"].item()
+
+
+def test_logits_and_greedy_tokens_against_hf_on_dequantized_weights(case: Case):
+    """Weight-only: HF on the dequantized weights is the oracle. W8A8: HF rounding the projections'
+    inputs the same way is, and plain HF agrees on most greedy tokens."""
+    oracle = case.hf_w8a8 or case.hf
+    for ids in PROMPTS[:2]:
+        err = rel_err(all_logits(case.ours, ids), hf_logits(oracle, ids))
+        assert err < (1e-4 if case.fmt.weight_only else W8A8_LOGITS_TOL), err
+    ours = greedy(case.ours, PROMPTS)
+    assert ours == [hf_greedy(oracle, ids) for ids in PROMPTS]
+    if not case.fmt.weight_only:
+        assert greedy_agreement(case.hf, PROMPTS, ours) >= W8A8_GREEDY_AGREEMENT
+
+
+def test_online_quantization_is_per_channel_w8a8(tmp_path: Path):
+    """`--quantization fp8` on a float32 checkpoint: the projections this test's own quantizer
+    makes per channel (bit for bit), and the tokens of HF rounding inputs per token on them."""
+    case = Case(FORMATS["ct-channel-dynamic"], tmp_path)
+    online = load_model(str(tmp_path / "src"), torch.float32, torch.device("cpu"), quantization="fp8")
+    assert online.config.quantization is not None and online.config.quantization.method == "online"
+    assert type(online.module.lm_head) is torch.nn.Linear
+    ours, theirs = online.module.state_dict(), case.ours.module.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, t in ours.items():
+        assert t.dtype == theirs[name].dtype and torch.equal(t.float(), theirs[name].float()), name
+    assert greedy(online, PROMPTS) == [hf_greedy(case.hf_w8a8, ids) for ids in PROMPTS]
+
+
+@pytest.mark.parametrize("name", ["ct-channel-w8a16", "ct-channel-dynamic"])
+def test_lora_on_an_fp8_base_matches_peft_on_the_dequantized_base(name: str, tmp_path: Path):
+    """PEFT adapters (made for the bfloat16/float32 base) on the FP8 base: our base GEMM in FP8
+    plus the adapters' float deltas give PEFT's tokens on HF's dequantized base (rounding the
+    base layers' inputs for W8A8, as the engine's FP8 GEMM does; the adapters see them unrounded)."""
+    from tests.test_lora import ALL, make_adapter, peft_greedy
+
+    case = Case(FORMATS[name], tmp_path)
+    oracle = case.hf_w8a8 or case.hf
+    specs = {
+        "qv": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "all": {"r": 8, "lora_alpha": 8, "target_modules": ALL},
+    }
+    adapters = {
+        a: make_adapter(oracle, tmp_path / a, seed=i, scale=0.3, **s)
+        for i, (a, s) in enumerate(specs.items())
+    }
+    engine = make_engine(case.ours, max_loras=2, lora_modules={a: str(p) for a, p in adapters.items()})
+    request = {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    base = [o.token_ids for o in engine.generate([{"prompt_token_ids": p, **request} for p in PROMPTS[:2]])]
+    for adapter, path in adapters.items():
+        reqs = [{"prompt_token_ids": p, "adapter": adapter, **request} for p in PROMPTS[:2]]
+        got = [o.token_ids for o in engine.generate(reqs)]
+        assert got == [peft_greedy(oracle, path, p, MAX_NEW, eos=None) for p in PROMPTS[:2]], adapter
+        assert got != base, f"adapter {adapter} does not change the output"
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq"),
+        ({"quant_method": "awq", "bits": 4}, "awq"),
+        (_ct({"strategy": "channel", "type": "int"}, TOKEN, []), "'type': 'int'"),
+        ({**_ct({"strategy": "channel"}, TOKEN, []), "format": "pack-quantized"}, "pack-quantized"),
+        (_ct({"strategy": "group", "group_size": 32}, TOKEN, []), "'strategy': 'group'"),
+        (_ct({"strategy": "channel"}, {"dynamic": False, "strategy": "token"}, []), "input_activations"),
+        (_ct({"strategy": "channel", "symmetric": False}, TOKEN, []), "'symmetric': False"),
+        ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "[64, 64]"),
+        ({"quant_method": "fp8", "fmt": "e5m2"}, "e5m2"),
+    ],
+)
+def test_unsupported_schemes_are_refused_naming_them(config: dict[str, Any], named: str, tmp_path: Path):
+    path = make_tiny_checkpoint("llama", tmp_path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
+    with pytest.raises(QuantizationError) as refused:
+        load_model(str(path), torch.float32, torch.device("cpu"))
+    assert isinstance(refused.value, ValueError)
+    assert named in str(refused.value) and "supported" in str(refused.value)
+
+
+def test_unknown_quantization_flag_is_refused(tmp_path: Path):
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(QuantizationError, match="'int4'"):
+        load_model(
+            str(make_tiny_checkpoint("llama", tmp_path)),
+            torch.float32,
+            torch.device("cpu"),
+            quantization="int4",
+        )
+
+
+def test_tensor_parallel_over_fp8_weights_gives_one_process_tokens(tmp_path: Path):
+    """Two gloo ranks, each holding its rows (q/k/v, gate/up, with their scales) or columns (o,
+    down, scales whole) of the FP8 projections, with an adapter on all seven projections split
+    as S-LoRA splits it: one process's tokens. Weight-only, so the ranks' partial sums are the
+    one product split in two (per-token activation scales would be taken per rank, over fewer
+    columns, and round differently)."""
+    from tests.test_lora import ALL, make_adapter
+
+    case = Case(FORMATS["ct-channel-w8a16"], tmp_path)
+    adapter = make_adapter(
+        case.hf, tmp_path / "all", seed=3, scale=0.3, r=8, lora_alpha=8, target_modules=ALL
+    )
+    lora = {"max_loras": 1, "lora_modules": {"all": str(adapter)}}
+    request = {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    reqs = [{"prompt_token_ids": p, "adapter": a, **request} for p in PROMPTS for a in (None, "all")]
+    expected = [o.token_ids for o in make_engine(case.ours, **lora).generate(reqs)]
+    assert expected[0] != expected[1]
+    engine = make_engine(case.ours, tensor_parallel_size=2, **lora)
+    try:
+        assert [o.token_ids for o in engine.generate(reqs)] == expected
+    finally:
+        engine.executor.teardown()
+
+
+def test_block_fp8_shards_must_start_on_a_block(tmp_path: Path):
+    """Rank 1 of 2 would hold o_proj's input columns 96..191: mid-block of a 128x128 checkpoint."""
+    from model_service.distributed.layers import Collectives
+    from model_service.distributed.sharding import Partition, shard_module
+
+    case = Case(FORMATS["fp8-block"], tmp_path)
+    part = Partition.of(case.ours.config, 1, 2)
+    with pytest.raises(ModelLoadError, match="128-column block"):
+        shard_module(case.ours.module, part, Collectives(None, 2), torch.device("cpu"))
+
+
+def test_smollm2_perplexity_in_fp8(smollm2):
+    """SmolLM2 quantized online (W8A8) on bench/fp8_quality.py's text: 30.11 -> 32.05 (+6.4%;
+    weight-only FP8 alone gives +5.1%, bfloat16 rounding of the same weights +0.15%). Issue 33's
+    target is +2%: this small model's MLP weights lose more to e4m3's 3 mantissa bits than that.
+    The bound guards what is measured, so a regression in the path shows."""
+    from bench.fp8_quality import measure
+
+    result = measure("cpu", smollm2)
+    assert 1.0 < result["ratio"] < 1.08, result
+
+
+def test_an_moe_checkpoints_fp8_experts_are_dequantized_at_load(tmp_path: Path):
+    """Qwen3-MoE in FP8: attention runs as `Fp8Linear`, the experts and the router (FP8 in the
+    file) are dequantized at load into the stacked float experts; HF's tokens on the same weights."""
+    src = make_tiny_checkpoint(
+        "qwen3_moe", tmp_path / "src", seed=7, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+    fp8_path, deq_path = write_fp8_checkpoint(src, tmp_path, FORMATS["ct-channel-w8a16"])
+    ours = load_model(str(fp8_path), torch.float32, torch.device("cpu"))
+    assert sum(isinstance(m, Fp8Linear) for m in ours.module.modules()) == 4  # q/k/v and o, two layers
+    assert all(p.dtype == torch.float32 for n, p in ours.module.named_parameters() if "mlp" in n)
+    hf = hf_model(deq_path)
+    assert rel_err(all_logits(ours, PROMPTS[0]), hf_logits(hf, PROMPTS[0])) < 1e-4
+    assert greedy(ours, PROMPTS) == [hf_greedy(hf, ids) for ids in PROMPTS]
+
+
+def test_the_scaled_mm_call_matches_the_reference_on_cpu():
+    """The GPU path's `torch._scaled_mm` call (row-wise scales, bf16 out, static and dynamic
+    activations, bias) as it runs on CUDA; recent torch runs it on the CPU too, so its arguments
+    are checked here. Only the bf16 output rounding differs from the reference."""
+    from model_service.kernels.fp8_gemm import (
+        ActivationQuant,
+        _scaled_mm_rowwise,
+        fp8_linear_reference,
+        quantize_groups,
+    )
+
+    torch.manual_seed(0)
+    weight, scale = quantize_groups(torch.randn(96, 64) * 0.1, 64)
+    x, bias = torch.randn(5, 64).bfloat16(), torch.randn(96).bfloat16()
+    for acts in (ActivationQuant("dynamic", 64), ActivationQuant("static", 64, torch.tensor([0.02]))):
+        got = _scaled_mm_rowwise(x, weight, scale, bias, acts)
+        want = fp8_linear_reference(x.float(), weight, scale, 64, bias, acts)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_the_gpu_benchmarks_quantize_their_random_model_online():
+    """bench/gpu.py and bench/serving.py's `--quantization fp8`: the random model's projections
+    (not its embeddings or LM head) in FP8, counted at one byte a weight plus their scales, and
+    the copy runs (here on the CPU reference) beside the bf16 original, which stays as it was."""
+    from bench.gpu import quantized, random_model, weight_bytes
+
+    shape = {"vocab_size": 320, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2,
+             "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}  # fmt: skip
+    base = random_model(shape, device="cpu", dtype=torch.bfloat16)
+    fp8 = quantized(base)
+    layers = [m for m in fp8.module.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == 8 and all(isinstance(m, Fp8Linear) for m in layers)
+    assert not any(isinstance(m, Fp8Linear) for m in base.module.modules())
+    projections = sum(m.weight.numel() for m in layers)
+    assert weight_bytes(base.module) - weight_bytes(fp8.module) == projections - 4 * sum(
+        m.out_features for m in layers
+    )
+    engine = make_engine(fp8, dtype="bfloat16")
+    out = engine.generate(
+        [{"prompt_token_ids": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}]
+    )
+    assert len(out[0].token_ids) == 4
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])
+@pytest.mark.parametrize(("k", "n"), [(4096, 6144), (4096, 4096), (14336, 4096), (192, 320)])
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_scaled_mm_matches_the_reference(rows: int, k: int, n: int, mode: str):
+    """`torch._scaled_mm` (row-wise scales) against the float32 reference on the same e4m3
+    operands: the activations are quantized by the same ops, so only the GEMM's summation order
+    and its bfloat16 output differ."""
+    from model_service.kernels.fp8_gemm import (
+        ActivationQuant,
+        fp8_linear,
+        fp8_linear_reference,
+        quantize_groups,
+        scaled_mm_applies,
+    )
+
+    torch.manual_seed(rows + k + n)
+    weight, scale = quantize_groups(torch.randn(n, k, device="cuda") * k**-0.5, k)
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    bias = torch.randn(n, device="cuda").bfloat16()
+    static = torch.tensor([x.float().abs().max().item() / 300], device="cuda")
+    acts = ActivationQuant(mode, k, static if mode == "static" else None)
+    assert scaled_mm_applies(x, weight, scale, acts)
+    got = fp8_linear(x, weight, scale, k, bias, acts)
+    want = fp8_linear_reference(x.float(), weight, scale, k, bias, acts)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)  # bfloat16 output rounding
+
+
+@cuda
+@pytest.mark.gpu
+def test_scaled_mm_replays_in_a_cuda_graph_over_new_inputs():
+    from model_service.kernels.fp8_gemm import ActivationQuant, fp8_linear, quantize_groups
+
+    weight, scale = quantize_groups(torch.randn(4096, 4096, device="cuda") * 0.02, 4096)
+    acts = ActivationQuant("dynamic", 4096)
+    x = torch.randn(8, 4096, device="cuda").bfloat16()
+    fp8_linear(x, weight, scale, 4096, None, acts)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fp8_linear(x, weight, scale, 4096, None, acts)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x.copy_(torch.randn(8, 4096, device="cuda").bfloat16())
+        graph.replay()
+        torch.testing.assert_close(y, fp8_linear(x, weight, scale, 4096, None, acts), rtol=0, atol=0)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["ct-channel-dynamic", "ct-tensor-static", "fp8-block", "ct-channel-w8a16"])
+def test_cuda_fp8_engine_with_graphs_and_adapters(name: str, tmp_path: Path):
+    """On CUDA in bfloat16 (`_scaled_mm` for the per-channel and static schemes, the reference for
+    block-wise and weight-only): decode CUDA graphs give the eager engine's tokens, with and without
+    adapters, and the tokens mostly agree with HF's float32 oracle (as on CPU, `W8A8_GREEDY_AGREEMENT`)."""
+    from tests.test_lora import ALL, make_adapter
+
+    case = Case(FORMATS[name], tmp_path)
+    oracle = case.hf_w8a8 or case.hf
+    adapter = make_adapter(oracle, tmp_path / "all", seed=3, scale=0.3, r=8, lora_alpha=8, target_modules=ALL)
+    loaded = load_model(str(case.fp8_path), torch.bfloat16, torch.device("cuda"))
+    request = {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    reqs = [{"prompt_token_ids": p, "adapter": a, **request} for p in PROMPTS for a in (None, "all")]
+    runs = {}
+    for eager in (True, False):
+        cfg = EngineConfig(
+            model=loaded.name, device="cuda", dtype="bfloat16", enforce_eager=eager, max_loras=1,
+            lora_modules={"all": str(adapter)}, num_kv_blocks=256,
+        )  # fmt: skip
+        runs[eager] = [o.token_ids for o in Engine(cfg, loaded=loaded).generate(reqs)]
+    assert runs[False] == runs[True]
+    base = runs[True][::2]
+    assert greedy_agreement(oracle, PROMPTS, base) >= W8A8_GREEDY_AGREEMENT
