@@ -113,6 +113,11 @@ class Partition:
             raise ModelLoadError(
                 "tensor parallelism shards attention-only models; this one has recurrent layers"
             )
+        if cfg.latent_attention is not None:
+            raise ModelLoadError(
+                "tensor parallelism does not split multi-head latent attention (DeepSeek) yet: "
+                "run it on one device (--tensor-parallel-size 1)"
+            )
         group = cfg.num_heads // cfg.num_kv_heads
         kv = runs(cfg.num_kv_heads, world)[rank]
         rows = math.ceil(cfg.vocab_size / world)
@@ -211,7 +216,7 @@ def _moe_share(block: SparseMoeBlock, part: Partition, device: torch.device) -> 
     block.experts.gate_up_proj = _frozen(gate_up[:, rows], device)
     block.experts.down_proj = _frozen(down[:, :, i.start : i.stop], device)
     block.expert_range = e
-    shared = block.shared_expert
+    shared = block.shared_mlp()
     if shared is not None:
         cols = part.shared_inter
         shared.gate_up_proj = _column(shared.gate_up_proj, {"gate_proj": cols, "up_proj": cols}, device)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from model_service.attention.kv_cache import KVCache, cache_dtype
+from model_service.attention.kv_cache import KVCache, cache_bytes_per_block, cache_dtype
 from model_service.attention.reference import TorchReferenceBackend
 from model_service.attention.triton_backend import TritonBackend
 from model_service.engine.config import DEFAULT_LORA_ROOM, EngineConfig
@@ -52,8 +52,7 @@ def kv_blocks_for_budget(
     1 GiB on CPU. With a draft
     model, each block of the target's pool comes with one of the draft's."""
     per_block = sum(
-        KVCache.bytes_per_block(c.layer_kinds, block_size, c.num_kv_heads, c.head_dim, dtype)
-        for c in [config, *([draft] if draft is not None else [])]
+        cache_bytes_per_block(c, block_size, dtype) for c in [config, *([draft] if draft is not None else [])]
     )
     if budget is None:
         if device.type == "cuda":
@@ -139,11 +138,8 @@ class ModelExecutor:
             store_weights_transposed(self.module)  # before any graph is captured (lazily)
 
     def _kv_cache(self, config: EngineConfig, num_blocks: int) -> KVCache:
-        cfg = self.config
         dtype = cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
-        return KVCache(
-            cfg.layer_kinds, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device
-        )
+        return KVCache.for_model(self.config, num_blocks, config.block_size, dtype, self.device)
 
     def _wrap_lora(self, config: EngineConfig) -> LoraLayers | None:
         """The module's projections wrapped for `lora_slots` resident adapters (none without
@@ -160,8 +156,11 @@ class ModelExecutor:
         """The attention backend, and the CUDA graphs that replay steps over it (the Triton
         backend's only: the reference backend cannot be captured)."""
         cfg = self.config
-        if not self._kernels_apply():
-            return TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim), None, None
+        if not self._kernels_apply() or cfg.latent_attention is not None:  # MLA: no Triton kernel yet
+            backend = TorchReferenceBackend(
+                self.kv_cache, cfg.sliding_windows, cfg.head_dim, cfg.softmax_scale
+            )
+            return backend, None, None
         backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
         if config.enforce_eager or not self._graphs_apply():
             return backend, None, None
