@@ -144,6 +144,9 @@ class ModelConfig:
     shared_expert_gated: bool = True  # False: DeepSeek's `shared_experts`, added ungated
     routing: Routing = field(default_factory=Routing)
     latent_attention: LatentAttentionShape | None = None  # MLA (DeepSeek): set for every layer
+    # DeepSeek-V3's multi-token-prediction layers, numbered after the decoder's: their checkpoint
+    # tensors are known and left unloaded (speculation with them is not built yet).
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:
@@ -383,6 +386,7 @@ def _deepseek_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
     cfg.shared_expert_intermediate_size = cfg.moe_intermediate_size * int(raw.get("n_shared_experts") or 0)
     cfg.shared_expert_gated = False
     cfg.routing = _deepseek_routing(raw, cfg.family, experts)
+    cfg.mtp_layers = int(raw.get("num_nextn_predict_layers") or 0)
     first_dense, freq = int(raw.get("first_k_dense_replace") or 0), int(raw.get("moe_layer_freq") or 1)
     sparse = [experts > 0 and i >= first_dense and i % freq == 0 for i in range(cfg.num_layers)]
     if any(sparse) and not 0 < cfg.num_experts_per_tok <= experts:

@@ -135,10 +135,20 @@ def _weight_files(path: Path) -> list[Path]:
     return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
 
 
+def _without_mtp_layers(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """`tensors` less those of the multi-token-prediction layers the config declares after its
+    decoder layers (DeepSeek-V3 ships one): known, so not an unexpected tensor, and not loaded."""
+    if not config.mtp_layers:
+        return tensors
+    mtp = tuple(f"model.layers.{i}." for i in range(config.num_layers, config.num_layers + config.mtp_layers))
+    return {k: v for k, v in tensors.items() if not k.startswith(mtp)}
+
+
 def build_module(
     config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
     """Check every expected checkpoint tensor is present with the right shape, then build the module."""
+    tensors = _without_mtp_layers(tensors, config)
     if any(kind.moe for kind in config.layer_kinds):
         tensors = stack_expert_tensors(tensors, config)
     with torch.device("meta"):

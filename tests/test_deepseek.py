@@ -1,0 +1,316 @@
+"""DeepSeek-V2/V3 (multi-head latent attention, DeepSeek MoE) against HF transformers on tiny
+random checkpoints, through the engine paths that read the latent cache: batched prefill and
+decode, chunked prefill, a prefix-cache hit, preemption; and the pieces alone: the routers
+against HF's, absorbed decode against decompressed attention, the cache's bytes per token.
+
+Two shapes, each exercising what its family is known for:
+- V2-Lite-shaped: one q_proj (no q LoRA), softmax routing limited to the best groups
+  (`group_limited_greedy`), two shared experts, YaRN with mscale = mscale_all_dim (rotary tables
+  unscaled, the softmax scale corrected), a dense first layer.
+- V3-shaped: q_a_proj -> norm -> q_b_proj, sigmoid routing with the correction bias over groups
+  (`noaux_tc`), renormalized and scaled top-k, YaRN with mscale != mscale_all_dim (both
+  corrections), a dense first layer, MoE only every layer after it.
+The 1-D weights (norms, the correction bias) are randomized: HF initializes them to ones and
+zeros, where a dropped norm or bias would go unseen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model_service.attention.kv_cache import cache_bytes_per_block
+from model_service.errors import ModelLoadError
+from model_service.models.config import ModelConfig
+from model_service.models.layers import checkpoint_tensors
+from model_service.models.loader import load_model
+from model_service.models.moe import route
+from tests.conftest import (
+    assert_all_blocks_free,
+    forward,
+    make_engine,
+    make_tiny_checkpoint,
+    new_sequence,
+    prefill_logits,
+)
+from tests.test_tiny_models import PROMPTS, Case, random_prompt, rel_err, request
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MLA = {
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,  # HF's MLA repeats K/V by heads // kv_heads: MLA has one per head
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "head_dim": 8,  # HF rotates qk_rope_head_dim dims only if head_dim says so (make_tiny_checkpoint sets 16)
+    "v_head_dim": 12,  # unlike the query width: a mixed-up K and V dim shows as a shape error
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "moe_intermediate_size": 24,
+    "num_experts_per_tok": 2,
+}
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "v2-lite": (
+        "deepseek_v2",
+        {
+            **MLA,
+            "q_lora_rank": None,
+            "n_routed_experts": 8,
+            "n_shared_experts": 2,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 1.5,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "original_max_position_embeddings": 16,
+            },  # fmt: skip
+        },
+    ),
+    "v3": (
+        "deepseek_v3",
+        {
+            **MLA,
+            "q_lora_rank": 24,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "n_group": 4,
+            "topk_group": 2,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "num_mtp_layers": 0,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },  # fmt: skip
+        },
+    ),
+}
+
+
+def make_tiny_deepseek(name: str, path: Path, seed: int = 0) -> Path:
+    family, overrides = SHAPES[name]
+    make_tiny_checkpoint(family, path, seed=seed, **overrides)
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    gen = torch.Generator().manual_seed(seed)
+    for key, t in tensors.items():
+        if key.endswith("e_score_correction_bias"):  # comparable to the sigmoid scores: it moves choices
+            tensors[key] = torch.rand(t.shape, generator=gen) * 0.5
+        elif t.dim() == 1:
+            tensors[key] = t + torch.randn(t.shape, generator=gen) * 0.3
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module", params=list(SHAPES), ids=list(SHAPES))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+    return Case(make_tiny_deepseek(request.param, tmp_path_factory.mktemp(request.param) / "ckpt"))
+
+
+def test_config_and_weights_match_hf(case: Case):
+    """Which layers are sparse, the attention scale, and every HF weight (stacked experts, the
+    correction bias, the fused q_a/kv_a projection) exactly ours."""
+    cfg, hf_cfg = case.ours.config, case.hf.config
+    assert [k.moe for k in cfg.layer_kinds] == [
+        hasattr(layer.mlp, "experts") for layer in case.hf.model.layers
+    ]
+    assert [k.moe for k in cfg.layer_kinds] == [False, True, True]
+    assert cfg.softmax_scale == pytest.approx(case.hf.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert cfg.softmax_scale != cfg.head_dim**-0.5  # the mscale_all_dim correction applies
+    assert case.ours.module.rotary.attention_factor == pytest.approx(
+        case.hf.model.rotary_emb.attention_scaling
+    )
+    assert cfg.latent_attention is not None and cfg.latent_attention.q_lora_rank == hf_cfg.q_lora_rank
+    ours = checkpoint_tensors(case.ours.module)
+    hf = dict(case.hf.named_parameters()) | {
+        k: b for k, b in case.hf.named_buffers() if k.endswith("e_score_correction_bias")
+    }
+    assert set(ours) == set(hf)
+    for name, p in hf.items():
+        torch.testing.assert_close(ours[name], p, rtol=0, atol=0)
+
+
+def test_the_cache_holds_one_latent_row_per_token_and_layer(case: Case):
+    """[layers, 1 plane, slots, 1 head, kv_lora_rank + qk_rope_head_dim]: no per-head K or V."""
+    engine = make_engine(case.ours, num_kv_blocks=8, block_size=4)
+    mla = case.ours.config.latent_attention
+    assert engine.executor.kv_cache.data.shape == (3, 1, 32, 1, mla.kv_lora_rank + mla.qk_rope_head_dim)
+    assert engine.cache.kv_bytes_per_token == 3 * (32 + 8) * 4
+
+
+def test_bytes_per_token_of_the_published_shapes():
+    """The docs' figures: 576 values per token and layer, against 128 (V3) or 16 (V2-Lite) heads of
+    192-wide keys and 128-wide values."""
+    v3 = _published("deepseek_v3", heads=128, layers=61, q_lora_rank=1536)
+    v2_lite = _published("deepseek_v2", heads=16, layers=27, q_lora_rank=None)
+    for cfg, heads in ((v3, 128), (v2_lite, 16)):
+        latent = cache_bytes_per_block(cfg, 1, torch.bfloat16)
+        assert latent == cfg.num_layers * 576 * 2
+        assert cfg.num_layers * heads * (192 + 128) * 2 / latent == pytest.approx(heads * 320 / 576)
+
+
+def _published(family: str, heads: int, layers: int, q_lora_rank: int | None) -> ModelConfig:
+    arch = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[family]
+    return ModelConfig.from_hf({
+        "architectures": [arch], "vocab_size": 1000, "hidden_size": 2048, "intermediate_size": 10944,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "kv_lora_rank": 512,
+        "q_lora_rank": q_lora_rank, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1408, "n_group": 8,
+        "topk_group": 4,
+    })  # fmt: skip
+
+
+def test_logits_match_hf_in_one_pass_and_in_chunks(case: Case):
+    engine = make_engine(case.ours, block_size=4)
+    for ids in (PROMPTS[0], random_prompt(45, seed=21)):
+        with torch.no_grad():
+            ref = case.hf(torch.tensor([ids])).logits[0, -1]
+        assert rel_err(prefill_logits(engine, ids), ref) < 1e-4
+        assert rel_err(prefill_logits(engine, ids, chunk=6), ref) < 1e-4
+    assert_all_blocks_free(engine)
+
+
+def test_greedy_tokens_match_hf_batched_and_chunked(case: Case):
+    """Five prompts of 1 to 26 tokens at once (mixed prefill and decode steps), then with 5-token
+    prefill chunks interleaved with the others' decode rows."""
+    expected = [case.hf_greedy(i) for i in range(len(PROMPTS))]
+    engine = make_engine(case.ours)
+    assert [o.token_ids for o in engine.generate([request(ids) for ids in PROMPTS])] == expected
+    assert_all_blocks_free(engine)
+    chunked = make_engine(case.ours, max_num_batched_tokens=5, block_size=4)
+    assert [o.token_ids for o in chunked.generate([request(ids) for ids in PROMPTS])] == expected
+    assert_all_blocks_free(chunked)
+
+
+def test_prefix_cache_hit_gives_the_cold_run_tokens(case: Case):
+    """Turn 2 resends turn 1's prompt and answer plus more: its prefill computes only the new
+    tokens, whose attention must still reach the cached prefix's latents (a layer that attended
+    only over the tokens it is handed would lose them and answer differently)."""
+    first = random_prompt(29, seed=11)
+    warm = make_engine(case.ours, block_size=4)
+    answer = warm.generate([{**request(first), "max_tokens": 8}])[0].token_ids
+    second = first + answer + random_prompt(6, seed=12)  # 43 tokens
+    before = warm.stats()
+    warm_out = warm.generate([request(second)])[0].token_ids
+    hit = warm.stats().prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
+    assert hit >= 32  # turn 1 computed 36 tokens: its full blocks
+    cold = make_engine(case.ours, block_size=4, enable_prefix_caching=False)
+    assert warm_out == cold.generate([request(second)])[0].token_ids
+    with torch.no_grad():
+        ref = case.hf.generate(torch.tensor([second]), max_new_tokens=16, do_sample=False)
+    assert warm_out == ref[0, len(second) :].tolist()
+    assert_all_blocks_free(warm)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_keeps_hf_tokens(case: Case, mode: str):
+    engine = make_engine(case.ours, num_kv_blocks=14, block_size=4, preemption_mode=mode)
+    outs = engine.generate([request(ids) for ids in PROMPTS])
+    assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(len(PROMPTS))]
+    assert engine.stats().num_preemptions > 0
+    assert_all_blocks_free(engine)
+
+
+def test_absorbed_decode_equals_decompressed_attention(case: Case):
+    """One decode step of three sequences, attended in latent space (the decode path) and with
+    K/V decompressed from the same cached rows (the prefill path): the same output."""
+    engine = make_engine(case.ours, block_size=4)
+    backend = engine.executor.attention
+    states = [new_sequence(engine, n + 1) for n in (9, 4, 14)]
+    forward(engine, [(s, random_prompt(n, seed=n), 0) for s, n in zip(states, (9, 4, 14), strict=True)])
+    from model_service.engine.batch_builder import StepItem
+
+    batch = engine.builder.build([StepItem(s, [7], 1) for s in states])
+    backend.prepare(batch)
+    assert backend._num_decode == 3
+    gen = torch.Generator().manual_seed(0)
+    heads, mla = case.ours.config.num_heads, case.ours.config.latent_attention
+    q_nope = torch.randn(3, heads, mla.qk_nope_head_dim, generator=gen)
+    q_rope = torch.randn(3, heads, mla.qk_rope_head_dim, generator=gen)
+    row = torch.randn(3, mla.cache_dim, generator=gen)
+    kv_up = case.ours.module.model.layers[1].self_attn.kv_b_proj.weight.view(heads, -1, mla.kv_lora_rank)
+    absorbed = backend.forward_latent(1, q_nope, q_rope, row, kv_up)
+    backend._num_decode = 0  # every sequence through the decompressing path
+    decompressed = backend.forward_latent(1, q_nope, q_rope, row, kv_up)
+    torch.testing.assert_close(absorbed, decompressed, rtol=1e-5, atol=1e-5)
+    for s in states:
+        engine.cache.free(s)
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy", "noaux_tc"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_routing_matches_hf_routers(method: str, norm: bool):
+    """Our `route` against HF's DeepSeek routers on the same logits: the same experts, the same
+    weights (HF's V2 router neither renormalizes nor groups by norm_topk_prob: V2 with norm is
+    skipped, see config._deepseek_from_hf)."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    if norm and method != "noaux_tc":
+        pytest.skip("HF's V2 router ignores norm_topk_prob (no V2 checkpoint sets it)")
+    sizes = {
+        "hidden_size": 16, "num_attention_heads": 2, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_group": 4, "topk_group": 2,
+    }  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    if method == "noaux_tc":
+        hf_cfg = DeepseekV3Config(**sizes, norm_topk_prob=norm, routed_scaling_factor=2.5)
+        hf_router = DeepseekV3TopkRouter(hf_cfg)
+        hf_router.e_score_correction_bias.copy_(torch.rand(16, generator=gen) * 0.3)
+        bias = hf_router.e_score_correction_bias
+    else:
+        hf_cfg = DeepseekV2Config(**sizes, topk_method=method, routed_scaling_factor=16.0)
+        hf_router, bias = DeepseekV2TopkRouter(hf_cfg), None
+    with torch.no_grad():
+        hf_router.weight.copy_(torch.randn(16, 16, generator=gen))
+        x = torch.randn(64, 16, generator=gen)
+        _, hf_weights, hf_ids = hf_router(x)
+    raw = hf_cfg.to_dict() | {"architectures": [type(hf_cfg).__name__.replace("Config", "ForCausalLM")]}
+    raw |= {"vocab_size": 8, "intermediate_size": 8, "num_hidden_layers": 1}
+    cfg = ModelConfig.from_hf(raw)
+    weights, ids = route(x @ hf_router.weight.T, 4, cfg.norm_topk_prob, cfg.routing, bias)
+    hf_order, order = hf_ids.argsort(dim=-1), ids.argsort(dim=-1)
+    assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
+    torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order))
+    if method != "greedy":  # every token's experts within its two best groups of four
+        assert all(len(set(groups)) <= 2 for groups in (ids // 4).tolist())
+
+
+def test_multi_token_prediction_layers_are_skipped_and_bad_routing_refused(tmp_path: Path):
+    """A V3 checkpoint's MTP layers (after the last decoder layer) are not loaded (speculation by
+    them is not built yet); an unknown V2 `topk_method` is refused by name."""
+    path = make_tiny_deepseek("v3", tmp_path / "ckpt")
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    config = path / "config.json"
+    config.write_text(
+        config.read_text().replace('"num_nextn_predict_layers": 0', '"num_nextn_predict_layers": 1')
+    )
+    assert load_model(str(path), torch.float32, torch.device("cpu")).config.num_layers == 3
+    raw = {
+        "architectures": ["DeepseekV2ForCausalLM"], "topk_method": "noaux_tc", "vocab_size": 8,
+        "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+    }  # fmt: skip
+    with pytest.raises(ModelLoadError, match="topk_method 'noaux_tc'"):
+        ModelConfig.from_hf(raw)
