@@ -73,7 +73,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                 "mscale": 0.707,
                 "mscale_all_dim": 0.707,
                 "original_max_position_embeddings": 16,
-            },  # fmt: skip
+            },
         },
     ),
     "v3": (
@@ -97,7 +97,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                 "original_max_position_embeddings": 16,
                 "beta_fast": 32,
                 "beta_slow": 1,
-            },  # fmt: skip
+            },
         },
     ),
 }
