@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from model_service.attention.kv_cache import cache_bytes_per_block
 from model_service.errors import ModelLoadError
+from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.models.config import ModelConfig
 from model_service.models.layers import checkpoint_tensors
 from model_service.models.loader import load_model
@@ -37,6 +38,7 @@ from tests.conftest import (
     new_sequence,
     prefill_logits,
 )
+from tests.test_lora import make_adapter, peft_greedy
 from tests.test_tiny_models import PROMPTS, Case, random_prompt, rel_err, request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -251,6 +253,27 @@ def test_absorbed_decode_equals_decompressed_attention(case: Case):
     torch.testing.assert_close(absorbed, decompressed, rtol=1e-5, atol=1e-5)
     for s in states:
         engine.cache.free(s)
+
+
+def test_lora_on_the_mla_projections_matches_peft(case: Case, tmp_path: Path):
+    """A PEFT adapter on every MLA projection LoRA can serve (the query path, the latent
+    projection, o_proj): greedy tokens as PEFT's. One on kv_b_proj is
+    refused by name: it multiplies latents cached by earlier steps, which no step's adapter covers."""
+    mla = case.ours.config.latent_attention
+    query = ["q_proj"] if mla.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
+    targets = [*query, "kv_a_proj_with_mqa", "o_proj"]
+    adapter = make_adapter(
+        case.hf, tmp_path / "mla", seed=7, scale=0.3, r=4, lora_alpha=8, target_modules=targets
+    )
+    engine = make_engine(case.ours, max_loras=1, lora_modules={"mla": str(adapter)})
+    want = [peft_greedy(case.hf, adapter, ids, 16, eos=None) for ids in PROMPTS[:3]]
+    outs = engine.generate([{**request(ids), "adapter": "mla"} for ids in PROMPTS[:3]])
+    assert [o.token_ids for o in outs] == want
+    assert want != [case.hf_greedy(i) for i in range(3)], "the adapter does not change the output"
+    assert_all_blocks_free(engine)
+    kv_b = make_adapter(case.hf, tmp_path / "kv_b", seed=8, r=4, target_modules=["kv_b_proj"])
+    with pytest.raises(AdapterError, match="targets 'kv_b_proj'"):
+        load_peft_adapter("kv_b", kv_b, case.ours.config, max_lora_rank=8)
 
 
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy", "noaux_tc"])
