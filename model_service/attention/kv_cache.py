@@ -10,8 +10,7 @@ Multi-head latent attention (DeepSeek's MLA) caches no K or V: per token and lay
 are made from, then the rotated rotary key all heads share (one plane, one "head"; `for_model`).
 In 16-bit, per token and layer:
 - DeepSeek-V3 (128 heads, latent 512, rope 64; K 192 and V 128 per head): 576 values, 1,152 bytes,
-  against 128 * (192 + 128) = 40,960 values (81,920 bytes) of full K/V: 1/71. Against a
-  GQA-style 8-KV-head cache of the same head dims (5,120 values) it is about 1/9.
+  against 128 * (192 + 128) = 40,960 values (81,920 bytes) of full K/V: 1/71.
 - DeepSeek-V2-Lite (16 heads, latent 512, rope 64; K 192, V 128): 576 values, 1,152 bytes,
   against 16 * (192 + 128) = 5,120 values (10,240 bytes): 1/8.9.
 """
