@@ -38,6 +38,7 @@ from tests.conftest import (
     new_sequence,
     prefill_logits,
 )
+from tests.test_beam_search import _hf_beams
 from tests.test_lora import make_adapter, peft_greedy
 from tests.test_tiny_models import PROMPTS, Case, random_prompt, rel_err, request
 
@@ -226,6 +227,21 @@ def test_preemption_keeps_hf_tokens(case: Case, mode: str):
     outs = engine.generate([request(ids) for ids in PROMPTS])
     assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(len(PROMPTS))]
     assert engine.stats().num_preemptions > 0
+    assert_all_blocks_free(engine)
+
+
+def test_speculative_verify_and_beam_search_keep_hf_tokens(case: Case):
+    """n-gram verify runs (several query rows a sequence over the latent cache, rejected rows'
+    latents overwritten later) and beams (forked blocks of latents) as HF decodes."""
+    spec = make_engine(case.ours, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    outs = spec.generate([request(ids) for ids in PROMPTS[:3]])
+    assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(3)]
+    assert spec.stats().spec_proposed_tokens > 0
+    assert_all_blocks_free(spec)
+    engine = make_engine(case.ours, block_size=4)
+    expected = _hf_beams(case.hf, PROMPTS[1], eos=None, num_beams=3, max_new_tokens=10)
+    req = {"prompt_token_ids": PROMPTS[1], "max_tokens": 10, "num_beams": 3, "ignore_eos": True}
+    assert engine.generate([req])[0].token_ids == expected
     assert_all_blocks_free(engine)
 
 
