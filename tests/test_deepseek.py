@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from model_service.attention.kv_cache import cache_bytes_per_block
 from model_service.errors import ModelLoadError
+from model_service.kernels.mla_decode import mla_decode_attention, mla_decode_attention_reference
 from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.models.config import ModelConfig
 from model_service.models.layers import checkpoint_tensors
@@ -267,6 +268,14 @@ def test_absorbed_decode_equals_decompressed_attention(case: Case):
     backend._num_decode = 0  # every sequence through the decompressing path
     decompressed = backend.forward_latent(1, q_nope, q_rope, row, kv_up)
     torch.testing.assert_close(absorbed, decompressed, rtol=1e-5, atol=1e-5)
+    # The decode kernel's reference (per sequence, through the block table) as the backend's grid.
+    q = torch.randn(3, heads, mla.cache_dim, generator=gen)
+    cache = engine.executor.kv_cache.latent(1)
+    want = backend._latent_attention(cache, q, mla.kv_lora_rank)
+    got = mla_decode_attention_reference(
+        q, cache, batch.block_table, batch.seq_lens, 4, backend.scale, mla.kv_lora_rank
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for s in states:
         engine.cache.free(s)
 
@@ -353,3 +362,47 @@ def test_multi_token_prediction_layers_are_skipped_and_bad_routing_refused(tmp_p
     }  # fmt: skip
     with pytest.raises(ModelLoadError, match="topk_method 'noaux_tc'"):
         ModelConfig.from_hf(raw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("shape", [(20, 512, 64), (4, 32, 8)], ids=["v3-latent-20-heads", "tiny"])
+def test_mla_decode_kernel_matches_its_reference(
+    dtype: torch.dtype, splits: int, shape: tuple[int, int, int]
+):
+    """Fresh inputs: contexts of 0 (a padding row), 1, 17 and 300 tokens in shuffled blocks of
+    16, heads not a multiple of the kernel's head block, both the published and the tiny widths."""
+    heads, latent, rope = shape
+    gen = torch.Generator().manual_seed(5)
+    lens = torch.tensor([0, 1, 17, 300])
+    blocks = torch.randperm(80, generator=gen)
+    table = torch.stack([blocks[i * 20 : (i + 1) * 20] for i in range(4)])
+    cache = torch.randn(80 * 16, 1, latent + rope, generator=gen).to(dtype)
+    q = torch.randn(4, heads, latent + rope, generator=gen).to(dtype)
+    scale = (128 + 64) ** -0.5
+    want = mla_decode_attention_reference(q, cache, table, lens, 16, scale, latent)
+    cuda = [t.cuda() for t in (q, cache, table, lens)]
+    got = mla_decode_attention(*cuda[:2], cuda[2], cuda[3], 16, scale, latent, num_splits=splits)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu().float(), want.float(), rtol=tol, atol=tol)
+    assert got[0].abs().max() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_hf_with_the_mla_kernel(case: Case):
+    """The checkpoint on CUDA: decode rows through the Triton latent kernel, prefill decompressed,
+    a prefix-cache hit on the second round; HF's greedy tokens."""
+    from model_service.attention.triton_latent import TritonLatentBackend
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    loaded = load_model(str(case.path), torch.float32, torch.device("cuda"))
+    engine = make_engine(loaded, device="cuda", block_size=16)
+    assert isinstance(engine.executor.attention, TritonLatentBackend)
+    for _ in range(2):
+        outs = engine.generate([request(ids) for ids in PROMPTS])
+        assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(len(PROMPTS))]
+    assert engine.stats().prefix_cache_hit_tokens > 0
+    assert_all_blocks_free(engine)

@@ -99,42 +99,39 @@ class TorchReferenceBackend:
         assert self._batch is not None, "prepare() must run before the first layer"
         cache = self.kv_cache.latent(layer)
         write_cache_rows(cache, self._batch.slot_mapping, cache_row[:, None, :])
-        rows = cache_rows(cache, self._key_slots).to(q_nope.dtype)[:, :, 0]  # [S, K, latent + rope]
-        d, num_tokens = self._num_decode, q_nope.shape[0]
+        d, nope = self._num_decode, q_nope.shape[-1]
         parts = []
-        if d > 0:
-            parts.append(self._absorbed(q_nope[:d], q_rope[:d], rows[:d], kv_up))
-        if d < num_tokens:
-            parts.append(self._decompressed(q_nope, q_rope, rows, kv_up, d))
+        if d > 0:  # absorbed: W_UK into the query, attention in latent space, then W_UV
+            q = torch.cat((torch.einsum("thn,hnl->thl", q_nope[:d], kv_up[:, :nope]), q_rope[:d]), dim=-1)
+            out = self._latent_attention(cache, q, kv_up.shape[-1])
+            parts.append(torch.einsum("thl,hvl->thv", out, kv_up[:, nope:]))
+        if d < q_nope.shape[0]:
+            parts.append(self._decompressed(cache, q_nope, q_rope, kv_up, d))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _absorbed(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, kv_up: torch.Tensor
-    ) -> torch.Tensor:
-        """Decode rows (one query each, sequence i's row i): attention in latent space."""
-        nope = q_nope.shape[-1]
-        w_uk, w_uv = kv_up[:, :nope], kv_up[:, nope:]  # [H, Dn, L], [H, Dv, L]
-        latent = kv_up.shape[-1]
-        q = torch.cat((torch.einsum("thn,hnl->thl", q_nope, w_uk), q_rope), dim=-1)  # [T, H, L + R]
-        mask = self._masks[None][: q.shape[0], :, :1]  # [T, 1, 1, K]
-        out = F.scaled_dot_product_attention(
-            q[:, :, None],  # [T, H, 1, L + R]
-            rows[:, None],  # [T, 1, K, L + R]
-            rows[:, None, :, :latent],
-            attn_mask=mask,
+    def _latent_attention(self, cache: torch.Tensor, q: torch.Tensor, latent: int) -> torch.Tensor:
+        """The step's leading decode rows (sequence i's query is row i), absorbed queries q
+        [d, H, latent + rope] against their contexts' cached rows as one shared KV head whose
+        value is the latent: [d, H, latent]."""
+        d = q.shape[0]
+        rows = cache_rows(cache, self._key_slots[:d]).to(q.dtype)  # [d, K, 1, latent + rope]
+        return F.scaled_dot_product_attention(
+            q[:, :, None],  # [d, H, 1, latent + rope]
+            rows.transpose(1, 2),  # [d, 1, K, latent + rope]
+            rows.transpose(1, 2)[..., :latent],
+            attn_mask=self._masks[None][:d, :, :1],
             scale=self.scale,
             enable_gqa=True,
-        )[:, :, 0]  # [T, H, L]
-        return torch.einsum("thl,hvl->thv", out, w_uv)
+        )[:, :, 0]
 
     def _decompressed(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, kv_up: torch.Tensor, first: int
+        self, cache: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_up: torch.Tensor, first: int
     ) -> torch.Tensor:
         """The sequences from `first` on (their tokens too start at row `first`): per-head K/V
         made from every cached row of their contexts."""
         heads, per_head, latent = kv_up.shape
         nope = q_nope.shape[-1]
-        rows = rows[first:]
+        rows = cache_rows(cache, self._key_slots[first:]).to(q_nope.dtype)[:, :, 0]  # [S', K, latent + rope]
         kv = F.linear(rows[..., :latent], kv_up.reshape(heads * per_head, latent))
         k_nope, values = kv.view(*rows.shape[:2], heads, per_head).split([nope, per_head - nope], dim=-1)
         k_rope = rows[:, :, None, latent:].expand(-1, -1, heads, -1)
