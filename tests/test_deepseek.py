@@ -304,8 +304,8 @@ def test_lora_on_the_mla_projections_matches_peft(case: Case, tmp_path: Path):
 
 def test_an_fp8_cache_holds_the_latents_and_tensor_parallelism_is_refused(case: Case):
     """`--kv-cache-dtype fp8`: the latent rows in e4m3 (logits near HF's, not equal: three
-    mantissa bits on random weights of spread 0.2). Tensor
-    parallelism does not split MLA heads yet: refused by name."""
+    mantissa bits on random weights of spread 0.2). Tensor parallelism does not split MLA heads
+    yet: refused by name."""
     engine = make_engine(case.ours, block_size=4, kv_cache_dtype="fp8")
     assert engine.executor.kv_cache.data.dtype == torch.float8_e4m3fn
     ids = random_prompt(30, seed=5)
