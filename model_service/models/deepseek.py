@@ -21,6 +21,8 @@ The latents' RMSNorms use DeepSeek's fixed eps 1e-6, not `rms_norm_eps` (as its 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -35,7 +37,7 @@ from model_service.models.step import LatentAttentionBackend
 LATENT_NORM_EPS = 1e-6
 
 
-def rotate_interleaved(
+def rotate_deepseek_rope(
     x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], interleaved: bool
 ) -> torch.Tensor:
     """RoPE on x [T, H, R] whose rotary pairs are (x0, x1), (x2, x3), ... when `interleaved`; the
@@ -83,12 +85,10 @@ class LatentAttention(nn.Module):
             [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1
         )
         latent, k_rope = kv.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        q_rope = rotate_interleaved(q_rope, rope, m.rope_interleave)
-        k_rope = rotate_interleaved(k_rope[:, None, :], rope, m.rope_interleave)[:, 0]
+        q_rope = rotate_deepseek_rope(q_rope, rope, m.rope_interleave)
+        k_rope = rotate_deepseek_rope(k_rope[:, None, :], rope, m.rope_interleave)[:, 0]
         cache_row = torch.cat((self.kv_a_layernorm(latent.contiguous()), k_rope), dim=-1)
-        backend = ctx.attention
-        if not isinstance(backend, LatentAttentionBackend):
-            raise TypeError(f"{type(backend).__name__} cannot attend over an MLA latent cache")
+        backend = cast(LatentAttentionBackend, ctx.attention)  # the executor picks one for MLA models
         kv_up = self.kv_b_proj.weight.view(self.num_heads, -1, m.kv_lora_rank)
         out = backend.forward_latent(self.layer_idx, q_nope.contiguous(), q_rope, cache_row, kv_up)
         return self.o_proj(out.reshape(n, -1))
