@@ -302,10 +302,9 @@ def test_lora_on_the_mla_projections_matches_peft(case: Case, tmp_path: Path):
         load_peft_adapter("kv_b", kv_b, case.ours.config, max_lora_rank=8)
 
 
-def test_an_fp8_cache_holds_the_latents_and_tensor_parallelism_is_refused(case: Case):
+def test_an_fp8_cache_holds_the_latents(case: Case):
     """`--kv-cache-dtype fp8`: the latent rows in e4m3 (logits near HF's, not equal: three
-    mantissa bits on random weights of spread 0.2). Tensor parallelism does not split MLA heads
-    yet: refused by name."""
+    mantissa bits on random weights of spread 0.2)."""
     engine = make_engine(case.ours, block_size=4, kv_cache_dtype="fp8")
     assert engine.executor.kv_cache.data.dtype == torch.float8_e4m3fn
     ids = random_prompt(30, seed=5)
@@ -314,8 +313,31 @@ def test_an_fp8_cache_holds_the_latents_and_tensor_parallelism_is_refused(case: 
     assert 0 < rel_err(prefill_logits(engine, ids, chunk=7), ref) < 0.3  # e4m3 on wide random weights
     engine.generate([request(p) for p in PROMPTS[:2]])
     assert_all_blocks_free(engine)
-    with pytest.raises(ModelLoadError, match="multi-head latent attention"):
-        Partition.of(case.ours.config, 0, 2)
+
+
+def test_two_tensor_parallel_ranks_split_the_heads(case: Case, tmp_path: Path):
+    """Two ranks (gloo, two processes), two query heads each over a whole latent cache apiece:
+    HF's greedy tokens, and with a LoRA adapter on the MLA projections PEFT's."""
+    assert Partition.of(case.ours.config, 1, 2).q_heads == range(2, 4)
+    mla = case.ours.config.latent_attention
+    query = ["q_proj"] if mla.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
+    adapter = make_adapter(
+        case.hf,
+        tmp_path / "mla",
+        seed=7,
+        scale=0.3,
+        r=4,
+        target_modules=[*query, "kv_a_proj_with_mqa", "o_proj"],
+    )
+    want = [peft_greedy(case.hf, adapter, ids, 16, eos=None) for ids in PROMPTS[:2]]
+    engine = make_engine(case.ours, tensor_parallel_size=2, max_loras=1, lora_modules={"mla": str(adapter)})
+    try:
+        outs = engine.generate([request(ids) for ids in PROMPTS[:3]])
+        assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(3)]
+        outs = engine.generate([{**request(ids), "adapter": "mla"} for ids in PROMPTS[:2]])
+        assert [o.token_ids for o in outs] == want
+    finally:
+        engine.executor.teardown()
 
 
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy", "noaux_tc"])
