@@ -380,9 +380,10 @@ def test_routing_matches_hf_routers(method: str, norm: bool):
         assert all(len(set(groups)) <= 2 for groups in (ids // 4).tolist())
 
 
-def test_multi_token_prediction_layers_are_skipped_and_bad_routing_refused(tmp_path: Path):
+def test_mtp_layers_skipped_bad_routing_refused_and_moe_layer_freq(tmp_path: Path):
     """A V3 checkpoint's MTP layers (after the last decoder layer) are not loaded (speculation by
-    them is not built yet); an unknown V2 `topk_method` is refused by name."""
+    them is not built yet); an unknown V2 `topk_method` is refused by name; `moe_layer_freq`
+    spaces the sparse layers."""
     path = make_tiny_deepseek("v3", tmp_path / "ckpt")
     file = path / "model.safetensors"
     tensors = load_file(str(file))
@@ -401,6 +402,10 @@ def test_multi_token_prediction_layers_are_skipped_and_bad_routing_refused(tmp_p
     }  # fmt: skip
     with pytest.raises(ModelLoadError, match="topk_method 'noaux_tc'"):
         ModelConfig.from_hf(raw)
+    # Sparse from layer first_k_dense_replace on, every moe_layer_freq-th (DeepSeek's own rule).
+    spaced = ModelConfig.from_hf({**raw, "topk_method": "greedy", "num_hidden_layers": 5,
+                                  "first_k_dense_replace": 1, "moe_layer_freq": 2})  # fmt: skip
+    assert [k.moe for k in spaced.layer_kinds] == [False, False, True, False, True]
 
 
 @pytest.mark.gpu
