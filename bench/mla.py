@@ -4,9 +4,9 @@ and how close a step comes to its bandwidth floor.
 Setup (printed in every line): 27 layers (`--layers`), hidden 2048, 16 heads, latent 512 + rope
 64, q_proj without a q LoRA, 64 routed experts (top 6, width 1408) and 2 shared, the first layer
 dense; one CUDA device, bf16, greedy, prompts of `--prompt-len` random tokens, `--new-tokens`
-generated; decode tokens/s measured as bench/gpu.py measures it (prefill excluded). MLA models
-run eagerly (no CUDA graphs yet): decode rows through the Triton latent kernel
-(kernels/mla_decode.py), everything else in torch.
+generated; decode tokens/s measured as bench/gpu.py measures it (prefill excluded), with decode
+graphs and eagerly (`--eager` lines): decode rows through the Triton latent kernel
+(kernels/mla_decode.py), prefill in torch.
 
 The floor of one decode step is the bytes it must read: every weight a token touches (attention,
 the dense layer, each MoE layer's router, shared experts and the routed experts the batch hits,
@@ -82,18 +82,21 @@ def main() -> None:
     setup = {"model": "deepseek-v2-lite-shape", "layers": args.layers, "dtype": "bfloat16",
              "device": torch.cuda.get_device_name(), "prompt_len": args.prompt_len,
              "new_tokens": args.new_tokens, "copy_gb_s": round(bandwidth)}  # fmt: skip
-    config = EngineConfig(
-        device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches), max_loras=0,
-        kv_cache_memory_bytes=8 << 30, max_model_len=4096, max_num_batched_tokens=8192,
-    )  # fmt: skip
-    engine = Engine(config, loaded=loaded)
-    for batch in args.batches:
-        rate = decode_tok_s(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size)
-        context = args.prompt_len + args.new_tokens // 2  # the average step's context
-        gb_s = step_bytes(cfg, batch, context) * rate / batch / 1e9
-        line = {"bench": "mla_decode", "batch": batch, "decode_tokens_per_s": round(rate, 1),
-                "step_gb_s": round(gb_s), "floor_fraction": round(gb_s / bandwidth, 3)}  # fmt: skip
-        print(json.dumps({**line, **setup}), flush=True)
+    for eager in (False, True):
+        config = EngineConfig(
+            device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches), max_loras=0, enforce_eager=eager,
+            kv_cache_memory_bytes=8 << 30, max_model_len=4096, max_num_batched_tokens=8192,
+        )  # fmt: skip
+        engine = Engine(config, loaded=loaded)
+        for batch in args.batches:
+            rate = decode_tok_s(engine, batch, args.prompt_len, args.new_tokens, cfg.vocab_size)
+            context = args.prompt_len + args.new_tokens // 2  # the average step's context
+            gb_s = step_bytes(cfg, batch, context) * rate / batch / 1e9
+            line = {"bench": "mla_decode", "system": "spindle-eager" if eager else "spindle", "batch": batch,
+                    "decode_tokens_per_s": round(rate, 1), "step_gb_s": round(gb_s),
+                    "floor_fraction": round(gb_s / bandwidth, 3)}  # fmt: skip
+            print(json.dumps({**line, **setup}), flush=True)
+        del engine
 
 
 if __name__ == "__main__":

@@ -24,11 +24,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_service.attention.kv_cache import cache_bytes_per_block
+from model_service.attention.triton_latent import TritonLatentBackend
 from model_service.distributed.sharding import Partition
 from model_service.errors import ModelLoadError
 from model_service.kernels.mla_decode import mla_decode_attention, mla_decode_attention_reference
 from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.models.config import ModelConfig
+from model_service.models.context import ForwardContext
 from model_service.models.layers import checkpoint_tensors
 from model_service.models.loader import load_model
 from model_service.models.moe import route
@@ -340,6 +342,40 @@ def test_two_tensor_parallel_ranks_split_the_heads(case: Case, tmp_path: Path):
         engine.executor.teardown()
 
 
+def test_the_kernel_backends_bookkeeping_on_the_cpu(case: Case):
+    """`TritonLatentBackend` with the kernel's torch reference standing in: eagerly, HF's greedy
+    tokens; and a decode step replayed as a CUDA graph would be (static buffers filled for a
+    padded batch, padding rows with slot -1 writing nothing), the eager step's logits."""
+    engine = make_engine(case.ours, block_size=4)
+    cfg = case.ours.config
+    kernel_backend = TritonLatentBackend(
+        engine.executor.kv_cache, cfg.sliding_windows, cfg.head_dim, cfg.softmax_scale
+    )
+    engine.executor.attention = kernel_backend
+    outs = engine.generate([request(ids) for ids in PROMPTS[:3]])
+    assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(3)]
+    states = [new_sequence(engine, n + 1) for n in (6, 11)]
+    forward(engine, [(s, random_prompt(n, seed=n), 0) for s, n in zip(states, (6, 11), strict=True)])
+    from model_service.engine.batch_builder import StepItem
+
+    batch = engine.builder.build([StepItem(s, [9], 1) for s in states])
+    kernel_backend.init_graph_capture(4, 64)
+    kernel_backend.prepare_for_capture(4)
+    kernel_backend.prepare_for_replay(batch, 4)
+    pool_before = engine.executor.kv_cache.data.clone()
+    ids, pos = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+    ids[:2], pos[:2] = batch.input_ids, batch.positions
+    with torch.inference_mode():
+        replayed = engine.executor.module(ids, pos, ForwardContext(kernel_backend, torch.arange(4)))[:2]
+    written = (engine.executor.kv_cache.data != pool_before).any(dim=(0, 1, 3, 4)).nonzero().flatten()
+    assert sorted(written.tolist()) == sorted(batch.slot_mapping.tolist())  # the padding rows wrote nothing
+    engine.executor.kv_cache.data.copy_(pool_before)
+    eager = engine.executor.execute(batch)
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+    for s in states:
+        engine.cache.free(s)
+
+
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy", "noaux_tc"])
 @pytest.mark.parametrize("norm", [False, True])
 def test_routing_matches_hf_routers(method: str, norm: bool):
@@ -450,3 +486,21 @@ def test_cuda_matches_hf_with_the_mla_kernel(case: Case):
         assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(len(PROMPTS))]
     assert engine.stats().prefix_cache_hit_tokens > 0
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_equal_eager_for_mla(case: Case):
+    """bf16 (the experts' grouped path, which graphs need): decode steps replayed from CUDA graphs
+    give the eager engine's tokens, with n-gram verify runs replayed as token rows too."""
+    loaded = load_model(str(case.path), torch.bfloat16, torch.device("cuda"))
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    runs = []
+    for eager in (False, True):
+        engine = make_engine(
+            loaded, device="cuda", dtype="bfloat16", enforce_eager=eager, speculative_config=spec
+        )
+        assert (engine.executor.graphs is None) == eager
+        runs.append([o.token_ids for o in engine.generate([request(ids) for ids in PROMPTS])])
+        assert_all_blocks_free(engine)
+    assert runs[0] == runs[1]

@@ -96,9 +96,8 @@ class TorchReferenceBackend:
         cache_row: torch.Tensor,
         kv_up: torch.Tensor,
     ) -> torch.Tensor:
-        assert self._batch is not None, "prepare() must run before the first layer"
         cache = self.kv_cache.latent(layer)
-        write_cache_rows(cache, self._batch.slot_mapping, cache_row[:, None, :])
+        self._write_rows(cache, cache_row[:, None, :])
         d, nope = self._num_decode, q_nope.shape[-1]
         parts = []
         if d > 0:  # absorbed: W_UK into the query, attention in latent space, then W_UV
@@ -108,6 +107,11 @@ class TorchReferenceBackend:
         if d < q_nope.shape[0]:
             parts.append(self._decompressed(cache, q_nope, q_rope, kv_up, d))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _write_rows(self, cache: torch.Tensor, rows: torch.Tensor) -> None:
+        """This step's MLA rows [T, 1, latent + rope] into their slots."""
+        assert self._batch is not None, "prepare() must run before the first layer"
+        write_cache_rows(cache, self._batch.slot_mapping, rows)
 
     def _latent_attention(self, cache: torch.Tensor, q: torch.Tensor, latent: int) -> torch.Tensor:
         """The step's leading decode rows (sequence i's query is row i), absorbed queries q

@@ -100,9 +100,9 @@ if triton is not None:
         tl.store(PartLse + seq * pl_stride_s + h * pl_stride_h + split, lse, mask=hm)
 
 
-def mla_kernel_applies(q: torch.Tensor, latent: int) -> bool:
+def mla_kernel_applies(device: torch.device, latent: int) -> bool:
     """The kernel runs on CUDA for a power-of-two latent of at least 16 (DeepSeek's 512)."""
-    return triton is not None and q.is_cuda and latent >= 16 and latent & (latent - 1) == 0
+    return triton is not None and device.type == "cuda" and latent >= 16 and latent & (latent - 1) == 0
 
 
 def mla_decode_attention(
@@ -117,7 +117,7 @@ def mla_decode_attention(
 ) -> torch.Tensor:
     """The Triton kernel where `mla_kernel_applies` (the reference elsewhere); the reference's
     contract. q must be contiguous."""
-    if not mla_kernel_applies(q, latent):
+    if not mla_kernel_applies(q.device, latent):
         return mla_decode_attention_reference(q, cache, block_table, seq_lens, block_size, scale, latent)
     num_seqs, heads, width = q.shape
     rope = width - latent
