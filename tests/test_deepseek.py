@@ -319,7 +319,9 @@ def test_an_fp8_cache_holds_the_latents(case: Case):
 
 def test_two_tensor_parallel_ranks_split_the_heads(case: Case, tmp_path: Path):
     """Two ranks (gloo, two processes), two query heads each over a whole latent cache apiece:
-    HF's greedy tokens, and with a LoRA adapter on the MLA projections PEFT's."""
+    HF's greedy tokens, and with a LoRA adapter on the MLA projections PEFT's. The V2 shape's
+    experts are tensor-parallel (each expert's rows split), the V3 shape's expert-parallel (four
+    whole experts a rank, V3's biased group routing replicated)."""
     assert Partition.of(case.ours.config, 1, 2).q_heads == range(2, 4)
     mla = case.ours.config.latent_attention
     query = ["q_proj"] if mla.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
@@ -332,7 +334,10 @@ def test_two_tensor_parallel_ranks_split_the_heads(case: Case, tmp_path: Path):
         target_modules=[*query, "kv_a_proj_with_mqa", "o_proj"],
     )
     want = [peft_greedy(case.hf, adapter, ids, 16, eos=None) for ids in PROMPTS[:2]]
-    engine = make_engine(case.ours, tensor_parallel_size=2, max_loras=1, lora_modules={"mla": str(adapter)})
+    engine = make_engine(
+        case.ours, tensor_parallel_size=2, max_loras=1, lora_modules={"mla": str(adapter)},
+        enable_expert_parallel=mla.q_lora_rank is not None,
+    )  # fmt: skip
     try:
         outs = engine.generate([request(ids) for ids in PROMPTS[:3]])
         assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(3)]
