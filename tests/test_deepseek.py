@@ -385,8 +385,7 @@ def test_the_kernel_backends_bookkeeping_on_the_cpu(case: Case):
 @pytest.mark.parametrize("norm", [False, True])
 def test_routing_matches_hf_routers(method: str, norm: bool):
     """Our `route` against HF's DeepSeek routers on the same logits: the same experts, the same
-    weights (HF's V2 router neither renormalizes nor groups by norm_topk_prob: V2 with norm is
-    skipped, see config._deepseek_from_hf)."""
+    weights. (HF's V2 router ignores norm_topk_prob, which no V2 checkpoint sets: not compared.)"""
     from transformers import DeepseekV2Config, DeepseekV3Config
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -434,7 +433,8 @@ def test_mtp_layers_skipped_bad_routing_refused_and_moe_layer_freq(tmp_path: Pat
     config.write_text(
         config.read_text().replace('"num_nextn_predict_layers": 0', '"num_nextn_predict_layers": 1')
     )
-    assert load_model(str(path), torch.float32, torch.device("cpu")).config.num_layers == 3
+    loaded = load_model(str(path), torch.float32, torch.device("cpu"))
+    assert (loaded.config.num_layers, loaded.config.mtp_layers) == (3, 1)
     raw = {
         "architectures": ["DeepseekV2ForCausalLM"], "topk_method": "noaux_tc", "vocab_size": 8,
         "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
