@@ -156,13 +156,12 @@ class ModelExecutor:
         self, config: EngineConfig
     ) -> tuple[AttentionBackend, DecodeGraphs | None, PiecewiseGraphs | None]:
         """The attention backend, and the CUDA graphs that replay steps over it (the Triton
-        backend's only: the reference backend cannot be captured)."""
+        backends' only: the reference backend cannot be captured)."""
         cfg = self.config
-        if not self._kernels_apply() or cfg.latent_attention is not None:  # MLA: no Triton kernel yet
-            backend = TorchReferenceBackend(
-                self.kv_cache, cfg.sliding_windows, cfg.head_dim, cfg.softmax_scale
-            )
-            return backend, None, None
+        if cfg.latent_attention is not None:
+            return self._latent_attention(config)
+        if not self._kernels_apply():
+            return TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim), None, None
         backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
         if config.enforce_eager or not self._graphs_apply():
             return backend, None, None
