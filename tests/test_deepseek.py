@@ -17,6 +17,7 @@ zeros, where a dropped norm or bias would go unseen.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_service.attention.kv_cache import cache_bytes_per_block
+from model_service.attention.reference import TorchReferenceBackend
 from model_service.attention.triton_latent import TritonLatentBackend
 from model_service.distributed.sharding import Partition
 from model_service.errors import ModelLoadError
@@ -381,6 +383,23 @@ def test_the_kernel_backends_bookkeeping_on_the_cpu(case: Case):
         engine.cache.free(s)
 
 
+def test_a_cuda_executor_picks_the_kernel_backend_and_graphs(case: Case, monkeypatch: pytest.MonkeyPatch):
+    """The wiring, without a GPU: an MLA executor on a (stand-in) CUDA device with Triton builds
+    `TritonLatentBackend` and decode graphs over it (no piecewise graphs); on the CPU the reference."""
+    import model_service.engine.executor as executor_module
+
+    engine = make_engine(case.ours)
+    executor = engine.executor
+    assert type(executor.attention) is TorchReferenceBackend and executor.graphs is None
+    monkeypatch.setattr(executor_module, "triton", object())
+    monkeypatch.setattr(executor_module, "mla_kernel_applies", lambda device, latent: True)
+    monkeypatch.setattr(executor_module.ModelExecutor, "_graphs_apply", lambda self: True)
+    monkeypatch.setattr(executor_module, "DecodeGraphs", lambda module, backend, *rest: ("graphs", backend))
+    monkeypatch.setattr(executor, "device", SimpleNamespace(type="cuda"))
+    backend, graphs, pieces = executor._attention(engine.config)
+    assert isinstance(backend, TritonLatentBackend) and graphs == ("graphs", backend) and pieces is None
+
+
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy", "noaux_tc"])
 @pytest.mark.parametrize("norm", [False, True])
 def test_routing_matches_hf_routers(method: str, norm: bool):
@@ -483,8 +502,6 @@ def test_mla_decode_kernel_matches_its_reference(
 def test_cuda_matches_hf_with_the_mla_kernel(case: Case):
     """The checkpoint on CUDA: decode rows through the Triton latent kernel, prefill decompressed,
     a prefix-cache hit on the second round; HF's greedy tokens."""
-    from model_service.attention.triton_latent import TritonLatentBackend
-
     torch.backends.cuda.matmul.allow_tf32 = False
     loaded = load_model(str(case.path), torch.float32, torch.device("cuda"))
     engine = make_engine(loaded, device="cuda", block_size=16)
