@@ -41,6 +41,8 @@ from model_service.models.fp8_linear import Fp8Linear, quantize_online
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
 from model_service.models.quantization import ONLINE
+from model_service.models.registry import model_class
+from model_service.models.rope import RotaryEmbedding
 from model_service.models.step import StepBatch
 from model_service.startup import configure_process
 
@@ -91,10 +93,11 @@ def random_model(
 def random_module(
     cfg: ModelConfig, device: str = "cuda", dtype: torch.dtype = torch.bfloat16
 ) -> DecoderModel:
-    """Weights N(0, 0.02), norms 1; RoPE's table computed (a meta init leaves it empty). bf16 on
-    CUDA unless told: the CPU modes of the benchmarks build the same model small."""
+    """The registered module of `cfg`'s family, weights N(0, 0.02), norms 1; RoPE's table
+    computed (a meta init leaves it empty). bf16 on CUDA unless told: the CPU modes of the
+    benchmarks build the same model small."""
     with torch.device("meta"):
-        module = DecoderModel(cfg)
+        module = model_class(cfg)(cfg)
     module = module.to(dtype).to_empty(device=device)  # never the float32 copy: MoE shapes are large
     torch.manual_seed(0)
     with torch.no_grad():
@@ -103,9 +106,8 @@ def random_module(
         for name, p in module.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-    module.rotary = module.rotary.to(device)
-    module.rotary.inv_freq.copy_(
-        1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim))
+    module.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(
+        device
     )
     return module.eval()
 

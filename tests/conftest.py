@@ -151,6 +151,8 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"cls": "Qwen2MoeConfig", "arch": "Qwen2MoeForCausalLM"},
     "qwen3_moe": {"cls": "Qwen3MoeConfig", "arch": "Qwen3MoeForCausalLM"},
     "qwen3_next": {"cls": "Qwen3NextConfig", "arch": "Qwen3NextForCausalLM"},
+    "deepseek_v2": {"cls": "DeepseekV2Config", "arch": "DeepseekV2ForCausalLM"},
+    "deepseek_v3": {"cls": "DeepseekV3Config", "arch": "DeepseekV3ForCausalLM"},
 }
 
 

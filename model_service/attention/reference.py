@@ -6,6 +6,15 @@ rows, each sequence's context slots gathered from the block table, and one boole
 sliding window (causal, within context, within the window). Each layer then writes its K/V into
 the pool and runs SDPA over the gathered context. A GPU kernel replaces all of this behind the
 same two methods, reading the block table directly instead of gathering.
+
+MLA layers (`forward_latent`) attend over cached latents in two ways. The step's leading
+one-token sequences (decode rows) use the absorbed weights: each head's non-rotary query goes
+through its W_UK into latent space, scores are q_latent . c + q_rope . k_rope against the cached
+rows as they are (one shared "KV head"), and the output c-weighted sum goes through W_UV; no
+per-head K or V is ever made. The rest (prefill chunks, verify runs) decompress each context row
+with `kv_b_proj` into per-head keys and values and attend as usual: cheaper when many queries
+share a context. Both read the whole cached context, so a prefix-cache hit is attended to like
+tokens this step wrote.
 """
 
 from __future__ import annotations
@@ -20,10 +29,13 @@ from model_service.models.step import StepBatch
 
 
 class TorchReferenceBackend:
-    def __init__(self, kv_cache: KVCache, windows: list[int | None], head_dim: int) -> None:
+    def __init__(
+        self, kv_cache: KVCache, windows: list[int | None], head_dim: int, scale: float | None = None
+    ) -> None:
         self.kv_cache, self.windows = kv_cache, windows
-        self.scale = head_dim**-0.5
+        self.scale = scale if scale is not None else head_dim**-0.5
         self._batch: StepBatch | None = None
+        self._num_decode = 0
         self._query_index = self._token_rows = self._key_slots = torch.empty(0, dtype=torch.long)
         self._masks: dict[int | None, torch.Tensor] = {}
 
@@ -45,6 +57,7 @@ class TorchReferenceBackend:
         self._key_slots = torch.where(in_context, blocks * bs + k % bs, 0)  # [S, K]
         query_pos = torch.where(valid_q, (batch.seq_lens - q_lens)[:, None] + j, -1)  # [S, Q]
         self._masks = {w: _mask(query_pos, max_k, w) for w in set(self.windows)}
+        self._num_decode = batch.num_leading_decodes
         self._batch = batch
 
     def forward(
@@ -74,6 +87,70 @@ class TorchReferenceBackend:
             enable_gqa=heads != k.shape[1],
         )  # [S, H, Q, D]
         return out.transpose(1, 2).reshape(-1, heads, dim)[self._token_rows]
+
+    def forward_latent(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        cache_row: torch.Tensor,
+        kv_up: torch.Tensor,
+    ) -> torch.Tensor:
+        cache = self.kv_cache.latent(layer)
+        self._write_rows(cache, cache_row[:, None, :])
+        d, nope = self._num_decode, q_nope.shape[-1]
+        parts = []
+        if d > 0:  # absorbed: W_UK into the query, attention in latent space, then W_UV
+            q = torch.cat((torch.einsum("thn,hnl->thl", q_nope[:d], kv_up[:, :nope]), q_rope[:d]), dim=-1)
+            out = self._latent_attention(cache, q, kv_up.shape[-1])
+            parts.append(torch.einsum("thl,hvl->thv", out, kv_up[:, nope:]))
+        if d < q_nope.shape[0]:
+            parts.append(self._decompressed(cache, q_nope, q_rope, kv_up, d))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _write_rows(self, cache: torch.Tensor, rows: torch.Tensor) -> None:
+        """This step's MLA rows [T, 1, latent + rope] into their slots."""
+        assert self._batch is not None, "prepare() must run before the first layer"
+        write_cache_rows(cache, self._batch.slot_mapping, rows)
+
+    def _latent_attention(self, cache: torch.Tensor, q: torch.Tensor, latent: int) -> torch.Tensor:
+        """The step's leading decode rows (sequence i's query is row i), absorbed queries q
+        [d, H, latent + rope] against their contexts' cached rows as one shared KV head whose
+        value is the latent: [d, H, latent]."""
+        d = q.shape[0]
+        rows = cache_rows(cache, self._key_slots[:d]).to(q.dtype)  # [d, K, 1, latent + rope]
+        return F.scaled_dot_product_attention(
+            q[:, :, None],  # [d, H, 1, latent + rope]
+            rows.transpose(1, 2),  # [d, 1, K, latent + rope]
+            rows.transpose(1, 2)[..., :latent],
+            attn_mask=self._masks[None][:d, :, :1],
+            scale=self.scale,
+            enable_gqa=True,
+        )[:, :, 0]
+
+    def _decompressed(
+        self, cache: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_up: torch.Tensor, first: int
+    ) -> torch.Tensor:
+        """The sequences from `first` on (their tokens too start at row `first`): per-head K/V
+        made from every cached row of their contexts."""
+        heads, per_head, latent = kv_up.shape
+        nope = q_nope.shape[-1]
+        rows = cache_rows(cache, self._key_slots[first:]).to(q_nope.dtype)[:, :, 0]  # [S', K, latent + rope]
+        kv = F.linear(rows[..., :latent], kv_up.reshape(heads * per_head, latent))
+        k_nope, values = kv.view(*rows.shape[:2], heads, per_head).split([nope, per_head - nope], dim=-1)
+        k_rope = rows[:, :, None, latent:].expand(-1, -1, heads, -1)
+        keys = torch.cat((k_nope, k_rope), dim=-1)  # [S', K, H, Dn + R]
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        q_padded = torch.cat((q, q.new_zeros(1, *q.shape[1:])))[self._query_index[first:]]  # [S', Q, H, D]
+        out = F.scaled_dot_product_attention(
+            q_padded.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=self._masks[None][first:],
+            scale=self.scale,
+        )  # [S', H, Q, Dv]
+        grid_rows = self._token_rows[first:] - first * self._query_index.shape[1]
+        return out.transpose(1, 2).reshape(-1, heads, per_head - nope)[grid_rows]
 
 
 def _mask(query_pos: torch.Tensor, max_k: int, window: int | None) -> torch.Tensor:

@@ -13,16 +13,15 @@ query head, each reading the whole context (on an 8B model with 256 decode rows 
 beside a chunk that is ~10 TFLOP of padding a step). Neither kernel gathers context: both read
 K/V in place through the block table.
 
-For CUDA graphs the backend owns static metadata buffers (block table, sequence lengths, slot
-mapping) sized once for the largest captured batch. A graph is captured reading them, and
-every replay first copies the step's metadata in (`prepare_for_replay`): a graph is never
-replayed over stale metadata, and padding rows (slot -1, length 0) write and read nothing.
+For CUDA graphs the backend reads static metadata buffers (attention/decode_buffers.py: block
+table, sequence lengths, slot mapping) that every replay fills first.
 """
 
 from __future__ import annotations
 
 import torch
 
+from model_service.attention.decode_buffers import DecodeBuffers
 from model_service.attention.kv_cache import KVCache
 from model_service.kernels.fused import rotary_decode_attention, rotary_store_kv
 from model_service.kernels.paged_attention import num_splits_for, paged_decode_attention, store_kv
@@ -40,7 +39,7 @@ class TritonBackend:
         self.tiles = (self.query_start, self.query_start)
         self.num_splits = 1
         self.slot_mapping = self.block_table = self.seq_lens = torch.empty(0, dtype=torch.long)
-        self._static: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._static: DecodeBuffers | None = None
 
     def prepare(self, batch: StepBatch) -> None:
         self.decode = batch.max_query_len == 1
@@ -100,34 +99,14 @@ class TritonBackend:
 
     def init_graph_capture(self, max_num_seqs: int, max_seq_len: int) -> None:
         device = self.kv_cache.data.device
-        max_blocks = -(-max_seq_len // self.kv_cache.block_size)
-        self._static = (
-            torch.full((max_num_seqs,), -1, dtype=torch.long, device=device),
-            torch.zeros(max_num_seqs, max_blocks, dtype=torch.long, device=device),
-            torch.zeros(max_num_seqs, dtype=torch.long, device=device),
-        )
+        self._static = DecodeBuffers(max_num_seqs, max_seq_len, self.kv_cache.block_size, device)
 
     def prepare_for_capture(self, num_seqs: int) -> None:
         assert self._static is not None, "init_graph_capture first"
-        slots, table, lens = self._static
-        slots[:num_seqs] = -1
-        lens[:num_seqs] = 0
         self.decode = True
-        self.slot_mapping, self.block_table, self.seq_lens = (
-            slots[:num_seqs],
-            table[:num_seqs],
-            lens[:num_seqs],
-        )
+        self.slot_mapping, self.block_table, self.seq_lens = self._static.for_capture(num_seqs)
         self.num_splits = num_splits_for(num_seqs, self.kv_cache.data.shape[3])
 
     def prepare_for_replay(self, batch: StepBatch, padded_num_seqs: int) -> None:
         assert self._static is not None, "init_graph_capture first"
-        slots, table, lens = self._static
-        n, width = batch.num_seqs, batch.block_table.shape[1]
-        if width > table.shape[1]:
-            raise ValueError(f"a context of {width} blocks exceeds the captured {table.shape[1]}")
-        slots[:n] = batch.slot_mapping
-        slots[n:padded_num_seqs] = -1
-        table[:n, :width] = batch.block_table
-        lens[:n] = batch.seq_lens
-        lens[n:padded_num_seqs] = 0
+        self._static.fill(batch, padded_num_seqs)

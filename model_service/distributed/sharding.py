@@ -26,6 +26,12 @@ every layer's straggler, and its partial output joins the same all-reduce (its s
 a per-token scalar, replicated, and the sum is linear). Dense layers of an MoE model (Qwen3-MoE's
 `mlp_only_layers`) are split as any MLP.
 
+Multi-head latent attention (DeepSeek) splits by query heads (every head is its own "KV group"):
+each rank keeps its heads' rows of the query projection and of `kv_b_proj`, and its columns of
+o_proj; the latent projection is replicated, and with it the latent cache, which every head reads
+whole (vLLM's split too: the cache is 1/8.9 to 1/71 of full K/V, so each rank holding all of it is
+what MLA affords).
+
 Column-parallel projections (q/k/v, gate/up) keep their shard's output rows; row-parallel ones
 (o, down) keep their shard's input columns and sum partial outputs in one all-reduce. FP8
 projections (models/fp8_linear.py) slice their per-row scales with the rows; a row-parallel one
@@ -57,13 +63,25 @@ from model_service.distributed.layers import (
 from model_service.engine.executor import own_module_tree
 from model_service.errors import ModelLoadError
 from model_service.lora.adapter import LoraAdapter, LoraWeights
-from model_service.models.config import ModelConfig
+from model_service.models.config import LatentAttentionShape, ModelConfig
+from model_service.models.deepseek import LatentAttention
 from model_service.models.fp8_linear import Fp8Linear
 from model_service.models.layers import MLP, PackedLinear
 from model_service.models.llama import Attention
 from model_service.models.moe import SparseMoeBlock, StackedExperts
 
-COLUMN_PARALLEL = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}  # the rest are row-parallel
+# The rest are row-parallel. MLA's q_a_proj and kv_a_proj_with_mqa are replicated: column-parallel
+# over all their rows.
+COLUMN_PARALLEL = {
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "gate_proj",
+    "up_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+}
 
 
 def runs(n: int, world: int) -> list[range]:
@@ -106,6 +124,7 @@ class Partition:
     experts: range = range(0)  # the MoE experts this rank holds (all of them unless expert-parallel)
     expert_inter: range = range(0)  # each held expert's intermediate rows (all of them if expert-parallel)
     shared_inter: range = range(0)  # the shared expert's intermediate columns
+    mla: LatentAttentionShape | None = None  # MLA: `kv_heads` is `q_heads` (a KV "head" per query head)
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, world: int, expert_parallel: bool = False) -> Partition:
@@ -131,12 +150,19 @@ class Partition:
             vocab=range(lo, min(lo + rows, cfg.vocab_size)),
             vocab_rows=rows,
             head_dim=cfg.head_dim,
+            mla=cfg.latent_attention,
             **_expert_runs(cfg, rank, world, expert_parallel),
         )
 
     def slices(self) -> dict[str, range]:
         """Per PEFT projection name: its output rows (column-parallel) or input columns (row-parallel)
         that this rank holds, in the full projection's coordinates."""
+        mlp = {"gate_proj": self.inter, "up_proj": self.inter, "down_proj": self.inter}
+        if self.mla is not None:
+            m = self.mla
+            q = self.head_rows(m.qk_head_dim)
+            latent = {"q_a_proj": range(m.q_lora_rank or 0), "kv_a_proj_with_mqa": range(m.cache_dim)}
+            return {"q_proj": q, "q_b_proj": q, **latent, "o_proj": self.head_rows(m.v_head_dim), **mlp}
         d = self.head_dim
         q = range(self.q_heads.start * d, self.q_heads.stop * d)
         kv = range(self.kv_heads.start * d, self.kv_heads.stop * d)
@@ -144,6 +170,10 @@ class Partition:
             "q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": q,
             "gate_proj": self.inter, "up_proj": self.inter, "down_proj": self.inter,
         }  # fmt: skip
+
+    def head_rows(self, per_head: int) -> range:
+        """Rows (or columns) of this rank's query heads in a projection `per_head` wide a head."""
+        return range(self.q_heads.start * per_head, self.q_heads.stop * per_head)
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """`cfg` as this rank's K/V cache and attention see it: its own heads only."""
@@ -209,21 +239,44 @@ def _row(lin: PackedLinear, cols: range, collectives: Collectives, device: torch
 
 def _shard_layer(layer: nn.Module, part: Partition, coll: Collectives, device: torch.device) -> None:
     attn, mlp = layer.self_attn, layer.mlp
-    if not isinstance(attn, Attention) or not isinstance(mlp, MLP | SparseMoeBlock):
+    if not isinstance(attn, Attention | LatentAttention) or not isinstance(mlp, MLP | SparseMoeBlock):
         raise ModelLoadError(
             "tensor parallelism shards attention with dense or sparse-MoE MLP blocks; this model "
             f"has a {type(attn).__name__} / {type(mlp).__name__} layer"
         )
     s = part.slices()
-    attn.qkv_proj = _column(attn.qkv_proj, s, device)
-    attn.o_proj = _row(attn.o_proj, s["o_proj"], coll, device)
-    attn.num_heads, attn.num_kv_heads = len(part.q_heads), len(part.kv_heads)
-    attn.qkv_sizes = attn.qkv_proj.output_sizes
+    if isinstance(attn, LatentAttention):
+        _shard_latent_attention(attn, part, coll, device)
+    else:
+        attn.qkv_proj = _column(attn.qkv_proj, s, device)
+        attn.o_proj = _row(attn.o_proj, s["o_proj"], coll, device)
+        attn.num_heads, attn.num_kv_heads = len(part.q_heads), len(part.kv_heads)
+        attn.qkv_sizes = attn.qkv_proj.output_sizes
     if isinstance(mlp, SparseMoeBlock):
         layer.mlp = SummedOverRanks(_moe_share(mlp, part, device), coll)
         return
     mlp.gate_up_proj = _column(mlp.gate_up_proj, s, device)
     mlp.down_proj = _row(mlp.down_proj, s["down_proj"], coll, device)
+
+
+def _shard_latent_attention(
+    attn: LatentAttention, part: Partition, coll: Collectives, device: torch.device
+) -> None:
+    """MLA split by query heads: each rank's query rows, `kv_b_proj` rows and o_proj columns;
+    the latent projection (`a_proj`: kv_a, and q_a with a q LoRA rank) is replicated, so every
+    rank writes the whole latent cache its heads all read."""
+    m, s = attn.shape, part.slices()
+    if m.q_lora_rank is None:
+        attn.q_proj = _column(attn.q_proj, s, device)
+    else:
+        attn.q_b_proj = _column(attn.q_b_proj, s, device)
+    rows = part.head_rows(m.qk_nope_head_dim + m.v_head_dim)
+    with torch.device("meta"):
+        kv_b = nn.Linear(m.kv_lora_rank, len(rows), bias=False)
+    kv_b.weight = _frozen(attn.kv_b_proj.weight.detach()[rows.start : rows.stop], device)
+    attn.kv_b_proj = kv_b
+    attn.o_proj = _row(attn.o_proj, s["o_proj"], coll, device)
+    attn.num_heads = len(part.q_heads)
 
 
 def _moe_share(block: SparseMoeBlock, part: Partition, device: torch.device) -> SparseMoeBlock:
@@ -240,7 +293,7 @@ def _moe_share(block: SparseMoeBlock, part: Partition, device: torch.device) -> 
     block.experts.gate_up_proj = _frozen(gate_up[:, rows], device)
     block.experts.down_proj = _frozen(down[:, :, i.start : i.stop], device)
     block.expert_range = e
-    shared = block.shared_expert
+    shared = block.shared_mlp()
     if shared is not None:
         cols = part.shared_inter
         shared.gate_up_proj = _column(shared.gate_up_proj, {"gate_proj": cols, "up_proj": cols}, device)

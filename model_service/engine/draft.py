@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model_service.attention.kv_cache import cache_bytes_per_block
 from model_service.engine.batch_builder import BatchBuilder, StepItem
 from model_service.engine.block_manager import BlockManager
 from model_service.engine.cache_manager import CacheManager
@@ -129,9 +130,7 @@ class DraftProposer:
         self.executor = ModelExecutor(
             loaded, dataclasses.replace(config, max_loras=0), num_blocks, self.max_len
         )
-        per_token = self.executor.kv_cache.bytes_per_block(
-            mc.layer_kinds, 1, mc.num_kv_heads, mc.head_dim, self.executor.dtype
-        )
+        per_token = cache_bytes_per_block(mc, 1, self.executor.dtype)
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.cache = CacheManager(blocks, self.executor, per_token)
         self.builder = BatchBuilder(config.block_size, self.executor.device)

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
+from model_service.attention.kv_cache import cache_bytes_per_block
 from model_service.engine.adapters import AdapterControl
 from model_service.engine.batch_builder import BatchBuilder, StepItem
 from model_service.engine.beams import BeamSearch
@@ -453,9 +454,7 @@ def _cache_manager(
 ) -> CacheManager:
     """The cache manager over the executor's K/V cache (and its recurrent-state slots)."""
     blocks = BlockManager(executor.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
-    per_token = executor.kv_cache.bytes_per_block(
-        mc.layer_kinds, 1, mc.num_kv_heads, mc.head_dim, executor.dtype
-    )
+    per_token = cache_bytes_per_block(mc, 1, executor.dtype)
     return CacheManager(blocks, executor, per_token, state_slots)
 
 

@@ -15,14 +15,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from model_service.attention.kv_cache import KVCache, cache_dtype
+from model_service.attention.kv_cache import KVCache, cache_bytes_per_block, cache_dtype
 from model_service.attention.reference import TorchReferenceBackend
 from model_service.attention.triton_backend import TritonBackend
+from model_service.attention.triton_latent import TritonLatentBackend
 from model_service.engine.config import DEFAULT_LORA_ROOM, EngineConfig
 from model_service.engine.cuda_graphs import DecodeGraphs
 from model_service.engine.piecewise_graphs import PiecewiseGraphs
 from model_service.engine.speculation import SpeculativeConfig
 from model_service.kernels.experts import grouped_experts_apply
+from model_service.kernels.mla_decode import mla_kernel_applies
 from model_service.kernels.paged_attention import triton
 from model_service.lora.adapter import LoraAdapter
 from model_service.lora.layers import LoraLayers, full_adapter_elements, resident_slots, wrap_lora_layers
@@ -32,7 +34,7 @@ from model_service.models.layers import store_weights_transposed
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
 from model_service.models.recurrent import RecurrentModel, RecurrentPlan, RecurrentStep
-from model_service.models.step import AttentionBackend, StepBatch
+from model_service.models.step import AttentionBackend, CapturableBackend, StepBatch
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -52,8 +54,7 @@ def kv_blocks_for_budget(
     1 GiB on CPU. With a draft
     model, each block of the target's pool comes with one of the draft's."""
     per_block = sum(
-        KVCache.bytes_per_block(c.layer_kinds, block_size, c.num_kv_heads, c.head_dim, dtype)
-        for c in [config, *([draft] if draft is not None else [])]
+        cache_bytes_per_block(c, block_size, dtype) for c in [config, *([draft] if draft is not None else [])]
     )
     if budget is None:
         if device.type == "cuda":
@@ -139,11 +140,8 @@ class ModelExecutor:
             store_weights_transposed(self.module)  # before any graph is captured (lazily)
 
     def _kv_cache(self, config: EngineConfig, num_blocks: int) -> KVCache:
-        cfg = self.config
         dtype = cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
-        return KVCache(
-            cfg.layer_kinds, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, self.device
-        )
+        return KVCache.for_model(self.config, num_blocks, config.block_size, dtype, self.device)
 
     def _wrap_lora(self, config: EngineConfig) -> LoraLayers | None:
         """The module's projections wrapped for `lora_slots` resident adapters (none without
@@ -158,14 +156,31 @@ class ModelExecutor:
         self, config: EngineConfig
     ) -> tuple[AttentionBackend, DecodeGraphs | None, PiecewiseGraphs | None]:
         """The attention backend, and the CUDA graphs that replay steps over it (the Triton
-        backend's only: the reference backend cannot be captured)."""
+        backends' only: the reference backend cannot be captured)."""
         cfg = self.config
+        if cfg.latent_attention is not None:
+            return self._latent_attention(config)
         if not self._kernels_apply():
             return TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim), None, None
         backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
         if config.enforce_eager or not self._graphs_apply():
             return backend, None, None
         return backend, self._decode_graphs(config, backend), self._piecewise_graphs(config, backend)
+
+    def _latent_attention(
+        self, config: EngineConfig
+    ) -> tuple[AttentionBackend, DecodeGraphs | None, PiecewiseGraphs | None]:
+        """MLA: the torch reference off CUDA; on CUDA decode rows through the latent kernel, and
+        decode graphs where the kernel applies (no piecewise graphs: prefill is in torch)."""
+        cfg = self.config
+        args = (self.kv_cache, cfg.sliding_windows, cfg.head_dim, cfg.softmax_scale)
+        if self.device.type != "cuda" or triton is None:
+            return TorchReferenceBackend(*args), None, None
+        backend = TritonLatentBackend(*args)
+        latent = cfg.latent_attention.kv_lora_rank if cfg.latent_attention is not None else 0
+        if config.enforce_eager or not self._graphs_apply() or not mla_kernel_applies(self.device, latent):
+            return backend, None, None
+        return backend, self._decode_graphs(config, backend), None
 
     def _state_tensors(self, num_slots: int) -> list[torch.Tensor]:
         """Float32 tensors [slots, ...], as many per recurrent layer as the model lists; none for
@@ -192,7 +207,7 @@ class ModelExecutor:
             self.module, backend, config.max_num_batched_tokens, self.device, plan, config.max_num_seqs
         )
 
-    def _decode_graphs(self, config: EngineConfig, backend: TritonBackend) -> DecodeGraphs:
+    def _decode_graphs(self, config: EngineConfig, backend: CapturableBackend) -> DecodeGraphs:
         plan = self.lora.plan if self.lora is not None and self.lora.plan.use_kernels else None
         spec = SpeculativeConfig.from_json(config.speculative_config)
         rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)

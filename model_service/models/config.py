@@ -8,6 +8,7 @@ HF `config.json` files spell the same thing several ways across transformers ver
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,6 +25,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()}  # config.json model_type
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -66,6 +69,49 @@ class LinearAttentionShape:
     conv_kernel: int  # causal depthwise conv width; the conv state keeps conv_kernel - 1 inputs
 
 
+@dataclass(frozen=True)
+class LatentAttentionShape:
+    """Sizes of multi-head latent attention (DeepSeek-V2/V3's MLA). A token's keys and values are
+    made from one `kv_lora_rank`-wide latent (shared by all heads) and one `qk_rope_head_dim`-wide
+    rotary key (shared too); each head's query is `qk_nope_head_dim` dims that meet the latent's
+    keys and `qk_rope_head_dim` that meet the rotary key."""
+
+    q_lora_rank: int | None  # None: one q_proj (V2-Lite); else q_a_proj -> norm -> q_b_proj (V3)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rotary pairs are adjacent dims (x0, x1), (x2, x3): DeepSeek's layout
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """Width of one token's cache row: its latent, then its rotated rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How an MoE router turns logits into (weights, experts), beyond top-k.
+
+    Qwen and Mixtral: softmax over all experts. DeepSeek-V2: softmax, optionally only within the
+    `topk_groups` groups with the best single expert (`group_limited_greedy`). DeepSeek-V3
+    (`noaux_tc`): sigmoid scores; experts are *chosen* by score plus a learned per-expert bias
+    (`e_score_correction_bias`, the auxiliary-loss-free balancing term) within the `topk_groups`
+    groups whose two best biased scores sum highest, but *weighted* by the unbiased score."""
+
+    scoring: str = "softmax"  # or "sigmoid"
+    group_score: str | None = None  # None (no groups), "max" (V2), "top2_sum" (V3)
+    num_groups: int = 1
+    topk_groups: int = 1
+    correction_bias: bool = False  # V3: the router holds e_score_correction_bias
+    scaling_factor: float = 1.0  # routed_scaling_factor, applied after any renormalization
+    float32_logits: bool = False  # DeepSeek: router logits from float32 weights (HF keeps them so)
+
+
 @dataclass
 class ModelConfig:
     family: str
@@ -95,7 +141,13 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each expert's width
     norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to one
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE / Qwen3-Next: a gated always-on expert
+    shared_expert_intermediate_size: int = 0  # an always-on expert (Qwen: behind a sigmoid gate)
+    shared_expert_gated: bool = True  # False: DeepSeek's `shared_experts`, added ungated
+    routing: Routing = field(default_factory=Routing)
+    latent_attention: LatentAttentionShape | None = None  # MLA (DeepSeek): set for every layer
+    # DeepSeek-V3's multi-token-prediction layers, numbered after the decoder's: their checkpoint
+    # tensors are known and left unloaded (speculation with them is not built yet).
+    mtp_layers: int = 0
     # FP8 weights: the checkpoint's scheme (config.json's quantization_config, which also says which
     # projections stay in high precision) or --quantization fp8's; None: the compute dtype throughout.
     quantization: Fp8Scheme | None = None
@@ -107,6 +159,22 @@ class ModelConfig:
     @property
     def sliding_windows(self) -> list[int | None]:
         return [k.window for k in self.layer_kinds]
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention logits' scale: 1/sqrt(query width), times DeepSeek's YaRN `mscale_all_dim`
+        correction squared where the config asks for it (the rotary tables' own attention factor
+        covers only `mscale`, and only the rotary dims; HF's `yarn_apply_mscale`)."""
+        mla = self.latent_attention
+        if mla is None:
+            return self.head_dim**-0.5
+        scale = mla.qk_head_dim**-0.5
+        all_dim = self.rope_scaling.get("mscale_all_dim")
+        if self.rope_scaling.get("rope_type", "default") != "default" and all_dim:
+            factor = float(self.rope_scaling["factor"])
+            m = 0.1 * float(all_dim) * math.log(factor) + 1.0 if factor > 1 else 1.0
+            scale *= m * m
+        return scale
 
     @property
     def num_state_layers(self) -> int:
@@ -125,9 +193,16 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        quant = raw.get("quantization_config")
+        if quant and family in DEEPSEEK_FAMILIES:  # DeepSeek-V3's hub weights: FP8 128x128 blocks
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            raise ModelLoadError(
+                f"quantized DeepSeek checkpoints are not supported yet (quantization_config: {method!r}): "
+                "MLA's projections under FP8 are untested; use a bf16 or float32 conversion"
+            )
         # HF: Llama/Qwen3 put `attention_bias` on q/k/v/o; Qwen2 always has q/k/v bias and no o bias;
         # Mistral has no bias at all whatever the config says.
-        attention_bias = family in ("llama", "qwen3", "qwen3_moe", "qwen3_next") and bool(
+        attention_bias = family in ("llama", "qwen3", "qwen3_moe", "qwen3_next", *DEEPSEEK_FAMILIES) and bool(
             raw.get("attention_bias", False)
         )
         try:
@@ -148,7 +223,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=family == "qwen2" or attention_bias or _qwen2_moe_qkv_bias(raw, family),
                 o_proj_bias=attention_bias,
-                mlp_bias=family == "llama" and bool(raw.get("mlp_bias", False)),
+                mlp_bias=family in ("llama", "deepseek_v2") and bool(raw.get("mlp_bias", False)),
                 qk_norm=family in ("qwen3", "qwen3_moe", "qwen3_next"),
             )
         except KeyError as e:
@@ -161,7 +236,9 @@ class ModelConfig:
         cfg.layer_kinds = attention_layers(_sliding_windows_from_hf(raw, family, layers))
         if family == "qwen3_next":
             _hybrid_from_hf(raw, cfg)
-        if family in MOE_FAMILIES:
+        if family in DEEPSEEK_FAMILIES:
+            _deepseek_from_hf(raw, cfg)
+        elif family in MOE_FAMILIES:
             _moe_from_hf(cfg, raw)
         cfg.eos_token_ids = _token_ids(raw.get("eos_token_id"))
         if generation_config:
@@ -228,7 +305,8 @@ def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> l
     return [int(window) if i >= max_window_layers else None for i in range(layers)]
 
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "deepseek_v2", "deepseek_v3")
+DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
 def _qwen2_moe_qkv_bias(raw: dict[str, Any], family: str) -> bool:
@@ -292,3 +370,66 @@ def _hybrid_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
     if unknown or len(types) != cfg.num_layers:
         raise ModelLoadError(f"layer_types must list {cfg.num_layers} of {sorted(mixers)}, got {types}")
     cfg.layer_kinds = [LayerKind(mixers[t]) for t in types]  # which are sparse: _moe_from_hf
+
+
+def _deepseek_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
+    """DeepSeek-V2/V3: MLA in every layer; MoE from layer `first_k_dense_replace` on, every
+    `moe_layer_freq`-th, with `n_shared_experts` ungated shared experts of the experts' width.
+
+    Routing: V2 renormalizes the top-k only if `norm_topk_prob` and then scales by
+    `routed_scaling_factor` (vLLM's and HF's order; every V2 checkpoint has norm_topk_prob false,
+    where DeepSeek's own code agrees); V3 as HF and DeepSeek's code."""
+    try:
+        cfg.latent_attention = LatentAttentionShape(
+            q_lora_rank=int(raw["q_lora_rank"]) if raw.get("q_lora_rank") else None,
+            kv_lora_rank=int(raw["kv_lora_rank"]),
+            qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+            v_head_dim=int(raw["v_head_dim"]),
+            # V2's rotary is always interleaved (complex multiplication); V3 says so, default true
+            rope_interleave=cfg.family == "deepseek_v2" or bool(raw.get("rope_interleave", True)),
+        )
+        experts = int(raw.get("n_routed_experts") or 0)
+        cfg.num_experts = experts
+        cfg.num_experts_per_tok = int(raw.get("num_experts_per_tok") or 0)
+        cfg.moe_intermediate_size = int(raw["moe_intermediate_size"]) if experts else 0
+    except KeyError as e:
+        raise ModelLoadError(f"config.json is missing required DeepSeek field {e.args[0]!r}") from e
+    mla = cfg.latent_attention
+    cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim = cfg.num_heads, mla.qk_head_dim, mla.qk_rope_head_dim
+    cfg.norm_topk_prob = bool(raw.get("norm_topk_prob", False))
+    cfg.shared_expert_intermediate_size = cfg.moe_intermediate_size * int(raw.get("n_shared_experts") or 0)
+    cfg.shared_expert_gated = False
+    cfg.routing = _deepseek_routing(raw, cfg.family, experts)
+    cfg.mtp_layers = int(raw.get("num_nextn_predict_layers") or 0)
+    first_dense, freq = int(raw.get("first_k_dense_replace") or 0), int(raw.get("moe_layer_freq") or 1)
+    sparse = [experts > 0 and i >= first_dense and i % freq == 0 for i in range(cfg.num_layers)]
+    if any(sparse) and not 0 < cfg.num_experts_per_tok <= experts:
+        raise ModelLoadError(
+            f"num_experts_per_tok {cfg.num_experts_per_tok} must be between 1 and n_routed_experts {experts}"
+        )
+    cfg.layer_kinds = [replace(k, moe=s) for k, s in zip(cfg.layer_kinds, sparse, strict=True)]
+
+
+def _deepseek_routing(raw: dict[str, Any], family: str, experts: int) -> Routing:
+    scaling = float(raw.get("routed_scaling_factor") or 1.0)
+    groups, topk_groups = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+    if family == "deepseek_v3":  # HF's V3 always routes noaux_tc, whatever `topk_method` says
+        routing = Routing("sigmoid", "top2_sum", groups, topk_groups, True, scaling, True)
+    else:
+        method = raw.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ModelLoadError(
+                f"DeepSeek-V2 topk_method {method!r} is not supported; "
+                "supported: greedy, group_limited_greedy"
+            )
+        if method == "greedy":
+            groups = topk_groups = 1
+        group_score = "max" if method == "group_limited_greedy" else None
+        routing = Routing("softmax", group_score, groups, topk_groups, False, scaling, True)
+    if routing.group_score and (experts % groups or not 0 < topk_groups <= groups):
+        raise ModelLoadError(
+            f"n_group {routing.num_groups} must divide n_routed_experts {experts} and "
+            f"topk_group {routing.topk_groups} must be between 1 and n_group"
+        )
+    return routing

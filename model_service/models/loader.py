@@ -150,11 +150,21 @@ def _weight_files(path: Path) -> list[Path]:
     return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
 
 
+def _without_mtp_layers(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """`tensors` less those of the multi-token-prediction layers the config declares after its
+    decoder layers (DeepSeek-V3 ships one): known, so not an unexpected tensor, and not loaded."""
+    if not config.mtp_layers:
+        return tensors
+    mtp = tuple(f"model.layers.{i}." for i in range(config.num_layers, config.num_layers + config.mtp_layers))
+    return {k: v for k, v in tensors.items() if not k.startswith(mtp)}
+
+
 def build_module(
     config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
     """Check every expected checkpoint tensor is present with the right shape, then build the module.
     An FP8 checkpoint's quantized projections become `Fp8Linear`s, which keep their tensors' dtypes."""
+    tensors = _without_mtp_layers(tensors, config)
     with torch.device("meta"):
         module = model_class(config)(config)
     if config.quantization is not None:

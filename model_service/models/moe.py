@@ -1,10 +1,13 @@
-"""The sparse mixture-of-experts MLP of Qwen2-MoE, Qwen3-MoE, Mixtral (and the Qwen3-Next hybrid).
+"""The sparse mixture-of-experts MLP of Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2/V3 (and the
+Qwen3-Next hybrid).
 
 A router linear scores every expert for each token; softmax (float32) over all experts, the
 top-k kept, renormalized to sum to one where the model says so (Mixtral always, Qwen by
 `norm_topk_prob`), and the token's output is the weighted sum of those experts' SwiGLU MLPs.
+DeepSeek routes within groups of experts and scores V3's by sigmoid (`route`, `Routing`).
 Qwen2-MoE / Qwen3-Next add a shared expert that every token goes through, scaled by a sigmoid
-gate of its own.
+gate of its own; DeepSeek's shared experts (`shared_experts`, one MLP as wide as all of them)
+are added ungated.
 
 Parameter names are transformers 5.x's (`gate` the router, `experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]); the loader stacks per-expert hub checkpoints into them
@@ -23,17 +26,56 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_service.kernels.experts import fused_experts
-from model_service.models.config import ModelConfig
+from model_service.models.config import ModelConfig, Routing
 from model_service.models.layers import MLP
 
+PLAIN_TOP_K = Routing()  # softmax over all experts, no groups, no scaling: Qwen's and Mixtral's
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, expert ids [T, k]) from router logits [T, E], as HF routes."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    routing: Routing = PLAIN_TOP_K,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) from router logits [T, E], as HF routes.
+
+    With groups, only experts of the `topk_groups` best groups may be chosen; `bias` (V3's
+    correction) moves the choice, never the weights."""
+    logits = logits.float()
+    scores = torch.softmax(logits, dim=-1) if routing.scoring == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if routing.group_score is not None:
+        choice = _within_best_groups(choice, routing)
+    ids = torch.topk(choice, top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # DeepSeek's guard; exact for Qwen
+    return weights * routing.scaling_factor, ids
+
+
+def _within_best_groups(choice: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """`choice` with the experts outside each token's `topk_groups` best groups masked out: to
+    0 under V2's softmax (as DeepSeek's code; scores are positive), to -inf under V3's."""
+    grouped = choice.view(choice.shape[0], routing.num_groups, -1)
+    if routing.group_score == "max":
+        group_scores = grouped.max(dim=-1).values
+    else:
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    best = torch.topk(group_scores, routing.topk_groups, dim=-1)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    fill = 0.0 if routing.group_score == "max" else float("-inf")
+    return grouped.masked_fill(~keep[:, :, None], fill).view_as(choice)
+
+
+class Router(nn.Linear):
+    """The router's linear, plus V3's per-expert selection bias where the routing has one
+    (`e_score_correction_bias`, its checkpoint name)."""
+
+    def __init__(self, hidden: int, num_experts: int, correction_bias: bool) -> None:
+        super().__init__(hidden, num_experts, bias=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts)) if correction_bias else None
 
 
 class StackedExperts(nn.Module):
@@ -52,22 +94,33 @@ class SparseMoeBlock(nn.Module):
         if experts.step != 1 or not 0 <= experts.start < experts.stop <= cfg.num_experts:
             raise ValueError(f"expert range {experts} is not a contiguous part of 0..{cfg.num_experts}")
         self.expert_range = experts
-        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.top_k, self.renormalize, self.routing = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routing
+        self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.routing.correction_bias)
         self.experts = StackedExperts(len(experts), cfg.hidden_size, cfg.moe_intermediate_size)
-        self.shared_expert: nn.Module | None = None
+        self.shared_expert_gate: nn.Module | None = None
+        # Qwen's `shared_expert` behind `shared_expert_gate`; DeepSeek's `shared_experts`, ungated.
+        self.shared_name = "shared_expert" if cfg.shared_expert_gated else "shared_experts"
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            setattr(self, self.shared_name, MLP(cfg, cfg.shared_expert_intermediate_size))
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def shared_mlp(self) -> nn.Module | None:
+        """The always-on expert, if the model has one (under its checkpoint name)."""
+        return getattr(self, self.shared_name, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]: this block's experts' weighted sum (plus the shared expert)."""
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        gate = self.gate
+        logits = F.linear(x.float(), gate.weight.float()) if self.routing.float32_logits else gate(x)
+        weights, ids = route(logits, self.top_k, self.renormalize, self.routing, gate.e_score_correction_bias)
         out = fused_experts(
             x, self.experts.gate_up_proj, self.experts.down_proj, ids - self.expert_range.start, weights
         )
-        if self.shared_expert is not None:
-            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = self.shared_mlp()
+        if shared is not None:
+            scale = F.sigmoid(self.shared_expert_gate(x)) if self.shared_expert_gate is not None else 1.0
+            out = out + scale * shared(x)
         return out
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
+from model_service.models.deepseek import DeepseekModel
 from model_service.models.llama import DecoderModel
 from model_service.models.qwen3_next import Qwen3NextModel
 
@@ -23,6 +24,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen2_moe": DecoderModel,
     "qwen3_moe": DecoderModel,
     "qwen3_next": Qwen3NextModel,
+    "deepseek_v2": DeepseekModel,
+    "deepseek_v3": DeepseekModel,
 }
 
 

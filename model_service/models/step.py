@@ -131,6 +131,25 @@ class AttentionBackend(Protocol):
 
 
 @runtime_checkable
+class LatentAttentionBackend(Protocol):
+    """Attention over a pool of MLA latents (models/deepseek.py): one row per token and layer."""
+
+    def forward_latent(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        cache_row: torch.Tensor,
+        kv_up: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write this step's rows of `layer` (cache_row [T, latent + rope]: the normalized latent,
+        then the rotated rotary key), then attend each token over its sequence's cached rows,
+        a prefix-cache hit's included. q_nope [T, H, Dn]; q_rope [T, H, R], rotated; kv_up
+        [H, Dn + Dv, latent]: each head's rows of `kv_b_proj`, which make its key's non-rotary
+        part and its value from a latent. Returns [T, H, Dv]."""
+
+
+@runtime_checkable
 class GraphCapturable(Protocol):
     """A backend whose `forward` can be recorded in a CUDA graph over fixed-address buffers."""
 
