@@ -2,8 +2,8 @@
 
 A request's end has one owner. Tokens are appended here (through `OutputProcessor`: text, stop
 conditions); a request that they finish, or that fails or is aborted, is freed here (its beams,
-its cache through the scheduler, what the proposer holds for it) and its final output queued;
-the loop collects each step's outputs here.
+its cache through the scheduler, its proposals and what the proposer holds for it) and its final
+output queued; the loop collects each step's outputs here.
 """
 
 from __future__ import annotations
