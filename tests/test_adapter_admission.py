@@ -105,26 +105,26 @@ class Harness:
         self.control = AdapterControl(self.pool, self.scheduler, self.config)
         self.arrived: dict[str, float] = {}
         self.finished: dict[str, Sequence] = {}
-        self.failed: dict[str, Sequence] = {}
+        self.failed: dict[str, str] = {}  # request id -> why it failed
         self._ids = itertools.count()
 
     def add(self, adapter: str | None, prompt_len: int = 8, max_tokens: int = 4) -> Sequence:
         rid = f"r{next(self._ids)}"
         prompt = [zlib.crc32(f"{rid}/{i}".encode()) % 1000 for i in range(prompt_len)]
-        seq = Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens), None, arrival=len(self.arrived))  # type: ignore[arg-type]
-        seq.adapter_name = adapter
+        params = SamplingParams(max_tokens=max_tokens)
+        seq = Sequence(rid, prompt, params, None, arrival=len(self.arrived), adapter=adapter)  # type: ignore[arg-type]
         self.scheduler.add(seq)
         self.arrived[rid] = self.now
         return seq
 
     def step(self) -> None:
-        for seq in self.control.at_quiescent_point():
+        for seq, error in self.control.at_quiescent_point():
             self.scheduler.remove(seq)
-            self.failed[seq.request_id] = seq
+            self.failed[seq.request_id] = error
         for seq, n in self.scheduler.schedule().work:
             assert seq.state is not None
             seq.state.num_computed += n
-            self.cache.register_full_blocks(seq.state, seq.token_ids, seq.adapter_id)
+            self.cache.register_full_blocks(seq.state, seq.token_ids, seq.admission.adapter_id)
             if seq.num_pending == 0:
                 seq.token_ids.append(len(seq.token_ids) % 1000)
                 if seq.num_output_tokens >= seq.params.max_tokens:
@@ -144,8 +144,8 @@ class Harness:
         return self.pool.slots[slot].refcount if slot is not None else 0
 
     def wait(self, seq: Sequence) -> float:
-        assert seq.first_scheduled_at is not None
-        return seq.first_scheduled_at - self.arrived[seq.request_id]
+        assert seq.admission.first_scheduled_at is not None
+        return seq.admission.first_scheduled_at - self.arrived[seq.request_id]
 
     def assert_idle(self) -> None:
         assert not self.scheduler.has_work() and not self.scheduler.draining
@@ -196,7 +196,7 @@ def test_zipf_traffic_every_request_finishes_within_the_wait_bound(monkeypatch, 
         _note_starving(h, k_of)
         h.step()
         assert h.now < arrivals_end + 600, "the queue did not drain"
-    assert not h.failed, f"{len(h.failed)} failed, as {next(iter(h.failed.values())).error}"
+    assert not h.failed, f"{len(h.failed)} failed, as {next(iter(h.failed.values()))}"
     assert len(h.finished) == len(h.arrived) > 150
     over = {rid: h.wait(seq) - wait_bound(h.config, k_of.get(rid, 0), 4) for rid, seq in h.finished.items()}
     excess = {rid: t for rid, t in over.items() if t > 1e-9}
@@ -212,7 +212,7 @@ def _note_starving(h: Harness, k_of: dict[str, int]) -> None:
     blocked = h.scheduler.blocked_adapters()
     since = list(blocked.values())  # sorted
     for seq in h.scheduler.waiting:
-        t = seq.adapter_blocked_since
+        t = seq.admission.blocked_since
         if t is not None and seq.request_id not in k_of and h.now - t >= h.config.adapter_starvation_s:
             k_of[seq.request_id] = bisect.bisect_right(since, t) - 1
 
@@ -233,8 +233,8 @@ def _fill(h: Harness, lengths: dict[str, int]) -> dict[str, Sequence]:
 def _until_starving(h: Harness, seq: Sequence) -> None:
     """Step until the quiescent point at which `seq`'s adapter starts starving has run."""
     h.step()  # the scheduler notes that it waits
-    assert seq.adapter_blocked_since is not None
-    h.run(until=seq.adapter_blocked_since + h.config.adapter_starvation_s)
+    assert seq.admission.blocked_since is not None
+    h.run(until=seq.admission.blocked_since + h.config.adapter_starvation_s)
     assert not h.scheduler.draining
     h.step()
 
@@ -252,7 +252,7 @@ def test_the_victim_is_the_adapter_with_least_work_left(monkeypatch):
     cold = h.add("a3")
     _until_starving(h, cold)
     assert list(h.scheduler.draining) == ["a1"] and h.control.num_drains == 1
-    _until(h, lambda: cold.first_scheduled_at is not None)
+    _until(h, lambda: cold.admission.first_scheduled_at is not None)
     assert seqs["a1"].request_id in h.finished and h.scheduler.num_preemptions == 0
     assert h.slot_of("a3") == 1 and h.slot_of("a1") is None and not h.scheduler.draining
     assert h.refcount("a0") == h.refcount("a2") == 1  # never touched
@@ -270,10 +270,10 @@ def test_pinned_and_active_adapters_are_never_drained(monkeypatch):
     h.pool.pin("a2", True)  # now none may be drained: the drain ends, and the request waits
     h.run(until=h.now + 5.0)
     assert not h.scheduler.draining and h.refcount("a2") == 1
-    assert cold.first_scheduled_at is None and not h.failed
+    assert cold.admission.first_scheduled_at is None and not h.failed
     h.pool.pin("a0", False)  # a0 is idle: the waiting adapter takes its slot at once
     h.step()
-    assert cold.first_scheduled_at is not None and h.slot_of("a3") == 0
+    assert cold.admission.first_scheduled_at is not None and h.slot_of("a3") == 0
 
 
 def test_a_draining_adapter_holds_its_new_requests_and_finishes_its_running_ones(monkeypatch):
@@ -286,11 +286,11 @@ def test_a_draining_adapter_holds_its_new_requests_and_finishes_its_running_ones
     assert list(h.scheduler.draining) == ["a1"]
     late = h.add("a1")
     h.run(until=h.now + 5 * STEP_S)
-    assert late.first_scheduled_at is None and h.refcount("a1") == 1  # the old one still runs
-    _until(h, lambda: cold.first_scheduled_at is not None)
+    assert late.admission.first_scheduled_at is None and h.refcount("a1") == 1  # the old one still runs
+    _until(h, lambda: cold.admission.first_scheduled_at is not None)
     assert seqs["a1"].request_id in h.finished and h.scheduler.num_preemptions == 0
-    assert h.slot_of("a1") is None and late.first_scheduled_at is None
-    _until(h, lambda: late.first_scheduled_at is not None)  # a2, least work left, is drained for it
+    assert h.slot_of("a1") is None and late.admission.first_scheduled_at is None
+    _until(h, lambda: late.admission.first_scheduled_at is not None)  # a2, least work left, is drained for it
     assert h.wait(late) <= wait_bound(h.config, 0, 2) and h.slot_of("a1") == 1
     _until(h, lambda: not h.scheduler.has_work(), limit_s=60.0)
     assert len(h.finished) == 4 and not h.failed
@@ -303,7 +303,7 @@ def test_a_drain_that_outlasts_its_bound_preempts_and_the_preempted_request_comp
     cold = h.add("a1")
     _until_starving(h, cold)
     assert list(h.scheduler.draining) == ["a0"]
-    _until(h, lambda: cold.first_scheduled_at is not None)
+    _until(h, lambda: cold.admission.first_scheduled_at is not None)
     assert h.scheduler.num_preemptions == 1 and long.num_output_tokens < 300
     assert h.wait(cold) >= h.config.adapter_starvation_s + h.config.adapter_drain_s
     assert h.wait(cold) <= wait_bound(h.config, 0, 1)
@@ -320,7 +320,7 @@ def test_busy_slots_never_fail_a_request(monkeypatch):
     h.pool.pin("a0", True)
     cold = h.add("a1")
     h.run(until=10.0)
-    assert busy.request_id in h.finished and cold.first_scheduled_at is None and not h.failed
+    assert busy.request_id in h.finished and cold.admission.first_scheduled_at is None and not h.failed
     h.pool.pin("a0", False)
     h.run(until=h.now + 1.0)
     assert cold.request_id in h.finished and not h.failed
@@ -339,7 +339,7 @@ def test_a_bad_adapter_file_fails_its_requests_after_the_timeout_with_a_clear_me
     h.run(until=3.5)
     assert list(h.failed) == [doomed.request_id]
     assert h.failed_reads == 2  # at 0.1 s and 1.1 s: the next, 2 s later, would have come at 3.1 s
-    assert doomed.error == (
+    assert h.failed[doomed.request_id] == (
         "adapter 'a2' could not be loaded: adapter 'a2': cannot read '/adapters/a2': no such file"
     )
     fine = h.add("a1")
@@ -354,7 +354,7 @@ def test_an_adapter_loaded_for_waiting_requests_is_not_evicted_by_the_next_load(
     first, second = h.add("a0"), h.add("a1")
     h.step()  # both noted as waiting for their adapter
     h.step()
-    assert h.writer.loads == [(0, "a0")] and first.first_scheduled_at is not None
-    assert second.first_scheduled_at is None
+    assert h.writer.loads == [(0, "a0")] and first.admission.first_scheduled_at is not None
+    assert second.admission.first_scheduled_at is None
     h.run(until=5.0)
     assert second.request_id in h.finished and not h.failed

@@ -139,11 +139,12 @@ def test_sampled_rows_carry_the_draft_distribution_and_stay_reproducible(smollm2
         rid = engine.add_request_dict(request)
         engine.step()  # prefill: the target samples a token, the draft proposes after it
         seq = engine.requests[rid]
-        assert seq.proposal is not None and len(seq.proposal.tokens) == 3 and seq.proposal.probs is not None
-        q = seq.proposal.probs
+        proposal = engine.speculation.proposals.get(seq)
+        assert proposal is not None and len(proposal.tokens) == 3 and proposal.probs is not None
+        q = proposal.probs
         assert q.shape == (3, smollm2.config.vocab_size)
         assert torch.allclose(q.sum(-1), torch.ones(3)) and int((q[0] > 0).sum()) <= 50  # top-k
-        assert all(q[i, t] > 0 for i, t in enumerate(seq.proposal.tokens))  # drawn from q
+        assert all(q[i, t] > 0 for i, t in enumerate(proposal.tokens))  # drawn from q
         outputs.append(engine.run_to_completion()[rid].token_ids)
         assert engine.speculation.proposed > 0
         assert_draft_blocks_free(engine)

@@ -3,7 +3,9 @@ manager driven through a fake executor (the `KVMover` and LoRA slots they depend
 
 from __future__ import annotations
 
+import ast
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,8 +306,8 @@ def test_scheduler_runs_to_completion_under_memory_pressure_without_a_model(mode
     seqs = []
     for i in range(12):
         prompt = [rng.randrange(100) for _ in range(rng.randrange(3, 30))]
-        seq = Sequence(str(i), prompt, SamplingParams(max_tokens=12), None, arrival=i)  # type: ignore[arg-type]
-        seq.adapter_name = "a" if i % 3 == 0 else None
+        adapter = "a" if i % 3 == 0 else None
+        seq = Sequence(str(i), prompt, SamplingParams(max_tokens=12), None, arrival=i, adapter=adapter)  # type: ignore[arg-type]
         scheduler.add(seq)
         seqs.append(seq)
     for _ in range(2000):
@@ -337,3 +339,37 @@ def test_a_recurrent_state_slot_freed_twice_raises_instead_of_going_to_two_seque
     with pytest.raises(RuntimeError, match="freed twice"):
         cache._release_state_slot(slot)
     assert {cache.allocate().state_slot, cache.allocate().state_slot} == {0, 1}
+
+
+# --- the engine's own shape (issue 32) ---------------------------------------------------------
+
+ENGINE_DIR = Path(__file__).resolve().parents[1] / "model_service" / "engine"
+
+
+def test_a_sequence_keeps_identity_tokens_params_and_status_and_few_attributes_besides():
+    """Per-feature state lives in small records their owners write (docs/architecture.md, "Who
+    owns which state"), so a feature can change without every module touching one god object.
+    `__slots__` and no `__dict__`: an attribute set from outside raises instead of growing it."""
+    assert len(Sequence.__slots__) < 12
+    seq = Sequence("r", [1, 2], SamplingParams(), None, arrival=0)  # type: ignore[arg-type]
+    assert not hasattr(seq, "__dict__")
+    with pytest.raises(AttributeError):
+        seq.proposal = None  # type: ignore[attr-defined]
+
+
+def _functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+def test_the_engine_is_the_request_api_and_the_loop_and_no_engine_function_is_long():
+    """`Engine` under 250 lines (the stages own their logic) and no function in engine/ over 40."""
+    tree = ast.parse((ENGINE_DIR / "engine.py").read_text())
+    (engine,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine"]
+    assert engine.end_lineno is not None and engine.end_lineno - engine.lineno + 1 < 250
+    long = []
+    for path in sorted(ENGINE_DIR.glob("*.py")):
+        for fn in _functions(ast.parse(path.read_text())):
+            assert fn.end_lineno is not None
+            if fn.end_lineno - fn.lineno + 1 > 40:
+                long.append(f"{path.name}:{fn.lineno} {fn.name}")
+    assert not long, f"functions over 40 lines: {long}"

@@ -179,7 +179,7 @@ def test_a_cached_grammar_starts_at_once_and_resume_continues_it(engine, batch):
         resume=Resume(person.token_ids[:5], 0),
     )
     seq = engine.requests[rid]
-    assert seq.constraint.compiled.done()  # the schema's compile is cached: no wait
+    assert seq.sampling.constraint.compiled.done()  # the schema's compile is cached: no wait
     final = engine.run_to_completion()[rid]
     assert final.token_ids == person.token_ids and final.text == person.text
 

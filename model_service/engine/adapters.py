@@ -12,7 +12,7 @@ point after: the engine thread only copies it to the device.
 Admission. A waiting request whose adapter is not resident, or is draining, or would make
 more than `max_loras` distinct adapters in the running batch, waits without blocking the
 requests behind it; its wait starts when the scheduler first finds it so
-(`Sequence.adapter_blocked_since`). At each quiescent point the adapters waited for are loaded,
+(`Admission.blocked_since`, engine/sequence.py). At each quiescent point the adapters waited for are loaded,
 longest wait first, until the pool answers that its memory is taken (`SlotsBusyError`): a
 younger adapter never takes memory an older one waits for. An adapter whose oldest request has
 waited `adapter_starvation_s` is *starving* (until its requests are admitted), and starving
@@ -120,9 +120,9 @@ class AdapterControl:
         the device after the step in flight, so the async pipeline keeps going."""
         return not self._control.empty() or bool(self.scheduler.draining)
 
-    def at_quiescent_point(self) -> list[Sequence]:
+    def at_quiescent_point(self) -> list[tuple[Sequence, str]]:
         """Run queued operations, then admission (see the module docstring). Returns the waiting
-        requests that must fail (their `error` says why); the caller finishes them."""
+        requests that must fail, each with why; the caller finishes them."""
         while not self._control.empty():
             op, future = self._control.get_nowait()
             try:
@@ -135,7 +135,7 @@ class AdapterControl:
 
     # --- admission ------------------------------------------------------------------------
 
-    def _admit(self) -> list[Sequence]:
+    def _admit(self) -> list[tuple[Sequence, str]]:
         """Load what waiting requests need, plan the drains, end the overdue ones (and load into
         what they free); returns the requests whose adapter failed to load for too long."""
         self.scheduler.adapter_demand = {}
@@ -267,16 +267,15 @@ class AdapterControl:
                 preempted += self.scheduler.preempt_adapter(candidates[name][0])
         return preempted > 0
 
-    def _doomed(self, now: float) -> list[Sequence]:
+    def _doomed(self, now: float) -> list[tuple[Sequence, str]]:
         """Waiting requests that have waited `adapter_wait_timeout_s` for an adapter whose latest
         load failed for a reason other than memory."""
         if not self._failures:
             return []
         doomed = []
         for seq in self.scheduler.waiting:
-            name, since = seq.adapter_name, seq.adapter_blocked_since
+            name, since = seq.admission.adapter, seq.admission.blocked_since
             failure = self._failures.get(name) if name is not None else None
             if failure is not None and since is not None and now - since >= self.wait_timeout_s:
-                seq.error = f"adapter {name!r} could not be loaded: {failure.error}"
-                doomed.append(seq)
+                doomed.append((seq, f"adapter {name!r} could not be loaded: {failure.error}"))
         return doomed

@@ -15,7 +15,7 @@ import torch
 
 from model_service.engine.beam_search import BeamGroup
 from model_service.engine.scheduler import Scheduler
-from model_service.engine.sequence import RequestOutput, Sequence, Status
+from model_service.engine.sequence import RequestOutput, Sequence, by_rank
 from model_service.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,7 @@ class BeamSearch:
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None) -> None:
         self.scheduler, self.tokenizer = scheduler, tokenizer
         self.live: dict[str, list[Sequence]] = {}  # request id -> live beams, in the group's score order
+        self.logits: dict[Sequence, torch.Tensor] = {}  # each beam's next-token logits, awaiting siblings
 
     def start(self, root: Sequence, eos_token_ids: set[int], max_model_len: int) -> None:
         """Start `root`'s request as a search of `root.params.num_beams` beams."""
@@ -42,28 +43,29 @@ class BeamSearch:
         """Record each beam's logits; advance every group whose beams have all reported.
         Returns the final outputs of the groups that finished."""
         for seq, logits in rows:
-            seq.beam_logits = logits
+            self.logits[seq] = logits
         finished = []
         for group in {id(s.group): s.group for s, _ in rows if s.group is not None}.values():
             beams = self.live[group.request_id]
-            if any(b.beam_logits is None for b in beams):
+            if not all(self._reported(b) for b in beams):
                 continue
             try:
                 if not self._advance(group, beams):
                     finished.append(self.finish(group, "length"))
             except Exception as e:  # one beam request's fault fails that request only
                 log.exception("beam search for %s failed", group.request_id)
-                beams[0].error = f"beam search failed: {e}"
-                finished.append(self.finish(group, "error"))
+                finished.append(self.finish(group, "error", f"beam search failed: {e}"))
         return finished
+
+    def _reported(self, beam: Sequence) -> bool:
+        """Whether `beam`'s logits are in and still its own: a beam preempted since it reported
+        has tokens to recompute (its logits come again once it has)."""
+        return beam in self.logits and beam.num_pending == 0
 
     def _advance(self, group: BeamGroup, parents: list[Sequence]) -> bool:
         """One search step; False once the search is done."""
-        choices = group.advance(
-            torch.stack([b.beam_logits for b in parents]), [b.output_ids for b in parents]
-        )
-        for b in parents:
-            b.beam_logits = None
+        logits = torch.stack([self.logits.pop(b) for b in parents])
+        choices = group.advance(logits, [b.output_ids for b in parents])
         if group.done:
             return False
         children, taken = [], set()
@@ -91,16 +93,14 @@ class BeamSearch:
         it runs whole: on 28 blocks of 4, two searches of 8 beams of 40 tokens (the older ran,
         preempting the younger's beams; those beams then stalled it)."""
         beams = self.live[group.request_id]
-        for beam in beams:
-            self.scheduler.remove(beam)
-            beam.status = Status.FINISHED
+        self._drop(beams)
         root = beams[0].from_prompt()
         group.restart()
         self._track(root, group)
         self.scheduler.requeue(root)
         return root
 
-    def unstall(self, running: list[Sequence]) -> Sequence | None:
+    def unstall(self, running: list[Sequence]) -> Sequence | RequestOutput | None:
         """Called when nothing was scheduled and nothing is in flight, yet `running` sequences
         run: they are beams waiting for siblings that cannot be admitted, because the K/V blocks
         they need are held by running beams, which wait too. Nothing would free them, and the
@@ -110,41 +110,40 @@ class BeamSearch:
         searches of 8 beams of 40 tokens now both finish, where the younger used to end; on 24
         the older, which cannot run even alone, ends and the younger finishes (it used to end
         too). Returns the sequence that now stands for the request: the restarted search's new
-        root, or a beam whose `error` is set, for the caller to finish ("capacity"); None when
-        no beam is running."""
+        root, or the final output of the search that cannot run ("capacity"); None when no beam
+        is running."""
         stalled = [s for s in running if s.group is not None]
         if not stalled:
             return None
-        beam = max(stalled, key=Sequence.sort_key)
+        beam = max(stalled, key=by_rank)
         group = beam.group
         assert group is not None
         if not group.restarted:
             log.info("request %s: beam search starts over, for lack of K/V blocks", group.request_id)
             return self.restart(group)
         cache = self.scheduler.cache
-        beam.error = (
+        error = (
             f"beam search of {group.num_beams} beams needs more K/V cache at once than is free for "
             f"it (this engine has {cache.num_total_blocks} blocks of {cache.block_size} tokens): "
             "ask for fewer beams or fewer max_tokens, or retry"
         )
-        log.warning("request %s: %s", group.request_id, beam.error)
-        return beam
+        log.warning("request %s: %s", group.request_id, error)
+        return self.finish(group, "capacity", error)
 
     def is_live(self, group: BeamGroup) -> bool:
         """Whether `group`'s search is still on (its request id may since name a new request)."""
         beams = self.live.get(group.request_id)
         return beams is not None and beams[0].group is group
 
-    def finish(self, group: BeamGroup, reason: str) -> RequestOutput:
-        """End the search: free every live beam; the output is the best finished hypothesis."""
+    def finish(self, group: BeamGroup, reason: str, error: str | None = None) -> RequestOutput:
+        """End the search: free every live beam; the output is the best finished hypothesis.
+        Its error: `error`, else the first a beam's failure set (engine/request_table.py)."""
         beams = self.live.pop(group.request_id)
-        for beam in beams:
-            self.scheduler.remove(beam)
-            beam.status = Status.FINISHED
+        self._drop(beams)
         best = group.best()
         if reason == "length" and best.token_ids and best.token_ids[-1] in group.eos_token_ids:
             reason = "stop"
-        errors = [b.error for b in beams if b.error]
+        errors = [e for e in [error, *(b.output.error for b in beams)] if e]
         text = self.tokenizer.decode(best.token_ids) if self.tokenizer else ""
         return RequestOutput(
             request_id=group.request_id,
@@ -156,5 +155,11 @@ class BeamSearch:
             finish_reason=reason,
             num_prompt_tokens=beams[0].num_prompt_tokens,
             error=errors[0] if errors else None,
-            first_scheduled_at=beams[0].first_scheduled_at,
+            first_scheduled_at=beams[0].admission.first_scheduled_at,
         )
+
+    def _drop(self, beams: list[Sequence]) -> None:
+        """Free `beams` (finished, through the scheduler) and forget their logits."""
+        for beam in beams:
+            self.scheduler.remove(beam)
+            self.logits.pop(beam, None)

@@ -44,8 +44,8 @@ from model_service.engine.config import EngineConfig
 from model_service.engine.executor import ModelExecutor
 from model_service.engine.sampler import draw, filtered_probs
 from model_service.engine.seq_state import SequenceState
-from model_service.engine.sequence import Proposal, Sequence, Status
-from model_service.engine.speculation import SpeculativeConfig
+from model_service.engine.sequence import Sequence, Status
+from model_service.engine.speculation import Proposal, SpeculativeConfig
 from model_service.errors import ModelLoadError
 from model_service.models.loader import LoadedModel, load_model, resolve_model_path
 
@@ -244,7 +244,7 @@ class DraftProposer:
             idx = torch.tensor(sampled, device=logits.device)
             seqs = [rows[j].draft.seq for j in sampled]
             probs = filtered_probs(logits[idx], [s.params for s in seqs])
-            tokens[idx] = draw(probs, [s.generator for s in seqs])
+            tokens[idx] = draw(probs, [s.sampling.generator for s in seqs])
             for j, q in zip(sampled, probs, strict=True):
                 rows[j].probs.append(q)
         for r, token in zip(rows, tokens.tolist(), strict=True):

@@ -4,10 +4,12 @@ A step is a loop of stages, each with one owner:
 
     quiescent point   AdapterControl (control ops, loads, drains); GrammarWait (matchers)
     schedule          Scheduler: the rows and their token counts; it plans their cache too
-    build the batch   BatchBuilder (Overlap: a placeholder for a token still on the device)
+    build the batch   Scheduler.item: each row's tokens (Overlap.item: a placeholder for a
+                      token still on the device); BatchBuilder packs them
     launch            the executor's forward pass; Scheduler.commit counts the tokens cached
     sample            Overlap.launch on the device, else SampleStage on the host: the sampler,
-                      BeamSearch, Speculation.verify (Scheduler.rollback of rejected tokens)
+                      BeamSearch, Speculation.verify (Scheduler.rollback of rejected tokens);
+                      `logits_rows` gives each its rows
     process outputs   RequestTable + OutputProcessor (append, detokenize, stop), then free what
                       finished; Speculation.propose for the rows that go on
 
@@ -17,7 +19,9 @@ the forward pass fails the requests of that batch, never the engine.
 Who owns what: the scheduler owns the queues and, through the cache manager, every block table,
 state slot and `num_computed` (the engine asks it, never the cache); the executor owns the module
 and the device tensors; the LoRA pool owns adapter names, tiers and slot refcounts; the request
-table owns the live requests and their outputs; this class wires them and runs the loop.
+table owns the live requests and their outputs. A sequence's own state is split the same way,
+each record written by its owner (docs/architecture.md, "A sequence's state"). This class wires
+them and runs the loop.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 
 from model_service.attention.kv_cache import cache_bytes_per_block
 from model_service.engine.adapters import AdapterControl
-from model_service.engine.batch_builder import BatchBuilder, StepItem
+from model_service.engine.batch_builder import BatchBuilder
 from model_service.engine.beams import BeamSearch
 from model_service.engine.block_manager import BlockManager
 from model_service.engine.cache_manager import CacheManager
@@ -49,10 +53,10 @@ from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.overlap import InFlight, Overlap
 from model_service.engine.request_table import RequestTable
 from model_service.engine.requests import GrammarWait, PromptReader, Resume
-from model_service.engine.sample_stage import SampleStage
+from model_service.engine.sample_stage import SampleStage, logits_rows
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.scheduler import Scheduler
-from model_service.engine.sequence import RequestOutput, Sequence, Status
+from model_service.engine.sequence import RequestOutput, Sequence
 from model_service.engine.speculation import NgramProposer, Proposer, Speculation, SpeculativeConfig
 from model_service.lora.adapter import HostForm
 from model_service.lora.buffers import HostBuffers
@@ -94,6 +98,40 @@ class EngineStats:
     state_slots_total: int = 0
     state_slots_free: int = 0
     state_slots_cached: int = 0
+
+    @classmethod
+    def collect(
+        cls,
+        scheduler: Scheduler,
+        lora: LoraPool,
+        adapters: AdapterControl,
+        speculation: Speculation | None,
+        num_steps: int,
+    ) -> EngineStats:
+        """The counters, read from their owners (the engine counts only its steps)."""
+        s, cache, spec = scheduler, scheduler.cache, speculation
+        return cls(
+            num_waiting=len(s.waiting) - s.num_swapped,
+            num_swapped=s.num_swapped,
+            num_running=len(s.running),
+            kv_blocks_total=cache.blocks.num_blocks,
+            kv_blocks_free=cache.blocks.num_free,
+            kv_blocks_cached=cache.blocks.num_cached,
+            prefix_cache_query_tokens=s.prefix_query_tokens,
+            prefix_cache_hit_tokens=s.prefix_hit_tokens,
+            num_preemptions=s.num_preemptions,
+            num_computed_tokens=s.num_computed_tokens,
+            num_steps=num_steps,
+            spec_proposed_tokens=spec.proposed if spec is not None else 0,
+            spec_accepted_tokens=spec.accepted if spec is not None else 0,
+            adapter_drains=adapters.num_drains,
+            adapter_loads=lora.num_loads,
+            adapter_load_seconds=lora.load_seconds,
+            adapter_evictions=lora.num_evictions,
+            state_slots_total=cache.num_state_slots,
+            state_slots_free=cache.num_free_state_slots + cache.num_cached_states,
+            state_slots_cached=cache.num_cached_states,
+        )
 
     @property
     def kv_usage(self) -> float:
@@ -146,7 +184,11 @@ class Engine:
         num_blocks, self.max_model_len = self.executor.kv_cache.num_blocks, self.executor.max_model_len
         self.cache = _cache_manager(self.executor, config, mc, state_slots)
         self.lora = _lora_pool(self.executor, config, mc)
-        self.scheduler = Scheduler(config, self.cache, self.lora)
+        self.speculation = _speculation(
+            speculative, draft, config, num_blocks, self.max_model_len, mc.vocab_size
+        )
+        proposals = self.speculation.proposals if self.speculation is not None else None
+        self.scheduler = Scheduler(config, self.cache, self.lora, proposals=proposals)
         self.builder = BatchBuilder(config.block_size, self.executor.device)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.prompts = PromptReader(
@@ -158,16 +200,10 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size) if self.tokenizer is not None else None
         self.grammar_wait = GrammarWait(self.grammars)
         self.adapters = AdapterControl(self.lora, self.scheduler, config)
-        self.speculation = _speculation(
-            speculative, draft, config, num_blocks, self.max_model_len, mc.vocab_size
-        )
         self.overlap = Overlap(Overlap.wanted(config, self.executor.device, self.speculation is not None))
         self.table = RequestTable(self.scheduler, self.beams, self.outputs, self.speculation)
-        self.sampling = SampleStage(self.scheduler, self.table, self.beams, self.grammars, self.speculation)
+        self.sample = SampleStage(self.scheduler, self.table, self.beams, self.grammars, self.speculation)
         self._arrivals = itertools.count()
-        for name, path in config.lora_modules.items():
-            self.lora.register(name, Path(path))
-        self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits excluded)
         self.num_steps = 0
 
     @property
@@ -213,13 +249,10 @@ class Engine:
         if resume is not None:
             self.prompts.check_resume(resume, params, len(ids))
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        seq = Sequence(
-            request_id, ids, params, detokenizer, next(self._arrivals), priority, self.executor.device
-        )
-        seq.adapter_name = adapter
+        arrival, device = next(self._arrivals), self.executor.device
+        seq = Sequence(request_id, ids, params, detokenizer, arrival, priority, device, adapter)
         if resume is not None and self.outputs.replay(seq, resume):
-            seq.status = Status.FINISHED  # its resumed output ended it: only its final output is left
-            self.table.ended(seq.take_output())
+            self.table.finish(seq, seq.output.finish_reason or "stop")  # its resumed output ended it
             return request_id
         self.scheduler.add(seq)
         self.grammar_wait.add(seq)
@@ -259,10 +292,10 @@ class Engine:
         preempted sequence must have all its tokens); then the grammars that have compiled."""
         if self.overlap.busy and (self.adapters.needs_quiescence() or self.scheduler.may_preempt()):
             self.table.report(self._drain())
-        for seq in self.adapters.at_quiescent_point():  # their `error` says why
-            self.table.finish(seq, "error")
-        for seq, reason in self.grammar_wait.start_compiled():
-            self.table.finish(seq, reason)
+        for seq, error in self.adapters.at_quiescent_point():
+            self.table.finish(seq, "error", error)
+        for seq, reason, why in self.grammar_wait.start_compiled():
+            self.table.finish(seq, reason, why)
 
     def _step(self, work: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         """Run the scheduled `work`; a bad batch fails its requests, not the engine."""
@@ -277,18 +310,10 @@ class Engine:
     def _run(self, work: list[tuple[Sequence, int]]) -> list[Sequence]:
         """Build the batch -> launch -> sample; returns the sequences it produced tokens for
         (with async scheduling: those the step before produced, whose tokens have just arrived)."""
-        items = [self._item(seq, n) for seq, n in work]
-        batch = self.builder.build(items)
-        logits = self.executor.execute(batch, self.overlap.tokens)
+        items = [self.overlap.item(s) if s.in_flight else self.scheduler.item(s, n) for s, n in work]
+        logits = self.executor.execute(self.builder.build(items), self.overlap.tokens)
         self.scheduler.commit(work)
-        self.num_computed_tokens += sum(len(item.tokens) for item in items)
-        rows, verify, first = [], [], 0  # one logits row per plain row; k + 1 per verify row
-        for (seq, _), item in zip(work, items, strict=True):
-            if item.num_logits > 1:
-                verify.append((seq, logits[first : first + item.num_logits]))
-            elif item.num_logits:
-                rows.append((seq, first))
-            first += item.num_logits
+        rows, verify = logits_rows(work, items, logits)
         produced = self._drain(self.overlap.launch(work, rows, logits))  # the step before's tokens
         for (seq, _), item in zip(work, items, strict=True):
             if item.num_logits <= 1:  # its tokens are known now; a verify row's once verified
@@ -297,32 +322,14 @@ class Engine:
             return produced
         live = [(s, r) for s, r in rows if not s.finished]
         if live and self.overlap.overlaps(work):  # structured output: masks from the tokens just read
-            assert self.grammars is not None  # a constrained row needs them
-            allowed = self.grammars.allowed_tokens([s.constraint for s, _ in live])
-            assert allowed is not None  # else the step had overlapped
-            self.overlap.launch_masked(live, logits, allowed)
+            self.overlap.launch_masked(live, logits, self.grammars)
             return produced
-        return produced + self.sampling.run(live, verify, logits)
-
-    def _item(self, seq: Sequence, n: int) -> StepItem:
-        """`n` of the sequence's pending tokens, or its last token and its proposals to verify."""
-        assert seq.state is not None
-        if seq.in_flight:  # its last token is still on the device
-            return self.overlap.item(seq)
-        if n > seq.num_pending:  # the scheduler took its proposals
-            assert seq.proposal is not None
-            return StepItem(seq.state, [seq.token_ids[-1], *seq.proposal.tokens], n)
-        start = seq.num_computed
-        ends_prompt = start + n == len(seq.token_ids)
-        return StepItem(seq.state, seq.token_ids[start : start + n], int(ends_prompt))
+        return produced + self.sample.run(live, verify, logits)
 
     def _drain(self, then: InFlight | None = None) -> list[Sequence]:
-        """Read the in-flight step's tokens and append them: the sequences that got one. `then`,
-        a step just launched, is in flight after."""
-        got = self.overlap.drain(then)
-        for seq, token in got:
-            self.table.emit(seq, [token], None)
-        return [seq for seq, _ in got]
+        """Read the in-flight step's tokens and append them; `then`, a step just launched, is
+        in flight after. Returns the sequences that got one."""
+        return self.table.arrived(self.overlap.drain(then))
 
     def _fail(self, work: list[tuple[Sequence, int]], error: Exception) -> None:
         """A forward pass failed: its requests fail. The step before's tokens are appended if they
@@ -339,11 +346,7 @@ class Engine:
         stalled search (`BeamSearch.unstall`); else wait, `IDLE_WAIT_S` at most, for a worker's
         adapter read or grammar compile that a waiting request needs, rather than spin."""
         if not self.overlap.busy and self.scheduler.running and not self.scheduler.adapter_demand:
-            seq = self.beams.unstall(self.scheduler.running)
-            if seq is not None and seq.error is not None:
-                self.table.finish(seq, "capacity")
-            elif seq is not None:
-                self.table.add(seq)  # the restarted search's root
+            self.table.unstall()
         pending: list[concurrent.futures.Future[Any]] = []
         if not self.overlap.busy and self.scheduler.adapter_demand:
             pending += self.lora.pending_reads()
@@ -373,29 +376,7 @@ class Engine:
         return self.lora
 
     def stats(self) -> EngineStats:
-        s, blocks, spec = self.scheduler, self.cache.blocks, self.speculation
-        return EngineStats(
-            num_waiting=len(s.waiting) - s.num_swapped,
-            num_swapped=s.num_swapped,
-            num_running=len(s.running),
-            kv_blocks_total=blocks.num_blocks,
-            kv_blocks_free=blocks.num_free,
-            kv_blocks_cached=blocks.num_cached,
-            prefix_cache_query_tokens=s.prefix_query_tokens,
-            prefix_cache_hit_tokens=s.prefix_hit_tokens,
-            num_preemptions=s.num_preemptions,
-            num_computed_tokens=self.num_computed_tokens,
-            num_steps=self.num_steps,
-            spec_proposed_tokens=spec.proposed if spec is not None else 0,
-            spec_accepted_tokens=spec.accepted if spec is not None else 0,
-            adapter_drains=self.adapters.num_drains,
-            adapter_loads=self.lora.num_loads,
-            adapter_load_seconds=self.lora.load_seconds,
-            adapter_evictions=self.lora.num_evictions,
-            state_slots_total=self.cache.num_state_slots,
-            state_slots_free=self.cache.num_free_state_slots + self.cache.num_cached_states,
-            state_slots_cached=self.cache.num_cached_states,
-        )
+        return EngineStats.collect(self.scheduler, self.lora, self.adapters, self.speculation, self.num_steps)
 
     # --- conveniences ---------------------------------------------------------------------
 
@@ -459,12 +440,16 @@ def _cache_manager(
 
 
 def _lora_pool(executor: Executor, config: EngineConfig, mc: ModelConfig) -> LoraPool:
-    """The adapter pool over the executor's LoRA slots and arena; host copies pinned on CUDA."""
+    """The adapter pool over the executor's LoRA slots and arena, with the configured adapters
+    registered; host copies pinned on CUDA."""
     held = HostForm(executor.dtype, HostBuffers(executor.device))
-    return LoraPool(
+    pool = LoraPool(
         mc, executor.lora_slots, config.max_cpu_loras, config.max_lora_rank, executor,
         executor.lora_arena, config.max_adapter_bytes, held,
     )  # fmt: skip
+    for name, path in config.lora_modules.items():
+        pool.register(name, Path(path))
+    return pool
 
 
 def _speculation(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from model_service.engine.requests import Resume
 from model_service.engine.sampler import TokenLogprobs
-from model_service.engine.sequence import Sequence
+from model_service.engine.sequence import RequestOutput, Sequence, Status
 from model_service.errors import InvalidRequestError
 
 
@@ -21,21 +21,21 @@ class OutputProcessor:
         self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
 
     def append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> bool:
-        """Add `token` to `seq`; True when that finished it (`seq.finish_reason` says why)."""
-        ids = seq.token_ids
+        """Add `token` to `seq`; True when that finished it (`seq.output.finish_reason` says why)."""
+        ids, out = seq.token_ids, seq.output
         ids.append(token)
-        grammar = seq.constraint
+        grammar = seq.sampling.constraint
         if grammar is not None and grammar.ready:  # else it takes the output once compiled
             grammar.accept(token)
         if logprobs is not None:
-            seq.logprobs.append(logprobs)
+            out.logprobs.append(logprobs)
         p = seq.params
         stop_token = token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos)
         if stop_token and not p.include_stop_str_in_output:
             return _stop(seq, "stop", token)  # its text is not part of the answer
-        delta = seq.detokenizer.push(token)
+        delta = out.detokenizer.push(token)
         if delta:
-            seq.text += delta
+            out.text += delta
         if stop_token:
             return _stop(seq, "stop", token)
         if p.stop and self._match_stop_string(seq, len(delta)):
@@ -49,35 +49,61 @@ class OutputProcessor:
     def replay(self, seq: Sequence, resume: Resume) -> bool:
         """Append a resumed request's output as if sampled here (stop strings, penalties and
         seeded noise see the same history) and mark what the caller has as sent; True when that
-        output finished the request (`seq.finish_reason` says why)."""
+        output finished the request (`seq.output.finish_reason` says why)."""
         ids = resume.output_token_ids
         for i, token in enumerate(ids):
             if self.append(seq, token, None) and i + 1 < len(ids):
                 raise InvalidRequestError(
                     f"resume.output_token_ids goes on after output token {i}, where this request stops"
                 )
-        if resume.text_chars > len(seq.text):
+        out = seq.output
+        if resume.text_chars > len(out.text):
             raise InvalidRequestError(
-                f"resume.text_chars is {resume.text_chars} but its output tokens make {len(seq.text)} "
+                f"resume.text_chars is {resume.text_chars} but its output tokens make {len(out.text)} "
                 "characters of text"
             )
-        seq.emitted_tokens, seq.emitted_chars = seq.num_output_tokens, resume.text_chars
-        return seq.finish_reason is not None
+        out.sent_tokens, out.sent_chars = seq.num_output_tokens, resume.text_chars
+        return out.finish_reason is not None
 
     @staticmethod
     def _match_stop_string(seq: Sequence, new_chars: int) -> bool:
         # A stop string can only end inside the new text, so it starts at most len(stop)-1 before it.
-        longest = max(map(len, seq.params.stop))
-        search_from = max(0, len(seq.text) - new_chars - longest + 1)
-        hits = [(seq.text.find(s, search_from), s) for s in seq.params.stop]
+        out, longest = seq.output, max(map(len, seq.params.stop))
+        search_from = max(0, len(out.text) - new_chars - longest + 1)
+        hits = [(out.text.find(s, search_from), s) for s in seq.params.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return False
         i, s = min(hits)
-        seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
+        out.text = out.text[: i + len(s)] if seq.params.include_stop_str_in_output else out.text[:i]
         return _stop(seq, "stop", s)
 
 
 def _stop(seq: Sequence, reason: str, stop_reason: str | int | None) -> bool:
-    seq.finish_reason, seq.stop_reason = reason, stop_reason
+    seq.output.finish_reason, seq.output.stop_reason = reason, stop_reason
     return True
+
+
+def take_output(seq: Sequence) -> RequestOutput:
+    """`seq`'s output since the last call, marked sent. Text that could still become a stop
+    string is held back."""
+    out, finished, stop = seq.output, seq.status is Status.FINISHED, seq.params.stop
+    hold = max(map(len, stop)) - 1 if stop and not finished else 0
+    end = max(out.sent_chars, len(out.text) - hold)
+    ids, first = seq.token_ids, seq.num_prompt_tokens
+    result = RequestOutput(
+        seq.request_id,
+        ids[first + out.sent_tokens :],
+        out.text[out.sent_chars : end],
+        (ids, first, len(ids)),
+        out.text,
+        finished,
+        out.finish_reason,
+        first,
+        out.logprobs[out.sent_logprobs :],
+        out.stop_reason,
+        out.error,
+        seq.admission.first_scheduled_at,
+    )
+    out.sent_tokens, out.sent_chars, out.sent_logprobs = len(ids) - first, end, len(out.logprobs)
+    return result

@@ -27,6 +27,7 @@ import torch
 
 from model_service.engine.batch_builder import StepItem
 from model_service.engine.config import EngineConfig
+from model_service.engine.grammar import GrammarCompiler
 from model_service.engine.sampler import AllowedTokens, SampleRow, sample_on_device, select_rows
 from model_service.engine.sequence import Sequence
 
@@ -61,7 +62,9 @@ def launch(seqs: list[Sequence], logits: torch.Tensor, allowed: AllowedTokens | 
     """Sample one token per row of `logits` (one row per sequence) on the device, each row limited
     to the tokens `allowed` lets it take, and start copying them to the host; marks each sequence
     as having one more token in flight."""
-    rows = [SampleRow(s.params, s.generator, s.token_ids, s.num_prompt_tokens, s.in_flight) for s in seqs]
+    rows = [
+        SampleRow(s.params, s.sampling.generator, s.token_ids, s.num_prompt_tokens, s.in_flight) for s in seqs
+    ]
     tokens = sample_on_device(logits if allowed is None else allowed.apply(logits), rows)
     if tokens.is_cuda:
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -123,12 +126,12 @@ class Overlap:
         """Sample the step's `rows` (sequence, logits row) on the device before the step
         before's tokens are read; None when its `work` does not overlap, or when a row's
         grammar mask needs those tokens first (`launch_masked` then samples after the drain)."""
-        if not self.overlaps(work) or any(s.constraint is not None for s, _ in rows):
+        if not self.overlaps(work) or any(s.sampling.constraint is not None for s, _ in rows):
             return None
         return launch([s for s, _ in rows], select_rows(logits, [r for _, r in rows]))
 
     def launch_masked(
-        self, rows: list[tuple[Sequence, int]], logits: torch.Tensor, allowed: AllowedTokens
+        self, rows: list[tuple[Sequence, int]], logits: torch.Tensor, grammars: GrammarCompiler | None
     ) -> None:
         """Sample `rows` on the device under their grammars' masks, computed once the step
         before's tokens advanced the matchers (after the drain). This step's forward was
@@ -137,6 +140,9 @@ class Overlap:
         host prepares the next (issue 31; vLLM's async scheduling keeps its grammar bitmask
         out of the forward the same way). Its tokens are in flight after, as `launch`'s."""
         assert self.inflight is None, "the step before is read before its masks are computed"
+        assert grammars is not None  # a constrained row needs them
+        allowed = grammars.allowed_tokens([s.sampling.constraint for s, _ in rows])
+        assert allowed is not None  # else the step had overlapped (`launch`)
         self.inflight = launch([s for s, _ in rows], select_rows(logits, [r for _, r in rows]), allowed)
 
     def drain(self, then: InFlight | None = None) -> list[tuple[Sequence, int]]:

@@ -2,8 +2,8 @@
 
 A request's end has one owner. Tokens are appended here (through `OutputProcessor`: text, stop
 conditions); a request that they finish, or that fails or is aborted, is freed here (its beams,
-its cache through the scheduler, what the proposer holds for it) and its final output queued;
-the loop collects each step's outputs here.
+its cache through the scheduler, its proposals and what the proposer holds for it) and its final
+output queued; the loop collects each step's outputs here.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 
 from model_service.engine.beams import BeamSearch
-from model_service.engine.output_processor import OutputProcessor
+from model_service.engine.output_processor import OutputProcessor, take_output
 from model_service.engine.sampler import TokenLogprobs
 from model_service.engine.scheduler import Scheduler
-from model_service.engine.sequence import RequestOutput, Sequence, Status
+from model_service.engine.sequence import RequestOutput, Sequence
 from model_service.engine.speculation import Speculation
 
 log = logging.getLogger(__name__)
@@ -40,26 +40,27 @@ class RequestTable:
         try:
             for token in tokens:
                 if self.outputs.append(seq, token, logprobs):
-                    self.finish(seq, seq.finish_reason or "stop")
+                    self.finish(seq, seq.output.finish_reason or "stop")
                     return
         except Exception as e:  # e.g. a tokenizer fault on this request's text
             log.exception("request %s failed", seq.request_id)
-            seq.error = str(e)
-            self.finish(seq, "error")
+            self.finish(seq, "error", str(e))
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Free `seq` (all beams of its request) and queue its final output."""
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Free `seq` (all beams of its request) and queue its final output; `error` says why
+        it failed. A request whose resumed output ended it was never added: only its output is left."""
+        if error is not None:
+            seq.output.error = error
         if seq.group is not None:
             if self.beams.is_live(seq.group):  # else ended already: several beams can be doomed at once
                 self.ended(self.beams.finish(seq.group, reason))
             return
-        self.scheduler.remove(seq)
+        self.scheduler.remove(seq)  # which marks it finished
         if self.speculation is not None:
-            self.speculation.proposer.on_finished(seq)
-        seq.status = Status.FINISHED
-        seq.finish_reason = reason
-        self._pending.append(seq.take_output())
-        del self.by_id[seq.request_id]
+            self.speculation.forget(seq)
+        seq.output.finish_reason = reason
+        self._pending.append(take_output(seq))
+        self.by_id.pop(seq.request_id, None)
 
     def ended(self, out: RequestOutput) -> None:
         """Queue a final output made elsewhere (a beam search that ended, a resumed output that
@@ -71,8 +72,7 @@ class RequestTable:
         """Finish each of `seqs` that still runs with `error`."""
         for seq in seqs:
             if not seq.finished:
-                seq.error = error
-                self.finish(seq, "error")
+                self.finish(seq, "error", error)
 
     def fail_in_flight(self, error: str) -> None:
         """After a failed step whose step before could not be read: a sequence whose token is lost
@@ -82,9 +82,25 @@ class RequestTable:
             seq.in_flight = 0
         self.fail(lost, error)
 
+    def unstall(self) -> None:
+        """Nothing was scheduled and nothing is in flight, yet sequences run: beams waiting for
+        each other. The youngest stalled search starts over, or ends ("capacity")."""
+        found = self.beams.unstall(self.scheduler.running)
+        if isinstance(found, RequestOutput):
+            self.ended(found)
+        elif found is not None:
+            self.add(found)  # the restarted search's root
+
+    def arrived(self, got: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """Append the tokens of a step read from the device (`Overlap.drain`); returns the
+        sequences that got one."""
+        for seq, token in got:
+            self.emit(seq, [token], None)
+        return [seq for seq, _ in got]
+
     def outputs_of(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """The new output of each sequence that produced tokens and goes on (once each)."""
-        return [seq.take_output() for seq in dict.fromkeys(seqs) if not seq.finished]
+        return [take_output(seq) for seq in dict.fromkeys(seqs) if not seq.finished]
 
     def report(self, seqs: list[Sequence]) -> None:
         """Queue `outputs_of(seqs)` for the next step to return."""

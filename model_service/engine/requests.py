@@ -113,32 +113,32 @@ class GrammarWait:
         """Start compiling a queued request's grammar, if it has one."""
         if seq.params.structured_output is not None:
             assert self.compiler is not None  # `check` refused it otherwise
-            seq.constraint = self.compiler.constraint(seq.params.structured_output)
+            seq.sampling.constraint = self.compiler.constraint(seq.params.structured_output)
             self.waiting.append(seq)
 
-    def start_compiled(self) -> list[tuple[Sequence, str]]:
+    def start_compiled(self) -> list[tuple[Sequence, str, str | None]]:
         """Start the matchers whose grammars have compiled, so their requests can be admitted.
-        Returns the requests to finish, each with its reason: "stop" for a resumed output that
-        was complete already, "error" (`seq.error` says why) for a grammar that does not compile
+        Returns the requests to finish, each with its reason and error: "stop" for a resumed
+        output that was complete already, "error" (and why) for a grammar that does not compile
         for this vocabulary or a resumed output it refuses."""
         if not self.waiting:
             return []
         assert self.compiler is not None
         ended, waiting = [], []
         for seq in self.waiting:
-            if seq.finished or seq.constraint is None:
+            constraint = seq.sampling.constraint
+            if seq.finished or constraint is None:
                 continue
             try:
-                if not self.compiler.poll(seq.constraint, seq.output_ids):
+                if not self.compiler.poll(constraint, seq.output_ids):
                     waiting.append(seq)
-                elif seq.constraint.done:
-                    ended.append((seq, "stop"))
+                elif constraint.done:
+                    ended.append((seq, "stop", None))
             except (InvalidRequestError, GrammarError) as e:
-                seq.error = str(e)
-                ended.append((seq, "error"))
+                ended.append((seq, "error", str(e)))
         self.waiting = waiting
         return ended
 
     def compiles(self) -> list[Future[Any]]:
         """The compiles the waiting requests wait for."""
-        return [s.constraint.compiled for s in self.waiting if s.constraint is not None]
+        return [s.sampling.constraint.compiled for s in self.waiting if s.sampling.constraint is not None]

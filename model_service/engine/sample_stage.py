@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from model_service.engine.batch_builder import StepItem
 from model_service.engine.beams import BeamSearch
 from model_service.engine.grammar import GrammarCompiler
 from model_service.engine.request_table import RequestTable
@@ -18,6 +19,22 @@ from model_service.engine.sampler import SampleRow, sample, select_rows
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import Sequence
 from model_service.engine.speculation import Speculation
+
+
+def logits_rows(
+    work: list[tuple[Sequence, int]], items: list[StepItem], logits: torch.Tensor
+) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, torch.Tensor]]]:
+    """The step's logits, split for `SampleStage.run`: (sequence, its row) for each plain row
+    that produces a token, (sequence, its k + 1 rows) for each verify row; a prefill chunk that
+    does not end its prompt has none."""
+    rows, verify, first = [], [], 0
+    for (seq, _), item in zip(work, items, strict=True):
+        if item.num_logits > 1:
+            verify.append((seq, logits[first : first + item.num_logits]))
+        elif item.num_logits:
+            rows.append((seq, first))
+        first += item.num_logits
+    return rows, verify
 
 
 class SampleStage:
@@ -54,9 +71,9 @@ class SampleStage:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         allowed = None
-        if self.grammars is not None and any(s.constraint is not None for s in seqs):
-            allowed = self.grammars.allowed_tokens([s.constraint for s in seqs])
-        rows = [SampleRow(s.params, s.generator, s.token_ids, s.num_prompt_tokens) for s in seqs]
+        if self.grammars is not None and any(s.sampling.constraint is not None for s in seqs):
+            allowed = self.grammars.allowed_tokens([s.sampling.constraint for s in seqs])
+        rows = [SampleRow(s.params, s.sampling.generator, s.token_ids, s.num_prompt_tokens) for s in seqs]
         tokens, logprobs = sample(logits, rows, allowed)
         for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
             self.table.emit(seq, [token], lp)

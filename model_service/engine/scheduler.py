@@ -30,12 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from model_service.engine.batch_builder import StepItem
 from model_service.engine.cache_manager import CacheManager, SwappedState
 from model_service.engine.config import EngineConfig
-from model_service.engine.sequence import Sequence, Status
+from model_service.engine.sequence import Sequence, Status, by_rank
+from model_service.engine.speculation import Proposal
 from model_service.errors import CapacityError
-
-_SORT_KEY = operator.attrgetter("priority", "arrival")  # Sequence.sort_key without a Python call
 
 
 class AdapterSlots(Protocol):
@@ -64,10 +64,14 @@ class Scheduler:
         cache: CacheManager,
         adapters: AdapterSlots,
         clock: Callable[[], float] = time.monotonic,
+        proposals: dict[Sequence, Proposal] | None = None,
     ) -> None:
         """`clock`: the time the scheduler stamps waits with (and `AdapterControl` reads); tests
-        pass a simulated one."""
+        pass a simulated one. `proposals`: speculation's, by sequence (engine/speculation.py);
+        a decode row verifies its proposals with it when the step has room, and the scheduler
+        drops those that cannot run (no room, no checkpoint slots, preemption)."""
         self.cache, self.adapters, self.clock = cache, adapters, clock
+        self.proposals: dict[Sequence, Proposal] = {} if proposals is None else proposals
         self.token_budget = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.max_loras = config.max_loras
@@ -76,9 +80,10 @@ class Scheduler:
         self.swap_budget = config.swap_space_bytes
         self.swap_used = 0
         self._swapped: dict[Sequence, SwappedState] = {}  # the host copy of each swapped-out one's K/V
-        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.waiting: list[Sequence] = []  # sorted by rank
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits excluded)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.adapter_demand: dict[str, None] = {}  # adapters waiting requests need (ordered set)
@@ -102,10 +107,12 @@ class Scheduler:
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+        bisect.insort(self.waiting, seq, key=by_rank)
 
     def remove(self, seq: Sequence) -> None:
-        """Take `seq` out of the queues and free its KV state, wherever it is (finish or abort)."""
+        """Take `seq` out of the queues and free its KV state, wherever it is: it is finished
+        (done, aborted, or a beam its search dropped)."""
+        seq.status = Status.FINISHED
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -150,7 +157,8 @@ class Scheduler:
             start = seq.state.num_computed
             if self.cache.plan_checkpoints(seq.state, list(range(start + 1, start + n))):
                 return n
-            seq.proposal, n = None, seq.num_pending
+            del self.proposals[seq]
+            n = seq.num_pending
         self.cache.plan_boundary_checkpoint(seq.state, n)
         return n
 
@@ -171,18 +179,29 @@ class Scheduler:
     # --- the cache, as steps move it --------------------------------------------------------
     # The engine asks for these; it never moves a sequence's cache state itself.
 
+    def item(self, seq: Sequence, n: int) -> StepItem:
+        """What `seq` runs for its `n` tokens of the step: its next pending tokens, or its last
+        token and the proposals it verifies (`n` past its one pending token)."""
+        state = seq.state
+        assert state is not None
+        if n > seq.num_pending:
+            return StepItem(state, [seq.token_ids[-1], *self.proposals[seq].tokens], n)
+        start = state.num_computed
+        return StepItem(state, seq.token_ids[start : start + n], int(start + n == len(seq.token_ids)))
+
     def commit(self, work: list[tuple[Sequence, int]]) -> None:
         """The step running `work` was launched: its tokens count as in the cache."""
         for seq, n in work:
             assert seq.state is not None
             self.cache.commit(seq.state, n)
+            self.num_computed_tokens += n
 
     def register_prefix(self, seq: Sequence) -> None:
         """Publish `seq`'s newly full blocks to the prefix cache, once the ids of the tokens they
         hold are known (after a verify, or once a token in flight has arrived); nothing for a
         sequence that finished meanwhile."""
         if seq.state is not None:
-            self.cache.register_full_blocks(seq.state, seq.token_ids, seq.adapter_id)
+            self.cache.register_full_blocks(seq.state, seq.token_ids, seq.admission.adapter_id)
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Cut `seq`'s last `num_tokens` computed tokens (rejected proposals) out of its cache,
@@ -192,23 +211,25 @@ class Scheduler:
         self.cache.truncate(seq.state, seq.state.num_computed - num_tokens)
 
     def _schedule_running(self, budget: int, batch: ScheduledBatch) -> int:
-        self.running.sort(key=_SORT_KEY)
+        self.running.sort(key=by_rank)
         # Decode rows first, then prefill chunks; a beam waiting for its siblings' logits (0
         # pending) waits. Pending counts do not change in this loop, except by preemption.
         pending = [(seq, seq.num_pending) for seq in self.running]
         order = [sp for sp in pending if sp[1] == 1] + [sp for sp in pending if sp[1] > 1]
         work, running, cache = batch.work, Status.RUNNING, self.cache  # locals: 256 rows a step
+        proposals = self.proposals
         for seq, num_pending in order:
             if budget == 0:
                 break
             if seq.status is not running:
                 continue  # preempted by a reservation before it
             n = min(num_pending, budget)
-            if num_pending == 1 and seq.proposal is not None:  # verify it too, if the budget allows
-                if budget > len(seq.proposal.tokens):
-                    n += len(seq.proposal.tokens)
+            proposal = proposals.get(seq) if proposals else None
+            if num_pending == 1 and proposal is not None:  # verify it too, if the budget allows
+                if budget > len(proposal.tokens):
+                    n += len(proposal.tokens)
                 else:
-                    seq.proposal = None
+                    del proposals[seq]
             if cache.has_room(seq.state, n) or self._reserve_or_preempt(seq, n, work):
                 work.append((seq, n))
                 budget -= n
@@ -219,14 +240,15 @@ class Scheduler:
         in_step: set[int] | None = None  # the running rows' adapter slots, made on first need
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            if in_step is None and seq.adapter_name is not None:
+            if in_step is None and seq.admission.adapter is not None:
                 in_step = self.adapters_in_step()
             # (its adapter's demand is noted first, so that a load and a compile overlap)
             ready, slot = self._adapter_slot(seq, in_step)
-            if not ready or (seq.constraint is not None and not seq.constraint.ready):
+            constraint = seq.sampling.constraint
+            if not ready or (constraint is not None and not constraint.ready):
                 i += 1  # its adapter is being promoted or its grammar compiled: it waits, the
                 continue  # requests behind it do not
-            seq.adapter_id = self.adapters.adapter_id_for(slot) if slot is not None else 0
+            seq.admission.adapter_id = self.adapters.adapter_id_for(slot) if slot is not None else 0
             if not self._attach_state(seq):
                 break
             n = min(seq.num_pending, budget)
@@ -236,8 +258,8 @@ class Scheduler:
             if slot is not None:
                 seq.state.lora_slot = self.adapters.acquire(slot)
                 in_step.add(seq.state.lora_slot)
-            if seq.first_scheduled_at is None:
-                seq.first_scheduled_at = self.clock()
+            if seq.admission.first_scheduled_at is None:
+                seq.admission.first_scheduled_at = self.clock()
             self._release_swap(seq)
             self.waiting.pop(i)
             seq.status = Status.RUNNING
@@ -250,7 +272,8 @@ class Scheduler:
         one that would exceed `max_loras` in the step (`in_step`: the slots running rows hold),
         is noted as demand, which the engine serves at its next quiescent point, and the
         request's adapter wait starts."""
-        name = seq.adapter_name
+        admission = seq.admission
+        name = admission.adapter
         if name is None:
             return True, None
         slot = self.adapters.slot_of(name) if name not in self.draining else None
@@ -258,10 +281,10 @@ class Scheduler:
             slot = None
         if slot is None:
             self.adapter_demand[name] = None
-            if seq.adapter_blocked_since is None:
-                seq.adapter_blocked_since = self.clock()
+            if admission.blocked_since is None:
+                admission.blocked_since = self.clock()
             return False, None
-        seq.adapter_blocked_since = None
+        admission.blocked_since = None
         return True, slot
 
     def _may_take_place(self, name: str, in_step: set[int]) -> bool:
@@ -283,9 +306,9 @@ class Scheduler:
         (the budget ran out before it) still counts, and an aborted one no longer does."""
         since: dict[str, float] = {}
         for seq in self.waiting:
-            t = seq.adapter_blocked_since
-            if t is not None and seq.adapter_name is not None:
-                since[seq.adapter_name] = min(t, since.get(seq.adapter_name, t))
+            t, name = seq.admission.blocked_since, seq.admission.adapter
+            if t is not None and name is not None:
+                since[name] = min(t, since.get(name, t))
         return dict(sorted(since.items(), key=operator.itemgetter(1)))
 
     def work_left(self) -> dict[int, int]:
@@ -316,7 +339,7 @@ class Scheduler:
         if not self.cache.can_allocate():
             return False
         seq.state = self.cache.allocate()
-        cached = self.cache.take_cached_prefix(seq.state, seq.token_ids, seq.adapter_id)
+        cached = self.cache.take_cached_prefix(seq.state, seq.token_ids, seq.admission.adapter_id)
         self.prefix_query_tokens += len(seq.token_ids)
         self.prefix_hit_tokens += cached
         return True
@@ -336,14 +359,13 @@ class Scheduler:
         return True
 
     def _pick_victim(self, scheduled: set[int]) -> Sequence:
-        return max((s for s in self.running if id(s) not in scheduled), key=Sequence.sort_key)
+        return max((s for s in self.running if id(s) not in scheduled), key=by_rank)
 
     def _preempt(self, seq: Sequence) -> None:
         assert seq.state is not None
         self.running.remove(seq)
         size = self.cache.swap_bytes(seq.state)
-        seq.beam_logits = None  # a preempted beam reports again once it has recomputed
-        seq.proposal = None
+        self.proposals.pop(seq, None)
         swap = self.preemption_mode == "swap" and seq.group is None  # forked beams share blocks: recompute
         if swap and self.swap_used + size <= self.swap_budget:
             self._swapped[seq] = self.cache.swap_out(seq.state)

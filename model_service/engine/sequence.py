@@ -1,9 +1,11 @@
-"""One request's life in the engine: its tokens, its settings, its KV state and its output."""
+"""One request in the engine: its identity, tokens, params and status (`Sequence`), the small
+records that the units owning each concern write (`Admission`, `Emission`, `Sampling`), and
+the output a step hands back for it (`RequestOutput`)."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import operator
 
 import torch
 
@@ -80,16 +82,92 @@ class RequestOutput:
         return "RequestOutput(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
 
 
-@dataclass
-class Proposal:
-    """Tokens to verify, and the distribution each was drawn from: `probs` [len(tokens), vocab]
-    (row i is q for token i), or None for tokens chosen deterministically (argmax, lookup)."""
+class Emission:
+    """What a request has produced, and how much of it its caller has been sent. Written by the
+    output processor (appending tokens, stop conditions, `take_output`) and the request table
+    (how a request ended: `finish_reason`, `error`)."""
 
-    tokens: list[int]
-    probs: torch.Tensor | None = None
+    __slots__ = (
+        "detokenizer",
+        "error",
+        "finish_reason",
+        "logprobs",
+        "sent_chars",
+        "sent_logprobs",
+        "sent_tokens",
+        "stop_reason",
+        "text",
+    )
+
+    def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
+        self.detokenizer = detokenizer
+        self.text = ""
+        self.logprobs: list[TokenLogprobs] = []
+        self.sent_tokens = self.sent_chars = self.sent_logprobs = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or token id that ended it
+        self.error: str | None = None
+
+
+class Admission:
+    """A request's way into the running batch: its place in the queue and what its adapter asks
+    of admission. Written by the scheduler (engine/adapters.py reads the waits it records)."""
+
+    __slots__ = ("adapter", "adapter_id", "blocked_since", "first_scheduled_at", "rank")
+
+    def __init__(self, priority: int, arrival: int, adapter: str | None) -> None:
+        # Lower runs first: priority (vLLM's convention: lower value = served first), then
+        # arrival, the engine's admission counter.
+        self.rank = (priority, arrival)
+        self.adapter = adapter  # the LoRA adapter requested (None = base model)
+        self.adapter_id = 0  # content identity of the weights serving it (0 = base model)
+        # When the scheduler first found it waiting for its adapter (not resident, or draining);
+        # None once its adapter can serve it. Starvation is measured from here (engine/adapters.py).
+        self.blocked_since: float | None = None
+        self.first_scheduled_at: float | None = None  # end of its queue wait
+
+
+class Sampling:
+    """What drawing the request's next token takes beyond its params and tokens: a seeded
+    request's generator, and its structured output's matcher (engine/grammar.py; set by the
+    grammar wait, engine/requests.py, while the request waits for it to compile)."""
+
+    __slots__ = ("constraint", "generator")
+
+    def __init__(self, seed: int | None, device: torch.device | None) -> None:
+        self.constraint: Constraint | None = None
+        self.generator: torch.Generator | None = None
+        if seed is not None:
+            self.generator = torch.Generator(device=device or "cpu")
+            self.generator.manual_seed(seed)
+
+
+# The order of the queues: lower runs first (`Admission.rank`); a C call, no Python frame.
+by_rank = operator.attrgetter("admission.rank")
 
 
 class Sequence:
+    """One request in the engine: its identity, tokens, params and status; its KV state is the
+    scheduler's (`state`), and each concern's state a small record that its owner writes (each
+    record's docstring names it; docs/architecture.md has the table). What a feature keeps
+    beside it lives in that feature's unit, keyed by the sequence (proposals, beam logits).
+    `__slots__`: a decode step at batch 256 reads
+    these 256 times over, and nothing can be added from outside."""
+
+    __slots__ = (
+        "admission",  # Admission: the scheduler's
+        "group",  # the beam search it is a beam of (engine/beams.py), else None
+        "in_flight",  # tokens sampled on the device, not yet appended (engine/overlap.py)
+        "num_prompt_tokens",
+        "output",  # Emission: the output processor's
+        "params",
+        "request_id",
+        "sampling",  # Sampling: generator and grammar matcher
+        "state",  # SequenceState: the scheduler's, through the cache manager
+        "status",
+        "token_ids",
+    )
+
     def __init__(
         self,
         request_id: str,
@@ -99,40 +177,20 @@ class Sequence:
         arrival: int,
         priority: int = 0,
         device: torch.device | None = None,
+        adapter: str | None = None,
     ) -> None:
+        """`arrival`: the engine's admission counter; `adapter`: the LoRA adapter asked for."""
         self.request_id = request_id
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.params = params
-        self.detokenizer = detokenizer
-        self.arrival = arrival  # monotonically increasing admission counter
-        self.priority = priority  # lower value = served first (vLLM's convention)
         self.status = Status.WAITING
         self.state: SequenceState | None = None
-        self.adapter_name: str | None = None  # the LoRA adapter requested (None = base model)
-        self.adapter_id = 0  # content identity of the weights serving it (0 = base model)
-        self.first_scheduled_at: float | None = None  # end of its queue wait
-        # When the scheduler first found it waiting for its adapter (not resident, or draining);
-        # None once its adapter can serve it. Starvation is measured from here (engine/adapters.py).
-        self.adapter_blocked_since: float | None = None
-        self.group: BeamGroup | None = None  # set for the beams of a beam-search request
-        self.beam_logits: torch.Tensor | None = None  # this beam's next-token logits, awaiting siblings
-        self.proposal: Proposal | None = None  # to verify in its next step (engine/speculation.py)
-        self.in_flight = 0  # tokens sampled on the device and not yet appended (engine/overlap.py)
-        # Its structured output's matcher (engine/grammar.py); it waits in the queue until ready.
-        self.constraint: Constraint | None = None
-        self.text = ""
-        self.emitted_tokens = 0
-        self.emitted_chars = 0
-        self.emitted_logprobs = 0
-        self.logprobs: list[TokenLogprobs] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-        self.error: str | None = None
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator(device=device or "cpu")
-            self.generator.manual_seed(params.seed)
+        self.admission = Admission(priority, arrival, adapter)
+        self.output = Emission(detokenizer)
+        self.sampling = Sampling(params.seed, device)
+        self.group: BeamGroup | None = None
+        self.in_flight = 0
 
     @property
     def output_ids(self) -> list[int]:
@@ -161,9 +219,6 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def sort_key(self) -> tuple[int, int]:
-        return (self.priority, self.arrival)
-
     def fork(self) -> Sequence:
         """A sibling beam: same request and tokens so far; the caller gives it KV state."""
         child = self.from_prompt()
@@ -174,38 +229,9 @@ class Sequence:
     def from_prompt(self) -> Sequence:
         """The same request (prompt, adapter, place in the queue) with no output and no state:
         a beam search started over (engine/beams.py) or a fork's base."""
-        twin = Sequence(
-            self.request_id,
-            self.token_ids[: self.num_prompt_tokens],
-            self.params,
-            self.detokenizer,
-            self.arrival,
-            self.priority,
-        )
-        twin.adapter_name, twin.adapter_id = self.adapter_name, self.adapter_id
-        twin.first_scheduled_at = self.first_scheduled_at
+        a = self.admission
+        priority, arrival = a.rank
+        prompt, detokenizer = self.token_ids[: self.num_prompt_tokens], self.output.detokenizer
+        twin = Sequence(self.request_id, prompt, self.params, detokenizer, arrival, priority, None, a.adapter)
+        twin.admission.adapter_id, twin.admission.first_scheduled_at = a.adapter_id, a.first_scheduled_at
         return twin
-
-    def take_output(self) -> RequestOutput:
-        """The delta since the last call. Text that could still become a stop string is held back."""
-        finished, stop = self.status is Status.FINISHED, self.params.stop
-        hold = max(map(len, stop)) - 1 if stop and not finished else 0
-        end = max(self.emitted_chars, len(self.text) - hold)
-        ids, first = self.token_ids, self.num_prompt_tokens
-        out = RequestOutput(
-            self.request_id,
-            ids[first + self.emitted_tokens :],
-            self.text[self.emitted_chars : end],
-            (ids, first, len(ids)),
-            self.text,
-            finished,
-            self.finish_reason,
-            first,
-            self.logprobs[self.emitted_logprobs :],
-            self.stop_reason,
-            self.error,
-            self.first_scheduled_at,
-        )
-        self.emitted_tokens, self.emitted_chars = len(ids) - first, end
-        self.emitted_logprobs = len(self.logprobs)
-        return out

@@ -36,10 +36,19 @@ import torch
 
 from model_service.engine.sampler import AllowedTokens, filtered_probs
 from model_service.engine.sampling_params import SamplingParams
-from model_service.engine.sequence import Proposal, Sequence
+from model_service.engine.sequence import Sequence
 from model_service.errors import InvalidRequestError
 
 DRAFT_METHODS = ("draft", "draft_model")  # ours and vLLM's spelling
+
+
+@dataclass
+class Proposal:
+    """Tokens to verify, and the distribution each was drawn from: `probs` [len(tokens), vocab]
+    (row i is q for token i), or None for tokens chosen deterministically (argmax, lookup)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,9 @@ class Speculation:
         self.config, self.proposer = config, proposer
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.proposed = self.accepted = 0  # proposed and accepted tokens
+        # Each decoding sequence's proposals, to verify in its next step; the scheduler, which
+        # decides whether they run, drops those that cannot (it is given this table).
+        self.proposals: dict[Sequence, Proposal] = {}
 
     def propose(self, seqs: list[Sequence]) -> None:
         """Proposals for each of `seqs` that can speculate, to verify in its next step; cut to
@@ -134,27 +146,36 @@ class Speculation:
             for seq in seqs
         ]
         for seq, proposal in zip(seqs, self.proposer.propose(seqs, room), strict=True):
-            if seq.constraint is not None:  # verify only what the grammar allows
-                n = seq.constraint.valid_prefix(proposal.tokens)
+            constraint = seq.sampling.constraint
+            if constraint is not None:  # verify only what the grammar allows
+                n = constraint.valid_prefix(proposal.tokens)
                 probs = proposal.probs[:n] if proposal.probs is not None and n else None
                 proposal = Proposal(proposal.tokens[:n], probs)
-            seq.proposal = proposal if proposal.tokens else None
+            if proposal.tokens:
+                self.proposals[seq] = proposal
+            else:
+                self.proposals.pop(seq, None)
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` finished or was aborted: drop its proposals and what the proposer holds for it."""
+        self.proposals.pop(seq, None)
+        self.proposer.on_finished(seq)
 
     def verify(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], int]:
         """`seq`'s verify row, its logits [k + 1, vocab]: the tokens it emits (the accepted
         proposals and the target's next token) and how many of the tokens it computed were
         rejected, which the caller cuts out of the cache before appending."""
-        proposal, seq.proposal = seq.proposal, None
-        assert proposal is not None
+        proposal = self.proposals.pop(seq)
         proposals, draft_probs = proposal.tokens, proposal.probs
-        if seq.constraint is not None:  # the target's distribution under the grammar, at each row
-            bits = seq.constraint.verify_bitmask(proposals, self.vocab_size)
+        constraint = seq.sampling.constraint
+        if constraint is not None:  # the target's distribution under the grammar, at each row
+            bits = constraint.verify_bitmask(proposals, self.vocab_size)
             logits = AllowedTokens(list(range(len(logits))), bits).apply(logits)
         if seq.params.greedy:
             emitted = accept_greedy(proposals, logits)
         else:
             probs = filtered_probs(logits, [seq.params] * len(logits))
-            emitted = accept_sampled(proposals, probs, seq.generator, draft_probs)
+            emitted = accept_sampled(proposals, probs, seq.sampling.generator, draft_probs)
         self.proposed += len(proposals)
         self.accepted += len(emitted) - 1
         return emitted, len(proposals) - len(emitted) + 1
