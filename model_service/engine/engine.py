@@ -170,11 +170,7 @@ NOT_COUNTED = MemoryCount()
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        # Tensor-parallel ranks slice the weights from a host copy; one device loads onto itself.
-        load_device = torch.device("cpu") if config.tensor_parallel_size > 1 else config.torch_device()
-        self.loaded = loaded or load_model(
-            config.model, config.torch_dtype(), load_device, quantization=config.quantization
-        )
+        self.loaded = loaded or _load(config)
         self.tokenizer, mc = self.loaded.tokenizer, self.loaded.config
         speculative = SpeculativeConfig.from_json(config.speculative_config)
         draft = load_draft(speculative, config, self.loaded)  # None unless method "draft"
@@ -428,6 +424,13 @@ def _num_state_slots(
         return 0
     spec = speculative.num_speculative_tokens if speculative is not None else 0
     return config.max_num_seqs * (2 + spec)
+
+
+def _load(config: EngineConfig) -> LoadedModel:
+    """The configured model. Tensor-parallel ranks slice the weights from a host copy; one device
+    loads onto itself."""
+    device = torch.device("cpu") if config.tensor_parallel_size > 1 else config.torch_device()
+    return load_model(config.model, config.torch_dtype(), device, quantization=config.quantization)
 
 
 def _cache_manager(
