@@ -18,8 +18,8 @@ into its epilogue; the activations are quantized for it by one Triton launch (`q
 bit for bit the torch ops' result). Everything else there (weight-only and block-wise schemes)
 takes the reference in bfloat16, i.e. dequantize-then-matmul: correct, and slower than bfloat16
 weights (each call writes and reads a bf16 copy of the weight), until a Triton kernel replaces
-it. The few-row decode case (<= 16 rows, where the bf16 path takes `skinny_gemm`) currently
-takes `_scaled_mm` too; a few-row FP8 kernel is the next step.
+it. Decode steps of <= 16 rows with per-row weight scales do not come here: `Fp8Linear` sends
+them to the few-row kernel of `kernels/skinny_gemm.py` in W8A16 (cuBLASLt is poor at M = 1).
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def fp8_linear_reference(
 
 
 @functools.cache
-def _has_fp8_tensor_cores(device: torch.device) -> bool:
+def has_fp8_conversions(device: torch.device) -> bool:
+    """Whether the CUDA `device` has FP8 tensor cores and conversions (sm89+)."""
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
@@ -140,7 +141,7 @@ def scaled_mm_applies(
         and weight.shape[1] % 16 == 0
         and weight.shape[0] % 16 == 0
         and weight.is_contiguous()
-        and _has_fp8_tensor_cores(x.device)
+        and has_fp8_conversions(x.device)
     )
 
 
