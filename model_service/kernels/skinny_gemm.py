@@ -75,6 +75,15 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     tiling that divides the weight, and the weight either in x's dtype stored transposed
     (`layers.store_weights_transposed`), or (`weight_scale` given) e4m3 with contiguous rows, as
     `Fp8Linear` keeps it, and one float32 scale a row (sm89+, whose FP8 conversions it uses)."""
+    if not (
+        triton is not None
+        and x.is_cuda
+        and x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(1) == 1
+    ):
+        return False
     if weight_scale is None:
         stored = weight.dtype == x.dtype and weight.t().is_contiguous()
     else:
@@ -83,17 +92,10 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
             and weight.is_contiguous()
             and weight_scale.shape == (weight.shape[0], 1)
             and weight_scale.dtype == torch.float32
-            and x.is_cuda
             and has_fp8_conversions(x.device)
         )
     return (
-        triton is not None
-        and x.is_cuda
-        and x.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and x.stride(1) == 1
-        and stored
+        stored
         and _device_limits(x.device)[0] > 0
         and skinny_config(weight.shape[1], weight.shape[0], *_device_limits(x.device)) is not None
     )
