@@ -92,6 +92,7 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
             and weight.is_contiguous()
             and weight_scale.shape == (weight.shape[0], 1)
             and weight_scale.dtype == torch.float32
+            and weight_scale.is_contiguous()
             and has_fp8_conversions(x.device)
         )
     return (
