@@ -29,7 +29,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_service.engine.config import EngineConfig
-from model_service.engine.engine import Engine
 from model_service.errors import ModelLoadError
 from model_service.kernels.fp8_gemm import E4M3, E4M3_MAX
 from model_service.models.fp8_linear import Fp8Linear
@@ -549,82 +548,3 @@ def test_the_gpu_benchmarks_quantize_their_random_model_online():
         [{"prompt_token_ids": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}]
     )
     assert len(out[0].token_ids) == 4
-
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])
-@pytest.mark.parametrize(("k", "n"), [(4096, 6144), (4096, 4096), (14336, 4096), (192, 320)])
-@pytest.mark.parametrize("mode", ["dynamic", "static"])
-def test_scaled_mm_matches_the_reference(rows: int, k: int, n: int, mode: str):
-    """`torch._scaled_mm` (row-wise scales) against the float32 reference on the same e4m3
-    operands: the activations are quantized by the same ops, so only the GEMM's summation order
-    and its bfloat16 output differ."""
-    from model_service.kernels.fp8_gemm import (
-        ActivationQuant,
-        fp8_linear,
-        fp8_linear_reference,
-        quantize_groups,
-        scaled_mm_applies,
-    )
-
-    torch.manual_seed(rows + k + n)
-    weight, scale = quantize_groups(torch.randn(n, k, device="cuda") * k**-0.5, k)
-    x = torch.randn(rows, k, device="cuda").bfloat16()
-    bias = torch.randn(n, device="cuda").bfloat16()
-    static = torch.tensor([x.float().abs().max().item() / 300], device="cuda")
-    acts = ActivationQuant(mode, k, static if mode == "static" else None)
-    assert scaled_mm_applies(x, weight, scale, acts)
-    got = fp8_linear(x, weight, scale, k, bias, acts)
-    want = fp8_linear_reference(x.float(), weight, scale, k, bias, acts)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)  # bfloat16 output rounding
-
-
-@cuda
-@pytest.mark.gpu
-def test_scaled_mm_replays_in_a_cuda_graph_over_new_inputs():
-    from model_service.kernels.fp8_gemm import ActivationQuant, fp8_linear, quantize_groups
-
-    weight, scale = quantize_groups(torch.randn(4096, 4096, device="cuda") * 0.02, 4096)
-    acts = ActivationQuant("dynamic", 4096)
-    x = torch.randn(8, 4096, device="cuda").bfloat16()
-    fp8_linear(x, weight, scale, 4096, None, acts)  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = fp8_linear(x, weight, scale, 4096, None, acts)
-    for seed in range(3):
-        torch.manual_seed(seed)
-        x.copy_(torch.randn(8, 4096, device="cuda").bfloat16())
-        graph.replay()
-        torch.testing.assert_close(y, fp8_linear(x, weight, scale, 4096, None, acts), rtol=0, atol=0)
-
-
-@cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["ct-channel-dynamic", "ct-tensor-static", "fp8-block", "ct-channel-w8a16"])
-def test_cuda_fp8_engine_with_graphs_and_adapters(name: str, tmp_path: Path):
-    """On CUDA in bfloat16 (`_scaled_mm` for the per-channel and static schemes, the reference for
-    block-wise and weight-only): decode CUDA graphs give the eager engine's tokens, with and without
-    adapters, and the tokens mostly agree with HF's float32 oracle (as on CPU, `W8A8_GREEDY_AGREEMENT`)."""
-    from tests.test_lora import ALL, make_adapter
-
-    case = Case(FORMATS[name], tmp_path)
-    oracle = case.hf_w8a8 or case.hf
-    adapter = make_adapter(oracle, tmp_path / "all", seed=3, scale=0.3, r=8, lora_alpha=8, target_modules=ALL)
-    loaded = load_model(str(case.fp8_path), torch.bfloat16, torch.device("cuda"))
-    request = {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
-    reqs = [{"prompt_token_ids": p, "adapter": a, **request} for p in PROMPTS for a in (None, "all")]
-    runs = {}
-    for eager in (True, False):
-        cfg = EngineConfig(
-            model=loaded.name, device="cuda", dtype="bfloat16", enforce_eager=eager, max_loras=1,
-            lora_modules={"all": str(adapter)}, num_kv_blocks=256,
-        )  # fmt: skip
-        runs[eager] = [o.token_ids for o in Engine(cfg, loaded=loaded).generate(reqs)]
-    assert runs[False] == runs[True]
-    base = runs[True][::2]
-    assert greedy_agreement(oracle, PROMPTS, base) >= W8A8_GREEDY_AGREEMENT

@@ -14,11 +14,12 @@ against.
 
 On CUDA (sm89+, bfloat16), per-channel W8A8 products go to `torch._scaled_mm` with row-wise
 scales (activations [M, 1], weights [1, N]): cuBLASLt's FP8 tensor-core GEMM, the rescale fused
-into its epilogue. Everything else there (weight-only and block-wise schemes) takes the
-reference in bfloat16, i.e. dequantize-then-matmul: correct, and slower than bfloat16 weights
-(each call writes and reads a bf16 copy of the weight), until a Triton kernel replaces it. The few-row
-decode case (<= 16 rows, where the bf16 path takes `skinny_gemm`) currently takes `_scaled_mm`
-too; a few-row FP8 kernel is the next step and slots in beside it in `fp8_linear`.
+into its epilogue; the activations are quantized for it by one Triton launch (`quantize_rows`,
+bit for bit the torch ops' result). Everything else there (weight-only and block-wise schemes)
+takes the reference in bfloat16, i.e. dequantize-then-matmul: correct, and slower than bfloat16
+weights (each call writes and reads a bf16 copy of the weight), until a Triton kernel replaces
+it. Decode steps of <= 16 rows with per-row weight scales do not come here: `Fp8Linear` sends
+them to the few-row kernel of `kernels/skinny_gemm.py` in W8A16 (cuBLASLt is poor at M = 1).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+from model_service.kernels.paged_attention import triton
+
+if triton is not None:
+    import triton.language as tl
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -116,7 +122,8 @@ def fp8_linear_reference(
 
 
 @functools.cache
-def _has_fp8_tensor_cores(device: torch.device) -> bool:
+def has_fp8_conversions(device: torch.device) -> bool:
+    """Whether the CUDA `device` has FP8 tensor cores and conversions (sm89+)."""
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
@@ -134,7 +141,7 @@ def scaled_mm_applies(
         and weight.shape[1] % 16 == 0
         and weight.shape[0] % 16 == 0
         and weight.is_contiguous()
-        and _has_fp8_tensor_cores(x.device)
+        and has_fp8_conversions(x.device)
     )
 
 
@@ -145,11 +152,64 @@ def _scaled_mm_rowwise(
     bias: torch.Tensor | None,
     acts: ActivationQuant,
 ) -> torch.Tensor:
-    """The activation quantization is separate torch ops for now (a few elementwise kernels);
-    fusing it into the RMSNorm / SiLU-mul that produces x is the planned next step."""
-    if acts.mode == "dynamic":
-        q, scale = quantize_groups(x, x.shape[1], acts.scale_ub)
-    else:
-        q, scale = quantize_static(x, acts.scale), acts.scale.expand(x.shape[0], 1).contiguous()
+    q, scale = quantize_rows(x, acts)
     y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
     return y if bias is None else y + bias
+
+
+def quantize_rows(x: torch.Tensor, acts: ActivationQuant) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], float32 scales [M, 1]) of x [M, K] for a per-token dynamic or a static
+    scheme: on CUDA one Triton launch (`quantize_groups` / `quantize_static` as separate torch
+    ops were ~6 launches and as many passes over x before every GEMM), bit for bit their result;
+    elsewhere those references."""
+    m, k = x.shape
+    if triton is None or not x.is_cuda or x.stride(1) != 1:
+        if acts.mode == "dynamic":
+            return quantize_groups(x, k, acts.scale_ub)
+        return quantize_static(x, acts.scale), acts.scale.expand(m, 1).contiguous()
+    q = torch.empty(m, k, dtype=E4M3, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    static = acts.mode == "static"
+    _quantize_rows_kernel[(m,)](
+        x, q, scale, acts.scale if static else scale, x.stride(0), k,
+        acts.scale_ub if acts.scale_ub is not None else 0.0,
+        STATIC=static, HAS_UB=acts.scale_ub is not None, BLOCK=min(1024, triton.next_power_of_2(k)),
+        MIN_AMAX=_MIN_AMAX, INV_MAX=1 / E4M3_MAX, MAX=E4M3_MAX,
+    )  # fmt: skip
+    return q, scale
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_rows_kernel(
+        X, Q, Scale, Static, x_stride, K, scale_ub,
+        STATIC: tl.constexpr, HAS_UB: tl.constexpr, BLOCK: tl.constexpr,
+        MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row): its maximum in one pass over the row, its e4m3 values in a second (the
+        row is re-read from cache), with the operations `quantize_groups` runs on CUDA, in its
+        order: the scale is amax times float32(1 / 448), as torch computes `amax / 448` there (a
+        division by a Python number is a multiply by its reciprocal on CUDA; the CPU divides,
+        which can differ in the scale's last bit); a correctly rounded division by the scale
+        (`div_rn`: Triton's `/` is approximate); the clamp; the round-to-nearest-even cast."""
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        x_row = X + row * x_stride
+        if STATIC:
+            scale = tl.load(Static)
+        else:
+            amax = tl.zeros([BLOCK], tl.float32)
+            for k0 in range(0, K, BLOCK):
+                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0)
+                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+            row_max = tl.max(amax, axis=0)
+            if HAS_UB:
+                row_max = tl.minimum(row_max, scale_ub)
+            scale = tl.maximum(row_max, MIN_AMAX) * INV_MAX
+        tl.store(Scale + row, scale)
+        for k0 in range(0, K, BLOCK):
+            live = k0 + offs < K
+            x = tl.load(x_row + k0 + offs, mask=live, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -MAX), MAX)
+            tl.store(Q + row * K + k0 + offs, q.to(Q.dtype.element_ty), mask=live)

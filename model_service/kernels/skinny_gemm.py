@@ -10,6 +10,10 @@ column block to arrive (an arrival counter) adds the partial sums in a fixed ord
 result is deterministic and there is no second launch. It then resets the counter for the
 next call; CUDA graphs replay it as is.
 
+FP8 weights (`Fp8Linear`, one scale a row) take the same kernel in W8A16: e4m3 tiles read where
+they lie (rows contiguous, as `_scaled_mm` wants them) and converted to bf16 in registers, the
+row scales applied to the float32 sums. One byte a weight: half the bytes of a bf16 decode step.
+
 H200, Llama-3-8B shapes, one row, 32 distinct weights in a graph (`devrun` bench of
 2026-12-01 o, per product): qkv 15.38 -> 14.19 us, o 12.99 -> 11.54, gate_up 55.14 -> 54.64,
 down 31.31 -> 30.20.
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model_service.kernels.fp8_gemm import E4M3, has_fp8_conversions
 from model_service.kernels.paged_attention import triton
 
 if triton is not None:
@@ -65,29 +70,55 @@ def skinny_config(k: int, n: int, sms: int = 132, smem: int = 232_448) -> Skinny
     return SkinnyConfig(block_n, block_k, split_k, stages)
 
 
-def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """x [rows, in] @ weight [out, in].T through the kernel: CUDA, half precision, few rows, the
-    weight stored transposed (`layers.store_weights_transposed`) and a tiling that divides it."""
-    return (
+def skinny_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> bool:
+    """x [rows, in] @ weight [out, in].T through the kernel: CUDA, half precision, few rows, a
+    tiling that divides the weight, and the weight either in x's dtype stored transposed
+    (`layers.store_weights_transposed`), or (`weight_scale` given) e4m3 with contiguous rows, as
+    `Fp8Linear` keeps it, and one float32 scale a row (sm89+, whose FP8 conversions it uses)."""
+    if not (
         triton is not None
         and x.is_cuda
         and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
         and x.stride(1) == 1
-        and weight.t().is_contiguous()
+    ):
+        return False
+    if weight_scale is None:
+        stored = weight.dtype == x.dtype and weight.t().is_contiguous()
+    else:
+        stored = (
+            weight.dtype == E4M3
+            and weight.is_contiguous()
+            and weight_scale.shape == (weight.shape[0], 1)
+            and weight_scale.dtype == torch.float32
+            and weight_scale.is_contiguous()
+            and has_fp8_conversions(x.device)
+        )
+    return (
+        stored
         and _device_limits(x.device)[0] > 0
         and skinny_config(weight.shape[1], weight.shape[0], *_device_limits(x.device)) is not None
     )
 
 
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, arrivals: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    arrivals: torch.Tensor,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) where `skinny_applies` (F.linear is the reference: the tests
     compare against it, and every other case runs it). `arrivals`: int32 zeros, one per
-    64 output columns, owned by the caller (one per layer) and left zeroed by every call."""
+    64 output columns, owned by the caller (one per layer) and left zeroed by every call.
+
+    With `weight_scale` [out, 1] the weight is e4m3 and the product is W8A16: each weight tile is
+    converted to x's dtype in registers (exact: e4m3 values are bf16 and fp16 values), the float32
+    sums are multiplied by their column's scale, then the bias is added. It reads one byte a
+    weight, half of bf16's; x is not quantized, whatever the checkpoint's activation scheme, so
+    for W8A8 schemes it is the reference with activations "none" (`fp8_linear_reference`): more
+    accurate than the W8A8 product it stands in for."""
     rows, k = x.shape
     n = weight.shape[0]
     cfg = skinny_config(k, n, *_device_limits(x.device))
@@ -95,9 +126,10 @@ def skinny_linear(
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     parts = torch.empty(cfg.split_k if cfg.split_k > 1 else 0, rows, n, dtype=torch.float32, device=x.device)
     _skinny_kernel[(n // cfg.block_n, cfg.split_k)](
-        x, weight, bias if bias is not None else y, y, parts, arrivals, rows, n, k, x.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, num_warps=4, num_stages=cfg.num_stages,
+        x, weight, bias if bias is not None else y, weight_scale if weight_scale is not None else y, y, parts,
+        arrivals, rows, n, k, x.stride(0), weight.stride(1), weight.stride(0),
+        HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=4, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
 
@@ -105,18 +137,21 @@ def skinny_linear(
 if triton is not None:
 
     @triton.jit
-    def _store_rows(Y, Bias, acc, out, cols, live, HAS_BIAS: tl.constexpr):
+    def _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
+        if HAS_SCALE:
+            acc *= tl.load(Scale + cols)[None, :]
         if HAS_BIAS:
             acc += tl.load(Bias + cols)[None, :].to(tl.float32)
         tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=live)
 
     @triton.jit
     def _skinny_kernel(
-        X, W, Bias, Y, Parts, Arrivals, M, N, K, x_stride,
-        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr,
+        X, W, Bias, Scale, Y, Parts, Arrivals, M, N, K, x_stride, w_stride_k, w_stride_n,
+        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
-        """Program (column block, K slice). W is the weight's transpose, [K, N] contiguous."""
+        """Program (column block, K slice). W [K, N] by its strides: unit stride along N for a
+        weight stored transposed, along K for an e4m3 one (Triton specializes a stride of 1)."""
         col_block, k_slice = tl.program_id(0), tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,10 +161,11 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(k_slice * per_slice, (k_slice + 1) * per_slice, BLOCK_K):
             x = tl.load(X + rows[:, None] * x_stride + (k0 + ks)[None, :], mask=live, other=0.0)
-            acc += tl.dot(x, tl.load(W + (k0 + ks)[:, None] * N + cols[None, :]))
+            w = tl.load(W + (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n)
+            acc += tl.dot(x, w.to(x.dtype))
         out = rows[:, None] * N + cols[None, :]
         if SPLIT_K == 1:
-            _store_rows(Y, Bias, acc, out, cols, live, HAS_BIAS)
+            _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS, HAS_SCALE)
         else:
             tl.store(Parts + k_slice * M * N + out, acc, mask=live)
             tl.debug_barrier()  # every thread's partial sums are written before the arrival releases them
@@ -138,4 +174,4 @@ if triton is not None:
                 for s in range(SPLIT_K):  # in slice order, whichever arrived last: deterministic
                     total += tl.load(Parts + s * M * N + out, mask=live, other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(Arrivals + col_block, 0)
-                _store_rows(Y, Bias, total, out, cols, live, HAS_BIAS)
+                _store_rows(Y, Bias, Scale, total, out, cols, live, HAS_BIAS, HAS_SCALE)

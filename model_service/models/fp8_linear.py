@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from model_service.kernels.fp8_gemm import E4M3, ActivationQuant, fp8_linear, quantize_groups
+from model_service.kernels.skinny_gemm import skinny_applies, skinny_linear
 from model_service.models.layers import PackedLinear
 from model_service.models.quantization import ONLINE, Fp8Scheme
 
@@ -57,7 +58,13 @@ class Fp8Linear(PackedLinear):
         return ActivationQuant(scheme.activations, self.group, self.input_scale, scheme.activation_scale_ub)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale, self.group, self.bias, self.activations())
+        """Decode steps of a few rows with one scale a weight row (per-channel and per-tensor
+        schemes) take the few-row kernel in W8A16 (`skinny_linear`: one byte a weight, where
+        `_scaled_mm` is slow at so few rows), as `PackedLinear.forward` takes it in bf16."""
+        scale = self.weight_scale
+        if skinny_applies(x, self.weight, scale) and (arrivals := self.skinny_arrivals(x)) is not None:
+            return skinny_linear(x, self.weight, self.bias, arrivals, scale)
+        return fp8_linear(x, self.weight, scale, self.group, self.bias, self.activations())
 
 
 def quantize_online(module: nn.Module) -> None:

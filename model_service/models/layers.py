@@ -45,15 +45,18 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Decode steps of a few rows take the few-row kernel (`kernels/skinny_gemm.py`: +4%
-        tok/s at batch 1, +7% at 4 on an 8B model). Its counters are made on the first such
-        call, which is eager: the warm-up before every graph capture. A capture that comes first
-        keeps cuBLAS."""
-        if skinny_applies(x, self.weight):
-            if self.arrivals is None and not torch.cuda.is_current_stream_capturing():
-                self.arrivals = torch.zeros(self.out_features // 64, dtype=torch.int32, device=x.device)
-            if self.arrivals is not None and self.arrivals.device == x.device:
-                return skinny_linear(x, self.weight, self.bias, self.arrivals)
+        tok/s at batch 1, +7% at 4 on an 8B model)."""
+        if skinny_applies(x, self.weight) and (arrivals := self.skinny_arrivals(x)) is not None:
+            return skinny_linear(x, self.weight, self.bias, arrivals)
         return super().forward(x)
+
+    def skinny_arrivals(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The few-row kernel's counters on x's device, made on the first call, which is eager:
+        the warm-up before every graph capture. None when a capture comes first (allocated inside
+        it, they would hold garbage until a replay zeroed them): the layer keeps its other path."""
+        if self.arrivals is None and not torch.cuda.is_current_stream_capturing():
+            self.arrivals = torch.zeros(self.out_features // 64, dtype=torch.int32, device=x.device)
+        return self.arrivals if self.arrivals is not None and self.arrivals.device == x.device else None
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a gate_up projection: SwiGLU's consumer asks for both at once, so a
