@@ -46,9 +46,14 @@ from tests.conftest import (
 )
 from tests.test_beam_search import _hf_beams
 from tests.test_lora import make_adapter, peft_greedy
-from tests.test_tiny_models import PROMPTS, Case, random_prompt, rel_err, request
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+from tests.test_tiny_models import (  # noqa: F401 (_one_torch_thread: the module fixture, no conftest needed)
+    PROMPTS,
+    Case,
+    _one_torch_thread,
+    random_prompt,
+    rel_err,
+    request,
+)
 
 MLA = {
     "num_attention_heads": 4,
