@@ -30,8 +30,10 @@ from model_service.engine.mtp import MtpProposer
 from model_service.engine.speculation import SpeculativeConfig
 from model_service.errors import InvalidRequestError, ModelLoadError
 from model_service.models.loader import LoadedModel, load_model
+from spindle.cli import main
 from tests.conftest import assert_all_blocks_free, forward, make_engine, new_sequence
 from tests.test_deepseek import make_tiny_deepseek
+from tests.test_lora import make_adapter
 from tests.test_tiny_models import (  # noqa: F401 (_one_torch_thread: the module fixture, no conftest needed)
     PROMPTS,
     _one_torch_thread,
@@ -114,6 +116,29 @@ def test_greedy_output_is_identical_with_mtp_speculation(target: LoadedModel, k:
     assert_mtp_blocks_free(engine)
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_greedy_output_is_identical_under_preemption_chunked_prefill_and_a_lora_row(
+    target: LoadedModel, tmp_path: Path, mode: str
+):
+    """A preempted sequence keeps its MTP K/V (swapped back, or recomputed partly from the prefix
+    cache, it continues where the layer was); prompts arrive in chunks, whose states wait for the
+    first proposal; a LoRA row's states are the adapted target's (the MTP layer has no adapter)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target.name, dtype=torch.float32)
+    adapter = make_adapter(hf, tmp_path / "a", seed=7, scale=0.3, r=4, target_modules=["o_proj"])
+    batch = [*requests(), {**requests()[0], "adapter": "a"}]
+    cfg = {"num_kv_blocks": 14, "block_size": 4, "max_num_batched_tokens": 16, "preemption_mode": mode}
+    lora = {"max_loras": 1, "lora_modules": {"a": str(adapter)}}
+    expected = [o.token_ids for o in make_engine(target, **cfg, **lora).generate(batch)]
+    engine = make_engine(target, **cfg, **lora, speculative_config=mtp_config(2))
+    assert [o.token_ids for o in engine.generate(batch)] == expected
+    assert expected[-1] != expected[0]  # the adapter changes the output
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens
+    assert_mtp_blocks_free(engine)
+
+
 def test_a_prefix_cache_hit_decodes_without_mtp_proposals_and_the_same_output(target: LoadedModel):
     """The target computes no hidden states for a cached prefix, so the MTP layer cannot follow
     that sequence: it decodes unaided (correctly), and its record goes when it finishes."""
@@ -179,6 +204,16 @@ def test_a_checkpoint_without_mtp_layers_is_refused(tmp_path: Path):
     assert SpeculativeConfig.from_json(mtp_config(2)).is_mtp
     with pytest.raises(InvalidRequestError, match='"model" is for method "draft"'):
         SpeculativeConfig.from_json('{"method": "mtp", "model": "x"}')
+
+
+def test_generate_takes_an_mtp_config(target: LoadedModel, tmp_path: Path, capsys: pytest.CaptureFixture):
+    request = {"prompt_token_ids": PROMPTS[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    reqs = tmp_path / "reqs.jsonl"
+    reqs.write_text(json.dumps(request) + "\n")
+    argv = ["generate", "--model", target.name, "--requests", str(reqs), "--json", "--device", "cpu"]
+    assert main([*argv, "--dtype", "float32", "--speculative-config", mtp_config(3)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == make_engine(target).generate([request])[0].token_ids
 
 
 def test_the_mtp_layer_matches_an_independent_float32_computation(tmp_path: Path):

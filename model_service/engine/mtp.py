@@ -22,8 +22,9 @@ The MTP cache is a paged cache of its own (`CacheManager`, as many blocks as the
 same budget), one layer, without a prefix cache (a position's row depends on the next token, past
 its block). A sequence keeps its MTP K/V through preemption (a swapped or recomputed target
 continues where it was). A sequence whose first positions the target never computed (a
-prefix-cache hit) or whose MTP blocks ran out decodes without proposals from then on: the
-layer cannot attend over positions it has no states for.
+prefix-cache hit) or whose MTP blocks ran out (preempted sequences keep theirs, so under memory
+pressure the MTP cache can run out before the target's) decodes without proposals from then on:
+the layer cannot attend over positions it has no states for.
 
 Sampled rows draw each proposal from the layer's filtered distribution q (as a draft model's) and
 hand q to the rejection sampler.
