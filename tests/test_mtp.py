@@ -139,15 +139,19 @@ def test_greedy_output_is_identical_under_preemption_chunked_prefill_and_a_lora_
     assert_mtp_blocks_free(engine)
 
 
-def test_a_prefix_cache_hit_decodes_without_mtp_proposals_and_the_same_output(target: LoadedModel):
-    """The target computes no hidden states for a cached prefix, so the MTP layer cannot follow
-    that sequence: it decodes unaided (correctly), and its record goes when it finishes."""
+def test_a_prefix_cache_hit_finds_the_mtp_rows_in_the_mtp_prefix_cache(target: LoadedModel):
+    """The target computes no hidden states for a cached prefix; the MTP cache published its rows
+    for it under the same keys, so the second run of a prompt speculates as the first did, from
+    the MTP layer's own hit."""
     engine = make_engine(target, block_size=4, speculative_config=mtp_config(2))
-    first = engine.generate(requests()[:1])[0].token_ids
-    proposed = engine.speculation.proposed
-    assert proposed > 0
-    assert engine.generate(requests()[:1])[0].token_ids == first
-    assert engine.stats().prefix_cache_hit_tokens > 0 and engine.speculation.proposed == proposed
+    first = engine.generate(requests()[3:])[0].token_ids
+    proposed, accepted = engine.speculation.proposed, engine.speculation.accepted
+    assert accepted > 0
+    assert engine.generate(requests()[3:])[0].token_ids == first
+    assert engine.stats().prefix_cache_hit_tokens > 0
+    proposer = engine.speculation.proposer
+    assert proposer.cache.blocks.num_cached > 0
+    assert (engine.speculation.proposed, engine.speculation.accepted) == (2 * proposed, 2 * accepted)
     assert_mtp_blocks_free(engine)
 
 

@@ -19,12 +19,15 @@ for the token. Those chained positions are not the target's: `on_verified` (and 
 positions computed from the target's states (the rollback that goes with the target's).
 
 The MTP cache is a paged cache of its own (`CacheManager`, as many blocks as the target's, in the
-same budget), one layer, without a prefix cache (a position's row depends on the next token, past
-its block). A sequence keeps its MTP K/V through preemption (a swapped or recomputed target
-continues where it was). A sequence whose first positions the target never computed (a
-prefix-cache hit) or whose MTP blocks ran out (preempted sequences keep theirs, so under memory
-pressure the MTP cache can run out before the target's) decodes without proposals from then on:
-the layer cannot attend over positions it has no states for.
+same budget), one layer, with a prefix cache of its own: blocks are published once every position
+in them was fed from the target's states, under the same keys as the target's (tokens and
+adapter), so a request whose target skips a cached prefix finds the MTP rows for it there too.
+(A reused block's last row was made with the next token of the request that published it, which
+may differ: that changes proposals, never output.) A sequence keeps its MTP K/V through
+preemption (a swapped or recomputed target continues where it was). A sequence whose target hit
+reaches past the MTP cache's hit, or whose MTP blocks ran out (preempted sequences keep theirs,
+so under memory pressure the MTP cache can run out before the target's), decodes without
+proposals from then on: the layer cannot attend over positions it has no states for.
 
 Sampled rows draw each proposal from the layer's filtered distribution q (as a draft model's) and
 hand q to the rejection sampler.
@@ -95,7 +98,7 @@ class MtpProposer:
         loaded = LoadedModel(f"{target.name} (MTP layer)", mc, layer, None)
         eager = dataclasses.replace(config, max_loras=0, enforce_eager=True, speculative_config=None)
         self.executor = ModelExecutor(loaded, eager, num_blocks, max_model_len)
-        blocks = BlockManager(num_blocks, config.block_size, enable_prefix_caching=False)
+        blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.cache = CacheManager(blocks, self.executor, cache_bytes_per_block(mc, 1, self.executor.dtype))
         self.builder = BatchBuilder(config.block_size, self.executor.device)
         self.follows: dict[str, _Follow] = {}  # by request id
@@ -104,18 +107,28 @@ class MtpProposer:
     def on_forward(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
         if seq.request_id in self.unaided:
             return
-        follow = self.follows.get(seq.request_id)
+        follow = self.follows.get(seq.request_id) or self._start(seq, start)
         if follow is None:
-            if start > 0:  # a prefix-cache hit: no states for the positions before it
-                self.unaided.add(seq.request_id)
-                return
-            follow = self.follows[seq.request_id] = _Follow(seq, self.cache.allocate())
+            return
         held = follow.confirmed + follow.num_pending
         if start > held:  # a gap the target computed without us (cannot happen in order)
             self._give_up(follow)
             return
         follow.keep_pending(max(start - follow.confirmed, 0))  # rows from `start` on are new
         follow.pending.append(hidden[max(follow.confirmed - start, 0) :])
+
+    def _start(self, seq: Sequence, start: int) -> _Follow | None:
+        """Follow `seq` from the target's first computed position `start`: after a target
+        prefix-cache hit, from the MTP cache's own hit, which must reach as far (else `seq` is
+        unaided: the layer has no states for the positions between)."""
+        follow = self.follows[seq.request_id] = _Follow(seq, self.cache.allocate())
+        if start > 0:
+            if self.cache.take_cached_prefix(follow.state, seq.token_ids, seq.admission.adapter_id) < start:
+                self._give_up(follow)
+                return None
+            self.cache.truncate(follow.state, start)
+            follow.confirmed = start
+        return follow
 
     def propose(self, seqs: list[Sequence], room: list[int]) -> list[Proposal]:
         rows = active = self._catch_up(seqs, room)
@@ -153,8 +166,7 @@ class MtpProposer:
             n = len(seq.token_ids) - 1 - follow.confirmed  # positions to feed
             if n <= 0 or follow.num_pending < n:
                 continue  # nothing new (its target rows have not come yet)
-            if not self.cache.reserve(follow.state, follow.confirmed + n + k - 1):
-                self._give_up(follow)  # out of MTP blocks
+            if not self._reserve(follow, follow.confirmed + n + k - 1):
                 continue
             follow.keep_pending(n)
             items.append(StepItem(follow.state, seq.token_ids[follow.confirmed + 1 :], 1))
@@ -164,6 +176,8 @@ class MtpProposer:
         if not items:
             return []
         logits, out = self._forward(items, torch.cat(hidden))
+        for _, seq, _, follow in fed:  # all target-made: publish (chained rows come after)
+            self.cache.register_full_blocks(follow.state, seq.token_ids, seq.admission.adapter_id)
         rows = [_Row(i, s, k, follow=f, hidden=h) for (i, s, k, f), h in zip(fed, out.split(1), strict=True)]
         draw_next(rows, logits)
         return rows
@@ -175,6 +189,13 @@ class MtpProposer:
         for item in items:
             self.cache.commit(item.state, len(item.tokens))
         return logits, out[batch.logits_rows]
+
+    def _reserve(self, follow: _Follow, num_tokens: int) -> bool:
+        """Room for `num_tokens` positions in private blocks; else `follow` gives up."""
+        if self.cache.make_writable(follow.state) and self.cache.reserve(follow.state, num_tokens):
+            return True
+        self._give_up(follow)
+        return False
 
     def _rollback(self, follow: _Follow) -> None:
         """Cut the chained positions: the MTP cache keeps only what the target's states made."""
