@@ -78,6 +78,13 @@ class _Follow:
             left -= len(rows)
         self.pending = kept
 
+    def take(self, m: int, n: int) -> torch.Tensor:
+        """The first `m` of the `n` pending rows due now, to feed; the other n - m stay (any
+        after them are of rejected verify tokens)."""
+        rows = torch.cat(self.pending)[:n]
+        self.pending = [rows[m:]] if n > m else []
+        return rows[:m]
+
 
 @dataclass(kw_only=True)
 class _Row(Drafting):
@@ -101,6 +108,7 @@ class MtpProposer:
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.cache = CacheManager(blocks, self.executor, cache_bytes_per_block(mc, 1, self.executor.dtype))
         self.builder = BatchBuilder(config.block_size, self.executor.device)
+        self.token_budget = config.max_num_batched_tokens
         self.follows: dict[str, _Follow] = {}  # by request id
         self.unaided: set[str] = set()  # request ids the layer cannot follow (module docstring)
 
@@ -154,30 +162,41 @@ class MtpProposer:
 
     def _catch_up(self, seqs: list[Sequence], room: list[int]) -> list[_Row]:
         """Feed each sequence the positions whose next token is now known, from the target's
-        rows, all in one pass; each gets its first proposal from its last position."""
+        rows, all in one pass of at most the step's token budget; those fed to their end get
+        their first proposal from their last position (a long prompt catches up over a few
+        steps, as a draft model's does)."""
         fed: list[tuple[int, Sequence, int, _Follow]] = []
         items: list[StepItem] = []
         hidden: list[torch.Tensor] = []
+        published: list[_Follow] = []
+        budget = self.token_budget
         for i, (seq, k) in enumerate(zip(seqs, room, strict=True)):
             follow = self.follows.get(seq.request_id)
-            if k <= 0 or follow is None:
+            if k <= 0 or follow is None or budget <= 0:
                 continue
             self._rollback(follow)
             n = len(seq.token_ids) - 1 - follow.confirmed  # positions to feed
             if n <= 0 or follow.num_pending < n:
                 continue  # nothing new (its target rows have not come yet)
-            if not self._reserve(follow, follow.confirmed + n + k - 1):
+            m = min(n, budget)
+            if not self._reserve(follow, follow.confirmed + m + (k - 1 if m == n else 0)):
                 continue
-            follow.keep_pending(n)
-            items.append(StepItem(follow.state, seq.token_ids[follow.confirmed + 1 :], 1))
-            hidden += follow.pending
-            follow.pending, follow.confirmed = [], follow.confirmed + n
-            fed.append((i, seq, k, follow))
+            start = follow.confirmed
+            items.append(StepItem(follow.state, seq.token_ids[start + 1 : start + 1 + m], int(m == n)))
+            hidden.append(follow.take(m, n))
+            follow.confirmed, budget = start + m, budget - m
+            published.append(follow)
+            if m == n:
+                fed.append((i, seq, k, follow))
         if not items:
             return []
         logits, out = self._forward(items, torch.cat(hidden))
-        for _, seq, _, follow in fed:  # all target-made: publish (chained rows come after)
-            self.cache.register_full_blocks(follow.state, seq.token_ids, seq.admission.adapter_id)
+        for follow in published:  # all target-made rows (chained ones come after)
+            self.cache.register_full_blocks(
+                follow.state, follow.seq.token_ids, follow.seq.admission.adapter_id
+            )
+        if not fed:  # only partial catch-ups this step
+            return []
         rows = [_Row(i, s, k, follow=f, hidden=h) for (i, s, k, f), h in zip(fed, out.split(1), strict=True)]
         draw_next(rows, logits)
         return rows
