@@ -171,6 +171,22 @@ def test_sampled_output_is_reproducible_with_a_seed(target: LoadedModel):
     assert outputs[0] == outputs[1] and len(outputs[0]) == 16
 
 
+def test_the_mtp_layer_keeps_pace_with_a_chunked_prefill(target: LoadedModel):
+    """A prefill chunk's positions have their next tokens in the prompt: the layer runs them in
+    the chunk's own step, holding no rows back (only the prompt's last waits for its token)."""
+    engine = make_engine(target, block_size=4, max_num_batched_tokens=8, speculative_config=mtp_config(2))
+    rid = engine.add_request_dict(requests()[3])  # 23 prompt tokens: three chunks
+    seq, proposer = engine.requests[rid], engine.speculation.proposer
+    fed = []
+    while not seq.num_output_tokens:
+        engine.step()
+        follow = proposer.follows[rid]
+        assert not follow.pending
+        fed.append(follow.confirmed)
+    assert fed == [8, 16, 23]  # the last: the prompt's last position too, fed for the first proposal
+    assert engine.speculation.proposals[seq].tokens
+
+
 def test_rollback_leaves_no_stale_mtp_kv(target: LoadedModel):
     """Mid-generation, after rejections, the MTP cache's rows for the positions the target
     confirmed are what one pass over the whole history computes: the chained rows of rejected

@@ -154,7 +154,7 @@ class DraftProposer:
         if draft is not None:
             self.cache.free(draft.state)
 
-    def on_forward(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+    def on_forward(self, runs: list[tuple[Sequence, int, torch.Tensor]]) -> None:
         pass
 
     def _catch_up(self, seqs: list[Sequence], room: list[int]) -> list[_Row]:

@@ -4,19 +4,23 @@ batched.
 
 Where the hidden states come from: with method "mtp" the target's executor keeps each step's
 residual stream after the last layer (`ModelExecutor.hidden`, the tensor the LM head's norm
-reads; no copy), and the engine hands each sequence's rows of it to `on_forward` before the step
-is sampled: prefill chunks, decode rows and verify runs alike. A sequence keeps them (views) until
-its next proposal, as `_Follow.pending`.
+reads; no copy), and the engine hands each sequence's rows of it (views) to `on_forward` right
+after the forward pass, before the step is sampled: prefill chunks, decode rows and verify runs
+alike.
 
-The MTP layer at position p reads h_p and token p + 1, so it can run a position once the token
-after it is known: at `propose`, a sequence whose tokens number L feeds positions
-[`confirmed`, L - 1) with the target's rows for them (the rows of rejected verify tokens are past
-L - 2 and are dropped), which writes the layer's own K/V (one MLA latent row per position) and
-predicts the first proposal from the last; each further proposal is one more step at the next
-position, the layer's own output standing in for the target's hidden state and its last proposal
-for the token. Those chained positions are not the target's: `on_verified` (and the next
-`propose`) truncates the MTP cache back to `confirmed`, so its K/V always holds exactly the
-positions computed from the target's states (the rollback that goes with the target's).
+The MTP layer at position p reads h_p and token p + 1, so it runs a position once the token after
+it is known, which writes the layer's own K/V there (one MLA latent row per position):
+- in `on_forward`, every position whose next token is already known: a prefill chunk's, all of
+  them but the prompt's last (so the layer keeps pace with the prefill, one pass a step for all
+  sequences, and holds no more than a step's rows);
+- in `propose`, after the step's tokens are appended: the rest (the prompt's last position; after
+  a decode row its position; after a verify, the accepted positions and the one before the bonus
+  token; the rows of rejected tokens are dropped), whose last position predicts the first
+  proposal. Each further proposal is one more step at the next position, the layer's own output
+  standing in for the target's hidden state and its last proposal for the token.
+Chained positions are not the target's: `on_verified` (and the next feed) truncates the MTP
+cache back to `confirmed`, so its K/V always holds exactly the positions computed from the
+target's states (the rollback that goes with the target's).
 
 The MTP cache is a paged cache of its own (`CacheManager`, as many blocks as the target's, in the
 same budget), one layer, with a prefix cache of its own: blocks are published once every position
@@ -78,11 +82,10 @@ class _Follow:
             left -= len(rows)
         self.pending = kept
 
-    def take(self, m: int, n: int) -> torch.Tensor:
-        """The first `m` of the `n` pending rows due now, to feed; the other n - m stay (any
-        after them are of rejected verify tokens)."""
-        rows = torch.cat(self.pending)[:n]
-        self.pending = [rows[m:]] if n > m else []
+    def take(self, m: int) -> torch.Tensor:
+        """Remove and return the first `m` pending rows."""
+        rows = torch.cat(self.pending)
+        self.pending = [rows[m:]] if len(rows) > m else []
         return rows[:m]
 
 
@@ -108,42 +111,45 @@ class MtpProposer:
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.cache = CacheManager(blocks, self.executor, cache_bytes_per_block(mc, 1, self.executor.dtype))
         self.builder = BatchBuilder(config.block_size, self.executor.device)
-        self.token_budget = config.max_num_batched_tokens
         self.follows: dict[str, _Follow] = {}  # by request id
         self.unaided: set[str] = set()  # request ids the layer cannot follow (module docstring)
 
-    def on_forward(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
-        if seq.request_id in self.unaided:
-            return
-        follow = self.follows.get(seq.request_id) or self._start(seq, start)
-        if follow is None:
-            return
-        held = follow.confirmed + follow.num_pending
-        if start > held:  # a gap the target computed without us (cannot happen in order)
-            self._give_up(follow)
-            return
-        follow.keep_pending(max(start - follow.confirmed, 0))  # rows from `start` on are new
-        follow.pending.append(hidden[max(follow.confirmed - start, 0) :])
-
-    def _start(self, seq: Sequence, start: int) -> _Follow | None:
-        """Follow `seq` from the target's first computed position `start`: after a target
-        prefix-cache hit, from the MTP cache's own hit, which must reach as far (else `seq` is
-        unaided: the layer has no states for the positions between)."""
-        follow = self.follows[seq.request_id] = _Follow(seq, self.cache.allocate())
-        if start > 0:
-            if self.cache.take_cached_prefix(follow.state, seq.token_ids, seq.admission.adapter_id) < start:
-                self._give_up(follow)
-                return None
-            self.cache.truncate(follow.state, start)
-            follow.confirmed = start
-        return follow
+    def on_forward(self, runs: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+        """Keep each sequence's new rows, then feed every position whose next token is known."""
+        follows, ends = [], []
+        for seq, start, rows in runs:
+            follow = self._record(seq, start, rows)
+            end = self._due(follow) if follow is not None else 0
+            if follow is not None and end and self._reserve(follow, end):
+                follows.append(follow)
+                ends.append(end)
+        if follows:
+            self._feed(follows, ends, logits=False)
 
     def propose(self, seqs: list[Sequence], room: list[int]) -> list[Proposal]:
-        rows = active = self._catch_up(seqs, room)
+        jobs = []  # (index in seqs, room, follow) of the sequences the layer can follow
+        for i, (seq, k) in enumerate(zip(seqs, room, strict=True)):
+            follow = self.follows.get(seq.request_id)
+            end = len(seq.token_ids) - 1  # the last token's position: it predicts the first proposal
+            # fed up to `end` once all rows before it are in, then k - 1 chained positions
+            if (
+                k > 0
+                and follow is not None
+                and self._due(follow) == end
+                and self._reserve(follow, end + k - 1)
+            ):
+                jobs.append((i, k, follow))
+        if not jobs:
+            return proposals_of([], len(seqs))
+        follows = [f for _, _, f in jobs]
+        logits, out = self._feed(follows, [len(f.seq.token_ids) - 1 for f in follows], logits=True)
+        rows = active = [
+            _Row(i, f.seq, k, follow=f, hidden=h) for (i, k, f), h in zip(jobs, out.split(1), strict=True)
+        ]
+        draw_next(rows, logits)
         while active := [r for r in active if len(r.tokens) < r.room]:
             items = [StepItem(r.follow.state, [r.tokens[-1]], 1) for r in active]
-            hidden = torch.cat([r.hidden for r in active])
-            logits, out = self._forward(items, hidden)
+            logits, out = self._forward(items, torch.cat([r.hidden for r in active]))
             for r, h in zip(active, out.split(1), strict=True):
                 r.hidden = h
             draw_next(active, logits)
@@ -160,46 +166,57 @@ class MtpProposer:
         if follow is not None:
             self.cache.free(follow.state)
 
-    def _catch_up(self, seqs: list[Sequence], room: list[int]) -> list[_Row]:
-        """Feed each sequence the positions whose next token is now known, from the target's
-        rows, all in one pass of at most the step's token budget; those fed to their end get
-        their first proposal from their last position (a long prompt catches up over a few
-        steps, as a draft model's does)."""
-        fed: list[tuple[int, Sequence, int, _Follow]] = []
-        items: list[StepItem] = []
-        hidden: list[torch.Tensor] = []
-        published: list[_Follow] = []
-        budget = self.token_budget
-        for i, (seq, k) in enumerate(zip(seqs, room, strict=True)):
-            follow = self.follows.get(seq.request_id)
-            if k <= 0 or follow is None or budget <= 0:
-                continue
-            self._rollback(follow)
-            n = len(seq.token_ids) - 1 - follow.confirmed  # positions to feed
-            if n <= 0 or follow.num_pending < n:
-                continue  # nothing new (its target rows have not come yet)
-            m = min(n, budget)
-            if not self._reserve(follow, follow.confirmed + m + (k - 1 if m == n else 0)):
-                continue
-            start = follow.confirmed
-            items.append(StepItem(follow.state, seq.token_ids[start + 1 : start + 1 + m], int(m == n)))
-            hidden.append(follow.take(m, n))
-            follow.confirmed, budget = start + m, budget - m
-            published.append(follow)
-            if m == n:
-                fed.append((i, seq, k, follow))
-        if not items:
-            return []
-        logits, out = self._forward(items, torch.cat(hidden))
-        for follow in published:  # all target-made rows (chained ones come after)
-            self.cache.register_full_blocks(
-                follow.state, follow.seq.token_ids, follow.seq.admission.adapter_id
-            )
-        if not fed:  # only partial catch-ups this step
-            return []
-        rows = [_Row(i, s, k, follow=f, hidden=h) for (i, s, k, f), h in zip(fed, out.split(1), strict=True)]
-        draw_next(rows, logits)
-        return rows
+    def _record(self, seq: Sequence, start: int, hidden: torch.Tensor) -> _Follow | None:
+        """Keep `seq`'s rows for positions from `start` (replacing any pending ones from there:
+        rows of rejected verify tokens); None if the layer does not follow `seq`."""
+        if seq.request_id in self.unaided:
+            return None
+        follow = self.follows.get(seq.request_id) or self._start(seq, start)
+        if follow is None:
+            return None
+        if start > follow.confirmed + follow.num_pending:  # a gap (a target step we never saw)
+            self._give_up(follow)
+            return None
+        follow.keep_pending(max(start - follow.confirmed, 0))
+        follow.pending.append(hidden[max(follow.confirmed - start, 0) :])
+        return follow
+
+    def _start(self, seq: Sequence, start: int) -> _Follow | None:
+        """Follow `seq` from the target's first computed position `start`: after a target
+        prefix-cache hit, from the MTP cache's own hit, which must reach as far (else `seq` is
+        unaided: the layer has no states for the positions between)."""
+        follow = self.follows[seq.request_id] = _Follow(seq, self.cache.allocate())
+        if start > 0:
+            if self.cache.take_cached_prefix(follow.state, seq.token_ids, seq.admission.adapter_id) < start:
+                self._give_up(follow)
+                return None
+            self.cache.truncate(follow.state, start)
+            follow.confirmed = start
+        return follow
+
+    @staticmethod
+    def _due(follow: _Follow) -> int:
+        """How far `follow` can be fed now: to the last position whose target row has come and
+        whose next token is known (0 when nothing is due)."""
+        end = min(len(follow.seq.token_ids) - 1, follow.confirmed + follow.num_pending)
+        return end if end > follow.confirmed else 0
+
+    def _feed(
+        self, follows: list[_Follow], ends: list[int], logits: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the layer over each sequence's positions [`confirmed`, end) from the target's
+        rows; their full blocks are published. With `logits`, each one's last position's logits
+        and the layer's output there (else empty)."""
+        items, hidden = [], []
+        for follow, end in zip(follows, ends, strict=True):
+            tokens = follow.seq.token_ids[follow.confirmed + 1 : end + 1]
+            items.append(StepItem(follow.state, tokens, int(logits)))
+            hidden.append(follow.take(end - follow.confirmed))
+            follow.confirmed = end
+        out = self._forward(items, torch.cat(hidden))
+        for f in follows:  # target-made rows only: chained ones come after
+            self.cache.register_full_blocks(f.state, f.seq.token_ids, f.seq.admission.adapter_id)
+        return out
 
     def _forward(self, items: list[StepItem], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP pass: each item's last position's logits and the layer's output there."""
@@ -210,7 +227,9 @@ class MtpProposer:
         return logits, out[batch.logits_rows]
 
     def _reserve(self, follow: _Follow, num_tokens: int) -> bool:
-        """Room for `num_tokens` positions in private blocks; else `follow` gives up."""
+        """Before a feed: cut chained rows, then room for `num_tokens` positions in private
+        blocks; else `follow` gives up."""
+        self._rollback(follow)
         if self.cache.make_writable(follow.state) and self.cache.reserve(follow.state, num_tokens):
             return True
         self._give_up(follow)

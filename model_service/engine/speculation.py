@@ -124,11 +124,12 @@ class Proposer(Protocol):
         """`seq` finished or was aborted: release whatever the proposer holds for it. Preemption
         is not reported: a proposer that holds memory finds preempted sequences by their status."""
 
-    def on_forward(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
-        """The target computed `seq`'s positions from `start` on, whose residual stream after the
-        last layer (before the final norm) is `hidden` [tokens, hidden size], a view of the
-        step's; verify rows included, rejected or not. Called before the step's tokens are
-        sampled, and only when the executor keeps hidden states (MTP)."""
+    def on_forward(self, runs: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+        """The target's step computed, per (sequence, start, hidden), the sequence's positions from
+        `start` on, whose residual stream after the last layer (before the final norm) is
+        `hidden` [tokens, hidden size], a view of the step's; verify rows included, rejected or
+        not. Called before the step's tokens are sampled, and only when the executor keeps hidden
+        states (MTP)."""
 
 
 class Speculation:
@@ -173,9 +174,9 @@ class Speculation:
         """The target's step ran, per (sequence, start, tokens), that many positions from
         `start`, their rows of `hidden` in that order: each speculating sequence's rows go to the
         proposer (views, not copies)."""
-        for (seq, start, _), rows in zip(runs, hidden.split([n for _, _, n in runs]), strict=True):
-            if seq.group is None and can_speculate(seq.params):
-                self.proposer.on_forward(seq, start, rows)
+        parts = zip(runs, hidden.split([n for _, _, n in runs]), strict=True)
+        speculating = [(seq, start, rows) for (seq, start, _), rows in parts if seq.group is None]
+        self.proposer.on_forward([run for run in speculating if can_speculate(run[0].params)])
 
     def forget(self, seq: Sequence) -> None:
         """`seq` finished or was aborted: drop its proposals and what the proposer holds for it."""
@@ -219,7 +220,7 @@ class NgramProposer:
     def on_finished(self, seq: Sequence) -> None:
         pass
 
-    def on_forward(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+    def on_forward(self, runs: list[tuple[Sequence, int, torch.Tensor]]) -> None:
         pass
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
