@@ -113,6 +113,8 @@ def test_greedy_output_is_identical_with_mtp_speculation(target: LoadedModel, k:
     stats = engine.stats()  # what the pod exports as vllm:spec_decode_* metrics
     assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens  # accepted, and rolled back
     assert engine.num_steps < plain.num_steps
+    layer = engine.speculation.proposer.executor.module
+    assert layer.shared_head.head.weight is target.module.lm_head.weight  # the checkpoint's copy: shared
     assert_mtp_blocks_free(engine)
 
 
@@ -259,6 +261,9 @@ def test_the_mtp_layer_matches_an_independent_float32_computation(tmp_path: Path
     forward(engine, [(new_sequence(engine, len(ids)), ids, 1)])
     torch.testing.assert_close(engine.executor.hidden[:-1], h, rtol=1e-4, atol=1e-4)
     proposer = engine.speculation.proposer
+    layer, module = proposer.executor.module, loaded.module
+    assert layer.embed_tokens.weight is module.model.embed_tokens.weight  # a copy of the target's: shared
+    assert layer.shared_head.head.weight is not module.lm_head.weight  # its own
     state = proposer.cache.allocate()
     assert proposer.cache.reserve(state, len(next_ids))
     batch = proposer.builder.build([StepItem(state, next_ids.tolist(), len(next_ids))])

@@ -47,6 +47,8 @@ SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.
 
 
 class SharedHead(nn.Module):
+    """The layer's output norm and LM head (`shared_head.*`; the head is the target's in V3)."""
+
     def __init__(self, hidden_size: int, vocab_size: int, eps: float) -> None:
         super().__init__()
         self.norm = RMSNorm(hidden_size, eps)
@@ -108,12 +110,12 @@ def load_mtp_layer(target: LoadedModel) -> MtpLayer:
     param = next(target.module.parameters())
     with torch.device("meta"):
         layer = MtpLayer(layer_cfg)
-    targets = dict(target.module.named_parameters())
-    shared = {name for name, theirs in SHARED.items() if _same(tensors.get(name), targets[theirs])}
+    theirs = {name: target.module.get_parameter(their_name) for name, their_name in SHARED.items()}
+    shared = {name for name, param in theirs.items() if _same(tensors.get(name), param)}
     load_weights(layer, tensors, f"{cfg.family} MTP layer", param.dtype, param.device, shared)
     for name in shared:
         owner, _, attr = name.rpartition(".")
-        setattr(layer.get_submodule(owner), attr, targets[SHARED[name]])
+        setattr(layer.get_submodule(owner), attr, theirs[name])
     layer.rotary = target.module.rotary
     return layer.eval()
 
