@@ -98,6 +98,20 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
+def proposer_model(
+    loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int, **overrides: object
+) -> tuple[ModelExecutor, CacheManager, BatchBuilder]:
+    """A proposer's own model on the target's device (a draft model, an MTP layer): its executor
+    (no adapters: the target verifies with them; `overrides` for the rest of `config`), a paged
+    cache of `num_blocks` blocks with its own prefix cache, and a batch builder."""
+    executor = ModelExecutor(
+        loaded, dataclasses.replace(config, max_loras=0, **overrides), num_blocks, max_model_len
+    )
+    blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    cache = CacheManager(blocks, executor, cache_bytes_per_block(loaded.config, 1, executor.dtype))
+    return executor, cache, BatchBuilder(config.block_size, executor.device)
+
+
 @dataclass
 class _Draft:
     """The draft's K/V for one sequence: a prefix of its tokens, then the proposals `fed` after it."""
@@ -122,13 +136,7 @@ class DraftProposer:
     ) -> None:
         mc = loaded.config
         self.max_len = min(max_model_len, mc.max_position_embeddings)
-        self.executor = ModelExecutor(
-            loaded, dataclasses.replace(config, max_loras=0), num_blocks, self.max_len
-        )
-        per_token = cache_bytes_per_block(mc, 1, self.executor.dtype)
-        blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.cache = CacheManager(blocks, self.executor, per_token)
-        self.builder = BatchBuilder(config.block_size, self.executor.device)
+        self.executor, self.cache, self.builder = proposer_model(loaded, config, num_blocks, self.max_len)
         self.token_budget = config.max_num_batched_tokens
         self.vocab_size = vocab_size  # the target's: proposals and q are over its vocabulary
         self.draft_vocab_size = mc.vocab_size

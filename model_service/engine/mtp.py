@@ -39,17 +39,13 @@ hand q to the rejection sampler.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
-from model_service.attention.kv_cache import cache_bytes_per_block
-from model_service.engine.batch_builder import BatchBuilder, StepItem
-from model_service.engine.block_manager import BlockManager
-from model_service.engine.cache_manager import CacheManager
+from model_service.engine.batch_builder import StepItem
 from model_service.engine.config import EngineConfig
-from model_service.engine.executor import ModelExecutor
+from model_service.engine.draft import proposer_model
 from model_service.engine.seq_state import SequenceState
 from model_service.engine.sequence import Sequence
 from model_service.engine.speculation import Drafting, Proposal, draw_next, proposals_of
@@ -104,13 +100,11 @@ class MtpProposer:
     def __init__(
         self, layer: MtpLayer, target: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int
     ) -> None:
-        mc = target.config.mtp_layer_config()
-        loaded = LoadedModel(f"{target.name} (MTP layer)", mc, layer, None)
-        eager = dataclasses.replace(config, max_loras=0, enforce_eager=True, speculative_config=None)
-        self.executor = ModelExecutor(loaded, eager, num_blocks, max_model_len)
-        blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.cache = CacheManager(blocks, self.executor, cache_bytes_per_block(mc, 1, self.executor.dtype))
-        self.builder = BatchBuilder(config.block_size, self.executor.device)
+        loaded = LoadedModel(f"{target.name} (MTP layer)", target.config.mtp_layer_config(), layer, None)
+        # eager: its forward takes the hidden states too, which no graph runner passes
+        self.executor, self.cache, self.builder = proposer_model(
+            loaded, config, num_blocks, max_model_len, enforce_eager=True, speculative_config=None
+        )
         self.follows: dict[str, _Follow] = {}  # by request id
         self.unaided: set[str] = set()  # request ids the layer cannot follow (module docstring)
 
