@@ -53,7 +53,8 @@ def kv_blocks_for_budget(
     """How many K/V blocks fit: `budget` bytes, else a share of free GPU memory less what is
     allocated beside the pool (`state_bytes`: recurrent state tensors, the adapter arena), else
     1 GiB on CPU. With a draft
-    model, each block of the target's pool comes with one of the draft's."""
+    model (or an MTP layer: `draft` is its config), each block of the target's pool comes with
+    one of the draft's."""
     per_block = sum(
         cache_bytes_per_block(c, block_size, dtype) for c in [config, *([draft] if draft is not None else [])]
     )
