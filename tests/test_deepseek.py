@@ -445,9 +445,9 @@ def test_routing_matches_hf_routers(method: str, norm: bool):
 
 
 def test_mtp_layers_skipped_bad_routing_refused_and_moe_layer_freq(tmp_path: Path):
-    """A V3 checkpoint's MTP layers (after the last decoder layer) are not loaded (speculation by
-    them is not built yet); an unknown V2 `topk_method` and a quantized checkpoint are refused
-    by name; `moe_layer_freq` spaces the sparse layers."""
+    """A V3 checkpoint's MTP layers (after the last decoder layer) are not part of the target's
+    load (MTP speculation loads them: test_mtp.py); an unknown V2 `topk_method` and a quantized
+    checkpoint are refused by name; `moe_layer_freq` spaces the sparse layers."""
     path = make_tiny_deepseek("v3", tmp_path / "ckpt")
     file = path / "model.safetensors"
     tensors = load_file(str(file))

@@ -130,7 +130,9 @@ class EngineConfig:
         'speculative decoding, as vLLM\'s JSON: \'{{"method": "ngram", "num_speculative_tokens": 4}}\' '
         "(prompt lookup; prompt_lookup_max / prompt_lookup_min set the n-gram lengths) or "
         '\'{{"method": "draft", "model": "DRAFT", "num_speculative_tokens": 4}}\' (a smaller model '
-        "with the same tokenizer: an alias, checkpoint dir or .gguf file)",
+        "with the same tokenizer: an alias, checkpoint dir or .gguf file) or "
+        '\'{{"method": "mtp", "num_speculative_tokens": 1}}\' (the checkpoint\'s own '
+        "multi-token-prediction layer: DeepSeek-V3's num_nextn_predict_layers)",
     )
     tensor_parallel_size: int = _opt(
         1,

@@ -42,10 +42,9 @@ from model_service.engine.block_manager import BlockManager
 from model_service.engine.cache_manager import CacheManager
 from model_service.engine.config import EngineConfig
 from model_service.engine.executor import ModelExecutor
-from model_service.engine.sampler import draw, filtered_probs
 from model_service.engine.seq_state import SequenceState
 from model_service.engine.sequence import Sequence, Status
-from model_service.engine.speculation import Proposal, SpeculativeConfig
+from model_service.engine.speculation import Drafting, Proposal, SpeculativeConfig, draw_next, proposals_of
 from model_service.errors import ModelLoadError
 from model_service.models.loader import LoadedModel, load_model, resolve_model_path
 
@@ -99,6 +98,20 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
+def proposer_model(
+    loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int, **overrides: object
+) -> tuple[ModelExecutor, CacheManager, BatchBuilder]:
+    """A proposer's own model on the target's device (a draft model, an MTP layer): its executor
+    (no adapters: the target verifies with them; `overrides` for the rest of `config`), a paged
+    cache of `num_blocks` blocks with its own prefix cache, and a batch builder."""
+    executor = ModelExecutor(
+        loaded, dataclasses.replace(config, max_loras=0, **overrides), num_blocks, max_model_len
+    )
+    blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    cache = CacheManager(blocks, executor, cache_bytes_per_block(loaded.config, 1, executor.dtype))
+    return executor, cache, BatchBuilder(config.block_size, executor.device)
+
+
 @dataclass
 class _Draft:
     """The draft's K/V for one sequence: a prefix of its tokens, then the proposals `fed` after it."""
@@ -108,15 +121,11 @@ class _Draft:
     fed: list[int] = field(default_factory=list)
 
 
-@dataclass
-class _Row:
-    """A sequence drafting this step: up to `room` tokens, and q for each when it samples."""
+@dataclass(kw_only=True)
+class _Row(Drafting):
+    """A sequence drafting this step, and the draft's K/V for it."""
 
-    index: int  # in the propose() batch
     draft: _Draft
-    room: int
-    tokens: list[int] = field(default_factory=list)
-    probs: list[torch.Tensor] = field(default_factory=list)
 
 
 class DraftProposer:
@@ -127,13 +136,7 @@ class DraftProposer:
     ) -> None:
         mc = loaded.config
         self.max_len = min(max_model_len, mc.max_position_embeddings)
-        self.executor = ModelExecutor(
-            loaded, dataclasses.replace(config, max_loras=0), num_blocks, self.max_len
-        )
-        per_token = cache_bytes_per_block(mc, 1, self.executor.dtype)
-        blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.cache = CacheManager(blocks, self.executor, per_token)
-        self.builder = BatchBuilder(config.block_size, self.executor.device)
+        self.executor, self.cache, self.builder = proposer_model(loaded, config, num_blocks, self.max_len)
         self.token_budget = config.max_num_batched_tokens
         self.vocab_size = vocab_size  # the target's: proposals and q are over its vocabulary
         self.draft_vocab_size = mc.vocab_size
@@ -146,11 +149,8 @@ class DraftProposer:
         while active := [r for r in active if len(r.tokens) < r.room]:
             for r in active:
                 r.draft.fed.append(r.tokens[-1])
-            self._draw(active, self._forward([StepItem(r.draft.state, [r.tokens[-1]], 1) for r in active]))
-        out = [Proposal([]) for _ in seqs]
-        for r in rows:
-            out[r.index] = Proposal(r.tokens, torch.stack(r.probs) if r.probs else None)
-        return out
+            draw_next(active, self._forward([StepItem(r.draft.state, [r.tokens[-1]], 1) for r in active]))
+        return proposals_of(rows, len(seqs))
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:
         draft = self.drafts.get(seq.request_id)
@@ -161,6 +161,9 @@ class DraftProposer:
         draft = self.drafts.pop(seq.request_id, None)
         if draft is not None:
             self.cache.free(draft.state)
+
+    def on_forward(self, runs: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+        pass
 
     def _catch_up(self, seqs: list[Sequence], room: list[int]) -> list[_Row]:
         """Feed each sequence the tokens the draft has not seen, within the step's token budget;
@@ -182,14 +185,14 @@ class DraftProposer:
             items.append(StepItem(draft.state, seq.token_ids[start : start + n], int(done)))
             fed.append(draft)
             if done:
-                rows.append(_Row(i, draft, k))
+                rows.append(_Row(i, seq, k, draft=draft))
             budget -= n
         if not items:
             return []
         logits = self._forward(items)
         for draft in fed:
             self.cache.register_full_blocks(draft.state, draft.seq.token_ids, 0)
-        self._draw(rows, logits)
+        draw_next(rows, logits)
         return rows
 
     def _draft_for(self, seq: Sequence) -> _Draft:
@@ -235,17 +238,3 @@ class DraftProposer:
         if extra > 0:
             return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
         return logits[:, : self.vocab_size] if extra < 0 else logits
-
-    def _draw(self, rows: list[_Row], logits: torch.Tensor) -> None:
-        """Each row's next proposal: greedy rows the draft's argmax, sampled rows a draw from q."""
-        tokens = logits.argmax(dim=-1)
-        sampled = [j for j, r in enumerate(rows) if not r.draft.seq.params.greedy]
-        if sampled:
-            idx = torch.tensor(sampled, device=logits.device)
-            seqs = [rows[j].draft.seq for j in sampled]
-            probs = filtered_probs(logits[idx], [s.params for s in seqs])
-            tokens[idx] = draw(probs, [s.sampling.generator for s in seqs])
-            for j, q in zip(sampled, probs, strict=True):
-                rows[j].probs.append(q)
-        for r, token in zip(rows, tokens.tolist(), strict=True):
-            r.tokens.append(token)

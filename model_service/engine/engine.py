@@ -49,6 +49,7 @@ from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.draft import DraftProposer, load_draft
 from model_service.engine.executors import Executor, build_executor
 from model_service.engine.grammar import GrammarCompiler
+from model_service.engine.mtp import MtpProposer
 from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.overlap import InFlight, Overlap
 from model_service.engine.request_table import RequestTable
@@ -64,6 +65,7 @@ from model_service.lora.control import ControlOp, ControlResult
 from model_service.lora.pool import AdapterInfo, LoraPool
 from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel, load_model
+from model_service.models.mtp import MtpLayer, load_mtp_layer
 
 log = logging.getLogger(__name__)
 # An engine with nothing to run but a request whose adapter a worker is reading, or whose grammar
@@ -174,14 +176,17 @@ class Engine:
         self.tokenizer, mc = self.loaded.tokenizer, self.loaded.config
         speculative = SpeculativeConfig.from_json(config.speculative_config)
         draft = load_draft(speculative, config, self.loaded)  # None unless method "draft"
+        mtp = load_mtp_layer(self.loaded) if speculative is not None and speculative.is_mtp else None
         state_slots = _num_state_slots(config, mc.num_state_layers, speculative)
-        draft_config = draft.config if draft is not None else None
+        draft_config = (
+            draft.config if draft is not None else mc.mtp_layer_config() if mtp is not None else None
+        )
         self.executor = build_executor(self.loaded, config, draft_config, state_slots)
         num_blocks, self.max_model_len = self.executor.kv_cache.num_blocks, self.executor.max_model_len
         self.cache = _cache_manager(self.executor, config, mc, state_slots)
         self.lora = _lora_pool(self.executor, config, mc)
         self.speculation = _speculation(
-            speculative, draft, config, num_blocks, self.max_model_len, mc.vocab_size
+            speculative, draft, mtp, self.loaded, config, num_blocks, self.max_model_len
         )
         proposals = self.speculation.proposals if self.speculation is not None else None
         self.scheduler = Scheduler(config, self.cache, self.lora, proposals=proposals)
@@ -308,6 +313,11 @@ class Engine:
         (with async scheduling: those the step before produced, whose tokens have just arrived)."""
         items = [self.overlap.item(s) if s.in_flight else self.scheduler.item(s, n) for s, n in work]
         logits = self.executor.execute(self.builder.build(items), self.overlap.tokens)
+        if self.speculation is not None and self.executor.hidden is not None:  # MTP reads it
+            runs = [
+                (s, it.state.num_computed, len(it.tokens)) for (s, _), it in zip(work, items, strict=True)
+            ]
+            self.speculation.on_forward(runs, self.executor.hidden)
         self.scheduler.commit(work)
         rows, verify = logits_rows(work, items, logits)
         produced = self._drain(self.overlap.launch(work, rows, logits))  # the step before's tokens
@@ -458,18 +468,23 @@ def _lora_pool(executor: Executor, config: EngineConfig, mc: ModelConfig) -> Lor
 def _speculation(
     spec: SpeculativeConfig | None,
     draft: LoadedModel | None,
+    mtp: MtpLayer | None,
+    target: LoadedModel,
     config: EngineConfig,
     num_blocks: int,
     max_model_len: int,
-    vocab_size: int,
 ) -> Speculation | None:
-    """Speculative decoding as configured: by a draft model (its cache has as many blocks as
-    the target's, budgeted by the executor) or by prompt lookup; None when off."""
+    """Speculative decoding as configured: by a draft model or the checkpoint's MTP layer (their
+    caches have as many blocks as the target's, budgeted by the executor) or by prompt lookup;
+    None when off."""
     if spec is None:
         return None
-    proposer: Proposer = (
-        DraftProposer(draft, config, num_blocks, max_model_len, vocab_size)
-        if draft is not None
-        else NgramProposer(spec)
-    )
+    vocab_size = target.config.vocab_size
+    proposer: Proposer
+    if draft is not None:
+        proposer = DraftProposer(draft, config, num_blocks, max_model_len, vocab_size)
+    elif mtp is not None:
+        proposer = MtpProposer(mtp, target, config, num_blocks, max_model_len)
+    else:
+        proposer = NgramProposer(spec)
     return Speculation(spec, proposer, max_model_len, vocab_size)

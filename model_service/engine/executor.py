@@ -11,6 +11,7 @@ import gc
 import itertools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,7 +53,8 @@ def kv_blocks_for_budget(
     """How many K/V blocks fit: `budget` bytes, else a share of free GPU memory less what is
     allocated beside the pool (`state_bytes`: recurrent state tensors, the adapter arena), else
     1 GiB on CPU. With a draft
-    model, each block of the target's pool comes with one of the draft's."""
+    model (or an MTP layer: `draft` is its config), each block of the target's pool comes with
+    one of the draft's."""
     per_block = sum(
         cache_bytes_per_block(c, block_size, dtype) for c in [config, *([draft] if draft is not None else [])]
     )
@@ -126,6 +128,10 @@ class ModelExecutor:
         num_state_slots: int = 0,
     ) -> None:
         self.max_model_len = max_model_len
+        spec = SpeculativeConfig.from_json(config.speculative_config)
+        # MTP speculation reads each step's residual stream (`hidden`); steps run eagerly then.
+        self.keeps_hidden = spec is not None and spec.is_mtp
+        self.hidden: torch.Tensor | None = None
         self.module = own_module_tree(loaded.module) if config.max_loras > 0 else loaded.module
         self.config = loaded.config
         param = next(self.module.parameters())
@@ -163,7 +169,7 @@ class ModelExecutor:
         if not self._kernels_apply():
             return TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim), None, None
         backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
-        if config.enforce_eager or not self._graphs_apply():
+        if config.enforce_eager or not self._graphs_apply() or self.keeps_hidden:
             return backend, None, None
         return backend, self._decode_graphs(config, backend), self._piecewise_graphs(config, backend)
 
@@ -178,7 +184,8 @@ class ModelExecutor:
             return TorchReferenceBackend(*args), None, None
         backend = TritonLatentBackend(*args)
         latent = cfg.latent_attention.kv_lora_rank if cfg.latent_attention is not None else 0
-        if config.enforce_eager or not self._graphs_apply() or not mla_kernel_applies(self.device, latent):
+        eager = config.enforce_eager or self.keeps_hidden
+        if eager or not self._graphs_apply() or not mla_kernel_applies(self.device, latent):
             return backend, None, None
         return backend, self._decode_graphs(config, backend), None
 
@@ -249,7 +256,18 @@ class ModelExecutor:
         if self.state_tensors:
             recurrent = RecurrentStep(RecurrentPlan.from_batch(batch), self.state_tensors)
         ctx = ForwardContext(attention=self.attention, logits_rows=batch.logits_rows, recurrent=recurrent)
-        return self.module(batch.input_ids, batch.positions, ctx)
+        if not self.keeps_hidden:
+            return self.module(batch.input_ids, batch.positions, ctx)
+        self.hidden = self.module.hidden_states(batch.input_ids, batch.positions, ctx)
+        return self.module.logits(self.hidden, batch.logits_rows)
+
+    @torch.inference_mode()
+    def run_eager(self, batch: StepBatch, *inputs: torch.Tensor) -> Any:
+        """`batch` through the module eagerly, with `inputs` after its ids and positions (the MTP
+        layer's hidden states); returns what the module returns. No LoRA, no recurrent state."""
+        self.attention.prepare(batch)
+        ctx = ForwardContext(attention=self.attention, logits_rows=batch.logits_rows)
+        return self.module(batch.input_ids, batch.positions, *inputs, ctx)
 
     # --- KVMover ------------------------------------------------------------------------
 

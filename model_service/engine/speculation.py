@@ -11,8 +11,9 @@ sees it.
 Proposers (the `Proposer` protocol: a batched `propose`, and hooks after each verify and when a
 sequence is done): prompt lookup (n-gram): the continuation of the most recent earlier
 occurrence of the sequence's last n tokens (n from `prompt_lookup_max` down to
-`prompt_lookup_min`), no extra model; a draft model (engine/draft.py). MTP heads would be a
-third implementation.
+`prompt_lookup_min`), no extra model; a draft model (engine/draft.py); the checkpoint's own
+multi-token-prediction layer (engine/mtp.py), which reads the target's hidden states
+(`on_forward`).
 
 Sampled rows (temperature > 0) verify by rejection sampling, which keeps the target
 distribution exactly: proposal d, drawn from the proposer's distribution q, is accepted with
@@ -29,17 +30,18 @@ rows of one verify), and no beams.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from model_service.engine.sampler import AllowedTokens, filtered_probs
+from model_service.engine.sampler import AllowedTokens, draw, filtered_probs
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import Sequence
 from model_service.errors import InvalidRequestError
 
 DRAFT_METHODS = ("draft", "draft_model")  # ours and vLLM's spelling
+METHODS = ("ngram", *DRAFT_METHODS, "mtp")
 
 
 @dataclass
@@ -89,10 +91,15 @@ class SpeculativeConfig:
     def is_draft(self) -> bool:
         return self.method in DRAFT_METHODS
 
+    @property
+    def is_mtp(self) -> bool:
+        return self.method == "mtp"
+
     def _check_method(self) -> None:
-        if self.method not in ("ngram", *DRAFT_METHODS):
+        if self.method not in METHODS:
             raise InvalidRequestError(
-                f"--speculative-config: method {self.method!r}; supported: 'ngram', 'draft' ('draft_model')"
+                f"--speculative-config: method {self.method!r}; supported: 'ngram', 'draft' "
+                "('draft_model'), 'mtp' (a checkpoint with num_nextn_predict_layers)"
             )
         if self.is_draft and not self.model:
             raise InvalidRequestError(
@@ -116,6 +123,13 @@ class Proposer(Protocol):
     def on_finished(self, seq: Sequence) -> None:
         """`seq` finished or was aborted: release whatever the proposer holds for it. Preemption
         is not reported: a proposer that holds memory finds preempted sequences by their status."""
+
+    def on_forward(self, runs: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+        """The target's step computed, per (sequence, start, hidden), the sequence's positions from
+        `start` on, whose residual stream after the last layer (before the final norm) is
+        `hidden` [tokens, hidden size], a view of the step's; verify rows included, rejected or
+        not. Called before the step's tokens are sampled, and only when the executor keeps hidden
+        states (MTP)."""
 
 
 class Speculation:
@@ -155,6 +169,14 @@ class Speculation:
                 self.proposals[seq] = proposal
             else:
                 self.proposals.pop(seq, None)
+
+    def on_forward(self, runs: list[tuple[Sequence, int, int]], hidden: torch.Tensor) -> None:
+        """The target's step ran, per (sequence, start, tokens), that many positions from
+        `start`, their rows of `hidden` in that order: each speculating sequence's rows go to the
+        proposer (views, not copies)."""
+        parts = zip(runs, hidden.split([n for _, _, n in runs]), strict=True)
+        speculating = [(seq, start, rows) for (seq, start, _), rows in parts if seq.group is None]
+        self.proposer.on_forward([run for run in speculating if can_speculate(run[0].params)])
 
     def forget(self, seq: Sequence) -> None:
         """`seq` finished or was aborted: drop its proposals and what the proposer holds for it."""
@@ -198,6 +220,9 @@ class NgramProposer:
     def on_finished(self, seq: Sequence) -> None:
         pass
 
+    def on_forward(self, runs: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+        pass
+
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
         """Up to `k` tokens that followed the latest earlier occurrence of the longest tail."""
         length = len(token_ids)
@@ -207,6 +232,42 @@ class NgramProposer:
                 if token_ids[start : start + n] == tail:
                     return token_ids[start + n : start + n + k]
         return []
+
+
+@dataclass
+class Drafting:
+    """A sequence a model-based proposer (draft model, MTP) drafts for this step: up to `room`
+    tokens, and q for each when it samples."""
+
+    index: int  # in the propose() batch
+    seq: Sequence
+    room: int
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+
+
+def draw_next(rows: list[Drafting], logits: torch.Tensor) -> None:
+    """Each row's next proposal from its logits row: greedy rows the argmax, sampled rows a draw
+    from q (the request's own temperature, top-k/p, min-p and generator), kept for the verify."""
+    tokens = logits.argmax(dim=-1)
+    sampled = [j for j, r in enumerate(rows) if not r.seq.params.greedy]
+    if sampled:
+        idx = torch.tensor(sampled, device=logits.device)
+        seqs = [rows[j].seq for j in sampled]
+        probs = filtered_probs(logits[idx], [s.params for s in seqs])
+        tokens[idx] = draw(probs, [s.sampling.generator for s in seqs])
+        for j, q in zip(sampled, probs, strict=True):
+            rows[j].probs.append(q)
+    for r, token in zip(rows, tokens.tolist(), strict=True):
+        r.tokens.append(token)
+
+
+def proposals_of(rows: list[Drafting], num_seqs: int) -> list[Proposal]:
+    """The propose() answer for a batch of `num_seqs`: the drafted rows' tokens, none elsewhere."""
+    out = [Proposal([]) for _ in range(num_seqs)]
+    for r in rows:
+        out[r.index] = Proposal(r.tokens, torch.stack(r.probs) if r.probs else None)
+    return out
 
 
 def can_speculate(params: SamplingParams) -> bool:

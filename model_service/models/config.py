@@ -145,9 +145,10 @@ class ModelConfig:
     shared_expert_gated: bool = True  # False: DeepSeek's `shared_experts`, added ungated
     routing: Routing = field(default_factory=Routing)
     latent_attention: LatentAttentionShape | None = None  # MLA (DeepSeek): set for every layer
-    # DeepSeek-V3's multi-token-prediction layers, numbered after the decoder's: their checkpoint
-    # tensors are known and left unloaded (speculation with them is not built yet).
-    mtp_layers: int = 0
+    # DeepSeek-V3's multi-token-prediction layers, numbered after the decoder's (their kinds: MoE
+    # or dense by the decoder's own rule). The target's load leaves them out; MTP speculation
+    # loads the first (models/mtp.py).
+    mtp_layer_kinds: list[LayerKind] = field(default_factory=list)
     # FP8 weights: the checkpoint's scheme (config.json's quantization_config, which also says which
     # projections stay in high precision) or --quantization fp8's; None: the compute dtype throughout.
     quantization: Fp8Scheme | None = None
@@ -175,6 +176,20 @@ class ModelConfig:
             m = 0.1 * float(all_dim) * math.log(factor) + 1.0 if factor > 1 else 1.0
             scale *= m * m
         return scale
+
+    @property
+    def mtp_layers(self) -> int:
+        return len(self.mtp_layer_kinds)
+
+    @property
+    def mtp_prefixes(self) -> tuple[str, ...]:
+        """The checkpoint name prefix of each MTP layer's tensors."""
+        return tuple(f"model.layers.{self.num_layers + i}." for i in range(self.mtp_layers))
+
+    def mtp_layer_config(self) -> ModelConfig:
+        """The config of the first MTP layer as a one-layer model: its layer kind, and a K/V cache
+        of its own (`KVCache.for_model`) whose layer 0 it is."""
+        return replace(self, num_layers=1, layer_kinds=self.mtp_layer_kinds[:1], mtp_layer_kinds=[])
 
     @property
     def num_state_layers(self) -> int:
@@ -401,14 +416,16 @@ def _deepseek_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
     cfg.shared_expert_intermediate_size = cfg.moe_intermediate_size * int(raw.get("n_shared_experts") or 0)
     cfg.shared_expert_gated = False
     cfg.routing = _deepseek_routing(raw, cfg.family, experts)
-    cfg.mtp_layers = int(raw.get("num_nextn_predict_layers") or 0)
+    mtp = int(raw.get("num_nextn_predict_layers") or 0)
     first_dense, freq = int(raw.get("first_k_dense_replace") or 0), int(raw.get("moe_layer_freq") or 1)
-    sparse = [experts > 0 and i >= first_dense and i % freq == 0 for i in range(cfg.num_layers)]
+    sparse = [experts > 0 and i >= first_dense and i % freq == 0 for i in range(cfg.num_layers + mtp)]
     if any(sparse) and not 0 < cfg.num_experts_per_tok <= experts:
         raise ModelLoadError(
             f"num_experts_per_tok {cfg.num_experts_per_tok} must be between 1 and n_routed_experts {experts}"
         )
-    cfg.layer_kinds = [replace(k, moe=s) for k, s in zip(cfg.layer_kinds, sparse, strict=True)]
+    decoder = sparse[: cfg.num_layers]
+    cfg.layer_kinds = [replace(k, moe=s) for k, s in zip(cfg.layer_kinds, decoder, strict=True)]
+    cfg.mtp_layer_kinds = [LayerKind(Mixer.FULL_ATTENTION, moe=s) for s in sparse[cfg.num_layers :]]
 
 
 def _deepseek_routing(raw: dict[str, Any], family: str, experts: int) -> Routing:

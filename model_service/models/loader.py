@@ -100,8 +100,8 @@ def load_model(
 
 
 def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
+    """The config and the decoder's tensors (multi-token-prediction layers are left on disk: a
+    known part of the checkpoint, which only MTP speculation reads, by `read_tensors`)."""
     config_file = path / "config.json"
     if not config_file.exists():
         raise ModelLoadError(f"{path} has no config.json")
@@ -112,7 +112,7 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     gen_file = path / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.exists() else None
     config = ModelConfig.from_hf(raw, gen)
-    files = _weight_files(path)
+    files = weight_files(path)
     if not files:
         pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
         if pickles:
@@ -121,16 +121,24 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
                 "because pickle files can run code. Convert with safetensors' `save_file` first."
             )
         raise ModelLoadError(f"{path} has no *.safetensors weight files")
+    return config, read_tensors(files, lambda name: not name.startswith(config.mtp_prefixes))
+
+
+def read_tensors(files: list[Path], wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The tensors of `files` whose names are `wanted`; the others are never read from disk."""
+    from safetensors import safe_open
+
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            tensors.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as shard:
+                tensors.update({k: shard.get_tensor(k) for k in shard.keys() if wanted(k)})  # noqa: SIM118
         except Exception as e:
             raise ModelLoadError(f"cannot read {f.name}: {e}") from e
-    return config, tensors
+    return tensors
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint: those its index names when sharded, else `model.safetensors`,
     else every `*.safetensors` file. Repos often ship other safetensors files beside the HF weights
     (Mistral's `consolidated.safetensors`), which must not be merged in."""
@@ -150,30 +158,41 @@ def _weight_files(path: Path) -> list[Path]:
     return [single] if single.is_file() else sorted(path.glob("*.safetensors"))
 
 
-def _without_mtp_layers(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """`tensors` less those of the multi-token-prediction layers the config declares after its
-    decoder layers (DeepSeek-V3 ships one): known, so not an unexpected tensor, and not loaded."""
-    if not config.mtp_layers:
-        return tensors
-    mtp = tuple(f"model.layers.{i}." for i in range(config.num_layers, config.num_layers + config.mtp_layers))
-    return {k: v for k, v in tensors.items() if not k.startswith(mtp)}
-
-
 def build_module(
     config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
     """Check every expected checkpoint tensor is present with the right shape, then build the module.
     An FP8 checkpoint's quantized projections become `Fp8Linear`s, which keep their tensors' dtypes."""
-    tensors = _without_mtp_layers(tensors, config)
     with torch.device("meta"):
         module = model_class(config)(config)
     if config.quantization is not None:
         tensors = fp8_checkpoint(module, tensors, config.quantization)
     if any(kind.moe for kind in config.layer_kinds):
         tensors = stack_expert_tensors(tensors, config)
-    layout = checkpoint_layout(module)
+    shared = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    load_weights(module, tensors, config.family, dtype, device, shared)
     if config.tie_word_embeddings:
-        layout.pop("lm_head.weight", None)
+        module.lm_head.weight = module.model.embed_tokens.weight
+    rotary_dim = config.rotary_dim or config.head_dim
+    module.rotary = RotaryEmbedding(rotary_dim, config.rope_theta, config.rope_scaling).to(device)
+    return module.eval()
+
+
+def load_weights(
+    module: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    family: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    shared: set[str],
+) -> None:
+    """Check every tensor `module` (on the meta device) expects is in `tensors` with the right
+    shape, and none is left over, then load them in `dtype` on `device`. `shared`: parameters the
+    caller ties to another module's tensor afterwards (tied embeddings, MTP's shared head), which
+    a checkpoint may carry or not."""
+    layout = checkpoint_layout(module)
+    for name in shared:
+        layout.pop(name, None)
     for parts in layout.values():
         for name, shape in parts:
             if name not in tensors:
@@ -185,14 +204,13 @@ def build_module(
     # A tensor the config does not account for (say an o_proj bias the config does not declare) would
     # otherwise be dropped silently and the model would run with wrong outputs.
     expected = {name for parts in layout.values() for name, _ in parts}
-    unused = {"lm_head.weight"} if config.tie_word_embeddings else set()
     unexpected = sorted(
-        k for k in tensors if k not in expected and k not in unused and not k.endswith("rotary_emb.inv_freq")
+        k for k in tensors if k not in expected and k not in shared and not k.endswith("rotary_emb.inv_freq")
     )
     if unexpected:
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
         raise ModelLoadError(
-            f"checkpoint has tensors the {config.family} config does not use: {unexpected[:5]}{more}; "
+            f"checkpoint has tensors the {family} config does not use: {unexpected[:5]}{more}; "
             "config.json and the weights disagree"
         )
     dtypes = fp8_dtypes(module)
@@ -201,8 +219,3 @@ def build_module(
         for param, parts in layout.items()
     }
     module.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        module.lm_head.weight = module.model.embed_tokens.weight
-    rotary_dim = config.rotary_dim or config.head_dim
-    module.rotary = RotaryEmbedding(rotary_dim, config.rope_theta, config.rope_scaling).to(device)
-    return module.eval()
