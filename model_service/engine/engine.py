@@ -175,12 +175,8 @@ class Engine:
         self.loaded = loaded or _load(config)
         self.tokenizer, mc = self.loaded.tokenizer, self.loaded.config
         speculative = SpeculativeConfig.from_json(config.speculative_config)
-        draft = load_draft(speculative, config, self.loaded)  # None unless method "draft"
-        mtp = load_mtp_layer(self.loaded) if speculative is not None and speculative.is_mtp else None
+        draft, mtp, draft_config = _proposer_models(speculative, config, self.loaded)
         state_slots = _num_state_slots(config, mc.num_state_layers, speculative)
-        draft_config = (
-            draft.config if draft is not None else mc.mtp_layer_config() if mtp is not None else None
-        )
         self.executor = build_executor(self.loaded, config, draft_config, state_slots)
         num_blocks, self.max_model_len = self.executor.kv_cache.num_blocks, self.executor.max_model_len
         self.cache = _cache_manager(self.executor, config, mc, state_slots)
@@ -313,11 +309,10 @@ class Engine:
         (with async scheduling: those the step before produced, whose tokens have just arrived)."""
         items = [self.overlap.item(s) if s.in_flight else self.scheduler.item(s, n) for s, n in work]
         logits = self.executor.execute(self.builder.build(items), self.overlap.tokens)
-        if self.speculation is not None and self.executor.hidden is not None:  # MTP reads it
-            runs = [
-                (s, it.state.num_computed, len(it.tokens)) for (s, _), it in zip(work, items, strict=True)
-            ]
-            self.speculation.on_forward(runs, self.executor.hidden)
+        if self.speculation is not None:
+            self.speculation.on_forward(
+                [(s, it) for (s, _), it in zip(work, items, strict=True)], self.executor.hidden
+            )
         self.scheduler.commit(work)
         rows, verify = logits_rows(work, items, logits)
         produced = self._drain(self.overlap.launch(work, rows, logits))  # the step before's tokens
@@ -463,6 +458,19 @@ def _lora_pool(executor: Executor, config: EngineConfig, mc: ModelConfig) -> Lor
     for name, path in config.lora_modules.items():
         pool.register(name, Path(path))
     return pool
+
+
+def _proposer_models(
+    spec: SpeculativeConfig | None, config: EngineConfig, target: LoadedModel
+) -> tuple[LoadedModel | None, MtpLayer | None, ModelConfig | None]:
+    """The draft model or the MTP layer a speculative config asks for (neither for n-gram or
+    none), and the config of the model whose K/V the executor budgets beside the target's."""
+    draft = load_draft(spec, config, target)  # None unless method "draft"
+    if draft is not None:
+        return draft, None, draft.config
+    if spec is not None and spec.is_mtp:
+        return None, load_mtp_layer(target), target.config.mtp_layer_config()
+    return None, None, None
 
 
 def _speculation(

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -39,6 +39,9 @@ from model_service.engine.sampler import AllowedTokens, draw, filtered_probs
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import Sequence
 from model_service.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from model_service.engine.batch_builder import StepItem
 
 DRAFT_METHODS = ("draft", "draft_model")  # ours and vLLM's spelling
 METHODS = ("ngram", *DRAFT_METHODS, "mtp")
@@ -170,10 +173,13 @@ class Speculation:
             else:
                 self.proposals.pop(seq, None)
 
-    def on_forward(self, runs: list[tuple[Sequence, int, int]], hidden: torch.Tensor) -> None:
-        """The target's step ran, per (sequence, start, tokens), that many positions from
-        `start`, their rows of `hidden` in that order: each speculating sequence's rows go to the
-        proposer (views, not copies)."""
+    def on_forward(self, work: list[tuple[Sequence, StepItem]], hidden: torch.Tensor | None) -> None:
+        """The target's step ran each (sequence, its row) of `work`, their rows of `hidden` in
+        that order (kept by the executor for MTP only; None otherwise): each speculating
+        sequence's rows go to the proposer (views, not copies), with the position they start at."""
+        if hidden is None:
+            return
+        runs = [(seq, item.state.num_computed, len(item.tokens)) for seq, item in work]
         parts = zip(runs, hidden.split([n for _, _, n in runs]), strict=True)
         speculating = [(seq, start, rows) for (seq, start, _), rows in parts if seq.group is None]
         self.proposer.on_forward([run for run in speculating if can_speculate(run[0].params)])
