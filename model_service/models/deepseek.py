@@ -30,8 +30,7 @@ from model_service.kernels.fused import apply_rotary
 from model_service.models.config import LatentAttentionShape, ModelConfig
 from model_service.models.context import ForwardContext
 from model_service.models.layers import PackedLinear, RMSNorm
-from model_service.models.llama import DecoderModel, PreNormLayer
-from model_service.models.moe import mlp_for
+from model_service.models.llama import DecoderLayer, DecoderModel
 from model_service.models.step import LatentAttentionBackend
 
 LATENT_NORM_EPS = 1e-6
@@ -94,18 +93,10 @@ class LatentAttention(nn.Module):
         return self.o_proj(out.reshape(n, -1))
 
 
-class DeepseekDecoderLayer(PreNormLayer):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LatentAttention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = mlp_for(cfg, layer_idx)
+class DeepseekDecoderLayer(DecoderLayer):
+    """A Llama-style pre-norm layer whose attention is MLA over the latent cache."""
 
-    def mix(
-        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
-    ) -> torch.Tensor:
-        return self.self_attn(h, rope, ctx)
+    attention_class = LatentAttention
 
 
 class DeepseekModel(DecoderModel):

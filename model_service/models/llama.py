@@ -83,10 +83,12 @@ class DecoderLayer(PreNormLayer):
     """Attention state lives in the shared paged pool, so prefill chunks, decode rows and mixed
     batches are one flat-batch operation that differs only in the step batch."""
 
+    attention_class: type[nn.Module] = Attention  # a family's own attention (DeepSeek's MLA)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = self.attention_class(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp_for(cfg, layer_idx)
 
