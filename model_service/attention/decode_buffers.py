@@ -8,9 +8,14 @@ write and read nothing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from model_service.models.step import StepBatch
+
+if TYPE_CHECKING:
+    from model_service.attention.kv_cache import KVCache
 
 
 class DecodeBuffers:
@@ -36,3 +41,27 @@ class DecodeBuffers:
         self.table[:n, :width] = batch.block_table
         self.lens[:n] = batch.seq_lens
         self.lens[n:padded_num_seqs] = 0
+
+
+class StaticDecodeMetadata:
+    """The part of `GraphCapturable` both capturable backends share: their decode metadata
+    (`slot_mapping`, `block_table`, `seq_lens`) read from `DecodeBuffers` under graphs."""
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    _static: DecodeBuffers | None = None
+
+    def init_graph_capture(self, max_num_seqs: int, max_seq_len: int) -> None:
+        device = self.kv_cache.data.device
+        self._static = DecodeBuffers(max_num_seqs, max_seq_len, self.kv_cache.block_size, device)
+
+    def prepare_for_replay(self, batch: StepBatch, padded_num_seqs: int) -> None:
+        assert self._static is not None, "init_graph_capture first"
+        self._static.fill(batch, padded_num_seqs)
+
+    def _capture_metadata(self, num_seqs: int) -> None:
+        """The metadata a capture records: views of `num_seqs` padding rows of the buffers."""
+        assert self._static is not None, "init_graph_capture first"
+        self.slot_mapping, self.block_table, self.seq_lens = self._static.for_capture(num_seqs)

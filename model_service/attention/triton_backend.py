@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from model_service.attention.decode_buffers import DecodeBuffers
+from model_service.attention.decode_buffers import StaticDecodeMetadata
 from model_service.attention.kv_cache import KVCache
 from model_service.kernels.fused import rotary_decode_attention, rotary_store_kv
 from model_service.kernels.paged_attention import num_splits_for, paged_decode_attention, store_kv
@@ -29,7 +29,7 @@ from model_service.kernels.prefill_attention import paged_prefill_attention, pre
 from model_service.models.step import StepBatch, to_device
 
 
-class TritonBackend:
+class TritonBackend(StaticDecodeMetadata):
     def __init__(self, kv_cache: KVCache, windows: list[int | None], head_dim: int) -> None:
         self.kv_cache, self.windows = kv_cache, windows
         self.scale = head_dim**-0.5
@@ -39,7 +39,6 @@ class TritonBackend:
         self.tiles = (self.query_start, self.query_start)
         self.num_splits = 1
         self.slot_mapping = self.block_table = self.seq_lens = torch.empty(0, dtype=torch.long)
-        self._static: DecodeBuffers | None = None
 
     def prepare(self, batch: StepBatch) -> None:
         self.decode = batch.max_query_len == 1
@@ -97,16 +96,7 @@ class TritonBackend:
 
     # --- GraphCapturable ----------------------------------------------------------------------
 
-    def init_graph_capture(self, max_num_seqs: int, max_seq_len: int) -> None:
-        device = self.kv_cache.data.device
-        self._static = DecodeBuffers(max_num_seqs, max_seq_len, self.kv_cache.block_size, device)
-
     def prepare_for_capture(self, num_seqs: int) -> None:
-        assert self._static is not None, "init_graph_capture first"
         self.decode = True
-        self.slot_mapping, self.block_table, self.seq_lens = self._static.for_capture(num_seqs)
+        self._capture_metadata(num_seqs)
         self.num_splits = num_splits_for(num_seqs, self.kv_cache.data.shape[3])
-
-    def prepare_for_replay(self, batch: StepBatch, padded_num_seqs: int) -> None:
-        assert self._static is not None, "init_graph_capture first"
-        self._static.fill(batch, padded_num_seqs)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from model_service.attention.decode_buffers import DecodeBuffers
+from model_service.attention.decode_buffers import StaticDecodeMetadata
 from model_service.attention.kv_cache import KVCache
 from model_service.attention.reference import TorchReferenceBackend
 from model_service.kernels.mla_decode import mla_decode_attention
@@ -23,12 +23,11 @@ from model_service.kernels.paged_attention import num_splits_for, store_kv
 from model_service.models.step import StepBatch
 
 
-class TritonLatentBackend(TorchReferenceBackend):
+class TritonLatentBackend(StaticDecodeMetadata, TorchReferenceBackend):
     def __init__(self, kv_cache: KVCache, windows: list[int | None], head_dim: int, scale: float) -> None:
         super().__init__(kv_cache, windows, head_dim, scale)
         self.num_splits = 1
         self.slot_mapping = self.block_table = self.seq_lens = torch.empty(0, dtype=torch.long)
-        self._static: DecodeBuffers | None = None
 
     def prepare(self, batch: StepBatch) -> None:
         super().prepare(batch)
@@ -53,17 +52,8 @@ class TritonLatentBackend(TorchReferenceBackend):
 
     # --- GraphCapturable ----------------------------------------------------------------------
 
-    def init_graph_capture(self, max_num_seqs: int, max_seq_len: int) -> None:
-        device = self.kv_cache.data.device
-        self._static = DecodeBuffers(max_num_seqs, max_seq_len, self.kv_cache.block_size, device)
-
     def prepare_for_capture(self, num_seqs: int) -> None:
         """A decode step of `num_seqs` padding rows: every row takes the kernel."""
-        assert self._static is not None, "init_graph_capture first"
-        self.slot_mapping, self.block_table, self.seq_lens = self._static.for_capture(num_seqs)
+        self._capture_metadata(num_seqs)
         self._num_decode = num_seqs
         self.num_splits = num_splits_for(num_seqs, 1)
-
-    def prepare_for_replay(self, batch: StepBatch, padded_num_seqs: int) -> None:
-        assert self._static is not None, "init_graph_capture first"
-        self._static.fill(batch, padded_num_seqs)
