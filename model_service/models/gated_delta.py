@@ -11,6 +11,8 @@ Two forms of the same recurrence: token by token (decode and verify rows, short 
 chunked (long prefill runs; `chunked_scan`). Padding cells of the grid get g = 0 and beta = 0,
 which leave the state as is.
 The state is float32 whatever the model's dtype (as the reference keeps it).
+Both functions take either the grid plan, and run the torch code here, or a step's `StateRuns`,
+and run the step kernels (kernels/gated_delta.py), for which this torch code is the reference.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from model_service.kernels.gated_delta import StateRuns, causal_conv_step, gated_delta_step
 from model_service.models.recurrent import RecurrentPlan
 
 CHUNK = 64  # tokens per chunk of the chunked form
@@ -27,10 +30,12 @@ ScanResult = tuple[Tensor, Tensor]  # (outputs, the state after the last step)
 
 
 def causal_conv(
-    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, plan: RecurrentPlan
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, plan: RecurrentPlan | StateRuns
 ) -> torch.Tensor:
     """SiLU(depthwise causal conv) of flat rows x [T, C], continuing each sequence's conv state
     ([slots, K - 1, C]) and leaving in it the last K - 1 inputs of each run; weight [C, 1, K]."""
+    if isinstance(plan, StateRuns):
+        return causal_conv_step(x, conv_state, weight, plan)
     past = plan.read(conv_state).to(weight.dtype)  # [S, K - 1, C]
     full = torch.cat([past, plan.to_grid(x).to(weight.dtype)], dim=1)  # [S, K - 1 + L, C]
     out = F.silu(F.conv1d(full.transpose(1, 2), weight, groups=weight.shape[0])).transpose(1, 2)
@@ -53,11 +58,13 @@ def gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     ssm_state: torch.Tensor,
-    plan: RecurrentPlan,
+    plan: RecurrentPlan | StateRuns,
 ) -> torch.Tensor:
     """Outputs [T, Hv, Dv] (in v's dtype) for flat rows q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta
     [T, Hv]; continues each sequence's state in ssm_state [slots, Hv, Dk, Dv] and checkpoints it
     where the plan says. The grid's steps are scanned in segments that end at checkpoints."""
+    if isinstance(plan, StateRuns):
+        return gated_delta_step(q, k, v, g, beta, ssm_state, plan)
     dtype, group = v.dtype, v.shape[1] // k.shape[1]  # each q/k head serves `group` consecutive value heads
     q = l2norm(q.repeat_interleave(group, dim=1).float()) * q.shape[-1] ** -0.5
     k = l2norm(k.repeat_interleave(group, dim=1).float())

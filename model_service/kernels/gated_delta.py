@@ -1,0 +1,164 @@
+"""Gated DeltaNet's short runs (decode rows, verify runs, short prefill chunks) in Triton, reading
+and writing the recurrent state in place.
+
+Two kernels per linear-attention layer: the causal depthwise conv over the conv state, then the
+gated delta rule over the delta-rule state with the query readout (the math and the torch
+references: `models/gated_delta.py`). A step is described by `StateRuns`, device tensors only: each
+run's rows, its state slot (negative: a padding run, which starts from zeros and writes no state),
+whether it starts from zeros, and the slot that receives the state after each token (the
+checkpoints of verify runs and the prefix cache's snapshots). Every program loops over its run's
+tokens with bounds read on the device and keeps the state in registers between them, so the same
+launch serves every step of a CUDA graph: no host sync, no shape that depends on the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model_service.kernels.paged_attention import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _conv_step_kernel(
+        X, Out, State, W, QueryStart, Slots, Fresh, Snapshots, x_row, C,
+        K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        """Program (run, channel block): SiLU(conv) of each token of the run over the K - 1 inputs
+        before it (the state's, then the run's own), then the last K - 1 inputs into the state."""
+        run = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = c < C
+        start, end = tl.load(QueryStart + run), tl.load(QueryStart + run + 1)
+        slot = tl.load(Slots + run)
+        has_past = (slot >= 0) & (tl.load(Fresh + run) == 0)
+        state = State + slot * (K - 1) * C
+        j = tl.arange(0, KP)  # tap j of token t reads input t - (K - 1) + j (negative: the state's)
+        w = tl.load(W + c[None, :] * K + j[:, None], mask=(j < K)[:, None] & cmask[None, :], other=0.0)
+        w = w.to(tl.float32)
+        for t in range(start, end):
+            p = t - start - (K - 1) + j
+            live = (j < K)[:, None] & cmask[None, :]
+            xv = tl.load(X + (start + p)[:, None] * x_row + c[None, :], mask=live & (p >= 0)[:, None], other=0.0)
+            past = tl.where(has_past, live & (p < 0)[:, None], False)
+            sv = tl.load(state + (K - 1 + p)[:, None] * C + c[None, :], mask=past, other=0.0)
+            acc = tl.sum((xv.to(tl.float32) + sv) * w, axis=0)
+            tl.store(Out + t * C + c, (acc * tl.sigmoid(acc)).to(Out.dtype.element_ty), mask=cmask)
+            snap = tl.load(Snapshots + t)
+            window = _conv_window(X, state, start, t + 1, x_row, C, c, cmask, has_past, K, KP)
+            rows = tl.arange(0, KP)
+            keep = tl.where(snap >= 0, (rows < K - 1)[:, None] & cmask[None, :], False)
+            tl.store(State + (snap * (K - 1) + rows)[:, None] * C + c[None, :], window, mask=keep)
+        window = _conv_window(X, state, start, end, x_row, C, c, cmask, has_past, K, KP)
+        tl.debug_barrier()  # every read of the slot's old inputs is done before they are overwritten
+        rows = tl.arange(0, KP)
+        keep = tl.where(slot >= 0, (rows < K - 1)[:, None] & cmask[None, :], False)
+        tl.store(state + rows[:, None] * C + c[None, :], window, mask=keep)
+
+    @triton.jit
+    def _conv_window(X, state, start, stop, x_row, C, c, cmask, has_past, K: tl.constexpr, KP: tl.constexpr):
+        """[KP, BLOCK_C] the K - 1 inputs before row `stop` (rows K - 1 on: zeros), float32."""
+        i = tl.arange(0, KP)
+        p = stop - start - (K - 1) + i
+        live = (i < K - 1)[:, None] & cmask[None, :]
+        xv = tl.load(X + (start + p)[:, None] * x_row + c[None, :], mask=live & (p >= 0)[:, None], other=0.0)
+        past = tl.where(has_past, live & (p < 0)[:, None], False)
+        sv = tl.load(state + (K - 1 + p)[:, None] * C + c[None, :], mask=past, other=0.0)
+        return xv.to(tl.float32) + sv
+
+    @triton.jit
+    def _delta_step_kernel(
+        Q, Kx, V, G, Beta, Out, State, QueryStart, Slots, Fresh, Snapshots, q_row, k_row, v_row, scale,
+        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+        BV: tl.constexpr,
+    ):  # fmt: skip
+        """Program (run, value head, value block): the head's state columns in registers across
+        the run's tokens; per token decay, delta-rule write, readout, and checkpoint if asked."""
+        run, head = tl.program_id(0), tl.program_id(1)
+        dk = tl.arange(0, BK)
+        dv = tl.program_id(2) * BV + tl.arange(0, BV)
+        kmask, vmask = dk < DK, dv < DV
+        tile = kmask[:, None] & vmask[None, :]
+        cell = head * DK * DV + dk[:, None] * DV + dv[None, :]
+        start, end = tl.load(QueryStart + run), tl.load(QueryStart + run + 1)
+        slot = tl.load(Slots + run)
+        has_past = (slot >= 0) & (tl.load(Fresh + run) == 0)
+        s = tl.load(State + slot * HV * DK * DV + cell, mask=tl.where(has_past, tile, False), other=0.0)
+        key_head = head // GROUP
+        for t in range(start, end):
+            q = tl.load(Q + t * q_row + key_head * DK + dk, mask=kmask, other=0.0).to(tl.float32)
+            k = tl.load(Kx + t * k_row + key_head * DK + dk, mask=kmask, other=0.0).to(tl.float32)
+            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+            v = tl.load(V + t * v_row + head * DV + dv, mask=vmask, other=0.0).to(tl.float32)
+            g = tl.load(G + t * HV + head).to(tl.float32)
+            beta = tl.load(Beta + t * HV + head).to(tl.float32)
+            s = s * tl.exp(g)
+            delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+            s = s + k[:, None] * delta[None, :]
+            out = tl.sum(s * q[:, None], axis=0)
+            tl.store(Out + (t * HV + head) * DV + dv, out.to(Out.dtype.element_ty), mask=vmask)
+            snap = tl.load(Snapshots + t)
+            tl.store(State + snap * HV * DK * DV + cell, s, mask=tl.where(snap >= 0, tile, False))
+        tl.store(State + slot * HV * DK * DV + cell, s, mask=tl.where(slot >= 0, tile, False))
+
+
+@dataclass
+class StateRuns:
+    """A step's rows as runs of consecutive tokens of one sequence each, as the kernels read them."""
+
+    query_start: torch.Tensor  # [R + 1] first row of each run (R programs per head and block)
+    slots: torch.Tensor  # [R] state slot of each run (negative: padding, from zeros, writes nothing)
+    fresh: torch.Tensor  # [R] bool: the run starts at position 0 (state starts at zero)
+    snapshots: torch.Tensor  # [T] slot that receives the state once the row's token is in (-1: none)
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.slots.shape[0])
+
+
+def causal_conv_step(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, runs: StateRuns
+) -> torch.Tensor:
+    """`models.gated_delta.causal_conv` on the GPU: SiLU(depthwise causal conv) [T, C] in x's dtype
+    of rows x [T, C] (unit stride in C), continuing conv_state [slots, K - 1, C] (float32) in place;
+    weight [C, 1, K]."""
+    channels, width = weight.shape[0], weight.shape[-1]
+    assert x.stride(-1) == 1 and conv_state.is_contiguous() and weight.is_contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block = min(triton.next_power_of_2(channels), 256)
+    _conv_step_kernel[(runs.num_runs, triton.cdiv(channels, block))](
+        x, out, conv_state, weight, runs.query_start, runs.slots, runs.fresh, runs.snapshots, x.stride(0),
+        channels, K=width, KP=triton.next_power_of_2(width), BLOCK_C=block,
+    )  # fmt: skip
+    return out
+
+
+def gated_delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    runs: StateRuns,
+) -> torch.Tensor:
+    """`models.gated_delta.gated_delta_rule` on the GPU: outputs [T, Hv, Dv] in v's dtype for rows
+    q, k [T, Hk, Dk], v [T, Hv, Dv] (heads packed in each row, rows may be strided: views of the
+    conv output), g, beta [T, Hv]; continues ssm_state [slots, Hv, Dk, Dv] (float32) in place."""
+    num_rows, heads, dv = v.shape
+    dk = q.shape[-1]
+    for t in (q, k, v):
+        assert t.stride(-1) == 1 and t.stride(-2) == t.shape[-1], "heads packed in each row"
+    assert ssm_state.is_contiguous()
+    out = torch.empty(num_rows, heads, dv, dtype=v.dtype, device=v.device)
+    block_v = min(triton.next_power_of_2(dv), 32)
+    _delta_step_kernel[(runs.num_runs, heads, triton.cdiv(dv, block_v))](
+        q, k, v, g.contiguous(), beta.contiguous(), out, ssm_state, runs.query_start, runs.slots, runs.fresh,
+        runs.snapshots, q.stride(0), k.stride(0), v.stride(0), dk**-0.5, HV=heads, GROUP=heads // k.shape[1],
+        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v,
+    )  # fmt: skip
+    return out

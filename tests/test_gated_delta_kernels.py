@@ -1,0 +1,102 @@
+"""The Gated DeltaNet step kernels (kernels/gated_delta.py) against the torch recurrence they
+replace (models/gated_delta.py over the grid plan): decode rows, a verify run with checkpoints, a
+fresh run, strided inputs as the layer passes them, and padding runs that must write no state.
+
+On CUDA (`pytest --noconftest -m gpu tests/test_gated_delta_kernels.py`); on the CPU under Triton's
+interpreter too, when it is installed: `TRITON_INTERPRET=1 pytest tests/test_gated_delta_kernels.py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from model_service.kernels.gated_delta import StateRuns, triton
+from model_service.models.gated_delta import causal_conv, gated_delta_rule
+from model_service.models.recurrent import RecurrentPlan
+
+HK, HV, DK, DV, WIDTH, SLOTS = 2, 4, 16, 12, 4, 8  # DV = 12: a value block with masked columns
+CONV = 2 * HK * DK + HV * DV
+
+
+def _inputs(num_rows: int, seed: int, device: str) -> dict[str, torch.Tensor]:
+    """What a layer hands the two kernels: the conv input as a strided view (its rows are wider),
+    the conv weight, g <= 0 and beta in (0, 1), and nonzero states."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(num_rows, CONV + 8, generator=gen)
+    tensors = {
+        "x": wide,
+        "weight": torch.randn(CONV, 1, WIDTH, generator=gen) * 0.5,
+        "g": -torch.rand(num_rows, HV, generator=gen) * 0.5,
+        "beta": torch.rand(num_rows, HV, generator=gen),
+        "conv_state": torch.randn(SLOTS, WIDTH - 1, CONV, generator=gen),
+        "ssm_state": torch.randn(SLOTS, HV, DK, DV, generator=gen) * 0.3,
+    }
+    return {name: t.to(device) for name, t in tensors.items()}
+
+
+def _layer(t: dict[str, torch.Tensor], plan: RecurrentPlan | StateRuns) -> tuple[torch.Tensor, torch.Tensor]:
+    """The conv, then the delta rule over q, k, v as views of the conv output (as GatedDeltaNet)."""
+    n = t["x"].shape[0]
+    mixed = causal_conv(t["x"][:, :CONV], t["conv_state"], t["weight"], plan)
+    padded = torch.zeros(n, CONV + 4, device=mixed.device)  # rows wider than the conv output
+    padded[:, :CONV] = mixed
+    q, k, v = padded[:, :CONV].split([HK * DK, HK * DK, HV * DV], dim=-1)
+    core = gated_delta_rule(
+        q.view(n, HK, DK), k.view(n, HK, DK), v.view(n, HV, DV), t["g"], t["beta"], t["ssm_state"], plan
+    )
+    return mixed, core
+
+
+def _check(device: str) -> None:
+    # Runs: a decode row, a verify run of 4 (checkpoints after its first three tokens), a fresh
+    # run of 3 that leaves a snapshot after its second token, another decode row.
+    query_start = np.array([0, 1, 5, 8, 9])
+    snapshots = np.array([-1, 4, 5, 6, -1, -1, 7, -1, -1])
+    slots = torch.tensor([0, 1, 2, 3], device=device)
+    fresh = torch.tensor([False, False, True, False], device=device)
+    ours, ref = _inputs(9, seed=1, device=device), _inputs(9, seed=1, device=device)
+    runs = StateRuns(
+        torch.as_tensor(query_start, device=device), slots, fresh, torch.as_tensor(snapshots, device=device)
+    )
+    plan = RecurrentPlan.from_runs(query_start, snapshots, slots, fresh)
+    for got, want in zip(_layer(ours, runs), _layer(ref, plan), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name in ("conv_state", "ssm_state"):
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-5, atol=1e-5)
+
+    # Padding runs (slot -1): outputs as from zero state, and no state written anywhere.
+    padded = _inputs(2, seed=2, device=device)
+    before = {name: padded[name].clone() for name in ("conv_state", "ssm_state")}
+    pad_runs = StateRuns(
+        torch.arange(3, device=device),
+        torch.tensor([3, -1], device=device),
+        torch.tensor([True, False], device=device),
+        torch.full((2,), -1, device=device),
+    )
+    pad_out = _layer(padded, pad_runs)
+    for name, kept in before.items():  # slot 3 is the real run's
+        torch.testing.assert_close(padded[name][:3], kept[:3], rtol=0, atol=0)
+        torch.testing.assert_close(padded[name][4:], kept[4:], rtol=0, atol=0)
+    fresh_row = _inputs(2, seed=2, device=device)
+    fresh_runs = StateRuns(pad_runs.query_start, torch.tensor([3, 4], device=device),
+                           torch.tensor([True, True], device=device), pad_runs.snapshots)  # fmt: skip
+    for got, want in zip(pad_out, _layer(fresh_row, fresh_runs), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or triton is None, reason="needs CUDA and Triton")
+def test_step_kernels_match_the_torch_recurrence_on_cuda():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check("cuda")
+
+
+@pytest.mark.skipif(
+    triton is None or os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter"
+)
+def test_step_kernels_match_the_torch_recurrence_under_the_interpreter():
+    _check("cpu")
