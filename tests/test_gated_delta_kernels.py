@@ -16,7 +16,8 @@ import torch
 
 from model_service.kernels.gated_delta import StateRuns, triton
 from model_service.models.gated_delta import causal_conv, gated_delta_rule
-from model_service.models.recurrent import RecurrentPlan
+from model_service.models.recurrent import RecurrentPlan, StaticRuns
+from model_service.models.step import StepBatch
 
 HK, HV, DK, DV, WIDTH, SLOTS = 2, 4, 16, 12, 4, 8  # DV = 12: a value block with masked columns
 CONV = 2 * HK * DK + HV * DV
@@ -88,11 +89,39 @@ def _check(device: str) -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def _check_static_runs(device: str) -> None:
+    """A graph's view of `StaticRuns`, taken at capture and filled for a later step (verify runs
+    of 3 and 2 tokens with checkpoints, a decode row, padded to 8 rows), runs the step as the
+    step's own runs do on its rows, and its padding rows write no state."""
+    query_start, snapshots = np.array([0, 3, 5, 6]), np.array([4, 5, -1, 6, -1, -1])
+    slots = torch.tensor([0, 1, 2], device=device)
+    seq_lens = torch.tensor([10, 7, 4], device=device)
+    dummy = torch.zeros(6, dtype=torch.long, device=device)
+    batch = StepBatch(
+        input_ids=dummy, positions=dummy, slot_mapping=dummy, seq_lens=seq_lens, block_table=dummy[:3, None],
+        query_start=torch.as_tensor(query_start, device=device), logits_rows=dummy, state_slots=slots,
+        lora_slots=dummy, max_query_len=3, max_seq_len=10, host_lora_slots=np.full(6, -1),
+        host_query_start=query_start, host_state_snapshots=snapshots,
+    )  # fmt: skip
+    static = StaticRuns(16, torch.device(device))
+    captured = static.for_capture(8)
+    static.prepare_for_replay(batch, 8)
+    replayed = _inputs(8, seed=3, device=device)  # rows 6 and 7: the graph's padding rows
+    eager = {name: t[:6].clone() if name in ("x", "g", "beta") else t.clone() for name, t in replayed.items()}
+    fresh = torch.zeros(3, dtype=torch.bool, device=device)
+    runs = StateRuns(batch.query_start, slots, fresh, torch.as_tensor(snapshots, device=device))
+    for got, want in zip(_layer(replayed, captured), _layer(eager, runs), strict=True):
+        torch.testing.assert_close(got[:6], want, rtol=0, atol=0)
+    for name in ("conv_state", "ssm_state"):
+        torch.testing.assert_close(replayed[name], eager[name], rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or triton is None, reason="needs CUDA and Triton")
 def test_step_kernels_match_the_torch_recurrence_on_cuda():
     torch.backends.cuda.matmul.allow_tf32 = False
     _check("cuda")
+    _check_static_runs("cuda")
 
 
 @pytest.mark.skipif(
@@ -100,3 +129,4 @@ def test_step_kernels_match_the_torch_recurrence_on_cuda():
 )
 def test_step_kernels_match_the_torch_recurrence_under_the_interpreter():
     _check("cpu")
+    _check_static_runs("cpu")

@@ -36,34 +36,32 @@ if triton is not None:
         slot = tl.load(Slots + run)
         has_past = (slot >= 0) & (tl.load(Fresh + run) == 0)
         state = State + slot * (K - 1) * C
-        j = tl.arange(0, KP)  # tap j of token t reads input t - (K - 1) + j (negative: the state's)
-        w = tl.load(W + c[None, :] * K + j[:, None], mask=(j < K)[:, None] & cmask[None, :], other=0.0)
+        rows = tl.arange(0, KP)
+        w = tl.load(W + c[None, :] * K + rows[:, None], mask=(rows < K)[:, None] & cmask[None, :], other=0.0)
         w = w.to(tl.float32)
+        keep = (rows < K - 1)[:, None] & cmask[None, :]
         for t in range(start, end):
-            p = t - start - (K - 1) + j
-            live = (j < K)[:, None] & cmask[None, :]
-            xv = tl.load(X + (start + p)[:, None] * x_row + c[None, :], mask=live & (p >= 0)[:, None], other=0.0)
-            past = tl.where(has_past, live & (p < 0)[:, None], False)
-            sv = tl.load(state + (K - 1 + p)[:, None] * C + c[None, :], mask=past, other=0.0)
-            acc = tl.sum((xv.to(tl.float32) + sv) * w, axis=0)
+            taps = _last_inputs(X, state, start, t + 1, x_row, C, c, cmask, has_past, K, K, KP)
+            acc = tl.sum(taps * w, axis=0)
             tl.store(Out + t * C + c, (acc * tl.sigmoid(acc)).to(Out.dtype.element_ty), mask=cmask)
             snap = tl.load(Snapshots + t)
-            window = _conv_window(X, state, start, t + 1, x_row, C, c, cmask, has_past, K, KP)
-            rows = tl.arange(0, KP)
-            keep = tl.where(snap >= 0, (rows < K - 1)[:, None] & cmask[None, :], False)
-            tl.store(State + (snap * (K - 1) + rows)[:, None] * C + c[None, :], window, mask=keep)
-        window = _conv_window(X, state, start, end, x_row, C, c, cmask, has_past, K, KP)
+            window = _last_inputs(X, state, start, t + 1, x_row, C, c, cmask, has_past, K - 1, K, KP)
+            dst = State + (snap * (K - 1) + rows)[:, None] * C + c[None, :]
+            tl.store(dst, window, mask=tl.where(snap >= 0, keep, False))
+        window = _last_inputs(X, state, start, end, x_row, C, c, cmask, has_past, K - 1, K, KP)
         tl.debug_barrier()  # every read of the slot's old inputs is done before they are overwritten
-        rows = tl.arange(0, KP)
-        keep = tl.where(slot >= 0, (rows < K - 1)[:, None] & cmask[None, :], False)
-        tl.store(state + rows[:, None] * C + c[None, :], window, mask=keep)
+        tl.store(state + rows[:, None] * C + c[None, :], window, mask=tl.where(slot >= 0, keep, False))
 
     @triton.jit
-    def _conv_window(X, state, start, stop, x_row, C, c, cmask, has_past, K: tl.constexpr, KP: tl.constexpr):
-        """[KP, BLOCK_C] the K - 1 inputs before row `stop` (rows K - 1 on: zeros), float32."""
+    def _last_inputs(
+        X, state, start, stop, x_row, C, c, cmask, has_past,
+        N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+    ):  # fmt: skip
+        """[KP, BLOCK_C] float32: the N conv inputs before the run's row `stop`, oldest first (from
+        the state where they precede the run, zeros without one), then zero rows."""
         i = tl.arange(0, KP)
-        p = stop - start - (K - 1) + i
-        live = (i < K - 1)[:, None] & cmask[None, :]
+        p = stop - start - N + i  # position in the run; negative: the state's row K - 1 + p
+        live = (i < N)[:, None] & cmask[None, :]
         xv = tl.load(X + (start + p)[:, None] * x_row + c[None, :], mask=live & (p >= 0)[:, None], other=0.0)
         past = tl.where(has_past, live & (p < 0)[:, None], False)
         sv = tl.load(state + (K - 1 + p)[:, None] * C + c[None, :], mask=past, other=0.0)

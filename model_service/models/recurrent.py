@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from model_service.kernels.gated_delta import StateRuns
+from model_service.kernels.gated_delta import StateRuns, triton
 from model_service.models.step import StepBatch, to_device
 
 # The longest run the step kernels take: they walk a run token by token, which is what decode
@@ -51,7 +51,11 @@ class RecurrentPlan:
 
     @classmethod
     def from_runs(
-        cls, host_query_start: np.ndarray, host_snapshots: np.ndarray, slots: torch.Tensor, fresh: torch.Tensor
+        cls,
+        host_query_start: np.ndarray,
+        host_snapshots: np.ndarray,
+        slots: torch.Tensor,
+        fresh: torch.Tensor,
     ) -> RecurrentPlan:
         """The plan of runs given as `StateRuns` gives them (query offsets and snapshots on the host)."""
         qs = host_query_start
@@ -109,7 +113,9 @@ class StaticRuns:
         """`size` one-token padding runs (they write no state), over the buffers' first rows."""
         self.query_start[: size + 1] = torch.arange(size + 1, device=self.slots.device)
         self.slots[:size] = self.snapshots[:size] = -1
-        return StateRuns(self.query_start[: size + 1], self.slots[:size], self.fresh[:size], self.snapshots[:size])
+        return StateRuns(
+            self.query_start[: size + 1], self.slots[:size], self.fresh[:size], self.snapshots[:size]
+        )
 
     def prepare_for_replay(self, batch: StepBatch, size: int) -> None:
         """`batch`'s runs as they are (a verify run stays one run of its sequence, whatever rows
@@ -149,9 +155,10 @@ class RecurrentModel(Protocol):
     def recurrent_state_shapes(self) -> list[tuple[int, ...]]: ...
 
 
-def recurrent_step(batch: StepBatch, tensors: list[torch.Tensor], kernels: bool) -> RecurrentStep:
-    """The step's runs for the step kernels where they run (`kernels`: CUDA with Triton) and every
-    run is short; the grid plan otherwise."""
+def recurrent_step(batch: StepBatch, tensors: list[torch.Tensor]) -> RecurrentStep:
+    """The step's runs for the step kernels where they run (CUDA, with Triton) and every run is
+    short; the grid plan otherwise."""
+    kernels = triton is not None and batch.state_slots.is_cuda
     if not (kernels and batch.max_query_len <= KERNEL_MAX_RUN):
         return RecurrentStep(RecurrentPlan.from_batch(batch), tensors)
     fresh = batch.seq_lens == batch.query_start.diff()
