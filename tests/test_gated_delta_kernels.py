@@ -1,6 +1,7 @@
 """The Gated DeltaNet step kernels (kernels/gated_delta.py) against the torch recurrence they
 replace (models/gated_delta.py over the grid plan): decode rows, a verify run with checkpoints, a
-fresh run, strided inputs as the layer passes them, and padding runs that must write no state.
+fresh run, strided inputs as the layer passes them, and padding runs that must write no state;
+and the gated RMSNorm against the module's torch code.
 
 On CUDA (`pytest --noconftest -m gpu tests/test_gated_delta_kernels.py`); on the CPU under Triton's
 interpreter too, when it is installed: `TRITON_INTERPRET=1 pytest tests/test_gated_delta_kernels.py`.
@@ -14,7 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from model_service.kernels.gated_delta import StateRuns, triton
+from model_service.kernels.gated_delta import (
+    StateRuns,
+    gated_rms_norm_reference,
+    gated_rms_norm_triton,
+    triton,
+)
 from model_service.models.gated_delta import causal_conv, gated_delta_rule
 from model_service.models.recurrent import RecurrentPlan, StaticRuns
 from model_service.models.step import StepBatch
@@ -25,14 +31,15 @@ CONV = 2 * HK * DK + HV * DV
 
 def _inputs(num_rows: int, seed: int, device: str) -> dict[str, torch.Tensor]:
     """What a layer hands the two kernels: the conv input as a strided view (its rows are wider),
-    the conv weight, g <= 0 and beta in (0, 1), and nonzero states."""
+    the conv weight, the gates' inputs (some past softplus's linear threshold), nonzero states."""
     gen = torch.Generator().manual_seed(seed)
     wide = torch.randn(num_rows, CONV + 8, generator=gen)
     tensors = {
         "x": wide,
         "weight": torch.randn(CONV, 1, WIDTH, generator=gen) * 0.5,
-        "g": -torch.rand(num_rows, HV, generator=gen) * 0.5,
-        "beta": torch.rand(num_rows, HV, generator=gen),
+        "ba": torch.randn(num_rows, 2 * HV, generator=gen) * 3 + torch.tensor([0, 0, -2, 21] * HK),
+        "a_log": torch.empty(HV).uniform_(0.02, 0.5, generator=gen).log(),
+        "dt_bias": torch.randn(HV, generator=gen),
         "conv_state": torch.randn(SLOTS, WIDTH - 1, CONV, generator=gen),
         "ssm_state": torch.randn(SLOTS, HV, DK, DV, generator=gen) * 0.3,
     }
@@ -46,9 +53,8 @@ def _layer(t: dict[str, torch.Tensor], plan: RecurrentPlan | StateRuns) -> tuple
     padded = torch.zeros(n, CONV + 4, device=mixed.device)  # rows wider than the conv output
     padded[:, :CONV] = mixed
     q, k, v = padded[:, :CONV].split([HK * DK, HK * DK, HV * DV], dim=-1)
-    core = gated_delta_rule(
-        q.view(n, HK, DK), k.view(n, HK, DK), v.view(n, HV, DV), t["g"], t["beta"], t["ssm_state"], plan
-    )
+    q, k, v = q.view(n, HK, DK), k.view(n, HK, DK), v.view(n, HV, DV)
+    core = gated_delta_rule(q, k, v, t["ba"], t["a_log"], t["dt_bias"], t["ssm_state"], plan)
     return mixed, core
 
 
@@ -107,7 +113,7 @@ def _check_static_runs(device: str) -> None:
     captured = static.for_capture(8)
     static.prepare_for_replay(batch, 8)
     replayed = _inputs(8, seed=3, device=device)  # rows 6 and 7: the graph's padding rows
-    eager = {name: t[:6].clone() if name in ("x", "g", "beta") else t.clone() for name, t in replayed.items()}
+    eager = {name: t[:6].clone() if name in ("x", "ba") else t.clone() for name, t in replayed.items()}
     fresh = torch.zeros(3, dtype=torch.bool, device=device)
     runs = StateRuns(batch.query_start, slots, fresh, torch.as_tensor(snapshots, device=device))
     for got, want in zip(_layer(replayed, captured), _layer(eager, runs), strict=True):
@@ -116,12 +122,28 @@ def _check_static_runs(device: str) -> None:
         torch.testing.assert_close(replayed[name], eager[name], rtol=0, atol=0)
 
 
+def _check_gated_norm(device: str, dtype: torch.dtype) -> None:
+    """The gated RMSNorm over a gate that is a view of in_proj_qkvz's rows (no copy), as the layer
+    passes it; float32 to rounding, bf16 to a unit in the last place."""
+    gen = torch.Generator().manual_seed(4)
+    group = HV // HK
+    x = torch.randn(5, HV, DV, generator=gen).to(device, dtype)
+    qkvz = torch.randn(5, HK, 2 * DK + 2 * group * DV, generator=gen).to(device, dtype)
+    gate = qkvz[..., -group * DV :].unflatten(-1, (group, DV))
+    weight = (1 + 0.3 * torch.randn(DV, generator=gen)).to(device, dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    want = gated_rms_norm_reference(x, gate, weight, 1e-6)
+    torch.testing.assert_close(gated_rms_norm_triton(x, gate, weight, 1e-6), want, rtol=tol, atol=tol)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or triton is None, reason="needs CUDA and Triton")
 def test_step_kernels_match_the_torch_recurrence_on_cuda():
     torch.backends.cuda.matmul.allow_tf32 = False
     _check("cuda")
     _check_static_runs("cuda")
+    _check_gated_norm("cuda", torch.float32)
+    _check_gated_norm("cuda", torch.bfloat16)
 
 
 @pytest.mark.skipif(
@@ -130,3 +152,4 @@ def test_step_kernels_match_the_torch_recurrence_on_cuda():
 def test_step_kernels_match_the_torch_recurrence_under_the_interpreter():
     _check("cpu")
     _check_static_runs("cpu")
+    _check_gated_norm("cpu", torch.float32)

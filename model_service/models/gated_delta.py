@@ -51,20 +51,35 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def gates(
+    ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, num_key_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) [T, Hv] from in_proj_ba's rows [T, 2 Hv] (per key head, its value heads' b, then
+    their a): the log decay g = -exp(A_log) softplus(a + dt_bias), float32, and the write strength
+    beta = sigmoid(b)."""
+    n = ba.shape[0]
+    b, a = ba.view(n, num_key_heads, -1).chunk(2, dim=-1)
+    g = -a_log.float().exp() * F.softplus(a.reshape(n, -1).float() + dt_bias)
+    return g, b.reshape(n, -1).sigmoid()
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    ba: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     ssm_state: torch.Tensor,
     plan: RecurrentPlan | StateRuns,
 ) -> torch.Tensor:
-    """Outputs [T, Hv, Dv] (in v's dtype) for flat rows q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta
-    [T, Hv]; continues each sequence's state in ssm_state [slots, Hv, Dk, Dv] and checkpoints it
-    where the plan says. The grid's steps are scanned in segments that end at checkpoints."""
+    """Outputs [T, Hv, Dv] (in v's dtype) for flat rows q, k [T, Hk, Dk], v [T, Hv, Dv] and the
+    gates' inputs (`gates`); continues each sequence's state in ssm_state [slots, Hv, Dk, Dv] and
+    checkpoints it where the plan says. The grid's steps are scanned in segments that end at
+    checkpoints."""
     if isinstance(plan, StateRuns):
-        return gated_delta_step(q, k, v, g, beta, ssm_state, plan)
+        return gated_delta_step(q, k, v, ba, a_log, dt_bias, ssm_state, plan)
+    g, beta = gates(ba, a_log, dt_bias, k.shape[1])
     dtype, group = v.dtype, v.shape[1] // k.shape[1]  # each q/k head serves `group` consecutive value heads
     q = l2norm(q.repeat_interleave(group, dim=1).float()) * q.shape[-1] ** -0.5
     k = l2norm(k.repeat_interleave(group, dim=1).float())
