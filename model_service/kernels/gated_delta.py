@@ -120,14 +120,14 @@ if triton is not None:
         row, head = tl.program_id(0), tl.program_id(1)
         d = tl.arange(0, BLOCK)
         mask = d < DV
-        dtype = Out.dtype.element_ty
         x = tl.load(X + (row * HV + head) * DV + d, mask=mask, other=0.0).to(tl.float32)
-        normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / DV + eps)).to(dtype)
-        h = (tl.load(W + d, mask=mask, other=0.0).to(tl.float32) * normed.to(tl.float32)).to(dtype)
+        normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / DV + eps)).to(Out.dtype.element_ty)
+        w = tl.load(W + d, mask=mask, other=0.0).to(tl.float32)
+        h = (w * normed.to(tl.float32)).to(Out.dtype.element_ty)
         z_at = Z + row * z_row + (head // GROUP) * z_head + (head % GROUP) * DV
         z = tl.load(z_at + d, mask=mask, other=0.0).to(tl.float32)
         out = h.to(tl.float32) * z * tl.sigmoid(z)
-        tl.store(Out + (row * HV + head) * DV + d, out.to(dtype), mask=mask)
+        tl.store(Out + (row * HV + head) * DV + d, out.to(Out.dtype.element_ty), mask=mask)
 
 
 @dataclass
