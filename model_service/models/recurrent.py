@@ -46,8 +46,9 @@ class RecurrentPlan:
 
     @classmethod
     def from_batch(cls, batch: StepBatch) -> RecurrentPlan:
-        fresh = batch.seq_lens == batch.query_start.diff()
-        return cls.from_runs(batch.host_query_start, batch.host_state_snapshots, batch.state_slots, fresh)
+        return cls.from_runs(
+            batch.host_query_start, batch.host_state_snapshots, batch.state_slots, starts_fresh(batch)
+        )
 
     @classmethod
     def from_runs(
@@ -131,7 +132,7 @@ class StaticRuns:
         self.snapshots[:size] = copied[size + 1 :]
         self.slots[:seqs] = batch.state_slots
         self.slots[seqs:size] = -1
-        self.fresh[:seqs] = batch.seq_lens == batch.query_start.diff()
+        self.fresh[:seqs] = starts_fresh(batch)
 
 
 @dataclass
@@ -161,6 +162,13 @@ def recurrent_step(batch: StepBatch, tensors: list[torch.Tensor]) -> RecurrentSt
     kernels = triton is not None and batch.state_slots.is_cuda
     if not (kernels and batch.max_query_len <= KERNEL_MAX_RUN):
         return RecurrentStep(RecurrentPlan.from_batch(batch), tensors)
-    fresh = batch.seq_lens == batch.query_start.diff()
     snapshots = to_device(batch.host_state_snapshots, batch.state_slots.device)
-    return RecurrentStep(StateRuns(batch.query_start, batch.state_slots, fresh, snapshots), tensors)
+    return RecurrentStep(
+        StateRuns(batch.query_start, batch.state_slots, starts_fresh(batch), snapshots), tensors
+    )
+
+
+def starts_fresh(batch: StepBatch) -> torch.Tensor:
+    """[S] bool: the sequence's run starts at position 0, so its state starts at zero, whatever
+    its slot holds (on the device: no sync)."""
+    return batch.seq_lens == batch.query_start.diff()
