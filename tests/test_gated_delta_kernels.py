@@ -30,12 +30,11 @@ CONV = 2 * HK * DK + HV * DV
 
 
 def _inputs(num_rows: int, seed: int, device: str) -> dict[str, torch.Tensor]:
-    """What a layer hands the two kernels: the conv input as a strided view (its rows are wider),
-    the conv weight, the gates' inputs (some past softplus's linear threshold), nonzero states."""
+    """What a layer hands the two kernels: in_proj_qkvz's rows (per key head: q, k, v, z), the
+    conv weight, the gates' inputs (some past softplus's linear threshold), nonzero states."""
     gen = torch.Generator().manual_seed(seed)
-    wide = torch.randn(num_rows, CONV + 8, generator=gen)
     tensors = {
-        "x": wide,
+        "qkvz": torch.randn(num_rows, HK, 2 * DK + 2 * (HV // HK) * DV, generator=gen),
         "weight": torch.randn(CONV, 1, WIDTH, generator=gen) * 0.5,
         "ba": torch.randn(num_rows, 2 * HV, generator=gen) * 3 + torch.tensor([0, 0, -2, 21] * HK),
         "a_log": torch.empty(HV).uniform_(0.02, 0.5, generator=gen).log(),
@@ -47,9 +46,11 @@ def _inputs(num_rows: int, seed: int, device: str) -> dict[str, torch.Tensor]:
 
 
 def _layer(t: dict[str, torch.Tensor], plan: RecurrentPlan | StateRuns) -> tuple[torch.Tensor, torch.Tensor]:
-    """The conv, then the delta rule over q, k, v as views of the conv output (as GatedDeltaNet)."""
-    n = t["x"].shape[0]
-    mixed = causal_conv(t["x"][:, :CONV], t["conv_state"], t["weight"], plan)
+    """The conv over q, k, v read from in_proj_qkvz's rows, then the delta rule over q, k, v as
+    views of the conv output (as GatedDeltaNet)."""
+    n = t["qkvz"].shape[0]
+    qkv = t["qkvz"].split([DK, DK, (HV // HK) * DV, (HV // HK) * DV], dim=-1)[:3]
+    mixed = causal_conv(qkv, t["conv_state"], t["weight"], plan)
     padded = torch.zeros(n, CONV + 4, device=mixed.device)  # rows wider than the conv output
     padded[:, :CONV] = mixed
     q, k, v = padded[:, :CONV].split([HK * DK, HK * DK, HV * DV], dim=-1)
@@ -113,7 +114,7 @@ def _check_static_runs(device: str) -> None:
     captured = static.for_capture(8)
     static.prepare_for_replay(batch, 8)
     replayed = _inputs(8, seed=3, device=device)  # rows 6 and 7: the graph's padding rows
-    eager = {name: t[:6].clone() if name in ("x", "ba") else t.clone() for name, t in replayed.items()}
+    eager = {name: t[:6].clone() if name in ("qkvz", "ba") else t.clone() for name, t in replayed.items()}
     fresh = torch.zeros(3, dtype=torch.bool, device=device)
     runs = StateRuns(batch.query_start, slots, fresh, torch.as_tensor(snapshots, device=device))
     for got, want in zip(_layer(replayed, captured), _layer(eager, runs), strict=True):

@@ -26,14 +26,21 @@ if triton is not None:
 
     @triton.jit
     def _conv_step_kernel(
-        X, Out, State, W, QueryStart, Slots, Fresh, Snapshots, x_row, C,
-        K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr,
+        X, Out, State, W, QueryStart, Slots, Fresh, Snapshots, x_row, x_head, k_at, v_at, C,
+        HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         """Program (run, channel block): SiLU(conv) of each token of the run over the K - 1 inputs
-        before it (the state's, then the run's own), then the last K - 1 inputs into the state."""
+        before it (the state's, then the run's own), then the last K - 1 inputs into the state.
+        Channel c is q's, k's or v's (in that order, head after head), read where the projection
+        left it: column `col` of the input rows."""
         run = tl.program_id(0)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = c < C
+        in_k, in_v = (c >= HK * DK) & (c < 2 * HK * DK), c >= 2 * HK * DK
+        own = tl.where(in_v, c - 2 * HK * DK, tl.where(in_k, c - HK * DK, c))  # channel within q, k or v
+        width = tl.where(in_v, DV, DK)
+        col = tl.where(in_v, v_at, tl.where(in_k, k_at, 0)) + (own // width) * x_head + own % width
         start, end = tl.load(QueryStart + run), tl.load(QueryStart + run + 1)
         slot = tl.load(Slots + run)
         has_past = (slot >= 0) & (tl.load(Fresh + run) == 0)
@@ -43,20 +50,20 @@ if triton is not None:
         w = w.to(tl.float32)
         keep = (rows < K - 1)[:, None] & cmask[None, :]
         for t in range(start, end):
-            taps = _last_inputs(X, state, start, t + 1, x_row, C, c, cmask, has_past, K, K, KP)
+            taps = _last_inputs(X, state, start, t + 1, x_row, C, c, col, cmask, has_past, K, K, KP)
             acc = tl.sum(taps * w, axis=0)
             tl.store(Out + t * C + c, (acc * tl.sigmoid(acc)).to(Out.dtype.element_ty), mask=cmask)
             snap = tl.load(Snapshots + t)
-            window = _last_inputs(X, state, start, t + 1, x_row, C, c, cmask, has_past, K - 1, K, KP)
+            window = _last_inputs(X, state, start, t + 1, x_row, C, c, col, cmask, has_past, K - 1, K, KP)
             dst = State + (snap * (K - 1) + rows)[:, None] * C + c[None, :]
             tl.store(dst, window, mask=tl.where(snap >= 0, keep, False))
-        window = _last_inputs(X, state, start, end, x_row, C, c, cmask, has_past, K - 1, K, KP)
+        window = _last_inputs(X, state, start, end, x_row, C, c, col, cmask, has_past, K - 1, K, KP)
         tl.debug_barrier()  # every read of the slot's old inputs is done before they are overwritten
         tl.store(state + rows[:, None] * C + c[None, :], window, mask=tl.where(slot >= 0, keep, False))
 
     @triton.jit
     def _last_inputs(
-        X, state, start, stop, x_row, C, c, cmask, has_past,
+        X, state, start, stop, x_row, C, c, col, cmask, has_past,
         N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     ):  # fmt: skip
         """[KP, BLOCK_C] float32: the N conv inputs before the run's row `stop`, oldest first (from
@@ -64,7 +71,9 @@ if triton is not None:
         i = tl.arange(0, KP)
         p = stop - start - N + i  # position in the run; negative: the state's row K - 1 + p
         live = (i < N)[:, None] & cmask[None, :]
-        xv = tl.load(X + (start + p)[:, None] * x_row + c[None, :], mask=live & (p >= 0)[:, None], other=0.0)
+        xv = tl.load(
+            X + (start + p)[:, None] * x_row + col[None, :], mask=live & (p >= 0)[:, None], other=0.0
+        )
         past = tl.where(has_past, live & (p < 0)[:, None], False)
         sv = tl.load(state + (K - 1 + p)[:, None] * C + c[None, :], mask=past, other=0.0)
         return xv.to(tl.float32) + sv
@@ -145,18 +154,27 @@ class StateRuns:
 
 
 def causal_conv_step(
-    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, runs: StateRuns
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    runs: StateRuns,
 ) -> torch.Tensor:
-    """`models.gated_delta.causal_conv` on the GPU: SiLU(depthwise causal conv) [T, C] in x's dtype
-    of rows x [T, C] (unit stride in C), continuing conv_state [slots, K - 1, C] (float32) in place;
-    weight [C, 1, K]."""
+    """`models.gated_delta.causal_conv` on the GPU: SiLU(depthwise causal conv) [T, C] of q, k, v
+    ([T, Hk, width] views of one tensor, in_proj_qkvz's output, read in place: no gather launch),
+    continuing conv_state [slots, K - 1, C] (float32) in place; weight [C, 1, K]."""
+    q, k, v = qkv
     channels, width = weight.shape[0], weight.shape[-1]
-    assert x.stride(-1) == 1 and conv_state.is_contiguous() and weight.is_contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    for t in (k, v):
+        assert t.stride() == q.stride() and t.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+    assert q.stride(-1) == 1 and k.shape[-1] == q.shape[-1]
+    assert conv_state.is_contiguous() and weight.is_contiguous()
+    out = torch.empty(q.shape[0], channels, dtype=q.dtype, device=q.device)
+    k_at, v_at = ((t.data_ptr() - q.data_ptr()) // q.element_size() for t in (k, v))
     block = min(triton.next_power_of_2(channels), 256)
     _conv_step_kernel[(runs.num_runs, triton.cdiv(channels, block))](
-        x, out, conv_state, weight, runs.query_start, runs.slots, runs.fresh, runs.snapshots, x.stride(0),
-        channels, K=width, KP=triton.next_power_of_2(width), BLOCK_C=block,
+        q, out, conv_state, weight, runs.query_start, runs.slots, runs.fresh, runs.snapshots, q.stride(0),
+        q.stride(1), k_at, v_at, channels, HK=q.shape[1], DK=q.shape[2], DV=v.shape[2], K=width,
+        KP=triton.next_power_of_2(width), BLOCK_C=block,
     )  # fmt: skip
     return out
 

@@ -30,12 +30,18 @@ ScanResult = tuple[Tensor, Tensor]  # (outputs, the state after the last step)
 
 
 def causal_conv(
-    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, plan: RecurrentPlan | StateRuns
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    plan: RecurrentPlan | StateRuns,
 ) -> torch.Tensor:
-    """SiLU(depthwise causal conv) of flat rows x [T, C], continuing each sequence's conv state
-    ([slots, K - 1, C]) and leaving in it the last K - 1 inputs of each run; weight [C, 1, K]."""
+    """SiLU(depthwise causal conv) [T, C] of the flat rows of q, k and v ([T, Hk, width] each, as
+    in_proj_qkvz lays them out), whose channels are all of q's, then k's, then v's; continues each
+    sequence's conv state ([slots, K - 1, C]), leaving in it the last K - 1 inputs of each run;
+    weight [C, 1, K]."""
     if isinstance(plan, StateRuns):
-        return causal_conv_step(x, conv_state, weight, plan)
+        return causal_conv_step(qkv, conv_state, weight, plan)
+    x = torch.cat([t.reshape(t.shape[0], -1) for t in qkv], dim=-1)
     past = plan.read(conv_state).to(weight.dtype)  # [S, K - 1, C]
     full = torch.cat([past, plan.to_grid(x).to(weight.dtype)], dim=1)  # [S, K - 1 + L, C]
     out = F.silu(F.conv1d(full.transpose(1, 2), weight, groups=weight.shape[0])).transpose(1, 2)

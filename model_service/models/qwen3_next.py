@@ -128,8 +128,7 @@ class GatedDeltaNet(nn.Module):
         hk, hv = s.num_key_heads, s.num_value_heads
         q, k, v, z = self.in_proj_qkvz(x).view(n, hk, -1).split(self.qkvz_split, dim=-1)
         conv_state, ssm_state = ctx.recurrent.layer_state(self.state_index, STATE_TENSORS_PER_LAYER)
-        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-        mixed = causal_conv(mixed, conv_state, self.conv1d.weight, ctx.recurrent.plan)
+        mixed = causal_conv((q, k, v), conv_state, self.conv1d.weight, ctx.recurrent.plan)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         core = gated_delta_rule(
             q.reshape(n, hk, s.key_head_dim),
