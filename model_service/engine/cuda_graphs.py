@@ -74,14 +74,15 @@ class DecodeGraphs:
     def run(self, batch: StepBatch) -> torch.Tensor:
         n = batch.num_tokens  # a row per token once verify runs are split (`can_run`)
         size = self.ladder[bisect.bisect_left(self.ladder, n)]
-        if self.runs is not None:
-            self.runs.prepare_for_replay(batch, size)
+        scheduled = batch  # the state runs are the step's as scheduled, a verify run one run
         if batch.max_query_len > 1:
             batch = batch.as_token_rows()
         key = (size, self.lora.kinds_of(batch.host_lora_slots) if self.lora is not None else 0)
-        if key not in self.graphs:
+        if key not in self.graphs:  # before any static input is filled: a capture pads them
             self.graphs[key] = self._capture(*key)
         graph, logits = self.graphs[key]
+        if self.runs is not None:
+            self.runs.prepare_for_replay(scheduled, size)
         self.input_ids[:n] = batch.input_ids
         self.positions[:n] = batch.positions
         self.lora_slots[:n] = batch.lora_slots
