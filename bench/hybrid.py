@@ -6,9 +6,11 @@ DeltaNet layers per gated-attention layer, Qwen3-Next-80B's mixer sizes, `--laye
 - prefill: one request of `--prompt-len` tokens, one step, timed with the chunked scan and with
   the token-by-token recurrence (the two forms of `models/gated_delta.py`).
 - decode: `--batches` requests decoding together; tokens/s = batch x steps / time, after prefill.
+  On CUDA decode steps replay CUDA graphs (the Gated DeltaNet step kernels inside them);
+  `--eager` runs them without graphs, as before those kernels.
 Prints one JSON line per result.
 
-    python bench/hybrid.py [--layers 8] [--prompt-len 2048] [--batches 1 16 64] [--small]
+    python bench/hybrid.py [--layers 8] [--prompt-len 2048] [--batches 1 16 64] [--small] [--eager]
 """
 
 from __future__ import annotations
@@ -83,15 +85,23 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = _config(args.layers, args.small)
     engine = _engine(  # no prefix cache: every timed run computes its prompts
         cfg, device, dtype, max_num_batched_tokens=max(args.prompt_len, 2048), block_size=16,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, enforce_eager=args.eager,
     )  # fmt: skip
-    setup = {"device": device, "dtype": str(dtype), "layers": args.layers, "small": args.small}
+    graphs = engine.executor.graphs is not None
+    setup = {
+        "device": device,
+        "dtype": str(dtype),
+        "layers": args.layers,
+        "small": args.small,
+        "graphs": graphs,
+    }
     prefill = [{"prompt_token_ids": _prompt(64, 1), "max_tokens": 1, "temperature": 0}]
     _timed(engine, prefill, device)  # warm-up
     default_run = gated_delta.MIN_CHUNKED_RUN

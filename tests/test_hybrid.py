@@ -19,6 +19,7 @@ from model_service.models.config import Mixer
 from model_service.models.gated_delta import chunked_scan, recurrent_scan
 from model_service.models.layers import checkpoint_tensors
 from model_service.models.loader import load_model
+from model_service.models.step import StepBatch
 from tests.conftest import assert_all_blocks_free, make_engine, prefill_logits
 from tests.hybrid_models import make_tiny_hybrid
 from tests.test_beam_search import _hf_beams
@@ -172,8 +173,9 @@ def test_warm_multi_turn_request_resumes_from_a_state_snapshot(case: Case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_hf_with_speculation_and_prefix_cache(case: Case):
-    """The same checkpoint on CUDA (Triton attention and RoPE, the torch recurrence) gives HF's
-    greedy tokens, with speculative rollback and prefix-state reuse on."""
+    """The same checkpoint on CUDA (Triton attention and RoPE, the step kernels for decode and
+    verify steps in CUDA graphs, the torch recurrence for prefill) gives HF's greedy tokens, with
+    speculative rollback and prefix-state reuse on."""
     torch.backends.cuda.matmul.allow_tf32 = False
     loaded = load_model(str(case.path), torch.float32, torch.device("cuda"))
     engine = make_engine(loaded, device="cuda", block_size=16, speculative_config=SPEC)
@@ -182,6 +184,46 @@ def test_cuda_matches_hf_with_speculation_and_prefix_cache(case: Case):
         assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(len(PROMPTS))]
     assert engine.stats().prefix_cache_hit_tokens > 0
     _state_slots_all_back(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_graphs_on_cuda_give_the_eager_tokens(case: Case, monkeypatch: pytest.MonkeyPatch):
+    """Decode and verify steps of a hybrid replay CUDA graphs (the step kernels over static state
+    runs): waves padded to three batch sizes reuse slots and blocks, a one-token prompt starts
+    from zeros inside a graph, prefix-cache snapshots and verify checkpoints are written from
+    inside it and rolled back to. Tokens: the eager steps' and HF's."""
+    from model_service.engine.cuda_graphs import DecodeGraphs
+
+    replayed: list[int] = []
+    run = DecodeGraphs.run
+
+    def counting_run(self: DecodeGraphs, batch: StepBatch) -> torch.Tensor:
+        replayed.append(batch.max_query_len)
+        return run(self, batch)
+
+    monkeypatch.setattr(DecodeGraphs, "run", counting_run)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    loaded = load_model(str(case.path), torch.float32, torch.device("cuda"))
+    # Padded to 8, 4 and 16 rows; the last wave's one-token prompt is a decode-shaped step itself.
+    order = [[0, 1, 2, 3, 4], [1, 2, 3], [2, 3, 4, 0, 1, 2, 3, 4, 0], [3]]
+    expected = [[case.hf_greedy(i) for i in wave] for wave in order]
+    for eager in (True, False):
+        engine = make_engine(loaded, device="cuda", block_size=4, max_num_seqs=16, enforce_eager=eager)
+        outs = [engine.generate([request(PROMPTS[i]) for i in wave]) for wave in order]
+        assert [[o.token_ids for o in wave] for wave in outs] == expected
+        assert (engine.executor.graphs is None) == eager and bool(replayed) != eager
+        _state_slots_all_back(engine)
+    assert len(engine.executor.graphs.graphs) >= 3
+
+    replayed.clear()
+    oracle = make_engine(loaded, device="cuda", block_size=4, max_num_seqs=16, speculative_config=SPEC)
+    oracle.speculation.proposer = _FlawedOracle([PROMPTS[i] + case.hf_greedy(i) for i in range(len(PROMPTS))])
+    outs = oracle.generate([request(ids) for ids in PROMPTS])
+    assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(len(PROMPTS))]
+    assert 0 < oracle.stats().spec_accepted_tokens < oracle.stats().spec_proposed_tokens
+    assert max(replayed) > 1  # verify steps replayed graphs too
+    _state_slots_all_back(oracle)
 
 
 def test_chunked_scan_equals_the_token_by_token_recurrence():

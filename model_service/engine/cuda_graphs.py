@@ -14,8 +14,11 @@ one that has no LoRA kernels on o, gate_up and down. Steps with prefill chunks r
 split at attention (engine/piecewise_graphs.py) when they are small enough, else run eagerly.
 A step of decode rows and speculative verify runs (every token a logits row) replays the graph
 of its token count, each token a one-token row of its own
-(`StepBatch.as_token_rows`). Models with recurrent layers get no graphs
-(`ModelExecutor._graphs_apply`): their state is per sequence, not per row.
+(`StepBatch.as_token_rows`). Models with recurrent layers (hybrids) replay the same graphs: their
+linear-attention layers run the step kernels (kernels/gated_delta.py) over static state runs
+(`StaticRuns`), which each replay fills from the step as it was scheduled (a verify run stays
+one run of its sequence, checkpoints included), while the state stays in the executor's tensors
+at fixed addresses, read and written in place.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from model_service.lora.layers import LoraStepPlan
 from model_service.models.context import ForwardContext
+from model_service.models.recurrent import RecurrentStep, StaticRuns
 from model_service.models.step import CapturableBackend, StepBatch
 
 
@@ -45,8 +49,12 @@ class DecodeGraphs:
         max_seq_len: int,
         device: torch.device,
         lora: LoraStepPlan | None = None,
+        state: list[torch.Tensor] | None = None,
     ) -> None:
+        """`state`: a hybrid model's recurrent-state tensors, which its graphs read and write."""
         self.forward, self.backend, self.lora = forward, backend, lora
+        self.state = state or []
+        self.runs = StaticRuns(max_rows, device) if self.state else None
         self.ladder = batch_ladder(max_rows)
         backend.init_graph_capture(max_rows, max_seq_len)
         self.input_ids = torch.zeros(max_rows, dtype=torch.long, device=device)
@@ -64,14 +72,17 @@ class DecodeGraphs:
         )
 
     def run(self, batch: StepBatch) -> torch.Tensor:
+        n = batch.num_tokens  # a row per token once verify runs are split (`can_run`)
+        size = self.ladder[bisect.bisect_left(self.ladder, n)]
+        scheduled = batch  # the state runs are the step's as scheduled, a verify run one run
         if batch.max_query_len > 1:
             batch = batch.as_token_rows()
-        n = batch.num_seqs
-        size = self.ladder[bisect.bisect_left(self.ladder, n)]
         key = (size, self.lora.kinds_of(batch.host_lora_slots) if self.lora is not None else 0)
-        if key not in self.graphs:
+        if key not in self.graphs:  # before any static input is filled: a capture pads them
             self.graphs[key] = self._capture(*key)
         graph, logits = self.graphs[key]
+        if self.runs is not None:
+            self.runs.prepare_for_replay(scheduled, size)
         self.input_ids[:n] = batch.input_ids
         self.positions[:n] = batch.positions
         self.lora_slots[:n] = batch.lora_slots
@@ -96,7 +107,8 @@ class DecodeGraphs:
         self.backend.prepare_for_capture(size)
         if self.lora is not None:  # the graph records the LoRA kernels of the projections `kinds` names
             self.lora.for_capture(self.lora_slots[:size], kinds)
-        ctx = ForwardContext(attention=self.backend, logits_rows=self.rows[:size])
+        recurrent = RecurrentStep(self.runs.for_capture(size), self.state) if self.runs is not None else None
+        ctx = ForwardContext(attention=self.backend, logits_rows=self.rows[:size], recurrent=recurrent)
         ids, pos = self.input_ids[:size], self.positions[:size]
         self.forward(ids, pos, ctx)  # warm-up outside the graph: kernel compilation, allocator
         torch.cuda.synchronize()

@@ -34,7 +34,7 @@ from model_service.models.context import ForwardContext
 from model_service.models.layers import store_weights_transposed
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
-from model_service.models.recurrent import RecurrentModel, RecurrentPlan, RecurrentStep
+from model_service.models.recurrent import RecurrentModel, recurrent_step
 from model_service.models.step import AttentionBackend, CapturableBackend, StepBatch
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -140,8 +140,8 @@ class ModelExecutor:
         self.lora_arena = (lora_arena_elements(self.module, config), param.element_size())
         self.lora_slots = resident_slots(self.module, self.lora_arena[0]) if config.max_loras > 0 else 0
         self.lora = self._wrap_lora(config)
+        self.state_tensors = self._state_tensors(num_state_slots)  # before the graphs, which read them
         self.attention, self.graphs, self.pieces = self._attention(config)
-        self.state_tensors = self._state_tensors(num_state_slots)
         if self.device.type == "cuda":
             store_weights_transposed(self.module)  # before any graph is captured (lazily)
 
@@ -199,7 +199,7 @@ class ModelExecutor:
 
     def capture_graphs(self) -> None:
         """Capture every piecewise bucket and every decode graph (nothing without graphs: CPU,
-        eager, hybrids); after `__init__`, once the weights have their final layout."""
+        eager); after `__init__`, once the weights have their final layout."""
         if self.pieces is not None:
             self.pieces.capture_all()
         if self.graphs is not None:
@@ -207,7 +207,11 @@ class ModelExecutor:
 
     def _piecewise_graphs(self, config: EngineConfig, backend: TritonBackend) -> PiecewiseGraphs | None:
         dense = not any(kind.moe for kind in self.config.layer_kinds)  # MoE: not yet run piecewise on a GPU
-        if not (config.piecewise_graphs and dense and isinstance(self.module, DecoderModel)):
+        # Hybrids: their prefill runs the chunked scan, over a plan built on the host each step.
+        attention_only = not self.config.num_state_layers
+        if not (
+            config.piecewise_graphs and dense and attention_only and isinstance(self.module, DecoderModel)
+        ):
             return None
         plan = self.lora.plan if self.lora is not None else None
         return PiecewiseGraphs(
@@ -219,7 +223,9 @@ class ModelExecutor:
         spec = SpeculativeConfig.from_json(config.speculative_config)
         rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
         max_rows = config.max_num_seqs * rows_per_seq  # verify runs replay with a row per token
-        return DecodeGraphs(self.module, backend, max_rows, self.max_model_len, self.device, plan)
+        return DecodeGraphs(
+            self.module, backend, max_rows, self.max_model_len, self.device, plan, self.state_tensors
+        )
 
     def _kernels_apply(self) -> bool:
         """The Triton backend runs on CUDA for power-of-two head sizes (every common model)."""
@@ -228,10 +234,9 @@ class ModelExecutor:
 
     def _graphs_apply(self) -> bool:
         """MoE experts are capturable only on their grouped path (bf16, sm90+); elsewhere the
-        expert loop reads token counts on the host, so decode steps run eagerly. Graphs hold no
-        recurrent-state slots: hybrid models run eagerly too."""
-        if self.config.num_state_layers:
-            return False
+        expert loop reads token counts on the host, so decode steps run eagerly. Hybrid models'
+        recurrent layers run their decode and verify steps through the step kernels, over static
+        state runs (`StaticRuns`): captured as dense ones."""
         moe = any(kind.moe for kind in self.config.layer_kinds)
         return not moe or grouped_experts_apply(self.dtype, self.device)
 
@@ -252,9 +257,7 @@ class ModelExecutor:
         if self.lora is not None:
             self.lora.plan.prepare(batch)
         self.attention.prepare(batch)
-        recurrent = None
-        if self.state_tensors:
-            recurrent = RecurrentStep(RecurrentPlan.from_batch(batch), self.state_tensors)
+        recurrent = recurrent_step(batch, self.state_tensors) if self.state_tensors else None
         ctx = ForwardContext(attention=self.attention, logits_rows=batch.logits_rows, recurrent=recurrent)
         if not self.keeps_hidden:
             return self.module(batch.input_ids, batch.positions, ctx)

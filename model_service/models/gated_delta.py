@@ -11,6 +11,8 @@ Two forms of the same recurrence: token by token (decode and verify rows, short 
 chunked (long prefill runs; `chunked_scan`). Padding cells of the grid get g = 0 and beta = 0,
 which leave the state as is.
 The state is float32 whatever the model's dtype (as the reference keeps it).
+Both functions take either the grid plan, and run the torch code here, or a step's `StateRuns`,
+and run the step kernels (kernels/gated_delta.py), for which this torch code is the reference.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from model_service.kernels.gated_delta import StateRuns, causal_conv_step, gated_delta_step
 from model_service.models.recurrent import RecurrentPlan
 
 CHUNK = 64  # tokens per chunk of the chunked form
@@ -27,10 +30,18 @@ ScanResult = tuple[Tensor, Tensor]  # (outputs, the state after the last step)
 
 
 def causal_conv(
-    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, plan: RecurrentPlan
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    plan: RecurrentPlan | StateRuns,
 ) -> torch.Tensor:
-    """SiLU(depthwise causal conv) of flat rows x [T, C], continuing each sequence's conv state
-    ([slots, K - 1, C]) and leaving in it the last K - 1 inputs of each run; weight [C, 1, K]."""
+    """SiLU(depthwise causal conv) [T, C] of the flat rows of q, k and v ([T, Hk, width] each, as
+    in_proj_qkvz lays them out), whose channels are all of q's, then k's, then v's; continues each
+    sequence's conv state ([slots, K - 1, C]), leaving in it the last K - 1 inputs of each run;
+    weight [C, 1, K]."""
+    if isinstance(plan, StateRuns):
+        return causal_conv_step(qkv, conv_state, weight, plan)
+    x = torch.cat([t.reshape(t.shape[0], -1) for t in qkv], dim=-1)
     past = plan.read(conv_state).to(weight.dtype)  # [S, K - 1, C]
     full = torch.cat([past, plan.to_grid(x).to(weight.dtype)], dim=1)  # [S, K - 1 + L, C]
     out = F.silu(F.conv1d(full.transpose(1, 2), weight, groups=weight.shape[0])).transpose(1, 2)
@@ -46,18 +57,35 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def gates(
+    ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, num_key_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) [T, Hv] from in_proj_ba's rows [T, 2 Hv] (per key head, its value heads' b, then
+    their a): the log decay g = -exp(A_log) softplus(a + dt_bias), float32, and the write strength
+    beta = sigmoid(b)."""
+    n = ba.shape[0]
+    b, a = ba.view(n, num_key_heads, -1).chunk(2, dim=-1)
+    g = -a_log.float().exp() * F.softplus(a.reshape(n, -1).float() + dt_bias)
+    return g, b.reshape(n, -1).sigmoid()
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    ba: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     ssm_state: torch.Tensor,
-    plan: RecurrentPlan,
+    plan: RecurrentPlan | StateRuns,
 ) -> torch.Tensor:
-    """Outputs [T, Hv, Dv] (in v's dtype) for flat rows q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta
-    [T, Hv]; continues each sequence's state in ssm_state [slots, Hv, Dk, Dv] and checkpoints it
-    where the plan says. The grid's steps are scanned in segments that end at checkpoints."""
+    """Outputs [T, Hv, Dv] (in v's dtype) for flat rows q, k [T, Hk, Dk], v [T, Hv, Dv] and the
+    gates' inputs (`gates`); continues each sequence's state in ssm_state [slots, Hv, Dk, Dv] and
+    checkpoints it where the plan says. The grid's steps are scanned in segments that end at
+    checkpoints."""
+    if isinstance(plan, StateRuns):
+        return gated_delta_step(q, k, v, ba, a_log, dt_bias, ssm_state, plan)
+    g, beta = gates(ba, a_log, dt_bias, k.shape[1])
     dtype, group = v.dtype, v.shape[1] // k.shape[1]  # each q/k head serves `group` consecutive value heads
     q = l2norm(q.repeat_interleave(group, dim=1).float()) * q.shape[-1] ** -0.5
     k = l2norm(k.repeat_interleave(group, dim=1).float())

@@ -15,10 +15,10 @@ The MLP is chosen per layer by `mlp_for`: the place where the sparse-MoE block p
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_service.kernels.fused import apply_rotary
+from model_service.kernels.gated_delta import gated_rms_norm
 from model_service.models.config import LinearAttentionShape, Mixer, ModelConfig
 from model_service.models.context import ForwardContext
 from model_service.models.gated_delta import causal_conv, gated_delta_rule
@@ -56,9 +56,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (h * F.silu(gate.float())).to(x.dtype)
+        """x [T, Hv, Dv]; gate [T, Hk, Hv / Hk, Dv] (each key head's z, as in_proj_qkvz lays it out)."""
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 def rotate_partial(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -128,23 +127,20 @@ class GatedDeltaNet(nn.Module):
         n, s = x.shape[0], self.shape
         hk, hv = s.num_key_heads, s.num_value_heads
         q, k, v, z = self.in_proj_qkvz(x).view(n, hk, -1).split(self.qkvz_split, dim=-1)
-        b, a = self.in_proj_ba(x).view(n, hk, -1).chunk(2, dim=-1)
         conv_state, ssm_state = ctx.recurrent.layer_state(self.state_index, STATE_TENSORS_PER_LAYER)
-        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-        mixed = causal_conv(mixed, conv_state, self.conv1d.weight, ctx.recurrent.plan)
+        mixed = causal_conv((q, k, v), conv_state, self.conv1d.weight, ctx.recurrent.plan)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = b.reshape(n, hv).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(n, hv).float() + self.dt_bias)
         core = gated_delta_rule(
             q.reshape(n, hk, s.key_head_dim),
             k.reshape(n, hk, s.key_head_dim),
             v.reshape(n, hv, s.value_head_dim),
-            g,
-            beta,
+            self.in_proj_ba(x),
+            self.A_log,
+            self.dt_bias,
             ssm_state,
             ctx.recurrent.plan,
         )
-        out = self.norm(core, z.reshape(n, hv, s.value_head_dim))
+        out = self.norm(core, z.unflatten(-1, (hv // hk, s.value_head_dim)))
         return self.out_proj(out.reshape(n, -1))
 
 

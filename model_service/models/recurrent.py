@@ -10,6 +10,11 @@ sequences' state slots. A sequence whose run starts at position 0 starts from ze
 its slot, so a slot needs no clearing when it passes from one sequence to the next (a prefill
 after recompute-preemption also starts there). Checkpoints (`StepBatch.host_state_snapshots`)
 are copied out as the recurrence passes the token they follow.
+
+On the GPU, a step whose runs are all short (decode rows, verify runs, short chunks) skips the
+grid: the step kernels (kernels/gated_delta.py) walk each run in place from `StateRuns`, device
+tensors that CUDA graphs replay over as static copies (`StaticRuns`). Longer runs take the grid and
+the chunked scan.
 """
 
 from __future__ import annotations
@@ -20,7 +25,12 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from model_service.kernels.gated_delta import StateRuns, triton
 from model_service.models.step import StepBatch, to_device
+
+# The longest run the step kernels take: they walk a run token by token, which is what decode
+# and verify need; a longer chunk of prefill goes through the grid's chunked scan.
+KERNEL_MAX_RUN = 16
 
 
 @dataclass
@@ -36,7 +46,20 @@ class RecurrentPlan:
 
     @classmethod
     def from_batch(cls, batch: StepBatch) -> RecurrentPlan:
-        qs = batch.host_query_start
+        return cls.from_runs(
+            batch.host_query_start, batch.host_state_snapshots, batch.state_slots, starts_fresh(batch)
+        )
+
+    @classmethod
+    def from_runs(
+        cls,
+        host_query_start: np.ndarray,
+        host_snapshots: np.ndarray,
+        slots: torch.Tensor,
+        fresh: torch.Tensor,
+    ) -> RecurrentPlan:
+        """The plan of runs given as `StateRuns` gives them (query offsets and snapshots on the host)."""
+        qs = host_query_start
         lens = np.diff(qs)
         num_seqs, width = len(lens), int(lens.max())
         t = np.arange(width)
@@ -45,19 +68,15 @@ class RecurrentPlan:
         seq_of_row = np.repeat(np.arange(num_seqs), lens)
         flat_cells = seq_of_row * width + (np.arange(len(seq_of_row)) - qs[seq_of_row])
         checkpoints: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        marked = np.nonzero(batch.host_state_snapshots >= 0)[0]
-        dev = batch.input_ids.device
+        marked = np.nonzero(host_snapshots >= 0)[0]
+        dev = slots.device
         for step in sorted({int(flat_cells[r] % width) for r in marked}):
             hit = [r for r in marked if flat_cells[r] % width == step]
-            checkpoints[step] = (
-                to_device(seq_of_row[hit], dev),
-                to_device(batch.host_state_snapshots[hit], dev),
-            )
-        q_lens = to_device(lens, dev)
+            checkpoints[step] = (to_device(seq_of_row[hit], dev), to_device(host_snapshots[hit], dev))
         return cls(
-            slots=batch.state_slots,
-            fresh=batch.seq_lens == q_lens,
-            lengths=q_lens,
+            slots=slots,
+            fresh=fresh,
+            lengths=to_device(lens, dev),
             grid_rows=to_device(rows, dev),
             valid=to_device(valid, dev),
             flat_cells=to_device(flat_cells, dev),
@@ -80,11 +99,48 @@ class RecurrentPlan:
         return torch.where(self.fresh.view(-1, *([1] * (state.dim() - 1))), 0.0, state)
 
 
+class StaticRuns:
+    """Fixed-address `StateRuns` for CUDA graphs (engine/cuda_graphs.py), as the attention backend
+    keeps its metadata: a graph records the step kernels reading these buffers, and every replay
+    first copies its step's runs in, so a graph never replays over another step's slots."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.query_start = torch.arange(max_rows + 1, device=device)
+        self.slots = torch.full((max_rows,), -1, dtype=torch.long, device=device)
+        self.fresh = torch.ones(max_rows, dtype=torch.bool, device=device)
+        self.snapshots = torch.full((max_rows,), -1, dtype=torch.long, device=device)
+
+    def for_capture(self, size: int) -> StateRuns:
+        """`size` one-token padding runs (they write no state), over the buffers' first rows."""
+        self.query_start[: size + 1] = torch.arange(size + 1, device=self.slots.device)
+        self.slots[:size] = self.snapshots[:size] = -1
+        return StateRuns(
+            self.query_start[: size + 1], self.slots[:size], self.fresh[:size], self.snapshots[:size]
+        )
+
+    def prepare_for_replay(self, batch: StepBatch, size: int) -> None:
+        """`batch`'s runs as they are (a verify run stays one run of its sequence, whatever rows
+        attention sees), then one-token padding runs over rows T..size-1, then empty ones: `size`
+        runs in all, as captured. No host sync: the host offsets go over in one copy."""
+        seqs, rows = batch.num_seqs, batch.num_tokens
+        host = np.concatenate([
+            batch.host_query_start, np.arange(rows + 1, size + 1), np.full(rows - seqs, size),
+            batch.host_state_snapshots, np.full(size - rows, -1),
+        ])  # fmt: skip
+        copied = to_device(host.astype(np.int64), self.slots.device)
+        self.query_start[: size + 1] = copied[: size + 1]
+        self.snapshots[:size] = copied[size + 1 :]
+        self.slots[:seqs] = batch.state_slots
+        self.slots[seqs:size] = -1
+        self.fresh[:seqs] = starts_fresh(batch)
+
+
 @dataclass
 class RecurrentStep:
-    """What linear-attention layers get in `ForwardContext.recurrent`."""
+    """What linear-attention layers get in `ForwardContext.recurrent`: the grid plan (torch), or
+    the runs the step kernels read."""
 
-    plan: RecurrentPlan
+    plan: RecurrentPlan | StateRuns
     tensors: list[torch.Tensor]  # the executor's state tensors, [slots, ...] each
 
     def layer_state(self, index: int, per_layer: int) -> list[torch.Tensor]:
@@ -98,3 +154,21 @@ class RecurrentModel(Protocol):
     shape listed, in order, and passes them back in every step's `ForwardContext.recurrent`."""
 
     def recurrent_state_shapes(self) -> list[tuple[int, ...]]: ...
+
+
+def recurrent_step(batch: StepBatch, tensors: list[torch.Tensor]) -> RecurrentStep:
+    """The step's runs for the step kernels where they run (CUDA, with Triton) and every run is
+    short; the grid plan otherwise."""
+    kernels = triton is not None and batch.state_slots.is_cuda
+    if not (kernels and batch.max_query_len <= KERNEL_MAX_RUN):
+        return RecurrentStep(RecurrentPlan.from_batch(batch), tensors)
+    snapshots = to_device(batch.host_state_snapshots, batch.state_slots.device)
+    return RecurrentStep(
+        StateRuns(batch.query_start, batch.state_slots, starts_fresh(batch), snapshots), tensors
+    )
+
+
+def starts_fresh(batch: StepBatch) -> torch.Tensor:
+    """[S] bool: the sequence's run starts at position 0, so its state starts at zero, whatever
+    its slot holds (on the device: no sync)."""
+    return batch.seq_lens == batch.query_start.diff()

@@ -86,7 +86,7 @@ class StepBatch:
         sequence's context up to itself. For a step whose every token is a logits row (decode
         rows and speculative verify runs) this is a decode step, which the decode kernel and its
         CUDA graphs run: a verify step replays a graph instead of launching every kernel from
-        Python. Only for attention-only models: a recurrent layer's state is per sequence."""
+        Python. Recurrent layers read their runs from the step as scheduled (`StaticRuns`)."""
         num_tokens = self.num_tokens
         seqs = torch.arange(self.num_seqs, device=self.seq_lens.device)
         seq_of = torch.repeat_interleave(seqs, self.query_start.diff(), output_size=num_tokens)
