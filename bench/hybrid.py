@@ -7,7 +7,10 @@ DeltaNet layers per gated-attention layer, Qwen3-Next-80B's mixer sizes, `--laye
   the token-by-token recurrence (the two forms of `models/gated_delta.py`).
 - decode: `--batches` requests decoding together; tokens/s = batch x steps / time, after prefill.
   On CUDA decode steps replay CUDA graphs (the Gated DeltaNet step kernels inside them);
-  `--eager` runs them without graphs, as before those kernels.
+  `--eager` runs them without graphs, as before those kernels. `step_mb` is what a decode step
+  must move at least (`decode_step_bytes`), and on CUDA `fraction_of_copy_bandwidth` = step_mb x
+  steps/s over the card's measured copy bandwidth: 1 / fraction is how far a step is above its
+  bandwidth floor.
 Prints one JSON line per result.
 
     python bench/hybrid.py [--layers 8] [--prompt-len 2048] [--batches 1 16 64] [--small] [--eager]
@@ -17,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import torch
 
+from bench.gpu import copy_bandwidth
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.models import gated_delta
@@ -64,6 +69,21 @@ def _engine(cfg: ModelConfig, device: str, dtype: torch.dtype, **config: object)
     return Engine(EngineConfig(device=device, dtype=dtype_name, max_loras=0, **config), loaded=loaded)
 
 
+def decode_step_bytes(engine: Engine, batch: int, context: int) -> int:
+    """Bytes one decode step moves at the least: every weight once (the embedding table only for
+    the batch's rows), each sequence's recurrent states (float32) read and written, and its K/V
+    read at `context` tokens in the full-attention layers."""
+    module, cfg = engine.executor.module, engine.loaded.config
+    embed = module.model.embed_tokens.weight
+    size = embed.element_size()
+    weights = sum(p.numel() * p.element_size() for p in module.parameters()) - embed.numel() * size
+    rows = batch * embed.shape[1] * size
+    states = 2 * 4 * batch * sum(math.prod(shape) for shape in module.recurrent_state_shapes())
+    full = sum(kind.mixer == Mixer.FULL_ATTENTION for kind in cfg.layer_kinds)
+    kv = full * batch * context * 2 * cfg.num_kv_heads * cfg.head_dim * size
+    return weights + rows + states + kv
+
+
 def _timed(engine: Engine, requests: list[dict], device: str) -> float:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -95,6 +115,7 @@ def main() -> None:
         enable_prefix_caching=False, enforce_eager=args.eager,
     )  # fmt: skip
     graphs = engine.executor.graphs is not None
+    bandwidth = copy_bandwidth() if device == "cuda" else None
     setup = {
         "device": device,
         "dtype": str(dtype),
@@ -124,8 +145,12 @@ def main() -> None:
         run(2)  # warm-up at this batch size
         first, full = run(1), run(args.new_tokens)  # decode rate excludes the prefill: time(n) - time(1)
         rate = batch * (args.new_tokens - 1) / (full - first)
+        step_bytes = decode_step_bytes(engine, batch, context=16 + args.new_tokens // 2)
         result = {"bench": "decode", "batch": batch, "new_tokens": args.new_tokens}
-        print(json.dumps({**setup, **result, "tokens_per_s": round(rate, 1)}))
+        result |= {"tokens_per_s": round(rate, 1), "step_mb": round(step_bytes / 1e6, 1)}
+        if bandwidth is not None:
+            result["fraction_of_copy_bandwidth"] = round(step_bytes * rate / batch / 1e9 / bandwidth, 3)
+        print(json.dumps({**setup, **result}))
 
 
 if __name__ == "__main__":
