@@ -142,6 +142,24 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     return sorted_pairs, block_expert
 
 
+def route_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool, scaling: float = 1.0, first_expert: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`models.moe.route` for plain softmax routing (Qwen's, Mixtral's: no groups, no bias) in one
+    launch instead of ~8: (weights [T, k] float32, ids [T, k] int32 minus `first_expert`, the
+    block's local ids). Same arithmetic: float32 softmax, the k best in descending order (ties to
+    the lower id), renormalized with DeepSeek's 1e-20 guard, then scaled."""
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    _route_kernel[(tokens,)](
+        logits, weights, ids, logits.stride(0), experts, top_k, first_expert, scaling,
+        RENORMALIZE=renormalize, E_P2=triton.next_power_of_2(experts),
+        K_P2=triton.next_power_of_2(top_k), num_warps=4,
+    )  # fmt: skip
+    return weights, ids
+
+
 def fused_moe(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -163,6 +181,7 @@ def fused_moe(
         config = fused_moe_config(tokens, top_k, num_experts, hidden, inter, sms)
     ids = ids.contiguous()
     weights = weights.contiguous().float()
+    x = x if x.stride(-1) == 1 else x.contiguous()
     direct = tokens == 1  # top-k experts are distinct: one block a pair, no alignment
     if direct:
         sorted_pairs, block_expert, blocks = ids, ids, pairs  # unused by the kernels but as pointers
@@ -195,6 +214,32 @@ def fused_moe(
 
 
 if triton is not None:
+
+    @triton.jit
+    def _route_kernel(Logits, Weights, Ids, stride, E, TOP_K, FIRST, SCALING, RENORMALIZE: tl.constexpr,
+                      E_P2: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
+        """One token: softmax over its logits, then k rounds of argmax (each chosen expert masked
+        out), the weights gathered into a [K_P2] vector so they can be renormalized."""
+        t = tl.program_id(0)
+        experts = tl.arange(0, E_P2)
+        logits = tl.load(Logits + t * stride + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
+        z = tl.exp(logits - tl.max(logits, axis=0))
+        scores = z / tl.sum(z, axis=0)
+        left = tl.where(experts < E, scores, -1.0)  # softmax scores are >= 0: -1 marks taken or absent
+        slot = tl.arange(0, K_P2)
+        picked = tl.zeros([K_P2], tl.float32)
+        chosen = tl.zeros([K_P2], tl.int32)
+        for j in range(TOP_K):
+            best = tl.argmax(left, axis=0, tie_break_left=True).to(tl.int32)
+            weight = tl.sum(tl.where(experts == best, scores, 0.0), axis=0)
+            picked = tl.where(slot == j, weight, picked)
+            chosen = tl.where(slot == j, best, chosen)
+            left = tl.where(experts == best, -1.0, left)
+        if RENORMALIZE:
+            picked = picked / (tl.sum(picked, axis=0) + 1e-20)
+        live = slot < TOP_K
+        tl.store(Weights + t * TOP_K + slot, picked * SCALING, mask=live)
+        tl.store(Ids + t * TOP_K + slot, chosen - FIRST, mask=live)
 
     @triton.jit
     def _align_kernel(Ids, Sorted, BlockExpert, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr, E_P2: tl.constexpr,
@@ -271,8 +316,8 @@ if triton is not None:
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + ks) < K
-            a = tl.load(X + tokens[:, None] * x_stride + (k0 + ks)[None, :], mask=live[:, None] & k_ok[None, :],
-                        other=0.0)  # fmt: skip
+            a_mask = live[:, None] & k_ok[None, :]
+            a = tl.load(X + tokens[:, None] * x_stride + (k0 + ks)[None, :], mask=a_mask, other=0.0)
             w_mask = k_ok[:, None] & col_ok[None, :]
             w_off = (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n
             wg = tl.load(w + w_off, mask=w_mask, other=0.0)
