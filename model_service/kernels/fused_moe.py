@@ -176,6 +176,8 @@ def fused_moe(
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
     pairs = tokens * top_k
+    if pairs == 0:
+        return x.new_zeros(tokens, hidden)
     if config is None:
         sms = _sms(x.device) if x.is_cuda else 132
         config = fused_moe_config(tokens, top_k, num_experts, hidden, inter, sms)
@@ -267,9 +269,10 @@ if triton is not None:
             # ending at or before it.
             owner = tl.sum(((ends[None, :] <= row[:, None]) & real[None, :]).to(tl.int32), axis=1)
             tl.store(BlockExpert + b, tl.where(row < total, owner, -1), mask=b < NUM_BLOCKS)
-        for r0 in range(0, NUM_BLOCKS * BLOCK_M, CHUNK):
-            r = r0 + lane
-            tl.store(Sorted + r, tl.full([CHUNK], 0, tl.int32) + P, mask=r < NUM_BLOCKS * BLOCK_M)
+        fill = tl.arange(0, 1024)  # stores only: a wide vector, few iterations
+        for r0 in range(0, NUM_BLOCKS * BLOCK_M, 1024):
+            r = r0 + fill
+            tl.store(Sorted + r, tl.full([1024], 0, tl.int32) + P, mask=r < NUM_BLOCKS * BLOCK_M)
         tl.debug_barrier()  # every padding row written before any pair lands on it
         seen = tl.zeros([E_P2], tl.int32)
         for p0 in range(0, P, CHUNK):
@@ -322,6 +325,7 @@ if triton is not None:
             w_off = (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n
             wg = tl.load(w + w_off, mask=w_mask, other=0.0)
             wu = tl.load(w + N * w_stride_n + w_off, mask=w_mask, other=0.0)
+            a = a.to(wg.dtype)
             gate += tl.dot(a, wg, input_precision=PRECISION)
             up += tl.dot(a, wu, input_precision=PRECISION)
         h = gate / (1.0 + tl.exp(-gate)) * up
@@ -349,7 +353,7 @@ if triton is not None:
                         other=0.0)  # fmt: skip
             b = tl.load(w + (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n,
                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-            acc += tl.dot(a, b, input_precision=PRECISION)
+            acc += tl.dot(a.to(b.dtype), b, input_precision=PRECISION)
         acc *= tl.load(Weights + pairs, mask=live, other=0.0)[:, None]
         tl.store(Slots + pairs[:, None] * N + cols[None, :], acc, mask=live[:, None] & col_ok[None, :])
 
