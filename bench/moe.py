@@ -1,10 +1,14 @@
-"""One MoE layer's experts: the grouped path (two grouped_mm launches, no loop over experts)
-against the reference (one matmul pair per expert that has tokens), at Qwen3-30B-A3B's shapes.
+"""One MoE layer's experts: the fused Triton kernels (kernels/fused_moe.py: alignment, gate_up +
+SiLU, down, combine), the grouped path (two grouped_mm launches, no loop over experts) and the
+reference (one matmul pair per expert that has tokens), at Qwen3-30B-A3B's shapes.
 
 Setup (printed in every line): random weights of the real shapes (128 experts, top-8,
 H=2048, I=768; no router: each token's experts drawn uniformly, weights a softmax of random
 logits), T tokens, the device and dtype below. Times are the median of `--iters` calls after a
-warm-up; "graph" is the grouped path replayed from a CUDA graph, as decode steps run it.
+warm-up; "graph" is the grouped path replayed from a CUDA graph, as decode steps run it, and
+"fused_graph" the fused kernels so (what `fused_experts` runs up to FUSED_MAX_TOKENS rows).
+With `--sweep`, instead: "fused_graph" over a grid of 16-row tilings (`path`:
+fused_graph/n<gate_up block_n>x<down block_n>/k<block_k>/s<stages>), to tune `fused_moe_config`.
 `weight_gbps` = bytes of the experts hit / time: against the card's bandwidth it says how close a
 decode-sized call is to reading its weights once. Prints one JSON line per (T, path).
 
@@ -17,6 +21,7 @@ embeddings row, LM head) x tokens/s.
 
     python bench/moe.py [--tokens 1 64 512] [--device cuda] [--dtype bfloat16]
     python bench/moe.py --device cpu --dtype float32 --experts 16 --hidden 256 --inter 128  # a smoke run
+    python bench/moe.py --tokens 1 64 --sweep  # fused tilings
     python bench/moe.py --engine [--batches 1 16 64] [--layers 48] [--tp 2 [--enable-expert-parallel]]
 """
 
@@ -34,7 +39,8 @@ import torch
 from bench.gpu import decode_tok_s, random_module
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
-from model_service.kernels.experts import experts_grouped, experts_reference
+from model_service.kernels.experts import experts_grouped, experts_path, experts_reference
+from model_service.kernels.fused_moe import FusedMoeConfig, fused_moe, fused_moe_supported
 from model_service.models.config import LayerKind, ModelConfig
 from model_service.models.loader import LoadedModel
 from model_service.startup import configure_process
@@ -74,12 +80,19 @@ def bench(args: argparse.Namespace, tokens: int) -> list[dict[str, object]]:
     weights = torch.softmax(torch.randn(tokens, k, generator=g), dim=-1).to(device)
     hit = ids.unique().numel()
     weight_bytes = hit * 3 * h * inter * gate_up.element_size()
-    paths: dict[str, Callable[[], object]] = {
-        "reference": lambda: experts_reference(x, gate_up, down, ids, weights),
-        "grouped": lambda: experts_grouped(x, gate_up, down, ids, weights),
-    }
-    if device.type == "cuda":
-        paths["graph"] = graphed(paths["grouped"])
+    paths: dict[str, Callable[[], object]] = {}
+    if args.sweep:
+        for cfg in sweep_configs():
+            name = f"fused_graph/n{cfg.gate_up_block_n}x{cfg.down_block_n}/k{cfg.block_k}/s{cfg.num_stages}"
+            paths[name] = graphed(functools.partial(fused_moe, x, gate_up, down, ids, weights, cfg))
+    else:
+        paths["reference"] = lambda: experts_reference(x, gate_up, down, ids, weights)
+        paths["grouped"] = lambda: experts_grouped(x, gate_up, down, ids, weights)
+        if device.type == "cuda":
+            paths["graph"] = graphed(paths["grouped"])
+        if fused_moe_supported(dtype, device):
+            paths["fused"] = lambda: fused_moe(x, gate_up, down, ids, weights)
+            paths["fused_graph"] = graphed(paths["fused"])
     setup = {"experts": experts, "top_k": k, "hidden": h, "inter": inter, "device": args.device,
              "dtype": args.dtype, "experts_hit": hit}  # fmt: skip
     rows = []
@@ -89,6 +102,16 @@ def bench(args: argparse.Namespace, tokens: int) -> list[dict[str, object]]:
         rows.append({"bench": "moe_experts", "path": name, "tokens": tokens, **setup,
                      "ms": round(seconds * 1e3, 4), "weight_gbps": gbps})  # fmt: skip
     return rows
+
+
+def sweep_configs() -> list[FusedMoeConfig]:
+    """Sixteen-row tiles (decode sizes): column blocks and K blocks (twelve: each one compiles)."""
+    return [
+        FusedMoeConfig(16, gate_up_n, down_n, block_k, num_stages=4)
+        for gate_up_n in (32, 64)
+        for down_n in (32, 64, 128)
+        for block_k in (64, 128)
+    ]
 
 
 QWEN3_30B_A3B = {
@@ -140,6 +163,7 @@ def engine_decode(args: argparse.Namespace) -> None:
             rate = decode_tok_s(engine, batch, 128, 64, cfg.vocab_size)
             system = "spindle-eager" if eager else "spindle"
             line = {"bench": "moe_engine", "system": system, "batch": batch}
+            line["experts_path"] = experts_path(batch, torch.bfloat16, torch.device("cuda"))
             line["decode_tokens_per_s"] = round(rate, 1)
             if batch == 1:
                 line["active_gb_s"] = round(active_weight_bytes(cfg) * rate / 1e9)
@@ -158,6 +182,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="the fused kernels over a grid of tilings")
     ap.add_argument("--engine", action="store_true", help="whole-engine decode on a Qwen3-30B-A3B shape")
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
     ap.add_argument("--layers", type=int, default=48)

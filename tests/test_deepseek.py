@@ -521,7 +521,7 @@ def test_cuda_matches_hf_with_the_mla_kernel(case: Case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_equal_eager_for_mla(case: Case):
-    """bf16 (the experts' grouped path, which graphs need): decode steps replayed from CUDA graphs
+    """bf16 (the experts' fused kernels in the graphs): decode steps replayed from CUDA graphs
     give the eager engine's tokens, with n-gram verify runs replayed as token rows too."""
     loaded = load_model(str(case.path), torch.bfloat16, torch.device("cuda"))
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'

@@ -17,7 +17,6 @@ from model_service.errors import ModelLoadError
 from model_service.kernels.experts import (
     experts_grouped,
     experts_reference,
-    fused_experts,
     grouped_experts_apply,
 )
 from model_service.lora.adapter import AdapterError, load_peft_adapter
@@ -299,34 +298,35 @@ def test_expert_ranges_sum_to_the_whole_block():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_experts_match_the_reference_on_cuda(tokens: int):
     """bf16 at Qwen3-30B-A3B's expert shapes (fewer experts): the CUTLASS grouped kernel against
-    the float32 reference on the same bf16 weights, and inside a CUDA graph."""
+    the float32 reference on the same bf16 weights, and inside a CUDA graph (`fused_experts` takes
+    the fused kernels for decode sizes: tests/test_fused_moe.py)."""
     x, gate_up, down, ids, weights = _experts_case(tokens, 32, 8, 2048, 768, seed=tokens, device="cuda")
     x, gate_up, down = (t.to(torch.bfloat16) for t in (x, gate_up, down))
     assert grouped_experts_apply(gate_up.dtype, x.device)
     want = experts_reference(x.float(), gate_up.float(), down.float(), ids, weights)
-    got = fused_experts(x, gate_up, down, ids, weights)
+    got = experts_grouped(x, gate_up, down, ids, weights)
     assert got.dtype == torch.bfloat16
     assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
     graph = torch.cuda.CUDAGraph()
-    fused_experts(x, gate_up, down, ids, weights)  # warm up outside the capture
+    experts_grouped(x, gate_up, down, ids, weights)  # warm up outside the capture
     with torch.cuda.graph(graph):
-        captured = fused_experts(x, gate_up, down, ids, weights)
+        captured = experts_grouped(x, gate_up, down, ids, weights)
     ids.copy_(ids.flip(0))
     graph.replay()
-    torch.testing.assert_close(captured, fused_experts(x, gate_up, down, ids, weights), rtol=0, atol=0)
+    torch.testing.assert_close(captured, experts_grouped(x, gate_up, down, ids, weights), rtol=0, atol=0)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_moe_engine_on_cuda(qwen3_moe_dir: Path):
-    """float32 on CUDA (the expert reference, eager decode) gives the CPU engine's tokens; bf16
-    decode steps replayed from CUDA graphs (grouped experts) give the eager bf16 steps' tokens."""
+    """float32 on CUDA (the fused expert kernels, decode in CUDA graphs) gives the CPU engine's
+    tokens; bf16 decode steps replayed from CUDA graphs give the eager bf16 steps' tokens."""
     reqs = [request(ids) for ids in PROMPTS]
     cpu = load_model(str(qwen3_moe_dir), torch.float32, torch.device("cpu"))
     want = [o.token_ids for o in make_engine(cpu).generate(reqs)]
     cuda32 = load_model(str(qwen3_moe_dir), torch.float32, torch.device("cuda"))
     engine = make_engine(cuda32, device="cuda")
-    assert engine.executor.graphs is None
+    assert engine.executor.graphs is not None
     torch.backends.cuda.matmul.allow_tf32 = False
     assert [o.token_ids for o in engine.generate(reqs)] == want
     bf16 = load_model(str(qwen3_moe_dir), torch.bfloat16, torch.device("cuda"))

@@ -24,7 +24,7 @@ from model_service.engine.config import DEFAULT_LORA_ROOM, EngineConfig
 from model_service.engine.cuda_graphs import DecodeGraphs
 from model_service.engine.piecewise_graphs import PiecewiseGraphs
 from model_service.engine.speculation import SpeculativeConfig
-from model_service.kernels.experts import grouped_experts_apply
+from model_service.kernels.experts import experts_capturable
 from model_service.kernels.mla_decode import mla_kernel_applies
 from model_service.kernels.paged_attention import triton
 from model_service.lora.adapter import LoraAdapter
@@ -233,12 +233,13 @@ class ModelExecutor:
         return self.device.type == "cuda" and triton is not None and dim >= 16 and dim & (dim - 1) == 0
 
     def _graphs_apply(self) -> bool:
-        """MoE experts are capturable only on their grouped path (bf16, sm90+); elsewhere the
-        expert loop reads token counts on the host, so decode steps run eagerly. Hybrid models'
+        """MoE experts are capturable on their fused (CUDA with Triton, sm80+) or grouped path
+        (bf16, sm90+); elsewhere the expert loop reads token counts on the host, so decode steps
+        run eagerly. Hybrid models'
         recurrent layers run their decode and verify steps through the step kernels, over static
         state runs (`StaticRuns`): captured as dense ones."""
         moe = any(kind.moe for kind in self.config.layer_kinds)
-        return not moe or grouped_experts_apply(self.dtype, self.device)
+        return not moe or experts_capturable(self.dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, fed: torch.Tensor | None = None) -> torch.Tensor:

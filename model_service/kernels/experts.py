@@ -1,7 +1,9 @@
 """The experts of a sparse MoE layer over stacked weights: each token's top-k experts, weighted
-and summed. A torch reference (one matmul per expert that has tokens) and, on Hopper/Blackwell
-in bf16, a grouped path: two `grouped_mm` launches for all experts, no Python loop over experts
-and no host synchronization, so a decode step with MoE layers still fits in a CUDA graph.
+and summed. A torch reference (one matmul per expert that has tokens); on Hopper/Blackwell in
+bf16, a grouped path: two `grouped_mm` launches for all experts, no Python loop over experts and
+no host synchronization; and on CUDA with Triton, the fused kernels (kernels/fused_moe.py), which
+read each selected expert's weights once for decode-sized batches. `experts_path` is the one
+place that picks among them.
 
 Weights are stacked as transformers 5.x keeps them in memory: gate_up [E, 2I, H] (gate rows
 first) and down [E, H, I]. `ids` are expert indices *local* to these weights: an id outside
@@ -20,6 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from model_service.kernels.fused import silu_and_mul
+from model_service.kernels.fused_moe import fused_moe, fused_moe_supported
+
+# Up to this many tokens a call takes the fused kernels where `grouped_mm` could run too: decode
+# batches (a few rows an expert, where reading each expert once is all that matters); past it,
+# prefill chunks, the CUTLASS grouped GEMM. Without grouped_mm the fused kernels take every size.
+FUSED_MAX_TOKENS = 256
 
 
 def grouped_experts_apply(dtype: torch.dtype, device: torch.device) -> bool:
@@ -27,6 +35,21 @@ def grouped_experts_apply(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(F, "grouped_mm"):
         return False
     return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def experts_capturable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether every call `fused_experts` makes for weights of this dtype runs without a host
+    sync (so decode steps may be captured in CUDA graphs): the grouped or the fused path."""
+    return grouped_experts_apply(dtype, device) or fused_moe_supported(dtype, device)
+
+
+def experts_path(tokens: int, dtype: torch.dtype, device: torch.device) -> str:
+    """ "fused", "grouped" or "reference": which implementation `fused_experts` runs for `tokens`
+    rows (a Python int, fixed for a captured graph) with weights of `dtype` on `device`."""
+    grouped = grouped_experts_apply(dtype, device)
+    if fused_moe_supported(dtype, device) and (tokens <= FUSED_MAX_TOKENS or not grouped):
+        return "fused"
+    return "grouped" if grouped else "reference"
 
 
 def fused_experts(
@@ -37,7 +60,10 @@ def fused_experts(
     x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; ids: [T, k] local expert ids; weights: [T, k]
     float32 routing weights. Returns [T, H] in x's dtype.
     """
-    if grouped_experts_apply(gate_up.dtype, x.device):
+    path = experts_path(x.shape[0], gate_up.dtype, x.device)
+    if path == "fused":
+        return fused_moe(x, gate_up, down, ids, weights)
+    if path == "grouped":
         return experts_grouped(x, gate_up, down, ids, weights)
     return experts_reference(x, gate_up, down, ids, weights)
 

@@ -1,0 +1,371 @@
+"""The experts of a sparse MoE layer in Triton for decode-sized batches: each selected expert's
+weights read once a step, every shape fixed by (tokens, top_k, experts), so a decode step with
+MoE layers is one CUDA graph replay like a dense one.
+
+Why not `grouped_mm` (kernels/experts.py): at a few rows an expert its CUTLASS tiles are built for
+prefill, it needs the rows gathered and sorted by torch ops first (~10 launches), and it runs only
+for bf16 on sm90/sm100. A decode step of Qwen3-30B-A3B reads ~75 MB of experts a layer and does
+almost no arithmetic, so what matters is streaming the selected experts' bytes at full bandwidth in
+as few launches as possible. The layout is the field's (vLLM's and SGLang's fused_moe), written for
+this engine:
+
+1. `align` (one program): the (token, slot) pairs sorted by expert, each expert's run padded to a
+   multiple of BLOCK_M rows: `sorted_pairs[i]` a pair index (t * top_k + slot) or the sentinel
+   P = T * top_k for padding, `block_expert[b]` the expert of rows [b * BLOCK_M, (b+1) * BLOCK_M) or
+   -1 past the end. The buffers have a fixed upper bound of blocks,
+   ceil((P + min(E, P) * (BLOCK_M - 1)) / BLOCK_M), so no count ever reaches the host. Pairs of
+   experts outside [0, E) (remote, under expert parallelism) are left out. At one token the pairs
+   are distinct experts already: the GEMMs take `ids` as the block list directly (`direct`), one
+   launch fewer.
+2. `_gate_up_kernel`: program (block, column block) computes the gate and the up columns of its
+   rows against its expert's [2I, H] rows, then SiLU(gate) * up in float32, stored per pair in the
+   model's dtype (as the reference rounds h). Weights are read where `StackedExperts` keeps them
+   ([E, 2I, H], rows contiguous along H), by strides: nothing is copied per call.
+3. `_down_kernel`: the same over down [E, H, I], the routing weight multiplied into the float32
+   sums, one float32 row per pair.
+4. `_combine_kernel`: each token's top_k rows summed in slot order (remote slots skipped) and
+   rounded once: deterministic, unlike atomic adds, and as accurate as the float32 sum can be.
+
+Tiles: 16 rows (BLOCK_M, `tl.dot`'s smallest; rows past an expert's tokens are masked, and the
+wasted arithmetic is free in a memory-bound kernel), and the column block narrowed until the
+launch has about two programs an SM, as the skinny dense kernel does (kernels/skinny_gemm.py):
+at one token the 8 experts' gate_up is 8 x 768 / 32 = 192 programs. Larger batches take wider
+row blocks (vLLM's tuned H200 tables for E=128, N=768 switch to BLOCK_M 32 at 256 tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from model_service.kernels.paged_attention import dot_precision, triton
+
+if triton is not None:
+    import triton.language as tl
+
+ALIGN_CHUNK = 64  # pairs per step of the alignment's loops: [64, 64] and [64, E] tiles in registers
+
+
+@dataclass(frozen=True)
+class FusedMoeConfig:
+    block_m: int
+    gate_up_block_n: int
+    down_block_n: int
+    block_k: int
+    num_stages: int
+    num_warps: int = 4
+
+
+def fused_moe_config(
+    tokens: int, top_k: int, experts: int, hidden: int, inter: int, sms: int = 132
+) -> FusedMoeConfig:
+    """The tiling for `tokens` rows over `experts` local experts on a GPU of `sms` SMs: BLOCK_M by
+    rows an expert (16 up to 16 of them, then 32, then 64), column blocks halved from 128 down to
+    32 while a launch has fewer than two programs an SM."""
+    pairs = tokens * top_k
+    per_expert = pairs / max(1, min(experts, pairs))
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    blocks = max_blocks(tokens, top_k, experts, block_m)
+
+    def block_n(n: int) -> int:
+        width = 128
+        while width > 32 and blocks * triton_cdiv(n, width) < 2 * sms:
+            width //= 2
+        return width
+
+    block_k = 64 if block_m <= 32 else 32
+    return FusedMoeConfig(
+        block_m, block_n(inter), block_n(hidden), block_k, num_stages=4 if block_m <= 32 else 3
+    )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def max_blocks(tokens: int, top_k: int, experts: int, block_m: int) -> int:
+    """The most BLOCK_M-row blocks the pairs can need: every expert with pairs pads at most
+    BLOCK_M - 1 rows, and at most min(E, P) experts have pairs."""
+    pairs = tokens * top_k
+    return triton_cdiv(pairs + min(experts, pairs) * (block_m - 1), block_m)
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fused_moe_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `fused_moe` runs for weights of `dtype` on `device`: CUDA with Triton, Ampere or
+    later (bf16 `tl.dot`), half or single precision. On the CPU it runs only under Triton's
+    interpreter (the tests)."""
+    if triton is None or dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs, block_expert) as `align` builds them, in plain torch (the tests' reference):
+    experts in order, pairs in order within an expert, runs padded with the sentinel P."""
+    pairs = ids.numel()
+    nb = max_blocks(ids.shape[0], ids.shape[1], num_experts, block_m)
+    flat = ids.flatten().long()
+    sorted_pairs = torch.full((nb * block_m,), pairs, dtype=torch.int32)
+    block_expert = torch.full((nb,), -1, dtype=torch.int32)
+    row = 0
+    for e in range(num_experts):
+        mine = (flat == e).nonzero().flatten()
+        if mine.numel() == 0:
+            continue
+        sorted_pairs[row : row + mine.numel()] = mine.to(torch.int32)
+        n_blocks = triton_cdiv(mine.numel(), block_m)
+        block_expert[row // block_m : row // block_m + n_blocks] = e
+        row += n_blocks * block_m
+    return sorted_pairs, block_expert
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs [max_blocks * BLOCK_M] int32, block_expert [max_blocks] int32) on the device,
+    one launch, no host sync: see the module's docstring."""
+    tokens, top_k = ids.shape
+    nb = max_blocks(tokens, top_k, num_experts, block_m)
+    sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](
+        ids.contiguous(), sorted_pairs, block_expert, tokens * top_k, num_experts, nb,
+        BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK, num_warps=4,
+    )  # fmt: skip
+    return sorted_pairs, block_expert
+
+
+def route_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool, scaling: float = 1.0, first_expert: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`models.moe.route` for plain softmax routing (Qwen's, Mixtral's: no groups, no bias) in one
+    launch instead of ~8: (weights [T, k] float32, ids [T, k] int32 minus `first_expert`, the
+    block's local ids). Same arithmetic: float32 softmax, the k best in descending order (ties to
+    the lower id), renormalized with DeepSeek's 1e-20 guard, then scaled."""
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    _route_kernel[(tokens,)](
+        logits, weights, ids, logits.stride(0), experts, top_k, first_expert, scaling,
+        RENORMALIZE=renormalize, E_P2=triton.next_power_of_2(experts),
+        K_P2=triton.next_power_of_2(top_k), num_warps=4,
+    )  # fmt: skip
+    return weights, ids
+
+
+def fused_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    config: FusedMoeConfig | None = None,
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for the experts held here, as
+    `experts.fused_experts` (same arguments: x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; ids
+    [T, k] local expert ids, those outside [0, E) adding nothing; weights [T, k] float32).
+    Returns [T, H] in x's dtype."""
+    tokens, top_k = ids.shape
+    num_experts, two_inter, hidden = gate_up.shape
+    inter = two_inter // 2
+    pairs = tokens * top_k
+    if pairs == 0:
+        return x.new_zeros(tokens, hidden)
+    if config is None:
+        sms = _sms(x.device) if x.is_cuda else 132
+        config = fused_moe_config(tokens, top_k, num_experts, hidden, inter, sms)
+    ids = ids.contiguous()
+    weights = weights.contiguous().float()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    direct = tokens == 1  # top-k experts are distinct: one block a pair, no alignment
+    if direct:
+        sorted_pairs, block_expert, blocks = ids, ids, pairs  # unused by the kernels but as pointers
+    else:
+        sorted_pairs, block_expert = align(ids, num_experts, config.block_m)
+        blocks = block_expert.numel()
+    precision = dot_precision(x.dtype)
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    grid = (blocks, triton.cdiv(inter, config.gate_up_block_n))
+    _gate_up_kernel[grid](
+        x, gate_up, sorted_pairs, block_expert, h, pairs, top_k, num_experts, inter, hidden,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        DIRECT=direct, BLOCK_M=config.block_m, BLOCK_N=config.gate_up_block_n, BLOCK_K=config.block_k,
+        PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    slots = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    grid = (blocks, triton.cdiv(hidden, config.down_block_n))
+    _down_kernel[grid](
+        h, down, sorted_pairs, block_expert, weights, slots, pairs, num_experts, hidden, inter,
+        down.stride(0), down.stride(1), down.stride(2),
+        DIRECT=direct, BLOCK_M=config.block_m, BLOCK_N=config.down_block_n, BLOCK_K=config.block_k,
+        PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
+        slots, ids, out, top_k, num_experts, hidden, BLOCK_N=block_h, num_warps=4
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _route_kernel(Logits, Weights, Ids, stride, E, TOP_K, FIRST, SCALING, RENORMALIZE: tl.constexpr,
+                      E_P2: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
+        """One token: softmax over its logits, then k rounds of argmax (each chosen expert masked
+        out), the weights gathered into a [K_P2] vector so they can be renormalized."""
+        t = tl.program_id(0)
+        experts = tl.arange(0, E_P2)
+        logits = tl.load(Logits + t * stride + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
+        z = tl.exp(logits - tl.max(logits, axis=0))
+        scores = z / tl.sum(z, axis=0)
+        left = tl.where(experts < E, scores, -1.0)  # softmax scores are >= 0: -1 marks taken or absent
+        slot = tl.arange(0, K_P2)
+        picked = tl.zeros([K_P2], tl.float32)
+        chosen = tl.zeros([K_P2], tl.int32)
+        for j in range(TOP_K):
+            best = tl.argmax(left, axis=0, tie_break_left=True).to(tl.int32)
+            weight = tl.sum(tl.where(experts == best, scores, 0.0), axis=0)
+            picked = tl.where(slot == j, weight, picked)
+            chosen = tl.where(slot == j, best, chosen)
+            left = tl.where(experts == best, -1.0, left)
+        if RENORMALIZE:
+            picked = picked / (tl.sum(picked, axis=0) + 1e-20)
+        live = slot < TOP_K
+        tl.store(Weights + t * TOP_K + slot, picked * SCALING, mask=live)
+        tl.store(Ids + t * TOP_K + slot, chosen - FIRST, mask=live)
+
+    @triton.jit
+    def _align_kernel(Ids, Sorted, BlockExpert, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr, E_P2: tl.constexpr,
+                      CHUNK: tl.constexpr):  # fmt: skip
+        """One program: count pairs an expert, pad, lay the blocks out, scatter the pairs (stable:
+        a pair's rank in its expert is the expert's count so far plus the earlier pairs of its
+        chunk with the same expert)."""
+        experts = tl.arange(0, E_P2)
+        real = experts < E
+        lane = tl.arange(0, CHUNK)
+        counts = tl.zeros([E_P2], tl.int32)
+        for p0 in range(0, P, CHUNK):
+            p = p0 + lane
+            e = tl.load(Ids + p, mask=p < P, other=-1).to(tl.int32)
+            hit = (e[:, None] == experts[None, :]) & real[None, :]
+            counts += tl.sum(hit.to(tl.int32), axis=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        starts = ends - padded
+        total = tl.sum(padded, axis=0)
+        for b0 in range(0, NUM_BLOCKS, CHUNK):
+            b = b0 + lane
+            row = b * BLOCK_M
+            # The expert whose padded run holds `row`: the number of runs (empty ones included)
+            # ending at or before it.
+            owner = tl.sum(((ends[None, :] <= row[:, None]) & real[None, :]).to(tl.int32), axis=1)
+            tl.store(BlockExpert + b, tl.where(row < total, owner, -1), mask=b < NUM_BLOCKS)
+        fill = tl.arange(0, 1024)  # stores only: a wide vector, few iterations
+        for r0 in range(0, NUM_BLOCKS * BLOCK_M, 1024):
+            r = r0 + fill
+            tl.store(Sorted + r, tl.full([1024], 0, tl.int32) + P, mask=r < NUM_BLOCKS * BLOCK_M)
+        tl.debug_barrier()  # every padding row written before any pair lands on it
+        seen = tl.zeros([E_P2], tl.int32)
+        for p0 in range(0, P, CHUNK):
+            p = p0 + lane
+            e = tl.load(Ids + p, mask=p < P, other=-1).to(tl.int32)
+            hit = (e[:, None] == experts[None, :]) & real[None, :]
+            base = tl.sum(tl.where(hit, (starts + seen)[None, :], 0), axis=1)
+            earlier = (e[:, None] == e[None, :]) & (lane[None, :] < lane[:, None])
+            dest = base + tl.sum(earlier.to(tl.int32), axis=1)
+            tl.store(Sorted + dest, p, mask=(p < P) & (e >= 0) & (e < E))
+            seen += tl.sum(hit.to(tl.int32), axis=0)
+
+    @triton.jit
+    def _block_rows(Sorted, BlockExpert, block, P, E, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr):
+        """(expert, pair indices [BLOCK_M], live rows) of a block; under DIRECT block b is pair b
+        (Sorted and BlockExpert are then the ids) with one live row."""
+        lane = tl.arange(0, BLOCK_M)
+        if DIRECT:
+            expert = tl.load(BlockExpert + block).to(tl.int32)
+            expert = tl.where((expert >= 0) & (expert < E), expert, -1)
+            pairs = tl.where(lane == 0, block, P)
+        else:
+            expert = tl.load(BlockExpert + block)
+            pairs = tl.load(Sorted + block * BLOCK_M + lane)
+        return expert, pairs, pairs < P
+
+    @triton.jit
+    def _gate_up_kernel(
+        X, W, Sorted, BlockExpert, Hout, P, TOP_K, E, N, K, x_stride, w_stride_e, w_stride_n, w_stride_k,
+        DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """h[pair, cols] = silu(x[token] . W[e, cols]) * (x[token] . W[e, N + cols]) for the rows of
+        one block and BLOCK_N of the N = I columns (both halves: SiLU needs the whole sum)."""
+        expert, pairs, live = _block_rows(Sorted, BlockExpert, tl.program_id(0), P, E, DIRECT, BLOCK_M)
+        if expert < 0:
+            return
+        tokens = pairs // TOP_K
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        w = W + expert.to(tl.int64) * w_stride_e
+        gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + ks) < K
+            a_mask = live[:, None] & k_ok[None, :]
+            a = tl.load(X + tokens[:, None] * x_stride + (k0 + ks)[None, :], mask=a_mask, other=0.0)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            w_off = (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n
+            wg = tl.load(w + w_off, mask=w_mask, other=0.0)
+            wu = tl.load(w + N * w_stride_n + w_off, mask=w_mask, other=0.0)
+            a = a.to(wg.dtype)
+            gate += tl.dot(a, wg, input_precision=PRECISION)
+            up += tl.dot(a, wu, input_precision=PRECISION)
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(Hout + pairs[:, None] * N + cols[None, :], h.to(Hout.dtype.element_ty),
+                 mask=live[:, None] & col_ok[None, :])  # fmt: skip
+
+    @triton.jit
+    def _down_kernel(
+        Hin, W, Sorted, BlockExpert, Weights, Slots, P, E, N, K, w_stride_e, w_stride_n, w_stride_k,
+        DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """slots[pair, cols] = weights[pair] * (h[pair] . down[e, cols]) in float32, N = H."""
+        expert, pairs, live = _block_rows(Sorted, BlockExpert, tl.program_id(0), P, E, DIRECT, BLOCK_M)
+        if expert < 0:
+            return
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        w = W + expert.to(tl.int64) * w_stride_e
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + ks) < K
+            a = tl.load(Hin + pairs[:, None] * K + (k0 + ks)[None, :], mask=live[:, None] & k_ok[None, :],
+                        other=0.0)  # fmt: skip
+            b = tl.load(w + (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n,
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+            acc += tl.dot(a.to(b.dtype), b, input_precision=PRECISION)
+        acc *= tl.load(Weights + pairs, mask=live, other=0.0)[:, None]
+        tl.store(Slots + pairs[:, None] * N + cols[None, :], acc, mask=live[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _combine_kernel(Slots, Ids, Out, TOP_K, E, N, BLOCK_N: tl.constexpr):
+        """out[t] = sum over its local slots, in slot order, rounded once to the model's dtype."""
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for j in range(TOP_K):
+            e = tl.load(Ids + t * TOP_K + j)
+            local = tl.zeros([BLOCK_N], tl.int32) + ((e >= 0) & (e < E)).to(tl.int32)  # a vector mask
+            acc += tl.load(Slots + (t * TOP_K + j) * N + cols, mask=col_ok & (local != 0), other=0.0)
+        tl.store(Out + t * N + cols, acc.to(Out.dtype.element_ty), mask=col_ok)

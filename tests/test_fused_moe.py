@@ -1,0 +1,279 @@
+"""The fused MoE kernels (kernels/fused_moe.py) against the torch they replace: the device-side
+alignment against `align_reference`, the experts against `experts_reference` (kernels/experts.py),
+the routing kernel against `models.moe.route`.
+
+On the CPU the kernels run under Triton's interpreter when it is installed, in float32 (its bf16
+`tl.dot` is unreliable): `TRITON_INTERPRET=1 pytest tests/test_fused_moe.py`. On CUDA, bf16 at
+Qwen3-30B-A3B's shapes and CUDA graph replay: `pytest --noconftest -m gpu tests/test_fused_moe.py`
+(no conftest fixtures here, so that runs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from model_service.kernels.experts import FUSED_MAX_TOKENS, experts_path, experts_reference, fused_experts
+from model_service.kernels.fused_moe import (
+    FusedMoeConfig,
+    align,
+    align_reference,
+    fused_moe,
+    fused_moe_config,
+    max_blocks,
+    route_topk,
+    triton,
+)
+from model_service.models.config import ModelConfig
+from model_service.models.moe import SparseMoeBlock, route
+
+interpreter = pytest.mark.skipif(
+    triton is None or os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter"
+)
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or triton is None, reason="needs CUDA and Triton")
+
+
+def _ids(
+    tokens: int, experts: int, top_k: int, gen: torch.Generator, used: int | None = None
+) -> torch.Tensor:
+    """Each token's top_k distinct experts, drawn from the first `used` (so the rest get none)."""
+    used = experts if used is None else used
+    return torch.stack([torch.randperm(used, generator=gen)[:top_k] for _ in range(tokens)])
+
+
+def _case(
+    tokens: int, experts: int, top_k: int, hidden: int, inter: int, seed: int, used: int | None = None
+) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    ids = _ids(tokens, experts, top_k, gen, used)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    return x, gate_up, down, ids, weights
+
+
+def _check_alignment(
+    sorted_pairs: torch.Tensor, block_expert: torch.Tensor, ids: torch.Tensor, experts: int, bm: int
+):
+    """The layout's contract: every local pair exactly once, in a block of its own expert, experts
+    in order and pairs in order within one, padding rows the sentinel, blocks past the end -1."""
+    pairs = ids.numel()
+    flat = ids.flatten()
+    assert sorted_pairs.numel() == block_expert.numel() * bm == max_blocks(*ids.shape, experts, bm) * bm
+    rows = sorted_pairs.view(-1, bm)
+    live = sorted_pairs[sorted_pairs < pairs]
+    local = ((flat >= 0) & (flat < experts)).nonzero().flatten()
+    assert sorted(live.tolist()) == local.tolist()
+    for b, e in enumerate(block_expert.tolist()):
+        in_block = rows[b][rows[b] < pairs].long()
+        if e < 0:
+            assert in_block.numel() == 0
+        else:
+            assert in_block.numel() > 0 and bool((flat[in_block] == e).all())
+    assert (sorted_pairs[sorted_pairs >= pairs] == pairs).all()
+    assert flat[live.long()].diff().ge(0).all()  # experts ascending
+    used = block_expert[block_expert >= 0]
+    assert used.diff().ge(0).all() and (block_expert[used.numel() :] == -1).all()
+
+
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, bm", [(1, 8, 2, 16), (37, 16, 4, 16), (70, 8, 3, 32), (3, 128, 8, 16)]
+)
+def test_alignment_reference_keeps_the_layouts_contract(tokens, experts, top_k, bm):
+    ids = _ids(tokens, experts, top_k, torch.Generator().manual_seed(tokens))
+    ids[0, 0] = -1  # a remote expert (expert parallelism): left out
+    _check_alignment(*align_reference(ids, experts, bm), ids, experts, bm)
+
+
+def test_decode_tiles_fill_the_gpu_with_sixteen_row_blocks():
+    """At Qwen3-30B-A3B's shapes (128 experts, top-8, H 2048, I 768) on 132 SMs."""
+    one = fused_moe_config(1, 8, 128, 2048, 768)
+    assert one.block_m == 16 and max_blocks(1, 8, 128, 16) == 8  # one block an expert: read once
+    assert 8 * 768 // one.gate_up_block_n >= 2 * 132 * 0.7  # ~2 programs an SM
+    assert fused_moe_config(64, 8, 128, 2048, 768).block_m == 16  # 4 rows an expert
+    assert [fused_moe_config(t, 8, 128, 2048, 768).block_m for t in (256, 1024, 4096)] == [16, 32, 64]
+    assert max_blocks(64, 8, 128, 16) == (512 + 128 * 15 + 15) // 16
+
+
+def test_decode_sizes_take_the_fused_path_only_on_cuda():
+    cpu = torch.device("cpu")
+    assert experts_path(1, torch.float32, cpu) == "reference"
+    if torch.cuda.is_available() and triton is not None and torch.cuda.get_device_capability()[0] >= 8:
+        gpu = torch.device("cuda")
+        assert experts_path(1, torch.bfloat16, gpu) == "fused"
+        assert experts_path(FUSED_MAX_TOKENS, torch.float16, gpu) == "fused"
+        assert experts_path(FUSED_MAX_TOKENS + 1, torch.float32, gpu) == "fused"  # no grouped_mm
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, bm, used",
+    [
+        (1, 8, 2, 16, None),
+        (5, 8, 2, 16, 3),
+        (37, 16, 4, 16, None),
+        (70, 8, 3, 32, None),
+        (130, 128, 8, 16, 40),
+    ],
+)
+def test_alignment_kernel_matches_the_reference(tokens, experts, top_k, bm, used):
+    ids = _ids(tokens, experts, top_k, torch.Generator().manual_seed(tokens), used)
+    if tokens > 1:
+        ids[1, 0], ids[-1, -1] = -1, experts + 3  # remote experts on both sides of the range
+    got = align(ids, experts, bm)
+    want = align_reference(ids, experts, bm)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    _check_alignment(*got, ids, experts, bm)
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, hidden, inter, used",
+    [
+        (1, 8, 2, 64, 32, None),  # decode: one block a pair, no alignment
+        (1, 16, 4, 48, 40, None),  # hidden and inter no multiple of the tiles
+        (5, 8, 2, 64, 32, 3),  # five experts with no tokens
+        (37, 16, 4, 80, 48, None),  # 148 pairs, no multiple of BLOCK_M
+        (40, 4, 2, 32, 16, None),  # 20 rows an expert: two blocks each
+    ],
+)
+def test_fused_experts_match_the_reference_under_the_interpreter(tokens, experts, top_k, hidden, inter, used):
+    x, gate_up, down, ids, weights = _case(
+        tokens, experts, top_k, hidden, inter, seed=tokens + hidden, used=used
+    )
+    want = experts_reference(x, gate_up, down, ids, weights)
+    torch.testing.assert_close(fused_moe(x, gate_up, down, ids, weights), want, rtol=1e-5, atol=1e-5)
+    wide = FusedMoeConfig(block_m=32, gate_up_block_n=64, down_block_n=32, block_k=32, num_stages=2)
+    torch.testing.assert_close(fused_moe(x, gate_up, down, ids, weights, wide), want, rtol=1e-5, atol=1e-5)
+
+
+@interpreter
+def test_remote_experts_add_nothing_under_the_interpreter():
+    """Ids outside [0, E) (experts of another rank) and a strided x (a view, as layers pass it)."""
+    x, gate_up, down, ids, weights = _case(6, 8, 3, 64, 32, seed=7)
+    ids[0, 1], ids[2, 0], ids[5, 2] = -1, 8, 11
+    wide_x = torch.randn(6, 80)
+    wide_x[:, :64] = x
+    want = experts_reference(x, gate_up, down, ids, weights)
+    torch.testing.assert_close(
+        fused_moe(wide_x[:, :64], gate_up, down, ids, weights), want, rtol=1e-5, atol=1e-5
+    )
+    one = fused_moe(x[:1], gate_up, down, ids[:1], weights[:1])  # decode, a remote slot
+    torch.testing.assert_close(one, want[:1], rtol=1e-5, atol=1e-5)
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, renormalize", [(1, 8, 2, True), (5, 128, 8, True), (3, 60, 4, False)]
+)
+def test_routing_kernel_matches_route_under_the_interpreter(tokens, experts, top_k, renormalize):
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(experts))
+    weights, ids = route_topk(logits, top_k, renormalize, 2.5, first_expert=2)
+    want_w, want_ids = route(logits, top_k, renormalize)
+    torch.testing.assert_close(ids.long(), want_ids - 2, rtol=0, atol=0)
+    torch.testing.assert_close(weights, want_w * 2.5, rtol=1e-6, atol=1e-7)
+
+
+# --- CUDA ---------------------------------------------------------------------------------------
+
+QWEN = {"experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tokens, dtype",
+    [(t, torch.bfloat16) for t in (1, 7, 64, 256)]
+    + [(t, d) for t in (1, 64) for d in (torch.float16, torch.float32)],
+)
+def test_fused_experts_match_the_reference_on_cuda(tokens, dtype):
+    """Qwen3-30B-A3B's expert shapes: the kernels on bf16/fp16 weights against the float32
+    reference on the same weights (relative error of the output), float32 to rounding."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x, gate_up, down, ids, weights = (
+        t.cuda() for t in _case(tokens, QWEN["experts"], QWEN["top_k"], QWEN["hidden"], QWEN["inter"], tokens)
+    )
+    x, gate_up, down = (t.to(dtype) for t in (x, gate_up, down))
+    want = experts_reference(x.float(), gate_up.float(), down.float(), ids, weights)
+    got = fused_experts(x, gate_up, down, ids, weights)
+    assert experts_path(tokens, dtype, x.device) == "fused" and got.dtype == dtype
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+    again = fused_experts(x, gate_up, down, ids, weights)
+    torch.testing.assert_close(again, got, rtol=0, atol=0)  # no atomics: bit for bit
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_fused_experts_replay_from_a_cuda_graph_with_new_inputs(tokens):
+    """Captured once, replayed on other tokens, experts (some remote) and weights written into the
+    same tensors: the replay equals an eager call on the new inputs."""
+    experts, top_k, hidden, inter = 64, 8, 1024, 256
+    make = [t.cuda() for t in _case(tokens, experts, top_k, hidden, inter, seed=1)]
+    x, gate_up, down, ids, weights = make
+    x, gate_up, down = (t.to(torch.bfloat16) for t in (x, gate_up, down))
+    fused_moe(x, gate_up, down, ids, weights)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_moe(x, gate_up, down, ids, weights)
+    new_x, _, _, new_ids, new_weights = (
+        t.cuda() for t in _case(tokens, experts, top_k, hidden, inter, seed=2)
+    )
+    new_ids[0, -1] = -1  # a remote slot
+    x.copy_(new_x.to(torch.bfloat16))
+    ids.copy_(new_ids)
+    weights.copy_(new_weights)
+    graph.replay()
+    torch.testing.assert_close(captured, fused_moe(x, gate_up, down, ids, weights), rtol=0, atol=0)
+    want = experts_reference(x.float(), gate_up.float(), down.float(), ids, weights)
+    assert ((captured.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_moe_block_replays_from_a_cuda_graph(tokens):
+    """The whole block (router linear, the routing kernel, the experts) captured and replayed on
+    new hidden states: the replay equals the eager block, and both the torch arithmetic (`route`
+    on the same logits, the float32 reference on the same bf16 weights)."""
+    cfg = ModelConfig(
+        family="qwen3_moe", vocab_size=32, hidden_size=512, intermediate_size=1024, num_layers=1,
+        num_heads=4, num_kv_heads=4, head_dim=128, num_experts=32, num_experts_per_tok=4,
+        moe_intermediate_size=256, norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    block = SparseMoeBlock(cfg).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5)
+    x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        block(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = block(x)
+        x.copy_(torch.randn(tokens, 512, device="cuda"))
+        graph.replay()
+        eager = block(x)
+        weights, ids = route(block.gate(x), cfg.num_experts_per_tok, True)
+        experts = block.experts
+        want = experts_reference(
+            x.float(), experts.gate_up_proj.float(), experts.down_proj.float(), ids, weights
+        )
+    torch.testing.assert_close(captured, eager, rtol=0, atol=0)
+    assert ((captured.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+@cuda
+@pytest.mark.gpu
+def test_routing_kernel_matches_route_on_cuda():
+    logits = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    weights, ids = route_topk(logits, 8, True)
+    want_w, want_ids = route(logits, 8, True)
+    torch.testing.assert_close(ids.long(), want_ids, rtol=0, atol=0)
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
