@@ -173,16 +173,14 @@ class Engine:
         self.loaded = loaded or _load(config)
         self.tokenizer, mc = self.loaded.tokenizer, self.loaded.config
         speculative = SpeculativeConfig.from_json(config.speculative_config)
-        proposing = load_proposer_models(speculative, config, self.loaded)
+        models = load_proposer_models(speculative, config, self.loaded)  # a draft model, MTP, EAGLE-3
         state_slots = _num_state_slots(config, mc.num_state_layers, speculative)
-        self.executor = build_executor(
-            self.loaded, config, proposing.kv_config, state_slots, proposing.aux_layers
-        )
+        self.executor = build_executor(self.loaded, config, models.kv_config, state_slots, models.aux_layers)
         num_blocks, self.max_model_len = self.executor.kv_cache.num_blocks, self.executor.max_model_len
         self.cache = _cache_manager(self.executor, config, mc, state_slots)
         self.lora = _lora_pool(self.executor, config, mc)
         self.speculation = build_speculation(
-            speculative, proposing, self.loaded, config, num_blocks, self.max_model_len
+            speculative, models, self.loaded, config, num_blocks, self.max_model_len
         )
         proposals = self.speculation.proposals if self.speculation is not None else None
         self.scheduler = Scheduler(config, self.cache, self.lora, proposals=proposals)
