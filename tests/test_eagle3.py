@@ -14,6 +14,7 @@ leaves no stale draft K/V; malformed heads are refused with a message that names
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -309,7 +310,7 @@ def test_malformed_heads_are_refused_with_a_message(ckpt, tmp_path: Path, case: 
         return t | {k: v for k, v in change.items() if k != "drop"}
 
     bad = _break(head, tmp_path, tensors, lambda c: c | fields)
-    with pytest.raises(ModelLoadError, match=message):
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
         make_engine(target, speculative_config=eagle3_config(bad, 2))
 
 
@@ -328,3 +329,13 @@ def test_generate_takes_an_eagle3_config(ckpt, tmp_path: Path, capsys: pytest.Ca
     assert main([*argv, "--dtype", "float32", "--speculative-config", eagle3_config(head, 3)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == make_engine(target).generate([request])[0].token_ids
+
+
+def test_a_head_with_pickle_weights_only_is_refused_with_how_to_convert(ckpt, tmp_path: Path):
+    target, head = ckpt
+    bad = tmp_path / "pickled"
+    bad.mkdir()
+    (bad / "config.json").write_text((head / "config.json").read_text())
+    (bad / "pytorch_model.bin").write_bytes(b"")  # never opened: pickle files can run code
+    with pytest.raises(ModelLoadError, match=r"only pickle weights: pytorch_model\.bin"):
+        make_engine(target, speculative_config=eagle3_config(bad, 2))

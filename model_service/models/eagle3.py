@@ -200,7 +200,11 @@ def load_eagle3(name: str, target: LoadedModel) -> tuple[Eagle3Draft, Eagle3Conf
         )
     files = weight_files(path)
     if not files:
-        raise ModelLoadError(f"EAGLE-3 head {path} has no *.safetensors weight files")
+        pickles = sorted(p.name for p in [*path.glob("*.bin"), *path.glob("*.pt")])
+        convert = f" (only pickle weights: {', '.join(pickles)}; convert them with safetensors' save_file)"
+        raise ModelLoadError(
+            f"EAGLE-3 head {path} has no *.safetensors weight files{convert if pickles else ''}"
+        )
     tensors = {_own_name(k): t for k, t in read_tensors(files, lambda k: True).items()}
     tensors.pop("t2d", None)  # target id -> whether in the draft vocabulary: d2t says it all
     d2t = _target_ids(tensors.pop("d2t", None), cfg, path)
