@@ -42,8 +42,9 @@ class Executor(KVMover, SlotWriter, Protocol):
     lora_slots: int  # device-resident adapter slots (0 without LoRA)
     lora_arena: tuple[int, int]  # (elements, bytes per element) of the adapter arena
     # MTP speculation: the last step's residual stream after the last layer [T, hidden]; EAGLE-3:
-    # the states entering its auxiliary layers, one [T, hidden] each (None otherwise)
-    hidden: torch.Tensor | list[torch.Tensor] | None
+    # a list of the states entering its auxiliary layers, one [T, hidden] tensor each (None
+    # otherwise). A bare `list`: the protocol's members are checked with isinstance
+    hidden: torch.Tensor | list | None
 
     def execute(self, batch: StepBatch, fed: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits [len(batch.logits_rows), vocab], row i for `batch.logits_rows[i]`.
