@@ -54,7 +54,7 @@ class TensorParallelExecutor:
         self.max_model_len, self.config = local.max_model_len, local.config
         self.lora_arena = local.lora_arena  # every rank's: the pool places whole adapters, ranks hold shards
         self.lora_slots = local.lora_slots
-        self.hidden: torch.Tensor | None = None  # no MTP under tensor parallelism
+        self.hidden: torch.Tensor | list[torch.Tensor] | None = None  # no MTP or EAGLE-3 under TP
         self.lost: str | None = None
         self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()

@@ -132,7 +132,9 @@ class EngineConfig:
         '\'{{"method": "draft", "model": "DRAFT", "num_speculative_tokens": 4}}\' (a smaller model '
         "with the same tokenizer: an alias, checkpoint dir or .gguf file) or "
         '\'{{"method": "mtp", "num_speculative_tokens": 1}}\' (the checkpoint\'s own '
-        "multi-token-prediction layer: DeepSeek-V3's num_nextn_predict_layers)",
+        "multi-token-prediction layer: DeepSeek-V3's num_nextn_predict_layers) or "
+        '\'{{"method": "eagle3", "model": "HEAD_DIR", "num_speculative_tokens": 3}}\' (an EAGLE-3 '
+        "draft head trained on this model, reading three of its layers' states)",
     )
     tensor_parallel_size: int = _opt(
         1,

@@ -46,26 +46,24 @@ from model_service.engine.block_manager import BlockManager
 from model_service.engine.cache_manager import CacheManager
 from model_service.engine.config import EngineConfig
 from model_service.engine.detokenizer import IncrementalDetokenizer
-from model_service.engine.draft import DraftProposer, load_draft
 from model_service.engine.executors import Executor, build_executor
 from model_service.engine.grammar import GrammarCompiler
-from model_service.engine.mtp import MtpProposer
 from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.overlap import InFlight, Overlap
+from model_service.engine.proposers import build_speculation, load_proposer_models
 from model_service.engine.request_table import RequestTable
 from model_service.engine.requests import GrammarWait, PromptReader, Resume
 from model_service.engine.sample_stage import SampleStage, logits_rows
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence
-from model_service.engine.speculation import NgramProposer, Proposer, Speculation, SpeculativeConfig
+from model_service.engine.speculation import Speculation, SpeculativeConfig
 from model_service.lora.adapter import HostForm
 from model_service.lora.buffers import HostBuffers
 from model_service.lora.control import ControlOp, ControlResult
 from model_service.lora.pool import AdapterInfo, LoraPool
 from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel, load_model
-from model_service.models.mtp import MtpLayer, load_mtp_layer
 
 log = logging.getLogger(__name__)
 # An engine with nothing to run but a request whose adapter a worker is reading, or whose grammar
@@ -175,14 +173,14 @@ class Engine:
         self.loaded = loaded or _load(config)
         self.tokenizer, mc = self.loaded.tokenizer, self.loaded.config
         speculative = SpeculativeConfig.from_json(config.speculative_config)
-        draft, mtp, draft_config = _proposer_models(speculative, config, self.loaded)
+        models = load_proposer_models(speculative, config, self.loaded)  # a draft model, MTP, EAGLE-3
         state_slots = _num_state_slots(config, mc.num_state_layers, speculative)
-        self.executor = build_executor(self.loaded, config, draft_config, state_slots)
+        self.executor = build_executor(self.loaded, config, models.kv_config, state_slots, models.aux_layers)
         num_blocks, self.max_model_len = self.executor.kv_cache.num_blocks, self.executor.max_model_len
         self.cache = _cache_manager(self.executor, config, mc, state_slots)
         self.lora = _lora_pool(self.executor, config, mc)
-        self.speculation = _speculation(
-            speculative, draft, mtp, self.loaded, config, num_blocks, self.max_model_len
+        self.speculation = build_speculation(
+            speculative, models, self.loaded, config, num_blocks, self.max_model_len
         )
         proposals = self.speculation.proposals if self.speculation is not None else None
         self.scheduler = Scheduler(config, self.cache, self.lora, proposals=proposals)
@@ -458,41 +456,3 @@ def _lora_pool(executor: Executor, config: EngineConfig, mc: ModelConfig) -> Lor
     for name, path in config.lora_modules.items():
         pool.register(name, Path(path))
     return pool
-
-
-def _proposer_models(
-    spec: SpeculativeConfig | None, config: EngineConfig, target: LoadedModel
-) -> tuple[LoadedModel | None, MtpLayer | None, ModelConfig | None]:
-    """The draft model or the MTP layer a speculative config asks for (neither for n-gram or
-    none), and the config of the model whose K/V the executor budgets beside the target's."""
-    draft = load_draft(spec, config, target)  # None unless method "draft"
-    if draft is not None:
-        return draft, None, draft.config
-    if spec is not None and spec.is_mtp:
-        return None, load_mtp_layer(target), target.config.mtp_layer_config()
-    return None, None, None
-
-
-def _speculation(
-    spec: SpeculativeConfig | None,
-    draft: LoadedModel | None,
-    mtp: MtpLayer | None,
-    target: LoadedModel,
-    config: EngineConfig,
-    num_blocks: int,
-    max_model_len: int,
-) -> Speculation | None:
-    """Speculative decoding as configured: by a draft model or the checkpoint's MTP layer (their
-    caches have as many blocks as the target's, budgeted by the executor) or by prompt lookup;
-    None when off."""
-    if spec is None:
-        return None
-    vocab_size = target.config.vocab_size
-    proposer: Proposer
-    if draft is not None:
-        proposer = DraftProposer(draft, config, num_blocks, max_model_len, vocab_size)
-    elif mtp is not None:
-        proposer = MtpProposer(mtp, target, config, num_blocks, max_model_len)
-    else:
-        proposer = NgramProposer(spec)
-    return Speculation(spec, proposer, max_model_len, vocab_size)

@@ -22,6 +22,7 @@ from model_service.attention.triton_backend import TritonBackend
 from model_service.attention.triton_latent import TritonLatentBackend
 from model_service.engine.config import DEFAULT_LORA_ROOM, EngineConfig
 from model_service.engine.cuda_graphs import DecodeGraphs
+from model_service.engine.hidden_taps import HiddenTaps
 from model_service.engine.piecewise_graphs import PiecewiseGraphs
 from model_service.engine.speculation import SpeculativeConfig
 from model_service.kernels.experts import experts_capturable
@@ -126,13 +127,19 @@ class ModelExecutor:
         num_blocks: int,
         max_model_len: int,
         num_state_slots: int = 0,
+        aux_layers: tuple[int, ...] = (),
     ) -> None:
+        """`aux_layers`: the layers whose input states each step keeps (EAGLE-3's)."""
         self.max_model_len = max_model_len
         spec = SpeculativeConfig.from_json(config.speculative_config)
-        # MTP speculation reads each step's residual stream (`hidden`); steps run eagerly then.
-        self.keeps_hidden = spec is not None and spec.is_mtp
-        self.hidden: torch.Tensor | None = None
-        self.module = own_module_tree(loaded.module) if config.max_loras > 0 else loaded.module
+        # MTP and EAGLE-3 speculation read each step's hidden states (`hidden`): MTP the residual
+        # stream after the last layer, EAGLE-3 the states entering `aux_layers` (a list, one per
+        # layer); steps run eagerly then.
+        self.keeps_hidden = spec is not None and spec.keeps_hidden
+        self.hidden: torch.Tensor | list[torch.Tensor] | None = None
+        own = config.max_loras > 0 or bool(aux_layers)  # wrapping layers must not touch a shared tree
+        self.module = own_module_tree(loaded.module) if own else loaded.module
+        self.taps = HiddenTaps(self.module, aux_layers) if aux_layers else None
         self.config = loaded.config
         param = next(self.module.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -262,8 +269,9 @@ class ModelExecutor:
         ctx = ForwardContext(attention=self.attention, logits_rows=batch.logits_rows, recurrent=recurrent)
         if not self.keeps_hidden:
             return self.module(batch.input_ids, batch.positions, ctx)
-        self.hidden = self.module.hidden_states(batch.input_ids, batch.positions, ctx)
-        return self.module.logits(self.hidden, batch.logits_rows)
+        hidden = self.module.hidden_states(batch.input_ids, batch.positions, ctx)
+        self.hidden = self.taps.take() if self.taps is not None else hidden
+        return self.module.logits(hidden, batch.logits_rows)
 
     @torch.inference_mode()
     def run_eager(self, batch: StepBatch, *inputs: torch.Tensor) -> Any:

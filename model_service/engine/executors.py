@@ -41,8 +41,10 @@ class Executor(KVMover, SlotWriter, Protocol):
     max_model_len: int  # the longest sequence the pool and the positions allow
     lora_slots: int  # device-resident adapter slots (0 without LoRA)
     lora_arena: tuple[int, int]  # (elements, bytes per element) of the adapter arena
-    # MTP speculation: the last step's residual stream after the last layer [T, hidden] (None otherwise)
-    hidden: torch.Tensor | None
+    # MTP speculation: the last step's residual stream after the last layer [T, hidden]; EAGLE-3:
+    # a list of the states entering its auxiliary layers, one [T, hidden] tensor each (None
+    # otherwise). A bare `list`: the protocol's members are checked with isinstance
+    hidden: torch.Tensor | list | None
 
     def execute(self, batch: StepBatch, fed: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits [len(batch.logits_rows), vocab], row i for `batch.logits_rows[i]`.
@@ -65,23 +67,28 @@ class Executor(KVMover, SlotWriter, Protocol):
 
 
 def build_executor(
-    loaded: LoadedModel, config: EngineConfig, draft: ModelConfig | None, state_slots: int
+    loaded: LoadedModel,
+    config: EngineConfig,
+    draft: ModelConfig | None,
+    state_slots: int,
+    aux_layers: tuple[int, ...] = (),
 ) -> Executor:
     """The executor `config` asks for: this process's device, or rank 0 of a tensor-parallel group
-    (whose `loaded` weights are on the host, to be sliced; no draft model or MTP layer, no
-    recurrent layers). `draft`: the draft model's or MTP layer's config, whose K/V blocks share
-    the budget."""
+    (whose `loaded` weights are on the host, to be sliced; no draft model, MTP layer or EAGLE-3
+    head, no recurrent layers). `draft`: the draft model's, MTP layer's or EAGLE-3 head's config,
+    whose K/V blocks share the budget; `aux_layers`: the layers whose input states EAGLE-3 reads."""
     if config.enable_expert_parallel and (config.tensor_parallel_size == 1 or not loaded.config.num_experts):
         log.warning("--enable-expert-parallel has no effect: it splits the experts of an MoE model over "
                     "--tensor-parallel-size > 1 ranks")  # fmt: skip
     if config.tensor_parallel_size > 1:
         if draft is not None:
             raise ModelLoadError(
-                "speculation by a draft model or MTP layer does not run with --tensor-parallel-size > 1 yet"
+                "speculation by a draft model, MTP layer or EAGLE-3 head does not run with "
+                "--tensor-parallel-size > 1 yet"
             )
         return start_tensor_parallel(loaded, config)
     param = next(loaded.module.parameters())
     state_bytes = recurrent_state_bytes(loaded.module, state_slots)
     state_bytes += lora_arena_elements(loaded.module, config) * param.element_size()
     layout = kv_layout(loaded.config, config, param.dtype, param.device, draft, state_bytes)
-    return ModelExecutor(loaded, config, *layout, state_slots)
+    return ModelExecutor(loaded, config, *layout, state_slots, aux_layers)

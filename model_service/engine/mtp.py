@@ -94,13 +94,14 @@ class _Row(Drafting):
     hidden: torch.Tensor
 
 
-class MtpProposer:
-    """Implements `speculation.Proposer` with the target checkpoint's MTP layer."""
+class HiddenStateProposer:
+    """Implements `speculation.Proposer` with a one-layer head over the target's hidden states
+    (`loaded.module`: (ids, positions, hidden, ctx) -> (logits, the hidden its next chained step
+    reads)): the MTP layer's scheme above, which EAGLE-3's head (engine/eagle3.py) shares."""
 
     def __init__(
-        self, layer: MtpLayer, target: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int
+        self, loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int
     ) -> None:
-        loaded = LoadedModel(f"{target.name} (MTP layer)", target.config.mtp_layer_config(), layer, None)
         # eager: its forward takes the hidden states too, which no graph runner passes
         self.executor, self.cache, self.builder = proposer_model(
             loaded, config, num_blocks, max_model_len, enforce_eager=True, speculative_config=None
@@ -237,3 +238,13 @@ class MtpProposer:
     def _give_up(self, follow: _Follow) -> None:
         self.on_finished(follow.seq)
         self.unaided.add(follow.seq.request_id)
+
+
+class MtpProposer(HiddenStateProposer):
+    """Implements `speculation.Proposer` with the target checkpoint's MTP layer."""
+
+    def __init__(
+        self, layer: MtpLayer, target: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int
+    ) -> None:
+        loaded = LoadedModel(f"{target.name} (MTP layer)", target.config.mtp_layer_config(), layer, None)
+        super().__init__(loaded, config, num_blocks, max_model_len)

@@ -13,7 +13,8 @@ sequence is done): prompt lookup (n-gram): the continuation of the most recent e
 occurrence of the sequence's last n tokens (n from `prompt_lookup_max` down to
 `prompt_lookup_min`), no extra model; a draft model (engine/draft.py); the checkpoint's own
 multi-token-prediction layer (engine/mtp.py), which reads the target's hidden states
-(`on_forward`).
+(`on_forward`); an EAGLE-3 head (engine/eagle3.py), which reads three of the target's layers'
+states, fused by the head's `fc` first.
 
 Sampled rows (temperature > 0) verify by rejection sampling, which keeps the target
 distribution exactly: proposal d, drawn from the proposer's distribution q, is accepted with
@@ -30,6 +31,7 @@ rows of one verify), and no beams.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,7 +46,8 @@ if TYPE_CHECKING:
     from model_service.engine.batch_builder import StepItem
 
 DRAFT_METHODS = ("draft", "draft_model")  # ours and vLLM's spelling
-METHODS = ("ngram", *DRAFT_METHODS, "mtp")
+METHODS = ("ngram", *DRAFT_METHODS, "mtp", "eagle3")
+MODEL_METHODS = (*DRAFT_METHODS, "eagle3")  # those that name a model of their own
 
 
 @dataclass
@@ -62,7 +65,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    model: str | None = None  # the draft model (method "draft"): alias, checkpoint dir or .gguf
+    model: str | None = None  # the draft model (method "draft"): alias, checkpoint dir or .gguf;
+    # the EAGLE-3 head's checkpoint dir (method "eagle3")
 
     @classmethod
     def from_json(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -79,7 +83,8 @@ class SpeculativeConfig:
             raise InvalidRequestError(
                 f"--speculative-config: {e}; expected JSON such as "
                 '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} or '
-                '{"method": "draft", "model": "PATH", "num_speculative_tokens": 4}'
+                '{"method": "draft", "model": "PATH", "num_speculative_tokens": 4} or '
+                '{"method": "eagle3", "model": "HEAD_DIR", "num_speculative_tokens": 3}'
             ) from e
         config._check_method()
         if not 1 <= config.num_speculative_tokens <= 16:
@@ -98,19 +103,35 @@ class SpeculativeConfig:
     def is_mtp(self) -> bool:
         return self.method == "mtp"
 
+    @property
+    def is_eagle3(self) -> bool:
+        return self.method == "eagle3"
+
+    @property
+    def keeps_hidden(self) -> bool:
+        """Whether the target's executor keeps each step's hidden states for the proposer."""
+        return self.is_mtp or self.is_eagle3
+
     def _check_method(self) -> None:
         if self.method not in METHODS:
             raise InvalidRequestError(
                 f"--speculative-config: method {self.method!r}; supported: 'ngram', 'draft' "
-                "('draft_model'), 'mtp' (a checkpoint with num_nextn_predict_layers)"
+                "('draft_model'), 'mtp' (a checkpoint with num_nextn_predict_layers), 'eagle3' "
+                '(an EAGLE-3 head\'s checkpoint as "model")'
             )
         if self.is_draft and not self.model:
             raise InvalidRequestError(
                 '--speculative-config: method "draft" needs "model": the draft model\'s alias or path'
             )
-        if not self.is_draft and self.model:
+        if self.is_eagle3 and not self.model:
             raise InvalidRequestError(
-                f'--speculative-config: "model" is for method "draft"; method {self.method!r} runs no model'
+                '--speculative-config: method "eagle3" needs "model": the EAGLE-3 head\'s '
+                "checkpoint directory"
+            )
+        if self.method not in MODEL_METHODS and self.model:
+            raise InvalidRequestError(
+                f'--speculative-config: "model" is for method "draft" (or "eagle3"); method '
+                f"{self.method!r} runs no model of its own"
             )
 
 
@@ -141,9 +162,16 @@ class Speculation:
     sample stage); with the counts the pod exports. The proposer is the only variable part."""
 
     def __init__(
-        self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int, vocab_size: int
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer,
+        max_model_len: int,
+        vocab_size: int,
+        fuse: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
     ) -> None:
-        self.config, self.proposer = config, proposer
+        """`fuse`: for a target whose executor keeps several layers' states (EAGLE-3), what makes
+        the proposer's one hidden row per position of them, for the whole step at once."""
+        self.config, self.proposer, self.fuse = config, proposer, fuse
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.proposed = self.accepted = 0  # proposed and accepted tokens
         # Each decoding sequence's proposals, to verify in its next step; the scheduler, which
@@ -173,12 +201,18 @@ class Speculation:
             else:
                 self.proposals.pop(seq, None)
 
-    def on_forward(self, work: list[tuple[Sequence, StepItem]], hidden: torch.Tensor | None) -> None:
+    def on_forward(
+        self, work: list[tuple[Sequence, StepItem]], hidden: torch.Tensor | list[torch.Tensor] | None
+    ) -> None:
         """The target's step ran each (sequence, its row) of `work`, their rows of `hidden` in
-        that order (kept by the executor for MTP only; None otherwise): each speculating
+        that order (kept by the executor for MTP and EAGLE-3 only; None otherwise; EAGLE-3's
+        several layers' states are fused first, in one pass for the step): each speculating
         sequence's rows go to the proposer (views, not copies), with the position they start at."""
         if hidden is None:
             return
+        if isinstance(hidden, list):
+            assert self.fuse is not None, "several layers' states kept, but no proposer fuses them"
+            hidden = self.fuse(hidden)
         runs = [(seq, item.state.num_computed, len(item.tokens)) for seq, item in work]
         parts = zip(runs, hidden.split([n for _, _, n in runs]), strict=True)
         speculating = [(seq, start, rows) for (seq, start, _), rows in parts if seq.group is None]
