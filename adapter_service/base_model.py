@@ -4,6 +4,11 @@ The adapter service validates uploads against the model the cluster serves, but 
 no torch and no model files: an alias (the models the pods ship, as their `--model` takes) is
 known by its shapes here (tests/test_adapter_service_units.py checks them against the GGUF
 file); anything else is an HF `config.json` directory or a GGUF file (numpy-only `gguf`).
+
+The shapes and the MoE layers come from the same torch-free rules the pods load adapters by
+(spindle/peft.py's `projection_shapes`, spindle/architectures.py's `moe_layers`), so an upload is
+accepted exactly when a pod would serve it: DeepSeek's MLA projections included, `kv_b_proj` and
+gate/up/down of mixture-of-experts layers not.
 """
 
 from __future__ import annotations
@@ -11,7 +16,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from spindle import architectures
+from spindle.peft import LatentShape
 from spindle.peft import projection_shapes as peft_shapes
 
 
@@ -24,11 +32,19 @@ class BaseModel:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    latent: LatentShape | None = None  # MLA (DeepSeek-V2/V3)
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is mixture-of-experts: no gate/up/down LoRA
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each projection a LoRA may target."""
+        """(in_features, out_features) of each projection a LoRA may target (dense layers' MLP
+        included: `moe_layers` says where gate/up/down are refused)."""
         return peft_shapes(
-            self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.latent,
         )
 
 
@@ -47,17 +63,7 @@ def load(name_or_path: str) -> BaseModel:
     if not path.exists():
         raise ValueError(f"base model {name_or_path!r} is neither an alias ({sorted(ALIASES)}) nor a path")
     if path.is_dir():
-        raw = json.loads((path / "config.json").read_text())
-        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-        return BaseModel(
-            name_or_path,
-            hidden,
-            int(raw["intermediate_size"]),
-            int(raw["num_hidden_layers"]),
-            heads,
-            int(raw.get("num_key_value_heads") or heads),
-            int(raw.get("head_dim") or hidden // heads),
-        )
+        return _from_hf(name_or_path, json.loads((path / "config.json").read_text()))
     if path.suffix != ".gguf":
         raise ValueError(f"base model {path} is not a checkpoint directory or a .gguf file")
     import gguf
@@ -79,3 +85,41 @@ def load(name_or_path: str) -> BaseModel:
         int(field(f"{arch}.attention.head_count_kv", heads)),
         int(field(f"{arch}.attention.key_length", hidden // heads)),
     )
+
+
+def _from_hf(name: str, raw: dict[str, Any]) -> BaseModel:
+    """From a `config.json` dict, read as the pod's `ModelConfig.from_hf` reads it: DeepSeek's MLA
+    sizes replace the Llama head shapes, and the MoE layers follow the family's rule. A config
+    missing a field the pod needs is refused here too, naming it, so the service does not start
+    against a base no pod can load."""
+    family = architectures.family(raw)
+    try:
+        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        layers = int(raw["num_hidden_layers"])
+        latent = None
+        if family in architectures.DEEPSEEK_FAMILIES:
+            latent = LatentShape(
+                q_lora_rank=int(raw["q_lora_rank"]) if raw.get("q_lora_rank") else None,
+                kv_lora_rank=int(raw["kv_lora_rank"]),
+                qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+                v_head_dim=int(raw["v_head_dim"]),
+            )
+        sparse = architectures.moe_layers(family, raw, layers)
+        return BaseModel(
+            name,
+            hidden,
+            int(raw["intermediate_size"]),
+            layers,
+            heads,
+            # MLA: one key per head, qk_nope + qk_rope wide (as the pod's config says; the shapes
+            # read `latent`, not these)
+            heads if latent else int(raw.get("num_key_value_heads") or heads),
+            latent.qk_nope_head_dim + latent.qk_rope_head_dim
+            if latent
+            else int(raw.get("head_dim") or hidden // heads),
+            latent,
+            tuple(i for i, moe in enumerate(sparse) if moe),
+        )
+    except KeyError as e:
+        raise ValueError(f"base model {name!r}: config.json is missing required field {e.args[0]!r}") from e

@@ -3,8 +3,11 @@
 The safetensors header (8-byte little-endian length, then JSON) is parsed and every tensor's byte
 range is checked against the file (spindle/safetensors_header.py, which the pods use too), so a
 header that lies about offsets is refused instead of failing later on a pod. Shapes, layers and
-rank are compared with the base model's projection shapes (adapter_service/base_model.py). Each
-refusal names the field or tensor, because the reader is the person who trained the adapter.
+rank are compared with the base model's projection shapes (adapter_service/base_model.py), which
+come from the rules the pods load adapters by: for a DeepSeek (MLA) base the targets are its query,
+latent and output projections, never `kv_b_proj`, and gate/up/down only on dense layers. Each
+refusal names the field or tensor, and lists what this base accepts, because the reader is the
+person who trained the adapter.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from adapter_service.base_model import BaseModel
-from spindle.peft import LORA_MODULES, declared_mismatch, unsupported_feature
+from spindle.peft import MLP_MODULES, declared_mismatch, unsupported_feature, untargetable
 from spindle.safetensors_header import HeaderError, TensorEntry, header_length, parse_header
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
+# What PEFT writes for gate/up/down targets on an MoE model: the routed experts' and shared experts'
+# projections, which no pod adapts.
+_EXPERTS = re.compile(r"\.mlp\.(?:experts\.\d+|shared_experts?)\.")
 
 
 class ValidationError(ValueError):
@@ -55,7 +61,7 @@ def read_header(f: BinaryIO, size: int) -> dict[str, TensorEntry]:
         raise ValidationError(str(e)) from e
 
 
-def parse_config(config_bytes: bytes) -> dict[str, Any]:
+def parse_config(config_bytes: bytes, base: BaseModel) -> dict[str, Any]:
     try:
         config = json.loads(config_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -70,31 +76,40 @@ def parse_config(config_bytes: bytes) -> dict[str, Any]:
     if feature is not None:
         refuse(feature)
     targets = config.get("target_modules") or []
+    shapes = base.projection_shapes()
     for t in [targets] if isinstance(targets, str) else targets:
-        if isinstance(targets, list) and t not in LORA_MODULES:
-            refuse(f"target module {t!r} (LoRA targets: {', '.join(LORA_MODULES)})")
+        if isinstance(targets, list) and t not in shapes:
+            refuse(f"target module {t!r} ({untargetable(t, shapes)})")
     return config
 
 
 def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int) -> Summary:
     """Everything a pod would check, done before a byte is stored."""
-    config = parse_config(config_bytes)
+    config = parse_config(config_bytes, base)
     size = weights.stat().st_size
     with open(weights, "rb") as f:
         tensors = read_header(f, size)
     shapes = base.projection_shapes()
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     for key, t in tensors.items():
+        if _EXPERTS.search(key):
+            raise ValidationError(
+                f"tensor {key!r} adapts mixture-of-experts experts, which no pod serves: target "
+                f"{_attention(shapes)} there ({_dense_layers(base)})"
+            )
         m = _KEY.fullmatch(key)
         if m is None:
             raise ValidationError(f"tensor {key!r} is not a LoRA A/B weight of a decoder layer projection")
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
         if module not in shapes:
-            raise ValidationError(
-                f"tensor {key!r} targets {module!r}; LoRA targets: {', '.join(LORA_MODULES)}"
-            )
+            raise ValidationError(f"tensor {key!r} targets {module!r}: {untargetable(module, shapes)}")
         if layer >= base.num_layers:
             raise ValidationError(f"tensor {key!r} names layer {layer}; {base.name} has {base.num_layers}")
+        if module in MLP_MODULES and layer in base.moe_layers:
+            raise ValidationError(
+                f"tensor {key!r} targets {module!r} of layer {layer}, a mixture-of-experts layer, whose "
+                f"experts carry no LoRA: target {_attention(shapes)} there ({_dense_layers(base)})"
+            )
         pairs.setdefault((layer, module), {})[ab] = list(t.shape)
     if not pairs:
         raise ValidationError("adapter_model.safetensors holds no LoRA weights")
@@ -117,3 +132,17 @@ def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int)
             raise ValidationError(f"adapter_config.json: {wrong}")
         rank = max(rank, r)
     return Summary(rank, sorted({module for _, module in pairs}))
+
+
+def _attention(shapes: dict[str, tuple[int, int]]) -> str:
+    """The base's attention targets, the ones an MoE layer can carry."""
+    return ", ".join(m for m in shapes if m not in MLP_MODULES)
+
+
+def _dense_layers(base: BaseModel) -> str:
+    """Where gate/up/down may go, for an author restricting them (PEFT's `layers_to_transform`)."""
+    dense = [i for i in range(base.num_layers) if i not in base.moe_layers]
+    if not dense:
+        return "every layer is mixture-of-experts: no gate/up/down targets"
+    shown = ", ".join(map(str, dense[:16])) + (", ..." if len(dense) > 16 else "")
+    return f"gate/up/down only on the dense layers: {shown}"

@@ -6,25 +6,95 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+LORA_MODULES = ATTENTION_MODULES + MLP_MODULES  # a Llama-shaped base's; projection_shapes has any base's
+# Multi-head latent attention (DeepSeek-V2/V3): q_proj without a q_lora_rank, else q_a_proj and q_b_proj.
+MLA_ATTENTION_MODULES = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+# Projections PEFT can target that no pod adapts, and why (the refusal's words, on pod and service).
+NOT_TARGETABLE = {
+    "kv_b_proj": (
+        "kv_b_proj decompresses the cached latents, which earlier steps wrote without any adapter, "
+        "and is absorbed into the decode queries, so no step's adapter covers its rows"
+    ),
+}
+
+
+class LatentSizes(Protocol):
+    """MLA's sizes as both the pod's `LatentAttentionShape` and `LatentShape` carry them."""
+
+    @property
+    def q_lora_rank(self) -> int | None: ...
+    @property
+    def kv_lora_rank(self) -> int: ...
+    @property
+    def qk_nope_head_dim(self) -> int: ...
+    @property
+    def qk_rope_head_dim(self) -> int: ...
+    @property
+    def v_head_dim(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class LatentShape:
+    """MLA's sizes from a DeepSeek `config.json`, for the adapter service (which has no torch)."""
+
+    q_lora_rank: int | None  # None: one q_proj (V2-Lite); else q_a_proj -> norm -> q_b_proj (V3)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 def projection_shapes(
-    hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int
+    hidden: int,
+    intermediate: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    latent: LatentSizes | None = None,
 ) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each projection a LoRA may target."""
-    q, kv = heads * head_dim, kv_heads * head_dim
-    return {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
+    """(in_features, out_features) of each projection a LoRA may target: the pods' `module_shapes`
+    and the adapter service's `BaseModel.projection_shapes` both come from here, so an upload is
+    accepted exactly when a pod would load it. `intermediate` is the dense MLP's width (MoE layers'
+    gate/up/down are not targetable: see `spindle.architectures.moe_layers`).
+
+    With `latent` (MLA; `kv_heads` and `head_dim` unused): each head's query is qk_nope + qk_rope
+    dims wide, `kv_a_proj_with_mqa` writes the latent and the rotary key, o_proj reads v_head_dim
+    per head; not `kv_b_proj` (NOT_TARGETABLE says why)."""
+    mlp = {
         "gate_proj": (hidden, intermediate),
         "up_proj": (hidden, intermediate),
         "down_proj": (intermediate, hidden),
     }
+    if latent is None:
+        q, kv = heads * head_dim, kv_heads * head_dim
+        attention = {
+            "q_proj": (hidden, q),
+            "k_proj": (hidden, kv),
+            "v_proj": (hidden, kv),
+            "o_proj": (q, hidden),
+        }
+        return attention | mlp
+    q = heads * (latent.qk_nope_head_dim + latent.qk_rope_head_dim)
+    attention = {"kv_a_proj_with_mqa": (hidden, latent.kv_lora_rank + latent.qk_rope_head_dim)}
+    if latent.q_lora_rank is None:
+        attention["q_proj"] = (hidden, q)
+    else:
+        attention |= {"q_a_proj": (hidden, latent.q_lora_rank), "q_b_proj": (latent.q_lora_rank, q)}
+    attention["o_proj"] = (heads * latent.v_head_dim, hidden)
+    return attention | mlp
+
+
+def untargetable(module: str, shapes: dict[str, tuple[int, int]]) -> str:
+    """Why `module` cannot carry a LoRA on a base of these `shapes`, and the names that can: the
+    reader is an adapter's author choosing `target_modules`."""
+    why = NOT_TARGETABLE.get(module)
+    valid = f"LoRA targets on this base model: {', '.join(shapes)}"
+    return f"{why}; {valid}" if why else valid
 
 
 def unsupported_feature(config: dict[str, Any]) -> str | None:

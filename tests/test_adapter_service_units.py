@@ -142,6 +142,163 @@ def test_hf_config_dirs_give_the_projection_shapes(tmp_path):
     assert shapes["q_proj"] == (64, 64) and shapes["k_proj"] == (64, 32) and shapes["down_proj"] == (128, 64)
 
 
+# --- DeepSeek (MLA) bases: what the pods accept, refused where they refuse ----------------------
+
+# Small DeepSeek-V2-Lite- and V3-shaped config.json files: MLA (no q_lora_rank / a q_lora_rank),
+# one dense layer then MoE layers, as tests/test_deepseek.py's tiny checkpoints.
+_DEEPSEEK = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8, "v_head_dim": 12, "first_k_dense_replace": 1, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 24, "n_shared_experts": 1,
+}  # fmt: skip
+V2_LITE = {**_DEEPSEEK, "architectures": ["DeepseekV2ForCausalLM"], "q_lora_rank": None}
+V3 = {
+    **_DEEPSEEK,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "q_lora_rank": 24,
+    "n_group": 4,
+    "topk_group": 2,
+}
+_MLP = {"gate_proj", "up_proj", "down_proj"}
+
+
+def _config_dir(path: Path, raw: dict) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw))
+    return str(path)
+
+
+def _pairs(modules: list[tuple[int, str, int, int]], rank: int = 4) -> bytes:
+    """A PEFT safetensors file of zeros with A and B for each (layer, module, in, out)."""
+    tensors = {}
+    for layer, module, fan_in, fan_out in modules:
+        prefix = f"base_model.model.model.layers.{layer}.{'mlp' if module in _MLP else 'self_attn'}.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = ([rank, fan_in], rank * fan_in)
+        tensors[f"{prefix}.lora_B.weight"] = ([fan_out, rank], fan_out * rank)
+    return _safetensors(tensors)
+
+
+def _peft_config(targets: list[str], rank: int = 4) -> bytes:
+    return json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 8, "target_modules": targets}).encode()
+
+
+@pytest.mark.parametrize(
+    ("raw", "attention"),
+    [
+        (V2_LITE, {"kv_a_proj_with_mqa": (64, 40), "q_proj": (64, 96), "o_proj": (48, 64)}),
+        (
+            V3,
+            {"kv_a_proj_with_mqa": (64, 40), "q_a_proj": (64, 24), "q_b_proj": (24, 96), "o_proj": (48, 64)},
+        ),
+    ],
+    ids=["v2-lite", "v3"],
+)
+def test_deepseek_config_dirs_give_the_mla_shapes(tmp_path, raw, attention):
+    """Each head's query is qk_nope + qk_rope = 24 wide (4 heads: 96); kv_a_proj_with_mqa writes the
+    32-wide latent and the 8-wide rotary key; o_proj reads v_head_dim 12 per head; the dense MLP is
+    intermediate_size wide; no kv_b_proj; layer 0 dense (first_k_dense_replace), 1 and 2 MoE."""
+    base = base_model.load(_config_dir(tmp_path, raw))
+    mlp = {"gate_proj": (64, 96), "up_proj": (64, 96), "down_proj": (96, 64)}
+    assert base.projection_shapes() == attention | mlp
+    assert base.moe_layers == (1, 2)
+
+
+@pytest.mark.parametrize("raw", [V2_LITE, V3], ids=["v2-lite", "v3"])
+def test_an_mla_adapter_is_accepted_and_kv_b_proj_and_moe_mlp_refused(tmp_path, raw):
+    base = base_model.load(_config_dir(tmp_path / "base", raw))
+    shapes = base.projection_shapes()
+    attention = [m for m in shapes if m not in _MLP]
+    good = [(layer, m, *shapes[m]) for layer in (0, 2) for m in attention] + [
+        (0, "gate_proj", *shapes["gate_proj"])
+    ]
+    summary = _check(tmp_path, _pairs(good), base, _peft_config([*attention, "gate_proj"]))
+    assert (summary.rank, summary.target_modules) == (4, sorted([*attention, "gate_proj"]))
+
+    kv_b = _pairs([(0, "kv_b_proj", 32, 4 * (16 + 12))])
+    with pytest.raises(validate.ValidationError, match=r"kv_b_proj.*decompresses the cached latents"):
+        _check(tmp_path, kv_b, base, _peft_config(["o_proj", "kv_b_proj"]))  # refused by its config...
+    with pytest.raises(validate.ValidationError, match="decompresses the cached latents") as e:
+        _check(tmp_path, kv_b, base, _peft_config(["kv_a_proj_with_mqa"]))  # ...and by its tensor
+    assert "kv_a_proj_with_mqa" in str(e.value)  # the valid names, for the author
+    with pytest.raises(
+        validate.ValidationError, match=r"'k_proj'.*LoRA targets on this base model: kv_a_proj"
+    ):
+        _check(tmp_path, _pairs(good), base, _peft_config(["k_proj"]))  # Llama names on an MLA base
+
+    moe_mlp = _pairs([(1, "up_proj", *shapes["up_proj"])])
+    with pytest.raises(
+        validate.ValidationError, match=r"layer 1, a mixture-of-experts layer.*dense layers: 0\)$"
+    ):
+        _check(tmp_path, moe_mlp, base, _peft_config(["up_proj"]))
+    experts = _safetensors(
+        {f"base_model.model.model.layers.1.mlp.{part}.gate_proj.lora_{ab}.weight": ([4], 4)
+         for part in ("experts.3", "shared_experts") for ab in "AB"}
+    )  # fmt: skip
+    with pytest.raises(validate.ValidationError, match="mixture-of-experts experts"):
+        _check(tmp_path, experts, base, _peft_config(["gate_proj"]))
+
+
+def _pod_config(raw: dict):
+    from model_service.models.config import ModelConfig
+
+    return ModelConfig.from_hf(raw)
+
+
+_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+}  # fmt: skip
+_BASES = {
+    "v2-lite": V2_LITE,
+    "v3": V3,
+    "v3-moe-layer-freq": {**V3, "num_hidden_layers": 6, "moe_layer_freq": 2, "first_k_dense_replace": 2},
+    "llama": _LLAMA,
+    "mixtral": {**_LLAMA, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4,
+                "num_experts_per_tok": 2},
+    "qwen3-moe": {**_LLAMA, "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4,
+                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "decoder_sparse_step": 2, "mlp_only_layers": [3]},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("raw", list(_BASES.values()), ids=list(_BASES))
+def test_the_service_and_the_pod_agree_on_a_base(tmp_path, raw):
+    """The same config.json gives the pod's `module_shapes` and MoE layers and the service's, and an
+    adapter on every projection of every layer is refused by both or accepted by both (the pod
+    loads it from disk as a registration would)."""
+    from model_service.lora.adapter import AdapterError, load_peft_adapter, module_shapes
+
+    cfg, base = _pod_config(raw), base_model.load(_config_dir(tmp_path / "base", raw))
+    shapes = base.projection_shapes()
+    assert module_shapes(cfg) == shapes
+    assert tuple(i for i, k in enumerate(cfg.layer_kinds) if k.moe) == base.moe_layers
+    for layer in range(base.num_layers):
+        for module in [*shapes, "kv_b_proj"]:
+            fan_in, fan_out = shapes.get(module, (32, 112))
+            adapter = tmp_path / f"{layer}-{module}"
+            adapter.mkdir()
+            (adapter / "adapter_config.json").write_bytes(_peft_config([module]))
+            (adapter / "adapter_model.safetensors").write_bytes(_pairs([(layer, module, fan_in, fan_out)]))
+            try:
+                validate.validate(
+                    _peft_config([module]),
+                    adapter / "adapter_model.safetensors",
+                    dataclasses.replace(base),
+                    8,
+                )
+                service = None
+            except validate.ValidationError as e:
+                service = str(e)
+            try:
+                load_peft_adapter("a", adapter, cfg, max_lora_rank=8)
+                pod = None
+            except AdapterError as e:
+                pod = str(e)
+            assert (service is None) == (pod is None), (layer, module, service, pod)
+            assert (pod is None) == (module in shapes and not (module in _MLP and layer in base.moe_layers))
+
+
 # --- the placement policy -------------------------------------------------------------------------
 
 

@@ -37,11 +37,13 @@ from model_service.lora.files import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, read_r
 from model_service.lora.reading import WeightsFile, read_weights, sha256_of
 from model_service.models.config import ModelConfig
 from spindle.peft import (
+    MLP_MODULES,
     declared_mismatch,
     module_path,
     pattern_value,
     projection_shapes,
     unsupported_feature,
+    untargetable,
 )
 from spindle.safetensors_header import HeaderError, TensorEntry, header_length, parse_header
 
@@ -49,8 +51,6 @@ _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
 
-_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -207,25 +207,20 @@ _PARSED = HostForm(torch.float32, HostBuffers(torch.device("cpu"), spare=0))
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each LoRA-targetable projection of the base model.
+    """(in_features, out_features) of each LoRA-targetable projection of the base model, from
+    spindle/peft.py, which the adapter service validates uploads with too.
 
     MLA (DeepSeek): the query and latent projections and o_proj, not `kv_b_proj`, which
     decompresses cached latents written by earlier steps (and is absorbed into decode queries):
     no step's adapter plan covers those rows."""
-    shapes = projection_shapes(
-        cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return projection_shapes(
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.latent_attention,
     )
-    mla = cfg.latent_attention
-    if mla is None:
-        return shapes
-    q = cfg.num_heads * mla.qk_head_dim
-    attention = {"kv_a_proj_with_mqa": (cfg.hidden_size, mla.cache_dim)}
-    if mla.q_lora_rank is None:
-        attention["q_proj"] = (cfg.hidden_size, q)
-    else:
-        attention |= {"q_a_proj": (cfg.hidden_size, mla.q_lora_rank), "q_b_proj": (mla.q_lora_rank, q)}
-    attention["o_proj"] = (cfg.num_heads * mla.v_head_dim, cfg.hidden_size)
-    return attention | {k: v for k, v in shapes.items() if k in _MLP_MODULES}
 
 
 def content_id(config_bytes: bytes, weights_digest: bytes) -> int:
@@ -340,6 +335,7 @@ def _modules(
     """Each module's A, B and scaling, in (layer, module) order, once every tensor's name and
     shape and every module's rank have been checked against the base model and the config."""
     shapes = module_shapes(base)
+    attention = tuple(m for m in shapes if m not in MLP_MODULES)  # what an MoE layer can carry
     pairs: dict[Key, dict[str, TensorEntry]] = {}
     for key, tensor in tensors.items():
         if "lora_embedding" in key or "lora_magnitude_vector" in key:
@@ -348,7 +344,7 @@ def _modules(
         if ".experts." in key:  # PEFT turns gate/up/down targets on an MoE model into expert LoRA
             raise AdapterError(
                 f"adapter {name!r}: tensor {key!r} adapts mixture-of-experts experts, which is not "
-                f"supported; target {_ATTENTION_MODULES} (and gate/up/down of dense layers only)"
+                f"supported; target {attention} (and gate/up/down of dense layers only)"
             )
         m = _KEY.match(key)
         if m is None:
@@ -358,16 +354,16 @@ def _modules(
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
         if module not in shapes:
             raise AdapterError(
-                f"adapter {name!r}: tensor {key!r} targets {module!r}; LoRA is supported on {tuple(shapes)}"
+                f"adapter {name!r}: tensor {key!r} targets {module!r}: {untargetable(module, shapes)}"
             )
         if layer >= base.num_layers:
             raise AdapterError(
                 f"adapter {name!r}: tensor {key!r} names layer {layer}; the base model has {base.num_layers}"
             )
-        if base.layer_kinds[layer].moe and module in _MLP_MODULES:
+        if base.layer_kinds[layer].moe and module in MLP_MODULES:
             raise AdapterError(
                 f"adapter {name!r}: tensor {key!r} targets {module!r} of layer {layer}, a mixture-of-experts "
-                f"layer; LoRA on experts is not supported (target {_ATTENTION_MODULES} there)"
+                f"layer; LoRA on experts is not supported (target {attention} there)"
             )
         pairs.setdefault((layer, module), {})[ab] = tensor
 

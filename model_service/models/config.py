@@ -14,21 +14,14 @@ from typing import Any
 
 from model_service.errors import ModelLoadError
 from model_service.models.quantization import Fp8Scheme, quantization_scheme
+from spindle.architectures import (
+    DEEPSEEK_FAMILIES,
+    MOE_FAMILIES,
+    SUPPORTED_ARCHITECTURES,
+    moe_layers,
+)
+from spindle.architectures import family as hf_family
 
-# Architectures whose forward pass is the Llama decoder with small switches.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen3NextForCausalLM": "qwen3_next",
-    "DeepseekV2ForCausalLM": "deepseek_v2",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-}
-MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()}  # config.json model_type
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -200,9 +193,7 @@ class ModelConfig:
     def from_hf(cls, raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
         """Build from a `config.json` dict; refuse what the engine cannot run, naming the field."""
         archs = raw.get("architectures") or []
-        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if family is None:
-            family = MODEL_TYPES.get(raw.get("model_type", ""))
+        family = hf_family(raw)
         if family is None:
             raise ModelLoadError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
@@ -320,10 +311,6 @@ def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> l
     return [int(window) if i >= max_window_layers else None for i in range(layers)]
 
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "deepseek_v2", "deepseek_v3")
-DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
-
-
 def _qwen2_moe_qkv_bias(raw: dict[str, Any], family: str) -> bool:
     """Qwen2-MoE's q/k/v carry a bias unless a transformers 5.x config says `qkv_bias: false`."""
     return family == "qwen2_moe" and bool(raw.get("qkv_bias", True))
@@ -339,15 +326,13 @@ def _moe_from_hf(cfg: ModelConfig, raw: dict[str, Any]) -> None:
         cfg.num_experts_per_tok = int(raw["num_experts_per_tok"])
         if cfg.family == "mixtral":
             cfg.moe_intermediate_size, cfg.norm_topk_prob = cfg.intermediate_size, True
-            sparse = [True] * cfg.num_layers
         else:
             cfg.moe_intermediate_size = int(raw["moe_intermediate_size"])
             cfg.norm_topk_prob = bool(raw.get("norm_topk_prob", False))
             cfg.shared_expert_intermediate_size = int(raw.get("shared_expert_intermediate_size") or 0)
-            dense, step = set(raw.get("mlp_only_layers") or []), int(raw.get("decoder_sparse_step") or 1)
-            sparse = [
-                cfg.num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers)
-            ]
+        sparse = moe_layers(
+            cfg.family, raw, cfg.num_layers
+        )  # spindle/architectures.py: the service's rule too
     except KeyError as e:
         raise ModelLoadError(f"config.json is missing required MoE field {e.args[0]!r}") from e
     if any(sparse) and not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
@@ -417,8 +402,7 @@ def _deepseek_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
     cfg.shared_expert_gated = False
     cfg.routing = _deepseek_routing(raw, cfg.family, experts)
     mtp = int(raw.get("num_nextn_predict_layers") or 0)
-    first_dense, freq = int(raw.get("first_k_dense_replace") or 0), int(raw.get("moe_layer_freq") or 1)
-    sparse = [experts > 0 and i >= first_dense and i % freq == 0 for i in range(cfg.num_layers + mtp)]
+    sparse = moe_layers(cfg.family, raw, cfg.num_layers + mtp)
     if any(sparse) and not 0 < cfg.num_experts_per_tok <= experts:
         raise ModelLoadError(
             f"num_experts_per_tok {cfg.num_experts_per_tok} must be between 1 and n_routed_experts {experts}"

@@ -1,0 +1,55 @@
+"""Which model families the engine serves and which of their layers are mixture-of-experts, read
+from an HF `config.json` dict without torch.
+
+The pods (model_service/models/config.py) and the adapter service (adapter_service/base_model.py)
+both need this: a LoRA on gate/up/down of an MoE layer is refused by the pod, so the adapter
+service must refuse it at upload by the same rule, and one function keeps the two from drifting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Architectures whose forward pass is the Llama decoder with small switches (or MLA, for DeepSeek).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()}  # config.json model_type
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "deepseek_v2", "deepseek_v3")
+DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
+
+
+def family(raw: dict[str, Any]) -> str | None:
+    """The family of a `config.json`: its first supported `architectures` entry, else its
+    `model_type`; None when the engine does not serve it."""
+    archs = raw.get("architectures") or []
+    found = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    return found if found is not None else MODEL_TYPES.get(raw.get("model_type", ""))
+
+
+def moe_layers(family: str | None, raw: dict[str, Any], count: int) -> list[bool]:
+    """Whether each of the first `count` layers has a mixture-of-experts MLP (DeepSeek counts its
+    MTP layers after the decoder's). DeepSeek: from `first_k_dense_replace` on, every
+    `moe_layer_freq`-th, when it has `n_routed_experts`. Mixtral: every layer. Qwen MoE: layer i
+    unless listed in `mlp_only_layers` or off the `decoder_sparse_step` stride. Raises KeyError
+    for a Qwen MoE config without `num_experts` / `num_local_experts` (the caller names it)."""
+    if family in DEEPSEEK_FAMILIES:
+        experts = int(raw.get("n_routed_experts") or 0)
+        first_dense, freq = int(raw.get("first_k_dense_replace") or 0), int(raw.get("moe_layer_freq") or 1)
+        return [experts > 0 and i >= first_dense and i % freq == 0 for i in range(count)]
+    if family == "mixtral":
+        return [True] * count
+    if family in MOE_FAMILIES:
+        experts = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])
+        dense, step = set(raw.get("mlp_only_layers") or []), int(raw.get("decoder_sparse_step") or 1)
+        return [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(count)]
+    return [False] * count
