@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
-from model_service.kernels.skinny_gemm import MAX_ROWS, skinny_applies, skinny_config, skinny_linear
+from model_service.kernels.skinny_gemm import (
+    MAX_ROWS,
+    SkinnyConfig,
+    skinny_applies,
+    skinny_config,
+    skinny_linear,
+)
 from model_service.models import layers
 from model_service.models.layers import PackedLinear, store_weights_transposed
 from model_service.models.llama import DecoderModel
@@ -33,6 +41,17 @@ def test_wide_outputs_take_one_program_per_column_block_and_narrow_ones_split_k(
     assert skinny_config(4096, 6144).num_stages == 6  # an H200's 227 KiB a program: the measured tiling
     assert skinny_config(4096, 6144, smem=101_376).num_stages == 4  # 99 KiB (sm86 / sm89): fewer stages
     assert skinny_config(4096, 6144, smem=32_768) is None  # not two stages
+
+
+def test_e4m3_weights_take_longer_k_tiles_and_narrower_column_blocks():
+    """The tilings an H200 sweep chose for one-byte weights read along K (8B shapes)."""
+    fp8 = functools.partial(skinny_config, weight_bytes=1)
+    assert fp8(4096, 28672) == SkinnyConfig(32, 256, 1, 3)  # gate_up: 896 column blocks, no split
+    assert fp8(4096, 6144) == SkinnyConfig(64, 128, 4, 3)  # qkv
+    assert fp8(4096, 4096) == SkinnyConfig(64, 128, 4, 3)  # o
+    assert fp8(14336, 4096) == SkinnyConfig(64, 128, 4, 3)  # down
+    assert fp8(768, 320) == SkinnyConfig(64, 128, 2, 3)  # a K that four splits do not divide: two
+    assert fp8(576, 576) is None  # SmolLM2: K is no multiple of 128
 
 
 def test_the_kernel_is_only_chosen_where_it_applies():

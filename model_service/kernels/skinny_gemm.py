@@ -13,6 +13,8 @@ next call; CUDA graphs replay it as is.
 FP8 weights (`Fp8Linear`, one scale a row) take the same kernel in W8A16: e4m3 tiles read where
 they lie (rows contiguous, as `_scaled_mm` wants them) and converted to bf16 in registers, the
 row scales applied to the float32 sums. One byte a weight: half the bytes of a bf16 decode step.
+A single row (batch-1 decode) with e4m3 weights takes a GEMV kernel instead (`_fp8_gemv`), which
+reads the weight's rows as they lie and sums without the tensor cores: 30% faster there.
 
 H200, Llama-3-8B shapes, one row, 32 distinct weights in a graph (`devrun` bench of
 2026-12-01 o, per product): qkv 15.38 -> 14.19 us, o 12.99 -> 11.54, gate_up 55.14 -> 54.64,
@@ -53,18 +55,29 @@ def _device_limits(device: torch.device) -> tuple[int, int]:
     return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 49152)
 
 
-def skinny_config(k: int, n: int, sms: int = 132, smem: int = 232_448) -> SkinnyConfig | None:
+def skinny_config(
+    k: int, n: int, sms: int = 132, smem: int = 232_448, weight_bytes: int = 2
+) -> SkinnyConfig | None:
     """The tiling for a [*, k] x [k, n] product on a GPU of `sms` SMs and `smem` bytes of shared
     memory a program (measured on an H200: 132, 227 KiB), None where the kernel does not apply.
-    Wide outputs (qkv, gate_up) fill the GPU with one program per column block; narrow ones (o,
-    down) split K four ways: one program per 64 columns of o gave 12.7 us, four 11.5."""
-    if 3 * (n // 64) >= 2 * sms:  # two thirds of the SMs or more: qkv's 96 programs beat split-K
+    bf16 weights (`weight_bytes` 2): wide outputs (qkv, gate_up) fill the GPU with one program
+    per column block; narrow ones (o, down) split K four ways: one program per 64 columns of o
+    gave 12.7 us, four 11.5. e4m3 weights (1) are read along K (rows contiguous), so a tile's
+    runs are only block_k bytes: longer K tiles, narrower column blocks, K split unless the
+    columns alone give four waves (`.gpuwheels`-style sweep of 54 tilings a shape, one row, H200,
+    2026-12-02 t: qkv 20.7 -> 14.1 us, o 12.2 -> 11.2, gate_up 66.7 -> 42.6, down 32.2 -> 28.2)."""
+    if weight_bytes == 1:
+        block_n = 32 if n // 32 >= 4 * sms else 64
+        block_k, split_k, stages = (256, 1, 3) if block_n == 32 else (128, 4, 3)
+    elif 3 * (n // 64) >= 2 * sms:  # two thirds of the SMs or more: qkv's 96 programs beat split-K
         block_n = 256 if 3 * (n // 256) >= 2 * sms else 64
         block_k, split_k, stages = (64, 1, 4) if block_n == 256 else (128, 1, 6)
     else:
         block_n, block_k, split_k, stages = 64, 64, 4, 4
+    while weight_bytes == 1 and k % (block_k * split_k) and split_k > 1:  # a K four splits do not divide
+        split_k //= 2
     # Each pipeline stage holds a [16, block_k] tile of x and a [block_k, block_n] one of the weight.
-    stages = min(stages, smem // (2 * block_k * (MAX_ROWS + block_n)))
+    stages = min(stages, smem // (block_k * (2 * MAX_ROWS + weight_bytes * block_n)))
     if stages < 2 or n % block_n or k % (block_k * split_k):
         return None
     return SkinnyConfig(block_n, block_k, split_k, stages)
@@ -98,7 +111,8 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return (
         stored
         and _device_limits(x.device)[0] > 0
-        and skinny_config(weight.shape[1], weight.shape[0], *_device_limits(x.device)) is not None
+        and skinny_config(weight.shape[1], weight.shape[0], *_device_limits(x.device), weight.element_size())
+        is not None
     )
 
 
@@ -121,8 +135,10 @@ def skinny_linear(
     accurate than the W8A8 product it stands in for."""
     rows, k = x.shape
     n = weight.shape[0]
-    cfg = skinny_config(k, n, *_device_limits(x.device))
-    assert cfg is not None and arrivals.numel() >= n // cfg.block_n
+    if rows == 1 and weight_scale is not None:
+        return _fp8_gemv(x, weight, bias, weight_scale)
+    cfg = skinny_config(k, n, *_device_limits(x.device), weight.element_size())
+    assert cfg is not None and (cfg.split_k == 1 or arrivals.numel() >= n // cfg.block_n)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     parts = torch.empty(cfg.split_k if cfg.split_k > 1 else 0, rows, n, dtype=torch.float32, device=x.device)
     _skinny_kernel[(n // cfg.block_n, cfg.split_k)](
@@ -134,7 +150,50 @@ def skinny_linear(
     return y
 
 
+def _fp8_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor
+) -> torch.Tensor:
+    """One row times an e4m3 weight [n, k] without `tl.dot`: each program reads [block_n, block_k]
+    tiles along K as the rows lie (long contiguous runs of bytes, no operand layout for the tensor
+    cores to shuffle into), converts them to float32 and sums against x, one output column a row
+    of the tile. A batch-1 decode step is all such products. H200, 8B shapes (one row, 24
+    distinct weights in a graph, 2026-12-02 t): qkv 14.0 -> 9.3 us against the tuned `tl.dot`
+    kernel, o 11.3 -> 7.8, gate_up 42.6 -> 29.9 (3.9 TB/s of weight bytes), down 28.0 -> 20.1.
+    No split of K: splitting gained o and down ~10% more, at the price of an arrival counter."""
+    k, n = x.shape[1], weight.shape[0]
+    block_n, block_k = (32, 256) if n // 32 >= 4 * _device_limits(x.device)[0] else (8, 1024)
+    assert n % block_n == 0
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _fp8_gemv_kernel[(n // block_n,)](
+        x, weight, scale, bias if bias is not None else y, y, k, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4, num_stages=4 if block_n == 32 else 2,
+    )  # fmt: skip
+    return y
+
+
 if triton is not None:
+
+    @triton.jit
+    def _fp8_gemv_kernel(
+        X, W, Scale, Bias, Y, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):  # fmt: skip
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            if EVEN_K:
+                w = tl.load(W + cols[:, None] * K + k[None, :])
+                x = tl.load(X + k)
+            else:
+                w = tl.load(W + cols[:, None] * K + k[None, :], mask=k[None, :] < K, other=0.0)
+                x = tl.load(X + k, mask=k < K, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        acc *= tl.load(Scale + cols)
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols).to(tl.float32)
+        tl.store(Y + cols, acc.to(Y.dtype.element_ty))
 
     @triton.jit
     def _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
