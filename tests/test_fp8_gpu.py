@@ -151,6 +151,20 @@ def test_few_row_kernel_matches_the_weight_only_reference(
     assert torch.equal(skinny_linear(x, weight, b, arrivals, scale), got), "split-K sums in a fixed order"
 
 
+def test_one_row_of_any_width_takes_the_gemv():
+    """SmolLM2's shapes (K of 576 or 1,536: no tiling of the few-row kernel divides them): one row
+    still takes the GEMV (K masked), against the weight-only reference; two rows do not apply."""
+    for k, n in ((576, 576), (1536, 576), (576, 3072)):
+        torch.manual_seed(k + n)
+        weight, scale = fp8_weight(n, k, False)
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        assert skinny_applies(x, weight, scale)
+        assert not skinny_applies(torch.randn(2, k, device="cuda").bfloat16(), weight, scale)
+        got = skinny_linear(x, weight, None, torch.zeros(n // 64, dtype=torch.int32, device="cuda"), scale)
+        want = fp8_linear_reference(x.float(), weight, scale, k, None, WEIGHT_ONLY)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
 def test_few_row_kernel_replays_in_a_cuda_graph_over_new_inputs():
     """Split-K (o's shape) with its counters reset inside the kernel: a graph replays it as is."""
     weight, scale = fp8_weight(4096, 4096)

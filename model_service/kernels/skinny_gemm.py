@@ -108,12 +108,20 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
             and weight_scale.is_contiguous()
             and has_fp8_conversions(x.device)
         )
-    return (
-        stored
-        and _device_limits(x.device)[0] > 0
-        and skinny_config(weight.shape[1], weight.shape[0], *_device_limits(x.device), weight.element_size())
-        is not None
-    )
+    sms, smem = _device_limits(x.device)
+    if not stored or sms == 0:
+        return False
+    n, k = weight.shape
+    if weight_scale is not None and x.shape[0] == 1:  # the GEMV: any K (masked), N in whole column blocks
+        return n % gemv_tiles(n, sms)[0] == 0
+    return skinny_config(k, n, sms, smem, weight.element_size()) is not None
+
+
+def gemv_tiles(n: int, sms: int = 132) -> tuple[int, int]:
+    """(block_n, block_k) of the one-row e4m3 GEMV (`_fp8_gemv`): wide outputs (gate_up) in
+    [32, 256] tiles, enough programs already; the rest in [8, 1024] ones, so that o's 4,096
+    columns still start 512 programs."""
+    return (32, 256) if n // 32 >= 4 * sms else (8, 1024)
 
 
 def skinny_linear(
@@ -161,7 +169,7 @@ def _fp8_gemv(
     kernel, o 11.3 -> 7.8, gate_up 42.6 -> 29.9 (3.9 TB/s of weight bytes), down 28.0 -> 20.1.
     No split of K: splitting gained o and down ~10% more, at the price of an arrival counter."""
     k, n = x.shape[1], weight.shape[0]
-    block_n, block_k = (32, 256) if n // 32 >= 4 * _device_limits(x.device)[0] else (8, 1024)
+    block_n, block_k = gemv_tiles(n, _device_limits(x.device)[0])
     assert n % block_n == 0
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(n // block_n,)](
