@@ -10,10 +10,12 @@ DeltaNet layers per gated-attention layer, Qwen3-Next-80B's mixer sizes, `--laye
   `--eager` runs them without graphs, as before those kernels. `step_mb` is what a decode step
   must move at least (`decode_step_bytes`), and on CUDA `fraction_of_copy_bandwidth` = step_mb x
   steps/s over the card's measured copy bandwidth: 1 / fraction is how far a step is above its
-  bandwidth floor.
+  bandwidth floor. `--profile B` prints, after the JSON lines, the device time per kernel of
+  8 decode steps at batch B (`bench/gpu.py`'s `kernel_profile`): where a step above its floor goes.
 Prints one JSON line per result.
 
     python bench/hybrid.py [--layers 8] [--prompt-len 2048] [--batches 1 16 64] [--small] [--eager]
+                           [--profile 1]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 
 import torch
 
-from bench.gpu import copy_bandwidth
+from bench.gpu import copy_bandwidth, kernel_profile
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.models import gated_delta
@@ -106,6 +108,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
+    parser.add_argument("--profile", type=int, default=0, metavar="B", help="kernel times at batch B (CUDA)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -151,6 +154,8 @@ def main() -> None:
         if bandwidth is not None:
             result["fraction_of_copy_bandwidth"] = round(step_bytes * rate / batch / 1e9 / bandwidth, 3)
         print(json.dumps({**setup, **result}))
+    if args.profile and device == "cuda":
+        print(kernel_profile(engine, args.profile, 16, cfg.vocab_size))
 
 
 if __name__ == "__main__":
