@@ -17,12 +17,16 @@ With `--engine`, instead: decode tokens/s of the whole engine on a Qwen3-30B-A3B
 eagerly, measured as bench/gpu.py measures it (prefill excluded), on one GPU or over `--tp`
 GPUs (experts tensor-parallel, or whole experts per rank with `--enable-expert-parallel`);
 `active_gb_s` = bytes of the weights one token reads at batch 1 (attention, 8 experts a layer,
-embeddings row, LM head) x tokens/s.
+embeddings row, LM head) x tokens/s; at every batch, `fraction_of_copy_bandwidth` = the step's
+floor bytes (`step_bytes`: the experts a step's tokens are expected to hit under uniform routing,
+E x (1 - (1 - k/E)^batch) a layer, plus attention, LM head and K/V) x steps/s over the card's
+measured copy bandwidth. `--profile B`: device time per kernel of 8 decode steps at batch B.
 
     python bench/moe.py [--tokens 1 64 512] [--device cuda] [--dtype bfloat16]
     python bench/moe.py --device cpu --dtype float32 --experts 16 --hidden 256 --inter 128  # a smoke run
     python bench/moe.py --tokens 1 64 --sweep  # fused tilings
     python bench/moe.py --engine [--batches 1 16 64] [--layers 48] [--tp 2 [--enable-expert-parallel]]
+                        [--profile 1]
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.gpu import decode_tok_s, random_module
+from bench.gpu import copy_bandwidth, decode_tok_s, kernel_profile, random_module
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.kernels.experts import experts_grouped, experts_path, experts_reference
@@ -135,6 +139,18 @@ def active_weight_bytes(cfg: ModelConfig) -> int:
     return 2 * (cfg.num_layers * (attention + moe) + (cfg.vocab_size + 1) * cfg.hidden_size)
 
 
+def step_bytes(cfg: ModelConfig, batch: int, context: int) -> float:
+    """bf16 bytes a decode step of `batch` tokens at `context` must move at least: attention and
+    router weights, the experts its tokens are expected to hit (uniform routing), the LM head,
+    the batch's embedding rows and K/V."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    hit = e * (1 - (1 - k / e) ** batch)
+    attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    layer = attention + (e + hit * 3 * cfg.moe_intermediate_size) * cfg.hidden_size
+    kv = batch * context * 2 * cfg.num_kv_heads * cfg.head_dim
+    return 2 * (cfg.num_layers * (layer + kv) + (cfg.vocab_size + batch) * cfg.hidden_size)
+
+
 def qwen3_30b_shape(layers: int) -> LoadedModel:
     """Seeded random weights on the current CUDA device: every tensor-parallel rank builds the same."""
     kinds = [LayerKind(moe=True)] * layers
@@ -152,6 +168,7 @@ def engine_decode(args: argparse.Namespace) -> None:
     setup = {"model": "qwen3-30b-a3b-shape", "layers": args.layers, "dtype": "bfloat16",
              "device": torch.cuda.get_device_name(), "prompt_len": 128, "new_tokens": 64, "tp": args.tp,
              "expert_parallel": args.enable_expert_parallel}  # fmt: skip
+    bandwidth = copy_bandwidth()
     for eager in (False, True):
         config = EngineConfig(
             device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches), max_loras=0,
@@ -167,7 +184,11 @@ def engine_decode(args: argparse.Namespace) -> None:
             line["decode_tokens_per_s"] = round(rate, 1)
             if batch == 1:
                 line["active_gb_s"] = round(active_weight_bytes(cfg) * rate / 1e9)
+            floor = step_bytes(cfg, batch, 128 + 32)
+            line["fraction_of_copy_bandwidth"] = round(floor * rate / batch / 1e9 / bandwidth, 3)
             print(json.dumps({**line, **setup}), flush=True)
+        if args.profile and not eager:
+            print(kernel_profile(engine, args.profile, 128, cfg.vocab_size), flush=True)
         if args.tp > 1:  # one tensor-parallel engine per process at a time
             engine.executor.teardown()
 
@@ -186,6 +207,7 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help="whole-engine decode on a Qwen3-30B-A3B shape")
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
     ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--profile", type=int, default=0, metavar="B", help="--engine: kernel times at batch B")
     ap.add_argument("--tp", type=int, default=1, help="--engine: tensor-parallel ranks (GPUs)")
     ap.add_argument(
         "--enable-expert-parallel", action="store_true", help="--engine with --tp: whole experts per rank"
