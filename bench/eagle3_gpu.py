@@ -20,19 +20,14 @@ decode tokens/s excludes prefill (bench/gpu.py's `decode_tok_s`).
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from bench.gpu import LLAMA3_8B, SMOLLM2
-from bench.spec_gpu import decode_run, successor_model, walk, walk_from
-from model_service.engine.config import EngineConfig
-from model_service.engine.engine import Engine
+from bench.spec_gpu import compare, plain_and_speculative, successor_parser, successor_setup, walk
 from model_service.models.loader import LoadedModel
 from model_service.startup import configure_process
 
@@ -87,49 +82,18 @@ def successor_head(target: LoadedModel, cycle: list[int], path: Path) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=int, nargs="*", default=[1, 64])
-    ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--cycle", type=int, default=97)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--small", action="store_true", help="SmolLM2's shape instead of the 8B one")
-    args = ap.parse_args()
-    shape = SMOLLM2 if args.small else LLAMA3_8B
-    order = torch.randperm(shape["vocab_size"] - 3, generator=torch.Generator().manual_seed(0))
-    cycle = (order[: args.cycle] + 3).tolist()
-    loaded = successor_model(shape, cycle)
+    args = successor_parser(__doc__, k=3).parse_args()
+    loaded, cycle = successor_setup(args)
     head = successor_head(loaded, cycle, Path(tempfile.mkdtemp()) / "head")
-    rows = max(args.batches)
-    blocks = rows * math.ceil((args.prompt_len + args.new_tokens + args.k + 16) / 16) + 64
     spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": args.k})
-    engines = {
-        on: Engine(
-            EngineConfig(model="smollm2", device="cuda", dtype="bfloat16", max_num_seqs=rows, max_loras=0,
-                         num_kv_blocks=blocks, speculative_config=spec if on else None),
-            loaded=loaded,
-        )
-        for on in (False, True)
-    }  # fmt: skip
+    engines = plain_and_speculative(loaded, args, spec)
     setup = {"model": "successor model and head of the " + ("SmolLM2" if args.small else "Llama-3-8B")
              + " shape", "device": torch.cuda.get_device_name(), "dtype": "bfloat16", "k": args.k,
              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}  # fmt: skip
     for batch in args.batches:
         prompts = [walk(cycle, args.prompt_len, 0.0, seed) for seed in range(batch)]
-        base_s, base_out = decode_run(engines[False], prompts, args.new_tokens)
-        e = engines[True]
-        proposed, accepted = e.speculation.proposed, e.speculation.accepted
-        spec_s, spec_out = decode_run(e, prompts, args.new_tokens)
-        proposed, accepted = e.speculation.proposed - proposed, e.speculation.accepted - accepted
-        decoded = batch * (args.new_tokens - 1)
-        expected = [walk_from(cycle, p[-1], args.new_tokens) for p in prompts]
-        print(json.dumps({
-            "bench": "eagle3_gpu", "batch": batch,
-            "continuation_repeats_prompt": base_out == expected,
-            "identical": spec_out == base_out, "acceptance_rate": round(accepted / max(proposed, 1), 3),
-            "tok_s_without": round(decoded / base_s, 1), "tok_s_eagle3": round(decoded / spec_s, 1),
-            "speedup": round(base_s / spec_s, 2), **setup,
-        }), flush=True)  # fmt: skip
+        result = compare(engines, cycle, prompts, args.new_tokens)
+        print(json.dumps({"bench": "eagle3_gpu", "batch": batch, **result, **setup}), flush=True)
 
 
 if __name__ == "__main__":

@@ -76,24 +76,34 @@ def decode_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tup
     return full - one, [o.token_ids for o in engine.generate(reqs)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def successor_parser(description: str, k: int) -> argparse.ArgumentParser:
+    """The options both speculation benches on the successor model take."""
+    ap = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 64])
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--noise", type=float, nargs="*", default=[0.0, 0.2])
+    ap.add_argument("--k", type=int, default=k)
     ap.add_argument("--cycle", type=int, default=97)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--small", action="store_true", help="SmolLM2's shape instead of the 8B one")
-    args = ap.parse_args()
+    return ap
+
+
+def successor_setup(args: argparse.Namespace) -> tuple[LoadedModel, list[int]]:
+    """The successor model of the chosen shape and the cycle its greedy decoding walks."""
     shape = SMOLLM2 if args.small else LLAMA3_8B
     order = torch.randperm(shape["vocab_size"] - 3, generator=torch.Generator().manual_seed(0))
     cycle = (order[: args.cycle] + 3).tolist()
-    loaded = successor_model(shape, cycle)
+    return successor_model(shape, cycle), cycle
+
+
+def plain_and_speculative(loaded: LoadedModel, args: argparse.Namespace, spec: str) -> dict[bool, Engine]:
+    """Two engines over the same weights, without (False) and with (True) `spec`, with room for
+    the largest batch's prompts, outputs and proposals."""
     rows = max(args.batches)
     blocks = rows * math.ceil((args.prompt_len + args.new_tokens + args.k + 16) / 16) + 64
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k})
-    engines = {
+    return {
         on: Engine(
             EngineConfig(model="smollm2", device="cuda", dtype="bfloat16", max_num_seqs=rows, max_loras=0,
                          num_kv_blocks=blocks, speculative_config=spec if on else None),
@@ -101,26 +111,46 @@ def main() -> None:
         )
         for on in (False, True)
     }  # fmt: skip
+
+
+def compare(
+    engines: dict[bool, Engine], cycle: list[int], prompts: list[list[int]], new_tokens: int
+) -> dict[str, object]:
+    """Decode both engines over `prompts`: whether the outputs are the walk's and each other's,
+    the acceptance rate of the timed runs, tokens/s without and with speculation."""
+    base_s, base_out = decode_run(engines[False], prompts, new_tokens)
+    e = engines[True]
+    proposed, accepted = e.speculation.proposed, e.speculation.accepted
+    spec_s, spec_out = decode_run(e, prompts, new_tokens)
+    proposed, accepted = e.speculation.proposed - proposed, e.speculation.accepted - accepted
+    expected = [walk_from(cycle, p[-1], new_tokens) for p in prompts]
+    decoded = len(prompts) * (new_tokens - 1)
+    return {
+        "continuation_repeats_prompt": base_out == expected, "identical": spec_out == base_out,
+        "acceptance_rate": round(accepted / max(proposed, 1), 3), "tok_s_without": round(decoded / base_s, 1),
+        "tok_s_speculative": round(decoded / spec_s, 1), "speedup": round(base_s / spec_s, 2),
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = successor_parser(__doc__, k=4)
+    ap.add_argument("--noise", type=float, nargs="*", default=[0.0, 0.2])
+    args = ap.parse_args()
+    loaded, cycle = successor_setup(args)
+    engines = plain_and_speculative(
+        loaded, args, json.dumps({"method": "ngram", "num_speculative_tokens": args.k})
+    )
     setup = {"model": "successor model of the " + ("SmolLM2" if args.small else "Llama-3-8B") + " shape",
              "device": torch.cuda.get_device_name(), "dtype": "bfloat16", "k": args.k, "cycle": args.cycle,
              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}  # fmt: skip
     for noise in args.noise:
         for batch in args.batches:
             prompts = [walk(cycle, args.prompt_len, noise, seed) for seed in range(batch)]
-            base_s, base_out = decode_run(engines[False], prompts, args.new_tokens)
-            e = engines[True]
-            proposed, accepted = e.speculation.proposed, e.speculation.accepted
-            spec_s, spec_out = decode_run(e, prompts, args.new_tokens)
-            proposed, accepted = e.speculation.proposed - proposed, e.speculation.accepted - accepted
-            expected = [walk_from(cycle, p[-1], args.new_tokens) for p in prompts]
-            decoded = batch * (args.new_tokens - 1)
-            print(json.dumps({
-                "bench": "spec_gpu", "batch": batch, "noise": noise,
-                "continuation_repeats_prompt": base_out == expected, "identical": spec_out == base_out,
-                "acceptance_rate": round(accepted / max(proposed, 1), 3),
-                "tok_s_without": round(decoded / base_s, 1), "tok_s_ngram": round(decoded / spec_s, 1),
-                "speedup": round(base_s / spec_s, 2), **setup,
-            }), flush=True)  # fmt: skip
+            result = compare(engines, cycle, prompts, args.new_tokens)
+            print(
+                json.dumps({"bench": "spec_gpu", "batch": batch, "noise": noise, **result, **setup}),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ from model_service.engine.speculation import SpeculativeConfig, accept_sampled
 from model_service.errors import InvalidRequestError, ModelLoadError
 from model_service.models.loader import LoadedModel, load_model
 from spindle.cli import main
-from tests.conftest import assert_all_blocks_free, forward, make_engine, new_sequence
+from tests.conftest import forward, make_engine, new_sequence
 from tests.eagle3_models import DRAFT_VOCAB, VOCAB, eagle3_config, head_config, make_head, make_target
+from tests.hidden_state_proposers import assert_proposer_blocks_free, assert_rollback_leaves_no_stale_kv
 from tests.test_lora import make_adapter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -52,13 +53,6 @@ def requests(max_tokens: int = 20) -> list[dict]:
     return [{"prompt_token_ids": prompt(n, 100 + n), **greedy} for n in (20, 7, 13, 23)]
 
 
-def assert_head_blocks_free(engine: Engine) -> None:
-    assert_all_blocks_free(engine)
-    proposer = engine.speculation.proposer
-    assert isinstance(proposer, Eagle3Proposer) and not proposer.follows and not proposer.unaided
-    assert proposer.cache.num_free_blocks == proposer.cache.num_total_blocks
-
-
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_output_is_identical_with_eagle3_speculation(ckpt, k: int):
     target, head = ckpt
@@ -72,7 +66,7 @@ def test_greedy_output_is_identical_with_eagle3_speculation(ckpt, k: int):
     module = engine.speculation.proposer.executor.module
     assert module.embed_tokens.weight is target.module.model.embed_tokens.weight  # absent: the target's
     assert module.lm_head.weight.shape[0] == DRAFT_VOCAB
-    assert_head_blocks_free(engine)
+    assert_proposer_blocks_free(engine, Eagle3Proposer)
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -103,7 +97,7 @@ def test_greedy_output_is_identical_under_chunked_prefill_prefix_hits_preemption
     assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
     assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens
     assert engine.speculation.proposer.cache.blocks.num_cached > 0
-    assert_head_blocks_free(engine)
+    assert_proposer_blocks_free(engine, Eagle3Proposer)
 
 
 def test_sampled_output_is_reproducible_and_q_lives_on_the_heads_vocabulary(ckpt):
@@ -122,7 +116,7 @@ def test_sampled_output_is_reproducible_and_q_lives_on_the_heads_vocabulary(ckpt
         assert not proposal.probs[:, outside].any()  # target ids the head cannot propose: q = 0
         assert all(not outside[t] for t in proposal.tokens)
         outputs.append(engine.run_to_completion()[rid].token_ids)
-        assert_head_blocks_free(engine)
+        assert_proposer_blocks_free(engine, Eagle3Proposer)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 16
 
 
@@ -138,32 +132,14 @@ def test_rejection_sampling_keeps_the_target_distribution_when_q_misses_tokens()
 
 
 def test_rollback_leaves_no_stale_eagle3_kv(ckpt):
-    """Mid-generation, after rejections, the head's cache rows for the positions the target
-    confirmed are what one pass over the whole history computes: the chained rows of rejected
-    (and accepted) proposals were cut and rewritten from the target's states."""
+    """After rejections, the head's cache holds only rows the target's states wrote
+    (`hidden_state_proposers.assert_rollback_leaves_no_stale_kv`)."""
     target, head = ckpt
-    engine = make_engine(target, block_size=4, speculative_config=eagle3_config(head, 3))
-    rid = engine.add_request_dict(requests(40)[3])
-    seq = engine.requests[rid]
-    for _ in range(6):
-        engine.step()
-    spec = engine.speculation
-    assert 0 < spec.accepted < spec.proposed
-    follow = spec.proposer.follows[rid]
-    assert follow.confirmed == len(seq.token_ids) - 1
-    assert follow.state.num_computed == follow.confirmed + 3 - 1  # then the chained positions
-    spec.proposer.on_verified(seq, 0)
-    assert follow.state.num_computed == follow.confirmed  # rolled back to what the target made
-    fresh = make_engine(target, block_size=4, speculative_config=eagle3_config(head, 1))
-    again = fresh.add_request_dict({"prompt_token_ids": seq.token_ids, "max_tokens": 3, "temperature": 0})
-    fresh.step()
-    fresh_follow = fresh.speculation.proposer.follows[again]
-    assert fresh_follow.confirmed == len(seq.token_ids)
-    n = follow.confirmed
-    for got, want in zip(
-        _kv_rows(engine, follow.state, n), _kv_rows(fresh, fresh_follow.state, n), strict=True
-    ):
-        torch.testing.assert_close(got, want)
+
+    def make(k: int) -> Engine:
+        return make_engine(target, block_size=4, speculative_config=eagle3_config(head, k))
+
+    assert_rollback_leaves_no_stale_kv(make, requests(40)[3], _kv_rows)
 
 
 def _kv_rows(engine: Engine, state, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,8 @@ from model_service.engine.speculation import SpeculativeConfig
 from model_service.errors import InvalidRequestError, ModelLoadError
 from model_service.models.loader import LoadedModel, load_model
 from spindle.cli import main
-from tests.conftest import assert_all_blocks_free, forward, make_engine, new_sequence
+from tests.conftest import forward, make_engine, new_sequence
+from tests.hidden_state_proposers import assert_proposer_blocks_free, assert_rollback_leaves_no_stale_kv
 from tests.test_deepseek import make_tiny_deepseek
 from tests.test_lora import make_adapter
 from tests.test_tiny_models import (  # noqa: F401 (_one_torch_thread: the module fixture, no conftest needed)
@@ -97,13 +98,6 @@ def requests(max_tokens: int = 20) -> list[dict]:
     return [{"prompt_token_ids": p, **greedy} for p in prompts]
 
 
-def assert_mtp_blocks_free(engine: Engine) -> None:
-    assert_all_blocks_free(engine)
-    proposer = engine.speculation.proposer
-    assert isinstance(proposer, MtpProposer) and not proposer.follows and not proposer.unaided
-    assert proposer.cache.num_free_blocks == proposer.cache.num_total_blocks
-
-
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_output_is_identical_with_mtp_speculation(target: LoadedModel, k: int):
     plain = make_engine(target, block_size=4)
@@ -115,7 +109,7 @@ def test_greedy_output_is_identical_with_mtp_speculation(target: LoadedModel, k:
     assert engine.num_steps < plain.num_steps
     layer = engine.speculation.proposer.executor.module
     assert layer.shared_head.head.weight is target.module.lm_head.weight  # the checkpoint's copy: shared
-    assert_mtp_blocks_free(engine)
+    assert_proposer_blocks_free(engine, MtpProposer)
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -138,7 +132,7 @@ def test_greedy_output_is_identical_under_preemption_chunked_prefill_and_a_lora_
     assert expected[-1] != expected[0]  # the adapter changes the output
     stats = engine.stats()
     assert stats.num_preemptions > 0 and 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens
-    assert_mtp_blocks_free(engine)
+    assert_proposer_blocks_free(engine, MtpProposer)
 
 
 def test_a_prefix_cache_hit_finds_the_mtp_rows_in_the_mtp_prefix_cache(target: LoadedModel):
@@ -154,7 +148,7 @@ def test_a_prefix_cache_hit_finds_the_mtp_rows_in_the_mtp_prefix_cache(target: L
     proposer = engine.speculation.proposer
     assert proposer.cache.blocks.num_cached > 0
     assert (engine.speculation.proposed, engine.speculation.accepted) == (2 * proposed, 2 * accepted)
-    assert_mtp_blocks_free(engine)
+    assert_proposer_blocks_free(engine, MtpProposer)
 
 
 def test_sampled_output_is_reproducible_with_a_seed(target: LoadedModel):
@@ -169,7 +163,7 @@ def test_sampled_output_is_reproducible_with_a_seed(target: LoadedModel):
         assert all(proposal.probs[i, t] > 0 for i, t in enumerate(proposal.tokens))
         outputs.append(engine.run_to_completion()[rid].token_ids)
         assert engine.speculation.proposed > 0
-        assert_mtp_blocks_free(engine)
+        assert_proposer_blocks_free(engine, MtpProposer)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 16
 
 
@@ -190,28 +184,13 @@ def test_the_mtp_layer_keeps_pace_with_a_chunked_prefill(target: LoadedModel):
 
 
 def test_rollback_leaves_no_stale_mtp_kv(target: LoadedModel):
-    """Mid-generation, after rejections, the MTP cache's rows for the positions the target
-    confirmed are what one pass over the whole history computes: the chained rows of rejected
-    (and accepted) proposals were cut, and rewritten from the target's states."""
-    engine = make_engine(target, block_size=4, speculative_config=mtp_config(3))
-    rid = engine.add_request_dict(requests(40)[3])
-    seq = engine.requests[rid]
-    for _ in range(6):
-        engine.step()
-    spec = engine.speculation
-    assert 0 < spec.accepted < spec.proposed
-    follow = spec.proposer.follows[rid]
-    assert follow.confirmed == len(seq.token_ids) - 1
-    assert follow.state.num_computed == follow.confirmed + 3 - 1  # then the chained positions
-    spec.proposer.on_verified(seq, 0)
-    assert follow.state.num_computed == follow.confirmed  # rolled back to what the target made
-    fresh = make_engine(target, block_size=4, speculative_config=mtp_config(1))
-    again = fresh.add_request_dict({"prompt_token_ids": seq.token_ids, "max_tokens": 3, "temperature": 0})
-    fresh.step()
-    fresh_follow = fresh.speculation.proposer.follows[again]
-    assert fresh_follow.confirmed == len(seq.token_ids)
-    n = follow.confirmed
-    torch.testing.assert_close(_mtp_rows(engine, follow.state, n), _mtp_rows(fresh, fresh_follow.state, n))
+    """After rejections, the MTP cache holds only rows the target's states wrote
+    (`hidden_state_proposers.assert_rollback_leaves_no_stale_kv`)."""
+
+    def make(k: int) -> Engine:
+        return make_engine(target, block_size=4, speculative_config=mtp_config(k))
+
+    assert_rollback_leaves_no_stale_kv(make, requests(40)[3], _mtp_rows)
 
 
 def _mtp_rows(engine: Engine, state, n: int) -> torch.Tensor:
