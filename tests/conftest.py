@@ -14,8 +14,8 @@ from model_service.startup import configure_process
 def _worker_threads() -> int | None:
     """A pytest-xdist worker's share of the cores, for torch in it and in every process it starts
     (pods, gateways and tensor-parallel ranks inherit OMP_NUM_THREADS); None outside xdist. Two
-    workers of two threads each on two cores wait on each other's threads: with one thread each,
-    test_tp_async ran in 46 s instead of 62 and test_gateway_resume in 25 s instead of 34, and a
+    workers of two threads each on two cores wait on each other's threads: test_tp_async and
+    test_speculation side by side took 70 s with one thread each, 88-115 s with two; and a
     SmolLM2 decode is no slower on one thread than on two even when the other core is idle."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     return max(1, (os.cpu_count() or 1) // int(workers)) if workers else None
