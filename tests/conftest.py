@@ -188,6 +188,26 @@ def make_tiny_checkpoint(family: str, path: Path, seed: int = 0, **overrides: An
     return path
 
 
+def write_tiny_smollm2(smollm2: LoadedModel, path: Path, extra_rows: int = 0, **overrides: Any) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer files (chat template included) and
+    `extra_rows` more (or fewer) rows in its embedding table than SmolLM2 (padding rows, as the
+    sizes of one family may differ)."""
+    vocab_size = smollm2.config.vocab_size + extra_rows
+    make_tiny_checkpoint("llama", path, seed=3, vocab_size=vocab_size, **overrides)
+    smollm2.tokenizer.hf.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2(smollm2, tmp_path_factory) -> LoadedModel:
+    """SmolLM2's tokens on a tiny random Llama: its tokenizer, chat template, EOS and context
+    length (8,192). For tests that need text, chat and stop strings through the real tokenizer and
+    detokenizer but not SmolLM2's answers: a pod of it is serving after ~7 s of CPU, not ~17
+    (SmolLM2's GGUF is parsed twice on load), and its steps cost a fraction of SmolLM2's."""
+    path = write_tiny_smollm2(smollm2, tmp_path_factory.mktemp("tiny_smollm2"), max_position_embeddings=8192)
+    return load_model(str(path), torch.float32, torch.device("cpu"))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> LoadedModel:
     """A tiny random Llama (no tokenizer): fast enough for randomized scheduling tests."""
