@@ -44,9 +44,15 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # the Redis and S3 servers of the adapter service tests; the RPC fuzzers' processes and checks;
-# one `spindle up` cluster for the quickstart and HTTP API tests; which files share an xdist worker
-# and which start first
-pytest_plugins = ["tests.adapter_helpers", "tests.fuzz_harness", "tests.up_cluster", "tests.xdist_scheduling"]
+# one `spindle up` cluster for the quickstart and HTTP API tests; one tiny pods-and-gateway
+# cluster for the gateway tests; which files share an xdist worker and which start first
+pytest_plugins = [
+    "tests.adapter_helpers",
+    "tests.fuzz_harness",
+    "tests.up_cluster",
+    "tests.service_helpers",
+    "tests.xdist_scheduling",
+]
 
 from model_service.engine.batch_builder import StepItem  # noqa: E402
 from model_service.engine.config import EngineConfig  # noqa: E402
