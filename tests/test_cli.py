@@ -61,9 +61,11 @@ def test_chat_prompts_answer(smollm2, monkeypatch, capsys):
     """The command's engine gets the session's SmolLM2 rather than a second load of it (~10 s on 2
     cores): what it asks `load_model` for must be the call the `smollm2` fixture made."""
 
-    def load_model(name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    def load_model(
+        name: str, dtype: torch.dtype, device: torch.device, quantization: str = "none"
+    ) -> LoadedModel:
         assert resolve_model_path(name) == resolve_model_path(smollm2.name), name
-        assert (dtype, device.type) == (torch.float32, "cpu")
+        assert (dtype, device.type, quantization) == (torch.float32, "cpu", "none")
         return smollm2
 
     monkeypatch.setattr(engine_module, "load_model", load_model)
