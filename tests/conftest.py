@@ -14,8 +14,8 @@ from model_service.startup import configure_process
 def _worker_threads() -> int | None:
     """A pytest-xdist worker's share of the cores, for torch in it and in every process it starts
     (pods, gateways and tensor-parallel ranks inherit OMP_NUM_THREADS); None outside xdist. Two
-    workers of two threads each on two cores wait on each other's threads: with one thread each,
-    test_tp_async ran in 46 s instead of 62 and test_gateway_resume in 25 s instead of 34, and a
+    workers of two threads each on two cores wait on each other's threads: test_tp_async and
+    test_speculation side by side took 70 s with one thread each, 88-115 s with two; and a
     SmolLM2 decode is no slower on one thread than on two even when the other core is idle."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     return max(1, (os.cpu_count() or 1) // int(workers)) if workers else None
@@ -44,8 +44,15 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # the Redis and S3 servers of the adapter service tests; the RPC fuzzers' processes and checks;
-# one `spindle up` cluster for the quickstart and HTTP API tests
-pytest_plugins = ["tests.adapter_helpers", "tests.fuzz_harness", "tests.up_cluster"]
+# one `spindle up` cluster for the quickstart and HTTP API tests; one tiny pods-and-gateway
+# cluster for the gateway tests; which files share an xdist worker and which start first
+pytest_plugins = [
+    "tests.adapter_helpers",
+    "tests.fuzz_harness",
+    "tests.up_cluster",
+    "tests.service_helpers",
+    "tests.xdist_scheduling",
+]
 
 from model_service.engine.batch_builder import StepItem  # noqa: E402
 from model_service.engine.config import EngineConfig  # noqa: E402
@@ -185,6 +192,26 @@ def make_tiny_checkpoint(family: str, path: Path, seed: int = 0, **overrides: An
                 p.normal_(0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def write_tiny_smollm2(smollm2: LoadedModel, path: Path, extra_rows: int = 0, **overrides: Any) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer files (chat template included) and
+    `extra_rows` more (or fewer) rows in its embedding table than SmolLM2 (padding rows, as the
+    sizes of one family may differ)."""
+    vocab_size = smollm2.config.vocab_size + extra_rows
+    make_tiny_checkpoint("llama", path, seed=3, vocab_size=vocab_size, **overrides)
+    smollm2.tokenizer.hf.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2(smollm2, tmp_path_factory) -> LoadedModel:
+    """SmolLM2's tokens on a tiny random Llama: its tokenizer, chat template, EOS and context
+    length (8,192). For tests that need text, chat and stop strings through the real tokenizer and
+    detokenizer but not SmolLM2's answers: a pod of it is serving after ~7 s of CPU, not ~17
+    (SmolLM2's GGUF is parsed twice on load), and its steps cost a fraction of SmolLM2's."""
+    path = write_tiny_smollm2(smollm2, tmp_path_factory.mktemp("tiny_smollm2"), max_position_embeddings=8192)
+    return load_model(str(path), torch.float32, torch.device("cpu"))
 
 
 @pytest.fixture(scope="session")

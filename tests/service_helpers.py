@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
+from tests.zygote import Forked, fork_pod
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -45,7 +47,7 @@ def free_port() -> int:
 
 @dataclass
 class Service:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | Forked
     address: str
     log: Path
     statuses: list[int] = field(default_factory=list)  # health statuses seen while waiting
@@ -94,8 +96,11 @@ def spawn(
         str(port),
         *args,
     ]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    if command == "serve" and os.environ.get("SPINDLE_TEST_FORK", "1") != "0":
+        proc = fork_pod(cmd[3:], env, log)  # the same command, without ~6 s of imports (tests/zygote.py)
+    else:
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     return Service(proc, f"127.0.0.1:{port}", log)
 
 
@@ -124,6 +129,58 @@ def wait_serving(service: Service, timeout: float = 120.0) -> Service:
                 pass
             time.sleep(0.05)
     raise TimeoutError(f"{service.address} not SERVING after {timeout} s:\n{service.output()}")
+
+
+KEYS = """# name key adapters
+alice  key-alice  *
+bob    key-bob    -
+carol  key-carol  sql-lora
+"""
+FAST_HEALTH = ["--health-interval", "0.2", "--health-timeout", "0.5", "--failure-threshold", "2"]
+
+
+def start_cluster(model: str, tmp: Path) -> tuple[list[Service], Service]:
+    """Two pods of `model` and a gateway in front of them (KEYS, health polled fast), once the
+    gateway has seen both pods healthy."""
+    pods = [spawn_pod(model, tmp, f"pod{i}") for i in range(2)]
+    keys = tmp / "keys"
+    keys.write_text(KEYS)
+    pods_flag = ",".join(p.address for p in pods)
+    gateway = spawn(
+        "gateway", ["--pods", pods_flag, "--api-keys-file", str(keys), *FAST_HEALTH], tmp, "gateway"
+    )
+    for p in pods:
+        wait_serving(p)
+    wait_serving(gateway)
+    deadline = time.monotonic() + 10  # until the gateway has seen both pods healthy
+    while gateway.output().count("is healthy") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pods, gateway
+
+
+def stop_cluster(pods: list[Service], gateway: Service) -> None:
+    """The gateway, then every pod at once: a pod takes over a second to exit after SIGTERM (its
+    drain, its servers' grace), and the pods need not wait for one another."""
+    for s in (gateway, *pods):
+        if s.proc.poll() is None:
+            os.kill(s.proc.pid, signal.SIGCONT)  # a test may have frozen it
+    gateway.stop()
+    for pod in pods:
+        if pod.proc.poll() is None:
+            pod.proc.send_signal(signal.SIGTERM)
+    for pod in pods:
+        pod.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_cluster(tiny_llama, tmp_path_factory):
+    """`start_cluster` on the tiny Llama, shared by test_gateway.py and test_gateway_failover.py
+    (one xdist worker runs both: tests/xdist_scheduling.py): three processes cost seconds of two
+    shared cores to start. A test that breaks a pod leaves the cluster whole again (a frozen pod
+    thawed and back in rotation, a killed one restarted on its port and healthy)."""
+    pods, gateway = start_cluster(tiny_llama.name, tmp_path_factory.mktemp("cluster"))
+    yield pods, gateway
+    stop_cluster(pods, gateway)
 
 
 def load(service: Service) -> pod_status_pb2.PodLoad:

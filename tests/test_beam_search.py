@@ -29,20 +29,27 @@ def hf_tiny(tiny_llama):
 BEAM_QUESTIONS = ["What is the capital of France?", "Name a color."]
 
 
-@pytest.mark.parametrize(
-    ("num_beams", "length_penalty", "early_stopping"),
-    [(2, 1.0, False), (3, 0.5, True), (4, 2.0, "never"), (4, 1.0, True)],
-)
-def test_smollm2_beam_search_equals_hf(smollm2, hf_smollm2, num_beams, length_penalty, early_stopping):
-    """HF searches one question at a time; the engine runs both at once (two beam groups in one
-    batch), so the steps it takes are half and the batch is harder."""
+# Each case a rule of the search: the beam width, the length penalty and when to stop.
+SMOLLM2_BEAM_CASES = [(2, 1.0, False), (3, 0.5, True), (4, 2.0, "never"), (4, 1.0, True)]
+
+
+def test_smollm2_beam_search_equals_hf(smollm2, hf_smollm2):
+    """HF searches one question under one case at a time; the engine runs every case's search on
+    both questions at once (eight beam groups of 2 to 4 beams in one batch): its steps are an
+    eighth of HF's and the batch is harder, as each group must keep its own width, penalty and
+    stopping rule beside the others'. Each case is still checked alone against HF."""
     engine = make_engine(smollm2)
-    kw = {"num_beams": num_beams, "length_penalty": length_penalty, "early_stopping": early_stopping}
     chat = smollm2.tokenizer.apply_chat_template
     prompts = [chat([{"role": "user", "content": q}]) for q in BEAM_QUESTIONS]
-    expected = [_hf_beams(hf_smollm2, ids, eos=2, max_new_tokens=12, **kw) for ids in prompts]
-    got = engine.generate([{"prompt_token_ids": ids, "max_tokens": 12, **kw} for ids in prompts])
-    assert [o.token_ids for o in got] == expected
+    cases = [
+        {"num_beams": num_beams, "length_penalty": length_penalty, "early_stopping": early_stopping}
+        for num_beams, length_penalty, early_stopping in SMOLLM2_BEAM_CASES
+    ]
+    requests = [{"prompt_token_ids": ids, "max_tokens": 12, **kw} for kw in cases for ids in prompts]
+    got = engine.generate(requests)
+    for i, kw in enumerate(cases):
+        expected = [_hf_beams(hf_smollm2, ids, eos=2, max_new_tokens=12, **kw) for ids in prompts]
+        assert [o.token_ids for o in got[2 * i : 2 * i + 2]] == expected, kw
     assert_all_blocks_free(engine)
 
 

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from spindle.cli import main
+import torch
+
+import model_service.engine.engine as engine_module
+from model_service.models.loader import LoadedModel, resolve_model_path
+from spindle.cli import command_parser, main
 from tests.conftest import make_engine
 
 
 def test_help_explains_itself():
-    out = subprocess.run(
-        [sys.executable, "-m", "spindle.cli", "generate", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    """`spindle generate --help`'s text, from the parser the command builds (a process would spend
+    seconds importing the engine; tests/test_quickstart.py runs `spindle --help` as a program)."""
+    out = command_parser("generate")[1].format_help()
     for flag in (
         "--model",
         "--prompt",
@@ -58,7 +57,18 @@ def test_requests_file_on_a_checkpoint_without_tokenizer(tiny_llama, tmp_path, c
     assert len(out[3]["token_ids"]) == 3
 
 
-def test_chat_prompts_answer(capsys):
+def test_chat_prompts_answer(smollm2, monkeypatch, capsys):
+    """The command's engine gets the session's SmolLM2 rather than a second load of it (~10 s on 2
+    cores): what it asks `load_model` for must be the call the `smollm2` fixture made."""
+
+    def load_model(
+        name: str, dtype: torch.dtype, device: torch.device, quantization: str = "none"
+    ) -> LoadedModel:
+        assert resolve_model_path(name) == resolve_model_path(smollm2.name), name
+        assert (dtype, device.type, quantization) == (torch.float32, "cpu", "none")
+        return smollm2
+
+    monkeypatch.setattr(engine_module, "load_model", load_model)
     rc = main(
         [
             "generate",

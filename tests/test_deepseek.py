@@ -301,7 +301,7 @@ def test_lora_on_the_mla_projections_matches_peft(case: Case, tmp_path: Path):
         case.hf, tmp_path / "mla", seed=7, scale=0.3, r=4, lora_alpha=8, target_modules=targets
     )
     engine = make_engine(case.ours, max_loras=1, lora_modules={"mla": str(adapter)})
-    want = [peft_greedy(case.hf, adapter, ids, 16, eos=None) for ids in PROMPTS[:3]]
+    want = peft_greedy(case.hf, adapter, PROMPTS[:3], 16, eos=None)
     outs = engine.generate([{**request(ids), "adapter": "mla"} for ids in PROMPTS[:3]])
     assert [o.token_ids for o in outs] == want
     assert want != [case.hf_greedy(i) for i in range(3)], "the adapter does not change the output"
@@ -340,7 +340,7 @@ def test_two_tensor_parallel_ranks_split_the_heads(case: Case, tmp_path: Path):
         r=4,
         target_modules=[*query, "kv_a_proj_with_mqa", "o_proj"],
     )
-    want = [peft_greedy(case.hf, adapter, ids, 16, eos=None) for ids in PROMPTS[:2]]
+    want = peft_greedy(case.hf, adapter, PROMPTS[:2], 16, eos=None)
     engine = make_engine(
         case.ours, tensor_parallel_size=2, max_loras=1, lora_modules={"mla": str(adapter)},
         enable_expert_parallel=mla.q_lora_rank is not None,

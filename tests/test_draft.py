@@ -25,7 +25,7 @@ from model_service.engine.executor import kv_blocks_for_budget
 from model_service.engine.speculation import SpeculativeConfig
 from model_service.errors import InvalidRequestError, ModelLoadError
 from spindle.cli import main
-from tests.conftest import assert_all_blocks_free, make_engine, make_tiny_checkpoint
+from tests.conftest import assert_all_blocks_free, make_engine, write_tiny_smollm2
 from tests.test_speculation import CODE, MIXED_REQUESTS, REPEAT
 
 
@@ -33,17 +33,9 @@ def draft_config(model: str, k: int = 4, method: str = "draft") -> str:
     return json.dumps({"method": method, "model": model, "num_speculative_tokens": k})
 
 
-def write_tiny_draft(smollm2, path: Path, extra_rows: int) -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer files and `extra_rows` more (or fewer) rows in
-    its embedding table than SmolLM2 (padding rows, as the sizes of one family may differ)."""
-    make_tiny_checkpoint("llama", path, seed=3, vocab_size=smollm2.config.vocab_size + extra_rows)
-    smollm2.tokenizer.hf.save_pretrained(str(path))
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny_draft(smollm2, tmp_path_factory) -> Path:
-    return write_tiny_draft(smollm2, tmp_path_factory.mktemp("tiny_draft"), extra_rows=64)
+    return write_tiny_smollm2(smollm2, tmp_path_factory.mktemp("tiny_draft"), extra_rows=64)
 
 
 def assert_draft_blocks_free(engine: Engine) -> None:
@@ -179,7 +171,7 @@ def test_generate_takes_a_draft_config(tiny_llama, tmp_path, capsys):
 
 
 def test_a_draft_with_a_smaller_table_skips_sequences_holding_tokens_past_it(smollm2, tmp_path):
-    draft = write_tiny_draft(smollm2, tmp_path / "small", extra_rows=-8)
+    draft = write_tiny_smollm2(smollm2, tmp_path / "small", extra_rows=-8)
     vocab = smollm2.config.vocab_size
     requests = [
         {"prompt_token_ids": [*smollm2.tokenizer.encode(CODE), vocab - 1], "max_tokens": 6, "temperature": 0},

@@ -403,7 +403,7 @@ def test_lora_on_an_fp8_base_matches_peft_on_the_dequantized_base(name: str, tmp
     for adapter, path in adapters.items():
         reqs = [{"prompt_token_ids": p, "adapter": adapter, **request} for p in PROMPTS[:2]]
         got = [o.token_ids for o in engine.generate(reqs)]
-        assert got == [peft_greedy(oracle, path, p, MAX_NEW, eos=None) for p in PROMPTS[:2]], adapter
+        assert got == peft_greedy(oracle, path, PROMPTS[:2], MAX_NEW, eos=None), adapter
         assert got != base, f"adapter {adapter} does not change the output"
     assert_all_blocks_free(engine)
 

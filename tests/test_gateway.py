@@ -9,49 +9,9 @@ import pytest
 
 from spindle.v1 import generation_pb2 as pb
 from tests.conftest import make_engine
-from tests.service_helpers import (
-    collect,
-    load,
-    spawn,
-    spawn_pod,
-    stub,
-    token_request,
-    wait_idle,
-    wait_serving,
-)
+from tests.service_helpers import collect, load, stub, token_request, wait_idle
 
 Code = grpc.StatusCode
-KEYS = """# name key adapters
-alice  key-alice  *
-bob    key-bob    -
-carol  key-carol  sql-lora
-"""
-FAST_HEALTH = ["--health-interval", "0.2", "--health-timeout", "0.5", "--failure-threshold", "2"]
-
-
-def _cluster(model: str, tmp):
-    pods = [spawn_pod(model, tmp, f"pod{i}") for i in range(2)]
-    keys = tmp / "keys"
-    keys.write_text(KEYS)
-    pods_flag = ",".join(p.address for p in pods)
-    gateway = spawn(
-        "gateway", ["--pods", pods_flag, "--api-keys-file", str(keys), *FAST_HEALTH], tmp, "gateway"
-    )
-    for p in pods:
-        wait_serving(p)
-    wait_serving(gateway)
-    deadline = time.monotonic() + 10  # until the gateway has seen both pods healthy
-    while gateway.output().count("is healthy") < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return pods, gateway
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_llama, tmp_path_factory):
-    pods, gateway = _cluster(tiny_llama.name, tmp_path_factory.mktemp("cluster"))
-    yield pods, gateway
-    for s in (gateway, *pods):
-        s.stop()
 
 
 def _md(key: str = "key-alice"):
@@ -63,8 +23,8 @@ def _generate(gateway, req, key="key-alice", timeout=20):
         return collect(stub(ch).Generate(req, metadata=_md(key), timeout=timeout))
 
 
-def test_tokens_through_the_gateway_equal_the_engine_run_directly(tiny_llama, cluster):
-    _, gateway = cluster
+def test_tokens_through_the_gateway_equal_the_engine_run_directly(tiny_llama, tiny_cluster):
+    _, gateway = tiny_cluster
     engine = make_engine(tiny_llama)
     for sampling, seed in (({"temperature": 0.0}, None), ({"temperature": 0.8, "top_k": 40}, 99)):
         req = token_request([3, 1, 4, 1, 5, 9, 2, 6], 16, **sampling)
@@ -82,8 +42,8 @@ def test_tokens_through_the_gateway_equal_the_engine_run_directly(tiny_llama, cl
         assert msgs[-1].final.usage.completion_tokens == 16 and msgs[-1].final.usage.prompt_tokens == 8
 
 
-def test_api_keys_and_adapter_permissions(cluster):
-    _, gateway = cluster
+def test_api_keys_and_adapter_permissions(tiny_cluster):
+    _, gateway = tiny_cluster
     req = token_request([5, 6, 7], 2)
     with gateway.channel() as ch:
         g = stub(ch)
@@ -106,8 +66,8 @@ def test_api_keys_and_adapter_permissions(cluster):
         assert [m.kind for m in models] == [pb.MODEL_KIND_BASE]
 
 
-def test_bad_input_is_relayed_with_its_code_and_the_gateway_keeps_serving(cluster):
-    _, gateway = cluster
+def test_bad_input_is_relayed_with_its_code_and_the_gateway_keeps_serving(tiny_cluster):
+    _, gateway = tiny_cluster
     with gateway.channel() as ch:
         g = stub(ch)
         for req, code in (
@@ -133,8 +93,8 @@ def _long(rid: str) -> pb.GenerateRequest:
     return req
 
 
-def test_abort_cancel_and_deadline_through_the_gateway_free_the_pods_blocks(cluster):
-    pods, gateway = cluster
+def test_abort_cancel_and_deadline_through_the_gateway_free_the_pods_blocks(tiny_cluster):
+    pods, gateway = tiny_cluster
     with gateway.channel() as ch:
         g = stub(ch)
         stream = g.Generate(_long("gw-abort"), metadata=_md(), timeout=20)
@@ -162,8 +122,8 @@ def _served(pods) -> list[int]:
     return [load(p).requests_total for p in pods]
 
 
-def test_requests_follow_prefix_locality_and_queue_depth(cluster):
-    pods, gateway = cluster
+def test_requests_follow_prefix_locality_and_queue_depth(tiny_cluster):
+    pods, gateway = tiny_cluster
     # Prefix: a long shared prefix keeps going to the pod that served it first.
     shared = [10 + i % 200 for i in range(160)]  # 40 blocks of 16 ids
     before = _served(pods)

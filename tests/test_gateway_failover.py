@@ -1,5 +1,7 @@
 """Pod failures behind the gateway: a pod killed mid-stream (the stream resumes on another pod), a
-pod that stops answering health checks, a pod that refuses before the first token."""
+pod that stops answering health checks, a pod that refuses before the first token. The cluster is
+the session's `tiny_cluster`, shared with test_gateway.py: each test that breaks a pod leaves it
+whole again."""
 
 from __future__ import annotations
 
@@ -8,39 +10,21 @@ import signal
 import time
 
 import grpc
-import pytest
 
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import model_control_pb2, model_control_pb2_grpc
-from tests.service_helpers import load, spawn, spawn_pod, stub, token_request, wait_serving
-from tests.test_gateway import KEYS, _cluster, _generate, _md, _served
+from tests.service_helpers import KEYS, load, spawn, spawn_pod, stub, token_request, wait_serving
+from tests.test_gateway import _generate, _md, _served
 
 Code = grpc.StatusCode
-
-
-def _stop_all(pods, gateway) -> None:
-    for s in (gateway, *pods):
-        if s.proc.poll() is None:
-            os.kill(s.proc.pid, signal.SIGCONT)
-        s.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_llama, tmp_path_factory):
-    """Two pods and a gateway polling their health fast, shared: three processes cost seconds to
-    start, and each test that breaks a pod leaves the cluster whole again (the frozen pod thawed
-    and back in rotation, the killed ones restarted on their ports and healthy)."""
-    pods, gateway = _cluster(tiny_llama.name, tmp_path_factory.mktemp("cluster"))
-    yield pods, gateway
-    _stop_all(pods, gateway)
 
 
 def _ejections(gateway, pod) -> int:
     return gateway.output().count("ejecting model pod " + pod.address)
 
 
-def test_unhealthy_pod_is_ejected_and_comes_back(cluster):
-    pods, gateway = cluster
+def test_unhealthy_pod_is_ejected_and_comes_back(tiny_cluster):
+    pods, gateway = tiny_cluster
     a, b = pods
     ejected = _ejections(gateway, a)
     os.kill(a.proc.pid, signal.SIGSTOP)  # alive but silent: health checks time out
@@ -79,8 +63,10 @@ def _killed_mid_stream(gateway, pods, req: pb.GenerateRequest) -> tuple[list, in
     return got, victim
 
 
-def test_a_pod_killed_mid_stream_is_resumed_elsewhere_and_readmitted_when_back(cluster, tiny_llama, tmp_path):
-    pods, gateway = cluster
+def test_a_pod_killed_mid_stream_is_resumed_elsewhere_and_readmitted_when_back(
+    tiny_cluster, tiny_llama, tmp_path
+):
+    pods, gateway = tiny_cluster
     greedy = token_request([7, 7, 7], 300, temperature=0.0, repetition_penalty=1.2)
     seeded = token_request([7, 7, 7], 300, temperature=0.9, top_k=50, frequency_penalty=0.3)
     seeded.seed = 1234
@@ -112,11 +98,11 @@ def _restart(pods, i: int, gateway, tiny_llama, log_dir) -> None:
         time.sleep(0.05)
 
 
-def test_a_pod_refusing_before_the_first_token_is_retried_elsewhere(cluster, tiny_llama, tmp_path):
+def test_a_pod_refusing_before_the_first_token_is_retried_elsewhere(tiny_cluster, tiny_llama, tmp_path):
     """A gateway of its own in front of the module's pods, polling their health a minute apart: it
     learns of the drain by trying. It starts once both pods serve, so its first poll finds them
     healthy; the drained pod is restarted afterwards for the module's gateway."""
-    pods, module_gateway = cluster
+    pods, module_gateway = tiny_cluster
     (tmp_path / "keys").write_text(KEYS)
     pods_flag = ",".join(p.address for p in pods)
     flags = ["--pods", pods_flag, "--api-keys-file", str(tmp_path / "keys"), "--health-interval", "60"]

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from spindle.v1 import generation_pb2 as pb
-from tests.service_helpers import stub
-from tests.test_gateway import _cluster, _generate, _md, _served
+from tests.service_helpers import start_cluster, stop_cluster, stub
+from tests.test_gateway import _generate, _md, _served
 from tests.test_gateway_failover import _streaming_pod
 
 pytestmark = pytest.mark.slow  # two SmolLM2 pods take ~20-40 s to start on 2 shared cores
@@ -20,10 +20,9 @@ PROMPT = "Write a short story about a lighthouse keeper and a storm:"
 
 @pytest.fixture(scope="module")
 def smol_cluster(tmp_path_factory):
-    pods, gateway = _cluster("smollm2", tmp_path_factory.mktemp("smol"))
+    pods, gateway = start_cluster("smollm2", tmp_path_factory.mktemp("smol"))
     yield pods, gateway
-    for s in (gateway, *pods):
-        s.stop()
+    stop_cluster(pods, gateway)
 
 
 def _request(**sampling: float) -> pb.GenerateRequest:

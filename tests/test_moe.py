@@ -191,7 +191,7 @@ def test_lora_on_attention_of_an_moe_model_matches_peft(qwen3_moe_dir: Path, tmp
     hf, adapter = attention_adapter(qwen3_moe_dir, tmp_path / "attn")
     loaded = load_model(str(qwen3_moe_dir), torch.float32, torch.device("cpu"))
     engine = make_engine(loaded, max_loras=1, lora_modules={"attn": str(adapter)})
-    want = [peft_greedy(hf, adapter, ids, 16, eos=None) for ids in PROMPTS[:3]]
+    want = peft_greedy(hf, adapter, PROMPTS[:3], 16, eos=None)
     outs = engine.generate([{**request(ids), "adapter": "attn"} for ids in PROMPTS[:3]])
     assert [o.token_ids for o in outs] == want
     base = [o.token_ids for o in engine.generate([request(ids) for ids in PROMPTS[:3]])]

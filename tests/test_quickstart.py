@@ -94,7 +94,7 @@ def test_up_picks_free_ports_for_what_the_user_did_not_name():
 def _help(command: str) -> str:
     """What `spindle COMMAND --help` prints, from the parser the command builds, without a process
     of its own: `serve`'s alone spends seconds importing the engine. The program itself answers
-    `--help` here and in tests/test_cli.py."""
+    `spindle --help` below."""
     return command_parser(command)[1].format_help()
 
 
