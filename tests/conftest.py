@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,9 @@ if (_threads := _worker_threads()) is not None:
 # machines (model_service/startup.py); the engine's processes make the same settings.
 configure_process()
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# One GGUF conversion cache (model_service/models/gguf_cache.py) for the session's workers and the
+# pods they start, outside the user's own ~/.cache: SmolLM2 is loaded a dozen times a run.
+os.environ.setdefault("SPINDLE_CACHE_DIR", os.path.join(tempfile.gettempdir(), "spindle-test-cache"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

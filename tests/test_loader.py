@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from model_service.errors import ModelLoadError
 from model_service.models import loader
 from model_service.models.layers import checkpoint_tensors
-from model_service.models.loader import load_model
+from model_service.models.loader import load_model, resolve_model_path
 from tests.conftest import make_tiny_checkpoint
 
 CPU = torch.device("cpu")
@@ -321,3 +321,54 @@ def test_transposed_weight_storage_changes_strides_only(tied: bool):
     # A tied LM head is the embedding's table: its rows stay contiguous for the lookups.
     assert model.lm_head.weight.is_contiguous() == tied
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+
+DOWN_3 = "model.layers.3.mlp.down_proj.weight"
+
+
+def test_a_gguf_files_conversions_are_cached_for_the_next_load(tmp_path: Path, monkeypatch):
+    """SmolLM2's GGUF: a load keeps its dequantized tensors and its rebuilt tokenizer
+    (`gguf_cache`; the session's cache, which its first load filled); the next load reads them
+    back converting nothing, and they are the file's: tensors equal to their own dequantization,
+    the tokenizer's vocabulary and chat template the file's. A cache that cannot be written costs
+    nothing but the conversion."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from model_service.models import gguf_cache, gguf_weights
+    from model_service.models.tokenizer import Tokenizer
+
+    path = resolve_model_path("smollm2")
+    config, first = gguf_weights.read_gguf(path)
+    Tokenizer.from_dir(path.parent, gguf_file=path.name)
+    assert gguf_cache.lookup(path, "weights", gguf_weights._CONVERSION) is not None
+    assert gguf_cache.lookup(path, "tokenizer") is not None
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted again instead of reading the cache")
+
+    convert_tokenizer = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(gguf_weights, "_tensors", no_conversion)
+    monkeypatch.setattr(
+        AutoTokenizer,
+        "from_pretrained",
+        lambda name, **kw: no_conversion() if "gguf_file" in kw else convert_tokenizer(name, **kw),
+    )
+    config_again, cached = gguf_weights.read_gguf(path)
+    tokenizer = Tokenizer.from_dir(path.parent, gguf_file=path.name)
+    assert config_again == config and cached.keys() == first.keys()
+    reader = gguf.GGUFReader(str(path))
+    by_name = {t.name: t for t in reader.tensors}
+    for name, ours in (("blk.3.ffn_down.weight", DOWN_3), ("output_norm.weight", "model.norm.weight")):
+        t = by_name[name]
+        own = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        assert torch.equal(cached[ours], torch.from_numpy(own).reshape(cached[ours].shape))
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    assert tokenizer.hf.convert_ids_to_tokens(list(range(len(tokens)))) == tokens
+    assert tokenizer.hf.chat_template == reader.fields["tokenizer.chat_template"].contents()
+    assert gguf_cache.entry(path, "weights", "other code") != gguf_cache.entry(path, "weights", "")
+
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("SPINDLE_CACHE_DIR", str(tmp_path / "not-a-dir"))
+    gguf_cache.store(path, "weights", lambda entry: (entry / "x").write_text("x"))  # no error
+    assert gguf_cache.lookup(path, "weights") is None

@@ -52,8 +52,13 @@ def try_lines(up: Up, timeout: float = 30) -> list[str]:
 
 
 def _watch_loading(up: Up, timeout: float = 90) -> None:
-    """Until the pod is SERVING: its health statuses, and a Generate refused while it loads."""
-    with grpc.insecure_channel(up.pod) as ch:
+    """Until the pod is SERVING: its health statuses, and a Generate refused while it loads. The
+    channel retries a refused connection every 50-100 ms (gRPC's default backoff waits 1 s, then
+    longer): the pod binds its port before it loads, and a load from the GGUF conversion cache
+    takes ~2 s, which the default backoff could sleep through."""
+    fast_retry = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
+                  ("grpc.max_reconnect_backoff_ms", 100)]  # fmt: skip
+    with grpc.insecure_channel(up.pod, options=fast_retry) as ch:
         health = health_pb2_grpc.HealthStub(ch)
         deadline = time.monotonic() + timeout
         while health_pb2.HealthCheckResponse.SERVING not in up.health_seen and time.monotonic() < deadline:

@@ -1,12 +1,16 @@
 """Read a GGUF file into a `ModelConfig` and HF-named float32 tensors.
 
 Quantized tensors are dequantized once at load (the compute dtype is float32 on CPU and
-bfloat16 on GPU). llama.cpp's converter permutes the rows of Llama q/k projections for its
-interleaved RoPE; we undo that so the weights match the HF half-rotation layout.
+bfloat16 on GPU), and the float32 result kept for the next load of the same file
+(`gguf_cache`: seconds of numpy a load otherwise). llama.cpp's converter permutes the rows of
+Llama q/k projections for its interleaved RoPE; we undo that so the weights match the HF
+half-rotation layout.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -15,7 +19,11 @@ import numpy as np
 import torch
 
 from model_service.errors import ModelLoadError
+from model_service.models import gguf_cache
 from model_service.models.config import ModelConfig
+
+# What the cached tensors depend on besides the file: this module's code (names, layouts).
+_CONVERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 _FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _LAYER_NAMES = {
@@ -57,17 +65,42 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The config and float32 tensors of a GGUF file: from the conversion cache when an earlier
+    load left them there (no parse of the file at all: `GGUFReader` alone takes ~3 s on
+    SmolLM2's 49k-token vocabulary), else converted, then cached."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save_file
+
+    cached = gguf_cache.lookup(path, "weights", _CONVERSION)
+    if cached is not None:
+        try:
+            fields = json.loads((cached / "config.json").read_text())
+            return ModelConfig(**fields), load_file(cached / "model.safetensors")
+        except (OSError, ValueError, TypeError, SafetensorError):  # a damaged entry: convert again
+            pass
     import gguf
 
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    fields = _config_fields(reader, path)
+    tensors = _tensors(reader, fields["family"], fields["num_heads"], fields["num_kv_heads"])
+
+    def write(entry: Path) -> None:
+        (entry / "config.json").write_text(json.dumps(fields))
+        save_file(tensors, entry / "model.safetensors")
+
+    gguf_cache.store(path, "weights", write, _CONVERSION)
+    return ModelConfig(**fields), tensors
+
+
+def _config_fields(reader: Any, path: Path) -> dict[str, Any]:
+    """`ModelConfig`'s fields from the file's metadata (plain values: the cache keeps them as JSON)."""
     arch = _field(reader, "general.architecture")
     if arch not in _FAMILIES:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_FAMILIES)}")
     heads = int(_required(reader, f"{arch}.attention.head_count"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     hidden = int(_required(reader, f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}
     token_embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
@@ -81,32 +114,30 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             f"GGUF file {path.name} uses RoPE scaling ({what}), "
             "which the GGUF loader does not support; load the HF checkpoint directory instead"
         )
-    config = ModelConfig(
-        family=_FAMILIES[arch],
-        vocab_size=int(_field(reader, f"{arch}.vocab_size", token_embd.shape[-1])),
-        hidden_size=hidden,
-        intermediate_size=int(_required(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_required(reader, f"{arch}.block_count")),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
-        o_proj_bias="blk.0.attn_output.bias" in names,
-        mlp_bias="blk.0.ffn_up.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
-    )
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    config.eos_token_ids = [int(eos)] if eos is not None else []
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    config.bos_token_id = int(bos) if bos is not None else None
-    return config, _tensors(reader, arch, heads, kv_heads)
+    eos, bos = _field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.bos_token_id")
+    return {
+        "family": _FAMILIES[arch],
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", token_embd.shape[-1])),
+        "hidden_size": hidden,
+        "intermediate_size": int(_required(reader, f"{arch}.feed_forward_length")),
+        "num_layers": int(_required(reader, f"{arch}.block_count")),
+        "num_heads": heads,
+        "num_kv_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "qkv_bias": "blk.0.attn_q.bias" in names,
+        "o_proj_bias": "blk.0.attn_output.bias" in names,
+        "mlp_bias": "blk.0.ffn_up.bias" in names,
+        "qk_norm": "blk.0.attn_q_norm.weight" in names,
+        "eos_token_ids": [int(eos)] if eos is not None else [],
+        "bos_token_id": int(bos) if bos is not None else None,
+    }
 
 
-def _tensors(reader: Any, arch: str, heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
+def _tensors(reader: Any, family: str, heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
     """Every tensor the model uses, dequantized to float32, under its HF name and layout."""
     import gguf
 
@@ -120,9 +151,9 @@ def _tensors(reader: Any, arch: str, heads: int, kv_heads: int) -> dict[str, tor
         except Exception as e:  # e.g. a quantization type this gguf version cannot dequantize
             raise ModelLoadError(f"cannot dequantize GGUF tensor {t.name!r} ({t.tensor_type!r}): {e}") from e
         data = np.array(data, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
-        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+        if family == "llama" and hf_name.endswith("q_proj.weight"):
             data = _unpermute(data, heads)
-        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+        elif family == "llama" and hf_name.endswith("k_proj.weight"):
             data = _unpermute(data, kv_heads)
         tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(data))
     return tensors

@@ -26,7 +26,9 @@ class Tokenizer:
         ):
             return None
         try:
-            return cls(AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file))
+            if gguf_file is not None:
+                return cls(_from_gguf(path / gguf_file))
+            return cls(AutoTokenizer.from_pretrained(str(path)))
         except Exception as e:  # a broken tokenizer should not stop token-id serving
             log.warning("could not load tokenizer from %s: %s", path, e)
             return None
@@ -66,3 +68,18 @@ class Tokenizer:
     @property
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
+
+
+def _from_gguf(path: Path) -> Any:
+    """The HF tokenizer of a GGUF file: rebuilt from its vocabulary (seconds), or read back from
+    the conversion cache where an earlier load saved it (`gguf_cache`)."""
+    from transformers import AutoTokenizer
+
+    from model_service.models import gguf_cache
+
+    cached = gguf_cache.lookup(path, "tokenizer")
+    if cached is not None:
+        return AutoTokenizer.from_pretrained(str(cached))
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    gguf_cache.store(path, "tokenizer", hf.save_pretrained)
+    return hf
