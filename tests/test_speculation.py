@@ -88,25 +88,45 @@ MIXED_REQUESTS = [  # shared with tests/test_draft.py
 ]
 
 
+def _mixed_engine(smollm2, adapter, preemption_mode: str, spec: str | None):
+    """The mixed batch's engine: a cache small enough to preempt, an adapter, `spec` or none."""
+    return make_engine(
+        smollm2,
+        num_kv_blocks=12,
+        max_num_batched_tokens=96,
+        preemption_mode=preemption_mode,
+        lora_modules={"a": str(adapter)},
+        speculative_config=spec,
+    )
+
+
+@pytest.fixture(scope="module")
+def mixed_adapter(smollm2, tmp_path_factory):
+    return write_adapter(tmp_path_factory.mktemp("spec") / "a", smollm2.config, rank=8, seed=1)
+
+
+@pytest.fixture(scope="module")
+def plain_run(smollm2, mixed_adapter):
+    """The mixed batch without speculation, once for both preemption modes (which a plain run's
+    tokens do not depend on: tests/test_scheduler.py's swap test), and its step count."""
+    engine = _mixed_engine(smollm2, mixed_adapter, "recompute", None)
+    outputs = [(o.token_ids, o.text, o.finish_reason) for o in engine.generate(MIXED_REQUESTS)]
+    assert_all_blocks_free(engine)
+    return outputs, engine.num_steps
+
+
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_greedy_output_is_identical_with_speculation(smollm2, tmp_path, preemption_mode):
-    adapter = write_adapter(tmp_path / "a", smollm2.config, rank=8, seed=1)
+def test_greedy_output_is_identical_with_speculation(smollm2, mixed_adapter, plain_run, preemption_mode):
     requests = MIXED_REQUESTS
     greedy = [i for i, r in enumerate(requests) if r["temperature"] == 0]
+    plain, plain_steps = plain_run
     outputs, engines = {}, {}
-    for spec in (None, NGRAM, NGRAM + " "):  # the last: the same config again, for the seeded row
-        engine = make_engine(
-            smollm2,
-            num_kv_blocks=12,
-            max_num_batched_tokens=96,
-            preemption_mode=preemption_mode,
-            lora_modules={"a": str(adapter)},
-            speculative_config=spec,
-        )
+    for spec in (NGRAM, NGRAM + " "):  # the second: the same config again, for the seeded row
+        engine = _mixed_engine(smollm2, mixed_adapter, preemption_mode, spec)
         outputs[spec] = [(o.token_ids, o.text, o.finish_reason) for o in engine.generate(requests)]
         engines[spec] = engine
         assert_all_blocks_free(engine)
-    assert [outputs[NGRAM][i] for i in greedy] == [outputs[None][i] for i in greedy]
+    assert [outputs[NGRAM][i] for i in greedy] == [plain[i] for i in greedy]
     assert outputs[NGRAM] == outputs[NGRAM + " "]  # a seeded sampled row is reproducible
     spec_engine = engines[NGRAM]
     assert (
@@ -114,7 +134,7 @@ def test_greedy_output_is_identical_with_speculation(smollm2, tmp_path, preempti
         and spec_engine.speculation.proposed > spec_engine.speculation.accepted
     )
     assert spec_engine.stats().num_preemptions > 0  # the small cache really preempted
-    assert spec_engine.num_steps < engines[None].num_steps
+    assert spec_engine.num_steps < plain_steps
 
 
 def test_sampled_rows_speculate_and_finish_cleanly(smollm2):

@@ -10,18 +10,21 @@ back in well under a second.
 
 The cache lives in `$SPINDLE_CACHE_DIR`, else `$XDG_CACHE_HOME/spindle`, else
 `~/.cache/spindle`. An entry is built in a temporary directory beside it and renamed into place,
-so processes loading the same file at once never read half an entry; a cache that cannot be
-written (a read-only home in a container) only costs the conversion, never the load.
+so no process ever reads half an entry, under a lock (`converting`), so processes loading the
+same file at once (two test workers, pods sharing a node's cache) convert it once; a cache that
+cannot be written (a read-only home in a container) only costs the conversion, never the load.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -74,3 +77,20 @@ def store(gguf: Path, kind: str, write: Callable[[Path], None], salt: str = "") 
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def converting(gguf: Path, kind: str, salt: str = "") -> Iterator[None]:
+    """Held around a lookup and, on a miss, the conversion and `store`: a second process
+    loading the same file meanwhile waits, then finds the entry. No lock (and no wait) where
+    the cache cannot be written."""
+    try:
+        final = entry(gguf, kind, salt)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(final.with_name(final.name + ".lock"), "w")  # noqa: SIM115 (closed below)
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

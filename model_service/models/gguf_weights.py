@@ -68,6 +68,11 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and float32 tensors of a GGUF file: from the conversion cache when an earlier
     load left them there (no parse of the file at all: `GGUFReader` alone takes ~3 s on
     SmolLM2's 49k-token vocabulary), else converted, then cached."""
+    with gguf_cache.converting(path, "weights", _CONVERSION):
+        return _read_or_convert(path)
+
+
+def _read_or_convert(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 

@@ -77,9 +77,10 @@ def _from_gguf(path: Path) -> Any:
 
     from model_service.models import gguf_cache
 
-    cached = gguf_cache.lookup(path, "tokenizer")
-    if cached is not None:
-        return AutoTokenizer.from_pretrained(str(cached))
-    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    gguf_cache.store(path, "tokenizer", hf.save_pretrained)
-    return hf
+    with gguf_cache.converting(path, "tokenizer"):
+        cached = gguf_cache.lookup(path, "tokenizer")
+        if cached is not None:
+            return AutoTokenizer.from_pretrained(str(cached))
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        gguf_cache.store(path, "tokenizer", hf.save_pretrained)
+        return hf
