@@ -17,10 +17,11 @@ With `--engine`, instead: decode tokens/s of the whole engine on a Qwen3-30B-A3B
 eagerly, measured as bench/gpu.py measures it (prefill excluded), on one GPU or over `--tp`
 GPUs (experts tensor-parallel, or whole experts per rank with `--enable-expert-parallel`);
 `active_gb_s` = bytes of the weights one token reads at batch 1 (attention, 8 experts a layer,
-embeddings row, LM head) x tokens/s; at every batch, `fraction_of_copy_bandwidth` = the step's
-floor bytes (`step_bytes`: the experts a step's tokens are expected to hit under uniform routing,
-E x (1 - (1 - k/E)^batch) a layer, plus attention, LM head and K/V) x steps/s over the card's
-measured copy bandwidth. `--profile B`: device time per kernel of 8 decode steps at batch B.
+embeddings row, LM head: `step_bytes` without K/V) x tokens/s; at every batch,
+`fraction_of_copy_bandwidth` = the step's floor bytes (`step_bytes`: the experts a step's
+tokens are expected to hit under uniform routing, E x (1 - (1 - k/E)^batch) a layer, plus
+attention, LM head and K/V) x steps/s over the card's measured copy bandwidth. `--profile B`:
+device time per kernel of 8 decode steps at batch B.
 
     python bench/moe.py [--tokens 1 64 512] [--device cuda] [--dtype bfloat16]
     python bench/moe.py --device cpu --dtype float32 --experts 16 --hidden 256 --inter 128  # a smoke run
@@ -131,14 +132,6 @@ QWEN3_30B_A3B = {
 }
 
 
-def active_weight_bytes(cfg: ModelConfig) -> int:
-    """bf16 bytes one decode token reads: attention, router and its top-k experts in every layer,
-    its embedding row and the LM head."""
-    attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    moe = (cfg.num_experts + cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size) * cfg.hidden_size
-    return 2 * (cfg.num_layers * (attention + moe) + (cfg.vocab_size + 1) * cfg.hidden_size)
-
-
 def step_bytes(cfg: ModelConfig, batch: int, context: int) -> float:
     """bf16 bytes a decode step of `batch` tokens at `context` must move at least: attention and
     router weights, the experts its tokens are expected to hit (uniform routing), the LM head,
@@ -183,7 +176,7 @@ def engine_decode(args: argparse.Namespace) -> None:
             line["experts_path"] = experts_path(batch, torch.bfloat16, torch.device("cuda"))
             line["decode_tokens_per_s"] = round(rate, 1)
             if batch == 1:
-                line["active_gb_s"] = round(active_weight_bytes(cfg) * rate / 1e9)
+                line["active_gb_s"] = round(step_bytes(cfg, 1, 0) * rate / 1e9)  # weights alone
             floor = step_bytes(cfg, batch, 128 + 32)
             line["fraction_of_copy_bandwidth"] = round(floor * rate / batch / 1e9 / bandwidth, 3)
             print(json.dumps({**line, **setup}), flush=True)
