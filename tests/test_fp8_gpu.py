@@ -25,8 +25,8 @@ from model_service.models import fp8_linear as fp8_linear_module
 from model_service.models.fp8_linear import Fp8Linear
 from model_service.models.layers import PackedLinear
 from model_service.models.loader import LoadedModel, load_model
-from tests.random_models import random_llama
 from tests.test_fp8 import FORMATS, MAX_NEW, PROMPTS, W8A8_GREEDY_AGREEMENT, Case, greedy_agreement
+from tests.test_skinny_gemm import kernel_shaped_decode
 
 WEIGHT_ONLY = ActivationQuant("none", 0)  # the few-row kernel's arithmetic: x is not quantized
 
@@ -213,17 +213,12 @@ def test_a_capture_before_any_eager_call_keeps_scaled_mm():
 
 
 def test_fp8_decode_through_the_kernel_gives_the_same_tokens_in_graphs_and_eager(monkeypatch):
-    """A model whose four projections all take the kernel (K a multiple of 256), quantized online,
-    in bf16 on CUDA: greedy tokens from decode graphs and from eager steps agree, every projection
-    made its counters; with the kernel turned off (`_scaled_mm`, W8A8), decoding still runs."""
+    """A model whose four projections all take the kernel, quantized online, in bf16 on CUDA:
+    greedy tokens from decode graphs and from eager steps agree, every projection made its
+    counters; with the kernel turned off (`_scaled_mm`, W8A8), decoding still runs."""
     from bench.gpu import quantized
 
-    cfg, reference = random_llama(hidden_size=256, intermediate_size=512, num_layers=2, head_dim=64)
-    requests = [
-        {"prompt_token_ids": [(11 * i + j) % 500 + 3 for j in range(5 + 7 * i)], "max_tokens": 10,
-         "temperature": 0, "ignore_eos": True}
-        for i in range(3)
-    ]  # fmt: skip
+    cfg, reference, requests = kernel_shaped_decode()
 
     def run(**config: object) -> tuple[Engine, list[list[int]]]:
         loaded = quantized(LoadedModel("random", cfg, reference.to("cuda", torch.bfloat16).eval(), None))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -130,18 +131,25 @@ def test_a_capture_before_any_eager_call_keeps_cublas():
     torch.testing.assert_close(y, F.linear(x, layer.weight), atol=0, rtol=0)
 
 
-@cuda
-@pytest.mark.gpu
-def test_bf16_decode_through_the_kernel_gives_the_tokens_of_cublas_and_the_cpu(monkeypatch):
-    """A model whose four projections all take the kernel (K a multiple of 256), in bf16 on
-    CUDA: greedy tokens from decode graphs, from eager steps and with the kernel turned off
-    (cuBLAS) agree, and their first tokens are the CPU float32 engine's."""
+def kernel_shaped_decode() -> tuple[Any, torch.nn.Module, list[dict]]:
+    """A random model whose four projections all take the few-row kernel (K a multiple of 256),
+    and three greedy requests of 10 tokens decoding through it (tests/test_fp8_gpu.py too)."""
     cfg, reference = random_llama(hidden_size=256, intermediate_size=512, num_layers=2, head_dim=64)
     requests = [
         {"prompt_token_ids": [(11 * i + j) % 500 + 3 for j in range(5 + 7 * i)], "max_tokens": 10,
          "temperature": 0, "ignore_eos": True}
         for i in range(3)
     ]  # fmt: skip
+    return cfg, reference, requests
+
+
+@cuda
+@pytest.mark.gpu
+def test_bf16_decode_through_the_kernel_gives_the_tokens_of_cublas_and_the_cpu(monkeypatch):
+    """A model whose four projections all take the kernel, in bf16 on CUDA: greedy tokens from
+    decode graphs, from eager steps and with the kernel turned off (cuBLAS) agree, and their
+    first tokens are the CPU float32 engine's."""
+    cfg, reference, requests = kernel_shaped_decode()
 
     def run(device: str, dtype: torch.dtype, **config: object) -> tuple[Engine, list[list[int]]]:
         model = DecoderModel(cfg)
