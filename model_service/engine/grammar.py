@@ -28,7 +28,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+
+# llguidance.numpy, not llguidance.torch: the latter defines a torch.compile'd function at import,
+# which imports dynamo and inductor (~5 s of CPU in every process that imports the engine).
+import llguidance.numpy
 import torch
 
 from model_service.engine.sampler import AllowedTokens
@@ -82,7 +85,7 @@ class Constraint:
         assert self.matcher is not None
         bits = torch.empty((len(proposals) + 1, _words(vocab_size)), dtype=torch.int32)
         for i in range(len(proposals) + 1):
-            llguidance.torch.fill_next_token_bitmask(self.matcher, bits, i)
+            llguidance.numpy.fill_next_token_bitmask(self.matcher, bits.numpy(), i)
             if i < len(proposals):
                 self.accept(proposals[i])
         self.matcher.rollback(len(proposals))
@@ -140,7 +143,7 @@ class GrammarCompiler:
         matchers = [(c.matcher, k) for k, c in enumerate(c for c in constraints if c is not None)]
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, bits)
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, bits.numpy())
         return AllowedTokens(rows, bits)
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
