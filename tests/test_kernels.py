@@ -3,6 +3,8 @@ reference attention backend (everywhere, so CI checks what the kernels are check
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,7 @@ from model_service.kernels.lora import (
     lora_delta_reference,
     lora_expand,
     lora_shrink,
+    shrink_arrivals,
 )
 from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
 from model_service.kernels.paged_attention import (
@@ -261,10 +264,26 @@ def test_triton_lora_matches_reference(tokens, dtype, in_features):
         want, got = y.clone(), y.clone()
         lora_delta_reference(x, want, table, slots, sizes)
         starts = (0, sizes[0], sizes[0] + sizes[1])
-        lora_expand(lora_shrink(x, table, slots), got, table, slots, starts)
+        arrivals = shrink_arrivals(x.device)
+        lora_expand(lora_shrink(x, table, slots, arrivals), got, table, slots, starts)
         assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
         assert torch.equal(got[slots < 0], y[slots < 0])
         assert torch.equal(got[slots == 2], y[slots == 2])  # an empty slot adds nothing
+        assert not arrivals.any()  # left zeroed for the next call
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+@pytest.mark.parametrize("split_k", [2, 9, 16])  # 9 over 5,000 columns: the chunks leave 8 slices
+def test_split_shrink_adds_its_slices_in_order_under_the_interpreter(split_k):
+    """The last K slice to arrive sums every slice's partial sums: the same xa as no split (float32,
+    CPU: `TRITON_INTERPRET=1 pytest -k interpreter tests/test_kernels.py`)."""
+    _, x, _, table, slots = _lora_case(7, "cpu", torch.float32, 1, 5000)
+    arrivals = shrink_arrivals(x.device, max_rows=8)
+    whole, split = (torch.full((7, table.parts * table.max_rank), float("nan")) for _ in range(2))
+    lora_shrink(x, table, slots, arrivals, out=whole, split_k=1)
+    lora_shrink(x, table, slots, arrivals, out=split, split_k=split_k)
+    assert torch.allclose(split, whole, rtol=1e-5, atol=1e-5, equal_nan=True)  # NaN: columns not written
+    assert not arrivals.any()
 
 
 def test_lora_tiles_cut_runs_of_one_slot_and_skip_base_rows():

@@ -101,7 +101,7 @@ if triton is not None:
 
     @triton.jit
     def _shrink_kernel(
-        X, W, Entries, Slots, XA, x_stride, e_stride, in_features, k_chunk,
+        X, W, Entries, Slots, XA, Parts, Arrivals, x_stride, e_stride, in_features, k_chunk,
         NUM_PARTS: tl.constexpr, MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, VEC: tl.constexpr,
     ):  # fmt: skip
@@ -124,10 +124,29 @@ if triton is not None:
                     a = tl.load(W + a_row[:, None] + k[None, :], mask=mask, other=0.0)
                     acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
                 xa = XA + t * NUM_PARTS * MAX_RANK + r
-                if SPLIT_K:
-                    tl.atomic_add(xa, acc, mask=live)  # partial sums
-                else:
+                if SPLIT_K == 1:
                     tl.store(xa, acc, mask=live)
+                else:
+                    _sum_slices(xa, acc, Parts, Arrivals, t, rb, r, live, NUM_PARTS * MAX_RANK, SPLIT_K)
+
+    @triton.jit
+    def _sum_slices(XA, acc, Parts, Arrivals, t, rb, r, live, width, SPLIT_K: tl.constexpr):
+        """The K slices' partial sums of one block of xa: each slice stores its own; the last to
+        arrive (a counter per block) adds them in slice order and resets the counter for the next
+        call (skinny_gemm.py's scheme). No zeroed buffer, so no memset launch before the shrink,
+        and the sum is deterministic, which atomic adds into xa were not."""
+        rows = tl.num_programs(0)
+        ks = tl.program_id(2)
+        tl.store(Parts + (ks * rows + t) * width + r, acc, mask=live)
+        tl.debug_barrier()  # every thread's partial sums are written before the arrival releases them
+        counter = Arrivals + t * tl.num_programs(1) + rb
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for s in range(SPLIT_K):  # in slice order, whichever arrived last: deterministic
+                part = Parts + (s * rows + t) * width + r
+                total += tl.load(part, mask=live, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0)
+            tl.store(XA, total, mask=live)
 
     @triton.jit
     def _row_delta(
@@ -227,33 +246,40 @@ def lora_shrink(
     x: torch.Tensor,
     table: AdapterTable,
     slots: torch.Tensor,
+    arrivals: torch.Tensor,
     out: torch.Tensor | None = None,
     split_k: int | None = None,
-    zeroed: bool = False,
 ) -> torch.Tensor:
     """xa [tokens, parts * max_rank] in float32: every row's input times its adapter's A (Triton,
     CUDA only); columns beyond a part's rank, and rows of slot -1, are left as the buffer holds.
-    `out`: rows of a larger buffer to write (a mixed step's decode rows, beside the tile
-    kernels' rows). `split_k`: the split for a caller that knows its live rows better; `zeroed`:
-    `out` holds zeros already (no memset)."""
+    `arrivals`: int32 zeros (`shrink_arrivals`), owned by the caller and left zeroed by every
+    call. `out`: rows of a larger buffer to write (a mixed step's decode rows, beside the tile
+    kernels' rows). `split_k`: the split for a caller that knows its live rows better."""
     tokens, in_features = x.shape
     width = table.parts * table.max_rank
-    # A decode step of few rows splits the input dimension (atomic partial sums into a zeroed
-    # buffer) so it still starts ~1,000+ programs; with rows enough to fill the SMs twice over,
-    # each program sums its whole row and stores it: no memset launch, no atomics.
+    blocks = triton.cdiv(width, 16)
+    # A decode step of few rows splits the input dimension so it still starts ~1,000+ programs;
+    # with rows enough to fill the SMs twice over, each program sums its whole row.
     if split_k is None:
-        programs = tokens * triton.cdiv(width, 16)
-        split_k = 1 if programs >= 2 * num_sms(x.device) else few_rows_split(in_features)
+        split_k = 1 if tokens * blocks >= 2 * num_sms(x.device) else few_rows_split(in_features)
+    if tokens * blocks > arrivals.numel():
+        split_k = 1  # more blocks than counters: never the case at the rows that split
     k_chunk = triton.cdiv(triton.cdiv(in_features, split_k), 128) * 128
+    slices = triton.cdiv(in_features, k_chunk)  # rounding the chunk up may leave fewer than asked
     xa = torch.empty(tokens, width, dtype=torch.float32, device=x.device) if out is None else out
-    if split_k > 1 and not zeroed:
-        xa.zero_()  # the programs add their partial sums into it
-    _shrink_kernel[(tokens, triton.cdiv(width, 16), triton.cdiv(in_features, k_chunk))](
-        x, table.weights, table.entries, slots, xa, x.stride(0), table.entries.stride(0), in_features,
-        k_chunk, NUM_PARTS=table.parts, MAX_RANK=table.max_rank, BLOCK_R=16, BLOCK_K=128,
-        SPLIT_K=split_k > 1, VEC=TENSOR_ALIGN if in_features % TENSOR_ALIGN == 0 else 1,
+    parts = torch.empty(slices if slices > 1 else 0, tokens, width, dtype=torch.float32, device=x.device)
+    _shrink_kernel[(tokens, blocks, slices)](
+        x, table.weights, table.entries, slots, xa, parts, arrivals, x.stride(0), table.entries.stride(0),
+        in_features, k_chunk, NUM_PARTS=table.parts, MAX_RANK=table.max_rank, BLOCK_R=16, BLOCK_K=128,
+        SPLIT_K=slices, VEC=TENSOR_ALIGN if in_features % TENSOR_ALIGN == 0 else 1,
     )  # fmt: skip
     return xa
+
+
+def shrink_arrivals(device: torch.device, max_rows: int = 1024) -> torch.Tensor:
+    """The split shrink's arrival counters: one per (row, 16 columns of xa) for up to `max_rows`
+    rows of the widest projection (3 parts of rank 64); zeros, as every call leaves them."""
+    return torch.zeros(max_rows * 12, dtype=torch.int32, device=device)
 
 
 def part_bounds(starts: Sequence[int], out_features: int) -> tuple[int, int]:

@@ -36,6 +36,7 @@ from model_service.kernels.lora import (
     few_rows_split,
     lora_expand,
     lora_shrink,
+    shrink_arrivals,
     silu_mul_lora_rows,
 )
 from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
@@ -77,6 +78,7 @@ class LoraStepPlan:
         self.lead = 0  # with tiles: the step's leading decode rows, which the per-row kernels serve
         self.static = False  # a piecewise graph's: both kinds of kernels over fixed buffers (`for_pieces`)
         self.segments: list[tuple[int, torch.Tensor]] = []
+        self.arrivals: torch.Tensor | None = None  # the split shrinks' counters (`_arrivals`)
 
     def kinds_of(self, host_slots: np.ndarray) -> int:
         """The kinds of projection the adapters of these rows target (0: no adapter row)."""
@@ -132,18 +134,26 @@ class LoraStepPlan:
         return to_device(tiles, batch.input_ids.device)
 
     def shrink(self, x: torch.Tensor, table: AdapterTable) -> torch.Tensor:
+        arrivals = self._arrivals(x.device)
         if self.tiles is None:
-            return lora_shrink(x, table, self.slots)
+            return lora_shrink(x, table, self.slots, arrivals)
         if self.static:  # the per-row rows are few (decode rows): split their input dimension
             rows, split = len(self.slots), max(2, few_rows_split(x.shape[1]))
             width = table.parts * table.max_rank
             xa = torch.zeros(x.shape[0], width, dtype=torch.float32, device=x.device)
-            lora_shrink(x[:rows], table, self.slots, out=xa[:rows], split_k=split, zeroed=True)
+            lora_shrink(x[:rows], table, self.slots, arrivals, out=xa[:rows], split_k=split)
             return lora_shrink_tiles(x, table, self.tiles, out=xa)  # zeroed: the tiles may add partial sums
         xa = lora_shrink_tiles(x, table, self.tiles)
         if self.lead:
-            lora_shrink(x[: self.lead], table, self.slots[: self.lead], out=xa[: self.lead])
+            lora_shrink(x[: self.lead], table, self.slots[: self.lead], arrivals, out=xa[: self.lead])
         return xa
+
+    def _arrivals(self, device: torch.device) -> torch.Tensor:
+        """The split shrinks' counters, shared by every projection (one kernel at a time on the
+        stream, each leaving them zeroed), made on first use."""
+        if self.arrivals is None:
+            self.arrivals = shrink_arrivals(device)
+        return self.arrivals
 
     def expand(self, xa: torch.Tensor, y: torch.Tensor, table: AdapterTable, starts: tuple[int, ...]) -> None:
         if self.tiles is None:
