@@ -250,10 +250,12 @@ if triton is not None:
         reciprocal there (the CPU divides, which can differ in the last bit); static: the
         checkpoint's (`row_max` unused)."""
         if STATIC:
-            return tl.load(Static)
-        if HAS_UB:
-            row_max = tl.minimum(row_max, scale_ub)
-        return tl.maximum(row_max, MIN_AMAX) * INV_MAX
+            scale = tl.load(Static)
+        else:
+            if HAS_UB:
+                row_max = tl.minimum(row_max, scale_ub)
+            scale = tl.maximum(row_max, MIN_AMAX) * INV_MAX
+        return scale
 
     @triton.jit
     def _to_e4m3(x, scale, dtype: tl.constexpr, MAX: tl.constexpr):
