@@ -13,6 +13,7 @@ from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.kernels.fp8_gemm import (
     ActivationQuant,
+    QuantizedRows,
     fp8_linear,
     fp8_linear_reference,
     quantize_groups,
@@ -20,6 +21,7 @@ from model_service.kernels.fp8_gemm import (
     quantize_static,
     scaled_mm_applies,
 )
+from model_service.kernels.fused import rms_norm, silu_and_mul
 from model_service.kernels.skinny_gemm import MAX_ROWS, skinny_applies, skinny_linear
 from model_service.models import fp8_linear as fp8_linear_module
 from model_service.models.fp8_linear import Fp8Linear
@@ -165,10 +167,12 @@ def test_one_row_of_any_width_takes_the_gemv():
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
 
 
-def test_few_row_kernel_replays_in_a_cuda_graph_over_new_inputs():
-    """Split-K (o's shape) with its counters reset inside the kernel: a graph replays it as is."""
+@pytest.mark.parametrize("rows", [1, 3])
+def test_few_row_kernel_replays_in_a_cuda_graph_over_new_inputs(rows: int):
+    """Split-K (o's shape: the GEMV's two slices at one row, the `tl.dot` kernel's four at three)
+    with its counters reset inside the kernel: a graph replays it as is."""
     weight, scale = fp8_weight(4096, 4096)
-    x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     arrivals = torch.zeros(64, dtype=torch.int32, device="cuda")
     skinny_linear(x, weight, None, arrivals, scale)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -236,3 +240,85 @@ def test_fp8_decode_through_the_kernel_gives_the_same_tokens_in_graphs_and_eager
     monkeypatch.setattr(fp8_linear_module, "skinny_applies", lambda x, w, s: False)
     _, scaled_mm = run()
     assert [len(t) for t in scaled_mm] == [10, 10, 10]
+
+
+def fused_case(rows: int, k: int, mode: str, scale_ub: float | None) -> tuple[torch.Tensor, ActivationQuant]:
+    """bf16 rows from 1e-3 to 1e3 in scale, row 0 zeros (a graph's padding row), and the scheme."""
+    torch.manual_seed(rows + k)
+    x = (torch.randn(rows, k, device="cuda") * torch.logspace(-3, 3, rows, device="cuda")[:, None]).bfloat16()
+    x[0] = 0
+    static = torch.tensor([0.0123], device="cuda")
+    return x, ActivationQuant(mode, k, static if mode == "static" else None, scale_ub)
+
+
+def assert_quantized_as_unfused(got: QuantizedRows, plain_out: torch.Tensor, acts: ActivationQuant) -> None:
+    """The fused kernel's rows are the plain kernel's, and their e4m3 bytes and scales are
+    `quantize_rows`' of them (the unfused route), bit for bit."""
+    assert isinstance(got, QuantizedRows) and torch.equal(got.x, plain_out)
+    q, scale = quantize_rows(plain_out, acts)
+    assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(got.scale, scale)
+
+
+MODES = [("dynamic", None), ("dynamic", 2.0), ("static", None)]
+
+
+@pytest.mark.parametrize("rows", [1, 17, 300])
+@pytest.mark.parametrize("dim", [4096, 192])
+@pytest.mark.parametrize(("mode", "scale_ub"), MODES)
+def test_rms_norm_quantizes_as_the_unfused_route(rows: int, dim: int, mode: str, scale_ub: float | None):
+    x, acts = fused_case(rows, dim, mode, scale_ub)
+    residual = torch.randn_like(x)
+    residual[0] = 0
+    weight = (torch.rand(dim, device="cuda") + 0.5).bfloat16()
+    for res in (None, residual):
+        got, summed = rms_norm(x, weight, 1e-5, res, acts)
+        plain_out, plain_summed = rms_norm(x, weight, 1e-5, res)
+        assert torch.equal(summed, plain_summed)
+        assert_quantized_as_unfused(got, plain_out, acts)
+
+
+@pytest.mark.parametrize("rows", [1, 17, 300])
+@pytest.mark.parametrize("inter", [14336, 320])
+@pytest.mark.parametrize(("mode", "scale_ub"), MODES)
+def test_silu_mul_quantizes_as_the_unfused_route(rows: int, inter: int, mode: str, scale_ub: float | None):
+    gate_up, acts = fused_case(rows, 2 * inter, mode, scale_ub)
+    acts = ActivationQuant(acts.mode, inter, acts.scale, acts.scale_ub)
+    assert_quantized_as_unfused(silu_and_mul(gate_up, acts), silu_and_mul(gate_up), acts)
+
+
+def test_fused_quantization_gives_the_unfused_tokens_in_graphs_and_eager(monkeypatch):
+    """An online-FP8 model decoding 20 sequences (> 16 rows: `_scaled_mm`, the producers
+    quantizing for qkv, gate_up and down) in decode graphs and eagerly: the tokens of the unfused
+    route (each GEMM quantizing its own input), which the same engine gives with the producers
+    told not to."""
+    from bench.gpu import quantized
+
+    cfg, reference, _ = kernel_shaped_decode()
+    requests = [
+        {"prompt_token_ids": [(13 * i + j) % 500 + 3 for j in range(3 + i)], "max_tokens": 6,
+         "temperature": 0, "ignore_eos": True}
+        for i in range(20)
+    ]  # fmt: skip
+    loaded = quantized(LoadedModel("random", cfg, reference.to("cuda", torch.bfloat16).eval(), None))
+    fused = 0
+    forward = Fp8Linear.forward
+
+    def counting(self: Fp8Linear, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        nonlocal fused
+        fused += isinstance(x, QuantizedRows)
+        return forward(self, x)
+
+    def run(**config: object) -> list[list[int]]:
+        engine = Engine(
+            EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=64, **config), loaded=loaded
+        )
+        return [o.token_ids for o in engine.generate(requests)]
+
+    monkeypatch.setattr(Fp8Linear, "forward", counting)
+    graphs, eager = run(), run(enforce_eager=True)
+    assert fused > 0 and graphs == eager
+    monkeypatch.setattr(Fp8Linear, "input_quant", lambda self, x: None)
+    fused = 0
+    assert run() == graphs and run(enforce_eager=True) == graphs
+    assert fused == 0

@@ -145,6 +145,29 @@ def scaled_mm_applies(
     )
 
 
+@dataclass(frozen=True)
+class QuantizedRows:
+    """An activation made for an FP8 projection by the kernel that produced it (RMSNorm, SiLU-mul:
+    `kernels/fused.py`): `x` [M, K] in the compute dtype (what a LoRA shrink and the few-row kernel
+    read), and its per-row quantization `q` (e4m3 [M, K]) with `scale` (float32 [M, 1]), bit for
+    bit what `quantize_rows(x, acts)` gives, so that the GEMM does not launch that quantization
+    itself. Only a producer asked by its consumer's `input_quant` makes one."""
+
+    x: torch.Tensor
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+def plain(x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    """The activation in the compute dtype, whether or not its producer quantized it too."""
+    return x.x if isinstance(x, QuantizedRows) else x
+
+
+def quantized_rows(x: torch.Tensor, acts: ActivationQuant) -> QuantizedRows:
+    """x with its per-row quantization: the unfused reference of the producers' fused kernels."""
+    return QuantizedRows(x, *quantize_rows(x, acts))
+
+
 def _scaled_mm_rowwise(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -152,9 +175,24 @@ def _scaled_mm_rowwise(
     bias: torch.Tensor | None,
     acts: ActivationQuant,
 ) -> torch.Tensor:
-    q, scale = quantize_rows(x, acts)
-    y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
-    return y if bias is None else y + bias
+    return scaled_mm_rows(quantized_rows(x, acts), weight, weight_scale, bias)
+
+
+def scaled_mm_rows(
+    rows: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """rows [..., K] (quantized) @ weight [N, K].T with row-wise scales, in rows.x's dtype:
+    `torch._scaled_mm`, the rescale in cuBLASLt's epilogue (the bias added after)."""
+    q = rows.q.reshape(-1, rows.q.shape[-1])
+    y = torch._scaled_mm(
+        q,
+        weight.t(),
+        scale_a=rows.scale.view(-1, 1),
+        scale_b=weight_scale.view(1, -1),
+        out_dtype=rows.x.dtype,
+    )
+    y = y if bias is None else y + bias
+    return y.view(*rows.x.shape[:-1], weight.shape[0])
 
 
 def quantize_rows(x: torch.Tensor, acts: ActivationQuant) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,49 +205,96 @@ def quantize_rows(x: torch.Tensor, acts: ActivationQuant) -> tuple[torch.Tensor,
         if acts.mode == "dynamic":
             return quantize_groups(x, k, acts.scale_ub)
         return quantize_static(x, acts.scale), acts.scale.expand(m, 1).contiguous()
-    q = torch.empty(m, k, dtype=E4M3, device=x.device)
-    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    static = acts.mode == "static"
-    _quantize_rows_kernel[(m,)](
-        x, q, scale, acts.scale if static else scale, x.stride(0), k,
-        acts.scale_ub if acts.scale_ub is not None else 0.0,
-        STATIC=static, HAS_UB=acts.scale_ub is not None, BLOCK=min(1024, triton.next_power_of_2(k)),
-        MIN_AMAX=_MIN_AMAX, INV_MAX=1 / E4M3_MAX, MAX=E4M3_MAX,
-    )  # fmt: skip
-    return q, scale
+    return quantize_rows_triton(x, acts)
+
+
+def quantize_rows_triton(x: torch.Tensor, acts: ActivationQuant) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows`' kernel, wherever Triton runs (its interpreter included: the tests)."""
+    m, k = x.shape
+    args, rows = row_quant_outputs(x, acts)
+    _quantize_rows_kernel[(m,)](x, x.stride(0), k, BLOCK=min(1024, triton.next_power_of_2(k)), **args)
+    return rows.q, rows.scale
+
+
+def row_quant_outputs(
+    out: torch.Tensor, acts: ActivationQuant | None
+) -> tuple[dict, torch.Tensor | QuantizedRows]:
+    """For a kernel that writes `out` [M, K] and, given `acts`, its per-row quantization too:
+    (the arguments of that quantization, which every such kernel takes: `Q`, `Scale` and those of
+    `_row_scale` and `_to_e4m3`; what the kernel's caller returns: `out`, or the `QuantizedRows`
+    the kernel fills). One place says how a scheme becomes a scale, so the fused producers and
+    `_quantize_rows_kernel` cannot drift apart. Without `acts` the kernel is to write `out` alone
+    (the arguments are placeholders)."""
+    m, k = out.shape
+    quant, static = acts is not None, acts is not None and acts.mode == "static"
+    q = torch.empty(m, k, dtype=E4M3, device=out.device) if quant else out
+    scale = torch.empty(m, 1, dtype=torch.float32, device=out.device) if quant else out
+    ub = acts.scale_ub if quant else None
+    args = {
+        "Q": q, "Scale": scale, "Static": acts.scale if static else scale,
+        "scale_ub": ub if ub is not None else 0.0, "STATIC": static, "HAS_UB": ub is not None,
+        "MIN_AMAX": _MIN_AMAX, "INV_MAX": 1 / E4M3_MAX, "MAX": E4M3_MAX,
+    }  # fmt: skip
+    return args, QuantizedRows(out, q, scale) if quant else out
 
 
 if triton is not None:
 
     @triton.jit
-    def _quantize_rows_kernel(
-        X, Q, Scale, Static, x_stride, K, scale_ub,
-        STATIC: tl.constexpr, HAS_UB: tl.constexpr, BLOCK: tl.constexpr,
-        MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
+    def _row_scale(
+        row_max, Static, scale_ub, STATIC: tl.constexpr, HAS_UB: tl.constexpr, MIN_AMAX: tl.constexpr,
+        INV_MAX: tl.constexpr,
     ):  # fmt: skip
-        """Program (row): its maximum in one pass over the row, its e4m3 values in a second (the
-        row is re-read from cache), with the operations `quantize_groups` runs on CUDA, in its
-        order: the scale is amax times float32(1 / 448), as torch computes `amax / 448` there (a
-        division by a Python number is a multiply by its reciprocal on CUDA; the CPU divides,
-        which can differ in the scale's last bit); a correctly rounded division by the scale
-        (`div_rn`: Triton's `/` is approximate); the clamp; the round-to-nearest-even cast."""
-        row = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
-        x_row = X + row * x_stride
+        """A row's scale, as `quantize_groups` computes it on CUDA: the row maximum (capped by
+        `scale_ub`) times float32(1 / 448), since torch's `amax / 448` is a multiply by the
+        reciprocal there (the CPU divides, which can differ in the last bit); static: the
+        checkpoint's (`row_max` unused)."""
         if STATIC:
             scale = tl.load(Static)
         else:
-            amax = tl.zeros([BLOCK], tl.float32)
-            for k0 in range(0, K, BLOCK):
-                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0)
-                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-            row_max = tl.max(amax, axis=0)
             if HAS_UB:
                 row_max = tl.minimum(row_max, scale_ub)
             scale = tl.maximum(row_max, MIN_AMAX) * INV_MAX
+        return scale
+
+    @triton.jit
+    def _to_e4m3(x, scale, dtype: tl.constexpr, MAX: tl.constexpr):
+        """float32 x / scale in e4m3 as torch rounds it: a correctly rounded division (`div_rn`:
+        Triton's `/` is approximate), the clamp to +-448, the round-to-nearest-even cast."""
+        return tl.minimum(tl.maximum(tl.div_rn(x, scale), -MAX), MAX).to(dtype)
+
+    @triton.jit
+    def _quantize_rows_kernel(
+        X, x_stride, K, Q, Scale, Static, scale_ub, BLOCK: tl.constexpr, STATIC: tl.constexpr,
+        HAS_UB: tl.constexpr, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row): its maximum in one pass over the row, its e4m3 values in a second (the
+        row is re-read from cache)."""
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        x_row = X + row * x_stride
+        amax = tl.zeros([BLOCK], tl.float32)
+        if not STATIC:
+            for k0 in range(0, K, BLOCK):
+                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0)
+                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = _row_scale(tl.max(amax, axis=0), Static, scale_ub, STATIC, HAS_UB, MIN_AMAX, INV_MAX)
         tl.store(Scale + row, scale)
         for k0 in range(0, K, BLOCK):
             live = k0 + offs < K
             x = tl.load(x_row + k0 + offs, mask=live, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -MAX), MAX)
-            tl.store(Q + row * K + k0 + offs, q.to(Q.dtype.element_ty), mask=live)
+            tl.store(Q + row * K + k0 + offs, _to_e4m3(x, scale, Q.dtype.element_ty, MAX), mask=live)
+
+    @triton.jit
+    def quantize_row(
+        y, live, q_row, scale_at, Static, scale_ub, STATIC: tl.constexpr, HAS_UB: tl.constexpr,
+        MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
+    ):  # fmt: skip
+        """A producer's row held whole in registers, `y` (float32 of the values it stored in the
+        compute dtype; `live` masks a power-of-two block's tail): its scale into `scale_at`, its
+        e4m3 values from `q_row` on, as `_quantize_rows_kernel` would make them from the row."""
+        row_max = tl.max(tl.where(live, tl.abs(y), 0.0), axis=0)
+        scale = _row_scale(row_max, Static, scale_ub, STATIC, HAS_UB, MIN_AMAX, INV_MAX)
+        tl.store(scale_at, scale)
+        offs = tl.arange(0, y.shape[0])
+        tl.store(q_row + offs, _to_e4m3(y, scale, q_row.dtype.element_ty, MAX), mask=live)

@@ -15,15 +15,28 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from model_service.kernels.fp8_gemm import (
+    ActivationQuant,
+    QuantizedRows,
+    quantized_rows,
+    row_quant_outputs,
+)
 from model_service.kernels.paged_attention import FP8, paged_decode_attention, store_kv, triton
 
 if triton is not None:
     import triton.language as tl
 
+    from model_service.kernels.fp8_gemm import _row_scale, _to_e4m3, quantize_row
     from model_service.kernels.paged_attention import cache_value
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, Y, RO, x_stride, dim, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(
+        X, R, W, Y, RO, x_stride, dim, eps, Q, Scale, Static, scale_ub, HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr, HAS_UB: tl.constexpr,
+        MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row). With `QUANT` it also quantizes the normalized row it stores, from the
+        registers (`fp8_gemm.quantize_row`: the rest of the arguments are that function's)."""
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < dim
@@ -35,16 +48,48 @@ if triton is not None:
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / dim + eps)
         normed = (h * rstd).to(x.dtype).to(tl.float32)
         w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y + row * dim + offs, (normed * w).to(x.dtype), mask=mask)
+        y = (normed * w).to(x.dtype)
+        tl.store(Y + row * dim + offs, y, mask=mask)
+        if QUANT:
+            quantize_row(
+                y.to(tl.float32), mask, Q + row * dim, Scale + row, Static, scale_ub, STATIC, HAS_UB,
+                MIN_AMAX, INV_MAX, MAX,
+            )  # fmt: skip
+
+    @triton.jit
+    def _silu_mul(X, row, col, inter, mask):
+        """silu(gate) * up at columns `col` of `row`, in float32 then rounded as torch rounds it."""
+        gate = tl.load(X + row * 2 * inter + col, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(X + row * 2 * inter + inter + col, mask=mask, other=0.0)
+        return (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
 
     @triton.jit
     def _silu_mul_kernel(X, Y, inter, BLOCK: tl.constexpr):
         row, col = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = col < inter
-        gate = tl.load(X + row * 2 * inter + col, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(X + row * 2 * inter + inter + col, mask=mask, other=0.0)
-        act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # silu in float32, rounded as torch rounds it
-        tl.store(Y + row * inter + col, act * up, mask=mask)
+        tl.store(Y + row * inter + col, _silu_mul(X, row, col, inter, mask), mask=mask)
+
+    @triton.jit
+    def _silu_mul_quant_kernel(
+        X, Y, inter, Q, Scale, Static, scale_ub, BLOCK: tl.constexpr, STATIC: tl.constexpr,
+        HAS_UB: tl.constexpr, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row): `_silu_mul_kernel`'s values and their maximum in one pass, then their
+        e4m3 values from the stored row (re-read from cache, as `_quantize_rows_kernel` does)."""
+        row, offs = tl.program_id(0), tl.arange(0, BLOCK)
+        amax = tl.zeros([BLOCK], tl.float32)
+        for c0 in range(0, inter, BLOCK):
+            mask = c0 + offs < inter
+            y = _silu_mul(X, row, c0 + offs, inter, mask)
+            tl.store(Y + row * inter + c0 + offs, y, mask=mask)
+            amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))  # masked columns are 0
+        scale = _row_scale(tl.max(amax, axis=0), Static, scale_ub, STATIC, HAS_UB, MIN_AMAX, INV_MAX)
+        tl.store(Scale + row, scale)
+        tl.debug_barrier()  # every thread's stores are visible before any reads them back
+        for c0 in range(0, inter, BLOCK):
+            mask = c0 + offs < inter
+            y = tl.load(Y + row * inter + c0 + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(Q + row * inter + c0 + offs, _to_e4m3(y, scale, Q.dtype.element_ty, MAX), mask=mask)
 
     @triton.jit
     def _rope_kernel(X, Cos, Sin, row_stride, head_stride, HALF: tl.constexpr):
@@ -103,32 +148,69 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    quant: ActivationQuant | None = None,
+) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual); without a residual, (RMSNorm(x), x).
-    x: [T, dim] with unit stride in its last dimension."""
+    x: [T, dim] with unit stride in its last dimension. With `quant` the normalized rows come as
+    `QuantizedRows` for an FP8 projection: on CUDA quantized by the same launch, from registers
+    (one launch and a pass over the rows fewer than `fp8_gemm.quantize_rows` after the norm),
+    bit for bit that reference, which runs everywhere else."""
     if not _on_gpu(x) or x.dim() != 2 or x.stride(-1) != 1:
         summed = x if residual is None else x + residual
-        return rms_norm_reference(summed, weight, eps), summed
+        out = rms_norm_reference(summed, weight, eps)
+        return (out if quant is None else quantized_rows(out, quant)), summed
+    return rms_norm_triton(x, weight, eps, residual, quant)
+
+
+def rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    quant: ActivationQuant | None = None,
+) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    """`rms_norm`'s kernel, wherever Triton runs (its interpreter included: the tests)."""
     rows, dim = x.shape
     out = torch.empty(rows, dim, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(out) if residual is not None else x
+    args, result = row_quant_outputs(out, quant)
     _rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, summed, x.stride(0), dim, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(dim),
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(dim), QUANT=quant is not None, **args,
     )  # fmt: skip
-    return out, summed
+    return result, summed
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[:, :I]) * x[:, I:] for the fused gate/up output [T, 2I]."""
+def silu_and_mul(x: torch.Tensor, quant: ActivationQuant | None = None) -> torch.Tensor | QuantizedRows:
+    """silu(x[:, :I]) * x[:, I:] for the fused gate/up output [T, 2I]. With `quant`, as
+    `QuantizedRows` for an FP8 down projection: on CUDA quantized by the same launch (bit for
+    bit `fp8_gemm.quantize_rows` of the product, the reference everywhere else)."""
     if not _on_gpu(x):
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        out = F.silu(gate) * up
+        return out if quant is None else quantized_rows(out, quant)
+    return silu_and_mul_triton(x, quant)
+
+
+def silu_and_mul_triton(
+    x: torch.Tensor, quant: ActivationQuant | None = None
+) -> torch.Tensor | QuantizedRows:
+    """`silu_and_mul`'s kernels, wherever Triton runs (its interpreter included: the tests). A
+    row's scale needs the whole row, so quantizing takes one program a row (columns in blocks of
+    2,048, the row then re-read from cache to quantize it); without, 1,024 columns a program."""
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    _silu_mul_kernel[(rows, triton.cdiv(inter, 1024))](x.contiguous(), out, inter, BLOCK=1024)
-    return out
+    if quant is None:
+        _silu_mul_kernel[(rows, triton.cdiv(inter, 1024))](x.contiguous(), out, inter, BLOCK=1024)
+        return out
+    args, result = row_quant_outputs(out, quant)
+    block = min(2048, triton.next_power_of_2(inter))
+    _silu_mul_quant_kernel[(rows,)](x.contiguous(), out, inter, BLOCK=block, num_warps=8, **args)
+    return result
 
 
 def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,16 @@ def gemv_tiles(n: int, sms: int = 132) -> tuple[int, int]:
     return (32, 256) if n // 32 >= 4 * sms else (8, 1024)
 
 
+def gemv_split(k: int, n: int, block_k: int) -> int:
+    """How many slices the one-row GEMV splits K into: two where K is at least N (o 4,096 ->
+    4,096, down 14,336 -> 4,096 on the 8B shape), whose programs each stream a long row of K
+    bytes, too few of them in flight to reach the copy bandwidth; one otherwise (qkv, gate_up:
+    more columns, shorter rows). Two slices need whole K tiles each and whole 64-column groups
+    (the arrival counters `PackedLinear.skinny_arrivals` makes). H200, 8B shapes, one row: o
+    7.8 -> 7.3 us, down 20.1 -> 17.8."""
+    return 2 if k >= n and k % (2 * block_k) == 0 and n % 64 == 0 else 1
+
+
 def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -144,7 +154,7 @@ def skinny_linear(
     rows, k = x.shape
     n = weight.shape[0]
     if rows == 1 and weight_scale is not None:
-        return _fp8_gemv(x, weight, bias, weight_scale)
+        return _fp8_gemv(x, weight, bias, weight_scale, arrivals)
     cfg = skinny_config(k, n, *_device_limits(x.device), weight.element_size())
     assert cfg is not None and (cfg.split_k == 1 or arrivals.numel() >= n // cfg.block_n)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
@@ -159,7 +169,11 @@ def skinny_linear(
 
 
 def _fp8_gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: torch.Tensor,
+    arrivals: torch.Tensor,
 ) -> torch.Tensor:
     """One row times an e4m3 weight [n, k] without `tl.dot`: each program reads [block_n, block_k]
     tiles along K as the rows lie (long contiguous runs of bytes, no operand layout for the tensor
@@ -167,14 +181,19 @@ def _fp8_gemv(
     of the tile. A batch-1 decode step is all such products. H200, 8B shapes (one row, 24
     distinct weights in a graph, 2026-12-02 t): qkv 14.0 -> 9.3 us against the tuned `tl.dot`
     kernel, o 11.3 -> 7.8, gate_up 42.6 -> 29.9 (3.9 TB/s of weight bytes), down 28.0 -> 20.1.
-    No split of K: splitting gained o and down ~10% more, at the price of an arrival counter."""
+    Where K is long against N (`gemv_split`) K is split in two: each slice's partial sums go to
+    a float32 buffer and the last program of each 64 columns to arrive (its `arrivals` counter,
+    left zeroed) adds them in slice order: deterministic, and no second launch."""
     k, n = x.shape[1], weight.shape[0]
     block_n, block_k = gemv_tiles(n, _device_limits(x.device)[0])
-    assert n % block_n == 0
+    split = gemv_split(k, n, block_k)
+    assert n % block_n == 0 and (split == 1 or arrivals.numel() >= n // 64)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _fp8_gemv_kernel[(n // block_n,)](
-        x, weight, scale, bias if bias is not None else y, y, k, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4, num_stages=4 if block_n == 32 else 2,
+    parts = torch.empty(split if split > 1 else 0, n, dtype=torch.float32, device=x.device)
+    _fp8_gemv_kernel[(n // block_n, split)](
+        x, weight, scale, bias if bias is not None else y, y, parts, arrivals, n, k,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % (split * block_k) == 0,
+        SPLIT_K=split, num_warps=4, num_stages=4 if block_n == 32 else 2,
     )  # fmt: skip
     return y
 
@@ -182,14 +201,25 @@ def _fp8_gemv(
 if triton is not None:
 
     @triton.jit
+    def _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS: tl.constexpr):
+        acc *= tl.load(Scale + cols)
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols).to(tl.float32)
+        tl.store(Y + cols, acc.to(Y.dtype.element_ty))
+
+    @triton.jit
     def _fp8_gemv_kernel(
-        X, W, Scale, Bias, Y, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr,
+        X, W, Scale, Bias, Y, Parts, Arrivals, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        """Program (column block, K slice); with SPLIT_K > 1, the counter of 64 columns
+        (64 / BLOCK_N column blocks) takes SPLIT_K * 64 / BLOCK_N arrivals."""
+        col_block, k_slice = tl.program_id(0), tl.program_id(1)
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
+        per_slice = K // SPLIT_K
         acc = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_slice * per_slice, (k_slice + 1) * per_slice, BLOCK_K):
             k = k0 + ks
             if EVEN_K:
                 w = tl.load(W + cols[:, None] * K + k[None, :])
@@ -198,10 +228,19 @@ if triton is not None:
                 w = tl.load(W + cols[:, None] * K + k[None, :], mask=k[None, :] < K, other=0.0)
                 x = tl.load(X + k, mask=k < K, other=0.0)
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        acc *= tl.load(Scale + cols)
-        if HAS_BIAS:
-            acc += tl.load(Bias + cols).to(tl.float32)
-        tl.store(Y + cols, acc.to(Y.dtype.element_ty))
+        if SPLIT_K == 1:
+            _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS)
+        else:
+            tl.store(Parts + k_slice * N + cols, acc)
+            tl.debug_barrier()  # every thread's partial sums are written before the arrival releases them
+            group = col_block // (64 // BLOCK_N)
+            if tl.atomic_add(Arrivals + group, 1, sem="acq_rel") == SPLIT_K * (64 // BLOCK_N) - 1:
+                group_cols = group * 64 + tl.arange(0, 64)
+                total = tl.zeros([64], tl.float32)
+                for s in range(SPLIT_K):  # in slice order, whichever arrived last: deterministic
+                    total += tl.load(Parts + s * N + group_cols, cache_modifier=".cg")
+                tl.atomic_xchg(Arrivals + group, 0)
+                _gemv_store(Y, Scale, Bias, total, group_cols, HAS_BIAS)
 
     @triton.jit
     def _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):

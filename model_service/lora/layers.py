@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from model_service.kernels.fp8_gemm import ActivationQuant, QuantizedRows, plain
 from model_service.kernels.fused import silu_and_mul
 from model_service.kernels.lora import (
     AdapterTable,
@@ -183,10 +184,12 @@ class LoraLinear(nn.Module):
         self.starts = tuple(int(lo) for lo in bounds[:-1])  # each part's first output column
         self.columns = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds)]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """The base projection's output plus each row's adapter delta, taken from x in the compute
+        dtype (an FP8 base may get x quantized by its producer: `input_quant`)."""
         if self.plan.use_kernels:
             return self._forward_kernels(x) if self._applies() else self.base(x)
-        y = self.base(x)
+        y, x = self.base(x), plain(x)
         for slot, rows in self.plan.segments:
             xs = None
             for part, (lo, hi) in enumerate(self.columns):
@@ -198,21 +201,28 @@ class LoraLinear(nn.Module):
                 y[:, lo:hi].index_add_(0, rows, delta, alpha=float(self.host_scaling[slot, part]))
         return y
 
-    def _forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
+    def input_quant(self, x: torch.Tensor) -> ActivationQuant | None:
+        """The base projection's wish (`Fp8Linear.input_quant`): the delta reads the unquantized x."""
+        return self.base.input_quant(x)
+
+    def _forward_kernels(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         xa, y = self._shrink_and_base(x)
         self.plan.expand(xa, y, self.table, self.starts)
         return y
 
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_silu_mul(
+        self, x: torch.Tensor | QuantizedRows, quant: ActivationQuant | None = None
+    ) -> torch.Tensor | QuantizedRows:
         """silu(gate) * up of this gate_up projection (SwiGLU's `MLP`). On decode steps and in
         decode graphs (the per-row kernels) each row's delta is added inside the activation
         (`silu_mul_lora_rows`): the expand's read and write of the 2I-wide output and a launch a
         layer are not paid (8B shape, 64 rows: 25.0 -> 19.7 us a layer). Steps with row tiles
         keep the expand: a fused kernel over tiles of every row measured slower in the serving
-        run (single decode rows each took a whole tile; docs/performance-notes.md, session m)."""
+        run (single decode rows each took a whole tile; docs/performance-notes.md, session m).
+        `quant` as `PackedLinear.forward_silu_mul`'s, honoured where the plain SiLU-mul runs."""
         plan = self.plan
         if not (plan.use_kernels and self._applies()) or plan.tiles is not None:
-            return silu_and_mul(self(x))
+            return silu_and_mul(self(x), quant)
         assert self.columns == [(0, self.columns[0][1]), (self.columns[0][1], 2 * self.columns[0][1])]
         xa, y = self._shrink_and_base(x)
         return silu_mul_lora_rows(y, xa, self.table, plan.slots)
@@ -221,13 +231,13 @@ class LoraLinear(nn.Module):
         """Whether this step's kernels run here: some row's adapter targets this kind of projection."""
         return self.plan.enabled and bool(self.plan.kinds & self.kind)
 
-    def _shrink_and_base(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _shrink_and_base(self, x: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor]:
         """The shrink, then the base GEMM, on one stream. A side stream for the shrink beside
         the GEMM won 79 -> 60 us a layer in a kernel benchmark, but lost in serving (8B shape,
         `bench/rotation.py`: one adapter 0.85 -> 0.91x, r8-qv 0.88 -> 0.92x, r16-all 0.68 ->
         0.72x without it): the GEMM holds every SM, so the shrink waited for it anyway and the
         join delayed the expand."""
-        return self.plan.shrink(x, self.table), self.base(x)
+        return self.plan.shrink(plain(x), self.table), self.base(x)
 
 
 class LoadStream:

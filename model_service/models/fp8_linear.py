@@ -14,7 +14,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_service.kernels.fp8_gemm import E4M3, ActivationQuant, fp8_linear, quantize_groups
+from model_service.kernels.fp8_gemm import (
+    E4M3,
+    ActivationQuant,
+    QuantizedRows,
+    fp8_linear,
+    quantize_groups,
+    scaled_mm_applies,
+    scaled_mm_rows,
+)
 from model_service.kernels.skinny_gemm import skinny_applies, skinny_linear
 from model_service.models.layers import PackedLinear
 from model_service.models.quantization import ONLINE, Fp8Scheme
@@ -57,14 +65,29 @@ class Fp8Linear(PackedLinear):
         scheme = self.scheme
         return ActivationQuant(scheme.activations, self.group, self.input_scale, scheme.activation_scale_ub)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """Decode steps of a few rows with one scale a weight row (per-channel and per-tensor
         schemes) take the few-row kernel in W8A16 (`skinny_linear`: one byte a weight, where
-        `_scaled_mm` is slow at so few rows), as `PackedLinear.forward` takes it in bf16."""
-        scale = self.weight_scale
-        if skinny_applies(x, self.weight, scale) and (arrivals := self.skinny_arrivals(x)) is not None:
-            return skinny_linear(x, self.weight, self.bias, arrivals, scale)
-        return fp8_linear(x, self.weight, scale, self.group, self.bias, self.activations())
+        `_scaled_mm` is slow at so few rows), as `PackedLinear.forward` takes it in bf16. Rows
+        their producer quantized (it asked `input_quant`) go straight to `_scaled_mm`."""
+        if isinstance(x, QuantizedRows):
+            return scaled_mm_rows(x, self.weight, self.weight_scale, self.bias)
+        if (arrivals := self._few_rows(x)) is not None:
+            return skinny_linear(x, self.weight, self.bias, arrivals, self.weight_scale)
+        return fp8_linear(x, self.weight, self.weight_scale, self.group, self.bias, self.activations())
+
+    def input_quant(self, x: torch.Tensor) -> ActivationQuant | None:
+        """How the kernel producing x (or a tensor of its rows, dtype and device) should quantize
+        it for this layer, None if it should not: only where `forward` would run `_scaled_mm`,
+        which would otherwise launch that quantization itself (`fp8_gemm.quantize_rows`)."""
+        acts = self.activations()
+        if self._few_rows(x) is not None or not scaled_mm_applies(x, self.weight, self.weight_scale, acts):
+            return None
+        return acts
+
+    def _few_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The few-row kernel's counters when x takes that kernel, else None."""
+        return self.skinny_arrivals(x) if skinny_applies(x, self.weight, self.weight_scale) else None
 
 
 def quantize_online(module: nn.Module) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model_service.kernels.fp8_gemm import ActivationQuant, QuantizedRows, plain
 from model_service.kernels.fused import rms_norm, silu_and_mul
 from model_service.kernels.skinny_gemm import skinny_applies, skinny_linear
 from model_service.models.config import ModelConfig
@@ -23,9 +24,13 @@ class RMSNorm(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         return rms_norm(flat, self.weight, self.eps)[0].view(x.shape)
 
-    def with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(RMSNorm(x + residual), x + residual): the pre-norm decoder's add and norm in one."""
-        return rms_norm(x, self.weight, self.eps, residual)
+    def with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor | None, quant: ActivationQuant | None = None
+    ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual): the pre-norm decoder's add and norm in one (no
+        add without a residual). With `quant` (an FP8 consumer's `input_quant`) the norm also
+        quantizes its rows for that consumer, in the same launch on CUDA."""
+        return rms_norm(x, self.weight, self.eps, residual, quant)
 
 
 class PackedLinear(nn.Linear):
@@ -58,10 +63,18 @@ class PackedLinear(nn.Linear):
             self.arrivals = torch.zeros(self.out_features // 64, dtype=torch.int32, device=x.device)
         return self.arrivals if self.arrivals is not None and self.arrivals.device == x.device else None
 
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def input_quant(self, x: torch.Tensor) -> ActivationQuant | None:
+        """How the kernel producing this layer's input x should quantize it: not at all in the
+        compute dtype (`Fp8Linear` answers for FP8 weights)."""
+        return None
+
+    def forward_silu_mul(
+        self, x: torch.Tensor | QuantizedRows, quant: ActivationQuant | None = None
+    ) -> torch.Tensor | QuantizedRows:
         """silu(gate) * up of a gate_up projection: SwiGLU's consumer asks for both at once, so a
-        LoRA wrapper (`lora.layers.LoraLinear`) can add its delta inside the activation."""
-        return silu_and_mul(self(x))
+        LoRA wrapper (`lora.layers.LoraLinear`) can add its delta inside the activation. With
+        `quant` (the down projection's `input_quant`) the product is also quantized for it."""
+        return silu_and_mul(self(x), quant)
 
 
 class MLP(nn.Module):
@@ -75,8 +88,22 @@ class MLP(nn.Module):
         )
         self.down_proj = PackedLinear(inter, {"down_proj": cfg.hidden_size}, cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
+    def input_quant(self, x: torch.Tensor) -> ActivationQuant | None:
+        """The gate_up projection's (`PackedLinear.input_quant`): it alone reads the input."""
+        return self.gate_up_proj.input_quant(x)
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """down(silu(gate) * up); an FP8 down projection gets its input quantized by SiLU-mul."""
+        quant = input_quant(self.down_proj, plain(x))
+        return self.down_proj(self.gate_up_proj.forward_silu_mul(x, quant))
+
+
+def input_quant(consumer: nn.Module | None, x: torch.Tensor) -> ActivationQuant | None:
+    """How the kernel producing x should quantize it for `consumer` (a projection, or a block whose
+    only reader of x is one: `MLP`, `llama.Attention`), None if not, or if `consumer` cannot say
+    (an MoE block, a tensor-parallel row shard: they quantize for themselves, unfused)."""
+    ask = getattr(consumer, "input_quant", None)
+    return ask(x) if ask is not None else None
 
 
 def checkpoint_layout(module: nn.Module) -> dict[str, list[tuple[str, tuple[int, ...]]]]:

@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model_service.kernels.fp8_gemm import ActivationQuant, QuantizedRows
 from model_service.models.config import ModelConfig
 from model_service.models.context import ForwardContext
-from model_service.models.layers import PackedLinear, RMSNorm
+from model_service.models.layers import PackedLinear, RMSNorm, input_quant
 from model_service.models.moe import mlp_for
 from model_service.models.rope import RotaryEmbedding
 
@@ -35,11 +36,16 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
+    def input_quant(self, x: torch.Tensor) -> ActivationQuant | None:
+        """The qkv projection's (`PackedLinear.input_quant`): it alone reads the input."""
+        return self.qkv_proj.input_quant(x)
+
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
+        self, x: torch.Tensor | QuantizedRows, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        n = qkv.shape[0]
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
@@ -62,6 +68,11 @@ class PreNormLayer(nn.Module):
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    def mixer(self) -> nn.Module | None:
+        """The module `mix` hands its input to, asked how to quantize it (`layers.input_quant`);
+        None: `mix` reads it otherwise, in the compute dtype."""
+        return None
+
     def forward(
         self,
         x: torch.Tensor,
@@ -70,13 +81,24 @@ class PreNormLayer(nn.Module):
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it): the next norm adds the two."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.with_residual(x, residual)
+        h, residual = add_and_norm(self.input_layernorm, x, residual, self.mixer())
         h = self.mix(h, rope, ctx)
-        h, residual = self.post_attention_layernorm.with_residual(h, residual)
+        h, residual = add_and_norm(self.post_attention_layernorm, h, residual, self.mlp)
         return self.mlp(h), residual
+
+
+def add_and_norm(
+    norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, consumer: nn.Module | None
+) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    """(norm(x + residual), x + residual), or (norm(x), x) for the first layer. An `RMSNorm` whose
+    `consumer` starts with an FP8 GEMM quantizes its output for it in the same launch
+    (`layers.input_quant`); other norms (zero-centred ones, EAGLE-3's taps) give it unquantized."""
+    quant = input_quant(consumer, x) if isinstance(norm, RMSNorm) else None
+    if quant is not None:
+        return norm.with_residual(x, residual, quant)
+    if residual is None:
+        return norm(x), x
+    return norm.with_residual(x, residual)
 
 
 class DecoderLayer(PreNormLayer):
@@ -96,6 +118,9 @@ class DecoderLayer(PreNormLayer):
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
     ) -> torch.Tensor:
         return self.self_attn(h, rope, ctx)
+
+    def mixer(self) -> nn.Module:
+        return self.self_attn
 
 
 class DecoderModel(nn.Module):
