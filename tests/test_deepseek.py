@@ -446,8 +446,8 @@ def test_routing_matches_hf_routers(method: str, norm: bool):
 
 def test_mtp_layers_skipped_bad_routing_refused_and_moe_layer_freq(tmp_path: Path):
     """A V3 checkpoint's MTP layers (after the last decoder layer) are not part of the target's
-    load (MTP speculation loads them: test_mtp.py); an unknown V2 `topk_method` and a quantized
-    checkpoint are refused by name; `moe_layer_freq` spaces the sparse layers."""
+    load (MTP speculation loads them: test_mtp.py); an unknown V2 `topk_method` and a quantization
+    scheme other than FP8 are refused by name; `moe_layer_freq` spaces the sparse layers."""
     path = make_tiny_deepseek("v3", tmp_path / "ckpt")
     file = path / "model.safetensors"
     tensors = load_file(str(file))
@@ -467,9 +467,9 @@ def test_mtp_layers_skipped_bad_routing_refused_and_moe_layer_freq(tmp_path: Pat
     }  # fmt: skip
     with pytest.raises(ModelLoadError, match="topk_method 'noaux_tc'"):
         ModelConfig.from_hf(raw)
-    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}  # DeepSeek-V3's hub weights
-    with pytest.raises(ModelLoadError, match="quantization_config: 'fp8'"):
-        ModelConfig.from_hf({**raw, "topk_method": "greedy", "quantization_config": fp8})
+    awq = {"quant_method": "awq", "bits": 4}  # FP8 loads (test_fp8.py); other schemes are refused by name
+    with pytest.raises(ModelLoadError, match="awq"):
+        ModelConfig.from_hf({**raw, "topk_method": "greedy", "quantization_config": awq})
     # Sparse from layer first_k_dense_replace on, every moe_layer_freq-th (DeepSeek's own rule).
     spaced = ModelConfig.from_hf({**raw, "topk_method": "greedy", "num_hidden_layers": 5,
                                   "first_k_dense_replace": 1, "moe_layer_freq": 2})  # fmt: skip

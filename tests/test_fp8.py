@@ -227,14 +227,17 @@ def round_inputs(x: torch.Tensor, group: int, static: float | None, ub: float | 
     return out
 
 
-def hf_rounding_inputs(hf: Any, fmt: Format, fp8_path: Path) -> Any:
+def hf_rounding_inputs(hf: Any, fmt: Format, fp8_path: Path, ours: LoadedModel | None = None) -> Any:
     """`hf` with every quantized projection's input rounded as `fmt` rounds it (a fused part takes
-    the largest static scale of its fusion, as the engine's fused layer does)."""
+    the largest static scale of its fusion, as the engine's fused layer does). With `ours`, only
+    the projections it runs as `Fp8Linear`: the others it dequantized at load (an LM head always;
+    MLA's kv_b_proj, absorbed into the queries)."""
     tensors = load_file(str(fp8_path / "model.safetensors"))
     ub = fmt.config.get("activation_scale_ub")
+    runs_fp8 = None if ours is None else fp8_parts(ours)
     for name, sub in hf.named_modules():
         quantized = isinstance(sub, torch.nn.Linear) and tensors[f"{name}.weight"].dtype == E4M3
-        if not quantized or name == "lm_head":  # the engine dequantizes an FP8 LM head at load
+        if not quantized or name == "lm_head" or (runs_fp8 is not None and name not in runs_fp8):
             continue
         static = None
         if fmt.static:
@@ -244,6 +247,16 @@ def hf_rounding_inputs(hf: Any, fmt: Format, fp8_path: Path) -> Any:
         group = fmt.block[1] or sub.in_features
         sub.register_forward_pre_hook(lambda _m, args, g=group, s=static: (round_inputs(args[0], g, s, ub),))
     return hf
+
+
+def fp8_parts(loaded: LoadedModel) -> set[str]:
+    """The checkpoint names of the projection parts `loaded` runs as `Fp8Linear`s."""
+    return {
+        f"{prefix.rpartition('.')[0]}.{part}"
+        for prefix, sub in loaded.module.named_modules()
+        if isinstance(sub, Fp8Linear)
+        for part in sub.parts
+    }
 
 
 class Case:
@@ -503,6 +516,36 @@ def test_an_moe_checkpoints_fp8_experts_are_dequantized_at_load(tmp_path: Path):
     hf = hf_model(deq_path)
     assert rel_err(all_logits(ours, PROMPTS[0]), hf_logits(hf, PROMPTS[0])) < 1e-4
     assert greedy(ours, PROMPTS) == [hf_greedy(hf, ids) for ids in PROMPTS]
+
+
+def test_deepseek_v3s_hub_format_runs_mla_and_its_mtp_layer_in_fp8(tmp_path: Path):
+    """DeepSeek-V3's hub weights: FP8 in 128x128 blocks, activations per token and 128 columns
+    (`fp8-block`). MLA's query, latent and output projections, the dense MLP and the shared
+    experts run as `Fp8Linear`; kv_b_proj (absorbed into the queries and the output, as vLLM
+    does), the router and the routed experts are dequantized at load; the MTP layer is loaded the
+    same way. Oracle: HF on the dequantized twin, rounding the inputs of the projections we run
+    in FP8; then MTP speculation changes no greedy token."""
+    from tests.test_mtp import make_mtp_checkpoint, mtp_config
+
+    fmt = FORMATS["fp8-block"]
+    src = make_mtp_checkpoint(tmp_path / "src", agree=True)
+    fp8_path, deq_path = write_fp8_checkpoint(src, tmp_path, fmt)
+    ours = load_model(str(fp8_path), torch.float32, torch.device("cpu"))
+    runs_fp8 = fp8_parts(ours)
+    assert {"model.layers.0.self_attn.kv_a_proj_with_mqa", "model.layers.1.mlp.shared_experts.up_proj"} < (
+        runs_fp8
+    )
+    assert not any("kv_b_proj" in name or ".experts." in name for name in runs_fp8)
+    hf = hf_rounding_inputs(hf_model(deq_path), fmt, fp8_path, ours)
+    for ids in PROMPTS[:2]:
+        assert rel_err(all_logits(ours, ids), hf_logits(hf, ids)) < 1e-4
+    plain = greedy(ours, PROMPTS)
+    assert plain == [hf_greedy(hf, ids) for ids in PROMPTS]
+    engine = make_engine(ours, speculative_config=mtp_config(2))
+    greedy_params = {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    reqs = [{"prompt_token_ids": p, **greedy_params} for p in PROMPTS]
+    assert [o.token_ids for o in engine.generate(reqs)] == plain
+    assert engine.stats().spec_accepted_tokens > 0  # the FP8 MTP layer proposes what the target picks
 
 
 def test_the_scaled_mm_call_matches_the_reference_on_cpu():

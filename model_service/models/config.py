@@ -199,13 +199,6 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        quant = raw.get("quantization_config")
-        if quant and family in DEEPSEEK_FAMILIES:  # DeepSeek-V3's hub weights: FP8 128x128 blocks
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-            raise ModelLoadError(
-                f"quantized DeepSeek checkpoints are not supported yet (quantization_config: {method!r}): "
-                "MLA's projections under FP8 are untested; use a bf16 or float32 conversion"
-            )
         # HF: Llama/Qwen3 put `attention_bias` on q/k/v/o; Qwen2 always has q/k/v bias and no o bias;
         # Mistral has no bias at all whatever the config says.
         attention_bias = family in ("llama", "qwen3", "qwen3_moe", "qwen3_next", *DEEPSEEK_FAMILIES) and bool(

@@ -30,6 +30,7 @@ from model_service.models.config import ModelConfig
 from model_service.models.context import ForwardContext
 from model_service.models.deepseek import DeepseekDecoderLayer
 from model_service.models.expert_weights import stack_expert_tensors
+from model_service.models.fp8_weights import fp8_checkpoint
 from model_service.models.layers import RMSNorm
 from model_service.models.loader import (
     LoadedModel,
@@ -97,19 +98,16 @@ def load_mtp_layer(target: LoadedModel) -> MtpLayer:
         raise ModelLoadError(f"MTP speculation reads its layer from an HF checkpoint directory, not {path}")
     prefix = cfg.mtp_prefixes[0]
     layer_cfg = cfg.mtp_layer_config()
-    tensors: dict[str, torch.Tensor] = {}
-    block: dict[str, torch.Tensor] = {}  # named as a decoder's layer 0, which the expert stacking reads
-    for k, t in read_tensors(weight_files(path), lambda k: k.startswith(prefix)).items():
-        name = k[len(prefix) :]
-        if name.startswith(OWN):
-            tensors[name] = t
-        else:
-            block["model.layers.0." + name] = t
-    for k, t in stack_expert_tensors(block, layer_cfg).items():
-        tensors["block." + k.removeprefix("model.layers.0.")] = t
-    param = next(target.module.parameters())
     with torch.device("meta"):
         layer = MtpLayer(layer_cfg)
+    tensors = {
+        _layer_name(k[len(prefix) :]): t
+        for k, t in read_tensors(weight_files(path), lambda k: k.startswith(prefix)).items()
+    }
+    if cfg.quantization is not None:  # DeepSeek-V3's hub weights: the MTP layer is FP8 as the rest
+        tensors = fp8_checkpoint(layer, tensors, cfg.quantization)
+    tensors = _stack_block_experts(tensors, layer_cfg)
+    param = next(target.module.parameters())
     theirs = {name: target.module.get_parameter(their_name) for name, their_name in SHARED.items()}
     shared = {name for name, param in theirs.items() if _same(tensors.get(name), param)}
     load_weights(layer, tensors, f"{cfg.family} MTP layer", param.dtype, param.device, shared)
@@ -118,6 +116,20 @@ def load_mtp_layer(target: LoadedModel) -> MtpLayer:
         setattr(layer.get_submodule(owner), attr, theirs[name])
     layer.rotary = target.module.rotary
     return layer.eval()
+
+
+def _layer_name(name: str) -> str:
+    """A checkpoint name of the MTP layer (its prefix cut) as `MtpLayer` names it: its own
+    modules as they are, its decoder block's under `block.`."""
+    return name if name.startswith(OWN) else "block." + name
+
+
+def _stack_block_experts(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """`tensors` with the block's experts stacked, as a decoder's layer 0 (which the stacking reads)."""
+    own = {k: t for k, t in tensors.items() if not k.startswith("block.")}
+    block = {"model.layers.0." + k.removeprefix("block."): t for k, t in tensors.items() if k not in own}
+    stacked = stack_expert_tensors(block, cfg)
+    return own | {"block." + k.removeprefix("model.layers.0."): t for k, t in stacked.items()}
 
 
 def _same(tensor: torch.Tensor | None, target: torch.Tensor) -> bool:
