@@ -181,7 +181,7 @@ def test_the_head_matches_an_independent_float32_computation(tmp_path: Path, nor
     state = proposer.cache.allocate()
     assert proposer.cache.reserve(state, len(next_ids))
     batch = proposer.builder.build([StepItem(state, next_ids.tolist(), len(next_ids))])
-    logits, out = proposer.executor.run_eager(batch, proposer.fuse(kept)[:-1])
+    logits, out = proposer.executor.run_head(batch, proposer.fuse(kept)[:-1])
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out, expected_out, rtol=1e-4, atol=1e-4)
     assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
