@@ -174,6 +174,7 @@ class Speculation:
         self.config, self.proposer, self.fuse = config, proposer, fuse
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.proposed = self.accepted = 0  # proposed and accepted tokens
+        self.drafts = 0  # verify runs: a run emits 1 + accepted / drafts tokens on average
         # Each decoding sequence's proposals, to verify in its next step; the scheduler, which
         # decides whether they run, drops those that cannot (it is given this table).
         self.proposals: dict[Sequence, Proposal] = {}
@@ -240,6 +241,7 @@ class Speculation:
             emitted = accept_sampled(proposals, probs, seq.sampling.generator, draft_probs)
         self.proposed += len(proposals)
         self.accepted += len(emitted) - 1
+        self.drafts += 1
         return emitted, len(proposals) - len(emitted) + 1
 
 
