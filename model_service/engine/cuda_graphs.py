@@ -23,8 +23,9 @@ at fixed addresses, read and written in place.
 Speculation that reads the target's hidden states (MTP, EAGLE-3) replays graphs too, on both
 sides. The target's captured forward returns the states its proposer reads after the logits
 (engine/executor.py: `_forward_keeping`): tensors of the graph's pool, which a replay hands out
-as views, no copy, valid until that graph's next replay (the proposer reads them in the same
-step). A draft head's forward takes those states as an input after the positions: a static
+as views, no copy, valid until the runner's next replay (its graphs share one pool, so any of
+them may overwrite them; the proposer reads them within the step, and the head's graphs are
+another runner's). A draft head's forward takes those states as an input after the positions: a static
 buffer (`inputs`) each replay fills, like the token ids; its graphs also replay the head's first
 step after a verify (the k + 1 accepted positions of each sequence fed back, only the last one's
 logits wanted: `max_run`), as token rows whose outputs are gathered at the step's logits rows.
@@ -96,7 +97,7 @@ class DecodeGraphs:
         """The step's outputs at its logits rows: the logits a tensor of their own (the next
         replay overwrites the static ones, and async scheduling reads them after it is launched),
         the others views of the graph's static outputs when every token is a logits row (valid
-        until this graph's next replay), else gathered copies."""
+        until the next replay of any of these graphs: they share one pool), else gathered copies."""
         n = batch.num_tokens  # a row per token once runs are split (`can_run`)
         size = self.ladder[bisect.bisect_left(self.ladder, n)]
         scheduled = batch  # the state runs are the step's as scheduled, a verify run one run

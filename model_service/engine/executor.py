@@ -309,7 +309,7 @@ class ModelExecutor:
         """A draft head's step (`head_rows`): `batch` with the target's hidden states [T, H] (or
         the head's own, chained) beside its ids. Returns the float32 logits and the head's output
         states at `batch.logits_rows`; replayed from a decode graph where one can run it (the
-        output then a view of the graph's, valid until its next replay), else eager. No LoRA, no
+        output then a view of the graph's, valid until the head's next step), else eager. No LoRA, no
         recurrent state."""
         if self.graphs is not None and self.graphs.can_run(batch):
             logits, out = self.graphs.run(batch, hidden)

@@ -78,8 +78,13 @@ class _Follow:
             left -= len(rows)
         self.pending = kept
 
+    def own_pending(self) -> None:
+        """Copy the pending rows, until now views of the target's step (under CUDA graphs of the
+        graph's own output, which its next replay overwrites), to feed them after another step."""
+        self.pending = [torch.cat(self.pending)] if self.pending else []
+
     def take(self, m: int) -> torch.Tensor:
-        """Remove and return the first `m` pending rows."""
+        """Remove and return the first `m` pending rows (the rest then a copy of their own)."""
         rows = torch.cat(self.pending)
         self.pending = [rows[m:]] if len(rows) > m else []
         return rows[:m]
@@ -129,6 +134,8 @@ class HiddenStateProposer:
         for i, (seq, k) in enumerate(zip(seqs, room, strict=True)):
             follow = self.follows.get(seq.request_id)
             end = len(seq.token_ids) - 1  # the last token's position: it predicts the first proposal
+            if k <= 0 and follow is not None:  # not fed now: in the next step's `on_forward`
+                follow.own_pending()
             # fed up to `end` once all rows before it are in, then k - 1 chained positions
             if (
                 k > 0

@@ -151,9 +151,10 @@ class Proposer(Protocol):
     def on_forward(self, runs: list[tuple[Sequence, int, torch.Tensor]]) -> None:
         """The target's step computed, per (sequence, start, hidden), the sequence's positions from
         `start` on, whose residual stream after the last layer (before the final norm) is
-        `hidden` [tokens, hidden size], a view of the step's; verify rows included, rejected or
-        not. Called before the step's tokens are sampled, and only when the executor keeps hidden
-        states (MTP)."""
+        `hidden` [tokens, hidden size], a view of the step's (of a CUDA graph's own output when
+        the step replayed one: rows kept past the target's next step must be copied); verify rows
+        included, rejected or not. Called before the step's tokens are sampled, and only when the
+        executor keeps hidden states (MTP, EAGLE-3)."""
 
 
 class Speculation:
