@@ -312,7 +312,7 @@ class Engine:
                 [(s, it) for (s, _), it in zip(work, items, strict=True)], self.executor.hidden
             )
         self.scheduler.commit(work)
-        rows, verify = logits_rows(work, items, logits)
+        rows, verify = logits_rows(work, items)
         produced = self._drain(self.overlap.launch(work, rows, logits))  # the step before's tokens
         for (seq, _), item in zip(work, items, strict=True):
             if item.num_logits <= 1:  # its tokens are known now; a verify row's once verified

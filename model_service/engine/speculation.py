@@ -225,18 +225,22 @@ class Speculation:
         self.proposals.pop(seq, None)
         self.proposer.on_finished(seq)
 
-    def verify(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], int]:
-        """`seq`'s verify row, its logits [k + 1, vocab]: the tokens it emits (the accepted
-        proposals and the target's next token) and how many of the tokens it computed were
-        rejected, which the caller cuts out of the cache before appending."""
+    def verify(
+        self, seq: Sequence, logits: torch.Tensor, argmax: list[int] | None = None
+    ) -> tuple[list[int], int]:
+        """`seq`'s verify row, its logits [k + 1, vocab] (and their argmax, when the caller has
+        read it already): the tokens it emits (the accepted proposals and the target's next
+        token) and how many of the tokens it computed were rejected, which the caller cuts out
+        of the cache before appending."""
         proposal = self.proposals.pop(seq)
         proposals, draft_probs = proposal.tokens, proposal.probs
         constraint = seq.sampling.constraint
         if constraint is not None:  # the target's distribution under the grammar, at each row
             bits = constraint.verify_bitmask(proposals, self.vocab_size)
             logits = AllowedTokens(list(range(len(logits))), bits).apply(logits)
+            argmax = None  # of the logits before the grammar's mask
         if seq.params.greedy:
-            emitted = accept_greedy(proposals, logits)
+            emitted = accept_greedy(proposals, logits, argmax)
         else:
             probs = filtered_probs(logits, [seq.params] * len(logits))
             emitted = accept_sampled(proposals, probs, seq.sampling.generator, draft_probs)
@@ -317,9 +321,10 @@ def can_speculate(params: SamplingParams) -> bool:
     return not params.needs_penalties and params.logprobs is None
 
 
-def accept_greedy(proposals: list[int], logits: torch.Tensor) -> list[int]:
-    """The tokens a verify step emits: logits [k + 1, vocab] for inputs (last, proposals...)."""
-    targets = logits.argmax(dim=-1).tolist()
+def accept_greedy(proposals: list[int], logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
+    """The tokens a verify step emits: logits [k + 1, vocab] for inputs (last, proposals...);
+    `argmax`: their argmax, if already read."""
+    targets = logits.argmax(dim=-1).tolist() if argmax is None else argmax
     accepted = 0
     while accepted < len(proposals) and proposals[accepted] == targets[accepted]:
         accepted += 1
