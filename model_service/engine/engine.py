@@ -213,7 +213,7 @@ class Engine:
     def warm_up(self) -> None:
         """Capture every decode graph (and piecewise bucket, when on), compiling the kernels
         they run, before serving: a pod calls this before it reports SERVING, so its first
-        requests do not wait on captures. The draft model's graphs are still captured lazily."""
+        requests do not wait on captures. A draft model's or head's graphs are still captured lazily."""
         self.executor.capture_graphs()
 
     # --- requests -------------------------------------------------------------------------
