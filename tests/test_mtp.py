@@ -32,7 +32,7 @@ from model_service.errors import InvalidRequestError, ModelLoadError
 from model_service.models.loader import LoadedModel, load_model
 from spindle.cli import main
 from tests.conftest import forward, make_engine, new_sequence
-from tests.graph_replays import assert_graphs_equal_eager
+from tests.graph_replays import assert_graphs_equal_eager, on_the_cpu
 from tests.hidden_state_proposers import assert_proposer_blocks_free, assert_rollback_leaves_no_stale_kv
 from tests.test_deepseek import make_tiny_deepseek
 from tests.test_lora import make_adapter
@@ -197,6 +197,22 @@ def test_rollback_leaves_no_stale_mtp_kv(target: LoadedModel):
 def _mtp_rows(engine: Engine, state, n: int) -> torch.Tensor:
     cache = engine.speculation.proposer.executor.kv_cache
     return cache.latent(0)[cache.block_slots(state.block_table, n)]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_graph_replays_propose_and_emit_the_eager_steps_tokens(
+    target: LoadedModel, k: int, monkeypatch: pytest.MonkeyPatch
+):
+    """The CUDA-graph path's wiring on the CPU (tests/graph_replays.py's stand-ins): the target's
+    verify steps keep the last layer's states as views of the replay's output, the MTP layer's
+    feeds of verified runs and chained steps replay over its static input; tokens and proposals
+    are the eager steps'. The GPU test below runs real graphs."""
+    expected = [o.token_ids for o in make_engine(target).generate(requests())]
+
+    def make(eager: bool) -> Engine:
+        return make_engine(target, max_num_seqs=8, speculative_config=mtp_config(k))
+
+    assert_graphs_equal_eager(on_the_cpu(monkeypatch, make), requests(), expected, monkeypatch)
 
 
 @pytest.mark.gpu
