@@ -25,7 +25,7 @@ Rope = tuple[torch.Tensor, torch.Tensor] | None
 Replay = tuple[bool, bool, bool]  # (a head's graph, several rows a sequence, every row a logits row)
 TARGET_VERIFY: Replay = (False, True, True)
 HEAD_FEED: Replay = (True, True, False)  # verified runs fed back, the last row's logits wanted
-HEAD_CHAINED: Replay = (True, False, True)
+HEAD_ROWS: Replay = (True, False, True)  # a row a sequence: chained, or fed after a prefill or a rejection
 
 
 def assert_graphs_equal_eager(
@@ -37,7 +37,7 @@ def assert_graphs_equal_eager(
     """Speculation with graphs (or `on_the_cpu`'s stand-ins) and eagerly (`make(eager)`): the
     greedy tokens are `expected` (plain decoding's) both ways, as are the counts of proposed and
     accepted tokens (the head's graphs propose what its eager steps do), and the graphs ran the
-    target's verify steps and the head's feeds of verified runs and chained steps."""
+    target's verify steps and the head's feeds of verified runs and steps of a row a sequence."""
     replays: list[Replay] = []
     run = DecodeGraphs.run
 
@@ -59,7 +59,7 @@ def assert_graphs_equal_eager(
         assert (engine.executor.graphs is None) == (head.graphs is None) == eager
         assert bool(replays) != eager
     assert counts[False] == counts[True]
-    assert {TARGET_VERIFY, HEAD_FEED, HEAD_CHAINED} <= set(replays)
+    assert {TARGET_VERIFY, HEAD_FEED, HEAD_ROWS} <= set(replays)
 
 
 def on_the_cpu(monkeypatch: pytest.MonkeyPatch, make: Callable[[bool], Engine]) -> Callable[[bool], Engine]:
