@@ -11,9 +11,10 @@ and its LM head maps the embedding of cycle[i] to cycle[i + 1]. Every proposal i
 the bench measures is the cost of the head's k steps and the verify against plain decoding.
 The head has 32 KV heads (the real 8B head has 8): v must carry the whole 4096-wide embedding.
 
-Setup (printed in every line): bf16 on CUDA, greedy, EOS ignored; the target's steps run eagerly
-with EAGLE-3 on (its hidden states are read: no CUDA graphs yet), plain decoding with graphs;
-decode tokens/s excludes prefill (bench/gpu.py's `decode_tok_s`).
+Setup (printed in every line): bf16 on CUDA, greedy, EOS ignored; decode and verify steps and the
+head's steps replay CUDA graphs (engine/cuda_graphs.py), as plain decoding's do; decode tokens/s
+excludes prefill (bench/gpu.py's `decode_tok_s`); tokens_per_step: what a sequence's verify step
+emits on average (1 + k at acceptance 1.0).
 
     python bench/eagle3_gpu.py [--batches 1 64] [--k 3] [--small]
 """

@@ -117,18 +117,22 @@ def compare(
     engines: dict[bool, Engine], cycle: list[int], prompts: list[list[int]], new_tokens: int
 ) -> dict[str, object]:
     """Decode both engines over `prompts`: whether the outputs are the walk's and each other's,
-    the acceptance rate of the timed runs, tokens/s without and with speculation."""
+    the acceptance rate of the timed runs and the tokens a verify run emits on average (tokens per
+    step of a sequence), tokens/s without and with speculation."""
     base_s, base_out = decode_run(engines[False], prompts, new_tokens)
     e = engines[True]
-    proposed, accepted = e.speculation.proposed, e.speculation.accepted
+    proposed, accepted, drafts = e.speculation.proposed, e.speculation.accepted, e.speculation.drafts
     spec_s, spec_out = decode_run(e, prompts, new_tokens)
     proposed, accepted = e.speculation.proposed - proposed, e.speculation.accepted - accepted
+    drafts = e.speculation.drafts - drafts
     expected = [walk_from(cycle, p[-1], new_tokens) for p in prompts]
     decoded = len(prompts) * (new_tokens - 1)
     return {
         "continuation_repeats_prompt": base_out == expected, "identical": spec_out == base_out,
-        "acceptance_rate": round(accepted / max(proposed, 1), 3), "tok_s_without": round(decoded / base_s, 1),
-        "tok_s_speculative": round(decoded / spec_s, 1), "speedup": round(base_s / spec_s, 2),
+        "acceptance_rate": round(accepted / max(proposed, 1), 3),
+        "tokens_per_step": round(1 + accepted / max(drafts, 1), 2),
+        "tok_s_without": round(decoded / base_s, 1), "tok_s_speculative": round(decoded / spec_s, 1),
+        "speedup": round(base_s / spec_s, 2),
     }  # fmt: skip
 
 

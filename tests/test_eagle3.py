@@ -30,6 +30,7 @@ from model_service.models.loader import LoadedModel, load_model
 from spindle.cli import main
 from tests.conftest import forward, make_engine, new_sequence
 from tests.eagle3_models import DRAFT_VOCAB, VOCAB, eagle3_config, head_config, make_head, make_target
+from tests.graph_replays import assert_graphs_equal_eager, on_the_cpu
 from tests.hidden_state_proposers import assert_proposer_blocks_free, assert_rollback_leaves_no_stale_kv
 from tests.test_lora import make_adapter
 
@@ -67,6 +68,22 @@ def test_greedy_output_is_identical_with_eagle3_speculation(ckpt, k: int):
     assert module.embed_tokens.weight is target.module.model.embed_tokens.weight  # absent: the target's
     assert module.lm_head.weight.shape[0] == DRAFT_VOCAB
     assert_proposer_blocks_free(engine, Eagle3Proposer)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_graph_replays_propose_and_emit_the_eager_steps_tokens(ckpt, k: int, monkeypatch: pytest.MonkeyPatch):
+    """The CUDA-graph path's wiring on the CPU (tests/graph_replays.py's stand-ins): the target's
+    verify steps keep the three layers' states as views of the replay's outputs, the head's feeds
+    of verified runs and chained steps replay over its static input; tokens and proposals are
+    the eager steps'. The GPU test runs real graphs (tests/test_eagle3_gpu.py)."""
+    target, head = ckpt
+    expected = [o.token_ids for o in make_engine(target, block_size=4).generate(requests())]
+
+    def make(eager: bool) -> Engine:
+        spec = eagle3_config(head, k)
+        return make_engine(target, block_size=4, max_num_seqs=8, speculative_config=spec)
+
+    assert_graphs_equal_eager(on_the_cpu(monkeypatch, make), requests(), expected, monkeypatch)
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -181,7 +198,7 @@ def test_the_head_matches_an_independent_float32_computation(tmp_path: Path, nor
     state = proposer.cache.allocate()
     assert proposer.cache.reserve(state, len(next_ids))
     batch = proposer.builder.build([StepItem(state, next_ids.tolist(), len(next_ids))])
-    logits, out = proposer.executor.run_eager(batch, proposer.fuse(kept)[:-1])
+    logits, out = proposer.executor.run_head(batch, proposer.fuse(kept)[:-1])
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out, expected_out, rtol=1e-4, atol=1e-4)
     assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()

@@ -32,6 +32,7 @@ from model_service.errors import InvalidRequestError, ModelLoadError
 from model_service.models.loader import LoadedModel, load_model
 from spindle.cli import main
 from tests.conftest import forward, make_engine, new_sequence
+from tests.graph_replays import assert_graphs_equal_eager, on_the_cpu
 from tests.hidden_state_proposers import assert_proposer_blocks_free, assert_rollback_leaves_no_stale_kv
 from tests.test_deepseek import make_tiny_deepseek
 from tests.test_lora import make_adapter
@@ -198,6 +199,43 @@ def _mtp_rows(engine: Engine, state, n: int) -> torch.Tensor:
     return cache.latent(0)[cache.block_slots(state.block_table, n)]
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_graph_replays_propose_and_emit_the_eager_steps_tokens(
+    target: LoadedModel, k: int, monkeypatch: pytest.MonkeyPatch
+):
+    """The CUDA-graph path's wiring on the CPU (tests/graph_replays.py's stand-ins): the target's
+    verify steps keep the last layer's states as views of the replay's output, the MTP layer's
+    feeds of verified runs and chained steps replay over its static input; tokens and proposals
+    are the eager steps'. The GPU test below runs real graphs."""
+    expected = [o.token_ids for o in make_engine(target).generate(requests())]
+
+    def make(eager: bool) -> Engine:
+        return make_engine(target, max_num_seqs=8, speculative_config=mtp_config(k))
+
+    assert_graphs_equal_eager(on_the_cpu(monkeypatch, make), requests(), expected, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_graphs_give_the_eager_steps_tokens_and_proposals(
+    target: LoadedModel, k: int, monkeypatch: pytest.MonkeyPatch
+):
+    """float32 on CUDA: the target's verify steps (keeping the last layer's states in the graph's
+    own tensor) and the MTP layer's steps (feeds of verified runs, chained steps; MLA through the
+    latent kernel) replayed from graphs propose and emit what the eager steps do: plain greedy's
+    tokens."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    loaded = load_model(target.name, torch.float32, torch.device("cuda"))
+    cuda = {"device": "cuda", "max_num_seqs": 8}
+    expected = [o.token_ids for o in make_engine(loaded, **cuda).generate(requests())]
+
+    def make(eager: bool) -> Engine:
+        return make_engine(loaded, **cuda, enforce_eager=eager, speculative_config=mtp_config(k))
+
+    assert_graphs_equal_eager(make, requests(), expected, monkeypatch)
+
+
 def test_a_checkpoint_without_mtp_layers_is_refused(tmp_path: Path):
     plain = load_model(str(make_tiny_deepseek("v3", tmp_path / "plain")), torch.float32, torch.device("cpu"))
     with pytest.raises(ModelLoadError, match="num_nextn_predict_layers"):
@@ -246,7 +284,7 @@ def test_the_mtp_layer_matches_an_independent_float32_computation(tmp_path: Path
     state = proposer.cache.allocate()
     assert proposer.cache.reserve(state, len(next_ids))
     batch = proposer.builder.build([StepItem(state, next_ids.tolist(), len(next_ids))])
-    logits, _ = proposer.executor.run_eager(batch, h)
+    logits, _ = proposer.executor.run_head(batch, h)
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
 

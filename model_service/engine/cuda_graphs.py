@@ -19,6 +19,16 @@ linear-attention layers run the step kernels (kernels/gated_delta.py) over stati
 (`StaticRuns`), which each replay fills from the step as it was scheduled (a verify run stays
 one run of its sequence, checkpoints included), while the state stays in the executor's tensors
 at fixed addresses, read and written in place.
+
+Speculation that reads the target's hidden states (MTP, EAGLE-3) replays graphs too, on both
+sides. The target's captured forward returns the states its proposer reads after the logits
+(engine/executor.py: `_forward_keeping`): tensors of the graph's pool, which a replay hands out
+as views, no copy, valid until the runner's next replay (its graphs share one pool, so any of
+them may overwrite them; the proposer reads them within the step, and the head's graphs are
+another runner's). A draft head's forward takes those states as an input after the positions: a static
+buffer (`inputs`) each replay fills, like the token ids; its graphs also replay the head's first
+step after a verify (the k + 1 accepted positions of each sequence fed back, only the last one's
+logits wanted: `max_run`), as token rows whose outputs are gathered at the step's logits rows.
 """
 
 from __future__ import annotations
@@ -40,39 +50,55 @@ def batch_ladder(max_rows: int) -> list[int]:
     return [*sizes, max_rows]
 
 
+Outputs = tuple[torch.Tensor, ...]
+
+
 class DecodeGraphs:
     def __init__(
         self,
-        forward: Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor],
+        forward: Callable[..., torch.Tensor | Outputs],
         backend: CapturableBackend,
         max_rows: int,
         max_seq_len: int,
         device: torch.device,
         lora: LoraStepPlan | None = None,
         state: list[torch.Tensor] | None = None,
+        inputs: Outputs = (),
+        max_run: int = 0,
     ) -> None:
-        """`state`: a hybrid model's recurrent-state tensors, which its graphs read and write."""
+        """`forward(ids, positions, *inputs, ctx)`: the logits of `ctx.logits_rows` first, then
+        any outputs with a row per token (the hidden states a proposer reads). `state`: a hybrid
+        model's recurrent-state tensors, which its graphs read and write. `inputs`: static buffers
+        [max_rows, ...] for the forward's inputs after the positions (a draft head's hidden
+        states), which each replay fills. `max_run`: steps whose runs are at most this long replay
+        as token rows whatever their logits rows (a head's feed of verified runs); other steps
+        only when every token is a logits row (decode rows, verify runs)."""
         self.forward, self.backend, self.lora = forward, backend, lora
         self.state = state or []
         self.runs = StaticRuns(max_rows, device) if self.state else None
+        self.inputs, self.max_run = inputs, max_run
         self.ladder = batch_ladder(max_rows)
         backend.init_graph_capture(max_rows, max_seq_len)
         self.input_ids = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.rows = torch.arange(max_rows, device=device)
         self.lora_slots = torch.full((max_rows,), -1, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         self.pool: tuple[int, int] | None = None
 
     def can_run(self, batch: StepBatch) -> bool:
         return (
             batch.num_tokens <= self.ladder[-1]
-            and len(batch.logits_rows) == batch.num_tokens
+            and (len(batch.logits_rows) == batch.num_tokens or batch.max_query_len <= self.max_run)
             and (self.lora is not None or not batch.uses_lora)
         )
 
-    def run(self, batch: StepBatch) -> torch.Tensor:
-        n = batch.num_tokens  # a row per token once verify runs are split (`can_run`)
+    def run(self, batch: StepBatch, *inputs: torch.Tensor) -> Outputs:
+        """The step's outputs at its logits rows: the logits a tensor of their own (the next
+        replay overwrites the static ones, and async scheduling reads them after it is launched),
+        the others views of the graph's static outputs when every token is a logits row (valid
+        until the next replay of any of these graphs: they share one pool), else gathered copies."""
+        n = batch.num_tokens  # a row per token once runs are split (`can_run`)
         size = self.ladder[bisect.bisect_left(self.ladder, n)]
         scheduled = batch  # the state runs are the step's as scheduled, a verify run one run
         if batch.max_query_len > 1:
@@ -80,16 +106,20 @@ class DecodeGraphs:
         key = (size, self.lora.kinds_of(batch.host_lora_slots) if self.lora is not None else 0)
         if key not in self.graphs:  # before any static input is filled: a capture pads them
             self.graphs[key] = self._capture(*key)
-        graph, logits = self.graphs[key]
+        graph, outputs = self.graphs[key]
         if self.runs is not None:
             self.runs.prepare_for_replay(scheduled, size)
         self.input_ids[:n] = batch.input_ids
         self.positions[:n] = batch.positions
+        for buffer, given in zip(self.inputs, inputs, strict=True):
+            buffer[:n] = given
         self.lora_slots[:n] = batch.lora_slots
         self.lora_slots[n:size] = -1
         self.backend.prepare_for_replay(batch, size)
         graph.replay()
-        return logits[:n].clone()  # the next replay overwrites the static output
+        if len(scheduled.logits_rows) == n:  # every token, in order
+            return (outputs[0][:n].clone(), *(out[:n] for out in outputs[1:]))
+        return tuple(out[:n][scheduled.logits_rows] for out in outputs)
 
     def capture_all(self) -> None:
         """Every ladder size, without LoRA, with LoRA on every kind of projection and with it on
@@ -103,19 +133,19 @@ class DecodeGraphs:
                 if (size, kinds) not in self.graphs:
                     self.graphs[size, kinds] = self._capture(size, kinds)
 
-    def _capture(self, size: int, kinds: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int, kinds: int) -> tuple[torch.cuda.CUDAGraph, Outputs]:
         self.backend.prepare_for_capture(size)
         if self.lora is not None:  # the graph records the LoRA kernels of the projections `kinds` names
             self.lora.for_capture(self.lora_slots[:size], kinds)
         recurrent = RecurrentStep(self.runs.for_capture(size), self.state) if self.runs is not None else None
         ctx = ForwardContext(attention=self.backend, logits_rows=self.rows[:size], recurrent=recurrent)
-        ids, pos = self.input_ids[:size], self.positions[:size]
-        self.forward(ids, pos, ctx)  # warm-up outside the graph: kernel compilation, allocator
+        args = (self.input_ids[:size], self.positions[:size], *(t[:size] for t in self.inputs), ctx)
+        self.forward(*args)  # warm-up outside the graph: kernel compilation, allocator
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.forward(ids, pos, ctx)
+            outputs = self.forward(*args)
         if self.pool is None:
             self.pool = graph.pool()
         torch.cuda.synchronize()
-        return graph, logits
+        return graph, outputs if isinstance(outputs, tuple) else (outputs,)

@@ -99,14 +99,19 @@ def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def proposer_model(
-    loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int, **overrides: object
+    loaded: LoadedModel,
+    config: EngineConfig,
+    num_blocks: int,
+    max_model_len: int,
+    head_rows: int = 0,
+    **overrides: object,
 ) -> tuple[ModelExecutor, CacheManager, BatchBuilder]:
-    """A proposer's own model on the target's device (a draft model, an MTP layer): its executor
-    (no adapters: the target verifies with them; `overrides` for the rest of `config`), a paged
+    """A proposer's own model on the target's device (a draft model, an MTP layer, an EAGLE-3
+    head): its executor (no adapters: the target verifies with them; `head_rows` for a head over
+    the target's hidden states, `ModelExecutor`'s; `overrides` for the rest of `config`), a paged
     cache of `num_blocks` blocks with its own prefix cache, and a batch builder."""
-    executor = ModelExecutor(
-        loaded, dataclasses.replace(config, max_loras=0, **overrides), num_blocks, max_model_len
-    )
+    config = dataclasses.replace(config, max_loras=0, **overrides)
+    executor = ModelExecutor(loaded, config, num_blocks, max_model_len, head_rows=head_rows)
     blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     cache = CacheManager(blocks, executor, cache_bytes_per_block(loaded.config, 1, executor.dtype))
     return executor, cache, BatchBuilder(config.block_size, executor.device)

@@ -213,7 +213,7 @@ class Engine:
     def warm_up(self) -> None:
         """Capture every decode graph (and piecewise bucket, when on), compiling the kernels
         they run, before serving: a pod calls this before it reports SERVING, so its first
-        requests do not wait on captures. The draft model's graphs are still captured lazily."""
+        requests do not wait on captures. A draft model's or head's graphs are still captured lazily."""
         self.executor.capture_graphs()
 
     # --- requests -------------------------------------------------------------------------
@@ -312,7 +312,7 @@ class Engine:
                 [(s, it) for (s, _), it in zip(work, items, strict=True)], self.executor.hidden
             )
         self.scheduler.commit(work)
-        rows, verify = logits_rows(work, items, logits)
+        rows, verify = logits_rows(work, items)
         produced = self._drain(self.overlap.launch(work, rows, logits))  # the step before's tokens
         for (seq, _), item in zip(work, items, strict=True):
             if item.num_logits <= 1:  # its tokens are known now; a verify row's once verified

@@ -128,13 +128,17 @@ class ModelExecutor:
         max_model_len: int,
         num_state_slots: int = 0,
         aux_layers: tuple[int, ...] = (),
+        head_rows: int = 0,
     ) -> None:
-        """`aux_layers`: the layers whose input states each step keeps (EAGLE-3's)."""
-        self.max_model_len = max_model_len
+        """`aux_layers`: the layers whose input states each step keeps (EAGLE-3's). `head_rows`:
+        for a draft head's executor (an MTP layer, an EAGLE-3 head: its module takes the target's
+        hidden states after the positions, `run_head`), the most rows a sequence brings to one of
+        its steps (k + 1: a verified run fed back); 0 for a model of its own."""
+        self.max_model_len, self.head_rows = max_model_len, head_rows
         spec = SpeculativeConfig.from_json(config.speculative_config)
         # MTP and EAGLE-3 speculation read each step's hidden states (`hidden`): MTP the residual
         # stream after the last layer, EAGLE-3 the states entering `aux_layers` (a list, one per
-        # layer); steps run eagerly then.
+        # layer); views of a decode graph's static outputs when the step replays one.
         self.keeps_hidden = spec is not None and spec.keeps_hidden
         self.hidden: torch.Tensor | list[torch.Tensor] | None = None
         own = config.max_loras > 0 or bool(aux_layers)  # wrapping layers must not touch a shared tree
@@ -176,9 +180,11 @@ class ModelExecutor:
         if not self._kernels_apply():
             return TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim), None, None
         backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
-        if config.enforce_eager or not self._graphs_apply() or self.keeps_hidden:
+        if config.enforce_eager or not self._graphs_apply():
             return backend, None, None
-        return backend, self._decode_graphs(config, backend), self._piecewise_graphs(config, backend)
+        # the pieces hand out no hidden states: a step that keeps them and replays no decode graph is eager
+        pieces = None if self.keeps_hidden else self._piecewise_graphs(config, backend)
+        return backend, self._decode_graphs(config, backend), pieces
 
     def _latent_attention(
         self, config: EngineConfig
@@ -191,8 +197,7 @@ class ModelExecutor:
             return TorchReferenceBackend(*args), None, None
         backend = TritonLatentBackend(*args)
         latent = cfg.latent_attention.kv_lora_rank if cfg.latent_attention is not None else 0
-        eager = config.enforce_eager or self.keeps_hidden
-        if eager or not self._graphs_apply() or not mla_kernel_applies(self.device, latent):
+        if config.enforce_eager or not self._graphs_apply() or not mla_kernel_applies(self.device, latent):
             return backend, None, None
         return backend, self._decode_graphs(config, backend), None
 
@@ -228,11 +233,32 @@ class ModelExecutor:
     def _decode_graphs(self, config: EngineConfig, backend: CapturableBackend) -> DecodeGraphs:
         plan = self.lora.plan if self.lora is not None and self.lora.plan.use_kernels else None
         spec = SpeculativeConfig.from_json(config.speculative_config)
-        rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        rows_per_seq = self.head_rows or 1 + (spec.num_speculative_tokens if spec is not None else 0)
         max_rows = config.max_num_seqs * rows_per_seq  # verify runs replay with a row per token
+        forward, inputs = self._graph_forward(max_rows)
         return DecodeGraphs(
-            self.module, backend, max_rows, self.max_model_len, self.device, plan, self.state_tensors
-        )
+            forward, backend, max_rows, self.max_model_len, self.device, plan, self.state_tensors,
+            inputs, self.head_rows,
+        )  # fmt: skip
+
+    def _graph_forward(self, max_rows: int) -> tuple[Callable[..., Any], tuple[torch.Tensor, ...]]:
+        """What the decode graphs capture, and the static buffers of its inputs after the ids and
+        positions: a draft head's forward over a buffer of the target's hidden states, the
+        target's forward that keeps its hidden states (MTP, EAGLE-3), or the module's."""
+        if self.head_rows:
+            hidden = torch.zeros(max_rows, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            return self.module, (hidden,)
+        return (self._forward_keeping if self.keeps_hidden else self.module), ()
+
+    def _forward_keeping(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, ...]:
+        """The logits of `ctx.logits_rows`, then the states the proposer reads, one row per
+        token: the residual stream after the last layer (MTP), or those the taps kept entering
+        EAGLE-3's layers. The pass's own tensors, no copies (under a graph: of its pool)."""
+        hidden = self.module.hidden_states(input_ids, positions, ctx)
+        kept = self.taps.take() if self.taps is not None else [hidden]
+        return (self.module.logits(hidden, ctx.logits_rows), *kept)
 
     def _kernels_apply(self) -> bool:
         """The Triton backend runs on CUDA for power-of-two head sizes (every common model)."""
@@ -259,27 +285,39 @@ class ModelExecutor:
         # Each path sets up what it reads: a replay's LoRA kernels read the static buffers `run`
         # fills (slots; the pieces' tiles too), never the LoRA plan, which only an eager pass reads.
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
-        if self.pieces is not None and self.pieces.can_run(batch):
+            logits, *kept = self.graphs.run(batch)
+        elif self.pieces is not None and self.pieces.can_run(batch):
             return self.pieces.run(batch)
+        else:
+            logits, *kept = self._run_eager(batch)
+        if self.keeps_hidden:
+            self.hidden = kept if self.taps is not None else kept[0]
+        return logits
+
+    def _run_eager(self, batch: StepBatch) -> tuple[torch.Tensor, ...]:
         if self.lora is not None:
             self.lora.plan.prepare(batch)
         self.attention.prepare(batch)
         recurrent = recurrent_step(batch, self.state_tensors) if self.state_tensors else None
         ctx = ForwardContext(attention=self.attention, logits_rows=batch.logits_rows, recurrent=recurrent)
-        if not self.keeps_hidden:
-            return self.module(batch.input_ids, batch.positions, ctx)
-        hidden = self.module.hidden_states(batch.input_ids, batch.positions, ctx)
-        self.hidden = self.taps.take() if self.taps is not None else hidden
-        return self.module.logits(hidden, batch.logits_rows)
+        if self.keeps_hidden:
+            return self._forward_keeping(batch.input_ids, batch.positions, ctx)
+        return (self.module(batch.input_ids, batch.positions, ctx),)
 
     @torch.inference_mode()
-    def run_eager(self, batch: StepBatch, *inputs: torch.Tensor) -> Any:
-        """`batch` through the module eagerly, with `inputs` after its ids and positions (the MTP
-        layer's hidden states); returns what the module returns. No LoRA, no recurrent state."""
+    def run_head(self, batch: StepBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft head's step (`head_rows`): `batch` with the target's hidden states [T, H] (or
+        the head's own, chained) beside its ids. Returns the float32 logits and the head's output
+        states at `batch.logits_rows`; replayed from a decode graph where one can run it (the
+        output then a view of the graph's, valid until the head's next step), else eager. No LoRA, no
+        recurrent state."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits, out = self.graphs.run(batch, hidden)
+            return logits, out
         self.attention.prepare(batch)
         ctx = ForwardContext(attention=self.attention, logits_rows=batch.logits_rows)
-        return self.module(batch.input_ids, batch.positions, *inputs, ctx)
+        logits, out = self.module(batch.input_ids, batch.positions, hidden, ctx)
+        return logits, out[batch.logits_rows]
 
     # --- KVMover ------------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ from model_service.engine.config import EngineConfig
 from model_service.engine.draft import proposer_model
 from model_service.engine.seq_state import SequenceState
 from model_service.engine.sequence import Sequence
-from model_service.engine.speculation import Drafting, Proposal, draw_next, proposals_of
+from model_service.engine.speculation import Drafting, Proposal, SpeculativeConfig, draw_next, proposals_of
 from model_service.models.loader import LoadedModel
 from model_service.models.mtp import MtpLayer
 
@@ -78,8 +78,13 @@ class _Follow:
             left -= len(rows)
         self.pending = kept
 
+    def own_pending(self) -> None:
+        """Copy the pending rows, until now views of the target's step (under CUDA graphs of the
+        graph's own output, which its next replay overwrites), to feed them after another step."""
+        self.pending = [torch.cat(self.pending)] if self.pending else []
+
     def take(self, m: int) -> torch.Tensor:
-        """Remove and return the first `m` pending rows."""
+        """Remove and return the first `m` pending rows (the rest then a copy of their own)."""
         rows = torch.cat(self.pending)
         self.pending = [rows[m:]] if len(rows) > m else []
         return rows[:m]
@@ -102,9 +107,12 @@ class HiddenStateProposer:
     def __init__(
         self, loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int
     ) -> None:
-        # eager: its forward takes the hidden states too, which no graph runner passes
+        # its steps take k + 1 rows a sequence at most (a verified run fed back), one when chained
+        spec = SpeculativeConfig.from_json(config.speculative_config)
+        assert spec is not None, "a head proposes under a speculative config"
+        rows = spec.num_speculative_tokens + 1
         self.executor, self.cache, self.builder = proposer_model(
-            loaded, config, num_blocks, max_model_len, enforce_eager=True, speculative_config=None
+            loaded, config, num_blocks, max_model_len, rows, speculative_config=None
         )
         self.follows: dict[str, _Follow] = {}  # by request id
         self.unaided: set[str] = set()  # request ids the layer cannot follow (module docstring)
@@ -126,6 +134,8 @@ class HiddenStateProposer:
         for i, (seq, k) in enumerate(zip(seqs, room, strict=True)):
             follow = self.follows.get(seq.request_id)
             end = len(seq.token_ids) - 1  # the last token's position: it predicts the first proposal
+            if k <= 0 and follow is not None:  # not fed now: in the next step's `on_forward`
+                follow.own_pending()
             # fed up to `end` once all rows before it are in, then k - 1 chained positions
             if (
                 k > 0
@@ -216,10 +226,10 @@ class HiddenStateProposer:
     def _forward(self, items: list[StepItem], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP pass: each item's last position's logits and the layer's output there."""
         batch = self.builder.build(items)
-        logits, out = self.executor.run_eager(batch, hidden)
+        logits, out = self.executor.run_head(batch, hidden)
         for item in items:
             self.cache.commit(item.state, len(item.tokens))
-        return logits, out[batch.logits_rows]
+        return logits, out
 
     def _reserve(self, follow: _Follow, num_tokens: int) -> bool:
         """Before a feed: cut chained rows, then room for `num_tokens` positions in private

@@ -151,9 +151,10 @@ class Proposer(Protocol):
     def on_forward(self, runs: list[tuple[Sequence, int, torch.Tensor]]) -> None:
         """The target's step computed, per (sequence, start, hidden), the sequence's positions from
         `start` on, whose residual stream after the last layer (before the final norm) is
-        `hidden` [tokens, hidden size], a view of the step's; verify rows included, rejected or
-        not. Called before the step's tokens are sampled, and only when the executor keeps hidden
-        states (MTP)."""
+        `hidden` [tokens, hidden size], a view of the step's (of a CUDA graph's own output when
+        the step replayed one: rows kept past the target's next step must be copied); verify rows
+        included, rejected or not. Called before the step's tokens are sampled, and only when the
+        executor keeps hidden states (MTP, EAGLE-3)."""
 
 
 class Speculation:
@@ -174,6 +175,7 @@ class Speculation:
         self.config, self.proposer, self.fuse = config, proposer, fuse
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.proposed = self.accepted = 0  # proposed and accepted tokens
+        self.drafts = 0  # verify runs: a run emits 1 + accepted / drafts tokens on average
         # Each decoding sequence's proposals, to verify in its next step; the scheduler, which
         # decides whether they run, drops those that cannot (it is given this table).
         self.proposals: dict[Sequence, Proposal] = {}
@@ -223,23 +225,28 @@ class Speculation:
         self.proposals.pop(seq, None)
         self.proposer.on_finished(seq)
 
-    def verify(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], int]:
-        """`seq`'s verify row, its logits [k + 1, vocab]: the tokens it emits (the accepted
-        proposals and the target's next token) and how many of the tokens it computed were
-        rejected, which the caller cuts out of the cache before appending."""
+    def verify(
+        self, seq: Sequence, logits: torch.Tensor, argmax: list[int] | None = None
+    ) -> tuple[list[int], int]:
+        """`seq`'s verify row, its logits [k + 1, vocab] (and their argmax, when the caller has
+        read it already): the tokens it emits (the accepted proposals and the target's next
+        token) and how many of the tokens it computed were rejected, which the caller cuts out
+        of the cache before appending."""
         proposal = self.proposals.pop(seq)
         proposals, draft_probs = proposal.tokens, proposal.probs
         constraint = seq.sampling.constraint
         if constraint is not None:  # the target's distribution under the grammar, at each row
             bits = constraint.verify_bitmask(proposals, self.vocab_size)
             logits = AllowedTokens(list(range(len(logits))), bits).apply(logits)
+            argmax = None  # of the logits before the grammar's mask
         if seq.params.greedy:
-            emitted = accept_greedy(proposals, logits)
+            emitted = accept_greedy(proposals, logits, argmax)
         else:
             probs = filtered_probs(logits, [seq.params] * len(logits))
             emitted = accept_sampled(proposals, probs, seq.sampling.generator, draft_probs)
         self.proposed += len(proposals)
         self.accepted += len(emitted) - 1
+        self.drafts += 1
         return emitted, len(proposals) - len(emitted) + 1
 
 
@@ -314,9 +321,10 @@ def can_speculate(params: SamplingParams) -> bool:
     return not params.needs_penalties and params.logprobs is None
 
 
-def accept_greedy(proposals: list[int], logits: torch.Tensor) -> list[int]:
-    """The tokens a verify step emits: logits [k + 1, vocab] for inputs (last, proposals...)."""
-    targets = logits.argmax(dim=-1).tolist()
+def accept_greedy(proposals: list[int], logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
+    """The tokens a verify step emits: logits [k + 1, vocab] for inputs (last, proposals...);
+    `argmax`: their argmax, if already read."""
+    targets = logits.argmax(dim=-1).tolist() if argmax is None else argmax
     accepted = 0
     while accepted < len(proposals) and proposals[accepted] == targets[accepted]:
         accepted += 1

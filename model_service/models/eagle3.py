@@ -115,6 +115,13 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
         self.lm_head = nn.Linear(layer.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long), persistent=False)
+        self.same_ids = self.draft_vocab_size == self.vocab_size  # draft id d is target id d
+
+    def map_vocabulary(self, d2t: torch.Tensor) -> None:
+        """Set the draft -> target id offsets; whether any id moves is read here, once, not in
+        every step (a CUDA graph's capture cannot wait on the device)."""
+        self.d2t = d2t
+        self.same_ids = self.draft_vocab_size == self.vocab_size and not bool(d2t.any())
 
     def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
         """The first step's hidden rows: `fc` over the target's kept states [T, hidden] each."""
@@ -133,7 +140,7 @@ class Eagle3Draft(nn.Module):
 
     def to_target(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, draft_vocab] -> [N, vocab]: each draft id's logit at its target id, -inf elsewhere."""
-        if self.draft_vocab_size == self.vocab_size and not self.d2t.any():
+        if self.same_ids:
             return logits
         ids = torch.arange(self.draft_vocab_size, device=logits.device) + self.d2t
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
@@ -216,7 +223,7 @@ def load_eagle3(name: str, target: LoadedModel) -> tuple[Eagle3Draft, Eagle3Conf
     load_weights(head, tensors, "EAGLE-3 head", param.dtype, param.device, shared)
     for name in shared:
         head.get_submodule(name.rpartition(".")[0]).weight = theirs[name]
-    head.d2t = d2t.to(param.device)
+    head.map_vocabulary(d2t.to(param.device))
     layer = cfg.layer
     rotary = RotaryEmbedding(layer.rotary_dim or layer.head_dim, layer.rope_theta, layer.rope_scaling)
     head.rotary = rotary.to(param.device)
