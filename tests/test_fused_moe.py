@@ -23,6 +23,7 @@ from model_service.kernels.fused_moe import (
     fused_moe,
     fused_moe_config,
     max_blocks,
+    route_hidden,
     route_topk,
     triton,
 )
@@ -178,6 +179,36 @@ def test_routing_kernel_matches_route_under_the_interpreter(tokens, experts, top
     torch.testing.assert_close(weights, want_w * 2.5, rtol=1e-6, atol=1e-7)
 
 
+@interpreter
+@pytest.mark.parametrize(
+    "tokens, experts, hidden, top_k, dtype, transposed",
+    [
+        (1, 128, 256, 8, torch.float32, True),  # Qwen3's 128 experts, the weight as the engine stores it
+        (5, 60, 200, 4, torch.float32, False),  # no power of two; K not a multiple of the tile
+        (3, 256, 96, 8, torch.float16, True),  # float32 logits from a half-precision x (DeepSeek's)
+    ],
+)
+def test_router_logits_kernel_matches_route_under_the_interpreter(
+    tokens, experts, hidden, top_k, dtype, transposed
+):
+    """`route_hidden` against `route` on the torch logits, twice (the counters are left zeroed,
+    and the result is the same bit for bit)."""
+    gen = torch.Generator().manual_seed(tokens + experts)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    gate = torch.randn(experts, hidden, generator=gen) / hidden**0.5
+    gate = gate.t().contiguous().t() if transposed else gate
+    float32_logits = dtype != torch.float32
+    arrivals = torch.zeros(16, dtype=torch.int32)
+    weights, ids = route_hidden(x, gate, top_k, True, arrivals, 2.5, 3, float32_logits)
+    want_w, want_ids = route(torch.nn.functional.linear(x.float(), gate.float()), top_k, True)
+    torch.testing.assert_close(ids.long(), want_ids - 3, rtol=0, atol=0)
+    torch.testing.assert_close(weights, want_w * 2.5, rtol=1e-5, atol=1e-6)
+    assert not arrivals.any()
+    again = route_hidden(x, gate, top_k, True, arrivals, 2.5, 3, float32_logits)
+    for g, a in zip((weights, ids), again, strict=True):
+        torch.testing.assert_close(a, g, rtol=0, atol=0)
+
+
 # --- CUDA ---------------------------------------------------------------------------------------
 
 QWEN = {"experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}
@@ -281,3 +312,33 @@ def test_routing_kernel_matches_route_on_cuda():
     want_w, want_ids = route(logits, 8, True)
     torch.testing.assert_close(ids.long(), want_ids, rtol=0, atol=0)
     torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, dtype", [(1, torch.bfloat16), (16, torch.bfloat16), (4, torch.float32)])
+def test_router_logits_kernel_matches_route_on_cuda(tokens, dtype):
+    """Qwen3-30B-A3B's router (2,048 -> 128, stored transposed as the engine keeps it) on integer
+    data whose logits are distinct multiples of 1/16, exact in bf16 whatever the order of the sums
+    (so the kernel and cuBLAS cannot round them apart), inside a CUDA graph: ids exactly, weights
+    to rounding, the same bits on a second replay."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randint(-1, 2, (tokens, 2048), generator=gen).float()
+    x[:, :tokens] = torch.eye(tokens)  # column t sets token t's logits
+    gate = torch.randint(-1, 2, (128, 2048), generator=gen).float()
+    target = torch.stack([torch.randperm(128, generator=gen) for _ in range(tokens)]).float() - 64
+    gate[:, :tokens] = target.t() - gate[:, tokens:] @ x[:, tokens:].t()
+    x, gate = x.to("cuda", dtype), (gate / 16).to("cuda", dtype).t().contiguous().t()
+    arrivals = torch.zeros(16, dtype=torch.int32, device="cuda")
+    route_hidden(x, gate, 8, True, arrivals)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = route_hidden(x, gate, 8, True, arrivals)
+    graph.replay()
+    first = weights.clone(), ids.clone()
+    graph.replay()
+    want_w, want_ids = route(torch.nn.functional.linear(x, gate), 8, True)
+    torch.testing.assert_close(ids.long(), want_ids, rtol=0, atol=0)
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close((weights, ids), first, rtol=0, atol=0)
+    assert not arrivals.any()

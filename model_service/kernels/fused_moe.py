@@ -160,6 +160,48 @@ def route_topk(
     return weights, ids
 
 
+ROUTER_MAX_ROWS = 16  # rows the router's logits are computed in `route_hidden`; more go to cuBLAS
+ROUTER_TILE = 8192  # elements of a [BLOCK_K, E] weight tile: 64 rows of K at 128 experts, 16 KB in bf16
+
+
+def route_hidden(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    arrivals: torch.Tensor,
+    scaling: float = 1.0,
+    first_expert: int = 0,
+    float32_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_topk(x @ gate.T, ...)` in one launch for up to ROUTER_MAX_ROWS rows: at batch 1 the
+    router's [H -> E] GEMV was a launch of its own (~5 us of a 48-layer step's 48 x ~65 us).
+
+    Program (token, K slice) sums one [BLOCK_K, E] tile of the weight against x[token] in
+    float32 (the weight by its strides: `store_weights_transposed` leaves it contiguous along E,
+    so a tile is one run of bytes) and stores the partial logits; the token's last program to
+    arrive (a counter in `arrivals`, int32 zeros, >= rows, left zeroed) adds the slices in order,
+    so the logits are deterministic, rounds them to x's dtype as `gate(x)` would (unless
+    `float32_logits`: DeepSeek's `F.linear(x.float(), gate.float())`), then routes as `route_topk`."""
+    tokens, hidden = x.shape
+    experts = gate.shape[0]
+    assert tokens <= arrivals.numel()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    e_p2 = triton.next_power_of_2(experts)
+    block_k = max(16, ROUTER_TILE // e_p2)
+    slices = triton.cdiv(hidden, block_k)
+    parts = torch.empty(tokens, slices, experts, dtype=torch.float32, device=x.device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
+    _router_kernel[(tokens, slices)](
+        x, gate, parts, arrivals, weights, ids, x.stride(0), gate.stride(0), gate.stride(1), hidden, experts,
+        top_k, first_expert, scaling, RENORMALIZE=renormalize, ROUND=not float32_logits, E_P2=e_p2,
+        K_P2=triton.next_power_of_2(top_k), BLOCK_K=block_k, SLICES=slices,
+        CHUNK_S=min(triton.next_power_of_2(slices), max(1, ROUTER_TILE // e_p2)), num_warps=4,
+    )  # fmt: skip
+    return weights, ids
+
+
 def fused_moe(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -220,11 +262,18 @@ if triton is not None:
     @triton.jit
     def _route_kernel(Logits, Weights, Ids, stride, E, TOP_K, FIRST, SCALING, RENORMALIZE: tl.constexpr,
                       E_P2: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
-        """One token: softmax over its logits, then k rounds of argmax (each chosen expert masked
-        out), the weights gathered into a [K_P2] vector so they can be renormalized."""
+        """One token's logits row to its weights and ids (`_select`)."""
         t = tl.program_id(0)
         experts = tl.arange(0, E_P2)
         logits = tl.load(Logits + t * stride + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
+        _select(logits, Weights, Ids, t, E, TOP_K, FIRST, SCALING, RENORMALIZE, E_P2, K_P2)
+
+    @triton.jit
+    def _select(logits, Weights, Ids, t, E, TOP_K, FIRST, SCALING, RENORMALIZE: tl.constexpr,
+                E_P2: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
+        """Softmax over a token's logits [E_P2] (-inf past E), then k rounds of argmax (each chosen
+        expert masked out), the weights gathered into a [K_P2] vector so they can be renormalized."""
+        experts = tl.arange(0, E_P2)
         z = tl.exp(logits - tl.max(logits, axis=0))
         scores = z / tl.sum(z, axis=0)
         left = tl.where(experts < E, scores, -1.0)  # softmax scores are >= 0: -1 marks taken or absent
@@ -242,6 +291,40 @@ if triton is not None:
         live = slot < TOP_K
         tl.store(Weights + t * TOP_K + slot, picked * SCALING, mask=live)
         tl.store(Ids + t * TOP_K + slot, chosen - FIRST, mask=live)
+
+    @triton.jit
+    def _router_kernel(
+        X, Gate, Parts, Arrivals, Weights, Ids, x_stride, g_stride_e, g_stride_k, K, E, TOP_K, FIRST, SCALING,
+        RENORMALIZE: tl.constexpr, ROUND: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr,
+        BLOCK_K: tl.constexpr, SLICES: tl.constexpr, CHUNK_S: tl.constexpr,
+    ):  # fmt: skip
+        """Program (token, K slice): partial logits of every expert over BLOCK_K of the hidden size;
+        the token's last arrival sums the slices in order (CHUNK_S at a time) and routes."""
+        t, k_slice = tl.program_id(0), tl.program_id(1)
+        experts = tl.arange(0, E_P2)
+        e_ok = experts < E
+        ks = k_slice * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(X + t * x_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(Gate + ks[:, None] * g_stride_k + experts[None, :] * g_stride_e,
+                    mask=k_ok[:, None] & e_ok[None, :], other=0.0)  # fmt: skip
+        tl.store(Parts + (t * SLICES + k_slice) * E + experts, tl.sum(w.to(tl.float32) * x[:, None], axis=0),
+                 mask=e_ok)  # fmt: skip
+        tl.debug_barrier()  # every thread's partial logits are written before the arrival releases them
+        if tl.atomic_add(Arrivals + t, 1, sem="acq_rel") == SLICES - 1:
+            chunk = tl.arange(0, CHUNK_S)
+            logits = tl.zeros([E_P2], tl.float32)
+            for s0 in range(0, SLICES, CHUNK_S):  # slices in a fixed order, whichever arrived last
+                s = s0 + chunk
+                mask = (s[:, None] < SLICES) & e_ok[None, :]
+                part = tl.load(Parts + (t * SLICES + s[:, None]) * E + experts[None, :], mask=mask, other=0.0,
+                               cache_modifier=".cg")  # fmt: skip
+                logits += tl.sum(part, axis=0)
+            tl.atomic_xchg(Arrivals + t, 0)
+            if ROUND:
+                logits = logits.to(X.dtype.element_ty).to(tl.float32)
+            logits = tl.where(e_ok, logits, float("-inf"))
+            _select(logits, Weights, Ids, t, E, TOP_K, FIRST, SCALING, RENORMALIZE, E_P2, K_P2)
 
     @triton.jit
     def _align_kernel(Ids, Sorted, BlockExpert, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr, E_P2: tl.constexpr,

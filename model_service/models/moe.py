@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_service.kernels.experts import experts_path, fused_experts
-from model_service.kernels.fused_moe import route_topk
+from model_service.kernels.fused_moe import ROUTER_MAX_ROWS, route_hidden, route_topk
 from model_service.models.config import ModelConfig, Routing
 from model_service.models.layers import MLP
 
@@ -105,6 +105,34 @@ class SparseMoeBlock(nn.Module):
             setattr(self, self.shared_name, MLP(cfg, cfg.shared_expert_intermediate_size))
             if cfg.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.arrivals: torch.Tensor | None = None  # the fused kernels' counters, made on first use
+
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, this block's local expert ids [T, k]) of x's rows. Plain
+        softmax routing on the fused path takes the routing kernels (one launch instead of ~8,
+        which cost as much as the experts in a decode step): up to ROUTER_MAX_ROWS rows with the
+        router's logits computed inside (`route_hidden`), more after the router's cuBLAS GEMM."""
+        gate, routing, first = self.gate, self.routing, self.expert_range.start
+        plain = routing.scoring == "softmax" and routing.group_score is None and not routing.correction_bias
+        fused = plain and experts_path(x.shape[0], self.experts.gate_up_proj.dtype, x.device) == "fused"
+        if fused and x.shape[0] <= ROUTER_MAX_ROWS and (counters := self.counters(x)) is not None:
+            return route_hidden(
+                x, gate.weight, self.top_k, self.renormalize, counters, routing.scaling_factor, first,
+                routing.float32_logits,
+            )  # fmt: skip
+        logits = F.linear(x.float(), gate.weight.float()) if routing.float32_logits else gate(x)
+        if fused:
+            return route_topk(logits, self.top_k, self.renormalize, routing.scaling_factor, first)
+        weights, ids = route(logits, self.top_k, self.renormalize, routing, gate.e_score_correction_bias)
+        return weights, ids - first
+
+    def counters(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The routing kernel's arrival counters on x's device, made on the first call, which is
+        eager (the warm-up before every graph capture); None when a capture comes first (made
+        inside it, they would hold garbage until a replay zeroed them)."""
+        if self.arrivals is None and not torch.cuda.is_current_stream_capturing():
+            self.arrivals = torch.zeros(ROUTER_MAX_ROWS, dtype=torch.int32, device=x.device)
+        return self.arrivals if self.arrivals is not None and self.arrivals.device == x.device else None
 
     def shared_mlp(self) -> nn.Module | None:
         """The always-on expert, if the model has one (under its checkpoint name)."""
@@ -112,17 +140,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]: this block's experts' weighted sum (plus the shared expert)."""
-        gate, experts, routing = self.gate, self.experts, self.routing
-        logits = F.linear(x.float(), gate.weight.float()) if routing.float32_logits else gate(x)
-        plain = routing.scoring == "softmax" and routing.group_score is None and not routing.correction_bias
-        if plain and experts_path(x.shape[0], experts.gate_up_proj.dtype, x.device) == "fused":
-            # One routing launch instead of ~8 (they cost as much as the experts in a decode step).
-            weights, ids = route_topk(
-                logits, self.top_k, self.renormalize, routing.scaling_factor, self.expert_range.start
-            )
-        else:
-            weights, ids = route(logits, self.top_k, self.renormalize, routing, gate.e_score_correction_bias)
-            ids = ids - self.expert_range.start
+        experts = self.experts
+        weights, ids = self.select_experts(x)
         out = fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights)
         shared = self.shared_mlp()
         if shared is not None:
