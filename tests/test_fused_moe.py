@@ -20,6 +20,7 @@ from model_service.kernels.fused_moe import (
     FusedMoeConfig,
     align,
     align_reference,
+    down_counters,
     fused_moe,
     fused_moe_config,
     max_blocks,
@@ -168,6 +169,23 @@ def test_remote_experts_add_nothing_under_the_interpreter():
 
 
 @interpreter
+@pytest.mark.parametrize("tokens", [1, 6, 40])
+def test_down_kernel_sums_each_token_once_and_leaves_the_counters_zeroed(tokens):
+    """The combine inside the down kernel: a token whose slots are all remote gets zeros (only the
+    remote slots' programs arrive for it), caller-owned counters come back zeroed, and a second
+    call on them gives the same bits."""
+    x, gate_up, down, ids, weights = _case(tokens, 8, 3, 64, 32, seed=tokens)
+    ids[tokens // 2] = torch.tensor([-1, 8, 9])
+    arrivals = torch.zeros(down_counters(tokens, 64), dtype=torch.int32)
+    got = fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals)
+    torch.testing.assert_close(got, experts_reference(x, gate_up, down, ids, weights), rtol=1e-5, atol=1e-5)
+    assert not got[tokens // 2].any() and not arrivals.any()
+    torch.testing.assert_close(
+        fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals), got, rtol=0, atol=0
+    )
+
+
+@interpreter
 @pytest.mark.parametrize(
     "tokens, experts, top_k, renormalize", [(1, 8, 2, True), (5, 128, 8, True), (3, 60, 4, False)]
 )
@@ -242,16 +260,18 @@ def test_fused_experts_match_the_reference_on_cuda(tokens, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 def test_fused_experts_replay_from_a_cuda_graph_with_new_inputs(tokens):
-    """Captured once, replayed on other tokens, experts (some remote) and weights written into the
-    same tensors: the replay equals an eager call on the new inputs."""
+    """Captured once with caller-owned counters, replayed on other tokens, experts (some remote)
+    and weights written into the same tensors: the replay equals an eager call on the new inputs,
+    a second replay the first, and the counters are left zeroed."""
     experts, top_k, hidden, inter = 64, 8, 1024, 256
     make = [t.cuda() for t in _case(tokens, experts, top_k, hidden, inter, seed=1)]
     x, gate_up, down, ids, weights = make
     x, gate_up, down = (t.to(torch.bfloat16) for t in (x, gate_up, down))
-    fused_moe(x, gate_up, down, ids, weights)  # compile outside the capture
+    arrivals = torch.zeros(down_counters(tokens, hidden), dtype=torch.int32, device="cuda")
+    fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fused_moe(x, gate_up, down, ids, weights)
+        captured = fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals)
     new_x, _, _, new_ids, new_weights = (
         t.cuda() for t in _case(tokens, experts, top_k, hidden, inter, seed=2)
     )
@@ -260,6 +280,10 @@ def test_fused_experts_replay_from_a_cuda_graph_with_new_inputs(tokens):
     ids.copy_(new_ids)
     weights.copy_(new_weights)
     graph.replay()
+    first = captured.clone()
+    graph.replay()  # the counters the first replay left zeroed
+    torch.testing.assert_close(captured, first, rtol=0, atol=0)
+    assert not arrivals.any()
     torch.testing.assert_close(captured, fused_moe(x, gate_up, down, ids, weights), rtol=0, atol=0)
     want = experts_reference(x.float(), gate_up.float(), down.float(), ids, weights)
     assert ((captured.float() - want).norm() / want.norm()).item() < 1e-2

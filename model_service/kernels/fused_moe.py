@@ -22,9 +22,11 @@ this engine:
    model's dtype (as the reference rounds h). Weights are read where `StackedExperts` keeps them
    ([E, 2I, H], rows contiguous along H), by strides: nothing is copied per call.
 3. `_down_kernel`: the same over down [E, H, I], the routing weight multiplied into the float32
-   sums, one float32 row per pair.
-4. `_combine_kernel`: each token's top_k rows summed in slot order (remote slots skipped) and
-   rounded once: deterministic, unlike atomic adds, and as accurate as the float32 sum can be.
+   sums, one float32 row per pair; then each token's top_k rows summed in slot order (remote
+   slots skipped) and rounded once, by the token's last program to arrive in each column block
+   (an arrival counter, as kernels/skinny_gemm.py sums its split-K): deterministic, unlike atomic
+   adds, as accurate as the float32 sum can be, and no launch of its own (a `_combine_kernel`
+   was ~2.6 us of a ~30 us batch-1 layer).
 
 Tiles: 16 rows (BLOCK_M, `tl.dot`'s smallest; rows past an expert's tokens are masked, and the
 wasted arithmetic is free in a memory-bound kernel), and the column block narrowed until the
@@ -79,6 +81,12 @@ def fused_moe_config(
     return FusedMoeConfig(
         block_m, block_n(inter), block_n(hidden), block_k, num_stages=4 if block_m <= 32 else 3
     )
+
+
+def down_counters(tokens: int, hidden: int) -> int:
+    """The most arrival counters `fused_moe` needs for `tokens` rows: one a token and column block
+    of down, whose blocks are 32 columns or wider."""
+    return tokens * triton_cdiv(hidden, 32)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -209,11 +217,14 @@ def fused_moe(
     ids: torch.Tensor,
     weights: torch.Tensor,
     config: FusedMoeConfig | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for the experts held here, as
     `experts.fused_experts` (same arguments: x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; ids
     [T, k] local expert ids, those outside [0, E) adding nothing; weights [T, k] float32).
-    Returns [T, H] in x's dtype."""
+    Returns [T, H] in x's dtype. `arrivals`: the down kernel's counters, int32 zeros, at least
+    `down_counters(T, H)` of them, owned by the caller and left
+    zeroed; None (or too few) allocates zeroed ones, a memset launch more."""
     tokens, top_k = ids.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
@@ -242,18 +253,18 @@ def fused_moe(
         PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     slots = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    grid = (blocks, triton.cdiv(hidden, config.down_block_n))
-    _down_kernel[grid](
-        h, down, sorted_pairs, block_expert, weights, slots, pairs, num_experts, hidden, inter,
-        down.stride(0), down.stride(1), down.stride(2),
-        DIRECT=direct, BLOCK_M=config.block_m, BLOCK_N=config.down_block_n, BLOCK_K=config.block_k,
-        PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    _combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
-        slots, ids, out, top_k, num_experts, hidden, BLOCK_N=block_h, num_warps=4
-    )
+    col_blocks = triton.cdiv(hidden, config.down_block_n)
+    if arrivals is None or arrivals.numel() < tokens * col_blocks:
+        arrivals = torch.zeros(tokens * col_blocks, dtype=torch.int32, device=x.device)
+    grid = (blocks + triton.cdiv(tokens, config.block_m), col_blocks)  # the blocks, then the remote slots'
+    _down_kernel[grid](
+        h, down, sorted_pairs, block_expert, ids, weights, slots, out, arrivals, pairs, top_k, num_experts,
+        hidden, inter, blocks, down.stride(0), down.stride(1), down.stride(2), DIRECT=direct,
+        BLOCK_M=config.block_m, BLOCK_N=config.down_block_n, BLOCK_K=config.block_k,
+        K_P2=triton.next_power_of_2(top_k), PRECISION=precision, num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
     return out
 
 
@@ -417,16 +428,25 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(
-        Hin, W, Sorted, BlockExpert, Weights, Slots, P, E, N, K, w_stride_e, w_stride_n, w_stride_k,
-        DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr,
+        Hin, W, Sorted, BlockExpert, Ids, Weights, Slots, Out, Arrivals, P, TOP_K, E, N, K, NUM_BLOCKS,
+        w_stride_e, w_stride_n, w_stride_k, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_P2: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """slots[pair, cols] = weights[pair] * (h[pair] . down[e, cols]) in float32, N = H."""
-        expert, pairs, live = _block_rows(Sorted, BlockExpert, tl.program_id(0), P, E, DIRECT, BLOCK_M)
-        if expert < 0:
-            return
+        """slots[pair, cols] = weights[pair] * (h[pair] . down[e, cols]) in float32, N = H, then each
+        token's arrival (`_arrive`). Blocks past NUM_BLOCKS (one per BLOCK_M tokens) arrive for
+        their tokens' remote slots, which no block holds."""
+        block = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
+        if block >= NUM_BLOCKS:
+            tokens = (block - NUM_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
+            remote = _remote_slots(Ids, tokens, P // TOP_K, TOP_K, E, K_P2)
+            _arrive(Slots, Ids, Out, Arrivals, tokens, remote, remote > 0, cols, col_ok, TOP_K, E, N, BLOCK_M,
+                    BLOCK_N)  # fmt: skip
+            return
+        expert, pairs, live = _block_rows(Sorted, BlockExpert, block, P, E, DIRECT, BLOCK_M)
+        if expert < 0:
+            return
         ks = tl.arange(0, BLOCK_K)
         w = W + expert.to(tl.int64) * w_stride_e
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -439,16 +459,36 @@ if triton is not None:
             acc += tl.dot(a.to(b.dtype), b, input_precision=PRECISION)
         acc *= tl.load(Weights + pairs, mask=live, other=0.0)[:, None]
         tl.store(Slots + pairs[:, None] * N + cols[None, :], acc, mask=live[:, None] & col_ok[None, :])
+        one = tl.full([BLOCK_M], 1, tl.int32)
+        _arrive(Slots, Ids, Out, Arrivals, pairs // TOP_K, one, live, cols, col_ok, TOP_K, E, N, BLOCK_M,
+                BLOCK_N)  # fmt: skip
 
     @triton.jit
-    def _combine_kernel(Slots, Ids, Out, TOP_K, E, N, BLOCK_N: tl.constexpr):
-        """out[t] = sum over its local slots, in slot order, rounded once to the model's dtype."""
-        t = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for j in range(TOP_K):
-            e = tl.load(Ids + t * TOP_K + j)
-            local = tl.zeros([BLOCK_N], tl.int32) + ((e >= 0) & (e < E)).to(tl.int32)  # a vector mask
-            acc += tl.load(Slots + (t * TOP_K + j) * N + cols, mask=col_ok & (local != 0), other=0.0)
-        tl.store(Out + t * N + cols, acc.to(Out.dtype.element_ty), mask=col_ok)
+    def _remote_slots(Ids, tokens, T, TOP_K, E, K_P2: tl.constexpr):
+        """How many of each token's slots name experts outside [0, E) (0 past the T tokens)."""
+        slot = tl.arange(0, K_P2)
+        held = (tokens[:, None] < T) & (slot[None, :] < TOP_K)
+        e = tl.load(Ids + tokens[:, None] * TOP_K + slot[None, :], mask=held, other=0)
+        return tl.sum((held & ((e < 0) | (e >= E))).to(tl.int32), axis=1)
+
+    @triton.jit
+    def _arrive(Slots, Ids, Out, Arrivals, tokens, count, mask, cols, col_ok, TOP_K, E, N,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+        """Adds `count` arrivals to each masked token's counter of this column block; a token's
+        last (its TOP_K-th: every slot, local or not, arrives once) sums its local slots in slot
+        order, whichever arrived last, and rounds once: deterministic, unlike atomic adds of the
+        rows, and as accurate as the float32 sum can be. Then it zeroes the counter for the next
+        call; CUDA graphs replay it as is."""
+        tl.debug_barrier()  # every thread's slot rows are written before the arrival releases them
+        counter = Arrivals + tokens * tl.num_programs(1) + tl.program_id(1)
+        last = mask & (tl.atomic_add(counter, count, mask=mask, sem="acq_rel") + count == TOP_K)
+        if tl.max(last.to(tl.int32), axis=0) > 0:  # most programs hold no token's last arrival
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for j in range(TOP_K):
+                e = tl.load(Ids + tokens * TOP_K + j, mask=last, other=-1)
+                local = last & (e >= 0) & (e < E)
+                row = Slots + (tokens * TOP_K + j)[:, None] * N + cols[None, :]
+                total += tl.load(row, mask=local[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0, mask=last)
+            tl.store(Out + tokens[:, None] * N + cols[None, :], total.to(Out.dtype.element_ty),
+                     mask=last[:, None] & col_ok[None, :])  # fmt: skip

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_service.kernels.experts import experts_path, fused_experts
-from model_service.kernels.fused_moe import ROUTER_MAX_ROWS, route_hidden, route_topk
+from model_service.kernels.experts import FUSED_MAX_TOKENS, experts_path, fused_experts
+from model_service.kernels.fused_moe import ROUTER_MAX_ROWS, down_counters, route_hidden, route_topk
 from model_service.models.config import ModelConfig, Routing
 from model_service.models.layers import MLP
 
@@ -117,8 +117,8 @@ class SparseMoeBlock(nn.Module):
         fused = plain and experts_path(x.shape[0], self.experts.gate_up_proj.dtype, x.device) == "fused"
         if fused and x.shape[0] <= ROUTER_MAX_ROWS and (counters := self.counters(x)) is not None:
             return route_hidden(
-                x, gate.weight, self.top_k, self.renormalize, counters, routing.scaling_factor, first,
-                routing.float32_logits,
+                x, gate.weight, self.top_k, self.renormalize, counters[:ROUTER_MAX_ROWS],
+                routing.scaling_factor, first, routing.float32_logits,
             )  # fmt: skip
         logits = F.linear(x.float(), gate.weight.float()) if routing.float32_logits else gate(x)
         if fused:
@@ -127,11 +127,15 @@ class SparseMoeBlock(nn.Module):
         return weights, ids - first
 
     def counters(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The routing kernel's arrival counters on x's device, made on the first call, which is
-        eager (the warm-up before every graph capture); None when a capture comes first (made
-        inside it, they would hold garbage until a replay zeroed them)."""
+        """The fused kernels' arrival counters on x's device (the routing kernel's first, then the
+        down kernel's for up to FUSED_MAX_TOKENS rows), made on the first call, which is eager
+        (the warm-up before every graph capture); None when a capture comes first (made inside it,
+        they would hold garbage until a replay zeroed them); None off CUDA, where they are unused."""
+        if not x.is_cuda:
+            return None
         if self.arrivals is None and not torch.cuda.is_current_stream_capturing():
-            self.arrivals = torch.zeros(ROUTER_MAX_ROWS, dtype=torch.int32, device=x.device)
+            size = ROUTER_MAX_ROWS + down_counters(FUSED_MAX_TOKENS, self.gate.in_features)
+            self.arrivals = torch.zeros(size, dtype=torch.int32, device=x.device)
         return self.arrivals if self.arrivals is not None and self.arrivals.device == x.device else None
 
     def shared_mlp(self) -> nn.Module | None:
@@ -140,9 +144,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]: this block's experts' weighted sum (plus the shared expert)."""
-        experts = self.experts
+        experts, counters = self.experts, self.counters(x)
         weights, ids = self.select_experts(x)
-        out = fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights)
+        down = counters[ROUTER_MAX_ROWS:] if counters is not None else None
+        out = fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, down)
         shared = self.shared_mlp()
         if shared is not None:
             scale = F.sigmoid(self.shared_expert_gate(x)) if self.shared_expert_gate is not None else 1.0
