@@ -3,6 +3,8 @@ reference attention backend (everywhere, so CI checks what the kernels are check
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -438,6 +440,48 @@ def test_triton_rms_norm_silu_and_rope_match_references(dim, dtype):
         cos, sin = (torch.randn(37, 128, generator=g, device="cuda").to(dtype) for _ in range(2))
         want = apply_rotary_reference(q, cos, sin)
         assert _rel(apply_rotary(q.clone(), cos, sin), want) < tol
+
+
+def _qk_views(tokens: int, heads: int, kv_heads: int, dim: int, device: str, dtype: torch.dtype):
+    """q [T, H, D] and k [T, KVH, D] as `Attention` gets them: views of one qkv projection's rows,
+    plus each norm's weight."""
+    g = torch.Generator(device=device).manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g, device=device).to(dtype)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    wq, wk = (torch.rand(dim, generator=g, device=device).to(dtype) + 0.5 for _ in range(2))
+    return q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), wq, wk
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+@pytest.mark.parametrize("tokens, dim", [(1, 128), (5, 64), (3, 80)])
+def test_head_norm_kernel_matches_two_rms_norms_under_the_interpreter(tokens, dim):
+    """Qwen3's q_norm and k_norm in one launch, on the strided heads the projection leaves, in
+    float32 (HF's parity runs there): each head as `rms_norm_reference` normalizes it."""
+    from model_service.kernels.fused import _head_rms_norm, rms_norm_reference
+
+    q, k, wq, wk = _qk_views(tokens, 4, 2, dim, "cpu", torch.float32)
+    got_q, got_k = _head_rms_norm(q, k, wq, wk, 1e-6)
+    torch.testing.assert_close(got_q, rms_norm_reference(q, wq, 1e-6), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, rms_norm_reference(k, wk, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_head_rms_norm_matches_two_rms_norms(tokens, dtype):
+    """Qwen3-30B-A3B's heads (32 query, 4 key, 128 wide) read where the projection left them: the
+    reference's values, and the bits of the row kernel (`rms_norm`) that ran each norm before."""
+    from model_service.kernels.fused import head_rms_norm, rms_norm, rms_norm_reference
+
+    q, k, wq, wk = _qk_views(tokens, 32, 4, 128, "cuda", dtype)
+    got_q, got_k = head_rms_norm(q, k, wq, wk, 1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert _rel(got_q, rms_norm_reference(q, wq, 1e-6)) < tol
+    assert _rel(got_k, rms_norm_reference(k, wk, 1e-6)) < tol
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert torch.equal(got_q.view(-1, 128), rms_norm(q.reshape(-1, 128), wq, 1e-6)[0])
+    assert torch.equal(got_k.view(-1, 128), rms_norm(k.reshape(-1, 128), wk, 1e-6)[0])
 
 
 @cuda

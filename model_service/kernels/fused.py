@@ -23,6 +23,15 @@ if triton is not None:
     from model_service.kernels.paged_attention import cache_value
 
     @triton.jit
+    def _normed(x, w, dim, eps):
+        """RMSNorm of one row in registers (zeros past `dim`), as `rms_norm_reference`: normalized
+        in float32, rounded to x's dtype, scaled by the weight, rounded again."""
+        h = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / dim + eps)
+        normed = (h * rstd).to(x.dtype).to(tl.float32)
+        return (normed * w.to(tl.float32)).to(x.dtype)
+
+    @triton.jit
     def _rms_norm_kernel(X, R, W, Y, RO, x_stride, dim, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
@@ -31,11 +40,27 @@ if triton is not None:
         if HAS_RESIDUAL:
             x = x + tl.load(R + row * dim + offs, mask=mask, other=0.0)  # in the model's dtype, as torch
             tl.store(RO + row * dim + offs, x, mask=mask)
-        h = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / dim + eps)
-        normed = (h * rstd).to(x.dtype).to(tl.float32)
-        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y + row * dim + offs, (normed * w).to(x.dtype), mask=mask)
+        w = tl.load(W + offs, mask=mask, other=0.0)
+        tl.store(Y + row * dim + offs, _normed(x, w, dim, eps), mask=mask)
+
+    @triton.jit
+    def _head_norm_kernel(
+        Q, K, WQ, WK, QO, KO, q_row, q_head, k_row, k_head, heads, dim, eps, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        """Program (token, head): a query head (head < heads) or a key head, read where it lies,
+        normalized with its own weight into the contiguous output."""
+        token, head = tl.program_id(0), tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < dim
+        if head < heads:
+            x = tl.load(Q + token * q_row + head * q_head + offs, mask=mask, other=0.0)
+            w = tl.load(WQ + offs, mask=mask, other=0.0)
+            tl.store(QO + (token * heads + head) * dim + offs, _normed(x, w, dim, eps), mask=mask)
+        else:
+            kv_heads, kv = tl.num_programs(1) - heads, head - heads
+            x = tl.load(K + token * k_row + kv * k_head + offs, mask=mask, other=0.0)
+            w = tl.load(WK + offs, mask=mask, other=0.0)
+            tl.store(KO + (token * kv_heads + kv) * dim + offs, _normed(x, w, dim, eps), mask=mask)
 
     @triton.jit
     def _silu_mul_kernel(X, Y, inter, BLOCK: tl.constexpr):
@@ -118,6 +143,32 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(dim),
     )  # fmt: skip
     return out, summed
+
+
+def head_rms_norm(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over each head of q [T, H, D] and of k [T, KVH, D], each with its weight [D]
+    (Qwen3's q_norm and k_norm). On CUDA one launch for both, reading the heads where the qkv
+    projection left them: as two `RMSNorm`s they were two launches, and past one row two copies
+    more (a strided [T, H, D] view does not flatten to rows)."""
+    if not _on_gpu(q) or q.stride(-1) != 1 or k.stride(-1) != 1:
+        return rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps)
+    return _head_rms_norm(q, k, q_weight, k_weight, eps)
+
+
+def _head_rms_norm(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch of `head_rms_norm` (also what the tests run under Triton's interpreter)."""
+    tokens, heads, dim = q.shape
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _head_norm_kernel[(tokens, heads + k.shape[1])](
+        q, k, q_weight, k_weight, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), heads,
+        dim, eps, BLOCK=triton.next_power_of_2(dim),
+    )  # fmt: skip
+    return q_out, k_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
