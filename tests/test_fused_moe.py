@@ -28,7 +28,7 @@ from model_service.kernels.fused_moe import (
     route_topk,
     triton,
 )
-from model_service.models.config import ModelConfig
+from model_service.models.config import ModelConfig, Routing
 from model_service.models.moe import SparseMoeBlock, route
 
 interpreter = pytest.mark.skipif(
@@ -191,7 +191,7 @@ def test_down_kernel_sums_each_token_once_and_leaves_the_counters_zeroed(tokens)
 )
 def test_routing_kernel_matches_route_under_the_interpreter(tokens, experts, top_k, renormalize):
     logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(experts))
-    weights, ids = route_topk(logits, top_k, renormalize, 2.5, first_expert=2)
+    weights, ids = route_topk(logits, top_k, renormalize, Routing(scaling_factor=2.5), first_expert=2)
     want_w, want_ids = route(logits, top_k, renormalize)
     torch.testing.assert_close(ids.long(), want_ids - 2, rtol=0, atol=0)
     torch.testing.assert_close(weights, want_w * 2.5, rtol=1e-6, atol=1e-7)
@@ -215,16 +215,54 @@ def test_router_logits_kernel_matches_route_under_the_interpreter(
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     gate = torch.randn(experts, hidden, generator=gen) / hidden**0.5
     gate = gate.t().contiguous().t() if transposed else gate
-    float32_logits = dtype != torch.float32
+    routing = Routing(scaling_factor=2.5, float32_logits=dtype != torch.float32)
     arrivals = torch.zeros(16, dtype=torch.int32)
-    weights, ids = route_hidden(x, gate, top_k, True, arrivals, 2.5, 3, float32_logits)
+    weights, ids = route_hidden(x, gate, top_k, True, arrivals, routing, first_expert=3)
     want_w, want_ids = route(torch.nn.functional.linear(x.float(), gate.float()), top_k, True)
     torch.testing.assert_close(ids.long(), want_ids - 3, rtol=0, atol=0)
     torch.testing.assert_close(weights, want_w * 2.5, rtol=1e-5, atol=1e-6)
     assert not arrivals.any()
-    again = route_hidden(x, gate, top_k, True, arrivals, 2.5, 3, float32_logits)
+    again = route_hidden(x, gate, top_k, True, arrivals, routing, first_expert=3)
     for g, a in zip((weights, ids), again, strict=True):
         torch.testing.assert_close(a, g, rtol=0, atol=0)
+
+
+DEEPSEEK_ROUTINGS = {
+    "v2-greedy": Routing(scaling_factor=16.0),
+    "v2-group-limited": Routing(group_score="max", num_groups=4, topk_groups=2, scaling_factor=16.0),
+    "v3-noaux-tc": Routing(
+        scoring="sigmoid", group_score="top2_sum", num_groups=8, topk_groups=4, correction_bias=True,
+        scaling_factor=2.5, float32_logits=True,
+    ),
+}  # fmt: skip
+
+
+def _deepseek_case(name: str, tokens: int, experts: int, hidden: int, seed: int):
+    """(routing, x, gate, bias or None) with DeepSeek's float32 router weight and V3's bias."""
+    gen = torch.Generator().manual_seed(seed)
+    routing = DEEPSEEK_ROUTINGS[name]
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate = torch.randn(experts, hidden, generator=gen) / hidden**0.5
+    bias = torch.rand(experts, generator=gen) * 0.3 if routing.correction_bias else None
+    return routing, x, gate, bias
+
+
+@interpreter
+@pytest.mark.parametrize("name", list(DEEPSEEK_ROUTINGS))
+@pytest.mark.parametrize("experts, renormalize", [(16, False), (64, True), (48, True)])
+def test_deepseek_routing_in_the_kernels_matches_route_under_the_interpreter(name, experts, renormalize):
+    """Groups, sigmoid scores and the correction bias: `route_topk` on the logits and
+    `route_hidden` on the hidden states against `route` (48 experts: groups of 6 and 12)."""
+    routing, x, gate, bias = _deepseek_case(name, 5, experts, 96, seed=experts)
+    logits = x @ gate.T
+    want_w, want_ids = route(logits, 4, renormalize, routing, bias)
+    arrivals = torch.zeros(16, dtype=torch.int32)
+    for weights, ids in (
+        route_topk(logits, 4, renormalize, routing, bias, first_expert=1),
+        route_hidden(x, gate.t().contiguous().t(), 4, renormalize, arrivals, routing, bias, first_expert=1),
+    ):
+        torch.testing.assert_close(ids.long(), want_ids - 1, rtol=0, atol=0)
+        torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
 
 
 # --- CUDA ---------------------------------------------------------------------------------------
@@ -366,3 +404,25 @@ def test_router_logits_kernel_matches_route_on_cuda(tokens, dtype):
     torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close((weights, ids), first, rtol=0, atol=0)
     assert not arrivals.any()
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(DEEPSEEK_ROUTINGS))
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_deepseek_routing_in_the_kernels_matches_route_on_cuda(name, tokens):
+    """DeepSeek-V3's router shapes (7,168 -> 256 experts, float32 weight, top-8 in 4 of 8 groups)
+    in float32: `route_hidden` up to 16 rows, `route_topk` on the torch logits at any count."""
+    routing, x, gate, bias = (
+        t.cuda() if isinstance(t, torch.Tensor) else t
+        for t in _deepseek_case(name, tokens, 256, 7168, tokens)
+    )
+    logits = x @ gate.T
+    want_w, want_ids = route(logits, 8, True, routing, bias)
+    got = [route_topk(logits, 8, True, routing, bias)]
+    if tokens <= 16:
+        arrivals = torch.zeros(16, dtype=torch.int32, device="cuda")
+        got.append(route_hidden(x, gate.t().contiguous().t(), 8, True, arrivals, routing, bias))
+    for weights, ids in got:
+        torch.testing.assert_close(ids.long(), want_ids, rtol=0, atol=0)
+        torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)

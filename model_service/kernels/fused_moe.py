@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from model_service.kernels.paged_attention import dot_precision, triton
+from model_service.models.config import PLAIN_TOP_K, Routing
 
 if triton is not None:
     import triton.language as tl
@@ -150,22 +151,50 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     return sorted_pairs, block_expert
 
 
+GROUP_SCORES = {None: 0, "max": 1, "top2_sum": 2}  # Routing.group_score as the kernels take it
+
+
 def route_topk(
-    logits: torch.Tensor, top_k: int, renormalize: bool, scaling: float = 1.0, first_expert: int = 0
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    routing: Routing = PLAIN_TOP_K,
+    bias: torch.Tensor | None = None,
+    first_expert: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`models.moe.route` for plain softmax routing (Qwen's, Mixtral's: no groups, no bias) in one
-    launch instead of ~8: (weights [T, k] float32, ids [T, k] int32 minus `first_expert`, the
-    block's local ids). Same arithmetic: float32 softmax, the k best in descending order (ties to
+    """`models.moe.route` in one launch instead of ~8 (~20 with DeepSeek's groups): (weights
+    [T, k] float32, ids [T, k] int32 minus `first_expert`, the block's local ids). Same
+    arithmetic: float32 softmax or sigmoid scores, `bias` added for the choice only, experts
+    outside the best groups masked as `route` masks them, the k best in descending order (ties to
     the lower id), renormalized with DeepSeek's 1e-20 guard, then scaled."""
     tokens, experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     _route_kernel[(tokens,)](
-        logits, weights, ids, logits.stride(0), experts, top_k, first_expert, scaling,
-        RENORMALIZE=renormalize, E_P2=triton.next_power_of_2(experts),
-        K_P2=triton.next_power_of_2(top_k), num_warps=4,
+        logits, weights, ids, logits.stride(0), experts, top_k, first_expert,
+        **_routing_args(routing, experts, top_k, renormalize, bias, weights), num_warps=4,
     )  # fmt: skip
     return weights, ids
+
+
+def _routing_args(
+    routing: Routing,
+    experts: int,
+    top_k: int,
+    renormalize: bool,
+    bias: torch.Tensor | None,
+    unused: torch.Tensor,
+) -> dict[str, object]:
+    """The routing kernels' arguments for `routing` (`unused`: a pointer standing in for no bias)."""
+    groups = routing.num_groups if routing.group_score is not None else 1
+    return {
+        "Bias": bias if bias is not None else unused, "SCALING": routing.scaling_factor,
+        "PER_GROUP": experts // groups, "TOPK_GROUPS": routing.topk_groups,
+        "SIGMOID": routing.scoring == "sigmoid", "HAS_BIAS": bias is not None,
+        "GROUP_SCORE": GROUP_SCORES[routing.group_score], "RENORMALIZE": renormalize,
+        "E_P2": triton.next_power_of_2(experts), "K_P2": triton.next_power_of_2(top_k),
+        "G_P2": triton.next_power_of_2(groups),
+    }  # fmt: skip
 
 
 ROUTER_MAX_ROWS = 16  # rows the router's logits are computed in `route_hidden`; more go to cuBLAS
@@ -178,9 +207,9 @@ def route_hidden(
     top_k: int,
     renormalize: bool,
     arrivals: torch.Tensor,
-    scaling: float = 1.0,
+    routing: Routing = PLAIN_TOP_K,
+    bias: torch.Tensor | None = None,
     first_expert: int = 0,
-    float32_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_topk(x @ gate.T, ...)` in one launch for up to ROUTER_MAX_ROWS rows: at batch 1 the
     router's [H -> E] GEMV was a launch of its own (~5 us of a 48-layer step's 48 x ~65 us).
@@ -190,7 +219,8 @@ def route_hidden(
     so a tile is one run of bytes) and stores the partial logits; the token's last program to
     arrive (a counter in `arrivals`, int32 zeros, >= rows, left zeroed) adds the slices in order,
     so the logits are deterministic, rounds them to x's dtype as `gate(x)` would (unless
-    `float32_logits`: DeepSeek's `F.linear(x.float(), gate.float())`), then routes as `route_topk`."""
+    `routing.float32_logits`: DeepSeek's `F.linear(x.float(), gate.float())`), then routes as
+    `route_topk`."""
     tokens, hidden = x.shape
     experts = gate.shape[0]
     assert tokens <= arrivals.numel()
@@ -203,9 +233,9 @@ def route_hidden(
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
     _router_kernel[(tokens, slices)](
         x, gate, parts, arrivals, weights, ids, x.stride(0), gate.stride(0), gate.stride(1), hidden, experts,
-        top_k, first_expert, scaling, RENORMALIZE=renormalize, ROUND=not float32_logits, E_P2=e_p2,
-        K_P2=triton.next_power_of_2(top_k), BLOCK_K=block_k, SLICES=slices,
-        CHUNK_S=min(triton.next_power_of_2(slices), max(1, ROUTER_TILE // e_p2)), num_warps=4,
+        top_k, first_expert, ROUND=not routing.float32_logits, BLOCK_K=block_k, SLICES=slices,
+        CHUNK_S=min(triton.next_power_of_2(slices), max(1, ROUTER_TILE // e_p2)),
+        **_routing_args(routing, experts, top_k, renormalize, bias, weights), num_warps=4,
     )  # fmt: skip
     return weights, ids
 
@@ -271,32 +301,82 @@ def fused_moe(
 if triton is not None:
 
     @triton.jit
-    def _route_kernel(Logits, Weights, Ids, stride, E, TOP_K, FIRST, SCALING, RENORMALIZE: tl.constexpr,
-                      E_P2: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
-        """One token's logits row to its weights and ids (`_select`)."""
+    def _route_kernel(
+        Logits, Weights, Ids, stride, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
+        SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_SCORE: tl.constexpr, RENORMALIZE: tl.constexpr,
+        E_P2: tl.constexpr, K_P2: tl.constexpr, G_P2: tl.constexpr,
+    ):  # fmt: skip
+        """One token's logits row to its weights and ids (`_route_row`)."""
         t = tl.program_id(0)
         experts = tl.arange(0, E_P2)
         logits = tl.load(Logits + t * stride + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
-        _select(logits, Weights, Ids, t, E, TOP_K, FIRST, SCALING, RENORMALIZE, E_P2, K_P2)
+        _route_row(logits, Weights, Ids, t, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS, SIGMOID,
+                   HAS_BIAS, GROUP_SCORE, RENORMALIZE, E_P2, K_P2, G_P2)  # fmt: skip
 
     @triton.jit
-    def _select(logits, Weights, Ids, t, E, TOP_K, FIRST, SCALING, RENORMALIZE: tl.constexpr,
-                E_P2: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
-        """Softmax over a token's logits [E_P2] (-inf past E), then k rounds of argmax (each chosen
-        expert masked out), the weights gathered into a [K_P2] vector so they can be renormalized."""
+    def _route_row(
+        logits, Weights, Ids, t, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
+        SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_SCORE: tl.constexpr, RENORMALIZE: tl.constexpr,
+        E_P2: tl.constexpr, K_P2: tl.constexpr, G_P2: tl.constexpr,
+    ):  # fmt: skip
+        """A token's logits [E_P2] (-inf past E) routed as `models.moe.route`: scores (softmax or
+        sigmoid, float32), the choice (scores plus the bias, only within the best groups), the k
+        best choices' scores (`_store_top_k`)."""
         experts = tl.arange(0, E_P2)
-        z = tl.exp(logits - tl.max(logits, axis=0))
-        scores = z / tl.sum(z, axis=0)
-        left = tl.where(experts < E, scores, -1.0)  # softmax scores are >= 0: -1 marks taken or absent
+        real = experts < E
+        if SIGMOID:
+            scores = 1.0 / (1.0 + tl.exp(-logits))
+        else:
+            z = tl.exp(logits - tl.max(logits, axis=0))
+            scores = z / tl.sum(z, axis=0)
+        choice = scores
+        if HAS_BIAS:
+            choice += tl.load(Bias + experts, mask=real, other=0.0).to(tl.float32)
+        choice = tl.where(real, choice, float("-inf"))
+        if GROUP_SCORE != 0:
+            choice = _within_best_groups(choice, experts, PER_GROUP, TOPK_GROUPS, GROUP_SCORE, G_P2)
+            choice = tl.where(real, choice, float("-inf"))
+        _store_top_k(scores, choice, Weights, Ids, t, TOP_K, FIRST, SCALING, RENORMALIZE, E_P2, K_P2)
+
+    @triton.jit
+    def _within_best_groups(
+        choice, experts, PER_GROUP, TOPK_GROUPS, GROUP_SCORE: tl.constexpr, G_P2: tl.constexpr
+    ):  # fmt: skip
+        """`choice` outside the TOPK_GROUPS best groups of PER_GROUP experts masked as
+        `models.moe._within_best_groups` masks it: a group's score its best choice (1, V2's; the
+        rest set to 0) or its two best summed (2, V3's; the rest -inf). Groups are [G_P2, E_P2]
+        masks of the vector, so any number of experts a group works."""
+        g = tl.arange(0, G_P2)
+        member = (experts[None, :] // PER_GROUP) == g[:, None]
+        grouped = tl.where(member, choice[None, :], float("-inf"))
+        group_score = tl.max(grouped, axis=1)
+        if GROUP_SCORE == 2:  # the best twice when it occurs twice, as torch.topk(2) counts it
+            first = tl.argmax(grouped, axis=1, tie_break_left=True)
+            rest = tl.where(experts[None, :] == first[:, None], float("-inf"), grouped)
+            group_score += tl.max(rest, axis=1)
+        keep = tl.zeros([G_P2], tl.int32)
+        for _ in range(TOPK_GROUPS):
+            best = tl.argmax(group_score, axis=0, tie_break_left=True)
+            keep = tl.where(g == best, 1, keep)
+            group_score = tl.where(g == best, float("-inf"), group_score)
+        allowed = tl.max(tl.where(member, keep[:, None], 0), axis=0) > 0
+        return tl.where(allowed, choice, 0.0 if GROUP_SCORE == 1 else float("-inf"))
+
+    @triton.jit
+    def _store_top_k(scores, choice, Weights, Ids, t, TOP_K, FIRST, SCALING, RENORMALIZE: tl.constexpr,
+                     E_P2: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
+        """k rounds of argmax over `choice` (each chosen expert then -inf), the chosen experts'
+        scores gathered into a [K_P2] vector so they can be renormalized, then scaled."""
+        experts = tl.arange(0, E_P2)
         slot = tl.arange(0, K_P2)
         picked = tl.zeros([K_P2], tl.float32)
         chosen = tl.zeros([K_P2], tl.int32)
         for j in range(TOP_K):
-            best = tl.argmax(left, axis=0, tie_break_left=True).to(tl.int32)
+            best = tl.argmax(choice, axis=0, tie_break_left=True).to(tl.int32)
             weight = tl.sum(tl.where(experts == best, scores, 0.0), axis=0)
             picked = tl.where(slot == j, weight, picked)
             chosen = tl.where(slot == j, best, chosen)
-            left = tl.where(experts == best, -1.0, left)
+            choice = tl.where(experts == best, float("-inf"), choice)
         if RENORMALIZE:
             picked = picked / (tl.sum(picked, axis=0) + 1e-20)
         live = slot < TOP_K
@@ -305,9 +385,11 @@ if triton is not None:
 
     @triton.jit
     def _router_kernel(
-        X, Gate, Parts, Arrivals, Weights, Ids, x_stride, g_stride_e, g_stride_k, K, E, TOP_K, FIRST, SCALING,
-        RENORMALIZE: tl.constexpr, ROUND: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr,
-        BLOCK_K: tl.constexpr, SLICES: tl.constexpr, CHUNK_S: tl.constexpr,
+        X, Gate, Parts, Arrivals, Weights, Ids, x_stride, g_stride_e, g_stride_k, K, E, TOP_K, FIRST, Bias,
+        SCALING, PER_GROUP, TOPK_GROUPS, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+        GROUP_SCORE: tl.constexpr, RENORMALIZE: tl.constexpr, ROUND: tl.constexpr, E_P2: tl.constexpr,
+        K_P2: tl.constexpr, G_P2: tl.constexpr, BLOCK_K: tl.constexpr, SLICES: tl.constexpr,
+        CHUNK_S: tl.constexpr,
     ):  # fmt: skip
         """Program (token, K slice): partial logits of every expert over BLOCK_K of the hidden size;
         the token's last arrival sums the slices in order (CHUNK_S at a time) and routes."""
@@ -335,7 +417,8 @@ if triton is not None:
             if ROUND:
                 logits = logits.to(X.dtype.element_ty).to(tl.float32)
             logits = tl.where(e_ok, logits, float("-inf"))
-            _select(logits, Weights, Ids, t, E, TOP_K, FIRST, SCALING, RENORMALIZE, E_P2, K_P2)
+            _route_row(logits, Weights, Ids, t, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
+                       SIGMOID, HAS_BIAS, GROUP_SCORE, RENORMALIZE, E_P2, K_P2, G_P2)  # fmt: skip
 
     @triton.jit
     def _align_kernel(Ids, Sorted, BlockExpert, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr, E_P2: tl.constexpr,

@@ -27,10 +27,8 @@ from torch import nn
 
 from model_service.kernels.experts import FUSED_MAX_TOKENS, experts_path, fused_experts
 from model_service.kernels.fused_moe import ROUTER_MAX_ROWS, down_counters, route_hidden, route_topk
-from model_service.models.config import ModelConfig, Routing
+from model_service.models.config import PLAIN_TOP_K, ModelConfig, Routing
 from model_service.models.layers import MLP
-
-PLAIN_TOP_K = Routing()  # softmax over all experts, no groups, no scaling: Qwen's and Mixtral's
 
 
 def route(
@@ -108,22 +106,21 @@ class SparseMoeBlock(nn.Module):
         self.arrivals: torch.Tensor | None = None  # the fused kernels' counters, made on first use
 
     def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, this block's local expert ids [T, k]) of x's rows. Plain
-        softmax routing on the fused path takes the routing kernels (one launch instead of ~8,
-        which cost as much as the experts in a decode step): up to ROUTER_MAX_ROWS rows with the
-        router's logits computed inside (`route_hidden`), more after the router's cuBLAS GEMM."""
+        """(weights [T, k] float32, this block's local expert ids [T, k]) of x's rows. On the fused
+        path routing is one kernel (instead of ~8 launches, ~20 with DeepSeek's groups, which cost
+        as much as the experts in a decode step): up to ROUTER_MAX_ROWS rows with the router's
+        logits computed inside it (`route_hidden`), more after the router's cuBLAS GEMM."""
         gate, routing, first = self.gate, self.routing, self.expert_range.start
-        plain = routing.scoring == "softmax" and routing.group_score is None and not routing.correction_bias
-        fused = plain and experts_path(x.shape[0], self.experts.gate_up_proj.dtype, x.device) == "fused"
+        bias = gate.e_score_correction_bias
+        fused = experts_path(x.shape[0], self.experts.gate_up_proj.dtype, x.device) == "fused"
         if fused and x.shape[0] <= ROUTER_MAX_ROWS and (counters := self.counters(x)) is not None:
             return route_hidden(
-                x, gate.weight, self.top_k, self.renormalize, counters[:ROUTER_MAX_ROWS],
-                routing.scaling_factor, first, routing.float32_logits,
-            )  # fmt: skip
+                x, gate.weight, self.top_k, self.renormalize, counters[:ROUTER_MAX_ROWS], routing, bias, first
+            )
         logits = F.linear(x.float(), gate.weight.float()) if routing.float32_logits else gate(x)
         if fused:
-            return route_topk(logits, self.top_k, self.renormalize, routing.scaling_factor, first)
-        weights, ids = route(logits, self.top_k, self.renormalize, routing, gate.e_score_correction_bias)
+            return route_topk(logits, self.top_k, self.renormalize, routing, bias, first)
+        weights, ids = route(logits, self.top_k, self.renormalize, routing, bias)
         return weights, ids - first
 
     def counters(self, x: torch.Tensor) -> torch.Tensor | None:
