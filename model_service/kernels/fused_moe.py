@@ -253,8 +253,8 @@ def fused_moe(
     `experts.fused_experts` (same arguments: x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; ids
     [T, k] local expert ids, those outside [0, E) adding nothing; weights [T, k] float32).
     Returns [T, H] in x's dtype. `arrivals`: the down kernel's counters, int32 zeros, at least
-    `down_counters(T, H)` of them, owned by the caller and left
-    zeroed; None (or too few) allocates zeroed ones, a memset launch more."""
+    `down_counters(T, H)` of them, owned by the caller and left zeroed; None (or too few)
+    allocates zeroed ones, a memset launch more."""
     tokens, top_k = ids.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
@@ -282,17 +282,34 @@ def fused_moe(
         DIRECT=direct, BLOCK_M=config.block_m, BLOCK_N=config.gate_up_block_n, BLOCK_K=config.block_k,
         PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    slots = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    return _down_and_combine(h, down, sorted_pairs, block_expert, ids, weights, blocks, config, arrivals)
+
+
+def _down_and_combine(
+    h: torch.Tensor,
+    down: torch.Tensor,
+    sorted_pairs: torch.Tensor,
+    block_expert: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    blocks: int,
+    config: FusedMoeConfig,
+    arrivals: torch.Tensor | None,
+) -> torch.Tensor:
+    """The down kernel's launch: `blocks` rows of programs over the blocks (pairs under direct),
+    then one a BLOCK_M tokens that arrives for their remote slots; returns [T, H] in h's dtype."""
+    (tokens, top_k), (num_experts, hidden, inter) = ids.shape, down.shape
+    pairs = tokens * top_k
+    slots = torch.empty(pairs, hidden, dtype=torch.float32, device=h.device)
+    out = torch.empty(tokens, hidden, dtype=h.dtype, device=h.device)
     col_blocks = triton.cdiv(hidden, config.down_block_n)
     if arrivals is None or arrivals.numel() < tokens * col_blocks:
-        arrivals = torch.zeros(tokens * col_blocks, dtype=torch.int32, device=x.device)
-    grid = (blocks + triton.cdiv(tokens, config.block_m), col_blocks)  # the blocks, then the remote slots'
-    _down_kernel[grid](
+        arrivals = torch.zeros(tokens * col_blocks, dtype=torch.int32, device=h.device)
+    _down_kernel[(blocks + triton.cdiv(tokens, config.block_m), col_blocks)](
         h, down, sorted_pairs, block_expert, ids, weights, slots, out, arrivals, pairs, top_k, num_experts,
-        hidden, inter, blocks, down.stride(0), down.stride(1), down.stride(2), DIRECT=direct,
+        hidden, inter, blocks, down.stride(0), down.stride(1), down.stride(2), DIRECT=tokens == 1,
         BLOCK_M=config.block_m, BLOCK_N=config.down_block_n, BLOCK_K=config.block_k,
-        K_P2=triton.next_power_of_2(top_k), PRECISION=precision, num_warps=config.num_warps,
+        K_P2=triton.next_power_of_2(top_k), PRECISION=dot_precision(h.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
     return out
