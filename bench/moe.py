@@ -1,5 +1,5 @@
 """One MoE layer's experts: the fused Triton kernels (kernels/fused_moe.py: alignment, gate_up +
-SiLU, down, combine), the grouped path (two grouped_mm launches, no loop over experts) and the
+SiLU, down and the combine), the grouped path (two grouped_mm launches, no loop over experts) and the
 reference (one matmul pair per expert that has tokens), at Qwen3-30B-A3B's shapes.
 
 Setup (printed in every line): random weights of the real shapes (128 experts, top-8,
@@ -45,7 +45,7 @@ from bench.gpu import copy_bandwidth, decode_tok_s, kernel_profile, random_modul
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.kernels.experts import experts_grouped, experts_path, experts_reference
-from model_service.kernels.fused_moe import FusedMoeConfig, fused_moe, fused_moe_supported
+from model_service.kernels.fused_moe import FusedMoeConfig, down_counters, fused_moe, fused_moe_supported
 from model_service.models.config import LayerKind, ModelConfig
 from model_service.models.loader import LoadedModel
 from model_service.startup import configure_process
@@ -86,17 +86,18 @@ def bench(args: argparse.Namespace, tokens: int) -> list[dict[str, object]]:
     hit = ids.unique().numel()
     weight_bytes = hit * 3 * h * inter * gate_up.element_size()
     paths: dict[str, Callable[[], object]] = {}
+    arrivals = torch.zeros(down_counters(tokens, h), dtype=torch.int32, device=device)  # a layer's own
     if args.sweep:
         for cfg in sweep_configs():
             name = f"fused_graph/n{cfg.gate_up_block_n}x{cfg.down_block_n}/k{cfg.block_k}/s{cfg.num_stages}"
-            paths[name] = graphed(functools.partial(fused_moe, x, gate_up, down, ids, weights, cfg))
+            paths[name] = graphed(functools.partial(fused_moe, x, gate_up, down, ids, weights, cfg, arrivals))
     else:
         paths["reference"] = lambda: experts_reference(x, gate_up, down, ids, weights)
         paths["grouped"] = lambda: experts_grouped(x, gate_up, down, ids, weights)
         if device.type == "cuda":
             paths["graph"] = graphed(paths["grouped"])
         if fused_moe_supported(dtype, device):
-            paths["fused"] = lambda: fused_moe(x, gate_up, down, ids, weights)
+            paths["fused"] = lambda: fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals)
             paths["fused_graph"] = graphed(paths["fused"])
     setup = {"experts": experts, "top_k": k, "hidden": h, "inter": inter, "device": args.device,
              "dtype": args.dtype, "experts_hit": hit}  # fmt: skip

@@ -17,6 +17,7 @@ from model_service.engine.config import EngineConfig
 from model_service.engine.cuda_graphs import DecodeGraphs, Outputs
 from model_service.engine.engine import Engine
 from model_service.engine.executor import ModelExecutor
+from model_service.kernels.paged_attention import HeadNorms
 from model_service.models.context import ForwardContext
 from model_service.models.step import StepBatch
 
@@ -109,12 +110,18 @@ class ReplayedReference(TorchReferenceBackend):
         self.rows = batch.num_tokens
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope = None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: Rope = None,
+        norms: HeadNorms | None = None,
     ) -> torch.Tensor:
         n, out = self.rows, q.new_zeros(q.shape)
         if n:
             cut = None if rope is None else (rope[0][:n], rope[1][:n])
-            out[:n] = super().forward(layer, q[:n], k[:n], v[:n], cut)
+            out[:n] = super().forward(layer, q[:n], k[:n], v[:n], cut, norms)
         return out
 
     def forward_latent(

@@ -20,13 +20,15 @@ from model_service.kernels.fused_moe import (
     FusedMoeConfig,
     align,
     align_reference,
+    down_counters,
     fused_moe,
     fused_moe_config,
     max_blocks,
+    route_hidden,
     route_topk,
     triton,
 )
-from model_service.models.config import ModelConfig
+from model_service.models.config import ModelConfig, Routing
 from model_service.models.moe import SparseMoeBlock, route
 
 interpreter = pytest.mark.skipif(
@@ -167,15 +169,100 @@ def test_remote_experts_add_nothing_under_the_interpreter():
 
 
 @interpreter
+@pytest.mark.parametrize("tokens", [1, 6, 40])
+def test_down_kernel_sums_each_token_once_and_leaves_the_counters_zeroed(tokens):
+    """The combine inside the down kernel: a token whose slots are all remote gets zeros (only the
+    remote slots' programs arrive for it), caller-owned counters come back zeroed, and a second
+    call on them gives the same bits."""
+    x, gate_up, down, ids, weights = _case(tokens, 8, 3, 64, 32, seed=tokens)
+    ids[tokens // 2] = torch.tensor([-1, 8, 9])
+    arrivals = torch.zeros(down_counters(tokens, 64), dtype=torch.int32)
+    got = fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals)
+    torch.testing.assert_close(got, experts_reference(x, gate_up, down, ids, weights), rtol=1e-5, atol=1e-5)
+    assert not got[tokens // 2].any() and not arrivals.any()
+    torch.testing.assert_close(
+        fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals), got, rtol=0, atol=0
+    )
+
+
+@interpreter
 @pytest.mark.parametrize(
     "tokens, experts, top_k, renormalize", [(1, 8, 2, True), (5, 128, 8, True), (3, 60, 4, False)]
 )
 def test_routing_kernel_matches_route_under_the_interpreter(tokens, experts, top_k, renormalize):
     logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(experts))
-    weights, ids = route_topk(logits, top_k, renormalize, 2.5, first_expert=2)
+    weights, ids = route_topk(logits, top_k, renormalize, Routing(scaling_factor=2.5), first_expert=2)
     want_w, want_ids = route(logits, top_k, renormalize)
     torch.testing.assert_close(ids.long(), want_ids - 2, rtol=0, atol=0)
     torch.testing.assert_close(weights, want_w * 2.5, rtol=1e-6, atol=1e-7)
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "tokens, experts, hidden, top_k, dtype, transposed",
+    [
+        (1, 128, 256, 8, torch.float32, True),  # Qwen3's 128 experts, the weight as the engine stores it
+        (5, 60, 200, 4, torch.float32, False),  # no power of two; K not a multiple of the tile
+        (3, 256, 96, 8, torch.float16, True),  # float32 logits from a half-precision x (DeepSeek's)
+    ],
+)
+def test_router_logits_kernel_matches_route_under_the_interpreter(
+    tokens, experts, hidden, top_k, dtype, transposed
+):
+    """`route_hidden` against `route` on the torch logits, twice (the counters are left zeroed,
+    and the result is the same bit for bit)."""
+    gen = torch.Generator().manual_seed(tokens + experts)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    gate = torch.randn(experts, hidden, generator=gen) / hidden**0.5
+    gate = gate.t().contiguous().t() if transposed else gate
+    routing = Routing(scaling_factor=2.5, float32_logits=dtype != torch.float32)
+    arrivals = torch.zeros(16, dtype=torch.int32)
+    weights, ids = route_hidden(x, gate, top_k, True, arrivals, routing, first_expert=3)
+    want_w, want_ids = route(torch.nn.functional.linear(x.float(), gate.float()), top_k, True)
+    torch.testing.assert_close(ids.long(), want_ids - 3, rtol=0, atol=0)
+    torch.testing.assert_close(weights, want_w * 2.5, rtol=1e-5, atol=1e-6)
+    assert not arrivals.any()
+    again = route_hidden(x, gate, top_k, True, arrivals, routing, first_expert=3)
+    for g, a in zip((weights, ids), again, strict=True):
+        torch.testing.assert_close(a, g, rtol=0, atol=0)
+
+
+DEEPSEEK_ROUTINGS = {
+    "v2-greedy": Routing(scaling_factor=16.0),
+    "v2-group-limited": Routing(group_score="max", num_groups=4, topk_groups=2, scaling_factor=16.0),
+    "v3-noaux-tc": Routing(
+        scoring="sigmoid", group_score="top2_sum", num_groups=8, topk_groups=4, correction_bias=True,
+        scaling_factor=2.5, float32_logits=True,
+    ),
+}  # fmt: skip
+
+
+def _deepseek_case(name: str, tokens: int, experts: int, hidden: int, seed: int):
+    """(routing, x, gate, bias or None) with DeepSeek's float32 router weight and V3's bias."""
+    gen = torch.Generator().manual_seed(seed)
+    routing = DEEPSEEK_ROUTINGS[name]
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate = torch.randn(experts, hidden, generator=gen) / hidden**0.5
+    bias = torch.rand(experts, generator=gen) * 0.3 if routing.correction_bias else None
+    return routing, x, gate, bias
+
+
+@interpreter
+@pytest.mark.parametrize("name", list(DEEPSEEK_ROUTINGS))
+@pytest.mark.parametrize("experts, renormalize", [(16, False), (64, True), (48, True)])
+def test_deepseek_routing_in_the_kernels_matches_route_under_the_interpreter(name, experts, renormalize):
+    """Groups, sigmoid scores and the correction bias: `route_topk` on the logits and
+    `route_hidden` on the hidden states against `route` (48 experts: groups of 6 and 12)."""
+    routing, x, gate, bias = _deepseek_case(name, 5, experts, 96, seed=experts)
+    logits = x @ gate.T
+    want_w, want_ids = route(logits, 4, renormalize, routing, bias)
+    arrivals = torch.zeros(16, dtype=torch.int32)
+    for weights, ids in (
+        route_topk(logits, 4, renormalize, routing, bias, first_expert=1),
+        route_hidden(x, gate.t().contiguous().t(), 4, renormalize, arrivals, routing, bias, first_expert=1),
+    ):
+        torch.testing.assert_close(ids.long(), want_ids - 1, rtol=0, atol=0)
+        torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
 
 
 # --- CUDA ---------------------------------------------------------------------------------------
@@ -211,16 +298,18 @@ def test_fused_experts_match_the_reference_on_cuda(tokens, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 def test_fused_experts_replay_from_a_cuda_graph_with_new_inputs(tokens):
-    """Captured once, replayed on other tokens, experts (some remote) and weights written into the
-    same tensors: the replay equals an eager call on the new inputs."""
+    """Captured once with caller-owned counters, replayed on other tokens, experts (some remote)
+    and weights written into the same tensors: the replay equals an eager call on the new inputs,
+    a second replay the first, and the counters are left zeroed."""
     experts, top_k, hidden, inter = 64, 8, 1024, 256
     make = [t.cuda() for t in _case(tokens, experts, top_k, hidden, inter, seed=1)]
     x, gate_up, down, ids, weights = make
     x, gate_up, down = (t.to(torch.bfloat16) for t in (x, gate_up, down))
-    fused_moe(x, gate_up, down, ids, weights)  # compile outside the capture
+    arrivals = torch.zeros(down_counters(tokens, hidden), dtype=torch.int32, device="cuda")
+    fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fused_moe(x, gate_up, down, ids, weights)
+        captured = fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals)
     new_x, _, _, new_ids, new_weights = (
         t.cuda() for t in _case(tokens, experts, top_k, hidden, inter, seed=2)
     )
@@ -229,6 +318,10 @@ def test_fused_experts_replay_from_a_cuda_graph_with_new_inputs(tokens):
     ids.copy_(new_ids)
     weights.copy_(new_weights)
     graph.replay()
+    first = captured.clone()
+    graph.replay()  # the counters the first replay left zeroed
+    torch.testing.assert_close(captured, first, rtol=0, atol=0)
+    assert not arrivals.any()
     torch.testing.assert_close(captured, fused_moe(x, gate_up, down, ids, weights), rtol=0, atol=0)
     want = experts_reference(x.float(), gate_up.float(), down.float(), ids, weights)
     assert ((captured.float() - want).norm() / want.norm()).item() < 1e-2
@@ -281,3 +374,58 @@ def test_routing_kernel_matches_route_on_cuda():
     want_w, want_ids = route(logits, 8, True)
     torch.testing.assert_close(ids.long(), want_ids, rtol=0, atol=0)
     torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, dtype", [(1, torch.bfloat16), (16, torch.bfloat16), (4, torch.float32)])
+def test_router_logits_kernel_matches_route_on_cuda(tokens, dtype):
+    """Qwen3-30B-A3B's router (2,048 -> 128, stored transposed as the engine keeps it) on integer
+    data whose logits are distinct multiples of 1/16, exact in bf16 whatever the order of the sums
+    (so the kernel and cuBLAS cannot round them apart), inside a CUDA graph: ids exactly, weights
+    to rounding, the same bits on a second replay."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randint(-1, 2, (tokens, 2048), generator=gen).float()
+    x[:, :tokens] = torch.eye(tokens)  # column t sets token t's logits
+    gate = torch.randint(-1, 2, (128, 2048), generator=gen).float()
+    target = torch.stack([torch.randperm(128, generator=gen) for _ in range(tokens)]).float() - 64
+    gate[:, :tokens] = target.t() - gate[:, tokens:] @ x[:, tokens:].t()
+    x, gate = x.to("cuda", dtype), (gate / 16).to("cuda", dtype).t().contiguous().t()
+    arrivals = torch.zeros(16, dtype=torch.int32, device="cuda")
+    route_hidden(x, gate, 8, True, arrivals)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = route_hidden(x, gate, 8, True, arrivals)
+    graph.replay()
+    first = weights.clone(), ids.clone()
+    graph.replay()
+    want_w, want_ids = route(torch.nn.functional.linear(x, gate), 8, True)
+    torch.testing.assert_close(ids.long(), want_ids, rtol=0, atol=0)
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close((weights, ids), first, rtol=0, atol=0)
+    assert not arrivals.any()
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(DEEPSEEK_ROUTINGS))
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_deepseek_routing_in_the_kernels_matches_route_on_cuda(name, tokens):
+    """DeepSeek-V3's router shapes (7,168 -> 256 experts, float32 weight, top-8 in 4 of 8 groups)
+    in float32: `route_hidden` up to 16 rows, `route_topk` on the torch logits at any count. The
+    seeds' data has no near-ties: the k-th and next choice (and the groups at the group cut)
+    differ by 4e-6 or more, far above float32's differences between the kernels and torch."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    routing, x, gate, bias = (
+        t.cuda() if isinstance(t, torch.Tensor) else t
+        for t in _deepseek_case(name, tokens, 256, 7168, tokens)
+    )
+    logits = x @ gate.T
+    want_w, want_ids = route(logits, 8, True, routing, bias)
+    got = [route_topk(logits, 8, True, routing, bias)]
+    if tokens <= 16:
+        arrivals = torch.zeros(16, dtype=torch.int32, device="cuda")
+        got.append(route_hidden(x, gate.t().contiguous().t(), 8, True, arrivals, routing, bias))
+    for weights, ids in got:
+        torch.testing.assert_close(ids.long(), want_ids, rtol=0, atol=0)
+        torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)

@@ -28,6 +28,7 @@ from model_service.kernels.lora import (
 from model_service.kernels.lora_grouped import lora_expand_tiles, lora_shrink_tiles, lora_tiles
 from model_service.kernels.paged_attention import (
     FP8,
+    HeadNorms,
     num_splits_for,
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -459,13 +460,95 @@ def test_triton_rms_norm_silu_and_rope_match_references(dim, dtype):
         assert _rel(apply_rotary(q.clone(), cos, sin), want) < tol
 
 
+def _qk_views(tokens: int, heads: int, kv_heads: int, dim: int, device: str, dtype: torch.dtype):
+    """q [T, H, D] and k [T, KVH, D] as `Attention` gets them: views of one qkv projection's rows,
+    plus each norm's weight."""
+    g = torch.Generator(device=device).manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g, device=device).to(dtype)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    wq, wk = (torch.rand(dim, generator=g, device=device).to(dtype) + 0.5 for _ in range(2))
+    return q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), wq, wk
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+@pytest.mark.parametrize("tokens, dim", [(1, 128), (5, 64), (3, 80)])
+def test_head_norm_kernel_matches_two_rms_norms_under_the_interpreter(tokens, dim):
+    """Qwen3's q_norm and k_norm in one launch, on the strided heads the projection leaves, in
+    float32 (HF's parity runs there): each head as `rms_norm_reference` normalizes it."""
+    from model_service.kernels.fused import _head_rms_norm, rms_norm_reference
+
+    q, k, wq, wk = _qk_views(tokens, 4, 2, dim, "cpu", torch.float32)
+    got_q, got_k = _head_rms_norm(q, k, HeadNorms(wq, wk, 1e-6))
+    torch.testing.assert_close(got_q, rms_norm_reference(q, wq, 1e-6), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, rms_norm_reference(k, wk, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+def _rope_store_reference(q, k, v, rope, slots, norms, pool_shape, dtype):
+    """q normalized (with `norms`) and rotated, and the pool holding k so and v, in torch."""
+    from model_service.kernels.fused import apply_rotary_reference, rms_norm_reference
+
+    if norms is not None:
+        q, k = (
+            rms_norm_reference(q, norms.q_weight, norms.eps),
+            rms_norm_reference(k, norms.k_weight, norms.eps),
+        )
+    q, k = apply_rotary_reference(q, *rope), apply_rotary_reference(k, *rope)
+    caches = [torch.full(pool_shape, 7.0, dtype=dtype, device=q.device) for _ in range(2)]
+    store_kv_reference(k, v, *caches, slots)
+    return q, caches
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_store_kernel_matches_torch_under_the_interpreter(norm, monkeypatch):
+    """The RoPE / K-V store kernel on the CPU (the device check bypassed), float32: q rotated in
+    place, k rotated and v copied into their slots (padding rows skipped), with Qwen3's head
+    norms applied first when given."""
+    from model_service.kernels import fused
+
+    monkeypatch.setattr(fused, "_on_gpu", lambda x: True)
+    tokens, heads, kv_heads, dim = 5, 4, 2, 32
+    q, k, wq, wk = _qk_views(tokens, heads, kv_heads, dim, "cpu", torch.float32)
+    v = torch.randn(tokens, kv_heads, dim)
+    rope = tuple(torch.randn(tokens, dim, generator=torch.Generator().manual_seed(s)) for s in range(2))
+    slots = torch.tensor([3, -1, 0, 9, 4])
+    norms = HeadNorms(wq, wk, 1e-6) if norm else None
+    want_q, want_pool = _rope_store_reference(q, k, v, rope, slots, norms, (10, kv_heads, dim), torch.float32)
+    pool = [torch.full((10, kv_heads, dim), 7.0) for _ in range(2)]
+    got_q = fused.rotary_store_kv(q, k, v, rope, *pool, slots, norms)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-6, atol=1e-6)
+    for got, want in zip(pool, want_pool, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_head_rms_norm_matches_two_rms_norms(tokens, dtype):
+    """Qwen3-30B-A3B's heads (32 query, 4 key, 128 wide) read where the projection left them: the
+    reference's values, and the bits of the row kernel (`rms_norm`) that ran each norm before."""
+    from model_service.kernels.fused import head_rms_norm, rms_norm, rms_norm_reference
+
+    q, k, wq, wk = _qk_views(tokens, 32, 4, 128, "cuda", dtype)
+    got_q, got_k = head_rms_norm(q, k, HeadNorms(wq, wk, 1e-6))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert _rel(got_q, rms_norm_reference(q, wq, 1e-6)) < tol
+    assert _rel(got_k, rms_norm_reference(k, wk, 1e-6)) < tol
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert torch.equal(got_q.view(-1, 128), rms_norm(q.reshape(-1, 128), wq, 1e-6)[0])
+    assert torch.equal(got_k.view(-1, 128), rms_norm(k.reshape(-1, 128), wk, 1e-6)[0])
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_rotary_store_kv_matches_rope_then_store(dtype):
+@pytest.mark.parametrize("norm", [False, True])
+def test_triton_rotary_store_kv_matches_rope_then_store(dtype, norm):
     """q, k and v as the fused qkv projection leaves them (strided views); the fused kernel
-    rotates q in place and writes rotated k and v to their slots, skipping padding rows."""
-    from model_service.kernels.fused import apply_rotary_reference, rotary_store_kv
+    rotates q in place and writes rotated k and v to their slots, skipping padding rows, with
+    Qwen3's head norms applied first when given."""
+    from model_service.kernels.fused import apply_rotary_reference, rms_norm_reference, rotary_store_kv
 
     heads, kv_heads, dim, tokens = 8, 2, 64, 29
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -475,10 +558,13 @@ def test_triton_rotary_store_kv_matches_rope_then_store(dtype):
     cos, sin = (torch.randn(tokens, dim, generator=g, device="cuda").to(dtype) for _ in range(2))
     slots = torch.randperm(100, device="cuda")[:tokens]
     slots[::5] = -1
-    want_q, want_k = apply_rotary_reference(q, cos, sin), apply_rotary_reference(k, cos, sin)
+    wq, wk = (torch.rand(dim, generator=g, device="cuda").to(dtype) + 0.5 for _ in range(2))
+    norms = HeadNorms(wq, wk, 1e-6) if norm else None
+    nq, nk = (rms_norm_reference(q, wq, 1e-6), rms_norm_reference(k, wk, 1e-6)) if norm else (q, k)
+    want_q, want_k = apply_rotary_reference(nq, cos, sin), apply_rotary_reference(nk, cos, sin)
     caches = [torch.full((100, kv_heads, dim), 7.0, device="cuda", dtype=dtype) for _ in range(4)]
     store_kv_reference(want_k, v, caches[2], caches[3], slots)
-    got_q = rotary_store_kv(q, k, v, (cos, sin), caches[0], caches[1], slots)
+    got_q = rotary_store_kv(q, k, v, (cos, sin), caches[0], caches[1], slots, norms)
     assert got_q.data_ptr() == q.data_ptr()  # in place
     tol = 1e-6 if dtype == torch.float32 else 1e-2  # the kernel rounds once, torch after each op
     assert _rel(got_q, want_q) < tol and _rel(caches[0], caches[2]) < tol
@@ -538,13 +624,47 @@ def test_triton_decode_attention_with_rope_matches_rope_then_attention(dtype, ca
             assert _rel(got_pool.cpu(), want_c) < tol
 
 
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 16])
+def test_triton_decode_attention_with_head_norms_matches_the_norm_kernel_first(dtype, splits):
+    """Qwen3-30B-A3B's heads (32 query, 4 key, 128 wide): the decode kernel normalizing q and k
+    where it rotates them against `head_rms_norm` first and the kernel without norms."""
+    from model_service.kernels.fused import head_rms_norm, rotary_decode_attention
+
+    (q, k, v, rope), pool, table, lens, slots = _rope_decode_step("cuda", dtype, dtype, 32, 4, 128, 0)
+    wq, wk = (
+        torch.rand(128, generator=torch.Generator().manual_seed(s)).to("cuda", dtype) + 0.5 for s in range(2)
+    )
+    norms = HeadNorms(wq, wk, 1e-6)
+    attention = {
+        "block_table": table,
+        "seq_lens": lens,
+        "block_size": 16,
+        "scale": 128**-0.5,
+        "num_splits": splits,
+    }
+    pools = [[c.clone() for c in pool] for _ in range(2)]
+    got = rotary_decode_attention(q, k, v, rope, *pools[0], slots, norms, **attention)
+    want = rotary_decode_attention(*head_rms_norm(q, k, norms), v, rope, *pools[1], slots, **attention)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _rel(got, want) < tol and got[-1].abs().max() == 0
+    for got_c, want_c in zip(*pools, strict=True):
+        assert _rel(got_c, want_c) < tol
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[cuda, pytest.mark.gpu])])
-def test_a_decode_step_with_rope_through_the_backend_rotates_writes_and_attends(device):
+@pytest.mark.parametrize("norm", [False, True])
+def test_a_decode_step_with_rope_through_the_backend_rotates_writes_and_attends(device, norm):
     """The backend's decode step with RoPE (the kernel's own rotation and store on CUDA, RoPE and
-    the store before attention elsewhere) against the reference backend on the same pool."""
+    the store before attention elsewhere), and with Qwen3's head norms before it, against the
+    reference backend on the same pool."""
     dtype = torch.float32
     kv_heads, dim = 2, 64
     (q, k, v, rope), pool, table, lens, slots = _rope_decode_step(device, dtype, dtype, 8, kv_heads, dim, 1)
+    weights = (torch.rand(dim, generator=torch.Generator().manual_seed(s)).to(device) + 0.5 for s in range(2))
+    norms = HeadNorms(*weights, 1e-6) if norm else None
     items = []
     for i, n in enumerate(lens.tolist()[:-1]):  # the padding row is the kernel test's
         state = SequenceState(seq_id=i, block_table=table[i].tolist()[: -(-n // 16)], num_computed=n - 1)
@@ -558,7 +678,7 @@ def test_a_decode_step_with_rope_through_the_backend_rotates_writes_and_attends(
         backend = backend_type(cache, [None], dim)
         backend.prepare(batch)
         rows = [t[:-1] for t in (q, k, v)]
-        outputs.append(backend.forward(0, *rows, tuple(t[:-1] for t in rope)))
+        outputs.append(backend.forward(0, *rows, tuple(t[:-1] for t in rope), norms))
         pools.append(cache.data[0].clone())
     assert _rel(outputs[0], outputs[1]) < 1e-5
     assert _rel(pools[0], pools[1]) < 1e-6

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from model_service.attention.kv_cache import KVCache
-from model_service.kernels.fused import apply_rotary
-from model_service.kernels.paged_attention import cache_rows, write_cache_rows
+from model_service.kernels.fused import apply_rotary, head_rms_norm
+from model_service.kernels.paged_attention import HeadNorms, cache_rows, write_cache_rows
 from model_service.models.step import StepBatch
 
 
@@ -67,8 +67,11 @@ class TorchReferenceBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        norms: HeadNorms | None = None,
     ) -> torch.Tensor:
         assert self._batch is not None, "prepare() must run before the first layer"
+        if norms is not None:
+            q, k = head_rms_norm(q, k, norms)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k_cache, v_cache = self.kv_cache.layer(layer)

@@ -23,8 +23,8 @@ import torch
 
 from model_service.attention.decode_buffers import StaticDecodeMetadata
 from model_service.attention.kv_cache import KVCache
-from model_service.kernels.fused import rotary_decode_attention, rotary_store_kv
-from model_service.kernels.paged_attention import num_splits_for, paged_decode_attention, store_kv
+from model_service.kernels.fused import head_rms_norm, rotary_decode_attention, rotary_store_kv
+from model_service.kernels.paged_attention import HeadNorms, num_splits_for, paged_decode_attention, store_kv
 from model_service.kernels.prefill_attention import paged_prefill_attention, prefill_tiles
 from model_service.models.step import StepBatch, to_device
 
@@ -65,18 +65,21 @@ class TritonBackend(StaticDecodeMetadata):
         k: torch.Tensor,
         v: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        norms: HeadNorms | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.layer(layer)
         block_size, window = self.kv_cache.block_size, self.windows[layer]
         if self.decode and rope is not None and self.num_splits > 1:  # docs/performance-notes.md, session n
             return rotary_decode_attention(
-                q, k, v, rope, k_cache, v_cache, self.slot_mapping, block_table=self.block_table,
+                q, k, v, rope, k_cache, v_cache, self.slot_mapping, norms, block_table=self.block_table,
                 seq_lens=self.seq_lens, block_size=block_size, scale=self.scale, window=window,
                 num_splits=self.num_splits,
             )  # fmt: skip
         if rope is not None:
-            q = rotary_store_kv(q, k, v, rope, k_cache, v_cache, self.slot_mapping)
+            q = rotary_store_kv(q, k, v, rope, k_cache, v_cache, self.slot_mapping, norms)
         else:
+            if norms is not None:
+                q, k = head_rms_norm(q, k, norms)
             store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, self.slot_mapping)
         if self.decode:
             return paged_decode_attention(

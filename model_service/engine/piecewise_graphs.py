@@ -42,12 +42,14 @@ import torch
 
 from model_service.attention.triton_backend import TritonBackend
 from model_service.kernels.lora_grouped import TILE_ROWS, lora_tiles
+from model_service.kernels.paged_attention import HeadNorms
 from model_service.lora.layers import LoraStepPlan
 from model_service.models.context import ForwardContext
 from model_service.models.llama import DecoderModel
 from model_service.models.step import StepBatch, to_device
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
+Norms = HeadNorms | None
 log = logging.getLogger(__name__)
 
 
@@ -85,7 +87,7 @@ class _Pieces:
 
     def __init__(self) -> None:
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, Rope, torch.Tensor]] = []
+        self.calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, Rope, Norms, torch.Tensor]] = []
         self.hidden: torch.Tensor | None = None
 
 
@@ -109,12 +111,18 @@ class _SplitAtAttention:
             self.pool = self.pool or self.pieces.graphs[-1].pool()
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope = None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: Rope = None,
+        norms: Norms = None,
     ) -> torch.Tensor:
         self.end()
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # outside the pool: persists
         if self.capturing:
-            self.pieces.calls.append((layer, q, k, v, rope, out))
+            self.pieces.calls.append((layer, q, k, v, rope, norms, out))
         self.begin()
         return out
 
@@ -171,9 +179,9 @@ class PiecewiseGraphs:
         for graph, call in zip(pieces.graphs, [*pieces.calls, None], strict=True):
             graph.replay()
             if call is not None:
-                layer, q, k, v, rope, out = call
+                layer, q, k, v, rope, norms, out = call
                 rows = rope if rope is None else (rope[0][:n], rope[1][:n])
-                out[:n] = self.backend.forward(layer, q[:n], k[:n], v[:n], rows)
+                out[:n] = self.backend.forward(layer, q[:n], k[:n], v[:n], rows, norms)
         assert pieces.hidden is not None
         return self.module.logits(pieces.hidden[:n], batch.logits_rows)
 

@@ -53,16 +53,22 @@ def experts_path(tokens: int, dtype: torch.dtype, device: torch.device) -> str:
 
 
 def fused_experts(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for the experts held here.
 
     x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; ids: [T, k] local expert ids; weights: [T, k]
-    float32 routing weights. Returns [T, H] in x's dtype.
+    float32 routing weights. Returns [T, H] in x's dtype. `arrivals`: the fused path's counters
+    (`fused_moe`), if the caller keeps them.
     """
     path = experts_path(x.shape[0], gate_up.dtype, x.device)
     if path == "fused":
-        return fused_moe(x, gate_up, down, ids, weights)
+        return fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals)
     if path == "grouped":
         return experts_grouped(x, gate_up, down, ids, weights)
     return experts_reference(x, gate_up, down, ids, weights)

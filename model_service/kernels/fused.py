@@ -21,13 +21,13 @@ from model_service.kernels.fp8_gemm import (
     quantized_rows,
     row_quant_outputs,
 )
-from model_service.kernels.paged_attention import FP8, paged_decode_attention, store_kv, triton
+from model_service.kernels.paged_attention import FP8, HeadNorms, paged_decode_attention, store_kv, triton
 
 if triton is not None:
     import triton.language as tl
 
     from model_service.kernels.fp8_gemm import _row_scale, _to_e4m3, quantize_row
-    from model_service.kernels.paged_attention import cache_value
+    from model_service.kernels.paged_attention import cache_value, rms_apply, rms_scale, rotated_rows
 
     @triton.jit
     def _rms_norm_kernel(
@@ -44,17 +44,38 @@ if triton is not None:
         if HAS_RESIDUAL:
             x = x + tl.load(R + row * dim + offs, mask=mask, other=0.0)  # in the model's dtype, as torch
             tl.store(RO + row * dim + offs, x, mask=mask)
-        h = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / dim + eps)
-        normed = (h * rstd).to(x.dtype).to(tl.float32)
-        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (normed * w).to(x.dtype)
-        tl.store(Y + row * dim + offs, y, mask=mask)
+        y = _store_normed(Y + row * dim, x, W, offs, mask, dim, eps)
         if QUANT:
             quantize_row(
-                y.to(tl.float32), mask, Q + row * dim, Scale + row, Static, scale_ub, STATIC, HAS_UB,
-                MIN_AMAX, INV_MAX, MAX,
+                tl.reshape(y, [BLOCK]).to(tl.float32), mask, Q + row * dim, Scale + row, Static, scale_ub,
+                STATIC, HAS_UB, MIN_AMAX, INV_MAX, MAX,
             )  # fmt: skip
+
+    @triton.jit
+    def _store_normed(Y, x, W, offs, mask, dim, eps):
+        """RMSNorm of one row x [BLOCK] (zeros past `dim`) with weight W, stored at Y and returned
+        ([1, BLOCK])."""
+        rows = x[None, :]
+        normed = rms_apply(rows, rms_scale(rows, dim, eps), tl.load(W + offs, mask=mask, other=0.0))
+        tl.store(Y + offs[None, :], normed, mask=mask[None, :])
+        return normed
+
+    @triton.jit
+    def _head_norm_kernel(
+        Q, K, WQ, WK, QO, KO, q_row, q_head, k_row, k_head, heads, dim, eps, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        """Program (token, head): a query head (head < heads) or a key head, read where it lies,
+        normalized with its own weight into the contiguous output."""
+        token, head = tl.program_id(0), tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < dim
+        if head < heads:
+            x = tl.load(Q + token * q_row + head * q_head + offs, mask=mask, other=0.0)
+            _store_normed(QO + (token * heads + head) * dim, x, WQ, offs, mask, dim, eps)
+        else:
+            kv_heads, kv = tl.num_programs(1) - heads, head - heads
+            x = tl.load(K + token * k_row + kv * k_head + offs, mask=mask, other=0.0)
+            _store_normed(KO + (token * kv_heads + kv) * dim, x, WK, offs, mask, dim, eps)
 
     @triton.jit
     def _silu_mul(X, row, col, inter, mask):
@@ -107,34 +128,30 @@ if triton is not None:
 
     @triton.jit
     def _rope_store_kv_kernel(
-        Q, K, V, Cos, Sin, KC, VC, Slots, q_row, q_head, k_row, k_head, v_row, v_head, c_slot, c_head,
-        HEADS: tl.constexpr, HALF: tl.constexpr, TO_FP8: tl.constexpr,
+        Q, K, V, Cos, Sin, KC, VC, Slots, NormQ, NormK, eps, q_row, q_head, k_row, k_head, v_row, v_head,
+        c_slot, c_head, HEADS: tl.constexpr, HALF: tl.constexpr, TO_FP8: tl.constexpr, NORM: tl.constexpr,
     ):  # fmt: skip
         """Program (token, head): a query head rotates in place; a KV head rotates its key into
-        the pool and copies its value there (a negative slot, a padding row, writes nothing)."""
+        the pool and copies its value there (a negative slot, a padding row, writes nothing).
+        Under NORM both are RMS-normalized first (Qwen3's q_norm and k_norm)."""
         token, head = tl.program_id(0), tl.program_id(1)
-        offs = tl.arange(0, HALF)
-        cos1 = tl.load(Cos + token * 2 * HALF + offs)
-        cos2 = tl.load(Cos + token * 2 * HALF + HALF + offs)
-        sin1 = tl.load(Sin + token * 2 * HALF + offs)
-        sin2 = tl.load(Sin + token * 2 * HALF + HALF + offs)
+        d = tl.arange(0, 2 * HALF)
+        one = tl.arange(0, 1)
+        cos, sin = tl.load(Cos + token * 2 * HALF + d), tl.load(Sin + token * 2 * HALF + d)
         if head < HEADS:
-            base = Q + token * q_row + head * q_head
-            x1, x2 = tl.load(base + offs), tl.load(base + HALF + offs)
-            tl.store(base + offs, x1 * cos1 - x2 * sin1)
-            tl.store(base + HALF + offs, x2 * cos2 + x1 * sin2)
+            rows = token * q_row + head * q_head + one
+            q = rotated_rows(Q, rows, d, cos, sin, one == 0, NormQ, eps, HALF, NORM)
+            tl.store(Q + rows[:, None] + d[None, :], q)
         else:
             slot = tl.load(Slots + token)
             if slot >= 0:
                 kv = head - HEADS
-                src = K + token * k_row + kv * k_head
-                x1, x2 = tl.load(src + offs), tl.load(src + HALF + offs)
-                dst = KC + slot * c_slot + kv * c_head
-                tl.store(dst + offs, cache_value(x1 * cos1 - x2 * sin1, TO_FP8))
-                tl.store(dst + HALF + offs, cache_value(x2 * cos2 + x1 * sin2, TO_FP8))
-                src, dst = V + token * v_row + kv * v_head, VC + slot * c_slot + kv * c_head
-                tl.store(dst + offs, cache_value(tl.load(src + offs), TO_FP8))
-                tl.store(dst + HALF + offs, cache_value(tl.load(src + HALF + offs), TO_FP8))
+                rows = token * k_row + kv * k_head + one
+                k = rotated_rows(K, rows, d, cos, sin, one == 0, NormK, eps, HALF, NORM)
+                dst = slot * c_slot + kv * c_head + d[None, :]
+                tl.store(KC + dst, cache_value(k, TO_FP8))
+                v = tl.load(V + token * v_row + kv * v_head + d)[None, :]
+                tl.store(VC + dst, cache_value(v, TO_FP8))
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -183,6 +200,31 @@ def rms_norm_triton(
         HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(dim), QUANT=quant is not None, **args,
     )  # fmt: skip
     return result, summed
+
+
+def head_rms_norm(q: torch.Tensor, k: torch.Tensor, norms: HeadNorms) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over each head of q [T, H, D] and of k [T, KVH, D], each with its weight [D]
+    (Qwen3's q_norm and k_norm), where no RoPE kernel applies them (`rotary_store_kv`). On CUDA
+    one launch for both, reading the heads where the qkv projection left them: as two `RMSNorm`s
+    they were two launches, and past one row two copies more (a strided [T, H, D] view does not
+    flatten to rows)."""
+    if not _on_gpu(q) or q.stride(-1) != 1 or k.stride(-1) != 1:
+        q_weight, k_weight, eps = norms
+        return rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps)
+    return _head_rms_norm(q, k, norms)
+
+
+def _head_rms_norm(q: torch.Tensor, k: torch.Tensor, norms: HeadNorms) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch of `head_rms_norm` (also what the tests run under Triton's interpreter)."""
+    q_weight, k_weight, eps = norms
+    tokens, heads, dim = q.shape
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _head_norm_kernel[(tokens, heads + k.shape[1])](
+        q, k, q_weight, k_weight, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), heads,
+        dim, eps, BLOCK=triton.next_power_of_2(dim),
+    )  # fmt: skip
+    return q_out, k_out
 
 
 def silu_and_mul(x: torch.Tensor, quant: ActivationQuant | None = None) -> torch.Tensor | QuantizedRows:
@@ -247,20 +289,25 @@ def rotary_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    norms: HeadNorms | None = None,
 ) -> torch.Tensor:
-    """RoPE on q and k, then k and v into their pool slots; returns the rotated q. On CUDA one
-    launch does all three and reads k and v where the qkv projection left them: separately,
-    the two rotations, two `.contiguous()` copies and the store were five launches a layer."""
+    """RoPE on q and k (RMS-normalized first with `norms`), then k and v into their pool slots;
+    returns the rotated q. On CUDA one launch does it all and reads k and v where the qkv
+    projection left them: separately, the two rotations, two `.contiguous()` copies and the
+    store were five launches a layer (Qwen3's norms one more)."""
     cos, sin = rope
     half = q.shape[-1] // 2
     if not _rope_in_kernels(q, k, v, k_cache):
+        if norms is not None:
+            q, k = head_rms_norm(q, k, norms)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, slots)
         return q
+    norm_q, norm_k, eps = norms if norms is not None else (q, q, 0.0)
     _rope_store_kv_kernel[(q.shape[0], q.shape[1] + k.shape[1])](
-        q, k, v, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), HEADS=q.shape[1], HALF=half, TO_FP8=k_cache.dtype == FP8,
+        q, k, v, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots, norm_q, norm_k, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
+        k_cache.stride(1), HEADS=q.shape[1], HALF=half, TO_FP8=k_cache.dtype == FP8, NORM=norms is not None,
     )  # fmt: skip
     return q
 
@@ -273,13 +320,15 @@ def rotary_decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    norms: HeadNorms | None = None,
     **attention: Any,
 ) -> torch.Tensor:
-    """A decode step's RoPE, K/V write and attention (`paged_decode_attention`'s keyword
-    arguments in `attention`). On CUDA the attention kernel does all three, one launch a layer
-    fewer than `rotary_store_kv` and then attention; elsewhere it is exactly that pair."""
+    """A decode step's RoPE (after `norms`, if any), K/V write and attention
+    (`paged_decode_attention`'s keyword arguments in `attention`). On CUDA the attention kernel
+    does it all, one launch a layer fewer than `rotary_store_kv` and then attention; elsewhere it
+    is exactly that pair."""
     if not _rope_in_kernels(q, k, v, k_cache):
-        q = rotary_store_kv(q, k, v, rope, k_cache, v_cache, slots)
+        q = rotary_store_kv(q, k, v, rope, k_cache, v_cache, slots, norms)
         return paged_decode_attention(q, k_cache, v_cache, **attention)
     rope_kv = (k, v, rope[0].contiguous(), rope[1].contiguous(), slots)
-    return paged_decode_attention(q, k_cache, v_cache, rope_kv=rope_kv, **attention)
+    return paged_decode_attention(q, k_cache, v_cache, rope_kv=rope_kv, norms=norms, **attention)

@@ -22,9 +22,11 @@ this engine:
    model's dtype (as the reference rounds h). Weights are read where `StackedExperts` keeps them
    ([E, 2I, H], rows contiguous along H), by strides: nothing is copied per call.
 3. `_down_kernel`: the same over down [E, H, I], the routing weight multiplied into the float32
-   sums, one float32 row per pair.
-4. `_combine_kernel`: each token's top_k rows summed in slot order (remote slots skipped) and
-   rounded once: deterministic, unlike atomic adds, and as accurate as the float32 sum can be.
+   sums, one float32 row per pair; then each token's top_k rows summed in slot order (remote
+   slots skipped) and rounded once, by the token's last program to arrive in each column block
+   (an arrival counter, as kernels/skinny_gemm.py sums its split-K): deterministic, unlike atomic
+   adds, as accurate as the float32 sum can be, and no launch of its own (a `_combine_kernel`
+   was ~2.6 us of a ~30 us batch-1 layer).
 
 Tiles: 16 rows (BLOCK_M, `tl.dot`'s smallest; rows past an expert's tokens are masked, and the
 wasted arithmetic is free in a memory-bound kernel), and the column block narrowed until the
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from model_service.kernels.paged_attention import dot_precision, triton
+from model_service.models.config import PLAIN_TOP_K, Routing
 
 if triton is not None:
     import triton.language as tl
@@ -79,6 +82,12 @@ def fused_moe_config(
     return FusedMoeConfig(
         block_m, block_n(inter), block_n(hidden), block_k, num_stages=4 if block_m <= 32 else 3
     )
+
+
+def down_counters(tokens: int, hidden: int) -> int:
+    """The most arrival counters `fused_moe` needs for `tokens` rows: one a token and column block
+    of down, whose blocks are 32 columns or wider."""
+    return tokens * triton_cdiv(hidden, 32)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -142,20 +151,91 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     return sorted_pairs, block_expert
 
 
+GROUP_SCORES = {None: 0, "max": 1, "top2_sum": 2}  # Routing.group_score as the kernels take it
+
+
 def route_topk(
-    logits: torch.Tensor, top_k: int, renormalize: bool, scaling: float = 1.0, first_expert: int = 0
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    routing: Routing = PLAIN_TOP_K,
+    bias: torch.Tensor | None = None,
+    first_expert: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`models.moe.route` for plain softmax routing (Qwen's, Mixtral's: no groups, no bias) in one
-    launch instead of ~8: (weights [T, k] float32, ids [T, k] int32 minus `first_expert`, the
-    block's local ids). Same arithmetic: float32 softmax, the k best in descending order (ties to
+    """`models.moe.route` in one launch instead of ~8 (~20 with DeepSeek's groups): (weights
+    [T, k] float32, ids [T, k] int32 minus `first_expert`, the block's local ids). Same
+    arithmetic: float32 softmax or sigmoid scores, `bias` added for the choice only, experts
+    outside the best groups masked as `route` masks them, the k best in descending order (ties to
     the lower id), renormalized with DeepSeek's 1e-20 guard, then scaled."""
     tokens, experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     _route_kernel[(tokens,)](
-        logits, weights, ids, logits.stride(0), experts, top_k, first_expert, scaling,
-        RENORMALIZE=renormalize, E_P2=triton.next_power_of_2(experts),
-        K_P2=triton.next_power_of_2(top_k), num_warps=4,
+        logits, weights, ids, logits.stride(0), experts, top_k, first_expert,
+        **_routing_args(routing, experts, top_k, renormalize, bias, weights), num_warps=4,
+    )  # fmt: skip
+    return weights, ids
+
+
+def _routing_args(
+    routing: Routing,
+    experts: int,
+    top_k: int,
+    renormalize: bool,
+    bias: torch.Tensor | None,
+    unused: torch.Tensor,
+) -> dict[str, object]:
+    """The routing kernels' arguments for `routing` (`unused`: a pointer standing in for no bias)."""
+    groups = routing.num_groups if routing.group_score is not None else 1
+    return {
+        "Bias": bias if bias is not None else unused, "SCALING": routing.scaling_factor,
+        "PER_GROUP": experts // groups, "TOPK_GROUPS": routing.topk_groups,
+        "SIGMOID": routing.scoring == "sigmoid", "HAS_BIAS": bias is not None,
+        "GROUP_SCORE": GROUP_SCORES[routing.group_score], "RENORMALIZE": renormalize,
+        "E_P2": triton.next_power_of_2(experts), "K_P2": triton.next_power_of_2(top_k),
+        "G_P2": triton.next_power_of_2(groups),
+    }  # fmt: skip
+
+
+ROUTER_MAX_ROWS = 16  # rows the router's logits are computed in `route_hidden`; more go to cuBLAS
+ROUTER_TILE = 8192  # elements of a [BLOCK_K, E] weight tile: 64 rows of K at 128 experts, 16 KB in bf16
+
+
+def route_hidden(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    arrivals: torch.Tensor,
+    routing: Routing = PLAIN_TOP_K,
+    bias: torch.Tensor | None = None,
+    first_expert: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_topk(x @ gate.T, ...)` in one launch for up to ROUTER_MAX_ROWS rows: at batch 1 the
+    router's [H -> E] GEMV was a launch of its own (~5 us of a 48-layer step's 48 x ~65 us).
+
+    Program (token, K slice) sums one [BLOCK_K, E] tile of the weight against x[token] in
+    float32 (the weight by its strides: `store_weights_transposed` leaves it contiguous along E,
+    so a tile is one run of bytes) and stores the partial logits; the token's last program to
+    arrive (a counter in `arrivals`, int32 zeros, >= rows, left zeroed) adds the slices in order,
+    so the logits are deterministic, rounds them to x's dtype as `gate(x)` would (unless
+    `routing.float32_logits`: DeepSeek's `F.linear(x.float(), gate.float())`), then routes as
+    `route_topk`."""
+    tokens, hidden = x.shape
+    experts = gate.shape[0]
+    assert tokens <= arrivals.numel()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    e_p2 = triton.next_power_of_2(experts)
+    block_k = max(16, ROUTER_TILE // e_p2)
+    slices = triton.cdiv(hidden, block_k)
+    parts = torch.empty(tokens, slices, experts, dtype=torch.float32, device=x.device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
+    _router_kernel[(tokens, slices)](
+        x, gate, parts, arrivals, weights, ids, x.stride(0), gate.stride(0), gate.stride(1), hidden, experts,
+        top_k, first_expert, ROUND=not routing.float32_logits, BLOCK_K=block_k, SLICES=slices,
+        CHUNK_S=min(triton.next_power_of_2(slices), max(1, ROUTER_TILE // e_p2)),
+        **_routing_args(routing, experts, top_k, renormalize, bias, weights), num_warps=4,
     )  # fmt: skip
     return weights, ids
 
@@ -167,11 +247,14 @@ def fused_moe(
     ids: torch.Tensor,
     weights: torch.Tensor,
     config: FusedMoeConfig | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for the experts held here, as
     `experts.fused_experts` (same arguments: x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; ids
     [T, k] local expert ids, those outside [0, E) adding nothing; weights [T, k] float32).
-    Returns [T, H] in x's dtype."""
+    Returns [T, H] in x's dtype. `arrivals`: the down kernel's counters, int32 zeros, at least
+    `down_counters(T, H)` of them, owned by the caller and left zeroed; None (or too few)
+    allocates zeroed ones, a memset launch more."""
     tokens, top_k = ids.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
@@ -199,49 +282,160 @@ def fused_moe(
         DIRECT=direct, BLOCK_M=config.block_m, BLOCK_N=config.gate_up_block_n, BLOCK_K=config.block_k,
         PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    slots = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    grid = (blocks, triton.cdiv(hidden, config.down_block_n))
-    _down_kernel[grid](
-        h, down, sorted_pairs, block_expert, weights, slots, pairs, num_experts, hidden, inter,
-        down.stride(0), down.stride(1), down.stride(2),
-        DIRECT=direct, BLOCK_M=config.block_m, BLOCK_N=config.down_block_n, BLOCK_K=config.block_k,
-        PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
+    return _down_and_combine(h, down, sorted_pairs, block_expert, ids, weights, blocks, config, arrivals)
+
+
+def _down_and_combine(
+    h: torch.Tensor,
+    down: torch.Tensor,
+    sorted_pairs: torch.Tensor,
+    block_expert: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    blocks: int,
+    config: FusedMoeConfig,
+    arrivals: torch.Tensor | None,
+) -> torch.Tensor:
+    """The down kernel's launch: `blocks` rows of programs over the blocks (pairs under direct),
+    then one a BLOCK_M tokens that arrives for their remote slots; returns [T, H] in h's dtype."""
+    (tokens, top_k), (num_experts, hidden, inter) = ids.shape, down.shape
+    pairs = tokens * top_k
+    slots = torch.empty(pairs, hidden, dtype=torch.float32, device=h.device)
+    out = torch.empty(tokens, hidden, dtype=h.dtype, device=h.device)
+    col_blocks = triton.cdiv(hidden, config.down_block_n)
+    if arrivals is None or arrivals.numel() < tokens * col_blocks:
+        arrivals = torch.zeros(tokens * col_blocks, dtype=torch.int32, device=h.device)
+    _down_kernel[(blocks + triton.cdiv(tokens, config.block_m), col_blocks)](
+        h, down, sorted_pairs, block_expert, ids, weights, slots, out, arrivals, pairs, top_k, num_experts,
+        hidden, inter, blocks, down.stride(0), down.stride(1), down.stride(2), DIRECT=tokens == 1,
+        BLOCK_M=config.block_m, BLOCK_N=config.down_block_n, BLOCK_K=config.block_k,
+        K_P2=triton.next_power_of_2(top_k), PRECISION=dot_precision(h.dtype), num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
-    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    _combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
-        slots, ids, out, top_k, num_experts, hidden, BLOCK_N=block_h, num_warps=4
-    )
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _route_kernel(Logits, Weights, Ids, stride, E, TOP_K, FIRST, SCALING, RENORMALIZE: tl.constexpr,
-                      E_P2: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
-        """One token: softmax over its logits, then k rounds of argmax (each chosen expert masked
-        out), the weights gathered into a [K_P2] vector so they can be renormalized."""
+    def _route_kernel(
+        Logits, Weights, Ids, stride, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
+        SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_SCORE: tl.constexpr, RENORMALIZE: tl.constexpr,
+        E_P2: tl.constexpr, K_P2: tl.constexpr, G_P2: tl.constexpr,
+    ):  # fmt: skip
+        """One token's logits row to its weights and ids (`_route_row`)."""
         t = tl.program_id(0)
         experts = tl.arange(0, E_P2)
         logits = tl.load(Logits + t * stride + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
-        z = tl.exp(logits - tl.max(logits, axis=0))
-        scores = z / tl.sum(z, axis=0)
-        left = tl.where(experts < E, scores, -1.0)  # softmax scores are >= 0: -1 marks taken or absent
+        _route_row(logits, Weights, Ids, t, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS, SIGMOID,
+                   HAS_BIAS, GROUP_SCORE, RENORMALIZE, E_P2, K_P2, G_P2)  # fmt: skip
+
+    @triton.jit
+    def _route_row(
+        logits, Weights, Ids, t, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
+        SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_SCORE: tl.constexpr, RENORMALIZE: tl.constexpr,
+        E_P2: tl.constexpr, K_P2: tl.constexpr, G_P2: tl.constexpr,
+    ):  # fmt: skip
+        """A token's logits [E_P2] (-inf past E) routed as `models.moe.route`: scores (softmax or
+        sigmoid, float32), the choice (scores plus the bias, only within the best groups), the k
+        best choices' scores (`_store_top_k`)."""
+        experts = tl.arange(0, E_P2)
+        real = experts < E
+        if SIGMOID:
+            scores = 1.0 / (1.0 + tl.exp(-logits))
+        else:
+            z = tl.exp(logits - tl.max(logits, axis=0))
+            scores = z / tl.sum(z, axis=0)
+        choice = scores
+        if HAS_BIAS:
+            choice += tl.load(Bias + experts, mask=real, other=0.0).to(tl.float32)
+        choice = tl.where(real, choice, float("-inf"))
+        if GROUP_SCORE != 0:
+            choice = _within_best_groups(choice, experts, PER_GROUP, TOPK_GROUPS, GROUP_SCORE, G_P2)
+            choice = tl.where(real, choice, float("-inf"))
+        _store_top_k(scores, choice, Weights, Ids, t, TOP_K, FIRST, SCALING, RENORMALIZE, E_P2, K_P2)
+
+    @triton.jit
+    def _within_best_groups(
+        choice, experts, PER_GROUP, TOPK_GROUPS, GROUP_SCORE: tl.constexpr, G_P2: tl.constexpr
+    ):  # fmt: skip
+        """`choice` outside the TOPK_GROUPS best groups of PER_GROUP experts masked as
+        `models.moe._within_best_groups` masks it: a group's score its best choice (1, V2's; the
+        rest set to 0) or its two best summed (2, V3's; the rest -inf). Groups are [G_P2, E_P2]
+        masks of the vector, so any number of experts a group works."""
+        g = tl.arange(0, G_P2)
+        member = (experts[None, :] // PER_GROUP) == g[:, None]
+        grouped = tl.where(member, choice[None, :], float("-inf"))
+        group_score = tl.max(grouped, axis=1)
+        if GROUP_SCORE == 2:  # the best twice when it occurs twice, as torch.topk(2) counts it
+            first = tl.argmax(grouped, axis=1, tie_break_left=True)
+            rest = tl.where(experts[None, :] == first[:, None], float("-inf"), grouped)
+            group_score += tl.max(rest, axis=1)
+        keep = tl.zeros([G_P2], tl.int32)
+        for _ in range(TOPK_GROUPS):
+            best = tl.argmax(group_score, axis=0, tie_break_left=True)
+            keep = tl.where(g == best, 1, keep)
+            group_score = tl.where(g == best, float("-inf"), group_score)
+        allowed = tl.max(tl.where(member, keep[:, None], 0), axis=0) > 0
+        return tl.where(allowed, choice, 0.0 if GROUP_SCORE == 1 else float("-inf"))
+
+    @triton.jit
+    def _store_top_k(scores, choice, Weights, Ids, t, TOP_K, FIRST, SCALING, RENORMALIZE: tl.constexpr,
+                     E_P2: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
+        """k rounds of argmax over `choice` (each chosen expert then -inf), the chosen experts'
+        scores gathered into a [K_P2] vector so they can be renormalized, then scaled."""
+        experts = tl.arange(0, E_P2)
         slot = tl.arange(0, K_P2)
         picked = tl.zeros([K_P2], tl.float32)
         chosen = tl.zeros([K_P2], tl.int32)
         for j in range(TOP_K):
-            best = tl.argmax(left, axis=0, tie_break_left=True).to(tl.int32)
+            best = tl.argmax(choice, axis=0, tie_break_left=True).to(tl.int32)
             weight = tl.sum(tl.where(experts == best, scores, 0.0), axis=0)
             picked = tl.where(slot == j, weight, picked)
             chosen = tl.where(slot == j, best, chosen)
-            left = tl.where(experts == best, -1.0, left)
+            choice = tl.where(experts == best, float("-inf"), choice)
         if RENORMALIZE:
             picked = picked / (tl.sum(picked, axis=0) + 1e-20)
         live = slot < TOP_K
         tl.store(Weights + t * TOP_K + slot, picked * SCALING, mask=live)
         tl.store(Ids + t * TOP_K + slot, chosen - FIRST, mask=live)
+
+    @triton.jit
+    def _router_kernel(
+        X, Gate, Parts, Arrivals, Weights, Ids, x_stride, g_stride_e, g_stride_k, K, E, TOP_K, FIRST, Bias,
+        SCALING, PER_GROUP, TOPK_GROUPS, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+        GROUP_SCORE: tl.constexpr, RENORMALIZE: tl.constexpr, ROUND: tl.constexpr, E_P2: tl.constexpr,
+        K_P2: tl.constexpr, G_P2: tl.constexpr, BLOCK_K: tl.constexpr, SLICES: tl.constexpr,
+        CHUNK_S: tl.constexpr,
+    ):  # fmt: skip
+        """Program (token, K slice): partial logits of every expert over BLOCK_K of the hidden size;
+        the token's last arrival sums the slices in order (CHUNK_S at a time) and routes."""
+        t, k_slice = tl.program_id(0), tl.program_id(1)
+        experts = tl.arange(0, E_P2)
+        e_ok = experts < E
+        ks = k_slice * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(X + t * x_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(Gate + ks[:, None] * g_stride_k + experts[None, :] * g_stride_e,
+                    mask=k_ok[:, None] & e_ok[None, :], other=0.0)  # fmt: skip
+        tl.store(Parts + (t * SLICES + k_slice) * E + experts, tl.sum(w.to(tl.float32) * x[:, None], axis=0),
+                 mask=e_ok)  # fmt: skip
+        tl.debug_barrier()  # every thread's partial logits are written before the arrival releases them
+        if tl.atomic_add(Arrivals + t, 1, sem="acq_rel") == SLICES - 1:
+            chunk = tl.arange(0, CHUNK_S)
+            logits = tl.zeros([E_P2], tl.float32)
+            for s0 in range(0, SLICES, CHUNK_S):  # slices in a fixed order, whichever arrived last
+                s = s0 + chunk
+                mask = (s[:, None] < SLICES) & e_ok[None, :]
+                part = tl.load(Parts + (t * SLICES + s[:, None]) * E + experts[None, :], mask=mask, other=0.0,
+                               cache_modifier=".cg")  # fmt: skip
+                logits += tl.sum(part, axis=0)
+            tl.atomic_xchg(Arrivals + t, 0)
+            if ROUND:
+                logits = logits.to(X.dtype.element_ty).to(tl.float32)
+            logits = tl.where(e_ok, logits, float("-inf"))
+            _route_row(logits, Weights, Ids, t, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
+                       SIGMOID, HAS_BIAS, GROUP_SCORE, RENORMALIZE, E_P2, K_P2, G_P2)  # fmt: skip
 
     @triton.jit
     def _align_kernel(Ids, Sorted, BlockExpert, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr, E_P2: tl.constexpr,
@@ -334,16 +528,25 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(
-        Hin, W, Sorted, BlockExpert, Weights, Slots, P, E, N, K, w_stride_e, w_stride_n, w_stride_k,
-        DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr,
+        Hin, W, Sorted, BlockExpert, Ids, Weights, Slots, Out, Arrivals, P, TOP_K, E, N, K, NUM_BLOCKS,
+        w_stride_e, w_stride_n, w_stride_k, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_P2: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """slots[pair, cols] = weights[pair] * (h[pair] . down[e, cols]) in float32, N = H."""
-        expert, pairs, live = _block_rows(Sorted, BlockExpert, tl.program_id(0), P, E, DIRECT, BLOCK_M)
-        if expert < 0:
-            return
+        """slots[pair, cols] = weights[pair] * (h[pair] . down[e, cols]) in float32, N = H, then each
+        token's arrival (`_arrive`). Blocks past NUM_BLOCKS (one per BLOCK_M tokens) arrive for
+        their tokens' remote slots, which no block holds."""
+        block = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
+        if block >= NUM_BLOCKS:
+            tokens = (block - NUM_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
+            remote = _remote_slots(Ids, tokens, P // TOP_K, TOP_K, E, K_P2)
+            _arrive(Slots, Ids, Out, Arrivals, tokens, remote, remote > 0, cols, col_ok, TOP_K, E, N, BLOCK_M,
+                    BLOCK_N)  # fmt: skip
+            return
+        expert, pairs, live = _block_rows(Sorted, BlockExpert, block, P, E, DIRECT, BLOCK_M)
+        if expert < 0:
+            return
         ks = tl.arange(0, BLOCK_K)
         w = W + expert.to(tl.int64) * w_stride_e
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -356,16 +559,36 @@ if triton is not None:
             acc += tl.dot(a.to(b.dtype), b, input_precision=PRECISION)
         acc *= tl.load(Weights + pairs, mask=live, other=0.0)[:, None]
         tl.store(Slots + pairs[:, None] * N + cols[None, :], acc, mask=live[:, None] & col_ok[None, :])
+        one = tl.full([BLOCK_M], 1, tl.int32)
+        _arrive(Slots, Ids, Out, Arrivals, pairs // TOP_K, one, live, cols, col_ok, TOP_K, E, N, BLOCK_M,
+                BLOCK_N)  # fmt: skip
 
     @triton.jit
-    def _combine_kernel(Slots, Ids, Out, TOP_K, E, N, BLOCK_N: tl.constexpr):
-        """out[t] = sum over its local slots, in slot order, rounded once to the model's dtype."""
-        t = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for j in range(TOP_K):
-            e = tl.load(Ids + t * TOP_K + j)
-            local = tl.zeros([BLOCK_N], tl.int32) + ((e >= 0) & (e < E)).to(tl.int32)  # a vector mask
-            acc += tl.load(Slots + (t * TOP_K + j) * N + cols, mask=col_ok & (local != 0), other=0.0)
-        tl.store(Out + t * N + cols, acc.to(Out.dtype.element_ty), mask=col_ok)
+    def _remote_slots(Ids, tokens, T, TOP_K, E, K_P2: tl.constexpr):
+        """How many of each token's slots name experts outside [0, E) (0 past the T tokens)."""
+        slot = tl.arange(0, K_P2)
+        held = (tokens[:, None] < T) & (slot[None, :] < TOP_K)
+        e = tl.load(Ids + tokens[:, None] * TOP_K + slot[None, :], mask=held, other=0)
+        return tl.sum((held & ((e < 0) | (e >= E))).to(tl.int32), axis=1)
+
+    @triton.jit
+    def _arrive(Slots, Ids, Out, Arrivals, tokens, count, mask, cols, col_ok, TOP_K, E, N,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+        """Adds `count` arrivals to each masked token's counter of this column block; a token's
+        last (its TOP_K-th: every slot, local or not, arrives once) sums its local slots in slot
+        order, whichever arrived last, and rounds once: deterministic, unlike atomic adds of the
+        rows, and as accurate as the float32 sum can be. Then it zeroes the counter for the next
+        call; CUDA graphs replay it as is."""
+        tl.debug_barrier()  # every thread's slot rows are written before the arrival releases them
+        counter = Arrivals + tokens * tl.num_programs(1) + tl.program_id(1)
+        last = mask & (tl.atomic_add(counter, count, mask=mask, sem="acq_rel") + count == TOP_K)
+        if tl.max(last.to(tl.int32), axis=0) > 0:  # most programs hold no token's last arrival
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for j in range(TOP_K):
+                e = tl.load(Ids + tokens * TOP_K + j, mask=last, other=-1)
+                local = last & (e >= 0) & (e < E)
+                row = Slots + (tokens * TOP_K + j)[:, None] * N + cols[None, :]
+                total += tl.load(row, mask=local[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0, mask=last)
+            tl.store(Out + tokens[:, None] * N + cols[None, :], total.to(Out.dtype.element_ty),
+                     mask=last[:, None] & col_ok[None, :])  # fmt: skip

@@ -14,6 +14,8 @@ length is read from device tensors, so one launch shape serves every step of a C
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 try:
@@ -36,6 +38,15 @@ FP8_MAX = 448.0
 
 # A decode step's k [S, KVH, D], v [S, KVH, D], cos and sin [S, D] (contiguous) and slots [S].
 RopeKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class HeadNorms(NamedTuple):
+    """Qwen3's per-head RMSNorms of queries and keys (q_norm, k_norm: a weight [D] each, one
+    eps), which the RoPE kernels apply to the heads they read before rotating them."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
 
 
 def to_cache(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -120,25 +131,45 @@ if triton is not None:
             tl.store(VC + slot * cache_stride + offs, v, mask=m)
 
     @triton.jit
-    def _rotated_rows(X, rows, d, cos, sin, mask, HALF: tl.constexpr):
-        """The head vectors at X + rows (offsets [R]) with RoPE applied (half-rotation layout):
-        the arithmetic of the RoPE kernels in fused.py, so both paths round alike."""
+    def rms_scale(x, dim, eps):
+        """1 / RMS of each row of x [R, D] (zeros past `dim` add nothing), in float32."""
+        h = x.to(tl.float32)
+        return 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / dim + eps)
+
+    @triton.jit
+    def rms_apply(x, rstd, w):
+        """x [R, D] times its rows' `rstd`, rounded to x's dtype, times the weight w [D], rounded
+        again: the arithmetic of `fused.rms_norm_reference` (HF's)."""
+        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+        return (normed * w.to(tl.float32)[None, :]).to(x.dtype)
+
+    @triton.jit
+    def rotated_rows(X, rows, d, cos, sin, mask, NormW, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+        """The head vectors at X + rows (offsets [R]) with RoPE applied (half-rotation layout),
+        RMS-normalized first with weight NormW under NORM (Qwen3's q_norm / k_norm): the
+        arithmetic of the separate kernels in fused.py, so both paths round alike."""
         x = tl.load(X + rows[:, None] + d[None, :], mask=mask[:, None], other=0.0)
-        partner = tl.load(X + rows[:, None] + (d[None, :] + HALF) % (2 * HALF), mask=mask[:, None], other=0.0)
+        turned = (d + HALF) % (2 * HALF)
+        partner = tl.load(X + rows[:, None] + turned[None, :], mask=mask[:, None], other=0.0)
+        if NORM:
+            rstd = rms_scale(x, 2 * HALF, eps)  # the partner is the same row: the same scale
+            x = rms_apply(x, rstd, tl.load(NormW + d))
+            partner = rms_apply(partner, rstd, tl.load(NormW + turned))
         c, s = cos[None, :], sin[None, :]
         return tl.where(d[None, :] < HALF, x * c - partner * s, x * c + partner * s)
 
     @triton.jit
     def _new_token_kv(
         K, V, KC, VC, cos, sin, seq, kvh, d, slot, write, k_row, k_head, v_row, v_head,
-        kc_stride_slot, kc_stride_h, HEAD_DIM: tl.constexpr, TO_FP8: tl.constexpr,
+        kc_stride_slot, kc_stride_h, NormK, eps, HEAD_DIM: tl.constexpr, TO_FP8: tl.constexpr,
+        NORM: tl.constexpr,
     ):  # fmt: skip
         """The new token's rotated K and its V for one kv head, [1, HEAD_DIM] each, as the pool
         holds them; with `write` (the split that owns the token's position) stored at `slot`."""
         one = tl.arange(0, 1)
-        k = cache_value(
-            _rotated_rows(K, seq * k_row + kvh * k_head + one, d, cos, sin, one == 0, HEAD_DIM // 2), TO_FP8
-        )
+        rows = seq * k_row + kvh * k_head + one
+        k = rotated_rows(K, rows, d, cos, sin, one == 0, NormK, eps, HEAD_DIM // 2, NORM)
+        k = cache_value(k, TO_FP8)
         v = cache_value(tl.load(V + seq * v_row + kvh * v_head + d)[None, :], TO_FP8)
         if write:
             dst = slot * kc_stride_slot + kvh * kc_stride_h + d[None, :]
@@ -191,17 +222,17 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["bt_stride"])  # the block table's width changes every eager step
     def _decode_split_kernel(
-        Q, KC, VC, BlockTable, SeqLens, PartOut, PartLse, Out, K, V, Cos, Sin, Slots,
+        Q, KC, VC, BlockTable, SeqLens, PartOut, PartLse, Out, K, V, Cos, Sin, Slots, NormQ, NormK, eps,
         q_stride_s, q_stride_h, kc_stride_slot, kc_stride_h, bt_stride, po_stride_s, po_stride_h,
         po_stride_split, pl_stride_s, pl_stride_h, k_row, k_head, v_row, v_head, scale, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
-        TO_FP8: tl.constexpr,
+        TO_FP8: tl.constexpr, NORM: tl.constexpr,
     ):  # fmt: skip
         """With ROPE, q, k and v come straight from the projection: each program rotates its
-        query heads in registers, and the token's K/V (position seq_len - 1) are written to the
-        pool by the split whose share holds it, which attends to them from registers after its
-        loop (a select inside the loop cost 8% at batch 64)."""
+        query heads in registers (normalized first under NORM), and the token's K/V (position
+        seq_len - 1) are written to the pool by the split whose share holds it, which attends to
+        them from registers after its loop (a select inside the loop cost 8% at batch 64)."""
         seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq_len = tl.load(SeqLens + seq)
         lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
@@ -214,13 +245,14 @@ if triton is not None:
         if ROPE:
             cos, sin = tl.load(Cos + seq * HEAD_DIM + d), tl.load(Sin + seq * HEAD_DIM + d)
             rows = seq * q_stride_s + heads * q_stride_h
-            q = _rotated_rows(Q, rows, d, cos, sin, g < GROUP, HEAD_DIM // 2).to(Q.dtype.element_ty)
+            q = rotated_rows(Q, rows, d, cos, sin, g < GROUP, NormQ, eps, HEAD_DIM // 2, NORM)
+            q = q.to(Q.dtype.element_ty)
             new_slot = tl.load(Slots + seq)
             new_pos = tl.where(new_slot >= 0, seq_len - 1, -1)  # a padding row (slot -1) writes nothing
             owner = (start <= new_pos) & (new_pos < end)
             k_new, v_new = _new_token_kv(
-                K, V, KC, VC, cos, sin, seq, kvh, d, new_slot, owner,
-                k_row, k_head, v_row, v_head, kc_stride_slot, kc_stride_h, HEAD_DIM, TO_FP8,
+                K, V, KC, VC, cos, sin, seq, kvh, d, new_slot, owner, k_row, k_head, v_row, v_head,
+                kc_stride_slot, kc_stride_h, NormK, eps, HEAD_DIM, TO_FP8, NORM,
             )  # fmt: skip
             end = tl.where(owner, new_pos, end)  # the new token joins after the loop, from registers
         else:
@@ -297,11 +329,13 @@ def paged_decode_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     rope_kv: RopeKV | None = None,
+    norms: HeadNorms | None = None,
 ) -> torch.Tensor:
     """The Triton kernel on CUDA (the reference elsewhere); same contract as the reference.
     `out` ([S, H, D] contiguous, new if None): where to write, e.g. the decode rows of a mixed step.
     `rope_kv`: q and this step's K/V as the projection left them, rotated and written by the
-    kernel itself (CUDA only: `fused.rotary_decode_attention` decides when it applies)."""
+    kernel itself (CUDA only: `fused.rotary_decode_attention` decides when it applies); `norms`
+    (with `rope_kv` only): q's and k's heads RMS-normalized before they are rotated."""
     num_seqs, heads, dim = q.shape
     out = torch.empty(num_seqs, heads, dim, dtype=q.dtype, device=q.device) if out is None else out
     if triton is None or not q.is_cuda:
@@ -316,14 +350,16 @@ def paged_decode_attention(
     part_out = torch.empty(num_seqs, heads, num_splits, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
     k, v, cos, sin, slots = rope_kv if rope_kv is not None else (q, q, q, q, seq_lens)
+    assert norms is None or rope_kv is not None, "the heads are normalized where they are rotated"
+    norm_q, norm_k, eps = norms if norms is not None else (q, q, 0.0)
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, out, k, v, cos, sin, slots,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+        q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, out, k, v, cos, sin, slots, norm_q,
+        norm_k, eps, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale, window or 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
-        ROPE=rope_kv is not None, TO_FP8=k_cache.dtype == FP8,
+        ROPE=rope_kv is not None, TO_FP8=k_cache.dtype == FP8, NORM=norms is not None,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs * heads,)](

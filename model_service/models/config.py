@@ -105,6 +105,9 @@ class Routing:
     float32_logits: bool = False  # DeepSeek: router logits from float32 weights (HF keeps them so)
 
 
+PLAIN_TOP_K = Routing()  # softmax over all experts, no groups, no scaling: Qwen's and Mixtral's
+
+
 @dataclass
 class ModelConfig:
     family: str

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from model_service.kernels.fp8_gemm import ActivationQuant, QuantizedRows
+from model_service.kernels.paged_attention import HeadNorms
 from model_service.models.config import ModelConfig
 from model_service.models.context import ForwardContext
 from model_service.models.layers import PackedLinear, RMSNorm, input_quant
@@ -49,10 +50,15 @@ class Attention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = ctx.attention.forward(self.layer_idx, q, k, v, rope)
+        out = ctx.attention.forward(self.layer_idx, q, k, v, rope, self.head_norms())
         return self.o_proj(out.reshape(n, -1))
+
+    def head_norms(self) -> HeadNorms | None:
+        """Qwen3's q_norm and k_norm (both with the config's eps), for the backend to apply where
+        it rotates the heads: no launch of their own in a decode step."""
+        if not self.qk_norm:
+            return None
+        return HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
 
 class PreNormLayer(nn.Module):

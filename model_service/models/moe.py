@@ -25,12 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_service.kernels.experts import experts_path, fused_experts
-from model_service.kernels.fused_moe import route_topk
-from model_service.models.config import ModelConfig, Routing
+from model_service.kernels.experts import FUSED_MAX_TOKENS, experts_path, fused_experts
+from model_service.kernels.fused_moe import ROUTER_MAX_ROWS, down_counters, route_hidden, route_topk
+from model_service.models.config import PLAIN_TOP_K, ModelConfig, Routing
 from model_service.models.layers import MLP
-
-PLAIN_TOP_K = Routing()  # softmax over all experts, no groups, no scaling: Qwen's and Mixtral's
 
 
 def route(
@@ -105,6 +103,37 @@ class SparseMoeBlock(nn.Module):
             setattr(self, self.shared_name, MLP(cfg, cfg.shared_expert_intermediate_size))
             if cfg.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.arrivals: torch.Tensor | None = None  # the fused kernels' counters, made on first use
+
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, this block's local expert ids [T, k]) of x's rows. On the fused
+        path routing is one kernel (instead of ~8 launches, ~20 with DeepSeek's groups, which cost
+        as much as the experts in a decode step): up to ROUTER_MAX_ROWS rows with the router's
+        logits computed inside it (`route_hidden`), more after the router's cuBLAS GEMM."""
+        gate, routing, first = self.gate, self.routing, self.expert_range.start
+        bias = gate.e_score_correction_bias
+        fused = experts_path(x.shape[0], self.experts.gate_up_proj.dtype, x.device) == "fused"
+        if fused and x.shape[0] <= ROUTER_MAX_ROWS and (counters := self.counters(x)) is not None:
+            return route_hidden(
+                x, gate.weight, self.top_k, self.renormalize, counters[:ROUTER_MAX_ROWS], routing, bias, first
+            )
+        logits = F.linear(x.float(), gate.weight.float()) if routing.float32_logits else gate(x)
+        if fused:
+            return route_topk(logits, self.top_k, self.renormalize, routing, bias, first)
+        weights, ids = route(logits, self.top_k, self.renormalize, routing, bias)
+        return weights, ids - first
+
+    def counters(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The fused kernels' arrival counters on x's device (the routing kernel's first, then the
+        down kernel's for up to FUSED_MAX_TOKENS rows), made on the first call, which is eager
+        (the warm-up before every graph capture); None when a capture comes first (made inside it,
+        they would hold garbage until a replay zeroed them); None off CUDA, where they are unused."""
+        if not x.is_cuda:
+            return None
+        if self.arrivals is None and not torch.cuda.is_current_stream_capturing():
+            size = ROUTER_MAX_ROWS + down_counters(FUSED_MAX_TOKENS, self.gate.in_features)
+            self.arrivals = torch.zeros(size, dtype=torch.int32, device=x.device)
+        return self.arrivals if self.arrivals is not None and self.arrivals.device == x.device else None
 
     def shared_mlp(self) -> nn.Module | None:
         """The always-on expert, if the model has one (under its checkpoint name)."""
@@ -112,18 +141,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]: this block's experts' weighted sum (plus the shared expert)."""
-        gate, experts, routing = self.gate, self.experts, self.routing
-        logits = F.linear(x.float(), gate.weight.float()) if routing.float32_logits else gate(x)
-        plain = routing.scoring == "softmax" and routing.group_score is None and not routing.correction_bias
-        if plain and experts_path(x.shape[0], experts.gate_up_proj.dtype, x.device) == "fused":
-            # One routing launch instead of ~8 (they cost as much as the experts in a decode step).
-            weights, ids = route_topk(
-                logits, self.top_k, self.renormalize, routing.scaling_factor, self.expert_range.start
-            )
-        else:
-            weights, ids = route(logits, self.top_k, self.renormalize, routing, gate.e_score_correction_bias)
-            ids = ids - self.expert_range.start
-        out = fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights)
+        experts, counters = self.experts, self.counters(x)
+        weights, ids = self.select_experts(x)
+        down = counters[ROUTER_MAX_ROWS:] if counters is not None else None
+        out = fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, down)
         shared = self.shared_mlp()
         if shared is not None:
             scale = F.sigmoid(self.shared_expert_gate(x)) if self.shared_expert_gate is not None else 1.0

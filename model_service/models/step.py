@@ -16,10 +16,13 @@ the batch in `prepare`. Backends that can be captured in CUDA graphs also implem
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from model_service.kernels.paged_attention import HeadNorms
 
 
 def to_device(
@@ -123,11 +126,14 @@ class AttentionBackend(Protocol):
         k: torch.Tensor,
         v: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        norms: HeadNorms | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V of `layer` into the pool, then attend each token to its own
         sequence's context. q: [T, H, D]; k, v: [T, KVH, D]; returns [T, H, D]. With `rope`
         ((cos, sin), [T, D] each), q and k get full-width RoPE first: a backend can fuse it with
-        the K/V write. A model with another rotation applies it itself and passes none."""
+        the K/V write. A model with another rotation applies it itself and passes none. With
+        `norms` (Qwen3's q_norm and k_norm), q's and k's heads are RMS-normalized before anything
+        else: a backend can fuse that with the rotation."""
 
 
 @runtime_checkable
