@@ -4,7 +4,8 @@ head preparation (q/k norms, partial RoPE, the q/k/v copies) and output gate
 (kernels/gated_attention.py), over the strided views the layer passes them.
 
 On CUDA (`pytest --noconftest -m gpu tests/test_gated_attention_kernels.py`); on the CPU under
-Triton's interpreter too, when it is installed: `TRITON_INTERPRET=1 pytest tests/test_gated_attention_kernels.py`.
+Triton's interpreter too, when it is installed:
+`TRITON_INTERPRET=1 pytest tests/test_gated_attention_kernels.py`.
 """
 
 from __future__ import annotations
