@@ -37,6 +37,9 @@ def test_wide_outputs_take_one_program_per_column_block_and_narrow_ones_split_k(
     assert skinny_config(4096, 28672).block_n == 256  # 8B gate_up
     assert skinny_config(4096, 4096).split_k == 4  # 8B o
     assert skinny_config(14336, 4096).split_k == 4  # 8B down
+    assert skinny_config(4096, 4096).num_stages == 4  # 8B o: 256 programs, two waves
+    assert skinny_config(2048, 12288) == SkinnyConfig(128, 128, 1, 4)  # Qwen3-Next in_proj_qkvz: short K
+    assert skinny_config(4096, 2048) == SkinnyConfig(64, 64, 4, 6)  # Qwen3-Next o: under one wave
     assert skinny_config(576, 576) is None  # SmolLM2's o: K is no multiple of 4 x 64
     assert skinny_config(4096, 4100) is None
     assert skinny_config(4096, 6144).num_stages == 6  # an H200's 227 KiB a program: the measured tiling
@@ -67,7 +70,10 @@ def test_the_kernel_is_only_chosen_where_it_applies():
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 5, MAX_ROWS])
-@pytest.mark.parametrize("k, n", [(4096, 4096), (14336, 4096), (4096, 6144), (1024, 24576), (1536, 576)])
+@pytest.mark.parametrize(
+    "k, n",
+    [(4096, 4096), (14336, 4096), (4096, 6144), (1024, 24576), (1536, 576), (2048, 12288), (4096, 2048)],
+)
 @pytest.mark.parametrize("dtype, bias", [(torch.bfloat16, False), (torch.float16, True)])
 def test_triton_skinny_linear_matches_f_linear(rows, k, n, dtype, bias):
     torch.manual_seed(rows + k + n)

@@ -32,8 +32,8 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(
         X, R, W, Y, RO, x_stride, dim, eps, Q, Scale, Static, scale_ub, HAS_RESIDUAL: tl.constexpr,
-        BLOCK: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr, HAS_UB: tl.constexpr,
-        MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
+        ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr,
+        HAS_UB: tl.constexpr, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
     ):  # fmt: skip
         """Program (row). With `QUANT` it also quantizes the normalized row it stores, from the
         registers (`fp8_gemm.quantize_row`: the rest of the arguments are that function's)."""
@@ -44,7 +44,7 @@ if triton is not None:
         if HAS_RESIDUAL:
             x = x + tl.load(R + row * dim + offs, mask=mask, other=0.0)  # in the model's dtype, as torch
             tl.store(RO + row * dim + offs, x, mask=mask)
-        y = _store_normed(Y + row * dim, x, W, offs, mask, dim, eps)
+        y = _store_normed(Y + row * dim, x, W, offs, mask, dim, eps, ZERO_CENTERED)
         if QUANT:
             quantize_row(
                 tl.reshape(y, [BLOCK]).to(tl.float32), mask, Q + row * dim, Scale + row, Static, scale_ub,
@@ -52,13 +52,20 @@ if triton is not None:
             )  # fmt: skip
 
     @triton.jit
-    def _store_normed(Y, x, W, offs, mask, dim, eps):
+    def _store_normed(Y, x, W, offs, mask, dim, eps, ZERO_CENTERED: tl.constexpr):
         """RMSNorm of one row x [BLOCK] (zeros past `dim`) with weight W, stored at Y and returned
-        ([1, BLOCK])."""
+        ([1, BLOCK]); ZERO_CENTERED: `rms_norm_reference`'s."""
         rows = x[None, :]
-        normed = rms_apply(rows, rms_scale(rows, dim, eps), tl.load(W + offs, mask=mask, other=0.0))
+        rstd, w = rms_scale(rows, dim, eps), tl.load(W + offs, mask=mask, other=0.0)
+        normed = _zero_centered_apply(rows, rstd, w) if ZERO_CENTERED else rms_apply(rows, rstd, w)
         tl.store(Y + offs[None, :], normed, mask=mask[None, :])
         return normed
+
+    @triton.jit
+    def _zero_centered_apply(x, rstd, w):
+        """Qwen3-Next's `rms_apply`: x [R, D] times its rows' `rstd` and 1 + w, in float32, rounded
+        once."""
+        return (x.to(tl.float32) * rstd[:, None] * (1.0 + w.to(tl.float32))[None, :]).to(x.dtype)
 
     @triton.jit
     def _head_norm_kernel(
@@ -71,11 +78,11 @@ if triton is not None:
         mask = offs < dim
         if head < heads:
             x = tl.load(Q + token * q_row + head * q_head + offs, mask=mask, other=0.0)
-            _store_normed(QO + (token * heads + head) * dim, x, WQ, offs, mask, dim, eps)
+            _store_normed(QO + (token * heads + head) * dim, x, WQ, offs, mask, dim, eps, False)
         else:
             kv_heads, kv = tl.num_programs(1) - heads, head - heads
             x = tl.load(K + token * k_row + kv * k_head + offs, mask=mask, other=0.0)
-            _store_normed(KO + (token * kv_heads + kv) * dim, x, WK, offs, mask, dim, eps)
+            _store_normed(KO + (token * kv_heads + kv) * dim, x, WK, offs, mask, dim, eps, False)
 
     @triton.jit
     def _silu_mul(X, row, col, inter, mask):
@@ -158,9 +165,15 @@ def _on_gpu(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False
+) -> torch.Tensor:
+    """HF's RMSNorm: normalized in float32, rounded, times the weight; `zero_centered` (Qwen3-Next's
+    norms, which store weight - 1) times 1 + weight in float32, rounded once at the end."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
@@ -170,17 +183,18 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     quant: ActivationQuant | None = None,
+    zero_centered: bool = False,
 ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual); without a residual, (RMSNorm(x), x).
     x: [T, dim] with unit stride in its last dimension. With `quant` the normalized rows come as
     `QuantizedRows` for an FP8 projection: on CUDA quantized by the same launch, from registers
     (one launch and a pass over the rows fewer than `fp8_gemm.quantize_rows` after the norm),
-    bit for bit that reference, which runs everywhere else."""
+    bit for bit that reference, which runs everywhere else. `zero_centered`: `rms_norm_reference`'s."""
     if not _on_gpu(x) or x.dim() != 2 or x.stride(-1) != 1:
         summed = x if residual is None else x + residual
-        out = rms_norm_reference(summed, weight, eps)
+        out = rms_norm_reference(summed, weight, eps, zero_centered)
         return (out if quant is None else quantized_rows(out, quant)), summed
-    return rms_norm_triton(x, weight, eps, residual, quant)
+    return rms_norm_triton(x, weight, eps, residual, quant, zero_centered)
 
 
 def rms_norm_triton(
@@ -189,6 +203,7 @@ def rms_norm_triton(
     eps: float,
     residual: torch.Tensor | None = None,
     quant: ActivationQuant | None = None,
+    zero_centered: bool = False,
 ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """`rms_norm`'s kernel, wherever Triton runs (its interpreter included: the tests)."""
     rows, dim = x.shape
@@ -197,7 +212,8 @@ def rms_norm_triton(
     args, result = row_quant_outputs(out, quant)
     _rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, summed, x.stride(0), dim, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(dim), QUANT=quant is not None, **args,
+        HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, BLOCK=triton.next_power_of_2(dim),
+        QUANT=quant is not None, **args,
     )  # fmt: skip
     return result, summed
 

@@ -65,15 +65,22 @@ def skinny_config(
     gave 12.7 us, four 11.5. e4m3 weights (1) are read along K (rows contiguous), so a tile's
     runs are only block_k bytes: longer K tiles, narrower column blocks, K split unless the
     columns alone give four waves (`.gpuwheels`-style sweep of 54 tilings a shape, one row, H200,
-    2026-12-02 t: qkv 20.7 -> 14.1 us, o 12.2 -> 11.2, gate_up 66.7 -> 42.6, down 32.2 -> 28.2)."""
+    2026-12-02 t: qkv 20.7 -> 14.1 us, o 12.2 -> 11.2, gate_up 66.7 -> 42.6, down 32.2 -> 28.2).
+    Qwen3-Next's shapes (hidden 2048, one row, H200 sweep of 2026-12-02 w): the wide outputs of a
+    2,048-long K in [128, 128] tiles, 4 stages (in_proj_qkvz 16.0 -> 14.4 us, gate_up 14.8 -> 12.6,
+    qkv 13.1 -> 11.9); a split grid under one wave (2,048 outputs) in 6 stages (o / out_proj
+    9.1 -> 8.0, down 10.3 -> 8.9); the 8B shapes keep their tilings."""
     if weight_bytes == 1:
         block_n = 32 if n // 32 >= 4 * sms else 64
         block_k, split_k, stages = (256, 1, 3) if block_n == 32 else (128, 4, 3)
     elif 3 * (n // 64) >= 2 * sms:  # two thirds of the SMs or more: qkv's 96 programs beat split-K
         block_n = 256 if 3 * (n // 256) >= 2 * sms else 64
         block_k, split_k, stages = (64, 1, 4) if block_n == 256 else (128, 1, 6)
-    else:
-        block_n, block_k, split_k, stages = 64, 64, 4, 4
+        if block_n == 64 and k <= 2048 and n % 128 == 0:  # 16 K tiles: six stages fill slowly
+            block_n, stages = 128, 4
+    else:  # under one wave of programs (one an SM) each keeps more tiles in flight
+        block_n, block_k, split_k = 64, 64, 4
+        stages = 6 if 4 * (n // 64) < sms else 4
     while weight_bytes == 1 and k % (block_k * split_k) and split_k > 1:  # a K four splits do not divide
         split_k //= 2
     # Each pipeline stage holds a [16, block_k] tile of x and a [block_k, block_n] one of the weight.

@@ -13,16 +13,19 @@ from model_service.models.config import ModelConfig
 
 class RMSNorm(nn.Module):
     """Normalized in float32 as the reference implementations do (bf16 variance drifts); one
-    kernel on CUDA, which also adds the residual stream when given one."""
+    kernel on CUDA, which also adds the residual stream when given one. A subclass that sets
+    `zero_centered` scales by 1 + weight instead (`fused.rms_norm_reference`)."""
+
+    zero_centered = False
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if self.zero_centered else torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        return rms_norm(flat, self.weight, self.eps)[0].view(x.shape)
+        return rms_norm(flat, self.weight, self.eps, zero_centered=self.zero_centered)[0].view(x.shape)
 
     def with_residual(
         self, x: torch.Tensor, residual: torch.Tensor | None, quant: ActivationQuant | None = None
@@ -30,7 +33,7 @@ class RMSNorm(nn.Module):
         """(RMSNorm(x + residual), x + residual): the pre-norm decoder's add and norm in one (no
         add without a residual). With `quant` (an FP8 consumer's `input_quant`) the norm also
         quantizes its rows for that consumer, in the same launch on CUDA."""
-        return rms_norm(x, self.weight, self.eps, residual, quant)
+        return rms_norm(x, self.weight, self.eps, residual, quant, self.zero_centered)
 
 
 class PackedLinear(nn.Linear):

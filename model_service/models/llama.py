@@ -98,7 +98,7 @@ def add_and_norm(
 ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """(norm(x + residual), x + residual), or (norm(x), x) for the first layer. An `RMSNorm` whose
     `consumer` starts with an FP8 GEMM quantizes its output for it in the same launch
-    (`layers.input_quant`); other norms (zero-centred ones, EAGLE-3's taps) give it unquantized."""
+    (`layers.input_quant`); other norms (EAGLE-3's taps) give it unquantized."""
     quant = input_quant(consumer, x) if isinstance(norm, RMSNorm) else None
     if quant is not None:
         return norm.with_residual(x, residual, quant)

@@ -17,34 +17,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_service.kernels.fused import apply_rotary
+from model_service.kernels.gated_attention import gated_heads, sigmoid_gate
 from model_service.kernels.gated_delta import gated_rms_norm
 from model_service.models.config import LinearAttentionShape, Mixer, ModelConfig
 from model_service.models.context import ForwardContext
 from model_service.models.gated_delta import causal_conv, gated_delta_rule
-from model_service.models.layers import PackedLinear
+from model_service.models.layers import PackedLinear, RMSNorm
 from model_service.models.llama import DecoderModel, PreNormLayer
 from model_service.models.moe import mlp_for
 
 STATE_TENSORS_PER_LAYER = 2  # conv state [K - 1, conv_dim], delta-rule state [Hv, Dk, Dv]
 
 
-class ZeroCenteredRMSNorm(nn.Module):
-    """x / rms(x) * (1 + weight): a zero weight is the identity scale (how Qwen3-Next stores it)."""
+class ZeroCenteredRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + weight), in float32, rounded once: a zero weight is the identity scale
+    (how Qwen3-Next stores it). One kernel on CUDA, the residual add included (`fused.rms_norm`)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
-
-    def with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        summed = x + residual
-        return self(summed), summed
+    zero_centered = True
 
 
 class GatedRMSNorm(nn.Module):
@@ -60,22 +49,13 @@ class GatedRMSNorm(nn.Module):
         return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
-def rotate_partial(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """RoPE on the first cos.shape[-1] dims of each head of x [T, H, D]; the rest pass through."""
-    dim = rope[0].shape[-1]
-    if dim == x.shape[-1]:
-        return apply_rotary(x, *rope)
-    return torch.cat([apply_rotary(x[..., :dim], *rope), x[..., dim:]], dim=-1)
-
-
 class GatedAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.layer_idx = layer_idx
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_sizes = (2 * q, kv, kv)  # q_proj: per head, head_dim query then head_dim gate
-        self.qkv_proj = PackedLinear(
+        self.qkv_proj = PackedLinear(  # q_proj: per head, head_dim query then head_dim gate
             cfg.hidden_size, {"q_proj": 2 * q, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias
         )
         self.o_proj = PackedLinear(q, {"o_proj": cfg.hidden_size}, cfg.o_proj_bias)
@@ -85,14 +65,11 @@ class GatedAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q_gate, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q, gate = q_gate.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = rotate_partial(self.q_norm(q), rope)
-        k = rotate_partial(self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)), rope)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        out = ctx.attention.forward(self.layer_idx, q.contiguous(), k.contiguous(), v)
-        return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1)))
+        norms = (self.q_norm.weight, self.k_norm.weight)
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v, gate = gated_heads(self.qkv_proj(x), norms, self.q_norm.eps, rope, shape)
+        out = ctx.attention.forward(self.layer_idx, q, k, v)
+        return self.o_proj(sigmoid_gate(out, gate))
 
 
 class GatedDeltaNet(nn.Module):
@@ -108,15 +85,18 @@ class GatedDeltaNet(nn.Module):
         group = hv // hk
         # Per key head: q (dk), k (dk), v (group * dv), z (group * dv); then b, a (group each).
         self.qkvz_split = [dk, dk, group * dv, group * dv]
-        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * hv, bias=False)
+        # PackedLinear (one part each, the checkpoint's names): decode rows take the few-row kernel.
+        self.in_proj_qkvz = PackedLinear(
+            cfg.hidden_size, {"in_proj_qkvz": 2 * self.key_dim + 2 * self.value_dim}, False
+        )
+        self.in_proj_ba = PackedLinear(cfg.hidden_size, {"in_proj_ba": 2 * hv}, False)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, shape.conv_kernel, groups=self.conv_dim, bias=False
         )
         self.dt_bias = nn.Parameter(torch.ones(hv))
         self.A_log = nn.Parameter(torch.zeros(hv))
         self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = PackedLinear(self.value_dim, {"out_proj": cfg.hidden_size}, False)
 
     def state_shapes(self) -> list[tuple[int, ...]]:
         s = self.shape
