@@ -548,6 +548,32 @@ def test_deepseek_v3s_hub_format_runs_mla_and_its_mtp_layer_in_fp8(tmp_path: Pat
     assert engine.stats().spec_accepted_tokens > 0  # the FP8 MTP layer proposes what the target picks
 
 
+def test_a_sparse_qwen3_next_hybrid_in_block_fp8_with_its_gates_left_in_high_precision(tmp_path: Path):
+    """Qwen3-Next's FP8 release names linears it keeps in high precision (`modules_to_not_convert`,
+    substrings): here the DeltaNet's in_proj_ba, the routers and the shared experts' gates, in a
+    hybrid whose every MLP is sparse. The DeltaNet's other projections, gated attention and the
+    shared experts run as `Fp8Linear`, the routed experts are dequantized at load; HF on the
+    dequantized twin, rounding the inputs of what we run in FP8, gives our logits and tokens."""
+    from tests.hybrid_models import make_tiny_hybrid
+
+    kept = ("lm_head", "in_proj_ba", "mlp.gate", "shared_expert_gate")
+    block = FORMATS["fp8-block"]
+    config = {**block.config, "modules_to_not_convert": list(kept)}
+    fmt = Format(config, block.block, block.scale_name, ignore=kept)
+    sparse = {"mlp_only_layers": [], "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    src = make_tiny_hybrid(tmp_path / "src", seed=1, **sparse, shared_expert_intermediate_size=48)
+    fp8_path, deq_path = write_fp8_checkpoint(src, tmp_path, fmt)
+    ours = load_model(str(fp8_path), torch.float32, torch.device("cpu"))
+    runs_fp8 = fp8_parts(ours)
+    assert {"model.layers.0.linear_attn.in_proj_qkvz", "model.layers.1.self_attn.q_proj"} < runs_fp8
+    assert "model.layers.0.mlp.shared_expert.up_proj" in runs_fp8
+    assert not any(name.endswith(kept) or ".experts." in name for name in runs_fp8)
+    hf = hf_rounding_inputs(hf_model(deq_path), fmt, fp8_path, ours)
+    for ids in PROMPTS[:2]:
+        assert rel_err(all_logits(ours, ids), hf_logits(hf, ids)) < 1e-4
+    assert greedy(ours, PROMPTS) == [hf_greedy(hf, ids) for ids in PROMPTS]
+
+
 def test_the_scaled_mm_call_matches_the_reference_on_cpu():
     """The GPU path's `torch._scaled_mm` call (row-wise scales, bf16 out, static and dynamic
     activations, bias) as it runs on CUDA; recent torch runs it on the CPU too, so its arguments
