@@ -24,9 +24,9 @@ this engine:
 3. `_down_kernel`: the same over down [E, H, I], the routing weight multiplied into the float32
    sums, one float32 row per pair; then each token's top_k rows summed in slot order (remote
    slots skipped) and rounded once, by the token's last program to arrive in each column block
-   (an arrival counter, as kernels/skinny_gemm.py sums its split-K): deterministic, unlike atomic
-   adds, as accurate as the float32 sum can be, and no launch of its own (a `_combine_kernel`
-   was ~2.6 us of a ~30 us batch-1 layer).
+   (an arrival counter, kernels/arrivals.py): deterministic, unlike atomic adds, as accurate as
+   the float32 sum can be, and no launch of its own (a `_combine_kernel` was ~2.6 us of a ~30 us
+   batch-1 layer).
 
 Tiles: 16 rows (BLOCK_M, `tl.dot`'s smallest; rows past an expert's tokens are masked, and the
 wasted arithmetic is free in a memory-bound kernel), and the column block narrowed until the
@@ -47,6 +47,8 @@ from model_service.models.config import PLAIN_TOP_K, Routing
 
 if triton is not None:
     import triton.language as tl
+
+    from model_service.kernels.arrivals import last_to_arrive
 
 ALIGN_CHUNK = 64  # pairs per step of the alignment's loops: [64, 64] and [64, E] tiles in registers
 
@@ -420,8 +422,7 @@ if triton is not None:
                     mask=k_ok[:, None] & e_ok[None, :], other=0.0)  # fmt: skip
         tl.store(Parts + (t * SLICES + k_slice) * E + experts, tl.sum(w.to(tl.float32) * x[:, None], axis=0),
                  mask=e_ok)  # fmt: skip
-        tl.debug_barrier()  # every thread's partial logits are written before the arrival releases them
-        if tl.atomic_add(Arrivals + t, 1, sem="acq_rel") == SLICES - 1:
+        if last_to_arrive(Arrivals + t, SLICES):
             chunk = tl.arange(0, CHUNK_S)
             logits = tl.zeros([E_P2], tl.float32)
             for s0 in range(0, SLICES, CHUNK_S):  # slices in a fixed order, whichever arrived last

@@ -88,6 +88,8 @@ def arena_views(
 if triton is not None:
     import triton.language as tl
 
+    from model_service.kernels.arrivals import last_to_arrive
+
     @triton.jit
     def per_part(Table, row, part, field: tl.constexpr, NUM_PARTS: tl.constexpr, STRIDE: tl.constexpr):
         """Each element's value of its part's `field` in one adapter's table row (`row`: where
@@ -133,14 +135,13 @@ if triton is not None:
     def _sum_slices(XA, acc, Parts, Arrivals, t, rb, r, live, width, SPLIT_K: tl.constexpr):
         """The K slices' partial sums of one block of xa: each slice stores its own; the last to
         arrive (a counter per block) adds them in slice order and resets the counter for the next
-        call (skinny_gemm.py's scheme). No zeroed buffer, so no memset launch before the shrink,
+        call (kernels/arrivals.py). No zeroed buffer, so no memset launch before the shrink,
         and the sum is deterministic, which atomic adds into xa were not."""
         rows = tl.num_programs(0)
         ks = tl.program_id(2)
         tl.store(Parts + (ks * rows + t) * width + r, acc, mask=live)
-        tl.debug_barrier()  # every thread's partial sums are written before the arrival releases them
         counter = Arrivals + t * tl.num_programs(1) + rb
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+        if last_to_arrive(counter, SPLIT_K):
             total = tl.zeros_like(acc)
             for s in range(SPLIT_K):  # in slice order, whichever arrived last: deterministic
                 part = Parts + (s * rows + t) * width + r

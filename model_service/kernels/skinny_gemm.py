@@ -34,6 +34,8 @@ from model_service.kernels.paged_attention import triton
 if triton is not None:
     import triton.language as tl
 
+    from model_service.kernels.arrivals import last_to_arrive
+
 MAX_ROWS = 16  # the kernel's row tile: more rows go to cuBLAS
 
 
@@ -239,9 +241,8 @@ if triton is not None:
             _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS)
         else:
             tl.store(Parts + k_slice * N + cols, acc)
-            tl.debug_barrier()  # every thread's partial sums are written before the arrival releases them
             group = col_block // (64 // BLOCK_N)
-            if tl.atomic_add(Arrivals + group, 1, sem="acq_rel") == SPLIT_K * (64 // BLOCK_N) - 1:
+            if last_to_arrive(Arrivals + group, SPLIT_K * (64 // BLOCK_N)):
                 group_cols = group * 64 + tl.arange(0, 64)
                 total = tl.zeros([64], tl.float32)
                 for s in range(SPLIT_K):  # in slice order, whichever arrived last: deterministic
@@ -281,8 +282,7 @@ if triton is not None:
             _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS, HAS_SCALE)
         else:
             tl.store(Parts + k_slice * M * N + out, acc, mask=live)
-            tl.debug_barrier()  # every thread's partial sums are written before the arrival releases them
-            if tl.atomic_add(Arrivals + col_block, 1, sem="acq_rel") == SPLIT_K - 1:
+            if last_to_arrive(Arrivals + col_block, SPLIT_K):
                 total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for s in range(SPLIT_K):  # in slice order, whichever arrived last: deterministic
                     total += tl.load(Parts + s * M * N + out, mask=live, other=0.0, cache_modifier=".cg")
