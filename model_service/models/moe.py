@@ -105,15 +105,18 @@ class SparseMoeBlock(nn.Module):
                 self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.arrivals: torch.Tensor | None = None  # the fused kernels' counters, made on first use
 
-    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def select_experts(
+        self, x: torch.Tensor, counters: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, this block's local expert ids [T, k]) of x's rows. On the fused
         path routing is one kernel (instead of ~8 launches, ~20 with DeepSeek's groups, which cost
         as much as the experts in a decode step): up to ROUTER_MAX_ROWS rows with the router's
-        logits computed inside it (`route_hidden`), more after the router's cuBLAS GEMM."""
+        logits computed inside it (`route_hidden`, given the `counters`), more after the router's
+        cuBLAS GEMM."""
         gate, routing, first = self.gate, self.routing, self.expert_range.start
         bias = gate.e_score_correction_bias
         fused = experts_path(x.shape[0], self.experts.gate_up_proj.dtype, x.device) == "fused"
-        if fused and x.shape[0] <= ROUTER_MAX_ROWS and (counters := self.counters(x)) is not None:
+        if fused and x.shape[0] <= ROUTER_MAX_ROWS and counters is not None:
             return route_hidden(
                 x, gate.weight, self.top_k, self.renormalize, counters[:ROUTER_MAX_ROWS], routing, bias, first
             )
@@ -142,7 +145,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]: this block's experts' weighted sum (plus the shared expert)."""
         experts, counters = self.experts, self.counters(x)
-        weights, ids = self.select_experts(x)
+        weights, ids = self.select_experts(x, counters)
         down = counters[ROUTER_MAX_ROWS:] if counters is not None else None
         out = fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, down)
         shared = self.shared_mlp()
