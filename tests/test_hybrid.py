@@ -71,6 +71,24 @@ def test_sparse_moe_layers_match_hf(tmp_path: Path):
     _state_slots_all_back(engine)
 
 
+def test_a_model_of_recurrent_layers_only_sizes_its_tables_and_matches_hf(tmp_path: Path):
+    """No attention layer: a K/V block stores no bytes, yet the block tables still count each
+    sequence's positions. The pool sized by the memory budget divided by zero bytes a block
+    (seen with bench/hybrid.py --small --layers 2); now every sequence slot gets a whole table."""
+    only = Case(make_tiny_hybrid(tmp_path / "ckpt", seed=2, layer_types=["linear_attention"] * 4))
+    engine = make_engine(only.ours, num_kv_blocks=0, block_size=4, max_num_seqs=8, max_model_len=64)
+    assert engine.cache.num_total_blocks == 8 * 64 // 4 and engine.max_model_len == 64
+    outs = engine.generate([request(ids) for ids in PROMPTS[:2]])
+    for ids, out in zip(PROMPTS[:2], outs, strict=True):
+        expected = list(ids)  # HF's cache holds no attention layer to count positions: no cache
+        for _ in range(len(out.token_ids)):
+            with torch.no_grad():
+                logits = only.hf(torch.tensor([expected]), use_cache=False).logits[0, -1]
+            expected.append(int(logits.argmax()))
+        assert out.token_ids == expected[len(ids) :]
+    _state_slots_all_back(engine)
+
+
 def test_logits_match_hf_in_one_pass_and_in_chunks(case: Case):
     engine = make_engine(case.ours, block_size=4)
     for ids in (PROMPTS[0], PROMPTS[4], random_prompt(150, seed=21)):  # the last one in chunked form

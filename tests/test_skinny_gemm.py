@@ -153,8 +153,10 @@ def kernel_shaped_decode() -> tuple[Any, torch.nn.Module, list[dict]]:
 @pytest.mark.gpu
 def test_bf16_decode_through_the_kernel_gives_the_tokens_of_cublas_and_the_cpu(monkeypatch):
     """A model whose four projections all take the kernel, in bf16 on CUDA: greedy tokens from
-    decode graphs, from eager steps and with the kernel turned off (cuBLAS) agree, and their
-    first tokens are the CPU float32 engine's."""
+    decode graphs and from eager steps are the same (one kernel, one order of sums), and their
+    first tokens, like those with the kernel turned off (cuBLAS), are the CPU float32 engine's.
+    Later tokens of the kernel and of cuBLAS may part: bf16 sums in another order round
+    differently, and a random model's near-ties flip (seen on an H200 at the 6th token)."""
     cfg, reference, requests = kernel_shaped_decode()
 
     def run(device: str, dtype: torch.dtype, **config: object) -> tuple[Engine, list[list[int]]]:
@@ -172,5 +174,5 @@ def test_bf16_decode_through_the_kernel_gives_the_tokens_of_cublas_and_the_cpu(m
     _, eager = run("cuda", torch.bfloat16, enforce_eager=True)
     monkeypatch.setattr(layers, "skinny_applies", lambda x, w: False)
     _, cublas = run("cuda", torch.bfloat16)
-    assert graphs == eager == cublas
-    assert [t[:4] for t in graphs] == [t[:4] for t in cpu]
+    assert graphs == eager
+    assert [t[:4] for t in graphs] == [t[:4] for t in cublas] == [t[:4] for t in cpu]

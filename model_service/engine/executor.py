@@ -50,15 +50,19 @@ def kv_blocks_for_budget(
     gpu_memory_utilization: float,
     draft: ModelConfig | None = None,
     state_bytes: int = 0,
+    unstored: int = 0,
 ) -> int:
     """How many K/V blocks fit: `budget` bytes, else a share of free GPU memory less what is
     allocated beside the pool (`state_bytes`: recurrent state tensors, the adapter arena), else
     1 GiB on CPU. With a draft
     model (or an MTP layer: `draft` is its config), each block of the target's pool comes with
-    one of the draft's."""
+    one of the draft's. A model with no attention layer (only recurrent ones) stores nothing in
+    a block, whose table still counts positions: it gets `unstored` blocks."""
     per_block = sum(
         cache_bytes_per_block(c, block_size, dtype) for c in [config, *([draft] if draft is not None else [])]
     )
+    if per_block == 0:
+        return unstored
     if budget is None:
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
@@ -96,6 +100,7 @@ def kv_layout(
 ) -> tuple[int, int]:
     """(K/V blocks, context length) for a module already on `device` whose K/V is shaped by `model`
     and computed in `dtype` (stored as `config.kv_cache_dtype` says)."""
+    longest = config.max_model_len or model.max_position_embeddings
     num_blocks = config.num_kv_blocks or kv_blocks_for_budget(
         model,
         config.block_size,
@@ -105,8 +110,9 @@ def kv_layout(
         config.gpu_memory_utilization,
         draft,
         state_bytes,
+        unstored=config.max_num_seqs * -(-longest // config.block_size),
     )
-    max_model_len = min(config.max_model_len or model.max_position_embeddings, num_blocks * config.block_size)
+    max_model_len = min(longest, num_blocks * config.block_size)
     return num_blocks, max_model_len
 
 
