@@ -29,10 +29,11 @@ this engine:
    batch-1 layer).
 
 Tiles: 16 rows (BLOCK_M, `tl.dot`'s smallest; rows past an expert's tokens are masked, and the
-wasted arithmetic is free in a memory-bound kernel), and the column block narrowed until the
-launch has about two programs an SM, as the skinny dense kernel does (kernels/skinny_gemm.py):
-at one token the 8 experts' gate_up is 8 x 768 / 32 = 192 programs. Larger batches take wider
-row blocks (vLLM's tuned H200 tables for E=128, N=768 switch to BLOCK_M 32 at 256 tokens).
+wasted arithmetic is free in a memory-bound kernel), and the column block narrowed towards two
+programs an SM, as the skinny dense kernel does (kernels/skinny_gemm.py), but no narrower than 64
+(measured: `fused_moe_config`): at one token the 8 experts' gate_up is 8 x 768 / 64 = 96
+programs. Larger batches take wider row blocks (vLLM's tuned H200 tables for E=128, N=768 switch
+to BLOCK_M 32 at 256 tokens).
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ def fused_moe_config(
 ) -> FusedMoeConfig:
     """The tiling for `tokens` rows over `experts` local experts on a GPU of `sms` SMs: BLOCK_M by
     rows an expert (16 up to 16 of them, then 32, then 64), column blocks halved from 128 down to
-    32 while a launch has fewer than two programs an SM."""
+    64 while a launch has fewer than two programs an SM. Sixteen-row blocks read K in 128-long
+    runs (a weight column's 256 contiguous bytes in bf16). An H200 sweep at Qwen3-30B-A3B's
+    shapes (`bench/moe.py --tokens 1 64 --sweep`, 2026-12-02 v): at 1 token the 32-wide columns
+    and 64-long K this took before 42.1 us, 64 x 64 columns with K 128 37.8; at 64 tokens K 128
+    gained 3-5% at every width."""
     pairs = tokens * top_k
     per_expert = pairs / max(1, min(experts, pairs))
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
@@ -76,11 +81,11 @@ def fused_moe_config(
 
     def block_n(n: int) -> int:
         width = 128
-        while width > 32 and blocks * triton_cdiv(n, width) < 2 * sms:
+        while width > 64 and blocks * triton_cdiv(n, width) < 2 * sms:
             width //= 2
         return width
 
-    block_k = 64 if block_m <= 32 else 32
+    block_k = {16: 128, 32: 64}.get(block_m, 32)
     return FusedMoeConfig(
         block_m, block_n(inter), block_n(hidden), block_k, num_stages=4 if block_m <= 32 else 3
     )
