@@ -65,7 +65,7 @@ class FusedMoeConfig:
 
 
 def fused_moe_config(
-    tokens: int, top_k: int, experts: int, hidden: int, inter: int, sms: int = 132
+    tokens: int, top_k: int, experts: int, hidden: int, inter: int, sms: int = 132, item_bytes: int = 2
 ) -> FusedMoeConfig:
     """The tiling for `tokens` rows over `experts` local experts on a GPU of `sms` SMs: BLOCK_M by
     rows an expert (16 up to 16 of them, then 32, then 64), column blocks halved from 128 down to
@@ -73,7 +73,8 @@ def fused_moe_config(
     runs (a weight column's 256 contiguous bytes in bf16). An H200 sweep at Qwen3-30B-A3B's
     shapes (`bench/moe.py --tokens 1 64 --sweep`, 2026-12-02 v): at 1 token the 32-wide columns
     and 64-long K this took before 42.1 us, 64 x 64 columns with K 128 37.8; at 64 tokens K 128
-    gained 3-5% at every width."""
+    gained 3-5% at every width. The run is 256 bytes whatever the weights' type (`item_bytes`):
+    float32 tiles of K 128 and 128 columns outgrow the shared memory of four stages."""
     pairs = tokens * top_k
     per_expert = pairs / max(1, min(experts, pairs))
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
@@ -85,7 +86,7 @@ def fused_moe_config(
             width //= 2
         return width
 
-    block_k = {16: 128, 32: 64}.get(block_m, 32)
+    block_k = {16: 256, 32: 128}.get(block_m, 64) // item_bytes
     return FusedMoeConfig(
         block_m, block_n(inter), block_n(hidden), block_k, num_stages=4 if block_m <= 32 else 3
     )
@@ -270,7 +271,7 @@ def fused_moe(
         return x.new_zeros(tokens, hidden)
     if config is None:
         sms = _sms(x.device) if x.is_cuda else 132
-        config = fused_moe_config(tokens, top_k, num_experts, hidden, inter, sms)
+        config = fused_moe_config(tokens, top_k, num_experts, hidden, inter, sms, gate_up.element_size())
     ids = ids.contiguous()
     weights = weights.contiguous().float()
     x = x if x.stride(-1) == 1 else x.contiguous()
