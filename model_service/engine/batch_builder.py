@@ -10,6 +10,7 @@ in steady state.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import TypeVar
@@ -94,7 +95,8 @@ class BatchBuilder:
         fed = np.flatnonzero(fed_from >= 0)
         layout = (total, n, int(num_logits.sum()), max_blocks, len(fed))
         host = self._next_host(_layout(layout)[1])
-        ids, pos, slots, lora, q_start, seq_lens, state_slots, rows, table, feed = _regions(host, layout)
+        regions = _regions(host, layout)
+        ids, pos, slots, lora, q_start, seq_lens, state_slots, rows, table, feed = regions
         q_start[0] = 0
         np.cumsum(lens, out=q_start[1:])
         np.add(starts, lens, out=seq_lens)
@@ -113,7 +115,7 @@ class BatchBuilder:
         feed[: len(fed)], feed[len(fed) :] = q_start[fed], fed_from[fed]
         shape = (total, n, len(rows), max_blocks, len(fed), int(lens.max()), int(seq_lens.max()))
         snapshots = self._snapshots(states, np.flatnonzero(has_snapshots), starts, lens, q_start)
-        return self._batch(shape, snapshots)
+        return self._batch(shape, snapshots, regions)
 
     def _check(
         self, states: list[SequenceState], freed: np.ndarray, table_lens: np.ndarray, ends: np.ndarray
@@ -148,17 +150,18 @@ class BatchBuilder:
     def host_region(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The next host buffer, sized for a batch of `shape`: a tensor-parallel worker receives
         rank 0's packed batch there, then calls `from_host` (once per region)."""
-        size = _layout(shape)[1]
+        size = _layout(tuple(shape[:5]))[1]
         self._next_host(size)
         return self._host[:size]
 
     def from_host(self, shape: tuple[int, ...]) -> PackedBatch:
         """The batch of `shape` packed in the host buffer (by `build`, or received into `host_region`)."""
-        return self._batch(shape, np.full(shape[0], -1, dtype=np.int64))  # no recurrent layers under TP
+        no_snapshots = np.full(shape[0], -1, dtype=np.int64)  # no recurrent layers under TP
+        return self._batch(shape, no_snapshots, _regions(self._host.numpy(), shape))
 
-    def _batch(self, shape: tuple[int, ...], snapshots: np.ndarray) -> PackedBatch:
-        used = _layout(shape)[1]
-        regions = _regions(self._host.numpy(), shape)
+    def _batch(self, shape: tuple[int, ...], snapshots: np.ndarray, regions: list[np.ndarray]) -> PackedBatch:
+        """The batch of `shape` whose host words are `regions` (of the current host buffer)."""
+        used = _layout(tuple(shape[:5]))[1]
         views = _regions(self._to_device(used), shape)
         num_seqs, max_blocks, num_fed = shape[1], shape[3], shape[4]
         return PackedBatch(
@@ -232,22 +235,25 @@ def _table_arrays(states: list[SequenceState]) -> np.ndarray:
     return np.concatenate([st.table_array for st in states])
 
 
-def _layout(shape: tuple[int, ...]) -> tuple[list[tuple[int, int]], int]:
+@functools.lru_cache(maxsize=1024)
+def _layout(sizes: tuple[int, int, int, int, int]) -> tuple[tuple[tuple[int, int], ...], int]:
     """(start, size) of each region of the packed buffer of a batch of (tokens, sequences, logits
-    rows, blocks per sequence, fed rows, ...): ids, positions, slot mapping, LoRA slots, query
+    rows, blocks per sequence, fed rows): ids, positions, slot mapping, LoRA slots, query
     starts, sequence lengths, state slots, logits rows, block table, feed index; and the words
     used. Each region starts on a 128-byte boundary: Triton compiles a kernel once per alignment
     of its pointer arguments, so views at arbitrary offsets would compile new variants of every
-    kernel under live traffic (seen on an H200: ~20 compiles, ~17 s, in the first serving run)."""
-    total, num_seqs, num_logits, max_blocks, num_fed = shape[:5]
-    sizes = [total] * 4 + [num_seqs + 1, num_seqs, num_seqs, num_logits, num_seqs * max_blocks, 2 * num_fed]
+    kernel under live traffic (seen on an H200: ~20 compiles, ~17 s, in the first serving run).
+    Cached: decode steps repeat their sizes, and at batch 1 computing this five times a step
+    was a sixth of the host's step (`BatchBuilder.build`)."""
+    total, num_seqs, num_logits, max_blocks, num_fed = sizes
+    lengths = [total] * 4 + [num_seqs + 1, num_seqs, num_seqs, num_logits, num_seqs * max_blocks, 2 * num_fed]
     spans, start = [], 0
-    for size in sizes:
+    for size in lengths:
         spans.append((start, size))
         start += -(-size // ALIGN_WORDS) * ALIGN_WORDS
-    return spans, start
+    return tuple(spans), start
 
 
 def _regions(buffer: T, shape: tuple[int, ...]) -> list[T]:
     """The region views of `buffer` (host array or device tensor) for a batch of `shape`."""
-    return [buffer[start : start + size] for start, size in _layout(shape)[0]]
+    return [buffer[start : start + size] for start, size in _layout(tuple(shape[:5]))[0]]
