@@ -121,13 +121,16 @@ def test_greedy_output_is_identical_with_speculation(smollm2, mixed_adapter, pla
     greedy = [i for i, r in enumerate(requests) if r["temperature"] == 0]
     plain, plain_steps = plain_run
     outputs, engines = {}, {}
-    for spec in (NGRAM, NGRAM + " "):  # the second: the same config again, for the seeded row
+    # The second config, the same again, shows a seeded sampled row reproducible; once is enough
+    # (a sampled row does not depend on how the cache is preempted).
+    for spec in (NGRAM, NGRAM + " ") if preemption_mode == "recompute" else (NGRAM,):
         engine = _mixed_engine(smollm2, mixed_adapter, preemption_mode, spec)
         outputs[spec] = [(o.token_ids, o.text, o.finish_reason) for o in engine.generate(requests)]
         engines[spec] = engine
         assert_all_blocks_free(engine)
     assert [outputs[NGRAM][i] for i in greedy] == [plain[i] for i in greedy]
-    assert outputs[NGRAM] == outputs[NGRAM + " "]  # a seeded sampled row is reproducible
+    if preemption_mode == "recompute":
+        assert outputs[NGRAM] == outputs[NGRAM + " "]  # a seeded sampled row is reproducible
     spec_engine = engines[NGRAM]
     assert (
         spec_engine.speculation.accepted > 0
