@@ -150,7 +150,7 @@ class BatchBuilder:
     def host_region(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The next host buffer, sized for a batch of `shape`: a tensor-parallel worker receives
         rank 0's packed batch there, then calls `from_host` (once per region)."""
-        size = _layout(tuple(shape[:5]))[1]
+        size = _layout(shape)[1]
         self._next_host(size)
         return self._host[:size]
 
@@ -161,7 +161,7 @@ class BatchBuilder:
 
     def _batch(self, shape: tuple[int, ...], snapshots: np.ndarray, regions: list[np.ndarray]) -> PackedBatch:
         """The batch of `shape` whose host words are `regions` (of the current host buffer)."""
-        used = _layout(tuple(shape[:5]))[1]
+        used = _layout(shape)[1]
         views = _regions(self._to_device(used), shape)
         num_seqs, max_blocks, num_fed = shape[1], shape[3], shape[4]
         return PackedBatch(
@@ -235,8 +235,13 @@ def _table_arrays(states: list[SequenceState]) -> np.ndarray:
     return np.concatenate([st.table_array for st in states])
 
 
+def _layout(shape: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], int]:
+    """`_spans` of a batch of `shape` (its first five sizes say the layout)."""
+    return _spans(tuple(shape[:5]))
+
+
 @functools.lru_cache(maxsize=1024)
-def _layout(sizes: tuple[int, int, int, int, int]) -> tuple[tuple[tuple[int, int], ...], int]:
+def _spans(sizes: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], int]:
     """(start, size) of each region of the packed buffer of a batch of (tokens, sequences, logits
     rows, blocks per sequence, fed rows): ids, positions, slot mapping, LoRA slots, query
     starts, sequence lengths, state slots, logits rows, block table, feed index; and the words
@@ -256,4 +261,4 @@ def _layout(sizes: tuple[int, int, int, int, int]) -> tuple[tuple[tuple[int, int
 
 def _regions(buffer: T, shape: tuple[int, ...]) -> list[T]:
     """The region views of `buffer` (host array or device tensor) for a batch of `shape`."""
-    return [buffer[start : start + size] for start, size in _layout(tuple(shape[:5]))[0]]
+    return [buffer[start : start + size] for start, size in _layout(shape)[0]]
