@@ -37,20 +37,22 @@ class TensorEntry:
 
 
 def header_length(head: bytes, size: int) -> int:
-    """The header's length from a file's first 8 bytes (`size`: the file's)."""
+    """The header's length from a file's first 8 bytes (`size`: the file's). A length whose low
+    byte is 0x80 (a header of 384, 640, ... bytes) starts as a pickle does, so the pickle
+    message is only for a file whose first 8 bytes are no length that fits it."""
+    n = struct.unpack("<Q", head[:8])[0] if len(head) >= 8 else None
+    if n is not None and n <= min(MAX_HEADER, size - 8):
+        return n
     if head[:1] == _PICKLE_MAGIC[0] or head[:4] == _PICKLE_MAGIC[1]:
         raise HeaderError(
             "adapter_model.safetensors is a pickle (.bin/.pt) file; pickles can run code and are "
             "refused: save the adapter with safe_serialization=True"
         )
-    if len(head) < 8:
+    if n is None:
         raise HeaderError(f"adapter_model.safetensors is {size} bytes: too short to be safetensors")
-    (n,) = struct.unpack("<Q", head[:8])
-    if n > min(MAX_HEADER, size - 8):
-        raise HeaderError(
-            f"adapter_model.safetensors claims a {n}-byte header in a {size}-byte file: not safetensors"
-        )
-    return n
+    raise HeaderError(
+        f"adapter_model.safetensors claims a {n}-byte header in a {size}-byte file: not safetensors"
+    )
 
 
 def parse_header(text: bytes, size: int) -> dict[str, TensorEntry]:
