@@ -4,12 +4,18 @@ in-flight ones to rank 1 over the device group (distributed/rank.py), and no ran
 device per step. The oracle is the single-process synchronous engine over the same weights:
 greedy and seeded sampled tokens identical, on a batch mixing the base model and two adapters,
 stop tokens, steps that sample on the host's schedule (a penalty, logprobs), chunked prefill,
-preemption and aborts."""
+preemption and aborts. The model is a tiny random Llama (4 heads, 2 KV heads: each rank holds
+half): what is tested is the ranks' protocol, which a model's size does not change, and SmolLM2's
+steps made these two tests ~40 s of the suite's CPU (tests/test_tensor_parallel.py runs it on
+SmolLM2 with the shipped adapter)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from model_service.engine.batch_builder import BatchBuilder, StepItem
 from model_service.engine.config import EngineConfig
@@ -17,28 +23,34 @@ from model_service.engine.overlap import Overlap
 from tests import overlap_helpers as overlap
 from tests.conftest import make_engine, new_sequence
 
-ADAPTERS = (None, "pirate", "all")
-# Tokens per request: every SmolLM2 step costs the same on a CPU whatever the batch, so the time
-# goes with the steps. At 12 both runs still hit a stop token, preempt (3 and 2 times) and
-# overlap 13 and 15 steps (16 tokens took ~40% more steps and proved nothing more).
-MAX_TOKENS = 12
+ADAPTERS = (None, "qv", "all")
 
 
 @pytest.fixture(scope="module")
-def config(tp_adapters) -> dict:
-    return {"max_loras": 2, "lora_modules": tp_adapters, **overlap.PREEMPTING}
+def config(tiny_llama, tmp_path_factory) -> dict:
+    """Two random adapters, on q/v and on all seven projections, scaled until their deltas change
+    greedy tokens (a missing or mis-sliced one would show)."""
+    from bench.lora import write_adapter
+
+    adapters = {}
+    for name, targets in (("qv", ["q_proj", "v_proj"]), ("all", None)):
+        path = write_adapter(tmp_path_factory.mktemp("tp_async") / name, tiny_llama.config, 8, 3, targets)
+        weights = Path(path) / "adapter_model.safetensors"
+        save_file({k: v * 30 for k, v in load_file(str(weights)).items()}, str(weights))
+        adapters[name] = str(path)
+    return {"max_loras": 2, "lora_modules": adapters, **overlap.PREEMPTING}
 
 
 @pytest.fixture(scope="module")
-def sync(smollm2, config):
+def sync(tiny_llama, config):
     """The oracle, run on the same requests in the same order as `tp_async`, so that their
     prefix caches (and with them the steps an abort lands in) stay the same."""
-    return make_engine(smollm2, async_scheduling="off", **config)
+    return make_engine(tiny_llama, async_scheduling="off", **config)
 
 
 @pytest.fixture(scope="module")
-def tp_async(tp_weights, config):
-    engine = make_engine(tp_weights, tensor_parallel_size=2, async_scheduling="on", **config)
+def tp_async(tiny_llama, config):
+    engine = make_engine(tiny_llama, tensor_parallel_size=2, async_scheduling="on", **config)
     engine.warm_up()  # as a pod does: every rank gets the command (no graphs to capture on a CPU)
     yield engine
     engine.executor.teardown()
@@ -72,9 +84,22 @@ def test_the_feed_index_travels_in_the_packed_batch_and_the_executor_writes_the_
         engine.cache.free(state)
 
 
-def test_two_ranks_overlapping_give_the_synchronous_tokens(smollm2, sync, tp_async, monkeypatch):
-    mixed = overlap.mixed_requests(smollm2.config.vocab_size, ADAPTERS)
-    reqs = [{**r, "max_tokens": min(r["max_tokens"], MAX_TOKENS)} for r in mixed]
+def _stopping_midway(loaded, config: dict, reqs: list[dict]) -> list[dict]:
+    """`reqs` whose stop tokens are each one a token from the middle of the request's own output
+    (a fresh engine's run without them): a random model rarely writes a prompt's tokens, which
+    `mixed_requests` stops at for SmolLM2."""
+    free = overlap.run_steps(make_engine(loaded, async_scheduling="off", **config),
+                             [{**r, "stop_token_ids": []} for r in reqs])  # fmt: skip
+    return [
+        {**r, "stop_token_ids": [free[r["request_id"]][0][len(free[r["request_id"]][0]) // 2]]}
+        if r.get("stop_token_ids") else r
+        for r in reqs
+    ]  # fmt: skip
+
+
+def test_two_ranks_overlapping_give_the_synchronous_tokens(tiny_llama, config, sync, tp_async, monkeypatch):
+    mixed = overlap.mixed_requests(tiny_llama.config.vocab_size, ADAPTERS)
+    reqs = _stopping_midway(tiny_llama, config, mixed)
     expected = overlap.run_steps(sync, reqs)
     assert sum(reason == "stop" for _, reason in expected.values()) >= 1, "no stop token hit"
     launches = overlap.count_launches(monkeypatch)
@@ -83,8 +108,8 @@ def test_two_ranks_overlapping_give_the_synchronous_tokens(smollm2, sync, tp_asy
     assert len(launches) > 10, "no step overlapped"
 
 
-def test_two_ranks_overlapping_through_preemption_and_aborts(smollm2, sync, tp_async, monkeypatch):
-    reqs = overlap.long_requests(smollm2.config.vocab_size, ADAPTERS, n=MAX_TOKENS)
+def test_two_ranks_overlapping_through_preemption_and_aborts(tiny_llama, sync, tp_async, monkeypatch):
+    reqs = overlap.long_requests(tiny_llama.config.vocab_size, ADAPTERS)
     preempted = sync.scheduler.num_preemptions
     expected = overlap.run_steps(sync, reqs, overlap.ABORTS)
     assert sync.scheduler.num_preemptions > preempted, "the KV budget should force preemption"

@@ -31,7 +31,6 @@ HEAVY_FIRST = [
     "tests/test_beam_search.py",  # and the other users of HF's SmolLM2
     "tests/test_openai_http.py",  # and test_quickstart.py
     "tests/test_gateway.py",  # and test_gateway_failover.py
-    "tests/test_tp_async.py",
     "tests/test_fuzz_rpcs.py",
     "tests/test_expert_parallel.py",
     "tests/test_model_pod.py",
