@@ -37,7 +37,6 @@ HEAVY_FIRST = [
     "tests/test_draft.py",
     "tests/test_speculation.py",
     "tests/test_adapter_service.py",
-    "tests/test_engine.py",
     "tests/test_gateway_resume.py",
     "tests/test_tensor_parallel.py",
 ]
