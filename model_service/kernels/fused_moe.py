@@ -74,7 +74,8 @@ def fused_moe_config(
     shapes (`bench/moe.py --tokens 1 64 --sweep`, 2026-12-02 v): at 1 token the 32-wide columns
     and 64-long K this took before 42.1 us, 64 x 64 columns with K 128 37.8; at 64 tokens K 128
     gained 3-5% at every width. The run is 256 bytes whatever the weights' type (`item_bytes`):
-    float32 tiles of K 128 and 128 columns outgrow the shared memory of four stages."""
+    float32 tiles of K 128 and 128 columns outgrow the shared memory of four stages. Wider row
+    blocks (not swept) keep K 64 and 32."""
     pairs = tokens * top_k
     per_expert = pairs / max(1, min(experts, pairs))
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
@@ -86,7 +87,7 @@ def fused_moe_config(
             width //= 2
         return width
 
-    block_k = {16: 256, 32: 128}.get(block_m, 64) // item_bytes
+    block_k = 256 // item_bytes if block_m == 16 else 64 if block_m == 32 else 32
     return FusedMoeConfig(
         block_m, block_n(inter), block_n(hidden), block_k, num_stages=4 if block_m <= 32 else 3
     )
