@@ -32,7 +32,7 @@ from model_service.engine.config import EngineConfig
 from model_service.errors import ModelLoadError
 from model_service.kernels.fp8_gemm import E4M3, E4M3_MAX
 from model_service.models.fp8_linear import Fp8Linear
-from model_service.models.layers import PackedLinear, checkpoint_tensors
+from model_service.models.layers import PackedLinear, checkpoint_tensors, store_weights_transposed
 from model_service.models.loader import LoadedModel, load_model
 from model_service.models.quantization import QuantizationError
 from tests.conftest import assert_all_blocks_free, forward, make_engine, make_tiny_checkpoint, new_sequence
@@ -593,6 +593,21 @@ def test_the_scaled_mm_call_matches_the_reference_on_cpu():
         want = fp8_linear_reference(x.float(), weight, scale, 64, bias, acts)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_online_quantization_of_a_weight_stored_transposed_keeps_rows_contiguous():
+    """An executor stores bf16 weights as views of their transposes (`store_weights_transposed`);
+    quantizing such a layer (bench/serving.py --compare quantizes the model the bf16 engine ran)
+    must give the same e4m3 rows, contiguous, or `_scaled_mm` does not apply."""
+    layer = PackedLinear(64, {"q": 32, "k": 48}, bias=False)
+    torch.nn.init.normal_(layer.weight)
+    plain = Fp8Linear.quantized(layer)
+    store_weights_transposed(layer)
+    assert not layer.weight.is_contiguous()
+    moved = Fp8Linear.quantized(layer)
+    assert moved.weight.is_contiguous()
+    assert torch.equal(moved.weight.float(), plain.weight.float())
+    assert torch.equal(moved.weight_scale, plain.weight_scale)
 
 
 def test_the_gpu_benchmarks_quantize_their_random_model_online():

@@ -53,10 +53,14 @@ class Fp8Linear(PackedLinear):
 
     @classmethod
     def quantized(cls, linear: PackedLinear) -> Fp8Linear:
-        """`linear` quantized online: e4m3 rows, each scaled by its own maximum (per channel)."""
+        """`linear` quantized online: e4m3 rows, each scaled by its own maximum (per channel).
+        The rows are made contiguous whatever `linear.weight`'s strides: a bf16 weight an executor
+        stored transposed would otherwise give a transposed e4m3 one, which `_scaled_mm` cannot
+        take, and every product would silently fall back to the dequantizing reference (what made
+        `bench/serving.py --compare`'s FP8 run 8x slower than bf16, 2026-12-02 w)."""
         layer = cls.like(linear, ONLINE)
         weight, scale = quantize_groups(linear.weight.detach(), layer.group)
-        layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         layer.weight_scale = scale
         layer.bias = linear.bias
         return layer
