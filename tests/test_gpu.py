@@ -130,10 +130,12 @@ def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path, monkeypat
     assert results["cuda", False] == results["cuda", True] == results["cpu", False]
 
 
-def test_piecewise_graphs_of_prefill_and_mixed_steps_match_eager_and_cpu(monkeypatch):
-    """Prefill chunks and mixed steps of up to 512 tokens replay graphs split at attention
-    (padded token counts, the real attention eager between them): same tokens as eager steps
-    and the CPU, over waves that reuse buckets with other lengths and other blocks."""
+@pytest.mark.parametrize("budget", [96, 1100])
+def test_piecewise_graphs_of_prefill_and_mixed_steps_match_eager_and_cpu(monkeypatch, budget: int):
+    """Prefill chunks and mixed steps replay graphs split at attention (padded token counts, the
+    real attention eager between them): same tokens as eager steps and the CPU, over waves that
+    reuse buckets with other lengths and other blocks; with a budget of 1,100 tokens, steps of
+    the buckets above 512 too (every bucket's attention calls share one output buffer)."""
     from model_service.engine import piecewise_graphs
     from model_service.engine.piecewise_graphs import PiecewiseGraphs
 
@@ -163,8 +165,9 @@ def test_piecewise_graphs_of_prefill_and_mixed_steps_match_eager_and_cpu(monkeyp
     modes = ["eager", "warm-up", "decode first", "tight"]
     for device, mode in [("cpu", "eager"), *(("cuda", mode) for mode in modes)]:
         eager = mode == "eager"
-        engine = _engine(cfg, reference, device, num_kv_blocks=256, block_size=4, max_num_seqs=8,
-                         max_num_batched_tokens=96, enforce_eager=eager, piecewise_graphs=True)  # fmt: skip
+        engine = _engine(cfg, reference, device, num_kv_blocks=512, block_size=4, max_num_seqs=8,
+                         max_num_batched_tokens=budget, enforce_eager=eager,
+                         piecewise_graphs=True)  # fmt: skip
         if mode == "decode first":  # leaves the LoRA plan on (its last graph has the LoRA kernels),
             engine.executor.graphs.capture_all()  # which buckets captured next once recorded
             engine.executor.pieces.capture_all()
@@ -177,6 +180,7 @@ def test_piecewise_graphs_of_prefill_and_mixed_steps_match_eager_and_cpu(monkeyp
             engine.warm_up()  # captures the buckets (none with enforce_eager or on the CPU)
         results[device, mode] = [[o.token_ids for o in engine.generate(wave)] for wave in waves]
     assert len({-(-n // 16) for n in replayed}) >= 3  # chunks of 96 tokens, tails, mixed: several buckets
+    assert budget < 512 or max(replayed) > 768  # the second wave's prefill: the 1,024 bucket
     assert results["cuda", "warm-up"] == results["cuda", "eager"] == results["cpu", "eager"]
     assert results["cuda", "decode first"] == results["cuda", "tight"] == results["cpu", "eager"]
 

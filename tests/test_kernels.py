@@ -964,7 +964,11 @@ def test_host_planned_arrays_reach_the_device_unchanged(device):
 def test_token_ladder_of_piecewise_graphs():
     from model_service.engine.piecewise_graphs import token_ladder
 
-    assert token_ladder(2048) == [16, 32, 48, 64, 80, 96, 112, 128, 192, 256, 320, 384, 448, 512]
+    small = [16, 32, 48, 64, 80, 96, 112, 128, 192, 256, 320, 384, 448, 512]
+    assert token_ladder(512) == small
+    assert token_ladder(2048) == [*small, 768, 1024, 1536, 2048]
+    assert token_ladder(1200) == [*small, 768, 1024, 1200]
+    assert token_ladder(100_000)[-3:] == [3072, 3584, 4096]
     assert token_ladder(100) == [16, 32, 48, 64, 80, 96, 100]
     assert token_ladder(8) == [8]
 

@@ -149,8 +149,8 @@ class EngineConfig:
     enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly, without CUDA graphs (debugging)")
     piecewise_graphs: bool = _opt(
         True,
-        "CUDA, dense models: at start-up, capture prefill and mixed steps of up to 512 tokens "
-        "as CUDA graphs split at attention, while they fit in memory (~2.5 GB on an 8B model, "
+        "CUDA, dense models: at start-up, capture prefill and mixed steps of up to 4,096 tokens "
+        "as CUDA graphs split at attention, while they fit in memory (~5 GB on an 8B model, "
         "twice that with LoRA on; short prompts serve about a third faster); "
         "--no-piecewise-graphs runs them eagerly",
     )

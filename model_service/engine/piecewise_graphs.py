@@ -1,4 +1,4 @@
-"""CUDA graphs for prefill and mixed steps of up to 512 tokens, split at every attention call.
+"""CUDA graphs for prefill and mixed steps of up to 4,096 tokens, split at every attention call.
 
 A step that carries a prefill chunk cannot replay a decode graph: its attention kernel's grid
 and metadata follow the chunk lengths, planned on the host. Run eagerly, it pays the host's
@@ -22,9 +22,10 @@ docs/performance-notes.md, session k). The per-row kernels cover only the bucket
 started ~200,000 programs a layer that had nothing to do.
 
 Every replay writes each pooled tensor before reading it, so all buckets share one pool; each
-bucket keeps its attention calls' q / k / v and output, and more: ~0.9 MB a token of the bucket
-stays allocated on the 8B shape (~0.66 of it those), 2.5 GB for the ladder, 5 GB with the LoRA
-buckets (measured per bucket; docs/performance-notes.md, session l, lead 3). Buckets are captured only by
+bucket keeps its attention calls' q / k / v, and more: ~0.65 MB a token of the bucket stays
+allocated on the 8B shape (0.9 with an output buffer per call, before they shared one; measured
+per bucket: docs/performance-notes.md, session l, lead 3), ~5 GB for the ladder of a 2,048-token
+budget, twice that with the LoRA buckets. Buckets are captured only by
 `capture_all`, in the pod's warm-up (`Engine.warm_up`), smallest first and only while they fit
 in the device memory the K/V pool left (`capture_reserve` kept free for eager steps): a card
 with less headroom captures fewer buckets instead of failing to start. Steps without a bucket
@@ -53,10 +54,19 @@ Norms = HeadNorms | None
 log = logging.getLogger(__name__)
 
 
+# The largest bucket. Steps of a full token budget (2,048 by default: a prefill chunk beside the
+# decode rows, most steps of a busy pod) ran eagerly when the ladder stopped at 512, and in FP8
+# the host's launches outlasted the device (8B shape: ~43 ms a step against ~31 of kernels).
+LADDER_TOP = 4096
+
+
 def token_ladder(max_tokens: int) -> list[int]:
-    """Padded token counts: every 16 up to 128, every 64 up to `max_tokens` (at most 512)."""
-    top = min(max_tokens, 512)
-    sizes = [*range(16, min(top, 128) + 1, 16), *range(192, top + 1, 64)]
+    """Padded token counts: every 16 up to 128, every 64 up to 512, then 768, 1,024 and every
+    512 up to `max_tokens` (at most `LADDER_TOP`). Coarser steps above 512 keep the ladder's
+    memory (~0.9 MB a bucket token on the 8B shape) and capture time in check; their padding
+    costs a large step at most a third more rows."""
+    top = min(max_tokens, LADDER_TOP)
+    sizes = [*range(16, 129, 16), *range(192, 513, 64), 768, *range(1024, top + 1, 512)]
     return sorted({*(s for s in sizes if s < top), top})
 
 
@@ -93,11 +103,19 @@ class _Pieces:
 
 class _SplitAtAttention:
     """The attention backend a bucket's forward sees while it is captured: every call closes the
-    graph so far and opens the next one; with `capturing` off (the warm-up) it only returns a
-    zeroed output."""
+    graph so far and opens the next one; with `capturing` off (the warm-up) it only returns an
+    output buffer.
 
-    def __init__(self, pieces: _Pieces, pool: tuple[int, int] | None, capturing: bool) -> None:
+    Every call of every bucket returns rows of one buffer (`outputs`, by dtype and row shape,
+    outside the pool): a layer's output is read only by the graph right after it (o_proj, its
+    LoRA), before the next attention call writes the buffer again, and one bucket replays at a
+    time. A buffer per call and bucket was ~0.26 MB a bucket token on the 8B shape."""
+
+    def __init__(
+        self, pieces: _Pieces, pool: tuple[int, int] | None, capturing: bool, outputs: dict, rows: int
+    ) -> None:
         self.pieces, self.pool, self.capturing = pieces, pool, capturing
+        self.outputs, self.rows = outputs, rows
 
     def begin(self) -> None:
         if self.capturing:
@@ -120,7 +138,10 @@ class _SplitAtAttention:
         norms: Norms = None,
     ) -> torch.Tensor:
         self.end()
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # outside the pool: persists
+        key = (q.dtype, tuple(q.shape[1:]))
+        if key not in self.outputs:  # outside the pool: persists
+            self.outputs[key] = torch.zeros(self.rows, *q.shape[1:], dtype=q.dtype, device=q.device)
+        out = self.outputs[key][: q.shape[0]]
         if self.capturing:
             self.pieces.calls.append((layer, q, k, v, rope, norms, out))
         self.begin()
@@ -149,6 +170,7 @@ class PiecewiseGraphs:
         self._planned: tuple[StepBatch, int, np.ndarray] | None = None  # `piece_tiles` of the last step
         self.buckets: dict[tuple[int, bool], _Pieces] = {}
         self.pool: tuple[int, int] | None = None
+        self.outputs: dict = {}  # the attention calls' output buffers (`_SplitAtAttention`)
 
     @property
     def with_lora(self) -> bool:
@@ -244,7 +266,7 @@ class PiecewiseGraphs:
         with torch.cuda.stream(self.stream):
             for capturing in (False, True):  # a warm-up first: kernel compilation, allocator, cuBLAS
                 torch.cuda.synchronize()
-                split = _SplitAtAttention(pieces, self.pool, capturing)
+                split = _SplitAtAttention(pieces, self.pool, capturing, self.outputs, self.ladder[-1])
                 split.begin()
                 hidden = self.module.hidden_states(ids, pos, ForwardContext(attention=split, logits_rows=ids))
                 split.end()
