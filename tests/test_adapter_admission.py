@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import math
 import random
 import zlib
@@ -246,12 +247,15 @@ def _until(h: Harness, done, limit_s: float = 30.0) -> None:
         h.step()
 
 
-def test_the_victim_is_the_adapter_with_least_work_left(monkeypatch):
+def test_the_victim_is_the_adapter_with_least_work_left(monkeypatch, caplog):
     h = Harness(monkeypatch, num_adapters=4, max_loras=3)
     seqs = _fill(h, {"a0": 200, "a1": 30, "a2": 100})
     cold = h.add("a3")
-    _until_starving(h, cold)
+    with caplog.at_level(logging.WARNING, logger="model_service.engine.adapters"):
+        _until_starving(h, cold)
     assert list(h.scheduler.draining) == ["a1"] and h.control.num_drains == 1
+    (warning,) = caplog.messages  # the operator is told which flag to raise
+    assert "draining 'a1'" in warning and "--lora-memory-bytes" in warning
     _until(h, lambda: cold.admission.first_scheduled_at is not None)
     assert seqs["a1"].request_id in h.finished and h.scheduler.num_preemptions == 0
     assert h.slot_of("a3") == 1 and h.slot_of("a1") is None and not h.scheduler.draining

@@ -54,6 +54,7 @@ time, and a request that has waited
 
 from __future__ import annotations
 
+import logging
 import queue
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -66,6 +67,12 @@ from model_service.errors import NotFoundError, PreconditionError
 from model_service.lora.adapter import AdapterError
 from model_service.lora.control import ControlOp, ControlResult, execute
 from model_service.lora.pool import ACTIVE, LoraPool, SlotsBusyError
+
+log = logging.getLogger(__name__)
+
+# At most one warning about drains in this many seconds: a pod short of adapter memory drains
+# at most quiescent points, and the counter (`spindle:lora_adapter_drains`) says how often.
+DRAIN_WARNING_S = 60.0
 
 RETRY_S = 1.0  # the first wait before loading again an adapter that failed for a reason other than memory
 
@@ -86,6 +93,7 @@ class AdapterControl:
         self.drain_s = config.adapter_drain_s
         self.max_loras = config.max_loras
         self.num_drains = 0  # drains begun for starving adapters
+        self._warned_at: float | None = None  # when `_begin_drains` last logged
         self._failures: dict[str, _LoadFailure] = {}
         self._control: queue.Queue[tuple[ControlOp, Future[ControlResult]]] = queue.Queue()
 
@@ -256,6 +264,15 @@ class AdapterControl:
         for _, _, name in held[:n]:
             self.scheduler.draining[name] = now
             self.num_drains += 1
+        if held[:n] and (self._warned_at is None or now - self._warned_at >= DRAIN_WARNING_S):
+            self._warned_at = now
+            log.warning(
+                "adapters starve for a place: draining %s (%d drains so far); the device holds "
+                "%.0f of %.0f MB of adapters and a step at most %d distinct ones. If this repeats, "
+                "raise --lora-memory-bytes or --max-loras, or route fewer distinct adapters here",
+                ", ".join(repr(name) for _, _, name in held[:n]), self.num_drains,
+                self.pool.memory_used_bytes / 1e6, self.pool.memory_capacity_bytes / 1e6, self.max_loras,
+            )  # fmt: skip
 
     def _end_overdue_drains(self, now: float) -> bool:
         """Preempt the running sequences of every drain that has run `adapter_drain_s`, so that no
