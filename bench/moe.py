@@ -21,13 +21,16 @@ embeddings row, LM head: `step_bytes` without K/V) x tokens/s; at every batch,
 `fraction_of_copy_bandwidth` = the step's floor bytes (`step_bytes`: the experts a step's
 tokens are expected to hit under uniform routing, E x (1 - (1 - k/E)^batch) a layer, plus
 attention, LM head and K/V) x steps/s over the card's measured copy bandwidth. `--profile B`:
-device time per kernel of 8 decode steps at batch B.
+device time per kernel of 8 decode steps at batch B. `--quantization fp8`: the experts in e4m3
+with a scale per expert and output row (W8A16 in the fused kernels), and with `--engine` the
+model quantized as the engine's `--quantization fp8` does it (attention projections W8A8 too);
+bytes counted at one a weight.
 
     python bench/moe.py [--tokens 1 64 512] [--device cuda] [--dtype bfloat16]
     python bench/moe.py --device cpu --dtype float32 --experts 16 --hidden 256 --inter 128  # a smoke run
     python bench/moe.py --tokens 1 64 --sweep  # fused tilings
     python bench/moe.py --engine [--batches 1 16 64] [--layers 48] [--tp 2 [--enable-expert-parallel]]
-                        [--profile 1]
+                        [--profile 1] [--quantization fp8]
 """
 
 from __future__ import annotations
@@ -41,13 +44,15 @@ from collections.abc import Callable
 
 import torch
 
-from bench.gpu import copy_bandwidth, decode_tok_s, kernel_profile, random_module
+from bench.gpu import copy_bandwidth, decode_tok_s, kernel_profile, quantized, random_module
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.kernels.experts import experts_grouped, experts_path, experts_reference
 from model_service.kernels.fused_moe import FusedMoeConfig, down_counters, fused_moe, fused_moe_supported
 from model_service.models.config import LayerKind, ModelConfig
+from model_service.models.fp8_linear import quantize_experts
 from model_service.models.loader import LoadedModel
+from model_service.models.moe import StackedExperts
 from model_service.startup import configure_process
 
 
@@ -83,6 +88,12 @@ def bench(args: argparse.Namespace, tokens: int) -> list[dict[str, object]]:
     down = (torch.randn(experts, h, inter, generator=g) / inter**0.5).to(device, dtype)
     ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).to(device)
     weights = torch.softmax(torch.randn(tokens, k, generator=g), dim=-1).to(device)
+    scales = None
+    if args.quantization == "fp8":
+        stack = StackedExperts(experts, h, inter).to(device)
+        stack.gate_up_proj.data, stack.down_proj.data = gate_up, down
+        quantize_experts(stack)
+        gate_up, down, scales = stack.gate_up_proj.detach(), stack.down_proj.detach(), stack.scales()
     hit = ids.unique().numel()
     weight_bytes = hit * 3 * h * inter * gate_up.element_size()
     paths: dict[str, Callable[[], object]] = {}
@@ -90,17 +101,21 @@ def bench(args: argparse.Namespace, tokens: int) -> list[dict[str, object]]:
     if args.sweep:
         for cfg in sweep_configs():
             name = f"fused_graph/n{cfg.gate_up_block_n}x{cfg.down_block_n}/k{cfg.block_k}/s{cfg.num_stages}"
-            paths[name] = graphed(functools.partial(fused_moe, x, gate_up, down, ids, weights, cfg, arrivals))
+            fused = functools.partial(fused_moe, x, gate_up, down, ids, weights, cfg, arrivals, scales)
+            paths[name] = graphed(fused)
     else:
-        paths["reference"] = lambda: experts_reference(x, gate_up, down, ids, weights)
-        paths["grouped"] = lambda: experts_grouped(x, gate_up, down, ids, weights)
-        if device.type == "cuda":
-            paths["graph"] = graphed(paths["grouped"])
-        if fused_moe_supported(dtype, device):
-            paths["fused"] = lambda: fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals)
+        paths["reference"] = lambda: experts_reference(x, gate_up, down, ids, weights, scales)
+        if scales is None:
+            paths["grouped"] = lambda: experts_grouped(x, gate_up, down, ids, weights)
+            if device.type == "cuda":
+                paths["graph"] = graphed(paths["grouped"])
+        if fused_moe_supported(gate_up.dtype, device):
+            paths["fused"] = lambda: fused_moe(
+                x, gate_up, down, ids, weights, arrivals=arrivals, scales=scales
+            )
             paths["fused_graph"] = graphed(paths["fused"])
     setup = {"experts": experts, "top_k": k, "hidden": h, "inter": inter, "device": args.device,
-             "dtype": args.dtype, "experts_hit": hit}  # fmt: skip
+             "dtype": args.dtype, "quantization": args.quantization, "experts_hit": hit}  # fmt: skip
     rows = []
     for name, fn in paths.items():
         seconds = timed(fn, args.iters, device)
@@ -136,16 +151,18 @@ QWEN3_30B_A3B = {
 }
 
 
-def step_bytes(cfg: ModelConfig, batch: int, context: int) -> float:
-    """bf16 bytes a decode step of `batch` tokens at `context` must move at least: attention and
+def step_bytes(cfg: ModelConfig, batch: int, context: int, weight_bytes: int = 2) -> float:
+    """Bytes a decode step of `batch` tokens at `context` must move at least: attention and
     router weights, the experts its tokens are expected to hit (uniform routing), the LM head,
-    the batch's embedding rows and K/V."""
+    the batch's embedding rows and K/V, in bf16 but for attention's and the experts' weights
+    (`weight_bytes` each: 1 in FP8)."""
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     hit = e * (1 - (1 - k / e) ** batch)
     attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    layer = attention + (e + hit * 3 * cfg.moe_intermediate_size) * cfg.hidden_size
+    quantized = attention + hit * 3 * cfg.moe_intermediate_size * cfg.hidden_size
     kv = batch * context * 2 * cfg.num_kv_heads * cfg.head_dim
-    return 2 * (cfg.num_layers * (layer + kv) + (cfg.vocab_size + batch) * cfg.hidden_size)
+    plain = cfg.num_layers * (e * cfg.hidden_size + kv) + (cfg.vocab_size + batch) * cfg.hidden_size
+    return 2 * plain + weight_bytes * cfg.num_layers * quantized
 
 
 def qwen3_30b_shape(layers: int) -> LoadedModel:
@@ -161,11 +178,16 @@ def qwen3_30b_shape(layers: int) -> LoadedModel:
 def engine_decode(args: argparse.Namespace) -> None:
     loaded = qwen3_30b_shape(args.layers)
     loaded.source = functools.partial(qwen3_30b_shape, args.layers)
-    cfg = loaded.config
+    fp8 = args.quantization == "fp8"
+    loaded = quantized(loaded) if fp8 else loaded
+    cfg, item = loaded.config, 1 if fp8 else 2
     setup = {"model": "qwen3-30b-a3b-shape", "layers": args.layers, "dtype": "bfloat16",
-             "device": torch.cuda.get_device_name(), "prompt_len": 128, "new_tokens": 64, "tp": args.tp,
-             "expert_parallel": args.enable_expert_parallel}  # fmt: skip
+             "quantization": args.quantization, "device": torch.cuda.get_device_name(), "prompt_len": 128,
+             "new_tokens": 64, "tp": args.tp, "expert_parallel": args.enable_expert_parallel}  # fmt: skip
     bandwidth = copy_bandwidth()
+    experts_dtype = next(
+        m for m in loaded.module.modules() if isinstance(m, StackedExperts)
+    ).gate_up_proj.dtype
     for eager in (False, True):
         config = EngineConfig(
             device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches), max_loras=0,
@@ -177,11 +199,11 @@ def engine_decode(args: argparse.Namespace) -> None:
             rate = decode_tok_s(engine, batch, 128, 64, cfg.vocab_size)
             system = "spindle-eager" if eager else "spindle"
             line = {"bench": "moe_engine", "system": system, "batch": batch}
-            line["experts_path"] = experts_path(batch, torch.bfloat16, torch.device("cuda"))
+            line["experts_path"] = experts_path(batch, experts_dtype, torch.device("cuda"))
             line["decode_tokens_per_s"] = round(rate, 1)
             if batch == 1:
-                line["active_gb_s"] = round(step_bytes(cfg, 1, 0) * rate / 1e9)  # weights alone
-            floor = step_bytes(cfg, batch, 128 + 32)
+                line["active_gb_s"] = round(step_bytes(cfg, 1, 0, item) * rate / 1e9)  # weights alone
+            floor = step_bytes(cfg, batch, 128 + 32, item)
             line["fraction_of_copy_bandwidth"] = round(floor * rate / batch / 1e9 / bandwidth, 3)
             print(json.dumps({**line, **setup}), flush=True)
         if args.profile and not eager:
@@ -209,7 +231,12 @@ def main() -> None:
     ap.add_argument(
         "--enable-expert-parallel", action="store_true", help="--engine with --tp: whole experts per rank"
     )
+    ap.add_argument(
+        "--quantization", default="none", choices=["none", "fp8"], help="experts (and --engine's model)"
+    )
     args = ap.parse_args()
+    if args.quantization == "fp8" and args.tp > 1:
+        ap.error("--quantization fp8 runs on one GPU here (tensor-parallel ranks rebuild the bf16 model)")
     if args.engine:
         engine_decode(args)
         return

@@ -518,6 +518,76 @@ def test_an_moe_checkpoints_fp8_experts_are_dequantized_at_load(tmp_path: Path):
     assert greedy(ours, PROMPTS) == [hf_greedy(hf, ids) for ids in PROMPTS]
 
 
+def test_online_fp8_moe_experts_run_in_e4m3_and_match_hf_on_their_dequantized_weights(tmp_path: Path):
+    """`quantize_experts` (what `--quantization fp8` does to MoE experts): e4m3 weights with a
+    scale per expert and output row, bit for bit this test's own rounding of each row (amax /
+    448, round to nearest even); the engine on them (W8A16, the reference path on the CPU) gives
+    HF's logits and greedy tokens on the dequantized experts."""
+    from model_service.models.fp8_linear import quantize_experts
+    from model_service.models.moe import StackedExperts
+
+    src = make_tiny_checkpoint(
+        "qwen3_moe", tmp_path / "src", seed=5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+    ours = load_model(str(src), torch.float32, torch.device("cpu"))
+    hf = hf_model(src)
+    hf_experts = dict(hf.named_modules())  # the same names: transformers 5.x's stacked experts
+    stacks = [(n, m) for n, m in ours.module.named_modules() if isinstance(m, StackedExperts)]
+    assert len(stacks) == 2
+    for name, stack in stacks:
+        original = {p: getattr(stack, p).detach().clone() for p in ("gate_up_proj", "down_proj")}
+        quantize_experts(stack)
+        hf_stack = hf_experts[name]
+        for proj, w in original.items():
+            q, scale = getattr(stack, proj), getattr(stack, proj.replace("_proj", "_scale"))
+            assert q.dtype == E4M3 and scale.shape == w.shape[:2] and scale.dtype == torch.float32
+            want_scale = w.abs().amax(dim=-1) / E4M3_MAX
+            torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+            want_q = (w / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+            getattr(hf_stack, proj).data = q.float() * scale[..., None]
+    assert rel_err(all_logits(ours, PROMPTS[0]), hf_logits(hf, PROMPTS[0])) < 1e-4
+    assert greedy(ours, PROMPTS) == [hf_greedy(hf, ids) for ids in PROMPTS]
+
+
+def test_online_fp8_quantizes_moe_experts_too(tmp_path: Path):
+    """`--quantization fp8` on an MoE checkpoint: attention as `Fp8Linear`, every expert stack in
+    e4m3 with its scales, the router in the compute dtype; it generates."""
+    from model_service.models.moe import Router, StackedExperts
+
+    src = make_tiny_checkpoint(
+        "qwen3_moe", tmp_path / "src", seed=5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+    online = load_model(str(src), torch.float32, torch.device("cpu"), quantization="fp8")
+    stacks = [m for m in online.module.modules() if isinstance(m, StackedExperts)]
+    assert stacks and all(m.gate_up_proj.dtype == E4M3 and m.scales() is not None for m in stacks)
+    assert all(m.weight.dtype == torch.float32 for m in online.module.modules() if isinstance(m, Router))
+    assert all(len(tokens) == MAX_NEW for tokens in greedy(online, PROMPTS))
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts-tp", "expert-parallel"])
+def test_fp8_experts_split_over_two_ranks_sum_to_the_whole_block(tmp_path: Path, expert_parallel: bool):
+    """Sharding FP8 experts (`sharding._moe_share`) carries their scales: each rank's rows of
+    gate_up with their scales and, for down, its input columns with every row's scale, so the
+    two shares of a block sum to the whole block's output."""
+    import copy
+
+    from model_service.distributed.sharding import Partition, _moe_share
+    from model_service.models.moe import SparseMoeBlock
+
+    src = make_tiny_checkpoint(
+        "qwen3_moe", tmp_path / "src", seed=5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=33
+    )
+    online = load_model(str(src), torch.float32, torch.device("cpu"), quantization="fp8")
+    block = next(m for m in online.module.modules() if isinstance(m, SparseMoeBlock))
+    x = torch.randn(5, online.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    parts = [Partition.of(online.config, r, 2, expert_parallel) for r in range(2)]
+    shares = [_moe_share(copy.deepcopy(block), part, torch.device("cpu")) for part in parts]
+    assert all(share.experts.gate_up_proj.dtype == E4M3 for share in shares)
+    with torch.no_grad():
+        torch.testing.assert_close(sum(share(x) for share in shares), block(x), atol=1e-5, rtol=1e-5)
+
+
 def test_deepseek_v3s_hub_format_runs_mla_and_its_mtp_layer_in_fp8(tmp_path: Path):
     """DeepSeek-V3's hub weights: FP8 in 128x128 blocks, activations per token and 128 columns
     (`fp8-block`). MLA's query, latent and output projections, the dense MLP and the shared

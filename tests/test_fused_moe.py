@@ -29,7 +29,8 @@ from model_service.kernels.fused_moe import (
     triton,
 )
 from model_service.models.config import ModelConfig, Routing
-from model_service.models.moe import SparseMoeBlock, route
+from model_service.models.fp8_linear import quantize_experts
+from model_service.models.moe import SparseMoeBlock, StackedExperts, route
 
 interpreter = pytest.mark.skipif(
     triton is None or os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter"
@@ -55,6 +56,14 @@ def _case(
     ids = _ids(tokens, experts, top_k, gen, used)
     weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
     return x, gate_up, down, ids, weights
+
+
+def _fp8(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """The experts as `quantize_experts` stores them: e4m3 weights and their per-row scales."""
+    stack = StackedExperts(*gate_up.shape[::2], gate_up.shape[1] // 2).to(gate_up.device)
+    stack.gate_up_proj.data, stack.down_proj.data = gate_up, down
+    quantize_experts(stack)
+    return stack.gate_up_proj.detach(), stack.down_proj.detach(), stack.scales()
 
 
 def _check_alignment(
@@ -152,6 +161,41 @@ def test_fused_experts_match_the_reference_under_the_interpreter(tokens, experts
     torch.testing.assert_close(fused_moe(x, gate_up, down, ids, weights), want, rtol=1e-5, atol=1e-5)
     wide = FusedMoeConfig(block_m=32, gate_up_block_n=64, down_block_n=32, block_k=32, num_stages=2)
     torch.testing.assert_close(fused_moe(x, gate_up, down, ids, weights, wide), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_reference_runs_fp8_experts_as_their_dequantized_weights():
+    """What CI checks of the FP8 experts' oracle: e4m3 weights with their scales give the
+    reference's output on the dequantized float weights, and the fused path refuses e4m3
+    weights without scales (and scales with float weights) by name."""
+    x, gate_up, down, ids, weights = _case(9, 8, 2, 64, 32, seed=3, used=5)
+    q_gate_up, q_down, scales = _fp8(gate_up, down)
+    dequantized = (q_gate_up.float() * scales[0][..., None], q_down.float() * scales[1][..., None])
+    want = experts_reference(x, *dequantized, ids, weights)
+    torch.testing.assert_close(experts_reference(x, q_gate_up, q_down, ids, weights, scales), want)
+    assert experts_path(9, q_gate_up.dtype, torch.device("cpu")) == "reference"
+    with pytest.raises(ValueError, match="e4m3 expert weights need their scales"):
+        fused_moe(x, q_gate_up, q_down, ids, weights)
+    with pytest.raises(ValueError, match="e4m3 expert weights need their scales"):
+        fused_moe(x, gate_up, down, ids, weights, scales=scales)
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, hidden, inter, used", [(1, 8, 2, 64, 32, None), (37, 16, 4, 80, 48, 9)]
+)
+def test_fp8_experts_in_the_kernels_match_the_reference_under_the_interpreter(
+    tokens, experts, top_k, hidden, inter, used
+):
+    """e4m3 weights widened in the tiles, the sums scaled per column: the reference on the
+    dequantized weights, to float32 rounding, at decode (direct) and aligned blocks, two tilings."""
+    x, gate_up, down, ids, weights = _case(tokens, experts, top_k, hidden, inter, seed=tokens, used=used)
+    q_gate_up, q_down, scales = _fp8(gate_up, down)
+    want = experts_reference(x, q_gate_up, q_down, ids, weights, scales)
+    got = fused_moe(x, q_gate_up, q_down, ids, weights, scales=scales)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    wide = FusedMoeConfig(block_m=32, gate_up_block_n=64, down_block_n=32, block_k=32, num_stages=2)
+    torch.testing.assert_close(fused_moe(x, q_gate_up, q_down, ids, weights, wide, scales=scales), want,
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
 @interpreter
@@ -326,6 +370,32 @@ def test_fused_experts_replay_from_a_cuda_graph_with_new_inputs(tokens):
     torch.testing.assert_close(captured, fused_moe(x, gate_up, down, ids, weights), rtol=0, atol=0)
     want = experts_reference(x.float(), gate_up.float(), down.float(), ids, weights)
     assert ((captured.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_fp8_experts_match_the_reference_on_cuda_and_replay_from_a_graph(tokens):
+    """Qwen3-30B-A3B's expert shapes in e4m3 (W8A16, bf16 activations) against the float32
+    reference on the dequantized weights; past FUSED_MAX_TOKENS the fused path still runs (no
+    grouped GEMM takes e4m3); a graph replay equals the eager call bit for bit."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    x, gate_up, down, ids, weights = (
+        t.cuda() for t in _case(tokens, QWEN["experts"], QWEN["top_k"], QWEN["hidden"], QWEN["inter"], tokens)
+    )
+    q_gate_up, q_down, scales = _fp8(gate_up, down)
+    x = x.to(torch.bfloat16)
+    assert experts_path(tokens, q_gate_up.dtype, x.device) == "fused"
+    got = fused_experts(x, q_gate_up, q_down, ids, weights, scales=scales)
+    want = experts_reference(x.float(), q_gate_up, q_down, ids, weights, scales)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+    arrivals = torch.zeros(down_counters(tokens, QWEN["hidden"]), dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_moe(x, q_gate_up, q_down, ids, weights, arrivals=arrivals, scales=scales)
+    graph.replay()
+    torch.testing.assert_close(captured, got, rtol=0, atol=0)
 
 
 @cuda

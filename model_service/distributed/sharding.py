@@ -286,12 +286,16 @@ def _moe_share(block: SparseMoeBlock, part: Partition, device: torch.device) -> 
     e, i = part.experts, part.expert_inter
     gate_up = block.experts.gate_up_proj.detach()[e.start : e.stop]
     down = block.experts.down_proj.detach()[e.start : e.stop]
+    scales = block.experts.scales()
     inter = down.shape[2]
     rows = [*range(i.start, i.stop), *range(inter + i.start, inter + i.stop)]  # gate rows, then up rows
     with torch.device("meta"):
         block.experts = StackedExperts(len(e), down.shape[1], len(i))
     block.experts.gate_up_proj = _frozen(gate_up[:, rows], device)
     block.experts.down_proj = _frozen(down[:, :, i.start : i.stop], device)
+    if scales is not None:  # FP8 experts: a scale per output row, so down's keep every row
+        block.experts.gate_up_scale = scales[0][e.start : e.stop][:, rows].to(device)
+        block.experts.down_scale = scales[1][e.start : e.stop].to(device)
     block.expert_range = e
     shared = block.shared_mlp()
     if shared is not None:

@@ -35,6 +35,7 @@ from model_service.models.context import ForwardContext
 from model_service.models.layers import store_weights_transposed
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
+from model_service.models.moe import StackedExperts
 from model_service.models.recurrent import RecurrentModel, recurrent_step
 from model_service.models.step import AttentionBackend, CapturableBackend, StepBatch
 
@@ -272,13 +273,13 @@ class ModelExecutor:
         return self.device.type == "cuda" and triton is not None and dim >= 16 and dim & (dim - 1) == 0
 
     def _graphs_apply(self) -> bool:
-        """MoE experts are capturable on their fused (CUDA with Triton, sm80+) or grouped path
-        (bf16, sm90+); elsewhere the expert loop reads token counts on the host, so decode steps
+        """MoE experts are capturable on their fused (CUDA with Triton, sm80+; sm89+ in FP8) or
+        grouped path (bf16, sm90+); elsewhere the expert loop reads token counts on the host, so decode steps
         run eagerly. Hybrid models'
         recurrent layers run their decode and verify steps through the step kernels, over static
         state runs (`StaticRuns`): captured as dense ones."""
-        moe = any(kind.moe for kind in self.config.layer_kinds)
-        return not moe or experts_capturable(self.dtype, self.device)
+        experts = {m.gate_up_proj.dtype for m in self.module.modules() if isinstance(m, StackedExperts)}
+        return all(experts_capturable(dtype, self.device) for dtype in experts)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, fed: torch.Tensor | None = None) -> torch.Tensor:

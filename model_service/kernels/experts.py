@@ -10,6 +10,10 @@ first) and down [E, H, I]. `ids` are expert indices *local* to these weights: an
 [0, E) is an expert that lives elsewhere (another rank, under expert parallelism) and adds
 nothing here, so the layer's output is the sum of every owner's partial output.
 
+FP8 experts (e4m3 weights with `scales`, a float32 scale per expert and output row: gate_up's
+[E, 2I], down's [E, H]) take the fused kernels at every size where the device converts e4m3
+(sm89+), else the reference, which dequantizes each expert it runs.
+
 `grouped_mm` on CUDA runs its CUTLASS kernel only for bf16 on sm90/sm100; for any other dtype it
 falls back to a loop that copies the offsets to the host, which is slower than the reference and
 breaks graph capture, so those cases take the reference and the model reports itself not
@@ -23,6 +27,8 @@ import torch.nn.functional as F
 
 from model_service.kernels.fused import silu_and_mul
 from model_service.kernels.fused_moe import fused_moe, fused_moe_supported
+
+Scales = tuple[torch.Tensor, torch.Tensor] | None  # FP8 experts' (gate_up [E, 2I], down [E, H])
 
 # Up to this many tokens a call takes the fused kernels where `grouped_mm` could run too: decode
 # batches (a few rows an expert, where reading each expert once is all that matters); past it,
@@ -59,40 +65,56 @@ def fused_experts(
     ids: torch.Tensor,
     weights: torch.Tensor,
     arrivals: torch.Tensor | None = None,
+    scales: Scales = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for the experts held here.
 
     x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; ids: [T, k] local expert ids; weights: [T, k]
-    float32 routing weights. Returns [T, H] in x's dtype. `arrivals`: the fused path's counters
-    (`fused_moe`), if the caller keeps them.
+    float32 routing weights; `scales` with e4m3 weights. Returns [T, H] in x's dtype.
+    `arrivals`: the fused path's counters (`fused_moe`), if the caller keeps them.
     """
     path = experts_path(x.shape[0], gate_up.dtype, x.device)
     if path == "fused":
-        return fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals)
+        return fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals, scales=scales)
     if path == "grouped":
         return experts_grouped(x, gate_up, down, ids, weights)
-    return experts_reference(x, gate_up, down, ids, weights)
+    return experts_reference(x, gate_up, down, ids, weights, scales)
+
+
+def _expert_weight(
+    stack: torch.Tensor, scale: torch.Tensor | None, expert: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Expert `expert`'s weight [N, K] of `stack` in `dtype`: as stored, or e4m3 times its rows' scales."""
+    w = stack[expert]
+    return w if scale is None else (w.float() * scale[expert, :, None]).to(dtype)
 
 
 def experts_reference(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    scales: Scales = None,
 ) -> torch.Tensor:
     """HF's arithmetic (weight in the model's dtype, index_add into the output), with the token
-    rows sorted by expert once instead of a mask per expert."""
+    rows sorted by expert once instead of a mask per expert; FP8 experts dequantized as used."""
     num_experts, top_k = gate_up.shape[0], ids.shape[1]
     flat = ids.flatten()
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts).tolist()
     start = int((flat[order] < 0).sum())  # remote experts with negative ids sort first
     row_weights = weights.flatten().to(x.dtype)
+    gate_up_scale, down_scale = scales if scales is not None else (None, None)
     out = torch.zeros_like(x)
     for expert, n in enumerate(counts):
         if n == 0:
             continue
         rows = order[start : start + n]
         tokens = rows // top_k
-        h = silu_and_mul(F.linear(x[tokens], gate_up[expert]))
-        y = F.linear(h, down[expert]) * row_weights[rows, None]
+        w1 = _expert_weight(gate_up, gate_up_scale, expert, x.dtype)
+        h = silu_and_mul(F.linear(x[tokens], w1))
+        y = F.linear(h, _expert_weight(down, down_scale, expert, x.dtype)) * row_weights[rows, None]
         out.index_add_(0, tokens, y)
         start += n
     return out

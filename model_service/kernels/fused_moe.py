@@ -28,6 +28,11 @@ this engine:
    the float32 sum can be, and no launch of its own (a `_combine_kernel` was ~2.6 us of a ~30 us
    batch-1 layer).
 
+FP8 experts (`--quantization fp8`: e4m3 weights, a float32 scale per expert and output row,
+`scales`): each weight tile is widened to the activations' type as it is loaded (exactly: every
+e4m3 value is a bf16 value) and the sums are scaled per column after the K loop, so a step reads
+one byte a weight, the bytes that bound decode. Activations stay in the compute dtype (W8A16).
+
 Tiles: 16 rows (BLOCK_M, `tl.dot`'s smallest; rows past an expert's tokens are masked, and the
 wasted arithmetic is free in a memory-bound kernel), and the column block narrowed towards two
 programs an SM, as the skinny dense kernel does (kernels/skinny_gemm.py), but no narrower than 64
@@ -43,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model_service.kernels.fp8_gemm import E4M3, has_fp8_conversions
 from model_service.kernels.paged_attention import dot_precision, triton
 from model_service.models.config import PLAIN_TOP_K, Routing
 
@@ -74,8 +80,8 @@ def fused_moe_config(
     shapes (`bench/moe.py --tokens 1 64 --sweep`, 2026-12-02 v): at 1 token the 32-wide columns
     and 64-long K this took before 42.1 us, 64 x 64 columns with K 128 37.8; at 64 tokens K 128
     gained 3-5% at every width. The run is 256 bytes whatever the weights' type (`item_bytes`):
-    float32 tiles of K 128 and 128 columns outgrow the shared memory of four stages. Wider row
-    blocks (not swept) keep K 64 and 32."""
+    float32 tiles of K 128 and 128 columns outgrow the shared memory of four stages. One-byte
+    (e4m3) weights take bf16's K (unswept). Wider row blocks (not swept) keep K 64 and 32."""
     pairs = tokens * top_k
     per_expert = pairs / max(1, min(experts, pairs))
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
@@ -87,7 +93,7 @@ def fused_moe_config(
             width //= 2
         return width
 
-    block_k = 256 // item_bytes if block_m == 16 else 64 if block_m == 32 else 32
+    block_k = 256 // max(item_bytes, 2) if block_m == 16 else 64 if block_m == 32 else 32
     return FusedMoeConfig(
         block_m, block_n(inter), block_n(hidden), block_k, num_stages=4 if block_m <= 32 else 3
     )
@@ -117,12 +123,14 @@ def _sms(device: torch.device) -> int:
 
 def fused_moe_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `fused_moe` runs for weights of `dtype` on `device`: CUDA with Triton, Ampere or
-    later (bf16 `tl.dot`), half or single precision. On the CPU it runs only under Triton's
-    interpreter (the tests)."""
-    if triton is None or dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    later (bf16 `tl.dot`), half or single precision, or e4m3 where the device converts it (sm89+).
+    On the CPU it runs only under Triton's interpreter (the tests)."""
+    if triton is None or dtype not in (torch.bfloat16, torch.float16, torch.float32, E4M3):
         return False
     if device.type != "cuda":
         return False
+    if dtype == E4M3:
+        return has_fp8_conversions(device)
     return torch.cuda.get_device_capability(device)[0] >= 8
 
 
@@ -257,17 +265,21 @@ def fused_moe(
     weights: torch.Tensor,
     config: FusedMoeConfig | None = None,
     arrivals: torch.Tensor | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for the experts held here, as
     `experts.fused_experts` (same arguments: x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; ids
-    [T, k] local expert ids, those outside [0, E) adding nothing; weights [T, k] float32).
-    Returns [T, H] in x's dtype. `arrivals`: the down kernel's counters, int32 zeros, at least
+    [T, k] local expert ids, those outside [0, E) adding nothing; weights [T, k] float32;
+    `scales` (gate_up's [E, 2I], down's [E, H], float32) with e4m3 weights). Returns [T, H] in
+    x's dtype. `arrivals`: the down kernel's counters, int32 zeros, at least
     `down_counters(T, H)` of them, owned by the caller and left zeroed; None (or too few)
     allocates zeroed ones, a memset launch more."""
     tokens, top_k = ids.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
     pairs = tokens * top_k
+    if (scales is not None) != (gate_up.dtype == E4M3):
+        raise ValueError("e4m3 expert weights need their scales, and only they take scales")
     if pairs == 0:
         return x.new_zeros(tokens, hidden)
     if config is None:
@@ -282,21 +294,25 @@ def fused_moe(
     else:
         sorted_pairs, block_expert = align(ids, num_experts, config.block_m)
         blocks = block_expert.numel()
+    gate_up_scale, down_scale = scales if scales is not None else (weights, None)  # weights: unread
     precision = dot_precision(x.dtype)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     grid = (blocks, triton.cdiv(inter, config.gate_up_block_n))
     _gate_up_kernel[grid](
-        x, gate_up, sorted_pairs, block_expert, h, pairs, top_k, num_experts, inter, hidden,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        x, gate_up, gate_up_scale, sorted_pairs, block_expert, h, pairs, top_k, num_experts, inter, hidden,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), gate_up_scale.stride(0),
         DIRECT=direct, BLOCK_M=config.block_m, BLOCK_N=config.gate_up_block_n, BLOCK_K=config.block_k,
-        PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
+        PRECISION=precision, W8=scales is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return _down_and_combine(h, down, sorted_pairs, block_expert, ids, weights, blocks, config, arrivals)
+    return _down_and_combine(
+        h, down, down_scale, sorted_pairs, block_expert, ids, weights, blocks, config, arrivals
+    )
 
 
 def _down_and_combine(
     h: torch.Tensor,
     down: torch.Tensor,
+    down_scale: torch.Tensor | None,
     sorted_pairs: torch.Tensor,
     block_expert: torch.Tensor,
     ids: torch.Tensor,
@@ -306,7 +322,8 @@ def _down_and_combine(
     arrivals: torch.Tensor | None,
 ) -> torch.Tensor:
     """The down kernel's launch: `blocks` rows of programs over the blocks (pairs under direct),
-    then one a BLOCK_M tokens that arrives for their remote slots; returns [T, H] in h's dtype."""
+    then one a BLOCK_M tokens that arrives for their remote slots; returns [T, H] in h's dtype.
+    `down_scale` [E, H]: e4m3 weights' scales, else None."""
     (tokens, top_k), (num_experts, hidden, inter) = ids.shape, down.shape
     pairs = tokens * top_k
     slots = torch.empty(pairs, hidden, dtype=torch.float32, device=h.device)
@@ -314,12 +331,13 @@ def _down_and_combine(
     col_blocks = triton.cdiv(hidden, config.down_block_n)
     if arrivals is None or arrivals.numel() < tokens * col_blocks:
         arrivals = torch.zeros(tokens * col_blocks, dtype=torch.int32, device=h.device)
+    scale = down_scale if down_scale is not None else weights  # a pointer the kernel does not read
     _down_kernel[(blocks + triton.cdiv(tokens, config.block_m), col_blocks)](
-        h, down, sorted_pairs, block_expert, ids, weights, slots, out, arrivals, pairs, top_k, num_experts,
-        hidden, inter, blocks, down.stride(0), down.stride(1), down.stride(2), DIRECT=tokens == 1,
-        BLOCK_M=config.block_m, BLOCK_N=config.down_block_n, BLOCK_K=config.block_k,
-        K_P2=triton.next_power_of_2(top_k), PRECISION=dot_precision(h.dtype), num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        h, down, scale, sorted_pairs, block_expert, ids, weights, slots, out, arrivals, pairs, top_k,
+        num_experts, hidden, inter, blocks, down.stride(0), down.stride(1), down.stride(2), scale.stride(0),
+        DIRECT=tokens == 1, BLOCK_M=config.block_m, BLOCK_N=config.down_block_n, BLOCK_K=config.block_k,
+        K_P2=triton.next_power_of_2(top_k), PRECISION=dot_precision(h.dtype), W8=down_scale is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 
@@ -503,12 +521,13 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(
-        X, W, Sorted, BlockExpert, Hout, P, TOP_K, E, N, K, x_stride, w_stride_e, w_stride_n, w_stride_k,
-        DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr,
+        X, W, Scale, Sorted, BlockExpert, Hout, P, TOP_K, E, N, K, x_stride, w_stride_e, w_stride_n,
+        w_stride_k, s_stride_e, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, W8: tl.constexpr,
     ):  # fmt: skip
         """h[pair, cols] = silu(x[token] . W[e, cols]) * (x[token] . W[e, N + cols]) for the rows of
-        one block and BLOCK_N of the N = I columns (both halves: SiLU needs the whole sum)."""
+        one block and BLOCK_N of the N = I columns (both halves: SiLU needs the whole sum); with
+        W8 (e4m3 weights) each sum times its row's scale, Scale[e, cols] and Scale[e, N + cols]."""
         expert, pairs, live = _block_rows(Sorted, BlockExpert, tl.program_id(0), P, E, DIRECT, BLOCK_M)
         if expert < 0:
             return
@@ -527,22 +546,26 @@ if triton is not None:
             w_off = (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n
             wg = tl.load(w + w_off, mask=w_mask, other=0.0)
             wu = tl.load(w + N * w_stride_n + w_off, mask=w_mask, other=0.0)
-            a = a.to(wg.dtype)
-            gate += tl.dot(a, wg, input_precision=PRECISION)
-            up += tl.dot(a, wu, input_precision=PRECISION)
+            gate += tl.dot(*_operands(a, wg, W8), input_precision=PRECISION)
+            up += tl.dot(*_operands(a, wu, W8), input_precision=PRECISION)
+        if W8:
+            s = Scale + expert.to(tl.int64) * s_stride_e + cols
+            gate *= tl.load(s, mask=col_ok, other=0.0)[None, :]
+            up *= tl.load(s + N, mask=col_ok, other=0.0)[None, :]
         h = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(Hout + pairs[:, None] * N + cols[None, :], h.to(Hout.dtype.element_ty),
                  mask=live[:, None] & col_ok[None, :])  # fmt: skip
 
     @triton.jit
     def _down_kernel(
-        Hin, W, Sorted, BlockExpert, Ids, Weights, Slots, Out, Arrivals, P, TOP_K, E, N, K, NUM_BLOCKS,
-        w_stride_e, w_stride_n, w_stride_k, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_P2: tl.constexpr, PRECISION: tl.constexpr,
+        Hin, W, Scale, Sorted, BlockExpert, Ids, Weights, Slots, Out, Arrivals, P, TOP_K, E, N, K,
+        NUM_BLOCKS, w_stride_e, w_stride_n, w_stride_k, s_stride_e, DIRECT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_P2: tl.constexpr,
+        PRECISION: tl.constexpr, W8: tl.constexpr,
     ):  # fmt: skip
-        """slots[pair, cols] = weights[pair] * (h[pair] . down[e, cols]) in float32, N = H, then each
-        token's arrival (`_arrive`). Blocks past NUM_BLOCKS (one per BLOCK_M tokens) arrive for
-        their tokens' remote slots, which no block holds."""
+        """slots[pair, cols] = weights[pair] * (h[pair] . down[e, cols]) in float32, N = H (times
+        Scale[e, cols] with W8), then each token's arrival (`_arrive`). Blocks past NUM_BLOCKS (one
+        per BLOCK_M tokens) arrive for their tokens' remote slots, which no block holds."""
         block = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
@@ -564,12 +587,22 @@ if triton is not None:
                         other=0.0)  # fmt: skip
             b = tl.load(w + (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n,
                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-            acc += tl.dot(a.to(b.dtype), b, input_precision=PRECISION)
+            acc += tl.dot(*_operands(a, b, W8), input_precision=PRECISION)
+        if W8:
+            acc *= tl.load(Scale + expert.to(tl.int64) * s_stride_e + cols, mask=col_ok, other=0.0)[None, :]
         acc *= tl.load(Weights + pairs, mask=live, other=0.0)[:, None]
         tl.store(Slots + pairs[:, None] * N + cols[None, :], acc, mask=live[:, None] & col_ok[None, :])
         one = tl.full([BLOCK_M], 1, tl.int32)
         _arrive(Slots, Ids, Out, Arrivals, pairs // TOP_K, one, live, cols, col_ok, TOP_K, E, N, BLOCK_M,
                 BLOCK_N)  # fmt: skip
+
+    @triton.jit
+    def _operands(a, w, W8: tl.constexpr):
+        """`tl.dot`'s operands in one type: e4m3 weights (W8) widened to the activations' type,
+        exactly; other weights keep theirs and the activations take it."""
+        if W8:
+            return a, w.to(a.dtype)
+        return a.to(w.dtype), w
 
     @triton.jit
     def _remote_slots(Ids, tokens, T, TOP_K, E, K_P2: tl.constexpr):

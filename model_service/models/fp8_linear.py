@@ -25,6 +25,7 @@ from model_service.kernels.fp8_gemm import (
 )
 from model_service.kernels.skinny_gemm import skinny_applies, skinny_linear
 from model_service.models.layers import PackedLinear
+from model_service.models.moe import StackedExperts
 from model_service.models.quantization import ONLINE, Fp8Scheme
 
 
@@ -95,13 +96,31 @@ class Fp8Linear(PackedLinear):
 
 
 def quantize_online(module: nn.Module) -> None:
-    """Replace every `PackedLinear` of `module` by its per-channel FP8 quantization
-    (`--quantization fp8`); the embeddings and the LM head stay in the compute dtype, as vLLM
-    leaves them."""
+    """Replace every `PackedLinear` of `module` by its per-channel FP8 quantization and store
+    MoE experts in e4m3 (`quantize_experts`) (`--quantization fp8`); the embeddings, the MoE
+    router and the LM head stay in the compute dtype, as vLLM leaves them."""
     for name, sub in list(module.named_modules()):
         if type(sub) is PackedLinear:
             owner, _, attr = name.rpartition(".")
             setattr(module.get_submodule(owner), attr, Fp8Linear.quantized(sub))
+        elif isinstance(sub, StackedExperts):
+            quantize_experts(sub)
+
+
+def quantize_experts(experts: StackedExperts) -> None:
+    """`experts`' weights in e4m3, in place, each expert's output rows scaled by their own
+    maximum (per channel, as `Fp8Linear.quantized`): the fused MoE kernels read one byte a
+    weight and scale their sums (W8A16). One expert at a time, so the float32 copy the
+    quantization makes stays one expert's."""
+    for name in ("gate_up_proj", "down_proj"):
+        w = getattr(experts, name).detach()
+        q = torch.empty(w.shape, dtype=E4M3, device=w.device)
+        scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+        for e in range(w.shape[0]):
+            rows, scales = quantize_groups(w[e], w.shape[2])
+            q[e], scale[e] = rows, scales[:, 0]
+        setattr(experts, name, nn.Parameter(q, requires_grad=False))
+        setattr(experts, name.replace("_proj", "_scale"), scale)
 
 
 def fp8_dtypes(module: nn.Module) -> dict[str, torch.dtype]:

@@ -78,12 +78,21 @@ class Router(nn.Linear):
 
 
 class StackedExperts(nn.Module):
-    """The SwiGLU weights of a contiguous range of experts, one tensor per projection."""
+    """The SwiGLU weights of a contiguous range of experts, one tensor per projection. Quantized
+    online (`fp8_linear.quantize_experts`) they are e4m3 with a float32 scale per expert and
+    output row (`gate_up_scale` [E, 2I], `down_scale` [E, H]): half the bytes a decode step
+    reads, the bytes that bound it."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.register_buffer("gate_up_scale", None)
+        self.register_buffer("down_scale", None)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up's, down's) scales of FP8 weights, None for weights in a float type."""
+        return None if self.gate_up_scale is None else (self.gate_up_scale, self.down_scale)
 
 
 class SparseMoeBlock(nn.Module):
@@ -147,7 +156,7 @@ class SparseMoeBlock(nn.Module):
         experts, counters = self.experts, self.counters(x)
         weights, ids = self.select_experts(x, counters)
         down = counters[ROUTER_MAX_ROWS:] if counters is not None else None
-        out = fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, down)
+        out = fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, down, experts.scales())
         shared = self.shared_mlp()
         if shared is not None:
             scale = F.sigmoid(self.shared_expert_gate(x)) if self.shared_expert_gate is not None else 1.0
