@@ -503,18 +503,33 @@ def test_smollm2_perplexity_in_fp8(smollm2):
     assert 1.0 < result["ratio"] < 1.08, result
 
 
-def test_an_moe_checkpoints_fp8_experts_are_dequantized_at_load(tmp_path: Path):
-    """Qwen3-MoE in FP8: attention runs as `Fp8Linear`, the experts and the router (FP8 in the
-    file) are dequantized at load into the stacked float experts; HF's tokens on the same weights."""
+@pytest.mark.parametrize("fmt", ["ct-channel-w8a16", "fp8-block"])
+def test_an_moe_checkpoints_fp8_experts_stay_fp8_and_match_hf(fmt: str, tmp_path: Path):
+    """Qwen3-MoE in FP8: attention runs as `Fp8Linear`, the experts stay e4m3 in their stacks
+    with a scale per output row (and, block-wise, per 128 input columns), the router (FP8 in the
+    file) is dequantized at load; HF's tokens on the dequantized weights (W8A8 attention: its
+    inputs rounded as ours are; the experts run W8A16, so theirs are not)."""
+    from model_service.models.moe import StackedExperts
+
     src = make_tiny_checkpoint(
         "qwen3_moe", tmp_path / "src", seed=7, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
     )
-    fp8_path, deq_path = write_fp8_checkpoint(src, tmp_path, FORMATS["ct-channel-w8a16"])
+    fp8_path, deq_path = write_fp8_checkpoint(src, tmp_path, FORMATS[fmt])
     ours = load_model(str(fp8_path), torch.float32, torch.device("cpu"))
     assert sum(isinstance(m, Fp8Linear) for m in ours.module.modules()) == 4  # q/k/v and o, two layers
-    assert all(p.dtype == torch.float32 for n, p in ours.module.named_parameters() if "mlp" in n)
-    hf = hf_model(deq_path)
-    assert rel_err(all_logits(ours, PROMPTS[0]), hf_logits(hf, PROMPTS[0])) < 1e-4
+    stacks = [m for m in ours.module.modules() if isinstance(m, StackedExperts)]
+    assert len(stacks) == 2 and all(m.gate_up_proj.dtype == m.down_proj.dtype == E4M3 for m in stacks)
+    hidden, groups = ours.config.hidden_size, 1 if fmt != "fp8-block" else -(-ours.config.hidden_size // 128)
+    assert all(m.gate_up_scale.shape == (4, 64, groups) and m.down_scale.shape[1] == hidden for m in stacks)
+    assert all(p.dtype == torch.float32 for n, p in ours.module.named_parameters() if "mlp.gate" in n)
+    weight_only = FORMATS[fmt].weight_only
+    hf = (
+        hf_model(deq_path)
+        if weight_only
+        else hf_rounding_inputs(hf_model(deq_path), FORMATS[fmt], fp8_path, ours)
+    )
+    tolerance = 1e-4 if weight_only else W8A8_LOGITS_TOL
+    assert rel_err(all_logits(ours, PROMPTS[0]), hf_logits(hf, PROMPTS[0])) < tolerance
     assert greedy(ours, PROMPTS) == [hf_greedy(hf, ids) for ids in PROMPTS]
 
 
@@ -540,12 +555,12 @@ def test_online_fp8_moe_experts_run_in_e4m3_and_match_hf_on_their_dequantized_we
         hf_stack = hf_experts[name]
         for proj, w in original.items():
             q, scale = getattr(stack, proj), getattr(stack, proj.replace("_proj", "_scale"))
-            assert q.dtype == E4M3 and scale.shape == w.shape[:2] and scale.dtype == torch.float32
-            want_scale = w.abs().amax(dim=-1) / E4M3_MAX
+            assert q.dtype == E4M3 and scale.shape == (*w.shape[:2], 1) and scale.dtype == torch.float32
+            want_scale = w.abs().amax(dim=-1, keepdim=True) / E4M3_MAX
             torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
-            want_q = (w / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+            want_q = (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
             assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-            getattr(hf_stack, proj).data = q.float() * scale[..., None]
+            getattr(hf_stack, proj).data = q.float() * scale
     assert rel_err(all_logits(ours, PROMPTS[0]), hf_logits(hf, PROMPTS[0])) < 1e-4
     assert greedy(ours, PROMPTS) == [hf_greedy(hf, ids) for ids in PROMPTS]
 
@@ -565,27 +580,43 @@ def test_online_fp8_quantizes_moe_experts_too(tmp_path: Path):
     assert all(len(tokens) == MAX_NEW for tokens in greedy(online, PROMPTS))
 
 
+@pytest.mark.parametrize("source", ["online", "fp8-block"])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts-tp", "expert-parallel"])
-def test_fp8_experts_split_over_two_ranks_sum_to_the_whole_block(tmp_path: Path, expert_parallel: bool):
+def test_fp8_experts_split_over_two_ranks_sum_to_the_whole_block(
+    tmp_path: Path, expert_parallel: bool, source: str
+):
     """Sharding FP8 experts (`sharding._moe_share`) carries their scales: each rank's rows of
-    gate_up with their scales and, for down, its input columns with every row's scale, so the
-    two shares of a block sum to the whole block's output."""
+    gate_up with their scales and, for down, its input columns with their scale groups, so the
+    two shares of a block sum to the whole block's output. A tensor-parallel split of down's
+    columns that cuts a 128-column scale block is refused by name."""
     import copy
 
     from model_service.distributed.sharding import Partition, _moe_share
     from model_service.models.moe import SparseMoeBlock
 
-    src = make_tiny_checkpoint(
-        "qwen3_moe", tmp_path / "src", seed=5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=33
-    )
-    online = load_model(str(src), torch.float32, torch.device("cpu"), quantization="fp8")
-    block = next(m for m in online.module.modules() if isinstance(m, SparseMoeBlock))
-    x = torch.randn(5, online.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    parts = [Partition.of(online.config, r, 2, expert_parallel) for r in range(2)]
+    def block_of(inter: int) -> tuple[LoadedModel, SparseMoeBlock]:
+        src = make_tiny_checkpoint(
+            "qwen3_moe", tmp_path / f"src{inter}", seed=5, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=inter,
+        )  # fmt: skip
+        if source == "online":
+            loaded = load_model(str(src), torch.float32, torch.device("cpu"), quantization="fp8")
+        else:
+            fp8_path = write_fp8_checkpoint(src, tmp_path / f"q{inter}", FORMATS[source])[0]
+            loaded = load_model(str(fp8_path), torch.float32, torch.device("cpu"))
+        return loaded, next(m for m in loaded.module.modules() if isinstance(m, SparseMoeBlock))
+
+    loaded, block = block_of(256)
+    x = torch.randn(5, loaded.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    parts = [Partition.of(loaded.config, r, 2, expert_parallel) for r in range(2)]
     shares = [_moe_share(copy.deepcopy(block), part, torch.device("cpu")) for part in parts]
     assert all(share.experts.gate_up_proj.dtype == E4M3 for share in shares)
     with torch.no_grad():
         torch.testing.assert_close(sum(share(x) for share in shares), block(x), atol=1e-5, rtol=1e-5)
+    if source != "online" and not expert_parallel:
+        loaded, block = block_of(192)  # 96 columns a rank
+        with pytest.raises(ModelLoadError, match="128-column blocks"):
+            _moe_share(block, Partition.of(loaded.config, 1, 2), torch.device("cpu"))
 
 
 def test_deepseek_v3s_hub_format_runs_mla_and_its_mtp_layer_in_fp8(tmp_path: Path):

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from model_service.kernels.experts import FUSED_MAX_TOKENS, experts_path, experts_reference, fused_experts
+from model_service.kernels.fp8_gemm import dequantize_groups, quantize_groups
 from model_service.kernels.fused_moe import (
+    ExpertScales,
     FusedMoeConfig,
     align,
     align_reference,
@@ -58,7 +60,7 @@ def _case(
     return x, gate_up, down, ids, weights
 
 
-def _fp8(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+def _fp8(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ExpertScales]:
     """The experts as `quantize_experts` stores them: e4m3 weights and their per-row scales."""
     stack = StackedExperts(*gate_up.shape[::2], gate_up.shape[1] // 2).to(gate_up.device)
     stack.gate_up_proj.data, stack.down_proj.data = gate_up, down
@@ -169,7 +171,7 @@ def test_the_reference_runs_fp8_experts_as_their_dequantized_weights():
     weights without scales (and scales with float weights) by name."""
     x, gate_up, down, ids, weights = _case(9, 8, 2, 64, 32, seed=3, used=5)
     q_gate_up, q_down, scales = _fp8(gate_up, down)
-    dequantized = (q_gate_up.float() * scales[0][..., None], q_down.float() * scales[1][..., None])
+    dequantized = (q_gate_up.float() * scales.gate_up, q_down.float() * scales.down)
     want = experts_reference(x, *dequantized, ids, weights)
     torch.testing.assert_close(experts_reference(x, q_gate_up, q_down, ids, weights, scales), want)
     assert experts_path(9, q_gate_up.dtype, torch.device("cpu")) == "reference"
@@ -196,6 +198,40 @@ def test_fp8_experts_in_the_kernels_match_the_reference_under_the_interpreter(
     wide = FusedMoeConfig(block_m=32, gate_up_block_n=64, down_block_n=32, block_k=32, num_stages=2)
     torch.testing.assert_close(fused_moe(x, q_gate_up, q_down, ids, weights, wide, scales=scales), want,
                                rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def _block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stack [E, N, K] as block-quantized checkpoints keep it: e4m3, a scale per row and 128
+    columns ([E, N, ceil(K / 128)])."""
+    pairs = [quantize_groups(w[e], 128) for e in range(w.shape[0])]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+@interpreter
+@pytest.mark.parametrize("tokens", [1, 21])
+def test_block_scaled_fp8_experts_in_the_kernels_match_the_reference_under_the_interpreter(tokens):
+    """Scales per 128 input columns (DeepSeek's and Qwen's block-FP8 checkpoints): each K tile
+    scaled by its group's scale; K of 256 and 160 (a partial last group), two tilings; a tiling
+    whose K tile would cross a group is refused."""
+    x, gate_up, down, ids, weights = _case(tokens, 8, 2, 256, 160, seed=11)
+    (q_gate_up, s_gate_up), (q_down, s_down) = _block_fp8(gate_up), _block_fp8(down)
+    scales = ExpertScales(s_gate_up, s_down, group=128)
+    assert s_gate_up.shape == (8, 320, 2) and s_down.shape == (8, 256, 2)
+    want = experts_reference(x, q_gate_up, q_down, ids, weights, scales)
+    deq = experts_reference(
+        x, dequantize_groups(q_gate_up.flatten(0, 1), s_gate_up.flatten(0, 1), 128).view(gate_up.shape),
+        dequantize_groups(q_down.flatten(0, 1), s_down.flatten(0, 1), 128).view(down.shape), ids, weights,
+    )  # fmt: skip
+    torch.testing.assert_close(want, deq)
+    torch.testing.assert_close(
+        fused_moe(x, q_gate_up, q_down, ids, weights, scales=scales), want, rtol=1e-5, atol=1e-5
+    )
+    wide = FusedMoeConfig(block_m=32, gate_up_block_n=64, down_block_n=32, block_k=32, num_stages=2)
+    torch.testing.assert_close(fused_moe(x, q_gate_up, q_down, ids, weights, wide, scales=scales), want,
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    crossing = FusedMoeConfig(block_m=16, gate_up_block_n=64, down_block_n=64, block_k=256, num_stages=2)
+    with pytest.raises(ValueError, match="crosses the scales' groups"):
+        fused_moe(x, q_gate_up, q_down, ids, weights, crossing, scales=scales)
 
 
 @interpreter
@@ -374,16 +410,22 @@ def test_fused_experts_replay_from_a_cuda_graph_with_new_inputs(tokens):
 
 @cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("block", [False, True], ids=["per-row", "block-128"])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
-def test_fp8_experts_match_the_reference_on_cuda_and_replay_from_a_graph(tokens):
-    """Qwen3-30B-A3B's expert shapes in e4m3 (W8A16, bf16 activations) against the float32
-    reference on the dequantized weights; past FUSED_MAX_TOKENS the fused path still runs (no
-    grouped GEMM takes e4m3); a graph replay equals the eager call bit for bit."""
+def test_fp8_experts_match_the_reference_on_cuda_and_replay_from_a_graph(tokens, block):
+    """Qwen3-30B-A3B's expert shapes in e4m3 (W8A16, bf16 activations; a scale per row, or per
+    row and 128 columns) against the float32 reference on the dequantized weights; past
+    FUSED_MAX_TOKENS the fused path still runs (no grouped GEMM takes e4m3); a graph replay
+    equals the eager call bit for bit."""
     torch.backends.cuda.matmul.allow_tf32 = False
     x, gate_up, down, ids, weights = (
         t.cuda() for t in _case(tokens, QWEN["experts"], QWEN["top_k"], QWEN["hidden"], QWEN["inter"], tokens)
     )
-    q_gate_up, q_down, scales = _fp8(gate_up, down)
+    if block:
+        (q_gate_up, s_gate_up), (q_down, s_down) = _block_fp8(gate_up), _block_fp8(down)
+        scales = ExpertScales(s_gate_up, s_down, group=128)
+    else:
+        q_gate_up, q_down, scales = _fp8(gate_up, down)
     x = x.to(torch.bfloat16)
     assert experts_path(tokens, q_gate_up.dtype, x.device) == "fused"
     got = fused_experts(x, q_gate_up, q_down, ids, weights, scales=scales)

@@ -293,9 +293,12 @@ def _moe_share(block: SparseMoeBlock, part: Partition, device: torch.device) -> 
         block.experts = StackedExperts(len(e), down.shape[1], len(i))
     block.experts.gate_up_proj = _frozen(gate_up[:, rows], device)
     block.experts.down_proj = _frozen(down[:, :, i.start : i.stop], device)
-    if scales is not None:  # FP8 experts: a scale per output row, so down's keep every row
-        block.experts.gate_up_scale = scales[0][e.start : e.stop][:, rows].to(device)
-        block.experts.down_scale = scales[1][e.start : e.stop].to(device)
+    if scales is not None:  # FP8 experts: gate_up's rows' scales, down's groups of its columns
+        block.experts.gate_up_scale = scales.gate_up[e.start : e.stop][:, rows].to(device)
+        block.experts.down_scale = scales.down[e.start : e.stop][
+            :, :, _scale_groups(i, inter, scales.group)
+        ].to(device)
+        block.experts.scale_group = scales.group
     block.expert_range = e
     shared = block.shared_mlp()
     if shared is not None:
@@ -306,6 +309,20 @@ def _moe_share(block: SparseMoeBlock, part: Partition, device: torch.device) -> 
         if bias is not None and part.rank == 0:  # added once to the sum
             shared.down_proj.bias = _frozen(bias.detach(), device)
     return block
+
+
+def _scale_groups(cols: range, width: int, group: int) -> slice:
+    """The scale groups of input columns `cols` of `width`: all of them for one scale a row
+    (`group` 0), else those of `group` columns each, `cols` starting on a group."""
+    if group == 0:
+        return slice(None)
+    if cols.start % group or (cols.stop % group and cols.stop != width):
+        raise ModelLoadError(
+            f"an expert shard of columns {cols.start}-{cols.stop} does not start and end on the "
+            f"{group}-column blocks of the checkpoint's scales; use another --tensor-parallel-size "
+            "or --enable-expert-parallel"
+        )
+    return slice(cols.start // group, -(-cols.stop // group))
 
 
 def _vocab_shard(weight: torch.Tensor, part: Partition, device: torch.device) -> nn.Parameter:

@@ -10,9 +10,9 @@ first) and down [E, H, I]. `ids` are expert indices *local* to these weights: an
 [0, E) is an expert that lives elsewhere (another rank, under expert parallelism) and adds
 nothing here, so the layer's output is the sum of every owner's partial output.
 
-FP8 experts (e4m3 weights with `scales`, a float32 scale per expert and output row: gate_up's
-[E, 2I], down's [E, H]) take the fused kernels at every size where the device converts e4m3
-(sm89+), else the reference, which dequantizes each expert it runs.
+FP8 experts (e4m3 weights with `ExpertScales`: float32 scales per expert, output row and, for
+block-quantized checkpoints, 128 input columns) take the fused kernels at every size where the
+device converts e4m3 (sm89+), else the reference, which dequantizes each expert it runs.
 
 `grouped_mm` on CUDA runs its CUTLASS kernel only for bf16 on sm90/sm100; for any other dtype it
 falls back to a loop that copies the offsets to the host, which is slower than the reference and
@@ -25,10 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model_service.kernels.fp8_gemm import dequantize_groups
 from model_service.kernels.fused import silu_and_mul
-from model_service.kernels.fused_moe import fused_moe, fused_moe_supported
-
-Scales = tuple[torch.Tensor, torch.Tensor] | None  # FP8 experts' (gate_up [E, 2I], down [E, H])
+from model_service.kernels.fused_moe import ExpertScales, fused_moe, fused_moe_supported
 
 # Up to this many tokens a call takes the fused kernels where `grouped_mm` could run too: decode
 # batches (a few rows an expert, where reading each expert once is all that matters); past it,
@@ -65,7 +64,7 @@ def fused_experts(
     ids: torch.Tensor,
     weights: torch.Tensor,
     arrivals: torch.Tensor | None = None,
-    scales: Scales = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for the experts held here.
 
@@ -82,11 +81,12 @@ def fused_experts(
 
 
 def _expert_weight(
-    stack: torch.Tensor, scale: torch.Tensor | None, expert: int, dtype: torch.dtype
+    stack: torch.Tensor, scale: torch.Tensor | None, group: int, expert: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Expert `expert`'s weight [N, K] of `stack` in `dtype`: as stored, or e4m3 times its rows' scales."""
+    """Expert `expert`'s weight [N, K] of `stack` in `dtype`: as stored, or e4m3 times its
+    scales [N, G] (`group` columns each; 0: one a row)."""
     w = stack[expert]
-    return w if scale is None else (w.float() * scale[expert, :, None]).to(dtype)
+    return w if scale is None else dequantize_groups(w, scale[expert], group or w.shape[1]).to(dtype)
 
 
 def experts_reference(
@@ -95,7 +95,7 @@ def experts_reference(
     down: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor,
-    scales: Scales = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """HF's arithmetic (weight in the model's dtype, index_add into the output), with the token
     rows sorted by expert once instead of a mask per expert; FP8 experts dequantized as used."""
@@ -105,16 +105,17 @@ def experts_reference(
     counts = torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts).tolist()
     start = int((flat[order] < 0).sum())  # remote experts with negative ids sort first
     row_weights = weights.flatten().to(x.dtype)
-    gate_up_scale, down_scale = scales if scales is not None else (None, None)
+    gate_up_scale, down_scale = (scales.gate_up, scales.down) if scales is not None else (None, None)
+    group = scales.group if scales is not None else 0
     out = torch.zeros_like(x)
     for expert, n in enumerate(counts):
         if n == 0:
             continue
         rows = order[start : start + n]
         tokens = rows // top_k
-        w1 = _expert_weight(gate_up, gate_up_scale, expert, x.dtype)
+        w1 = _expert_weight(gate_up, gate_up_scale, group, expert, x.dtype)
         h = silu_and_mul(F.linear(x[tokens], w1))
-        y = F.linear(h, _expert_weight(down, down_scale, expert, x.dtype)) * row_weights[rows, None]
+        y = F.linear(h, _expert_weight(down, down_scale, group, expert, x.dtype)) * row_weights[rows, None]
         out.index_add_(0, tokens, y)
         start += n
     return out

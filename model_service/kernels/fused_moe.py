@@ -28,10 +28,12 @@ this engine:
    the float32 sum can be, and no launch of its own (a `_combine_kernel` was ~2.6 us of a ~30 us
    batch-1 layer).
 
-FP8 experts (`--quantization fp8`: e4m3 weights, a float32 scale per expert and output row,
-`scales`): each weight tile is widened to the activations' type as it is loaded (exactly: every
-e4m3 value is a bf16 value) and the sums are scaled per column after the K loop, so a step reads
-one byte a weight, the bytes that bound decode. Activations stay in the compute dtype (W8A16).
+FP8 experts (`ExpertScales`: e4m3 weights, float32 scales per expert, output row and, for
+block-quantized checkpoints, 128 input columns): each weight tile is widened to the activations'
+type as it is loaded (exactly: every e4m3 value is a bf16 value) and the sums are scaled per
+column, after the K loop (one scale a row) or per K tile (a tile lies in one group), so a step
+reads one byte a weight, the bytes that bound decode. Activations stay in the compute dtype
+(W8A16), whatever a checkpoint calibrated them for.
 
 Tiles: 16 rows (BLOCK_M, `tl.dot`'s smallest; rows past an expert's tokens are masked, and the
 wasted arithmetic is free in a memory-bound kernel), and the column block narrowed towards two
@@ -58,6 +60,16 @@ if triton is not None:
     from model_service.kernels.arrivals import last_to_arrive
 
 ALIGN_CHUNK = 64  # pairs per step of the alignment's loops: [64, 64] and [64, E] tiles in registers
+
+
+@dataclass(frozen=True)
+class ExpertScales:
+    """FP8 experts' float32 scales: gate_up's [E, 2I, G] and down's [E, H, G'], one per expert,
+    output row and `group` input columns (`group` 0: one per row, G = G' = 1)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -265,15 +277,14 @@ def fused_moe(
     weights: torch.Tensor,
     config: FusedMoeConfig | None = None,
     arrivals: torch.Tensor | None = None,
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for the experts held here, as
     `experts.fused_experts` (same arguments: x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; ids
     [T, k] local expert ids, those outside [0, E) adding nothing; weights [T, k] float32;
-    `scales` (gate_up's [E, 2I], down's [E, H], float32) with e4m3 weights). Returns [T, H] in
-    x's dtype. `arrivals`: the down kernel's counters, int32 zeros, at least
-    `down_counters(T, H)` of them, owned by the caller and left zeroed; None (or too few)
-    allocates zeroed ones, a memset launch more."""
+    `scales` with e4m3 weights). Returns [T, H] in x's dtype. `arrivals`: the down kernel's
+    counters, int32 zeros, at least `down_counters(T, H)` of them, owned by the caller and left
+    zeroed; None (or too few) allocates zeroed ones, a memset launch more."""
     tokens, top_k = ids.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
@@ -285,6 +296,9 @@ def fused_moe(
     if config is None:
         sms = _sms(x.device) if x.is_cuda else 132
         config = fused_moe_config(tokens, top_k, num_experts, hidden, inter, sms, gate_up.element_size())
+    group = scales.group if scales is not None else 0
+    if group % config.block_k:
+        raise ValueError(f"a K tile of {config.block_k} columns crosses the scales' groups of {group}")
     ids = ids.contiguous()
     weights = weights.contiguous().float()
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -294,18 +308,20 @@ def fused_moe(
     else:
         sorted_pairs, block_expert = align(ids, num_experts, config.block_m)
         blocks = block_expert.numel()
-    gate_up_scale, down_scale = scales if scales is not None else (weights, None)  # weights: unread
+    gate_up_scale = scales.gate_up.contiguous() if scales is not None else weights  # weights: unread
+    down_scale = scales.down.contiguous() if scales is not None else None
     precision = dot_precision(x.dtype)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     grid = (blocks, triton.cdiv(inter, config.gate_up_block_n))
     _gate_up_kernel[grid](
         x, gate_up, gate_up_scale, sorted_pairs, block_expert, h, pairs, top_k, num_experts, inter, hidden,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), gate_up_scale.stride(0),
-        DIRECT=direct, BLOCK_M=config.block_m, BLOCK_N=config.gate_up_block_n, BLOCK_K=config.block_k,
-        PRECISION=precision, W8=scales is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        gate_up_scale.stride(1), DIRECT=direct, BLOCK_M=config.block_m, BLOCK_N=config.gate_up_block_n,
+        BLOCK_K=config.block_k, PRECISION=precision, W8=scales is not None, GROUP=group,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return _down_and_combine(
-        h, down, down_scale, sorted_pairs, block_expert, ids, weights, blocks, config, arrivals
+        h, down, down_scale, group, sorted_pairs, block_expert, ids, weights, blocks, config, arrivals
     )
 
 
@@ -313,6 +329,7 @@ def _down_and_combine(
     h: torch.Tensor,
     down: torch.Tensor,
     down_scale: torch.Tensor | None,
+    group: int,
     sorted_pairs: torch.Tensor,
     block_expert: torch.Tensor,
     ids: torch.Tensor,
@@ -323,7 +340,7 @@ def _down_and_combine(
 ) -> torch.Tensor:
     """The down kernel's launch: `blocks` rows of programs over the blocks (pairs under direct),
     then one a BLOCK_M tokens that arrives for their remote slots; returns [T, H] in h's dtype.
-    `down_scale` [E, H]: e4m3 weights' scales, else None."""
+    `down_scale` [E, H, G] (`group` columns each, 0: G = 1): e4m3 weights' scales, else None."""
     (tokens, top_k), (num_experts, hidden, inter) = ids.shape, down.shape
     pairs = tokens * top_k
     slots = torch.empty(pairs, hidden, dtype=torch.float32, device=h.device)
@@ -335,8 +352,9 @@ def _down_and_combine(
     _down_kernel[(blocks + triton.cdiv(tokens, config.block_m), col_blocks)](
         h, down, scale, sorted_pairs, block_expert, ids, weights, slots, out, arrivals, pairs, top_k,
         num_experts, hidden, inter, blocks, down.stride(0), down.stride(1), down.stride(2), scale.stride(0),
-        DIRECT=tokens == 1, BLOCK_M=config.block_m, BLOCK_N=config.down_block_n, BLOCK_K=config.block_k,
-        K_P2=triton.next_power_of_2(top_k), PRECISION=dot_precision(h.dtype), W8=down_scale is not None,
+        scale.stride(1), DIRECT=tokens == 1, BLOCK_M=config.block_m, BLOCK_N=config.down_block_n,
+        BLOCK_K=config.block_k, K_P2=triton.next_power_of_2(top_k), PRECISION=dot_precision(h.dtype),
+        W8=down_scale is not None, GROUP=group,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
@@ -522,12 +540,14 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(
         X, W, Scale, Sorted, BlockExpert, Hout, P, TOP_K, E, N, K, x_stride, w_stride_e, w_stride_n,
-        w_stride_k, s_stride_e, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, W8: tl.constexpr,
+        w_stride_k, s_stride_e, s_stride_n, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, W8: tl.constexpr,
+        GROUP: tl.constexpr,
     ):  # fmt: skip
         """h[pair, cols] = silu(x[token] . W[e, cols]) * (x[token] . W[e, N + cols]) for the rows of
         one block and BLOCK_N of the N = I columns (both halves: SiLU needs the whole sum); with
-        W8 (e4m3 weights) each sum times its row's scale, Scale[e, cols] and Scale[e, N + cols]."""
+        W8 (e4m3 weights) each sum scaled by its rows' Scale[e, cols] and Scale[e, N + cols]
+        (`_tile_product`)."""
         expert, pairs, live = _block_rows(Sorted, BlockExpert, tl.program_id(0), P, E, DIRECT, BLOCK_M)
         if expert < 0:
             return
@@ -536,6 +556,8 @@ if triton is not None:
         col_ok = cols < N
         ks = tl.arange(0, BLOCK_K)
         w = W + expert.to(tl.int64) * w_stride_e
+        sg = Scale + expert.to(tl.int64) * s_stride_e + cols * s_stride_n  # W8: gate rows' scales
+        su = sg + N * s_stride_n  # and up rows'
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -546,12 +568,11 @@ if triton is not None:
             w_off = (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n
             wg = tl.load(w + w_off, mask=w_mask, other=0.0)
             wu = tl.load(w + N * w_stride_n + w_off, mask=w_mask, other=0.0)
-            gate += tl.dot(*_operands(a, wg, W8), input_precision=PRECISION)
-            up += tl.dot(*_operands(a, wu, W8), input_precision=PRECISION)
-        if W8:
-            s = Scale + expert.to(tl.int64) * s_stride_e + cols
-            gate *= tl.load(s, mask=col_ok, other=0.0)[None, :]
-            up *= tl.load(s + N, mask=col_ok, other=0.0)[None, :]
+            gate += _tile_product(a, wg, sg, k0, col_ok, W8, GROUP, PRECISION)
+            up += _tile_product(a, wu, su, k0, col_ok, W8, GROUP, PRECISION)
+        if W8 and GROUP == 0:  # one scale a row
+            gate *= tl.load(sg, mask=col_ok, other=0.0)[None, :]
+            up *= tl.load(su, mask=col_ok, other=0.0)[None, :]
         h = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(Hout + pairs[:, None] * N + cols[None, :], h.to(Hout.dtype.element_ty),
                  mask=live[:, None] & col_ok[None, :])  # fmt: skip
@@ -559,13 +580,14 @@ if triton is not None:
     @triton.jit
     def _down_kernel(
         Hin, W, Scale, Sorted, BlockExpert, Ids, Weights, Slots, Out, Arrivals, P, TOP_K, E, N, K,
-        NUM_BLOCKS, w_stride_e, w_stride_n, w_stride_k, s_stride_e, DIRECT: tl.constexpr,
+        NUM_BLOCKS, w_stride_e, w_stride_n, w_stride_k, s_stride_e, s_stride_n, DIRECT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_P2: tl.constexpr,
-        PRECISION: tl.constexpr, W8: tl.constexpr,
+        PRECISION: tl.constexpr, W8: tl.constexpr, GROUP: tl.constexpr,
     ):  # fmt: skip
-        """slots[pair, cols] = weights[pair] * (h[pair] . down[e, cols]) in float32, N = H (times
-        Scale[e, cols] with W8), then each token's arrival (`_arrive`). Blocks past NUM_BLOCKS (one
-        per BLOCK_M tokens) arrive for their tokens' remote slots, which no block holds."""
+        """slots[pair, cols] = weights[pair] * (h[pair] . down[e, cols]) in float32, N = H (scaled
+        by Scale[e, cols] with W8, `_tile_product`), then each token's arrival (`_arrive`). Blocks
+        past NUM_BLOCKS (one per BLOCK_M tokens) arrive for their tokens' remote slots, which no
+        block holds."""
         block = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
@@ -580,6 +602,7 @@ if triton is not None:
             return
         ks = tl.arange(0, BLOCK_K)
         w = W + expert.to(tl.int64) * w_stride_e
+        scale = Scale + expert.to(tl.int64) * s_stride_e + cols * s_stride_n  # W8: the rows' scales
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + ks) < K
@@ -587,9 +610,9 @@ if triton is not None:
                         other=0.0)  # fmt: skip
             b = tl.load(w + (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n,
                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-            acc += tl.dot(*_operands(a, b, W8), input_precision=PRECISION)
-        if W8:
-            acc *= tl.load(Scale + expert.to(tl.int64) * s_stride_e + cols, mask=col_ok, other=0.0)[None, :]
+            acc += _tile_product(a, b, scale, k0, col_ok, W8, GROUP, PRECISION)
+        if W8 and GROUP == 0:  # one scale a row
+            acc *= tl.load(scale, mask=col_ok, other=0.0)[None, :]
         acc *= tl.load(Weights + pairs, mask=live, other=0.0)[:, None]
         tl.store(Slots + pairs[:, None] * N + cols[None, :], acc, mask=live[:, None] & col_ok[None, :])
         one = tl.full([BLOCK_M], 1, tl.int32)
@@ -597,12 +620,20 @@ if triton is not None:
                 BLOCK_N)  # fmt: skip
 
     @triton.jit
-    def _operands(a, w, W8: tl.constexpr):
-        """`tl.dot`'s operands in one type: e4m3 weights (W8) widened to the activations' type,
-        exactly; other weights keep theirs and the activations take it."""
+    def _tile_product(
+        a, w, row_scales, k0, col_ok, W8: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr
+    ):  # fmt: skip
+        """a @ w of one K tile in float32, the operands in one type: e4m3 weights (W8) widened to
+        the activations' type, exactly, else the activations in the weights' type. With block
+        scales (GROUP > 0) each column times its rows' scale of the group holding k0 (a tile
+        never crosses a group: `fused_moe` checks)."""
         if W8:
-            return a, w.to(a.dtype)
-        return a.to(w.dtype), w
+            product = tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
+        else:
+            product = tl.dot(a.to(w.dtype), w, input_precision=PRECISION)
+        if GROUP > 0:
+            product *= tl.load(row_scales + k0 // GROUP, mask=col_ok, other=0.0)[None, :]
+        return product
 
     @triton.jit
     def _remote_slots(Ids, tokens, T, TOP_K, E, K_P2: tl.constexpr):

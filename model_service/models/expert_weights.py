@@ -20,23 +20,25 @@ from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
 
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.(w[123])\.weight$")
+_MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.(w[123])\.(weight|weight_scale)$")
 
 
 def stack_expert_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """`tensors` with each MoE layer's per-expert tensors replaced by the stacked pair (a layer
     already stacked is left alone). A missing expert tensor, or a layer in both layouts, is an error."""
-    out = {_hf_name(k): v for k, v in tensors.items()}
+    out = {hf_expert_name(k): v for k, v in tensors.items()}
     for layer, kind in enumerate(config.layer_kinds):
         if kind.moe:
             _stack_layer(out, f"model.layers.{layer}.mlp.experts", config.num_experts)
     return out
 
 
-def _hf_name(name: str) -> str:
+def hf_expert_name(name: str) -> str:
     """Mixtral's hub names as Qwen's (and transformers 5.x's) for the same tensors."""
     name = name.replace(".block_sparse_moe.", ".mlp.")
-    return _MIXTRAL_EXPERT.sub(lambda m: f".experts.{m.group(1)}.{_MIXTRAL_NAMES[m.group(2)]}.weight", name)
+    return _MIXTRAL_EXPERT.sub(
+        lambda m: f".experts.{m.group(1)}.{_MIXTRAL_NAMES[m.group(2)]}.{m.group(3)}", name
+    )
 
 
 def _stack_layer(tensors: dict[str, torch.Tensor], prefix: str, num_experts: int) -> None:
@@ -51,20 +53,25 @@ def _stack_layer(tensors: dict[str, torch.Tensor], prefix: str, num_experts: int
     if not per_expert:
         return  # nothing of this layer's experts: the loader reports the missing stacked tensors
 
-    def take(e: int, proj: str) -> torch.Tensor:
-        name = f"{prefix}.{e}.{proj}.weight"
+    def take(e: int, proj: str, suffix: str) -> torch.Tensor:
+        name = f"{prefix}.{e}.{proj}.{suffix}"
         if name not in tensors:
             raise ModelLoadError(
                 f"checkpoint is missing tensor {name!r} (expert {e} of the {num_experts} the config declares)"
             )
         return tensors.pop(name)
 
-    gates, ups, downs = zip(
-        *((take(e, "gate_proj"), take(e, "up_proj"), take(e, "down_proj")) for e in range(num_experts)),
-        strict=True,
-    )
-    try:
-        tensors[f"{prefix}.gate_up_proj"] = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
-        tensors[f"{prefix}.down_proj"] = torch.stack(downs)
-    except RuntimeError as e:
-        raise ModelLoadError(f"the experts of {prefix} do not all have the same shapes: {e}") from e
+    # FP8 experts (fp8_weights.fp8_checkpoint) carry row scales, stacked as the weights are
+    for suffix, stacked in (("weight", "proj"), ("weight_scale", "scale")):
+        if suffix == "weight_scale" and f"{prefix}.0.gate_proj.weight_scale" not in tensors:
+            break
+        gates, ups, downs = zip(
+            *((take(e, "gate_proj", suffix), take(e, "up_proj", suffix), take(e, "down_proj", suffix))
+              for e in range(num_experts)),
+            strict=True,
+        )  # fmt: skip
+        try:
+            tensors[f"{prefix}.gate_up_{stacked}"] = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
+            tensors[f"{prefix}.down_{stacked}"] = torch.stack(downs)
+        except RuntimeError as e:
+            raise ModelLoadError(f"the experts of {prefix} do not all have the same shapes: {e}") from e

@@ -115,21 +115,38 @@ def quantize_experts(experts: StackedExperts) -> None:
     for name in ("gate_up_proj", "down_proj"):
         w = getattr(experts, name).detach()
         q = torch.empty(w.shape, dtype=E4M3, device=w.device)
-        scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+        scale = torch.empty(*w.shape[:2], 1, dtype=torch.float32, device=w.device)
         for e in range(w.shape[0]):
-            rows, scales = quantize_groups(w[e], w.shape[2])
-            q[e], scale[e] = rows, scales[:, 0]
+            q[e], scale[e] = quantize_groups(w[e], w.shape[2])
         setattr(experts, name, nn.Parameter(q, requires_grad=False))
         setattr(experts, name.replace("_proj", "_scale"), scale)
+    experts.scale_group = 0
+
+
+def make_fp8_experts(experts: StackedExperts, group: int) -> None:
+    """Make (meta) `experts` e4m3 with scale buffers for a loader to fill: one scale per expert,
+    output row and `group` input columns (0: one a row)."""
+    num, rows, hidden = experts.gate_up_proj.shape
+    inter = experts.down_proj.shape[2]
+
+    def groups(cols: int) -> int:
+        return -(-cols // group) if group else 1
+
+    with torch.device("meta"):
+        experts.gate_up_proj = nn.Parameter(torch.empty(num, rows, hidden, dtype=E4M3), requires_grad=False)
+        experts.down_proj = nn.Parameter(torch.empty(num, hidden, inter, dtype=E4M3), requires_grad=False)
+        experts.gate_up_scale = torch.empty(num, rows, groups(hidden))
+        experts.down_scale = torch.empty(num, hidden, groups(inter))
+    experts.scale_group = group
 
 
 def fp8_dtypes(module: nn.Module) -> dict[str, torch.dtype]:
     """State-dict names of `module`'s FP8 tensors -> the dtype they keep whatever the compute
-    dtype: e4m3 weights, float32 scales."""
+    dtype: e4m3 weights (of projections and expert stacks), float32 scales."""
     return {
         f"{prefix}.{name}": t.dtype
         for prefix, sub in module.named_modules()
-        if isinstance(sub, Fp8Linear)
+        if isinstance(sub, Fp8Linear) or (isinstance(sub, StackedExperts) and sub.gate_up_scale is not None)
         for name, t in (*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False))
         if name != "bias"
     }

@@ -8,8 +8,11 @@ scales per output row, [out, 1] or [out, ceil(in/128)], so the parts of a fused 
 still scaled by its own part's scale. Static activation scales of fused parts become one, their
 maximum (as vLLM does): the parts share one input, so one quantization of it must cover all.
 
-An FP8 tensor of a module the engine runs in high precision (an MoE expert, an LM head the
-checkpoint did quantize) is dequantized here, so the rest of the loader sees ordinary weights.
+MoE experts stay in e4m3 (`_fp8_experts`): each expert weight's scale in row form, which the
+stacking of the experts stacks with the weights, and the module's expert stacks made FP8 (the
+fused MoE kernels run them W8A16). An FP8 tensor of a module the engine runs in high precision
+(an LM head the checkpoint did quantize, MLA's `kv_b_proj`) is dequantized here, so the rest of
+the loader sees ordinary weights.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from torch import nn
 
 from model_service.errors import ModelLoadError
 from model_service.kernels.fp8_gemm import E4M3, dequantize_groups
-from model_service.models.fp8_linear import Fp8Linear
+from model_service.models.expert_weights import hf_expert_name
+from model_service.models.fp8_linear import Fp8Linear, make_fp8_experts
 from model_service.models.layers import PackedLinear
+from model_service.models.moe import StackedExperts
 from model_service.models.quantization import Fp8Scheme, QuantizationError
 
 
@@ -54,8 +59,42 @@ def fp8_checkpoint(
         if scheme.activations == "static":
             tensors[f"{prefix}.input_scale"] = torch.stack(input_scales).amax().reshape(1)
         setattr(module.get_submodule(owner), prefix.rpartition(".")[2], Fp8Linear.like(sub, scheme))
+    _fp8_experts(module, tensors, scheme, taken)
     _dequantize_rest(tensors, scheme, taken)
     return tensors
+
+
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _fp8_experts(
+    module: nn.Module, tensors: dict[str, torch.Tensor], scheme: Fp8Scheme, taken: set[str]
+) -> None:
+    """Keep the e4m3 weights of every expert stack whose per-expert tensors are all FP8, each
+    with its scale in row form under `{name}.weight_scale`, and make those (meta) stacks FP8.
+    Activation scales are dropped: the experts run W8A16 whatever the checkpoint calibrated."""
+    names = {hf_expert_name(k): k for k in tensors if ".experts." in k}
+    for prefix, sub in module.named_modules():
+        if not isinstance(sub, StackedExperts):
+            continue
+        experts = range(sub.gate_up_proj.shape[0])
+        keys = [names.get(f"{prefix}.{e}.{proj}.weight") for e in experts for proj in _EXPERT_PROJECTIONS]
+        fp8 = [k is not None and tensors[k].dtype == E4M3 for k in keys]
+        if not any(fp8):
+            continue  # float experts, or the stacked layout (the loader checks what is missing)
+        if not all(fp8):
+            raise QuantizationError(
+                f"some experts of {prefix} are FP8 and some are not: quantize all or none"
+            )
+        for key in keys:
+            name = key.removesuffix(".weight")
+            rows, cols = tensors[key].shape
+            scale = _pop(tensors, name, scheme.weight_scale_name)
+            tensors[f"{name}.weight_scale"] = _row_scales(scale, rows, cols, scheme)
+            for suffix in ("input_scale", "input_scale_ub"):
+                tensors.pop(f"{name}.{suffix}", None)
+            taken.add(name)
+        make_fp8_experts(sub, scheme.block or 0)
 
 
 _KV_SCALES = (".k_scale", ".v_scale", ".kv_scale")

@@ -26,7 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_service.kernels.experts import FUSED_MAX_TOKENS, experts_path, fused_experts
-from model_service.kernels.fused_moe import ROUTER_MAX_ROWS, down_counters, route_hidden, route_topk
+from model_service.kernels.fused_moe import (
+    ROUTER_MAX_ROWS,
+    ExpertScales,
+    down_counters,
+    route_hidden,
+    route_topk,
+)
 from model_service.models.config import PLAIN_TOP_K, ModelConfig, Routing
 from model_service.models.layers import MLP
 
@@ -78,10 +84,11 @@ class Router(nn.Linear):
 
 
 class StackedExperts(nn.Module):
-    """The SwiGLU weights of a contiguous range of experts, one tensor per projection. Quantized
-    online (`fp8_linear.quantize_experts`) they are e4m3 with a float32 scale per expert and
-    output row (`gate_up_scale` [E, 2I], `down_scale` [E, H]): half the bytes a decode step
-    reads, the bytes that bound it."""
+    """The SwiGLU weights of a contiguous range of experts, one tensor per projection. In FP8
+    (quantized online, `fp8_linear.quantize_experts`, or an FP8 checkpoint's) they are e4m3 with
+    float32 scales per expert, output row and `scale_group` input columns (0: one a row):
+    `gate_up_scale` [E, 2I, G], `down_scale` [E, H, G']. Half the bytes a decode step reads,
+    the bytes that bound it."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -89,10 +96,13 @@ class StackedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.register_buffer("gate_up_scale", None)
         self.register_buffer("down_scale", None)
+        self.scale_group = 0
 
-    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(gate_up's, down's) scales of FP8 weights, None for weights in a float type."""
-        return None if self.gate_up_scale is None else (self.gate_up_scale, self.down_scale)
+    def scales(self) -> ExpertScales | None:
+        """The scales of FP8 weights, None for weights in a float type."""
+        if self.gate_up_scale is None:
+            return None
+        return ExpertScales(self.gate_up_scale, self.down_scale, self.scale_group)
 
 
 class SparseMoeBlock(nn.Module):
