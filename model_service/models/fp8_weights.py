@@ -84,7 +84,7 @@ def _fp8_experts(
             continue  # float experts, or the stacked layout (the loader checks what is missing)
         if not all(fp8):
             raise QuantizationError(
-                f"some experts of {prefix} are FP8 and some are not: quantize all or none"
+                f"some experts of {prefix} are FP8 and some are not (or missing): quantize all or none"
             )
         for key in keys:
             name = key.removesuffix(".weight")
