@@ -580,6 +580,21 @@ def test_online_fp8_quantizes_moe_experts_too(tmp_path: Path):
     assert all(len(tokens) == MAX_NEW for tokens in greedy(online, PROMPTS))
 
 
+def test_a_checkpoint_with_some_experts_fp8_and_some_not_is_refused_by_name(tmp_path: Path):
+    src = make_tiny_checkpoint(
+        "qwen3_moe", tmp_path / "src", seed=7, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+    fp8_path = write_fp8_checkpoint(src, tmp_path, FORMATS["ct-channel-w8a16"])[0]
+    tensors = load_file(str(fp8_path / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.2.up_proj"
+    tensors[f"{name}.weight"] = (
+        tensors[f"{name}.weight"].float() * tensors.pop(f"{name}.weight_scale").float()
+    )
+    save_file(tensors, str(fp8_path / "model.safetensors"))
+    with pytest.raises(QuantizationError, match=r"some experts of model\.layers\.1\.mlp\.experts are FP8"):
+        load_model(str(fp8_path), torch.float32, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("source", ["online", "fp8-block"])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts-tp", "expert-parallel"])
 def test_fp8_experts_split_over_two_ranks_sum_to_the_whole_block(
