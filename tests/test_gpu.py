@@ -72,17 +72,20 @@ def test_cuda_matches_cpu_with_adapters_swap_and_beams(tmp_path):
     assert results["cuda"] == results["cpu"]
 
 
-def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("budget", [96, 1100])
+def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path, monkeypatch, budget: int):
     """Prompts long enough that their prefill chunks take the LoRA tile kernels (runs of one
     adapter cut into row tiles), chunked and mixed with decode rows of other adapters: eager
     (decode steps add gate_up's delta inside the SiLU-mul), then replayed from piecewise graphs
     that record both kinds of LoRA kernels over static buffers (steps with and without tiles,
-    and with leading decode rows, among them)."""
+    and with leading decode rows, among them); with a budget of 1,100 tokens, LoRA buckets
+    above 512 tokens too."""
     from bench.lora import write_adapter
     from model_service.engine.piecewise_graphs import PiecewiseGraphs
     from model_service.lora import layers
 
     replayed: list[tuple[bool, bool]] = []  # (LoRA rows, tiles) of each step the pieces ran
+    sizes: list[int] = []  # tokens of each step the pieces ran with LoRA rows
     run, fused = PiecewiseGraphs.run, layers.silu_mul_lora_rows
     activations: list[int] = []  # rows of each SiLU-mul with the gate_up delta folded in
 
@@ -90,6 +93,7 @@ def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path, monkeypat
         eager = layers.LoraStepPlan(use_kernels=True)  # what an eager pass of this step would run
         eager.prepare(batch)
         replayed.append((batch.uses_lora, eager.tiles is not None))
+        sizes.extend([batch.num_tokens] if batch.uses_lora else [])
         return run(self, batch)
 
     def counted_activation(y: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
@@ -107,7 +111,9 @@ def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path, monkeypat
     torch.backends.cuda.matmul.allow_tf32 = False
     requests = [
         {
-            "prompt_token_ids": [(13 * i + 3 * j) % 500 + 3 for j in range(20 + 37 * i)],
+            "prompt_token_ids": [
+                (13 * i + 3 * j) % 500 + 3 for j in range(20 + (37 if budget < 512 else 187) * i)
+            ],
             "max_tokens": 6,
             "temperature": 0,
             "ignore_eos": True,
@@ -118,14 +124,15 @@ def test_cuda_prefill_with_adapters_in_row_tiles_matches_cpu(tmp_path, monkeypat
     results = {}
     for device, pieces in (("cpu", False), ("cuda", False), ("cuda", True)):
         engine = _engine(
-            cfg, reference, device, max_loras=2, max_num_batched_tokens=96, kv_cache_memory_bytes=64 << 20,
-            lora_modules={k: str(v) for k, v in adapters.items()},
+            cfg, reference, device, max_loras=2, max_num_batched_tokens=budget,
+            kv_cache_memory_bytes=64 << 20, lora_modules={k: str(v) for k, v in adapters.items()},
         )  # fmt: skip
         if pieces:
             engine.warm_up()
         short = {**requests[2], "prompt_token_ids": [7, 11, 13, 17, 19]}  # a prefill without tiles
         results[device, pieces] = [o.token_ids for wave in (requests, [short]) for o in engine.generate(wave)]
     assert {(True, True), (True, False)} <= set(replayed)
+    assert budget < 512 or max(sizes) > 768  # chunks of the 1,970 prompt tokens: the 1,536 bucket
     assert activations  # the CUDA runs' decode steps with adapters took the fused activation
     assert results["cuda", False] == results["cuda", True] == results["cpu", False]
 
