@@ -19,6 +19,7 @@ import torch
 from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
 
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's tensors, by their hub names
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.(w[123])\.(weight|weight_scale)$")
 
@@ -61,17 +62,17 @@ def _stack_layer(tensors: dict[str, torch.Tensor], prefix: str, num_experts: int
             )
         return tensors.pop(name)
 
-    # FP8 experts (fp8_weights.fp8_checkpoint) carry row scales, stacked as the weights are
-    for suffix, stacked in (("weight", "proj"), ("weight_scale", "scale")):
-        if suffix == "weight_scale" and f"{prefix}.0.gate_proj.weight_scale" not in tensors:
-            break
+    def stack(suffix: str, gate_up: str, down: str) -> None:
         gates, ups, downs = zip(
-            *((take(e, "gate_proj", suffix), take(e, "up_proj", suffix), take(e, "down_proj", suffix))
-              for e in range(num_experts)),
+            *(tuple(take(e, proj, suffix) for proj in EXPERT_PROJECTIONS) for e in range(num_experts)),
             strict=True,
-        )  # fmt: skip
+        )
         try:
-            tensors[f"{prefix}.gate_up_{stacked}"] = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
-            tensors[f"{prefix}.down_{stacked}"] = torch.stack(downs)
+            tensors[f"{prefix}.{gate_up}"] = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
+            tensors[f"{prefix}.{down}"] = torch.stack(downs)
         except RuntimeError as e:
             raise ModelLoadError(f"the experts of {prefix} do not all have the same shapes: {e}") from e
+
+    stack("weight", "gate_up_proj", "down_proj")
+    if f"{prefix}.0.gate_proj.weight_scale" in tensors:  # FP8 experts (fp8_weights): their row scales
+        stack("weight_scale", "gate_up_scale", "down_scale")

@@ -22,7 +22,7 @@ from torch import nn
 
 from model_service.errors import ModelLoadError
 from model_service.kernels.fp8_gemm import E4M3, dequantize_groups
-from model_service.models.expert_weights import hf_expert_name
+from model_service.models.expert_weights import EXPERT_PROJECTIONS, hf_expert_name
 from model_service.models.fp8_linear import Fp8Linear, make_fp8_experts
 from model_service.models.layers import PackedLinear
 from model_service.models.moe import StackedExperts
@@ -64,9 +64,6 @@ def fp8_checkpoint(
     return tensors
 
 
-_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
 def _fp8_experts(
     module: nn.Module, tensors: dict[str, torch.Tensor], scheme: Fp8Scheme, taken: set[str]
 ) -> None:
@@ -78,7 +75,7 @@ def _fp8_experts(
         if not isinstance(sub, StackedExperts):
             continue
         experts = range(sub.gate_up_proj.shape[0])
-        keys = [names.get(f"{prefix}.{e}.{proj}.weight") for e in experts for proj in _EXPERT_PROJECTIONS]
+        keys = [names.get(f"{prefix}.{e}.{proj}.weight") for e in experts for proj in EXPERT_PROJECTIONS]
         fp8 = [k is not None and tensors[k].dtype == E4M3 for k in keys]
         if not any(fp8):
             continue  # float experts, or the stacked layout (the loader checks what is missing)
@@ -88,11 +85,7 @@ def _fp8_experts(
             )
         for key in keys:
             name = key.removesuffix(".weight")
-            rows, cols = tensors[key].shape
-            scale = _pop(tensors, name, scheme.weight_scale_name)
-            tensors[f"{name}.weight_scale"] = _row_scales(scale, rows, cols, scheme)
-            for suffix in ("input_scale", "input_scale_ub"):
-                tensors.pop(f"{name}.{suffix}", None)
+            tensors[f"{name}.weight_scale"] = _weight_only_scales(tensors, name, scheme)
             taken.add(name)
         make_fp8_experts(sub, scheme.block or 0)
 
@@ -149,11 +142,19 @@ def _row_scales(scale: torch.Tensor, rows: int, cols: int, scheme: Fp8Scheme) ->
 
 
 def _dequantize_rest(tensors: dict[str, torch.Tensor], scheme: Fp8Scheme, taken: set[str]) -> None:
-    """Dequantize, to float32, every FP8 weight of a module not in `taken` (the `Fp8Linear` parts)."""
+    """Dequantize, to float32, every FP8 weight of a module not in `taken` (the `Fp8Linear` parts
+    and the experts kept in FP8)."""
     for key in [k for k, t in tensors.items() if t.dtype == E4M3 and k.removesuffix(".weight") not in taken]:
         name = key.removesuffix(".weight")
-        rows, cols = tensors[key].shape
-        scale = _row_scales(_pop(tensors, name, scheme.weight_scale_name), rows, cols, scheme)
-        tensors[key] = dequantize_groups(tensors[key], scale, scheme.block or cols)
-        for suffix in ("input_scale", "input_scale_ub"):
-            tensors.pop(f"{name}.{suffix}", None)
+        scale = _weight_only_scales(tensors, name, scheme)
+        tensors[key] = dequantize_groups(tensors[key], scale, scheme.block or tensors[key].shape[1])
+
+
+def _weight_only_scales(tensors: dict[str, torch.Tensor], name: str, scheme: Fp8Scheme) -> torch.Tensor:
+    """Part `name`'s weight scale popped in row form, its activation scales dropped: for weights
+    whose inputs are not quantized (experts run W8A16, dequantized modules in high precision)."""
+    rows, cols = tensors[f"{name}.weight"].shape
+    scale = _row_scales(_pop(tensors, name, scheme.weight_scale_name), rows, cols, scheme)
+    for suffix in ("input_scale", "input_scale_ub"):
+        tensors.pop(f"{name}.{suffix}", None)
+    return scale
