@@ -48,9 +48,15 @@ from bench.gpu import copy_bandwidth, decode_tok_s, kernel_profile, quantized, r
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.kernels.experts import experts_grouped, experts_path, experts_reference
-from model_service.kernels.fused_moe import FusedMoeConfig, down_counters, fused_moe, fused_moe_supported
+from model_service.kernels.fused_moe import (
+    ExpertScales,
+    FusedMoeConfig,
+    down_counters,
+    fused_moe,
+    fused_moe_supported,
+)
 from model_service.models.config import LayerKind, ModelConfig
-from model_service.models.fp8_linear import quantize_experts
+from model_service.models.fp8_linear import quantize_stack
 from model_service.models.loader import LoadedModel
 from model_service.models.moe import StackedExperts
 from model_service.startup import configure_process
@@ -89,11 +95,9 @@ def bench(args: argparse.Namespace, tokens: int) -> list[dict[str, object]]:
     ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).to(device)
     weights = torch.softmax(torch.randn(tokens, k, generator=g), dim=-1).to(device)
     scales = None
-    if args.quantization == "fp8":
-        stack = StackedExperts(experts, h, inter).to(device)
-        stack.gate_up_proj.data, stack.down_proj.data = gate_up, down
-        quantize_experts(stack)
-        gate_up, down, scales = stack.gate_up_proj.detach(), stack.down_proj.detach(), stack.scales()
+    if args.quantization == "fp8":  # as `--quantization fp8` stores experts (`quantize_experts`)
+        (gate_up, gate_up_scale), (down, down_scale) = quantize_stack(gate_up), quantize_stack(down)
+        scales = ExpertScales(gate_up_scale, down_scale)
     hit = ids.unique().numel()
     weight_bytes = hit * 3 * h * inter * gate_up.element_size()
     paths: dict[str, Callable[[], object]] = {}

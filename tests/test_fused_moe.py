@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from model_service.kernels.experts import FUSED_MAX_TOKENS, experts_path, experts_reference, fused_experts
-from model_service.kernels.fp8_gemm import dequantize_groups, quantize_groups
+from model_service.kernels.fp8_gemm import dequantize_groups
 from model_service.kernels.fused_moe import (
     ExpertScales,
     FusedMoeConfig,
@@ -31,8 +31,8 @@ from model_service.kernels.fused_moe import (
     triton,
 )
 from model_service.models.config import ModelConfig, Routing
-from model_service.models.fp8_linear import quantize_experts
-from model_service.models.moe import SparseMoeBlock, StackedExperts, route
+from model_service.models.fp8_linear import quantize_stack
+from model_service.models.moe import SparseMoeBlock, route
 
 interpreter = pytest.mark.skipif(
     triton is None or os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter"
@@ -60,12 +60,16 @@ def _case(
     return x, gate_up, down, ids, weights
 
 
-def _fp8(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ExpertScales]:
-    """The experts as `quantize_experts` stores them: e4m3 weights and their per-row scales."""
-    stack = StackedExperts(*gate_up.shape[::2], gate_up.shape[1] // 2).to(gate_up.device)
-    stack.gate_up_proj.data, stack.down_proj.data = gate_up, down
-    quantize_experts(stack)
-    return stack.gate_up_proj.detach(), stack.down_proj.detach(), stack.scales()
+def _fp8(
+    gate_up: torch.Tensor, down: torch.Tensor, group: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, ExpertScales]:
+    """The experts in e4m3 with their scales: per row as `--quantization fp8` stores them, or
+    (`group` 128) per row and 128 columns as block-quantized checkpoints keep them."""
+    (q_gate_up, gate_up_scale), (q_down, down_scale) = (
+        quantize_stack(gate_up, group),
+        quantize_stack(down, group),
+    )
+    return q_gate_up, q_down, ExpertScales(gate_up_scale, down_scale, group)
 
 
 def _check_alignment(
@@ -200,13 +204,6 @@ def test_fp8_experts_in_the_kernels_match_the_reference_under_the_interpreter(
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
-def _block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A stack [E, N, K] as block-quantized checkpoints keep it: e4m3, a scale per row and 128
-    columns ([E, N, ceil(K / 128)])."""
-    pairs = [quantize_groups(w[e], 128) for e in range(w.shape[0])]
-    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
-
-
 @interpreter
 @pytest.mark.parametrize("tokens", [1, 21])
 def test_block_scaled_fp8_experts_in_the_kernels_match_the_reference_under_the_interpreter(tokens):
@@ -214,8 +211,8 @@ def test_block_scaled_fp8_experts_in_the_kernels_match_the_reference_under_the_i
     scaled by its group's scale; K of 256 and 160 (a partial last group), two tilings; a tiling
     whose K tile would cross a group is refused."""
     x, gate_up, down, ids, weights = _case(tokens, 8, 2, 256, 160, seed=11)
-    (q_gate_up, s_gate_up), (q_down, s_down) = _block_fp8(gate_up), _block_fp8(down)
-    scales = ExpertScales(s_gate_up, s_down, group=128)
+    q_gate_up, q_down, scales = _fp8(gate_up, down, group=128)
+    s_gate_up, s_down = scales.gate_up, scales.down
     assert s_gate_up.shape == (8, 320, 2) and s_down.shape == (8, 256, 2)
     want = experts_reference(x, q_gate_up, q_down, ids, weights, scales)
     deq = experts_reference(
@@ -421,11 +418,7 @@ def test_fp8_experts_match_the_reference_on_cuda_and_replay_from_a_graph(tokens,
     x, gate_up, down, ids, weights = (
         t.cuda() for t in _case(tokens, QWEN["experts"], QWEN["top_k"], QWEN["hidden"], QWEN["inter"], tokens)
     )
-    if block:
-        (q_gate_up, s_gate_up), (q_down, s_down) = _block_fp8(gate_up), _block_fp8(down)
-        scales = ExpertScales(s_gate_up, s_down, group=128)
-    else:
-        q_gate_up, q_down, scales = _fp8(gate_up, down)
+    q_gate_up, q_down, scales = _fp8(gate_up, down, group=128 if block else 0)
     x = x.to(torch.bfloat16)
     assert experts_path(tokens, q_gate_up.dtype, x.device) == "fused"
     got = fused_experts(x, q_gate_up, q_down, ids, weights, scales=scales)

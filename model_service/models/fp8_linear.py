@@ -110,17 +110,25 @@ def quantize_online(module: nn.Module) -> None:
 def quantize_experts(experts: StackedExperts) -> None:
     """`experts`' weights in e4m3, in place, each expert's output rows scaled by their own
     maximum (per channel, as `Fp8Linear.quantized`): the fused MoE kernels read one byte a
-    weight and scale their sums (W8A16). One expert at a time, so the float32 copy the
-    quantization makes stays one expert's."""
+    weight and scale their sums (W8A16)."""
     for name in ("gate_up_proj", "down_proj"):
-        w = getattr(experts, name).detach()
-        q = torch.empty(w.shape, dtype=E4M3, device=w.device)
-        scale = torch.empty(*w.shape[:2], 1, dtype=torch.float32, device=w.device)
-        for e in range(w.shape[0]):
-            q[e], scale[e] = quantize_groups(w[e], w.shape[2])
+        q, scale = quantize_stack(getattr(experts, name).detach())
         setattr(experts, name, nn.Parameter(q, requires_grad=False))
         setattr(experts, name.replace("_proj", "_scale"), scale)
     experts.scale_group = 0
+
+
+def quantize_stack(w: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [E, N, K], float32 scales [E, N, G]) of a stack of expert weights [E, N, K], each
+    row scaled by its own maximum over `group` columns (0: the whole row). One expert at a time,
+    so the float32 copy the quantization makes stays one expert's."""
+    num, rows, cols = w.shape
+    group = group or cols
+    q = torch.empty(w.shape, dtype=E4M3, device=w.device)
+    scale = torch.empty(num, rows, -(-cols // group), dtype=torch.float32, device=w.device)
+    for e in range(num):
+        q[e], scale[e] = quantize_groups(w[e], group)
+    return q, scale
 
 
 def make_fp8_experts(experts: StackedExperts, group: int) -> None:
