@@ -295,9 +295,8 @@ def _moe_share(block: SparseMoeBlock, part: Partition, device: torch.device) -> 
     block.experts.down_proj = _frozen(down[:, :, i.start : i.stop], device)
     if scales is not None:  # FP8 experts: gate_up's rows' scales, down's groups of its columns
         block.experts.gate_up_scale = scales.gate_up[e.start : e.stop][:, rows].to(device)
-        block.experts.down_scale = scales.down[e.start : e.stop][
-            :, :, _scale_groups(i, inter, scales.group)
-        ].to(device)
+        groups = _scale_groups(i, inter, scales.group)  # contiguous: the kernels would copy a view each call
+        block.experts.down_scale = scales.down[e.start : e.stop][:, :, groups].to(device).contiguous()
         block.experts.scale_group = scales.group
     block.expert_range = e
     shared = block.shared_mlp()

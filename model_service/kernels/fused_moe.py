@@ -309,7 +309,6 @@ def fused_moe(
         sorted_pairs, block_expert = align(ids, num_experts, config.block_m)
         blocks = block_expert.numel()
     gate_up_scale = scales.gate_up.contiguous() if scales is not None else weights  # weights: unread
-    down_scale = scales.down.contiguous() if scales is not None else None
     precision = dot_precision(x.dtype)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     grid = (blocks, triton.cdiv(inter, config.gate_up_block_n))
@@ -321,15 +320,14 @@ def fused_moe(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return _down_and_combine(
-        h, down, down_scale, group, sorted_pairs, block_expert, ids, weights, blocks, config, arrivals
+        h, down, scales, sorted_pairs, block_expert, ids, weights, blocks, config, arrivals
     )
 
 
 def _down_and_combine(
     h: torch.Tensor,
     down: torch.Tensor,
-    down_scale: torch.Tensor | None,
-    group: int,
+    scales: ExpertScales | None,
     sorted_pairs: torch.Tensor,
     block_expert: torch.Tensor,
     ids: torch.Tensor,
@@ -340,7 +338,7 @@ def _down_and_combine(
 ) -> torch.Tensor:
     """The down kernel's launch: `blocks` rows of programs over the blocks (pairs under direct),
     then one a BLOCK_M tokens that arrives for their remote slots; returns [T, H] in h's dtype.
-    `down_scale` [E, H, G] (`group` columns each, 0: G = 1): e4m3 weights' scales, else None."""
+    `scales`: e4m3 weights' (down's read here), else None."""
     (tokens, top_k), (num_experts, hidden, inter) = ids.shape, down.shape
     pairs = tokens * top_k
     slots = torch.empty(pairs, hidden, dtype=torch.float32, device=h.device)
@@ -348,13 +346,13 @@ def _down_and_combine(
     col_blocks = triton.cdiv(hidden, config.down_block_n)
     if arrivals is None or arrivals.numel() < tokens * col_blocks:
         arrivals = torch.zeros(tokens * col_blocks, dtype=torch.int32, device=h.device)
-    scale = down_scale if down_scale is not None else weights  # a pointer the kernel does not read
+    scale = scales.down.contiguous() if scales is not None else weights  # weights: unread
     _down_kernel[(blocks + triton.cdiv(tokens, config.block_m), col_blocks)](
         h, down, scale, sorted_pairs, block_expert, ids, weights, slots, out, arrivals, pairs, top_k,
         num_experts, hidden, inter, blocks, down.stride(0), down.stride(1), down.stride(2), scale.stride(0),
         scale.stride(1), DIRECT=tokens == 1, BLOCK_M=config.block_m, BLOCK_N=config.down_block_n,
         BLOCK_K=config.block_k, K_P2=triton.next_power_of_2(top_k), PRECISION=dot_precision(h.dtype),
-        W8=down_scale is not None, GROUP=group,
+        W8=scales is not None, GROUP=scales.group if scales is not None else 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
