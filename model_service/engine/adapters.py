@@ -261,16 +261,17 @@ class AdapterControl:
             for name, (slot, refcount) in candidates.items()
             if refcount > 0 and name not in self.scheduler.draining
         )
-        for _, _, name in held[:n]:
+        drained = [name for _, _, name in held[:n]]
+        for name in drained:
             self.scheduler.draining[name] = now
             self.num_drains += 1
-        if held[:n] and (self._warned_at is None or now - self._warned_at >= DRAIN_WARNING_S):
+        if drained and (self._warned_at is None or now - self._warned_at >= DRAIN_WARNING_S):
             self._warned_at = now
             log.warning(
                 "adapters starve for a place: draining %s (%d drains so far); the device holds "
                 "%.0f of %.0f MB of adapters and a step at most %d distinct ones. If this repeats, "
                 "raise --lora-memory-bytes or --max-loras, or route fewer distinct adapters here",
-                ", ".join(repr(name) for _, _, name in held[:n]), self.num_drains,
+                ", ".join(map(repr, drained)), self.num_drains,
                 self.pool.memory_used_bytes / 1e6, self.pool.memory_capacity_bytes / 1e6, self.max_loras,
             )  # fmt: skip
 

@@ -274,10 +274,10 @@ class ModelExecutor:
 
     def _graphs_apply(self) -> bool:
         """MoE experts are capturable on their fused (CUDA with Triton, sm80+; sm89+ in FP8) or
-        grouped path (bf16, sm90+); elsewhere the expert loop reads token counts on the host, so decode steps
-        run eagerly. Hybrid models'
-        recurrent layers run their decode and verify steps through the step kernels, over static
-        state runs (`StaticRuns`): captured as dense ones."""
+        grouped path (bf16, sm90+); elsewhere the expert loop reads token counts on the host, so
+        decode steps run eagerly. Hybrid models' recurrent layers run their decode and verify
+        steps through the step kernels, over static state runs (`StaticRuns`): captured as dense
+        ones."""
         experts = {m.gate_up_proj.dtype for m in self.module.modules() if isinstance(m, StackedExperts)}
         return all(experts_capturable(dtype, self.device) for dtype in experts)
 
