@@ -112,6 +112,14 @@ def test_decode_tiles_fill_the_gpu_with_sixteen_row_blocks():
     assert (one.gate_up_block_n, one.down_block_n, one.block_k) == (64, 64, 128)  # the sweep's best
     assert fused_moe_config(64, 8, 128, 2048, 768, item_bytes=4).block_k == 64  # float32: the same bytes
     assert fused_moe_config(64, 8, 128, 2048, 768).block_m == 16  # 4 rows an expert
+    assert [
+        fused_moe_config(t, 8, 128, 2048, 768, item_bytes=b).num_warps for t in (1, 64) for b in (2, 1)
+    ] == [
+        4,
+        8,
+        4,
+        8,
+    ]  # e4m3: 8 warps widen its tiles faster (the sweep)
     assert [fused_moe_config(t, 8, 128, 2048, 768).block_m for t in (256, 1024, 4096)] == [16, 32, 64]
     assert max_blocks(64, 8, 128, 16) == (512 + 128 * 15 + 15) // 16
 

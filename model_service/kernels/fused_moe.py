@@ -93,7 +93,9 @@ def fused_moe_config(
     and 64-long K this took before 42.1 us, 64 x 64 columns with K 128 37.8; at 64 tokens K 128
     gained 3-5% at every width. The run is 256 bytes whatever the weights' type (`item_bytes`):
     float32 tiles of K 128 and 128 columns outgrow the shared memory of four stages. One-byte
-    (e4m3) weights take bf16's K (unswept). Wider row blocks (not swept) keep K 64 and 32."""
+    (e4m3) weights take bf16's K and 8 warps: their sweep (2026-12-02 x: K 128 / 256, 4 / 8
+    warps) found them bound by widening the tiles in registers, not by bytes (8 warps: 42.7 ->
+    39.1 us at 1 token, 287 -> 267 at 64). Wider row blocks (not swept) keep K 64 and 32."""
     pairs = tokens * top_k
     per_expert = pairs / max(1, min(experts, pairs))
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
@@ -107,7 +109,12 @@ def fused_moe_config(
 
     block_k = 256 // max(item_bytes, 2) if block_m == 16 else 64 if block_m == 32 else 32
     return FusedMoeConfig(
-        block_m, block_n(inter), block_n(hidden), block_k, num_stages=4 if block_m <= 32 else 3
+        block_m,
+        block_n(inter),
+        block_n(hidden),
+        block_k,
+        num_stages=4 if block_m <= 32 else 3,
+        num_warps=8 if item_bytes == 1 else 4,
     )
 
 
