@@ -9,14 +9,14 @@ almost no arithmetic, so what matters is streaming the selected experts' bytes a
 as few launches as possible. The layout is the field's (vLLM's and SGLang's fused_moe), written for
 this engine:
 
-1. `align` (one program): the (token, slot) pairs sorted by expert, each expert's run padded to a
-   multiple of BLOCK_M rows: `sorted_pairs[i]` a pair index (t * top_k + slot) or the sentinel
-   P = T * top_k for padding, `block_expert[b]` the expert of rows [b * BLOCK_M, (b+1) * BLOCK_M) or
-   -1 past the end. The buffers have a fixed upper bound of blocks,
-   ceil((P + min(E, P) * (BLOCK_M - 1)) / BLOCK_M), so no count ever reaches the host. Pairs of
-   experts outside [0, E) (remote, under expert parallelism) are left out. At one token the pairs
-   are distinct experts already: the GEMMs take `ids` as the block list directly (`direct`), one
-   launch fewer.
+1. `align` (two launches, a program a chunk of pairs): the (token, slot) pairs sorted by expert,
+   each expert's run padded to a multiple of BLOCK_M rows: `sorted_pairs[i]` a pair index
+   (t * top_k + slot) or the sentinel P = T * top_k for padding, `block_expert[b]` the expert of
+   rows [b * BLOCK_M, (b+1) * BLOCK_M) or -1 past the end. The buffers have a fixed upper bound
+   of blocks, ceil((P + min(E, P) * (BLOCK_M - 1)) / BLOCK_M), so no count ever reaches the
+   host. Pairs of experts outside [0, E) (remote, under expert parallelism) are left out. At one
+   token the pairs are distinct experts already: the GEMMs take `ids` as the block list directly
+   (`direct`), no alignment.
 2. `_gate_up_kernel`: program (block, column block) computes the gate and the up columns of its
    rows against its expert's [2I, H] rows, then SiLU(gate) * up in float32, stored per pair in the
    model's dtype (as the reference rounds h). Weights are read where `StackedExperts` keeps them
@@ -59,7 +59,7 @@ if triton is not None:
 
     from model_service.kernels.arrivals import last_to_arrive
 
-ALIGN_CHUNK = 64  # pairs per step of the alignment's loops: [64, 64] and [64, E] tiles in registers
+ALIGN_CHUNK = 64  # pairs an alignment program takes: [64, 64] and [64, E] tiles in registers
 
 
 @dataclass(frozen=True)
@@ -175,14 +175,20 @@ def align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [max_blocks * BLOCK_M] int32, block_expert [max_blocks] int32) on the device,
-    one launch, no host sync: see the module's docstring."""
+    two launches of one program a chunk of pairs, no host sync: see the module's docstring."""
     tokens, top_k = ids.shape
+    pairs = tokens * top_k
     nb = max_blocks(tokens, top_k, num_experts, block_m)
+    chunks = triton.cdiv(pairs, ALIGN_CHUNK)
+    e_p2 = triton.next_power_of_2(num_experts)
+    ids = ids.contiguous()
+    counts = torch.empty(chunks, e_p2, dtype=torch.int32, device=ids.device)
     sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
-    _align_kernel[(1,)](
-        ids.contiguous(), sorted_pairs, block_expert, tokens * top_k, num_experts, nb,
-        BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK, num_warps=4,
+    _count_kernel[(chunks,)](ids, counts, pairs, num_experts, E_P2=e_p2, CHUNK=ALIGN_CHUNK, num_warps=4)
+    _align_kernel[(chunks,)](
+        ids, counts, sorted_pairs, block_expert, pairs, num_experts, nb, triton.cdiv(nb, chunks),
+        BLOCK_M=block_m, E_P2=e_p2, CHUNK=ALIGN_CHUNK, num_warps=4,
     )  # fmt: skip
     return sorted_pairs, block_expert
 
@@ -487,46 +493,66 @@ if triton is not None:
                        SIGMOID, HAS_BIAS, GROUP_SCORE, RENORMALIZE, E_P2, K_P2, G_P2)  # fmt: skip
 
     @triton.jit
-    def _align_kernel(Ids, Sorted, BlockExpert, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr, E_P2: tl.constexpr,
-                      CHUNK: tl.constexpr):  # fmt: skip
-        """One program: count pairs an expert, pad, lay the blocks out, scatter the pairs (stable:
-        a pair's rank in its expert is the expert's count so far plus the earlier pairs of its
-        chunk with the same expert)."""
+    def _chunk_hits(Ids, chunk, P, E, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+        """(the chunk's pair indices, their experts, [CHUNK, E_P2] pair-is-expert): experts
+        outside [0, E) match no column."""
+        p = chunk * CHUNK + tl.arange(0, CHUNK)
+        e = tl.load(Ids + p, mask=p < P, other=-1).to(tl.int32)
+        experts = tl.arange(0, E_P2)
+        return p, e, (e[:, None] == experts[None, :]) & (experts < E)[None, :]
+
+    @triton.jit
+    def _count_kernel(Ids, Counts, P, E, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+        """Program c: how many of chunk c's pairs each expert has (a row of Counts)."""
+        c = tl.program_id(0)
+        _, _, hit = _chunk_hits(Ids, c, P, E, E_P2, CHUNK)
+        tl.store(Counts + c * E_P2 + tl.arange(0, E_P2), tl.sum(hit.to(tl.int32), axis=0))
+
+    @triton.jit
+    def _align_kernel(
+        Ids, Counts, Sorted, BlockExpert, P, E, NUM_BLOCKS, BLOCKS_EACH, BLOCK_M: tl.constexpr,
+        E_P2: tl.constexpr, CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        """Program c: every chunk's counts summed (and those before c: where c's pairs of an
+        expert start within its run), the runs padded and laid out; then c scatters its own
+        chunk (stable: a pair's rank in its expert is the earlier chunks' count plus the earlier
+        pairs of its chunk with that expert), and writes BLOCKS_EACH blocks' experts and padding
+        rows. Pair rows and padding rows are disjoint, so no program waits on another: the one
+        program that did this serially spent ~28 us a layer at 64 tokens (2026-12-02 x)."""
+        c = tl.program_id(0)
         experts = tl.arange(0, E_P2)
         real = experts < E
-        lane = tl.arange(0, CHUNK)
         counts = tl.zeros([E_P2], tl.int32)
-        for p0 in range(0, P, CHUNK):
-            p = p0 + lane
-            e = tl.load(Ids + p, mask=p < P, other=-1).to(tl.int32)
-            hit = (e[:, None] == experts[None, :]) & real[None, :]
-            counts += tl.sum(hit.to(tl.int32), axis=0)
+        seen = tl.zeros([E_P2], tl.int32)
+        for j in range(tl.num_programs(0)):
+            row = tl.load(Counts + j * E_P2 + experts)
+            counts += row
+            seen += tl.where(j < c, row, 0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.cumsum(padded, axis=0)
         starts = ends - padded
         total = tl.sum(padded, axis=0)
-        for b0 in range(0, NUM_BLOCKS, CHUNK):
+        p, e, hit = _chunk_hits(Ids, c, P, E, E_P2, CHUNK)
+        lane = tl.arange(0, CHUNK)
+        base = tl.sum(tl.where(hit, (starts + seen)[None, :], 0), axis=1)
+        earlier = (e[:, None] == e[None, :]) & (lane[None, :] < lane[:, None])
+        tl.store(
+            Sorted + base + tl.sum(earlier.to(tl.int32), axis=1), p, mask=tl.sum(hit.to(tl.int32), axis=1) > 0
+        )
+        rows_in_block = tl.arange(0, BLOCK_M)
+        for b0 in range(c * BLOCKS_EACH, tl.minimum((c + 1) * BLOCKS_EACH, NUM_BLOCKS), CHUNK):
             b = b0 + lane
-            row = b * BLOCK_M
-            # The expert whose padded run holds `row`: the number of runs (empty ones included)
-            # ending at or before it.
-            owner = tl.sum(((ends[None, :] <= row[:, None]) & real[None, :]).to(tl.int32), axis=1)
-            tl.store(BlockExpert + b, tl.where(row < total, owner, -1), mask=b < NUM_BLOCKS)
-        fill = tl.arange(0, 1024)  # stores only: a wide vector, few iterations
-        for r0 in range(0, NUM_BLOCKS * BLOCK_M, 1024):
-            r = r0 + fill
-            tl.store(Sorted + r, tl.full([1024], 0, tl.int32) + P, mask=r < NUM_BLOCKS * BLOCK_M)
-        tl.debug_barrier()  # every padding row written before any pair lands on it
-        seen = tl.zeros([E_P2], tl.int32)
-        for p0 in range(0, P, CHUNK):
-            p = p0 + lane
-            e = tl.load(Ids + p, mask=p < P, other=-1).to(tl.int32)
-            hit = (e[:, None] == experts[None, :]) & real[None, :]
-            base = tl.sum(tl.where(hit, (starts + seen)[None, :], 0), axis=1)
-            earlier = (e[:, None] == e[None, :]) & (lane[None, :] < lane[:, None])
-            dest = base + tl.sum(earlier.to(tl.int32), axis=1)
-            tl.store(Sorted + dest, p, mask=(p < P) & (e >= 0) & (e < E))
-            seen += tl.sum(hit.to(tl.int32), axis=0)
+            first = b * BLOCK_M
+            # The expert whose padded run holds `first`: the runs (empty ones included) ending
+            # at or before it; rows from that run's start + count on are padding.
+            owner = tl.sum(((ends[None, :] <= first[:, None]) & real[None, :]).to(tl.int32), axis=1)
+            mine = (b < NUM_BLOCKS) & (b < (c + 1) * BLOCKS_EACH)
+            tl.store(BlockExpert + b, tl.where(first < total, owner, -1), mask=mine)
+            is_owner = experts[None, :] == owner[:, None]
+            pad_from = tl.sum(tl.where(is_owner, (starts + counts)[None, :], 0), axis=1)
+            rows = first[:, None] + rows_in_block[None, :]
+            pad = (rows >= pad_from[:, None]) | (first >= total)[:, None]
+            tl.store(Sorted + rows, tl.full([CHUNK, BLOCK_M], 0, tl.int32) + P, mask=mine[:, None] & pad)
 
     @triton.jit
     def _block_rows(Sorted, BlockExpert, block, P, E, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr):
