@@ -8,7 +8,8 @@ logits), T tokens, the device and dtype below. Times are the median of `--iters`
 warm-up; "graph" is the grouped path replayed from a CUDA graph, as decode steps run it, and
 "fused_graph" the fused kernels so (what `fused_experts` runs up to FUSED_MAX_TOKENS rows).
 With `--sweep`, instead: "fused_graph" over a grid of 16-row tilings (`path`:
-fused_graph/n<gate_up block_n>x<down block_n>/k<block_k>/s<stages>), to tune `fused_moe_config`.
+fused_graph/n<gate_up block_n>x<down block_n>/k<block_k>/s<stages>/w<warps>/split<K slices>), to tune
+`fused_moe_config`.
 `weight_gbps` = bytes of the experts hit / time: against the card's bandwidth it says how close a
 decode-sized call is to reading its weights once. Prints one JSON line per (T, path).
 
@@ -36,6 +37,7 @@ bytes counted at one a weight.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -51,8 +53,9 @@ from model_service.kernels.experts import experts_grouped, experts_path, experts
 from model_service.kernels.fused_moe import (
     ExpertScales,
     FusedMoeConfig,
-    down_counters,
+    fused_counters,
     fused_moe,
+    fused_moe_config,
     fused_moe_supported,
 )
 from model_service.models.config import LayerKind, ModelConfig
@@ -101,13 +104,13 @@ def bench(args: argparse.Namespace, tokens: int) -> list[dict[str, object]]:
     hit = ids.unique().numel()
     weight_bytes = hit * 3 * h * inter * gate_up.element_size()
     paths: dict[str, Callable[[], object]] = {}
-    arrivals = torch.zeros(down_counters(tokens, h), dtype=torch.int32, device=device)  # a layer's own
+    arrivals = torch.zeros(fused_counters(tokens, h), dtype=torch.int32, device=device)  # a layer's own
     if args.sweep:
         from triton.runtime.errors import OutOfResources  # CUDA machines only
 
-        for cfg in sweep_configs(gate_up.element_size()):
+        for cfg in sweep_configs(tokens, args, gate_up.element_size()):
             name = (f"fused_graph/n{cfg.gate_up_block_n}x{cfg.down_block_n}/k{cfg.block_k}/s{cfg.num_stages}"
-                    f"/w{cfg.num_warps}")  # fmt: skip
+                    f"/w{cfg.num_warps}/split{cfg.gate_up_split}")  # fmt: skip
             fused = functools.partial(fused_moe, x, gate_up, down, ids, weights, cfg, arrivals, scales)
             try:
                 paths[name] = graphed(fused)
@@ -136,23 +139,24 @@ def bench(args: argparse.Namespace, tokens: int) -> list[dict[str, object]]:
     return rows
 
 
-def sweep_configs(item_bytes: int) -> list[FusedMoeConfig]:
-    """Sixteen-row tiles (decode sizes): column blocks, K blocks and warps (each one compiles).
-    bf16: 2026-12-02 v's sweep chose 64 x 64 columns and K 128 at one token; wider columns and K
-    256 did no better. e4m3 (2026-12-02 x): K 128 or 256 (128-256 contiguous bytes a column),
-    4 or 8 warps; 8 warps won at both sizes (the tiles are widened to bf16 in registers)."""
-    if item_bytes == 1:
-        widths = ((64, 64), (64, 128), (128, 128))
-        grid = [(k, g, d, w) for k in (128, 256) for g, d in widths for w in (4, 8)]
-        return [
-            FusedMoeConfig(16, gate_up_n, down_n, block_k, stages, warps)
-            for block_k, gate_up_n, down_n, warps in grid
-            if (stages := fitting_stages(block_k, gate_up_n, item_bytes)) >= 2
-        ]
-    return [
-        FusedMoeConfig(16, gate_up_n, down_n, 128, num_stages=4)
-        for gate_up_n, down_n in ((64, 64), (64, 128), (128, 128))
+def sweep_configs(tokens: int, args: argparse.Namespace, item_bytes: int) -> list[FusedMoeConfig]:
+    """The engine's tiling for `tokens` (`fused_moe_config`) with gate_up's K in 1-8 slices, then
+    16-row tilings around it: column blocks (64 / 128), K blocks (128 / 256 with e4m3 weights)
+    and warps (4 / 8), in the stages that fit. Past sweeps (2026-12-02 v, x): bf16 64 x 64
+    columns and K 128 at one token; e4m3 the same at 8 warps, K 256 and swapped operands worse."""
+    chosen = fused_moe_config(
+        tokens, args.top_k, args.experts, args.hidden, args.inter, item_bytes=item_bytes
+    )
+    splits = [dataclasses.replace(chosen, gate_up_split=s) for s in (1, 2, 3, 4, 6, 8)]
+    widths = ((64, 64), (64, 128), (128, 128))
+    k_blocks = (128, 256) if item_bytes == 1 else (128,)
+    grid = [(k, g, d, w) for k in k_blocks for g, d in widths for w in (4, 8)]
+    tilings = [
+        FusedMoeConfig(16, gate_up_n, down_n, block_k, stages, warps)
+        for block_k, gate_up_n, down_n, warps in grid
+        if (stages := fitting_stages(block_k, gate_up_n, item_bytes)) >= 2
     ]
+    return [*splits, *tilings]
 
 
 def fitting_stages(block_k: int, gate_up_n: int, item_bytes: int, shared: int = 220_000) -> int:

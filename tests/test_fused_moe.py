@@ -22,7 +22,7 @@ from model_service.kernels.fused_moe import (
     FusedMoeConfig,
     align,
     align_reference,
-    down_counters,
+    fused_counters,
     fused_moe,
     fused_moe_config,
     max_blocks,
@@ -112,6 +112,12 @@ def test_decode_tiles_fill_the_gpu_with_sixteen_row_blocks():
     assert (one.gate_up_block_n, one.down_block_n, one.block_k) == (64, 64, 128)  # the sweep's best
     assert fused_moe_config(64, 8, 128, 2048, 768, item_bytes=4).block_k == 64  # float32: the same bytes
     assert fused_moe_config(64, 8, 128, 2048, 768).block_m == 16  # 4 rows an expert
+    # K split only where the launch leaves SMs idle, for e4m3 tiles (bf16's fill an SM's shared
+    # memory): 96 programs at one token -> 3 slices, 288 programs
+    splits = [
+        fused_moe_config(t, 8, 128, 2048, 768, item_bytes=b).gate_up_split for t in (1, 64) for b in (1, 2)
+    ]
+    assert splits == [3, 1, 1, 1]
     warps = {
         (t, b): fused_moe_config(t, 8, 128, 2048, 768, item_bytes=b).num_warps
         for t in (1, 64)
@@ -206,8 +212,10 @@ def test_fp8_experts_in_the_kernels_match_the_reference_under_the_interpreter(
     got = fused_moe(x, q_gate_up, q_down, ids, weights, scales=scales)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     wide = FusedMoeConfig(block_m=32, gate_up_block_n=64, down_block_n=32, block_k=32, num_stages=2)
-    torch.testing.assert_close(fused_moe(x, q_gate_up, q_down, ids, weights, wide, scales=scales), want,
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    split = FusedMoeConfig(16, 32, 32, block_k=16, num_stages=2, gate_up_split=3)  # K in three slices
+    for config in (wide, split):
+        got = fused_moe(x, q_gate_up, q_down, ids, weights, config, scales=scales)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @interpreter
@@ -230,8 +238,10 @@ def test_block_scaled_fp8_experts_in_the_kernels_match_the_reference_under_the_i
         fused_moe(x, q_gate_up, q_down, ids, weights, scales=scales), want, rtol=1e-5, atol=1e-5
     )
     wide = FusedMoeConfig(block_m=32, gate_up_block_n=64, down_block_n=32, block_k=32, num_stages=2)
-    torch.testing.assert_close(fused_moe(x, q_gate_up, q_down, ids, weights, wide, scales=scales), want,
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    split = FusedMoeConfig(16, 64, 64, block_k=128, num_stages=2, gate_up_split=2)  # a group a slice
+    for config in (wide, split):
+        got = fused_moe(x, q_gate_up, q_down, ids, weights, config, scales=scales)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     crossing = FusedMoeConfig(block_m=16, gate_up_block_n=64, down_block_n=64, block_k=256, num_stages=2)
     with pytest.raises(ValueError, match="crosses the scales' groups"):
         fused_moe(x, q_gate_up, q_down, ids, weights, crossing, scales=scales)
@@ -257,16 +267,19 @@ def test_remote_experts_add_nothing_under_the_interpreter():
 def test_down_kernel_sums_each_token_once_and_leaves_the_counters_zeroed(tokens):
     """The combine inside the down kernel: a token whose slots are all remote gets zeros (only the
     remote slots' programs arrive for it), caller-owned counters come back zeroed, and a second
-    call on them gives the same bits."""
+    call on them gives the same bits. Also with gate_up's K split in four slices (its counters too)."""
     x, gate_up, down, ids, weights = _case(tokens, 8, 3, 64, 32, seed=tokens)
     ids[tokens // 2] = torch.tensor([-1, 8, 9])
-    arrivals = torch.zeros(down_counters(tokens, 64), dtype=torch.int32)
-    got = fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals)
-    torch.testing.assert_close(got, experts_reference(x, gate_up, down, ids, weights), rtol=1e-5, atol=1e-5)
-    assert not got[tokens // 2].any() and not arrivals.any()
-    torch.testing.assert_close(
-        fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals), got, rtol=0, atol=0
-    )
+    arrivals = torch.zeros(fused_counters(tokens, 64), dtype=torch.int32)
+    split = FusedMoeConfig(16, 32, 32, block_k=16, num_stages=2, gate_up_split=4)
+    for config in (None, split):
+        got = fused_moe(x, gate_up, down, ids, weights, config, arrivals=arrivals)
+        want = experts_reference(x, gate_up, down, ids, weights)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not got[tokens // 2].any() and not arrivals.any()
+        torch.testing.assert_close(
+            fused_moe(x, gate_up, down, ids, weights, config, arrivals=arrivals), got, rtol=0, atol=0
+        )
 
 
 @interpreter
@@ -389,7 +402,7 @@ def test_fused_experts_replay_from_a_cuda_graph_with_new_inputs(tokens):
     make = [t.cuda() for t in _case(tokens, experts, top_k, hidden, inter, seed=1)]
     x, gate_up, down, ids, weights = make
     x, gate_up, down = (t.to(torch.bfloat16) for t in (x, gate_up, down))
-    arrivals = torch.zeros(down_counters(tokens, hidden), dtype=torch.int32, device="cuda")
+    arrivals = torch.zeros(fused_counters(tokens, hidden), dtype=torch.int32, device="cuda")
     fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -431,7 +444,7 @@ def test_fp8_experts_match_the_reference_on_cuda_and_replay_from_a_graph(tokens,
     want = experts_reference(x.float(), q_gate_up, q_down, ids, weights, scales)
     assert got.dtype == torch.bfloat16
     assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
-    arrivals = torch.zeros(down_counters(tokens, QWEN["hidden"]), dtype=torch.int32, device="cuda")
+    arrivals = torch.zeros(fused_counters(tokens, QWEN["hidden"]), dtype=torch.int32, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = fused_moe(x, q_gate_up, q_down, ids, weights, arrivals=arrivals, scales=scales)

@@ -20,7 +20,11 @@ this engine:
 2. `_gate_up_kernel`: program (block, column block) computes the gate and the up columns of its
    rows against its expert's [2I, H] rows, then SiLU(gate) * up in float32, stored per pair in the
    model's dtype (as the reference rounds h). Weights are read where `StackedExperts` keeps them
-   ([E, 2I, H], rows contiguous along H), by strides: nothing is copied per call.
+   ([E, 2I, H], rows contiguous along H), by strides: nothing is copied per call. Where the
+   launch has fewer programs than SMs (one token: 8 experts x 12 column blocks, each 16 K tiles
+   long) and its e4m3 tiles leave room for two programs an SM, H is split in slices whose
+   partial sums the last program to arrive adds in order before the activation, so every SM
+   streams weights.
 3. `_down_kernel`: the same over down [E, H, I], the routing weight multiplied into the float32
    sums, one float32 row per pair; then each token's top_k rows summed in slot order (remote
    slots skipped) and rounded once, by the token's last program to arrive in each column block
@@ -80,6 +84,7 @@ class FusedMoeConfig:
     block_k: int
     num_stages: int
     num_warps: int = 4
+    gate_up_split: int = 1  # K slices of gate_up, summed by the last to arrive (few-program launches)
 
 
 def fused_moe_config(
@@ -95,7 +100,11 @@ def fused_moe_config(
     float32 tiles of K 128 and 128 columns outgrow the shared memory of four stages. One-byte
     (e4m3) weights take bf16's K and 8 warps: their sweep (2026-12-02 x: K 128 / 256, 4 / 8
     warps) found them bound by widening the tiles in registers, not by bytes (8 warps: 42.7 ->
-    39.1 us at 1 token, 287 -> 267 at 64). Wider row blocks (not swept) keep K 64 and 32."""
+    39.1 us at 1 token, 287 -> 267 at 64). Wider row blocks (not swept) keep K 64 and 32.
+    gate_up's K split (`gate_up_split`, the same sweep at 1 token): e4m3 tiles, two programs an
+    SM, 40.0 us unsplit, 37.2 / 36.4 / 36.8 / 38.7 / 41.2 in 2 / 3 / 4 / 6 / 8 slices, so ~2
+    programs an SM (3 slices at one token); bf16 tiles (one program an SM in shared memory)
+    38.2 unsplit, 40.6-43.2 split: their extra programs wait for a second wave, so none."""
     pairs = tokens * top_k
     per_expert = pairs / max(1, min(experts, pairs))
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
@@ -108,20 +117,31 @@ def fused_moe_config(
         return width
 
     block_k = 256 // max(item_bytes, 2) if block_m == 16 else 64 if block_m == 32 else 32
+    gate_up_n = block_n(inter)
+    programs = blocks * triton_cdiv(inter, gate_up_n)
+    split = 1
+    if item_bytes == 1 and programs < sms:  # one token: 8 experts x 12 column blocks, 16 K steps each
+        split = max(1, min(GATE_UP_MAX_SPLIT, triton_cdiv(2 * sms, programs), hidden // (2 * block_k)))
     return FusedMoeConfig(
         block_m,
-        block_n(inter),
+        gate_up_n,
         block_n(hidden),
         block_k,
         num_stages=4 if block_m <= 32 else 3,
         num_warps=8 if item_bytes == 1 else 4,
+        gate_up_split=split,
     )
 
 
-def down_counters(tokens: int, hidden: int) -> int:
-    """The most arrival counters `fused_moe` needs for `tokens` rows: one a token and column block
-    of down, whose blocks are 32 columns or wider."""
-    return tokens * triton_cdiv(hidden, 32)
+GATE_UP_MAX_SPLIT = 8
+GATE_UP_COUNTERS = 1024  # a split gate_up's counters, one a program of the unsplit launch (< SMs)
+
+
+def fused_counters(tokens: int, hidden: int) -> int:
+    """The most arrival counters `fused_moe` needs for `tokens` rows: a split gate_up's first
+    (`GATE_UP_COUNTERS`), then one a token and column block of down, whose blocks are 32
+    columns or wider."""
+    return GATE_UP_COUNTERS + tokens * triton_cdiv(hidden, 32)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -295,8 +315,8 @@ def fused_moe(
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for the experts held here, as
     `experts.fused_experts` (same arguments: x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; ids
     [T, k] local expert ids, those outside [0, E) adding nothing; weights [T, k] float32;
-    `scales` with e4m3 weights). Returns [T, H] in x's dtype. `arrivals`: the down kernel's
-    counters, int32 zeros, at least `down_counters(T, H)` of them, owned by the caller and left
+    `scales` with e4m3 weights). Returns [T, H] in x's dtype. `arrivals`: the kernels'
+    counters, int32 zeros, at least `fused_counters(T, H)` of them, owned by the caller and left
     zeroed; None (or too few) allocates zeroed ones, a memset launch more."""
     tokens, top_k = ids.shape
     num_experts, two_inter, hidden = gate_up.shape
@@ -324,16 +344,23 @@ def fused_moe(
     gate_up_scale = scales.gate_up.contiguous() if scales is not None else weights  # weights: unread
     precision = dot_precision(x.dtype)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    grid = (blocks, triton.cdiv(inter, config.gate_up_block_n))
-    _gate_up_kernel[grid](
-        x, gate_up, gate_up_scale, sorted_pairs, block_expert, h, pairs, top_k, num_experts, inter, hidden,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), gate_up_scale.stride(0),
-        gate_up_scale.stride(1), DIRECT=direct, BLOCK_M=config.block_m, BLOCK_N=config.gate_up_block_n,
-        BLOCK_K=config.block_k, PRECISION=precision, W8=scales is not None, GROUP=group,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+    col_blocks = triton.cdiv(inter, config.gate_up_block_n)
+    if arrivals is None or arrivals.numel() < fused_counters(tokens, hidden):
+        arrivals = torch.zeros(fused_counters(tokens, hidden), dtype=torch.int32, device=x.device)
+    # The K split: slices of whole K tiles; a split launch needs a counter a program of the unsplit one.
+    k_chunk = triton.cdiv(triton.cdiv(hidden, config.gate_up_split), config.block_k) * config.block_k
+    split = triton.cdiv(hidden, k_chunk) if blocks * col_blocks <= GATE_UP_COUNTERS else 1
+    k_chunk = k_chunk if split > 1 else hidden
+    parts = torch.empty(split if split > 1 else 0, pairs, 2 * inter, dtype=torch.float32, device=x.device)
+    _gate_up_kernel[(blocks, col_blocks, split)](
+        x, gate_up, gate_up_scale, sorted_pairs, block_expert, h, parts, arrivals, pairs, top_k, num_experts,
+        inter, hidden, k_chunk, x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        gate_up_scale.stride(0), gate_up_scale.stride(1), DIRECT=direct, BLOCK_M=config.block_m,
+        BLOCK_N=config.gate_up_block_n, BLOCK_K=config.block_k, PRECISION=precision, W8=scales is not None,
+        GROUP=group, SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return _down_and_combine(
-        h, down, scales, sorted_pairs, block_expert, ids, weights, blocks, config, arrivals
+        h, down, scales, sorted_pairs, block_expert, ids, weights, blocks, config, arrivals[GATE_UP_COUNTERS:]
     )
 
 
@@ -570,15 +597,17 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(
-        X, W, Scale, Sorted, BlockExpert, Hout, P, TOP_K, E, N, K, x_stride, w_stride_e, w_stride_n,
-        w_stride_k, s_stride_e, s_stride_n, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, W8: tl.constexpr,
-        GROUP: tl.constexpr,
+        X, W, Scale, Sorted, BlockExpert, Hout, Parts, Arrivals, P, TOP_K, E, N, K, k_chunk, x_stride,
+        w_stride_e, w_stride_n, w_stride_k, s_stride_e, s_stride_n, DIRECT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        W8: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
     ):  # fmt: skip
         """h[pair, cols] = silu(x[token] . W[e, cols]) * (x[token] . W[e, N + cols]) for the rows of
         one block and BLOCK_N of the N = I columns (both halves: SiLU needs the whole sum); with
         W8 (e4m3 weights) each sum scaled by its rows' Scale[e, cols] and Scale[e, N + cols]
-        (`_tile_product`)."""
+        (`_tile_product`). Program (block, column block, slice) sums K from slice * k_chunk; with
+        SPLIT > 1 each slice stores its partial sums and the last to arrive adds them in slice
+        order (kernels/arrivals.py) before the activation."""
         expert, pairs, live = _block_rows(Sorted, BlockExpert, tl.program_id(0), P, E, DIRECT, BLOCK_M)
         if expert < 0:
             return
@@ -591,8 +620,10 @@ if triton is not None:
         su = sg + N * s_stride_n  # and up rows'
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + ks) < K
+        k_lo = tl.program_id(2) * k_chunk
+        k_hi = tl.minimum(k_lo + k_chunk, K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k_ok = (k0 + ks) < k_hi
             a_mask = live[:, None] & k_ok[None, :]
             a = tl.load(X + tokens[:, None] * x_stride + (k0 + ks)[None, :], mask=a_mask, other=0.0)
             w_mask = k_ok[:, None] & col_ok[None, :]
@@ -601,12 +632,32 @@ if triton is not None:
             wu = tl.load(w + N * w_stride_n + w_off, mask=w_mask, other=0.0)
             gate += _tile_product(a, wg, sg, k0, col_ok, W8, GROUP, PRECISION)
             up += _tile_product(a, wu, su, k0, col_ok, W8, GROUP, PRECISION)
-        if W8 and GROUP == 0:  # one scale a row
+        out = live[:, None] & col_ok[None, :]
+        if SPLIT == 1:
+            _activate(gate, up, sg, su, Hout, pairs, cols, col_ok, out, N, W8, GROUP)
+        else:
+            part = Parts + pairs[:, None] * (2 * N) + cols[None, :]  # slice s at s * P * 2N
+            tl.store(part + tl.program_id(2) * P * 2 * N, gate, mask=out)
+            tl.store(part + tl.program_id(2) * P * 2 * N + N, up, mask=out)
+            counter = Arrivals + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if last_to_arrive(counter, SPLIT):
+                gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in range(SPLIT):  # in slice order, whichever arrived last: deterministic
+                    gate += tl.load(part + s * P * 2 * N, mask=out, other=0.0, cache_modifier=".cg")
+                    up += tl.load(part + s * P * 2 * N + N, mask=out, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(counter, 0)
+                _activate(gate, up, sg, su, Hout, pairs, cols, col_ok, out, N, W8, GROUP)
+
+    @triton.jit
+    def _activate(gate, up, sg, su, Hout, pairs, cols, col_ok, out, N, W8: tl.constexpr, GROUP: tl.constexpr):
+        """gate_up's epilogue: the per-row scales (e4m3 weights, one scale a row), SiLU(gate) * up
+        in float32, stored in h's dtype."""
+        if W8 and GROUP == 0:
             gate *= tl.load(sg, mask=col_ok, other=0.0)[None, :]
             up *= tl.load(su, mask=col_ok, other=0.0)[None, :]
         h = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(Hout + pairs[:, None] * N + cols[None, :], h.to(Hout.dtype.element_ty),
-                 mask=live[:, None] & col_ok[None, :])  # fmt: skip
+        tl.store(Hout + pairs[:, None] * N + cols[None, :], h.to(Hout.dtype.element_ty), mask=out)
 
     @triton.jit
     def _down_kernel(

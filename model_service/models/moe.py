@@ -29,7 +29,7 @@ from model_service.kernels.experts import FUSED_MAX_TOKENS, experts_path, fused_
 from model_service.kernels.fused_moe import (
     ROUTER_MAX_ROWS,
     ExpertScales,
-    down_counters,
+    fused_counters,
     route_hidden,
     route_topk,
 )
@@ -153,7 +153,7 @@ class SparseMoeBlock(nn.Module):
         if not x.is_cuda:
             return None
         if self.arrivals is None and not torch.cuda.is_current_stream_capturing():
-            size = ROUTER_MAX_ROWS + down_counters(FUSED_MAX_TOKENS, self.gate.in_features)
+            size = ROUTER_MAX_ROWS + fused_counters(FUSED_MAX_TOKENS, self.gate.in_features)
             self.arrivals = torch.zeros(size, dtype=torch.int32, device=x.device)
         return self.arrivals if self.arrivals is not None and self.arrivals.device == x.device else None
 
