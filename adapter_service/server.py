@@ -507,7 +507,12 @@ async def serve(args: argparse.Namespace) -> int:
 
         start_http_server(args.metrics_port, addr=args.host)
     stop = asyncio.Event()
-    serving.on_shutdown_signal(lambda why: stop.set())
+
+    def shut_down(why: str) -> None:
+        log.info("adapter service stopping (%s)", why)
+        stop.set()
+
+    serving.on_shutdown_signal(shut_down)
     while not stop.is_set():
         await health.set(await _reachable(controller, args.rpc_timeout))
         with contextlib.suppress(asyncio.TimeoutError):

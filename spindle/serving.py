@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import importlib.util
 import logging
 import signal
@@ -125,7 +126,11 @@ def on_shutdown_signal(callback: Callable[[str], None]) -> None:
 
 
 def setup_logging(level: str) -> None:
+    """A service process's diagnostics: log lines on stderr at `level`, and every thread's Python
+    stack on stderr at SIGUSR1 (`kill -USR1 PID`), so a process that hangs (a shutdown that does not
+    end, a backend call that does not return) can say where before anyone kills it."""
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def run_event_loop(main: Coroutine[Any, Any, T]) -> T:

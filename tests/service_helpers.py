@@ -60,11 +60,15 @@ class Service:
         return grpc.insecure_channel(self.control_address)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        """Signal, wait, and kill what did not exit in `timeout`, its threads' stacks dumped into
+        its log first (SIGUSR1: `serving.setup_logging`), so a hung shutdown says where it hung."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
             self.proc.kill()
             return self.proc.wait()
 
