@@ -345,8 +345,9 @@ def fused_moe(
     precision = dot_precision(x.dtype)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     col_blocks = triton.cdiv(inter, config.gate_up_block_n)
-    if arrivals is None or arrivals.numel() < fused_counters(tokens, hidden):
-        arrivals = torch.zeros(fused_counters(tokens, hidden), dtype=torch.int32, device=x.device)
+    counters = fused_counters(tokens, hidden)
+    if arrivals is None or arrivals.numel() < counters:
+        arrivals = torch.zeros(counters, dtype=torch.int32, device=x.device)
     # The K split: slices of whole K tiles; a split launch needs a counter a program of the unsplit one.
     k_chunk = triton.cdiv(triton.cdiv(hidden, config.gate_up_split), config.block_k) * config.block_k
     split = triton.cdiv(hidden, k_chunk) if blocks * col_blocks <= GATE_UP_COUNTERS else 1
@@ -374,18 +375,17 @@ def _down_and_combine(
     weights: torch.Tensor,
     blocks: int,
     config: FusedMoeConfig,
-    arrivals: torch.Tensor | None,
+    arrivals: torch.Tensor,
 ) -> torch.Tensor:
     """The down kernel's launch: `blocks` rows of programs over the blocks (pairs under direct),
     then one a BLOCK_M tokens that arrives for their remote slots; returns [T, H] in h's dtype.
-    `scales`: e4m3 weights' (down's read here), else None."""
+    `scales`: e4m3 weights' (down's read here), else None. `arrivals`: zeroed counters, one a
+    token and column block (`fused_moe` sized them)."""
     (tokens, top_k), (num_experts, hidden, inter) = ids.shape, down.shape
     pairs = tokens * top_k
     slots = torch.empty(pairs, hidden, dtype=torch.float32, device=h.device)
     out = torch.empty(tokens, hidden, dtype=h.dtype, device=h.device)
     col_blocks = triton.cdiv(hidden, config.down_block_n)
-    if arrivals is None or arrivals.numel() < tokens * col_blocks:
-        arrivals = torch.zeros(tokens * col_blocks, dtype=torch.int32, device=h.device)
     scale = scales.down.contiguous() if scales is not None else weights  # weights: unread
     _down_kernel[(blocks + triton.cdiv(tokens, config.block_m), col_blocks)](
         h, down, scale, sorted_pairs, block_expert, ids, weights, slots, out, arrivals, pairs, top_k,
@@ -563,9 +563,8 @@ if triton is not None:
         lane = tl.arange(0, CHUNK)
         base = tl.sum(tl.where(hit, (starts + seen)[None, :], 0), axis=1)
         earlier = (e[:, None] == e[None, :]) & (lane[None, :] < lane[:, None])
-        tl.store(
-            Sorted + base + tl.sum(earlier.to(tl.int32), axis=1), p, mask=tl.sum(hit.to(tl.int32), axis=1) > 0
-        )
+        dest = base + tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(Sorted + dest, p, mask=(p < P) & (e >= 0) & (e < E))
         rows_in_block = tl.arange(0, BLOCK_M)
         for b0 in range(c * BLOCKS_EACH, tl.minimum((c + 1) * BLOCKS_EACH, NUM_BLOCKS), CHUNK):
             b = b0 + lane
@@ -651,11 +650,10 @@ if triton is not None:
 
     @triton.jit
     def _activate(gate, up, sg, su, Hout, pairs, cols, col_ok, out, N, W8: tl.constexpr, GROUP: tl.constexpr):
-        """gate_up's epilogue: the per-row scales (e4m3 weights, one scale a row), SiLU(gate) * up
-        in float32, stored in h's dtype."""
-        if W8 and GROUP == 0:
-            gate *= tl.load(sg, mask=col_ok, other=0.0)[None, :]
-            up *= tl.load(su, mask=col_ok, other=0.0)[None, :]
+        """gate_up's epilogue: the per-row scales (`_row_scaled`), SiLU(gate) * up in float32,
+        stored in h's dtype."""
+        gate = _row_scaled(gate, sg, col_ok, W8, GROUP)
+        up = _row_scaled(up, su, col_ok, W8, GROUP)
         h = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(Hout + pairs[:, None] * N + cols[None, :], h.to(Hout.dtype.element_ty), mask=out)
 
@@ -693,8 +691,7 @@ if triton is not None:
             b = tl.load(w + (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n,
                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
             acc += _tile_product(a, b, scale, k0, col_ok, W8, GROUP, PRECISION)
-        if W8 and GROUP == 0:  # one scale a row
-            acc *= tl.load(scale, mask=col_ok, other=0.0)[None, :]
+        acc = _row_scaled(acc, scale, col_ok, W8, GROUP)
         acc *= tl.load(Weights + pairs, mask=live, other=0.0)[:, None]
         tl.store(Slots + pairs[:, None] * N + cols[None, :], acc, mask=live[:, None] & col_ok[None, :])
         one = tl.full([BLOCK_M], 1, tl.int32)
@@ -716,6 +713,14 @@ if triton is not None:
         if GROUP > 0:
             product *= tl.load(row_scales + k0 // GROUP, mask=col_ok, other=0.0)[None, :]
         return product
+
+    @triton.jit
+    def _row_scaled(acc, row_scales, col_ok, W8: tl.constexpr, GROUP: tl.constexpr):
+        """A K loop's sums times their weight rows' scales where e4m3 weights have one scale a row
+        (block scales were applied per K tile, `_tile_product`); the sums as they are otherwise."""
+        if W8 and GROUP == 0:
+            acc *= tl.load(row_scales, mask=col_ok, other=0.0)[None, :]
+        return acc
 
     @triton.jit
     def _remote_slots(Ids, tokens, T, TOP_K, E, K_P2: tl.constexpr):
