@@ -40,6 +40,32 @@ FP8_MAX = 448.0
 RopeKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+class DecodeTiling(NamedTuple):
+    """The decode kernel's launch: context tokens a tile, warps, software-pipeline stages, and
+    whether an FP8 cache's K/V widen to float16 (one `cvt` from e4m3 on sm90; q is rounded to
+    float16 too, saturated at its largest finite value) rather than bfloat16. Chosen by
+    `decode_tiling`; `bench/decode_splits.py --sweep` times the alternatives."""
+
+    block_n: int = 64
+    warps: int = 4
+    stages: int = 3
+    f16: bool = False
+
+
+def decode_tiling(cache: torch.dtype) -> DecodeTiling:
+    """The tiling for a K/V cache of dtype `cache`. H200 sweep (2026-12-02 y, 8B heads, us a
+    layer at the engine's split count; 32-128 tokens, 4 / 8 warps, 2 / 3 stages, widened to bf16
+    or fp16, plain or transposed products): an FP8 cache at today's bf16 tiling read 994-1,438
+    GB/s of its bytes, 20.9 / 91.0 / 478.9 us at 64 rows of 128-192 tokens / 256 of 128-256 /
+    256 of 64-2,500; 128-token tiles, 2 stages, widened to fp16: **16.5 / 65.6 / 317.8** (best or
+    within 15% of it in every case; bf16 K/V take 354.3 at 256 of 64-2,500). Each e4m3 tile
+    is half a bf16 tile's bytes, so twice the tokens keep as many bytes in flight. bf16 keeps
+    64 tokens, 4 warps, 3 stages: 128 tokens gained 5% at 256 rows and lost 9% at batch 1."""
+    if cache == FP8:
+        return DecodeTiling(block_n=128, warps=4, stages=2, f16=True)
+    return DecodeTiling()
+
+
 class HeadNorms(NamedTuple):
     """Qwen3's per-head RMSNorms of queries and keys (q_norm, k_norm: a weight [D] each, one
     eps), which the RoPE kernels apply to the heads they read before rotating them."""
@@ -178,24 +204,37 @@ if triton is not None:
         return k.to(KC.dtype.element_ty), v.to(VC.dtype.element_ty)
 
     @triton.jit
+    def _kv_tile(
+        q, KC, VC, BlockTable, seq, kvh, d, tile, end, bt_stride, kc_stride_slot, kc_stride_h,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """Context positions [tile, tile + BLOCK_N) of one sequence and kv head, read in place
+        through its block table: (valid [BLOCK_N], K and V [BLOCK_N, HEAD_DIM] in q's dtype)."""
+        pos = tile + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(BlockTable + seq * bt_stride + pos // BLOCK_SIZE, mask=valid, other=0)
+        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_off = slot[:, None] * kc_stride_slot + kvh * kc_stride_h + d[None, :]
+        k = tl.load(KC + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)  # an FP8 cache widens
+        v = tl.load(VC + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
+        return valid, k, v
+
+    @triton.jit
     def _attend_tiles(
         q, KC, VC, BlockTable, seq, kvh, d, start, end, bt_stride, kc_stride_slot, kc_stride_h, scale,
         GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr,
     ):  # fmt: skip
         """The online softmax of a query group over context positions [start, end) of one
-        sequence, read in place through its block table: (running max, denominator, output)."""
+        sequence: (running max, denominator, output)."""
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         denom = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         for tile in range(start, end, BLOCK_N):
-            pos = tile + tl.arange(0, BLOCK_N)
-            valid = pos < end
-            block = tl.load(BlockTable + seq * bt_stride + pos // BLOCK_SIZE, mask=valid, other=0)
-            slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
-            kv_off = slot[:, None] * kc_stride_slot + kvh * kc_stride_h + d[None, :]
-            k = tl.load(KC + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)  # an FP8 cache widens
-            v = tl.load(VC + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
+            valid, k, v = _kv_tile(
+                q, KC, VC, BlockTable, seq, kvh, d, tile, end, bt_stride, kc_stride_slot, kc_stride_h,
+                BLOCK_SIZE, BLOCK_N,
+            )  # fmt: skip
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -227,7 +266,7 @@ if triton is not None:
         po_stride_split, pl_stride_s, pl_stride_h, k_row, k_head, v_row, v_head, scale, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
-        TO_FP8: tl.constexpr, NORM: tl.constexpr,
+        TO_FP8: tl.constexpr, NORM: tl.constexpr, F16: tl.constexpr,
     ):  # fmt: skip
         """With ROPE, q, k and v come straight from the projection: each program rotates its
         query heads in registers (normalized first under NORM), and the token's K/V (position
@@ -258,9 +297,12 @@ if triton is not None:
         else:
             q_off = seq * q_stride_s + heads[:, None] * q_stride_h + d[None, :]
             q = tl.load(Q + q_off, mask=g[:, None] < GROUP, other=0.0)
+        q_tiles = q
+        if F16:
+            q_tiles = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         m, denom, acc = _attend_tiles(
-            q, KC, VC, BlockTable, seq, kvh, d, start, end, bt_stride, kc_stride_slot, kc_stride_h, scale,
-            GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
+            q_tiles, KC, VC, BlockTable, seq, kvh, d, start, end, bt_stride, kc_stride_slot, kc_stride_h,
+            scale, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
         )  # fmt: skip
         if ROPE:
             m, denom, acc = _attend_one_more(
@@ -330,12 +372,14 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     rope_kv: RopeKV | None = None,
     norms: HeadNorms | None = None,
+    tiling: DecodeTiling | None = None,
 ) -> torch.Tensor:
     """The Triton kernel on CUDA (the reference elsewhere); same contract as the reference.
     `out` ([S, H, D] contiguous, new if None): where to write, e.g. the decode rows of a mixed step.
     `rope_kv`: q and this step's K/V as the projection left them, rotated and written by the
     kernel itself (CUDA only: `fused.rotary_decode_attention` decides when it applies); `norms`
-    (with `rope_kv` only): q's and k's heads RMS-normalized before they are rotated."""
+    (with `rope_kv` only): q's and k's heads RMS-normalized before they are rotated. `tiling`:
+    the launch, `decode_tiling`'s for the cache if None."""
     num_seqs, heads, dim = q.shape
     out = torch.empty(num_seqs, heads, dim, dtype=q.dtype, device=q.device) if out is None else out
     if triton is None or not q.is_cuda:
@@ -346,6 +390,8 @@ def paged_decode_attention(
         return out.copy_(want)
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
+    tiling = tiling or decode_tiling(k_cache.dtype)
+    f16 = tiling.f16 and k_cache.dtype == FP8 and q.dtype == torch.bfloat16
     # One split (a batch that fills the GPU by itself) writes `out` directly: no merge launch.
     part_out = torch.empty(num_seqs, heads, num_splits, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, heads, num_splits, dtype=torch.float32, device=q.device)
@@ -358,8 +404,9 @@ def paged_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale, window or 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
-        BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
-        ROPE=rope_kv is not None, TO_FP8=k_cache.dtype == FP8, NORM=norms is not None,
+        BLOCK_SIZE=block_size, BLOCK_N=tiling.block_n, NUM_SPLITS=num_splits,
+        PRECISION=dot_precision(q.dtype), ROPE=rope_kv is not None, TO_FP8=k_cache.dtype == FP8,
+        NORM=norms is not None, F16=f16, num_warps=tiling.warps, num_stages=tiling.stages,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs * heads,)](
