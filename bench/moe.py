@@ -7,11 +7,14 @@ H=2048, I=768; no router: each token's experts drawn uniformly, weights a softma
 logits), T tokens, the device and dtype below. Times are the median of `--iters` calls after a
 warm-up; "graph" is the grouped path replayed from a CUDA graph, as decode steps run it, and
 "fused_graph" the fused kernels so (what `fused_experts` runs up to FUSED_MAX_TOKENS rows).
-With `--sweep`, instead: "fused_graph" over a grid of 16-row tilings (`path`:
-fused_graph/n<gate_up block_n>x<down block_n>/k<block_k>/s<stages>/w<warps>/split<K slices>), to tune
-`fused_moe_config`.
+With `--sweep`, instead: "fused_graph" over a grid of tilings, 16-row ones for decode sizes and
+64- or 128-row ones for prefill sizes (`path`: fused_graph/m<block_m>/n<gate_up block_n>x<down
+block_n>/k<block_k>/s<stages>/w<warps>/split<K slices>), to tune `fused_moe_config`.
 `weight_gbps` = bytes of the experts hit / time: against the card's bandwidth it says how close a
-decode-sized call is to reading its weights once. Prints one JSON line per (T, path).
+decode-sized call is to reading its weights once; `tflops` = the experts' matrix FLOPs / time,
+and `fraction_of_bf16_peak` that over the H200's dense bf16 peak (989 TFLOP/s): for prefill-sized
+calls (`--tokens 2048 8192`) it says how close the grouped GEMMs run to the matrix rate. Prints one
+JSON line per (T, path).
 
 With `--engine`, instead: decode tokens/s of the whole engine on a Qwen3-30B-A3B-shaped model
 (48 layers, every one MoE; random bf16 weights, ~61 GB) at `--batches`, with CUDA graphs and
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import statistics
 import time
@@ -109,8 +113,8 @@ def bench(args: argparse.Namespace, tokens: int) -> list[dict[str, object]]:
         from triton.runtime.errors import OutOfResources  # CUDA machines only
 
         for cfg in sweep_configs(tokens, args, gate_up.element_size()):
-            name = (f"fused_graph/n{cfg.gate_up_block_n}x{cfg.down_block_n}/k{cfg.block_k}/s{cfg.num_stages}"
-                    f"/w{cfg.num_warps}/split{cfg.gate_up_split}")  # fmt: skip
+            name = (f"fused_graph/m{cfg.block_m}/n{cfg.gate_up_block_n}x{cfg.down_block_n}/k{cfg.block_k}"
+                    f"/s{cfg.num_stages}/w{cfg.num_warps}/split{cfg.gate_up_split}")  # fmt: skip
             fused = functools.partial(fused_moe, x, gate_up, down, ids, weights, cfg, arrivals, scales)
             try:
                 paths[name] = graphed(fused)
@@ -134,20 +138,30 @@ def bench(args: argparse.Namespace, tokens: int) -> list[dict[str, object]]:
     for name, fn in paths.items():
         seconds = timed(fn, args.iters, device)
         gbps = round(weight_bytes / seconds / 1e9, 1)
+        tflops = 6 * tokens * k * h * inter / seconds / 1e12  # gate_up's 2 x 2 I H and down's 2 I H a pair
         rows.append({"bench": "moe_experts", "path": name, "tokens": tokens, **setup,
-                     "ms": round(seconds * 1e3, 4), "weight_gbps": gbps})  # fmt: skip
+                     "ms": round(seconds * 1e3, 4), "weight_gbps": gbps, "tflops": round(tflops, 1),
+                     "fraction_of_bf16_peak": round(tflops / BF16_PEAK_TFLOPS, 3)})  # fmt: skip
     return rows
 
 
+BF16_PEAK_TFLOPS = 989.0  # H200 (SXM) dense bf16 tensor-core peak
+
+
 def sweep_configs(tokens: int, args: argparse.Namespace, item_bytes: int) -> list[FusedMoeConfig]:
-    """The engine's tiling for `tokens` (`fused_moe_config`) with gate_up's K in 1-8 slices, then
-    16-row tilings around it: column blocks (64 / 128), K blocks (128 / 256 with e4m3 weights)
-    and warps (4 / 8), in the stages that fit. Past sweeps (2026-12-02 v, x): bf16 64 x 64
-    columns and K 128 at one token; e4m3 the same at 8 warps, K 256 and swapped operands worse."""
+    """The engine's tiling for `tokens` (`fused_moe_config`) with gate_up's K in 1-8 slices (bf16:
+    2 and 3 slices at 2 and 3 stages too), then 16-row tilings around it: column blocks (64 /
+    128), K blocks (128 / 256 with e4m3 weights) and warps (4 / 8), in the stages that fit. Past
+    sweeps (2026-12-02 v, x): bf16 64 x 64 columns and K 128 at one token; e4m3 the same at 8
+    warps, K 256 and swapped operands worse."""
     chosen = fused_moe_config(
         tokens, args.top_k, args.experts, args.hidden, args.inter, item_bytes=item_bytes
     )
+    if chosen.block_m > 16:
+        return [chosen, *prefill_configs(item_bytes)]
     splits = [dataclasses.replace(chosen, gate_up_split=s) for s in (1, 2, 3, 4, 6, 8)]
+    if item_bytes == 2:  # bf16's four stages hold one program an SM: split with fewer (lead of x)
+        splits += [dataclasses.replace(chosen, gate_up_split=s, num_stages=n) for s in (2, 3) for n in (2, 3)]
     widths = ((64, 64), (64, 128), (128, 128))
     k_blocks = (128, 256) if item_bytes == 1 else (128,)
     grid = [(k, g, d, w) for k in k_blocks for g, d in widths for w in (4, 8)]
@@ -159,10 +173,24 @@ def sweep_configs(tokens: int, args: argparse.Namespace, item_bytes: int) -> lis
     return [*splits, *tilings]
 
 
-def fitting_stages(block_k: int, gate_up_n: int, item_bytes: int, shared: int = 220_000) -> int:
+def prefill_configs(item_bytes: int) -> list[FusedMoeConfig]:
+    """Tilings for prefill-sized calls (more than 16 rows an expert): 64- and 128-row blocks, K
+    32 / 64, 128 columns, 3 or 4 stages where they fit, 4 / 8 warps (2026-12-02 y: the engine's
+    64 x 128 / K 32 / 3 stages ran Qwen3-30B-A3B's experts at 19-26% of the bf16 peak)."""
+    grid = itertools.product((64, 128), (32, 64), (3, 4), (4, 8))
+    return [
+        FusedMoeConfig(block_m, 128, 128, block_k, stages, warps)
+        for block_m, block_k, stages, warps in grid
+        if stages <= fitting_stages(block_k, 128, item_bytes, block_m)
+    ]
+
+
+def fitting_stages(
+    block_k: int, gate_up_n: int, item_bytes: int, block_m: int = 16, shared: int = 220_000
+) -> int:
     """Pipeline stages (at most 4) whose tiles fit the shared memory: gate_up's two weight tiles
-    and a 16-row bf16 activation tile a stage."""
-    return min(4, shared // (2 * block_k * gate_up_n * item_bytes + 16 * block_k * 2))
+    and a `block_m`-row bf16 activation tile a stage."""
+    return min(4, shared // (2 * block_k * gate_up_n * item_bytes + block_m * block_k * 2))
 
 
 QWEN3_30B_A3B = {
