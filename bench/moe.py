@@ -6,7 +6,8 @@ Setup (printed in every line): random weights of the real shapes (128 experts, t
 H=2048, I=768; no router: each token's experts drawn uniformly, weights a softmax of random
 logits), T tokens, the device and dtype below. Times are the median of `--iters` calls after a
 warm-up; "graph" is the grouped path replayed from a CUDA graph, as decode steps run it, and
-"fused_graph" the fused kernels so (what `fused_experts` runs up to FUSED_MAX_TOKENS rows).
+"fused_graph" the fused kernels so (what `fused_experts` runs up to FUSED_MAX_ROWS_PER_EXPERT rows
+an expert).
 With `--sweep`, instead: "fused_graph" over a grid of tilings, 16-row ones for decode sizes and
 64- or 128-row ones for prefill sizes (`path`: fused_graph/m<block_m>/n<gate_up block_n>x<down
 block_n>/k<block_k>/s<stages>/w<warps>/split<K slices>), to tune `fused_moe_config`.
@@ -254,7 +255,8 @@ def engine_decode(args: argparse.Namespace) -> None:
             rate = decode_tok_s(engine, batch, 128, 64, cfg.vocab_size)
             system = "spindle-eager" if eager else "spindle"
             line = {"bench": "moe_engine", "system": system, "batch": batch}
-            line["experts_path"] = experts_path(batch, experts_dtype, torch.device("cuda"))
+            k, e = cfg.num_experts_per_tok, cfg.num_experts
+            line["experts_path"] = experts_path(batch, k, e, experts_dtype, torch.device("cuda"))
             line["decode_tokens_per_s"] = round(rate, 1)
             if batch == 1:
                 line["active_gb_s"] = round(step_bytes(cfg, 1, 0, item) * rate / 1e9)  # weights alone

@@ -15,7 +15,12 @@ import os
 import pytest
 import torch
 
-from model_service.kernels.experts import FUSED_MAX_TOKENS, experts_path, experts_reference, fused_experts
+from model_service.kernels.experts import (
+    FUSED_MAX_ROWS_PER_EXPERT,
+    experts_path,
+    experts_reference,
+    fused_experts,
+)
 from model_service.kernels.fp8_gemm import dequantize_groups
 from model_service.kernels.fused_moe import (
     ExpertScales,
@@ -105,7 +110,7 @@ def test_alignment_reference_keeps_the_layouts_contract(tokens, experts, top_k, 
     _check_alignment(*align_reference(ids, experts, bm), ids, experts, bm)
 
 
-def test_decode_tiles_fill_the_gpu_with_sixteen_row_blocks():
+def test_decode_tiles_fill_the_gpu_with_sixteen_row_blocks_and_prefill_tiles_read_longer_runs():
     """At Qwen3-30B-A3B's shapes (128 experts, top-8, H 2048, I 768) on 132 SMs."""
     one = fused_moe_config(1, 8, 128, 2048, 768)
     assert one.block_m == 16 and max_blocks(1, 8, 128, 16) == 8  # one block an expert: read once
@@ -126,16 +131,31 @@ def test_decode_tiles_fill_the_gpu_with_sixteen_row_blocks():
     assert warps == {(1, 1): 8, (1, 2): 4, (64, 1): 8, (64, 2): 4}  # e4m3: 8 warps widen its tiles faster
     assert [fused_moe_config(t, 8, 128, 2048, 768).block_m for t in (256, 1024, 4096)] == [16, 32, 64]
     assert max_blocks(64, 8, 128, 16) == (512 + 128 * 15 + 15) // 16
+    # prefill chunks: 16-bit weights in K runs of 64 over 4 stages (the 2,048-token sweep); e4m3 and
+    # float32 as before
+    prefill = {b: fused_moe_config(2048, 8, 128, 2048, 768, item_bytes=b) for b in (1, 2, 4)}
+    assert {b: (c.block_m, c.block_k, c.num_stages) for b, c in prefill.items()} == {
+        1: (64, 32, 3),
+        2: (64, 64, 4),
+        4: (64, 32, 3),
+    }
 
 
-def test_decode_sizes_take_the_fused_path_only_on_cuda():
+def test_few_rows_an_expert_take_the_fused_path_only_on_cuda():
+    """Decode steps and prefill chunks of at most FUSED_MAX_ROWS_PER_EXPERT rows an expert on
+    average take the fused kernels; past it bf16 takes grouped_mm where it runs (sm90 / sm100),
+    and every other dtype the fused kernels still."""
     cpu = torch.device("cpu")
-    assert experts_path(1, torch.float32, cpu) == "reference"
+    assert experts_path(1, 8, 128, torch.float32, cpu) == "reference"
     if torch.cuda.is_available() and triton is not None and torch.cuda.get_device_capability()[0] >= 8:
         gpu = torch.device("cuda")
-        assert experts_path(1, torch.bfloat16, gpu) == "fused"
-        assert experts_path(FUSED_MAX_TOKENS, torch.float16, gpu) == "fused"
-        assert experts_path(FUSED_MAX_TOKENS + 1, torch.float32, gpu) == "fused"  # no grouped_mm
+        most = FUSED_MAX_ROWS_PER_EXPERT * 128 // 8  # Qwen3-30B-A3B: 128 experts, top-8
+        assert experts_path(1, 8, 128, torch.bfloat16, gpu) == "fused"
+        assert experts_path(most, 8, 128, torch.bfloat16, gpu) == "fused"
+        past = "grouped" if torch.cuda.get_device_capability()[0] in (9, 10) else "fused"
+        assert experts_path(most + 1, 8, 128, torch.bfloat16, gpu) == past
+        assert experts_path(most // 16 + 1, 2, 8, torch.bfloat16, gpu) == past  # Mixtral's 8 experts, top-2
+        assert experts_path(most + 1, 8, 128, torch.float32, gpu) == "fused"  # no grouped_mm
 
 
 @interpreter
@@ -190,7 +210,7 @@ def test_the_reference_runs_fp8_experts_as_their_dequantized_weights():
     dequantized = (q_gate_up.float() * scales.gate_up, q_down.float() * scales.down)
     want = experts_reference(x, *dequantized, ids, weights)
     torch.testing.assert_close(experts_reference(x, q_gate_up, q_down, ids, weights, scales), want)
-    assert experts_path(9, q_gate_up.dtype, torch.device("cpu")) == "reference"
+    assert experts_path(9, 2, 8, q_gate_up.dtype, torch.device("cpu")) == "reference"
     with pytest.raises(ValueError, match="e4m3 expert weights need their scales"):
         fused_moe(x, q_gate_up, q_down, ids, weights)
     with pytest.raises(ValueError, match="e4m3 expert weights need their scales"):
@@ -371,12 +391,14 @@ QWEN = {"experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "tokens, dtype",
-    [(t, torch.bfloat16) for t in (1, 7, 64, 256)]
-    + [(t, d) for t in (1, 64) for d in (torch.float16, torch.float32)],
+    [(t, torch.bfloat16) for t in (1, 7, 64, 256, 2048)]
+    + [(t, d) for t in (1, 64) for d in (torch.float16, torch.float32)]
+    + [(2048, torch.float16)],
 )
 def test_fused_experts_match_the_reference_on_cuda(tokens, dtype):
     """Qwen3-30B-A3B's expert shapes: the kernels on bf16/fp16 weights against the float32
-    reference on the same weights (relative error of the output), float32 to rounding."""
+    reference on the same weights (relative error of the output), float32 to rounding; 2,048
+    tokens (128 rows an expert) are a prefill chunk's 64-row tiles."""
     torch.backends.cuda.matmul.allow_tf32 = False
     x, gate_up, down, ids, weights = (
         t.cuda() for t in _case(tokens, QWEN["experts"], QWEN["top_k"], QWEN["hidden"], QWEN["inter"], tokens)
@@ -384,7 +406,8 @@ def test_fused_experts_match_the_reference_on_cuda(tokens, dtype):
     x, gate_up, down = (t.to(dtype) for t in (x, gate_up, down))
     want = experts_reference(x.float(), gate_up.float(), down.float(), ids, weights)
     got = fused_experts(x, gate_up, down, ids, weights)
-    assert experts_path(tokens, dtype, x.device) == "fused" and got.dtype == dtype
+    assert experts_path(tokens, QWEN["top_k"], QWEN["experts"], dtype, x.device) == "fused"
+    assert got.dtype == dtype
     err = ((got.float() - want).norm() / want.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
     again = fused_experts(x, gate_up, down, ids, weights)
@@ -431,7 +454,7 @@ def test_fused_experts_replay_from_a_cuda_graph_with_new_inputs(tokens):
 def test_fp8_experts_match_the_reference_on_cuda_and_replay_from_a_graph(tokens, block):
     """Qwen3-30B-A3B's expert shapes in e4m3 (W8A16, bf16 activations; a scale per row, or per
     row and 128 columns) against the float32 reference on the dequantized weights; past
-    FUSED_MAX_TOKENS the fused path still runs (no grouped GEMM takes e4m3); a graph replay
+    FUSED_MAX_ROWS_PER_EXPERT the fused path still runs (no grouped GEMM takes e4m3); a graph replay
     equals the eager call bit for bit."""
     torch.backends.cuda.matmul.allow_tf32 = False
     x, gate_up, down, ids, weights = (
@@ -439,7 +462,7 @@ def test_fp8_experts_match_the_reference_on_cuda_and_replay_from_a_graph(tokens,
     )
     q_gate_up, q_down, scales = _fp8(gate_up, down, group=128 if block else 0)
     x = x.to(torch.bfloat16)
-    assert experts_path(tokens, q_gate_up.dtype, x.device) == "fused"
+    assert experts_path(tokens, QWEN["top_k"], QWEN["experts"], q_gate_up.dtype, x.device) == "fused"
     got = fused_experts(x, q_gate_up, q_down, ids, weights, scales=scales)
     want = experts_reference(x.float(), q_gate_up, q_down, ids, weights, scales)
     assert got.dtype == torch.bfloat16

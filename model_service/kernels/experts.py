@@ -29,10 +29,15 @@ from model_service.kernels.fp8_gemm import dequantize_groups
 from model_service.kernels.fused import silu_and_mul
 from model_service.kernels.fused_moe import ExpertScales, fused_moe, fused_moe_supported
 
-# Up to this many tokens a call takes the fused kernels where `grouped_mm` could run too: decode
-# batches (a few rows an expert, where reading each expert once is all that matters); past it,
-# prefill chunks, the CUTLASS grouped GEMM. Without grouped_mm the fused kernels take every size.
-FUSED_MAX_TOKENS = 256
+# Where `grouped_mm` could run too, a call takes the fused kernels while its rows average at most
+# this many an expert (tokens x top-k / local experts), the CUTLASS grouped GEMM past it; without
+# grouped_mm the fused kernels take every size. One layer's experts on an H200, eager as MoE
+# prefill runs (`bench/moe.py --tokens ...`, 2026-12-02 y), fused against grouped_mm:
+# Qwen3-30B-A3B (128 experts, top-8, I 768) at 32 / 128 / 512 rows an expert -37% / -24% / -4%;
+# DeepSeek-V2-Lite's shape (64, top-6, I 1,408) at 48 / 192 / 768 -23% / 0% / +6%; Mixtral's (8,
+# top-2, H 4,096, I 14,336) at 128 / 512 -10% / +36%. (Before: fused up to 256 tokens whatever
+# the shape, 16 rows an expert on Qwen3-30B-A3B.)
+FUSED_MAX_ROWS_PER_EXPERT = 128
 
 
 def grouped_experts_apply(dtype: torch.dtype, device: torch.device) -> bool:
@@ -48,11 +53,13 @@ def experts_capturable(dtype: torch.dtype, device: torch.device) -> bool:
     return grouped_experts_apply(dtype, device) or fused_moe_supported(dtype, device)
 
 
-def experts_path(tokens: int, dtype: torch.dtype, device: torch.device) -> str:
+def experts_path(tokens: int, top_k: int, experts: int, dtype: torch.dtype, device: torch.device) -> str:
     """ "fused", "grouped" or "reference": which implementation `fused_experts` runs for `tokens`
-    rows (a Python int, fixed for a captured graph) with weights of `dtype` on `device`."""
+    rows (a Python int, fixed for a captured graph) routed to `top_k` of `experts` local experts
+    with weights of `dtype` on `device`."""
     grouped = grouped_experts_apply(dtype, device)
-    if fused_moe_supported(dtype, device) and (tokens <= FUSED_MAX_TOKENS or not grouped):
+    few_rows = tokens * top_k <= FUSED_MAX_ROWS_PER_EXPERT * experts
+    if fused_moe_supported(dtype, device) and (few_rows or not grouped):
         return "fused"
     return "grouped" if grouped else "reference"
 
@@ -72,7 +79,7 @@ def fused_experts(
     float32 routing weights; `scales` with e4m3 weights. Returns [T, H] in x's dtype.
     `arrivals`: the fused path's counters (`fused_moe`), if the caller keeps them.
     """
-    path = experts_path(x.shape[0], gate_up.dtype, x.device)
+    path = experts_path(x.shape[0], ids.shape[1], gate_up.shape[0], gate_up.dtype, x.device)
     if path == "fused":
         return fused_moe(x, gate_up, down, ids, weights, arrivals=arrivals, scales=scales)
     if path == "grouped":

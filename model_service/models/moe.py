@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_service.kernels.experts import FUSED_MAX_TOKENS, experts_path, fused_experts
+from model_service.kernels.experts import experts_path, fused_experts
 from model_service.kernels.fused_moe import (
     ROUTER_MAX_ROWS,
     ExpertScales,
@@ -35,6 +35,10 @@ from model_service.kernels.fused_moe import (
 )
 from model_service.models.config import PLAIN_TOP_K, ModelConfig, Routing
 from model_service.models.layers import MLP
+
+# Rows a layer's kept arrival counters cover: every decode step and captured graph; a larger call
+# (a prefill chunk on the fused path) makes zeroed ones of its own, a memset launch more.
+COUNTED_TOKENS = 256
 
 
 def route(
@@ -134,7 +138,8 @@ class SparseMoeBlock(nn.Module):
         cuBLAS GEMM."""
         gate, routing, first = self.gate, self.routing, self.expert_range.start
         bias = gate.e_score_correction_bias
-        fused = experts_path(x.shape[0], self.experts.gate_up_proj.dtype, x.device) == "fused"
+        gate_up = self.experts.gate_up_proj
+        fused = experts_path(x.shape[0], self.top_k, gate_up.shape[0], gate_up.dtype, x.device) == "fused"
         if fused and x.shape[0] <= ROUTER_MAX_ROWS and counters is not None:
             return route_hidden(
                 x, gate.weight, self.top_k, self.renormalize, counters[:ROUTER_MAX_ROWS], routing, bias, first
@@ -147,13 +152,14 @@ class SparseMoeBlock(nn.Module):
 
     def counters(self, x: torch.Tensor) -> torch.Tensor | None:
         """The fused kernels' arrival counters on x's device (the routing kernel's first, then the
-        down kernel's for up to FUSED_MAX_TOKENS rows), made on the first call, which is eager
-        (the warm-up before every graph capture); None when a capture comes first (made inside it,
-        they would hold garbage until a replay zeroed them); None off CUDA, where they are unused."""
+        down kernel's for up to COUNTED_TOKENS rows; a larger call makes its own), made on the
+        first call, which is eager (the warm-up before every graph capture); None when a capture
+        comes first (made inside it, they would hold garbage until a replay zeroed them); None off
+        CUDA, where they are unused."""
         if not x.is_cuda:
             return None
         if self.arrivals is None and not torch.cuda.is_current_stream_capturing():
-            size = ROUTER_MAX_ROWS + fused_counters(FUSED_MAX_TOKENS, self.gate.in_features)
+            size = ROUTER_MAX_ROWS + fused_counters(COUNTED_TOKENS, self.gate.in_features)
             self.arrivals = torch.zeros(size, dtype=torch.int32, device=x.device)
         return self.arrivals if self.arrivals is not None and self.arrivals.device == x.device else None
 
