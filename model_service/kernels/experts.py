@@ -56,7 +56,9 @@ def experts_capturable(dtype: torch.dtype, device: torch.device) -> bool:
 def experts_path(tokens: int, top_k: int, experts: int, dtype: torch.dtype, device: torch.device) -> str:
     """ "fused", "grouped" or "reference": which implementation `fused_experts` runs for `tokens`
     rows (a Python int, fixed for a captured graph) routed to `top_k` of `experts` local experts
-    with weights of `dtype` on `device`."""
+    with weights of `dtype` on `device`. Under expert parallelism a rank holds a share of the
+    experts and receives that share of the pairs, so counting its local experts switches to
+    grouped_mm earlier than the rows an expert would: conservative, and the same on every rank."""
     grouped = grouped_experts_apply(dtype, device)
     few_rows = tokens * top_k <= FUSED_MAX_ROWS_PER_EXPERT * experts
     if fused_moe_supported(dtype, device) and (few_rows or not grouped):
