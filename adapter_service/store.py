@@ -29,6 +29,7 @@ from typing import Any
 from adapter_service.deadlines import Bounds, track
 
 CONFIG, WEIGHTS, META = "adapter_config.json", "adapter_model.safetensors", "meta.json"
+PROBE_SECONDS = 1.0  # an S3 health check's connect and read timeouts (the service waits 2 s for it)
 
 
 @dataclass
@@ -240,6 +241,18 @@ class S3Store(Store):
             ),
         )
         self.transfer = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20)
+        # The health check's own client: one attempt, PROBE_SECONDS to connect and to read. With the
+        # data path's bounds a check into a silent endpoint (a frozen S3) ran 40 s in a worker thread
+        # after the service's 2 s wait gave up on it; one a second filled the default executor
+        # (starving every other backend call) and held the process past its stop (asyncio.run joins
+        # those threads). Measured with the test below: 40.2 s and six connections -> 1.0 s and one.
+        probe = min(PROBE_SECONDS, b.s3_connect), min(PROBE_SECONDS, b.s3_read)
+        self.probe = boto3.client(
+            "s3",
+            endpoint_url=endpoint_url or None,
+            region_name=region or None,
+            config=Config(connect_timeout=probe[0], read_timeout=probe[1], retries={"total_max_attempts": 1}),
+        )
 
     def _write(self, key: str, data: bytes | Path) -> None:
         if isinstance(data, Path):
@@ -264,7 +277,7 @@ class S3Store(Store):
             self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
 
     def ping(self) -> None:
-        self.s3.head_bucket(Bucket=self.bucket)
+        self.probe.head_bucket(Bucket=self.bucket)
 
     def fetch_uri(self, uri: str, max_bytes: int) -> tuple[bytes, Path]:
         """An `s3://bucket/prefix/` with the two PEFT files: the config, and the weights in a temp file."""

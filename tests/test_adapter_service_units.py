@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import socket
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from adapter_service.placement import (
 )
 from adapter_service.popularity import Popularity
 from adapter_service.registry import MemoryRegistry, RedisRegistry
-from adapter_service.store import LocalStore, S3Store, Version
+from adapter_service.store import PROBE_SECONDS, LocalStore, S3Store, Version
 from spindle.safetensors_header import header_length
 from spindle.v1 import adapters_pb2 as apb
 from spindle.v1 import model_control_pb2 as mc
@@ -506,6 +508,26 @@ def store(request, tmp_path, monkeypatch):
     for k, v in aws_env().items():
         monkeypatch.setenv(k, v)
     return S3Store(s3.bucket, f"unit-{time.monotonic_ns()}/", s3.endpoint, "us-east-1")
+
+
+def test_an_s3_health_check_into_a_silent_endpoint_ends_within_its_own_bounds(monkeypatch):
+    """An endpoint that accepts connections and never answers (a frozen S3): the check fails in
+    about PROBE_SECONDS, one attempt, not the data path's ~40 s of retried reads, so the worker
+    threads that the service's 2 s health wait leaves behind end soon and cannot pile up."""
+    for k, v in aws_env().items():
+        monkeypatch.setenv(k, v)
+    silent = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    accepting = threading.Thread(target=lambda: held.append(silent.accept()[0]), daemon=True)
+    accepting.start()
+    store = S3Store("b", "p/", f"http://127.0.0.1:{silent.getsockname()[1]}", "us-east-1")
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"(?i)timeout|timed out"):
+        asyncio.run(store.check())
+    assert time.monotonic() - start < 2 * PROBE_SECONDS + 1.0
+    accepting.join(5)
+    for conn in [*held, silent]:
+        conn.close()
 
 
 def _version(name: str, n: int) -> Version:
