@@ -107,7 +107,7 @@ def fused_moe_config(
     38.2 unsplit, 40.6-43.2 split: their extra programs wait for a second wave, so none.
     64-row blocks (prefill chunks) of 16-bit weights read K in runs of 64 over 4 stages: at
     2,048 tokens (`--tokens 2048 --sweep`, 2026-12-02 y) 0.815 ms at K 32 / 3 stages, 0.700 at
-    K 64 / 4 (128-row blocks 0.687 at 8 warps, 1.8 ms at 4); e4m3 and float32 keep K 32 / 3."""
+    K 64 / 4 (128-row blocks 0.687 at 8 warps, 1.4-1.8 ms at 4); e4m3 and float32 keep K 32 / 3."""
     pairs = tokens * top_k
     per_expert = pairs / max(1, min(experts, pairs))
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
