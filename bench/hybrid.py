@@ -12,10 +12,15 @@ DeltaNet layers per gated-attention layer, Qwen3-Next-80B's mixer sizes, `--laye
   steps/s over the card's measured copy bandwidth: 1 / fraction is how far a step is above its
   bandwidth floor. `--profile B` prints, after the JSON lines, the device time per kernel of
   8 decode steps at batch B (`bench/gpu.py`'s `kernel_profile`): where a step above its floor goes.
+`--moe`: Qwen3-Next-80B-A3B's sparse MLPs in every layer instead (512 experts, 10 routed and a
+shared one of width 512; the floor counts the experts a batch is expected to hit), ~3.2 GB a
+layer in bf16: up to ~40 layers fit an H200. `--quantization fp8`: the model quantized as the
+engine's `--quantization fp8` does it, after it is built in bf16, so 48 layers (~155 GB in bf16)
+do not fit this way; 24 do (~77 GB, then ~39 in FP8).
 Prints one JSON line per result.
 
     python bench/hybrid.py [--layers 8] [--prompt-len 2048] [--batches 1 16 64] [--small] [--eager]
-                           [--profile 1]
+                           [--profile 1] [--moe] [--quantization fp8]
 """
 
 from __future__ import annotations
@@ -27,21 +32,26 @@ import time
 
 import torch
 
-from bench.gpu import copy_bandwidth, kernel_profile
+from bench.gpu import copy_bandwidth, kernel_profile, quantized, weight_bytes
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.models import gated_delta
 from model_service.models.config import LayerKind, LinearAttentionShape, Mixer, ModelConfig
 from model_service.models.loader import LoadedModel
+from model_service.models.moe import StackedExperts
 from model_service.models.qwen3_next import Qwen3NextModel
 from model_service.startup import configure_process
 
 
-def _config(layers: int, small: bool) -> ModelConfig:
+def _config(layers: int, small: bool, moe: bool = False) -> ModelConfig:
     mixers = [Mixer.FULL_ATTENTION if i % 4 == 3 else Mixer.LINEAR_ATTENTION for i in range(layers)]
     hidden, inter, heads, head_dim = (128, 256, 4, 32) if small else (2048, 5120, 16, 256)
     sizes = {"hidden_size": hidden, "intermediate_size": inter, "num_heads": heads, "head_dim": head_dim}
     linear = LinearAttentionShape(2, 4, 32, 32, 4) if small else LinearAttentionShape(16, 32, 128, 128, 4)
+    if moe:  # Qwen3-Next-80B-A3B's sparse MLPs in every layer: 512 experts, 10 routed and a shared one
+        experts, top_k, width = (8, 2, 64) if small else (512, 10, 512)
+        sizes |= {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": width,
+                  "shared_expert_intermediate_size": width, "norm_topk_prob": True}  # fmt: skip
     return ModelConfig(
         family="qwen3_next",
         vocab_size=32000,
@@ -52,12 +62,12 @@ def _config(layers: int, small: bool) -> ModelConfig:
         rotary_dim=sizes["head_dim"] // 4,
         linear_attention=linear,
         num_kv_heads=2,
-        layer_kinds=[LayerKind(m) for m in mixers],
+        layer_kinds=[LayerKind(m, moe=moe) for m in mixers],
         **sizes,
     )
 
 
-def _engine(cfg: ModelConfig, device: str, dtype: torch.dtype, **config: object) -> Engine:
+def _engine(cfg: ModelConfig, device: str, dtype: torch.dtype, fp8: bool = False, **config: object) -> Engine:
     torch.manual_seed(0)
     with torch.device(device):
         module = Qwen3NextModel(cfg)
@@ -67,18 +77,26 @@ def _engine(cfg: ModelConfig, device: str, dtype: torch.dtype, **config: object)
         elif name.endswith("A_log"):
             p.data.uniform_(1, 16).log_()
     loaded = LoadedModel("hybrid-random", cfg, module.to(dtype).eval(), None)
+    loaded = quantized(loaded) if fp8 else loaded
     dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     return Engine(EngineConfig(device=device, dtype=dtype_name, max_loras=0, **config), loaded=loaded)
 
 
 def decode_step_bytes(engine: Engine, batch: int, context: int) -> int:
     """Bytes one decode step moves at the least: every weight once (the embedding table only for
-    the batch's rows), each sequence's recurrent states (float32) read and written, and its K/V
-    read at `context` tokens in the full-attention layers."""
+    the batch's rows; of a sparse MLP's experts those the batch is expected to hit under uniform
+    routing, E x (1 - (1 - k/E)^batch), as `bench/moe.py`'s floor counts them), FP8 scales, each
+    sequence's recurrent states (float32) read and written, and its K/V read at `context` tokens
+    in the full-attention layers."""
     module, cfg = engine.executor.module, engine.loaded.config
     embed = module.model.embed_tokens.weight
     size = embed.element_size()
-    weights = sum(p.numel() * p.element_size() for p in module.parameters()) - embed.numel() * size
+    weights = weight_bytes(module) - embed.shape[1] * size  # the row it keeps: `rows` counts the batch's
+    hit = 1 - (1 - cfg.num_experts_per_tok / max(cfg.num_experts, 1)) ** batch
+    for experts in (m for m in module.modules() if isinstance(m, StackedExperts)):
+        stacked = [experts.gate_up_proj, experts.down_proj]
+        every = sum(t.numel() * t.element_size() for t in [*stacked, *experts.buffers()])  # + e4m3 scales
+        weights += round(every * hit) - sum(t.numel() * t.element_size() for t in stacked)
     rows = batch * embed.shape[1] * size
     states = 2 * 4 * batch * sum(math.prod(shape) for shape in module.recurrent_state_shapes())
     full = sum(kind.mixer == Mixer.FULL_ATTENTION for kind in cfg.layer_kinds)
@@ -109,13 +127,15 @@ def main() -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
     parser.add_argument("--profile", type=int, default=0, metavar="B", help="kernel times at batch B (CUDA)")
+    parser.add_argument("--moe", action="store_true", help="Qwen3-Next-80B-A3B's sparse MLPs, not dense ones")
+    parser.add_argument("--quantization", default="none", choices=["none", "fp8"], help="the engine's flag")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    cfg = _config(args.layers, args.small)
+    cfg = _config(args.layers, args.small, args.moe)
     engine = _engine(  # no prefix cache: every timed run computes its prompts
-        cfg, device, dtype, max_num_batched_tokens=max(args.prompt_len, 2048), block_size=16,
-        enable_prefix_caching=False, enforce_eager=args.eager,
+        cfg, device, dtype, args.quantization == "fp8", max_num_batched_tokens=max(args.prompt_len, 2048),
+        block_size=16, enable_prefix_caching=False, enforce_eager=args.eager,
     )  # fmt: skip
     graphs = engine.executor.graphs is not None
     bandwidth = copy_bandwidth() if device == "cuda" else None
@@ -125,6 +145,8 @@ def main() -> None:
         "layers": args.layers,
         "small": args.small,
         "graphs": graphs,
+        "moe": args.moe,
+        "quantization": args.quantization,
     }
     prefill = [{"prompt_token_ids": _prompt(64, 1), "max_tokens": 1, "temperature": 0}]
     _timed(engine, prefill, device)  # warm-up
