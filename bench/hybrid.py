@@ -69,8 +69,13 @@ def _config(layers: int, small: bool, moe: bool = False) -> ModelConfig:
 
 def _engine(cfg: ModelConfig, device: str, dtype: torch.dtype, fp8: bool = False, **config: object) -> Engine:
     torch.manual_seed(0)
-    with torch.device(device):
-        module = Qwen3NextModel(cfg)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: a float32 copy of the MoE shapes would not fit
+    try:
+        with torch.device(device):
+            module = Qwen3NextModel(cfg)
+    finally:
+        torch.set_default_dtype(previous)
     for name, p in module.named_parameters():
         if p.dim() > 1:
             torch.nn.init.normal_(p, 0, 0.02)
