@@ -230,28 +230,30 @@ class S3Store(Store):
 
         b = bounds or Bounds()
         self.bucket, self.prefix = bucket, prefix
-        self.s3 = boto3.client(
-            "s3",
-            endpoint_url=endpoint_url or None,
-            region_name=region or None,
-            config=Config(
+
+        def client(config: Config) -> Any:
+            return boto3.client(
+                "s3", endpoint_url=endpoint_url or None, region_name=region or None, config=config
+            )
+
+        self.s3 = client(
+            Config(
                 connect_timeout=b.s3_connect,
                 read_timeout=b.s3_read,
                 retries={"max_attempts": b.s3_attempts, "mode": "standard"},
-            ),
+            )
         )
         self.transfer = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20)
         # The health check's own client: one attempt, PROBE_SECONDS to connect and to read. With the
         # data path's bounds a check into a silent endpoint (a frozen S3) ran 40 s in a worker thread
         # after the service's 2 s wait gave up on it; one a second filled the default executor
         # (starving every other backend call) and held the process past its stop (asyncio.run joins
-        # those threads). Measured with the test below: 40.2 s and six connections -> 1.0 s and one.
+        # those threads). Against a server that accepts and never answers (the unit test
+        # `test_an_s3_health_check_into_a_silent_endpoint_ends_within_its_own_bounds`): 40.2 s and
+        # six connections before, 1.0 s and one now.
         probe = min(PROBE_SECONDS, b.s3_connect), min(PROBE_SECONDS, b.s3_read)
-        self.probe = boto3.client(
-            "s3",
-            endpoint_url=endpoint_url or None,
-            region_name=region or None,
-            config=Config(connect_timeout=probe[0], read_timeout=probe[1], retries={"total_max_attempts": 1}),
+        self.probe = client(
+            Config(connect_timeout=probe[0], read_timeout=probe[1], retries={"total_max_attempts": 1})
         )
 
     def _write(self, key: str, data: bytes | Path) -> None:

@@ -33,6 +33,7 @@ import time
 import torch
 
 from bench.gpu import copy_bandwidth, kernel_profile, quantized, weight_bytes
+from bench.moe import hit_fraction
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.models import gated_delta
@@ -90,18 +91,18 @@ def _engine(cfg: ModelConfig, device: str, dtype: torch.dtype, fp8: bool = False
 def decode_step_bytes(engine: Engine, batch: int, context: int) -> int:
     """Bytes one decode step moves at the least: every weight once (the embedding table only for
     the batch's rows; of a sparse MLP's experts those the batch is expected to hit under uniform
-    routing, E x (1 - (1 - k/E)^batch), as `bench/moe.py`'s floor counts them), FP8 scales, each
+    routing, `bench/moe.py`'s `hit_fraction`, as its floor counts them), FP8 scales, each
     sequence's recurrent states (float32) read and written, and its K/V read at `context` tokens
     in the full-attention layers."""
     module, cfg = engine.executor.module, engine.loaded.config
     embed = module.model.embed_tokens.weight
     size = embed.element_size()
     weights = weight_bytes(module) - embed.shape[1] * size  # the row it keeps: `rows` counts the batch's
-    hit = 1 - (1 - cfg.num_experts_per_tok / max(cfg.num_experts, 1)) ** batch
+    experts_hit = hit_fraction(cfg, batch) if cfg.num_experts else 0.0
     for experts in (m for m in module.modules() if isinstance(m, StackedExperts)):
         stacked = [experts.gate_up_proj, experts.down_proj]
         every = sum(t.numel() * t.element_size() for t in [*stacked, *experts.buffers()])  # + e4m3 scales
-        weights += round(every * hit) - sum(t.numel() * t.element_size() for t in stacked)
+        weights += round(every * experts_hit) - sum(t.numel() * t.element_size() for t in stacked)
     rows = batch * embed.shape[1] * size
     states = 2 * 4 * batch * sum(math.prod(shape) for shape in module.recurrent_state_shapes())
     full = sum(kind.mixer == Mixer.FULL_ATTENTION for kind in cfg.layer_kinds)

@@ -207,13 +207,19 @@ QWEN3_30B_A3B = {
 }
 
 
+def hit_fraction(cfg: ModelConfig, batch: int) -> float:
+    """The share of a layer's experts that `batch` tokens are expected to hit under uniform
+    routing: 1 - (1 - k/E)^batch."""
+    return 1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch
+
+
 def step_bytes(cfg: ModelConfig, batch: int, context: int, weight_bytes: int = 2) -> float:
     """Bytes a decode step of `batch` tokens at `context` must move at least: attention and
     router weights, the experts its tokens are expected to hit (uniform routing), the LM head,
     the batch's embedding rows and K/V, in bf16 but for attention's and the experts' weights
     (`weight_bytes` each: 1 in FP8)."""
-    e, k = cfg.num_experts, cfg.num_experts_per_tok
-    hit = e * (1 - (1 - k / e) ** batch)
+    e = cfg.num_experts
+    hit = e * hit_fraction(cfg, batch)
     attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     quantized = attention + hit * 3 * cfg.moe_intermediate_size * cfg.hidden_size
     kv = batch * context * 2 * cfg.num_kv_heads * cfg.head_dim
