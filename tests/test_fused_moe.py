@@ -321,6 +321,7 @@ def test_routing_kernel_matches_route_under_the_interpreter(tokens, experts, top
         (1, 128, 256, 8, torch.float32, True),  # Qwen3's 128 experts, the weight as the engine stores it
         (5, 60, 200, 4, torch.float32, False),  # no power of two; K not a multiple of the tile
         (3, 256, 96, 8, torch.float16, True),  # float32 logits from a half-precision x (DeepSeek's)
+        (2, 512, 2000, 10, torch.float32, True),  # Qwen3-Next's 512 experts: slices of 2 tiles, one short
     ],
 )
 def test_router_logits_kernel_matches_route_under_the_interpreter(
@@ -342,6 +343,24 @@ def test_router_logits_kernel_matches_route_under_the_interpreter(
     again = route_hidden(x, gate, top_k, True, arrivals, routing, first_expert=3)
     for g, a in zip((weights, ids), again, strict=True):
         torch.testing.assert_close(a, g, rtol=0, atol=0)
+
+
+@interpreter
+@pytest.mark.parametrize("tokens, experts, hidden", [(3, 60, 200), (2, 512, 2000)])
+def test_router_kernel_gives_the_shared_experts_gate_under_the_interpreter(tokens, experts, hidden):
+    """Qwen's `shared_expert_gate` in the routing launch: sigmoid(x @ w.T) as the linear and
+    the sigmoid give it, and the routing itself unchanged by the extra dot product."""
+    gen = torch.Generator().manual_seed(experts)
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate = (torch.randn(experts, hidden, generator=gen) / hidden**0.5).t().contiguous().t()
+    shared = torch.randn(1, hidden, generator=gen) / hidden**0.5
+    arrivals = torch.zeros(16, dtype=torch.int32)
+    scale = torch.full((tokens,), float("nan"))
+    weights, ids = route_hidden(x, gate, 4, True, arrivals, shared_gate=(shared, scale))
+    torch.testing.assert_close(scale, torch.sigmoid(torch.nn.functional.linear(x, shared))[:, 0])
+    want_w, want_ids = route_hidden(x, gate, 4, True, arrivals)
+    torch.testing.assert_close((weights, ids), (want_w, want_ids), rtol=0, atol=0)
+    assert not arrivals.any()
 
 
 DEEPSEEK_ROUTINGS = {
@@ -477,15 +496,17 @@ def test_fp8_experts_match_the_reference_on_cuda_and_replay_from_a_graph(tokens,
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 16])
-def test_moe_block_replays_from_a_cuda_graph(tokens):
-    """The whole block (router linear, the routing kernel, the experts) captured and replayed on
-    new hidden states: the replay equals the eager block, and both the torch arithmetic (`route`
-    on the same logits, the float32 reference on the same bf16 weights)."""
+@pytest.mark.parametrize("tokens, shared", [(1, 0), (16, 0), (1, 256), (5, 256)])
+def test_moe_block_replays_from_a_cuda_graph(tokens, shared):
+    """The whole block (router linear, the routing kernel, the experts; with `shared`, Qwen's
+    gated shared expert, its gate computed in the routing kernel) captured and replayed on new
+    hidden states: the replay equals the eager block, and both the torch arithmetic (`route` on
+    the same logits, the float32 reference on the same bf16 weights, the gated shared MLP)."""
     cfg = ModelConfig(
         family="qwen3_moe", vocab_size=32, hidden_size=512, intermediate_size=1024, num_layers=1,
         num_heads=4, num_kv_heads=4, head_dim=128, num_experts=32, num_experts_per_tok=4,
         moe_intermediate_size=256, norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=64,
+        shared_expert_intermediate_size=shared,
     )  # fmt: skip
     torch.manual_seed(0)
     block = SparseMoeBlock(cfg).to("cuda", torch.bfloat16)
@@ -506,6 +527,8 @@ def test_moe_block_replays_from_a_cuda_graph(tokens):
         want = experts_reference(
             x.float(), experts.gate_up_proj.float(), experts.down_proj.float(), ids, weights
         )
+        if shared:
+            want += (torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)).float()
     torch.testing.assert_close(captured, eager, rtol=0, atol=0)
     assert ((captured.float() - want).norm() / want.norm()).item() < 1e-2
 

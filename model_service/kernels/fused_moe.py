@@ -263,7 +263,14 @@ def _routing_args(
 
 
 ROUTER_MAX_ROWS = 16  # rows the router's logits are computed in `route_hidden`; more go to cuBLAS
-ROUTER_TILE = 8192  # elements of a [BLOCK_K, E] weight tile: 64 rows of K at 128 experts, 16 KB in bf16
+# The router's launch (swept on an H200 at one token, 2026-12-02 z): [BLOCK_K, E] weight tiles of
+# 8,192 elements (64 rows of K at Qwen3-30B's 128 experts), but no fewer than 32 rows, and at most
+# 32 K slices, a program each, looping over their tiles: the last program to arrive sums every
+# slice's logits, so at Qwen3-Next's 512 experts 128 slices of 16 rows (~21 us) left it most of
+# the work; 32 slices of 2 x 32 rows take ~13 us.
+ROUTER_TILE = 8192
+ROUTER_MIN_ROWS = 32
+ROUTER_MAX_SLICES = 32
 
 
 def route_hidden(
@@ -275,9 +282,14 @@ def route_hidden(
     routing: Routing = PLAIN_TOP_K,
     bias: torch.Tensor | None = None,
     first_expert: int = 0,
+    shared_gate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_topk(x @ gate.T, ...)` in one launch for up to ROUTER_MAX_ROWS rows: at batch 1 the
     router's [H -> E] GEMV was a launch of its own (~5 us of a 48-layer step's 48 x ~65 us).
+    `shared_gate` = (Qwen's `shared_expert_gate` weight [1, H], out [T] in x's dtype): out is
+    also given `sigmoid(x @ weight.T)` as that linear and sigmoid round it, a dot product the
+    same programs add to their slices (in cuBLAS and two elementwise launches it was ~7 us of a
+    ~110 us Qwen3-Next layer at batch 1).
 
     Program (token, K slice) sums one [BLOCK_K, E] tile of the weight against x[token] in
     float32 (the weight by its strides: `store_weights_transposed` leaves it contiguous along E,
@@ -291,15 +303,19 @@ def route_hidden(
     assert tokens <= arrivals.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
     e_p2 = triton.next_power_of_2(experts)
-    block_k = max(16, ROUTER_TILE // e_p2)
-    slices = triton.cdiv(hidden, block_k)
-    parts = torch.empty(tokens, slices, experts, dtype=torch.float32, device=x.device)
+    block_k = max(ROUTER_MIN_ROWS, ROUTER_TILE // e_p2)
+    tiles = triton.cdiv(hidden, block_k)
+    loops = triton.cdiv(tiles, min(tiles, ROUTER_MAX_SLICES))
+    slices = triton.cdiv(tiles, loops)
+    parts = torch.empty(tokens, slices, experts + 1, dtype=torch.float32, device=x.device)  # + a shared gate
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
+    shared, scale = shared_gate if shared_gate is not None else (gate, weights)  # unread stand-ins
     _router_kernel[(tokens, slices)](
-        x, gate, parts, arrivals, weights, ids, x.stride(0), gate.stride(0), gate.stride(1), hidden, experts,
-        top_k, first_expert, ROUND=not routing.float32_logits, BLOCK_K=block_k, SLICES=slices,
-        CHUNK_S=min(triton.next_power_of_2(slices), max(1, ROUTER_TILE // e_p2)),
+        x, gate, parts, arrivals, weights, ids, shared, scale, x.stride(0), gate.stride(0), gate.stride(1),
+        shared.stride(-1), hidden, experts, top_k, first_expert, SHARED=shared_gate is not None,
+        ROUND=not routing.float32_logits, BLOCK_K=block_k, LOOPS=loops, SLICES=slices,
+        CHUNK_S=min(triton.next_power_of_2(slices), block_k),
         **_routing_args(routing, experts, top_k, renormalize, bias, weights), num_warps=4,
     )  # fmt: skip
     return weights, ids
@@ -468,53 +484,77 @@ if triton is not None:
     @triton.jit
     def _store_top_k(scores, choice, Weights, Ids, t, TOP_K, FIRST, SCALING, RENORMALIZE: tl.constexpr,
                      E_P2: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
-        """k rounds of argmax over `choice` (each chosen expert then -inf), the chosen experts'
-        scores gathered into a [K_P2] vector so they can be renormalized, then scaled."""
+        """k rounds of one max each over `choice` packed with the expert ids into int64 keys (the
+        value's bits ordered as signed ints above the id counted down, so ties go to the lower id,
+        as `torch.topk` on the reference's rows), each chosen key then the smallest; the chosen
+        experts' scores gathered in one [K_P2, E_P2] pass. Half the reductions of an argmax and a
+        gather a round: at 512 experts and k = 10 those rounds were most of a ~23 us launch."""
         experts = tl.arange(0, E_P2)
         slot = tl.arange(0, K_P2)
-        picked = tl.zeros([K_P2], tl.float32)
+        bits = (choice + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 keys as 0.0
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+        keys = (ordered << 32) | (E_P2 - 1 - experts).to(tl.int64)
         chosen = tl.zeros([K_P2], tl.int32)
         for j in range(TOP_K):
-            best = tl.argmax(choice, axis=0, tie_break_left=True).to(tl.int32)
-            weight = tl.sum(tl.where(experts == best, scores, 0.0), axis=0)
-            picked = tl.where(slot == j, weight, picked)
-            chosen = tl.where(slot == j, best, chosen)
-            choice = tl.where(experts == best, float("-inf"), choice)
+            best = tl.max(keys, axis=0)
+            chosen = tl.where(slot == j, E_P2 - 1 - (best & 0xFFFFFFFF).to(tl.int32), chosen)
+            keys = tl.where(keys == best, -(2**63), keys)
+        live = slot < TOP_K
+        hit = (chosen[:, None] == experts[None, :]) & live[:, None]
+        picked = tl.sum(tl.where(hit, scores[None, :], 0.0), axis=1)
         if RENORMALIZE:
             picked = picked / (tl.sum(picked, axis=0) + 1e-20)
-        live = slot < TOP_K
         tl.store(Weights + t * TOP_K + slot, picked * SCALING, mask=live)
         tl.store(Ids + t * TOP_K + slot, chosen - FIRST, mask=live)
 
     @triton.jit
     def _router_kernel(
-        X, Gate, Parts, Arrivals, Weights, Ids, x_stride, g_stride_e, g_stride_k, K, E, TOP_K, FIRST, Bias,
-        SCALING, PER_GROUP, TOPK_GROUPS, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+        X, Gate, Parts, Arrivals, Weights, Ids, SharedGate, SharedScale, x_stride, g_stride_e, g_stride_k,
+        shared_stride, K, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS, SHARED: tl.constexpr,
+        SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
         GROUP_SCORE: tl.constexpr, RENORMALIZE: tl.constexpr, ROUND: tl.constexpr, E_P2: tl.constexpr,
-        K_P2: tl.constexpr, G_P2: tl.constexpr, BLOCK_K: tl.constexpr, SLICES: tl.constexpr,
-        CHUNK_S: tl.constexpr,
+        K_P2: tl.constexpr, G_P2: tl.constexpr, BLOCK_K: tl.constexpr, LOOPS: tl.constexpr,
+        SLICES: tl.constexpr, CHUNK_S: tl.constexpr,
     ):  # fmt: skip
-        """Program (token, K slice): partial logits of every expert over BLOCK_K of the hidden size;
-        the token's last arrival sums the slices in order (CHUNK_S at a time) and routes."""
+        """Program (token, K slice): partial logits of every expert (and, under SHARED, of the
+        shared expert's gate, stored after them) over LOOPS x BLOCK_K of the hidden size; the
+        token's last arrival sums the slices in order (CHUNK_S at a time) and routes."""
         t, k_slice = tl.program_id(0), tl.program_id(1)
         experts = tl.arange(0, E_P2)
         e_ok = experts < E
-        ks = k_slice * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        x = tl.load(X + t * x_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(Gate + ks[:, None] * g_stride_k + experts[None, :] * g_stride_e,
-                    mask=k_ok[:, None] & e_ok[None, :], other=0.0)  # fmt: skip
-        tl.store(Parts + (t * SLICES + k_slice) * E + experts, tl.sum(w.to(tl.float32) * x[:, None], axis=0),
-                 mask=e_ok)  # fmt: skip
+        partial = tl.zeros([E_P2], tl.float32)
+        shared = 0.0
+        for i in range(LOOPS):
+            ks = (k_slice * LOOPS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            x = tl.load(X + t * x_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(Gate + ks[:, None] * g_stride_k + experts[None, :] * g_stride_e,
+                        mask=k_ok[:, None] & e_ok[None, :], other=0.0)  # fmt: skip
+            partial += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
+            if SHARED:
+                g = tl.load(SharedGate + ks * shared_stride, mask=k_ok, other=0.0)
+                shared += tl.sum(g.to(tl.float32) * x)
+        row = Parts + (t * SLICES + k_slice) * (E + 1)
+        tl.store(row + experts, partial, mask=e_ok)
+        if SHARED:
+            tl.store(row + E, shared)
         if last_to_arrive(Arrivals + t, SLICES):
             chunk = tl.arange(0, CHUNK_S)
             logits = tl.zeros([E_P2], tl.float32)
             for s0 in range(0, SLICES, CHUNK_S):  # slices in a fixed order, whichever arrived last
                 s = s0 + chunk
                 mask = (s[:, None] < SLICES) & e_ok[None, :]
-                part = tl.load(Parts + (t * SLICES + s[:, None]) * E + experts[None, :], mask=mask, other=0.0,
-                               cache_modifier=".cg")  # fmt: skip
+                part = tl.load(Parts + (t * SLICES + s[:, None]) * (E + 1) + experts[None, :], mask=mask,
+                               other=0.0, cache_modifier=".cg")  # fmt: skip
                 logits += tl.sum(part, axis=0)
+            if SHARED:  # the gate's slices in the same order, rounded as its linear and its sigmoid round
+                gate = tl.zeros([CHUNK_S], tl.float32)
+                for s0 in range(0, SLICES, CHUNK_S):
+                    s = s0 + chunk
+                    gate += tl.load(Parts + (t * SLICES + s) * (E + 1) + E, mask=s < SLICES, other=0.0,
+                                    cache_modifier=".cg")  # fmt: skip
+                gate = tl.sum(gate, axis=0).to(X.dtype.element_ty).to(tl.float32)
+                tl.store(SharedScale + t, (1.0 / (1.0 + tl.exp(-gate))).to(SharedScale.dtype.element_ty))
             tl.atomic_xchg(Arrivals + t, 0)
             if ROUND:
                 logits = logits.to(X.dtype.element_ty).to(tl.float32)

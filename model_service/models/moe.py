@@ -130,25 +130,30 @@ class SparseMoeBlock(nn.Module):
 
     def select_experts(
         self, x: torch.Tensor, counters: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, this block's local expert ids [T, k]) of x's rows. On the fused
-        path routing is one kernel (instead of ~8 launches, ~20 with DeepSeek's groups, which cost
-        as much as the experts in a decode step): up to ROUTER_MAX_ROWS rows with the router's
-        logits computed inside it (`route_hidden`, given the `counters`), more after the router's
-        cuBLAS GEMM."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(weights [T, k] float32, this block's local expert ids [T, k], the shared expert's gate
+        [T] where the routing kernel computed it, else None) of x's rows. On the fused path
+        routing is one kernel (instead of ~8 launches, ~20 with DeepSeek's groups, which cost as
+        much as the experts in a decode step): up to ROUTER_MAX_ROWS rows with the router's
+        logits, and Qwen's shared-expert gate, computed inside it (`route_hidden`, given the
+        `counters`), more after the router's cuBLAS GEMM."""
         gate, routing, first = self.gate, self.routing, self.expert_range.start
         bias = gate.e_score_correction_bias
         gate_up = self.experts.gate_up_proj
         fused = experts_path(x.shape[0], self.top_k, gate_up.shape[0], gate_up.dtype, x.device) == "fused"
         if fused and x.shape[0] <= ROUTER_MAX_ROWS and counters is not None:
-            return route_hidden(
-                x, gate.weight, self.top_k, self.renormalize, counters[:ROUTER_MAX_ROWS], routing, bias, first
-            )
+            shared_gate, scale, gated = self.shared_expert_gate, None, None
+            if type(shared_gate) is nn.Linear:  # a float weight the kernel reads as it is
+                scale = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
+                gated = (shared_gate.weight, scale)
+            args = (self.top_k, self.renormalize, counters[:ROUTER_MAX_ROWS], routing, bias, first, gated)
+            weights, ids = route_hidden(x, gate.weight, *args)
+            return weights, ids, scale
         logits = F.linear(x.float(), gate.weight.float()) if routing.float32_logits else gate(x)
         if fused:
-            return route_topk(logits, self.top_k, self.renormalize, routing, bias, first)
+            return *route_topk(logits, self.top_k, self.renormalize, routing, bias, first), None
         weights, ids = route(logits, self.top_k, self.renormalize, routing, bias)
-        return weights, ids - first
+        return weights, ids - first, None
 
     def counters(self, x: torch.Tensor) -> torch.Tensor | None:
         """The fused kernels' arrival counters on x's device (the routing kernel's first, then the
@@ -170,14 +175,17 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]: this block's experts' weighted sum (plus the shared expert)."""
         experts, counters = self.experts, self.counters(x)
-        weights, ids = self.select_experts(x, counters)
+        weights, ids, gated = self.select_experts(x, counters)
         down = counters[ROUTER_MAX_ROWS:] if counters is not None else None
         out = fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights, down, experts.scales())
         shared = self.shared_mlp()
-        if shared is not None:
-            scale = F.sigmoid(self.shared_expert_gate(x)) if self.shared_expert_gate is not None else 1.0
-            out = out + scale * shared(x)
-        return out
+        if shared is None:
+            return out
+        if gated is not None:  # the routing kernel's sigmoid(gate(x)): one launch for the scale and the sum
+            return torch.addcmul(out, gated[:, None], shared(x))
+        if self.shared_expert_gate is not None:
+            return out + F.sigmoid(self.shared_expert_gate(x)) * shared(x)
+        return out + shared(x)
 
 
 def mlp_for(cfg: ModelConfig, layer_idx: int) -> nn.Module:
