@@ -15,8 +15,8 @@ DeltaNet layers per gated-attention layer, Qwen3-Next-80B's mixer sizes, `--laye
 `--moe`: Qwen3-Next-80B-A3B's sparse MLPs in every layer instead (512 experts, 10 routed and a
 shared one of width 512; the floor counts the experts a batch is expected to hit), ~3.2 GB a
 layer in bf16: up to ~40 layers fit an H200. `--quantization fp8`: the model quantized as the
-engine's `--quantization fp8` does it, after it is built in bf16, so 48 layers (~155 GB in bf16)
-do not fit this way; 24 do (~77 GB, then ~39 in FP8).
+engine's `--quantization fp8` does it, a layer at a time as it is built, so the real model's 48
+layers fit (~80 GB in FP8).
 Prints one JSON line per result.
 
     python bench/hybrid.py [--layers 8] [--prompt-len 2048] [--batches 1 16 64] [--small] [--eager]
@@ -26,21 +26,24 @@ Prints one JSON line per result.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
 
 import torch
 
-from bench.gpu import copy_bandwidth, kernel_profile, quantized, weight_bytes
+from bench.gpu import copy_bandwidth, kernel_profile, weight_bytes
 from bench.moe import hit_fraction
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.models import gated_delta
 from model_service.models.config import LayerKind, LinearAttentionShape, Mixer, ModelConfig
+from model_service.models.fp8_linear import quantize_online
 from model_service.models.loader import LoadedModel
 from model_service.models.moe import StackedExperts
-from model_service.models.qwen3_next import Qwen3NextModel
+from model_service.models.quantization import ONLINE
+from model_service.models.qwen3_next import HybridDecoderLayer, Qwen3NextModel
 from model_service.startup import configure_process
 
 
@@ -68,22 +71,46 @@ def _config(layers: int, small: bool, moe: bool = False) -> ModelConfig:
     )
 
 
-def _engine(cfg: ModelConfig, device: str, dtype: torch.dtype, fp8: bool = False, **config: object) -> Engine:
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in its dtype: a float32 copy of the MoE shapes would not fit
-    try:
-        with torch.device(device):
-            module = Qwen3NextModel(cfg)
-    finally:
-        torch.set_default_dtype(previous)
+def _initialized(module: torch.nn.Module) -> torch.nn.Module:
+    """`module`'s matrices drawn at the scale of a trained model's, its decay rates in their range."""
     for name, p in module.named_parameters():
         if p.dim() > 1:
             torch.nn.init.normal_(p, 0, 0.02)
         elif name.endswith("A_log"):
             p.data.uniform_(1, 16).log_()
-    loaded = LoadedModel("hybrid-random", cfg, module.to(dtype).eval(), None)
-    loaded = quantized(loaded) if fp8 else loaded
+    return module
+
+
+def _module(cfg: ModelConfig, device: str, fp8: bool) -> Qwen3NextModel:
+    """The random model, built in the default dtype. With `fp8` each layer is quantized as soon as
+    it is built (what `--quantization fp8` does to a loaded one), so the 16-bit copy of only one
+    layer ever exists: 48 layers of Qwen3-Next-80B's experts are ~155 GB in bf16, ~80 in FP8."""
+    if not fp8:
+        with torch.device(device):
+            return _initialized(Qwen3NextModel(cfg).eval())
+    one = dataclasses.replace(cfg, num_layers=1, layer_kinds=cfg.layer_kinds[:1])
+    with torch.device(device):
+        module = _initialized(Qwen3NextModel(one).eval())  # embeddings, final norm, head, RoPE
+    layers = []
+    for i in range(cfg.num_layers):
+        with torch.device(device):
+            layer = _initialized(HybridDecoderLayer(cfg, i).eval())
+        quantize_online(layer)
+        layers.append(layer)
+    module.model.layers, module.config = torch.nn.ModuleList(layers), cfg
+    return module
+
+
+def _engine(cfg: ModelConfig, device: str, dtype: torch.dtype, fp8: bool = False, **config: object) -> Engine:
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: a float32 copy of the MoE shapes would not fit
+    try:
+        module = _module(cfg, device, fp8)
+    finally:
+        torch.set_default_dtype(previous)
+    cfg = dataclasses.replace(cfg, quantization=ONLINE) if fp8 else cfg
+    loaded = LoadedModel("hybrid-random" + "-fp8" * fp8, cfg, module, None)
     dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     return Engine(EngineConfig(device=device, dtype=dtype_name, max_loras=0, **config), loaded=loaded)
 

@@ -274,3 +274,27 @@ def test_an_fp8_kv_cache_holds_the_attention_layers_and_leaves_the_recurrent_sta
     assert 0 < rel_err(prefill_logits(engine, ids, chunk=7), ref) < 0.1
     engine.generate([request(p) for p in PROMPTS[:3]])
     _state_slots_all_back(engine)
+
+
+def test_the_hybrid_bench_builds_fp8_models_a_layer_at_a_time():
+    """`bench/hybrid.py --moe --quantization fp8` quantizes each layer as it is built (48 layers of
+    Qwen3-Next-80B's experts do not fit an H200 in bf16): every projection and expert stack ends
+    in e4m3, the engine decodes, and the model's embeddings, head and RoPE are the usual ones."""
+    from bench.hybrid import _config, _engine
+    from model_service.kernels.fp8_gemm import E4M3
+    from model_service.models.fp8_linear import Fp8Linear
+    from model_service.models.layers import PackedLinear
+    from model_service.models.moe import StackedExperts
+
+    cfg = _config(4, small=True, moe=True)
+    engine = _engine(cfg, "cpu", torch.float32, fp8=True, block_size=16, enable_prefix_caching=False)
+    module = engine.executor.module
+    assert len(module.model.layers) == 4 and module.config.num_layers == 4
+    assert not any(type(m) is PackedLinear for m in module.model.layers.modules())
+    assert any(isinstance(m, Fp8Linear) for m in module.model.layers.modules())
+    stacks = [m for m in module.modules() if isinstance(m, StackedExperts)]
+    assert len(stacks) == 4 and all(s.gate_up_proj.dtype == E4M3 for s in stacks)
+    assert module.rotary.inv_freq.isfinite().all() and module.lm_head.weight.dtype == torch.float32
+    greedy = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    out = engine.generate([{"prompt_token_ids": [5, 6, 7], **greedy}])
+    assert len(out[0].token_ids) == 4
