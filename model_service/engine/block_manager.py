@@ -132,6 +132,12 @@ class BlockManager:
 
     # --- prefix cache ---------------------------------------------------------------------
 
+    def forget_unused_prefixes(self) -> None:
+        """Drop the prefix-cache entries of every block no sequence holds (the engine's warm-up
+        prompts): they would never match, and would show as cached until evicted."""
+        for block in self._free:
+            self._evict(block)
+
     def take_cached_prefix(
         self,
         state: SequenceState,

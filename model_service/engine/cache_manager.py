@@ -170,6 +170,13 @@ class CacheManager:
             else:
                 self._cached_states[key] = slot
 
+    def forget_unused_prefixes(self) -> None:
+        """Drop the prefix-cache entries no sequence holds: their blocks' keys and, with
+        recurrent layers, the snapshots' state slots, back to the free pool."""
+        self.blocks.forget_unused_prefixes()
+        while self._cached_states:
+            self._release_state_slot(self._cached_states.popitem()[1])
+
     def _key_ending_at(self, state: SequenceState, length: int) -> int | None:
         """The prefix-cache key of `state`'s block that ends at `length`, once that block is registered."""
         index = length // self.block_size - 1

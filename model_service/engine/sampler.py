@@ -155,8 +155,12 @@ def _gumbel_sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
 
 def _truncated_sample(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     device, vocab, params = logits.device, logits.shape[1], [r.params for r in rows]
-    floats = [p.temperature for p in params] + [p.top_p for p in params] + [p.min_p for p in params]
-    temps, top_p, min_p = to_device(floats, device, torch.float32).view(3, len(rows))  # one copy
+    # One copy of three lists, each padded to 16 bytes: Triton specializes the kernel on each
+    # pointer's alignment, so unpadded views would compile it anew for odd and even row counts.
+    pad = [0.0] * (-len(rows) % 4)
+    fields = ([p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params])
+    floats = [x for values in fields for x in values + pad]
+    temps, top_p, min_p = to_device(floats, device, torch.float32).view(3, -1)[:, : len(rows)]
     top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device, torch.int32)
     return truncated_sample(logits, temps, (top_p, top_k, min_p), _kernel_seeds(rows, device))
 

@@ -133,6 +133,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def forget_history(self) -> None:
+        """Zero the counters and drop the prefix-cache entries no request holds: what the engine's
+        warm-up requests left, which no client sent."""
+        self.num_preemptions = self.num_computed_tokens = 0
+        self.prefix_query_tokens = self.prefix_hit_tokens = 0
+        self.cache.forget_unused_prefixes()
+
     @property
     def num_swapped(self) -> int:
         return len(self._swapped)  # each waits (admitted or removed, it is dropped)

@@ -180,6 +180,10 @@ class Speculation:
         # decides whether they run, drops those that cannot (it is given this table).
         self.proposals: dict[Sequence, Proposal] = {}
 
+    def forget_history(self) -> None:
+        """Zero the counters (after the engine's warm-up)."""
+        self.proposed = self.accepted = self.drafts = 0
+
     def propose(self, seqs: list[Sequence]) -> None:
         """Proposals for each of `seqs` that can speculate, to verify in its next step; cut to
         the room left by `max_tokens` and the context, and to what its grammar allows."""

@@ -571,14 +571,16 @@ if triton is not None:
         experts = tl.arange(0, E_P2)
         return p, e, (e[:, None] == experts[None, :]) & (experts < E)[None, :]
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P"])  # the step's pairs: see `_align_kernel`
     def _count_kernel(Ids, Counts, P, E, E_P2: tl.constexpr, CHUNK: tl.constexpr):
         """Program c: how many of chunk c's pairs each expert has (a row of Counts)."""
         c = tl.program_id(0)
         _, _, hit = _chunk_hits(Ids, c, P, E, E_P2, CHUNK)
         tl.store(Counts + c * E_P2 + tl.arange(0, E_P2), tl.sum(hit.to(tl.int32), axis=0))
 
-    @triton.jit
+    # Counts that change with every step's tokens are not specialized (divisible by 16 or not,
+    # one or not: each combination another compile, under traffic); the expert count is fixed.
+    @triton.jit(do_not_specialize=["P", "NUM_BLOCKS", "BLOCKS_EACH"])
     def _align_kernel(
         Ids, Counts, Sorted, BlockExpert, P, E, NUM_BLOCKS, BLOCKS_EACH, BLOCK_M: tl.constexpr,
         E_P2: tl.constexpr, CHUNK: tl.constexpr,
@@ -637,7 +639,7 @@ if triton is not None:
             pairs = tl.load(Sorted + block * BLOCK_M + lane)
         return expert, pairs, pairs < P
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P"])
     def _gate_up_kernel(
         X, W, Scale, Sorted, BlockExpert, Hout, Parts, Arrivals, P, TOP_K, E, N, K, k_chunk, x_stride,
         w_stride_e, w_stride_n, w_stride_k, s_stride_e, s_stride_n, DIRECT: tl.constexpr,
@@ -700,7 +702,7 @@ if triton is not None:
         h = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(Hout + pairs[:, None] * N + cols[None, :], h.to(Hout.dtype.element_ty), mask=out)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P", "NUM_BLOCKS"])
     def _down_kernel(
         Hin, W, Scale, Sorted, BlockExpert, Ids, Weights, Slots, Out, Arrivals, P, TOP_K, E, N, K,
         NUM_BLOCKS, w_stride_e, w_stride_n, w_stride_k, s_stride_e, s_stride_n, DIRECT: tl.constexpr,
