@@ -58,7 +58,7 @@ from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence
 from model_service.engine.speculation import Speculation, SpeculativeConfig
-from model_service.engine.warm_up import warm_up_batches
+from model_service.engine.warm_up import run_requests
 from model_service.lora.adapter import HostForm
 from model_service.lora.buffers import HostBuffers
 from model_service.lora.control import ControlOp, ControlResult
@@ -211,28 +211,11 @@ class Engine:
         """The live requests, by id."""
         return self.table.by_id
 
-    def warm_up(self, prefills: bool | None = None) -> None:
-        """Capture every decode graph (and piecewise bucket, when on), then run the prefills of
-        `warm_up.warm_up_batches` (on CUDA, unless `prefills` says otherwise), compiling the
-        kernels both run, before serving: a pod calls this before it reports SERVING, so its
-        first requests wait on neither captures nor compiles. What the prefills leave is
-        forgotten: their prefix-cache entries and the counters they moved. A draft model's or
-        head's graphs are still captured lazily."""
+    def warm_up(self) -> None:
+        """Before a pod reports SERVING: every graph captured and, on CUDA, `warm_up.run_requests` run."""
         self.executor.capture_graphs()
-        if prefills is None:
-            prefills = self.executor.device.type == "cuda"
-        if not prefills:
-            return
-        assert not self.has_unfinished(), "warm up before any request is added"
-        budget, seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
-        for batch in warm_up_batches(budget, self.max_model_len, self.vocab_size, seqs):
-            failed = [out.error for out in self.generate(batch) if out.error]
-            if failed:
-                raise RuntimeError(f"a warm-up request failed: {failed[0]}")
-        self.scheduler.forget_history()
-        if self.speculation is not None:
-            self.speculation.forget_history()
-        self.num_steps = 0
+        if self.executor.device.type == "cuda":
+            run_requests(self)
 
     # --- requests -------------------------------------------------------------------------
 

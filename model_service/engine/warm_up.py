@@ -15,9 +15,12 @@ what the next ones do; a pod reports SERVING only after they ran (~15 s more at 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from model_service.engine.engine import Engine
 
 MIN_LADDER = 16  # Triton's divisibility specialization: below it, only the 1-token case differs
 
@@ -71,3 +74,18 @@ def decode_counts(max_seqs: int) -> list[int]:
     most = max_seqs - 1
     counts = [1 << i for i in range(most.bit_length())]
     return [*counts, most] if counts and most > counts[-1] else counts
+
+
+def run_requests(engine: Engine) -> None:
+    """Run `warm_up_batches` for `engine`'s limits to completion (after its graphs are captured:
+    `Engine.warm_up`), then forget what they leave that no client sent: their prefix-cache
+    entries and the scheduler's and speculation's counts (`num_steps` keeps their steps)."""
+    assert not engine.has_unfinished(), "warm up before any request is added"
+    budget, seqs = engine.config.max_num_batched_tokens, engine.config.max_num_seqs
+    for batch in warm_up_batches(budget, engine.max_model_len, engine.vocab_size, seqs):
+        failed = [out.error for out in engine.generate(batch) if out.error]
+        if failed:
+            raise RuntimeError(f"a warm-up request failed: {failed[0]}")
+    engine.scheduler.forget_history()
+    if engine.speculation is not None:
+        engine.speculation.forget_history()
