@@ -15,14 +15,32 @@ what the next ones do; a pod reports SERVING only after they ran (~15 s more at 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from model_service.engine.engine import Engine
+from model_service.engine.config import EngineConfig
+from model_service.engine.scheduler import Scheduler
+from model_service.engine.sequence import RequestOutput
+from model_service.engine.speculation import Speculation
 
 MIN_LADDER = 16  # Triton's divisibility specialization: below it, only the 1-token case differs
+
+
+class WarmedEngine(Protocol):
+    """What the warm-up uses of `engine.Engine` (which imports this module, so is not imported here)."""
+
+    config: EngineConfig
+    max_model_len: int
+    scheduler: Scheduler
+    speculation: Speculation | None
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def generate(self, requests: list[dict[str, Any]]) -> list[RequestOutput]: ...
 
 
 def prefill_lengths(token_budget: int, longest: int) -> list[int]:
@@ -76,7 +94,7 @@ def decode_counts(max_seqs: int) -> list[int]:
     return [*counts, most] if counts and most > counts[-1] else counts
 
 
-def run_requests(engine: Engine) -> None:
+def run_requests(engine: WarmedEngine) -> None:
     """Run `warm_up_batches` for `engine`'s limits to completion (after its graphs are captured:
     `Engine.warm_up`), then forget what they leave that no client sent: their prefix-cache
     entries and the scheduler's and speculation's counts (`num_steps` keeps their steps)."""
