@@ -59,11 +59,11 @@ def prefill_lengths(token_budget: int, longest: int) -> list[int]:
 def warm_up_batches(token_budget: int, longest: int, vocab: int, max_seqs: int) -> list[list[dict[str, Any]]]:
     """The request batches of a warm-up, each run to completion in turn. First one prompt a
     length of `prefill_lengths`, two output tokens (so each also decodes once). Then steps that
-    mix prefill and decode rows, with each of `decode_counts` decode rows (the decode kernels'
-    launch goes by it, and mixed steps run them eagerly): that many short
-    prompts, sampled with and without top-p (the two sampling kernels), four tokens each, then a
-    prompt longer than the token budget, whose chunks run beside their decodes and attend to
-    the chunk before. Token ids are random: nothing matches a real prompt's prefix."""
+    mix prefill and decode rows, for each of `decode_counts` (the decode kernel's launch goes by
+    the number of decode rows, and mixed steps run it eagerly): that many short prompts, sampled
+    with and without top-p (the two sampling kernels), four tokens each, queued before a prompt
+    longer than the token budget, whose later chunks run beside their decodes and attend to the
+    chunks before. Token ids are random: nothing matches a real prompt's prefix."""
     g = torch.Generator().manual_seed(0)
 
     def prompt(n: int) -> list[int]:
