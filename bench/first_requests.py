@@ -14,8 +14,10 @@ compiled during the first round (none, when the warm-up covered them).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -43,30 +45,36 @@ def build(model: str, layers: int) -> Engine:
     return Engine(config, loaded=loaded)
 
 
-def first_requests(engine: Engine, lengths: list[int]) -> dict[str, object]:
+@contextlib.contextmanager
+def recorded_compiles() -> Iterator[list[str]]:
+    """The Triton kernels compiled inside the block (Triton's post-compile hook), each as Triton
+    prints its specialization: `name[options](arguments)`."""
     import triton
 
     compiled: list[str] = []
-    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["repr"])
+    try:
+        yield compiled
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+
+
+def first_requests(engine: Engine, lengths: list[int]) -> dict[str, object]:
     g = torch.Generator().manual_seed(11)
     result: dict[str, object] = {}
-    try:
-        for rnd in ("first", "second", "third"):
+    for rnd in ("first", "second", "third"):
+        with recorded_compiles() as compiled:
             for n in lengths:
                 prompt = torch.randint(3, 32000, (n,), generator=g).tolist()
                 result[f"{rnd}_{n}_ms"] = round(timed_generate(engine, [prompt], 1, [None]) * 1e3, 1)
-            if rnd == "first":
-                result["compiled_in_first_round"] = sorted(set(compiled))
-    finally:
-        triton.knobs.runtime.jit_post_compile_hook = None
+        if rnd == "first":
+            result["compiled_in_first_round"] = sorted({c.partition("[")[0] for c in compiled})
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--models", nargs="+", default=["dense", "moe", "hybrid"], choices=["dense", "moe", "hybrid"]
-    )
+    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
     parser.add_argument("--graphs-only", action="store_true", help="warm up by capturing graphs alone")

@@ -32,8 +32,9 @@ def test_decode_counts_take_each_power_of_two_and_the_most():
 
 def test_mixed_batches_chunk_a_prompt_beside_each_count_of_sampled_decodes():
     batches = warm_up_batches(token_budget=64, longest=1000, vocab=50, max_seqs=8)
-    singles, mixed = batches[: len(prefill_lengths(64, 998))], batches[len(prefill_lengths(64, 998)) :]
-    assert [len(b[0]["prompt_token_ids"]) for b in singles] == prefill_lengths(64, 998)
+    lengths = prefill_lengths(64, 998)  # each leaves room for its two output tokens
+    singles, mixed = batches[: len(lengths)], batches[len(lengths) :]
+    assert [len(b[0]["prompt_token_ids"]) for b in singles] == lengths
     assert [len(b) - 1 for b in mixed] == decode_counts(8)
     for *short, long in mixed:
         assert len(long["prompt_token_ids"]) > 64  # chunked, after the short ones are decoding
@@ -84,14 +85,12 @@ def _cuda_model(kind: str, root: Path) -> LoadedModel:
 def test_serving_after_warm_up_compiles_no_kernel(kind: str, tmp_path: Path):
     """After `warm_up`, requests of lengths it never ran, alone and together (chunked, mixed with
     decodes, sampled), launch only kernels Triton has compiled: a first request pays no compile."""
-    import triton
+    from bench.first_requests import recorded_compiles
 
     loaded = _cuda_model(kind, tmp_path)
     engine = make_engine(loaded, device="cuda", dtype="bfloat16", max_num_batched_tokens=256)
     engine.warm_up()
-    compiled: list[str] = []
-    triton.knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(kw["repr"])
-    try:
+    with recorded_compiles() as compiled:
         lengths = [2, 9, 40, 100, 200, 300, 450]  # the tiny models' context is 512
         for n in lengths:
             _tokens(engine, [[(5 * n + j) % 90 + 3 for j in range(n)]])
@@ -101,7 +100,5 @@ def test_serving_after_warm_up_compiles_no_kernel(kind: str, tmp_path: Path):
             for i, n in enumerate(lengths * 3)
         ]  # fmt: skip
         assert all(not o.error for o in engine.generate(reqs))
-    finally:
-        triton.knobs.runtime.jit_post_compile_hook = None
     assert compiled == []
     assert_all_blocks_free(engine)
