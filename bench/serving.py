@@ -4,7 +4,7 @@ Spindle against HF `transformers.generate` on the same shapes in the same run.
     PYTHONPATH=. python3 bench/serving.py [--concurrency 1 16 64 256] [--hf-concurrency 16 64] [--small]
         [--lora-adapters 64 [--lora-rank 16]] [--kv-cache-dtype fp8] [--profile 256:250:30]
         [--no-piecewise-graphs] [--step-times] [--rounds 2] [--host-profile 30]
-        [--quantization fp8 [--compare]]
+        [--quantization fp8 [--compare]] [--moe]
 
 Workload: per concurrency C, `max(16, 4 * C)` requests (`--requests-per-slot`), prompt lengths
 uniform in [64, 2,048] and output lengths uniform in [32, 512] (seeded, random token ids, EOS
@@ -25,7 +25,9 @@ ratio over all rounds: the device tool's hosts drift within a call by more than 
 measured (0.848x then 0.823x for the same code, docs/performance-notes.md, session m).
 `--quantization fp8` runs the same model with its projections quantized online (the engine's
 `--quantization fp8`; systems named spindle-fp8...), and `--compare` runs the bf16 model first in
-the same run, with a last line per concurrency giving FP8's output tok/s over bf16's.
+the same run, with a last line per concurrency giving FP8's output tok/s over bf16's. `--moe`
+serves Qwen3-30B-A3B's shape instead (48 layers, 128 experts of top-8, ~61 GB in bf16; 32 GiB of
+K/V; no HF run, no adapters), e.g. with and without `--no-piecewise-graphs`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from bench.gpu import (
     random_model,
     register_random_adapters,
 )
+from bench.moe import qwen3_30b_shape
 from bench.step_times import StepTimes
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
@@ -240,7 +243,8 @@ def spindle_runs(loaded: LoadedModel, args: argparse.Namespace, report: Callable
     engine = Engine(
         EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=top, max_loras=n,
                      lora_memory_bytes=adapter_room(loaded, n, args.lora_rank) if n else None,
-                     max_cpu_loras=max(n, 1), max_lora_rank=args.lora_rank, kv_cache_memory_bytes=64 << 30,
+                     max_cpu_loras=max(n, 1), max_lora_rank=args.lora_rank,
+                     kv_cache_memory_bytes=(32 if args.moe else 64) << 30,
                      max_model_len=8192, kv_cache_dtype=args.kv_cache_dtype,
                      piecewise_graphs=args.piecewise_graphs),
         loaded=loaded,
@@ -303,13 +307,15 @@ def measured(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64, 256])
-    ap.add_argument("--hf-concurrency", type=int, nargs="*", default=[16, 64])
+    hf_help = "HF generate's concurrencies (default 16 64; none with --moe)"
+    ap.add_argument("--hf-concurrency", type=int, nargs="*", default=None, help=hf_help)
     ap.add_argument("--requests-per-slot", type=int, default=4)
     rounds_help = "base and adapter runs alternate this many times, other prompts each round"
     ap.add_argument("--rounds", type=int, default=1, help=rounds_help)
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[64, 2048])
     ap.add_argument("--output-range", type=int, nargs=2, default=[32, 512])
     ap.add_argument("--small", action="store_true", help="SmolLM2's shape instead of the 8B one")
+    ap.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B's shape instead of the 8B one")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--lora-adapters", type=int, default=0, help="also run through N distinct adapters")
     ap.add_argument("--lora-rank", type=int, default=16)
@@ -329,13 +335,19 @@ def main() -> None:
     args = ap.parse_args()
     if args.compare and args.quantization == "none":
         ap.error("--compare compares --quantization fp8 with bf16: give --quantization fp8")
+    if args.hf_concurrency is None:
+        args.hf_concurrency = [] if args.moe else [16, 64]
+    if args.moe and (args.hf_concurrency or args.lora_adapters or args.small):
+        ap.error("--moe runs Spindle alone: no --hf-concurrency values, --lora-adapters or --small")
     shape = LLAMA3_8B if not args.small else SMOLLM2
     args.ranges = (tuple(args.prompt_range), tuple(args.output_range))
-    setup = {"model": "llama3-8b-shape" if shape is LLAMA3_8B else "smollm2-135m-shape", "dtype": "bfloat16",
+    model = "llama3-8b-shape" if shape is LLAMA3_8B else "smollm2-135m-shape"
+    model = "qwen3-30b-a3b-shape" if args.moe else model
+    setup = {"model": model, "dtype": "bfloat16",
              "device": torch.cuda.get_device_name(), "host_cpu": host_cpu(), "prompt_range": args.ranges[0],
              "output_range": args.ranges[1], "kv_cache_dtype": args.kv_cache_dtype,
              "piecewise_graphs": args.piecewise_graphs}  # fmt: skip
-    loaded, rows = random_model(shape), []
+    loaded, rows = qwen3_30b_shape(48) if args.moe else random_model(shape), []
     fp8 = False  # whether the model being run is the FP8 one: its systems are named spindle-fp8...
 
     def report(system: str, concurrency: int, requests: int, result: dict) -> None:

@@ -32,6 +32,7 @@ from tests.test_tiny_models import (
     Variant,
     _one_torch_thread,  # noqa: F401 (the module fixture)
     last_token_logits,
+    random_prompt,
     rel_err,
     request,
     save_checkpoint,
@@ -335,3 +336,76 @@ def test_moe_engine_on_cuda(qwen3_moe_dir: Path):
     eager = make_engine(bf16, device="cuda", dtype="bfloat16", enforce_eager=True)
     for req in reqs:  # one at a time: the graph's batch is then unpadded, every GEMM the same shape
         assert graphs.generate([req])[0].token_ids == eager.generate([req])[0].token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moe_prefill_and_mixed_steps_replay_piecewise_graphs(case: Case, monkeypatch: pytest.MonkeyPatch):
+    """Prefill chunks and mixed steps of MoE models replay piecewise graphs: the routing kernel
+    (Qwen2-MoE's shared-expert gate inside it), the fused experts and, in bf16 above 512 tokens
+    (8 experts of top-2), the grouped path, all captured. float32 (fused at every size) gives
+    the CPU engine's tokens over chunked prompts beside decodes, with every bucket captured and
+    with the first alone (larger steps eager between its replays); in bf16 a prefill step of
+    900 tokens (the 1,024 bucket: padding rows route to experts too, and must not change the
+    real rows' sums) gives each prompt's first-token logprobs as an eager engine does."""
+    from model_service.engine import piecewise_graphs
+    from model_service.engine.piecewise_graphs import PiecewiseGraphs
+    from model_service.kernels import experts
+
+    replayed: list[int] = []
+    captured: list[str] = []
+    run, grouped = PiecewiseGraphs.run, experts.experts_grouped
+
+    def counted(self: PiecewiseGraphs, batch) -> torch.Tensor:
+        replayed.append(batch.num_tokens)
+        return run(self, batch)
+
+    def recorded(*args: torch.Tensor) -> torch.Tensor:
+        captured.extend(["grouped"] if torch.cuda.is_current_stream_capturing() else [])
+        return grouped(*args)
+
+    monkeypatch.setattr(PiecewiseGraphs, "run", counted)
+    monkeypatch.setattr(experts, "experts_grouped", recorded)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    # four at a time, finishing at different steps: the long prompts share a first step of
+    # 1,100 tokens, then the rest are prefilled beside decodes, the last ones in 16-token steps
+    config = {"num_kv_blocks": 512, "max_num_seqs": 4, "max_num_batched_tokens": 1100}
+    prompts = [*(random_prompt(n, seed=n) for n in (280, 300, 450, 490)), *PROMPTS, [5, 9, 11], [7] * 9]
+    reqs = [{**request(ids), "max_tokens": 3 + 5 * (i % 4)} for i, ids in enumerate(prompts)]
+    want = [o.token_ids for o in make_engine(case.ours, **config).generate(reqs)]
+    cuda32 = load_model(str(case.path), torch.float32, torch.device("cuda"))
+    for tight in (False, True):
+        engine = make_engine(cuda32, device="cuda", **config)
+        with monkeypatch.context() as m:
+            if tight:  # room for the first bucket only
+                m.setattr(piecewise_graphs, "capture_reserve", lambda total: torch.cuda.mem_get_info()[0] - 1)
+            engine.warm_up()
+        pieces = engine.executor.pieces
+        assert {size for size, _ in pieces.buckets} == ({16} if tight else set(pieces.ladder))
+        replayed.clear()
+        assert [o.token_ids for o in engine.generate(reqs)] == want
+        assert replayed and (max(replayed) <= 16 if tight else max(replayed) > 512), replayed
+
+    bf16 = load_model(str(case.path), torch.bfloat16, torch.device("cuda"))
+    firsts = [
+        {
+            "prompt_token_ids": random_prompt(300, seed=10 + i),
+            "max_tokens": 1,
+            "logprobs": 5,
+            "temperature": 0,
+        }
+        for i in range(3)
+    ]
+    tops = {}
+    for mode in ("pieces", "eager"):
+        engine = make_engine(
+            bf16, device="cuda", dtype="bfloat16", piecewise_graphs=mode == "pieces", **config
+        )
+        engine.warm_up()
+        replayed.clear()
+        tops[mode] = [dict(o.new_logprobs[0].top) for o in engine.generate(firsts)]
+        assert (replayed == [900]) == (mode == "pieces"), replayed
+    assert "grouped" in captured  # the bf16 buckets of 768+ tokens
+    for got, eager in zip(tops["pieces"], tops["eager"], strict=True):
+        assert max(got, key=got.get) == max(eager, key=eager.get)
+        assert all(abs(got[t] - eager[t]) < 0.1 for t in got.keys() & eager.keys()), (got, eager)

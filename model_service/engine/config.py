@@ -149,7 +149,7 @@ class EngineConfig:
     enforce_eager: bool = _opt(False, "CUDA: run decode steps eagerly, without CUDA graphs (debugging)")
     piecewise_graphs: bool = _opt(
         True,
-        "CUDA, dense models: at start-up, capture prefill and mixed steps of up to 4,096 tokens "
+        "CUDA, dense and MoE models: at start-up, capture prefill and mixed steps of up to 4,096 tokens "
         "as CUDA graphs split at attention, while they fit in memory (~6 GB with the decode graphs "
         "on an 8B model, ~11 GB with LoRA on; short prompts serve about a third faster); "
         "--no-piecewise-graphs runs them eagerly",

@@ -225,12 +225,11 @@ class ModelExecutor:
             self.graphs.capture_all()
 
     def _piecewise_graphs(self, config: EngineConfig, backend: TritonBackend) -> PiecewiseGraphs | None:
-        dense = not any(kind.moe for kind in self.config.layer_kinds)  # MoE: not yet run piecewise on a GPU
-        # Hybrids: their prefill runs the chunked scan, over a plan built on the host each step.
+        """Dense and MoE models (every expert path that `_graphs_apply` admits is capturable at any
+        token count); not hybrids, whose prefill runs the chunked scan over a plan built on the
+        host each step."""
         attention_only = not self.config.num_state_layers
-        if not (
-            config.piecewise_graphs and dense and attention_only and isinstance(self.module, DecoderModel)
-        ):
+        if not (config.piecewise_graphs and attention_only and isinstance(self.module, DecoderModel)):
             return None
         plan = self.lora.plan if self.lora is not None else None
         return PiecewiseGraphs(
