@@ -264,8 +264,10 @@ def _requests(adapters: list[str | None]) -> list[dict]:
 
 def test_decode_graphs_run_lora_kernels_only_on_the_projections_the_step_targets(tmp_path):
     """Adapters on q/v, on the MLP, and on all seven projections, alone and together in steps:
-    each step replays the graph of the projections its adapters target (captured at warm-up for
-    q/k/v and all, on first use for the MLP's), and the tokens are the CPU's."""
+    each step replays the graph of the projections its adapters target, captured at warm-up (q/k/v
+    and all always, the MLP's as a registered adapter's kinds), or the graph of all kinds for a
+    mix that has none (q/v with the MLP): nothing is captured while serving, and the tokens are
+    the CPU's."""
     from bench.lora import write_adapter
 
     cfg, reference = random_llama()
@@ -273,18 +275,19 @@ def test_decode_graphs_run_lora_kernels_only_on_the_projections_the_step_targets
     targets = {"qv": ("q_proj", "v_proj"), "mlp": ("gate_proj", "up_proj", "down_proj"), "all": None}
     adapters = {n: str(write_adapter(tmp_path / n, cfg, rank=8, seed=i, targets=t))
                 for i, (n, t) in enumerate(targets.items())}  # fmt: skip
-    rounds = [["qv", None], ["mlp", "mlp"], ["qv", "mlp", "all", None]]
+    rounds = [["qv", None], ["mlp", "mlp"], ["qv", "mlp"], ["qv", "mlp", "all", None]]
     results = {}
     for device in ("cpu", "cuda"):
         engine = _engine(cfg, reference, device, num_kv_blocks=96, block_size=4, max_num_seqs=8,
                          max_loras=3, max_lora_rank=8, lora_modules=adapters)  # fmt: skip
         engine.warm_up()
+        captured = dict(engine.executor.graphs.graphs) if device == "cuda" else {}
         results[device] = [[o.token_ids for o in engine.generate(_requests(names))] for names in rounds]
         if device == "cuda":
             plan = engine.executor.lora.plan
-            kinds = {k for _, k in engine.executor.graphs.graphs}
-            mlp = plan.slot_kinds[engine.lora.slot_of("mlp")]
-            assert {1, int(mlp), plan.all_kinds} <= kinds and mlp & 1 == 0
+            mlp = int(plan.slot_kinds[engine.lora.slot_of("mlp")])
+            assert {k for _, k in captured} == {0, 1, mlp, plan.all_kinds} and mlp & 1 == 0
+            assert engine.executor.graphs.graphs == captured
     assert results["cuda"] == results["cpu"]
 
 

@@ -637,3 +637,34 @@ def test_adapter_loads_go_on_while_a_step_is_in_flight(tiny_llama, tiny_adapters
     monkeypatch.setattr(engine.lora, "load", counted)
     assert run_steps(engine, reqs) == expected
     assert any(in_flight), "no adapter was loaded while a step was in flight"
+
+
+def test_registered_adapters_name_the_kinds_of_projection_whose_graphs_a_warm_up_captures(tmp_path):
+    """What `Engine.warm_up` hands the executor: the registered adapters' PEFT modules, one set a
+    recipe, the most common first; the executor maps a set to its kinds of projection (q_proj
+    alone is the q/k/v kind, the MLP's names its two kinds, all seven every kind)."""
+    from bench.lora import write_adapter
+    from model_service.models.loader import LoadedModel
+    from tests.random_models import random_llama
+
+    cfg, model = random_llama()
+    qv, mlp = ("q_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj")
+    targets = {"qv": qv, "qv2": qv, "mlp": mlp, "q": ("q_proj",), "all": None}
+    paths = {
+        name: str(write_adapter(tmp_path / name, cfg, rank=4, seed=i, targets=t))
+        for i, (name, t) in enumerate(targets.items())
+    }
+    loaded = LoadedModel("random", cfg, model, None)
+    engine = make_engine(loaded, max_loras=2, max_lora_rank=8, lora_modules=paths)
+    seven = frozenset({*qv, "k_proj", "o_proj", *mlp})
+    sets = engine.lora.target_sets()
+    assert sets[0] == set(qv) and set(sets[1:]) == {seven, frozenset(mlp), frozenset({"q_proj"})}
+    layers = engine.executor.lora
+    attention = layers.kinds_of_targets({"q_proj"})
+    assert layers.kinds_of_targets(qv) == attention == layers.kinds_of_targets({"k_proj"})
+    assert (
+        layers.kinds_of_targets(seven) == layers.plan.all_kinds and bin(layers.plan.all_kinds).count("1") == 4
+    )
+    both = layers.kinds_of_targets(mlp)
+    assert both == layers.kinds_of_targets({"up_proj"}) | layers.kinds_of_targets({"down_proj"})
+    assert bin(both).count("1") == 2 and both & attention == 0 and layers.kinds_of_targets(()) == 0

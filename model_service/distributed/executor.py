@@ -18,7 +18,7 @@ import atexit
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -155,9 +155,9 @@ class TensorParallelExecutor:
     def move_slot(self, slot: int, offset: int) -> None:
         self._call("move_slot", slot, offset)
 
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, adapter_targets: Sequence[frozenset[str]] = ()) -> None:
         """Every rank captures the same sizes together: a graph records the step's collectives."""
-        self._call("capture_graphs")
+        self._call("capture_graphs", list(adapter_targets))
 
     def teardown(self) -> None:
         """Stop the workers and leave the process group; the executor is unusable afterwards.

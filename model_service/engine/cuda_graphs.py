@@ -10,7 +10,11 @@ elsewhere a size is captured the first time it is needed. A step with LoRA rows 
 captured with the LoRA kernels (per-token slots in a static buffer too); without the kernels (a
 rank width that is not a power of two) it runs eagerly. Graphs are keyed by the kinds of
 projection the step's adapters target (`LoraStepPlan.kinds`): a step of q/v adapters replays
-one that has no LoRA kernels on o, gate_up and down. Steps with prefill chunks replay graphs
+one that has no LoRA kernels on o, gate_up and down. The warm-up captures, beside no LoRA, q/k/v
+and every kind, the kinds of the adapters registered at start-up; a step whose kinds have no
+graph of its size replays the one with every kind where that exists (its kernels add nothing
+for a row whose adapter has no weights on a projection) instead of stalling the pod for a
+capture (~0.1-0.5 s a size on an 8B model) in the middle of serving. Steps with prefill chunks replay graphs
 split at attention (engine/piecewise_graphs.py) when they are small enough, else run eagerly.
 A step of decode rows and speculative verify runs (every token a logits row) replays the graph
 of its token count, each token a one-token row of its own
@@ -34,7 +38,7 @@ logits wanted: `max_run`), as token rows whose outputs are gathered at the step'
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -103,10 +107,8 @@ class DecodeGraphs:
         scheduled = batch  # the state runs are the step's as scheduled, a verify run one run
         if batch.max_query_len > 1:
             batch = batch.as_token_rows()
-        key = (size, self.lora.kinds_of(batch.host_lora_slots) if self.lora is not None else 0)
-        if key not in self.graphs:  # before any static input is filled: a capture pads them
-            self.graphs[key] = self._capture(*key)
-        graph, outputs = self.graphs[key]
+        kinds = self.lora.kinds_of(batch.host_lora_slots) if self.lora is not None else 0
+        graph, outputs = self._graph(size, kinds)
         if self.runs is not None:
             self.runs.prepare_for_replay(scheduled, size)
         self.input_ids[:n] = batch.input_ids
@@ -121,13 +123,25 @@ class DecodeGraphs:
             return (outputs[0][:n].clone(), *(out[:n] for out in outputs[1:]))
         return tuple(out[:n][scheduled.logits_rows] for out in outputs)
 
-    def capture_all(self) -> None:
-        """Every ladder size, without LoRA, with LoRA on every kind of projection and with it on
-        q/k/v alone (PEFT's default targets), now: a capture compiles the step's kernels and
-        records them (~0.1-0.5 s a size on an 8B model), a cost a pod pays before it reports
-        SERVING rather than as stalls of its first requests. Steps whose adapters target another
-        set of projections capture their graphs when first needed."""
-        sets = (0, 1, self.lora.all_kinds) if self.lora is not None else (0,)
+    def _graph(self, size: int, kinds: int) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+        """The graph of `size` rows whose LoRA kernels cover `kinds`: its own, else the one of
+        every kind where that was captured, else captured now (before any static input is
+        filled: a capture pads them)."""
+        every = self.lora.all_kinds if self.lora is not None else 0
+        if (size, kinds) not in self.graphs and (size, every) in self.graphs:
+            kinds = every
+        if (size, kinds) not in self.graphs:
+            self.graphs[size, kinds] = self._capture(size, kinds)
+        return self.graphs[size, kinds]
+
+    def capture_all(self, kinds: Sequence[int] = ()) -> None:
+        """Every ladder size, without LoRA, with LoRA on every kind of projection, with it on
+        q/k/v alone (PEFT's default targets) and on each of `kinds` (the registered adapters'),
+        now: a capture compiles the step's kernels and records them (~0.1-0.5 s a size on an 8B
+        model), a cost a pod pays before it reports SERVING rather than as stalls of its first
+        requests. Steps whose adapters target another set of projections replay the graph of
+        every kind (`_graph`)."""
+        sets = (0, 1, self.lora.all_kinds, *kinds) if self.lora is not None else (0,)
         for size in reversed(self.ladder):
             for kinds in dict.fromkeys(sets):
                 if (size, kinds) not in self.graphs:

@@ -213,7 +213,7 @@ class Engine:
 
     def warm_up(self) -> None:
         """Before a pod reports SERVING: every graph captured and, on CUDA, `warm_up.run_requests` run."""
-        self.executor.capture_graphs()
+        self.executor.capture_graphs(self.lora.target_sets())
         if self.executor.device.type == "cuda":
             run_requests(self)
 

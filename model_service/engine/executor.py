@@ -10,7 +10,7 @@ import copy
 import gc
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +40,10 @@ from model_service.models.recurrent import RecurrentModel, recurrent_step
 from model_service.models.step import AttentionBackend, CapturableBackend, StepBatch
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
+# Decode graphs a warm-up captures for the registered adapters' kinds of projection, beyond none,
+# q/k/v and all: each kind is a graph a ladder size (~0.1-0.5 s each on an 8B model). Steps of
+# other kinds replay the graph of all kinds (`DecodeGraphs`).
+EXTRA_LORA_KINDS = 4
 
 
 def kv_blocks_for_budget(
@@ -216,13 +220,17 @@ class ModelExecutor:
         shapes = self.module.recurrent_state_shapes()
         return [torch.zeros(num_slots, *shape, dtype=torch.float32, device=self.device) for shape in shapes]
 
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, adapter_targets: Sequence[frozenset[str]] = ()) -> None:
         """Capture every piecewise bucket and every decode graph (nothing without graphs: CPU,
-        eager); after `__init__`, once the weights have their final layout."""
+        eager); after `__init__`, once the weights have their final layout. `adapter_targets`:
+        the PEFT modules of the registered adapters, most common first; the decode graphs of
+        the first `EXTRA_LORA_KINDS` kinds of projection among them are captured too."""
         if self.pieces is not None:
             self.pieces.capture_all()
-        if self.graphs is not None:
-            self.graphs.capture_all()
+        if self.graphs is None:
+            return
+        kinds = [self.lora.kinds_of_targets(t) for t in adapter_targets] if self.lora is not None else []
+        self.graphs.capture_all(list(dict.fromkeys(kinds))[:EXTRA_LORA_KINDS])
 
     def _piecewise_graphs(self, config: EngineConfig, backend: TritonBackend) -> PiecewiseGraphs | None:
         """Dense and MoE models (every expert path that `_graphs_apply` admits is capturable at any

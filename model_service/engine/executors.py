@@ -9,7 +9,7 @@ single-device executor never imports the tensor-parallel one that is built on it
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -53,8 +53,9 @@ class Executor(KVMover, SlotWriter, Protocol):
         An argument, not state an earlier call left: each call runs on what it is handed."""
         ...
 
-    def capture_graphs(self) -> None:
-        """Capture every CUDA graph now (a pod's warm-up), rather than when a step first needs one."""
+    def capture_graphs(self, adapter_targets: Sequence[frozenset[str]] = ()) -> None:
+        """Capture every CUDA graph now (a pod's warm-up), rather than when a step first needs one;
+        `adapter_targets`: the PEFT modules the registered adapters target, most common first."""
         ...
 
     def on_lost(self, callback: Callable[[str], None]) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -314,6 +314,14 @@ class LoraLayers:
         self.index_kinds[index] = wrapper.kind
         self.plan.all_kinds |= wrapper.kind
         return wrapper
+
+    def kinds_of_targets(self, targets: Iterable[str]) -> int:
+        """The kinds of projection (`LoraStepPlan.kinds`) of an adapter with weights on these
+        PEFT modules, in any layers."""
+        names, kinds = set(targets), 0
+        for parts, bit in self.kind_bits.items():
+            kinds |= bit if names & set(parts) else 0
+        return kinds
 
     def load_slot(self, slot: int, adapter: LoraAdapter, offset: int) -> None:
         """Copy `adapter`'s weights into the arena at `offset` (elements; the pool found the

@@ -33,7 +33,7 @@ thread at a quiescent point (between steps), so no forward pass sees a slot chan
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +78,7 @@ class Identity(NamedTuple):
     rank: int
     sha256: str
     chunked: bytes  # its weights' chunked digest: a read that finds it again has this sha256
+    targets: frozenset[str]  # the PEFT modules it has weights on (the graphs a warm-up captures)
 
 
 @dataclass
@@ -190,7 +191,10 @@ class LoraPool:
         adapter = self._read(name, Path(path), self.identity.get(name))  # the same bytes again: no hash
         self._reads.pop(name, None)  # a read of the old files: its result is dropped
         self.disk[name] = Path(path)
-        self.identity[name] = Identity(adapter.adapter_id, adapter.max_rank, adapter.sha256, adapter.chunked)
+        targets = frozenset(module for _, module in adapter.modules)
+        self.identity[name] = Identity(
+            adapter.adapter_id, adapter.max_rank, adapter.sha256, adapter.chunked, targets
+        )
         adapter = self._keep(adapter)
         for i in list(self._in_use_order):  # a resident older version keeps serving its requests
             s = self.slots[i]
@@ -354,6 +358,11 @@ class LoraPool:
                     AdapterInfo(name, known.adapter_id, "disk", None, 0, False, known.rank, known.sha256)
                 )
         return out
+
+    def target_sets(self) -> list[frozenset[str]]:
+        """The distinct sets of PEFT modules the registered adapters target, the most common first."""
+        counts = Counter(known.targets for known in self.identity.values())
+        return [targets for targets, _ in counts.most_common()]
 
     def drop_host_copy(self, name: str) -> None:
         self.host.pop(name, None)
