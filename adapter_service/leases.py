@@ -12,13 +12,17 @@ each thing once.
   one view; two replicas running it would each spread and cool the same adapters.
 
 A lease expires `ttl` seconds after its last renewal, so a replica that dies holding one blocks
-nobody for longer than that; while held it is renewed every `ttl / 3` seconds.
+nobody for longer than that; while held it is renewed every `ttl / 3` seconds. Each hold records
+its own token as the lease's owner, not the replica's name: a holder whose lease lapsed under it
+(a restarted registry, renewals that failed past the ttl) while another attempt on the same
+replica took the name can then neither renew, release nor commit under that attempt's lease.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -40,34 +44,36 @@ class Leases:
     def __init__(self, registry: Registry, ttl: float = 10.0, owner: str = "") -> None:
         self.registry, self.ttl = registry, ttl
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._holds = itertools.count()
 
     @contextlib.asynccontextmanager
-    async def hold(self, key: str, what: str, give_up: threading.Event | None = None) -> AsyncIterator[None]:
-        """Wait until `key` is free, hold it (renewed) for the block, release it after. `what`
-        names the wait for a bound that runs out meanwhile ("another registration of 'x'")."""
-        delay = 0.02
+    async def hold(self, key: str, what: str, give_up: threading.Event | None = None) -> AsyncIterator[str]:
+        """Wait until `key` is free, hold it (renewed) for the block, release it after; yields the
+        hold's token, the owner to name in the registry's calls made under it. `what` names the
+        wait for a bound that runs out meanwhile ("another registration of 'x'")."""
+        token, delay = f"{self.owner}#{next(self._holds)}", 0.02
         with waiting_for(what):
-            while not await self.registry.acquire(key, self.owner, self.ttl):
+            while not await self.registry.acquire(key, token, self.ttl):
                 if give_up is not None and give_up.is_set():
                     raise GaveUp(key)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.25)
-        renewing = asyncio.create_task(self._renew(key))
+        renewing = asyncio.create_task(self._renew(key, token))
         try:
-            yield
+            yield token
         finally:
             renewing.cancel()
             await asyncio.gather(renewing, return_exceptions=True)
             try:
-                await self.registry.release(key, self.owner)
+                await self.registry.release(key, token)
             except Exception as e:  # unreachable registry: the lease expires on its own
                 log.warning("releasing lease %s failed (it expires in %g s): %s", key, self.ttl, e)
 
-    async def _renew(self, key: str) -> None:
+    async def _renew(self, key: str, token: str) -> None:
         while True:
             await asyncio.sleep(self.ttl / 3)
             try:
-                if not await self.registry.renew(key, self.owner, self.ttl):
+                if not await self.registry.renew(key, token, self.ttl):
                     log.warning("lease %s was lost (expired, or the registry restarted)", key)
                     return
             except Exception as e:  # keep trying: the registry may come back before it expires

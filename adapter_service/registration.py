@@ -85,37 +85,37 @@ async def _register(
     describe: Callable[[int, Version | None], Version],
     abandoned: threading.Event,
 ) -> Registered:
-    async with leases.hold(f"register:{name}", f"another registration of {name!r}", abandoned):
-        await _roll_back(c, leases, name)
+    async with leases.hold(f"register:{name}", f"another registration of {name!r}", abandoned) as owner:
+        await _roll_back(c, owner, leases.ttl, name)
         stored = await c.store.versions(name)
         latest = stored[-1] if stored else None
         if latest is not None and latest.sha256 == sha:
-            await _index(c, leases, latest)
+            await _index(c, owner, latest)
             return Registered(latest, new=False)
         if abandoned.is_set():
             raise GaveUp(name)
-        number = await c.registry.assign_version(name, leases.owner, latest.version if latest else 0)
+        number = await c.registry.assign_version(name, owner, latest.version if latest else 0)
         if number is None:
             raise LeaseLost(f"the registration lease of {name!r} was lost before a version was assigned")
         v = describe(number, latest)
         await c.store.put(v, config, weights, abandoned)
-        await _index(c, leases, v)
+        await _index(c, owner, v)
         return Registered(v, new=True)
 
 
-async def _roll_back(c: Controller, leases: Leases, name: str) -> None:
+async def _roll_back(c: Controller, owner: str, ttl: float, name: str) -> None:
     indexed = await c.registry.indexed_version(name)
     if indexed is None:  # a new or restarted Redis: the index comes from storage first
         await c.ensure_built()
         indexed = await c.registry.indexed_version(name)
-    if indexed is None or not await c.registry.renew(f"register:{name}", leases.owner, leases.ttl):
+    if indexed is None or not await c.registry.renew(f"register:{name}", owner, ttl):
         raise LeaseLost(f"the registry changed under the registration of {name!r} (restarted?)")
     if n := await c.store.roll_back(name, above=indexed):
         log.warning("rolled back %d files of %s above version %d (never acknowledged)", n, name, indexed)
 
 
-async def _index(c: Controller, leases: Leases, v: Version) -> None:
-    if not await c.registry.commit(v, leases.owner):
+async def _index(c: Controller, owner: str, v: Version) -> None:
+    if not await c.registry.commit(v, owner):
         raise LeaseLost(
             f"the registration lease of {v.name!r} was lost (the registry restarted or did not answer) "
             f"before version {v.version} was indexed"

@@ -70,6 +70,31 @@ def test_versions_only_for_the_lease_holder_and_the_index_never_goes_back(regist
     asyncio.run(go())
 
 
+def test_a_hold_whose_lease_lapsed_cannot_renew_release_or_commit_under_the_next_holders():
+    """Leases are owned per hold, not per replica: after the registry lost a lease (restarted)
+    and another attempt on the same replica took the name, the first attempt's renewals,
+    release and commit are refused, and the second's lease and versions stand."""
+
+    async def go() -> None:
+        registry = MemoryRegistry()
+        leases = Leases(registry, ttl=5.0, owner="replica")
+        async with leases.hold("register:x", "x") as first:
+            registry.locks.clear()  # the registry restarted: every lease is gone
+            async with leases.hold("register:x", "x") as second:
+                assert first != second and second.startswith("replica")
+                assert not await registry.renew("register:x", first, 5.0)
+                assert await registry.assign_version("x", first, 0) is None
+                assert not await registry.commit(_v("x", 1), first)
+                await registry.release("register:x", first)
+                assert not await registry.acquire("register:x", "another replica", 5.0)  # still held
+                assert await registry.assign_version("x", second, 0) == 1
+                assert await registry.commit(_v("x", 1), second)
+            assert await registry.acquire("register:x", "another replica", 5.0)  # released on exit
+        assert (await registry.get("x")).version == 1
+
+    asyncio.run(go())
+
+
 def test_one_leader_at_a_time_and_another_takes_over(registries):
     async def go() -> None:
         first, second = Leases(registries(), owner="first"), Leases(registries(), owner="second")
