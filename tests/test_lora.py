@@ -668,3 +668,11 @@ def test_registered_adapters_name_the_kinds_of_projection_whose_graphs_a_warm_up
     both = layers.kinds_of_targets(mlp)
     assert both == layers.kinds_of_targets({"up_proj"}) | layers.kinds_of_targets({"down_proj"})
     assert bin(both).count("1") == 2 and both & attention == 0 and layers.kinds_of_targets(()) == 0
+
+    class Graphs:  # what the decode graphs are asked to capture (there are none on the CPU)
+        def capture_all(self, kinds: list[int]) -> None:
+            self.kinds = kinds
+
+    engine.executor.graphs = graphs = Graphs()
+    engine.executor.capture_graphs(sets)  # none, q/k/v and all are always captured: one more
+    assert graphs.kinds == [both]

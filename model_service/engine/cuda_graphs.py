@@ -14,8 +14,9 @@ one that has no LoRA kernels on o, gate_up and down. The warm-up captures, besid
 and every kind, the kinds of the adapters registered at start-up; a step whose kinds have no
 graph of its size replays the one with every kind where that exists (its kernels add nothing
 for a row whose adapter has no weights on a projection) instead of stalling the pod for a
-capture (~0.1-0.5 s a size on an 8B model) in the middle of serving. Steps with prefill chunks replay graphs
-split at attention (engine/piecewise_graphs.py) when they are small enough, else run eagerly.
+capture (~0.1-0.5 s a size on an 8B model) in the middle of serving. Steps with prefill chunks
+replay graphs split at attention (engine/piecewise_graphs.py) when they are small enough, else
+run eagerly.
 A step of decode rows and speculative verify runs (every token a logits row) replays the graph
 of its token count, each token a one-token row of its own
 (`StepBatch.as_token_rows`). Models with recurrent layers (hybrids) replay the same graphs: their

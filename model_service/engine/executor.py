@@ -229,8 +229,11 @@ class ModelExecutor:
             self.pieces.capture_all()
         if self.graphs is None:
             return
-        kinds = [self.lora.kinds_of_targets(t) for t in adapter_targets] if self.lora is not None else []
-        self.graphs.capture_all(list(dict.fromkeys(kinds))[:EXTRA_LORA_KINDS])
+        extra: list[int] = []
+        if self.lora is not None:
+            kinds = dict.fromkeys(self.lora.kinds_of_targets(t) for t in adapter_targets)
+            extra = [k for k in kinds if k not in (0, 1, self.lora.plan.all_kinds)]  # captured anyway
+        self.graphs.capture_all(extra[:EXTRA_LORA_KINDS])
 
     def _piecewise_graphs(self, config: EngineConfig, backend: TritonBackend) -> PiecewiseGraphs | None:
         """Dense and MoE models (every expert path that `_graphs_apply` admits is capturable at any
