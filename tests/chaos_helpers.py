@@ -75,6 +75,14 @@ class Log:
     def first_ack_after(self, t: float) -> float:
         return min((when for *_, when in self.acked if when > t), default=float("inf")) - t
 
+    def last_refusals(self, n: int = 8) -> list[tuple[float, str, str]]:
+        """The last `n` refusals (seconds into the run when the call began, code, text): what a
+        failed wait for an acknowledgement prints, to say which lease or backend refused."""
+        with self.lock:
+            return [
+                (round(a - self.started, 2), code, text[:120]) for _, a, _, code, text in self.failures[-n:]
+            ]
+
 
 def register_until_acked(c: AdaptersClient, name: str, d: Path, log: Log) -> None:
     """Register `d` under `name`, retrying any refusal (for up to 30 s) until acknowledged; every
@@ -111,11 +119,11 @@ def health(service: Service) -> int:
             return -1
 
 
-def until(what, timeout: float = 15.0, step: float = 0.05) -> float:
-    """Seconds until `what()` is true."""
+def until(what, timeout: float = 15.0, step: float = 0.05, why=None) -> float:
+    """Seconds until `what()` is true; past `timeout`, an assertion that says `why()` too."""
     start = time.monotonic()
     while not what():
-        assert time.monotonic() - start < timeout, f"not within {timeout} s: {what}"
+        assert time.monotonic() - start < timeout, f"not within {timeout} s: {what}; {why() if why else ''}"
         time.sleep(step)
     return time.monotonic() - start
 

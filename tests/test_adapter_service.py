@@ -518,7 +518,7 @@ def test_registrations_survive_a_killed_replica_a_restarted_redis_and_a_frozen_s
         time.sleep(1.0)
         killed = time.monotonic()
         replicas[0].stop(signal.SIGKILL)
-        chaos.until(lambda: log.first_ack_after(killed) < float("inf"))
+        chaos.until(lambda: log.first_ack_after(killed) < float("inf"), why=log.last_refusals)
         recovery["replica killed: next acknowledged registration"] = log.first_ack_after(killed)
         restarted = _replica(cluster, 0, "-after-chaos-kill")  # on its port, as Kubernetes restarts it
         log.faults["replica killed"] = (killed, float("inf"))  # until its restart serves (below)
@@ -532,7 +532,7 @@ def test_registrations_survive_a_killed_replica_a_restarted_redis_and_a_frozen_s
         cluster["redis"].start()  # same port, empty: the index is rebuilt from S3
         up = time.monotonic()
         log.faults["redis restarted empty"] = (down, up)
-        chaos.until(lambda: log.first_ack_after(up) < float("inf"))
+        chaos.until(lambda: log.first_ack_after(up) < float("inf"), why=log.last_refusals)
         recovery["redis restarted: next acknowledged registration"] = log.first_ack_after(up)
         serving.join()
         # The replica was down until its restart listened: on a loaded host that is seconds
@@ -556,7 +556,7 @@ def test_registrations_survive_a_killed_replica_a_restarted_redis_and_a_frozen_s
         recovery["s3 thawed: both replicas SERVING after"] = chaos.until(
             lambda: all(chaos.health(r) == SERVING for r in replicas), timeout=10
         )
-        chaos.until(lambda: log.first_ack_after(thawed) < float("inf"))
+        chaos.until(lambda: log.first_ack_after(thawed) < float("inf"), why=log.last_refusals)
         recovery["s3 thawed: next acknowledged registration"] = log.first_ack_after(thawed)
     finally:
         stop.set()
@@ -575,9 +575,10 @@ def test_registrations_survive_a_killed_replica_a_restarted_redis_and_a_frozen_s
     unacked = {k: sha for k, sha in stored.items() if k not in acked and k[0] in chaos.NAMES}
     # Seen twice under load: a client's retries refused for 30 s after the faults ended. The last
     # refusals (when each began, code, text) go with the message, to say what refused them.
-    refusals = [(round(a - log.started, 2), code, text[:120]) for op, a, _, code, text in log.failures]
     for k, sha in unacked.items():  # indexed, but its answer was lost; the retry made another
-        assert sha in set(acked.values()), f"{k} stored, never acknowledged nor retried; {refusals[-8:]}"
+        assert sha in set(acked.values()), (
+            f"{k} stored, never acknowledged nor retried; {log.last_refusals()}"
+        )
     latest = {name: indexed[name][1] for name in chaos.NAMES}
 
     def pods_hold_latest() -> bool:
