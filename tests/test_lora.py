@@ -644,6 +644,7 @@ def test_registered_adapters_name_the_kinds_of_projection_whose_graphs_a_warm_up
     recipe, the most common first; the executor maps a set to its kinds of projection (q_proj
     alone is the q/k/v kind, the MLP's names its two kinds, all seven every kind)."""
     from bench.lora import write_adapter
+    from model_service.engine.cuda_graphs import captured_kinds
     from model_service.models.loader import LoadedModel
     from tests.random_models import random_llama
 
@@ -674,5 +675,8 @@ def test_registered_adapters_name_the_kinds_of_projection_whose_graphs_a_warm_up
             self.kinds = kinds
 
     engine.executor.graphs = graphs = Graphs()
-    engine.executor.capture_graphs(sets)  # none, q/k/v and all are always captured: one more
-    assert graphs.kinds == [both]
+    engine.executor.capture_graphs(sets)
+    assert graphs.kinds == [layers.kinds_of_targets(t) for t in sets]
+    # none, q/k/v and all are always captured: the registered sets add one more
+    assert captured_kinds(layers.plan.all_kinds, graphs.kinds) == [0, attention, layers.plan.all_kinds, both]
+    assert captured_kinds(15, [3, 5, 6, 7, 9, 10]) == [0, 1, 15, 3, 5, 6, 7]  # at most four more

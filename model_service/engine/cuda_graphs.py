@@ -48,6 +48,20 @@ from model_service.models.context import ForwardContext
 from model_service.models.recurrent import RecurrentStep, StaticRuns
 from model_service.models.step import CapturableBackend, StepBatch
 
+# Kinds of projection a warm-up captures for the registered adapters, beyond none, q/k/v and
+# all: each is a graph a ladder size (~0.1-0.5 s each on an 8B model). Steps of other kinds
+# replay the graph of all kinds (`DecodeGraphs._graph`).
+EXTRA_LORA_KINDS = 4
+
+
+def captured_kinds(all_kinds: int, registered: Sequence[int]) -> list[int]:
+    """The kinds of projection whose decode graphs a warm-up captures: none, q/k/v (PEFT's default
+    targets, the first kind the layers wrap), every kind, then the first `EXTRA_LORA_KINDS` others
+    of the registered adapters' (most common first)."""
+    standard = [0, 1, all_kinds]
+    extra = [k for k in dict.fromkeys(registered) if k not in standard]
+    return list(dict.fromkeys(standard + extra[:EXTRA_LORA_KINDS]))
+
 
 def batch_ladder(max_rows: int) -> list[int]:
     sizes = [1, 2, 4, 8, *range(16, max_rows + 1, 16)]
@@ -137,14 +151,14 @@ class DecodeGraphs:
 
     def capture_all(self, kinds: Sequence[int] = ()) -> None:
         """Every ladder size, without LoRA, with LoRA on every kind of projection, with it on
-        q/k/v alone (PEFT's default targets) and on each of `kinds` (the registered adapters'),
-        now: a capture compiles the step's kernels and records them (~0.1-0.5 s a size on an 8B
-        model), a cost a pod pays before it reports SERVING rather than as stalls of its first
-        requests. Steps whose adapters target another set of projections replay the graph of
-        every kind (`_graph`)."""
-        sets = (0, 1, self.lora.all_kinds, *kinds) if self.lora is not None else (0,)
+        q/k/v alone (PEFT's default targets) and on the registered adapters' `kinds`
+        (`captured_kinds`), now: a capture compiles the step's kernels and records them (~0.1-0.5
+        s a size on an 8B model), a cost a pod pays before it reports SERVING rather than as
+        stalls of its first requests. Steps whose adapters target another set of projections
+        replay the graph of every kind (`_graph`)."""
+        sets = captured_kinds(self.lora.all_kinds, kinds) if self.lora is not None else [0]
         for size in reversed(self.ladder):
-            for kinds in dict.fromkeys(sets):
+            for kinds in sets:
                 if (size, kinds) not in self.graphs:
                     self.graphs[size, kinds] = self._capture(size, kinds)
 

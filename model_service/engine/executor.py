@@ -40,10 +40,6 @@ from model_service.models.recurrent import RecurrentModel, recurrent_step
 from model_service.models.step import AttentionBackend, CapturableBackend, StepBatch
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
-# Decode graphs a warm-up captures for the registered adapters' kinds of projection, beyond none,
-# q/k/v and all: each kind is a graph a ladder size (~0.1-0.5 s each on an 8B model). Steps of
-# other kinds replay the graph of all kinds (`DecodeGraphs`).
-EXTRA_LORA_KINDS = 4
 
 
 def kv_blocks_for_budget(
@@ -223,17 +219,14 @@ class ModelExecutor:
     def capture_graphs(self, adapter_targets: Sequence[frozenset[str]] = ()) -> None:
         """Capture every piecewise bucket and every decode graph (nothing without graphs: CPU,
         eager); after `__init__`, once the weights have their final layout. `adapter_targets`:
-        the PEFT modules of the registered adapters, most common first; the decode graphs of
-        the first `EXTRA_LORA_KINDS` kinds of projection among them are captured too."""
+        the PEFT modules of the registered adapters, most common first: the decode graphs of
+        their kinds of projection are captured too (`cuda_graphs.captured_kinds`)."""
         if self.pieces is not None:
             self.pieces.capture_all()
-        if self.graphs is None:
-            return
-        extra: list[int] = []
-        if self.lora is not None:
-            kinds = dict.fromkeys(self.lora.kinds_of_targets(t) for t in adapter_targets)
-            extra = [k for k in kinds if k not in (0, 1, self.lora.plan.all_kinds)]  # captured anyway
-        self.graphs.capture_all(extra[:EXTRA_LORA_KINDS])
+        if self.graphs is not None:
+            layers = self.lora
+            kinds = [layers.kinds_of_targets(t) for t in adapter_targets] if layers is not None else []
+            self.graphs.capture_all(kinds)
 
     def _piecewise_graphs(self, config: EngineConfig, backend: TritonBackend) -> PiecewiseGraphs | None:
         """Dense and MoE models (every expert path that `_graphs_apply` admits is capturable at any
