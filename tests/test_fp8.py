@@ -493,13 +493,14 @@ def test_block_fp8_shards_must_start_on_a_block(tmp_path: Path):
 
 
 def test_smollm2_perplexity_in_fp8(smollm2):
-    """SmolLM2 quantized online (W8A8) on bench/fp8_quality.py's text: 30.11 -> 32.05 (+6.4%;
-    weight-only FP8 alone gives +5.1%, bfloat16 rounding of the same weights +0.15%). Issue 33's
-    target is +2%: this small model's MLP weights lose more to e4m3's 3 mantissa bits than that.
-    The bound guards what is measured, so a regression in the path shows."""
-    from bench.fp8_quality import measure
+    """SmolLM2 quantized online (W8A8) on the first paragraph of bench/fp8_quality.py's text (the
+    whole text takes 15 s on two cores): 30.11 -> 32.05 (+6.4%; the whole text +4.6%, weight-only
+    FP8 there +3.2%). Issue 33's target is +2%: this small model, its weights already on the GGUF's
+    4-bit grid, loses more to e4m3's 3 mantissa bits than that (docs/quantization.md). The bound
+    guards what is measured, so a regression in the path shows."""
+    from bench.fp8_quality import TEXT, measure
 
-    result = measure("cpu", smollm2)
+    result = measure("cpu", smollm2, TEXT[: TEXT.index("\n\n")])
     assert 1.0 < result["ratio"] < 1.08, result
 
 
