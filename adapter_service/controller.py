@@ -145,9 +145,9 @@ class Controller:
         """Rebuild the registry index from the store when it has none (new or flushed Redis)."""
         if await self.registry.is_built():
             return False
-        versions = await self.store.versions()
-        await self.registry.rebuild(versions)
-        log.warning("registry index rebuilt from storage: %d adapters", len({v.name for v in versions}))
+        latest = await self.store.latest()
+        await self.registry.rebuild(latest)
+        log.warning("registry index rebuilt from storage: %d adapters", len(latest))
         metrics.REBUILDS.inc()
         return True
 

@@ -53,9 +53,11 @@ class Leases:
         wait for a bound that runs out meanwhile ("another registration of 'x'")."""
         token, delay = f"{self.owner}#{next(self._holds)}", 0.02
         with waiting_for(what):
-            while not await self.registry.acquire(key, token, self.ttl):
+            while True:  # give up before taking it, too: a caller gone holds it for nobody
                 if give_up is not None and give_up.is_set():
                     raise GaveUp(key)
+                if await self.registry.acquire(key, token, self.ttl):
+                    break
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.25)
         renewing = asyncio.create_task(self._renew(key, token))

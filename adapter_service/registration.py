@@ -6,7 +6,7 @@ Under the name's registration lease (adapter_service/leases.py), one replica at 
    acknowledged: files without a commit mark, and versions above the one indexed (stored, then
    the registration timed out, lost its lease or died before indexing; its caller was told it
    failed). A version is registered once it is indexed, and only then acknowledged;
-2. reads the versions in storage: if the latest has these weights, that version is the answer:
+2. reads the latest version in storage: if it has these weights, that version is the answer:
    registering the same name and sha256 again never makes a second version, so a caller may
    retry blindly (ALREADY_EXISTS, naming the version);
 3. gets the next version number from the registry's `assign_version` script (one past both the
@@ -87,8 +87,7 @@ async def _register(
 ) -> Registered:
     async with leases.hold(f"register:{name}", f"another registration of {name!r}", abandoned) as owner:
         await _roll_back(c, owner, leases.ttl, name)
-        stored = await c.store.versions(name)
-        latest = stored[-1] if stored else None
+        latest = next(iter(await c.store.latest(name)), None)
         if latest is not None and latest.sha256 == sha:
             await _index(c, owner, latest)
             return Registered(latest, new=False)

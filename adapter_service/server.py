@@ -164,6 +164,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         description: str,
     ) -> Version:
         """Validate, then store (the source of truth) and index; a refusal writes nothing."""
+        began = time.monotonic()
         try:
             summary = await asyncio.to_thread(validate.validate, config, weights, self.base, self.max_rank)
         except validate.ValidationError as e:
@@ -201,7 +202,10 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
             )
         if v.size_bytes <= self.c.staging_max_bytes:
             await self.c.stage(sha, config, await asyncio.to_thread(weights.read_bytes))
-        log.info("registered %s v%d (rank %d, %d bytes)", name, v.version, v.rank, v.size_bytes)
+        log.info(
+            "registered %s v%d (rank %d, %d bytes) in %.2f s",
+            *(name, v.version, v.rank, v.size_bytes, time.monotonic() - began),
+        )
         return v
 
     async def _rotated(self, v: Version, seconds: float) -> None:

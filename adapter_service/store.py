@@ -100,10 +100,16 @@ class Store:
             self._delete(written)  # nothing half-written survives a failed upload
             raise
 
-    def _versions(self, name: str = "") -> list[Version]:
-        metas = [k for k in self._keys(f"{name}/" if name else "") if k.endswith("/" + META)]
-        out = [Version.from_json(self._read(k)) for k in sorted(metas)]
-        pinned = {k.split("/")[0] for k in self._keys(f"{name}/" if name else "") if k.endswith("/pinned")}
+    def _versions(self, name: str, latest: bool) -> list[Version]:
+        """One listing, then a read of each commit mark wanted: with `latest`, only each name's
+        highest (the zero-padded keys sort by version). Reading every version's cost a
+        registration one read per version the name ever had: its 40th took 40 reads under its lease."""
+        keys = self._keys(f"{name}/" if name else "")
+        metas = sorted(k for k in keys if k.endswith("/" + META))
+        if latest:
+            metas = list({k.split("/")[0]: k for k in metas}.values())
+        out = [Version.from_json(self._read(k)) for k in metas]
+        pinned = {k.split("/")[0] for k in keys if k.endswith("/pinned")}
         for v in out:
             v.pinned = v.name in pinned
         return out
@@ -149,7 +155,11 @@ class Store:
 
     async def versions(self, name: str = "") -> list[Version]:
         """Every committed version (of `name`, or of all adapters), oldest first per name."""
-        return await asyncio.to_thread(self._versions, name)
+        return await asyncio.to_thread(self._versions, name, False)
+
+    async def latest(self, name: str = "") -> list[Version]:
+        """The latest committed version of `name` (none, or one), or of every adapter."""
+        return await asyncio.to_thread(self._versions, name, True)
 
     async def roll_back(self, name: str, above: int) -> int:
         return await asyncio.to_thread(self._roll_back, name, above)
@@ -257,8 +267,14 @@ class S3Store(Store):
         )
 
     def _write(self, key: str, data: bytes | Path) -> None:
-        if isinstance(data, Path):
+        """Weights above the multipart threshold go through s3transfer (parts in parallel, each
+        retried); anything smaller is one PutObject under the client's own bounds, without the
+        transfer manager and thread pool s3transfer builds per call (seen to hang: boto3#4148)."""
+        if isinstance(data, Path) and data.stat().st_size >= self.transfer.multipart_threshold:
             self.s3.upload_file(str(data), self.bucket, self.prefix + key, Config=self.transfer)
+        elif isinstance(data, Path):
+            with data.open("rb") as f:
+                self.s3.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=f)
         else:
             self.s3.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data)
 

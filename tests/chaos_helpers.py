@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import signal
 import threading
 import time
 from collections import Counter
@@ -82,6 +83,24 @@ class Log:
             return [
                 (round(a - self.started, 2), code, text[:120]) for _, a, _, code, text in self.failures[-n:]
             ]
+
+
+def diagnosis(log: Log, services: list[Service], lines: int = 20) -> str:
+    """What a failed wait prints: the last refusals and each service's last log lines, then the
+    frames of our code and of s3transfer in its threads' stacks (dumped at SIGUSR1), so a
+    registration stuck under its lease says where (CI keeps no service logs)."""
+    for s in services:
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGUSR1)
+    time.sleep(0.5)
+    out = [repr(log.last_refusals())]
+    for s in services:
+        text = s.output().splitlines()
+        logged = [t for t in text if not t.startswith(("  File", "Thread", "Current thread"))]
+        ours = ("adapter_service", "s3transfer")
+        frames = [t.strip() for t in text if t.startswith("  File") and any(w in t for w in ours)]
+        out += [f"--- {s.log.name}", *logged[-lines:], *dict.fromkeys(frames)]
+    return "\n".join(out)
 
 
 def register_until_acked(c: AdaptersClient, name: str, d: Path, log: Log) -> None:

@@ -514,11 +514,15 @@ def test_registrations_survive_a_killed_replica_a_restarted_redis_and_a_frozen_s
     for t in threads:
         t.start()
     recovery: dict[str, float] = {}
+
+    def diagnose() -> str:
+        return chaos.diagnosis(log, replicas)
+
     try:
         time.sleep(1.0)
         killed = time.monotonic()
         replicas[0].stop(signal.SIGKILL)
-        chaos.until(lambda: log.first_ack_after(killed) < float("inf"), why=log.last_refusals)
+        chaos.until(lambda: log.first_ack_after(killed) < float("inf"), why=diagnose)
         recovery["replica killed: next acknowledged registration"] = log.first_ack_after(killed)
         restarted = _replica(cluster, 0, "-after-chaos-kill")  # on its port, as Kubernetes restarts it
         log.faults["replica killed"] = (killed, float("inf"))  # until its restart serves (below)
@@ -532,7 +536,7 @@ def test_registrations_survive_a_killed_replica_a_restarted_redis_and_a_frozen_s
         cluster["redis"].start()  # same port, empty: the index is rebuilt from S3
         up = time.monotonic()
         log.faults["redis restarted empty"] = (down, up)
-        chaos.until(lambda: log.first_ack_after(up) < float("inf"), why=log.last_refusals)
+        chaos.until(lambda: log.first_ack_after(up) < float("inf"), why=diagnose)
         recovery["redis restarted: next acknowledged registration"] = log.first_ack_after(up)
         serving.join()
         # The replica was down until its restart listened: on a loaded host that is seconds
@@ -556,7 +560,7 @@ def test_registrations_survive_a_killed_replica_a_restarted_redis_and_a_frozen_s
         recovery["s3 thawed: both replicas SERVING after"] = chaos.until(
             lambda: all(chaos.health(r) == SERVING for r in replicas), timeout=10
         )
-        chaos.until(lambda: log.first_ack_after(thawed) < float("inf"), why=log.last_refusals)
+        chaos.until(lambda: log.first_ack_after(thawed) < float("inf"), why=diagnose)
         recovery["s3 thawed: next acknowledged registration"] = log.first_ack_after(thawed)
     finally:
         stop.set()
