@@ -1,11 +1,11 @@
-"""SmolLM2's perplexity on a fixed text with FP8 weights (`--quantization fp8`) against the
-unquantized model (float32 on CPU, bfloat16 on CUDA): issue 33's quality target is within 2%.
+"""SmolLM2's perplexity on a fixed text with FP8 weights against the unquantized model (float32
+on CPU, bfloat16 on CUDA): issue 33's quality target is within 2%.
 
-The FP8 model is per-channel e4m3 weights with per-token e4m3 activations (W8A8), as online
-quantization makes it; on CPU through the reference GEMM, on CUDA through `torch._scaled_mm`.
-Prints one JSON line.
+Each online scheme (`--quantization fp8`: per-channel e4m3 weights, per-token e4m3 activations;
+`fp8-g128`: per row and 128 columns, per token and 128 columns; both W8A8), on CPU through the
+reference GEMM, on CUDA through `torch._scaled_mm`. Prints one JSON line a scheme.
 
-    .venv/bin/python bench/fp8_quality.py [--device cuda]
+    .venv/bin/python bench/fp8_quality.py [--device cuda] [--quantization fp8-g128]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from model_service.engine.engine import Engine
 from model_service.engine.executor import own_module_tree
 from model_service.models.fp8_linear import quantize_online
 from model_service.models.loader import LoadedModel, load_model
-from model_service.models.quantization import ONLINE
+from model_service.models.quantization import ONLINE_SCHEMES
 from model_service.startup import configure_process
 
 # Written for this benchmark (no licence questions), plain expository English of the kind the
@@ -127,24 +127,25 @@ def perplexity(loaded: LoadedModel, ids: list[int], device: str) -> float:
     return math.exp(F.cross_entropy(logits[:-1].float(), target).item())
 
 
-def measure(device: str = "cpu", full: LoadedModel | None = None, text: str = TEXT) -> dict[str, object]:
-    """Both perplexities of `text` and their ratio, FP8 over unquantized; `full`: SmolLM2 already
-    loaded (in the compute dtype, on `device`)."""
+def measure(
+    device: str = "cpu", full: LoadedModel | None = None, text: str = TEXT, flag: str = "fp8"
+) -> dict[str, object]:
+    """Both perplexities of `text` and their ratio, FP8 (`--quantization flag`) over unquantized;
+    `full`: SmolLM2 already loaded (in the compute dtype, on `device`)."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     t = time.perf_counter()
     full = full or load_model("smollm2", dtype, torch.device(device))
-    # What load_model(quantization="fp8") does after loading, on a copy: one GGUF read, not two.
-    module = own_module_tree(full.module)
-    quantize_online(module)
-    fp8 = dataclasses.replace(
-        full, module=module, config=dataclasses.replace(full.config, quantization=ONLINE)
-    )
+    # What load_model(quantization=flag) does after loading, on a copy: one GGUF read, not two.
+    module, scheme = own_module_tree(full.module), ONLINE_SCHEMES[flag]
+    quantize_online(module, scheme)
+    config = dataclasses.replace(full.config, quantization=scheme)
+    fp8 = dataclasses.replace(full, module=module, config=config)
     assert full.tokenizer is not None
     ids = full.tokenizer.encode(text)
     base, quantized = perplexity(full, ids, device), perplexity(fp8, ids, device)
     return {
         "bench": "fp8_quality", "model": "smollm2-135m-instruct", "device": device, "dtype": str(dtype),
-        "quantization": "fp8 online: per-channel e4m3 weights, per-token e4m3 activations",
+        "quantization": flag, "scales": "per row and 128 columns" if scheme.block else "per channel",
         "tokens": len(ids), "ppl": round(base, 4), "ppl_fp8": round(quantized, 4),
         "ratio": round(quantized / base, 4), "seconds": round(time.perf_counter() - t, 1),
     }  # fmt: skip
@@ -155,9 +156,15 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", default="cpu", help="cpu (float32 baseline) or cuda (bfloat16 baseline)")
+    parser.add_argument(
+        "--quantization", choices=list(ONLINE_SCHEMES), action="append", help="the schemes [all]"
+    )
     args = parser.parse_args()
     configure_process()
-    print(json.dumps(measure(args.device)))
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    full = load_model("smollm2", dtype, torch.device(args.device))
+    for flag in args.quantization or ONLINE_SCHEMES:
+        print(json.dumps(measure(args.device, full, flag=flag)), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,15 @@ the bytes a step reads (`weight_bytes`) x tokens/s. With `--lora-adapters N`, th
 at `--lora-batch` rows with N distinct rank-`--lora-rank` adapters on all seven projections,
 against the base model in the same engine. With `--quantization fp8`, the same model's
 projections quantized online (per-channel e4m3 weights, per-token activations,
-`torch._scaled_mm`: `--quantization fp8` of the engine) run instead, and with `--compare` as
+`torch._scaled_mm`: `--quantization fp8` of the engine; `fp8-g128`: per row and 128 columns,
+per token and 128 columns) run instead, and with `--compare` as
 well as the bf16 model, each figure beside the other (and their ratio) in one run.
 `--kv-cache-dtype fp8`: every engine of the run stores K/V in e4m3 (the engine's flag). Prints
 one JSON line per result, then a short table.
 
     python bench/gpu.py [--batches 1 16 64 256] [--new-tokens 64] [--hf-batches] [--small]
                         [--lora-adapters 64 --lora-batch 64 --lora-rank 16]
-                        [--quantization fp8 [--compare]] [--kv-cache-dtype fp8]
+                        [--quantization fp8|fp8-g128 [--compare]] [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from model_service.models.config import ModelConfig
 from model_service.models.fp8_linear import Fp8Linear, quantize_online
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
-from model_service.models.quantization import ONLINE
+from model_service.models.quantization import ONLINE_SCHEMES
 from model_service.models.registry import model_class
 from model_service.models.rope import RotaryEmbedding
 from model_service.models.step import StepBatch
@@ -114,13 +115,13 @@ def random_module(
     return module.eval()
 
 
-def quantized(loaded: LoadedModel) -> LoadedModel:
-    """`loaded` with its projections quantized online to FP8 (what `--quantization fp8` does at
+def quantized(loaded: LoadedModel, flag: str = "fp8") -> LoadedModel:
+    """`loaded` with its projections quantized online to FP8 (what `--quantization flag` does at
     load), on a copy of its module tree: the embeddings, norms and LM head stay shared."""
     module = own_module_tree(loaded.module)
-    quantize_online(module)
-    config = dataclasses.replace(loaded.config, quantization=ONLINE)
-    return LoadedModel(f"{loaded.name}-fp8", config, module, None)
+    quantize_online(module, ONLINE_SCHEMES[flag])
+    config = dataclasses.replace(loaded.config, quantization=ONLINE_SCHEMES[flag])
+    return LoadedModel(f"{loaded.name}-{flag}", config, module, None)
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
@@ -474,9 +475,10 @@ def engine_runs(
 ) -> list[dict[str, Any]]:
     """Every figure of our engine over `loaded` (graphs, eager, TTFT, host share, profiles,
     verify cost, LoRA); returns the table's rows. The system names end in -fp8 for FP8 weights."""
-    fp8 = loaded.config.quantization is not None
-    setup = {**setup, "quantization": "fp8" if fp8 else "none"}
-    suffix = "-fp8" if fp8 else ""
+    scheme = loaded.config.quantization
+    flag = "none" if scheme is None else next(f for f, s in ONLINE_SCHEMES.items() if s == scheme)
+    setup = {**setup, "quantization": flag}
+    suffix = "" if scheme is None else f"-{flag}"
     vocab = loaded.config.vocab_size
     sampling = {k: setup[k] for k in ("temperature", "top_p", "top_k", "min_p")}
     weights = weight_bytes(loaded.module)
@@ -548,11 +550,12 @@ def engine_runs(
     return rows
 
 
-def print_fp8_over_bf16(rows: list[dict[str, Any]], setup: dict[str, Any]) -> None:
-    """One line per system and batch that ran both ways: FP8 tokens/s over bf16 tokens/s."""
+def print_fp8_over_bf16(rows: list[dict[str, Any]], setup: dict[str, Any], flag: str) -> None:
+    """One line per system and batch that ran both ways: FP8 (`--quantization flag`) tokens/s
+    over bf16 tokens/s."""
     rates = {(r["system"], r["batch"]): r["decode_tokens_per_s"] for r in rows}
     for (system, batch), rate in rates.items():
-        fp8 = rates.get((system.replace("spindle", "spindle-fp8", 1), batch))
+        fp8 = rates.get((system.replace("spindle", f"spindle-{flag}", 1), batch))
         if "-fp8" not in system and fp8 is not None:
             line = {"bench": "gpu", "metric": "fp8_over_bf16", "system": system, "batch": batch}
             print(json.dumps({**line, "bf16": rate, "fp8": fp8, "value": round(fp8 / rate, 3), **setup}))
@@ -580,7 +583,9 @@ def main() -> None:
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--profile-batches", type=int, nargs="*", default=[], help="device time per kernel")
     ap.add_argument("--profile-lora", action="store_true", help="device time per kernel of the LoRA run")
-    ap.add_argument("--quantization", default="none", choices=["none", "fp8"], help="the engine's flag")
+    ap.add_argument(
+        "--quantization", default="none", choices=["none", *ONLINE_SCHEMES], help="the engine's flag"
+    )
     ap.add_argument("--compare", action="store_true", help="with --quantization fp8: the bf16 model too")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the engine's flag")
     args = ap.parse_args()
@@ -605,10 +610,10 @@ def main() -> None:
     print(json.dumps({"bench": "gpu", "metric": "copy_bandwidth_gb_s", "value": round(bandwidth), **setup}))
     loaded = random_model(shape)
     models = [loaded] if args.quantization == "none" or args.compare else []
-    models += [quantized(loaded)] if args.quantization == "fp8" else []
+    models += [quantized(loaded, args.quantization)] if args.quantization != "none" else []
     rows = [row for model in models for row in engine_runs(model, args, setup, bandwidth)]
     if args.compare:
-        print_fp8_over_bf16(rows, setup)
+        print_fp8_over_bf16(rows, setup, args.quantization)
     for batch in args.hf_batches:
         torch.cuda.empty_cache()
         rate = hf_decode_tok_s(loaded, batch, args.prompt_len, args.new_tokens)

@@ -119,6 +119,14 @@ FORMATS = {
         ),
         (128, 128),
     ),
+    "ct-group": Format(  # llm-compressor's groups: a scale per row and 128 columns; = --quantization fp8-g128
+        _ct(
+            {"strategy": "group", "group_size": 128},
+            {"dynamic": True, "strategy": "group", "group_size": 128},
+            ["lm_head"],
+        ),
+        (1, 128),
+    ),
     "fbgemm": Format(
         {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]},
         (1, 0),
@@ -379,11 +387,13 @@ def test_logits_and_greedy_tokens_against_hf_on_dequantized_weights(case: Case):
         assert greedy_agreement(case.hf, PROMPTS, ours) >= W8A8_GREEDY_AGREEMENT
 
 
-def test_online_quantization_is_per_channel_w8a8(tmp_path: Path):
-    """`--quantization fp8` on a float32 checkpoint: the projections this test's own quantizer
-    makes per channel (bit for bit), and the tokens of HF rounding inputs per token on them."""
-    case = Case(FORMATS["ct-channel-dynamic"], tmp_path)
-    online = load_model(str(tmp_path / "src"), torch.float32, torch.device("cpu"), quantization="fp8")
+@pytest.mark.parametrize(("flag", "fmt"), [("fp8", "ct-channel-dynamic"), ("fp8-g128", "ct-group")])
+def test_online_quantization_is_the_checkpoint_format_it_names(flag: str, fmt: str, tmp_path: Path):
+    """`--quantization fp8` (fp8-g128) on a float32 checkpoint: the projections this test's own
+    quantizer makes per channel (per row and 128 columns), bit for bit, and the tokens of HF
+    rounding inputs per token (per token and 128 columns) on them."""
+    case = Case(FORMATS[fmt], tmp_path)
+    online = load_model(str(tmp_path / "src"), torch.float32, torch.device("cpu"), quantization=flag)
     assert online.config.quantization is not None and online.config.quantization.method == "online"
     assert type(online.module.lm_head) is torch.nn.Linear
     ours, theirs = online.module.state_dict(), case.ours.module.state_dict()
@@ -492,16 +502,18 @@ def test_block_fp8_shards_must_start_on_a_block(tmp_path: Path):
         shard_module(case.ours.module, part, Collectives(None, 2), torch.device("cpu"))
 
 
-def test_smollm2_perplexity_in_fp8(smollm2):
+@pytest.mark.parametrize(("flag", "bound"), [("fp8", 1.08), ("fp8-g128", 1.035)])
+def test_smollm2_perplexity_in_fp8(smollm2, flag: str, bound: float):
     """SmolLM2 quantized online (W8A8) on the first paragraph of bench/fp8_quality.py's text (the
-    whole text takes 15 s on two cores): 30.11 -> 32.05 (+6.4%; the whole text +4.6%, weight-only
-    FP8 there +3.2%). Issue 33's target is +2%: this small model, its weights already on the GGUF's
-    4-bit grid, loses more to e4m3's 3 mantissa bits than that (docs/quantization.md). The bound
-    guards what is measured, so a regression in the path shows."""
+    whole text takes 15 s on two cores): per channel 30.39 -> 32.35 (+6.4%; the whole text +4.6%,
+    weight-only FP8 there +3.2%), per row and 128 columns -> 31.12 (+2.4%; the whole text +1.9%,
+    issue 33's target 2%). This small model, its weights already on the GGUF's 4-bit grid, loses
+    more than that to per-channel e4m3 (docs/quantization.md). The bounds guard what is measured,
+    so a regression in either path shows."""
     from bench.fp8_quality import TEXT, measure
 
-    result = measure("cpu", smollm2, TEXT[: TEXT.index("\n\n")])
-    assert 1.0 < result["ratio"] < 1.08, result
+    result = measure("cpu", smollm2, TEXT[: TEXT.index("\n\n")], flag)
+    assert 1.0 < result["ratio"] < bound, result
 
 
 @pytest.mark.parametrize("fmt", ["ct-channel-w8a16", "fp8-block"])
@@ -534,11 +546,15 @@ def test_an_moe_checkpoints_fp8_experts_stay_fp8_and_match_hf(fmt: str, tmp_path
     assert greedy(ours, PROMPTS) == [hf_greedy(hf, ids) for ids in PROMPTS]
 
 
-def test_online_fp8_moe_experts_run_in_e4m3_and_match_hf_on_their_dequantized_weights(tmp_path: Path):
-    """`quantize_experts` (what `--quantization fp8` does to MoE experts): e4m3 weights with a
-    scale per expert and output row, bit for bit this test's own rounding of each row (amax /
-    448, round to nearest even); the engine on them (W8A16, the reference path on the CPU) gives
-    HF's logits and greedy tokens on the dequantized experts."""
+@pytest.mark.parametrize("group", [0, 16])
+def test_online_fp8_moe_experts_run_in_e4m3_and_match_hf_on_their_dequantized_weights(
+    group: int, tmp_path: Path
+):
+    """`quantize_experts` (what `--quantization fp8` does to MoE experts; fp8-g128 with groups of
+    128 columns, here of 16 so these small experts have several): e4m3 weights with a scale per
+    expert and output row (and group), bit for bit this test's own rounding (amax / 448, round to
+    nearest even); the engine on them (W8A16, the reference path on the CPU) gives HF's logits
+    and greedy tokens on the dequantized experts."""
     from model_service.models.fp8_linear import quantize_experts
     from model_service.models.moe import StackedExperts
 
@@ -552,16 +568,19 @@ def test_online_fp8_moe_experts_run_in_e4m3_and_match_hf_on_their_dequantized_we
     assert len(stacks) == 2
     for name, stack in stacks:
         original = {p: getattr(stack, p).detach().clone() for p in ("gate_up_proj", "down_proj")}
-        quantize_experts(stack)
+        quantize_experts(stack, group)
         hf_stack = hf_experts[name]
         for proj, w in original.items():
             q, scale = getattr(stack, proj), getattr(stack, proj.replace("_proj", "_scale"))
-            assert q.dtype == E4M3 and scale.shape == (*w.shape[:2], 1) and scale.dtype == torch.float32
-            want_scale = w.abs().amax(dim=-1, keepdim=True) / E4M3_MAX
+            cols = group or w.shape[2]
+            groups = w.view(*w.shape[:2], -1, cols)
+            assert q.dtype == E4M3 and scale.shape == groups.shape[:3] and scale.dtype == torch.float32
+            want_scale = groups.abs().amax(dim=-1) / E4M3_MAX
             torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
-            want_q = (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+            full_scale = scale.repeat_interleave(cols, dim=-1)
+            want_q = (w / full_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
             assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-            getattr(hf_stack, proj).data = q.float() * scale
+            getattr(hf_stack, proj).data = q.float() * full_scale
     assert rel_err(all_logits(ours, PROMPTS[0]), hf_logits(hf, PROMPTS[0])) < 1e-4
     assert greedy(ours, PROMPTS) == [hf_greedy(hf, ids) for ids in PROMPTS]
 
@@ -697,7 +716,7 @@ def test_the_scaled_mm_call_matches_the_reference_on_cpu():
     are checked here. Only the bf16 output rounding differs from the reference."""
     from model_service.kernels.fp8_gemm import (
         ActivationQuant,
-        _scaled_mm_rowwise,
+        _scaled_mm,
         fp8_linear_reference,
         quantize_groups,
     )
@@ -706,7 +725,7 @@ def test_the_scaled_mm_call_matches_the_reference_on_cpu():
     weight, scale = quantize_groups(torch.randn(96, 64) * 0.1, 64)
     x, bias = torch.randn(5, 64).bfloat16(), torch.randn(96).bfloat16()
     for acts in (ActivationQuant("dynamic", 64), ActivationQuant("static", 64, torch.tensor([0.02]))):
-        got = _scaled_mm_rowwise(x, weight, scale, bias, acts)
+        got = _scaled_mm(x, weight, scale, bias, acts)
         want = fp8_linear_reference(x.float(), weight, scale, 64, bias, acts)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)

@@ -16,6 +16,7 @@ from model_service.kernels.fp8_gemm import (
     QuantizedRows,
     fp8_linear,
     fp8_linear_reference,
+    has_block_scaled_mm,
     quantize_groups,
     quantize_rows,
     quantize_static,
@@ -94,7 +95,38 @@ def test_scaled_mm_replays_in_a_cuda_graph_over_new_inputs():
         torch.testing.assert_close(y, fp8_linear(x, weight, scale, 4096, None, acts), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["ct-channel-dynamic", "ct-tensor-static", "fp8-block", "ct-channel-w8a16"])
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not has_block_scaled_mm(torch.device("cuda")),
+    reason="needs cuBLASLt's 1x128 block scaling (sm90, CUDA 12.9+)",
+)
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize(("k", "n"), [(4096, 6144), (14336, 4096), (256, 320)])
+def test_block_scaled_mm_matches_the_reference_and_replays_in_a_graph(rows: int, k: int, n: int):
+    """Scales per row and 128 columns (`--quantization fp8-g128`, block checkpoints in row form):
+    `torch._scaled_mm` with 1x128 block scaling on both operands against the float32 reference
+    on the same e4m3 operands (activations quantized per token and 128 columns by the same ops),
+    then captured in a CUDA graph and replayed over new inputs bit for bit."""
+    torch.manual_seed(rows + k + n)
+    w = torch.randn(n, k, device="cuda") * k**-0.5 * torch.logspace(-2, 1, k, device="cuda")
+    weight, scale = quantize_groups(w, 128)
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    bias = torch.randn(n, device="cuda").bfloat16()
+    acts = ActivationQuant("dynamic", 128)
+    assert scaled_mm_applies(x, weight, scale, acts)
+    got = fp8_linear(x, weight, scale, 128, bias, acts)
+    want = fp8_linear_reference(x.float(), weight, scale, 128, bias, acts)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)  # bfloat16 output rounding
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fp8_linear(x, weight, scale, 128, bias, acts)
+    x.copy_(torch.randn(rows, k, device="cuda").bfloat16())
+    graph.replay()
+    torch.testing.assert_close(y, fp8_linear(x, weight, scale, 128, bias, acts), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "name", ["ct-channel-dynamic", "ct-tensor-static", "fp8-block", "ct-group", "ct-channel-w8a16"]
+)
 def test_cuda_fp8_engine_with_graphs_and_adapters(name: str, tmp_path: Path):
     """On CUDA in bfloat16 (`_scaled_mm` for the per-channel and static schemes, the reference for
     block-wise and weight-only): decode CUDA graphs give the eager engine's tokens, with and without

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from model_service.errors import SpindleError
+from model_service.models.quantization import ONLINE_SCHEMES
 
 # The default adapter memory holds this many adapters of --max-lora-rank on every projection
 # (the memory the 4 padded slots of the old default took); smaller adapters fit many more.
@@ -67,8 +68,10 @@ class EngineConfig:
         "none",
         "weights: none = as the checkpoint stores them (an FP8 checkpoint runs in FP8); fp8 = quantize an "
         "unquantized checkpoint's projections at load: float8 e4m3 weights scaled per channel, inputs "
-        "quantized per token (half of bfloat16's weight bytes; W8A8 GEMMs on sm89+)",
-        choices=["none", "fp8"],
+        "quantized per token (half of bfloat16's weight bytes; W8A8 GEMMs on sm89+); fp8-g128 = the same "
+        "with a scale per row and 128 input columns, inputs per token and 128 columns (closer to the "
+        "original model; sm90 GEMMs)",
+        choices=["none", *ONLINE_SCHEMES],
     )
     max_num_batched_tokens: int = _opt(
         2048, "token budget of one engine step; longer prompts are prefilled in chunks"
@@ -189,8 +192,9 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
-        if self.quantization not in ("none", "fp8"):
-            raise ValueError(f"quantization must be none or fp8, got {self.quantization!r}")
+        if self.quantization not in ("none", *ONLINE_SCHEMES):
+            known = ["none", *ONLINE_SCHEMES]
+            raise ValueError(f"quantization must be one of {known}, got {self.quantization!r}")
         if min(self.adapter_starvation_s, self.adapter_drain_s, self.adapter_wait_timeout_s) < 0:
             raise ValueError("the adapter_*_s waits must not be negative")
         if self.tensor_parallel_size < 1:

@@ -15,11 +15,15 @@ against.
 On CUDA (sm89+, bfloat16), per-channel W8A8 products go to `torch._scaled_mm` with row-wise
 scales (activations [M, 1], weights [1, N]): cuBLASLt's FP8 tensor-core GEMM, the rescale fused
 into its epilogue; the activations are quantized for it by one Triton launch (`quantize_rows`,
-bit for bit the torch ops' result). Everything else there (weight-only and block-wise schemes)
-takes the reference in bfloat16, i.e. dequantize-then-matmul: correct, and slower than bfloat16
-weights (each call writes and reads a bf16 copy of the weight), until a Triton kernel replaces
-it. Decode steps of <= 16 rows with per-row weight scales do not come here: `Fp8Linear` sends
-them to the few-row kernel of `kernels/skinny_gemm.py` in W8A16 (cuBLASLt is poor at M = 1).
+bit for bit the torch ops' result). Products whose scales cover 128 columns (the `fp8-g128`
+scheme, and 128x128 block checkpoints in their row form) go to `torch._scaled_mm` with 1x128
+block scaling on both operands on sm90 with CUDA 12.9+ (cuBLASLt scales each 128-deep partial
+sum), their activations quantized per token and 128 columns by torch ops. Everything else there
+(weight-only schemes, block-wise ones elsewhere) takes the reference in bfloat16, i.e.
+dequantize-then-matmul: correct, and slower than bfloat16 weights (each call writes and reads a
+bf16 copy of the weight). Decode steps of <= 16 rows with per-row weight scales do not come
+here: `Fp8Linear` sends them to the few-row kernel of `kernels/skinny_gemm.py` in W8A16
+(cuBLASLt is poor at M = 1).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 # A row of zeros (padding rows of a CUDA graph's batch) gets this scale, not 0: x / 0 is NaN.
 _MIN_AMAX = 1e-12
+BLOCK_COLS = 128  # the columns one scale covers in cuBLASLt's 1x128 block scaling
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,7 @@ def fp8_linear(
     columns each weight scale covers (K per channel)."""
     flat = x.reshape(-1, x.shape[-1])
     if scaled_mm_applies(flat, weight, weight_scale, acts):
-        y = _scaled_mm_rowwise(flat, weight, weight_scale, bias, acts)
+        y = _scaled_mm(flat, weight, weight_scale, bias, acts)
     else:
         y = fp8_linear_reference(flat, weight, weight_scale, group, bias, acts)
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -127,21 +132,43 @@ def has_fp8_conversions(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+@functools.cache
+def has_block_scaled_mm(device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` takes 1x128 block scales on `device`: cuBLASLt's block scaling
+    (CUDA 12.9+), which torch runs on sm90 only."""
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return torch.cuda.get_device_capability(device) == (9, 0) and cuda >= (12, 9)
+
+
 def scaled_mm_applies(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, acts: ActivationQuant
 ) -> bool:
     """Whether x [M, K] @ weight.T runs on `torch._scaled_mm`: CUDA with FP8 tensor cores,
-    bfloat16, W8A8 with per-channel weight scales, K and N multiples of 16 (cuBLASLt's FP8
-    alignment) and a weight of contiguous rows (its transpose is the column-major operand)."""
+    bfloat16, W8A8 with per-channel weight scales (or, where the block scaling exists, scales of
+    128 columns on both sides), K and N multiples of 16 (cuBLASLt's FP8 alignment) and a weight
+    of contiguous rows (its transpose is the column-major operand)."""
     return (
         x.is_cuda
         and x.dtype == torch.bfloat16
         and acts.mode != "none"
-        and weight_scale.shape[1] == 1
+        and (weight_scale.shape[1] == 1 or _block_scaled(x, weight, weight_scale, acts))
         and weight.shape[1] % 16 == 0
         and weight.shape[0] % 16 == 0
         and weight.is_contiguous()
         and has_fp8_conversions(x.device)
+    )
+
+
+def _block_scaled(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, acts: ActivationQuant
+) -> bool:
+    k = weight.shape[1]
+    return (
+        acts.mode == "dynamic"
+        and acts.group == BLOCK_COLS
+        and k % BLOCK_COLS == 0
+        and weight_scale.shape[1] == k // BLOCK_COLS
+        and has_block_scaled_mm(x.device)
     )
 
 
@@ -168,14 +195,33 @@ def quantized_rows(x: torch.Tensor, acts: ActivationQuant) -> QuantizedRows:
     return QuantizedRows(x, *quantize_rows(x, acts))
 
 
-def _scaled_mm_rowwise(
+def _scaled_mm(
     x: torch.Tensor,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     acts: ActivationQuant,
 ) -> torch.Tensor:
-    return scaled_mm_rows(quantized_rows(x, acts), weight, weight_scale, bias)
+    if weight_scale.shape[1] == 1:
+        return scaled_mm_rows(quantized_rows(x, acts), weight, weight_scale, bias)
+    return _scaled_mm_blocks(x, weight, weight_scale, bias)
+
+
+def _scaled_mm_blocks(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T with 1x128 block scales on both: x's per token and 128 columns
+    ([M, K/128]), the weight's per row and 128 columns ([N, K/128]), each given column-major as
+    cuBLASLt wants them (one small copy of the weight's scales a call, N x K/128 floats)."""
+    q, scale = quantize_groups(x, BLOCK_COLS)
+    y = torch._scaled_mm(
+        q,
+        weight.t(),
+        scale_a=scale.t().contiguous().t(),
+        scale_b=weight_scale.t().contiguous().t(),
+        out_dtype=x.dtype,
+    )
+    return y if bias is None else y + bias
 
 
 def scaled_mm_rows(

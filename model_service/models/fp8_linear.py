@@ -53,13 +53,14 @@ class Fp8Linear(PackedLinear):
         return cls(linear.in_features, parts, linear.bias is not None, scheme)
 
     @classmethod
-    def quantized(cls, linear: PackedLinear) -> Fp8Linear:
-        """`linear` quantized online: e4m3 rows, each scaled by its own maximum (per channel).
+    def quantized(cls, linear: PackedLinear, scheme: Fp8Scheme = ONLINE) -> Fp8Linear:
+        """`linear` quantized online: e4m3 rows, each scaled by its own maximum (per channel), or
+        each 128 columns of a row by theirs (`ONLINE_G128`).
         The rows are made contiguous whatever `linear.weight`'s strides: a bf16 weight an executor
         stored transposed would otherwise give a transposed e4m3 one, which `_scaled_mm` cannot
         take, and every product would silently fall back to the dequantizing reference (what made
         `bench/serving.py --compare`'s FP8 run 8x slower than bf16, 2026-12-02 w)."""
-        layer = cls.like(linear, ONLINE)
+        layer = cls.like(linear, scheme)
         weight, scale = quantize_groups(linear.weight.detach(), layer.group)
         layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         layer.weight_scale = scale
@@ -84,38 +85,40 @@ class Fp8Linear(PackedLinear):
     def input_quant(self, x: torch.Tensor) -> ActivationQuant | None:
         """How the kernel producing x (or a tensor of its rows, dtype and device) should quantize
         it for this layer, None if it should not: only where `forward` would run `_scaled_mm`,
-        which would otherwise launch that quantization itself (`fp8_gemm.quantize_rows`)."""
+        which would otherwise launch that quantization itself (`fp8_gemm.quantize_rows`), and
+        with one scale a row, all the producers make."""
         acts = self.activations()
-        if self._few_rows(x) is not None or not scaled_mm_applies(x, self.weight, self.weight_scale, acts):
+        if self.weight_scale.shape[1] != 1 or self._few_rows(x) is not None:
             return None
-        return acts
+        return acts if scaled_mm_applies(x, self.weight, self.weight_scale, acts) else None
 
     def _few_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """The few-row kernel's counters when x takes that kernel, else None."""
         return self.skinny_arrivals(x) if skinny_applies(x, self.weight, self.weight_scale) else None
 
 
-def quantize_online(module: nn.Module) -> None:
-    """Replace every `PackedLinear` of `module` by its per-channel FP8 quantization and store
-    MoE experts in e4m3 (`quantize_experts`) (`--quantization fp8`); the embeddings, the MoE
-    router and the LM head stay in the compute dtype, as vLLM leaves them."""
+def quantize_online(module: nn.Module, scheme: Fp8Scheme = ONLINE) -> None:
+    """Replace every `PackedLinear` of `module` by its FP8 quantization in `scheme` (an online
+    one: per channel, or per 128-column group) and store MoE experts in e4m3 the same way
+    (`quantize_experts`) (`--quantization`); the embeddings, the MoE router and the LM head stay
+    in the compute dtype, as vLLM leaves them."""
     for name, sub in list(module.named_modules()):
         if type(sub) is PackedLinear:
             owner, _, attr = name.rpartition(".")
-            setattr(module.get_submodule(owner), attr, Fp8Linear.quantized(sub))
+            setattr(module.get_submodule(owner), attr, Fp8Linear.quantized(sub, scheme))
         elif isinstance(sub, StackedExperts):
-            quantize_experts(sub)
+            quantize_experts(sub, scheme.block or 0)
 
 
-def quantize_experts(experts: StackedExperts) -> None:
+def quantize_experts(experts: StackedExperts, group: int = 0) -> None:
     """`experts`' weights in e4m3, in place, each expert's output rows scaled by their own
-    maximum (per channel, as `Fp8Linear.quantized`): the fused MoE kernels read one byte a
-    weight and scale their sums (W8A16)."""
+    maximum over `group` columns (0: per channel, as `Fp8Linear.quantized`): the fused MoE
+    kernels read one byte a weight and scale their sums (W8A16)."""
     for name in ("gate_up_proj", "down_proj"):
-        q, scale = quantize_stack(getattr(experts, name).detach())
+        q, scale = quantize_stack(getattr(experts, name).detach(), group)
         setattr(experts, name, nn.Parameter(q, requires_grad=False))
         setattr(experts, name.replace("_proj", "_scale"), scale)
-    experts.scale_group = 0
+    experts.scale_group = group
 
 
 def quantize_stack(w: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

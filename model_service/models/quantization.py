@@ -2,8 +2,9 @@
 
 Three producers ship FP8 checkpoints, each spelling the same few choices its own way:
 - compressed-tensors (llm-compressor, vLLM's own format): `format: float-quantized`, one config
-  group whose `weights` are 8-bit floats per tensor, per channel or in 128x128 blocks, and whose
-  `input_activations` are dynamic per token (or per 128-column group), static per tensor (an
+  group whose `weights` are 8-bit floats per tensor, per channel, in 128x128 blocks or in groups
+  of 128 columns of a row, and whose `input_activations` are dynamic per token (per 128-column
+  group with blocks or groups), static per tensor (an
   `input_scale` tensor per projection), or absent (weight-only); `ignore` lists names or `re:`
   patterns left in high precision.
 - HF `fbgemm_fp8`: per-channel weights, dynamic per-token activations whose row maximum is capped
@@ -23,11 +24,11 @@ from typing import Any
 
 from model_service.errors import ModelLoadError
 
-BLOCK = 128  # the only block size supported: DeepSeek's and compressed-tensors' 128x128
+BLOCK = 128  # the only block and group size supported: DeepSeek's 128x128, and groups of 128 columns
 
 SUPPORTED = (
-    "compressed-tensors (float-quantized, 8-bit float weights per tensor, channel or 128x128 block; "
-    "activations dynamic per token, static per tensor, or none), fbgemm_fp8, "
+    "compressed-tensors (float-quantized, 8-bit float weights per tensor, channel, 128x128 block or "
+    "128-column group; activations dynamic per token, static per tensor, or none), fbgemm_fp8, "
     "fp8 (weight_block_size [128, 128] or per-tensor)"
 )
 
@@ -44,8 +45,9 @@ class Fp8Scheme:
     per token and `block` columns), `static`ally (the checkpoint's per-tensor `input_scale`) or
     not at all (`none`: weight-only)."""
 
-    method: str  # config.json's quant_method, or "online" for --quantization fp8
+    method: str  # config.json's quant_method, or "online" for --quantization fp8 / fp8-g128
     block: int | None = None
+    block_rows: int = BLOCK  # rows a checkpoint's block scale covers: 128 (128x128), 1 (groups of a row)
     activations: str = "dynamic"
     activation_scale_ub: float | None = None  # fbgemm: per-token maxima are capped here
     ignore: tuple[str, ...] = ()  # modules kept in high precision
@@ -69,6 +71,11 @@ class Fp8Scheme:
 
 
 ONLINE = Fp8Scheme(method="online")  # --quantization fp8: per-channel weights, per-token activations
+# --quantization fp8-g128: a scale per output row and 128 input columns, activations per token and
+# 128 columns. Finer scales lose less: SmolLM2's perplexity +1.9% where per channel loses +4.6%
+# (docs/quantization.md, "Quality"); on CUDA it needs cuBLASLt's 1x128 block scaling (sm90).
+ONLINE_G128 = Fp8Scheme(method="online", block=BLOCK, block_rows=1)
+ONLINE_SCHEMES = {"fp8": ONLINE, "fp8-g128": ONLINE_G128}  # --quantization's values besides none
 
 
 def quantization_scheme(raw: dict[str, Any] | None) -> Fp8Scheme | None:
@@ -130,13 +137,15 @@ def _compressed_tensors(raw: dict[str, Any]) -> Fp8Scheme:
     if fmt != "float-quantized" or not _symmetric_fp8(weights):
         raise QuantizationError(f"unsupported quantization scheme {described}; supported: {SUPPORTED}")
     strategy = weights.get("strategy")
-    block = BLOCK if strategy == "block" else None
-    if strategy not in ("tensor", "channel", "block") or (
-        block and list(weights.get("block_structure") or ()) != [BLOCK, BLOCK]
+    block = BLOCK if strategy in ("block", "group") else None
+    if strategy not in ("tensor", "channel", "block", "group") or (
+        (strategy == "block" and list(weights.get("block_structure") or ()) != [BLOCK, BLOCK])
+        or (strategy == "group" and weights.get("group_size") != BLOCK)
     ):
         raise QuantizationError(f"unsupported weight strategy in {described}; supported: {SUPPORTED}")
     activations = _ct_activations(acts, block, described)
-    return Fp8Scheme("compressed-tensors", block, activations, ignore=tuple(raw.get("ignore") or ()))
+    rows = 1 if strategy == "group" else BLOCK
+    return Fp8Scheme("compressed-tensors", block, rows, activations, ignore=tuple(raw.get("ignore") or ()))
 
 
 def _symmetric_fp8(args: dict[str, Any]) -> bool:
