@@ -27,7 +27,13 @@ import torch
 
 from model_service.kernels import fp8_gemm
 from model_service.kernels import skinny_gemm as skinny_module
-from model_service.kernels.fp8_gemm import ActivationQuant, QuantizedRows, quantize_groups, quantize_rows
+from model_service.kernels.fp8_gemm import (
+    ActivationQuant,
+    QuantizedRows,
+    dequantize_groups,
+    quantize_groups,
+    quantize_rows,
+)
 from model_service.kernels.fused import rms_norm, silu_and_mul
 from model_service.kernels.paged_attention import triton
 from model_service.models import fp8_linear as fp8_linear_module
@@ -153,6 +159,29 @@ def test_the_one_row_gemv_splits_k_where_k_is_long(
     torch.testing.assert_close(got, x @ (weight.float() * scale).T + bias, atol=1e-4, rtol=1e-5)
     assert int(arrivals.abs().sum()) == 0
     assert torch.equal(skinny_module._fp8_gemv(x, weight, bias, scale, arrivals), got)
+
+
+@interpreter
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 128, 4096), (1, 192, 1024), (1, 64, 2048), (3, 128, 1024)])
+def test_the_few_row_kernels_scale_each_128_columns_of_a_row(
+    monkeypatch: pytest.MonkeyPatch, rows: int, n: int, k: int
+):
+    """Weights with a scale per row and 128 columns (`--quantization fp8-g128`), their scales
+    spread over three decades along K so a partial sum scaled by its neighbour's scale shows: the
+    GEMV (one row; its 256- and 1,024-wide tiles summed in groups of 128, K split in two at
+    4,096 and 2,048) and the `tl.dot` kernel (K tiles of 128, split four ways) give the weight-only
+    reference on the dequantized weight, the counters left zeroed."""
+    monkeypatch.setattr(skinny_module, "_device_limits", lambda device: (132, 232_448))
+    torch.manual_seed(rows + n + k)
+    w = torch.randn(n, k) * torch.logspace(-2, 1, k)
+    weight, scale = quantize_groups(w, 128)
+    assert scale.shape == (n, k // 128)
+    x, bias = torch.randn(rows, k), torch.randn(n)
+    arrivals = torch.zeros(max(1, n // 32), dtype=torch.int32)
+    got = skinny_module.skinny_linear(x, weight, bias, arrivals, scale)
+    want = x @ dequantize_groups(weight, scale, 128).T + bias
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-5)
+    assert int(arrivals.abs().sum()) == 0
 
 
 def test_fused_and_unfused_routes_give_the_same_logits(monkeypatch: pytest.MonkeyPatch):

@@ -185,6 +185,25 @@ def test_few_row_kernel_matches_the_weight_only_reference(
     assert torch.equal(skinny_linear(x, weight, b, arrivals, scale), got), "split-K sums in a fixed order"
 
 
+@pytest.mark.parametrize("rows", [1, 5, MAX_ROWS])
+@pytest.mark.parametrize(("k", "n"), [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)])
+def test_few_row_kernels_scale_each_128_columns_with_their_own(rows: int, k: int, n: int):
+    """A scale per row and 128 columns (`fp8-g128`), spread over three decades along K: the GEMV
+    and the `tl.dot` kernel against the weight-only reference, bf16's tolerance, counters reset,
+    the same bits twice; `Fp8Linear` takes them for these rows."""
+    torch.manual_seed(rows + k + n)
+    w = torch.randn(n, k, device="cuda") * k**-0.5 * torch.logspace(-2, 1, k, device="cuda")
+    weight, scale = quantize_groups(w, 128)
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    assert skinny_applies(x, weight, scale)
+    arrivals = torch.zeros(n // 32, dtype=torch.int32, device="cuda")
+    got = skinny_linear(x, weight, None, arrivals, scale)
+    want = fp8_linear_reference(x.float(), weight, scale, 128, None, WEIGHT_ONLY)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+    assert int(arrivals.abs().sum()) == 0
+    assert torch.equal(skinny_linear(x, weight, None, arrivals, scale), got)
+
+
 def test_one_row_of_any_width_takes_the_gemv():
     """SmolLM2's shapes (K of 576 or 1,536, not a multiple of the GEMV's 1,024-wide K tiles; at
     576 no tiling of the few-row kernel divides the weight either, so two rows do not apply): one

@@ -13,6 +13,9 @@ next call; CUDA graphs replay it as is.
 FP8 weights (`Fp8Linear`, one scale a row) take the same kernel in W8A16: e4m3 tiles read where
 they lie (rows contiguous, as `_scaled_mm` wants them) and converted to bf16 in registers, the
 row scales applied to the float32 sums. One byte a weight: half the bytes of a bf16 decode step.
+Weights with a scale per row and 128 columns (`--quantization fp8-g128`, block checkpoints in
+row form) scale each 128-deep partial sum by its own (K tiles of 128 for `tl.dot`; the GEMV
+sums its wider tiles in groups of 128 first): 4 more bytes of scale per 128 of weight.
 A single row (batch-1 decode) with e4m3 weights takes a GEMV kernel instead (`_fp8_gemv`), which
 reads the weight's rows as they lie and sums without the tensor cores: 30% faster there.
 
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model_service.kernels.fp8_gemm import E4M3, has_fp8_conversions
+from model_service.kernels.fp8_gemm import BLOCK_COLS, E4M3, has_fp8_conversions
 from model_service.kernels.paged_attention import triton
 
 if triton is not None:
@@ -58,7 +61,7 @@ def _device_limits(device: torch.device) -> tuple[int, int]:
 
 
 def skinny_config(
-    k: int, n: int, sms: int = 132, smem: int = 232_448, weight_bytes: int = 2
+    k: int, n: int, sms: int = 132, smem: int = 232_448, weight_bytes: int = 2, grouped: bool = False
 ) -> SkinnyConfig | None:
     """The tiling for a [*, k] x [k, n] product on a GPU of `sms` SMs and `smem` bytes of shared
     memory a program (measured on an H200: 132, 227 KiB), None where the kernel does not apply.
@@ -71,7 +74,8 @@ def skinny_config(
     Qwen3-Next's shapes (hidden 2048, one row, H200 sweep of 2026-12-02 w): the wide outputs of a
     2,048-long K in [128, 128] tiles, 4 stages (in_proj_qkvz 16.0 -> 14.4 us, gate_up 14.8 -> 12.6,
     qkv 13.1 -> 11.9); a split grid under one wave (2,048 outputs) in 6 stages (o / out_proj
-    9.1 -> 8.0, down 10.3 -> 8.9); the 8B shapes keep their tilings."""
+    9.1 -> 8.0, down 10.3 -> 8.9); the 8B shapes keep their tilings. `grouped` e4m3 weights (a
+    scale per 128 columns) take K tiles of at most 128, one scale a column a tile."""
     if weight_bytes == 1:
         block_n = 32 if n // 32 >= 4 * sms else 64
         block_k, split_k, stages = (256, 1, 3) if block_n == 32 else (128, 4, 3)
@@ -83,6 +87,8 @@ def skinny_config(
     else:  # under one wave of programs (one an SM) each keeps more tiles in flight
         block_n, block_k, split_k = 64, 64, 4
         stages = 6 if 4 * (n // 64) < sms else 4
+    if grouped:
+        block_k = min(block_k, BLOCK_COLS)
     while weight_bytes == 1 and k % (block_k * split_k) and split_k > 1:  # a K four splits do not divide
         split_k //= 2
     # Each pipeline stage holds a [16, block_k] tile of x and a [block_k, block_n] one of the weight.
@@ -96,7 +102,8 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     """x [rows, in] @ weight [out, in].T through the kernel: CUDA, half precision, few rows, a
     tiling that divides the weight, and the weight either in x's dtype stored transposed
     (`layers.store_weights_transposed`), or (`weight_scale` given) e4m3 with contiguous rows, as
-    `Fp8Linear` keeps it, and one float32 scale a row (sm89+, whose FP8 conversions it uses)."""
+    `Fp8Linear` keeps it, and float32 scales, one a row or one a row and 128 columns (sm89+, whose
+    FP8 conversions it uses)."""
     if not (
         triton is not None
         and x.is_cuda
@@ -112,7 +119,7 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
         stored = (
             weight.dtype == E4M3
             and weight.is_contiguous()
-            and weight_scale.shape == (weight.shape[0], 1)
+            and weight_scale.shape in ((weight.shape[0], 1), _groups(weight))
             and weight_scale.dtype == torch.float32
             and weight_scale.is_contiguous()
             and has_fp8_conversions(x.device)
@@ -123,7 +130,15 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     n, k = weight.shape
     if weight_scale is not None and x.shape[0] == 1:  # the GEMV: any K (masked), N in whole column blocks
         return n % gemv_tiles(n, sms)[0] == 0
-    return skinny_config(k, n, sms, smem, weight.element_size()) is not None
+    grouped = weight_scale is not None and weight_scale.shape[1] > 1
+    return skinny_config(k, n, sms, smem, weight.element_size(), grouped) is not None
+
+
+def _groups(weight: torch.Tensor) -> tuple[int, int]:
+    """The shape of a weight's scales per row and 128 columns, where its K is whole groups
+    (otherwise a shape no scale has)."""
+    n, k = weight.shape
+    return (n, k // BLOCK_COLS) if k % BLOCK_COLS == 0 else (-1, -1)
 
 
 def gemv_tiles(n: int, sms: int = 132) -> tuple[int, int]:
@@ -156,7 +171,8 @@ def skinny_linear(
 
     With `weight_scale` [out, 1] the weight is e4m3 and the product is W8A16: each weight tile is
     converted to x's dtype in registers (exact: e4m3 values are bf16 and fp16 values), the float32
-    sums are multiplied by their column's scale, then the bias is added. It reads one byte a
+    sums are multiplied by their column's scale, then the bias is added ([out, in / 128]: each
+    128-deep partial sum by its column's scale of those 128). It reads one byte a
     weight, half of bf16's; x is not quantized, whatever the checkpoint's activation scheme, so
     for W8A8 schemes it is the reference with activations "none" (`fp8_linear_reference`): more
     accurate than the W8A8 product it stands in for."""
@@ -164,15 +180,17 @@ def skinny_linear(
     n = weight.shape[0]
     if rows == 1 and weight_scale is not None:
         return _fp8_gemv(x, weight, bias, weight_scale, arrivals)
-    cfg = skinny_config(k, n, *_device_limits(x.device), weight.element_size())
+    groups = weight_scale.shape[1] if weight_scale is not None else 1
+    cfg = skinny_config(k, n, *_device_limits(x.device), weight.element_size(), groups > 1)
     assert cfg is not None and (cfg.split_k == 1 or arrivals.numel() >= n // cfg.block_n)
+    assert groups == 1 or cfg.block_k == BLOCK_COLS  # the kernel takes a K tile for a group
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     parts = torch.empty(cfg.split_k if cfg.split_k > 1 else 0, rows, n, dtype=torch.float32, device=x.device)
     _skinny_kernel[(n // cfg.block_n, cfg.split_k)](
         x, weight, bias if bias is not None else y, weight_scale if weight_scale is not None else y, y, parts,
-        arrivals, rows, n, k, x.stride(0), weight.stride(1), weight.stride(0),
-        HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=4, num_stages=cfg.num_stages,
+        arrivals, rows, n, k, x.stride(0), weight.stride(1), weight.stride(0), groups,
+        HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, GROUPED=groups > 1, BLOCK_M=MAX_ROWS,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=4, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
 
@@ -193,15 +211,16 @@ def _fp8_gemv(
     Where K is long against N (`gemv_split`) K is split in two: each slice's partial sums go to
     a float32 buffer and the last program of each 64 columns to arrive (its `arrivals` counter,
     left zeroed) adds them in slice order: deterministic, and no second launch."""
-    k, n = x.shape[1], weight.shape[0]
+    k, n, groups = x.shape[1], weight.shape[0], scale.shape[1]
     block_n, block_k = gemv_tiles(n, _device_limits(x.device)[0])
     split = gemv_split(k, n, block_k)
     assert n % block_n == 0 and (split == 1 or arrivals.numel() >= n // 64)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     parts = torch.empty(split if split > 1 else 0, n, dtype=torch.float32, device=x.device)
     _fp8_gemv_kernel[(n // block_n, split)](
-        x, weight, scale, bias if bias is not None else y, y, parts, arrivals, n, k,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % (split * block_k) == 0,
+        x, weight, scale, bias if bias is not None else y, y, parts, arrivals, n, k, groups,
+        HAS_BIAS=bias is not None, GROUPED=groups > 1, GROUP=BLOCK_COLS, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % (split * block_k) == 0,
         SPLIT_K=split, num_warps=4, num_stages=4 if block_n == 32 else 2,
     )  # fmt: skip
     return y
@@ -210,19 +229,22 @@ def _fp8_gemv(
 if triton is not None:
 
     @triton.jit
-    def _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS: tl.constexpr):
-        acc *= tl.load(Scale + cols)
+    def _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr):
+        if ROW_SCALE:
+            acc *= tl.load(Scale + cols)
         if HAS_BIAS:
             acc += tl.load(Bias + cols).to(tl.float32)
         tl.store(Y + cols, acc.to(Y.dtype.element_ty))
 
     @triton.jit
     def _fp8_gemv_kernel(
-        X, W, Scale, Bias, Y, Parts, Arrivals, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        X, W, Scale, Bias, Y, Parts, Arrivals, N, K, G, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
     ):  # fmt: skip
         """Program (column block, K slice); with SPLIT_K > 1, the counter of 64 columns
-        (64 / BLOCK_N column blocks) takes SPLIT_K * 64 / BLOCK_N arrivals."""
+        (64 / BLOCK_N column blocks) takes SPLIT_K * 64 / BLOCK_N arrivals. GROUPED: Scale is
+        [N, G], a scale a row and GROUP columns (BLOCK_K a multiple of GROUP)."""
         col_block, k_slice = tl.program_id(0), tl.program_id(1)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
@@ -236,9 +258,16 @@ if triton is not None:
             else:
                 w = tl.load(W + cols[:, None] * K + k[None, :], mask=k[None, :] < K, other=0.0)
                 x = tl.load(X + k, mask=k < K, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            products = w.to(tl.float32) * x.to(tl.float32)[None, :]
+            if GROUPED:
+                sums = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
+                g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+                scales = tl.load(Scale + cols[:, None] * G + g[None, :], mask=g[None, :] < G, other=0.0)
+                acc += tl.sum(sums * scales, axis=1)
+            else:
+                acc += tl.sum(products, axis=1)
         if SPLIT_K == 1:
-            _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS)
+            _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS, not GROUPED)
         else:
             tl.store(Parts + k_slice * N + cols, acc)
             group = col_block // (64 // BLOCK_N)
@@ -248,7 +277,7 @@ if triton is not None:
                 for s in range(SPLIT_K):  # in slice order, whichever arrived last: deterministic
                     total += tl.load(Parts + s * N + group_cols, cache_modifier=".cg")
                 tl.atomic_xchg(Arrivals + group, 0)
-                _gemv_store(Y, Scale, Bias, total, group_cols, HAS_BIAS)
+                _gemv_store(Y, Scale, Bias, total, group_cols, HAS_BIAS, not GROUPED)
 
     @triton.jit
     def _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
@@ -260,12 +289,13 @@ if triton is not None:
 
     @triton.jit
     def _skinny_kernel(
-        X, W, Bias, Scale, Y, Parts, Arrivals, M, N, K, x_stride, w_stride_k, w_stride_n,
-        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        X, W, Bias, Scale, Y, Parts, Arrivals, M, N, K, x_stride, w_stride_k, w_stride_n, G,
+        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
         """Program (column block, K slice). W [K, N] by its strides: unit stride along N for a
-        weight stored transposed, along K for an e4m3 one (Triton specializes a stride of 1)."""
+        weight stored transposed, along K for an e4m3 one (Triton specializes a stride of 1).
+        GROUPED: Scale is [N, G], a scale a column and BLOCK_K (its group) rows of W."""
         col_block, k_slice = tl.program_id(0), tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -276,10 +306,13 @@ if triton is not None:
         for k0 in range(k_slice * per_slice, (k_slice + 1) * per_slice, BLOCK_K):
             x = tl.load(X + rows[:, None] * x_stride + (k0 + ks)[None, :], mask=live, other=0.0)
             w = tl.load(W + (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n)
-            acc += tl.dot(x, w.to(x.dtype))
+            if GROUPED:
+                acc += tl.dot(x, w.to(x.dtype)) * tl.load(Scale + cols * G + k0 // BLOCK_K)[None, :]
+            else:
+                acc += tl.dot(x, w.to(x.dtype))
         out = rows[:, None] * N + cols[None, :]
         if SPLIT_K == 1:
-            _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS, HAS_SCALE)
+            _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS, HAS_SCALE and not GROUPED)
         else:
             tl.store(Parts + k_slice * M * N + out, acc, mask=live)
             if last_to_arrive(Arrivals + col_block, SPLIT_K):
@@ -287,4 +320,4 @@ if triton is not None:
                 for s in range(SPLIT_K):  # in slice order, whichever arrived last: deterministic
                     total += tl.load(Parts + s * M * N + out, mask=live, other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(Arrivals + col_block, 0)
-                _store_rows(Y, Bias, Scale, total, out, cols, live, HAS_BIAS, HAS_SCALE)
+                _store_rows(Y, Bias, Scale, total, out, cols, live, HAS_BIAS, HAS_SCALE and not GROUPED)

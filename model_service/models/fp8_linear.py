@@ -73,7 +73,8 @@ class Fp8Linear(PackedLinear):
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """Decode steps of a few rows with one scale a weight row (per-channel and per-tensor
-        schemes) take the few-row kernel in W8A16 (`skinny_linear`: one byte a weight, where
+        schemes), or one a row and 128 columns (`fp8-g128`, block checkpoints), take the few-row
+        kernel in W8A16 (`skinny_linear`: one byte a weight, where
         `_scaled_mm` is slow at so few rows), as `PackedLinear.forward` takes it in bf16. Rows
         their producer quantized (it asked `input_quant`) go straight to `_scaled_mm`."""
         if isinstance(x, QuantizedRows):
