@@ -162,6 +162,23 @@ def test_the_one_row_gemv_splits_k_where_k_is_long(
 
 
 @interpreter
+@pytest.mark.usefixtures("torch_e4m3_cast")
+@pytest.mark.parametrize(("rows", "k"), [(5, 256), (1, 1024), (3, 128)])
+def test_the_group_quantization_kernel_is_the_reference(rows: int, k: int):
+    """Activations per token and 128 columns (`fp8-g128`'s GEMM input): the Triton kernel's
+    scales are `quantize_groups`' to the last bit (CUDA multiplies by 1 / 448 where the CPU
+    divides), stored column-major as cuBLASLt's block scaling wants them, and its e4m3 bytes are
+    torch's rounding of x by those scales, bit for bit."""
+    x = rows_of_every_scale(rows, k, k) * torch.logspace(-1, 1, k)
+    q, scale = fp8_gemm.quantize_column_groups_triton(x, 128)
+    _, want_scale = quantize_groups(x, 128)
+    assert scale.shape == (rows, k // 128) and scale.stride() == (1, rows)
+    torch.testing.assert_close(scale, want_scale, atol=0, rtol=3e-7)
+    want_q = (x / scale.repeat_interleave(128, dim=1)).clamp(-448, 448).to(fp8_gemm.E4M3)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@interpreter
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 128, 4096), (1, 192, 1024), (1, 64, 2048), (3, 128, 1024)])
 def test_the_few_row_kernels_scale_each_128_columns_of_a_row(
     monkeypatch: pytest.MonkeyPatch, rows: int, n: int, k: int

@@ -17,6 +17,7 @@ from model_service.kernels.fp8_gemm import (
     fp8_linear,
     fp8_linear_reference,
     has_block_scaled_mm,
+    quantize_column_groups,
     quantize_groups,
     quantize_rows,
     quantize_static,
@@ -58,6 +59,20 @@ def test_the_quantization_kernel_is_the_reference_bit_for_bit(
     assert q.dtype == want_q.dtype and scale.shape == (rows, 1)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize("rows", [2, 300])
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_the_group_quantization_kernel_is_the_reference_bit_for_bit(rows: int, k: int):
+    """Per token and 128 columns (`fp8-g128`): one Triton launch against `quantize_groups` on the
+    same CUDA input, the same e4m3 bytes and scales, the scales column-major."""
+    torch.manual_seed(rows + k)
+    x = (torch.randn(rows, k, device="cuda") * torch.logspace(-3, 3, k, device="cuda")).bfloat16()
+    x[0] = 0
+    q, scale = quantize_column_groups(x, 128)
+    want_q, want_scale = quantize_groups(x, 128)
+    assert scale.stride() == (1, rows) and torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])

@@ -213,13 +213,9 @@ def _scaled_mm_blocks(
     """x [M, K] @ weight [N, K].T with 1x128 block scales on both: x's per token and 128 columns
     ([M, K/128]), the weight's per row and 128 columns ([N, K/128]), each given column-major as
     cuBLASLt wants them (one small copy of the weight's scales a call, N x K/128 floats)."""
-    q, scale = quantize_groups(x, BLOCK_COLS)
+    q, scale = quantize_column_groups(x, BLOCK_COLS)
     y = torch._scaled_mm(
-        q,
-        weight.t(),
-        scale_a=scale.t().contiguous().t(),
-        scale_b=weight_scale.t().contiguous().t(),
-        out_dtype=x.dtype,
+        q, weight.t(), scale_a=scale, scale_b=weight_scale.t().contiguous().t(), out_dtype=x.dtype
     )
     return y if bias is None else y + bias
 
@@ -252,6 +248,27 @@ def quantize_rows(x: torch.Tensor, acts: ActivationQuant) -> tuple[torch.Tensor,
             return quantize_groups(x, k, acts.scale_ub)
         return quantize_static(x, acts.scale), acts.scale.expand(m, 1).contiguous()
     return quantize_rows_triton(x, acts)
+
+
+def quantize_column_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], float32 scales [M, K / group] stored column-major, as cuBLASLt's block
+    scaling wants them) of x [M, K], K a multiple of `group`: `quantize_groups`' values; on CUDA
+    one Triton launch, bit for bit those torch ops (~6 launches and a copy for the layout)."""
+    if triton is None or not x.is_cuda or x.stride(1) != 1:
+        q, scale = quantize_groups(x, group)
+        return q, scale.t().contiguous().t()
+    return quantize_column_groups_triton(x, group)
+
+
+def quantize_column_groups_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_column_groups`' kernel, wherever Triton runs (its interpreter included: the tests)."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=E4M3, device=x.device)
+    scale = torch.empty(k // group, m, dtype=torch.float32, device=x.device).t()
+    _quantize_groups_kernel[(m, k // group)](
+        x, x.stride(0), m, k, q, scale, MIN_AMAX=_MIN_AMAX, INV_MAX=1 / E4M3_MAX, MAX=E4M3_MAX, GROUP=group
+    )
+    return q, scale
 
 
 def quantize_rows_triton(x: torch.Tensor, acts: ActivationQuant) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,6 +347,19 @@ if triton is not None:
             live = k0 + offs < K
             x = tl.load(x_row + k0 + offs, mask=live, other=0.0).to(tl.float32)
             tl.store(Q + row * K + k0 + offs, _to_e4m3(x, scale, Q.dtype.element_ty, MAX), mask=live)
+
+    @triton.jit
+    def _quantize_groups_kernel(
+        X, x_stride, M, K, Q, Scale, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
+        GROUP: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row, group): the group's scale (column-major [M, K / GROUP]) and e4m3 values."""
+        row, g = tl.program_id(0), tl.program_id(1)
+        offs = g * GROUP + tl.arange(0, GROUP)
+        x = tl.load(X + row * x_stride + offs).to(tl.float32)
+        scale = _row_scale(tl.max(tl.abs(x), axis=0), Scale, 0.0, False, False, MIN_AMAX, INV_MAX)
+        tl.store(Scale + g * M + row, scale)
+        tl.store(Q + row * K + offs, _to_e4m3(x, scale, Q.dtype.element_ty, MAX))
 
     @triton.jit
     def quantize_row(
