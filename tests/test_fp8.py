@@ -34,7 +34,7 @@ from model_service.kernels.fp8_gemm import E4M3, E4M3_MAX
 from model_service.models.fp8_linear import Fp8Linear
 from model_service.models.layers import PackedLinear, checkpoint_tensors, store_weights_transposed
 from model_service.models.loader import LoadedModel, load_model
-from model_service.models.quantization import QuantizationError
+from model_service.models.quantization import ONLINE_G128, QuantizationError
 from tests.conftest import assert_all_blocks_free, forward, make_engine, make_tiny_checkpoint, new_sequence
 
 W8A8_LOGITS_TOL = 1e-3
@@ -744,6 +744,26 @@ def test_online_quantization_of_a_weight_stored_transposed_keeps_rows_contiguous
     assert moved.weight.is_contiguous()
     assert torch.equal(moved.weight.float(), plain.weight.float())
     assert torch.equal(moved.weight_scale, plain.weight_scale)
+
+
+def test_scales_per_128_columns_are_stored_column_major_for_the_gpu():
+    """`store_weights_transposed` (the CUDA executor's layout step) stores an FP8 layer's scales
+    per 128 columns column-major, as cuBLASLt's block scaling takes them, values unchanged; one
+    scale a row stays as it is, and the reference gives the same product either way."""
+    torch.manual_seed(0)
+    grouped, per_row = (PackedLinear(256, {"q": 64, "k": 32}, bias=False) for _ in range(2))
+    for layer in (grouped, per_row):
+        torch.nn.init.normal_(layer.weight)
+    module = torch.nn.ModuleDict(
+        {"g": Fp8Linear.quantized(grouped, ONLINE_G128), "r": Fp8Linear.quantized(per_row)}
+    )
+    x = torch.randn(3, 256)
+    before = {name: (layer.weight_scale.clone(), layer(x)) for name, layer in module.items()}
+    store_weights_transposed(module)
+    assert module["g"].weight_scale.stride() == (1, 96) and module["r"].weight_scale.is_contiguous()
+    for name, layer in module.items():
+        assert torch.equal(layer.weight_scale, before[name][0])
+        assert torch.equal(layer(x), before[name][1])
 
 
 def test_the_gpu_benchmarks_quantize_their_random_model_online():

@@ -179,20 +179,23 @@ def test_the_group_quantization_kernel_is_the_reference(rows: int, k: int):
 
 
 @interpreter
+@pytest.mark.parametrize("column_major", [False, True])
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 128, 4096), (1, 192, 1024), (1, 64, 2048), (3, 128, 1024)])
 def test_the_few_row_kernels_scale_each_128_columns_of_a_row(
-    monkeypatch: pytest.MonkeyPatch, rows: int, n: int, k: int
+    monkeypatch: pytest.MonkeyPatch, rows: int, n: int, k: int, column_major: bool
 ):
     """Weights with a scale per row and 128 columns (`--quantization fp8-g128`), their scales
     spread over three decades along K so a partial sum scaled by its neighbour's scale shows: the
     GEMV (one row; its 256- and 1,024-wide tiles summed in groups of 128, K split in two at
     4,096 and 2,048) and the `tl.dot` kernel (K tiles of 128, split four ways) give the weight-only
-    reference on the dequantized weight, the counters left zeroed."""
+    reference on the dequantized weight, the counters left zeroed; with the scales row-major (as
+    loaded) or column-major (as `store_weights_transposed` keeps them on CUDA)."""
     monkeypatch.setattr(skinny_module, "_device_limits", lambda device: (132, 232_448))
     torch.manual_seed(rows + n + k)
     w = torch.randn(n, k) * torch.logspace(-2, 1, k)
     weight, scale = quantize_groups(w, 128)
     assert scale.shape == (n, k // 128)
+    scale = scale.t().contiguous().t() if column_major else scale
     x, bias = torch.randn(rows, k), torch.randn(n)
     arrivals = torch.zeros(max(1, n // 32), dtype=torch.int32)
     got = skinny_module.skinny_linear(x, weight, bias, arrivals, scale)

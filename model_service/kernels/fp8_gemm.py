@@ -211,12 +211,13 @@ def _scaled_mm_blocks(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T with 1x128 block scales on both: x's per token and 128 columns
-    ([M, K/128]), the weight's per row and 128 columns ([N, K/128]), each given column-major as
-    cuBLASLt wants them (one small copy of the weight's scales a call, N x K/128 floats)."""
+    ([M, K/128]), the weight's per row and 128 columns ([N, K/128]), each column-major as cuBLASLt
+    wants them (the weight's are stored so on CUDA, `layers.store_weights_transposed`; a
+    row-major one is copied)."""
     q, scale = quantize_column_groups(x, BLOCK_COLS)
-    y = torch._scaled_mm(
-        q, weight.t(), scale_a=scale, scale_b=weight_scale.t().contiguous().t(), out_dtype=x.dtype
-    )
+    if weight_scale.stride(0) != 1:
+        weight_scale = weight_scale.t().contiguous().t()
+    y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=x.dtype)
     return y if bias is None else y + bias
 
 

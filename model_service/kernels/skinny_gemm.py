@@ -121,7 +121,7 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
             and weight.is_contiguous()
             and weight_scale.shape in ((weight.shape[0], 1), _groups(weight))
             and weight_scale.dtype == torch.float32
-            and weight_scale.is_contiguous()
+            and (weight_scale.is_contiguous() or weight_scale.shape[1] > 1)  # groups: any strides
             and has_fp8_conversions(x.device)
         )
     sms, smem = _device_limits(x.device)
@@ -188,7 +188,7 @@ def skinny_linear(
     parts = torch.empty(cfg.split_k if cfg.split_k > 1 else 0, rows, n, dtype=torch.float32, device=x.device)
     _skinny_kernel[(n // cfg.block_n, cfg.split_k)](
         x, weight, bias if bias is not None else y, weight_scale if weight_scale is not None else y, y, parts,
-        arrivals, rows, n, k, x.stride(0), weight.stride(1), weight.stride(0), groups,
+        arrivals, rows, n, k, x.stride(0), weight.stride(1), weight.stride(0), *_scale_strides(weight_scale),
         HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, GROUPED=groups > 1, BLOCK_M=MAX_ROWS,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=4, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -218,12 +218,17 @@ def _fp8_gemv(
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     parts = torch.empty(split if split > 1 else 0, n, dtype=torch.float32, device=x.device)
     _fp8_gemv_kernel[(n // block_n, split)](
-        x, weight, scale, bias if bias is not None else y, y, parts, arrivals, n, k, groups,
+        x, weight, scale, bias if bias is not None else y, y, parts, arrivals, n, k, *_scale_strides(scale),
         HAS_BIAS=bias is not None, GROUPED=groups > 1, GROUP=BLOCK_COLS, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % (split * block_k) == 0,
         SPLIT_K=split, num_warps=4, num_stages=4 if block_n == 32 else 2,
     )  # fmt: skip
     return y
+
+
+def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
+    """(row, group) strides of a weight's scales: row-major or column-major groups, both taken."""
+    return (scale.stride(0), scale.stride(1)) if scale is not None and scale.shape[1] > 1 else (1, 0)
 
 
 if triton is not None:
@@ -238,13 +243,14 @@ if triton is not None:
 
     @triton.jit
     def _fp8_gemv_kernel(
-        X, W, Scale, Bias, Y, Parts, Arrivals, N, K, G, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+        X, W, Scale, Bias, Y, Parts, Arrivals, N, K, scale_stride_n, scale_stride_g, HAS_BIAS: tl.constexpr,
+        GROUPED: tl.constexpr,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
     ):  # fmt: skip
         """Program (column block, K slice); with SPLIT_K > 1, the counter of 64 columns
         (64 / BLOCK_N column blocks) takes SPLIT_K * 64 / BLOCK_N arrivals. GROUPED: Scale is
-        [N, G], a scale a row and GROUP columns (BLOCK_K a multiple of GROUP)."""
+        [N, K / GROUP] by its strides, a scale a row and GROUP columns (BLOCK_K a multiple of GROUP)."""
         col_block, k_slice = tl.program_id(0), tl.program_id(1)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
@@ -262,7 +268,8 @@ if triton is not None:
             if GROUPED:
                 sums = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
                 g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-                scales = tl.load(Scale + cols[:, None] * G + g[None, :], mask=g[None, :] < G, other=0.0)
+                at = Scale + cols[:, None] * scale_stride_n + g[None, :] * scale_stride_g
+                scales = tl.load(at, mask=g[None, :] < K // GROUP, other=0.0)
                 acc += tl.sum(sums * scales, axis=1)
             else:
                 acc += tl.sum(products, axis=1)
@@ -289,13 +296,15 @@ if triton is not None:
 
     @triton.jit
     def _skinny_kernel(
-        X, W, Bias, Scale, Y, Parts, Arrivals, M, N, K, x_stride, w_stride_k, w_stride_n, G,
+        X, W, Bias, Scale, Y, Parts, Arrivals, M, N, K, x_stride, w_stride_k, w_stride_n, scale_stride_n,
+        scale_stride_g,
         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
         """Program (column block, K slice). W [K, N] by its strides: unit stride along N for a
         weight stored transposed, along K for an e4m3 one (Triton specializes a stride of 1).
-        GROUPED: Scale is [N, G], a scale a column and BLOCK_K (its group) rows of W."""
+        GROUPED: Scale is [N, K / BLOCK_K] by its strides, a scale a column and BLOCK_K (its group)
+        rows of W."""
         col_block, k_slice = tl.program_id(0), tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -307,7 +316,8 @@ if triton is not None:
             x = tl.load(X + rows[:, None] * x_stride + (k0 + ks)[None, :], mask=live, other=0.0)
             w = tl.load(W + (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n)
             if GROUPED:
-                acc += tl.dot(x, w.to(x.dtype)) * tl.load(Scale + cols * G + k0 // BLOCK_K)[None, :]
+                at = Scale + cols * scale_stride_n + (k0 // BLOCK_K) * scale_stride_g
+                acc += tl.dot(x, w.to(x.dtype)) * tl.load(at)[None, :]
             else:
                 acc += tl.dot(x, w.to(x.dtype))
         out = rows[:, None] * N + cols[None, :]

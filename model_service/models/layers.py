@@ -151,9 +151,14 @@ def store_weights_transposed(module: nn.Module) -> None:
     parameters and shapes (results may differ in the last bit: another kernel sums in another
     order); only the strides change, so loaders, LoRA and state dicts see nothing.
     A weight an embedding shares (tied LM head) keeps its rows contiguous for the lookups, and an
-    FP8 weight keeps them too: `torch._scaled_mm` takes its transpose as the column-major operand."""
+    FP8 weight keeps them too: `torch._scaled_mm` takes its transpose as the column-major operand.
+    An FP8 weight's scales per 128 columns ([out, in / 128], `fp8-g128` and block checkpoints)
+    are stored column-major, as cuBLASLt's block scaling takes them (else a copy every call)."""
     embedded = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     for sub in module.modules():
+        scale = sub._buffers.get("weight_scale")
+        if scale is not None and scale.dim() == 2 and scale.shape[1] > 1 and scale.is_contiguous():
+            sub.weight_scale = scale.t().contiguous().t()
         if (
             isinstance(sub, nn.Linear)
             and id(sub.weight) not in embedded
