@@ -4,7 +4,7 @@ Spindle against HF `transformers.generate` on the same shapes in the same run.
     PYTHONPATH=. python3 bench/serving.py [--concurrency 1 16 64 256] [--hf-concurrency 16 64] [--small]
         [--lora-adapters 64 [--lora-rank 16]] [--kv-cache-dtype fp8] [--profile 256:250:30]
         [--no-piecewise-graphs] [--step-times] [--rounds 2] [--host-profile 30]
-        [--quantization fp8 [--compare]] [--moe]
+        [--quantization fp8|fp8-g128 [--compare]] [--moe]
 
 Workload: per concurrency C, `max(16, 4 * C)` requests (`--requests-per-slot`), prompt lengths
 uniform in [64, 2,048] and output lengths uniform in [32, 512] (seeded, random token ids, EOS
@@ -24,7 +24,8 @@ base and adapter runs alternate N times (other prompts each round) and a last li
 ratio over all rounds: the device tool's hosts drift within a call by more than the gaps
 measured (0.848x then 0.823x for the same code, docs/performance-notes.md, session m).
 `--quantization fp8` runs the same model with its projections quantized online (the engine's
-`--quantization fp8`; systems named spindle-fp8...), and `--compare` runs the bf16 model first in
+`--quantization fp8`; systems named spindle-fp8...; `fp8-g128` likewise, spindle-fp8-g128...),
+and `--compare` runs the bf16 model first in
 the same run, with a last line per concurrency giving FP8's output tok/s over bf16's. `--moe`
 serves Qwen3-30B-A3B's shape instead (48 layers, 128 experts of top-8, ~61 GB in bf16; 32 GiB of
 K/V; no HF run, no adapters), e.g. with and without `--no-piecewise-graphs`.
@@ -60,6 +61,7 @@ from bench.step_times import StepTimes
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.models.loader import LoadedModel
+from model_service.models.quantization import ONLINE_SCHEMES
 from model_service.startup import configure_process
 
 
@@ -330,11 +332,13 @@ def main() -> None:
         default=True,
         help="prefill and mixed steps as graphs too (the engine's default)",
     )
-    ap.add_argument("--quantization", default="none", choices=["none", "fp8"], help="the engine's flag")
+    ap.add_argument(
+        "--quantization", default="none", choices=["none", *ONLINE_SCHEMES], help="the engine's flag"
+    )
     ap.add_argument("--compare", action="store_true", help="with --quantization fp8: the bf16 model too")
     args = ap.parse_args()
     if args.compare and args.quantization == "none":
-        ap.error("--compare compares --quantization fp8 with bf16: give --quantization fp8")
+        ap.error("--compare compares --quantization fp8 (or fp8-g128) with bf16: give --quantization")
     if args.hf_concurrency is None:
         args.hf_concurrency = [] if args.moe else [16, 64]
     if args.moe and (args.hf_concurrency or args.lora_adapters or args.small):
@@ -348,18 +352,18 @@ def main() -> None:
              "output_range": args.ranges[1], "kv_cache_dtype": args.kv_cache_dtype,
              "piecewise_graphs": args.piecewise_graphs}  # fmt: skip
     loaded, rows = qwen3_30b_shape(48) if args.moe else random_model(shape), []
-    fp8 = False  # whether the model being run is the FP8 one: its systems are named spindle-fp8...
+    flag = "none"  # the --quantization of the model being run: its systems are named spindle-fp8...
 
     def report(system: str, concurrency: int, requests: int, result: dict) -> None:
-        system = system.replace("spindle", "spindle-fp8", 1) if fp8 else system
+        system = system.replace("spindle", f"spindle-{flag}", 1) if flag != "none" else system
         rows.append((system, concurrency, result))
         line = {"bench": "serving", "system": system, "concurrency": concurrency, "requests": requests}
-        quantization = {"quantization": "fp8" if fp8 else "none"}
+        quantization = {"quantization": flag}
         print(json.dumps({**line, **{k: round(v, 3) for k, v in result.items()}, **setup, **quantization}))
 
-    bf16_run = [False] if args.quantization == "none" or args.compare else []
-    for fp8 in bf16_run + ([True] if args.quantization == "fp8" else []):
-        spindle_runs(quantized(loaded) if fp8 else loaded, args, report)
+    bf16_run = ["none"] if args.quantization == "none" or args.compare else []
+    for flag in bf16_run + ([args.quantization] if args.quantization != "none" else []):
+        spindle_runs(quantized(loaded, flag) if flag != "none" else loaded, args, report)
         gc.collect()  # the engine and its K/V pool, before the next model's or HF's copy of the weights
         torch.cuda.empty_cache()
     hf = hf_llama(loaded) if args.hf_concurrency else None
@@ -376,7 +380,7 @@ def main() -> None:
             print(f"{system} at {c}: {r['lora_over_base']:.3f}x the base model's out tok/s")
     rates = {(s, c): r["output_tokens_per_s"] for s, c, r in rows if "output_tokens_per_s" in r}
     for (system, c), rate in rates.items():
-        fp8_rate = rates.get((system.replace("spindle", "spindle-fp8", 1), c))
+        fp8_rate = rates.get((system.replace("spindle", f"spindle-{args.quantization}", 1), c))
         if "-fp8" not in system and fp8_rate is not None:
             line = {"bench": "serving", "metric": "fp8_over_bf16", "system": system, "concurrency": c}
             print(json.dumps({**line, "bf16": round(rate, 1), "fp8": round(fp8_rate, 1),
