@@ -183,6 +183,39 @@ def test_two_replicas_registering_one_name_at_once_get_dense_unique_versions(reg
     asyncio.run(go())
 
 
+class _CountingStore(LocalStore):
+    """Counts the files it reads."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.reads = 0
+
+    def _read(self, key: str) -> bytes:
+        self.reads += 1
+        return super()._read(key)
+
+
+def test_a_registrations_storage_reads_do_not_grow_with_the_names_history(registries, tmp_path):
+    """Under the name's lease a registration reads the latest commit mark only: the 30th version
+    costs the reads the 2nd did (it read every version's meta.json until 2026-12-06, while the
+    name's other registrations waited on the lease: the chaos test's CI failure)."""
+    weights = tmp_path / "w"
+    weights.write_bytes(b"weights")
+
+    async def go() -> None:
+        store = _CountingStore(tmp_path / "store")
+        c = _replica(registries(), store)
+        reads = []
+        for i in range(30):
+            sha, before = f"{i:064x}", store.reads
+            done = await register(c, c.leases, "x", sha, b"{}", weights, _describe("x", sha))
+            assert done.version.version == i + 1
+            reads.append(store.reads - before)
+        assert reads[1] <= 1 and reads[-1] == reads[1], reads
+
+    asyncio.run(go())
+
+
 class _BlockedStore(LocalStore):
     """Its writes wait until `go` is set: a storage that stopped answering."""
 
