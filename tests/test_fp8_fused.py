@@ -125,6 +125,27 @@ def test_fused_silu_mul_quantizes_as_the_unfused_kernel(scheme: str, rows: int, 
     assert_as_unfused(got, acts, silu_and_mul(gate_up))
 
 
+@interpreter
+@pytest.mark.usefixtures("torch_e4m3_cast")
+@pytest.mark.parametrize(("rows", "dim", "inter"), [(5, 256, 2176), (1, 384, 384)])
+def test_fused_producers_quantize_column_groups_as_the_group_kernel(rows: int, dim: int, inter: int):
+    """`fp8-g128`'s inputs (a scale per token and 128 columns): RMSNorm (with a residual) and
+    SiLU-mul (2,176 columns: a block of 2,048 and one group) quantize from registers exactly as
+    `quantize_column_groups_triton` quantizes their stored rows, scales column-major."""
+    from model_service.kernels.fused import rms_norm_triton, silu_and_mul_triton
+
+    acts = ActivationQuant("dynamic", 128)
+    x = rows_of_every_scale(rows, dim, dim) * torch.logspace(-1, 1, dim)
+    normed, _ = rms_norm_triton(x, torch.rand(dim) + 0.5, 1e-5, torch.randn(rows, dim), acts)
+    product = silu_and_mul_triton(rows_of_every_scale(rows, 2 * inter, inter) * 3, acts)
+    for got in (normed, product):
+        assert isinstance(got, QuantizedRows)
+        q, scale = fp8_gemm.quantize_column_groups_triton(got.x, 128)
+        assert got.scale.shape == scale.shape and got.scale.stride() == (1, rows)
+        assert torch.equal(got.scale, scale)
+        assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8))
+
+
 def test_without_cuda_the_producers_give_the_unfused_reference():
     """The torch path (CPU, the oracle): the product, then `quantize_rows` of it, or the plain
     product when no consumer asked."""

@@ -310,11 +310,16 @@ def test_fp8_decode_through_the_kernel_gives_the_same_tokens_in_graphs_and_eager
 
 
 def fused_case(rows: int, k: int, mode: str, scale_ub: float | None) -> tuple[torch.Tensor, ActivationQuant]:
-    """bf16 rows from 1e-3 to 1e3 in scale, row 0 zeros (a graph's padding row), and the scheme."""
+    """bf16 rows from 1e-3 to 1e3 in scale, row 0 zeros (a graph's padding row), and the scheme
+    ("groups": dynamic per token and 128 columns, `fp8-g128`'s; K must be whole groups)."""
+    if mode == "groups" and k % 128:
+        pytest.skip("column groups need K a multiple of 128")
     torch.manual_seed(rows + k)
     x = (torch.randn(rows, k, device="cuda") * torch.logspace(-3, 3, rows, device="cuda")[:, None]).bfloat16()
     x[0] = 0
     static = torch.tensor([0.0123], device="cuda")
+    if mode == "groups":
+        return x, ActivationQuant("dynamic", 128)
     return x, ActivationQuant(mode, k, static if mode == "static" else None, scale_ub)
 
 
@@ -327,7 +332,7 @@ def assert_quantized_as_unfused(got: QuantizedRows, plain_out: torch.Tensor, act
     assert torch.equal(got.scale, scale)
 
 
-MODES = [("dynamic", None), ("dynamic", 2.0), ("static", None)]
+MODES = [("dynamic", None), ("dynamic", 2.0), ("static", None), ("groups", None)]
 
 
 @pytest.mark.parametrize("rows", [1, 17, 300])
@@ -350,7 +355,10 @@ def test_rms_norm_quantizes_as_the_unfused_route(rows: int, dim: int, mode: str,
 @pytest.mark.parametrize(("mode", "scale_ub"), MODES)
 def test_silu_mul_quantizes_as_the_unfused_route(rows: int, inter: int, mode: str, scale_ub: float | None):
     gate_up, acts = fused_case(rows, 2 * inter, mode, scale_ub)
-    acts = ActivationQuant(acts.mode, inter, acts.scale, acts.scale_ub)
+    if mode == "groups" and inter % 128:
+        pytest.skip("column groups need K a multiple of 128")
+    if mode != "groups":
+        acts = ActivationQuant(acts.mode, inter, acts.scale, acts.scale_ub)
     assert_quantized_as_unfused(silu_and_mul(gate_up, acts), silu_and_mul(gate_up), acts)
 
 

@@ -176,9 +176,10 @@ def _block_scaled(
 class QuantizedRows:
     """An activation made for an FP8 projection by the kernel that produced it (RMSNorm, SiLU-mul:
     `kernels/fused.py`): `x` [M, K] in the compute dtype (what a LoRA shrink and the few-row kernel
-    read), and its per-row quantization `q` (e4m3 [M, K]) with `scale` (float32 [M, 1]), bit for
-    bit what `quantize_rows(x, acts)` gives, so that the GEMM does not launch that quantization
-    itself. Only a producer asked by its consumer's `input_quant` makes one."""
+    read), and its per-row quantization `q` (e4m3 [M, K]) with `scale` (float32 [M, 1], or [M, K /
+    group] column-major for column groups), bit for bit what `quantize_rows(x, acts)` gives, so
+    that the GEMM does not launch that quantization itself. Only a producer asked by its
+    consumer's `input_quant` makes one."""
 
     x: torch.Tensor
     q: torch.Tensor
@@ -202,38 +203,24 @@ def _scaled_mm(
     bias: torch.Tensor | None,
     acts: ActivationQuant,
 ) -> torch.Tensor:
-    if weight_scale.shape[1] == 1:
-        return scaled_mm_rows(quantized_rows(x, acts), weight, weight_scale, bias)
-    return _scaled_mm_blocks(x, weight, weight_scale, bias)
-
-
-def _scaled_mm_blocks(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T with 1x128 block scales on both: x's per token and 128 columns
-    ([M, K/128]), the weight's per row and 128 columns ([N, K/128]), each column-major as cuBLASLt
-    wants them (the weight's are stored so on CUDA, `layers.store_weights_transposed`; a
-    row-major one is copied)."""
-    q, scale = quantize_column_groups(x, BLOCK_COLS)
-    if weight_scale.stride(0) != 1:
-        weight_scale = weight_scale.t().contiguous().t()
-    y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=x.dtype)
-    return y if bias is None else y + bias
+    return scaled_mm_rows(quantized_rows(x, acts), weight, weight_scale, bias)
 
 
 def scaled_mm_rows(
     rows: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """rows [..., K] (quantized) @ weight [N, K].T with row-wise scales, in rows.x's dtype:
-    `torch._scaled_mm`, the rescale in cuBLASLt's epilogue (the bias added after)."""
+    """rows [..., K] (quantized) @ weight [N, K].T in rows.x's dtype: `torch._scaled_mm`, the
+    rescale in cuBLASLt's epilogue (the bias added after). Row-wise scales (activations [M, 1],
+    weights [1, N]), or 1x128 blocks on both (activations [M, K/128], weights [N, K/128]), each
+    column-major as cuBLASLt wants them: the weight's are stored so on CUDA
+    (`layers.store_weights_transposed`), a row-major one is copied."""
     q = rows.q.reshape(-1, rows.q.shape[-1])
-    y = torch._scaled_mm(
-        q,
-        weight.t(),
-        scale_a=rows.scale.view(-1, 1),
-        scale_b=weight_scale.view(1, -1),
-        out_dtype=rows.x.dtype,
-    )
+    if weight_scale.shape[1] == 1:
+        scale_a, scale_b = rows.scale.view(-1, 1), weight_scale.view(1, -1)
+    else:
+        scale_a = rows.scale
+        scale_b = weight_scale if weight_scale.stride(0) == 1 else weight_scale.t().contiguous().t()
+    y = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=rows.x.dtype)
     y = y if bias is None else y + bias
     return y.view(*rows.x.shape[:-1], weight.shape[0])
 
@@ -242,8 +229,10 @@ def quantize_rows(x: torch.Tensor, acts: ActivationQuant) -> tuple[torch.Tensor,
     """(e4m3 [M, K], float32 scales [M, 1]) of x [M, K] for a per-token dynamic or a static
     scheme: on CUDA one Triton launch (`quantize_groups` / `quantize_static` as separate torch
     ops were ~6 launches and as many passes over x before every GEMM), bit for bit their result;
-    elsewhere those references."""
+    elsewhere those references. Per token and `acts.group` columns: `quantize_column_groups`."""
     m, k = x.shape
+    if grouped(acts, k):
+        return quantize_column_groups(x, acts.group)
     if triton is None or not x.is_cuda or x.stride(1) != 1:
         if acts.mode == "dynamic":
             return quantize_groups(x, k, acts.scale_ub)
@@ -272,9 +261,17 @@ def quantize_column_groups_triton(x: torch.Tensor, group: int) -> tuple[torch.Te
     return q, scale
 
 
+def grouped(acts: ActivationQuant, k: int) -> bool:
+    """Whether `acts` quantizes an input of `k` columns in groups of columns (a scale per token
+    and group) rather than whole rows."""
+    return acts.mode == "dynamic" and acts.group < k
+
+
 def quantize_rows_triton(x: torch.Tensor, acts: ActivationQuant) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows`' kernel, wherever Triton runs (its interpreter included: the tests)."""
     m, k = x.shape
+    if grouped(acts, k):
+        return quantize_column_groups_triton(x, acts.group)
     args, rows = row_quant_outputs(x, acts)
     _quantize_rows_kernel[(m,)](x, x.stride(0), k, BLOCK=min(1024, triton.next_power_of_2(k)), **args)
     return rows.q, rows.scale
@@ -288,16 +285,21 @@ def row_quant_outputs(
     `_row_scale` and `_to_e4m3`; what the kernel's caller returns: `out`, or the `QuantizedRows`
     the kernel fills). One place says how a scheme becomes a scale, so the fused producers and
     `_quantize_rows_kernel` cannot drift apart. Without `acts` the kernel is to write `out` alone
-    (the arguments are placeholders)."""
+    (the arguments are placeholders). A scheme of column groups (`grouped`) takes a scale per
+    row and `GROUP` columns, stored column-major ([M, K / GROUP], `scale_stride` M apart)."""
     m, k = out.shape
     quant, static = acts is not None, acts is not None and acts.mode == "static"
+    group = acts.group if quant and grouped(acts, k) else 0
+    assert not group or k % group == 0, f"{k} columns are not whole groups of {group}"
     q = torch.empty(m, k, dtype=E4M3, device=out.device) if quant else out
     scale = torch.empty(m, 1, dtype=torch.float32, device=out.device) if quant else out
+    if group:
+        scale = torch.empty(k // group, m, dtype=torch.float32, device=out.device).t()
     ub = acts.scale_ub if quant else None
     args = {
         "Q": q, "Scale": scale, "Static": acts.scale if static else scale,
         "scale_ub": ub if ub is not None else 0.0, "STATIC": static, "HAS_UB": ub is not None,
-        "MIN_AMAX": _MIN_AMAX, "INV_MAX": 1 / E4M3_MAX, "MAX": E4M3_MAX,
+        "MIN_AMAX": _MIN_AMAX, "INV_MAX": 1 / E4M3_MAX, "MAX": E4M3_MAX, "scale_stride": m, "GROUP": group,
     }  # fmt: skip
     return args, QuantizedRows(out, q, scale) if quant else out
 
@@ -329,11 +331,14 @@ if triton is not None:
 
     @triton.jit
     def _quantize_rows_kernel(
-        X, x_stride, K, Q, Scale, Static, scale_ub, BLOCK: tl.constexpr, STATIC: tl.constexpr,
+        X, x_stride, K, Q, Scale, Static, scale_ub, scale_stride, BLOCK: tl.constexpr, STATIC: tl.constexpr,
         HAS_UB: tl.constexpr, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
+        GROUP: tl.constexpr,
     ):  # fmt: skip
         """Program (row): its maximum in one pass over the row, its e4m3 values in a second (the
-        row is re-read from cache)."""
+        row is re-read from cache). Whole rows only (`quantize_rows_triton` sends column groups
+        to `_quantize_groups_kernel`)."""
+        tl.static_assert(GROUP == 0)
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         x_row = X + row * x_stride
@@ -350,6 +355,23 @@ if triton is not None:
             tl.store(Q + row * K + k0 + offs, _to_e4m3(x, scale, Q.dtype.element_ty, MAX), mask=live)
 
     @triton.jit
+    def quantize_groups_of(
+        y, live, q_at, scale_at, scale_stride, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr,
+        MAX: tl.constexpr, GROUP: tl.constexpr,
+    ):  # fmt: skip
+        """Values `y` [BLOCK] in registers (float32; `live` masks columns past the row, in whole
+        groups), BLOCK a multiple of GROUP: each GROUP's scale, `scale_stride` apart from
+        `scale_at` on, and their e4m3 values from `q_at` on, as `_quantize_groups_kernel` makes them."""
+        BLOCK: tl.constexpr = y.shape[0]
+        groups = tl.reshape(tl.where(live, y, 0.0), [BLOCK // GROUP, GROUP])
+        scales = _row_scale(tl.max(tl.abs(groups), axis=1), scale_at, 0.0, False, False, MIN_AMAX, INV_MAX)
+        g = tl.arange(0, BLOCK // GROUP)
+        whole = tl.max(tl.reshape(live.to(tl.int32), [BLOCK // GROUP, GROUP]), axis=1) > 0
+        tl.store(scale_at + g * scale_stride, scales, mask=whole)
+        q = _to_e4m3(groups, scales[:, None], q_at.dtype.element_ty, MAX)
+        tl.store(q_at + tl.arange(0, BLOCK), tl.reshape(q, [BLOCK]), mask=live)
+
+    @triton.jit
     def _quantize_groups_kernel(
         X, x_stride, M, K, Q, Scale, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
         GROUP: tl.constexpr,
@@ -364,14 +386,18 @@ if triton is not None:
 
     @triton.jit
     def quantize_row(
-        y, live, q_row, scale_at, Static, scale_ub, STATIC: tl.constexpr, HAS_UB: tl.constexpr,
-        MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
+        y, live, q_row, scale_at, scale_stride, Static, scale_ub, STATIC: tl.constexpr, HAS_UB: tl.constexpr,
+        MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr, GROUP: tl.constexpr,
     ):  # fmt: skip
         """A producer's row held whole in registers, `y` (float32 of the values it stored in the
         compute dtype; `live` masks a power-of-two block's tail): its scale into `scale_at`, its
-        e4m3 values from `q_row` on, as `_quantize_rows_kernel` would make them from the row."""
-        row_max = tl.max(tl.where(live, tl.abs(y), 0.0), axis=0)
-        scale = _row_scale(row_max, Static, scale_ub, STATIC, HAS_UB, MIN_AMAX, INV_MAX)
-        tl.store(scale_at, scale)
-        offs = tl.arange(0, y.shape[0])
-        tl.store(q_row + offs, _to_e4m3(y, scale, q_row.dtype.element_ty, MAX), mask=live)
+        e4m3 values from `q_row` on, as `_quantize_rows_kernel` would make them from the row.
+        GROUP > 0: a scale per GROUP columns (`quantize_groups`), `scale_stride` apart."""
+        if GROUP > 0:
+            quantize_groups_of(y, live, q_row, scale_at, scale_stride, MIN_AMAX, INV_MAX, MAX, GROUP)
+        else:
+            row_max = tl.max(tl.where(live, tl.abs(y), 0.0), axis=0)
+            scale = _row_scale(row_max, Static, scale_ub, STATIC, HAS_UB, MIN_AMAX, INV_MAX)
+            tl.store(scale_at, scale)
+            offs = tl.arange(0, y.shape[0])
+            tl.store(q_row + offs, _to_e4m3(y, scale, q_row.dtype.element_ty, MAX), mask=live)

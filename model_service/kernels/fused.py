@@ -26,14 +26,15 @@ from model_service.kernels.paged_attention import FP8, HeadNorms, paged_decode_a
 if triton is not None:
     import triton.language as tl
 
-    from model_service.kernels.fp8_gemm import _row_scale, _to_e4m3, quantize_row
+    from model_service.kernels.fp8_gemm import _row_scale, _to_e4m3, quantize_groups_of, quantize_row
     from model_service.kernels.paged_attention import cache_value, rms_apply, rms_scale, rotated_rows
 
     @triton.jit
     def _rms_norm_kernel(
-        X, R, W, Y, RO, x_stride, dim, eps, Q, Scale, Static, scale_ub, HAS_RESIDUAL: tl.constexpr,
-        ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr,
-        HAS_UB: tl.constexpr, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
+        X, R, W, Y, RO, x_stride, dim, eps, Q, Scale, Static, scale_ub, scale_stride,
+        HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+        STATIC: tl.constexpr, HAS_UB: tl.constexpr, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr,
+        MAX: tl.constexpr, GROUP: tl.constexpr,
     ):  # fmt: skip
         """Program (row). With `QUANT` it also quantizes the normalized row it stores, from the
         registers (`fp8_gemm.quantize_row`: the rest of the arguments are that function's)."""
@@ -47,8 +48,8 @@ if triton is not None:
         y = _store_normed(Y + row * dim, x, W, offs, mask, dim, eps, ZERO_CENTERED)
         if QUANT:
             quantize_row(
-                tl.reshape(y, [BLOCK]).to(tl.float32), mask, Q + row * dim, Scale + row, Static, scale_ub,
-                STATIC, HAS_UB, MIN_AMAX, INV_MAX, MAX,
+                tl.reshape(y, [BLOCK]).to(tl.float32), mask, Q + row * dim, Scale + row, scale_stride, Static,
+                scale_ub, STATIC, HAS_UB, MIN_AMAX, INV_MAX, MAX, GROUP,
             )  # fmt: skip
 
     @triton.jit
@@ -99,25 +100,38 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_quant_kernel(
-        X, Y, inter, Q, Scale, Static, scale_ub, BLOCK: tl.constexpr, STATIC: tl.constexpr,
+        X, Y, inter, Q, Scale, Static, scale_ub, scale_stride, BLOCK: tl.constexpr, STATIC: tl.constexpr,
         HAS_UB: tl.constexpr, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
+        GROUP: tl.constexpr,
     ):  # fmt: skip
         """Program (row): `_silu_mul_kernel`'s values and their maximum in one pass, then their
-        e4m3 values from the stored row (re-read from cache, as `_quantize_rows_kernel` does)."""
+        e4m3 values from the stored row (re-read from cache, as `_quantize_rows_kernel` does).
+        GROUP > 0: each block of columns (whole groups) quantized from registers as it is made."""
         row, offs = tl.program_id(0), tl.arange(0, BLOCK)
-        amax = tl.zeros([BLOCK], tl.float32)
-        for c0 in range(0, inter, BLOCK):
-            mask = c0 + offs < inter
-            y = _silu_mul(X, row, c0 + offs, inter, mask)
-            tl.store(Y + row * inter + c0 + offs, y, mask=mask)
-            amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))  # masked columns are 0
-        scale = _row_scale(tl.max(amax, axis=0), Static, scale_ub, STATIC, HAS_UB, MIN_AMAX, INV_MAX)
-        tl.store(Scale + row, scale)
-        tl.debug_barrier()  # every thread's stores are visible before any reads them back
-        for c0 in range(0, inter, BLOCK):
-            mask = c0 + offs < inter
-            y = tl.load(Y + row * inter + c0 + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(Q + row * inter + c0 + offs, _to_e4m3(y, scale, Q.dtype.element_ty, MAX), mask=mask)
+        if GROUP > 0:
+            for c0 in range(0, inter, BLOCK):
+                mask = c0 + offs < inter
+                y = _silu_mul(X, row, c0 + offs, inter, mask)
+                tl.store(Y + row * inter + c0 + offs, y, mask=mask)
+                scale_at = Scale + (c0 // GROUP) * scale_stride + row
+                quantize_groups_of(
+                    y.to(tl.float32), mask, Q + row * inter + c0, scale_at, scale_stride, MIN_AMAX, INV_MAX,
+                    MAX, GROUP,
+                )  # fmt: skip
+        else:
+            amax = tl.zeros([BLOCK], tl.float32)
+            for c0 in range(0, inter, BLOCK):
+                mask = c0 + offs < inter
+                y = _silu_mul(X, row, c0 + offs, inter, mask)
+                tl.store(Y + row * inter + c0 + offs, y, mask=mask)
+                amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))  # masked columns are 0
+            scale = _row_scale(tl.max(amax, axis=0), Static, scale_ub, STATIC, HAS_UB, MIN_AMAX, INV_MAX)
+            tl.store(Scale + row, scale)
+            tl.debug_barrier()  # every thread's stores are visible before any reads them back
+            for c0 in range(0, inter, BLOCK):
+                mask = c0 + offs < inter
+                y = tl.load(Y + row * inter + c0 + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(Q + row * inter + c0 + offs, _to_e4m3(y, scale, Q.dtype.element_ty, MAX), mask=mask)
 
     @triton.jit
     def _rope_kernel(X, Cos, Sin, row_stride, head_stride, HALF: tl.constexpr):

@@ -86,12 +86,12 @@ class Fp8Linear(PackedLinear):
     def input_quant(self, x: torch.Tensor) -> ActivationQuant | None:
         """How the kernel producing x (or a tensor of its rows, dtype and device) should quantize
         it for this layer, None if it should not: only where `forward` would run `_scaled_mm`,
-        which would otherwise launch that quantization itself (`fp8_gemm.quantize_rows`), and
-        with one scale a row, all the producers make."""
+        which would otherwise launch that quantization itself (`fp8_gemm.quantize_rows`; per
+        token, or per token and 128 columns for `fp8-g128`)."""
         acts = self.activations()
-        if self.weight_scale.shape[1] != 1 or self._few_rows(x) is not None:
+        if self._few_rows(x) is not None or not scaled_mm_applies(x, self.weight, self.weight_scale, acts):
             return None
-        return acts if scaled_mm_applies(x, self.weight, self.weight_scale, acts) else None
+        return acts
 
     def _few_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """The few-row kernel's counters when x takes that kernel, else None."""
