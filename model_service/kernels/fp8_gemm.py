@@ -329,7 +329,7 @@ if triton is not None:
         Triton's `/` is approximate), the clamp to +-448, the round-to-nearest-even cast."""
         return tl.minimum(tl.maximum(tl.div_rn(x, scale), -MAX), MAX).to(dtype)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["scale_stride"])  # the row count: no variant per batch size
     def _quantize_rows_kernel(
         X, x_stride, K, Q, Scale, Static, scale_ub, scale_stride, BLOCK: tl.constexpr, STATIC: tl.constexpr,
         HAS_UB: tl.constexpr, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
@@ -371,7 +371,7 @@ if triton is not None:
         q = _to_e4m3(groups, scales[:, None], q_at.dtype.element_ty, MAX)
         tl.store(q_at + tl.arange(0, BLOCK), tl.reshape(q, [BLOCK]), mask=live)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # the row count: no variant per batch size
     def _quantize_groups_kernel(
         X, x_stride, M, K, Q, Scale, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
         GROUP: tl.constexpr,

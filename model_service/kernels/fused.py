@@ -29,7 +29,7 @@ if triton is not None:
     from model_service.kernels.fp8_gemm import _row_scale, _to_e4m3, quantize_groups_of, quantize_row
     from model_service.kernels.paged_attention import cache_value, rms_apply, rms_scale, rotated_rows
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["scale_stride"])  # the row count: no variant per batch size
     def _rms_norm_kernel(
         X, R, W, Y, RO, x_stride, dim, eps, Q, Scale, Static, scale_ub, scale_stride,
         HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
@@ -98,7 +98,7 @@ if triton is not None:
         mask = col < inter
         tl.store(Y + row * inter + col, _silu_mul(X, row, col, inter, mask), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["scale_stride"])  # the row count: no variant per batch size
     def _silu_mul_quant_kernel(
         X, Y, inter, Q, Scale, Static, scale_ub, scale_stride, BLOCK: tl.constexpr, STATIC: tl.constexpr,
         HAS_UB: tl.constexpr, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
