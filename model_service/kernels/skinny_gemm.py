@@ -189,8 +189,9 @@ def skinny_linear(
     _skinny_kernel[(n // cfg.block_n, cfg.split_k)](
         x, weight, bias if bias is not None else y, weight_scale if weight_scale is not None else y, y, parts,
         arrivals, rows, n, k, x.stride(0), weight.stride(1), weight.stride(0), *_scale_strides(weight_scale),
-        HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, GROUPED=groups > 1, BLOCK_M=MAX_ROWS,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=4, num_stages=cfg.num_stages,
+        HAS_BIAS=bias is not None, ROW_SCALE=weight_scale is not None and groups == 1, GROUPED=groups > 1,
+        BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=4,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
 
@@ -219,8 +220,8 @@ def _fp8_gemv(
     parts = torch.empty(split if split > 1 else 0, n, dtype=torch.float32, device=x.device)
     _fp8_gemv_kernel[(n // block_n, split)](
         x, weight, scale, bias if bias is not None else y, y, parts, arrivals, n, k, *_scale_strides(scale),
-        HAS_BIAS=bias is not None, GROUPED=groups > 1, GROUP=BLOCK_COLS, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % (split * block_k) == 0,
+        HAS_BIAS=bias is not None, ROW_SCALE=groups == 1, GROUPED=groups > 1, GROUP=BLOCK_COLS,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % (split * block_k) == 0,
         SPLIT_K=split, num_warps=4, num_stages=4 if block_n == 32 else 2,
     )  # fmt: skip
     return y
@@ -244,7 +245,7 @@ if triton is not None:
     @triton.jit
     def _fp8_gemv_kernel(
         X, W, Scale, Bias, Y, Parts, Arrivals, N, K, scale_stride_n, scale_stride_g, HAS_BIAS: tl.constexpr,
-        GROUPED: tl.constexpr,
+        ROW_SCALE: tl.constexpr, GROUPED: tl.constexpr,
         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
     ):  # fmt: skip
@@ -274,7 +275,7 @@ if triton is not None:
             else:
                 acc += tl.sum(products, axis=1)
         if SPLIT_K == 1:
-            _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS, not GROUPED)
+            _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS, ROW_SCALE)
         else:
             tl.store(Parts + k_slice * N + cols, acc)
             group = col_block // (64 // BLOCK_N)
@@ -284,11 +285,11 @@ if triton is not None:
                 for s in range(SPLIT_K):  # in slice order, whichever arrived last: deterministic
                     total += tl.load(Parts + s * N + group_cols, cache_modifier=".cg")
                 tl.atomic_xchg(Arrivals + group, 0)
-                _gemv_store(Y, Scale, Bias, total, group_cols, HAS_BIAS, not GROUPED)
+                _gemv_store(Y, Scale, Bias, total, group_cols, HAS_BIAS, ROW_SCALE)
 
     @triton.jit
-    def _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
-        if HAS_SCALE:
+    def _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr):
+        if ROW_SCALE:
             acc *= tl.load(Scale + cols)[None, :]
         if HAS_BIAS:
             acc += tl.load(Bias + cols)[None, :].to(tl.float32)
@@ -298,7 +299,7 @@ if triton is not None:
     def _skinny_kernel(
         X, W, Bias, Scale, Y, Parts, Arrivals, M, N, K, x_stride, w_stride_k, w_stride_n, scale_stride_n,
         scale_stride_g,
-        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
         """Program (column block, K slice). W [K, N] by its strides: unit stride along N for a
@@ -322,7 +323,7 @@ if triton is not None:
                 acc += tl.dot(x, w.to(x.dtype))
         out = rows[:, None] * N + cols[None, :]
         if SPLIT_K == 1:
-            _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS, HAS_SCALE and not GROUPED)
+            _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS, ROW_SCALE)
         else:
             tl.store(Parts + k_slice * M * N + out, acc, mask=live)
             if last_to_arrive(Arrivals + col_block, SPLIT_K):
@@ -330,4 +331,4 @@ if triton is not None:
                 for s in range(SPLIT_K):  # in slice order, whichever arrived last: deterministic
                     total += tl.load(Parts + s * M * N + out, mask=live, other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(Arrivals + col_block, 0)
-                _store_rows(Y, Bias, Scale, total, out, cols, live, HAS_BIAS, HAS_SCALE and not GROUPED)
+                _store_rows(Y, Bias, Scale, total, out, cols, live, HAS_BIAS, ROW_SCALE)
