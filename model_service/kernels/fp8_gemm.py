@@ -362,14 +362,13 @@ if triton is not None:
         """Values `y` [BLOCK] in registers (float32; `live` masks columns past the row, in whole
         groups), BLOCK a multiple of GROUP: each GROUP's scale, `scale_stride` apart from
         `scale_at` on, and their e4m3 values from `q_at` on, as `_quantize_groups_kernel` makes them."""
-        BLOCK: tl.constexpr = y.shape[0]
-        groups = tl.reshape(tl.where(live, y, 0.0), [BLOCK // GROUP, GROUP])
+        groups = tl.reshape(tl.where(live, y, 0.0), [y.shape[0] // GROUP, GROUP])
         scales = _row_scale(tl.max(tl.abs(groups), axis=1), scale_at, 0.0, False, False, MIN_AMAX, INV_MAX)
-        g = tl.arange(0, BLOCK // GROUP)
-        whole = tl.max(tl.reshape(live.to(tl.int32), [BLOCK // GROUP, GROUP]), axis=1) > 0
+        g = tl.arange(0, y.shape[0] // GROUP)
+        whole = tl.max(tl.reshape(live.to(tl.int32), [y.shape[0] // GROUP, GROUP]), axis=1) > 0
         tl.store(scale_at + g * scale_stride, scales, mask=whole)
         q = _to_e4m3(groups, scales[:, None], q_at.dtype.element_ty, MAX)
-        tl.store(q_at + tl.arange(0, BLOCK), tl.reshape(q, [BLOCK]), mask=live)
+        tl.store(q_at + tl.arange(0, y.shape[0]), tl.reshape(q, [y.shape[0]]), mask=live)
 
     @triton.jit(do_not_specialize=["M"])  # the row count: no variant per batch size
     def _quantize_groups_kernel(
