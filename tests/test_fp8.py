@@ -731,6 +731,32 @@ def test_the_scaled_mm_call_matches_the_reference_on_cpu():
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
 
 
+def test_the_block_scaled_mm_call_passes_torchs_checks(monkeypatch: pytest.MonkeyPatch):
+    """cuBLASLt's 1x128 x 1x128 block scaling runs on sm90 only, but torch's shape rules for it run
+    here (its meta `_scaled_mm`), and the stride rules its CUDA op checks (`is_blockwise_1x128_scaling`
+    on `a, scale_a` and on `b.t(), scale_b.t()`) are spelled out: the activations' scales [M, K/128]
+    with strides (1, M); `scale_b.t()` [N, K/128] with strides (1, N), from the weight's scales
+    stored column-major (a view) or row-major (a copy)."""
+    from model_service.kernels.fp8_gemm import QuantizedRows, scaled_mm_rows
+
+    m, n, k, meta = 300, 640, 512, torch.device("meta")
+    calls, real = [], torch._scaled_mm
+
+    def spy(a: torch.Tensor, b: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        calls.append((kwargs["scale_a"], kwargs["scale_b"]))
+        return real(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    weight = torch.empty(n, k, dtype=E4M3, device=meta)
+    x, q = torch.empty(m, k, dtype=torch.bfloat16, device=meta), torch.empty(m, k, dtype=E4M3, device=meta)
+    rows = QuantizedRows(x, q, torch.empty(k // 128, m, device=meta).t())
+    for weight_scale in (torch.empty(k // 128, n, device=meta).t(), torch.empty(n, k // 128, device=meta)):
+        assert scaled_mm_rows(rows, weight, weight_scale, None).shape == (m, n)
+        scale_a, scale_b = calls[-1]
+        assert scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m)
+        assert scale_b.t().shape == (n, k // 128) and scale_b.t().stride() == (1, n)
+
+
 def test_online_quantization_of_a_weight_stored_transposed_keeps_rows_contiguous():
     """An executor stores bf16 weights as views of their transposes (`store_weights_transposed`);
     quantizing such a layer (bench/serving.py --compare quantizes the model the bf16 engine ran)

@@ -211,15 +211,16 @@ def scaled_mm_rows(
 ) -> torch.Tensor:
     """rows [..., K] (quantized) @ weight [N, K].T in rows.x's dtype: `torch._scaled_mm`, the
     rescale in cuBLASLt's epilogue (the bias added after). Row-wise scales (activations [M, 1],
-    weights [1, N]), or 1x128 blocks on both (activations [M, K/128], weights [N, K/128]), each
-    column-major as cuBLASLt wants them: the weight's are stored so on CUDA
-    (`layers.store_weights_transposed`), a row-major one is copied."""
+    weights [1, N]), or 1x128 blocks on both: the activations' [M, K/128] column-major, the
+    weight's as the transpose of the weight operand takes them, [K/128, N] with rows contiguous
+    (torch checks `scale_b.t()` against `weight`: [N, K/128], column-major). The weight's scales
+    are stored column-major on CUDA (`layers.store_weights_transposed`), so that is a view; a
+    row-major one is copied."""
     q = rows.q.reshape(-1, rows.q.shape[-1])
     if weight_scale.shape[1] == 1:
         scale_a, scale_b = rows.scale.view(-1, 1), weight_scale.view(1, -1)
     else:
-        scale_a = rows.scale
-        scale_b = weight_scale if weight_scale.stride(0) == 1 else weight_scale.t().contiguous().t()
+        scale_a, scale_b = rows.scale, weight_scale.t().contiguous()
     y = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=rows.x.dtype)
     y = y if bias is None else y + bias
     return y.view(*rows.x.shape[:-1], weight.shape[0])
