@@ -244,17 +244,61 @@ def test_fused_and_unfused_routes_give_the_same_logits(monkeypatch: pytest.Monke
     assert torch.equal(fused[0], unfused[0]) and fused[1] == unfused[1]
 
 
-def run(loaded: LoadedModel) -> tuple[torch.Tensor, list[list[int]], dict[str, int]]:
+def emulated_block_scaled_mm(real: Any) -> Any:
+    """`torch._scaled_mm` with cuBLASLt's 1x128 x 1x128 block scaling emulated (it runs on sm90
+    only): the CUDA op's layout checks (`is_blockwise_1x128_scaling` on `a, scale_a` and on
+    `b.t(), scale_b.t()`), then both operands dequantized and multiplied in float32. Row-wise
+    calls go to `real`."""
+
+    def scaled_mm(a: torch.Tensor, b: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        scale_a, scale_b = kwargs["scale_a"], kwargs["scale_b"]
+        if scale_a.shape[1] == 1:
+            return real(a, b, **kwargs)
+        (m, k), n = a.shape, b.shape[1]
+        assert scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m)
+        assert scale_b.t().shape == (n, k // 128) and scale_b.t().stride() == (1, n)
+        x, w = dequantize_groups(a, scale_a, 128), dequantize_groups(b.t(), scale_b.t(), 128)
+        return (x @ w.T).to(kwargs["out_dtype"])
+
+    return scaled_mm
+
+
+def test_the_group_scheme_takes_the_block_scaled_gemm_fused_or_not(monkeypatch: pytest.MonkeyPatch):
+    """`fp8-g128` as it runs on sm90, the block-scaled `_scaled_mm` emulated with the CUDA op's
+    layout checks: the producers hand qkv, gate_up and down `QuantizedRows` with a scale per token
+    and 128 columns (o quantizes its own), the logits and tokens equal the unfused route's, and
+    both stay within bf16 rounding of the reference path the CPU runs."""
+    from bench.gpu import quantized, random_model
+
+    shape = {"vocab_size": 320, "hidden_size": 256, "intermediate_size": 384, "num_layers": 2,
+             "num_heads": 4, "num_kv_heads": 2, "head_dim": 64}  # fmt: skip  (K of 2-3 groups)
+    fp8 = quantized(random_model(shape, device="cpu", dtype=torch.bfloat16), "fp8-g128")
+    reference = run(fp8)
+    monkeypatch.setattr(torch, "_scaled_mm", emulated_block_scaled_mm(torch._scaled_mm))
+    monkeypatch.setattr(fp8_gemm, "scaled_mm_applies", lambda *args: True)
+    monkeypatch.setattr(fp8_linear_module, "scaled_mm_applies", lambda *args: True)
+    fused = run(fp8)
+    assert fused[2] == {"q_proj": 2, "gate_proj": 2, "down_proj": 2}, "o_proj quantizes its own input"
+    assert all(r.scale.shape[1] > 1 for r in fused[3])
+    monkeypatch.setattr(Fp8Linear, "input_quant", lambda self, x: None)
+    unfused = run(fp8)
+    assert torch.equal(fused[0], unfused[0]) and fused[1] == unfused[1]
+    torch.testing.assert_close(fused[0].float(), reference[0].float(), atol=0.05, rtol=0.05)
+
+
+def run(loaded: LoadedModel) -> tuple[torch.Tensor, list[list[int]], dict[str, int], list[QuantizedRows]]:
     """(a prefill's logits, greedy tokens of two prompts, how many layers' projections got
-    `QuantizedRows` in that prefill, by their first part), in bf16 on the CPU."""
+    `QuantizedRows` in that prefill, by their first part, and those rows), in bf16 on the CPU."""
     from tests.test_fp8 import all_logits
 
     counted: dict[str, int] = {}
+    handed: list[QuantizedRows] = []
     original = Fp8Linear.forward
 
     def counting(self: Fp8Linear, x: Any) -> torch.Tensor:
         if isinstance(x, QuantizedRows):
             counted[self.parts[0]] = counted.get(self.parts[0], 0) + 1
+            handed.append(x)
         return original(self, x)
 
     prompts = [[(7 * i + 3) % 300 + 5 for i in range(n)] for n in (9, 17)]
@@ -265,4 +309,4 @@ def run(loaded: LoadedModel) -> tuple[torch.Tensor, list[list[int]], dict[str, i
         {"prompt_token_ids": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True} for p in prompts
     ]
     outputs = make_engine(loaded, dtype="bfloat16").generate(requests)
-    return logits, [o.token_ids for o in outputs], counted
+    return logits, [o.token_ids for o in outputs], counted, handed
