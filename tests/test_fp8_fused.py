@@ -270,15 +270,9 @@ def test_the_group_scheme_takes_the_block_scaled_gemm_fused_or_not(monkeypatch: 
     both stay within bf16 rounding of the reference path the CPU runs."""
     from bench.gpu import quantized, random_model
 
-    shape = {
-        "vocab_size": 320,
-        "hidden_size": 256,
-        "intermediate_size": 384,
-        "num_layers": 2,
-        "num_heads": 4,
-        "num_kv_heads": 2,
-        "head_dim": 64,
-    }  # fmt: skip  (K of 2-3 groups)
+    # every projection's K is 2 or 3 groups of 128
+    shape = {"vocab_size": 320, "hidden_size": 256, "intermediate_size": 384, "num_layers": 2,
+             "num_heads": 4, "num_kv_heads": 2, "head_dim": 64}  # fmt: skip
     fp8 = quantized(random_model(shape, device="cpu", dtype=torch.bfloat16), "fp8-g128")
     reference = run(fp8)
     monkeypatch.setattr(torch, "_scaled_mm", emulated_block_scaled_mm(torch._scaled_mm))
