@@ -476,7 +476,8 @@ def engine_runs(
     """Every figure of our engine over `loaded` (graphs, eager, TTFT, host share, profiles,
     verify cost, LoRA); returns the table's rows. The system names end in -fp8 for FP8 weights."""
     scheme = loaded.config.quantization
-    flag = "none" if scheme is None else next(f for f, s in ONLINE_SCHEMES.items() if s == scheme)
+    online = (f for f, s in ONLINE_SCHEMES.items() if s == scheme)
+    flag = "none" if scheme is None else next(online, scheme.method)  # a checkpoint's: its method
     setup = {**setup, "quantization": flag}
     suffix = "" if scheme is None else f"-{flag}"
     vocab = loaded.config.vocab_size
