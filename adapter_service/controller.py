@@ -145,7 +145,7 @@ class Controller:
         """Rebuild the registry index from the store when it has none (new or flushed Redis)."""
         if await self.registry.is_built():
             return False
-        latest = await self.store.latest()
+        latest = await self.store.versions(latest=True)
         await self.registry.rebuild(latest)
         log.warning("registry index rebuilt from storage: %d adapters", len(latest))
         metrics.REBUILDS.inc()

@@ -87,7 +87,7 @@ async def _register(
 ) -> Registered:
     async with leases.hold(f"register:{name}", f"another registration of {name!r}", abandoned) as owner:
         await _roll_back(c, owner, leases.ttl, name)
-        latest = next(iter(await c.store.latest(name)), None)
+        latest = next(iter(await c.store.versions(name, latest=True)), None)
         if latest is not None and latest.sha256 == sha:
             await _index(c, owner, latest)
             return Registered(latest, new=False)

@@ -153,13 +153,10 @@ class Store:
         base = self._dir(name, version)
         return await asyncio.to_thread(lambda: (self._read(base + CONFIG), self._read(base + WEIGHTS)))
 
-    async def versions(self, name: str = "") -> list[Version]:
-        """Every committed version (of `name`, or of all adapters), oldest first per name."""
-        return await asyncio.to_thread(self._versions, name, False)
-
-    async def latest(self, name: str = "") -> list[Version]:
-        """The latest committed version of `name` (none, or one), or of every adapter."""
-        return await asyncio.to_thread(self._versions, name, True)
+    async def versions(self, name: str = "", latest: bool = False) -> list[Version]:
+        """Every committed version (of `name`, or of all adapters), oldest first per name; with
+        `latest`, only each name's latest (what the service reads: one read a name)."""
+        return await asyncio.to_thread(self._versions, name, latest)
 
     async def roll_back(self, name: str, above: int) -> int:
         return await asyncio.to_thread(self._roll_back, name, above)

@@ -551,9 +551,10 @@ def test_store_versions_multipart_pins_removal_and_no_half_writes(store, tmp_pat
         await store.set_pinned("a", True)
         assert [v.pinned for v in await store.versions("a")] == [True, True]
         await store.put(_version("a", 10), b"{}", weights)  # v000010 sorts above v000002
-        latest = [(v.name, v.version, v.pinned) for v in await store.latest()]
+        latest = [(v.name, v.version, v.pinned) for v in await store.versions(latest=True)]
         assert latest == [("a", 10, True), ("b", 1, False)]
-        assert [v.version for v in await store.latest("a")] == [10] and await store.latest("c") == []
+        assert [v.version for v in await store.versions("a", latest=True)] == [10]
+        assert await store.versions("c", latest=True) == []
         assert await store.remove("a") == 3
         assert [v.name for v in await store.versions()] == ["b"]
         original = store._write
