@@ -128,27 +128,30 @@ def perplexity(loaded: LoadedModel, ids: list[int], device: str) -> float:
 
 
 def measure(
-    device: str = "cpu", full: LoadedModel | None = None, text: str = TEXT, flag: str = "fp8"
-) -> dict[str, object]:
-    """Both perplexities of `text` and their ratio, FP8 (`--quantization flag`) over unquantized;
-    `full`: SmolLM2 already loaded (in the compute dtype, on `device`)."""
+    device: str = "cpu", full: LoadedModel | None = None, text: str = TEXT, flags: tuple[str, ...] = ("fp8",)
+) -> list[dict[str, object]]:
+    """For each `--quantization` flag, both perplexities of `text` and their ratio, FP8 over
+    unquantized (the unquantized one computed once); `full`: SmolLM2 already loaded (in the
+    compute dtype, on `device`)."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    t = time.perf_counter()
     full = full or load_model("smollm2", dtype, torch.device(device))
-    # What load_model(quantization=flag) does after loading, on a copy: one GGUF read, not two.
-    module, scheme = own_module_tree(full.module), ONLINE_SCHEMES[flag]
-    quantize_online(module, scheme)
-    config = dataclasses.replace(full.config, quantization=scheme)
-    fp8 = dataclasses.replace(full, module=module, config=config)
     assert full.tokenizer is not None
     ids = full.tokenizer.encode(text)
-    base, quantized = perplexity(full, ids, device), perplexity(fp8, ids, device)
-    return {
-        "bench": "fp8_quality", "model": "smollm2-135m-instruct", "device": device, "dtype": str(dtype),
-        "quantization": flag, "scales": "per row and 128 columns" if scheme.block else "per channel",
-        "tokens": len(ids), "ppl": round(base, 4), "ppl_fp8": round(quantized, 4),
-        "ratio": round(quantized / base, 4), "seconds": round(time.perf_counter() - t, 1),
-    }  # fmt: skip
+    base, results = perplexity(full, ids, device), []
+    for flag in flags:
+        t, scheme = time.perf_counter(), ONLINE_SCHEMES[flag]
+        # What load_model(quantization=flag) does after loading, on a copy: one GGUF read, not two.
+        module = own_module_tree(full.module)
+        quantize_online(module, scheme)
+        config = dataclasses.replace(full.config, quantization=scheme)
+        ppl = perplexity(dataclasses.replace(full, module=module, config=config), ids, device)
+        results.append({
+            "bench": "fp8_quality", "model": "smollm2-135m-instruct", "device": device, "dtype": str(dtype),
+            "quantization": flag, "scales": "per row and 128 columns" if scheme.block else "per channel",
+            "tokens": len(ids), "ppl": round(base, 4), "ppl_fp8": round(ppl, 4),
+            "ratio": round(ppl / base, 4), "seconds": round(time.perf_counter() - t, 1),
+        })  # fmt: skip
+    return results
 
 
 def main() -> None:
@@ -161,10 +164,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     configure_process()
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    full = load_model("smollm2", dtype, torch.device(args.device))
-    for flag in args.quantization or ONLINE_SCHEMES:
-        print(json.dumps(measure(args.device, full, flag=flag)), flush=True)
+    for result in measure(args.device, flags=tuple(args.quantization or ONLINE_SCHEMES)):
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

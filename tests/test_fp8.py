@@ -512,7 +512,7 @@ def test_smollm2_perplexity_in_fp8(smollm2, flag: str, bound: float):
     so a regression in either path shows."""
     from bench.fp8_quality import TEXT, measure
 
-    result = measure("cpu", smollm2, TEXT[: TEXT.index("\n\n")], flag)
+    (result,) = measure("cpu", smollm2, TEXT[: TEXT.index("\n\n")], (flag,))
     assert 1.0 < result["ratio"] < bound, result
 
 
