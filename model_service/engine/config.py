@@ -192,8 +192,7 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
-        if self.quantization not in ("none", *ONLINE_SCHEMES):
-            known = ["none", *ONLINE_SCHEMES]
+        if self.quantization not in (known := ["none", *ONLINE_SCHEMES]):
             raise ValueError(f"quantization must be one of {known}, got {self.quantization!r}")
         if min(self.adapter_starvation_s, self.adapter_drain_s, self.adapter_wait_timeout_s) < 0:
             raise ValueError("the adapter_*_s waits must not be negative")

@@ -18,12 +18,14 @@ into its epilogue; the activations are quantized for it by one Triton launch (`q
 bit for bit the torch ops' result). Products whose scales cover 128 columns (the `fp8-g128`
 scheme, and 128x128 block checkpoints in their row form) go to `torch._scaled_mm` with 1x128
 block scaling on both operands on sm90 with CUDA 12.9+ (cuBLASLt scales each 128-deep partial
-sum), their activations quantized per token and 128 columns by torch ops. Everything else there
-(weight-only schemes, block-wise ones elsewhere) takes the reference in bfloat16, i.e.
-dequantize-then-matmul: correct, and slower than bfloat16 weights (each call writes and reads a
-bf16 copy of the weight). Decode steps of <= 16 rows with per-row weight scales do not come
-here: `Fp8Linear` sends them to the few-row kernel of `kernels/skinny_gemm.py` in W8A16
-(cuBLASLt is poor at M = 1).
+sum), their activations quantized per token and 128 columns by one Triton launch
+(`quantize_column_groups`). Everything else there (weight-only schemes, block-wise ones
+elsewhere) takes the reference in bfloat16, i.e. dequantize-then-matmul: correct, and slower
+than bfloat16 weights (each call writes and reads a bf16 copy of the weight). Decode steps of
+<= 16 rows (scales per row or per 128 columns) do not come here: `Fp8Linear` sends them to the
+few-row kernels of `kernels/skinny_gemm.py` in W8A16 (cuBLASLt is poor at M = 1). Producers of
+an FP8 projection's input quantize it for `_scaled_mm` themselves (`row_quant_outputs`,
+`quantize_row`).
 """
 
 from __future__ import annotations

@@ -220,9 +220,8 @@ def _fp8_gemv(
     parts = torch.empty(split if split > 1 else 0, n, dtype=torch.float32, device=x.device)
     _fp8_gemv_kernel[(n // block_n, split)](
         x, weight, scale, bias if bias is not None else y, y, parts, arrivals, n, k, *_scale_strides(scale),
-        HAS_BIAS=bias is not None, ROW_SCALE=groups == 1, GROUPED=groups > 1, GROUP=BLOCK_COLS,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % (split * block_k) == 0,
-        SPLIT_K=split, num_warps=4, num_stages=4 if block_n == 32 else 2,
+        HAS_BIAS=bias is not None, GROUPED=groups > 1, GROUP=BLOCK_COLS, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % (split * block_k) == 0, SPLIT_K=split, num_warps=4, num_stages=4 if block_n == 32 else 2,
     )  # fmt: skip
     return y
 
@@ -235,8 +234,8 @@ def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
 if triton is not None:
 
     @triton.jit
-    def _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr):
-        if ROW_SCALE:
+    def _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr):
+        if not GROUPED:  # grouped sums were scaled group by group
             acc *= tl.load(Scale + cols)
         if HAS_BIAS:
             acc += tl.load(Bias + cols).to(tl.float32)
@@ -245,9 +244,8 @@ if triton is not None:
     @triton.jit
     def _fp8_gemv_kernel(
         X, W, Scale, Bias, Y, Parts, Arrivals, N, K, scale_stride_n, scale_stride_g, HAS_BIAS: tl.constexpr,
-        ROW_SCALE: tl.constexpr, GROUPED: tl.constexpr,
-        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        SPLIT_K: tl.constexpr,
+        GROUPED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
         """Program (column block, K slice); with SPLIT_K > 1, the counter of 64 columns
         (64 / BLOCK_N column blocks) takes SPLIT_K * 64 / BLOCK_N arrivals. GROUPED: Scale is
@@ -275,7 +273,7 @@ if triton is not None:
             else:
                 acc += tl.sum(products, axis=1)
         if SPLIT_K == 1:
-            _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS, ROW_SCALE)
+            _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS, GROUPED)
         else:
             tl.store(Parts + k_slice * N + cols, acc)
             group = col_block // (64 // BLOCK_N)
@@ -285,7 +283,7 @@ if triton is not None:
                 for s in range(SPLIT_K):  # in slice order, whichever arrived last: deterministic
                     total += tl.load(Parts + s * N + group_cols, cache_modifier=".cg")
                 tl.atomic_xchg(Arrivals + group, 0)
-                _gemv_store(Y, Scale, Bias, total, group_cols, HAS_BIAS, ROW_SCALE)
+                _gemv_store(Y, Scale, Bias, total, group_cols, HAS_BIAS, GROUPED)
 
     @triton.jit
     def _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr):
