@@ -10,13 +10,15 @@ against the base model in the same engine. With `--quantization fp8`, the same m
 projections quantized online (per-channel e4m3 weights, per-token activations,
 `torch._scaled_mm`: `--quantization fp8` of the engine; `fp8-g128`: per row and 128 columns,
 per token and 128 columns) run instead, and with `--compare` as
-well as the bf16 model, each figure beside the other (and their ratio) in one run.
+well as the bf16 model, each figure beside the other (and their ratio) in one run. Several
+schemes (`--quantization fp8 fp8-g128`) run one after the other over the same random weights,
+each quantized copy built when its turn comes: one process, one machine, comparable figures.
 `--kv-cache-dtype fp8`: every engine of the run stores K/V in e4m3 (the engine's flag). Prints
 one JSON line per result, then a short table.
 
     python bench/gpu.py [--batches 1 16 64 256] [--new-tokens 64] [--hf-batches] [--small]
                         [--lora-adapters 64 --lora-batch 64 --lora-rank 16]
-                        [--quantization fp8|fp8-g128 [--compare]] [--kv-cache-dtype fp8]
+                        [--quantization fp8 [fp8-g128] [--compare]] [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -585,12 +587,14 @@ def main() -> None:
     ap.add_argument("--profile-batches", type=int, nargs="*", default=[], help="device time per kernel")
     ap.add_argument("--profile-lora", action="store_true", help="device time per kernel of the LoRA run")
     ap.add_argument(
-        "--quantization", default="none", choices=["none", *ONLINE_SCHEMES], help="the engine's flag"
-    )
+        "--quantization", nargs="+", default=["none"], choices=["none", *ONLINE_SCHEMES],
+        help="the engine's flag; several: each in turn",
+    )  # fmt: skip
     ap.add_argument("--compare", action="store_true", help="with --quantization fp8: the bf16 model too")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the engine's flag")
     args = ap.parse_args()
-    if args.compare and args.quantization == "none":
+    schemes = [q for q in dict.fromkeys(args.quantization) if q != "none"]
+    if args.compare and not schemes:
         ap.error("--compare compares --quantization fp8 with bf16: give --quantization fp8")
     shape = SMOLLM2 if args.small else LLAMA3_8B
     setup = {
@@ -610,11 +614,13 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     print(json.dumps({"bench": "gpu", "metric": "copy_bandwidth_gb_s", "value": round(bandwidth), **setup}))
     loaded = random_model(shape)
-    models = [loaded] if args.quantization == "none" or args.compare else []
-    models += [quantized(loaded, args.quantization)] if args.quantization != "none" else []
-    rows = [row for model in models for row in engine_runs(model, args, setup, bandwidth)]
-    if args.compare:
-        print_fp8_over_bf16(rows, setup, args.quantization)
+    bf16 = "none" in args.quantization or args.compare
+    rows = engine_runs(loaded, args, setup, bandwidth) if bf16 else []
+    for flag in schemes:  # one quantized copy at a time: each is 8 GB on the 8B shape
+        rows += engine_runs(quantized(loaded, flag), args, setup, bandwidth)
+        torch.cuda.empty_cache()
+        if args.compare:
+            print_fp8_over_bf16(rows, setup, flag)
     for batch in args.hf_batches:
         torch.cuda.empty_cache()
         rate = hf_decode_tok_s(loaded, batch, args.prompt_len, args.new_tokens)
