@@ -171,15 +171,15 @@ def test_the_one_row_gemv_splits_k_where_k_is_long(
     each group to arrive: the weight-only reference to float32's summation error, the counters
     left zeroed, the same bits on a second call; one slice otherwise (K masked at 1,000)."""
     monkeypatch.setattr(skinny_module, "_device_limits", lambda device: (132, 232_448))
-    assert skinny_module.gemv_split(k, n, skinny_module.gemv_tiles(n)[1]) == split
+    assert skinny_module.gemv_config(k, n).split == split
     torch.manual_seed(n + k)
     weight, scale = quantize_groups(torch.randn(n, k), k)
     x, bias = torch.randn(1, k), torch.randn(n)
     arrivals = torch.zeros(max(1, n // 64), dtype=torch.int32)
-    got = skinny_module._fp8_gemv(x, weight, bias, scale, arrivals)
+    got = skinny_module.fp8_gemv(x, weight, bias, scale, arrivals)
     torch.testing.assert_close(got, x @ (weight.float() * scale).T + bias, atol=1e-4, rtol=1e-5)
     assert int(arrivals.abs().sum()) == 0
-    assert torch.equal(skinny_module._fp8_gemv(x, weight, bias, scale, arrivals), got)
+    assert torch.equal(skinny_module.fp8_gemv(x, weight, bias, scale, arrivals), got)
 
 
 @interpreter

@@ -16,7 +16,7 @@ row scales applied to the float32 sums. One byte a weight: half the bytes of a b
 Weights with a scale per row and 128 columns (`--quantization fp8-g128`, block checkpoints in
 row form) scale each 128-deep partial sum by its own (K tiles of 128 for `tl.dot`; the GEMV
 sums its wider tiles in groups of 128 first): 4 more bytes of scale per 128 of weight.
-A single row (batch-1 decode) with e4m3 weights takes a GEMV kernel instead (`_fp8_gemv`), which
+A single row (batch-1 decode) with e4m3 weights takes a GEMV kernel instead (`fp8_gemv`), which
 reads the weight's rows as they lie and sums without the tensor cores: 30% faster there.
 
 H200, Llama-3-8B shapes, one row, 32 distinct weights in a graph (`devrun` bench of
@@ -129,7 +129,7 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
         return False
     n, k = weight.shape
     if weight_scale is not None and x.shape[0] == 1:  # the GEMV: any K (masked), N in whole column blocks
-        return n % gemv_tiles(n, sms)[0] == 0
+        return n % gemv_config(k, n, sms).block_n == 0
     grouped = weight_scale is not None and weight_scale.shape[1] > 1
     return skinny_config(k, n, sms, smem, weight.element_size(), grouped) is not None
 
@@ -141,21 +141,30 @@ def _groups(weight: torch.Tensor) -> tuple[int, int]:
     return (n, k // BLOCK_COLS) if k % BLOCK_COLS == 0 else (-1, -1)
 
 
-def gemv_tiles(n: int, sms: int = 132) -> tuple[int, int]:
-    """(block_n, block_k) of the one-row e4m3 GEMV (`_fp8_gemv`): wide outputs (gate_up) in
-    [32, 256] tiles, enough programs already; the rest in [8, 1024] ones, so that o's 4,096
-    columns still start 512 programs."""
-    return (32, 256) if n // 32 >= 4 * sms else (8, 1024)
+@dataclass(frozen=True)
+class GemvConfig:
+    """The one-row e4m3 GEMV's tiling (`fp8_gemv`): [block_n, block_k] weight tiles, K in
+    `split` slices, `num_warps` and `num_stages` of Triton's."""
+
+    block_n: int
+    block_k: int
+    split: int
+    num_warps: int
+    num_stages: int
 
 
-def gemv_split(k: int, n: int, block_k: int) -> int:
-    """How many slices the one-row GEMV splits K into: two where K is at least N (o 4,096 ->
-    4,096, down 14,336 -> 4,096 on the 8B shape), whose programs each stream a long row of K
-    bytes, too few of them in flight to reach the copy bandwidth; one otherwise (qkv, gate_up:
-    more columns, shorter rows). Two slices need whole K tiles each and whole 64-column groups
-    (the arrival counters `PackedLinear.skinny_arrivals` makes). H200, 8B shapes, one row: o
-    7.8 -> 7.3 us, down 20.1 -> 17.8."""
-    return 2 if k >= n and k % (2 * block_k) == 0 and n % 64 == 0 else 1
+def gemv_config(k: int, n: int, sms: int = 132) -> GemvConfig:
+    """The GEMV's tiling for a [1, k] x [k, n] product. Wide outputs (gate_up) in [32, 256]
+    tiles, enough programs already; the rest in [8, 1024] ones, so that o's 4,096 columns still
+    start 512 programs. K in two slices where K is at least N (o 4,096 -> 4,096, down 14,336 ->
+    4,096 on the 8B shape), whose programs each stream a long row of K bytes, too few of them in
+    flight to reach the copy bandwidth; one otherwise (qkv, gate_up: more columns, shorter rows).
+    Two slices need whole K tiles each and whole 64-column groups (the arrival counters
+    `PackedLinear.skinny_arrivals` makes). H200, 8B shapes, one row: o 7.8 -> 7.3 us, down 20.1
+    -> 17.8 with the split (`bench/fp8_gemm.py --sweep-gemv` tries others)."""
+    block_n, block_k = (32, 256) if n // 32 >= 4 * sms else (8, 1024)
+    split = 2 if k >= n and k % (2 * block_k) == 0 and n % 64 == 0 else 1
+    return GemvConfig(block_n, block_k, split, 4, 4 if block_n == 32 else 2)
 
 
 def skinny_linear(
@@ -179,7 +188,7 @@ def skinny_linear(
     rows, k = x.shape
     n = weight.shape[0]
     if rows == 1 and weight_scale is not None:
-        return _fp8_gemv(x, weight, bias, weight_scale, arrivals)
+        return fp8_gemv(x, weight, bias, weight_scale, arrivals)
     groups = weight_scale.shape[1] if weight_scale is not None else 1
     cfg = skinny_config(k, n, *_device_limits(x.device), weight.element_size(), groups > 1)
     assert cfg is not None and (cfg.split_k == 1 or arrivals.numel() >= n // cfg.block_n)
@@ -196,12 +205,13 @@ def skinny_linear(
     return y
 
 
-def _fp8_gemv(
+def fp8_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     scale: torch.Tensor,
     arrivals: torch.Tensor,
+    config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """One row times an e4m3 weight [n, k] without `tl.dot`: each program reads [block_n, block_k]
     tiles along K as the rows lie (long contiguous runs of bytes, no operand layout for the tensor
@@ -209,19 +219,21 @@ def _fp8_gemv(
     of the tile. A batch-1 decode step is all such products. H200, 8B shapes (one row, 24
     distinct weights in a graph, 2026-12-02 t): qkv 14.0 -> 9.3 us against the tuned `tl.dot`
     kernel, o 11.3 -> 7.8, gate_up 42.6 -> 29.9 (3.9 TB/s of weight bytes), down 28.0 -> 20.1.
-    Where K is long against N (`gemv_split`) K is split in two: each slice's partial sums go to
-    a float32 buffer and the last program of each 64 columns to arrive (its `arrivals` counter,
-    left zeroed) adds them in slice order: deterministic, and no second launch."""
+    Where K is split (`gemv_config`, or the `config` a sweep gives), each slice's partial sums go
+    to a float32 buffer and the last program of each 64 columns to arrive (its `arrivals`
+    counter, left zeroed) adds them in slice order: deterministic, and no second launch."""
     k, n, groups = x.shape[1], weight.shape[0], scale.shape[1]
-    block_n, block_k = gemv_tiles(n, _device_limits(x.device)[0])
-    split = gemv_split(k, n, block_k)
-    assert n % block_n == 0 and (split == 1 or arrivals.numel() >= n // 64)
+    cfg = config or gemv_config(k, n, _device_limits(x.device)[0])
+    assert n % cfg.block_n == 0 and (
+        cfg.split == 1 or (64 % cfg.block_n == 0 and arrivals.numel() >= n // 64)
+    )
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    parts = torch.empty(split if split > 1 else 0, n, dtype=torch.float32, device=x.device)
-    _fp8_gemv_kernel[(n // block_n, split)](
+    parts = torch.empty(cfg.split if cfg.split > 1 else 0, n, dtype=torch.float32, device=x.device)
+    _fp8_gemv_kernel[(n // cfg.block_n, cfg.split)](
         x, weight, scale, bias if bias is not None else y, y, parts, arrivals, n, k, *_scale_strides(scale),
-        HAS_BIAS=bias is not None, GROUPED=groups > 1, GROUP=BLOCK_COLS, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % (split * block_k) == 0, SPLIT_K=split, num_warps=4, num_stages=4 if block_n == 32 else 2,
+        HAS_BIAS=bias is not None, GROUPED=groups > 1, GROUP=BLOCK_COLS, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, EVEN_K=k % (cfg.split * cfg.block_k) == 0, SPLIT_K=cfg.split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
 
