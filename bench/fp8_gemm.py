@@ -83,13 +83,9 @@ def time_layers(args: argparse.Namespace, setup: dict) -> None:
                 fmt: time_graph(functools.partial(call_layer, ls, x), len(ls)) for fmt, ls in layers.items()
             }
             for fmt, t in us.items():
-                width = 2 if fmt == "bf16" else 1
+                tb_s = round(n * k * (2 if fmt == "bf16" else 1) / t / 1e6, 2)  # weight bytes a us
                 line = {"bench": "fp8_gemm", "shape": name, "k": k, "n": n, "rows": rows, "format": fmt}
-                print(
-                    json.dumps(
-                        {**line, "us": round(t, 2), "tb_s": round(n * k * width / t / 1e6, 2), **setup}
-                    )
-                )
+                print(json.dumps({**line, "us": round(t, 2), "tb_s": tb_s, **setup}))
             table.append((name, rows, us))
         del layers
         torch.cuda.empty_cache()
