@@ -28,7 +28,7 @@ from dataclasses import asdict
 import torch
 from torch import nn
 
-from model_service.kernels.fp8_gemm import has_block_scaled_mm
+from model_service.kernels.fp8_gemm import dequantize_groups, has_block_scaled_mm
 from model_service.kernels.skinny_gemm import GemvConfig, fp8_gemv, gemv_config
 from model_service.models.fp8_linear import Fp8Linear
 from model_service.models.layers import PackedLinear, store_weights_transposed
@@ -99,13 +99,14 @@ def call_layer(layers: list[nn.Module], x: torch.Tensor, i: int) -> torch.Tensor
     return layers[i](x)
 
 
-def gemv_grid(k: int, n: int) -> list[GemvConfig]:
-    """The engine's tiling, then tiles of 8-32 KB in 1-4 K slices, 4 or 8 warps, 2 or 4 stages."""
+def gemv_grid(k: int, n: int, sms: int = 132) -> list[GemvConfig]:
+    """The engine's tiling on `sms` SMs, then tiles of 8-32 KB in 1-4 K slices, 4 or 8 warps, 2 or
+    4 stages (each tiling once)."""
     tiles = ((4, 2048), (8, 1024), (8, 2048), (16, 512), (16, 1024), (32, 256), (32, 512))
     grid = itertools.product(tiles, (1, 2, 4), (4, 8), (2, 4))
     configs = [GemvConfig(bn, bk, split, warps, stages) for (bn, bk), split, warps, stages in grid]
     whole = [c for c in configs if n % c.block_n == 0 and k % (c.split * c.block_k) == 0]
-    return [gemv_config(k, n), *(c for c in whole if c.split == 1 or n % 64 == 0)]
+    return list(dict.fromkeys([gemv_config(k, n, sms), *(c for c in whole if c.split == 1 or n % 64 == 0)]))
 
 
 def call_gemv(
@@ -114,17 +115,16 @@ def call_gemv(
     return fp8_gemv(x, layers[i].weight, None, layers[i].weight_scale, arrivals, cfg)
 
 
-def sweep_format(w: torch.Tensor, fmt: str) -> list[tuple[float, GemvConfig]]:
-    """(us, tiling) of one row times w in `fmt`, the engine's tiling first; a tiling whose result
-    is off is printed and left out."""
+def sweep_format(w: torch.Tensor, fmt: str, sms: int) -> list[tuple[float, GemvConfig]]:
+    """(us, tiling) of one row times w in `fmt` over `gemv_grid`; a tiling whose result is off
+    is printed and left out."""
     n, k = w.shape
     layers = [layer(w, fmt) for _ in range(copies_of(k, n, fmt))]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     arrivals = torch.zeros(n // 64, dtype=torch.int32, device="cuda")
-    first = layers[0]
-    exact = x.float() @ (first.weight.float() * first.weight_scale.repeat_interleave(first.group, 1)).T
+    exact = x.float() @ dequantize_groups(layers[0].weight, layers[0].weight_scale, layers[0].group).T
     timed = []
-    for cfg in gemv_grid(k, n):
+    for cfg in gemv_grid(k, n, sms):
         call = functools.partial(call_gemv, layers, x, arrivals, cfg)
         error = float((call(0).float() - exact).abs().max() / exact.abs().max())
         if error > 1e-2:
@@ -139,14 +139,17 @@ def sweep_format(w: torch.Tensor, fmt: str) -> list[tuple[float, GemvConfig]]:
 
 
 def sweep_gemv(args: argparse.Namespace, setup: dict) -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count  # as the engine's `gemv_config` gets it
     for name in args.shapes:
         k, n = SHAPES[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
         for fmt in ONLINE_SCHEMES:
-            timed = sweep_format(w, fmt)
+            timed = sweep_format(w, fmt, sms)
             line = {"bench": "fp8_gemv", "shape": name, "k": k, "n": n, "format": fmt, **setup}
-            for rank, (us, cfg) in enumerate([timed[0], *sorted(timed, key=lambda t: t[0])[:5]]):
-                role = "engine" if rank == 0 else f"best{rank}"
+            engine = [t for t in timed if t[1] == gemv_config(k, n, sms)]  # none if its result was off
+            ranked = [("engine", *t) for t in engine]
+            ranked += [(f"best{rank}", *t) for rank, t in enumerate(sorted(timed, key=lambda t: t[0])[:5], 1)]
+            for role, us, cfg in ranked:
                 tb_s = round(n * k / us / 1e6, 2)
                 print(json.dumps({**line, "role": role, "us": round(us, 2), "tb_s": tb_s, **asdict(cfg)}))
             torch.cuda.empty_cache()
