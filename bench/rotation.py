@@ -62,6 +62,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from bench.gpu import LLAMA3_8B, SMOLLM2, host_cpu, random_adapter, random_lora_modules, random_model
@@ -72,6 +73,7 @@ from model_service.lora.adapter import LoraAdapter, LoraWeights, content_id
 from model_service.lora.pool import LoraPool
 from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel
+from model_service.models.step import StepBatch
 from model_service.startup import configure_process
 
 TINY = {
@@ -208,6 +210,32 @@ class TimedWriter:
         return {name: (self.calls[name], self.seconds[name]) for name in self.calls}
 
 
+class StepAdapters:
+    """Wraps an executor's `execute` and records, for each decode step (every row one token),
+    how many distinct adapters its rows use: the adapters whose weights the step's LoRA kernels
+    must read at least once, so the floor of their time (bytes over the copy bandwidth) scales
+    with it. Uniform traffic over 64 adapters at 64 rows leaves ~55 distinct in a full step, not 64."""
+
+    def __init__(self, execute: Callable[..., torch.Tensor]) -> None:
+        self.execute, self.counts = execute, []
+
+    def __call__(self, batch: StepBatch, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if batch.num_leading_decodes == batch.num_seqs:
+            self.counts.append(len(np.unique(batch.host_lora_slots[batch.host_lora_slots >= 0])))
+        return self.execute(batch, *args, **kwargs)
+
+    def summary(self, since: int) -> dict[str, float]:
+        """Decode steps recorded after the first `since`: the mean and median distinct adapters."""
+        counts = self.counts[since:]
+        if not counts:
+            return {}
+        return {
+            "decode_steps": len(counts),
+            "distinct_adapters_per_decode_step_mean": float(np.mean(counts)),
+            "distinct_adapters_per_decode_step_p50": float(np.median(counts)),
+        }
+
+
 class Engines:
     """One engine at a time, built again only when a configuration needs other settings; each
     build is captured as a pod's warm-up is (`bench.serving.capture`) and reported. Also the
@@ -227,6 +255,7 @@ class Engines:
             torch.cuda.empty_cache()
         engine = Engine(config, loaded=self.loaded)
         engine.lora.writer = TimedWriter(engine.lora.writer)
+        engine.executor.execute = StepAdapters(engine.executor.execute)
         self.report({"system": "warm-up", **capture(engine), "engine": engine_flags(config)})
         self.engine = engine
         return engine
@@ -359,6 +388,9 @@ def measure(
     writer = engine.lora.writer
     assert isinstance(writer, TimedWriter), "Engines.get wraps every engine's writer"
     calls, counters, preemptions = writer.snapshot(), adapter_counters(engine), engine.stats().num_preemptions
+    steps = engine.executor.execute
+    assert isinstance(steps, StepAdapters), "Engines.get wraps every engine's execute"
+    since = len(steps.counts)
     per_request, failed = request_adapters(config, names, uniforms), []
     result = spindle_serving(
         engine, requests, args.concurrency, per_request, failed=failed, admit_for_s=args.duration or None
@@ -380,6 +412,7 @@ def measure(
         "writer_calls": {name: [n, round(s, 4)] for name, (n, s) in delta.items() if n},
         "engine_adapter_counters": {k: v - counters[k] for k, v in adapter_counters(engine).items()},
         "preemptions": engine.stats().num_preemptions - preemptions,
+        **steps.summary(since),
     }
 
 

@@ -40,6 +40,10 @@ def test_the_cpu_mode_reports_every_configuration_and_no_request_fails(capsys):
     assert zipf["over_few"] > 0 and zipf["ttft_p99_over_few"] > 0
     assert few["adapters"] == 5 and few["engine"]["max_lora_rank"] == zipf["engine"]["max_lora_rank"] == 64
     assert runs["base"]["engine"]["max_loras"] == 0 and runs["r16-all"]["engine"]["max_lora_rank"] == 16
+    # at 8 rows over 8 uniform adapters a decode step holds 1 to 8 of them; the base model none
+    r16 = runs["r16-all"]
+    assert r16["decode_steps"] > 0 and 1 <= r16["distinct_adapters_per_decode_step_mean"] <= 8
+    assert runs["base"]["distinct_adapters_per_decode_step_mean"] == 0
     warm_ups = [line for line in lines if line.get("system") == "warm-up"]
     assert len(warm_ups) == 4  # one and r8-qv share an engine, as do few and zipf
     summary = lines[-1]
