@@ -6,7 +6,9 @@ few tokens: the cluster is real, the CPU is small."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import httpx
@@ -15,12 +17,14 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, get_tracer
 
 from spindle.client import Client, chat_request, completion_request
+from spindle.openai_api.context import Refused
 from spindle.openai_api.errors import ApiError, from_status
 from spindle.openai_api.requests import chat_request as http_chat_request
 from spindle.openai_api.requests import completion_request as http_completion_request
+from spindle.openai_api.server import OpenAIServer
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import pod_status_pb2, pod_status_pb2_grpc
 from tests.service_helpers import free_port, gateway_in_process
@@ -325,3 +329,51 @@ def test_a_structured_output_through_the_sdk(spindle_up):
         extra_body={"guided_choice": ["yes", "no"]},
     )  # fmt: skip
     assert out.choices[0].message.content in ("yes", "no") and out.choices[0].finish_reason == "stop"
+
+
+class _Servicer:
+    """A Generation servicer that answers one chunk, then fails with `failure`."""
+
+    def __init__(self, failure: Exception) -> None:
+        self.failure = failure
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        yield pb.GenerateResponse(chunk=pb.Chunk(text="Hel"))
+        raise self.failure
+
+
+@contextlib.asynccontextmanager
+async def _served(servicer) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The HTTP API over `servicer`, in this process, and an SDK client of it."""
+    server = OpenAIServer(servicer, lambda: (BASE,), lambda: True, get_tracer(__name__))
+    port = await server.start("127.0.0.1", 0)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.stop()
+
+
+@pytest.mark.parametrize(
+    ("failure", "message"),
+    [
+        (Refused(grpc.StatusCode.UNAVAILABLE, "the pod went away", ()), "the pod went away"),
+        (RuntimeError("a bug"), r"internal error \(RuntimeError: a bug\)"),
+    ],
+)
+def test_a_failure_after_the_stream_began_is_an_error_event(failure, message):
+    """Whatever fails once the 200 is sent, the client reads an error event it raises from, not
+    a second HTTP response written into the event stream (which it would see as a broken
+    connection)."""
+
+    async def run() -> list[str]:
+        async with _served(_Servicer(failure)) as client:
+            stream = await client.chat.completions.create(model=BASE, messages=QUESTION, stream=True)
+            texts = []
+            with pytest.raises(openai.APIError, match=message):
+                async for chunk in stream:
+                    texts.append(chunk.choices[0].delta.content)
+            return texts
+
+    assert asyncio.run(run()) == ["Hel"]

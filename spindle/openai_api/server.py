@@ -147,6 +147,8 @@ async def _stream(
         await _send(response, [from_status(e.code, e.details, e.trailers).body()])
     except ConnectionResetError:
         return response  # the client left; closing the stream aborts the request
+    except Exception as e:  # the status line is sent: an answer now would corrupt the event stream
+        await _send(response, [_internal(request, e).body()])
     await response.write(b"data: [DONE]\n\n")
     return response
 
@@ -190,6 +192,11 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
         message = f"{e.reason}: {request.method} {request.path}{where}"
         error = ApiError(e.status, "invalid_request_error", e.reason.upper().replace(" ", "_"), message)
     except Exception as e:
-        log.exception("HTTP %s %s failed", request.method, request.path)
-        error = ApiError(500, "server_error", "INTERNAL", f"internal error ({type(e).__name__}: {e})")
+        error = _internal(request, e)
     return _json(error.body(), status=error.status, headers=error.headers)
+
+
+def _internal(request: web.Request, e: Exception) -> ApiError:
+    """An unexpected failure (a bug), logged with its traceback and answered as a 500."""
+    log.exception("HTTP %s %s failed", request.method, request.path)
+    return ApiError(500, "server_error", "INTERNAL", f"internal error ({type(e).__name__}: {e})")
