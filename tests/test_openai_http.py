@@ -332,14 +332,21 @@ def test_a_structured_output_through_the_sdk(spindle_up):
 
 
 class _Servicer:
-    """A Generation servicer that answers one chunk, then fails with `failure`."""
+    """A Generation servicer that answers one chunk, then fails with `failure`, and lists the
+    base model and an adapter whose id holds a `/`."""
 
-    def __init__(self, failure: Exception) -> None:
+    def __init__(self, failure: Exception | None = None) -> None:
         self.failure = failure
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         yield pb.GenerateResponse(chunk=pb.Chunk(text="Hel"))
         raise self.failure
+
+    async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[
+            pb.ModelInfo(id=BASE, kind=pb.MODEL_KIND_BASE, max_model_len=8192),
+            pb.ModelInfo(id="org/tuned", kind=pb.MODEL_KIND_ADAPTER, base_model=BASE),
+        ])  # fmt: skip
 
 
 @contextlib.asynccontextmanager
@@ -377,3 +384,16 @@ def test_a_failure_after_the_stream_began_is_an_error_event(failure, message):
             return texts
 
     assert asyncio.run(run()) == ["Hel"]
+
+
+def test_the_sdk_retrieves_one_model():
+    async def run() -> None:
+        async with _served(_Servicer()) as client:
+            base, adapter = await client.models.retrieve(BASE), await client.models.retrieve("org/tuned")
+            assert (base.id, base.object, base.model_extra["max_model_len"]) == (BASE, "model", 8192)
+            assert adapter.id == "org/tuned" and adapter.model_extra["parent"] == BASE
+            with pytest.raises(openai.NotFoundError, match="'nope' does not exist") as missing:
+                await client.models.retrieve("nope")
+            assert missing.value.body["param"] == "model" and missing.value.body["code"] == "NOT_FOUND"
+
+    asyncio.run(run())

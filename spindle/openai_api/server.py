@@ -1,13 +1,13 @@
 """The OpenAI-compatible HTTP server (aiohttp) of the gateway and of each model pod.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (both with `stream: true` as
-server-sent events), GET /v1/models, and GET /health (200 while the process serves, 503 while
-it loads or drains: the readiness Kubernetes and the Gateway API Inference Extension probe).
-A request is handed to the process's own Generation servicer (the gateway's `GatewayService`
-or the pod's `GenerationService`) with an `HttpCallContext`, so it takes exactly the path a gRPC
-request takes. A client that disconnects cancels its handler (aiohttp's handler cancellation),
-which closes the servicer's stream: the pod aborts the request in the engine, the gateway
-cancels its call to the pod.
+server-sent events), GET /v1/models, GET /v1/models/{model}, and GET /health (200 while the
+process serves, 503 while it loads or drains: the readiness Kubernetes and the Gateway API
+Inference Extension probe). A request is handed to the process's own Generation servicer (the
+gateway's `GatewayService` or the pod's `GenerationService`) with an `HttpCallContext`, so it
+takes exactly the path a gRPC request takes. A client that disconnects cancels its handler
+(aiohttp's handler cancellation), which closes the servicer's stream: the pod aborts the
+request in the engine, the gateway cancels its call to the pod.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20  # as the gRPC servers' largest message
 DEFAULT_PORT = 8000  # vLLM's, and what OpenAI-compatible clients and routers assume
-ROUTES = "served: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health"
+ROUTES = (
+    "served: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model}, "
+    "GET /health"
+)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -68,6 +71,7 @@ class OpenAIServer:
         self.app.router.add_post("/v1/chat/completions", lambda r: self._generate(r, chat))
         self.app.router.add_post("/v1/completions", lambda r: self._generate(r, completion))
         self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/v1/models/{model:.+}", self._model)  # ids may hold a `/`
         self.app.router.add_get("/health", self._health)
         self._runner: web.AppRunner | None = None
 
@@ -111,6 +115,16 @@ class OpenAIServer:
     async def _models(self, request: web.Request) -> web.Response:
         listed = await self.generation.ListModels(pb.ListModelsRequest(), HttpCallContext(request.headers))
         return _json(responses.models(listed))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model} (the SDKs' `models.retrieve`): one entry of the list this caller
+        may use, or a 404 as for an unknown model in a request."""
+        listed = await self.generation.ListModels(pb.ListModelsRequest(), HttpCallContext(request.headers))
+        name = request.match_info["model"]
+        entry = next((m for m in responses.models(listed)["data"] if m["id"] == name), None)
+        if entry is None:
+            raise ApiError(404, "not_found_error", "NOT_FOUND", f"model {name!r} does not exist", "model")
+        return _json(entry)
 
     async def _health(self, request: web.Request) -> web.Response:
         ready = self.ready()
