@@ -215,6 +215,7 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "role 'tool'"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "`text` string"),
         ({"messages": QUESTION, "tools": [{"type": "function"}]}, "tool calling"),
         ({"messages": QUESTION, "guided_choice": []}, "non-empty list of strings"),
         ({"messages": QUESTION, "response_format": {"type": "json_schema"}}, "response_format"),
@@ -242,7 +243,8 @@ def test_what_is_refused_is_named(body, problem):
 def test_fields_map_onto_the_grpc_request():
     req, call = http_chat_request(
         {"model": ADAPTER,
-         "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}, *QUESTION],
+         "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."},
+                                                        {"type": "text", "text": "Be kind."}]}, *QUESTION],
          "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": "x",
          "presence_penalty": 0.1, "frequency_penalty": 0.2, "top_k": -1, "min_p": 0.05,
          "repetition_penalty": 1.1,
@@ -252,7 +254,7 @@ def test_fields_map_onto_the_grpc_request():
     )  # fmt: skip
     assert req.adapter == ADAPTER and not req.HasField("model") and req.max_tokens == 7 and req.seed == 3
     assert [(m.role, m.content) for m in req.chat.messages] == [
-        ("system", "Be brief."),
+        ("system", "Be brief.\nBe kind."),
         ("user", "Name a fruit."),
     ]
     s = req.sampling

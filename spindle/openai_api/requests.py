@@ -234,13 +234,21 @@ def _message(m: Any, i: int) -> pb.ChatMessage:
     if role not in ("system", "user", "assistant"):
         raise bad_request(f"messages[{i}]: role {m['role']!r} is not supported (system, user, assistant)")
     content = m.get("content")
-    if isinstance(content, list):  # content parts: text only
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise bad_request(f"messages[{i}]: only text content parts are supported", "messages")
-        content = "".join(str(p.get("text", "")) for p in content)
+    if isinstance(content, list):
+        content = _text_parts(content, i)
     if content is not None and not isinstance(content, str):
         raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
     return pb.ChatMessage(role=role, content=content or "")
+
+
+def _text_parts(parts: list[Any], i: int) -> str:
+    """Content parts as one text: text parts only, joined by newlines as vLLM does (joined
+    without a separator, ["Hello", "world"] would read "Helloworld")."""
+    if not all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+        raise bad_request(f"messages[{i}]: only text content parts are supported", "messages")
+    if not all(isinstance(p.get("text"), str) for p in parts):
+        raise bad_request(f"messages[{i}]: a text content part needs a `text` string", "messages")
+    return "\n".join(p["text"] for p in parts)
 
 
 def _typed(body: dict[str, Any], name: str, kind: type) -> Any:
