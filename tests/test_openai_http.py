@@ -217,6 +217,8 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "`text` string"),
         ({"messages": QUESTION, "tools": [{"type": "function"}]}, "tool calling"),
+        ({"messages": QUESTION, "tool_choice": "required"}, "`tool_choice` 'required'"),
+        ({"messages": QUESTION, "function_call": {"name": "f"}}, "`function_call`"),
         ({"messages": QUESTION, "guided_choice": []}, "non-empty list of strings"),
         ({"messages": QUESTION, "response_format": {"type": "json_schema"}}, "response_format"),
         ({"messages": QUESTION, "structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
@@ -249,7 +251,8 @@ def test_fields_map_onto_the_grpc_request():
          "presence_penalty": 0.1, "frequency_penalty": 0.2, "top_k": -1, "min_p": 0.05,
          "repetition_penalty": 1.1,
          "ignore_eos": True, "skip_special_tokens": False, "logprobs": True, "user": "u",
-         "response_format": {"type": "text"}, "stream": True, "stream_options": {"include_usage": True}},
+         "response_format": {"type": "text"}, "stream": True, "stream_options": {"include_usage": True},
+         "tool_choice": "none", "function_call": "auto"},
         {BASE},
     )  # fmt: skip
     assert req.adapter == ADAPTER and not req.HasField("model") and req.max_tokens == 7 and req.seed == 3

@@ -132,9 +132,19 @@ def chat_request(body: dict[str, Any], base_models: Collection[str]) -> tuple[pb
         raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
     if logprobs:
         req.logprobs = top or 0
+    _no_forced_tool_call(body)
     call = _common(body, req, base_models, logprobs)
     _max_tokens(body, req, "max_completion_tokens", "max_tokens")
     return req, call
+
+
+def _no_forced_tool_call(body: dict[str, Any]) -> None:
+    """`tool_choice` / `function_call` that demand a call ("required", a named function) cannot be
+    honoured without tool calling: refused, not answered with text the client takes for a
+    tool-less reply. "none" and "auto" (no tools given) ask for text, so they are served."""
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", "auto"):
+            raise bad_request(f"`{name}` {body[name]!r}: tool calling is not supported", name)
 
 
 def completion_request(body: dict[str, Any], base_models: Collection[str]) -> tuple[pb.GenerateRequest, Call]:
