@@ -24,6 +24,7 @@ from spindle.openai_api.context import Refused
 from spindle.openai_api.errors import ApiError, from_status
 from spindle.openai_api.requests import chat_request as http_chat_request
 from spindle.openai_api.requests import completion_request as http_completion_request
+from spindle.openai_api.responses import CompletionFormat
 from spindle.openai_api.server import OpenAIServer
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import pod_status_pb2, pod_status_pb2_grpc
@@ -402,3 +403,15 @@ def test_the_sdk_retrieves_one_model():
             assert missing.value.body["param"] == "model" and missing.value.body["code"] == "NOT_FOUND"
 
     asyncio.run(run())
+
+
+def test_a_completions_top_logprobs_hold_the_sampled_token():
+    sampled = pb.TokenLogprob(token_id=7, logprob=-2.5, top=[pb.TopLogprob(token_id=3, logprob=-0.1)])
+    greedy = pb.TokenLogprob(token_id=3, logprob=-0.1, top=[pb.TopLogprob(token_id=3, logprob=-0.1)])
+    unranked = pb.TokenLogprob(token_id=9, logprob=-1.0)  # logprobs: 0
+    logprobs = CompletionFormat().choice("abc", [sampled, greedy, unranked], None)["logprobs"]
+    assert logprobs["top_logprobs"] == [
+        {"token_id:3": -0.1, "token_id:7": -2.5},
+        {"token_id:3": -0.1},
+        {"token_id:9": -1.0},
+    ]

@@ -83,8 +83,15 @@ class CompletionFormat(Format):
         return {
             "tokens": [token_name(lp.token_id) for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{token_name(t.token_id): t.logprob for t in lp.top} for lp in logprobs],
+            "top_logprobs": [_top_and_sampled(lp) for lp in logprobs],
         }
+
+
+def _top_and_sampled(lp: pb.TokenLogprob) -> dict[str, float]:
+    """A completion's top tokens and the sampled one: OpenAI's legacy API (and vLLM's) always
+    lists the sampled token, so up to `logprobs` + 1 entries; a client that compares the sampled
+    token with the best of these (is it greedy?) finds it even with `logprobs: 0`."""
+    return {**{token_name(t.token_id): t.logprob for t in lp.top}, token_name(lp.token_id): lp.logprob}
 
 
 def _finish(final: pb.Final | None) -> dict[str, Any]:
