@@ -186,7 +186,7 @@ def _common(
     for name, why in _REFUSED.items():
         if body.get(name):
             raise bad_request(why, name)
-    if (_typed(body, "n", int) or 1) != 1:
+    if _typed(body, "n", int) not in (None, 1):  # n: 0 too (it asks for no choice at all)
         raise bad_request("`n` other than 1 is not supported: send n requests (with different seeds)", "n")
     stop = body.get("stop")
     if isinstance(stop, str):
