@@ -22,9 +22,10 @@ from opentelemetry.trace import SpanKind, get_tracer
 from spindle.client import Client, chat_request, completion_request
 from spindle.openai_api.context import Refused
 from spindle.openai_api.errors import ApiError, from_status
+from spindle.openai_api.requests import Call
 from spindle.openai_api.requests import chat_request as http_chat_request
 from spindle.openai_api.requests import completion_request as http_completion_request
-from spindle.openai_api.responses import CompletionFormat
+from spindle.openai_api.responses import ChatFormat, CompletionFormat, Reply
 from spindle.openai_api.server import OpenAIServer
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import pod_status_pb2, pod_status_pb2_grpc
@@ -416,3 +417,17 @@ def test_a_completions_top_logprobs_hold_the_sampled_token():
         {"token_id:3": -0.1},
         {"token_id:9": -1.0},
     ]
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_a_stream_has_no_empty_deltas(logprobs):
+    """Tokens whose text the pod holds back (it may be a stop string's start) say nothing to the
+    client: OpenAI's streams carry content in every chunk between the first and the last, and
+    naive clients concatenate `delta.content` until `finish_reason`. With logprobs they are sent."""
+    reply = Reply(ChatFormat(), Call(BASE, stream=True, include_usage=False, logprobs=logprobs), "r")
+    held = pb.Chunk(token_ids=[5], text="", logprobs=[pb.TokenLogprob(token_id=5, logprob=-1.0)])
+    messages = [pb.Chunk(token_ids=[4], text=""), held, pb.Chunk(token_ids=[6], text="ab")]
+    deltas = [c["choices"][0]["delta"] for i, m in enumerate(messages)
+              for c in reply.chunks(pb.GenerateResponse(chunk=m), first=i == 0)]  # fmt: skip
+    middle = [{"content": ""}] if logprobs else []
+    assert deltas == [{"role": "assistant", "content": ""}, *middle, {"content": "ab"}]

@@ -53,7 +53,10 @@ class ChatFormat(Format):
     def delta(
         self, text: str, logprobs: Sequence[pb.TokenLogprob] | None, final: pb.Final | None, first: bool
     ) -> dict:
-        delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
+        if first:
+            delta = {"role": "assistant", "content": text}
+        else:  # content in every chunk but the last, which only finishes (OpenAI's stream)
+            delta = {"content": text} if final is None else {}
         return {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), **_finish(final)}
 
     @staticmethod
@@ -140,6 +143,8 @@ class Reply:
         if message.HasField("chunk"):
             c = message.chunk
             logprobs = list(c.logprobs) if self.call.logprobs else None
+            if not (c.text or logprobs or first):
+                return []  # tokens whose text is held back (a stop string may follow): nothing to say yet
             return [{**base, "choices": [self.fmt.delta(c.text, logprobs, None, first)]}]
         out = [
             {
