@@ -230,6 +230,7 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ),
         ({"messages": QUESTION, "stream_options": {"include_usage": True}}, "stream: true"),
         ({"messages": QUESTION, "n": 0}, "`n` other than 1"),
+        ({"messages": QUESTION, "stream": True, "stream_options": {"include_usage": "no"}}, "true or false"),
         ({"messages": QUESTION, "top_logprobs": 2}, "logprobs: true"),
         ({"messages": QUESTION, "max_tokens": "9"}, "an integer"),
         ({"prompt": ["a", "b"]}, "several prompts"),

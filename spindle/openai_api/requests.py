@@ -218,9 +218,11 @@ def _common(
     options = _typed(body, "stream_options", dict)
     if options is not None and not stream:
         raise bad_request("`stream_options` is only allowed with `stream: true`", "stream_options")
-    include_usage = bool((options or {}).get("include_usage"))
+    include_usage = (options or {}).get("include_usage")
+    if include_usage not in (None, True, False):  # "false" would read as true: a chunk no one expects
+        raise bad_request("`stream_options.include_usage` must be true or false", "stream_options")
     named = model or next(iter(sorted(base_models)), "")  # unset: the base model
-    return Call(model=named, stream=stream, include_usage=include_usage, logprobs=logprobs)
+    return Call(model=named, stream=stream, include_usage=bool(include_usage), logprobs=logprobs)
 
 
 def _max_tokens(body: dict[str, Any], req: pb.GenerateRequest, *names: str) -> None:
