@@ -6,7 +6,9 @@ few tokens: the cluster is real, the CPU is small."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import httpx
@@ -15,12 +17,16 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, get_tracer
 
 from spindle.client import Client, chat_request, completion_request
+from spindle.openai_api.context import Refused
 from spindle.openai_api.errors import ApiError, from_status
+from spindle.openai_api.requests import Call
 from spindle.openai_api.requests import chat_request as http_chat_request
 from spindle.openai_api.requests import completion_request as http_completion_request
+from spindle.openai_api.responses import ChatFormat, CompletionFormat, Reply
+from spindle.openai_api.server import OpenAIServer
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import pod_status_pb2, pod_status_pb2_grpc
 from tests.service_helpers import free_port, gateway_in_process
@@ -211,7 +217,10 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "role 'tool'"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "`text` string"),
         ({"messages": QUESTION, "tools": [{"type": "function"}]}, "tool calling"),
+        ({"messages": QUESTION, "tool_choice": "required"}, "`tool_choice` 'required'"),
+        ({"messages": QUESTION, "function_call": {"name": "f"}}, "`function_call`"),
         ({"messages": QUESTION, "guided_choice": []}, "non-empty list of strings"),
         ({"messages": QUESTION, "response_format": {"type": "json_schema"}}, "response_format"),
         ({"messages": QUESTION, "structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
@@ -220,6 +229,8 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
             "not several",
         ),
         ({"messages": QUESTION, "stream_options": {"include_usage": True}}, "stream: true"),
+        ({"messages": QUESTION, "n": 0}, "`n` other than 1"),
+        ({"messages": QUESTION, "stream": True, "stream_options": {"include_usage": "no"}}, "true or false"),
         ({"messages": QUESTION, "top_logprobs": 2}, "logprobs: true"),
         ({"messages": QUESTION, "max_tokens": "9"}, "an integer"),
         ({"prompt": ["a", "b"]}, "several prompts"),
@@ -238,17 +249,19 @@ def test_what_is_refused_is_named(body, problem):
 def test_fields_map_onto_the_grpc_request():
     req, call = http_chat_request(
         {"model": ADAPTER,
-         "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}, *QUESTION],
+         "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."},
+                                                        {"type": "text", "text": "Be kind."}]}, *QUESTION],
          "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": "x",
          "presence_penalty": 0.1, "frequency_penalty": 0.2, "top_k": -1, "min_p": 0.05,
          "repetition_penalty": 1.1,
          "ignore_eos": True, "skip_special_tokens": False, "logprobs": True, "user": "u",
-         "response_format": {"type": "text"}, "stream": True, "stream_options": {"include_usage": True}},
+         "response_format": {"type": "text"}, "stream": True, "stream_options": {"include_usage": True},
+         "tool_choice": "none", "function_call": "auto"},
         {BASE},
     )  # fmt: skip
     assert req.adapter == ADAPTER and not req.HasField("model") and req.max_tokens == 7 and req.seed == 3
     assert [(m.role, m.content) for m in req.chat.messages] == [
-        ("system", "Be brief."),
+        ("system", "Be brief.\nBe kind."),
         ("user", "Name a fruit."),
     ]
     s = req.sampling
@@ -325,3 +338,97 @@ def test_a_structured_output_through_the_sdk(spindle_up):
         extra_body={"guided_choice": ["yes", "no"]},
     )  # fmt: skip
     assert out.choices[0].message.content in ("yes", "no") and out.choices[0].finish_reason == "stop"
+
+
+class _Servicer:
+    """A Generation servicer that answers one chunk, then fails with `failure`, and lists the
+    base model and an adapter whose id holds a `/`."""
+
+    def __init__(self, failure: Exception | None = None) -> None:
+        self.failure = failure
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        yield pb.GenerateResponse(chunk=pb.Chunk(text="Hel"))
+        raise self.failure
+
+    async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[
+            pb.ModelInfo(id=BASE, kind=pb.MODEL_KIND_BASE, max_model_len=8192),
+            pb.ModelInfo(id="org/tuned", kind=pb.MODEL_KIND_ADAPTER, base_model=BASE),
+        ])  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def _served(servicer) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The HTTP API over `servicer`, in this process, and an SDK client of it."""
+    server = OpenAIServer(servicer, lambda: (BASE,), lambda: True, get_tracer(__name__))
+    port = await server.start("127.0.0.1", 0)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.stop()
+
+
+@pytest.mark.parametrize(
+    ("failure", "message"),
+    [
+        (Refused(grpc.StatusCode.UNAVAILABLE, "the pod went away", ()), "the pod went away"),
+        (RuntimeError("a bug"), r"internal error \(RuntimeError: a bug\)"),
+    ],
+)
+def test_a_failure_after_the_stream_began_is_an_error_event(failure, message):
+    """Whatever fails once the 200 is sent, the client reads an error event it raises from, not
+    a second HTTP response written into the event stream (which it would see as a broken
+    connection)."""
+
+    async def run() -> list[str]:
+        async with _served(_Servicer(failure)) as client:
+            stream = await client.chat.completions.create(model=BASE, messages=QUESTION, stream=True)
+            texts = []
+            with pytest.raises(openai.APIError, match=message):
+                async for chunk in stream:
+                    texts.append(chunk.choices[0].delta.content)
+            return texts
+
+    assert asyncio.run(run()) == ["Hel"]
+
+
+def test_the_sdk_retrieves_one_model():
+    async def run() -> None:
+        async with _served(_Servicer()) as client:
+            base, adapter = await client.models.retrieve(BASE), await client.models.retrieve("org/tuned")
+            assert (base.id, base.object, base.model_extra["max_model_len"]) == (BASE, "model", 8192)
+            assert adapter.id == "org/tuned" and adapter.model_extra["parent"] == BASE
+            with pytest.raises(openai.NotFoundError, match="'nope' does not exist") as missing:
+                await client.models.retrieve("nope")
+            assert missing.value.body["param"] == "model" and missing.value.body["code"] == "NOT_FOUND"
+
+    asyncio.run(run())
+
+
+def test_a_completions_top_logprobs_hold_the_sampled_token():
+    sampled = pb.TokenLogprob(token_id=7, logprob=-2.5, top=[pb.TopLogprob(token_id=3, logprob=-0.1)])
+    greedy = pb.TokenLogprob(token_id=3, logprob=-0.1, top=[pb.TopLogprob(token_id=3, logprob=-0.1)])
+    unranked = pb.TokenLogprob(token_id=9, logprob=-1.0)  # logprobs: 0
+    logprobs = CompletionFormat().choice("abc", [sampled, greedy, unranked], None)["logprobs"]
+    assert logprobs["top_logprobs"] == [
+        {"token_id:3": -0.1, "token_id:7": -2.5},
+        {"token_id:3": -0.1},
+        {"token_id:9": -1.0},
+    ]
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_a_stream_has_no_empty_deltas(logprobs):
+    """Tokens whose text the pod holds back (it may be a stop string's start) say nothing to the
+    client: OpenAI's streams carry content in every chunk between the first and the last, and
+    naive clients concatenate `delta.content` until `finish_reason`. With logprobs they are sent."""
+    reply = Reply(ChatFormat(), Call(BASE, stream=True, include_usage=False, logprobs=logprobs), "r")
+    held = pb.Chunk(token_ids=[5], text="", logprobs=[pb.TokenLogprob(token_id=5, logprob=-1.0)])
+    messages = [pb.Chunk(token_ids=[4], text=""), held, pb.Chunk(token_ids=[6], text="ab")]
+    deltas = [c["choices"][0]["delta"] for i, m in enumerate(messages)
+              for c in reply.chunks(pb.GenerateResponse(chunk=m), first=i == 0)]  # fmt: skip
+    middle = [{"content": ""}] if logprobs else []
+    assert deltas == [{"role": "assistant", "content": ""}, *middle, {"content": "ab"}]

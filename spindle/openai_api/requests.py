@@ -132,9 +132,19 @@ def chat_request(body: dict[str, Any], base_models: Collection[str]) -> tuple[pb
         raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
     if logprobs:
         req.logprobs = top or 0
+    _no_forced_tool_call(body)
     call = _common(body, req, base_models, logprobs)
     _max_tokens(body, req, "max_completion_tokens", "max_tokens")
     return req, call
+
+
+def _no_forced_tool_call(body: dict[str, Any]) -> None:
+    """`tool_choice` / `function_call` that demand a call ("required", a named function) cannot be
+    honoured without tool calling: refused, not answered with text the client takes for a
+    tool-less reply. "none" and "auto" (no tools given) ask for text, so they are served."""
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", "auto"):
+            raise bad_request(f"`{name}` {body[name]!r}: tool calling is not supported", name)
 
 
 def completion_request(body: dict[str, Any], base_models: Collection[str]) -> tuple[pb.GenerateRequest, Call]:
@@ -176,7 +186,7 @@ def _common(
     for name, why in _REFUSED.items():
         if body.get(name):
             raise bad_request(why, name)
-    if (_typed(body, "n", int) or 1) != 1:
+    if _typed(body, "n", int) not in (None, 1):  # n: 0 too (it asks for no choice at all)
         raise bad_request("`n` other than 1 is not supported: send n requests (with different seeds)", "n")
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -208,9 +218,11 @@ def _common(
     options = _typed(body, "stream_options", dict)
     if options is not None and not stream:
         raise bad_request("`stream_options` is only allowed with `stream: true`", "stream_options")
-    include_usage = bool((options or {}).get("include_usage"))
+    include_usage = (options or {}).get("include_usage")
+    if include_usage not in (None, True, False):  # "false" would read as true: a chunk no one expects
+        raise bad_request("`stream_options.include_usage` must be true or false", "stream_options")
     named = model or next(iter(sorted(base_models)), "")  # unset: the base model
-    return Call(model=named, stream=stream, include_usage=include_usage, logprobs=logprobs)
+    return Call(model=named, stream=stream, include_usage=bool(include_usage), logprobs=logprobs)
 
 
 def _max_tokens(body: dict[str, Any], req: pb.GenerateRequest, *names: str) -> None:
@@ -234,13 +246,21 @@ def _message(m: Any, i: int) -> pb.ChatMessage:
     if role not in ("system", "user", "assistant"):
         raise bad_request(f"messages[{i}]: role {m['role']!r} is not supported (system, user, assistant)")
     content = m.get("content")
-    if isinstance(content, list):  # content parts: text only
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise bad_request(f"messages[{i}]: only text content parts are supported", "messages")
-        content = "".join(str(p.get("text", "")) for p in content)
+    if isinstance(content, list):
+        content = _text_parts(content, i)
     if content is not None and not isinstance(content, str):
         raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
     return pb.ChatMessage(role=role, content=content or "")
+
+
+def _text_parts(parts: list[Any], i: int) -> str:
+    """Content parts as one text: text parts only, joined by newlines as vLLM does (joined
+    without a separator, ["Hello", "world"] would read "Helloworld")."""
+    if not all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+        raise bad_request(f"messages[{i}]: only text content parts are supported", "messages")
+    if not all(isinstance(p.get("text"), str) for p in parts):
+        raise bad_request(f"messages[{i}]: a text content part needs a `text` string", "messages")
+    return "\n".join(p["text"] for p in parts)
 
 
 def _typed(body: dict[str, Any], name: str, kind: type) -> Any:

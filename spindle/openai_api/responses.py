@@ -53,7 +53,10 @@ class ChatFormat(Format):
     def delta(
         self, text: str, logprobs: Sequence[pb.TokenLogprob] | None, final: pb.Final | None, first: bool
     ) -> dict:
-        delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
+        if first:
+            delta = {"role": "assistant", "content": text}
+        else:  # content in every chunk but the last, which only finishes (OpenAI's stream)
+            delta = {"content": text} if final is None else {}
         return {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), **_finish(final)}
 
     @staticmethod
@@ -83,8 +86,15 @@ class CompletionFormat(Format):
         return {
             "tokens": [token_name(lp.token_id) for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{token_name(t.token_id): t.logprob for t in lp.top} for lp in logprobs],
+            "top_logprobs": [_top_and_sampled(lp) for lp in logprobs],
         }
+
+
+def _top_and_sampled(lp: pb.TokenLogprob) -> dict[str, float]:
+    """A completion's top tokens and the sampled one: OpenAI's legacy API (and vLLM's) always
+    lists the sampled token, so up to `logprobs` + 1 entries; a client that compares the sampled
+    token with the best of these (is it greedy?) finds it even with `logprobs: 0`."""
+    return {**{token_name(t.token_id): t.logprob for t in lp.top}, token_name(lp.token_id): lp.logprob}
 
 
 def _finish(final: pb.Final | None) -> dict[str, Any]:
@@ -133,6 +143,8 @@ class Reply:
         if message.HasField("chunk"):
             c = message.chunk
             logprobs = list(c.logprobs) if self.call.logprobs else None
+            if not (c.text or logprobs or first):
+                return []  # tokens whose text is held back (a stop string may follow): nothing to say yet
             return [{**base, "choices": [self.fmt.delta(c.text, logprobs, None, first)]}]
         out = [
             {

@@ -1,13 +1,13 @@
 """The OpenAI-compatible HTTP server (aiohttp) of the gateway and of each model pod.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (both with `stream: true` as
-server-sent events), GET /v1/models, and GET /health (200 while the process serves, 503 while
-it loads or drains: the readiness Kubernetes and the Gateway API Inference Extension probe).
-A request is handed to the process's own Generation servicer (the gateway's `GatewayService`
-or the pod's `GenerationService`) with an `HttpCallContext`, so it takes exactly the path a gRPC
-request takes. A client that disconnects cancels its handler (aiohttp's handler cancellation),
-which closes the servicer's stream: the pod aborts the request in the engine, the gateway
-cancels its call to the pod.
+server-sent events), GET /v1/models, GET /v1/models/{model}, and GET /health (200 while the
+process serves, 503 while it loads or drains: the readiness Kubernetes and the Gateway API
+Inference Extension probe). A request is handed to the process's own Generation servicer (the
+gateway's `GatewayService` or the pod's `GenerationService`) with an `HttpCallContext`, so it
+takes exactly the path a gRPC request takes. A client that disconnects cancels its handler
+(aiohttp's handler cancellation), which closes the servicer's stream: the pod aborts the
+request in the engine, the gateway cancels its call to the pod.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20  # as the gRPC servers' largest message
 DEFAULT_PORT = 8000  # vLLM's, and what OpenAI-compatible clients and routers assume
-ROUTES = "served: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health"
+ROUTES = (
+    "served: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model}, "
+    "GET /health"
+)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -68,6 +71,7 @@ class OpenAIServer:
         self.app.router.add_post("/v1/chat/completions", lambda r: self._generate(r, chat))
         self.app.router.add_post("/v1/completions", lambda r: self._generate(r, completion))
         self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/v1/models/{model:.+}", self._model)  # ids may hold a `/`
         self.app.router.add_get("/health", self._health)
         self._runner: web.AppRunner | None = None
 
@@ -112,6 +116,16 @@ class OpenAIServer:
         listed = await self.generation.ListModels(pb.ListModelsRequest(), HttpCallContext(request.headers))
         return _json(responses.models(listed))
 
+    async def _model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model} (the SDKs' `models.retrieve`): one entry of the list this caller
+        may use, or a 404 as for an unknown model in a request."""
+        listed = await self.generation.ListModels(pb.ListModelsRequest(), HttpCallContext(request.headers))
+        name = request.match_info["model"]
+        entry = next((m for m in responses.models(listed)["data"] if m["id"] == name), None)
+        if entry is None:
+            raise ApiError(404, "not_found_error", "NOT_FOUND", f"model {name!r} does not exist", "model")
+        return _json(entry)
+
     async def _health(self, request: web.Request) -> web.Response:
         ready = self.ready()
         return _json({"status": "ok" if ready else "not serving"}, status=200 if ready else 503)
@@ -147,6 +161,8 @@ async def _stream(
         await _send(response, [from_status(e.code, e.details, e.trailers).body()])
     except ConnectionResetError:
         return response  # the client left; closing the stream aborts the request
+    except Exception as e:  # the status line is sent: an answer now would corrupt the event stream
+        await _send(response, [_internal(request, e).body()])
     await response.write(b"data: [DONE]\n\n")
     return response
 
@@ -190,6 +206,11 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
         message = f"{e.reason}: {request.method} {request.path}{where}"
         error = ApiError(e.status, "invalid_request_error", e.reason.upper().replace(" ", "_"), message)
     except Exception as e:
-        log.exception("HTTP %s %s failed", request.method, request.path)
-        error = ApiError(500, "server_error", "INTERNAL", f"internal error ({type(e).__name__}: {e})")
+        error = _internal(request, e)
     return _json(error.body(), status=error.status, headers=error.headers)
+
+
+def _internal(request: web.Request, e: Exception) -> ApiError:
+    """An unexpected failure (a bug), logged with its traceback and answered as a 500."""
+    log.exception("HTTP %s %s failed", request.method, request.path)
+    return ApiError(500, "server_error", "INTERNAL", f"internal error ({type(e).__name__}: {e})")
