@@ -239,6 +239,16 @@ def test_unsupported_or_incomplete_rope(ckpt: Path, rope: dict[str, Any], needle
     assert "RoPE" in msg and needle in msg
 
 
+def test_activations_other_than_silu_are_refused(ckpt: Path):
+    """Every MLP computes SiLU: a ReLU or GELU Llama must be refused, not run with SiLU."""
+    for act in ("gelu", "relu", "gelu_pytorch_tanh"):
+        edit_config(ckpt, hidden_act=act)
+        msg = load_error(ckpt)
+        assert "hidden_act" in msg and repr(act) in msg
+    edit_config(ckpt, hidden_act="swish")  # HF's other name for SiLU
+    assert load(ckpt).config.family == "llama"
+
+
 # --- GGUF --------------------------------------------------------------------------------------
 
 

@@ -23,6 +23,8 @@ from spindle.architectures import (
 from spindle.architectures import family as hf_family
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Every MLP (and Qwen3-Next's conv) computes SiLU; HF's ACT2FN also spells it "swish".
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
 
 class Mixer(str, enum.Enum):
@@ -202,6 +204,7 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        _check_activation(raw)
         # HF: Llama/Qwen3 put `attention_bias` on q/k/v/o; Qwen2 always has q/k/v bias and no o bias;
         # Mistral has no bias at all whatever the config says.
         attention_bias = family in ("llama", "qwen3", "qwen3_moe", "qwen3_next", *DEEPSEEK_FAMILIES) and bool(
@@ -250,6 +253,14 @@ class ModelConfig:
         bos = raw.get("bos_token_id")
         cfg.bos_token_id = bos if isinstance(bos, int) else None
         return cfg
+
+
+def _check_activation(raw: dict[str, Any]) -> None:
+    """Refuse a `hidden_act` other than SiLU: Llama-architecture checkpoints with ReLU or GELU MLPs
+    exist on the hub, and running them with SiLU would give fluent-looking wrong tokens."""
+    act = raw.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(f"unsupported hidden_act {act!r}; supported: {SUPPORTED_ACTIVATIONS}")
 
 
 def _token_ids(value: Any) -> list[int]:
