@@ -301,21 +301,32 @@ _ROPE_REQUIRED_KEYS = {
 
 
 def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> list[int | None]:
+    """Mistral and Mixtral slide in every layer when `sliding_window` is set; the Qwen families
+    only when `use_sliding_window` also says so, Qwen3-MoE in every layer, the others per layer.
+    Llama, Qwen3-Next and DeepSeek never slide (HF ignores the field for them)."""
     window = raw.get("sliding_window")
     if not window:
         return [None] * layers
     if family in ("mistral", "mixtral"):
         return [int(window)] * layers
-    # Qwen2/3 only slide where asked, per layer; Qwen3-MoE everywhere when asked.
-    if not raw.get("use_sliding_window", False):
+    if family not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not raw.get("use_sliding_window"):
         return [None] * layers
     if family == "qwen3_moe":
         return [int(window)] * layers
-    types = raw.get("layer_types") or []
-    if types:
-        return [int(window) if t == "sliding_attention" else None for t in types]
+    types = raw.get("layer_types") or _qwen_layer_types(raw, family, layers)
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+def _qwen_layer_types(raw: dict[str, Any], family: str, layers: int) -> list[str]:
+    """HF's layer types for a sliding Qwen config.json that does not list them (those written
+    before transformers had `layer_types`): Qwen2/Qwen3 slide from layer `max_window_layers` on;
+    Qwen2-MoE slides the even layers *below* it (transformers' own rule for that family)."""
     max_window_layers = int(raw.get("max_window_layers", layers))
-    return [int(window) if i >= max_window_layers else None for i in range(layers)]
+    if family == "qwen2_moe":
+        sliding = [i % 2 == 0 and i < max_window_layers for i in range(layers)]
+    else:
+        sliding = [i >= max_window_layers for i in range(layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 def _qwen2_moe_qkv_bias(raw: dict[str, Any], family: str) -> bool:
