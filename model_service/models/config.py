@@ -19,6 +19,7 @@ from spindle.architectures import (
     MOE_FAMILIES,
     SUPPORTED_ARCHITECTURES,
     moe_layers,
+    with_hf_defaults,
 )
 from spindle.architectures import family as hf_family
 
@@ -196,7 +197,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
-        """Build from a `config.json` dict; refuse what the engine cannot run, naming the field."""
+        """Build from a `config.json` dict; refuse what the engine cannot run, naming the field. A
+        field the dict leaves out means what transformers' config class defaults it to."""
+        raw = with_hf_defaults(raw)
         archs = raw.get("architectures") or []
         family = hf_family(raw)
         if family is None:
@@ -321,7 +324,7 @@ def _qwen_layer_types(raw: dict[str, Any], family: str, layers: int) -> list[str
     """HF's layer types for a sliding Qwen config.json that does not list them (those written
     before transformers had `layer_types`): Qwen2/Qwen3 slide from layer `max_window_layers` on;
     Qwen2-MoE slides the even layers *below* it (transformers' own rule for that family)."""
-    max_window_layers = int(raw.get("max_window_layers", layers))
+    max_window_layers = int(raw["max_window_layers"])  # HF_DEFAULTS has each Qwen family's
     if family == "qwen2_moe":
         sliding = [i % 2 == 0 and i < max_window_layers for i in range(layers)]
     else:
