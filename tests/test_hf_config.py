@@ -14,7 +14,8 @@ from tests.conftest import TINY_CONFIGS
 
 LAYERS = 6
 # The fields each family requires, and nothing else: what is left out is what is tested.
-REQUIRED = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4}
+# 6 heads: unlike every family's default K/V head count, so a dropped default shows
+REQUIRED = {"vocab_size": 64, "hidden_size": 96, "intermediate_size": 32, "num_attention_heads": 6}
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
 MLA = {"kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8}
 FAMILY_REQUIRED: dict[str, dict[str, Any]] = {
