@@ -91,7 +91,9 @@ def _from_hf(name: str, raw: dict[str, Any]) -> BaseModel:
     """From a `config.json` dict, read as the pod's `ModelConfig.from_hf` reads it: DeepSeek's MLA
     sizes replace the Llama head shapes, and the MoE layers follow the family's rule. A config
     missing a field the pod needs is refused here too, naming it, so the service does not start
-    against a base no pod can load."""
+    against a base no pod can load; one that leaves out a field with a transformers default
+    means that default, as for the pod."""
+    raw = architectures.with_hf_defaults(raw)
     family = architectures.family(raw)
     try:
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])

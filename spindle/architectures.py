@@ -28,12 +28,59 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "deepseek_v2"
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
+_QWEN_SLIDING = {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28}
+# What transformers assumes for a field config.json leaves out, where it differs from the generic
+# fallback the readers use (hidden_size // heads for head_dim, all heads for K/V, eps 1e-6, theta
+# 1e4, 2,048 positions, no sliding window, no renormalized top-k, no q LoRA, no shared experts,
+# plain routing). Hand-written and older configs leave fields out, and their weights were trained
+# and saved by HF's meaning of the omission. tests/test_hf_config.py checks each against the
+# installed transformers' config classes.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096, "num_key_value_heads": 8},
+    "qwen2": {**_QWEN_SLIDING, "num_key_value_heads": 32},
+    "qwen3": {**_QWEN_SLIDING, "num_key_value_heads": 32, "head_dim": 128},
+    "mixtral": {
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+    },
+    "qwen2_moe": {**_QWEN_SLIDING, "num_key_value_heads": 16, "shared_expert_intermediate_size": 5632},
+    "qwen3_moe": {"max_position_embeddings": 32768, "sliding_window": 4096, "num_key_value_heads": 4},
+    "qwen3_next": {
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "partial_rotary_factor": 0.25,
+        "norm_topk_prob": True,
+        "shared_expert_intermediate_size": 512,
+    },
+    "deepseek_v2": {"q_lora_rank": 1536, "n_shared_experts": 2},
+    "deepseek_v3": {
+        "max_position_embeddings": 4096,
+        "q_lora_rank": 1536,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 3,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+    },
+}
+
+
 def family(raw: dict[str, Any]) -> str | None:
     """The family of a `config.json`: its first supported `architectures` entry, else its
     `model_type`; None when the engine does not serve it."""
     archs = raw.get("architectures") or []
     found = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     return found if found is not None else MODEL_TYPES.get(raw.get("model_type", ""))
+
+
+def with_hf_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with transformers' default for each family field it leaves out (`HF_DEFAULTS`); a field
+    present, even as null, is kept: HF keeps an explicit null too."""
+    return {**HF_DEFAULTS.get(family(raw) or "", {}), **raw}
 
 
 def moe_layers(family: str | None, raw: dict[str, Any], count: int) -> list[bool]:

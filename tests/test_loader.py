@@ -178,10 +178,12 @@ def test_missing_config_json(ckpt: Path):
     assert "config.json" in load_error(ckpt)
 
 
-def test_invalid_config_json(ckpt: Path):
-    (ckpt / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+@pytest.mark.parametrize("text", ['{"eos_token_id": 2,', "[2]"], ids=["truncated", "not-an-object"])
+def test_invalid_json_file_is_named(ckpt: Path, name: str, text: str):
+    (ckpt / name).write_text(text)
     msg = load_error(ckpt)
-    assert "config.json" in msg and "JSON" in msg
+    assert f"{name} is not valid JSON" in msg
 
 
 def test_config_missing_required_field(ckpt: Path):
@@ -237,6 +239,16 @@ def test_unsupported_or_incomplete_rope(ckpt: Path, rope: dict[str, Any], needle
     edit_config(ckpt, **rope)
     msg = load_error(ckpt)
     assert "RoPE" in msg and needle in msg
+
+
+def test_activations_other_than_silu_are_refused(ckpt: Path):
+    """Every MLP computes SiLU: a ReLU or GELU Llama must be refused, not run with SiLU."""
+    for act in ("gelu", "relu", "gelu_pytorch_tanh"):
+        edit_config(ckpt, hidden_act=act)
+        msg = load_error(ckpt)
+        assert "hidden_act" in msg and repr(act) in msg
+    edit_config(ckpt, hidden_act="swish")  # HF's other name for SiLU
+    assert load(ckpt).config.family == "llama"
 
 
 # --- GGUF --------------------------------------------------------------------------------------

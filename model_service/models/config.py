@@ -19,10 +19,13 @@ from spindle.architectures import (
     MOE_FAMILIES,
     SUPPORTED_ARCHITECTURES,
     moe_layers,
+    with_hf_defaults,
 )
 from spindle.architectures import family as hf_family
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Every MLP (and Qwen3-Next's conv) computes SiLU; HF's ACT2FN also spells it "swish".
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
 
 class Mixer(str, enum.Enum):
@@ -194,7 +197,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
-        """Build from a `config.json` dict; refuse what the engine cannot run, naming the field."""
+        """Build from a `config.json` dict; refuse what the engine cannot run, naming the field. A
+        field the dict leaves out means what transformers' config class defaults it to."""
+        raw = with_hf_defaults(raw)
         archs = raw.get("architectures") or []
         family = hf_family(raw)
         if family is None:
@@ -202,6 +207,7 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        _check_activation(raw)
         # HF: Llama/Qwen3 put `attention_bias` on q/k/v/o; Qwen2 always has q/k/v bias and no o bias;
         # Mistral has no bias at all whatever the config says.
         attention_bias = family in ("llama", "qwen3", "qwen3_moe", "qwen3_next", *DEEPSEEK_FAMILIES) and bool(
@@ -252,6 +258,14 @@ class ModelConfig:
         return cfg
 
 
+def _check_activation(raw: dict[str, Any]) -> None:
+    """Refuse a `hidden_act` other than SiLU: Llama-architecture checkpoints with ReLU or GELU MLPs
+    exist on the hub, and running them with SiLU would give fluent-looking wrong tokens."""
+    act = raw.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(f"unsupported hidden_act {act!r}; supported: {SUPPORTED_ACTIVATIONS}")
+
+
 def _token_ids(value: Any) -> list[int]:
     if value is None:
         return []
@@ -290,21 +304,32 @@ _ROPE_REQUIRED_KEYS = {
 
 
 def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> list[int | None]:
+    """Mistral and Mixtral slide in every layer when `sliding_window` is set; the Qwen families
+    only when `use_sliding_window` also says so, Qwen3-MoE in every layer, the others per layer.
+    Llama, Qwen3-Next and DeepSeek never slide (HF ignores the field for them)."""
     window = raw.get("sliding_window")
     if not window:
         return [None] * layers
     if family in ("mistral", "mixtral"):
         return [int(window)] * layers
-    # Qwen2/3 only slide where asked, per layer; Qwen3-MoE everywhere when asked.
-    if not raw.get("use_sliding_window", False):
+    if family not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not raw.get("use_sliding_window"):
         return [None] * layers
     if family == "qwen3_moe":
         return [int(window)] * layers
-    types = raw.get("layer_types") or []
-    if types:
-        return [int(window) if t == "sliding_attention" else None for t in types]
-    max_window_layers = int(raw.get("max_window_layers", layers))
-    return [int(window) if i >= max_window_layers else None for i in range(layers)]
+    types = raw.get("layer_types") or _qwen_layer_types(raw, family, layers)
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+def _qwen_layer_types(raw: dict[str, Any], family: str, layers: int) -> list[str]:
+    """HF's layer types for a sliding Qwen config.json that does not list them (those written
+    before transformers had `layer_types`): Qwen2/Qwen3 slide from layer `max_window_layers` on;
+    Qwen2-MoE slides the even layers *below* it (transformers' own rule for that family)."""
+    max_window_layers = int(raw["max_window_layers"])  # HF_DEFAULTS has each Qwen family's
+    if family == "qwen2_moe":
+        sliding = [i % 2 == 0 and i < max_window_layers for i in range(layers)]
+    else:
+        sliding = [i >= max_window_layers for i in range(layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 def _qwen2_moe_qkv_bias(raw: dict[str, Any], family: str) -> bool:

@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -106,13 +107,9 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     config_file = path / "config.json"
     if not config_file.exists():
         raise ModelLoadError(f"{path} has no config.json")
-    try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
     gen_file = path / "generation_config.json"
-    gen = json.loads(gen_file.read_text()) if gen_file.exists() else None
-    config = ModelConfig.from_hf(raw, gen)
+    gen = _read_json(gen_file) if gen_file.exists() else None
+    config = ModelConfig.from_hf(_read_json(config_file), gen)
     files = weight_files(path)
     if not files:
         pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
@@ -123,6 +120,18 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             )
         raise ModelLoadError(f"{path} has no *.safetensors weight files")
     return config, read_tensors(files, lambda name: not name.startswith(config.mtp_prefixes))
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file (config.json, generation_config.json) as a dict, or a ModelLoadError
+    naming the file: a hand-edited file with a trailing comma must not end the load in a traceback."""
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{file} is not valid JSON: an object was expected, not {type(data).__name__}")
+    return data
 
 
 def read_tensors(files: list[Path], wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
