@@ -78,8 +78,10 @@ def parse_config(config_bytes: bytes, base: BaseModel) -> dict[str, Any]:
     targets = config.get("target_modules") or []
     shapes = base.projection_shapes()
     for t in [targets] if isinstance(targets, str) else targets:
-        if isinstance(targets, list) and t not in shapes:
-            refuse(f"target module {t!r} ({untargetable(t, shapes)})")
+        # A list entry may be a path ("model.layers.0.self_attn.q_proj": PEFT's "all-linear")
+        module = str(t).rpartition(".")[2]
+        if isinstance(targets, list) and module not in shapes:
+            refuse(f"target module {t!r} ({untargetable(module, shapes)})")
     return config
 
 

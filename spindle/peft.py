@@ -118,6 +118,14 @@ def module_path(layer: int, module: str) -> str:
     return f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
 
 
+def names_module(targets: list[str], path: str) -> bool:
+    """Whether a `target_modules` list names the module at `path`, by PEFT's rule: an entry is
+    the module's path or a dotted suffix of it. Entries are not only bare names ("q_proj"):
+    PEFT saves `target_modules="all-linear"` as every module's full path
+    ("model.layers.0.self_attn.q_proj"), and authors write "self_attn.q_proj"."""
+    return any(path == t or path.endswith(f".{t}") for t in targets)
+
+
 def pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
     """PEFT's rank_pattern / alpha_pattern lookup: a pattern matches the end of the module path.
     Raises ValueError for a pattern that is not a regular expression."""
@@ -151,6 +159,6 @@ def declared_mismatch(config: dict[str, Any], layer: int, module: str, rank: int
     ):
         return f"lora_alpha {alpha!r} for {path} must be a finite number > 0"
     targets = config.get("target_modules")
-    if isinstance(targets, list) and module not in targets:
+    if isinstance(targets, list) and not names_module(targets, path):
         return f"{path} has weights but target_modules {targets} does not name {module!r}"
     return None

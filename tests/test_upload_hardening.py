@@ -132,3 +132,34 @@ def test_the_loader_refuses_fifos_devices_directories_and_oversized_files(tiny_l
     with pytest.raises(AdapterError, match=r"above the limit of .* \(--max-adapter-bytes\)"):
         load_peft_adapter("x", lora_dirs["a"], tiny_llama.config, 64, max_bytes=size - 1)
     assert load_peft_adapter("x", lora_dirs["a"], tiny_llama.config, 64, max_bytes=size).modules
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        [f"model.layers.{i}.self_attn.{m}" for i in (0, 1) for m in ("q_proj", "v_proj")],  # "all-linear"
+        ["self_attn.q_proj", "v_proj"],
+    ],
+)
+def test_target_modules_name_modules_as_peft_matches_them(tiny_llama, lora_dirs, tmp_path, targets):
+    """A list entry names a module by its path or a dotted suffix of it: PEFT saves
+    `target_modules="all-linear"` as full paths, which the service and the pods refused."""
+    d = shutil.copytree(lora_dirs["a"], tmp_path / "a")
+    config = json.loads((d / "adapter_config.json").read_text())
+    base = base_model.load(tiny_llama.name)
+
+    def check(targets: list[str]) -> tuple[validate.Summary, dict]:
+        """The service's summary and the pod's scaling of each module, with these targets."""
+        text = json.dumps({**config, "target_modules": targets})
+        (d / "adapter_config.json").write_text(text)
+        summary = validate.validate(text.encode(), d / "adapter_model.safetensors", base, 64)
+        return summary, {
+            k: w.scaling for k, w in load_peft_adapter("a", d, tiny_llama.config, 64).modules.items()
+        }
+
+    plain = check(["q_proj", "v_proj"])
+    assert check(targets) == plain and plain[0].target_modules == ["q_proj", "v_proj"]
+    with pytest.raises(validate.ValidationError, match="does not name 'v_proj'"):
+        check([t for t in targets if "v_proj" not in t])
+    with pytest.raises(AdapterError, match="does not name 'v_proj'"):  # the file check() wrote
+        load_peft_adapter("a", d, tiny_llama.config, 64)
