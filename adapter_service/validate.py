@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from adapter_service.base_model import BaseModel
-from spindle.peft import MLP_MODULES, declared_mismatch, unsupported_feature, untargetable
+from spindle.peft import (
+    MLP_MODULES,
+    declared_mismatch,
+    linear_attention_refusal,
+    unsupported_feature,
+    untargetable,
+)
 from spindle.safetensors_header import HeaderError, TensorEntry, header_length, parse_header
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -29,6 +35,7 @@ _KEY = re.compile(
 # What PEFT writes for gate/up/down targets on an MoE model: the routed experts' and shared experts'
 # projections, which no pod adapts.
 _EXPERTS = re.compile(r"\.mlp\.(?:experts\.\d+|shared_experts?)\.")
+_LINEAR_ATTENTION = re.compile(r"\blayers\.(\d+)\.linear_attn\.")  # a hybrid's Gated DeltaNet projections
 
 
 class ValidationError(ValueError):
@@ -99,6 +106,9 @@ def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int)
                 f"tensor {key!r} adapts mixture-of-experts experts, which no pod serves: target "
                 f"{_attention(shapes)} there ({_dense_layers(base)})"
             )
+        linear = _LINEAR_ATTENTION.search(key)
+        if linear is not None:
+            raise ValidationError(f"tensor {key!r}: {linear_attention_refusal(int(linear.group(1)), shapes)}")
         m = _KEY.fullmatch(key)
         if m is None:
             raise ValidationError(f"tensor {key!r} is not a LoRA A/B weight of a decoder layer projection")
@@ -107,6 +117,8 @@ def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int)
             raise ValidationError(f"tensor {key!r} targets {module!r}: {untargetable(module, shapes)}")
         if layer >= base.num_layers:
             raise ValidationError(f"tensor {key!r} names layer {layer}; {base.name} has {base.num_layers}")
+        if module not in MLP_MODULES and layer in base.linear_layers:
+            raise ValidationError(f"tensor {key!r}: {linear_attention_refusal(layer, shapes)}")
         if module in MLP_MODULES and layer in base.moe_layers:
             raise ValidationError(
                 f"tensor {key!r} targets {module!r} of layer {layer}, a mixture-of-experts layer, whose "

@@ -56,6 +56,7 @@ def projection_shapes(
     kv_heads: int,
     head_dim: int,
     latent: LatentSizes | None = None,
+    gated_query: bool = False,
 ) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection a LoRA may target: the pods' `module_shapes`
     and the adapter service's `BaseModel.projection_shapes` both come from here, so an upload is
@@ -64,7 +65,8 @@ def projection_shapes(
 
     With `latent` (MLA; `kv_heads` and `head_dim` unused): each head's query is qk_nope + qk_rope
     dims wide, `kv_a_proj_with_mqa` writes the latent and the rotary key, o_proj reads v_head_dim
-    per head; not `kv_b_proj` (NOT_TARGETABLE says why)."""
+    per head; not `kv_b_proj` (NOT_TARGETABLE says why). `gated_query` (Qwen3-Next's gated
+    attention): q_proj writes each head's output gate after its query, twice as wide."""
     mlp = {
         "gate_proj": (hidden, intermediate),
         "up_proj": (hidden, intermediate),
@@ -73,7 +75,7 @@ def projection_shapes(
     if latent is None:
         q, kv = heads * head_dim, kv_heads * head_dim
         attention = {
-            "q_proj": (hidden, q),
+            "q_proj": (hidden, 2 * q if gated_query else q),
             "k_proj": (hidden, kv),
             "v_proj": (hidden, kv),
             "o_proj": (q, hidden),
@@ -87,6 +89,16 @@ def projection_shapes(
         attention |= {"q_a_proj": (hidden, latent.q_lora_rank), "q_b_proj": (latent.q_lora_rank, q)}
     attention["o_proj"] = (heads * latent.v_head_dim, hidden)
     return attention | mlp
+
+
+def linear_attention_refusal(layer: int, shapes: dict[str, tuple[int, int]]) -> str:
+    """Why a hybrid's linear-attention (Gated DeltaNet) layer carries no LoRA but on its MLP, and
+    where attention LoRA may go: the reader trained the adapter, perhaps for another layout."""
+    attention = ", ".join(m for m in shapes if m not in MLP_MODULES)
+    return (
+        f"layer {layer} is a linear-attention (Gated DeltaNet) layer: it has no {attention}, and LoRA on "
+        "its own projections is not supported; target those on the full-attention layers"
+    )
 
 
 def untargetable(module: str, shapes: dict[str, tuple[int, int]]) -> str:
