@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 from adapter_service.base_model import BaseModel
 from spindle.peft import (
     MLP_MODULES,
+    bias_refusal,
     declared_mismatch,
     linear_attention_refusal,
     unsupported_feature,
@@ -101,6 +102,9 @@ def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int)
     shapes = base.projection_shapes()
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     for key, t in tensors.items():
+        bias = bias_refusal(key, config)
+        if bias is not None:
+            raise ValidationError(bias)
         if _EXPERTS.search(key):
             raise ValidationError(
                 f"tensor {key!r} adapts mixture-of-experts experts, which no pod serves: target "

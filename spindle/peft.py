@@ -118,11 +118,21 @@ def unsupported_feature(config: dict[str, Any]) -> str | None:
         return "DoRA (use_dora=true)"
     if config.get("modules_to_save"):
         return f"modules_to_save {config['modules_to_save']} (full-weight modules)"
-    if config.get("bias", "none") != "none" or config.get("lora_bias"):
-        return f"bias={config.get('bias')!r} (LoRA bias terms)"
+    if config.get("lora_bias"):
+        return "lora_bias=true (bias terms on lora_B)"
     if config.get("fan_in_fan_out"):
         return "fan_in_fan_out=true (Conv1D-style weights)"
     return None
+
+
+def bias_refusal(key: str, config: dict[str, Any]) -> str | None:
+    """Why tensor `key` cannot be served if it is a bias, else None. PEFT's `bias="all"` or
+    `"lora_only"` saves the base model's biases it trained, which Spindle does not swap per
+    request; on a base without biases (Llama) nothing is saved and the adapter is plain LoRA, so
+    the tensors decide, not the config."""
+    if not key.endswith(".bias"):
+        return None
+    return f"tensor {key!r} is a trained bias (bias={config.get('bias')!r}): bias terms are not supported"
 
 
 def module_path(layer: int, module: str) -> str:

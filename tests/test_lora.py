@@ -469,7 +469,12 @@ def _broken(src: Path, dst: Path, config: dict | None = None, tensors=None) -> P
     [
         ({"use_dora": True}, None, "DoRA"),
         ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
-        ({"bias": "all"}, None, "bias"),
+        (  # bias="all" on a base without biases saves none: refused only when one is saved
+            {"bias": "lora_only"},
+            lambda t: {**t, "base_model.model.model.layers.0.self_attn.q_proj.bias": torch.zeros(64)},
+            "trained bias",
+        ),
+        ({"lora_bias": True}, None, "lora_bias"),
         ({"target_modules": ["embed_tokens"]}, None, "embeddings"),
         (
             None,

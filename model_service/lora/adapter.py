@@ -39,6 +39,7 @@ from model_service.models.config import Mixer, ModelConfig
 from spindle.architectures import GATED_ATTENTION_FAMILIES
 from spindle.peft import (
     MLP_MODULES,
+    bias_refusal,
     declared_mismatch,
     linear_attention_refusal,
     module_path,
@@ -351,6 +352,9 @@ def _modules(
                 f"adapter {name!r}: tensor {key!r} adapts mixture-of-experts experts, which is not "
                 f"supported; target {attention} (and gate/up/down of dense layers only)"
             )
+        bias = bias_refusal(key, config)
+        if bias is not None:
+            raise AdapterError(f"adapter {name!r}: {bias}")
         linear = _LINEAR_ATTENTION_KEY.search(key)
         if linear is not None:
             refusal = linear_attention_refusal(int(linear.group(1)), shapes)
