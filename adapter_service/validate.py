@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 
 from adapter_service.base_model import BaseModel
 from spindle.peft import (
+    EXPERTS_KEY,
     MLP_MODULES,
     bias_refusal,
     declared_mismatch,
@@ -33,9 +34,6 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
-# What PEFT writes for gate/up/down targets on an MoE model: the routed experts' and shared experts'
-# projections, which no pod adapts.
-_EXPERTS = re.compile(r"\.mlp\.(?:experts\.\d+|shared_experts?)\.")
 _LINEAR_ATTENTION = re.compile(r"\blayers\.(\d+)\.linear_attn\.")  # a hybrid's Gated DeltaNet projections
 
 
@@ -105,7 +103,7 @@ def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int)
         bias = bias_refusal(key, config)
         if bias is not None:
             raise ValidationError(bias)
-        if _EXPERTS.search(key):
+        if EXPERTS_KEY.search(key):
             raise ValidationError(
                 f"tensor {key!r} adapts mixture-of-experts experts, which no pod serves: target "
                 f"{_attention(shapes)} there ({_dense_layers(base)})"

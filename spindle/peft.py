@@ -14,6 +14,10 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LORA_MODULES = ATTENTION_MODULES + MLP_MODULES  # a Llama-shaped base's; projection_shapes has any base's
 # Multi-head latent attention (DeepSeek-V2/V3): q_proj without a q_lora_rank, else q_a_proj and q_b_proj.
 MLA_ATTENTION_MODULES = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+# What PEFT writes for gate/up/down targets on an MoE model: LoRA on the routed experts (one
+# module per expert, or the stacked experts of transformers 5: `mlp.experts.base_layer`) and on the
+# shared experts (Qwen's `shared_expert`, DeepSeek's `shared_experts`), which no pod adapts.
+EXPERTS_KEY = re.compile(r"\.mlp\.(?:experts|shared_experts?)\.")
 # Projections PEFT can target that no pod adapts, and why (the refusal's words, on pod and service).
 NOT_TARGETABLE = {
     "kv_b_proj": (
@@ -120,6 +124,10 @@ def unsupported_feature(config: dict[str, Any]) -> str | None:
         return f"modules_to_save {config['modules_to_save']} (full-weight modules)"
     if config.get("lora_bias"):
         return "lora_bias=true (bias terms on lora_B)"
+    if config.get("trainable_token_indices"):
+        return "trainable_token_indices (trained embedding rows)"
+    if config.get("layer_replication"):
+        return "layer_replication (decoder layers stacked from copies of the base model's)"
     if config.get("fan_in_fan_out"):
         return "fan_in_fan_out=true (Conv1D-style weights)"
     return None

@@ -475,6 +475,13 @@ def _broken(src: Path, dst: Path, config: dict | None = None, tensors=None) -> P
             "trained bias",
         ),
         ({"lora_bias": True}, None, "lora_bias"),
+        ({"trainable_token_indices": [3, 5]}, None, "trainable_token_indices"),
+        ({"layer_replication": [[0, 2], [1, 2]]}, None, "layer_replication"),
+        (  # Qwen-MoE's shared expert (DeepSeek's `shared_experts`): experts, not the dense MLP
+            None,
+            lambda t: {k.replace("self_attn.q_proj", "mlp.shared_expert.gate_proj"): v for k, v in t.items()},
+            "mixture-of-experts experts",
+        ),
         ({"target_modules": ["embed_tokens"]}, None, "embeddings"),
         (
             None,

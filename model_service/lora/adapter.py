@@ -38,6 +38,7 @@ from model_service.lora.reading import WeightsFile, read_weights, sha256_of
 from model_service.models.config import Mixer, ModelConfig
 from spindle.architectures import GATED_ATTENTION_FAMILIES
 from spindle.peft import (
+    EXPERTS_KEY,
     MLP_MODULES,
     bias_refusal,
     declared_mismatch,
@@ -347,7 +348,7 @@ def _modules(
         if "lora_embedding" in key or "lora_magnitude_vector" in key:
             what = "DoRA magnitude vectors" if "magnitude" in key else "LoRA on embeddings"
             raise AdapterError(f"adapter {name!r}: {what} ({key}) is not supported")
-        if ".experts." in key:  # PEFT turns gate/up/down targets on an MoE model into expert LoRA
+        if EXPERTS_KEY.search(key):  # PEFT turns gate/up/down targets on an MoE model into expert LoRA
             raise AdapterError(
                 f"adapter {name!r}: tensor {key!r} adapts mixture-of-experts experts, which is not "
                 f"supported; target {attention} (and gate/up/down of dense layers only)"
