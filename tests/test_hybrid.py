@@ -103,9 +103,7 @@ def test_lora_on_gated_attention_matches_peft_and_delta_net_targets_are_refused(
     want = peft_greedy(case.hf, adapter, PROMPTS[:2], MAX_NEW, eos=None)
     assert [o.token_ids for o in outs] == want and want != [case.hf_greedy(i) for i in range(2)]
     assert service_check(adapter).target_modules == sorted(attention)
-    delta_net = make_adapter(
-        case.hf, tmp_path / "dn", seed=8, r=4, target_modules=["in_proj_qkvz", "out_proj"]
-    )
+    delta_net = make_adapter(case.hf, tmp_path / "dn", seed=8, r=4, target_modules=["in_proj_qkvz"])
     moved = shutil.copytree(adapter, tmp_path / "moved")  # layer 1's attention LoRA on layer 0
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
     renamed = {k.replace("layers.1.self_attn", "layers.0.self_attn"): v for k, v in tensors.items()}
