@@ -34,6 +34,8 @@ class BaseModel:
     head_dim: int
     latent: LatentShape | None = None  # MLA (DeepSeek-V2/V3)
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is mixture-of-experts: no gate/up/down LoRA
+    gated_query: bool = False  # q_proj writes each head's query and its output gate (Qwen3-Next)
+    linear_layers: tuple[int, ...] = ()  # a hybrid's Gated DeltaNet layers: no attention projections
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each projection a LoRA may target (dense layers' MLP
@@ -45,6 +47,7 @@ class BaseModel:
             self.num_kv_heads,
             self.head_dim,
             self.latent,
+            self.gated_query,
         )
 
 
@@ -122,6 +125,12 @@ def _from_hf(name: str, raw: dict[str, Any]) -> BaseModel:
             else int(raw.get("head_dim") or hidden // heads),
             latent,
             tuple(i for i, moe in enumerate(sparse) if moe),
+            family in architectures.GATED_ATTENTION_FAMILIES,
+            tuple(
+                i
+                for i, t in enumerate(architectures.layer_types(family, raw, layers))
+                if t == "linear_attention"
+            ),
         )
     except KeyError as e:
         raise ValueError(f"base model {name!r}: config.json is missing required field {e.args[0]!r}") from e

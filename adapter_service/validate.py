@@ -19,16 +19,22 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from adapter_service.base_model import BaseModel
-from spindle.peft import MLP_MODULES, declared_mismatch, unsupported_feature, untargetable
+from spindle.peft import (
+    EXPERTS_KEY,
+    MLP_MODULES,
+    bias_refusal,
+    declared_mismatch,
+    linear_attention_refusal,
+    unsupported_feature,
+    untargetable,
+)
 from spindle.safetensors_header import HeaderError, TensorEntry, header_length, parse_header
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
-# What PEFT writes for gate/up/down targets on an MoE model: the routed experts' and shared experts'
-# projections, which no pod adapts.
-_EXPERTS = re.compile(r"\.mlp\.(?:experts\.\d+|shared_experts?)\.")
+_LINEAR_ATTENTION = re.compile(r"\blayers\.(\d+)\.linear_attn\.")  # a hybrid's Gated DeltaNet projections
 
 
 class ValidationError(ValueError):
@@ -78,8 +84,10 @@ def parse_config(config_bytes: bytes, base: BaseModel) -> dict[str, Any]:
     targets = config.get("target_modules") or []
     shapes = base.projection_shapes()
     for t in [targets] if isinstance(targets, str) else targets:
-        if isinstance(targets, list) and t not in shapes:
-            refuse(f"target module {t!r} ({untargetable(t, shapes)})")
+        # A list entry may be a path ("model.layers.0.self_attn.q_proj": PEFT's "all-linear")
+        module = str(t).rpartition(".")[2]
+        if isinstance(targets, list) and module not in shapes:
+            refuse(f"target module {t!r} ({untargetable(module, shapes)})")
     return config
 
 
@@ -92,11 +100,17 @@ def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int)
     shapes = base.projection_shapes()
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     for key, t in tensors.items():
-        if _EXPERTS.search(key):
+        bias = bias_refusal(key, config)
+        if bias is not None:
+            raise ValidationError(bias)
+        if EXPERTS_KEY.search(key):
             raise ValidationError(
                 f"tensor {key!r} adapts mixture-of-experts experts, which no pod serves: target "
                 f"{_attention(shapes)} there ({_dense_layers(base)})"
             )
+        linear = _LINEAR_ATTENTION.search(key)
+        if linear is not None:
+            raise ValidationError(f"tensor {key!r}: {linear_attention_refusal(int(linear.group(1)), shapes)}")
         m = _KEY.fullmatch(key)
         if m is None:
             raise ValidationError(f"tensor {key!r} is not a LoRA A/B weight of a decoder layer projection")
@@ -105,6 +119,8 @@ def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int)
             raise ValidationError(f"tensor {key!r} targets {module!r}: {untargetable(module, shapes)}")
         if layer >= base.num_layers:
             raise ValidationError(f"tensor {key!r} names layer {layer}; {base.name} has {base.num_layers}")
+        if module not in MLP_MODULES and layer in base.linear_layers:
+            raise ValidationError(f"tensor {key!r}: {linear_attention_refusal(layer, shapes)}")
         if module in MLP_MODULES and layer in base.moe_layers:
             raise ValidationError(
                 f"tensor {key!r} targets {module!r} of layer {layer}, a mixture-of-experts layer, whose "

@@ -26,6 +26,9 @@ SUPPORTED_ARCHITECTURES = {
 MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()}  # config.json model_type
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "deepseek_v2", "deepseek_v3")
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
+# Gated attention (Qwen3-Next): q_proj writes each head's query and its output gate, 2 x head_dim.
+GATED_ATTENTION_FAMILIES = ("qwen3_next",)
+HYBRID_FAMILIES = ("qwen3_next",)  # layers of Gated DeltaNet (linear attention) between attention layers
 
 
 _QWEN_SLIDING = {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28}
@@ -100,3 +103,16 @@ def moe_layers(family: str | None, raw: dict[str, Any], count: int) -> list[bool
         dense, step = set(raw.get("mlp_only_layers") or []), int(raw.get("decoder_sparse_step") or 1)
         return [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(count)]
     return [False] * count
+
+
+def layer_types(family: str | None, raw: dict[str, Any], count: int) -> list[str]:
+    """Each layer's mixer as `config.json` names it: "linear_attention" or "full_attention" for a
+    hybrid (its `layer_types`, else every `full_attention_interval`-th layer full), otherwise
+    "full_attention" (sliding windows aside). The pod validates the names; the adapter service
+    needs them because a linear-attention layer has no q/k/v/o projection to adapt."""
+    if family not in HYBRID_FAMILIES:
+        return ["full_attention"] * count
+    interval = int(raw.get("full_attention_interval", 4))
+    return raw.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(count)
+    ]

@@ -14,6 +14,10 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LORA_MODULES = ATTENTION_MODULES + MLP_MODULES  # a Llama-shaped base's; projection_shapes has any base's
 # Multi-head latent attention (DeepSeek-V2/V3): q_proj without a q_lora_rank, else q_a_proj and q_b_proj.
 MLA_ATTENTION_MODULES = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+# What PEFT writes for gate/up/down targets on an MoE model: LoRA on the routed experts (one
+# module per expert, or the stacked experts of transformers 5: `mlp.experts.base_layer`) and on the
+# shared experts (Qwen's `shared_expert`, DeepSeek's `shared_experts`), which no pod adapts.
+EXPERTS_KEY = re.compile(r"\.mlp\.(?:experts|shared_experts?)\.")
 # Projections PEFT can target that no pod adapts, and why (the refusal's words, on pod and service).
 NOT_TARGETABLE = {
     "kv_b_proj": (
@@ -56,6 +60,7 @@ def projection_shapes(
     kv_heads: int,
     head_dim: int,
     latent: LatentSizes | None = None,
+    gated_query: bool = False,
 ) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection a LoRA may target: the pods' `module_shapes`
     and the adapter service's `BaseModel.projection_shapes` both come from here, so an upload is
@@ -64,7 +69,8 @@ def projection_shapes(
 
     With `latent` (MLA; `kv_heads` and `head_dim` unused): each head's query is qk_nope + qk_rope
     dims wide, `kv_a_proj_with_mqa` writes the latent and the rotary key, o_proj reads v_head_dim
-    per head; not `kv_b_proj` (NOT_TARGETABLE says why)."""
+    per head; not `kv_b_proj` (NOT_TARGETABLE says why). `gated_query` (Qwen3-Next's gated
+    attention): q_proj writes each head's output gate after its query, twice as wide."""
     mlp = {
         "gate_proj": (hidden, intermediate),
         "up_proj": (hidden, intermediate),
@@ -73,7 +79,7 @@ def projection_shapes(
     if latent is None:
         q, kv = heads * head_dim, kv_heads * head_dim
         attention = {
-            "q_proj": (hidden, q),
+            "q_proj": (hidden, 2 * q if gated_query else q),
             "k_proj": (hidden, kv),
             "v_proj": (hidden, kv),
             "o_proj": (q, hidden),
@@ -87,6 +93,16 @@ def projection_shapes(
         attention |= {"q_a_proj": (hidden, latent.q_lora_rank), "q_b_proj": (latent.q_lora_rank, q)}
     attention["o_proj"] = (heads * latent.v_head_dim, hidden)
     return attention | mlp
+
+
+def linear_attention_refusal(layer: int, shapes: dict[str, tuple[int, int]]) -> str:
+    """Why a hybrid's linear-attention (Gated DeltaNet) layer carries no LoRA but on its MLP, and
+    where attention LoRA may go: the reader trained the adapter, perhaps for another layout."""
+    attention = ", ".join(m for m in shapes if m not in MLP_MODULES)
+    return (
+        f"layer {layer} is a linear-attention (Gated DeltaNet) layer: it has no {attention}, and LoRA on "
+        "its own projections is not supported; target those on the full-attention layers"
+    )
 
 
 def untargetable(module: str, shapes: dict[str, tuple[int, int]]) -> str:
@@ -106,16 +122,38 @@ def unsupported_feature(config: dict[str, Any]) -> str | None:
         return "DoRA (use_dora=true)"
     if config.get("modules_to_save"):
         return f"modules_to_save {config['modules_to_save']} (full-weight modules)"
-    if config.get("bias", "none") != "none" or config.get("lora_bias"):
-        return f"bias={config.get('bias')!r} (LoRA bias terms)"
+    if config.get("lora_bias"):
+        return "lora_bias=true (bias terms on lora_B)"
+    if config.get("trainable_token_indices"):
+        return "trainable_token_indices (trained embedding rows)"
+    if config.get("layer_replication"):
+        return "layer_replication (decoder layers stacked from copies of the base model's)"
     if config.get("fan_in_fan_out"):
         return "fan_in_fan_out=true (Conv1D-style weights)"
     return None
 
 
+def bias_refusal(key: str, config: dict[str, Any]) -> str | None:
+    """Why tensor `key` cannot be served if it is a bias, else None. PEFT's `bias="all"` or
+    `"lora_only"` saves the base model's biases it trained, which Spindle does not swap per
+    request; on a base without biases (Llama) nothing is saved and the adapter is plain LoRA, so
+    the tensors decide, not the config."""
+    if not key.endswith(".bias"):
+        return None
+    return f"tensor {key!r} is a trained bias (bias={config.get('bias')!r}): bias terms are not supported"
+
+
 def module_path(layer: int, module: str) -> str:
     """The HF module path PEFT's rank_pattern / alpha_pattern keys are matched against."""
     return f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
+
+
+def names_module(targets: list[str], path: str) -> bool:
+    """Whether a `target_modules` list names the module at `path`, by PEFT's rule: an entry is
+    the module's path or a dotted suffix of it. Entries are not only bare names ("q_proj"):
+    PEFT saves `target_modules="all-linear"` as every module's full path
+    ("model.layers.0.self_attn.q_proj"), and authors write "self_attn.q_proj"."""
+    return any(path == t or path.endswith(f".{t}") for t in targets)
 
 
 def pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
@@ -151,6 +189,6 @@ def declared_mismatch(config: dict[str, Any], layer: int, module: str, rank: int
     ):
         return f"lora_alpha {alpha!r} for {path} must be a finite number > 0"
     targets = config.get("target_modules")
-    if isinstance(targets, list) and module not in targets:
+    if isinstance(targets, list) and not names_module(targets, path):
         return f"{path} has weights but target_modules {targets} does not name {module!r}"
     return None

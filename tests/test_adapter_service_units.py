@@ -245,12 +245,18 @@ def test_an_mla_adapter_is_accepted_and_kv_b_proj_and_moe_mlp_refused(tmp_path, 
         validate.ValidationError, match=r"layer 1, a mixture-of-experts layer.*dense layers: 0\)$"
     ):
         _check(tmp_path, moe_mlp, base, _peft_config(["up_proj"]))
-    experts = _safetensors(
-        {f"base_model.model.model.layers.1.mlp.{part}.gate_proj.lora_{ab}.weight": ([4], 4)
-         for part in ("experts.3", "shared_experts") for ab in "AB"}
-    )  # fmt: skip
-    with pytest.raises(validate.ValidationError, match="mixture-of-experts experts"):
-        _check(tmp_path, experts, base, _peft_config(["gate_proj"]))
+    # One expert's, the stacked experts' (transformers 5), DeepSeek's and Qwen's shared experts'
+    for part in (
+        "experts.3.gate_proj",
+        "experts.base_layer",
+        "shared_experts.gate_proj",
+        "shared_expert.gate_proj",
+    ):
+        experts = _safetensors(
+            {f"base_model.model.model.layers.1.mlp.{part}.lora_{ab}.weight": ([4], 4) for ab in "AB"}
+        )
+        with pytest.raises(validate.ValidationError, match="mixture-of-experts experts"):
+            _check(tmp_path, experts, base, _peft_config(["gate_proj"]))
 
 
 def _pod_config(raw: dict):

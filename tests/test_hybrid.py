@@ -8,13 +8,17 @@ weights randomized so a wrong norm or a dropped state shows).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from adapter_service import base_model, validate
 from model_service.engine.engine import Engine
 from model_service.engine.speculation import NgramProposer, SpeculativeConfig
+from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.models.config import Mixer
 from model_service.models.gated_delta import chunked_scan, recurrent_scan
 from model_service.models.layers import checkpoint_tensors
@@ -23,7 +27,17 @@ from model_service.models.step import StepBatch
 from tests.conftest import assert_all_blocks_free, make_engine, prefill_logits
 from tests.hybrid_models import make_tiny_hybrid
 from tests.test_beam_search import _hf_beams
-from tests.test_tiny_models import PROMPTS, VOCAB, Case, _one_torch_thread, random_prompt, rel_err, request
+from tests.test_lora import make_adapter, peft_greedy
+from tests.test_tiny_models import (
+    MAX_NEW,
+    PROMPTS,
+    VOCAB,
+    Case,
+    _one_torch_thread,
+    random_prompt,
+    rel_err,
+    request,
+)
 
 __all__ = ["_one_torch_thread"]  # the module-scoped fixture applies here too
 
@@ -69,6 +83,37 @@ def test_sparse_moe_layers_match_hf(tmp_path: Path):
     outs = engine.generate([request(ids) for ids in PROMPTS[:3]])
     assert [o.token_ids for o in outs] == [sparse.hf_greedy(i) for i in range(3)]
     _state_slots_all_back(engine)
+
+
+def test_lora_on_gated_attention_matches_peft_and_delta_net_targets_are_refused(case: Case, tmp_path: Path):
+    """Gated attention's q_proj writes each head's query and its output gate, twice the heads'
+    width: PEFT adapters on it were refused as made for another base model. LoRA on a Gated
+    DeltaNet layer, on its own projections or on attention ones it lacks (a KeyError at load),
+    is refused naming the layer, by the pod and the adapter service alike."""
+    service = base_model.load(str(case.path))
+
+    def service_check(d: Path) -> validate.Summary:
+        config = (d / "adapter_config.json").read_bytes()
+        return validate.validate(config, d / "adapter_model.safetensors", service, 64)
+
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    adapter = make_adapter(case.hf, tmp_path / "a", seed=7, scale=0.3, r=4, target_modules=attention)
+    engine = make_engine(case.ours, max_loras=1, lora_modules={"a": str(adapter)})
+    outs = engine.generate([{**request(ids), "adapter": "a"} for ids in PROMPTS[:2]])
+    want = peft_greedy(case.hf, adapter, PROMPTS[:2], MAX_NEW, eos=None)
+    assert [o.token_ids for o in outs] == want and want != [case.hf_greedy(i) for i in range(2)]
+    assert service_check(adapter).target_modules == sorted(attention)
+    delta_net = make_adapter(case.hf, tmp_path / "dn", seed=8, r=4, target_modules=["in_proj_qkvz"])
+    moved = shutil.copytree(adapter, tmp_path / "moved")  # layer 1's attention LoRA on layer 0
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    renamed = {k.replace("layers.1.self_attn", "layers.0.self_attn"): v for k, v in tensors.items()}
+    save_file(renamed, str(moved / "adapter_model.safetensors"))
+    for d in (delta_net, moved):
+        with pytest.raises(AdapterError, match="layer 0 is a linear-attention"):
+            load_peft_adapter("x", d, case.ours.config, 64)
+        # (the service refuses the DeltaNet adapter's config already: it names no attention projection)
+        with pytest.raises(validate.ValidationError, match=r"layer 0 is a linear-attention|'in_proj_qkvz'"):
+            service_check(d)
 
 
 def test_a_model_of_recurrent_layers_only_sizes_its_tables_and_matches_hf(tmp_path: Path):

@@ -469,7 +469,19 @@ def _broken(src: Path, dst: Path, config: dict | None = None, tensors=None) -> P
     [
         ({"use_dora": True}, None, "DoRA"),
         ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
-        ({"bias": "all"}, None, "bias"),
+        (  # bias="all" on a base without biases saves none: refused only when one is saved
+            {"bias": "lora_only"},
+            lambda t: {**t, "base_model.model.model.layers.0.self_attn.q_proj.bias": torch.zeros(64)},
+            "trained bias",
+        ),
+        ({"lora_bias": True}, None, "lora_bias"),
+        ({"trainable_token_indices": [3, 5]}, None, "trainable_token_indices"),
+        ({"layer_replication": [[0, 2], [1, 2]]}, None, "layer_replication"),
+        (  # Qwen-MoE's shared expert (DeepSeek's `shared_experts`): experts, not the dense MLP
+            None,
+            lambda t: {k.replace("self_attn.q_proj", "mlp.shared_expert.gate_proj"): v for k, v in t.items()},
+            "mixture-of-experts experts",
+        ),
         ({"target_modules": ["embed_tokens"]}, None, "embeddings"),
         (
             None,

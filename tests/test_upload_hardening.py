@@ -132,3 +132,50 @@ def test_the_loader_refuses_fifos_devices_directories_and_oversized_files(tiny_l
     with pytest.raises(AdapterError, match=r"above the limit of .* \(--max-adapter-bytes\)"):
         load_peft_adapter("x", lora_dirs["a"], tiny_llama.config, 64, max_bytes=size - 1)
     assert load_peft_adapter("x", lora_dirs["a"], tiny_llama.config, 64, max_bytes=size).modules
+
+
+_PATHS = [f"model.layers.{i}.self_attn.{m}" for i in (0, 1) for m in ("q_proj", "v_proj")]  # "all-linear"'s
+
+
+def _service_and_pod(d, fields: dict, base, cfg) -> tuple[list[str], dict]:
+    """The service's targets and the pod's scaling of each module of the adapter in `d`, its
+    config updated by `fields` (written back to `d`)."""
+    config = json.loads((d / "adapter_config.json").read_text())
+    text = json.dumps({**config, **fields})
+    (d / "adapter_config.json").write_text(text)
+    summary = validate.validate(text.encode(), d / "adapter_model.safetensors", base, 64)
+    return summary.target_modules, {
+        k: w.scaling for k, w in load_peft_adapter("a", d, cfg, 64).modules.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"target_modules": _PATHS},
+        {"target_modules": ["self_attn.q_proj", "v_proj"]},
+        {"bias": "all"},  # on a base without biases PEFT saves none
+        {"bias": "lora_only"},
+    ],
+)
+def test_configs_peft_writes_for_plain_lora_are_served_as_plain_lora(tiny_llama, lora_dirs, tmp_path, fields):
+    """A target_modules entry names a module by its path or a dotted suffix of it (PEFT saves
+    "all-linear" as full paths), and a bias setting that saved no bias is plain LoRA: the service
+    and the pods refused both."""
+    d = shutil.copytree(lora_dirs["a"], tmp_path / "a")
+    base = base_model.load(tiny_llama.name)
+    plain = _service_and_pod(d, {}, base, tiny_llama.config)
+    assert _service_and_pod(d, fields, base, tiny_llama.config) == plain
+    assert plain[0] == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("targets", [_PATHS, ["self_attn.q_proj", "v_proj"]])
+def test_target_modules_that_leave_out_a_module_with_weights_are_refused(
+    tiny_llama, lora_dirs, tmp_path, targets
+):
+    d = shutil.copytree(lora_dirs["a"], tmp_path / "a")
+    without_v = {"target_modules": [t for t in targets if "v_proj" not in t]}
+    with pytest.raises(validate.ValidationError, match="does not name 'v_proj'"):
+        _service_and_pod(d, without_v, base_model.load(tiny_llama.name), tiny_llama.config)
+    with pytest.raises(AdapterError, match="does not name 'v_proj'"):  # the config written above
+        load_peft_adapter("a", d, tiny_llama.config, 64)

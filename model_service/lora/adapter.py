@@ -35,10 +35,14 @@ from model_service.kernels.lora import aligned_up, arena_views
 from model_service.lora.buffers import HostBuffers
 from model_service.lora.files import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, read_regular
 from model_service.lora.reading import WeightsFile, read_weights, sha256_of
-from model_service.models.config import ModelConfig
+from model_service.models.config import Mixer, ModelConfig
+from spindle.architectures import GATED_ATTENTION_FAMILIES
 from spindle.peft import (
+    EXPERTS_KEY,
     MLP_MODULES,
+    bias_refusal,
     declared_mismatch,
+    linear_attention_refusal,
     module_path,
     pattern_value,
     projection_shapes,
@@ -50,6 +54,7 @@ from spindle.safetensors_header import HeaderError, TensorEntry, header_length, 
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
+_LINEAR_ATTENTION_KEY = re.compile(r"\blayers\.(\d+)\.linear_attn\.")  # a hybrid's Gated DeltaNet projections
 
 _DTYPES = {
     "F64": torch.float64,
@@ -212,7 +217,8 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
     MLA (DeepSeek): the query and latent projections and o_proj, not `kv_b_proj`, which
     decompresses cached latents written by earlier steps (and is absorbed into decode queries):
-    no step's adapter plan covers those rows."""
+    no step's adapter plan covers those rows. Gated attention (Qwen3-Next): q_proj as the
+    checkpoint has it, each head's query then its output gate."""
     return projection_shapes(
         cfg.hidden_size,
         cfg.intermediate_size,
@@ -220,6 +226,7 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         cfg.num_kv_heads,
         cfg.head_dim,
         cfg.latent_attention,
+        gated_query=cfg.family in GATED_ATTENTION_FAMILIES,
     )
 
 
@@ -341,11 +348,18 @@ def _modules(
         if "lora_embedding" in key or "lora_magnitude_vector" in key:
             what = "DoRA magnitude vectors" if "magnitude" in key else "LoRA on embeddings"
             raise AdapterError(f"adapter {name!r}: {what} ({key}) is not supported")
-        if ".experts." in key:  # PEFT turns gate/up/down targets on an MoE model into expert LoRA
+        if EXPERTS_KEY.search(key):  # PEFT turns gate/up/down targets on an MoE model into expert LoRA
             raise AdapterError(
                 f"adapter {name!r}: tensor {key!r} adapts mixture-of-experts experts, which is not "
                 f"supported; target {attention} (and gate/up/down of dense layers only)"
             )
+        bias = bias_refusal(key, config)
+        if bias is not None:
+            raise AdapterError(f"adapter {name!r}: {bias}")
+        linear = _LINEAR_ATTENTION_KEY.search(key)
+        if linear is not None:
+            refusal = linear_attention_refusal(int(linear.group(1)), shapes)
+            raise AdapterError(f"adapter {name!r}: tensor {key!r}: {refusal}")
         m = _KEY.match(key)
         if m is None:
             raise AdapterError(
@@ -360,6 +374,8 @@ def _modules(
             raise AdapterError(
                 f"adapter {name!r}: tensor {key!r} names layer {layer}; the base model has {base.num_layers}"
             )
+        if base.layer_kinds[layer].mixer is Mixer.LINEAR_ATTENTION and module not in MLP_MODULES:
+            raise AdapterError(f"adapter {name!r}: tensor {key!r}: {linear_attention_refusal(layer, shapes)}")
         if base.layer_kinds[layer].moe and module in MLP_MODULES:
             raise AdapterError(
                 f"adapter {name!r}: tensor {key!r} targets {module!r} of layer {layer}, a mixture-of-experts "

@@ -18,6 +18,7 @@ from spindle.architectures import (
     DEEPSEEK_FAMILIES,
     MOE_FAMILIES,
     SUPPORTED_ARCHITECTURES,
+    layer_types,
     moe_layers,
     with_hf_defaults,
 )
@@ -382,10 +383,7 @@ def _hybrid_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
     rope = raw.get("rope_parameters") or {}
     factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     cfg.rotary_dim = int(cfg.head_dim * float(factor))
-    types = raw.get("layer_types") or [
-        "full_attention" if (i + 1) % int(raw.get("full_attention_interval", 4)) == 0 else "linear_attention"
-        for i in range(cfg.num_layers)
-    ]
+    types = layer_types(cfg.family, raw, cfg.num_layers)
     mixers = {"linear_attention": Mixer.LINEAR_ATTENTION, "full_attention": Mixer.FULL_ATTENTION}
     unknown = sorted(set(types) - set(mixers))
     if unknown or len(types) != cfg.num_layers:
