@@ -434,3 +434,76 @@ def test_a_message_for_several_outputs_keeps_each_tokens_logprobs():
     assert [(lp.token_id, lp.logprob) for lp in msg.chunk.logprobs] == [(5, -2.5), (6, -3.0), (7, -3.5)]
     assert [[t.token_id for t in lp.top] for lp in msg.chunk.logprobs] == [[5, 6], [6, 7], [7, 8]]
     assert wire.chunk([out([], ""), out([], "")]) is None
+
+
+def test_load_reports_answer_from_the_last_step_while_one_runs_long_and_fail_once_it_is_stuck():
+    """A pod inside a long step (a long prompt's chunk on a CPU) still answers its load report
+    in time, with the last step boundary's stats, from one engine call in flight; a step past the
+    stall bound fails the report UNAVAILABLE, so the gateway ejects a stuck pod, not a busy one."""
+    import asyncio
+    import time
+
+    from model_service.errors import UnavailableError
+    from model_service.pod.load_stats import FRESH_WAIT_S, LoadStats
+
+    async def scenario() -> None:
+        calls, step = [], asyncio.Event()
+
+        async def gather() -> int:  # the engine thread answers at its next step boundary
+            calls.append(len(calls))
+            await step.wait()
+            return len(calls)
+
+        stats = LoadStats(gather, stall_s=0.6)
+        step.set()
+        assert await stats.recent() == 1  # the first report waits for its own stats
+        step.clear()  # a long step begins
+        started = time.monotonic()
+        assert [await stats.recent(), await stats.recent()] == [1, 1]
+        assert time.monotonic() - started < 4 * FRESH_WAIT_S and len(calls) == 2  # one call in flight
+        await asyncio.sleep(0.6)
+        with pytest.raises(UnavailableError, match="has not finished a step in"):
+            await stats.recent()
+        step.set()  # the step ends: the pending call answers, and the next report is fresh
+        await asyncio.sleep(0)
+        assert await stats.recent() >= 2
+
+    asyncio.run(scenario())
+
+
+def test_a_pod_inside_a_long_step_answers_its_load_report_within_the_gateways_deadline():
+    """Through the pod's real gRPC server: steps of 1.5 s (a long prompt's chunk on a CPU) and a
+    request running; GetLoad at the gateway's 1 s deadline answers every time (it timed out, and
+    two misses ejected the pod) and counts the request in flight."""
+    import asyncio
+
+    import grpc
+
+    from bench.fake_engine import FakeFastEngine
+    from model_service.pod import server as pod_server
+    from model_service.pod.state import ModelPod
+    from spindle.v1 import generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
+
+    parser = pod_server.build_parser(argparse.ArgumentParser())
+    assert parser.parse_args(["--model", "m"]).engine_stall_timeout == 120.0
+
+    async def loads_during_a_long_step() -> list[pod_status_pb2.PodLoad]:
+        pod = ModelPod("fake", drain_timeout=1.0)
+        servers = await pod_server.start(pod, "127.0.0.1", 0, 0)
+        try:
+            await pod.load(lambda: FakeFastEngine(1.5))
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{servers.port}") as ch:
+                status = pod_status_pb2_grpc.PodStatusStub(ch)
+                await status.GetLoad(pod_status_pb2.GetLoadRequest(), timeout=5)  # idle: fresh stats
+                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), max_tokens=3)
+                call = generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=30)
+                await asyncio.sleep(0.3)  # the request is in its first step
+                loads = [await status.GetLoad(pod_status_pb2.GetLoadRequest(), timeout=1.0) for _ in range(3)]
+                call.cancel()
+                return loads
+        finally:
+            await servers.stop(0)
+            pod.close()
+
+    loads = asyncio.run(loads_during_a_long_step())
+    assert [load.requests_in_flight for load in loads] == [1, 1, 1]

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 from model_service.engine.handle import EngineHandle
 from model_service.engine.sequence import RequestOutput
+from model_service.errors import UnavailableError
 from model_service.lora.control import ControlOp, ControlResult
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,9 @@ class AsyncEngine(Generic[E]):
             loop.call_soon_threadsafe(_set_exception, added, error)
 
     def call(self, fn: Callable[[E], T]) -> T:
-        """Run `fn(engine)` on the engine thread and wait for its result (for stats, control ops)."""
+        """Run `fn(engine)` on the engine thread and wait for its result (for stats, control ops).
+        Raises UnavailableError once the thread has stopped without running it (shut down while
+        the call was queued): the caller's thread must not wait forever on a closed pod."""
         done: queue.Queue[tuple[bool, Any]] = queue.Queue()
 
         def run() -> None:
@@ -130,7 +133,13 @@ class AsyncEngine(Generic[E]):
                 done.put((False, e))
 
         self._inbox.put(run)
-        ok, value = done.get()
+        while True:
+            try:
+                ok, value = done.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and done.empty():
+                    raise UnavailableError("the engine has shut down") from None
         if not ok:
             raise value
         return value

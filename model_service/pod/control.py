@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from model_service.errors import UnavailableError
 from model_service.lora.control import (
     ControlOp,
     ControlResult,
@@ -210,7 +211,10 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
     async def GetSlots(self, request: pb.GetSlotsRequest, context: grpc.aio.ServicerContext) -> pb.SlotReport:
         await self._ready(context)
         assert self.pod.engine is not None
-        now = await self.pod.gathered()
+        try:  # the last step boundary's, while a step runs long: the adapter service polls with a deadline
+            now = await self.pod.load_stats.recent()
+        except UnavailableError as e:  # the engine thread is stuck
+            await abort_for(context, e)
         adapters = now.adapters
         slots = [
             pb.Slot(index=a.slot, adapter=a.name, refcount=a.refcount, pinned=a.pinned)

@@ -227,4 +227,7 @@ class PodStatusService(pod_status_pb2_grpc.PodStatusServicer):
     ) -> pod_status_pb2.PodLoad:
         if self.pod.async_engine is None:
             await abort(context, Code.UNAVAILABLE, "model pod is still loading its model")
-        return await self.pod.load_report()
+        try:
+            return await self.pod.load_report()
+        except UnavailableError as e:  # the engine thread is stuck (`LoadStats`)
+            await abort(context, Code.UNAVAILABLE, str(e))

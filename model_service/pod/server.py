@@ -74,6 +74,13 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted [30]",
     )
     g.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=120.0,
+        help="seconds one engine step may run before load reports (GetLoad) answer UNAVAILABLE and the "
+        "gateway ejects the pod as stuck; until then they answer with the last step's stats [120]",
+    )
+    g.add_argument(
         "--adapter-cache-dir",
         default=None,
         help="where adapters fetched from peer pods are written [a new temporary directory]",
@@ -185,7 +192,12 @@ async def start(
 
 async def serve(args: argparse.Namespace) -> int:
     provider = telemetry.tracer_provider_from_env("spindle-model")
-    pod = ModelPod(served_name(args), args.drain_timeout, stream_interval=args.stream_interval)
+    pod = ModelPod(
+        served_name(args),
+        args.drain_timeout,
+        stream_interval=args.stream_interval,
+        stall_timeout=args.engine_stall_timeout,
+    )
     security = security_from_args(args)
     servers = await start(
         pod,

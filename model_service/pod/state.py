@@ -21,6 +21,7 @@ from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import RequestOutput
 from model_service.errors import UnavailableError
 from model_service.lora.pool import ACTIVE, AdapterInfo
+from model_service.pod.load_stats import LoadStats
 from model_service.pod.metrics import PodMetrics, Residency, Snapshot
 from spindle.serving import Health
 from spindle.v1 import pod_status_pb2
@@ -88,7 +89,12 @@ class Gathered:
 
 class ModelPod:
     def __init__(
-        self, model_name: str, drain_timeout: float, health: Health | None = None, stream_interval: int = 1
+        self,
+        model_name: str,
+        drain_timeout: float,
+        health: Health | None = None,
+        stream_interval: int = 1,
+        stall_timeout: float = 120.0,
     ) -> None:
         self.model_name = model_name
         self.drain_timeout = drain_timeout
@@ -110,6 +116,7 @@ class ModelPod:
         self.exit_requested = asyncio.Event()
         self.exit_code = 0
         self.metrics = PodMetrics(model_name, self.snapshot_blocking)
+        self.load_stats = LoadStats(self.gathered, stall_timeout)  # what load reports read
         self._closed = False
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -256,8 +263,10 @@ class ModelPod:
         return await asyncio.to_thread(self.async_engine.call, self._gather)
 
     async def load_report(self) -> pod_status_pb2.PodLoad:
+        """The load the gateway routes by: the engine's stats of the last step boundary (at most one
+        step old, `LoadStats`) beside the requests in flight now."""
         assert self.async_engine is not None
-        now = await asyncio.to_thread(self.async_engine.call, self._gather)
+        now = await self.load_stats.recent()
         stats, where = now.stats, now.residency()
         _, waiting = self._adapter_split()
         return pod_status_pb2.PodLoad(
