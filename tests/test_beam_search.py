@@ -9,10 +9,13 @@ from model_service.engine.sampling_params import SamplingParams
 from tests.conftest import assert_all_blocks_free, make_engine
 
 
-def _hf_beams(hf, ids: list[int], eos: int | None, **kw) -> list[int]:
-    out = hf.generate(torch.tensor([ids]), do_sample=False, eos_token_id=eos, pad_token_id=eos or 0, **kw)
+def _hf_beams(hf, ids: list[int], eos: int | list[int] | None, **kw) -> list[int]:
+    stops = [eos] if isinstance(eos, int) else eos or []
+    pad = stops[0] if stops else 0
+    out = hf.generate(torch.tensor([ids]), do_sample=False, eos_token_id=eos, pad_token_id=pad, **kw)
     gen = out[0, len(ids) :].tolist()
-    return gen[: gen.index(eos) + 1] if eos is not None and eos in gen else gen
+    ends = [i for i, t in enumerate(gen) if t in stops]
+    return gen[: ends[0] + 1] if ends else gen
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +83,41 @@ def test_tiny_beam_search_equals_hf_alongside_other_requests(
     assert [final[f"beam{i}"].token_ids for i in range(3)] == expected
     assert all(final[f"beam{i}"].finish_reason == "length" for i in range(3))
     assert_all_blocks_free(engine)
+
+
+# (which token of the free search's answer is made a stop token, include_stop_str_in_output): on
+# this model the 4th ends HF's search there, the 3rd turns it onto another path of full length.
+STOP_TOKEN_CASES = [(3, False), (3, True), (2, False)]
+
+
+@pytest.mark.parametrize(("position", "include_stop_str_in_output"), STOP_TOKEN_CASES)
+def test_beam_search_ends_at_stop_token_ids_as_hf_and_reads_as_sampling(
+    tiny_smollm2, position, include_stop_str_in_output
+):
+    """A stop token ends a hypothesis as one of HF's eos_token_id list does (the search ignored
+    them), and the answer reads as a sampled one's: no stop token text unless asked for, and the
+    stop token as stop_reason."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_smollm2.name, dtype=torch.float32).eval()
+    tok = tiny_smollm2.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name a color."}])
+    stop = _hf_beams(hf, prompt, eos=None, num_beams=2, max_new_tokens=8)[position]
+    expected = _hf_beams(hf, prompt, eos=[stop], num_beams=2, max_new_tokens=8)
+    request = {
+        "prompt_token_ids": prompt,
+        "num_beams": 2,
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "stop_token_ids": [stop],
+        "include_stop_str_in_output": include_stop_str_in_output,
+    }
+    out = make_engine(tiny_smollm2).generate([request])[0]
+    assert out.token_ids == expected
+    stopped = expected[-1] == stop
+    assert (out.finish_reason, out.stop_reason) == (("stop", stop) if stopped else ("length", None))
+    text_ids = expected[:-1] if stopped and not include_stop_str_in_output else expected
+    assert out.text == tok.decode(text_ids)
 
 
 def test_beams_share_prompt_blocks(tiny_llama):

@@ -76,6 +76,28 @@ def test_special_tokens_are_skipped(tok, prompts, windowed):
     assert "".join(deltas) == tok.decode(ids) == "Hi 😀 there 日本"
 
 
+# Token-id prompts cut after every token: some end inside a character, which the output completes.
+SPLIT_TEXTS = ["a😀b 日本", "é ü 𝔘 👨\u200d👩\u200d👧", "odd \ufffd char, x\ufffd\ufffdy"]
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+@pytest.mark.parametrize("text", SPLIT_TEXTS)
+def test_prompt_ending_inside_a_character(tok, text, windowed, monkeypatch):
+    """The output tokens that complete the prompt's last character emit it whole: not the prompt's
+    text again (the stream did), nor nothing (the window did). A U+FFFD the prompt spells is text."""
+    if windowed:
+        monkeypatch.setattr(tok, "stream_decoder", lambda *_: None)
+    ids = tok.encode(text)
+    for cut in range(1, len(ids)):
+        prompt, out = ids[:cut], ids[cut:]
+        detok = IncrementalDetokenizer(tok, prompt)
+        deltas = [detok.push(t) for t in out]
+        prompt_text, full = tok.decode(prompt), tok.decode(prompt + out)
+        whole = prompt_text if full.startswith(prompt_text) else prompt_text.rstrip("\ufffd")
+        assert whole + "".join(deltas) == full == text, (cut, prompt_text, deltas)
+        assert (detok.stream is None) == windowed, "streams once the prompt's character is whole"
+
+
 def test_no_tokenizer_emits_nothing():
     detok = IncrementalDetokenizer(None, [1, 2, 3])
     assert [detok.push(t) for t in (5, 6, 7)] == ["", "", ""]

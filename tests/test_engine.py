@@ -264,3 +264,12 @@ def test_generate_is_all_or_nothing(tiny_smollm2):
         engine.generate([{"prompt": "fine", "max_tokens": 4}, {"prompt": "bad", "max_tokens": 0}])
     assert not engine.has_unfinished()
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("field", ["min_tokens", "max_token", "n"])
+def test_a_request_field_the_engine_does_not_know_is_refused(tiny_smollm2, field):
+    """A `--requests` line's misspelt or unsupported field would silently change the answer."""
+    engine = make_engine(tiny_smollm2)
+    with pytest.raises(InvalidRequestError, match=f"unknown request fields: {field}"):
+        engine.generate([{"prompt": "fine", "max_tokens": 4, field: 2}])
+    assert_all_blocks_free(engine)

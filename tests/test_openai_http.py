@@ -237,6 +237,17 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"prompt": [1, 2**40]}, "token ids"),
         ({"prompt": "a", "max_tokens": 2**40}, "out of range"),
         ({"prompt": "a", "echo": True}, "echo"),
+        # vLLM's extras that would change the answer: refused, not silently dropped
+        ({"prompt": "a", "min_tokens": 8}, "min_tokens"),
+        ({"prompt": "a", "use_beam_search": True}, "beam search"),
+        ({"prompt": "a", "allowed_token_ids": [5]}, "allowed_token_ids"),
+        ({"prompt": "a", "bad_words": ["x"]}, "bad_words"),
+        ({"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt": "a", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+        ({"messages": QUESTION, "continue_final_message": True}, "continue_final_message"),
+        ({"messages": QUESTION, "chat_template": "{{ messages }}"}, "chat_template"),
+        ({"messages": QUESTION, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+        ({"messages": QUESTION, "add_generation_prompt": False}, "add_generation_prompt"),
     ],
 )
 def test_what_is_refused_is_named(body, problem):

@@ -14,6 +14,7 @@ import logging
 import torch
 
 from model_service.engine.beam_search import BeamGroup
+from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence, by_rank
 from model_service.models.tokenizer import Tokenizer
@@ -31,7 +32,8 @@ class BeamSearch:
         """Start `root`'s request as a search of `root.params.num_beams` beams."""
         p = root.params
         max_tokens = min(p.max_tokens, max_model_len - root.num_prompt_tokens)
-        eos = set() if p.ignore_eos else eos_token_ids
+        # A stop token ends a hypothesis as EOS does (HF's list of eos_token_id), ignore_eos or not.
+        eos = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
         group = BeamGroup(root.request_id, p.num_beams, p.length_penalty, p.early_stopping, max_tokens, eos)
         self._track(root, group)
 
@@ -141,22 +143,39 @@ class BeamSearch:
         beams = self.live.pop(group.request_id)
         self._drop(beams)
         best = group.best()
-        if reason == "length" and best.token_ids and best.token_ids[-1] in group.eos_token_ids:
+        ids = best.token_ids
+        stop = ids[-1] if ids and ids[-1] in group.eos_token_ids else None
+        if reason == "length" and stop is not None:
             reason = "stop"
         errors = [e for e in [error, *(b.output.error for b in beams)] if e]
-        text = self.tokenizer.decode(best.token_ids) if self.tokenizer else ""
+        text = self._text(beams[0], ids, stop)
         return RequestOutput(
             request_id=group.request_id,
-            new_token_ids=best.token_ids,
+            new_token_ids=ids,
             new_text=text,
-            token_ids=best.token_ids,
+            token_ids=ids,
             text=text,
             finished=True,
             finish_reason=reason,
             num_prompt_tokens=beams[0].num_prompt_tokens,
+            stop_reason=stop if reason == "stop" else None,
             error=errors[0] if errors else None,
             first_scheduled_at=beams[0].admission.first_scheduled_at,
         )
+
+    def _text(self, beam: Sequence, ids: list[int], stop: int | None) -> str:
+        """The text of output `ids` as a sampled request's would be (engine/output_processor.py),
+        so that num_beams does not change how the same tokens read: decoded after the prompt, with
+        the request's skip_special_tokens, and without its stop token's text unless
+        include_stop_str_in_output."""
+        if self.tokenizer is None:
+            return ""
+        p = beam.params
+        if stop is not None and not p.include_stop_str_in_output:
+            ids = ids[:-1]
+        prompt = beam.token_ids[: beam.num_prompt_tokens]
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt, p.skip_special_tokens)
+        return "".join(detokenizer.push(t) for t in ids)
 
     def _drop(self, beams: list[Sequence]) -> None:
         """Free `beams` (finished, through the scheduler) and forget their logits."""

@@ -8,13 +8,22 @@ keeping up with the GPU or not). Otherwise, as vLLM does, we decode a small wind
 tokens [prefix_offset, read_offset) is what was already emitted at the window's start;
 whatever the window's full decode adds beyond it is new, unless it ends in U+FFFD (an
 incomplete character), in which case we wait for the next token.
+
+A prompt of token ids may end inside a character (its text ends in U+FFFD). The output tokens
+that complete that character emit it whole, so that the prompt's text without its trailing
+U+FFFD, followed by the output's text, is the text of prompt and output decoded together. The
+streaming decoder cannot do this (it would emit the prompt's text again, or nothing), so such a
+request takes the window until its first text, and streams from there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from model_service.models.tokenizer import Tokenizer
 
 _WINDOW = 6
+_INCOMPLETE = "\ufffd"
 
 
 class IncrementalDetokenizer:
@@ -26,7 +35,14 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids[-_WINDOW:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.stream = tokenizer.stream_decoder(self.ids, skip_special_tokens) if tokenizer else None
+        # Whether the prompt's text ends inside a character, which the window completes first.
+        self.settling = tokenizer is not None and tokenizer.decode(self.ids, skip_special_tokens).endswith(
+            _INCOMPLETE
+        )
+        self.stream = self._stream_decoder() if not self.settling else None
+
+    def _stream_decoder(self) -> Callable[[int], str] | None:
+        return self.tokenizer.stream_decoder(self.ids, self.skip_special_tokens) if self.tokenizer else None
 
     def push(self, token_id: int) -> str:
         """Add one generated token; return the text it completes (possibly empty)."""
@@ -34,12 +50,22 @@ class IncrementalDetokenizer:
             return self.stream(token_id)
         if self.tokenizer is None:
             return ""
+        delta = self._push_window(token_id)
+        if delta and self.settling:  # the prompt's last character is whole: stream from here
+            self.settling = False
+            self.stream = self._stream_decoder()
+        return delta
+
+    def _push_window(self, token_id: int) -> str:
+        assert self.tokenizer is not None
         self.ids.append(token_id)
         prefix = self.tokenizer.decode(
             self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens
         )
         full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        # Emitted text ends whole; a prompt's may not, and the character completing it is new.
+        start = _shared_length(prefix, full) if prefix.endswith(_INCOMPLETE) else len(prefix)
+        if len(full) <= start or full.endswith(_INCOMPLETE):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         # Keep the window short so each push costs O(window), not O(output).
@@ -48,4 +74,9 @@ class IncrementalDetokenizer:
             self.ids = self.ids[drop:]
             self.prefix_offset -= drop
             self.read_offset -= drop
-        return full[len(prefix) :]
+        return full[start:]
+
+
+def _shared_length(a: str, b: str) -> int:
+    """The length of the longest common prefix of `a` and `b`."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

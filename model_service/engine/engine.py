@@ -27,6 +27,7 @@ them and runs the loop.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import uuid
@@ -59,6 +60,7 @@ from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence
 from model_service.engine.speculation import Speculation, SpeculativeConfig
 from model_service.engine.warm_up import run_requests
+from model_service.errors import InvalidRequestError
 from model_service.lora.adapter import HostForm
 from model_service.lora.buffers import HostBuffers
 from model_service.lora.control import ControlOp, ControlResult
@@ -67,6 +69,8 @@ from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
+# The fields of a request object besides its SamplingParams (`Engine.add_request_dict`).
+_REQUEST_FIELDS = {"prompt", "messages", "prompt_token_ids", "request_id", "priority", "adapter"}
 # An engine with nothing to run but a request whose adapter a worker is reading, or whose grammar
 # is compiling, waits this long for it rather than spinning through empty steps.
 IDLE_WAIT_S = 0.005
@@ -382,7 +386,12 @@ class Engine:
 
     def add_request_dict(self, r: dict[str, Any]) -> str:
         """`add_request` from one request object (prompt/messages/prompt_token_ids, sampling fields,
-        request_id, priority, adapter), as `--requests` files and `generate` spell them."""
+        request_id, priority, adapter), as `--requests` files and `generate` spell them. A field
+        it does not know is refused: dropped, a misspelt max_tokens or vLLM's min_tokens would
+        silently change the answer."""
+        unknown = sorted(set(r) - _REQUEST_FIELDS - {f.name for f in dataclasses.fields(SamplingParams)})
+        if unknown:
+            raise InvalidRequestError(f"unknown request fields: {', '.join(unknown)}")
         return self.add_request(
             r.get("prompt"),
             messages=r.get("messages"),

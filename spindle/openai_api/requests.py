@@ -34,6 +34,16 @@ _REFUSED = {
     "logit_bias": "logit_bias is not supported",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
+    # vLLM's extras that Spindle does not serve (each set to anything but its default)
+    "min_tokens": "min_tokens is not supported",
+    "use_beam_search": "beam search is not supported here",
+    "allowed_token_ids": "allowed_token_ids is not supported",
+    "bad_words": "bad_words is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported",
+    "continue_final_message": "continue_final_message is not supported",
+    "chat_template": "a request's own chat_template is not supported",
+    "chat_template_kwargs": "chat_template_kwargs is not supported",
 }
 # Structured output, in OpenAI's and vLLM's spellings (see `structured_output`).
 STRUCTURED_FIELDS = (
@@ -133,6 +143,8 @@ def chat_request(body: dict[str, Any], base_models: Collection[str]) -> tuple[pb
     if logprobs:
         req.logprobs = top or 0
     _no_forced_tool_call(body)
+    if _typed(body, "add_generation_prompt", bool) is False:  # the template always adds it
+        raise bad_request("`add_generation_prompt: false` is not supported", "add_generation_prompt")
     call = _common(body, req, base_models, logprobs)
     _max_tokens(body, req, "max_completion_tokens", "max_tokens")
     return req, call
