@@ -82,13 +82,15 @@ def _structured_form(name: str, value: Any) -> pb.StructuredOutput | None:
 
 
 def _response_format(value: Any) -> pb.StructuredOutput | None:
-    """OpenAI's `response_format` (None: free text); any other shape is a 400 naming the field."""
+    """OpenAI's `response_format` (None: free text). `{"type": "json_object", "schema": {...}}`,
+    the form Together's API and llama.cpp's server take (LangChain's ChatTogetherAI sends it), is
+    that schema: answering it with any JSON object would drop the caller's schema silently."""
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
         return None
-    if kind == "json_object":
+    if kind == "json_object" and value.get("schema") is None:
         return pb.StructuredOutput(json_object=True)
-    schema = None
+    schema = value.get("schema") if kind == "json_object" else None
     if kind == "json_schema" and isinstance(value.get("json_schema"), dict):
         schema = value["json_schema"].get("schema")
     if not isinstance(schema, dict):
