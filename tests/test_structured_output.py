@@ -288,8 +288,9 @@ def test_allowed_tokens_match_a_torch_reference():
     ],
 )
 def test_bad_structured_outputs_are_refused_with_the_library_message(structured, message):
-    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as refused:
         SamplingParams.from_dict({"structured_output": structured})
+    assert str(refused.value).count("structured_output") == 1  # the field named once, not twice
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
