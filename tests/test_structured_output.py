@@ -204,6 +204,27 @@ def test_a_request_waits_for_its_grammar_and_the_others_do_not(engine):
     assert len(final[runs].token_ids) == 3
 
 
+LOOP = {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}}  # a value no output can be
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {**LOOP, "$ref": "#/$defs/A"},  # fails at the first mask
+        {**LOOP, "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]},
+    ],
+)
+def test_a_grammar_that_cannot_go_on_fails_its_request_not_stops_it(engine, schema):
+    """llguidance reads its schema, but its matcher fails where no value can follow: it then
+    allows only EOS and reads as stopped. The request fails naming why, without the matcher's
+    state dump and grammar; it never stops with output outside its schema."""
+    request = _chat(CAT, max_tokens=8, structured_output={"json_schema": schema})
+    out = engine.generate([request])[0]
+    assert out.finish_reason == "error" and out.text in ("", '{"a": '), out.text
+    assert out.error == "structured output: the grammar cannot go on here (NoExtensionBias)"
+    assert_all_blocks_free(engine)
+
+
 def test_speculation_checks_drafts_against_the_grammar(smollm2, batch):
     """n-gram drafts are cut to what the grammar allows and verified under its masks: the greedy
     tokens are those of the run without speculation, and some drafts were accepted."""

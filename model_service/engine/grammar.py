@@ -63,11 +63,20 @@ class Constraint:
             self.accept(token)
 
     def accept(self, token: int) -> None:
+        """Advance over `token`. A matcher in error fails the request: one that failed while
+        computing a mask (a schema whose `$ref`s loop, a grammar that cannot go on) allows EOS
+        alone and reads as stopped, so it would otherwise end the request "stop" with output
+        outside its language."""
         assert self.matcher is not None
         if not self.matcher.consume_token(token):
-            raise GrammarError(
-                f"structured output: token {token} is not allowed here ({self.matcher.get_error()})"
-            )
+            raise GrammarError(f"structured output: token {token} is not allowed here ({self._error()})")
+        if self.matcher.is_error():
+            raise GrammarError(f"structured output: the grammar cannot go on here ({self._error()})")
+
+    def _error(self) -> str:
+        """llguidance's error without the state dump and the whole grammar it appends."""
+        assert self.matcher is not None
+        return self.matcher.get_error().split("\n", 1)[0]
 
     @property
     def done(self) -> bool:
