@@ -361,6 +361,7 @@ def test_the_pod_refuses_bad_structured_output_and_serves_good(smollm2):
                 'Unimplemented keys: ["not"]': {"json_schema": json.dumps({"not": {"type": "string"}})},
                 "unclosed character class": {"regex": "(["},
                 "names no kind": {},
+                'unknown special token: "<|foo|>"': {"grammar": "start: <|foo|>"},  # found by the compile
             }
             for message, structured in refusals.items():
                 with pytest.raises(grpc.aio.AioRpcError) as e:
