@@ -249,7 +249,7 @@ def test_a_draft_model_speculates_under_the_grammar(smollm2, batch):
 
 
 def test_drafts_are_cut_and_verify_masks_roll_back(engine, smollm2):
-    compiler = GrammarCompiler(smollm2.tokenizer, smollm2.config.vocab_size)
+    compiler = GrammarCompiler(smollm2.tokenizer, smollm2.config.vocab_size, smollm2.config.eos_token_ids)
     constraint = compiler.constraint(StructuredOutput("choice", ["yes", "no"]))
     constraint.compiled.result()
     assert compiler.poll(constraint, [])
@@ -261,6 +261,17 @@ def test_drafts_are_cut_and_verify_masks_roll_back(engine, smollm2):
     assert torch.equal(bits[0], before[0])  # row 0: the mask before the draft
     assert _allowed(bits[1]) == set(smollm2.config.eos_token_ids)  # after "yes": only EOS
     assert torch.equal(compiler.allowed_tokens([constraint]).bits, before)  # rolled back
+
+
+def test_a_complete_output_may_end_with_any_of_the_engines_eos_tokens(smollm2):
+    """The mask allows every token the engine stops on, not only the tokenizer's `eos_token`
+    (Gemma's chat turns end with `<end_of_turn>`, its tokenizer's EOS is `<eos>`): here SmolLM2
+    with `<|endoftext|>` (0) as a second EOS beside its `<|im_end|>` (2)."""
+    compiler = GrammarCompiler(smollm2.tokenizer, smollm2.config.vocab_size, {0, 2})
+    constraint = compiler.constraint(StructuredOutput("choice", ["yes"]))
+    constraint.compiled.result()
+    assert compiler.poll(constraint, smollm2.tokenizer.encode("yes")[-1:])
+    assert _allowed(compiler.allowed_tokens([constraint]).bits[0]) == {0, 2}
 
 
 def _allowed(bits: torch.Tensor) -> set[int]:
