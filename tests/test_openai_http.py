@@ -223,6 +223,12 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"messages": QUESTION, "function_call": {"name": "f"}}, "`function_call`"),
         ({"messages": QUESTION, "guided_choice": []}, "non-empty list of strings"),
         ({"messages": QUESTION, "response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"messages": QUESTION, "response_format": {"type": "json_schema", "json_schema": "p"}},
+            "response_format",
+        ),
+        ({"messages": QUESTION, "response_format": ["json_object"]}, "response_format"),
+        ({"messages": QUESTION, "response_format": {"type": "json_object", "schema": 1}}, "response_format"),
         ({"messages": QUESTION, "structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
         (
             {"messages": QUESTION, "guided_regex": "a", "response_format": {"type": "json_object"}},
@@ -321,6 +327,8 @@ def test_each_status_is_the_http_status_the_sdk_expects(code, status, error_clas
     [
         ({"response_format": {"type": "text"}}, None),
         ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        ({"response_format": {"type": "json_object", "schema": {"type": "object"}}},  # Together, llama.cpp
+         {"json_schema": '{"type": "object"}'}),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": True,
                                                                          "schema": {"type": "object"}}}},

@@ -204,6 +204,27 @@ def test_a_request_waits_for_its_grammar_and_the_others_do_not(engine):
     assert len(final[runs].token_ids) == 3
 
 
+LOOP = {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}}  # a value no output can be
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {**LOOP, "$ref": "#/$defs/A"},  # fails at the first mask
+        {**LOOP, "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]},
+    ],
+)
+def test_a_grammar_that_cannot_go_on_fails_its_request_not_stops_it(engine, schema):
+    """llguidance reads its schema, but its matcher fails where no value can follow: it then
+    allows only EOS and reads as stopped. The request fails naming why, without the matcher's
+    state dump and grammar; it never stops with output outside its schema."""
+    request = _chat(CAT, max_tokens=8, structured_output={"json_schema": schema})
+    out = engine.generate([request])[0]
+    assert out.finish_reason == "error" and out.text in ("", '{"a": '), out.text
+    assert out.error == "structured output: the grammar cannot go on here (NoExtensionBias)"
+    assert_all_blocks_free(engine)
+
+
 def test_speculation_checks_drafts_against_the_grammar(smollm2, batch):
     """n-gram drafts are cut to what the grammar allows and verified under its masks: the greedy
     tokens are those of the run without speculation, and some drafts were accepted."""
@@ -228,7 +249,7 @@ def test_a_draft_model_speculates_under_the_grammar(smollm2, batch):
 
 
 def test_drafts_are_cut_and_verify_masks_roll_back(engine, smollm2):
-    compiler = GrammarCompiler(smollm2.tokenizer, smollm2.config.vocab_size)
+    compiler = GrammarCompiler(smollm2.tokenizer, smollm2.config.vocab_size, smollm2.config.eos_token_ids)
     constraint = compiler.constraint(StructuredOutput("choice", ["yes", "no"]))
     constraint.compiled.result()
     assert compiler.poll(constraint, [])
@@ -240,6 +261,17 @@ def test_drafts_are_cut_and_verify_masks_roll_back(engine, smollm2):
     assert torch.equal(bits[0], before[0])  # row 0: the mask before the draft
     assert _allowed(bits[1]) == set(smollm2.config.eos_token_ids)  # after "yes": only EOS
     assert torch.equal(compiler.allowed_tokens([constraint]).bits, before)  # rolled back
+
+
+def test_a_complete_output_may_end_with_any_of_the_engines_eos_tokens(smollm2):
+    """The mask allows every token the engine stops on, not only the tokenizer's `eos_token`
+    (Gemma's chat turns end with `<end_of_turn>`, its tokenizer's EOS is `<eos>`): here SmolLM2
+    with `<|endoftext|>` (0) as a second EOS beside its `<|im_end|>` (2)."""
+    compiler = GrammarCompiler(smollm2.tokenizer, smollm2.config.vocab_size, {0, 2})
+    constraint = compiler.constraint(StructuredOutput("choice", ["yes"]))
+    constraint.compiled.result()
+    assert compiler.poll(constraint, smollm2.tokenizer.encode("yes")[-1:])
+    assert _allowed(compiler.allowed_tokens([constraint]).bits[0]) == {0, 2}
 
 
 def _allowed(bits: torch.Tensor) -> set[int]:
@@ -288,8 +320,9 @@ def test_allowed_tokens_match_a_torch_reference():
     ],
 )
 def test_bad_structured_outputs_are_refused_with_the_library_message(structured, message):
-    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as refused:
         SamplingParams.from_dict({"structured_output": structured})
+    assert str(refused.value).count("structured_output") == 1  # the field named once, not twice
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
@@ -339,6 +372,7 @@ def test_the_pod_refuses_bad_structured_output_and_serves_good(smollm2):
                 'Unimplemented keys: ["not"]': {"json_schema": json.dumps({"not": {"type": "string"}})},
                 "unclosed character class": {"regex": "(["},
                 "names no kind": {},
+                'unknown special token: "<|foo|>"': {"grammar": "start: <|foo|>"},  # found by the compile
             }
             for message, structured in refusals.items():
                 with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -197,7 +197,11 @@ class Engine:
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.beams = BeamSearch(self.scheduler, self.tokenizer)
         # Structured output (engine/grammar.py); none without a tokenizer (token-id serving).
-        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size) if self.tokenizer is not None else None
+        self.grammars = (
+            GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+            if self.tokenizer is not None
+            else None
+        )
         self.grammar_wait = GrammarWait(self.grammars)
         self.adapters = AdapterControl(self.lora, self.scheduler, config)
         self.overlap = Overlap(Overlap.wanted(config, self.executor.device, self.speculation is not None))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
@@ -63,11 +64,20 @@ class Constraint:
             self.accept(token)
 
     def accept(self, token: int) -> None:
+        """Advance over `token`. A matcher in error fails the request: one that failed while
+        computing a mask (a schema whose `$ref`s loop, a grammar that cannot go on) allows EOS
+        alone and reads as stopped, so it would otherwise end the request "stop" with output
+        outside its language."""
         assert self.matcher is not None
         if not self.matcher.consume_token(token):
-            raise GrammarError(
-                f"structured output: token {token} is not allowed here ({self.matcher.get_error()})"
-            )
+            raise GrammarError(f"structured output: token {token} is not allowed here ({self._error()})")
+        if self.matcher.is_error():
+            raise GrammarError(f"structured output: the grammar cannot go on here ({self._error()})")
+
+    def _error(self) -> str:
+        """llguidance's error without the state dump and the whole grammar it appends."""
+        assert self.matcher is not None
+        return self.matcher.get_error().split("\n", 1)[0]
 
     @property
     def done(self) -> bool:
@@ -96,8 +106,11 @@ class GrammarCompiler:
     """Compiles grammars against one tokenizer on a worker thread and caches them by text. Used
     from the engine thread only (the worker runs `_compile` and touches nothing else)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int], cache_size: int = 256
+    ) -> None:
         self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
         self._cache: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
         self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="spindle-grammar")
@@ -147,7 +160,8 @@ class GrammarCompiler:
         return AllowedTokens(rows, bits)
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(_llg_tokenizer(self.tokenizer, self.vocab_size), grammar)
+        llg = _llg_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        matcher = llguidance.LLMatcher(llg, grammar)
         if matcher.is_error():
             raise InvalidRequestError(f"structured_output: {matcher.get_error()}")
         return matcher
@@ -156,16 +170,21 @@ class GrammarCompiler:
 _tokenizer_lock = threading.Lock()
 
 
-def _llg_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+def _llg_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos: tuple[int, ...]) -> llguidance.LLTokenizer:
     """llguidance's view of the vocabulary: built once per tokenizer (engines over one loaded model
-    share it), under a lock so that two engines' workers do not both build it."""
+    share it), under a lock so that two engines' workers do not both build it. Its EOS tokens are
+    the engine's (the generation config's), not the tokenizer's one `eos_token`: where output
+    may end, the mask allows every token the engine stops on (Gemma ends a turn with
+    `<end_of_turn>`, its tokenizer's EOS is `<eos>`)."""
     with _tokenizer_lock:
-        return _build_llg_tokenizer(tokenizer, vocab_size)
+        return _build_llg_tokenizer(tokenizer, vocab_size, eos)
 
 
 @functools.lru_cache(maxsize=4)
-def _build_llg_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
-    return llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size)
+def _build_llg_tokenizer(
+    tokenizer: Tokenizer, vocab_size: int, eos: tuple[int, ...]
+) -> llguidance.LLTokenizer:
+    return llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size, eos_token=list(eos) or None)
 
 
 def _words(vocab_size: int) -> int:

@@ -119,8 +119,9 @@ class GrammarWait:
     def start_compiled(self) -> list[tuple[Sequence, str, str | None]]:
         """Start the matchers whose grammars have compiled, so their requests can be admitted.
         Returns the requests to finish, each with its reason and error: "stop" for a resumed
-        output that was complete already, "error" (and why) for a grammar that does not compile
-        for this vocabulary or a resumed output it refuses."""
+        output that was complete already, "invalid" (and why) for a grammar that does not compile
+        for this vocabulary (a special token it lacks: the request's fault, so the pod answers
+        INVALID_ARGUMENT, not INTERNAL), "error" for a resumed output the grammar refuses."""
         if not self.waiting:
             return []
         assert self.compiler is not None
@@ -134,7 +135,9 @@ class GrammarWait:
                     waiting.append(seq)
                 elif constraint.done:
                     ended.append((seq, "stop", None))
-            except (InvalidRequestError, GrammarError) as e:
+            except InvalidRequestError as e:
+                ended.append((seq, "invalid", str(e)))
+            except GrammarError as e:
                 ended.append((seq, "error", str(e)))
         self.waiting = waiting
         return ended

@@ -36,7 +36,7 @@ class RequestOutput:
     __slots__ = (
         "_token_ids",
         "error",
-        "finish_reason",  # "stop" | "length" | "abort" | "error" | "capacity"
+        "finish_reason",  # "stop" | "length" | "abort" | "error" | "capacity" | "invalid"
         "finished",
         "first_scheduled_at",  # time.monotonic() of the first step that ran it
         "new_logprobs",

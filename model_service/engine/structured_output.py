@@ -68,6 +68,8 @@ class StructuredOutput:
     def _grammar(self) -> str:
         try:
             return self._llguidance_grammar()
+        except InvalidRequestError:  # ours, which name the field already
+            raise
         except ValueError as e:  # llguidance's own refusals (a schema it cannot read as one)
             raise InvalidRequestError(f"structured_output.{self.kind}: {e}") from e
 

@@ -110,6 +110,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await abort(context, Code.UNAVAILABLE, self.pod.lost_message())
         if out.finish_reason == "error":
             await abort(context, Code.INTERNAL, f"request {req.request_id} failed in the engine: {out.error}")
+        if out.finish_reason == "invalid":  # found once the engine had it: a grammar this vocabulary lacks
+            await abort(context, Code.INVALID_ARGUMENT, f"request {req.request_id}: {out.error}")
         if out.finish_reason == "capacity":  # a beam search larger than this pod can ever hold
             await abort(context, Code.RESOURCE_EXHAUSTED, f"request {req.request_id}: {out.error}")
         if out.finish_reason == "abort" and req.request_id in self.pod.drain_aborted:

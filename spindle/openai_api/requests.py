@@ -81,19 +81,7 @@ def structured_output(body: dict[str, Any], request: pb.GenerateRequest) -> None
 def _structured_form(name: str, value: Any) -> pb.StructuredOutput | None:
     """One structured-output field of the body as a StructuredOutput (None: free text)."""
     if name == "response_format":
-        kind = value.get("type") if isinstance(value, dict) else None
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return pb.StructuredOutput(json_object=True)
-        schema = (value.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
-        if not isinstance(schema, dict):
-            raise bad_request(
-                '`response_format` must be {"type": "text"}, {"type": "json_object"} or '
-                '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
-                name,
-            )
-        return pb.StructuredOutput(json_schema=json.dumps(schema))
+        return _response_format(value)
     if name == "structured_outputs":  # vLLM's object: exactly one of its forms
         given = {k: v for k, v in value.items() if v not in (None, False)} if isinstance(value, dict) else {}
         if len(given) != 1 or next(iter(given)) not in _VLLM_FORMS:
@@ -101,6 +89,27 @@ def _structured_form(name: str, value: Any) -> pb.StructuredOutput | None:
         ((key, value),) = given.items()
         return _form(f"structured_outputs.{key}", _VLLM_FORMS[key], value)
     return _form(name, _GUIDED_FORMS[name], value)
+
+
+def _response_format(value: Any) -> pb.StructuredOutput | None:
+    """OpenAI's `response_format` (None: free text). `{"type": "json_object", "schema": {...}}`,
+    the form Together's API and llama.cpp's server take (LangChain's ChatTogetherAI sends it), is
+    that schema: answering it with any JSON object would drop the caller's schema silently."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object" and value.get("schema") is None:
+        return pb.StructuredOutput(json_object=True)
+    schema = value.get("schema") if kind == "json_object" else None
+    if kind == "json_schema" and isinstance(value.get("json_schema"), dict):
+        schema = value["json_schema"].get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request(
+            '`response_format` must be {"type": "text"}, {"type": "json_object"} or '
+            '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+            "response_format",
+        )
+    return pb.StructuredOutput(json_schema=json.dumps(schema))
 
 
 def _form(where: str, form: str, value: Any) -> pb.StructuredOutput:
