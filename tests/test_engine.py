@@ -188,6 +188,19 @@ def test_prompt_that_can_never_fit_is_refused(tiny_smollm2):
         engine.add_request(prompt_token_ids=[5] * 40)
 
 
+@pytest.mark.parametrize("form", ["prompt", "messages"])
+def test_a_text_too_long_for_any_context_is_refused_before_it_is_tokenized(tiny_smollm2, monkeypatch, form):
+    """Tokenizing ran on the engine thread for any length: a 40 MB prompt held it 37 s (every
+    stream of the pod stalled) and grew the pod by 3 GB before being refused as too long."""
+    engine = make_engine(tiny_smollm2, max_model_len=256)
+    text = "x" * (engine.prompts.max_prompt_chars + 1)
+    for name in ("encode", "apply_chat_template"):
+        monkeypatch.setattr(engine.tokenizer, name, lambda *a: pytest.fail("the text was tokenized"))
+    request = {"prompt": text} if form == "prompt" else {"messages": [{"role": "user", "content": text}]}
+    with pytest.raises(InvalidRequestError, match=f"{form} has {len(text)} characters; .* context is 256"):
+        engine.add_request(**request)
+
+
 def test_unknown_model_path_is_a_clear_error():
     import torch
 
