@@ -111,6 +111,9 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 Code.PERMISSION_DENIED,
                 f"API key {caller.name!r} may not use adapter {adapter!r} (allowed: {allowed})",
             )
+        if adapter == "":  # the pods' own answer; no pod "serves" the empty name (was NOT_FOUND)
+            empty = "adapter is set but empty; leave it unset to use the base model"
+            await abort(context, Code.INVALID_ARGUMENT, empty)
         directory = self.directory
         if directory is not None and _registered_name(adapter) and not await directory.registered(adapter):
             await abort(context, Code.NOT_FOUND, f"adapter {adapter!r} is not registered")
