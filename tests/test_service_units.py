@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 
+import grpc
 import pytest
 
 from gateway import prefix, router
@@ -105,6 +106,34 @@ def test_a_burst_between_load_polls_is_spread_by_the_gateways_own_stream_counts(
         "a": 1.0,
         "b": 0.0,
     }
+
+
+def test_a_pod_gone_from_discovery_is_closed_only_when_its_streams_end():
+    """A terminating Kubernetes pod leaves its Service at once and drains; the gateway closed
+    its channels on the next discovery, which cancelled the streams open there under the gateway:
+    their callers' streams hung until their deadlines."""
+    import asyncio
+
+    from gateway.pods import RETIRE_POLL_S, PodPool, static_discovery
+
+    async def scenario() -> list[bool]:
+        addresses = ["127.0.0.1:1", "127.0.0.1:2"]  # nothing listens: the health checks fail fast
+        pool = PodPool(static_discovery(addresses), timeout=0.2, discovery_interval=0)
+        await pool.refresh()
+        gone = pool.pods[addresses.pop()]
+        closed: list[bool] = []
+        stream = gone.streaming()
+        stream.__enter__()
+        await pool.refresh()
+        await asyncio.sleep(3 * RETIRE_POLL_S)
+        closed.append(gone.relay_channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN)
+        stream.__exit__(None, None, None)
+        await asyncio.sleep(3 * RETIRE_POLL_S)
+        closed.append(gone.relay_channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN)
+        await pool.close()
+        return closed
+
+    assert asyncio.run(scenario()) == [False, True]
 
 
 def test_a_relayed_stream_resumes_after_what_the_caller_has():
