@@ -409,6 +409,43 @@ def test_a_stream_interval_sends_n_tokens_a_message_but_the_first_and_the_rest()
     assert len(paced) <= 2 + -(-13 // 4)  # the first, 13 more four at a time, the final
 
 
+def test_an_abort_that_comes_before_the_engine_has_the_request_still_stops_it():
+    """The pod's Generate sends its headers (x-request-id) before it hands the request to the
+    engine: an Abort in that gap was queued ahead of the request, found nothing to stop, and the
+    request ran to max_tokens though Abort said OK (2 of 150 Aborts sent on seeing x-request-id
+    through a loaded gateway)."""
+    import asyncio
+
+    from opentelemetry import trace
+
+    from bench.fake_engine import FakeFastEngine
+    from model_service.pod import server as pod_server
+    from model_service.pod.generation import GenerationService
+    from model_service.pod.state import ModelPod
+    from spindle.openai_api.context import HttpCallContext
+
+    class AbortedOnHeaders(HttpCallContext):
+        """A caller that aborts the request the moment the headers name it."""
+
+        async def send_initial_metadata(self, metadata) -> None:
+            await super().send_initial_metadata(metadata)
+            await service.Abort(pb.AbortRequest(request_id=self.request_id()), HttpCallContext({}))
+
+    async def generate() -> pb.GenerateResponse:
+        servers = await pod_server.start(pod, "127.0.0.1", 0, 0)
+        try:
+            await pod.load(lambda: FakeFastEngine(0.002))
+            req = pb.GenerateRequest(request_id="r", token_ids=pb.TokenIds(ids=[1, 2]), max_tokens=200)
+            return [m async for m in service.Generate(req, AbortedOnHeaders({}))][-1]
+        finally:
+            await servers.stop(0)
+            pod.close()
+
+    pod = ModelPod("fake", drain_timeout=1.0)
+    service = GenerationService(pod, trace.get_tracer(__name__))
+    assert asyncio.run(generate()).final.finish_reason == pb.FINISH_REASON_ABORT
+
+
 def test_tokens_held_for_the_stream_interval_go_out_before_a_lost_engine_ends_the_stream():
     """Outputs held back for `stream_interval` are yielded before the stream's error (the gateway
     resumes from what it relayed), and the first token was not held at all."""
