@@ -136,6 +136,53 @@ def test_a_pod_gone_from_discovery_is_closed_only_when_its_streams_end():
     assert asyncio.run(scenario()) == [False, True]
 
 
+def test_the_gateway_names_the_request_only_once_its_pod_has_it():
+    """The gateway sent x-request-id as it opened the pod's call: a caller's Abort on seeing it
+    could reach the pod before the request did, and was NOT_FOUND for a request in flight."""
+    import asyncio
+
+    from gateway.pods import Pod, PodPool, static_discovery
+    from gateway.server import GatewayService
+    from spindle.openai_api.context import HttpCallContext
+
+    class PodCall:
+        """A pod's Generate call whose headers (the pod has the request) come a moment later."""
+
+        def __init__(self) -> None:
+            self.pod_has_it = False
+
+        async def initial_metadata(self) -> tuple:
+            await asyncio.sleep(0.05)
+            self.pod_has_it = True
+            return ()
+
+        def __aiter__(self):
+            return self._messages()
+
+        async def _messages(self):
+            final = pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_STOP))
+            yield final.SerializeToString()
+
+        def cancel(self) -> None:
+            pass
+
+    class Caller(HttpCallContext):
+        async def send_initial_metadata(self, metadata) -> None:
+            named_early.append(not call.pod_has_it)
+
+    async def relay() -> None:
+        pool = PodPool(static_discovery([]))
+        pod = pool.pods["a:1"] = Pod("a:1", [])
+        pod.healthy, pod.generate_raw = True, lambda *a, **kw: call
+        async for _ in GatewayService(pool, None).Generate(pb.GenerateRequest(text="hi"), Caller({})):
+            pass
+        await pool.close()
+
+    call, named_early = PodCall(), []
+    asyncio.run(relay())
+    assert named_early == [False]
+
+
 def test_a_relayed_stream_resumes_after_what_the_caller_has():
     from gateway.relay import Relayed
 
