@@ -39,6 +39,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.max_receive_message_length", 64 << 20),
 ]
+RETIRE_POLL_S = 0.1  # how often a pod gone from discovery looks for its last stream's end
 
 
 class Pod:
@@ -67,6 +68,15 @@ class Pod:
 
     async def close(self) -> None:
         await asyncio.gather(self.channel.close(), self.relay_channel.close())
+
+    async def close_when_idle(self) -> None:
+        """Close once no stream of this gateway is open here. For a pod gone from discovery (a
+        terminating Kubernetes pod leaves its Service at once, then drains): closing its channels
+        at once cancelled its streams under the gateway, and their callers hung until their
+        deadlines. Its streams end by themselves: finished, or failed over when it stops."""
+        while self.in_flight:
+            await asyncio.sleep(RETIRE_POLL_S)
+        await self.close()
 
     @contextlib.contextmanager
     def streaming(self) -> Iterator[None]:
@@ -144,6 +154,7 @@ class PodPool:
         self.pods: dict[str, Pod] = {}
         self._last_discovery = float("-inf")
         self._task: asyncio.Task | None = None
+        self._retiring: dict[Pod, asyncio.Task[None]] = {}  # gone from discovery, streams still open
         # After a placement: every pod's load again, concurrent placements sharing one poll.
         self.poll_now = Coalesced(self._check_all)
 
@@ -173,7 +184,10 @@ class PodPool:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.gather(*(p.close() for p in self.pods.values()), return_exceptions=True)
+        for task in self._retiring.values():
+            task.cancel()
+        pods = [*self.pods.values(), *self._retiring]
+        await asyncio.gather(*(p.close() for p in pods), return_exceptions=True)
 
     async def _run(self) -> None:
         while True:
@@ -205,7 +219,12 @@ class PodPool:
             pod = self.pods.pop(address)
             if self.on_eject is not None:
                 self.on_eject(address)
-            await pod.close()
+            self._retire(pod)
+
+    def _retire(self, pod: Pod) -> None:
+        task = asyncio.create_task(pod.close_when_idle())
+        self._retiring[pod] = task
+        task.add_done_callback(lambda _: self._retiring.pop(pod, None))
 
     async def _check_all(self) -> None:
         await asyncio.gather(*(self._check(p) for p in list(self.pods.values())))

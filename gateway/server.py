@@ -111,6 +111,9 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 Code.PERMISSION_DENIED,
                 f"API key {caller.name!r} may not use adapter {adapter!r} (allowed: {allowed})",
             )
+        if adapter == "":  # the pods' own answer; no pod "serves" the empty name (was NOT_FOUND)
+            empty = "adapter is set but empty; leave it unset to use the base model"
+            await abort(context, Code.INVALID_ARGUMENT, empty)
         directory = self.directory
         if directory is not None and _registered_name(adapter) and not await directory.registered(adapter):
             await abort(context, Code.NOT_FOUND, f"adapter {adapter!r} is not registered")
@@ -191,7 +194,8 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 with pod.streaming(), client_span(self.tracer, pod.address, incoming) as (_, metadata):
                     call = pod.generate_raw(request, metadata=metadata, timeout=context.time_remaining())
                     try:
-                        if attempt == 1:  # the caller's x-request-id goes out while the pod's call starts
+                        if attempt == 1:  # x-request-id once the pod has the request (its headers came):
+                            await call.initial_metadata()  # an Abort sent on seeing it finds it there
                             await context.send_initial_metadata((("x-request-id", rid),))
                         async for raw in call:
                             stream.add(raw)

@@ -188,6 +188,19 @@ def test_prompt_that_can_never_fit_is_refused(tiny_smollm2):
         engine.add_request(prompt_token_ids=[5] * 40)
 
 
+@pytest.mark.parametrize("form", ["prompt", "messages"])
+def test_a_text_too_long_for_any_context_is_refused_before_it_is_tokenized(tiny_smollm2, monkeypatch, form):
+    """Tokenizing ran on the engine thread for any length: a 40 MB prompt held it 37 s (every
+    stream of the pod stalled) and grew the pod by 3 GB before being refused as too long."""
+    engine = make_engine(tiny_smollm2, max_model_len=256)
+    text = "x" * (engine.prompts.max_prompt_chars + 1)
+    for name in ("encode", "apply_chat_template"):
+        monkeypatch.setattr(engine.tokenizer, name, lambda *a: pytest.fail("the text was tokenized"))
+    request = {"prompt": text} if form == "prompt" else {"messages": [{"role": "user", "content": text}]}
+    with pytest.raises(InvalidRequestError, match=f"{form} has {len(text)} characters; .* context is 256"):
+        engine.add_request(**request)
+
+
 def test_unknown_model_path_is_a_clear_error():
     import torch
 
@@ -255,6 +268,40 @@ def test_a_command_that_raises_does_not_end_the_engine_thread(tiny_llama, monkey
         aengine.abort("nobody")
         assert len(asyncio.run(asyncio.wait_for(after(), timeout=30))) == 3
     finally:
+        aengine.shutdown()
+
+
+def test_a_caller_gone_before_the_engine_took_its_request_aborts_it(tiny_llama):
+    """A Generate cancelled (client cancel, deadline) while its request waited in the inbox used
+    to leave the request to run to its end in the engine, for nobody: 40 streams with 20 ms
+    deadlines on a busy pod had 31 requests still queued and running after every caller had
+    its DEADLINE_EXCEEDED."""
+    import threading
+
+    from model_service.engine.async_engine import AsyncEngine
+
+    engine = make_engine(tiny_llama)
+    aengine = AsyncEngine(engine)
+    busy = threading.Event()
+    aengine._inbox.put(busy.wait)  # the engine thread is mid-step: the request waits in the inbox
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def cancelled_while_waiting() -> None:
+        stream = aengine.generate("gone", prompt_token_ids=[5, 6, 7], params=params)
+        task = asyncio.ensure_future(anext(stream))
+        while "gone" not in aengine._adding:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(cancelled_while_waiting())
+        busy.set()
+        seq = aengine.call(lambda e: e.requests.get("gone"))
+        assert seq is None or seq.finished
+    finally:
+        busy.set()
         aengine.shutdown()
 
 

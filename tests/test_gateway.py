@@ -76,6 +76,7 @@ def test_bad_input_is_relayed_with_its_code_and_the_gateway_keeps_serving(tiny_c
             (token_request([5, 99999], 2), Code.INVALID_ARGUMENT),
             (pb.GenerateRequest(request_id="é", text="x"), Code.INVALID_ARGUMENT),  # was INTERNAL (metadata)
             (pb.GenerateRequest(request_id="a\nb", text="x"), Code.INVALID_ARGUMENT),
+            (pb.GenerateRequest(text="x", adapter=""), Code.INVALID_ARGUMENT),  # was NOT_FOUND
         ):
             with pytest.raises(grpc.RpcError) as e:
                 list(g.Generate(req, metadata=_md(), timeout=5))

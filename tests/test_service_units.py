@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 
+import grpc
 import pytest
 
 from gateway import prefix, router
@@ -105,6 +106,81 @@ def test_a_burst_between_load_polls_is_spread_by_the_gateways_own_stream_counts(
         "a": 1.0,
         "b": 0.0,
     }
+
+
+def test_a_pod_gone_from_discovery_is_closed_only_when_its_streams_end():
+    """A terminating Kubernetes pod leaves its Service at once and drains; the gateway closed
+    its channels on the next discovery, which cancelled the streams open there under the gateway:
+    their callers' streams hung until their deadlines."""
+    import asyncio
+
+    from gateway.pods import RETIRE_POLL_S, PodPool, static_discovery
+
+    async def scenario() -> list[bool]:
+        addresses = ["127.0.0.1:1", "127.0.0.1:2"]  # nothing listens: the health checks fail fast
+        pool = PodPool(static_discovery(addresses), timeout=0.2, discovery_interval=0)
+        await pool.refresh()
+        gone = pool.pods[addresses.pop()]
+        closed: list[bool] = []
+        stream = gone.streaming()
+        stream.__enter__()
+        await pool.refresh()
+        await asyncio.sleep(3 * RETIRE_POLL_S)
+        closed.append(gone.relay_channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN)
+        stream.__exit__(None, None, None)
+        await asyncio.sleep(3 * RETIRE_POLL_S)
+        closed.append(gone.relay_channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN)
+        await pool.close()
+        return closed
+
+    assert asyncio.run(scenario()) == [False, True]
+
+
+def test_the_gateway_names_the_request_only_once_its_pod_has_it():
+    """The gateway sent x-request-id as it opened the pod's call: a caller's Abort on seeing it
+    could reach the pod before the request did, and was NOT_FOUND for a request in flight."""
+    import asyncio
+
+    from gateway.pods import Pod, PodPool, static_discovery
+    from gateway.server import GatewayService
+    from spindle.openai_api.context import HttpCallContext
+
+    class PodCall:
+        """A pod's Generate call whose headers (the pod has the request) come a moment later."""
+
+        def __init__(self) -> None:
+            self.pod_has_it = False
+
+        async def initial_metadata(self) -> tuple:
+            await asyncio.sleep(0.05)
+            self.pod_has_it = True
+            return ()
+
+        def __aiter__(self):
+            return self._messages()
+
+        async def _messages(self):
+            final = pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_STOP))
+            yield final.SerializeToString()
+
+        def cancel(self) -> None:
+            pass
+
+    class Caller(HttpCallContext):
+        async def send_initial_metadata(self, metadata) -> None:
+            named_early.append(not call.pod_has_it)
+
+    async def relay() -> None:
+        pool = PodPool(static_discovery([]))
+        pod = pool.pods["a:1"] = Pod("a:1", [])
+        pod.healthy, pod.generate_raw = True, lambda *a, **kw: call
+        async for _ in GatewayService(pool, None).Generate(pb.GenerateRequest(text="hi"), Caller({})):
+            pass
+        await pool.close()
+
+    call, named_early = PodCall(), []
+    asyncio.run(relay())
+    assert named_early == [False]
 
 
 def test_a_relayed_stream_resumes_after_what_the_caller_has():
@@ -378,6 +454,43 @@ def test_a_stream_interval_sends_n_tokens_a_message_but_the_first_and_the_rest()
     sizes = [len(m.chunk.token_ids) for m in paced[:-1]]
     assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1])
     assert len(paced) <= 2 + -(-13 // 4)  # the first, 13 more four at a time, the final
+
+
+def test_an_abort_that_comes_before_the_engine_has_the_request_still_stops_it():
+    """The pod's Generate sends its headers (x-request-id) before it hands the request to the
+    engine: an Abort in that gap was queued ahead of the request, found nothing to stop, and the
+    request ran to max_tokens though Abort said OK (2 of 150 Aborts sent on seeing x-request-id
+    through a loaded gateway)."""
+    import asyncio
+
+    from opentelemetry import trace
+
+    from bench.fake_engine import FakeFastEngine
+    from model_service.pod import server as pod_server
+    from model_service.pod.generation import GenerationService
+    from model_service.pod.state import ModelPod
+    from spindle.openai_api.context import HttpCallContext
+
+    class AbortedOnHeaders(HttpCallContext):
+        """A caller that aborts the request the moment the headers name it."""
+
+        async def send_initial_metadata(self, metadata) -> None:
+            await super().send_initial_metadata(metadata)
+            await service.Abort(pb.AbortRequest(request_id=self.request_id()), HttpCallContext({}))
+
+    async def generate() -> pb.GenerateResponse:
+        servers = await pod_server.start(pod, "127.0.0.1", 0, 0)
+        try:
+            await pod.load(lambda: FakeFastEngine(0.002))
+            req = pb.GenerateRequest(request_id="r", token_ids=pb.TokenIds(ids=[1, 2]), max_tokens=200)
+            return [m async for m in service.Generate(req, AbortedOnHeaders({}))][-1]
+        finally:
+            await servers.stop(0)
+            pod.close()
+
+    pod = ModelPod("fake", drain_timeout=1.0)
+    service = GenerationService(pod, trace.get_tracer(__name__))
+    assert asyncio.run(generate()).final.finish_reason == pb.FINISH_REASON_ABORT
 
 
 def test_tokens_held_for_the_stream_interval_go_out_before_a_lost_engine_ends_the_stream():

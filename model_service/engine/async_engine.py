@@ -99,9 +99,21 @@ class AsyncEngine(Generic[E]):
         self._inbox.put(add)
         try:
             await added
+        except asyncio.CancelledError:
+            # The caller went away (cancel, deadline) before the engine took the request: `add`
+            # still runs, and without this the request would run to its end with nobody reading.
+            self._inbox.put(lambda: self._abort_stream(request_id, outputs))
+            raise
         finally:
             self._adding.pop(request_id, None)
         return outputs
+
+    def _abort_stream(self, request_id: str, outputs: asyncio.Queue[Output]) -> None:
+        """On the engine thread: abort `request_id` if its stream is `outputs` (`add` took it),
+        never a later request that reuses the id."""
+        stream = self._streams.get(request_id)
+        if stream is not None and stream[1] is outputs:
+            self.engine.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(lambda: self.engine.abort(request_id))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +65,12 @@ class Tokenizer:
         out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
         return [int(t) for t in ids]
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for: its vocabulary's longest entry (a
+        byte-level entry has a character per byte, so at least one per character it decodes to)."""
+        return max(map(len, self.hf.get_vocab()), default=1)
 
     @property
     def eos_token_id(self) -> int | None:

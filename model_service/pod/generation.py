@@ -61,6 +61,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             async with contextlib.aclosing(batches) as stream:
                 batch = await _admitted(stream, context)
                 pod.accepted(req)
+                if req.abort_requested:  # it came while the request was on its way to the engine,
+                    pod.async_engine.abort(rid)  # where that abort found nothing to stop
                 while True:
                     out = batch[-1]
                     req.on_output(batch[0])
@@ -170,6 +172,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 Code.NOT_FOUND,
                 f"no request {request.request_id!r} is in flight here (finished already?)",
             )
+        self.pod.inflight[request.request_id].abort_requested = True
         self.pod.async_engine.abort(request.request_id)
         return pb.AbortResponse()
 

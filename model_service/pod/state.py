@@ -42,6 +42,7 @@ class InFlight:
     last_token: float | None = None
     num_tokens: int = 0
     chunks: int = 0
+    abort_requested: bool = False  # an Abort came, perhaps before the engine had the request
     itl: list[float] = field(default_factory=list)
 
     def on_output(self, out: RequestOutput) -> None:
