@@ -389,22 +389,8 @@ class Engine:
     # --- conveniences ---------------------------------------------------------------------
 
     def add_request_dict(self, r: dict[str, Any]) -> str:
-        """`add_request` from one request object (prompt/messages/prompt_token_ids, sampling fields,
-        request_id, priority, adapter), as `--requests` files and `generate` spell them. A field
-        it does not know is refused: dropped, a misspelt max_tokens or vLLM's min_tokens would
-        silently change the answer."""
-        unknown = sorted(set(r) - _REQUEST_FIELDS - {f.name for f in dataclasses.fields(SamplingParams)})
-        if unknown:
-            raise InvalidRequestError(f"unknown request fields: {', '.join(unknown)}")
-        return self.add_request(
-            r.get("prompt"),
-            messages=r.get("messages"),
-            prompt_token_ids=r.get("prompt_token_ids"),
-            params=SamplingParams.from_dict(r),
-            request_id=r.get("request_id"),
-            priority=int(r.get("priority", 0)),
-            adapter=r.get("adapter"),
-        )
+        """`add_request` from one request object, as `--requests` files and `generate` spell them."""
+        return self.add_request(**_request_arguments(r))
 
     def run_to_completion(self) -> dict[str, RequestOutput]:
         """Step until nothing is left; the final output of every request that finished, by id."""
@@ -470,3 +456,21 @@ def _lora_pool(executor: Executor, config: EngineConfig, mc: ModelConfig) -> Lor
     for name, path in config.lora_modules.items():
         pool.register(name, Path(path))
     return pool
+
+
+def _request_arguments(r: dict[str, Any]) -> dict[str, Any]:
+    """`Engine.add_request`'s arguments from one request object (prompt/messages/prompt_token_ids,
+    sampling fields, request_id, priority, adapter). A field it does not know is refused: dropped,
+    a misspelt max_tokens or vLLM's min_tokens would silently change the answer."""
+    unknown = sorted(set(r) - _REQUEST_FIELDS - {f.name for f in dataclasses.fields(SamplingParams)})
+    if unknown:
+        raise InvalidRequestError(f"unknown request fields: {', '.join(unknown)}")
+    return {
+        "prompt": r.get("prompt"),
+        "messages": r.get("messages"),
+        "prompt_token_ids": r.get("prompt_token_ids"),
+        "params": SamplingParams.from_dict(r),
+        "request_id": r.get("request_id"),
+        "priority": int(r.get("priority", 0)),
+        "adapter": r.get("adapter"),
+    }
