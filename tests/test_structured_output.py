@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model_service.engine.grammar import GrammarCompiler
+from model_service.engine.grammar import Constraint, GrammarCompiler, GrammarError
 from model_service.engine.requests import Resume
 from model_service.engine.sampler import AllowedTokens, SampleRow, sample
 from model_service.engine.sampling_params import SamplingParams
@@ -233,6 +233,24 @@ def test_speculation_checks_drafts_against_the_grammar(smollm2, batch):
     assert spec.generate([request])[0].token_ids == batch["outs"][2].token_ids
     stats = spec.stats()
     assert stats.spec_proposed_tokens > 0 and stats.spec_accepted_tokens > 0
+
+
+def test_a_grammar_failing_under_its_drafts_ends_its_request_not_the_step(smollm2, batch, monkeypatch):
+    """A constrained request whose grammar fails while its drafts are verified (fault injected
+    into its masks) ends "error"; the request beside it in the same steps finishes as it would."""
+    spec = make_engine(smollm2, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+
+    def fails(self, proposals: list[int], vocab_size: int) -> torch.Tensor:
+        raise GrammarError("structured output: the grammar cannot go on here (injected)")
+
+    monkeypatch.setattr(Constraint, "verify_bitmask", fails)
+    constrained = _chat(PROMPTS["array"], max_tokens=32, structured_output={"json_schema": SCHEMAS["array"]})
+    plain = _chat(PROMPTS["array"], max_tokens=32)
+    bad, good = spec.generate([constrained, plain])
+    assert bad.finish_reason == "error" and "injected" in bad.error
+    assert good.token_ids == make_engine(smollm2).generate([plain])[0].token_ids
+    assert spec.stats().spec_proposed_tokens > 0  # drafts were verified: the fault was reached
+    assert_all_blocks_free(spec)
 
 
 def test_a_draft_model_speculates_under_the_grammar(smollm2, batch):

@@ -13,7 +13,7 @@ import torch
 
 from model_service.engine.batch_builder import StepItem
 from model_service.engine.beams import BeamSearch
-from model_service.engine.grammar import GrammarCompiler
+from model_service.engine.grammar import GrammarCompiler, GrammarError
 from model_service.engine.request_table import RequestTable
 from model_service.engine.sampler import SampleRow, sample, select_rows
 from model_service.engine.scheduler import Scheduler
@@ -90,7 +90,11 @@ class SampleStage:
     def _verify(self, seq: Sequence, logits: torch.Tensor, argmax: list[int] | None) -> None:
         """Keep the accepted proposals and the target's next token; the rest leave the cache."""
         assert self.speculation is not None
-        emitted, rejected = self.speculation.verify(seq, logits, argmax)
+        try:
+            emitted, rejected = self.speculation.verify(seq, logits, argmax)
+        except GrammarError as e:  # its grammar failed under the drafts: this request ends, not the step
+            self.table.finish(seq, "error", str(e))
+            return
         self.scheduler.rollback(seq, rejected)
         self.table.emit(seq, emitted, None)
         if not seq.finished:
