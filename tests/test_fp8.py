@@ -739,7 +739,7 @@ def test_the_block_scaled_mm_call_passes_torchs_checks(monkeypatch: pytest.Monke
     stored column-major (a view) or row-major (a copy)."""
     from model_service.kernels.fp8_gemm import QuantizedRows, scaled_mm_rows
 
-    m, n, k, meta = 300, 640, 512, torch.device("meta")
+    n, k, meta = 640, 512, torch.device("meta")
     calls, real = [], torch._scaled_mm
 
     def spy(a: torch.Tensor, b: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -748,13 +748,15 @@ def test_the_block_scaled_mm_call_passes_torchs_checks(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(torch, "_scaled_mm", spy)
     weight = torch.empty(n, k, dtype=E4M3, device=meta)
-    x, q = torch.empty(m, k, dtype=torch.bfloat16, device=meta), torch.empty(m, k, dtype=E4M3, device=meta)
-    rows = QuantizedRows(x, q, torch.empty(k // 128, m, device=meta).t())
-    for weight_scale in (torch.empty(k // 128, n, device=meta).t(), torch.empty(n, k // 128, device=meta)):
-        assert scaled_mm_rows(rows, weight, weight_scale, None).shape == (m, n)
-        scale_a, scale_b = calls[-1]
-        assert scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m)
-        assert scale_b.t().shape == (n, k // 128) and scale_b.t().stride() == (1, n)
+    weight_scales = (torch.empty(k // 128, n, device=meta).t(), torch.empty(n, k // 128, device=meta))
+    for m, padded in ((300, 300), (5, 8), (17, 20)):  # cuBLASLt takes whole fours of rows (on an H100)
+        x, q = (torch.empty(m, k, dtype=dtype, device=meta) for dtype in (torch.bfloat16, E4M3))
+        rows = QuantizedRows(x, q, torch.empty(k // 128, m, device=meta).t())
+        for weight_scale in weight_scales:
+            assert scaled_mm_rows(rows, weight, weight_scale, None).shape == (m, n)
+            scale_a, scale_b = calls[-1]
+            assert scale_a.shape == (padded, k // 128) and scale_a.stride() == (1, padded)
+            assert scale_b.t().shape == (n, k // 128) and scale_b.t().stride() == (1, n)
 
 
 def test_online_quantization_of_a_weight_stored_transposed_keeps_rows_contiguous():

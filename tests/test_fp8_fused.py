@@ -255,6 +255,7 @@ def emulated_block_scaled_mm(real: Any) -> Any:
         if scale_a.shape[1] == 1:
             return real(a, b, **kwargs)
         (m, k), n = a.shape, b.shape[1]
+        assert m % 4 == 0, "cuBLASLt refuses block-scaled rows that are not a multiple of 4"
         assert scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m)
         assert scale_b.t().shape == (n, k // 128) and scale_b.t().stride() == (1, n)
         x, w = dequantize_groups(a, scale_a, 128), dequantize_groups(b.t(), scale_b.t(), 128)

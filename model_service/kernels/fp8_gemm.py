@@ -219,13 +219,27 @@ def scaled_mm_rows(
     are stored column-major on CUDA (`layers.store_weights_transposed`), so that is a view; a
     row-major one is copied."""
     q = rows.q.reshape(-1, rows.q.shape[-1])
+    m = q.shape[0]
     if weight_scale.shape[1] == 1:
         scale_a, scale_b = rows.scale.view(-1, 1), weight_scale.view(1, -1)
     else:
-        scale_a, scale_b = rows.scale, weight_scale.t().contiguous()
-    y = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=rows.x.dtype)
+        (q, scale_a), scale_b = _rows_in_fours(q, rows.scale), weight_scale.t().contiguous()
+    y = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=rows.x.dtype)[:m]
     y = y if bias is None else y + bias
     return y.view(*rows.x.shape[:-1], weight.shape[0])
+
+
+def _rows_in_fours(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) of M rows padded with zero rows (scales 1) to a multiple of 4, the activations'
+    scales still column-major. cuBLASLt's 1x128 block scaling refuses other row counts
+    (CUBLAS_STATUS_NOT_SUPPORTED; H100, torch 2.11 + CUDA 13.0: 64 and 300 rows ran, 5 did not):
+    the scales' leading dimension must span whole 16 bytes. The padding rows' outputs are dropped."""
+    pad = -q.shape[0] % 4
+    if not pad:
+        return q, scale
+    q = torch.cat([q, torch.zeros(pad, q.shape[1], dtype=q.dtype, device=q.device)])
+    scale = torch.cat([scale, scale.new_ones(pad, scale.shape[1])]).t().contiguous().t()
+    return q, scale
 
 
 def quantize_rows(x: torch.Tensor, acts: ActivationQuant) -> tuple[torch.Tensor, torch.Tensor]:
