@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from bench.lora import write_adapter
-from model_service.engine.speculation import NgramProposer, SpeculativeConfig, accept_greedy, accept_sampled
+from model_service.engine.speculation import (
+    NgramProposer,
+    Proposal,
+    SpeculativeConfig,
+    accept_greedy,
+    accept_sampled,
+)
 from model_service.errors import InvalidRequestError
 from tests.conftest import assert_all_blocks_free, make_engine
 
@@ -34,21 +40,20 @@ def test_greedy_acceptance_keeps_matching_proposals_and_adds_the_target_token():
     assert accept_greedy([], rows(9)) == [9]
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
-def test_rejection_sampling_keeps_the_target_distribution(proposer):
+def test_rejection_sampling_keeps_the_target_distribution():
     """Over many draws, the first emitted token is distributed as the first row's p, and after an
-    accepted proposal the second is distributed as the second row's: whatever was proposed. An
-    n-gram proposal is fixed (a point mass); a draft model's is drawn from its own q each time."""
+    accepted proposal the second is distributed as the second row's: whatever a draft model drew
+    from its own q. (Point-mass proposals keep p by construction: the row draws from p as it
+    would without speculation, next test.)"""
     probs = torch.tensor(
         [[0.1, 0.4, 0.2, 0.25, 0.05], [0.3, 0.05, 0.05, 0.5, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]]
     )
-    draft_q = torch.tensor([[0.5, 0.1, 0.1, 0.1, 0.2], [0.05, 0.05, 0.6, 0.2, 0.1]])
-    q = draft_q if proposer == "draft" else None
+    q = torch.tensor([[0.5, 0.1, 0.1, 0.1, 0.2], [0.05, 0.05, 0.6, 0.2, 0.1]])
     trials = 20_000
     g = torch.Generator().manual_seed(0)
     first, second, accepted_first = torch.zeros(5), torch.zeros(5), 0
     for _ in range(trials):
-        proposals = [1, 0] if q is None else [int(torch.multinomial(row, 1, generator=g)) for row in q]
+        proposals = [int(torch.multinomial(row, 1, generator=g)) for row in q]
         out = accept_sampled(proposals, probs, g, q)
         first[out[0]] += 1
         if len(out) > 1:  # the first proposal was accepted
@@ -56,11 +61,51 @@ def test_rejection_sampling_keeps_the_target_distribution(proposer):
             second[out[1]] += 1
     tolerance = 4 * (0.25 / trials) ** 0.5  # four standard deviations at worst
     assert (first / trials - probs[0]).abs().max() < tolerance
-    # accepted with probability p(d) for a point mass, sum(min(p, q)) for a draft: 0.45 here, where
-    # treating a draft's d as a point mass (still exact) would accept only sum(p * q) = 0.145
-    expected = probs[0, 1] if q is None else torch.minimum(probs[0], q[0]).sum()
-    assert abs(accepted_first / trials - expected) < tolerance
+    # accepted with probability sum(min(p, q)): 0.45 here, where treating a draft's d as a point
+    # mass (still exact) would accept only sum(p * q) = 0.145
+    assert abs(accepted_first / trials - torch.minimum(probs[0], q[0]).sum()) < tolerance
     assert (second / accepted_first - probs[1]).abs().max() < 4 * (0.25 / accepted_first) ** 0.5
+
+
+class _Oracle:
+    """Proposes, for a request's next positions, two tokens: the one a run without speculation
+    drew there, then one it did not draw. So a verify that draws as that run did accepts one
+    proposal and rejects the next."""
+
+    def __init__(self, drawn: list[int], vocab_size: int) -> None:
+        self.drawn, self.vocab_size = drawn, vocab_size
+
+    def propose(self, seqs: list, room: list[int]) -> list[Proposal]:
+        out = []
+        for seq, k in zip(seqs, room, strict=True):
+            ahead = self.drawn[seq.num_output_tokens : seq.num_output_tokens + 2][: min(k, 2)]
+            out.append(Proposal([*ahead[:1], *[(t + 1) % self.vocab_size for t in ahead[1:]]]))
+        return out
+
+    def on_verified(self, seq, num_accepted: int) -> None:
+        pass
+
+    def on_finished(self, seq) -> None:
+        pass
+
+
+@pytest.mark.parametrize("budget", [2048, 3])
+@pytest.mark.parametrize("sampling", [{"temperature": 0.8}, {"temperature": 1.3, "top_k": 20, "top_p": 0.9}])
+def test_a_seeded_row_draws_the_tokens_it_draws_without_speculation(tiny_llama, budget, sampling):
+    """Point-mass proposals (n-gram lookup) are checked against the row's own per-position draws,
+    so a seeded request's tokens are those of a run without speculation, whether a step verified
+    its proposals or (budget 3, beside another request's decode row) had no room to. They were a
+    function of how many uniforms its generator had drawn, so of what else shared its steps."""
+    request = {"prompt_token_ids": [5, 17, 33, 101, 250, 7], "max_tokens": 12, "seed": 7, "ignore_eos": True}
+    request.update(sampling)
+    drawn = make_engine(tiny_llama).generate([request])[0].token_ids
+    engine = make_engine(tiny_llama, speculative_config=NGRAM, max_num_batched_tokens=budget)
+    engine.speculation.proposer = _Oracle(drawn, tiny_llama.config.vocab_size)
+    other = {"prompt_token_ids": [9, 64, 12], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    assert engine.generate([other, request])[1].token_ids == drawn
+    spec = engine.speculation
+    assert 0 < spec.accepted < spec.proposed
+    assert_all_blocks_free(engine)
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -140,6 +140,18 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
         idx = to_device(group, logits.device)
         tokens[idx] = draw_rows(logits[idx], [rows[i] for i in group])
     return tokens
+
+
+def sample_positions(logits: torch.Tensor, row: SampleRow) -> list[int]:
+    """A token for each of `row`'s next len(logits) output positions, from logits row i for
+    position i, each drawn as `sample_on_device` draws that position alone (a seeded row keyed by
+    it): a speculative verify that checks point-mass proposals against these emits exactly the
+    tokens the request gets without speculation, however many of its steps verified."""
+    draws = [
+        sample_on_device(logits[i : i + 1], [replace(row, in_flight=row.in_flight + i)])
+        for i in range(len(logits))
+    ]
+    return torch.cat(draws).tolist()
 
 
 def _sampler_for(params: SamplingParams, fused: bool) -> RowSampler:

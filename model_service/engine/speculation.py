@@ -21,8 +21,12 @@ distribution exactly: proposal d, drawn from the proposer's distribution q, is a
 probability min(1, p(d) / q(d)) (p: the target's filtered probabilities), and on rejection the
 token is drawn from max(p - q, 0), renormalized; after k acceptances a bonus token is drawn from
 the last row. The n-gram proposal is a point mass q = one-hot(d): accepted with probability
-p(d), the residual is p without d. Each request's own generator draws the uniforms, so a seeded
-request stays reproducible (its stream differs from a run without speculation).
+p(d), the residual is p without d, which is to draw from p as the sampler does and keep d if the
+draw is d; so a sampled row draws each position's token exactly as it would without speculation
+(a seeded row keyed by position), and its tokens do not depend on whether the step had room to
+verify its proposals (other requests took the budget, a preemption dropped them). With a draft
+model's q the request's own generator draws the uniforms: a seeded request is reproducible in
+the same batch, its stream differs from a run without speculation.
 
 Which rows speculate: rows without penalties or logprobs (penalties would change between the
 rows of one verify), and no beams.
@@ -37,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from model_service.engine.sampler import AllowedTokens, draw, filtered_probs
+from model_service.engine.sampler import AllowedTokens, SampleRow, draw, filtered_probs, sample_positions
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import Sequence
 from model_service.errors import InvalidRequestError
@@ -245,6 +249,9 @@ class Speculation:
             argmax = None  # of the logits before the grammar's mask
         if seq.params.greedy:
             emitted = accept_greedy(proposals, logits, argmax)
+        elif draft_probs is None:  # point masses: the draws the request makes without speculation
+            row = SampleRow(seq.params, seq.sampling.generator, seq.token_ids, seq.num_prompt_tokens)
+            emitted = accept_greedy(proposals, logits, sample_positions(logits, row))
         else:
             probs = filtered_probs(logits, [seq.params] * len(logits))
             emitted = accept_sampled(proposals, probs, seq.sampling.generator, draft_probs)
@@ -327,7 +334,9 @@ def can_speculate(params: SamplingParams) -> bool:
 
 def accept_greedy(proposals: list[int], logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:
     """The tokens a verify step emits: logits [k + 1, vocab] for inputs (last, proposals...);
-    `argmax`: their argmax, if already read."""
+    `argmax`: their argmax, if already read, or the tokens a sampled row drew from them (for
+    point-mass proposals, keeping d while the draw is d is the rejection sampler exactly: d is
+    kept with probability p(d), and a draw that is not d comes from p without d)."""
     targets = logits.argmax(dim=-1).tolist() if argmax is None else argmax
     accepted = 0
     while accepted < len(proposals) and proposals[accepted] == targets[accepted]:
@@ -336,27 +345,19 @@ def accept_greedy(proposals: list[int], logits: torch.Tensor, argmax: list[int] 
 
 
 def accept_sampled(
-    proposals: list[int],
-    probs: torch.Tensor,
-    generator: torch.Generator | None,
-    draft_probs: torch.Tensor | None = None,
+    proposals: list[int], probs: torch.Tensor, generator: torch.Generator | None, draft_probs: torch.Tensor
 ) -> list[int]:
-    """The tokens a verify step emits for a sampled row: probs [k + 1, vocab], each row the
-    target's filtered distribution for the token after inputs (last, proposals...);
-    `draft_probs` [k, vocab] the distributions the proposals were drawn from (None: point masses)."""
+    """The tokens a verify step emits for a sampled row whose proposals a model drew: probs
+    [k + 1, vocab], each row the target's filtered distribution for the token after inputs
+    (last, proposals...); `draft_probs` [k, vocab] the distributions the proposals were drawn from."""
     out: list[int] = []
     for i, d in enumerate(proposals):
         p = probs[i]
-        q_d = draft_probs[i, d] if draft_probs is not None else 1.0
         u = torch.rand((), generator=generator, device=p.device)
-        if u * q_d < p[d]:  # u < p(d) / q(d)
+        if u * draft_probs[i, d] < p[d]:  # u < p(d) / q(d)
             out.append(d)
             continue
-        if draft_probs is None:
-            residual = p.clone()
-            residual[d] = 0.0
-        else:
-            residual = (p - draft_probs[i]).clamp_(min=0.0)
+        residual = (p - draft_probs[i]).clamp_(min=0.0)
         if not residual.sum() > 0:  # p == q up to rounding: rejection had probability ~0
             residual = p
         out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
