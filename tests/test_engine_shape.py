@@ -13,7 +13,7 @@ import torch
 from model_service.attention.kv_cache import KVCache
 from model_service.attention.reference import TorchReferenceBackend
 from model_service.engine.batch_builder import BatchBuilder, StepItem
-from model_service.engine.block_manager import BlockManager
+from model_service.engine.block_manager import BlockManager, block_key
 from model_service.engine.cache_manager import CacheManager
 from model_service.engine.config import EngineConfig
 from model_service.engine.sampling_params import SamplingParams
@@ -231,6 +231,25 @@ def test_truncate_frees_blocks_and_unpublishes_the_rewritten_block():
     for state in (s, other):
         cache.free(state)
     assert cache.num_free_blocks == cache.num_total_blocks
+
+
+def test_a_prefix_is_reused_only_under_the_same_blocks_before_it_and_the_same_adapter():
+    """Prefix-cache keys are digests, not Python's unseeded 64-bit `hash()`: adapter ids 2**61 - 1
+    apart (equal as int hashes) keyed every block alike, so one adapter's prompt took K/V computed
+    under the other's weights."""
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    tokens, first, second = list(range(9)), 1 << 40, (1 << 40) + (1 << 61) - 1
+    assert hash(first) == hash(second) and block_key(None, (1, 2), first) != block_key(None, (1, 2), second)
+    writer = SequenceState(0)
+    assert blocks.reserve(writer, 9)
+    writer.num_computed = 9
+    blocks.register_full_blocks(writer, tokens, first)
+    reader = SequenceState(1)
+    assert blocks.take_cached_prefix(reader, tokens, second) == 0  # another adapter: nothing reused
+    assert blocks.take_cached_prefix(reader, tokens, first) == 8  # the same one: both full blocks
+    blocks.release(reader)
+    blocks.release(writer)
+    assert blocks.num_free == 8
 
 
 def test_recurrent_state_slots_fork_swap_snapshot_and_roll_back():

@@ -6,14 +6,17 @@ Prefix cache: a block that is full of computed tokens gets a key chained from th
 block's key, the block's token ids and the sequence's adapter identity, so a block is reused
 only under the exact same prefix and the same weights. Blocks nobody holds stay in the cache
 (in LRU order) until a new allocation needs them; a later request with the same prefix takes
-them back without recomputing. Keys are checked against the stored token ids, so a hash
-collision can cost a miss, never a wrong reuse.
+them back without recomputing. Keys are sha256 digests: equal keys mean equal prefixes under
+equal weights, so one tenant's prompt cannot be made to reuse another's K/V (a block's stored
+token ids alone would not show that the blocks before it differ).
 
 The invariant every test checks: once all requests are finished or aborted, `num_free == num_blocks`.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +32,15 @@ class _Block:
 
 
 def block_key(prev_key: int | None, tokens: tuple[int, ...], adapter_id: int) -> int:
-    """The chained key of one full block."""
-    return hash((prev_key, adapter_id, tokens))
+    """The chained key of one full block: sha256 over the previous block's key, the adapter's
+    identity and the block's token ids. Python's `hash()` of the same tuple was 64 bits and
+    unseeded for ints, so keys could be made to collide (adapter ids 2**61 - 1 apart hashed alike
+    in every block), and a collision reused K/V computed under another prefix or adapter (vLLM
+    moved its prefix keys to sha256 for the same reason)."""
+    digest = hashlib.sha256((prev_key or 0).to_bytes(32, "big"))
+    digest.update(adapter_id.to_bytes(8, "big", signed=True))
+    digest.update(array("q", tokens).tobytes())
+    return int.from_bytes(digest.digest(), "big")
 
 
 class BlockManager:
