@@ -169,9 +169,12 @@ def test_the_adapter_service_runs_two_replicas_with_a_disruption_budget_on_share
     assert "adapter service runs" not in notes(VALUE_SETS["irsa"])
 
 
-def test_irsa_puts_the_role_on_the_service_accounts_and_no_keys_anywhere():
-    objects = render(VALUE_SETS["irsa"])
-    role = VALUE_SETS["irsa"]["s3"]["irsaRoleArn"]
+@pytest.mark.parametrize(
+    "value_set", ["irsa", "irsa-model-only"]
+)  # the adapter service reads the model's config
+def test_irsa_puts_the_role_on_the_service_accounts_and_no_keys_anywhere(value_set):
+    objects = render(VALUE_SETS[value_set])
+    role = VALUE_SETS[value_set]["s3"]["irsaRoleArn"]
     for name in (f"{RELEASE}-spindle-adapter-service", f"{RELEASE}-spindle-model"):
         annotations = one(objects, "ServiceAccount", name)["metadata"]["annotations"]
         assert annotations == {"eks.amazonaws.com/role-arn": role}
