@@ -171,6 +171,26 @@ def test_the_adapter_service_checks_uploads_against_the_pods_model(value_set, mo
         assert base_model.load(base)
 
 
+@pytest.mark.parametrize("gpus", [None, 1, 2, 8])
+@pytest.mark.parametrize("variant", ["gpu", "cpu"])
+def test_the_model_pod_uses_every_gpu_it_requests(variant, gpus, monkeypatch):
+    """One tensor-parallel rank per requested GPU (the ranks share /dev/shm, not the runtime's 64 MiB)."""
+    model = {"variant": variant} | ({"gpu": {"count": gpus}} if gpus else {})
+    workload = workloads(render({"model": model}))["model"]
+    container = main_container(workload)
+    args = parse_env("model", container_env(container), monkeypatch)
+    requested = container["resources"]["limits"].get("nvidia.com/gpu", 0)
+    assert requested == (gpus or 1 if variant == "gpu" else 0)
+    assert args.tensor_parallel_size == max(requested, 1)
+    shm = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    if args.tensor_parallel_size > 1:
+        (mount,) = shm
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory"
+    else:
+        assert not shm
+
+
 def resolve(objects: list[dict], address: str) -> tuple[str, str, dict]:
     """HOST:PORT (or redis://HOST:PORT/..) -> (component, container port name, Service) it reaches."""
     host, port = re.sub(r"^\w+://", "", address).split("/")[0].rsplit(":", 1)
