@@ -191,6 +191,30 @@ def test_the_model_pod_uses_every_gpu_it_requests(variant, gpus, monkeypatch):
         assert not shm
 
 
+@pytest.mark.parametrize(
+    ("values", "name", "expected"),
+    [
+        ({"model": {"config": {"engine-stall-timeout": 600}}}, "model", {"engine_stall_timeout": 600}),
+        ({"model": {"config": {"enable-expert-parallel": True}}}, "model", {"enable_expert_parallel": True}),
+        ({"gateway": {"config": {"placement-timeout": 120}}}, "gateway", {"placement_timeout": 120}),
+        # What the pods accept, the adapter service accepts at upload (unless told otherwise).
+        (
+            {"model": {"config": {"max-lora-rank": 128, "max-adapter-bytes": 4294967296}}},
+            "adapter-service",
+            {"max_lora_rank": 128, "max_adapter_bytes": 4294967296},
+        ),
+        (
+            {"model": {"config": {"max-lora-rank": 128}}, "adapterService": {"config": {"max-lora-rank": 8}}},
+            "adapter-service",
+            {"max_lora_rank": 8},
+        ),
+    ],
+)
+def test_config_reaches_the_service(values, name, expected, monkeypatch):
+    args = parse_env(name, container_env(main_container(workloads(render(values))[name])), monkeypatch)
+    assert {key: getattr(args, key) for key in expected} == expected
+
+
 def resolve(objects: list[dict], address: str) -> tuple[str, str, dict]:
     """HOST:PORT (or redis://HOST:PORT/..) -> (component, container port name, Service) it reaches."""
     host, port = re.sub(r"^\w+://", "", address).split("/")[0].rsplit(":", 1)
