@@ -95,6 +95,16 @@ def test_lint_is_clean():
         ({"model": {"variant": "tpu"}}, "/model/variant", "must be one of"),
         ({"model": {"replica": 2}}, "/model", "additional properties 'replica'"),
         ({"securityContext": {"privileged": True}}, "/securityContext/privileged", "value must be false"),
+        # Kubernetes refuses these: a rollout that may neither add nor remove a pod, a bare string;
+        # a budget of 0% would block every eviction (as 0 would).
+        (
+            {"model": {"rollingUpdate": {"maxSurge": "0%", "maxUnavailable": 0}}},
+            "/model/rollingUpdate",
+            "not",
+        ),
+        ({"model": {"rollingUpdate": {"maxSurge": "1"}}}, "/model/rollingUpdate/maxSurge", "pattern"),
+        ({"gateway": {"pdb": {"maxUnavailable": "1"}}}, "/gateway/pdb/maxUnavailable", "pattern"),
+        ({"model": {"pdb": {"maxUnavailable": "0%"}}}, "/model/pdb/maxUnavailable", "pattern"),
     ],
 )
 def test_bad_values_are_refused_naming_the_value(values, path, why):
