@@ -35,6 +35,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "s3": _IRSA,
         "model": _S3_MODEL,
     },
+    "irsa-model-only": {"s3": _IRSA, "model": _S3_MODEL},  # adapters on the volume, the model from S3
     "s3-keys-minio": {
         "s3": {"endpointUrl": "http://minio.storage:9000", "accessKeyId": "AKIA", "secretAccessKey": "s"},
         "model": {

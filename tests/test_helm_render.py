@@ -95,6 +95,16 @@ def test_lint_is_clean():
         ({"model": {"variant": "tpu"}}, "/model/variant", "must be one of"),
         ({"model": {"replica": 2}}, "/model", "additional properties 'replica'"),
         ({"securityContext": {"privileged": True}}, "/securityContext/privileged", "value must be false"),
+        # Kubernetes refuses these: a rollout that may neither add nor remove a pod, a bare string;
+        # a budget of 0% would block every eviction (as 0 would).
+        (
+            {"model": {"rollingUpdate": {"maxSurge": "0%", "maxUnavailable": 0}}},
+            "/model/rollingUpdate",
+            "not",
+        ),
+        ({"model": {"rollingUpdate": {"maxSurge": "1"}}}, "/model/rollingUpdate/maxSurge", "pattern"),
+        ({"gateway": {"pdb": {"maxUnavailable": "1"}}}, "/gateway/pdb/maxUnavailable", "pattern"),
+        ({"model": {"pdb": {"maxUnavailable": "0%"}}}, "/model/pdb/maxUnavailable", "pattern"),
     ],
 )
 def test_bad_values_are_refused_naming_the_value(values, path, why):
@@ -169,9 +179,12 @@ def test_the_adapter_service_runs_two_replicas_with_a_disruption_budget_on_share
     assert "adapter service runs" not in notes(VALUE_SETS["irsa"])
 
 
-def test_irsa_puts_the_role_on_the_service_accounts_and_no_keys_anywhere():
-    objects = render(VALUE_SETS["irsa"])
-    role = VALUE_SETS["irsa"]["s3"]["irsaRoleArn"]
+@pytest.mark.parametrize(
+    "value_set", ["irsa", "irsa-model-only"]
+)  # the adapter service reads the model's config
+def test_irsa_puts_the_role_on_the_service_accounts_and_no_keys_anywhere(value_set):
+    objects = render(VALUE_SETS[value_set])
+    role = VALUE_SETS[value_set]["s3"]["irsaRoleArn"]
     for name in (f"{RELEASE}-spindle-adapter-service", f"{RELEASE}-spindle-model"):
         annotations = one(objects, "ServiceAccount", name)["metadata"]["annotations"]
         assert annotations == {"eks.amazonaws.com/role-arn": role}

@@ -27,6 +27,7 @@ from helm_chart import (
     workloads,
 )
 
+from adapter_service import base_model
 from spindle import cli, envflags
 
 # Each service's parser: component -> (module, builder). After a move, change the line here.
@@ -129,6 +130,89 @@ def test_environment_ports_and_probes_match_the_service(name, value_set, monkeyp
         if hasattr(args, "control_port"):
             assert port_number(container, "control") == args.control_port
         assert args.adapter_cache_dir in mounts
+
+
+def model_files(workload: dict, path: str) -> tuple[str, str, str]:
+    """Where a path inside the pod comes from: ("alias", NAME, ""), ("pvc", CLAIM, PATH IN IT) or
+    ("s3", URI, PATH UNDER IT) for an emptyDir an init container syncs from S3."""
+    spec = workload["spec"]["template"]["spec"]
+    mounts = [
+        m for m in main_container(workload)["volumeMounts"] if Path(path).is_relative_to(m["mountPath"])
+    ]
+    if not mounts:
+        return "alias", path, ""
+    (mount,) = mounts
+    inside = str(Path(path).relative_to(mount["mountPath"]))
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    if "persistentVolumeClaim" in volume:
+        return "pvc", volume["persistentVolumeClaim"]["claimName"], inside
+    (fetch,) = [
+        c for c in spec.get("initContainers", []) if mount["name"] in {m["name"] for m in c["volumeMounts"]}
+    ]
+    (init_mount,) = [m for m in fetch["volumeMounts"] if m["name"] == mount["name"]]
+    uri, destination = fetch["command"][-2:]
+    assert uri.startswith("s3://") and Path(destination).is_relative_to(init_mount["mountPath"])
+    under = Path(init_mount["mountPath"], inside).relative_to(destination)
+    return "s3", uri, str(under)
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_the_adapter_service_checks_uploads_against_the_pods_model(value_set, monkeypatch):
+    """--base-model is the checkpoint the pods load (an alias, or the same files), not a name."""
+    deployed = workloads(render(VALUE_SETS[value_set]))
+    if "adapter-service" not in deployed:
+        pytest.skip(f"the adapter service is off in {value_set}")
+    model, service = deployed["model"], deployed["adapter-service"]
+    loaded = parse_env("model", container_env(main_container(model)), monkeypatch).model
+    base = parse_env("adapter-service", container_env(main_container(service)), monkeypatch).base_model
+    pods, checked = model_files(model, loaded), model_files(service, base)
+    assert checked == pods, f"the pods load {pods}, the adapter service checks uploads against {checked}"
+    if pods[0] == "alias":
+        assert base_model.load(base)
+
+
+@pytest.mark.parametrize("gpus", [None, 1, 2, 8])
+@pytest.mark.parametrize("variant", ["gpu", "cpu"])
+def test_the_model_pod_uses_every_gpu_it_requests(variant, gpus, monkeypatch):
+    """One tensor-parallel rank per requested GPU (the ranks share /dev/shm, not the runtime's 64 MiB)."""
+    model = {"variant": variant} | ({"gpu": {"count": gpus}} if gpus else {})
+    workload = workloads(render({"model": model}))["model"]
+    container = main_container(workload)
+    args = parse_env("model", container_env(container), monkeypatch)
+    requested = container["resources"]["limits"].get("nvidia.com/gpu", 0)
+    assert requested == (gpus or 1 if variant == "gpu" else 0)
+    assert args.tensor_parallel_size == max(requested, 1)
+    shm = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    if args.tensor_parallel_size > 1:
+        (mount,) = shm
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory"
+    else:
+        assert not shm
+
+
+@pytest.mark.parametrize(
+    ("values", "name", "expected"),
+    [
+        ({"model": {"config": {"engine-stall-timeout": 600}}}, "model", {"engine_stall_timeout": 600}),
+        ({"model": {"config": {"enable-expert-parallel": True}}}, "model", {"enable_expert_parallel": True}),
+        ({"gateway": {"config": {"placement-timeout": 120}}}, "gateway", {"placement_timeout": 120}),
+        # What the pods accept, the adapter service accepts at upload (unless told otherwise).
+        (
+            {"model": {"config": {"max-lora-rank": 128, "max-adapter-bytes": 4294967296}}},
+            "adapter-service",
+            {"max_lora_rank": 128, "max_adapter_bytes": 4294967296},
+        ),
+        (
+            {"model": {"config": {"max-lora-rank": 128}}, "adapterService": {"config": {"max-lora-rank": 8}}},
+            "adapter-service",
+            {"max_lora_rank": 8},
+        ),
+    ],
+)
+def test_config_reaches_the_service(values, name, expected, monkeypatch):
+    args = parse_env(name, container_env(main_container(workloads(render(values))[name])), monkeypatch)
+    assert {key: getattr(args, key) for key in expected} == expected
 
 
 def resolve(objects: list[dict], address: str) -> tuple[str, str, dict]:

@@ -42,3 +42,24 @@ h200: NVIDIA-H200
 {{- end -}}
 {{- with $sel }}{{ toYaml . }}{{ end -}}
 {{- end -}}
+
+{{/* The init container that syncs model.source.s3.uri into /models/model (an emptyDir `models`).
+Call with (list $ NAME FILTER), FILTER: aws s3 sync arguments such as --exclude, or (list). */}}
+{{- define "spindle.fetchModel" -}}
+{{- $ := index . 0 -}}{{- $src := $.Values.model.source -}}
+- name: {{ index . 1 }}
+  image: {{ printf "%s:%s" $src.fetchImage.repository $src.fetchImage.tag }}
+  imagePullPolicy: {{ $src.fetchImage.pullPolicy }}
+  command: [aws, s3, sync, --only-show-errors, {{- range index . 2 }} {{ . | quote }},{{ end }} {{ $src.s3.uri | quote }}, /models/model]
+  env:
+    - {name: HOME, value: /tmp}
+    {{- with include "spindle.s3Env" $ | trim }}{{ . | nindent 4 }}{{ end }}
+  resources:
+    requests: {cpu: 500m, memory: 512Mi}
+    limits: {memory: 2Gi}
+  securityContext:
+    {{- include "spindle.securityContext" $ | nindent 4 }}
+  volumeMounts:
+    - {name: models, mountPath: /models}
+    - {name: tmp, mountPath: /tmp}
+{{- end -}}
