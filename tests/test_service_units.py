@@ -620,3 +620,38 @@ def test_a_pod_inside_a_long_step_answers_its_load_report_within_the_gateways_de
 
     loads = asyncio.run(loads_during_a_long_step())
     assert [load.requests_in_flight for load in loads] == [1, 1, 1]
+
+
+def test_a_pod_whose_engine_is_stuck_past_the_stall_timeout_ends_its_streams_and_exits():
+    """A step longer than `--engine-stall-timeout` (here a 3 s step against 0.4 s) is a stuck
+    engine: the pod reports NOT_SERVING, its stream ends UNAVAILABLE (the gateway resumes it
+    elsewhere) and it asks to exit 1, so Kubernetes restarts it; the health probes kept saying
+    SERVING before."""
+    import asyncio
+
+    import grpc
+
+    from bench.fake_engine import FakeFastEngine
+    from model_service.pod import server as pod_server
+    from model_service.pod.state import ModelPod
+    from spindle.v1 import generation_pb2_grpc
+
+    async def stuck() -> tuple[grpc.StatusCode, str, ModelPod]:
+        pod = ModelPod("fake", drain_timeout=1.0, stall_timeout=0.4)
+        servers = await pod_server.start(pod, "127.0.0.1", 0, 0)
+        try:
+            await pod.load(lambda: FakeFastEngine(3.0))
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{servers.port}") as ch:
+                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), max_tokens=3)
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    async for _ in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=30):
+                        pass
+            await asyncio.wait_for(pod.exit_requested.wait(), 5)
+            return failed.value.code(), failed.value.details(), pod
+        finally:
+            await servers.stop(0)
+            pod.close()
+
+    code, details, pod = asyncio.run(stuck())
+    assert code == grpc.StatusCode.UNAVAILABLE and "has not finished a step in" in details
+    assert pod.exit_code == 1 and pod.health is not None and not pod.health.serving

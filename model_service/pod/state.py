@@ -117,6 +117,7 @@ class ModelPod:
         self.exit_requested = asyncio.Event()
         self.exit_code = 0
         self.metrics = PodMetrics(model_name, self.snapshot_blocking)
+        self._watchdog: asyncio.Future[None] | None = None
         self.load_stats = LoadStats(self.gathered, stall_timeout)  # what load reports read
         self._closed = False
 
@@ -134,6 +135,20 @@ class ModelPod:
         log.info("model %s loaded and warmed in %.1f s", self.model_name, time.monotonic() - started)
         if not self.draining and self.health is not None:
             await self.health.set(True)
+        self._watchdog = asyncio.ensure_future(self._watch_for_stalls())
+
+    async def _watch_for_stalls(self) -> None:
+        """A step that runs past `--engine-stall-timeout` means a stuck engine thread (a hung
+        device, a deadlock), not a busy one: the pod then ends as for a lost device (NOT_SERVING,
+        streams UNAVAILABLE so the gateway resumes them elsewhere, exit 1 so Kubernetes restarts
+        it). Only load reports noticed before, and the health probes kept answering SERVING."""
+        period = min(5.0, self.load_stats.stall_s / 4)
+        while self.lost is None and not self._closed:
+            await asyncio.sleep(period)
+            try:
+                await self.load_stats.recent()
+            except UnavailableError as e:
+                self._on_lost(str(e))
 
     async def _warm_up(self, vocab: int) -> None:
         """One tiny request through the whole path, so the first real request pays no first-use costs."""
@@ -159,7 +174,7 @@ class ModelPod:
         self.request_exit(f"engine lost: {why}", code=1)
 
     def lost_message(self) -> str:
-        return f"model pod lost a device ({self.lost}); retry on another pod"
+        return f"model pod cannot serve any more ({self.lost}); retry on another pod"
 
     @property
     def ready(self) -> bool:
@@ -198,6 +213,8 @@ class ModelPod:
 
     def close(self) -> None:
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         self.metrics.stop()
         if self.async_engine is not None:
             self.async_engine.shutdown()
