@@ -430,7 +430,11 @@ class Controller:
         latest = await self.lookup(v.name)
         if latest is None or latest.version != v.version:
             return []
-        holders = [p for p in self.pods.values() if p.view.ok and v.name in p.view.adapters]
+        holders = [
+            p
+            for p in self.pods.values()
+            if p.view.ok and v.name in p.view.adapters and p.view.adapters[v.name].sha256 != v.sha256
+        ]
         done = []
         for pod in holders:
             if await self._rotate_one(pod, v):
@@ -446,10 +450,22 @@ class Controller:
                 await self._control(
                     pod, "Rotate", mc.RotateRequest(name=v.name, peer=self.advertise, sha256=v.sha256)
                 )
-                return True
             except grpc.aio.AioRpcError as e:
                 log.warning("rotating %s on %s failed: %s", v.name, pod.view.address, e.details())
                 return False
+        if v.pinned:
+            await self._pin_new_version(pod, v.name)
+        return True
+
+    async def _pin_new_version(self, pod: Pod, name: str) -> None:
+        """A pinned adapter's pin was its old version's slot, which the rotation retired: load
+        the new version and pin it, or the adapter lost its pin with every update."""
+        try:
+            await self._load(pod, name)
+        except PlacementError as e:  # rotated all the same; Pin (or the next placement) pins it
+            log.warning("pinning the new version of %s on %s failed: %s", name, pod.view.address, e)
+            return
+        await self.pin(name, True, [pod])
 
     async def _rotate_stale(self, latest: dict[str, Version], now: float) -> None:
         """Rotate pods that have held an old version of an adapter for a lease TTL: longer than a
