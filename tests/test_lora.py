@@ -435,6 +435,27 @@ def test_forgetting_an_adapter_in_use_lets_its_requests_finish_and_refuses_new_o
     assert_all_blocks_free(engine)
 
 
+def test_a_request_waiting_for_an_adapter_that_is_forgotten_ends_at_once(tiny_llama, tiny_adapters):
+    """A request queued for an adapter deleted before it was loaded waited the whole
+    `adapter_wait_timeout_s` (30 s) for a load that could never succeed."""
+    engine = make_engine(tiny_llama, max_loras=2)
+    run_control(engine, RegisterAdapter("x", str(tiny_adapters["t1"])))  # on disk: read before a load
+    engine.add_request(
+        prompt_token_ids=PROMPTS[0],
+        adapter="x",
+        request_id="waits",
+        params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    )
+    engine.step()
+    assert engine.lora.slot_of("x") is None  # still waiting for its adapter
+    engine.submit_control(EvictAdapter("x", from_disk=True))
+    start, ended = time.monotonic(), []
+    while engine.has_unfinished() and time.monotonic() - start < 5:
+        ended += [o for o in engine.step() if o.finished]
+    assert [(o.finish_reason, "'x'" in o.error) for o in ended] == [("error", True)]
+    assert_all_blocks_free(engine)
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     events=st.lists(
