@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -53,6 +54,10 @@ from spindle.v1 import model_control_pb2_grpc
 
 log = logging.getLogger("spindle.adapters")
 Code = grpc.StatusCode
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 class PlacementError(Exception):
@@ -267,16 +272,32 @@ class Controller:
     # --- weights ---------------------------------------------------------------------------------
 
     async def weights(self, name: str) -> tuple[bytes, bytes, Version, str]:
-        """The latest version's (config, weights), and where they came from: staging or storage."""
+        """The latest version's (config, weights), and where they came from: staging or storage.
+        Both copies are checked against the registered sha256 before they go out: a corrupted
+        staged copy was sent to every pod that asked, each refused it (DATA_LOSS), and the
+        adapter could not be placed anywhere until staging happened to drop it. Now it is
+        replaced from storage; a corrupted stored copy is refused with what to do."""
         v = await self.lookup(name)
         if v is None:
             raise PlacementError(Code.NOT_FOUND, f"adapter {name!r} is not registered")
         staged = await self.registry.staged(v.sha256)
-        config_key = f"config:{v.sha256}"
-        config = await self.registry.staged(config_key)
+        config = await self.registry.staged(f"config:{v.sha256}")
         if staged is not None and config is not None:
-            return config, staged, v, "staging"
+            got = await asyncio.to_thread(_sha256, staged)
+            if got == v.sha256:
+                return config, staged, v, "staging"
+            log.error(
+                "staged copy of %s v%d has sha256 %s, not %s: replaced from storage",
+                *(v.name, v.version, got, v.sha256),
+            )
         config, data = await self.store.read(v.name, v.version)
+        got = await asyncio.to_thread(_sha256, data)
+        if got != v.sha256:
+            raise PlacementError(
+                Code.DATA_LOSS,
+                f"the stored weights of adapter {v.name!r} version {v.version} have sha256 {got}, "
+                f"registered as {v.sha256}: corrupted in storage; register the adapter again",
+            )
         await self.stage(v.sha256, config, data)
         return config, data, v, "storage"
 
@@ -430,7 +451,11 @@ class Controller:
         latest = await self.lookup(v.name)
         if latest is None or latest.version != v.version:
             return []
-        holders = [p for p in self.pods.values() if p.view.ok and v.name in p.view.adapters]
+        holders = [
+            p
+            for p in self.pods.values()
+            if p.view.ok and v.name in p.view.adapters and p.view.adapters[v.name].sha256 != v.sha256
+        ]
         done = []
         for pod in holders:
             if await self._rotate_one(pod, v):
@@ -446,10 +471,22 @@ class Controller:
                 await self._control(
                     pod, "Rotate", mc.RotateRequest(name=v.name, peer=self.advertise, sha256=v.sha256)
                 )
-                return True
             except grpc.aio.AioRpcError as e:
                 log.warning("rotating %s on %s failed: %s", v.name, pod.view.address, e.details())
                 return False
+        if v.pinned:
+            await self._pin_new_version(pod, v.name)
+        return True
+
+    async def _pin_new_version(self, pod: Pod, name: str) -> None:
+        """A pinned adapter's pin was its old version's slot, which the rotation retired: load
+        the new version and pin it, or the adapter lost its pin with every update."""
+        try:
+            await self._load(pod, name)
+        except PlacementError as e:  # rotated all the same; Pin (or the next placement) pins it
+            log.warning("pinning the new version of %s on %s failed: %s", name, pod.view.address, e)
+            return
+        await self.pin(name, True, [pod])
 
     async def _rotate_stale(self, latest: dict[str, Version], now: float) -> None:
         """Rotate pods that have held an old version of an adapter for a lease TTL: longer than a

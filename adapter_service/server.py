@@ -210,9 +210,10 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
 
     async def _rotated(self, v: Version, seconds: float) -> None:
         """Rotate the pods holding `v`'s name, for at most `seconds`: `v` is registered already,
-        so running out of time is no failure (the policy leader rotates what is left)."""
-        if v.version == 1:
-            return
+        so running out of time is no failure (the policy leader rotates what is left). Version 1
+        too: a name deleted and registered again starts at 1, and a pod that kept the deleted
+        weights (unreachable during the Delete) served them for the new registration until the
+        leader's late rotation, a lease TTL after the acknowledgement."""
         try:
             await asyncio.wait_for(self.c.rotate(v), max(seconds, 0.1))
         except asyncio.TimeoutError:

@@ -304,6 +304,68 @@ def test_new_version_rotates_in_flight_old_ones_finish_on_old_weights(cluster, l
     assert _generate(gateway, "a") == _reference(tiny_llama, lora_dirs["a2"])  # new ones get version 2
 
 
+def _held(cluster, name: str) -> dict[str, mc.AdapterState]:
+    """What each pod that has `name` reports of it (GetSlots)."""
+    out = {}
+    for pod in cluster["pods"]:
+        with pod.control_channel() as cc:
+            report = model_control_pb2_grpc.ModelControlStub(cc).GetSlots(mc.GetSlotsRequest(), timeout=10)
+        out.update((pod.control_address, a) for a in report.adapters if a.name == name)
+    return out
+
+
+def test_delete_in_flight_then_the_name_registered_again_over_a_kept_copy(cluster, lora_dirs, tiny_llama):
+    """A Delete while a request runs: the request finishes on the deleted weights, new ones get
+    NOT_FOUND, and the pods forget the name at once (the pod refused while the slot was in use,
+    and kept the deleted adapter). The name registered again with other weights is version 1
+    again; a pod that kept the old weights (unreachable during the Delete) must not serve them
+    once that registration is acknowledged (version 1 was never rotated)."""
+    gateway, kept = cluster["gateway"], cluster["pods"][0]
+    with _admin(gateway.address) as c:
+        c.register("d", lora_dirs["a"])
+    n = 480  # long enough to still run while the adapter is deleted
+    req = token_request(PROMPT, n, temperature=0.0)
+    req.adapter = "d"
+    with gateway.channel() as ch:
+        stream = stub(ch).Generate(req, timeout=120, metadata=(("authorization", f"Bearer {USER}"),))
+        first = next(stream)
+        with _admin(gateway.address) as c:
+            assert c.delete("d") == 1
+        with pytest.raises(grpc.RpcError) as e:
+            _generate(gateway, "d")
+        assert e.value.code() == Code.NOT_FOUND and "'d' is not registered" in e.value.details()
+        assert _held(cluster, "d") == {}  # forgotten by the pods while its request runs
+        rest, _ = collect(stream)
+    assert [*first.chunk.token_ids, *rest] == _reference(tiny_llama, lora_dirs["a"], n)
+    with kept.control_channel() as cc:  # the deleted weights, as a pod the Delete missed keeps them
+        promote = mc.PromoteFromDiskRequest(name="d", path=str(lora_dirs["a"]))
+        model_control_pb2_grpc.ModelControlStub(cc).PromoteFromDisk(promote, timeout=30)
+    time.sleep(1.0)  # the gateway's next polls see "d" on that pod
+    with _admin(gateway.address) as c:
+        again = c.register("d", lora_dirs["b"])
+        assert again.version == 1
+        assert _generate(gateway, "d") == _reference(tiny_llama, lora_dirs["b"])
+        assert {a.sha256 for a in _held(cluster, "d").values()} == {again.sha256}
+        c.delete("d")
+
+
+def test_a_pinned_adapter_stays_pinned_across_a_new_version(cluster, lora_dirs, tiny_llama):
+    """The pin was the old version's slot: after an update the adapter was pinned nowhere (and
+    the old slot stayed pinned on the pod, its memory never freed)."""
+    gateway = cluster["gateway"]
+    with _admin(gateway.address) as c:
+        c.register("p", lora_dirs["a"])
+        assert _generate(gateway, "p") == _reference(tiny_llama, lora_dirs["a"])
+        c.pin("p")
+        v2 = c.register("p", lora_dirs["a2"])
+        held = _held(cluster, "p")
+        assert held and {(a.sha256, a.tier, a.pinned) for a in held.values()} == {
+            (v2.sha256, mc.TIER_DEVICE, True)
+        }
+        assert _generate(gateway, "p") == _reference(tiny_llama, lora_dirs["a2"])
+        c.delete("p")
+
+
 def _header(name: str, config: bytes, data: bytes, sha: str | None = None) -> apb.RegisterChunk:
     return apb.RegisterChunk(
         header=apb.RegisterHeader(

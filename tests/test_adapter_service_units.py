@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import socket
 import struct
@@ -625,5 +626,37 @@ def test_registry_index_leases_and_bounded_staging(registry_factory):
         await reg.remove("a")
         assert await reg.get("a") is None and await reg.leases("a") == {}
         assert await reg.generation() != before
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("corrupted", ["staging", "storage"])
+def test_a_corrupted_copy_of_the_weights_is_never_sent_to_a_pod(registry_factory, tmp_path, corrupted):
+    """A staged copy that does not hash to the registered sha256 went to every pod that asked
+    (each refused it, so the adapter could not be placed anywhere); it is now replaced from
+    storage. A corrupted stored copy is refused, naming the adapter, its version and the fix."""
+    from adapter_service.controller import PlacementError
+
+    data = _lora(4)
+    v = dataclasses.replace(_version("a", 1), sha256=hashlib.sha256(data).hexdigest())
+    weights = tmp_path / "w"
+    weights.write_bytes(data)
+    store = LocalStore(tmp_path / "store")
+    bad = data[:-1] + b"\1"
+
+    async def go() -> None:
+        c = Controller(registry_factory(), store, discover=lambda: asyncio.sleep(0, []), advertise="x:1")
+        await c.registry.rebuild([v])
+        await store.put(v, CONFIG, weights)
+        await c.stage(v.sha256, CONFIG, bad)
+        if corrupted == "storage":
+            (tmp_path / "store" / "a" / "v000001" / "adapter_model.safetensors").write_bytes(bad)
+            with pytest.raises(PlacementError, match=r"'a' version 1 .* register the adapter again") as e:
+                await c.weights("a")
+            assert e.value.code == grpc.StatusCode.DATA_LOSS
+        else:
+            assert (await c.weights("a"))[1:] == (data, v, "storage")
+            assert (await c.weights("a"))[1:] == (data, v, "staging")  # staged again, intact
+        await c.close()
 
     asyncio.run(go())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -366,6 +367,92 @@ def test_same_name_new_content_never_reuses_stale_kv(tiny_llama, tiny_adapters, 
     assert engine.stats().prefix_cache_hit_tokens == hits_before  # nothing reused across contents
     assert _run(engine, [_req(PROMPTS[1], "x")]) == [tiny_reference[(1, "t3")]]
     assert engine.stats().prefix_cache_hit_tokens > hits_before  # same content: reused
+    assert_all_blocks_free(engine)
+
+
+def _start(engine, adapter: str, n: int = 8) -> str:
+    """A greedy request on PROMPTS[1] for `adapter`, admitted and holding its slot."""
+    engine.add_request(
+        prompt_token_ids=PROMPTS[1],
+        adapter=adapter,
+        request_id=f"held-{adapter}",
+        params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+    )
+    engine.step()
+    return f"held-{adapter}"
+
+
+def _finish(engine) -> dict[str, list[int]]:
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return final
+
+
+@pytest.mark.parametrize("in_use", [False, True], ids=["idle", "in-use"])
+def test_a_pinned_adapters_new_version_frees_the_old_slot_and_is_reported(
+    tiny_llama, tiny_adapters, tiny_reference, in_use
+):
+    """Re-registering a pinned adapter (a new version from the adapter service) left the old
+    version's slot pinned and stale for good: its memory never came back, and the pod reported
+    the old sha256 under the name, hiding the new version from the service and the gateway."""
+    engine = make_engine(tiny_llama, max_loras=2)
+    run_control(engine, RegisterAdapter("x", str(tiny_adapters["t1"])))
+    run_control(engine, LoadAdapter("x"))
+    run_control(engine, PinAdapter("x", True))
+    held = _start(engine, "x") if in_use else None
+    run_control(engine, RegisterAdapter("x", str(tiny_adapters["t3"])))
+    new = hashlib.sha256((tiny_adapters["t3"] / "adapter_model.safetensors").read_bytes()).hexdigest()
+    assert [(a.name, a.sha256) for a in engine.list_adapters()] == [("x", new)]
+    final = _finish(engine)
+    if held:
+        assert final[held] == tiny_reference[(1, "t1")]  # it finished on the version it began with
+    assert engine.lora.memory_used_bytes == 0  # the old version's slot is gone with its last request
+    assert _run(engine, [_req(PROMPTS[1], "x")]) == [tiny_reference[(1, "t3")]]
+    assert_all_blocks_free(engine)
+
+
+def test_forgetting_an_adapter_in_use_lets_its_requests_finish_and_refuses_new_ones(
+    tiny_llama, tiny_adapters, tiny_reference
+):
+    """Evict(from_disk) is how a Delete reaches a pod. It was refused while a request ran, so the
+    pod kept serving the deleted adapter (and its files) to every later request for it."""
+    engine = make_engine(tiny_llama, max_loras=2)
+    run_control(engine, LoadAdapter("x", str(tiny_adapters["t1"])))
+    held = _start(engine, "x")
+    run_control(engine, EvictAdapter("x", from_disk=True))
+    assert engine.list_adapters() == []
+    with pytest.raises(NotFoundError, match="unknown adapter 'x'"):
+        engine.add_request(prompt_token_ids=PROMPTS[0], adapter="x", request_id="new")
+    assert _finish(engine)[held] == tiny_reference[(1, "t1")]
+    assert engine.lora.memory_used_bytes == 0
+    run_control(engine, RegisterAdapter("x", str(tiny_adapters["t3"])))  # registered again, new weights
+    run_control(engine, LoadAdapter("x"))
+    run_control(engine, PinAdapter("x", True))
+    with pytest.raises(AdapterError, match="'x' is pinned"):
+        run_control(engine, EvictAdapter("x", from_disk=True))
+    assert _run(engine, [_req(PROMPTS[1], "x")]) == [tiny_reference[(1, "t3")]]
+    assert_all_blocks_free(engine)
+
+
+def test_a_request_waiting_for_an_adapter_that_is_forgotten_ends_at_once(tiny_llama, tiny_adapters):
+    """A request queued for an adapter deleted before it was loaded waited the whole
+    `adapter_wait_timeout_s` (30 s) for a load that could never succeed."""
+    engine = make_engine(tiny_llama, max_loras=2)
+    run_control(engine, RegisterAdapter("x", str(tiny_adapters["t1"])))  # on disk: read before a load
+    engine.add_request(
+        prompt_token_ids=PROMPTS[0],
+        adapter="x",
+        request_id="waits",
+        params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    )
+    engine.step()
+    assert engine.lora.slot_of("x") is None  # still waiting for its adapter
+    engine.submit_control(EvictAdapter("x", from_disk=True))
+    start, ended = time.monotonic(), []
+    while engine.has_unfinished() and time.monotonic() - start < 5:
+        ended += [o for o in engine.step() if o.finished]
+    assert [(o.finish_reason, "'x'" in o.error) for o in ended] == [("error", True)]
     assert_all_blocks_free(engine)
 
 

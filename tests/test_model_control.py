@@ -42,13 +42,19 @@ def adapters(tiny_llama, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pods(tiny_llama, adapters, tmp_path_factory):
+def cache(tmp_path_factory):
+    """Where the second pod writes the adapter files it receives (--adapter-cache-dir)."""
+    return tmp_path_factory.mktemp("second_cache")
+
+
+@pytest.fixture(scope="module")
+def pods(tiny_llama, adapters, cache, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pods")
     room = str(max(arena_bytes(tiny_llama, adapters["a"]), arena_bytes(tiny_llama, adapters["b"])))
     first = spawn_pod(
         tiny_llama.name, logs, "first", "--lora-memory-bytes", room, "--lora", f"a={adapters['a']}"
     )
-    second = spawn_pod(tiny_llama.name, logs, "second", "--max-loras", "2")
+    second = spawn_pod(tiny_llama.name, logs, "second", "--max-loras", "2", "--adapter-cache-dir", str(cache))
     yield wait_serving(first), wait_serving(second)
     for p in (first, second):
         assert p.stop() == 0, p.output()
@@ -253,6 +259,22 @@ def test_weights_stream_and_peer_promotion(pods, tiny_llama, adapters):
         with pytest.raises(grpc.RpcError) as e:
             _generate(ch, "a")
         assert e.value.code() == Code.NOT_FOUND
+
+
+def test_a_new_version_deletes_the_files_the_pod_wrote_for_the_old_one(pods, adapters, cache):
+    """The files a pod wrote for a version (fetched from a peer or the service) stayed in its
+    cache directory once a new version replaced them: its disk filled with every update."""
+    first, second = pods
+    sha = hashlib.sha256((adapters["a"] / "adapter_model.safetensors").read_bytes()).hexdigest()
+    with second.control_channel() as cc:
+        ctl = _control(cc)
+        fetch = mc.PromoteFromPeerRequest(name="a", peer=first.control_address, sha256=sha)
+        ctl.PromoteFromPeer(fetch, timeout=30)  # written to the cache (a peer transfer)
+        assert [p.name for p in cache.iterdir()] == [f"a-{sha[:16]}"]
+        ctl.Rotate(mc.RotateRequest(name="a", path=str(adapters["b"])), timeout=30)
+        assert list(cache.iterdir()) == []
+        assert adapters["b"].exists()  # the operator's own directory is left alone
+        ctl.Evict(mc.EvictRequest(name="a", from_disk=True), timeout=30)
 
 
 def test_set_active_makes_the_active_adapter_reachable_end_to_end(pods, tiny_llama, adapters, tmp_path):

@@ -66,7 +66,7 @@ from model_service.engine.sequence import Sequence
 from model_service.errors import NotFoundError, PreconditionError
 from model_service.lora.adapter import AdapterError
 from model_service.lora.control import ControlOp, ControlResult, execute
-from model_service.lora.pool import ACTIVE, LoraPool, SlotsBusyError
+from model_service.lora.pool import ACTIVE, AdapterNotFoundError, LoraPool, SlotsBusyError
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class _LoadFailure:
     error: str  # why the latest attempt failed
     retry_at: float
     backoff: float  # the wait before `retry_at`; the next one is twice as long
+    gone: bool = False  # the adapter is not known here any more (deleted): no retry can load it
 
 
 class AdapterControl:
@@ -200,7 +201,7 @@ class AdapterControl:
                 except SlotsBusyError:
                     return [n for n in names[i:] if self._waits_for_memory(n)]
                 except AdapterError as e:
-                    self._note_failure(name, str(e), now)
+                    self._note_failure(name, str(e), now, isinstance(e, AdapterNotFoundError))
                     continue
                 self._failures.pop(name, None)
                 held.append(self.pool.acquire(slot))
@@ -209,10 +210,10 @@ class AdapterControl:
             for slot in held:
                 self.pool.release(slot)
 
-    def _note_failure(self, name: str, error: str, now: float) -> None:
+    def _note_failure(self, name: str, error: str, now: float, gone: bool) -> None:
         last = self._failures.get(name)
         backoff = RETRY_S if last is None else 2 * last.backoff
-        self._failures[name] = _LoadFailure(error, now + backoff, backoff)
+        self._failures[name] = _LoadFailure(error, now + backoff, backoff, gone)
 
     def _may_try(self, name: str, now: float) -> bool:
         failure = self._failures.get(name)
@@ -287,13 +288,18 @@ class AdapterControl:
 
     def _doomed(self, now: float) -> list[tuple[Sequence, str]]:
         """Waiting requests that have waited `adapter_wait_timeout_s` for an adapter whose latest
-        load failed for a reason other than memory."""
+        load failed for a reason other than memory, and at once those whose adapter is gone (it
+        was deleted while they waited: they waited out the timeout for nothing)."""
         if not self._failures:
             return []
         doomed = []
         for seq in self.scheduler.waiting:
             name, since = seq.admission.adapter, seq.admission.blocked_since
             failure = self._failures.get(name) if name is not None else None
-            if failure is not None and since is not None and now - since >= self.wait_timeout_s:
+            if (
+                failure is not None
+                and since is not None
+                and (failure.gone or now - since >= self.wait_timeout_s)
+            ):
                 doomed.append((seq, f"adapter {name!r} could not be loaded: {failure.error}"))
         return doomed

@@ -29,7 +29,8 @@ class LoadAdapter:
 @dataclass
 class EvictAdapter:
     """Clear its slot (refused while in use or pinned); `from_host` also drops the parsed copy;
-    `from_disk` forgets the adapter here altogether (new requests for it get NOT_FOUND)."""
+    `from_disk` forgets the adapter here altogether (new requests for it get NOT_FOUND; running
+    ones finish on its slot; refused only while pinned)."""
 
     name: str
     from_host: bool = False
@@ -69,12 +70,11 @@ def execute(op: ControlOp, pool: LoraPool) -> ControlResult:
         slot, evicted = pool.load(op.name, op.slot)
         return ControlResult(slot, ", ".join(evicted) or None, pool.adapter_id_for(slot))
     if isinstance(op, EvictAdapter):
-        from_host = op.from_host or op.from_disk
-        slot = pool.evict(op.name) if pool.slot_of(op.name) is not None or not from_host else None
-        if from_host:
-            pool.drop_host_copy(op.name)
         if op.from_disk:
-            pool.forget(op.name)
+            return ControlResult(slot=pool.forget(op.name))
+        slot = pool.evict(op.name) if pool.slot_of(op.name) is not None or not op.from_host else None
+        if op.from_host:
+            pool.drop_host_copy(op.name)
         return ControlResult(slot=slot)
     if isinstance(op, PinAdapter):
         return ControlResult(slot=pool.pin(op.name, op.pinned))

@@ -86,7 +86,7 @@ class Slot:
     adapter: LoraAdapter | None = None  # the host copy whose weights the slot's buffers hold
     refcount: int = 0
     pinned: bool = False
-    stale: bool = False  # its name was re-registered with new content: serve no new requests
+    stale: bool = False  # its name was re-registered with new content, or forgotten: no new requests
 
 
 @dataclass
@@ -181,8 +181,21 @@ class LoraPool:
         if s.refcount <= 0:
             raise RuntimeError(f"LoRA slot {resolved} released more times than acquired")
         s.refcount -= 1
-        if s.refcount == 0 and s.stale and not s.pinned:
+        if s.refcount == 0 and s.stale:
             self._clear(resolved)
+
+    def _retire(self, slot: int) -> None:
+        """The slot's adapter is no longer what its name means (re-registered, or forgotten): it
+        serves only the requests that hold it and is cleared when the last ends. It keeps no pin:
+        a pin is for the name's current weights (the adapter service pins them where it loads
+        them), and a pinned stale slot was never cleared, holding its memory and hiding the new
+        version from the pod's report for good."""
+        s = self.slots[slot]
+        s.stale, s.pinned = True, False
+        if self._resident.get(s.adapter.name) == slot:
+            del self._resident[s.adapter.name]
+        if s.refcount == 0:
+            self._clear(slot)
 
     # --- control operations (quiescent points only) ---------------------------------------
 
@@ -196,13 +209,9 @@ class LoraPool:
             adapter.adapter_id, adapter.max_rank, adapter.sha256, adapter.chunked, targets
         )
         adapter = self._keep(adapter)
-        for i in list(self._in_use_order):  # a resident older version keeps serving its requests
-            s = self.slots[i]
-            if s.adapter.name == name and s.adapter.adapter_id != adapter.adapter_id:
-                s.stale = True
-                self._resident.pop(name, None)
-            if s.stale and s.refcount == 0 and not s.pinned:
-                self._clear(i)
+        current = self.slot_of(name)
+        if current is not None and self.slots[current].adapter.adapter_id != adapter.adapter_id:
+            self._retire(current)  # a resident older version keeps serving only its requests
         return adapter
 
     def load(self, name: str, slot: int | None = None) -> tuple[int, list[str]]:
@@ -327,12 +336,15 @@ class LoraPool:
         return slot
 
     def report(self) -> list[AdapterInfo]:
-        """Every adapter at its highest tier (a stale slot's old version is listed under its slot)."""
+        """Every adapter at its highest tier, as a new request for it would get it. A stale slot (an
+        older version finishing its requests) is not listed: under the name it hid the current
+        version, so the gateway routed to a pod that had forgotten the name and the adapter
+        service saw the old weights there."""
         out, seen = [], set()
         for i in sorted(self._in_use_order):
             s = self.slots[i]
             a = s.adapter
-            if a is not None:
+            if a is not None and not s.stale:
                 seen.add(a.name)
                 out.append(
                     AdapterInfo(
@@ -367,14 +379,21 @@ class LoraPool:
     def drop_host_copy(self, name: str) -> None:
         self.host.pop(name, None)
 
-    def forget(self, name: str) -> None:
-        """Drop `name` from the disk tier (its slot and host copy must be gone already); a stale
-        slot of an older version keeps serving the requests that hold it."""
-        if self.slot_of(name) is not None:
-            raise AdapterBusyError(f"adapter {name!r} is resident; evict it before forgetting it")
+    def forget(self, name: str) -> int | None:
+        """Forget `name` in every tier (the adapter was deleted): new requests for it get
+        NOT_FOUND, while a slot that running requests hold keeps serving them and is cleared when
+        they end (refusing, as before, left a deleted adapter served here for good). Refused while
+        pinned. Returns the slot it was resident in, if any."""
+        slot = self.slot_of(name)
+        if slot is not None:
+            if self.slots[slot].pinned:
+                raise AdapterBusyError(f"adapter {name!r} is pinned; unpin it before forgetting it")
+            self._retire(slot)
+        self.host.pop(name, None)
         self.disk.pop(name, None)
         self.identity.pop(name, None)
         self._reads.pop(name, None)
+        return slot
 
     # --- admission (engine/adapters.py drains adapters through this) ------------------------
 

@@ -95,14 +95,24 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
         except Exception as e:
             await abort_for(context, e)
         if isinstance(op, (RegisterAdapter, LoadAdapter)) and op.path is not None:
+            replaced = self.dirs.get(op.name)
             self.dirs[op.name] = Path(op.path)  # registered: FetchAdapterWeights serves these files
+            if replaced is not None and replaced != Path(op.path):
+                self._remove_own(replaced)  # an older version's: nothing reads them any more
         return result
 
     def _forget_files(self, name: str) -> None:
-        """Delete the files this pod wrote for `name` (a peer or service transfer); directories
-        the operator registered are left alone."""
+        """Delete the files this pod wrote for `name`."""
         path = self.dirs.pop(name, None)
-        if path is not None and path.resolve().is_relative_to(self.cache_dir.resolve()):
+        if path is not None:
+            self._remove_own(path)
+
+    def _remove_own(self, path: Path) -> None:
+        """Delete `path` if this pod wrote it (a peer or service transfer, in the cache directory);
+        directories the operator registered are left alone. Each version's files used to stay in
+        the cache directory when a new version replaced them, so a pod's disk filled with every
+        update of its adapters."""
+        if path.resolve().is_relative_to(self.cache_dir.resolve()):
             shutil.rmtree(path, ignore_errors=True)
 
     def _files(self, name: str, adapters: list[AdapterInfo]) -> Path | None:
