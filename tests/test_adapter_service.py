@@ -46,6 +46,7 @@ Code = grpc.StatusCode
 PROMPT = [5, 6, 7, 8, 9]
 KEYS = "admin key-admin * admin\nuser key-user *\n"
 ADMIN, USER = "key-admin", "key-user"
+AS_USER = (("authorization", f"Bearer {USER}"),)  # a Generate or ListModels call as the user key
 
 
 RPC_BOUND = 3.0  # the replicas' --rpc-timeout
@@ -184,7 +185,7 @@ def test_register_through_the_gateway_then_generate(cluster, lora_dirs, tiny_lla
         )
         assert [x.name for x in c.list()] == ["a"]
     with gateway.channel() as ch:  # registered, placed nowhere yet: listed all the same
-        models = stub(ch).ListModels(pb.ListModelsRequest(), metadata=(("authorization", f"Bearer {USER}"),))
+        models = stub(ch).ListModels(pb.ListModelsRequest(), metadata=AS_USER)
     assert [m.id for m in models.models if m.kind == pb.MODEL_KIND_ADAPTER] == ["a"]
     assert _generate(gateway, "a") == _reference(tiny_llama, lora_dirs["a"])
     with pytest.raises(grpc.RpcError) as e:
@@ -289,10 +290,9 @@ def test_new_version_rotates_in_flight_old_ones_finish_on_old_weights(cluster, l
     assert _generate(gateway, "a") == _reference(tiny_llama, lora_dirs["a"])  # resident somewhere
     n = 480  # long enough to still run while the new version is registered and rotated
     old = _reference(tiny_llama, lora_dirs["a"], n)
-    req = token_request(PROMPT, n, temperature=0.0)
-    req.adapter = "a"
+    req = _greedy_request("a", n)
     with gateway.channel() as ch:
-        stream = stub(ch).Generate(req, timeout=120, metadata=(("authorization", f"Bearer {USER}"),))
+        stream = stub(ch).Generate(req, timeout=120, metadata=AS_USER)
         first = next(stream)
         with _admin(gateway.address) as c:
             v2 = c.register("a", lora_dirs["a2"])
@@ -302,6 +302,12 @@ def test_new_version_rotates_in_flight_old_ones_finish_on_old_weights(cluster, l
     tokens = [*first.chunk.token_ids, *rest]
     assert tokens == old  # the in-flight request finished on version 1
     assert _generate(gateway, "a") == _reference(tiny_llama, lora_dirs["a2"])  # new ones get version 2
+
+
+def _greedy_request(adapter: str, n: int) -> pb.GenerateRequest:
+    req = token_request(PROMPT, n, temperature=0.0)
+    req.adapter = adapter
+    return req
 
 
 def _held(cluster, name: str) -> dict[str, mc.AdapterState]:
@@ -324,10 +330,9 @@ def test_delete_in_flight_then_the_name_registered_again_over_a_kept_copy(cluste
     with _admin(gateway.address) as c:
         c.register("d", lora_dirs["a"])
     n = 480  # long enough to still run while the adapter is deleted
-    req = token_request(PROMPT, n, temperature=0.0)
-    req.adapter = "d"
+    req = _greedy_request("d", n)
     with gateway.channel() as ch:
-        stream = stub(ch).Generate(req, timeout=120, metadata=(("authorization", f"Bearer {USER}"),))
+        stream = stub(ch).Generate(req, timeout=120, metadata=AS_USER)
         first = next(stream)
         with _admin(gateway.address) as c:
             assert c.delete("d") == 1

@@ -45,6 +45,11 @@ SMOL_ADAPTERS = {
 }
 
 
+def _greedy(max_tokens: int) -> SamplingParams:
+    """Greedy decoding of exactly `max_tokens` tokens (EOS ignored)."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
 def arena_bytes(loaded, *paths: Path) -> int:
     """Device bytes the adapters at `paths` take in `loaded`'s float32 adapter arena: a test
     sizes `lora_memory_bytes` with it to make residency tight."""
@@ -225,23 +230,13 @@ def test_waiting_adapter_does_not_block_base_or_resident(tiny_llama, tiny_adapte
     """One slot, held by a long request: a request for another adapter waits (not fails), and
     base requests queued behind it still run."""
     engine = make_engine(tiny_llama, max_loras=1, lora_modules={k: str(v) for k, v in tiny_adapters.items()})
-    engine.add_request(
-        prompt_token_ids=PROMPTS[0],
-        adapter="t0",
-        request_id="long",
-        params=SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
-    )
+    engine.add_request(prompt_token_ids=PROMPTS[0], adapter="t0", request_id="long", params=_greedy(30))
     engine.step()
-    engine.add_request(
-        prompt_token_ids=PROMPTS[1],
-        adapter="t1",
-        request_id="needs_t1",
-        params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-    )
+    engine.add_request(prompt_token_ids=PROMPTS[1], adapter="t1", request_id="needs_t1", params=_greedy(8))
     engine.add_request(
         prompt_token_ids=PROMPTS[2],
         request_id="base",
-        params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+        params=_greedy(8),
     )
     order, final = [], {}
     while engine.has_unfinished():
@@ -301,12 +296,7 @@ def test_control_operations_report_slots_and_respect_refcounts_and_pins(tiny_lla
     with pytest.raises(AdapterError, match="'t0' is pinned"):
         run_control(engine, EvictAdapter("t0"))
     run_control(engine, PinAdapter("t0", pinned=False))
-    engine.add_request(
-        prompt_token_ids=PROMPTS[0],
-        adapter="t0",
-        request_id="r",
-        params=SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
-    )
+    engine.add_request(prompt_token_ids=PROMPTS[0], adapter="t0", request_id="r", params=_greedy(20))
     engine.step()
     with pytest.raises(AdapterError, match="in use by 1 running"):
         run_control(engine, EvictAdapter("t0"))
@@ -335,7 +325,7 @@ def test_rotation_releases_the_resolved_slot(tiny_llama, tiny_adapters, tiny_ref
         prompt_token_ids=PROMPTS[1],
         adapter=ACTIVE,
         request_id="a",
-        params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+        params=_greedy(8),
     )
     engine.step()
     assert [s.refcount for s in engine.lora.slots[:2]] == [1, 0]
@@ -376,7 +366,7 @@ def _start(engine, adapter: str, n: int = 8) -> str:
         prompt_token_ids=PROMPTS[1],
         adapter=adapter,
         request_id=f"held-{adapter}",
-        params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+        params=_greedy(n),
     )
     engine.step()
     return f"held-{adapter}"
@@ -440,12 +430,7 @@ def test_a_request_waiting_for_an_adapter_that_is_forgotten_ends_at_once(tiny_ll
     `adapter_wait_timeout_s` (30 s) for a load that could never succeed."""
     engine = make_engine(tiny_llama, max_loras=2)
     run_control(engine, RegisterAdapter("x", str(tiny_adapters["t1"])))  # on disk: read before a load
-    engine.add_request(
-        prompt_token_ids=PROMPTS[0],
-        adapter="x",
-        request_id="waits",
-        params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-    )
+    engine.add_request(prompt_token_ids=PROMPTS[0], adapter="x", request_id="waits", params=_greedy(8))
     engine.step()
     assert engine.lora.slot_of("x") is None  # still waiting for its adapter
     engine.submit_control(EvictAdapter("x", from_disk=True))
@@ -486,7 +471,7 @@ def test_random_interleavings_keep_slots_and_requests_straight(
                 prompt_token_ids=PROMPTS[k % len(PROMPTS)],
                 adapter=adapter,
                 request_id=f"r{n}",
-                params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                params=_greedy(8),
             )
             which[f"r{n}"] = (k % len(PROMPTS), adapter)
         elif kind == "abort":
