@@ -99,14 +99,14 @@ def call_layer(layers: list[nn.Module], x: torch.Tensor, i: int) -> torch.Tensor
     return layers[i](x)
 
 
-def gemv_grid(k: int, n: int, sms: int = 132) -> list[GemvConfig]:
-    """The engine's tiling on `sms` SMs, then tiles of 8-32 KB in 1-4 K slices, 4 or 8 warps, 2 or
+def gemv_grid(k: int, n: int) -> list[GemvConfig]:
+    """The engine's tiling, then tiles of 8-32 KB in 1-4 K slices, 4 or 8 warps, 2 or
     4 stages (each tiling once)."""
     tiles = ((4, 2048), (8, 1024), (8, 2048), (16, 512), (16, 1024), (32, 256), (32, 512))
     grid = itertools.product(tiles, (1, 2, 4), (4, 8), (2, 4))
     configs = [GemvConfig(bn, bk, split, warps, stages) for (bn, bk), split, warps, stages in grid]
     whole = [c for c in configs if n % c.block_n == 0 and k % (c.split * c.block_k) == 0]
-    return list(dict.fromkeys([gemv_config(k, n, sms), *(c for c in whole if c.split == 1 or n % 64 == 0)]))
+    return list(dict.fromkeys([gemv_config(k), *(c for c in whole if c.split == 1 or n % 64 == 0)]))
 
 
 def call_gemv(
@@ -115,7 +115,7 @@ def call_gemv(
     return fp8_gemv(x, layers[i].weight, None, layers[i].weight_scale, arrivals, cfg)
 
 
-def sweep_format(w: torch.Tensor, fmt: str, sms: int) -> list[tuple[float, GemvConfig]]:
+def sweep_format(w: torch.Tensor, fmt: str) -> list[tuple[float, GemvConfig]]:
     """(us, tiling) of one row times w in `fmt` over `gemv_grid`; a tiling whose result is off
     is printed and left out."""
     n, k = w.shape
@@ -124,7 +124,7 @@ def sweep_format(w: torch.Tensor, fmt: str, sms: int) -> list[tuple[float, GemvC
     arrivals = torch.zeros(n // 64, dtype=torch.int32, device="cuda")
     exact = x.float() @ dequantize_groups(layers[0].weight, layers[0].weight_scale, layers[0].group).T
     timed = []
-    for cfg in gemv_grid(k, n, sms):
+    for cfg in gemv_grid(k, n):
         call = functools.partial(call_gemv, layers, x, arrivals, cfg)
         error = float((call(0).float() - exact).abs().max() / exact.abs().max())
         if error > 1e-2:
@@ -139,14 +139,13 @@ def sweep_format(w: torch.Tensor, fmt: str, sms: int) -> list[tuple[float, GemvC
 
 
 def sweep_gemv(args: argparse.Namespace, setup: dict) -> None:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count  # as the engine's `gemv_config` gets it
     for name in args.shapes:
         k, n = SHAPES[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
         for fmt in ONLINE_SCHEMES:
-            timed = sweep_format(w, fmt, sms)
+            timed = sweep_format(w, fmt)
             line = {"bench": "fp8_gemv", "shape": name, "k": k, "n": n, "format": fmt, **setup}
-            engine = [t for t in timed if t[1] == gemv_config(k, n, sms)]  # none if its result was off
+            engine = [t for t in timed if t[1] == gemv_config(k)]  # none if its result was off
             ranked = [("engine", *t) for t in engine]
             ranked += [(f"best{rank}", *t) for rank, t in enumerate(sorted(timed, key=lambda t: t[0])[:5], 1)]
             for role, us, cfg in ranked:

@@ -163,23 +163,31 @@ def test_without_cuda_the_producers_give_the_unfused_reference():
 
 
 @interpreter
-@pytest.mark.parametrize(("n", "k", "split"), [(128, 4096, 2), (64, 2048, 2), (192, 1024, 1), (96, 1000, 1)])
-def test_the_one_row_gemv_splits_k_where_k_is_long(
-    monkeypatch: pytest.MonkeyPatch, n: int, k: int, split: int
+@pytest.mark.parametrize(
+    ("n", "k", "config"),
+    [
+        (128, 4096, None),  # the engine's tiling: [4, 2048]
+        (96, 1000, None),  # K masked in one 1,024-wide tile
+        (128, 4096, skinny_module.GemvConfig(8, 1024, 2, 4, 2)),  # two K slices (the sweep's)
+        (64, 2048, skinny_module.GemvConfig(8, 1024, 2, 4, 2)),
+    ],
+)
+def test_the_one_row_gemv_in_the_engines_tiling_and_split_in_k(
+    monkeypatch: pytest.MonkeyPatch, n: int, k: int, config: skinny_module.GemvConfig | None
 ):
-    """Two K slices where K >= N (whole K tiles, whole 64-column groups), summed by the last of
-    each group to arrive: the weight-only reference to float32's summation error, the counters
-    left zeroed, the same bits on a second call; one slice otherwise (K masked at 1,000)."""
+    """The engine's tiling (K masked where it is not whole tiles) and two K slices (whole K
+    tiles, whole 64-column groups) summed by the last of each group to arrive: the weight-only
+    reference to float32's summation error, the counters left zeroed, the same bits on a second
+    call."""
     monkeypatch.setattr(skinny_module, "_device_limits", lambda device: (132, 232_448))
-    assert skinny_module.gemv_config(k, n).split == split
     torch.manual_seed(n + k)
     weight, scale = quantize_groups(torch.randn(n, k), k)
     x, bias = torch.randn(1, k), torch.randn(n)
     arrivals = torch.zeros(max(1, n // 64), dtype=torch.int32)
-    got = skinny_module.fp8_gemv(x, weight, bias, scale, arrivals)
+    got = skinny_module.fp8_gemv(x, weight, bias, scale, arrivals, config)
     torch.testing.assert_close(got, x @ (weight.float() * scale).T + bias, atol=1e-4, rtol=1e-5)
     assert int(arrivals.abs().sum()) == 0
-    assert torch.equal(skinny_module.fp8_gemv(x, weight, bias, scale, arrivals), got)
+    assert torch.equal(skinny_module.fp8_gemv(x, weight, bias, scale, arrivals, config), got)
 
 
 @interpreter

@@ -220,7 +220,7 @@ def test_few_row_kernels_scale_each_128_columns_with_their_own(rows: int, k: int
 
 
 def test_one_row_of_any_width_takes_the_gemv():
-    """SmolLM2's shapes (K of 576 or 1,536, not a multiple of the GEMV's 1,024-wide K tiles; at
+    """SmolLM2's shapes (K of 576 or 1,536, not whole GEMV K tiles of 1,024 / 2,048; at
     576 no tiling of the few-row kernel divides the weight either, so two rows do not apply): one
     row takes the GEMV (K masked), against the weight-only reference."""
     for k, n in ((576, 576), (1536, 576), (576, 3072)):
@@ -236,8 +236,8 @@ def test_one_row_of_any_width_takes_the_gemv():
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_few_row_kernel_replays_in_a_cuda_graph_over_new_inputs(rows: int):
-    """Split-K (o's shape: the GEMV's two slices at one row, the `tl.dot` kernel's four at three)
-    with its counters reset inside the kernel: a graph replays it as is."""
+    """o's shape: the GEMV at one row, the `tl.dot` kernel's four K slices at three, with its
+    counters reset inside the kernel: a graph replays both as they are."""
     weight, scale = fp8_weight(4096, 4096)
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     arrivals = torch.zeros(64, dtype=torch.int32, device="cuda")
