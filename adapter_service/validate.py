@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 from adapter_service.base_model import BaseModel
 from spindle.peft import (
     EXPERTS_KEY,
+    LINEAR_ATTENTION_KEY,
     MLP_MODULES,
     bias_refusal,
     declared_mismatch,
@@ -34,7 +35,6 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
-_LINEAR_ATTENTION = re.compile(r"\blayers\.(\d+)\.linear_attn\.")  # a hybrid's Gated DeltaNet projections
 
 
 class ValidationError(ValueError):
@@ -108,7 +108,7 @@ def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int)
                 f"tensor {key!r} adapts mixture-of-experts experts, which no pod serves: target "
                 f"{_attention(shapes)} there ({_dense_layers(base)})"
             )
-        linear = _LINEAR_ATTENTION.search(key)
+        linear = LINEAR_ATTENTION_KEY.search(key)
         if linear is not None:
             raise ValidationError(f"tensor {key!r}: {linear_attention_refusal(int(linear.group(1)), shapes)}")
         m = _KEY.fullmatch(key)

@@ -18,6 +18,8 @@ MLA_ATTENTION_MODULES = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
 # module per expert, or the stacked experts of transformers 5: `mlp.experts.base_layer`) and on the
 # shared experts (Qwen's `shared_expert`, DeepSeek's `shared_experts`), which no pod adapts.
 EXPERTS_KEY = re.compile(r"\.mlp\.(?:experts|shared_experts?)\.")
+# LoRA on a hybrid's Gated DeltaNet projections (`layers.N.linear_attn.*`), which no pod adapts.
+LINEAR_ATTENTION_KEY = re.compile(r"\blayers\.(\d+)\.linear_attn\.")
 # Projections PEFT can target that no pod adapts, and why (the refusal's words, on pod and service).
 NOT_TARGETABLE = {
     "kv_b_proj": (

@@ -39,6 +39,7 @@ from model_service.models.config import Mixer, ModelConfig
 from spindle.architectures import GATED_ATTENTION_FAMILIES
 from spindle.peft import (
     EXPERTS_KEY,
+    LINEAR_ATTENTION_KEY,
     MLP_MODULES,
     bias_refusal,
     declared_mismatch,
@@ -54,7 +55,6 @@ from spindle.safetensors_header import HeaderError, TensorEntry, header_length, 
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
-_LINEAR_ATTENTION_KEY = re.compile(r"\blayers\.(\d+)\.linear_attn\.")  # a hybrid's Gated DeltaNet projections
 
 _DTYPES = {
     "F64": torch.float64,
@@ -356,7 +356,7 @@ def _modules(
         bias = bias_refusal(key, config)
         if bias is not None:
             raise AdapterError(f"adapter {name!r}: {bias}")
-        linear = _LINEAR_ATTENTION_KEY.search(key)
+        linear = LINEAR_ATTENTION_KEY.search(key)
         if linear is not None:
             refusal = linear_attention_refusal(int(linear.group(1)), shapes)
             raise AdapterError(f"adapter {name!r}: tensor {key!r}: {refusal}")
