@@ -69,8 +69,10 @@ from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
-# The fields of a request object besides its SamplingParams (`Engine.add_request_dict`).
-_REQUEST_FIELDS = {"prompt", "messages", "prompt_token_ids", "request_id", "priority", "adapter"}
+# The fields a request object may have (`Engine.add_request_dict`): its SamplingParams' and these.
+_REQUEST_FIELDS = {"prompt", "messages", "prompt_token_ids", "request_id", "priority", "adapter"} | {
+    f.name for f in dataclasses.fields(SamplingParams)
+}
 # An engine with nothing to run but a request whose adapter a worker is reading, or whose grammar
 # is compiling, waits this long for it rather than spinning through empty steps.
 IDLE_WAIT_S = 0.005
@@ -462,7 +464,7 @@ def _request_arguments(r: dict[str, Any]) -> dict[str, Any]:
     """`Engine.add_request`'s arguments from one request object (prompt/messages/prompt_token_ids,
     sampling fields, request_id, priority, adapter). A field it does not know is refused: dropped,
     a misspelt max_tokens or vLLM's min_tokens would silently change the answer."""
-    unknown = sorted(set(r) - _REQUEST_FIELDS - {f.name for f in dataclasses.fields(SamplingParams)})
+    unknown = sorted(set(r) - _REQUEST_FIELDS)
     if unknown:
         raise InvalidRequestError(f"unknown request fields: {', '.join(unknown)}")
     return {
