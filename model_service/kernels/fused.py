@@ -22,22 +22,25 @@ from model_service.kernels.fp8_gemm import (
     row_quant_outputs,
 )
 from model_service.kernels.paged_attention import FP8, HeadNorms, paged_decode_attention, store_kv, triton
+from model_service.kernels.pdl import pdl_args
 
 if triton is not None:
     import triton.language as tl
 
     from model_service.kernels.fp8_gemm import _row_scale, _to_e4m3, quantize_groups_of, quantize_row
     from model_service.kernels.paged_attention import cache_value, rms_apply, rms_scale, rotated_rows
+    from model_service.kernels.pdl import wait_for_producers
 
     @triton.jit(do_not_specialize=["scale_stride"])  # the row count: no variant per batch size
     def _rms_norm_kernel(
         X, R, W, Y, RO, x_stride, dim, eps, Q, Scale, Static, scale_ub, scale_stride,
         HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
         STATIC: tl.constexpr, HAS_UB: tl.constexpr, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr,
-        MAX: tl.constexpr, GROUP: tl.constexpr,
+        MAX: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Program (row). With `QUANT` it also quantizes the normalized row it stores, from the
         registers (`fp8_gemm.quantize_row`: the rest of the arguments are that function's)."""
+        wait_for_producers(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < dim
@@ -70,10 +73,12 @@ if triton is not None:
 
     @triton.jit
     def _head_norm_kernel(
-        Q, K, WQ, WK, QO, KO, q_row, q_head, k_row, k_head, heads, dim, eps, BLOCK: tl.constexpr
+        Q, K, WQ, WK, QO, KO, q_row, q_head, k_row, k_head, heads, dim, eps, BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         """Program (token, head): a query head (head < heads) or a key head, read where it lies,
         normalized with its own weight into the contiguous output."""
+        wait_for_producers(PDL)
         token, head = tl.program_id(0), tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         mask = offs < dim
@@ -93,7 +98,8 @@ if triton is not None:
         return (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
 
     @triton.jit
-    def _silu_mul_kernel(X, Y, inter, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(X, Y, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_producers(PDL)
         row, col = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = col < inter
         tl.store(Y + row * inter + col, _silu_mul(X, row, col, inter, mask), mask=mask)
@@ -102,11 +108,12 @@ if triton is not None:
     def _silu_mul_quant_kernel(
         X, Y, inter, Q, Scale, Static, scale_ub, scale_stride, BLOCK: tl.constexpr, STATIC: tl.constexpr,
         HAS_UB: tl.constexpr, MIN_AMAX: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
-        GROUP: tl.constexpr,
+        GROUP: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Program (row): `_silu_mul_kernel`'s values and their maximum in one pass, then their
         e4m3 values from the stored row (re-read from cache, as `_quantize_rows_kernel` does).
         GROUP > 0: each block of columns (whole groups) quantized from registers as it is made."""
+        wait_for_producers(PDL)
         row, offs = tl.program_id(0), tl.arange(0, BLOCK)
         if GROUP > 0:
             for c0 in range(0, inter, BLOCK):
@@ -134,7 +141,8 @@ if triton is not None:
                 tl.store(Q + row * inter + c0 + offs, _to_e4m3(y, scale, Q.dtype.element_ty, MAX), mask=mask)
 
     @triton.jit
-    def _rope_kernel(X, Cos, Sin, row_stride, head_stride, HALF: tl.constexpr):
+    def _rope_kernel(X, Cos, Sin, row_stride, head_stride, HALF: tl.constexpr, PDL: tl.constexpr):
+        wait_for_producers(PDL)
         token, head = tl.program_id(0), tl.program_id(1)
         offs = tl.arange(0, HALF)
         base = X + token * row_stride + head * head_stride
@@ -151,10 +159,12 @@ if triton is not None:
     def _rope_store_kv_kernel(
         Q, K, V, Cos, Sin, KC, VC, Slots, NormQ, NormK, eps, q_row, q_head, k_row, k_head, v_row, v_head,
         c_slot, c_head, HEADS: tl.constexpr, HALF: tl.constexpr, TO_FP8: tl.constexpr, NORM: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         """Program (token, head): a query head rotates in place; a KV head rotates its key into
         the pool and copies its value there (a negative slot, a padding row, writes nothing).
         Under NORM both are RMS-normalized first (Qwen3's q_norm and k_norm)."""
+        wait_for_producers(PDL)
         token, head = tl.program_id(0), tl.program_id(1)
         d = tl.arange(0, 2 * HALF)
         one = tl.arange(0, 1)
@@ -227,7 +237,7 @@ def rms_norm_triton(
     _rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, summed, x.stride(0), dim, eps,
         HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, BLOCK=triton.next_power_of_2(dim),
-        QUANT=quant is not None, **args,
+        QUANT=quant is not None, **args, **pdl_args(x.device),
     )  # fmt: skip
     return result, summed
 
@@ -252,7 +262,7 @@ def _head_rms_norm(q: torch.Tensor, k: torch.Tensor, norms: HeadNorms) -> tuple[
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     _head_norm_kernel[(tokens, heads + k.shape[1])](
         q, k, q_weight, k_weight, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), heads,
-        dim, eps, BLOCK=triton.next_power_of_2(dim),
+        dim, eps, BLOCK=triton.next_power_of_2(dim), **pdl_args(q.device),
     )  # fmt: skip
     return q_out, k_out
 
@@ -277,11 +287,15 @@ def silu_and_mul_triton(
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     if quant is None:
-        _silu_mul_kernel[(rows, triton.cdiv(inter, 1024))](x.contiguous(), out, inter, BLOCK=1024)
+        _silu_mul_kernel[(rows, triton.cdiv(inter, 1024))](
+            x.contiguous(), out, inter, BLOCK=1024, **pdl_args(x.device)
+        )
         return out
     args, result = row_quant_outputs(out, quant)
     block = min(2048, triton.next_power_of_2(inter))
-    _silu_mul_quant_kernel[(rows,)](x.contiguous(), out, inter, BLOCK=block, num_warps=8, **args)
+    _silu_mul_quant_kernel[(rows,)](
+        x.contiguous(), out, inter, BLOCK=block, num_warps=8, **args, **pdl_args(x.device)
+    )
     return result
 
 
@@ -298,7 +312,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     if not _on_gpu(x) or half & (half - 1) or x.stride(-1) != 1:
         return apply_rotary_reference(x, cos, sin)
     _rope_kernel[(x.shape[0], x.shape[1])](
-        x, cos.contiguous(), sin.contiguous(), x.stride(0), x.stride(1), HALF=half
+        x, cos.contiguous(), sin.contiguous(), x.stride(0), x.stride(1), HALF=half, **pdl_args(x.device)
     )
     return x
 
@@ -338,6 +352,7 @@ def rotary_store_kv(
         q, k, v, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots, norm_q, norm_k, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
         k_cache.stride(1), HEADS=q.shape[1], HALF=half, TO_FP8=k_cache.dtype == FP8, NORM=norms is not None,
+        **pdl_args(q.device),
     )  # fmt: skip
     return q
 

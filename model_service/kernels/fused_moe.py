@@ -56,12 +56,14 @@ import torch
 
 from model_service.kernels.fp8_gemm import E4M3, has_fp8_conversions
 from model_service.kernels.paged_attention import dot_precision, triton
+from model_service.kernels.pdl import pdl_args
 from model_service.models.config import PLAIN_TOP_K, Routing
 
 if triton is not None:
     import triton.language as tl
 
     from model_service.kernels.arrivals import last_to_arrive
+    from model_service.kernels.pdl import wait_for_producers
 
 ALIGN_CHUNK = 64  # pairs an alignment program takes: [64, 64] and [64, E] tiles in registers
 
@@ -208,10 +210,12 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     counts = torch.empty(chunks, e_p2, dtype=torch.int32, device=ids.device)
     sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
-    _count_kernel[(chunks,)](ids, counts, pairs, num_experts, E_P2=e_p2, CHUNK=ALIGN_CHUNK, num_warps=4)
+    _count_kernel[(chunks,)](
+        ids, counts, pairs, num_experts, E_P2=e_p2, CHUNK=ALIGN_CHUNK, num_warps=4, **pdl_args(ids.device)
+    )
     _align_kernel[(chunks,)](
         ids, counts, sorted_pairs, block_expert, pairs, num_experts, nb, triton.cdiv(nb, chunks),
-        BLOCK_M=block_m, E_P2=e_p2, CHUNK=ALIGN_CHUNK, num_warps=4,
+        BLOCK_M=block_m, E_P2=e_p2, CHUNK=ALIGN_CHUNK, num_warps=4, **pdl_args(ids.device),
     )  # fmt: skip
     return sorted_pairs, block_expert
 
@@ -238,6 +242,7 @@ def route_topk(
     _route_kernel[(tokens,)](
         logits, weights, ids, logits.stride(0), experts, top_k, first_expert,
         **_routing_args(routing, experts, top_k, renormalize, bias, weights), num_warps=4,
+        **pdl_args(logits.device),
     )  # fmt: skip
     return weights, ids
 
@@ -317,6 +322,7 @@ def route_hidden(
         ROUND=not routing.float32_logits, BLOCK_K=block_k, LOOPS=loops, SLICES=slices,
         CHUNK_S=min(triton.next_power_of_2(slices), block_k),
         **_routing_args(routing, experts, top_k, renormalize, bias, weights), num_warps=4,
+        **pdl_args(x.device),
     )  # fmt: skip
     return weights, ids
 
@@ -378,6 +384,7 @@ def fused_moe(
         gate_up_scale.stride(0), gate_up_scale.stride(1), DIRECT=direct, BLOCK_M=config.block_m,
         BLOCK_N=config.gate_up_block_n, BLOCK_K=config.block_k, PRECISION=precision, W8=scales is not None,
         GROUP=group, SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_args(x.device),
     )  # fmt: skip
     return _down_and_combine(
         h, down, scales, sorted_pairs, block_expert, ids, weights, blocks, config, arrivals[GATE_UP_COUNTERS:]
@@ -412,7 +419,7 @@ def _down_and_combine(
         scale.stride(1), DIRECT=tokens == 1, BLOCK_M=config.block_m, BLOCK_N=config.down_block_n,
         BLOCK_K=config.block_k, K_P2=triton.next_power_of_2(top_k), PRECISION=dot_precision(h.dtype),
         W8=scales is not None, GROUP=scales.group if scales is not None else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(h.device),
     )  # fmt: skip
     return out
 
@@ -423,9 +430,10 @@ if triton is not None:
     def _route_kernel(
         Logits, Weights, Ids, stride, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
         SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_SCORE: tl.constexpr, RENORMALIZE: tl.constexpr,
-        E_P2: tl.constexpr, K_P2: tl.constexpr, G_P2: tl.constexpr,
+        E_P2: tl.constexpr, K_P2: tl.constexpr, G_P2: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """One token's logits row to its weights and ids (`_route_row`)."""
+        wait_for_producers(PDL)
         t = tl.program_id(0)
         experts = tl.arange(0, E_P2)
         logits = tl.load(Logits + t * stride + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
@@ -514,11 +522,12 @@ if triton is not None:
         SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
         GROUP_SCORE: tl.constexpr, RENORMALIZE: tl.constexpr, ROUND: tl.constexpr, E_P2: tl.constexpr,
         K_P2: tl.constexpr, G_P2: tl.constexpr, BLOCK_K: tl.constexpr, LOOPS: tl.constexpr,
-        SLICES: tl.constexpr, CHUNK_S: tl.constexpr,
+        SLICES: tl.constexpr, CHUNK_S: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Program (token, K slice): partial logits of every expert (and, under SHARED, of the
         shared expert's gate, stored after them) over LOOPS x BLOCK_K of the hidden size; the
         token's last arrival sums the slices in order (CHUNK_S at a time) and routes."""
+        wait_for_producers(PDL)
         t, k_slice = tl.program_id(0), tl.program_id(1)
         experts = tl.arange(0, E_P2)
         e_ok = experts < E
@@ -572,8 +581,9 @@ if triton is not None:
         return p, e, (e[:, None] == experts[None, :]) & (experts < E)[None, :]
 
     @triton.jit(do_not_specialize=["P"])  # the step's pairs: see `_align_kernel`
-    def _count_kernel(Ids, Counts, P, E, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    def _count_kernel(Ids, Counts, P, E, E_P2: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
         """Program c: how many of chunk c's pairs each expert has (a row of Counts)."""
+        wait_for_producers(PDL)
         c = tl.program_id(0)
         _, _, hit = _chunk_hits(Ids, c, P, E, E_P2, CHUNK)
         tl.store(Counts + c * E_P2 + tl.arange(0, E_P2), tl.sum(hit.to(tl.int32), axis=0))
@@ -583,7 +593,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["P", "NUM_BLOCKS", "BLOCKS_EACH"])
     def _align_kernel(
         Ids, Counts, Sorted, BlockExpert, P, E, NUM_BLOCKS, BLOCKS_EACH, BLOCK_M: tl.constexpr,
-        E_P2: tl.constexpr, CHUNK: tl.constexpr,
+        E_P2: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Program c: every chunk's counts summed (and those before c: where c's pairs of an
         expert start within its run), the runs padded and laid out; then c scatters its own
@@ -591,6 +601,7 @@ if triton is not None:
         pairs of its chunk with that expert), and writes BLOCKS_EACH blocks' experts and padding
         rows. Pair rows and padding rows are disjoint, so no program waits on another: the one
         program that did this serially spent ~28 us a layer at 64 tokens (2026-12-02 x)."""
+        wait_for_producers(PDL)
         c = tl.program_id(0)
         experts = tl.arange(0, E_P2)
         real = experts < E
@@ -644,7 +655,7 @@ if triton is not None:
         X, W, Scale, Sorted, BlockExpert, Hout, Parts, Arrivals, P, TOP_K, E, N, K, k_chunk, x_stride,
         w_stride_e, w_stride_n, w_stride_k, s_stride_e, s_stride_n, DIRECT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        W8: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
+        W8: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """h[pair, cols] = silu(x[token] . W[e, cols]) * (x[token] . W[e, N + cols]) for the rows of
         one block and BLOCK_N of the N = I columns (both halves: SiLU needs the whole sum); with
@@ -652,6 +663,7 @@ if triton is not None:
         (`_tile_product`). Program (block, column block, slice) sums K from slice * k_chunk; with
         SPLIT > 1 each slice stores its partial sums and the last to arrive adds them in slice
         order (kernels/arrivals.py) before the activation."""
+        wait_for_producers(PDL)
         expert, pairs, live = _block_rows(Sorted, BlockExpert, tl.program_id(0), P, E, DIRECT, BLOCK_M)
         if expert < 0:
             return
@@ -707,12 +719,13 @@ if triton is not None:
         Hin, W, Scale, Sorted, BlockExpert, Ids, Weights, Slots, Out, Arrivals, P, TOP_K, E, N, K,
         NUM_BLOCKS, w_stride_e, w_stride_n, w_stride_k, s_stride_e, s_stride_n, DIRECT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_P2: tl.constexpr,
-        PRECISION: tl.constexpr, W8: tl.constexpr, GROUP: tl.constexpr,
+        PRECISION: tl.constexpr, W8: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """slots[pair, cols] = weights[pair] * (h[pair] . down[e, cols]) in float32, N = H (scaled
         by Scale[e, cols] with W8, `_tile_product`), then each token's arrival (`_arrive`). Blocks
         past NUM_BLOCKS (one per BLOCK_M tokens) arrive for their tokens' remote slots, which no
         block holds."""
+        wait_for_producers(PDL)
         block = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N

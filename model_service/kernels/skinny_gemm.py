@@ -33,11 +33,13 @@ import torch
 
 from model_service.kernels.fp8_gemm import BLOCK_COLS, E4M3, has_fp8_conversions
 from model_service.kernels.paged_attention import triton
+from model_service.kernels.pdl import pdl_args
 
 if triton is not None:
     import triton.language as tl
 
     from model_service.kernels.arrivals import last_to_arrive
+    from model_service.kernels.pdl import wait_for_producers
 
 MAX_ROWS = 16  # the kernel's row tile: more rows go to cuBLAS
 
@@ -198,7 +200,7 @@ def skinny_linear(
         arrivals, rows, n, k, x.stride(0), weight.stride(1), weight.stride(0), *_scale_strides(weight_scale),
         HAS_BIAS=bias is not None, ROW_SCALE=weight_scale is not None and groups == 1, GROUPED=groups > 1,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=4,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **pdl_args(x.device),
     )  # fmt: skip
     return y
 
@@ -231,7 +233,7 @@ def fp8_gemv(
         x, weight, scale, bias if bias is not None else y, y, parts, arrivals, n, k, *_scale_strides(scale),
         HAS_BIAS=bias is not None, GROUPED=groups > 1, GROUP=BLOCK_COLS, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, EVEN_K=k % (cfg.split * cfg.block_k) == 0, SPLIT_K=cfg.split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )  # fmt: skip
     return y
 
@@ -255,11 +257,12 @@ if triton is not None:
     def _fp8_gemv_kernel(
         X, W, Scale, Bias, Y, Parts, Arrivals, N, K, scale_stride_n, scale_stride_g, HAS_BIAS: tl.constexpr,
         GROUPED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Program (column block, K slice); with SPLIT_K > 1, the counter of 64 columns
         (64 / BLOCK_N column blocks) takes SPLIT_K * 64 / BLOCK_N arrivals. GROUPED: Scale is
         [N, K / GROUP] by its strides, a scale a row and GROUP columns (BLOCK_K a multiple of GROUP)."""
+        wait_for_producers(PDL)
         col_block, k_slice = tl.program_id(0), tl.program_id(1)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
@@ -308,12 +311,13 @@ if triton is not None:
         X, W, Bias, Scale, Y, Parts, Arrivals, M, N, K, x_stride, w_stride_k, w_stride_n, scale_stride_n,
         scale_stride_g,
         HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Program (column block, K slice). W [K, N] by its strides: unit stride along N for a
         weight stored transposed, along K for an e4m3 one (Triton specializes a stride of 1).
         GROUPED: Scale is [N, K / BLOCK_K] by its strides, a scale a column and BLOCK_K (its group)
         rows of W."""
+        wait_for_producers(PDL)
         col_block, k_slice = tl.program_id(0), tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
