@@ -175,8 +175,31 @@ def test_scaling_cases_really_scale():
         {"rope_parameters": {k: v for k, v in LLAMA31.items() if k != "original_max_position_embeddings"}},
         {"rope_theta": 20000.0},  # no scaling dict at all
         {},  # nothing: theta 10000
+        # Both fields, as after following a model card's "add rope_scaling to config.json" on a config
+        # transformers 5 saved: HF takes `rope_scaling` (and the top-level theta), not `rope_parameters`.
+        {
+            "rope_theta": 20000.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+        },
+        # A top-level original_max_position_embeddings overrides the scaling dict's (HF's Phi-3 rule).
+        {"original_max_position_embeddings": 2048, "rope_parameters": {**LLAMA31}},
+        {
+            "original_max_position_embeddings": 1024,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+        },
     ],
-    ids=["legacy-linear", "legacy-llama3", "legacy-yarn-no-orig", "llama3-no-orig", "theta-only", "bare"],
+    ids=[
+        "legacy-linear",
+        "legacy-llama3",
+        "legacy-yarn-no-orig",
+        "llama3-no-orig",
+        "theta-only",
+        "bare",
+        "both-fields",
+        "top-level-orig-llama3",
+        "top-level-orig-yarn",
+    ],
 )
 def test_legacy_and_partial_spellings_match_hf(rope: dict[str, Any]):
     import copy

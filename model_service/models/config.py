@@ -273,8 +273,15 @@ def _token_ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
+def _hf_rope_dict(raw: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the RoPE dict transformers reads: the legacy `rope_scaling` when set, even beside
+    `rope_parameters` (a model card's "add rope_scaling to config.json" on a config transformers 5
+    saved must take effect, as it does in HF), else `rope_parameters`."""
+    return dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+
+
 def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    params = _hf_rope_dict(raw)
     theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
     params.pop("partial_rotary_factor", None)  # a head-dim split, not a frequency scaling: see rotary_dim
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -283,8 +290,11 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
             f"unsupported RoPE scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
         )
     params["rope_type"] = rope_type
-    # As HF: the pretraining length defaults to max_position_embeddings, and a YaRN config without
+    # As HF: a top-level `original_max_position_embeddings` (Phi-3's spelling) overrides the dict's;
+    # the pretraining length defaults to max_position_embeddings, and a YaRN config without
     # `factor` means the ratio of the two.
+    if rope_type in ("llama3", "yarn") and raw.get("original_max_position_embeddings"):
+        params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
     if rope_type in ("llama3", "yarn") and not params.get("original_max_position_embeddings"):
         params["original_max_position_embeddings"] = raw.get("max_position_embeddings", 2048)
     if rope_type == "yarn" and params.get("factor") is None and raw.get("max_position_embeddings"):
@@ -380,7 +390,7 @@ def _hybrid_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
     shape = cfg.linear_attention
     if shape.num_value_heads % shape.num_key_heads:
         raise ModelLoadError("linear_num_value_heads must be a multiple of linear_num_key_heads")
-    rope = raw.get("rope_parameters") or {}
+    rope = _hf_rope_dict(raw)
     factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     cfg.rotary_dim = int(cfg.head_dim * float(factor))
     types = layer_types(cfg.family, raw, cfg.num_layers)
