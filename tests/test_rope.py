@@ -290,9 +290,31 @@ def test_cos_sin_and_rotation_match_hf(name: str):
     )
 
 
+def test_dynamic_ntk_runs_hf_frequencies_up_to_max_positions_and_no_further():
+    """HF's dynamic NTK keeps the default frequencies while a sequence is within
+    max_position_embeddings and past it rescales them by the sequence's current length (path
+    dependent: a paged cache holds keys rotated at earlier lengths), so the context stops there."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    raw = raw_config(64, 4096, rope_theta=50000.0, rope_scaling={"type": "dynamic", "factor": 4.0})
+    cfg = ModelConfig.from_hf(raw)
+    hf = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"}))
+    positions = torch.arange(0, 4096, 97)
+    hf_cos, hf_sin = hf(torch.zeros(1), positions[None])
+    cos, sin = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)(positions, torch.float32)
+    torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=1e-3)
+    torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=1e-3)
+    assert cfg.context_length(None) == cfg.context_length(4096) == 4096
+    assert cfg.context_length(1000) == 1000
+    with pytest.raises(ModelLoadError, match="dynamic"):
+        cfg.context_length(4097)
+    static = ModelConfig.from_hf(raw_config(64, 4096, rope_scaling={"type": "linear", "factor": 4.0}))
+    assert static.context_length(16384) == 16384  # an operator's longer context, served as HF would
+
+
 def test_unsupported_and_incomplete_scaling_are_refused():
-    with pytest.raises(ValueError, match="dynamic"):
-        inverse_frequencies(64, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ModelLoadError, match="factor"):
+        ModelConfig.from_hf(raw_config(64, 4096, rope_scaling={"type": "dynamic"}))
     with pytest.raises(ModelLoadError, match="longrope"):
         ModelConfig.from_hf(raw_config(64, 4096, rope_scaling={"type": "longrope", "short_factor": [1.0]}))
     with pytest.raises(ModelLoadError, match="factor"):

@@ -24,7 +24,7 @@ from spindle.architectures import (
 )
 from spindle.architectures import family as hf_family
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Every MLP (and Qwen3-Next's conv) computes SiLU; HF's ACT2FN also spells it "swish".
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
@@ -177,6 +177,20 @@ class ModelConfig:
             scale *= m * m
         return scale
 
+    def context_length(self, asked: int | None) -> int:
+        """The context the engine runs: `asked` (--max-model-len) or max_position_embeddings. Past
+        max_position_embeddings, HF's dynamic NTK rescales every frequency by the sequence's current
+        length, which keys already rotated into a paged cache cannot follow: refused, not served
+        with other numbers than HF's. Static scalings run past it as HF runs them."""
+        limit = self.max_position_embeddings
+        if asked and asked > limit and self.rope_scaling.get("rope_type") == "dynamic":
+            raise ModelLoadError(
+                f"--max-model-len {asked} is past max_position_embeddings {limit}, where dynamic NTK "
+                "RoPE rescales its frequencies by each sequence's length; a paged K/V cache cannot "
+                f"reproduce that, so this checkpoint's context is at most {limit} tokens"
+            )
+        return asked or limit
+
     @property
     def mtp_layers(self) -> int:
         return len(self.mtp_layer_kinds)
@@ -309,6 +323,7 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 _ROPE_REQUIRED_KEYS = {
     "linear": ("factor",),
+    "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
     "yarn": ("factor",),
 }

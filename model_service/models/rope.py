@@ -1,7 +1,8 @@
 """Rotary position embeddings, including the context-extension schemes checkpoints ask for.
 
 The inverse frequencies follow the published formulas (linear interpolation, Llama 3's
-wavelength-banded scaling, YaRN); tests compare them to HF's on the same config.
+wavelength-banded scaling, YaRN, dynamic NTK within max_position_embeddings); tests compare them to
+HF's on the same config.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any]) ->
     """Return (inv_freq [head_dim/2], attention_factor) for a RoPE scaling dict."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     kind = scaling.get("rope_type", "default")
-    if kind == "default":
+    # Dynamic NTK keeps the default frequencies within max_position_embeddings, and the engine's
+    # context stops there (ModelConfig.context_length).
+    if kind in ("default", "dynamic"):
         return inv_freq.float(), 1.0
     if kind == "linear":
         return (inv_freq / float(scaling["factor"])).float(), 1.0
