@@ -126,7 +126,7 @@ def ours_via_config(raw: dict[str, Any]) -> tuple[torch.Tensor, float]:
 
 def assert_matches(ours: tuple[torch.Tensor, float], ref: tuple[torch.Tensor, float]) -> None:
     assert ours[0].dtype == torch.float32
-    torch.testing.assert_close(ours[0], ref[0].float(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(ours[0], ref[0].float(), rtol=0, atol=0)  # HF's float32 values, bit for bit
     assert ours[1] == pytest.approx(float(ref[1]), rel=1e-6)
 
 
@@ -262,7 +262,9 @@ def test_yarn_random_configs_match_hf(head_dim, theta, factor, orig, betas, msca
     )
 
 
-@pytest.mark.parametrize("name", ["default", "linear-2", "llama3.1", "yarn-qwen", "yarn-mscale"])
+@pytest.mark.parametrize(
+    "name", ["default", "default-theta1e6-hd128", "linear-2", "llama3.1", "yarn-qwen", "yarn-mscale"]
+)
 def test_cos_sin_and_rotation_match_hf(name: str):
     """The attention factor is applied to cos/sin as HF does, and the half-rotation layout matches."""
     head_dim, max_pos, rope = CASES[name]
@@ -270,12 +272,13 @@ def test_cos_sin_and_rotation_match_hf(name: str):
     cfg = ModelConfig.from_hf(raw)
     ours = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     hf = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"}))
-    # float32 angles: inv_freq rounded differently by one ulp moves angle p by ~p * 6e-8, so stay < 4096.
-    positions = torch.tensor([0, 1, 2, 17, 255, 1000, 4095])
+    # Far positions too: an inv_freq one float32 ulp off HF's moves angle p by ~p * 6e-8 radians,
+    # 7e-3 in cos at 128k, so the frequencies must be HF's to the bit, not merely close.
+    positions = torch.tensor([0, 1, 2, 17, 255, 1000, 4095, 65537, 131071])
     cos, sin = ours(positions, torch.float32)
     hf_cos, hf_sin = hf(torch.zeros(1, dtype=torch.float32), positions[None])
-    torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=1e-3)
-    torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=1e-3)
+    torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=1e-6)
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(len(positions), 4, head_dim, generator=gen)  # [tokens, heads, dim]
