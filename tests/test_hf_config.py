@@ -116,3 +116,24 @@ def test_the_adapter_service_reads_left_out_fields_as_the_pod():
     raw = {**REQUIRED, "num_hidden_layers": 2, "architectures": ["Qwen3ForCausalLM"]}
     base, ours = _from_hf("qwen3", raw), ModelConfig.from_hf(raw)
     assert (base.head_dim, base.num_kv_heads) == (ours.head_dim, ours.num_kv_heads) == (128, 32)
+
+
+HALF = {"partial_rotary_factor": 0.5}
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"partial_rotary_factor": 0.5, "rope_scaling": {"type": "yarn", "factor": 4.0}},
+        {"rope_scaling": {"type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5}},
+        {"partial_rotary_factor": 0.75, "rope_parameters": {"rope_type": "linear", "factor": 2.0, **HALF}},
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0}},  # HF's 0.25 for Qwen3-Next
+    ],
+    ids=["top-level", "in-legacy-rope-scaling", "dict-over-top-level", "left-out"],
+)
+def test_partial_rotary_factor_read_where_hf_reads_it(rope: dict[str, Any]):
+    """Qwen3-Next rotates the head dims HF does wherever config.json puts `partial_rotary_factor`,
+    the legacy `rope_scaling` dict included, with the scaling type HF takes."""
+    ours, hf = both("qwen3_next", **rope)
+    assert ours.rotary_dim == int(hf.head_dim * hf.rope_parameters["partial_rotary_factor"])
+    assert ours.rope_scaling["rope_type"] == hf.rope_parameters["rope_type"]

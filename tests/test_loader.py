@@ -227,13 +227,13 @@ def test_plain_file_is_not_a_checkpoint(tmp_path: Path):
 @pytest.mark.parametrize(
     "rope, needle",
     [
-        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}, "'dynamic'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0}}, "'factor'"),
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}}, "'longrope'"),
         ({"rope_parameters": None, "rope_scaling": {"type": "su", "factor": 2.0}}, "'su'"),
         ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0}}, "'factor'"),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "'low_freq_factor'"),
     ],
-    ids=["dynamic", "longrope", "legacy-su", "linear-no-factor", "llama3-no-bands"],
+    ids=["dynamic-no-factor", "longrope", "legacy-su", "linear-no-factor", "llama3-no-bands"],
 )
 def test_unsupported_or_incomplete_rope(ckpt: Path, rope: dict[str, Any], needle: str):
     edit_config(ckpt, **rope)

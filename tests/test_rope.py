@@ -126,7 +126,7 @@ def ours_via_config(raw: dict[str, Any]) -> tuple[torch.Tensor, float]:
 
 def assert_matches(ours: tuple[torch.Tensor, float], ref: tuple[torch.Tensor, float]) -> None:
     assert ours[0].dtype == torch.float32
-    torch.testing.assert_close(ours[0], ref[0].float(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(ours[0], ref[0].float(), rtol=0, atol=0)  # HF's float32 values, bit for bit
     assert ours[1] == pytest.approx(float(ref[1]), rel=1e-6)
 
 
@@ -175,8 +175,31 @@ def test_scaling_cases_really_scale():
         {"rope_parameters": {k: v for k, v in LLAMA31.items() if k != "original_max_position_embeddings"}},
         {"rope_theta": 20000.0},  # no scaling dict at all
         {},  # nothing: theta 10000
+        # Both fields, as after following a model card's "add rope_scaling to config.json" on a config
+        # transformers 5 saved: HF takes `rope_scaling` (and the top-level theta), not `rope_parameters`.
+        {
+            "rope_theta": 20000.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+        },
+        # A top-level original_max_position_embeddings overrides the scaling dict's (HF's Phi-3 rule).
+        {"original_max_position_embeddings": 2048, "rope_parameters": {**LLAMA31}},
+        {
+            "original_max_position_embeddings": 1024,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+        },
     ],
-    ids=["legacy-linear", "legacy-llama3", "legacy-yarn-no-orig", "llama3-no-orig", "theta-only", "bare"],
+    ids=[
+        "legacy-linear",
+        "legacy-llama3",
+        "legacy-yarn-no-orig",
+        "llama3-no-orig",
+        "theta-only",
+        "bare",
+        "both-fields",
+        "top-level-orig-llama3",
+        "top-level-orig-yarn",
+    ],
 )
 def test_legacy_and_partial_spellings_match_hf(rope: dict[str, Any]):
     import copy
@@ -239,7 +262,9 @@ def test_yarn_random_configs_match_hf(head_dim, theta, factor, orig, betas, msca
     )
 
 
-@pytest.mark.parametrize("name", ["default", "linear-2", "llama3.1", "yarn-qwen", "yarn-mscale"])
+@pytest.mark.parametrize(
+    "name", ["default", "default-theta1e6-hd128", "linear-2", "llama3.1", "yarn-qwen", "yarn-mscale"]
+)
 def test_cos_sin_and_rotation_match_hf(name: str):
     """The attention factor is applied to cos/sin as HF does, and the half-rotation layout matches."""
     head_dim, max_pos, rope = CASES[name]
@@ -247,12 +272,13 @@ def test_cos_sin_and_rotation_match_hf(name: str):
     cfg = ModelConfig.from_hf(raw)
     ours = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     hf = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"}))
-    # float32 angles: inv_freq rounded differently by one ulp moves angle p by ~p * 6e-8, so stay < 4096.
-    positions = torch.tensor([0, 1, 2, 17, 255, 1000, 4095])
+    # Far positions too: an inv_freq one float32 ulp off HF's moves angle p by ~p * 6e-8 radians,
+    # 7e-3 in cos at 128k, so the frequencies must be HF's to the bit, not merely close.
+    positions = torch.tensor([0, 1, 2, 17, 255, 1000, 4095, 65537, 131071])
     cos, sin = ours(positions, torch.float32)
     hf_cos, hf_sin = hf(torch.zeros(1, dtype=torch.float32), positions[None])
-    torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=1e-3)
-    torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=1e-3)
+    torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=1e-6)
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(len(positions), 4, head_dim, generator=gen)  # [tokens, heads, dim]
@@ -267,9 +293,31 @@ def test_cos_sin_and_rotation_match_hf(name: str):
     )
 
 
+def test_dynamic_ntk_runs_hf_frequencies_up_to_max_positions_and_no_further():
+    """HF's dynamic NTK keeps the default frequencies while a sequence is within
+    max_position_embeddings and past it rescales them by the sequence's current length (path
+    dependent: a paged cache holds keys rotated at earlier lengths), so the context stops there."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    raw = raw_config(64, 4096, rope_theta=50000.0, rope_scaling={"type": "dynamic", "factor": 4.0})
+    cfg = ModelConfig.from_hf(raw)
+    hf = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"}))
+    positions = torch.arange(0, 4096, 97)
+    hf_cos, hf_sin = hf(torch.zeros(1), positions[None])
+    cos, sin = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)(positions, torch.float32)
+    torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=1e-3)
+    torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=1e-3)
+    assert cfg.context_length(None) == cfg.context_length(4096) == 4096
+    assert cfg.context_length(1000) == 1000
+    with pytest.raises(ModelLoadError, match="dynamic"):
+        cfg.context_length(4097)
+    static = ModelConfig.from_hf(raw_config(64, 4096, rope_scaling={"type": "linear", "factor": 4.0}))
+    assert static.context_length(16384) == 16384  # an operator's longer context, served as HF would
+
+
 def test_unsupported_and_incomplete_scaling_are_refused():
-    with pytest.raises(ValueError, match="dynamic"):
-        inverse_frequencies(64, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ModelLoadError, match="factor"):
+        ModelConfig.from_hf(raw_config(64, 4096, rope_scaling={"type": "dynamic"}))
     with pytest.raises(ModelLoadError, match="longrope"):
         ModelConfig.from_hf(raw_config(64, 4096, rope_scaling={"type": "longrope", "short_factor": [1.0]}))
     with pytest.raises(ModelLoadError, match="factor"):

@@ -66,6 +66,10 @@ VARIANTS: dict[str, Variant] = {
             }
         },
     ),
+    # Within max_position_embeddings, dynamic NTK is the default frequencies (HF's, and ours).
+    "llama-rope-dynamic": Variant(
+        "llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}}
+    ),
     "llama-sharded": Variant("llama", max_shard_size="100KB"),
     "mistral": Variant("mistral"),
     "mistral-sliding8": Variant("mistral", {"sliding_window": 8}),

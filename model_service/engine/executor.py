@@ -101,7 +101,7 @@ def kv_layout(
 ) -> tuple[int, int]:
     """(K/V blocks, context length) for a module already on `device` whose K/V is shaped by `model`
     and computed in `dtype` (stored as `config.kv_cache_dtype` says)."""
-    longest = config.max_model_len or model.max_position_embeddings
+    longest = model.context_length(config.max_model_len)
     num_blocks = config.num_kv_blocks or kv_blocks_for_budget(
         model,
         config.block_size,

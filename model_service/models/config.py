@@ -24,7 +24,7 @@ from spindle.architectures import (
 )
 from spindle.architectures import family as hf_family
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Every MLP (and Qwen3-Next's conv) computes SiLU; HF's ACT2FN also spells it "swish".
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
@@ -177,6 +177,20 @@ class ModelConfig:
             scale *= m * m
         return scale
 
+    def context_length(self, asked: int | None) -> int:
+        """The context the engine runs: `asked` (--max-model-len) or max_position_embeddings. Past
+        max_position_embeddings, HF's dynamic NTK rescales every frequency by the sequence's current
+        length, which keys already rotated into a paged cache cannot follow: refused, not served
+        with other numbers than HF's. Static scalings run past it as HF runs them."""
+        limit = self.max_position_embeddings
+        if asked and asked > limit and self.rope_scaling.get("rope_type") == "dynamic":
+            raise ModelLoadError(
+                f"--max-model-len {asked} is past max_position_embeddings {limit}, where dynamic NTK "
+                "RoPE rescales its frequencies by each sequence's length; a paged K/V cache cannot "
+                f"reproduce that, so this checkpoint's context is at most {limit} tokens"
+            )
+        return asked or limit
+
     @property
     def mtp_layers(self) -> int:
         return len(self.mtp_layer_kinds)
@@ -273,8 +287,15 @@ def _token_ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
+def _hf_rope_dict(raw: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the RoPE dict transformers reads: the legacy `rope_scaling` when set, even beside
+    `rope_parameters` (a model card's "add rope_scaling to config.json" on a config transformers 5
+    saved must take effect, as it does in HF), else `rope_parameters`."""
+    return dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+
+
 def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    params = _hf_rope_dict(raw)
     theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
     params.pop("partial_rotary_factor", None)  # a head-dim split, not a frequency scaling: see rotary_dim
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -283,8 +304,11 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
             f"unsupported RoPE scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
         )
     params["rope_type"] = rope_type
-    # As HF: the pretraining length defaults to max_position_embeddings, and a YaRN config without
+    # As HF: a top-level `original_max_position_embeddings` (Phi-3's spelling) overrides the dict's;
+    # the pretraining length defaults to max_position_embeddings, and a YaRN config without
     # `factor` means the ratio of the two.
+    if rope_type in ("llama3", "yarn") and raw.get("original_max_position_embeddings"):
+        params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
     if rope_type in ("llama3", "yarn") and not params.get("original_max_position_embeddings"):
         params["original_max_position_embeddings"] = raw.get("max_position_embeddings", 2048)
     if rope_type == "yarn" and params.get("factor") is None and raw.get("max_position_embeddings"):
@@ -299,6 +323,7 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 _ROPE_REQUIRED_KEYS = {
     "linear": ("factor",),
+    "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
     "yarn": ("factor",),
 }
@@ -380,7 +405,7 @@ def _hybrid_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
     shape = cfg.linear_attention
     if shape.num_value_heads % shape.num_key_heads:
         raise ModelLoadError("linear_num_value_heads must be a multiple of linear_num_key_heads")
-    rope = raw.get("rope_parameters") or {}
+    rope = _hf_rope_dict(raw)
     factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     cfg.rotary_dim = int(cfg.head_dim * float(factor))
     types = layer_types(cfg.family, raw, cfg.num_layers)

@@ -1,7 +1,8 @@
 """Rotary position embeddings, including the context-extension schemes checkpoints ask for.
 
 The inverse frequencies follow the published formulas (linear interpolation, Llama 3's
-wavelength-banded scaling, YaRN); tests compare them to HF's on the same config.
+wavelength-banded scaling, YaRN, dynamic NTK within max_position_embeddings); tests compare them to
+HF's on the same config.
 """
 
 from __future__ import annotations
@@ -14,18 +15,19 @@ import torch
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
     """Return (inv_freq [head_dim/2], attention_factor) for a RoPE scaling dict."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    # In float32, as Meta's, Qwen's and HF's code compute them: a float64 computation rounds a third
+    # of them one ulp away, which moves position p's angle by ~p * 6e-8 radians (cos off by 7e-3 at
+    # 128k), and llama3's band blend cancels digits (up to ~1e-5 relative in the medium band).
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = scaling.get("rope_type", "default")
-    if kind == "default":
-        return inv_freq.float(), 1.0
+    # Dynamic NTK keeps the default frequencies within max_position_embeddings, and the engine's
+    # context stops there (ModelConfig.context_length).
+    if kind in ("default", "dynamic"):
+        return inv_freq, 1.0
     if kind == "linear":
-        return (inv_freq / float(scaling["factor"])).float(), 1.0
+        return inv_freq / float(scaling["factor"]), 1.0
     if kind == "llama3":
-        # In float32, as Meta's and HF's code compute it: the band blend cancels digits, so a
-        # float64 computation differs from the frequencies the checkpoint was trained with by
-        # up to ~1e-5 relative in the medium band.
-        inv_freq32 = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        return _llama3(inv_freq32, scaling), 1.0
+        return _llama3(inv_freq, scaling), 1.0
     if kind == "yarn":
         return _yarn(head_dim, theta, scaling)
     raise ValueError(f"unsupported rope_type {kind!r}")
