@@ -34,6 +34,7 @@ from tests.up_cluster import ADAPTER
 
 BASE = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "Name a fruit."}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 def _sdk(base_url: str, **options) -> openai.OpenAI:
@@ -249,6 +250,10 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"prompt": "a", "allowed_token_ids": [5]}, "allowed_token_ids"),
         ({"prompt": "a", "bad_words": ["x"]}, "bad_words"),
         ({"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt": "a", "prompt_logprobs": 0}, "prompt_logprobs"),  # vLLM: each prompt token's logprob
+        # an earlier turn's tool call: the template would show the model an empty assistant turn
+        ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [CALL]}]}, "tool_calls"),
+        ({"messages": [*QUESTION, {"role": "assistant", "function_call": CALL["function"]}]}, "function_"),
         ({"prompt": "a", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
         ({"messages": QUESTION, "continue_final_message": True}, "continue_final_message"),
         ({"messages": QUESTION, "chat_template": "{{ messages }}"}, "chat_template"),
@@ -451,3 +456,19 @@ def test_a_stream_has_no_empty_deltas(logprobs):
               for c in reply.chunks(pb.GenerateResponse(chunk=m), first=i == 0)]  # fmt: skip
     middle = [{"content": ""}] if logprobs else []
     assert deltas == [{"role": "assistant", "content": ""}, *middle, {"content": "ab"}]
+
+
+def test_a_body_nested_too_deep_for_the_parser_is_a_400():
+    """JSON nested past Python's recursion limit is a client's bad body, not a server error (a
+    500 the SDKs retry, logged with a traceback per request)."""
+
+    async def run() -> httpx.Response:
+        async with _served(_Servicer()) as client:
+            url = str(client.base_url) + "completions"
+            async with httpx.AsyncClient() as http:
+                return await http.post(url, content=b"[" * 100_000 + b"]" * 100_000)
+
+    answer = asyncio.run(run())
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "INVALID_ARGUMENT" and "nested" in error["message"]

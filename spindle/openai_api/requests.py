@@ -45,6 +45,9 @@ _REFUSED = {
     "chat_template": "a request's own chat_template is not supported",
     "chat_template_kwargs": "chat_template_kwargs is not supported",
 }
+# Of those, the ones whose 0 (or empty) value still asks for something: refused whenever set.
+# vLLM's `prompt_logprobs: 0` returns each prompt token's own logprob (a perplexity's input).
+_REFUSED_WHEN_SET = frozenset({"prompt_logprobs"})
 # Structured output, in OpenAI's and vLLM's spellings (see `structured_output`).
 STRUCTURED_FIELDS = (
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -205,7 +208,7 @@ def _common(
     elif model:
         req.adapter = model  # vLLM's convention: a LoRA adapter is named as the model
     for name, why in _REFUSED.items():
-        if body.get(name):
+        if body.get(name) or (name in _REFUSED_WHEN_SET and body.get(name) is not None):
             raise bad_request(why, name)
     if _typed(body, "n", int) not in (None, 1):  # n: 0 too (it asks for no choice at all)
         raise bad_request("`n` other than 1 is not supported: send n requests (with different seeds)", "n")
@@ -266,6 +269,9 @@ def _message(m: Any, i: int) -> pb.ChatMessage:
     role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for system
     if role not in ("system", "user", "assistant"):
         raise bad_request(f"messages[{i}]: role {m['role']!r} is not supported (system, user, assistant)")
+    for name in ("tool_calls", "function_call"):  # the template would render an empty turn instead
+        if m.get(name):
+            raise bad_request(f"messages[{i}].{name}: tool calling is not supported", "messages")
     content = m.get("content")
     if isinstance(content, list):
         content = _text_parts(content, i)
