@@ -259,6 +259,10 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"messages": QUESTION, "chat_template": "{{ messages }}"}, "chat_template"),
         ({"messages": QUESTION, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
         ({"messages": QUESTION, "add_generation_prompt": False}, "add_generation_prompt"),
+        # the prompt's special tokens: a completion's text gets them (BOS), a chat's template has them
+        ({"prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
+        ({"messages": QUESTION, "add_special_tokens": True}, "add_special_tokens"),
+        ({"prompt": "a", "logits_processors": ["m.LP"]}, "logits_processors"),
     ],
 )
 def test_what_is_refused_is_named(body, problem):
@@ -278,7 +282,7 @@ def test_fields_map_onto_the_grpc_request():
          "repetition_penalty": 1.1,
          "ignore_eos": True, "skip_special_tokens": False, "logprobs": True, "user": "u",
          "response_format": {"type": "text"}, "stream": True, "stream_options": {"include_usage": True},
-         "tool_choice": "none", "function_call": "auto"},
+         "tool_choice": "none", "function_call": "auto", "priority": -5, "add_special_tokens": False},
         {BASE},
     )  # fmt: skip
     assert req.adapter == ADAPTER and not req.HasField("model") and req.max_tokens == 7 and req.seed == 3
@@ -295,6 +299,7 @@ def test_fields_map_onto_the_grpc_request():
         False,
     )
     assert list(req.stop) == ["x"] and req.logprobs == 0 and s.HasField("top_k")
+    assert req.priority == -5  # vLLM's field, served over gRPC: lower is served first
     assert call.stream and call.include_usage and call.logprobs and call.model == ADAPTER
     req, call = http_completion_request({"prompt": [[1, 2, 3]]}, {BASE})
     assert list(req.token_ids.ids) == [1, 2, 3] and call.model == BASE and not req.HasField("adapter")

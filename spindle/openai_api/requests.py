@@ -44,6 +44,7 @@ _REFUSED = {
     "continue_final_message": "continue_final_message is not supported",
     "chat_template": "a request's own chat_template is not supported",
     "chat_template_kwargs": "chat_template_kwargs is not supported",
+    "logits_processors": "logits_processors are not supported",
 }
 # Of those, the ones whose 0 (or empty) value still asks for something: refused whenever set.
 # vLLM's `prompt_logprobs: 0` returns each prompt token's own logprob (a perplexity's input).
@@ -155,6 +156,7 @@ def chat_request(body: dict[str, Any], base_models: Collection[str]) -> tuple[pb
     if logprobs:
         req.logprobs = top or 0
     _no_forced_tool_call(body)
+    _special_tokens(body, added=False)
     if _typed(body, "add_generation_prompt", bool) is False:  # the template always adds it
         raise bad_request("`add_generation_prompt: false` is not supported", "add_generation_prompt")
     call = _common(body, req, base_models, logprobs)
@@ -171,6 +173,16 @@ def _no_forced_tool_call(body: dict[str, Any]) -> None:
             raise bad_request(f"`{name}` {body[name]!r}: tool calling is not supported", name)
 
 
+def _special_tokens(body: dict[str, Any], added: bool) -> None:
+    """vLLM's `add_special_tokens`: a text prompt is tokenized with the tokenizer's special tokens
+    (a BOS), a chat's with none but its template's. A request asking otherwise would be answered
+    from other tokens than it asked for (a prompt that already holds its BOS would get two)."""
+    if _typed(body, "add_special_tokens", bool) not in (None, added):
+        raise bad_request(
+            f"`add_special_tokens: {str(not added).lower()}` is not supported here", "add_special_tokens"
+        )
+
+
 def completion_request(body: dict[str, Any], base_models: Collection[str]) -> tuple[pb.GenerateRequest, Call]:
     """POST /v1/completions."""
     prompt = body.get("prompt")
@@ -178,6 +190,7 @@ def completion_request(body: dict[str, Any], base_models: Collection[str]) -> tu
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         req = pb.GenerateRequest(text=prompt)
+        _special_tokens(body, added=True)
     elif isinstance(prompt, list) and prompt and _token_ids(prompt):
         req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
     else:
@@ -218,9 +231,10 @@ def _common(
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise bad_request("`stop` must be a string or a list of strings", "stop")
     req.stop.extend(stop or [])
-    seed = _typed(body, "seed", int)
-    if seed is not None:
-        req.seed = seed
+    for name in ("seed", "priority"):  # priority: vLLM's, lower is served first, as in gRPC
+        value = _typed(body, name, int)
+        if value is not None:
+            setattr(req, name, value)
     s = req.sampling
     for name in _SAMPLING_FLOATS:
         value = _typed(body, name, float)
