@@ -80,7 +80,7 @@ def test_sync_chat_plain_and_streamed_equal_grpc_greedy(spindle_up):
     assert len({c.id for c in chunks}) == 1
 
 
-def test_async_completions_with_an_adapter_and_logprobs(spindle_up):
+def test_async_completions_with_an_adapter_and_logprobs(spindle_up, smollm2):
     async def run() -> tuple:
         client = openai.AsyncOpenAI(base_url=spindle_up.http, api_key="none", max_retries=0)
         plain = await client.completions.create(
@@ -104,7 +104,7 @@ def test_async_completions_with_an_adapter_and_logprobs(spindle_up):
     choice = plain.choices[0]
     assert choice.text == via_grpc.text
     assert choice.logprobs.token_logprobs != base.choices[0].logprobs.token_logprobs  # the adapter is applied
-    assert choice.logprobs.tokens == [f"token_id:{t}" for t in via_grpc.token_ids]
+    assert choice.logprobs.tokens == [smollm2.tokenizer.hf.decode([t]) for t in via_grpc.token_ids]
     assert len(choice.logprobs.token_logprobs) == 4 and all(lp <= 0 for lp in choice.logprobs.token_logprobs)
     assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
     assert "".join(p.choices[0].text for p in pieces) == choice.text
@@ -119,6 +119,10 @@ def test_chat_logprobs_and_models(spindle_up):
     )
     content = out.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 3 for c in content)
+    # Tokens by their text, as OpenAI names them (a client looks up "Yes" there), with its bytes
+    assert "".join(c.token for c in content) == out.choices[0].message.content
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    assert all(c.top_logprobs[0].token == c.token for c in content)  # greedy: the best one
     assert all(c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob for c in content)
     models = {m.id: m for m in client.models.list()}
     assert models[ADAPTER].model_extra["parent"] == BASE and models[BASE].model_extra["parent"] is None
