@@ -481,3 +481,14 @@ def test_a_body_nested_too_deep_for_the_parser_is_a_400():
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["code"] == "INVALID_ARGUMENT" and "nested" in error["message"]
+
+
+def test_a_chat_without_max_tokens_runs_to_the_context():
+    """OpenAI's chat (and vLLM's) generate to EOS or the context when neither max_completion_tokens
+    nor max_tokens is given; the engine's default of 256 would cut every long answer of a client
+    that leaves them out (LangChain's ChatOpenAI does) at 256 tokens. The engine ends a request at
+    its context whatever max_tokens says, so the largest the field holds means "to the context"."""
+    req, _ = http_chat_request({"messages": QUESTION}, {BASE})
+    assert req.max_tokens == 2**31 - 1
+    req, _ = http_completion_request({"prompt": "Hi"}, {BASE})  # the engine's 256 (OpenAI's: 16)
+    assert not req.HasField("max_tokens")

@@ -55,6 +55,12 @@ STRUCTURED_FIELDS = (
 )  # fmt: skip
 
 
+# A chat that sets no max tokens runs to EOS or the context, as OpenAI's and vLLM's do (the
+# engine's default, 256, would cut the answer of every client that leaves it out): the engine ends
+# a request at its context whatever max_tokens says, so the field's largest value is "no limit".
+TO_THE_CONTEXT = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class Call:
     """What the response needs to know about the request besides the GenerateRequest."""
@@ -160,7 +166,8 @@ def chat_request(body: dict[str, Any], base_models: Collection[str]) -> tuple[pb
     if _typed(body, "add_generation_prompt", bool) is False:  # the template always adds it
         raise bad_request("`add_generation_prompt: false` is not supported", "add_generation_prompt")
     call = _common(body, req, base_models, logprobs)
-    _max_tokens(body, req, "max_completion_tokens", "max_tokens")
+    if not _max_tokens(body, req, "max_completion_tokens", "max_tokens"):
+        req.max_tokens = TO_THE_CONTEXT
     return req, call
 
 
@@ -263,13 +270,15 @@ def _common(
     return Call(model=named, stream=stream, include_usage=bool(include_usage), logprobs=logprobs)
 
 
-def _max_tokens(body: dict[str, Any], req: pb.GenerateRequest, *names: str) -> None:
-    """The first of `names` the body sets (chat: max_completion_tokens, then the older max_tokens)."""
+def _max_tokens(body: dict[str, Any], req: pb.GenerateRequest, *names: str) -> bool:
+    """The first of `names` the body sets (chat: max_completion_tokens, then the older max_tokens);
+    whether one was."""
     for name in names:
         value = _typed(body, name, int)
         if value is not None:
             req.max_tokens = value
-            return
+            return True
+    return False
 
 
 def _token_ids(values: list[Any]) -> bool:
