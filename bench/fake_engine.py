@@ -43,6 +43,7 @@ from model_service.lora.pool import AdapterInfo, AdapterNotFoundError, SlotsBusy
 class FakeFastEngine:
     max_model_len = 4096
     vocab_size = 32000
+    tokenizer = None
 
     def __init__(self, step_s: float, adapters: tuple[str, ...] = (), max_running: int = 1 << 30) -> None:
         self.step_s, self.adapters, self.max_running = step_s, adapters, max_running

@@ -34,6 +34,7 @@ from tests.up_cluster import ADAPTER
 
 BASE = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "Name a fruit."}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 def _sdk(base_url: str, **options) -> openai.OpenAI:
@@ -79,7 +80,7 @@ def test_sync_chat_plain_and_streamed_equal_grpc_greedy(spindle_up):
     assert len({c.id for c in chunks}) == 1
 
 
-def test_async_completions_with_an_adapter_and_logprobs(spindle_up):
+def test_async_completions_with_an_adapter_and_logprobs(spindle_up, smollm2):
     async def run() -> tuple:
         client = openai.AsyncOpenAI(base_url=spindle_up.http, api_key="none", max_retries=0)
         plain = await client.completions.create(
@@ -103,7 +104,7 @@ def test_async_completions_with_an_adapter_and_logprobs(spindle_up):
     choice = plain.choices[0]
     assert choice.text == via_grpc.text
     assert choice.logprobs.token_logprobs != base.choices[0].logprobs.token_logprobs  # the adapter is applied
-    assert choice.logprobs.tokens == [f"token_id:{t}" for t in via_grpc.token_ids]
+    assert choice.logprobs.tokens == [smollm2.tokenizer.hf.decode([t]) for t in via_grpc.token_ids]
     assert len(choice.logprobs.token_logprobs) == 4 and all(lp <= 0 for lp in choice.logprobs.token_logprobs)
     assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
     assert "".join(p.choices[0].text for p in pieces) == choice.text
@@ -118,6 +119,10 @@ def test_chat_logprobs_and_models(spindle_up):
     )
     content = out.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 3 for c in content)
+    # Tokens by their text, as OpenAI names them (a client looks up "Yes" there), with its bytes
+    assert "".join(c.token for c in content) == out.choices[0].message.content
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    assert all(c.top_logprobs[0].token == c.token for c in content)  # greedy: the best one
     assert all(c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob for c in content)
     models = {m.id: m for m in client.models.list()}
     assert models[ADAPTER].model_extra["parent"] == BASE and models[BASE].model_extra["parent"] is None
@@ -249,11 +254,19 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"prompt": "a", "allowed_token_ids": [5]}, "allowed_token_ids"),
         ({"prompt": "a", "bad_words": ["x"]}, "bad_words"),
         ({"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt": "a", "prompt_logprobs": 0}, "prompt_logprobs"),  # vLLM: each prompt token's logprob
+        # an earlier turn's tool call: the template would show the model an empty assistant turn
+        ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [CALL]}]}, "tool_calls"),
+        ({"messages": [*QUESTION, {"role": "assistant", "function_call": CALL["function"]}]}, "function_"),
         ({"prompt": "a", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
         ({"messages": QUESTION, "continue_final_message": True}, "continue_final_message"),
         ({"messages": QUESTION, "chat_template": "{{ messages }}"}, "chat_template"),
         ({"messages": QUESTION, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
         ({"messages": QUESTION, "add_generation_prompt": False}, "add_generation_prompt"),
+        # the prompt's special tokens: a completion's text gets them (BOS), a chat's template has them
+        ({"prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
+        ({"messages": QUESTION, "add_special_tokens": True}, "add_special_tokens"),
+        ({"prompt": "a", "logits_processors": ["m.LP"]}, "logits_processors"),
     ],
 )
 def test_what_is_refused_is_named(body, problem):
@@ -273,7 +286,7 @@ def test_fields_map_onto_the_grpc_request():
          "repetition_penalty": 1.1,
          "ignore_eos": True, "skip_special_tokens": False, "logprobs": True, "user": "u",
          "response_format": {"type": "text"}, "stream": True, "stream_options": {"include_usage": True},
-         "tool_choice": "none", "function_call": "auto"},
+         "tool_choice": "none", "function_call": "auto", "priority": -5, "add_special_tokens": False},
         {BASE},
     )  # fmt: skip
     assert req.adapter == ADAPTER and not req.HasField("model") and req.max_tokens == 7 and req.seed == 3
@@ -290,6 +303,7 @@ def test_fields_map_onto_the_grpc_request():
         False,
     )
     assert list(req.stop) == ["x"] and req.logprobs == 0 and s.HasField("top_k")
+    assert req.priority == -5  # vLLM's field, served over gRPC: lower is served first
     assert call.stream and call.include_usage and call.logprobs and call.model == ADAPTER
     req, call = http_completion_request({"prompt": [[1, 2, 3]]}, {BASE})
     assert list(req.token_ids.ids) == [1, 2, 3] and call.model == BASE and not req.HasField("adapter")
@@ -451,3 +465,30 @@ def test_a_stream_has_no_empty_deltas(logprobs):
               for c in reply.chunks(pb.GenerateResponse(chunk=m), first=i == 0)]  # fmt: skip
     middle = [{"content": ""}] if logprobs else []
     assert deltas == [{"role": "assistant", "content": ""}, *middle, {"content": "ab"}]
+
+
+def test_a_body_nested_too_deep_for_the_parser_is_a_400():
+    """JSON nested past Python's recursion limit is a client's bad body, not a server error (a
+    500 the SDKs retry, logged with a traceback per request)."""
+
+    async def run() -> httpx.Response:
+        async with _served(_Servicer()) as client:
+            url = str(client.base_url) + "completions"
+            async with httpx.AsyncClient() as http:
+                return await http.post(url, content=b"[" * 100_000 + b"]" * 100_000)
+
+    answer = asyncio.run(run())
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "INVALID_ARGUMENT" and "nested" in error["message"]
+
+
+def test_a_chat_without_max_tokens_runs_to_the_context():
+    """OpenAI's chat (and vLLM's) generate to EOS or the context when neither max_completion_tokens
+    nor max_tokens is given; the engine's default of 256 would cut every long answer of a client
+    that leaves them out (LangChain's ChatOpenAI does) at 256 tokens. The engine ends a request at
+    its context whatever max_tokens says, so the largest the field holds means "to the context"."""
+    req, _ = http_chat_request({"messages": QUESTION}, {BASE})
+    assert req.max_tokens == 2**31 - 1
+    req, _ = http_completion_request({"prompt": "Hi"}, {BASE})  # the engine's 256 (OpenAI's: 16)
+    assert not req.HasField("max_tokens")

@@ -336,16 +336,18 @@ def test_the_engine_and_the_bench_fake_offer_the_engine_handle(tiny_llama):
     from bench.fake_engine import FakeFastEngine
     from model_service.engine.config import EngineConfig
     from model_service.engine.handle import EngineHandle
+    from model_service.models.tokenizer import Tokenizer
     from tests.conftest import make_engine
 
     members = {n for n in vars(EngineHandle) if not n.startswith("_")}
-    attributes = {"config", "max_model_len", "vocab_size", "adapter_memory"}
+    attributes = {"config", "max_model_len", "vocab_size", "adapter_memory", "tokenizer"}
     methods = {"add_request", "step", "abort", "has_unfinished", "stats", "list_adapters", "submit_control"}
     methods.add("on_lost")
     assert members == attributes | methods
     for impl in (make_engine(tiny_llama), FakeFastEngine(0.0)):
         assert isinstance(impl.config, EngineConfig)
         assert isinstance(impl.max_model_len, int) and isinstance(impl.vocab_size, int)
+        assert impl.tokenizer is None or isinstance(impl.tokenizer, Tokenizer)
         memory = impl.adapter_memory
         assert isinstance(memory.memory_used_bytes, int) and isinstance(memory.memory_capacity_bytes, int)
         for name in methods:

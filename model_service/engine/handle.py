@@ -19,6 +19,7 @@ from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import RequestOutput
 from model_service.lora.control import ControlOp, ControlResult
 from model_service.lora.pool import AdapterInfo
+from model_service.models.tokenizer import Tokenizer
 
 
 class EngineHandle(Protocol):
@@ -37,6 +38,11 @@ class EngineHandle(Protocol):
 
     @property
     def vocab_size(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """None for token-id serving. The pod names logprob tokens with it (`decode` is pure)."""
+        ...
 
     def add_request(
         self,

@@ -66,7 +66,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 while True:
                     out = batch[-1]
                     req.on_output(batch[0])
-                    msg = wire.chunk(batch)
+                    msg = wire.chunk(batch, pod.token_texts)
                     if msg is not None:
                         req.on_tokens(time.monotonic(), len(msg.chunk.token_ids))
                         yield msg

@@ -23,6 +23,7 @@ from model_service.errors import UnavailableError
 from model_service.lora.pool import ACTIVE, AdapterInfo
 from model_service.pod.load_stats import LoadStats
 from model_service.pod.metrics import PodMetrics, Residency, Snapshot
+from model_service.pod.wire import TokenTexts
 from spindle.serving import Health
 from spindle.v1 import pod_status_pb2
 
@@ -104,6 +105,7 @@ class ModelPod:
         self.async_engine: AsyncEngine[EngineHandle] | None = None
         self.engine: EngineHandle | None = None
         self.max_model_len = 0
+        self.token_texts = TokenTexts(None)  # logprob tokens' texts, once the engine (its tokenizer) loads
         self.control_port = 0  # reported in PodLoad (the adapter service addresses pods by it)
         self.inflight: dict[str, InFlight] = {}
         self.requests_total = 0
@@ -130,7 +132,7 @@ class ModelPod:
         self.engine, self.async_engine = engine, AsyncEngine(engine)
         loop = asyncio.get_running_loop()
         engine.on_lost(lambda why: loop.call_soon_threadsafe(self._on_lost, why))
-        self.max_model_len = engine.max_model_len
+        self.max_model_len, self.token_texts = engine.max_model_len, TokenTexts(engine.tokenizer)
         await self._warm_up(engine.vocab_size)
         log.info("model %s loaded and warmed in %.1f s", self.model_name, time.monotonic() - started)
         if not self.draining and self.health is not None:

@@ -14,6 +14,7 @@ from model_service.engine.requests import Resume
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import RequestOutput
 from model_service.errors import InvalidRequestError
+from model_service.models.tokenizer import Tokenizer
 from spindle import request_ids
 from spindle.v1 import generation_pb2 as pb
 
@@ -103,17 +104,41 @@ def structured_output(so: pb.StructuredOutput) -> dict[str, Any]:
     return {kind: list(so.choice.choices) if kind == "choice" else getattr(so, kind)}
 
 
-def chunk(outputs: list[RequestOutput]) -> pb.GenerateResponse | None:
+class TokenTexts:
+    """Each token id's text decoded alone, special tokens included: what OpenAI's and vLLM's
+    logprobs name a token by (a client reads the chance of "Yes" there). Computed once per id,
+    on the pod's event loop, not the engine thread; None without a tokenizer."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+_NO_TEXTS = TokenTexts(None)
+
+
+def chunk(outputs: list[RequestOutput], texts: TokenTexts = _NO_TEXTS) -> pb.GenerateResponse | None:
     """The tokens and text these consecutive outputs of one request add, as one message (the
-    same tokens, text and logprobs as one message each), or None when they add nothing."""
+    same tokens, text and logprobs as one message each), or None when they add nothing. Logprob
+    tokens carry their `texts`."""
     c = pb.Chunk()
     for out in outputs:
         c.token_ids.extend(out.new_token_ids)
         c.text += out.new_text
         if out.new_logprobs and len(out.new_logprobs) == len(out.new_token_ids):
             for token, lp in zip(out.new_token_ids, out.new_logprobs, strict=True):
-                top = [pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
-                c.logprobs.append(pb.TokenLogprob(token_id=token, logprob=lp.logprob, top=top))
+                top = [pb.TopLogprob(token_id=t, logprob=v, token=texts(t)) for t, v in lp.top]
+                c.logprobs.append(
+                    pb.TokenLogprob(token_id=token, logprob=lp.logprob, top=top, token=texts(token))
+                )
     if not c.token_ids and not c.text:
         return None
     return pb.GenerateResponse(request_id=outputs[0].request_id, chunk=c)

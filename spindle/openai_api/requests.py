@@ -44,11 +44,21 @@ _REFUSED = {
     "continue_final_message": "continue_final_message is not supported",
     "chat_template": "a request's own chat_template is not supported",
     "chat_template_kwargs": "chat_template_kwargs is not supported",
+    "logits_processors": "logits_processors are not supported",
 }
+# Of those, the ones whose 0 (or empty) value still asks for something: refused whenever set.
+# vLLM's `prompt_logprobs: 0` returns each prompt token's own logprob (a perplexity's input).
+_REFUSED_WHEN_SET = frozenset({"prompt_logprobs"})
 # Structured output, in OpenAI's and vLLM's spellings (see `structured_output`).
 STRUCTURED_FIELDS = (
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 )  # fmt: skip
+
+
+# A chat that sets no max tokens runs to EOS or the context, as OpenAI's and vLLM's do (the
+# engine's default, 256, would cut the answer of every client that leaves it out): the engine ends
+# a request at its context whatever max_tokens says, so the field's largest value is "no limit".
+TO_THE_CONTEXT = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -152,10 +162,12 @@ def chat_request(body: dict[str, Any], base_models: Collection[str]) -> tuple[pb
     if logprobs:
         req.logprobs = top or 0
     _no_forced_tool_call(body)
+    _special_tokens(body, added=False)
     if _typed(body, "add_generation_prompt", bool) is False:  # the template always adds it
         raise bad_request("`add_generation_prompt: false` is not supported", "add_generation_prompt")
     call = _common(body, req, base_models, logprobs)
-    _max_tokens(body, req, "max_completion_tokens", "max_tokens")
+    if not _max_tokens(body, req, "max_completion_tokens", "max_tokens"):
+        req.max_tokens = TO_THE_CONTEXT
     return req, call
 
 
@@ -168,6 +180,16 @@ def _no_forced_tool_call(body: dict[str, Any]) -> None:
             raise bad_request(f"`{name}` {body[name]!r}: tool calling is not supported", name)
 
 
+def _special_tokens(body: dict[str, Any], added: bool) -> None:
+    """vLLM's `add_special_tokens`: a text prompt is tokenized with the tokenizer's special tokens
+    (a BOS), a chat's with none but its template's. A request asking otherwise would be answered
+    from other tokens than it asked for (a prompt that already holds its BOS would get two)."""
+    if _typed(body, "add_special_tokens", bool) not in (None, added):
+        raise bad_request(
+            f"`add_special_tokens: {str(not added).lower()}` is not supported here", "add_special_tokens"
+        )
+
+
 def completion_request(body: dict[str, Any], base_models: Collection[str]) -> tuple[pb.GenerateRequest, Call]:
     """POST /v1/completions."""
     prompt = body.get("prompt")
@@ -175,6 +197,7 @@ def completion_request(body: dict[str, Any], base_models: Collection[str]) -> tu
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         req = pb.GenerateRequest(text=prompt)
+        _special_tokens(body, added=True)
     elif isinstance(prompt, list) and prompt and _token_ids(prompt):
         req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
     else:
@@ -205,7 +228,7 @@ def _common(
     elif model:
         req.adapter = model  # vLLM's convention: a LoRA adapter is named as the model
     for name, why in _REFUSED.items():
-        if body.get(name):
+        if body.get(name) or (name in _REFUSED_WHEN_SET and body.get(name) is not None):
             raise bad_request(why, name)
     if _typed(body, "n", int) not in (None, 1):  # n: 0 too (it asks for no choice at all)
         raise bad_request("`n` other than 1 is not supported: send n requests (with different seeds)", "n")
@@ -215,9 +238,10 @@ def _common(
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise bad_request("`stop` must be a string or a list of strings", "stop")
     req.stop.extend(stop or [])
-    seed = _typed(body, "seed", int)
-    if seed is not None:
-        req.seed = seed
+    for name in ("seed", "priority"):  # priority: vLLM's, lower is served first, as in gRPC
+        value = _typed(body, name, int)
+        if value is not None:
+            setattr(req, name, value)
     s = req.sampling
     for name in _SAMPLING_FLOATS:
         value = _typed(body, name, float)
@@ -246,13 +270,15 @@ def _common(
     return Call(model=named, stream=stream, include_usage=bool(include_usage), logprobs=logprobs)
 
 
-def _max_tokens(body: dict[str, Any], req: pb.GenerateRequest, *names: str) -> None:
-    """The first of `names` the body sets (chat: max_completion_tokens, then the older max_tokens)."""
+def _max_tokens(body: dict[str, Any], req: pb.GenerateRequest, *names: str) -> bool:
+    """The first of `names` the body sets (chat: max_completion_tokens, then the older max_tokens);
+    whether one was."""
     for name in names:
         value = _typed(body, name, int)
         if value is not None:
             req.max_tokens = value
-            return
+            return True
+    return False
 
 
 def _token_ids(values: list[Any]) -> bool:
@@ -266,6 +292,9 @@ def _message(m: Any, i: int) -> pb.ChatMessage:
     role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for system
     if role not in ("system", "user", "assistant"):
         raise bad_request(f"messages[{i}]: role {m['role']!r} is not supported (system, user, assistant)")
+    for name in ("tool_calls", "function_call"):  # the template would render an empty turn instead
+        if m.get(name):
+            raise bad_request(f"messages[{i}].{name}: tool calling is not supported", "messages")
     content = m.get("content")
     if isinstance(content, list):
         content = _text_parts(content, i)

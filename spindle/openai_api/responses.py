@@ -2,8 +2,9 @@
 
 Chat completions and completions differ only in how a choice and its logprobs look, so each is
 a `Format` and everything else (ids, usage, the stream's last chunks) is shared. Logprob tokens
-are named `token_id:N` (vLLM's `return_tokens_as_token_ids` form): the Generation stream carries
-token ids, not their text, and the gateway holds no tokenizer.
+are named by their text, as the pod decoded each alone (OpenAI's and vLLM's form: a client looks
+up the chance of "Yes" by its text); `token_id:N` (vLLM's `return_tokens_as_token_ids` form) where
+the pod has no tokenizer (token-id serving).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from spindle.v1 import generation_pb2 as pb
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
 
-def token_name(token_id: int) -> str:
-    return f"token_id:{token_id}"
+def token_name(lp: pb.TokenLogprob | pb.TopLogprob) -> str:
+    """The token's text, or `token_id:N` where the pod sent none."""
+    return lp.token if lp.HasField("token") else f"token_id:{lp.token_id}"
 
 
 class Format(ABC):
@@ -63,12 +65,14 @@ class ChatFormat(Format):
     def _logprobs(logprobs: Sequence[pb.TokenLogprob] | None) -> dict | None:
         if logprobs is None:
             return None
-        return {"content": [{**_chat_token(lp.token_id, lp.logprob), "top_logprobs": [
-            _chat_token(t.token_id, t.logprob) for t in lp.top]} for lp in logprobs]}  # fmt: skip
+        return {"content": [{**_chat_token(lp), "top_logprobs": [_chat_token(t) for t in lp.top]}
+                            for lp in logprobs]}  # fmt: skip
 
 
-def _chat_token(token_id: int, logprob: float) -> dict[str, Any]:
-    return {"token": token_name(token_id), "logprob": logprob, "bytes": None}
+def _chat_token(lp: pb.TokenLogprob | pb.TopLogprob) -> dict[str, Any]:
+    """A chat logprob's token: its text and that text's UTF-8 bytes (vLLM's; null without a text)."""
+    raw = list(lp.token.encode()) if lp.HasField("token") else None
+    return {"token": token_name(lp), "logprob": lp.logprob, "bytes": raw}
 
 
 class CompletionFormat(Format):
@@ -84,7 +88,7 @@ class CompletionFormat(Format):
         if logprobs is None:
             return None
         return {
-            "tokens": [token_name(lp.token_id) for lp in logprobs],
+            "tokens": [token_name(lp) for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [_top_and_sampled(lp) for lp in logprobs],
         }
@@ -94,7 +98,7 @@ def _top_and_sampled(lp: pb.TokenLogprob) -> dict[str, float]:
     """A completion's top tokens and the sampled one: OpenAI's legacy API (and vLLM's) always
     lists the sampled token, so up to `logprobs` + 1 entries; a client that compares the sampled
     token with the best of these (is it greedy?) finds it even with `logprobs: 0`."""
-    return {**{token_name(t.token_id): t.logprob for t in lp.top}, token_name(lp.token_id): lp.logprob}
+    return {**{token_name(t): t.logprob for t in lp.top}, token_name(lp): lp.logprob}
 
 
 def _finish(final: pb.Final | None) -> dict[str, Any]:

@@ -176,6 +176,8 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
         body = json.loads(await request.read())
     except ValueError as e:
         raise bad_request(f"the request body is not JSON: {e}") from None
+    except RecursionError:  # the parser recurses per level: a client's body, not our failure
+        raise bad_request("the request body is nested too deeply to parse") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
