@@ -254,6 +254,30 @@ if triton is not None:
         tl.store(Y + cols, acc.to(Y.dtype.element_ty))
 
     @triton.jit
+    def _gemv_tile(W, k, cols, K, EVEN_K: tl.constexpr):
+        """One [BLOCK_N, BLOCK_K] tile of the weight (columns `cols`, K indices `k`) as stored."""
+        if EVEN_K:
+            return tl.load(W + cols[:, None] * K + k[None, :])
+        return tl.load(W + cols[:, None] * K + k[None, :], mask=k[None, :] < K, other=0.0)
+
+    @triton.jit
+    def _gemv_step(
+        X, w, k, k0, cols, Scale, scale_stride_n, scale_stride_g, K, EVEN_K: tl.constexpr,
+        GROUPED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """A tile's contribution to the columns' sums: its products with x, each 128-deep group
+        scaled by its own scale when GROUPED."""
+        x = tl.load(X + k) if EVEN_K else tl.load(X + k, mask=k < K, other=0.0)
+        products = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if GROUPED:
+            sums = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
+            g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            at = Scale + cols[:, None] * scale_stride_n + g[None, :] * scale_stride_g
+            scales = tl.load(at, mask=g[None, :] < K // GROUP, other=0.0)
+            return tl.sum(sums * scales, axis=1)
+        return tl.sum(products, axis=1)
+
+    @triton.jit
     def _fp8_gemv_kernel(
         X, W, Scale, Bias, Y, Parts, Arrivals, N, K, scale_stride_n, scale_stride_g, HAS_BIAS: tl.constexpr,
         GROUPED: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -261,30 +285,27 @@ if triton is not None:
     ):  # fmt: skip
         """Program (column block, K slice); with SPLIT_K > 1, the counter of 64 columns
         (64 / BLOCK_N column blocks) takes SPLIT_K * 64 / BLOCK_N arrivals. GROUPED: Scale is
-        [N, K / GROUP] by its strides, a scale a row and GROUP columns (BLOCK_K a multiple of GROUP)."""
-        wait_for_producers(PDL)
+        [N, K / GROUP] by its strides, a scale a row and GROUP columns (BLOCK_K a multiple of GROUP).
+        The slice's first weight tile is loaded before the wait for the kernel ahead (kernels/pdl.py:
+        weights are never written by a step), so under PDL its bytes are in flight while that
+        kernel's last blocks finish."""
         col_block, k_slice = tl.program_id(0), tl.program_id(1)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         per_slice = K // SPLIT_K
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(k_slice * per_slice, (k_slice + 1) * per_slice, BLOCK_K):
-            k = k0 + ks
-            if EVEN_K:
-                w = tl.load(W + cols[:, None] * K + k[None, :])
-                x = tl.load(X + k)
-            else:
-                w = tl.load(W + cols[:, None] * K + k[None, :], mask=k[None, :] < K, other=0.0)
-                x = tl.load(X + k, mask=k < K, other=0.0)
-            products = w.to(tl.float32) * x.to(tl.float32)[None, :]
-            if GROUPED:
-                sums = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
-                g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-                at = Scale + cols[:, None] * scale_stride_n + g[None, :] * scale_stride_g
-                scales = tl.load(at, mask=g[None, :] < K // GROUP, other=0.0)
-                acc += tl.sum(sums * scales, axis=1)
-            else:
-                acc += tl.sum(products, axis=1)
+        first = k_slice * per_slice
+        w = _gemv_tile(W, first + ks, cols, K, EVEN_K)
+        wait_for_producers(PDL)
+        acc = _gemv_step(
+            X, w, first + ks, first, cols, Scale, scale_stride_n, scale_stride_g, K, EVEN_K, GROUPED, GROUP,
+            BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        for k0 in range(first + BLOCK_K, (k_slice + 1) * per_slice, BLOCK_K):
+            w = _gemv_tile(W, k0 + ks, cols, K, EVEN_K)
+            acc += _gemv_step(
+                X, w, k0 + ks, k0, cols, Scale, scale_stride_n, scale_stride_g, K, EVEN_K, GROUPED, GROUP,
+                BLOCK_N, BLOCK_K,
+            )  # fmt: skip
         if SPLIT_K == 1:
             _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS, GROUPED)
         else:
