@@ -14,6 +14,12 @@ that complete that character emit it whole, so that the prompt's text without it
 U+FFFD, followed by the output's text, is the text of prompt and output decoded together. The
 streaming decoder cannot do this (it would emit the prompt's text again, or nothing), so such a
 request takes the window until its first text, and streams from there.
+
+A byte-fallback tokenizer's decode is not always a prefix of its decode one token on: a run of
+<0x..> byte tokens that is not valid UTF-8 decodes to one U+FFFD per byte, so "j" (<0x6A>)
+becomes U+FFFD once <0xFD> follows it. The streaming decoder raises there ("Invalid prefix").
+The stream is only the fast way to `decode`; where it cannot go on, the window (which never
+raises) takes that token, as for a prompt that ends inside a character, and streams again after.
 """
 
 from __future__ import annotations
@@ -32,14 +38,19 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_ids[-_WINDOW:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
-        # Whether the prompt's text ends inside a character, which the window completes first.
-        self.settling = tokenizer is not None and tokenizer.decode(self.ids, skip_special_tokens).endswith(
-            _INCOMPLETE
-        )
-        self.stream = self._stream_decoder() if not self.settling else None
+        self.stream: Callable[[int], str] | None = None
+        self._continue_after(list(prompt_ids[-_WINDOW:]), settling=None)
+
+    def _continue_after(self, context: list[int], settling: bool | None) -> None:
+        """Decode on from `context`, whose text is emitted (or the prompt's): by the window while
+        `settling` (None: while the context's text ends inside a character), else by the stream."""
+        self.ids, self.prefix_offset, self.read_offset = context, 0, len(context)
+        if settling is None:
+            settling = self.tokenizer is not None and self.tokenizer.decode(
+                context, self.skip_special_tokens
+            ).endswith(_INCOMPLETE)
+        self.settling = settling
+        self.stream = self._stream_decoder() if not settling else None
 
     def _stream_decoder(self) -> Callable[[int], str] | None:
         return self.tokenizer.stream_decoder(self.ids, self.skip_special_tokens) if self.tokenizer else None
@@ -47,13 +58,24 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one generated token; return the text it completes (possibly empty)."""
         if self.stream is not None:
-            return self.stream(token_id)
+            return self._push_stream(token_id)
         if self.tokenizer is None:
             return ""
         delta = self._push_window(token_id)
         if delta and self.settling:  # the prompt's last character is whole: stream from here
-            self.settling = False
-            self.stream = self._stream_decoder()
+            self._continue_after(self.ids, settling=False)
+        return delta
+
+    def _push_stream(self, token_id: int) -> str:
+        assert self.stream is not None
+        try:
+            delta = self.stream(token_id)
+        except Exception:  # "Invalid prefix": the decode of the tokens so far changed (see above)
+            self._continue_after(self.ids[-_WINDOW:], settling=True)
+            return self.push(token_id)
+        self.ids.append(token_id)  # the recent tokens, should the window have to take over
+        if len(self.ids) > 4 * _WINDOW:
+            del self.ids[:-_WINDOW]
         return delta
 
     def _push_window(self, token_id: int) -> str:
