@@ -1,18 +1,22 @@
 """Incremental detokenization and chat templates with tokenizer kinds other than SmolLM2's,
 built here by hand (a fixed vocabulary, so each case is the same on every run):
 SentencePiece-style BPE with byte fallback (Llama-2 / Mistral: "▁" for spaces, <0x..> byte
-tokens, a decoder that strips the first space), with special and added tokens."""
+tokens, a decoder that strips the first space), with special and added tokens; and chat
+templates that refuse what they are given."""
 
 from __future__ import annotations
 
 import itertools
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model_service.engine.detokenizer import IncrementalDetokenizer
+from model_service.errors import InvalidRequestError
 from model_service.models.tokenizer import Tokenizer
+from model_service.pod.status import status_for
 
 SPECIAL = ["<unk>", "<s>", "</s>"]
 PIECES = ["▁", "H", "i", "j", "o", "k", ",", "é", "日", "本", "▁H", "▁Hi", "▁o", "▁ok", "日本", "▁日本"]
@@ -90,3 +94,31 @@ def test_property_any_ids_stream_their_decode(tok, data, skip, windowed):
     assert expected.startswith(text) and "\ufffd" not in text[-1:]
     held = expected[len(text) :]
     assert not held or held.endswith("\ufffd"), "only text ending inside a character waits"
+
+
+# Llama-2's chat template, in short: user and assistant must alternate.
+ALTERNATING = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% else %}{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "why"),
+    [(ALTERNATING, "roles must alternate"), ("{{ messages[0].content | no_such_filter }}", "no_such_filter")],
+)
+def test_a_chat_template_refusing_the_messages_is_an_invalid_request(template, why):
+    """Was a jinja2 TemplateError: INTERNAL at the pod, a 500 over HTTP (which the SDKs retry)."""
+    tok = byte_fallback_tokenizer()
+    tok.hf.chat_template = template
+    user = {"role": "user", "content": "Hi"}
+    with pytest.raises(InvalidRequestError, match=why) as refused:
+        tok.apply_chat_template([user, user])
+    assert status_for(refused.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    if template is ALTERNATING:  # the same template renders what it accepts, as HF does
+        messages = [user, {"role": "assistant", "content": "ok"}, user]
+        expected = tok.hf.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        assert tok.apply_chat_template(messages) == expected
