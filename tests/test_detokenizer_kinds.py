@@ -52,10 +52,11 @@ def _id(tok: Tokenizer, piece: str) -> int:
 
 
 def _deltas(tok: Tokenizer, prompt: list[int], out: list[int], skip: bool, windowed: bool) -> list[str]:
+    """The deltas of pushing `out`, then what the end of the output flushes."""
     detok = IncrementalDetokenizer(tok, prompt, skip)
     if windowed:
         detok.stream = None
-    return [detok.push(t) for t in out]
+    return [*(detok.push(t) for t in out), detok.flush()]
 
 
 @pytest.mark.parametrize("windowed", [False, True])
@@ -83,17 +84,16 @@ def _monotonic(tok: Tokenizer, ids: list[int], start: int, skip: bool) -> bool:
 def test_property_any_ids_stream_their_decode(tok, data, skip, windowed):
     """Random ids of every kind (bytes of broken characters, specials and added tokens mid-stream,
     a leading "▁" piece first): the deltas are the decode of prompt and output past the prompt's
-    text, up to text that a later token could still complete."""
+    text; what waited for a character to complete comes out at the end, as `decode` spells it."""
     ids = st.lists(st.integers(0, len(tok.hf) - 1), max_size=12)
     prompt, out = data.draw(ids, "prompt"), data.draw(ids.filter(bool), "output")
-    text = "".join(_deltas(tok, prompt, out, skip, windowed))  # never raises
+    *deltas, flushed = _deltas(tok, prompt, out, skip, windowed)  # never raises
     prompt_text, full = tok.decode(prompt, skip), tok.decode(prompt + out, skip)
     if not full.startswith(prompt_text) or not _monotonic(tok, prompt + out, len(prompt), skip):
         return
-    expected = full[len(prompt_text) :]
-    assert expected.startswith(text) and "\ufffd" not in text[-1:]
-    held = expected[len(text) :]
-    assert not held or held.endswith("\ufffd"), "only text ending inside a character waits"
+    assert "".join(deltas) + flushed == full[len(prompt_text) :]
+    assert "\ufffd" not in "".join(deltas)[-1:], "a delta never ends inside a character"
+    assert not flushed or flushed.endswith("\ufffd"), "only text ending inside a character waits"
 
 
 # Llama-2's chat template, in short: user and assistant must alternate.
