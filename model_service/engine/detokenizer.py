@@ -20,6 +20,9 @@ A byte-fallback tokenizer's decode is not always a prefix of its decode one toke
 becomes U+FFFD once <0xFD> follows it. The streaming decoder raises there ("Invalid prefix").
 The stream is only the fast way to `decode`; where it cannot go on, the window (which never
 raises) takes that token, as for a prompt that ends inside a character, and streams again after.
+
+Text held back waits for a token that completes its character; once the output has ended
+(`flush`), none will, and it comes out as `decode` spells it, U+FFFD for the cut character.
 """
 
 from __future__ import annotations
