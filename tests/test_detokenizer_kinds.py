@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model_service.engine.detokenizer import IncrementalDetokenizer
+from model_service.engine.requests import PromptReader
 from model_service.errors import InvalidRequestError
 from model_service.models.tokenizer import Tokenizer
 from model_service.pod.status import status_for
@@ -122,3 +123,15 @@ def test_a_chat_template_refusing_the_messages_is_an_invalid_request(template, w
         messages = [user, {"role": "assistant", "content": "ok"}, user]
         expected = tok.hf.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
         assert tok.apply_chat_template(messages) == expected
+
+
+def test_a_chat_template_rendering_no_tokens_is_an_invalid_request():
+    """A template that renders only user turns, given a system message alone, renders nothing:
+    the empty prompt was queued, and its step failed with every request batched with it
+    ("engine error: index 0 is out of bounds")."""
+    tok = byte_fallback_tokenizer()
+    tok.hf.chat_template = "{% for m in messages if m.role == 'user' %}{{ m.content }}{% endfor %}"
+    reader = PromptReader(tok, len(tok.hf), max_model_len=64, max_kv_tokens=1024)
+    assert reader.token_ids(None, [{"role": "user", "content": "Hi"}], None) == tok.encode("Hi")
+    with pytest.raises(InvalidRequestError, match="no tokens"):
+        reader.token_ids(None, [{"role": "system", "content": "Be brief."}], None)

@@ -93,7 +93,10 @@ class PromptReader:
             self._check_chars(
                 "messages", sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
             )
-            return self.tokenizer.apply_chat_template(messages)
+            ids = self.tokenizer.apply_chat_template(messages)
+            if not ids:  # e.g. a template that renders only user turns, given a system message
+                raise InvalidRequestError("the model's chat template renders these messages as no tokens")
+            return ids
         if not prompt:
             raise InvalidRequestError("prompt is empty")
         self._check_chars("prompt", len(prompt))
