@@ -135,3 +135,17 @@ def test_a_chat_template_rendering_no_tokens_is_an_invalid_request():
     assert reader.token_ids(None, [{"role": "user", "content": "Hi"}], None) == tok.encode("Hi")
     with pytest.raises(InvalidRequestError, match="no tokens"):
         reader.token_ids(None, [{"role": "system", "content": "Be brief."}], None)
+
+
+@pytest.mark.parametrize("form", ["prompt", "messages"])
+def test_a_prompt_spelling_a_token_the_model_has_no_embedding_for_is_refused(form):
+    """A tokenizer with tokens added past the model's embedding rows (no resize): a text prompt
+    spelling one (here "<tool>") failed the step of every request batched with it (IndexError)."""
+    tok = byte_fallback_tokenizer()
+    tok.hf.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    tool = _id(tok, "<tool>")
+    reader = PromptReader(tok, tool, max_model_len=64, max_kv_tokens=1024)  # embeddings up to <tool>
+    ask = {"prompt": ("Hi <tool>", None), "messages": (None, [{"role": "user", "content": "Hi <tool>"}])}
+    with pytest.raises(InvalidRequestError, match=r"no embedding for \(ids \[\d+\]: \['<tool>'\]\)"):
+        reader.token_ids(*ask[form], None)
+    assert reader.token_ids("Hi ok", None, None) == tok.encode("Hi ok")
