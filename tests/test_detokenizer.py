@@ -8,6 +8,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from model_service.engine.detokenizer import IncrementalDetokenizer
+from model_service.engine.requests import Resume
+from model_service.engine.sampling_params import SamplingParams
+from tests.conftest import make_engine
 
 TEXTS = {
     "emoji": "Great job 😀👍🏽! Family: 👨‍👩‍👧‍👦, flag 🇫🇷, keycap 1️⃣, 🫠🦀",
@@ -125,3 +128,26 @@ def test_property_incremental_equals_full_decode(tok, prompts, text, with_prompt
     deltas = _stream(tok, ids, prompts["chat"] if with_prompt else [], windowed)
     assert "".join(deltas) == full
     assert not any("\ufffd" in d for d in deltas)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    return make_engine(smollm2, num_kv_blocks=16)
+
+
+@pytest.mark.parametrize(("stop", "reason"), [(None, "length"), ("eos", "stop"), ("stop string", "stop")])
+def test_an_output_ending_inside_a_character_keeps_its_text(engine, tok, stop, reason):
+    """SmolLM2's " 😀" is [" \\xf0\\x9f\\x98", "\\x80"]: an output cut after the first (max_tokens,
+    or a stop token next) ends inside the emoji. Its held text was dropped, the space with it ("Hi"
+    where `decode` reads "Hi \\ufffd"); now the output ends as `decode` spells it, and a stop
+    string in that text still stops it."""
+    ids = tok.encode("Hi 😀")[:-1]
+    assert tok.decode(ids) == "Hi \ufffd"
+    resumed = [*ids, tok.eos_token_id] if stop == "eos" else ids
+    max_tokens = 16 if stop == "eos" else len(ids)
+    params = SamplingParams(max_tokens=max_tokens, stop=["i "] if stop == "stop string" else [])
+    rid = engine.add_request("Say hi:", params=params, resume=Resume(resumed, 0))
+    out = engine.run_to_completion()[rid]
+    assert out.finish_reason == reason
+    assert out.text == ("H" if stop == "stop string" else "Hi \ufffd")
+    assert out.new_text == out.text  # the final output carries it

@@ -40,3 +40,24 @@ def test_gateway_client_and_command_line_import_no_model_package():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == []
+
+
+def test_a_checkpoint_with_only_tokenizer_model_loads_with_the_model_extra(tmp_path):
+    """Llama-2 / Mistral checkpoints may ship only SentencePiece's tokenizer.model, which
+    transformers reads with `sentencepiece`. The model extra lacked it (only the tests had it): the
+    model image's pod loaded no tokenizer and served token ids only, telling text and chat
+    requests the model had none."""
+    spm = pytest.importorskip("sentencepiece")
+    from model_service.models.tokenizer import Tokenizer
+
+    text = "Hello world! Héllo wörld, naïve café. 日本語 😀"
+    with (tmp_path / "tokenizer.model").open("wb") as f:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter([text] * 20), model_writer=f, vocab_size=300, model_type="bpe",
+            byte_fallback=True, character_coverage=1.0, minloglevel=2,
+        )  # fmt: skip
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok is not None and tok.decode(tok.encode(text + " 𝔘")) == text + " 𝔘"  # 𝔘: byte fallback
+    assert "sentencepiece" in _names(PROJECT["optional-dependencies"]["model"])

@@ -175,7 +175,7 @@ class BeamSearch:
             ids = ids[:-1]
         prompt = beam.token_ids[: beam.num_prompt_tokens]
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt, p.skip_special_tokens)
-        return "".join(detokenizer.push(t) for t in ids)
+        return "".join(detokenizer.push(t) for t in ids) + detokenizer.flush()  # the output has ended
 
     def _drop(self, beams: list[Sequence]) -> None:
         """Free `beams` (finished, through the scheduler) and forget their logits."""

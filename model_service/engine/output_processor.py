@@ -31,20 +31,34 @@ class OutputProcessor:
             out.logprobs.append(logprobs)
         p = seq.params
         stop_token = token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos)
-        if stop_token and not p.include_stop_str_in_output:
-            return _stop(seq, "stop", token)  # its text is not part of the answer
-        delta = out.detokenizer.push(token)
-        if delta:
-            out.text += delta
-        if stop_token:
-            return _stop(seq, "stop", token)
-        if p.stop and self._match_stop_string(seq, len(delta)):
+        has_text = not stop_token or p.include_stop_str_in_output  # a stop token's text is not the answer's
+        if has_text and self._add_text(seq, out.detokenizer.push(token)):
             return True
+        ending = self._ending(seq, token if stop_token else None)
+        if ending is None:
+            return False
+        # The output ends here: text held back for a character no token will now complete is
+        # the output's too (as `decode` spells it), and may complete a stop string.
+        return self._add_text(seq, out.detokenizer.flush()) or _stop(seq, *ending)
+
+    def _add_text(self, seq: Sequence, delta: str) -> bool:
+        """Append `delta` to `seq`'s text; True when that completed a stop string (which ended it)."""
+        if not delta:
+            return False
+        seq.output.text += delta
+        return bool(seq.params.stop) and self._match_stop_string(seq, len(delta))
+
+    def _ending(self, seq: Sequence, stop_token: int | None) -> tuple[str, int | None] | None:
+        """Why `seq` ends after its last token besides a stop string (finish and stop reason), if it does."""
+        grammar = seq.sampling.constraint
+        if stop_token is not None:
+            return "stop", stop_token
         if grammar is not None and grammar.done:
-            return _stop(seq, "stop", None)
+            return "stop", None
+        ids, p = seq.token_ids, seq.params
         if len(ids) - seq.num_prompt_tokens >= p.max_tokens or len(ids) >= self.max_model_len:
-            return _stop(seq, "length", None)
-        return False
+            return "length", None
+        return None
 
     def replay(self, seq: Sequence, resume: Resume) -> bool:
         """Append a resumed request's output as if sampled here (stop strings, penalties and

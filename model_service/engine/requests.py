@@ -42,6 +42,8 @@ class PromptReader:
     ) -> list[int]:
         """The prompt as token ids, from exactly one of the three forms, checked against the context."""
         ids = self._read(prompt, messages, token_ids)
+        if token_ids is None:
+            self._check_tokenized(ids)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; this engine's context is {self.max_model_len} tokens "
@@ -93,7 +95,10 @@ class PromptReader:
             self._check_chars(
                 "messages", sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
             )
-            return self.tokenizer.apply_chat_template(messages)
+            ids = self.tokenizer.apply_chat_template(messages)
+            if not ids:  # e.g. a template that renders only user turns, given a system message
+                raise InvalidRequestError("the model's chat template renders these messages as no tokens")
+            return ids
         if not prompt:
             raise InvalidRequestError("prompt is empty")
         self._check_chars("prompt", len(prompt))
@@ -101,6 +106,20 @@ class PromptReader:
         if not ids:
             raise InvalidRequestError("prompt encodes to zero tokens")
         return ids
+
+    def _check_tokenized(self, ids: list[int]) -> None:
+        """A tokenizer may have more tokens than the model has embedding rows (tokens added to it
+        without resizing the model): a prompt that spells one would fail the step, and with it
+        every request batched with it (on a GPU, an out-of-bounds index may take the device)."""
+        if not ids or max(ids) < self.vocab_size:
+            return
+        assert self.tokenizer is not None
+        outside = sorted({t for t in ids if t >= self.vocab_size})
+        names = self.tokenizer.hf.convert_ids_to_tokens(outside[:5])
+        raise InvalidRequestError(
+            f"the prompt has tokens this model has no embedding for (ids {outside[:5]}: {names}); its "
+            f"tokenizer has tokens past the model's vocabulary of {self.vocab_size}"
+        )
 
     def _check_chars(self, what: str, chars: int) -> None:
         if chars > self.max_prompt_chars:

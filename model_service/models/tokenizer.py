@@ -57,12 +57,21 @@ class Tokenizer:
         return lambda token: stream.step(backend, token) or ""
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt's token ids for `messages`, as HF renders and tokenizes them. A template that
+        refuses the messages (`raise_exception("Conversation roles must alternate ...")`, Llama-2's
+        and Mistral's) or cannot render them is the request's error (INVALID_ARGUMENT, a 400 as
+        vLLM gives), not the server's: a 500 would have the SDKs retry it."""
+        from jinja2 import TemplateError
+
         if not getattr(self.hf, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; send `prompt` instead of `messages`")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError(f"each message needs `role` and `content`, got {m!r}")
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except TemplateError as e:
+            raise InvalidRequestError(f"the model's chat template refused these messages: {e}") from e
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
         return [int(t) for t in ids]
 
