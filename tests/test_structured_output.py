@@ -318,7 +318,7 @@ def test_a_sampled_drafts_q_is_weighed_under_the_grammar(smollm2):
     assert compiler.poll(seq.sampling.constraint, [])
     logits = torch.full((3, vocab), -30.0)
     logits[0, yes] = logits[1:, yes] = logits[1:, no] = 0.0  # p: "yes", then "yes" or "no"
-    trials, second = 300, []
+    trials, second = 200, []
     for _ in range(trials):
         spec.propose([seq])
         emitted, _ = spec.verify(seq, logits[: len(spec.proposals[seq].tokens) + 1])
