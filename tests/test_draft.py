@@ -16,7 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
 
 from bench.lora import write_adapter
 from model_service.engine.draft import DraftProposer
@@ -24,8 +30,9 @@ from model_service.engine.engine import Engine
 from model_service.engine.executor import kv_blocks_for_budget
 from model_service.engine.speculation import SpeculativeConfig
 from model_service.errors import InvalidRequestError, ModelLoadError
+from model_service.models.loader import load_model
 from spindle.cli import main
-from tests.conftest import assert_all_blocks_free, make_engine, write_tiny_smollm2
+from tests.conftest import assert_all_blocks_free, make_engine, make_tiny_checkpoint, write_tiny_smollm2
 from tests.test_speculation import CODE, MIXED_REQUESTS, REPEAT
 
 
@@ -192,3 +199,72 @@ def test_the_kv_memory_budget_is_split_between_target_and_draft(smollm2):
     alone = kv_blocks_for_budget(cfg, 16, torch.float32, torch.device("cpu"), budget, 0.9)
     with_self_draft = kv_blocks_for_budget(cfg, 16, torch.float32, torch.device("cpu"), budget, 0.9, cfg)
     assert alone > 0 and with_self_draft == alone // 2
+
+
+# --- the output distribution, end to end ---------------------------------------------------
+SMALL_VOCAB = 16  # so a few hundred samples test each position's distribution with power
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny random target and another random draft over 16 tokens: q differs from p."""
+    root = tmp_path_factory.mktemp("small_vocab")
+    kw = {"vocab_size": SMALL_VOCAB, "max_position_embeddings": 64}
+    return make_tiny_checkpoint("llama", root / "t", seed=0, **kw), make_tiny_checkpoint(
+        "llama", root / "d", seed=5, **kw
+    )
+
+
+@torch.no_grad()
+def _hf_marginals(path: Path, prompt: list[int], steps: int, temperature: float, top_k: int) -> torch.Tensor:
+    """[steps, vocab]: each output position's exact distribution under HF's own temperature and
+    top-k warpers, summed over every continuation before it (16^2 of them at the third)."""
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    warp = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k)])
+    ids, weight, out = torch.tensor([prompt]), torch.ones(1, 1), []
+    for _ in range(steps):
+        probs = warp(ids, model(ids).logits[:, -1]).softmax(-1)
+        out.append((weight * probs).sum(0))
+        weight = (weight * probs).reshape(-1, 1)
+        ids = torch.cat(
+            (ids.repeat_interleave(SMALL_VOCAB, 0), torch.arange(SMALL_VOCAB).repeat(len(ids))[:, None]), 1
+        )
+    return torch.stack(out)
+
+
+def _chi_square(tokens: list[int], probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic and its degrees of freedom over the tokens the target can draw,
+    those expecting fewer than 5 pooled."""
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(probs)).double()
+    expected = probs.double() * len(tokens)
+    assert counts[expected == 0].sum() == 0, "a token the target cannot draw"
+    pooled = (expected > 0) & (expected < 5)
+    cells = [(counts[expected >= 5], expected[expected >= 5])]
+    if pooled.any():
+        cells.append((counts[pooled].sum()[None], expected[pooled].sum()[None]))
+    counts, expected = (torch.cat(column) for column in zip(*cells, strict=True))
+    return float(((counts - expected) ** 2 / expected).sum()), len(counts) - 1
+
+
+def test_a_draft_models_sampled_output_has_the_targets_distribution(small_vocab):
+    """400 sampled requests beside greedy ones, a random draft proposing two tokens: each of the
+    three output positions is distributed as HF's exact marginal for the target (temperature and
+    top-k on p and q alike), and the greedy rows are the plain greedy tokens. Accepting every
+    proposal fails this by a chi-square in the thousands; drawing a rejection's token from p
+    instead of max(p - q, 0) by 67 (the bound here, 4.5 standard deviations over 14 dof, is 38)."""
+    target, draft = small_vocab
+    prompt, n, sampling = [3, 5, 7, 3, 5, 7, 3, 5], 400, {"temperature": 0.9, "top_k": 10}
+    base = {"prompt_token_ids": prompt, "max_tokens": 3, "ignore_eos": True}
+    greedy = [{**base, "temperature": 0, "prompt_token_ids": prompt[i:]} for i in range(3)]
+    loaded = load_model(str(target), torch.float32, torch.device("cpu"))
+    room = {"max_num_seqs": n + 3, "max_waiting_requests": n + 3, "max_num_batched_tokens": 16 * n}
+    engine = make_engine(loaded, speculative_config=draft_config(str(draft), k=2), **room)
+    torch.manual_seed(0)
+    outputs = engine.generate([*greedy, *[{**base, **sampling}] * n])
+    assert [o.token_ids for o in outputs[:3]] == [o.token_ids for o in make_engine(loaded).generate(greedy)]
+    exact = _hf_marginals(target, prompt, 3, **sampling)
+    for position in range(3):
+        chi2, dof = _chi_square([o.token_ids[position] for o in outputs[3:]], exact[position])
+        assert chi2 < dof + 4.5 * (2 * dof) ** 0.5, (position, chi2, dof)
+    assert 0 < engine.speculation.accepted < engine.speculation.proposed
+    assert_draft_blocks_free(engine)

@@ -22,7 +22,8 @@ from model_service.engine.grammar import Constraint, GrammarCompiler, GrammarErr
 from model_service.engine.requests import Resume
 from model_service.engine.sampler import AllowedTokens, SampleRow, sample
 from model_service.engine.sampling_params import SamplingParams
-from model_service.engine.sequence import Status
+from model_service.engine.sequence import Sequence, Status
+from model_service.engine.speculation import Proposal, Speculation, SpeculativeConfig
 from model_service.engine.structured_output import StructuredOutput
 from model_service.errors import InvalidRequestError
 from spindle.v1 import generation_pb2 as pb
@@ -279,6 +280,51 @@ def test_drafts_are_cut_and_verify_masks_roll_back(engine, smollm2):
     assert torch.equal(bits[0], before[0])  # row 0: the mask before the draft
     assert _allowed(bits[1]) == set(smollm2.config.eos_token_ids)  # after "yes": only EOS
     assert torch.equal(compiler.allowed_tokens([constraint]).bits, before)  # rolled back
+
+
+class _DrawsFromQ:
+    """A draft model's stand-in whose q is known: proposes, each step, one draw from each row of
+    `q` (over the tokens `support`), and hands q to the rejection sampler."""
+
+    def __init__(self, q: torch.Tensor, support: list[int]) -> None:
+        self.q, self.support, self.generator = q, support, torch.Generator().manual_seed(0)
+
+    def propose(self, seqs: list, room: list[int]) -> list[Proposal]:
+        picks = torch.multinomial(self.q[:, self.support], 1, generator=self.generator)[:, 0].tolist()
+        return [Proposal([self.support[i] for i in picks], self.q) for _ in seqs]
+
+    def on_verified(self, seq, num_accepted: int) -> None:
+        pass
+
+    def on_finished(self, seq) -> None:
+        pass
+
+
+def test_a_sampled_drafts_q_is_weighed_under_the_grammar(smollm2):
+    """Rejection sampling under a grammar keeps the target's distribution: the draft's second
+    token is "yes" or "maybe" (refused: the proposal is cut there) at 0.5 each, the target's
+    "yes" or "no" at 0.5 each. A kept "yes" was drawn from q given it is allowed (q' = one-hot),
+    and weighed by q (0.5) it was always accepted, by q' half the time: weighed by q, the second
+    token came out "yes" three times in four."""
+    vocab, tok = smollm2.config.vocab_size, smollm2.tokenizer
+    yes, no, maybe = (tok.encode(word)[-1] for word in ("yes", "no", "maybe"))
+    compiler = GrammarCompiler(tok, vocab, smollm2.config.eos_token_ids)
+    q = torch.zeros(2, vocab)
+    q[0, yes], q[1, yes], q[1, maybe] = 1.0, 0.5, 0.5
+    spec = Speculation(SpeculativeConfig(method="draft", model="d"), _DrawsFromQ(q, [yes, maybe]), 64, vocab)
+    seq = Sequence("r", [1, 2, 3], SamplingParams(temperature=1.0, seed=0), None, 0)
+    seq.sampling.constraint = compiler.constraint(StructuredOutput("regex", "(yes|no)(yes|no)"))
+    seq.sampling.constraint.compiled.result()
+    assert compiler.poll(seq.sampling.constraint, [])
+    logits = torch.full((3, vocab), -30.0)
+    logits[0, yes] = logits[1:, yes] = logits[1:, no] = 0.0  # p: "yes", then "yes" or "no"
+    trials, second = 200, []
+    for _ in range(trials):
+        spec.propose([seq])
+        emitted, _ = spec.verify(seq, logits[: len(spec.proposals[seq].tokens) + 1])
+        second.append(emitted[1])
+    assert set(second) <= {yes, no}
+    assert abs(second.count(yes) / trials - 0.5) < 4 * (0.25 / trials) ** 0.5
 
 
 def test_a_complete_output_may_end_with_any_of_the_engines_eos_tokens(smollm2):

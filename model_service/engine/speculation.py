@@ -26,7 +26,8 @@ draw is d; so a sampled row draws each position's token exactly as it would with
 (a seeded row keyed by position), and its tokens do not depend on whether the step had room to
 verify its proposals (other requests took the budget, a preemption dropped them). With a draft
 model's q the request's own generator draws the uniforms: a seeded request is reproducible in
-the same batch, its stream differs from a run without speculation.
+the same batch, its stream differs from a run without speculation. Under a grammar, proposals are
+cut where it refuses one, and q is restricted to what it allows (`within_grammar`).
 
 Which rows speculate: rows without penalties or logprobs (penalties would change between the
 rows of one verify), and no beams.
@@ -48,6 +49,7 @@ from model_service.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from model_service.engine.batch_builder import StepItem
+    from model_service.engine.grammar import Constraint
 
 DRAFT_METHODS = ("draft", "draft_model")  # ours and vLLM's spelling
 METHODS = ("ngram", *DRAFT_METHODS, "mtp", "eagle3")
@@ -242,10 +244,8 @@ class Speculation:
         of the cache before appending."""
         proposal = self.proposals.pop(seq)
         proposals, draft_probs = proposal.tokens, proposal.probs
-        constraint = seq.sampling.constraint
-        if constraint is not None:  # the target's distribution under the grammar, at each row
-            bits = constraint.verify_bitmask(proposals, self.vocab_size)
-            logits = AllowedTokens(list(range(len(logits))), bits).apply(logits)
+        if seq.sampling.constraint is not None:  # p and q under the grammar, at each row
+            logits, draft_probs = self._under_grammar(seq.sampling.constraint, proposal, logits)
             argmax = None  # of the logits before the grammar's mask
         if seq.params.greedy:
             emitted = accept_greedy(proposals, logits, argmax)
@@ -259,6 +259,17 @@ class Speculation:
         self.accepted += len(emitted) - 1
         self.drafts += 1
         return emitted, len(proposals) - len(emitted) + 1
+
+    def _under_grammar(
+        self, constraint: Constraint, proposal: Proposal, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's logits [k + 1, vocab] with what the grammar refuses at each row masked, and
+        the proposal's q (if any) as the distributions its kept proposals came from."""
+        bits = constraint.verify_bitmask(proposal.tokens, self.vocab_size)
+        logits = AllowedTokens(list(range(len(logits))), bits).apply(logits)
+        if proposal.probs is None:
+            return logits, None
+        return logits, within_grammar(proposal.probs, bits[: len(proposal.tokens)])
 
 
 class NgramProposer:
@@ -342,6 +353,18 @@ def accept_greedy(proposals: list[int], logits: torch.Tensor, argmax: list[int] 
     while accepted < len(proposals) and proposals[accepted] == targets[accepted]:
         accepted += 1
     return targets[: accepted + 1]
+
+
+def within_grammar(draft_probs: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """The distributions a model's proposals under a grammar really come from: each row of q
+    [k, vocab] restricted to the tokens the grammar allows there (`bits`, `AllowedTokens`'),
+    renormalized. A proposal is kept only while the grammar allows it (`Speculation.propose` cuts
+    the rest, and the token at the cut is drawn from p), so a kept proposal is a draw from q given
+    that it is allowed, and the rejection sampler must weigh it by that distribution: by q itself
+    the acceptance min(1, p(d) / q(d)) was too high wherever q held refused tokens, and the
+    proposals came out too often (a p of 0.5 and 0.5 as 0.75 and 0.25, the named test)."""
+    allowed = AllowedTokens(list(range(len(draft_probs))), bits).apply(draft_probs.log())
+    return allowed.softmax(dim=-1)
 
 
 def accept_sampled(
