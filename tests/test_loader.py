@@ -335,6 +335,87 @@ def test_transposed_weight_storage_changes_strides_only(tied: bool):
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
 
 
+# llama.cpp's tensor names for an HF Llama's (convert_hf_to_gguf.py, by hand: it is not on PyPI).
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """`LlamaModel.permute` of llama.cpp's converter: q/k rows (weights and biases) interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf_name: str) -> str:
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf_name in globals_ or hf_name == "lm_head.weight":
+        return globals_.get(hf_name, "output.weight")
+    _, _, layer, *module, kind = hf_name.split(".")
+    return f"blk.{layer}.{GGUF_NAMES['.'.join(module)]}.{kind}"
+
+
+def write_llama_gguf(
+    path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None
+) -> Path:
+    """A Llama GGUF file as llama.cpp's converter writes one from an HF checkpoint's float32
+    `tensors` (4 heads, 2 K/V heads of 16), plus `meta` keys (a list: a per-layer array)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    hidden, ffn = tensors["model.embed_tokens.weight"].shape[1], tensors["model.layers.0.mlp.up_proj.weight"].shape[0]
+    fields: dict[str, Any] = {"embedding_length": hidden, "feed_forward_length": ffn, "block_count": 2,
+                              "attention.head_count": 4, "attention.head_count_kv": 2,
+                              "attention.layer_norm_rms_epsilon": 1e-6, "rope.dimension_count": 16}  # fmt: skip
+    for key, value in {**fields, **(meta or {})}.items():
+        if isinstance(value, list):
+            writer.add_array(f"llama.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"llama.{key}", value)
+        else:
+            writer.add_uint32(f"llama.{key}", value)
+    for name, t in tensors.items():
+        data = t.float().numpy()
+        if ".q_proj." in name or ".k_proj." in name:
+            data = llama_cpp_permute(data, 4 if ".q_proj." in name else 2)
+        writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_tensors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """A tiny HF Llama's tensors with `attention_bias` (random q/k/v/o biases)."""
+    ckpt = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama_bias"), attention_bias=True)
+    tensors = load_file(ckpt / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    return {k: torch.randn(v.shape, generator=generator) if k.endswith(".bias") else v for k, v in tensors.items()}
+
+
+def test_a_llama_gguf_with_attention_biases_has_the_checkpoints_q_and_k_biases(
+    tmp_path: Path, llama_tensors: dict[str, torch.Tensor]
+):
+    """llama.cpp's converter permutes q/k biases as it does the weights; the loader read them
+    still permuted (a Llama GGUF with `attention_bias` served with scrambled q/k biases)."""
+    from model_service.models.gguf_weights import read_gguf
+
+    config, tensors = read_gguf(write_llama_gguf(tmp_path / "m.gguf", llama_tensors))
+    assert config.qkv_bias and config.o_proj_bias
+    assert tensors.keys() == llama_tensors.keys()
+    for name, want in llama_tensors.items():
+        assert torch.equal(tensors[name], want), name
+
+
 DOWN_3 = "model.layers.3.mlp.down_proj.weight"
 
 

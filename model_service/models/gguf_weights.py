@@ -64,6 +64,16 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _llama_rows(hf_name: str, data: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation. Its converter permutes `q_proj.bias` and
+    `k_proj.bias` exactly as the weights (a Llama with `attention_bias`), so both are undone."""
+    if ".q_proj." in hf_name:
+        return _unpermute(data, heads)
+    if ".k_proj." in hf_name:
+        return _unpermute(data, kv_heads)
+    return data
+
+
 def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and float32 tensors of a GGUF file: from the conversion cache when an earlier
     load left them there (no parse of the file at all: `GGUFReader` alone takes ~3 s on
@@ -156,10 +166,8 @@ def _tensors(reader: Any, family: str, heads: int, kv_heads: int) -> dict[str, t
         except Exception as e:  # e.g. a quantization type this gguf version cannot dequantize
             raise ModelLoadError(f"cannot dequantize GGUF tensor {t.name!r} ({t.tensor_type!r}): {e}") from e
         data = np.array(data, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
-        if family == "llama" and hf_name.endswith("q_proj.weight"):
-            data = _unpermute(data, heads)
-        elif family == "llama" and hf_name.endswith("k_proj.weight"):
-            data = _unpermute(data, kv_heads)
+        if family == "llama":
+            data = _llama_rows(hf_name, data, heads, kv_heads)
         tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(data))
     return tensors
 
