@@ -355,6 +355,9 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def gguf_name(hf_name: str) -> str:
+    """llama.cpp's name for an HF tensor's (a name already llama.cpp's, `blk.*`, kept)."""
+    if hf_name.startswith("blk."):
+        return hf_name
     globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if hf_name in globals_ or hf_name == "lm_head.weight":
         return globals_.get(hf_name, "output.weight")
@@ -366,21 +369,27 @@ def write_llama_gguf(
     path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None
 ) -> Path:
     """A Llama GGUF file as llama.cpp's converter writes one from an HF checkpoint's float32
-    `tensors` (4 heads, 2 K/V heads of 16), plus `meta` keys (a list: a per-layer array)."""
+    `tensors` (4 heads, 2 K/V heads of 16), plus `meta` keys (`llama.` prefixed unless
+    `tokenizer.`; a list: a per-layer array)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch="llama")
-    hidden, ffn = tensors["model.embed_tokens.weight"].shape[1], tensors["model.layers.0.mlp.up_proj.weight"].shape[0]
+    hidden, ffn = (
+        tensors["model.embed_tokens.weight"].shape[1],
+        tensors["model.layers.0.mlp.up_proj.weight"].shape[0],
+    )
     fields: dict[str, Any] = {"embedding_length": hidden, "feed_forward_length": ffn, "block_count": 2,
                               "attention.head_count": 4, "attention.head_count_kv": 2,
-                              "attention.layer_norm_rms_epsilon": 1e-6, "rope.dimension_count": 16}  # fmt: skip
+                              "attention.layer_norm_rms_epsilon": 1e-6,
+                              "rope.dimension_count": 16}  # fmt: skip
     for key, value in {**fields, **(meta or {})}.items():
+        key = key if key.startswith("tokenizer.") else f"llama.{key}"
         if isinstance(value, list):
-            writer.add_array(f"llama.{key}", value)
+            writer.add_array(key, value)
         elif isinstance(value, float):
-            writer.add_float32(f"llama.{key}", value)
+            writer.add_float32(key, value)
         else:
-            writer.add_uint32(f"llama.{key}", value)
+            writer.add_uint32(key, value)
     for name, t in tensors.items():
         data = t.float().numpy()
         if ".q_proj." in name or ".k_proj." in name:
@@ -399,7 +408,9 @@ def llama_tensors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
     ckpt = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama_bias"), attention_bias=True)
     tensors = load_file(ckpt / "model.safetensors")
     generator = torch.Generator().manual_seed(0)
-    return {k: torch.randn(v.shape, generator=generator) if k.endswith(".bias") else v for k, v in tensors.items()}
+    return {
+        k: torch.randn(v.shape, generator=generator) if k.endswith(".bias") else v for k, v in tensors.items()
+    }
 
 
 def test_a_llama_gguf_with_attention_biases_has_the_checkpoints_q_and_k_biases(
@@ -414,6 +425,54 @@ def test_a_llama_gguf_with_attention_biases_has_the_checkpoints_q_and_k_biases(
     assert tensors.keys() == llama_tensors.keys()
     for name, want in llama_tensors.items():
         assert torch.equal(tensors[name], want), name
+
+
+@pytest.mark.parametrize(
+    ("meta", "extra", "named"),
+    [
+        ({"rope.scaling.factor": 4.0}, None, "RoPE scaling (linear)"),  # llama.cpp's default type
+        ({"rope.scale_linear": 4.0}, None, "RoPE scaling (linear)"),  # the key's older spelling
+        ({"rope.dimension_count": 8}, None, "llama.rope.dimension_count"),
+        ({"attention.head_count_kv": [2, 4]}, None, "'llama.attention.head_count_kv' differs between layers"),
+        ({}, "blk.0.ffn_gate_exps.weight", "['blk.0.ffn_gate_exps.weight']"),
+        ({}, "blk.1.attn_qkv.weight", "['blk.1.attn_qkv.weight']"),
+    ],
+)
+def test_gguf_metadata_and_tensors_the_loader_would_ignore_are_refused(
+    tmp_path: Path,
+    llama_tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    extra: str | None,
+    named: str,
+):
+    """Each was dropped and the model loaded without it, answering wrongly: linear RoPE scaling
+    spelt without a type, partial RoPE, a Mixtral's experts, a fused QKV projection. Per-layer arrays
+    whose layers differ were a TypeError."""
+    from model_service.models.gguf_weights import read_gguf
+
+    tensors = {**llama_tensors, **({extra: torch.ones(4, 64)} if extra else {})}
+    with pytest.raises(ModelLoadError) as e:
+        read_gguf(write_llama_gguf(tmp_path / "m.gguf", tensors, meta))
+    assert named in str(e.value)
+
+
+def test_gguf_end_of_turn_tokens_end_generation_and_uniform_per_layer_arrays_load(
+    tmp_path: Path, llama_tensors: dict[str, torch.Tensor]
+):
+    """llama.cpp stops on EOT and EOM as on EOS; the loader kept EOS alone (a chat model whose
+    EOS is its end-of-text token ran on past its turn). A per-layer array whose layers agree is
+    one value (llama.cpp's `get_key_or_arr`); a scaling factor of 1 is no scaling."""
+    from model_service.models.gguf_weights import read_gguf
+
+    meta = {
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.eot_token_id": 7,
+        "tokenizer.ggml.eom_token_id": 2,
+        "attention.head_count": [4, 4],
+        "rope.scaling.factor": 1.0,
+    }
+    config, _ = read_gguf(write_llama_gguf(tmp_path / "m.gguf", llama_tensors, meta))
+    assert config.eos_token_ids == [2, 7] and config.num_heads == 4
 
 
 DOWN_3 = "model.layers.3.mlp.down_proj.weight"
