@@ -475,6 +475,30 @@ def test_gguf_end_of_turn_tokens_end_generation_and_uniform_per_layer_arrays_loa
     assert config.eos_token_ids == [2, 7] and config.num_heads == 4
 
 
+def test_a_gguf_file_replaced_under_its_old_mtime_is_converted_again(
+    tmp_path: Path, llama_tensors: dict[str, torch.Tensor]
+):
+    """The conversion cache was keyed by path, size and mtime: a new file of the same size put
+    in place with the old one's mtime (`cp -p`, `rsync -a`, `tar x`, an image built with fixed
+    timestamps) was answered with the old file's float32 tensors. A replaced file is a new inode
+    with a new ctime, which no copy can set (git's index keys its stat data the same way)."""
+    import os
+
+    from model_service.models.gguf_weights import read_gguf
+
+    path = write_llama_gguf(tmp_path / "m.gguf", llama_tensors)
+    mtime = path.stat().st_mtime_ns
+    read_gguf(path)  # cached
+    doubled = {name: 2 * t for name, t in llama_tensors.items()}
+    os.replace(write_llama_gguf(tmp_path / "new.gguf", doubled), path)
+    os.utime(path, ns=(mtime, mtime))
+    _, tensors = read_gguf(path)
+    assert torch.equal(tensors[DOWN_0], doubled[DOWN_0])
+
+
+DOWN_0 = "model.layers.0.mlp.down_proj.weight"
+
+
 DOWN_3 = "model.layers.3.mlp.down_proj.weight"
 
 
