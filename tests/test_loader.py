@@ -370,7 +370,7 @@ def write_llama_gguf(
 ) -> Path:
     """A Llama GGUF file as llama.cpp's converter writes one from an HF checkpoint's float32
     `tensors` (4 heads, 2 K/V heads of 16), plus `meta` keys (`llama.` prefixed unless
-    `tokenizer.`; a list: a per-layer array)."""
+    `tokenizer.` or `split.`; a list: a per-layer array)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch="llama")
@@ -383,7 +383,7 @@ def write_llama_gguf(
                               "attention.layer_norm_rms_epsilon": 1e-6,
                               "rope.dimension_count": 16}  # fmt: skip
     for key, value in {**fields, **(meta or {})}.items():
-        key = key if key.startswith("tokenizer.") else f"llama.{key}"
+        key = key if key.startswith(("tokenizer.", "split.")) else f"llama.{key}"
         if isinstance(value, list):
             writer.add_array(key, value)
         elif isinstance(value, float):
@@ -436,6 +436,7 @@ def test_a_llama_gguf_with_attention_biases_has_the_checkpoints_q_and_k_biases(
         ({"attention.head_count_kv": [2, 4]}, None, "'llama.attention.head_count_kv' differs between layers"),
         ({}, "blk.0.ffn_gate_exps.weight", "['blk.0.ffn_gate_exps.weight']"),
         ({}, "blk.1.attn_qkv.weight", "['blk.1.attn_qkv.weight']"),
+        ({"split.count": 3, "split.no": 0}, None, "shard 1 of 3"),  # llama-gguf-split's first file
     ],
 )
 def test_gguf_metadata_and_tensors_the_loader_would_ignore_are_refused(
@@ -446,8 +447,9 @@ def test_gguf_metadata_and_tensors_the_loader_would_ignore_are_refused(
     named: str,
 ):
     """Each was dropped and the model loaded without it, answering wrongly: linear RoPE scaling
-    spelt without a type, partial RoPE, a Mixtral's experts, a fused QKV projection. Per-layer arrays
-    whose layers differ were a TypeError."""
+    spelt without a type, partial RoPE, a Mixtral's experts, a fused QKV projection. Per-layer
+    arrays whose layers differ were a TypeError; a split model's first shard was read as the whole
+    model (refused as "missing" the other shards' tensors, the split unsaid)."""
     from model_service.models.gguf_weights import read_gguf
 
     tensors = {**llama_tensors, **({extra: torch.ones(4, 64)} if extra else {})}

@@ -127,6 +127,7 @@ def _read_or_convert(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 def _config_fields(reader: Any, path: Path) -> dict[str, Any]:
     """`ModelConfig`'s fields from the file's metadata (plain values: the cache keeps them as JSON)."""
+    _refuse_split(reader, path)
     arch = _field(reader, "general.architecture")
     if arch not in _FAMILIES:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_FAMILIES)}")
@@ -161,6 +162,18 @@ def _config_fields(reader: Any, path: Path) -> dict[str, Any]:
         "eos_token_ids": _end_of_generation_ids(reader),
         "bos_token_id": _optional_int(_field(reader, "tokenizer.ggml.bos_token_id")),
     }
+
+
+def _refuse_split(reader: Any, path: Path) -> None:
+    """A shard of a split model (`llama-gguf-split`) holds only its own tensors: read alone, the
+    others would be reported "missing" without a word of the split."""
+    shards = int(_field(reader, "split.count", 1))
+    if shards > 1:
+        raise ModelLoadError(
+            f"GGUF file {path.name} is shard {int(_field(reader, 'split.no', 0)) + 1} of {shards} of a "
+            "split model, which the GGUF loader does not read; merge the shards into one file "
+            "first (`llama-gguf-split --merge`)"
+        )
 
 
 def _end_of_generation_ids(reader: Any) -> list[int]:
