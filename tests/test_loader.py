@@ -482,15 +482,17 @@ def test_a_gguf_file_replaced_under_its_old_mtime_is_converted_again(
 ):
     """The conversion cache was keyed by path, size and mtime: a new file of the same size put
     in place with the old one's mtime (`cp -p`, `rsync -a`, `tar x`, an image built with fixed
-    timestamps) was answered with the old file's float32 tensors. A replaced file is a new inode
-    with a new ctime, which no copy can set (git's index keys its stat data the same way)."""
+    timestamps) was answered with the old file's float32 tensors. A replaced file has a new
+    ctime, which no copy can set."""
     import os
+    import time
 
     from model_service.models.gguf_weights import read_gguf
 
     path = write_llama_gguf(tmp_path / "m.gguf", llama_tensors)
     mtime = path.stat().st_mtime_ns
     read_gguf(path)  # cached
+    time.sleep(0.05)  # past the file clock's tick (a jiffy, <= 10 ms): the new file's ctime differs
     doubled = {name: 2 * t for name, t in llama_tensors.items()}
     os.replace(write_llama_gguf(tmp_path / "new.gguf", doubled), path)
     os.utime(path, ns=(mtime, mtime))

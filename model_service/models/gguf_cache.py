@@ -5,8 +5,8 @@ A GGUF file is read in two slow conversions: its quantized tensors dequantized t
 `transformers`; for the embedded SmolLM2 each takes ~4 s of CPU, which every `spindle generate`,
 every pod start and every test that loads it paid again. The results depend only on the file
 and the converting libraries' versions, so they are stored under a key of those (the file's
-resolved path, size, modification time, inode and change time, as git's index keys a file; the
-`gguf` and `transformers` versions) and read back in well under a second.
+resolved path, size, modification and change times; the `gguf` and `transformers` versions) and
+read back in well under a second.
 
 The cache lives in `$SPINDLE_CACHE_DIR`, else `$XDG_CACHE_HOME/spindle`, else
 `~/.cache/spindle`. An entry is built in a temporary directory beside it and renamed into place,
@@ -49,9 +49,10 @@ def entry(gguf: Path, kind: str, salt: str = "") -> Path:
     else the conversion depends on (the converting code's own digest, so a fix to it is never
     answered from an entry the old code wrote)."""
     stat = gguf.stat()
-    # The inode and ctime too: a file replaced under its old mtime (`cp -p`, `rsync -a`, an image
-    # built with fixed timestamps) is a new inode with a new ctime, which no copy can set.
-    file = (gguf.resolve(), stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
+    # The change time too: a file replaced under its old mtime (`cp -p`, `rsync -a`, an image built
+    # with fixed timestamps) has a new ctime, which no copy can set. Not the inode: FUSE mounts
+    # (gcsfuse, s3fs) number a model's file anew at each mount, which would miss every time.
+    file = (gguf.resolve(), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
     parts = (*file, _version("gguf"), _version("transformers"), salt)
     return cache_root() / kind / hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:24]
 
