@@ -386,6 +386,8 @@ def write_llama_gguf(
         key = key if key.startswith(("tokenizer.", "split.")) else f"llama.{key}"
         if isinstance(value, list):
             writer.add_array(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
         elif isinstance(value, float):
             writer.add_float32(key, value)
         else:
@@ -501,6 +503,47 @@ def test_a_gguf_file_replaced_under_its_old_mtime_is_converted_again(
 
 
 DOWN_0 = "model.layers.0.mlp.down_proj.weight"
+
+
+def tiny_bpe_tokenizer() -> dict[str, Any]:
+    """GGUF metadata of a byte-level BPE tokenizer ("gpt2") with two merges: HF rebuilds it in
+    milliseconds, not SmolLM2's seconds."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = sorted(ByteLevel.alphabet())
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": ["<s>", "</s>", *alphabet, "Ġt", "he"],
+        "tokenizer.ggml.token_type": [3, 3] + [1] * (len(alphabet) + 2),
+        "tokenizer.ggml.merges": ["Ġ t", "h e"],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+    }
+
+
+def test_a_damaged_conversion_cache_entry_is_converted_again_and_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, llama_tensors: dict[str, torch.Tensor]
+):
+    """Entries are renamed into place unsynced: a node's crash can leave their files empty. A
+    damaged tokenizer entry made the model load without a tokenizer (a warning, then every text
+    request refused) at every start, and a damaged weights entry was never replaced (a rename
+    onto it fails), so every load converted again. Both are converted again and replaced."""
+    from model_service.models import gguf_cache, gguf_weights
+    from model_service.models.tokenizer import Tokenizer
+
+    monkeypatch.setenv("SPINDLE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_llama_gguf(tmp_path / "m.gguf", llama_tensors, tiny_bpe_tokenizer())
+    gguf_weights.read_gguf(path)
+    want = Tokenizer.from_dir(tmp_path, gguf_file=path.name).encode("the tea")
+    weights = gguf_cache.lookup(path, "weights", gguf_weights._CONVERSION) / "model.safetensors"
+    tokenizer = gguf_cache.lookup(path, "tokenizer") / "tokenizer.json"
+    for file in (weights, tokenizer):
+        file.write_bytes(b"")
+    _, tensors = gguf_weights.read_gguf(path)
+    loaded = Tokenizer.from_dir(tmp_path, gguf_file=path.name)
+    assert loaded is not None and loaded.encode("the tea") == want
+    assert torch.equal(tensors[DOWN_0], llama_tensors[DOWN_0])
+    assert weights.stat().st_size > 0 and tokenizer.stat().st_size > 0
 
 
 DOWN_3 = "model.layers.3.mlp.down_proj.weight"

@@ -66,6 +66,14 @@ def lookup(gguf: Path, kind: str, salt: str = "") -> Path | None:
     return path if path.is_dir() else None
 
 
+def discard(entry_dir: Path) -> None:
+    """Remove an entry that cannot be read back (files a crash left empty: the entry is renamed
+    into place unsynced), so the conversion that follows can store a good one; a damaged entry
+    left in place would block that `store` (a rename onto a full directory fails) for good."""
+    log.warning("GGUF conversion cache entry %s is damaged: converting again", entry_dir)
+    shutil.rmtree(entry_dir, ignore_errors=True)
+
+
 def store(gguf: Path, kind: str, write: Callable[[Path], None], salt: str = "") -> None:
     """Make the entry with `write(directory)`; a failure is logged and the entry left absent."""
     tmp = None

@@ -106,8 +106,8 @@ def _read_or_convert(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         try:
             fields = json.loads((cached / "config.json").read_text())
             return ModelConfig(**fields), load_file(cached / "model.safetensors")
-        except (OSError, ValueError, TypeError, SafetensorError):  # a damaged entry: convert again
-            pass
+        except (OSError, ValueError, TypeError, SafetensorError):
+            gguf_cache.discard(cached)
     import gguf
 
     try:
