@@ -67,9 +67,10 @@ def lookup(gguf: Path, kind: str, salt: str = "") -> Path | None:
 
 
 def discard(entry_dir: Path) -> None:
-    """Remove an entry that cannot be read back (files a crash left empty: the entry is renamed
-    into place unsynced), so the conversion that follows can store a good one; a damaged entry
-    left in place would block that `store` (a rename onto a full directory fails) for good."""
+    """Remove an entry that cannot be read back (an older version renamed entries into place
+    unsynced: a crash could leave their files empty), so the conversion that follows can store a
+    good one; a damaged entry left in place would block that `store` (a rename onto a full
+    directory fails) for good."""
     log.warning("GGUF conversion cache entry %s is damaged: converting again", entry_dir)
     shutil.rmtree(entry_dir, ignore_errors=True)
 
@@ -82,6 +83,7 @@ def store(gguf: Path, kind: str, write: Callable[[Path], None], salt: str = "") 
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
         write(tmp)
+        _sync(tmp)
         os.rename(tmp, final)  # atomic; another process's identical entry may have won the race
         tmp = None
     except OSError as e:
@@ -89,6 +91,19 @@ def store(gguf: Path, kind: str, write: Callable[[Path], None], salt: str = "") 
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sync(directory: Path) -> None:
+    """The entry's files on disk before its rename publishes it: a crash after an unsynced rename
+    can leave them empty, or (XFS) their full length of zeros, which would load as weights."""
+    for file in (f for f in directory.iterdir() if f.is_file()):
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
