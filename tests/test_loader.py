@@ -335,6 +335,217 @@ def test_transposed_weight_storage_changes_strides_only(tied: bool):
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
 
 
+# llama.cpp's tensor names for an HF Llama's (convert_hf_to_gguf.py, by hand: it is not on PyPI).
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """`LlamaModel.permute` of llama.cpp's converter: q/k rows (weights and biases) interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's name for an HF tensor's (a name already llama.cpp's, `blk.*`, kept)."""
+    if hf_name.startswith("blk."):
+        return hf_name
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf_name in globals_ or hf_name == "lm_head.weight":
+        return globals_.get(hf_name, "output.weight")
+    _, _, layer, *module, kind = hf_name.split(".")
+    return f"blk.{layer}.{GGUF_NAMES['.'.join(module)]}.{kind}"
+
+
+def write_llama_gguf(
+    path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None
+) -> Path:
+    """A Llama GGUF file as llama.cpp's converter writes one from an HF checkpoint's float32
+    `tensors` (4 heads, 2 K/V heads of 16), plus `meta` keys (`llama.` prefixed unless
+    `tokenizer.` or `split.`; a list: a per-layer array)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    hidden, ffn = (
+        tensors["model.embed_tokens.weight"].shape[1],
+        tensors["model.layers.0.mlp.up_proj.weight"].shape[0],
+    )
+    fields: dict[str, Any] = {"embedding_length": hidden, "feed_forward_length": ffn, "block_count": 2,
+                              "attention.head_count": 4, "attention.head_count_kv": 2,
+                              "attention.layer_norm_rms_epsilon": 1e-6,
+                              "rope.dimension_count": 16}  # fmt: skip
+    for key, value in {**fields, **(meta or {})}.items():
+        key = key if key.startswith(("tokenizer.", "split.")) else f"llama.{key}"
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    for name, t in tensors.items():
+        data = t.float().numpy()
+        if ".q_proj." in name or ".k_proj." in name:
+            data = llama_cpp_permute(data, 4 if ".q_proj." in name else 2)
+        writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_tensors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """A tiny HF Llama's tensors with `attention_bias` (random q/k/v/o biases)."""
+    ckpt = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama_bias"), attention_bias=True)
+    tensors = load_file(ckpt / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    return {
+        k: torch.randn(v.shape, generator=generator) if k.endswith(".bias") else v for k, v in tensors.items()
+    }
+
+
+def test_a_llama_gguf_with_attention_biases_has_the_checkpoints_q_and_k_biases(
+    tmp_path: Path, llama_tensors: dict[str, torch.Tensor]
+):
+    """llama.cpp's converter permutes q/k biases as it does the weights; the loader read them
+    still permuted (a Llama GGUF with `attention_bias` served with scrambled q/k biases)."""
+    from model_service.models.gguf_weights import read_gguf
+
+    config, tensors = read_gguf(write_llama_gguf(tmp_path / "m.gguf", llama_tensors))
+    assert config.qkv_bias and config.o_proj_bias
+    assert tensors.keys() == llama_tensors.keys()
+    for name, want in llama_tensors.items():
+        assert torch.equal(tensors[name], want), name
+
+
+@pytest.mark.parametrize(
+    ("meta", "extra", "named"),
+    [
+        ({"rope.scaling.factor": 4.0}, None, "RoPE scaling (linear)"),  # llama.cpp's default type
+        ({"rope.scale_linear": 4.0}, None, "RoPE scaling (linear)"),  # the key's older spelling
+        ({"rope.dimension_count": 8}, None, "llama.rope.dimension_count"),
+        ({"attention.head_count_kv": [2, 4]}, None, "'llama.attention.head_count_kv' differs between layers"),
+        ({}, "blk.0.ffn_gate_exps.weight", "['blk.0.ffn_gate_exps.weight']"),
+        ({}, "blk.1.attn_qkv.weight", "['blk.1.attn_qkv.weight']"),
+        ({"split.count": 3, "split.no": 0}, None, "shard 1 of 3"),  # llama-gguf-split's first file
+    ],
+)
+def test_gguf_metadata_and_tensors_the_loader_would_ignore_are_refused(
+    tmp_path: Path,
+    llama_tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    extra: str | None,
+    named: str,
+):
+    """Each was dropped and the model loaded without it, answering wrongly: linear RoPE scaling
+    spelt without a type, partial RoPE, a Mixtral's experts, a fused QKV projection. Per-layer
+    arrays whose layers differ were a TypeError; a split model's first shard was read as the whole
+    model (refused as "missing" the other shards' tensors, the split unsaid)."""
+    from model_service.models.gguf_weights import read_gguf
+
+    tensors = {**llama_tensors, **({extra: torch.ones(4, 64)} if extra else {})}
+    with pytest.raises(ModelLoadError) as e:
+        read_gguf(write_llama_gguf(tmp_path / "m.gguf", tensors, meta))
+    assert named in str(e.value)
+
+
+def test_gguf_end_of_turn_tokens_end_generation_and_uniform_per_layer_arrays_load(
+    tmp_path: Path, llama_tensors: dict[str, torch.Tensor]
+):
+    """llama.cpp stops on EOT and EOM as on EOS; the loader kept EOS alone (a chat model whose
+    EOS is its end-of-text token ran on past its turn). A per-layer array whose layers agree is
+    one value (llama.cpp's `get_key_or_arr`); a scaling factor of 1 is no scaling."""
+    from model_service.models.gguf_weights import read_gguf
+
+    meta = {
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.eot_token_id": 7,
+        "tokenizer.ggml.eom_token_id": 2,
+        "attention.head_count": [4, 4],
+        "rope.scaling.factor": 1.0,
+    }
+    config, _ = read_gguf(write_llama_gguf(tmp_path / "m.gguf", llama_tensors, meta))
+    assert config.eos_token_ids == [2, 7] and config.num_heads == 4
+
+
+def test_a_gguf_file_replaced_under_its_old_mtime_is_converted_again(
+    tmp_path: Path, llama_tensors: dict[str, torch.Tensor]
+):
+    """The conversion cache was keyed by path, size and mtime: a new file of the same size put
+    in place with the old one's mtime (`cp -p`, `rsync -a`, `tar x`, an image built with fixed
+    timestamps) was answered with the old file's float32 tensors. A replaced file has a new
+    ctime, which no copy can set."""
+    import os
+    import time
+
+    from model_service.models.gguf_weights import read_gguf
+
+    path = write_llama_gguf(tmp_path / "m.gguf", llama_tensors)
+    mtime = path.stat().st_mtime_ns
+    read_gguf(path)  # cached
+    time.sleep(0.05)  # past the file clock's tick (a jiffy, <= 10 ms): the new file's ctime differs
+    doubled = {name: 2 * t for name, t in llama_tensors.items()}
+    os.replace(write_llama_gguf(tmp_path / "new.gguf", doubled), path)
+    os.utime(path, ns=(mtime, mtime))
+    _, tensors = read_gguf(path)
+    assert torch.equal(tensors[DOWN_0], doubled[DOWN_0])
+
+
+DOWN_0 = "model.layers.0.mlp.down_proj.weight"
+
+
+def tiny_bpe_tokenizer() -> dict[str, Any]:
+    """GGUF metadata of a byte-level BPE tokenizer ("gpt2") with two merges: HF rebuilds it in
+    milliseconds, not SmolLM2's seconds."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = sorted(ByteLevel.alphabet())
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": ["<s>", "</s>", *alphabet, "Ġt", "he"],
+        "tokenizer.ggml.token_type": [3, 3] + [1] * (len(alphabet) + 2),
+        "tokenizer.ggml.merges": ["Ġ t", "h e"],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+    }
+
+
+def test_a_damaged_conversion_cache_entry_is_converted_again_and_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, llama_tensors: dict[str, torch.Tensor]
+):
+    """Entries are renamed into place unsynced: a node's crash can leave their files empty. A
+    damaged tokenizer entry made the model load without a tokenizer (a warning, then every text
+    request refused) at every start, and a damaged weights entry was never replaced (a rename
+    onto it fails), so every load converted again. Both are converted again and replaced."""
+    from model_service.models import gguf_cache, gguf_weights
+    from model_service.models.tokenizer import Tokenizer
+
+    monkeypatch.setenv("SPINDLE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_llama_gguf(tmp_path / "m.gguf", llama_tensors, tiny_bpe_tokenizer())
+    gguf_weights.read_gguf(path)
+    want = Tokenizer.from_dir(tmp_path, gguf_file=path.name).encode("the tea")
+    weights = gguf_cache.lookup(path, "weights", gguf_weights._CONVERSION) / "model.safetensors"
+    tokenizer = gguf_cache.lookup(path, "tokenizer") / "tokenizer.json"
+    for file in (weights, tokenizer):
+        file.write_bytes(b"")
+    _, tensors = gguf_weights.read_gguf(path)
+    loaded = Tokenizer.from_dir(tmp_path, gguf_file=path.name)
+    assert loaded is not None and loaded.encode("the tea") == want
+    assert torch.equal(tensors[DOWN_0], llama_tensors[DOWN_0])
+    assert weights.stat().st_size > 0 and tokenizer.stat().st_size > 0
+
+
 DOWN_3 = "model.layers.3.mlp.down_proj.weight"
 
 

@@ -96,7 +96,10 @@ def _from_gguf(path: Path) -> Any:
     with gguf_cache.converting(path, "tokenizer"):
         cached = gguf_cache.lookup(path, "tokenizer")
         if cached is not None:
-            return AutoTokenizer.from_pretrained(str(cached))
+            try:
+                return AutoTokenizer.from_pretrained(str(cached))
+            except Exception:  # whatever a damaged entry raises: the file itself may be fine
+                gguf_cache.discard(cached)
         hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         gguf_cache.store(path, "tokenizer", hf.save_pretrained)
         return hf
