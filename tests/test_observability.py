@@ -14,6 +14,9 @@ from contextlib import asynccontextmanager
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,6 +25,7 @@ from model_service.pod import server as pod_server
 from model_service.pod.state import ModelPod
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc
+from tests.service_helpers import gateway_in_process
 
 GENERATE = "/spindle.v1.Generation/Generate"
 STEP_S = 0.005
@@ -128,3 +132,71 @@ def _check_histogram(family) -> None:
         assert buckets == sorted(buckets) and buckets[-1][0] == float("inf"), family.name
         [count] = parts["count"]
         assert buckets[-1][1] == count.value and "sum" in parts, family.name
+
+
+async def _traced_endings(exporter: InMemorySpanExporter) -> None:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with _fake_pod(provider) as (_, port):
+        flags = ["--pods", f"127.0.0.1:{port}", "--allow-unauthenticated"]
+        async with (
+            gateway_in_process(flags, provider) as gw,
+            grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch,
+        ):
+            await _three_endings(ch)
+            await asyncio.sleep(0.3)  # the pod's handlers see the cancellations
+
+
+def test_a_cancelled_or_timed_out_call_is_not_traced_as_ok(caplog):
+    """grpc.aio ends a cancelled call, or one past its deadline, by cancelling its handler, which
+    OpenTelemetry's server interceptor does not see (it catches Exception), and when that landed
+    while a message was being sent the interceptor's generator was closed later by the garbage
+    collector ("Failed to detach context" logged at ERROR): every such span said
+    `rpc.grpc.status_code` 0 (OK), so a trace-based error rate missed every timeout. Now the
+    spans say CANCELLED (1) or DEADLINE_EXCEEDED (4, an error by the RPC conventions), and
+    the pod's what it generated before."""
+    exporter = InMemorySpanExporter()
+    asyncio.run(_traced_endings(exporter))
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]
+    calls = [s for s in exporter.get_finished_spans() if s.name == GENERATE]
+    by_trace: dict[int, dict[str, list]] = {}
+    for s in sorted(calls, key=lambda s: s.start_time):
+        by_trace.setdefault(s.context.trace_id, {}).setdefault(s.kind.name, []).append(s)
+    [done, cancelled, late] = [(t["SERVER"][0], t["CLIENT"][0], t["SERVER"][1]) for t in by_trace.values()]
+    for gateway_span, _, pod_span in (done, cancelled, late):
+        assert "spindle.caller" in gateway_span.attributes and "spindle.caller" not in pod_span.attributes
+    codes = [[s.attributes["rpc.grpc.status_code"] for s in spans] for spans in (done, cancelled, late)]
+    # The pod's deadline is the gateway's: whichever of the gateway's cancel and its own lands first.
+    assert codes[:2] == [[0, 0, 0], [1, 1, 1]] and codes[2][:2] == [4, 4] and codes[2][2] in (1, 4)
+    for span in (*done, *cancelled):
+        assert span.status.status_code == StatusCode.UNSET  # a cancel is the caller's choice, not a fault
+    assert late[0].status.status_code == late[1].status.status_code == StatusCode.ERROR
+    for _, _, pod_span in (cancelled, late):
+        assert pod_span.attributes["gen_ai.response.finish_reasons"] == ("abort",)
+        assert pod_span.attributes["gen_ai.usage.output_tokens"] > 0
+
+
+def test_closing_a_wrapped_stream_closes_the_handlers_at_once():
+    """The malformed-request wrapper around every streaming handler iterated the handler's stream
+    without closing it: a call cancelled while grpc sent a message closed only the wrapper, and
+    the handler's cleanup (its span's attributes, the pod's metrics, the gateway's stream slot)
+    ran later, whenever the garbage collector found it, after its span had ended."""
+    from spindle.malformed import _wrap
+
+    cleaned: list[str] = []
+
+    async def handler(request: int, context: object) -> AsyncIterator[int]:
+        try:
+            yield request
+            yield request + 1
+        finally:
+            cleaned.append("handler")
+
+    async def go() -> None:
+        wrapped = _wrap(grpc.unary_stream_rpc_method_handler(handler)).unary_stream
+        stream = wrapped(7, None)
+        assert await anext(stream) == 7
+        await stream.aclose()
+        assert cleaned == ["handler"]
+
+    asyncio.run(go())
