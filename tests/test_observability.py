@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -21,6 +22,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.fake_engine import FakeFastEngine
+from model_service.engine.sampling_params import SamplingParams
 from model_service.pod import server as pod_server
 from model_service.pod.state import ModelPod
 from spindle.v1 import generation_pb2 as pb
@@ -174,6 +176,36 @@ def test_a_cancelled_or_timed_out_call_is_not_traced_as_ok(caplog):
     for _, _, pod_span in (cancelled, late):
         assert pod_span.attributes["gen_ai.response.finish_reasons"] == ("abort",)
         assert pod_span.attributes["gen_ai.usage.output_tokens"] > 0
+
+
+def test_a_scrape_during_a_long_step_answers_from_the_last_step_boundary():
+    """The metrics collector asked the engine thread for its stats and waited for it: a scrape
+    during a long step (a long prompt's prefill on a slow device: 48 s on 2 CPU cores) waited the
+    whole step, past Prometheus's 10 s scrape timeout (the pod then reads as down), and a
+    stuck engine held every scrape's thread for good. Now a scrape answers as the load reports
+    do: fresh stats within a quarter second, else those of the last step boundary."""
+
+    async def go() -> tuple[float, dict[str, list]]:
+        async with _fake_pod() as (pod, _):
+            await pod.load_stats.recent()  # what the gateway's first load poll does
+            engine = pod.engine
+            assert isinstance(engine, FakeFastEngine)
+            engine.step_s = 1.5
+            assert pod.async_engine is not None
+            one = SamplingParams(max_tokens=1)
+            long = pod.async_engine.generate("long", prompt_token_ids=[1], params=one)
+            step = asyncio.ensure_future(anext(long))  # a step of 1.5 s begins
+            await asyncio.sleep(0.1)
+            started = time.monotonic()
+            text = (await asyncio.to_thread(generate_latest, pod.metrics.registry)).decode()
+            took = time.monotonic() - started
+            await step
+            await long.aclose()
+            return took, _strictly_parsed(text)
+
+    took, metrics = asyncio.run(go())
+    assert took < 1.0  # FRESH_WAIT_S (0.25 s), not the step
+    assert _value(metrics, "vllm:num_requests_running") == 0  # the stats of the step boundary before
 
 
 def test_closing_a_wrapped_stream_closes_the_handlers_at_once():
