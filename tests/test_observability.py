@@ -12,6 +12,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
@@ -232,3 +233,64 @@ def test_closing_a_wrapped_stream_closes_the_handlers_at_once():
         assert cleaned == ["handler"]
 
     asyncio.run(go())
+
+
+class _Answers:
+    """A Generation servicer behind the HTTP front: `max_tokens` 1 is refused (INVALID_ARGUMENT),
+    2 fails after its first chunk (UNAVAILABLE), anything else answers."""
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        if request.max_tokens == 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one token is not enough")
+        yield pb.GenerateResponse(chunk=pb.Chunk(text="Hel", token_ids=[1]))
+        if request.max_tokens == 2:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod went away")
+        usage = pb.Usage(prompt_tokens=1, completion_tokens=1)
+        yield pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_LENGTH, usage=usage))
+
+
+def test_http_spans_say_their_status_and_are_errors_only_for_the_servers_faults():
+    """The HTTP front's span began after the body was parsed (a malformed request had none) and
+    carried no HTTP attributes, and a refusal set it ERROR: every 400, 401 and 429 counted as a
+    server error in a trace backend's error rate. Now: a span per request but /health, with
+    `http.request.method`, `http.route` and `http.response.status_code`; ERROR only for a 5xx,
+    or for a stream that failed after its 200 (its error event)."""
+    import aiohttp
+    from opentelemetry.trace import get_tracer
+
+    from spindle.openai_api.server import OpenAIServer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = get_tracer(__name__, tracer_provider=provider)
+
+    async def go() -> list[int]:
+        server = OpenAIServer(_Answers(), lambda: ("m",), lambda: True, tracer)
+        port = await server.start("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}"
+        statuses = []
+        try:
+            async with aiohttp.ClientSession() as http:
+                for body in ({"max_tokens": 5}, {"max_tokens": 1}, {"max_tokens": 2, "stream": True}):
+                    async with http.post(
+                        f"{url}/v1/completions", json={"model": "m", "prompt": "x", **body}
+                    ) as r:
+                        statuses.append(r.status)
+                        await r.read()
+                for path in ("/v1/completions", "/v1/models/m", "/health"):
+                    async with http.request("POST" if "compl" in path else "GET", url + path, data=b"{") as r:
+                        statuses.append(r.status)
+        finally:
+            await server.stop()
+        return statuses
+
+    assert asyncio.run(go()) == [200, 400, 200, 400, 500, 200]
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["POST /v1/completions"] * 4 + ["GET /v1/models/{model}"]
+    codes = [s.attributes.get("http.response.status_code") for s in spans]
+    assert codes == [200, 400, 200, 400, 500]
+    errors = [s.status.status_code == StatusCode.ERROR for s in spans]
+    assert errors == [False, False, True, False, True]
+    assert {s.attributes["http.request.method"] for s in spans} == {"POST", "GET"}
+    assert spans[0].attributes["http.route"] == "/v1/completions"
