@@ -167,11 +167,12 @@ async def _stream(
 
 
 def _failed(error: ApiError) -> ApiError:
-    """`error`, sent as an event after the 200: the span says the request failed (its status
-    code cannot)."""
-    trace.get_current_span().set_status(
-        trace.Status(trace.StatusCode.ERROR, f"{error.code}: {error.message}")
-    )
+    """`error`, sent as an event after the 200: the span says so, as its status code cannot (an
+    error when the server is at fault, the status it would have had a 5xx)."""
+    span = trace.get_current_span()
+    span.set_attribute("error.type", error.code)
+    if error.status >= 500:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{error.code}: {error.message}"))
     return error
 
 
