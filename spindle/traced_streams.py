@@ -51,9 +51,12 @@ class TracedStreams(OpenTelemetryAioServerInterceptor):
             except (asyncio.CancelledError, GeneratorExit):
                 note_cancelled(span, context)
                 raise
-            except Exception as e:
-                if type(e) is not Exception:  # a bare Exception is grpc's abort, its status recorded
-                    span.record_exception(e)
+            except grpc.aio.AbortError:
+                raise  # its status is on the span already (the wrapped context's abort)
+            except Exception as e:  # a bug in the handler: grpc answers UNKNOWN
+                span.record_exception(e)
+                span.set_attribute(RPC_GRPC_STATUS_CODE, grpc.StatusCode.UNKNOWN.value[0])
+                span.set_status(trace.Status(trace.StatusCode.ERROR, f"UNKNOWN: {type(e).__name__}"))
                 raise
             finally:
                 await _within(current, responses.aclose())  # the handler's own cleanup sees its span

@@ -8,6 +8,8 @@ still running when its caller gives up, however fast the machine.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import re
 import time
 from collections.abc import AsyncIterator
@@ -294,3 +296,56 @@ def test_http_spans_say_their_status_and_are_errors_only_for_the_servers_faults(
     assert errors == [False, False, True, False, True]
     assert {s.attributes["http.request.method"] for s in spans} == {"POST", "GET"}
     assert spans[0].attributes["http.route"] == "/v1/completions"
+
+
+class _Call:
+    """The part of a grpc.aio servicer context the tracing interceptor reads."""
+
+    def invocation_metadata(self) -> tuple:
+        entry = collections.namedtuple("Metadatum", "key value")
+        return (entry("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),)
+
+    def peer(self) -> str:
+        return "ipv4:10.0.0.1:5000"
+
+    def time_remaining(self) -> None:
+        return None
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple = ()) -> None:
+        raise grpc.aio.AbortError()
+
+
+def test_a_traced_stream_says_how_it_ended():
+    """Refused by the caller's fault (UNSET), by the server's (ERROR), or a bug in the handler
+    (UNKNOWN, ERROR: upstream's stream interceptor left such a span OK); each in the caller's
+    trace, each ended."""
+    from spindle.traced_streams import TracedStreams
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    interceptor = TracedStreams(provider.get_tracer("t"))
+    details = collections.namedtuple("Details", "method invocation_metadata")("/s.S/M", ())
+
+    def handler(ending: Any) -> Any:
+        async def stream(request: int, context: Any) -> AsyncIterator[int]:
+            yield request
+            if isinstance(ending, grpc.StatusCode):
+                await context.abort(ending, "refused")
+            raise ending
+
+        return interceptor._intercept_aio_server_stream(stream, details)
+
+    async def run(ending: Any) -> None:
+        with contextlib.suppress(Exception):
+            async for _ in handler(ending)(1, _Call()):
+                pass
+
+    endings = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INTERNAL, KeyError("bug"))
+    for ending in endings:
+        asyncio.run(run(ending))
+    spans = exporter.get_finished_spans()
+    assert [s.attributes["rpc.grpc.status_code"] for s in spans] == [5, 13, 2]
+    assert [s.status.status_code for s in spans] == [StatusCode.UNSET, StatusCode.ERROR, StatusCode.ERROR]
+    assert {f"{s.context.trace_id:032x}" for s in spans} == {"0af7651916cd43dd8448eb211c80319c"}
+    assert spans[0].attributes["net.peer.ip"] == "10.0.0.1"
