@@ -349,3 +349,22 @@ def test_a_traced_stream_says_how_it_ended():
     assert [s.status.status_code for s in spans] == [StatusCode.UNSET, StatusCode.ERROR, StatusCode.ERROR]
     assert {f"{s.context.trace_id:032x}" for s in spans} == {"0af7651916cd43dd8448eb211c80319c"}
     assert spans[0].attributes["net.peer.ip"] == "10.0.0.1"
+
+
+def test_an_adapter_name_the_lora_metric_would_split_is_refused():
+    """`vllm:lora_requests_info` lists adapters comma-joined, as vLLM does and as the Gateway API
+    Inference Extension reads them: a pod adapter named `x,y` read as adapters `x` and `y`."""
+    from model_service.pod.control import ModelControlService
+    from spindle.openai_api.context import HttpCallContext, Refused
+
+    service = ModelControlService(ModelPod("m", drain_timeout=1.0))
+
+    async def refused(name: str) -> bool:
+        try:
+            await service._name(name, HttpCallContext({}))
+        except Refused as e:
+            return e.code == grpc.StatusCode.INVALID_ARGUMENT
+        return False
+
+    names = ("x,y", "a\nb", "sql-lora.v2", "ü")
+    assert [asyncio.run(refused(n)) for n in names] == [True, True, False, False]
