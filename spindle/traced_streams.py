@@ -36,13 +36,14 @@ class TracedStreams(OpenTelemetryAioServerInterceptor):
     ) -> Callable[..., AsyncIterator[Any]]:
         async def traced(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             metadata = {m.key: m.value for m in context.invocation_metadata() or ()}
+            caller = propagate.extract(metadata)  # its trace, and its baggage (passed on to pods)
             span = self._tracer.start_span(
                 handler_call_details.method,
-                propagate.extract(metadata),
+                caller,
                 trace.SpanKind.SERVER,
                 attributes=_attributes(handler_call_details.method, metadata, context.peer()),
             )
-            current = trace.set_span_in_context(span)
+            current = trace.set_span_in_context(span, caller)
             context = _OpenTelemetryAioServicerContext(context, span)  # records an abort's status
             responses = behavior(request, context)
             try:
@@ -59,8 +60,10 @@ class TracedStreams(OpenTelemetryAioServerInterceptor):
                 span.set_status(trace.Status(trace.StatusCode.ERROR, f"UNKNOWN: {type(e).__name__}"))
                 raise
             finally:
-                await _within(current, responses.aclose())  # the handler's own cleanup sees its span
-                span.end()
+                try:
+                    await _within(current, responses.aclose())  # the handler's cleanup sees its span
+                finally:
+                    span.end()
 
         return traced
 

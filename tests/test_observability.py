@@ -303,7 +303,8 @@ class _Call:
 
     def invocation_metadata(self) -> tuple:
         entry = collections.namedtuple("Metadatum", "key value")
-        return (entry("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),)
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        return (entry("traceparent", parent), entry("baggage", "tenant=acme"))
 
     def peer(self) -> str:
         return "ipv4:10.0.0.1:5000"
@@ -318,7 +319,9 @@ class _Call:
 def test_a_traced_stream_says_how_it_ended():
     """Refused by the caller's fault (UNSET), by the server's (ERROR), or a bug in the handler
     (UNKNOWN, ERROR: upstream's stream interceptor left such a span OK); each in the caller's
-    trace, each ended."""
+    trace, each ended; the handler sees the caller's baggage (which the gateway passes on)."""
+    from opentelemetry import baggage
+
     from spindle.traced_streams import TracedStreams
 
     exporter = InMemorySpanExporter()
@@ -326,9 +329,11 @@ def test_a_traced_stream_says_how_it_ended():
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     interceptor = TracedStreams(provider.get_tracer("t"))
     details = collections.namedtuple("Details", "method invocation_metadata")("/s.S/M", ())
+    seen: list[object] = []
 
     def handler(ending: Any) -> Any:
         async def stream(request: int, context: Any) -> AsyncIterator[int]:
+            seen.append(baggage.get_baggage("tenant"))
             yield request
             if isinstance(ending, grpc.StatusCode):
                 await context.abort(ending, "refused")
@@ -349,6 +354,7 @@ def test_a_traced_stream_says_how_it_ended():
     assert [s.status.status_code for s in spans] == [StatusCode.UNSET, StatusCode.ERROR, StatusCode.ERROR]
     assert {f"{s.context.trace_id:032x}" for s in spans} == {"0af7651916cd43dd8448eb211c80319c"}
     assert spans[0].attributes["net.peer.ip"] == "10.0.0.1"
+    assert seen == ["acme"] * 3
 
 
 def test_an_adapter_name_the_lora_metric_would_split_is_refused():
