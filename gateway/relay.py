@@ -7,13 +7,15 @@ resume on another pod from what the caller already has (`GenerateRequest.resume`
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 from opentelemetry import propagate, trace
 
+from spindle.traced_streams import note_cancelled
 from spindle.v1 import generation_pb2 as pb
 
 GENERATE = "/spindle.v1.Generation/Generate"
@@ -55,11 +57,12 @@ class Relayed:
 
 @contextlib.contextmanager
 def client_span(
-    tracer: trace.Tracer, address: str, incoming: Sequence[tuple[str, Any]]
+    tracer: trace.Tracer, address: str, caller: grpc.aio.ServicerContext
 ) -> Iterator[tuple[trace.Span, list[tuple[str, str]]]]:
     """The span of one Generate call to a pod, and the metadata that carries its context there;
     what the client interceptor would record, without its per-message wrapper. Not tracing here
-    (no span context), the caller's own context (`incoming` metadata) goes on to the pod."""
+    (no span context), the caller's own context (its call's metadata) goes on to the pod. A call
+    the gateway cancels because its caller did (or the caller's deadline passed) says so."""
     span = tracer.start_span(
         GENERATE,
         kind=trace.SpanKind.CLIENT,
@@ -72,13 +75,16 @@ def client_span(
         metadata = list(carrier.items())
     else:
         fields = propagate.get_global_textmap().fields
-        metadata = [(k, v) for k, v in incoming if k in fields]
+        metadata = [(k, v) for k, v in caller.invocation_metadata() or () if k in fields]
     try:
         yield span, metadata
         span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.OK.value[0])
     except grpc.aio.AioRpcError as e:
         span.set_attribute("rpc.grpc.status_code", e.code().value[0])
         span.set_status(trace.Status(trace.StatusCode.ERROR, f"{e.code().name}: {e.details()}"))
+        raise
+    except (asyncio.CancelledError, GeneratorExit):
+        note_cancelled(span, caller)
         raise
     finally:
         span.end()

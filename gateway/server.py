@@ -190,8 +190,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 span.set_attribute("spindle.pod", pod.address)
                 span.set_attribute("spindle.attempts", attempt)
             try:
-                incoming = context.invocation_metadata() or ()
-                with pod.streaming(), client_span(self.tracer, pod.address, incoming) as (_, metadata):
+                with pod.streaming(), client_span(self.tracer, pod.address, context) as (_, metadata):
                     call = pod.generate_raw(request, metadata=metadata, timeout=context.time_remaining())
                     try:
                         if attempt == 1:  # x-request-id once the pod has the request (its headers came):

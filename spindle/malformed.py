@@ -7,10 +7,13 @@ deserializer for one that hands a `Malformed` marker to a thin wrapper around th
 refuses the call with a message that names the message type. A streaming handler that writes
 with `context.write` instead of yielding (grpc's health Watch) keeps that style: wrapped as an
 async generator it ended UNKNOWN ("'async for' requires an object with __aiter__ method").
+A wrapped stream closes the handler's when it is closed (a cancelled call), so the handler's
+cleanup runs then, in the call's task and context, not later when the garbage collector finds it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -79,8 +82,9 @@ def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             if isinstance(request, Malformed):
                 await _refuse(context, request)
-            async for response in inner_us(request, context):
-                yield response
+            async with contextlib.aclosing(inner_us(request, context)) as responses:
+                async for response in responses:
+                    yield response
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, serialize)
     if handler.stream_unary is not None:
@@ -95,8 +99,9 @@ def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     async def stream_stream(
         requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        async for response in inner_ss(_checked(requests, context), context):
-            yield response
+        async with contextlib.aclosing(inner_ss(_checked(requests, context), context)) as responses:
+            async for response in responses:
+                yield response
 
     return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, serialize)
 

@@ -21,11 +21,13 @@ import os
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from opentelemetry.instrumentation.grpc import filters as grpc_filters
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+from spindle.traced_streams import TracedStreams
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +102,12 @@ def _exporters_from_env() -> list[Any]:
 
 
 def server_interceptors(provider: TracerProvider | None) -> list[Any]:
-    """Continue the caller's trace (W3C `traceparent` metadata) in a server span per RPC."""
-    return [] if provider is None else [aio_server_interceptor(tracer_provider=provider, filter_=_UNTRACED)]
+    """Continue the caller's trace (W3C `traceparent` metadata) in a server span per RPC; a
+    response stream's ends with its call, cancelled or not (traced_streams.py)."""
+    if provider is None:
+        return []
+    tracer = trace.get_tracer("opentelemetry.instrumentation.grpc", tracer_provider=provider)
+    return [TracedStreams(tracer, filter_=_UNTRACED)]
 
 
 def client_interceptors(provider: TracerProvider | None) -> list[Any]:

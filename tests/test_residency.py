@@ -34,6 +34,7 @@ class _TieredEngine(FakeFastEngine):
 
 
 def _samples(pod: ModelPod) -> dict[str, list]:
+    """A scrape, from a thread other than the pod's event loop (as the metrics server's)."""
     text = generate_latest(pod.metrics.registry).decode()
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
@@ -48,7 +49,7 @@ def test_a_pod_reports_each_tier_and_its_adapter_memory():
             running.scheduled = 1.0  # the engine ran it: a running adapter
             pod.accepted(running)
             pod.begin("r3", "nobody-serves-this")  # refused by the engine: not counted
-            return await pod.load_report(), _samples(pod), pod.adapter_requests
+            return await pod.load_report(), await asyncio.to_thread(_samples, pod), pod.adapter_requests
         finally:
             pod.close()
 

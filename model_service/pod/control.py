@@ -81,9 +81,15 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
             await abort(context, Code.UNAVAILABLE, "model pod is still loading its model")
 
     async def _name(self, name: str, context: grpc.aio.ServicerContext) -> str:
-        if not name or len(name) > 256 or any(c in name for c in "/\\\0") or name.startswith("@"):
+        """`name`, or INVALID_ARGUMENT. A comma or a control character is refused too: the pod's
+        `vllm:lora_requests_info` lists adapters comma-joined (vLLM's format, which the Gateway API
+        Inference Extension splits on commas), so `x,y` would read as two adapters."""
+        bad = any(c in name for c in "/\\\0,") or not name.isprintable() or name.startswith("@")
+        if not name or len(name) > 256 or bad:
             await abort(
-                context, Code.INVALID_ARGUMENT, f"adapter name {name!r} is empty, too long or has / \\ @"
+                context,
+                Code.INVALID_ARGUMENT,
+                f"adapter name {name!r} is empty, too long, or has / \\ , @ or a control character",
             )
         return name
 

@@ -53,6 +53,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         span = trace.get_current_span()
         _annotate_request(span, pod.model_name, rid, kwargs)
         req = pod.begin(rid, kwargs.get("adapter"))
+        unrecorded: RequestOutput | None = None  # its latest output, until metrics and span have it
         try:
             await context.send_initial_metadata((("x-request-id", rid),))
             # Outputs that queued up while the last message was being sent go out as one message,
@@ -64,20 +65,23 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 if req.abort_requested:  # it came while the request was on its way to the engine,
                     pod.async_engine.abort(rid)  # where that abort found nothing to stop
                 while True:
-                    out = batch[-1]
+                    unrecorded = out = batch[-1]
                     req.on_output(batch[0])
                     msg = wire.chunk(batch, pod.token_texts)
                     if msg is not None:
                         req.on_tokens(time.monotonic(), len(msg.chunk.token_ids))
                         yield msg
-                    if out.finished:
+                    if out.finished:  # recorded before the final goes out: a scrape after it sees it
                         self._record(req, out, span)
+                        unrecorded = None
                         yield await self._final(req, out, context)
                         return
                     batch = await anext(stream)
         except UnavailableError as e:  # the pod lost a device mid-stream
             await abort(context, Code.UNAVAILABLE, f"{e} (after {req.num_tokens} tokens)")
         finally:
+            if unrecorded is not None:  # the engine ran it, and the call ended before it did
+                self._record(req, unrecorded, span)
             pod.end(req)
 
     async def _admissible(
@@ -125,8 +129,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return wire.final(out)
 
     def _record(self, req: InFlight, out: RequestOutput, span: trace.Span) -> None:
-        """Metrics and the queue / prefill / decode spans, once the request is done."""
+        """Metrics and the queue / prefill / decode spans, once the call is over: `out` is the
+        engine's last output for it, unfinished when the call ended first (the caller cancelled,
+        its deadline passed, the pod lost its device): then an "abort", as the engine ends it."""
         now = time.monotonic()
+        reason = (out.finish_reason or "unknown") if out.finished else "abort"
         m, pod = self.pod.metrics, self.pod
         admitted = req.scheduled or req.first_token or now
         first = req.first_token or now
@@ -141,12 +148,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             m.tpot.observe(gap)
         m.prompt_tokens.inc(out.num_prompt_tokens)
         m.generation_tokens.inc(len(out.token_ids))
-        m.finished.labels(pod.model_name, out.finish_reason or "unknown").inc()
+        m.finished.labels(pod.model_name, reason).inc()
         if not span.is_recording():
             return
         span.set_attribute(telemetry.INPUT_TOKENS, out.num_prompt_tokens)
         span.set_attribute(telemetry.OUTPUT_TOKENS, len(out.token_ids))
-        span.set_attribute(telemetry.FINISH_REASONS, [out.finish_reason or "unknown"])
+        span.set_attribute(telemetry.FINISH_REASONS, [reason])
         if req.first_token is not None:
             span.set_attribute(telemetry.TIME_TO_FIRST_TOKEN, first - req.arrival)
         if telemetry.capture_content():

@@ -29,6 +29,10 @@ from spindle.v1 import pod_status_pb2
 
 log = logging.getLogger(__name__)
 
+# How long a scrape waits for the event loop (a report itself answers within FRESH_WAIT_S):
+# inside Prometheus's default scrape timeout (10 s).
+SCRAPE_WAIT_S = 5.0
+
 
 @dataclass
 class InFlight:
@@ -120,7 +124,8 @@ class ModelPod:
         self.exit_code = 0
         self.metrics = PodMetrics(model_name, self.snapshot_blocking)
         self._watchdog: asyncio.Future[None] | None = None
-        self.load_stats = LoadStats(self.gathered, stall_timeout)  # what load reports read
+        self.load_stats = LoadStats(self.gathered, stall_timeout)  # what load reports and scrapes read
+        self._loop: asyncio.AbstractEventLoop | None = None  # the pod's (scrapes come on another thread)
         self._closed = False
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -130,10 +135,11 @@ class ModelPod:
         started = time.monotonic()
         engine = await asyncio.to_thread(build_engine)
         self.engine, self.async_engine = engine, AsyncEngine(engine)
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         engine.on_lost(lambda why: loop.call_soon_threadsafe(self._on_lost, why))
         self.max_model_len, self.token_texts = engine.max_model_len, TokenTexts(engine.tokenizer)
         await self._warm_up(engine.vocab_size)
+        await self.load_stats.recent()  # so that no report or scrape waits for a step from now on
         log.info("model %s loaded and warmed in %.1f s", self.model_name, time.monotonic() - started)
         if not self.draining and self.health is not None:
             await self.health.set(True)
@@ -261,10 +267,19 @@ class ModelPod:
         return sorted(running), sorted(waiting)
 
     def snapshot_blocking(self) -> Snapshot | None:
-        """For the metrics thread: blocks until the engine thread is between steps."""
-        if self.async_engine is None or self._closed:
+        """For the metrics thread: what load reports read (`LoadStats`), on the pod's event loop.
+        A scrape used to wait for the engine thread to finish its step: a long prompt's prefill
+        on a slow device (48 s) outlasted Prometheus's scrape timeout, and a stuck engine held
+        every scrape's thread. Raises UnavailableError past `--engine-stall-timeout`."""
+        loop = self._loop
+        if self.async_engine is None or self._closed or loop is None:
             return None
-        now = self.async_engine.call(self._gather)
+        if _on(loop):
+            raise RuntimeError("a scrape on the pod's event loop would wait for itself: scrape from a thread")
+        return asyncio.run_coroutine_threadsafe(self._snapshot(), loop).result(timeout=SCRAPE_WAIT_S)
+
+    async def _snapshot(self) -> Snapshot:
+        now = await self.load_stats.recent()
         running, waiting = self._adapter_split()
         return Snapshot(
             stats=now.stats,
@@ -313,3 +328,11 @@ class ModelPod:
             adapter_memory_used_bytes=where.memory_used_bytes,
             adapter_memory_capacity_bytes=where.memory_capacity_bytes,
         )
+
+
+def _on(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether this thread is running `loop`."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

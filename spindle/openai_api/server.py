@@ -66,7 +66,8 @@ class OpenAIServer:
         tracer: trace.Tracer,
     ) -> None:
         self.generation, self.base_models, self.ready, self.tracer = generation, base_models, ready, tracer
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_openai_errors])
+        middlewares = [_traced(tracer), _openai_errors]  # the span sees the status of every refusal
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         chat, completion = ChatFormat(), CompletionFormat()
         self.app.router.add_post("/v1/chat/completions", lambda r: self._generate(r, chat))
         self.app.router.add_post("/v1/completions", lambda r: self._generate(r, completion))
@@ -99,18 +100,16 @@ class OpenAIServer:
         req, call = fmt.parse(await _json_object(request), self.base_models())
         req.request_id = request.headers.get("x-request-id", "")  # checked as gRPC's request_id is
         context = HttpCallContext(request.headers)
-        parent = propagate.extract(request.headers)
-        with self.tracer.start_as_current_span(f"POST {request.path}", parent, trace.SpanKind.SERVER):
-            async with contextlib.aclosing(_messages(self.generation, req, context)) as stream:
-                first = await anext(stream, None)  # a refusal raises here, before any byte is sent
-                if first is None:
-                    raise from_status(grpc.StatusCode.INTERNAL, "the model stream ended without an answer")
-                reply = Reply(fmt, call, context.request_id() or req.request_id)
-                headers = {"x-request-id": reply.request_id}
-                if not call.stream:
-                    messages = [first, *[m async for m in stream]]
-                    return _json(reply.whole(messages), headers=headers)
-                return await _stream(request, reply, first, stream, headers)
+        async with contextlib.aclosing(_messages(self.generation, req, context)) as stream:
+            first = await anext(stream, None)  # a refusal raises here, before any byte is sent
+            if first is None:
+                raise from_status(grpc.StatusCode.INTERNAL, "the model stream ended without an answer")
+            reply = Reply(fmt, call, context.request_id() or req.request_id)
+            headers = {"x-request-id": reply.request_id}
+            if not call.stream:
+                messages = [first, *[m async for m in stream]]
+                return _json(reply.whole(messages), headers=headers)
+            return await _stream(request, reply, first, stream, headers)
 
     async def _models(self, request: web.Request) -> web.Response:
         listed = await self.generation.ListModels(pb.ListModelsRequest(), HttpCallContext(request.headers))
@@ -158,13 +157,49 @@ async def _stream(
         async for message in stream:
             await _send(response, reply.chunks(message, first=False))
     except Refused as e:
-        await _send(response, [from_status(e.code, e.details, e.trailers).body()])
+        await _send(response, [_failed(from_status(e.code, e.details, e.trailers)).body()])
     except ConnectionResetError:
         return response  # the client left; closing the stream aborts the request
     except Exception as e:  # the status line is sent: an answer now would corrupt the event stream
-        await _send(response, [_internal(request, e).body()])
+        await _send(response, [_failed(_internal(request, e)).body()])
     await response.write(b"data: [DONE]\n\n")
     return response
+
+
+def _failed(error: ApiError) -> ApiError:
+    """`error`, sent as an event after the 200: the span says so, as its status code cannot (an
+    error when the server is at fault, the status it would have had a 5xx)."""
+    span = trace.get_current_span()
+    span.set_attribute("error.type", error.code)
+    if error.status >= 500:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{error.code}: {error.message}"))
+    return error
+
+
+def _traced(tracer: trace.Tracer) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """A server span per request but /health (probed every few seconds), continuing the caller's
+    W3C trace context, named and annotated by OpenTelemetry's HTTP conventions; ERROR only for a
+    5xx (a 4xx is the client's). The servicer's GenAI attributes go on it."""
+
+    @web.middleware
+    async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/health":
+            return await handler(request)
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else None
+        attributes = {"http.request.method": request.method, "url.path": request.path}
+        if route is not None:
+            attributes["http.route"] = route
+        name = f"{request.method} {route}" if route is not None else request.method
+        parent = propagate.extract(request.headers)
+        with tracer.start_as_current_span(name, parent, trace.SpanKind.SERVER, attributes=attributes) as span:
+            response = await handler(request)
+            span.set_attribute("http.response.status_code", response.status)
+            if response.status >= 500:
+                span.set_status(trace.Status(trace.StatusCode.ERROR))
+            return response
+
+    return traced
 
 
 async def _send(response: web.StreamResponse, objects: list[dict[str, Any]]) -> None:

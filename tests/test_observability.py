@@ -1,0 +1,376 @@
+"""What a platform team's Prometheus and OpenTelemetry see of requests that do not end well: a
+caller that cancels, a deadline that passes mid-stream, a scrape during a long step.
+
+On the fake engine (bench/fake_engine.py: one token a step, each step sleeps), so a stream is
+still running when its caller gives up, however fast the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import grpc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.fake_engine import FakeFastEngine
+from model_service.engine.sampling_params import SamplingParams
+from model_service.pod import server as pod_server
+from model_service.pod.state import ModelPod
+from spindle.v1 import generation_pb2 as pb
+from spindle.v1 import generation_pb2_grpc
+from tests.service_helpers import gateway_in_process
+
+GENERATE = "/spindle.v1.Generation/Generate"
+STEP_S = 0.005
+
+
+@asynccontextmanager
+async def _fake_pod(provider: TracerProvider | None = None) -> AsyncIterator[tuple[ModelPod, int]]:
+    pod = ModelPod("fake", drain_timeout=1.0)
+    servers = await pod_server.start(pod, "127.0.0.1", 0, 0, provider)
+    try:
+        await pod.load(lambda: FakeFastEngine(STEP_S))
+        yield pod, servers.port
+    finally:
+        await servers.stop(0)
+        pod.close()
+
+
+def _request(prompt_len: int, max_tokens: int) -> pb.GenerateRequest:
+    ids = pb.TokenIds(ids=list(range(1, prompt_len + 1)))
+    return pb.GenerateRequest(token_ids=ids, max_tokens=max_tokens)
+
+
+async def _three_endings(channel: grpc.aio.Channel) -> int:
+    """One request to its end (3 prompt tokens, 5 generated), one cancelled after 3 messages (4
+    prompt tokens), one past its deadline mid-stream (5 prompt tokens); the tokens received."""
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    received = sum([len(m.chunk.token_ids) async for m in stub.Generate(_request(3, 5), timeout=30)])
+    call = stub.Generate(_request(4, 100_000), timeout=30)
+    async for m in call:
+        received += len(m.chunk.token_ids)
+        if received >= 5 + 3:
+            call.cancel()
+            break
+    late = stub.Generate(_request(5, 100_000), timeout=0.3)
+    try:
+        async for m in late:
+            received += len(m.chunk.token_ids)
+    except grpc.aio.AioRpcError as e:
+        assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    return received
+
+
+def test_cancelled_and_timed_out_streams_are_counted_in_the_pods_metrics():
+    """Only a request that reached its final message was counted: a stream its caller cancelled,
+    or whose deadline passed, added nothing to `vllm:generation_tokens_total` (the work was done),
+    `vllm:request_success_total{finished_reason="abort"}` or the latency histograms, so
+    throughput and request-rate dashboards undercounted a pod whose callers time out."""
+
+    async def go() -> tuple[int, dict[str, list]]:
+        async with _fake_pod() as (pod, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            received = await _three_endings(ch)
+            for _ in range(200):  # the aborted streams' handlers finish as their cancellation lands
+                if not pod.inflight:
+                    break
+                await asyncio.sleep(0.01)
+            text = (await asyncio.to_thread(generate_latest, pod.metrics.registry)).decode()
+        return received, _strictly_parsed(text)
+
+    received, metrics = asyncio.run(go())
+    assert _value(metrics, "vllm:prompt_tokens_total") == 3 + 4 + 5
+    assert _value(metrics, "vllm:generation_tokens_total") >= received
+    reasons = {s.labels["finished_reason"]: s.value for s in metrics["vllm:request_success_total"]}
+    assert reasons == {"length": 1, "abort": 2}
+    assert _value(metrics, "vllm:e2e_request_latency_seconds_count") == 3
+    assert _value(metrics, "vllm:time_to_first_token_seconds_count") == 3
+    assert _value(metrics, "vllm:num_requests_running") == 0
+
+
+def _value(metrics: dict[str, list], name: str) -> float:
+    [sample] = metrics[name]
+    return sample.value
+
+
+def _strictly_parsed(text: str) -> dict[str, list]:
+    """The samples by name, once the text passes the exposition format's rules a scraper relies
+    on: HELP and TYPE once per family, counters' samples end `_total`, histogram buckets are
+    cumulative up to `+Inf` which equals `_count`, no series twice."""
+    families = list(text_string_to_metric_families(text))
+    for kind in ("HELP", "TYPE"):
+        named = re.findall(rf"^# {kind} (\S+)", text, re.M)
+        assert len(named) == len(set(named)) == len(families), kind
+    series: set[tuple] = set()
+    samples: dict[str, list] = {}
+    for f in families:
+        for s in f.samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            assert key not in series, key
+            series.add(key)
+            samples.setdefault(s.name, []).append(s)
+            if f.type == "counter":
+                assert s.name.endswith(("_total", "_created")), s.name
+        if f.type == "histogram":
+            _check_histogram(f)
+    return samples
+
+
+def _check_histogram(family) -> None:
+    by_labels: dict[tuple, dict[str, list]] = {}
+    for s in family.samples:
+        labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+        by_labels.setdefault(labels, {}).setdefault(s.name.rsplit("_", 1)[-1], []).append(s)
+    for parts in by_labels.values():
+        buckets = [(float(s.labels["le"]), s.value) for s in parts["bucket"]]
+        assert buckets == sorted(buckets) and buckets[-1][0] == float("inf"), family.name
+        [count] = parts["count"]
+        assert buckets[-1][1] == count.value and "sum" in parts, family.name
+
+
+async def _traced_endings(exporter: InMemorySpanExporter) -> None:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with _fake_pod(provider) as (_, port):
+        flags = ["--pods", f"127.0.0.1:{port}", "--allow-unauthenticated"]
+        async with (
+            gateway_in_process(flags, provider) as gw,
+            grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch,
+        ):
+            await _three_endings(ch)
+            await asyncio.sleep(0.3)  # the pod's handlers see the cancellations
+
+
+def test_a_cancelled_or_timed_out_call_is_not_traced_as_ok(caplog):
+    """grpc.aio ends a cancelled call, or one past its deadline, by cancelling its handler, which
+    OpenTelemetry's server interceptor does not see (it catches Exception), and when that landed
+    while a message was being sent the interceptor's generator was closed later by the garbage
+    collector ("Failed to detach context" logged at ERROR): every such span said
+    `rpc.grpc.status_code` 0 (OK), so a trace-based error rate missed every timeout. Now the
+    spans say CANCELLED (1) or DEADLINE_EXCEEDED (4, an error by the RPC conventions), and
+    the pod's what it generated before."""
+    exporter = InMemorySpanExporter()
+    asyncio.run(_traced_endings(exporter))
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]
+    calls = [s for s in exporter.get_finished_spans() if s.name == GENERATE]
+    by_trace: dict[int, dict[str, list]] = {}
+    for s in sorted(calls, key=lambda s: s.start_time):
+        by_trace.setdefault(s.context.trace_id, {}).setdefault(s.kind.name, []).append(s)
+    [done, cancelled, late] = [(t["SERVER"][0], t["CLIENT"][0], t["SERVER"][1]) for t in by_trace.values()]
+    for gateway_span, _, pod_span in (done, cancelled, late):
+        assert "spindle.caller" in gateway_span.attributes and "spindle.caller" not in pod_span.attributes
+    codes = [[s.attributes["rpc.grpc.status_code"] for s in spans] for spans in (done, cancelled, late)]
+    # The pod's deadline is the gateway's: whichever of the gateway's cancel and its own lands first.
+    assert codes[:2] == [[0, 0, 0], [1, 1, 1]] and codes[2][:2] == [4, 4] and codes[2][2] in (1, 4)
+    for span in (*done, *cancelled):
+        assert span.status.status_code == StatusCode.UNSET  # a cancel is the caller's choice, not a fault
+    assert late[0].status.status_code == late[1].status.status_code == StatusCode.ERROR
+    for _, _, pod_span in (cancelled, late):
+        assert pod_span.attributes["gen_ai.response.finish_reasons"] == ("abort",)
+        assert pod_span.attributes["gen_ai.usage.output_tokens"] > 0
+
+
+def test_a_scrape_during_a_long_step_answers_from_the_last_step_boundary():
+    """The metrics collector asked the engine thread for its stats and waited for it: a scrape
+    during a long step (a long prompt's prefill on a slow device: 48 s on 2 CPU cores) waited the
+    whole step, past Prometheus's 10 s scrape timeout (the pod then reads as down), and a
+    stuck engine held every scrape's thread for good. Now a scrape answers as the load reports
+    do: fresh stats within a quarter second, else those of the last step boundary."""
+
+    async def go() -> tuple[float, dict[str, list]]:
+        async with _fake_pod() as (pod, _):
+            await pod.load_stats.recent()  # what the gateway's first load poll does
+            engine = pod.engine
+            assert isinstance(engine, FakeFastEngine)
+            engine.step_s = 1.5
+            assert pod.async_engine is not None
+            one = SamplingParams(max_tokens=1)
+            long = pod.async_engine.generate("long", prompt_token_ids=[1], params=one)
+            step = asyncio.ensure_future(anext(long))  # a step of 1.5 s begins
+            await asyncio.sleep(0.1)
+            started = time.monotonic()
+            text = (await asyncio.to_thread(generate_latest, pod.metrics.registry)).decode()
+            took = time.monotonic() - started
+            await step
+            await long.aclose()
+            return took, _strictly_parsed(text)
+
+    took, metrics = asyncio.run(go())
+    assert took < 1.0  # FRESH_WAIT_S (0.25 s), not the step
+    assert _value(metrics, "vllm:num_requests_running") == 0  # the stats of the step boundary before
+
+
+def test_closing_a_wrapped_stream_closes_the_handlers_at_once():
+    """The malformed-request wrapper around every streaming handler iterated the handler's stream
+    without closing it: a call cancelled while grpc sent a message closed only the wrapper, and
+    the handler's cleanup (its span's attributes, the pod's metrics, the gateway's stream slot)
+    ran later, whenever the garbage collector found it, after its span had ended."""
+    from spindle.malformed import _wrap
+
+    cleaned: list[str] = []
+
+    async def handler(request: int, context: object) -> AsyncIterator[int]:
+        try:
+            yield request
+            yield request + 1
+        finally:
+            cleaned.append("handler")
+
+    async def go() -> None:
+        wrapped = _wrap(grpc.unary_stream_rpc_method_handler(handler)).unary_stream
+        stream = wrapped(7, None)
+        assert await anext(stream) == 7
+        await stream.aclose()
+        assert cleaned == ["handler"]
+
+    asyncio.run(go())
+
+
+class _Answers:
+    """A Generation servicer behind the HTTP front: `max_tokens` 1 is refused (INVALID_ARGUMENT),
+    2 fails after its first chunk (UNAVAILABLE), anything else answers."""
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        if request.max_tokens == 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one token is not enough")
+        yield pb.GenerateResponse(chunk=pb.Chunk(text="Hel", token_ids=[1]))
+        if request.max_tokens == 2:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the pod went away")
+        usage = pb.Usage(prompt_tokens=1, completion_tokens=1)
+        yield pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_LENGTH, usage=usage))
+
+
+def test_http_spans_say_their_status_and_are_errors_only_for_the_servers_faults():
+    """The HTTP front's span began after the body was parsed (a malformed request had none) and
+    carried no HTTP attributes, and a refusal set it ERROR: every 400, 401 and 429 counted as a
+    server error in a trace backend's error rate. Now: a span per request but /health, with
+    `http.request.method`, `http.route` and `http.response.status_code`; ERROR only for a 5xx,
+    or for a stream that failed after its 200 (its error event)."""
+    import aiohttp
+    from opentelemetry.trace import get_tracer
+
+    from spindle.openai_api.server import OpenAIServer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = get_tracer(__name__, tracer_provider=provider)
+
+    async def go() -> list[int]:
+        server = OpenAIServer(_Answers(), lambda: ("m",), lambda: True, tracer)
+        port = await server.start("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}"
+        statuses = []
+        try:
+            async with aiohttp.ClientSession() as http:
+                for body in ({"max_tokens": 5}, {"max_tokens": 1}, {"max_tokens": 2, "stream": True}):
+                    async with http.post(
+                        f"{url}/v1/completions", json={"model": "m", "prompt": "x", **body}
+                    ) as r:
+                        statuses.append(r.status)
+                        await r.read()
+                for path in ("/v1/completions", "/v1/models/m", "/health"):
+                    async with http.request("POST" if "compl" in path else "GET", url + path, data=b"{") as r:
+                        statuses.append(r.status)
+        finally:
+            await server.stop()
+        return statuses
+
+    assert asyncio.run(go()) == [200, 400, 200, 400, 500, 200]
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["POST /v1/completions"] * 4 + ["GET /v1/models/{model}"]
+    codes = [s.attributes.get("http.response.status_code") for s in spans]
+    assert codes == [200, 400, 200, 400, 500]
+    errors = [s.status.status_code == StatusCode.ERROR for s in spans]
+    assert errors == [False, False, True, False, True]
+    assert {s.attributes["http.request.method"] for s in spans} == {"POST", "GET"}
+    assert spans[0].attributes["http.route"] == "/v1/completions"
+
+
+class _Call:
+    """The part of a grpc.aio servicer context the tracing interceptor reads."""
+
+    def invocation_metadata(self) -> tuple:
+        entry = collections.namedtuple("Metadatum", "key value")
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        return (entry("traceparent", parent), entry("baggage", "tenant=acme"))
+
+    def peer(self) -> str:
+        return "ipv4:10.0.0.1:5000"
+
+    def time_remaining(self) -> None:
+        return None
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple = ()) -> None:
+        raise grpc.aio.AbortError()
+
+
+def test_a_traced_stream_says_how_it_ended():
+    """Refused by the caller's fault (UNSET), by the server's (ERROR), or a bug in the handler
+    (UNKNOWN, ERROR: upstream's stream interceptor left such a span OK); each in the caller's
+    trace, each ended; the handler sees the caller's baggage (which the gateway passes on)."""
+    from opentelemetry import baggage
+
+    from spindle.traced_streams import TracedStreams
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    interceptor = TracedStreams(provider.get_tracer("t"))
+    details = collections.namedtuple("Details", "method invocation_metadata")("/s.S/M", ())
+    seen: list[object] = []
+
+    def handler(ending: Any) -> Any:
+        async def stream(request: int, context: Any) -> AsyncIterator[int]:
+            seen.append(baggage.get_baggage("tenant"))
+            yield request
+            if isinstance(ending, grpc.StatusCode):
+                await context.abort(ending, "refused")
+            raise ending
+
+        return interceptor._intercept_aio_server_stream(stream, details)
+
+    async def run(ending: Any) -> None:
+        with contextlib.suppress(Exception):
+            async for _ in handler(ending)(1, _Call()):
+                pass
+
+    endings = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INTERNAL, KeyError("bug"))
+    for ending in endings:
+        asyncio.run(run(ending))
+    spans = exporter.get_finished_spans()
+    assert [s.attributes["rpc.grpc.status_code"] for s in spans] == [5, 13, 2]
+    assert [s.status.status_code for s in spans] == [StatusCode.UNSET, StatusCode.ERROR, StatusCode.ERROR]
+    assert {f"{s.context.trace_id:032x}" for s in spans} == {"0af7651916cd43dd8448eb211c80319c"}
+    assert spans[0].attributes["net.peer.ip"] == "10.0.0.1"
+    assert seen == ["acme"] * 3
+
+
+def test_an_adapter_name_the_lora_metric_would_split_is_refused():
+    """`vllm:lora_requests_info` lists adapters comma-joined, as vLLM does and as the Gateway API
+    Inference Extension reads them: a pod adapter named `x,y` read as adapters `x` and `y`."""
+    from model_service.pod.control import ModelControlService
+    from spindle.openai_api.context import HttpCallContext, Refused
+
+    service = ModelControlService(ModelPod("m", drain_timeout=1.0))
+
+    async def refused(name: str) -> bool:
+        try:
+            await service._name(name, HttpCallContext({}))
+        except Refused as e:
+            return e.code == grpc.StatusCode.INVALID_ARGUMENT
+        return False
+
+    names = ("x,y", "a\nb", "sql-lora.v2", "ü")
+    assert [asyncio.run(refused(n)) for n in names] == [True, True, False, False]
