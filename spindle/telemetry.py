@@ -86,19 +86,32 @@ def _exporters_from_env() -> list[Any]:
     exporters: list[Any] = []
     for name in (n.strip().lower() for n in names.split(",") if n.strip()):
         if name == "otlp":
-            protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
-                "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
-            )
-            if protocol != "grpc":
-                log.warning("OTLP protocol %r is not installed; exporting over OTLP/gRPC", protocol)
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-            exporters.append(OTLPSpanExporter())
+            exporters.extend(_otlp_exporter())
         elif name == "console":
             exporters.append(ConsoleSpanExporter())
         elif name != "none":
             log.warning("OTEL_TRACES_EXPORTER=%r is not supported (otlp, console, none); ignored", name)
     return exporters
+
+
+def _otlp_exporter() -> list[Any]:
+    """The OTLP exporter of the protocol the environment names: gRPC (the SDK's default) or
+    HTTP with protobuf bodies (`http/protobuf`, what the OpenTelemetry Operator and most
+    collectors' HTTP receivers on 4318 are given). Each reads its own endpoint variables. A
+    protocol the Python SDK has no exporter for (`http/json`) exports nothing, loudly: sending
+    gRPC to an HTTP receiver's port would lose every span just as silently."""
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
+    )
+    protocol = protocol.strip().lower()
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    elif protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    else:
+        log.error("OTLP protocol %r is not supported (grpc, http/protobuf): no spans are exported", protocol)
+        return []
+    return [OTLPSpanExporter()]
 
 
 def server_interceptors(provider: TracerProvider | None) -> list[Any]:

@@ -78,3 +78,49 @@ def test_a_gateway_that_exports_nothing_passes_the_callers_context_to_the_pod(ti
     asyncio.run(_run(tiny_llama, exporter, False, (("traceparent", f"00-{trace_id}-{parent}-01"),)))
     pod = next(s for s in exporter.get_finished_spans() if s.name == GENERATE and s.kind == SpanKind.SERVER)
     assert f"{pod.context.trace_id:032x}" == trace_id and f"{pod.parent.span_id:016x}" == parent
+
+
+def test_otlp_over_http_protobuf_reaches_an_http_receiver(monkeypatch):
+    """`OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf` (the OpenTelemetry Operator's usual setting)
+    posts the spans as protobuf to the receiver's /v1/traces; gRPC sent to that port lost them.
+    A protocol without a Python exporter exports nothing rather than the wrong thing."""
+    import http.server
+    import threading
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from spindle import telemetry
+
+    received: list[tuple[str, str, bytes]] = []
+
+    class Receiver(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.path, self.headers["Content-Type"], body))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        provider = telemetry.tracer_provider_from_env("spindle-test")
+        assert provider is not None
+        with provider.get_tracer("t").start_as_current_span("probe"):
+            pass
+        provider.force_flush()
+        provider.shutdown()
+    finally:
+        server.shutdown()
+    path, content_type, body = received[0]
+    assert (path, content_type) == ("/v1/traces", "application/x-protobuf")
+    spans = ExportTraceServiceRequest.FromString(body).resource_spans[0].scope_spans[0].spans
+    assert [s.name for s in spans] == ["probe"]
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    assert telemetry.tracer_provider_from_env("spindle-test") is None
