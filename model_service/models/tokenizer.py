@@ -56,13 +56,17 @@ class Tokenizer:
             return None
         return lambda token: stream.step(backend, token) or ""
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The chat as the model's template renders it, with the generation prompt; `tools`
+        (OpenAI's `tools[]` entries) as transformers passes them to the template."""
         if not getattr(self.hf, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; send `prompt` instead of `messages`")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError(f"each message needs `role` and `content`, got {m!r}")
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
         return [int(t) for t in ids]
 
