@@ -52,7 +52,8 @@ class FakeFastEngine:
         self._pending: list[RequestOutput] = []
 
     def add_request(self, prompt=None, *, messages=None, tools=None, prompt_token_ids=None, params=None,
-                    request_id=None, priority=0, adapter=None, resume: Resume | None = None) -> str:  # fmt: skip
+                    request_id=None, priority=0, adapter=None,
+                    resume: Resume | None = None) -> str:  # fmt: skip
         """EngineHandle.add_request (same parameters; tests/test_service_units.py checks)."""
         if adapter is not None and adapter not in self.adapters:
             raise NotFoundError(f"unknown adapter {adapter!r}; this engine serves {list(self.adapters)}")
@@ -152,7 +153,8 @@ class FakeLoraEngine(FakeFastEngine):
         return self.tiers.report()
 
     def add_request(self, prompt=None, *, messages=None, tools=None, prompt_token_ids=None, params=None,
-                    request_id=None, priority=0, adapter=None, resume: Resume | None = None) -> str:  # fmt: skip
+                    request_id=None, priority=0, adapter=None,
+                    resume: Resume | None = None) -> str:  # fmt: skip
         if adapter is not None and not self.tiers.known(adapter):
             raise NotFoundError(f"unknown adapter {adapter!r} on this pod")
         rid = super().add_request(prompt, prompt_token_ids=prompt_token_ids, params=params,
