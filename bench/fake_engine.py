@@ -51,8 +51,9 @@ class FakeFastEngine:
         self.running: dict[str, list] = {}  # request id -> [prompt length, max tokens, tokens, admitted]
         self._pending: list[RequestOutput] = []
 
-    def add_request(self, prompt=None, *, messages=None, prompt_token_ids=None, params=None, request_id=None,
-                    priority=0, adapter=None, resume: Resume | None = None) -> str:  # fmt: skip
+    def add_request(self, prompt=None, *, messages=None, tools=None, prompt_token_ids=None, params=None,
+                    request_id=None, priority=0, adapter=None,
+                    resume: Resume | None = None) -> str:  # fmt: skip
         """EngineHandle.add_request (same parameters; tests/test_service_units.py checks)."""
         if adapter is not None and adapter not in self.adapters:
             raise NotFoundError(f"unknown adapter {adapter!r}; this engine serves {list(self.adapters)}")
@@ -151,8 +152,9 @@ class FakeLoraEngine(FakeFastEngine):
     def list_adapters(self) -> list[AdapterInfo]:
         return self.tiers.report()
 
-    def add_request(self, prompt=None, *, messages=None, prompt_token_ids=None, params=None, request_id=None,
-                    priority=0, adapter=None, resume: Resume | None = None) -> str:  # fmt: skip
+    def add_request(self, prompt=None, *, messages=None, tools=None, prompt_token_ids=None, params=None,
+                    request_id=None, priority=0, adapter=None,
+                    resume: Resume | None = None) -> str:  # fmt: skip
         if adapter is not None and not self.tiers.known(adapter):
             raise NotFoundError(f"unknown adapter {adapter!r} on this pod")
         rid = super().add_request(prompt, prompt_token_ids=prompt_token_ids, params=params,

@@ -24,13 +24,18 @@ def prompt_bytes(req: pb.GenerateRequest) -> bytes:
     which = req.WhichOneof("prompt")
     if which == "text":
         return b"T" + req.text.encode()
-    if which == "chat":
-        return b"C" + b"".join(
-            m.role.encode() + b"\x1f" + m.content.encode() + b"\x1e" for m in req.chat.messages
-        )
+    if which == "chat":  # tools first: templates render them in the first (system) turn
+        tools = b"".join(t.SerializeToString(deterministic=True) + b"\x1e" for t in req.chat.tools)
+        return b"C" + tools + b"".join(_message_bytes(m) for m in req.chat.messages)
     if which == "token_ids":
         return b"I" + struct.pack(f"<{len(req.token_ids.ids)}i", *req.token_ids.ids)
     return b""
+
+
+def _message_bytes(m: pb.ChatMessage) -> bytes:
+    """A message's role and content, and its tool calls and result id where it has them."""
+    extra = b"".join(c.SerializeToString(deterministic=True) for c in m.tool_calls) + m.tool_call_id.encode()
+    return m.role.encode() + b"\x1f" + m.content.encode() + (b"\x1d" + extra if extra else b"") + b"\x1e"
 
 
 def block_hashes(req: pb.GenerateRequest) -> list[bytes]:

@@ -468,7 +468,13 @@ async def start(
     gateway.port = port
     log.info("gateway listening on %s:%d in front of %d pods", args.host, port, len(pool.pods))
     if getattr(args, "http_port", 0):
-        gateway.http = OpenAIServer(gateway, pool.base_models, lambda: health.serving, tracer)
+        gateway.http = OpenAIServer(
+            gateway,
+            pool.base_models,
+            lambda: health.serving,
+            tracer,
+            getattr(args, "tool_call_parser", "none"),
+        )
         gateway.http_port = await gateway.http.start(args.host, args.http_port, security.tls)
         log.info("OpenAI-compatible HTTP API on %s:%d", args.host, gateway.http_port)
     return gateway, server, health

@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from adapter_service.client import AdaptersClient
 from spindle.client import Client, chat_request
+from spindle.openai_api.tool_parsers import PARSERS
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -58,6 +59,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=8000,
         help="the gateway's OpenAI-compatible HTTP port; 0 = off [8000]",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default="none",
+        help="the pod's and gateway's --tool-call-parser (hermes, llama3_json) [none]",
     )
     parser.add_argument("--pod-port", type=int, default=None, help="the pod's Generation port [a free port]")
     parser.add_argument(
@@ -117,6 +124,7 @@ def _commands(args: argparse.Namespace, token_file: str) -> list[list[str]]:
         *me, "serve", "--model", args.model, "--host", args.host, "--port", str(args.pod_port),
         "--control-port", str(args.pod_control_port), "--metrics-port", str(args.metrics_port),
         "--http-port", str(args.pod_http_port), "--log-level", args.log_level,
+        "--tool-call-parser", args.tool_call_parser,
     ]  # fmt: skip
     service_cmd = [
         *me, "adapter-service", "--host", args.host, "--port", str(args.adapter_port),
@@ -126,6 +134,7 @@ def _commands(args: argparse.Namespace, token_file: str) -> list[list[str]]:
     gateway_cmd = [
         *me, "gateway", "--host", args.host, "--port", str(args.gateway_port),
         "--http-port", str(args.http_port), "--pods", f"{args.host}:{args.pod_port}",
+        "--tool-call-parser", args.tool_call_parser,
         "--allow-unauthenticated", "--health-interval", "0.5",
         "--adapter-service", f"{args.host}:{args.adapter_port}", "--log-level", args.log_level,
     ]  # fmt: skip

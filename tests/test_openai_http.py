@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -220,11 +222,11 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
     ("body", "problem"),
     [
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "role 'tool'"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "`text` string"),
-        ({"messages": QUESTION, "tools": [{"type": "function"}]}, "tool calling"),
-        ({"messages": QUESTION, "tool_choice": "required"}, "`tool_choice` 'required'"),
+        ({"messages": QUESTION, "tools": [{"type": "function"}]}, r"`tools\[0\]` must be"),
+        ({"messages": QUESTION, "tool_choice": "required"}, "needs `tools`"),
         ({"messages": QUESTION, "function_call": {"name": "f"}}, "`function_call`"),
         ({"messages": QUESTION, "guided_choice": []}, "non-empty list of strings"),
         ({"messages": QUESTION, "response_format": {"type": "json_schema"}}, "response_format"),
@@ -255,8 +257,6 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"prompt": "a", "bad_words": ["x"]}, "bad_words"),
         ({"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
         ({"prompt": "a", "prompt_logprobs": 0}, "prompt_logprobs"),  # vLLM: each prompt token's logprob
-        # an earlier turn's tool call: the template would show the model an empty assistant turn
-        ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [CALL]}]}, "tool_calls"),
         ({"messages": [*QUESTION, {"role": "assistant", "function_call": CALL["function"]}]}, "function_"),
         ({"prompt": "a", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
         ({"messages": QUESTION, "continue_final_message": True}, "continue_final_message"),
@@ -371,6 +371,63 @@ def test_a_structured_output_through_the_sdk(spindle_up):
         extra_body={"guided_choice": ["yes", "no"]},
     )  # fmt: skip
     assert out.choices[0].message.content in ("yes", "no") and out.choices[0].finish_reason == "stop"
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+           "required": ["city"], "additionalProperties": False}  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "A city's weather", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    },
+]
+
+
+def _streamed_calls(client: openai.OpenAI, **asked) -> tuple[list[tuple[str, str]], str | None]:
+    """The calls a streamed answer makes, as a client accumulates OpenAI's deltas, and its finish."""
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**asked, stream=True):
+        for c in chunk.choices[0].delta.tool_calls or []:
+            if c.id:  # a call's first delta: index, id and name
+                calls[c.index] = [c.function.name, ""]
+            calls[c.index][1] += c.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_forced_tool_calls_and_a_round_trip_through_the_sdk(spindle_up):
+    """tool_choice "required" or a named function on the real model, with no --tool-call-parser
+    (as vLLM serves them): the structured-output engine forces a valid call, streamed and not;
+    then the call and the tool's result go back through the chat template and the model answers."""
+    client = _sdk(spindle_up.http)
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    asked = {"model": BASE, "messages": question, "tools": TOOLS, "max_tokens": 40, "temperature": 0}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, finish in (("required", "tool_calls"), (named, "stop")):  # named: "stop", as OpenAI's
+        out = client.chat.completions.create(**asked, tool_choice=choice, parallel_tool_calls=False)
+        message = out.choices[0].message
+        assert message.content is None and out.choices[0].finish_reason == finish, out
+        (call,) = message.tool_calls
+        assert call.id.startswith("call_") and call.type == "function"
+        if choice == named:
+            assert call.function.name == "get_weather"
+        if call.function.name == "get_weather":
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+        streamed = _streamed_calls(client, **asked, tool_choice=choice, parallel_tool_calls=False)
+        assert streamed == ([(call.function.name, call.function.arguments)], finish)  # greedy: the same
+    result = {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}
+    turns = [*question, message.model_dump(exclude_none=True), result]
+    answer = client.chat.completions.create(
+        **{**asked, "messages": turns, "max_tokens": 6}, tool_choice="none"
+    )
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+    with pytest.raises(openai.BadRequestError, match="--tool-call-parser"):  # "auto" needs a parser
+        client.chat.completions.create(**asked)
 
 
 class _Servicer:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Any, Protocol
 
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import AdapterMemory, EngineStats
@@ -48,7 +48,8 @@ class EngineHandle(Protocol):
         self,
         prompt: str | None = None,
         *,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         request_id: str | None = None,

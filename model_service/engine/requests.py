@@ -7,6 +7,7 @@ what to change; nothing is queued or allocated for a refused request.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -38,10 +39,17 @@ class PromptReader:
         self.max_prompt_chars = 2 * max_model_len * tokenizer.max_token_chars if tokenizer else 0
 
     def token_ids(
-        self, prompt: str | None, messages: list[dict[str, Any]] | None, token_ids: list[int] | None
+        self,
+        prompt: str | None,
+        messages: list[dict[str, Any]] | None,
+        token_ids: list[int] | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """The prompt as token ids, from exactly one of the three forms, checked against the context."""
-        ids = self._read(prompt, messages, token_ids)
+        """The prompt as token ids, from exactly one of the three forms, checked against the context;
+        `tools` (with `messages` only) are rendered by the chat template."""
+        if tools is not None and messages is None:
+            raise InvalidRequestError("`tools` are rendered by the chat template: send them with `messages`")
+        ids = self._read(prompt, messages, token_ids, tools)
         if token_ids is None:
             self._check_tokenized(ids)
         if len(ids) >= self.max_model_len:
@@ -74,7 +82,11 @@ class PromptReader:
             raise CapacityError(f"prompt and resumed output ({total} tokens) can never fit in the KV cache")
 
     def _read(
-        self, prompt: str | None, messages: list[dict[str, Any]] | None, token_ids: list[int] | None
+        self,
+        prompt: str | None,
+        messages: list[dict[str, Any]] | None,
+        token_ids: list[int] | None,
+        tools: list[dict[str, Any]] | None,
     ) -> list[int]:
         given = [x is not None for x in (prompt, messages, token_ids)]
         if sum(given) != 1:
@@ -92,10 +104,8 @@ class PromptReader:
         if messages is not None:
             if not messages:
                 raise InvalidRequestError("messages is empty")
-            self._check_chars(
-                "messages", sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
-            )
-            ids = self.tokenizer.apply_chat_template(messages)
+            self._check_chars("messages", _chat_chars(messages, tools))
+            ids = self.tokenizer.apply_chat_template(messages, tools)
             if not ids:  # e.g. a template that renders only user turns, given a system message
                 raise InvalidRequestError("the model's chat template renders these messages as no tokens")
             return ids
@@ -127,6 +137,13 @@ class PromptReader:
                 f"{what} has {chars} characters; this engine's context is {self.max_model_len} tokens, "
                 f"and a text of more than {self.max_prompt_chars} characters cannot fit it"
             )
+
+
+def _chat_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """The characters a chat's template renders from its caller: contents, calls and tools."""
+    chars = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+    calls = [m["tool_calls"] for m in messages if isinstance(m, dict) and m.get("tool_calls")]
+    return chars + (len(json.dumps([calls, tools], default=str)) if calls or tools else 0)
 
 
 class GrammarWait:

@@ -56,11 +56,15 @@ class Tokenizer:
             return None
         return lambda token: stream.step(backend, token) or ""
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """The prompt's token ids for `messages`, as HF renders and tokenizes them. A template that
-        refuses the messages (`raise_exception("Conversation roles must alternate ...")`, Llama-2's
-        and Mistral's) or cannot render them is the request's error (INVALID_ARGUMENT, a 400 as
-        vLLM gives), not the server's: a 500 would have the SDKs retry it."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt's token ids for `messages` (and `tools`: OpenAI's `tools[]` entries, as
+        transformers passes them to the template), as HF renders and tokenizes them, with the
+        generation prompt. A template that refuses the messages (`raise_exception("Conversation
+        roles must alternate ...")`, Llama-2's and Mistral's) or cannot render them is the
+        request's error (INVALID_ARGUMENT, a 400 as vLLM gives), not the server's: a 500 would
+        have the SDKs retry it."""
         from jinja2 import TemplateError
 
         if not getattr(self.hf, "chat_template", None):
@@ -69,7 +73,9 @@ class Tokenizer:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError(f"each message needs `role` and `content`, got {m!r}")
         try:
-            out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            out = self.hf.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True
+            )
         except TemplateError as e:
             raise InvalidRequestError(f"the model's chat template refused these messages: {e}") from e
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out

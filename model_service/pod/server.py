@@ -157,11 +157,12 @@ async def start(
     adapter_cache_dir: str | None = None,
     security: Security = PLAINTEXT,
     http_port: int = 0,
+    tool_parser: str = "none",
 ) -> PodServers:
     """Register the pod's services on its two servers and start listening (NOT_SERVING until
     loaded), and on `http_port` the OpenAI-compatible API over the same Generation servicer
-    (0 = none). Also used in-process by tests and the benchmark. The control port's ModelControl
-    needs the service token when `security` has one."""
+    (0 = none), reading tool calls with `tool_parser`. Also used in-process by tests and the
+    benchmark. The control port's ModelControl needs the service token when `security` has one."""
     interceptors = telemetry.server_interceptors(provider)
     guard = security.guard(CONTROL_SERVICES, "model pod's control port")
     server, control = serving.make_server(interceptors), serving.make_server([*guard, *interceptors])
@@ -185,7 +186,9 @@ async def start(
     await server.start()
     await control.start()
     if http_port:
-        servers.http = OpenAIServer(generation, lambda: (pod.model_name,), lambda: pod.health.serving, tracer)
+        servers.http = OpenAIServer(
+            generation, lambda: (pod.model_name,), lambda: pod.health.serving, tracer, tool_parser
+        )
         servers.http_port = await servers.http.start(host, http_port, security.tls)
     return servers
 
@@ -208,6 +211,7 @@ async def serve(args: argparse.Namespace) -> int:
         args.adapter_cache_dir,
         security,
         args.http_port,
+        args.tool_call_parser,
     )
     await pod.health.serve_plaintext(args.host, args.health_port)
     serving.on_shutdown_signal(pod.request_exit)

@@ -8,6 +8,7 @@ engine's default (1.0), never a silent 0 (greedy). Values are validated by the e
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from model_service.engine.requests import Resume
@@ -58,10 +59,9 @@ def engine_request(req: pb.GenerateRequest) -> dict[str, Any]:
     if which == "text":
         kwargs["prompt"] = req.text
     elif which == "chat":
-        for i, m in enumerate(req.chat.messages):
-            if not m.role:
-                raise InvalidRequestError(f"chat.messages[{i}] has no role (system, user or assistant)")
-        kwargs["messages"] = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        kwargs["messages"] = [chat_message(m, i) for i, m in enumerate(req.chat.messages)]
+        if req.chat.tools:
+            kwargs["tools"] = [tool(t, i) for i, t in enumerate(req.chat.tools)]
     else:
         kwargs["prompt_token_ids"] = list(req.token_ids.ids)
     kwargs["params"] = sampling_params(req)
@@ -74,6 +74,50 @@ def engine_request(req: pb.GenerateRequest) -> dict[str, Any]:
     if req.HasField("resume"):
         kwargs["resume"] = Resume(list(req.resume.output_token_ids), req.resume.text_chars)
     return kwargs
+
+
+def chat_message(m: pb.ChatMessage, i: int) -> dict[str, Any]:
+    """A message as transformers' chat templates take it: an assistant's `tool_calls` with their
+    arguments as objects (templates write them with `tojson`: text would be quoted twice), a tool
+    result with its `tool_call_id` (and `name` when given)."""
+    if not m.role:
+        raise InvalidRequestError(f"chat.messages[{i}] has no role (system, user, assistant or tool)")
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        message["tool_calls"] = [_tool_call(c, f"chat.messages[{i}].tool_calls[{j}]")
+                                 for j, c in enumerate(m.tool_calls)]  # fmt: skip
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name:
+        message["name"] = m.name
+    return message
+
+
+def _tool_call(c: pb.ToolCall, where: str) -> dict[str, Any]:
+    arguments = _json_object(c.arguments or "{}", f"{where}.arguments")
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": arguments}}
+
+
+def tool(t: pb.Tool, i: int) -> dict[str, Any]:
+    """A tool as OpenAI's `tools[]` entry, the form chat templates read (`tool.function.name`)."""
+    if not t.name:
+        raise InvalidRequestError(f"chat.tools[{i}] has no name")
+    function: dict[str, Any] = {"name": t.name}
+    if t.description:
+        function["description"] = t.description
+    if t.parameters:  # unset: as the caller sent it (no parameters), for the template to show
+        function["parameters"] = _json_object(t.parameters, f"chat.tools[{i}].parameters")
+    return {"type": "function", "function": function}
+
+
+def _json_object(text: str, where: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise InvalidRequestError(f"{where} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{where} must be a JSON object, got {text[:100]!r}")
+    return value
 
 
 def sampling_params(req: pb.GenerateRequest) -> SamplingParams:

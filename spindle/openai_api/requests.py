@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from spindle.openai_api.errors import bad_request
+from spindle.openai_api.tools import ToolUse, read_tools, tool_calls
 from spindle.v1 import generation_pb2 as pb
 
 # OpenAI name -> SamplingParams field (float), then vLLM's extras by their vLLM names.
@@ -29,8 +30,7 @@ _SAMPLING_FLOATS = (
 _SAMPLING_BOOLS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 # Fields that would change what the answer is, which Spindle cannot do: refused, not ignored.
 _REFUSED = {
-    "tools": "tool calling is not supported",
-    "functions": "function calling is not supported",
+    "functions": "`functions` (OpenAI's deprecated form) is not supported: send `tools`",
     "logit_bias": "logit_bias is not supported",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
@@ -69,6 +69,7 @@ class Call:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool
+    tools: ToolUse | None = None  # how the output is read for tool calls (None: as text)
 
 
 def structured_output(body: dict[str, Any], request: pb.GenerateRequest) -> None:
@@ -149,35 +150,46 @@ _STRUCTURED_KINDS = {
 }
 
 
-def chat_request(body: dict[str, Any], base_models: Collection[str]) -> tuple[pb.GenerateRequest, Call]:
-    """POST /v1/chat/completions."""
+def chat_request(
+    body: dict[str, Any], base_models: Collection[str], tool_parser: str = "none"
+) -> tuple[pb.GenerateRequest, Call]:
+    """POST /v1/chat/completions; `tool_parser`: the server's --tool-call-parser."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("`messages` must be a non-empty list of {role, content} objects", "messages")
-    req = pb.GenerateRequest(chat=pb.ChatMessages(messages=[_message(m, i) for i, m in enumerate(messages)]))
+    tools, use, forced = read_tools(body, tool_parser)
+    chat = pb.ChatMessages(messages=[_message(m, i) for i, m in enumerate(messages)], tools=tools)
+    req = pb.GenerateRequest(chat=chat)
     logprobs = _typed(body, "logprobs", bool) or False
     top = _typed(body, "top_logprobs", int)
     if top is not None and not logprobs:
         raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
     if logprobs:
         req.logprobs = top or 0
-    _no_forced_tool_call(body)
+    _no_function_call(body)
     _special_tokens(body, added=False)
     if _typed(body, "add_generation_prompt", bool) is False:  # the template always adds it
         raise bad_request("`add_generation_prompt: false` is not supported", "add_generation_prompt")
     call = _common(body, req, base_models, logprobs)
+    if forced is not None:
+        if req.sampling.HasField("structured_output"):
+            raise bad_request("`tool_choice` forces the output to a call: give no structured-output form too",
+                              "tool_choice")  # fmt: skip
+        req.sampling.structured_output.json_schema = forced
     if not _max_tokens(body, req, "max_completion_tokens", "max_tokens"):
         req.max_tokens = TO_THE_CONTEXT
-    return req, call
+    return req, replace(call, tools=use)
 
 
-def _no_forced_tool_call(body: dict[str, Any]) -> None:
-    """`tool_choice` / `function_call` that demand a call ("required", a named function) cannot be
-    honoured without tool calling: refused, not answered with text the client takes for a
-    tool-less reply. "none" and "auto" (no tools given) ask for text, so they are served."""
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none", "auto"):
-            raise bad_request(f"`{name}` {body[name]!r}: tool calling is not supported", name)
+def _no_function_call(body: dict[str, Any]) -> None:
+    """OpenAI's deprecated `function_call` that demands a call cannot be honoured (its `functions`
+    are refused): refused, not answered with text the client takes for a function-less reply.
+    "none" and "auto" ask for no call, so they are served."""
+    if body.get("function_call") not in (None, "none", "auto"):
+        raise bad_request(
+            f"`function_call` {body['function_call']!r} is not supported: send `tools` and `tool_choice`",
+            "function_call",
+        )
 
 
 def _special_tokens(body: dict[str, Any], added: bool) -> None:
@@ -287,20 +299,37 @@ def _token_ids(values: list[Any]) -> bool:
 
 
 def _message(m: Any, i: int) -> pb.ChatMessage:
+    """One message: its role and text, an assistant's `tool_calls`, a tool result's `tool_call_id`."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise bad_request(f"messages[{i}] must be an object with a `role`", "messages")
     role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for system
-    if role not in ("system", "user", "assistant"):
-        raise bad_request(f"messages[{i}]: role {m['role']!r} is not supported (system, user, assistant)")
-    for name in ("tool_calls", "function_call"):  # the template would render an empty turn instead
-        if m.get(name):
-            raise bad_request(f"messages[{i}].{name}: tool calling is not supported", "messages")
+    if role not in ("system", "user", "assistant", "tool"):
+        roles = "system, user, assistant, tool"
+        raise bad_request(f"messages[{i}]: role {m['role']!r} is not supported ({roles})", "messages")
+    if m.get("function_call"):  # the template would render an empty turn instead
+        raise bad_request(f"messages[{i}].function_call is not supported: send `tool_calls`", "messages")
+    if m.get("tool_calls") and role != "assistant":
+        raise bad_request(f"messages[{i}]: only an assistant message has `tool_calls`", "messages")
     content = m.get("content")
     if isinstance(content, list):
         content = _text_parts(content, i)
     if content is not None and not isinstance(content, str):
         raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    return pb.ChatMessage(role=role, content=content or "")
+    message = pb.ChatMessage(role=role, content=content or "", tool_calls=tool_calls(m, i))
+    if role == "tool":
+        message.tool_call_id = _tool_call_id(m, i)
+        if isinstance(m.get("name"), str):
+            message.name = m["name"]
+    return message
+
+
+def _tool_call_id(m: dict[str, Any], i: int) -> str:
+    """A tool result names the call it answers (OpenAI requires it; templates that pair results
+    with calls read it)."""
+    call_id = m.get("tool_call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad_request(f"messages[{i}]: a `tool` message needs its `tool_call_id` (a string)", "messages")
+    return call_id
 
 
 def _text_parts(parts: list[Any], i: int) -> str:

@@ -4,12 +4,14 @@ Chat completions and completions differ only in how a choice and its logprobs lo
 a `Format` and everything else (ids, usage, the stream's last chunks) is shared. Logprob tokens
 are named by their text, as the pod decoded each alone (OpenAI's and vLLM's form: a client looks
 up the chance of "Yes" by its text); `token_id:N` (vLLM's `return_tokens_as_token_ids` form) where
-the pod has no tokenizer (token-id serving).
+the pod has no tokenizer (token-id serving). A chat with tools has its text read for calls
+(`ToolCalls`, tool_parsers.py): `message.tool_calls` and `delta.tool_calls`, as OpenAI sends them.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +19,8 @@ from typing import Any
 
 from spindle.openai_api import requests
 from spindle.openai_api.requests import Call
+from spindle.openai_api.tool_parsers import Arguments, CallStart, Piece
+from spindle.openai_api.tools import ToolUse
 from spindle.v1 import generation_pb2 as pb
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
@@ -46,7 +50,12 @@ class Format(ABC):
 
 class ChatFormat(Format):
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
-    parse = staticmethod(requests.chat_request)
+
+    def __init__(self, tool_parser: str = "none") -> None:
+        self.tool_parser = tool_parser  # the server's --tool-call-parser
+
+    def parse(self, body: dict[str, Any], base_models: Collection[str]) -> tuple[pb.GenerateRequest, Call]:
+        return requests.chat_request(body, base_models, self.tool_parser)
 
     def choice(self, text: str, logprobs: Sequence[pb.TokenLogprob] | None, final: pb.Final | None) -> dict:
         message = {"role": "assistant", "content": text}
@@ -117,6 +126,59 @@ def usage(u: pb.Usage) -> dict[str, int]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": total}
 
 
+class ToolCalls:
+    """One chat's tool calls as OpenAI's JSON, from its reader's pieces: a `CallStart` is a new
+    call (its `index`, an id "call_...", its name), `Arguments` extend the last one. With
+    `parallel_tool_calls: false` the calls after the first are dropped, as vLLM does."""
+
+    def __init__(self, use: ToolUse) -> None:
+        self.use, self.reader = use, use.reader()
+        self.calls: list[dict[str, Any]] = []
+        self._dropping = False
+
+    def deltas(self, pieces: list[Piece]) -> list[dict[str, Any]]:
+        """Stream deltas for these pieces (and the calls they make, kept for the whole answer)."""
+        out: list[dict[str, Any]] = []
+        for piece in pieces:
+            if isinstance(piece, CallStart):
+                self._dropping = bool(self.calls) and not self.use.parallel
+                if not self._dropping:
+                    call_id = "call_" + uuid.uuid4().hex[:24]
+                    self.calls.append({"id": call_id, "type": "function",
+                                       "function": {"name": piece.name, "arguments": ""}})  # fmt: skip
+                    out.append(_call_delta(len(self.calls) - 1, id=call_id, type="function",
+                                           function={"name": piece.name, "arguments": ""}))  # fmt: skip
+            elif isinstance(piece, Arguments):
+                if not self._dropping:
+                    self.calls[-1]["function"]["arguments"] += piece.text
+                    out.append(_call_delta(len(self.calls) - 1, function={"arguments": piece.text}))
+            else:
+                out.append({"content": piece})
+        return out
+
+    def finish_reason(self, final: pb.Final, given: str | None) -> str | None:
+        """ "tool_calls" when the model stopped after calling (OpenAI's and vLLM's); a call forced
+        by name finishes "stop", as both answer it."""
+        called = self.calls and self.use.choice != "named" and final.finish_reason == pb.FINISH_REASON_STOP
+        return "tool_calls" if called else given
+
+    def whole(self, choice: dict[str, Any], text: str, final: pb.Final | None) -> None:
+        """A whole answer's choice with its calls: content is the text outside them (null when
+        there is none beside calls, as OpenAI answers)."""
+        deltas = self.deltas(self.reader.read(text))
+        content = "".join(d["content"] for d in deltas if "content" in d)
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if self.calls else "")}
+        if self.calls:
+            message["tool_calls"] = self.calls
+        choice["message"] = message
+        if final is not None:
+            choice["finish_reason"] = self.finish_reason(final, choice["finish_reason"])
+
+
+def _call_delta(index: int, **fields: Any) -> dict[str, Any]:
+    return {"tool_calls": [{"index": index, **fields}]}
+
+
 @dataclass
 class Reply:
     """One request's answer as it streams: the envelope every object of it shares."""
@@ -125,6 +187,9 @@ class Reply:
     call: Call
     request_id: str
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.tool_calls = ToolCalls(self.call.tools) if self.call.tools is not None else None
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.fmt.id_prefix + self.request_id, "object": obj, "created": self.created,
@@ -135,7 +200,10 @@ class Reply:
         chunks = [m.chunk for m in messages if m.HasField("chunk")]
         final = next((m.final for m in messages if m.HasField("final")), None)
         logprobs = [lp for c in chunks for lp in c.logprobs] if self.call.logprobs else None
-        choice = self.fmt.choice("".join(c.text for c in chunks), logprobs, final)
+        text = "".join(c.text for c in chunks)
+        choice = self.fmt.choice(text, logprobs, final)
+        if self.tool_calls is not None:
+            self.tool_calls.whole(choice, text, final)
         u = usage(final.usage) if final is not None else None
         return {**self._envelope(self.fmt.object), "choices": [choice], "usage": u}
 
@@ -144,21 +212,45 @@ class Reply:
         base = self._envelope(self.fmt.chunk_object)
         if self.call.include_usage:
             base["usage"] = None
+        if self.tool_calls is not None:
+            return self._tool_chunks(base, message, first, self.tool_calls)
         if message.HasField("chunk"):
             c = message.chunk
             logprobs = list(c.logprobs) if self.call.logprobs else None
             if not (c.text or logprobs or first):
                 return []  # tokens whose text is held back (a stop string may follow): nothing to say yet
             return [{**base, "choices": [self.fmt.delta(c.text, logprobs, None, first)]}]
-        out = [
-            {
-                **base,
-                "choices": [self.fmt.delta("", [] if self.call.logprobs else None, message.final, first)],
-            }
-        ]
+        return self._finish_chunks(base, message.final, first)
+
+    def _finish_chunks(self, base: dict[str, Any], final: pb.Final, first: bool) -> list[dict[str, Any]]:
+        """The last chunk (its finish_reason) and, when asked, the usage's."""
+        choice = self.fmt.delta("", [] if self.call.logprobs else None, final, first)
+        if self.tool_calls is not None:
+            choice["finish_reason"] = self.tool_calls.finish_reason(final, choice["finish_reason"])
+        out = [{**base, "choices": [choice]}]
         if self.call.include_usage:
-            out.append({**base, "choices": [], "usage": usage(message.final.usage)})
+            out.append({**base, "choices": [], "usage": usage(final.usage)})
         return out
+
+    def _tool_chunks(
+        self, base: dict[str, Any], message: pb.GenerateResponse, first: bool, tool_calls: ToolCalls
+    ) -> list[dict[str, Any]]:
+        """A chat stream read for tool calls: content deltas hold only the text outside the calls
+        (markup is held back until it is known not to be a call); each call comes as OpenAI
+        streams one: index, id and name first, then its arguments. A message's logprobs ride on
+        its first delta."""
+        final = message.final if message.HasField("final") else None
+        reader = tool_calls.reader
+        deltas = tool_calls.deltas(reader.finish() if final is not None else reader.feed(message.chunk.text))
+        if first:
+            deltas.insert(0, {"role": "assistant", "content": ""})
+        logprobs = list(message.chunk.logprobs) if self.call.logprobs and final is None else None
+        if logprobs and not deltas:
+            deltas = [{"content": ""}]
+        out = [{**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None,
+                                      "logprobs": ChatFormat._logprobs(logprobs if i == 0 else None)}]}
+               for i, delta in enumerate(deltas)]  # fmt: skip
+        return out + (self._finish_chunks(base, final, first=False) if final is not None else [])
 
 
 def models(listed: pb.ListModelsResponse) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from spindle.openai_api import responses
 from spindle.openai_api.context import HttpCallContext, Refused
 from spindle.openai_api.errors import ApiError, bad_request, from_status
 from spindle.openai_api.responses import ChatFormat, CompletionFormat, Format, Reply
+from spindle.openai_api.tool_parsers import PARSERS
 from spindle.tls import PLAINTEXT, ServerSslContext, TlsConfig
 from spindle.v1 import generation_pb2 as pb
 
@@ -42,7 +43,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
-    """`--http-port`, the same flag (and SPINDLE_HTTP_PORT) on the gateway and the model pod."""
+    """`--http-port` and `--tool-call-parser`, the same flags (and SPINDLE_HTTP_PORT,
+    SPINDLE_TOOL_CALL_PARSER) on the gateway and the model pod."""
     parser.add_argument(
         "--http-port",
         type=int,
@@ -50,13 +52,22 @@ def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
         help=f"OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions, /v1/models, "
         f"/health); 0 = off [{DEFAULT_PORT}]",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default="none",
+        help='how the HTTP API reads the tool calls a model writes under `tool_choice` "auto" (vLLM\'s '
+        "--enable-auto-tool-choice --tool-call-parser): hermes = <tool_call>{...}</tool_call> (Hermes, "
+        'Qwen 2.5/3), llama3_json = {"name": ..., "parameters": ...} (Llama 3.1+); none = "auto" is '
+        'refused, "required", a named function and "none" are served [none]',
+    )
 
 
 class OpenAIServer:
     """OpenAI's HTTP API over `generation` (a Generation servicer: `Generate` yields
     GenerateResponse messages or their serialized bytes, `ListModels` answers one).
     `base_models()` names the base models (a `model` that is none of them is an adapter);
-    `ready()` is the process's health status."""
+    `ready()` is the process's health status; `tool_parser` the --tool-call-parser."""
 
     def __init__(
         self,
@@ -64,11 +75,12 @@ class OpenAIServer:
         base_models: Callable[[], Collection[str]],
         ready: Callable[[], bool],
         tracer: trace.Tracer,
+        tool_parser: str = "none",
     ) -> None:
         self.generation, self.base_models, self.ready, self.tracer = generation, base_models, ready, tracer
         middlewares = [_traced(tracer), _openai_errors]  # the span sees the status of every refusal
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
-        chat, completion = ChatFormat(), CompletionFormat()
+        chat, completion = ChatFormat(tool_parser), CompletionFormat()
         self.app.router.add_post("/v1/chat/completions", lambda r: self._generate(r, chat))
         self.app.router.add_post("/v1/completions", lambda r: self._generate(r, completion))
         self.app.router.add_get("/v1/models", self._models)

@@ -1,0 +1,248 @@
+"""Reading tool calls out of a chat's output text, as it streams (vLLM's tool-call parsers).
+
+A model asked with `tools` answers in text: its own markup for a call (Hermes' and Qwen's
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Llama 3's bare `{"name": ...,
+"parameters": {...}}`), or, under `tool_choice` "required" or a named function, the JSON the
+structured-output engine forced (requests.py's tools part builds its schema). A `Reader` turns
+the text, fed piece by piece as the pod streams it, into `Piece`s: content text (never any call
+markup, which is held back until it is known to be one), `CallStart` and `Arguments`. The whole
+response is the same reader fed once, so a streamed answer and a whole one always agree.
+
+A call whose JSON does not parse, or lacks a name, is not a call: its text is returned as content
+(a client sees what the model wrote, never a 500).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+PARSERS = ("none", "hermes", "llama3_json")  # --tool-call-parser's choices (none: "auto" is refused)
+
+
+@dataclass(frozen=True)
+class CallStart:
+    """A new call of function `name` (its arguments follow as `Arguments` pieces)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Arguments:
+    """More of the current call's arguments (a JSON object's text, in pieces)."""
+
+    text: str
+
+
+Piece = str | CallStart | Arguments
+
+
+class Reader(ABC):
+    """One response's output text -> pieces; `feed` as text arrives, `finish` at its end."""
+
+    calls = 0  # calls read so far
+
+    @abstractmethod
+    def feed(self, text: str) -> list[Piece]: ...
+
+    @abstractmethod
+    def finish(self) -> list[Piece]: ...
+
+    def read(self, text: str) -> list[Piece]:
+        """A whole output at once."""
+        return self.feed(text) + self.finish()
+
+    def _call(self, name: str, arguments: Any) -> list[Piece]:
+        self.calls += 1
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return [CallStart(name), Arguments(text)]
+
+    def _as_call(self, obj: Any, *argument_keys: str) -> list[Piece] | None:
+        """The call a decoded JSON value states ({"name": ..., "arguments": {...}}), or None."""
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            return None
+        arguments = next((obj[k] for k in argument_keys if k in obj), {})
+        if not isinstance(arguments, (dict, str)):
+            return None
+        return self._call(obj["name"], arguments)
+
+
+class _Content:
+    """Content text with the whitespace around calls dropped (a model writes "\\n" between its
+    `<tool_call>` blocks): whitespace is held until text follows it, so a plain answer streams
+    exactly as written and only whitespace next to a call is lost."""
+
+    def __init__(self) -> None:
+        self.pending = ""  # trailing whitespace not yet sent
+        self.after_call = False
+
+    def text(self, text: str) -> list[Piece]:
+        held = self.pending + text
+        body = held.rstrip()
+        self.pending = held[len(body) :]
+        if not body:
+            return []
+        if self.after_call:
+            body, self.after_call = body.lstrip(), False
+        return [body]
+
+    def call(self) -> None:
+        self.pending, self.after_call = "", True
+
+    def end(self, called: bool) -> list[Piece]:
+        rest, self.pending = self.pending, ""
+        return [rest] if rest and not called else []
+
+
+class HermesReader(Reader):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks among the text (Hermes 2
+    Pro, Qwen 2.5 / 3): vLLM's `hermes` parser. A block the output ends inside (no closing tag)
+    is a call when its JSON is whole, as vLLM reads it."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self.buffer, self.in_call, self.content = "", False, _Content()
+
+    def feed(self, text: str) -> list[Piece]:
+        self.buffer += text
+        out: list[Piece] = []
+        while True:
+            if self.in_call:
+                end = self.buffer.find(self.END)
+                if end < 0:
+                    return out
+                out += self._block(self.buffer[:end], closed=True)
+                self.buffer, self.in_call = self.buffer[end + len(self.END) :], False
+                continue
+            start = self.buffer.find(self.START)
+            if start < 0:
+                keep = _partial_suffix(self.buffer, self.START)
+                out += self.content.text(self.buffer[: len(self.buffer) - keep])
+                self.buffer = self.buffer[len(self.buffer) - keep :]
+                return out
+            out += self.content.text(self.buffer[:start])
+            self.buffer, self.in_call = self.buffer[start + len(self.START) :], True
+
+    def finish(self) -> list[Piece]:
+        rest, self.buffer = self.buffer, ""
+        out = self._block(rest, closed=False) if self.in_call else self.content.text(rest)
+        return out + self.content.end(self.calls > 0)
+
+    def _block(self, body: str, closed: bool) -> list[Piece]:
+        try:
+            call = self._as_call(json.loads(body), "arguments", "parameters")
+        except ValueError:
+            call = None
+        if call is None:  # not a call: what the model wrote, markup and all
+            return self.content.text(self.START + body + (self.END if closed else ""))
+        self.content.call()
+        return call
+
+
+class Llama3JsonReader(Reader):
+    """An output that is one or more JSON calls, `{"name": ..., "parameters": {...}}` separated by
+    ";" (optionally after `<|python_tag|>`): Llama 3.1-3.3's JSON tool calling, vLLM's
+    `llama3_json`. An output that starts otherwise is content, streamed as it comes; one that
+    starts like a call is held to its end, then read whole (content if it is not all calls)."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self.buffer, self.mode = "", ""  # mode: "" undecided, "text", "calls"
+
+    def feed(self, text: str) -> list[Piece]:
+        if self.mode == "text":
+            return [text] if text else []
+        self.buffer += text
+        if self.mode == "calls":
+            return []
+        head = self.buffer.lstrip()
+        if not head or (self.TAG.startswith(head) and head != self.TAG):
+            return []  # undecided yet
+        self.mode = "calls" if head.startswith(("{", self.TAG)) else "text"
+        if self.mode == "calls":
+            return []
+        out, self.buffer = self.buffer, ""
+        return [out]
+
+    def finish(self) -> list[Piece]:
+        text, self.buffer = self.buffer, ""
+        if self.mode == "text" or not text:
+            return []
+        calls = self._calls(text.strip().removeprefix(self.TAG).strip())
+        return calls if calls is not None else [text]
+
+    def _calls(self, text: str) -> list[Piece] | None:
+        decoder, out, at = json.JSONDecoder(), [], 0
+        while at < len(text):
+            try:
+                obj, at = decoder.raw_decode(text, at)
+            except ValueError:
+                return None
+            call = self._as_call(obj, "parameters", "arguments")
+            if call is None:
+                return None
+            out += call
+            at = len(text) - len(text[at:].lstrip().removeprefix(";").lstrip())
+        if not out:
+            return None
+        return out
+
+
+class NamedReader(Reader):
+    """`tool_choice` naming a function: the whole output is its arguments (the structured-output
+    engine held it to the function's `parameters` schema), streamed as they come."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def feed(self, text: str) -> list[Piece]:
+        if not text:
+            return []
+        if self.calls:
+            return [Arguments(text)]
+        return self._call(self.name, text)
+
+    def finish(self) -> list[Piece]:
+        return [] if self.calls else self._call(self.name, "")
+
+
+class RequiredReader(Reader):
+    """`tool_choice: "required"`: the output is a JSON array of `{"name": ..., "parameters": {...}}`
+    (vLLM's form, forced by the structured-output engine), read at its end. An output cut short
+    (finish_reason "length") is not one: it is returned as content."""
+
+    def __init__(self) -> None:
+        self.buffer = ""
+
+    def feed(self, text: str) -> list[Piece]:
+        self.buffer += text
+        return []
+
+    def finish(self) -> list[Piece]:
+        text, self.buffer = self.buffer, ""
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            calls = None
+        calls = calls if isinstance(calls, list) else []
+        pieces = [self._as_call(c, "parameters", "arguments") for c in calls]
+        if not pieces or any(p is None for p in pieces):
+            self.calls = 0
+            return [text] if text else []
+        return [piece for p in pieces for piece in p or ()]
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """How many trailing characters of `text` could begin `marker` (held back: the rest of the
+    marker may come in the next piece)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+READERS = {"hermes": HermesReader, "llama3_json": Llama3JsonReader}

@@ -1,0 +1,347 @@
+"""Tool calling in the OpenAI-compatible API: the parsers that read calls out of a model's text
+(whole and in any streamed split), the request's tools and tool_choice on the gRPC request, the
+pod's chat template rendering them as transformers does, and the `openai` SDK reading the calls
+of a scripted model through the HTTP server. The real model's forced calls (tool_choice
+"required" or named) and a round trip run in test_openai_http.py, on the shared cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+from opentelemetry.trace import get_tracer
+
+from model_service.engine.requests import PromptReader
+from model_service.models.tokenizer import Tokenizer
+from model_service.pod import wire
+from spindle.openai_api.errors import ApiError
+from spindle.openai_api.requests import chat_request
+from spindle.openai_api.server import OpenAIServer
+from spindle.openai_api.tool_parsers import (
+    Arguments,
+    CallStart,
+    HermesReader,
+    Llama3JsonReader,
+    NamedReader,
+    Reader,
+    RequiredReader,
+)
+from spindle.v1 import generation_pb2 as pb
+
+BASE = "m"
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather now", "parameters": CITY},
+    },
+    {"type": "function", "function": {"name": "get_time"}},
+]
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+PARIS = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+
+
+def _fed(reader: Reader, text: str, size: int) -> list:
+    """The pieces of `text` fed `size` characters at a time, merged as a client accumulates them."""
+    pieces = []
+    for i in range(0, len(text), size):
+        pieces += reader.feed(text[i : i + size])
+    return _merged(pieces + reader.finish())
+
+
+def _merged(pieces: list) -> list:
+    """Adjacent content joined, each call's arguments joined: what a client ends up with."""
+    out: list = []
+    for p in pieces:
+        if isinstance(p, str) and out and isinstance(out[-1], str):
+            out[-1] += p
+        elif isinstance(p, Arguments) and out and isinstance(out[-1], Arguments):
+            out[-1] = Arguments(out[-1].text + p.text)
+        else:
+            out.append(p)
+    return out
+
+
+def _call(name: str, arguments: str) -> list:
+    return [CallStart(name), Arguments(arguments)]
+
+
+@pytest.mark.parametrize(
+    ("make", "text", "expected"),
+    [
+        # several calls, text before and after, whitespace between the blocks dropped
+        (HermesReader, f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n"
+         '{"name": "get_time", "arguments": {}}\n</tool_call>\nDone.',
+         ["Let me look.", *_call("get_weather", '{"city": "Paris"}'), *_call("get_time", "{}"), "Done."]),
+        # no call: the text exactly, whitespace and all, and a "<" that is not the markup
+        (HermesReader, "  a < b <tool \n", ["  a < b <tool \n"]),
+        # malformed JSON, or no name: the model's text, markup and all, never a 500
+        *[(HermesReader, text, [text]) for text in ('x <tool_call>{"name": oops}</tool_call>',
+                                                     '<tool_call>{"arguments": {}}</tool_call>')],
+        # the output ends inside a block: a whole JSON is a call (vLLM's reading), a cut one is text
+        (HermesReader, f"<tool_call>{WEATHER}", _call("get_weather", '{"city": "Paris"}')),
+        (HermesReader, '<tool_call>{"name": "get_wea', ['<tool_call>{"name": "get_wea']),
+        (HermesReader, "ends with <tool_c", ["ends with <tool_c"]),
+        # arguments as a JSON text (some models write them so): passed on as they are
+        (HermesReader, '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
+         _call("f", '{"a": 1}')),
+        (Llama3JsonReader, '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", '
+         '"parameters": {}}', [*_call("get_weather", '{"city": "Paris"}'), *_call("get_time", "{}")]),
+        (Llama3JsonReader, '<|python_tag|>{"name": "f", "parameters": {"é": 1}}', _call("f", '{"é": 1}')),
+        (Llama3JsonReader, "The answer is {x}.", ["The answer is {x}."]),
+        *[(Llama3JsonReader, text, [text]) for text in ('{"name": "f", "parameters": {}} and more',
+                                                         '[{"name": "get_weather", "parameters": {"ci')],
+        (Llama3JsonReader, '{"city": "Paris"}', ['{"city": "Paris"}']),  # JSON, but no call
+        (RequiredReader, '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", '
+         '"parameters": {}}]', [*_call("get_weather", '{"city": "Paris"}'), *_call("get_time", "{}")]),
+        *[(RequiredReader, text, [text]) for text in ('[{"name": "get_weather", "parameters": {"ci', "[]")],
+        (lambda: NamedReader("get_weather"), '{"city": "Paris"}', _call("get_weather", '{"city": "Paris"}')),
+    ],
+)  # fmt: skip
+def test_a_reader_reads_the_same_calls_whole_and_in_any_split(make, text, expected):
+    assert _merged(make().read(text)) == expected
+    for size in (1, 2, 3, 7):  # the markup split across stream deltas at every place
+        assert _fed(make(), text, size) == expected, size
+
+
+def test_a_streamed_reader_never_sends_markup_as_content():
+    reader = HermesReader()
+    sent = [p for ch in f"Hi <tool_call>{WEATHER}</tool_call>" for p in reader.feed(ch)] + reader.finish()
+    content = "".join(p for p in sent if isinstance(p, str))
+    assert content == "Hi" and "<" not in content
+    named = NamedReader("f")  # a forced call's arguments stream as they come
+    assert named.feed('{"a"') == _call("f", '{"a"') and named.feed(": 1}") == [Arguments(": 1}")]
+
+
+def _parsed(body: dict, parser: str = "hermes") -> tuple[pb.GenerateRequest, object]:
+    return chat_request({"messages": ASK, **body}, {BASE}, parser)
+
+
+def test_tools_and_tool_choice_map_onto_the_grpc_request():
+    req, call = _parsed({"tools": TOOLS})
+    assert [(t.name, t.description, t.parameters) for t in req.chat.tools] == [
+        ("get_weather", "Weather now", json.dumps(CITY)),
+        ("get_time", "", ""),
+    ]
+    assert call.tools.choice == "auto" and call.tools.parser == "hermes"
+    assert not req.sampling.HasField("structured_output")  # "auto": the model decides
+    # "none": the tools are rendered (vLLM's default), the output is text
+    req, call = _parsed({"tools": TOOLS, "tool_choice": "none"}, parser="none")
+    assert len(req.chat.tools) == 2 and call.tools is None
+    # a named function: its parameters are the schema; no parser needed
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    req, call = _parsed({"tools": TOOLS, "tool_choice": named}, parser="none")
+    assert json.loads(req.sampling.structured_output.json_schema) == CITY and call.tools.name == "get_weather"
+    # "required": an array of calls of the given tools (one at most without parallel calls)
+    req, call = _parsed(
+        {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, parser="none"
+    )
+    schema = json.loads(req.sampling.structured_output.json_schema)
+    assert schema["minItems"] == 1 and schema["maxItems"] == 1 and not call.tools.parallel
+    branches = schema["items"]["anyOf"]
+    assert [b["properties"]["name"]["enum"] for b in branches] == [["get_weather"], ["get_time"]]
+    assert branches[0]["properties"]["parameters"] == CITY
+    assert branches[1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+
+
+def test_a_conversation_with_calls_and_results_maps_onto_the_grpc_request():
+    parts = [{"type": "text", "text": "18 C"}]
+    turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [PARIS]},
+             {"role": "tool", "tool_call_id": "call_1", "content": parts}]  # fmt: skip
+    req, _ = chat_request({"messages": turns, "tools": TOOLS}, {BASE}, "hermes")
+    assistant, result = req.chat.messages[1], req.chat.messages[2]
+    assert assistant.content == "" and list(assistant.tool_calls) == [
+        pb.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+    ]
+    assert (result.role, result.tool_call_id, result.content) == ("tool", "call_1", "18 C")
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        ({"tools": TOOLS}, "--tool-call-parser"),  # "auto" without a parser: vLLM refuses it too
+        ({"tools": TOOLS, "tool_choice": "auto"}, "--tool-call-parser"),
+        ({"tool_choice": "required"}, "needs `tools`"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "`tool_choice` must be"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not one of"),
+        ({"tools": [{"type": "function"}]}, r"`tools\[0\]` must be"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "letters, digits"),
+        ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "letters, digits"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+         "JSON Schema of an object"),
+        ({"tools": [TOOLS[1], TOOLS[1]]}, "twice"),
+        ({"tools": {"get_time": {}}}, "must be a list"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "no structured-output form"),
+        ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "no"}, "true or false"),
+        ({"functions": [{"name": "f"}]}, "send `tools`"),
+        ({"messages": [{"role": "tool", "content": "18 C"}]}, "tool_call_id"),
+        ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f",
+          "arguments": "{oops"}}]}]}, "JSON object's text"),
+        ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c"}]}]}, "must be"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "only an assistant"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "role 'function'"),
+    ],
+)  # fmt: skip
+def test_what_is_refused_is_named(body, problem):
+    with pytest.raises(ApiError, match=problem) as refused:
+        chat_request({"messages": ASK, **body}, {BASE}, "none")
+    assert refused.value.status == 400
+
+
+# A chat template that uses what transformers passes it: `tools`, an assistant's `tool_calls`
+# (arguments written with tojson, as Qwen's and Hermes' templates do) and a tool result's id.
+TEMPLATE = """
+{%- if tools %}<|im_start|>system
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{{ message.content }}{% for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response id="{{ message.tool_call_id }}">{{ message.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def _byte_tokenizer():
+    """A tokenizer of one token per byte (equal ids, equal text) with TEMPLATE."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    raw = RawTokenizer(models.BPE(vocab, []))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw)
+    hf.chat_template = TEMPLATE
+    return hf
+
+
+def test_the_pod_renders_tools_calls_and_results_as_transformers_does():
+    """The oracle: transformers' own `apply_chat_template(messages, tools=...)` on the OpenAI
+    conversation, with the call's arguments as an object (its documented form: a template writes
+    them with tojson, and a JSON text would come out quoted twice)."""
+    turns = [*ASK, {"role": "assistant", "content": "Looking.", "tool_calls": [PARIS]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]  # fmt: skip
+    req, _ = chat_request({"messages": turns, "tools": TOOLS}, {BASE}, "hermes")
+    kwargs = wire.engine_request(pb.GenerateRequest.FromString(req.SerializeToString()))
+    hf = _byte_tokenizer()
+    reader = PromptReader(Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, max_kv_tokens=4096)
+    ids = reader.token_ids(None, kwargs["messages"], None, kwargs["tools"])
+    with_object = {**PARIS, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    as_objects = [*ASK, {**turns[1], "tool_calls": [with_object]}, turns[2]]
+    expected = hf.apply_chat_template(as_objects, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    assert ids == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    text = hf.decode(ids)
+    assert '"arguments": {"city": "Paris"}' in text and '<tool_response id="call_1">18 C' in text
+    assert '"name": "get_weather"' in text and "Weather now" in text
+
+
+class _Scripted:
+    """A Generation servicer whose model writes `text`, a few characters per chunk."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.requests = text, []
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        self.requests.append(request)
+        for i in range(0, len(self.text), 3):
+            yield pb.GenerateResponse(chunk=pb.Chunk(text=self.text[i : i + 3]))
+        usage = pb.Usage(prompt_tokens=5, completion_tokens=9)
+        yield pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_STOP, usage=usage))
+
+
+@contextlib.asynccontextmanager
+async def _served(servicer: _Scripted, parser: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    server = OpenAIServer(servicer, lambda: (BASE,), lambda: True, get_tracer(__name__), parser)
+    port = await server.start("127.0.0.1", 0)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.stop()
+
+
+async def _both(client: openai.AsyncOpenAI, **asked) -> tuple:
+    """The whole answer, and the stream's accumulated content, calls and finish reason."""
+    whole = await client.chat.completions.create(model=BASE, messages=ASK, **asked)
+    content, calls, finish = "", {}, None
+    async for chunk in await client.chat.completions.create(model=BASE, messages=ASK, stream=True, **asked):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for c in delta.tool_calls or []:
+            if c.id:  # the first delta of a call: index, id, name
+                calls[c.index] = {
+                    "id": c.id,
+                    "name": c.function.name,
+                    "arguments": c.function.arguments or "",
+                }
+            else:
+                calls[c.index]["arguments"] += c.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    return whole.choices[0], content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content", "calls"),
+    [
+        ("hermes", f"Sure.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n"
+         '{"name": "get_time", "arguments": {}}\n</tool_call>',
+         "Sure.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+        ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None,
+         [("get_weather", {"city": "Paris"})]),
+        ("hermes", '<tool_call>{"name": broken</tool_call>', '<tool_call>{"name": broken</tool_call>', []),
+    ],
+)  # fmt: skip
+def test_the_sdk_reads_the_calls_a_model_writes(parser, text, content, calls):
+    """Streamed and not, the calls are OpenAI's `tool_calls` (ids "call_...", arguments as JSON
+    text), the content never holds the markup, and a malformed call is plain content."""
+    model = _Scripted(text)
+
+    async def run() -> tuple:
+        async with _served(model, parser) as client:
+            return await _both(client, tools=TOOLS)
+
+    choice, streamed, streamed_calls, finish = asyncio.run(run())
+    assert len(model.requests[0].chat.tools) == 2  # the tools reached the pod's template
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+    assert got == calls and choice.message.content == content
+    assert all(c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls or [])
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed_calls] == calls
+    assert streamed == (content or "")
+    assert choice.finish_reason == finish == ("tool_calls" if calls else "stop")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    model = _Scripted(f"<tool_call>{WEATHER}</tool_call><tool_call>" + '{"name": "get_time"}</tool_call>')
+
+    async def run() -> tuple:
+        async with _served(model, "hermes") as client:
+            return await _both(client, tools=TOOLS, parallel_tool_calls=False)
+
+    choice, _, streamed_calls, _ = asyncio.run(run())
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    assert [c["name"] for c in streamed_calls] == ["get_weather"]
