@@ -18,7 +18,7 @@ class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0  # 0 (or below 1e-5) = greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 or -1 (vLLM's spelling) = off; above the vocabulary = off
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # HF semantics, over prompt and output tokens
     presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
@@ -60,8 +60,8 @@ class SamplingParams:
             bad(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0.0 < self.repetition_penalty < float("inf"):
