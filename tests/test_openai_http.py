@@ -249,6 +249,7 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"prompt": "a", "allowed_token_ids": [5]}, "allowed_token_ids"),
         ({"prompt": "a", "bad_words": ["x"]}, "bad_words"),
         ({"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt": "a", "prompt_logprobs": 0}, "prompt_logprobs"),  # the prompt tokens' own: was dropped
         ({"prompt": "a", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
         ({"messages": QUESTION, "continue_final_message": True}, "continue_final_message"),
         ({"messages": QUESTION, "chat_template": "{{ messages }}"}, "chat_template"),

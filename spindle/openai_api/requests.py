@@ -45,6 +45,9 @@ _REFUSED = {
     "chat_template": "a request's own chat_template is not supported",
     "chat_template_kwargs": "chat_template_kwargs is not supported",
 }
+# Refused fields whose zero asks for something too: vLLM's `prompt_logprobs: 0` is each prompt
+# token's own logprob (its top 0), not "off".
+_ZERO_ASKS = frozenset({"prompt_logprobs"})
 # Structured output, in OpenAI's and vLLM's spellings (see `structured_output`).
 STRUCTURED_FIELDS = (
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -205,7 +208,8 @@ def _common(
     elif model:
         req.adapter = model  # vLLM's convention: a LoRA adapter is named as the model
     for name, why in _REFUSED.items():
-        if body.get(name):
+        value = body.get(name)
+        if value or (name in _ZERO_ASKS and value is not None):
             raise bad_request(why, name)
     if _typed(body, "n", int) not in (None, 1):  # n: 0 too (it asks for no choice at all)
         raise bad_request("`n` other than 1 is not supported: send n requests (with different seeds)", "n")
