@@ -413,6 +413,10 @@ def test_logprobs_with_minus_inf_logits():
         {"logprobs": 5.0},
         {"top_k": 2.5},
         {"seed": 1.5},
+        # HF's beam search applies a repetition penalty; ours has none and used to ignore it
+        {"num_beams": 2, "repetition_penalty": 1.2},
+        {"num_beams": 2, "presence_penalty": 0.5},
+        {"length_penalty": float("nan")},
     ],
     ids=lambda kw: ",".join(f"{k}={v!r}" for k, v in kw.items()),
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -30,7 +31,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None = off; N = sampled token plus the top N
     skip_special_tokens: bool = True
-    num_beams: int = 1  # > 1: beam search (deterministic; sampling fields are ignored)
+    num_beams: int = 1  # > 1: beam search (deterministic: temperature, top-k/p, min-p, seed are ignored)
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never", as in HF generate
     # The language the output must be in (JSON Schema, regex, choice, grammar); None = free text.
@@ -77,8 +78,13 @@ class SamplingParams:
             bad(f"num_beams must be in [1, 32], got {self.num_beams!r}")
         if self.early_stopping not in (True, False, "never"):
             bad(f'early_stopping must be true, false or "never", got {self.early_stopping!r}')
+        if not math.isfinite(self.length_penalty):
+            bad(f"length_penalty must be finite, got {self.length_penalty}")
         if self.num_beams > 1 and (self.stop or self.logprobs is not None):
             bad("stop strings and logprobs are not supported with num_beams > 1")
+        if self.num_beams > 1 and self.needs_penalties:
+            # HF's beam search would apply them; ours has no penalties, and ignoring them changes the answer.
+            bad("repetition, presence and frequency penalties are not supported with num_beams > 1")
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 bad(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
