@@ -417,6 +417,7 @@ def test_logprobs_with_minus_inf_logits():
         {"num_beams": 2, "repetition_penalty": 1.2},
         {"num_beams": 2, "presence_penalty": 0.5},
         {"length_penalty": float("nan")},
+        {"length_penalty": "1.0"},
     ],
     ids=lambda kw: ",".join(f"{k}={v!r}" for k, v in kw.items()),
 )

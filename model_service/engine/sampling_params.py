@@ -74,27 +74,35 @@ class SamplingParams:
             bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
-        if not _is_int(self.num_beams) or not 1 <= self.num_beams <= 32:
-            bad(f"num_beams must be in [1, 32], got {self.num_beams!r}")
-        if self.early_stopping not in (True, False, "never"):
-            bad(f'early_stopping must be true, false or "never", got {self.early_stopping!r}')
-        if not math.isfinite(self.length_penalty):
-            bad(f"length_penalty must be finite, got {self.length_penalty}")
-        if self.num_beams > 1 and (self.stop or self.logprobs is not None):
-            bad("stop strings and logprobs are not supported with num_beams > 1")
-        if self.num_beams > 1 and self.needs_penalties:
-            # HF's beam search would apply them; ours has no penalties, and ignoring them changes the answer.
-            bad("repetition, presence and frequency penalties are not supported with num_beams > 1")
+        beam_problem = self._beam_search_problem()
+        if beam_problem:
+            bad(beam_problem)
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 bad(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
-            if self.num_beams > 1:
-                bad("structured_output is not supported with num_beams > 1 (beam search)")
             _ = self.structured_output.grammar  # raises with llguidance's message
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad(f"stop_token_ids must be in [0, {vocab_size})")
+
+    def _beam_search_problem(self) -> str | None:
+        """What is wrong with the beam-search fields, or with a field beam search cannot honour."""
+        if not _is_int(self.num_beams) or not 1 <= self.num_beams <= 32:
+            return f"num_beams must be in [1, 32], got {self.num_beams!r}"
+        if self.early_stopping not in (True, False, "never"):
+            return f'early_stopping must be true, false or "never", got {self.early_stopping!r}'
+        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            return f"length_penalty must be a finite number, got {self.length_penalty!r}"
+        if self.num_beams == 1:
+            return None
+        if self.stop or self.logprobs is not None:
+            return "stop strings and logprobs are not supported with num_beams > 1"
+        if self.needs_penalties:  # HF's beam search applies repetition_penalty: ignored, the answer differs
+            return "repetition, presence and frequency penalties are not supported with num_beams > 1"
+        if self.structured_output is not None:
+            return "structured_output is not supported with num_beams > 1 (beam search)"
+        return None
 
     @property
     def greedy(self) -> bool:
@@ -112,3 +120,7 @@ class SamplingParams:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
