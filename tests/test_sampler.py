@@ -137,6 +137,33 @@ def test_mixed_rows_in_one_batch_match_hf_row_by_row():
         assert set(allowed[i].nonzero().flatten().tolist()) == _hf_allowed(logits[i], **_hf_kwargs(p))
 
 
+def _strictly_more_likely_rule(x: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """Tokens a cut keeps, token by token (the CUDA kernel's rule): fewer than top_k tokens
+    strictly more likely, less than top_p of the top-k tokens' mass strictly more likely, and at
+    least min_p times the most likely one's probability."""
+    kept_k = [v for v in range(len(x)) if (x > x[v]).sum() < top_k]
+    probs = torch.full_like(x, float("-inf")).index_copy(0, torch.tensor(kept_k), x[kept_k]).softmax(0)
+    return {v for v in kept_k if probs[x > x[v]].sum() < top_p and probs[v] >= min_p * probs.max()}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"top_k": 7}, {"top_k": 40}, {"top_p": 0.6}, {"top_p": 0.9, "min_p": 0.05}, {"top_k": 30, "top_p": 0.8}],
+    ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
+)
+def test_a_cut_keeps_every_token_tied_at_its_edge(kw):
+    # Regression: the sort path cut by rank, keeping an arbitrary few of the tokens tied with the
+    # last one kept, where HF's top-k (and vLLM's, and the CUDA kernel's cuts) keep them all.
+    # bfloat16 logits (a GPU's lm_head) tie often; these rows hold 3-16 tokens tied at top-k's edge.
+    logits = (_logits(6, vocab=512, scale=1.0, seed=11) * 8).round() / 8
+    params = _params(**kw)
+    for row in logits:
+        ours = _our_allowed(row, params)
+        assert ours == _strictly_more_likely_rule(row, params.top_k or VOCAB * 2, params.top_p, params.min_p)
+        if "top_p" not in kw:
+            assert ours == _hf_allowed(row, **_hf_kwargs(params))
+
+
 @pytest.mark.parametrize("kw", FILTER_CASES[1:], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_sampled_tokens_stay_in_allowed_set(kw):
     torch.manual_seed(5)
@@ -371,7 +398,7 @@ def test_logprobs_with_minus_inf_logits():
         {"temperature": float("nan")},
         {"top_p": 0.0},
         {"top_p": 1.1},
-        {"top_k": -1},
+        {"top_k": -2},
         {"min_p": 1.5},
         {"repetition_penalty": 0.0},
         {"repetition_penalty": float("nan")},
@@ -386,6 +413,11 @@ def test_logprobs_with_minus_inf_logits():
         {"logprobs": 5.0},
         {"top_k": 2.5},
         {"seed": 1.5},
+        # HF's beam search applies a repetition penalty; ours has none and used to ignore it
+        {"num_beams": 2, "repetition_penalty": 1.2},
+        {"num_beams": 2, "presence_penalty": 0.5},
+        {"length_penalty": float("nan")},
+        {"length_penalty": "1.0"},
     ],
     ids=lambda kw: ",".join(f"{k}={v!r}" for k, v in kw.items()),
 )

@@ -295,6 +295,19 @@ def test_wire_unset_fields_keep_engine_defaults_and_set_zeros_are_validated():
         wire.engine_request(pb.GenerateRequest())
 
 
+@pytest.mark.parametrize("top_k", [-1, 0])
+def test_top_k_off_is_spelled_alike_on_grpc_and_http(top_k):
+    # Regression: the HTTP front took vLLM's top_k=-1 for "off" while gRPC refused it.
+    from spindle.openai_api.requests import chat_request
+
+    http, _ = chat_request({"messages": [{"role": "user", "content": "hi"}], "top_k": top_k}, set())
+    grpc_req = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_k=top_k))
+    for req in (http, grpc_req):
+        assert not wire.engine_request(req)["params"].truncates
+    with pytest.raises(InvalidRequestError, match="top_k"):
+        wire.engine_request(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_k=-2)))
+
+
 def test_dns_discovery_turns_every_address_into_a_pod():
     import asyncio
 

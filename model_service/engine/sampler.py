@@ -264,7 +264,9 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 
 def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Set the logits that top-k, top-p and min-p remove to -inf."""
+    """Set the logits that top-k, top-p and min-p remove to -inf. Each cut keeps every token tied
+    with the last one it keeps, as HF's and vLLM's top-k and the CUDA kernel's three cuts do (a
+    cut by sorted rank would keep an arbitrary few of them: bfloat16 logits tie often)."""
     device = logits.device
     vocab = logits.shape[1]
     top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
@@ -272,18 +274,24 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     min_p = to_device([p.min_p for p in params], device, logits.dtype)
 
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=device)[None, :]
-    remove = ranks >= top_k[:, None]
+    remove = _cut_ties(sorted_logits, top_k)
     sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always survives): drop a
     # token when it and everything ranked below it hold at most 1 - top_p. Summing from the tail (as
     # HF does) keeps the float error off the cut, so top_p=1 drops no token of nonzero probability.
     mass_from = sorted_probs.flip(-1).cumsum(dim=-1).flip(-1)
-    remove |= mass_from <= 1.0 - top_p[:, None]
+    kept_by_top_p = (mass_from > 1.0 - top_p[:, None]).sum(dim=-1).clamp(min=1)
+    remove |= _cut_ties(sorted_logits, kept_by_top_p)
     remove |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _cut_ties(sorted_logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Which of each row's descending `sorted_logits` fall below its `keep[row]`-th (>= 1): the
+    first `keep` and every token tied with the last of them stay."""
+    return sorted_logits < sorted_logits.gather(1, (keep - 1)[:, None])
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -18,7 +19,7 @@ class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0  # 0 (or below 1e-5) = greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 or -1 (vLLM's spelling) = off; above the vocabulary = off
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # HF semantics, over prompt and output tokens
     presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
@@ -30,7 +31,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None = off; N = sampled token plus the top N
     skip_special_tokens: bool = True
-    num_beams: int = 1  # > 1: beam search (deterministic; sampling fields are ignored)
+    num_beams: int = 1  # > 1: beam search (deterministic: temperature, top-k/p, min-p, seed are ignored)
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never", as in HF generate
     # The language the output must be in (JSON Schema, regex, choice, grammar); None = free text.
@@ -60,8 +61,8 @@ class SamplingParams:
             bad(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0.0 < self.repetition_penalty < float("inf"):
@@ -73,22 +74,35 @@ class SamplingParams:
             bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
-        if not _is_int(self.num_beams) or not 1 <= self.num_beams <= 32:
-            bad(f"num_beams must be in [1, 32], got {self.num_beams!r}")
-        if self.early_stopping not in (True, False, "never"):
-            bad(f'early_stopping must be true, false or "never", got {self.early_stopping!r}')
-        if self.num_beams > 1 and (self.stop or self.logprobs is not None):
-            bad("stop strings and logprobs are not supported with num_beams > 1")
+        beam_problem = self._beam_search_problem()
+        if beam_problem:
+            bad(beam_problem)
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 bad(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
-            if self.num_beams > 1:
-                bad("structured_output is not supported with num_beams > 1 (beam search)")
             _ = self.structured_output.grammar  # raises with llguidance's message
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad(f"stop_token_ids must be in [0, {vocab_size})")
+
+    def _beam_search_problem(self) -> str | None:
+        """What is wrong with the beam-search fields, or with a field beam search cannot honour."""
+        if not _is_int(self.num_beams) or not 1 <= self.num_beams <= 32:
+            return f"num_beams must be in [1, 32], got {self.num_beams!r}"
+        if self.early_stopping not in (True, False, "never"):
+            return f'early_stopping must be true, false or "never", got {self.early_stopping!r}'
+        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            return f"length_penalty must be a finite number, got {self.length_penalty!r}"
+        if self.num_beams == 1:
+            return None
+        if self.stop or self.logprobs is not None:
+            return "stop strings and logprobs are not supported with num_beams > 1"
+        if self.needs_penalties:  # HF's beam search applies repetition_penalty: ignored, the answer differs
+            return "repetition, presence and frequency penalties are not supported with num_beams > 1"
+        if self.structured_output is not None:
+            return "structured_output is not supported with num_beams > 1 (beam search)"
+        return None
 
     @property
     def greedy(self) -> bool:
@@ -106,3 +120,7 @@ class SamplingParams:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
