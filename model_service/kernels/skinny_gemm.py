@@ -328,19 +328,6 @@ if triton is not None:
         tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=live)
 
     @triton.jit
-    def _skinny_step(
-        X, w, Scale, scale_stride_n, scale_stride_g, k0, rows, cols, ks, live, x_stride,
-        GROUPED: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """The rows' products with one weight tile (K from k0), scaled by its group's scales when
-        GROUPED."""
-        x = tl.load(X + rows[:, None] * x_stride + (k0 + ks)[None, :], mask=live, other=0.0)
-        if GROUPED:
-            at = Scale + cols * scale_stride_n + (k0 // BLOCK_K) * scale_stride_g
-            return tl.dot(x, w.to(x.dtype)) * tl.load(at)[None, :]
-        return tl.dot(x, w.to(x.dtype))
-
-    @triton.jit
     def _skinny_kernel(
         X, W, Bias, Scale, Y, Parts, Arrivals, M, N, K, x_stride, w_stride_k, w_stride_n, scale_stride_n,
         scale_stride_g,
@@ -350,27 +337,23 @@ if triton is not None:
         """Program (column block, K slice). W [K, N] by its strides: unit stride along N for a
         weight stored transposed, along K for an e4m3 one (Triton specializes a stride of 1).
         GROUPED: Scale is [N, K / BLOCK_K] by its strides, a scale a column and BLOCK_K (its group)
-        rows of W. The slice's first weight tile is loaded before the wait for the kernel ahead
-        (kernels/pdl.py; weights are never written by a step)."""
+        rows of W."""
+        wait_for_producers(PDL)
         col_block, k_slice = tl.program_id(0), tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         live = rows[:, None] < M
         per_slice = K // SPLIT_K
-        first = k_slice * per_slice
-        w = tl.load(W + (first + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n)
-        wait_for_producers(PDL)
-        acc = _skinny_step(
-            X, w, Scale, scale_stride_n, scale_stride_g, first, rows, cols, ks, live, x_stride, GROUPED,
-            BLOCK_K,
-        )  # fmt: skip
-        for k0 in range(first + BLOCK_K, (k_slice + 1) * per_slice, BLOCK_K):
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(k_slice * per_slice, (k_slice + 1) * per_slice, BLOCK_K):
+            x = tl.load(X + rows[:, None] * x_stride + (k0 + ks)[None, :], mask=live, other=0.0)
             w = tl.load(W + (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n)
-            acc += _skinny_step(
-                X, w, Scale, scale_stride_n, scale_stride_g, k0, rows, cols, ks, live, x_stride, GROUPED,
-                BLOCK_K,
-            )  # fmt: skip
+            if GROUPED:
+                at = Scale + cols * scale_stride_n + (k0 // BLOCK_K) * scale_stride_g
+                acc += tl.dot(x, w.to(x.dtype)) * tl.load(at)[None, :]
+            else:
+                acc += tl.dot(x, w.to(x.dtype))
         out = rows[:, None] * N + cols[None, :]
         if SPLIT_K == 1:
             _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS, ROW_SCALE)
