@@ -11,6 +11,11 @@ class InvalidRequestError(SpindleError, ValueError):
     """The request itself is wrong (INVALID_ARGUMENT): fixing the request fixes it."""
 
 
+class ConfigError(SpindleError, ValueError):
+    """A setting (a flag or its SPINDLE_ variable) is out of its range: fixing the setting fixes it.
+    A ValueError too, as the engine's settings raised before they named their flags."""
+
+
 class CapacityError(SpindleError):
     """The engine cannot take this request now or ever (RESOURCE_EXHAUSTED)."""
 

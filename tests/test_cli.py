@@ -171,3 +171,39 @@ def test_structured_output_flags_become_the_requests_field(tmp_path):
         _read_requests(parser.parse_args(["--requests", str(requests)]))
     with pytest.raises(SpindleError, match=r"no-such\.json"):
         _read_requests(parser.parse_args(["--prompt", "hi", "--json-schema", str(tmp_path / "no-such.json")]))
+
+
+def test_out_of_range_engine_flags_are_refused_naming_the_flag(capsys, monkeypatch):
+    """Zero or negative sizes and a memory fraction past 1 were taken as given: a traceback later
+    (`--block-size 0`, `--num-kv-blocks -3`), or silently read as unset (`--num-kv-blocks 0`,
+    `--max-model-len 0` ran the defaults). Each is now refused before the model loads, naming
+    its flag, from the command line and from its SPINDLE_ variable, by `generate` and `serve`."""
+    import asyncio
+
+    import pytest
+
+    from model_service.errors import ConfigError
+    from model_service.pod import server
+
+    for flags, named in (
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
+        (["--block-size", "0"], "--block-size"),
+        (["--num-kv-blocks", "0"], "--num-kv-blocks"),
+        (["--num-kv-blocks", "-3"], "--num-kv-blocks"),
+        (["--max-model-len", "0"], "--max-model-len"),
+        (["--max-model-len", "-5"], "--max-model-len"),
+        (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes"),
+        (["--swap-space", "-1"], "--swap-space"),
+        (["--max-lora-rank", "0"], "--max-lora-rank"),
+        (["--max-loras", "-1"], "--max-loras"),
+    ):
+        assert main(["generate", "--prompt", "hi", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert err.startswith(f"spindle: error: {named} ") and "Traceback" not in err, err
+    monkeypatch.setenv("SPINDLE_MAX_NUM_SEQS", "0")
+    assert main(["generate", "--prompt", "hi"]) == 2
+    assert "--max-num-seqs must be at least 1, got 0" in capsys.readouterr().err
+    args = command_parser("serve")[1].parse_args(["--port", "0", "--control-port", "0"])
+    with pytest.raises(ConfigError, match="--max-num-seqs"):  # before any port is taken
+        asyncio.run(server.serve(args))

@@ -191,6 +191,7 @@ async def start(
 
 
 async def serve(args: argparse.Namespace) -> int:
+    config = engine_config(args)  # a bad setting fails here, before any port is taken
     provider = telemetry.tracer_provider_from_env("spindle-model")
     pod = ModelPod(
         served_name(args),
@@ -222,7 +223,6 @@ async def serve(args: argparse.Namespace) -> int:
         servers.http_port or "off",
         args.model,
     )
-    config = engine_config(args)
     loading = asyncio.create_task(pod.load(lambda: warmed_engine(config)))
     loading.add_done_callback(lambda t: _load_done(t, pod))
     await pod.exit_requested.wait()
