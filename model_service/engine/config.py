@@ -237,9 +237,9 @@ def check_ranges(config: EngineConfig) -> None:
             f"{config.gpu_memory_utilization}"
         )
     for f in dataclasses.fields(EngineConfig):
-        choices = f.metadata.get("choices")
-        if choices is not None and getattr(config, f.name) not in choices:
-            raise ConfigError(f"{flag_name(f.name)} must be one of {choices}, got {getattr(config, f.name)!r}")
+        choices, value = f.metadata.get("choices"), getattr(config, f.name)
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{flag_name(f.name)} must be one of {choices}, got {value!r}")
 
 
 def _flag_type(f: dataclasses.Field[Any], hints: dict[str, Any]) -> Callable[[str], Any]:
