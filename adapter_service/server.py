@@ -508,9 +508,8 @@ async def serve(args: argparse.Namespace) -> int:
     provider = telemetry.tracer_provider_from_env("spindle-adapter-service")
     server, health, controller = await start(args, provider)
     if args.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(args.metrics_port, addr=args.host)
+        async with serving.stopped_on_failure(lambda: server.stop(None), health.stop, controller.close):
+            serving.serve_metrics(args.host, args.metrics_port)
     stop = asyncio.Event()
 
     def shut_down(why: str) -> None:

@@ -463,15 +463,15 @@ async def start(
     add_generation_service(gateway, server)
     adapters_pb2_grpc.add_AdaptersServicer_to_server(AdminProxy(directory, gateway._caller), server)
     serving.enable_reflection(server, SERVICES)
-    port = serving.bind(server, args.host, args.port, security.tls)
-    await server.start()
-    await pool.start()
-    gateway.port = port
-    log.info("gateway listening on %s:%d in front of %d pods", args.host, port, len(pool.pods))
-    if getattr(args, "http_port", 0):
-        gateway.http = OpenAIServer(gateway, pool.base_models, lambda: health.serving, tracer)
-        gateway.http_port = await gateway.http.start(args.host, args.http_port, security.tls)
-        log.info("OpenAI-compatible HTTP API on %s:%d", args.host, gateway.http_port)
+    async with serving.stopped_on_failure(lambda: server.stop(None), health.stop, pool.close):
+        gateway.port = serving.bind(server, args.host, args.port, security.tls)
+        await server.start()
+        await pool.start()
+        log.info("gateway listening on %s:%d in front of %d pods", args.host, gateway.port, len(pool.pods))
+        if getattr(args, "http_port", 0):
+            gateway.http = OpenAIServer(gateway, pool.base_models, lambda: health.serving, tracer)
+            gateway.http_port = await gateway.http.start(args.host, args.http_port, security.tls)
+            log.info("OpenAI-compatible HTTP API on %s:%d", args.host, gateway.http_port)
     return gateway, server, health
 
 

@@ -6,3 +6,8 @@ command catches them without importing a service."""
 
 class SpindleError(Exception):
     """Base class: every error a command, the engine or a loader raises on purpose."""
+
+
+class ListenError(SpindleError, OSError):
+    """A service cannot listen on a port it was given (in use, or not this host's address): the
+    command prints it as one line naming the port and the flag to change, not a traceback."""

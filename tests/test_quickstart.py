@@ -117,3 +117,38 @@ def test_every_command_explains_itself():
     assert "--adapter" in chat and "SPINDLE_API_KEY" in chat and "SPINDLE_GATEWAY" in chat
     no_pods = _cli("gateway", "--allow-unauthenticated")
     assert no_pods.returncode != 0 and "--pods" in no_pods.stderr
+
+
+def test_a_port_in_use_is_one_line_and_the_ports_taken_before_it_are_freed():
+    """A port in use was a traceback (OSError) from every binary, and when it came after servers had
+    started (the gateway's HTTP port, the pod's metrics, health or HTTP port) gRPC's clean-up of
+    them printed "Event loop is closed" tracebacks too. Now: `spindle: error: ...` naming the
+    address, exit 2, and the ports the service had already taken are free again."""
+    import asyncio
+
+    import pytest
+
+    from model_service.pod import server as pod_server
+    from spindle.errors import ListenError
+    from tests.service_helpers import free_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = str(held.getsockname()[1])
+        gateway = _cli("gateway", "--host", "127.0.0.1", "--port", "0", "--http-port", busy, "--pods",
+                       "127.0.0.1:1", "--allow-unauthenticated")  # fmt: skip
+        assert gateway.returncode == 2, gateway.stderr
+        assert f"spindle: error: cannot listen for HTTP on 127.0.0.1:{busy}" in gateway.stderr
+        assert "Traceback" not in gateway.stderr and "Event loop is closed" not in gateway.stderr
+        for flag in ("--metrics-port", "--health-port", "--http-port"):
+            grpc_port, control_port = free_port(), free_port()
+            args = command_parser("serve")[1].parse_args(
+                ["--host", "127.0.0.1", "--port", str(grpc_port), "--control-port",
+                 str(control_port), "--metrics-port", "0", "--http-port", "0", flag, busy]
+            )  # fmt: skip
+            with pytest.raises(ListenError, match=f"127.0.0.1:{busy}"):
+                asyncio.run(pod_server.serve(args))
+            for port in (grpc_port, control_port):  # stopped, not left to the garbage collector
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))

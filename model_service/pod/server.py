@@ -185,8 +185,11 @@ async def start(
     await server.start()
     await control.start()
     if http_port:
-        servers.http = OpenAIServer(generation, lambda: (pod.model_name,), lambda: pod.health.serving, tracer)
-        servers.http_port = await servers.http.start(host, http_port, security.tls)
+        async with serving.stopped_on_failure(lambda: servers.stop(None)):
+            servers.http = OpenAIServer(
+                generation, lambda: (pod.model_name,), lambda: pod.health.serving, tracer
+            )
+            servers.http_port = await servers.http.start(host, http_port, security.tls)
     return servers
 
 
@@ -210,11 +213,12 @@ async def serve(args: argparse.Namespace) -> int:
         security,
         args.http_port,
     )
-    await pod.health.serve_plaintext(args.host, args.health_port)
+    async with serving.stopped_on_failure(lambda: servers.stop(None), pod.health.stop):
+        await pod.health.serve_plaintext(args.host, args.health_port)
+        if args.metrics_port:
+            metrics_port = pod.metrics.serve(args.host, args.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", args.host, metrics_port)
     serving.on_shutdown_signal(pod.request_exit)
-    if args.metrics_port:
-        metrics_port = pod.metrics.serve(args.host, args.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", args.host, metrics_port)
     log.info(
         "listening on %s:%d (control %d, HTTP %s); loading %s (NOT_SERVING until loaded and warmed)",
         args.host,

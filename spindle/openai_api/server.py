@@ -23,6 +23,7 @@ import grpc
 from aiohttp import web
 from opentelemetry import propagate, trace
 
+from spindle.errors import ListenError
 from spindle.openai_api import responses
 from spindle.openai_api.context import HttpCallContext, Refused
 from spindle.openai_api.errors import ApiError, bad_request, from_status
@@ -86,7 +87,7 @@ class OpenAIServer:
             await site.start()
         except OSError as e:
             await self._runner.cleanup()
-            raise OSError(
+            raise ListenError(
                 f"cannot listen for HTTP on {host}:{port}: {e.strerror} (is the port in use?)"
             ) from e
         return self._runner.addresses[0][1]
