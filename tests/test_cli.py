@@ -207,3 +207,21 @@ def test_out_of_range_engine_flags_are_refused_naming_the_flag(capsys, monkeypat
     args = command_parser("serve")[1].parse_args(["--port", "0", "--control-port", "0"])
     with pytest.raises(ConfigError, match="--max-num-seqs"):  # before any port is taken
         asyncio.run(server.serve(args))
+
+
+def test_a_pod_that_cannot_load_its_model_says_why_in_one_line(caplog):
+    """`spindle serve --model /no/such/dir` logged the ModelLoadError with its whole traceback; the
+    message alone says what to fix. The pod still exits 1 (Kubernetes restarts it)."""
+    import asyncio
+    import logging
+
+    from model_service.pod import server
+
+    args = command_parser("serve")[1].parse_args(
+        ["--model", "/no/such/model", "--host", "127.0.0.1", "--port", "0", "--control-port", "0",
+         "--metrics-port", "0", "--http-port", "0"]
+    )  # fmt: skip
+    with caplog.at_level(logging.ERROR, logger="spindle.serve"):
+        assert asyncio.run(server.serve(args)) == 1
+    (record,) = [r for r in caplog.records if "could not load the model" in r.getMessage()]
+    assert "neither a known alias" in record.getMessage() and record.exc_info is None

@@ -31,6 +31,7 @@ from model_service.pod.control import ModelControlService
 from model_service.pod.generation import GenerationService, PodStatusService
 from model_service.pod.state import ModelPod
 from spindle import serving, telemetry
+from spindle.errors import SpindleError
 from spindle.openai_api.server import OpenAIServer, add_http_args
 from spindle.security import PLAINTEXT, Security, add_security_args, security_from_args
 from spindle.v1 import generation_pb2_grpc, model_control_pb2_grpc, pod_status_pb2_grpc
@@ -245,7 +246,9 @@ def _load_done(task: asyncio.Task, pod: ModelPod) -> None:
         return
     e = task.exception()
     if e is not None:
-        log.error("could not load the model: %s", e, exc_info=e)
+        # A SpindleError (a path that does not exist, a checkpoint we refuse) says all there is
+        # to say; its traceback only buried that line. Anything else is a bug: keep the trace.
+        log.error("could not load the model: %s", e, exc_info=None if isinstance(e, SpindleError) else e)
         pod.request_exit("model load failed", code=1)
     else:
         log.info("SERVING")
