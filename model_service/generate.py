@@ -94,18 +94,7 @@ def _read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
     for text in args.prompt:
         reqs.append({"messages": [{"role": "user", "content": text}]} if args.chat else {"prompt": text})
     if args.requests:
-        stream = sys.stdin if args.requests == "-" else open(args.requests)  # noqa: SIM115
-        with stream:
-            for n, line in enumerate(stream, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SpindleError(f"{args.requests}:{n}: not valid JSON: {e}") from e
-                if not isinstance(obj, dict):
-                    raise SpindleError(f"{args.requests}:{n}: each line must be a JSON object")
-                reqs.append(obj)
+        reqs += _request_lines(args.requests)
     if not reqs:
         raise SpindleError("nothing to generate: give --prompt TEXT or --requests FILE")
     named = Counter(r["request_id"] for r in reqs if r.get("request_id") is not None)
@@ -113,6 +102,28 @@ def _read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
         if n > 1:  # the one check of this process: the engine trusts its caller's ids
             raise SpindleError(f"request id {rid!r} is already in use ({n} requests name it)")
     return [{**defaults, **r} for r in reqs]
+
+
+def _request_lines(path: str) -> list[dict[str, Any]]:
+    """The JSON objects of the lines of `path` ('-' = stdin); a file that cannot be read is a
+    SpindleError naming it (it was a FileNotFoundError traceback)."""
+    try:
+        stream = sys.stdin if path == "-" else open(path)  # noqa: SIM115
+    except OSError as e:
+        raise SpindleError(f"--requests {path}: {e.strerror}") from e
+    reqs = []
+    with stream:
+        for n, line in enumerate(stream, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SpindleError(f"{path}:{n}: not valid JSON: {e}") from e
+            if not isinstance(obj, dict):
+                raise SpindleError(f"{path}:{n}: each line must be a JSON object")
+            reqs.append(obj)
+    return reqs
 
 
 def _structured_output(args: argparse.Namespace) -> dict[str, Any] | None:

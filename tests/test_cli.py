@@ -225,3 +225,26 @@ def test_a_pod_that_cannot_load_its_model_says_why_in_one_line(caplog):
         assert asyncio.run(server.serve(args)) == 1
     (record,) = [r for r in caplog.records if "could not load the model" in r.getMessage()]
     assert "neither a known alias" in record.getMessage() and record.exc_info is None
+
+
+def test_a_requests_file_or_device_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypatch):
+    """`--requests` naming a missing file or a directory, and `--device` naming a device torch does
+    not know or this host lacks, were tracebacks (FileNotFoundError, RuntimeError, torch's
+    AssertionError "Torch not compiled with CUDA enabled"); each is now one line and exit 2."""
+    import torch
+
+    for argv, said in (
+        (["--requests", str(tmp_path / "no-such.jsonl")], "--requests"),
+        (["--requests", str(tmp_path)], "Is a directory"),
+        (["--prompt", "hi", "--device", "tpu"], "--device must be cpu, cuda, cuda:N or auto, got 'tpu'"),
+    ):
+        assert main(["generate", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("spindle: error: ") and said in err and "Traceback" not in err, err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["generate", "--prompt", "hi", "--device", "cuda"]) == 2
+    assert "--device cuda: this host has no CUDA device" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert main(["generate", "--prompt", "hi", "--device", "cuda:2"]) == 2
+    assert "--device cuda:2: this host has 2 CUDA devices" in capsys.readouterr().err

@@ -187,9 +187,22 @@ class EngineConfig:
         check_ranges(self)
 
     def torch_device(self) -> torch.device:
+        """The device `--device` names, refused (ConfigError) when it is not a device torch knows
+        or not one this host has: torch's own errors were tracebacks (an AssertionError "Torch
+        not compiled with CUDA enabled", a RuntimeError listing 20 device types)."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ConfigError(f"--device must be cpu, cuda, cuda:N or auto, got {self.device!r}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {self.device}: this host has no CUDA device torch can use")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--device {self.device}: this host has {torch.cuda.device_count()} CUDA devices"
+            )
+        return device
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
