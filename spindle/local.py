@@ -33,6 +33,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from adapter_service.client import AdaptersClient
 from spindle.client import Client, chat_request
+from spindle.errors import SpindleError
+from spindle.serving import served_model_name
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -101,6 +103,31 @@ def _pick_free_ports(args: argparse.Namespace) -> None:
             sock.close()
 
 
+# The ports `spindle up` takes, with their flags (the internal ones only when the user named them).
+_PORT_FLAGS = {"gateway_port": "--gateway-port", "http_port": "--http-port", "pod_port": "--pod-port",
+               "pod_control_port": "--pod-control-port", "pod_http_port": "--pod-http-port",
+               "adapter_port": "--adapter-port", "metrics_port": "--metrics-port"}  # fmt: skip
+
+
+def _ports_in_use(args: argparse.Namespace) -> list[str]:
+    """The named ports something already listens on, as "PORT (--FLAG)". Checked before any child
+    starts: with a second `spindle up` on the first one's gateway port, this one's wait for its
+    gateway was answered by the other cluster's gateway (SERVING), so it could register adapters
+    and answer through the other cluster before it noticed its own gateway had exited."""
+    busy = []
+    for name, flag in _PORT_FLAGS.items():
+        port = getattr(args, name)
+        if not port:
+            continue
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the services bind
+            try:
+                sock.bind((args.host, port))
+            except OSError:
+                busy.append(f"{port} ({flag})")
+    return busy
+
+
 def _service_token_file() -> str:
     """A fresh service token for this run, readable by this user only: the pod's control port and
     the adapter service refuse control calls without it, as in a cluster."""
@@ -161,7 +188,7 @@ def _try_it(args: argparse.Namespace, gateway: str, service: str) -> str:
         f'  spindle chat --gateway {gateway} "Tell me a joke."',
     ]
     if args.http_port:
-        model = args.lora[0].partition("=")[0] if args.lora else args.model
+        model = args.lora[0].partition("=")[0] if args.lora else served_model_name(args.model)
         base_url = f"http://{args.host}:{args.http_port}/v1"
         body = {
             "model": model,
@@ -183,6 +210,12 @@ def _try_it(args: argparse.Namespace, gateway: str, service: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    busy = _ports_in_use(args)
+    if busy:
+        raise SpindleError(
+            f"port {', '.join(busy)} on {args.host} is in use (another `spindle up`?): stop it, or name "
+            "other ports"
+        )
     _pick_free_ports(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -198,8 +231,8 @@ def run(args: argparse.Namespace) -> int:
         _answer(gateway, args)
         print(_try_it(args, gateway, service), file=sys.stderr, flush=True)
         while not stop.wait(0.5):
-            if any(c.poll() is not None for c in children):
-                print("spindle up: a service exited; stopping", file=sys.stderr)
+            if exited := _exited(children):
+                print(f"spindle up: {exited}; stopping", file=sys.stderr)
                 return 1
         return 0
     except (grpc.RpcError, FileNotFoundError) as e:
@@ -237,8 +270,8 @@ def _wait_serving(
     with grpc.insecure_channel(target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline and not stop.is_set():
-            if any(c.poll() is not None for c in children):
-                print("spindle up: a service exited during start-up", file=sys.stderr)
+            if exited := _exited(children):
+                print(f"spindle up: {exited} during start-up; its error is above", file=sys.stderr)
                 return False
             try:
                 reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
@@ -250,6 +283,17 @@ def _wait_serving(
     if not stop.is_set():
         print(f"spindle up: not SERVING after {timeout:.0f} s", file=sys.stderr)
     return False
+
+
+def _exited(children: list[subprocess.Popen]) -> str:
+    """Which of the children (in `_commands`' order) exited, and how: "" while all run."""
+    names = ("the model pod", "the adapter service", "the gateway")
+    ended = [
+        f"{name} exited (code {c.returncode})"
+        for name, c in zip(names, children, strict=True)
+        if c.poll() is not None
+    ]
+    return ", ".join(ended)
 
 
 def _stop(children: list[subprocess.Popen]) -> None:

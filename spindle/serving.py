@@ -9,6 +9,7 @@ import importlib.util
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -35,6 +36,14 @@ _OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
 ]
+
+
+def served_model_name(model: str) -> str:
+    """The name a pod serves `--model` under unless `--served-model-name` says otherwise: an alias
+    as it is, a checkpoint directory's name, a .gguf file's stem. Torch-free, so `spindle up` names
+    the model in the commands it prints as the pod will (it printed the path, which 404s)."""
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def make_server(interceptors: Iterable[Any] = ()) -> grpc.aio.Server:

@@ -152,3 +152,41 @@ def test_a_port_in_use_is_one_line_and_the_ports_taken_before_it_are_freed():
             for port in (grpc_port, control_port):  # stopped, not left to the garbage collector
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port))
+
+
+def test_up_refuses_ports_in_use_before_starting_anything(monkeypatch, capsys):
+    """A second `spindle up` on the first one's ports: its gateway could not bind, but its wait for
+    SERVING was answered by the first cluster's gateway, so it went on to register and answer
+    through the other cluster (or not, by a race) before noticing its own gateway had died."""
+    from spindle.cli import main
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a child started although a port is in use")
+
+    monkeypatch.setattr(local.subprocess, "Popen", no_child)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        assert main(["up", "--gateway-port", str(busy), "--http-port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert f"spindle: error: port {busy} (--gateway-port) on 127.0.0.1 is in use" in err, err
+        assert main(["up", "--gateway-port", "0", "--http-port", "0", "--metrics-port", str(busy)]) == 2
+        assert f"{busy} (--metrics-port)" in capsys.readouterr().err
+
+
+def test_up_prints_commands_naming_the_model_as_the_pod_serves_it():
+    """`spindle up --model /models/llama` printed a curl line and an SDK snippet with
+    `"model": "/models/llama"`, which the gateway answers 404 (the pod serves it as `llama`)."""
+    from model_service.pod.server import served_name
+
+    _, parser = command_parser("up")
+    for model, name in (("/models/llama-3.1-8b/", "llama-3.1-8b"), ("/m/tiny.Q4_1.gguf", "tiny.Q4_1"),
+                        ("smollm2", "smollm2")):  # fmt: skip
+        args = parser.parse_args(["--model", model, "--http-port", "2"])
+        local._pick_free_ports(args)
+        text = local._try_it(args, "127.0.0.1:1", "127.0.0.1:3")
+        assert f'"model": "{name}"' in text and f'model="{name}"' in text, text
+        pod = local._commands(args, "token")[0]
+        pod_args = command_parser("serve")[1].parse_args(pod[pod.index("serve") + 1 :])
+        assert served_name(pod_args) == name

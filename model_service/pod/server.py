@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -107,14 +106,7 @@ def _positive(value: str) -> int:
 
 
 def served_name(args: argparse.Namespace) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    from model_service.models.loader import ALIASES
-
-    if args.model in ALIASES:
-        return args.model
-    path = Path(args.model)
-    return path.stem if path.suffix == ".gguf" else path.name
+    return args.served_model_name or serving.served_model_name(args.model)
 
 
 def run(args: argparse.Namespace) -> int:
