@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from adapter_service.client import AdaptersClient
 from spindle.client import Client, chat_request
 from spindle.errors import SpindleError
+from spindle.peft import lora_specs
 from spindle.serving import served_model_name
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -128,6 +129,16 @@ def _ports_in_use(args: argparse.Namespace) -> list[str]:
     return busy
 
 
+def _check_adapter_dirs(adapters: dict[str, str]) -> None:
+    """Refuse a `--lora` directory that is not there before the cluster starts: it was found only
+    after the model had loaded and the services were up (minutes on a large model)."""
+    for name, path in adapters.items():
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise SpindleError(
+                f"--lora {name}={path}: no adapter_config.json there (a PEFT adapter directory)"
+            )
+
+
 def _service_token_file() -> str:
     """A fresh service token for this run, readable by this user only: the pod's control port and
     the adapter service refuse control calls without it, as in a cluster."""
@@ -216,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
             f"port {', '.join(busy)} on {args.host} is in use (another `spindle up`?): stop it, or name "
             "other ports"
         )
+    _check_adapter_dirs(lora_specs(args.lora))
     _pick_free_ports(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -249,10 +261,7 @@ def run(args: argparse.Namespace) -> int:
 def _register(gateway: str, specs: list[str]) -> None:
     """Each NAME=DIR through the admin API; weights already registered under NAME are kept."""
     with AdaptersClient(gateway) as admin:
-        for spec in specs:
-            name, sep, path = spec.partition("=")
-            if not sep or not name or not path:
-                raise FileNotFoundError(f"--lora takes NAME=DIR, got {spec!r}")
+        for name, path in lora_specs(specs).items():
             try:
                 a = admin.register(name, path)
                 print(f"spindle up: registered adapter {name} (version {a.version})", file=sys.stderr)

@@ -248,3 +248,10 @@ def test_a_requests_file_or_device_that_cannot_be_used_is_one_line(tmp_path, cap
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert main(["generate", "--prompt", "hi", "--device", "cuda:2"]) == 2
     assert "--device cuda:2: this host has 2 CUDA devices" in capsys.readouterr().err
+
+
+def test_a_lora_name_given_twice_is_refused(capsys):
+    """`--lora a=/x --lora a=/y` kept /y alone and said nothing: the weights served under `a` were
+    not the ones the first flag named."""
+    assert main(["generate", "--prompt", "hi", "--lora", "a=/x", "--lora", "a=/y"]) == 2
+    assert "--lora a is given twice (/x and /y)" in capsys.readouterr().err

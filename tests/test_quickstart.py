@@ -190,3 +190,21 @@ def test_up_prints_commands_naming_the_model_as_the_pod_serves_it():
         pod = local._commands(args, "token")[0]
         pod_args = command_parser("serve")[1].parse_args(pod[pod.index("serve") + 1 :])
         assert served_name(pod_args) == name
+
+
+def test_up_refuses_a_bad_lora_before_starting_anything(monkeypatch, capsys, tmp_path):
+    """`spindle up --lora bad` (or a directory without an adapter) started the cluster, loaded the
+    model and waited for SERVING before it refused the flag; now it refuses at once."""
+    from spindle.cli import main
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a child started although --lora is wrong")
+
+    monkeypatch.setattr(local.subprocess, "Popen", no_child)
+    ports = ["--gateway-port", "0", "--http-port", "0"]
+    for spec, said in (("bad", "--lora takes NAME=DIR, got 'bad'"),
+                       (f"a={tmp_path}", f"--lora a={tmp_path}: no adapter_config.json there"),
+                       ("a=/x", "--lora a is given twice")):  # fmt: skip
+        extra = ["--lora", "a=/y"] if spec == "a=/x" else []
+        assert main(["up", *ports, "--lora", spec, *extra]) == 2
+        assert said in capsys.readouterr().err

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from model_service.errors import ConfigError, SpindleError
+from model_service.errors import ConfigError
 from model_service.models.quantization import ONLINE_SCHEMES
+from spindle.peft import lora_specs
 
 # The default adapter memory holds this many adapters of --max-lora-rank on every projection
 # (the memory the 4 padded slots of the old default took); smaller adapters fit many more.
@@ -31,16 +32,6 @@ def _opt(default: Any, help: str, **meta: Any) -> Any:
     """A field with its flag's help; `meta` may hold group, choices, flag, type, metavar, action,
     to_field (flag value -> field value) and shown (the default as the help shows it)."""
     return field(default=default, metadata={"help": help, **meta})
-
-
-def _lora_modules(specs: list[str]) -> dict[str, str]:
-    modules = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise SpindleError(f"--lora takes NAME=DIR, got {spec!r}")
-        modules[name] = path
-    return modules
 
 
 @dataclass
@@ -125,7 +116,7 @@ class EngineConfig:
             "flag": "lora",
             "action": "append",
             "metavar": "NAME=DIR",
-            "to_field": _lora_modules,
+            "to_field": lora_specs,
         },
     )
     speculative_config: str | None = _opt(
