@@ -16,6 +16,7 @@ unless named, so two clusters on one machine only need different gateway ports. 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import secrets
@@ -37,6 +38,7 @@ from spindle.errors import SpindleError
 from spindle.peft import lora_specs
 from spindle.serving import served_model_name
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
@@ -230,10 +232,10 @@ def run(args: argparse.Namespace) -> int:
     _check_adapter_dirs(lora_specs(args.lora))
     _pick_free_ports(args)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
         signal.signal(sig, lambda *_: stop.set())
     token_file = _service_token_file()
-    children = [subprocess.Popen(cmd) for cmd in _commands(args, token_file)]
+    children = start_children(_commands(args, token_file))
     gateway, service = f"{args.host}:{args.gateway_port}", f"{args.host}:{args.adapter_port}"
     try:
         for target in (gateway, service):
@@ -256,6 +258,22 @@ def run(args: argparse.Namespace) -> int:
     finally:
         _stop(children)
         os.unlink(token_file)
+
+
+def start_children(commands: list[list[str]]) -> list[subprocess.Popen]:
+    """Start each command as a child that Linux sends SIGTERM (a clean drain) when this process
+    dies, however it dies. Killed with SIGKILL (the OOM killer, `kill -9`), `spindle up` left its
+    three services running as orphans holding the ports, so the next `spindle up` found them in use."""
+    if not sys.platform.startswith("linux"):
+        return [subprocess.Popen(cmd) for cmd in commands]
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()  # looked up before the fork
+
+    def die_with_parent() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return [subprocess.Popen(cmd, preexec_fn=die_with_parent) for cmd in commands]
 
 
 def _register(gateway: str, specs: list[str]) -> None:

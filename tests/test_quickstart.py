@@ -208,3 +208,37 @@ def test_up_refuses_a_bad_lora_before_starting_anything(monkeypatch, capsys, tmp
         extra = ["--lora", "a=/y"] if spec == "a=/x" else []
         assert main(["up", *ports, "--lora", spec, *extra]) == 2
         assert said in capsys.readouterr().err
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie no init has reaped yet is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_up_s_services_stop_when_up_is_killed():
+    """SIGKILL of `spindle up` (the OOM killer, `kill -9`) left its pod, adapter service and gateway
+    running as orphans on their ports; its children now get SIGTERM when it dies."""
+    import os
+    import signal
+    import time
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from spindle import local; "
+         "(child,) = local.start_children([[sys.executable, '-c', 'import time; time.sleep(60)']]); "
+         "print(child.pid, flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    child = int(parent.stdout.readline())
+    assert _running(child)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _running(child):
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the child outlived `spindle up`")
