@@ -255,3 +255,18 @@ def test_a_lora_name_given_twice_is_refused(capsys):
     not the ones the first flag named."""
     assert main(["generate", "--prompt", "hi", "--lora", "a=/x", "--lora", "a=/y"]) == 2
     assert "--lora a is given twice (/x and /y)" in capsys.readouterr().err
+
+
+def test_a_refused_environment_value_is_a_usage_error_for_every_flag_type(capsys):
+    """A flag whose own type refuses a value with argparse's ArgumentTypeError (`serve
+    --stream-interval`) gave a traceback when the value came from SPINDLE_STREAM_INTERVAL, which
+    a Kubernetes manifest sets; the command line's usage error is what the variable gets now."""
+    import pytest
+
+    from spindle import envflags
+
+    parser = command_parser("serve")[1]
+    with pytest.raises(SystemExit) as exit_:
+        envflags.apply_env(parser, {"SPINDLE_STREAM_INTERVAL": "0"})
+    assert exit_.value.code == 2
+    assert "SPINDLE_STREAM_INTERVAL='0': must be 1 or more, got 0" in capsys.readouterr().err
