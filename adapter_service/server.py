@@ -46,7 +46,7 @@ from adapter_service.registration import LeaseLost, register
 from adapter_service.registry import MemoryRegistry, RedisRegistry, Registry
 from adapter_service.store import LocalStore, S3Store, Store, Version
 from gateway.pods import dns_discovery, static_discovery
-from spindle import serving, telemetry
+from spindle import flagtypes, serving, telemetry
 from spindle.grpc_status import abort
 from spindle.security import add_security_args, security_from_args
 from spindle.v1 import adapters_pb2 as apb
@@ -405,8 +405,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.description = "Run the adapter service: register adapters once, place them on model pods."
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to listen on [0.0.0.0]")
-    g.add_argument("--port", type=int, default=50060, help="gRPC port [50060]")
-    g.add_argument("--metrics-port", type=int, default=9091, help="Prometheus /metrics port; 0 = off [9091]")
+    g.add_argument("--port", type=flagtypes.port, default=50060, help="gRPC port [50060]")
+    g.add_argument(
+        "--metrics-port", type=flagtypes.port, default=9091, help="Prometheus /metrics port; 0 = off [9091]"
+    )
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]")
     g.add_argument(
         "--advertise-address",
@@ -433,7 +435,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--pods-dns", default="", help="HOST:PORT of a headless Service of the pods' control ports"
     )
-    p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between pod slot polls [2]")
+    p.add_argument(
+        "--poll-interval", type=flagtypes.seconds, default=2.0, help="seconds between pod slot polls [2]"
+    )
     p.add_argument(
         "--lease-ttl",
         type=float,
@@ -452,7 +456,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     k.add_argument(
         "--spread-threshold", type=float, default=8.0, help="running requests per holder that add a pod [8]"
     )
-    k.add_argument("--max-replicas", type=int, default=4, help="most pods a hot adapter is spread to [4]")
+    k.add_argument(
+        "--max-replicas",
+        type=flagtypes.at_least(1),
+        default=4,
+        help="most pods a hot adapter is spread to [4]",
+    )
     k.add_argument(
         "--hot-share",
         type=float,

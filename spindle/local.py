@@ -33,6 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from adapter_service.client import AdaptersClient
+from spindle import flagtypes
 from spindle.client import Client, chat_request
 from spindle.errors import SpindleError
 from spindle.peft import lora_specs
@@ -57,32 +58,47 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="for the first request [64]")
     parser.add_argument("--host", default="127.0.0.1", help="address both services listen on [127.0.0.1]")
-    parser.add_argument("--gateway-port", type=int, default=50051, help="the gateway's gRPC port [50051]")
+    parser.add_argument(
+        "--gateway-port", type=flagtypes.port, default=50051, help="the gateway's gRPC port [50051]"
+    )
     parser.add_argument(
         "--http-port",
-        type=int,
+        type=flagtypes.port,
         default=8000,
         help="the gateway's OpenAI-compatible HTTP port; 0 = off [8000]",
     )
-    parser.add_argument("--pod-port", type=int, default=None, help="the pod's Generation port [a free port]")
     parser.add_argument(
-        "--pod-control-port", type=int, default=None, help="the pod's ModelControl port [a free port]"
+        "--pod-port", type=flagtypes.port, default=None, help="the pod's Generation port [a free port]"
     )
     parser.add_argument(
-        "--pod-http-port", type=int, default=None, help="the pod's OpenAI-compatible HTTP port [a free port]"
+        "--pod-control-port",
+        type=flagtypes.port,
+        default=None,
+        help="the pod's ModelControl port [a free port]",
     )
-    parser.add_argument("--adapter-port", type=int, default=None, help="the adapter service's [a free port]")
+    parser.add_argument(
+        "--pod-http-port",
+        type=flagtypes.port,
+        default=None,
+        help="the pod's OpenAI-compatible HTTP port [a free port]",
+    )
+    parser.add_argument(
+        "--adapter-port", type=flagtypes.port, default=None, help="the adapter service's [a free port]"
+    )
     parser.add_argument(
         "--storage-dir",
         default="",
         help="the adapter service's directory of registered adapters [~/.cache/spindle/adapters]",
     )
     parser.add_argument(
-        "--metrics-port", type=int, default=None, help="the pod's /metrics port; 0 = off [a free port]"
+        "--metrics-port",
+        type=flagtypes.port,
+        default=None,
+        help="the pod's /metrics port; 0 = off [a free port]",
     )
     parser.add_argument("--log-level", default="WARNING", help="the services' log level [WARNING]")
     parser.add_argument(
-        "--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING [600]"
+        "--startup-timeout", type=flagtypes.seconds, default=600.0, help="seconds to wait for SERVING [600]"
     )
     return parser
 

@@ -269,4 +269,39 @@ def test_a_refused_environment_value_is_a_usage_error_for_every_flag_type(capsys
     with pytest.raises(SystemExit) as exit_:
         envflags.apply_env(parser, {"SPINDLE_STREAM_INTERVAL": "0"})
     assert exit_.value.code == 2
-    assert "SPINDLE_STREAM_INTERVAL='0': must be 1 or more, got 0" in capsys.readouterr().err
+    assert "SPINDLE_STREAM_INTERVAL='0': must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_ports_counts_and_intervals_out_of_range_are_usage_errors(capsys, monkeypatch):
+    """`spindle gateway --port 70000` listened on 4464 (gRPC keeps the low 16 bits) and `--port -1`
+    on 65535; `--health-interval 0` polled every pod in a busy loop; `--max-attempts 0` tried no
+    pod. Each is now argparse's usage error naming the flag, on the command line and from its
+    SPINDLE_ variable, for every service's port and the gateway's and adapter service's knobs."""
+    import pytest
+
+    from spindle import flagtypes
+
+    cases = {
+        "serve": [["--port", "70000"], ["--control-port", "-1"], ["--metrics-port", "65536"],
+                  ["--http-port", "-1"], ["--health-port", "99999"], ["--stream-interval", "0"],
+                  ["--drain-timeout", "-1"], ["--engine-stall-timeout", "0"]],
+        "gateway": [["--port", "70000"], ["--health-interval", "0"], ["--health-timeout", "-1"],
+                    ["--discovery-interval", "0"], ["--failure-threshold", "0"], ["--max-attempts", "0"],
+                    ["--placement-timeout", "0"], ["--drain-timeout", "-0.5"]],
+        "adapter-service": [["--port", "-1"], ["--metrics-port", "70000"], ["--poll-interval", "0"],
+                            ["--max-replicas", "0"]],
+        "up": [["--gateway-port", "70000"], ["--pod-port", "-1"], ["--startup-timeout", "0"]],
+    }  # fmt: skip
+    for command, flag_sets in cases.items():
+        parser = command_parser(command)[1]
+        for flag, value in flag_sets:
+            with pytest.raises(SystemExit) as exit_:
+                parser.parse_args([flag, value])
+            assert exit_.value.code == 2
+            assert f"argument {flag}: " in capsys.readouterr().err, (command, flag)
+    monkeypatch.setenv("SPINDLE_HEALTH_INTERVAL", "0")
+    with pytest.raises(SystemExit):
+        command_parser("gateway")
+    assert "SPINDLE_HEALTH_INTERVAL='0': must be more than 0 seconds" in capsys.readouterr().err
+    assert flagtypes.port("0") == 0 and flagtypes.port("65535") == 65535  # 0 = a free port, or off
+    assert flagtypes.seconds_or_none("0") == 0.0  # a drain that waits for nothing

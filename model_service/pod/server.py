@@ -29,7 +29,7 @@ from model_service.engine.config import EngineConfig, add_engine_args, engine_co
 from model_service.pod.control import ModelControlService
 from model_service.pod.generation import GenerationService, PodStatusService
 from model_service.pod.state import ModelPod
-from spindle import serving, telemetry
+from spindle import flagtypes, serving, telemetry
 from spindle.errors import SpindleError
 from spindle.openai_api.server import OpenAIServer, add_http_args
 from spindle.security import PLAINTEXT, Security, add_security_args, security_from_args
@@ -52,16 +52,21 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to listen on [0.0.0.0]")
     g.add_argument(
-        "--port", type=int, default=50052, help="gRPC port for Generation (0 = any free port) [50052]"
+        "--port",
+        type=flagtypes.port,
+        default=50052,
+        help="gRPC port for Generation (0 = any free port) [50052]",
     )
     g.add_argument(
         "--control-port",
-        type=int,
+        type=flagtypes.port,
         default=50053,
         help="gRPC port for ModelControl: the adapter service and peer pods (0 = any free port) [50053]",
     )
     add_http_args(g)
-    g.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 = off [9090]")
+    g.add_argument(
+        "--metrics-port", type=flagtypes.port, default=9090, help="Prometheus /metrics port; 0 = off [9090]"
+    )
     g.add_argument(
         "--served-model-name",
         default=None,
@@ -69,13 +74,13 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--drain-timeout",
-        type=float,
+        type=flagtypes.seconds_or_none,
         default=30.0,
         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted [30]",
     )
     g.add_argument(
         "--engine-stall-timeout",
-        type=float,
+        type=flagtypes.seconds,
         default=120.0,
         help="seconds one engine step may run before load reports (GetLoad) answer UNAVAILABLE and the "
         "gateway ejects the pod as stuck; until then they answer with the last step's stats [120]",
@@ -87,7 +92,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--stream-interval",
-        type=_positive,
+        type=flagtypes.at_least(1),
         default=1,
         help="send a stream's tokens N at a time (the first token and the rest at the end at once): "
         "fewer messages for the pod, gateway and client, a burstier stream (vLLM's --stream-interval) [1]",
@@ -96,13 +101,6 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_security_args(parser)
     add_engine_args(parser)
     return parser
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
-    return n
 
 
 def served_name(args: argparse.Namespace) -> str:

@@ -23,6 +23,7 @@ import grpc
 from aiohttp import web
 from opentelemetry import propagate, trace
 
+from spindle import flagtypes
 from spindle.errors import ListenError
 from spindle.openai_api import responses
 from spindle.openai_api.context import HttpCallContext, Refused
@@ -46,7 +47,7 @@ def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
     """`--http-port`, the same flag (and SPINDLE_HTTP_PORT) on the gateway and the model pod."""
     parser.add_argument(
         "--http-port",
-        type=int,
+        type=flagtypes.port,
         default=DEFAULT_PORT,
         help=f"OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions, /v1/models, "
         f"/health); 0 = off [{DEFAULT_PORT}]",
