@@ -53,18 +53,46 @@ def build_parser(gen: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="print one JSON object per request, in input order (token_ids, text, finish_reason, ...)",
     )
     s = gen.add_argument_group("sampling defaults")
-    s.add_argument("--max-tokens", type=int, default=256)
+    s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per request [256]")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [default 0]")
-    s.add_argument("--top-p", type=float, default=None)
-    s.add_argument("--top-k", type=int, default=None)
-    s.add_argument("--min-p", type=float, default=None)
-    s.add_argument("--repetition-penalty", type=float, default=None)
-    s.add_argument("--presence-penalty", type=float, default=None)
-    s.add_argument("--frequency-penalty", type=float, default=None)
-    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1] [1: off]")
+    s.add_argument(
+        "--top-k", type=int, default=None, help="sample from the K likeliest tokens; 0 = off [off]"
+    )
+    s.add_argument(
+        "--min-p",
+        type=float,
+        default=None,
+        help="drop tokens below this share of the likeliest one's probability [0: off]",
+    )
+    s.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="HF's: > 1 discourages tokens already in prompt or output [1: off]",
+    )
+    s.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=None,
+        help="OpenAI's: subtracted from the logit of every token already generated [0]",
+    )
+    s.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=None,
+        help="OpenAI's: subtracted once per time a token was generated [0]",
+    )
+    s.add_argument(
+        "--seed", type=int, default=None, help="the same seed and request give the same sample [random]"
+    )
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s.add_argument("--logprobs", type=int, default=None, help="return the top-N logprobs of each token")
-    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating past end-of-sequence tokens, to --max-tokens",
+    )
     so = gen.add_argument_group(
         "structured output (at most one; the output is in the language it names, docs/architecture.md)"
     ).add_mutually_exclusive_group()

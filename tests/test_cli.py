@@ -305,3 +305,18 @@ def test_ports_counts_and_intervals_out_of_range_are_usage_errors(capsys, monkey
     assert "SPINDLE_HEALTH_INTERVAL='0': must be more than 0 seconds" in capsys.readouterr().err
     assert flagtypes.port("0") == 0 and flagtypes.port("65535") == 65535  # 0 = a free port, or off
     assert flagtypes.seconds_or_none("0") == 0.0  # a drain that waits for nothing
+
+
+def test_every_flag_of_every_command_says_what_it_means():
+    """`spindle generate --help` listed --max-tokens, --top-p, --seed, --ignore-eos ... and `chat`
+    --top-p, --top-k, --seed with nothing but their environment variable."""
+    import argparse
+
+    from spindle import cli
+
+    for command in cli._COMMANDS:
+        parser = command_parser(command)[1]
+        for action in parser._actions:
+            if action.option_strings and not isinstance(action, argparse._HelpAction):
+                meaning = (action.help or "").split("[env ")[0].strip()
+                assert meaning, f"spindle {command} {action.option_strings[0]} has no help"
