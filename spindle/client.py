@@ -146,7 +146,7 @@ def _sampling(parser: argparse.ArgumentParser) -> None:
         "--top-p",
         type=float,
         default=None,
-        help="nucleus sampling: the smallest set of tokens with this probability, in (0, 1] [server default: 1, off]",
+        help="nucleus sampling: the likeliest tokens up to this probability, in (0, 1] [server default: 1]",
     )
     parser.add_argument(
         "--top-k",
