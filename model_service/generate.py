@@ -7,11 +7,16 @@ import argparse
 import json
 import logging
 import sys
-from collections import Counter
-from typing import Any
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING, Any
 
 from model_service.engine.config import add_engine_args, engine_config
 from model_service.errors import SpindleError
+
+if TYPE_CHECKING:
+    from model_service.engine.engine import Engine
+    from model_service.engine.sampler import TokenLogprobs
+    from model_service.engine.sequence import RequestOutput
 
 _SAMPLING_FLAGS = (
     "max_tokens",
@@ -187,25 +192,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ids.append(None)
             errors[i] = str(e)
     try:
-        final = engine.run_to_completion()
+        final, logprobs = _run(engine)
     finally:  # a tensor-parallel engine stops its workers in order and leaves its process group
         engine.executor.teardown()
     for i, rid in enumerate(ids):
-        if rid is None:
-            result: dict[str, Any] = {"index": i, "error": errors[i]}
-        else:
-            o = final[rid]
-            result = {
-                "index": i,
-                "request_id": rid,
-                "text": o.text,
-                "token_ids": o.token_ids,
-                "finish_reason": o.finish_reason,
-                "prompt_tokens": o.num_prompt_tokens,
-                "completion_tokens": len(o.token_ids),
-            }
-            if o.error:
-                result["error"] = o.error
+        result = {"index": i, "error": errors[i]} if rid is None else _result(i, final[rid], logprobs[rid])
         if args.json:
             print(json.dumps(result), flush=True)
         elif "error" in result:
@@ -213,6 +204,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(result["text"] if len(ids) == 1 else f"[{i}] {result['text']}", flush=True)
     return 1 if errors or any(final[r].error for r in ids if r) else 0
+
+
+def _run(engine: Engine) -> tuple[dict[str, RequestOutput], dict[str, list[TokenLogprobs]]]:
+    """Step until nothing is left: the final output of each request, and all its logprobs. A
+    step's output carries only that step's (`new_logprobs`); keeping the final output alone, as
+    `Engine.run_to_completion` does, lost them, so `--logprobs N` printed none."""
+    final: dict[str, RequestOutput] = {}
+    logprobs: dict[str, list[TokenLogprobs]] = defaultdict(list)
+    while engine.has_unfinished():
+        for out in engine.step():
+            logprobs[out.request_id] += out.new_logprobs
+            if out.finished:
+                final[out.request_id] = out
+    return final, logprobs
+
+
+def _result(index: int, out: RequestOutput, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+    """One request's line of --json output (and what the text output prints)."""
+    result: dict[str, Any] = {
+        "index": index,
+        "request_id": out.request_id,
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": len(out.token_ids),
+    }
+    if logprobs:  # one per token: its logprob and the top N as [token id, logprob]
+        result["logprobs"] = [{"logprob": lp.logprob, "top_logprobs": lp.top} for lp in logprobs]
+    if out.error:
+        result["error"] = out.error
+    return result
 
 
 def run(args: argparse.Namespace) -> int:

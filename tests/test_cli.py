@@ -320,3 +320,31 @@ def test_every_flag_of_every_command_says_what_it_means():
             if action.option_strings and not isinstance(action, argparse._HelpAction):
                 meaning = (action.help or "").split("[env ")[0].strip()
                 assert meaning, f"spindle {command} {action.option_strings[0]} has no help"
+
+
+def test_logprobs_flag_prints_each_tokens_logprobs_as_hf_computes_them(tiny_llama, tmp_path, capsys):
+    """`spindle generate --logprobs N --json` printed no logprobs at all: the command kept each
+    request's final step output, which carries only that step's. Now one entry per token, checked
+    against transformers' log-softmax of the same checkpoint."""
+    import transformers
+
+    reqs = tmp_path / "reqs.jsonl"
+    prompt = [5, 6, 7, 8]
+    reqs.write_text(json.dumps({"prompt_token_ids": prompt, "ignore_eos": True}) + "\n")
+    argv = ["generate", "--model", tiny_llama.name, "--requests", str(reqs), "--json", "--device", "cpu"]
+    assert main([*argv, "--logprobs", "2", "--max-tokens", "4"]) == 0
+    (out,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(out["logprobs"]) == len(out["token_ids"]) == 4
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama.name, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out["token_ids"]])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits, dim=-1)
+    for row, token, entry in zip(expected, out["token_ids"], out["logprobs"], strict=True):
+        assert abs(entry["logprob"] - row[token].item()) < 1e-4
+        top = row.topk(2)
+        assert [t for t, _ in entry["top_logprobs"]] == top.indices.tolist()
+        assert all(
+            abs(lp - v) < 1e-4 for (_, lp), v in zip(entry["top_logprobs"], top.values.tolist(), strict=True)
+        )
+    assert main([*argv, "--max-tokens", "2"]) == 0  # not asked: not printed
+    assert "logprobs" not in json.loads(capsys.readouterr().out)
