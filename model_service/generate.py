@@ -92,7 +92,12 @@ def build_parser(gen: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--seed", type=int, default=None, help="the same seed and request give the same sample [random]"
     )
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    s.add_argument("--logprobs", type=int, default=None, help="return the top-N logprobs of each token")
+    s.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="with --json: each token's logprob and the top N tokens' [off]",
+    )
     s.add_argument(
         "--ignore-eos",
         action="store_true",
