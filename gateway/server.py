@@ -28,6 +28,7 @@ from gateway.limits import STREAM_RETRY_S, Limits
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
 from gateway.relay import Relayed, add_generation_service, client_span
 from spindle import flagtypes, request_ids, serving, telemetry
+from spindle.errors import ConfigError
 from spindle.grpc_status import abort, abort_exhausted
 from spindle.openai_api.server import OpenAIServer, add_http_args
 from spindle.security import add_security_args, security_from_args
@@ -428,11 +429,22 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _api_keys(path: str) -> ApiKeys:
+    """The keys of `--api-keys-file`; a file missing, unreadable, empty or malformed is a
+    ConfigError naming the flag (it was a FileNotFoundError / ValueError traceback)."""
+    try:
+        return ApiKeys(path)
+    except OSError as e:
+        raise ConfigError(f"--api-keys-file {path}: {e.strerror}") from e
+    except ValueError as e:
+        raise ConfigError(f"--api-keys-file: {e}") from e
+
+
 async def start(
     args: argparse.Namespace, provider: Any = None
 ) -> tuple[GatewayService, grpc.aio.Server, Any]:
     """Build, bind and start a gateway (also used in-process by tests and the benchmark)."""
-    keys = ApiKeys(args.api_keys_file) if args.api_keys_file else None
+    keys = _api_keys(args.api_keys_file) if args.api_keys_file else None
     security = security_from_args(args)
     if keys is None:
         log.warning("no API keys: every caller is accepted (--allow-unauthenticated)")

@@ -4,16 +4,12 @@ Each maps to one gRPC status code (model_service/pod/status.py), so a caller get
 act on rather than INTERNAL. Their base, `SpindleError`, is the shared one (spindle/errors.py).
 """
 
-from spindle.errors import SpindleError  # the services' errors derive from it; importers find it here too
+# The services' errors derive from SpindleError; importers find it (and ConfigError) here too.
+from spindle.errors import ConfigError, SpindleError  # noqa: F401
 
 
 class InvalidRequestError(SpindleError, ValueError):
     """The request itself is wrong (INVALID_ARGUMENT): fixing the request fixes it."""
-
-
-class ConfigError(SpindleError, ValueError):
-    """A setting (a flag or its SPINDLE_ variable) is out of its range: fixing the setting fixes it.
-    A ValueError too, as the engine's settings raised before they named their flags."""
 
 
 class CapacityError(SpindleError):

@@ -11,3 +11,8 @@ class SpindleError(Exception):
 class ListenError(SpindleError, OSError):
     """A service cannot listen on a port it was given (in use, or not this host's address): the
     command prints it as one line naming the port and the flag to change, not a traceback."""
+
+
+class ConfigError(SpindleError, ValueError):
+    """A setting (a flag or its SPINDLE_ variable, a file it names) is wrong: fixing the setting
+    fixes it. A ValueError too, as what raised it before it named its flag."""

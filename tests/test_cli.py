@@ -348,3 +348,29 @@ def test_logprobs_flag_prints_each_tokens_logprobs_as_hf_computes_them(tiny_llam
         )
     assert main([*argv, "--max-tokens", "2"]) == 0  # not asked: not printed
     assert "logprobs" not in json.loads(capsys.readouterr().out)
+
+
+def test_gateway_settings_that_cannot_work_are_refused_naming_the_flag(tmp_path):
+    """`--api-keys-file` missing or empty and `--pods-dns nohost` were tracebacks; `--pods notaport`
+    was taken, and the gateway health-checked an address that is no pod forever. Each is now a
+    ConfigError naming its flag (one line from `spindle gateway`, exit 2) before anything listens."""
+    import asyncio
+
+    import pytest
+
+    from gateway import server as gateway_server
+    from spindle.errors import ConfigError
+
+    empty = tmp_path / "keys"
+    empty.write_text("")
+    base = ["--host", "127.0.0.1", "--port", "0", "--http-port", "0"]
+    for flags, said in (
+        (["--pods", "a:1", "--api-keys-file", str(tmp_path / "none")], "--api-keys-file .*No such file"),
+        (["--pods", "a:1", "--api-keys-file", str(empty)], "--api-keys-file: .*no API keys found"),
+        (["--pods-dns", "nohost", "--allow-unauthenticated"], "--pods-dns wants HOST:PORT, got 'nohost'"),
+        (["--pods", "a:1,notaport", "--allow-unauthenticated"], "--pods wants HOST:PORT, got 'notaport'"),
+        (["--pods", "a:99999", "--allow-unauthenticated"], "--pods wants HOST:PORT"),
+    ):
+        args = command_parser("gateway")[1].parse_args([*base, *flags])
+        with pytest.raises(ConfigError, match=said):
+            asyncio.run(gateway_server.start(args))
