@@ -47,6 +47,7 @@ from adapter_service.registry import MemoryRegistry, RedisRegistry, Registry
 from adapter_service.store import LocalStore, S3Store, Store, Version
 from gateway.pods import dns_discovery, static_discovery
 from spindle import flagtypes, serving, telemetry
+from spindle.errors import ConfigError
 from spindle.grpc_status import abort
 from spindle.security import add_security_args, security_from_args
 from spindle.v1 import adapters_pb2 as apb
@@ -502,14 +503,24 @@ def _advertise(args: argparse.Namespace, port: int) -> str:
 
 
 def _backends(args: argparse.Namespace, bounds: deadlines.Bounds) -> tuple[Store, Registry]:
-    if args.s3_bucket:
-        store: Store = S3Store(args.s3_bucket, args.s3_prefix, args.s3_endpoint_url, args.s3_region, bounds)
-    else:
-        store = LocalStore(args.storage_dir or Path.home() / ".cache" / "spindle" / "adapters")
+    """Storage and registry as the flags say; a setting they refuse is a ConfigError naming its flag
+    (a --storage-dir that is a file, a --redis-url without a scheme were tracebacks)."""
+    try:
+        if args.s3_bucket:
+            store: Store = S3Store(
+                args.s3_bucket, args.s3_prefix, args.s3_endpoint_url, args.s3_region, bounds
+            )
+        else:
+            store = LocalStore(args.storage_dir or Path.home() / ".cache" / "spindle" / "adapters")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--{'s3-bucket' if args.s3_bucket else 'storage-dir'}: {e}") from e
     password = os.environ.get("SPINDLE_REDIS_PASSWORD", "")
-    registry: Registry = (
-        RedisRegistry(args.redis_url, password, bounds=bounds) if args.redis_url else MemoryRegistry()
-    )
+    try:
+        registry: Registry = (
+            RedisRegistry(args.redis_url, password, bounds=bounds) if args.redis_url else MemoryRegistry()
+        )
+    except ValueError as e:
+        raise ConfigError(f"--redis-url: {e}") from e
     return store, registry
 
 
@@ -554,7 +565,10 @@ async def start(
     args: argparse.Namespace, provider: Any = None
 ) -> tuple[grpc.aio.Server, serving.Health, Controller]:
     """Build, bind and start the service (also used in-process by the benchmark)."""
-    base = base_model.load(args.base_model)
+    try:
+        base = base_model.load(args.base_model)
+    except ValueError as e:  # an unknown alias, a missing or malformed checkpoint: a traceback before
+        raise ConfigError(f"--base-model: {e}") from e
     bounds = deadlines.Bounds.from_args(args)
     store, registry = _backends(args, bounds)
     discover = (

@@ -374,3 +374,30 @@ def test_gateway_settings_that_cannot_work_are_refused_naming_the_flag(tmp_path)
         args = command_parser("gateway")[1].parse_args([*base, *flags])
         with pytest.raises(ConfigError, match=said):
             asyncio.run(gateway_server.start(args))
+
+
+def test_adapter_service_settings_that_cannot_work_are_refused_naming_the_flag(tmp_path):
+    """`--base-model` missing, without config.json or with a malformed one, `--redis-url` without a
+    scheme and `--storage-dir` naming a file were tracebacks from `spindle adapter-service`."""
+    import asyncio
+
+    import pytest
+
+    from adapter_service import server as service_server
+    from spindle.errors import ConfigError
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"a":')
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("")
+    base = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--pods", "a:1"]
+    for flags, said in (
+        (["--base-model", str(tmp_path / "none")], "--base-model: .*neither an alias"),
+        (["--base-model", str(tmp_path / "empty")], "--base-model: .*has no config.json"),
+        (["--base-model", str(tmp_path / "bad")], r"--base-model: .*config\.json: Expecting value"),
+        (["--redis-url", "notaurl"], "--redis-url: "),
+        (["--storage-dir", str(tmp_path / "file")], "--storage-dir: "),
+    ):
+        args = command_parser("adapter-service")[1].parse_args([*base, *flags])
+        with pytest.raises(ConfigError, match=said):
+            asyncio.run(service_server.start(args))
