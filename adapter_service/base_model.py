@@ -58,6 +58,17 @@ _SMOLLM2_135M = dict(
 ALIASES = {"smollm2-135m-instruct": _SMOLLM2_135M, "smollm2": _SMOLLM2_135M}
 
 
+def _config_json(checkpoint: Path) -> dict:
+    """A checkpoint directory's config.json, or ValueError naming what is wrong with it."""
+    path = checkpoint / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"base model {checkpoint} has no config.json") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"base model {path}: {e}") from e
+
+
 def load(name_or_path: str) -> BaseModel:
     """From an alias, an HF checkpoint directory (config.json) or a .gguf file."""
     if name_or_path in ALIASES:
@@ -66,7 +77,7 @@ def load(name_or_path: str) -> BaseModel:
     if not path.exists():
         raise ValueError(f"base model {name_or_path!r} is neither an alias ({sorted(ALIASES)}) nor a path")
     if path.is_dir():
-        return _from_hf(name_or_path, json.loads((path / "config.json").read_text()))
+        return _from_hf(name_or_path, _config_json(path))
     if path.suffix != ".gguf":
         raise ValueError(f"base model {path} is not a checkpoint directory or a .gguf file")
     import gguf

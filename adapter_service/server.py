@@ -46,7 +46,8 @@ from adapter_service.registration import LeaseLost, register
 from adapter_service.registry import MemoryRegistry, RedisRegistry, Registry
 from adapter_service.store import LocalStore, S3Store, Store, Version
 from gateway.pods import dns_discovery, static_discovery
-from spindle import serving, telemetry
+from spindle import flagtypes, serving, telemetry
+from spindle.errors import ConfigError
 from spindle.grpc_status import abort
 from spindle.security import add_security_args, security_from_args
 from spindle.v1 import adapters_pb2 as apb
@@ -405,8 +406,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.description = "Run the adapter service: register adapters once, place them on model pods."
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to listen on [0.0.0.0]")
-    g.add_argument("--port", type=int, default=50060, help="gRPC port [50060]")
-    g.add_argument("--metrics-port", type=int, default=9091, help="Prometheus /metrics port; 0 = off [9091]")
+    g.add_argument("--port", type=flagtypes.port, default=50060, help="gRPC port [50060]")
+    g.add_argument(
+        "--metrics-port", type=flagtypes.port, default=9091, help="Prometheus /metrics port; 0 = off [9091]"
+    )
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]")
     g.add_argument(
         "--advertise-address",
@@ -433,7 +436,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--pods-dns", default="", help="HOST:PORT of a headless Service of the pods' control ports"
     )
-    p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between pod slot polls [2]")
+    p.add_argument(
+        "--poll-interval", type=flagtypes.seconds, default=2.0, help="seconds between pod slot polls [2]"
+    )
     p.add_argument(
         "--lease-ttl",
         type=float,
@@ -452,7 +457,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     k.add_argument(
         "--spread-threshold", type=float, default=8.0, help="running requests per holder that add a pod [8]"
     )
-    k.add_argument("--max-replicas", type=int, default=4, help="most pods a hot adapter is spread to [4]")
+    k.add_argument(
+        "--max-replicas",
+        type=flagtypes.at_least(1),
+        default=4,
+        help="most pods a hot adapter is spread to [4]",
+    )
     k.add_argument(
         "--hot-share",
         type=float,
@@ -493,14 +503,24 @@ def _advertise(args: argparse.Namespace, port: int) -> str:
 
 
 def _backends(args: argparse.Namespace, bounds: deadlines.Bounds) -> tuple[Store, Registry]:
-    if args.s3_bucket:
-        store: Store = S3Store(args.s3_bucket, args.s3_prefix, args.s3_endpoint_url, args.s3_region, bounds)
-    else:
-        store = LocalStore(args.storage_dir or Path.home() / ".cache" / "spindle" / "adapters")
+    """Storage and registry as the flags say; a setting they refuse is a ConfigError naming its flag
+    (a --storage-dir that is a file, a --redis-url without a scheme were tracebacks)."""
+    try:
+        if args.s3_bucket:
+            store: Store = S3Store(
+                args.s3_bucket, args.s3_prefix, args.s3_endpoint_url, args.s3_region, bounds
+            )
+        else:
+            store = LocalStore(args.storage_dir or Path.home() / ".cache" / "spindle" / "adapters")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--{'s3-bucket' if args.s3_bucket else 'storage-dir'}: {e}") from e
     password = os.environ.get("SPINDLE_REDIS_PASSWORD", "")
-    registry: Registry = (
-        RedisRegistry(args.redis_url, password, bounds=bounds) if args.redis_url else MemoryRegistry()
-    )
+    try:
+        registry: Registry = (
+            RedisRegistry(args.redis_url, password, bounds=bounds) if args.redis_url else MemoryRegistry()
+        )
+    except ValueError as e:
+        raise ConfigError(f"--redis-url: {e}") from e
     return store, registry
 
 
@@ -508,9 +528,8 @@ async def serve(args: argparse.Namespace) -> int:
     provider = telemetry.tracer_provider_from_env("spindle-adapter-service")
     server, health, controller = await start(args, provider)
     if args.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(args.metrics_port, addr=args.host)
+        async with serving.stopped_on_failure(lambda: server.stop(None), health.stop, controller.close):
+            serving.serve_metrics(args.host, args.metrics_port)
     stop = asyncio.Event()
 
     def shut_down(why: str) -> None:
@@ -546,7 +565,10 @@ async def start(
     args: argparse.Namespace, provider: Any = None
 ) -> tuple[grpc.aio.Server, serving.Health, Controller]:
     """Build, bind and start the service (also used in-process by the benchmark)."""
-    base = base_model.load(args.base_model)
+    try:
+        base = base_model.load(args.base_model)
+    except ValueError as e:  # an unknown alias, a missing or malformed checkpoint: a traceback before
+        raise ConfigError(f"--base-model: {e}") from e
     bounds = deadlines.Bounds.from_args(args)
     store, registry = _backends(args, bounds)
     discover = (

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.router import Candidate
 from spindle.coalesce import Coalesced
+from spindle.errors import ConfigError
 from spindle.security import PLAINTEXT, Security
 from spindle.v1 import generation_pb2, generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
 
@@ -112,6 +113,11 @@ class Pod:
 
 
 def static_discovery(addresses: list[str]) -> Callable[[], Awaitable[list[str]]]:
+    """A fixed list of pods (`--pods`). Each must be HOST:PORT: `--pods notaport` was taken, and the
+    gateway health-checked a pod at an address gRPC read as port 443 forever, serving nothing."""
+    for address in addresses:
+        _split_host_port(address, "--pods")
+
     async def discover() -> list[str]:
         return list(addresses)
 
@@ -120,15 +126,21 @@ def static_discovery(addresses: list[str]) -> Callable[[], Awaitable[list[str]]]
 
 def dns_discovery(target: str) -> Callable[[], Awaitable[list[str]]]:
     """`name:port` of a headless Service: every address it resolves to is a pod."""
-    host, _, port = target.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"--pods-dns wants HOST:PORT, got {target!r}")
+    host, port = _split_host_port(target, "--pods-dns")
 
     async def discover() -> list[str]:
         infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         return sorted({f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos})
 
     return discover
+
+
+def _split_host_port(address: str, flag: str) -> tuple[str, int]:
+    """HOST and PORT of `address` (an IPv6 host in brackets), or ConfigError naming `flag`."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{flag} wants HOST:PORT, got {address!r}")
+    return host, int(port)
 
 
 class PodPool:

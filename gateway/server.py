@@ -27,7 +27,8 @@ from gateway.auth import ANONYMOUS, ApiKeys, AuthError, Caller
 from gateway.limits import STREAM_RETRY_S, Limits
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
 from gateway.relay import Relayed, add_generation_service, client_span
-from spindle import request_ids, serving, telemetry
+from spindle import flagtypes, request_ids, serving, telemetry
+from spindle.errors import ConfigError
 from spindle.grpc_status import abort, abort_exhausted
 from spindle.openai_api.server import OpenAIServer, add_http_args
 from spindle.security import add_security_args, security_from_args
@@ -345,23 +346,38 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.description = "Run the gateway: authenticate, route and relay requests to model pods over gRPC."
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to listen on [0.0.0.0]")
-    g.add_argument("--port", type=int, default=50051, help="gRPC port [50051]")
+    g.add_argument("--port", type=flagtypes.port, default=50051, help="gRPC port [50051]")
     add_http_args(g)
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]")
     g.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds for in-flight streams [30]"
+        "--drain-timeout",
+        type=flagtypes.seconds_or_none,
+        default=30.0,
+        help="on SIGTERM, seconds for in-flight streams [30]",
     )
     d = parser.add_argument_group("model pods")
     d.add_argument("--pods", default="", help="static list of model pods, HOST:PORT,HOST:PORT")
     d.add_argument("--pods-dns", default="", help="HOST:PORT of a headless Service; each address is a pod")
-    d.add_argument("--discovery-interval", type=float, default=5.0, help="seconds between DNS lookups [5]")
-    d.add_argument("--health-interval", type=float, default=1.0, help="seconds between pod checks [1]")
-    d.add_argument("--health-timeout", type=float, default=1.0, help="seconds a pod check may take [1]")
     d.add_argument(
-        "--failure-threshold", type=int, default=2, help="failed checks in a row that eject a pod [2]"
+        "--discovery-interval", type=flagtypes.seconds, default=5.0, help="seconds between DNS lookups [5]"
     )
     d.add_argument(
-        "--max-attempts", type=int, default=3, help="pods tried for a request before its first token [3]"
+        "--health-interval", type=flagtypes.seconds, default=1.0, help="seconds between pod checks [1]"
+    )
+    d.add_argument(
+        "--health-timeout", type=flagtypes.seconds, default=1.0, help="seconds a pod check may take [1]"
+    )
+    d.add_argument(
+        "--failure-threshold",
+        type=flagtypes.at_least(1),
+        default=2,
+        help="failed checks in a row that eject a pod [2]",
+    )
+    d.add_argument(
+        "--max-attempts",
+        type=flagtypes.at_least(1),
+        default=3,
+        help="pods tried for a request before its first token [3]",
     )
     s = parser.add_argument_group("adapter service")
     s.add_argument(
@@ -370,7 +386,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="HOST:PORT of the adapter service: place registered adapters on demand, serve the admin API",
     )
     s.add_argument(
-        "--placement-timeout", type=float, default=60.0, help="seconds a request waits for a placement [60]"
+        "--placement-timeout",
+        type=flagtypes.seconds,
+        default=60.0,
+        help="seconds a request waits for a placement [60]",
     )
     a = parser.add_argument_group("authentication")
     a.add_argument(
@@ -409,11 +428,22 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _api_keys(path: str) -> ApiKeys:
+    """The keys of `--api-keys-file`; a file missing, unreadable, empty or malformed is a
+    ConfigError naming the flag (it was a FileNotFoundError / ValueError traceback)."""
+    try:
+        return ApiKeys(path)
+    except OSError as e:
+        raise ConfigError(f"--api-keys-file {path}: {e.strerror}") from e
+    except ValueError as e:
+        raise ConfigError(f"--api-keys-file: {e}") from e
+
+
 async def start(
     args: argparse.Namespace, provider: Any = None
 ) -> tuple[GatewayService, grpc.aio.Server, Any]:
     """Build, bind and start a gateway (also used in-process by tests and the benchmark)."""
-    keys = ApiKeys(args.api_keys_file) if args.api_keys_file else None
+    keys = _api_keys(args.api_keys_file) if args.api_keys_file else None
     security = security_from_args(args)
     if keys is None:
         log.warning("no API keys: every caller is accepted (--allow-unauthenticated)")
@@ -462,21 +492,21 @@ async def start(
     add_generation_service(gateway, server)
     adapters_pb2_grpc.add_AdaptersServicer_to_server(AdminProxy(directory, gateway._caller), server)
     serving.enable_reflection(server, SERVICES)
-    port = serving.bind(server, args.host, args.port, security.tls)
-    await server.start()
-    await pool.start()
-    gateway.port = port
-    log.info("gateway listening on %s:%d in front of %d pods", args.host, port, len(pool.pods))
-    if getattr(args, "http_port", 0):
-        gateway.http = OpenAIServer(
-            gateway,
-            pool.base_models,
-            lambda: health.serving,
-            tracer,
-            getattr(args, "tool_call_parser", "none"),
-        )
-        gateway.http_port = await gateway.http.start(args.host, args.http_port, security.tls)
-        log.info("OpenAI-compatible HTTP API on %s:%d", args.host, gateway.http_port)
+    async with serving.stopped_on_failure(lambda: server.stop(None), health.stop, pool.close):
+        gateway.port = serving.bind(server, args.host, args.port, security.tls)
+        await server.start()
+        await pool.start()
+        log.info("gateway listening on %s:%d in front of %d pods", args.host, gateway.port, len(pool.pods))
+        if getattr(args, "http_port", 0):
+            gateway.http = OpenAIServer(
+                gateway,
+                pool.base_models,
+                lambda: health.serving,
+                tracer,
+                getattr(args, "tool_call_parser", "none"),
+            )
+            gateway.http_port = await gateway.http.start(args.host, args.http_port, security.tls)
+            log.info("OpenAI-compatible HTTP API on %s:%d", args.host, gateway.http_port)
     return gateway, server, health
 
 

@@ -4,7 +4,8 @@ Each maps to one gRPC status code (model_service/pod/status.py), so a caller get
 act on rather than INTERNAL. Their base, `SpindleError`, is the shared one (spindle/errors.py).
 """
 
-from spindle.errors import SpindleError  # the services' errors derive from it; importers find it here too
+# The services' errors derive from SpindleError; importers find it (and ConfigError) here too.
+from spindle.errors import ConfigError, SpindleError  # noqa: F401
 
 
 class InvalidRequestError(SpindleError, ValueError):

@@ -7,11 +7,16 @@ import argparse
 import json
 import logging
 import sys
-from collections import Counter
-from typing import Any
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING, Any
 
 from model_service.engine.config import add_engine_args, engine_config
 from model_service.errors import SpindleError
+
+if TYPE_CHECKING:
+    from model_service.engine.engine import Engine
+    from model_service.engine.sampler import TokenLogprobs
+    from model_service.engine.sequence import RequestOutput
 
 _SAMPLING_FLAGS = (
     "max_tokens",
@@ -53,18 +58,51 @@ def build_parser(gen: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="print one JSON object per request, in input order (token_ids, text, finish_reason, ...)",
     )
     s = gen.add_argument_group("sampling defaults")
-    s.add_argument("--max-tokens", type=int, default=256)
+    s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per request [256]")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy [default 0]")
-    s.add_argument("--top-p", type=float, default=None)
-    s.add_argument("--top-k", type=int, default=None)
-    s.add_argument("--min-p", type=float, default=None)
-    s.add_argument("--repetition-penalty", type=float, default=None)
-    s.add_argument("--presence-penalty", type=float, default=None)
-    s.add_argument("--frequency-penalty", type=float, default=None)
-    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1] [1: off]")
+    s.add_argument(
+        "--top-k", type=int, default=None, help="sample from the K likeliest tokens; 0 = off [off]"
+    )
+    s.add_argument(
+        "--min-p",
+        type=float,
+        default=None,
+        help="drop tokens below this share of the likeliest one's probability [0: off]",
+    )
+    s.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="HF's: > 1 discourages tokens already in prompt or output [1: off]",
+    )
+    s.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=None,
+        help="OpenAI's: subtracted from the logit of every token already generated [0]",
+    )
+    s.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=None,
+        help="OpenAI's: subtracted once per time a token was generated [0]",
+    )
+    s.add_argument(
+        "--seed", type=int, default=None, help="the same seed and request give the same sample [random]"
+    )
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    s.add_argument("--logprobs", type=int, default=None, help="return the top-N logprobs of each token")
-    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="with --json: each token's logprob and the top N tokens' [off]",
+    )
+    s.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating past end-of-sequence tokens, to --max-tokens",
+    )
     so = gen.add_argument_group(
         "structured output (at most one; the output is in the language it names, docs/architecture.md)"
     ).add_mutually_exclusive_group()
@@ -94,18 +132,7 @@ def _read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
     for text in args.prompt:
         reqs.append({"messages": [{"role": "user", "content": text}]} if args.chat else {"prompt": text})
     if args.requests:
-        stream = sys.stdin if args.requests == "-" else open(args.requests)  # noqa: SIM115
-        with stream:
-            for n, line in enumerate(stream, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SpindleError(f"{args.requests}:{n}: not valid JSON: {e}") from e
-                if not isinstance(obj, dict):
-                    raise SpindleError(f"{args.requests}:{n}: each line must be a JSON object")
-                reqs.append(obj)
+        reqs += _request_lines(args.requests)
     if not reqs:
         raise SpindleError("nothing to generate: give --prompt TEXT or --requests FILE")
     named = Counter(r["request_id"] for r in reqs if r.get("request_id") is not None)
@@ -113,6 +140,28 @@ def _read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
         if n > 1:  # the one check of this process: the engine trusts its caller's ids
             raise SpindleError(f"request id {rid!r} is already in use ({n} requests name it)")
     return [{**defaults, **r} for r in reqs]
+
+
+def _request_lines(path: str) -> list[dict[str, Any]]:
+    """The JSON objects of the lines of `path` ('-' = stdin); a file that cannot be read is a
+    SpindleError naming it (it was a FileNotFoundError traceback)."""
+    try:
+        stream = sys.stdin if path == "-" else open(path)  # noqa: SIM115
+    except OSError as e:
+        raise SpindleError(f"--requests {path}: {e.strerror}") from e
+    reqs = []
+    with stream:
+        for n, line in enumerate(stream, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SpindleError(f"{path}:{n}: not valid JSON: {e}") from e
+            if not isinstance(obj, dict):
+                raise SpindleError(f"{path}:{n}: each line must be a JSON object")
+            reqs.append(obj)
+    return reqs
 
 
 def _structured_output(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -148,25 +197,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ids.append(None)
             errors[i] = str(e)
     try:
-        final = engine.run_to_completion()
+        final, logprobs = _run(engine)
     finally:  # a tensor-parallel engine stops its workers in order and leaves its process group
         engine.executor.teardown()
     for i, rid in enumerate(ids):
-        if rid is None:
-            result: dict[str, Any] = {"index": i, "error": errors[i]}
-        else:
-            o = final[rid]
-            result = {
-                "index": i,
-                "request_id": rid,
-                "text": o.text,
-                "token_ids": o.token_ids,
-                "finish_reason": o.finish_reason,
-                "prompt_tokens": o.num_prompt_tokens,
-                "completion_tokens": len(o.token_ids),
-            }
-            if o.error:
-                result["error"] = o.error
+        result = {"index": i, "error": errors[i]} if rid is None else _result(i, final[rid], logprobs[rid])
         if args.json:
             print(json.dumps(result), flush=True)
         elif "error" in result:
@@ -174,6 +209,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(result["text"] if len(ids) == 1 else f"[{i}] {result['text']}", flush=True)
     return 1 if errors or any(final[r].error for r in ids if r) else 0
+
+
+def _run(engine: Engine) -> tuple[dict[str, RequestOutput], dict[str, list[TokenLogprobs]]]:
+    """Step until nothing is left: the final output of each request, and all its logprobs. A
+    step's output carries only that step's (`new_logprobs`); keeping the final output alone, as
+    `Engine.run_to_completion` does, lost them, so `--logprobs N` printed none."""
+    final: dict[str, RequestOutput] = {}
+    logprobs: dict[str, list[TokenLogprobs]] = defaultdict(list)
+    while engine.has_unfinished():
+        for out in engine.step():
+            logprobs[out.request_id] += out.new_logprobs
+            if out.finished:
+                final[out.request_id] = out
+    return final, logprobs
+
+
+def _result(index: int, out: RequestOutput, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+    """One request's line of --json output (and what the text output prints)."""
+    result: dict[str, Any] = {
+        "index": index,
+        "request_id": out.request_id,
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": len(out.token_ids),
+    }
+    if logprobs:  # one per token: its logprob and the top N as [token id, logprob]
+        result["logprobs"] = [{"logprob": lp.logprob, "top_logprobs": lp.top} for lp in logprobs]
+    if out.error:
+        result["error"] = out.error
+    return result
 
 
 def run(args: argparse.Namespace) -> int:

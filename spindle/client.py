@@ -142,9 +142,21 @@ def _sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="base model name [the gateway's]")
     parser.add_argument("--max-tokens", type=int, default=None, help="[server default: 256]")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy [server default: 1.0]")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling: the likeliest tokens up to this probability, in (0, 1] [server default: 1]",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="sample from the K likeliest tokens; 0 = off [server default: off]",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="the same seed and request give the same sample [random]"
+    )
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object with text, tokens, usage")
 

@@ -35,7 +35,8 @@ def apply_env(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
             continue
         try:
             action.default = _convert(action, raw)
-        except (TypeError, ValueError) as e:
+        # ArgumentTypeError: how a flag's own type (serve's --stream-interval) refuses a value
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
             parser.error(f"environment variable {name}={raw!r}: {e}")
         action.required = False
 

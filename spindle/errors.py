@@ -6,3 +6,13 @@ command catches them without importing a service."""
 
 class SpindleError(Exception):
     """Base class: every error a command, the engine or a loader raises on purpose."""
+
+
+class ListenError(SpindleError, OSError):
+    """A service cannot listen on a port it was given (in use, or not this host's address): the
+    command prints it as one line naming the port and the flag to change, not a traceback."""
+
+
+class ConfigError(SpindleError, ValueError):
+    """A setting (a flag or its SPINDLE_ variable, a file it names) is wrong: fixing the setting
+    fixes it. A ValueError too, as what raised it before it named its flag."""

@@ -16,6 +16,7 @@ unless named, so two clusters on one machine only need different gateway ports. 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import secrets
@@ -32,9 +33,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from adapter_service.client import AdaptersClient
+from spindle import flagtypes
 from spindle.client import Client, chat_request
+from spindle.errors import SpindleError
 from spindle.openai_api.tool_parsers import PARSERS
+from spindle.peft import lora_specs
+from spindle.serving import served_model_name
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
@@ -53,10 +59,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="for the first request [64]")
     parser.add_argument("--host", default="127.0.0.1", help="address both services listen on [127.0.0.1]")
-    parser.add_argument("--gateway-port", type=int, default=50051, help="the gateway's gRPC port [50051]")
+    parser.add_argument(
+        "--gateway-port", type=flagtypes.port, default=50051, help="the gateway's gRPC port [50051]"
+    )
     parser.add_argument(
         "--http-port",
-        type=int,
+        type=flagtypes.port,
         default=8000,
         help="the gateway's OpenAI-compatible HTTP port; 0 = off [8000]",
     )
@@ -66,25 +74,38 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="none",
         help="the pod's and gateway's --tool-call-parser (hermes, llama3_json) [none]",
     )
-    parser.add_argument("--pod-port", type=int, default=None, help="the pod's Generation port [a free port]")
     parser.add_argument(
-        "--pod-control-port", type=int, default=None, help="the pod's ModelControl port [a free port]"
+        "--pod-port", type=flagtypes.port, default=None, help="the pod's Generation port [a free port]"
     )
     parser.add_argument(
-        "--pod-http-port", type=int, default=None, help="the pod's OpenAI-compatible HTTP port [a free port]"
+        "--pod-control-port",
+        type=flagtypes.port,
+        default=None,
+        help="the pod's ModelControl port [a free port]",
     )
-    parser.add_argument("--adapter-port", type=int, default=None, help="the adapter service's [a free port]")
+    parser.add_argument(
+        "--pod-http-port",
+        type=flagtypes.port,
+        default=None,
+        help="the pod's OpenAI-compatible HTTP port [a free port]",
+    )
+    parser.add_argument(
+        "--adapter-port", type=flagtypes.port, default=None, help="the adapter service's [a free port]"
+    )
     parser.add_argument(
         "--storage-dir",
         default="",
         help="the adapter service's directory of registered adapters [~/.cache/spindle/adapters]",
     )
     parser.add_argument(
-        "--metrics-port", type=int, default=None, help="the pod's /metrics port; 0 = off [a free port]"
+        "--metrics-port",
+        type=flagtypes.port,
+        default=None,
+        help="the pod's /metrics port; 0 = off [a free port]",
     )
     parser.add_argument("--log-level", default="WARNING", help="the services' log level [WARNING]")
     parser.add_argument(
-        "--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING [600]"
+        "--startup-timeout", type=flagtypes.seconds, default=600.0, help="seconds to wait for SERVING [600]"
     )
     return parser
 
@@ -106,6 +127,41 @@ def _pick_free_ports(args: argparse.Namespace) -> None:
     finally:
         for sock in held:
             sock.close()
+
+
+# The ports `spindle up` takes, with their flags (the internal ones only when the user named them).
+_PORT_FLAGS = {"gateway_port": "--gateway-port", "http_port": "--http-port", "pod_port": "--pod-port",
+               "pod_control_port": "--pod-control-port", "pod_http_port": "--pod-http-port",
+               "adapter_port": "--adapter-port", "metrics_port": "--metrics-port"}  # fmt: skip
+
+
+def _ports_in_use(args: argparse.Namespace) -> list[str]:
+    """The named ports something already listens on, as "PORT (--FLAG)". Checked before any child
+    starts: with a second `spindle up` on the first one's gateway port, this one's wait for its
+    gateway was answered by the other cluster's gateway (SERVING), so it could register adapters
+    and answer through the other cluster before it noticed its own gateway had exited."""
+    busy = []
+    for name, flag in _PORT_FLAGS.items():
+        port = getattr(args, name)
+        if not port:
+            continue
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the services bind
+            try:
+                sock.bind((args.host, port))
+            except OSError:
+                busy.append(f"{port} ({flag})")
+    return busy
+
+
+def _check_adapter_dirs(adapters: dict[str, str]) -> None:
+    """Refuse a `--lora` directory that is not there before the cluster starts: it was found only
+    after the model had loaded and the services were up (minutes on a large model)."""
+    for name, path in adapters.items():
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise SpindleError(
+                f"--lora {name}={path}: no adapter_config.json there (a PEFT adapter directory)"
+            )
 
 
 def _service_token_file() -> str:
@@ -170,7 +226,7 @@ def _try_it(args: argparse.Namespace, gateway: str, service: str) -> str:
         f'  spindle chat --gateway {gateway} "Tell me a joke."',
     ]
     if args.http_port:
-        model = args.lora[0].partition("=")[0] if args.lora else args.model
+        model = args.lora[0].partition("=")[0] if args.lora else served_model_name(args.model)
         base_url = f"http://{args.host}:{args.http_port}/v1"
         body = {
             "model": model,
@@ -192,12 +248,19 @@ def _try_it(args: argparse.Namespace, gateway: str, service: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    busy = _ports_in_use(args)
+    if busy:
+        raise SpindleError(
+            f"port {', '.join(busy)} on {args.host} is in use (another `spindle up`?): stop it, or name "
+            "other ports"
+        )
+    _check_adapter_dirs(lora_specs(args.lora))
     _pick_free_ports(args)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
         signal.signal(sig, lambda *_: stop.set())
     token_file = _service_token_file()
-    children = [subprocess.Popen(cmd) for cmd in _commands(args, token_file)]
+    children = start_children(_commands(args, token_file))
     gateway, service = f"{args.host}:{args.gateway_port}", f"{args.host}:{args.adapter_port}"
     try:
         for target in (gateway, service):
@@ -207,8 +270,8 @@ def run(args: argparse.Namespace) -> int:
         _answer(gateway, args)
         print(_try_it(args, gateway, service), file=sys.stderr, flush=True)
         while not stop.wait(0.5):
-            if any(c.poll() is not None for c in children):
-                print("spindle up: a service exited; stopping", file=sys.stderr)
+            if exited := _exited(children):
+                print(f"spindle up: {exited}; stopping", file=sys.stderr)
                 return 1
         return 0
     except (grpc.RpcError, FileNotFoundError) as e:
@@ -222,13 +285,26 @@ def run(args: argparse.Namespace) -> int:
         os.unlink(token_file)
 
 
+def start_children(commands: list[list[str]]) -> list[subprocess.Popen]:
+    """Start each command as a child that Linux sends SIGTERM (a clean drain) when this process
+    dies, however it dies. Killed with SIGKILL (the OOM killer, `kill -9`), `spindle up` left its
+    three services running as orphans holding the ports, so the next `spindle up` found them in use."""
+    if not sys.platform.startswith("linux"):
+        return [subprocess.Popen(cmd) for cmd in commands]
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()  # looked up before the fork
+
+    def die_with_parent() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return [subprocess.Popen(cmd, preexec_fn=die_with_parent) for cmd in commands]
+
+
 def _register(gateway: str, specs: list[str]) -> None:
     """Each NAME=DIR through the admin API; weights already registered under NAME are kept."""
     with AdaptersClient(gateway) as admin:
-        for spec in specs:
-            name, sep, path = spec.partition("=")
-            if not sep or not name or not path:
-                raise FileNotFoundError(f"--lora takes NAME=DIR, got {spec!r}")
+        for name, path in lora_specs(specs).items():
             try:
                 a = admin.register(name, path)
                 print(f"spindle up: registered adapter {name} (version {a.version})", file=sys.stderr)
@@ -246,8 +322,8 @@ def _wait_serving(
     with grpc.insecure_channel(target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline and not stop.is_set():
-            if any(c.poll() is not None for c in children):
-                print("spindle up: a service exited during start-up", file=sys.stderr)
+            if exited := _exited(children):
+                print(f"spindle up: {exited} during start-up; its error is above", file=sys.stderr)
                 return False
             try:
                 reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
@@ -259,6 +335,17 @@ def _wait_serving(
     if not stop.is_set():
         print(f"spindle up: not SERVING after {timeout:.0f} s", file=sys.stderr)
     return False
+
+
+def _exited(children: list[subprocess.Popen]) -> str:
+    """Which of the children (in `_commands`' order) exited, and how: "" while all run."""
+    names = ("the model pod", "the adapter service", "the gateway")
+    ended = [
+        f"{name} exited (code {c.returncode})"
+        for name, c in zip(names, children, strict=True)
+        if c.poll() is not None
+    ]
+    return ", ".join(ended)
 
 
 def _stop(children: list[subprocess.Popen]) -> None:

@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from spindle.errors import SpindleError
+
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LORA_MODULES = ATTENTION_MODULES + MLP_MODULES  # a Llama-shaped base's; projection_shapes has any base's
@@ -194,3 +196,17 @@ def declared_mismatch(config: dict[str, Any], layer: int, module: str, rank: int
     if isinstance(targets, list) and not names_module(targets, path):
         return f"{path} has weights but target_modules {targets} does not name {module!r}"
     return None
+
+
+def lora_specs(specs: list[str]) -> dict[str, str]:
+    """`--lora NAME=DIR` flags as {name: dir} (`spindle generate`, `serve` and `up` alike). A name
+    given twice is refused: the last one silently won, serving other weights than the first named."""
+    modules: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SpindleError(f"--lora takes NAME=DIR, got {spec!r}")
+        if name in modules:
+            raise SpindleError(f"--lora {name} is given twice ({modules[name]} and {path})")
+        modules[name] = path
+    return modules

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from spindle import flagtypes
 from spindle import tls as tls_files
 from spindle.service_token import RequireToken, ServiceToken, send_token
 from spindle.tls_channel import aio_channel
@@ -57,7 +58,7 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
     tls_files.add_tls_args(parser)
     parser.add_argument_group("health").add_argument(
         "--health-port",
-        type=int,
+        type=flagtypes.port,
         default=0,
         help="also serve grpc.health.v1 alone, in plaintext, on this port: for Kubernetes' gRPC probes, "
         "which speak no TLS; 0 = off [0]",

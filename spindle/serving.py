@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import importlib.util
 import logging
 import signal
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -15,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from spindle.errors import ListenError
 from spindle.malformed import MalformedRequestInterceptor
 from spindle.tls import PLAINTEXT, TlsConfig, server_credentials
 
@@ -35,6 +38,14 @@ _OPTIONS = [
 ]
 
 
+def served_model_name(model: str) -> str:
+    """The name a pod serves `--model` under unless `--served-model-name` says otherwise: an alias
+    as it is, a checkpoint directory's name, a .gguf file's stem. Torch-free, so `spindle up` names
+    the model in the commands it prints as the pod will (it printed the path, which 404s)."""
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 def make_server(interceptors: Iterable[Any] = ()) -> grpc.aio.Server:
     """A server whose requests that do not parse end INVALID_ARGUMENT (spindle/malformed.py); that
     interceptor runs last, next to the handlers, so the others see the wrapped handler."""
@@ -50,11 +61,37 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig = PLAINTE
             bound = server.add_secure_port(address, server_credentials(tls))
         else:
             bound = server.add_insecure_port(address)
-    except RuntimeError as e:
-        raise OSError(f"cannot listen on {address}: {e} (is the port in use?)") from e
+    except RuntimeError as e:  # grpc's message only says to set GRPC_VERBOSITY
+        raise ListenError(f"cannot listen on {address} (is the port in use?)") from e
     if bound == 0:
-        raise OSError(f"cannot listen on {address} (is the port in use?)")
+        raise ListenError(f"cannot listen on {address} (is the port in use?)")
     return bound
+
+
+def serve_metrics(host: str, port: int, registry: Any = None) -> Any:
+    """Prometheus /metrics over HTTP on host:port, in a thread (`registry`: the default one when
+    None); returns the HTTP server. A port in use is a ListenError, as gRPC's ports are."""
+    from prometheus_client import REGISTRY, start_http_server
+
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry or REGISTRY)
+    except OSError as e:
+        raise ListenError(f"cannot serve /metrics on {host}:{port}: {e.strerror}") from e
+    return server
+
+
+@contextlib.asynccontextmanager
+async def stopped_on_failure(*stops: Callable[[], Awaitable[Any]]) -> AsyncIterator[None]:
+    """Run each of `stops` if the block raises. A start-up step failing after servers started (a
+    later port in use) left them running past `asyncio.run`'s end, where gRPC's clean-up of a
+    running server printed "Event loop is closed" tracebacks under the one-line error."""
+    try:
+        yield
+    except BaseException:
+        for stop in stops:
+            with contextlib.suppress(Exception):
+                await stop()
+        raise
 
 
 class _HealthServicer(health_aio.HealthServicer):

@@ -55,6 +55,14 @@ class TlsConfig:
         for path in (self.cert_file, self.key_file, self.ca_file):
             if path and not os.path.isfile(path):
                 raise ValueError(f"TLS file {path!r} does not exist")
+        # Their contents too: a file that is no PEM, or a key of another certificate, was an
+        # SSLError / ValueError traceback from the first server or channel that loaded them.
+        check_pair(self)
+        if self.ca_file:
+            try:
+                ssl.create_default_context(cafile=self.ca_file)
+            except ssl.SSLError as e:
+                raise ValueError(f"--tls-ca-file {self.ca_file} holds no usable CA certificate: {e}") from e
         return self
 
 
@@ -77,7 +85,10 @@ def check_pair(tls: TlsConfig) -> None:
     try:  # the stdlib checks the pair; gRPC would only fail handshakes later
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(tls.cert_file, tls.key_file)
     except ssl.SSLError as e:
-        raise ValueError(f"{tls.key_file} is not the key of {tls.cert_file}: {e}") from e
+        raise ValueError(
+            f"--tls-key-file {tls.key_file} is not the key of --tls-cert-file {tls.cert_file} (or one "
+            f"of them is no PEM file): {e}"
+        ) from e
 
 
 def stamp(paths: tuple[str, ...]) -> tuple:

@@ -171,3 +171,233 @@ def test_structured_output_flags_become_the_requests_field(tmp_path):
         _read_requests(parser.parse_args(["--requests", str(requests)]))
     with pytest.raises(SpindleError, match=r"no-such\.json"):
         _read_requests(parser.parse_args(["--prompt", "hi", "--json-schema", str(tmp_path / "no-such.json")]))
+
+
+def test_out_of_range_engine_flags_are_refused_naming_the_flag(capsys, monkeypatch):
+    """Zero or negative sizes and a memory fraction past 1 were taken as given: a traceback later
+    (`--block-size 0`, `--num-kv-blocks -3`), or silently read as unset (`--num-kv-blocks 0`,
+    `--max-model-len 0` ran the defaults). Each is now refused before the model loads, naming
+    its flag, from the command line and from its SPINDLE_ variable, by `generate` and `serve`."""
+    import asyncio
+
+    import pytest
+
+    from model_service.errors import ConfigError
+    from model_service.pod import server
+
+    for flags, named in (
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
+        (["--block-size", "0"], "--block-size"),
+        (["--num-kv-blocks", "0"], "--num-kv-blocks"),
+        (["--num-kv-blocks", "-3"], "--num-kv-blocks"),
+        (["--max-model-len", "0"], "--max-model-len"),
+        (["--max-model-len", "-5"], "--max-model-len"),
+        (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes"),
+        (["--swap-space", "-1"], "--swap-space"),
+        (["--max-lora-rank", "0"], "--max-lora-rank"),
+        (["--max-loras", "-1"], "--max-loras"),
+    ):
+        assert main(["generate", "--prompt", "hi", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert err.startswith(f"spindle: error: {named} ") and "Traceback" not in err, err
+    monkeypatch.setenv("SPINDLE_MAX_NUM_SEQS", "0")
+    assert main(["generate", "--prompt", "hi"]) == 2
+    assert "--max-num-seqs must be at least 1, got 0" in capsys.readouterr().err
+    args = command_parser("serve")[1].parse_args(["--port", "0", "--control-port", "0"])
+    with pytest.raises(ConfigError, match="--max-num-seqs"):  # before any port is taken
+        asyncio.run(server.serve(args))
+
+
+def test_a_pod_that_cannot_load_its_model_says_why_in_one_line(caplog):
+    """`spindle serve --model /no/such/dir` logged the ModelLoadError with its whole traceback; the
+    message alone says what to fix. The pod still exits 1 (Kubernetes restarts it)."""
+    import asyncio
+    import logging
+
+    from model_service.pod import server
+
+    args = command_parser("serve")[1].parse_args(
+        ["--model", "/no/such/model", "--host", "127.0.0.1", "--port", "0", "--control-port", "0",
+         "--metrics-port", "0", "--http-port", "0"]
+    )  # fmt: skip
+    with caplog.at_level(logging.ERROR, logger="spindle.serve"):
+        assert asyncio.run(server.serve(args)) == 1
+    (record,) = [r for r in caplog.records if "could not load the model" in r.getMessage()]
+    assert "neither a known alias" in record.getMessage() and record.exc_info is None
+
+
+def test_a_requests_file_or_device_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypatch):
+    """`--requests` naming a missing file or a directory, and `--device` naming a device torch does
+    not know or this host lacks, were tracebacks (FileNotFoundError, RuntimeError, torch's
+    AssertionError "Torch not compiled with CUDA enabled"); each is now one line and exit 2."""
+    import torch
+
+    for argv, said in (
+        (["--requests", str(tmp_path / "no-such.jsonl")], "--requests"),
+        (["--requests", str(tmp_path)], "Is a directory"),
+        (["--prompt", "hi", "--device", "tpu"], "--device must be cpu, cuda, cuda:N or auto, got 'tpu'"),
+    ):
+        assert main(["generate", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("spindle: error: ") and said in err and "Traceback" not in err, err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["generate", "--prompt", "hi", "--device", "cuda"]) == 2
+    assert "--device cuda: this host has no CUDA device" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert main(["generate", "--prompt", "hi", "--device", "cuda:2"]) == 2
+    assert "--device cuda:2: this host has 2 CUDA devices" in capsys.readouterr().err
+
+
+def test_a_lora_name_given_twice_is_refused(capsys):
+    """`--lora a=/x --lora a=/y` kept /y alone and said nothing: the weights served under `a` were
+    not the ones the first flag named."""
+    assert main(["generate", "--prompt", "hi", "--lora", "a=/x", "--lora", "a=/y"]) == 2
+    assert "--lora a is given twice (/x and /y)" in capsys.readouterr().err
+
+
+def test_a_refused_environment_value_is_a_usage_error_for_every_flag_type(capsys):
+    """A flag whose own type refuses a value with argparse's ArgumentTypeError (`serve
+    --stream-interval`) gave a traceback when the value came from SPINDLE_STREAM_INTERVAL, which
+    a Kubernetes manifest sets; the command line's usage error is what the variable gets now."""
+    import pytest
+
+    from spindle import envflags
+
+    parser = command_parser("serve")[1]
+    with pytest.raises(SystemExit) as exit_:
+        envflags.apply_env(parser, {"SPINDLE_STREAM_INTERVAL": "0"})
+    assert exit_.value.code == 2
+    assert "SPINDLE_STREAM_INTERVAL='0': must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_ports_counts_and_intervals_out_of_range_are_usage_errors(capsys, monkeypatch):
+    """`spindle gateway --port 70000` listened on 4464 (gRPC keeps the low 16 bits) and `--port -1`
+    on 65535; `--health-interval 0` polled every pod in a busy loop; `--max-attempts 0` tried no
+    pod. Each is now argparse's usage error naming the flag, on the command line and from its
+    SPINDLE_ variable, for every service's port and the gateway's and adapter service's knobs."""
+    import pytest
+
+    from spindle import flagtypes
+
+    cases = {
+        "serve": [["--port", "70000"], ["--control-port", "-1"], ["--metrics-port", "65536"],
+                  ["--http-port", "-1"], ["--health-port", "99999"], ["--stream-interval", "0"],
+                  ["--drain-timeout", "-1"], ["--engine-stall-timeout", "0"]],
+        "gateway": [["--port", "70000"], ["--health-interval", "0"], ["--health-timeout", "-1"],
+                    ["--discovery-interval", "0"], ["--failure-threshold", "0"], ["--max-attempts", "0"],
+                    ["--placement-timeout", "0"], ["--drain-timeout", "-0.5"]],
+        "adapter-service": [["--port", "-1"], ["--metrics-port", "70000"], ["--poll-interval", "0"],
+                            ["--max-replicas", "0"]],
+        "up": [["--gateway-port", "70000"], ["--pod-port", "-1"], ["--startup-timeout", "0"]],
+    }  # fmt: skip
+    for command, flag_sets in cases.items():
+        parser = command_parser(command)[1]
+        for flag, value in flag_sets:
+            with pytest.raises(SystemExit) as exit_:
+                parser.parse_args([flag, value])
+            assert exit_.value.code == 2
+            assert f"argument {flag}: " in capsys.readouterr().err, (command, flag)
+    monkeypatch.setenv("SPINDLE_HEALTH_INTERVAL", "0")
+    with pytest.raises(SystemExit):
+        command_parser("gateway")
+    assert "SPINDLE_HEALTH_INTERVAL='0': must be more than 0 seconds" in capsys.readouterr().err
+    assert flagtypes.port("0") == 0 and flagtypes.port("65535") == 65535  # 0 = a free port, or off
+    assert flagtypes.seconds_or_none("0") == 0.0  # a drain that waits for nothing
+
+
+def test_every_flag_of_every_command_says_what_it_means():
+    """`spindle generate --help` listed --max-tokens, --top-p, --seed, --ignore-eos ... and `chat`
+    --top-p, --top-k, --seed with nothing but their environment variable."""
+    import argparse
+
+    from spindle import cli
+
+    for command in cli._COMMANDS:
+        parser = command_parser(command)[1]
+        for action in parser._actions:
+            if action.option_strings and not isinstance(action, argparse._HelpAction):
+                meaning = (action.help or "").split("[env ")[0].strip()
+                assert meaning, f"spindle {command} {action.option_strings[0]} has no help"
+
+
+def test_logprobs_flag_prints_each_tokens_logprobs_as_hf_computes_them(tiny_llama, tmp_path, capsys):
+    """`spindle generate --logprobs N --json` printed no logprobs at all: the command kept each
+    request's final step output, which carries only that step's. Now one entry per token, checked
+    against transformers' log-softmax of the same checkpoint."""
+    import transformers
+
+    reqs = tmp_path / "reqs.jsonl"
+    prompt = [5, 6, 7, 8]
+    reqs.write_text(json.dumps({"prompt_token_ids": prompt, "ignore_eos": True}) + "\n")
+    argv = ["generate", "--model", tiny_llama.name, "--requests", str(reqs), "--json", "--device", "cpu"]
+    assert main([*argv, "--logprobs", "2", "--max-tokens", "4"]) == 0
+    (out,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(out["logprobs"]) == len(out["token_ids"]) == 4
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama.name, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out["token_ids"]])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits, dim=-1)
+    for row, token, entry in zip(expected, out["token_ids"], out["logprobs"], strict=True):
+        assert abs(entry["logprob"] - row[token].item()) < 1e-4
+        top = row.topk(2)
+        assert [t for t, _ in entry["top_logprobs"]] == top.indices.tolist()
+        assert all(
+            abs(lp - v) < 1e-4 for (_, lp), v in zip(entry["top_logprobs"], top.values.tolist(), strict=True)
+        )
+    assert main([*argv, "--max-tokens", "2"]) == 0  # not asked: not printed
+    assert "logprobs" not in json.loads(capsys.readouterr().out)
+
+
+def test_gateway_settings_that_cannot_work_are_refused_naming_the_flag(tmp_path):
+    """`--api-keys-file` missing or empty and `--pods-dns nohost` were tracebacks; `--pods notaport`
+    was taken, and the gateway health-checked an address that is no pod forever. Each is now a
+    ConfigError naming its flag (one line from `spindle gateway`, exit 2) before anything listens."""
+    import asyncio
+
+    import pytest
+
+    from gateway import server as gateway_server
+    from spindle.errors import ConfigError
+
+    empty = tmp_path / "keys"
+    empty.write_text("")
+    base = ["--host", "127.0.0.1", "--port", "0", "--http-port", "0"]
+    for flags, said in (
+        (["--pods", "a:1", "--api-keys-file", str(tmp_path / "none")], "--api-keys-file .*No such file"),
+        (["--pods", "a:1", "--api-keys-file", str(empty)], "--api-keys-file: .*no API keys found"),
+        (["--pods-dns", "nohost", "--allow-unauthenticated"], "--pods-dns wants HOST:PORT, got 'nohost'"),
+        (["--pods", "a:1,notaport", "--allow-unauthenticated"], "--pods wants HOST:PORT, got 'notaport'"),
+        (["--pods", "a:99999", "--allow-unauthenticated"], "--pods wants HOST:PORT"),
+    ):
+        args = command_parser("gateway")[1].parse_args([*base, *flags])
+        with pytest.raises(ConfigError, match=said):
+            asyncio.run(gateway_server.start(args))
+
+
+def test_adapter_service_settings_that_cannot_work_are_refused_naming_the_flag(tmp_path):
+    """`--base-model` missing, without config.json or with a malformed one, `--redis-url` without a
+    scheme and `--storage-dir` naming a file were tracebacks from `spindle adapter-service`."""
+    import asyncio
+
+    import pytest
+
+    from adapter_service import server as service_server
+    from spindle.errors import ConfigError
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"a":')
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("")
+    base = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--pods", "a:1"]
+    for flags, said in (
+        (["--base-model", str(tmp_path / "none")], "--base-model: .*neither an alias"),
+        (["--base-model", str(tmp_path / "empty")], "--base-model: .*has no config.json"),
+        (["--base-model", str(tmp_path / "bad")], r"--base-model: .*config\.json: Expecting value"),
+        (["--redis-url", "notaurl"], "--redis-url: "),
+        (["--storage-dir", str(tmp_path / "file")], "--storage-dir: "),
+    ):
+        args = command_parser("adapter-service")[1].parse_args([*base, *flags])
+        with pytest.raises(ConfigError, match=said):
+            asyncio.run(service_server.start(args))

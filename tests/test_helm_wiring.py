@@ -127,6 +127,9 @@ def test_environment_ports_and_probes_match_the_service(name, value_set, monkeyp
         assert bool(args.pods) != bool(args.pods_dns) and not args.allow_unauthenticated
         assert args.api_keys_file in mounts
     if name == "model":
+        from model_service.engine.config import engine_config
+
+        engine_config(args)  # the chart's engine settings are in their ranges (ConfigError otherwise)
         if hasattr(args, "control_port"):
             assert port_number(container, "control") == args.control_port
         assert args.adapter_cache_dir in mounts

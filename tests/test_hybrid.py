@@ -121,7 +121,7 @@ def test_a_model_of_recurrent_layers_only_sizes_its_tables_and_matches_hf(tmp_pa
     sequence's positions. The pool sized by the memory budget divided by zero bytes a block
     (seen with bench/hybrid.py --small --layers 2); now every sequence slot gets a whole table."""
     only = Case(make_tiny_hybrid(tmp_path / "ckpt", seed=2, layer_types=["linear_attention"] * 4))
-    engine = make_engine(only.ours, num_kv_blocks=0, block_size=4, max_num_seqs=8, max_model_len=64)
+    engine = make_engine(only.ours, num_kv_blocks=None, block_size=4, max_num_seqs=8, max_model_len=64)
     assert engine.cache.num_total_blocks == 8 * 64 // 4 and engine.max_model_len == 64
     outs = engine.generate([request(ids) for ids in PROMPTS[:2]])
     for ids, out in zip(PROMPTS[:2], outs, strict=True):

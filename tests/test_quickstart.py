@@ -117,3 +117,128 @@ def test_every_command_explains_itself():
     assert "--adapter" in chat and "SPINDLE_API_KEY" in chat and "SPINDLE_GATEWAY" in chat
     no_pods = _cli("gateway", "--allow-unauthenticated")
     assert no_pods.returncode != 0 and "--pods" in no_pods.stderr
+
+
+def test_a_port_in_use_is_one_line_and_the_ports_taken_before_it_are_freed():
+    """A port in use was a traceback (OSError) from every binary, and when it came after servers had
+    started (the gateway's HTTP port, the pod's metrics, health or HTTP port) gRPC's clean-up of
+    them printed "Event loop is closed" tracebacks too. Now: `spindle: error: ...` naming the
+    address, exit 2, and the ports the service had already taken are free again."""
+    import asyncio
+
+    import pytest
+
+    from model_service.pod import server as pod_server
+    from spindle.errors import ListenError
+    from tests.service_helpers import free_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = str(held.getsockname()[1])
+        gateway = _cli("gateway", "--host", "127.0.0.1", "--port", "0", "--http-port", busy, "--pods",
+                       "127.0.0.1:1", "--allow-unauthenticated")  # fmt: skip
+        assert gateway.returncode == 2, gateway.stderr
+        assert f"spindle: error: cannot listen for HTTP on 127.0.0.1:{busy}" in gateway.stderr
+        assert "Traceback" not in gateway.stderr and "Event loop is closed" not in gateway.stderr
+        for flag in ("--metrics-port", "--health-port", "--http-port"):
+            grpc_port, control_port = free_port(), free_port()
+            args = command_parser("serve")[1].parse_args(
+                ["--host", "127.0.0.1", "--port", str(grpc_port), "--control-port",
+                 str(control_port), "--metrics-port", "0", "--http-port", "0", flag, busy]
+            )  # fmt: skip
+            with pytest.raises(ListenError, match=f"127.0.0.1:{busy}"):
+                asyncio.run(pod_server.serve(args))
+            for port in (grpc_port, control_port):  # stopped, not left to the garbage collector
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+
+
+def test_up_refuses_ports_in_use_before_starting_anything(monkeypatch, capsys):
+    """A second `spindle up` on the first one's ports: its gateway could not bind, but its wait for
+    SERVING was answered by the first cluster's gateway, so it went on to register and answer
+    through the other cluster (or not, by a race) before noticing its own gateway had died."""
+    from spindle.cli import main
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a child started although a port is in use")
+
+    monkeypatch.setattr(local.subprocess, "Popen", no_child)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        assert main(["up", "--gateway-port", str(busy), "--http-port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert f"spindle: error: port {busy} (--gateway-port) on 127.0.0.1 is in use" in err, err
+        assert main(["up", "--gateway-port", "0", "--http-port", "0", "--metrics-port", str(busy)]) == 2
+        assert f"{busy} (--metrics-port)" in capsys.readouterr().err
+
+
+def test_up_prints_commands_naming_the_model_as_the_pod_serves_it():
+    """`spindle up --model /models/llama` printed a curl line and an SDK snippet with
+    `"model": "/models/llama"`, which the gateway answers 404 (the pod serves it as `llama`)."""
+    from model_service.pod.server import served_name
+
+    _, parser = command_parser("up")
+    for model, name in (("/models/llama-3.1-8b/", "llama-3.1-8b"), ("/m/tiny.Q4_1.gguf", "tiny.Q4_1"),
+                        ("smollm2", "smollm2")):  # fmt: skip
+        args = parser.parse_args(["--model", model, "--http-port", "2"])
+        local._pick_free_ports(args)
+        text = local._try_it(args, "127.0.0.1:1", "127.0.0.1:3")
+        assert f'"model": "{name}"' in text and f'model="{name}"' in text, text
+        pod = local._commands(args, "token")[0]
+        pod_args = command_parser("serve")[1].parse_args(pod[pod.index("serve") + 1 :])
+        assert served_name(pod_args) == name
+
+
+def test_up_refuses_a_bad_lora_before_starting_anything(monkeypatch, capsys, tmp_path):
+    """`spindle up --lora bad` (or a directory without an adapter) started the cluster, loaded the
+    model and waited for SERVING before it refused the flag; now it refuses at once."""
+    from spindle.cli import main
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a child started although --lora is wrong")
+
+    monkeypatch.setattr(local.subprocess, "Popen", no_child)
+    ports = ["--gateway-port", "0", "--http-port", "0"]
+    for spec, said in (("bad", "--lora takes NAME=DIR, got 'bad'"),
+                       (f"a={tmp_path}", f"--lora a={tmp_path}: no adapter_config.json there"),
+                       ("a=/x", "--lora a is given twice")):  # fmt: skip
+        extra = ["--lora", "a=/y"] if spec == "a=/x" else []
+        assert main(["up", *ports, "--lora", spec, *extra]) == 2
+        assert said in capsys.readouterr().err
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie no init has reaped yet is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_up_s_services_stop_when_up_is_killed():
+    """SIGKILL of `spindle up` (the OOM killer, `kill -9`) left its pod, adapter service and gateway
+    running as orphans on their ports; its children now get SIGTERM when it dies."""
+    import os
+    import signal
+    import time
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from spindle import local; "
+         "(child,) = local.start_children([[sys.executable, '-c', 'import time; time.sleep(60)']]); "
+         "print(child.pid, flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    child = int(parent.stdout.readline())
+    assert _running(child)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _running(child):
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the child outlived `spindle up`")

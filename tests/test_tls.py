@@ -159,6 +159,18 @@ def test_contradictory_settings_are_refused_with_the_flag_to_fix(tmp_path):
         TlsConfig("a.crt", "a.key", require_client_cert=True).check()
     with pytest.raises(ValueError, match="does not exist"):
         TlsConfig(ca_file=str(tmp_path / "missing.crt")).check()
+    # Files there but unusable were tracebacks from the first server or channel that loaded them.
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    with pytest.raises(ValueError, match="is not the key of --tls-cert-file"):
+        TlsConfig(str(junk), str(junk)).check()
+    with pytest.raises(ValueError, match=r"--tls-ca-file .* holds no usable CA certificate"):
+        TlsConfig(ca_file=str(junk)).check()
+    tls, _ = _files(tmp_path)
+    (tmp_path / "other").mkdir()
+    other, _ = _files(tmp_path / "other")
+    with pytest.raises(ValueError, match="is not the key of"):  # a key of another certificate
+        TlsConfig(tls.cert_file, other.key_file).check()
 
 
 def test_a_client_channel_follows_its_rotated_files(tmp_path, monkeypatch):

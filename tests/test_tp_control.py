@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -196,3 +197,56 @@ def test_steps_larger_than_a_message_calls_failures_and_gathers_keep_their_order
         if worker.is_alive():
             worker.kill()
     assert worker.exitcode == 0
+
+
+# The worker through a process between it and rank 0 that outlives rank 0, as the fork server does.
+MIDDLE = """
+import os, subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+os.close(1)  # only the worker holds rank 0's stdout pipe: it closes when the worker exits
+time.sleep(60)
+"""
+
+
+def test_a_worker_forked_by_a_process_that_outlives_rank_0_exits_when_rank_0_is_killed():
+    """Workers are children of the fork server, not of rank 0: their check that "my parent is rank
+    0" never fired, and after a SIGTERM of `spindle generate --tensor-parallel-size 2` the worker
+    waited on (ignoring SIGTERM), with the fork server, for good. The segment now names rank 0."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    rank0_script = textwrap.dedent(RANK0).replace(
+        '[sys.executable, "-c", sys.argv[1], channel.path]',
+        '[sys.executable, "-c", sys.argv[2], sys.argv[1], channel.path]',
+    )
+    assert rank0_script != textwrap.dedent(RANK0)
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", rank0_script, textwrap.dedent(WORKER), textwrap.dedent(MIDDLE)],
+        stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    middle = None
+    try:
+        middle, _ = rank0.stdout.readline().split()
+        rank0.kill()
+        rest = rank0.communicate(timeout=10)[0]  # the worker (holding the pipe) has exited
+        assert rest.strip() == "worker: rank 0 exited"
+    finally:
+        rank0.kill()
+        rank0.wait()
+        if middle is not None:
+            os.kill(int(middle), signal.SIGKILL)
+
+
+def test_a_tensor_parallel_worker_exits_when_rank_0_is_gone_whatever_it_is_doing():
+    """A worker whose rank 0 died before the rendezvous waited there (SIGTERM ignored) until its
+    timeout; its watch thread ends it within a second of rank 0's end."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    code = (
+        "import signal, sys, time\n"
+        "from model_service.distributed.worker import _exit_with_rank0\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"_exit_with_rank0({gone.pid})\n"
+        "time.sleep(30)\n"
+    )
+    worker = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            timeout=25, capture_output=True, text=True)  # fmt: skip
+    assert worker.returncode == 1 and "Traceback" not in worker.stderr, worker.stderr

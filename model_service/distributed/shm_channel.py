@@ -31,7 +31,7 @@ Waiting: a waiter polls its flag, yielding the CPU (`sched_yield`, which release
 0's gRPC thread keeps running while its engine thread waits) for a while (`Spin`), then sleeps
 with a back-off doubling from 20 us to 1 ms, so an idle pod does not burn a core, yet a command
 that arrives within a busy pod's host work between steps is seen within microseconds. Every
-poll checks `abort`; a worker's sleeps also check that its parent (rank 0) still lives.
+poll checks `abort`; a worker's sleeps also check that rank 0 (its pid is in the segment) still lives.
 
 The segment is a file under /dev/shm that rank 0 creates and unlinks exactly once, as soon as
 every rank has mapped it (the process group's rendezvous comes after each worker's `attach`), so
@@ -80,6 +80,7 @@ def spin_for(device_type: str) -> Spin:
 
 _LINE = 8  # int64 words per cache line
 _SEQ, _ABORT, _ACKS = 0, _LINE, 2 * _LINE
+_RANK0_PID = _ABORT + 1  # written once by rank 0, on the abort flag's line
 _SLEEP_MIN_S, _SLEEP_MAX_S = 2e-5, 1e-3
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None  # else the temp dir (still mapped shared)
 _fence_lock = threading.Lock()
@@ -87,6 +88,24 @@ _fence_lock = threading.Lock()
 
 class ChannelClosedError(ConnectionError):
     """The peer a rank waits on is gone, or rank 0 gave the group up."""
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs: it exists and is no zombie (a killed rank 0 stays one until its
+    own parent reaps it, and a signal 0 still reaches a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: signal 0 checks that it exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's: the pid was reused
+            return False
+        return True
 
 
 def _fence() -> None:
@@ -111,7 +130,12 @@ class ShmChannel:
         message = words[(2 + world) * _LINE :]
         self.header, self.payload = message[:HEADER], message[HEADER:]
         self._seq, self._round = 0, 0  # the last message published / seen; the last agreement
-        self._parent = os.getppid() if rank > 0 else None
+        if create:
+            words[_RANK0_PID] = os.getpid()
+        # Rank 0's pid, not this process's parent: a worker is forked by the fork server, which
+        # outlives rank 0, so a worker checking its parent waited forever (ignoring SIGTERM) after
+        # `spindle generate --tensor-parallel-size N` was killed.
+        self._rank0 = int(words[_RANK0_PID]) if rank > 0 else None
         self._unlinked = False
 
     @classmethod
@@ -184,7 +208,7 @@ class ShmChannel:
         pause = _SLEEP_MIN_S
         while not ready():
             self._check()
-            if self._parent is not None and os.getppid() != self._parent:
+            if self._rank0 is not None and not process_alive(self._rank0):
                 raise ChannelClosedError("rank 0 exited")
             time.sleep(pause)
             pause = min(2 * pause, _SLEEP_MAX_S)

@@ -7,12 +7,15 @@ while its own thread waits on a GPU collective that will never complete.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -22,7 +25,7 @@ import torch.distributed as dist
 from model_service.distributed.group import init_rank, rank_device
 from model_service.distributed.link import CommandLink
 from model_service.distributed.rank import build_rank, serve_commands
-from model_service.distributed.shm_channel import ShmChannel, spin_for
+from model_service.distributed.shm_channel import ShmChannel, process_alive, spin_for
 from model_service.engine.batch_builder import BatchBuilder
 from model_service.engine.config import EngineConfig
 from model_service.models.loader import LoadedModel
@@ -39,6 +42,7 @@ class WorkerSpec:
     config: EngineConfig
     source: Callable[[], LoadedModel]  # loads the same full weights rank 0 has (picklable)
     channel: str  # rank 0's shared-memory command channel (shm_channel.py), mapped before the rendezvous
+    rank0_pid: int = dataclasses.field(default_factory=os.getpid)  # made by rank 0: its pid
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -48,6 +52,7 @@ def worker_main(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _exit_with_rank0(spec.rank0_pid)
     configure_process()  # a process of its own (spawned): rank 0's settings do not carry over
     device = rank_device(spec.config, spec.rank)
     channel = ShmChannel.attach(spec.channel, spec.world, spec.rank, spin_for(device.type))
@@ -63,6 +68,20 @@ def worker_main(spec: WorkerSpec) -> None:
         rank.executor.teardown()
         dist.destroy_process_group()
     sys.exit(code)
+
+
+def _exit_with_rank0(pid: int) -> None:
+    """End this worker as soon as rank 0 is gone, whatever it is doing. Ignoring SIGTERM, forked by
+    the fork server (which outlives rank 0, so no parent-death signal comes), a worker whose rank 0
+    was killed before the rendezvous waited there for its timeout: `spindle generate
+    --tensor-parallel-size 2` stopped by SIGTERM left it and the fork server running."""
+
+    def watch() -> None:
+        while process_alive(pid):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="spindle-tp-rank0-watch", daemon=True).start()
 
 
 class Workers:

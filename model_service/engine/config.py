@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from model_service.errors import SpindleError
+from model_service.errors import ConfigError
 from model_service.models.quantization import ONLINE_SCHEMES
+from spindle.peft import lora_specs
 
 # The default adapter memory holds this many adapters of --max-lora-rank on every projection
 # (the memory the 4 padded slots of the old default took); smaller adapters fit many more.
@@ -31,16 +32,6 @@ def _opt(default: Any, help: str, **meta: Any) -> Any:
     """A field with its flag's help; `meta` may hold group, choices, flag, type, metavar, action,
     to_field (flag value -> field value) and shown (the default as the help shows it)."""
     return field(default=default, metadata={"help": help, **meta})
-
-
-def _lora_modules(specs: list[str]) -> dict[str, str]:
-    modules = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise SpindleError(f"--lora takes NAME=DIR, got {spec!r}")
-        modules[name] = path
-    return modules
 
 
 @dataclass
@@ -125,7 +116,7 @@ class EngineConfig:
             "flag": "lora",
             "action": "append",
             "metavar": "NAME=DIR",
-            "to_field": _lora_modules,
+            "to_field": lora_specs,
         },
     )
     speculative_config: str | None = _opt(
@@ -184,25 +175,25 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be positive")
-        if self.async_scheduling not in ("auto", "on", "off"):
-            raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
-        if self.quantization not in (known := ["none", *ONLINE_SCHEMES]):
-            raise ValueError(f"quantization must be one of {known}, got {self.quantization!r}")
-        if min(self.adapter_starvation_s, self.adapter_drain_s, self.adapter_wait_timeout_s) < 0:
-            raise ValueError("the adapter_*_s waits must not be negative")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        check_ranges(self)
 
     def torch_device(self) -> torch.device:
+        """The device `--device` names, refused (ConfigError) when it is not a device torch knows
+        or not one this host has: torch's own errors were tracebacks (an AssertionError "Torch
+        not compiled with CUDA enabled", a RuntimeError listing 20 device types)."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ConfigError(f"--device must be cpu, cuda, cuda:N or auto, got {self.device!r}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {self.device}: this host has no CUDA device torch can use")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--device {self.device}: this host has {torch.cuda.device_count()} CUDA devices"
+            )
+        return device
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -218,6 +209,41 @@ class EngineConfig:
 
 
 _GROUPS = {"engine": "engine", "lora": "LoRA adapters"}
+# Each numeric setting's least value (a None optional one means "derive it": not checked). Zero
+# sizes and negative counts were taken as given and failed later as tracebacks (a negative
+# --num-kv-blocks), or silently meant "unset" (--num-kv-blocks 0 and --max-model-len 0).
+_LEAST = {
+    1: ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "num_kv_blocks",
+        "kv_cache_memory_bytes", "max_model_len", "max_lora_rank", "max_adapter_bytes"),
+    0: ("max_waiting_requests", "swap_space_bytes", "max_loras", "lora_memory_bytes", "max_cpu_loras",
+        "adapter_starvation_s", "adapter_drain_s", "adapter_wait_timeout_s"),
+}  # fmt: skip
+
+
+def flag_name(name: str) -> str:
+    """The command-line flag of EngineConfig field `name` (`swap_space_bytes` -> `--swap-space`)."""
+    meta = EngineConfig.__dataclass_fields__[name].metadata
+    return "--" + meta.get("flag", name.replace("_", "-"))
+
+
+def check_ranges(config: EngineConfig) -> None:
+    """Refuse a setting out of its range or choices, naming its flag (ConfigError): at start-up,
+    before a model loads, rather than as a traceback or a silently different setting later."""
+    for least, names in _LEAST.items():
+        for name in names:
+            value = getattr(config, name)
+            if value is not None and value < least:
+                unit = f" ({name})" if flag_name(name) != "--" + name.replace("_", "-") else ""
+                raise ConfigError(f"{flag_name(name)}{unit} must be at least {least}, got {value}")
+    if not 0 < config.gpu_memory_utilization <= 1:
+        raise ConfigError(
+            f"--gpu-memory-utilization is a fraction of the device's memory, in (0, 1]; got "
+            f"{config.gpu_memory_utilization}"
+        )
+    for f in dataclasses.fields(EngineConfig):
+        choices, value = f.metadata.get("choices"), getattr(config, f.name)
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{flag_name(f.name)} must be one of {choices}, got {value!r}")
 
 
 def _flag_type(f: dataclasses.Field[Any], hints: dict[str, Any]) -> Callable[[str], Any]:

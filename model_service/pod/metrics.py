@@ -14,12 +14,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from model_service.engine.engine import EngineStats
 from model_service.lora.pool import ACTIVE
+from spindle import serving
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class PodMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Expose /metrics over HTTP; returns the port."""
-        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = serving.serve_metrics(host, port, self.registry)
         return self._server.server_port
 
     def stop(self) -> None:

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -30,7 +29,8 @@ from model_service.engine.config import EngineConfig, add_engine_args, engine_co
 from model_service.pod.control import ModelControlService
 from model_service.pod.generation import GenerationService, PodStatusService
 from model_service.pod.state import ModelPod
-from spindle import serving, telemetry
+from spindle import flagtypes, serving, telemetry
+from spindle.errors import SpindleError
 from spindle.openai_api.server import OpenAIServer, add_http_args
 from spindle.security import PLAINTEXT, Security, add_security_args, security_from_args
 from spindle.v1 import generation_pb2_grpc, model_control_pb2_grpc, pod_status_pb2_grpc
@@ -52,16 +52,21 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to listen on [0.0.0.0]")
     g.add_argument(
-        "--port", type=int, default=50052, help="gRPC port for Generation (0 = any free port) [50052]"
+        "--port",
+        type=flagtypes.port,
+        default=50052,
+        help="gRPC port for Generation (0 = any free port) [50052]",
     )
     g.add_argument(
         "--control-port",
-        type=int,
+        type=flagtypes.port,
         default=50053,
         help="gRPC port for ModelControl: the adapter service and peer pods (0 = any free port) [50053]",
     )
     add_http_args(g)
-    g.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 = off [9090]")
+    g.add_argument(
+        "--metrics-port", type=flagtypes.port, default=9090, help="Prometheus /metrics port; 0 = off [9090]"
+    )
     g.add_argument(
         "--served-model-name",
         default=None,
@@ -69,13 +74,13 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--drain-timeout",
-        type=float,
+        type=flagtypes.seconds_or_none,
         default=30.0,
         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted [30]",
     )
     g.add_argument(
         "--engine-stall-timeout",
-        type=float,
+        type=flagtypes.seconds,
         default=120.0,
         help="seconds one engine step may run before load reports (GetLoad) answer UNAVAILABLE and the "
         "gateway ejects the pod as stuck; until then they answer with the last step's stats [120]",
@@ -87,7 +92,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--stream-interval",
-        type=_positive,
+        type=flagtypes.at_least(1),
         default=1,
         help="send a stream's tokens N at a time (the first token and the rest at the end at once): "
         "fewer messages for the pod, gateway and client, a burstier stream (vLLM's --stream-interval) [1]",
@@ -98,22 +103,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
-    return n
-
-
 def served_name(args: argparse.Namespace) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    from model_service.models.loader import ALIASES
-
-    if args.model in ALIASES:
-        return args.model
-    path = Path(args.model)
-    return path.stem if path.suffix == ".gguf" else path.name
+    return args.served_model_name or serving.served_model_name(args.model)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,14 +177,16 @@ async def start(
     await server.start()
     await control.start()
     if http_port:
-        servers.http = OpenAIServer(
-            generation, lambda: (pod.model_name,), lambda: pod.health.serving, tracer, tool_parser
-        )
-        servers.http_port = await servers.http.start(host, http_port, security.tls)
+        async with serving.stopped_on_failure(lambda: servers.stop(None)):
+            servers.http = OpenAIServer(
+                generation, lambda: (pod.model_name,), lambda: pod.health.serving, tracer, tool_parser
+            )
+            servers.http_port = await servers.http.start(host, http_port, security.tls)
     return servers
 
 
 async def serve(args: argparse.Namespace) -> int:
+    config = engine_config(args)  # a bad setting fails here, before any port is taken
     provider = telemetry.tracer_provider_from_env("spindle-model")
     pod = ModelPod(
         served_name(args),
@@ -213,11 +206,12 @@ async def serve(args: argparse.Namespace) -> int:
         args.http_port,
         args.tool_call_parser,
     )
-    await pod.health.serve_plaintext(args.host, args.health_port)
+    async with serving.stopped_on_failure(lambda: servers.stop(None), pod.health.stop):
+        await pod.health.serve_plaintext(args.host, args.health_port)
+        if args.metrics_port:
+            metrics_port = pod.metrics.serve(args.host, args.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", args.host, metrics_port)
     serving.on_shutdown_signal(pod.request_exit)
-    if args.metrics_port:
-        metrics_port = pod.metrics.serve(args.host, args.metrics_port)
-        log.info("metrics on http://%s:%d/metrics", args.host, metrics_port)
     log.info(
         "listening on %s:%d (control %d, HTTP %s); loading %s (NOT_SERVING until loaded and warmed)",
         args.host,
@@ -226,7 +220,6 @@ async def serve(args: argparse.Namespace) -> int:
         servers.http_port or "off",
         args.model,
     )
-    config = engine_config(args)
     loading = asyncio.create_task(pod.load(lambda: warmed_engine(config)))
     loading.add_done_callback(lambda t: _load_done(t, pod))
     await pod.exit_requested.wait()
@@ -245,7 +238,9 @@ def _load_done(task: asyncio.Task, pod: ModelPod) -> None:
         return
     e = task.exception()
     if e is not None:
-        log.error("could not load the model: %s", e, exc_info=e)
+        # A SpindleError (a path that does not exist, a checkpoint we refuse) says all there is
+        # to say; its traceback only buried that line. Anything else is a bug: keep the trace.
+        log.error("could not load the model: %s", e, exc_info=None if isinstance(e, SpindleError) else e)
         pod.request_exit("model load failed", code=1)
     else:
         log.info("SERVING")

@@ -23,6 +23,8 @@ import grpc
 from aiohttp import web
 from opentelemetry import propagate, trace
 
+from spindle import flagtypes
+from spindle.errors import ListenError
 from spindle.openai_api import responses
 from spindle.openai_api.context import HttpCallContext, Refused
 from spindle.openai_api.errors import ApiError, bad_request, from_status
@@ -47,7 +49,7 @@ def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
     SPINDLE_TOOL_CALL_PARSER) on the gateway and the model pod."""
     parser.add_argument(
         "--http-port",
-        type=int,
+        type=flagtypes.port,
         default=DEFAULT_PORT,
         help=f"OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions, /v1/models, "
         f"/health); 0 = off [{DEFAULT_PORT}]",
@@ -99,7 +101,7 @@ class OpenAIServer:
             await site.start()
         except OSError as e:
             await self._runner.cleanup()
-            raise OSError(
+            raise ListenError(
                 f"cannot listen for HTTP on {host}:{port}: {e.strerror} (is the port in use?)"
             ) from e
         return self._runner.addresses[0][1]

@@ -1,0 +1,49 @@
+"""Argument types for the services' numeric flags: a value out of range is argparse's usage error
+(exit 2, naming the flag, from the command line or its SPINDLE_ variable) rather than a value the
+service takes as given. `--port 70000` listened on port 4464 (gRPC keeps the low 16 bits), `--port
+-1` on 65535, and `--health-interval 0` polled every pod in a busy loop."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def port(value: str) -> int:
+    """A TCP port, 0 to 65535 (0: a free port, or off, as each flag says)."""
+    n = int(value)
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {n}")
+    return n
+
+
+def at_least(least: int) -> Callable[[str], int]:
+    """An integer of at least `least` (a count: attempts, replicas, failures in a row)."""
+
+    def convert(value: str) -> int:
+        n = int(value)
+        if n < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {n}")
+        return n
+
+    convert.__name__ = "int"  # argparse's "invalid int value: 'x'" for what is not a number
+    return convert
+
+
+def seconds(value: str) -> float:
+    """A duration that must pass: more than 0 seconds (an interval, a timeout)."""
+    s = float(value)
+    if not s > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {value}")
+    return s
+
+
+def seconds_or_none(value: str) -> float:
+    """A duration that may be 0 (a drain that waits for nothing), not negative."""
+    s = float(value)
+    if not s >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 seconds or more, got {value}")
+    return s
+
+
+seconds.__name__ = seconds_or_none.__name__ = "float"
