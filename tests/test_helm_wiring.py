@@ -200,6 +200,8 @@ def test_the_model_pod_uses_every_gpu_it_requests(variant, gpus, monkeypatch):
         ({"model": {"config": {"engine-stall-timeout": 600}}}, "model", {"engine_stall_timeout": 600}),
         ({"model": {"config": {"enable-expert-parallel": True}}}, "model", {"enable_expert_parallel": True}),
         ({"gateway": {"config": {"placement-timeout": 120}}}, "gateway", {"placement_timeout": 120}),
+        ({"gateway": {"config": {"tool-call-parser": "hermes"}}}, "gateway", {"tool_call_parser": "hermes"}),
+        ({"model": {"config": {"tool-call-parser": "hermes"}}}, "model", {"tool_call_parser": "hermes"}),
         # What the pods accept, the adapter service accepts at upload (unless told otherwise).
         (
             {"model": {"config": {"max-lora-rank": 128, "max-adapter-bytes": 4294967296}}},
