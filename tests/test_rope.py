@@ -293,6 +293,17 @@ def test_cos_sin_and_rotation_match_hf(name: str):
     )
 
 
+def test_a_context_past_max_positions_is_served_with_a_warning(caplog: pytest.LogCaptureFixture):
+    """Static RoPE past max_position_embeddings runs as HF would, but the operator is told: the
+    checkpoint never saw those positions (vLLM refuses it without an opt-in)."""
+    cfg = ModelConfig.from_hf(raw_config(64, 4096))
+    with caplog.at_level("WARNING", logger="model_service.models.config"):
+        assert cfg.context_length(4096) == 4096
+        assert not caplog.records
+        assert cfg.context_length(8192) == 8192
+    assert "max_position_embeddings 4096" in caplog.text
+
+
 def test_dynamic_ntk_runs_hf_frequencies_up_to_max_positions_and_no_further():
     """HF's dynamic NTK keeps the default frequencies while a sequence is within
     max_position_embeddings and past it rescales them by the sequence's current length (path

@@ -8,6 +8,7 @@ HF `config.json` files spell the same thing several ways across transformers ver
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -23,6 +24,8 @@ from spindle.architectures import (
     with_hf_defaults,
 )
 from spindle.architectures import family as hf_family
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Every MLP (and Qwen3-Next's conv) computes SiLU; HF's ACT2FN also spells it "swish".
@@ -181,7 +184,9 @@ class ModelConfig:
         """The context the engine runs: `asked` (--max-model-len) or max_position_embeddings. Past
         max_position_embeddings, HF's dynamic NTK rescales every frequency by the sequence's current
         length, which keys already rotated into a paged cache cannot follow: refused, not served
-        with other numbers than HF's. Static scalings run past it as HF runs them."""
+        with other numbers than HF's. Static scalings run past it as HF runs them, with a warning
+        (vLLM refuses it without an opt-in): positions the checkpoint never saw, unless its
+        scaling (YaRN, llama3) was made to reach them."""
         limit = self.max_position_embeddings
         if asked and asked > limit and self.rope_scaling.get("rope_type") == "dynamic":
             raise ModelLoadError(
@@ -189,6 +194,12 @@ class ModelConfig:
                 "RoPE rescales its frequencies by each sequence's length; a paged K/V cache cannot "
                 f"reproduce that, so this checkpoint's context is at most {limit} tokens"
             )
+        if asked and asked > limit:
+            log.warning(
+                "--max-model-len %d is past the checkpoint's max_position_embeddings %d (RoPE %s): "
+                "outputs past %d tokens may degrade unless the model was trained or scaled for them",
+                asked, limit, self.rope_scaling.get("rope_type", "default"), limit,
+            )  # fmt: skip
         return asked or limit
 
     @property
