@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -402,3 +405,54 @@ def test_the_pod_refuses_bad_structured_output_and_serves_good(smollm2):
             assert text in CHOICES and msgs[-1].final.finish_reason == pb.FINISH_REASON_STOP
 
     asyncio.run(run())
+
+
+# A child process: a grammar that overflows a thread's stack kills its process (SIGSEGV), which
+# must be the child's, not the test run's. It reads a chain of 8,000 Lark rules (each names the
+# next: 80 KB), compiles it on the grammar worker (over a byte vocabulary), then reads a chain too
+# long to serve.
+DEEP_GRAMMARS = """
+import llguidance
+from model_service.engine import grammar
+from model_service.engine.structured_output import StructuredOutput
+from model_service.errors import InvalidRequestError
+
+def chain(n):
+    return "start: r0\\n" + "".join(f"r{i}: r{i + 1}\\n" for i in range(n)) + f'r{n}: "y"\\n'
+
+class Bytes:
+    eos_token_id, bos_token_id, tokens = 256, None, [bytes([i]) for i in range(256)] + [b"<eos>"]
+    def __call__(self, text):
+        return list(text)
+
+deep = StructuredOutput.from_dict({"grammar": chain(8000)})
+print("read", flush=True)
+vocab = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))
+grammar._llg_tokenizer = lambda *_: vocab
+compiler = grammar.GrammarCompiler(None, 257, [256])
+constraint = compiler.constraint(deep)
+constraint.compiled.result()  # raises if it did not compile
+compiler.poll(constraint, [])
+print("compiled", constraint.valid_prefix(list(b"y")), flush=True)
+try:
+    StructuredOutput.from_dict({"grammar": chain(40000)})
+except InvalidRequestError as e:
+    print("refused", e)
+"""
+
+
+def test_deep_grammars_are_read_and_compiled_and_too_long_ones_refused():
+    """llguidance compiles rule references by recursion, 3-10 KB of native stack a level: an
+    8,000-rule chain overflowed the 8 MB stack of the thread that read it (the pod's event loop)
+    and of the compile worker. Read and compiled now on threads with a stack for any grammar up to
+    MAX_GRAMMAR_CHARS; a longer one is refused before llguidance sees it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.run(
+        [sys.executable, "-c", DEEP_GRAMMARS], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, (child.returncode, child.stdout, child.stderr[-3000:])
+    lines = child.stdout.splitlines()
+    assert lines[:2] == ["read", "compiled 1"]
+    assert lines[2] == (
+        "refused structured_output.grammar is 577,806 characters long; at most 262,144 are served"
+    )

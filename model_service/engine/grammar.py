@@ -25,7 +25,7 @@ import collections
 import functools
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import llguidance
 import llguidance.hf
@@ -36,7 +36,7 @@ import llguidance.numpy
 import torch
 
 from model_service.engine.sampler import AllowedTokens
-from model_service.engine.structured_output import StructuredOutput
+from model_service.engine.structured_output import StructuredOutput, grammar_thread
 from model_service.errors import InvalidRequestError
 from model_service.models.tokenizer import Tokenizer
 
@@ -113,7 +113,7 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         self._cache: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
         self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="spindle-grammar")
+        self._worker = grammar_thread("spindle-grammar")  # a stack for the deepest grammar served
         self._executor: llguidance.LLExecutor | None = None
 
     def constraint(self, structured: StructuredOutput) -> Constraint:
