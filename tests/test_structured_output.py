@@ -295,6 +295,20 @@ def test_a_complete_output_may_end_with_any_of_the_engines_eos_tokens(smollm2):
     assert _allowed(compiler.allowed_tokens([constraint]).bits[0]) == {0, 2}
 
 
+def test_a_choice_of_thousands_of_options_is_served(engine):
+    """A choice was a grammar rule with an alternative per option: from 2,000 options on,
+    llguidance's parser failed at the first mask ("Current row has 2001 items; max is 2000"), and
+    every such request ended "error". The options are one lexeme now, any number of them."""
+    options = [f"{i:04d}-{'cat' if i % 2 else 'dog'}é\n" for i in range(3000)]
+    constraint = engine.grammars.constraint(StructuredOutput.from_dict({"choice": options}))
+    constraint.compiled.result()
+    assert engine.grammars.poll(constraint, [])
+    for token in engine.tokenizer.hf.encode(options[1234], add_special_tokens=False):
+        assert token in _allowed(engine.grammars.allowed_tokens([constraint]).bits[0])
+        constraint.accept(token)
+    assert constraint.done
+
+
 def _allowed(bits: torch.Tensor) -> set[int]:
     return {32 * w + b for w, word in enumerate(bits.tolist()) for b in range(32) if (word >> b) & 1}
 
