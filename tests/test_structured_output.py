@@ -207,6 +207,27 @@ def test_a_request_waits_for_its_grammar_and_the_others_do_not(engine):
     assert len(final[runs].token_ids) == 3
 
 
+def test_compiles_no_request_waits_for_are_dropped(engine):
+    """Requests cancelled while their grammars wait to compile: each compile still ran (a queue
+    of them delays every later request's grammar), and the compiler kept each one's matcher for
+    good, outside its bounded cache. Now one not started is cancelled, one done is cached."""
+    gate = threading.Event()
+    engine.grammars._worker.submit(gate.wait)  # the compile worker is busy until the gate opens
+    try:
+        params = [
+            SamplingParams(structured_output=StructuredOutput("regex", rx)) for rx in ("[0-9]{7}", "x{7}")
+        ]
+        gone = [engine.add_request(prompt="Hello", params=p) for p in params]
+        compiles = [engine.requests[rid].sampling.constraint.compiled for rid in gone]
+        for rid in gone:
+            engine.abort(rid)
+        engine.run_to_completion()
+    finally:
+        gate.set()
+    assert all(c.cancelled() for c in compiles) and not engine.grammars._compiling
+    assert_all_blocks_free(engine)
+
+
 LOOP = {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}}  # a value no output can be
 
 

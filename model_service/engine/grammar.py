@@ -137,12 +137,28 @@ class GrammarCompiler:
             return True
         if not constraint.compiled.done():
             return False
-        if self._compiling.pop(constraint.grammar, None) is not None and not constraint.compiled.exception():
+        if self._compiling.pop(constraint.grammar, None) is not None:
+            self._remember(constraint)
+        constraint.start(constraint.compiled.result(), output_ids)  # raises the compile's error
+        return True
+
+    def release(self, constraint: Constraint) -> None:
+        """Forget the compile of a grammar no waiting request needs any more (they ended while it
+        compiled): cancelled if it has not started, cached if it has compiled; a running one
+        finishes unread. Kept here, each would have been held for good, outside the bounded
+        cache, and each would have run, delaying the compiles queued behind it."""
+        if self._compiling.get(constraint.grammar) is not constraint.compiled:
+            return
+        del self._compiling[constraint.grammar]
+        if not constraint.compiled.cancel() and constraint.compiled.done():
+            self._remember(constraint)
+
+    def _remember(self, constraint: Constraint) -> None:
+        """Cache a finished compile's matcher (LRU), unless the compile failed."""
+        if constraint.compiled.exception() is None:
             self._cache[constraint.grammar] = constraint.compiled.result()
             if len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        constraint.start(constraint.compiled.result(), output_ids)  # raises the compile's error
-        return True
 
     def allowed_tokens(self, constraints: list[Constraint | None]) -> AllowedTokens | None:
         """The next-token bitmask of every constrained row of a step (rows are the list's
