@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import re
 import subprocess
 import sys
 import threading
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -28,6 +31,7 @@ from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import Status
 from model_service.engine.structured_output import StructuredOutput
 from model_service.errors import InvalidRequestError
+from model_service.pod.generation import GenerationService
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc
 from tests.conftest import ROOT, assert_all_blocks_free, make_engine
@@ -404,6 +408,38 @@ def test_gbnf_grammars_are_converted():
 def test_beams_are_refused():
     with pytest.raises(InvalidRequestError, match="num_beams"):
         SamplingParams.from_dict({"num_beams": 2, "structured_output": {"choice": ["a"]}})
+
+
+def test_a_large_schema_is_read_off_the_pods_event_loop():
+    """llguidance takes up to seconds to check a large schema (many optional properties); read on
+    the pod's event loop, every stream, health check and load report of the pod waited for it."""
+    properties = {f"p{i}": {"type": "integer"} for i in range(3000)}
+    schema = json.dumps({"type": "object", "properties": properties}, separators=(",", ":"))
+    so = pb.StructuredOutput(json_schema=schema)
+    request = pb.GenerateRequest(text="Hi", sampling=pb.SamplingParams(structured_output=so))
+    pod = SimpleNamespace(lost=None, draining=False, ready=True, inflight={})
+    context = SimpleNamespace(time_remaining=lambda: None)
+
+    async def run() -> tuple[float, float]:
+        ticks: list[float] = []
+
+        async def tick() -> None:
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.002)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.01)
+        start = time.monotonic()
+        _, kwargs = await GenerationService(pod, tracer=None)._admissible(request, context)
+        took = time.monotonic() - start
+        await asyncio.sleep(0.01)  # the ticker's tick after the call
+        ticker.cancel()
+        assert kwargs["params"].structured_output.kind == "json_schema"
+        return took, max(b - a for a, b in itertools.pairwise(ticks))
+
+    took, longest_stall = asyncio.run(run())
+    assert longest_stall < took / 4, (took, longest_stall)
 
 
 def test_the_pod_refuses_bad_structured_output_and_serves_good(smollm2):
