@@ -309,6 +309,25 @@ def test_drafts_are_cut_and_verify_masks_roll_back(engine, smollm2):
     assert torch.equal(compiler.allowed_tokens([constraint]).bits, before)  # rolled back
 
 
+@pytest.mark.parametrize("attribute", ["max_tokens=3", 'stop="zz"'])
+def test_drafts_are_checked_under_rules_llguidance_cannot_roll_back(engine, attribute):
+    """A Lark rule with `max_tokens=` or `stop=`: llguidance cannot roll its matcher back over
+    it, and the failed rollback after the verify masks left the matcher in error, so under
+    speculation such a request ended "error" (INTERNAL) at its first draft; nor does its
+    `validate_tokens` count `max_tokens=` past the first token, so drafts past it were kept."""
+    grammar = StructuredOutput("grammar", f'start: word "!"\nword[{attribute}]: /[a-z ]+/')
+    constraint = engine.grammars.constraint(grammar)
+    constraint.compiled.result()
+    assert engine.grammars.poll(constraint, [])
+    words = engine.tokenizer.hf.encode(" the cat sat on", add_special_tokens=False)
+    assert constraint.valid_prefix(words) == (3 if attribute == "max_tokens=3" else 4)
+    bits = constraint.verify_bitmask(words[:2], engine.vocab_size)
+    for token, mask in zip(words[:2], bits, strict=False):
+        assert token in _allowed(mask)
+        constraint.accept(token)  # the matcher is where it was before the drafts
+    assert torch.equal(bits[2], engine.grammars.allowed_tokens([constraint]).bits[0])
+
+
 def test_a_complete_output_may_end_with_any_of_the_engines_eos_tokens(smollm2):
     """The mask allows every token the engine stops on, not only the tokenizer's `eos_token`
     (Gemma's chat turns end with `<end_of_turn>`, its tokenizer's EOS is `<eos>`): here SmolLM2

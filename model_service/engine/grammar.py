@@ -16,7 +16,7 @@ device), the sampler sets the forbidden logits to -inf on the device, and every 
 advances its sequence's matcher (`Constraint.accept`). A matcher that can take nothing but EOS
 ends its request ("stop"). With speculative decoding, proposals are cut at the first token the
 grammar refuses before they are verified, and each verify row's k + 1 masks are computed by
-advancing the matcher over the proposals and rolling it back (`verify_bitmask`).
+advancing a copy of the matcher over the proposals (`verify_bitmask`).
 """
 
 from __future__ import annotations
@@ -85,20 +85,25 @@ class Constraint:
         return self.matcher is not None and self.matcher.is_stopped()
 
     def valid_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens` the grammar accepts from here, in order (the matcher is unchanged)."""
+        """How many of `tokens` the grammar accepts from here, in order (the matcher is unchanged):
+        consumed by a copy, as llguidance's `validate_tokens` does not count a rule's
+        `max_tokens=` past its first token."""
         assert self.matcher is not None
-        return self.matcher.validate_tokens(tokens)
+        return self.matcher.deep_copy().try_consume_tokens(tokens)
 
     def verify_bitmask(self, proposals: list[int], vocab_size: int) -> torch.Tensor:
-        """[k + 1, words]: the mask before each proposal and after the last, computed by advancing
-        the matcher over the proposals (all valid: `valid_prefix` cut them) and rolling it back."""
+        """[k + 1, words]: the mask before each proposal and after the last, computed by a copy
+        of the matcher advanced over the proposals (all valid: `valid_prefix` cut them). A copy
+        (a few µs), not an advance and a rollback: llguidance cannot roll back over a rule with
+        `max_tokens=` or `stop=`, and the failed rollback left the matcher in error."""
         assert self.matcher is not None
+        ahead = Constraint(self.grammar, self.compiled)
+        ahead.matcher = self.matcher.deep_copy()
         bits = torch.empty((len(proposals) + 1, _words(vocab_size)), dtype=torch.int32)
         for i in range(len(proposals) + 1):
-            llguidance.numpy.fill_next_token_bitmask(self.matcher, bits.numpy(), i)
+            llguidance.numpy.fill_next_token_bitmask(ahead.matcher, bits.numpy(), i)
             if i < len(proposals):
-                self.accept(proposals[i])
-        self.matcher.rollback(len(proposals))
+                ahead.accept(proposals[i])
         return bits
 
 
