@@ -392,6 +392,7 @@ def test_allowed_tokens_match_a_torch_reference():
         ({"json_schema": "{not json"}, "not valid JSON"),
         ({"regex": "a(b"}, "unclosed group"),
         ({"grammar": "start: missing"}, 'unknown name: "missing"'),
+        ({"grammar": "start: w\nw[max_tokens=5, temperature=0.2]: /x+/"}, "temperature= is not supported"),
         ({"choice": []}, "non-empty list"),
         ({"json_object": False}, "must be true"),
         ({"regex": "a", "choice": ["a"]}, "exactly one of"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +42,10 @@ _JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator":
 MAX_GRAMMAR_CHARS = 256 * 1024
 GRAMMAR_STACK_BYTES = 256 << 20
 _stack_size_lock = threading.Lock()
+# A Lark rule's `temperature=` (`name[temperature=0.7]: ...`): llguidance's matcher reads it but
+# leaves it to a sampler to apply, and this engine's sampler does not, so it is refused, not
+# ignored (its `max_tokens=`, `stop=`, `suffix=` and `lazy` the matcher enforces).
+_RULE_TEMPERATURE = re.compile(r"^\s*[?!]?\w+\s*\[[^\]\n]*\btemperature\s*=", re.MULTILINE)
 
 
 def grammar_thread(name: str) -> ThreadPoolExecutor:
@@ -133,6 +138,11 @@ class StructuredOutput:
             lark = any_to_lark(spec)  # GBNF is converted; Lark passes through unchanged
         except Exception as e:  # the converter raises GbnfToLarkError, bare Exception, RecursionError
             raise InvalidRequestError(f"structured_output.grammar: not Lark or GBNF: {e}") from e
+        if _RULE_TEMPERATURE.search(lark):
+            raise InvalidRequestError(
+                "structured_output.grammar: a rule's temperature= is not supported (the request's "
+                "temperature applies to its whole output)"
+            )
         return matcher.grammar_from_lark(lark)
 
     def to_dict(self) -> dict[str, Any]:
