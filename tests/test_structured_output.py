@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import os
 import re
@@ -440,7 +439,7 @@ def test_a_large_schema_is_read_off_the_pods_event_loop():
     pod = SimpleNamespace(lost=None, draining=False, ready=True, inflight={})
     context = SimpleNamespace(time_remaining=lambda: None)
 
-    async def run() -> tuple[float, float]:
+    async def run() -> list[float]:
         ticks: list[float] = []
 
         async def tick() -> None:
@@ -452,14 +451,12 @@ def test_a_large_schema_is_read_off_the_pods_event_loop():
         await asyncio.sleep(0.01)
         start = time.monotonic()
         _, kwargs = await GenerationService(pod, tracer=None)._admissible(request, context)
-        took = time.monotonic() - start
-        await asyncio.sleep(0.01)  # the ticker's tick after the call
+        end = time.monotonic()
         ticker.cancel()
         assert kwargs["params"].structured_output.kind == "json_schema"
-        return took, max(b - a for a, b in itertools.pairwise(ticks))
+        return [t for t in ticks if start < t < end]
 
-    took, longest_stall = asyncio.run(run())
-    assert longest_stall < took / 4, (took, longest_stall)
+    assert len(asyncio.run(run())) >= 3  # the loop ran while the schema was read (none: it waited)
 
 
 def test_the_pod_refuses_bad_structured_output_and_serves_good(smollm2):
