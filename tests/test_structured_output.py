@@ -7,8 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
+import subprocess
+import sys
 import threading
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -26,6 +31,7 @@ from model_service.engine.sequence import Sequence, Status
 from model_service.engine.speculation import Proposal, Speculation, SpeculativeConfig
 from model_service.engine.structured_output import StructuredOutput
 from model_service.errors import InvalidRequestError
+from model_service.pod.generation import GenerationService
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc
 from tests.conftest import ROOT, assert_all_blocks_free, make_engine
@@ -205,6 +211,27 @@ def test_a_request_waits_for_its_grammar_and_the_others_do_not(engine):
     assert len(final[runs].token_ids) == 3
 
 
+def test_compiles_no_request_waits_for_are_dropped(engine):
+    """Requests cancelled while their grammars wait to compile: each compile still ran (a queue
+    of them delays every later request's grammar), and the compiler kept each one's matcher for
+    good, outside its bounded cache. Now one not started is cancelled, one done is cached."""
+    gate = threading.Event()
+    engine.grammars._worker.submit(gate.wait)  # the compile worker is busy until the gate opens
+    try:
+        params = [
+            SamplingParams(structured_output=StructuredOutput("regex", rx)) for rx in ("[0-9]{7}", "x{7}")
+        ]
+        gone = [engine.add_request(prompt="Hello", params=p) for p in params]
+        compiles = [engine.requests[rid].sampling.constraint.compiled for rid in gone]
+        for rid in gone:
+            engine.abort(rid)
+        engine.run_to_completion()
+    finally:
+        gate.set()
+    assert all(c.cancelled() for c in compiles) and not engine.grammars._compiling
+    assert_all_blocks_free(engine)
+
+
 LOOP = {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}}  # a value no output can be
 
 
@@ -327,6 +354,25 @@ def test_a_sampled_drafts_q_is_weighed_under_the_grammar(smollm2):
     assert abs(second.count(yes) / trials - 0.5) < 4 * (0.25 / trials) ** 0.5
 
 
+@pytest.mark.parametrize("attribute", ["max_tokens=3", 'stop="zz"'])
+def test_drafts_are_checked_under_rules_llguidance_cannot_roll_back(engine, attribute):
+    """A Lark rule with `max_tokens=` or `stop=`: llguidance cannot roll its matcher back over
+    it, and the failed rollback after the verify masks left the matcher in error, so under
+    speculation such a request ended "error" (INTERNAL) at its first draft; nor does its
+    `validate_tokens` count `max_tokens=` past the first token, so drafts past it were kept."""
+    grammar = StructuredOutput("grammar", f'start: word "!"\nword[{attribute}]: /[a-z ]+/')
+    constraint = engine.grammars.constraint(grammar)
+    constraint.compiled.result()
+    assert engine.grammars.poll(constraint, [])
+    words = engine.tokenizer.hf.encode(" the cat sat on", add_special_tokens=False)
+    assert constraint.valid_prefix(words) == (3 if attribute == "max_tokens=3" else 4)
+    bits = constraint.verify_bitmask(words[:2], engine.vocab_size)
+    for token, mask in zip(words[:2], bits, strict=False):
+        assert token in _allowed(mask)
+        constraint.accept(token)  # the matcher is where it was before the drafts
+    assert torch.equal(bits[2], engine.grammars.allowed_tokens([constraint]).bits[0])
+
+
 def test_a_complete_output_may_end_with_any_of_the_engines_eos_tokens(smollm2):
     """The mask allows every token the engine stops on, not only the tokenizer's `eos_token`
     (Gemma's chat turns end with `<end_of_turn>`, its tokenizer's EOS is `<eos>`): here SmolLM2
@@ -336,6 +382,20 @@ def test_a_complete_output_may_end_with_any_of_the_engines_eos_tokens(smollm2):
     constraint.compiled.result()
     assert compiler.poll(constraint, smollm2.tokenizer.encode("yes")[-1:])
     assert _allowed(compiler.allowed_tokens([constraint]).bits[0]) == {0, 2}
+
+
+def test_a_choice_of_thousands_of_options_is_served(engine):
+    """A choice was a grammar rule with an alternative per option: from 2,000 options on,
+    llguidance's parser failed at the first mask ("Current row has 2001 items; max is 2000"), and
+    every such request ended "error". The options are one lexeme now, any number of them."""
+    options = [f"{i:04d}-{'cat' if i % 2 else 'dog'}é\n" for i in range(3000)]
+    constraint = engine.grammars.constraint(StructuredOutput.from_dict({"choice": options}))
+    constraint.compiled.result()
+    assert engine.grammars.poll(constraint, [])
+    for token in engine.tokenizer.hf.encode(options[1234], add_special_tokens=False):
+        assert token in _allowed(engine.grammars.allowed_tokens([constraint]).bits[0])
+        constraint.accept(token)
+    assert constraint.done
 
 
 def _allowed(bits: torch.Tensor) -> set[int]:
@@ -377,6 +437,7 @@ def test_allowed_tokens_match_a_torch_reference():
         ({"json_schema": "{not json"}, "not valid JSON"),
         ({"regex": "a(b"}, "unclosed group"),
         ({"grammar": "start: missing"}, 'unknown name: "missing"'),
+        ({"grammar": "start: w\nw[max_tokens=5, temperature=0.2]: /x+/"}, "temperature= is not supported"),
         ({"choice": []}, "non-empty list"),
         ({"json_object": False}, "must be true"),
         ({"regex": "a", "choice": ["a"]}, "exactly one of"),
@@ -414,6 +475,36 @@ def test_beams_are_refused():
         SamplingParams.from_dict({"num_beams": 2, "structured_output": {"choice": ["a"]}})
 
 
+def test_a_large_schema_is_read_off_the_pods_event_loop():
+    """llguidance takes up to seconds to check a large schema (many optional properties); read on
+    the pod's event loop, every stream, health check and load report of the pod waited for it."""
+    properties = {f"p{i}": {"type": "integer"} for i in range(3000)}
+    schema = json.dumps({"type": "object", "properties": properties}, separators=(",", ":"))
+    so = pb.StructuredOutput(json_schema=schema)
+    request = pb.GenerateRequest(text="Hi", sampling=pb.SamplingParams(structured_output=so))
+    pod = SimpleNamespace(lost=None, draining=False, ready=True, inflight={})
+    context = SimpleNamespace(time_remaining=lambda: None)
+
+    async def run() -> list[float]:
+        ticks: list[float] = []
+
+        async def tick() -> None:
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.002)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.01)
+        start = time.monotonic()
+        _, kwargs = await GenerationService(pod, tracer=None)._admissible(request, context)
+        end = time.monotonic()
+        ticker.cancel()
+        assert kwargs["params"].structured_output.kind == "json_schema"
+        return [t for t in ticks if start < t < end]
+
+    assert len(asyncio.run(run())) >= 3  # the loop ran while the schema was read (none: it waited)
+
+
 def test_the_pod_refuses_bad_structured_output_and_serves_good(smollm2):
     async def run() -> None:
         async with (
@@ -448,3 +539,54 @@ def test_the_pod_refuses_bad_structured_output_and_serves_good(smollm2):
             assert text in CHOICES and msgs[-1].final.finish_reason == pb.FINISH_REASON_STOP
 
     asyncio.run(run())
+
+
+# A child process: a grammar that overflows a thread's stack kills its process (SIGSEGV), which
+# must be the child's, not the test run's. It reads a chain of 8,000 Lark rules (each names the
+# next: 80 KB), compiles it on the grammar worker (over a byte vocabulary), then reads a chain too
+# long to serve.
+DEEP_GRAMMARS = """
+import llguidance
+from model_service.engine import grammar
+from model_service.engine.structured_output import StructuredOutput
+from model_service.errors import InvalidRequestError
+
+def chain(n):
+    return "start: r0\\n" + "".join(f"r{i}: r{i + 1}\\n" for i in range(n)) + f'r{n}: "y"\\n'
+
+class Bytes:
+    eos_token_id, bos_token_id, tokens = 256, None, [bytes([i]) for i in range(256)] + [b"<eos>"]
+    def __call__(self, text):
+        return list(text)
+
+deep = StructuredOutput.from_dict({"grammar": chain(8000)})
+print("read", flush=True)
+vocab = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))
+grammar._llg_tokenizer = lambda *_: vocab
+compiler = grammar.GrammarCompiler(None, 257, [256])
+constraint = compiler.constraint(deep)
+constraint.compiled.result()  # raises if it did not compile
+compiler.poll(constraint, [])
+print("compiled", constraint.valid_prefix(list(b"y")), flush=True)
+try:
+    StructuredOutput.from_dict({"grammar": chain(40000)})
+except InvalidRequestError as e:
+    print("refused", e)
+"""
+
+
+def test_deep_grammars_are_read_and_compiled_and_too_long_ones_refused():
+    """llguidance compiles rule references by recursion, 3-10 KB of native stack a level: an
+    8,000-rule chain overflowed the 8 MB stack of the thread that read it (the pod's event loop)
+    and of the compile worker. Read and compiled now on threads with a stack for any grammar up to
+    MAX_GRAMMAR_CHARS; a longer one is refused before llguidance sees it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.run(
+        [sys.executable, "-c", DEEP_GRAMMARS], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, (child.returncode, child.stdout, child.stderr[-3000:])
+    lines = child.stdout.splitlines()
+    assert lines[:2] == ["read", "compiled 1"]
+    assert lines[2] == (
+        "refused structured_output.grammar is 577,806 characters long; at most 262,144 are served"
+    )

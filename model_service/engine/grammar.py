@@ -16,7 +16,7 @@ device), the sampler sets the forbidden logits to -inf on the device, and every 
 advances its sequence's matcher (`Constraint.accept`). A matcher that can take nothing but EOS
 ends its request ("stop"). With speculative decoding, proposals are cut at the first token the
 grammar refuses before they are verified, and each verify row's k + 1 masks are computed by
-advancing the matcher over the proposals and rolling it back (`verify_bitmask`).
+advancing a copy of the matcher over the proposals (`verify_bitmask`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import collections
 import functools
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import llguidance
 import llguidance.hf
@@ -36,7 +36,7 @@ import llguidance.numpy
 import torch
 
 from model_service.engine.sampler import AllowedTokens
-from model_service.engine.structured_output import StructuredOutput
+from model_service.engine.structured_output import StructuredOutput, grammar_thread
 from model_service.errors import InvalidRequestError
 from model_service.models.tokenizer import Tokenizer
 
@@ -85,20 +85,25 @@ class Constraint:
         return self.matcher is not None and self.matcher.is_stopped()
 
     def valid_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens` the grammar accepts from here, in order (the matcher is unchanged)."""
+        """How many of `tokens` the grammar accepts from here, in order (the matcher is unchanged):
+        consumed by a copy, as llguidance's `validate_tokens` does not count a rule's
+        `max_tokens=` past its first token."""
         assert self.matcher is not None
-        return self.matcher.validate_tokens(tokens)
+        return self.matcher.deep_copy().try_consume_tokens(tokens)
 
     def verify_bitmask(self, proposals: list[int], vocab_size: int) -> torch.Tensor:
-        """[k + 1, words]: the mask before each proposal and after the last, computed by advancing
-        the matcher over the proposals (all valid: `valid_prefix` cut them) and rolling it back."""
+        """[k + 1, words]: the mask before each proposal and after the last, computed by a copy
+        of the matcher advanced over the proposals (all valid: `valid_prefix` cut them). A copy
+        (a few µs), not an advance and a rollback: llguidance cannot roll back over a rule with
+        `max_tokens=` or `stop=`, and the failed rollback left the matcher in error."""
         assert self.matcher is not None
+        ahead = Constraint(self.grammar, self.compiled)
+        ahead.matcher = self.matcher.deep_copy()
         bits = torch.empty((len(proposals) + 1, _words(vocab_size)), dtype=torch.int32)
         for i in range(len(proposals) + 1):
-            llguidance.numpy.fill_next_token_bitmask(self.matcher, bits.numpy(), i)
+            llguidance.numpy.fill_next_token_bitmask(ahead.matcher, bits.numpy(), i)
             if i < len(proposals):
-                self.accept(proposals[i])
-        self.matcher.rollback(len(proposals))
+                ahead.accept(proposals[i])
         return bits
 
 
@@ -113,7 +118,7 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         self._cache: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
         self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="spindle-grammar")
+        self._worker = grammar_thread("spindle-grammar")  # a stack for the deepest grammar served
         self._executor: llguidance.LLExecutor | None = None
 
     def constraint(self, structured: StructuredOutput) -> Constraint:
@@ -137,12 +142,28 @@ class GrammarCompiler:
             return True
         if not constraint.compiled.done():
             return False
-        if self._compiling.pop(constraint.grammar, None) is not None and not constraint.compiled.exception():
+        if self._compiling.pop(constraint.grammar, None) is not None:
+            self._remember(constraint)
+        constraint.start(constraint.compiled.result(), output_ids)  # raises the compile's error
+        return True
+
+    def release(self, constraint: Constraint) -> None:
+        """Forget the compile of a grammar no waiting request needs any more (they ended while it
+        compiled): cancelled if it has not started, cached if it has compiled; a running one
+        finishes unread. Kept here, each would have been held for good, outside the bounded
+        cache, and each would have run, delaying the compiles queued behind it."""
+        if self._compiling.get(constraint.grammar) is not constraint.compiled:
+            return
+        del self._compiling[constraint.grammar]
+        if not constraint.compiled.cancel() and constraint.compiled.done():
+            self._remember(constraint)
+
+    def _remember(self, constraint: Constraint) -> None:
+        """Cache a finished compile's matcher (LRU), unless the compile failed."""
+        if constraint.compiled.exception() is None:
             self._cache[constraint.grammar] = constraint.compiled.result()
             if len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        constraint.start(constraint.compiled.result(), output_ids)  # raises the compile's error
-        return True
 
     def allowed_tokens(self, constraints: list[Constraint | None]) -> AllowedTokens | None:
         """The next-token bitmask of every constrained row of a step (rows are the list's

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from model_service.engine.grammar import GrammarCompiler, GrammarError
+from model_service.engine.grammar import Constraint, GrammarCompiler, GrammarError
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import Sequence
 from model_service.errors import CapacityError, InvalidRequestError
@@ -177,10 +177,11 @@ class GrammarWait:
         if not self.waiting:
             return []
         assert self.compiler is not None
-        ended, waiting = [], []
+        ended, waiting, gone = [], [], []
         for seq in self.waiting:
             constraint = seq.sampling.constraint
             if seq.finished or constraint is None:
+                gone.append(constraint)
                 continue
             try:
                 if not self.compiler.poll(constraint, seq.output_ids):
@@ -192,7 +193,17 @@ class GrammarWait:
             except GrammarError as e:
                 ended.append((seq, "error", str(e)))
         self.waiting = waiting
+        self._release(gone)
         return ended
+
+    def _release(self, gone: list[Constraint | None]) -> None:
+        """The compiles of requests that ended while they waited (aborted, cancelled), where no
+        waiting request shares them: not run, or not kept (`GrammarCompiler.release`)."""
+        assert self.compiler is not None
+        wanted = {s.sampling.constraint.grammar for s in self.waiting if s.sampling.constraint is not None}
+        for constraint in gone:
+            if constraint is not None and constraint.grammar not in wanted:
+                self.compiler.release(constraint)
 
     def compiles(self) -> list[Future[Any]]:
         """The compiles the waiting requests wait for."""

@@ -7,6 +7,7 @@ ModelControl (adapters, Drain) is in control.py, on the pod's control port.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -38,6 +39,16 @@ async def _require_serving(pod: ModelPod, context: grpc.aio.ServicerContext) -> 
         await abort(context, Code.UNAVAILABLE, "model pod is draining (shutting down); send to another pod")
     if not pod.ready:
         await abort(context, Code.UNAVAILABLE, "model pod is still loading its model; retry shortly")
+
+
+async def _engine_request(request: pb.GenerateRequest) -> dict[str, Any]:
+    """The engine's keywords for `request`. llguidance checks a structured output's grammar as it
+    is read (engine/structured_output.py), for up to seconds (a schema of 9,000 optional
+    properties: 2-4 s); on the event loop that stalled every stream, health check and load
+    report of the pod, so such a request is read on a thread (llguidance lets go of the GIL)."""
+    if request.sampling.HasField("structured_output"):
+        return await asyncio.to_thread(wire.engine_request, request)
+    return wire.engine_request(request)
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -91,7 +102,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         pod = self.pod
         await _require_serving(pod, context)
         try:
-            rid, kwargs = wire.request_id(request), wire.engine_request(request)
+            rid, kwargs = wire.request_id(request), await _engine_request(request)
         except SpindleError as e:
             await abort_for(context, e)
         if request.HasField("model") and request.model != pod.model_name:
