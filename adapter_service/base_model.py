@@ -3,7 +3,9 @@
 The adapter service validates uploads against the model the cluster serves, but its image has
 no torch and no model files: an alias (the models the pods ship, as their `--model` takes) is
 known by its shapes here (tests/test_adapter_service_units.py checks them against the GGUF
-file); anything else is an HF `config.json` directory or a GGUF file (numpy-only `gguf`).
+file); anything else is an HF `config.json` directory or a GGUF file (numpy-only `gguf`), whose
+config is read, and refused where the pods refuse it, by the pods' own torch-free rules
+(spindle/gguf_metadata.py).
 
 The shapes and the MoE layers come from the same torch-free rules the pods load adapters by
 (spindle/peft.py's `projection_shapes`, spindle/architectures.py's `moe_layers`), so an upload is
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spindle import architectures
+from spindle import architectures, gguf_metadata
 from spindle.peft import LatentShape
 from spindle.peft import projection_shapes as peft_shapes
 
@@ -80,24 +82,22 @@ def load(name_or_path: str) -> BaseModel:
         return _from_hf(name_or_path, _config_json(path))
     if path.suffix != ".gguf":
         raise ValueError(f"base model {path} is not a checkpoint directory or a .gguf file")
-    import gguf
+    return _from_gguf(name_or_path, path)
 
-    reader = gguf.GGUFReader(str(path))
 
-    def field(key: str, default: object = None) -> object:
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    arch = field("general.architecture")
-    hidden, heads = int(field(f"{arch}.embedding_length")), int(field(f"{arch}.attention.head_count"))
+def _from_gguf(name: str, path: Path) -> BaseModel:
+    """A GGUF file's shapes, as the pod's loader reads them; a file it refuses (an architecture
+    the engine does not run, layers that differ, RoPE scaling, tensors it does not know) is
+    refused here by the same rule and words (`GgufError`, a ValueError)."""
+    fields = gguf_metadata.model_config(gguf_metadata.open_reader(path), path)
     return BaseModel(
-        name_or_path,
-        hidden,
-        int(field(f"{arch}.feed_forward_length")),
-        int(field(f"{arch}.block_count")),
-        heads,
-        int(field(f"{arch}.attention.head_count_kv", heads)),
-        int(field(f"{arch}.attention.key_length", hidden // heads)),
+        name,
+        fields["hidden_size"],
+        fields["intermediate_size"],
+        fields["num_layers"],
+        fields["num_heads"],
+        fields["num_kv_heads"],
+        fields["head_dim"],
     )
 
 

@@ -9,6 +9,8 @@ import hashlib
 import json
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -155,6 +157,76 @@ def test_hf_config_dirs_give_the_projection_shapes(tmp_path):
     )  # fmt: skip
     shapes = base_model.load(str(tmp_path)).projection_shapes()
     assert shapes["q_proj"] == (64, 64) and shapes["k_proj"] == (64, 32) and shapes["down_proj"] == (128, 64)
+
+
+def _gguf(path: Path, arch: str, meta: dict, tensors: tuple[str, ...] = ()) -> str:
+    """A GGUF file of a 2-layer base (64 wide, 4 heads of 16, FFN 128) plus `meta` (a list: a
+    per-layer array, as llama.cpp's converter writes for a model whose layers differ), and a zero
+    token embedding plus `tensors` (4 x 64 zeros each)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    fields = {"embedding_length": 64, "block_count": 2, "feed_forward_length": 128, "attention.head_count": 4}
+    for key, value in {**fields, **meta}.items():
+        add = {list: writer.add_array, str: writer.add_string}.get(type(value), writer.add_uint32)
+        add(f"{arch}.{key}", value)
+    for name in ("token_embd.weight", *tensors):
+        writer.add_tensor(name, np.zeros((32, 64) if name == "token_embd.weight" else (4, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_a_gguf_base_with_per_layer_arrays_gives_its_shapes(tmp_path):
+    """llama.cpp writes head counts and FFN widths as per-layer arrays; whose layers agree, the
+    pods load (was a raw TypeError here: `--base-model` ended the service in a traceback)."""
+    meta = {
+        "attention.head_count": [4, 4],
+        "attention.head_count_kv": [2, 2],
+        "feed_forward_length": [128, 128],
+    }
+    base = base_model.load(_gguf(tmp_path / "m.gguf", "llama", meta))
+    assert (base.num_heads, base.num_kv_heads, base.intermediate_size) == (4, 2, 128)
+    shapes = base.projection_shapes()
+    assert shapes["q_proj"] == (64, 64) and shapes["k_proj"] == (64, 32) and shapes["down_proj"] == (128, 64)
+
+
+def test_a_gguf_base_is_read_without_torch(tmp_path):
+    """The service's image has no torch: the GGUF rules it shares with the pods must not need it."""
+    path = _gguf(tmp_path / "m.gguf", "llama", {"attention.head_count": [4, 4]})
+    code = (
+        f"import sys; from adapter_service import base_model; base_model.load({path!r}); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("arch", "meta", "tensors", "named"),
+    [
+        ("gpt2", {}, (), "GGUF architecture 'gpt2' is not supported"),
+        ("llama", {"attention.head_count_kv": [2, 4]}, (), "'llama.attention.head_count_kv' differs"),
+        ("llama", {"rope.scaling.type": "yarn"}, (), "RoPE scaling (yarn)"),
+        ("llama", {}, ("blk.0.ffn_gate_exps.weight",), "['blk.0.ffn_gate_exps.weight']"),
+    ],
+    ids=["architecture", "layers-differ", "rope-scaling", "mixtral-experts"],
+)
+def test_a_gguf_base_the_pods_refuse_is_refused_naming_why(tmp_path, arch, meta, tensors, named):
+    """The service read any architecture's shapes, and no RoPE or tensor rule, so adapters were
+    accepted for a base no pod can serve; it now refuses by the pods' own rules, with their words."""
+    from model_service.errors import ModelLoadError
+    from model_service.models.gguf_weights import read_gguf
+
+    path = _gguf(tmp_path / "m.gguf", arch, meta, tensors)
+    with pytest.raises(ValueError) as service:
+        base_model.load(path)
+    with pytest.raises(ModelLoadError) as pod:
+        read_gguf(Path(path))
+    assert named in str(service.value) and str(service.value) == str(pod.value)
 
 
 # --- DeepSeek (MLA) bases: what the pods accept, refused where they refuse ----------------------
