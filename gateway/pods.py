@@ -78,6 +78,10 @@ class Pod:
             await asyncio.sleep(RETIRE_POLL_S)
         await self.close()
 
+    def serves(self, model: str) -> bool:
+        """Whether the pod's last load report named `model` as its base model."""
+        return self.load is not None and self.load.model == model
+
     @contextlib.contextmanager
     def streaming(self) -> Iterator[None]:
         """Count a stream as open to this pod while the block runs (the router scores with it)."""
@@ -158,9 +162,14 @@ class PodPool:
         # After a placement: every pod's load again, concurrent placements sharing one poll.
         self.poll_now = Coalesced(self._check_all)
 
-    def healthy(self, exclude: Iterable[str] = ()) -> list[Pod]:
+    def healthy(self, exclude: Iterable[str] = (), model: str | None = None) -> list[Pod]:
+        """The pods in rotation, but those in `exclude`; with `model`, only those serving it."""
         skip = set(exclude)
-        return [p for p in self.pods.values() if p.healthy and p.address not in skip]
+        return [
+            p
+            for p in self.pods.values()
+            if p.healthy and p.address not in skip and (model is None or p.serves(model))
+        ]
 
     def base_models(self) -> set[str]:
         """The base models the pods reported serving (an HTTP request's `model` is one of these or
@@ -225,6 +234,10 @@ class PodPool:
         task = asyncio.create_task(pod.close_when_idle())
         self._retiring[pod] = task
         task.add_done_callback(lambda _: self._retiring.pop(pod, None))
+
+    async def recheck(self, pod: Pod) -> None:
+        """Check one pod now (its health and load report), as the periodic poll would."""
+        await self._check(pod)
 
     async def _check_all(self) -> None:
         await asyncio.gather(*(self._check(p) for p in list(self.pods.values())))

@@ -1,9 +1,10 @@
 """`spindle gateway`: one door in front of the model pods.
 
-It authenticates the caller (API key), checks which adapters the key may use, picks a pod
-(gateway/router.py), and relays the pod's stream as serialized bytes (gateway/relay.py). A pod
-that fails goes out of rotation and the request goes on on another pod: from the start before
-its first token, and after that resumed from the tokens the caller already has
+It authenticates the caller (API key), checks which adapters the key may use, picks a pod of
+the request's base model (gateway/router.py), and relays the pod's stream as serialized bytes
+(gateway/relay.py). A pod that fails goes out of rotation and the request goes on on another
+pod of its model: from the start before its first token, and after that resumed from the
+tokens the caller already has
 (`GenerateRequest.resume`), so the caller sees one stream, neither repeated nor cut. The
 caller's deadline is passed on to the pod and cancellation travels with it, so an abandoned
 request frees its KV blocks.
@@ -86,7 +87,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         return caller
 
     def _choose(self, req: pb.GenerateRequest, hashes: list[bytes], tried: set[str]) -> Pod | None:
-        pods = self.pool.healthy(exclude=tried)
+        pods = self.pool.healthy(exclude=tried, model=req.model if req.HasField("model") else None)
         adapter = req.adapter if req.HasField("adapter") else None
         matched = self.prefixes.match(hashes, [p.address for p in pods])
         address = router.choose([p.candidate() for p in pods], adapter, matched, self.weights)
@@ -147,6 +148,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         upstream = pb.GenerateRequest()
         upstream.CopyFrom(request)
         upstream.request_id = rid
+        await self._pin_model(upstream, context)
         span = trace.get_current_span()
         _annotate(span, request, caller, rid)
         hashes = prefix.block_hashes(upstream)
@@ -160,6 +162,29 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 _annotate_final(span, final)
         finally:
             self.inflight.pop(rid, None)
+
+    async def _pin_model(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Set the base model the request runs on: the one it names, which some pod must serve, or
+        the fleet's only one. Pods of other models never see it, and a stream resumed after a pod
+        failure goes on under the model it began with (it went on under whichever model the next
+        pod served: a silently wrong answer); the pod checks the name too. Unset in a fleet of
+        several base models is refused: which one was meant is not known."""
+        served = self.pool.base_models()
+        if request.HasField("model"):
+            if served and request.model not in served:
+                await abort(
+                    context,
+                    Code.NOT_FOUND,
+                    f"model {request.model!r} is not served here (served: {', '.join(sorted(served))})",
+                )
+        elif len(served) > 1:
+            await abort(
+                context,
+                Code.INVALID_ARGUMENT,
+                f"this gateway serves several base models ({', '.join(sorted(served))}): name one in `model`",
+            )
+        elif served:
+            request.model = next(iter(served))
 
     async def _relay(
         self,
@@ -177,8 +202,9 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         for attempt in range(1, self.max_attempts + 1):
             pod = self._choose(upstream, hashes, tried)
             if pod is None:
-                if not tried and upstream.HasField("adapter") and self.pool.healthy():
-                    await abort(context, Code.NOT_FOUND, f"no model pod serves adapter {upstream.adapter!r}")
+                of_model = self.pool.healthy(model=upstream.model or None)
+                if not tried and upstream.HasField("adapter") and of_model:
+                    await abort(context, Code.NOT_FOUND, _no_adapter(upstream))
                 break
             request = stream.next_request()
             if request is None:
@@ -236,7 +262,8 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         adapter, left = req.adapter, context.time_remaining()
         caller_bound = left is not None and left < self.directory.placement_timeout
         try:
-            placed = await self.directory.place(adapter, self.pool.healthy(), left)
+            pods = self.pool.healthy(model=req.model if req.HasField("model") else None)
+            placed = await self.directory.place(adapter, pods, left)
         except asyncio.TimeoutError:
             if caller_bound:  # the caller's own deadline ran out, not --placement-timeout
                 await abort(
@@ -300,6 +327,11 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                         id=entry.name, kind=pb.MODEL_KIND_ADAPTER, base_model=base, pods=entry.pods
                     )
         return pb.ListModelsResponse(models=sorted(seen.values(), key=lambda m: (m.kind, m.id)))
+
+
+def _no_adapter(request: pb.GenerateRequest) -> str:
+    model = f" of model {request.model!r}" if request.HasField("model") else ""
+    return f"no model pod{model} serves adapter {request.adapter!r}"
 
 
 def _registered_name(adapter: str | None) -> bool:

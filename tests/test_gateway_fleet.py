@@ -1,0 +1,129 @@
+"""A heterogeneous fleet behind one gateway, in one event loop: fake pods (bench/fake_engine.py)
+serving different base models, pods that fail every request or run ten times slower, pods
+coming and going. Each engine's tokens name its model (`first` + position), so a stream that
+went on under another model shows in its ids."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from bench.fake_engine import FakeFastEngine
+from model_service.pod import server as pod_server
+from model_service.pod.state import ModelPod
+from spindle.v1 import generation_pb2 as pb
+from spindle.v1 import generation_pb2_grpc
+from tests.service_helpers import gateway_in_process
+
+Code = grpc.StatusCode
+
+
+class ModelEngine(FakeFastEngine):
+    """The fake engine whose n-th output token is `first + n` (one model's tokens apart from
+    another's)."""
+
+    def __init__(self, step_s: float, first: int) -> None:
+        super().__init__(step_s)
+        self.first = first
+
+    def step(self) -> list:
+        outputs = super().step()
+        for out in outputs:
+            out.new_token_ids = [t - 100 + self.first for t in out.new_token_ids]
+        return outputs
+
+
+@contextlib.asynccontextmanager
+async def fake_pod(name: str, first: int, step_s: float = 0.001, load: bool = True) -> AsyncIterator:
+    """A pod serving base model `name` in this event loop: (its servers, the ModelPod)."""
+    pod = ModelPod(name, drain_timeout=1.0)
+    servers = await pod_server.start(pod, "127.0.0.1", 0, 0)
+    try:
+        if load:
+            await pod.load(lambda: ModelEngine(step_s, first))
+        yield servers, pod
+    finally:
+        await servers.stop(0)
+        pod.close()
+
+
+@contextlib.asynccontextmanager
+async def gateway_to(*pods: Any, flags: tuple[str, ...] = ()) -> AsyncIterator[tuple[Any, Any]]:
+    """A gateway in this event loop in front of `pods` (their servers): (it, a Generation stub)."""
+    addresses = ",".join(f"127.0.0.1:{p.port}" for p in pods)
+    flags = ("--pods", addresses, "--allow-unauthenticated", *flags)
+    async with gateway_in_process(list(flags)) as gw, grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+        yield gw, generation_pb2_grpc.GenerationStub(ch)
+
+
+async def _until(condition, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def _tokens(stub, req: pb.GenerateRequest, timeout: float = 5.0) -> list[int]:
+    stream = stub.Generate(req, timeout=timeout)
+    return [t async for m in stream if m.HasField("chunk") for t in m.chunk.token_ids]
+
+
+async def _code(stub, req: pb.GenerateRequest) -> tuple[Code, str]:
+    try:
+        await _tokens(stub, req)
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details()
+    raise AssertionError("the request succeeded")
+
+
+def test_two_base_models_each_request_goes_to_a_pod_of_its_model():
+    """A request naming a model went to any pod: half failed NOT_FOUND on the other model's pod;
+    an unknown model was refused naming one pod's model; an unnamed one ran on either model."""
+
+    async def go() -> None:
+        alpha, beta = fake_pod("alpha", 100), fake_pod("beta", 500)
+        async with alpha as (a, _), beta as (b, _), gateway_to(a, b) as (gw, stub):
+            await _until(lambda: len(gw.pool.healthy()) == 2)
+            for model, first in [("beta", 500), ("alpha", 100)] * 6:
+                req = pb.GenerateRequest(text="hi", model=model, max_tokens=3)
+                assert await _tokens(stub, req) == [first, first + 1, first + 2]
+            code, details = await _code(stub, pb.GenerateRequest(text="hi", model="gamma", max_tokens=3))
+            assert code == Code.NOT_FOUND and "served: alpha, beta" in details
+            code, details = await _code(stub, pb.GenerateRequest(text="hi", max_tokens=3))
+            assert code == Code.INVALID_ARGUMENT and "alpha, beta" in details
+            listed = await stub.ListModels(pb.ListModelsRequest(), timeout=5)
+            assert sorted(m.id for m in listed.models) == ["alpha", "beta"]
+
+    asyncio.run(go())
+
+
+def test_a_stream_resumes_only_on_a_pod_of_the_model_it_began_on():
+    """An unnamed request began on the only model's pod; a pod of a new model came (a rollout),
+    the first pod died mid-stream: the stream went on on the new model's pod, its tokens glued
+    to the old model's (a silent wrong answer). It now fails UNAVAILABLE: no pod of its model."""
+
+    async def go() -> None:
+        alpha, beta = fake_pod("alpha", 100, step_s=0.01), fake_pod("beta", 500, load=False)
+        async with alpha as (a, _), beta as (b, late), gateway_to(a, b) as (gw, stub):
+            call = stub.Generate(pb.GenerateRequest(text="hi", max_tokens=200), timeout=10)
+            got = [t async for m in _first(call, 3) for t in m.chunk.token_ids]
+            await late.load(lambda: ModelEngine(0.001, 500))
+            await _until(lambda: len(gw.pool.healthy()) == 2)
+            await a.stop(0)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                while (m := await call.read()) is not grpc.aio.EOF:
+                    got += m.chunk.token_ids
+            assert failed.value.code() == Code.UNAVAILABLE and all(100 <= t < 500 for t in got), got
+
+    asyncio.run(go())
+
+
+async def _first(call, n: int) -> AsyncIterator[pb.GenerateResponse]:
+    """The first `n` messages of a stream, leaving the rest to read."""
+    for _ in range(n):
+        yield await call.read()
