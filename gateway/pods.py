@@ -5,7 +5,9 @@ record per ready pod), re-resolved periodically. Every `interval` seconds each p
 `grpc.health.v1` check and a PodStatus.GetLoad; the load feeds the router. A pod that answers
 NOT_SERVING (loading, draining) leaves the rotation at once; one that fails `failure_threshold`
 checks in a row (timeouts, refused connections) is ejected; a request that finds a pod
-UNAVAILABLE ejects it on the spot. Any ejected pod returns after one good check.
+UNAVAILABLE ejects it on the spot. Any ejected pod returns after one good check, but one ejected
+as an outlier (`PodPool.record`: requests failing in a row while its checks pass) stays out for
+its ejection time first.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
 ]
 RETIRE_POLL_S = 0.1  # how often a pod gone from discovery looks for its last stream's end
+# A pod's own failure, not the request's (UNAVAILABLE ejects at once; the rest are the caller's).
+SERVER_ERRORS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS})
+MAX_EJECTION_FACTOR = 10  # an outlier's n-th ejection in a row lasts n times the base, up to this
 
 
 class Pod:
@@ -64,6 +69,9 @@ class Pod:
         self.load: pod_status_pb2.PodLoad | None = None
         self._candidate: tuple[pod_status_pb2.PodLoad | None, Candidate] | None = None  # of `load`
         self.in_flight = 0  # streams this gateway has open to the pod
+        self.errors_in_a_row = 0  # requests the pod failed with a server error since its last success
+        self.ejections = 0  # outlier ejections since its last success
+        self.ejected_until = 0.0  # time.monotonic() before which no health check readmits it
         self.in_flight_at_report = 0  # ... when its last load report was asked for
 
     async def close(self) -> None:
@@ -148,10 +156,13 @@ class PodPool:
         on_change: Callable[[], Awaitable[None]] | None = None,
         on_eject: Callable[[str], None] | None = None,
         security: Security = PLAINTEXT,
+        outlier_errors: int = 5,
+        outlier_ejection: float = 30.0,
     ) -> None:
         self.discover = discover
         self.interval, self.timeout = interval, timeout
         self.failure_threshold = failure_threshold
+        self.outlier_errors, self.outlier_ejection = outlier_errors, outlier_ejection
         self.discovery_interval = discovery_interval
         self.interceptors, self.security = list(interceptors), security
         self.on_change, self.on_eject = on_change, on_eject
@@ -184,6 +195,31 @@ class PodPool:
             log.warning("ejecting model pod %s: %s", pod.address, why)
             if self.on_eject is not None:
                 self.on_eject(pod.address)
+
+    def record(self, pod: Pod, code: grpc.StatusCode) -> None:
+        """A request's outcome on `pod`, for outlier detection (Envoy's consecutive 5xx). A pod
+        that passes its checks but fails every request with a server error stayed in rotation
+        for good, and drew more than its share: failing fast, it looked the least loaded.
+        `outlier_errors` such failures in a row eject it for `outlier_ejection` s times its
+        ejections in a row; a success resets both. The last pod in rotation of its model stays:
+        when every pod fails, the requests are the likelier cause."""
+        if code not in SERVER_ERRORS:
+            pod.errors_in_a_row = 0
+            if code == grpc.StatusCode.OK:
+                pod.ejections = 0
+            return
+        pod.errors_in_a_row += 1
+        if self.outlier_errors <= 0 or pod.errors_in_a_row < self.outlier_errors or not pod.healthy:
+            return
+        if not self.healthy(exclude=[pod.address], model=pod.load.model if pod.load else None):
+            return
+        pod.ejections += 1
+        seconds = self.outlier_ejection * min(pod.ejections, MAX_EJECTION_FACTOR)
+        pod.ejected_until = time.monotonic() + seconds
+        self.eject(
+            pod, f"{pod.errors_in_a_row} requests in a row failed ({code.name}); out for {seconds:g} s"
+        )
+        pod.errors_in_a_row = 0
 
     async def start(self) -> None:
         await self.refresh()
@@ -259,6 +295,6 @@ class PodPool:
                 self.eject(pod, f"{pod.failures} failed checks, last: {pod.last_error}")
             return
         pod.load, pod.in_flight_at_report, pod.failures = load, in_flight, 0
-        if not pod.healthy:
+        if not pod.healthy and time.monotonic() >= pod.ejected_until:
             log.info("model pod %s is healthy", pod.address)
             pod.healthy = True

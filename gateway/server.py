@@ -228,6 +228,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                             yield raw
                     finally:
                         call.cancel()
+                self.pool.record(pod, Code.OK)
                 return
             except grpc.aio.AioRpcError as e:
                 last_code, last_error = e.code(), f"{pod.address}: {e.code().name}: {e.details()}"
@@ -244,6 +245,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         elsewhere, resumed if tokens were relayed; one at capacity before the first token too.
         Anything else is the request's own outcome (bad input, deadline, an engine fault)."""
         code, rid = e.code(), stream.request.request_id
+        self.pool.record(pod, code)
         if code == Code.UNAVAILABLE:
             self.pool.eject(pod, f"Generate failed: {e.details()}")
         if code == Code.UNAVAILABLE or (code == Code.RESOURCE_EXHAUSTED and not stream.messages):
@@ -394,6 +396,18 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--failure-threshold", type=int, default=2, help="failed checks in a row that eject a pod [2]"
     )
     d.add_argument(
+        "--outlier-errors",
+        type=int,
+        default=5,
+        help="requests in a row a pod fails with INTERNAL / UNKNOWN / DATA_LOSS that eject it (0: never) [5]",
+    )
+    d.add_argument(
+        "--outlier-ejection",
+        type=float,
+        default=30.0,
+        help="seconds such a pod stays out, times its ejections in a row (at most 10) [30]",
+    )
+    d.add_argument(
         "--max-attempts", type=int, default=3, help="pods tried for a request before its first token [3]"
     )
     s = parser.add_argument_group("adapter service")
@@ -484,6 +498,8 @@ async def start(
         interval=args.health_interval,
         timeout=args.health_timeout,
         failure_threshold=args.failure_threshold,
+        outlier_errors=getattr(args, "outlier_errors", 5),
+        outlier_ejection=getattr(args, "outlier_ejection", 30.0),
         discovery_interval=args.discovery_interval,
         interceptors=telemetry.client_interceptors(provider),
         on_change=on_change,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,7 @@ import grpc
 import pytest
 
 from bench.fake_engine import FakeFastEngine
+from model_service.engine.sequence import RequestOutput
 from model_service.pod import server as pod_server
 from model_service.pod.state import ModelPod
 from spindle.v1 import generation_pb2 as pb
@@ -39,13 +41,15 @@ class ModelEngine(FakeFastEngine):
 
 
 @contextlib.asynccontextmanager
-async def fake_pod(name: str, first: int, step_s: float = 0.001, load: bool = True) -> AsyncIterator:
+async def fake_pod(
+    name: str, first: int, step_s: float = 0.001, load: bool = True, engine: type = ModelEngine
+) -> AsyncIterator:
     """A pod serving base model `name` in this event loop: (its servers, the ModelPod)."""
     pod = ModelPod(name, drain_timeout=1.0)
     servers = await pod_server.start(pod, "127.0.0.1", 0, 0)
     try:
         if load:
-            await pod.load(lambda: ModelEngine(step_s, first))
+            await pod.load(lambda: engine(step_s, first))
         yield servers, pod
     finally:
         await servers.stop(0)
@@ -127,3 +131,43 @@ async def _first(call, n: int) -> AsyncIterator[pb.GenerateResponse]:
     """The first `n` messages of a stream, leaving the rest to read."""
     for _ in range(n):
         yield await call.read()
+
+
+class BrokenEngine(FakeFastEngine):
+    """A pod alive and SERVING whose every request fails in the engine (INTERNAL)."""
+
+    def __init__(self, step_s: float, first: int) -> None:
+        super().__init__(step_s)
+
+    def step(self) -> list:
+        time.sleep(self.step_s)
+        failed = [
+            RequestOutput(rid, [], "", [], "", True, "error", 1, error="broken") for rid in self.running
+        ]
+        self.running.clear()
+        return failed
+
+
+def test_a_pod_failing_every_request_is_ejected_as_an_outlier():
+    """A pod whose checks pass but whose every request failed INTERNAL stayed in rotation: a
+    quarter of all requests failed for good (it looked idle, so it drew its share and more).
+    Now five failures in a row eject it for --outlier-ejection s, checks passing or not; the
+    last pod of a model is never ejected so."""
+
+    async def go() -> None:
+        good, bad = fake_pod("alpha", 100, step_s=0.005), fake_pod("alpha", 100, engine=BrokenEngine)
+        async with good as (a, _), bad as (b, _), gateway_to(a, b) as (gw, stub):
+            await _until(lambda: len(gw.pool.healthy()) == 2)
+            failed = 0
+            for wave in range(12):
+                reqs = [pb.GenerateRequest(text=f"hi {wave} {i}", max_tokens=5) for i in range(4)]
+                outcomes = await asyncio.gather(*(_tokens(stub, r) for r in reqs), return_exceptions=True)
+                failed += sum(isinstance(o, grpc.aio.AioRpcError) for o in outcomes)
+            assert 5 <= failed <= 8, failed  # the five that ejected it, and a wave's others in flight
+            assert [p.address for p in gw.pool.healthy()] == [f"127.0.0.1:{a.port}"]
+        async with fake_pod("alpha", 100, engine=BrokenEngine) as (b, _), gateway_to(b) as (gw, stub):
+            for _ in range(8):  # alone, it stays: every pod failing says more of the requests
+                assert (await _code(stub, pb.GenerateRequest(text="hi", max_tokens=5)))[0] == Code.INTERNAL
+            assert len(gw.pool.healthy()) == 1
+
+    asyncio.run(go())
