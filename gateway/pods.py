@@ -102,12 +102,13 @@ class Pod:
     def candidate(self) -> Candidate:
         """What the router needs of this pod: its last report (its adapter sets built once per
         report: a pod may list hundreds of adapters, and every request asks) and the streams
-        opened since."""
+        opened since, less those ended since."""
         if self._candidate is None or self._candidate[0] is not self.load:
             load = self.load or pod_status_pb2.PodLoad()
             reported = Candidate(
                 address=self.address,
                 num_waiting=load.num_waiting,
+                in_flight=load.requests_in_flight,
                 kv_usage=load.kv_usage,
                 resident_adapters=set(load.resident_adapters),
                 waiting_adapters=set(load.waiting_adapters),
@@ -118,9 +119,7 @@ class Pod:
                 memory_capacity_bytes=load.adapter_memory_capacity_bytes,
             )
             self._candidate = (self.load, reported)
-        return dataclasses.replace(
-            self._candidate[1], unreported=max(0, self.in_flight - self.in_flight_at_report)
-        )
+        return dataclasses.replace(self._candidate[1], unreported=self.in_flight - self.in_flight_at_report)
 
 
 def static_discovery(addresses: list[str]) -> Callable[[], Awaitable[list[str]]]:
