@@ -293,7 +293,18 @@ class PodPool:
             if pod.failures >= self.failure_threshold:
                 self.eject(pod, f"{pod.failures} failed checks, last: {pod.last_error}")
             return
+        if _restarted(pod.load, load):
+            log.info("model pod %s restarted (serving %s)", pod.address, load.model)
+            if self.on_eject is not None:  # its caches are empty: forget what was sent there
+                self.on_eject(pod.address)
         pod.load, pod.in_flight_at_report, pod.failures = load, in_flight, 0
         if not pod.healthy and time.monotonic() >= pod.ejected_until:
             log.info("model pod %s is healthy", pod.address)
             pod.healthy = True
+
+
+def _restarted(before: pod_status_pb2.PodLoad | None, now: pod_status_pb2.PodLoad) -> bool:
+    """Whether a pod's report shows another process than its last one on the same address
+    (another model, or its request counter gone back): a restart the checks did not see fail
+    (one shorter than `failure_threshold` polls)."""
+    return before is not None and (now.model != before.model or now.requests_total < before.requests_total)

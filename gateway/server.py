@@ -242,18 +242,35 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         """Return to try the next pod, or end the call with the pod's status when it is final.
 
         A pod that is UNAVAILABLE (it died, or drained) is ejected and the request goes on
-        elsewhere, resumed if tokens were relayed; one at capacity before the first token too.
-        Anything else is the request's own outcome (bad input, deadline, an engine fault)."""
+        elsewhere, resumed if tokens were relayed; one at capacity before the first token too,
+        and one that no longer serves the request's model (`_moved`). Anything else is the
+        request's own outcome (bad input, deadline, an engine fault)."""
         code, rid = e.code(), stream.request.request_id
         self.pool.record(pod, code)
         if code == Code.UNAVAILABLE:
             self.pool.eject(pod, f"Generate failed: {e.details()}")
-        if code == Code.UNAVAILABLE or (code == Code.RESOURCE_EXHAUSTED and not stream.messages):
+        first = not stream.messages  # refused before its first token
+        elsewhere = (
+            code == Code.UNAVAILABLE
+            or (code == Code.RESOURCE_EXHAUSTED and first)
+            or (code == Code.NOT_FOUND and first and await self._moved(pod, stream))
+        )
+        if elsewhere:
             n = len(stream.messages)
             what = f"resuming {rid} after {n} relayed messages" if n else f"retrying {rid}"
             log.info("%s on another pod (%s: %s)", what, pod.address, code.name)
             return
         await abort(context, code, e.details())
+
+    async def _moved(self, pod: Pod, stream: Relayed) -> bool:
+        """Whether a pod that refused the request NOT_FOUND serves another model now than its last
+        report said: restarted on its address with another checkpoint since. The refusal was
+        the gateway's stale view, not the caller's error (it reached the caller as NOT_FOUND for a
+        model the fleet serves); the pod is checked again, and routed by its new model."""
+        if not stream.request.HasField("model"):
+            return False
+        await self.pool.recheck(pod)
+        return not pod.serves(stream.request.model)
 
     async def _place_if_needed(
         self, req: pb.GenerateRequest, hashes: list[bytes], context: grpc.aio.ServicerContext

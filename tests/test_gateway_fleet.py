@@ -15,11 +15,12 @@ import grpc
 import pytest
 
 from bench.fake_engine import FakeFastEngine
+from gateway.pods import _restarted
 from model_service.engine.sequence import RequestOutput
 from model_service.pod import server as pod_server
 from model_service.pod.state import ModelPod
 from spindle.v1 import generation_pb2 as pb
-from spindle.v1 import generation_pb2_grpc
+from spindle.v1 import generation_pb2_grpc, pod_status_pb2
 from tests.service_helpers import gateway_in_process
 
 Code = grpc.StatusCode
@@ -42,11 +43,11 @@ class ModelEngine(FakeFastEngine):
 
 @contextlib.asynccontextmanager
 async def fake_pod(
-    name: str, first: int, step_s: float = 0.001, load: bool = True, engine: type = ModelEngine
+    name: str, first: int, step_s: float = 0.001, load: bool = True, engine: type = ModelEngine, port: int = 0
 ) -> AsyncIterator:
     """A pod serving base model `name` in this event loop: (its servers, the ModelPod)."""
     pod = ModelPod(name, drain_timeout=1.0)
-    servers = await pod_server.start(pod, "127.0.0.1", 0, 0)
+    servers = await pod_server.start(pod, "127.0.0.1", port, 0)
     try:
         if load:
             await pod.load(lambda: engine(step_s, first))
@@ -194,3 +195,32 @@ def test_a_pod_ten_times_slower_draws_a_small_share_under_load():
 
     fast, slow = asyncio.run(go())
     assert fast + slow == 96 and slow <= 96 * 0.3, (fast, slow)  # 14-22 of 96 now, 39-47 before
+
+
+def test_a_pod_restarted_on_its_address_with_another_model_is_routed_by_its_new_one():
+    """Between two polls a pod came back on its address serving another model: requests for the
+    model it used to serve were refused NOT_FOUND there (the gateway's stale view, told to the
+    caller as its error). Now the refusal has the pod checked again and the request goes on to a
+    pod of its model; the restarted pod's prefixes are forgotten."""
+
+    async def go() -> None:
+        stay, leave = fake_pod("alpha", 100), fake_pod("alpha", 100)
+        flags = ("--health-interval", "60")  # no poll sees the restart
+        async with stay as (a, _), leave as (b, _), gateway_to(a, b, flags=flags) as (gw, stub):
+            await _until(lambda: len(gw.pool.healthy()) == 2)
+            address, hashes = f"127.0.0.1:{b.port}", [b"x" * 16]
+            gw.prefixes.record(hashes, address)
+            await b.stop(0)
+            async with fake_pod("beta", 500, port=b.port):
+                channel = gw.pool.pods[address].channel
+                await _until(lambda: channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY)
+                for _ in range(6):
+                    req = pb.GenerateRequest(text="hi", model="alpha", max_tokens=3)
+                    assert await _tokens(stub, req) == [100, 101, 102]
+                assert gw.pool.pods[address].serves("beta")
+                assert gw.prefixes.match(hashes, [address]) == {address: 0.0}
+
+    asyncio.run(go())
+    before = pod_status_pb2.PodLoad(model="alpha", requests_total=9)  # the same model, restarted
+    assert _restarted(before, pod_status_pb2.PodLoad(model="alpha", requests_total=2))
+    assert not _restarted(before, pod_status_pb2.PodLoad(model="alpha", requests_total=9))
