@@ -86,6 +86,12 @@ class Pod:
             await asyncio.sleep(RETIRE_POLL_S)
         await self.close()
 
+    def holds(self, prompt_tokens: int, known: bool = False) -> bool:
+        """Whether the pod's context holds a prompt of `prompt_tokens` and a token of output; a pod
+        that does not report its context counts as holding it, unless `known` asks for a report."""
+        context = self.load.max_model_len if self.load is not None else 0
+        return prompt_tokens < context if context or known else True
+
     def serves(self, model: str) -> bool:
         """Whether the pod's last load report named `model` as its base model."""
         return self.load is not None and self.load.model == model

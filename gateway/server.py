@@ -29,7 +29,7 @@ from gateway.limits import STREAM_RETRY_S, Limits
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
 from gateway.relay import Relayed, add_generation_service, client_span
 from spindle import request_ids, serving, telemetry
-from spindle.grpc_status import abort, abort_exhausted
+from spindle.grpc_status import PROMPT_TOKENS, abort, abort_exhausted
 from spindle.openai_api.server import OpenAIServer, add_http_args
 from spindle.security import add_security_args, security_from_args
 from spindle.v1 import adapters_pb2_grpc, generation_pb2_grpc
@@ -86,8 +86,12 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
             )
         return caller
 
-    def _choose(self, req: pb.GenerateRequest, hashes: list[bytes], tried: set[str]) -> Pod | None:
+    def _choose(
+        self, req: pb.GenerateRequest, hashes: list[bytes], tried: set[str], prompt_tokens: int = 0
+    ) -> Pod | None:
+        """The best pod of the request's model not tried yet whose context holds the prompt."""
         pods = self.pool.healthy(exclude=tried, model=req.model if req.HasField("model") else None)
+        pods = [p for p in pods if p.holds(prompt_tokens)]
         adapter = req.adapter if req.HasField("adapter") else None
         matched = self.prefixes.match(hashes, [p.address for p in pods])
         address = router.choose([p.candidate() for p in pods], adapter, matched, self.weights)
@@ -154,6 +158,8 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         hashes = prefix.block_hashes(upstream)
         await self._place_if_needed(upstream, hashes, context)
         stream = Relayed(upstream)
+        if upstream.WhichOneof("prompt") == "token_ids":  # its length is known: only pods it fits
+            stream.prompt_tokens = len(upstream.token_ids.ids)
         try:
             async for raw in self._relay(stream, caller, hashes, span, context):
                 yield raw
@@ -200,7 +206,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         last_code, last_error = Code.UNAVAILABLE, "no healthy model pod"
         upstream, rid = stream.request, stream.request.request_id
         for attempt in range(1, self.max_attempts + 1):
-            pod = self._choose(upstream, hashes, tried)
+            pod = self._choose(upstream, hashes, tried, stream.prompt_tokens)
             if pod is None:
                 of_model = self.pool.healthy(model=upstream.model or None)
                 if not tried and upstream.HasField("adapter") and of_model:
@@ -243,7 +249,8 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
 
         A pod that is UNAVAILABLE (it died, or drained) is ejected and the request goes on
         elsewhere, resumed if tokens were relayed; one at capacity before the first token too,
-        and one that no longer serves the request's model (`_moved`). Anything else is the
+        and one that no longer serves the request's model (`_moved`) or whose context is shorter
+        than the prompt while another's is not (`_fits_elsewhere`). Anything else is the
         request's own outcome (bad input, deadline, an engine fault)."""
         code, rid = e.code(), stream.request.request_id
         self.pool.record(pod, code)
@@ -254,6 +261,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
             code == Code.UNAVAILABLE
             or (code == Code.RESOURCE_EXHAUSTED and first)
             or (code == Code.NOT_FOUND and first and await self._moved(pod, stream))
+            or (code == Code.INVALID_ARGUMENT and first and self._fits_elsewhere(pod, e, stream))
         )
         if elsewhere:
             n = len(stream.messages)
@@ -271,6 +279,18 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
             return False
         await self.pool.recheck(pod)
         return not pod.serves(stream.request.model)
+
+    def _fits_elsewhere(self, pod: Pod, e: grpc.aio.AioRpcError, stream: Relayed) -> bool:
+        """Whether a prompt `pod` refused as longer than its context fits another pod of the model:
+        pods of one model may have different contexts (--max-model-len, KV cache sizes), and the
+        refusal was final, however many pods could have served it. The refusal says the
+        prompt's length (`PROMPT_TOKENS`); the request goes on only to pods that hold it."""
+        tokens = next((int(v) for k, v in e.trailing_metadata() or () if k == PROMPT_TOKENS), None)
+        if tokens is None:
+            return False
+        stream.prompt_tokens = max(stream.prompt_tokens, tokens)
+        model = stream.request.model if stream.request.HasField("model") else None
+        return any(p.holds(tokens, known=True) for p in self.pool.healthy(exclude=[pod.address], model=model))
 
     async def _place_if_needed(
         self, req: pb.GenerateRequest, hashes: list[bytes], context: grpc.aio.ServicerContext
@@ -329,7 +349,9 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 continue
             for m in reply.models:
                 if m.kind != pb.MODEL_KIND_ADAPTER or caller.may_use(m.id):
-                    seen.setdefault(m.id, m)
+                    kept = seen.setdefault(m.id, m)
+                    if m.max_model_len > kept.max_model_len:  # the longest context the fleet has for it
+                        seen[m.id] = m
         if not seen and all(_code(r) == Code.DEADLINE_EXCEEDED for r in replies):
             await abort(context, Code.DEADLINE_EXCEEDED, "the deadline passed before a model pod answered")
         if not seen:

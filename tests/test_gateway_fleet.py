@@ -16,7 +16,9 @@ import pytest
 
 from bench.fake_engine import FakeFastEngine
 from gateway.pods import _restarted
+from model_service.engine.requests import PromptReader
 from model_service.engine.sequence import RequestOutput
+from model_service.errors import ContextLengthError
 from model_service.pod import server as pod_server
 from model_service.pod.state import ModelPod
 from spindle.v1 import generation_pb2 as pb
@@ -224,3 +226,44 @@ def test_a_pod_restarted_on_its_address_with_another_model_is_routed_by_its_new_
     before = pod_status_pb2.PodLoad(model="alpha", requests_total=9)  # the same model, restarted
     assert _restarted(before, pod_status_pb2.PodLoad(model="alpha", requests_total=2))
     assert not _restarted(before, pod_status_pb2.PodLoad(model="alpha", requests_total=9))
+
+
+def _short(context: int) -> type:
+    """ModelEngine with a context of `context` tokens: a prompt's characters count as its tokens,
+    refused past the context as the engine's PromptReader refuses them."""
+
+    class Short(ModelEngine):
+        max_model_len = context
+
+        def add_request(self, prompt=None, *, prompt_token_ids=None, **kw) -> str:
+            reader = PromptReader(None, self.vocab_size, self.max_model_len, 1 << 20)
+            reader.token_ids(None, None, prompt_token_ids or [1] * len(prompt or ""))
+            return super().add_request(prompt, prompt_token_ids=prompt_token_ids, **kw)
+
+    return Short
+
+
+def test_a_prompt_too_long_for_one_pod_goes_to_a_pod_of_its_model_where_it_fits():
+    """Pods of one model with different contexts (--max-model-len): a prompt longer than one
+    pod's context was refused INVALID_ARGUMENT whenever it was routed there, though another pod
+    could serve it. Now a token-id prompt goes only to pods it fits, a text prompt goes on after
+    the refusal (the pod says the prompt's length), and one that fits none is still refused."""
+
+    async def go() -> None:
+        short, long = fake_pod("alpha", 100, engine=_short(32)), fake_pod("alpha", 100, engine=_short(128))
+        async with short as (a, _), long as (b, long_pod), gateway_to(a, b) as (gw, stub):
+            await _until(lambda: len(gw.pool.healthy()) == 2)
+            for i in range(6):
+                text = pb.GenerateRequest(text=f"{i:02d}" + "x" * 60, max_tokens=2)
+                ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[i] * 60), max_tokens=2)
+                assert await _tokens(stub, text) == await _tokens(stub, ids) == [100, 101]
+            assert long_pod.requests_total == 12
+            code, details = await _code(stub, pb.GenerateRequest(text="x" * 200, max_tokens=2))
+            assert code == Code.INVALID_ARGUMENT and "context is" in details
+            listed = await stub.ListModels(pb.ListModelsRequest(), timeout=5)
+            assert [m.max_model_len for m in listed.models] == [128]
+
+    asyncio.run(go())
+    with pytest.raises(ContextLengthError) as refused:  # the real engine's refusal says the length
+        PromptReader(None, 1000, 32, 1 << 20).token_ids(None, None, [5] * 40)
+    assert refused.value.prompt_tokens == 40

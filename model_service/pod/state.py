@@ -312,4 +312,5 @@ class ModelPod:
             disk_adapters=where.disk,
             adapter_memory_used_bytes=where.memory_used_bytes,
             adapter_memory_capacity_bytes=where.memory_capacity_bytes,
+            max_model_len=self.max_model_len,
         )
