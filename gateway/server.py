@@ -152,7 +152,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         upstream = pb.GenerateRequest()
         upstream.CopyFrom(request)
         upstream.request_id = rid
-        await self._pin_model(upstream, context)
+        await self._check_model(upstream, context)
         span = trace.get_current_span()
         _annotate(span, request, caller, rid)
         hashes = prefix.block_hashes(upstream)
@@ -169,12 +169,9 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         finally:
             self.inflight.pop(rid, None)
 
-    async def _pin_model(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        """Set the base model the request runs on: the one it names, which some pod must serve, or
-        the fleet's only one. Pods of other models never see it, and a stream resumed after a pod
-        failure goes on under the model it began with (it went on under whichever model the next
-        pod served: a silently wrong answer); the pod checks the name too. Unset in a fleet of
-        several base models is refused: which one was meant is not known."""
+    async def _check_model(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a request naming a base model no pod serves, or naming none in a fleet of several
+        (which one was meant is not known) unless its adapter says (pods that hold it)."""
         served = self.pool.base_models()
         if request.HasField("model"):
             if served and request.model not in served:
@@ -183,14 +180,12 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                     Code.NOT_FOUND,
                     f"model {request.model!r} is not served here (served: {', '.join(sorted(served))})",
                 )
-        elif len(served) > 1:
+        elif len(served) > 1 and not request.HasField("adapter"):
             await abort(
                 context,
                 Code.INVALID_ARGUMENT,
                 f"this gateway serves several base models ({', '.join(sorted(served))}): name one in `model`",
             )
-        elif served:
-            request.model = next(iter(served))
 
     async def _relay(
         self,
@@ -212,6 +207,11 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 if not tried and upstream.HasField("adapter") and of_model:
                     await abort(context, Code.NOT_FOUND, _no_adapter(upstream))
                 break
+            if not upstream.HasField("model") and pod.load is not None:
+                # Pinned: pods of other models never see it, and a stream resumed after a pod
+                # failure goes on under the model it began with (it went on under whichever the
+                # next pod served: a silently wrong answer). The pod checks the name too.
+                upstream.model = pod.load.model
             request = stream.next_request()
             if request is None:
                 return  # the pod failed after its final message: the caller has everything

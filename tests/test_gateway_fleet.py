@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -30,10 +30,10 @@ Code = grpc.StatusCode
 
 class ModelEngine(FakeFastEngine):
     """The fake engine whose n-th output token is `first + n` (one model's tokens apart from
-    another's)."""
+    another's), serving `adapters`."""
 
-    def __init__(self, step_s: float, first: int) -> None:
-        super().__init__(step_s)
+    def __init__(self, step_s: float, first: int, adapters: tuple[str, ...] = ()) -> None:
+        super().__init__(step_s, adapters)
         self.first = first
 
     def step(self) -> list:
@@ -45,7 +45,12 @@ class ModelEngine(FakeFastEngine):
 
 @contextlib.asynccontextmanager
 async def fake_pod(
-    name: str, first: int, step_s: float = 0.001, load: bool = True, engine: type = ModelEngine, port: int = 0
+    name: str,
+    first: int,
+    step_s: float = 0.001,
+    load: bool = True,
+    engine: Callable = ModelEngine,
+    port: int = 0,
 ) -> AsyncIterator:
     """A pod serving base model `name` in this event loop: (its servers, the ModelPod)."""
     pod = ModelPod(name, drain_timeout=1.0)
@@ -88,12 +93,16 @@ async def _code(stub, req: pb.GenerateRequest) -> tuple[Code, str]:
     raise AssertionError("the request succeeded")
 
 
+def _with_sql(step_s: float, first: int) -> ModelEngine:
+    return ModelEngine(step_s, first, adapters=("sql",))
+
+
 def test_two_base_models_each_request_goes_to_a_pod_of_its_model():
     """A request naming a model went to any pod: half failed NOT_FOUND on the other model's pod;
     an unknown model was refused naming one pod's model; an unnamed one ran on either model."""
 
     async def go() -> None:
-        alpha, beta = fake_pod("alpha", 100), fake_pod("beta", 500)
+        alpha, beta = fake_pod("alpha", 100), fake_pod("beta", 500, engine=_with_sql)
         async with alpha as (a, _), beta as (b, _), gateway_to(a, b) as (gw, stub):
             await _until(lambda: len(gw.pool.healthy()) == 2)
             for model, first in [("beta", 500), ("alpha", 100)] * 6:
@@ -103,8 +112,13 @@ def test_two_base_models_each_request_goes_to_a_pod_of_its_model():
             assert code == Code.NOT_FOUND and "served: alpha, beta" in details
             code, details = await _code(stub, pb.GenerateRequest(text="hi", max_tokens=3))
             assert code == Code.INVALID_ARGUMENT and "alpha, beta" in details
+            for _ in range(4):  # an adapter named alone (vLLM's `model`) says its base: the pods holding it
+                assert await _tokens(stub, pb.GenerateRequest(text="hi", adapter="sql", max_tokens=2)) == [
+                    500,
+                    501,
+                ]
             listed = await stub.ListModels(pb.ListModelsRequest(), timeout=5)
-            assert sorted(m.id for m in listed.models) == ["alpha", "beta"]
+            assert {m.id: m.base_model for m in listed.models} == {"alpha": "", "beta": "", "sql": "beta"}
 
     asyncio.run(go())
 
