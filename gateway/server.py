@@ -204,6 +204,8 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
             pod = self._choose(upstream, hashes, tried, stream.prompt_tokens)
             if pod is None:
                 of_model = self.pool.healthy(model=upstream.model or None)
+                if not tried and of_model and not any(p.holds(stream.prompt_tokens) for p in of_model):
+                    await abort(context, Code.INVALID_ARGUMENT, _too_long(stream.prompt_tokens, of_model))
                 if not tried and upstream.HasField("adapter") and of_model:
                     await abort(context, Code.NOT_FOUND, _no_adapter(upstream))
                 break
@@ -257,17 +259,22 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         if code == Code.UNAVAILABLE:
             self.pool.eject(pod, f"Generate failed: {e.details()}")
         first = not stream.messages  # refused before its first token
+        tokens = _prompt_tokens(e) if code == Code.INVALID_ARGUMENT else None  # too long for the pod
         elsewhere = (
             code == Code.UNAVAILABLE
             or (code == Code.RESOURCE_EXHAUSTED and first)
             or (code == Code.NOT_FOUND and first and await self._moved(pod, stream))
-            or (code == Code.INVALID_ARGUMENT and first and self._fits_elsewhere(pod, e, stream))
+            or (tokens is not None and first and self._fits_elsewhere(pod, tokens, stream))
         )
         if elsewhere:
             n = len(stream.messages)
             what = f"resuming {rid} after {n} relayed messages" if n else f"retrying {rid}"
             log.info("%s on another pod (%s: %s)", what, pod.address, code.name)
             return
+        if (
+            tokens is not None
+        ):  # too long for every pod of its model: name the longest context, not this one's
+            await abort(context, code, _too_long(tokens, [pod, *self.pool.healthy(model=pod.load.model)]))
         await abort(context, code, e.details())
 
     async def _moved(self, pod: Pod, stream: Relayed) -> bool:
@@ -280,14 +287,11 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         await self.pool.recheck(pod)
         return not pod.serves(stream.request.model)
 
-    def _fits_elsewhere(self, pod: Pod, e: grpc.aio.AioRpcError, stream: Relayed) -> bool:
-        """Whether a prompt `pod` refused as longer than its context fits another pod of the model:
-        pods of one model may have different contexts (--max-model-len, KV cache sizes), and the
-        refusal was final, however many pods could have served it. The refusal says the
-        prompt's length (`PROMPT_TOKENS`); the request goes on only to pods that hold it."""
-        tokens = next((int(v) for k, v in e.trailing_metadata() or () if k == PROMPT_TOKENS), None)
-        if tokens is None:
-            return False
+    def _fits_elsewhere(self, pod: Pod, tokens: int, stream: Relayed) -> bool:
+        """Whether a prompt of `tokens` that `pod` refused as longer than its context fits another
+        pod of the model: pods of one model may have different contexts (--max-model-len, KV
+        cache sizes), and the refusal was final, however many pods could have served it. The
+        request goes on only to pods that hold it."""
         stream.prompt_tokens = max(stream.prompt_tokens, tokens)
         model = stream.request.model if stream.request.HasField("model") else None
         return any(p.holds(tokens, known=True) for p in self.pool.healthy(exclude=[pod.address], model=model))
@@ -368,6 +372,20 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                         id=entry.name, kind=pb.MODEL_KIND_ADAPTER, base_model=base, pods=entry.pods
                     )
         return pb.ListModelsResponse(models=sorted(seen.values(), key=lambda m: (m.kind, m.id)))
+
+
+def _prompt_tokens(e: grpc.aio.AioRpcError) -> int | None:
+    """The prompt's length a pod's refusal says (`PROMPT_TOKENS`): it was longer than its context."""
+    value = next((v for k, v in e.trailing_metadata() or () if k == PROMPT_TOKENS), None)
+    return int(value) if isinstance(value, str) and value.isdigit() else None
+
+
+def _too_long(prompt_tokens: int, pods: list[Pod]) -> str:
+    longest = max(p.load.max_model_len for p in pods if p.load is not None)
+    return (
+        f"prompt has {prompt_tokens} tokens; the longest context of this model's pods is {longest} tokens "
+        "and the prompt must leave room for at least one generated token"
+    )
 
 
 def _no_adapter(request: pb.GenerateRequest) -> str:

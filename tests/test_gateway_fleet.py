@@ -80,8 +80,8 @@ async def _until(condition, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _tokens(stub, req: pb.GenerateRequest, timeout: float = 5.0) -> list[int]:
-    stream = stub.Generate(req, timeout=timeout)
+async def _tokens(stub, req: pb.GenerateRequest, timeout: float = 5.0, metadata: tuple = ()) -> list[int]:
+    stream = stub.Generate(req, timeout=timeout, metadata=metadata)
     return [t async for m in stream if m.HasField("chunk") for t in m.chunk.token_ids]
 
 
@@ -273,7 +273,9 @@ def test_a_prompt_too_long_for_one_pod_goes_to_a_pod_of_its_model_where_it_fits(
                 assert await _tokens(stub, text) == await _tokens(stub, ids) == [100, 101]
             assert long_pod.requests_total == 12
             code, details = await _code(stub, pb.GenerateRequest(text="x" * 200, max_tokens=2))
-            assert code == Code.INVALID_ARGUMENT and "context is" in details
+            assert code == Code.INVALID_ARGUMENT and "context of this model's pods is 128" in details
+            code, details = await _code(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 200)))
+            assert code == Code.INVALID_ARGUMENT and "context of this model's pods is 128" in details
             listed = await stub.ListModels(pb.ListModelsRequest(), timeout=5)
             assert [m.max_model_len for m in listed.models] == [128]
 
@@ -281,3 +283,4 @@ def test_a_prompt_too_long_for_one_pod_goes_to_a_pod_of_its_model_where_it_fits(
     with pytest.raises(ContextLengthError) as refused:  # the real engine's refusal says the length
         PromptReader(None, 1000, 32, 1 << 20).token_ids(None, None, [5] * 40)
     assert refused.value.prompt_tokens == 40
+
