@@ -116,6 +116,13 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 Code.PERMISSION_DENIED,
                 f"API key {caller.name!r} may not use adapter {adapter!r} (allowed: {allowed})",
             )
+        if request.HasField("priority") and request.priority < caller.priority:
+            await abort(
+                context,
+                Code.PERMISSION_DENIED,
+                f"API key {caller.name!r} may not ask for priority {request.priority} (its most urgent: "
+                f"{caller.priority}; lower is served first)",
+            )
         if adapter == "":  # the pods' own answer; no pod "serves" the empty name (was NOT_FOUND)
             empty = "adapter is set but empty; leave it unset to use the base model"
             await abort(context, Code.INVALID_ARGUMENT, empty)

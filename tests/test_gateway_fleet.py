@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from bench.fake_engine import FakeFastEngine
+from gateway import auth
 from gateway.pods import _restarted
 from model_service.engine.requests import PromptReader
 from model_service.engine.sequence import RequestOutput
@@ -284,3 +285,33 @@ def test_a_prompt_too_long_for_one_pod_goes_to_a_pod_of_its_model_where_it_fits(
         PromptReader(None, 1000, 32, 1 << 20).token_ids(None, None, [5] * 40)
     assert refused.value.prompt_tokens == 40
 
+
+def test_a_key_may_not_put_its_requests_ahead_of_other_keys(tmp_path):
+    """Any API key could send `priority` -2**31: its requests were served first and preempted
+    every other key's. A key now asks for at most the urgency its line grants (`priority=P`,
+    absent 0): lower is PERMISSION_DENIED naming it; putting its own requests back is free."""
+    keys = tmp_path / "keys"
+    keys.write_text("ops  key-ops  *  priority=-10\nuser  key-user  *\n")
+    assert {c.name: c.priority for c in auth.parse_keys(keys.read_text(), "keys").values()} == {
+        "ops": -10,
+        "user": 0,
+    }
+
+    async def go() -> None:
+        flags = ("--api-keys-file", str(keys))
+        async with fake_pod("alpha", 100) as (a, _), gateway_to(a, flags=flags) as (_, stub):
+
+            async def ask(key: str, priority: int) -> Code:
+                req = pb.GenerateRequest(text="hi", max_tokens=2, priority=priority)
+                try:
+                    await _tokens(stub, req, metadata=(("authorization", f"Bearer {key}"),))
+                except grpc.aio.AioRpcError as e:
+                    assert "priority" in e.details(), e
+                    return e.code()
+                return Code.OK
+
+            assert await ask("key-user", -1) == Code.PERMISSION_DENIED
+            assert await ask("key-user", 5) == await ask("key-ops", -10) == Code.OK
+            assert await ask("key-ops", -11) == Code.PERMISSION_DENIED
+
+    asyncio.run(go())
