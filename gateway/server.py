@@ -214,7 +214,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 if not tried and of_model and not any(p.holds(stream.prompt_tokens) for p in of_model):
                     await abort(context, Code.INVALID_ARGUMENT, _too_long(stream.prompt_tokens, of_model))
                 if not tried and upstream.HasField("adapter") and of_model:
-                    await abort(context, Code.NOT_FOUND, _no_adapter(upstream))
+                    await abort(context, Code.NOT_FOUND, _no_adapter(upstream, self.pool.base_models()))
                 break
             if not upstream.HasField("model") and pod.load is not None:
                 # Pinned: pods of other models never see it, and a stream resumed after a pod
@@ -395,9 +395,12 @@ def _too_long(prompt_tokens: int, pods: list[Pod]) -> str:
     )
 
 
-def _no_adapter(request: pb.GenerateRequest) -> str:
+def _no_adapter(request: pb.GenerateRequest, base_models: set[str]) -> str:
+    """The refusal of an adapter no pod has; it names the base models too: over HTTP a `model` that
+    is no base model's name is taken for an adapter's (vLLM's convention), a misspelt one too."""
     model = f" of model {request.model!r}" if request.HasField("model") else ""
-    return f"no model pod{model} serves adapter {request.adapter!r}"
+    served = f" (base models: {', '.join(sorted(base_models))})" if base_models else ""
+    return f"no model pod{model} serves adapter {request.adapter!r}{served}"
 
 
 def _registered_name(adapter: str | None) -> bool:
