@@ -319,3 +319,33 @@ def test_a_key_may_not_put_its_requests_ahead_of_other_keys(tmp_path):
             assert await ask("key-ops", -11) == Code.PERMISSION_DENIED
 
     asyncio.run(go())
+
+
+class StepRaisingEngine(ModelEngine):
+    """A pod whose engine steps raise once it has a request past its warm-up (a fault outside
+    the engine's per-request guards)."""
+
+    def step(self) -> list:
+        if any(not rid.startswith("warmup-") for rid in self.running):
+            raise RuntimeError("the step is broken")
+        return super().step()
+
+
+def test_a_pod_whose_engine_steps_keep_raising_is_lost_and_its_streams_go_on_elsewhere():
+    """The engine thread logged a raising step and stepped again, forever: the pod's streams got
+    no output until their deadlines while its health said SERVING. Three in a row now end them
+    UNAVAILABLE (the gateway goes on on another pod) and the pod as a lost device does."""
+
+    async def go() -> None:
+        good, bad = fake_pod("alpha", 100), fake_pod("alpha", 100, engine=StepRaisingEngine)
+        async with good as (a, _), bad as (b, broken), gateway_to(a, b) as (gw, stub):
+            await _until(lambda: len(gw.pool.healthy()) == 2)
+            for i in range(12):
+                req = pb.GenerateRequest(text=f"hi {i}", max_tokens=3)
+                assert await _tokens(stub, req, timeout=3) == [100, 101, 102]
+                if broken.requests_total:
+                    break
+            assert broken.requests_total == 1 and broken.lost and "RuntimeError" in broken.lost
+            assert [p.address for p in gw.pool.healthy()] == [f"127.0.0.1:{a.port}"]
+
+    asyncio.run(go())

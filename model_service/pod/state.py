@@ -132,6 +132,7 @@ class ModelPod:
         self.engine, self.async_engine = engine, AsyncEngine(engine)
         loop = asyncio.get_running_loop()
         engine.on_lost(lambda why: loop.call_soon_threadsafe(self._on_lost, why))
+        self.async_engine.on_lost(lambda why: loop.call_soon_threadsafe(self._on_lost, why))
         self.max_model_len, self.token_texts = engine.max_model_len, TokenTexts(engine.tokenizer)
         await self._warm_up(engine.vocab_size)
         log.info("model %s loaded and warmed in %.1f s", self.model_name, time.monotonic() - started)
