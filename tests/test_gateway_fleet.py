@@ -233,12 +233,17 @@ def test_a_pod_restarted_on_its_address_with_another_model_is_routed_by_its_new_
             gw.prefixes.record(hashes, address)
             await b.stop(0)
             async with fake_pod("beta", 500, port=b.port):
-                channel = gw.pool.pods[address].channel
-                await _until(lambda: channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY)
-                for _ in range(6):
+                pod = gw.pool.pods[address]
+                ready = grpc.ChannelConnectivity.READY
+                await _until(
+                    lambda: all(c.get_state(True) == ready for c in (pod.channel, pod.relay_channel))
+                )
+                for _ in range(30):  # until one is routed to the restarted pod (a coin flip each)
                     req = pb.GenerateRequest(text="hi", model="alpha", max_tokens=3)
                     assert await _tokens(stub, req) == [100, 101, 102]
-                assert gw.pool.pods[address].serves("beta")
+                    if pod.serves("beta"):
+                        break
+                assert pod.serves("beta") and pod.healthy
                 assert gw.prefixes.match(hashes, [address]) == {address: 0.0}
 
     asyncio.run(go())
