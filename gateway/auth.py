@@ -3,15 +3,17 @@
 Keys come from a file, or a directory of files (a Kubernetes Secret mounted as a volume: one
 file per Secret key). Each non-blank, non-comment line is
 
-    NAME  KEY  ADAPTERS  [SCOPES]  [rate=R] [burst=B] [concurrency=C]
+    NAME  KEY  ADAPTERS  [SCOPES]  [rate=R] [burst=B] [concurrency=C] [priority=P]
 
 NAME labels the caller in logs and traces (the key itself is never logged); ADAPTERS is `*`
 (any), `-` (the base model only) or a comma-separated list. SCOPES, optional, is a
 comma-separated list; `admin` lets the key use the adapter admin API (register, delete, ...)
 that the gateway forwards to the adapter service. The optional limits (gateway/limits.py):
 `rate` requests per second with bursts of `burst` (default: the rate, rounded up), and at most
-`concurrency` open Generate streams; absent or 0 means unlimited. Lines without them keep their
-old meaning.
+`concurrency` open Generate streams; absent or 0 means unlimited. `priority` is the most urgent
+`GenerateRequest.priority` the key may ask for (lower is served first, and preempts): absent, 0,
+so a key may put its own requests back but not ahead of other keys' (any key could starve and
+preempt every other with a negative priority). Lines without them keep their old meaning.
 The files are re-read when they change, so rotating a Secret needs no restart. Callers send
 `authorization: Bearer KEY` (or `x-api-key: KEY`).
 """
@@ -45,14 +47,16 @@ class Caller:
     rate: float = 0.0  # requests per second; 0 = unlimited
     burst: int = 0  # token-bucket size; 0 = the rate, rounded up
     concurrency: int = 0  # open Generate streams; 0 = unlimited
+    priority: int = 0  # the most urgent GenerateRequest.priority it may ask for (lower is first)
 
     def may_use(self, adapter: str | None) -> bool:
         return adapter is None or self.adapters is None or adapter in self.adapters
 
 
-ANONYMOUS = Caller("anonymous", None, admin=True)  # --allow-unauthenticated: local use, all allowed
+ANONYMOUS = Caller("anonymous", None, admin=True, priority=-(2**31))  # --allow-unauthenticated: all allowed
 SCOPES = ("admin",)
-LIMITS = {"rate": float, "burst": int, "concurrency": int}
+LIMITS = {"rate": float, "burst": int, "concurrency": int, "priority": int}
+SIGNED = {"priority"}  # options that may be negative
 
 
 def _digest(key: str) -> bytes:
@@ -68,7 +72,7 @@ def _limits(options: list[str], where: str) -> dict[str, float | int]:
             out[name] = LIMITS[name](value)
         except ValueError:
             raise ValueError(f"{where}: {option!r} is not a number") from None
-        if not 0 <= out[name] < math.inf:
+        if name not in SIGNED and not 0 <= out[name] < math.inf:
             raise ValueError(f"{where}: {option!r} must be a finite number >= 0")
     return out
 
@@ -84,8 +88,8 @@ def parse_keys(text: str, source: str) -> dict[bytes, Caller]:
         parts = parts[:3] + [p for p in parts[3:] if p not in options]
         if len(parts) not in (3, 4):
             raise ValueError(
-                f"{source}:{n}: expected `NAME KEY ADAPTERS [SCOPES] [rate=R burst=B concurrency=C]` "
-                "(ADAPTERS: *, - or a,b,c; SCOPE: admin)"
+                f"{source}:{n}: expected `NAME KEY ADAPTERS [SCOPES] [rate=R burst=B concurrency=C "
+                "priority=P]` (ADAPTERS: *, - or a,b,c; SCOPE: admin)"
             )
         limits = _limits(options, f"{source}:{n}")
         name, key, adapters = parts[:3]

@@ -5,7 +5,9 @@ record per ready pod), re-resolved periodically. Every `interval` seconds each p
 `grpc.health.v1` check and a PodStatus.GetLoad; the load feeds the router. A pod that answers
 NOT_SERVING (loading, draining) leaves the rotation at once; one that fails `failure_threshold`
 checks in a row (timeouts, refused connections) is ejected; a request that finds a pod
-UNAVAILABLE ejects it on the spot. Any ejected pod returns after one good check.
+UNAVAILABLE ejects it on the spot. Any ejected pod returns after one good check, but one ejected
+as an outlier (`PodPool.record`: requests failing in a row while its checks pass) stays out for
+its ejection time first.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
 ]
 RETIRE_POLL_S = 0.1  # how often a pod gone from discovery looks for its last stream's end
+# A pod's own failure, not the request's (UNAVAILABLE ejects at once; the rest are the caller's).
+SERVER_ERRORS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS})
+MAX_EJECTION_FACTOR = 10  # an outlier's n-th ejection in a row lasts n times the base, up to this
 
 
 class Pod:
@@ -65,6 +70,9 @@ class Pod:
         self.load: pod_status_pb2.PodLoad | None = None
         self._candidate: tuple[pod_status_pb2.PodLoad | None, Candidate] | None = None  # of `load`
         self.in_flight = 0  # streams this gateway has open to the pod
+        self.errors_in_a_row = 0  # requests the pod failed with a server error since its last success
+        self.ejections = 0  # outlier ejections since its last success
+        self.ejected_until = 0.0  # time.monotonic() before which no health check readmits it
         self.in_flight_at_report = 0  # ... when its last load report was asked for
 
     async def close(self) -> None:
@@ -79,6 +87,16 @@ class Pod:
             await asyncio.sleep(RETIRE_POLL_S)
         await self.close()
 
+    def holds(self, prompt_tokens: int, known: bool = False) -> bool:
+        """Whether the pod's context holds a prompt of `prompt_tokens` and a token of output; a pod
+        that does not report its context counts as holding it, unless `known` asks for a report."""
+        context = self.load.max_model_len if self.load is not None else 0
+        return prompt_tokens < context if context or known else True
+
+    def serves(self, model: str) -> bool:
+        """Whether the pod's last load report named `model` as its base model."""
+        return self.load is not None and self.load.model == model
+
     @contextlib.contextmanager
     def streaming(self) -> Iterator[None]:
         """Count a stream as open to this pod while the block runs (the router scores with it)."""
@@ -91,12 +109,13 @@ class Pod:
     def candidate(self) -> Candidate:
         """What the router needs of this pod: its last report (its adapter sets built once per
         report: a pod may list hundreds of adapters, and every request asks) and the streams
-        opened since."""
+        opened since, less those ended since."""
         if self._candidate is None or self._candidate[0] is not self.load:
             load = self.load or pod_status_pb2.PodLoad()
             reported = Candidate(
                 address=self.address,
                 num_waiting=load.num_waiting,
+                in_flight=load.requests_in_flight,
                 kv_usage=load.kv_usage,
                 resident_adapters=set(load.resident_adapters),
                 waiting_adapters=set(load.waiting_adapters),
@@ -107,9 +126,7 @@ class Pod:
                 memory_capacity_bytes=load.adapter_memory_capacity_bytes,
             )
             self._candidate = (self.load, reported)
-        return dataclasses.replace(
-            self._candidate[1], unreported=max(0, self.in_flight - self.in_flight_at_report)
-        )
+        return dataclasses.replace(self._candidate[1], unreported=self.in_flight - self.in_flight_at_report)
 
 
 def static_discovery(addresses: list[str]) -> Callable[[], Awaitable[list[str]]]:
@@ -156,10 +173,13 @@ class PodPool:
         on_change: Callable[[], Awaitable[None]] | None = None,
         on_eject: Callable[[str], None] | None = None,
         security: Security = PLAINTEXT,
+        outlier_errors: int = 5,
+        outlier_ejection: float = 30.0,
     ) -> None:
         self.discover = discover
         self.interval, self.timeout = interval, timeout
         self.failure_threshold = failure_threshold
+        self.outlier_errors, self.outlier_ejection = outlier_errors, outlier_ejection
         self.discovery_interval = discovery_interval
         self.interceptors, self.security = list(interceptors), security
         self.on_change, self.on_eject = on_change, on_eject
@@ -170,9 +190,14 @@ class PodPool:
         # After a placement: every pod's load again, concurrent placements sharing one poll.
         self.poll_now = Coalesced(self._check_all)
 
-    def healthy(self, exclude: Iterable[str] = ()) -> list[Pod]:
+    def healthy(self, exclude: Iterable[str] = (), model: str | None = None) -> list[Pod]:
+        """The pods in rotation, but those in `exclude`; with `model`, only those serving it."""
         skip = set(exclude)
-        return [p for p in self.pods.values() if p.healthy and p.address not in skip]
+        return [
+            p
+            for p in self.pods.values()
+            if p.healthy and p.address not in skip and (model is None or p.serves(model))
+        ]
 
     def base_models(self) -> set[str]:
         """The base models the pods reported serving (an HTTP request's `model` is one of these or
@@ -187,6 +212,31 @@ class PodPool:
             log.warning("ejecting model pod %s: %s", pod.address, why)
             if self.on_eject is not None:
                 self.on_eject(pod.address)
+
+    def record(self, pod: Pod, code: grpc.StatusCode) -> None:
+        """A request's outcome on `pod`, for outlier detection (Envoy's consecutive 5xx). A pod
+        that passes its checks but fails every request with a server error stayed in rotation
+        for good, and drew more than its share: failing fast, it looked the least loaded.
+        `outlier_errors` such failures in a row eject it for `outlier_ejection` s times its
+        ejections in a row; a success resets both. The last pod in rotation of its model stays:
+        when every pod fails, the requests are the likelier cause."""
+        if code not in SERVER_ERRORS:
+            pod.errors_in_a_row = 0
+            if code == grpc.StatusCode.OK:
+                pod.ejections = 0
+            return
+        pod.errors_in_a_row += 1
+        if self.outlier_errors <= 0 or pod.errors_in_a_row < self.outlier_errors or not pod.healthy:
+            return
+        if not self.healthy(exclude=[pod.address], model=pod.load.model if pod.load else None):
+            return
+        pod.ejections += 1
+        seconds = self.outlier_ejection * min(pod.ejections, MAX_EJECTION_FACTOR)
+        pod.ejected_until = time.monotonic() + seconds
+        self.eject(
+            pod, f"{pod.errors_in_a_row} requests in a row failed ({code.name}); out for {seconds:g} s"
+        )
+        pod.errors_in_a_row = 0
 
     async def start(self) -> None:
         await self.refresh()
@@ -238,6 +288,10 @@ class PodPool:
         self._retiring[pod] = task
         task.add_done_callback(lambda _: self._retiring.pop(pod, None))
 
+    async def recheck(self, pod: Pod) -> None:
+        """Check one pod now (its health and load report), as the periodic poll would."""
+        await self._check(pod)
+
     async def _check_all(self) -> None:
         await asyncio.gather(*(self._check(p) for p in list(self.pods.values())))
 
@@ -257,7 +311,18 @@ class PodPool:
             if pod.failures >= self.failure_threshold:
                 self.eject(pod, f"{pod.failures} failed checks, last: {pod.last_error}")
             return
+        if _restarted(pod.load, load):
+            log.info("model pod %s restarted (serving %s)", pod.address, load.model)
+            if self.on_eject is not None:  # its caches are empty: forget what was sent there
+                self.on_eject(pod.address)
         pod.load, pod.in_flight_at_report, pod.failures = load, in_flight, 0
-        if not pod.healthy:
+        if not pod.healthy and time.monotonic() >= pod.ejected_until:
             log.info("model pod %s is healthy", pod.address)
             pod.healthy = True
+
+
+def _restarted(before: pod_status_pb2.PodLoad | None, now: pod_status_pb2.PodLoad) -> bool:
+    """Whether a pod's report shows another process than its last one on the same address
+    (another model, or its request counter gone back): a restart the checks did not see fail
+    (one shorter than `failure_threshold` polls)."""
+    return before is not None and (now.model != before.model or now.requests_total < before.requests_total)

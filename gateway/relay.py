@@ -27,6 +27,7 @@ class Relayed:
     def __init__(self, request: pb.GenerateRequest) -> None:
         self.request = request
         self.messages: list[bytes] = []
+        self.prompt_tokens = 0  # the prompt's length where known (a pod refused it as too long)
 
     def add(self, raw: bytes) -> None:
         self.messages.append(raw)

@@ -20,9 +20,12 @@ random, so equal pods share the load:
   A pod that does not report tiers (older pods) has its non-resident adapters scored as disk.
   A base-model request scores 1.0 everywhere;
 - prefix locality: the fraction of the prompt's leading blocks last sent to that pod;
-- queue depth: the pod's reported waiting requests plus the streams this gateway opened to it
-  since that report (a burst between two load polls must not all land on one pod), scaled
-  between the least (1.0) and the most (0.0) loaded candidate;
+- queue depth: the requests the pod reported in flight (waiting or running: least outstanding
+  requests; counting only the waiting ones, a pod ten times slower than the rest, whose batch
+  still had room, drew as much traffic as they did) plus the streams this gateway opened to
+  it since that report (a burst between two load polls must not all land on one pod) less
+  those it saw end (a fast pod's report is stale soonest), scaled between the least (1.0) and
+  the most (0.0) loaded candidate;
 - KV cache: 1 - the pod's KV usage.
 """
 
@@ -41,7 +44,8 @@ class Candidate:
 
     address: str
     num_waiting: int = 0
-    unreported: int = 0  # streams this gateway opened to the pod since its last load report
+    in_flight: int = 0  # requests the pod reported waiting or running (0 from a pod that does not say)
+    unreported: int = 0  # streams this gateway opened to the pod since its last report, less those ended
     kv_usage: float = 0.0
     resident_adapters: set[str] = field(default_factory=set)  # on the device
     waiting_adapters: set[str] = field(default_factory=set)
@@ -85,7 +89,7 @@ def adapter_score(pod: Candidate, adapter: str | None) -> float:
 
 
 def queue_scores(pods: list[Candidate]) -> dict[str, float]:
-    depth = {p.address: p.num_waiting + p.unreported for p in pods}
+    depth = {p.address: max(0, max(p.in_flight, p.num_waiting) + p.unreported) for p in pods}
     lo, hi = min(depth.values()), max(depth.values())
     return {a: 1.0 if hi == lo else (hi - d) / (hi - lo) for a, d in depth.items()}
 

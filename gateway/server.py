@@ -1,9 +1,10 @@
 """`spindle gateway`: one door in front of the model pods.
 
-It authenticates the caller (API key), checks which adapters the key may use, picks a pod
-(gateway/router.py), and relays the pod's stream as serialized bytes (gateway/relay.py). A pod
-that fails goes out of rotation and the request goes on on another pod: from the start before
-its first token, and after that resumed from the tokens the caller already has
+It authenticates the caller (API key), checks which adapters the key may use, picks a pod of
+the request's base model (gateway/router.py), and relays the pod's stream as serialized bytes
+(gateway/relay.py). A pod that fails goes out of rotation and the request goes on on another
+pod of its model: from the start before its first token, and after that resumed from the
+tokens the caller already has
 (`GenerateRequest.resume`), so the caller sees one stream, neither repeated nor cut. The
 caller's deadline is passed on to the pod and cancellation travels with it, so an abandoned
 request frees its KV blocks.
@@ -29,7 +30,7 @@ from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
 from gateway.relay import Relayed, add_generation_service, client_span
 from spindle import flagtypes, request_ids, serving, telemetry
 from spindle.errors import ConfigError
-from spindle.grpc_status import abort, abort_exhausted
+from spindle.grpc_status import PROMPT_TOKENS, abort, abort_exhausted
 from spindle.openai_api.server import OpenAIServer, add_http_args
 from spindle.security import add_security_args, security_from_args
 from spindle.v1 import adapters_pb2_grpc, generation_pb2_grpc
@@ -86,8 +87,12 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
             )
         return caller
 
-    def _choose(self, req: pb.GenerateRequest, hashes: list[bytes], tried: set[str]) -> Pod | None:
-        pods = self.pool.healthy(exclude=tried)
+    def _choose(
+        self, req: pb.GenerateRequest, hashes: list[bytes], tried: set[str], prompt_tokens: int = 0
+    ) -> Pod | None:
+        """The best pod of the request's model not tried yet whose context holds the prompt."""
+        pods = self.pool.healthy(exclude=tried, model=req.model if req.HasField("model") else None)
+        pods = [p for p in pods if p.holds(prompt_tokens)]
         adapter = req.adapter if req.HasField("adapter") else None
         matched = self.prefixes.match(hashes, [p.address for p in pods])
         address = router.choose([p.candidate() for p in pods], adapter, matched, self.weights)
@@ -111,6 +116,13 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 context,
                 Code.PERMISSION_DENIED,
                 f"API key {caller.name!r} may not use adapter {adapter!r} (allowed: {allowed})",
+            )
+        if request.HasField("priority") and request.priority < caller.priority:
+            await abort(
+                context,
+                Code.PERMISSION_DENIED,
+                f"API key {caller.name!r} may not ask for priority {request.priority} (its most urgent: "
+                f"{caller.priority}; lower is served first)",
             )
         if adapter == "":  # the pods' own answer; no pod "serves" the empty name (was NOT_FOUND)
             empty = "adapter is set but empty; leave it unset to use the base model"
@@ -148,11 +160,14 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         upstream = pb.GenerateRequest()
         upstream.CopyFrom(request)
         upstream.request_id = rid
+        await self._check_model(upstream, context)
         span = trace.get_current_span()
         _annotate(span, request, caller, rid)
         hashes = prefix.block_hashes(upstream)
         await self._place_if_needed(upstream, hashes, context)
         stream = Relayed(upstream)
+        if upstream.WhichOneof("prompt") == "token_ids":  # its length is known: only pods it fits
+            stream.prompt_tokens = len(upstream.token_ids.ids)
         try:
             async for raw in self._relay(stream, caller, hashes, span, context):
                 yield raw
@@ -161,6 +176,24 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 _annotate_final(span, final)
         finally:
             self.inflight.pop(rid, None)
+
+    async def _check_model(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a request naming a base model no pod serves, or naming none in a fleet of several
+        (which one was meant is not known) unless its adapter says (pods that hold it)."""
+        served = self.pool.base_models()
+        if request.HasField("model"):
+            if served and request.model not in served:
+                await abort(
+                    context,
+                    Code.NOT_FOUND,
+                    f"model {request.model!r} is not served here (served: {', '.join(sorted(served))})",
+                )
+        elif len(served) > 1 and not request.HasField("adapter"):
+            await abort(
+                context,
+                Code.INVALID_ARGUMENT,
+                f"this gateway serves several base models ({', '.join(sorted(served))}): name one in `model`",
+            )
 
     async def _relay(
         self,
@@ -176,11 +209,19 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         last_code, last_error = Code.UNAVAILABLE, "no healthy model pod"
         upstream, rid = stream.request, stream.request.request_id
         for attempt in range(1, self.max_attempts + 1):
-            pod = self._choose(upstream, hashes, tried)
+            pod = self._choose(upstream, hashes, tried, stream.prompt_tokens)
             if pod is None:
-                if not tried and upstream.HasField("adapter") and self.pool.healthy():
-                    await abort(context, Code.NOT_FOUND, f"no model pod serves adapter {upstream.adapter!r}")
+                of_model = self.pool.healthy(model=upstream.model or None)
+                if not tried and of_model and not any(p.holds(stream.prompt_tokens) for p in of_model):
+                    await abort(context, Code.INVALID_ARGUMENT, _too_long(stream.prompt_tokens, of_model))
+                if not tried and upstream.HasField("adapter") and of_model:
+                    await abort(context, Code.NOT_FOUND, _no_adapter(upstream, self.pool.base_models()))
                 break
+            if not upstream.HasField("model") and pod.load is not None:
+                # Pinned: pods of other models never see it, and a stream resumed after a pod
+                # failure goes on under the model it began with (it went on under whichever the
+                # next pod served: a silently wrong answer). The pod checks the name too.
+                upstream.model = pod.load.model
             request = stream.next_request()
             if request is None:
                 return  # the pod failed after its final message: the caller has everything
@@ -202,6 +243,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                             yield raw
                     finally:
                         call.cancel()
+                self.pool.record(pod, Code.OK)
                 return
             except grpc.aio.AioRpcError as e:
                 last_code, last_error = e.code(), f"{pod.address}: {e.code().name}: {e.details()}"
@@ -215,17 +257,51 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         """Return to try the next pod, or end the call with the pod's status when it is final.
 
         A pod that is UNAVAILABLE (it died, or drained) is ejected and the request goes on
-        elsewhere, resumed if tokens were relayed; one at capacity before the first token too.
-        Anything else is the request's own outcome (bad input, deadline, an engine fault)."""
+        elsewhere, resumed if tokens were relayed; one at capacity before the first token too,
+        and one that no longer serves the request's model (`_moved`) or whose context is shorter
+        than the prompt while another's is not (`_fits_elsewhere`). Anything else is the
+        request's own outcome (bad input, deadline, an engine fault)."""
         code, rid = e.code(), stream.request.request_id
+        self.pool.record(pod, code)
         if code == Code.UNAVAILABLE:
             self.pool.eject(pod, f"Generate failed: {e.details()}")
-        if code == Code.UNAVAILABLE or (code == Code.RESOURCE_EXHAUSTED and not stream.messages):
+        first = not stream.messages  # refused before its first token
+        tokens = _prompt_tokens(e) if code == Code.INVALID_ARGUMENT else None  # too long for the pod
+        elsewhere = (
+            code == Code.UNAVAILABLE
+            or (code == Code.RESOURCE_EXHAUSTED and first)
+            or (code == Code.NOT_FOUND and first and await self._moved(pod, stream))
+            or (tokens is not None and first and self._fits_elsewhere(pod, tokens, stream))
+        )
+        if elsewhere:
             n = len(stream.messages)
             what = f"resuming {rid} after {n} relayed messages" if n else f"retrying {rid}"
             log.info("%s on another pod (%s: %s)", what, pod.address, code.name)
             return
+        if (
+            tokens is not None
+        ):  # too long for every pod of its model: name the longest context, not this one's
+            await abort(context, code, _too_long(tokens, [pod, *self.pool.healthy(model=pod.load.model)]))
         await abort(context, code, e.details())
+
+    async def _moved(self, pod: Pod, stream: Relayed) -> bool:
+        """Whether a pod that refused the request NOT_FOUND serves another model now than its last
+        report said: restarted on its address with another checkpoint since. The refusal was
+        the gateway's stale view, not the caller's error (it reached the caller as NOT_FOUND for a
+        model the fleet serves); the pod is checked again, and routed by its new model."""
+        if not stream.request.HasField("model"):
+            return False
+        await self.pool.recheck(pod)
+        return not pod.serves(stream.request.model)
+
+    def _fits_elsewhere(self, pod: Pod, tokens: int, stream: Relayed) -> bool:
+        """Whether a prompt of `tokens` that `pod` refused as longer than its context fits another
+        pod of the model: pods of one model may have different contexts (--max-model-len, KV
+        cache sizes), and the refusal was final, however many pods could have served it. The
+        request goes on only to pods that hold it."""
+        stream.prompt_tokens = max(stream.prompt_tokens, tokens)
+        model = stream.request.model if stream.request.HasField("model") else None
+        return any(p.holds(tokens, known=True) for p in self.pool.healthy(exclude=[pod.address], model=model))
 
     async def _place_if_needed(
         self, req: pb.GenerateRequest, hashes: list[bytes], context: grpc.aio.ServicerContext
@@ -236,7 +312,8 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         adapter, left = req.adapter, context.time_remaining()
         caller_bound = left is not None and left < self.directory.placement_timeout
         try:
-            placed = await self.directory.place(adapter, self.pool.healthy(), left)
+            pods = self.pool.healthy(model=req.model if req.HasField("model") else None)
+            placed = await self.directory.place(adapter, pods, left)
         except asyncio.TimeoutError:
             if caller_bound:  # the caller's own deadline ran out, not --placement-timeout
                 await abort(
@@ -283,7 +360,9 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 continue
             for m in reply.models:
                 if m.kind != pb.MODEL_KIND_ADAPTER or caller.may_use(m.id):
-                    seen.setdefault(m.id, m)
+                    kept = seen.setdefault(m.id, m)
+                    if m.max_model_len > kept.max_model_len:  # the longest context the fleet has for it
+                        seen[m.id] = m
         if not seen and all(_code(r) == Code.DEADLINE_EXCEEDED for r in replies):
             await abort(context, Code.DEADLINE_EXCEEDED, "the deadline passed before a model pod answered")
         if not seen:
@@ -300,6 +379,28 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                         id=entry.name, kind=pb.MODEL_KIND_ADAPTER, base_model=base, pods=entry.pods
                     )
         return pb.ListModelsResponse(models=sorted(seen.values(), key=lambda m: (m.kind, m.id)))
+
+
+def _prompt_tokens(e: grpc.aio.AioRpcError) -> int | None:
+    """The prompt's length a pod's refusal says (`PROMPT_TOKENS`): it was longer than its context."""
+    value = next((v for k, v in e.trailing_metadata() or () if k == PROMPT_TOKENS), None)
+    return int(value) if isinstance(value, str) and value.isdigit() else None
+
+
+def _too_long(prompt_tokens: int, pods: list[Pod]) -> str:
+    longest = max(p.load.max_model_len for p in pods if p.load is not None)
+    return (
+        f"prompt has {prompt_tokens} tokens; the longest context of this model's pods is {longest} tokens "
+        "and the prompt must leave room for at least one generated token"
+    )
+
+
+def _no_adapter(request: pb.GenerateRequest, base_models: set[str]) -> str:
+    """The refusal of an adapter no pod has; it names the base models too: over HTTP a `model` that
+    is no base model's name is taken for an adapter's (vLLM's convention), a misspelt one too."""
+    model = f" of model {request.model!r}" if request.HasField("model") else ""
+    served = f" (base models: {', '.join(sorted(base_models))})" if base_models else ""
+    return f"no model pod{model} serves adapter {request.adapter!r}{served}"
 
 
 def _registered_name(adapter: str | None) -> bool:
@@ -372,6 +473,18 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=flagtypes.at_least(1),
         default=2,
         help="failed checks in a row that eject a pod [2]",
+    )
+    d.add_argument(
+        "--outlier-errors",
+        type=flagtypes.at_least(0),
+        default=5,
+        help="requests in a row a pod fails with INTERNAL / UNKNOWN / DATA_LOSS that eject it (0: never) [5]",
+    )
+    d.add_argument(
+        "--outlier-ejection",
+        type=flagtypes.seconds,
+        default=30.0,
+        help="seconds such a pod stays out, times its ejections in a row (at most 10) [30]",
     )
     d.add_argument(
         "--max-attempts",
@@ -481,6 +594,8 @@ async def start(
         interval=args.health_interval,
         timeout=args.health_timeout,
         failure_threshold=args.failure_threshold,
+        outlier_errors=getattr(args, "outlier_errors", 5),
+        outlier_ejection=getattr(args, "outlier_ejection", 30.0),
         discovery_interval=args.discovery_interval,
         interceptors=telemetry.client_interceptors(provider),
         on_change=on_change,

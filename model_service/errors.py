@@ -12,6 +12,16 @@ class InvalidRequestError(SpindleError, ValueError):
     """The request itself is wrong (INVALID_ARGUMENT): fixing the request fixes it."""
 
 
+class ContextLengthError(InvalidRequestError):
+    """A prompt longer than this engine's context (INVALID_ARGUMENT). Its token count travels with
+    the status (`spindle.grpc_status.PROMPT_TOKENS`): pods of one model may have different
+    contexts, and the gateway sends the request on to one where it fits."""
+
+    def __init__(self, message: str, prompt_tokens: int) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+
+
 class CapacityError(SpindleError):
     """The engine cannot take this request now or ever (RESOURCE_EXHAUSTED)."""
 

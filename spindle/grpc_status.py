@@ -13,6 +13,8 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 # 8 KiB metadata limit the caller gets RESOURCE_EXHAUSTED "received metadata size exceeds ..."
 # in place of the code. Messages echo the caller's input (an id, a name): it may be 1 MB.
 MAX_MESSAGE_BYTES = 2_000
+# Trailing metadata of a pod's refusal of a prompt past its context: the prompt's length in tokens.
+PROMPT_TOKENS = "spindle-prompt-tokens"
 
 
 def bounded(message: str) -> str:
@@ -24,9 +26,14 @@ def bounded(message: str) -> str:
     return f"{kept}... ({len(message) - len(kept)} more characters)"
 
 
-async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+async def abort(
+    context: grpc.aio.ServicerContext,
+    code: grpc.StatusCode,
+    message: str,
+    trailers: tuple[tuple[str, str], ...] = (),
+) -> NoReturn:
     """End the RPC with `code` and an actionable `message` (`context.abort` raises)."""
-    await context.abort(code, bounded(message))
+    await context.abort(code, bounded(message), trailing_metadata=trailers)
     raise AssertionError("unreachable: context.abort raises")
 
 

@@ -185,8 +185,10 @@ def test_generate_fuzz(gateways, tiny_pod):
         )  # fmt: skip
         adapter = req.adapter if req.HasField("adapter") else None
         allowed = MAY_USE.get(auth.caller or "")
-        denied = req.WhichOneof("prompt") is not None and adapter is not None and allowed is not None
-        _check_key(outcome, auth, denied and adapter not in allowed)
+        prompt = req.WhichOneof("prompt") is not None
+        denied = prompt and adapter is not None and allowed is not None and adapter not in allowed
+        urgent = prompt and req.HasField("priority") and req.priority < 0  # no key here may ask for it
+        _check_key(outcome, auth, denied or urgent)
 
     fuzz()
     gateways.assert_settled()

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 E = TypeVar("E", bound=EngineHandle)
 Output = RequestOutput | Exception  # an exception ends the stream (see `fail_streams`)
+MAX_FAILED_STEPS = 3  # engine steps raising in a row before the engine counts as lost
 T = TypeVar("T")
 
 
@@ -38,6 +39,7 @@ class AsyncEngine(Generic[E]):
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Output]]] = {}
         self._adding: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[str]]] = {}
         self._stop = threading.Event()
+        self._lost: Callable[[str], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="spindle-engine", daemon=True)
         self._thread.start()
 
@@ -124,6 +126,10 @@ class AsyncEngine(Generic[E]):
         self._inbox.put(lambda: None)  # wake an idle engine thread so the step that runs it happens
         return future
 
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(why)` from the engine thread if its steps keep raising (`_step_failed`)."""
+        self._lost = callback
+
     def fail_streams(self, error: Exception) -> None:
         """End every open stream with `error`, from any thread, without the engine thread: it may be
         stuck in a collective that will never complete (a lost tensor-parallel rank)."""
@@ -162,6 +168,7 @@ class AsyncEngine(Generic[E]):
         self._thread.join(timeout=30)
 
     def _loop(self) -> None:
+        failed = 0  # steps that raised in a row
         while not self._stop.is_set():
             # Block for work when idle; otherwise drain the inbox without waiting.
             busy = self.engine.has_unfinished()
@@ -173,9 +180,11 @@ class AsyncEngine(Generic[E]):
                 break
             try:
                 outputs = self.engine.step()
-            except Exception:  # the engine contains per-request faults; this is the last guard
-                log.exception("engine step failed")
+            except Exception as e:  # the engine contains per-request faults; this is the last guard
+                failed += 1
+                self._step_failed(e, failed)
                 continue
+            failed = 0
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is None:
@@ -188,6 +197,20 @@ class AsyncEngine(Generic[E]):
                 except RuntimeError:  # the caller's event loop is gone: nobody will read this
                     self._streams.pop(out.request_id, None)
                     self.engine.abort(out.request_id)
+
+    def _step_failed(self, e: Exception, failed: int) -> None:
+        """A step raised, the `failed`-th in a row. One that kept raising was stepped again
+        forever: every stream on the pod waited with no output while its health said SERVING.
+        From MAX_FAILED_STEPS on, the open streams end UNAVAILABLE (the gateway resumes them
+        elsewhere; streams added later end so at the next failure) and the pod is told
+        (`on_lost`: NOT_SERVING, exit)."""
+        log.error("engine step failed (%d in a row)", failed, exc_info=e)
+        if failed < MAX_FAILED_STEPS:
+            return
+        why = f"{failed} engine steps in a row failed, the last with {type(e).__name__}: {e}"
+        self.fail_streams(UnavailableError(f"model pod cannot serve any more ({why}); retry on another pod"))
+        if self._lost is not None:
+            self._lost(why)
 
 
 def _run(command: Callable[[], object]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from model_service.engine.grammar import Constraint, GrammarCompiler, GrammarError
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import Sequence
-from model_service.errors import CapacityError, InvalidRequestError
+from model_service.errors import CapacityError, ContextLengthError, InvalidRequestError
 from model_service.models.tokenizer import Tokenizer
 
 
@@ -53,9 +53,10 @@ class PromptReader:
         if token_ids is None:
             self._check_tokenized(ids)
         if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"prompt has {len(ids)} tokens; this engine's context is {self.max_model_len} tokens "
-                "and the prompt must leave room for at least one generated token"
+                "and the prompt must leave room for at least one generated token",
+                len(ids),
             )
         if len(ids) + 1 > self.max_kv_tokens:
             raise CapacityError(f"prompt of {len(ids)} tokens can never fit in the KV cache")

@@ -137,6 +137,7 @@ class ModelPod:
         self.engine, self.async_engine = engine, AsyncEngine(engine)
         loop = self._loop = asyncio.get_running_loop()
         engine.on_lost(lambda why: loop.call_soon_threadsafe(self._on_lost, why))
+        self.async_engine.on_lost(lambda why: loop.call_soon_threadsafe(self._on_lost, why))
         self.max_model_len, self.token_texts = engine.max_model_len, TokenTexts(engine.tokenizer)
         await self._warm_up(engine.vocab_size)
         await self.load_stats.recent()  # so that no report or scrape waits for a step from now on
@@ -327,6 +328,7 @@ class ModelPod:
             disk_adapters=where.disk,
             adapter_memory_used_bytes=where.memory_used_bytes,
             adapter_memory_capacity_bytes=where.memory_capacity_bytes,
+            max_model_len=self.max_model_len,
         )
 
 

@@ -13,6 +13,7 @@ import grpc
 
 from model_service.errors import (
     CapacityError,
+    ContextLengthError,
     InvalidRequestError,
     ModelLoadError,
     PreconditionError,
@@ -21,7 +22,7 @@ from model_service.errors import (
 )
 from model_service.lora.adapter import AdapterError
 from model_service.lora.pool import AdapterBusyError
-from spindle.grpc_status import abort
+from spindle.grpc_status import PROMPT_TOKENS, abort
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
@@ -49,4 +50,5 @@ async def abort_for(context: grpc.aio.ServicerContext, e: Exception) -> NoReturn
     code, message = status_for(e)
     if code == Code.INTERNAL:
         log.error("%s", message, exc_info=e)
-    await abort(context, code, message)
+    trailers = ((PROMPT_TOKENS, str(e.prompt_tokens)),) if isinstance(e, ContextLengthError) else ()
+    await abort(context, code, message, trailers)

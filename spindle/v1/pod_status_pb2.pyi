@@ -11,7 +11,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PodLoad(_message.Message):
-    __slots__ = ("model", "num_waiting", "num_running", "num_swapped", "kv_usage", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_rate", "resident_adapters", "waiting_adapters", "max_adapters", "draining", "requests_total", "requests_in_flight", "available_adapters", "control_port", "state_slots_total", "state_slots_free", "host_adapters", "disk_adapters", "adapter_memory_used_bytes", "adapter_memory_capacity_bytes")
+    __slots__ = ("model", "num_waiting", "num_running", "num_swapped", "kv_usage", "kv_blocks_total", "kv_blocks_free", "prefix_cache_hit_rate", "resident_adapters", "waiting_adapters", "max_adapters", "draining", "requests_total", "requests_in_flight", "available_adapters", "control_port", "state_slots_total", "state_slots_free", "host_adapters", "disk_adapters", "adapter_memory_used_bytes", "adapter_memory_capacity_bytes", "max_model_len")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class PodLoad(_message.Message):
     DISK_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_MEMORY_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_waiting: int
     num_running: int
@@ -56,4 +57,5 @@ class PodLoad(_message.Message):
     disk_adapters: _containers.RepeatedScalarFieldContainer[str]
     adapter_memory_used_bytes: int
     adapter_memory_capacity_bytes: int
-    def __init__(self, model: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., waiting_adapters: _Optional[_Iterable[str]] = ..., max_adapters: _Optional[int] = ..., draining: _Optional[bool] = ..., requests_total: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., available_adapters: _Optional[_Iterable[str]] = ..., control_port: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ..., host_adapters: _Optional[_Iterable[str]] = ..., disk_adapters: _Optional[_Iterable[str]] = ..., adapter_memory_used_bytes: _Optional[int] = ..., adapter_memory_capacity_bytes: _Optional[int] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, model: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., waiting_adapters: _Optional[_Iterable[str]] = ..., max_adapters: _Optional[int] = ..., draining: _Optional[bool] = ..., requests_total: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., available_adapters: _Optional[_Iterable[str]] = ..., control_port: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ..., host_adapters: _Optional[_Iterable[str]] = ..., disk_adapters: _Optional[_Iterable[str]] = ..., adapter_memory_used_bytes: _Optional[int] = ..., adapter_memory_capacity_bytes: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
