@@ -19,13 +19,12 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
-import grpc
 from aiohttp import web
 from opentelemetry import propagate, trace
 
 from spindle import flagtypes
 from spindle.errors import ListenError
-from spindle.openai_api import responses
+from spindle.openai_api import fanout, responses
 from spindle.openai_api.context import HttpCallContext, Refused
 from spindle.openai_api.errors import ApiError, bad_request, from_status
 from spindle.openai_api.responses import ChatFormat, CompletionFormat, Format, Reply
@@ -111,19 +110,23 @@ class OpenAIServer:
             await self._runner.cleanup()
 
     async def _generate(self, request: web.Request, fmt: Format) -> web.StreamResponse:
-        req, call = fmt.parse(await _json_object(request), self.base_models())
-        req.request_id = request.headers.get("x-request-id", "")  # checked as gRPC's request_id is
-        context = HttpCallContext(request.headers)
-        async with contextlib.aclosing(_messages(self.generation, req, context)) as stream:
-            first = await anext(stream, None)  # a refusal raises here, before any byte is sent
-            if first is None:
-                raise from_status(grpc.StatusCode.INTERNAL, "the model stream ended without an answer")
-            reply = Reply(fmt, call, context.request_id() or req.request_id)
+        """One request, one generation or several (`n`, a list of prompts, `best_of`: fanout.py),
+        each a `Generate` call with its own context (its own stream slot and x-request-id)."""
+        template, call = fmt.parse(await _json_object(request), self.base_models())
+        # the caller's x-request-id is checked as gRPC's request_id is
+        rid, parts = fanout.plan(template, call, request.headers.get("x-request-id", ""))
+        contexts = [HttpCallContext(request.headers) for _ in parts]
+        streams = [_messages(self.generation, p.request, c) for p, c in zip(parts, contexts, strict=True)]
+        async with fanout.Merged(streams) as merged:
+            early = await fanout.started(merged, len(parts))  # a refusal raises here, before any byte is sent
+            reply = Reply(fmt, call, (contexts[0].request_id() or rid) if len(parts) == 1 else rid)
             headers = {"x-request-id": reply.request_id}
-            if not call.stream:
-                messages = [first, *[m async for m in stream]]
-                return _json(reply.whole(messages), headers=headers)
-            return await _stream(request, reply, first, stream, headers)
+            if call.stream:
+                return await _stream(request, reply, [p.prompt for p in parts], early, merged, headers)
+            answers = [fanout.Answer(p.prompt) for p in parts]
+            for k, message in [*early, *[m async for m in merged]]:
+                answers[k].messages.append(message)
+            return _json(reply.whole(fanout.chosen(answers, call), answers), headers=headers)
 
     async def _models(self, request: web.Request) -> web.Response:
         listed = await self.generation.ListModels(pb.ListModelsRequest(), HttpCallContext(request.headers))
@@ -157,23 +160,28 @@ async def _messages(
 async def _stream(
     request: web.Request,
     reply: Reply,
-    first: pb.GenerateResponse,
-    stream: AsyncIterator[pb.GenerateResponse],
+    prompts: list[int],
+    early: list[tuple[int, pb.GenerateResponse]],
+    merged: fanout.Merged,
     headers: dict[str, str],
 ) -> web.StreamResponse:
-    """Server-sent events: the first message's chunks, the rest as they come, then [DONE]. A
-    failure after the first byte is an `error` event (what the `openai` SDKs raise from)."""
+    """Server-sent events: the messages read so far, the rest as they come (each generation's
+    chunks with its choice's index; `prompts[k]`: the prompt generation k answers), the usage
+    chunk when asked for, then [DONE]. A failure after the first byte is an `error` event (what
+    the `openai` SDKs raise from)."""
     response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
                                            **headers})  # fmt: skip
     await response.prepare(request)
     try:
-        await _send(response, reply.chunks(first, first=True))
-        async for message in stream:
-            await _send(response, reply.chunks(message, first=False))
+        for k, message in early:
+            await _send(response, reply.chunks(k, prompts[k], message))
+        async for k, message in merged:
+            await _send(response, reply.chunks(k, prompts[k], message))
+        await _send(response, reply.usage_chunks())
     except Refused as e:
         await _send(response, [_failed(from_status(e.code, e.details, e.trailers)).body()])
     except ConnectionResetError:
-        return response  # the client left; closing the stream aborts the request
+        return response  # the client left; closing the streams aborts the requests
     except Exception as e:  # the status line is sent: an answer now would corrupt the event stream
         await _send(response, [_failed(_internal(request, e)).body()])
     await response.write(b"data: [DONE]\n\n")
