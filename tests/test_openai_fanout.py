@@ -13,6 +13,8 @@ import openai
 import pytest
 
 from spindle.openai_api.fanout import derived_seed
+from spindle.openai_api.requests import chat_request
+from spindle.openai_api.responses import ChatFormat, Reply
 from spindle.v1 import generation_pb2 as pb
 from tests.test_openai_http import BASE, QUESTION, _idle, _sdk, _served
 
@@ -147,3 +149,26 @@ def test_a_failure_in_one_generation_closes_the_others(stream):
 
 def test_a_derived_seed_stays_an_int64():
     assert derived_seed(7, 2) == 9 and derived_seed(2**63 - 1, 1) == -(2**63)
+
+
+def test_each_choice_reads_its_own_tool_calls():
+    """Interleaved streams of two choices: choice 0's call markup must not swallow choice 1's text."""
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    _, call = chat_request({"messages": QUESTION, "tools": tools, "n": 2}, {BASE}, "hermes")
+    reply = Reply(ChatFormat(), call, "r")
+    texts = {"open": '<tool_call>{"name": "get_time", ', "close": '"arguments": {}}</tool_call>', "hi": "Hi"}
+    chunk = {k: pb.GenerateResponse(chunk=pb.Chunk(text=t)) for k, t in texts.items()}
+    final = pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_STOP))
+    sent = [(0, chunk["open"]), (1, chunk["hi"]), (0, chunk["close"]), (1, final), (0, final)]
+    choices = [c for k, m in sent for out in reply.chunks(k, 0, m) for c in out["choices"]]
+    content = {
+        i: "".join(c["delta"].get("content") or "" for c in choices if c["index"] == i) for i in (0, 1)
+    }
+    names = [
+        t["function"].get("name")
+        for c in choices
+        for t in c["delta"].get("tool_calls", [])
+        if c["index"] == 0
+    ]
+    finishes = {c["index"]: c["finish_reason"] for c in choices if c["finish_reason"]}
+    assert content == {0: "", 1: "Hi"} and names[0] == "get_time" and finishes == {0: "tool_calls", 1: "stop"}
