@@ -11,10 +11,15 @@ from collections.abc import AsyncIterator
 
 import openai
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from spindle.openai_api.fanout import derived_seed
 from spindle.openai_api.requests import chat_request
 from spindle.openai_api.responses import ChatFormat, Reply
+from spindle.openai_api.server import OpenAIServer
 from spindle.v1 import generation_pb2 as pb
 from tests.test_openai_http import BASE, QUESTION, _idle, _sdk, _served
 
@@ -172,3 +177,40 @@ def test_each_choice_reads_its_own_tool_calls():
     ]
     finishes = {c["index"]: c["finish_reason"] for c in choices if c["finish_reason"]}
     assert content == {0: "", 1: "Hi"} and names[0] == "get_time" and finishes == {0: "tool_calls", 1: "stop"}
+
+
+class _Annotating:
+    """A Generation servicer that annotates the current span as the gateway's and the pod's do."""
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        trace.get_current_span().set_attribute("gen_ai.response.id", request.request_id)
+        yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=[1], text="a"))
+        yield pb.GenerateResponse(final=pb.Final(usage=pb.Usage(prompt_tokens=2, completion_tokens=1)))
+
+
+def test_each_generation_is_traced_in_its_own_span():
+    """The servicer annotates the span it runs in (id, usage, finish): several generations in the
+    request's one span would leave the last one's figures as the request's."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def run() -> None:
+        server = OpenAIServer(_Annotating(), lambda: (BASE,), lambda: True, provider.get_tracer(__name__))
+        port = await server.start("127.0.0.1", 0)
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        try:
+            out = await client.completions.create(
+                model=BASE, prompt=["x", "y"], n=2, extra_headers={"x-request-id": "t"}
+            )
+            assert out.usage.prompt_tokens == 4 and out.usage.completion_tokens == 4
+        finally:
+            await client.close()
+            await server.stop()
+
+    asyncio.run(run())
+    (request,) = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/completions"]
+    parts = [s for s in exporter.get_finished_spans() if s.name == "spindle.generation"]
+    assert request.attributes["gen_ai.response.id"] == "t"
+    assert sorted(s.attributes["gen_ai.response.id"] for s in parts) == ["t-0", "t-1", "t-2", "t-3"]
+    assert all(s.parent.span_id == request.context.span_id for s in parts)

@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry import propagate, trace
 
-from spindle import flagtypes
+from spindle import flagtypes, telemetry
 from spindle.errors import ListenError
 from spindle.openai_api import fanout, responses
 from spindle.openai_api.context import HttpCallContext, Refused
@@ -116,7 +116,10 @@ class OpenAIServer:
         # the caller's x-request-id is checked as gRPC's request_id is
         rid, parts = fanout.plan(template, call, request.headers.get("x-request-id", ""))
         contexts = [HttpCallContext(request.headers) for _ in parts]
-        streams = [_messages(self.generation, p.request, c) for p, c in zip(parts, contexts, strict=True)]
+        streams = [self._messages(p.request, c, k if len(parts) > 1 else None)
+                   for k, (p, c) in enumerate(zip(parts, contexts, strict=True))]  # fmt: skip
+        if len(parts) > 1:  # the request's id (each generation's span has its own)
+            trace.get_current_span().set_attribute(telemetry.RESPONSE_ID, rid)
         async with fanout.Merged(streams) as merged:
             early = await fanout.started(merged, len(parts))  # a refusal raises here, before any byte is sent
             reply = Reply(fmt, call, (contexts[0].request_id() or rid) if len(parts) == 1 else rid)
@@ -127,6 +130,21 @@ class OpenAIServer:
             for k, message in [*early, *[m async for m in merged]]:
                 answers[k].messages.append(message)
             return _json(reply.whole(fanout.chosen(answers, call), answers), headers=headers)
+
+    async def _messages(
+        self, request: pb.GenerateRequest, context: HttpCallContext, generation: int | None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The servicer's stream as messages (the gateway relays serialized bytes), closed with this
+        one, so a disconnect reaches the servicer's cleanup at once. One `generation` of several
+        runs in a span of its own (`spindle.generation`, a child of the request's), which the
+        servicer annotates (its id, usage, finish) as it does the request's span when alone."""
+        span = self.tracer.start_as_current_span("spindle.generation") if generation is not None else None
+        with span or contextlib.nullcontext() as current:
+            if current is not None:
+                current.set_attribute("spindle.generation", generation)
+            async with contextlib.aclosing(self.generation.Generate(request, context)) as stream:
+                async for m in stream:
+                    yield m if isinstance(m, pb.GenerateResponse) else pb.GenerateResponse.FromString(m)
 
     async def _models(self, request: web.Request) -> web.Response:
         listed = await self.generation.ListModels(pb.ListModelsRequest(), HttpCallContext(request.headers))
@@ -145,16 +163,6 @@ class OpenAIServer:
     async def _health(self, request: web.Request) -> web.Response:
         ready = self.ready()
         return _json({"status": "ok" if ready else "not serving"}, status=200 if ready else 503)
-
-
-async def _messages(
-    generation: Any, request: pb.GenerateRequest, context: HttpCallContext
-) -> AsyncIterator[pb.GenerateResponse]:
-    """The servicer's stream as messages (the gateway relays serialized bytes), closed with this
-    one, so a disconnect reaches the servicer's cleanup at once."""
-    async with contextlib.aclosing(generation.Generate(request, context)) as stream:
-        async for m in stream:
-            yield m if isinstance(m, pb.GenerateResponse) else pb.GenerateResponse.FromString(m)
 
 
 async def _stream(
