@@ -205,7 +205,7 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
             # and the one admitted is cancelled with the refusal (the pod runs nothing after).
             three = client("key-three")
             assert len((await three.chat.completions.create(model=BASE, n=2, **ask)).choices) == 2
-            with pytest.raises(openai.RateLimitError):
+            with pytest.raises(openai.RateLimitError, match="2 generations, each counted as a request"):
                 await three.chat.completions.create(
                     model=BASE, n=2, **{**ask, "max_tokens": 500}, extra_body={"ignore_eos": True}
                 )

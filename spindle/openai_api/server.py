@@ -19,6 +19,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
+import grpc
 from aiohttp import web
 from opentelemetry import propagate, trace
 
@@ -121,7 +122,7 @@ class OpenAIServer:
         if len(parts) > 1:  # the request's id (each generation's span has its own)
             trace.get_current_span().set_attribute(telemetry.RESPONSE_ID, rid)
         async with fanout.Merged(streams) as merged:
-            early = await fanout.started(merged, len(parts))  # a refusal raises here, before any byte is sent
+            early = await _started(merged, len(parts))  # a refusal raises here, before any byte is sent
             reply = Reply(fmt, call, (contexts[0].request_id() or rid) if len(parts) == 1 else rid)
             headers = {"x-request-id": reply.request_id}
             if call.stream:
@@ -163,6 +164,18 @@ class OpenAIServer:
     async def _health(self, request: web.Request) -> web.Response:
         ready = self.ready()
         return _json({"status": "ok" if ready else "not serving"}, status=200 if ready else 503)
+
+
+async def _started(merged: fanout.Merged, count: int) -> list[tuple[int, pb.GenerateResponse]]:
+    """`fanout.started`; a limit's refusal of a fan-out says that each generation counted (a key
+    allowed fewer streams or a smaller burst than the request's generations is never admitted)."""
+    try:
+        return await fanout.started(merged, count)
+    except Refused as e:
+        if count == 1 or e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        why = f"{e.details} (this request is {count} generations, each counted as a request)"
+        raise Refused(e.code, why, e.trailers) from None
 
 
 async def _stream(
