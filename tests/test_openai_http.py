@@ -157,6 +157,7 @@ def test_a_client_that_hangs_up_aborts_its_request_in_the_engine(spindle_up):
 KEYS = """
 admin   key-admin  *
 limited key-limited  -  rate=0.001 burst=1
+three   key-three    -  rate=0.001 burst=3
 """
 
 
@@ -197,9 +198,18 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
             assert {m.id async for m in admin.models.list()} >= {BASE, ADAPTER}
             with pytest.raises(openai.NotFoundError, match="nope"):
                 await admin.chat.completions.create(model="nope", **ask)
-            with pytest.raises(openai.BadRequestError, match="`n` other than 1") as refused:
-                await admin.chat.completions.create(model=BASE, n=2, **ask)
+            with pytest.raises(openai.BadRequestError, match="at most 128") as refused:
+                await admin.chat.completions.create(model=BASE, n=129, **ask)
             assert refused.value.body["param"] == "n" and refused.value.body["code"] == "INVALID_ARGUMENT"
+            # n choices are n requests to the key's rate: 2 of its 3, then 2 more is one too many,
+            # and the one admitted is cancelled with the refusal (the pod runs nothing after).
+            three = client("key-three")
+            assert len((await three.chat.completions.create(model=BASE, n=2, **ask)).choices) == 2
+            with pytest.raises(openai.RateLimitError, match="2 generations, each counted as a request"):
+                await three.chat.completions.create(
+                    model=BASE, n=2, **{**ask, "max_tokens": 500}, extra_body={"ignore_eos": True}
+                )
+            await asyncio.to_thread(_idle, spindle_up.pod)
             unenforceable = {"type": "array", "uniqueItems": True}  # the grammar engine's refusal, as gRPC's
             schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": unenforceable}}
             with pytest.raises(openai.BadRequestError, match="uniqueItems"):
@@ -242,14 +252,21 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
             "not several",
         ),
         ({"messages": QUESTION, "stream_options": {"include_usage": True}}, "stream: true"),
-        ({"messages": QUESTION, "n": 0}, "`n` other than 1"),
+        ({"messages": QUESTION, "n": 0}, "`n` must be at least 1"),
+        ({"messages": QUESTION, "n": 129}, "at most 128"),
+        ({"messages": QUESTION, "n": 2, "best_of": 3}, "not supported in chat"),
         ({"messages": QUESTION, "stream": True, "stream_options": {"include_usage": "no"}}, "true or false"),
         ({"messages": QUESTION, "top_logprobs": 2}, "logprobs: true"),
         ({"messages": QUESTION, "max_tokens": "9"}, "an integer"),
-        ({"prompt": ["a", "b"]}, "several prompts"),
+        ({"prompt": ["a", [1]]}, "list of strings or of token-id lists"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["a"] * 65, "n": 2}, "130 generations"),
+        ({"prompt": "a", "n": 2, "best_of": 1}, "at least `n`"),
+        ({"prompt": "a", "best_of": 2, "stream": True}, "cannot be streamed"),
         ({"prompt": [1, 2**40]}, "token ids"),
         ({"prompt": "a", "max_tokens": 2**40}, "out of range"),
-        ({"prompt": "a", "echo": True}, "echo"),
+        ({"prompt": [1, 2], "echo": True}, "only supported for text prompts"),
+        ({"prompt": "a", "echo": True, "logprobs": 1}, "prompt's logprobs"),
         # vLLM's extras that would change the answer: refused, not silently dropped
         ({"prompt": "a", "min_tokens": 8}, "min_tokens"),
         ({"prompt": "a", "use_beam_search": True}, "beam search"),
@@ -518,8 +535,8 @@ def test_a_stream_has_no_empty_deltas(logprobs):
     reply = Reply(ChatFormat(), Call(BASE, stream=True, include_usage=False, logprobs=logprobs), "r")
     held = pb.Chunk(token_ids=[5], text="", logprobs=[pb.TokenLogprob(token_id=5, logprob=-1.0)])
     messages = [pb.Chunk(token_ids=[4], text=""), held, pb.Chunk(token_ids=[6], text="ab")]
-    deltas = [c["choices"][0]["delta"] for i, m in enumerate(messages)
-              for c in reply.chunks(pb.GenerateResponse(chunk=m), first=i == 0)]  # fmt: skip
+    deltas = [c["choices"][0]["delta"] for m in messages
+              for c in reply.chunks(0, 0, pb.GenerateResponse(chunk=m))]  # fmt: skip
     middle = [{"content": ""}] if logprobs else []
     assert deltas == [{"role": "assistant", "content": ""}, *middle, {"content": "ab"}]
 

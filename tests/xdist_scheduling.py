@@ -18,6 +18,7 @@ import pytest
 # A file -> the file whose worker runs it too, because both use a costly session fixture.
 RUN_WITH = {
     "tests/test_quickstart.py": "tests/test_openai_http.py",  # `spindle_up`
+    "tests/test_openai_fanout.py": "tests/test_openai_http.py",  # `spindle_up`
     "tests/test_gateway_failover.py": "tests/test_gateway.py",  # `tiny_cluster`
     **dict.fromkeys(  # `hf_smollm2`
         ("tests/test_lora.py", "tests/test_sampling_engine.py", "tests/test_smollm2_parity.py"),

@@ -60,6 +60,12 @@ STRUCTURED_FIELDS = (
 # a request at its context whatever max_tokens says, so the field's largest value is "no limit".
 TO_THE_CONTEXT = 2**31 - 1
 
+# The most generations one HTTP request may fan out to (prompts x `best_of`, or x `n`): each is a
+# request on the pods, so one request cannot queue thousands of them.
+MAX_CHOICES = 128
+
+Prompt = str | tuple[int, ...]  # a completion's prompt: its text or its token ids
+
 
 @dataclass(frozen=True)
 class Call:
@@ -70,6 +76,17 @@ class Call:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool
     tools: ToolUse | None = None  # how the output is read for tool calls (None: as text)
+    n: int = 1  # choices per prompt
+    best_of: int = 1  # generations per prompt the n choices are the best of (>= n)
+    echo: bool = False  # a completion's text starts with its prompt's
+    # A completion's prompts, one GenerateRequest each (the request parsed holds the first);
+    # empty for a chat, whose one prompt is the request's.
+    prompts: tuple[Prompt, ...] = ()
+
+    @property
+    def generations(self) -> int:
+        """How many requests the pods run for this one."""
+        return max(1, len(self.prompts)) * self.best_of
 
 
 def structured_output(body: dict[str, Any], request: pb.GenerateRequest) -> None:
@@ -178,7 +195,12 @@ def chat_request(
         req.sampling.structured_output.json_schema = forced
     if not _max_tokens(body, req, "max_completion_tokens", "max_tokens"):
         req.max_tokens = TO_THE_CONTEXT
-    return req, replace(call, tools=use)
+    if (_typed(body, "best_of", int) or 1) > call.n:  # a completions field (OpenAI's chat has none)
+        raise bad_request("`best_of` is not supported in chat completions (send it to /v1/completions)",
+                          "best_of")  # fmt: skip
+    call = replace(call, tools=use)
+    _bounded(call)
+    return req, call
 
 
 def _no_function_call(body: dict[str, Any]) -> None:
@@ -203,31 +225,84 @@ def _special_tokens(body: dict[str, Any], added: bool) -> None:
 
 
 def completion_request(body: dict[str, Any], base_models: Collection[str]) -> tuple[pb.GenerateRequest, Call]:
-    """POST /v1/completions."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        req = pb.GenerateRequest(text=prompt)
+    """POST /v1/completions: the request of its first prompt, and the Call with all of them."""
+    prompts = _prompts(body.get("prompt"))
+    req = pb.GenerateRequest()
+    set_prompt(req, prompts[0])
+    if any(isinstance(p, str) for p in prompts):
         _special_tokens(body, added=True)
-    elif isinstance(prompt, list) and prompt and _token_ids(prompt):
-        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
-    else:
-        raise bad_request(
-            "`prompt` must be one string or one list of token ids (send several prompts as several requests)",
-            "prompt",
-        )
-    for name in ("echo", "suffix"):
-        if body.get(name):
-            raise bad_request(f"`{name}` is not supported", name)
-    if (_typed(body, "best_of", int) or 1) > 1:
-        raise bad_request("`best_of` > 1 is not supported", "best_of")
+    if body.get("suffix"):
+        raise bad_request("`suffix` is not supported", "suffix")
     logprobs = _typed(body, "logprobs", int)
     if logprobs is not None:
         req.logprobs = logprobs
+    echo = _echo(body, prompts, logprobs is not None)
     call = _common(body, req, base_models, logprobs is not None)
+    best_of = _best_of(body, call)
     _max_tokens(body, req, "max_tokens")
+    call = replace(call, best_of=best_of, echo=echo, prompts=prompts)
+    _bounded(call)
     return req, call
+
+
+def set_prompt(req: pb.GenerateRequest, prompt: Prompt) -> None:
+    """A completion's prompt onto its GenerateRequest: `text`, or `token_ids`."""
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.CopyFrom(pb.TokenIds(ids=prompt))
+
+
+def _prompts(prompt: Any) -> tuple[Prompt, ...]:
+    """`prompt`: a string, a list of token ids, or a non-empty list of either (several prompts)."""
+    if isinstance(prompt, str):
+        return (prompt,)
+    if isinstance(prompt, list) and prompt and _token_ids(prompt):
+        return (tuple(prompt),)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return tuple(prompt)
+    if isinstance(prompt, list) and prompt and all(_token_list(p) for p in prompt):
+        return tuple(tuple(p) for p in prompt)
+    raise bad_request(
+        "`prompt` must be a string, a list of token ids, or a non-empty list of strings or of token-id lists",
+        "prompt",
+    )
+
+
+def _echo(body: dict[str, Any], prompts: tuple[Prompt, ...], logprobs: bool) -> bool:
+    """`echo`: each choice's text starts with its prompt. Only for text prompts (the HTTP layer has
+    no tokenizer to write token ids as text) and without logprobs (the prompt's would be needed,
+    which the engine does not compute: `prompt_logprobs` is refused too)."""
+    echo = _typed(body, "echo", bool) or False
+    if echo and not all(isinstance(p, str) for p in prompts):
+        raise bad_request("`echo` is only supported for text prompts, not token ids", "echo")
+    if echo and logprobs:
+        raise bad_request("`echo` with `logprobs` is not supported: it needs the prompt's logprobs", "echo")
+    return echo
+
+
+def _best_of(body: dict[str, Any], call: Call) -> int:
+    """`best_of`: generations per prompt, the n with the highest cumulative logprob returned.
+    At least n; not streamed (which choices are returned is known only at the end), as OpenAI."""
+    best_of = _typed(body, "best_of", int)
+    if best_of is None or best_of == call.n:
+        return call.n
+    if best_of < call.n:
+        raise bad_request(f"`best_of` ({best_of}) must be at least `n` ({call.n})", "best_of")
+    if call.stream:
+        raise bad_request("`best_of` > `n` cannot be streamed", "best_of")
+    return best_of
+
+
+def _bounded(call: Call) -> None:
+    """At most MAX_CHOICES generations for one request."""
+    if call.generations > MAX_CHOICES:
+        given = f"{max(1, len(call.prompts))} prompt(s) x {call.best_of}"
+        raise bad_request(
+            f"the request asks for {call.generations} generations ({given}); at most {MAX_CHOICES} "
+            "per request: split it",
+            "best_of" if call.best_of > call.n else "n" if call.n > 1 else "prompt",
+        )
 
 
 def _common(
@@ -242,8 +317,9 @@ def _common(
     for name, why in _REFUSED.items():
         if body.get(name) or (name in _REFUSED_WHEN_SET and body.get(name) is not None):
             raise bad_request(why, name)
-    if _typed(body, "n", int) not in (None, 1):  # n: 0 too (it asks for no choice at all)
-        raise bad_request("`n` other than 1 is not supported: send n requests (with different seeds)", "n")
+    n = _typed(body, "n", int)
+    if n is not None and n < 1:  # n: 0 asks for no choice at all
+        raise bad_request(f"`n` must be at least 1, got {n}", "n")
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -279,7 +355,8 @@ def _common(
     if include_usage not in (None, True, False):  # "false" would read as true: a chunk no one expects
         raise bad_request("`stream_options.include_usage` must be true or false", "stream_options")
     named = model or next(iter(sorted(base_models)), "")  # unset: the base model
-    return Call(model=named, stream=stream, include_usage=bool(include_usage), logprobs=logprobs)
+    n = n or 1
+    return Call(named, stream, include_usage=bool(include_usage), logprobs=logprobs, n=n, best_of=n)
 
 
 def _max_tokens(body: dict[str, Any], req: pb.GenerateRequest, *names: str) -> bool:
@@ -291,6 +368,11 @@ def _max_tokens(body: dict[str, Any], req: pb.GenerateRequest, *names: str) -> b
             req.max_tokens = value
             return True
     return False
+
+
+def _token_list(value: Any) -> bool:
+    """A non-empty list of token ids (one prompt of several)."""
+    return isinstance(value, list) and bool(value) and _token_ids(value)
 
 
 def _token_ids(values: list[Any]) -> bool:

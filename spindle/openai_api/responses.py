@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spindle.openai_api import requests
+from spindle.openai_api.fanout import Answer
 from spindle.openai_api.requests import Call
 from spindle.openai_api.tool_parsers import Arguments, CallStart, Piece
 from spindle.openai_api.tools import ToolUse
@@ -179,9 +180,18 @@ def _call_delta(index: int, **fields: Any) -> dict[str, Any]:
     return {"tool_calls": [{"index": index, **fields}]}
 
 
+def total(finals: Sequence[tuple[int, pb.Final]]) -> pb.Usage:
+    """Several generations' usage, (prompt, final) each, as one: their completion tokens summed,
+    each prompt's tokens counted once however many choices answer it (as OpenAI counts `n`)."""
+    prompts = {p: f.usage.prompt_tokens for p, f in finals}
+    generated = sum(f.usage.completion_tokens for _, f in finals)
+    return pb.Usage(prompt_tokens=sum(prompts.values()), completion_tokens=generated)
+
+
 @dataclass
 class Reply:
-    """One request's answer as it streams: the envelope every object of it shares."""
+    """One request's answer as it streams: the envelope every object of it shares, and each
+    choice's own state (whether its first delta was sent, its tool calls)."""
 
     fmt: Format
     call: Call
@@ -189,51 +199,93 @@ class Reply:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.tool_calls = ToolCalls(self.call.tools) if self.call.tools is not None else None
+        self._started: set[int] = set()  # choices whose first delta was sent
+        self._tool_calls: dict[int, ToolCalls] = {}
+        self._finals: list[tuple[int, pb.Final]] = []  # (prompt, final) of each generation streamed
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.fmt.id_prefix + self.request_id, "object": obj, "created": self.created,
                 "model": self.call.model}  # fmt: skip
 
-    def whole(self, messages: Sequence[pb.GenerateResponse]) -> dict[str, Any]:
-        """The non-streamed response: every chunk's text and logprobs, and the final."""
-        chunks = [m.chunk for m in messages if m.HasField("chunk")]
-        final = next((m.final for m in messages if m.HasField("final")), None)
+    def _tools(self, index: int) -> ToolCalls | None:
+        """Choice `index`'s tool calls (None: its text is not read for calls)."""
+        if self.call.tools is None:
+            return None
+        if index not in self._tool_calls:
+            self._tool_calls[index] = ToolCalls(self.call.tools)
+        return self._tool_calls[index]
+
+    def _echoed(self, prompt: int) -> str:
+        """What a choice's text starts with: its prompt's text with `echo`, else nothing."""
+        return str(self.call.prompts[prompt]) if self.call.echo else ""
+
+    def whole(self, choices: Sequence[tuple[int, Answer]], answers: Sequence[Answer]) -> dict[str, Any]:
+        """The non-streamed response: the choices, (index, answer), and the usage of every
+        generation run (`best_of`'s unreturned candidates too: the pods ran them)."""
+        finals = [(a.prompt, a.final) for a in answers]
+        done = [(p, f) for p, f in finals if f is not None]
+        u = usage(total(done)) if len(done) == len(finals) else None
+        out = [self._choice(index, answer) for index, answer in choices]
+        return {**self._envelope(self.fmt.object), "choices": out, "usage": u}
+
+    def _choice(self, index: int, answer: Answer) -> dict[str, Any]:
+        """One whole choice: every chunk's text and logprobs, and the final."""
+        chunks = [m.chunk for m in answer.messages if m.HasField("chunk")]
+        final = answer.final
         logprobs = [lp for c in chunks for lp in c.logprobs] if self.call.logprobs else None
         text = "".join(c.text for c in chunks)
-        choice = self.fmt.choice(text, logprobs, final)
-        if self.tool_calls is not None:
-            self.tool_calls.whole(choice, text, final)
-        u = usage(final.usage) if final is not None else None
-        return {**self._envelope(self.fmt.object), "choices": [choice], "usage": u}
+        choice = {**self.fmt.choice(self._echoed(answer.prompt) + text, logprobs, final), "index": index}
+        tools = self._tools(index)
+        if tools is not None:
+            tools.whole(choice, text, final)
+        return choice
 
-    def chunks(self, message: pb.GenerateResponse, first: bool) -> list[dict[str, Any]]:
-        """The stream chunks for one message: its text, or the finish (and the usage when asked)."""
+    def chunks(self, index: int, prompt: int, message: pb.GenerateResponse) -> list[dict[str, Any]]:
+        """The stream chunks for one message of choice `index` (answering prompt `prompt`): its
+        text, or its finish."""
+        first = index not in self._started
+        self._started.add(index)
         base = self._envelope(self.fmt.chunk_object)
         if self.call.include_usage:
             base["usage"] = None
-        if self.tool_calls is not None:
-            return self._tool_chunks(base, message, first, self.tool_calls)
+        if message.HasField("final"):
+            self._finals.append((prompt, message.final))
+        tools = self._tools(index)
+        if tools is not None:
+            return self._tool_chunks(base, index, message, first, tools)
+        text = self._echoed(prompt) if first else ""
         if message.HasField("chunk"):
             c = message.chunk
             logprobs = list(c.logprobs) if self.call.logprobs else None
-            if not (c.text or logprobs or first):
+            if not (c.text or text or logprobs or first):
                 return []  # tokens whose text is held back (a stop string may follow): nothing to say yet
-            return [{**base, "choices": [self.fmt.delta(c.text, logprobs, None, first)]}]
-        return self._finish_chunks(base, message.final, first)
+            delta = self.fmt.delta(text + c.text, logprobs, None, first)
+            return [{**base, "choices": [{**delta, "index": index}]}]
+        return [self._finish_chunk(base, index, message.final, first, text)]
 
-    def _finish_chunks(self, base: dict[str, Any], final: pb.Final, first: bool) -> list[dict[str, Any]]:
-        """The last chunk (its finish_reason) and, when asked, the usage's."""
-        choice = self.fmt.delta("", [] if self.call.logprobs else None, final, first)
-        if self.tool_calls is not None:
-            choice["finish_reason"] = self.tool_calls.finish_reason(final, choice["finish_reason"])
-        out = [{**base, "choices": [choice]}]
-        if self.call.include_usage:
-            out.append({**base, "choices": [], "usage": usage(final.usage)})
-        return out
+    def usage_chunks(self) -> list[dict[str, Any]]:
+        """The stream's last chunk, with every generation's usage, when `include_usage` asks for it."""
+        if not self.call.include_usage:
+            return []
+        return [{**self._envelope(self.fmt.chunk_object), "choices": [], "usage": usage(total(self._finals))}]
+
+    def _finish_chunk(
+        self, base: dict[str, Any], index: int, final: pb.Final, first: bool, text: str = ""
+    ) -> dict[str, Any]:
+        """A choice's last chunk: its finish_reason."""
+        choice = {**self.fmt.delta(text, [] if self.call.logprobs else None, final, first), "index": index}
+        tools = self._tools(index)
+        if tools is not None:
+            choice["finish_reason"] = tools.finish_reason(final, choice["finish_reason"])
+        return {**base, "choices": [choice]}
 
     def _tool_chunks(
-        self, base: dict[str, Any], message: pb.GenerateResponse, first: bool, tool_calls: ToolCalls
+        self,
+        base: dict[str, Any],
+        index: int,
+        message: pb.GenerateResponse,
+        first: bool,
+        tool_calls: ToolCalls,
     ) -> list[dict[str, Any]]:
         """A chat stream read for tool calls: content deltas hold only the text outside the calls
         (markup is held back until it is known not to be a call); each call comes as OpenAI
@@ -247,10 +299,10 @@ class Reply:
         logprobs = list(message.chunk.logprobs) if self.call.logprobs and final is None else None
         if logprobs and not deltas:
             deltas = [{"content": ""}]
-        out = [{**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None,
+        out = [{**base, "choices": [{"index": index, "delta": delta, "finish_reason": None,
                                       "logprobs": ChatFormat._logprobs(logprobs if i == 0 else None)}]}
                for i, delta in enumerate(deltas)]  # fmt: skip
-        return out + (self._finish_chunks(base, final, first=False) if final is not None else [])
+        return out + ([self._finish_chunk(base, index, final, first=False)] if final is not None else [])
 
 
 def models(listed: pb.ListModelsResponse) -> dict[str, Any]:

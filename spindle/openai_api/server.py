@@ -23,9 +23,9 @@ import grpc
 from aiohttp import web
 from opentelemetry import propagate, trace
 
-from spindle import flagtypes
+from spindle import flagtypes, telemetry
 from spindle.errors import ListenError
-from spindle.openai_api import responses
+from spindle.openai_api import fanout, responses
 from spindle.openai_api.context import HttpCallContext, Refused
 from spindle.openai_api.errors import ApiError, bad_request, from_status
 from spindle.openai_api.responses import ChatFormat, CompletionFormat, Format, Reply
@@ -111,19 +111,41 @@ class OpenAIServer:
             await self._runner.cleanup()
 
     async def _generate(self, request: web.Request, fmt: Format) -> web.StreamResponse:
-        req, call = fmt.parse(await _json_object(request), self.base_models())
-        req.request_id = request.headers.get("x-request-id", "")  # checked as gRPC's request_id is
-        context = HttpCallContext(request.headers)
-        async with contextlib.aclosing(_messages(self.generation, req, context)) as stream:
-            first = await anext(stream, None)  # a refusal raises here, before any byte is sent
-            if first is None:
-                raise from_status(grpc.StatusCode.INTERNAL, "the model stream ended without an answer")
-            reply = Reply(fmt, call, context.request_id() or req.request_id)
+        """One request, one generation or several (`n`, a list of prompts, `best_of`: fanout.py),
+        each a `Generate` call with its own context (its own stream slot and x-request-id)."""
+        template, call = fmt.parse(await _json_object(request), self.base_models())
+        # the caller's x-request-id is checked as gRPC's request_id is
+        rid, parts = fanout.plan(template, call, request.headers.get("x-request-id", ""))
+        contexts = [HttpCallContext(request.headers) for _ in parts]
+        streams = [self._messages(p.request, c, k if len(parts) > 1 else None)
+                   for k, (p, c) in enumerate(zip(parts, contexts, strict=True))]  # fmt: skip
+        if len(parts) > 1:  # the request's id (each generation's span has its own)
+            trace.get_current_span().set_attribute(telemetry.RESPONSE_ID, rid)
+        async with fanout.Merged(streams) as merged:
+            early = await _started(merged, len(parts))  # a refusal raises here, before any byte is sent
+            reply = Reply(fmt, call, (contexts[0].request_id() or rid) if len(parts) == 1 else rid)
             headers = {"x-request-id": reply.request_id}
-            if not call.stream:
-                messages = [first, *[m async for m in stream]]
-                return _json(reply.whole(messages), headers=headers)
-            return await _stream(request, reply, first, stream, headers)
+            if call.stream:
+                return await _stream(request, reply, [p.prompt for p in parts], early, merged, headers)
+            answers = [fanout.Answer(p.prompt) for p in parts]
+            for k, message in [*early, *[m async for m in merged]]:
+                answers[k].messages.append(message)
+            return _json(reply.whole(fanout.chosen(answers, call), answers), headers=headers)
+
+    async def _messages(
+        self, request: pb.GenerateRequest, context: HttpCallContext, generation: int | None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The servicer's stream as messages (the gateway relays serialized bytes), closed with this
+        one, so a disconnect reaches the servicer's cleanup at once. One `generation` of several
+        runs in a span of its own (`spindle.generation`, a child of the request's), which the
+        servicer annotates (its id, usage, finish) as it does the request's span when alone."""
+        span = self.tracer.start_as_current_span("spindle.generation") if generation is not None else None
+        with span or contextlib.nullcontext() as current:
+            if current is not None:
+                current.set_attribute("spindle.generation", generation)
+            async with contextlib.aclosing(self.generation.Generate(request, context)) as stream:
+                async for m in stream:
+                    yield m if isinstance(m, pb.GenerateResponse) else pb.GenerateResponse.FromString(m)
 
     async def _models(self, request: web.Request) -> web.Response:
         listed = await self.generation.ListModels(pb.ListModelsRequest(), HttpCallContext(request.headers))
@@ -144,36 +166,43 @@ class OpenAIServer:
         return _json({"status": "ok" if ready else "not serving"}, status=200 if ready else 503)
 
 
-async def _messages(
-    generation: Any, request: pb.GenerateRequest, context: HttpCallContext
-) -> AsyncIterator[pb.GenerateResponse]:
-    """The servicer's stream as messages (the gateway relays serialized bytes), closed with this
-    one, so a disconnect reaches the servicer's cleanup at once."""
-    async with contextlib.aclosing(generation.Generate(request, context)) as stream:
-        async for m in stream:
-            yield m if isinstance(m, pb.GenerateResponse) else pb.GenerateResponse.FromString(m)
+async def _started(merged: fanout.Merged, count: int) -> list[tuple[int, pb.GenerateResponse]]:
+    """`fanout.started`; a limit's refusal of a fan-out says that each generation counted (a key
+    allowed fewer streams or a smaller burst than the request's generations is never admitted)."""
+    try:
+        return await fanout.started(merged, count)
+    except Refused as e:
+        if count == 1 or e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        why = f"{e.details} (this request is {count} generations, each counted as a request)"
+        raise Refused(e.code, why, e.trailers) from None
 
 
 async def _stream(
     request: web.Request,
     reply: Reply,
-    first: pb.GenerateResponse,
-    stream: AsyncIterator[pb.GenerateResponse],
+    prompts: list[int],
+    early: list[tuple[int, pb.GenerateResponse]],
+    merged: fanout.Merged,
     headers: dict[str, str],
 ) -> web.StreamResponse:
-    """Server-sent events: the first message's chunks, the rest as they come, then [DONE]. A
-    failure after the first byte is an `error` event (what the `openai` SDKs raise from)."""
+    """Server-sent events: the messages read so far, the rest as they come (each generation's
+    chunks with its choice's index; `prompts[k]`: the prompt generation k answers), the usage
+    chunk when asked for, then [DONE]. A failure after the first byte is an `error` event (what
+    the `openai` SDKs raise from)."""
     response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
                                            **headers})  # fmt: skip
     await response.prepare(request)
     try:
-        await _send(response, reply.chunks(first, first=True))
-        async for message in stream:
-            await _send(response, reply.chunks(message, first=False))
+        for k, message in early:
+            await _send(response, reply.chunks(k, prompts[k], message))
+        async for k, message in merged:
+            await _send(response, reply.chunks(k, prompts[k], message))
+        await _send(response, reply.usage_chunks())
     except Refused as e:
         await _send(response, [_failed(from_status(e.code, e.details, e.trailers)).body()])
     except ConnectionResetError:
-        return response  # the client left; closing the stream aborts the request
+        return response  # the client left; closing the streams aborts the requests
     except Exception as e:  # the status line is sent: an answer now would corrupt the event stream
         await _send(response, [_failed(_internal(request, e)).body()])
     await response.write(b"data: [DONE]\n\n")
