@@ -57,7 +57,7 @@ def test_swap_preemption_with_an_fp8_cache_matches_uninterrupted(smollm2):
 
 
 def test_an_unknown_cache_dtype_or_an_old_gpu_is_refused(monkeypatch):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or fp8"):
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype must be one of \[.auto., .fp8.\]"):
         EngineConfig(kv_cache_dtype="int8")
     assert cache_dtype("auto", torch.bfloat16, torch.device("cpu")) == torch.bfloat16
     assert cache_dtype("fp8", torch.float32, torch.device("cpu")) == FP8
