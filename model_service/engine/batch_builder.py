@@ -29,7 +29,9 @@ T = TypeVar("T", np.ndarray, torch.Tensor)
 class StepItem:
     """`tokens` continue `state` at position `state.num_computed`. Logits are wanted for the last
     `num_logits` of them: 0 for a prefill chunk that does not end the prompt, 1 for a decode row
-    or a prompt's last chunk, k + 1 to verify k speculated tokens."""
+    or a prompt's last chunk, k + 1 to verify k speculated tokens. A prefill chunk of a request
+    that asked for prompt logprobs has `prompt_rows` more just before those: the positions that
+    predict a prompt token (engine/prompt_logprobs.py)."""
 
     state: SequenceState
     tokens: list[int]
@@ -37,6 +39,7 @@ class StepItem:
     # Async scheduling (engine/overlap.py): the index of this one-token item's token among the
     # previous step's sampled tokens, still on the device (its `tokens` hold a placeholder); -1: none.
     fed_from: int = -1
+    prompt_rows: int = 0
 
 
 @dataclass(kw_only=True)
@@ -206,14 +209,14 @@ class BatchBuilder:
 
 
 def _columns(items: list[StepItem], states: list[SequenceState]) -> np.ndarray:
-    """[9, N] per row: tokens, start position, logits rows, block-table length, LoRA slot, state
-    slot, recurrent-state snapshots, freed, fed-from index. One pass over the rows, not one per
-    column."""
+    """[9, N] per row: tokens, start position, logits rows (prompt rows included), block-table
+    length, LoRA slot, state slot, recurrent-state snapshots, freed, fed-from index. One pass
+    over the rows, not one per column."""
     values = itertools.chain.from_iterable(
         (
             len(it.tokens),
             s.num_computed,
-            it.num_logits,
+            it.num_logits + it.prompt_rows,
             len(s.block_table),
             s.lora_slot,
             s.state_slot,

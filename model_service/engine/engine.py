@@ -51,6 +51,7 @@ from model_service.engine.executors import Executor, build_executor
 from model_service.engine.grammar import GrammarCompiler
 from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.overlap import InFlight, Overlap
+from model_service.engine.prompt_logprobs import score as score_prompts
 from model_service.engine.proposers import build_speculation, load_proposer_models
 from model_service.engine.request_table import RequestTable
 from model_service.engine.requests import GrammarWait, PromptReader, Resume
@@ -324,7 +325,9 @@ class Engine:
                 [(s, it) for (s, _), it in zip(work, items, strict=True)], self.executor.hidden
             )
         self.scheduler.commit(work)
-        rows, verify = logits_rows(work, items)
+        rows, verify, prompt = logits_rows(work, items)
+        score_prompts(prompt, logits)
+        rows = self.table.finish_scored_only(rows)
         produced = self._drain(self.overlap.launch(work, rows, logits))  # the step before's tokens
         for (seq, _), item in zip(work, items, strict=True):
             if item.num_logits <= 1:  # its tokens are known now; a verify row's once verified

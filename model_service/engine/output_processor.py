@@ -10,6 +10,7 @@ constrained sequence's matcher takes every token appended here (a refused one ra
 
 from __future__ import annotations
 
+from model_service.engine.prompt_logprobs import pending
 from model_service.engine.requests import Resume
 from model_service.engine.sampler import TokenLogprobs
 from model_service.engine.sequence import RequestOutput, Sequence, Status
@@ -77,6 +78,8 @@ class OutputProcessor:
                 "characters of text"
             )
         out.sent_tokens, out.sent_chars = seq.num_output_tokens, resume.text_chars
+        if ids:  # the caller had its first output, and with it any prompt logprobs: not scored again
+            out.prompt_logprobs = None
         return out.finish_reason is not None
 
     @staticmethod
@@ -118,6 +121,17 @@ def take_output(seq: Sequence) -> RequestOutput:
         out.stop_reason,
         out.error,
         seq.admission.first_scheduled_at,
+        _unsent_prompt_logprobs(seq),
     )
     out.sent_tokens, out.sent_chars, out.sent_logprobs = len(ids) - first, end, len(out.logprobs)
     return result
+
+
+def _unsent_prompt_logprobs(seq: Sequence) -> list[TokenLogprobs] | None:
+    """`seq`'s prompt logprobs, the first time an output is taken with all of them (its first
+    token's output, or a prompt-only request's final one); else None."""
+    out = seq.output
+    if out.prompt_logprobs is None or out.prompt_logprobs_sent or pending(seq):
+        return None
+    out.prompt_logprobs_sent = True
+    return out.prompt_logprobs

@@ -62,6 +62,16 @@ class RequestTable:
         self._pending.append(take_output(seq))
         self.by_id.pop(seq.request_id, None)
 
+    def finish_scored_only(self, rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """A step's sampling rows less those of requests that asked for no output (`max_tokens`
+        0, with prompt logprobs): their prompt is scored now; they finish "length" unsampled."""
+        if all(seq.params.max_tokens for seq, _ in rows):
+            return rows
+        for seq, _ in rows:
+            if not seq.params.max_tokens:
+                self.finish(seq, "length")
+        return [(seq, r) for seq, r in rows if seq.params.max_tokens]
+
     def ended(self, out: RequestOutput) -> None:
         """Queue a final output made elsewhere (a beam search that ended, a resumed output that
         was complete already); its request id is free again."""

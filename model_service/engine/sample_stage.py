@@ -20,21 +20,29 @@ from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import Sequence
 from model_service.engine.speculation import Speculation
 
+Rows = list[tuple[Sequence, int]]
+Runs = list[tuple[Sequence, slice]]
 
-def logits_rows(
-    work: list[tuple[Sequence, int]], items: list[StepItem]
-) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, slice]]]:
+
+def logits_rows(work: list[tuple[Sequence, int]], items: list[StepItem]) -> tuple[Rows, Runs, Runs]:
     """The step's logits rows, split for `SampleStage.run`: (sequence, its row) for each plain
     row that produces a token, (sequence, its k + 1 rows) for each verify row; a prefill chunk
-    that does not end its prompt has none."""
-    rows, verify, first = [], [], 0
+    that does not end its prompt has none. Then (sequence, its rows) for each prefill chunk's
+    prompt rows (engine/prompt_logprobs.py)."""
+    rows: Rows = []
+    verify: Runs = []
+    prompt: Runs = []
+    first = 0
     for (seq, _), item in zip(work, items, strict=True):
+        if item.prompt_rows:
+            prompt.append((seq, slice(first, first + item.prompt_rows)))
+            first += item.prompt_rows
         if item.num_logits > 1:
             verify.append((seq, slice(first, first + item.num_logits)))
         elif item.num_logits:
             rows.append((seq, first))
         first += item.num_logits
-    return rows, verify
+    return rows, verify, prompt
 
 
 def greedy_argmax(verify: list[tuple[Sequence, slice]], logits: torch.Tensor) -> list[int]:

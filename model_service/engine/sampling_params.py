@@ -30,6 +30,10 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None = off; N = sampled token plus the top N
+    # None = off; N = each prompt token after the first: its own logprob given the tokens before
+    # it, plus the top N (raw model logprobs, as `logprobs`). Such a request may ask for
+    # max_tokens 0 (the prompt scored, nothing generated: finish "length").
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     num_beams: int = 1  # > 1: beam search (deterministic: temperature, top-k/p, min-p, seed are ignored)
     length_penalty: float = 1.0
@@ -55,8 +59,9 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise InvalidRequestError(msg)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        least = 0 if self.prompt_logprobs is not None else 1  # 0: only the prompt's logprobs
+        if not _is_int(self.max_tokens) or self.max_tokens < least:
+            bad(f"max_tokens must be an integer >= {least}, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
             bad(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -72,6 +77,10 @@ class SamplingParams:
         # (a float here would pass the range check and then fail the whole batch in the sampler)
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
         beam_problem = self._beam_search_problem()
@@ -96,8 +105,8 @@ class SamplingParams:
             return f"length_penalty must be a finite number, got {self.length_penalty!r}"
         if self.num_beams == 1:
             return None
-        if self.stop or self.logprobs is not None:
-            return "stop strings and logprobs are not supported with num_beams > 1"
+        if self.stop or self.logprobs is not None or self.prompt_logprobs is not None:
+            return "stop strings, logprobs and prompt_logprobs are not supported with num_beams > 1"
         if self.needs_penalties:  # HF's beam search applies repetition_penalty: ignored, the answer differs
             return "repetition, presence and frequency penalties are not supported with num_beams > 1"
         if self.structured_output is not None:

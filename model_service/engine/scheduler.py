@@ -33,6 +33,7 @@ from typing import Protocol
 from model_service.engine.batch_builder import StepItem
 from model_service.engine.cache_manager import CacheManager, SwappedState
 from model_service.engine.config import EngineConfig
+from model_service.engine.prompt_logprobs import pending, prompt_rows
 from model_service.engine.sequence import Sequence, Status, by_rank
 from model_service.engine.speculation import Proposal
 from model_service.errors import CapacityError
@@ -194,7 +195,10 @@ class Scheduler:
         if n > seq.num_pending:
             return StepItem(state, [seq.token_ids[-1], *self.proposals[seq].tokens], n)
         start = state.num_computed
-        return StepItem(state, seq.token_ids[start : start + n], int(start + n == len(seq.token_ids)))
+        rows = 0 if seq.output.prompt_logprobs is None else prompt_rows(seq, start, n)
+        return StepItem(
+            state, seq.token_ids[start : start + n], int(start + n == len(seq.token_ids)), -1, rows
+        )
 
     def commit(self, work: list[tuple[Sequence, int]]) -> None:
         """The step running `work` was launched: its tokens count as in the cache."""
@@ -346,10 +350,18 @@ class Scheduler:
         if not self.cache.can_allocate():
             return False
         seq.state = self.cache.allocate()
-        cached = self.cache.take_cached_prefix(seq.state, seq.token_ids, seq.admission.adapter_id)
+        cached = self._take_cached_prefix(seq)
         self.prefix_query_tokens += len(seq.token_ids)
         self.prefix_hit_tokens += cached
         return True
+
+    def _take_cached_prefix(self, seq: Sequence) -> int:
+        """Attach `seq`'s longest cached prefix; none for a prompt still to be scored (prompt
+        logprobs): a cached position is never computed, so it would have no logits row."""
+        assert seq.state is not None
+        if pending(seq):
+            return 0
+        return self.cache.take_cached_prefix(seq.state, seq.token_ids, seq.admission.adapter_id)
 
     # --- preemption -----------------------------------------------------------------------
 

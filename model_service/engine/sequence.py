@@ -43,6 +43,7 @@ class RequestOutput:
         "new_text",
         "new_token_ids",
         "num_prompt_tokens",
+        "prompt_logprobs",  # each prompt token's after the first, in the request's first output only
         "request_id",
         "stop_reason",  # the stop string or token id that ended it
         "text",
@@ -62,8 +63,10 @@ class RequestOutput:
         stop_reason: str | int | None = None,
         error: str | None = None,
         first_scheduled_at: float | None = None,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
     ) -> None:
         self.request_id, self.new_token_ids, self.new_text = request_id, new_token_ids, new_text
+        self.prompt_logprobs = prompt_logprobs
         self._token_ids, self.text, self.finished = token_ids, text, finished
         self.finish_reason, self.num_prompt_tokens = finish_reason, num_prompt_tokens
         self.new_logprobs = new_logprobs if new_logprobs is not None else []
@@ -92,6 +95,8 @@ class Emission:
         "error",
         "finish_reason",
         "logprobs",
+        "prompt_logprobs",
+        "prompt_logprobs_sent",
         "sent_chars",
         "sent_logprobs",
         "sent_tokens",
@@ -107,6 +112,10 @@ class Emission:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or token id that ended it
         self.error: str | None = None
+        # With `prompt_logprobs`: those of prompt tokens 1, 2, ... as the prefill computes them
+        # (engine/prompt_logprobs.py); sent once, in the first output after the last of them.
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
+        self.prompt_logprobs_sent = False
 
 
 class Admission:
@@ -188,6 +197,8 @@ class Sequence:
         self.state: SequenceState | None = None
         self.admission = Admission(priority, arrival, adapter)
         self.output = Emission(detokenizer)
+        if params.prompt_logprobs is not None:
+            self.output.prompt_logprobs = []
         self.sampling = Sampling(params.seed, device)
         self.group: BeamGroup | None = None
         self.in_flight = 0

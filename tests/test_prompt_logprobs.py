@@ -1,0 +1,116 @@
+"""Prompt logprobs (`prompt_logprobs`): each prompt token after the first, its logprob given the
+tokens before it and the top N, against HF's float32 `log_softmax` of the prompt's logits (and
+PEFT's, under an adapter); through chunked prefill, beside other requests, past a prefix cache
+that holds the prompt, and for prompt-only requests (`max_tokens` 0)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_service.engine.sampling_params import SamplingParams
+from model_service.errors import InvalidRequestError
+from tests.conftest import assert_all_blocks_free, make_engine
+from tests.test_lora import make_adapter
+
+LONG = [(7 * i + 3) % 300 + 5 for i in range(37)]  # 37 tokens: several chunks of 8
+SHORT = [11, 42, 99, 5, 17]
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama.name, dtype=torch.float32).eval()
+
+
+def hf_prompt_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
+    """[len(ids) - 1, vocab]: row i the float32 log_softmax that predicts prompt token i + 1."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_matches(out, ids: list[int], ref: torch.Tensor, k: int) -> None:
+    got = out.prompt_logprobs
+    assert got is not None and len(got) == len(ids) - 1
+    want = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert [lp.logprob for lp in got] == pytest.approx(want.tolist(), abs=1e-5)
+    vals, top = ref.topk(k, dim=-1)
+    for i, lp in enumerate(got):
+        assert [t for t, _ in lp.top] == top[i].tolist()
+        assert [v for _, v in lp.top] == pytest.approx(vals[i].tolist(), abs=1e-5)
+
+
+def run(engine, requests: dict[str, tuple[list[int], SamplingParams]], **kw) -> dict:
+    """Every output of each request, by id (the engine run to completion)."""
+    for rid, (ids, params) in requests.items():
+        engine.add_request(prompt_token_ids=ids, params=params, request_id=rid, **kw)
+    outs: dict[str, list] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    return outs
+
+
+def test_prompt_logprobs_equal_hf_chunked_batched_past_the_prefix_cache(tiny_llama, hf_tiny):
+    """A chunk budget of 8 splits the long prompt over five steps, run beside a plain request and
+    a prompt-only one; the prompt's blocks are in the prefix cache already (an earlier request),
+    which a scored prompt must not reuse. The scores come once, in the request's first output."""
+    engine = make_engine(tiny_llama, max_num_batched_tokens=8, block_size=4)
+    run(engine, {"warm": ([*LONG, 1, 2], SamplingParams(max_tokens=1, temperature=0))})
+    outs = run(
+        engine,
+        {
+            "scored": (LONG, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3)),
+            "plain": (SHORT, SamplingParams(max_tokens=4, temperature=0)),
+            "only": (SHORT, SamplingParams(max_tokens=0, prompt_logprobs=0)),
+        },
+    )
+    assert_matches(outs["scored"][0], LONG, hf_prompt_logprobs(hf_tiny, LONG), 3)
+    assert all(o.prompt_logprobs is None for o in outs["scored"][1:])
+    assert len(outs["scored"][-1].token_ids) == 3
+    assert all(o.prompt_logprobs is None for o in outs["plain"])
+    (only,) = outs["only"]
+    assert only.finished and only.finish_reason == "length" and only.token_ids == []
+    assert_matches(only, SHORT, hf_prompt_logprobs(hf_tiny, SHORT), 0)
+    assert_all_blocks_free(engine)
+
+
+def test_a_one_token_prompt_has_no_prompt_logprobs(tiny_llama):
+    outs = run(make_engine(tiny_llama), {"r": ([7], SamplingParams(max_tokens=0, prompt_logprobs=2))})
+    assert [(o.prompt_logprobs, o.finish_reason) for o in outs["r"]] == [([], "length")]
+
+
+def test_max_tokens_zero_needs_prompt_logprobs_and_beams_refuse_them():
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        SamplingParams(max_tokens=0).validate()
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21).validate()
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=1, num_beams=2, temperature=0).validate()
+
+
+def test_prompt_logprobs_under_an_adapter_equal_peft(tiny_llama, hf_tiny, tmp_path):
+    from peft import PeftModel
+
+    spec = {"r": 8, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    path = make_adapter(hf_tiny, tmp_path / "a", seed=5, scale=0.3, **spec)
+    engine = make_engine(tiny_llama, max_loras=1, lora_modules={"a": str(path)}, max_num_batched_tokens=16)
+    outs = run(engine, {"r": (LONG, SamplingParams(max_tokens=0, prompt_logprobs=2))}, adapter="a")
+    peft_model = PeftModel.from_pretrained(hf_tiny, str(path))
+    try:
+        ref = hf_prompt_logprobs(peft_model, LONG)
+    finally:
+        peft_model.unload()
+    assert not torch.allclose(ref, hf_prompt_logprobs(hf_tiny, LONG), atol=1e-3)  # the adapter matters
+    assert_matches(outs["r"][0], LONG, ref, 2)
+
+
+def test_smollm2_prompt_logprobs_equal_hf(smollm2, hf_smollm2):
+    ids = smollm2.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    outs = run(
+        make_engine(smollm2, max_num_batched_tokens=6),
+        {"r": (ids, SamplingParams(max_tokens=1, prompt_logprobs=1))},
+    )
+    assert_matches(outs["r"][0], ids, hf_prompt_logprobs(hf_smollm2, ids), 1)
