@@ -114,3 +114,24 @@ def test_smollm2_prompt_logprobs_equal_hf(smollm2, hf_smollm2):
         {"r": (ids, SamplingParams(max_tokens=1, prompt_logprobs=1))},
     )
     assert_matches(outs["r"][0], ids, hf_prompt_logprobs(hf_smollm2, ids), 1)
+
+
+def test_the_wire_carries_prompt_logprobs_in_the_first_chunk_only(tiny_llama):
+    """The gRPC request's `prompt_logprobs` reaches the engine; the scores come back in the
+    first chunk, each named by its prompt token, even with no token beside them (max_tokens 0)."""
+    from model_service.pod import wire
+    from spindle.v1 import generation_pb2 as pb
+
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=SHORT), max_tokens=0, prompt_logprobs=1)
+    kwargs = wire.engine_request(req)
+    assert kwargs["params"].prompt_logprobs == 1 and kwargs["params"].max_tokens == 0
+    engine = make_engine(tiny_llama)
+    engine.add_request(**kwargs, request_id="r")
+    (out,) = engine.run_to_completion().values()
+    msg = wire.chunk([out])
+    assert msg is not None
+    got = msg.chunk.prompt_logprobs
+    assert [lp.token_id for lp in got] == SHORT[1:]
+    assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in out.prompt_logprobs])
+    assert [len(lp.top) for lp in got] == [1] * 4
+    assert list(msg.chunk.token_ids) == [] and wire.final(out).final.finish_reason == pb.FINISH_REASON_LENGTH

@@ -127,11 +127,11 @@ def take_output(seq: Sequence) -> RequestOutput:
     return result
 
 
-def _unsent_prompt_logprobs(seq: Sequence) -> list[TokenLogprobs] | None:
-    """`seq`'s prompt logprobs, the first time an output is taken with all of them (its first
-    token's output, or a prompt-only request's final one); else None."""
+def _unsent_prompt_logprobs(seq: Sequence) -> tuple[list[int], list[TokenLogprobs]] | None:
+    """`seq`'s prompt and prompt logprobs, the first time an output is taken with all of them
+    (its first token's output, or a prompt-only request's final one); else None."""
     out = seq.output
     if out.prompt_logprobs is None or out.prompt_logprobs_sent or pending(seq):
         return None
     out.prompt_logprobs_sent = True
-    return out.prompt_logprobs
+    return seq.token_ids[: seq.num_prompt_tokens], out.prompt_logprobs

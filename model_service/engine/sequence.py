@@ -44,6 +44,7 @@ class RequestOutput:
         "new_token_ids",
         "num_prompt_tokens",
         "prompt_logprobs",  # each prompt token's after the first, in the request's first output only
+        "prompt_token_ids",  # the prompt, beside `prompt_logprobs` only (else None)
         "request_id",
         "stop_reason",  # the stop string or token id that ended it
         "text",
@@ -63,10 +64,11 @@ class RequestOutput:
         stop_reason: str | int | None = None,
         error: str | None = None,
         first_scheduled_at: float | None = None,
-        prompt_logprobs: list[TokenLogprobs] | None = None,
+        prompt: tuple[list[int], list[TokenLogprobs]] | None = None,
     ) -> None:
+        """`prompt`: the prompt's ids and the logprobs of all but its first (`prompt_logprobs`)."""
         self.request_id, self.new_token_ids, self.new_text = request_id, new_token_ids, new_text
-        self.prompt_logprobs = prompt_logprobs
+        self.prompt_token_ids, self.prompt_logprobs = prompt if prompt is not None else (None, None)
         self._token_ids, self.text, self.finished = token_ids, text, finished
         self.finish_reason, self.num_prompt_tokens = finish_reason, num_prompt_tokens
         self.new_logprobs = new_logprobs if new_logprobs is not None else []

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from model_service.engine.requests import Resume
+from model_service.engine.sampler import TokenLogprobs
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import RequestOutput
 from model_service.errors import InvalidRequestError
@@ -19,7 +20,7 @@ from model_service.models.tokenizer import Tokenizer
 from spindle import request_ids
 from spindle.v1 import generation_pb2 as pb
 
-_REQUEST_FIELDS = ("max_tokens", "seed", "logprobs")
+_REQUEST_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
 _SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -175,17 +176,26 @@ def chunk(outputs: list[RequestOutput], texts: TokenTexts = _NO_TEXTS) -> pb.Gen
     tokens carry their `texts`."""
     c = pb.Chunk()
     for out in outputs:
+        if out.prompt_token_ids is not None and out.prompt_logprobs is not None:
+            c.prompt_logprobs.extend(_token_logprobs(out.prompt_token_ids[1:], out.prompt_logprobs, texts))
         c.token_ids.extend(out.new_token_ids)
         c.text += out.new_text
         if out.new_logprobs and len(out.new_logprobs) == len(out.new_token_ids):
-            for token, lp in zip(out.new_token_ids, out.new_logprobs, strict=True):
-                top = [pb.TopLogprob(token_id=t, logprob=v, token=texts(t)) for t, v in lp.top]
-                c.logprobs.append(
-                    pb.TokenLogprob(token_id=token, logprob=lp.logprob, top=top, token=texts(token))
-                )
-    if not c.token_ids and not c.text:
+            c.logprobs.extend(_token_logprobs(out.new_token_ids, out.new_logprobs, texts))
+    if not c.token_ids and not c.text and not c.prompt_logprobs:
         return None
     return pb.GenerateResponse(request_id=outputs[0].request_id, chunk=c)
+
+
+def _token_logprobs(
+    ids: list[int], logprobs: list[TokenLogprobs], texts: TokenTexts
+) -> list[pb.TokenLogprob]:
+    """The wire's logprob of each token of `ids`, with its top alternatives, named by `texts`."""
+    out = []
+    for token, lp in zip(ids, logprobs, strict=True):
+        top = [pb.TopLogprob(token_id=t, logprob=v, token=texts(t)) for t, v in lp.top]
+        out.append(pb.TokenLogprob(token_id=token, logprob=lp.logprob, top=top, token=texts(token)))
+    return out
 
 
 def final(out: RequestOutput) -> pb.GenerateResponse:
