@@ -266,14 +266,14 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"prompt": [1, 2**40]}, "token ids"),
         ({"prompt": "a", "max_tokens": 2**40}, "out of range"),
         ({"prompt": [1, 2], "echo": True}, "only supported for text prompts"),
-        ({"prompt": "a", "echo": True, "logprobs": 1}, "prompt's logprobs"),
+        ({"prompt": "a", "echo": True, "logprobs": 1, "prompt_logprobs": 2}, "give the same number"),
+        ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "not supported with `stream: true`"),
+        ({"messages": QUESTION, "prompt_logprobs": "1"}, "an integer"),
         # vLLM's extras that would change the answer: refused, not silently dropped
         ({"prompt": "a", "min_tokens": 8}, "min_tokens"),
         ({"prompt": "a", "use_beam_search": True}, "beam search"),
         ({"prompt": "a", "allowed_token_ids": [5]}, "allowed_token_ids"),
         ({"prompt": "a", "bad_words": ["x"]}, "bad_words"),
-        ({"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
-        ({"prompt": "a", "prompt_logprobs": 0}, "prompt_logprobs"),  # vLLM: each prompt token's logprob
         ({"messages": [*QUESTION, {"role": "assistant", "function_call": CALL["function"]}]}, "function_"),
         ({"prompt": "a", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
         ({"messages": QUESTION, "continue_final_message": True}, "continue_final_message"),

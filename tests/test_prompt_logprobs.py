@@ -131,7 +131,72 @@ def test_the_wire_carries_prompt_logprobs_in_the_first_chunk_only(tiny_llama):
     msg = wire.chunk([out])
     assert msg is not None
     got = msg.chunk.prompt_logprobs
-    assert [lp.token_id for lp in got] == SHORT[1:]
-    assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in out.prompt_logprobs])
-    assert [len(lp.top) for lp in got] == [1] * 4
+    assert [lp.token_id for lp in got] == SHORT
+    assert not got[0].HasField("logprob") and not got[0].top  # nothing predicts the first token
+    assert [lp.logprob for lp in got[1:]] == pytest.approx([lp.logprob for lp in out.prompt_logprobs])
+    assert [len(lp.top) for lp in got] == [0, 1, 1, 1, 1]
     assert list(msg.chunk.token_ids) == [] and wire.final(out).final.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+# --- the HTTP front ------------------------------------------------------------------------
+
+
+def test_http_fields_ask_the_pods_for_the_prompts_logprobs():
+    from spindle.openai_api.requests import chat_request, completion_request
+
+    def completion(**body):
+        return completion_request({"prompt": "a b", **body}, {"m"})
+
+    req, call = completion(echo=True, logprobs=2, max_tokens=0)  # lm-eval's loglikelihood
+    assert (req.prompt_logprobs, req.max_tokens, call.echo, call.prompt_logprobs) == (2, 0, True, False)
+    assert completion(echo=True, max_tokens=0)[0].prompt_logprobs == 0  # scored only to run no output
+    assert not completion(echo=True)[0].HasField("prompt_logprobs")  # the prompt's text only
+    assert not completion(logprobs=2)[0].HasField("prompt_logprobs")
+    req, call = completion(prompt_logprobs=0)
+    assert req.HasField("prompt_logprobs") and req.prompt_logprobs == 0 and call.prompt_logprobs
+    req, call = chat_request({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 3}, {"m"})
+    assert req.prompt_logprobs == 3 and call.prompt_logprobs
+
+
+def test_http_echo_logprobs_and_prompt_logprobs_equal_hf(spindle_up, smollm2, hf_smollm2):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) and vLLM's `prompt_logprobs`
+    through the `openai` SDK against `spindle up`: the prompt's logprobs are HF's."""
+    import openai
+
+    client = openai.OpenAI(base_url=spindle_up.http, api_key="none", max_retries=0)
+    text = "The capital of France is Paris"
+    ids = smollm2.tokenizer.encode(text)
+    ref = hf_prompt_logprobs(hf_smollm2, ids)
+    want = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    out = client.completions.create(
+        model="smollm2-135m-instruct", prompt=text, echo=True, logprobs=2, max_tokens=0
+    )
+    (choice,) = out.choices
+    lp = choice.logprobs
+    assert choice.text == text and choice.finish_reason == "length" and out.usage.completion_tokens == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(ids)
+    assert "".join(lp.tokens) == smollm2.tokenizer.decode(ids, skip_special_tokens=False)
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    top = ref.topk(2, dim=-1).values.flatten().tolist()
+    assert [v for t in lp.top_logprobs[1:] for v in sorted(t.values(), reverse=True)[:2]] == pytest.approx(
+        top, abs=1e-4
+    )
+    streamed = client.completions.create(
+        model="smollm2-135m-instruct",
+        prompt=text,
+        echo=True,
+        logprobs=2,
+        max_tokens=1,
+        temperature=0,
+        stream=True,
+    )
+    chunks = list(streamed)
+    assert chunks[0].choices[0].logprobs.token_logprobs[1 : len(ids)] == pytest.approx(want, abs=1e-4)
+    chat = client.completions.create(
+        model="smollm2-135m-instruct", prompt=text, max_tokens=1, extra_body={"prompt_logprobs": 1}
+    )
+    scores = chat.choices[0].model_extra["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == len(ids)
+    got = [s[str(t)]["logprob"] for s, t in zip(scores[1:], ids[1:], strict=True)]
+    assert got == pytest.approx(want, abs=1e-4)
+    assert all(any(v["rank"] == 1 for v in s.values()) for s in scores[1:])

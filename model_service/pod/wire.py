@@ -177,7 +177,9 @@ def chunk(outputs: list[RequestOutput], texts: TokenTexts = _NO_TEXTS) -> pb.Gen
     c = pb.Chunk()
     for out in outputs:
         if out.prompt_token_ids is not None and out.prompt_logprobs is not None:
-            c.prompt_logprobs.extend(_token_logprobs(out.prompt_token_ids[1:], out.prompt_logprobs, texts))
+            ids = out.prompt_token_ids
+            c.prompt_logprobs.append(pb.TokenLogprob(token_id=ids[0], token=texts(ids[0])))
+            c.prompt_logprobs.extend(_token_logprobs(ids[1:], out.prompt_logprobs, texts))
         c.token_ids.extend(out.new_token_ids)
         c.text += out.new_text
         if out.new_logprobs and len(out.new_logprobs) == len(out.new_token_ids):

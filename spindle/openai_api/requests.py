@@ -39,16 +39,12 @@ _REFUSED = {
     "use_beam_search": "beam search is not supported here",
     "allowed_token_ids": "allowed_token_ids is not supported",
     "bad_words": "bad_words is not supported",
-    "prompt_logprobs": "prompt_logprobs is not supported",
     "truncate_prompt_tokens": "truncate_prompt_tokens is not supported",
     "continue_final_message": "continue_final_message is not supported",
     "chat_template": "a request's own chat_template is not supported",
     "chat_template_kwargs": "chat_template_kwargs is not supported",
     "logits_processors": "logits_processors are not supported",
 }
-# Of those, the ones whose 0 (or empty) value still asks for something: refused whenever set.
-# vLLM's `prompt_logprobs: 0` returns each prompt token's own logprob (a perplexity's input).
-_REFUSED_WHEN_SET = frozenset({"prompt_logprobs"})
 # Structured output, in OpenAI's and vLLM's spellings (see `structured_output`).
 STRUCTURED_FIELDS = (
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -78,7 +74,8 @@ class Call:
     tools: ToolUse | None = None  # how the output is read for tool calls (None: as text)
     n: int = 1  # choices per prompt
     best_of: int = 1  # generations per prompt the n choices are the best of (>= n)
-    echo: bool = False  # a completion's text starts with its prompt's
+    echo: bool = False  # a completion's text starts with its prompt's (its logprobs too, with logprobs)
+    prompt_logprobs: bool = False  # vLLM's `prompt_logprobs`: the response carries the prompt's
     # A completion's prompts, one GenerateRequest each (the request parsed holds the first);
     # empty for a chat, whose one prompt is the request's.
     prompts: tuple[Prompt, ...] = ()
@@ -236,10 +233,11 @@ def completion_request(body: dict[str, Any], base_models: Collection[str]) -> tu
     logprobs = _typed(body, "logprobs", int)
     if logprobs is not None:
         req.logprobs = logprobs
-    echo = _echo(body, prompts, logprobs is not None)
+    echo = _echo(body, prompts)
     call = _common(body, req, base_models, logprobs is not None)
     best_of = _best_of(body, call)
     _max_tokens(body, req, "max_tokens")
+    _echoed_logprobs(req, echo, logprobs)
     call = replace(call, best_of=best_of, echo=echo, prompts=prompts)
     _bounded(call)
     return req, call
@@ -269,16 +267,31 @@ def _prompts(prompt: Any) -> tuple[Prompt, ...]:
     )
 
 
-def _echo(body: dict[str, Any], prompts: tuple[Prompt, ...], logprobs: bool) -> bool:
+def _echo(body: dict[str, Any], prompts: tuple[Prompt, ...]) -> bool:
     """`echo`: each choice's text starts with its prompt. Only for text prompts (the HTTP layer has
-    no tokenizer to write token ids as text) and without logprobs (the prompt's would be needed,
-    which the engine does not compute: `prompt_logprobs` is refused too)."""
+    no tokenizer to write token ids as text)."""
     echo = _typed(body, "echo", bool) or False
     if echo and not all(isinstance(p, str) for p in prompts):
         raise bad_request("`echo` is only supported for text prompts, not token ids", "echo")
-    if echo and logprobs:
-        raise bad_request("`echo` with `logprobs` is not supported: it needs the prompt's logprobs", "echo")
     return echo
+
+
+def _echoed_logprobs(req: pb.GenerateRequest, echo: bool, logprobs: int | None) -> None:
+    """`echo` with `logprobs: k`: the choice's logprobs start with the prompt's (the first token's
+    null), k alternatives each, so the pods compute them (`prompt_logprobs: k`); lm-eval's
+    loglikelihood sends it with `max_tokens: 0`, which is served only so: an echo without
+    logprobs and no output has its prompt scored too (k = 0), the scores unsent."""
+    prompt_only = req.HasField("max_tokens") and req.max_tokens == 0
+    if not echo or (logprobs is None and not prompt_only):
+        return
+    k = logprobs or 0
+    if req.HasField("prompt_logprobs") and req.prompt_logprobs != k:
+        raise bad_request(
+            f"`prompt_logprobs` ({req.prompt_logprobs}) and `echo` with `logprobs` ({k}) ask for the "
+            "prompt's logprobs twice: give the same number",
+            "prompt_logprobs",
+        )
+    req.prompt_logprobs = k
 
 
 def _best_of(body: dict[str, Any], call: Call) -> int:
@@ -315,7 +328,7 @@ def _common(
     elif model:
         req.adapter = model  # vLLM's convention: a LoRA adapter is named as the model
     for name, why in _REFUSED.items():
-        if body.get(name) or (name in _REFUSED_WHEN_SET and body.get(name) is not None):
+        if body.get(name):
             raise bad_request(why, name)
     n = _typed(body, "n", int)
     if n is not None and n < 1:  # n: 0 asks for no choice at all
@@ -348,6 +361,11 @@ def _common(
     s.stop_token_ids.extend(stop_ids)
     structured_output(body, req)
     stream = _typed(body, "stream", bool) or False
+    prompt_logprobs = _typed(body, "prompt_logprobs", int)
+    if prompt_logprobs is not None:  # vLLM's: the prompt's logprobs, in the (whole) response
+        if stream:
+            raise bad_request("`prompt_logprobs` is not supported with `stream: true`", "prompt_logprobs")
+        req.prompt_logprobs = prompt_logprobs
     options = _typed(body, "stream_options", dict)
     if options is not None and not stream:
         raise bad_request("`stream_options` is only allowed with `stream: true`", "stream_options")
@@ -356,7 +374,8 @@ def _common(
         raise bad_request("`stream_options.include_usage` must be true or false", "stream_options")
     named = model or next(iter(sorted(base_models)), "")  # unset: the base model
     n = n or 1
-    return Call(named, stream, include_usage=bool(include_usage), logprobs=logprobs, n=n, best_of=n)
+    return Call(named, stream, include_usage=bool(include_usage), logprobs=logprobs, n=n, best_of=n,
+                prompt_logprobs=prompt_logprobs is not None)  # fmt: skip
 
 
 def _max_tokens(body: dict[str, Any], req: pb.GenerateRequest, *names: str) -> bool:

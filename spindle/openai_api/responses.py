@@ -99,8 +99,8 @@ class CompletionFormat(Format):
             return None
         return {
             "tokens": [token_name(lp) for lp in logprobs],
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [_top_and_sampled(lp) for lp in logprobs],
+            "token_logprobs": [lp.logprob if lp.HasField("logprob") else None for lp in logprobs],
+            "top_logprobs": [_top_and_sampled(lp) if lp.HasField("logprob") else None for lp in logprobs],
         }
 
 
@@ -109,6 +109,25 @@ def _top_and_sampled(lp: pb.TokenLogprob) -> dict[str, float]:
     lists the sampled token, so up to `logprobs` + 1 entries; a client that compares the sampled
     token with the best of these (is it greedy?) finds it even with `logprobs: 0`."""
     return {**{token_name(t): t.logprob for t in lp.top}, token_name(lp): lp.logprob}
+
+
+def prompt_logprobs(scores: Sequence[pb.TokenLogprob]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (the first null), {token id: {logprob, rank,
+    decoded_token}} for the token and its top alternatives (rank 1 the likeliest; the prompt
+    token's own rank is null unless it is among them)."""
+    out: list[dict[str, Any] | None] = []
+    for lp in scores:
+        if not lp.HasField("logprob"):
+            out.append(None)
+            continue
+        entry = {str(t.token_id): _vllm_logprob(t, rank) for rank, t in enumerate(lp.top, 1)}
+        entry.setdefault(str(lp.token_id), _vllm_logprob(lp, None))
+        out.append(entry)
+    return out
+
+
+def _vllm_logprob(lp: pb.TokenLogprob | pb.TopLogprob, rank: int | None) -> dict[str, Any]:
+    return {"logprob": lp.logprob, "rank": rank, "decoded_token": token_name(lp)}
 
 
 def _finish(final: pb.Final | None) -> dict[str, Any]:
@@ -226,19 +245,28 @@ class Reply:
         done = [(p, f) for p, f in finals if f is not None]
         u = usage(total(done)) if len(done) == len(finals) else None
         out = [self._choice(index, answer) for index, answer in choices]
-        return {**self._envelope(self.fmt.object), "choices": out, "usage": u}
+        response = {**self._envelope(self.fmt.object), "choices": out, "usage": u}
+        if self.call.prompt_logprobs and not self.call.prompts:  # a chat's: one prompt, in the response
+            response["prompt_logprobs"] = prompt_logprobs(_prompt_scores(answers[0]) if answers else [])
+        return response
 
     def _choice(self, index: int, answer: Answer) -> dict[str, Any]:
         """One whole choice: every chunk's text and logprobs, and the final."""
         chunks = [m.chunk for m in answer.messages if m.HasField("chunk")]
         final = answer.final
-        logprobs = [lp for c in chunks for lp in c.logprobs] if self.call.logprobs else None
+        logprobs = [lp for c in chunks for lp in self._logprobs_of(c)] if self.call.logprobs else None
         text = "".join(c.text for c in chunks)
         choice = {**self.fmt.choice(self._echoed(answer.prompt) + text, logprobs, final), "index": index}
+        if self.call.prompt_logprobs and self.call.prompts:  # a completion's: on each choice, as vLLM's
+            choice["prompt_logprobs"] = prompt_logprobs(_prompt_scores(answer))
         tools = self._tools(index)
         if tools is not None:
             tools.whole(choice, text, final)
         return choice
+
+    def _logprobs_of(self, chunk: pb.Chunk) -> list[pb.TokenLogprob]:
+        """A chunk's logprobs, after its prompt's when `echo` puts the prompt in the text."""
+        return [*chunk.prompt_logprobs, *chunk.logprobs] if self.call.echo else list(chunk.logprobs)
 
     def chunks(self, index: int, prompt: int, message: pb.GenerateResponse) -> list[dict[str, Any]]:
         """The stream chunks for one message of choice `index` (answering prompt `prompt`): its
@@ -256,7 +284,7 @@ class Reply:
         text = self._echoed(prompt) if first else ""
         if message.HasField("chunk"):
             c = message.chunk
-            logprobs = list(c.logprobs) if self.call.logprobs else None
+            logprobs = self._logprobs_of(c) if self.call.logprobs else None
             if not (c.text or text or logprobs or first):
                 return []  # tokens whose text is held back (a stop string may follow): nothing to say yet
             delta = self.fmt.delta(text + c.text, logprobs, None, first)
@@ -303,6 +331,11 @@ class Reply:
                                       "logprobs": ChatFormat._logprobs(logprobs if i == 0 else None)}]}
                for i, delta in enumerate(deltas)]  # fmt: skip
         return out + ([self._finish_chunk(base, index, final, first=False)] if final is not None else [])
+
+
+def _prompt_scores(answer: Answer) -> list[pb.TokenLogprob]:
+    """The prompt logprobs one generation's first chunk carries."""
+    return [lp for m in answer.messages if m.HasField("chunk") for lp in m.chunk.prompt_logprobs]
 
 
 def models(listed: pb.ListModelsResponse) -> dict[str, Any]:
