@@ -200,3 +200,36 @@ def test_http_echo_logprobs_and_prompt_logprobs_equal_hf(spindle_up, smollm2, hf
     got = [s[str(t)]["logprob"] for s, t in zip(scores[1:], ids[1:], strict=True)]
     assert got == pytest.approx(want, abs=1e-4)
     assert all(any(v["rank"] == 1 for v in s.values()) for s in scores[1:])
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_scored_prompt_preempted_mid_prefill_keeps_its_scores(tiny_llama, hf_tiny, mode):
+    """Preempted after two of its five chunks: recomputed from position 0 (the rows scored
+    already not scored twice, none skipped) or swapped back in, its prompt logprobs are HF's."""
+    engine = make_engine(tiny_llama, max_num_batched_tokens=8, block_size=4, preemption_mode=mode)
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    engine.add_request(prompt_token_ids=LONG, params=params, request_id="r")
+    outs = engine.step() + engine.step()
+    seq = engine.requests["r"]
+    assert len(seq.output.prompt_logprobs) == 16
+    engine.scheduler._preempt(seq)
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert engine.scheduler.num_preemptions == 1
+    (first,) = [o for o in outs if o.prompt_logprobs is not None]
+    assert_matches(first, LONG, hf_prompt_logprobs(hf_tiny, LONG), 1)
+
+
+def test_http_chat_prompt_logprobs_on_the_response(spindle_up, smollm2):
+    import openai
+
+    client = openai.OpenAI(base_url=spindle_up.http, api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "Hi"}]
+    out = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    scores = out.model_extra["prompt_logprobs"]
+    ids = smollm2.tokenizer.hf.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    assert len(scores) == len(ids) and scores[0] is None
+    assert [next(iter(s)) for s in scores[1:]] == [str(t) for t in ids[1:]]  # k = 0: the token's own only
+    assert all(s[str(t)]["logprob"] <= 0 for s, t in zip(scores[1:], ids[1:], strict=True))
