@@ -44,6 +44,7 @@ def build_parser(gen: argparse.ArgumentParser) -> argparse.ArgumentParser:
         '    {"prompt": "...", "max_tokens": 32, "temperature": 0.7, "seed": 1, "stop": ["\\n"]}\n'
         '    {"messages": [{"role": "user", "content": "hi"}]}\n'
         '    {"prompt_token_ids": [1, 2, 3], "logprobs": 5}\n'
+        '    {"prompt": "...", "prompt_logprobs": 0, "max_tokens": 0}  (each prompt token scored)\n'
         '    {"prompt": "...", "structured_output": {"json_schema": {"type": "object"}}}\n'
         '  spindle generate --chat --prompt "Is water wet?" --choice yes --choice no'
     )
@@ -217,11 +218,16 @@ def _run(engine: Engine) -> tuple[dict[str, RequestOutput], dict[str, list[Token
     `Engine.run_to_completion` does, lost them, so `--logprobs N` printed none."""
     final: dict[str, RequestOutput] = {}
     logprobs: dict[str, list[TokenLogprobs]] = defaultdict(list)
+    prompts: dict[str, RequestOutput] = {}  # the output that carried a request's prompt logprobs
     while engine.has_unfinished():
         for out in engine.step():
             logprobs[out.request_id] += out.new_logprobs
+            if out.prompt_logprobs is not None:
+                prompts[out.request_id] = out
             if out.finished:
                 final[out.request_id] = out
+                scored = prompts.get(out.request_id, out)  # on the final output too, for `_result`
+                out.prompt_token_ids, out.prompt_logprobs = scored.prompt_token_ids, scored.prompt_logprobs
     return final, logprobs
 
 
@@ -238,6 +244,9 @@ def _result(index: int, out: RequestOutput, logprobs: list[TokenLogprobs]) -> di
     }
     if logprobs:  # one per token: its logprob and the top N as [token id, logprob]
         result["logprobs"] = [{"logprob": lp.logprob, "top_logprobs": lp.top} for lp in logprobs]
+    if out.prompt_logprobs is not None:  # one per prompt token, the first null (as vLLM's)
+        scored = [{"logprob": lp.logprob, "top_logprobs": lp.top} for lp in out.prompt_logprobs]
+        result["prompt_logprobs"] = [None, *scored]
     if out.error:
         result["error"] = out.error
     return result

@@ -233,3 +233,21 @@ def test_http_chat_prompt_logprobs_on_the_response(spindle_up, smollm2):
     assert len(scores) == len(ids) and scores[0] is None
     assert [next(iter(s)) for s in scores[1:]] == [str(t) for t in ids[1:]]  # k = 0: the token's own only
     assert all(s[str(t)]["logprob"] <= 0 for s, t in zip(scores[1:], ids[1:], strict=True))
+
+
+def test_spindle_generate_prints_a_requests_prompt_logprobs(tiny_llama, hf_tiny, tmp_path, capsys):
+    import json
+
+    from spindle.cli import main
+
+    reqs = tmp_path / "reqs.jsonl"
+    reqs.write_text(json.dumps({"prompt_token_ids": SHORT, "prompt_logprobs": 1, "max_tokens": 0}) + "\n")
+    argv = ["generate", "--model", tiny_llama.name, "--requests", str(reqs), "--json", "--device", "cpu"]
+    assert main(argv) == 0
+    (out,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert out["finish_reason"] == "length" and out["token_ids"] == []
+    ref = hf_prompt_logprobs(hf_tiny, SHORT)
+    assert out["prompt_logprobs"][0] is None
+    got = [e["logprob"] for e in out["prompt_logprobs"][1:]]
+    assert got == pytest.approx(ref.gather(1, torch.tensor(SHORT[1:])[:, None])[:, 0].tolist(), abs=1e-5)
+    assert [e["top_logprobs"][0][0] for e in out["prompt_logprobs"][1:]] == ref.argmax(-1).tolist()
