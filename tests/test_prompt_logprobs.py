@@ -53,11 +53,13 @@ def run(engine, requests: dict[str, tuple[list[int], SamplingParams]], **kw) -> 
     return outs
 
 
-def test_prompt_logprobs_equal_hf_chunked_batched_past_the_prefix_cache(tiny_llama, hf_tiny):
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_prompt_logprobs_equal_hf_chunked_batched_past_the_prefix_cache(tiny_llama, hf_tiny, overlap):
     """A chunk budget of 8 splits the long prompt over five steps, run beside a plain request and
     a prompt-only one; the prompt's blocks are in the prefix cache already (an earlier request),
-    which a scored prompt must not reuse. The scores come once, in the request's first output."""
-    engine = make_engine(tiny_llama, max_num_batched_tokens=8, block_size=4)
+    which a scored prompt must not reuse. The scores come once, in the request's first output;
+    with async scheduling (tokens sampled on the device, read a step later) too."""
+    engine = make_engine(tiny_llama, max_num_batched_tokens=8, block_size=4, async_scheduling=overlap)
     run(engine, {"warm": ([*LONG, 1, 2], SamplingParams(max_tokens=1, temperature=0))})
     outs = run(
         engine,
