@@ -147,6 +147,14 @@ def test_the_sdk_reads_reasoning_content_apart_from_content(size):
     assert got["order"] == ["reasoning", "content"]
 
 
+def test_include_reasoning_false_drops_the_reasoning():
+    """vLLM's `include_reasoning: false`: the thinking is still kept out of the content, and dropped."""
+    whole, chunks = _asked(_Scripted("Think.</think>Answer."), extra_body={"include_reasoning": False})
+    assert (whole.choices[0].message.reasoning_content, whole.choices[0].message.content) == (None, "Answer.")
+    got = _streamed(chunks)
+    assert (got["reasoning"], got["content"]) == ("", "Answer.")
+
+
 def test_an_answer_cut_while_thinking_is_all_reasoning_and_no_content():
     whole, chunks = _asked(_Scripted("Hmm, Paris. Let me", finish=pb.FINISH_REASON_LENGTH), max_tokens=5)
     message = whole.choices[0].message

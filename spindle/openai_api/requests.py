@@ -77,6 +77,7 @@ class Call:
     logprobs: bool
     tools: ToolUse | None = None  # how the output is read for tool calls (None: as text)
     reasoning: str = "none"  # the --reasoning-parser its output is read with ("none": no reasoning)
+    include_reasoning: bool = True  # vLLM's `include_reasoning`: false drops the reasoning read
     n: int = 1  # choices per prompt
     best_of: int = 1  # generations per prompt the n choices are the best of (>= n)
     echo: bool = False  # a completion's text starts with its prompt's
@@ -204,6 +205,8 @@ def chat_request(
         raise bad_request("`best_of` is not supported in chat completions (send it to /v1/completions)",
                           "best_of")  # fmt: skip
     call = replace(call, tools=use, reasoning=_reasoning(req, reasoning_parser))
+    if _typed(body, "include_reasoning", bool) is False:  # vLLM's: the reasoning read, and dropped
+        call = replace(call, include_reasoning=False)
     _bounded(call)
     return req, call
 

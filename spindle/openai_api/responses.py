@@ -139,8 +139,9 @@ class ChatOutput:
     last one. With `parallel_tool_calls: false` the calls after the first are dropped, as vLLM
     does."""
 
-    def __init__(self, use: ToolUse | None, reasoning: str = "none") -> None:
+    def __init__(self, use: ToolUse | None, reasoning: str = "none", include_reasoning: bool = True) -> None:
         self.use, self.reader = use, use.reader() if use is not None else None
+        self.include_reasoning = include_reasoning  # false: the reasoning is read and dropped
         self.thinking = THINK_READERS[reasoning]() if reasoning != "none" else None
         self.calls: list[dict[str, Any]] = []
         self._dropping = False
@@ -165,7 +166,7 @@ class ChatOutput:
         out: list[dict[str, Any]] = []
         for piece in pieces:
             if isinstance(piece, Thought):
-                out.append({"reasoning_content": piece.text})
+                out += [{"reasoning_content": piece.text}] if self.include_reasoning else []
             elif isinstance(piece, CallStart):
                 self._dropping = bool(self.calls) and not self.use.parallel
                 if not self._dropping:
@@ -243,7 +244,9 @@ class Reply:
         if self.call.tools is None and self.call.reasoning == "none":
             return None
         if index not in self._outputs:
-            self._outputs[index] = ChatOutput(self.call.tools, self.call.reasoning)
+            self._outputs[index] = ChatOutput(
+                self.call.tools, self.call.reasoning, self.call.include_reasoning
+            )
         return self._outputs[index]
 
     def _echoed(self, prompt: int) -> str:
