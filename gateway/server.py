@@ -619,6 +619,7 @@ async def start(
                 lambda: health.serving,
                 tracer,
                 getattr(args, "tool_call_parser", "none"),
+                getattr(args, "reasoning_parser", "none"),
             )
             gateway.http_port = await gateway.http.start(args.host, args.http_port, security.tls)
             log.info("OpenAI-compatible HTTP API on %s:%d", args.host, gateway.http_port)

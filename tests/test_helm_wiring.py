@@ -202,6 +202,12 @@ def test_the_model_pod_uses_every_gpu_it_requests(variant, gpus, monkeypatch):
         ({"gateway": {"config": {"placement-timeout": 120}}}, "gateway", {"placement_timeout": 120}),
         ({"gateway": {"config": {"tool-call-parser": "hermes"}}}, "gateway", {"tool_call_parser": "hermes"}),
         ({"model": {"config": {"tool-call-parser": "hermes"}}}, "model", {"tool_call_parser": "hermes"}),
+        ({"gateway": {"config": {"reasoning-parser": "qwen3"}}}, "gateway", {"reasoning_parser": "qwen3"}),
+        (
+            {"model": {"config": {"reasoning-parser": "deepseek_r1"}}},
+            "model",
+            {"reasoning_parser": "deepseek_r1"},
+        ),
         # What the pods accept, the adapter service accepts at upload (unless told otherwise).
         (
             {"model": {"config": {"max-lora-rank": 128, "max-adapter-bytes": 4294967296}}},
