@@ -6,19 +6,16 @@ and not, with tool calls after the thinking, `n` choices, and forced outputs."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator
 
-import openai
 import pytest
-from opentelemetry.trace import get_tracer
 
 from spindle import local
 from spindle.cli import command_parser
 from spindle.openai_api.reasoning_parsers import READERS, Thought
-from spindle.openai_api.server import OpenAIServer
 from spindle.v1 import generation_pb2 as pb
+from tests.service_helpers import openai_client_of
 
 BASE = "m"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -85,23 +82,11 @@ class _Scripted:
         yield pb.GenerateResponse(final=pb.Final(finish_reason=self.finish, usage=usage))
 
 
-@contextlib.asynccontextmanager
-async def _served(model: _Scripted, reasoning: str, tools: str = "none") -> AsyncIterator[openai.AsyncOpenAI]:
-    server = OpenAIServer(model, lambda: (BASE,), lambda: True, get_tracer(__name__), tools, reasoning)
-    port = await server.start("127.0.0.1", 0)
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-    try:
-        yield client
-    finally:
-        await client.close()
-        await server.stop()
-
-
 def _asked(model: _Scripted, reasoning: str = "deepseek_r1", tool_parser: str = "none", **asked) -> tuple:
     """The whole answer and the stream's chunks, asked of `model` through the SDK."""
 
     async def run() -> tuple:
-        async with _served(model, reasoning, tool_parser) as client:
+        async with openai_client_of(model, BASE, tool_parser, reasoning) as client:
             whole = await client.chat.completions.create(model=BASE, messages=ASK, **asked)
             stream = await client.chat.completions.create(model=BASE, messages=ASK, stream=True, **asked)
             return whole, [chunk async for chunk in stream]
