@@ -187,6 +187,10 @@ def test_a_pod_failing_every_request_is_ejected_as_an_outlier():
                 failed += sum(isinstance(o, grpc.aio.AioRpcError) for o in outcomes)
             assert 5 <= failed <= 8, failed  # the five that ejected it, and a wave's others in flight
             assert [p.address for p in gw.pool.healthy()] == [f"127.0.0.1:{a.port}"]
+            ejected = gw.metrics.registry.get_sample_value(
+                "spindle_gateway_pod_ejections_total", {"reason": "outlier"}
+            )
+            assert ejected == 1
         async with fake_pod("alpha", 100, engine=BrokenEngine) as (b, _), gateway_to(b) as (gw, stub):
             for _ in range(8):  # alone, it stays: every pod failing says more of the requests
                 assert (await _code(stub, pb.GenerateRequest(text="hi", max_tokens=5)))[0] == Code.INTERNAL
