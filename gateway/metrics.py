@@ -52,7 +52,8 @@ class _PodCollector(Collector):
         streams = GaugeMetricFamily(
             "spindle_gateway_pod_streams", "Generate streams this gateway has open to it.", labels=["pod"]
         )
-        for address, pod in sorted(self.pool.pods.items()):
+        # Scrapes run on the metrics thread: copy what the event loop changes in one step (the GIL).
+        for address, pod in sorted(list(self.pool.pods.items())):
             healthy.add_metric([address], 1.0 if pod.healthy else 0.0)
             held_out.add_metric([address], 1.0 if pod.ejected_until > now else 0.0)
             streams.add_metric([address], pod.in_flight)
@@ -62,7 +63,7 @@ class _PodCollector(Collector):
             "outlier (server errors in a row), health_check (failed checks), not_serving.",
             labels=["reason"],
         )
-        for reason, count in sorted(self.pool.ejections.items()):
+        for reason, count in sorted(list(self.pool.ejections.items())):
             ejections.add_metric([reason], count)
         yield from (healthy, held_out, streams, ejections)
 
