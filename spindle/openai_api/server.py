@@ -42,6 +42,7 @@ ROUTES = (
     "GET /health"
 )
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_METHODS = frozenset({"GET", "POST", "HEAD", "OPTIONS", "PUT", "DELETE", "PATCH"})  # others: `other`
 
 
 def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
@@ -80,7 +81,8 @@ class OpenAIServer:
     GenerateResponse messages or their serialized bytes, `ListModels` answers one).
     `base_models()` names the base models (a `model` that is none of them is an adapter);
     `ready()` is the process's health status; `tool_parser` and `reasoning_parser` the
-    --tool-call-parser and --reasoning-parser."""
+    --tool-call-parser and --reasoning-parser; `on_request`, when given, is told each request's
+    method, route template and status (the gateway's metrics)."""
 
     def __init__(
         self,
@@ -90,9 +92,12 @@ class OpenAIServer:
         tracer: trace.Tracer,
         tool_parser: str = "none",
         reasoning_parser: str = "none",
+        on_request: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self.generation, self.base_models, self.ready, self.tracer = generation, base_models, ready, tracer
         middlewares = [_traced(tracer), _openai_errors]  # the span sees the status of every refusal
+        if on_request is not None:  # outermost: it sees every answer's final status
+            middlewares.insert(0, _counted(on_request))
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         chat, completion = ChatFormat(tool_parser, reasoning_parser), CompletionFormat()
         self.app.router.add_post("/v1/chat/completions", lambda r: self._generate(r, chat))
@@ -255,6 +260,34 @@ def _traced(tracer: trace.Tracer) -> Callable[[web.Request, Handler], Awaitable[
             return response
 
     return traced
+
+
+def _counted(
+    on_request: Callable[[str, str, int], None],
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """Tell `on_request` each request's method, route template (bounded: `unmatched` for a path no
+    route has, never the path itself) and status; 499 for a client that left before the answer."""
+
+    @web.middleware
+    async def counted(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        method = request.method if request.method in _METHODS else "other"
+        status = 499
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except Exception:  # a client that left (CancelledError) stays 499
+            status = 500
+            raise
+        finally:
+            on_request(method, route, status)
+
+    return counted
 
 
 async def _send(response: web.StreamResponse, objects: list[dict[str, Any]]) -> None:
