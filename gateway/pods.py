@@ -13,6 +13,7 @@ its ejection time first.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -184,6 +185,7 @@ class PodPool:
         self.interceptors, self.security = list(interceptors), security
         self.on_change, self.on_eject = on_change, on_eject
         self.pods: dict[str, Pod] = {}
+        self.ejections: collections.Counter[str] = collections.Counter()  # by reason, for /metrics
         self._last_discovery = float("-inf")
         self._task: asyncio.Task | None = None
         self._retiring: dict[Pod, asyncio.Task[None]] = {}  # gone from discovery, streams still open
@@ -204,11 +206,13 @@ class PodPool:
         an adapter's name)."""
         return {p.load.model for p in self.pods.values() if p.load is not None and p.load.model}
 
-    def eject(self, pod: Pod, why: str) -> None:
+    def eject(self, pod: Pod, why: str, reason: str = "unavailable") -> None:
+        """Take `pod` out of rotation; `reason` (a short fixed word) counts it in /metrics."""
         was_healthy = pod.healthy
         pod.healthy, pod.last_error = False, why
         pod.failures = max(pod.failures, self.failure_threshold)
         if was_healthy:
+            self.ejections[reason] += 1
             log.warning("ejecting model pod %s: %s", pod.address, why)
             if self.on_eject is not None:
                 self.on_eject(pod.address)
@@ -234,7 +238,9 @@ class PodPool:
         seconds = self.outlier_ejection * min(pod.ejections, MAX_EJECTION_FACTOR)
         pod.ejected_until = time.monotonic() + seconds
         self.eject(
-            pod, f"{pod.errors_in_a_row} requests in a row failed ({code.name}); out for {seconds:g} s"
+            pod,
+            f"{pod.errors_in_a_row} requests in a row failed ({code.name}); out for {seconds:g} s",
+            "outlier",
         )
         pod.errors_in_a_row = 0
 
@@ -301,7 +307,7 @@ class PodPool:
                 health_pb2.HealthCheckRequest(service="spindle.v1.Generation"), timeout=self.timeout
             )
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                self.eject(pod, "health check says NOT_SERVING")
+                self.eject(pod, "health check says NOT_SERVING", "not_serving")
                 return
             in_flight = pod.in_flight  # what the report will count (at most)
             load = await pod.status.GetLoad(pod_status_pb2.GetLoadRequest(), timeout=self.timeout)
@@ -309,7 +315,7 @@ class PodPool:
             pod.failures += 1
             pod.last_error = f"{e.code().name}: {e.details()}"
             if pod.failures >= self.failure_threshold:
-                self.eject(pod, f"{pod.failures} failed checks, last: {pod.last_error}")
+                self.eject(pod, f"{pod.failures} failed checks, last: {pod.last_error}", "health_check")
             return
         if _restarted(pod.load, load):
             log.info("model pod %s restarted (serving %s)", pod.address, load.model)

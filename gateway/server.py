@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from gateway import prefix, router
 from gateway.adapters import AdapterDirectory, AdminProxy
 from gateway.auth import ANONYMOUS, ApiKeys, AuthError, Caller
 from gateway.limits import STREAM_RETRY_S, Limits
+from gateway.metrics import GatewayMetrics, counted, status_code
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
 from gateway.relay import Relayed, add_generation_service, client_span
 from spindle import flagtypes, request_ids, serving, telemetry
@@ -63,6 +65,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         self.prefixes = prefix.PrefixIndex()
         self.inflight: dict[str, Routed] = {}
         self.limits = Limits()
+        self.metrics = GatewayMetrics(pool)
         self.draining = False
         self.port = 0  # set once listening
         self.http: OpenAIServer | None = None  # the OpenAI-compatible API, when --http-port is set
@@ -79,6 +82,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
             await abort(context, Code.UNAUTHENTICATED, str(e))
         wait = self.limits.take(caller) if metered else 0.0
         if wait:
+            self.metrics.refusals.labels("rate_limit").inc()
             await abort_exhausted(
                 context,
                 f"API key {caller.name!r} is over its rate limit ({caller.rate:g} requests/s); "
@@ -104,6 +108,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         """The caller and request id of a request the gateway may relay, or abort."""
         caller = await self._caller(context)
         if self.draining:
+            self.metrics.refusals.labels("draining").inc()
             await abort(context, Code.UNAVAILABLE, "the gateway is shutting down; retry")
         if request.WhichOneof("prompt") is None:
             await abort(
@@ -112,12 +117,14 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         adapter = request.adapter if request.HasField("adapter") else None
         if not caller.may_use(adapter):
             allowed = "none" if not caller.adapters else ", ".join(sorted(caller.adapters))
+            self.metrics.refusals.labels("adapter").inc()
             await abort(
                 context,
                 Code.PERMISSION_DENIED,
                 f"API key {caller.name!r} may not use adapter {adapter!r} (allowed: {allowed})",
             )
         if request.HasField("priority") and request.priority < caller.priority:
+            self.metrics.refusals.labels("priority").inc()
             await abort(
                 context,
                 Code.PERMISSION_DENIED,
@@ -136,6 +143,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         if rid in self.inflight:
             await abort(context, Code.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
         if not self.limits.acquire(caller, context):
+            self.metrics.refusals.labels("streams").inc()
             await abort_exhausted(
                 context,
                 f"API key {caller.name!r} has {caller.concurrency} streams open, its limit; "
@@ -147,11 +155,23 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
+        m, start, first = self.metrics, time.monotonic(), True
+        model, error = m.model_label(request.model if request.HasField("model") else None), None
+        m.streams.inc()
         try:  # the stream holds one of its caller's concurrency slots (taken in _admissible)
             async for resp in self._generate(request, context):
+                if first:
+                    m.ttft.labels(model).observe(time.monotonic() - start)
+                    first = False
                 yield resp
+            m.latency.labels(model).observe(time.monotonic() - start)
+        except BaseException as e:
+            error = e
+            raise
         finally:
             self.limits.release(context)
+            m.streams.dec()
+            m.requests.labels("Generate", model, status_code(context, error)).inc()
 
     async def _generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -225,6 +245,8 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
             request = stream.next_request()
             if request is None:
                 return  # the pod failed after its final message: the caller has everything
+            if attempt > 1:  # another pod takes it on: from the start, or resumed mid-stream
+                self.metrics.failover(resumed=bool(stream.messages))
             tried.add(pod.address)
             self.inflight[rid] = Routed(caller, pod)
             self.prefixes.record(hashes, pod.address)
@@ -331,6 +353,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         log.info("adapter %s placed on %s (%s)", adapter, ",".join(placed.pods), placed.source)
         await self.pool.poll_now()  # the pods' load reports now list it
 
+    @counted("Abort")
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         caller = await self._caller(context, metered=False)
         if not request.request_id:
@@ -343,6 +366,7 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         except grpc.aio.AioRpcError as e:
             await abort(context, e.code(), e.details())
 
+    @counted("ListModels")
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
@@ -449,6 +473,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--host", default="0.0.0.0", help="address to listen on [0.0.0.0]")
     g.add_argument("--port", type=flagtypes.port, default=50051, help="gRPC port [50051]")
     add_http_args(g)
+    g.add_argument(
+        "--metrics-port",
+        type=flagtypes.port,
+        default=0,
+        help="Prometheus /metrics port (the chart sets 9092); 0 = off [0]",
+    )
     g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]")
     g.add_argument(
         "--drain-timeout",
@@ -612,6 +642,9 @@ async def start(
         await server.start()
         await pool.start()
         log.info("gateway listening on %s:%d in front of %d pods", args.host, gateway.port, len(pool.pods))
+        if getattr(args, "metrics_port", 0):
+            metrics_port = gateway.metrics.serve(args.host, args.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", args.host, metrics_port)
         if getattr(args, "http_port", 0):
             gateway.http = OpenAIServer(
                 gateway,
@@ -619,6 +652,8 @@ async def start(
                 lambda: health.serving,
                 tracer,
                 getattr(args, "tool_call_parser", "none"),
+                getattr(args, "reasoning_parser", "none"),
+                on_request=gateway.metrics.http_request,
             )
             gateway.http_port = await gateway.http.start(args.host, args.http_port, security.tls)
             log.info("OpenAI-compatible HTTP API on %s:%d", args.host, gateway.http_port)
@@ -639,5 +674,6 @@ async def shutdown(
     await server.stop(grace=1.0)
     await health.stop()
     await gateway.pool.close()
+    gateway.metrics.stop()
     if gateway.directory is not None:
         await gateway.directory.close()

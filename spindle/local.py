@@ -36,6 +36,7 @@ from adapter_service.client import AdaptersClient
 from spindle import flagtypes
 from spindle.client import Client, chat_request
 from spindle.errors import SpindleError
+from spindle.openai_api import reasoning_parsers
 from spindle.openai_api.tool_parsers import PARSERS
 from spindle.peft import lora_specs
 from spindle.serving import served_model_name
@@ -73,6 +74,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=PARSERS,
         default="none",
         help="the pod's and gateway's --tool-call-parser (hermes, llama3_json) [none]",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=reasoning_parsers.PARSERS,
+        default="none",
+        help="the pod's and gateway's --reasoning-parser (deepseek_r1, qwen3) [none]",
     )
     parser.add_argument(
         "--pod-port", type=flagtypes.port, default=None, help="the pod's Generation port [a free port]"
@@ -180,7 +187,7 @@ def _commands(args: argparse.Namespace, token_file: str) -> list[list[str]]:
         *me, "serve", "--model", args.model, "--host", args.host, "--port", str(args.pod_port),
         "--control-port", str(args.pod_control_port), "--metrics-port", str(args.metrics_port),
         "--http-port", str(args.pod_http_port), "--log-level", args.log_level,
-        "--tool-call-parser", args.tool_call_parser,
+        "--tool-call-parser", args.tool_call_parser, "--reasoning-parser", args.reasoning_parser,
     ]  # fmt: skip
     service_cmd = [
         *me, "adapter-service", "--host", args.host, "--port", str(args.adapter_port),
@@ -190,7 +197,7 @@ def _commands(args: argparse.Namespace, token_file: str) -> list[list[str]]:
     gateway_cmd = [
         *me, "gateway", "--host", args.host, "--port", str(args.gateway_port),
         "--http-port", str(args.http_port), "--pods", f"{args.host}:{args.pod_port}",
-        "--tool-call-parser", args.tool_call_parser,
+        "--tool-call-parser", args.tool_call_parser, "--reasoning-parser", args.reasoning_parser,
         "--allow-unauthenticated", "--health-interval", "0.5",
         "--adapter-service", f"{args.host}:{args.adapter_port}", "--log-level", args.log_level,
     ]  # fmt: skip

@@ -50,7 +50,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
     },
     "autoscaling": {
-        "gateway": {"autoscaling": {"enabled": True}, "config": {"max-attempts": 2}},
+        "gateway": {
+            "autoscaling": {"enabled": True},
+            "config": {"max-attempts": 2},
+            "podMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+        },
         "model": {"keda": {"enabled": True}, "serviceMonitor": {"enabled": True}},
     },
     "network-policy": {
@@ -70,6 +74,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "no-control-token": {"controlToken": {"enabled": False}},
     "no-http": {"gateway": {"httpPort": 0}, "model": {"httpPort": 0}},
+    "gateway-metrics-off": {"gateway": {"metricsPort": 0, "podMonitor": {"enabled": True}}},
     "statefulset-no-adapter-service": {
         "model": {"adapterCache": {"persistence": True}, "keda": {"enabled": True}},
         "adapterService": {"enabled": False},

@@ -267,3 +267,27 @@ async def gateway_in_process(flags: list[str], provider: Any = None) -> AsyncIte
         yield gateway
     finally:
         await gateway_server.shutdown(gateway, server, health, 1.0)
+
+
+@contextlib.asynccontextmanager
+async def openai_client_of(
+    servicer: Any, model: str, tool_parser: str = "none", reasoning_parser: str = "none"
+) -> AsyncIterator[Any]:
+    """The OpenAI HTTP API over a Generation `servicer` (a scripted model, or a real one), in this
+    process, serving `model`, and an `openai` SDK client of it (no retries: a test sees each
+    answer as it is)."""
+    import openai
+    from opentelemetry.trace import get_tracer
+
+    from spindle.openai_api.server import OpenAIServer
+
+    server = OpenAIServer(
+        servicer, lambda: (model,), lambda: True, get_tracer(__name__), tool_parser, reasoning_parser
+    )
+    port = await server.start("127.0.0.1", 0)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.stop()

@@ -187,6 +187,10 @@ def test_a_pod_failing_every_request_is_ejected_as_an_outlier():
                 failed += sum(isinstance(o, grpc.aio.AioRpcError) for o in outcomes)
             assert 5 <= failed <= 8, failed  # the five that ejected it, and a wave's others in flight
             assert [p.address for p in gw.pool.healthy()] == [f"127.0.0.1:{a.port}"]
+            ejected = gw.metrics.registry.get_sample_value(
+                "spindle_gateway_pod_ejections_total", {"reason": "outlier"}
+            )
+            assert ejected == 1
         async with fake_pod("alpha", 100, engine=BrokenEngine) as (b, _), gateway_to(b) as (gw, stub):
             for _ in range(8):  # alone, it stays: every pod failing says more of the requests
                 assert (await _code(stub, pb.GenerateRequest(text="hi", max_tokens=5)))[0] == Code.INTERNAL
@@ -275,13 +279,15 @@ def test_a_prompt_too_long_for_one_pod_goes_to_a_pod_of_its_model_where_it_fits(
 
     async def go() -> None:
         short, long = fake_pod("alpha", 100, engine=_short(32)), fake_pod("alpha", 100, engine=_short(128))
-        async with short as (a, _), long as (b, long_pod), gateway_to(a, b) as (gw, stub):
+        async with short as (a, short_pod), long as (b, long_pod), gateway_to(a, b) as (gw, stub):
             await _until(lambda: len(gw.pool.healthy()) == 2)
             for i in range(6):
                 text = pb.GenerateRequest(text=f"{i:02d}" + "x" * 60, max_tokens=2)
                 ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[i] * 60), max_tokens=2)
                 assert await _tokens(stub, text) == await _tokens(stub, ids) == [100, 101]
             assert long_pod.requests_total == 12
+            retries = gw.metrics.registry.get_sample_value("spindle_gateway_retries_total")
+            assert retries == short_pod.requests_total  # each it refused
             code, details = await _code(stub, pb.GenerateRequest(text="x" * 200, max_tokens=2))
             assert code == Code.INVALID_ARGUMENT and "context of this model's pods is 128" in details
             code, details = await _code(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 200)))

@@ -18,12 +18,13 @@ KUBE_VERSION = "1.30.0"
 @functools.cache
 def _crd_models() -> dict[str, type]:
     # Pydantic models generated from the CRDs' openAPI schemas by cloudcoil (PyPI):
-    # prometheus-operator v0.80.1 (ServiceMonitor) and KEDA v2.16.1 (ScaledObject).
+    # prometheus-operator v0.80.1 (ServiceMonitor, PodMonitor) and KEDA v2.16.1 (ScaledObject).
     from cloudcoil.models.keda.v1alpha1 import ScaledObject
-    from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor
+    from cloudcoil.models.prometheus_operator.v1 import PodMonitor, ServiceMonitor
 
     return {
         "monitoring.coreos.com/v1/ServiceMonitor": ServiceMonitor,
+        "monitoring.coreos.com/v1/PodMonitor": PodMonitor,
         "keda.sh/v1alpha1/ScaledObject": ScaledObject,
     }
 

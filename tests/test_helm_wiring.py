@@ -116,8 +116,10 @@ def test_environment_ports_and_probes_match_the_service(name, value_set, monkeyp
         assert "http" not in {p["name"] for p in container["ports"]}
     http_ready = bool(http) and not args.tls_cert_file
     assert probe_ports(container, http_ready) == {args.health_port or args.port}  # plaintext health with TLS
-    if hasattr(args, "metrics_port"):
+    if getattr(args, "metrics_port", 0):
         assert port_number(container, "metrics") == args.metrics_port
+    else:  # off: no port for a PodMonitor or NetworkPolicy to name
+        assert "metrics" not in {p["name"] for p in container["ports"]}
     if hasattr(args, "drain_timeout"):
         assert spec["terminationGracePeriodSeconds"] > args.drain_timeout
         live = container["livenessProbe"]
@@ -202,6 +204,12 @@ def test_the_model_pod_uses_every_gpu_it_requests(variant, gpus, monkeypatch):
         ({"gateway": {"config": {"placement-timeout": 120}}}, "gateway", {"placement_timeout": 120}),
         ({"gateway": {"config": {"tool-call-parser": "hermes"}}}, "gateway", {"tool_call_parser": "hermes"}),
         ({"model": {"config": {"tool-call-parser": "hermes"}}}, "model", {"tool_call_parser": "hermes"}),
+        ({"gateway": {"config": {"reasoning-parser": "qwen3"}}}, "gateway", {"reasoning_parser": "qwen3"}),
+        (
+            {"model": {"config": {"reasoning-parser": "deepseek_r1"}}},
+            "model",
+            {"reasoning_parser": "deepseek_r1"},
+        ),
         # What the pods accept, the adapter service accepts at upload (unless told otherwise).
         (
             {"model": {"config": {"max-lora-rank": 128, "max-adapter-bytes": 4294967296}}},
@@ -296,6 +304,12 @@ def test_selectors_match_the_pods_they_mean(value_set):
                 p["name"] for p in service["spec"]["ports"]
             }
             assert obj["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
+        elif kind == "PodMonitor":  # the gateway's: its Service is the callers' and has no metrics port
+            selector = obj["spec"]["selector"]["matchLabels"]
+            (selected,) = [w for w in deployed.values() if matches(selector, pod_labels(w))]
+            ports = {p["name"] for p in main_container(selected)["ports"]}
+            assert {e["port"] for e in obj["spec"]["podMetricsEndpoints"]} <= ports
+            assert obj["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
         elif kind in ("ScaledObject", "HorizontalPodAutoscaler"):
             target = obj["spec"]["scaleTargetRef"]
             (scaled,) = [
@@ -357,6 +371,9 @@ def test_network_policies_let_in_only_who_must(value_set):
     assert allowed_sources(objects, "model", "control") == {"model"} | adapter
     assert allowed_sources(objects, "gateway", "grpc") == ANYONE
     assert allowed_sources(objects, "gateway", "http") == ANYONE  # the same callers, the same API keys
+    gateway_rules = next(o for o in objects if o["kind"] == "NetworkPolicy" and component(o) == "gateway")
+    (metrics_rule,) = [r for r in gateway_rules["spec"]["ingress"] if r["ports"][0]["port"] == "metrics"]
+    assert metrics_rule.get("from") == (VALUE_SETS[value_set]["networkPolicy"].get("metricsFrom") or None)
     http = "http" in {p["name"] for p in main_container(deployed["model"])["ports"]}
     assert not http or allowed_sources(objects, "model", "http") == {"gateway"}  # no keys on a pod
     if adapter:
@@ -366,6 +383,21 @@ def test_network_policies_let_in_only_who_must(value_set):
     for name, workload in deployed.items():
         for port in main_container(workload)["ports"]:
             assert allowed_sources(objects, name, port["name"]), f"nobody may reach {name}:{port['name']}"
+
+
+@pytest.mark.parametrize(
+    ("value_set", "monitored"), [("default", False), ("autoscaling", True), ("gateway-metrics-off", False)]
+)
+def test_the_gateway_pod_monitor_follows_its_metrics_port(value_set, monitored):
+    """A PodMonitor when asked for and the gateway serves /metrics; never a metrics port on the
+    gateway's Service (the callers' door, often a LoadBalancer)."""
+    objects = render(VALUE_SETS[value_set])
+    monitors = [o for o in objects if o["kind"] == "PodMonitor"]
+    assert len(monitors) == monitored
+    if monitored:
+        assert monitors[0]["metadata"]["labels"]["release"] == "prometheus"
+    (service,) = [o for o in objects if o["kind"] == "Service" and component(o) == "gateway"]
+    assert "metrics" not in {p["name"] for p in service["spec"]["ports"]}
 
 
 def test_no_network_policy_unless_asked():

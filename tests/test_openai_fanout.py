@@ -21,7 +21,8 @@ from spindle.openai_api.requests import chat_request
 from spindle.openai_api.responses import ChatFormat, Reply
 from spindle.openai_api.server import OpenAIServer
 from spindle.v1 import generation_pb2 as pb
-from tests.test_openai_http import BASE, QUESTION, _idle, _sdk, _served
+from tests.service_helpers import openai_client_of
+from tests.test_openai_http import BASE, QUESTION, _idle, _sdk
 
 STORY = "Once upon a"
 
@@ -140,7 +141,7 @@ def test_a_failure_in_one_generation_closes_the_others(stream):
     servicer = _OneFails()
 
     async def run() -> None:
-        async with _served(servicer) as client:
+        async with openai_client_of(servicer, BASE) as client:
             with pytest.raises(openai.APIError, match="a bug"):
                 answer = await client.chat.completions.create(
                     model=BASE, messages=QUESTION, n=3, stream=stream, extra_headers={"x-request-id": "r"}

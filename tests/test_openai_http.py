@@ -6,7 +6,6 @@ few tokens: the cluster is real, the CPU is small."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +18,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind, get_tracer
+from opentelemetry.trace import SpanKind
 
 from spindle.client import Client, chat_request, completion_request
 from spindle.openai_api.context import Refused
@@ -28,10 +27,9 @@ from spindle.openai_api.requests import Call
 from spindle.openai_api.requests import chat_request as http_chat_request
 from spindle.openai_api.requests import completion_request as http_completion_request
 from spindle.openai_api.responses import ChatFormat, CompletionFormat, Reply
-from spindle.openai_api.server import OpenAIServer
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import pod_status_pb2, pod_status_pb2_grpc
-from tests.service_helpers import free_port, gateway_in_process
+from tests.service_helpers import free_port, gateway_in_process, openai_client_of
 from tests.up_cluster import ADAPTER
 
 BASE = "smollm2-135m-instruct"
@@ -465,19 +463,6 @@ class _Servicer:
         ])  # fmt: skip
 
 
-@contextlib.asynccontextmanager
-async def _served(servicer) -> AsyncIterator[openai.AsyncOpenAI]:
-    """The HTTP API over `servicer`, in this process, and an SDK client of it."""
-    server = OpenAIServer(servicer, lambda: (BASE,), lambda: True, get_tracer(__name__))
-    port = await server.start("127.0.0.1", 0)
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-    try:
-        yield client
-    finally:
-        await client.close()
-        await server.stop()
-
-
 @pytest.mark.parametrize(
     ("failure", "message"),
     [
@@ -491,7 +476,7 @@ def test_a_failure_after_the_stream_began_is_an_error_event(failure, message):
     connection)."""
 
     async def run() -> list[str]:
-        async with _served(_Servicer(failure)) as client:
+        async with openai_client_of(_Servicer(failure), BASE) as client:
             stream = await client.chat.completions.create(model=BASE, messages=QUESTION, stream=True)
             texts = []
             with pytest.raises(openai.APIError, match=message):
@@ -504,7 +489,7 @@ def test_a_failure_after_the_stream_began_is_an_error_event(failure, message):
 
 def test_the_sdk_retrieves_one_model():
     async def run() -> None:
-        async with _served(_Servicer()) as client:
+        async with openai_client_of(_Servicer(), BASE) as client:
             base, adapter = await client.models.retrieve(BASE), await client.models.retrieve("org/tuned")
             assert (base.id, base.object, base.model_extra["max_model_len"]) == (BASE, "model", 8192)
             assert adapter.id == "org/tuned" and adapter.model_extra["parent"] == BASE
@@ -546,7 +531,7 @@ def test_a_body_nested_too_deep_for_the_parser_is_a_400():
     500 the SDKs retry, logged with a traceback per request)."""
 
     async def run() -> httpx.Response:
-        async with _served(_Servicer()) as client:
+        async with openai_client_of(_Servicer(), BASE) as client:
             url = str(client.base_url) + "completions"
             async with httpx.AsyncClient() as http:
                 return await http.post(url, content=b"[" * 100_000 + b"]" * 100_000)

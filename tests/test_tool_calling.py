@@ -7,20 +7,17 @@ of a scripted model through the HTTP server. The real model's forced calls (tool
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator
 
 import openai
 import pytest
-from opentelemetry.trace import get_tracer
 
 from model_service.engine.requests import PromptReader
 from model_service.models.tokenizer import Tokenizer
 from model_service.pod import wire
 from spindle.openai_api.errors import ApiError
 from spindle.openai_api.requests import chat_request
-from spindle.openai_api.server import OpenAIServer
 from spindle.openai_api.tool_parsers import (
     Arguments,
     CallStart,
@@ -31,6 +28,7 @@ from spindle.openai_api.tool_parsers import (
     RequiredReader,
 )
 from spindle.v1 import generation_pb2 as pb
+from tests.service_helpers import openai_client_of
 
 BASE = "m"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -273,18 +271,6 @@ class _Scripted:
         yield pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_STOP, usage=usage))
 
 
-@contextlib.asynccontextmanager
-async def _served(servicer: _Scripted, parser: str) -> AsyncIterator[openai.AsyncOpenAI]:
-    server = OpenAIServer(servicer, lambda: (BASE,), lambda: True, get_tracer(__name__), parser)
-    port = await server.start("127.0.0.1", 0)
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-    try:
-        yield client
-    finally:
-        await client.close()
-        await server.stop()
-
-
 async def _both(client: openai.AsyncOpenAI, **asked) -> tuple:
     """The whole answer, and the stream's accumulated content, calls and finish reason."""
     whole = await client.chat.completions.create(model=BASE, messages=ASK, **asked)
@@ -322,7 +308,7 @@ def test_the_sdk_reads_the_calls_a_model_writes(parser, text, content, calls):
     model = _Scripted(text)
 
     async def run() -> tuple:
-        async with _served(model, parser) as client:
+        async with openai_client_of(model, BASE, parser) as client:
             return await _both(client, tools=TOOLS)
 
     choice, streamed, streamed_calls, finish = asyncio.run(run())
@@ -339,7 +325,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     model = _Scripted(f"<tool_call>{WEATHER}</tool_call><tool_call>" + '{"name": "get_time"}</tool_call>')
 
     async def run() -> tuple:
-        async with _served(model, "hermes") as client:
+        async with openai_client_of(model, BASE, "hermes") as client:
             return await _both(client, tools=TOOLS, parallel_tool_calls=False)
 
     choice, _, streamed_calls, _ = asyncio.run(run())

@@ -149,11 +149,13 @@ async def start(
     security: Security = PLAINTEXT,
     http_port: int = 0,
     tool_parser: str = "none",
+    reasoning_parser: str = "none",
 ) -> PodServers:
     """Register the pod's services on its two servers and start listening (NOT_SERVING until
     loaded), and on `http_port` the OpenAI-compatible API over the same Generation servicer
-    (0 = none), reading tool calls with `tool_parser`. Also used in-process by tests and the
-    benchmark. The control port's ModelControl needs the service token when `security` has one."""
+    (0 = none), reading tool calls with `tool_parser` and reasoning with `reasoning_parser`. Also
+    used in-process by tests and the benchmark. The control port's ModelControl needs the service
+    token when `security` has one."""
     interceptors = telemetry.server_interceptors(provider)
     guard = security.guard(CONTROL_SERVICES, "model pod's control port")
     server, control = serving.make_server(interceptors), serving.make_server([*guard, *interceptors])
@@ -179,7 +181,12 @@ async def start(
     if http_port:
         async with serving.stopped_on_failure(lambda: servers.stop(None)):
             servers.http = OpenAIServer(
-                generation, lambda: (pod.model_name,), lambda: pod.health.serving, tracer, tool_parser
+                generation,
+                lambda: (pod.model_name,),
+                lambda: pod.health.serving,
+                tracer,
+                tool_parser,
+                reasoning_parser,
             )
             servers.http_port = await servers.http.start(host, http_port, security.tls)
     return servers
@@ -205,6 +212,7 @@ async def serve(args: argparse.Namespace) -> int:
         security,
         args.http_port,
         args.tool_call_parser,
+        args.reasoning_parser,
     )
     async with serving.stopped_on_failure(lambda: servers.stop(None), pod.health.stop):
         await pod.health.serve_plaintext(args.host, args.health_port)

@@ -7,6 +7,8 @@ metrics are the gRPC path's own. Torch-free, like the gateway.
 
 - `requests.py`: OpenAI's JSON body -> `GenerateRequest` (what is refused, and how);
 - `responses.py`: `GenerateResponse` messages -> OpenAI's JSON objects and stream chunks;
+- `tools.py`, `tool_parsers.py`: tool calling's request side, and the calls read from the output;
+- `reasoning_parsers.py`: a reasoning model's thinking read apart from its answer;
 - `fanout.py`: one request's several generations (`n`, prompts, `best_of`) as `Generate` streams;
 - `errors.py`: gRPC status -> HTTP status and OpenAI's error JSON;
 - `context.py`: the part of a gRPC servicer context the servicers use, for an HTTP call;

@@ -72,6 +72,8 @@ class Call:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool
     tools: ToolUse | None = None  # how the output is read for tool calls (None: as text)
+    reasoning: str = "none"  # the --reasoning-parser its output is read with ("none": no reasoning)
+    include_reasoning: bool = True  # vLLM's `include_reasoning`: false drops the reasoning read
     n: int = 1  # choices per prompt
     best_of: int = 1  # generations per prompt the n choices are the best of (>= n)
     echo: bool = False  # a completion's text starts with its prompt's (its logprobs too, with logprobs)
@@ -165,9 +167,13 @@ _STRUCTURED_KINDS = {
 
 
 def chat_request(
-    body: dict[str, Any], base_models: Collection[str], tool_parser: str = "none"
+    body: dict[str, Any],
+    base_models: Collection[str],
+    tool_parser: str = "none",
+    reasoning_parser: str = "none",
 ) -> tuple[pb.GenerateRequest, Call]:
-    """POST /v1/chat/completions; `tool_parser`: the server's --tool-call-parser."""
+    """POST /v1/chat/completions; `tool_parser`, `reasoning_parser`: the server's --tool-call-parser
+    and --reasoning-parser."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("`messages` must be a non-empty list of {role, content} objects", "messages")
@@ -195,9 +201,19 @@ def chat_request(
     if (_typed(body, "best_of", int) or 1) > call.n:  # a completions field (OpenAI's chat has none)
         raise bad_request("`best_of` is not supported in chat completions (send it to /v1/completions)",
                           "best_of")  # fmt: skip
-    call = replace(call, tools=use)
+    call = replace(call, tools=use, reasoning=_reasoning(req, reasoning_parser))
+    if _typed(body, "include_reasoning", bool) is False:  # vLLM's: the reasoning read, and dropped
+        call = replace(call, include_reasoning=False)
     _bounded(call)
     return req, call
+
+
+def _reasoning(req: pb.GenerateRequest, parser: str) -> str:
+    """How the output is read for reasoning: by the server's parser, but for an output forced to a
+    schema (structured output, a forced tool call), which is the schema's from its first token
+    (the engine forces it through what would have been thinking): read as reasoning, a JSON
+    answer with no `</think>` would be all reasoning and its content null."""
+    return "none" if req.sampling.HasField("structured_output") else parser
 
 
 def _no_function_call(body: dict[str, Any]) -> None:

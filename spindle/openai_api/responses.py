@@ -4,8 +4,9 @@ Chat completions and completions differ only in how a choice and its logprobs lo
 a `Format` and everything else (ids, usage, the stream's last chunks) is shared. Logprob tokens
 are named by their text, as the pod decoded each alone (OpenAI's and vLLM's form: a client looks
 up the chance of "Yes" by its text); `token_id:N` (vLLM's `return_tokens_as_token_ids` form) where
-the pod has no tokenizer (token-id serving). A chat with tools has its text read for calls
-(`ToolCalls`, tool_parsers.py): `message.tool_calls` and `delta.tool_calls`, as OpenAI sends them.
+the pod has no tokenizer (token-id serving). A chat with tools, or served with a reasoning parser,
+has its text read (`ChatOutput`): its thinking is `reasoning_content` (reasoning_parsers.py), its
+calls `tool_calls` (tool_parsers.py), as vLLM and OpenAI send them, whole and streamed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 from spindle.openai_api import requests
 from spindle.openai_api.fanout import Answer
+from spindle.openai_api.reasoning_parsers import READERS as THINK_READERS
+from spindle.openai_api.reasoning_parsers import Thought
 from spindle.openai_api.requests import Call
 from spindle.openai_api.tool_parsers import Arguments, CallStart, Piece
 from spindle.openai_api.tools import ToolUse
@@ -52,11 +55,12 @@ class Format(ABC):
 class ChatFormat(Format):
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
 
-    def __init__(self, tool_parser: str = "none") -> None:
-        self.tool_parser = tool_parser  # the server's --tool-call-parser
+    def __init__(self, tool_parser: str = "none", reasoning_parser: str = "none") -> None:
+        # the server's --tool-call-parser and --reasoning-parser
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
 
     def parse(self, body: dict[str, Any], base_models: Collection[str]) -> tuple[pb.GenerateRequest, Call]:
-        return requests.chat_request(body, base_models, self.tool_parser)
+        return requests.chat_request(body, base_models, self.tool_parser, self.reasoning_parser)
 
     def choice(self, text: str, logprobs: Sequence[pb.TokenLogprob] | None, final: pb.Final | None) -> dict:
         message = {"role": "assistant", "content": text}
@@ -146,21 +150,43 @@ def usage(u: pb.Usage) -> dict[str, int]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": total}
 
 
-class ToolCalls:
-    """One chat's tool calls as OpenAI's JSON, from its reader's pieces: a `CallStart` is a new
-    call (its `index`, an id "call_...", its name), `Arguments` extend the last one. With
-    `parallel_tool_calls: false` the calls after the first are dropped, as vLLM does."""
+class ChatOutput:
+    """One chat choice's text read as its parts: the reasoning (with a reasoning parser: the
+    model's thinking, `reasoning_content`), then content and tool calls (with `use`: calls read
+    from the content only, so markup the model thinks about is never a call). As OpenAI's JSON: a
+    `CallStart` is a new call (its `index`, an id "call_...", its name), `Arguments` extend the
+    last one. With `parallel_tool_calls: false` the calls after the first are dropped, as vLLM
+    does."""
 
-    def __init__(self, use: ToolUse) -> None:
-        self.use, self.reader = use, use.reader()
+    def __init__(self, use: ToolUse | None, reasoning: str = "none", include_reasoning: bool = True) -> None:
+        self.use, self.reader = use, use.reader() if use is not None else None
+        self.include_reasoning = include_reasoning  # false: the reasoning is read and dropped
+        self.thinking = THINK_READERS[reasoning]() if reasoning != "none" else None
         self.calls: list[dict[str, Any]] = []
         self._dropping = False
 
-    def deltas(self, pieces: list[Piece]) -> list[dict[str, Any]]:
+    def feed(self, text: str) -> list[Thought | Piece]:
+        """The pieces of more text: reasoning first, the content read for calls."""
+        return self._read(self.thinking.feed(text) if self.thinking else [text], finish=False)
+
+    def finish(self) -> list[Thought | Piece]:
+        return self._read(self.thinking.finish() if self.thinking else [], finish=True)
+
+    def _read(self, pieces: list[Thought | str], finish: bool) -> list[Thought | Piece]:
+        if self.reader is None:
+            return [p for p in pieces if p]
+        out: list[Thought | Piece] = []
+        for piece in pieces:
+            out += [piece] if isinstance(piece, Thought) else self.reader.feed(piece)
+        return out + (self.reader.finish() if finish else [])
+
+    def deltas(self, pieces: list[Thought | Piece]) -> list[dict[str, Any]]:
         """Stream deltas for these pieces (and the calls they make, kept for the whole answer)."""
         out: list[dict[str, Any]] = []
         for piece in pieces:
-            if isinstance(piece, CallStart):
+            if isinstance(piece, Thought):
+                out += [{"reasoning_content": piece.text}] if self.include_reasoning else []
+            elif isinstance(piece, CallStart):
                 self._dropping = bool(self.calls) and not self.use.parallel
                 if not self._dropping:
                     call_id = "call_" + uuid.uuid4().hex[:24]
@@ -179,15 +205,21 @@ class ToolCalls:
     def finish_reason(self, final: pb.Final, given: str | None) -> str | None:
         """ "tool_calls" when the model stopped after calling (OpenAI's and vLLM's); a call forced
         by name finishes "stop", as both answer it."""
-        called = self.calls and self.use.choice != "named" and final.finish_reason == pb.FINISH_REASON_STOP
+        named = self.use is not None and self.use.choice == "named"
+        called = self.calls and not named and final.finish_reason == pb.FINISH_REASON_STOP
         return "tool_calls" if called else given
 
     def whole(self, choice: dict[str, Any], text: str, final: pb.Final | None) -> None:
-        """A whole answer's choice with its calls: content is the text outside them (null when
-        there is none beside calls, as OpenAI answers)."""
-        deltas = self.deltas(self.reader.read(text))
+        """A whole answer's choice: content is the text outside the reasoning and the calls (null
+        when there is none beside calls or reasoning, as OpenAI and vLLM answer), and
+        `reasoning_content` the reasoning (null when there is none) with a reasoning parser."""
+        deltas = self.deltas(self.feed(text) + self.finish())
         content = "".join(d["content"] for d in deltas if "content" in d)
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if self.calls else "")}
+        reasoning = "".join(d["reasoning_content"] for d in deltas if "reasoning_content" in d)
+        empty = None if self.calls or self.thinking else ""
+        message: dict[str, Any] = {"role": "assistant", "content": content or empty}
+        if self.thinking:
+            message["reasoning_content"] = reasoning or None
         if self.calls:
             message["tool_calls"] = self.calls
         choice["message"] = message
@@ -219,20 +251,22 @@ class Reply:
 
     def __post_init__(self) -> None:
         self._started: set[int] = set()  # choices whose first delta was sent
-        self._tool_calls: dict[int, ToolCalls] = {}
+        self._outputs: dict[int, ChatOutput] = {}
         self._finals: list[tuple[int, pb.Final]] = []  # (prompt, final) of each generation streamed
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.fmt.id_prefix + self.request_id, "object": obj, "created": self.created,
                 "model": self.call.model}  # fmt: skip
 
-    def _tools(self, index: int) -> ToolCalls | None:
-        """Choice `index`'s tool calls (None: its text is not read for calls)."""
-        if self.call.tools is None:
+    def _output(self, index: int) -> ChatOutput | None:
+        """Choice `index`'s reading of its text (None: the text is the answer as it is)."""
+        if self.call.tools is None and self.call.reasoning == "none":
             return None
-        if index not in self._tool_calls:
-            self._tool_calls[index] = ToolCalls(self.call.tools)
-        return self._tool_calls[index]
+        if index not in self._outputs:
+            self._outputs[index] = ChatOutput(
+                self.call.tools, self.call.reasoning, self.call.include_reasoning
+            )
+        return self._outputs[index]
 
     def _echoed(self, prompt: int) -> str:
         """What a choice's text starts with: its prompt's text with `echo`, else nothing."""
@@ -259,9 +293,9 @@ class Reply:
         choice = {**self.fmt.choice(self._echoed(answer.prompt) + text, logprobs, final), "index": index}
         if self.call.prompt_logprobs and self.call.prompts:  # a completion's: on each choice, as vLLM's
             choice["prompt_logprobs"] = prompt_logprobs(_prompt_scores(answer))
-        tools = self._tools(index)
-        if tools is not None:
-            tools.whole(choice, text, final)
+        output = self._output(index)
+        if output is not None:
+            output.whole(choice, text, final)
         return choice
 
     def _logprobs_of(self, chunk: pb.Chunk) -> list[pb.TokenLogprob]:
@@ -278,9 +312,9 @@ class Reply:
             base["usage"] = None
         if message.HasField("final"):
             self._finals.append((prompt, message.final))
-        tools = self._tools(index)
-        if tools is not None:
-            return self._tool_chunks(base, index, message, first, tools)
+        output = self._output(index)
+        if output is not None:
+            return self._read_chunks(base, index, message, first, output)
         text = self._echoed(prompt) if first else ""
         if message.HasField("chunk"):
             c = message.chunk
@@ -302,26 +336,25 @@ class Reply:
     ) -> dict[str, Any]:
         """A choice's last chunk: its finish_reason."""
         choice = {**self.fmt.delta(text, [] if self.call.logprobs else None, final, first), "index": index}
-        tools = self._tools(index)
-        if tools is not None:
-            choice["finish_reason"] = tools.finish_reason(final, choice["finish_reason"])
+        output = self._output(index)
+        if output is not None:
+            choice["finish_reason"] = output.finish_reason(final, choice["finish_reason"])
         return {**base, "choices": [choice]}
 
-    def _tool_chunks(
+    def _read_chunks(
         self,
         base: dict[str, Any],
         index: int,
         message: pb.GenerateResponse,
         first: bool,
-        tool_calls: ToolCalls,
+        output: ChatOutput,
     ) -> list[dict[str, Any]]:
-        """A chat stream read for tool calls: content deltas hold only the text outside the calls
-        (markup is held back until it is known not to be a call); each call comes as OpenAI
-        streams one: index, id and name first, then its arguments. A message's logprobs ride on
-        its first delta."""
+        """A chat stream read for reasoning and tool calls: `reasoning_content` deltas, then
+        content deltas holding only the text outside the calls (markup is held back until it is
+        known to be a tag or a call or not); each call comes as OpenAI streams one: index, id and
+        name first, then its arguments. A message's logprobs ride on its first delta."""
         final = message.final if message.HasField("final") else None
-        reader = tool_calls.reader
-        deltas = tool_calls.deltas(reader.finish() if final is not None else reader.feed(message.chunk.text))
+        deltas = output.deltas(output.finish() if final is not None else output.feed(message.chunk.text))
         if first:
             deltas.insert(0, {"role": "assistant", "content": ""})
         logprobs = list(message.chunk.logprobs) if self.call.logprobs and final is None else None

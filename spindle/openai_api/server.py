@@ -25,7 +25,7 @@ from opentelemetry import propagate, trace
 
 from spindle import flagtypes, telemetry
 from spindle.errors import ListenError
-from spindle.openai_api import fanout, responses
+from spindle.openai_api import fanout, reasoning_parsers, responses
 from spindle.openai_api.context import HttpCallContext, Refused
 from spindle.openai_api.errors import ApiError, bad_request, from_status
 from spindle.openai_api.responses import ChatFormat, CompletionFormat, Format, Reply
@@ -42,11 +42,13 @@ ROUTES = (
     "GET /health"
 )
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_METHODS = frozenset({"GET", "POST", "HEAD", "OPTIONS", "PUT", "DELETE", "PATCH"})  # others: `other`
 
 
 def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
-    """`--http-port` and `--tool-call-parser`, the same flags (and SPINDLE_HTTP_PORT,
-    SPINDLE_TOOL_CALL_PARSER) on the gateway and the model pod."""
+    """`--http-port`, `--tool-call-parser` and `--reasoning-parser`, the same flags (and
+    SPINDLE_HTTP_PORT, SPINDLE_TOOL_CALL_PARSER, SPINDLE_REASONING_PARSER) on the gateway and the
+    model pod."""
     parser.add_argument(
         "--http-port",
         type=flagtypes.port,
@@ -63,13 +65,24 @@ def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
         'Qwen 2.5/3), llama3_json = {"name": ..., "parameters": ...} (Llama 3.1+); none = "auto" is '
         'refused, "required", a named function and "none" are served [none]',
     )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=reasoning_parsers.PARSERS,
+        default="none",
+        help="how the HTTP API reads a reasoning model's thinking, <think>...</think> before the answer "
+        "(vLLM's --reasoning-parser): deepseek_r1 (DeepSeek-R1 and its distills, QwQ), qwen3 (Qwen3): "
+        "chat answers carry it as `reasoning_content`, apart from `content`; none = the text as the "
+        "model wrote it [none]",
+    )
 
 
 class OpenAIServer:
     """OpenAI's HTTP API over `generation` (a Generation servicer: `Generate` yields
     GenerateResponse messages or their serialized bytes, `ListModels` answers one).
     `base_models()` names the base models (a `model` that is none of them is an adapter);
-    `ready()` is the process's health status; `tool_parser` the --tool-call-parser."""
+    `ready()` is the process's health status; `tool_parser` and `reasoning_parser` the
+    --tool-call-parser and --reasoning-parser; `on_request`, when given, is told each request's
+    method, route template and status (the gateway's metrics)."""
 
     def __init__(
         self,
@@ -78,11 +91,15 @@ class OpenAIServer:
         ready: Callable[[], bool],
         tracer: trace.Tracer,
         tool_parser: str = "none",
+        reasoning_parser: str = "none",
+        on_request: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self.generation, self.base_models, self.ready, self.tracer = generation, base_models, ready, tracer
         middlewares = [_traced(tracer), _openai_errors]  # the span sees the status of every refusal
+        if on_request is not None:  # outermost: it sees every answer's final status
+            middlewares.insert(0, _counted(on_request))
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
-        chat, completion = ChatFormat(tool_parser), CompletionFormat()
+        chat, completion = ChatFormat(tool_parser, reasoning_parser), CompletionFormat()
         self.app.router.add_post("/v1/chat/completions", lambda r: self._generate(r, chat))
         self.app.router.add_post("/v1/completions", lambda r: self._generate(r, completion))
         self.app.router.add_get("/v1/models", self._models)
@@ -243,6 +260,34 @@ def _traced(tracer: trace.Tracer) -> Callable[[web.Request, Handler], Awaitable[
             return response
 
     return traced
+
+
+def _counted(
+    on_request: Callable[[str, str, int], None],
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """Tell `on_request` each request's method, route template (bounded: `unmatched` for a path no
+    route has, never the path itself) and status; 499 for a client that left before the answer."""
+
+    @web.middleware
+    async def counted(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        method = request.method if request.method in _METHODS else "other"
+        status = 499
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except Exception:  # a client that left (CancelledError) stays 499
+            status = 500
+            raise
+        finally:
+            on_request(method, route, status)
+
+    return counted
 
 
 async def _send(response: web.StreamResponse, objects: list[dict[str, Any]]) -> None:

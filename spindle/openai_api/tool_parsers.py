@@ -119,7 +119,7 @@ class HermesReader(Reader):
                 continue
             start = self.buffer.find(self.START)
             if start < 0:
-                keep = _partial_suffix(self.buffer, self.START)
+                keep = partial_suffix(self.buffer, self.START)
                 out += self.content.text(self.buffer[: len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep :]
                 return out
@@ -236,7 +236,7 @@ class RequiredReader(Reader):
         return [piece for p in pieces for piece in p or ()]
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """How many trailing characters of `text` could begin `marker` (held back: the rest of the
     marker may come in the next piece)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
