@@ -253,3 +253,30 @@ def test_spindle_generate_prints_a_requests_prompt_logprobs(tiny_llama, hf_tiny,
     got = [e["logprob"] for e in out["prompt_logprobs"][1:]]
     assert got == pytest.approx(ref.gather(1, torch.tensor(SHORT[1:])[:, None])[:, 0].tolist(), abs=1e-5)
     assert [e["top_logprobs"][0][0] for e in out["prompt_logprobs"][1:]] == ref.argmax(-1).tolist()
+
+
+def test_a_step_scores_at_most_its_cap_of_prompt_rows(tiny_llama, hf_tiny):
+    """Scored rows are a vocabulary of float32 each (twice): two prompts of 400 tokens under a
+    budget of 2,048 tokens a step would score ~800 rows at once; the step takes 512
+    (`MAX_SCORED_ROWS`) and the rest go in the next, with the same scores as HF's."""
+    from model_service.engine import scheduler as scheduler_module
+    from model_service.engine.prompt_logprobs import MAX_SCORED_ROWS
+
+    engine = make_engine(tiny_llama, max_num_batched_tokens=2048, block_size=16)
+    prompts = {f"p{j}": [(7 * i + 3 * j) % 300 + 5 for i in range(400)] for j in range(2)}
+    scored_per_step: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def counting():
+        batch = schedule()
+        scored_per_step.append(MAX_SCORED_ROWS - batch.scored_rows)
+        return batch
+
+    engine.scheduler.schedule = counting
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    outs = run(engine, {rid: (ids, params) for rid, ids in prompts.items()})
+    assert scheduler_module.ScheduledBatch().scored_rows == MAX_SCORED_ROWS
+    assert max(scored_per_step) == MAX_SCORED_ROWS and sum(scored_per_step) == 2 * 399
+    for rid, ids in prompts.items():
+        assert_matches(outs[rid][0], ids, hf_prompt_logprobs(hf_tiny, ids), 1)
+    assert_all_blocks_free(engine)

@@ -22,6 +22,25 @@ import torch
 from model_service.engine.sampler import TokenLogprobs, to_device
 from model_service.engine.sequence import Sequence
 
+# Prompt positions scored in one step, all sequences together: each is a float32 row of the
+# vocabulary, twice (logits, then log_softmax): 512 rows of a 152k vocabulary are ~0.6 GB, where
+# a whole 8k-token chunk would be ~10 GB.
+MAX_SCORED_ROWS = 512
+
+
+def scored_chunk(seq: Sequence, n: int, rows_left: int) -> tuple[int, int]:
+    """(tokens of `n` that `seq` runs this step, prompt rows they score): all of them, unless
+    its prompt is being scored and the step has fewer than its rows left (`rows_left`), when
+    its chunk stops at the last position those rows allow (0 tokens: it waits a step)."""
+    if not pending(seq) or n <= 1:
+        return n, 0
+    start = seq.num_computed
+    rows = prompt_rows(seq, start, n)
+    if rows <= rows_left:
+        return n, rows
+    first = max(start, len(seq.output.prompt_logprobs or ()))  # the first position it scores
+    return first + rows_left - start, rows_left
+
 
 def pending(seq: Sequence) -> bool:
     """Whether `seq` asked for prompt logprobs and has prompt tokens not yet scored."""

@@ -33,7 +33,7 @@ from typing import Protocol
 from model_service.engine.batch_builder import StepItem
 from model_service.engine.cache_manager import CacheManager, SwappedState
 from model_service.engine.config import EngineConfig
-from model_service.engine.prompt_logprobs import pending, prompt_rows
+from model_service.engine.prompt_logprobs import MAX_SCORED_ROWS, pending, prompt_rows, scored_chunk
 from model_service.engine.sequence import Sequence, Status, by_rank
 from model_service.engine.speculation import Proposal
 from model_service.errors import CapacityError
@@ -53,9 +53,11 @@ class AdapterSlots(Protocol):
 
 @dataclass
 class ScheduledBatch:
-    """`work` pairs each sequence with the number of its pending tokens that run this step."""
+    """`work` pairs each sequence with the number of its pending tokens that run this step;
+    `scored_rows`: the prompt-logprob rows the step may still take (prompt_logprobs.py)."""
 
     work: list[tuple[Sequence, int]] = field(default_factory=list)
+    scored_rows: int = MAX_SCORED_ROWS
 
 
 class Scheduler:
@@ -234,14 +236,15 @@ class Scheduler:
                 break
             if seq.status is not running:
                 continue  # preempted by a reservation before it
-            n = min(num_pending, budget)
+            n, scored = scored_chunk(seq, min(num_pending, budget), batch.scored_rows)
+            batch.scored_rows -= scored
             proposal = proposals.get(seq) if proposals else None
             if num_pending == 1 and proposal is not None:  # verify it too, if the budget allows
                 if budget > len(proposal.tokens):
                     n += len(proposal.tokens)
                 else:
                     del proposals[seq]
-            if cache.has_room(seq.state, n) or self._reserve_or_preempt(seq, n, work):
+            if n and (cache.has_room(seq.state, n) or self._reserve_or_preempt(seq, n, work)):
                 work.append((seq, n))
                 budget -= n
         return budget
@@ -262,8 +265,9 @@ class Scheduler:
             seq.admission.adapter_id = self.adapters.adapter_id_for(slot) if slot is not None else 0
             if not self._attach_state(seq):
                 break
-            n = min(seq.num_pending, budget)
-            if not self.cache.reserve(seq.state, seq.num_computed + n):
+            n, scored = scored_chunk(seq, min(seq.num_pending, budget), batch.scored_rows)
+            batch.scored_rows -= scored
+            if not n or not self.cache.reserve(seq.state, seq.num_computed + n):
                 self._free_state(seq)  # cached prefix blocks stay cached; swapped KV stays on host
                 break
             if slot is not None:
