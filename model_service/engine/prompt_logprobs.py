@@ -32,7 +32,7 @@ def scored_chunk(seq: Sequence, n: int, rows_left: int) -> tuple[int, int]:
     """(tokens of `n` that `seq` runs this step, prompt rows they score): all of them, unless
     its prompt is being scored and the step has fewer than its rows left (`rows_left`), when
     its chunk stops at the last position those rows allow (0 tokens: it waits a step)."""
-    if not pending(seq) or n <= 1:
+    if not pending(seq):
         return n, 0
     start = seq.num_computed
     rows = prompt_rows(seq, start, n)

@@ -237,7 +237,6 @@ class Scheduler:
             if seq.status is not running:
                 continue  # preempted by a reservation before it
             n, scored = scored_chunk(seq, min(num_pending, budget), batch.scored_rows)
-            batch.scored_rows -= scored
             proposal = proposals.get(seq) if proposals else None
             if num_pending == 1 and proposal is not None:  # verify it too, if the budget allows
                 if budget > len(proposal.tokens):
@@ -247,6 +246,7 @@ class Scheduler:
             if n and (cache.has_room(seq.state, n) or self._reserve_or_preempt(seq, n, work)):
                 work.append((seq, n))
                 budget -= n
+                batch.scored_rows -= scored
         return budget
 
     def _admit_waiting(self, budget: int, batch: ScheduledBatch) -> None:
@@ -266,10 +266,10 @@ class Scheduler:
             if not self._attach_state(seq):
                 break
             n, scored = scored_chunk(seq, min(seq.num_pending, budget), batch.scored_rows)
-            batch.scored_rows -= scored
             if not n or not self.cache.reserve(seq.state, seq.num_computed + n):
                 self._free_state(seq)  # cached prefix blocks stay cached; swapped KV stays on host
                 break
+            batch.scored_rows -= scored
             if slot is not None:
                 seq.state.lora_slot = self.adapters.acquire(slot)
                 in_step.add(seq.state.lora_slot)
