@@ -9,6 +9,7 @@ import torch
 from model_service.kernels import pdl
 from model_service.kernels.fused import rms_norm, silu_and_mul
 from model_service.kernels.skinny_gemm import skinny_linear
+from tests.test_skinny_gemm import transposed_weight
 
 
 def test_pdl_is_off_on_the_cpu_and_when_turned_off(monkeypatch):
@@ -18,11 +19,6 @@ def test_pdl_is_off_on_the_cpu_and_when_turned_off(monkeypatch):
     monkeypatch.setenv("SPINDLE_PDL", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter has no dependent launches
     assert pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": False}
-
-
-def transposed_weight(n: int, k: int) -> torch.Tensor:
-    """[n, k] bf16 stored as its contiguous transpose, as the engine keeps linear weights."""
-    return (torch.randn(n, k, device="cuda") * k**-0.5).bfloat16().t().contiguous().t()
 
 
 def _layer_chain(x: torch.Tensor, weights: list[torch.Tensor], norm: torch.Tensor, arrivals: torch.Tensor):
@@ -43,7 +39,7 @@ def test_a_graph_of_dependent_kernels_gives_the_same_bits_with_and_without_pdl(m
     torch.manual_seed(0)
     hidden, inter, layers = 1024, 2816, 6
     shapes = [(2 * inter, hidden), (hidden, inter)] * layers
-    weights = [transposed_weight(n, k) for n, k in shapes]
+    weights = [transposed_weight(n, k, torch.bfloat16, "cuda") for n, k in shapes]
     norm = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
     arrivals = torch.zeros(4096, dtype=torch.int32, device="cuda")
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
