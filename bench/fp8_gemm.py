@@ -148,6 +148,7 @@ def sweep_gemv(args: argparse.Namespace, setup: dict) -> None:
             engine = [t for t in timed if t[1] == gemv_config(k)]  # none if its result was off
             ranked = [("engine", *t) for t in engine]
             ranked += [(f"best{rank}", *t) for rank, t in enumerate(sorted(timed, key=lambda t: t[0])[:5], 1)]
+            ranked += [("grid", *t) for t in timed] if args.every_tiling else []
             for role, us, cfg in ranked:
                 tb_s = round(n * k / us / 1e6, 2)
                 print(json.dumps({**line, "role": role, "us": round(us, 2), "tb_s": tb_s, **asdict(cfg)}))
@@ -159,6 +160,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 16, 64, 256, 2048])
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--sweep-gemv", action="store_true", help="the one-row GEMV's tilings")
+    ap.add_argument("--every-tiling", action="store_true", help="with --sweep-gemv: a line for each tiling")
     args = ap.parse_args()
     setup = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
              "block_scaled_mm": has_block_scaled_mm(torch.device("cuda"))}  # fmt: skip

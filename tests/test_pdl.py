@@ -13,12 +13,13 @@ from tests.test_skinny_gemm import transposed_weight
 
 
 def test_pdl_is_off_on_the_cpu_and_when_turned_off(monkeypatch):
-    assert pdl.pdl_args(torch.device("cpu")) == {"PDL": False}
-    monkeypatch.setenv("SPINDLE_PDL", "0")
-    assert pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": False}
+    assert pdl.pdl_args(torch.device("cpu")) == {"PDL": 0}
+    for flag in ("0", "yes", ""):  # off, and a value that is no mode
+        monkeypatch.setenv("SPINDLE_PDL", flag)
+        assert pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": 0}
     monkeypatch.setenv("SPINDLE_PDL", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter has no dependent launches
-    assert pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": False}
+    assert pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": 0}
 
 
 def _layer_chain(x: torch.Tensor, weights: list[torch.Tensor], norm: torch.Tensor, arrivals: torch.Tensor):
@@ -44,7 +45,7 @@ def test_a_graph_of_dependent_kernels_gives_the_same_bits_with_and_without_pdl(m
     arrivals = torch.zeros(4096, dtype=torch.int32, device="cuda")
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     outputs = {}
-    for flag in ("0", "1"):
+    for flag in ("0", "1", "2"):  # off, dependents admitted at the top, after the main loops
         monkeypatch.setenv("SPINDLE_PDL", flag)
         static = x.clone()
         _layer_chain(static, weights, norm, arrivals)  # compile outside the capture
@@ -58,5 +59,7 @@ def test_a_graph_of_dependent_kernels_gives_the_same_bits_with_and_without_pdl(m
             results.append(out.clone())
         torch.cuda.synchronize()
         outputs[flag] = torch.stack(results)
-    assert pdl.pdl_args(torch.device("cuda"))["PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert pdl.pdl_args(torch.device("cuda"))["PDL"] == (2 if hopper else 0)
     torch.testing.assert_close(outputs["1"], outputs["0"], rtol=0, atol=0)
+    torch.testing.assert_close(outputs["2"], outputs["0"], rtol=0, atol=0)

@@ -63,7 +63,7 @@ if triton is not None:
     import triton.language as tl
 
     from model_service.kernels.arrivals import last_to_arrive
-    from model_service.kernels.pdl import wait_for_producers
+    from model_service.kernels.pdl import admit_dependents, wait_for_producers
 
 ALIGN_CHUNK = 64  # pairs an alignment program takes: [64, 64] and [64, E] tiles in registers
 
@@ -688,6 +688,7 @@ if triton is not None:
             wu = tl.load(w + N * w_stride_n + w_off, mask=w_mask, other=0.0)
             gate += _tile_product(a, wg, sg, k0, col_ok, W8, GROUP, PRECISION)
             up += _tile_product(a, wu, su, k0, col_ok, W8, GROUP, PRECISION)
+        admit_dependents(PDL)
         out = live[:, None] & col_ok[None, :]
         if SPLIT == 1:
             _activate(gate, up, sg, su, Hout, pairs, cols, col_ok, out, N, W8, GROUP)
@@ -749,6 +750,7 @@ if triton is not None:
             b = tl.load(w + (k0 + ks)[:, None] * w_stride_k + cols[None, :] * w_stride_n,
                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
             acc += _tile_product(a, b, scale, k0, col_ok, W8, GROUP, PRECISION)
+        admit_dependents(PDL)
         acc = _row_scaled(acc, scale, col_ok, W8, GROUP)
         acc *= tl.load(Weights + pairs, mask=live, other=0.0)[:, None]
         tl.store(Slots + pairs[:, None] * N + cols[None, :], acc, mask=live[:, None] & col_ok[None, :])

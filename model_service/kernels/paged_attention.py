@@ -136,7 +136,7 @@ def paged_decode_attention_reference(
 
 
 if triton is not None:
-    from model_service.kernels.pdl import wait_for_producers
+    from model_service.kernels.pdl import admit_dependents, wait_for_producers
 
     @triton.jit
     def cache_value(x, TO_FP8: tl.constexpr):
@@ -310,6 +310,7 @@ if triton is not None:
             q_tiles, KC, VC, BlockTable, seq, kvh, d, start, end, bt_stride, kc_stride_slot, kc_stride_h,
             scale, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
         )  # fmt: skip
+        admit_dependents(PDL)
         if ROPE:
             m, denom, acc = _attend_one_more(
                 q, k_new.to(q.dtype), v_new.to(q.dtype), m, denom, acc, scale, owner

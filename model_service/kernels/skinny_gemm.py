@@ -39,7 +39,7 @@ if triton is not None:
     import triton.language as tl
 
     from model_service.kernels.arrivals import last_to_arrive
-    from model_service.kernels.pdl import wait_for_producers
+    from model_service.kernels.pdl import admit_dependents, wait_for_producers
 
 MAX_ROWS = 16  # the kernel's row tile: more rows go to cuBLAS
 
@@ -306,6 +306,7 @@ if triton is not None:
                 X, w, k0 + ks, k0, cols, Scale, scale_stride_n, scale_stride_g, K, EVEN_K, GROUPED, GROUP,
                 BLOCK_N, BLOCK_K,
             )  # fmt: skip
+        admit_dependents(PDL)
         if SPLIT_K == 1:
             _gemv_store(Y, Scale, Bias, acc, cols, HAS_BIAS, GROUPED)
         else:
@@ -354,6 +355,7 @@ if triton is not None:
                 acc += tl.dot(x, w.to(x.dtype)) * tl.load(at)[None, :]
             else:
                 acc += tl.dot(x, w.to(x.dtype))
+        admit_dependents(PDL)
         out = rows[:, None] * N + cols[None, :]
         if SPLIT_K == 1:
             _store_rows(Y, Bias, Scale, acc, out, cols, live, HAS_BIAS, ROW_SCALE)
