@@ -115,7 +115,8 @@ def bench(args: argparse.Namespace, tokens: int) -> list[dict[str, object]]:
 
         for cfg in sweep_configs(tokens, args, gate_up.element_size()):
             name = (f"fused_graph/m{cfg.block_m}/n{cfg.gate_up_block_n}x{cfg.down_block_n}/k{cfg.block_k}"
-                    f"/s{cfg.num_stages}/w{cfg.num_warps}/split{cfg.gate_up_split}")  # fmt: skip
+                    f"/s{cfg.num_stages}/w{cfg.num_warps}/split{cfg.gate_up_split}"
+                    f"{'/gemv' if cfg.gemv else ''}")  # fmt: skip
             fused = functools.partial(fused_moe, x, gate_up, down, ids, weights, cfg, arrivals, scales)
             try:
                 paths[name] = graphed(fused)
@@ -160,9 +161,10 @@ def sweep_configs(tokens: int, args: argparse.Namespace, item_bytes: int) -> lis
     )
     if chosen.block_m > 16:
         return [chosen, *prefill_configs(item_bytes)]
-    splits = [dataclasses.replace(chosen, gate_up_split=s) for s in (1, 2, 3, 4, 6, 8)]
+    tiled = dataclasses.replace(chosen, gemv=False)  # at one token the chosen path is the GEMVs
+    splits = [dataclasses.replace(tiled, gate_up_split=s) for s in (1, 2, 3, 4, 6, 8)]
     if item_bytes == 2:  # bf16's four stages hold one program an SM: split with fewer (lead of x)
-        splits += [dataclasses.replace(chosen, gate_up_split=s, num_stages=n) for s in (2, 3) for n in (2, 3)]
+        splits += [dataclasses.replace(tiled, gate_up_split=s, num_stages=n) for s in (2, 3) for n in (2, 3)]
     widths = ((64, 64), (64, 128), (128, 128))
     k_blocks = (128, 256) if item_bytes == 1 else (128,)
     grid = [(k, g, d, w) for k in k_blocks for g, d in widths for w in (4, 8)]
@@ -171,7 +173,7 @@ def sweep_configs(tokens: int, args: argparse.Namespace, item_bytes: int) -> lis
         for block_k, gate_up_n, down_n, warps in grid
         if (stages := fitting_stages(block_k, gate_up_n, item_bytes)) >= 2
     ]
-    return [*splits, *tilings]
+    return list(dict.fromkeys([chosen, *splits, *tilings]))
 
 
 def prefill_configs(item_bytes: int) -> list[FusedMoeConfig]:

@@ -15,6 +15,8 @@ import os
 import pytest
 import torch
 
+from model_service.kernels import fused_moe as fused_moe_module
+from model_service.kernels.expert_gemv import expert_gemv, expert_gemv_applies
 from model_service.kernels.experts import (
     FUSED_MAX_ROWS_PER_EXPERT,
     experts_path,
@@ -199,6 +201,28 @@ def test_fused_experts_match_the_reference_under_the_interpreter(tokens, experts
     torch.testing.assert_close(fused_moe(x, gate_up, down, ids, weights), want, rtol=1e-5, atol=1e-5)
     wide = FusedMoeConfig(block_m=32, gate_up_block_n=64, down_block_n=32, block_k=32, num_stages=2)
     torch.testing.assert_close(fused_moe(x, gate_up, down, ids, weights, wide), want, rtol=1e-5, atol=1e-5)
+
+
+@interpreter
+def test_one_token_runs_the_experts_as_gemvs_under_the_interpreter(monkeypatch):
+    """Batch-1 decode takes the GEMV kernels (kernels/expert_gemv.py): the reference's result to
+    float32 rounding with K no multiple of the tile, a remote slot and a strided x, the same as
+    the tiled kernels; wider batches keep the tiles, and weights not contiguous along K too."""
+    assert fused_moe_config(1, 8, 128, 2048, 768).gemv and not fused_moe_config(2, 8, 128, 2048, 768).gemv
+    x, gate_up, down, ids, weights = _case(1, 16, 4, 48, 40, seed=5)
+    ids[0, 2] = 16  # another rank's expert
+    strided = torch.randn(1, 96)[:, ::2]
+    strided.copy_(x)
+    calls = []
+    monkeypatch.setattr(fused_moe_module, "expert_gemv", lambda *a: calls.append(1) or expert_gemv(*a))
+    want = experts_reference(x, gate_up, down, ids, weights)
+    got = fused_moe(strided, gate_up, down, ids, weights)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    tiled = FusedMoeConfig(16, 64, 64, block_k=16, num_stages=2)
+    torch.testing.assert_close(fused_moe(x, gate_up, down, ids, weights, tiled), got, rtol=1e-5, atol=1e-5)
+    assert not expert_gemv_applies(1, gate_up.transpose(1, 2).contiguous().transpose(1, 2), down)
+    assert calls == [1]
 
 
 def test_the_reference_runs_fp8_experts_as_their_dequantized_weights():

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model_service.kernels.expert_gemv import expert_gemv, expert_gemv_applies
 from model_service.kernels.fp8_gemm import E4M3, has_fp8_conversions
 from model_service.kernels.paged_attention import dot_precision, triton
 from model_service.kernels.pdl import pdl_args
@@ -87,6 +88,7 @@ class FusedMoeConfig:
     num_stages: int
     num_warps: int = 4
     gate_up_split: int = 1  # K slices of gate_up, summed by the last to arrive (few-program launches)
+    gemv: bool = False  # one token: the experts as GEMVs (kernels/expert_gemv.py) instead of these tiles
 
 
 def fused_moe_config(
@@ -135,6 +137,7 @@ def fused_moe_config(
         num_stages=4 if block_m <= 32 or item_bytes == 2 else 3,
         num_warps=8 if item_bytes == 1 else 4,
         gate_up_split=split,
+        gemv=tokens == 1,
     )
 
 
@@ -360,6 +363,9 @@ def fused_moe(
     ids = ids.contiguous()
     weights = weights.contiguous().float()
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if config.gemv and expert_gemv_applies(tokens, gate_up, down, group):
+        up_scale, down_scale = (scales.gate_up, scales.down) if scales is not None else (None, None)
+        return expert_gemv(x, gate_up, down, ids, weights, up_scale, down_scale, group)
     direct = tokens == 1  # top-k experts are distinct: one block a pair, no alignment
     if direct:
         sorted_pairs, block_expert, blocks = ids, ids, pairs  # unused by the kernels but as pointers
