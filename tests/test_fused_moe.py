@@ -205,10 +205,13 @@ def test_fused_experts_match_the_reference_under_the_interpreter(tokens, experts
 
 @interpreter
 def test_one_token_runs_the_experts_as_gemvs_under_the_interpreter(monkeypatch):
-    """Batch-1 decode takes the GEMV kernels (kernels/expert_gemv.py): the reference's result to
-    float32 rounding with K no multiple of the tile, a remote slot and a strided x, the same as
-    the tiled kernels; wider batches keep the tiles, and weights not contiguous along K too."""
-    assert fused_moe_config(1, 8, 128, 2048, 768).gemv and not fused_moe_config(2, 8, 128, 2048, 768).gemv
+    """Batch-1 decode of e4m3 experts takes the GEMV kernels (kernels/expert_gemv.py; e4m3 ones
+    in the FP8 tests): the reference's result to float32 rounding with K no multiple of the
+    tile, a remote slot and a strided x, the same as the tiled kernels; wider batches keep the
+    tiles, and weights not contiguous along K too."""
+    assert fused_moe_config(1, 8, 128, 2048, 768, item_bytes=1).gemv  # e4m3 experts at one token
+    assert not fused_moe_config(1, 8, 128, 2048, 768).gemv  # bf16: the tiles were as fast (H100)
+    assert not fused_moe_config(2, 8, 128, 2048, 768, item_bytes=1).gemv
     x, gate_up, down, ids, weights = _case(1, 16, 4, 48, 40, seed=5)
     ids[0, 2] = 16  # another rank's expert
     strided = torch.randn(1, 96)[:, ::2]
@@ -216,7 +219,8 @@ def test_one_token_runs_the_experts_as_gemvs_under_the_interpreter(monkeypatch):
     calls = []
     monkeypatch.setattr(fused_moe_module, "expert_gemv", lambda *a: calls.append(1) or expert_gemv(*a))
     want = experts_reference(x, gate_up, down, ids, weights)
-    got = fused_moe(strided, gate_up, down, ids, weights)
+    gemv = FusedMoeConfig(16, 64, 64, block_k=16, num_stages=2, gemv=True)
+    got = fused_moe(strided, gate_up, down, ids, weights, gemv)
     assert calls == [1]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     tiled = FusedMoeConfig(16, 64, 64, block_k=16, num_stages=2)
