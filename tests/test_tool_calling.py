@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import openai
 import pytest
 
+from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.requests import PromptReader
 from model_service.models.tokenizer import Tokenizer
 from model_service.pod import wire
@@ -255,6 +256,28 @@ def test_the_pod_renders_tools_calls_and_results_as_transformers_does():
     text = hf.decode(ids)
     assert '"arguments": {"city": "Paris"}' in text and '<tool_response id="call_1">18 C' in text
     assert '"name": "get_weather"' in text and "Weather now" in text
+
+
+def test_a_hermes_call_whose_tags_are_special_tokens_is_decoded_and_read():
+    """Some checkpoints (Hermes 2 Pro's) mark `<tool_call>` special: the pod, which skips special
+    tokens by default, must decode them for the parser (as vLLM's hermes parser asks), or the call
+    is bare JSON content. Markup-free reading (a forced call, llama3_json's JSON) keeps the default."""
+    hf = _byte_tokenizer()
+    hf.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    written = hf.encode(f"<tool_call>\n{WEATHER}\n</tool_call>", add_special_tokens=False)
+
+    def decoded(body: dict, parser: str) -> str:
+        req, _ = _parsed(body, parser)
+        params = wire.sampling_params(pb.GenerateRequest.FromString(req.SerializeToString()))
+        detokenizer = IncrementalDetokenizer(Tokenizer(hf), hf.encode("Hi", add_special_tokens=False),
+                                             params.skip_special_tokens)  # fmt: skip
+        return "".join(detokenizer.push(t) for t in written)
+
+    assert _merged(HermesReader().read(decoded({"tools": TOOLS}, "hermes"))) == _call(
+        "get_weather", '{"city": "Paris"}'
+    )
+    assert "<tool_call>" not in decoded({"tools": TOOLS, "tool_choice": "required"}, "hermes")
+    assert "<tool_call>" not in decoded({"tools": TOOLS}, "llama3_json")
 
 
 class _Scripted:

@@ -43,6 +43,7 @@ class Reader(ABC):
     """One response's output text -> pieces; `feed` as text arrives, `finish` at its end."""
 
     calls = 0  # calls read so far
+    markup_is_special = False  # whether a checkpoint's call markup may be special tokens
 
     @abstractmethod
     def feed(self, text: str) -> list[Piece]: ...
@@ -102,6 +103,7 @@ class HermesReader(Reader):
     is a call when its JSON is whole, as vLLM reads it."""
 
     START, END = "<tool_call>", "</tool_call>"
+    markup_is_special = True
 
     def __init__(self) -> None:
         self.buffer, self.in_call, self.content = "", False, _Content()
