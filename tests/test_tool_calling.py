@@ -77,10 +77,13 @@ def _call(name: str, arguments: str) -> list:
 @pytest.mark.parametrize(
     ("make", "text", "expected"),
     [
-        # several calls, text before and after, whitespace between the blocks dropped
+        # several calls, text before and after, whitespace between the blocks dropped but for what
+        # parted the text before from them (the content reads "Let me look.\nDone.", not glued)
         (HermesReader, f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n"
          '{"name": "get_time", "arguments": {}}\n</tool_call>\nDone.',
-         ["Let me look.", *_call("get_weather", '{"city": "Paris"}'), *_call("get_time", "{}"), "Done."]),
+         ["Let me look.", *_call("get_weather", '{"city": "Paris"}'), *_call("get_time", "{}"), "\nDone."]),
+        (HermesReader, f"\n<tool_call>{WEATHER}</tool_call> \n Done. ",
+         [*_call("get_weather", '{"city": "Paris"}'), "Done."]),
         # no call: the text exactly, whitespace and all, and a "<" that is not the markup
         (HermesReader, "  a < b <tool \n", ["  a < b <tool \n"]),
         # malformed JSON, or no name: the model's text, markup and all, never a 500

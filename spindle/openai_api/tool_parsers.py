@@ -73,24 +73,31 @@ class Reader(ABC):
 class _Content:
     """Content text with the whitespace around calls dropped (a model writes "\\n" between its
     `<tool_call>` blocks): whitespace is held until text follows it, so a plain answer streams
-    exactly as written and only whitespace next to a call is lost."""
+    exactly as written. What follows a call loses its leading whitespace, but text before the
+    calls and text after them keep the whitespace that parted the first from the calls ("Let me
+    look.\\n<tool_call>...</tool_call>\\nDone." is "Let me look.\\nDone.", not glued together)."""
 
     def __init__(self) -> None:
         self.pending = ""  # trailing whitespace not yet sent
         self.after_call = False
+        self.sent = False  # whether any text was sent
 
     def text(self, text: str) -> list[Piece]:
+        if self.after_call:
+            text = text.lstrip()
+            if not text:
+                return []
+            self.after_call = False
         held = self.pending + text
         body = held.rstrip()
         self.pending = held[len(body) :]
-        if not body:
-            return []
-        if self.after_call:
-            body, self.after_call = body.lstrip(), False
-        return [body]
+        self.sent = self.sent or bool(body)
+        return [body] if body else []
 
     def call(self) -> None:
-        self.pending, self.after_call = "", True
+        self.after_call = True
+        if not self.sent:  # whitespace before the content's start
+            self.pending = ""
 
     def end(self, called: bool) -> list[Piece]:
         rest, self.pending = self.pending, ""
