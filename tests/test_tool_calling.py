@@ -84,6 +84,14 @@ def _call(name: str, arguments: str) -> list:
          ["Let me look.", *_call("get_weather", '{"city": "Paris"}'), *_call("get_time", "{}"), "\nDone."]),
         (HermesReader, f"\n<tool_call>{WEATHER}</tool_call> \n Done. ",
          [*_call("get_weather", '{"city": "Paris"}'), "Done."]),
+        # a closing tag inside an argument's string does not end the call; one after a block
+        # that is no call's closes it (and the calls after it are read)
+        (HermesReader, '<tool_call>{"name": "f", "arguments": {"s": "a</tool_call>b"}}</tool_call>',
+         _call("f", '{"s": "a</tool_call>b"}')),
+        (HermesReader, '<tool_call>{"name": "f", "arguments": {"s": "</tool_call>"}}',
+         _call("f", '{"s": "</tool_call>"}')),
+        (HermesReader, f"<tool_call>{{oops}}</tool_call> x </tool_call><tool_call>{WEATHER}</tool_call>",
+         ["<tool_call>{oops}</tool_call> x </tool_call>", *_call("get_weather", '{"city": "Paris"}')]),
         # no call: the text exactly, whitespace and all, and a "<" that is not the markup
         (HermesReader, "  a < b <tool \n", ["  a < b <tool \n"]),
         # malformed JSON, or no name: the model's text, markup and all, never a 500
