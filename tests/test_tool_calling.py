@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import openai
 import pytest
 
+from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.requests import PromptReader
 from model_service.models.tokenizer import Tokenizer
 from model_service.pod import wire
@@ -76,10 +77,21 @@ def _call(name: str, arguments: str) -> list:
 @pytest.mark.parametrize(
     ("make", "text", "expected"),
     [
-        # several calls, text before and after, whitespace between the blocks dropped
+        # several calls, text before and after, whitespace between the blocks dropped but for what
+        # parted the text before from them (the content reads "Let me look.\nDone.", not glued)
         (HermesReader, f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n"
          '{"name": "get_time", "arguments": {}}\n</tool_call>\nDone.',
-         ["Let me look.", *_call("get_weather", '{"city": "Paris"}'), *_call("get_time", "{}"), "Done."]),
+         ["Let me look.", *_call("get_weather", '{"city": "Paris"}'), *_call("get_time", "{}"), "\nDone."]),
+        (HermesReader, f"\n<tool_call>{WEATHER}</tool_call> \n Done. ",
+         [*_call("get_weather", '{"city": "Paris"}'), "Done."]),
+        # a closing tag inside an argument's string does not end the call; one after a block
+        # that is no call's closes it (and the calls after it are read)
+        (HermesReader, '<tool_call>{"name": "f", "arguments": {"s": "a</tool_call>b"}}</tool_call>',
+         _call("f", '{"s": "a</tool_call>b"}')),
+        (HermesReader, '<tool_call>{"name": "f", "arguments": {"s": "</tool_call>"}}',
+         _call("f", '{"s": "</tool_call>"}')),
+        (HermesReader, f"<tool_call>{{oops}}</tool_call> x </tool_call><tool_call>{WEATHER}</tool_call>",
+         ["<tool_call>{oops}</tool_call> x </tool_call>", *_call("get_weather", '{"city": "Paris"}')]),
         # no call: the text exactly, whitespace and all, and a "<" that is not the markup
         (HermesReader, "  a < b <tool \n", ["  a < b <tool \n"]),
         # malformed JSON, or no name: the model's text, markup and all, never a 500
@@ -255,6 +267,28 @@ def test_the_pod_renders_tools_calls_and_results_as_transformers_does():
     text = hf.decode(ids)
     assert '"arguments": {"city": "Paris"}' in text and '<tool_response id="call_1">18 C' in text
     assert '"name": "get_weather"' in text and "Weather now" in text
+
+
+def test_a_hermes_call_whose_tags_are_special_tokens_is_decoded_and_read():
+    """Some checkpoints (Hermes 2 Pro's) mark `<tool_call>` special: the pod, which skips special
+    tokens by default, must decode them for the parser (as vLLM's hermes parser asks), or the call
+    is bare JSON content. Markup-free reading (a forced call, llama3_json's JSON) keeps the default."""
+    hf = _byte_tokenizer()
+    hf.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    written = hf.encode(f"<tool_call>\n{WEATHER}\n</tool_call>", add_special_tokens=False)
+
+    def decoded(body: dict, parser: str) -> str:
+        req, _ = _parsed(body, parser)
+        params = wire.sampling_params(pb.GenerateRequest.FromString(req.SerializeToString()))
+        detokenizer = IncrementalDetokenizer(Tokenizer(hf), hf.encode("Hi", add_special_tokens=False),
+                                             params.skip_special_tokens)  # fmt: skip
+        return "".join(detokenizer.push(t) for t in written)
+
+    assert _merged(HermesReader().read(decoded({"tools": TOOLS}, "hermes"))) == _call(
+        "get_weather", '{"city": "Paris"}'
+    )
+    assert "<tool_call>" not in decoded({"tools": TOOLS, "tool_choice": "required"}, "hermes")
+    assert "<tool_call>" not in decoded({"tools": TOOLS}, "llama3_json")
 
 
 class _Scripted:

@@ -201,6 +201,8 @@ def chat_request(
     if (_typed(body, "best_of", int) or 1) > call.n:  # a completions field (OpenAI's chat has none)
         raise bad_request("`best_of` is not supported in chat completions (send it to /v1/completions)",
                           "best_of")  # fmt: skip
+    if use is not None and use.reads_special_tokens:
+        req.sampling.skip_special_tokens = False
     call = replace(call, tools=use, reasoning=_reasoning(req, reasoning_parser))
     if _typed(body, "include_reasoning", bool) is False:  # vLLM's: the reasoning read, and dropped
         call = replace(call, include_reasoning=False)

@@ -43,6 +43,7 @@ class Reader(ABC):
     """One response's output text -> pieces; `feed` as text arrives, `finish` at its end."""
 
     calls = 0  # calls read so far
+    markup_is_special = False  # whether a checkpoint's call markup may be special tokens
 
     @abstractmethod
     def feed(self, text: str) -> list[Piece]: ...
@@ -61,35 +62,46 @@ class Reader(ABC):
 
     def _as_call(self, obj: Any, *argument_keys: str) -> list[Piece] | None:
         """The call a decoded JSON value states ({"name": ..., "arguments": {...}}), or None."""
+        arguments = self._arguments(obj, *argument_keys)
+        return None if arguments is None else self._call(obj["name"], arguments)
+
+    @staticmethod
+    def _arguments(obj: Any, *argument_keys: str) -> dict | str | None:
+        """The arguments of the call a decoded JSON value states (None: it states none)."""
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             return None
         arguments = next((obj[k] for k in argument_keys if k in obj), {})
-        if not isinstance(arguments, (dict, str)):
-            return None
-        return self._call(obj["name"], arguments)
+        return arguments if isinstance(arguments, (dict, str)) else None
 
 
 class _Content:
     """Content text with the whitespace around calls dropped (a model writes "\\n" between its
     `<tool_call>` blocks): whitespace is held until text follows it, so a plain answer streams
-    exactly as written and only whitespace next to a call is lost."""
+    exactly as written. What follows a call loses its leading whitespace, but text before the
+    calls and text after them keep the whitespace that parted the first from the calls ("Let me
+    look.\\n<tool_call>...</tool_call>\\nDone." is "Let me look.\\nDone.", not glued together)."""
 
     def __init__(self) -> None:
         self.pending = ""  # trailing whitespace not yet sent
         self.after_call = False
+        self.sent = False  # whether any text was sent
 
     def text(self, text: str) -> list[Piece]:
+        if self.after_call:
+            text = text.lstrip()
+            if not text:
+                return []
+            self.after_call = False
         held = self.pending + text
         body = held.rstrip()
         self.pending = held[len(body) :]
-        if not body:
-            return []
-        if self.after_call:
-            body, self.after_call = body.lstrip(), False
-        return [body]
+        self.sent = self.sent or bool(body)
+        return [body] if body else []
 
     def call(self) -> None:
-        self.pending, self.after_call = "", True
+        self.after_call = True
+        if not self.sent:  # whitespace before the content's start
+            self.pending = ""
 
     def end(self, called: bool) -> list[Piece]:
         rest, self.pending = self.pending, ""
@@ -98,20 +110,24 @@ class _Content:
 
 class HermesReader(Reader):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks among the text (Hermes 2
-    Pro, Qwen 2.5 / 3): vLLM's `hermes` parser. A block the output ends inside (no closing tag)
-    is a call when its JSON is whole, as vLLM reads it."""
+    Pro, Qwen 2.5 / 3): vLLM's `hermes` parser. A block ends at the first `</tool_call>` its JSON
+    is whole before (one inside an argument's string, as a file-editing tool's may hold, does not
+    end it); a block none ends is not a call, and ends at its first. A block the output ends
+    inside (no closing tag) is a call when its JSON is whole, as vLLM reads it."""
 
     START, END = "<tool_call>", "</tool_call>"
+    markup_is_special = True
 
     def __init__(self) -> None:
         self.buffer, self.in_call, self.content = "", False, _Content()
+        self.tried = 0  # where the block's closing tags not yet tried start
 
     def feed(self, text: str) -> list[Piece]:
         self.buffer += text
         out: list[Piece] = []
         while True:
             if self.in_call:
-                end = self.buffer.find(self.END)
+                end = self._call_end()
                 if end < 0:
                     return out
                 out += self._block(self.buffer[:end], closed=True)
@@ -124,22 +140,42 @@ class HermesReader(Reader):
                 self.buffer = self.buffer[len(self.buffer) - keep :]
                 return out
             out += self.content.text(self.buffer[:start])
-            self.buffer, self.in_call = self.buffer[start + len(self.START) :], True
+            self.buffer, self.in_call, self.tried = self.buffer[start + len(self.START) :], True, 0
 
     def finish(self) -> list[Piece]:
+        out: list[Piece] = []
+        while self.in_call and self.END in self.buffer and self._call_json(self.buffer) is None:
+            end = self.buffer.find(self.END)  # no tag closes a call: the first closes what is not one
+            out += self._block(self.buffer[:end], closed=True)
+            self.buffer, self.in_call = self.buffer[end + len(self.END) :], False
+            out += self.feed("")
         rest, self.buffer = self.buffer, ""
-        out = self._block(rest, closed=False) if self.in_call else self.content.text(rest)
+        out += self._block(rest, closed=False) if self.in_call else self.content.text(rest)
         return out + self.content.end(self.calls > 0)
 
-    def _block(self, body: str, closed: bool) -> list[Piece]:
+    def _call_end(self) -> int:
+        """Where the first `</tool_call>` the block's JSON is whole before starts; -1 while none
+        is (each tag is tried once: the text before it never changes)."""
+        at = self.buffer.find(self.END, self.tried)
+        while at >= 0 and self._call_json(self.buffer[:at]) is None:
+            at = self.buffer.find(self.END, at + 1)
+        self.tried = at if at >= 0 else max(self.tried, len(self.buffer) - len(self.END) + 1)
+        return at
+
+    def _call_json(self, body: str) -> Any:
+        """The call `body` states, decoded (None: it is not valid JSON of a call)."""
         try:
-            call = self._as_call(json.loads(body), "arguments", "parameters")
+            obj = json.loads(body)
         except ValueError:
-            call = None
-        if call is None:  # not a call: what the model wrote, markup and all
+            return None
+        return obj if self._arguments(obj, "arguments", "parameters") is not None else None
+
+    def _block(self, body: str, closed: bool) -> list[Piece]:
+        obj = self._call_json(body)
+        if obj is None:  # not a call: what the model wrote, markup and all
             return self.content.text(self.START + body + (self.END if closed else ""))
         self.content.call()
-        return call
+        return self._call(obj["name"], self._arguments(obj, "arguments", "parameters"))
 
 
 class Llama3JsonReader(Reader):

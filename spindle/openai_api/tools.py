@@ -44,6 +44,13 @@ class ToolUse:
     name: str = ""
     parallel: bool = True
 
+    @property
+    def reads_special_tokens(self) -> bool:
+        """Whether the calls' markup may be special tokens, which the pod must then decode (by
+        default it skips them): some checkpoints (Hermes 2 Pro's) mark `<tool_call>` special, and
+        their calls would come as bare JSON content. vLLM's hermes parser keeps them so too."""
+        return self.choice == "auto" and tool_parsers.READERS[self.parser].markup_is_special
+
     def reader(self) -> Reader:
         if self.choice == "named":
             return tool_parsers.NamedReader(self.name)
