@@ -10,6 +10,7 @@ import torch
 
 from model_service.engine.sampling_params import SamplingParams
 from model_service.errors import InvalidRequestError
+from spindle.v1 import generation_pb2 as pb
 from tests.conftest import assert_all_blocks_free, make_engine
 from tests.test_lora import make_adapter
 
@@ -122,7 +123,6 @@ def test_the_wire_carries_prompt_logprobs_in_the_first_chunk_only(tiny_llama):
     """The gRPC request's `prompt_logprobs` reaches the engine; the scores come back in the
     first chunk, each named by its prompt token, even with no token beside them (max_tokens 0)."""
     from model_service.pod import wire
-    from spindle.v1 import generation_pb2 as pb
 
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=SHORT), max_tokens=0, prompt_logprobs=1)
     kwargs = wire.engine_request(req)
@@ -280,3 +280,35 @@ def test_a_step_scores_at_most_its_cap_of_prompt_rows(tiny_llama, hf_tiny):
     for rid, ids in prompts.items():
         assert_matches(outs[rid][0], ids, hf_prompt_logprobs(hf_tiny, ids), 1)
     assert_all_blocks_free(engine)
+
+
+def _lm_eval_loglikelihood(choice: dict, ctxlen: int) -> tuple[float, bool]:
+    """lm-eval's local-completions reading of an echo + logprobs + max_tokens 1 choice: the
+    continuation's summed logprob, and whether each of its tokens was the likeliest."""
+    lp = choice["logprobs"]
+    tokens, tops = lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1]
+    return sum(tokens), all(t == max(top.values()) for t, top in zip(tokens, tops, strict=True))
+
+
+def test_a_completions_top_logprobs_keep_the_likeliest_of_tokens_sharing_a_text():
+    """Byte tokens of one UTF-8 character each decode alone to U+FFFD: a prompt token "\\ufffd"
+    whose likeliest alternative is another "\\ufffd" token must not overwrite it in the
+    text-keyed dict, where lm-eval's is_greedy (the token's logprob is the dict's best) would
+    read the prompt as greedy."""
+    from spindle.openai_api.fanout import Answer
+    from spindle.openai_api.requests import completion_request
+    from spindle.openai_api.responses import CompletionFormat, Reply
+
+    _, call = completion_request({"prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 1}, {"m"})
+    top = [pb.TopLogprob(token_id=126, logprob=-2.33, token="\ufffd")]
+    scores = [
+        pb.TokenLogprob(token_id=87, token="x"),
+        pb.TokenLogprob(token_id=241, logprob=-2.92, token="\ufffd", top=top),
+    ]
+    sampled = pb.TokenLogprob(token_id=13, logprob=-0.5, token=".", top=[pb.TopLogprob(token_id=13,
+                              logprob=-0.5, token=".")])  # fmt: skip
+    chunk = pb.Chunk(token_ids=[13], text=".", prompt_logprobs=scores, logprobs=[sampled])
+    answer = Answer(0, [pb.GenerateResponse(chunk=chunk), pb.GenerateResponse(final=pb.Final())])
+    (choice,) = Reply(CompletionFormat(), call, "r").whole([(0, answer)], [answer])["choices"]
+    assert choice["logprobs"]["top_logprobs"][1] == {"\ufffd": -2.33}
+    assert _lm_eval_loglikelihood(choice, 1) == (pytest.approx(-2.92), False)

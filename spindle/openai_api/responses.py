@@ -111,8 +111,14 @@ class CompletionFormat(Format):
 def _top_and_sampled(lp: pb.TokenLogprob) -> dict[str, float]:
     """A completion's top tokens and the sampled one: OpenAI's legacy API (and vLLM's) always
     lists the sampled token, so up to `logprobs` + 1 entries; a client that compares the sampled
-    token with the best of these (is it greedy?) finds it even with `logprobs: 0`."""
-    return {**{token_name(t): t.logprob for t in lp.top}, token_name(lp): lp.logprob}
+    token with the best of these (is it greedy?) finds it even with `logprobs: 0`. The dict is
+    keyed by text, and different tokens can share one (byte tokens of a UTF-8 character each
+    decode to U+FFFD): a text keeps its likeliest token's logprob, so the best value listed is
+    the top token's and a sampled token that was not the top is never read as greedy."""
+    out: dict[str, float] = {}
+    for name, logprob in [*((token_name(t), t.logprob) for t in lp.top), (token_name(lp), lp.logprob)]:
+        out[name] = max(logprob, out.get(name, logprob))
+    return out
 
 
 def prompt_logprobs(scores: Sequence[pb.TokenLogprob]) -> list[dict[str, Any] | None]:
