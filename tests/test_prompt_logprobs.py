@@ -312,3 +312,28 @@ def test_a_completions_top_logprobs_keep_the_likeliest_of_tokens_sharing_a_text(
     (choice,) = Reply(CompletionFormat(), call, "r").whole([(0, answer)], [answer])["choices"]
     assert choice["logprobs"]["top_logprobs"][1] == {"\ufffd": -2.33}
     assert _lm_eval_loglikelihood(choice, 1) == (pytest.approx(-2.92), False)
+
+
+def test_a_completions_text_offsets_are_where_each_token_starts_in_its_text(smollm2):
+    """`text_offset`, OpenAI's and lm-eval's (it cuts the continuation at the context's length):
+    the smollm2 tokenizer's own answer, the characters decoded before each token (a token holding
+    part of a character at that character), for a whole choice, a stream that brings its text as
+    the pod releases it (a partial character held back), and a text a stop string cut short."""
+    from spindle.openai_api.responses import CompletionFormat, TextOffsets
+
+    tok = smollm2.tokenizer
+    text = "Héllo wörld, 日本語 <|im_start|>ok"
+    ids = tok.encode(text)
+    lps = [
+        pb.TokenLogprob(token_id=i, logprob=-1.0, token=tok.decode([i], skip_special_tokens=False))
+        for i in ids
+    ]
+    prefixes = [tok.decode(ids[:i], skip_special_tokens=False).rstrip("\ufffd") for i in range(len(ids) + 1)]
+    want = [len(p) for p in prefixes[:-1]]
+    assert "\ufffd" in {lp.token for lp in lps} and "<|im_start|>" in {lp.token for lp in lps}
+    assert CompletionFormat().choice(text, lps, None)["logprobs"]["text_offset"] == want
+    streamed = TextOffsets()
+    got = [streamed.more([lp], prefixes[i + 1][len(prefixes[i]) :])[0] for i, lp in enumerate(lps)]
+    assert got == want
+    cut = text.index("日")
+    assert TextOffsets().whole(lps, text[:cut]) == [min(w, cut) for w in want]
