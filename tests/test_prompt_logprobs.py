@@ -337,3 +337,49 @@ def test_a_completions_text_offsets_are_where_each_token_starts_in_its_text(smol
     assert got == want
     cut = text.index("日")
     assert TextOffsets().whole(lps, text[:cut]) == [min(w, cut) for w in want]
+
+
+def test_lm_evals_default_loglikelihood_request_of_token_ids_equals_hf(spindle_up, smollm2, hf_smollm2):
+    """lm-eval's local-completions sends token ids by default (`tokenized_requests`), a batch of
+    prompts each with its continuation, with echo, logprobs 1 and max_tokens 1, and reads each
+    choice's `token_logprobs[ctxlen:-1]`: `echo` of token ids was refused. Each choice's text
+    is now its prompt decoded by the pod, and lm-eval's reading is HF's."""
+    import openai
+
+    tok = smollm2.tokenizer
+    client = openai.OpenAI(base_url=spindle_up.http, api_key="none", max_retries=0)
+    pairs = [("The capital of France is", " Paris"), ("Héllo wörld,", " 日本語")]
+    contexts = [tok.encode(c) for c, _ in pairs]
+    prompts = [tok.encode(c + x) for c, x in pairs]
+    assert all(p[: len(c)] == c for p, c in zip(prompts, contexts, strict=True))
+    out = client.completions.create(
+        model="smollm2-135m-instruct", prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
+    for choice, ids, ctx in zip(out.choices, prompts, contexts, strict=True):
+        assert choice.text.startswith(tok.decode(ids, skip_special_tokens=False))
+        assert len(choice.logprobs.token_logprobs) == len(ids) + 1
+        ref = hf_prompt_logprobs(hf_smollm2, ids)[len(ctx) - 1 :]
+        cont = torch.tensor(ids[len(ctx) :])
+        want = ref.gather(1, cont[:, None]).sum().item(), bool((ref.argmax(-1) == cont).all())
+        got = _lm_eval_loglikelihood(choice.model_dump(), len(ctx))
+        assert got == (pytest.approx(want[0], abs=1e-3), want[1])
+    streamed = client.completions.create(
+        model="smollm2-135m-instruct", prompt=prompts[:1], echo=True, max_tokens=1, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+
+
+def test_the_pod_echoes_a_prompt_once_and_refuses_what_it_cannot_write(smollm2):
+    from model_service.pod import wire
+
+    tok = smollm2.tokenizer
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 504, 3458]), echo_prompt=True)
+    assert wire.prompt_text(req, tok) == tok.decode([1, 504, 3458], skip_special_tokens=False)
+    assert wire.prompt_text(pb.GenerateRequest(text="a b", echo_prompt=True), None) == "a b"
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        wire.prompt_text(req, None)
+    req.resume.output_token_ids.append(5)  # resumed: its caller has the prompt's text already
+    assert wire.prompt_text(req, tok) is None
+    chat = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user")]), echo_prompt=True)
+    with pytest.raises(InvalidRequestError, match="chat"):
+        wire.prompt_text(chat, tok)

@@ -249,7 +249,7 @@ def completion_request(body: dict[str, Any], base_models: Collection[str]) -> tu
     logprobs = _typed(body, "logprobs", int)
     if logprobs is not None:
         req.logprobs = logprobs
-    echo = _echo(body, prompts)
+    echo = _echo(body, prompts, req)
     call = _common(body, req, base_models, logprobs is not None)
     best_of = _best_of(body, call)
     _max_tokens(body, req, "max_tokens")
@@ -283,12 +283,13 @@ def _prompts(prompt: Any) -> tuple[Prompt, ...]:
     )
 
 
-def _echo(body: dict[str, Any], prompts: tuple[Prompt, ...]) -> bool:
-    """`echo`: each choice's text starts with its prompt. Only for text prompts (the HTTP layer has
-    no tokenizer to write token ids as text)."""
+def _echo(body: dict[str, Any], prompts: tuple[Prompt, ...], req: pb.GenerateRequest) -> bool:
+    """`echo`: each choice's text starts with its prompt: a text prompt as given, token ids (what
+    lm-eval sends by default) as the pod's tokenizer decodes them (`echo_prompt`: the HTTP layer
+    has no tokenizer)."""
     echo = _typed(body, "echo", bool) or False
-    if echo and not all(isinstance(p, str) for p in prompts):
-        raise bad_request("`echo` is only supported for text prompts, not token ids", "echo")
+    if echo and not isinstance(prompts[0], str):  # one kind of prompt throughout (`_prompts`)
+        req.echo_prompt = True
     return echo
 
 

@@ -347,9 +347,13 @@ class Reply:
             )
         return self._outputs[index]
 
-    def _echoed(self, prompt: int) -> str:
-        """What a choice's text starts with: its prompt's text with `echo`, else nothing."""
-        return str(self.call.prompts[prompt]) if self.call.echo else ""
+    def _echoed(self, prompt: int, chunk: pb.Chunk | None) -> str:
+        """What a choice's text starts with, given its first chunk: with `echo` its prompt's text
+        (a token-id prompt's as the pod decoded it, in that chunk), else nothing."""
+        if not self.call.echo:
+            return ""
+        given = self.call.prompts[prompt]
+        return given if isinstance(given, str) else chunk.prompt_text if chunk is not None else ""
 
     def whole(self, choices: Sequence[tuple[int, Answer]], answers: Sequence[Answer]) -> dict[str, Any]:
         """The non-streamed response: the choices, (index, answer), and the usage of every
@@ -369,7 +373,8 @@ class Reply:
         final = answer.final
         logprobs = [lp for c in chunks for lp in self._logprobs_of(c)] if self.call.logprobs else None
         text = "".join(c.text for c in chunks)
-        choice = {**self.fmt.choice(self._echoed(answer.prompt) + text, logprobs, final), "index": index}
+        echoed = self._echoed(answer.prompt, chunks[0] if chunks else None)
+        choice = {**self.fmt.choice(echoed + text, logprobs, final), "index": index}
         if self.call.prompt_logprobs and self.call.prompts:  # a completion's: on each choice, as vLLM's
             choice["prompt_logprobs"] = prompt_logprobs(_prompt_scores(answer))
         output = self._output(index)
@@ -394,7 +399,7 @@ class Reply:
         output = self._output(index)
         if output is not None:
             return self._read_chunks(base, index, message, first, output)
-        text = self._echoed(prompt) if first else ""
+        text = self._echoed(prompt, message.chunk if message.HasField("chunk") else None) if first else ""
         if message.HasField("chunk"):
             c = message.chunk
             logprobs = self._logprobs_of(c) if self.call.logprobs else None
