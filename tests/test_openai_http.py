@@ -264,6 +264,7 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"prompt": [1, 2**40]}, "token ids"),
         ({"prompt": "a", "max_tokens": 2**40}, "out of range"),
         ({"prompt": "a", "echo": True, "logprobs": 1, "prompt_logprobs": 2}, "give the same number"),
+        ({"messages": [*QUESTION, {"role": "assistant", "content": "A"}], "echo": True}, "echo"),
         ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "not supported with `stream: true`"),
         ({"messages": QUESTION, "prompt_logprobs": "1"}, "an integer"),
         # vLLM's extras that would change the answer: refused, not silently dropped

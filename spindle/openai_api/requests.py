@@ -187,6 +187,7 @@ def chat_request(
     if logprobs:
         req.logprobs = top or 0
     _no_function_call(body)
+    _no_chat_echo(body, chat)
     _special_tokens(body, added=False)
     if _typed(body, "add_generation_prompt", bool) is False:  # the template always adds it
         raise bad_request("`add_generation_prompt: false` is not supported", "add_generation_prompt")
@@ -225,6 +226,14 @@ def _no_function_call(body: dict[str, Any]) -> None:
             f"`function_call` {body['function_call']!r} is not supported: send `tools` and `tool_choice`",
             "function_call",
         )
+
+
+def _no_chat_echo(body: dict[str, Any], chat: pb.ChatMessages) -> None:
+    """vLLM's chat `echo` starts the answer with the last message when that is the assistant's:
+    not served here, so refused rather than answered without it. After any other message it
+    changes nothing (vLLM's too), so it is served."""
+    if _typed(body, "echo", bool) and chat.messages[-1].role == "assistant":
+        raise bad_request("`echo` of a final assistant message is not supported in chat completions", "echo")
 
 
 def _special_tokens(body: dict[str, Any], added: bool) -> None:
