@@ -263,8 +263,8 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"prompt": "a", "best_of": 2, "stream": True}, "cannot be streamed"),
         ({"prompt": [1, 2**40]}, "token ids"),
         ({"prompt": "a", "max_tokens": 2**40}, "out of range"),
-        ({"prompt": [1, 2], "echo": True}, "only supported for text prompts"),
         ({"prompt": "a", "echo": True, "logprobs": 1, "prompt_logprobs": 2}, "give the same number"),
+        ({"messages": [*QUESTION, {"role": "assistant", "content": "A"}], "echo": True}, "echo"),
         ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "not supported with `stream: true`"),
         ({"messages": QUESTION, "prompt_logprobs": "1"}, "an integer"),
         # vLLM's extras that would change the answer: refused, not silently dropped

@@ -10,6 +10,7 @@ import torch
 
 from model_service.engine.sampling_params import SamplingParams
 from model_service.errors import InvalidRequestError
+from spindle.v1 import generation_pb2 as pb
 from tests.conftest import assert_all_blocks_free, make_engine
 from tests.test_lora import make_adapter
 
@@ -122,7 +123,6 @@ def test_the_wire_carries_prompt_logprobs_in_the_first_chunk_only(tiny_llama):
     """The gRPC request's `prompt_logprobs` reaches the engine; the scores come back in the
     first chunk, each named by its prompt token, even with no token beside them (max_tokens 0)."""
     from model_service.pod import wire
-    from spindle.v1 import generation_pb2 as pb
 
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=SHORT), max_tokens=0, prompt_logprobs=1)
     kwargs = wire.engine_request(req)
@@ -280,3 +280,106 @@ def test_a_step_scores_at_most_its_cap_of_prompt_rows(tiny_llama, hf_tiny):
     for rid, ids in prompts.items():
         assert_matches(outs[rid][0], ids, hf_prompt_logprobs(hf_tiny, ids), 1)
     assert_all_blocks_free(engine)
+
+
+def _lm_eval_loglikelihood(choice: dict, ctxlen: int) -> tuple[float, bool]:
+    """lm-eval's local-completions reading of an echo + logprobs + max_tokens 1 choice: the
+    continuation's summed logprob, and whether each of its tokens was the likeliest."""
+    lp = choice["logprobs"]
+    tokens, tops = lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1]
+    return sum(tokens), all(t == max(top.values()) for t, top in zip(tokens, tops, strict=True))
+
+
+def test_a_completions_top_logprobs_keep_the_likeliest_of_tokens_sharing_a_text():
+    """Byte tokens of one UTF-8 character each decode alone to U+FFFD: a prompt token "\\ufffd"
+    whose likeliest alternative is another "\\ufffd" token must not overwrite it in the
+    text-keyed dict, where lm-eval's is_greedy (the token's logprob is the dict's best) would
+    read the prompt as greedy."""
+    from spindle.openai_api.fanout import Answer
+    from spindle.openai_api.requests import completion_request
+    from spindle.openai_api.responses import CompletionFormat, Reply
+
+    _, call = completion_request({"prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 1}, {"m"})
+    top = [pb.TopLogprob(token_id=126, logprob=-2.33, token="\ufffd")]
+    scores = [
+        pb.TokenLogprob(token_id=87, token="x"),
+        pb.TokenLogprob(token_id=241, logprob=-2.92, token="\ufffd", top=top),
+    ]
+    sampled = pb.TokenLogprob(token_id=13, logprob=-0.5, token=".", top=[pb.TopLogprob(token_id=13,
+                              logprob=-0.5, token=".")])  # fmt: skip
+    chunk = pb.Chunk(token_ids=[13], text=".", prompt_logprobs=scores, logprobs=[sampled])
+    answer = Answer(0, [pb.GenerateResponse(chunk=chunk), pb.GenerateResponse(final=pb.Final())])
+    (choice,) = Reply(CompletionFormat(), call, "r").whole([(0, answer)], [answer])["choices"]
+    assert choice["logprobs"]["top_logprobs"][1] == {"\ufffd": -2.33}
+    assert _lm_eval_loglikelihood(choice, 1) == (pytest.approx(-2.92), False)
+
+
+def test_a_completions_text_offsets_are_where_each_token_starts_in_its_text(smollm2):
+    """`text_offset`, OpenAI's and lm-eval's (it cuts the continuation at the context's length):
+    the smollm2 tokenizer's own answer, the characters decoded before each token (a token holding
+    part of a character at that character), for a whole choice, a stream that brings its text as
+    the pod releases it (a partial character held back), and a text a stop string cut short."""
+    from spindle.openai_api.responses import CompletionFormat, TextOffsets
+
+    tok = smollm2.tokenizer
+    text = "Héllo wörld, 日本語 <|im_start|>ok"
+    ids = tok.encode(text)
+    lps = [
+        pb.TokenLogprob(token_id=i, logprob=-1.0, token=tok.decode([i], skip_special_tokens=False))
+        for i in ids
+    ]
+    prefixes = [tok.decode(ids[:i], skip_special_tokens=False).rstrip("\ufffd") for i in range(len(ids) + 1)]
+    want = [len(p) for p in prefixes[:-1]]
+    assert "\ufffd" in {lp.token for lp in lps} and "<|im_start|>" in {lp.token for lp in lps}
+    assert CompletionFormat().choice(text, lps, None)["logprobs"]["text_offset"] == want
+    streamed = TextOffsets()
+    got = [streamed.more([lp], prefixes[i + 1][len(prefixes[i]) :])[0] for i, lp in enumerate(lps)]
+    assert got == want
+    cut = text.index("日")
+    assert TextOffsets().whole(lps, text[:cut]) == [min(w, cut) for w in want]
+
+
+def test_lm_evals_default_loglikelihood_request_of_token_ids_equals_hf(spindle_up, smollm2, hf_smollm2):
+    """lm-eval's local-completions sends token ids by default (`tokenized_requests`), a batch of
+    prompts each with its continuation, with echo, logprobs 1 and max_tokens 1, and reads each
+    choice's `token_logprobs[ctxlen:-1]`: `echo` of token ids was refused. Each choice's text
+    is now its prompt decoded by the pod, and lm-eval's reading is HF's."""
+    import openai
+
+    tok = smollm2.tokenizer
+    client = openai.OpenAI(base_url=spindle_up.http, api_key="none", max_retries=0)
+    pairs = [("The capital of France is", " Paris"), ("Héllo wörld,", " 日本語")]
+    contexts = [tok.encode(c) for c, _ in pairs]
+    prompts = [tok.encode(c + x) for c, x in pairs]
+    assert all(p[: len(c)] == c for p, c in zip(prompts, contexts, strict=True))
+    out = client.completions.create(
+        model="smollm2-135m-instruct", prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
+    for choice, ids, ctx in zip(out.choices, prompts, contexts, strict=True):
+        assert choice.text.startswith(tok.decode(ids, skip_special_tokens=False))
+        assert len(choice.logprobs.token_logprobs) == len(ids) + 1
+        ref = hf_prompt_logprobs(hf_smollm2, ids)[len(ctx) - 1 :]
+        cont = torch.tensor(ids[len(ctx) :])
+        want = ref.gather(1, cont[:, None]).sum().item(), bool((ref.argmax(-1) == cont).all())
+        got = _lm_eval_loglikelihood(choice.model_dump(), len(ctx))
+        assert got == (pytest.approx(want[0], abs=1e-3), want[1])
+    streamed = client.completions.create(
+        model="smollm2-135m-instruct", prompt=prompts[:1], echo=True, max_tokens=1, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+
+
+def test_the_pod_echoes_a_prompt_once_and_refuses_what_it_cannot_write(smollm2):
+    from model_service.pod import wire
+
+    tok = smollm2.tokenizer
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 504, 3458]), echo_prompt=True)
+    assert wire.prompt_text(req, tok) == tok.decode([1, 504, 3458], skip_special_tokens=False)
+    assert wire.prompt_text(pb.GenerateRequest(text="a b", echo_prompt=True), None) == "a b"
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        wire.prompt_text(req, None)
+    req.resume.output_token_ids.append(5)  # resumed: its caller has the prompt's text already
+    assert wire.prompt_text(req, tok) is None
+    chat = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user")]), echo_prompt=True)
+    with pytest.raises(InvalidRequestError, match="chat"):
+        wire.prompt_text(chat, tok)

@@ -58,7 +58,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        rid, kwargs = await self._admissible(request, context)
+        rid, kwargs, echo = await self._admissible(request, context)
         pod = self.pod
         assert pod.async_engine is not None  # _admissible checked the pod is serving
         span = trace.get_current_span()
@@ -79,6 +79,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     unrecorded = out = batch[-1]
                     req.on_output(batch[0])
                     msg = wire.chunk(batch, pod.token_texts)
+                    if echo is not None:  # the first message carries the prompt's text
+                        msg = msg or pb.GenerateResponse(request_id=rid, chunk=pb.Chunk())
+                        msg.chunk.prompt_text, echo = echo, None
                     if msg is not None:
                         req.on_tokens(time.monotonic(), len(msg.chunk.token_ids))
                         yield msg
@@ -97,12 +100,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def _admissible(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[str, dict[str, Any]]:
-        """The request id and engine keywords of a request this pod can take now, or abort."""
+    ) -> tuple[str, dict[str, Any], str | None]:
+        """The request id, engine keywords and echoed prompt text (`echo_prompt`) of a request
+        this pod can take now, or abort."""
         pod = self.pod
         await _require_serving(pod, context)
         try:
             rid, kwargs = wire.request_id(request), await _engine_request(request)
+            echo = wire.prompt_text(request, pod.token_texts.tokenizer)
         except SpindleError as e:
             await abort_for(context, e)
         if request.HasField("model") and request.model != pod.model_name:
@@ -118,7 +123,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await abort(
                 context, Code.DEADLINE_EXCEEDED, "the deadline expired before the request was admitted"
             )
-        return rid, kwargs
+        return rid, kwargs, echo
 
     async def _final(
         self, req: InFlight, out: RequestOutput, context: grpc.aio.ServicerContext

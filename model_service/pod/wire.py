@@ -77,6 +77,22 @@ def engine_request(req: pb.GenerateRequest) -> dict[str, Any]:
     return kwargs
 
 
+def prompt_text(req: pb.GenerateRequest, tokenizer: Tokenizer | None) -> str | None:
+    """What `echo_prompt` sends in the first chunk (None when not asked, or already sent: a
+    resumed request): a text prompt as given, a token-id prompt decoded as the engine's output
+    is (special tokens kept, so the prompt's logprob tokens line up with it). Raises for a chat
+    (its rendered template is not the caller's) and for token ids on a pod with no tokenizer."""
+    if not req.echo_prompt or req.HasField("resume"):
+        return None
+    which = req.WhichOneof("prompt")
+    if which == "text":
+        return req.text
+    if which == "token_ids" and tokenizer is not None:
+        return tokenizer.decode(list(req.token_ids.ids), skip_special_tokens=False)
+    why = "a chat prompt" if which == "chat" else "a token-id prompt on a pod with no tokenizer"
+    raise InvalidRequestError(f"echo_prompt is not supported for {why}")
+
+
 def chat_message(m: pb.ChatMessage, i: int) -> dict[str, Any]:
     """A message as transformers' chat templates take it: an assistant's `tool_calls` with their
     arguments as objects (templates write them with `tojson`: text would be quoted twice), a tool

@@ -187,6 +187,7 @@ def chat_request(
     if logprobs:
         req.logprobs = top or 0
     _no_function_call(body)
+    _no_chat_echo(body, chat)
     _special_tokens(body, added=False)
     if _typed(body, "add_generation_prompt", bool) is False:  # the template always adds it
         raise bad_request("`add_generation_prompt: false` is not supported", "add_generation_prompt")
@@ -229,6 +230,14 @@ def _no_function_call(body: dict[str, Any]) -> None:
         )
 
 
+def _no_chat_echo(body: dict[str, Any], chat: pb.ChatMessages) -> None:
+    """vLLM's chat `echo` starts the answer with the last message when that is the assistant's:
+    not served here, so refused rather than answered without it. After any other message it
+    changes nothing (vLLM's too), so it is served."""
+    if _typed(body, "echo", bool) and chat.messages[-1].role == "assistant":
+        raise bad_request("`echo` of a final assistant message is not supported in chat completions", "echo")
+
+
 def _special_tokens(body: dict[str, Any], added: bool) -> None:
     """vLLM's `add_special_tokens`: a text prompt is tokenized with the tokenizer's special tokens
     (a BOS), a chat's with none but its template's. A request asking otherwise would be answered
@@ -251,7 +260,7 @@ def completion_request(body: dict[str, Any], base_models: Collection[str]) -> tu
     logprobs = _typed(body, "logprobs", int)
     if logprobs is not None:
         req.logprobs = logprobs
-    echo = _echo(body, prompts)
+    echo = _echo(body, prompts, req)
     call = _common(body, req, base_models, logprobs is not None)
     best_of = _best_of(body, call)
     _max_tokens(body, req, "max_tokens")
@@ -285,12 +294,13 @@ def _prompts(prompt: Any) -> tuple[Prompt, ...]:
     )
 
 
-def _echo(body: dict[str, Any], prompts: tuple[Prompt, ...]) -> bool:
-    """`echo`: each choice's text starts with its prompt. Only for text prompts (the HTTP layer has
-    no tokenizer to write token ids as text)."""
+def _echo(body: dict[str, Any], prompts: tuple[Prompt, ...], req: pb.GenerateRequest) -> bool:
+    """`echo`: each choice's text starts with its prompt: a text prompt as given, token ids (what
+    lm-eval sends by default) as the pod's tokenizer decodes them (`echo_prompt`: the HTTP layer
+    has no tokenizer)."""
     echo = _typed(body, "echo", bool) or False
-    if echo and not all(isinstance(p, str) for p in prompts):
-        raise bad_request("`echo` is only supported for text prompts, not token ids", "echo")
+    if echo and not isinstance(prompts[0], str):  # one kind of prompt throughout (`_prompts`)
+        req.echo_prompt = True
     return echo
 
 

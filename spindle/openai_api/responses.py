@@ -46,9 +46,15 @@ class Format(ABC):
         """A whole response's choice (text and logprobs so far, and how it finished)."""
 
     def delta(
-        self, text: str, logprobs: Sequence[pb.TokenLogprob] | None, final: pb.Final | None, first: bool
+        self,
+        text: str,
+        logprobs: Sequence[pb.TokenLogprob] | None,
+        final: pb.Final | None,
+        first: bool,
+        offsets: Sequence[int] = (),
     ) -> dict:
-        """A stream chunk's choice; `first` = the stream's first."""
+        """A stream chunk's choice; `first` = the stream's first; `offsets`: where each logprob
+        token starts in the choice's text (`TextOffsets`), for a format that says so."""
         return self.choice(text, logprobs, final)
 
 
@@ -67,7 +73,12 @@ class ChatFormat(Format):
         return {"index": 0, "message": message, "logprobs": self._logprobs(logprobs), **_finish(final)}
 
     def delta(
-        self, text: str, logprobs: Sequence[pb.TokenLogprob] | None, final: pb.Final | None, first: bool
+        self,
+        text: str,
+        logprobs: Sequence[pb.TokenLogprob] | None,
+        final: pb.Final | None,
+        first: bool,
+        offsets: Sequence[int] = (),
     ) -> dict:
         if first:
             delta = {"role": "assistant", "content": text}
@@ -95,13 +106,26 @@ class CompletionFormat(Format):
     parse = staticmethod(requests.completion_request)
 
     def choice(self, text: str, logprobs: Sequence[pb.TokenLogprob] | None, final: pb.Final | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), **_finish(final)}
+        """A whole choice: its text is all there is, so its tokens' offsets are read from it."""
+        offsets = TextOffsets().whole(logprobs or [], text)
+        return {"index": 0, "text": text, "logprobs": self._logprobs(logprobs, offsets), **_finish(final)}
+
+    def delta(
+        self,
+        text: str,
+        logprobs: Sequence[pb.TokenLogprob] | None,
+        final: pb.Final | None,
+        first: bool,
+        offsets: Sequence[int] = (),
+    ) -> dict:
+        return {"index": 0, "text": text, "logprobs": self._logprobs(logprobs, offsets), **_finish(final)}
 
     @staticmethod
-    def _logprobs(logprobs: Sequence[pb.TokenLogprob] | None) -> dict | None:
+    def _logprobs(logprobs: Sequence[pb.TokenLogprob] | None, offsets: Sequence[int]) -> dict | None:
         if logprobs is None:
             return None
         return {
+            "text_offset": list(offsets),
             "tokens": [token_name(lp) for lp in logprobs],
             "token_logprobs": [lp.logprob if lp.HasField("logprob") else None for lp in logprobs],
             "top_logprobs": [_top_and_sampled(lp) if lp.HasField("logprob") else None for lp in logprobs],
@@ -111,8 +135,62 @@ class CompletionFormat(Format):
 def _top_and_sampled(lp: pb.TokenLogprob) -> dict[str, float]:
     """A completion's top tokens and the sampled one: OpenAI's legacy API (and vLLM's) always
     lists the sampled token, so up to `logprobs` + 1 entries; a client that compares the sampled
-    token with the best of these (is it greedy?) finds it even with `logprobs: 0`."""
-    return {**{token_name(t): t.logprob for t in lp.top}, token_name(lp): lp.logprob}
+    token with the best of these (is it greedy?) finds it even with `logprobs: 0`. The dict is
+    keyed by text, and different tokens can share one (byte tokens of a UTF-8 character each
+    decode to U+FFFD): a text keeps its likeliest token's logprob, so the best value listed is
+    the top token's and a sampled token that was not the top is never read as greedy."""
+    out: dict[str, float] = {}
+    for name, logprob in [*((token_name(t), t.logprob) for t in lp.top), (token_name(lp), lp.logprob)]:
+        out[name] = max(logprob, out.get(name, logprob))
+    return out
+
+
+_PARTIAL = "\ufffd"  # what a token holding part of a UTF-8 character decodes to alone
+
+
+class TextOffsets:
+    """`text_offset` (OpenAI's legacy logprobs): where each of one choice's logprob tokens starts
+    in the choice's text, read by aligning each token's text (decoded alone) with the choice's.
+    Summing the tokens' lengths, as vLLM does, drifts past the text wherever they differ from
+    it: byte tokens of one character each decode to U+FFFD (three for a CJK character, one in
+    the text), a special token (a BOS) is in no text, a stop string cut the text short. Here a
+    token that holds part of a character starts where that character does (its later bytes'
+    tokens too), a token absent from the text takes no room, and one whose text has not come
+    yet (held back for a stop string, or cut) starts where the text so far ends."""
+
+    def __init__(self) -> None:
+        self.text = ""  # the choice's text so far
+        self.at = 0  # where the next token's text starts
+        self.slack = 0  # characters the partial tokens since `at` may span (each U+FFFD is one at most)
+
+    def whole(self, logprobs: Sequence[pb.TokenLogprob], text: str) -> list[int]:
+        """A whole choice's offsets: its text is complete, so none points past its end."""
+        return [min(at, len(text)) for at in self.more(logprobs, text)]
+
+    def more(self, logprobs: Sequence[pb.TokenLogprob], text: str) -> list[int]:
+        """The offsets of the next tokens, given the text that came with them."""
+        self.text += text
+        return [self._next(lp.token if lp.HasField("token") else None) for lp in logprobs]
+
+    def _next(self, token: str | None) -> int:
+        head = (token or "").split(_PARTIAL, 1)[0]  # its text before any partial character
+        at = self._find(head) if head else None
+        if at is not None:
+            self.at, self.slack = at + len(head), 0
+        self.slack += len(token or "") - len(head)
+        return at if at is not None else self.at
+
+    def _find(self, head: str) -> int | None:
+        """Where whole text `head` starts: right at `at`, past the characters partial tokens
+        began (at least one if any did), or one further (a SentencePiece token decoded alone
+        loses its leading space); where the text ends, when `head` would go on past it. None:
+        nowhere (a special token the text does not hold)."""
+        first = self.at + (1 if self.slack else 0)
+        for at in range(first, self.at + self.slack + 2):
+            if self.text.startswith(head, at):
+                return at
+        rest = self.text[first:]
+        return first if len(rest) < len(head) and head.startswith(rest) else None
 
 
 def prompt_logprobs(scores: Sequence[pb.TokenLogprob]) -> list[dict[str, Any] | None]:
@@ -252,6 +330,7 @@ class Reply:
     def __post_init__(self) -> None:
         self._started: set[int] = set()  # choices whose first delta was sent
         self._outputs: dict[int, ChatOutput] = {}
+        self._offsets: dict[int, TextOffsets] = {}  # each streamed choice's `text_offset` reading
         self._finals: list[tuple[int, pb.Final]] = []  # (prompt, final) of each generation streamed
 
     def _envelope(self, obj: str) -> dict[str, Any]:
@@ -268,9 +347,13 @@ class Reply:
             )
         return self._outputs[index]
 
-    def _echoed(self, prompt: int) -> str:
-        """What a choice's text starts with: its prompt's text with `echo`, else nothing."""
-        return str(self.call.prompts[prompt]) if self.call.echo else ""
+    def _echoed(self, prompt: int, chunk: pb.Chunk | None) -> str:
+        """What a choice's text starts with, given its first chunk: with `echo` its prompt's text
+        (a token-id prompt's as the pod decoded it, in that chunk), else nothing."""
+        if not self.call.echo:
+            return ""
+        given = self.call.prompts[prompt]
+        return given if isinstance(given, str) else chunk.prompt_text if chunk is not None else ""
 
     def whole(self, choices: Sequence[tuple[int, Answer]], answers: Sequence[Answer]) -> dict[str, Any]:
         """The non-streamed response: the choices, (index, answer), and the usage of every
@@ -290,7 +373,8 @@ class Reply:
         final = answer.final
         logprobs = [lp for c in chunks for lp in self._logprobs_of(c)] if self.call.logprobs else None
         text = "".join(c.text for c in chunks)
-        choice = {**self.fmt.choice(self._echoed(answer.prompt) + text, logprobs, final), "index": index}
+        echoed = self._echoed(answer.prompt, chunks[0] if chunks else None)
+        choice = {**self.fmt.choice(echoed + text, logprobs, final), "index": index}
         if self.call.prompt_logprobs and self.call.prompts:  # a completion's: on each choice, as vLLM's
             choice["prompt_logprobs"] = prompt_logprobs(_prompt_scores(answer))
         output = self._output(index)
@@ -315,13 +399,14 @@ class Reply:
         output = self._output(index)
         if output is not None:
             return self._read_chunks(base, index, message, first, output)
-        text = self._echoed(prompt) if first else ""
+        text = self._echoed(prompt, message.chunk if message.HasField("chunk") else None) if first else ""
         if message.HasField("chunk"):
             c = message.chunk
             logprobs = self._logprobs_of(c) if self.call.logprobs else None
             if not (c.text or text or logprobs or first):
                 return []  # tokens whose text is held back (a stop string may follow): nothing to say yet
-            delta = self.fmt.delta(text + c.text, logprobs, None, first)
+            offsets = self._offsets.setdefault(index, TextOffsets()).more(logprobs or [], text + c.text)
+            delta = self.fmt.delta(text + c.text, logprobs, None, first, offsets)
             return [{**base, "choices": [{**delta, "index": index}]}]
         return [self._finish_chunk(base, index, message.final, first, text)]
 
