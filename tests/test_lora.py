@@ -463,6 +463,22 @@ def test_a_preempted_request_keeps_the_adapter_it_began_with(
     assert_all_blocks_free(engine)
 
 
+def test_a_request_for_an_adapter_larger_than_the_adapter_memory_ends_at_once(tiny_llama, tiny_adapters):
+    """t1 needs more than the whole arena: no eviction can place it. Its request was retried for
+    `adapter_wait_timeout_s` (30 s) before it failed with the same reason; the base request
+    beside it is served either way."""
+    room = arena_bytes(tiny_llama, tiny_adapters["t0"])
+    engine = make_engine(tiny_llama, lora_memory_bytes=room, lora_modules={"big": str(tiny_adapters["t1"])})
+    engine.add_request(prompt_token_ids=PROMPTS[0], adapter="big", request_id="big", params=_greedy(4))
+    engine.add_request(prompt_token_ids=PROMPTS[1], request_id="base", params=_greedy(4))
+    final = {}
+    for _ in range(8):
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert final["big"].finish_reason == "error" and "--lora-memory-bytes" in final["big"].error
+    assert final["base"].finish_reason == "length"
+    assert_all_blocks_free(engine)
+
+
 def test_a_request_waiting_for_an_adapter_that_is_forgotten_ends_at_once(tiny_llama, tiny_adapters):
     """A request queued for an adapter deleted before it was loaded waited the whole
     `adapter_wait_timeout_s` (30 s) for a load that could never succeed."""
