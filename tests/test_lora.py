@@ -425,6 +425,60 @@ def test_forgetting_an_adapter_in_use_lets_its_requests_finish_and_refuses_new_o
     assert_all_blocks_free(engine)
 
 
+# A control operation that changes what a running request's adapter name means, each under one
+# preemption mode: (operation, the name the request asks for, preemption mode).
+RENAMINGS = [
+    ("forget", "x", "recompute"),
+    ("new-version", "x", "swap"),
+    ("rotate", ACTIVE, "recompute"),
+]
+
+
+@pytest.mark.parametrize(("change", "adapter", "mode"), RENAMINGS, ids=[r[0] for r in RENAMINGS])
+def test_a_preempted_request_keeps_the_adapter_it_began_with(
+    tiny_llama, tiny_adapters, tiny_reference, change, adapter, mode
+):
+    """A running request keeps its adapter through a Delete, a new version or a rotation, until
+    it ends. Preempted after such a change (a tiny K/V pool), it was admitted again by name: a
+    Delete failed it ("could not be loaded"), a new version or the next `@active` adapter wrote
+    the rest of its tokens (HF's answer up to the preemption, then another model's)."""
+    engine = make_engine(tiny_llama, max_loras=2, num_kv_blocks=7, block_size=4, preemption_mode=mode)
+    run_control(engine, LoadAdapter("x", str(tiny_adapters["t1"])))
+    run_control(engine, SetActiveAdapter("x"))
+    engine.add_request(prompt_token_ids=PROMPTS[0], request_id="base", params=_greedy(12))
+    engine.add_request(prompt_token_ids=PROMPTS[1], adapter=adapter, request_id="lora", params=_greedy(8))
+    engine.step()
+    op = {
+        "forget": EvictAdapter("x", from_disk=True),
+        "new-version": RegisterAdapter("x", str(tiny_adapters["t3"])),
+        "rotate": LoadAdapter("y", str(tiny_adapters["t3"])),
+    }[change]
+    run_control(engine, op)
+    if change == "rotate":
+        run_control(engine, SetActiveAdapter("y"))
+    final = _finish(engine)
+    assert engine.scheduler.num_preemptions > 0  # the request that holds the adapter was preempted
+    assert final["lora"] == tiny_reference[(1, "t1")]
+    assert all(s.refcount == 0 for s in engine.lora.slots)
+    assert_all_blocks_free(engine)
+
+
+def test_a_request_for_an_adapter_larger_than_the_adapter_memory_ends_at_once(tiny_llama, tiny_adapters):
+    """t1 needs more than the whole arena: no eviction can place it. Its request was retried for
+    `adapter_wait_timeout_s` (30 s) before it failed with the same reason; the base request
+    beside it is served either way."""
+    room = arena_bytes(tiny_llama, tiny_adapters["t0"])
+    engine = make_engine(tiny_llama, lora_memory_bytes=room, lora_modules={"big": str(tiny_adapters["t1"])})
+    engine.add_request(prompt_token_ids=PROMPTS[0], adapter="big", request_id="big", params=_greedy(4))
+    engine.add_request(prompt_token_ids=PROMPTS[1], request_id="base", params=_greedy(4))
+    final = {}
+    for _ in range(8):
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert final["big"].finish_reason == "error" and "--lora-memory-bytes" in final["big"].error
+    assert final["base"].finish_reason == "length"
+    assert_all_blocks_free(engine)
+
+
 def test_a_request_waiting_for_an_adapter_that_is_forgotten_ends_at_once(tiny_llama, tiny_adapters):
     """A request queued for an adapter deleted before it was loaded waited the whole
     `adapter_wait_timeout_s` (30 s) for a load that could never succeed."""

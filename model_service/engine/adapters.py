@@ -66,13 +66,23 @@ from model_service.engine.sequence import Sequence
 from model_service.errors import NotFoundError, PreconditionError
 from model_service.lora.adapter import AdapterError
 from model_service.lora.control import ControlOp, ControlResult, execute
-from model_service.lora.pool import ACTIVE, AdapterNotFoundError, LoraPool, SlotsBusyError
+from model_service.lora.pool import (
+    ACTIVE,
+    AdapterNotFoundError,
+    AdapterTooLargeError,
+    LoraPool,
+    SlotsBusyError,
+)
 
 log = logging.getLogger(__name__)
 
 # At most one warning about drains in this many seconds: a pod short of adapter memory drains
 # at most quiescent points, and the counter (`spindle:lora_adapter_drains`) says how often.
 DRAIN_WARNING_S = 60.0
+
+# Load failures no retry can mend: the adapter was deleted, or is larger than the adapter memory
+# (its requests waited `adapter_wait_timeout_s` for nothing, then failed naming the flag anyway).
+NEVER_LOADS = (AdapterNotFoundError, AdapterTooLargeError)
 
 RETRY_S = 1.0  # the first wait before loading again an adapter that failed for a reason other than memory
 
@@ -82,7 +92,7 @@ class _LoadFailure:
     error: str  # why the latest attempt failed
     retry_at: float
     backoff: float  # the wait before `retry_at`; the next one is twice as long
-    gone: bool = False  # the adapter is not known here any more (deleted): no retry can load it
+    gone: bool = False  # deleted, or too large for the adapter memory: no retry can load it
 
 
 class AdapterControl:
@@ -201,7 +211,7 @@ class AdapterControl:
                 except SlotsBusyError:
                     return [n for n in names[i:] if self._waits_for_memory(n)]
                 except AdapterError as e:
-                    self._note_failure(name, str(e), now, isinstance(e, AdapterNotFoundError))
+                    self._note_failure(name, str(e), now, isinstance(e, NEVER_LOADS))
                     continue
                 self._failures.pop(name, None)
                 held.append(self.pool.acquire(slot))
@@ -288,8 +298,9 @@ class AdapterControl:
 
     def _doomed(self, now: float) -> list[tuple[Sequence, str]]:
         """Waiting requests that have waited `adapter_wait_timeout_s` for an adapter whose latest
-        load failed for a reason other than memory, and at once those whose adapter is gone (it
-        was deleted while they waited: they waited out the timeout for nothing)."""
+        load failed for a reason other than memory, and at once those whose adapter no retry can
+        load (deleted while they waited, or larger than the adapter memory: they waited out the
+        timeout for nothing)."""
         if not self._failures:
             return []
         doomed = []

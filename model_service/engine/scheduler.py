@@ -121,6 +121,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free_state(seq)
+        self._drop_held(seq)
         self._release_swap(seq)
 
     def fork(self, parent: Sequence) -> Sequence:
@@ -271,7 +272,7 @@ class Scheduler:
                 break
             batch.scored_rows -= scored
             if slot is not None:
-                seq.state.lora_slot = self.adapters.acquire(slot)
+                seq.state.lora_slot = self._take_slot(seq, slot)
                 in_step.add(seq.state.lora_slot)
             if seq.admission.first_scheduled_at is None:
                 seq.admission.first_scheduled_at = self.clock()
@@ -291,6 +292,8 @@ class Scheduler:
         name = admission.adapter
         if name is None:
             return True, None
+        if admission.held_slot >= 0:
+            return self._held_slot(seq, in_step)
         slot = self.adapters.slot_of(name) if name not in self.draining else None
         if slot is not None and slot not in in_step and not self._may_take_place(name, in_step):
             slot = None
@@ -301,6 +304,33 @@ class Scheduler:
             return False, None
         admission.blocked_since = None
         return True, slot
+
+    def _held_slot(self, seq: Sequence, in_step: set[int]) -> tuple[bool, int | None]:
+        """`_adapter_slot` of a preempted request that kept its slot: that slot, when it has a place
+        in the step. Its name is not looked up again: since it began, a Delete, a new version or a
+        rotation (`@active`) may have given the name other weights, or none. A drained slot's
+        request lets it go and waits for its adapter as a new request does."""
+        slot = seq.admission.held_slot
+        if slot in {self.adapters.slot_of(n) for n in self.draining}:
+            self._drop_held(seq)
+            return self._adapter_slot(seq, in_step)
+        if slot in in_step or self._may_take_place(seq.admission.adapter, in_step):
+            return True, slot
+        return False, None
+
+    def _take_slot(self, seq: Sequence, slot: int) -> int:
+        """The reference an admitted `seq` holds on LoRA `slot`: the one it kept while preempted,
+        or a new one."""
+        if seq.admission.held_slot == slot:
+            seq.admission.held_slot = -1
+            return slot
+        return self.adapters.acquire(slot)
+
+    def _drop_held(self, seq: Sequence) -> None:
+        """Release the slot `seq` kept while preempted: it ended, or a drain frees that slot (it
+        waits for its adapter by name, as a new request does)."""
+        self.adapters.release(seq.admission.held_slot)
+        seq.admission.held_slot = -1
 
     def _may_take_place(self, name: str, in_step: set[int]) -> bool:
         """Whether adapter `name`, not in the step, may join it: a free place among `max_loras`
@@ -343,6 +373,9 @@ class Scheduler:
         holders = [s for s in self.running if s.state is not None and s.state.lora_slot == slot]
         for seq in holders:
             self._preempt(seq)
+        for seq in self.waiting:
+            if seq.admission.held_slot == slot:
+                self._drop_held(seq)
         return len(holders)
 
     def _attach_state(self, seq: Sequence) -> bool:
@@ -390,9 +423,10 @@ class Scheduler:
         size = self.cache.swap_bytes(seq.state)
         self.proposals.pop(seq, None)
         swap = self.preemption_mode == "swap" and seq.group is None  # forked beams share blocks: recompute
+        # It keeps its adapter's slot (and reference): it resumes on the weights it began with.
+        seq.admission.held_slot, seq.state.lora_slot = seq.state.lora_slot, -1
         if swap and self.swap_used + size <= self.swap_budget:
             self._swapped[seq] = self.cache.swap_out(seq.state)
-            self.adapters.release(seq.state.lora_slot)
             self.swap_used += size
             seq.state = None
         else:

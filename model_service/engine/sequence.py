@@ -124,7 +124,7 @@ class Admission:
     """A request's way into the running batch: its place in the queue and what its adapter asks
     of admission. Written by the scheduler (engine/adapters.py reads the waits it records)."""
 
-    __slots__ = ("adapter", "adapter_id", "blocked_since", "first_scheduled_at", "rank")
+    __slots__ = ("adapter", "adapter_id", "blocked_since", "first_scheduled_at", "held_slot", "rank")
 
     def __init__(self, priority: int, arrival: int, adapter: str | None) -> None:
         # Lower runs first: priority (vLLM's convention: lower value = served first), then
@@ -132,6 +132,9 @@ class Admission:
         self.rank = (priority, arrival)
         self.adapter = adapter  # the LoRA adapter requested (None = base model)
         self.adapter_id = 0  # content identity of the weights serving it (0 = base model)
+        # The LoRA slot a preempted request keeps its reference on (-1 = none): it resumes on the
+        # weights it began with, whatever its adapter's name means by then (engine/scheduler.py).
+        self.held_slot = -1
         # When the scheduler first found it waiting for its adapter (not resident, or draining);
         # None once its adapter can serve it. Starvation is measured from here (engine/adapters.py).
         self.blocked_since: float | None = None

@@ -56,6 +56,10 @@ class AdapterBusyError(AdapterError):
     """The slot or adapter is in use or pinned; retry once it is released (FAILED_PRECONDITION)."""
 
 
+class AdapterTooLargeError(AdapterError):
+    """The adapter needs more memory than the whole arena: no eviction or retry can place it."""
+
+
 class SlotsBusyError(AdapterBusyError):
     """The slots or the adapter memory needed are held by adapters in use or pinned: promotion
     must wait for sequences to finish."""
@@ -254,7 +258,7 @@ class LoraPool:
         adapter = self._host_copy(name)
         size = adapter.numel
         if size > self.space.capacity:
-            raise AdapterError(
+            raise AdapterTooLargeError(
                 f"adapter {name!r} needs {self._mb(size)} of adapter memory; the arena holds "
                 f"{self._mb(self.space.capacity)} (raise --lora-memory-bytes)"
             )
