@@ -374,3 +374,28 @@ def test_an_adapter_name_the_lora_metric_would_split_is_refused():
 
     names = ("x,y", "a\nb", "sql-lora.v2", "ü")
     assert [asyncio.run(refused(n)) for n in names] == [True, True, False, False]
+
+
+def test_a_resumed_streams_replayed_tokens_count_as_prefill_not_generation():
+    """A stream the gateway resumes on another pod (its first pod failed mid-stream) carries the
+    tokens already sent (`resume`); the pod replays them into its output, and counted them in
+    `vllm:generation_tokens_total` as if it had generated them: the fleet's generation
+    throughput counted every resumed token twice (the first pod counted it too), and the
+    prompt counter missed the replayed tokens this pod did prefill. Now: generated here is
+    generated, and the replayed tokens are prefill (vLLM's "prefill tokens processed")."""
+
+    async def go() -> dict[str, list]:
+        async with _fake_pod() as (pod, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            req = _request(3, 7)
+            req.resume.output_token_ids.extend([100, 101, 102])  # what the fake engine made first
+            req.resume.text_chars = 3
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            messages = [m async for m in stub.Generate(req, timeout=30)]
+            assert sum(len(m.chunk.token_ids) for m in messages) == 4  # only what follows the resumed
+            assert messages[-1].final.usage.completion_tokens == 7  # the caller's usage: the whole output
+            text = (await asyncio.to_thread(generate_latest, pod.metrics.registry)).decode()
+        return _strictly_parsed(text)
+
+    metrics = asyncio.run(go())
+    assert _value(metrics, "vllm:generation_tokens_total") == 4
+    assert _value(metrics, "vllm:prompt_tokens_total") == 3 + 3
