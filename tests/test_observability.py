@@ -399,3 +399,34 @@ def test_a_resumed_streams_replayed_tokens_count_as_prefill_not_generation():
     metrics = asyncio.run(go())
     assert _value(metrics, "vllm:generation_tokens_total") == 4
     assert _value(metrics, "vllm:prompt_tokens_total") == 3 + 3
+
+
+def test_long_latencies_land_in_a_finite_bucket():
+    """The pod's time-to-first-token buckets stopped at 20 s and its request buckets (e2e, queue,
+    prefill, decode) at 120 s, the gateway's at 60 s and 600 s: a 5-minute queue on a loaded pod
+    or a 30-minute reasoning answer fell in `+Inf`, where `histogram_quantile` answers the last
+    finite bound, so a p99 dashboard read 20 s for 300 s. vLLM's own buckets (which dashboards and
+    alerts written for these names expect) reach 2560 s for TTFT and 7680 s for a request."""
+    from gateway.metrics import GatewayMetrics
+    from model_service.pod.metrics import PodMetrics
+
+    class NoPods:
+        def __init__(self) -> None:
+            self.pods: dict = {}
+            self.ejections: dict = {}
+
+    pod, gateway = PodMetrics("m", lambda: None), GatewayMetrics(NoPods())  # type: ignore[arg-type]
+    waits = {pod.ttft: 300.0, pod.e2e: 1800.0, pod.queue: 300.0, pod.decode: 1800.0,
+             gateway.ttft.labels("m"): 300.0, gateway.latency.labels("m"): 1800.0}  # fmt: skip
+    for hist, wait in waits.items():
+        hist.observe(wait)
+    samples = {**_strictly_parsed(generate_latest(pod.registry).decode()),
+               **_strictly_parsed(generate_latest(gateway.registry).decode())}  # fmt: skip
+    names = [f"vllm:{n}_seconds" for n in ("time_to_first_token", "e2e_request_latency", "request_queue_time",
+                                           "request_decode_time")]  # fmt: skip
+    names += ["spindle_gateway_time_to_first_token_seconds", "spindle_gateway_request_duration_seconds"]
+    expected = dict(zip(names, waits.values(), strict=True))
+    for name, wait in expected.items():
+        bounds = [float(s.labels["le"]) for s in samples[f"{name}_bucket"] if s.value == 0]
+        first = min(float(s.labels["le"]) for s in samples[f"{name}_bucket"] if s.value == 1)
+        assert first != float("inf") and max(bounds) < wait <= first <= 4 * wait, (name, first)
