@@ -430,3 +430,30 @@ def test_long_latencies_land_in_a_finite_bucket():
         bounds = [float(s.labels["le"]) for s in samples[f"{name}_bucket"] if s.value == 0]
         first = min(float(s.labels["le"]) for s in samples[f"{name}_bucket"] if s.value == 1)
         assert first != float("inf") and max(bounds) < wait <= first <= 4 * wait, (name, first)
+
+
+def test_a_prometheus_scrape_keeps_the_vllm_metric_names():
+    """Prometheus 2 (and 3 with legacy name validation) asks for OpenMetrics without UTF-8 names;
+    prometheus_client then wrote each sample's name with `:` turned to `_`
+    (`vllm_num_requests_waiting`) under HELP and TYPE lines that kept `vllm:`
+    (prometheus/client_python#1177): every `vllm:*` series was stored under another name, so
+    dashboards, KEDA's Prometheus trigger and alerts on vLLM's names found nothing. /metrics
+    now answers in the Prometheus text format, which every scraper accepts, names unchanged."""
+    import urllib.request
+
+    from model_service.pod.metrics import PodMetrics
+
+    prometheus_2 = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+                    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # fmt: skip
+    metrics = PodMetrics("m", lambda: None)
+    metrics.ttft.observe(0.5)
+    port = metrics.serve("127.0.0.1", 0)
+    try:
+        scrape = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": prometheus_2})
+        with urllib.request.urlopen(scrape, timeout=5) as r:
+            text = r.read().decode()
+    finally:
+        metrics.stop()
+    samples = _strictly_parsed(text)
+    assert _value(samples, "vllm:time_to_first_token_seconds_count") == 1
+    assert not [line for line in text.splitlines() if line.startswith("vllm_")]
