@@ -376,6 +376,22 @@ def test_an_adapter_name_the_lora_metric_would_split_is_refused():
     assert [asyncio.run(refused(n)) for n in names] == [True, True, False, False]
 
 
+def test_a_lora_flag_names_an_adapter_as_the_control_api_would():
+    """`--lora NAME=DIR` took any name the control API refuses: `x,y` was listed as adapters `x`
+    and `y` in `vllm:lora_requests_info`, and `@active` shadowed the pod's own name."""
+    from spindle.errors import SpindleError
+    from spindle.peft import lora_specs
+
+    assert lora_specs(["sql-lora.v2=/a", "ü=/b"]) == {"sql-lora.v2": "/a", "ü": "/b"}
+    for spec in ("x,y=/a", "@active=/a", "a\tb=/a"):
+        try:
+            lora_specs([spec])
+        except SpindleError as e:
+            assert "adapter name" in str(e)
+        else:
+            raise AssertionError(f"--lora {spec} was taken")
+
+
 def test_a_resumed_streams_replayed_tokens_count_as_prefill_not_generation():
     """A stream the gateway resumes on another pod (its first pod failed mid-stream) carries the
     tokens already sent (`resume`); the pod replays them into its output, and counted them in
