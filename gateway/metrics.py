@@ -24,11 +24,15 @@ from prometheus_client.registry import Collector
 from gateway.pods import PodPool
 from spindle import serving
 from spindle.openai_api.context import Refused
+from spindle.traced_streams import cancelled_code
 
-# Time to first token: a queue-free prefill is tens of ms, a long prompt or a queue seconds.
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+# Time to first token: a queue-free prefill is tens of ms, a long prompt or a queue seconds to
+# minutes (the tail is the pods' and vLLM's: past the last finite bound, `histogram_quantile`
+# answers that bound).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0, 160.0, 640.0,
+                2560.0)  # fmt: skip
 # A whole generation: seconds to minutes (long outputs, slow CPU pods).
-REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1920.0, 7680.0)
 OTHER = "other"  # a model label for a name no pod serves (what a caller typed is unbounded)
 R = TypeVar("R")
 
@@ -151,13 +155,14 @@ class GatewayMetrics:
 
 def status_code(context: Any, error: BaseException | None) -> str:
     """The status a call ended with: OK, what the servicer aborted with (a gRPC context keeps it;
-    over HTTP the Refused carries it), CANCELLED when the caller left, else UNKNOWN."""
+    over HTTP the Refused carries it), CANCELLED when the caller left, DEADLINE_EXCEEDED when its
+    deadline passed (the caller's status: counted CANCELLED, a deadline alert saw none), else UNKNOWN."""
     if error is None:
         return grpc.StatusCode.OK.name
     if isinstance(error, Refused):
         return error.code.name
     if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-        return grpc.StatusCode.CANCELLED.name
+        return cancelled_code(context).name  # a passed deadline ends a call by a cancel too
     code = context.code() if callable(getattr(context, "code", None)) else None
     if isinstance(code, grpc.StatusCode):
         return code.name

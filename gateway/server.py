@@ -461,7 +461,13 @@ def _annotate(span: trace.Span, req: pb.GenerateRequest, caller: Caller, rid: st
 def _annotate_final(span: trace.Span, final: pb.Final) -> None:
     span.set_attribute(telemetry.INPUT_TOKENS, final.usage.prompt_tokens)
     span.set_attribute(telemetry.OUTPUT_TOKENS, final.usage.completion_tokens)
-    span.set_attribute(telemetry.FINISH_REASONS, [pb.FinishReason.Name(final.finish_reason)])
+    span.set_attribute(telemetry.FINISH_REASONS, [_finish_reason(final.finish_reason)])
+
+
+def _finish_reason(reason: pb.FinishReason) -> str:
+    """A finish reason as the GenAI conventions and the pod's span spell it ("stop", "length"): the
+    enum's own name (FINISH_REASON_LENGTH) split one trace's reasons into two vocabularies."""
+    return pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
 # --- the command ------------------------------------------------------------------------------

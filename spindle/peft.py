@@ -198,14 +198,30 @@ def declared_mismatch(config: dict[str, Any], layer: int, module: str, rank: int
     return None
 
 
+def pod_adapter_name_problem(name: str) -> str | None:
+    """Why a pod may not hold an adapter under `name`, or None. A comma or a control character is
+    refused: the pod's `vllm:lora_requests_info` lists adapters comma-joined (vLLM's format, which
+    the Gateway API Inference Extension splits on commas), so `x,y` would read as two adapters;
+    `@` begins the pod's own names (`@active`); `/` and `\\` would leave its cache directory."""
+    bad = any(c in name for c in "/\\\0,") or not name.isprintable() or name.startswith("@")
+    if not name or len(name) > 256 or bad:
+        return f"adapter name {name!r} is empty, too long, or has / \\ , @ or a control character"
+    return None
+
+
 def lora_specs(specs: list[str]) -> dict[str, str]:
     """`--lora NAME=DIR` flags as {name: dir} (`spindle generate`, `serve` and `up` alike). A name
-    given twice is refused: the last one silently won, serving other weights than the first named."""
+    given twice is refused: the last one silently won, serving other weights than the first named.
+    A name the pod's control API refuses is refused here too (it was taken: `x,y` was listed
+    as two adapters in `vllm:lora_requests_info`)."""
     modules: dict[str, str] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise SpindleError(f"--lora takes NAME=DIR, got {spec!r}")
+        problem = pod_adapter_name_problem(name)
+        if problem is not None:
+            raise SpindleError(f"--lora {spec!r}: {problem}")
         if name in modules:
             raise SpindleError(f"--lora {name} is given twice ({modules[name]} and {path})")
         modules[name] = path

@@ -71,13 +71,40 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig = PLAINTE
 def serve_metrics(host: str, port: int, registry: Any = None) -> Any:
     """Prometheus /metrics over HTTP on host:port, in a thread (`registry`: the default one when
     None); returns the HTTP server. A port in use is a ListenError, as gRPC's ports are."""
-    from prometheus_client import REGISTRY, start_http_server
+    import socket
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-    try:
-        server, _thread = start_http_server(port, addr=host, registry=registry or REGISTRY)
+    from prometheus_client import REGISTRY, make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    class Server(ThreadingWSGIServer):
+        pass
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # a scrape every few seconds
+            pass
+
+    try:  # IPv4 or IPv6, as `host` is
+        Server.address_family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+        server = make_server(host, port, _text_format(make_wsgi_app(registry or REGISTRY)), Server, Quiet)
     except OSError as e:
         raise ListenError(f"cannot serve /metrics on {host}:{port}: {e.strerror}") from e
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
+
+
+def _text_format(app: Callable[..., Any]) -> Callable[..., Any]:
+    """`app` answering in the Prometheus text format (0.0.4), whatever the scraper prefers. Asked
+    for OpenMetrics without UTF-8 names (Prometheus 2, or 3 with legacy name validation),
+    prometheus_client turns each sample name's `:` into `_` but not its HELP and TYPE lines'
+    (prometheus/client_python#1177): every `vllm:*` series was stored as `vllm_*`, where vLLM's
+    dashboards, alerts and KEDA queries never look. Every Prometheus accepts the text format."""
+
+    def text_format(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        return app({k: v for k, v in environ.items() if k != "HTTP_ACCEPT"}, start_response)
+
+    return text_format
 
 
 @contextlib.asynccontextmanager

@@ -96,9 +96,16 @@ def note_cancelled(span: trace.Span, context: Any) -> None:
     caller's choice, not one. `context`: the call's servicer context."""
     if not span.is_recording():
         return
+    code = cancelled_code(context)
+    span.set_attribute(RPC_GRPC_STATUS_CODE, code.value[0])
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, "DEADLINE_EXCEEDED: the deadline passed"))
+
+
+def cancelled_code(context: Any) -> grpc.StatusCode:
+    """The status of a call grpc.aio ended by cancelling its handler: DEADLINE_EXCEEDED when its
+    deadline has passed (the caller sees that code), else CANCELLED (the caller left). A
+    cancelled handler cannot tell the two apart by its exception; spans and metrics both ask here."""
     remaining = context.time_remaining()
     late = remaining is not None and remaining <= 0
-    code = grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED
-    span.set_attribute(RPC_GRPC_STATUS_CODE, code.value[0])
-    if late:
-        span.set_status(trace.Status(trace.StatusCode.ERROR, "DEADLINE_EXCEEDED: the deadline passed"))
+    return grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED

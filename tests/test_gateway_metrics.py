@@ -42,6 +42,15 @@ async def _code(stub, req: pb.GenerateRequest, key: str) -> Code:
     return Code.OK
 
 
+async def _code_of(call) -> Code:
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    return Code.OK
+
+
 def test_the_gateway_counts_requests_refusals_failovers_and_http_calls(tmp_path):
     (tmp_path / "keys").write_text(KEYS)
     metrics_port, http_port = free_port(), free_port()
@@ -77,6 +86,15 @@ def test_the_gateway_counts_requests_refusals_failovers_and_http_calls(tmp_path)
                 rest.append(m)
             assert rest[-1].HasField("final")
 
+            # A caller that leaves mid-stream, and one whose deadline passes mid-stream: grpc.aio
+            # ends both by cancelling the handler, but the caller of the second sees DEADLINE_EXCEEDED.
+            auth = (("authorization", "Bearer key-ok"),)
+            left = stub.Generate(pb.GenerateRequest(text="bye", max_tokens=1000), metadata=auth, timeout=10)
+            [m async for m in _first(left, 2)]
+            left.cancel()
+            late = stub.Generate(pb.GenerateRequest(text="late", max_tokens=1000), metadata=auth, timeout=0.3)
+            assert await _code_of(late) == Code.DEADLINE_EXCEEDED
+
             async with aiohttp.ClientSession(headers={"authorization": "Bearer key-ok"}) as http:
                 for path in ("/v1/models", "/v1/models/alpha", "/no/such/path"):
                     async with http.get(f"http://127.0.0.1:{gw.http_port}{path}") as r:
@@ -90,6 +108,8 @@ def test_the_gateway_counts_requests_refusals_failovers_and_http_calls(tmp_path)
         assert requests("Generate", "alpha", "RESOURCE_EXHAUSTED") == 1
         assert requests("Generate", "alpha", "PERMISSION_DENIED") == 2
         assert requests("Generate", "other", "NOT_FOUND") == 1  # the name a caller made up is no label
+        assert requests("Generate", "alpha", "CANCELLED") == 1
+        assert requests("Generate", "alpha", "DEADLINE_EXCEEDED") == 1  # was counted CANCELLED
         assert requests("ListModels", "", "OK") == 3  # one over gRPC, two under the HTTP model routes
         refusals = {r: _value(samples, "spindle_gateway_refusals_total", reason=r) for r in
                     ("rate_limit", "adapter", "priority", "streams", "draining")}  # fmt: skip
@@ -102,7 +122,7 @@ def test_the_gateway_counts_requests_refusals_failovers_and_http_calls(tmp_path)
         assert sum(ejections.values()) == 1 and set(ejections) <= {"unavailable", "health_check"}, ejections
         assert _value(samples, "spindle_gateway_pod_healthy", pod=first_pod) == 0
         assert _value(samples, "spindle_gateway_streams_in_flight") == 0
-        assert _value(samples, "spindle_gateway_time_to_first_token_seconds_count", model="alpha") == 3
+        assert _value(samples, "spindle_gateway_time_to_first_token_seconds_count", model="alpha") == 5
         assert _value(samples, "spindle_gateway_request_duration_seconds_count", model="alpha") == 3
         http = {(k[1][0][1], k[1][1][1], k[1][2][1]): v for k, v in samples.items()
                 if k[0] == "spindle_gateway_http_requests_total"}  # fmt: skip

@@ -374,3 +374,102 @@ def test_an_adapter_name_the_lora_metric_would_split_is_refused():
 
     names = ("x,y", "a\nb", "sql-lora.v2", "ü")
     assert [asyncio.run(refused(n)) for n in names] == [True, True, False, False]
+
+
+def test_a_lora_flag_names_an_adapter_as_the_control_api_would():
+    """`--lora NAME=DIR` took any name the control API refuses: `x,y` was listed as adapters `x`
+    and `y` in `vllm:lora_requests_info`, and `@active` shadowed the pod's own name."""
+    from spindle.errors import SpindleError
+    from spindle.peft import lora_specs
+
+    assert lora_specs(["sql-lora.v2=/a", "ü=/b"]) == {"sql-lora.v2": "/a", "ü": "/b"}
+    for spec in ("x,y=/a", "@active=/a", "a\tb=/a"):
+        try:
+            lora_specs([spec])
+        except SpindleError as e:
+            assert "adapter name" in str(e)
+        else:
+            raise AssertionError(f"--lora {spec} was taken")
+
+
+def test_a_resumed_streams_replayed_tokens_count_as_prefill_not_generation():
+    """A stream the gateway resumes on another pod (its first pod failed mid-stream) carries the
+    tokens already sent (`resume`); the pod replays them into its output, and counted them in
+    `vllm:generation_tokens_total` as if it had generated them: the fleet's generation
+    throughput counted every resumed token twice (the first pod counted it too), and the
+    prompt counter missed the replayed tokens this pod did prefill. Now: generated here is
+    generated, and the replayed tokens are prefill (vLLM's "prefill tokens processed")."""
+
+    async def go() -> dict[str, list]:
+        async with _fake_pod() as (pod, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            req = _request(3, 7)
+            req.resume.output_token_ids.extend([100, 101, 102])  # what the fake engine made first
+            req.resume.text_chars = 3
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            messages = [m async for m in stub.Generate(req, timeout=30)]
+            assert sum(len(m.chunk.token_ids) for m in messages) == 4  # only what follows the resumed
+            assert messages[-1].final.usage.completion_tokens == 7  # the caller's usage: the whole output
+            text = (await asyncio.to_thread(generate_latest, pod.metrics.registry)).decode()
+        return _strictly_parsed(text)
+
+    metrics = asyncio.run(go())
+    assert _value(metrics, "vllm:generation_tokens_total") == 4
+    assert _value(metrics, "vllm:prompt_tokens_total") == 3 + 3
+
+
+def test_long_latencies_land_in_a_finite_bucket():
+    """The pod's time-to-first-token buckets stopped at 20 s and its request buckets (e2e, queue,
+    prefill, decode) at 120 s, the gateway's at 60 s and 600 s: a 5-minute queue on a loaded pod
+    or a 30-minute reasoning answer fell in `+Inf`, where `histogram_quantile` answers the last
+    finite bound, so a p99 dashboard read 20 s for 300 s. vLLM's own buckets (which dashboards and
+    alerts written for these names expect) reach 2560 s for TTFT and 7680 s for a request."""
+    from gateway.metrics import GatewayMetrics
+    from model_service.pod.metrics import PodMetrics
+
+    class NoPods:
+        def __init__(self) -> None:
+            self.pods: dict = {}
+            self.ejections: dict = {}
+
+    pod, gateway = PodMetrics("m", lambda: None), GatewayMetrics(NoPods())  # type: ignore[arg-type]
+    waits = {pod.ttft: 300.0, pod.e2e: 1800.0, pod.queue: 300.0, pod.decode: 1800.0,
+             gateway.ttft.labels("m"): 300.0, gateway.latency.labels("m"): 1800.0}  # fmt: skip
+    for hist, wait in waits.items():
+        hist.observe(wait)
+    samples = {**_strictly_parsed(generate_latest(pod.registry).decode()),
+               **_strictly_parsed(generate_latest(gateway.registry).decode())}  # fmt: skip
+    names = [f"vllm:{n}_seconds" for n in ("time_to_first_token", "e2e_request_latency", "request_queue_time",
+                                           "request_decode_time")]  # fmt: skip
+    names += ["spindle_gateway_time_to_first_token_seconds", "spindle_gateway_request_duration_seconds"]
+    expected = dict(zip(names, waits.values(), strict=True))
+    for name, wait in expected.items():
+        bounds = [float(s.labels["le"]) for s in samples[f"{name}_bucket"] if s.value == 0]
+        first = min(float(s.labels["le"]) for s in samples[f"{name}_bucket"] if s.value == 1)
+        assert first != float("inf") and max(bounds) < wait <= first <= 4 * wait, (name, first)
+
+
+def test_a_prometheus_scrape_keeps_the_vllm_metric_names():
+    """Prometheus 2 (and 3 with legacy name validation) asks for OpenMetrics without UTF-8 names;
+    prometheus_client then wrote each sample's name with `:` turned to `_`
+    (`vllm_num_requests_waiting`) under HELP and TYPE lines that kept `vllm:`
+    (prometheus/client_python#1177): every `vllm:*` series was stored under another name, so
+    dashboards, KEDA's Prometheus trigger and alerts on vLLM's names found nothing. /metrics
+    now answers in the Prometheus text format, which every scraper accepts, names unchanged."""
+    import urllib.request
+
+    from model_service.pod.metrics import PodMetrics
+
+    prometheus_2 = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+                    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # fmt: skip
+    metrics = PodMetrics("m", lambda: None)
+    metrics.ttft.observe(0.5)
+    port = metrics.serve("127.0.0.1", 0)
+    try:
+        scrape = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": prometheus_2})
+        with urllib.request.urlopen(scrape, timeout=5) as r:
+            text = r.read().decode()
+    finally:
+        metrics.stop()
+    samples = _strictly_parsed(text)
+    assert _value(samples, "vllm:time_to_first_token_seconds_count") == 1
+    assert not [line for line in text.splitlines() if line.startswith("vllm_")]

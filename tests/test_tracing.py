@@ -56,6 +56,7 @@ def test_one_trace_spans_gateway_and_pod_with_genai_attributes(tiny_llama):
         assert s.attributes["gen_ai.request.model"] == "tiny"
         assert s.attributes["gen_ai.usage.input_tokens"] == 4
         assert s.attributes["gen_ai.usage.output_tokens"] == 6
+        assert s.attributes["gen_ai.response.finish_reasons"] == ("length",)  # gateway: was the enum name
     assert pod.attributes["gen_ai.request.max_tokens"] == 6
     phases = {s.name: s for s in spans if s.parent is not None and s.parent.span_id == pod.context.span_id}
     assert {"spindle.prefill", "spindle.decode"} <= set(phases)

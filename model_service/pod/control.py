@@ -34,6 +34,7 @@ from model_service.lora.pool import AdapterInfo
 from model_service.pod.state import ModelPod
 from model_service.pod.status import abort_for
 from spindle.grpc_status import abort
+from spindle.peft import pod_adapter_name_problem
 from spindle.security import PLAINTEXT, Security
 from spindle.v1 import model_control_pb2 as pb
 from spindle.v1 import model_control_pb2_grpc
@@ -81,16 +82,10 @@ class ModelControlService(model_control_pb2_grpc.ModelControlServicer):
             await abort(context, Code.UNAVAILABLE, "model pod is still loading its model")
 
     async def _name(self, name: str, context: grpc.aio.ServicerContext) -> str:
-        """`name`, or INVALID_ARGUMENT. A comma or a control character is refused too: the pod's
-        `vllm:lora_requests_info` lists adapters comma-joined (vLLM's format, which the Gateway API
-        Inference Extension splits on commas), so `x,y` would read as two adapters."""
-        bad = any(c in name for c in "/\\\0,") or not name.isprintable() or name.startswith("@")
-        if not name or len(name) > 256 or bad:
-            await abort(
-                context,
-                Code.INVALID_ARGUMENT,
-                f"adapter name {name!r} is empty, too long, or has / \\ , @ or a control character",
-            )
+        """`name`, or INVALID_ARGUMENT (`pod_adapter_name_problem` says which names)."""
+        problem = pod_adapter_name_problem(name)
+        if problem is not None:
+            await abort(context, Code.INVALID_ARGUMENT, problem)
         return name
 
     async def _run(self, op: ControlOp, context: grpc.aio.ServicerContext) -> ControlResult:

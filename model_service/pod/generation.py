@@ -63,7 +63,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         assert pod.async_engine is not None  # _admissible checked the pod is serving
         span = trace.get_current_span()
         _annotate_request(span, pod.model_name, rid, kwargs)
-        req = pod.begin(rid, kwargs.get("adapter"))
+        resume = kwargs.get("resume")
+        req = pod.begin(rid, kwargs.get("adapter"), len(resume.output_token_ids) if resume else 0)
         unrecorded: RequestOutput | None = None  # its latest output, until metrics and span have it
         try:
             await context.send_initial_metadata((("x-request-id", rid),))
@@ -162,8 +163,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         for gap in req.itl:
             m.itl.observe(gap)
             m.tpot.observe(gap)
-        m.prompt_tokens.inc(out.num_prompt_tokens)
-        m.generation_tokens.inc(len(out.token_ids))
+        # A resumed request's output begins with the tokens another pod generated (and counted):
+        # here they were prefilled, as its prompt was (vLLM's "prefill tokens processed").
+        m.prompt_tokens.inc(out.num_prompt_tokens + req.resumed)
+        m.generation_tokens.inc(max(len(out.token_ids) - req.resumed, 0))
         m.finished.labels(pod.model_name, reason).inc()
         if not span.is_recording():
             return

@@ -24,8 +24,15 @@ from spindle import serving
 
 log = logging.getLogger(__name__)
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
-_REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
+# The tails are vLLM's (vllm/v1/metrics/loggers.py), which dashboards and alerts on these names
+# assume: `histogram_quantile` reads a latency past the last finite bound as that bound (a
+# 5-minute queue as 20 s when TTFT stopped there, a 30-minute answer as 120 s).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0)  # fmt: skip
+_REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
 
 @dataclass
@@ -168,10 +175,10 @@ class PodMetrics:
         def hist(name: str, doc: str, buckets: tuple[float, ...] = _REQUEST_BUCKETS) -> Histogram:
             return Histogram(name, doc, lbl, registry=r, buckets=buckets).labels(model)
 
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.itl = hist("vllm:inter_token_latency_seconds", "Time between output tokens.", _LATENCY_BUCKETS)
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between output tokens.", _TOKEN_BUCKETS)
         self.tpot = hist(
-            "vllm:time_per_output_token_seconds", "Time per output token (older name).", _LATENCY_BUCKETS
+            "vllm:time_per_output_token_seconds", "Time per output token (older name).", _TOKEN_BUCKETS
         )
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to last token.")
         self.queue = hist("vllm:request_queue_time_seconds", "Arrival to the first step that ran it.")

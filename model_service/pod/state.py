@@ -48,6 +48,7 @@ class InFlight:
     num_tokens: int = 0
     chunks: int = 0
     abort_requested: bool = False  # an Abort came, perhaps before the engine had the request
+    resumed: int = 0  # output tokens another pod made (`resume`): replayed here, prefilled not generated
     itl: list[float] = field(default_factory=list)
 
     def on_output(self, out: RequestOutput) -> None:
@@ -230,8 +231,8 @@ class ModelPod:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def begin(self, request_id: str, adapter: str | None) -> InFlight:
-        req = InFlight(request_id, adapter, time.monotonic(), time.time_ns())
+    def begin(self, request_id: str, adapter: str | None, resumed: int = 0) -> InFlight:
+        req = InFlight(request_id, adapter, time.monotonic(), time.time_ns(), resumed=resumed)
         self.inflight[request_id] = req
         self.requests_total += 1
         return req
