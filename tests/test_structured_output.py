@@ -496,7 +496,7 @@ def test_a_large_schema_is_read_off_the_pods_event_loop():
         ticker = asyncio.create_task(tick())
         await asyncio.sleep(0.01)
         start = time.monotonic()
-        _, kwargs = await GenerationService(pod, tracer=None)._admissible(request, context)
+        _, kwargs, _ = await GenerationService(pod, tracer=None)._admissible(request, context)
         end = time.monotonic()
         ticker.cancel()
         assert kwargs["params"].structured_output.kind == "json_schema"

@@ -108,7 +108,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         await _require_serving(pod, context)
         try:
             rid, kwargs = wire.request_id(request), await _engine_request(request)
-            echo = wire.prompt_text(request, pod.token_texts.tokenizer)
+            echo = wire.prompt_text(request, pod.token_texts.tokenizer) if request.echo_prompt else None
         except SpindleError as e:
             await abort_for(context, e)
         if request.HasField("model") and request.model != pod.model_name:
