@@ -276,7 +276,7 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"prompt": "a", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
         ({"messages": QUESTION, "continue_final_message": True}, "continue_final_message"),
         ({"messages": QUESTION, "chat_template": "{{ messages }}"}, "chat_template"),
-        ({"messages": QUESTION, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+        ({"messages": QUESTION, "chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
         ({"messages": QUESTION, "add_generation_prompt": False}, "add_generation_prompt"),
         # the prompt's special tokens: a completion's text gets them (BOS), a chat's template has them
         ({"prompt": "a", "add_special_tokens": False}, "add_special_tokens"),

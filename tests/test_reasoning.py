@@ -209,3 +209,21 @@ def test_spindle_up_passes_the_reasoning_parser_to_the_pod_and_the_gateway():
         assert (
             command_parser(command)[1].parse_args(cmd[cmd.index(command) + 1 :]).reasoning_parser == "qwen3"
         )
+
+
+@pytest.mark.parametrize("switch", ["enable_thinking", "thinking"])
+def test_thinking_turned_off_by_the_template_is_all_content(switch):
+    """`chat_template_kwargs: {"enable_thinking": false}` (Qwen3's switch; DeepSeek-V3.1's is
+    `thinking`): the template closed the thinking in the prompt, so the whole output is the
+    answer (as vLLM's qwen3 parser reads it), not reasoning with a null content."""
+    off = {"chat_template_kwargs": {switch: False}}
+    whole, chunks = _asked(_Scripted("It is sunny."), "qwen3", extra_body=off)
+    message = whole.choices[0].message
+    assert (message.content, getattr(message, "reasoning_content", None)) == ("It is sunny.", None)
+    assert (_streamed(chunks)["content"], _streamed(chunks)["reasoning"]) == ("It is sunny.", "")
+    on = {"chat_template_kwargs": {switch: True}}
+    whole, _ = _asked(_Scripted("Hmm.</think>It is sunny."), "qwen3", extra_body=on)
+    assert (whole.choices[0].message.reasoning_content, whole.choices[0].message.content) == (
+        "Hmm.",
+        "It is sunny.",
+    )

@@ -71,9 +71,10 @@ from model_service.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 # The fields a request object may have (`Engine.add_request_dict`): its SamplingParams' and these.
-_REQUEST_FIELDS = {"prompt", "messages", "tools", "prompt_token_ids", "request_id", "priority", "adapter"} | {
-    f.name for f in dataclasses.fields(SamplingParams)
-}
+_REQUEST_FIELDS = {
+    "prompt", "messages", "tools", "chat_template_kwargs", "prompt_token_ids", "request_id", "priority",
+    "adapter",
+} | {f.name for f in dataclasses.fields(SamplingParams)}  # fmt: skip
 # An engine with nothing to run but a request whose adapter a worker is reading, or whose grammar
 # is compiling, waits this long for it rather than spinning through empty steps.
 IDLE_WAIT_S = 0.005
@@ -236,6 +237,7 @@ class Engine:
         *,
         messages: list[dict[str, Any]] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         request_id: str | None = None,
@@ -253,7 +255,7 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         self.adapters.check_request(adapter)
         self.grammar_wait.check(params)
-        ids = self.prompts.token_ids(prompt, messages, prompt_token_ids, tools)
+        ids = self.prompts.token_ids(prompt, messages, prompt_token_ids, tools, chat_template_kwargs)
         if resume is not None:
             self.prompts.check_resume(resume, params, len(ids))
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
@@ -465,7 +467,8 @@ def _lora_pool(executor: Executor, config: EngineConfig, mc: ModelConfig) -> Lor
 
 
 def _request_arguments(r: dict[str, Any]) -> dict[str, Any]:
-    """`Engine.add_request`'s arguments from one request object (prompt/messages (and tools)/prompt_token_ids,
+    """`Engine.add_request`'s arguments from one request object (prompt/messages (and tools,
+    chat_template_kwargs)/prompt_token_ids,
     sampling fields, request_id, priority, adapter). A field it does not know is refused: dropped,
     a misspelt max_tokens or vLLM's min_tokens would silently change the answer."""
     unknown = sorted(set(r) - _REQUEST_FIELDS)
@@ -475,6 +478,7 @@ def _request_arguments(r: dict[str, Any]) -> dict[str, Any]:
         "prompt": r.get("prompt"),
         "messages": r.get("messages"),
         "tools": r.get("tools"),
+        "chat_template_kwargs": r.get("chat_template_kwargs"),
         "prompt_token_ids": r.get("prompt_token_ids"),
         "params": SamplingParams.from_dict(r),
         "request_id": r.get("request_id"),

@@ -44,12 +44,14 @@ class PromptReader:
         messages: list[dict[str, Any]] | None,
         token_ids: list[int] | None,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The prompt as token ids, from exactly one of the three forms, checked against the context;
-        `tools` (with `messages` only) are rendered by the chat template."""
-        if tools is not None and messages is None:
-            raise InvalidRequestError("`tools` are rendered by the chat template: send them with `messages`")
-        ids = self._read(prompt, messages, token_ids, tools)
+        `tools` and `template_kwargs` (with `messages` only) go to the chat template."""
+        for name, value in (("tools", tools), ("chat_template_kwargs", template_kwargs)):
+            if value is not None and messages is None:
+                raise InvalidRequestError(f"`{name}` go to the chat template: send them with `messages`")
+        ids = self._read(prompt, messages, token_ids, tools, template_kwargs)
         if token_ids is None:
             self._check_tokenized(ids)
         if len(ids) >= self.max_model_len:
@@ -88,6 +90,7 @@ class PromptReader:
         messages: list[dict[str, Any]] | None,
         token_ids: list[int] | None,
         tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         given = [x is not None for x in (prompt, messages, token_ids)]
         if sum(given) != 1:
@@ -105,8 +108,8 @@ class PromptReader:
         if messages is not None:
             if not messages:
                 raise InvalidRequestError("messages is empty")
-            self._check_chars("messages", _chat_chars(messages, tools))
-            ids = self.tokenizer.apply_chat_template(messages, tools)
+            self._check_chars("messages", _chat_chars(messages, tools, template_kwargs))
+            ids = self.tokenizer.apply_chat_template(messages, tools, template_kwargs)
             if not ids:  # e.g. a template that renders only user turns, given a system message
                 raise InvalidRequestError("the model's chat template renders these messages as no tokens")
             return ids
@@ -140,11 +143,15 @@ class PromptReader:
             )
 
 
-def _chat_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
-    """The characters a chat's template renders from its caller: contents, calls and tools."""
+def _chat_chars(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any] | None
+) -> int:
+    """The characters a chat's template renders from its caller: contents, calls, tools and the
+    template's variables."""
     chars = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
     calls = [m["tool_calls"] for m in messages if isinstance(m, dict) and m.get("tool_calls")]
-    return chars + (len(json.dumps([calls, tools], default=str)) if calls or tools else 0)
+    extra = [calls, tools, template_kwargs]
+    return chars + (len(json.dumps(extra, default=str)) if calls or tools or template_kwargs else 0)
 
 
 class GrammarWait:

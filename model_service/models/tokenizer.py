@@ -57,15 +57,21 @@ class Tokenizer:
         return lambda token: stream.step(backend, token) or ""
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The prompt's token ids for `messages` (and `tools`: OpenAI's `tools[]` entries, as
-        transformers passes them to the template), as HF renders and tokenizes them, with the
-        generation prompt. A template that refuses the messages (`raise_exception("Conversation
-        roles must alternate ...")`, Llama-2's and Mistral's) or cannot render them is the
-        request's error (INVALID_ARGUMENT, a 400 as vLLM gives), not the server's: a 500 would
-        have the SDKs retry it."""
+        transformers passes them to the template; `template_kwargs`: more template variables, as
+        vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`), as HF renders and
+        tokenizes them, with the generation prompt. A template that refuses the messages
+        (`raise_exception("Conversation roles must alternate ...")`, Llama-2's and Mistral's) or
+        cannot render them is the request's error (INVALID_ARGUMENT, a 400 as vLLM gives), not
+        the server's: a 500 would have the SDKs retry it."""
         from jinja2 import TemplateError
+
+        template_kwargs = checked_template_kwargs(template_kwargs or {})
 
         if not getattr(self.hf, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; send `prompt` instead of `messages`")
@@ -74,7 +80,7 @@ class Tokenizer:
                 raise InvalidRequestError(f"each message needs `role` and `content`, got {m!r}")
         try:
             out = self.hf.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, **template_kwargs
             )
         except TemplateError as e:
             raise InvalidRequestError(f"the model's chat template refused these messages: {e}") from e
@@ -90,6 +96,31 @@ class Tokenizer:
     @property
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
+
+
+# apply_chat_template's own arguments (and the variables it sets from them): a request's template
+# variables may not stand in for them (`tokenize: false` would return text, `add_generation_prompt:
+# false` drop the assistant's turn, `messages` replace the conversation).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
+
+
+def checked_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A request's chat-template variables, or InvalidRequestError naming what is wrong: an
+    object of identifier names, none of `RESERVED_TEMPLATE_KWARGS`."""
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError(f"chat_template_kwargs must be an object, got {type(kwargs).__name__}")
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise InvalidRequestError(f"chat_template_kwargs: {name!r} is no template variable's name")
+        if name in RESERVED_TEMPLATE_KWARGS:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {name!r}: the server sets it for every chat"
+            )
+    return kwargs
 
 
 def _from_gguf(path: Path) -> Any:

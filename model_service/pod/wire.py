@@ -63,6 +63,8 @@ def engine_request(req: pb.GenerateRequest) -> dict[str, Any]:
         kwargs["messages"] = [chat_message(m, i) for i, m in enumerate(req.chat.messages)]
         if req.chat.tools:
             kwargs["tools"] = [tool(t, i) for i, t in enumerate(req.chat.tools)]
+        if req.chat.template_kwargs:
+            kwargs["chat_template_kwargs"] = _json_object(req.chat.template_kwargs, "chat.template_kwargs")
     else:
         kwargs["prompt_token_ids"] = list(req.token_ids.ids)
     kwargs["params"] = sampling_params(req)

@@ -42,7 +42,6 @@ _REFUSED = {
     "truncate_prompt_tokens": "truncate_prompt_tokens is not supported",
     "continue_final_message": "continue_final_message is not supported",
     "chat_template": "a request's own chat_template is not supported",
-    "chat_template_kwargs": "chat_template_kwargs is not supported",
     "logits_processors": "logits_processors are not supported",
 }
 # Structured output, in OpenAI's and vLLM's spellings (see `structured_output`).
@@ -179,6 +178,9 @@ def chat_request(
         raise bad_request("`messages` must be a non-empty list of {role, content} objects", "messages")
     tools, use, forced = read_tools(body, tool_parser)
     chat = pb.ChatMessages(messages=[_message(m, i) for i, m in enumerate(messages)], tools=tools)
+    template_kwargs = _typed(body, "chat_template_kwargs", dict)
+    if template_kwargs:  # the pod checks the names against its template's call
+        chat.template_kwargs = json.dumps(template_kwargs)
     req = pb.GenerateRequest(chat=chat)
     logprobs = _typed(body, "logprobs", bool) or False
     top = _typed(body, "top_logprobs", int)
@@ -211,12 +213,20 @@ def chat_request(
     return req, call
 
 
+# Chat-template switches that turn thinking off (Qwen3's `enable_thinking`, DeepSeek-V3.1's
+# `thinking`): the template closes the thinking in the prompt, so the output is all answer.
+THINKING_SWITCHES = ("enable_thinking", "thinking")
+
+
 def _reasoning(req: pb.GenerateRequest, parser: str) -> str:
     """How the output is read for reasoning: by the server's parser, but for an output forced to a
     schema (structured output, a forced tool call), which is the schema's from its first token
-    (the engine forces it through what would have been thinking): read as reasoning, a JSON
-    answer with no `</think>` would be all reasoning and its content null."""
-    return "none" if req.sampling.HasField("structured_output") else parser
+    (the engine forces it through what would have been thinking), and for a chat whose template
+    variables turn thinking off (as vLLM's qwen3 parser reads them): read as reasoning, either
+    answer, having no `</think>`, would be all reasoning and its content null."""
+    variables = json.loads(req.chat.template_kwargs) if req.chat.template_kwargs else {}
+    thinking_off = any(variables.get(switch) is False for switch in THINKING_SWITCHES)
+    return "none" if req.sampling.HasField("structured_output") or thinking_off else parser
 
 
 def _no_function_call(body: dict[str, Any]) -> None:
@@ -257,6 +267,9 @@ def completion_request(body: dict[str, Any], base_models: Collection[str]) -> tu
         _special_tokens(body, added=True)
     if body.get("suffix"):
         raise bad_request("`suffix` is not supported", "suffix")
+    if body.get("chat_template_kwargs"):
+        raise bad_request("`chat_template_kwargs` is for chat completions (a prompt has no template)",
+                          "chat_template_kwargs")  # fmt: skip
     logprobs = _typed(body, "logprobs", int)
     if logprobs is not None:
         req.logprobs = logprobs
