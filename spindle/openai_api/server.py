@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
@@ -307,7 +308,27 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    """JSON as the standard has it: Python's `-Infinity` / `NaN` are no JSON, and a strict parser
+    (JavaScript's `JSON.parse`, Go's, serde's) rejects the whole response for one logprob of
+    -inf. Such floats are rare, so the fast path stays a plain dump."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(obj), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+LOGPROB_FLOOR = -9999.0  # what vLLM writes for a logprob of -inf
+
+
+def _finite(obj: Any) -> Any:
+    """`obj` with -inf as `LOGPROB_FLOOR`, +inf as its negation and NaN as null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else math.copysign(-LOGPROB_FLOOR, obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
