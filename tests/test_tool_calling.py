@@ -365,3 +365,47 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     choice, _, streamed_calls, _ = asyncio.run(run())
     assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
     assert [c["name"] for c in streamed_calls] == ["get_weather"]
+
+
+# Qwen3's way with the thinking of past turns: kept (and rendered) for the assistant turns after
+# the last user message, the tool-calling loop under way; dropped before it.
+THINKING_TEMPLATE = """{%- set ns = namespace(last_user=0) %}
+{%- for message in messages %}{% if message.role == "user" %}{% set ns.last_user = loop.index0 %}
+{%- endif %}{% endfor %}
+{%- for message in messages %}<|im_start|>{{ message.role }}
+{%- set current = loop.index0 > ns.last_user %}
+{%- if message.role == "assistant" and message.reasoning_content is string and current %}
+<think>{{ message.reasoning_content }}</think>{% endif %}
+{{ message.content }}{% for call in message.tool_calls or [] %}<tool_call>{{ call.function.name }}
+{%- endfor %}<|im_end|>
+{% endfor %}<|im_start|>assistant
+"""
+
+
+def test_an_assistant_turns_thinking_sent_back_reaches_the_template():
+    """A tool-calling loop sends the assistant's turn back with its `reasoning_content` (or
+    vLLM's newer `reasoning`): Qwen3's template renders it for the turns of the current loop, so
+    it must reach the template as transformers takes it; it was dropped."""
+    for field in ("reasoning_content", "reasoning"):
+        thought = {"role": "assistant", "content": "", field: "Paris, so call it.", "tool_calls": [PARIS]}
+        turns = [*ASK, thought, {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+        req, _ = chat_request({"messages": turns, "tools": TOOLS}, {BASE}, "hermes")
+        kwargs = wire.engine_request(pb.GenerateRequest.FromString(req.SerializeToString()))
+        hf = _byte_tokenizer()
+        hf.chat_template = THINKING_TEMPLATE
+        reader = PromptReader(Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, max_kv_tokens=4096)
+        ids = reader.token_ids(None, kwargs["messages"], None, kwargs["tools"])
+        with_object = {**PARIS, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        sent = {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Paris, so call it.",
+            "tool_calls": [with_object],
+        }
+        expected = hf.apply_chat_template([*ASK, sent, turns[2]], add_generation_prompt=True, tokenize=True)
+        assert ids == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+        assert "<think>Paris, so call it.</think>" in hf.decode(ids)
+    with pytest.raises(ApiError, match="reasoning_content must be a string"):
+        chat_request(
+            {"messages": [*ASK, {"role": "assistant", "content": "", "reasoning_content": 3}]}, {BASE}
+        )

@@ -148,7 +148,8 @@ def _chat_chars(
 ) -> int:
     """The characters a chat's template renders from its caller: contents, calls, tools and the
     template's variables."""
-    chars = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+    texts = ("content", "reasoning_content")
+    chars = sum(len(str(m.get(k, ""))) for m in messages if isinstance(m, dict) for k in texts)
     calls = [m["tool_calls"] for m in messages if isinstance(m, dict) and m.get("tool_calls")]
     extra = [calls, tools, template_kwargs]
     return chars + (len(json.dumps(extra, default=str)) if calls or tools or template_kwargs else 0)

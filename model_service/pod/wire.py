@@ -97,8 +97,9 @@ def prompt_text(req: pb.GenerateRequest, tokenizer: Tokenizer | None) -> str | N
 
 def chat_message(m: pb.ChatMessage, i: int) -> dict[str, Any]:
     """A message as transformers' chat templates take it: an assistant's `tool_calls` with their
-    arguments as objects (templates write them with `tojson`: text would be quoted twice), a tool
-    result with its `tool_call_id` (and `name` when given)."""
+    arguments as objects (templates write them with `tojson`: text would be quoted twice) and its
+    `reasoning_content` (Qwen3's template renders it for the turns after the last user message),
+    a tool result with its `tool_call_id` (and `name` when given)."""
     if not m.role:
         raise InvalidRequestError(f"chat.messages[{i}] has no role (system, user, assistant or tool)")
     message: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -109,6 +110,8 @@ def chat_message(m: pb.ChatMessage, i: int) -> dict[str, Any]:
         message["tool_call_id"] = m.tool_call_id
     if m.name:
         message["name"] = m.name
+    if m.HasField("reasoning_content"):
+        message["reasoning_content"] = m.reasoning_content
     return message
 
 

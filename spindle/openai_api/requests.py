@@ -441,7 +441,8 @@ def _token_ids(values: list[Any]) -> bool:
 
 
 def _message(m: Any, i: int) -> pb.ChatMessage:
-    """One message: its role and text, an assistant's `tool_calls`, a tool result's `tool_call_id`."""
+    """One message: its role and text, an assistant's `tool_calls` and `reasoning_content` (what a
+    reasoning parser returned: sent back in a tool-calling loop), a tool result's `tool_call_id`."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise bad_request(f"messages[{i}] must be an object with a `role`", "messages")
     role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for system
@@ -458,6 +459,11 @@ def _message(m: Any, i: int) -> pb.ChatMessage:
     if content is not None and not isinstance(content, str):
         raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
     message = pb.ChatMessage(role=role, content=content or "", tool_calls=tool_calls(m, i))
+    reasoning = m.get("reasoning_content", m.get("reasoning"))  # ours, and vLLM's newer name
+    if reasoning is not None and role == "assistant":
+        if not isinstance(reasoning, str):
+            raise bad_request(f"messages[{i}].reasoning_content must be a string", "messages")
+        message.reasoning_content = reasoning
     if role == "tool":
         message.tool_call_id = _tool_call_id(m, i)
         if isinstance(m.get("name"), str):
