@@ -443,6 +443,8 @@ def test_lora_on_an_fp8_base_matches_peft_on_the_dequantized_base(name: str, tmp
         (_ct({"strategy": "channel", "symmetric": False}, TOKEN, []), "'symmetric': False"),
         ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "[64, 64]"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "e5m2"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}, "'fp4'"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "e4m3"}, "scale_fmt='e4m3'"),
     ],
 )
 def test_unsupported_schemes_are_refused_naming_them(config: dict[str, Any], named: str, tmp_path: Path):
@@ -465,6 +467,39 @@ def test_unknown_quantization_flag_is_refused(tmp_path: Path):
             torch.device("cpu"),
             quantization="int4",
         )
+
+
+def _blocks(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A [ceil(out/128), ceil(in/128)] block scale spread over every element of a `shape` weight."""
+    return scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: shape[0], : shape[1]]
+
+
+def test_ue8m0_scales_stored_as_bytes_are_powers_of_two_not_their_byte_values(tmp_path: Path):
+    """HF fp8's `scale_fmt: "ue8m0"` (DeepSeek-V3.1's, MXFP8 checkpoints'): each block scale is a
+    power of two, which a checkpoint may store as its e8m0 byte (uint8; HF views it as
+    float8_e8m0fnu). Byte b means 2^(b-127); read as the number b, every weight came out ~2^120
+    times too large and the model talked nonsense without a word. Oracle: HF on the dequantized
+    twin, rounding inputs as ours. A uint8 scale without ue8m0 is refused by name."""
+    block = FORMATS["fp8-block"]
+    fmt = Format({**block.config, "scale_fmt": "ue8m0"}, block.block, block.scale_name)
+    src = make_tiny_checkpoint("llama", tmp_path / "src", seed=7, **SHAPE)
+    fp8_path, deq_path = write_fp8_checkpoint(src, tmp_path, fmt)
+    fp8, deq = load_file(str(fp8_path / "model.safetensors")), load_file(str(deq_path / "model.safetensors"))
+    for key in [k for k in fp8 if k.endswith(".weight_scale_inv")]:
+        weight = key.replace("_scale_inv", "")
+        power = torch.pow(2.0, torch.ceil(torch.log2(fp8[key])))  # rounded up, as HF writes ue8m0
+        fp8[weight] = (deq[weight] / _blocks(power, deq[weight].shape)).to(E4M3)
+        deq[weight] = fp8[weight].float() * _blocks(power, deq[weight].shape)
+        fp8[key] = power.to(torch.float8_e8m0fnu).view(torch.uint8)
+    save_file(fp8, str(fp8_path / "model.safetensors"))
+    save_file(deq, str(deq_path / "model.safetensors"))
+    ours = load_model(str(fp8_path), torch.float32, torch.device("cpu"))
+    hf = hf_rounding_inputs(hf_model(deq_path), fmt, fp8_path, ours)
+    assert rel_err(all_logits(ours, PROMPTS[0]), hf_logits(hf, PROMPTS[0])) < W8A8_LOGITS_TOL
+    config = json.loads((fp8_path / "config.json").read_text())
+    (fp8_path / "config.json").write_text(json.dumps({**config, "quantization_config": block.config}))
+    with pytest.raises(QuantizationError, match=r"q_proj's scale is torch\.uint8.*ue8m0"):
+        load_model(str(fp8_path), torch.float32, torch.device("cpu"))
 
 
 def test_tensor_parallel_over_fp8_weights_gives_one_process_tokens(tmp_path: Path):

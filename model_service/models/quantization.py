@@ -11,7 +11,8 @@ Three producers ship FP8 checkpoints, each spelling the same few choices its own
   at `activation_scale_ub`; `modules_to_not_convert` are substrings of names left alone.
 - HF `fp8` (FineGrainedFP8, DeepSeek's): 128x128 weight blocks (`weight_scale_inv`) with dynamic
   per-token-group activations; without `weight_block_size`, AutoFP8's per-tensor weights with a
-  static or dynamic activation scheme.
+  static or dynamic activation scheme. `scale_fmt: ue8m0` scales are powers of two, stored as
+  floats or as their e8m0 bytes.
 Anything else is refused by name: a wrong guess at a scale's meaning gives a model that runs and
 talks nonsense, which is worse than no model.
 """
@@ -52,6 +53,7 @@ class Fp8Scheme:
     activation_scale_ub: float | None = None  # fbgemm: per-token maxima are capped here
     ignore: tuple[str, ...] = ()  # modules kept in high precision
     ignore_substrings: bool = False  # HF's modules_to_not_convert match anywhere in a name
+    ue8m0: bool = False  # HF fp8's scale_fmt "ue8m0": power-of-two scales, stored as float or as bytes
 
     @property
     def weight_scale_name(self) -> str:
@@ -103,6 +105,9 @@ def quantization_scheme(raw: dict[str, Any] | None) -> Fp8Scheme | None:
 def _hf_fp8(raw: dict[str, Any]) -> Fp8Scheme:
     if raw.get("fmt", "e4m3") != "e4m3":
         raise QuantizationError(f"unsupported fp8 format fmt={raw['fmt']!r}; supported: e4m3")
+    for key, supported in (("scale_fmt", ("float", "ue8m0")), ("expert_dtype", ("fp8",))):
+        if raw.get(key, supported[0]) not in supported:
+            raise QuantizationError(f"unsupported fp8 {key}={raw[key]!r}; supported: {', '.join(supported)}")
     block = raw.get("weight_block_size")
     activations = raw.get("activation_scheme", "dynamic")
     if block is not None and (list(block) != [BLOCK, BLOCK] or activations != "dynamic"):
@@ -121,6 +126,7 @@ def _hf_fp8(raw: dict[str, Any]) -> Fp8Scheme:
         # HF's spelling, then AutoFP8's
         ignore=tuple(raw.get("modules_to_not_convert") or raw.get("ignored_layers") or ()),
         ignore_substrings=True,
+        ue8m0=raw.get("scale_fmt") == "ue8m0",
     )
 
 
