@@ -431,6 +431,21 @@ def test_lora_on_an_fp8_base_matches_peft_on_the_dequantized_base(name: str, tmp
     assert_all_blocks_free(engine)
 
 
+# llm-compressor's QuIP: Hadamards merged into the weights, and their inverses run on activations
+QUIP = {
+    "config_groups": {
+        "v": {
+            "type": "hadamard",
+            "apply": [
+                {"targets": ["Linear"], "location": "input", "ignore": "lm_head"},
+                {"targets": ["Linear"], "location": "weight_input", "inverse": True, "ignore": "lm_head"},
+            ],
+        }
+    }
+}
+SPARSE_24 = {"format": "sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"], "ignore": []}
+
+
 @pytest.mark.parametrize(
     ("config", "named"),
     [
@@ -441,6 +456,8 @@ def test_lora_on_an_fp8_base_matches_peft_on_the_dequantized_base(name: str, tmp
         (_ct({"strategy": "group", "group_size": 32}, TOKEN, []), "'strategy': 'group'"),
         (_ct({"strategy": "channel"}, {"dynamic": False, "strategy": "token"}, []), "input_activations"),
         (_ct({"strategy": "channel", "symmetric": False}, TOKEN, []), "'symmetric': False"),
+        ({**_ct({"strategy": "channel"}, TOKEN, []), "transform_config": QUIP}, "'input'"),
+        ({**_ct({"strategy": "channel"}, TOKEN, []), "sparsity_config": SPARSE_24}, "sparse-24-bitmask"),
         ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "[64, 64]"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "e5m2"),
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}, "'fp4'"),

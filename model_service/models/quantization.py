@@ -131,6 +131,7 @@ def _hf_fp8(raw: dict[str, Any]) -> Fp8Scheme:
 
 
 def _compressed_tensors(raw: dict[str, Any]) -> Fp8Scheme:
+    _refuse_sparsity_and_runtime_transforms(raw)
     groups = list((raw.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise QuantizationError(
@@ -152,6 +153,33 @@ def _compressed_tensors(raw: dict[str, Any]) -> Fp8Scheme:
     activations = _ct_activations(acts, block, described)
     rows = 1 if strategy == "group" else BLOCK
     return Fp8Scheme("compressed-tensors", block, rows, activations, ignore=tuple(raw.get("ignore") or ()))
+
+
+MERGED_TRANSFORMS = ("weight_input", "weight_output")  # applied to the stored weights themselves
+
+
+def _refuse_sparsity_and_runtime_transforms(raw: dict[str, Any]) -> None:
+    """compressed-tensors' companions of a quantization: a sparse format stores weights as values
+    and masks the loader does not read; a transform applied at run time (QuIP's and SpinQuant's
+    online Hadamards on a projection's input or output, the attention's queries or K cache)
+    rotates what the stored weights were rotated to expect, so without it the model runs and
+    talks nonsense. Transforms merged into the weights need nothing at run time."""
+    sparsity = raw.get("sparsity_config") or {}
+    if sparsity.get("format", "dense") != "dense":
+        raise QuantizationError(
+            f"unsupported compressed-tensors sparsity_config format={sparsity['format']!r}; supported: dense"
+        )
+    for name, transform in ((raw.get("transform_config") or {}).get("config_groups") or {}).items():
+        at_run_time = [
+            a.get("location")
+            for a in transform.get("apply") or ()
+            if a.get("location") not in MERGED_TRANSFORMS
+        ]
+        if at_run_time:
+            raise QuantizationError(
+                f"unsupported compressed-tensors transform {name!r} ({transform.get('type')}) applied at run "
+                f"time at {at_run_time}; supported: transforms merged into the weights {MERGED_TRANSFORMS}"
+            )
 
 
 def _symmetric_fp8(args: dict[str, Any]) -> bool:
