@@ -739,7 +739,7 @@ def test_deepseek_v3s_hub_format_runs_mla_and_its_mtp_layer_in_fp8(tmp_path: Pat
 
 def test_a_sparse_qwen3_next_hybrid_in_block_fp8_with_its_gates_left_in_high_precision(tmp_path: Path):
     """Qwen3-Next's FP8 release names linears it keeps in high precision (`modules_to_not_convert`,
-    substrings): here the DeltaNet's in_proj_ba, the routers and the shared experts' gates, in a
+    suffixes here):  the DeltaNet's in_proj_ba, the routers and the shared experts' gates, in a
     hybrid whose every MLP is sparse. The DeltaNet's other projections, gated attention and the
     shared experts run as `Fp8Linear`, the routed experts are dequantized at load; HF on the
     dequantized twin, rounding the inputs of what we run in FP8, gives our logits and tokens."""
@@ -761,6 +761,33 @@ def test_a_sparse_qwen3_next_hybrid_in_block_fp8_with_its_gates_left_in_high_pre
     for ids in PROMPTS[:2]:
         assert rel_err(all_logits(ours, ids), hf_logits(hf, ids)) < 1e-4
     assert greedy(ours, PROMPTS) == [hf_greedy(hf, ids) for ids in PROMPTS]
+
+
+def test_modules_to_not_convert_name_modules_as_transformers_matches_them(tmp_path: Path):
+    """HF's `modules_to_not_convert` (fp8, fbgemm_fp8) are transformers' patterns, not substrings:
+    "model.layers.1" keeps layer 1 (not layer 10) in high precision, "mlp.gate" a router (not a
+    dense MLP's gate_proj). Substrings refused this checkpoint (gate_proj "unquantized", up_proj
+    FP8) and would have run layer 10 dequantized. Oracle: transformers' own `should_convert_module`
+    picks the projections written in FP8, exactly the ones we run as `Fp8Linear`; HF on the
+    dequantized twin, rounding their inputs, gives our logits."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skips = ["lm_head", "model.layers.1", "mlp.gate"]
+    src = make_tiny_checkpoint("llama", tmp_path / "src", seed=7, num_hidden_layers=11)
+    names = [k.removesuffix(".weight") for k in load_file(str(src / "model.safetensors")) if "proj" in k]
+    converted = {n for n in names if should_convert_module(n, skips)}
+    block = FORMATS["fp8-block"]
+    fmt = Format(
+        {**block.config, "modules_to_not_convert": skips},
+        block.block,
+        block.scale_name,
+        ignore=("lm_head", *sorted(set(names) - converted)),
+    )
+    fp8_path, deq_path = write_fp8_checkpoint(src, tmp_path, fmt)
+    ours = load_model(str(fp8_path), torch.float32, torch.device("cpu"))
+    assert "model.layers.10.mlp.gate_proj" in converted and fp8_parts(ours) == converted
+    hf = hf_rounding_inputs(hf_model(deq_path), fmt, fp8_path, ours)
+    assert rel_err(all_logits(ours, PROMPTS[0]), hf_logits(hf, PROMPTS[0])) < W8A8_LOGITS_TOL
 
 
 def test_the_scaled_mm_call_matches_the_reference_on_cpu():

@@ -8,7 +8,7 @@ Three producers ship FP8 checkpoints, each spelling the same few choices its own
   `input_scale` tensor per projection), or absent (weight-only); `ignore` lists names or `re:`
   patterns left in high precision.
 - HF `fbgemm_fp8`: per-channel weights, dynamic per-token activations whose row maximum is capped
-  at `activation_scale_ub`; `modules_to_not_convert` are substrings of names left alone.
+  at `activation_scale_ub`; `modules_to_not_convert` name modules left alone (HF's patterns).
 - HF `fp8` (FineGrainedFP8, DeepSeek's): 128x128 weight blocks (`weight_scale_inv`) with dynamic
   per-token-group activations; without `weight_block_size`, AutoFP8's per-tensor weights with a
   static or dynamic activation scheme. `scale_fmt: ue8m0` scales are powers of two, stored as
@@ -52,7 +52,7 @@ class Fp8Scheme:
     activations: str = "dynamic"
     activation_scale_ub: float | None = None  # fbgemm: per-token maxima are capped here
     ignore: tuple[str, ...] = ()  # modules kept in high precision
-    ignore_substrings: bool = False  # HF's modules_to_not_convert match anywhere in a name
+    hf_patterns: bool = False  # `ignore` is HF's modules_to_not_convert (see `_hf_skips`), not exact names
     ue8m0: bool = False  # HF fp8's scale_fmt "ue8m0": power-of-two scales, stored as float or as bytes
 
     @property
@@ -67,9 +67,24 @@ class Fp8Scheme:
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], name):
                     return False
-            elif pattern in name if self.ignore_substrings else pattern == name:
+            elif _hf_skips(pattern, name) if self.hf_patterns else pattern == name:
                 return False
         return True
+
+
+def _hf_skips(pattern: str, name: str) -> bool:
+    """Whether HF's `modules_to_not_convert` entry `pattern` names module `name`, as transformers'
+    `should_convert_module` decides: a regex matching from the start of the name up to a module
+    boundary ("model.layers.1" is layer 1, not layers 10-19), or a suffix ("mlp.gate" is the
+    router, not `mlp.gate_proj`). A plain substring test got both wrong: a dense layer's gate_proj
+    then counted as unquantized (its checkpoint refused), layers 10-19 ran dequantized."""
+    try:
+        at_start = re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", name)
+    except re.error as e:
+        raise QuantizationError(
+            f"modules_to_not_convert entry {pattern!r} is not a valid pattern: {e}"
+        ) from e
+    return at_start is not None or name.endswith(pattern)
 
 
 ONLINE = Fp8Scheme(method="online")  # --quantization fp8: per-channel weights, per-token activations
@@ -93,7 +108,7 @@ def quantization_scheme(raw: dict[str, Any] | None) -> Fp8Scheme | None:
             method=method,
             activation_scale_ub=float(ub) if ub is not None else None,
             ignore=tuple(raw.get("modules_to_not_convert") or ()),
-            ignore_substrings=True,
+            hf_patterns=True,
         )
     if method == "fp8":
         return _hf_fp8(raw)
@@ -125,7 +140,7 @@ def _hf_fp8(raw: dict[str, Any]) -> Fp8Scheme:
         activations=activations,
         # HF's spelling, then AutoFP8's
         ignore=tuple(raw.get("modules_to_not_convert") or raw.get("ignored_layers") or ()),
-        ignore_substrings=True,
+        hf_patterns=True,
         ue8m0=raw.get("scale_fmt") == "ue8m0",
     )
 
