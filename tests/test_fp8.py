@@ -19,6 +19,7 @@ FP8 is: quality on real weights is SmolLM2's perplexity (`bench/fp8_quality.py`,
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -401,6 +402,23 @@ def test_online_quantization_is_the_checkpoint_format_it_names(flag: str, fmt: s
     for name, t in ours.items():
         assert t.dtype == theirs[name].dtype and torch.equal(t.float(), theirs[name].float()), name
     assert greedy(online, PROMPTS) == [hf_greedy(case.hf_w8a8, ids) for ids in PROMPTS]
+
+
+def test_the_quantization_flag_on_a_quantized_checkpoint_is_ignored_saying_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """`--quantization fp8-g128` on a checkpoint already in per-tensor FP8: its e4m3 weights cannot
+    be made finer, so its own scheme runs, and the operator reads that the flag was ignored
+    (before, nothing said so: the server ran a scheme other than the one asked for)."""
+    src = make_tiny_checkpoint("llama", tmp_path / "src", seed=7)
+    fp8_path = write_fp8_checkpoint(src, tmp_path, FORMATS["ct-tensor-static"])[0]
+    with caplog.at_level(logging.WARNING, logger="model_service.models.loader"):
+        loaded = load_model(str(fp8_path), torch.float32, torch.device("cpu"), quantization="fp8-g128")
+    assert (
+        loaded.config.quantization is not None and loaded.config.quantization.method == "compressed-tensors"
+    )
+    (warning,) = caplog.messages
+    assert "--quantization fp8-g128 ignored" in warning and "compressed-tensors" in warning
 
 
 @pytest.mark.parametrize("name", ["ct-channel-w8a16", "ct-channel-dynamic"])
