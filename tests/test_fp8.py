@@ -112,6 +112,24 @@ FORMATS = {
         static=True,
         ignore=(),
     ),
+    "ct-naive-static": Format(  # neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8's config as published
+        {
+            "quant_method": "compressed-tensors",
+            "format": "naive-quantized",  # an older name of float-quantized: e4m3 weights, the same tensors
+            "quantization_status": "frozen",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "input_activations": {"num_bits": 8, "strategy": "tensor", "type": "float"},
+                    "weights": {"num_bits": 8, "strategy": "tensor", "type": "float"},
+                }
+            },
+            "ignore": ["lm_head"],
+        },
+        (0, 0),
+        scale_shape="flat",
+        static=True,
+    ),
     "ct-block": Format(
         _ct(
             {"strategy": "block", "block_structure": [128, 128]},

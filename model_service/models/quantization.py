@@ -1,10 +1,10 @@
 """Which FP8 scheme a checkpoint's `quantization_config` describes, normalized to one `Fp8Scheme`.
 
 Three producers ship FP8 checkpoints, each spelling the same few choices its own way:
-- compressed-tensors (llm-compressor, vLLM's own format): `format: float-quantized`, one config
-  group whose `weights` are 8-bit floats per tensor, per channel, in 128x128 blocks or in groups
-  of 128 columns of a row, and whose `input_activations` are dynamic per token (per 128-column
-  group with blocks or groups), static per tensor (an
+- compressed-tensors (llm-compressor, vLLM's own format): `format: float-quantized` (older files
+  say `naive-quantized`), one config group whose `weights` are 8-bit floats per tensor, per
+  channel, in 128x128 blocks or in groups of 128 columns of a row, and whose `input_activations`
+  are dynamic per token (per 128-column group with blocks or groups), static per tensor (an
   `input_scale` tensor per projection), or absent (weight-only); `ignore` lists names or `re:`
   patterns left in high precision.
 - HF `fbgemm_fp8`: per-channel weights, dynamic per-token activations whose row maximum is capped
@@ -28,9 +28,9 @@ from model_service.errors import ModelLoadError
 BLOCK = 128  # the only block and group size supported: DeepSeek's 128x128, and groups of 128 columns
 
 SUPPORTED = (
-    "compressed-tensors (float-quantized, 8-bit float weights per tensor, channel, 128x128 block or "
-    "128-column group; activations dynamic per token, static per tensor, or none), fbgemm_fp8, "
-    "fp8 (weight_block_size [128, 128] or per-tensor)"
+    "compressed-tensors (float-quantized or naive-quantized, 8-bit float weights per tensor, channel, "
+    "128x128 block or 128-column group; activations dynamic per token, static per tensor, or none), "
+    "fbgemm_fp8, fp8 (weight_block_size [128, 128] or per-tensor)"
 )
 
 
@@ -156,7 +156,7 @@ def _compressed_tensors(raw: dict[str, Any]) -> Fp8Scheme:
     fmt = group.get("format") or raw.get("format")
     weights, acts = group.get("weights") or {}, group.get("input_activations")
     described = f"compressed-tensors format={fmt!r} weights={weights} input_activations={acts}"
-    if fmt != "float-quantized" or not _symmetric_fp8(weights):
+    if fmt not in FLOAT_FORMATS or not _symmetric_fp8(weights):
         raise QuantizationError(f"unsupported quantization scheme {described}; supported: {SUPPORTED}")
     strategy = weights.get("strategy")
     block = BLOCK if strategy in ("block", "group") else None
@@ -170,6 +170,9 @@ def _compressed_tensors(raw: dict[str, Any]) -> Fp8Scheme:
     return Fp8Scheme("compressed-tensors", block, rows, activations, ignore=tuple(raw.get("ignore") or ()))
 
 
+# naive-quantized: what compressed-tensors before 0.6 called float-quantized (weights in their
+# quantized dtype, e4m3 for 8-bit floats), as neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8 ships
+FLOAT_FORMATS = ("float-quantized", "naive-quantized")
 MERGED_TRANSFORMS = ("weight_input", "weight_output")  # applied to the stored weights themselves
 
 
