@@ -527,6 +527,31 @@ def _blocks(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: shape[0], : shape[1]]
 
 
+def test_transformers_spelling_of_per_tensor_fp8_scales_loads_as_autofp8s(tmp_path: Path):
+    """quant_method fp8 without blocks, as transformers' FineGrainedFP8 saves it: the per-tensor
+    scale is `weight_scale_inv` (it multiplies, as DeepSeek's does) and the static activation scale
+    `activation_scale`, where AutoFP8 writes `weight_scale` and `input_scale`. Both load to the
+    same model (AutoFP8's spelling checked against HF above); transformers' was refused as missing
+    `weight_scale`."""
+    src = make_tiny_checkpoint("llama", tmp_path / "src", seed=7)
+    autofp8 = write_fp8_checkpoint(src, tmp_path, FORMATS["fp8-tensor-static"])[0]
+    hf_spelling = tmp_path / "hf"
+    hf_spelling.mkdir()
+    (hf_spelling / "config.json").write_text((autofp8 / "config.json").read_text())
+    renames = {".weight_scale": ".weight_scale_inv", ".input_scale": ".activation_scale"}
+    tensors = {
+        next((k.replace(a, b) for a, b in renames.items() if k.endswith(a)), k): t
+        for k, t in load_file(str(autofp8 / "model.safetensors")).items()
+    }
+    assert "model.layers.0.mlp.up_proj.activation_scale" in tensors
+    save_file(tensors, str(hf_spelling / "model.safetensors"))
+    ours, theirs = (
+        load_model(str(path), torch.float32, torch.device("cpu")).module.state_dict()
+        for path in (hf_spelling, autofp8)
+    )
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 def test_ue8m0_scales_stored_as_bytes_are_powers_of_two_not_their_byte_values(tmp_path: Path):
     """HF fp8's `scale_fmt: "ue8m0"` (DeepSeek-V3.1's, MXFP8 checkpoints'): each block scale is a
     power of two, which a checkpoint may store as its e8m0 byte (uint8; HF views it as

@@ -105,20 +105,23 @@ def _part_tensors(
             f"{name}.weight is {weight.dtype}, but the quantization_config ({scheme.method}) says {name} is "
             "float8_e4m3fn"
         )
-    scale = _pop(tensors, name, scheme.weight_scale_name)
+    scale = _pop(tensors, name, scheme.weight_scale_names)
     tensors[f"{name}.weight_scale"] = _row_scales(scale, name, rows, cols, scheme)
     tensors.pop(f"{name}.input_scale_ub", None)  # fbgemm's copy of activation_scale_ub
     if scheme.activations != "static":
-        tensors.pop(f"{name}.input_scale", None)  # calibrated, but the scheme quantizes dynamically
+        for suffix in scheme.input_scale_names:  # calibrated, but the scheme quantizes dynamically
+            tensors.pop(f"{name}.{suffix}", None)
         return None
-    return _scale_values(_pop(tensors, name, "input_scale"), name, scheme).reshape(())
+    return _scale_values(_pop(tensors, name, scheme.input_scale_names), name, scheme).reshape(())
 
 
-def _pop(tensors: dict[str, torch.Tensor], name: str, suffix: str) -> torch.Tensor:
-    try:
-        return tensors.pop(f"{name}.{suffix}")
-    except KeyError:
-        raise ModelLoadError(f"FP8 checkpoint is missing tensor {name + '.' + suffix!r}") from None
+def _pop(tensors: dict[str, torch.Tensor], name: str, suffixes: tuple[str, ...]) -> torch.Tensor:
+    """Pop `name`'s tensor under the first of `suffixes` the checkpoint has."""
+    for suffix in suffixes:
+        if f"{name}.{suffix}" in tensors:
+            return tensors.pop(f"{name}.{suffix}")
+    spelled = " or ".join(repr(f"{name}.{suffix}") for suffix in suffixes)
+    raise ModelLoadError(f"FP8 checkpoint is missing tensor {spelled}")
 
 
 def _scale_values(scale: torch.Tensor, name: str, scheme: Fp8Scheme) -> torch.Tensor:
@@ -168,7 +171,7 @@ def _weight_only_scales(tensors: dict[str, torch.Tensor], name: str, scheme: Fp8
     """Part `name`'s weight scale popped in row form, its activation scales dropped: for weights
     whose inputs are not quantized (experts run W8A16, dequantized modules in high precision)."""
     rows, cols = tensors[f"{name}.weight"].shape
-    scale = _row_scales(_pop(tensors, name, scheme.weight_scale_name), name, rows, cols, scheme)
-    for suffix in ("input_scale", "input_scale_ub"):
+    scale = _row_scales(_pop(tensors, name, scheme.weight_scale_names), name, rows, cols, scheme)
+    for suffix in (*scheme.input_scale_names, "input_scale_ub"):
         tensors.pop(f"{name}.{suffix}", None)
     return scale

@@ -56,9 +56,19 @@ class Fp8Scheme:
     ue8m0: bool = False  # HF fp8's scale_fmt "ue8m0": power-of-two scales, stored as float or as bytes
 
     @property
-    def weight_scale_name(self) -> str:
-        """The checkpoint's suffix of a weight's scale (DeepSeek's is misnamed: it multiplies)."""
-        return "weight_scale_inv" if self.method == "fp8" and self.block else "weight_scale"
+    def weight_scale_names(self) -> tuple[str, ...]:
+        """The checkpoint's suffixes of a weight's scale, the first present read. HF fp8's spellings
+        differ by producer, all multiplying: DeepSeek's blocks `weight_scale_inv` (misnamed), which
+        transformers' FineGrainedFP8 also writes for a per-tensor scale, and AutoFP8's `weight_scale`."""
+        if self.method != "fp8":
+            return ("weight_scale",)
+        return ("weight_scale_inv", "weight_scale") if self.block else ("weight_scale", "weight_scale_inv")
+
+    @property
+    def input_scale_names(self) -> tuple[str, ...]:
+        """The suffixes of a static activation scale: `input_scale`, or transformers' FineGrainedFP8
+        `activation_scale`."""
+        return ("input_scale", "activation_scale") if self.method == "fp8" else ("input_scale",)
 
     def quantizes(self, name: str) -> bool:
         """Whether the linear module `name` (checkpoint spelling, `model.layers.0.mlp.up_proj`)
