@@ -552,6 +552,28 @@ def test_transformers_spelling_of_per_tensor_fp8_scales_loads_as_autofp8s(tmp_pa
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
+def test_kv_cache_scales_spelled_as_projection_output_scales_are_dropped_too(tmp_path: Path):
+    """Older compressed-tensors files store kv_cache_scheme's scales as `k_proj.output_scale` /
+    `v_proj.output_scale` (vLLM maps both spellings to the attention's k/v scales). They scale
+    nothing here either, and load to the same model as the `k_scale` spelling; they were refused
+    as tensors "the config does not use"."""
+    src = make_tiny_checkpoint("llama", tmp_path / "src", seed=7)
+    attn_spelling = write_fp8_checkpoint(src, tmp_path, FORMATS["ct-tensor-dynamic-kv"])[0]
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "config.json").write_text((attn_spelling / "config.json").read_text())
+    tensors = load_file(str(attn_spelling / "model.safetensors"))
+    for key in [k for k in tensors if k.endswith((".k_scale", ".v_scale"))]:
+        attn, _, scale = key.rpartition(".")
+        tensors[f"{attn}.{scale[0]}_proj.output_scale"] = tensors.pop(key)
+    save_file(tensors, str(older / "model.safetensors"))
+    ours, theirs = (
+        load_model(str(path), torch.float32, torch.device("cpu")).module.state_dict()
+        for path in (older, attn_spelling)
+    )
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 def test_ue8m0_scales_stored_as_bytes_are_powers_of_two_not_their_byte_values(tmp_path: Path):
     """HF fp8's `scale_fmt: "ue8m0"` (DeepSeek-V3.1's, MXFP8 checkpoints'): each block scale is a
     power of two, which a checkpoint may store as its e8m0 byte (uint8; HF views it as

@@ -90,7 +90,15 @@ def _fp8_experts(
         make_fp8_experts(sub, scheme.block or 0)
 
 
-_KV_SCALES = (".k_scale", ".v_scale", ".kv_scale")
+# the attention's, then (older compressed-tensors, Quark) the K/V/Q projections' output scales
+_KV_SCALES = (
+    ".k_scale",
+    ".v_scale",
+    ".kv_scale",
+    ".k_proj.output_scale",
+    ".v_proj.output_scale",
+    ".q_proj.output_scale",
+)
 
 
 def _part_tensors(
