@@ -19,6 +19,7 @@ FP8 is: quality on real weights is SmolLM2's perplexity (`bench/fp8_quality.py`,
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +111,24 @@ FORMATS = {
         scale_shape="flat",
         static=True,
         ignore=(),
+    ),
+    "ct-naive-static": Format(  # neuralmagic/Meta-Llama-3.1-8B-Instruct-FP8's config as published
+        {
+            "quant_method": "compressed-tensors",
+            "format": "naive-quantized",  # an older name of float-quantized: e4m3 weights, the same tensors
+            "quantization_status": "frozen",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "input_activations": {"num_bits": 8, "strategy": "tensor", "type": "float"},
+                    "weights": {"num_bits": 8, "strategy": "tensor", "type": "float"},
+                }
+            },
+            "ignore": ["lm_head"],
+        },
+        (0, 0),
+        scale_shape="flat",
+        static=True,
     ),
     "ct-block": Format(
         _ct(
@@ -403,6 +422,23 @@ def test_online_quantization_is_the_checkpoint_format_it_names(flag: str, fmt: s
     assert greedy(online, PROMPTS) == [hf_greedy(case.hf_w8a8, ids) for ids in PROMPTS]
 
 
+def test_the_quantization_flag_on_a_quantized_checkpoint_is_ignored_saying_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """`--quantization fp8-g128` on a checkpoint already in per-tensor FP8: its e4m3 weights cannot
+    be made finer, so its own scheme runs, and the operator reads that the flag was ignored
+    (before, nothing said so: the server ran a scheme other than the one asked for)."""
+    src = make_tiny_checkpoint("llama", tmp_path / "src", seed=7)
+    fp8_path = write_fp8_checkpoint(src, tmp_path, FORMATS["ct-tensor-static"])[0]
+    with caplog.at_level(logging.WARNING, logger="model_service.models.loader"):
+        loaded = load_model(str(fp8_path), torch.float32, torch.device("cpu"), quantization="fp8-g128")
+    assert (
+        loaded.config.quantization is not None and loaded.config.quantization.method == "compressed-tensors"
+    )
+    (warning,) = caplog.messages
+    assert "--quantization fp8-g128 ignored" in warning and "compressed-tensors" in warning
+
+
 @pytest.mark.parametrize("name", ["ct-channel-w8a16", "ct-channel-dynamic"])
 def test_lora_on_an_fp8_base_matches_peft_on_the_dequantized_base(name: str, tmp_path: Path):
     """PEFT adapters (made for the bfloat16/float32 base) on the FP8 base: our base GEMM in FP8
@@ -431,6 +467,21 @@ def test_lora_on_an_fp8_base_matches_peft_on_the_dequantized_base(name: str, tmp
     assert_all_blocks_free(engine)
 
 
+# llm-compressor's QuIP: Hadamards merged into the weights, and their inverses run on activations
+QUIP = {
+    "config_groups": {
+        "v": {
+            "type": "hadamard",
+            "apply": [
+                {"targets": ["Linear"], "location": "input", "ignore": "lm_head"},
+                {"targets": ["Linear"], "location": "weight_input", "inverse": True, "ignore": "lm_head"},
+            ],
+        }
+    }
+}
+SPARSE_24 = {"format": "sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"], "ignore": []}
+
+
 @pytest.mark.parametrize(
     ("config", "named"),
     [
@@ -441,8 +492,12 @@ def test_lora_on_an_fp8_base_matches_peft_on_the_dequantized_base(name: str, tmp
         (_ct({"strategy": "group", "group_size": 32}, TOKEN, []), "'strategy': 'group'"),
         (_ct({"strategy": "channel"}, {"dynamic": False, "strategy": "token"}, []), "input_activations"),
         (_ct({"strategy": "channel", "symmetric": False}, TOKEN, []), "'symmetric': False"),
+        ({**_ct({"strategy": "channel"}, TOKEN, []), "transform_config": QUIP}, "'input'"),
+        ({**_ct({"strategy": "channel"}, TOKEN, []), "sparsity_config": SPARSE_24}, "sparse-24-bitmask"),
         ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "[64, 64]"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "e5m2"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}, "'fp4'"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "e4m3"}, "scale_fmt='e4m3'"),
     ],
 )
 def test_unsupported_schemes_are_refused_naming_them(config: dict[str, Any], named: str, tmp_path: Path):
@@ -465,6 +520,86 @@ def test_unknown_quantization_flag_is_refused(tmp_path: Path):
             torch.device("cpu"),
             quantization="int4",
         )
+
+
+def _blocks(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A [ceil(out/128), ceil(in/128)] block scale spread over every element of a `shape` weight."""
+    return scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: shape[0], : shape[1]]
+
+
+def test_transformers_spelling_of_per_tensor_fp8_scales_loads_as_autofp8s(tmp_path: Path):
+    """quant_method fp8 without blocks, as transformers' FineGrainedFP8 saves it: the per-tensor
+    scale is `weight_scale_inv` (it multiplies, as DeepSeek's does) and the static activation scale
+    `activation_scale`, where AutoFP8 writes `weight_scale` and `input_scale`. Both load to the
+    same model (AutoFP8's spelling checked against HF above); transformers' was refused as missing
+    `weight_scale`."""
+    src = make_tiny_checkpoint("llama", tmp_path / "src", seed=7)
+    autofp8 = write_fp8_checkpoint(src, tmp_path, FORMATS["fp8-tensor-static"])[0]
+    hf_spelling = tmp_path / "hf"
+    hf_spelling.mkdir()
+    (hf_spelling / "config.json").write_text((autofp8 / "config.json").read_text())
+    renames = {".weight_scale": ".weight_scale_inv", ".input_scale": ".activation_scale"}
+    tensors = {
+        next((k.replace(a, b) for a, b in renames.items() if k.endswith(a)), k): t
+        for k, t in load_file(str(autofp8 / "model.safetensors")).items()
+    }
+    assert "model.layers.0.mlp.up_proj.activation_scale" in tensors
+    save_file(tensors, str(hf_spelling / "model.safetensors"))
+    ours, theirs = (
+        load_model(str(path), torch.float32, torch.device("cpu")).module.state_dict()
+        for path in (hf_spelling, autofp8)
+    )
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_kv_cache_scales_spelled_as_projection_output_scales_are_dropped_too(tmp_path: Path):
+    """Older compressed-tensors files store kv_cache_scheme's scales as `k_proj.output_scale` /
+    `v_proj.output_scale` (vLLM maps both spellings to the attention's k/v scales). They scale
+    nothing here either, and load to the same model as the `k_scale` spelling; they were refused
+    as tensors "the config does not use"."""
+    src = make_tiny_checkpoint("llama", tmp_path / "src", seed=7)
+    attn_spelling = write_fp8_checkpoint(src, tmp_path, FORMATS["ct-tensor-dynamic-kv"])[0]
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "config.json").write_text((attn_spelling / "config.json").read_text())
+    tensors = load_file(str(attn_spelling / "model.safetensors"))
+    for key in [k for k in tensors if k.endswith((".k_scale", ".v_scale"))]:
+        attn, _, scale = key.rpartition(".")
+        tensors[f"{attn}.{scale[0]}_proj.output_scale"] = tensors.pop(key)
+    save_file(tensors, str(older / "model.safetensors"))
+    ours, theirs = (
+        load_model(str(path), torch.float32, torch.device("cpu")).module.state_dict()
+        for path in (older, attn_spelling)
+    )
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_ue8m0_scales_stored_as_bytes_are_powers_of_two_not_their_byte_values(tmp_path: Path):
+    """HF fp8's `scale_fmt: "ue8m0"` (DeepSeek-V3.1's, MXFP8 checkpoints'): each block scale is a
+    power of two, which a checkpoint may store as its e8m0 byte (uint8; HF views it as
+    float8_e8m0fnu). Byte b means 2^(b-127); read as the number b, every weight came out ~2^120
+    times too large and the model talked nonsense without a word. Oracle: HF on the dequantized
+    twin, rounding inputs as ours. A uint8 scale without ue8m0 is refused by name."""
+    block = FORMATS["fp8-block"]
+    fmt = Format({**block.config, "scale_fmt": "ue8m0"}, block.block, block.scale_name)
+    src = make_tiny_checkpoint("llama", tmp_path / "src", seed=7, **SHAPE)
+    fp8_path, deq_path = write_fp8_checkpoint(src, tmp_path, fmt)
+    fp8, deq = load_file(str(fp8_path / "model.safetensors")), load_file(str(deq_path / "model.safetensors"))
+    for key in [k for k in fp8 if k.endswith(".weight_scale_inv")]:
+        weight = key.replace("_scale_inv", "")
+        power = torch.pow(2.0, torch.ceil(torch.log2(fp8[key])))  # rounded up, as HF writes ue8m0
+        fp8[weight] = (deq[weight] / _blocks(power, deq[weight].shape)).to(E4M3)
+        deq[weight] = fp8[weight].float() * _blocks(power, deq[weight].shape)
+        fp8[key] = power.to(torch.float8_e8m0fnu).view(torch.uint8)
+    save_file(fp8, str(fp8_path / "model.safetensors"))
+    save_file(deq, str(deq_path / "model.safetensors"))
+    ours = load_model(str(fp8_path), torch.float32, torch.device("cpu"))
+    hf = hf_rounding_inputs(hf_model(deq_path), fmt, fp8_path, ours)
+    assert rel_err(all_logits(ours, PROMPTS[0]), hf_logits(hf, PROMPTS[0])) < W8A8_LOGITS_TOL
+    config = json.loads((fp8_path / "config.json").read_text())
+    (fp8_path / "config.json").write_text(json.dumps({**config, "quantization_config": block.config}))
+    with pytest.raises(QuantizationError, match=r"q_proj's scale is torch\.uint8.*ue8m0"):
+        load_model(str(fp8_path), torch.float32, torch.device("cpu"))
 
 
 def test_tensor_parallel_over_fp8_weights_gives_one_process_tokens(tmp_path: Path):
@@ -687,7 +822,7 @@ def test_deepseek_v3s_hub_format_runs_mla_and_its_mtp_layer_in_fp8(tmp_path: Pat
 
 def test_a_sparse_qwen3_next_hybrid_in_block_fp8_with_its_gates_left_in_high_precision(tmp_path: Path):
     """Qwen3-Next's FP8 release names linears it keeps in high precision (`modules_to_not_convert`,
-    substrings): here the DeltaNet's in_proj_ba, the routers and the shared experts' gates, in a
+    suffixes here):  the DeltaNet's in_proj_ba, the routers and the shared experts' gates, in a
     hybrid whose every MLP is sparse. The DeltaNet's other projections, gated attention and the
     shared experts run as `Fp8Linear`, the routed experts are dequantized at load; HF on the
     dequantized twin, rounding the inputs of what we run in FP8, gives our logits and tokens."""
@@ -709,6 +844,33 @@ def test_a_sparse_qwen3_next_hybrid_in_block_fp8_with_its_gates_left_in_high_pre
     for ids in PROMPTS[:2]:
         assert rel_err(all_logits(ours, ids), hf_logits(hf, ids)) < 1e-4
     assert greedy(ours, PROMPTS) == [hf_greedy(hf, ids) for ids in PROMPTS]
+
+
+def test_modules_to_not_convert_name_modules_as_transformers_matches_them(tmp_path: Path):
+    """HF's `modules_to_not_convert` (fp8, fbgemm_fp8) are transformers' patterns, not substrings:
+    "model.layers.1" keeps layer 1 (not layer 10) in high precision, "mlp.gate" a router (not a
+    dense MLP's gate_proj). Substrings refused this checkpoint (gate_proj "unquantized", up_proj
+    FP8) and would have run layer 10 dequantized. Oracle: transformers' own `should_convert_module`
+    picks the projections written in FP8, exactly the ones we run as `Fp8Linear`; HF on the
+    dequantized twin, rounding their inputs, gives our logits."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skips = ["lm_head", "model.layers.1", "mlp.gate"]
+    src = make_tiny_checkpoint("llama", tmp_path / "src", seed=7, num_hidden_layers=11)
+    names = [k.removesuffix(".weight") for k in load_file(str(src / "model.safetensors")) if "proj" in k]
+    converted = {n for n in names if should_convert_module(n, skips)}
+    block = FORMATS["fp8-block"]
+    fmt = Format(
+        {**block.config, "modules_to_not_convert": skips},
+        block.block,
+        block.scale_name,
+        ignore=("lm_head", *sorted(set(names) - converted)),
+    )
+    fp8_path, deq_path = write_fp8_checkpoint(src, tmp_path, fmt)
+    ours = load_model(str(fp8_path), torch.float32, torch.device("cpu"))
+    assert "model.layers.10.mlp.gate_proj" in converted and fp8_parts(ours) == converted
+    hf = hf_rounding_inputs(hf_model(deq_path), fmt, fp8_path, ours)
+    assert rel_err(all_logits(ours, PROMPTS[0]), hf_logits(hf, PROMPTS[0])) < W8A8_LOGITS_TOL
 
 
 def test_the_scaled_mm_call_matches_the_reference_on_cpu():

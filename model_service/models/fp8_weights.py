@@ -90,7 +90,15 @@ def _fp8_experts(
         make_fp8_experts(sub, scheme.block or 0)
 
 
-_KV_SCALES = (".k_scale", ".v_scale", ".kv_scale")
+# the attention's, then (older compressed-tensors, Quark) the K/V/Q projections' output scales
+_KV_SCALES = (
+    ".k_scale",
+    ".v_scale",
+    ".kv_scale",
+    ".k_proj.output_scale",
+    ".v_proj.output_scale",
+    ".q_proj.output_scale",
+)
 
 
 def _part_tensors(
@@ -105,25 +113,42 @@ def _part_tensors(
             f"{name}.weight is {weight.dtype}, but the quantization_config ({scheme.method}) says {name} is "
             "float8_e4m3fn"
         )
-    scale = _pop(tensors, name, scheme.weight_scale_name)
-    tensors[f"{name}.weight_scale"] = _row_scales(scale, rows, cols, scheme)
+    scale = _pop(tensors, name, scheme.weight_scale_names)
+    tensors[f"{name}.weight_scale"] = _row_scales(scale, name, rows, cols, scheme)
     tensors.pop(f"{name}.input_scale_ub", None)  # fbgemm's copy of activation_scale_ub
     if scheme.activations != "static":
-        tensors.pop(f"{name}.input_scale", None)  # calibrated, but the scheme quantizes dynamically
+        for suffix in scheme.input_scale_names:  # calibrated, but the scheme quantizes dynamically
+            tensors.pop(f"{name}.{suffix}", None)
         return None
-    return _pop(tensors, name, "input_scale").float().reshape(())
+    return _scale_values(_pop(tensors, name, scheme.input_scale_names), name, scheme).reshape(())
 
 
-def _pop(tensors: dict[str, torch.Tensor], name: str, suffix: str) -> torch.Tensor:
-    try:
-        return tensors.pop(f"{name}.{suffix}")
-    except KeyError:
-        raise ModelLoadError(f"FP8 checkpoint is missing tensor {name + '.' + suffix!r}") from None
+def _pop(tensors: dict[str, torch.Tensor], name: str, suffixes: tuple[str, ...]) -> torch.Tensor:
+    """Pop `name`'s tensor under the first of `suffixes` the checkpoint has."""
+    for suffix in suffixes:
+        if f"{name}.{suffix}" in tensors:
+            return tensors.pop(f"{name}.{suffix}")
+    spelled = " or ".join(repr(f"{name}.{suffix}") for suffix in suffixes)
+    raise ModelLoadError(f"FP8 checkpoint is missing tensor {spelled}")
 
 
-def _row_scales(scale: torch.Tensor, rows: int, cols: int, scheme: Fp8Scheme) -> torch.Tensor:
+def _scale_values(scale: torch.Tensor, name: str, scheme: Fp8Scheme) -> torch.Tensor:
+    """A checkpoint's scale as float32. UE8M0 scales may be stored as their bytes (uint8, as MXFP8
+    checkpoints do): each byte b is the exponent of 2^(b-127), never the number b that `.float()`
+    would make of it. An integer scale in any other scheme has no meaning the engine could guess."""
+    if scale.dtype == torch.uint8 and scheme.ue8m0:
+        return scale.view(torch.float8_e8m0fnu).float()
+    if not scale.dtype.is_floating_point:
+        raise QuantizationError(
+            f"{name}'s scale is {scale.dtype}; the quantization_config ({scheme.method}) stores float scales"
+            + ("" if scheme.method != "fp8" else ' (or uint8 bytes with scale_fmt "ue8m0")')
+        )
+    return scale.float()
+
+
+def _row_scales(scale: torch.Tensor, name: str, rows: int, cols: int, scheme: Fp8Scheme) -> torch.Tensor:
     """A checkpoint's weight scale of a [rows, cols] weight as float32 [rows, groups]."""
-    s = scale.float()
+    s = _scale_values(scale, name, scheme)
     if scheme.block:
         b, r = scheme.block, scheme.block_rows
         expected = (-(-rows // r), -(-cols // b))
@@ -154,7 +179,7 @@ def _weight_only_scales(tensors: dict[str, torch.Tensor], name: str, scheme: Fp8
     """Part `name`'s weight scale popped in row form, its activation scales dropped: for weights
     whose inputs are not quantized (experts run W8A16, dequantized modules in high precision)."""
     rows, cols = tensors[f"{name}.weight"].shape
-    scale = _row_scales(_pop(tensors, name, scheme.weight_scale_name), rows, cols, scheme)
-    for suffix in ("input_scale", "input_scale_ub"):
+    scale = _row_scales(_pop(tensors, name, scheme.weight_scale_names), name, rows, cols, scheme)
+    for suffix in (*scheme.input_scale_names, "input_scale_ub"):
         tensors.pop(f"{name}.{suffix}", None)
     return scale

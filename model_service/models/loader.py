@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from model_service.models.quantization import ONLINE_SCHEMES, QuantizationError
 from model_service.models.registry import model_class
 from model_service.models.rope import RotaryEmbedding
 from model_service.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ALIASES = {
@@ -93,12 +96,31 @@ def load_model(
             f"{path} is not a checkpoint directory (config.json + *.safetensors) or .gguf file"
         )
     module = build_module(config, tensors, dtype, device)
-    if quantization != "none" and config.quantization is None:
-        config.quantization = ONLINE_SCHEMES[quantization]
-        quantize_online(module, config.quantization)
+    _apply_quantization_flag(config, module, quantization)
     if tokenizer is not None and tokenizer.eos_token_id is not None and not config.eos_token_ids:
         config.eos_token_ids = [tokenizer.eos_token_id]
     return LoadedModel(name=name_or_path, config=config, module=module, tokenizer=tokenizer)
+
+
+def _apply_quantization_flag(config: ModelConfig, module: nn.Module, quantization: str) -> None:
+    """`--quantization` quantizes an unquantized checkpoint. A checkpoint already quantized keeps
+    its own scheme (its e4m3 weights cannot be made finer, and rounding them again only loses),
+    and the operator is told: the flag asked for something the server does not do."""
+    if quantization == "none":
+        return
+    if config.quantization is None:
+        config.quantization = ONLINE_SCHEMES[quantization]
+        quantize_online(module, config.quantization)
+        return
+    scheme = config.quantization
+    log.warning(
+        "--quantization %s ignored: the checkpoint is already quantized "
+        "(%s: %s weight scales, %s activations) and runs in its own scheme",
+        quantization,
+        scheme.method,
+        f"{scheme.block}-column group" if scheme.block else "row or tensor",
+        scheme.activations,
+    )
 
 
 def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
