@@ -16,6 +16,7 @@ import pytest
 
 from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.requests import PromptReader
+from model_service.errors import InvalidRequestError
 from model_service.models.tokenizer import Tokenizer
 from model_service.pod import wire
 from spindle import cli
@@ -515,7 +516,7 @@ def test_a_mistral_servers_calls_go_back_through_a_mistral_template(choice, text
     given = message.tool_calls[0].id
     assert f'[CALL_ID]{given}[ARGS]{{"city": "Paris"}}' in rendered(given)
     assert f"[TOOL_RESULTS]{given}[TOOL_CONTENT]18 C" in rendered(given)
-    with pytest.raises(Exception, match="length 9"):
+    with pytest.raises(InvalidRequestError, match="refused these messages.*length 9"):
         rendered("call_" + given)
 
 
