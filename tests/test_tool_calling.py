@@ -195,6 +195,26 @@ def test_a_streamed_reader_never_sends_markup_as_content(make, text, names):
     assert [p.name for p in sent if isinstance(p, CallStart)] == names
 
 
+DEEP, DEEP_OBJECT = "[" * 100_000, '{"a": ' * 100_000  # deeper than Python's recursion limit
+
+
+@pytest.mark.parametrize(
+    ("make", "text"),
+    [
+        (HermesReader, f"<tool_call>{DEEP}</tool_call>"),
+        (Llama3JsonReader, DEEP_OBJECT),
+        (RequiredReader, DEEP),
+        (MistralReader, f"[TOOL_CALLS] {DEEP}"),
+        (MistralReader, f"[TOOL_CALLS]f[ARGS]{DEEP_OBJECT}"),
+        (PythonicReader, f"[f(a={DEEP})]"),
+    ],
+)
+def test_json_nested_past_the_recursion_limit_is_content_not_a_crash(make, text):
+    """A model can write 100k "[" (json's decoder then raises RecursionError, not ValueError): not a
+    call, so the text is content, as any other malformed call is, not a failed response."""
+    assert _merged(make().read(text)) == [text]
+
+
 def test_a_forced_calls_arguments_stream_as_they_come():
     named = NamedReader("f")
     assert named.feed('{"a"') == _call("f", '{"a"') and named.feed(": 1}") == [Arguments(": 1}")]
@@ -516,7 +536,7 @@ def test_a_mistral_servers_calls_go_back_through_a_mistral_template(choice, text
     given = message.tool_calls[0].id
     assert f'[CALL_ID]{given}[ARGS]{{"city": "Paris"}}' in rendered(given)
     assert f"[TOOL_RESULTS]{given}[TOOL_CONTENT]18 C" in rendered(given)
-    with pytest.raises(InvalidRequestError, match="refused these messages.*length 9"):
+    with pytest.raises(InvalidRequestError, match=r"refused these messages.*length 9"):
         rendered("call_" + given)
 
 

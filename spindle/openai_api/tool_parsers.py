@@ -173,10 +173,7 @@ class HermesReader(Reader):
 
     def _call_json(self, body: str) -> Any:
         """The call `body` states, decoded (None: it is not valid JSON of a call)."""
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
+        obj = json_value(body)
         return obj if self._arguments(obj, "arguments", "parameters") is not None else None
 
     def _block(self, body: str, closed: bool) -> list[Piece]:
@@ -221,12 +218,13 @@ class Llama3JsonReader(Reader):
         return calls if calls is not None else [text]
 
     def _calls(self, text: str) -> list[Piece] | None:
-        decoder, out, at = json.JSONDecoder(), [], 0
+        out: list[Piece] = []
+        at = 0
         while at < len(text):
-            try:
-                obj, at = decoder.raw_decode(text, at)
-            except ValueError:
+            decoded = json_prefix(text, at)
+            if decoded is None:
                 return None
+            obj, at = decoded
             call = self._as_call(obj, "parameters", "arguments")
             if call is None:
                 return None
@@ -287,10 +285,10 @@ class MistralReader(Reader):
 
     def _listed(self, body: str) -> tuple[list[Piece], str] | None:
         """Before v11: a JSON list of calls (or one call), and the text after it."""
-        try:
-            value, end = json.JSONDecoder().raw_decode(body)
-        except ValueError:
+        decoded = json_prefix(body)
+        if decoded is None:
             return None
+        value, end = decoded
         calls = value if isinstance(value, list) else [value]
         if not calls or any(self._arguments(c, "arguments", "parameters") is None for c in calls):
             return None
@@ -299,13 +297,11 @@ class MistralReader(Reader):
     def _named(self, body: str) -> tuple[list[Piece], str] | None:
         """v11 and later: `name[ARGS]{...}`, and the text after the arguments' JSON object."""
         named = self.NAMED.match(body)
-        if named is None:
+        decoded = json_prefix(body, named.end()) if named else None
+        if named is None or decoded is None or not isinstance(decoded[0], dict):
             return None
-        try:
-            arguments, end = json.JSONDecoder().raw_decode(body, named.end())
-        except ValueError:
-            return None
-        return (self._call(named[1], arguments), body[end:]) if isinstance(arguments, dict) else None
+        arguments, end = decoded
+        return self._call(named[1], arguments), body[end:]
 
 
 class PythonicReader(Reader):
@@ -327,9 +323,11 @@ class PythonicReader(Reader):
         if self.mode == "text":
             return [text] if text else []
         self.buffer += text
-        head = self.buffer.lstrip()
-        if self.mode == "calls" or not head or self.UNDECIDED.fullmatch(head):
+        if self.mode == "calls":
             return []
+        head = self.buffer.lstrip()
+        if not head or self.UNDECIDED.fullmatch(head):
+            return []  # undecided yet
         self.mode = "calls" if self.HEAD.match(head) else "text"
         if self.mode == "calls":
             return []
@@ -427,16 +425,32 @@ class RequiredReader(Reader):
 
     def finish(self) -> list[Piece]:
         text, self.buffer = self.buffer, ""
-        try:
-            calls = json.loads(text)
-        except ValueError:
-            calls = None
+        calls = json_value(text)
         calls = calls if isinstance(calls, list) else []
         pieces = [self._as_call(c, "parameters", "arguments") for c in calls]
         if not pieces or any(p is None for p in pieces):
             self.calls = 0
             return [text] if text else []
         return [piece for p in pieces for piece in p or ()]
+
+
+_DECODER, _JSON_SPACE = json.JSONDecoder(), " \t\n\r"
+
+
+def json_prefix(text: str, at: int = 0) -> tuple[Any, int] | None:
+    """The JSON value that starts at `text[at]` and where it ends (None: none does). Nesting
+    deeper than Python's recursion limit (a model can write 100k "[") makes json raise
+    RecursionError: that is no value either, and the text is content, not a failed response."""
+    try:
+        return _DECODER.raw_decode(text, at)
+    except (ValueError, RecursionError):
+        return None
+
+
+def json_value(text: str) -> Any:
+    """`text` as one JSON value, whitespace around it allowed (None: it is not one, as above)."""
+    decoded = json_prefix(text, len(text) - len(text.lstrip(_JSON_SPACE)))
+    return decoded[0] if decoded is not None and not text[decoded[1] :].strip(_JSON_SPACE) else None
 
 
 def partial_suffix(text: str, marker: str) -> int:
