@@ -73,7 +73,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--tool-call-parser",
         choices=PARSERS,
         default="none",
-        help="the pod's and gateway's --tool-call-parser (hermes, llama3_json) [none]",
+        help="the pod's and gateway's --tool-call-parser (hermes, llama3_json, mistral, pythonic) [none]",
     )
     parser.add_argument(
         "--reasoning-parser",

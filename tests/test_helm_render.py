@@ -94,6 +94,21 @@ def test_lint_is_clean():
         ),
         ({"model": {"port": 70000}}, "/model/port", "maximum"),
         ({"model": {"variant": "tpu"}}, "/model/variant", "must be one of"),
+        (
+            {"model": {"config": {"tool-call-parser": "mistrall"}}},
+            "/model/config/tool-call-parser",
+            "must be one of",
+        ),
+        (
+            {"gateway": {"config": {"tool-call-parser": "Pythonic"}}},
+            "/gateway/config/tool-call-parser",
+            "must be one of",
+        ),
+        (
+            {"gateway": {"config": {"reasoning-parser": "r1"}}},
+            "/gateway/config/reasoning-parser",
+            "must be one of",
+        ),
         ({"model": {"replica": 2}}, "/model", "additional properties 'replica'"),
         ({"securityContext": {"privileged": True}}, "/securityContext/privileged", "value must be false"),
         # Kubernetes refuses these: a rollout that may neither add nor remove a pod, a bare string;

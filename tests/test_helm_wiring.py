@@ -204,6 +204,12 @@ def test_the_model_pod_uses_every_gpu_it_requests(variant, gpus, monkeypatch):
         ({"gateway": {"config": {"placement-timeout": 120}}}, "gateway", {"placement_timeout": 120}),
         ({"gateway": {"config": {"tool-call-parser": "hermes"}}}, "gateway", {"tool_call_parser": "hermes"}),
         ({"model": {"config": {"tool-call-parser": "hermes"}}}, "model", {"tool_call_parser": "hermes"}),
+        ({"model": {"config": {"tool-call-parser": "mistral"}}}, "model", {"tool_call_parser": "mistral"}),
+        (
+            {"gateway": {"config": {"tool-call-parser": "pythonic"}}},
+            "gateway",
+            {"tool_call_parser": "pythonic"},
+        ),
         ({"gateway": {"config": {"reasoning-parser": "qwen3"}}}, "gateway", {"reasoning_parser": "qwen3"}),
         (
             {"model": {"config": {"reasoning-parser": "deepseek_r1"}}},
@@ -475,10 +481,29 @@ def test_the_config_flags_the_schema_allows_are_the_services_own(name):
     not already set itself: rendered with all of them, no variable appears twice."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     key = {"model": "model", "gateway": "gateway", "adapter-service": "adapterService"}[name]
-    flags = schema["properties"][key]["properties"]["config"]["propertyNames"]["enum"]
+    config_schema = schema["properties"][key]["properties"]["config"]
+    flags = config_schema["propertyNames"]["enum"]
     variables = [envflags.env_name(flag) for flag in flags]
-    config = {flag: 1 for flag in flags}
+    choices = {flag: _enum(schema, s) for flag, s in config_schema.get("properties", {}).items()}
+    config = {flag: choices[flag][-1] if flag in choices else 1 for flag in flags}
     env = main_container(workloads(render({key: {"config": config}}))[name])["env"]
     names = [e["name"] for e in env]
     assert len(names) == len(set(names)) and set(variables) <= set(names)
     assert set(variables) <= accepted_variables(build_parser(name))
+
+
+def _enum(schema: dict, prop: dict) -> list:
+    """The values a schema property allows (through its `$ref`, where it has one)."""
+    ref = prop.get("$ref", "")
+    return (schema["definitions"][ref.split("/")[-1]] if ref else prop)["enum"]
+
+
+@pytest.mark.parametrize("name", ["gateway", "model"])
+def test_the_parser_names_the_schema_allows_are_the_services_own(name):
+    """`tool-call-parser` and `reasoning-parser` in `config`: the chart allows exactly the names
+    the service takes (a misspelt one is refused at install, not in a crash-looping pod)."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    config = schema["properties"][name]["properties"]["config"]["properties"]
+    actions = {a.dest: a for a in build_parser(name)._actions}
+    for flag in ("tool-call-parser", "reasoning-parser"):
+        assert _enum(schema, config[flag]) == list(actions[flag.replace("-", "_")].choices), flag

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 
 import openai
@@ -15,16 +16,21 @@ import pytest
 
 from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.requests import PromptReader
+from model_service.errors import InvalidRequestError
 from model_service.models.tokenizer import Tokenizer
 from model_service.pod import wire
+from spindle import cli
 from spindle.openai_api.errors import ApiError
 from spindle.openai_api.requests import chat_request
 from spindle.openai_api.tool_parsers import (
+    PARSERS,
     Arguments,
     CallStart,
     HermesReader,
     Llama3JsonReader,
+    MistralReader,
     NamedReader,
+    PythonicReader,
     Reader,
     RequiredReader,
 )
@@ -74,6 +80,43 @@ def _call(name: str, arguments: str) -> list:
     return [CallStart(name), Arguments(arguments)]
 
 
+PARIS_CALL, TIME_CALL = _call("get_weather", '{"city": "Paris"}'), _call("get_time", "{}")
+# Mistral's calls after `[TOOL_CALLS]`: a JSON list before tokenizer v11, `name[ARGS]{...}` per
+# call from v11 on (a `[CALL_ID]` may come before `[ARGS]`), text before the calls kept
+MISTRAL = [
+    (f'Let me look.\n[TOOL_CALLS] [{WEATHER}, {{"name": "get_time", "arguments": {{}}}}]',
+     ["Let me look.", *PARIS_CALL, *TIME_CALL]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', [*PARIS_CALL, *TIME_CALL]),
+    ('Sure.[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}\nDone.',
+     ["Sure.", *PARIS_CALL, "Done."]),
+    (f"[TOOL_CALLS]{WEATHER}", PARIS_CALL),  # one call, not in a list
+    ('[TOOL_CALLS]f[ARGS]{"s": "[ARGS] é", "n": [1, {"k": null}]}',
+     _call("f", '{"s": "[ARGS] é", "n": [1, {"k": null}]}')),
+    # malformed: the model's text, markup and all (a part the next `[TOOL_CALLS]` closes, alone)
+    *[(text, [text]) for text in (
+        '[TOOL_CALLS]get_weather[ARGS]{"city": oops}', 'x [TOOL_CALLS] [{"arguments": {}}]',
+        "[TOOL_CALLS]get_weather", '[TOOL_CALLS] [{"name": "get_wea', "[TOOL_CALLS]",
+        '[TOOL_CALLS]get weather[ARGS]{}', '[TOOL_CALLS]f[ARGS]["a"]', "[TOOL_CALLS] []")],
+    ('[TOOL_CALLS]get_weather[ARGS]{"ci[TOOL_CALLS]get_time[ARGS]{}',
+     ['[TOOL_CALLS]get_weather[ARGS]{"ci', *TIME_CALL]),
+    # no call: the text exactly, and a "[" that is not the markup
+    ("  a [TOOL b [1] \n", ["  a [TOOL b [1] \n"]),
+    ("ends with [TOOL_CALL", ["ends with [TOOL_CALL"]),
+]  # fmt: skip
+# Llama 3.2 / 4's Python list of calls, read with `ast` (literals only, never run)
+PYTHONIC = [
+    ('[get_weather(city="Paris"), get_time()]', [*PARIS_CALL, *TIME_CALL]),
+    ("\n[f(a=-1, b=[1.5, (2, 'x')], c={'k': None, 't': True}, d=\"é\", e=+2)]\n",
+     _call("f", '{"a": -1, "b": [1.5, [2, "x"]], "c": {"k": null, "t": true}, "d": "é", "e": 2}')),
+    # not all calls of literals: the model's text (the operation is parsed, never run)
+    *[(text, [text]) for text in (
+        "[1] See the docs.", "Sure: [f(a=1)]", "[f(a=1)] and more", "[f(1)]", "[f(a=x)]",
+        "[f(a=__import__('os').system('x'))]", "[f(**k)]", "[f(a=1e999)]", "[f(a=b'x')]", "[f(a={1: 2})]",
+        "[m.f(a=1)]", '[get_weather(city="Pa', "[]", "[f(a=1), 2]", "[f(a=1)][0]", "[ [f(a=1)] ]", "[" * 300,
+        "  ", "[f", "[f(a=1, a=2)]")],
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("make", "text", "expected"),
     [
@@ -111,6 +154,8 @@ def _call(name: str, arguments: str) -> list:
         *[(Llama3JsonReader, text, [text]) for text in ('{"name": "f", "parameters": {}} and more',
                                                          '[{"name": "get_weather", "parameters": {"ci')],
         (Llama3JsonReader, '{"city": "Paris"}', ['{"city": "Paris"}']),  # JSON, but no call
+        *[(MistralReader, text, expected) for text, expected in MISTRAL],
+        *[(PythonicReader, text, expected) for text, expected in PYTHONIC],
         (RequiredReader, '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", '
          '"parameters": {}}]', [*_call("get_weather", '{"city": "Paris"}'), *_call("get_time", "{}")]),
         *[(RequiredReader, text, [text]) for text in ('[{"name": "get_weather", "parameters": {"ci', "[]")],
@@ -123,12 +168,55 @@ def test_a_reader_reads_the_same_calls_whole_and_in_any_split(make, text, expect
         assert _fed(make(), text, size) == expected, size
 
 
-def test_a_streamed_reader_never_sends_markup_as_content():
-    reader = HermesReader()
-    sent = [p for ch in f"Hi <tool_call>{WEATHER}</tool_call>" for p in reader.feed(ch)] + reader.finish()
+@pytest.mark.parametrize(
+    ("make", "text", "expected"),
+    [(MistralReader, *case) for case in MISTRAL] + [(PythonicReader, *case) for case in PYTHONIC],
+)
+def test_mistral_and_pythonic_read_the_same_calls_split_at_every_position(make, text, expected):
+    for at in range(len(text) + 1):
+        reader = make()
+        assert _merged(reader.feed(text[:at]) + reader.feed(text[at:]) + reader.finish()) == expected, at
+
+
+@pytest.mark.parametrize(
+    ("make", "text", "names"),
+    [
+        (HermesReader, f"Hi <tool_call>{WEATHER}</tool_call>", ["get_weather"]),
+        (MistralReader, 'Hi [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+         ["get_weather", "get_time"]),
+        (MistralReader, f"Hi [TOOL_CALLS] [{WEATHER}]", ["get_weather"]),
+    ],
+)  # fmt: skip
+def test_a_streamed_reader_never_sends_markup_as_content(make, text, names):
+    reader = make()
+    sent = [p for ch in text for p in reader.feed(ch)] + reader.finish()
     content = "".join(p for p in sent if isinstance(p, str))
-    assert content == "Hi" and "<" not in content
-    named = NamedReader("f")  # a forced call's arguments stream as they come
+    assert content == "Hi" and "<" not in content and "[" not in content
+    assert [p.name for p in sent if isinstance(p, CallStart)] == names
+
+
+DEEP, DEEP_OBJECT = "[" * 100_000, '{"a": ' * 100_000  # deeper than Python's recursion limit
+
+
+@pytest.mark.parametrize(
+    ("make", "text"),
+    [
+        (HermesReader, f"<tool_call>{DEEP}</tool_call>"),
+        (Llama3JsonReader, DEEP_OBJECT),
+        (RequiredReader, DEEP),
+        (MistralReader, f"[TOOL_CALLS] {DEEP}"),
+        (MistralReader, f"[TOOL_CALLS]f[ARGS]{DEEP_OBJECT}"),
+        (PythonicReader, f"[f(a={DEEP})]"),
+    ],
+)
+def test_json_nested_past_the_recursion_limit_is_content_not_a_crash(make, text):
+    """A model can write 100k "[" (json's decoder then raises RecursionError, not ValueError): not a
+    call, so the text is content, as any other malformed call is, not a failed response."""
+    assert _merged(make().read(text)) == [text]
+
+
+def test_a_forced_calls_arguments_stream_as_they_come():
+    named = NamedReader("f")
     assert named.feed('{"a"') == _call("f", '{"a"') and named.feed(": 1}") == [Arguments(": 1}")]
 
 
@@ -269,26 +357,42 @@ def test_the_pod_renders_tools_calls_and_results_as_transformers_does():
     assert '"name": "get_weather"' in text and "Weather now" in text
 
 
-def test_a_hermes_call_whose_tags_are_special_tokens_is_decoded_and_read():
-    """Some checkpoints (Hermes 2 Pro's) mark `<tool_call>` special: the pod, which skips special
-    tokens by default, must decode them for the parser (as vLLM's hermes parser asks), or the call
-    is bare JSON content. Markup-free reading (a forced call, llama3_json's JSON) keeps the default."""
+@pytest.mark.parametrize(
+    ("parser", "markers", "written", "make"),
+    [
+        ("hermes", ["<tool_call>", "</tool_call>"], f"<tool_call>\n{WEATHER}\n</tool_call>", HermesReader),
+        (
+            "mistral",
+            ["[TOOL_CALLS]", "[ARGS]"],
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+            MistralReader,
+        ),
+    ],
+)
+def test_a_call_whose_markup_is_special_tokens_is_decoded_and_read(parser, markers, written, make):
+    """Some checkpoints (Hermes 2 Pro's) mark `<tool_call>` special, and Mistral's mark
+    `[TOOL_CALLS]` and `[ARGS]`: the pod, which skips special tokens by default, must decode them
+    for the parser (as vLLM's hermes and mistral parsers ask), or the call is bare JSON content (or
+    the name glued to its arguments). Markup-free reading (a forced call, llama3_json's JSON,
+    pythonic's list) keeps the default."""
     hf = _byte_tokenizer()
-    hf.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
-    written = hf.encode(f"<tool_call>\n{WEATHER}\n</tool_call>", add_special_tokens=False)
+    hf.add_special_tokens({"additional_special_tokens": markers})
+    ids = hf.encode(written, add_special_tokens=False)
+    assert (
+        len(ids) < len(written) - sum(map(len, markers)) + len(markers) + 1
+    )  # the markers are one token each
 
     def decoded(body: dict, parser: str) -> str:
         req, _ = _parsed(body, parser)
         params = wire.sampling_params(pb.GenerateRequest.FromString(req.SerializeToString()))
         detokenizer = IncrementalDetokenizer(Tokenizer(hf), hf.encode("Hi", add_special_tokens=False),
                                              params.skip_special_tokens)  # fmt: skip
-        return "".join(detokenizer.push(t) for t in written)
+        return "".join(detokenizer.push(t) for t in ids)
 
-    assert _merged(HermesReader().read(decoded({"tools": TOOLS}, "hermes"))) == _call(
-        "get_weather", '{"city": "Paris"}'
-    )
-    assert "<tool_call>" not in decoded({"tools": TOOLS, "tool_choice": "required"}, "hermes")
-    assert "<tool_call>" not in decoded({"tools": TOOLS}, "llama3_json")
+    assert _merged(make().read(decoded({"tools": TOOLS}, parser))) == PARIS_CALL
+    assert markers[0] not in decoded({"tools": TOOLS, "tool_choice": "required"}, parser)
+    for markup_free in ("llama3_json", "pythonic"):
+        assert markers[0] not in decoded({"tools": TOOLS}, markup_free)
 
 
 class _Scripted:
@@ -325,6 +429,9 @@ async def _both(client: openai.AsyncOpenAI, **asked) -> tuple:
     return whole.choices[0], content, [calls[i] for i in sorted(calls)], finish
 
 
+ID_FORMS = {"mistral": "[A-Za-z0-9]{9}", "other": "call_[0-9a-f]{24}"}
+
+
 @pytest.mark.parametrize(
     ("parser", "text", "content", "calls"),
     [
@@ -334,11 +441,19 @@ async def _both(client: openai.AsyncOpenAI, **asked) -> tuple:
         ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None,
          [("get_weather", {"city": "Paris"})]),
         ("hermes", '<tool_call>{"name": broken</tool_call>', '<tool_call>{"name": broken</tool_call>', []),
+        ("mistral", 'Sure.\n[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+         "Sure.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+        ("mistral", f"[TOOL_CALLS] [{WEATHER}]", None, [("get_weather", {"city": "Paris"})]),
+        *[("mistral", text, text, []) for text in ['[TOOL_CALLS]get_weather[ARGS]{"city": Paris}']],
+        ("pythonic", '[get_weather(city="Paris"), get_time()]', None,
+         [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+        ("pythonic", "[get_weather(city=Paris)]", "[get_weather(city=Paris)]", []),
     ],
 )  # fmt: skip
 def test_the_sdk_reads_the_calls_a_model_writes(parser, text, content, calls):
-    """Streamed and not, the calls are OpenAI's `tool_calls` (ids "call_...", arguments as JSON
-    text), the content never holds the markup, and a malformed call is plain content."""
+    """Streamed and not, the calls are OpenAI's `tool_calls` (arguments as JSON text, ids
+    "call_..." but a mistral server's 9 letters and digits), the content never holds the markup,
+    and a malformed call is plain content."""
     model = _Scripted(text)
 
     async def run() -> tuple:
@@ -349,7 +464,11 @@ def test_the_sdk_reads_the_calls_a_model_writes(parser, text, content, calls):
     assert len(model.requests[0].chat.tools) == 2  # the tools reached the pod's template
     got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
     assert got == calls and choice.message.content == content
-    assert all(c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls or [])
+    ids = [c.id for c in choice.message.tool_calls or []] + [c["id"] for c in streamed_calls]
+    assert all(re.fullmatch(ID_FORMS.get(parser, ID_FORMS["other"]), i) for i in ids) and len(
+        set(ids)
+    ) == len(ids)
+    assert all(c.type == "function" for c in choice.message.tool_calls or [])
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed_calls] == calls
     assert streamed == (content or "")
     assert choice.finish_reason == finish == ("tool_calls" if calls else "stop")
@@ -409,3 +528,75 @@ def test_an_assistant_turns_thinking_sent_back_reaches_the_template():
         chat_request(
             {"messages": [*ASK, {"role": "assistant", "content": "", "reasoning_content": 3}]}, {BASE}
         )
+
+
+# Mistral's chat templates take a call back only with an id of 9 letters and digits (mistral-common's
+# rule; Mistral 7B v0.3's template raises this very error): the check, as a template writes it.
+MISTRAL_TEMPLATE = """
+{%- macro checked(id) %}{% if id is not string or id | length != 9 or not id.isalnum() %}
+{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{% endif %}
+{{- id }}{% endmacro %}
+{%- for message in messages %}
+{%- if message.role == "user" %}[INST]{{ message.content }}[/INST]
+{%- elif message.tool_calls %}[TOOL_CALLS]{% for call in message.tool_calls %}{{ call.function.name }}
+{{- "[CALL_ID]" + checked(call.id) + "[ARGS]" }}{{ call.function.arguments | tojson }}{% endfor %}</s>
+{%- elif message.role == "tool" %}[TOOL_RESULTS]{{ checked(message.tool_call_id) }}[TOOL_CONTENT]
+{{- message.content }}[/TOOL_RESULTS]
+{%- endif %}{% endfor %}"""
+
+
+@pytest.mark.parametrize(
+    ("choice", "text"),
+    [
+        ("auto", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'),
+        ("required", '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'),  # forced: no markup
+    ],
+)
+def test_a_mistral_servers_calls_go_back_through_a_mistral_template(choice, text):
+    """The SDK's answer, call and result sent back as the next turn, renders through a template
+    with Mistral's id rule; an OpenAI-form id ("call_...") is what it refuses."""
+    model = _Scripted(text)
+
+    async def run() -> openai.types.chat.ChatCompletion:
+        async with openai_client_of(model, BASE, "mistral") as client:
+            return await client.chat.completions.create(
+                model=BASE, messages=ASK, tools=TOOLS, tool_choice=choice
+            )
+
+    message = asyncio.run(run()).choices[0].message
+    assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+    hf = _byte_tokenizer()
+    hf.chat_template = MISTRAL_TEMPLATE
+    reader = PromptReader(Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, max_kv_tokens=4096)
+
+    def rendered(call_id: str) -> str:
+        call = {**message.tool_calls[0].model_dump(), "id": call_id}
+        turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": call_id, "content": "18 C"}]  # fmt: skip
+        req, _ = chat_request({"messages": turns, "tools": TOOLS}, {BASE}, "mistral")
+        kwargs = wire.engine_request(pb.GenerateRequest.FromString(req.SerializeToString()))
+        return hf.decode(reader.token_ids(None, kwargs["messages"], None, kwargs["tools"]))
+
+    given = message.tool_calls[0].id
+    assert f'[CALL_ID]{given}[ARGS]{{"city": "Paris"}}' in rendered(given)
+    assert f"[TOOL_RESULTS]{given}[TOOL_CONTENT]18 C" in rendered(given)
+    with pytest.raises(InvalidRequestError, match=r"refused these messages.*length 9"):
+        rendered("call_" + given)
+
+
+@pytest.mark.parametrize("command", ["serve", "gateway", "up"])
+def test_every_command_offers_the_parsers_and_refuses_an_unknown_one(command, capsys, monkeypatch):
+    """`--tool-call-parser` (and SPINDLE_TOOL_CALL_PARSER) on the pod, the gateway and `spindle up`:
+    the readers' names, and a misspelt one refused naming it, before anything starts."""
+    _, parser = cli.command_parser(command)
+    action = next(a for a in parser._actions if a.dest == "tool_call_parser")
+    assert tuple(action.choices) == PARSERS and {"mistral", "pythonic"} < set(PARSERS)
+    with pytest.raises(SystemExit):
+        parser.parse_known_args(["--tool-call-parser", "mistrall"])
+    assert "invalid choice: 'mistrall'" in capsys.readouterr().err
+    monkeypatch.setenv("SPINDLE_TOOL_CALL_PARSER", "pythonic")
+    assert cli.command_parser(command)[1].parse_known_args([])[0].tool_call_parser == "pythonic"
+    monkeypatch.setenv("SPINDLE_TOOL_CALL_PARSER", "Mistral")
+    with pytest.raises(SystemExit):
+        cli.command_parser(command)
+    assert "SPINDLE_TOOL_CALL_PARSER='Mistral'" in capsys.readouterr().err

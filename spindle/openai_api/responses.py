@@ -12,7 +12,6 @@ calls `tool_calls` (tool_parsers.py), as vLLM and OpenAI send them, whole and st
 from __future__ import annotations
 
 import time
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -232,7 +231,7 @@ class ChatOutput:
     """One chat choice's text read as its parts: the reasoning (with a reasoning parser: the
     model's thinking, `reasoning_content`), then content and tool calls (with `use`: calls read
     from the content only, so markup the model thinks about is never a call). As OpenAI's JSON: a
-    `CallStart` is a new call (its `index`, an id "call_...", its name), `Arguments` extend the
+    `CallStart` is a new call (its `index`, an id (`ToolUse.call_id`), its name), `Arguments` extend the
     last one. With `parallel_tool_calls: false` the calls after the first are dropped, as vLLM
     does."""
 
@@ -267,7 +266,7 @@ class ChatOutput:
             elif isinstance(piece, CallStart):
                 self._dropping = bool(self.calls) and not self.use.parallel
                 if not self._dropping:
-                    call_id = "call_" + uuid.uuid4().hex[:24]
+                    call_id = self.use.call_id()
                     self.calls.append({"id": call_id, "type": "function",
                                        "function": {"name": piece.name, "arguments": ""}})  # fmt: skip
                     out.append(_call_delta(len(self.calls) - 1, id=call_id, type="function",

@@ -63,8 +63,10 @@ def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
         default="none",
         help='how the HTTP API reads the tool calls a model writes under `tool_choice` "auto" (vLLM\'s '
         "--enable-auto-tool-choice --tool-call-parser): hermes = <tool_call>{...}</tool_call> (Hermes, "
-        'Qwen 2.5/3), llama3_json = {"name": ..., "parameters": ...} (Llama 3.1+); none = "auto" is '
-        'refused, "required", a named function and "none" are served [none]',
+        'Qwen 2.5/3), llama3_json = {"name": ..., "parameters": ...} (Llama 3.1+), mistral = '
+        "[TOOL_CALLS]... (Mistral, Mixtral, Ministral; calls get 9-character ids), pythonic = "
+        '[f(a=1), g()] (Llama 3.2/4); none = "auto" is refused, "required", a named function and "none" '
+        "are served [none]",
     )
     parser.add_argument(
         "--reasoning-parser",

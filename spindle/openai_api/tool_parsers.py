@@ -2,9 +2,10 @@
 
 A model asked with `tools` answers in text: its own markup for a call (Hermes' and Qwen's
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Llama 3's bare `{"name": ...,
-"parameters": {...}}`), or, under `tool_choice` "required" or a named function, the JSON the
-structured-output engine forced (requests.py's tools part builds its schema). A `Reader` turns
-the text, fed piece by piece as the pod streams it, into `Piece`s: content text (never any call
+"parameters": {...}}`, Mistral's `[TOOL_CALLS]`, Llama 3.2's Python list `[f(a=1)]`), or, under
+`tool_choice` "required" or a named function, the JSON the structured-output engine forced
+(requests.py's tools part builds its schema). A `Reader` turns the text, fed piece by piece as
+the pod streams it, into `Piece`s: content text (never any call
 markup, which is held back until it is known to be one), `CallStart` and `Arguments`. The whole
 response is the same reader fed once, so a streamed answer and a whole one always agree.
 
@@ -14,12 +15,20 @@ A call whose JSON does not parse, or lacks a name, is not a call: its text is re
 
 from __future__ import annotations
 
+import ast
 import json
+import math
+import re
+import secrets
+import string
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-PARSERS = ("none", "hermes", "llama3_json")  # --tool-call-parser's choices (none: "auto" is refused)
+# --tool-call-parser's choices (none: "auto" is refused)
+PARSERS = ("none", "hermes", "llama3_json", "mistral", "pythonic")
+_MISTRAL_ID = string.ascii_letters + string.digits
 
 
 @dataclass(frozen=True)
@@ -164,10 +173,7 @@ class HermesReader(Reader):
 
     def _call_json(self, body: str) -> Any:
         """The call `body` states, decoded (None: it is not valid JSON of a call)."""
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
+        obj = json_value(body)
         return obj if self._arguments(obj, "arguments", "parameters") is not None else None
 
     def _block(self, body: str, closed: bool) -> list[Piece]:
@@ -212,12 +218,13 @@ class Llama3JsonReader(Reader):
         return calls if calls is not None else [text]
 
     def _calls(self, text: str) -> list[Piece] | None:
-        decoder, out, at = json.JSONDecoder(), [], 0
+        out: list[Piece] = []
+        at = 0
         while at < len(text):
-            try:
-                obj, at = decoder.raw_decode(text, at)
-            except ValueError:
+            decoded = json_prefix(text, at)
+            if decoded is None:
                 return None
+            obj, at = decoded
             call = self._as_call(obj, "parameters", "arguments")
             if call is None:
                 return None
@@ -226,6 +233,164 @@ class Llama3JsonReader(Reader):
         if not out:
             return None
         return out
+
+
+class MistralReader(Reader):
+    """Mistral's calls, after the text they follow (vLLM's `mistral`): `[TOOL_CALLS]` then a JSON
+    list of `{"name": ..., "arguments": {...}}` (Mistral 7B v0.3, Mixtral: tokenizers before v11),
+    or `[TOOL_CALLS]name[ARGS]{...}` per call (Mistral Small 3.1+, Ministral, Magistral: v11 and
+    later, where `[CALL_ID]...` may part the name from `[ARGS]`). Both markers are special tokens,
+    which the pod then keeps for it. Text before the first `[TOOL_CALLS]` is content, streamed as
+    it comes; each part after one is read when the next `[TOOL_CALLS]` or the output's end closes
+    it. A part that is not a call (JSON that does not parse, no name) is content, markup and all;
+    text after a call's JSON is content too."""
+
+    START = "[TOOL_CALLS]"
+    NAMED = re.compile(r"\s*([a-zA-Z0-9_-]{1,64})\s*(?:\[CALL_ID\]\s*[a-zA-Z0-9]*\s*)?(?:\[ARGS\])?\s*")
+    markup_is_special = True
+
+    def __init__(self) -> None:
+        self.buffer, self.in_calls, self.content = "", False, _Content()
+        self.tried = 0  # where the next `[TOOL_CALLS]` is looked for (the text before has none)
+
+    def feed(self, text: str) -> list[Piece]:
+        self.buffer += text
+        out: list[Piece] = []
+        while (start := self.buffer.find(self.START, self.tried)) >= 0:
+            before, self.buffer, self.tried = self.buffer[:start], self.buffer[start + len(self.START) :], 0
+            out += self._part(before) if self.in_calls else self.content.text(before)
+            self.in_calls = True
+        keep = partial_suffix(self.buffer, self.START)
+        if self.in_calls:
+            self.tried = len(self.buffer) - keep
+            return out
+        out += self.content.text(self.buffer[: len(self.buffer) - keep])
+        self.buffer = self.buffer[len(self.buffer) - keep :]
+        return out
+
+    def finish(self) -> list[Piece]:
+        rest, self.buffer = self.buffer, ""
+        out = self._part(rest) if self.in_calls else self.content.text(rest)
+        return out + self.content.end(self.calls > 0)
+
+    def _part(self, text: str) -> list[Piece]:
+        """What followed one `[TOOL_CALLS]`: its calls and the text after them, or content."""
+        body = text.lstrip()
+        read = self._listed(body) if body.startswith(("[", "{")) else self._named(body)
+        if read is None:
+            return self.content.text(self.START + text)
+        pieces, rest = read
+        self.content.call()
+        return pieces + self.content.text(rest)
+
+    def _listed(self, body: str) -> tuple[list[Piece], str] | None:
+        """Before v11: a JSON list of calls (or one call), and the text after it."""
+        decoded = json_prefix(body)
+        if decoded is None:
+            return None
+        value, end = decoded
+        calls = value if isinstance(value, list) else [value]
+        if not calls or any(self._arguments(c, "arguments", "parameters") is None for c in calls):
+            return None
+        return [p for c in calls for p in self._as_call(c, "arguments", "parameters") or ()], body[end:]
+
+    def _named(self, body: str) -> tuple[list[Piece], str] | None:
+        """v11 and later: `name[ARGS]{...}`, and the text after the arguments' JSON object."""
+        named = self.NAMED.match(body)
+        decoded = json_prefix(body, named.end()) if named else None
+        if named is None or decoded is None or not isinstance(decoded[0], dict):
+            return None
+        arguments, end = decoded
+        return self._call(named[1], arguments), body[end:]
+
+
+class PythonicReader(Reader):
+    """An output that is a Python list of calls, `[get_weather(city="Paris"), get_time()]` (Llama
+    3.2, Llama 4 and ToolACE): vLLM's `pythonic`. The list is parsed with `ast`, never run: a call
+    is a plain name with keyword arguments only, each a literal (a string, a number, True, False,
+    None, or a list, tuple or string-keyed dict of them), which becomes its JSON arguments. An
+    output that starts otherwise, or with a "[" no name and "(" follow, is content, streamed as it
+    comes; one that starts like a call is held to its end, then read whole (content, as vLLM reads
+    it, if it is not all calls: text around the list, a positional argument, an expression)."""
+
+    HEAD = re.compile(r"\[\s*[A-Za-z_][A-Za-z0-9_]*\s*\(")  # how a list of calls starts
+    UNDECIDED = re.compile(r"\[\s*(?:[A-Za-z_][A-Za-z0-9_]*\s*)?")  # a start that may become one
+
+    def __init__(self) -> None:
+        self.buffer, self.mode = "", ""  # mode: "" undecided, "text", "calls"
+
+    def feed(self, text: str) -> list[Piece]:
+        if self.mode == "text":
+            return [text] if text else []
+        self.buffer += text
+        if self.mode == "calls":
+            return []
+        head = self.buffer.lstrip()
+        if not head or self.UNDECIDED.fullmatch(head):
+            return []  # undecided yet
+        self.mode = "calls" if self.HEAD.match(head) else "text"
+        if self.mode == "calls":
+            return []
+        out, self.buffer = self.buffer, ""
+        return [out]
+
+    def finish(self) -> list[Piece]:
+        text, self.buffer = self.buffer, ""
+        if self.mode == "text" or not text:
+            return []
+        calls = _python_calls(text) if self.mode == "calls" else None
+        return [p for name, arguments in calls for p in self._call(name, arguments)] if calls else [text]
+
+
+def _python_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
+    """The calls a Python list of them states, each its name and arguments (None: `text` is not
+    one). `ast.parse` only parses: nothing the model wrote runs."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # deep nesting: no call either
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    try:
+        return [_python_call(node) for node in tree.elts]
+    except ValueError:
+        return None
+
+
+def _python_call(node: ast.expr) -> tuple[str, dict[str, Any]]:
+    """One `name(key=literal, ...)` (ValueError: it is something else). A positional argument,
+    `**kwargs` or a keyword given twice (which `ast.parse` lets through) is refused: the call
+    would lose an argument it was meant to have."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        raise ValueError("not a call of a name with keyword arguments")
+    keys = [k.arg for k in node.keywords]
+    if None in keys or len(set(keys)) < len(keys):
+        raise ValueError("**kwargs, or a keyword twice")
+    return node.func.id, {k.arg: _literal(k.value) for k in node.keywords if k.arg is not None}
+
+
+def _literal(node: ast.expr) -> Any:
+    """The JSON value a Python literal states (ValueError: it is no literal, or has no JSON form)."""
+    if isinstance(node, ast.Constant) and _is_json_scalar(node.value):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        number = _literal(node.operand)  # -1, -2.5: a negative number is an operation in Python
+        if isinstance(number, (int, float)) and not isinstance(number, bool):
+            return -number if isinstance(node.op, ast.USub) else number
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        keys = [k.value if isinstance(k, ast.Constant) else None for k in node.keys]  # None: `**other`
+        if all(isinstance(k, str) for k in keys):
+            return {k: _literal(v) for k, v in zip(keys, node.values, strict=True)}
+    raise ValueError(f"not a literal: {ast.dump(node)[:100]}")
+
+
+def _is_json_scalar(value: Any) -> bool:
+    """Whether a constant has a JSON form (bytes, complex, ... and inf/nan have none)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return value is None or isinstance(value, (str, int, bool))
 
 
 class NamedReader(Reader):
@@ -260,16 +425,32 @@ class RequiredReader(Reader):
 
     def finish(self) -> list[Piece]:
         text, self.buffer = self.buffer, ""
-        try:
-            calls = json.loads(text)
-        except ValueError:
-            calls = None
+        calls = json_value(text)
         calls = calls if isinstance(calls, list) else []
         pieces = [self._as_call(c, "parameters", "arguments") for c in calls]
         if not pieces or any(p is None for p in pieces):
             self.calls = 0
             return [text] if text else []
         return [piece for p in pieces for piece in p or ()]
+
+
+_DECODER, _JSON_SPACE = json.JSONDecoder(), " \t\n\r"
+
+
+def json_prefix(text: str, at: int = 0) -> tuple[Any, int] | None:
+    """The JSON value that starts at `text[at]` and where it ends (None: none does). Nesting
+    deeper than Python's recursion limit (a model can write 100k "[") makes json raise
+    RecursionError: that is no value either, and the text is content, not a failed response."""
+    try:
+        return _DECODER.raw_decode(text, at)
+    except (ValueError, RecursionError):
+        return None
+
+
+def json_value(text: str) -> Any:
+    """`text` as one JSON value, whitespace around it allowed (None: it is not one, as above)."""
+    decoded = json_prefix(text, len(text) - len(text.lstrip(_JSON_SPACE)))
+    return decoded[0] if decoded is not None and not text[decoded[1] :].strip(_JSON_SPACE) else None
 
 
 def partial_suffix(text: str, marker: str) -> int:
@@ -281,4 +462,19 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-READERS = {"hermes": HermesReader, "llama3_json": Llama3JsonReader}
+READERS = {
+    "hermes": HermesReader,
+    "llama3_json": Llama3JsonReader,
+    "mistral": MistralReader,
+    "pythonic": PythonicReader,
+}
+
+
+def call_id(parser: str) -> str:
+    """A new call's id under the server's --tool-call-parser: Mistral's chat templates refuse an
+    id that is not 9 letters and digits (mistral-common's rule) when the call comes back in the
+    conversation, so a `mistral` server's calls, parsed or forced, get such ids (vLLM's); others
+    OpenAI's form, "call_" and 24 hex digits."""
+    if parser == "mistral":
+        return "".join(secrets.choice(_MISTRAL_ID) for _ in range(9))
+    return "call_" + uuid.uuid4().hex[:24]

@@ -37,7 +37,8 @@ _CHOICES = '"none", "auto", "required" or {"type": "function", "function": {"nam
 @dataclass(frozen=True)
 class ToolUse:
     """How a chat's output is read for calls: `parser` (the server's) under "auto", the forced
-    JSON under "required" or a named function (`name`). `parallel`: false keeps one call."""
+    JSON under "required" or a named function (`name`). `parallel`: false keeps one call. The
+    calls' ids are the server parser's form under any choice (`call_id`)."""
 
     choice: str  # "auto", "required" or "named"
     parser: str = "none"
@@ -48,8 +49,12 @@ class ToolUse:
     def reads_special_tokens(self) -> bool:
         """Whether the calls' markup may be special tokens, which the pod must then decode (by
         default it skips them): some checkpoints (Hermes 2 Pro's) mark `<tool_call>` special, and
-        their calls would come as bare JSON content. vLLM's hermes parser keeps them so too."""
+        their calls would come as bare JSON content; Mistral's `[TOOL_CALLS]` and `[ARGS]` are
+        always special. vLLM's hermes and mistral parsers keep them so too."""
         return self.choice == "auto" and tool_parsers.READERS[self.parser].markup_is_special
+
+    def call_id(self) -> str:
+        return tool_parsers.call_id(self.parser)
 
     def reader(self) -> Reader:
         if self.choice == "named":
@@ -92,18 +97,19 @@ def _choice(
         if parser == "none":
             raise bad_request(
                 '`tool_choice` "auto" (the default with `tools`) needs the server to read the model\'s '
-                "calls: start it with --tool-call-parser (hermes, llama3_json), or send `tool_choice` "
-                '"required", a named function, or "none"',
+                f"calls: start it with --tool-call-parser ({', '.join(tool_parsers.PARSERS[1:])}), or send "
+                '`tool_choice` "required", a named function, or "none"',
                 "tool_choice",
             )
         return ToolUse("auto", parser=parser, parallel=parallel), None
     if choice == "required":
-        return ToolUse("required", parallel=parallel), json.dumps(_calls_schema(tools, parallel))
+        schema = json.dumps(_calls_schema(tools, parallel))
+        return ToolUse("required", parser=parser, parallel=parallel), schema
     name = _named(choice)
     tool = next((t for t in tools if t.name == name), None)
     if tool is None:
         raise bad_request(f"`tool_choice` names {name!r}, which is not one of `tools`", "tool_choice")
-    return ToolUse("named", name=name), _parameters_text(tool)
+    return ToolUse("named", parser=parser, name=name), _parameters_text(tool)
 
 
 def _named(choice: Any) -> str:
