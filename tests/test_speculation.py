@@ -5,6 +5,9 @@ rows keep the target distribution exactly (rejection sampling)."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -28,6 +31,37 @@ def test_ngram_proposer_continues_the_most_recent_match_of_the_longest_tail():
     assert p.lookup([5, 6, 7, 8, 6, 7], 4) == [8, 6, 7]  # shorter tail "6 7"; the rest is short
     assert p.lookup([1, 2, 3, 4], 3) == []  # no earlier occurrence of any tail
     assert p.lookup([4], 3) == []
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"num_speculative_tokens": 2.5}, "num_speculative_tokens must be an integer, not 2.5"),
+        ({"num_speculative_tokens": "4"}, "num_speculative_tokens must be an integer, not '4'"),
+        ({"num_speculative_tokens": None}, "num_speculative_tokens must be an integer, not None"),
+        ({"prompt_lookup_max": True}, "prompt_lookup_max must be an integer, not True"),
+        ({"method": "draft", "model": 5}, "model must be a string, not 5"),
+        ({"disable_by_batch_size": 4}, "unknown keys ['disable_by_batch_size'] (this engine reads ['method'"),
+        ({"method": "eagle", "model": "x"}, "method 'eagle' (EAGLE-1/2 heads are not supported)"),
+    ],
+)
+def test_speculative_configs_of_the_wrong_types_or_keys_are_refused_by_name(bad: dict, message: str):
+    """A float or string count passed the range check (or crashed it with a TypeError), and a
+    float then failed every request at its first proposal ("slice indices must be integers")."""
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        SpeculativeConfig.from_json(json.dumps(bad))
+    with pytest.raises(InvalidRequestError, match="the config is a JSON object, not"):
+        SpeculativeConfig.from_json("[4]")
+
+
+def test_vllms_spellings_and_defaults_are_read_as_vllm_reads_them():
+    """vLLM's older MTP names ("deepseek_mtp") are "mtp", and a prompt_lookup_min given alone is
+    also the max (it was refused against our default max of 4)."""
+    assert SpeculativeConfig.from_json('{"method": "deepseek_mtp", "num_speculative_tokens": 1}').is_mtp
+    alone = SpeculativeConfig.from_json('{"method": "ngram", "prompt_lookup_min": 5}')
+    assert alone is not None and (alone.prompt_lookup_min, alone.prompt_lookup_max) == (5, 5)
+    both = SpeculativeConfig.from_json('{"prompt_lookup_max": 3}')
+    assert both is not None and (both.prompt_lookup_min, both.prompt_lookup_max) == (1, 3)
 
 
 def test_greedy_acceptance_keeps_matching_proposals_and_adds_the_target_token():

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -46,6 +46,7 @@ from model_service.engine.sampler import AllowedTokens, SampleRow, draw, filtere
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import Sequence
 from model_service.errors import InvalidRequestError
+from model_service.models.eagle3 import is_eagle3_head
 
 if TYPE_CHECKING:
     from model_service.engine.batch_builder import StepItem
@@ -81,10 +82,7 @@ class SpeculativeConfig:
         if text in (None, "", {}):
             return None
         try:
-            raw = json.loads(text) if isinstance(text, str) else dict(text)
-            if "model" in raw and "method" not in raw:  # vLLM infers a draft model from `model`
-                raw["method"] = "draft"
-            config = cls(**raw)
+            config = cls(**_as_vllm_reads(json.loads(text) if isinstance(text, str) else text))
         except (json.JSONDecodeError, TypeError) as e:
             raise InvalidRequestError(
                 f"--speculative-config: {e}; expected JSON such as "
@@ -92,6 +90,7 @@ class SpeculativeConfig:
                 '{"method": "draft", "model": "PATH", "num_speculative_tokens": 4} or '
                 '{"method": "eagle3", "model": "HEAD_DIR", "num_speculative_tokens": 3}'
             ) from e
+        config._check_types()
         config._check_method()
         if not 1 <= config.num_speculative_tokens <= 16:
             raise InvalidRequestError("--speculative-config: num_speculative_tokens must be 1..16")
@@ -100,6 +99,18 @@ class SpeculativeConfig:
                 "--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max"
             )
         return config
+
+    def _check_types(self) -> None:
+        """JSON's types as the fields': a float or string count would pass the range checks (or
+        fail them with a TypeError) and fail every request at its first proposal."""
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidRequestError(f"--speculative-config: {name} must be an integer, not {value!r}")
+        for name in ("method", "model"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) or (name == "model" and value is None)):
+                raise InvalidRequestError(f"--speculative-config: {name} must be a string, not {value!r}")
 
     @property
     def is_draft(self) -> bool:
@@ -120,8 +131,9 @@ class SpeculativeConfig:
 
     def _check_method(self) -> None:
         if self.method not in METHODS:
+            eagle = " (EAGLE-1/2 heads are not supported)" if self.method == "eagle" else ""
             raise InvalidRequestError(
-                f"--speculative-config: method {self.method!r}; supported: 'ngram', 'draft' "
+                f"--speculative-config: method {self.method!r}{eagle}; supported: 'ngram', 'draft' "
                 "('draft_model'), 'mtp' (a checkpoint with num_nextn_predict_layers), 'eagle3' "
                 '(an EAGLE-3 head\'s checkpoint as "model")'
             )
@@ -139,6 +151,28 @@ class SpeculativeConfig:
                 f'--speculative-config: "model" is for method "draft" (or "eagle3"); method '
                 f"{self.method!r} runs no model of its own"
             )
+
+
+def _as_vllm_reads(raw: dict[str, Any]) -> dict[str, Any]:
+    """The config with what vLLM fills in or renames: the method of a config naming only a
+    `model` (an EAGLE-3 head's by its config.json, else a draft model), "mtp" for vLLM's older
+    per-family MTP names ("deepseek_mtp"), and an unset prompt_lookup_max equal to the min given
+    (so {"prompt_lookup_min": 5} alone is a window of 5, not a refusal against our default max)."""
+    if not isinstance(raw, dict):
+        raise TypeError(f"the config is a JSON object, not {raw!r}")
+    unknown = sorted(raw.keys() - {f.name for f in fields(SpeculativeConfig)})
+    if unknown:
+        raise TypeError(
+            f"unknown keys {unknown} (this engine reads {[f.name for f in fields(SpeculativeConfig)]})"
+        )
+    raw = dict(raw)
+    if "model" in raw and "method" not in raw:
+        raw["method"] = "eagle3" if is_eagle3_head(raw["model"]) else "draft"
+    if isinstance(raw.get("method"), str) and raw["method"].endswith("_mtp"):
+        raw["method"] = "mtp"
+    if "prompt_lookup_min" in raw and "prompt_lookup_max" not in raw:
+        raw["prompt_lookup_max"] = raw["prompt_lookup_min"]
+    return raw
 
 
 class Proposer(Protocol):

@@ -148,6 +148,21 @@ class Eagle3Draft(nn.Module):
         return full
 
 
+def is_eagle3_head(name: str) -> bool:
+    """Whether `name` is a directory whose config.json declares an EAGLE-3 head (an architecture
+    of one, or the speculators format's algorithm): vLLM infers method "eagle3" from it."""
+    file = Path(name).expanduser() / "config.json"
+    try:
+        raw = json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return False
+    if not isinstance(raw, dict):
+        return False
+    speculators = raw.get("speculators_config")
+    algorithm = speculators.get("algorithm") if isinstance(speculators, dict) else None
+    return algorithm == "eagle3" or any(a in ARCHITECTURES for a in raw.get("architectures") or [])
+
+
 def read_eagle3_config(path: Path, target: ModelConfig) -> Eagle3Config:
     """The head's config.json (EAGLE / SGLang's flat one, or the speculators format), checked
     against the target it will read."""
