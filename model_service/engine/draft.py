@@ -46,6 +46,7 @@ from model_service.engine.seq_state import SequenceState
 from model_service.engine.sequence import Sequence, Status
 from model_service.engine.speculation import Drafting, Proposal, SpeculativeConfig, draw_next, proposals_of
 from model_service.errors import ModelLoadError
+from model_service.models.eagle3 import is_eagle3_head
 from model_service.models.loader import LoadedModel, load_model, resolve_model_path
 
 
@@ -59,6 +60,11 @@ def load_draft(
     assert spec.model is not None
     if _same_file(spec.model, target.name):
         return target
+    if is_eagle3_head(spec.model):
+        raise ModelLoadError(
+            f"draft model {spec.model!r} is an EAGLE-3 head, which reads the target's hidden states: "
+            'use method "eagle3"'
+        )
     draft = load_model(spec.model, config.torch_dtype(), config.torch_device())
     check_same_vocab(target, draft)
     if draft.config.num_state_layers:
