@@ -142,6 +142,39 @@ def test_a_seeded_row_draws_the_tokens_it_draws_without_speculation(tiny_llama, 
     assert_all_blocks_free(engine)
 
 
+def test_acceptance_is_exported_by_position_with_the_number_of_drafts(tiny_llama):
+    """vLLM's spec-decode metrics: `num_drafts` (verify runs: 1 + accepted / drafts is the mean
+    tokens a run emits, what dashboards plot) and `num_accepted_tokens_per_pos` were not
+    exported, only the proposed and accepted totals. The oracle proposes the right token then a
+    wrong one: every run accepts at position 0 and none at 1."""
+    from prometheus_client import generate_latest
+
+    from model_service.pod.metrics import PodMetrics, Snapshot
+    from tests.test_observability import _strictly_parsed
+
+    request = {
+        "prompt_token_ids": [5, 17, 33, 101, 250, 7],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    drawn = make_engine(tiny_llama).generate([request])[0].token_ids
+    engine = make_engine(tiny_llama, speculative_config=NGRAM)
+    engine.speculation.proposer = _Oracle(drawn, tiny_llama.config.vocab_size)
+    assert engine.generate([request])[0].token_ids == drawn
+    stats = engine.stats()
+    drafts = stats.spec_drafts
+    assert drafts > 0 and stats.spec_accepted_tokens == drafts and stats.spec_proposed_tokens > drafts
+    assert stats.spec_accepted_per_position == (drafts, 0, 0, 0)
+    text = generate_latest(PodMetrics("m", lambda: Snapshot(stats, max_adapters=1)).registry).decode()
+    samples = _strictly_parsed(text)
+    assert [s.value for s in samples["vllm:spec_decode_num_drafts_total"]] == [drafts]
+    by_position = {
+        s.labels["position"]: s.value for s in samples["vllm:spec_decode_num_accepted_tokens_per_pos_total"]
+    }
+    assert by_position == {"0": drafts, "1": 0, "2": 0, "3": 0}
+
+
 @pytest.mark.parametrize(
     "text",
     ['{"method": "eagle"}', '{"method": "ngram", "num_speculative_tokens": 0}', "{not json", '{"k": 1}'],

@@ -216,6 +216,8 @@ class Speculation:
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.proposed = self.accepted = 0  # proposed and accepted tokens
         self.drafts = 0  # verify runs: a run emits 1 + accepted / drafts tokens on average
+        # accepted proposals by their position in the run (vLLM's per-position acceptance)
+        self.accepted_at = [0] * config.num_speculative_tokens
         # Each decoding sequence's proposals, to verify in its next step; the scheduler, which
         # decides whether they run, drops those that cannot (it is given this table).
         self.proposals: dict[Sequence, Proposal] = {}
@@ -223,6 +225,7 @@ class Speculation:
     def forget_history(self) -> None:
         """Zero the counters (after the engine's warm-up)."""
         self.proposed = self.accepted = self.drafts = 0
+        self.accepted_at = [0] * self.config.num_speculative_tokens
 
     def propose(self, seqs: list[Sequence]) -> None:
         """Proposals for each of `seqs` that can speculate, to verify in its next step; cut to
@@ -289,10 +292,16 @@ class Speculation:
         else:
             probs = filtered_probs(logits, [seq.params] * len(logits))
             emitted = accept_sampled(proposals, probs, seq.sampling.generator, draft_probs)
-        self.proposed += len(proposals)
-        self.accepted += len(emitted) - 1
-        self.drafts += 1
+        self._count(len(proposals), len(emitted) - 1)
         return emitted, len(proposals) - len(emitted) + 1
+
+    def _count(self, proposed: int, accepted: int) -> None:
+        """One verify run's proposals and how many of them (the first `accepted`) were kept."""
+        self.proposed += proposed
+        self.accepted += accepted
+        self.drafts += 1
+        for position in range(accepted):
+            self.accepted_at[position] += 1
 
     def _under_grammar(
         self, constraint: Constraint, proposal: Proposal, logits: torch.Tensor
