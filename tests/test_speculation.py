@@ -55,9 +55,14 @@ def test_speculative_configs_of_the_wrong_types_or_keys_are_refused_by_name(bad:
 
 
 def test_vllms_spellings_and_defaults_are_read_as_vllm_reads_them():
-    """vLLM's older MTP names ("deepseek_mtp") are "mtp", and a prompt_lookup_min given alone is
-    also the max (it was refused against our default max of 4)."""
+    """vLLM's older MTP names ("deepseek_mtp") are "mtp", its older "[ngram]" (as method or model)
+    is "ngram" (as a model it was loaded as a draft: "neither a known alias nor an existing
+    path"), and a prompt_lookup_min given alone is also the max (it was refused against our
+    default max of 4)."""
     assert SpeculativeConfig.from_json('{"method": "deepseek_mtp", "num_speculative_tokens": 1}').is_mtp
+    for old in ('{"model": "[ngram]", "prompt_lookup_max": 3}', '{"method": "[ngram]"}'):
+        ngram = SpeculativeConfig.from_json(old)
+        assert ngram is not None and ngram.method == "ngram" and ngram.model is None
     alone = SpeculativeConfig.from_json('{"method": "ngram", "prompt_lookup_min": 5}')
     assert alone is not None and (alone.prompt_lookup_min, alone.prompt_lookup_max) == (5, 5)
     both = SpeculativeConfig.from_json('{"prompt_lookup_max": 3}')

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 DRAFT_METHODS = ("draft", "draft_model")  # ours and vLLM's spelling
 METHODS = ("ngram", *DRAFT_METHODS, "mtp", "eagle3")
 MODEL_METHODS = (*DRAFT_METHODS, "eagle3")  # those that name a model of their own
+NGRAM_NAMES = ("ngram", "[ngram]")  # vLLM's, "[ngram]" its older one (then also as "model")
 
 
 @dataclass
@@ -155,19 +156,23 @@ class SpeculativeConfig:
 
 def _as_vllm_reads(raw: dict[str, Any]) -> dict[str, Any]:
     """The config with what vLLM fills in or renames: the method of a config naming only a
-    `model` (an EAGLE-3 head's by its config.json, else a draft model), "mtp" for vLLM's older
-    per-family MTP names ("deepseek_mtp"), and an unset prompt_lookup_max equal to the min given
+    `model` (an EAGLE-3 head's by its config.json, else a draft model), vLLM's older spellings
+    ("[ngram]" as method or model; "deepseek_mtp" and the other per-family MTP names), and an unset prompt_lookup_max equal to the min given
     (so {"prompt_lookup_min": 5} alone is a window of 5, not a refusal against our default max)."""
     if not isinstance(raw, dict):
         raise TypeError(f"the config is a JSON object, not {raw!r}")
-    unknown = sorted(raw.keys() - {f.name for f in fields(SpeculativeConfig)})
+    known = [f.name for f in fields(SpeculativeConfig)]
+    unknown = sorted(raw.keys() - set(known))
     if unknown:
-        raise TypeError(
-            f"unknown keys {unknown} (this engine reads {[f.name for f in fields(SpeculativeConfig)]})"
-        )
+        raise TypeError(f"unknown keys {unknown} (this engine reads {known})")
     raw = dict(raw)
+    if raw.get("model") in NGRAM_NAMES and raw.get("method", "ngram") in NGRAM_NAMES:
+        del raw["model"]  # vLLM's older spelling: {"model": "[ngram]"}
+        raw["method"] = "ngram"
     if "model" in raw and "method" not in raw:
         raw["method"] = "eagle3" if is_eagle3_head(raw["model"]) else "draft"
+    if raw.get("method") == "[ngram]":
+        raw["method"] = "ngram"
     if isinstance(raw.get("method"), str) and raw["method"].endswith("_mtp"):
         raw["method"] = "mtp"
     if "prompt_lookup_min" in raw and "prompt_lookup_max" not in raw:
