@@ -157,8 +157,9 @@ class SpeculativeConfig:
 def _as_vllm_reads(raw: dict[str, Any]) -> dict[str, Any]:
     """The config with what vLLM fills in or renames: the method of a config naming only a
     `model` (an EAGLE-3 head's by its config.json, else a draft model), vLLM's older spellings
-    ("[ngram]" as method or model; "deepseek_mtp" and the other per-family MTP names), and an unset prompt_lookup_max equal to the min given
-    (so {"prompt_lookup_min": 5} alone is a window of 5, not a refusal against our default max)."""
+    ("[ngram]" as method or model; "deepseek_mtp" and the other per-family MTP names), and an
+    unset prompt_lookup_max equal to the min given (so {"prompt_lookup_min": 5} alone is a window
+    of 5, not a refusal against our default max)."""
     if not isinstance(raw, dict):
         raise TypeError(f"the config is a JSON object, not {raw!r}")
     known = [f.name for f in fields(SpeculativeConfig)]
