@@ -332,6 +332,27 @@ def test_a_config_naming_only_a_head_is_read_as_eagle3_and_a_draft_head_is_refus
         make_engine(target, speculative_config=json.dumps({"method": "draft", "model": str(head)}))
 
 
+def test_an_eagle_1_2_head_is_refused_as_one_whichever_method_names_it(ckpt, tmp_path: Path):
+    """EAGLE-1/2 heads (yuhuili/EAGLE-LLaMA3-Instruct-8B's layout: a Llama config of one layer,
+    `fc` over [embedding; hidden], `layers.0.*`, `embed_tokens`) are not supported: named as a
+    draft model the load failed on "missing tensor 'model.embed_tokens.weight'"."""
+    target, head = ckpt
+    old = tmp_path / "eagle1"
+    old.mkdir()
+    tensors = load_file(str(head / "model.safetensors"))
+    layer = {
+        "layers.0." + k.removeprefix("midlayer."): t for k, t in tensors.items() if k.startswith("midlayer.")
+    }
+    fc = {"fc.weight": torch.zeros(64, 128), "embed_tokens.weight": torch.zeros(VOCAB, 64)}
+    save_file(layer | fc, str(old / "model.safetensors"), metadata={"format": "pt"})
+    config = head_config() | {"architectures": ["LlamaForCausalLM"]}
+    (old / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "draft_vocab_size"}))
+    with pytest.raises(ModelLoadError, match=r"is an EAGLE-1/2 head \(an fc over"):
+        make_engine(target, speculative_config=json.dumps({"model": str(old)}))
+    with pytest.raises(ModelLoadError, match="is an EAGLE-1/2 head, which is not supported"):
+        make_engine(target, speculative_config=eagle3_config(old, 2))
+
+
 def test_generate_takes_an_eagle3_config(ckpt, tmp_path: Path, capsys: pytest.CaptureFixture):
     target, head = ckpt
     request = requests(12)[1]
