@@ -340,9 +340,8 @@ def test_an_eagle_1_2_head_is_refused_as_one_whichever_method_names_it(ckpt, tmp
     old = tmp_path / "eagle1"
     old.mkdir()
     tensors = load_file(str(head / "model.safetensors"))
-    layer = {
-        "layers.0." + k.removeprefix("midlayer."): t for k, t in tensors.items() if k.startswith("midlayer.")
-    }
+    midlayer = {k: t for k, t in tensors.items() if k.startswith("midlayer.") and "hidden_norm" not in k}
+    layer = {"layers.0." + k.removeprefix("midlayer."): t for k, t in midlayer.items()}
     fc = {"fc.weight": torch.zeros(64, 128), "embed_tokens.weight": torch.zeros(VOCAB, 64)}
     save_file(layer | fc, str(old / "model.safetensors"), metadata={"format": "pt"})
     config = head_config() | {"architectures": ["LlamaForCausalLM"]}
