@@ -313,6 +313,45 @@ def test_the_speculative_config_needs_the_heads_model():
         SpeculativeConfig.from_json('{"method": "eagle3", "num_speculative_tokens": 2}')
 
 
+def test_a_config_naming_only_a_head_is_read_as_eagle3_and_a_draft_head_is_refused(ckpt, tmp_path: Path):
+    """vLLM infers method "eagle3" from a head's config (its architecture, or the speculators
+    format's algorithm); read as a draft model, the head failed with "missing tensor
+    'model.embed_tokens.weight'"."""
+    target, head = ckpt
+    speculators = tmp_path / "speculators"
+    speculators.mkdir()
+    cfg = {"architectures": ["SomethingNew"], "speculators_config": {"algorithm": "eagle3"}}
+    (speculators / "config.json").write_text(json.dumps(cfg))
+    for model in (head, speculators):
+        spec = SpeculativeConfig.from_json(json.dumps({"model": str(model), "num_speculative_tokens": 2}))
+        assert spec is not None and spec.is_eagle3
+    assert SpeculativeConfig.from_json(json.dumps({"model": target.name})).is_draft
+    engine = make_engine(target, speculative_config=json.dumps({"model": str(head)}))
+    assert isinstance(engine.speculation.proposer, Eagle3Proposer)
+    with pytest.raises(ModelLoadError, match=r'is an EAGLE-3 head.*use method "eagle3"'):
+        make_engine(target, speculative_config=json.dumps({"method": "draft", "model": str(head)}))
+
+
+def test_an_eagle_1_2_head_is_refused_as_one_whichever_method_names_it(ckpt, tmp_path: Path):
+    """EAGLE-1/2 heads (yuhuili/EAGLE-LLaMA3-Instruct-8B's layout: a Llama config of one layer,
+    `fc` over [embedding; hidden], `layers.0.*`, `embed_tokens`) are not supported: named as a
+    draft model the load failed on "missing tensor 'model.embed_tokens.weight'"."""
+    target, head = ckpt
+    old = tmp_path / "eagle1"
+    old.mkdir()
+    tensors = load_file(str(head / "model.safetensors"))
+    midlayer = {k: t for k, t in tensors.items() if k.startswith("midlayer.") and "hidden_norm" not in k}
+    layer = {"layers.0." + k.removeprefix("midlayer."): t for k, t in midlayer.items()}
+    fc = {"fc.weight": torch.zeros(64, 128), "embed_tokens.weight": torch.zeros(VOCAB, 64)}
+    save_file(layer | fc, str(old / "model.safetensors"), metadata={"format": "pt"})
+    config = head_config() | {"architectures": ["LlamaForCausalLM"]}
+    (old / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "draft_vocab_size"}))
+    with pytest.raises(ModelLoadError, match=r"is an EAGLE-1/2 head \(an fc over"):
+        make_engine(target, speculative_config=json.dumps({"model": str(old)}))
+    with pytest.raises(ModelLoadError, match="is an EAGLE-1/2 head, which is not supported"):
+        make_engine(target, speculative_config=eagle3_config(old, 2))
+
+
 def test_generate_takes_an_eagle3_config(ckpt, tmp_path: Path, capsys: pytest.CaptureFixture):
     target, head = ckpt
     request = requests(12)[1]

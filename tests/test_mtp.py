@@ -34,6 +34,7 @@ from spindle.cli import main
 from tests.conftest import forward, make_engine, new_sequence
 from tests.graph_replays import assert_graphs_equal_eager, on_the_cpu
 from tests.hidden_state_proposers import assert_proposer_blocks_free, assert_rollback_leaves_no_stale_kv
+from tests.hybrid_models import make_tiny_hybrid
 from tests.test_deepseek import make_tiny_deepseek
 from tests.test_lora import make_adapter
 from tests.test_tiny_models import (  # noqa: F401 (_one_torch_thread: the module fixture, no conftest needed)
@@ -312,3 +313,27 @@ def _reference_mtp(
         y = donor.model.layers[2](x[None], attention_mask=causal, position_embeddings=rope)
         y = y[0] if isinstance(y, tuple) else y
     return rms(y[0], w("shared_head.norm.weight")) @ w("shared_head.head.weight").T
+
+
+def test_a_qwen3_next_checkpoint_with_its_mtp_tensors_loads_and_refuses_mtp_speculation(tmp_path: Path):
+    """Qwen3-Next's hub checkpoints ship their MTP layer as `mtp.*` tensors (`mtp_num_hidden_layers`
+    in config.json), which HF and vLLM's target load skip: the target loads the same weights as
+    without them, and method "mtp" is refused naming that layer, not as a checkpoint without one."""
+    plain = make_tiny_hybrid(tmp_path / "plain")
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    tensors = load_file(str(plain / "model.safetensors"))
+    layer = {
+        "mtp.layers.0." + k.removeprefix(LAST): t.clone() for k, t in tensors.items() if k.startswith(LAST)
+    }
+    extra = {"mtp.fc.weight": torch.randn(HIDDEN, 2 * HIDDEN), "mtp.norm.weight": torch.ones(HIDDEN)}
+    save_file(tensors | layer | extra, str(shipped / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((plain / "config.json").read_text()) | {"mtp_num_hidden_layers": 1}
+    (shipped / "config.json").write_text(json.dumps(config))
+    cpu = torch.device("cpu")
+    loaded = load_model(str(shipped), torch.float32, cpu, with_tokenizer=False)
+    ours = loaded.module.state_dict()
+    theirs = load_model(str(plain), torch.float32, cpu, with_tokenizer=False).module.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    with pytest.raises(ModelLoadError, match=r"Qwen3-Next's MTP layer \(mtp\.\* tensors\)"):
+        make_engine(loaded, speculative_config=mtp_config(1))

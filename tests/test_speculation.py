@@ -5,6 +5,9 @@ rows keep the target distribution exactly (rejection sampling)."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -28,6 +31,42 @@ def test_ngram_proposer_continues_the_most_recent_match_of_the_longest_tail():
     assert p.lookup([5, 6, 7, 8, 6, 7], 4) == [8, 6, 7]  # shorter tail "6 7"; the rest is short
     assert p.lookup([1, 2, 3, 4], 3) == []  # no earlier occurrence of any tail
     assert p.lookup([4], 3) == []
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"num_speculative_tokens": 2.5}, "num_speculative_tokens must be an integer, not 2.5"),
+        ({"num_speculative_tokens": "4"}, "num_speculative_tokens must be an integer, not '4'"),
+        ({"num_speculative_tokens": None}, "num_speculative_tokens must be an integer, not None"),
+        ({"prompt_lookup_max": True}, "prompt_lookup_max must be an integer, not True"),
+        ({"method": "draft", "model": 5}, "model must be a string, not 5"),
+        ({"disable_by_batch_size": 4}, "unknown keys ['disable_by_batch_size'] (this engine reads ['method'"),
+        ({"method": "eagle", "model": "x"}, "method 'eagle' (EAGLE-1/2 heads are not supported)"),
+    ],
+)
+def test_speculative_configs_of_the_wrong_types_or_keys_are_refused_by_name(bad: dict, message: str):
+    """A float or string count passed the range check (or crashed it with a TypeError), and a
+    float then failed every request at its first proposal ("slice indices must be integers")."""
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        SpeculativeConfig.from_json(json.dumps(bad))
+    with pytest.raises(InvalidRequestError, match="the config is a JSON object, not"):
+        SpeculativeConfig.from_json("[4]")
+
+
+def test_vllms_spellings_and_defaults_are_read_as_vllm_reads_them():
+    """vLLM's older MTP names ("deepseek_mtp") are "mtp", its older "[ngram]" (as method or model)
+    is "ngram" (as a model it was loaded as a draft: "neither a known alias nor an existing
+    path"), and a prompt_lookup_min given alone is also the max (it was refused against our
+    default max of 4)."""
+    assert SpeculativeConfig.from_json('{"method": "deepseek_mtp", "num_speculative_tokens": 1}').is_mtp
+    for old in ('{"model": "[ngram]", "prompt_lookup_max": 3}', '{"method": "[ngram]"}'):
+        ngram = SpeculativeConfig.from_json(old)
+        assert ngram is not None and ngram.method == "ngram" and ngram.model is None
+    alone = SpeculativeConfig.from_json('{"method": "ngram", "prompt_lookup_min": 5}')
+    assert alone is not None and (alone.prompt_lookup_min, alone.prompt_lookup_max) == (5, 5)
+    both = SpeculativeConfig.from_json('{"prompt_lookup_max": 3}')
+    assert both is not None and (both.prompt_lookup_min, both.prompt_lookup_max) == (1, 3)
 
 
 def test_greedy_acceptance_keeps_matching_proposals_and_adds_the_target_token():
@@ -106,6 +145,39 @@ def test_a_seeded_row_draws_the_tokens_it_draws_without_speculation(tiny_llama, 
     spec = engine.speculation
     assert 0 < spec.accepted < spec.proposed
     assert_all_blocks_free(engine)
+
+
+def test_acceptance_is_exported_by_position_with_the_number_of_drafts(tiny_llama):
+    """vLLM's spec-decode metrics: `num_drafts` (verify runs: 1 + accepted / drafts is the mean
+    tokens a run emits, what dashboards plot) and `num_accepted_tokens_per_pos` were not
+    exported, only the proposed and accepted totals. The oracle proposes the right token then a
+    wrong one: every run accepts at position 0 and none at 1."""
+    from prometheus_client import generate_latest
+
+    from model_service.pod.metrics import PodMetrics, Snapshot
+    from tests.test_observability import _strictly_parsed
+
+    request = {
+        "prompt_token_ids": [5, 17, 33, 101, 250, 7],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    drawn = make_engine(tiny_llama).generate([request])[0].token_ids
+    engine = make_engine(tiny_llama, speculative_config=NGRAM)
+    engine.speculation.proposer = _Oracle(drawn, tiny_llama.config.vocab_size)
+    assert engine.generate([request])[0].token_ids == drawn
+    stats = engine.stats()
+    drafts = stats.spec_drafts
+    assert drafts > 0 and stats.spec_accepted_tokens == drafts and stats.spec_proposed_tokens > drafts
+    assert stats.spec_accepted_per_position == (drafts, 0, 0, 0)
+    text = generate_latest(PodMetrics("m", lambda: Snapshot(stats, max_adapters=1)).registry).decode()
+    samples = _strictly_parsed(text)
+    assert [s.value for s in samples["vllm:spec_decode_num_drafts_total"]] == [drafts]
+    by_position = {
+        s.labels["position"]: s.value for s in samples["vllm:spec_decode_num_accepted_tokens_per_pos_total"]
+    }
+    assert by_position == {"0": drafts, "1": 0, "2": 0, "3": 0}
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,7 @@ from model_service.engine.seq_state import SequenceState
 from model_service.engine.sequence import Sequence, Status
 from model_service.engine.speculation import Drafting, Proposal, SpeculativeConfig, draw_next, proposals_of
 from model_service.errors import ModelLoadError
+from model_service.models.eagle3 import is_eagle3_head, is_eagle_1_2_head
 from model_service.models.loader import LoadedModel, load_model, resolve_model_path
 
 
@@ -59,7 +60,12 @@ def load_draft(
     assert spec.model is not None
     if _same_file(spec.model, target.name):
         return target
-    draft = load_model(spec.model, config.torch_dtype(), config.torch_device())
+    if is_eagle3_head(spec.model):
+        raise ModelLoadError(
+            f"draft model {spec.model!r} is an EAGLE-3 head, which reads the target's hidden states: "
+            'use method "eagle3"'
+        )
+    draft = _load_draft_model(spec.model, config)
     check_same_vocab(target, draft)
     if draft.config.num_state_layers:
         raise ModelLoadError(
@@ -67,6 +73,21 @@ def load_draft(
             "the accepted tokens yet; use an attention-only draft model"
         )
     return draft
+
+
+def _load_draft_model(name: str, config: EngineConfig) -> LoadedModel:
+    """The draft checkpoint, loaded as a model of its own; an EAGLE-1/2 head there (which fails
+    that load on a tensor name) is refused as what it is."""
+    try:
+        return load_model(name, config.torch_dtype(), config.torch_device())
+    except ModelLoadError as e:
+        if is_eagle_1_2_head(resolve_model_path(name)):
+            raise ModelLoadError(
+                f"draft model {name!r} is an EAGLE-1/2 head (an fc over the target's hidden states), "
+                "not a model of its own; EAGLE-1/2 heads are not supported, EAGLE-3 heads are "
+                '(method "eagle3")'
+            ) from e
+        raise
 
 
 def _same_file(a: str, b: str) -> bool:

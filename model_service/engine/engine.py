@@ -97,6 +97,8 @@ class EngineStats:
     num_steps: int
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_drafts: int = 0  # verify runs: 1 + accepted / drafts is the mean tokens a run emits
+    spec_accepted_per_position: tuple[int, ...] = ()  # accepted proposals by position in the run
     adapter_drains: int = 0  # resident adapters drained so that a starving one could load
     adapter_loads: int = 0  # adapters copied to the device
     adapter_load_seconds: float = 0.0  # the engine thread's time in those loads
@@ -133,6 +135,8 @@ class EngineStats:
             num_steps=num_steps,
             spec_proposed_tokens=spec.proposed if spec is not None else 0,
             spec_accepted_tokens=spec.accepted if spec is not None else 0,
+            spec_drafts=spec.drafts if spec is not None else 0,
+            spec_accepted_per_position=tuple(spec.accepted_at) if spec is not None else (),
             adapter_drains=adapters.num_drains,
             adapter_loads=lora.num_loads,
             adapter_load_seconds=lora.load_seconds,

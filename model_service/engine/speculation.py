@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -46,6 +46,7 @@ from model_service.engine.sampler import AllowedTokens, SampleRow, draw, filtere
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import Sequence
 from model_service.errors import InvalidRequestError
+from model_service.models.eagle3 import is_eagle3_head
 
 if TYPE_CHECKING:
     from model_service.engine.batch_builder import StepItem
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 DRAFT_METHODS = ("draft", "draft_model")  # ours and vLLM's spelling
 METHODS = ("ngram", *DRAFT_METHODS, "mtp", "eagle3")
 MODEL_METHODS = (*DRAFT_METHODS, "eagle3")  # those that name a model of their own
+NGRAM_NAMES = ("ngram", "[ngram]")  # vLLM's, "[ngram]" its older one (then also as "model")
 
 
 @dataclass
@@ -81,10 +83,7 @@ class SpeculativeConfig:
         if text in (None, "", {}):
             return None
         try:
-            raw = json.loads(text) if isinstance(text, str) else dict(text)
-            if "model" in raw and "method" not in raw:  # vLLM infers a draft model from `model`
-                raw["method"] = "draft"
-            config = cls(**raw)
+            config = cls(**_as_vllm_reads(json.loads(text) if isinstance(text, str) else text))
         except (json.JSONDecodeError, TypeError) as e:
             raise InvalidRequestError(
                 f"--speculative-config: {e}; expected JSON such as "
@@ -92,6 +91,7 @@ class SpeculativeConfig:
                 '{"method": "draft", "model": "PATH", "num_speculative_tokens": 4} or '
                 '{"method": "eagle3", "model": "HEAD_DIR", "num_speculative_tokens": 3}'
             ) from e
+        config._check_types()
         config._check_method()
         if not 1 <= config.num_speculative_tokens <= 16:
             raise InvalidRequestError("--speculative-config: num_speculative_tokens must be 1..16")
@@ -100,6 +100,18 @@ class SpeculativeConfig:
                 "--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max"
             )
         return config
+
+    def _check_types(self) -> None:
+        """JSON's types as the fields': a float or string count would pass the range checks (or
+        fail them with a TypeError) and fail every request at its first proposal."""
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidRequestError(f"--speculative-config: {name} must be an integer, not {value!r}")
+        for name in ("method", "model"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) or (name == "model" and value is None)):
+                raise InvalidRequestError(f"--speculative-config: {name} must be a string, not {value!r}")
 
     @property
     def is_draft(self) -> bool:
@@ -120,8 +132,9 @@ class SpeculativeConfig:
 
     def _check_method(self) -> None:
         if self.method not in METHODS:
+            eagle = " (EAGLE-1/2 heads are not supported)" if self.method == "eagle" else ""
             raise InvalidRequestError(
-                f"--speculative-config: method {self.method!r}; supported: 'ngram', 'draft' "
+                f"--speculative-config: method {self.method!r}{eagle}; supported: 'ngram', 'draft' "
                 "('draft_model'), 'mtp' (a checkpoint with num_nextn_predict_layers), 'eagle3' "
                 '(an EAGLE-3 head\'s checkpoint as "model")'
             )
@@ -139,6 +152,33 @@ class SpeculativeConfig:
                 f'--speculative-config: "model" is for method "draft" (or "eagle3"); method '
                 f"{self.method!r} runs no model of its own"
             )
+
+
+def _as_vllm_reads(raw: dict[str, Any]) -> dict[str, Any]:
+    """The config with what vLLM fills in or renames: the method of a config naming only a
+    `model` (an EAGLE-3 head's by its config.json, else a draft model), vLLM's older spellings
+    ("[ngram]" as method or model; "deepseek_mtp" and the other per-family MTP names), and an
+    unset prompt_lookup_max equal to the min given (so {"prompt_lookup_min": 5} alone is a window
+    of 5, not a refusal against our default max)."""
+    if not isinstance(raw, dict):
+        raise TypeError(f"the config is a JSON object, not {raw!r}")
+    known = [f.name for f in fields(SpeculativeConfig)]
+    unknown = sorted(raw.keys() - set(known))
+    if unknown:
+        raise TypeError(f"unknown keys {unknown} (this engine reads {known})")
+    raw = dict(raw)
+    if raw.get("model") in NGRAM_NAMES and raw.get("method", "ngram") in NGRAM_NAMES:
+        del raw["model"]  # vLLM's older spelling: {"model": "[ngram]"}
+        raw["method"] = "ngram"
+    if "model" in raw and "method" not in raw:
+        raw["method"] = "eagle3" if is_eagle3_head(raw["model"]) else "draft"
+    if raw.get("method") == "[ngram]":
+        raw["method"] = "ngram"
+    if isinstance(raw.get("method"), str) and raw["method"].endswith("_mtp"):
+        raw["method"] = "mtp"
+    if "prompt_lookup_min" in raw and "prompt_lookup_max" not in raw:
+        raw["prompt_lookup_max"] = raw["prompt_lookup_min"]
+    return raw
 
 
 class Proposer(Protocol):
@@ -182,6 +222,8 @@ class Speculation:
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.proposed = self.accepted = 0  # proposed and accepted tokens
         self.drafts = 0  # verify runs: a run emits 1 + accepted / drafts tokens on average
+        # accepted proposals by their position in the run (vLLM's per-position acceptance)
+        self.accepted_at = [0] * config.num_speculative_tokens
         # Each decoding sequence's proposals, to verify in its next step; the scheduler, which
         # decides whether they run, drops those that cannot (it is given this table).
         self.proposals: dict[Sequence, Proposal] = {}
@@ -189,6 +231,7 @@ class Speculation:
     def forget_history(self) -> None:
         """Zero the counters (after the engine's warm-up)."""
         self.proposed = self.accepted = self.drafts = 0
+        self.accepted_at = [0] * self.config.num_speculative_tokens
 
     def propose(self, seqs: list[Sequence]) -> None:
         """Proposals for each of `seqs` that can speculate, to verify in its next step; cut to
@@ -255,10 +298,16 @@ class Speculation:
         else:
             probs = filtered_probs(logits, [seq.params] * len(logits))
             emitted = accept_sampled(proposals, probs, seq.sampling.generator, draft_probs)
-        self.proposed += len(proposals)
-        self.accepted += len(emitted) - 1
-        self.drafts += 1
+        self._count(len(proposals), len(emitted) - 1)
         return emitted, len(proposals) - len(emitted) + 1
+
+    def _count(self, proposed: int, accepted: int) -> None:
+        """One verify run's proposals and how many of them (the first `accepted`) were kept."""
+        self.proposed += proposed
+        self.accepted += accepted
+        self.drafts += 1
+        for position in range(accepted):
+            self.accepted_at[position] += 1
 
     def _under_grammar(
         self, constraint: Constraint, proposal: Proposal, logits: torch.Tensor

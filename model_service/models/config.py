@@ -152,6 +152,10 @@ class ModelConfig:
     # or dense by the decoder's own rule). The target's load leaves them out; MTP speculation
     # loads the first (models/mtp.py).
     mtp_layer_kinds: list[LayerKind] = field(default_factory=list)
+    # Qwen3-Next's MTP layers (`mtp_num_hidden_layers`), shipped as `mtp.*` tensors in every hub
+    # checkpoint: a part of the checkpoint the target's load leaves on disk, which MTP speculation
+    # does not run (another layer than DeepSeek's).
+    qwen3_next_mtp_layers: int = 0
     # FP8 weights: the checkpoint's scheme (config.json's quantization_config, which also says which
     # projections stay in high precision) or --quantization fp8's; None: the compute dtype throughout.
     quantization: Fp8Scheme | None = None
@@ -210,6 +214,11 @@ class ModelConfig:
     def mtp_prefixes(self) -> tuple[str, ...]:
         """The checkpoint name prefix of each MTP layer's tensors."""
         return tuple(f"model.layers.{self.num_layers + i}." for i in range(self.mtp_layers))
+
+    @property
+    def left_on_disk(self) -> tuple[str, ...]:
+        """The name prefixes of the checkpoint's tensors the target does not load: its MTP layers."""
+        return self.mtp_prefixes + (("mtp.",) if self.qwen3_next_mtp_layers else ())
 
     def mtp_layer_config(self) -> ModelConfig:
         """The config of the first MTP layer as a one-layer model: its layer kind, and a K/V cache
@@ -425,6 +434,7 @@ def _hybrid_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
     if unknown or len(types) != cfg.num_layers:
         raise ModelLoadError(f"layer_types must list {cfg.num_layers} of {sorted(mixers)}, got {types}")
     cfg.layer_kinds = [LayerKind(mixers[t]) for t in types]  # which are sparse: _moe_from_hf
+    cfg.qwen3_next_mtp_layers = int(raw.get("mtp_num_hidden_layers") or 0)
 
 
 def _deepseek_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:

@@ -148,6 +148,40 @@ class Eagle3Draft(nn.Module):
         return full
 
 
+def is_eagle3_head(name: str) -> bool:
+    """Whether `name` is a directory whose config.json declares an EAGLE-3 head (an architecture
+    of one, or the speculators format's algorithm): vLLM infers method "eagle3" from it."""
+    file = Path(name).expanduser() / "config.json"
+    try:
+        raw = json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return False
+    if not isinstance(raw, dict):
+        return False
+    speculators = raw.get("speculators_config")
+    algorithm = speculators.get("algorithm") if isinstance(speculators, dict) else None
+    return algorithm == "eagle3" or any(a in ARCHITECTURES for a in raw.get("architectures") or [])
+
+
+def is_eagle_1_2_head(path: Path) -> bool:
+    """Whether the checkpoint at `path` is an EAGLE-1/2 head (a Llama-shaped config, but an `fc`
+    tensor beside one decoder layer, which no causal LM has, and no EAGLE-3 `hidden_norm`; only
+    tensor names are read), which is not supported: loaded as a draft model or an EAGLE-3 head
+    it failed on a tensor name."""
+    from safetensors import safe_open
+
+    try:
+        files = weight_files(path) if path.is_dir() and not is_eagle3_head(str(path)) else []
+        names = set()
+        for f in files:
+            with safe_open(str(f), framework="pt") as shard:
+                names |= set(shard.keys())
+    except Exception:  # unreadable: the load's own error says why
+        return False
+    eagle3 = any(n.startswith("midlayer.") or "hidden_norm" in n for n in names)  # a mislabelled EAGLE-3
+    return bool(names & {"fc.weight", "model.fc.weight"}) and not eagle3
+
+
 def read_eagle3_config(path: Path, target: ModelConfig) -> Eagle3Config:
     """The head's config.json (EAGLE / SGLang's flat one, or the speculators format), checked
     against the target it will read."""
@@ -160,8 +194,11 @@ def read_eagle3_config(path: Path, target: ModelConfig) -> Eagle3Config:
         raise ModelLoadError(f"{file} is not valid JSON: {e}") from e
     archs = raw.get("architectures") or []
     if not any(a in ARCHITECTURES for a in archs):
+        kind = (
+            "an EAGLE-1/2 head, which is not supported" if is_eagle_1_2_head(path) else "not an EAGLE-3 head"
+        )
         raise ModelLoadError(
-            f"{path} is not an EAGLE-3 head (architectures {archs!r}; expected one of {list(ARCHITECTURES)})"
+            f"{path} is {kind} (architectures {archs!r}; expected one of {list(ARCHITECTURES)})"
         )
     layer_raw = {**raw, **(raw.get("transformer_layer_config") or {})}
     eagle = raw.get("eagle_config") or {}

@@ -141,7 +141,7 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
                 "because pickle files can run code. Convert with safetensors' `save_file` first."
             )
         raise ModelLoadError(f"{path} has no *.safetensors weight files")
-    return config, read_tensors(files, lambda name: not name.startswith(config.mtp_prefixes))
+    return config, read_tensors(files, lambda name: not name.startswith(config.left_on_disk))
 
 
 def _read_json(file: Path) -> dict[str, Any]:

@@ -87,6 +87,12 @@ def load_mtp_layer(target: LoadedModel) -> MtpLayer:
     """The first MTP layer of `target`'s checkpoint, on the target's device and in its dtype;
     read from disk now (the target's load left it there)."""
     cfg = target.config
+    if cfg.qwen3_next_mtp_layers:
+        raise ModelLoadError(
+            f"model {target.name!r} ships Qwen3-Next's MTP layer (mtp.* tensors), which MTP "
+            "speculation does not run (only DeepSeek-V3's num_nextn_predict_layers); use method "
+            "'ngram' or 'draft'"
+        )
     if not cfg.mtp_layers:
         raise ModelLoadError(
             f"model {target.name!r} has no multi-token-prediction layers (config.json's "

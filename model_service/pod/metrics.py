@@ -116,8 +116,26 @@ class _EngineCollector(Collector):
         yield counter(
             "vllm:spec_decode_num_accepted_tokens", "Speculative tokens accepted.", st.spec_accepted_tokens
         )
+        yield counter("vllm:spec_decode_num_drafts", "Speculative verify runs.", st.spec_drafts)
+        yield _accepted_per_position(st.spec_accepted_per_position, labels, values)
         yield _lora_requests_info(s)
         yield from _residency(s.residency, labels, values)
+
+
+def _accepted_per_position(
+    accepted: tuple[int, ...], labels: list[str], values: list[str]
+) -> CounterMetricFamily:
+    """vLLM's `vllm:spec_decode_num_accepted_tokens_per_pos`: accepted proposals by their position
+    in the verify run (0 the first), which with `vllm:spec_decode_num_drafts` gives the
+    acceptance rate at each position; no samples without speculation."""
+    c = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Speculative tokens accepted, by draft position.",
+        labels=[*labels, "position"],
+    )
+    for position, n in enumerate(accepted):
+        c.add_metric([*values, str(position)], n)
+    return c
 
 
 def _lora_requests_info(s: Snapshot) -> GaugeMetricFamily:
