@@ -10,9 +10,11 @@ import hmac
 import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway import auth
 from gateway.limits import Limits
+from spindle.openai_api.context import HttpCallContext
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc
 from tests.service_helpers import gateway_in_process, pod_in_process, token_request
@@ -51,6 +53,31 @@ def test_every_key_is_compared_in_constant_time(tmp_path, monkeypatch):
         with contextlib.suppress(auth.AuthError):
             keys.authenticate((("authorization", f"Bearer {offered}"),))
         assert len(calls) == 5  # no early exit on a match
+
+
+def test_a_call_offering_two_different_keys_is_refused_whichever_way_they_come(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("alice ka *\nbob kb -\n")
+    keys = auth.ApiKeys(path)
+    two = [
+        (("authorization", "Bearer ka"), ("x-api-key", "kb")),
+        (("x-api-key", "kb"), ("authorization", "bearer ka")),
+        (("authorization", "Bearer ka"), ("authorization", "Bearer kb")),
+    ]
+    for metadata in two:  # the last key won: bob, whatever a proxy in front had checked
+        with pytest.raises(auth.AuthError, match="2 different API keys"):
+            keys.authenticate(metadata)
+    # The HTTP front hands its headers in as metadata, a repeated one included.
+    headers = CIMultiDictProxy(CIMultiDict([("Authorization", "Bearer ka"), ("X-Api-Key", "kb")]))
+    with pytest.raises(auth.AuthError, match="2 different API keys"):
+        keys.authenticate(HttpCallContext(headers).invocation_metadata())
+    one = [
+        (("authorization", "Bearer ka"), ("x-api-key", "ka")),  # the same key twice is one key
+        (("authorization", "Bearer ka"), ("x-api-key", " ")),  # a blank header offers none (was: missing)
+        (("authorization", "Bearer ka"), ("authorization", "Basic Zm9vOmJhcg==")),
+    ]
+    for metadata in one:
+        assert keys.authenticate(metadata).name == "alice"
 
 
 def test_token_bucket_and_stream_slots():
