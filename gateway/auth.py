@@ -101,8 +101,20 @@ def parse_keys(text: str, source: str) -> dict[bytes, Caller]:
         allowed = (
             None if adapters == "*" else frozenset() if adapters == "-" else frozenset(adapters.split(","))
         )
-        keys[_digest(key)] = Caller(name, allowed, admin="admin" in scopes, **limits)
+        digest = _digest(key)
+        if digest in keys:  # the later line won: a key meant for one caller served as another
+            raise ValueError(
+                f"{source}:{n}: this key is also {keys[digest].name!r}'s; each key names one caller"
+            )
+        keys[digest] = Caller(name, allowed, admin="admin" in scopes, **limits)
     return keys
+
+
+def _merged(keys: dict[bytes, Caller], more: dict[bytes, Caller], source: str) -> dict[bytes, Caller]:
+    """`keys` and another file's `more`; a key in both is refused, as within one file."""
+    for digest in keys.keys() & more.keys():
+        raise ValueError(f"{source}: a key of {more[digest].name!r} is also {keys[digest].name!r}'s")
+    return keys | more
 
 
 class ApiKeys:
@@ -128,7 +140,7 @@ class ApiKeys:
         keys: dict[bytes, Caller] = {}
         try:
             for p in files:
-                keys.update(parse_keys(p.read_text(), str(p)))
+                keys = _merged(keys, parse_keys(p.read_text(), str(p)), str(p))
         except (OSError, ValueError) as e:
             if not self._keys:
                 raise

@@ -41,6 +41,22 @@ def test_key_lines_old_and_new_and_their_errors():
             auth.parse_keys(bad, "keys")
 
 
+def test_a_key_given_to_two_callers_is_refused_in_a_file_and_across_a_directory(tmp_path):
+    # The later line won: alice's key authenticated as mallory, with mallory's adapters and scopes.
+    with pytest.raises(ValueError, match=r"keys:2: this key is also 'alice'"):
+        auth.parse_keys("alice k1 a\nmallory k1 * admin\n", "keys")
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "a").write_text("alice k1 a\n")
+    (secret / "b").write_text("bob k2 -\n")
+    keys = auth.ApiKeys(secret)
+    (secret / "b").write_text("bob k2 -\nmallory k1 * admin\n")  # an edit: refused, the old keys kept
+    assert not keys.reload()
+    assert keys.authenticate((("x-api-key", "k1"),)).name == "alice"
+    with pytest.raises(ValueError, match="a key of 'mallory' is also 'alice'"):
+        auth.ApiKeys(secret)
+
+
 def test_every_key_is_compared_in_constant_time(tmp_path, monkeypatch):
     path = tmp_path / "keys"
     path.write_text("".join(f"user{i} key-{i} *\n" for i in range(5)))
