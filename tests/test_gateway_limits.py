@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 
 import grpc
+import httpx
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -17,7 +19,7 @@ from gateway.limits import Limits
 from spindle.openai_api.context import HttpCallContext
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc
-from tests.service_helpers import gateway_in_process, pod_in_process, token_request
+from tests.service_helpers import free_port, gateway_in_process, pod_in_process, token_request
 
 Code = grpc.StatusCode
 
@@ -136,12 +138,12 @@ async def _exhausted(call) -> grpc.aio.AioRpcError:
     raise AssertionError("the request was admitted")
 
 
-async def _run(tiny_llama, tmp_path) -> None:
+async def _run(tiny_llama, tmp_path, monkeypatch) -> None:
     (tmp_path / "keys").write_text(KEYS)
     keys = ["--api-keys-file", str(tmp_path / "keys")]
     async with (
         pod_in_process(tiny_llama, "tiny") as pod,
-        gateway_in_process(["--pods", f"127.0.0.1:{pod.port}", *keys]) as gw,
+        gateway_in_process(["--pods", f"127.0.0.1:{pod.port}", *keys, "--http-port", str(free_port())]) as gw,
         grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch,
     ):
         stub = generation_pb2_grpc.GenerationStub(ch)
@@ -162,7 +164,32 @@ async def _run(tiny_llama, tmp_path) -> None:
         while gw.limits.open_streams("single"):
             await asyncio.sleep(0.01)
         assert len([r async for r in stub.Generate(short, metadata=_md("key-single"), timeout=20)]) > 0
+        await _http_callers_without_a_key_are_refused_before_their_body_is_read(gw.http_port, monkeypatch)
 
 
-def test_rate_and_concurrency_limits_answer_resource_exhausted_with_a_retry_hint(tiny_llama, tmp_path):
-    asyncio.run(_run(tiny_llama, tmp_path))
+async def _http_callers_without_a_key_are_refused_before_their_body_is_read(port: int, monkeypatch) -> None:
+    """The HTTP front parsed the body (up to 64 MB: seconds of the gateway's one event loop, every
+    caller's streams stalled) before the servicer looked at the key; now the key comes first."""
+    parsed: list[int] = []
+    loads = json.loads
+    monkeypatch.setattr(json, "loads", lambda b, **kw: parsed.append(len(b)) or loads(b, **kw))
+    big = json.dumps({"prompt": [[5, 6, 7]] * 20_000, "max_tokens": 1}).encode()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    async with httpx.AsyncClient(timeout=20) as http:
+        for headers in (
+            {},
+            {"authorization": "Bearer nope"},
+            {"x-api-key": "key-single"} | {"authorization": "Bearer x"},
+        ):
+            answer = await http.post(url, content=big, headers=headers)
+            assert answer.status_code == 401 and answer.json()["error"]["code"] == "UNAUTHENTICATED"
+        assert len(big) not in parsed
+        small = {"prompt": [5, 6, 7], "max_tokens": 2, "model": "tiny"}
+        answer = await http.post(url, json=small, headers={"x-api-key": "key-single"})
+        assert answer.status_code == 200, answer.text
+
+
+def test_rate_and_concurrency_limits_answer_resource_exhausted_with_a_retry_hint(
+    tiny_llama, tmp_path, monkeypatch
+):
+    asyncio.run(_run(tiny_llama, tmp_path, monkeypatch))
