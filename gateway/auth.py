@@ -15,7 +15,7 @@ that the gateway forwards to the adapter service. The optional limits (gateway/l
 so a key may put its own requests back but not ahead of other keys' (any key could starve and
 preempt every other with a negative priority). Lines without them keep their old meaning.
 The files are re-read when they change, so rotating a Secret needs no restart. Callers send
-`authorization: Bearer KEY` (or `x-api-key: KEY`).
+`authorization: Bearer KEY` (or `x-api-key: KEY`), one key per call.
 """
 
 from __future__ import annotations
@@ -101,8 +101,20 @@ def parse_keys(text: str, source: str) -> dict[bytes, Caller]:
         allowed = (
             None if adapters == "*" else frozenset() if adapters == "-" else frozenset(adapters.split(","))
         )
-        keys[_digest(key)] = Caller(name, allowed, admin="admin" in scopes, **limits)
+        digest = _digest(key)
+        if digest in keys:  # the later line won: a key meant for one caller served as another
+            raise ValueError(
+                f"{source}:{n}: this key is also {keys[digest].name!r}'s; each key names one caller"
+            )
+        keys[digest] = Caller(name, allowed, admin="admin" in scopes, **limits)
     return keys
+
+
+def _merged(keys: dict[bytes, Caller], more: dict[bytes, Caller], source: str) -> dict[bytes, Caller]:
+    """`keys` and another file's `more`; a key in both is refused, as within one file."""
+    for digest in keys.keys() & more.keys():
+        raise ValueError(f"{source}: a key of {more[digest].name!r} is also {keys[digest].name!r}'s")
+    return keys | more
 
 
 class ApiKeys:
@@ -128,7 +140,7 @@ class ApiKeys:
         keys: dict[bytes, Caller] = {}
         try:
             for p in files:
-                keys.update(parse_keys(p.read_text(), str(p)))
+                keys = _merged(keys, parse_keys(p.read_text(), str(p)), str(p))
         except (OSError, ValueError) as e:
             if not self._keys:
                 raise
@@ -139,18 +151,7 @@ class ApiKeys:
         return True
 
     def authenticate(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> Caller:
-        key = None
-        for k, value in metadata or ():
-            if not isinstance(value, str):  # a `-bin` header's bytes (may be any bytes): never a key
-                continue
-            if k == "authorization" and value.lower().startswith("bearer "):
-                key = value[7:].strip()
-            elif k == "x-api-key":
-                key = value.strip()
-        if not key:
-            raise AuthError(
-                "missing API key: send metadata `authorization: Bearer <key>`", unauthenticated=True
-            )
+        key = _offered_key(metadata)
         offered, caller = _digest(key), None
         for digest, candidate in self._keys.items():  # every key, no early exit: constant time
             if hmac.compare_digest(digest, offered):
@@ -158,3 +159,30 @@ class ApiKeys:
         if caller is None:
             raise AuthError("invalid API key", unauthenticated=True)
         return caller
+
+
+def _offered_key(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:
+    """The one API key a call offers, from `authorization: Bearer KEY` or `x-api-key: KEY`.
+
+    Two different keys (both headers, or a header twice) are refused rather than one picked: the
+    last one used to win, so a proxy in front that checked the first and the gateway could take
+    the call for two different callers (RFC 6750 section 2: one method per request). The same key
+    sent twice is one key; a blank value offers none."""
+    keys = set()
+    for k, value in metadata or ():
+        if not isinstance(value, str):  # a `-bin` header's bytes (may be any bytes): never a key
+            continue
+        if k == "authorization" and value.lower().startswith("bearer "):
+            keys.add(value[7:].strip())
+        elif k == "x-api-key":
+            keys.add(value.strip())
+    keys.discard("")
+    if not keys:
+        raise AuthError("missing API key: send metadata `authorization: Bearer <key>`", unauthenticated=True)
+    if len(keys) > 1:
+        raise AuthError(
+            f"{len(keys)} different API keys were sent (`authorization: Bearer` and/or `x-api-key`, "
+            "or one of them repeated): send one",
+            unauthenticated=True,
+        )
+    return keys.pop()

@@ -33,6 +33,7 @@ from gateway.relay import Relayed, add_generation_service, client_span
 from spindle import flagtypes, request_ids, serving, telemetry
 from spindle.errors import ConfigError
 from spindle.grpc_status import PROMPT_TOKENS, abort, abort_exhausted
+from spindle.openai_api.context import HttpCallContext
 from spindle.openai_api.server import OpenAIServer, add_http_args
 from spindle.security import add_security_args, security_from_args
 from spindle.v1 import adapters_pb2_grpc, generation_pb2_grpc
@@ -90,6 +91,10 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
                 wait,
             )
         return caller
+
+    async def authenticated(self, context: grpc.aio.ServicerContext | HttpCallContext) -> Caller:
+        """The caller, or UNAUTHENTICATED; not metered (the request it comes with is, once read)."""
+        return await self._caller(context, metered=False)
 
     def _choose(
         self, req: pb.GenerateRequest, hashes: list[bytes], tried: set[str], prompt_tokens: int = 0
@@ -660,6 +665,7 @@ async def start(
                 getattr(args, "tool_call_parser", "none"),
                 getattr(args, "reasoning_parser", "none"),
                 on_request=gateway.metrics.http_request,
+                admit=gateway.authenticated,
             )
             gateway.http_port = await gateway.http.start(args.host, args.http_port, security.tls)
             log.info("OpenAI-compatible HTTP API on %s:%d", args.host, gateway.http_port)

@@ -2,7 +2,11 @@
 
 The services of one cluster share a secret token from a file (`--control-token-file`, a mounted
 Secret); the control servers refuse calls without it, and every service sends it on its own
-control calls. The file is re-read when it changes. Health and reflection stay open (probes).
+control calls. The file is re-read when it changes. It may hold several tokens, one a line: the
+first is sent, any is accepted, so a rotation need not reach every pod at once (a Secret update
+reaches each pod's files up to a minute or two apart): add the new token on a second line, then
+make it the first, then drop the old one, each step once the last has reached every pod.
+Health and reflection stay open (probes).
 Without a token file the control RPCs are open to whoever reaches the port: fine on a laptop,
 and the services say so at start-up unless mutual TLS guards the port instead.
 """
@@ -28,30 +32,40 @@ class ServiceToken:
     def __init__(self, path: str) -> None:
         self.path = path
         self._stamp: tuple = ()
-        self._value = b""
+        self._values: tuple[bytes, ...] = ()
         self.value()
-        if not self._value:
+        if not self._values:
             raise ValueError(f"control token file {path!r} is empty")
 
     def value(self) -> bytes:
-        """The token, re-read if the file changed; a file that vanished mid-rotation keeps the old one."""
+        """The token to send: the file's first; re-read if the file changed (a file that vanished
+        mid-rotation keeps the old tokens)."""
+        return self._read()[0]
+
+    def _read(self) -> tuple[bytes, ...]:
+        """Every token of the file, one a line, blank lines skipped. A two-line file used to be
+        one token with a newline in it, which no caller could send as metadata."""
         try:
             st = os.stat(self.path)
             stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
             if stamp != self._stamp:
                 with open(self.path, "rb") as f:
-                    value = f.read().strip()
-                if value:
-                    self._value, self._stamp = value, stamp
+                    values = tuple(line.strip() for line in f.read().splitlines() if line.strip())
+                if values:
+                    self._values, self._stamp = values, stamp
         except OSError as e:
-            if not self._value:
+            if not self._values:
                 raise ValueError(f"cannot read control token file {self.path!r}: {e}") from e
             log.warning("control token file unreadable, keeping the previous token: %s", e)
-        return self._value
+        return self._values or (b"",)
 
     def matches(self, offered: str | bytes | None) -> bool:
+        """Whether `offered` is one of the file's tokens; each is compared, with no early exit."""
         offered_bytes = offered.encode() if isinstance(offered, str) else offered or b""
-        return hmac.compare_digest(offered_bytes, self.value())
+        found = False
+        for value in self._read():
+            found |= hmac.compare_digest(offered_bytes, value)
+        return found
 
 
 def _offered(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | bytes | None:

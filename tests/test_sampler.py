@@ -426,6 +426,22 @@ def test_validate_rejects(kw):
         _params(**kw)
 
 
+def test_stop_lists_are_bounded_as_each_token_pays_for_them():
+    """Each stop string is searched for, each stop id looked up, after every token on the engine
+    thread every request shares: a million stop strings held each step of the pod back by 0.5 s."""
+    at_bound = {"stop": [f"s{i}" for i in range(128)], "stop_token_ids": list(range(1024))}
+    _params(**at_bound)  # the bounds themselves are served
+    _params(stop=["x" * 1024])
+    too_many = [
+        ({"stop": [f"s{i}" for i in range(129)]}, "129 stop strings; at most 128"),
+        ({"stop": ["x" * 1025]}, "1,025 characters long; at most 1,024"),
+        ({"stop_token_ids": [1] * 1025}, "1,025 stop_token_ids; at most 1024"),
+    ]
+    for kw, message in too_many:
+        with pytest.raises(InvalidRequestError, match=message):
+            _params(**kw)
+
+
 # --- property -------------------------------------------------------------------------------
 
 

@@ -133,3 +133,23 @@ def test_an_empty_or_missing_token_file_is_refused(tmp_path):
         ServiceToken(str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="cannot read"):
         ServiceToken(str(tmp_path / "missing"))
+
+
+def test_a_rotation_may_overlap_as_the_file_holds_the_new_token_beside_the_old(tmp_path):
+    """A Secret update reaches each pod's files at its own time: while some send the old token and
+    some the new, both must be accepted. A two-line file was one token with a newline in it."""
+    path = tmp_path / "token"
+    path.write_text("old-token\n")
+    token = ServiceToken(str(path))
+    assert token.value() == b"old-token" and token.matches("old-token")
+    (tmp_path / "next").write_text("old-token\nnew-token\n")  # step 1: the new one accepted too
+    os.replace(tmp_path / "next", path)
+    assert token.value() == b"old-token"
+    assert token.matches("old-token") and token.matches("new-token") and not token.matches("other")
+    (tmp_path / "next").write_text("new-token\n\nold-token\n")  # step 2: the new one sent
+    os.replace(tmp_path / "next", path)
+    assert token.value() == b"new-token" and token.matches("old-token")
+    (tmp_path / "next").write_text("new-token\n")  # step 3: the old one dropped
+    os.replace(tmp_path / "next", path)
+    assert token.matches("new-token") and not token.matches("old-token")
+    assert not token.matches("new-token\nold-token") and not token.matches("")

@@ -85,7 +85,10 @@ class OpenAIServer:
     `base_models()` names the base models (a `model` that is none of them is an adapter);
     `ready()` is the process's health status; `tool_parser` and `reasoning_parser` the
     --tool-call-parser and --reasoning-parser; `on_request`, when given, is told each request's
-    method, route template and status (the gateway's metrics)."""
+    method, route template and status (the gateway's metrics); `admit`, when given, sees each
+    generation request's headers before its body is read, and refuses a caller by aborting (the
+    gateway's API keys: a body of up to 64 MB is parsed on the event loop every request shares,
+    for seconds, so one without a key must be refused before)."""
 
     def __init__(
         self,
@@ -96,8 +99,10 @@ class OpenAIServer:
         tool_parser: str = "none",
         reasoning_parser: str = "none",
         on_request: Callable[[str, str, int], None] | None = None,
+        admit: Callable[[HttpCallContext], Awaitable[object]] | None = None,
     ) -> None:
         self.generation, self.base_models, self.ready, self.tracer = generation, base_models, ready, tracer
+        self.admit = admit
         middlewares = [_traced(tracer), _openai_errors]  # the span sees the status of every refusal
         if on_request is not None:  # outermost: it sees every answer's final status
             middlewares.insert(0, _counted(on_request))
@@ -133,6 +138,8 @@ class OpenAIServer:
     async def _generate(self, request: web.Request, fmt: Format) -> web.StreamResponse:
         """One request, one generation or several (`n`, a list of prompts, `best_of`: fanout.py),
         each a `Generate` call with its own context (its own stream slot and x-request-id)."""
+        if self.admit is not None:
+            await self.admit(HttpCallContext(request.headers))
         template, call = fmt.parse(await _json_object(request), self.base_models())
         # the caller's x-request-id is checked as gRPC's request_id is
         rid, parts = fanout.plan(template, call, request.headers.get("x-request-id", ""))
