@@ -51,7 +51,8 @@ class FakeFastEngine:
         self.running: dict[str, list] = {}  # request id -> [prompt length, max tokens, tokens, admitted]
         self._pending: list[RequestOutput] = []
 
-    def add_request(self, prompt=None, *, messages=None, tools=None, prompt_token_ids=None, params=None,
+    def add_request(self, prompt=None, *, messages=None, tools=None, chat_template_kwargs=None,
+                    prompt_token_ids=None, params=None,
                     request_id=None, priority=0, adapter=None,
                     resume: Resume | None = None) -> str:  # fmt: skip
         """EngineHandle.add_request (same parameters; tests/test_service_units.py checks)."""
@@ -152,7 +153,8 @@ class FakeLoraEngine(FakeFastEngine):
     def list_adapters(self) -> list[AdapterInfo]:
         return self.tiers.report()
 
-    def add_request(self, prompt=None, *, messages=None, tools=None, prompt_token_ids=None, params=None,
+    def add_request(self, prompt=None, *, messages=None, tools=None, chat_template_kwargs=None,
+                    prompt_token_ids=None, params=None,
                     request_id=None, priority=0, adapter=None,
                     resume: Resume | None = None) -> str:  # fmt: skip
         if adapter is not None and not self.tiers.known(adapter):

@@ -298,7 +298,6 @@ def register_streams(draw: st.DrawFn) -> list[apb.RegisterChunk]:
 # --- the gateway's own inputs: API keys, other metadata, deadlines ---------------------------------
 
 printable = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=40)
-IGNORED = "ignored"  # a header the gateway does not read as a key
 METADATA_LIMIT = 7_000  # about where gRPC's 8 KiB soft limit on a call's metadata starts to refuse
 
 
@@ -311,25 +310,25 @@ class Auth:
     size: int  # bytes: above METADATA_LIMIT the transport may refuse the call (RESOURCE_EXHAUSTED)
 
 
-def _key_headers(keys: dict[str, str]) -> st.SearchStrategy[tuple[tuple[str, str | bytes], str | None]]:
-    """One header that offers a key, with the caller it names (gateway/auth.py: the last key
-    header wins; `authorization` without `Bearer ` and `-bin` headers are not keys)."""
+def _key_headers(keys: dict[str, str]) -> st.SearchStrategy[tuple[str, str | bytes]]:
+    """One header that offers a key, valid or not, or looks like one (`authorization` without
+    `Bearer ` and `-bin` headers are not keys: `_caller_of` reads what a call's headers name)."""
     valid = st.sampled_from(sorted(keys))
     return st.one_of(
-        valid.map(lambda k: (("authorization", f"Bearer {k}"), keys[k])),
-        valid.map(lambda k: (("authorization", f"bEaReR   {k}  "), keys[k])),
-        valid.map(lambda k: (("x-api-key", k), keys[k])),
-        valid.map(lambda k: (("x-api-key", k.upper()), None)),
-        valid.map(lambda k: (("authorization", k), IGNORED)),
-        valid.map(lambda k: (("x-api-key-bin", k.encode()), IGNORED)),
-        printable.map(lambda k: (("authorization", f"Bearer {k}"), keys.get(k))),
-        printable.map(lambda k: (("x-api-key", k), keys.get(k))),
+        valid.map(lambda k: ("authorization", f"Bearer {k}")),
+        valid.map(lambda k: ("authorization", f"bEaReR   {k}  ")),
+        valid.map(lambda k: ("x-api-key", k)),
+        valid.map(lambda k: ("x-api-key", k.upper())),
+        valid.map(lambda k: ("authorization", k)),
+        valid.map(lambda k: ("x-api-key-bin", k.encode())),
+        printable.map(lambda k: ("authorization", f"Bearer {k}")),
+        printable.map(lambda k: ("x-api-key", k)),
         st.sampled_from(
             [
-                (("authorization", "Bearer "), None),
-                (("x-api-key", ""), None),
-                (("authorization", "Basic a2V5LWFkbWlu"), IGNORED),
-                (("authorization-bin", b"\xff\x00\xfe"), IGNORED),
+                ("authorization", "Bearer "),
+                ("x-api-key", ""),
+                ("authorization", "Basic a2V5LWFkbWlu"),
+                ("authorization-bin", b"\xff\x00\xfe"),
             ]
         ),
     )
@@ -359,20 +358,33 @@ def api_key_metadata(draw: st.DrawFn, keys: dict[str, str]) -> Auth:
     """Metadata a client may send (gRPC refuses non-ASCII, upper-case or CR/LF metadata before it
     leaves: tests/raw_http2.py sends those): no key, empty, huge, wrong, several, a -bin twin,
     tracing and routing-looking noise, hundreds of headers. `keys`: key -> caller name."""
-    parts = draw(st.lists(st.one_of(_key_headers(keys), _noise.map(lambda h: (h, IGNORED))), max_size=6))
+    headers = draw(st.lists(st.one_of(_key_headers(keys), _noise), max_size=6))
     if draw(st.booleans()):  # half the calls end with a good key, so the request goes further
         key = draw(st.sampled_from(sorted(keys)))
-        parts.append((("authorization", f"Bearer {key}"), keys[key]))
+        headers.append(("authorization", f"Bearer {key}"))
     rare = draw(st.integers(0, 19))
     if rare == 0:  # a huge key: gRPC refuses a call's metadata past 8 KiB (at times), 16 KiB (always)
         n = draw(st.sampled_from([1_000, 7_000, 9_000, 20_000]))
-        parts.insert(draw(st.integers(0, len(parts))), (("x-api-key", "k" * n), None))
+        headers.insert(draw(st.integers(0, len(headers))), ("x-api-key", "k" * n))
     elif rare == 1:  # hundreds of headers
-        at = draw(st.integers(0, len(parts)))
-        parts[at:at] = [(("x-noise", str(i)), IGNORED) for i in range(draw(st.sampled_from([50, 300])))]
-    meanings = [m for _, m in parts if m != IGNORED]
-    headers = tuple(h for h, _ in parts)
-    return Auth(headers, meanings[-1] if meanings else None, sum(len(k) + len(v) + 32 for k, v in headers))
+        at = draw(st.integers(0, len(headers)))
+        headers[at:at] = [("x-noise", str(i)) for i in range(draw(st.sampled_from([50, 300])))]
+    sent = tuple(headers)
+    return Auth(sent, _caller_of(sent, keys), sum(len(k) + len(v) + 32 for k, v in sent))
+
+
+def _caller_of(headers: tuple[tuple[str, str | bytes], ...], keys: dict[str, str]) -> str | None:
+    """The caller a call's headers name: its one key (RFC 6750: one method a request), from
+    `authorization: Bearer KEY` (any case, spaces trimmed) or `x-api-key`; blank values offer
+    none, the same key twice is one; two different keys, or none valid, name no caller."""
+    offered = set()
+    for name, value in headers:
+        if isinstance(value, str) and name == "authorization" and value.lower().startswith("bearer "):
+            offered.add(value[7:].strip())
+        elif isinstance(value, str) and name == "x-api-key":
+            offered.add(value.strip())
+    offered.discard("")
+    return keys.get(offered.pop()) if len(offered) == 1 else None
 
 
 # seconds; None: no deadline. <= 0 and tiny ones expire before or while the call runs.

@@ -50,6 +50,7 @@ class EngineHandle(Protocol):
         *,
         messages: list[dict[str, Any]] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         request_id: str | None = None,
