@@ -318,19 +318,30 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
     async def Delete(
         self, request: apb.DeleteAdapterRequest, context: grpc.aio.ServicerContext
     ) -> apb.DeleteAdapterResponse:
-        v = await self._get(request.name, context)
-        async with self.c.leases.hold(f"register:{v.name}", f"a registration of {v.name!r}"):
-            await self.c.registry.remove(v.name)  # first: no new placement starts from here on
-            await self.c.evict_everywhere(v.name)
+        name = await _name(context, request.name)
+        async with self.c.leases.hold(f"register:{name}", f"a registration of {name!r}"):
+            await self._deletable(name, context)
+            await self.c.registry.remove(name)  # first: no new placement starts from here on
+            await self.c.evict_everywhere(name)
             try:
-                n = await self.c.store.remove(v.name)
+                n = await self.c.store.remove(name)
             except Exception as e:  # storage is the truth: the next rebuild would bring it back
-                log.exception("deleting %s from storage failed", v.name)
+                log.exception("deleting %s from storage failed", name)
                 await abort(
-                    context, Code.UNAVAILABLE, f"storage failed; {v.name!r} is not deleted, retry: {e}"
+                    context,
+                    Code.UNAVAILABLE,
+                    f"storage failed; {name!r} is no longer served but its files remain: retry the "
+                    f"Delete: {e}",
                 )
-        log.info("deleted %s (%d versions)", v.name, n)
+        log.info("deleted %s (%d versions)", name, n)
         return apb.DeleteAdapterResponse(versions_deleted=n)
+
+    async def _deletable(self, name: str, context: grpc.aio.ServicerContext) -> None:
+        """NOT_FOUND unless the index or storage has `name`. Storage too: a Delete unindexes
+        first, so when storage then failed (or the RPC ran out of time) its retry found nothing
+        indexed and answered NOT_FOUND, leaving the files to come back at the next rebuild."""
+        if await self.c.lookup(name) is None and not await self.c.store.versions(name, latest=True):
+            await abort(context, Code.NOT_FOUND, f"adapter {name!r} is not registered")
 
     async def Pin(self, request: apb.PinAdapterRequest, context: grpc.aio.ServicerContext) -> apb.Adapter:
         async with self.c.leases.hold(f"register:{request.name}", f"a registration of {request.name!r}"):

@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -247,7 +248,7 @@ class S3Store(Store):
         from botocore.config import Config
 
         b = bounds or Bounds()
-        self.bucket, self.prefix = bucket, prefix
+        self.bucket, self.prefix, self.attempts = bucket, prefix, max(b.s3_attempts, 1)
 
         def client(config: Config) -> Any:
             return boto3.client(
@@ -299,9 +300,29 @@ class S3Store(Store):
         return sorted(out)
 
     def _delete(self, keys: list[str]) -> None:
-        for i in range(0, len(keys), 1000):
-            batch = [{"Key": self.prefix + k} for k in keys[i : i + 1000]]
-            self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+        for i in range(0, len(keys), 1000):  # DeleteObjects takes 1,000 keys at most
+            self._delete_batch(keys[i : i + 1000])
+
+    def _delete_batch(self, keys: list[str]) -> None:
+        """DeleteObjects answers 200 and lists the keys it did not delete in `Errors` (boto3 raises
+        nothing): ignored, a Delete answered done while storage kept the version, which came back
+        at the next rebuild of the index. Those keys are retried; still there, it is an error."""
+        delay = 0.1
+        for attempt in range(1, self.attempts + 1):
+            objects = [{"Key": self.prefix + k} for k in keys]
+            reply = self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True})
+            errors = reply.get("Errors", [])
+            if not errors:
+                return
+            keys = [e["Key"][len(self.prefix) :] for e in errors]
+            if attempt < self.attempts:
+                time.sleep(delay)
+                delay *= 2
+        first = errors[0]
+        raise OSError(
+            f"S3 did not delete {len(errors)} objects of s3://{self.bucket}/{self.prefix}: "
+            f"{first['Key']}: {first.get('Code')} {first.get('Message', '')}"
+        )
 
     def ping(self) -> None:
         self.probe.head_bucket(Bucket=self.bucket)

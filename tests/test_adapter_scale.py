@@ -8,12 +8,17 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
 from adapter_service.controller import Controller
-from adapter_service.registry import RedisRegistry
-from adapter_service.store import LocalStore, Version
+from adapter_service.registry import MemoryRegistry, RedisRegistry
+from adapter_service.server import AdaptersService
+from adapter_service.store import LocalStore, S3Store, Version
+from spindle.v1 import adapters_pb2 as apb
+from tests.adapter_helpers import aws_env
 
 
 @pytest.fixture
@@ -95,3 +100,81 @@ def test_a_flushed_index_is_rebuilt_once_for_concurrent_lookups_reading_storage_
         await c.registry.close()
 
     asyncio.run(go())
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """What the admin handlers use of a grpc.aio context: abort raises with the status."""
+
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple = ()) -> None:
+        raise _Aborted(code, details)
+
+
+class _FailingDeletes(LocalStore):
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.failures = 1
+
+    def _delete(self, keys: list[str]) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise OSError("storage refused the delete")
+        super()._delete(keys)
+
+
+def test_a_delete_that_storage_failed_is_finished_by_its_retry(tmp_path):
+    """Delete unindexes first, then deletes from storage (the truth). Storage failing answered
+    UNAVAILABLE "not deleted, retry", but the retry answered NOT_FOUND (the index no longer had
+    it) and the files stayed, to come back at the next rebuild of the index. The retry now
+    finds what storage still holds and deletes it."""
+    store = _FailingDeletes(tmp_path / "store")
+    _meta(store, 1)
+
+    async def go() -> None:
+        c = Controller(MemoryRegistry(), store, discover=lambda: asyncio.sleep(0, []), advertise="x:1")
+        await c.ensure_built()
+        admin = AdaptersService(c, None, max_rank=64, max_adapter_bytes=1 << 20)
+        request = apb.DeleteAdapterRequest(name="ad-0001")
+        with pytest.raises(_Aborted) as failed:
+            await admin.Delete(request, _Context())
+        assert failed.value.args[0] == grpc.StatusCode.UNAVAILABLE
+        assert (await admin.Delete(request, _Context())).versions_deleted == 1
+        assert store._keys("") == []
+        with pytest.raises(_Aborted) as gone:
+            await admin.Delete(request, _Context())
+        assert gone.value.args[0] == grpc.StatusCode.NOT_FOUND
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("refusals", [1, 99])
+def test_objects_s3_did_not_delete_are_retried_then_reported(s3, monkeypatch, refusals):
+    """DeleteObjects answers 200 and lists the keys it could not delete in `Errors` (boto3 raises
+    nothing). They were ignored: a Delete answered done while storage kept the version, which
+    came back at the next rebuild of the index. They are retried, and still there: an error."""
+    for k, v in aws_env().items():
+        monkeypatch.setenv(k, v)
+    store = S3Store(s3.bucket, f"scale-{time.monotonic_ns()}/", s3.endpoint, "us-east-1")
+    _meta(store, 1)
+    store._write("ad-0001/v000001/adapter_config.json", b"{}")
+    delete, stuck = store.s3.delete_objects, store.prefix + "ad-0001/v000001/meta.json"
+    left = [refusals]
+
+    def partly(**call: Any) -> dict:  # one key refused `refusals` times, as S3 may
+        refused = [o for o in call["Delete"]["Objects"] if o["Key"] == stuck and left[0] > 0]
+        left[0] -= bool(refused)
+        kept = [o for o in call["Delete"]["Objects"] if o not in refused]
+        reply = delete(Bucket=call["Bucket"], Delete={**call["Delete"], "Objects": kept}) if kept else {}
+        errors = [{"Key": stuck, "Code": "InternalError", "Message": "retry"} for _ in refused]
+        return {**reply, "Errors": errors}
+
+    store.s3.delete_objects = partly
+    if refusals == 1:
+        assert asyncio.run(store.remove("ad-0001")) == 1 and store._keys("") == []
+    else:
+        with pytest.raises(OSError, match=r"ad-0001/v000001/meta\.json: InternalError"):
+            asyncio.run(store.remove("ad-0001"))
+        assert store._keys("") == ["ad-0001/v000001/meta.json"]
