@@ -253,12 +253,20 @@ class Controller:
                     out.setdefault(name, []).append(view.address)
         return out
 
-    async def placements(self, name: str) -> list[apb.PodPlacement]:
-        leases = await self.registry.leases(name)
-        return [
-            apb.PodPlacement(pod=pod, tier=i["tier"], version=i["version"], refcount=i["refcount"])
-            for pod, i in sorted(leases.items())
-        ]
+    async def placements(self, names: list[str]) -> dict[str, list[apb.PodPlacement]]:
+        """Each name's live leases, by pod: one registry round trip for all of them (one name,
+        as Get asks: `leases`, which also drops its expired ones)."""
+        if len(names) == 1:
+            by_name = {names[0]: await self.registry.leases(names[0])}
+        else:
+            by_name = await self.registry.leases_of(names)
+        return {
+            name: [
+                apb.PodPlacement(pod=pod, tier=i["tier"], version=i["version"], refcount=i["refcount"])
+                for pod, i in sorted(leases.items())
+            ]
+            for name, leases in by_name.items()
+        }
 
     # --- control ops -----------------------------------------------------------------------------
 

@@ -211,6 +211,9 @@ class MemoryRegistry:
             del table[pod]
         return {pod: info for pod, (_, info) in table.items()}
 
+    async def leases_of(self, names: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+        return {name: await self.leases(name) for name in names}
+
     async def stage(self, sha: str, data: bytes, max_total: int) -> None:
         if len(data) > max_total:
             return
@@ -377,6 +380,20 @@ class RedisRegistry:
             return {}
         raws = await self.r.hmget(_P + f"leaseinfo:{name}", live)
         return {p.decode(): json.loads(r) for p, r in zip(live, raws, strict=True) if r is not None}
+
+    async def leases_of(self, names: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+        """Each name's live leases (pod -> info), in one round trip: a List page of 1,000 read
+        them with three a name. Expired ones are left out here, and dropped by `leases`."""
+        now = time.time()
+        async with self.r.pipeline(transaction=False) as p:
+            for name in names:
+                p.zrangebyscore(_P + f"lease:{name}", f"({now}", "+inf")
+                p.hgetall(_P + f"leaseinfo:{name}")
+            replies = await p.execute()
+        out = {}
+        for name, live, infos in zip(names, replies[::2], replies[1::2], strict=True):
+            out[name] = {pod.decode(): json.loads(infos[pod]) for pod in live if pod in infos}
+        return out
 
     async def stage(self, sha: str, data: bytes, max_total: int) -> None:
         """Keep a hot copy; the oldest go while the total is over `max_total`. The total is a
