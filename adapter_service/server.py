@@ -60,6 +60,8 @@ _MAX_CONFIG = 1 << 20
 _CHUNK = 1 << 20
 _DRAIN_BYTES = 64 << 20
 _MAX_PAGE = 1000  # adapters in one List answer
+_MAX_PAGE_BYTES = 3 << 20  # one List answer: under the 4 MiB that gRPC clients receive by default
+_MAX_DESCRIPTION = 4096  # bytes (UTF-8): every Get and List answer carries it
 
 
 async def _name(context: grpc.aio.ServicerContext, name: str) -> str:
@@ -120,6 +122,25 @@ async def _drain(chunks: AsyncIterator[apb.RegisterChunk]) -> None:
         drained += len(chunk.data)
         if drained > _DRAIN_BYTES:
             return
+
+
+def _within_bytes(adapters: list[apb.Adapter], limit: int) -> int:
+    """How many of `adapters` (at least one) one answer holds within `limit` bytes: a page of
+    1,000 with 4 KiB descriptions and their placements was past the 4 MiB that gRPC clients
+    receive by default, and failed RESOURCE_EXHAUSTED for every caller. A page may hold fewer
+    than asked (AIP-158)."""
+    used = 0
+    for i, a in enumerate(adapters):
+        used += a.ByteSize() + 8  # the field's tag and length
+        if used > limit and i > 0:
+            return i
+    return len(adapters)
+
+
+def _description_refusal(description: str) -> str | None:
+    if len(description.encode()) <= _MAX_DESCRIPTION:
+        return None
+    return f"description is {len(description.encode())} bytes; at most {_MAX_DESCRIPTION}"
 
 
 @admin_rpcs_bounded
@@ -265,11 +286,15 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
             )
         if not h.config_json or len(h.config_json) > _MAX_CONFIG:
             raise _Refused(Code.INVALID_ARGUMENT, f"config_json must be 1 byte to {_MAX_CONFIG} bytes")
+        if refusal := _description_refusal(h.description):
+            raise _Refused(Code.INVALID_ARGUMENT, refusal)
         return h
 
     async def Import(self, request: apb.ImportRequest, context: grpc.aio.ServicerContext) -> apb.Adapter:
         started = time.monotonic()
         name = await _name(context, request.name)
+        if refusal := _description_refusal(request.description):
+            await abort(context, Code.INVALID_ARGUMENT, refusal)
         if self.s3_import is None:
             await abort(
                 context, Code.FAILED_PRECONDITION, "Import needs S3: start the service with --s3-bucket"
@@ -319,9 +344,11 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         more = len(page) > size
         page = page[:size]
         placements = await self.c.placements([v.name for v in page])
+        adapters = [await self._proto(v, placements[v.name]) for v in page]
+        kept = _within_bytes(adapters, _MAX_PAGE_BYTES)
+        more = more or kept < len(adapters)
         return apb.ListAdaptersResponse(
-            adapters=[await self._proto(v, placements[v.name]) for v in page],
-            next_page_token=page[-1].name if more else "",
+            adapters=adapters[:kept], next_page_token=adapters[kept - 1].name if more else ""
         )
 
     async def Delete(

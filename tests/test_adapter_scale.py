@@ -220,3 +220,37 @@ def test_a_list_of_thousands_is_paged_in_order_with_placements_in_a_few_round_tr
         await reg.close()
 
     asyncio.run(go())
+
+
+def test_a_list_answer_fits_any_grpc_clients_default_message_limit(tmp_path):
+    """A page of 1,000 adapters with 4 KiB descriptions was one 4.1 MB answer, past the 4 MiB that
+    gRPC clients receive by default (grpcurl, Go, Java, `spindle adapters list`) with a few
+    placements, and descriptions had no bound: the listing failed RESOURCE_EXHAUSTED for all.
+    A page now ends before it would pass 3 MiB (AIP-158: a page may hold fewer than page_size),
+    and a description is at most 4 KiB."""
+    from adapter_service.server import _Refused
+
+    names = [f"ad-{i:04d}" for i in range(1000)]
+
+    async def go() -> None:
+        reg = MemoryRegistry()
+        versions = [Version(n, 1, "s", 4, 8, ["q_proj"], "base", 0.0, description="d" * 4096) for n in names]
+        await reg.rebuild(versions)
+        c = Controller(
+            reg, LocalStore(tmp_path / "store"), discover=lambda: asyncio.sleep(0, []), advertise="x:1"
+        )
+        admin = AdaptersService(c, None, max_rank=64, max_adapter_bytes=1 << 20)
+        listed, token = [], ""
+        while True:
+            page = await admin.List(apb.ListAdaptersRequest(page_size=1000, page_token=token), _Context())
+            assert 0 < page.ByteSize() <= 3 << 20
+            listed += [a.name for a in page.adapters]
+            if not (token := page.next_page_token):
+                break
+        assert listed == names
+        header = apb.RegisterHeader(name="x", config_json=b"{}", total_bytes=1, sha256="0" * 64)
+        header.description = "d" * 4097
+        with pytest.raises(_Refused, match="description"):
+            admin._header(apb.RegisterChunk(header=header))
+
+    asyncio.run(go())
