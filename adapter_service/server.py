@@ -465,7 +465,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     s = parser.add_argument_group("storage (S3, or embedded: a local directory)")
     s.add_argument("--s3-bucket", default="", help="bucket of the adapters; empty = the local --storage-dir")
-    s.add_argument("--s3-prefix", default="adapters/", help="key prefix in the bucket [adapters/]")
+    s.add_argument(
+        "--s3-prefix", default="adapters/", help="key prefix in the bucket, a folder: ends with / [adapters/]"
+    )
     s.add_argument("--s3-endpoint-url", default="", help="S3-compatible endpoint (MinIO, ...); empty = AWS")
     s.add_argument("--s3-region", default="", help="the bucket's region; empty = boto3's default")
     s.add_argument(

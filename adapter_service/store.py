@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -32,6 +33,7 @@ from adapter_service.deadlines import Bounds, track
 
 CONFIG, WEIGHTS, META = "adapter_config.json", "adapter_model.safetensors", "meta.json"
 PROBE_SECONDS = 1.0  # an S3 health check's connect and read timeouts (the service waits 2 s for it)
+_COMMIT_MARK = re.compile(r"[^/]+/v\d{6,}/" + re.escape(META))  # NAME/vNNNNNN/meta.json
 READS_AT_ONCE = 32  # commit marks read concurrently by a listing of every adapter (a rebuild)
 
 
@@ -106,9 +108,11 @@ class Store:
     def _versions(self, name: str, latest: bool) -> list[Version]:
         """One listing, then a read of each commit mark wanted: with `latest`, only each name's
         highest (the zero-padded keys sort by version). Reading every version's cost a
-        registration one read per version the name ever had: its 40th took 40 reads under its lease."""
+        registration one read per version the name ever had: its 40th took 40 reads under its lease.
+        Only keys of the layout are read: any other `.../meta.json` beside the adapters (a
+        bucket's root shared with other tools) failed every rebuild of the index."""
         keys = self._keys(f"{name}/" if name else "")
-        metas = sorted(k for k in keys if k.endswith("/" + META))
+        metas = sorted(k for k in keys if _COMMIT_MARK.fullmatch(k))
         if latest:
             metas = list({k.split("/")[0]: k for k in metas}.values())
         out = [Version.from_json(raw) for raw in self._read_all(metas)]
@@ -247,6 +251,8 @@ class S3Store(Store):
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
 
+        if prefix and not prefix.endswith("/"):  # keys are PREFIX + NAME/...: a folder, or neighbours mix
+            raise ValueError(f"--s3-prefix {prefix!r} must end with '/' (or be empty), as {prefix + '/'!r}")
         b = bounds or Bounds()
         self.bucket, self.prefix, self.attempts = bucket, prefix, max(b.s3_attempts, 1)
 

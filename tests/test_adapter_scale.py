@@ -254,3 +254,20 @@ def test_a_list_answer_fits_any_grpc_clients_default_message_limit(tmp_path):
             admin._header(apb.RegisterChunk(header=header))
 
     asyncio.run(go())
+
+
+def test_only_the_layouts_keys_are_read_as_adapters(tmp_path, monkeypatch):
+    """Under an empty prefix (a bucket's root) or beside other tools' files, any key ending in
+    `/meta.json` was parsed as a version: one unrelated `models/x/config/meta.json` made every
+    rebuild of the index fail (TypeError), so after a Redis flush nothing was served. Only
+    `NAME/vNNNNNN/meta.json` is read now. A prefix that is not a folder (`adapters`, no '/')
+    also listed its neighbours (`adapters-canary/...`): it is refused, naming the flag."""
+    store = LocalStore(tmp_path / "store")
+    _meta(store, 1)
+    store._write("models/x/config/meta.json", b'{"framework": "other"}')
+    store._write("notes/meta.json", b"not json")
+    assert [v.name for v in asyncio.run(store.versions(latest=True))] == ["ad-0001"]
+    for k, v in aws_env().items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match="--s3-prefix 'adapters' must end with '/'"):
+        S3Store("bucket", "adapters", "http://127.0.0.1:1", "us-east-1")
