@@ -77,6 +77,33 @@ redis.call('SET', KEYS[3], '1')
 redis.call('SET', KEYS[4], ARGV[1])
 return 1
 """
+# KEYS: staged:SHA, staging (sha -> when), staging:size (sha -> bytes), staging:total; ARGV: sha,
+# the copy, now. Stores the copy and returns the staged total, each sha counted once; a total
+# missing (first use, or a Redis staged into before it was kept) is summed from the sizes first.
+_STAGE = """
+if redis.call('EXISTS', KEYS[4]) == 0 then
+  local total = 0
+  for _, n in ipairs(redis.call('HVALS', KEYS[3])) do total = total + tonumber(n) end
+  redis.call('SET', KEYS[4], total)
+end
+local before = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], string.len(ARGV[2]))
+return redis.call('INCRBY', KEYS[4], string.len(ARGV[2]) - before)
+"""
+# KEYS: as _STAGE's; ARGV: sha. Drops the copy and returns the staged total: a copy two callers
+# drop at once is subtracted once.
+_UNSTAGE = """
+local n = redis.call('HGET', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if n then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  return redis.call('DECRBY', KEYS[4], n)
+end
+return tonumber(redis.call('GET', KEYS[4]) or '0')
+"""
 
 
 @track
@@ -184,6 +211,9 @@ class MemoryRegistry:
             del table[pod]
         return {pod: info for pod, (_, info) in table.items()}
 
+    async def leases_of(self, names: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+        return {name: await self.leases(name) for name in names}
+
     async def stage(self, sha: str, data: bytes, max_total: int) -> None:
         if len(data) > max_total:
             return
@@ -236,6 +266,7 @@ class RedisRegistry:
         self._renew, self._release = self.r.register_script(_RENEW), self.r.register_script(_RELEASE)
         self._assign, self._commit = self.r.register_script(_ASSIGN), self.r.register_script(_COMMIT)
         self._rebuild = self.r.register_script(_REBUILD)
+        self._stage, self._unstage = self.r.register_script(_STAGE), self.r.register_script(_UNSTAGE)
 
     async def check(self) -> None:
         await self.r.ping()
@@ -350,37 +381,42 @@ class RedisRegistry:
         raws = await self.r.hmget(_P + f"leaseinfo:{name}", live)
         return {p.decode(): json.loads(r) for p, r in zip(live, raws, strict=True) if r is not None}
 
+    async def leases_of(self, names: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+        """Each name's live leases (pod -> info), in one round trip: a List page of 1,000 read
+        them with three a name. Expired ones are left out here, and dropped by `leases`."""
+        now = time.time()
+        async with self.r.pipeline(transaction=False) as p:
+            for name in names:
+                p.zrangebyscore(_P + f"lease:{name}", f"({now}", "+inf")
+                p.hgetall(_P + f"leaseinfo:{name}")
+            replies = await p.execute()
+        out = {}
+        for name, live, infos in zip(names, replies[::2], replies[1::2], strict=True):
+            out[name] = {pod.decode(): json.loads(infos[pod]) for pod in live if pod in infos}
+        return out
+
     async def stage(self, sha: str, data: bytes, max_total: int) -> None:
         """Keep a hot copy; the oldest go while the total is over `max_total`. The total is a
         key of its own (`staging:total`): summing every staged size at each stage made staging
-        10,000 adapters quadratic."""
+        10,000 adapters quadratic. Each copy is added and dropped by a script, so it is counted
+        once: two pods fetching one adapter at once (a spread, or two replicas) each read its old
+        size, then both added it, and the total drifted up for good; past `max_total` every copy
+        was dropped as soon as it was staged, and placements went to storage."""
         if len(data) > max_total:
             return
-        total_key, sizes_key = _P + "staging:total", _P + "staging:size"
-        if not await self.r.exists(total_key):  # first use, or a Redis staged into before it was kept
-            await self.r.setnx(total_key, sum(int(n) for n in await self.r.hvals(sizes_key)))
-        before = int(await self.r.hget(sizes_key, sha) or 0)
-        async with self.r.pipeline(transaction=True) as p:
-            p.set(_P + f"staged:{sha}", data)
-            p.zadd(_P + "staging", {sha: time.time()})
-            p.hset(sizes_key, sha, len(data))
-            p.incrby(total_key, len(data) - before)
-            total = (await p.execute())[-1]
+        total = int(await self._stage(keys=self._staging_keys(sha), args=[sha, data, time.time()]))
         while total > max_total:
             oldest = [o.decode() for o in await self.r.zrange(_P + "staging", 0, 31)]
             if not oldest:
                 return
-            sizes = await self.r.hmget(sizes_key, oldest)
-            async with self.r.pipeline(transaction=True) as p:
-                for old, n in zip(oldest, sizes, strict=True):
-                    if total <= max_total:
-                        break
-                    p.delete(_P + f"staged:{old}")
-                    p.zrem(_P + "staging", old)
-                    p.hdel(sizes_key, old)
-                    p.decrby(total_key, int(n or 0))
-                    total -= int(n or 0)
-                await p.execute()
+            for old in oldest:
+                total = int(await self._unstage(keys=self._staging_keys(old), args=[old]))
+                if total <= max_total:
+                    break
+
+    @staticmethod
+    def _staging_keys(sha: str) -> list[str]:
+        return [_P + f"staged:{sha}", _P + "staging", _P + "staging:size", _P + "staging:total"]
 
     async def staged(self, sha: str) -> bytes | None:
         return await self.r.get(_P + f"staged:{sha}")

@@ -59,6 +59,9 @@ SERVICES = ("spindle.v1.Adapters", "spindle.v1.Placement", "spindle.v1.ModelCont
 _MAX_CONFIG = 1 << 20
 _CHUNK = 1 << 20
 _DRAIN_BYTES = 64 << 20
+_MAX_PAGE = 1000  # adapters in one List answer
+_MAX_PAGE_BYTES = 3 << 20  # one List answer: under the 4 MiB that gRPC clients receive by default
+_MAX_DESCRIPTION = 4096  # bytes (UTF-8): every Get and List answer carries it
 
 
 async def _name(context: grpc.aio.ServicerContext, name: str) -> str:
@@ -121,6 +124,25 @@ async def _drain(chunks: AsyncIterator[apb.RegisterChunk]) -> None:
             return
 
 
+def _within_bytes(adapters: list[apb.Adapter], limit: int) -> int:
+    """How many of `adapters` (at least one) one answer holds within `limit` bytes: a page of
+    1,000 with 4 KiB descriptions and their placements was past the 4 MiB that gRPC clients
+    receive by default, and failed RESOURCE_EXHAUSTED for every caller. A page may hold fewer
+    than asked (AIP-158)."""
+    used = 0
+    for i, a in enumerate(adapters):
+        used += a.ByteSize() + 8  # the field's tag and length
+        if used > limit and i > 0:
+            return i
+    return len(adapters)
+
+
+def _description_refusal(description: str) -> str | None:
+    if len(description.encode()) <= _MAX_DESCRIPTION:
+        return None
+    return f"description is {len(description.encode())} bytes; at most {_MAX_DESCRIPTION}"
+
+
 @admin_rpcs_bounded
 class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
     def __init__(
@@ -134,7 +156,10 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
         self.c, self.base, self.max_rank = controller, base, max_rank
         self.max_bytes, self.s3_import = max_adapter_bytes, s3_import
 
-    async def _proto(self, v: Version) -> apb.Adapter:
+    async def _proto(self, v: Version, placements: list[apb.PodPlacement] | None = None) -> apb.Adapter:
+        """`placements`: read by the caller (a List page reads them all at once), else here."""
+        if placements is None:
+            placements = (await self.c.placements([v.name]))[v.name]
         return apb.Adapter(
             name=v.name,
             version=v.version,
@@ -146,7 +171,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
             created_at=v.created_at,
             pinned=v.pinned,
             description=v.description,
-            placements=await self.c.placements(v.name),
+            placements=placements,
         )
 
     async def _get(self, name: str, context: grpc.aio.ServicerContext) -> Version:
@@ -261,11 +286,15 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
             )
         if not h.config_json or len(h.config_json) > _MAX_CONFIG:
             raise _Refused(Code.INVALID_ARGUMENT, f"config_json must be 1 byte to {_MAX_CONFIG} bytes")
+        if refusal := _description_refusal(h.description):
+            raise _Refused(Code.INVALID_ARGUMENT, refusal)
         return h
 
     async def Import(self, request: apb.ImportRequest, context: grpc.aio.ServicerContext) -> apb.Adapter:
         started = time.monotonic()
         name = await _name(context, request.name)
+        if refusal := _description_refusal(request.description):
+            await abort(context, Code.INVALID_ARGUMENT, refusal)
         if self.s3_import is None:
             await abort(
                 context, Code.FAILED_PRECONDITION, "Import needs S3: start the service with --s3-bucket"
@@ -300,37 +329,55 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
     async def List(
         self, request: apb.ListAdaptersRequest, context: grpc.aio.ServicerContext
     ) -> apb.ListAdaptersResponse:
-        if not 0 <= request.page_size <= 1000:
+        """By name, `page_size` at a time (0: 100); above the most, 1,000, it is coerced to it, as
+        AIP-158 asks (it was refused). A page's placements are read in one round trip: three a
+        name made a page of 1,000 take 3,000 round trips."""
+        if request.page_size < 0:
             await abort(
-                context, Code.INVALID_ARGUMENT, f"page_size must be in [0, 1000], got {request.page_size}"
+                context, Code.INVALID_ARGUMENT, f"page_size must not be negative, got {request.page_size}"
             )
         if request.page_token:
             await _name(context, request.page_token)
-        size = request.page_size or 100
+        size = min(request.page_size or 100, _MAX_PAGE)
         await self.c.ensure_built()
         page = await self.c.registry.page(request.page_token, size + 1)
         more = len(page) > size
         page = page[:size]
+        placements = await self.c.placements([v.name for v in page])
+        adapters = [await self._proto(v, placements[v.name]) for v in page]
+        kept = _within_bytes(adapters, _MAX_PAGE_BYTES)
+        more = more or kept < len(adapters)
         return apb.ListAdaptersResponse(
-            adapters=[await self._proto(v) for v in page], next_page_token=page[-1].name if more else ""
+            adapters=adapters[:kept], next_page_token=adapters[kept - 1].name if more else ""
         )
 
     async def Delete(
         self, request: apb.DeleteAdapterRequest, context: grpc.aio.ServicerContext
     ) -> apb.DeleteAdapterResponse:
-        v = await self._get(request.name, context)
-        async with self.c.leases.hold(f"register:{v.name}", f"a registration of {v.name!r}"):
-            await self.c.registry.remove(v.name)  # first: no new placement starts from here on
-            await self.c.evict_everywhere(v.name)
+        name = await _name(context, request.name)
+        async with self.c.leases.hold(f"register:{name}", f"a registration of {name!r}"):
+            await self._deletable(name, context)
+            await self.c.registry.remove(name)  # first: no new placement starts from here on
+            await self.c.evict_everywhere(name)
             try:
-                n = await self.c.store.remove(v.name)
+                n = await self.c.store.remove(name)
             except Exception as e:  # storage is the truth: the next rebuild would bring it back
-                log.exception("deleting %s from storage failed", v.name)
+                log.exception("deleting %s from storage failed", name)
                 await abort(
-                    context, Code.UNAVAILABLE, f"storage failed; {v.name!r} is not deleted, retry: {e}"
+                    context,
+                    Code.UNAVAILABLE,
+                    f"storage failed; {name!r} is no longer served but its files remain: retry the "
+                    f"Delete: {e}",
                 )
-        log.info("deleted %s (%d versions)", v.name, n)
+        log.info("deleted %s (%d versions)", name, n)
         return apb.DeleteAdapterResponse(versions_deleted=n)
+
+    async def _deletable(self, name: str, context: grpc.aio.ServicerContext) -> None:
+        """NOT_FOUND unless the index or storage has `name`. Storage too: a Delete unindexes
+        first, so when storage then failed (or the RPC ran out of time) its retry found nothing
+        indexed and answered NOT_FOUND, leaving the files to come back at the next rebuild."""
+        if await self.c.lookup(name) is None and not await self.c.store.versions(name, latest=True):
+            await abort(context, Code.NOT_FOUND, f"adapter {name!r} is not registered")
 
     async def Pin(self, request: apb.PinAdapterRequest, context: grpc.aio.ServicerContext) -> apb.Adapter:
         async with self.c.leases.hold(f"register:{request.name}", f"a registration of {request.name!r}"):
@@ -418,7 +465,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     s = parser.add_argument_group("storage (S3, or embedded: a local directory)")
     s.add_argument("--s3-bucket", default="", help="bucket of the adapters; empty = the local --storage-dir")
-    s.add_argument("--s3-prefix", default="adapters/", help="key prefix in the bucket [adapters/]")
+    s.add_argument(
+        "--s3-prefix", default="adapters/", help="key prefix in the bucket, a folder: ends with / [adapters/]"
+    )
     s.add_argument("--s3-endpoint-url", default="", help="S3-compatible endpoint (MinIO, ...); empty = AWS")
     s.add_argument("--s3-region", default="", help="the bucket's region; empty = boto3's default")
     s.add_argument(
