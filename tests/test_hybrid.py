@@ -204,12 +204,16 @@ def test_beam_search_forks_recurrent_state(case: Case):
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_keeps_recurrent_state(case: Case, mode: str):
     """A KV pool too small for all five: sequences are preempted (their state swapped out with
-    their K/V, or dropped and recomputed) and still produce exactly HF's tokens."""
+    their K/V, or dropped and recomputed) and still produce exactly HF's tokens; the swap budget
+    is charged what a swap stores, state included."""
     engine = make_engine(case.ours, num_kv_blocks=14, block_size=4, preemption_mode=mode)
     outs = engine.generate([request(ids) for ids in PROMPTS])
     assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(len(PROMPTS))]
     assert engine.stats().num_preemptions > 0
     _state_slots_all_back(engine)
+    # The swap budget got back what it was charged: it was charged the K/V only and given back
+    # the state too, so it went below zero and `--swap-space` bound nothing.
+    assert engine.scheduler.swap_used == 0 and engine.scheduler.num_swapped == 0
 
 
 def test_warm_multi_turn_request_resumes_from_a_state_snapshot(case: Case):

@@ -47,6 +47,7 @@ from model_service.engine.block_manager import BlockManager
 from model_service.engine.cache_manager import CacheManager
 from model_service.engine.config import EngineConfig
 from model_service.engine.detokenizer import IncrementalDetokenizer
+from model_service.engine.executor import recurrent_state_bytes
 from model_service.engine.executors import Executor, build_executor
 from model_service.engine.grammar import GrammarCompiler
 from model_service.engine.output_processor import OutputProcessor
@@ -185,7 +186,7 @@ class Engine:
         state_slots = _num_state_slots(config, mc.num_state_layers, speculative)
         self.executor = build_executor(self.loaded, config, models.kv_config, state_slots, models.aux_layers)
         num_blocks, self.max_model_len = self.executor.kv_cache.num_blocks, self.executor.max_model_len
-        self.cache = _cache_manager(self.executor, config, mc, state_slots)
+        self.cache = _cache_manager(self.executor, config, self.loaded, state_slots)
         self.lora = _lora_pool(self.executor, config, mc)
         self.speculation = build_speculation(
             speculative, models, self.loaded, config, num_blocks, self.max_model_len
@@ -443,12 +444,13 @@ def _load(config: EngineConfig) -> LoadedModel:
 
 
 def _cache_manager(
-    executor: Executor, config: EngineConfig, mc: ModelConfig, state_slots: int
+    executor: Executor, config: EngineConfig, loaded: LoadedModel, state_slots: int
 ) -> CacheManager:
     """The cache manager over the executor's K/V cache (and its recurrent-state slots)."""
     blocks = BlockManager(executor.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
-    per_token = cache_bytes_per_block(mc, 1, executor.dtype)
-    return CacheManager(blocks, executor, per_token, state_slots)
+    per_token = cache_bytes_per_block(loaded.config, 1, executor.dtype)
+    state_bytes = recurrent_state_bytes(loaded.module, 1)
+    return CacheManager(blocks, executor, per_token, state_slots, state_bytes)
 
 
 def _lora_pool(executor: Executor, config: EngineConfig, mc: ModelConfig) -> LoraPool:

@@ -426,8 +426,8 @@ class Scheduler:
         # It keeps its adapter's slot (and reference): it resumes on the weights it began with.
         seq.admission.held_slot, seq.state.lora_slot = seq.state.lora_slot, -1
         if swap and self.swap_used + size <= self.swap_budget:
-            self._swapped[seq] = self.cache.swap_out(seq.state)
-            self.swap_used += size
+            saved = self._swapped[seq] = self.cache.swap_out(seq.state)
+            self.swap_used += saved.nbytes  # what `_release_swap` gives back
             seq.state = None
         else:
             self._free_state(seq)
