@@ -201,6 +201,21 @@ def test_beam_search_forks_recurrent_state(case: Case):
     _state_slots_all_back(engine)
 
 
+def test_beam_search_holds_a_state_slot_per_beam_and_ends_clearly_past_them(case: Case):
+    """max_num_seqs 1 gives 2 state slots. Two beams fit: the parents a step drops give their
+    slots back before the forks take theirs (forking first failed the search, "no recurrent-state
+    slot is free; check can_allocate() first"). Three beams cannot: the search ends "capacity",
+    saying why, and the slots come back."""
+    engine = make_engine(case.ours, block_size=4, max_num_seqs=1)
+    ids = PROMPTS[2]
+    req = {"prompt_token_ids": ids, "max_tokens": 8, "num_beams": 2, "ignore_eos": True}
+    want = _hf_beams(case.hf, ids, eos=None, num_beams=2, max_new_tokens=8)
+    assert engine.generate([req])[0].token_ids == want
+    out = engine.generate([{**req, "num_beams": 3}])[0]
+    assert out.finish_reason == "capacity" and "a recurrent-state slot per beam" in out.error
+    _state_slots_all_back(engine)
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_keeps_recurrent_state(case: Case, mode: str):
     """A KV pool too small for all five: sequences are preempted (their state swapped out with

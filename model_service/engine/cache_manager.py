@@ -110,8 +110,13 @@ class CacheManager:
         """State slots holding prefix-cache snapshots (given back when a slot is needed)."""
         return len(self._cached_states)
 
-    def can_allocate(self) -> bool:
-        return not self.has_state or self._spare_state_slots() > 0
+    @property
+    def num_spare_state_slots(self) -> int:
+        """State slots a new sequence may take: the free ones and the prefix-cache snapshots'."""
+        return self._spare_state_slots()
+
+    def can_allocate(self, num_sequences: int = 1) -> bool:
+        return not self.has_state or self._spare_state_slots() >= num_sequences
 
     # --- life of a sequence ---------------------------------------------------------------
 
