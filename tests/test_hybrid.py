@@ -8,6 +8,7 @@ weights randomized so a wrong norm or a dropped state shows).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from adapter_service import base_model, validate
 from model_service.engine.engine import Engine
 from model_service.engine.speculation import NgramProposer, SpeculativeConfig
+from model_service.errors import ModelLoadError
 from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.models.config import Mixer
 from model_service.models.gated_delta import chunked_scan, recurrent_scan
@@ -199,6 +201,15 @@ def test_beam_search_forks_recurrent_state(case: Case):
         req = {"prompt_token_ids": ids, "max_tokens": 10, "num_beams": beams, "ignore_eos": True}
         assert engine.generate([req])[0].token_ids == expected
     _state_slots_all_back(engine)
+
+
+def test_a_hybrid_drafting_itself_is_refused_at_start(case: Case):
+    """A draft model naming the target's own checkpoint skipped the draft checks: a hybrid engine
+    started, and every request failed after its first token (the draft's cache has no state
+    slots). It is refused as any recurrent draft is."""
+    spec = json.dumps({"method": "draft", "model": str(case.path), "num_speculative_tokens": 2})
+    with pytest.raises(ModelLoadError, match="has recurrent layers"):
+        make_engine(case.ours, speculative_config=spec)
 
 
 def test_beam_search_holds_a_state_slot_per_beam_and_ends_clearly_past_them(case: Case):

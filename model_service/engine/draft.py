@@ -58,9 +58,11 @@ def load_draft(
         return None
     assert spec.model is not None
     if _same_file(spec.model, target.name):
-        return target
-    draft = load_model(spec.model, config.torch_dtype(), config.torch_device())
-    check_same_vocab(target, draft)
+        draft = target
+    else:
+        draft = load_model(spec.model, config.torch_dtype(), config.torch_device())
+        check_same_vocab(target, draft)
+    # A hybrid drafting itself too: the draft's cache has no state slots (every request failed).
     if draft.config.num_state_layers:
         raise ModelLoadError(
             f"draft model {draft.name!r} has recurrent layers, whose state cannot be rolled back to "
