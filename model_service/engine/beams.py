@@ -135,7 +135,7 @@ class BeamSearch:
         too). Returns the sequence that now stands for the request: the restarted search's new
         root, or the final output of the search that cannot run ("capacity"); None when no beam
         is running."""
-        stalled = [s for s in running if s.group is not None]
+        stalled = [s for s in running if s.group is not None and self.is_live(s.group)]
         if not stalled:
             return None
         beam = max(stalled, key=by_rank)

@@ -298,9 +298,11 @@ class Engine:
     def _quiescent_point(self) -> None:
         """Before scheduling: adapter control and admission, which need the step in flight read
         first when they may change what it runs (as does a scheduling that may preempt: a
-        preempted sequence must have all its tokens); then the grammars that have compiled."""
-        if self.overlap.busy and (self.adapters.needs_quiescence() or self.scheduler.may_preempt()):
+        preempted sequence must have all its tokens); a beam search the last scheduling found
+        stalled starts over; then the grammars that have compiled."""
+        if self.overlap.busy and (self.adapters.needs_quiescence() or self.scheduler.needs_quiescence()):
             self.table.report(self._drain())
+        self.table.unstall(self.scheduler.take_stalled())
         for seq, error in self.adapters.at_quiescent_point():
             self.table.finish(seq, "error", error)
         for seq, reason, why in self.grammar_wait.start_compiled():
@@ -361,7 +363,7 @@ class Engine:
         stalled search (`BeamSearch.unstall`); else wait, `IDLE_WAIT_S` at most, for a worker's
         adapter read or grammar compile that a waiting request needs, rather than spin."""
         if not self.overlap.busy and self.scheduler.running and not self.scheduler.adapter_demand:
-            self.table.unstall()
+            self.table.unstall(self.scheduler.running)
         pending: list[concurrent.futures.Future[Any]] = []
         if not self.overlap.busy and self.scheduler.adapter_demand:
             pending += self.lora.pending_reads()
