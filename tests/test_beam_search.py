@@ -276,3 +276,35 @@ def test_a_beam_search_that_started_over_can_be_aborted(tiny_llama):
     both = _two_searches(tiny_llama, 28, abort_restarted=True)
     assert both["b"][0] == "abort"
     assert both["a"] == _two_searches(tiny_llama, 256, "a")["a"]
+
+
+def test_beams_of_one_search_never_preempt_each_other(tiny_llama, hf_tiny):
+    """A short request beside a 3-beam search on 24 blocks of 2 (the search alone fits): the
+    request preempted beams, which came back apart, without shared blocks; then a beam that
+    needed blocks preempted a sibling waiting for it, which came back and preempted it in turn,
+    forever (~600 preemptions in 3,000 steps, every other request starved). Now a beam is never
+    its sibling's victim: it preempts itself, and once nothing running can free a block its
+    search starts over whole, with HF's beams."""
+    engine = make_engine(
+        tiny_llama, block_size=2, num_kv_blocks=24, max_num_batched_tokens=6, max_num_seqs=3,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    plain = {"prompt_token_ids": list(range(40, 44)), "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    prompt = list(range(60, 83))
+    engine.add_request_dict({**plain, "request_id": "plain"})
+    engine.add_request(
+        prompt_token_ids=prompt, request_id="beams",
+        params=SamplingParams(num_beams=3, max_tokens=7, ignore_eos=True),
+    )  # fmt: skip
+    finals = {}
+    for _ in range(1000):
+        finals |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+        if not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished(), (
+        f"still running after 1,000 steps: {engine.stats().num_preemptions} preemptions"
+    )
+    assert engine.stats().num_preemptions > 0
+    assert finals["beams"] == _hf_beams(hf_tiny, prompt, eos=None, num_beams=3, max_new_tokens=7)
+    assert finals["plain"] == make_engine(tiny_llama).generate([plain])[0].token_ids
+    assert_all_blocks_free(engine)

@@ -8,6 +8,7 @@ weights randomized so a wrong norm or a dropped state shows).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from adapter_service import base_model, validate
 from model_service.engine.engine import Engine
 from model_service.engine.speculation import NgramProposer, SpeculativeConfig
+from model_service.errors import ModelLoadError
 from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.models.config import Mixer
 from model_service.models.gated_delta import chunked_scan, recurrent_scan
@@ -201,15 +203,43 @@ def test_beam_search_forks_recurrent_state(case: Case):
     _state_slots_all_back(engine)
 
 
+def test_a_hybrid_drafting_itself_is_refused_at_start(case: Case):
+    """A draft model naming the target's own checkpoint skipped the draft checks: a hybrid engine
+    started, and every request failed after its first token (the draft's cache has no state
+    slots). It is refused as any recurrent draft is."""
+    spec = json.dumps({"method": "draft", "model": str(case.path), "num_speculative_tokens": 2})
+    with pytest.raises(ModelLoadError, match="has recurrent layers"):
+        make_engine(case.ours, speculative_config=spec)
+
+
+def test_beam_search_holds_a_state_slot_per_beam_and_ends_clearly_past_them(case: Case):
+    """max_num_seqs 1 gives 2 state slots. Two beams fit: the parents a step drops give their
+    slots back before the forks take theirs (forking first failed the search, "no recurrent-state
+    slot is free; check can_allocate() first"). Three beams cannot: the search ends "capacity",
+    saying why, and the slots come back."""
+    engine = make_engine(case.ours, block_size=4, max_num_seqs=1)
+    ids = PROMPTS[2]
+    req = {"prompt_token_ids": ids, "max_tokens": 8, "num_beams": 2, "ignore_eos": True}
+    want = _hf_beams(case.hf, ids, eos=None, num_beams=2, max_new_tokens=8)
+    assert engine.generate([req])[0].token_ids == want
+    out = engine.generate([{**req, "num_beams": 3}])[0]
+    assert out.finish_reason == "capacity" and "a recurrent-state slot per beam" in out.error
+    _state_slots_all_back(engine)
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_keeps_recurrent_state(case: Case, mode: str):
     """A KV pool too small for all five: sequences are preempted (their state swapped out with
-    their K/V, or dropped and recomputed) and still produce exactly HF's tokens."""
+    their K/V, or dropped and recomputed) and still produce exactly HF's tokens; the swap budget
+    is charged what a swap stores, state included."""
     engine = make_engine(case.ours, num_kv_blocks=14, block_size=4, preemption_mode=mode)
     outs = engine.generate([request(ids) for ids in PROMPTS])
     assert [o.token_ids for o in outs] == [case.hf_greedy(i) for i in range(len(PROMPTS))]
     assert engine.stats().num_preemptions > 0
     _state_slots_all_back(engine)
+    # The swap budget got back what it was charged: it was charged the K/V only and given back
+    # the state too, so it went below zero and `--swap-space` bound nothing.
+    assert engine.scheduler.swap_used == 0 and engine.scheduler.num_swapped == 0
 
 
 def test_warm_multi_turn_request_resumes_from_a_state_snapshot(case: Case):

@@ -17,6 +17,7 @@ from model_service.engine.beam_search import BeamGroup
 from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.scheduler import Scheduler
 from model_service.engine.sequence import RequestOutput, Sequence, by_rank
+from model_service.errors import CapacityError
 from model_service.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class BeamSearch:
             try:
                 if not self._advance(group, beams):
                     finished.append(self.finish(group, "length"))
+            except CapacityError as e:
+                log.warning("request %s: %s", group.request_id, e)
+                finished.append(self.finish(group, "capacity", str(e)))
             except Exception as e:  # one beam request's fault fails that request only
                 log.exception("beam search for %s failed", group.request_id)
                 finished.append(self.finish(group, "error", f"beam search failed: {e}"))
@@ -65,11 +69,19 @@ class BeamSearch:
         return beam in self.logits and beam.num_pending == 0
 
     def _advance(self, group: BeamGroup, parents: list[Sequence]) -> bool:
-        """One search step; False once the search is done."""
+        """One search step; False once the search is done. Parents with no child leave before the
+        forks are made, so that a search never holds more than its beams' K/V and state slots
+        (a hybrid model's fork takes a recurrent-state slot: forking first needed one slot more
+        per dropped parent, and failed where the beams themselves fit)."""
         logits = torch.stack([self.logits.pop(b) for b in parents])
         choices = group.advance(logits, [b.output_ids for b in parents])
         if group.done:
             return False
+        kept = {c.parent for c in choices}
+        for i, parent in enumerate(parents):
+            if i not in kept:
+                self.scheduler.remove(parent)
+        self._check_state_slots(group, len(choices) - len(kept))
         children, taken = [], set()
         for c in choices:
             if c.parent in taken:
@@ -80,11 +92,20 @@ class BeamSearch:
             children.append((child, c.token))
         for child, token in children:  # extend only after every fork copied its parent's tokens
             child.token_ids.append(token)
-        for i, parent in enumerate(parents):
-            if i not in taken:
-                self.scheduler.remove(parent)
         self.live[group.request_id] = [child for child, _ in children]
         return True
+
+    def _check_state_slots(self, group: BeamGroup, forks: int) -> None:
+        """Raise CapacityError if a model with recurrent layers has no state slot left for each
+        of `forks` new beams (they are taken by other requests' sequences and checkpoints)."""
+        cache = self.scheduler.cache
+        if cache.can_allocate(forks):
+            return
+        raise CapacityError(
+            f"beam search of {group.num_beams} beams needs a recurrent-state slot per beam, and "
+            f"{cache.num_spare_state_slots} of this engine's {cache.num_state_slots} are free for it "
+            "(--max-num-seqs sets how many there are): ask for fewer beams, or retry"
+        )
 
     def restart(self, group: BeamGroup) -> Sequence:
         """Start `group`'s search over from its prompt: free every live beam and queue one new
@@ -114,7 +135,7 @@ class BeamSearch:
         too). Returns the sequence that now stands for the request: the restarted search's new
         root, or the final output of the search that cannot run ("capacity"); None when no beam
         is running."""
-        stalled = [s for s in running if s.group is not None]
+        stalled = [s for s in running if s.group is not None and self.is_live(s.group)]
         if not stalled:
             return None
         beam = max(stalled, key=by_rank)

@@ -77,10 +77,14 @@ class CacheManager:
         mover: KVMover,
         kv_bytes_per_token: int,
         num_state_slots: int = 0,
+        state_bytes: int = 0,
     ) -> None:
+        """`state_bytes`: host bytes of one sequence's saved recurrent state (what a swap stores
+        beside its K/V)."""
         self.blocks, self.mover = blocks, mover
         self.block_size = blocks.block_size
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.state_bytes = state_bytes
         self.has_state = num_state_slots > 0
         self.num_state_slots = num_state_slots
         self._free_state_slots = dict.fromkeys(range(num_state_slots))  # an ordered set, taken LIFO
@@ -106,8 +110,13 @@ class CacheManager:
         """State slots holding prefix-cache snapshots (given back when a slot is needed)."""
         return len(self._cached_states)
 
-    def can_allocate(self) -> bool:
-        return not self.has_state or self._spare_state_slots() > 0
+    @property
+    def num_spare_state_slots(self) -> int:
+        """State slots a new sequence may take: the free ones and the prefix-cache snapshots'."""
+        return self._spare_state_slots()
+
+    def can_allocate(self, num_sequences: int = 1) -> bool:
+        return not self.has_state or self._spare_state_slots() >= num_sequences
 
     # --- life of a sequence ---------------------------------------------------------------
 
@@ -240,7 +249,8 @@ class CacheManager:
     # --- swap -----------------------------------------------------------------------------
 
     def swap_bytes(self, state: SequenceState) -> int:
-        return self.kv_bytes_per_token * state.num_computed
+        """Host bytes `swap_out` would store for `state`: its K/V and its recurrent state."""
+        return self.kv_bytes_per_token * state.num_computed + (self.state_bytes if self.has_state else 0)
 
     def swap_out(self, state: SequenceState) -> SwappedState:
         """Copy `state`'s computed K/V (and state) to host memory and free it on the device."""

@@ -59,14 +59,16 @@ def load_draft(
         return None
     assert spec.model is not None
     if _same_file(spec.model, target.name):
-        return target
-    if is_eagle3_head(spec.model):
+        draft = target
+    elif is_eagle3_head(spec.model):
         raise ModelLoadError(
             f"draft model {spec.model!r} is an EAGLE-3 head, which reads the target's hidden states: "
             'use method "eagle3"'
         )
-    draft = _load_draft_model(spec.model, config)
-    check_same_vocab(target, draft)
+    else:
+        draft = _load_draft_model(spec.model, config)
+        check_same_vocab(target, draft)
+    # A hybrid drafting itself too: the draft's cache has no state slots (every request failed).
     if draft.config.num_state_layers:
         raise ModelLoadError(
             f"draft model {draft.name!r} has recurrent layers, whose state cannot be rolled back to "

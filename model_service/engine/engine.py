@@ -47,6 +47,7 @@ from model_service.engine.block_manager import BlockManager
 from model_service.engine.cache_manager import CacheManager
 from model_service.engine.config import EngineConfig
 from model_service.engine.detokenizer import IncrementalDetokenizer
+from model_service.engine.executor import recurrent_state_bytes
 from model_service.engine.executors import Executor, build_executor
 from model_service.engine.grammar import GrammarCompiler
 from model_service.engine.output_processor import OutputProcessor
@@ -190,7 +191,7 @@ class Engine:
         state_slots = _num_state_slots(config, mc.num_state_layers, speculative)
         self.executor = build_executor(self.loaded, config, models.kv_config, state_slots, models.aux_layers)
         num_blocks, self.max_model_len = self.executor.kv_cache.num_blocks, self.executor.max_model_len
-        self.cache = _cache_manager(self.executor, config, mc, state_slots)
+        self.cache = _cache_manager(self.executor, config, self.loaded, state_slots)
         self.lora = _lora_pool(self.executor, config, mc)
         self.speculation = build_speculation(
             speculative, models, self.loaded, config, num_blocks, self.max_model_len
@@ -301,11 +302,12 @@ class Engine:
         return outputs + self.table.take()
 
     def _quiescent_point(self) -> None:
-        """Before scheduling: adapter control and admission, which need the step in flight read
-        first when they may change what it runs (as does a scheduling that may preempt: a
-        preempted sequence must have all its tokens); then the grammars that have compiled."""
-        if self.overlap.busy and (self.adapters.needs_quiescence() or self.scheduler.may_preempt()):
+        """Before scheduling: adapter control and admission (the step in flight read first where
+        they, or a scheduling that may preempt, change what runs), stalled beam searches started
+        over, then the grammars that have compiled."""
+        if self.overlap.busy and (self.adapters.needs_quiescence() or self.scheduler.needs_quiescence()):
             self.table.report(self._drain())
+        self.table.unstall(self.scheduler.take_stalled())
         for seq, error in self.adapters.at_quiescent_point():
             self.table.finish(seq, "error", error)
         for seq, reason, why in self.grammar_wait.start_compiled():
@@ -366,7 +368,7 @@ class Engine:
         stalled search (`BeamSearch.unstall`); else wait, `IDLE_WAIT_S` at most, for a worker's
         adapter read or grammar compile that a waiting request needs, rather than spin."""
         if not self.overlap.busy and self.scheduler.running and not self.scheduler.adapter_demand:
-            self.table.unstall()
+            self.table.unstall(self.scheduler.running)
         pending: list[concurrent.futures.Future[Any]] = []
         if not self.overlap.busy and self.scheduler.adapter_demand:
             pending += self.lora.pending_reads()
@@ -449,12 +451,13 @@ def _load(config: EngineConfig) -> LoadedModel:
 
 
 def _cache_manager(
-    executor: Executor, config: EngineConfig, mc: ModelConfig, state_slots: int
+    executor: Executor, config: EngineConfig, loaded: LoadedModel, state_slots: int
 ) -> CacheManager:
     """The cache manager over the executor's K/V cache (and its recurrent-state slots)."""
     blocks = BlockManager(executor.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
-    per_token = cache_bytes_per_block(mc, 1, executor.dtype)
-    return CacheManager(blocks, executor, per_token, state_slots)
+    per_token = cache_bytes_per_block(loaded.config, 1, executor.dtype)
+    state_bytes = recurrent_state_bytes(loaded.module, 1)
+    return CacheManager(blocks, executor, per_token, state_slots, state_bytes)
 
 
 def _lora_pool(executor: Executor, config: EngineConfig, mc: ModelConfig) -> LoraPool:

@@ -92,10 +92,11 @@ class RequestTable:
             seq.in_flight = 0
         self.fail(lost, error)
 
-    def unstall(self) -> None:
-        """Nothing was scheduled and nothing is in flight, yet sequences run: beams waiting for
-        each other. The youngest stalled search starts over, or ends ("capacity")."""
-        found = self.beams.unstall(self.scheduler.running)
+    def unstall(self, stalled: list[Sequence]) -> None:
+        """The youngest search of `stalled` starts over, or ends ("capacity"): nothing was
+        scheduled and nothing is in flight, yet sequences run (beams waiting for each other), or
+        the scheduler found beams preempting themselves with no way on. None: nothing to do."""
+        found = self.beams.unstall(stalled)
         if isinstance(found, RequestOutput):
             self.ended(found)
         elif found is not None:

@@ -8,7 +8,7 @@ A step has a token budget. Policies, each one method below:
   swapped-out one gets its KV copied back.
 - `_pick_victim`: when a running sequence cannot get a KV block, the least important running
   sequence not yet scheduled this step is preempted (highest priority value, then latest
-  arrival); the sequence itself when it is the least important.
+  arrival), never a beam of its own search; the sequence itself when it is the least important.
 - `_preempt`: by swap (its KV goes to host memory, while the swap budget lasts) or by
   recompute (its blocks are freed; it prefills again, mostly from the prefix cache).
 - Structured output: a waiting request whose grammar is still compiling waits without blocking
@@ -96,6 +96,7 @@ class Scheduler:
         # Adapters whose requests have waited too long, longest first (set by AdapterControl):
         # free places among the step's `max_loras` adapters go to them first, in this order.
         self.starving: list[str] = []
+        self._stalled: list[Sequence] = []  # beams that preempted themselves with no way on
 
     # --- queues ---------------------------------------------------------------------------
 
@@ -172,6 +173,11 @@ class Scheduler:
             n = seq.num_pending
         self.cache.plan_boundary_checkpoint(seq.state, n)
         return n
+
+    def needs_quiescence(self) -> bool:
+        """Whether the next quiescent point needs the step in flight read: a search to start over
+        (`take_stalled`), or a scheduling that may preempt."""
+        return bool(self._stalled) or self.may_preempt()
 
     def may_preempt(self) -> bool:
         """Whether the next `schedule` could run out of K/V blocks and preempt a sequence: never
@@ -408,14 +414,34 @@ class Scheduler:
         while not (
             self.cache.make_writable(seq.state) and self.cache.reserve(seq.state, seq.num_computed + n)
         ):
-            victim = self._pick_victim({id(s) for s, _ in work})
+            victim = self._pick_victim({id(s) for s, _ in work}, seq)
             self._preempt(victim)
             if victim is seq:
+                self._note_stall(seq)
                 return False
         return True
 
-    def _pick_victim(self, scheduled: set[int]) -> Sequence:
-        return max((s for s in self.running if id(s) not in scheduled), key=by_rank)
+    def _note_stall(self, seq: Sequence) -> None:
+        """`seq` preempted itself for lack of K/V blocks. If it is a beam whose only running company
+        is beams waiting for their siblings, nothing running will ever free a block: it would be
+        admitted again and preempt itself again, every step, forever (beams preempted one by one
+        and recomputed apart no longer share blocks: a 3-beam search beside one short request on
+        24 blocks of 2 hung so). The engine starts its search over (`take_stalled`)."""
+        if seq.group is not None and all(s.group is not None and s.num_pending == 0 for s in self.running):
+            self._stalled.append(seq)
+
+    def take_stalled(self) -> list[Sequence]:
+        """The beams `_note_stall` found since the last call (for `BeamSearch.unstall`)."""
+        stalled, self._stalled = self._stalled, []
+        return stalled
+
+    def _pick_victim(self, scheduled: set[int], seq: Sequence) -> Sequence:
+        """The least important running sequence not yet `scheduled`, for `seq` that needs blocks;
+        never a beam of `seq`'s own search: the two would preempt each other in turn, each
+        recomputed apart from its siblings, and neither would ever be done (`_note_stall`)."""
+        group = seq.group
+        others = (s for s in self.running if id(s) not in scheduled and (s is seq or s.group is not group))
+        return max(others, key=by_rank)
 
     def _preempt(self, seq: Sequence) -> None:
         assert seq.state is not None
@@ -426,8 +452,8 @@ class Scheduler:
         # It keeps its adapter's slot (and reference): it resumes on the weights it began with.
         seq.admission.held_slot, seq.state.lora_slot = seq.state.lora_slot, -1
         if swap and self.swap_used + size <= self.swap_budget:
-            self._swapped[seq] = self.cache.swap_out(seq.state)
-            self.swap_used += size
+            saved = self._swapped[seq] = self.cache.swap_out(seq.state)
+            self.swap_used += saved.nbytes  # what `_release_swap` gives back
             seq.state = None
         else:
             self._free_state(seq)
