@@ -29,13 +29,26 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
-_OPTIONS = [
-    # gRPC sets SO_REUSEPORT by default, which lets a second server silently share a port that is in
-    # use (and the kernel split connections between them). A port conflict must be an error.
-    ("grpc.so_reuseport", 0),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-]
+# The shortest spacing of a client's keepalive pings that the servers accept. gRPC's server
+# default is 5 minutes unless it sent data in between, and no pings at all on a connection without
+# a call; past two pings too soon it answers GOAWAY ENHANCE_YOUR_CALM "too_many_pings", which
+# closes the connection and every stream on it. A client with a 10-30 s keepalive (grpc-go's and
+# grpc-java's floor is 10 s; Envoy's `connection_keepalive`; load balancers keeping idle
+# connections alive) lost any stream silent for ~30 s: a long prefill, a request queued behind
+# others. Faster pings still count as abuse (a ping flood).
+KEEPALIVE_MIN_PING_S = 5.0
+
+
+def _options() -> list[tuple[str, int]]:
+    return [
+        # gRPC sets SO_REUSEPORT by default, which lets a second server silently share a port that is
+        # in use (and the kernel split connections between them). A port conflict must be an error.
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_MIN_PING_S * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
 
 
 def served_model_name(model: str) -> str:
@@ -48,8 +61,9 @@ def served_model_name(model: str) -> str:
 
 def make_server(interceptors: Iterable[Any] = ()) -> grpc.aio.Server:
     """A server whose requests that do not parse end INVALID_ARGUMENT (spindle/malformed.py); that
-    interceptor runs last, next to the handlers, so the others see the wrapped handler."""
-    return grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()], options=_OPTIONS)
+    interceptor runs last, next to the handlers, so the others see the wrapped handler. Clients'
+    keepalive pings are accepted every KEEPALIVE_MIN_PING_S, with or without a call."""
+    return grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()], options=_options())
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig = PLAINTEXT) -> int:

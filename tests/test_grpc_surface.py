@@ -1,0 +1,57 @@
+"""The gRPC surface as clients outside the project use it, on the servers every service builds
+(spindle/serving.py): keepalive pings, server reflection, health per port. Real sockets, no model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from spindle import serving
+from tests import raw_http2
+
+SILENT = "/test.Silent/Wait"
+
+
+@contextlib.asynccontextmanager
+async def _silent_server(silence: float) -> AsyncIterator[str]:
+    """A server from `serving.make_server` whose one method answers after `silence` seconds with
+    nothing sent before (a long prefill, a queued request): yields its address."""
+
+    async def wait(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await asyncio.sleep(silence)
+        return b""
+
+    server = serving.make_server()
+    handler = grpc.unary_unary_rpc_method_handler(wait)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Silent", {"Wait": handler}),))
+    port = serving.bind(server, "127.0.0.1", 0)
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+def test_keepalive_pings_at_the_floor_keep_silent_streams_and_idle_connections(monkeypatch):
+    """gRPC's server default took the third ping within 5 minutes without data for abuse: a client
+    pinging every 10-30 s (grpc-go, grpc-java, Envoy) got GOAWAY too_many_pings, and every stream on
+    the connection died, once a stream was silent ~30 s; an idle connection's pings, at once.
+    (The floor is lowered here only to keep the test short; pings 3x as fast stay refused.)"""
+    floor = 0.25
+    monkeypatch.setattr(serving, "KEEPALIVE_MIN_PING_S", floor)
+
+    async def go() -> None:
+        async with _silent_server(silence=10 * floor) as address:
+            during_call = asyncio.to_thread(raw_http2.pinging, address, 2 * floor, 12 * floor, SILENT)
+            idle = asyncio.to_thread(raw_http2.pinging, address, 2 * floor, 8 * floor)
+            flood = asyncio.to_thread(raw_http2.pinging, address, floor / 3, 8 * floor)
+            assert await asyncio.gather(during_call, idle, flood) == [
+                "ended",
+                "open",
+                "GOAWAY <ErrorCodes.ENHANCE_YOUR_CALM: 11> b'too_many_pings'",
+            ]
+
+    asyncio.run(go())
