@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from spindle.errors import ListenError
 from spindle.malformed import MalformedRequestInterceptor
@@ -192,8 +193,41 @@ class Health:
 
 
 def enable_reflection(server: grpc.aio.Server, services: Iterable[str]) -> None:
-    """Server reflection, so `grpcurl -plaintext HOST:PORT list` and `describe` work without protos."""
-    reflection.enable_server_reflection([*services, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
+    """Server reflection, so `grpcurl -plaintext HOST:PORT list` and `describe` work without protos:
+    `grpc.reflection.v1` and its older `v1alpha`. grpcio-reflection serves only v1alpha
+    (grpc/grpc#38576), which grpc-java deprecated; clients that ask for v1 alone (grpc_cli, newer
+    tools) found no reflection. The two are the same messages under two package names, so one
+    servicer answers both."""
+    v1 = _v1_reflection_service()
+    servicer = reflection.aio.ReflectionServicer([*services, HEALTH_SERVICE, reflection.SERVICE_NAME, v1])
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    method = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(v1, {"ServerReflectionInfo": method}),)
+    )
+
+
+def _v1_reflection_service() -> str:
+    """The name of `grpc.reflection.v1.ServerReflection`, its file added to the default descriptor
+    pool (v1alpha's, renamed) unless there already, so reflection describes itself under v1 too."""
+    alpha, name = reflection_pb2.DESCRIPTOR, "grpc/reflection/v1/reflection.proto"
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindFileByName(name)
+    except KeyError:
+        proto = descriptor_pb2.FileDescriptorProto.FromString(alpha.serialized_pb)
+        proto.name, proto.package = name, "grpc.reflection.v1"
+        old, new = f".{alpha.package}.", ".grpc.reflection.v1."
+        for field in (f for m in proto.message_type for f in m.field if f.HasField("type_name")):
+            field.type_name = field.type_name.replace(old, new)
+        for m in proto.service[0].method:
+            m.input_type, m.output_type = m.input_type.replace(old, new), m.output_type.replace(old, new)
+        pool.Add(proto)
+    return "grpc.reflection.v1.ServerReflection"
 
 
 def on_shutdown_signal(callback: Callable[[str], None]) -> None:

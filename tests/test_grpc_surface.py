@@ -8,8 +8,11 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf import descriptor_pb2
+from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
 from spindle import serving
+from spindle.v1 import generation_pb2
 from tests import raw_http2
 
 SILENT = "/test.Silent/Wait"
@@ -55,3 +58,52 @@ def test_keepalive_pings_at_the_floor_keep_silent_streams_and_idle_connections(m
             ]
 
     asyncio.run(go())
+
+
+def test_reflection_answers_v1_as_well_as_v1alpha():
+    """grpcio-reflection serves only v1alpha: a client asking `grpc.reflection.v1` (grpc_cli,
+    tools following grpc-java's deprecation of v1alpha) got UNIMPLEMENTED. Both are answered
+    now, each describing the services, v1 itself included (grpcurl's `describe` of every one)."""
+    generation = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+    async def ask(channel: grpc.aio.Channel, version: str, *requests: rpb.ServerReflectionRequest) -> list:
+        call = channel.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=rpb.ServerReflectionRequest.SerializeToString,  # v1's wire format too
+            response_deserializer=rpb.ServerReflectionResponse.FromString,
+        )
+        return [r async for r in call(iter(requests))]
+
+    async def go() -> None:
+        server = serving.make_server()
+        serving.enable_reflection(server, [generation])
+        port = serving.bind(server, "127.0.0.1", 0)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                for version in ("v1", "v1alpha"):
+                    listed, *files = await ask(
+                        channel,
+                        version,
+                        rpb.ServerReflectionRequest(list_services=""),
+                        *(rpb.ServerReflectionRequest(file_containing_symbol=s) for s in (generation, V1)),
+                    )
+                    names = {s.name for s in listed.list_services_response.service}
+                    assert {generation, V1, "grpc.reflection.v1alpha.ServerReflection"} <= names
+                    described = [
+                        descriptor_pb2.FileDescriptorProto.FromString(
+                            f.file_descriptor_response.file_descriptor_proto[0]
+                        )
+                        for f in files
+                    ]
+                    assert [(d.package, d.service[0].name) for d in described] == [
+                        ("spindle.v1", "Generation"),
+                        ("grpc.reflection.v1", "ServerReflection"),
+                    ]
+        finally:
+            await server.stop(0)
+
+    asyncio.run(go())
+
+
+V1 = "grpc.reflection.v1.ServerReflection"
