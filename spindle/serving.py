@@ -159,25 +159,37 @@ class _HealthServicer(health_aio.HealthServicer):
 
 class Health:
     """grpc.health.v1 for the whole server ("") and each named service, starting NOT_SERVING.
-    One status, answered on every server given (a process may listen on several ports)."""
+    One status, answered on every server given (a process may listen on several ports: `also_on`),
+    each knowing only the services it serves."""
 
-    def __init__(self, servers: grpc.aio.Server | Iterable[grpc.aio.Server], services: Iterable[str]) -> None:
-        self.servicer = _HealthServicer()
-        self.services = ["", *services]
-        for server in [servers] if isinstance(servers, grpc.aio.Server) else servers:
-            health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
-        # The aio servicer starts with "" SERVING; nothing may route here before we say so.
-        self.servicer._server_status[""] = NOT_SERVING
+    def __init__(self, server: grpc.aio.Server, services: Iterable[str]) -> None:
+        self._servicers: list[_HealthServicer] = []
+        self.servicer = self.also_on(server, services)
         self.serving = False
         self._plaintext: grpc.aio.Server | None = None
 
+    def also_on(self, server: grpc.aio.Server, services: Iterable[str]) -> _HealthServicer:
+        """Answer on `server` too, for `services` (and ""): a pod's control port serves only
+        ModelControl, and said SERVING for Generation, which it answers UNIMPLEMENTED."""
+        servicer = _HealthServicer()
+        # Every name known from the start, NOT_SERVING (grpc's servicer starts with "" SERVING: nothing
+        # may route here before we say so). A named service was unknown until the first `set`: a
+        # Watch begun while the pod loaded (grpc's client-side health checking) got SERVICE_UNKNOWN
+        # and never heard SERVING.
+        servicer._server_status.update(dict.fromkeys(["", *services], NOT_SERVING))
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        self._servicers.append(servicer)
+        return servicer
+
     async def serve_plaintext(self, host: str, port: int) -> None:
-        """Also answer on `port` (0 = not), alone and without TLS: Kubernetes' gRPC probes speak no
-        TLS, and a health status is no secret."""
+        """Also answer on `port` (0 = not), alone and without TLS, for every service of the process:
+        Kubernetes' gRPC probes speak no TLS, and a health status is no secret."""
         if not port:
             return
         server = make_server()
-        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        names = {name for servicer in self._servicers for name in servicer._server_status}
+        self.also_on(server, names)
+        await self.set(self.serving)
         bind(server, host, port)
         await server.start()
         self._plaintext = server
@@ -188,8 +200,9 @@ class Health:
 
     async def set(self, serving: bool) -> None:
         self.serving = serving
-        for name in self.services:
-            await self.servicer.set(name, SERVING if serving else NOT_SERVING)
+        for servicer in self._servicers:
+            for name in list(servicer._server_status):
+                await servicer.set(name, SERVING if serving else NOT_SERVING)
 
 
 def enable_reflection(server: grpc.aio.Server, services: Iterable[str]) -> None:

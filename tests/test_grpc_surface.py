@@ -8,7 +8,9 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
+import pytest
 from google.protobuf import descriptor_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
 from spindle import serving
@@ -102,6 +104,40 @@ def test_reflection_answers_v1_as_well_as_v1alpha():
                     ]
         finally:
             await server.stop(0)
+
+    asyncio.run(go())
+
+
+def test_health_knows_each_ports_services_from_the_start():
+    """A named service was unknown until the first `set`: a Watch begun while a pod loaded (grpc's
+    client-side health checking) got SERVICE_UNKNOWN and never SERVING, and Check said NOT_FOUND.
+    And every port said SERVING for every service of the process: a pod's control port for
+    Generation, which it answers UNIMPLEMENTED."""
+
+    async def go() -> None:
+        main, control = serving.make_server(), serving.make_server()
+        health = serving.Health(main, ["a.Main"])
+        health.also_on(control, ["a.Control"])
+        ports = [serving.bind(s, "127.0.0.1", 0) for s in (main, control)]
+        await asyncio.gather(main.start(), control.start())
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in ports]
+        try:
+            stubs = [health_pb2_grpc.HealthStub(c) for c in channels]
+            watch = stubs[0].Watch(health_pb2.HealthCheckRequest(service="a.Main"))
+            assert (await watch.read()).status == serving.NOT_SERVING
+            check = await stubs[1].Check(health_pb2.HealthCheckRequest(service="a.Control"))
+            assert check.status == serving.NOT_SERVING
+            await health.set(True)
+            assert (await watch.read()).status == serving.SERVING
+            for stub, other in zip(stubs, ["a.Control", "a.Main"], strict=True):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Check(health_pb2.HealthCheckRequest(service=other))
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+                assert (await stub.Check(health_pb2.HealthCheckRequest())).status == serving.SERVING
+            watch.cancel()
+        finally:
+            await asyncio.gather(*(c.close() for c in channels))
+            await asyncio.gather(main.stop(0), control.stop(0))
 
     asyncio.run(go())
 
