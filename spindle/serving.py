@@ -137,7 +137,7 @@ async def stopped_on_failure(*stops: Callable[[], Awaitable[Any]]) -> AsyncItera
 
 
 class _HealthServicer(health_aio.HealthServicer):
-    """grpc's health servicer, for names it does not know: Check's NOT_FOUND says which it does
+    """grpc's health servicer, with List, and for names it does not know: Check's NOT_FOUND says which it does
     (it had no message), and Watch answers SERVICE_UNKNOWN without keeping a watcher entry for
     the name (grpc's are never removed: watching ever-new names grew memory on an open port).
     A server's services are fixed when it starts, so an unknown name stays unknown."""
@@ -149,6 +149,14 @@ class _HealthServicer(health_aio.HealthServicer):
                 grpc.StatusCode.NOT_FOUND, f"no service {request.service[:200]!r} here; known: {known}"
             )
         return await super().Check(request, context)
+
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        """Every service this server knows and its status (the protocol's List, which the reflected
+        service offers; grpcio's servicer answered it UNIMPLEMENTED)."""
+        statuses = {name: health_pb2.HealthCheckResponse(status=s) for name, s in self._server_status.items()}
+        return health_pb2.HealthListResponse(statuses=statuses)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
         if request.service in self._server_status:

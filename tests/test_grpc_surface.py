@@ -112,7 +112,7 @@ def test_health_knows_each_ports_services_from_the_start():
     """A named service was unknown until the first `set`: a Watch begun while a pod loaded (grpc's
     client-side health checking) got SERVICE_UNKNOWN and never SERVING, and Check said NOT_FOUND.
     And every port said SERVING for every service of the process: a pod's control port for
-    Generation, which it answers UNIMPLEMENTED."""
+    Generation, which it answers UNIMPLEMENTED. The protocol's List was UNIMPLEMENTED."""
 
     async def go() -> None:
         main, control = serving.make_server(), serving.make_server()
@@ -134,6 +134,11 @@ def test_health_knows_each_ports_services_from_the_start():
                     await stub.Check(health_pb2.HealthCheckRequest(service=other))
                 assert e.value.code() == grpc.StatusCode.NOT_FOUND
                 assert (await stub.Check(health_pb2.HealthCheckRequest())).status == serving.SERVING
+            listed = await stubs[1].List(health_pb2.HealthListRequest())  # it was UNIMPLEMENTED
+            assert {k: v.status for k, v in listed.statuses.items()} == {
+                "": serving.SERVING,
+                "a.Control": serving.SERVING,
+            }
             watch.cancel()
         finally:
             await asyncio.gather(*(c.close() for c in channels))
