@@ -38,6 +38,13 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # connections alive) lost any stream silent for ~30 s: a long prefill, a request queued behind
 # others. Faster pings still count as abuse (a ping flood).
 KEEPALIVE_MIN_PING_S = 5.0
+# The servers' own keepalive: a ping after this long without a frame from the client, and the
+# connection closed (its calls cancelled) when no answer comes within the timeout. gRPC's server
+# default waits 2 hours: a caller hung or cut off without a FIN (a stopped process, a lost node, a
+# partition) held its streams, and their requests ran on in the engine holding KV blocks, for as
+# long as its kernel kept the socket (a hung process's: forever).
+KEEPALIVE_TIME_S = 30.0
+KEEPALIVE_TIMEOUT_S = 20.0  # grpc-go's default
 
 
 def _options() -> list[tuple[str, int]]:
@@ -49,6 +56,9 @@ def _options() -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", 64 << 20),
         ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_MIN_PING_S * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
+        ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),  # what newer grpc cores wait
     ]
 
 
@@ -63,7 +73,8 @@ def served_model_name(model: str) -> str:
 def make_server(interceptors: Iterable[Any] = ()) -> grpc.aio.Server:
     """A server whose requests that do not parse end INVALID_ARGUMENT (spindle/malformed.py); that
     interceptor runs last, next to the handlers, so the others see the wrapped handler. Clients'
-    keepalive pings are accepted every KEEPALIVE_MIN_PING_S, with or without a call."""
+    keepalive pings are accepted every KEEPALIVE_MIN_PING_S, with or without a call; a client that
+    stops answering pings is cut off (KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S)."""
     return grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()], options=_options())
 
 

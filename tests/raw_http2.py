@@ -83,11 +83,7 @@ def pinging(address: str, every: float, seconds: float, path: str = "", message:
     with socket.create_connection((host, int(port)), timeout=every / 4) as sock:
         conn.initiate_connection()
         if path:
-            stream = conn.get_next_available_stream_id()
-            conn.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":path", path),
-                                       (":authority", address), ("content-type", "application/grpc"),
-                                       ("te", "trailers")])  # fmt: skip
-            conn.send_data(stream, b"\0" + len(message).to_bytes(4, "big") + message, end_stream=True)
+            _start(conn, address, path, message)
         start = pinged = time.monotonic()
         buffered = b""
         while time.monotonic() - start < seconds:
@@ -119,3 +115,29 @@ def _frames(data: bytes) -> tuple[list[bytes], bytes]:
         frames.append(data[:end])
         data = data[end:]
     return frames, data
+
+
+def unresponsive(address: str, path: str, message: bytes, seconds: float) -> None:
+    """A call of `path` with `message` from a client that hangs for `seconds` once the first
+    response data came: its kernel keeps the connection (no FIN, TCP still acknowledged), but
+    nothing reads it or answers a PING, as a stopped process or a peer cut off by a partition."""
+    conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True))
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port))) as sock:
+        conn.initiate_connection()
+        _start(conn, address, path, message)
+        sock.sendall(conn.data_to_send())
+        events: list = []
+        while not any(isinstance(e, h2.events.DataReceived) for e in events):
+            events = conn.receive_data(sock.recv(65536))  # the server's first PING answered
+            sock.sendall(conn.data_to_send())
+        time.sleep(seconds)
+
+
+def _start(conn: h2.connection.H2Connection, address: str, path: str, message: bytes) -> None:
+    """A call of `path` with its one request `message`, half-closed (a unary or server-streaming call)."""
+    stream = conn.get_next_available_stream_id()
+    conn.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":path", path),
+                               (":authority", address), ("content-type", "application/grpc"),
+                               ("te", "trailers")])  # fmt: skip
+    conn.send_data(stream, b"\0" + len(message).to_bytes(4, "big") + message, end_stream=True)

@@ -62,6 +62,43 @@ def test_keepalive_pings_at_the_floor_keep_silent_streams_and_idle_connections(m
     asyncio.run(go())
 
 
+def test_a_client_that_stops_answering_pings_is_cut_off_and_its_stream_cancelled(monkeypatch):
+    """gRPC's server keepalive waited 2 hours: a caller hung or cut off without a FIN (a stopped
+    process, a partition) held its stream, and the request ran on in the engine with its KV
+    blocks (a hung process's: for good). (Times lowered here to keep the test short.)"""
+    monkeypatch.setattr(serving, "KEEPALIVE_TIME_S", 0.3)
+    monkeypatch.setattr(serving, "KEEPALIVE_TIMEOUT_S", 0.3)
+
+    async def go() -> None:
+        cancelled = asyncio.Event()
+
+        async def tokens(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    yield b"token"
+                    await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        server = serving.make_server()
+        handler = grpc.unary_stream_rpc_method_handler(tokens)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("test.Tokens", {"Get": handler}),)
+        )
+        port = serving.bind(server, "127.0.0.1", 0)
+        await server.start()
+        try:
+            hung = asyncio.to_thread(
+                raw_http2.unresponsive, f"127.0.0.1:{port}", "/test.Tokens/Get", b"", 1.5
+            )
+            await asyncio.gather(asyncio.wait_for(cancelled.wait(), 1.4), hung)
+        finally:
+            await server.stop(0)
+
+    asyncio.run(go())
+
+
 def test_reflection_answers_v1_as_well_as_v1alpha():
     """grpcio-reflection serves only v1alpha: a client asking `grpc.reflection.v1` (grpc_cli,
     tools following grpc-java's deprecation of v1alpha) got UNIMPLEMENTED. Both are answered
