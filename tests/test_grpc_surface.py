@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2 as rpb
 from spindle import serving
 from spindle.v1 import generation_pb2
 from tests import raw_http2
+from tests.service_helpers import free_port
 
 SILENT = "/test.Silent/Wait"
 
@@ -177,9 +178,16 @@ def test_health_knows_each_ports_services_from_the_start():
                 "a.Control": serving.SERVING,
             }
             watch.cancel()
+            probes = free_port()  # the plaintext --health-port (Kubernetes' probes): every service
+            await health.serve_plaintext("127.0.0.1", probes)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{probes}") as channel:
+                listed = await health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest())
+                assert {k: v.status for k, v in listed.statuses.items()} == dict.fromkeys(
+                    ["", "a.Main", "a.Control"], serving.SERVING
+                )
         finally:
             await asyncio.gather(*(c.close() for c in channels))
-            await asyncio.gather(main.stop(0), control.stop(0))
+            await asyncio.gather(main.stop(0), control.stop(0), health.stop())
 
     asyncio.run(go())
 
