@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from spindle.errors import ListenError
 from spindle.malformed import MalformedRequestInterceptor
@@ -29,13 +30,36 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
-_OPTIONS = [
-    # gRPC sets SO_REUSEPORT by default, which lets a second server silently share a port that is in
-    # use (and the kernel split connections between them). A port conflict must be an error.
-    ("grpc.so_reuseport", 0),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-]
+# The shortest spacing of a client's keepalive pings that the servers accept. gRPC's server
+# default is 5 minutes unless it sent data in between, and no pings at all on a connection without
+# a call; past two pings too soon it answers GOAWAY ENHANCE_YOUR_CALM "too_many_pings", which
+# closes the connection and every stream on it. A client with a 10-30 s keepalive (grpc-go's and
+# grpc-java's floor is 10 s; Envoy's `connection_keepalive`; load balancers keeping idle
+# connections alive) lost any stream silent for ~30 s: a long prefill, a request queued behind
+# others. Faster pings still count as abuse (a ping flood).
+KEEPALIVE_MIN_PING_S = 5.0
+# The servers' own keepalive: a ping after this long without a frame from the client, and the
+# connection closed (its calls cancelled) when no answer comes within the timeout. gRPC's server
+# default waits 2 hours: a caller hung or cut off without a FIN (a stopped process, a lost node, a
+# partition) held its streams, and their requests ran on in the engine holding KV blocks, for as
+# long as its kernel kept the socket (a hung process's: forever).
+KEEPALIVE_TIME_S = 30.0
+KEEPALIVE_TIMEOUT_S = 20.0  # grpc-go's default
+
+
+def _options() -> list[tuple[str, int]]:
+    return [
+        # gRPC sets SO_REUSEPORT by default, which lets a second server silently share a port that is
+        # in use (and the kernel split connections between them). A port conflict must be an error.
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_MIN_PING_S * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
+        ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),  # what newer grpc cores wait
+    ]
 
 
 def served_model_name(model: str) -> str:
@@ -48,8 +72,10 @@ def served_model_name(model: str) -> str:
 
 def make_server(interceptors: Iterable[Any] = ()) -> grpc.aio.Server:
     """A server whose requests that do not parse end INVALID_ARGUMENT (spindle/malformed.py); that
-    interceptor runs last, next to the handlers, so the others see the wrapped handler."""
-    return grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()], options=_OPTIONS)
+    interceptor runs last, next to the handlers, so the others see the wrapped handler. Clients'
+    keepalive pings are accepted every KEEPALIVE_MIN_PING_S, with or without a call; a client that
+    stops answering pings is cut off (KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S)."""
+    return grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()], options=_options())
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig = PLAINTEXT) -> int:
@@ -122,7 +148,7 @@ async def stopped_on_failure(*stops: Callable[[], Awaitable[Any]]) -> AsyncItera
 
 
 class _HealthServicer(health_aio.HealthServicer):
-    """grpc's health servicer, for names it does not know: Check's NOT_FOUND says which it does
+    """grpc's health servicer, with List, and for names it does not know: Check's NOT_FOUND says which it does
     (it had no message), and Watch answers SERVICE_UNKNOWN without keeping a watcher entry for
     the name (grpc's are never removed: watching ever-new names grew memory on an open port).
     A server's services are fixed when it starts, so an unknown name stays unknown."""
@@ -135,6 +161,14 @@ class _HealthServicer(health_aio.HealthServicer):
             )
         return await super().Check(request, context)
 
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        """Every service this server knows and its status (the protocol's List, which the reflected
+        service offers; grpcio's servicer answered it UNIMPLEMENTED)."""
+        statuses = {name: health_pb2.HealthCheckResponse(status=s) for name, s in self._server_status.items()}
+        return health_pb2.HealthListResponse(statuses=statuses)
+
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
         if request.service in self._server_status:
             return await super().Watch(request, context)
@@ -144,25 +178,37 @@ class _HealthServicer(health_aio.HealthServicer):
 
 class Health:
     """grpc.health.v1 for the whole server ("") and each named service, starting NOT_SERVING.
-    One status, answered on every server given (a process may listen on several ports)."""
+    One status, answered on every server given (a process may listen on several ports: `also_on`),
+    each knowing only the services it serves."""
 
-    def __init__(self, servers: grpc.aio.Server | Iterable[grpc.aio.Server], services: Iterable[str]) -> None:
-        self.servicer = _HealthServicer()
-        self.services = ["", *services]
-        for server in [servers] if isinstance(servers, grpc.aio.Server) else servers:
-            health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
-        # The aio servicer starts with "" SERVING; nothing may route here before we say so.
-        self.servicer._server_status[""] = NOT_SERVING
+    def __init__(self, server: grpc.aio.Server, services: Iterable[str]) -> None:
+        self._servicers: list[_HealthServicer] = []
+        self.servicer = self.also_on(server, services)
         self.serving = False
         self._plaintext: grpc.aio.Server | None = None
 
+    def also_on(self, server: grpc.aio.Server, services: Iterable[str]) -> _HealthServicer:
+        """Answer on `server` too, for `services` (and ""): a pod's control port serves only
+        ModelControl, and said SERVING for Generation, which it answers UNIMPLEMENTED."""
+        servicer = _HealthServicer()
+        # Every name known from the start, NOT_SERVING (grpc's servicer starts with "" SERVING: nothing
+        # may route here before we say so). A named service was unknown until the first `set`: a
+        # Watch begun while the pod loaded (grpc's client-side health checking) got SERVICE_UNKNOWN
+        # and never heard SERVING.
+        servicer._server_status.update(dict.fromkeys(["", *services], NOT_SERVING))
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        self._servicers.append(servicer)
+        return servicer
+
     async def serve_plaintext(self, host: str, port: int) -> None:
-        """Also answer on `port` (0 = not), alone and without TLS: Kubernetes' gRPC probes speak no
-        TLS, and a health status is no secret."""
+        """Also answer on `port` (0 = not), alone and without TLS, for every service of the process:
+        Kubernetes' gRPC probes speak no TLS, and a health status is no secret."""
         if not port:
             return
         server = make_server()
-        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        names = {name for servicer in self._servicers for name in servicer._server_status}
+        self.also_on(server, names)
+        await self.set(self.serving)
         bind(server, host, port)
         await server.start()
         self._plaintext = server
@@ -173,13 +219,47 @@ class Health:
 
     async def set(self, serving: bool) -> None:
         self.serving = serving
-        for name in self.services:
-            await self.servicer.set(name, SERVING if serving else NOT_SERVING)
+        for servicer in self._servicers:
+            for name in list(servicer._server_status):
+                await servicer.set(name, SERVING if serving else NOT_SERVING)
 
 
 def enable_reflection(server: grpc.aio.Server, services: Iterable[str]) -> None:
-    """Server reflection, so `grpcurl -plaintext HOST:PORT list` and `describe` work without protos."""
-    reflection.enable_server_reflection([*services, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
+    """Server reflection, so `grpcurl -plaintext HOST:PORT list` and `describe` work without protos:
+    `grpc.reflection.v1` and its older `v1alpha`. grpcio-reflection serves only v1alpha
+    (grpc/grpc#38576), which grpc-java deprecated; clients that ask for v1 alone (grpc_cli, newer
+    tools) found no reflection. The two are the same messages under two package names, so one
+    servicer answers both."""
+    v1 = _v1_reflection_service()
+    servicer = reflection.aio.ReflectionServicer([*services, HEALTH_SERVICE, reflection.SERVICE_NAME, v1])
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    method = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(v1, {"ServerReflectionInfo": method}),)
+    )
+
+
+def _v1_reflection_service() -> str:
+    """The name of `grpc.reflection.v1.ServerReflection`, its file added to the default descriptor
+    pool (v1alpha's, renamed) unless there already, so reflection describes itself under v1 too."""
+    alpha, name = reflection_pb2.DESCRIPTOR, "grpc/reflection/v1/reflection.proto"
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindFileByName(name)
+    except KeyError:
+        proto = descriptor_pb2.FileDescriptorProto.FromString(alpha.serialized_pb)
+        proto.name, proto.package = name, "grpc.reflection.v1"
+        old, new = f".{alpha.package}.", ".grpc.reflection.v1."
+        for field in (f for m in proto.message_type for f in m.field if f.HasField("type_name")):
+            field.type_name = field.type_name.replace(old, new)
+        for m in proto.service[0].method:
+            m.input_type, m.output_type = m.input_type.replace(old, new), m.output_type.replace(old, new)
+        pool.Add(proto)
+    return "grpc.reflection.v1.ServerReflection"
 
 
 def on_shutdown_signal(callback: Callable[[str], None]) -> None:

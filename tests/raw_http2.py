@@ -4,6 +4,7 @@ non-ASCII or invalid UTF-8 keys, CR / LF / NUL, upper-case names, malformed `grp
 from __future__ import annotations
 
 import socket
+import time
 import urllib.parse
 from dataclasses import dataclass
 
@@ -70,3 +71,73 @@ def _outcome(fields: dict[bytes, bytes], reset: str) -> RawOutcome:
         return RawOutcome(None, "", reset or "no grpc-status")
     message = urllib.parse.unquote(fields.get(b"grpc-message", b"").decode("ascii", "replace"))
     return RawOutcome(int(fields[b"grpc-status"]), message)
+
+
+def pinging(address: str, every: float, seconds: float, path: str = "", message: bytes = b"") -> str:
+    """PING the server every `every` s for `seconds` on a fresh connection, as a client's keepalive
+    does (grpc-go, grpc-java, Envoy ping whatever the stream's traffic), during a call of `path`
+    with `message` (none: an idle connection). Returns how it ended: "GOAWAY <code> <debug data>",
+    "closed", "ended" (the call's stream, before `seconds`) or "open"."""
+    conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True))
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=every / 4) as sock:
+        conn.initiate_connection()
+        if path:
+            _start(conn, address, path, message)
+        start = pinged = time.monotonic()
+        buffered = b""
+        while time.monotonic() - start < seconds:
+            if time.monotonic() - pinged >= every:
+                conn.ping(b"keepaliv")
+                pinged = time.monotonic()
+            sock.sendall(conn.data_to_send())
+            try:
+                data = sock.recv(65536)
+            except TimeoutError:
+                continue
+            if not data:
+                return "closed"
+            frames, buffered = _frames(buffered + data)
+            for frame in frames:  # one at a time: h2 raises on a frame after a GOAWAY, losing it
+                for event in conn.receive_data(frame):
+                    if isinstance(event, h2.events.ConnectionTerminated):
+                        return f"GOAWAY {event.error_code!r} {event.additional_data!r}"
+                    if isinstance(event, h2.events.StreamEnded):
+                        return "ended"
+    return "open"
+
+
+def _frames(data: bytes) -> tuple[list[bytes], bytes]:
+    """The whole HTTP/2 frames at the start of `data` (a 9-byte header, then its length), and the rest."""
+    frames = []
+    while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
+        end = 9 + int.from_bytes(data[:3], "big")
+        frames.append(data[:end])
+        data = data[end:]
+    return frames, data
+
+
+def unresponsive(address: str, path: str, message: bytes, seconds: float) -> None:
+    """A call of `path` with `message` from a client that hangs for `seconds` once the first
+    response data came: its kernel keeps the connection (no FIN, TCP still acknowledged), but
+    nothing reads it or answers a PING, as a stopped process or a peer cut off by a partition."""
+    conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True))
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port))) as sock:
+        conn.initiate_connection()
+        _start(conn, address, path, message)
+        sock.sendall(conn.data_to_send())
+        events: list = []
+        while not any(isinstance(e, h2.events.DataReceived) for e in events):
+            events = conn.receive_data(sock.recv(65536))  # the server's first PING answered
+            sock.sendall(conn.data_to_send())
+        time.sleep(seconds)
+
+
+def _start(conn: h2.connection.H2Connection, address: str, path: str, message: bytes) -> None:
+    """A call of `path` with its one request `message`, half-closed (a unary or server-streaming call)."""
+    stream = conn.get_next_available_stream_id()
+    conn.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":path", path),
+                               (":authority", address), ("content-type", "application/grpc"),
+                               ("te", "trailers")])  # fmt: skip
+    conn.send_data(stream, b"\0" + len(message).to_bytes(4, "big") + message, end_stream=True)

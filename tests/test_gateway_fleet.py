@@ -360,3 +360,25 @@ def test_a_pod_whose_engine_steps_keep_raising_is_lost_and_its_streams_go_on_els
             assert [p.address for p in gw.pool.healthy()] == [f"127.0.0.1:{a.port}"]
 
     asyncio.run(go())
+
+
+def test_list_models_answers_during_a_long_step():
+    """ListModels asked the engine thread for the pod's adapters, which answers between steps: a
+    step of 48 s (one long prefill on a CPU) held it that long, and the gateway's ListModels (HTTP
+    /v1/models too) failed after 5 s. It reads them as of the last step boundary now."""
+
+    async def go() -> None:
+        async with (
+            fake_pod("alpha", 100, step_s=1.0, engine=_with_sql) as (a, _),
+            gateway_to(a) as (gw, stub),
+        ):
+            await _until(lambda: len(gw.pool.healthy()) == 1)
+            busy = asyncio.create_task(_tokens(stub, pb.GenerateRequest(text="hi", max_tokens=2)))
+            await asyncio.sleep(0.2)  # its first step runs
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as channel:
+                for listing in (stub, generation_pb2_grpc.GenerationStub(channel)):
+                    listed = await listing.ListModels(pb.ListModelsRequest(), timeout=0.5)
+                    assert [m.id for m in listed.models] == ["alpha", "sql"]
+            assert await busy == [100, 101]
+
+    asyncio.run(go())

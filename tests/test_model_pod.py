@@ -224,6 +224,11 @@ def test_model_control_is_served_on_the_control_port_only(pod, channel):
         }
         health = health_pb2_grpc.HealthStub(cc).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:  # nor says its health (it said SERVING)
+            health_pb2_grpc.HealthStub(cc).Check(
+                health_pb2.HealthCheckRequest(service="spindle.v1.Generation")
+            )
+        assert e.value.code() == Code.NOT_FOUND
         report = model_control_pb2_grpc.ModelControlStub(cc).GetSlots(
             model_control_pb2.GetSlotsRequest(), timeout=5
         )

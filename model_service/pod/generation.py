@@ -208,7 +208,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         pod = self.pod
         await _require_serving(pod, context)
         models = [pb.ModelInfo(id=pod.model_name, kind=pb.MODEL_KIND_BASE, max_model_len=pod.max_model_len)]
-        for a in await pod.adapters():
+        try:
+            # As of the last step boundary (adapters change only there), as load reports: asking the
+            # engine thread waited for the step in progress, 48 s of one long prefill on a CPU, well
+            # past the gateway's 5 s for ListModels (and its HTTP /v1/models).
+            adapters = (await pod.load_stats.recent()).adapters
+        except UnavailableError as e:  # the engine thread is stuck (`LoadStats`)
+            await abort(context, Code.UNAVAILABLE, str(e))
+        for a in adapters:
             models.append(pb.ModelInfo(id=a.name, kind=pb.MODEL_KIND_ADAPTER, base_model=pod.model_name))
         return pb.ListModelsResponse(models=models)
 

@@ -166,7 +166,8 @@ async def start(
     model_control_pb2_grpc.add_ModelControlServicer_to_server(
         ModelControlService(pod, adapter_cache_dir, security), control
     )
-    pod.health = serving.Health([server, control], SERVICES + CONTROL_SERVICES)
+    pod.health = serving.Health(server, SERVICES)
+    pod.health.also_on(control, CONTROL_SERVICES)
     serving.enable_reflection(server, SERVICES)
     serving.enable_reflection(control, CONTROL_SERVICES)
     servers = PodServers(
