@@ -603,6 +603,14 @@ def _broken(src: Path, dst: Path, config: dict | None = None, tensors=None) -> P
         ({"lora_bias": True}, None, "lora_bias"),
         ({"trainable_token_indices": [3, 5]}, None, "trainable_token_indices"),
         ({"layer_replication": [[0, 2], [1, 2]]}, None, "layer_replication"),
+        # PEFT applies aLoRA only from the invocation tokens on (served as plain LoRA: other tokens)
+        ({"alora_invocation_tokens": [9, 64], "task_type": "CAUSAL_LM"}, None, "Activated LoRA"),
+        # PEFT redoes these inits on the base as it loads them (served on the plain base: other tokens)
+        ({"init_lora_weights": "pissa_niter_4"}, None, "path_initial_model_for_weight_conversion"),
+        ({"init_lora_weights": "olora"}, None, "init_lora_weights='olora'"),
+        ({"init_lora_weights": "loftq"}, None, "LoftQ"),
+        ({"use_bdlora": {"nblocks": 2}}, None, "BD-LoRA"),
+        ({"kasa_config": {}}, None, "KaSA"),
         (  # Qwen-MoE's shared expert (DeepSeek's `shared_experts`): experts, not the dense MLP
             None,
             lambda t: {k.replace("self_attn.q_proj", "mlp.shared_expert.gate_proj"): v for k, v in t.items()},
