@@ -26,6 +26,7 @@ from spindle.peft import (
     bias_refusal,
     declared_mismatch,
     linear_attention_refusal,
+    target_refusal,
     unsupported_feature,
     untargetable,
 )
@@ -78,16 +79,9 @@ def parse_config(config_bytes: bytes, base: BaseModel) -> dict[str, Any]:
     def refuse(what: str) -> None:
         raise ValidationError(f"adapter_config.json: {what} is not supported")
 
-    feature = unsupported_feature(config)
+    feature = unsupported_feature(config) or target_refusal(config, base.projection_shapes())
     if feature is not None:
         refuse(feature)
-    targets = config.get("target_modules") or []
-    shapes = base.projection_shapes()
-    for t in [targets] if isinstance(targets, str) else targets:
-        # A list entry may be a path ("model.layers.0.self_attn.q_proj": PEFT's "all-linear")
-        module = str(t).rpartition(".")[2]
-        if isinstance(targets, list) and module not in shapes:
-            refuse(f"target module {t!r} ({untargetable(module, shapes)})")
     return config
 
 

@@ -28,6 +28,8 @@ NOT_TARGETABLE = {
         "kv_b_proj decompresses the cached latents, which earlier steps wrote without any adapter, "
         "and is absorbed into the decode queries, so no step's adapter covers its rows"
     ),
+    "embed_tokens": "the token embeddings (embed_tokens) carry no LoRA here",
+    "lm_head": "the LM head carries no LoRA here",
 }
 
 
@@ -151,6 +153,20 @@ def base_rewriting_init(config: dict[str, Any]) -> str | None:
     return f"init_lora_weights={init!r} (trained on a base its init rewrote: {fix})"
 
 
+def target_refusal(config: dict[str, Any], shapes: dict[str, tuple[int, int]]) -> str | None:
+    """Why `target_modules` names a module no pod adapts, or None; pods and the adapter service
+    both refuse by this, so they accept the same adapters. A list entry is a module's name or a
+    dotted path ending in it (PEFT's suffix rule). A string is PEFT's regular expression over
+    module paths, which can name a module only to exclude it (`^(?!.*embed_tokens).*q_proj$`), so
+    the saved tensors decide (a pod refused any pattern that mentioned embed or lm_head)."""
+    targets = config.get("target_modules")
+    for t in targets if isinstance(targets, list) else []:
+        module = str(t).rpartition(".")[2]
+        if module not in shapes:
+            return f"target module {t!r} ({untargetable(module, shapes)})"
+    return None
+
+
 def unsupported_feature(config: dict[str, Any]) -> str | None:
     """The first feature of a PEFT config that Spindle cannot serve, named for the adapter's
     author ("DoRA (use_dora=true)"), or None."""
@@ -230,8 +246,11 @@ def declared_mismatch(config: dict[str, Any], layer: int, module: str, rank: int
         or alpha <= 0
     ):
         return f"lora_alpha {alpha!r} for {path} must be a finite number > 0"
-    targets = config.get("target_modules")
-    if isinstance(targets, list) and not names_module(targets, path):
+    targets, params = config.get("target_modules"), config.get("target_parameters")
+    # PEFT's `target_parameters` LoRA on a projection's weight ("self_attn.q_proj.weight", matched
+    # as target_modules are) is the same delta as a LoRA on the projection
+    by_param = isinstance(params, list) and names_module(params, f"{path}.weight")
+    if isinstance(targets, list) and not names_module(targets, path) and not by_param:
         return f"{path} has weights but target_modules {targets} does not name {module!r}"
     return None
 

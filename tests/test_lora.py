@@ -573,6 +573,28 @@ def test_an_adapter_request_without_slots_is_refused_not_left_waiting(tiny_llama
     assert not engine.has_unfinished()
 
 
+@pytest.mark.parametrize(
+    "lora_kwargs",
+    [  # a pattern naming embed_tokens only to exclude it: a pod refused it, the service took it
+        {"target_modules": r"^(?!.*embed_tokens).*\.(q_proj|v_proj)$"},
+        # LoRA on a projection's weight parameter: refused as a config naming no such module
+        {
+            "target_modules": ["v_proj"],
+            "target_parameters": ["self_attn.q_proj.weight", "mlp.down_proj.weight"],
+        },
+    ],
+    ids=["excluding-pattern", "target-parameters"],
+)
+def test_targets_peft_adapts_are_served_as_peft_serves_them(
+    hf_tiny, tiny_llama, tiny_reference, tmp_path, lora_kwargs
+):
+    path = make_adapter(hf_tiny, tmp_path / "a", seed=7, scale=0.3, r=4, lora_alpha=8, **lora_kwargs)
+    engine = make_engine(tiny_llama, lora_modules={"a": str(path)})
+    got = [_run(engine, [_req(p, "a")])[0] for p in PROMPTS[:2]]
+    assert got == peft_greedy(hf_tiny, path, PROMPTS[:2], 8, eos=None)
+    assert got != [tiny_reference[(i, None)] for i in range(2)]
+
+
 # --- refusals --------------------------------------------------------------------------------
 
 
