@@ -24,6 +24,7 @@ from spindle.peft import (
     LINEAR_ATTENTION_KEY,
     MLP_MODULES,
     bias_refusal,
+    declared_base,
     declared_mismatch,
     linear_attention_refusal,
     target_refusal,
@@ -133,10 +134,12 @@ def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int)
         if a != [r, in_f] or b != [out_f, r]:
             raise ValidationError(
                 f"layer {layer} {module}: lora_A {a} and lora_B {b}; {base.name} needs "
-                f"[r, {in_f}] and [{out_f}, r]: made for another base model?"
+                f"[r, {in_f}] and [{out_f}, r]: made for another base model?{declared_base(config)}"
             )
         if r > max_rank:
-            raise ValidationError(f"layer {layer} {module}: rank {r} is above the limit {max_rank}")
+            raise ValidationError(
+                f"layer {layer} {module}: rank {r} is above the limit {max_rank} (--max-lora-rank)"
+            )
         wrong = declared_mismatch(config, layer, module, r)
         if wrong is not None:
             raise ValidationError(f"adapter_config.json: {wrong}")

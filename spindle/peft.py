@@ -201,6 +201,13 @@ def bias_refusal(key: str, config: dict[str, Any]) -> str | None:
     return f"tensor {key!r} is a trained bias (bias={config.get('bias')!r}): bias terms are not supported"
 
 
+def declared_base(config: dict[str, Any]) -> str:
+    """The base model an adapter's config says it was trained on, for a refusal of shapes that do
+    not fit this one: the author sees which model they trained against (PEFT saves it)."""
+    name = config.get("base_model_name_or_path")
+    return f" (adapter_config.json names base model {str(name)[:200]!r})" if name else ""
+
+
 def module_path(layer: int, module: str) -> str:
     """The HF module path PEFT's rank_pattern / alpha_pattern keys are matched against."""
     return f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"

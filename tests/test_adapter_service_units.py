@@ -102,7 +102,12 @@ def test_the_shipped_adapter_fits_smollm2_without_torch(smol):
         (_lora(8, fan_in=1024), CONFIG, "another base model"),
         (_lora(8, module="v_proj", fan_out=576), CONFIG, "another base model"),  # v_proj is 576 -> 192
         (_lora(8, layer=30), CONFIG, "layer 30"),
-        (_lora(128), CONFIG, "rank 128"),
+        (_lora(128), CONFIG, "above the limit 64 (--max-lora-rank)"),
+        (  # the refusal names the base the author trained on
+            _lora(8, fan_in=960),
+            json.dumps({"r": 8, "base_model_name_or_path": "HuggingFaceTB/SmolLM2-360M-Instruct"}).encode(),
+            "names base model 'HuggingFaceTB/SmolLM2-360M-Instruct'",
+        ),
         (_lora(8), b"not json", "not valid JSON"),
         (_lora(8), json.dumps({"target_modules": ["embed_tokens"]}).encode(), "embed_tokens"),
         (_lora(8), json.dumps({"use_dora": True}).encode(), "DoRA"),

@@ -658,7 +658,7 @@ def test_bad_adapters_are_refused_with_a_named_reason(
 
 
 def test_rank_above_limit_and_pickle_weights_are_refused(tiny_llama, tiny_adapters, tmp_path):
-    with pytest.raises(AdapterError, match="rank 16, above max_lora_rank 8"):
+    with pytest.raises(AdapterError, match=r"rank 16, above max_lora_rank 8 \(--max-lora-rank\)"):
         load_peft_adapter("big", tiny_adapters["t3"], tiny_llama.config, max_lora_rank=8)
     pickled = tmp_path / "pickled"
     pickled.mkdir()

@@ -42,6 +42,7 @@ from spindle.peft import (
     LINEAR_ATTENTION_KEY,
     MLP_MODULES,
     bias_refusal,
+    declared_base,
     declared_mismatch,
     linear_attention_refusal,
     module_path,
@@ -391,10 +392,13 @@ def _modules(
         if a.shape != (rank, in_f) or b.shape != (out_f, rank):
             raise AdapterError(
                 f"adapter {name!r}: {path} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
-                f"the base model needs ({rank}, {in_f}) and ({out_f}, {rank}): made for another base model?"
+                f"the base model needs ({rank}, {in_f}) and ({out_f}, {rank}): made for another base "
+                f"model?{declared_base(config)}"
             )
         if rank > max_rank:
-            raise AdapterError(f"adapter {name!r}: {path} has rank {rank}, above max_lora_rank {max_rank}")
+            raise AdapterError(
+                f"adapter {name!r}: {path} has rank {rank}, above max_lora_rank {max_rank} (--max-lora-rank)"
+            )
         wrong = declared_mismatch(config, layer, module, rank)
         if wrong is not None:
             raise AdapterError(f"adapter {name!r}: adapter_config.json: {wrong}")
