@@ -24,8 +24,10 @@ from spindle.peft import (
     LINEAR_ATTENTION_KEY,
     MLP_MODULES,
     bias_refusal,
+    declared_base,
     declared_mismatch,
     linear_attention_refusal,
+    target_refusal,
     unsupported_feature,
     untargetable,
 )
@@ -78,16 +80,9 @@ def parse_config(config_bytes: bytes, base: BaseModel) -> dict[str, Any]:
     def refuse(what: str) -> None:
         raise ValidationError(f"adapter_config.json: {what} is not supported")
 
-    feature = unsupported_feature(config)
+    feature = unsupported_feature(config) or target_refusal(config, base.projection_shapes())
     if feature is not None:
         refuse(feature)
-    targets = config.get("target_modules") or []
-    shapes = base.projection_shapes()
-    for t in [targets] if isinstance(targets, str) else targets:
-        # A list entry may be a path ("model.layers.0.self_attn.q_proj": PEFT's "all-linear")
-        module = str(t).rpartition(".")[2]
-        if isinstance(targets, list) and module not in shapes:
-            refuse(f"target module {t!r} ({untargetable(module, shapes)})")
     return config
 
 
@@ -139,10 +134,12 @@ def validate(config_bytes: bytes, weights: Path, base: BaseModel, max_rank: int)
         if a != [r, in_f] or b != [out_f, r]:
             raise ValidationError(
                 f"layer {layer} {module}: lora_A {a} and lora_B {b}; {base.name} needs "
-                f"[r, {in_f}] and [{out_f}, r]: made for another base model?"
+                f"[r, {in_f}] and [{out_f}, r]: made for another base model?{declared_base(config)}"
             )
         if r > max_rank:
-            raise ValidationError(f"layer {layer} {module}: rank {r} is above the limit {max_rank}")
+            raise ValidationError(
+                f"layer {layer} {module}: rank {r} is above the limit {max_rank} (--max-lora-rank)"
+            )
         wrong = declared_mismatch(config, layer, module, r)
         if wrong is not None:
             raise ValidationError(f"adapter_config.json: {wrong}")

@@ -28,6 +28,8 @@ NOT_TARGETABLE = {
         "kv_b_proj decompresses the cached latents, which earlier steps wrote without any adapter, "
         "and is absorbed into the decode queries, so no step's adapter covers its rows"
     ),
+    "embed_tokens": "the token embeddings (embed_tokens) carry no LoRA here",
+    "lm_head": "the LM head carries no LoRA here",
 }
 
 
@@ -117,9 +119,61 @@ def untargetable(module: str, shapes: dict[str, tuple[int, int]]) -> str:
     return f"{why}; {valid}" if why else valid
 
 
+# PEFT config fields that, when set, make the adapter compute something other than plain LoRA's
+# `x @ A.T @ B.T * scaling` on the base model's own weights: PEFT serves them its own way, so served
+# as plain LoRA their answers would be silently wrong (aLoRA was: its delta applied to the whole
+# prompt). Only what a field's presence changes; fields that only shape training (`eva_config`,
+# `lora_ga_config`, `velora_config`, `loftq_config` without LoftQ's init) are served.
+VARIANT_FIELDS = {
+    "alora_invocation_tokens": "Activated LoRA (alora_invocation_tokens: the delta applies only from its "
+    "invocation tokens on)",
+    "use_bdlora": "BD-LoRA (use_bdlora: block-diagonal A or B factors)",
+    "kasa_config": "KaSA (kasa_config: a trained singular-value diagonal on a truncated base weight)",
+    "arrow_config": "Arrow routing (arrow_config: several LoRAs mixed per token)",
+    "use_qalora": "QALoRA (use_qalora=true: A reads group-pooled inputs)",
+}
+# `init_lora_weights` values whose init rewrites the base weights it trains against: PEFT loading
+# such an adapter redoes that init on the base (PiSSA, OLoRA, CorDA subtract their initial
+# B0 @ A0; LoftQ quantizes), so on the unchanged base its deltas are not the trained model's.
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
+
+
+def base_rewriting_init(config: dict[str, Any]) -> str | None:
+    """Why an adapter whose `init_lora_weights` rewrote its base cannot be served, or None. PiSSA,
+    OLoRA and CorDA adapters convert to plain LoRA (PEFT's `save_pretrained(...,
+    path_initial_model_for_weight_conversion=...)`, rank doubled), which is served."""
+    init = config.get("init_lora_weights")
+    if not isinstance(init, str) or not init.lower().startswith(BASE_REWRITING_INITS):
+        return None
+    fix = (
+        "LoftQ's quantized base is not this one"
+        if init.lower().startswith("loftq")
+        else "save it as plain LoRA with save_pretrained's path_initial_model_for_weight_conversion"
+    )
+    return f"init_lora_weights={init!r} (trained on a base its init rewrote: {fix})"
+
+
+def target_refusal(config: dict[str, Any], shapes: dict[str, tuple[int, int]]) -> str | None:
+    """Why `target_modules` names a module no pod adapts, or None; pods and the adapter service
+    both refuse by this, so they accept the same adapters. A list entry is a module's name or a
+    dotted path ending in it (PEFT's suffix rule). A string is PEFT's regular expression over
+    module paths, which can name a module only to exclude it (`^(?!.*embed_tokens).*q_proj$`), so
+    the saved tensors decide (a pod refused any pattern that mentioned embed or lm_head)."""
+    targets = config.get("target_modules")
+    for t in targets if isinstance(targets, list) else []:
+        module = str(t).rpartition(".")[2]
+        if module not in shapes:
+            return f"target module {t!r} ({untargetable(module, shapes)})"
+    return None
+
+
 def unsupported_feature(config: dict[str, Any]) -> str | None:
     """The first feature of a PEFT config that Spindle cannot serve, named for the adapter's
     author ("DoRA (use_dora=true)"), or None."""
+    # set is not truthy: PEFT enables KaSA for `kasa_config: {}` (its defaults), off only for null
+    variant = next((w for key, w in VARIANT_FIELDS.items() if config.get(key) not in (None, False)), None)
+    if variant is not None:
+        return variant
     if config.get("peft_type", "LORA") != "LORA":
         return f"peft_type {config.get('peft_type')!r} (only LORA)"
     if config.get("use_dora"):
@@ -134,7 +188,7 @@ def unsupported_feature(config: dict[str, Any]) -> str | None:
         return "layer_replication (decoder layers stacked from copies of the base model's)"
     if config.get("fan_in_fan_out"):
         return "fan_in_fan_out=true (Conv1D-style weights)"
-    return None
+    return base_rewriting_init(config)
 
 
 def bias_refusal(key: str, config: dict[str, Any]) -> str | None:
@@ -145,6 +199,13 @@ def bias_refusal(key: str, config: dict[str, Any]) -> str | None:
     if not key.endswith(".bias"):
         return None
     return f"tensor {key!r} is a trained bias (bias={config.get('bias')!r}): bias terms are not supported"
+
+
+def declared_base(config: dict[str, Any]) -> str:
+    """The base model an adapter's config says it was trained on, for a refusal of shapes that do
+    not fit this one: the author sees which model they trained against (PEFT saves it)."""
+    name = config.get("base_model_name_or_path")
+    return f" (adapter_config.json names base model {str(name)[:200]!r})" if name else ""
 
 
 def module_path(layer: int, module: str) -> str:
@@ -192,8 +253,11 @@ def declared_mismatch(config: dict[str, Any], layer: int, module: str, rank: int
         or alpha <= 0
     ):
         return f"lora_alpha {alpha!r} for {path} must be a finite number > 0"
-    targets = config.get("target_modules")
-    if isinstance(targets, list) and not names_module(targets, path):
+    targets, params = config.get("target_modules"), config.get("target_parameters")
+    # PEFT's `target_parameters` LoRA on a projection's weight ("self_attn.q_proj.weight", matched
+    # as target_modules are) is the same delta as a LoRA on the projection
+    by_param = isinstance(params, list) and names_module(params, f"{path}.weight")
+    if isinstance(targets, list) and not names_module(targets, path) and not by_param:
         return f"{path} has weights but target_modules {targets} does not name {module!r}"
     return None
 

@@ -102,10 +102,17 @@ def test_the_shipped_adapter_fits_smollm2_without_torch(smol):
         (_lora(8, fan_in=1024), CONFIG, "another base model"),
         (_lora(8, module="v_proj", fan_out=576), CONFIG, "another base model"),  # v_proj is 576 -> 192
         (_lora(8, layer=30), CONFIG, "layer 30"),
-        (_lora(128), CONFIG, "rank 128"),
+        (_lora(128), CONFIG, "above the limit 64 (--max-lora-rank)"),
+        (  # the refusal names the base the author trained on
+            _lora(8, fan_in=960),
+            json.dumps({"r": 8, "base_model_name_or_path": "HuggingFaceTB/SmolLM2-360M-Instruct"}).encode(),
+            "names base model 'HuggingFaceTB/SmolLM2-360M-Instruct'",
+        ),
         (_lora(8), b"not json", "not valid JSON"),
         (_lora(8), json.dumps({"target_modules": ["embed_tokens"]}).encode(), "embed_tokens"),
         (_lora(8), json.dumps({"use_dora": True}).encode(), "DoRA"),
+        (_lora(8), json.dumps({"alora_invocation_tokens": [9, 64]}).encode(), "Activated LoRA"),
+        (_lora(8), json.dumps({"init_lora_weights": "pissa"}).encode(), "path_initial_model"),
         (_safetensors({"model.layers.0.mlp.up_proj.weight": ([4], 4)}), CONFIG, "not a LoRA"),
         (_safetensors({}), CONFIG, "no LoRA weights"),
     ],
@@ -114,6 +121,14 @@ def test_bad_adapters_are_refused_with_the_reason(tmp_path, smol, data, config, 
     with pytest.raises(validate.ValidationError) as e:
         _check(tmp_path, data, smol, config)
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "mica", "eva", "lora_ga", "orthogonal"])
+def test_an_init_that_leaves_the_base_alone_is_served(tmp_path, smol, init):
+    """`init_lora_weights` only shapes training unless the init rewrote the base (PiSSA, OLoRA,
+    CorDA, LoftQ: refused above): PEFT loads these on the unchanged base as plain LoRA."""
+    config = json.dumps({"r": 8, "target_modules": ["q_proj"], "init_lora_weights": init}).encode()
+    assert _check(tmp_path, _lora(8), smol, config).rank == 8
 
 
 def test_a_header_of_640_bytes_is_not_taken_for_a_pickle(tmp_path, smol):

@@ -573,6 +573,28 @@ def test_an_adapter_request_without_slots_is_refused_not_left_waiting(tiny_llama
     assert not engine.has_unfinished()
 
 
+@pytest.mark.parametrize(
+    "lora_kwargs",
+    [  # a pattern naming embed_tokens only to exclude it: a pod refused it, the service took it
+        {"target_modules": r"^(?!.*embed_tokens).*\.(q_proj|v_proj)$"},
+        # LoRA on a projection's weight parameter: refused as a config naming no such module
+        {
+            "target_modules": ["v_proj"],
+            "target_parameters": ["self_attn.q_proj.weight", "mlp.down_proj.weight"],
+        },
+    ],
+    ids=["excluding-pattern", "target-parameters"],
+)
+def test_targets_peft_adapts_are_served_as_peft_serves_them(
+    hf_tiny, tiny_llama, tiny_reference, tmp_path, lora_kwargs
+):
+    path = make_adapter(hf_tiny, tmp_path / "a", seed=7, scale=0.3, r=4, lora_alpha=8, **lora_kwargs)
+    engine = make_engine(tiny_llama, lora_modules={"a": str(path)})
+    got = [_run(engine, [_req(p, "a")])[0] for p in PROMPTS[:2]]
+    assert got == peft_greedy(hf_tiny, path, PROMPTS[:2], 8, eos=None)
+    assert got != [tiny_reference[(i, None)] for i in range(2)]
+
+
 # --- refusals --------------------------------------------------------------------------------
 
 
@@ -603,6 +625,14 @@ def _broken(src: Path, dst: Path, config: dict | None = None, tensors=None) -> P
         ({"lora_bias": True}, None, "lora_bias"),
         ({"trainable_token_indices": [3, 5]}, None, "trainable_token_indices"),
         ({"layer_replication": [[0, 2], [1, 2]]}, None, "layer_replication"),
+        # PEFT applies aLoRA only from the invocation tokens on (served as plain LoRA: other tokens)
+        ({"alora_invocation_tokens": [9, 64], "task_type": "CAUSAL_LM"}, None, "Activated LoRA"),
+        # PEFT redoes these inits on the base as it loads them (served on the plain base: other tokens)
+        ({"init_lora_weights": "pissa_niter_4"}, None, "path_initial_model_for_weight_conversion"),
+        ({"init_lora_weights": "olora"}, None, "init_lora_weights='olora'"),
+        ({"init_lora_weights": "loftq"}, None, "LoftQ"),
+        ({"use_bdlora": {"nblocks": 2}}, None, "BD-LoRA"),
+        ({"kasa_config": {}}, None, "KaSA"),
         (  # Qwen-MoE's shared expert (DeepSeek's `shared_experts`): experts, not the dense MLP
             None,
             lambda t: {k.replace("self_attn.q_proj", "mlp.shared_expert.gate_proj"): v for k, v in t.items()},
@@ -628,7 +658,7 @@ def test_bad_adapters_are_refused_with_a_named_reason(
 
 
 def test_rank_above_limit_and_pickle_weights_are_refused(tiny_llama, tiny_adapters, tmp_path):
-    with pytest.raises(AdapterError, match="rank 16, above max_lora_rank 8"):
+    with pytest.raises(AdapterError, match=r"rank 16, above max_lora_rank 8 \(--max-lora-rank\)"):
         load_peft_adapter("big", tiny_adapters["t3"], tiny_llama.config, max_lora_rank=8)
     pickled = tmp_path / "pickled"
     pickled.mkdir()

@@ -42,11 +42,13 @@ from spindle.peft import (
     LINEAR_ATTENTION_KEY,
     MLP_MODULES,
     bias_refusal,
+    declared_base,
     declared_mismatch,
     linear_attention_refusal,
     module_path,
     pattern_value,
     projection_shapes,
+    target_refusal,
     unsupported_feature,
     untargetable,
 )
@@ -292,7 +294,7 @@ def parse_peft_adapter(
         raise AdapterError(f"adapter {name!r}: adapter_config.json is not valid JSON: {e}") from e
     if not isinstance(config, dict):
         raise AdapterError(f"adapter {name!r}: adapter_config.json is not a JSON object")
-    _check_config(name, config)
+    _check_config(name, config, module_shapes(base))
     data, raw = weights.data, weights.data.numpy()
     try:
         n = header_length(raw[:8].tobytes(), len(raw))
@@ -322,18 +324,11 @@ def _tensor(body: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     return raw.view(dtype).view(entry.shape)
 
 
-def _check_config(name: str, config: dict[str, Any]) -> None:
-    def refuse(what: str) -> None:
-        raise AdapterError(f"adapter {name!r}: {what} is not supported")
-
-    feature = unsupported_feature(config)
+def _check_config(name: str, config: dict[str, Any], shapes: dict[str, tuple[int, int]]) -> None:
+    """The adapter service's config checks (spindle/peft.py), so both accept the same configs."""
+    feature = unsupported_feature(config) or target_refusal(config, shapes)
     if feature is not None:
-        refuse(feature)
-    targets = config.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else targets
-    for t in targets:
-        if any(k in t for k in ("embed", "lm_head")):
-            refuse(f"LoRA on embeddings or the LM head (target {t!r})")
+        raise AdapterError(f"adapter {name!r}: adapter_config.json: {feature} is not supported")
 
 
 def _modules(
@@ -397,10 +392,13 @@ def _modules(
         if a.shape != (rank, in_f) or b.shape != (out_f, rank):
             raise AdapterError(
                 f"adapter {name!r}: {path} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
-                f"the base model needs ({rank}, {in_f}) and ({out_f}, {rank}): made for another base model?"
+                f"the base model needs ({rank}, {in_f}) and ({out_f}, {rank}): made for another base "
+                f"model?{declared_base(config)}"
             )
         if rank > max_rank:
-            raise AdapterError(f"adapter {name!r}: {path} has rank {rank}, above max_lora_rank {max_rank}")
+            raise AdapterError(
+                f"adapter {name!r}: {path} has rank {rank}, above max_lora_rank {max_rank} (--max-lora-rank)"
+            )
         wrong = declared_mismatch(config, layer, module, rank)
         if wrong is not None:
             raise AdapterError(f"adapter {name!r}: adapter_config.json: {wrong}")
