@@ -262,13 +262,11 @@ class Engine:
         self.adapters.check_request(adapter)
         self.grammar_wait.check(params)
         ids = self.prompts.token_ids(prompt, messages, prompt_token_ids, tools, chat_template_kwargs)
-        if resume is not None:
-            self.prompts.check_resume(resume, params, len(ids))
-        processors = resolve_processors(params, self.tokenizer, self.eos_token_ids)
+        self.prompts.check_resume(resume, params, len(ids))
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         arrival, device = next(self._arrivals), self.executor.device
         seq = Sequence(request_id, ids, params, detokenizer, arrival, priority, device, adapter)
-        seq.sampling.processors = processors
+        seq.sampling.processors = resolve_processors(params, self.tokenizer, self.eos_token_ids)  # may refuse
         if resume is not None and self.outputs.replay(seq, resume):
             self.table.finish(seq, seq.output.finish_reason or "stop")  # its resumed output ended it
             return request_id
