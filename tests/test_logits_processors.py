@@ -232,3 +232,18 @@ def test_processors_and_structured_output_both_apply(tiny_smollm2, case):
     pushed, banned = make_engine(tiny_smollm2).generate([base, {**base, "bad_words": ["5"]}])
     assert (pushed.text, pushed.finish_reason) == ("5555", "stop")
     assert len(banned.text) == 4 and banned.text.isdigit() and "5" not in banned.text, banned.text
+
+
+def test_a_requests_file_line_spells_them_as_json(tiny_smollm2, case):
+    """`spindle generate --requests`: a JSON line's logit_bias has its ids as strings (OpenAI's
+    form), and serves as the same request with int ids."""
+    import json
+
+    prompt, plain = case["prompt"], case["plain"]
+    line = json.dumps({"prompt_token_ids": prompt, "max_tokens": 4, "temperature": 0,
+                       "logit_bias": {str(plain[0]): -100}, "min_tokens": 2, "bad_words": ["x"],
+                       "allowed_token_ids": plain[1:9]})  # fmt: skip
+    engine = make_engine(tiny_smollm2)
+    from_json = engine.generate([json.loads(line)])[0]
+    as_ints = engine.generate([{**json.loads(line), "logit_bias": {plain[0]: -100}}])[0]
+    assert from_json.token_ids == as_ints.token_ids and plain[0] not in from_json.token_ids
