@@ -110,9 +110,9 @@ def sample(
 
 def _processed(logits: torch.Tensor, rows: list[SampleRow], allowed: AllowedTokens | None) -> torch.Tensor:
     """The logits the draw is from: the rows' biases (engine/logits_processors.py), penalties, the
-    grammar's mask and the processors' bans. A row the bans would leave no token (a grammar that
-    allows only EOS before min_tokens, allowed ids all held back) has them lifted for this step:
-    a draw from nothing would be an arbitrary token."""
+    grammar's mask and the processors' bans. A row the bans would leave no token (allowed ids the
+    grammar refuses, or all held back by min_tokens) has them lifted for this step: a draw from
+    nothing would be an arbitrary token (an all -inf row's argmax is token 0)."""
     processors = [r.processors for r in rows]
     with_processors = any(p is not None for p in processors)
     logits = add_bias(logits, processors) if with_processors else logits
