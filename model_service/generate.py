@@ -46,6 +46,7 @@ def build_parser(gen: argparse.ArgumentParser) -> argparse.ArgumentParser:
         '    {"prompt_token_ids": [1, 2, 3], "logprobs": 5}\n'
         '    {"prompt": "...", "prompt_logprobs": 0, "max_tokens": 0}  (each prompt token scored)\n'
         '    {"prompt": "...", "structured_output": {"json_schema": {"type": "object"}}}\n'
+        '    {"prompt": "...", "logit_bias": {"50256": -100}, "min_tokens": 8, "bad_words": ["very"]}\n'
         '  spindle generate --chat --prompt "Is water wet?" --choice yes --choice no'
     )
     gen.formatter_class = argparse.RawDescriptionHelpFormatter

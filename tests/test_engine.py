@@ -313,7 +313,7 @@ def test_generate_is_all_or_nothing(tiny_smollm2):
     assert_all_blocks_free(engine)
 
 
-@pytest.mark.parametrize("field", ["min_tokens", "max_token", "n"])
+@pytest.mark.parametrize("field", ["truncate_prompt_tokens", "max_token", "n"])
 def test_a_request_field_the_engine_does_not_know_is_refused(tiny_smollm2, field):
     """A `--requests` line's misspelt or unsupported field would silently change the answer."""
     engine = make_engine(tiny_smollm2)

@@ -155,6 +155,28 @@ BAD_GENERATE += [
 ]
 
 
+def _processors(bias: dict[int, float] = {}, allowed: list[int] = [], words: list[str] = [], **fields):  # noqa: B006
+    """A request with the logits processors' map and repeated fields (setattr cannot set them)."""
+    req = token_request(PROMPT, 3, **fields)
+    req.sampling.logit_bias.update(bias)
+    req.sampling.allowed_token_ids.extend(allowed)
+    req.sampling.bad_words.extend(words)
+    return req
+
+
+# the logits processors' values, checked against this model's vocabulary of 320
+BAD_GENERATE += [
+    (_processors({320: 1.0}), Code.INVALID_ARGUMENT, "outside the vocabulary [0, 320)"),
+    (_processors({-5: 1.0}), Code.INVALID_ARGUMENT, "logit_bias has token ids outside"),
+    (_processors({5: -250.0}), Code.INVALID_ARGUMENT, "logit_bias values must be in [-100, 100], got -250"),
+    (_processors({i: 1.0 for i in range(1025)}), Code.INVALID_ARGUMENT, "at most 1,024"),
+    (_processors(allowed=[7, 400]), Code.INVALID_ARGUMENT, "allowed_token_ids has token ids outside"),
+    (_processors(min_tokens=4), Code.INVALID_ARGUMENT, "min_tokens must be an integer in [0, max_tokens (3)"),
+    (_processors(words=["x"]), Code.INVALID_ARGUMENT, "bad_words need the model's tokenizer"),
+    (_processors({5: 1.0}, num_beams=2), Code.INVALID_ARGUMENT, "not supported with num_beams > 1"),
+]
+
+
 def test_bad_input_on_every_rpc_gets_a_code_and_a_message(pod, channel):
     g = stub(channel)
     for req, code, words in BAD_GENERATE:

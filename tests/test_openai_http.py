@@ -268,10 +268,14 @@ def test_keys_scopes_limits_and_refusals_are_openai_errors(spindle_up, tmp_path)
         ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "not supported with `stream: true`"),
         ({"messages": QUESTION, "prompt_logprobs": "1"}, "an integer"),
         # vLLM's extras that would change the answer: refused, not silently dropped
-        ({"prompt": "a", "min_tokens": 8}, "min_tokens"),
         ({"prompt": "a", "use_beam_search": True}, "beam search"),
-        ({"prompt": "a", "allowed_token_ids": [5]}, "allowed_token_ids"),
-        ({"prompt": "a", "bad_words": ["x"]}, "bad_words"),
+        # the logits processors served: their kinds checked here, their values by the pod
+        ({"prompt": "a", "logit_bias": {"five": 1}}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {"5": "1"}}, "logit_bias"),
+        ({"prompt": "a", "logit_bias": {str(2**40): 1}}, "logit_bias"),
+        ({"prompt": "a", "allowed_token_ids": [-1]}, "allowed_token_ids"),
+        ({"prompt": "a", "min_tokens": "8"}, "min_tokens"),
+        ({"prompt": "a", "bad_words": [1]}, "bad_words"),
         ({"messages": [*QUESTION, {"role": "assistant", "function_call": CALL["function"]}]}, "function_"),
         ({"prompt": "a", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
         ({"messages": QUESTION, "continue_final_message": True}, "continue_final_message"),
@@ -289,6 +293,18 @@ def test_what_is_refused_is_named(body, problem):
     with pytest.raises(ApiError, match=problem) as refused:
         parse(body, {BASE})
     assert refused.value.status == 400
+
+
+def test_logits_processors_map_onto_the_grpc_request():
+    """OpenAI's logit_bias (ids as JSON strings) and vLLM's allowed_token_ids, min_tokens and
+    bad_words reach SamplingParams, for a chat and a completion alike (they were refused)."""
+    fields = {"logit_bias": {"5": -100, "7": 2.5}, "allowed_token_ids": [5, 7, 9], "min_tokens": 3,
+              "bad_words": ["x y"]}  # fmt: skip
+    forms = ((http_chat_request, {"messages": QUESTION}), (http_completion_request, {"prompt": "a"}))
+    for parse, body in forms:
+        s = parse({**body, **fields}, {BASE})[0].sampling
+        assert dict(s.logit_bias) == {5: -100.0, 7: 2.5} and list(s.allowed_token_ids) == [5, 7, 9]
+        assert s.min_tokens == 3 and list(s.bad_words) == ["x y"]
 
 
 def test_fields_map_onto_the_grpc_request():

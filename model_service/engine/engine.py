@@ -50,6 +50,7 @@ from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.executor import recurrent_state_bytes
 from model_service.engine.executors import Executor, build_executor
 from model_service.engine.grammar import GrammarCompiler
+from model_service.engine.logits_processors import resolve as resolve_processors
 from model_service.engine.output_processor import OutputProcessor
 from model_service.engine.overlap import InFlight, Overlap
 from model_service.engine.prompt_logprobs import score as score_prompts
@@ -261,11 +262,11 @@ class Engine:
         self.adapters.check_request(adapter)
         self.grammar_wait.check(params)
         ids = self.prompts.token_ids(prompt, messages, prompt_token_ids, tools, chat_template_kwargs)
-        if resume is not None:
-            self.prompts.check_resume(resume, params, len(ids))
+        self.prompts.check_resume(resume, params, len(ids))
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         arrival, device = next(self._arrivals), self.executor.device
         seq = Sequence(request_id, ids, params, detokenizer, arrival, priority, device, adapter)
+        seq.sampling.processors = resolve_processors(params, self.tokenizer, self.eos_token_ids)  # may refuse
         if resume is not None and self.outputs.replay(seq, resume):
             self.table.finish(seq, seq.output.finish_reason or "stop")  # its resumed output ended it
             return request_id

@@ -2,10 +2,10 @@
 
 Stop conditions, in order: a stop token (EOS or `stop_token_ids`; its text is part of the
 answer only with `include_stop_str_in_output`), a stop string (searched only where the new text
-could complete one), a structured output that is complete (its grammar allows nothing but EOS:
-"stop"), `max_tokens`, the context length ("length": a structured output may be cut short). A
-constrained sequence's matcher takes every token appended here (a refused one raises
-`GrammarError`). The caller frees what finished.
+could complete one, and only after `min_tokens` output tokens), a structured output that is
+complete (its grammar allows nothing but EOS: "stop"), `max_tokens`, the context length
+("length": a structured output may be cut short). A constrained sequence's matcher takes every
+token appended here (a refused one raises `GrammarError`). The caller frees what finished.
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ class OutputProcessor:
         if not delta:
             return False
         seq.output.text += delta
-        return bool(seq.params.stop) and self._match_stop_string(seq, len(delta))
+        # vLLM's min_tokens: text of the first min_tokens output tokens ends nothing (a stop string
+        # completed later may still start in it)
+        searched = seq.params.stop and seq.num_output_tokens > seq.params.min_tokens
+        return bool(searched) and self._match_stop_string(seq, len(delta))
 
     def _ending(self, seq: Sequence, stop_token: int | None) -> tuple[str, int | None] | None:
         """Why `seq` ends after its last token besides a stop string (finish and stop reason), if it does."""

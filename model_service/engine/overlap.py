@@ -13,7 +13,8 @@ string has already been given a row in step N + 1, whose token is dropped; its K
 in blocks that were its own (freed only after, in stream order). One that step N finishes by
 `max_tokens` gets no such row (`Sequence.num_pending` is 0 once its last token is in flight).
 A step overlaps only when every row's sampling needs nothing the host learns from step N but a
-grammar's state: no penalties (they count the history), no logprobs, no beams, no speculation;
+grammar's state: no penalties (they count the history), no logits processors (min_tokens and bad
+words read it), no logprobs, no beams, no speculation;
 any other step reads step N's tokens first, as before. A structured-output row's mask needs its
 matcher advanced by step N's token, so such a step's forward is queued first, step N's tokens
 are read while it runs, and its sampling is queued under the masks after (`launch_masked`).
@@ -55,7 +56,7 @@ def can_overlap(seq: Sequence) -> bool:
     """Whether `seq`'s next forward can be queued before its previous token reaches the host (a
     structured-output row's sampling then waits for that token: `Overlap.launch_masked`)."""
     p = seq.params
-    return seq.group is None and not p.needs_penalties and p.logprobs is None
+    return seq.group is None and not p.needs_penalties and not p.needs_processors and p.logprobs is None
 
 
 def launch(seqs: list[Sequence], logits: torch.Tensor, allowed: AllowedTokens | None = None) -> InFlight:

@@ -64,9 +64,11 @@ class PromptReader:
             raise CapacityError(f"prompt of {len(ids)} tokens can never fit in the KV cache")
         return ids
 
-    def check_resume(self, resume: Resume, params: SamplingParams, num_prompt_tokens: int) -> None:
-        """A resume this request can continue from: one stream, ids in the vocabulary, within
-        max_tokens, and room in the KV cache to recompute prompt and output."""
+    def check_resume(self, resume: Resume | None, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """A resume this request can continue from (if it has one): one stream, ids in the
+        vocabulary, within max_tokens, and room in the KV cache to recompute prompt and output."""
+        if resume is None:
+            return
         if params.num_beams > 1:
             raise InvalidRequestError("resume continues one stream; beam search (num_beams > 1) has none")
         vocab = self.vocab_size

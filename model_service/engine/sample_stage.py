@@ -91,6 +91,8 @@ class SampleStage:
         if self.grammars is not None and any(s.sampling.constraint is not None for s in seqs):
             allowed = self.grammars.allowed_tokens([s.sampling.constraint for s in seqs])
         rows = [SampleRow(s.params, s.sampling.generator, s.token_ids, s.num_prompt_tokens) for s in seqs]
+        for row, seq in zip(rows, seqs, strict=True):
+            row.processors = seq.sampling.processors
         tokens, logprobs = sample(logits, rows, allowed)
         for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
             self.table.emit(seq, [token], lp)

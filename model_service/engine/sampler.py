@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from model_service.engine.logits_processors import LogitsProcessors, add_bias, banned_mask
 from model_service.engine.sampling_params import SamplingParams
 from model_service.kernels.paged_attention import triton
 from model_service.kernels.sampling import gumbel_max, truncated_sample
@@ -44,6 +45,7 @@ class SampleRow:
     token_ids: list[int]
     num_prompt_tokens: int
     in_flight: int = 0  # tokens already sampled on the device and not yet in `token_ids`
+    processors: LogitsProcessors | None = None  # logit_bias, allowed ids, min_tokens, bad words
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -89,12 +91,10 @@ def sample(
     logits: torch.Tensor, rows: list[SampleRow], allowed: AllowedTokens | None = None
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [N, vocab] float32 (not modified). Returns (token ids, logprobs or None) per row.
-    Logprobs are the model's own (before penalties and `allowed`), as vLLM returns them."""
+    Logprobs are the model's own (before processors, penalties and `allowed`), as vLLM returns them."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
-    logits = _apply_penalties(logits, rows) if any(r.params.needs_penalties for r in rows) else logits
-    logits = allowed.apply(logits) if allowed is not None else logits
-    tokens = sample_on_device(logits, rows)
+    tokens = sample_on_device(_processed(logits, rows, allowed), rows)
     out: list[TokenLogprobs | None] = [None] * len(rows)
     if raw_logprobs is None:
         return tokens.tolist(), out
@@ -106,6 +106,26 @@ def sample(
     ):
         out[i] = TokenLogprobs(logprob, list(zip(ids[:n], vals[:n], strict=True)))
     return token_list, out
+
+
+def _processed(logits: torch.Tensor, rows: list[SampleRow], allowed: AllowedTokens | None) -> torch.Tensor:
+    """The logits the draw is from: the rows' biases (engine/logits_processors.py), penalties, the
+    grammar's mask and the processors' bans. A row the bans would leave no token (allowed ids the
+    grammar refuses, or all held back by min_tokens) has them lifted for this step: a draw from
+    nothing would be an arbitrary token (an all -inf row's argmax is token 0)."""
+    processors = [r.processors for r in rows]
+    with_processors = any(p is not None for p in processors)
+    logits = add_bias(logits, processors) if with_processors else logits
+    logits = _apply_penalties(logits, rows) if any(r.params.needs_penalties for r in rows) else logits
+    masked = allowed.apply(logits) if allowed is not None else logits
+    if not with_processors:
+        return masked
+    outputs = [r.output_ids if r.processors is not None else [] for r in rows]
+    banned = banned_mask(processors, outputs, logits.shape[1], logits.device)
+    if banned is None:
+        return masked
+    out = masked.masked_fill(banned, float("-inf"))
+    return torch.where(torch.isneginf(out).all(dim=-1, keepdim=True), masked, out)
 
 
 def _logprobs(

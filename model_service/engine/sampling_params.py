@@ -19,6 +19,11 @@ _GREEDY_BELOW = 1e-5
 MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# The logits processors' entries are paid for at every step of the request (host lists copied to
+# the device, bad words matched against the output): bounded as stop tokens are.
+MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 128  # and each at most MAX_STOP_STRING_CHARS; their tokens (logits_processors.py) 1,024
 
 
 @dataclass
@@ -48,6 +53,14 @@ class SamplingParams:
     # The language the output must be in (JSON Schema, regex, choice, grammar); None = free text.
     # A request's dict gives it as {"json_schema": {...}} (or regex, choice, grammar, json_object).
     structured_output: StructuredOutput | None = None
+    # Logits processors (engine/logits_processors.py), before the penalties as in HF and vLLM:
+    # OpenAI's token id -> bias in [-100, 100]; vLLM's ids the output is limited to (empty: all),
+    # its output length before which EOS and stop tokens cannot end it, and its words that may
+    # not be generated. A request's dict may give logit_bias's ids as strings (OpenAI's JSON).
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    bad_words: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -58,6 +71,8 @@ class SamplingParams:
             kwargs["stop"] = [kwargs["stop"]]
         if "structured_output" in kwargs and not isinstance(kwargs["structured_output"], StructuredOutput):
             kwargs["structured_output"] = StructuredOutput.from_dict(kwargs["structured_output"])
+        if isinstance(kwargs.get("logit_bias"), dict):
+            kwargs["logit_bias"] = _token_keyed(kwargs["logit_bias"])
         p = cls(**kwargs)
         p.validate()
         return p
@@ -88,9 +103,9 @@ class SamplingParams:
             not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
         ):
             bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
-        stop_problem = self._stop_problem()
-        if stop_problem:
-            bad(stop_problem)
+        for problem in (self._stop_problem(), self._processors_problem(vocab_size)):
+            if problem:
+                bad(problem)
         beam_problem = self._beam_search_problem()
         if beam_problem:
             bad(beam_problem)
@@ -102,6 +117,33 @@ class SamplingParams:
             bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad(f"stop_token_ids must be in [0, {vocab_size})")
+
+    def _processors_problem(self, vocab_size: int | None) -> str | None:
+        """What is wrong with the logits processors' fields: kinds, ranges, ids in the vocabulary
+        (when known), and the bounds on their per-step cost."""
+        bias, allowed = self.logit_bias, self.allowed_token_ids
+        if not isinstance(bias, dict) or not all(_is_number(v) for v in bias.values()):
+            return "logit_bias must map token ids to numbers"
+        if len(bias) > MAX_LOGIT_BIAS:
+            return f"logit_bias has {len(bias):,} entries; at most {MAX_LOGIT_BIAS:,} are allowed"
+        if not all(-100.0 <= v <= 100.0 for v in bias.values()):  # NaN fails too
+            return f"logit_bias values must be in [-100, 100], got {_outside(bias.values())}"
+        if not isinstance(allowed, list) or len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+            return f"allowed_token_ids must be a list of at most {MAX_ALLOWED_TOKEN_IDS:,} token ids"
+        top = vocab_size if vocab_size is not None else 2**31
+        for name, ids in (("logit_bias", list(bias)), ("allowed_token_ids", allowed)):
+            outside = [t for t in ids if not _is_int(t) or not 0 <= t < top]
+            if outside:
+                return f"{name} has token ids outside the vocabulary [0, {top}): {outside[:5]}"
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            most = self.max_tokens
+            return f"min_tokens must be an integer in [0, max_tokens ({most})], not {self.min_tokens!r}"
+        words = self.bad_words
+        if not isinstance(words, list) or any(not isinstance(w, str) or not w.strip() for w in words):
+            return "bad_words must be a list of non-empty strings"
+        if len(words) > MAX_BAD_WORDS or max(map(len, words), default=0) > MAX_STOP_STRING_CHARS:
+            return f"at most {MAX_BAD_WORDS} bad_words of at most {MAX_STOP_STRING_CHARS:,} characters each"
+        return None
 
     def _stop_problem(self) -> str | None:
         """What is wrong with `stop` and `stop_token_ids`: their kinds, and the bounds on their
@@ -133,6 +175,8 @@ class SamplingParams:
             return "repetition, presence and frequency penalties are not supported with num_beams > 1"
         if self.structured_output is not None:
             return "structured_output is not supported with num_beams > 1 (beam search)"
+        if self.needs_processors:
+            return "logit_bias, allowed_token_ids, min_tokens, bad_words are not supported with num_beams > 1"
         return None
 
     @property
@@ -145,8 +189,23 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
     @property
+    def needs_processors(self) -> bool:
+        """Whether a logits processor changes this request's rows (engine/logits_processors.py)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.min_tokens or self.bad_words)
+
+    @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _token_keyed(bias: dict[Any, Any]) -> dict[Any, Any]:
+    """`logit_bias` with its ids as ints: OpenAI's JSON spells them as strings (\"50256\"); a key
+    that is not a decimal id stays as it is, for `validate` to name."""
+    return {int(k) if isinstance(k, str) and k.strip().isdecimal() else k: v for k, v in bias.items()}
+
+
+def _outside(values: Any) -> Any:
+    return next(v for v in values if not -100.0 <= v <= 100.0)
 
 
 def _is_int(x: Any) -> bool:

@@ -12,6 +12,7 @@ import torch
 from model_service.engine.beam_search import BeamGroup
 from model_service.engine.detokenizer import IncrementalDetokenizer
 from model_service.engine.grammar import Constraint
+from model_service.engine.logits_processors import LogitsProcessors
 from model_service.engine.sampler import TokenLogprobs
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.seq_state import SequenceState
@@ -143,13 +144,16 @@ class Admission:
 
 class Sampling:
     """What drawing the request's next token takes beyond its params and tokens: a seeded
-    request's generator, and its structured output's matcher (engine/grammar.py; set by the
-    grammar wait, engine/requests.py, while the request waits for it to compile)."""
+    request's generator, its logits processors, and its structured output's matcher
+    (engine/grammar.py; set by the grammar wait, engine/requests.py, while the request waits for
+    it to compile)."""
 
-    __slots__ = ("constraint", "generator")
+    __slots__ = ("constraint", "generator", "processors")
 
     def __init__(self, seed: int | None, device: torch.device | None) -> None:
         self.constraint: Constraint | None = None
+        # logit_bias, allowed ids, min_tokens, bad words (engine/logits_processors.py; set at admission)
+        self.processors: LogitsProcessors | None = None
         self.generator: torch.Generator | None = None
         if seed is not None:
             self.generator = torch.Generator(device=device or "cpu")

@@ -29,8 +29,9 @@ model's q the request's own generator draws the uniforms: a seeded request is re
 the same batch, its stream differs from a run without speculation. Under a grammar, proposals are
 cut where it refuses one, and q is restricted to what it allows (`within_grammar`).
 
-Which rows speculate: rows without penalties or logprobs (penalties would change between the
-rows of one verify), and no beams.
+Which rows speculate: rows without penalties, logits processors or logprobs (penalties, and
+min_tokens and bad words, would change between the rows of one verify: each row would need the
+drafts before it as history), and no beams.
 """
 
 from __future__ import annotations
@@ -389,7 +390,7 @@ def proposals_of(rows: list[Drafting], num_seqs: int) -> list[Proposal]:
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    return not params.needs_penalties and params.logprobs is None
+    return not params.needs_penalties and not params.needs_processors and params.logprobs is None
 
 
 def accept_greedy(proposals: list[int], logits: torch.Tensor, argmax: list[int] | None = None) -> list[int]:

@@ -150,6 +150,9 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
     d.update({name: getattr(s, name) for name in _SAMPLING_FIELDS if s.HasField(name)})
     if s.stop_token_ids:
         d["stop_token_ids"] = list(s.stop_token_ids)
+    if s.HasField("min_tokens"):
+        d["min_tokens"] = s.min_tokens
+    d.update(_processors(s))
     if s.HasField("structured_output"):
         d["structured_output"] = structured_output(s.structured_output)
     if s.early_stopping != pb.EARLY_STOPPING_UNSPECIFIED:
@@ -157,6 +160,19 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
             raise InvalidRequestError(f"early_stopping has unknown value {s.early_stopping}")
         d["early_stopping"] = _EARLY_STOPPING[s.early_stopping]
     return SamplingParams.from_dict(d)
+
+
+def _processors(s: pb.SamplingParams) -> dict[str, Any]:
+    """The repeated and map processors' fields that are set (proto3: empty is unset); their
+    values, sizes and ids are checked by `SamplingParams.validate` against the model's vocabulary."""
+    d: dict[str, Any] = {}
+    if s.logit_bias:
+        d["logit_bias"] = dict(s.logit_bias)
+    if s.allowed_token_ids:
+        d["allowed_token_ids"] = list(s.allowed_token_ids)
+    if s.bad_words:
+        d["bad_words"] = list(s.bad_words)
+    return d
 
 
 def structured_output(so: pb.StructuredOutput) -> dict[str, Any]:

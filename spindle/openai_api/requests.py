@@ -31,14 +31,10 @@ _SAMPLING_BOOLS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_out
 # Fields that would change what the answer is, which Spindle cannot do: refused, not ignored.
 _REFUSED = {
     "functions": "`functions` (OpenAI's deprecated form) is not supported: send `tools`",
-    "logit_bias": "logit_bias is not supported",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     # vLLM's extras that Spindle does not serve (each set to anything but its default)
-    "min_tokens": "min_tokens is not supported",
     "use_beam_search": "beam search is not supported here",
-    "allowed_token_ids": "allowed_token_ids is not supported",
-    "bad_words": "bad_words is not supported",
     "truncate_prompt_tokens": "truncate_prompt_tokens is not supported",
     "continue_final_message": "continue_final_message is not supported",
     "chat_template": "a request's own chat_template is not supported",
@@ -400,6 +396,7 @@ def _common(
     if not _token_ids(stop_ids):
         raise bad_request("`stop_token_ids` must be a list of token ids", "stop_token_ids")
     s.stop_token_ids.extend(stop_ids)
+    _processors(body, s)
     structured_output(body, req)
     stream = _typed(body, "stream", bool) or False
     prompt_logprobs = _typed(body, "prompt_logprobs", int)
@@ -417,6 +414,30 @@ def _common(
     n = n or 1
     return Call(named, stream, include_usage=bool(include_usage), logprobs=logprobs, n=n, best_of=n,
                 prompt_logprobs=prompt_logprobs is not None)  # fmt: skip
+
+
+def _processors(body: dict[str, Any], s: pb.SamplingParams) -> None:
+    """OpenAI's `logit_bias` ({"token id": bias}) and vLLM's `allowed_token_ids`, `min_tokens` and
+    `bad_words` onto `s`, checked for their kinds here; their values (bias range, ids in the
+    vocabulary, sizes) are checked by the pod as for gRPC."""
+    bias = _typed(body, "logit_bias", dict) or {}
+    ids = {k: int(k) if isinstance(k, str) and k.strip().isdecimal() else k for k in bias}
+    if not _token_ids(list(ids.values())) or any(
+        not isinstance(v, (int, float)) or isinstance(v, bool) for v in bias.values()
+    ):
+        raise bad_request("`logit_bias` must map token ids (as strings) to numbers", "logit_bias")
+    s.logit_bias.update({ids[k]: float(v) for k, v in bias.items()})
+    allowed = _typed(body, "allowed_token_ids", list) or []
+    if not _token_ids(allowed):
+        raise bad_request("`allowed_token_ids` must be a list of token ids", "allowed_token_ids")
+    s.allowed_token_ids.extend(allowed)
+    min_tokens = _typed(body, "min_tokens", int)
+    if min_tokens is not None:
+        s.min_tokens = min_tokens
+    words = _typed(body, "bad_words", list) or []
+    if not all(isinstance(w, str) for w in words):
+        raise bad_request("`bad_words` must be a list of strings", "bad_words")
+    s.bad_words.extend(words)
 
 
 def _max_tokens(body: dict[str, Any], req: pb.GenerateRequest, *names: str) -> bool:

@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspindle/v1/generation.proto\x12\nspindle.v1\"\x87\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.spindle.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.spindle.v1.TokenIdsH\x00\x12\x12\n\x05model\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x14\n\x07\x61\x64\x61pter\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x05\x88\x01\x01\x12,\n\x08sampling\x18\x0b \x01(\x0b\x32\x1a.spindle.v1.SamplingParams\x12\x15\n\x08priority\x18\x0c \x01(\x05H\x06\x88\x01\x01\x12\"\n\x06resume\x18\r \x01(\x0b\x32\x12.spindle.v1.Resume\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x07\x88\x01\x01\x12\x13\n\x0b\x65\x63ho_prompt\x18\x0f \x01(\x08\x42\x08\n\x06promptB\x08\n\x06_modelB\n\n\x08_adapterB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0b\n\t_priorityB\x12\n\x10_prompt_logprobs\"6\n\x06Resume\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\x12\x12\n\ntext_chars\x18\x02 \x01(\x05\"\xb0\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.spindle.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x1e\n\x11reasoning_content\x18\x06 \x01(\tH\x00\x88\x01\x01\x42\x14\n\x12_reasoning_content\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"s\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.spindle.v1.ChatMessage\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.spindle.v1.Tool\x12\x17\n\x0ftemplate_kwargs\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xba\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x07\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08H\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\t\x88\x01\x01\x12\x16\n\tnum_beams\x18\x0c \x01(\x05H\n\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\r \x01(\x01H\x0b\x88\x01\x01\x12\x31\n\x0e\x65\x61rly_stopping\x18\x0e \x01(\x0e\x32\x19.spindle.v1.EarlyStopping\x12\x37\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1c.spindle.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x0c\n\n_num_beamsB\x11\n\x0f_length_penalty\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.spindle.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"v\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.spindle.v1.ChunkH\x00\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.spindle.v1.FinalH\x00\x42\x06\n\x04kind\"\xb1\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.spindle.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x18.spindle.v1.TokenLogprob\x12\x18\n\x0bprompt_text\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_prompt_text\"\x85\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.spindle.v1.TopLogprob\x12\x12\n\x05token\x18\x04 \x01(\tH\x01\x88\x01\x01\x42\n\n\x08_logprobB\x08\n\x06_token\"M\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x12\n\x05token\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x08\n\x06_token\"\x99\x01\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.spindle.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.spindle.v1.UsageB\r\n\x0bstop_reason\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.spindle.v1.ModelInfo\"u\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.spindle.v1.ModelKind\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x0c\n\x04pods\x18\x05 \x03(\t*|\n\rEarlyStopping\x12\x1e\n\x1a\x45\x41RLY_STOPPING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45\x41RLY_STOPPING_FALSE\x10\x01\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x02\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*T\n\tModelKind\x12\x1a\n\x16MODEL_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fMODEL_KIND_BASE\x10\x01\x12\x16\n\x12MODEL_KIND_ADAPTER\x10\x02\x32\xe0\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.spindle.v1.GenerateRequest\x1a\x1c.spindle.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.spindle.v1.AbortRequest\x1a\x19.spindle.v1.AbortResponse\x12K\n\nListModels\x12\x1d.spindle.v1.ListModelsRequest\x1a\x1e.spindle.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspindle/v1/generation.proto\x12\nspindle.v1\"\x87\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.spindle.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.spindle.v1.TokenIdsH\x00\x12\x12\n\x05model\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x14\n\x07\x61\x64\x61pter\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x05\x88\x01\x01\x12,\n\x08sampling\x18\x0b \x01(\x0b\x32\x1a.spindle.v1.SamplingParams\x12\x15\n\x08priority\x18\x0c \x01(\x05H\x06\x88\x01\x01\x12\"\n\x06resume\x18\r \x01(\x0b\x32\x12.spindle.v1.Resume\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x07\x88\x01\x01\x12\x13\n\x0b\x65\x63ho_prompt\x18\x0f \x01(\x08\x42\x08\n\x06promptB\x08\n\x06_modelB\n\n\x08_adapterB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0b\n\t_priorityB\x12\n\x10_prompt_logprobs\"6\n\x06Resume\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\x12\x12\n\ntext_chars\x18\x02 \x01(\x05\"\xb0\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.spindle.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x1e\n\x11reasoning_content\x18\x06 \x01(\tH\x00\x88\x01\x01\x42\x14\n\x12_reasoning_content\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"s\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.spindle.v1.ChatMessage\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.spindle.v1.Tool\x12\x17\n\x0ftemplate_kwargs\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x81\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x07\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08H\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\t\x88\x01\x01\x12\x16\n\tnum_beams\x18\x0c \x01(\x05H\n\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\r \x01(\x01H\x0b\x88\x01\x01\x12\x31\n\x0e\x65\x61rly_stopping\x18\x0e \x01(\x0e\x32\x19.spindle.v1.EarlyStopping\x12\x37\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1c.spindle.v1.StructuredOutput\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).spindle.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x05\x12\x17\n\nmin_tokens\x18\x12 \x01(\x05H\x0c\x88\x01\x01\x12\x11\n\tbad_words\x18\x13 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x0c\n\n_num_beamsB\x11\n\x0f_length_penaltyB\r\n\x0b_min_tokens\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.spindle.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"v\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.spindle.v1.ChunkH\x00\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.spindle.v1.FinalH\x00\x42\x06\n\x04kind\"\xb1\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.spindle.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x18.spindle.v1.TokenLogprob\x12\x18\n\x0bprompt_text\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_prompt_text\"\x85\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.spindle.v1.TopLogprob\x12\x12\n\x05token\x18\x04 \x01(\tH\x01\x88\x01\x01\x42\n\n\x08_logprobB\x08\n\x06_token\"M\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x12\n\x05token\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x08\n\x06_token\"\x99\x01\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.spindle.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.spindle.v1.UsageB\r\n\x0bstop_reason\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.spindle.v1.ModelInfo\"u\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.spindle.v1.ModelKind\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x0c\n\x04pods\x18\x05 \x03(\t*|\n\rEarlyStopping\x12\x1e\n\x1a\x45\x41RLY_STOPPING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45\x41RLY_STOPPING_FALSE\x10\x01\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x02\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*T\n\tModelKind\x12\x1a\n\x16MODEL_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fMODEL_KIND_BASE\x10\x01\x12\x16\n\x12MODEL_KIND_ADAPTER\x10\x02\x32\xe0\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.spindle.v1.GenerateRequest\x1a\x1c.spindle.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.spindle.v1.AbortRequest\x1a\x19.spindle.v1.AbortResponse\x12K\n\nListModels\x12\x1d.spindle.v1.ListModelsRequest\x1a\x1e.spindle.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'spindle.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EARLYSTOPPING']._serialized_start=2925
-  _globals['_EARLYSTOPPING']._serialized_end=3049
-  _globals['_FINISHREASON']._serialized_start=3051
-  _globals['_FINISHREASON']._serialized_end=3171
-  _globals['_MODELKIND']._serialized_start=3173
-  _globals['_MODELKIND']._serialized_end=3257
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_EARLYSTOPPING']._serialized_start=3124
+  _globals['_EARLYSTOPPING']._serialized_end=3248
+  _globals['_FINISHREASON']._serialized_start=3250
+  _globals['_FINISHREASON']._serialized_end=3370
+  _globals['_MODELKIND']._serialized_start=3372
+  _globals['_MODELKIND']._serialized_end=3456
   _globals['_GENERATEREQUEST']._serialized_start=44
   _globals['_GENERATEREQUEST']._serialized_end=563
   _globals['_RESUME']._serialized_start=565
@@ -52,33 +54,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=1037
   _globals['_TOKENIDS']._serialized_end=1060
   _globals['_SAMPLINGPARAMS']._serialized_start=1063
-  _globals['_SAMPLINGPARAMS']._serialized_end=1761
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1764
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1911
-  _globals['_CHOICES']._serialized_start=1913
-  _globals['_CHOICES']._serialized_end=1939
-  _globals['_GENERATERESPONSE']._serialized_start=1941
-  _globals['_GENERATERESPONSE']._serialized_end=2059
-  _globals['_CHUNK']._serialized_start=2062
-  _globals['_CHUNK']._serialized_end=2239
-  _globals['_TOKENLOGPROB']._serialized_start=2242
-  _globals['_TOKENLOGPROB']._serialized_end=2375
-  _globals['_TOPLOGPROB']._serialized_start=2377
-  _globals['_TOPLOGPROB']._serialized_end=2454
-  _globals['_FINAL']._serialized_start=2457
-  _globals['_FINAL']._serialized_end=2610
-  _globals['_USAGE']._serialized_start=2612
-  _globals['_USAGE']._serialized_end=2669
-  _globals['_ABORTREQUEST']._serialized_start=2671
-  _globals['_ABORTREQUEST']._serialized_end=2705
-  _globals['_ABORTRESPONSE']._serialized_start=2707
-  _globals['_ABORTRESPONSE']._serialized_end=2722
-  _globals['_LISTMODELSREQUEST']._serialized_start=2724
-  _globals['_LISTMODELSREQUEST']._serialized_end=2743
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2745
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2804
-  _globals['_MODELINFO']._serialized_start=2806
-  _globals['_MODELINFO']._serialized_end=2923
-  _globals['_GENERATION']._serialized_start=3260
-  _globals['_GENERATION']._serialized_end=3484
+  _globals['_SAMPLINGPARAMS']._serialized_end=1960
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1682
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1730
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1963
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=2110
+  _globals['_CHOICES']._serialized_start=2112
+  _globals['_CHOICES']._serialized_end=2138
+  _globals['_GENERATERESPONSE']._serialized_start=2140
+  _globals['_GENERATERESPONSE']._serialized_end=2258
+  _globals['_CHUNK']._serialized_start=2261
+  _globals['_CHUNK']._serialized_end=2438
+  _globals['_TOKENLOGPROB']._serialized_start=2441
+  _globals['_TOKENLOGPROB']._serialized_end=2574
+  _globals['_TOPLOGPROB']._serialized_start=2576
+  _globals['_TOPLOGPROB']._serialized_end=2653
+  _globals['_FINAL']._serialized_start=2656
+  _globals['_FINAL']._serialized_end=2809
+  _globals['_USAGE']._serialized_start=2811
+  _globals['_USAGE']._serialized_end=2868
+  _globals['_ABORTREQUEST']._serialized_start=2870
+  _globals['_ABORTREQUEST']._serialized_end=2904
+  _globals['_ABORTRESPONSE']._serialized_start=2906
+  _globals['_ABORTRESPONSE']._serialized_end=2921
+  _globals['_LISTMODELSREQUEST']._serialized_start=2923
+  _globals['_LISTMODELSREQUEST']._serialized_end=2942
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2944
+  _globals['_LISTMODELSRESPONSE']._serialized_end=3003
+  _globals['_MODELINFO']._serialized_start=3005
+  _globals['_MODELINFO']._serialized_end=3122
+  _globals['_GENERATION']._serialized_start=3459
+  _globals['_GENERATION']._serialized_end=3683
 # @@protoc_insertion_point(module_scope)
