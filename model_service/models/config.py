@@ -363,7 +363,19 @@ def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> l
     if family == "qwen3_moe":
         return [int(window)] * layers
     types = raw.get("layer_types") or _qwen_layer_types(raw, family, layers)
+    _check_attention_layer_types(types, layers)
     return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+def _check_attention_layer_types(types: list[str], layers: int) -> None:
+    """A `layer_types` must name each layer's attention, as HF's config validation demands: a list
+    one layer short failed on an index later, and an entry other than the two (a typo such as
+    "sliding", or another family's "chunked_attention") ran as full attention without a word."""
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown or len(types) != layers:
+        raise ModelLoadError(
+            f"layer_types must list {layers} of ['full_attention', 'sliding_attention'], got {types}"
+        )
 
 
 def _qwen_layer_types(raw: dict[str, Any], family: str, layers: int) -> list[str]:
