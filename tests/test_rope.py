@@ -304,7 +304,6 @@ def test_a_context_past_max_positions_is_served_with_a_warning(caplog: pytest.Lo
     assert "max_position_embeddings 4096" in caplog.text
 
 
-
 def test_a_yarn_config_serves_the_context_its_scaling_reaches(caplog: pytest.LogCaptureFixture):
     """Qwen2.5's model card adds YaRN (factor 4 over 32,768 pretraining positions) to a config.json
     whose max_position_embeddings stays 32,768: the context is the 131,072 positions the scaling
@@ -320,6 +319,7 @@ def test_a_yarn_config_serves_the_context_its_scaling_reaches(caplog: pytest.Log
     assert "131072 positions" in caplog.text
     short = {**yarn, "original_max_position_embeddings": 4096}
     assert ModelConfig.from_hf(raw_config(64, 163840, rope_scaling=short)).context_length(None) == 163840
+
 
 def test_dynamic_ntk_runs_hf_frequencies_up_to_max_positions_and_no_further():
     """HF's dynamic NTK keeps the default frequencies while a sequence is within
