@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import transformers
 
+from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
 from tests.conftest import TINY_CONFIGS
 
@@ -137,3 +138,22 @@ def test_partial_rotary_factor_read_where_hf_reads_it(rope: dict[str, Any]):
     ours, hf = both("qwen3_next", **rope)
     assert ours.rotary_dim == int(hf.head_dim * hf.rope_parameters["partial_rotary_factor"])
     assert ours.rope_scaling["rope_type"] == hf.rope_parameters["rope_type"]
+
+
+@pytest.mark.parametrize(
+    "types",
+    [
+        ["sliding_attention"] * (LAYERS - 1),  # one layer short: an IndexError deep in the load
+        ["sliding_attention"] * (LAYERS + 1),
+        ["sliding", *["full_attention"] * (LAYERS - 1)],  # a typo: served as full attention
+        ["chunked_attention"] * LAYERS,  # Llama 4's kind, which Qwen2 has no mask for: served as full
+    ],
+)
+def test_a_layer_types_list_hf_cannot_run_is_refused(types: list[str]):
+    """Qwen2 slides the layers `layer_types` names; a list that does not name each layer's
+    attention is refused at load, naming the field (HF's config validation refuses the first
+    three; its Qwen2 model has no mask for the fourth)."""
+    raw = {**REQUIRED, "num_hidden_layers": LAYERS, "architectures": ["Qwen2ForCausalLM"]}
+    raw |= {"use_sliding_window": True, "sliding_window": 8, "layer_types": types}
+    with pytest.raises(ModelLoadError, match="layer_types must list 6"):
+        ModelConfig.from_hf(raw)

@@ -304,6 +304,23 @@ def test_a_context_past_max_positions_is_served_with_a_warning(caplog: pytest.Lo
     assert "max_position_embeddings 4096" in caplog.text
 
 
+def test_a_yarn_config_serves_the_context_its_scaling_reaches(caplog: pytest.LogCaptureFixture):
+    """Qwen2.5's model card adds YaRN (factor 4 over 32,768 pretraining positions) to a config.json
+    whose max_position_embeddings stays 32,768: the context is the 131,072 positions the scaling
+    reaches, as vLLM serves it, not 32,768 (every longer prompt was refused) or a warning at
+    --max-model-len 131072. Past that reach the operator is warned as before; a YaRN that reaches
+    fewer than max_position_embeddings (DeepSeek-V2-Lite-like) keeps the longer."""
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    cfg = ModelConfig.from_hf(raw_config(64, 32768, rope_scaling=yarn))
+    with caplog.at_level("WARNING", logger="model_service.models.config"):
+        assert cfg.context_length(None) == cfg.context_length(131072) == 131072
+        assert not caplog.records
+        assert cfg.context_length(131073) == 131073
+    assert "131072 positions" in caplog.text
+    short = {**yarn, "original_max_position_embeddings": 4096}
+    assert ModelConfig.from_hf(raw_config(64, 163840, rope_scaling=short)).context_length(None) == 163840
+
+
 def test_dynamic_ntk_runs_hf_frequencies_up_to_max_positions_and_no_further():
     """HF's dynamic NTK keeps the default frequencies while a sequence is within
     max_position_embeddings and past it rescales them by the sequence's current length (path

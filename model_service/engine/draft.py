@@ -163,7 +163,7 @@ class DraftProposer:
         self, loaded: LoadedModel, config: EngineConfig, num_blocks: int, max_model_len: int, vocab_size: int
     ) -> None:
         mc = loaded.config
-        self.max_len = min(max_model_len, mc.max_position_embeddings)
+        self.max_len = min(max_model_len, mc.scaled_positions)
         self.executor, self.cache, self.builder = proposer_model(loaded, config, num_blocks, self.max_len)
         self.token_budget = config.max_num_batched_tokens
         self.vocab_size = vocab_size  # the target's: proposals and q are over its vocabulary

@@ -185,13 +185,13 @@ class ModelConfig:
         return scale
 
     def context_length(self, asked: int | None) -> int:
-        """The context the engine runs: `asked` (--max-model-len) or max_position_embeddings. Past
-        max_position_embeddings, HF's dynamic NTK rescales every frequency by the sequence's current
-        length, which keys already rotated into a paged cache cannot follow: refused, not served
-        with other numbers than HF's. Static scalings run past it as HF runs them, with a warning
-        (vLLM refuses it without an opt-in): positions the checkpoint never saw, unless its
-        scaling (YaRN, llama3) was made to reach them."""
-        limit = self.max_position_embeddings
+        """The context the engine runs: `asked` (--max-model-len) or the positions the RoPE reaches
+        (`scaled_positions`). Past max_position_embeddings, HF's dynamic NTK rescales every
+        frequency by the sequence's current length, which keys already rotated into a paged cache
+        cannot follow: refused, not served with other numbers than HF's. Static scalings run past
+        the RoPE's reach as HF runs them, with a warning (vLLM refuses it without an opt-in):
+        positions the checkpoint never saw, unless it was trained on them."""
+        limit = self.scaled_positions
         if asked and asked > limit and self.rope_scaling.get("rope_type") == "dynamic":
             raise ModelLoadError(
                 f"--max-model-len {asked} is past max_position_embeddings {limit}, where dynamic NTK "
@@ -200,11 +200,24 @@ class ModelConfig:
             )
         if asked and asked > limit:
             log.warning(
-                "--max-model-len %d is past the checkpoint's max_position_embeddings %d (RoPE %s): "
-                "outputs past %d tokens may degrade unless the model was trained or scaled for them",
-                asked, limit, self.rope_scaling.get("rope_type", "default"), limit,
+                "--max-model-len %d is past the checkpoint's %d positions (max_position_embeddings %d, "
+                "RoPE %s): outputs past %d tokens may degrade unless the model was trained for them",
+                asked, limit, self.max_position_embeddings, self.rope_scaling.get("rope_type"), limit,
             )  # fmt: skip
         return asked or limit
+
+    @property
+    def scaled_positions(self) -> int:
+        """The positions the checkpoint's RoPE reaches: max_position_embeddings, or for YaRN its
+        pretraining length times `factor` where that is more. Qwen2.5's and Qwen3's model cards
+        extend the context by adding YaRN to a config.json whose max_position_embeddings stays the
+        pretraining 32,768 (40,960); vLLM serves such a checkpoint 131,072 tokens, and so does this
+        engine, instead of refusing every prompt past the length the scaling was added to pass."""
+        if self.rope_scaling.get("rope_type") != "yarn":
+            return self.max_position_embeddings
+        rope = self.rope_scaling
+        scaled = float(rope.get("original_max_position_embeddings") or 0) * float(rope.get("factor") or 1)
+        return max(self.max_position_embeddings, int(scaled))
 
     @property
     def mtp_layers(self) -> int:
@@ -363,7 +376,19 @@ def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> l
     if family == "qwen3_moe":
         return [int(window)] * layers
     types = raw.get("layer_types") or _qwen_layer_types(raw, family, layers)
+    _check_attention_layer_types(types, layers)
     return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+def _check_attention_layer_types(types: list[str], layers: int) -> None:
+    """A `layer_types` must name each layer's attention, as HF's config validation demands: a list
+    one layer short failed on an index later, and an entry other than the two (a typo such as
+    "sliding", or another family's "chunked_attention") ran as full attention without a word."""
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown or len(types) != layers:
+        raise ModelLoadError(
+            f"layer_types must list {layers} of ['full_attention', 'sliding_attention'], got {types}"
+        )
 
 
 def _qwen_layer_types(raw: dict[str, Any], family: str, layers: int) -> list[str]:
