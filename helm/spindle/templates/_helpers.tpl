@@ -121,6 +121,7 @@ livenessProbe:
 {{ toYaml .Values.securityContext }}
 {{- end -}}
 
+{{/* Pull secrets and scheduling of a component's pods. Call with (list $ VALUES "gateway"). */}}
 {{- define "spindle.podSpecCommon" -}}
 {{- $ := index . 0 -}}{{- $c := index . 1 -}}
 {{- with $.Values.imagePullSecrets }}
@@ -138,6 +139,23 @@ tolerations:
 {{- with $c.affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with include "spindle.topologySpread" (list $ $c.topologySpreadConstraints (index . 2)) }}
+topologySpreadConstraints:
+  {{- . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The component's topologySpreadConstraints, each selecting the component's own pods unless it
+names its labelSelector: a constraint counts only the pods its selector matches, so one without
+spreads nothing. Call with (list $ CONSTRAINTS "gateway"). */}}
+{{- define "spindle.topologySpread" -}}
+{{- $ := index . 0 -}}
+{{- $pods := include "spindle.selectorLabels" (list $ (index . 2)) | fromYaml -}}
+{{- range index . 1 }}
+{{- $spread := deepCopy . -}}
+{{- if not $spread.labelSelector }}{{ $_ := set $spread "labelSelector" (dict "matchLabels" $pods) }}{{ end }}
+{{- list $spread | toYaml | nindent 0 }}
 {{- end }}
 {{- end -}}
 
