@@ -283,3 +283,11 @@ def test_topology_spread_is_the_values_own():
     assert spread["spec"]["template"]["spec"]["topologySpreadConstraints"][0]["labelSelector"]
     off = workloads(render({"gateway": {"topologySpreadConstraints": []}}))["gateway"]
     assert "topologySpreadConstraints" not in off["spec"]["template"]["spec"]
+
+
+def test_the_ranks_shared_memory_is_sized_by_the_values():
+    """/dev/shm was a fixed 1Gi: eight ranks whose NCCL buffers go through host memory (no
+    peer-to-peer between PCIe GPUs) could not get more without editing the chart."""
+    volumes = workloads(render({"model": {"gpu": {"count": 8, "shmSizeLimit": "16Gi"}}}))["model"]
+    (shm,) = [v for v in volumes["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
