@@ -10,7 +10,19 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
-from helm_chart import CHART, NAMESPACE, RELEASE, VALUE_SETS, main_container, notes, one, render, workloads
+from helm_chart import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    VALUE_SETS,
+    main_container,
+    matches,
+    notes,
+    one,
+    pod_labels,
+    render,
+    workloads,
+)
 
 KUBE_VERSION = "1.30.0"
 
@@ -240,3 +252,42 @@ def test_the_readme_documents_every_value():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     missing = [key for key in _documented_keys(values) if f"`{key}`" not in table]
     assert not missing, f"helm/spindle/README.md's table lacks {missing}"
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_gateway_and_adapter_service_replicas_spread_over_nodes(value_set):
+    """Two gateways (or adapter services) could land on one node, and that node's loss took every
+    replica the budget was meant to keep. Each replicated component now prefers other nodes, its
+    constraint selecting its own pods (a selector matching none spreads nothing)."""
+    for name, workload in workloads(render(VALUE_SETS[value_set])).items():
+        if name not in ("gateway", "adapter-service") or workload["spec"].get("replicas") == 1:
+            continue
+        spec = workload["spec"]["template"]["spec"]
+        (spread,) = spec["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["maxSkew"] == 1
+        assert spread["whenUnsatisfiable"] == "ScheduleAnyway"  # one node still runs the chart
+        assert matches(spread["labelSelector"]["matchLabels"], pod_labels(workload))
+        assert spread["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == name
+
+
+def test_topology_spread_is_the_values_own():
+    zones = [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"}
+    ]
+    deployed = workloads(render({"gateway": {"topologySpreadConstraints": zones}, "model": {"replicas": 2}}))
+    (spread,) = deployed["gateway"]["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "topology.kubernetes.io/zone"
+    assert matches(spread["labelSelector"]["matchLabels"], pod_labels(deployed["gateway"]))
+    assert "topologySpreadConstraints" not in deployed["model"]["spec"]["template"]["spec"]  # a GPU each
+    spread = workloads(render({"model": {"topologySpreadConstraints": zones}}))["model"]
+    assert spread["spec"]["template"]["spec"]["topologySpreadConstraints"][0]["labelSelector"]
+    off = workloads(render({"gateway": {"topologySpreadConstraints": []}}))["gateway"]
+    assert "topologySpreadConstraints" not in off["spec"]["template"]["spec"]
+
+
+def test_the_ranks_shared_memory_is_sized_by_the_values():
+    """/dev/shm was a fixed 1Gi: eight ranks whose NCCL buffers go through host memory (no
+    peer-to-peer between PCIe GPUs) could not get more without editing the chart."""
+    volumes = workloads(render({"model": {"gpu": {"count": 8, "shmSizeLimit": "16Gi"}}}))["model"]
+    (shm,) = [v for v in volumes["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}

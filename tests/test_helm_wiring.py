@@ -85,18 +85,40 @@ def test_pending_variables_are_read_by_their_service(name, variable):
 
 
 def probe_ports(container: dict, http_ready: bool) -> set[int]:
-    """The grpc.health.v1 probes' ports; readiness is GET /health on the `http` port when
-    `http_ready` (an OpenAI HTTP port in plaintext)."""
-    names = (
-        ("startupProbe", "livenessProbe")
-        if http_ready
-        else ("startupProbe", "readinessProbe", "livenessProbe")
-    )
-    probes = [container[p] for p in names]
-    assert all("grpc" in p for p in probes), f"{container['name']}: {names} are grpc.health.v1"
+    """The probes' ports: grpc.health.v1, or a TCP connect for the startup and liveness probes of
+    a service whose health tracks its dependencies; readiness is GET /health on the `http` port
+    when `http_ready` (an OpenAI HTTP port in plaintext)."""
+    alive = [container[p] for p in ("startupProbe", "livenessProbe")]
+    assert all(("grpc" in p) != ("tcpSocket" in p) for p in alive), f"{container['name']}: {alive}"
+    ready = container["readinessProbe"]
     if http_ready:
-        assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    return {p["grpc"]["port"] for p in probes}
+        assert ready["httpGet"] == {"path": "/health", "port": "http"}
+    else:
+        alive.append(ready)
+        assert "grpc" in ready, f"{container['name']}: readiness is grpc.health.v1"
+    return {(p.get("grpc") or p["tcpSocket"])["port"] for p in alive}
+
+
+# What each service's grpc.health.v1 status says besides "this process works": the gateway is
+# NOT_SERVING while no model pod is in rotation, the adapter service while Redis or its storage
+# does not answer; a model pod's status is its own (loading, draining, a lost device).
+HEALTH_TRACKS_DEPENDENCIES = {"gateway": True, "adapter-service": True, "model": False}
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_no_pod_is_killed_for_what_it_depends_on(value_set):
+    """A gateway used to run grpc.health.v1 startup (60 s) and liveness probes: while the model pods
+    loaded a big checkpoint (up to model.probes.startupSeconds, 900 s) every gateway was killed
+    into CrashLoopBackOff, and all of them again whenever the model pods (or, for the adapter
+    service, Redis) went away: restarts that mend nothing. Only readiness may follow dependencies."""
+    deployed = workloads(render(VALUE_SETS[value_set]))
+    for name, tracks in HEALTH_TRACKS_DEPENDENCIES.items():
+        if name not in deployed:
+            continue
+        container = main_container(deployed[name])
+        for probe in ("startupProbe", "livenessProbe"):
+            assert ("tcpSocket" in container[probe]) == tracks, f"{name} {probe}: {container[probe]}"
+            assert ("grpc" in container[probe]) != tracks, f"{name} {probe}: {container[probe]}"
 
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))

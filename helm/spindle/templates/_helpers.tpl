@@ -86,12 +86,19 @@ app.kubernetes.io/part-of: spindle
 
 {{/* grpc.health.v1 probes on a port: startup (may be long), readiness, liveness. */}}
 {{- /* Readiness is GET /health on the OpenAI HTTP port when there is one in plaintext (what the
-Gateway API Inference Extension and HTTP load balancers see too); grpc.health.v1 otherwise. */}}
+Gateway API Inference Extension and HTTP load balancers see too); grpc.health.v1 otherwise.
+Call with (list PORT STARTUP_SECONDS DRAIN_SECONDS HTTP_READY OWN_HEALTH). OWN_HEALTH: the
+status is the process' own (a model pod: loading, draining, a lost device). Else (the gateway:
+no model pod in rotation; the adapter service: Redis or storage unreachable) it tracks what the
+process depends on, which a restart does not mend: startup and liveness then only check that the
+port accepts connections, so gateways are not killed while the model pods load (up to
+model.probes.startupSeconds) nor all at once when the pods or Redis go away. */}}
 {{- define "spindle.probes" -}}
 {{- $port := index . 0 -}}{{- $startupSeconds := index . 1 -}}{{- $liveSeconds := index . 2 -}}
-{{- $httpReady := index . 3 -}}
+{{- $httpReady := index . 3 -}}{{- $ownHealth := index . 4 -}}
+{{- $alive := ternary (printf "grpc: {port: %v}" $port) (printf "tcpSocket: {port: %v}" $port) $ownHealth -}}
 startupProbe:
-  grpc: {port: {{ $port }}}
+  {{ $alive }}
   periodSeconds: 5
   failureThreshold: {{ div $startupSeconds 5 | max 1 }}
 readinessProbe:
@@ -103,7 +110,7 @@ readinessProbe:
   periodSeconds: 5
   failureThreshold: 2
 livenessProbe:
-  grpc: {port: {{ $port }}}
+  {{ $alive }}
   periodSeconds: 10
   timeoutSeconds: 5
   # NOT_SERVING while draining must not get the pod killed before its drain timeout.
@@ -114,6 +121,7 @@ livenessProbe:
 {{ toYaml .Values.securityContext }}
 {{- end -}}
 
+{{/* Pull secrets and scheduling of a component's pods. Call with (list $ VALUES "gateway"). */}}
 {{- define "spindle.podSpecCommon" -}}
 {{- $ := index . 0 -}}{{- $c := index . 1 -}}
 {{- with $.Values.imagePullSecrets }}
@@ -131,6 +139,23 @@ tolerations:
 {{- with $c.affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with include "spindle.topologySpread" (list $ $c.topologySpreadConstraints (index . 2)) }}
+topologySpreadConstraints:
+  {{- . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The component's topologySpreadConstraints, each selecting the component's own pods unless it
+names its labelSelector: a constraint counts only the pods its selector matches, so one without
+spreads nothing. Call with (list $ CONSTRAINTS "gateway"). */}}
+{{- define "spindle.topologySpread" -}}
+{{- $ := index . 0 -}}
+{{- $pods := include "spindle.selectorLabels" (list $ (index . 2)) | fromYaml -}}
+{{- range index . 1 }}
+{{- $spread := deepCopy . -}}
+{{- if not $spread.labelSelector }}{{ $_ := set $spread "labelSelector" (dict "matchLabels" $pods) }}{{ end }}
+{{- list $spread | toYaml | nindent 0 }}
 {{- end }}
 {{- end -}}
 
