@@ -184,16 +184,20 @@ class HermesReader(Reader):
         return self._call(obj["name"], self._arguments(obj, "arguments", "parameters"))
 
 
-class Llama3JsonReader(Reader):
-    """An output that is one or more JSON calls, `{"name": ..., "parameters": {...}}` separated by
-    ";" (optionally after `<|python_tag|>`): Llama 3.1-3.3's JSON tool calling, vLLM's
-    `llama3_json`. An output that starts otherwise is content, streamed as it comes; one that
-    starts like a call is held to its end, then read whole (content if it is not all calls)."""
-
-    TAG = "<|python_tag|>"
+class _WholeCallsReader(Reader):
+    """An output that is either all calls or plain text, decided by how it starts: text streams
+    as it comes; an output that starts like calls is held to its end, then read whole (`_read`:
+    its pieces, or None for content)."""
 
     def __init__(self) -> None:
         self.buffer, self.mode = "", ""  # mode: "" undecided, "text", "calls"
+
+    @abstractmethod
+    def _starts_calls(self, head: str) -> bool | None:
+        """Whether an output starting with `head` (no leading whitespace) is calls; None: not known yet."""
+
+    @abstractmethod
+    def _read(self, text: str) -> list[Piece] | None: ...
 
     def feed(self, text: str) -> list[Piece]:
         if self.mode == "text":
@@ -202,10 +206,11 @@ class Llama3JsonReader(Reader):
         if self.mode == "calls":
             return []
         head = self.buffer.lstrip()
-        if not head or (self.TAG.startswith(head) and head != self.TAG):
+        calls = self._starts_calls(head) if head else None
+        if calls is None:
             return []  # undecided yet
-        self.mode = "calls" if head.startswith(("{", self.TAG)) else "text"
-        if self.mode == "calls":
+        self.mode = "calls" if calls else "text"
+        if calls:
             return []
         out, self.buffer = self.buffer, ""
         return [out]
@@ -214,10 +219,25 @@ class Llama3JsonReader(Reader):
         text, self.buffer = self.buffer, ""
         if self.mode == "text" or not text:
             return []
-        calls = self._calls(text.strip().removeprefix(self.TAG).strip())
+        calls = self._read(text) if self.mode == "calls" else None
         return calls if calls is not None else [text]
 
-    def _calls(self, text: str) -> list[Piece] | None:
+
+class Llama3JsonReader(_WholeCallsReader):
+    """An output that is one or more JSON calls, `{"name": ..., "parameters": {...}}` separated by
+    ";" (optionally after `<|python_tag|>`): Llama 3.1-3.3's JSON tool calling, vLLM's
+    `llama3_json`. An output that starts otherwise is content, streamed as it comes; one that
+    starts like a call is held to its end, then read whole (content if it is not all calls)."""
+
+    TAG = "<|python_tag|>"
+
+    def _starts_calls(self, head: str) -> bool | None:
+        if self.TAG.startswith(head) and head != self.TAG:
+            return None
+        return head.startswith(("{", self.TAG))
+
+    def _read(self, text: str) -> list[Piece] | None:
+        text = text.strip().removeprefix(self.TAG).strip()
         out: list[Piece] = []
         at = 0
         while at < len(text):
@@ -304,7 +324,7 @@ class MistralReader(Reader):
         return self._call(named[1], arguments), body[end:]
 
 
-class PythonicReader(Reader):
+class PythonicReader(_WholeCallsReader):
     """An output that is a Python list of calls, `[get_weather(city="Paris"), get_time()]` (Llama
     3.2, Llama 4 and ToolACE): vLLM's `pythonic`. The list is parsed with `ast`, never run: a call
     is a plain name with keyword arguments only, each a literal (a string, a number, True, False,
@@ -316,30 +336,12 @@ class PythonicReader(Reader):
     HEAD = re.compile(r"\[\s*[A-Za-z_][A-Za-z0-9_]*\s*\(")  # how a list of calls starts
     UNDECIDED = re.compile(r"\[\s*(?:[A-Za-z_][A-Za-z0-9_]*\s*)?")  # a start that may become one
 
-    def __init__(self) -> None:
-        self.buffer, self.mode = "", ""  # mode: "" undecided, "text", "calls"
+    def _starts_calls(self, head: str) -> bool | None:
+        return None if self.UNDECIDED.fullmatch(head) else bool(self.HEAD.match(head))
 
-    def feed(self, text: str) -> list[Piece]:
-        if self.mode == "text":
-            return [text] if text else []
-        self.buffer += text
-        if self.mode == "calls":
-            return []
-        head = self.buffer.lstrip()
-        if not head or self.UNDECIDED.fullmatch(head):
-            return []  # undecided yet
-        self.mode = "calls" if self.HEAD.match(head) else "text"
-        if self.mode == "calls":
-            return []
-        out, self.buffer = self.buffer, ""
-        return [out]
-
-    def finish(self) -> list[Piece]:
-        text, self.buffer = self.buffer, ""
-        if self.mode == "text" or not text:
-            return []
-        calls = _python_calls(text) if self.mode == "calls" else None
-        return [p for name, arguments in calls for p in self._call(name, arguments)] if calls else [text]
+    def _read(self, text: str) -> list[Piece] | None:
+        calls = _python_calls(text)
+        return [p for name, arguments in calls for p in self._call(name, arguments)] if calls else None
 
 
 def _python_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
