@@ -16,7 +16,7 @@ without one, so a dependent's blocks do not take SM slots from a kernel still st
 Kernels launched without the attribute (torch's, cuBLAS's) keep the stream's full ordering on
 both sides. CUDA graphs record the same edges.
 
-Off unless `SPINDLE_PDL=1`: measured on an H100 (2026-12-07 ag, `docs/gpu-notebook.md`) it is
+Off unless `SPINDLE_PDL` is 1 or 2: measured on an H100 (2026-12-07 ag, `docs/gpu-notebook.md`) it is
 mixed. A chain of 48 x 4 small dependent kernels in a graph: 20.8 -> 18.0 us a layer. The
 engine at batch 1: the dense 8B shape's bf16 +3.5% (170.9 -> 176.9 tok/s), its FP8 -2.4%
 (291.0 -> 283.9), the Qwen3-30B-A3B shape -5% (516.1 -> 489.0, 24 layers). Letting them in

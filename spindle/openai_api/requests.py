@@ -202,7 +202,7 @@ def chat_request(
                           "best_of")  # fmt: skip
     if use is not None and use.reads_special_tokens:
         req.sampling.skip_special_tokens = False
-    call = replace(call, tools=use, reasoning=_reasoning(req, reasoning_parser))
+    call = replace(call, tools=use, reasoning=_reasoning(req, reasoning_parser, template_kwargs or {}))
     if _typed(body, "include_reasoning", bool) is False:  # vLLM's: the reasoning read, and dropped
         call = replace(call, include_reasoning=False)
     _bounded(call)
@@ -214,14 +214,13 @@ def chat_request(
 THINKING_SWITCHES = ("enable_thinking", "thinking")
 
 
-def _reasoning(req: pb.GenerateRequest, parser: str) -> str:
+def _reasoning(req: pb.GenerateRequest, parser: str, template_kwargs: dict[str, Any]) -> str:
     """How the output is read for reasoning: by the server's parser, but for an output forced to a
     schema (structured output, a forced tool call), which is the schema's from its first token
     (the engine forces it through what would have been thinking), and for a chat whose template
     variables turn thinking off (as vLLM's qwen3 parser reads them): read as reasoning, either
     answer, having no `</think>`, would be all reasoning and its content null."""
-    variables = json.loads(req.chat.template_kwargs) if req.chat.template_kwargs else {}
-    thinking_off = any(variables.get(switch) is False for switch in THINKING_SWITCHES)
+    thinking_off = any(template_kwargs.get(switch) is False for switch in THINKING_SWITCHES)
     return "none" if req.sampling.HasField("structured_output") or thinking_off else parser
 
 
