@@ -31,6 +31,7 @@ from gateway.metrics import GatewayMetrics, counted, status_code
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
 from gateway.relay import Relayed, add_generation_service, client_span
 from spindle import flagtypes, request_ids, serving, telemetry
+from spindle.client import finish_reason_name
 from spindle.errors import ConfigError
 from spindle.grpc_status import PROMPT_TOKENS, abort, abort_exhausted
 from spindle.openai_api.context import HttpCallContext
@@ -466,13 +467,8 @@ def _annotate(span: trace.Span, req: pb.GenerateRequest, caller: Caller, rid: st
 def _annotate_final(span: trace.Span, final: pb.Final) -> None:
     span.set_attribute(telemetry.INPUT_TOKENS, final.usage.prompt_tokens)
     span.set_attribute(telemetry.OUTPUT_TOKENS, final.usage.completion_tokens)
-    span.set_attribute(telemetry.FINISH_REASONS, [_finish_reason(final.finish_reason)])
-
-
-def _finish_reason(reason: pb.FinishReason) -> str:
-    """A finish reason as the GenAI conventions and the pod's span spell it ("stop", "length"): the
-    enum's own name (FINISH_REASON_LENGTH) split one trace's reasons into two vocabularies."""
-    return pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+    # as the pod's span spells it: the enum's own name split one trace's reasons into two vocabularies
+    span.set_attribute(telemetry.FINISH_REASONS, [finish_reason_name(final.finish_reason)])
 
 
 # --- the command ------------------------------------------------------------------------------

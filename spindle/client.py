@@ -21,6 +21,12 @@ from spindle.v1 import generation_pb2_grpc
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 
 
+def finish_reason_name(reason: pb.FinishReason) -> str:
+    """A finish reason as the engine, the OpenAI API and the GenAI span conventions spell it
+    ("stop", "length", "abort"), not the enum's own name (FINISH_REASON_LENGTH)."""
+    return pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+
+
 @dataclass
 class Completion:
     """A finished stream, gathered."""
@@ -78,9 +84,7 @@ class Client:
                     on_text(resp.chunk.text)
             else:
                 f = resp.final
-                out.finish_reason = (
-                    pb.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_").lower()
-                )
+                out.finish_reason = finish_reason_name(f.finish_reason)
                 out.prompt_tokens, out.completion_tokens = f.usage.prompt_tokens, f.usage.completion_tokens
         return out
 
