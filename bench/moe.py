@@ -54,6 +54,7 @@ import torch
 from bench.gpu import copy_bandwidth, decode_tok_s, kernel_profile, quantized, random_module
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
+from model_service.kernels.expert_gemv import ExpertGemvTiling, expert_gemv, expert_gemv_tiling
 from model_service.kernels.experts import experts_grouped, experts_path, experts_reference
 from model_service.kernels.fused_moe import (
     ExpertScales,
@@ -123,6 +124,14 @@ def bench(args: argparse.Namespace, tokens: int) -> list[dict[str, object]]:
             except OutOfResources as error:  # a tiling past the shared memory: say so, go on
                 row = {"bench": "moe_experts", "path": name, "tokens": tokens, "error": str(error)}
                 print(json.dumps(row), flush=True)
+        if tokens == 1:
+            up_scale, down_scale = (scales.gate_up, scales.down) if scales is not None else (None, None)
+            for tilings in gemv_tilings(h, inter, k):
+                gemv = functools.partial(
+                    expert_gemv, x, gate_up, down, ids, weights, up_scale, down_scale, tilings=tilings
+                )
+                name = "gemv/" + "/".join(f"n{t.block_n}k{t.block_k}w{t.num_warps}" for t in tilings)
+                paths[name] = graphed(gemv)
     else:
         paths["reference"] = lambda: experts_reference(x, gate_up, down, ids, weights, scales)
         if scales is None:
@@ -174,6 +183,26 @@ def sweep_configs(tokens: int, args: argparse.Namespace, item_bytes: int) -> lis
         if (stages := fitting_stages(block_k, gate_up_n, item_bytes)) >= 2
     ]
     return list(dict.fromkeys([chosen, *splits, *tilings]))
+
+
+def gemv_tilings(hidden: int, inter: int, top_k: int) -> list[tuple[ExpertGemvTiling, ExpertGemvTiling]]:
+    """One-token GEMV tilings (kernels/expert_gemv.py): the engine's pair first, then gate_up's
+    columns a program (2-16), K step and warps with down's kept, and down's with gate_up's kept;
+    tiles of at most 32K weight elements."""
+    engine = (expert_gemv_tiling(hidden, 2), expert_gemv_tiling(inter, triton_next_pow2(top_k)))
+
+    def grid(k: int, rows: int) -> list[ExpertGemvTiling]:
+        steps = [s for s in (128, 256, 512, 1024, 2048) if s <= triton_next_pow2(k)]
+        cells = itertools.product((2, 4, 8, 16), steps, (4, 8))
+        return [ExpertGemvTiling(n, s, w) for n, s, w in cells if rows * n * s <= 32768]
+
+    ups = [(t, engine[1]) for t in grid(hidden, 2)]
+    downs = [(engine[0], t) for t in grid(inter, triton_next_pow2(top_k))]
+    return list(dict.fromkeys([engine, *ups, *downs]))
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def prefill_configs(item_bytes: int) -> list[FusedMoeConfig]:

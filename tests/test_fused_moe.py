@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from model_service.kernels import fused_moe as fused_moe_module
-from model_service.kernels.expert_gemv import expert_gemv, expert_gemv_applies
+from model_service.kernels.expert_gemv import ExpertGemvTiling, expert_gemv, expert_gemv_applies
 from model_service.kernels.experts import (
     FUSED_MAX_ROWS_PER_EXPERT,
     experts_path,
@@ -208,11 +208,12 @@ def test_one_token_runs_the_experts_as_gemvs_under_the_interpreter(monkeypatch):
     """Batch-1 decode of e4m3 experts takes the GEMV kernels (kernels/expert_gemv.py; e4m3 ones
     in the FP8 tests): the reference's result to float32 rounding with K no multiple of the
     tile, a remote slot and a strided x, the same as the tiled kernels; wider batches keep the
-    tiles, and weights not contiguous along K too."""
+    tiles, and weights not contiguous along K too; top_k 6 (a tile of 8 slots) and tilings
+    that step along K more than once."""
     assert fused_moe_config(1, 8, 128, 2048, 768, item_bytes=1).gemv  # e4m3 experts at one token
     assert not fused_moe_config(1, 8, 128, 2048, 768).gemv  # bf16: the tiles were as fast (H100)
     assert not fused_moe_config(2, 8, 128, 2048, 768, item_bytes=1).gemv
-    x, gate_up, down, ids, weights = _case(1, 16, 4, 48, 40, seed=5)
+    x, gate_up, down, ids, weights = _case(1, 16, 6, 48, 40, seed=5)
     ids[0, 2] = 16  # another rank's expert
     strided = torch.randn(1, 96)[:, ::2]
     strided.copy_(x)
@@ -225,6 +226,9 @@ def test_one_token_runs_the_experts_as_gemvs_under_the_interpreter(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     tiled = FusedMoeConfig(16, 64, 64, block_k=16, num_stages=2)
     torch.testing.assert_close(fused_moe(x, gate_up, down, ids, weights, tiled), got, rtol=1e-5, atol=1e-5)
+    for n, k in ((2, 16), (8, 32)):
+        tilings = (ExpertGemvTiling(n, k), ExpertGemvTiling(n, k, num_warps=2))
+        torch.testing.assert_close(expert_gemv(x, gate_up, down, ids, weights, tilings=tilings), got)
     assert not expert_gemv_applies(1, gate_up.transpose(1, 2).contiguous().transpose(1, 2), down)
     assert calls == [1]
 

@@ -474,3 +474,29 @@ def test_fp8_kv_cache_on_cuda_gives_the_cpu_reference_tokens():
         engine = _engine(cfg, reference, device, kv_cache_dtype="fp8", num_kv_blocks=64)
         tokens.append([o.token_ids for o in engine.generate(requests)])
     assert tokens[1] == tokens[0]
+
+
+def test_logits_processors_on_cuda_match_the_cpu():
+    """logit_bias, allowed_token_ids and min_tokens (engine/logits_processors.py; bad_words are
+    these masks after tokenizing, which a random model cannot) on CUDA rows beside a plain one,
+    and a bias under a penalty: the CPU's greedy tokens, each variant changing its row's tokens
+    (else it tested nothing)."""
+    cfg, reference = random_llama()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompt = [(3 * j) % 500 + 3 for j in range(9)]
+    base = {"prompt_token_ids": prompt, "max_tokens": 10, "temperature": 0}
+    plain = _stream(_engine(cfg, reference, "cpu", num_kv_blocks=64, block_size=4), [base])[0][0]
+    variants = [
+        {},
+        {"logit_bias": {plain[0]: -100, plain[2]: -50, 17: 4.0}},
+        {"allowed_token_ids": [plain[1], plain[4], 300, 301]},
+        {"logit_bias": {plain[3]: 40.0}, "min_tokens": 3, "stop_token_ids": [plain[3]]},
+        {"repetition_penalty": 1.4, "logit_bias": {prompt[-2]: 6.0}},
+    ]
+    requests = [{**base, **fields} for fields in variants]
+    devices = ("cpu", "cuda")
+    results = [_stream(_engine(cfg, reference, d, num_kv_blocks=64, block_size=4), requests) for d in devices]
+    cpu_ids, gpu_ids = ([ids for ids, _ in r] for r in results)
+    assert gpu_ids == cpu_ids
+    assert all(ids != plain for ids in cpu_ids[1:])
+    assert len(cpu_ids[3]) == 4 and cpu_ids[3][-1] == plain[3]  # held 3 tokens, then the stop id

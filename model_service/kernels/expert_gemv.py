@@ -38,27 +38,31 @@ if triton is not None:
 
     from model_service.kernels.pdl import admit_dependents, wait_for_producers
 
-RUN_BYTES = 2048  # a program's contiguous bytes of a weight row a K step (the dense GEMV's tile)
+TILE_ELEMENTS = 8192  # a program's weight elements a K step: 64 float32 a thread at 4 warps
 
 
 @dataclass(frozen=True)
 class ExpertGemvTiling:
+    """A kernel's tile: `block_n` output columns a program, `block_k` of K a step, `num_warps`."""
+
     block_n: int
     block_k: int
+    num_warps: int = 4
 
 
-def expert_gemv_tiling(k: int, item_bytes: int, group: int = 0) -> ExpertGemvTiling:
-    """Four rows a program and 2 KB of each a K step (the dense FP8 GEMV's [4, 2048] e4m3 tile,
-    its fastest at every 8B shape at one row); a shorter K in one power-of-two tile. Block
-    scales need whole groups in a tile."""
-    block_k = min(RUN_BYTES // item_bytes, triton.next_power_of_2(k))
-    return ExpertGemvTiling(4, max(block_k, group))
+def expert_gemv_tiling(k: int, rows_a_column: int, group: int = 0, block_n: int = 4) -> ExpertGemvTiling:
+    """`block_n` columns a program, each needing `rows_a_column` weight rows (gate and up: 2; down:
+    the padded top_k), and the longest power-of-two K step that keeps the program's tile within
+    TILE_ELEMENTS (one step for a short K). Block scales need whole groups in a step."""
+    block_k = max(16, TILE_ELEMENTS // (rows_a_column * block_n))
+    block_k = min(block_k, triton.next_power_of_2(k))
+    return ExpertGemvTiling(block_n, max(block_k, group))
 
 
 def expert_gemv_applies(tokens: int, gate_up: torch.Tensor, down: torch.Tensor, group: int = 0) -> bool:
     """One token, both weights contiguous along K (their rows are what a program streams), and
     block scales whose groups tile a power-of-two K step."""
-    whole_groups = group == 0 or (group & (group - 1) == 0 and group <= RUN_BYTES)
+    whole_groups = group == 0 or (group & (group - 1) == 0 and group <= TILE_ELEMENTS // 16)
     return tokens == 1 and gate_up.stride(2) == 1 and down.stride(2) == 1 and whole_groups
 
 
@@ -71,28 +75,31 @@ def expert_gemv(
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     group: int = 0,
+    tilings: tuple[ExpertGemvTiling, ExpertGemvTiling] | None = None,
 ) -> torch.Tensor:
     """`fused_moe`'s result (same arguments; e4m3 weights with their [E, rows, G] float32 scales,
-    `group` input columns a scale, 0 for one a row) in two launches of GEMV programs."""
+    `group` input columns a scale, 0 for one a row) in two launches of GEMV programs; `tilings`
+    (gate_up's, down's) for sweeps, else `expert_gemv_tiling`'s."""
     tokens, top_k = ids.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
+    slots = triton.next_power_of_2(top_k)
+    up, dn = tilings or (expert_gemv_tiling(hidden, 2, group), expert_gemv_tiling(inter, slots, group))
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     w8 = gate_up_scale is not None
     gate_up_scale = gate_up_scale.contiguous() if w8 else weights  # weights: unread stand-ins
     down_scale = down_scale.contiguous() if w8 else weights
-    up = expert_gemv_tiling(hidden, gate_up.element_size(), group)
     _gemv_gate_up_kernel[(tokens * top_k, triton.cdiv(inter, up.block_n))](
         x, gate_up, gate_up_scale, ids, h, top_k, num_experts, inter, hidden, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), gate_up_scale.shape[-1],
-        W8=w8, GROUP=group, BLOCK_N=up.block_n, BLOCK_K=up.block_k, num_warps=4, **pdl_args(x.device),
+        W8=w8, GROUP=group, BLOCK_N=up.block_n, BLOCK_K=up.block_k, num_warps=up.num_warps,
+        **pdl_args(x.device),
     )  # fmt: skip
-    dn = expert_gemv_tiling(inter, down.element_size(), group)
     _gemv_down_kernel[(tokens, triton.cdiv(hidden, dn.block_n))](
         h, down, down_scale, ids, weights, out, top_k, num_experts, hidden, inter, down.stride(0),
         down.stride(1), down_scale.stride(0), down_scale.stride(1), down_scale.shape[-1], W8=w8, GROUP=group,
-        BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=4, **pdl_args(x.device),
+        SLOTS=slots, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps, **pdl_args(x.device),
     )  # fmt: skip
     return out
 
@@ -100,34 +107,30 @@ def expert_gemv(
 if triton is not None:
 
     @triton.jit
-    def _row_dots(
-        X, W, Scale, rows, row_ok, K, w_stride_n, s_stride_n, groups, W8: tl.constexpr, GROUP: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _tile_dots(
+        x, W, Scale, rows, s_rows, ok, k0, K, groups, W8: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """[BLOCK_N] float32 dot products of weight rows `rows` (W and Scale at their expert,
-        each row contiguous along K) with the vector at X, scaled (W8) per row or per group."""
-        ks = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
-            at = W + rows[:, None].to(tl.int64) * w_stride_n + k[None, :]
-            w = tl.load(at, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-            products = w.to(tl.float32) * x[None, :]
-            if W8 and GROUP > 0:
-                sums = tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
-                g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-                scales = tl.load(
-                    Scale + rows[:, None] * s_stride_n + g[None, :],
-                    mask=row_ok[:, None] & (g < groups)[None, :],
-                    other=0.0,
-                )
-                acc += tl.sum(sums * scales, axis=1)
-            else:
-                acc += tl.sum(products, axis=1)
-        if W8 and GROUP == 0:
-            acc *= tl.load(Scale + rows * s_stride_n, mask=row_ok, other=0.0)
-        return acc
+        """[S, N] float32 partial dot products over K step `k0` of the weight rows starting at
+        element offsets `rows` [S, N] of W with `x` [S, 1, BLOCK_K] (float32), block-scaled per
+        group (W8 with GROUP > 0: the rows' scales at offsets `s_rows` of Scale); per-row scales
+        are the caller's, after K."""
+        k = k0 + tl.arange(0, BLOCK_K)
+        at = W + rows[:, :, None] + k[None, None, :]
+        w = tl.load(at, mask=ok[:, :, None] & (k < K)[None, None, :], other=0.0)
+        products = w.to(tl.float32) * x
+        if W8 and GROUP > 0:
+            S: tl.constexpr = products.shape[0]
+            N: tl.constexpr = products.shape[1]
+            sums = tl.sum(tl.reshape(products, [S, N, BLOCK_K // GROUP, GROUP]), axis=3)
+            g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            scales = tl.load(
+                Scale + s_rows[:, :, None] + g[None, None, :],
+                mask=ok[:, :, None] & (g < groups)[None, None, :],
+                other=0.0,
+            )
+            return tl.sum(sums * scales, axis=2)
+        return tl.sum(products, axis=2)
 
     @triton.jit
     def _gemv_gate_up_kernel(
@@ -136,42 +139,63 @@ if triton is not None:
         PDL: tl.constexpr,
     ):  # fmt: skip
         """h[pair, cols] = SiLU(x[token] . W[e, cols]) * (x[token] . W[e, N + cols]), N = I,
-        token = pair // TOP_K (Ids [T, TOP_K] read flat); nothing for another rank's expert."""
+        token = pair // TOP_K (Ids [T, TOP_K] read flat); nothing for another rank's expert.
+        Gate and up rows are one [2, BLOCK_N, BLOCK_K] tile a K step: both in flight at once."""
         wait_for_producers(PDL)
         pair = tl.program_id(0)
         expert = tl.load(Ids + pair).to(tl.int64)
         if (expert >= 0) & (expert < E):
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = cols < N
-            w, s, x = W + expert * w_stride_e, Scale + expert * s_stride_e, X + (pair // TOP_K) * x_stride
-            wn, sn = w_stride_n, s_stride_n
-            gate = _row_dots(x, w, s, cols, col_ok, K, wn, sn, groups, W8, GROUP, BLOCK_N, BLOCK_K)
-            up = _row_dots(x, w, s, N + cols, col_ok, K, wn, sn, groups, W8, GROUP, BLOCK_N, BLOCK_K)
+            part = tl.arange(0, 2)
+            row = part[:, None] * N + cols[None, :]  # [2, BLOCK_N]: gate's rows, then up's
+            rows, s_rows = expert * w_stride_e + row * w_stride_n, expert * s_stride_e + row * s_stride_n
+            ok = (cols < N)[None, :] & (part < 2)[:, None]
+            x_row = X + (pair // TOP_K) * x_stride
+            acc = tl.zeros([2, BLOCK_N], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[None, None, :]
+                acc += _tile_dots(x, W, Scale, rows, s_rows, ok, k0, K, groups, W8, GROUP, BLOCK_K)
             admit_dependents(PDL)
+            if W8 and GROUP == 0:
+                acc *= tl.load(Scale + s_rows, mask=ok, other=0.0)
+            gate = tl.sum(tl.where(part[:, None] == 0, acc, 0.0), axis=0)
+            up = tl.sum(tl.where(part[:, None] == 1, acc, 0.0), axis=0)
             h = gate / (1.0 + tl.exp(-gate)) * up
-            tl.store(Hout + pair * N + cols, h.to(Hout.dtype.element_ty), mask=col_ok)
+            tl.store(Hout + pair * N + cols, h.to(Hout.dtype.element_ty), mask=cols < N)
 
     @triton.jit
     def _gemv_down_kernel(
         Hin, W, Scale, Ids, Weights, Out, TOP_K, E, N, K, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
-        groups, W8: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr,
+        groups, W8: tl.constexpr, GROUP: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        """out[token, cols] = sum over the token's slots, in slot order, of weight * (h[pair] .
-        W[e, cols]) in float32, N = H, rounded once; another rank's experts add nothing."""
+        """out[token, cols] = sum over the token's slots of weight * (h[pair] . W[e, cols]) in
+        float32, N = H, rounded once; another rank's experts add nothing. Every slot's rows are
+        one [SLOTS, BLOCK_N, BLOCK_K] tile a K step (SLOTS: top_k padded to a power of two),
+        so no slot's loads wait for another's."""
         wait_for_producers(PDL)
         token = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        wn, sn = w_stride_n, s_stride_n
-        total = tl.zeros([BLOCK_N], tl.float32)
-        for j in range(TOP_K):
-            pair = token * TOP_K + j
-            expert = tl.load(Ids + pair).to(tl.int64)
-            if (expert >= 0) & (expert < E):
-                w, s = W + expert * w_stride_e, Scale + expert * s_stride_e
-                h = Hin + pair * K
-                acc = _row_dots(h, w, s, cols, col_ok, K, wn, sn, groups, W8, GROUP, BLOCK_N, BLOCK_K)
-                total += tl.load(Weights + pair) * acc
+        slot = tl.arange(0, SLOTS)
+        pair = token * TOP_K + slot
+        expert = tl.load(Ids + pair, mask=slot < TOP_K, other=-1).to(tl.int64)
+        used = (slot < TOP_K) & (expert >= 0) & (expert < E)
+        expert = tl.where(used, expert, 0)
+        rows = expert[:, None] * w_stride_e + cols[None, :] * w_stride_n  # [SLOTS, BLOCK_N]
+        s_rows = expert[:, None] * s_stride_e + cols[None, :] * s_stride_n
+        ok = used[:, None] & (cols < N)[None, :]
+        acc = tl.zeros([SLOTS, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            h_ok = used[:, None] & (k < K)[None, :]
+            h = tl.load(Hin + pair[:, None] * K + k[None, :], mask=h_ok, other=0.0)
+            acc += _tile_dots(
+                h.to(tl.float32)[:, None, :], W, Scale, rows, s_rows, ok, k0, K, groups, W8, GROUP, BLOCK_K,
+            )  # fmt: skip
         admit_dependents(PDL)
-        tl.store(Out + token * N + cols, total.to(Out.dtype.element_ty), mask=col_ok)
+        if W8 and GROUP == 0:
+            acc *= tl.load(Scale + s_rows, mask=ok, other=0.0)
+        weight = tl.load(Weights + pair, mask=used, other=0.0)
+        total = tl.sum(acc * weight[:, None], axis=0)
+        tl.store(Out + token * N + cols, total.to(Out.dtype.element_ty), mask=cols < N)
