@@ -155,3 +155,35 @@ def test_a_granite_multiplier_spelt_null_is_refused():
     raw = {**phi3_config(logits_scaling=None), "architectures": ["GraniteForCausalLM"]}
     with pytest.raises(ModelLoadError, match="logits_scaling must be a number"):
         ModelConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [("phi3", "fused in one projection"), ("olmo2", "Olmo2Attention")],
+    ids=["phi3", "olmo2"],
+)
+def test_tensor_parallelism_refuses_what_a_rank_cannot_split(name: str, match: str, tmp_path: Path):
+    """Phi-3's fused qkv_proj holds q, k and v rows a rank would keep three runs of; OLMo 2's q/k
+    norm is over every head, which no rank holds: refused at the shard, not served wrong."""
+    from model_service.distributed.sharding import Partition, shard_module
+    from model_service.models.loader import load_model
+
+    loaded = load_model(str(save_checkpoint(VARIANTS[name], tmp_path)), torch.float32, torch.device("cpu"))
+    with pytest.raises(ModelLoadError, match=match):
+        shard_module(loaded.module, Partition.of(loaded.config, 0, 2), None, torch.device("cpu"))
+
+
+def test_the_adapter_service_accepts_the_fused_targets_the_pod_loads():
+    """An upload is validated against the same shapes the pod loads adapters by: Phi-3's qkv_proj
+    and gate_up_proj, and no q_proj (which a Phi-3 checkpoint does not have)."""
+    from adapter_service.base_model import _from_hf
+    from model_service.lora.adapter import module_shapes
+
+    raw = phi3_config(num_key_value_heads=2)
+    shapes = _from_hf("phi3", raw).projection_shapes()
+    assert shapes == module_shapes(ModelConfig.from_hf(raw))
+    assert (
+        shapes["qkv_proj"] == (64, 64 + 2 * 32)
+        and shapes["gate_up_proj"] == (64, 64)
+        and "q_proj" not in shapes
+    )
