@@ -38,6 +38,7 @@ class BaseModel:
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is mixture-of-experts: no gate/up/down LoRA
     gated_query: bool = False  # q_proj writes each head's query and its output gate (Qwen3-Next)
     linear_layers: tuple[int, ...] = ()  # a hybrid's Gated DeltaNet layers: no attention projections
+    fused: bool = False  # one qkv_proj and one gate_up_proj (Phi-3)
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each projection a LoRA may target (dense layers' MLP
@@ -50,6 +51,7 @@ class BaseModel:
             self.head_dim,
             self.latent,
             self.gated_query,
+            self.fused,
         )
 
 
@@ -142,6 +144,7 @@ def _from_hf(name: str, raw: dict[str, Any]) -> BaseModel:
                 for i, t in enumerate(architectures.layer_types(family, raw, layers))
                 if t == "linear_attention"
             ),
+            family in architectures.FUSED_PROJECTION_FAMILIES,
         )
     except KeyError as e:
         raise ValueError(f"base model {name!r}: config.json is missing required field {e.args[0]!r}") from e

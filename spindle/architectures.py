@@ -22,13 +22,18 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GraniteForCausalLM": "granite",  # Llama with embedding / residual / attention / logits multipliers
+    "Olmo2ForCausalLM": "olmo2",  # post-norm residual blocks, q/k RMSNorm over the whole projection
+    "Phi3ForCausalLM": "phi3",  # fused qkv_proj / gate_up_proj in the checkpoint, partial rotary, LongRoPE
 }
 MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()}  # config.json model_type
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "deepseek_v2", "deepseek_v3")
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 # Gated attention (Qwen3-Next): q_proj writes each head's query and its output gate, 2 x head_dim.
 GATED_ATTENTION_FAMILIES = ("qwen3_next",)
-HYBRID_FAMILIES = ("qwen3_next",)  # layers of Gated DeltaNet (linear attention) between attention layers
+HYBRID_FAMILIES = ("qwen3_next",)
+# Phi-3: one qkv_proj and one gate_up_proj in the checkpoint, and so in PEFT adapters' targets.
+FUSED_PROJECTION_FAMILIES = ("phi3",)  # layers of Gated DeltaNet (linear attention) between attention layers
 
 
 _QWEN_SLIDING = {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28}
@@ -59,6 +64,8 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "shared_expert_intermediate_size": 512,
     },
     "deepseek_v2": {"q_lora_rank": 1536, "n_shared_experts": 2},
+    "olmo2": {"rms_norm_eps": 1e-5},
+    "phi3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096},
     "deepseek_v3": {
         "max_position_embeddings": 4096,
         "q_lora_rank": 1536,

@@ -67,6 +67,7 @@ def projection_shapes(
     head_dim: int,
     latent: LatentSizes | None = None,
     gated_query: bool = False,
+    fused: bool = False,
 ) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection a LoRA may target: the pods' `module_shapes`
     and the adapter service's `BaseModel.projection_shapes` both come from here, so an upload is
@@ -76,12 +77,21 @@ def projection_shapes(
     With `latent` (MLA; `kv_heads` and `head_dim` unused): each head's query is qk_nope + qk_rope
     dims wide, `kv_a_proj_with_mqa` writes the latent and the rotary key, o_proj reads v_head_dim
     per head; not `kv_b_proj` (NOT_TARGETABLE says why). `gated_query` (Qwen3-Next's gated
-    attention): q_proj writes each head's output gate after its query, twice as wide."""
+    attention): q_proj writes each head's output gate after its query, twice as wide. `fused`
+    (Phi-3): q/k/v are one `qkv_proj` and gate/up one `gate_up_proj`, as PEFT targets them."""
     mlp = {
         "gate_proj": (hidden, intermediate),
         "up_proj": (hidden, intermediate),
         "down_proj": (intermediate, hidden),
     }
+    if latent is None and fused:
+        q, kv = heads * head_dim, kv_heads * head_dim
+        return {
+            "qkv_proj": (hidden, q + 2 * kv),
+            "o_proj": (q, hidden),
+            "gate_up_proj": (hidden, 2 * intermediate),
+            "down_proj": (intermediate, hidden),
+        }
     if latent is None:
         q, kv = heads * head_dim, kv_heads * head_dim
         attention = {

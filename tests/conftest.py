@@ -182,6 +182,9 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_next": {"cls": "Qwen3NextConfig", "arch": "Qwen3NextForCausalLM"},
     "deepseek_v2": {"cls": "DeepseekV2Config", "arch": "DeepseekV2ForCausalLM"},
     "deepseek_v3": {"cls": "DeepseekV3Config", "arch": "DeepseekV3ForCausalLM"},
+    "granite": {"cls": "GraniteConfig", "arch": "GraniteForCausalLM"},
+    "olmo2": {"cls": "Olmo2Config", "arch": "Olmo2ForCausalLM"},
+    "phi3": {"cls": "Phi3Config", "arch": "Phi3ForCausalLM"},
 }
 
 

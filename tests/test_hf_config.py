@@ -36,7 +36,7 @@ FAMILY_REQUIRED: dict[str, dict[str, Any]] = {
     "deepseek_v3": {**MLA, "n_routed_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
 }
 # Families whose attention takes `sliding_window` in every layer when the config has one.
-SLIDING_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
+SLIDING_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe", "phi3")
 
 
 def both(family: str, **fields: Any) -> tuple[ModelConfig, Any]:
@@ -81,8 +81,11 @@ def hf_reading(family: str, hf: Any) -> dict[str, Any]:
         }
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     reading |= {"head_dim": head_dim, "num_kv_heads": hf.num_key_value_heads}
-    if family == "qwen3_next":
+    if family in ("qwen3_next", "phi3"):
         reading["rotary_dim"] = int(head_dim * hf.rope_parameters["partial_rotary_factor"])
+    if family == "granite":  # HF's attention scale is attention_multiplier, 1.0 when left out
+        keys = ("logits_scaling", "embedding_multiplier", "residual_multiplier")
+        reading |= {"softmax_scale": hf.attention_multiplier} | {k: getattr(hf, k) for k in keys}
     if family in ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next"):
         reading["norm_topk_prob"] = family == "mixtral" or hf.norm_topk_prob
         reading["num_experts_per_tok"] = hf.num_experts_per_tok

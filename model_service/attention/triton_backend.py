@@ -30,9 +30,11 @@ from model_service.models.step import StepBatch, to_device
 
 
 class TritonBackend(StaticDecodeMetadata):
-    def __init__(self, kv_cache: KVCache, windows: list[int | None], head_dim: int) -> None:
+    def __init__(
+        self, kv_cache: KVCache, windows: list[int | None], head_dim: int, scale: float | None = None
+    ) -> None:
         self.kv_cache, self.windows = kv_cache, windows
-        self.scale = head_dim**-0.5
+        self.scale = scale if scale is not None else head_dim**-0.5
         self.decode = False
         self.num_decode = 0  # a mixed step's leading one-token sequences: the decode kernel's
         self.query_start = torch.empty(0, dtype=torch.long)

@@ -237,6 +237,18 @@ def _row(lin: PackedLinear, cols: range, collectives: Collectives, device: torch
     return RowParallel(_columns(lin, cols, device), bias, collectives)
 
 
+def _check_split_parts(attn: nn.Module, mlp: nn.Module, slices: dict[str, range]) -> None:
+    """Refuse projections fused under one checkpoint name (Phi-3's qkv_proj, gate_up_proj): a
+    rank's rows of q, k and v are three runs of such a part, which `_column` cannot cut."""
+    lins = [getattr(attn, "qkv_proj", None), getattr(mlp, "gate_up_proj", None)]
+    fused = [p for lin in lins if isinstance(lin, PackedLinear) for p in lin.parts if p not in slices]
+    if fused:
+        raise ModelLoadError(
+            f"tensor parallelism splits q/k/v and gate/up by their own rows; this model has {fused} "
+            "fused in one projection each (Phi-3): serve it on one device"
+        )
+
+
 def _shard_layer(layer: nn.Module, part: Partition, coll: Collectives, device: torch.device) -> None:
     attn, mlp = layer.self_attn, layer.mlp
     if not isinstance(attn, Attention | LatentAttention) or not isinstance(mlp, MLP | SparseMoeBlock):
@@ -245,6 +257,7 @@ def _shard_layer(layer: nn.Module, part: Partition, coll: Collectives, device: t
             f"has a {type(attn).__name__} / {type(mlp).__name__} layer"
         )
     s = part.slices()
+    _check_split_parts(attn, mlp, s)
     if isinstance(attn, LatentAttention):
         _shard_latent_attention(attn, part, coll, device)
     else:

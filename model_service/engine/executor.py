@@ -184,9 +184,10 @@ class ModelExecutor:
         cfg = self.config
         if cfg.latent_attention is not None:
             return self._latent_attention(config)
+        args = (self.kv_cache, cfg.sliding_windows, cfg.head_dim, cfg.softmax_scale)  # Granite's is its own
         if not self._kernels_apply():
-            return TorchReferenceBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim), None, None
-        backend = TritonBackend(self.kv_cache, cfg.sliding_windows, cfg.head_dim)
+            return TorchReferenceBackend(*args), None, None
+        backend = TritonBackend(*args)
         if config.enforce_eager or not self._graphs_apply():
             return backend, None, None
         # the pieces hand out no hidden states: a step that keeps them and replays no decode graph is eager

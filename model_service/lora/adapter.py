@@ -36,7 +36,7 @@ from model_service.lora.buffers import HostBuffers
 from model_service.lora.files import MAX_ADAPTER_BYTES, MAX_CONFIG_BYTES, read_regular
 from model_service.lora.reading import WeightsFile, read_weights, sha256_of
 from model_service.models.config import Mixer, ModelConfig
-from spindle.architectures import GATED_ATTENTION_FAMILIES
+from spindle.architectures import FUSED_PROJECTION_FAMILIES, GATED_ATTENTION_FAMILIES
 from spindle.peft import (
     EXPERTS_KEY,
     LINEAR_ATTENTION_KEY,
@@ -229,6 +229,7 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         cfg.head_dim,
         cfg.latent_attention,
         gated_query=cfg.family in GATED_ATTENTION_FAMILIES,
+        fused=cfg.family in FUSED_PROJECTION_FAMILIES,
     )
 
 

@@ -27,7 +27,7 @@ from spindle.architectures import family as hf_family
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # Every MLP (and Qwen3-Next's conv) computes SiLU; HF's ACT2FN also spells it "swish".
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
@@ -159,6 +159,13 @@ class ModelConfig:
     # FP8 weights: the checkpoint's scheme (config.json's quantization_config, which also says which
     # projections stay in high precision) or --quantization fp8's; None: the compute dtype throughout.
     quantization: Fp8Scheme | None = None
+    # Granite's multipliers (neutral elsewhere): the embeddings are scaled by embedding_multiplier,
+    # each attention and MLP output by residual_multiplier before the residual add, the logits
+    # divided by logits_scaling, and attention_multiplier is the softmax scale (not 1/sqrt(head_dim)).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:
@@ -175,7 +182,7 @@ class ModelConfig:
         covers only `mscale`, and only the rotary dims; HF's `yarn_apply_mscale`)."""
         mla = self.latent_attention
         if mla is None:
-            return self.head_dim**-0.5
+            return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
         scale = mla.qk_head_dim**-0.5
         all_dim = self.rope_scaling.get("mscale_all_dim")
         if self.rope_scaling.get("rope_type", "default") != "default" and all_dim:
@@ -192,6 +199,7 @@ class ModelConfig:
         the RoPE's reach as HF runs them, with a warning (vLLM refuses it without an opt-in):
         positions the checkpoint never saw, unless it was trained on them."""
         limit = self.scaled_positions
+        self._check_longrope_context(asked)
         if asked and asked > limit and self.rope_scaling.get("rope_type") == "dynamic":
             raise ModelLoadError(
                 f"--max-model-len {asked} is past max_position_embeddings {limit}, where dynamic NTK "
@@ -206,6 +214,21 @@ class ModelConfig:
             )  # fmt: skip
         return asked or limit
 
+    def _check_longrope_context(self, asked: int | None) -> None:
+        """LongRoPE (Phi-3) as HF runs it rotates every position of a forward pass with the long
+        factors once the sequence passes original_max_position_embeddings, and with the short ones
+        before: the keys a paged K/V cache (and its shared prefixes) already holds were rotated with
+        the short factors, so past that length no engine step is HF's. Served up to it, exactly."""
+        rope = self.rope_scaling
+        if rope.get("rope_type") != "longrope" or not asked or asked <= self.scaled_positions:
+            return
+        raise ModelLoadError(
+            f"--max-model-len {asked} is past original_max_position_embeddings {self.scaled_positions}, "
+            "where LongRoPE switches a sequence's rotary frequencies to its long factors for every "
+            "position, keys already cached included; a paged K/V cache cannot reproduce that, so this "
+            f"checkpoint's context is at most {self.scaled_positions} tokens"
+        )
+
     @property
     def scaled_positions(self) -> int:
         """The positions the checkpoint's RoPE reaches: max_position_embeddings, or for YaRN its
@@ -213,9 +236,11 @@ class ModelConfig:
         extend the context by adding YaRN to a config.json whose max_position_embeddings stays the
         pretraining 32,768 (40,960); vLLM serves such a checkpoint 131,072 tokens, and so does this
         engine, instead of refusing every prompt past the length the scaling was added to pass."""
-        if self.rope_scaling.get("rope_type") != "yarn":
-            return self.max_position_embeddings
         rope = self.rope_scaling
+        if rope.get("rope_type") == "longrope":  # the short factors' reach (_check_longrope_context)
+            return min(self.max_position_embeddings, int(rope["original_max_position_embeddings"]))
+        if rope.get("rope_type") != "yarn":
+            return self.max_position_embeddings
         scaled = float(rope.get("original_max_position_embeddings") or 0) * float(rope.get("factor") or 1)
         return max(self.max_position_embeddings, int(scaled))
 
@@ -258,9 +283,9 @@ class ModelConfig:
         _check_activation(raw)
         # HF: Llama/Qwen3 put `attention_bias` on q/k/v/o; Qwen2 always has q/k/v bias and no o bias;
         # Mistral has no bias at all whatever the config says.
-        attention_bias = family in ("llama", "qwen3", "qwen3_moe", "qwen3_next", *DEEPSEEK_FAMILIES) and bool(
-            raw.get("attention_bias", False)
-        )
+        attention_bias = family in (
+            "llama", "qwen3", "qwen3_moe", "qwen3_next", "granite", "olmo2", *DEEPSEEK_FAMILIES
+        ) and bool(raw.get("attention_bias", False))  # fmt: skip
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -279,7 +304,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=family == "qwen2" or attention_bias or _qwen2_moe_qkv_bias(raw, family),
                 o_proj_bias=attention_bias,
-                mlp_bias=family in ("llama", "deepseek_v2") and bool(raw.get("mlp_bias", False)),
+                mlp_bias=family in ("llama", "deepseek_v2", "granite") and bool(raw.get("mlp_bias", False)),
                 qk_norm=family in ("qwen3", "qwen3_moe", "qwen3_next"),
             )
         except KeyError as e:
@@ -292,6 +317,11 @@ class ModelConfig:
         cfg.layer_kinds = attention_layers(_sliding_windows_from_hf(raw, family, layers))
         if family == "qwen3_next":
             _hybrid_from_hf(raw, cfg)
+        if family == "granite":
+            _granite_from_hf(raw, cfg)
+        if family == "phi3":
+            cfg.rotary_dim = _partial_rotary_dim(raw, cfg.head_dim)
+            _check_longrope_factors(cfg)
         if family in DEEPSEEK_FAMILIES:
             _deepseek_from_hf(raw, cfg)
         elif family in MOE_FAMILIES:
@@ -332,6 +362,8 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
     params.pop("partial_rotary_factor", None)  # a head-dim split, not a frequency scaling: see rotary_dim
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type in ("su", "yarn") and hf_family(raw) == "phi3":
+        rope_type = "longrope"  # Phi3Config reads its legacy spellings so
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
             f"unsupported RoPE scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
@@ -340,11 +372,15 @@ def _rope_from_hf(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     # As HF: a top-level `original_max_position_embeddings` (Phi-3's spelling) overrides the dict's;
     # the pretraining length defaults to max_position_embeddings, and a YaRN config without
     # `factor` means the ratio of the two.
-    if rope_type in ("llama3", "yarn") and raw.get("original_max_position_embeddings"):
+    if rope_type in ("llama3", "yarn", "longrope") and raw.get("original_max_position_embeddings"):
         params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
-    if rope_type in ("llama3", "yarn") and not params.get("original_max_position_embeddings"):
+    if rope_type in ("llama3", "yarn", "longrope") and not params.get("original_max_position_embeddings"):
         params["original_max_position_embeddings"] = raw.get("max_position_embeddings", 2048)
-    if rope_type == "yarn" and params.get("factor") is None and raw.get("max_position_embeddings"):
+    if (
+        rope_type in ("yarn", "longrope")
+        and params.get("factor") is None
+        and raw.get("max_position_embeddings")
+    ):
         params["factor"] = raw["max_position_embeddings"] / params["original_max_position_embeddings"]
     missing = [k for k in _ROPE_REQUIRED_KEYS.get(rope_type, ()) if params.get(k) is None]
     if missing:
@@ -359,17 +395,52 @@ _ROPE_REQUIRED_KEYS = {
     "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
     "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
 }
 
 
+def _partial_rotary_dim(raw: dict[str, Any], head_dim: int) -> int:
+    """The head dims RoPE rotates: `partial_rotary_factor` of head_dim, read where HF reads it
+    (the RoPE dict's over the top level's; 1.0 where neither says)."""
+    factor = _hf_rope_dict(raw).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    return int(head_dim * float(factor))
+
+
+def _check_longrope_factors(cfg: ModelConfig) -> None:
+    """LongRoPE scales each rotary frequency by its own factor: lists of another length than the
+    rotated dims' half (HF only warns) would fail mid-forward or rotate by the wrong frequencies."""
+    rope, half = cfg.rope_scaling, (cfg.rotary_dim or cfg.head_dim) // 2
+    if rope["rope_type"] != "longrope":
+        return
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(rope[key], list) or len(rope[key]) != half:
+            raise ModelLoadError(f"LongRoPE {key} must list {half} numbers (half the rotated head dims)")
+
+
+def _granite_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
+    """Granite's multipliers; transformers' 1.0 for one config.json leaves out (attention_multiplier
+    too: then the softmax scale is 1, not 1/sqrt(head_dim)). A null or a string is refused: HF's
+    strict config refuses it, and serving 1.0 instead would change every token."""
+    values = {}
+    for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier"):
+        value = raw.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ModelLoadError(f"Granite's {key} must be a number, got {value!r}")
+        values[key] = float(value)
+    if values["logits_scaling"] == 0:
+        raise ModelLoadError("Granite's logits_scaling divides the logits: it cannot be 0")
+    for key, value in values.items():
+        setattr(cfg, key, value)
+
+
 def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> list[int | None]:
-    """Mistral and Mixtral slide in every layer when `sliding_window` is set; the Qwen families
+    """Mistral, Mixtral and Phi-3 slide in every layer when `sliding_window` is set; the Qwen families
     only when `use_sliding_window` also says so, Qwen3-MoE in every layer, the others per layer.
     Llama, Qwen3-Next and DeepSeek never slide (HF ignores the field for them)."""
     window = raw.get("sliding_window")
     if not window:
         return [None] * layers
-    if family in ("mistral", "mixtral"):
+    if family in ("mistral", "mixtral", "phi3"):
         return [int(window)] * layers
     if family not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not raw.get("use_sliding_window"):
         return [None] * layers
@@ -450,9 +521,7 @@ def _hybrid_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
     shape = cfg.linear_attention
     if shape.num_value_heads % shape.num_key_heads:
         raise ModelLoadError("linear_num_value_heads must be a multiple of linear_num_key_heads")
-    rope = _hf_rope_dict(raw)
-    factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    cfg.rotary_dim = int(cfg.head_dim * float(factor))
+    cfg.rotary_dim = _partial_rotary_dim(raw, cfg.head_dim)
     types = layer_types(cfg.family, raw, cfg.num_layers)
     mixers = {"linear_attention": Mixer.LINEAR_ATTENTION, "full_attention": Mixer.FULL_ATTENTION}
     unknown = sorted(set(types) - set(mixers))

@@ -159,12 +159,16 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """The residual stream after the last layer, [T, hidden], before the final norm: every row,
         so a caller may capture it for a padded token count (engine/piecewise_graphs.py)."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = self.rotary(positions, x.dtype)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, rope, ctx)
         return x + residual
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings the first layer reads (Granite scales them)."""
+        return self.model.embed_tokens(input_ids)
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Float32 logits of `hidden`'s `rows` (final norm, LM head)."""

@@ -12,7 +12,10 @@ from torch import nn
 from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
 from model_service.models.deepseek import DeepseekModel
+from model_service.models.granite import GraniteModel
 from model_service.models.llama import DecoderModel
+from model_service.models.olmo2 import Olmo2Model
+from model_service.models.phi3 import Phi3Model
 from model_service.models.qwen3_next import Qwen3NextModel
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -26,6 +29,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_next": Qwen3NextModel,
     "deepseek_v2": DeepseekModel,
     "deepseek_v3": DeepseekModel,
+    "granite": GraniteModel,
+    "olmo2": Olmo2Model,
+    "phi3": Phi3Model,
 }
 
 

@@ -1,7 +1,8 @@
 """Rotary position embeddings, including the context-extension schemes checkpoints ask for.
 
 The inverse frequencies follow the published formulas (linear interpolation, Llama 3's
-wavelength-banded scaling, YaRN, dynamic NTK within max_position_embeddings); tests compare them to
+wavelength-banded scaling, YaRN, dynamic NTK within max_position_embeddings, LongRoPE's short
+factors within original_max_position_embeddings); tests compare them to
 HF's on the same config.
 """
 
@@ -30,6 +31,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any]) ->
         return _llama3(inv_freq, scaling), 1.0
     if kind == "yarn":
         return _yarn(head_dim, theta, scaling)
+    if kind == "longrope":
+        return _longrope(head_dim, theta, scaling)
     raise ValueError(f"unsupported rope_type {kind!r}")
 
 
@@ -71,6 +74,21 @@ def _yarn(dim: int, base: float, s: dict[str, Any]) -> tuple[torch.Tensor, float
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     extrapolation = 1 - ramp
     inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def _longrope(dim: int, base: float, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """LongRoPE's (Phi-3's) short factors, which HF uses while the sequence is within
+    original_max_position_embeddings, where the engine's context stops
+    (`ModelConfig._check_longrope_context`); and HF's attention factor, applied at every length:
+    `attention_factor`, else sqrt(1 + ln(factor) / ln(original)) for a factor above 1 (config.py
+    sets `factor` to max_position_embeddings / original where config.json leaves it out)."""
+    factor, original = float(s["factor"]), float(s["original_max_position_embeddings"])
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext_factors = torch.tensor(s["short_factor"], dtype=torch.float32)
+    inv_freq = 1.0 / (ext_factors * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     return inv_freq, float(attention_factor)
 
 
