@@ -298,6 +298,55 @@ def test_http_spans_say_their_status_and_are_errors_only_for_the_servers_faults(
     assert spans[0].attributes["http.route"] == "/v1/completions"
 
 
+class _PassedOn:
+    """A Generation servicer behind the HTTP front that records the context it would pass on to a
+    pod (what the gateway's relay injects into the pod call's metadata)."""
+
+    def __init__(self) -> None:
+        self.carriers: list[dict[str, str]] = []
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        from opentelemetry import propagate
+
+        self.carriers.append({})
+        propagate.inject(self.carriers[-1])
+        usage = pb.Usage(prompt_tokens=1, completion_tokens=1)
+        yield pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_LENGTH, usage=usage))
+
+
+def test_the_http_front_passes_the_callers_baggage_on_with_its_trace():
+    """The HTTP front made only the caller's span current, not its context: a `baggage` header
+    (a tenant, a test run's id) reached the pods from gRPC callers but never from HTTP ones,
+    whether the gateway traced or not. Now both the trace and the baggage go on."""
+    import aiohttp
+    from opentelemetry.trace import NoOpTracerProvider, get_tracer
+
+    from spindle.openai_api.server import OpenAIServer
+
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    headers = {"traceparent": f"00-{trace_id}-b7ad6b7169203331-01", "baggage": "tenant=acme"}
+
+    async def go(tracer: Any) -> dict[str, str]:
+        servicer = _PassedOn()
+        server = OpenAIServer(servicer, lambda: ("m",), lambda: True, tracer)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as http:
+                body = {"model": "m", "prompt": "x", "max_tokens": 1}
+                url = f"http://127.0.0.1:{port}/v1/completions"
+                async with http.post(url, json=body, headers=headers) as r:
+                    assert r.status == 200, await r.text()
+        finally:
+            await server.stop()
+        [carrier] = servicer.carriers
+        return carrier
+
+    for provider in (TracerProvider(), NoOpTracerProvider()):  # a gateway that traces, one that does not
+        carrier = asyncio.run(go(get_tracer(__name__, tracer_provider=provider)))
+        assert carrier.get("baggage") == "tenant=acme", (provider, carrier)
+        assert carrier["traceparent"].split("-")[1] == trace_id
+
+
 class _Call:
     """The part of a grpc.aio servicer context the tracing interceptor reads."""
 
