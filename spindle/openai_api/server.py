@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 
 from spindle import flagtypes, telemetry
 from spindle.errors import ListenError
@@ -33,6 +33,7 @@ from spindle.openai_api.errors import ApiError, bad_request, from_status
 from spindle.openai_api.responses import ChatFormat, CompletionFormat, Format, Reply
 from spindle.openai_api.tool_parsers import PARSERS
 from spindle.tls import PLAINTEXT, ServerSslContext, TlsConfig
+from spindle.traced_streams import callers_context
 from spindle.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -264,7 +265,7 @@ def _traced(tracer: trace.Tracer) -> Callable[[web.Request, Handler], Awaitable[
         name = f"{request.method} {route}" if route is not None else request.method
         # The caller's whole context is made current, not only its span: its baggage goes on to
         # the pods with the trace, as a gRPC caller's does (traced_streams.py).
-        caller = propagate.extract(request.headers)
+        caller = callers_context(request.headers.items())
         token = otel_context.attach(caller)
         try:
             span = tracer.start_span(name, caller, trace.SpanKind.SERVER, attributes=attributes)
