@@ -151,3 +151,25 @@ def test_otlp_over_http_protobuf_reaches_an_http_receiver(monkeypatch):
     assert [s.name for s in spans] == ["probe"]
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
     assert telemetry.tracer_provider_from_env("spindle-test") is None
+
+
+def test_a_variable_set_to_the_empty_string_is_unset(monkeypatch):
+    """The OTel spec reads `VAR=""` as unset (what a chart or an operator writes for a value it was
+    not given). Beside an endpoint, OTEL_TRACES_EXPORTER="" exported nothing, silently, and
+    OTEL_EXPORTER_OTLP_PROTOCOL="" refused every span; each now means its default (otlp, grpc)."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    from spindle import telemetry
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
+    for var in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_SDK_DISABLED"):
+        monkeypatch.setenv(var, "")
+    provider = telemetry.tracer_provider_from_env("spindle-test")
+    assert provider is not None
+    try:
+        [processor] = provider._active_span_processor._span_processors
+        assert isinstance(processor.span_exporter, OTLPSpanExporter)
+    finally:
+        provider.shutdown()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", " None ")  # the spec's values, in any case
+    assert telemetry.tracer_provider_from_env("spindle-test") is None
