@@ -66,7 +66,7 @@ def capture_content() -> bool:
 def tracer_provider_from_env(default_service_name: str) -> TracerProvider | None:
     """A TracerProvider with the exporters the environment asks for; None when the SDK is disabled
     or nothing would be exported."""
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    if _setting("OTEL_SDK_DISABLED") == "true":
         return None
     exporters = _exporters_from_env()
     if not exporters:
@@ -78,13 +78,19 @@ def tracer_provider_from_env(default_service_name: str) -> TracerProvider | None
     return provider
 
 
+def _setting(*names: str, default: str = "") -> str:
+    """The first of the variables `names` that is set, lower-cased; `default` if none is. Set to
+    the empty string is unset, as the OTel spec says (a chart or an operator writes `VAR=""` for
+    a value it was not given): OTEL_TRACES_EXPORTER="" beside an endpoint exported nothing, and
+    OTEL_EXPORTER_OTLP_PROTOCOL="" refused every span."""
+    return next((v for v in (os.environ.get(n, "").strip().lower() for n in names) if v), default)
+
+
 def _exporters_from_env() -> list[Any]:
-    endpoint_set = any(
-        os.environ.get(v) for v in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    )
-    names = os.environ.get("OTEL_TRACES_EXPORTER", "otlp" if endpoint_set else "none")
+    endpoint_set = bool(_setting("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    names = _setting("OTEL_TRACES_EXPORTER", default="otlp" if endpoint_set else "none")
     exporters: list[Any] = []
-    for name in (n.strip().lower() for n in names.split(",") if n.strip()):
+    for name in (n.strip() for n in names.split(",") if n.strip()):
         if name == "otlp":
             exporters.extend(_otlp_exporter())
         elif name == "console":
@@ -100,10 +106,7 @@ def _otlp_exporter() -> list[Any]:
     collectors' HTTP receivers on 4318 are given). Each reads its own endpoint variables. A
     protocol the Python SDK has no exporter for (`http/json`) exports nothing, loudly: sending
     gRPC to an HTTP receiver's port would lose every span just as silently."""
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
-    )
-    protocol = protocol.strip().lower()
+    protocol = _setting("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL", default="grpc")
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     elif protocol == "http/protobuf":

@@ -12,7 +12,7 @@ of its stream), and a cancelled call's span says CANCELLED or DEADLINE_EXCEEDED.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 from urllib.parse import unquote
 
@@ -35,8 +35,9 @@ class TracedStreams(OpenTelemetryAioServerInterceptor):
         self, behavior: Callable[..., AsyncIterator[Any]], handler_call_details: grpc.HandlerCallDetails
     ) -> Callable[..., AsyncIterator[Any]]:
         async def traced(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            metadata = {m.key: m.value for m in context.invocation_metadata() or ()}
-            caller = propagate.extract(metadata)  # its trace, and its baggage (passed on to pods)
+            pairs = [(m.key, m.value) for m in context.invocation_metadata() or ()]
+            metadata = dict(pairs)
+            caller = callers_context(pairs)  # its trace, and its baggage (passed on to pods)
             span = self._tracer.start_span(
                 handler_call_details.method,
                 caller,
@@ -66,6 +67,18 @@ class TracedStreams(OpenTelemetryAioServerInterceptor):
                     span.end()
 
         return traced
+
+
+def callers_context(fields: Iterable[tuple[str, str]]) -> otel_context.Context:
+    """The trace context and baggage of a caller's headers or gRPC metadata, a field sent several
+    times read as one, its values joined by commas (RFC 9110 5.3), as W3C Trace Context and
+    Baggage ask: every `tracestate` entry kept (a dict kept the last, aiohttp's headers the
+    first), and a `traceparent` sent twice invalid, so the call starts a trace of its own."""
+    joined: dict[str, str] = {}
+    for key, value in fields:
+        key = key.lower()
+        joined[key] = f"{joined[key]},{value}" if key in joined else value
+    return propagate.extract(joined)
 
 
 async def _within(current: otel_context.Context, step: Any) -> Any:

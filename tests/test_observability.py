@@ -298,13 +298,105 @@ def test_http_spans_say_their_status_and_are_errors_only_for_the_servers_faults(
     assert spans[0].attributes["http.route"] == "/v1/completions"
 
 
+class _PassedOn:
+    """A Generation servicer behind the HTTP front that records the context it would pass on to a
+    pod (what the gateway's relay injects into the pod call's metadata)."""
+
+    def __init__(self) -> None:
+        self.carriers: list[dict[str, str]] = []
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        from opentelemetry import propagate
+
+        self.carriers.append({})
+        propagate.inject(self.carriers[-1])
+        usage = pb.Usage(prompt_tokens=1, completion_tokens=1)
+        yield pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_LENGTH, usage=usage))
+
+
+async def _passed_on(tracer: Any, headers: Any) -> dict[str, str]:
+    """One completion through the HTTP front with `headers`: the context it would pass on."""
+    import aiohttp
+
+    from spindle.openai_api.server import OpenAIServer
+
+    servicer = _PassedOn()
+    server = OpenAIServer(servicer, lambda: ("m",), lambda: True, tracer)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "m", "prompt": "x", "max_tokens": 1}
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            async with http.post(url, json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+    finally:
+        await server.stop()
+    [carrier] = servicer.carriers
+    return carrier
+
+
+def test_the_http_front_passes_the_callers_baggage_on_with_its_trace():
+    """The HTTP front made only the caller's span current, not its context: a `baggage` header
+    (a tenant, a test run's id) reached the pods from gRPC callers but never from HTTP ones,
+    whether the gateway traced or not. Now both the trace and the baggage go on."""
+    from opentelemetry.trace import NoOpTracerProvider, get_tracer
+
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    headers = {"traceparent": f"00-{trace_id}-b7ad6b7169203331-01", "baggage": "tenant=acme"}
+    for provider in (TracerProvider(), NoOpTracerProvider()):  # a gateway that traces, one that does not
+        carrier = asyncio.run(_passed_on(get_tracer(__name__, tracer_provider=provider), headers))
+        assert carrier.get("baggage") == "tenant=acme", (provider, carrier)
+        assert carrier["traceparent"].split("-")[1] == trace_id
+
+
+def test_a_field_sent_twice_is_read_as_w3c_trace_context_says():
+    """`tracestate` in two header fields (a proxy adding its vendor's entry) is one list, as W3C
+    Trace Context asks (RFC 9110's combining): the HTTP front kept only the first field's entries
+    and a gRPC server only the last's. A `traceparent` sent twice is invalid: a trace of its own
+    (it went on as whichever the dict kept; the W3C test suite's `test_traceparent_duplicated`)."""
+    from multidict import CIMultiDict
+    from opentelemetry.trace import get_tracer
+
+    from spindle.traced_streams import TracedStreams
+
+    trace_id, other_id = "0af7651916cd43dd8448eb211c80319c", "1" * 32
+    parent, other = f"00-{trace_id}-b7ad6b7169203331-01", f"00-{other_id}-2222222222222222-01"
+    provider = TracerProvider()
+    tracer = get_tracer(__name__, tracer_provider=provider)
+    fields = [("traceparent", parent), ("tracestate", "a=1"), ("tracestate", "b=2,c=3")]
+    carrier = asyncio.run(_passed_on(tracer, CIMultiDict(fields)))
+    assert carrier["tracestate"] == "a=1,b=2,c=3" and carrier["traceparent"].split("-")[1] == trace_id
+    carrier = asyncio.run(_passed_on(tracer, CIMultiDict([("traceparent", parent), ("traceparent", other)])))
+    assert carrier["traceparent"].split("-")[1] not in (trace_id, other_id)
+
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    interceptor = TracedStreams(provider.get_tracer("t"))
+    details = collections.namedtuple("Details", "method invocation_metadata")("/s.S/M", ())
+
+    async def stream(request: int, context: Any) -> AsyncIterator[int]:
+        yield request
+
+    async def run() -> None:
+        fields = (("traceparent", parent), ("tracestate", "a=1"), ("tracestate", "b=2"))
+        async for _ in interceptor._intercept_aio_server_stream(stream, details)(1, _Call(fields)):
+            pass
+
+    asyncio.run(run())
+    [span] = exporter.get_finished_spans()
+    assert dict(span.context.trace_state) == {"a": "1", "b": "2"}
+
+
 class _Call:
     """The part of a grpc.aio servicer context the tracing interceptor reads."""
 
+    def __init__(self, fields: tuple[tuple[str, str], ...] = ()) -> None:
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        self.fields = fields or (("traceparent", parent), ("baggage", "tenant=acme"))
+
     def invocation_metadata(self) -> tuple:
         entry = collections.namedtuple("Metadatum", "key value")
-        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-        return (entry("traceparent", parent), entry("baggage", "tenant=acme"))
+        return tuple(entry(k, v) for k, v in self.fields)
 
     def peer(self) -> str:
         return "ipv4:10.0.0.1:5000"

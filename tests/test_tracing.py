@@ -64,6 +64,32 @@ def test_one_trace_spans_gateway_and_pod_with_genai_attributes(tiny_llama):
     assert not any("gen_ai.input.messages" in s.attributes for s in spans)  # prompts are off by default
 
 
+def test_a_resumed_streams_pod_span_counts_the_replayed_tokens_as_input(tiny_llama):
+    """A stream resumed on a second pod (after a failover, or by a client's own `resume`) replays
+    the tokens already sent: the pod prefills them. Its span counted them as output, so a trace's
+    pod spans added up to more tokens than were generated (the first pod's counted twice), and
+    disagreed with the pod's own metrics. The caller's usage is the whole request's still."""
+
+    async def go(exporter: InMemorySpanExporter) -> object:
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        async with (
+            pod_in_process(tiny_llama, "tiny", provider) as pod,
+            grpc.aio.insecure_channel(f"127.0.0.1:{pod.port}") as ch,
+        ):
+            req = token_request([5, 6, 7, 8], 6, temperature=0.0)
+            req.resume.output_token_ids.extend([9, 10])  # two of the six came from another pod
+            messages = [m async for m in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=20)]
+            return messages[-1].final.usage
+
+    exporter = InMemorySpanExporter()
+    usage = asyncio.run(go(exporter))
+    assert (usage.prompt_tokens, usage.completion_tokens) == (4, 6)
+    pod = next(s for s in exporter.get_finished_spans() if s.name == GENERATE)
+    assert pod.attributes["gen_ai.usage.input_tokens"] == 4 + 2
+    assert pod.attributes["gen_ai.usage.output_tokens"] == 6 - 2
+
+
 def test_a_gateway_that_exports_nothing_passes_the_callers_context_to_the_pod(tiny_llama, monkeypatch):
     """No exporter: the gateway makes no spans (no provider), and the pod's span is the child of
     the caller's own span instead of one nobody can see."""
@@ -124,4 +150,26 @@ def test_otlp_over_http_protobuf_reaches_an_http_receiver(monkeypatch):
     spans = ExportTraceServiceRequest.FromString(body).resource_spans[0].scope_spans[0].spans
     assert [s.name for s in spans] == ["probe"]
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    assert telemetry.tracer_provider_from_env("spindle-test") is None
+
+
+def test_a_variable_set_to_the_empty_string_is_unset(monkeypatch):
+    """The OTel spec reads `VAR=""` as unset (what a chart or an operator writes for a value it was
+    not given). Beside an endpoint, OTEL_TRACES_EXPORTER="" exported nothing, silently, and
+    OTEL_EXPORTER_OTLP_PROTOCOL="" refused every span; each now means its default (otlp, grpc)."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    from spindle import telemetry
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
+    for var in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_SDK_DISABLED"):
+        monkeypatch.setenv(var, "")
+    provider = telemetry.tracer_provider_from_env("spindle-test")
+    assert provider is not None
+    try:
+        [processor] = provider._active_span_processor._span_processors
+        assert isinstance(processor.span_exporter, OTLPSpanExporter)
+    finally:
+        provider.shutdown()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", " None ")  # the spec's values, in any case
     assert telemetry.tracer_provider_from_env("spindle-test") is None

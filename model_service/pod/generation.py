@@ -164,14 +164,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             m.itl.observe(gap)
             m.tpot.observe(gap)
         # A resumed request's output begins with the tokens another pod generated (and counted):
-        # here they were prefilled, as its prompt was (vLLM's "prefill tokens processed").
-        m.prompt_tokens.inc(out.num_prompt_tokens + req.resumed)
-        m.generation_tokens.inc(max(len(out.token_ids) - req.resumed, 0))
+        # here they were prefilled, as its prompt was (vLLM's "prefill tokens processed"). The
+        # span says so too: a trace's pod spans add up to the tokens generated, each once.
+        prefilled, generated = out.num_prompt_tokens + req.resumed, max(len(out.token_ids) - req.resumed, 0)
+        m.prompt_tokens.inc(prefilled)
+        m.generation_tokens.inc(generated)
         m.finished.labels(pod.model_name, reason).inc()
         if not span.is_recording():
             return
-        span.set_attribute(telemetry.INPUT_TOKENS, out.num_prompt_tokens)
-        span.set_attribute(telemetry.OUTPUT_TOKENS, len(out.token_ids))
+        span.set_attribute(telemetry.INPUT_TOKENS, prefilled)
+        span.set_attribute(telemetry.OUTPUT_TOKENS, generated)
         span.set_attribute(telemetry.FINISH_REASONS, [reason])
         if req.first_token is not None:
             span.set_attribute(telemetry.TIME_TO_FIRST_TOKEN, first - req.arrival)

@@ -22,7 +22,8 @@ from typing import Any
 
 import grpc
 from aiohttp import web
-from opentelemetry import propagate, trace
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from spindle import flagtypes, telemetry
 from spindle.errors import ListenError
@@ -32,6 +33,7 @@ from spindle.openai_api.errors import ApiError, bad_request, from_status
 from spindle.openai_api.responses import ChatFormat, CompletionFormat, Format, Reply
 from spindle.openai_api.tool_parsers import PARSERS
 from spindle.tls import PLAINTEXT, ServerSslContext, TlsConfig
+from spindle.traced_streams import callers_context
 from spindle.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -261,13 +263,20 @@ def _traced(tracer: trace.Tracer) -> Callable[[web.Request, Handler], Awaitable[
         if route is not None:
             attributes["http.route"] = route
         name = f"{request.method} {route}" if route is not None else request.method
-        parent = propagate.extract(request.headers)
-        with tracer.start_as_current_span(name, parent, trace.SpanKind.SERVER, attributes=attributes) as span:
-            response = await handler(request)
-            span.set_attribute("http.response.status_code", response.status)
-            if response.status >= 500:
-                span.set_status(trace.Status(trace.StatusCode.ERROR))
-            return response
+        # The caller's whole context is made current, not only its span: its baggage goes on to
+        # the pods with the trace, as a gRPC caller's does (traced_streams.py).
+        caller = callers_context(request.headers.items())
+        token = otel_context.attach(caller)
+        try:
+            span = tracer.start_span(name, caller, trace.SpanKind.SERVER, attributes=attributes)
+            with trace.use_span(span, end_on_exit=True):
+                response = await handler(request)
+                span.set_attribute("http.response.status_code", response.status)
+                if response.status >= 500:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR))
+                return response
+        finally:
+            otel_context.detach(token)
 
     return traced
 
