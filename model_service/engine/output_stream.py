@@ -21,16 +21,52 @@ Output = RequestOutput | Exception  # an exception ends the stream (`AsyncEngine
 
 
 class _Merged:
-    """Consecutive outputs of one request as one: their deltas joined, the last one's totals."""
+    """Consecutive outputs of one request as one: their deltas joined, the last one's totals.
+    A reader that keeps up takes each output as it came: nothing is joined until a second one
+    comes before it is taken."""
 
     def __init__(self, first: RequestOutput) -> None:
-        self.first, self.last = first, first
+        self.first = self.last = first
+        self.num_tokens = len(first.new_token_ids)
+        self._joined: _Joined | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        if self._joined is None:
+            self._joined = _Joined(self.first)
+        self._joined.add(out)
+        self.num_tokens += len(out.new_token_ids)
+        self.last = out
+
+    def output(self) -> RequestOutput:
+        last, joined = self.last, self._joined
+        if joined is None:
+            return last
+        return RequestOutput(
+            last.request_id,
+            joined.token_ids,
+            "".join(joined.texts),
+            last._token_ids,  # the engine's (source, start, end) view: not copied here
+            last.text,
+            last.finished,
+            last.finish_reason,
+            last.num_prompt_tokens,
+            joined.logprobs,
+            last.stop_reason,
+            last.error,
+            joined.scheduled_at,
+            joined.prompt,
+        )
+
+
+class _Joined:
+    """The deltas of several outputs, joined: what `wire.chunk` reads of each, in order."""
+
+    def __init__(self, first: RequestOutput) -> None:
         self.token_ids: list[int] = []
         self.texts: list[str] = []
         self.logprobs: list[TokenLogprobs] = []
-        self.prompt = _prompt(first)
-        self.scheduled_at = first.first_scheduled_at
-        self.num_tokens = 0
+        self.prompt: tuple[list[int], list[TokenLogprobs]] | None = None
+        self.scheduled_at: float | None = None
         self.add(first)
 
     def add(self, out: RequestOutput) -> None:
@@ -39,30 +75,8 @@ class _Merged:
         if len(out.new_logprobs) == len(out.new_token_ids):  # as `wire.chunk` reads one output
             self.logprobs += out.new_logprobs
         self.prompt = self.prompt or _prompt(out)
-        self.scheduled_at = self.scheduled_at if self.scheduled_at is not None else out.first_scheduled_at
-        self.num_tokens += len(out.new_token_ids)
-        self.last = out
-
-    def output(self) -> RequestOutput:
-        """The one output (the first as it is when nothing came after it)."""
-        last = self.last
-        if last is self.first:
-            return last
-        return RequestOutput(
-            last.request_id,
-            self.token_ids,
-            "".join(self.texts),
-            last._token_ids,  # the engine's (source, start, end) view: not copied here
-            last.text,
-            last.finished,
-            last.finish_reason,
-            last.num_prompt_tokens,
-            self.logprobs,
-            last.stop_reason,
-            last.error,
-            self.scheduled_at,
-            self.prompt,
-        )
+        if self.scheduled_at is None:
+            self.scheduled_at = out.first_scheduled_at
 
 
 def _prompt(out: RequestOutput) -> tuple[list[int], list[TokenLogprobs]] | None:
