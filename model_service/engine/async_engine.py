@@ -44,7 +44,8 @@ class AsyncEngine(Generic[E]):
         self._thread.start()
 
     async def generate(self, request_id: str, **request: Any) -> AsyncIterator[RequestOutput]:
-        """Add a request (same keywords as `Engine.add_request`) and yield its outputs until finished.
+        """Add a request (same keywords as `Engine.add_request`) and yield its outputs until finished
+        (those that came while the caller was busy merged into one: `generate_batches`).
 
         Closing the iterator early (client went away, deadline hit) aborts the request in the engine.
         """
