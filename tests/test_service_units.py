@@ -398,8 +398,9 @@ def test_engine_errors_map_to_codes_and_a_bug_is_internal():
 
 
 def test_outputs_queued_behind_a_slow_consumer_go_out_as_one_message():
-    """A consumer slower than the engine's steps gets everything queued as one batch, and the
-    pod's one message for it carries exactly the tokens and text of one message per step."""
+    """A consumer slower than the engine's steps gets everything that came meanwhile as one
+    output, and the pod's one message for it carries exactly the tokens and text of one message
+    per step."""
     import asyncio
 
     from bench.fake_engine import FakeFastEngine
@@ -421,13 +422,51 @@ def test_outputs_queued_behind_a_slow_consumer_go_out_as_one_message():
         steady = [[out] for out in asyncio.run(_outputs(engine, "steady"))]
     finally:
         engine.shutdown()
-    assert max(len(b) for b in slow) > 1 and slow[-1][-1].finished
+    assert slow[-1][-1].finished
     messages = [wire.chunk(b) for b in slow]
     one_each = [wire.chunk(b) for b in steady]
     assert [t for m in messages for t in m.chunk.token_ids] == list(range(100, 112))
     assert [t for m in one_each for t in m.chunk.token_ids] == list(range(100, 112))
     assert "".join(m.chunk.text for m in messages) == "".join(m.chunk.text for m in one_each) == "x" * 12
-    assert len(messages) < len(one_each) == 12
+    assert len(messages) < 12  # one step a token: several steps went out as one message
+
+
+def test_a_reader_that_stops_reading_holds_its_output_once_not_once_a_step():
+    """A client that stops reading (gRPC flow control then holds the pod's handler at its send)
+    while the engine runs on: every step's output waited in a queue, each with the request's
+    whole text so far: 1.7 GB behind one stalled 20,000-token stream. What waits now is merged
+    as it comes: about the output itself, and taken later it is the same tokens and text."""
+    import asyncio
+    import tracemalloc
+
+    from bench.fake_engine import FakeFastEngine
+    from model_service.engine.async_engine import AsyncEngine
+    from model_service.engine.sampling_params import SamplingParams
+
+    fake = FakeFastEngine(0.0)
+    engine = AsyncEngine(fake)
+
+    async def stall() -> tuple[list, int]:
+        params = SamplingParams(max_tokens=3000)
+        stream = engine.generate_batches("stalled", prompt_token_ids=[1, 2], params=params)
+        first = await anext(stream)
+        tracemalloc.start()
+        while fake.running:  # the engine runs the request to its end, nobody reading
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # its last outputs reach the loop
+        held = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        return [first, *[b async for b in stream]], held
+
+    try:
+        batches, held = asyncio.run(stall())
+    finally:
+        engine.shutdown()
+    messages = [wire.chunk(b) for b in batches]
+    assert [t for m in messages for t in m.chunk.token_ids] == list(range(100, 3100))
+    assert "".join(m.chunk.text for m in messages) == "x" * 3000
+    assert len(batches) == 2 and batches[-1][-1].finished
+    assert held < 500_000, f"{held} bytes held for a stalled reader of 3,000 tokens"
 
 
 def test_a_stream_interval_sends_n_tokens_a_message_but_the_first_and_the_rest():
@@ -562,6 +601,45 @@ def test_a_message_for_several_outputs_keeps_each_tokens_logprobs():
     assert [(lp.token_id, lp.logprob) for lp in msg.chunk.logprobs] == [(5, -2.5), (6, -3.0), (7, -3.5)]
     assert [[t.token_id for t in lp.top] for lp in msg.chunk.logprobs] == [[5, 6], [6, 7], [7, 8]]
     assert wire.chunk([out([], ""), out([], "")]) is None
+
+
+def test_outputs_merged_for_a_late_reader_read_as_the_outputs_one_by_one():
+    """What a reader takes late (`OutputStream`) is one output that says what the outputs that
+    came meanwhile said: their tokens, text, logprobs and prompt logprobs joined, the first's
+    scheduling time, the last's totals and end; an error after them still comes after them."""
+    import asyncio
+
+    from model_service.engine.output_stream import OutputStream
+    from model_service.engine.sampler import TokenLogprobs
+    from model_service.engine.sequence import RequestOutput
+    from model_service.errors import UnavailableError
+
+    def lps(tokens: list[int]) -> list[TokenLogprobs]:
+        return [TokenLogprobs(-0.5 * t, [(t, -0.5 * t), (t + 1, -9.0)]) for t in tokens]
+
+    ids = [9, 8, 5, 6, 7]
+    prompt = ([9, 8], lps([8]))
+    outs = [
+        RequestOutput("r", [5], "a", (ids, 2, 3), "a", False, None, 2, lps([5]), None, None, 1.5, prompt),
+        RequestOutput("r", [], "", (ids, 2, 3), "a", False, None, 2, first_scheduled_at=1.5),
+        RequestOutput("r", [6, 7], "bc", (ids, 2, 5), "abc", True, "stop", 2, lps([6, 7]), 7, None, 1.5),
+    ]
+
+    async def late(then: Exception | None) -> list:
+        stream = OutputStream()
+        for out in [*outs, *([then] if then else [])]:
+            stream.put(out)
+        return await stream.take()
+
+    merged, *rest = asyncio.run(late(None))
+    assert rest == [] and wire.chunk([merged]) == wire.chunk(outs)
+    assert (merged.token_ids, merged.text, merged.first_scheduled_at) == ([5, 6, 7], "abc", 1.5)
+    assert (merged.finished, merged.finish_reason, merged.stop_reason) == (True, "stop", 7)
+    assert wire.final(merged) == wire.final(outs[-1])
+    outs[-1] = RequestOutput("r", [6], "b", (ids, 2, 4), "ab", False, None, 2, lps([6]))
+    lost = UnavailableError("lost")
+    merged, error = asyncio.run(late(lost))
+    assert error is lost and wire.chunk([merged]) == wire.chunk(outs) and not merged.finished
 
 
 def test_load_reports_answer_from_the_last_step_while_one_runs_long_and_fail_once_it_is_stuck():

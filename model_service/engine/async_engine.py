@@ -2,7 +2,7 @@
 
 The engine is single-threaded by design (scheduler state, block tables). Callers on the
 event loop never touch it: they post commands to an inbox that the engine thread drains
-between steps, and receive outputs through per-request asyncio queues. A forward pass
+between steps, and receive outputs through per-request `OutputStream`s. A forward pass
 therefore never blocks the event loop, and validation errors still reach the caller that
 sent the bad request, as an exception from `generate`.
 """
@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
 from model_service.engine.handle import EngineHandle
+from model_service.engine.output_stream import OutputStream
 from model_service.engine.sequence import RequestOutput
 from model_service.errors import UnavailableError
 from model_service.lora.control import ControlOp, ControlResult
@@ -27,7 +28,6 @@ log = logging.getLogger(__name__)
 
 
 E = TypeVar("E", bound=EngineHandle)
-Output = RequestOutput | Exception  # an exception ends the stream (see `fail_streams`)
 MAX_FAILED_STEPS = 3  # engine steps raising in a row before the engine counts as lost
 T = TypeVar("T")
 
@@ -36,7 +36,7 @@ class AsyncEngine(Generic[E]):
     def __init__(self, engine: E) -> None:
         self.engine = engine
         self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Output]]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
         self._adding: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[str]]] = {}
         self._stop = threading.Event()
         self._lost: Callable[[str], None] | None = None
@@ -44,7 +44,8 @@ class AsyncEngine(Generic[E]):
         self._thread.start()
 
     async def generate(self, request_id: str, **request: Any) -> AsyncIterator[RequestOutput]:
-        """Add a request (same keywords as `Engine.add_request`) and yield its outputs until finished.
+        """Add a request (same keywords as `Engine.add_request`) and yield its outputs until finished
+        (those that came while the caller was busy merged into one: `generate_batches`).
 
         Closing the iterator early (client went away, deadline hit) aborts the request in the engine.
         """
@@ -56,9 +57,10 @@ class AsyncEngine(Generic[E]):
     async def generate_batches(
         self, request_id: str, *, stream_interval: int = 1, **request: Any
     ) -> AsyncIterator[list[RequestOutput]]:
-        """`generate`, but each item is every output that was waiting when the caller asked for the
-        next (at least one, in order): a consumer slower than the engine's steps (a busy server
-        loop, a slow client) then sends one message for several steps instead of falling behind.
+        """`generate`, but each item is every output that came since the caller last asked, merged
+        into one (`OutputStream`): a consumer slower than the engine's steps (a busy server loop,
+        a slow client) then sends one message for several steps instead of falling behind, and
+        what waits for it is at most its request's output, however far behind it is.
 
         `stream_interval` N > 1 also holds outputs back until they add N tokens (vLLM's
         `--stream-interval`): a stream costs its senders and receivers one message per N tokens
@@ -69,9 +71,9 @@ class AsyncEngine(Generic[E]):
         try:
             while not finished:
                 hold = stream_interval if tokens and stream_interval > 1 else 0
-                batch = await _gather(outputs, hold)
+                batch = await outputs.take(hold)
                 last = batch[-1]
-                finished = _ends(last)
+                finished = isinstance(last, Exception) or last.finished
                 tokens += sum(len(out.new_token_ids) for out in batch if not isinstance(out, Exception))
                 if isinstance(last, Exception):  # fail_streams: the engine cannot answer any more
                     if len(batch) > 1:
@@ -82,11 +84,11 @@ class AsyncEngine(Generic[E]):
             if not finished:
                 self.abort(request_id)
 
-    async def _add(self, request_id: str, request: dict[str, Any]) -> asyncio.Queue[Output]:
+    async def _add(self, request_id: str, request: dict[str, Any]) -> OutputStream:
         """Hand the request to the engine's thread and wait until it is accepted (or refused:
-        the engine's error is raised here); returns the queue its outputs will arrive on."""
+        the engine's error is raised here); returns the stream its outputs will arrive on."""
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[Output] = asyncio.Queue()
+        outputs = OutputStream()
         added: asyncio.Future[str] = loop.create_future()
 
         def add() -> None:
@@ -110,7 +112,7 @@ class AsyncEngine(Generic[E]):
             self._adding.pop(request_id, None)
         return outputs
 
-    def _abort_stream(self, request_id: str, outputs: asyncio.Queue[Output]) -> None:
+    def _abort_stream(self, request_id: str, outputs: OutputStream) -> None:
         """On the engine thread: abort `request_id` if its stream is `outputs` (`add` took it),
         never a later request that reuses the id."""
         stream = self._streams.get(request_id)
@@ -134,7 +136,7 @@ class AsyncEngine(Generic[E]):
         """End every open stream with `error`, from any thread, without the engine thread: it may be
         stuck in a collective that will never complete (a lost tensor-parallel rank)."""
         for loop, q in list(self._streams.values()):
-            loop.call_soon_threadsafe(q.put_nowait, error)
+            loop.call_soon_threadsafe(q.put, error)
         for loop, added in list(self._adding.values()):
             loop.call_soon_threadsafe(_set_exception, added, error)
 
@@ -193,7 +195,7 @@ class AsyncEngine(Generic[E]):
                 if out.finished:
                     del self._streams[out.request_id]
                 try:
-                    loop.call_soon_threadsafe(q.put_nowait, out)
+                    loop.call_soon_threadsafe(q.put, out)
                 except RuntimeError:  # the caller's event loop is gone: nobody will read this
                     self._streams.pop(out.request_id, None)
                     self.engine.abort(out.request_id)
@@ -220,28 +222,6 @@ def _run(command: Callable[[], object]) -> None:
         command()
     except Exception:
         log.exception("engine command failed")
-
-
-def _waiting(first: Output, outputs: asyncio.Queue[Output]) -> list[Output]:
-    """`first` and what else is queued behind it, up to and including the stream's last output
-    (a finished one, or an exception)."""
-    batch = [first]
-    while not outputs.empty() and not _ends(batch[-1]):
-        batch.append(outputs.get_nowait())
-    return batch
-
-
-async def _gather(outputs: asyncio.Queue[Output], tokens: int) -> list[Output]:
-    """What `_waiting` gives, and more as it comes until the batch adds `tokens` tokens or holds
-    the stream's last output."""
-    batch = _waiting(await outputs.get(), outputs)
-    while not _ends(batch[-1]) and sum(len(out.new_token_ids) for out in batch) < tokens:
-        batch += _waiting(await outputs.get(), outputs)
-    return batch
-
-
-def _ends(out: Output) -> bool:
-    return isinstance(out, Exception) or out.finished
 
 
 def _set_result(fut: asyncio.Future[str], value: str) -> None:
