@@ -84,6 +84,7 @@ class ResponsesReply(Reply):
         self._items: list[dict[str, Any]] = []  # the output items so far, the last maybe open
         self._open = False  # whether the last item still streams
         self._finish: str | None = None  # the chat finish reason, once it came
+        self._failed: dict[str, str] | None = None  # the error a failed stream ended with
 
     def opening(self) -> list[dict[str, Any]]:
         response = self._response("in_progress")
@@ -107,8 +108,13 @@ class ResponsesReply(Reply):
         return [self._event(kind, response=response)]
 
     def failure(self, error: ApiError) -> list[dict[str, Any]]:
-        """A failure after the stream began: OpenAI's `error` event."""
-        return [self._event("error", code=error.code, message=error.message, param=error.param)]
+        """A failure after the stream began: OpenAI's `error` event, then `response.failed` (the
+        lifecycle event a client waiting for the response's end reads; its `error.code` one of
+        the Responses API's)."""
+        self._failed = {"code": "rate_limit_exceeded" if error.status == 429 else "server_error",
+                        "message": error.message}  # fmt: skip
+        return [self._event("error", code=error.code, message=error.message, param=error.param),
+                self._event("response.failed", response=self._response("failed"))]  # fmt: skip
 
     def whole(self, choices: Sequence[tuple[int, Answer]], answers: Sequence[Answer]) -> dict[str, Any]:
         """The response the stream's events would have built (one generation: no `n` here)."""
@@ -128,7 +134,7 @@ class ResponsesReply(Reply):
             "created_at": self.created,
             "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
-            "error": None,
+            "error": self._failed,
             "incomplete_details": cut if status == "incomplete" else None,
             "model": self.call.model,
             "output": copy.deepcopy(self._items) if done else [],
