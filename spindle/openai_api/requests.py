@@ -10,8 +10,8 @@ and unknown ones are ignored, as vLLM does.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
-from dataclasses import dataclass, replace
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from spindle.openai_api.errors import bad_request
@@ -76,6 +76,8 @@ class Call:
     # A completion's prompts, one GenerateRequest each (the request parsed holds the first);
     # empty for a chat, whose one prompt is the request's.
     prompts: tuple[Prompt, ...] = ()
+    # The request's settings its response restates (the Responses API's `tools`, `metadata`, ...).
+    restated: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def generations(self) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spindle.openai_api import requests
+from spindle.openai_api.errors import ApiError
 from spindle.openai_api.fanout import Answer
 from spindle.openai_api.reasoning_parsers import READERS as THINK_READERS
 from spindle.openai_api.reasoning_parsers import Thought
@@ -55,6 +56,10 @@ class Format(ABC):
         """A stream chunk's choice; `first` = the stream's first; `offsets`: where each logprob
         token starts in the choice's text (`TextOffsets`), for a format that says so."""
         return self.choice(text, logprobs, final)
+
+    def reply(self, call: Call, request_id: str) -> Reply:
+        """The answer to one request of this format, whole or streamed."""
+        return Reply(self, call, request_id)
 
 
 class ChatFormat(Format):
@@ -319,7 +324,13 @@ def total(finals: Sequence[tuple[int, pb.Final]]) -> pb.Usage:
 @dataclass
 class Reply:
     """One request's answer as it streams: the envelope every object of it shares, and each
-    choice's own state (whether its first delta was sent, its tool calls)."""
+    choice's own state (whether its first delta was sent, its tool calls). A stream is
+    `opening()`, `chunks` of each message, `usage_chunks()` (or `failure` once it failed), then
+    `done`; each object a `data:` line (after an `event:` line naming its `type` when
+    `named_events`)."""
+
+    named_events = False
+    done = b"data: [DONE]\n\n"
 
     fmt: Format
     call: Call
@@ -331,6 +342,14 @@ class Reply:
         self._outputs: dict[int, ChatOutput] = {}
         self._offsets: dict[int, TextOffsets] = {}  # each streamed choice's `text_offset` reading
         self._finals: list[tuple[int, pb.Final]] = []  # (prompt, final) of each generation streamed
+
+    def opening(self) -> list[dict[str, Any]]:
+        """What a stream starts with, before the first message's chunks: nothing for a chat."""
+        return []
+
+    def failure(self, error: ApiError) -> list[dict[str, Any]]:
+        """What a stream that failed after its first byte says: the error JSON the SDKs raise from."""
+        return [error.body()]
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.fmt.id_prefix + self.request_id, "object": obj, "created": self.created,

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server (aiohttp) of the gateway and of each model pod.
 
-Routes: POST /v1/chat/completions, POST /v1/completions (both with `stream: true` as
-server-sent events), GET /v1/models, GET /v1/models/{model}, and GET /health (200 while the
-process serves, 503 while it loads or drains: the readiness Kubernetes and the Gateway API
-Inference Extension probe). A request is handed to the process's own Generation servicer (the
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (OpenAI's
+Responses API, stateless: a chat underneath; all three with `stream: true` as server-sent
+events), GET /v1/models, GET /v1/models/{model}, and GET /health (200 while the process serves,
+503 while it loads or drains: the readiness Kubernetes and the Gateway API Inference Extension
+probe). A request is handed to the process's own Generation servicer (the
 gateway's `GatewayService` or the pod's `GenerationService`) with an `HttpCallContext`, so it
 takes exactly the path a gRPC request takes. A client that disconnects cancels its handler
 (aiohttp's handler cancellation), which closes the servicer's stream: the pod aborts the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -31,6 +33,7 @@ from spindle.openai_api import fanout, reasoning_parsers, responses
 from spindle.openai_api.context import HttpCallContext, Refused
 from spindle.openai_api.errors import ApiError, bad_request, from_status
 from spindle.openai_api.responses import ChatFormat, CompletionFormat, Format, Reply
+from spindle.openai_api.responses_output import ResponsesFormat
 from spindle.openai_api.tool_parsers import PARSERS
 from spindle.tls import PLAINTEXT, ServerSslContext, TlsConfig
 from spindle.traced_streams import callers_context
@@ -41,8 +44,8 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20  # as the gRPC servers' largest message
 DEFAULT_PORT = 8000  # vLLM's, and what OpenAI-compatible clients and routers assume
 ROUTES = (
-    "served: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model}, "
-    "GET /health"
+    "served: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models, "
+    "GET /v1/models/{model}, GET /health"
 )
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _METHODS = frozenset({"GET", "POST", "HEAD", "OPTIONS", "PUT", "DELETE", "PATCH"})  # others: `other`
@@ -56,8 +59,8 @@ def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
         "--http-port",
         type=flagtypes.port,
         default=DEFAULT_PORT,
-        help=f"OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions, /v1/models, "
-        f"/health); 0 = off [{DEFAULT_PORT}]",
+        help=f"OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions, /v1/responses, "
+        f"/v1/models, /health); 0 = off [{DEFAULT_PORT}]",
     )
     parser.add_argument(
         "--tool-call-parser",
@@ -110,7 +113,9 @@ class OpenAIServer:
             middlewares.insert(0, _counted(on_request))
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         chat, completion = ChatFormat(tool_parser, reasoning_parser), CompletionFormat()
+        responses_api = ResponsesFormat(tool_parser, reasoning_parser)
         self.app.router.add_post("/v1/chat/completions", lambda r: self._generate(r, chat))
+        self.app.router.add_post("/v1/responses", lambda r: self._generate(r, responses_api))
         self.app.router.add_post("/v1/completions", lambda r: self._generate(r, completion))
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/v1/models/{model:.+}", self._model)  # ids may hold a `/`
@@ -152,7 +157,7 @@ class OpenAIServer:
             trace.get_current_span().set_attribute(telemetry.RESPONSE_ID, rid)
         async with fanout.Merged(streams) as merged:
             early = await _started(merged, len(parts))  # a refusal raises here, before any byte is sent
-            reply = Reply(fmt, call, (contexts[0].request_id() or rid) if len(parts) == 1 else rid)
+            reply = fmt.reply(call, (contexts[0].request_id() or rid) if len(parts) == 1 else rid)
             headers = {"x-request-id": reply.request_id}
             if call.stream:
                 return await _stream(request, reply, [p.prompt for p in parts], early, merged, headers)
@@ -222,19 +227,21 @@ async def _stream(
     response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
                                            **headers})  # fmt: skip
     await response.prepare(request)
+    send = functools.partial(_send, response, named=reply.named_events)
     try:
+        await send(reply.opening())
         for k, message in early:
-            await _send(response, reply.chunks(k, prompts[k], message))
+            await send(reply.chunks(k, prompts[k], message))
         async for k, message in merged:
-            await _send(response, reply.chunks(k, prompts[k], message))
-        await _send(response, reply.usage_chunks())
+            await send(reply.chunks(k, prompts[k], message))
+        await send(reply.usage_chunks())
     except Refused as e:
-        await _send(response, [_failed(from_status(e.code, e.details, e.trailers)).body()])
+        await send(reply.failure(_failed(from_status(e.code, e.details, e.trailers))))
     except ConnectionResetError:
         return response  # the client left; closing the streams aborts the requests
     except Exception as e:  # the status line is sent: an answer now would corrupt the event stream
-        await _send(response, [_failed(_internal(request, e)).body()])
-    await response.write(b"data: [DONE]\n\n")
+        await send(reply.failure(_failed(_internal(request, e))))
+    await response.write(reply.done)
     return response
 
 
@@ -309,8 +316,15 @@ def _counted(
     return counted
 
 
-async def _send(response: web.StreamResponse, objects: list[dict[str, Any]]) -> None:
-    await response.write(b"".join(b"data: " + _dumps(o).encode() + b"\n\n" for o in objects))
+async def _send(response: web.StreamResponse, objects: list[dict[str, Any]], named: bool = False) -> None:
+    """Server-sent events, one an object; `named`: each after an `event:` line naming its `type`."""
+    if objects:
+        await response.write(b"".join(_event(o, named) for o in objects))
+
+
+def _event(obj: dict[str, Any], named: bool) -> bytes:
+    head = f"event: {obj['type']}\n".encode() if named else b""
+    return head + b"data: " + _dumps(obj).encode() + b"\n\n"
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:

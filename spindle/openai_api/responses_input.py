@@ -1,0 +1,245 @@
+"""OpenAI's Responses API request (POST /v1/responses) -> the chat completion request it means.
+
+A stateless Responses request is a chat: `instructions` and the `input` items are its messages
+(a `function_call` item an assistant's tool call, a `function_call_output` a tool result, a
+`reasoning` item the thinking an assistant turn is sent back with), its flat function tools are
+chat tools, `text.format` is `response_format` and `max_output_tokens` `max_completion_tokens`.
+Only the body is translated: the chat path does the rest (chat template, sampling, adapters
+named as `model`, tool and reasoning parsers, structured output) and refuses what it refuses, so
+the two endpoints cannot drift apart. What needs state Spindle does not keep
+(`previous_response_id`, `conversation`, `store: true`, `background`), built-in tools and
+`include` values it cannot produce are refused with a 400 naming the field, never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from spindle.openai_api.errors import bad_request
+
+# Fields of the same name and meaning in a chat request (vLLM's sampling extras included).
+_SAME = (
+    "model", "stream", "temperature", "top_p", "parallel_tool_calls", "stop", "seed", "top_k", "min_p",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "min_tokens",
+    "ignore_eos", "priority", "chat_template_kwargs", "include_reasoning",
+)  # fmt: skip
+_STATELESS = "responses are not stored here: send the whole conversation as `input`"
+# Fields whose value (anything but null, false or empty) asks for what Spindle cannot do.
+_REFUSED = {
+    "previous_response_id": _STATELESS,
+    "conversation": _STATELESS,
+    "store": "responses are not stored here: send `store: false` (or leave it out)",
+    "background": "background responses are not supported",
+    "prompt": "stored prompt templates are not supported: send `instructions` and `input`",
+    "max_tool_calls": "`max_tool_calls` is not supported",
+    "top_logprobs": "logprobs are not supported on /v1/responses (ask /v1/chat/completions)",
+    "context_management": "`context_management` is not supported",
+    "moderation": "`moderation` is not supported",
+}
+_DEFAULTS = {"top_logprobs": 0}  # a value of a refused field that asks for nothing
+_TEXT_PARTS = ("input_text", "output_text")  # an assistant's earlier output is sent back as output_text
+
+
+def chat_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat completion request `body` asks for; 400s name the Responses field at fault."""
+    _refuse_stateful(body)
+    chat = {name: body[name] for name in _SAME if name in body}
+    chat["messages"] = [*_instructions(body.get("instructions")), *messages(body.get("input"))]
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise bad_request(f"`max_output_tokens` must be a positive integer, got {limit!r:.100}",
+                              "max_output_tokens")  # fmt: skip
+        chat["max_completion_tokens"] = limit
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    response_format = _text_format(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
+    _metadata(body.get("metadata"))
+    for name in ("user", "safety_identifier", "prompt_cache_key"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise bad_request(f"`{name}` must be a string", name)
+    return chat
+
+
+def _refuse_stateful(body: dict[str, Any]) -> None:
+    for name, why in _REFUSED.items():
+        value = body.get(name)
+        if not (value is None or value is False or value in ([], {}) or value == _DEFAULTS.get(name)):
+            raise bad_request(why, name)
+    if body.get("truncation") not in (None, "disabled"):
+        why = '`truncation` "auto" is not supported: an input too long is refused'
+        raise bad_request(why, "truncation")
+    include = body.get("include")
+    if include not in (None, []):
+        raise bad_request(f"`include` {include!r:.100} is not supported (nothing extra can be included)",
+                          "include")  # fmt: skip
+
+
+def _instructions(instructions: Any) -> list[dict[str, Any]]:
+    """`instructions`: the system message the conversation starts with."""
+    if instructions is None:
+        return []
+    if not isinstance(instructions, str):
+        raise bad_request("`instructions` must be a string", "instructions")
+    return [{"role": "system", "content": instructions}]
+
+
+def messages(given: Any) -> list[dict[str, Any]]:
+    """`input` as chat messages: a string is the user's message; items in order, an assistant's
+    function calls joined to its turn (a turn is one message with its text and its calls, as the
+    chat templates render it), a reasoning item's text to the assistant turn after it."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
+        raise bad_request("`input` must be a string or a non-empty list of items", "input")
+    out: list[dict[str, Any]] = []
+    thought: str | None = None  # a reasoning item's text, waiting for its assistant turn
+    for i, item in enumerate(given):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "reasoning":
+            thought = _reasoning(item, where)
+            continue
+        if kind == "message":
+            out.append(_message(item, where))
+        elif kind == "function_call":
+            call = _function_call(item, where)
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and thought is None:
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append(_call_output(item, where))
+        else:
+            raise bad_request(f"`{where}`: item type {kind!r:.100} is not supported (message, function_call, "
+                              "function_call_output, reasoning)", where)  # fmt: skip
+        if thought is not None:
+            if out[-1]["role"] != "assistant":
+                raise bad_request(f"`{where}`: a reasoning item must come before the assistant message or "
+                                  "function call it led to", where)  # fmt: skip
+            out[-1]["reasoning_content"], thought = thought, None
+    if thought is not None:
+        raise bad_request("`input` ends with a reasoning item: send the assistant turn it led to", "input")
+    return out
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise bad_request(f"`{where}.role` must be user, assistant, system or developer, got {role!r:.100}",
+                          where)  # fmt: skip
+    return {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or text parts joined by newlines (as the chat path joins them)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"`{where}` must be a string or a list of content parts", where)
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS:
+            raise bad_request(f"`{where}[{j}]`: content part {kind!r:.100} is not supported (only text: "
+                              "input_text, output_text)", where)  # fmt: skip
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"`{where}[{j}].text` must be a string", where)
+    return "\n".join(part["text"] for part in content)
+
+
+def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A function_call item as a chat tool call: its call_id, name and arguments (a JSON object's text)."""
+    for name in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(name), str):
+            raise bad_request(f"`{where}.{name}` must be a string", where)
+    try:
+        arguments = json.loads(item["arguments"])
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise bad_request(f"`{where}.arguments` must be a JSON object's text, got {item['arguments']!r:.100}",
+                          where)  # fmt: skip
+    function = {"name": item["name"], "arguments": item["arguments"]}
+    return {"id": item["call_id"], "type": "function", "function": function}
+
+
+def _call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A function_call_output item: the tool message answering call `call_id`."""
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad_request(f"`{where}.call_id` must name the call it answers", where)
+    return {"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"), f"{where}.output")}
+
+
+def _reasoning(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text (its content, else its summary), for the assistant turn after it.
+    Only text can be sent back: an item with encrypted content only would be dropped."""
+    parts = item.get("content") or item.get("summary") or []
+    texts = [p.get("text") for p in parts if isinstance(p, dict)] if isinstance(parts, list) else [None]
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise bad_request(f"`{where}`: a reasoning item needs its text (`content` or `summary`); encrypted "
+                          "reasoning is not supported", where)  # fmt: skip
+    return "\n".join(texts)
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    """The Responses API's flat function tools as chat tools; built-in tools (web_search,
+    file_search, code_interpreter, mcp, ...) are refused: nothing here runs them."""
+    if not isinstance(tools, list):
+        raise bad_request('`tools` must be a list of {"type": "function", "name": ...}', "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise bad_request(f"`tools[{i}]`: tool type {kind!r:.100} is not supported (only function tools)",
+                              "tools")  # fmt: skip
+        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    """ "none", "auto", "required", or {"type": "function", "name": N} (the chat path's nested form)."""
+    if choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    forms = '"none", "auto", "required" or {"type": "function", "name": ...}'
+    raise bad_request(f"`tool_choice` must be {forms}, got {choice!r:.100}", "tool_choice")
+
+
+def _text_format(text: Any) -> dict[str, Any] | None:
+    """`text.format` as the chat path's `response_format` (None: free text)."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise bad_request("`text` must be an object", "text")
+    if text.get("verbosity") not in (None, "medium"):
+        raise bad_request("`text.verbosity` is not supported", "text.verbosity")
+    fmt = text.get("format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema" and isinstance(fmt.get("schema"), dict):
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", ""), "schema": fmt["schema"]}}
+    raise bad_request('`text.format` must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                      '"json_schema", "name": ..., "schema": {...}}', "text.format")  # fmt: skip
+
+
+def _metadata(metadata: Any) -> None:
+    """OpenAI's rule: up to 16 string values under keys of up to 64 characters (512 a value)."""
+    if metadata is None:
+        return
+    ok = isinstance(metadata, dict) and len(metadata) <= 16
+    ok = ok and all(isinstance(k, str) and len(k) <= 64 for k in metadata)
+    if not ok or not all(isinstance(v, str) and len(v) <= 512 for v in metadata.values()):
+        raise bad_request("`metadata` must map up to 16 keys (64 characters) to strings (512 characters)",
+                          "metadata")  # fmt: skip
