@@ -34,6 +34,8 @@ LONGROPE = {
     "short_factor": [1.0, 1.3, 1.7, 2.2, 3.1, 4.0, 5.5, 7.0],
     "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 48.0],
 }
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 VARIANTS: dict[str, Variant] = {
     "granite": Variant(
         "granite",
@@ -63,14 +65,6 @@ VARIANTS: dict[str, Variant] = {
         },
     ),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))

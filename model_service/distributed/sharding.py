@@ -251,7 +251,8 @@ def _check_split_parts(attn: nn.Module, mlp: nn.Module, slices: dict[str, range]
 
 def _shard_layer(layer: nn.Module, part: Partition, coll: Collectives, device: torch.device) -> None:
     attn, mlp = layer.self_attn, layer.mlp
-    if not isinstance(attn, Attention | LatentAttention) or not isinstance(mlp, MLP | SparseMoeBlock):
+    by_heads = isinstance(attn, LatentAttention) or (isinstance(attn, Attention) and attn.shardable_by_heads)
+    if not by_heads or not isinstance(mlp, MLP | SparseMoeBlock):
         raise ModelLoadError(
             "tensor parallelism shards attention with dense or sparse-MoE MLP blocks; this model "
             f"has a {type(attn).__name__} / {type(mlp).__name__} layer"

@@ -24,6 +24,8 @@ from model_service.models.rope import RotaryEmbedding
 
 
 class Attention(nn.Module):
+    shardable_by_heads = True  # a rank can run its heads alone (no norm across every head)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -41,12 +43,15 @@ class Attention(nn.Module):
         """The qkv projection's (`PackedLinear.input_quant`): it alone reads the input."""
         return self.qkv_proj.input_quant(x)
 
+    def project(self, x: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, ...]:
+        """q, k and v, each [tokens, heads * head_dim]: where a family's own q/k math goes."""
+        return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+
     def forward(
         self, x: torch.Tensor | QuantizedRows, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        n = qkv.shape[0]
-        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+        q, k, v = self.project(x)
+        n = q.shape[0]
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)

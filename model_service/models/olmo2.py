@@ -5,8 +5,7 @@ projection (all heads at once, one weight of num_heads * head_dim) before RoPE.
 
 The whole-projection norms run here in the module, not in the attention backend (its fused
 `HeadNorms` normalize each head on its own: another number). A norm over every head cannot be
-split by heads, so tensor parallelism refuses this attention (`sharding._shard_layer` shards
-only `llama.Attention`).
+split by heads, so tensor parallelism refuses this attention (`shardable_by_heads`).
 """
 
 from __future__ import annotations
@@ -17,33 +16,22 @@ from torch import nn
 from model_service.kernels.fp8_gemm import QuantizedRows
 from model_service.models.config import ModelConfig
 from model_service.models.context import ForwardContext
-from model_service.models.layers import PackedLinear, RMSNorm
-from model_service.models.llama import DecoderModel
+from model_service.models.layers import RMSNorm
+from model_service.models.llama import Attention, DecoderModel
 from model_service.models.moe import mlp_for
 
 
-class Olmo2Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.layer_idx = layer_idx
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_sizes = (q, kv, kv)
-        self.qkv_proj = PackedLinear(cfg.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, cfg.qkv_bias)
-        self.o_proj = PackedLinear(q, {"o_proj": cfg.hidden_size}, cfg.o_proj_bias)
-        self.q_norm = RMSNorm(q, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(kv, cfg.rms_norm_eps)
+class Olmo2Attention(Attention):
+    shardable_by_heads = False
 
-    def forward(
-        self, x: torch.Tensor | QuantizedRows, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        n = q.shape[0]
-        q = self.q_norm(q).reshape(n, self.num_heads, self.head_dim)
-        k = self.k_norm(k).reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        out = ctx.attention.forward(self.layer_idx, q, k, v, rope)
-        return self.o_proj(out.reshape(n, -1))
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)  # cfg.qk_norm is off: no per-head norms
+        self.q_norm = RMSNorm(self.qkv_sizes[0], cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.qkv_sizes[1], cfg.rms_norm_eps)
+
+    def project(self, x: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, ...]:
+        q, k, v = super().project(x)
+        return self.q_norm(q), self.k_norm(k), v
 
 
 class Olmo2Layer(nn.Module):
