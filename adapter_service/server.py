@@ -594,8 +594,7 @@ async def serve(args: argparse.Namespace) -> int:
     await server.stop(grace=5.0)
     await health.stop()
     await controller.close()
-    if provider is not None:
-        provider.shutdown()
+    telemetry.shutdown(provider)
     return 0
 
 

@@ -573,8 +573,7 @@ async def serve(args: argparse.Namespace) -> int:
     await stop.wait()
     log.info("draining")
     await shutdown(gateway, server, health, args.drain_timeout)
-    if provider is not None:
-        provider.shutdown()
+    telemetry.shutdown(provider)
     return 0
 
 

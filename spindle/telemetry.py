@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 from opentelemetry import trace
@@ -76,6 +77,23 @@ def tracer_provider_from_env(default_service_name: str) -> TracerProvider | None
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
+
+
+FLUSH_SECONDS = 3.0  # what a pod's exit spends on its last spans; Kubernetes' default grace is 30 s
+
+
+def shutdown(provider: TracerProvider | None, seconds: float = FLUSH_SECONDS) -> None:
+    """Flush and close `provider`, waiting at most `seconds`. The SDK's own shutdown waits for
+    the exporter's retries: with the collector down a pod's exit took 7 s (a few spans queued)
+    to 30 s (thousands), past a short termination grace period, so it was killed mid-drain.
+    Spans not out by then are dropped, loudly; the flush goes on in a daemon thread the exit ends."""
+    if provider is None:
+        return
+    done = threading.Thread(target=provider.shutdown, name="otel-shutdown", daemon=True)
+    done.start()
+    done.join(seconds)
+    if done.is_alive():
+        log.warning("spans not exported within %.1f s of shutdown (collector unreachable?): dropped", seconds)
 
 
 def _setting(*names: str, default: str = "") -> str:

@@ -173,3 +173,31 @@ def test_a_variable_set_to_the_empty_string_is_unset(monkeypatch):
         provider.shutdown()
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", " None ")  # the spec's values, in any case
     assert telemetry.tracer_provider_from_env("spindle-test") is None
+
+
+def test_shutdown_with_the_collector_down_is_bounded():
+    """A pod's exit used to wait for the exporter's retries (7-30 s with the collector down),
+    past a short termination grace period; now it gives up after its bound and says so."""
+    import threading
+    import time
+
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
+
+    from spindle import telemetry
+
+    release = threading.Event()
+
+    class Unreachable(InMemorySpanExporter):
+        def export(self, spans):  # a collector that never answers, until the test ends
+            release.wait(30)
+            return SpanExportResult.FAILURE
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Unreachable()))
+    for _ in range(50):
+        provider.get_tracer(__name__).start_span("s").end()
+    start = time.monotonic()
+    telemetry.shutdown(provider, seconds=0.5)
+    assert time.monotonic() - start < 2.0
+    release.set()
+    telemetry.shutdown(None)  # tracing off: nothing to do

@@ -237,8 +237,7 @@ async def serve(args: argparse.Namespace) -> int:
     await servers.stop(grace=1.0)
     await pod.health.stop()
     pod.close()
-    if provider is not None:
-        provider.shutdown()
+    telemetry.shutdown(provider)
     return pod.exit_code
 
 
