@@ -25,17 +25,32 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteForCausalLM": "granite",  # Llama with embedding / residual / attention / logits multipliers
     "Olmo2ForCausalLM": "olmo2",  # post-norm residual blocks, q/k RMSNorm over the whole projection
     "Phi3ForCausalLM": "phi3",  # fused qkv_proj / gate_up_proj in the checkpoint, partial rotary, LongRoPE
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()}  # config.json model_type
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "deepseek_v2", "deepseek_v3")
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 # Gated attention (Qwen3-Next): q_proj writes each head's query and its output gate, 2 x head_dim.
 GATED_ATTENTION_FAMILIES = ("qwen3_next",)
-HYBRID_FAMILIES = ("qwen3_next",)
+HYBRID_FAMILIES = ("qwen3_next",)  # layers of Gated DeltaNet (linear attention) between attention layers
 # Phi-3: one qkv_proj and one gate_up_proj in the checkpoint, and so in PEFT adapters' targets.
-FUSED_PROJECTION_FAMILIES = ("phi3",)  # layers of Gated DeltaNet (linear attention) between attention layers
+FUSED_PROJECTION_FAMILIES = ("phi3",)
+# Gemma 2 / Gemma 3 text: the Llama decoder with (1 + weight) norms around both blocks, scaled
+# embeddings, a GELU MLP, and their own attention scale and soft-capping (models/gemma.py).
+GEMMA_FAMILIES = ("gemma2", "gemma3_text")
 
 
+_GEMMA = {
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "sliding_window": 4096,
+    "query_pre_attn_scalar": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+}
 _QWEN_SLIDING = {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28}
 # What transformers assumes for a field config.json leaves out, where it differs from the generic
 # fallback the readers use (hidden_size // heads for head_dim, all heads for K/V, eps 1e-6, theta
@@ -66,6 +81,13 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v2": {"q_lora_rank": 1536, "n_shared_experts": 2},
     "olmo2": {"rms_norm_eps": 1e-5},
     "phi3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096},
+    "gemma2": {
+        **_GEMMA,
+        "max_position_embeddings": 8192,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+    },
+    "gemma3_text": {**_GEMMA, "max_position_embeddings": 131072, "rope_theta": 1e6},
     "deepseek_v3": {
         "max_position_embeddings": 4096,
         "q_lora_rank": 1536,

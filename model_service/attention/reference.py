@@ -30,9 +30,15 @@ from model_service.models.step import StepBatch
 
 class TorchReferenceBackend:
     def __init__(
-        self, kv_cache: KVCache, windows: list[int | None], head_dim: int, scale: float | None = None
+        self,
+        kv_cache: KVCache,
+        windows: list[int | None],
+        head_dim: int,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
-        self.kv_cache, self.windows = kv_cache, windows
+        """`softcap`: Gemma 2's cap * tanh(logits / cap) on the scaled attention logits."""
+        self.kv_cache, self.windows, self.softcap = kv_cache, windows, softcap
         self.scale = scale if scale is not None else head_dim**-0.5
         self._batch: StepBatch | None = None
         self._num_decode = 0
@@ -81,14 +87,14 @@ class TorchReferenceBackend:
         q_padded = torch.cat((q, q.new_zeros(1, heads, dim)))[self._query_index]  # [S, Q, H, D]
         keys = cache_rows(k_cache, self._key_slots).to(q.dtype)  # [S, K, KVH, D]
         values = cache_rows(v_cache, self._key_slots).to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q_padded.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=self._masks[self.windows[layer]],
-            scale=self.scale,
-            enable_gqa=heads != k.shape[1],
-        )  # [S, H, Q, D]
+        qkv = (q_padded.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
+        mask = self._masks[self.windows[layer]]
+        if self.softcap is not None:
+            out = softcapped_attention(*qkv, mask, self.scale, self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                *qkv, attn_mask=mask, scale=self.scale, enable_gqa=heads != k.shape[1]
+            )  # [S, H, Q, D]
         return out.transpose(1, 2).reshape(-1, heads, dim)[self._token_rows]
 
     def forward_latent(
@@ -154,6 +160,18 @@ class TorchReferenceBackend:
         )  # [S', H, Q, Dv]
         grid_rows = self._token_rows[first:] - first * self._query_index.shape[1]
         return out.transpose(1, 2).reshape(-1, heads, per_head - nope)[grid_rows]
+
+
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
+) -> torch.Tensor:
+    """SDPA with the scaled logits soft-capped before the mask, as HF's eager Gemma 2 attention
+    computes it (SDPA has no cap): q [S, H, Q, D], k and v [S, KVH, K, D], mask [S, 1, Q, K]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    logits = torch.tanh(q @ k.transpose(-1, -2) * scale / cap) * cap
+    logits = logits.masked_fill(~mask, float("-inf"))
+    return logits.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def _mask(query_pos: torch.Tensor, max_k: int, window: int | None) -> torch.Tensor:

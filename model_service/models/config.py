@@ -17,6 +17,7 @@ from model_service.errors import ModelLoadError
 from model_service.models.quantization import Fp8Scheme, quantization_scheme
 from spindle.architectures import (
     DEEPSEEK_FAMILIES,
+    GEMMA_FAMILIES,
     MOE_FAMILIES,
     SUPPORTED_ARCHITECTURES,
     layer_types,
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # Every MLP (and Qwen3-Next's conv) computes SiLU; HF's ACT2FN also spells it "swish".
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
+# A dense MLP also computes HF's exact and tanh GELUs (Gemma's); the fused MoE experts only SiLU.
+GELU_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh")
 
 
 class Mixer(str, enum.Enum):
@@ -134,6 +137,12 @@ class ModelConfig:
     o_proj_bias: bool = False  # Llama/Qwen3 `attention_bias` covers o_proj too; Qwen2's q/k/v bias does not
     mlp_bias: bool = False  # Llama `mlp_bias`
     qk_norm: bool = False
+    hidden_act: str = "silu"  # the MLP's activation, by its name in HF's ACT2FN
+    # Gemma 2: cap * tanh(x / cap) on the attention logits; Gemma: the same on the LM head's logits.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Gemma 3: the (theta, scaling) of sliding layers' RoPE, where it differs from the full layers'.
+    sliding_rope: tuple[float, dict[str, Any]] | None = None
     rotary_dim: int | None = None  # partial rotary: RoPE on the first rotary_dim dims only (None: all)
     linear_attention: LinearAttentionShape | None = None  # set when some layer is LINEAR_ATTENTION
     layer_kinds: list[LayerKind] = field(default_factory=list)  # one per layer
@@ -161,7 +170,8 @@ class ModelConfig:
     quantization: Fp8Scheme | None = None
     # Granite's multipliers (neutral elsewhere): the embeddings are scaled by embedding_multiplier,
     # each attention and MLP output by residual_multiplier before the residual add, the logits
-    # divided by logits_scaling, and attention_multiplier is the softmax scale (not 1/sqrt(head_dim)).
+    # divided by logits_scaling, and attention_multiplier is the softmax scale (not 1/sqrt(head_dim);
+    # Gemma's too: 1/sqrt(query_pre_attn_scalar)).
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
@@ -280,11 +290,10 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        _check_activation(raw)
         # HF: Llama/Qwen3 put `attention_bias` on q/k/v/o; Qwen2 always has q/k/v bias and no o bias;
         # Mistral has no bias at all whatever the config says.
         attention_bias = family in (
-            "llama", "qwen3", "qwen3_moe", "qwen3_next", "granite", "olmo2", *DEEPSEEK_FAMILIES
+            "llama", "qwen3", "qwen3_moe", "qwen3_next", "granite", "olmo2", *DEEPSEEK_FAMILIES, *GEMMA_FAMILIES
         ) and bool(raw.get("attention_bias", False))  # fmt: skip
         try:
             hidden = int(raw["hidden_size"])
@@ -305,7 +314,8 @@ class ModelConfig:
                 qkv_bias=family == "qwen2" or attention_bias or _qwen2_moe_qkv_bias(raw, family),
                 o_proj_bias=attention_bias,
                 mlp_bias=family in ("llama", "deepseek_v2", "granite") and bool(raw.get("mlp_bias", False)),
-                qk_norm=family in ("qwen3", "qwen3_moe", "qwen3_next"),
+                qk_norm=family in ("qwen3", "qwen3_moe", "qwen3_next", "gemma3_text"),
+                hidden_act=_activation(raw, family),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from e
@@ -315,6 +325,8 @@ class ModelConfig:
             raw.get("quantization_config") or raw.get("compression_config")
         )
         cfg.layer_kinds = attention_layers(_sliding_windows_from_hf(raw, family, layers))
+        if family in GEMMA_FAMILIES:
+            _gemma_from_hf(raw, cfg)
         if family == "qwen3_next":
             _hybrid_from_hf(raw, cfg)
         if family == "granite":
@@ -336,12 +348,60 @@ class ModelConfig:
         return cfg
 
 
-def _check_activation(raw: dict[str, Any]) -> None:
-    """Refuse a `hidden_act` other than SiLU: Llama-architecture checkpoints with ReLU or GELU MLPs
-    exist on the hub, and running them with SiLU would give fluent-looking wrong tokens."""
-    act = raw.get("hidden_act", "silu")
-    if act not in SUPPORTED_ACTIVATIONS:
-        raise ModelLoadError(f"unsupported hidden_act {act!r}; supported: {SUPPORTED_ACTIVATIONS}")
+def _activation(raw: dict[str, Any], family: str) -> str:
+    """The MLP's activation as HF reads it: Gemma's `hidden_activation` (HF ignores the `hidden_act`
+    its configs also carry), else `hidden_act`. One the MLP cannot compute is refused:
+    Llama-architecture checkpoints with ReLU MLPs exist on the hub, and running them with SiLU
+    would give fluent-looking wrong tokens."""
+    field_name = "hidden_activation" if family in GEMMA_FAMILIES else "hidden_act"
+    act = raw.get(field_name, "silu")
+    supported = SUPPORTED_ACTIVATIONS + (() if family in MOE_FAMILIES else GELU_ACTIVATIONS)
+    if act not in supported:
+        raise ModelLoadError(f"unsupported {field_name} {act!r} for {family}; supported: {supported}")
+    return act
+
+
+def _gemma_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
+    """Gemma 2 / 3 text: the attention scale (1/sqrt(query_pre_attn_scalar), in Granite's field),
+    the soft-caps and Gemma 3's two RoPEs. HF's Gemma 3 attention never hands
+    `attn_logit_softcapping` to its attention function, so that field is read for Gemma 2 only.
+    EmbeddingGemma's bidirectional attention is no causal decoder."""
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError(
+            "use_bidirectional_attention is set: an encoder (EmbeddingGemma), not a causal decoder"
+        )
+    cfg.attention_multiplier = float(raw["query_pre_attn_scalar"]) ** -0.5  # the softmax scale
+    cfg.final_logit_softcapping = _softcap(raw, "final_logit_softcapping")
+    if cfg.family == "gemma2":
+        cfg.attn_logit_softcapping = _softcap(raw, "attn_logit_softcapping")
+    if cfg.family == "gemma3_text":
+        full, sliding = (
+            _rope_from_hf({**raw, "rope_scaling": None, "rope_parameters": params})
+            for params in _gemma3_rope_dicts(raw)
+        )
+        cfg.rope_theta, cfg.rope_scaling = full
+        cfg.sliding_rope = sliding
+
+
+def _softcap(raw: dict[str, Any], name: str) -> float | None:
+    cap = raw.get(name)
+    if cap is not None and float(cap) <= 0:
+        raise ModelLoadError(f"{name} must be positive or null, got {cap!r}")
+    return float(cap) if cap is not None else None
+
+
+def _gemma3_rope_dicts(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The RoPE dicts of Gemma 3's full and sliding layers as transformers builds them: a
+    transformers 5 config keys them by layer type in `rope_parameters`; a hub config says
+    `rope_theta` (1e6) and `rope_scaling` for the full layers and `rope_local_base_freq` (1e4)
+    for the sliding ones, which are never scaled."""
+    per_type = raw.get("rope_parameters") or {}
+    full = dict(per_type.get("full_attention") or {"rope_type": "default"})
+    full.update(raw.get("rope_scaling") or {})
+    full.setdefault("rope_theta", raw.get("rope_theta", 1e6))
+    sliding = dict(per_type.get("sliding_attention") or {"rope_type": "default"})
+    sliding.setdefault("rope_theta", raw.get("rope_local_base_freq", 1e4))
+    return full, sliding
 
 
 def _token_ids(value: Any) -> list[int]:
@@ -437,6 +497,8 @@ def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> l
     """Mistral, Mixtral and Phi-3 slide in every layer when `sliding_window` is set; the Qwen families
     only when `use_sliding_window` also says so, Qwen3-MoE in every layer, the others per layer.
     Llama, Qwen3-Next and DeepSeek never slide (HF ignores the field for them)."""
+    if family in GEMMA_FAMILIES:
+        return _gemma_windows(raw, family, layers)
     window = raw.get("sliding_window")
     if not window:
         return [None] * layers
@@ -448,6 +510,22 @@ def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> l
         return [int(window)] * layers
     types = raw.get("layer_types") or _qwen_layer_types(raw, family, layers)
     _check_attention_layer_types(types, layers)
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+def _gemma_windows(raw: dict[str, Any], family: str, layers: int) -> list[int | None]:
+    """Gemma slides the layers `layer_types` names; a config without it (written before the field)
+    all but every `sliding_window_pattern`-th layer (Gemma 3, 6 by default) or every other one
+    (Gemma 2), as transformers derives them. Gemma 3 picks each layer's RoPE by its type, so a
+    sliding layer without a window is refused rather than run with the other RoPE."""
+    pattern = int(raw.get("sliding_window_pattern") or 6) if family == "gemma3_text" else 2
+    types = raw.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
+    _check_attention_layer_types(types, layers)
+    window = raw.get("sliding_window")
+    if not window and "sliding_attention" in types:
+        raise ModelLoadError("layer_types names sliding_attention layers but sliding_window is not set")
     return [int(window) if t == "sliding_attention" else None for t in types]
 
 

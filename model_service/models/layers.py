@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from model_service.kernels.fp8_gemm import ActivationQuant, QuantizedRows, plain
+from model_service.kernels.fp8_gemm import ActivationQuant, QuantizedRows, plain, quantized_rows
 from model_service.kernels.fused import rms_norm, silu_and_mul
 from model_service.kernels.skinny_gemm import skinny_applies, skinny_linear
 from model_service.models.config import ModelConfig
@@ -34,6 +35,14 @@ class RMSNorm(nn.Module):
         add without a residual). With `quant` (an FP8 consumer's `input_quant`) the norm also
         quantizes its rows for that consumer, in the same launch on CUDA."""
         return rms_norm(x, self.weight, self.eps, residual, quant, self.zero_centered)
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + weight), in float32, rounded once: a zero weight is the identity scale
+    (how Qwen3-Next and Gemma store it). One kernel on CUDA, the residual add included
+    (`fused.rms_norm`)."""
+
+    zero_centered = True
 
 
 class PackedLinear(nn.Linear):
@@ -80,11 +89,17 @@ class PackedLinear(nn.Linear):
         return silu_and_mul(self(x), quant)
 
 
+# The gated MLPs' activations other than SiLU (`ModelConfig.hidden_act`), as HF's ACT2FN computes them.
+GELUS = {"gelu": "none", "gelu_pytorch_tanh": "tanh"}  # name -> F.gelu's `approximate`
+
+
 class MLP(nn.Module):
-    """The SwiGLU MLP: a dense layer's, or an MoE layer's shared expert (its own width)."""
+    """The gated MLP, act(gate) * up (SwiGLU, or Gemma's GELU): a dense layer's, or an MoE layer's
+    shared expert (its own width)."""
 
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
+        self.gelu = GELUS.get(cfg.hidden_act)  # None: SiLU
         inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = PackedLinear(
             cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, cfg.mlp_bias
@@ -96,9 +111,14 @@ class MLP(nn.Module):
         return self.gate_up_proj.input_quant(x)
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        """down(silu(gate) * up); an FP8 down projection gets its input quantized by SiLU-mul."""
+        """down(act(gate) * up); an FP8 down projection gets its input quantized by SiLU-mul (after
+        a GELU, which has no fused kernel, by the reference quantizer)."""
         quant = input_quant(self.down_proj, plain(x))
-        return self.down_proj(self.gate_up_proj.forward_silu_mul(x, quant))
+        if self.gelu is None:
+            return self.down_proj(self.gate_up_proj.forward_silu_mul(x, quant))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        h = F.gelu(gate, approximate=self.gelu) * up
+        return self.down_proj(h if quant is None else quantized_rows(h, quant))
 
 
 def input_quant(consumer: nn.Module | None, x: torch.Tensor) -> ActivationQuant | None:

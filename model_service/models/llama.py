@@ -117,12 +117,13 @@ class DecoderLayer(PreNormLayer):
     batches are one flat-batch operation that differs only in the step batch."""
 
     attention_class: type[nn.Module] = Attention  # a family's own attention (DeepSeek's MLA)
+    norm_class: type[RMSNorm] = RMSNorm  # Gemma's scale by 1 + weight
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = self.attention_class(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp_for(cfg, layer_idx)
 
     def mix(
@@ -132,6 +133,13 @@ class DecoderLayer(PreNormLayer):
 
     def mixer(self) -> nn.Module:
         return self.self_attn
+
+
+def sliding_rotary(cfg: ModelConfig) -> RotaryEmbedding | None:
+    """The sliding layers' rotary embedding where it differs from the full layers' (Gemma 3)."""
+    if cfg.sliding_rope is None:
+        return None
+    return RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, *cfg.sliding_rope)
 
 
 class DecoderModel(nn.Module):
@@ -154,6 +162,7 @@ class DecoderModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.sliding_rotary = sliding_rotary(cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] flat batch. Returns float32 logits [len(ctx.logits_rows), vocab]."""
@@ -165,15 +174,25 @@ class DecoderModel(nn.Module):
         """The residual stream after the last layer, [T, hidden], before the final norm: every row,
         so a caller may capture it for a padded token count (engine/piecewise_graphs.py)."""
         x = self.embed(input_ids)
-        rope = self.rotary(positions, x.dtype)
         residual = None
-        for layer in self.model.layers:
+        for layer, rope in zip(self.model.layers, self.layer_ropes(positions, x.dtype), strict=True):
             x, residual = layer(x, residual, rope, ctx)
         return x + residual
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings the first layer reads (Granite scales them)."""
         return self.model.embed_tokens(input_ids)
+
+    def layer_ropes(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's rotary tables: one pair for every layer, or (Gemma 3) the sliding layers'
+        own pair from their own base."""
+        rope = self.rotary(positions, dtype)
+        if self.sliding_rotary is None:
+            return [rope] * len(self.model.layers)
+        local = self.sliding_rotary(positions, dtype)
+        return [local if window else rope for window in self.config.sliding_windows]
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Float32 logits of `hidden`'s `rows` (final norm, LM head)."""

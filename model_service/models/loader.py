@@ -207,6 +207,8 @@ def build_module(
         module.lm_head.weight = module.model.embed_tokens.weight
     rotary_dim = config.rotary_dim or config.head_dim
     module.rotary = RotaryEmbedding(rotary_dim, config.rope_theta, config.rope_scaling).to(device)
+    if config.sliding_rope is not None:
+        module.sliding_rotary = RotaryEmbedding(rotary_dim, *config.sliding_rope).to(device)
     return module.eval()
 
 

@@ -22,18 +22,11 @@ from model_service.kernels.gated_delta import gated_rms_norm
 from model_service.models.config import LinearAttentionShape, Mixer, ModelConfig
 from model_service.models.context import ForwardContext
 from model_service.models.gated_delta import causal_conv, gated_delta_rule
-from model_service.models.layers import PackedLinear, RMSNorm
+from model_service.models.layers import PackedLinear, ZeroCenteredRMSNorm
 from model_service.models.llama import DecoderModel, PreNormLayer
 from model_service.models.moe import mlp_for
 
 STATE_TENSORS_PER_LAYER = 2  # conv state [K - 1, conv_dim], delta-rule state [Hv, Dk, Dv]
-
-
-class ZeroCenteredRMSNorm(RMSNorm):
-    """x / rms(x) * (1 + weight), in float32, rounded once: a zero weight is the identity scale
-    (how Qwen3-Next stores it). One kernel on CUDA, the residual add included (`fused.rms_norm`)."""
-
-    zero_centered = True
 
 
 class GatedRMSNorm(nn.Module):

@@ -13,6 +13,7 @@ from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
 from model_service.models.deepseek import DeepseekModel
 from model_service.models.granite import GraniteModel
+from model_service.models.gemma import GemmaModel
 from model_service.models.llama import DecoderModel
 from model_service.models.olmo2 import Olmo2Model
 from model_service.models.phi3 import Phi3Model
@@ -32,6 +33,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "granite": GraniteModel,
     "olmo2": Olmo2Model,
     "phi3": Phi3Model,
+    "gemma2": GemmaModel,
+    "gemma3_text": GemmaModel,
 }
 
 
