@@ -185,6 +185,8 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "granite": {"cls": "GraniteConfig", "arch": "GraniteForCausalLM"},
     "olmo2": {"cls": "Olmo2Config", "arch": "Olmo2ForCausalLM"},
     "phi3": {"cls": "Phi3Config", "arch": "Phi3ForCausalLM"},
+    "gemma2": {"cls": "Gemma2Config", "arch": "Gemma2ForCausalLM"},
+    "gemma3_text": {"cls": "Gemma3TextConfig", "arch": "Gemma3ForCausalLM"},
 }
 
 

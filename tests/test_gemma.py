@@ -159,3 +159,19 @@ def test_gemma3_hub_rope_fields_read_as_transformers_reads_them():
     ours, hf = ModelConfig.from_hf(raw), transformers.Gemma3TextConfig(**raw).rope_parameters
     assert (ours.rope_theta, ours.rope_scaling["factor"]) == (hf["full_attention"]["rope_theta"], 8.0)
     assert ours.sliding_rope == (hf["sliding_attention"]["rope_theta"], {"rope_type": "default"})
+
+
+def test_gemma_attention_backend_where_kernels_apply(gemma, monkeypatch: pytest.MonkeyPatch):
+    """Where the Triton kernels would run (CUDA, faked here: the backends are only built), Gemma 2's
+    soft-capped attention takes the torch backend, which alone caps, without graphs; Gemma 3 the
+    kernels, at query_pre_attn_scalar's scale (not head_dim's)."""
+    from model_service.attention.reference import TorchReferenceBackend
+    from model_service.attention.triton_backend import TritonBackend
+    from model_service.engine.executor import ModelExecutor
+
+    hf, ours = gemma
+    monkeypatch.setattr(ModelExecutor, "_kernels_apply", lambda self: True)
+    executor = make_engine(ours, enforce_eager=True).executor
+    capped = ours.config.attn_logit_softcapping is not None
+    assert isinstance(executor.attention, TorchReferenceBackend if capped else TritonBackend)
+    assert executor.attention.scale == 24**-0.5 and executor.graphs is None

@@ -65,9 +65,10 @@ def test_sliding_layers_of_a_config_without_layer_types(family: str):
 
 def hf_reading(family: str, hf: Any) -> dict[str, Any]:
     """What HF's modeling code takes from its config object, in the terms of `our_reading`."""
+    rope = hf.rope_parameters["full_attention"] if family == "gemma3_text" else hf.rope_parameters
     reading: dict[str, Any] = {
         "rms_norm_eps": hf.rms_norm_eps,
-        "rope_theta": hf.rope_parameters["rope_theta"],
+        "rope_theta": rope["rope_theta"],
         "max_position_embeddings": hf.max_position_embeddings,
         "sliding_windows": hf_windows(family, hf),
     }
@@ -91,7 +92,24 @@ def hf_reading(family: str, hf: Any) -> dict[str, Any]:
         reading["num_experts_per_tok"] = hf.num_experts_per_tok
     if family in ("qwen2_moe", "qwen3_next"):
         reading["shared_expert_intermediate_size"] = hf.shared_expert_intermediate_size
+    if family in ("gemma2", "gemma3_text"):
+        reading |= gemma_reading(family, hf)
     return reading
+
+
+def gemma_reading(family: str, hf: Any) -> dict[str, Any]:
+    """What HF's Gemma modeling code takes from its config beyond the Llama fields (its Gemma 3
+    attention never passes `attn_logit_softcapping` on)."""
+    local = hf.rope_parameters["sliding_attention"]["rope_theta"] if family == "gemma3_text" else None
+    return {
+        "query_pre_attn_scalar": hf.query_pre_attn_scalar,
+        "final_logit_softcapping": hf.final_logit_softcapping,
+        "attn_logit_softcapping": hf.attn_logit_softcapping if family == "gemma2" else None,
+        "hidden_act": hf.hidden_activation,
+        "tie_word_embeddings": hf.tie_word_embeddings,
+        "eos_token_ids": [hf.eos_token_id],
+        "sliding_rope": (local, {"rope_type": "default"}) if local else None,
+    }
 
 
 def our_reading(ours: ModelConfig, keys: list[str]) -> dict[str, Any]:
@@ -106,8 +124,9 @@ def our_reading(ours: ModelConfig, keys: list[str]) -> dict[str, Any]:
 @pytest.mark.parametrize("family", list(TINY_CONFIGS))
 def test_a_left_out_field_means_what_transformers_defaults_it_to(family: str):
     """Only the required fields (and 30 layers, use_sliding_window: Qwen's default window and
-    max_window_layers then show): head sizes, eps, theta, windows, rotary width and routing read
-    as HF reads them, so the weights run as they were trained."""
+    max_window_layers then show): head sizes, eps, theta, windows, rotary width, routing and
+    Gemma's scale, caps and RoPE bases read as HF reads them, so the weights run as they were
+    trained."""
     ours, hf = both(family, num_hidden_layers=30, use_sliding_window=True)
     expected = hf_reading(family, hf)
     assert our_reading(ours, list(expected)) == expected

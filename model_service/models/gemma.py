@@ -84,7 +84,7 @@ class GemmaModel(DecoderModel):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings times sqrt(hidden_size), the factor rounded to their dtype first (as HF)."""
         x = self.model.embed_tokens(input_ids)
-        return x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x * float(torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype))
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Float32 logits, soft-capped to (-cap, cap) where the config says (computed in float32;
