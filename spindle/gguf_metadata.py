@@ -15,7 +15,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-# GGUF `general.architecture` -> the engine's family (model_service/models/config.py).
+# GGUF `general.architecture` -> the engine's family (model_service/models/config.py). Gemma's
+# are left out (refused, not served wrong): llama.cpp's converter stores their norms' weights plus
+# one, and spells soft-caps, sliding layers and RoPE bases in its own metadata, none read here.
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",

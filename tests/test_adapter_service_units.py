@@ -224,11 +224,12 @@ def test_a_gguf_base_is_read_without_torch(tmp_path):
     ("arch", "meta", "tensors", "named"),
     [
         ("gpt2", {}, (), "GGUF architecture 'gpt2' is not supported"),
+        ("gemma3", {}, (), "GGUF architecture 'gemma3' is not supported"),
         ("llama", {"attention.head_count_kv": [2, 4]}, (), "'llama.attention.head_count_kv' differs"),
         ("llama", {"rope.scaling.type": "yarn"}, (), "RoPE scaling (yarn)"),
         ("llama", {}, ("blk.0.ffn_gate_exps.weight",), "['blk.0.ffn_gate_exps.weight']"),
     ],
-    ids=["architecture", "layers-differ", "rope-scaling", "mixtral-experts"],
+    ids=["architecture", "gemma", "layers-differ", "rope-scaling", "mixtral-experts"],
 )
 def test_a_gguf_base_the_pods_refuse_is_refused_naming_why(tmp_path, arch, meta, tensors, named):
     """The service read any architecture's shapes, and no RoPE or tensor rule, so adapters were
