@@ -169,7 +169,7 @@ def test_gemma_attention_backend_where_kernels_apply(gemma, monkeypatch: pytest.
     from model_service.attention.triton_backend import TritonBackend
     from model_service.engine.executor import ModelExecutor
 
-    hf, ours = gemma
+    _, ours = gemma
     monkeypatch.setattr(ModelExecutor, "_kernels_apply", lambda self: True)
     executor = make_engine(ours, enforce_eager=True).executor
     capped = ours.config.attn_logit_softcapping is not None

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from model_service.errors import ModelLoadError
 from model_service.models import loader
+from model_service.models.config import ModelConfig
 from model_service.models.layers import checkpoint_tensors
 from model_service.models.loader import load_model, resolve_model_path
 from tests.conftest import make_tiny_checkpoint
@@ -241,14 +242,20 @@ def test_unsupported_or_incomplete_rope(ckpt: Path, rope: dict[str, Any], needle
     assert "RoPE" in msg and needle in msg
 
 
-def test_activations_other_than_silu_are_refused(ckpt: Path):
-    """Every MLP computes SiLU: a ReLU or GELU Llama must be refused, not run with SiLU."""
-    for act in ("gelu", "relu", "gelu_pytorch_tanh"):
+def test_activations_the_mlp_cannot_compute_are_refused(ckpt: Path):
+    """A dense MLP computes SiLU or GELU (HF's exact and tanh ones; test_tiny_models checks a GELU
+    Llama against HF): a ReLU Llama, or a GELU MoE (the fused experts compute SiLU only), must be
+    refused, not run with SiLU."""
+    edit_config(ckpt, hidden_act="relu")
+    msg = load_error(ckpt)
+    assert "hidden_act" in msg and repr("relu") in msg
+    for act in ("swish", "gelu", "gelu_pytorch_tanh"):  # swish: HF's other name for SiLU
         edit_config(ckpt, hidden_act=act)
-        msg = load_error(ckpt)
-        assert "hidden_act" in msg and repr(act) in msg
-    edit_config(ckpt, hidden_act="swish")  # HF's other name for SiLU
-    assert load(ckpt).config.family == "llama"
+        assert load(ckpt).config.hidden_act == act
+    raw = json.loads((ckpt / "config.json").read_text())
+    moe = {**raw, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}
+    with pytest.raises(ModelLoadError, match="unsupported hidden_act 'gelu_pytorch_tanh' for mixtral"):
+        ModelConfig.from_hf(moe)
 
 
 # --- GGUF --------------------------------------------------------------------------------------

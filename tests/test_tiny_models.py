@@ -71,6 +71,7 @@ VARIANTS: dict[str, Variant] = {
         "llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}}
     ),
     "llama-sharded": Variant("llama", max_shard_size="100KB"),
+    "llama-gelu": Variant("llama", {"hidden_act": "gelu_pytorch_tanh"}),
     "mistral": Variant("mistral"),
     "mistral-sliding8": Variant("mistral", {"sliding_window": 8}),
     "qwen2": Variant("qwen2"),
