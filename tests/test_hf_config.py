@@ -102,7 +102,7 @@ def gemma_reading(family: str, hf: Any) -> dict[str, Any]:
     attention never passes `attn_logit_softcapping` on)."""
     local = hf.rope_parameters["sliding_attention"]["rope_theta"] if family == "gemma3_text" else None
     return {
-        "query_pre_attn_scalar": hf.query_pre_attn_scalar,
+        "softmax_scale": hf.query_pre_attn_scalar**-0.5,
         "final_logit_softcapping": hf.final_logit_softcapping,
         "attn_logit_softcapping": hf.attn_logit_softcapping if family == "gemma2" else None,
         "hidden_act": hf.hidden_activation,

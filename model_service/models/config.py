@@ -293,7 +293,8 @@ class ModelConfig:
         # HF: Llama/Qwen3 put `attention_bias` on q/k/v/o; Qwen2 always has q/k/v bias and no o bias;
         # Mistral has no bias at all whatever the config says.
         attention_bias = family in (
-            "llama", "qwen3", "qwen3_moe", "qwen3_next", "granite", "olmo2", *DEEPSEEK_FAMILIES, *GEMMA_FAMILIES
+            "llama", "qwen3", "qwen3_moe", "qwen3_next", "granite", "olmo2", *DEEPSEEK_FAMILIES,
+            *GEMMA_FAMILIES,
         ) and bool(raw.get("attention_bias", False))  # fmt: skip
         try:
             hidden = int(raw["hidden_size"])

@@ -12,8 +12,8 @@ from torch import nn
 from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
 from model_service.models.deepseek import DeepseekModel
-from model_service.models.granite import GraniteModel
 from model_service.models.gemma import GemmaModel
+from model_service.models.granite import GraniteModel
 from model_service.models.llama import DecoderModel
 from model_service.models.olmo2 import Olmo2Model
 from model_service.models.phi3 import Phi3Model
