@@ -41,6 +41,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"attn_logit_softcapping": 2.0}),
 }
 LONG = random_prompt(30, seed=7)  # past the window of 8 and several 4-token blocks
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def save_gemma(family: str, path: Path, seed: int = 0) -> Any:
@@ -66,14 +67,6 @@ def hf_greedy(hf: Any, ids: list[int], n: int = MAX_NEW) -> list[int]:
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
     return out[0, len(ids) :].tolist()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
