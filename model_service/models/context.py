@@ -14,6 +14,9 @@ import torch
 from model_service.models.recurrent import RecurrentStep
 from model_service.models.step import AttentionBackend
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # a step's cos and sin, as `RotaryEmbedding` gives them
+LayerOutput = tuple[torch.Tensor, torch.Tensor]  # (a layer's output, the residual stream before it)
+
 
 @dataclass
 class ForwardContext:

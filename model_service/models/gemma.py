@@ -22,7 +22,7 @@ import torch
 from model_service.kernels.fp8_gemm import QuantizedRows
 from model_service.kernels.paged_attention import HeadNorms
 from model_service.models.config import ModelConfig
-from model_service.models.context import ForwardContext
+from model_service.models.context import ForwardContext, LayerOutput, Rope
 from model_service.models.layers import ZeroCenteredRMSNorm
 from model_service.models.llama import Attention, DecoderLayer, DecoderModel, add_and_norm
 
@@ -64,12 +64,8 @@ class GemmaDecoderLayer(DecoderLayer):
         self.post_feedforward_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext
+    ) -> LayerOutput:
         """(this layer's output, the residual stream before it): the next norm adds the two."""
         h, residual = add_and_norm(self.input_layernorm, x, residual, self.mixer())
         h = self.post_attention_layernorm(self.mix(h, rope, ctx))

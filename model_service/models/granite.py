@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from model_service.models.config import ModelConfig
-from model_service.models.context import ForwardContext
+from model_service.models.context import ForwardContext, LayerOutput, Rope
 from model_service.models.llama import DecoderLayer, DecoderModel, add_and_norm
 
 
@@ -21,12 +21,8 @@ class GraniteLayer(DecoderLayer):
         self.residual_multiplier = cfg.residual_multiplier
 
     def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext
+    ) -> LayerOutput:
         """`PreNormLayer.forward` with both blocks' outputs scaled before the next add."""
         scale = self.residual_multiplier
         h, residual = add_and_norm(self.input_layernorm, x, residual, self.mixer())

@@ -17,7 +17,7 @@ from torch import nn
 from model_service.kernels.fp8_gemm import ActivationQuant, QuantizedRows
 from model_service.kernels.paged_attention import HeadNorms
 from model_service.models.config import ModelConfig
-from model_service.models.context import ForwardContext
+from model_service.models.context import ForwardContext, LayerOutput, Rope
 from model_service.models.layers import PackedLinear, RMSNorm, input_quant
 from model_service.models.moe import mlp_for
 from model_service.models.rope import RotaryEmbedding
@@ -85,12 +85,8 @@ class PreNormLayer(nn.Module):
         return None
 
     def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext
+    ) -> LayerOutput:
         """(this layer's output, the residual stream before it): the next norm adds the two."""
         h, residual = add_and_norm(self.input_layernorm, x, residual, self.mixer())
         h = self.mix(h, rope, ctx)

@@ -15,7 +15,7 @@ from torch import nn
 
 from model_service.kernels.fp8_gemm import QuantizedRows
 from model_service.models.config import ModelConfig
-from model_service.models.context import ForwardContext
+from model_service.models.context import ForwardContext, LayerOutput, Rope
 from model_service.models.layers import RMSNorm
 from model_service.models.llama import Attention, DecoderModel
 from model_service.models.moe import mlp_for
@@ -43,12 +43,8 @@ class Olmo2Layer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext
+    ) -> LayerOutput:
         """(this layer's MLP output, normalized; the stream before it), which the next layer or
         `DecoderModel.hidden_states` adds, as `PreNormLayer` returns them."""
         stream = x if residual is None else x + residual
