@@ -27,9 +27,10 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",  # fused qkv_proj / gate_up_proj in the checkpoint, partial rotary, LongRoPE
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "GptOssForCausalLM": "gpt_oss",  # attention sinks, biased MoE with a clamped SwiGLU (models/gpt_oss.py)
 }
 MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()}  # config.json model_type
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "deepseek_v2", "deepseek_v3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "deepseek_v2", "deepseek_v3", "gpt_oss")
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 # Gated attention (Qwen3-Next): q_proj writes each head's query and its output gate, 2 x head_dim.
 GATED_ATTENTION_FAMILIES = ("qwen3_next",)
@@ -88,6 +89,27 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "attn_logit_softcapping": 50.0,
     },
     "gemma3_text": {**_GEMMA, "max_position_embeddings": 131072, "rope_theta": 1e6},
+    "gpt_oss": {
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "sliding_window": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "attention_bias": True,
+        "rope_theta": 150000.0,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+    },
     "deepseek_v3": {
         "max_position_embeddings": 4096,
         "q_lora_rank": 1536,
@@ -125,7 +147,7 @@ def moe_layers(family: str | None, raw: dict[str, Any], count: int) -> list[bool
         experts = int(raw.get("n_routed_experts") or 0)
         first_dense, freq = int(raw.get("first_k_dense_replace") or 0), int(raw.get("moe_layer_freq") or 1)
         return [experts > 0 and i >= first_dense and i % freq == 0 for i in range(count)]
-    if family == "mixtral":
+    if family in ("mixtral", "gpt_oss"):
         return [True] * count
     if family in MOE_FAMILIES:
         experts = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])

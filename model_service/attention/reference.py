@@ -37,7 +37,8 @@ class TorchReferenceBackend:
         scale: float | None = None,
         softcap: float | None = None,
     ) -> None:
-        """`softcap`: Gemma 2's cap * tanh(logits / cap) on the scaled attention logits."""
+        """`softcap`: Gemma 2's cap * tanh(logits / cap) on the scaled attention logits. Attention
+        sinks (gpt-oss's) come with each call: they are the layer's parameters."""
         self.kv_cache, self.windows, self.softcap = kv_cache, windows, softcap
         self.scale = scale if scale is not None else head_dim**-0.5
         self._batch: StepBatch | None = None
@@ -74,6 +75,7 @@ class TorchReferenceBackend:
         v: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         norms: HeadNorms | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert self._batch is not None, "prepare() must run before the first layer"
         if norms is not None:
@@ -89,8 +91,8 @@ class TorchReferenceBackend:
         values = cache_rows(v_cache, self._key_slots).to(q.dtype)
         qkv = (q_padded.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
         mask = self._masks[self.windows[layer]]
-        if self.softcap is not None:
-            out = softcapped_attention(*qkv, mask, self.scale, self.softcap)
+        if self.softcap is not None or sinks is not None:
+            out = explicit_attention(*qkv, mask, self.scale, self.softcap, sinks)
         else:
             out = F.scaled_dot_product_attention(
                 *qkv, attn_mask=mask, scale=self.scale, enable_gqa=heads != k.shape[1]
@@ -162,16 +164,31 @@ class TorchReferenceBackend:
         return out.transpose(1, 2).reshape(-1, heads, per_head - nope)[grid_rows]
 
 
-def softcapped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
+def explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SDPA with the scaled logits soft-capped before the mask, as HF's eager Gemma 2 attention
-    computes it (SDPA has no cap): q [S, H, Q, D], k and v [S, KVH, K, D], mask [S, 1, Q, K]."""
+    """SDPA written out, for the terms SDPA has no place for: q [S, H, Q, D], k and v
+    [S, KVH, K, D], mask [S, 1, Q, K]. `cap`: the scaled logits soft-capped before the mask, as
+    HF's eager Gemma 2 attention computes them. `sinks` [H]: gpt-oss's per-head logit that joins
+    each row's softmax (taking its share of the probability) but has no value, as HF's eager
+    gpt-oss attention."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    logits = torch.tanh(q @ k.transpose(-1, -2) * scale / cap) * cap
+    logits = q @ k.transpose(-1, -2) * scale
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
     logits = logits.masked_fill(~mask, float("-inf"))
-    return logits.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+    if sinks is None:
+        return logits.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+    sink = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+    probs = torch.cat((logits, sink), dim=-1).softmax(-1, dtype=torch.float32)[..., :-1]
+    return probs.to(q.dtype) @ v
 
 
 def _mask(query_pos: torch.Tensor, max_k: int, window: int | None) -> torch.Tensor:

@@ -68,7 +68,10 @@ class TritonBackend(StaticDecodeMetadata):
         v: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         norms: HeadNorms | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:  # the executor gives models with sinks the torch backend
+            raise NotImplementedError("the Triton attention kernels have no attention sinks (gpt-oss)")
         k_cache, v_cache = self.kv_cache.layer(layer)
         block_size, window = self.kv_cache.block_size, self.windows[layer]
         if self.decode and rope is not None and self.num_splits > 1:  # docs/performance-notes.md, session n

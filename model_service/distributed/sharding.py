@@ -137,6 +137,11 @@ class Partition:
             raise ModelLoadError(
                 "tensor parallelism shards attention-only models; this one has recurrent layers"
             )
+        if cfg.attention_sinks:
+            raise ModelLoadError(
+                "tensor and expert parallelism do not split gpt-oss (its per-head attention sinks, its "
+                "experts' biases and clamped SwiGLU): serve it on one device"
+            )
         group = cfg.num_heads // cfg.num_kv_heads
         kv = runs(cfg.num_kv_heads, world)[rank]
         rows = math.ceil(cfg.vocab_size / world)

@@ -118,6 +118,15 @@ class Routing:
 PLAIN_TOP_K = Routing()  # softmax over all experts, no groups, no scaling: Qwen's and Mixtral's
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation, as HF's `GptOssExperts._apply_gate`: gate clamped above at
+    `limit`, up clamped to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
 @dataclass
 class ModelConfig:
     family: str
@@ -176,6 +185,12 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     attention_multiplier: float | None = None
+    # gpt-oss (models/gpt_oss.py): a learned logit per head in each attention softmax's denominator
+    # (the torch attention backend only, see executor.py), biased router and experts whose
+    # activation is `expert_swiglu`, and experts stored in MXFP4 (dequantized at load).
+    attention_sinks: bool = False
+    expert_swiglu: ClampedSwiGLU | None = None
+    mxfp4_experts: bool = False
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:
@@ -294,7 +309,7 @@ class ModelConfig:
         # Mistral has no bias at all whatever the config says.
         attention_bias = family in (
             "llama", "qwen3", "qwen3_moe", "qwen3_next", "granite", "olmo2", *DEEPSEEK_FAMILIES,
-            *GEMMA_FAMILIES,
+            *GEMMA_FAMILIES, "gpt_oss",
         ) and bool(raw.get("attention_bias", False))  # fmt: skip
         try:
             hidden = int(raw["hidden_size"])
@@ -322,9 +337,10 @@ class ModelConfig:
             raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from e
         cfg.rope_theta, cfg.rope_scaling = _rope_from_hf(raw)
         # compressed-tensors' older checkpoints say `compression_config`
-        cfg.quantization = quantization_scheme(
-            raw.get("quantization_config") or raw.get("compression_config")
-        )
+        quantization = raw.get("quantization_config") or raw.get("compression_config")
+        if family == "gpt_oss":
+            quantization = _gpt_oss_from_hf(raw, cfg, quantization)
+        cfg.quantization = quantization_scheme(quantization)
         cfg.layer_kinds = attention_layers(_sliding_windows_from_hf(raw, family, layers))
         if family in GEMMA_FAMILIES:
             _gemma_from_hf(raw, cfg)
@@ -382,6 +398,22 @@ def _gemma_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
         )
         cfg.rope_theta, cfg.rope_scaling = full
         cfg.sliding_rope = sliding
+
+
+def _gpt_oss_from_hf(raw: dict[str, Any], cfg: ModelConfig, quantization: Any) -> Any:
+    """gpt-oss's sinks and clamped SwiGLU (transformers' defaults for what config.json leaves
+    out); an `mxfp4` quantization_config, the hub checkpoints', marks the experts as MXFP4 blocks
+    to dequantize at load (`mxfp4.dequantize_experts`) and is no FP8 scheme: returned as None.
+    HF's mxfp4 quantizes the experts only, whatever `modules_to_not_convert` lists."""
+    cfg.attention_sinks = True
+    try:
+        cfg.expert_swiglu = ClampedSwiGLU(float(raw["swiglu_alpha"]), float(raw["swiglu_limit"]))
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"gpt-oss's swiglu_alpha and swiglu_limit must be numbers: {e}") from e
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4":
+        cfg.mxfp4_experts = True
+        return None
+    return quantization
 
 
 def _softcap(raw: dict[str, Any], name: str) -> float | None:
@@ -496,10 +528,11 @@ def _granite_from_hf(raw: dict[str, Any], cfg: ModelConfig) -> None:
 
 def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> list[int | None]:
     """Mistral, Mixtral and Phi-3 slide in every layer when `sliding_window` is set; the Qwen families
-    only when `use_sliding_window` also says so, Qwen3-MoE in every layer, the others per layer.
-    Llama, Qwen3-Next and DeepSeek never slide (HF ignores the field for them)."""
-    if family in GEMMA_FAMILIES:
-        return _gemma_windows(raw, family, layers)
+    only when `use_sliding_window` also says so, Qwen3-MoE in every layer, the others per layer;
+    Gemma and gpt-oss by `layer_types`. Llama, Qwen3-Next and DeepSeek never slide (HF ignores
+    the field for them)."""
+    if family in (*GEMMA_FAMILIES, "gpt_oss"):
+        return _layer_type_windows(raw, family, layers)
     window = raw.get("sliding_window")
     if not window:
         return [None] * layers
@@ -514,11 +547,12 @@ def _sliding_windows_from_hf(raw: dict[str, Any], family: str, layers: int) -> l
     return [int(window) if t == "sliding_attention" else None for t in types]
 
 
-def _gemma_windows(raw: dict[str, Any], family: str, layers: int) -> list[int | None]:
-    """Gemma slides the layers `layer_types` names; a config without it (written before the field)
-    all but every `sliding_window_pattern`-th layer (Gemma 3, 6 by default) or every other one
-    (Gemma 2), as transformers derives them. Gemma 3 picks each layer's RoPE by its type, so a
-    sliding layer without a window is refused rather than run with the other RoPE."""
+def _layer_type_windows(raw: dict[str, Any], family: str, layers: int) -> list[int | None]:
+    """Gemma and gpt-oss slide the layers `layer_types` names; a config without it (written before
+    the field) all but every `sliding_window_pattern`-th layer (Gemma 3, 6 by default) or every
+    other one (Gemma 2, gpt-oss), as transformers derives them. Gemma 3 picks each layer's RoPE
+    by its type, so a sliding layer without a window is refused rather than run with the other
+    RoPE."""
     pattern = int(raw.get("sliding_window_pattern") or 6) if family == "gemma3_text" else 2
     types = raw.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
@@ -566,7 +600,7 @@ def _moe_from_hf(cfg: ModelConfig, raw: dict[str, Any]) -> None:
     try:
         cfg.num_experts = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])
         cfg.num_experts_per_tok = int(raw["num_experts_per_tok"])
-        if cfg.family == "mixtral":
+        if cfg.family in ("mixtral", "gpt_oss"):  # gpt-oss: softmax over the top-k logits, the same
             cfg.moe_intermediate_size, cfg.norm_topk_prob = cfg.intermediate_size, True
         else:
             cfg.moe_intermediate_size = int(raw["moe_intermediate_size"])

@@ -55,8 +55,15 @@ class Attention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        out = ctx.attention.forward(self.layer_idx, q, k, v, rope, self.head_norms())
-        return self.o_proj(out.reshape(n, -1))
+        return self.o_proj(self.attend(q, k, v, rope, ctx).reshape(n, -1))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # fmt: skip
+        """The backend's attention over the heads q [T, H, D], k, v [T, KVH, D]: where a family's
+        own softmax terms go (gpt-oss's sinks)."""
+        return ctx.attention.forward(self.layer_idx, q, k, v, rope, self.head_norms())
 
     def head_norms(self) -> HeadNorms | None:
         """Qwen3's q_norm and k_norm (both with the config's eps), for the backend to apply where
@@ -120,7 +127,11 @@ class DecoderLayer(PreNormLayer):
         self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = self.attention_class(cfg, layer_idx)
         self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = mlp_for(cfg, layer_idx)
+        self.mlp = self.make_mlp(cfg, layer_idx)
+
+    def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
+        """Layer `layer_idx`'s MLP: dense or sparse-MoE by its kind (gpt-oss: its own MoE)."""
+        return mlp_for(cfg, layer_idx)
 
     def mix(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext

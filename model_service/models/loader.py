@@ -24,6 +24,7 @@ from model_service.models.fp8_linear import fp8_dtypes, quantize_online
 from model_service.models.fp8_weights import fp8_checkpoint
 from model_service.models.gguf_weights import read_gguf
 from model_service.models.layers import checkpoint_layout
+from model_service.models.mxfp4 import dequantize_experts
 from model_service.models.quantization import ONLINE_SCHEMES, QuantizationError
 from model_service.models.registry import model_class
 from model_service.models.rope import RotaryEmbedding
@@ -199,6 +200,8 @@ def build_module(
         module = model_class(config)(config)
     if config.quantization is not None:
         tensors = fp8_checkpoint(module, tensors, config.quantization)
+    if config.mxfp4_experts:
+        tensors = dequantize_experts(tensors, dtype)
     if any(kind.moe for kind in config.layer_kinds):
         tensors = stack_expert_tensors(tensors, config)
     shared = {"lm_head.weight"} if config.tie_word_embeddings else set()

@@ -13,6 +13,7 @@ from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
 from model_service.models.deepseek import DeepseekModel
 from model_service.models.gemma import GemmaModel
+from model_service.models.gpt_oss import GptOssModel
 from model_service.models.granite import GraniteModel
 from model_service.models.llama import DecoderModel
 from model_service.models.olmo2 import Olmo2Model
@@ -35,6 +36,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "phi3": Phi3Model,
     "gemma2": GemmaModel,
     "gemma3_text": GemmaModel,
+    "gpt_oss": GptOssModel,
 }
 
 

@@ -127,13 +127,15 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         norms: HeadNorms | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V of `layer` into the pool, then attend each token to its own
         sequence's context. q: [T, H, D]; k, v: [T, KVH, D]; returns [T, H, D]. With `rope`
         ((cos, sin), [T, D] each), q and k get full-width RoPE first: a backend can fuse it with
         the K/V write. A model with another rotation applies it itself and passes none. With
         `norms` (Qwen3's q_norm and k_norm), q's and k's heads are RMS-normalized before anything
-        else: a backend can fuse that with the rotation."""
+        else: a backend can fuse that with the rotation. With `sinks` [H] (gpt-oss), each head's
+        softmax has one more logit, of no value: a backend that cannot add it raises, never drops it."""
 
 
 @runtime_checkable

@@ -1,0 +1,197 @@
+"""gpt-oss against HF transformers (and PEFT) on a tiny random checkpoint, and MXFP4 experts.
+
+The checkpoint turns on everything that distinguishes the family: sliding (window 8, shorter than
+the long prompt) and full layers, attention sinks, q/k/v/o biases, YaRN (transformers' default
+for gpt-oss), a biased router over 4 experts (top-2), biased experts and a SwiGLU clamp low
+enough (1.5) to bind. Every weight is random, the sinks and biases too: HF's zero init would hide
+a dropped bias.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from model_service.errors import ModelLoadError
+from model_service.lora.adapter import AdapterError, load_peft_adapter
+from model_service.models.config import ModelConfig
+from model_service.models.loader import LoadedModel, load_model
+from model_service.models.mxfp4 import dequantize
+from tests.conftest import assert_all_blocks_free, make_engine, prefill_logits
+from tests.test_lora import make_adapter, peft_greedy
+from tests.test_tiny_models import MAX_NEW, PROMPTS, VOCAB, random_prompt, rel_err, request
+
+SHAPE = {
+    "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+    "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 1.5,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "architectures": ["GptOssForCausalLM"],
+}  # fmt: skip
+LONG = random_prompt(30, seed=7)  # past the window of 8 and several 4-token blocks
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def save_gpt_oss(path: Path, seed: int = 0) -> Any:
+    """Save a tiny random gpt-oss checkpoint at `path`; returns HF's model of it (the oracle)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.GptOssConfig(**SHAPE), dtype=torch.float32
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def hf_greedy(hf: Any, ids: list[int], n: int = MAX_NEW) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: Any) -> tuple[Any, LoadedModel]:
+    """(HF's model, ours) of one checkpoint."""
+    path = tmp_path_factory.mktemp("gpt_oss")
+    hf = save_gpt_oss(path)
+    return hf, load_model(str(path), torch.float32, torch.device("cpu"))
+
+
+def test_gpt_oss_logits_match_hf_past_the_sliding_window(gpt_oss):
+    hf, ours = gpt_oss
+    assert ours.config.sliding_windows == [8, None] and ours.config.rope_scaling["rope_type"] == "yarn"
+    for ids in (PROMPTS[1], LONG):
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0, -1]
+        assert rel_err(prefill_logits(make_engine(ours), ids), ref) < 1e-4
+        assert rel_err(prefill_logits(make_engine(ours, block_size=4), ids, chunk=5), ref) < 1e-4
+
+
+def test_gpt_oss_greedy_batched_and_chunked_match_hf(gpt_oss):
+    """Mixed-length prompts in one batch, and the same prompts prefilled in 5-token chunks over
+    4-token blocks, decode HF's greedy tokens."""
+    hf, ours = gpt_oss
+    prompts = [*PROMPTS[:4], LONG]
+    expected = [hf_greedy(hf, ids) for ids in prompts]
+    for overrides in ({}, {"max_num_batched_tokens": 5, "block_size": 4}):
+        engine = make_engine(ours, **overrides)
+        assert [o.token_ids for o in engine.generate([request(ids) for ids in prompts])] == expected
+        assert_all_blocks_free(engine)
+
+
+def test_gpt_oss_prefix_cache_hit_matches_hf(gpt_oss):
+    """A prompt that shares a cached 24-token prefix decodes as HF does from scratch."""
+    hf, ours = gpt_oss
+    engine = make_engine(ours, block_size=4)
+    engine.generate([request(LONG)])
+    longer = [*LONG[:24], *random_prompt(6, seed=8)]
+    before = engine.stats().prefix_cache_hit_tokens
+    assert engine.generate([request(longer)])[0].token_ids == hf_greedy(hf, longer)
+    assert engine.stats().prefix_cache_hit_tokens - before >= 16
+    assert_all_blocks_free(engine)
+
+
+def test_gpt_oss_lora_on_attention_matches_peft_and_expert_lora_is_refused(gpt_oss, tmp_path: Path):
+    hf, ours = gpt_oss
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    adapter = make_adapter(hf, tmp_path / "lora", 5, scale=0.1, r=4, lora_alpha=8, target_modules=targets)
+    engine = make_engine(ours, max_loras=1, lora_modules={"a": str(adapter)})
+    prompts = [PROMPTS[0], LONG]
+    got = [o.token_ids for o in engine.generate([{**request(ids), "adapter": "a"} for ids in prompts])]
+    assert got == peft_greedy(hf, adapter, prompts, MAX_NEW, eos=None)
+    assert got != [hf_greedy(hf, ids) for ids in prompts]  # the adapter changes the answer
+    # PEFT adapts gpt-oss's experts through `target_parameters`: refused by name, not ignored.
+    experts = make_adapter(
+        hf, tmp_path / "experts", 6, r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"]
+    )
+    with pytest.raises(AdapterError, match="adapts mixture-of-experts experts"):
+        load_peft_adapter("e", experts, ours.config, max_lora_rank=8)
+
+
+def test_gpt_oss_attention_takes_the_torch_backend_where_kernels_apply(gpt_oss, monkeypatch):
+    """Where the Triton kernels would run (CUDA, faked here: the backends are only built), the
+    sinks take the torch backend, which alone adds them, without graphs; the Triton backend
+    refuses sinks rather than drop them."""
+    from model_service.attention.reference import TorchReferenceBackend
+    from model_service.attention.triton_backend import TritonBackend
+    from model_service.engine.executor import ModelExecutor
+
+    _, ours = gpt_oss
+    monkeypatch.setattr(ModelExecutor, "_kernels_apply", lambda self: True)
+    executor = make_engine(ours, enforce_eager=True).executor
+    assert isinstance(executor.attention, TorchReferenceBackend) and executor.graphs is None
+    triton = TritonBackend(executor.kv_cache, [None, None], 16)
+    q = torch.zeros(1, 4, 16)
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        triton.forward(0, q, q[:, :2], q[:, :2], sinks=torch.zeros(4))
+
+
+def test_gpt_oss_tensor_parallelism_is_refused(gpt_oss):
+    from model_service.distributed.sharding import Partition
+
+    with pytest.raises(ModelLoadError, match="serve it on one device"):
+        Partition.of(gpt_oss[1].config, 0, 2)
+
+
+def test_mxfp4_dequantization_of_a_hand_built_block():
+    """Byte 0x2F is codes 0xF (low nibble, first: -6) and 0x2 (1.0); exponent byte 128 is 2**1,
+    126 is 2**-1. Each row's 16 bytes are 32 weights."""
+    blocks = torch.zeros(1, 2, 1, 16, dtype=torch.uint8)
+    blocks[0, 0, 0, 0], blocks[0, 0, 0, 15] = 0x2F, 0x91  # 0x1 (0.5), 0x9 (-0.5)
+    blocks[0, 1, 0, :] = 0x77  # 6.0, 6.0
+    scales = torch.tensor([[[128], [126]]], dtype=torch.uint8)
+    want = torch.zeros(1, 2, 32)
+    want[0, 0, :2] = torch.tensor([-12.0, 2.0])
+    want[0, 0, 30:] = torch.tensor([1.0, -1.0])
+    want[0, 1, :] = 3.0
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantize(blocks, scales, dtype), want.to(dtype))
+
+
+def test_mxfp4_checkpoint_serves_as_hf_with_the_dequantized_experts(tmp_path: Path):
+    """The hub's layout (`*_blocks` / `*_scales`, quantization_config mxfp4) of random codes loads
+    as transformers' own dequantization of them: HF's model holding those weights gives the same
+    greedy tokens."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src = tmp_path / "mxfp4"
+    hf = save_gpt_oss(src)
+    tensors, gen = load_file(str(src / "model.safetensors")), torch.Generator().manual_seed(3)
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, in_f, out_f = tensors.pop(name).shape  # HF's [E, in, out]; blocks: [E, out, in / 32, 16]
+        blocks = torch.randint(0, 256, (experts, out_f, in_f // 32, 16), generator=gen).to(torch.uint8)
+        scales = torch.randint(121, 126, blocks.shape[:-1], generator=gen).to(torch.uint8)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        hf.get_parameter(name).data = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(tensors, str(src / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
+    (src / "config.json").write_text(json.dumps(config))
+    engine = make_engine(load_model(str(src), torch.float32, torch.device("cpu")))
+    assert [o.token_ids for o in engine.generate([request(LONG)])] == [hf_greedy(hf, LONG)]
+
+
+def test_gpt_oss_config_defaults_are_transformers():
+    """A config.json with only the required fields reads as GptOssConfig's defaults."""
+    import transformers
+
+    raw = {"vocab_size": 64, "hidden_size": 96, "intermediate_size": 32, "num_attention_heads": 6}
+    raw |= {"num_hidden_layers": 4}
+    hf, ours = transformers.GptOssConfig(**raw), ModelConfig.from_hf({**raw, "model_type": "gpt_oss"})
+    assert (ours.num_kv_heads, ours.head_dim, ours.rms_norm_eps) == (8, 64, 1e-5)
+    assert ours.sliding_windows == [128 if t == "sliding_attention" else None for t in hf.layer_types]
+    params = dict(hf.rope_parameters)
+    assert ours.rope_theta == params.pop("rope_theta") and ours.rope_scaling == params
+    assert (ours.num_experts, ours.num_experts_per_tok, ours.moe_intermediate_size) == (128, 4, 32)
+    assert ours.qkv_bias and ours.o_proj_bias and ours.attention_sinks
+    assert (ours.expert_swiglu.alpha, ours.expert_swiglu.limit) == (hf.swiglu_alpha, hf.swiglu_limit)
