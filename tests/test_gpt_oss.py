@@ -3,7 +3,7 @@
 The checkpoint turns on everything that distinguishes the family: sliding (window 8, shorter than
 the long prompt) and full layers, attention sinks, q/k/v/o biases, YaRN (transformers' default
 for gpt-oss), a biased router over 4 experts (top-2), biased experts and a SwiGLU clamp low
-enough (1.5) to bind. Every weight is random, the sinks and biases too: HF's zero init would hide
+enough (0.25) to bind. Every weight is random, the sinks and biases too: HF's zero init would hide
 a dropped bias.
 """
 
@@ -27,7 +27,7 @@ from tests.test_tiny_models import MAX_NEW, PROMPTS, VOCAB, random_prompt, rel_e
 SHAPE = {
     "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
-    "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 1.5,
+    "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 0.25,
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "architectures": ["GptOssForCausalLM"],
 }  # fmt: skip
 LONG = random_prompt(30, seed=7)  # past the window of 8 and several 4-token blocks
