@@ -195,3 +195,17 @@ def test_gpt_oss_config_defaults_are_transformers():
     assert (ours.num_experts, ours.num_experts_per_tok, ours.moe_intermediate_size) == (128, 4, 32)
     assert ours.qkv_bias and ours.o_proj_bias and ours.attention_sinks
     assert (ours.expert_swiglu.alpha, ours.expert_swiglu.limit) == (hf.swiglu_alpha, hf.swiglu_limit)
+
+
+def test_a_hub_gpt_oss_config_reads_its_legacy_rope_and_mxfp4_fields():
+    """openai/gpt-oss-20b's config.json spells RoPE as `rope_theta` + `rope_scaling` and marks its
+    experts MXFP4 (no FP8 scheme); an MXFP4 config on another family stays refused."""
+    yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+    yarn |= {"original_max_position_embeddings": 4096}
+    mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}
+    raw = {**SHAPE, "rope_theta": 150000, "rope_scaling": yarn, "quantization_config": mxfp4}
+    ours = ModelConfig.from_hf(raw)
+    assert ours.mxfp4_experts and ours.quantization is None
+    assert (ours.rope_theta, ours.rope_scaling) == (150000.0, yarn)
+    with pytest.raises(ModelLoadError, match="mxfp4"):
+        ModelConfig.from_hf({**raw, "architectures": ["MixtralForCausalLM"]})
