@@ -18,9 +18,10 @@ import torch
 from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel, load_model
-from tests.conftest import assert_all_blocks_free, make_engine, prefill_logits
+from tests.conftest import make_engine, prefill_logits
+from tests.family_checks import LONG, check_batched_and_chunked, check_prefix_cache_hit, hf_greedy
 from tests.test_lora import make_adapter, peft_greedy
-from tests.test_tiny_models import MAX_NEW, PROMPTS, VOCAB, random_prompt, rel_err, request
+from tests.test_tiny_models import MAX_NEW, PROMPTS, VOCAB, rel_err, request
 
 SHAPE = {
     "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
@@ -40,7 +41,6 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"attn_logit_softcapping": 2.0}),
 }
-LONG = random_prompt(30, seed=7)  # past the window of 8 and several 4-token blocks
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -61,12 +61,6 @@ def save_gemma(family: str, path: Path, seed: int = 0) -> Any:
     model.save_pretrained(path)
     model.generation_config.eos_token_id = None
     return model.eval()
-
-
-def hf_greedy(hf: Any, ids: list[int], n: int = MAX_NEW) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
-    return out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -91,27 +85,11 @@ def hf_windows(hf_config: Any) -> list[int | None]:
 
 
 def test_gemma_greedy_batched_and_chunked_match_hf(gemma):
-    """Mixed-length prompts in one batch, and the same prompts prefilled in 5-token chunks over
-    4-token blocks, decode HF's greedy tokens."""
-    hf, ours = gemma
-    prompts = [*PROMPTS[:4], LONG]
-    expected = [hf_greedy(hf, ids) for ids in prompts]
-    for overrides in ({}, {"max_num_batched_tokens": 5, "block_size": 4}):
-        engine = make_engine(ours, **overrides)
-        assert [o.token_ids for o in engine.generate([request(ids) for ids in prompts])] == expected
-        assert_all_blocks_free(engine)
+    check_batched_and_chunked(*gemma)
 
 
 def test_gemma_prefix_cache_hit_matches_hf(gemma):
-    """A prompt that shares a cached 24-token prefix decodes as HF does from scratch."""
-    hf, ours = gemma
-    engine = make_engine(ours, block_size=4)
-    engine.generate([request(LONG)])
-    longer = [*LONG[:24], *random_prompt(6, seed=8)]
-    before = engine.stats().prefix_cache_hit_tokens
-    assert engine.generate([request(longer)])[0].token_ids == hf_greedy(hf, longer)
-    assert engine.stats().prefix_cache_hit_tokens - before >= 16
-    assert_all_blocks_free(engine)
+    check_prefix_cache_hit(*gemma)
 
 
 def test_gemma_lora_on_attention_and_mlp_matches_peft(gemma, tmp_path: Path):

@@ -20,9 +20,10 @@ from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel, load_model
 from model_service.models.mxfp4 import dequantize
-from tests.conftest import assert_all_blocks_free, make_engine, prefill_logits
+from tests.conftest import make_engine, prefill_logits
+from tests.family_checks import LONG, check_batched_and_chunked, check_prefix_cache_hit, hf_greedy
 from tests.test_lora import make_adapter, peft_greedy
-from tests.test_tiny_models import MAX_NEW, PROMPTS, VOCAB, random_prompt, rel_err, request
+from tests.test_tiny_models import MAX_NEW, PROMPTS, VOCAB, rel_err, request
 
 SHAPE = {
     "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
@@ -30,7 +31,6 @@ SHAPE = {
     "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 0.25,
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "architectures": ["GptOssForCausalLM"],
 }  # fmt: skip
-LONG = random_prompt(30, seed=7)  # past the window of 8 and several 4-token blocks
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -48,12 +48,6 @@ def save_gpt_oss(path: Path, seed: int = 0) -> Any:
     model.save_pretrained(path)
     model.generation_config.eos_token_id = None
     return model.eval()
-
-
-def hf_greedy(hf: Any, ids: list[int], n: int = MAX_NEW) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
-    return out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -75,27 +69,11 @@ def test_gpt_oss_logits_match_hf_past_the_sliding_window(gpt_oss):
 
 
 def test_gpt_oss_greedy_batched_and_chunked_match_hf(gpt_oss):
-    """Mixed-length prompts in one batch, and the same prompts prefilled in 5-token chunks over
-    4-token blocks, decode HF's greedy tokens."""
-    hf, ours = gpt_oss
-    prompts = [*PROMPTS[:4], LONG]
-    expected = [hf_greedy(hf, ids) for ids in prompts]
-    for overrides in ({}, {"max_num_batched_tokens": 5, "block_size": 4}):
-        engine = make_engine(ours, **overrides)
-        assert [o.token_ids for o in engine.generate([request(ids) for ids in prompts])] == expected
-        assert_all_blocks_free(engine)
+    check_batched_and_chunked(*gpt_oss)
 
 
 def test_gpt_oss_prefix_cache_hit_matches_hf(gpt_oss):
-    """A prompt that shares a cached 24-token prefix decodes as HF does from scratch."""
-    hf, ours = gpt_oss
-    engine = make_engine(ours, block_size=4)
-    engine.generate([request(LONG)])
-    longer = [*LONG[:24], *random_prompt(6, seed=8)]
-    before = engine.stats().prefix_cache_hit_tokens
-    assert engine.generate([request(longer)])[0].token_ids == hf_greedy(hf, longer)
-    assert engine.stats().prefix_cache_hit_tokens - before >= 16
-    assert_all_blocks_free(engine)
+    check_prefix_cache_hit(*gpt_oss)
 
 
 def test_gpt_oss_lora_on_attention_matches_peft_and_expert_lora_is_refused(gpt_oss, tmp_path: Path):
