@@ -1,8 +1,10 @@
 """What every windowed family's test checks against HF the same way (test_gemma.py,
-test_gpt_oss.py): greedy tokens of a mixed-length batch, chunked, and after a prefix-cache hit."""
+test_gpt_oss.py): greedy tokens of a mixed-length batch, chunked, after a prefix-cache hit, and
+under a PEFT adapter."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,3 +42,15 @@ def check_prefix_cache_hit(hf: Any, ours: LoadedModel) -> None:
     assert engine.generate([request(longer)])[0].token_ids == hf_greedy(hf, longer)
     assert engine.stats().prefix_cache_hit_tokens - before >= 16
     assert_all_blocks_free(engine)
+
+
+def check_lora_matches_peft(hf: Any, ours: LoadedModel, targets: list[str], root: Path) -> None:
+    """A PEFT adapter on `targets` decodes PEFT's greedy tokens, which differ from the base's."""
+    from tests.test_lora import make_adapter, peft_greedy
+
+    adapter = make_adapter(hf, root / "lora", 5, scale=0.1, r=4, lora_alpha=8, target_modules=targets)
+    engine = make_engine(ours, max_loras=1, lora_modules={"a": str(adapter)})
+    prompts = [PROMPTS[0], LONG]
+    got = [o.token_ids for o in engine.generate([{**request(ids), "adapter": "a"} for ids in prompts])]
+    assert got == peft_greedy(hf, adapter, prompts, MAX_NEW, eos=None)
+    assert got != [hf_greedy(hf, ids) for ids in prompts]  # the adapter changes the answer

@@ -19,9 +19,13 @@ from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel, load_model
 from tests.conftest import make_engine, prefill_logits
-from tests.family_checks import LONG, check_batched_and_chunked, check_prefix_cache_hit, hf_greedy
-from tests.test_lora import make_adapter, peft_greedy
-from tests.test_tiny_models import MAX_NEW, PROMPTS, VOCAB, rel_err, request
+from tests.family_checks import (
+    LONG,
+    check_batched_and_chunked,
+    check_lora_matches_peft,
+    check_prefix_cache_hit,
+)
+from tests.test_tiny_models import PROMPTS, VOCAB, rel_err
 
 SHAPE = {
     "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
@@ -94,13 +98,9 @@ def test_gemma_prefix_cache_hit_matches_hf(gemma):
 
 def test_gemma_lora_on_attention_and_mlp_matches_peft(gemma, tmp_path: Path):
     hf, ours = gemma
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    adapter = make_adapter(hf, tmp_path / "lora", 5, scale=0.1, r=4, lora_alpha=8, target_modules=targets)
-    engine = make_engine(ours, max_loras=1, lora_modules={"a": str(adapter)})
-    prompts = [PROMPTS[0], LONG]
-    got = [o.token_ids for o in engine.generate([{**request(ids), "adapter": "a"} for ids in prompts])]
-    assert got == peft_greedy(hf, adapter, prompts, MAX_NEW, eos=None)
-    assert got != [hf_greedy(hf, ids) for ids in prompts]  # the adapter changes the answer
+    check_lora_matches_peft(
+        hf, ours, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], tmp_path
+    )
 
 
 GEMMA3 = {**SHAPE, "architectures": ["Gemma3ForCausalLM"]}

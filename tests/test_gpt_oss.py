@@ -21,9 +21,15 @@ from model_service.models.config import ModelConfig
 from model_service.models.loader import LoadedModel, load_model
 from model_service.models.mxfp4 import dequantize
 from tests.conftest import make_engine, prefill_logits
-from tests.family_checks import LONG, check_batched_and_chunked, check_prefix_cache_hit, hf_greedy
-from tests.test_lora import make_adapter, peft_greedy
-from tests.test_tiny_models import MAX_NEW, PROMPTS, VOCAB, rel_err, request
+from tests.family_checks import (
+    LONG,
+    check_batched_and_chunked,
+    check_lora_matches_peft,
+    check_prefix_cache_hit,
+    hf_greedy,
+)
+from tests.test_lora import make_adapter
+from tests.test_tiny_models import PROMPTS, VOCAB, rel_err, request
 
 SHAPE = {
     "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
@@ -78,13 +84,7 @@ def test_gpt_oss_prefix_cache_hit_matches_hf(gpt_oss):
 
 def test_gpt_oss_lora_on_attention_matches_peft_and_expert_lora_is_refused(gpt_oss, tmp_path: Path):
     hf, ours = gpt_oss
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    adapter = make_adapter(hf, tmp_path / "lora", 5, scale=0.1, r=4, lora_alpha=8, target_modules=targets)
-    engine = make_engine(ours, max_loras=1, lora_modules={"a": str(adapter)})
-    prompts = [PROMPTS[0], LONG]
-    got = [o.token_ids for o in engine.generate([{**request(ids), "adapter": "a"} for ids in prompts])]
-    assert got == peft_greedy(hf, adapter, prompts, MAX_NEW, eos=None)
-    assert got != [hf_greedy(hf, ids) for ids in prompts]  # the adapter changes the answer
+    check_lora_matches_peft(hf, ours, ["q_proj", "k_proj", "v_proj", "o_proj"], tmp_path)
     # PEFT adapts gpt-oss's experts through `target_parameters`: refused by name, not ignored.
     experts = make_adapter(
         hf, tmp_path / "experts", 6, r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"]
