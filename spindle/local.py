@@ -79,7 +79,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--reasoning-parser",
         choices=reasoning_parsers.PARSERS,
         default="none",
-        help="the pod's and gateway's --reasoning-parser (deepseek_r1, qwen3) [none]",
+        help="the pod's and gateway's --reasoning-parser (deepseek_r1, openai_gptoss, qwen3) [none]",
     )
     parser.add_argument(
         "--pod-port", type=flagtypes.port, default=None, help="the pod's Generation port [a free port]"

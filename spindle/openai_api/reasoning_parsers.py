@@ -9,6 +9,10 @@ servers' `reasoning_content`) and content text, never any of the markup: a tag s
 pieces is held back until it is known to be one. The whole response is the same reader fed once,
 so a streamed answer and a whole one always agree.
 
+`openai_gptoss` (gpt-oss) reads OpenAI's Harmony format, whose reasoning is a message on the
+analysis channel and whose answer and calls are other messages: tool_parsers.py's `HarmonyReader`
+reads it, calls and all.
+
 `deepseek_r1` and `qwen3` read alike, as vLLM's parsers of those names do with thinking on (its
 qwen3's default): a `<think>` the output opens with is dropped, everything before `</think>` is
 reasoning, and an output with no `</think>` (cut by `max_tokens`, or a model that never closed its
@@ -18,18 +22,10 @@ thinking) is all reasoning. The whitespace the templates put around the thinking
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from spindle.openai_api.tool_parsers import HarmonyReader, Thought, partial_suffix
 
-from spindle.openai_api.tool_parsers import partial_suffix
-
-PARSERS = ("none", "deepseek_r1", "qwen3")  # --reasoning-parser's choices
-
-
-@dataclass(frozen=True)
-class Thought:
-    """More of the model's reasoning (its `reasoning_content`)."""
-
-    text: str
+PARSERS = ("none", "deepseek_r1", "openai_gptoss", "qwen3")  # --reasoning-parser's choices
+__all__ = ["PARSERS", "READERS", "HarmonyReader", "ThinkReader", "Thought", "reader", "reads_special_tokens"]
 
 
 class _Trimmed:
@@ -56,6 +52,7 @@ class ThinkReader:
     `finish` at its end."""
 
     START, END = "<think>", "</think>"
+    markup_is_special = False  # `<think>` is an added token, but not a special one (Qwen3's, R1's)
 
     def __init__(self) -> None:
         self.buffer, self.state = "", "start"  # state: "start", "thinking", "content"
@@ -107,4 +104,24 @@ class ThinkReader:
         return [text] if text else []
 
 
-READERS = {"deepseek_r1": ThinkReader, "qwen3": ThinkReader}
+READERS: dict[str, type[ThinkReader] | type[HarmonyReader]] = {
+    "deepseek_r1": ThinkReader,
+    "openai_gptoss": HarmonyReader,
+    "qwen3": ThinkReader,
+}
+
+
+def reads_special_tokens(parser: str) -> bool:
+    """Whether `parser`'s markup is special tokens, which the pod must then decode (it skips them
+    by default): Harmony's `<|channel|>`, `<|message|>`, `<|end|>` are, and without them an answer
+    reads "analysisThinking...assistantfinalThe answer.", all content. vLLM keeps them so too."""
+    return parser in READERS and READERS[parser].markup_is_special
+
+
+def reader(parser: str, calls: bool) -> ThinkReader | HarmonyReader | None:
+    """A new reader of one response under --reasoning-parser `parser` (None: "none"). Harmony's
+    calls are in the messages its reasoning is read from, so its reader reads them too, when the
+    request's calls are read (`calls`: tool_choice "auto"); else a call is content."""
+    if parser == "none":
+        return None
+    return HarmonyReader(calls=calls) if parser == "openai_gptoss" else ThinkReader()

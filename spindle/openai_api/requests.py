@@ -14,6 +14,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from spindle.openai_api import reasoning_parsers
 from spindle.openai_api.errors import bad_request
 from spindle.openai_api.tools import ToolUse, read_tools, tool_calls
 from spindle.v1 import generation_pb2 as pb
@@ -202,9 +203,10 @@ def chat_request(
     if (_typed(body, "best_of", int) or 1) > call.n:  # a completions field (OpenAI's chat has none)
         raise bad_request("`best_of` is not supported in chat completions (send it to /v1/completions)",
                           "best_of")  # fmt: skip
-    if use is not None and use.reads_special_tokens:
+    reasoning = _reasoning(req, reasoning_parser, template_kwargs or {})
+    if (use is not None and use.reads_special_tokens) or reasoning_parsers.reads_special_tokens(reasoning):
         req.sampling.skip_special_tokens = False
-    call = replace(call, tools=use, reasoning=_reasoning(req, reasoning_parser, template_kwargs or {}))
+    call = replace(call, tools=use, reasoning=reasoning)
     if _typed(body, "include_reasoning", bool) is False:  # vLLM's: the reasoning read, and dropped
         call = replace(call, include_reasoning=False)
     _bounded(call)

@@ -17,13 +17,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spindle.openai_api import requests
+from spindle.openai_api import reasoning_parsers, requests
 from spindle.openai_api.errors import ApiError
 from spindle.openai_api.fanout import Answer
-from spindle.openai_api.reasoning_parsers import READERS as THINK_READERS
-from spindle.openai_api.reasoning_parsers import Thought
 from spindle.openai_api.requests import Call
-from spindle.openai_api.tool_parsers import Arguments, CallStart, Piece
+from spindle.openai_api.tool_parsers import Arguments, CallStart, HarmonyReader, Piece, Thought
 from spindle.openai_api.tools import ToolUse
 from spindle.v1 import generation_pb2 as pb
 
@@ -241,9 +239,12 @@ class ChatOutput:
     does."""
 
     def __init__(self, use: ToolUse | None, reasoning: str = "none", include_reasoning: bool = True) -> None:
-        self.use, self.reader = use, use.reader() if use is not None else None
+        self.use = use
         self.include_reasoning = include_reasoning  # false: the reasoning is read and dropped
-        self.thinking = THINK_READERS[reasoning]() if reasoning != "none" else None
+        self.thinking = reasoning_parsers.reader(reasoning, calls=use is not None and use.choice == "auto")
+        # Harmony's reasoning reader reads the calls too (they are messages of one format)
+        reads_calls = isinstance(self.thinking, HarmonyReader)
+        self.reader = use.reader() if use is not None and not reads_calls else None
         self.calls: list[dict[str, Any]] = []
         self._dropping = False
 
@@ -254,12 +255,12 @@ class ChatOutput:
     def finish(self) -> list[Thought | Piece]:
         return self._read(self.thinking.finish() if self.thinking else [], finish=True)
 
-    def _read(self, pieces: list[Thought | str], finish: bool) -> list[Thought | Piece]:
+    def _read(self, pieces: list[Thought | Piece], finish: bool) -> list[Thought | Piece]:
         if self.reader is None:
             return [p for p in pieces if p]
         out: list[Thought | Piece] = []
         for piece in pieces:
-            out += [piece] if isinstance(piece, Thought) else self.reader.feed(piece)
+            out += self.reader.feed(piece) if isinstance(piece, str) else [piece]
         return out + (self.reader.finish() if finish else [])
 
     def deltas(self, pieces: list[Thought | Piece]) -> list[dict[str, Any]]:

@@ -69,7 +69,8 @@ def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
         help='how the HTTP API reads the tool calls a model writes under `tool_choice` "auto" (vLLM\'s '
         "--enable-auto-tool-choice --tool-call-parser): hermes = <tool_call>{...}</tool_call> (Hermes, "
         'Qwen 2.5/3), llama3_json = {"name": ..., "parameters": ...} (Llama 3.1+), mistral = '
-        "[TOOL_CALLS]... (Mistral, Mixtral, Ministral; calls get 9-character ids), pythonic = "
+        "[TOOL_CALLS]... (Mistral, Mixtral, Ministral; calls get 9-character ids), openai = Harmony's "
+        "<|channel|>commentary to=functions.NAME (gpt-oss), pythonic = "
         '[f(a=1), g()] (Llama 3.2/4); none = "auto" is refused, "required", a named function and "none" '
         "are served [none]",
     )
@@ -78,7 +79,8 @@ def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
         choices=reasoning_parsers.PARSERS,
         default="none",
         help="how the HTTP API reads a reasoning model's thinking, <think>...</think> before the answer "
-        "(vLLM's --reasoning-parser): deepseek_r1 (DeepSeek-R1 and its distills, QwQ), qwen3 (Qwen3): "
+        "(vLLM's --reasoning-parser): deepseek_r1 (DeepSeek-R1 and its distills, QwQ), qwen3 (Qwen3), "
+        "openai_gptoss (gpt-oss: Harmony's analysis channel, and its calls): "
         "chat answers carry it as `reasoning_content`, apart from `content`; none = the text as the "
         "model wrote it [none]",
     )

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # --tool-call-parser's choices (none: "auto" is refused)
-PARSERS = ("none", "hermes", "llama3_json", "mistral", "pythonic")
+PARSERS = ("none", "hermes", "llama3_json", "mistral", "openai", "pythonic")
 _MISTRAL_ID = string.ascii_letters + string.digits
 
 
@@ -46,6 +46,14 @@ class Arguments:
 
 
 Piece = str | CallStart | Arguments
+
+
+@dataclass(frozen=True)
+class Thought:
+    """More of the model's reasoning (its `reasoning_content`): what reasoning_parsers.py's readers,
+    and Harmony's (whose calls and reasoning are one format), read apart from content."""
+
+    text: str
 
 
 class Reader(ABC):
@@ -395,6 +403,117 @@ def _is_json_scalar(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, bool))
 
 
+class HarmonyReader(Reader):
+    """OpenAI's Harmony format (gpt-oss): the output is messages, each a header then
+    `<|message|>` then its text, ended by `<|end|>` (or the stop tokens `<|call|>` and `<|return|>`,
+    whose text the pod drops): `<|channel|>analysis<|message|>...<|end|><|start|>assistant
+    <|channel|>final<|message|>...`. The chat template's generation prompt ends with
+    `<|start|>assistant`, so the first header starts at the channel (or at its ` to=` recipient).
+    A message's header says what it is: the analysis channel (and a built-in tool's call, to
+    `browser.*` or `python`, as vLLM reads them) is reasoning, a `to=functions.NAME` recipient
+    a call of NAME whose text is its JSON arguments (`<|constrain|>json`, or `json`), the final and
+    commentary channels content (a commentary message without a recipient is a preamble the user
+    sees). Reasoning is read only with `thoughts` (else dropped: vLLM's `openai` tool parser keeps
+    the final channel alone), calls only with `calls` (else a call is content, as the model wrote
+    it). A call's text is held to its message's end: one that is no JSON object is content too.
+    The markers are special tokens, which the pod then keeps for it (`markup_is_special`).
+
+    One reader serves both of vLLM's names: `--reasoning-parser openai_gptoss` (reasoning, and the
+    calls, which Harmony writes in the same messages) and `--tool-call-parser openai` (calls).
+    Consecutive messages of a kind are parted by "\\n" (vLLM joins analysis messages so)."""
+
+    MESSAGE = "<|message|>"
+    ENDS = ("<|end|>", "<|call|>", "<|return|>")
+    RECIPIENT = re.compile(r"to=([^\s<]+)")
+    CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]+)")
+    markup_is_special = True
+
+    def __init__(self, calls: bool = True, thoughts: bool = True) -> None:
+        self.read_calls, self.thoughts = calls, thoughts
+        self.buffer, self.header = "", None  # header: the open message's (None: reading one)
+        self.kind, self.name, self.body = "", "", ""  # the open message's kind, a call's name and text
+        self.last, self.opened = "", False  # the kind that last sent text; whether this message did
+
+    def feed(self, text: str) -> list[Thought | Piece]:
+        self.buffer += text
+        out: list[Thought | Piece] = []
+        while True:
+            if self.header is None:
+                at = self.buffer.find(self.MESSAGE)
+                if at < 0:
+                    return out
+                self._open(self.buffer[:at])
+                self.buffer = self.buffer[at + len(self.MESSAGE) :]
+                continue
+            at, marker = min(
+                ((self.buffer.find(m), m) for m in self.ENDS if m in self.buffer), default=(-1, "")
+            )
+            if at < 0:
+                keep = max(partial_suffix(self.buffer, m) for m in self.ENDS)
+                out += self._text(self.buffer[: len(self.buffer) - keep])
+                self.buffer = self.buffer[len(self.buffer) - keep :]
+                return out
+            out += self._text(self.buffer[:at]) + self._close()
+            self.buffer = self.buffer[at + len(marker) :]
+
+    def finish(self) -> list[Thought | Piece]:
+        """The rest: an open message ends here (a call's <|call|> is a stop token); a header the
+        output was cut in says nothing, but text with no Harmony markup at all is content."""
+        rest, self.buffer = self.buffer, ""
+        if self.header is not None:
+            return self._text(rest) + self._close()
+        return [] if "<|" in rest else self._sent("content", rest)
+
+    def _open(self, header: str) -> None:
+        """A message starts: what it is, from its header."""
+        recipient, channel = self.RECIPIENT.search(header), self.CHANNEL.search(header)
+        to, channel_name = recipient[1] if recipient else "", channel[1] if channel else ""
+        self.header, self.body, self.opened = header, "", False
+        self.name = to.removeprefix("functions.") if to.startswith("functions.") else ""
+        if self.name:
+            self.kind = "call"
+        elif to or channel_name == "analysis":
+            self.kind = "reasoning"
+        else:
+            self.kind = "content"
+
+    def _text(self, text: str) -> list[Thought | Piece]:
+        if self.kind == "call":
+            self.body += text
+            return []
+        if self.kind == "reasoning" and not self.thoughts:
+            return []
+        return self._sent(self.kind, text)
+
+    def _sent(self, kind: str, text: str) -> list[Thought | Piece]:
+        """Text of a message of `kind`, after a "\\n" when the last message sent was of its kind."""
+        if not text:
+            return []
+        if not self.opened and self.last == kind:
+            text = "\n" + text
+        self.opened, self.last = True, kind
+        return [Thought(text)] if kind == "reasoning" else [text]
+
+    def _close(self) -> list[Thought | Piece]:
+        """The open message ends: a call's held text is read."""
+        header, self.header = self.header or "", None
+        if self.kind != "call":
+            return []
+        arguments = self.body.strip()
+        if self.read_calls and isinstance(json_value(arguments), dict):
+            return self._call(self.name, arguments)
+        return self._sent("content", header + self.MESSAGE + self.body)
+
+
+class OpenAIReader(HarmonyReader):
+    """`--tool-call-parser openai` (vLLM's, for gpt-oss): Harmony's calls, with the final and
+    commentary channels as content and the analysis channel dropped (with `--reasoning-parser
+    openai_gptoss` the reasoning reader reads both, and this one is not used)."""
+
+    def __init__(self) -> None:
+        super().__init__(calls=True, thoughts=False)
+
+
 class NamedReader(Reader):
     """`tool_choice` naming a function: the whole output is its arguments (the structured-output
     engine held it to the function's `parameters` schema), streamed as they come."""
@@ -468,6 +587,7 @@ READERS = {
     "hermes": HermesReader,
     "llama3_json": Llama3JsonReader,
     "mistral": MistralReader,
+    "openai": OpenAIReader,
     "pythonic": PythonicReader,
 }
 
