@@ -181,15 +181,14 @@ class ModelExecutor:
     ) -> tuple[AttentionBackend, DecodeGraphs | None, PiecewiseGraphs | None]:
         """The attention backend, and the CUDA graphs that replay steps over it (the Triton
         backends' only: the reference backend cannot be captured). Soft-capped attention logits
-        (Gemma 2) and attention sinks (gpt-oss) have no Triton kernel: the reference backend runs
-        them, on CUDA too."""
+        (Gemma 2) and attention sinks (gpt-oss) are switches of the Triton kernels, graphs and all."""
         cfg = self.config
         if cfg.latent_attention is not None:
             return self._latent_attention(config)
         args = (self.kv_cache, cfg.sliding_windows, cfg.head_dim, cfg.softmax_scale)  # Granite's, Gemma's own
-        if not self._kernels_apply() or cfg.attn_logit_softcapping is not None or cfg.attention_sinks:
+        if not self._kernels_apply():
             return TorchReferenceBackend(*args, cfg.attn_logit_softcapping), None, None
-        backend = TritonBackend(*args)
+        backend = TritonBackend(*args, cfg.attn_logit_softcapping)
         if config.enforce_eager or not self._graphs_apply():
             return backend, None, None
         # the pieces hand out no hidden states: a step that keeps them and replays no decode graph is eager
