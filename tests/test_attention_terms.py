@@ -23,7 +23,11 @@ from model_service.kernels.paged_attention import (
     store_kv_reference,
     triton,
 )
-from model_service.kernels.prefill_attention import paged_prefill_attention, prefill_attention_triton, prefill_tiles
+from model_service.kernels.prefill_attention import (
+    paged_prefill_attention,
+    prefill_attention_triton,
+    prefill_tiles,
+)
 
 interpreter = pytest.mark.skipif(
     triton is None or os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter"
@@ -43,7 +47,8 @@ def _pool(lens: list[int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Te
         table[i, :nb] = perm[at : at + nb]
         at += nb
     slots = (sum(needed) + 2) * BS
-    return torch.randn(slots, KV_HEADS, DIM, generator=gen), torch.randn(slots, KV_HEADS, DIM, generator=gen), table
+    k_cache, v_cache = (torch.randn(slots, KV_HEADS, DIM, generator=gen) for _ in range(2))
+    return k_cache, v_cache, table
 
 
 def _want(
@@ -90,20 +95,22 @@ def _decode_inputs(device: str, dtype: torch.dtype, with_sinks: bool, seed: int)
 
 
 def _decode_want(q, k_cache, v_cache, table, lens, sinks, window, cap) -> torch.Tensor:
-    rows = [_want(q[i : i + 1], (k_cache, v_cache), table[i], n, window, cap, sinks) for i, n in enumerate(lens)]
+    pools = (k_cache, v_cache)
+    rows = [_want(q[i : i + 1], pools, table[i], n, window, cap, sinks) for i, n in enumerate(lens)]
     return torch.cat(rows)
 
 
 @interpreter
 @pytest.mark.parametrize("cap, with_sinks, window, splits", CASES)
 def test_decode_kernel_soft_cap_and_sinks_match_the_reference(cap, with_sinks, window, splits):
-    (q, k_cache, v_cache, table, lens, sinks), (dq, dk, dv, dt, dl) = _decode_inputs("cpu", torch.float32, with_sinks, 0)
+    cpu, (dq, dk, dv, dt, dl) = _decode_inputs("cpu", torch.float32, with_sinks, 0)
+    sinks = cpu[-1]
     out = torch.empty_like(dq)
     tiling = DecodeTiling(block_n=16)  # several tiles a split at these lengths
     got = decode_attention_triton(
         dq, dk, dv, dt, dl, BS, SCALE, window, splits, out, tiling=tiling, softcap=cap, sinks=sinks
     )
-    want = _decode_want(q, k_cache, v_cache, table, lens, sinks, window, cap)
+    want = _decode_want(*cpu, window, cap)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert got[0].abs().max() == 0  # the padding row, sink or not
 
@@ -168,13 +175,13 @@ def test_prefill_kernel_soft_cap_and_sinks_match_the_reference(cap, with_sinks, 
 @interpreter
 def test_soft_cap_stays_finite_for_huge_logits():
     """Logits in the thousands (cap 50, Gemma 2's): tanh saturates to +-1, no inf / inf."""
-    (q, k_cache, v_cache, table, lens, _), (dq, dk, dv, dt, dl) = _decode_inputs("cpu", torch.float32, False, 3)
+    (q, *pools, table, lens, _), (dq, dk, dv, dt, dl) = _decode_inputs("cpu", torch.float32, False, 3)
     big = 100.0
     got = decode_attention_triton(
         dq * big, dk, dv, dt, dl, BS, SCALE, None, 1, torch.empty_like(dq), tiling=DecodeTiling(block_n=16),
         softcap=50.0,
     )  # fmt: skip
-    want = _decode_want(q * big, k_cache, v_cache, table, lens, None, None, 50.0)
+    want = _decode_want(q * big, *pools, table, lens, None, None, 50.0)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

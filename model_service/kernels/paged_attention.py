@@ -356,7 +356,7 @@ if triton is not None:
                 q, k_new.to(q.dtype), v_new.to(q.dtype), m, denom, acc, scale, owner, softcap, SOFTCAP
             )
         gm = g < GROUP
-        if SINKS:
+        if SINKS:  # noqa: SIM102 (apart: the constexpr prunes it all at compile time)
             if split == 0:
                 sink = tl.load(Sinks + heads, mask=gm, other=0.0).to(tl.float32)
                 m, denom, acc = join_sink(m, denom, acc, sink)
