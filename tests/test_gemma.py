@@ -22,8 +22,10 @@ from tests.conftest import make_engine, prefill_logits
 from tests.family_checks import (
     LONG,
     check_batched_and_chunked,
+    check_cuda_matches_cpu,
     check_lora_matches_peft,
     check_prefix_cache_hit,
+    check_triton_backend,
 )
 from tests.test_tiny_models import PROMPTS, VOCAB, rel_err
 
@@ -132,17 +134,14 @@ def test_gemma3_hub_rope_fields_read_as_transformers_reads_them():
     assert ours.sliding_rope == (hf["sliding_attention"]["rope_theta"], {"rope_type": "default"})
 
 
-def test_gemma_attention_backend_where_kernels_apply(gemma, monkeypatch: pytest.MonkeyPatch):
-    """Where the Triton kernels would run (CUDA, faked here: the backends are only built), Gemma 2's
-    soft-capped attention takes the torch backend, which alone caps, without graphs; Gemma 3 the
-    kernels, at query_pre_attn_scalar's scale (not head_dim's)."""
-    from model_service.attention.reference import TorchReferenceBackend
-    from model_service.attention.triton_backend import TritonBackend
-    from model_service.engine.executor import ModelExecutor
+def test_gemma_takes_the_triton_backend_where_kernels_apply(gemma, monkeypatch: pytest.MonkeyPatch):
+    """Gemma 2's soft-capped attention and Gemma 3's keep the Triton kernels and graphs, at
+    query_pre_attn_scalar's scale (not head_dim's), and decode HF's tokens through them."""
+    backend = check_triton_backend(*gemma, monkeypatch, graphs=True)
+    assert backend.scale == 24**-0.5
 
-    _, ours = gemma
-    monkeypatch.setattr(ModelExecutor, "_kernels_apply", lambda self: True)
-    executor = make_engine(ours, enforce_eager=True).executor
-    capped = ours.config.attn_logit_softcapping is not None
-    assert isinstance(executor.attention, TorchReferenceBackend if capped else TritonBackend)
-    assert executor.attention.scale == 24**-0.5 and executor.graphs is None
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gemma_on_cuda_gives_the_cpu_tokens(gemma):
+    check_cuda_matches_cpu(gemma[1], graphs=True)

@@ -24,8 +24,10 @@ from tests.conftest import make_engine, prefill_logits
 from tests.family_checks import (
     LONG,
     check_batched_and_chunked,
+    check_cuda_matches_cpu,
     check_lora_matches_peft,
     check_prefix_cache_hit,
+    check_triton_backend,
     hf_greedy,
 )
 from tests.test_lora import make_adapter
@@ -93,22 +95,16 @@ def test_gpt_oss_lora_on_attention_matches_peft_and_expert_lora_is_refused(gpt_o
         load_peft_adapter("e", experts, ours.config, max_lora_rank=8)
 
 
-def test_gpt_oss_attention_takes_the_torch_backend_where_kernels_apply(gpt_oss, monkeypatch):
-    """Where the Triton kernels would run (CUDA, faked here: the backends are only built), the
-    sinks take the torch backend, which alone adds them, without graphs; the Triton backend
-    refuses sinks rather than drop them."""
-    from model_service.attention.reference import TorchReferenceBackend
-    from model_service.attention.triton_backend import TritonBackend
-    from model_service.engine.executor import ModelExecutor
+def test_gpt_oss_takes_the_triton_backend_where_kernels_apply(gpt_oss, monkeypatch):
+    """The sinks keep the Triton kernels, and decode HF's tokens through them; no CUDA graphs:
+    the torch experts bring each step's set of experts to the host, which no graph can hold."""
+    check_triton_backend(*gpt_oss, monkeypatch, graphs=False)
 
-    _, ours = gpt_oss
-    monkeypatch.setattr(ModelExecutor, "_kernels_apply", lambda self: True)
-    executor = make_engine(ours, enforce_eager=True).executor
-    assert isinstance(executor.attention, TorchReferenceBackend) and executor.graphs is None
-    triton = TritonBackend(executor.kv_cache, [None, None], 16)
-    q = torch.zeros(1, 4, 16)
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        triton.forward(0, q, q[:, :2], q[:, :2], sinks=torch.zeros(4))
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpt_oss_on_cuda_gives_the_cpu_tokens(gpt_oss):
+    check_cuda_matches_cpu(gpt_oss[1], graphs=False)
 
 
 def test_gpt_oss_tensor_parallelism_is_refused(gpt_oss):

@@ -13,6 +13,10 @@ query head, each reading the whole context (on an 8B model with 256 decode rows 
 beside a chunk that is ~10 TFLOP of padding a step). Neither kernel gathers context: both read
 K/V in place through the block table.
 
+Gemma 2's soft-capped logits (`softcap`, fixed per model) and gpt-oss's attention sinks (the
+layer's parameter, with each call) are compile-time switches of both kernels: other models run
+the kernels they always did.
+
 For CUDA graphs the backend reads static metadata buffers (attention/decode_buffers.py: block
 table, sequence lengths, slot mapping) that every replay fills first.
 """
@@ -31,9 +35,15 @@ from model_service.models.step import StepBatch, to_device
 
 class TritonBackend(StaticDecodeMetadata):
     def __init__(
-        self, kv_cache: KVCache, windows: list[int | None], head_dim: int, scale: float | None = None
+        self,
+        kv_cache: KVCache,
+        windows: list[int | None],
+        head_dim: int,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
-        self.kv_cache, self.windows = kv_cache, windows
+        """`softcap`: Gemma 2's cap * tanh(logits / cap) on the scaled attention logits."""
+        self.kv_cache, self.windows, self.softcap = kv_cache, windows, softcap
         self.scale = scale if scale is not None else head_dim**-0.5
         self.decode = False
         self.num_decode = 0  # a mixed step's leading one-token sequences: the decode kernel's
@@ -70,15 +80,13 @@ class TritonBackend(StaticDecodeMetadata):
         norms: HeadNorms | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if sinks is not None:  # the executor gives models with sinks the torch backend
-            raise NotImplementedError("the Triton attention kernels have no attention sinks (gpt-oss)")
         k_cache, v_cache = self.kv_cache.layer(layer)
-        block_size, window = self.kv_cache.block_size, self.windows[layer]
+        block_size, window, softcap = self.kv_cache.block_size, self.windows[layer], self.softcap
         if self.decode and rope is not None and self.num_splits > 1:  # docs/performance-notes.md, session n
             return rotary_decode_attention(
                 q, k, v, rope, k_cache, v_cache, self.slot_mapping, norms, block_table=self.block_table,
                 seq_lens=self.seq_lens, block_size=block_size, scale=self.scale, window=window,
-                num_splits=self.num_splits,
+                num_splits=self.num_splits, softcap=softcap, sinks=sinks,
             )  # fmt: skip
         if rope is not None:
             q = rotary_store_kv(q, k, v, rope, k_cache, v_cache, self.slot_mapping, norms)
@@ -89,17 +97,17 @@ class TritonBackend(StaticDecodeMetadata):
         if self.decode:
             return paged_decode_attention(
                 q, k_cache, v_cache, self.block_table, self.seq_lens, block_size, self.scale, window,
-                self.num_splits,
+                self.num_splits, softcap=softcap, sinks=sinks,
             )  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if (d := self.num_decode) > 0:
             paged_decode_attention(
                 q[:d], k_cache, v_cache, self.block_table[:d], self.seq_lens[:d], block_size, self.scale,
-                window, self.num_splits, out=out[:d],
+                window, self.num_splits, out=out[:d], softcap=softcap, sinks=sinks,
             )  # fmt: skip
         return paged_prefill_attention(
             q, k_cache, v_cache, self.block_table, self.query_start, self.seq_lens, block_size, self.scale,
-            window, self.tiles, out=out,
+            window, self.tiles, out=out, softcap=softcap, sinks=sinks,
         )  # fmt: skip
 
     # --- GraphCapturable ----------------------------------------------------------------------

@@ -32,6 +32,7 @@ from model_service.lora.adapter import LoraAdapter
 from model_service.lora.layers import LoraLayers, full_adapter_elements, resident_slots, wrap_lora_layers
 from model_service.models.config import ModelConfig
 from model_service.models.context import ForwardContext
+from model_service.models.gpt_oss import GptOssExperts
 from model_service.models.layers import store_weights_transposed
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
@@ -181,15 +182,15 @@ class ModelExecutor:
     ) -> tuple[AttentionBackend, DecodeGraphs | None, PiecewiseGraphs | None]:
         """The attention backend, and the CUDA graphs that replay steps over it (the Triton
         backends' only: the reference backend cannot be captured). Soft-capped attention logits
-        (Gemma 2) and attention sinks (gpt-oss) have no Triton kernel: the reference backend runs
-        them, on CUDA too."""
+        (Gemma 2) and attention sinks (gpt-oss) are switches of the Triton kernels (gpt-oss's
+        experts keep its steps eager: `_graphs_apply`)."""
         cfg = self.config
         if cfg.latent_attention is not None:
             return self._latent_attention(config)
         args = (self.kv_cache, cfg.sliding_windows, cfg.head_dim, cfg.softmax_scale)  # Granite's, Gemma's own
-        if not self._kernels_apply() or cfg.attn_logit_softcapping is not None or cfg.attention_sinks:
+        if not self._kernels_apply():
             return TorchReferenceBackend(*args, cfg.attn_logit_softcapping), None, None
-        backend = TritonBackend(*args)
+        backend = TritonBackend(*args, cfg.attn_logit_softcapping)
         if config.enforce_eager or not self._graphs_apply():
             return backend, None, None
         # the pieces hand out no hidden states: a step that keeps them and replays no decode graph is eager
@@ -281,9 +282,12 @@ class ModelExecutor:
     def _graphs_apply(self) -> bool:
         """MoE experts are capturable on their fused (CUDA with Triton, sm80+; sm89+ in FP8) or
         grouped path (bf16, sm90+); elsewhere the expert loop reads token counts on the host, so
-        decode steps run eagerly. Hybrid models' recurrent layers run their decode and verify
-        steps through the step kernels, over static state runs (`StaticRuns`): captured as dense
-        ones."""
+        decode steps run eagerly, as gpt-oss's torch experts always do (each step's set of experts
+        comes to the host: no graph can hold it). Hybrid models' recurrent layers run their decode
+        and verify steps through the step kernels, over static state runs (`StaticRuns`): captured
+        as dense ones."""
+        if any(isinstance(m, GptOssExperts) for m in self.module.modules()):
+            return False
         experts = {m.gate_up_proj.dtype for m in self.module.modules() if isinstance(m, StackedExperts)}
         return all(experts_capturable(dtype, self.device) for dtype in experts)
 

@@ -117,9 +117,12 @@ def paged_decode_attention_reference(
     block_size: int,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [S, H, D] (one token per sequence, at position seq_len - 1); returns [S, H, D] in
-    q's dtype, computed in float32. A sequence of length 0 (padding) gets zeros."""
+    q's dtype, computed in float32. A sequence of length 0 (padding) gets zeros. `softcap` and
+    `sinks`: `attention_probs`'."""
     out = torch.zeros_like(q)
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     for i, n in enumerate(seq_lens.tolist()):
@@ -131,8 +134,24 @@ def paged_decode_attention_reference(
         k = cache_rows(k_cache, slots).float().repeat_interleave(heads // kv_heads, dim=1)  # [N, H, D]
         v = cache_rows(v_cache, slots).float().repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
-        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
+        out[i] = torch.einsum("hn,nhd->hd", attention_probs(scores, None, softcap, sinks), v).to(q.dtype)
     return out
+
+
+def attention_probs(
+    scores: torch.Tensor, allowed: torch.Tensor | None, softcap: float | None, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """The float32 softmax over the keys (last dim) of scores [H, ..., N] where `allowed` (all if
+    None): soft-capped first when `softcap` (Gemma 2's cap * tanh(scores / cap)); with `sinks`
+    [H] (gpt-oss's), each head's sink logit joins the denominator and has no value."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.float().view(-1, *[1] * (scores.dim() - 1)).expand(*scores.shape[:-1], 1)
+    return torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
 
 
 if triton is not None:
@@ -144,6 +163,24 @@ if triton is not None:
         if TO_FP8:
             x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
         return x
+
+    @triton.jit
+    def soft_capped(s, cap, SOFTCAP: tl.constexpr):
+        """Gemma 2's cap * tanh(s / cap) under SOFTCAP, else s. tanh(x) as 1 - 2 / (exp(2x) + 1):
+        finite for every logit, where (exp(x) - exp(-x)) / (exp(x) + exp(-x)) is inf / inf past
+        |x| ~ 88, and no libdevice call (the interpreter runs this too)."""
+        if SOFTCAP:
+            s = cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
+        return s
+
+    @triton.jit
+    def join_sink(m, denom, acc, sink):
+        """The online softmax's step for gpt-oss's sink (one logit a row: [R] or a scalar): it
+        joins the denominator like one more key whose value is zero. A row with no key yet
+        (m = -inf) ends with denominator 1 and output 0, the reference's."""
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_new)
+        return m_new, denom * alpha + tl.exp(sink - m_new), acc * alpha[:, None]
 
     @triton.jit
     def _store_kv_kernel(
@@ -227,11 +264,11 @@ if triton is not None:
     @triton.jit
     def _attend_tiles(
         q, KC, VC, BlockTable, seq, kvh, d, start, end, bt_stride, kc_stride_slot, kc_stride_h, scale,
-        GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr,
+        softcap, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
     ):  # fmt: skip
         """The online softmax of a query group over context positions [start, end) of one
-        sequence: (running max, denominator, output)."""
+        sequence: (running max, denominator, output). Logits soft-capped under SOFTCAP."""
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         denom = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -241,7 +278,7 @@ if triton is not None:
                 BLOCK_SIZE, BLOCK_N,
             )  # fmt: skip
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
-            s = tl.where(valid[None, :], s, float("-inf"))
+            s = tl.where(valid[None, :], soft_capped(s, softcap, SOFTCAP), float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -251,11 +288,11 @@ if triton is not None:
         return m, denom, acc
 
     @triton.jit
-    def _attend_one_more(q, k, v, m, denom, acc, scale, attend):
+    def _attend_one_more(q, k, v, m, denom, acc, scale, attend, softcap, SOFTCAP: tl.constexpr):
         """The online softmax's step for one more key when `attend` (k, v: [1, HEAD_DIM]), with
         the rounding of the tile loop: its probabilities meet V in V's dtype."""
         if attend:
-            s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale
+            s = soft_capped(tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale, softcap, SOFTCAP)
             m_new = tl.maximum(m, s)
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new)
@@ -267,16 +304,19 @@ if triton is not None:
     @triton.jit(do_not_specialize=["bt_stride"])  # the block table's width changes every eager step
     def _decode_split_kernel(
         Q, KC, VC, BlockTable, SeqLens, PartOut, PartLse, Out, K, V, Cos, Sin, Slots, NormQ, NormK, eps,
-        q_stride_s, q_stride_h, kc_stride_slot, kc_stride_h, bt_stride, po_stride_s, po_stride_h,
-        po_stride_split, pl_stride_s, pl_stride_h, k_row, k_head, v_row, v_head, scale, window,
+        Sinks, q_stride_s, q_stride_h, kc_stride_slot, kc_stride_h, bt_stride, po_stride_s, po_stride_h,
+        po_stride_split, pl_stride_s, pl_stride_h, k_row, k_head, v_row, v_head, scale, window, softcap,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
-        TO_FP8: tl.constexpr, NORM: tl.constexpr, F16: tl.constexpr, PDL: tl.constexpr,
+        TO_FP8: tl.constexpr, NORM: tl.constexpr, F16: tl.constexpr, SOFTCAP: tl.constexpr,
+        SINKS: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """With ROPE, q, k and v come straight from the projection: each program rotates its
         query heads in registers (normalized first under NORM), and the token's K/V (position
         seq_len - 1) are written to the pool by the split whose share holds it, which attends to
-        them from registers after its loop (a select inside the loop cost 8% at batch 64)."""
+        them from registers after its loop (a select inside the loop cost 8% at batch 64).
+        SOFTCAP: logits soft-capped (Gemma 2). SINKS: each head's sink (gpt-oss) joins split 0's
+        softmax, so the merge, which weighs the splits by their log-sum-exps, counts it once."""
         wait_for_producers(PDL)
         seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq_len = tl.load(SeqLens + seq)
@@ -308,16 +348,20 @@ if triton is not None:
             q_tiles = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         m, denom, acc = _attend_tiles(
             q_tiles, KC, VC, BlockTable, seq, kvh, d, start, end, bt_stride, kc_stride_slot, kc_stride_h,
-            scale, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
+            scale, softcap, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, SOFTCAP,
         )  # fmt: skip
         admit_dependents(PDL)
         if ROPE:
             m, denom, acc = _attend_one_more(
-                q, k_new.to(q.dtype), v_new.to(q.dtype), m, denom, acc, scale, owner
+                q, k_new.to(q.dtype), v_new.to(q.dtype), m, denom, acc, scale, owner, softcap, SOFTCAP
             )
+        gm = g < GROUP
+        if SINKS:  # noqa: SIM102 (apart: the constexpr prunes it all at compile time)
+            if split == 0:
+                sink = tl.load(Sinks + heads, mask=gm, other=0.0).to(tl.float32)
+                m, denom, acc = join_sink(m, denom, acc, sink)
         lse = tl.where(denom > 0, m + tl.log(denom), float("-inf"))
         out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-        gm = g < GROUP
         if NUM_SPLITS == 1:  # nothing to merge: the output itself, [S, H, D] contiguous
             out_off = (seq * tl.num_programs(1) * GROUP + heads[:, None]) * HEAD_DIM + d[None, :]
             tl.store(Out + out_off, out.to(Out.dtype.element_ty), mask=gm[:, None])
@@ -384,21 +428,51 @@ def paged_decode_attention(
     rope_kv: RopeKV | None = None,
     norms: HeadNorms | None = None,
     tiling: DecodeTiling | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernel on CUDA (the reference elsewhere); same contract as the reference.
     `out` ([S, H, D] contiguous, new if None): where to write, e.g. the decode rows of a mixed step.
     `rope_kv`: q and this step's K/V as the projection left them, rotated and written by the
     kernel itself (CUDA only: `fused.rotary_decode_attention` decides when it applies); `norms`
     (with `rope_kv` only): q's and k's heads RMS-normalized before they are rotated. `tiling`:
-    the launch, `decode_tiling`'s for the cache if None."""
+    the launch, `decode_tiling`'s for the cache if None. `softcap` (Gemma 2) and `sinks` [H]
+    (gpt-oss): `attention_probs`'; each is a compile-time switch of the kernel, so other models'
+    kernels are as they were."""
     num_seqs, heads, dim = q.shape
     out = torch.empty(num_seqs, heads, dim, dtype=q.dtype, device=q.device) if out is None else out
     if triton is None or not q.is_cuda:
         assert rope_kv is None, "the reference attends over a pool that already holds the step's K/V"
         want = paged_decode_attention_reference(
-            q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window
+            q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window, softcap, sinks
         )
         return out.copy_(want)
+    return decode_attention_triton(
+        q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window, num_splits, out, rope_kv,
+        norms, tiling, softcap, sinks,
+    )  # fmt: skip
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None,
+    num_splits: int,
+    out: torch.Tensor,
+    rope_kv: RopeKV | None = None,
+    norms: HeadNorms | None = None,
+    tiling: DecodeTiling | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_decode_attention`'s launches, wherever Triton runs (its interpreter included: the
+    tests)."""
+    num_seqs, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     tiling = tiling or decode_tiling(k_cache.dtype)
@@ -411,13 +485,15 @@ def paged_decode_attention(
     norm_q, norm_k, eps = norms if norms is not None else (q, q, 0.0)
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, out, k, v, cos, sin, slots, norm_q,
-        norm_k, eps, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale, window or 0,
+        norm_k, eps, sinks if sinks is not None else q, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), block_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale,
+        window or 0, softcap or 0.0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         BLOCK_SIZE=block_size, BLOCK_N=tiling.block_n, NUM_SPLITS=num_splits,
         PRECISION=dot_precision(q.dtype), ROPE=rope_kv is not None, TO_FP8=k_cache.dtype == FP8,
-        NORM=norms is not None, F16=f16, num_warps=tiling.warps, num_stages=tiling.stages,
+        NORM=norms is not None, F16=f16, SOFTCAP=softcap is not None, SINKS=sinks is not None,
+        num_warps=tiling.warps, num_stages=tiling.stages,
         **pdl_args(q.device),
     )  # fmt: skip
     if num_splits > 1:

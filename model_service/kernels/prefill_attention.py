@@ -14,19 +14,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model_service.kernels.paged_attention import cache_rows, dot_precision, triton
+from model_service.kernels.paged_attention import attention_probs, cache_rows, dot_precision, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from model_service.kernels.paged_attention import join_sink, soft_capped
 
     @triton.jit(do_not_specialize=["bt_stride"])  # the block table's width changes every step
     def _prefill_kernel(
         Q, KC, VC, Out, BlockTable, QueryStart, SeqLens, TileSeq, TileRow,
         q_stride_t, q_stride_h, o_stride_t, o_stride_h, kc_stride_slot, kc_stride_h, bt_stride,
-        scale, window,
+        scale, window, softcap, Sinks,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+        SINKS: tl.constexpr,
     ):  # fmt: skip
+        """SOFTCAP: the logits soft-capped (Gemma 2); SINKS: the head's sink (gpt-oss) joins every
+        row's softmax after the last key tile."""
         tile, head = tl.program_id(0), tl.program_id(1)
         seq = tl.load(TileSeq + tile)
         m0 = tl.load(TileRow + tile)
@@ -58,13 +63,15 @@ if triton is not None:
         for n0 in range(lo, mid, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, KC, VC, table, kc_stride_slot, head_offset, n0, hi, pos_m, window, scale, m_i, l_i, acc,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False,
+                softcap, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False, SOFTCAP,
             )  # fmt: skip
         for n0 in range(mid, hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, KC, VC, table, kc_stride_slot, head_offset, n0, hi, pos_m, window, scale, m_i, l_i, acc,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True,
+                softcap, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True, SOFTCAP,
             )  # fmt: skip
+        if SINKS:
+            m_i, l_i, acc = join_sink(m_i, l_i, acc, tl.load(Sinks + head).to(tl.float32))
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             Out + (q_start + rows)[:, None] * o_stride_t + head * o_stride_h + d[None, :],
@@ -74,12 +81,13 @@ if triton is not None:
 
     @triton.jit
     def _attend_tile(
-        q, KC, VC, table, kc_stride_slot, head_offset, n0, hi, pos_m, window, scale, m_i, l_i, acc,
+        q, KC, VC, table, kc_stride_slot, head_offset, n0, hi, pos_m, window, scale, m_i, l_i, acc, softcap,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr, MASKED: tl.constexpr,
+        PRECISION: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
     ):  # fmt: skip
         """One key tile's online-softmax update; MASKED applies the causal / window mask and the
-        sequence's end (unmasked tiles are whole and visible to every row)."""
+        sequence's end (unmasked tiles are whole and visible to every row); SOFTCAP soft-caps the
+        logits first."""
         pos_n = n0 + tl.arange(0, BLOCK_N)
         d = tl.arange(0, HEAD_DIM)
         valid_n = pos_n < hi
@@ -87,7 +95,7 @@ if triton is not None:
         kv_off = (block * BLOCK_SIZE + pos_n % BLOCK_SIZE)[:, None] * kc_stride_slot + head_offset
         k = tl.load(KC + kv_off + d[None, :], mask=valid_n[:, None], other=0.0).to(q.dtype)  # FP8 widens
         v = tl.load(VC + kv_off + d[None, :], mask=valid_n[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = soft_capped(tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale, softcap, SOFTCAP)
         if MASKED:
             allowed = valid_n[None, :] & (pos_n[None, :] <= pos_m[:, None])
             allowed &= (window <= 0) | (pos_n[None, :] > pos_m[:, None] - window)
@@ -110,8 +118,11 @@ def paged_prefill_attention_reference(
     block_size: int,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D], each sequence's rows ending at position seq_len - 1; returns [T, H, D]."""
+    """q: [T, H, D], each sequence's rows ending at position seq_len - 1; returns [T, H, D].
+    `softcap` and `sinks`: `attention_probs`'."""
     out = torch.empty_like(q)
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     starts = query_start.tolist()
@@ -126,8 +137,8 @@ def paged_prefill_attention_reference(
         if window:
             allowed &= pos[None, :] > q_pos[:, None] - window
         scores = torch.einsum("qhd,nhd->hqn", q[a:b].float(), k) * scale
-        scores = scores.masked_fill(~allowed[None], float("-inf"))
-        out[a:b] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v).to(q.dtype)
+        probs = attention_probs(scores, allowed[None], softcap, sinks)
+        out[a:b] = torch.einsum("hqn,nhd->qhd", probs, v).to(q.dtype)
     return out
 
 
@@ -154,24 +165,52 @@ def paged_prefill_attention(
     window: int | None,
     tiles: tuple[torch.Tensor, torch.Tensor],
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernel on CUDA (the reference elsewhere); `tiles` from `prefill_tiles`, on the
-    device. Writes the tiles' rows of `out` ([T, H, D], new if None) and returns it."""
+    device. Writes the tiles' rows of `out` ([T, H, D], new if None) and returns it. `softcap`
+    (Gemma 2) and `sinks` [H] (gpt-oss): compile-time switches of the kernel."""
     tokens, heads, dim = q.shape
     out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device) if out is None else out
     if triton is None or not q.is_cuda:
         want = paged_prefill_attention_reference(
-            q, k_cache, v_cache, block_table, query_start, seq_lens, block_size, scale, window
+            q, k_cache, v_cache, block_table, query_start, seq_lens, block_size, scale, window, softcap, sinks
         )
         first = int(query_start[int(tiles[0].min())]) if tiles[0].numel() else tokens
         out[first:] = want[first:]  # the tiles' rows: those of their first sequence on
         return out
+    return prefill_attention_triton(
+        q, k_cache, v_cache, block_table, query_start, seq_lens, block_size, scale, window, tiles, out,
+        softcap, sinks,
+    )  # fmt: skip
+
+
+def prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None,
+    tiles: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    block_m: int = 64,
+) -> torch.Tensor:
+    """`paged_prefill_attention`'s launch, wherever Triton runs (its interpreter included: the
+    tests); `block_m` must be the one `tiles` were cut with."""
+    heads, dim = q.shape[1:]
     tile_seq, tile_row = tiles
     _prefill_kernel[(tile_seq.shape[0], heads)](
         q, k_cache, v_cache, out, block_table, query_start, seq_lens, tile_seq, tile_row,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        block_table.stride(0), scale, window or 0,
-        GROUP=heads // k_cache.shape[1], HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_M=64, BLOCK_N=64,
-        PRECISION=dot_precision(q.dtype), num_stages=2,
+        block_table.stride(0), scale, window or 0, softcap or 0.0, sinks if sinks is not None else q,
+        GROUP=heads // k_cache.shape[1], HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64,
+        PRECISION=dot_precision(q.dtype), SOFTCAP=softcap is not None, SINKS=sinks is not None, num_stages=2,
     )  # fmt: skip
     return out

@@ -9,8 +9,8 @@ What differs, each read from `ModelConfig` (config.py's `_gemma_from_hf`) or fix
 - Embeddings are multiplied by sqrt(hidden_size) rounded to the activations' dtype.
 - The MLP is GELU-tanh gated (`hidden_activation`, `layers.MLP`).
 - Attention logits are scaled by query_pre_attn_scalar ** -0.5 (`ModelConfig.softmax_scale`),
-  and Gemma 2 soft-caps them (`attn_logit_softcapping`: the torch attention backend only, see
-  executor.py); both soft-cap the final logits (`final_logit_softcapping`).
+  and Gemma 2 soft-caps them (`attn_logit_softcapping`, which both attention backends take:
+  the Triton kernels' `SOFTCAP` switch); both soft-cap the final logits (`final_logit_softcapping`).
 - Gemma 3 normalizes each query and key head, by (1 + weight) too, before RoPE; its sliding
   layers rotate with their own base (`ModelConfig.sliding_rope`, `DecoderModel.layer_ropes`).
 """

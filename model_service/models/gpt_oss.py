@@ -4,7 +4,8 @@ attention and MoE, as HF's modeling_gpt_oss.py defines them.
 What differs, each read from `ModelConfig` (config.py's `_gpt_oss_from_hf`) or fixed here:
 - Attention has q/k/v/o biases, alternates sliding-window and full layers (`layer_types`), rotates
   with YaRN, and each head has a learned sink: a logit that joins every softmax's denominator
-  without a value (`SinkAttention`; the torch attention backend only, see executor.py).
+  without a value (`SinkAttention`; both attention backends add it, the Triton kernels under
+  their `SINKS` switch).
 - Every layer's MLP is a MoE (`GptOssMoe`): a router with a bias, a softmax over the top-k logits
   (Mixtral's renormalized top-k), experts with biases whose activation is the clamped SwiGLU
   (`ModelConfig.expert_swiglu`) over gate/up columns interleaved as HF stores them. The experts
