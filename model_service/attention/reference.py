@@ -19,28 +19,21 @@ tokens this step wrote.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from model_service.attention.kv_cache import KVCache
+from model_service.attention.paged import PagedAttention
 from model_service.kernels.fused import apply_rotary, head_rms_norm
 from model_service.kernels.paged_attention import HeadNorms, cache_rows, write_cache_rows
 from model_service.models.step import StepBatch
 
 
-class TorchReferenceBackend:
-    def __init__(
-        self,
-        kv_cache: KVCache,
-        windows: list[int | None],
-        head_dim: int,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> None:
-        """`softcap`: Gemma 2's cap * tanh(logits / cap) on the scaled attention logits. Attention
-        sinks (gpt-oss's) come with each call: they are the layer's parameters."""
-        self.kv_cache, self.windows, self.softcap = kv_cache, windows, softcap
-        self.scale = scale if scale is not None else head_dim**-0.5
+class TorchReferenceBackend(PagedAttention):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """`PagedAttention`'s arguments."""
+        super().__init__(*args, **kwargs)
         self._batch: StepBatch | None = None
         self._num_decode = 0
         self._query_index = self._token_rows = self._key_slots = torch.empty(0, dtype=torch.long)

@@ -23,28 +23,21 @@ table, sequence lengths, slot mapping) that every replay fills first.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from model_service.attention.decode_buffers import StaticDecodeMetadata
-from model_service.attention.kv_cache import KVCache
+from model_service.attention.paged import PagedAttention
 from model_service.kernels.fused import head_rms_norm, rotary_decode_attention, rotary_store_kv
 from model_service.kernels.paged_attention import HeadNorms, num_splits_for, paged_decode_attention, store_kv
 from model_service.kernels.prefill_attention import paged_prefill_attention, prefill_tiles
 from model_service.models.step import StepBatch, to_device
 
 
-class TritonBackend(StaticDecodeMetadata):
-    def __init__(
-        self,
-        kv_cache: KVCache,
-        windows: list[int | None],
-        head_dim: int,
-        scale: float | None = None,
-        softcap: float | None = None,
-    ) -> None:
-        """`softcap`: Gemma 2's cap * tanh(logits / cap) on the scaled attention logits."""
-        self.kv_cache, self.windows, self.softcap = kv_cache, windows, softcap
-        self.scale = scale if scale is not None else head_dim**-0.5
+class TritonBackend(StaticDecodeMetadata, PagedAttention):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # PagedAttention's: StaticDecodeMetadata has none
         self.decode = False
         self.num_decode = 0  # a mixed step's leading one-token sequences: the decode kernel's
         self.query_start = torch.empty(0, dtype=torch.long)
