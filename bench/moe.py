@@ -54,7 +54,7 @@ import torch
 from bench.gpu import copy_bandwidth, decode_tok_s, kernel_profile, quantized, random_module
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
-from model_service.kernels.expert_gemv import ExpertGemvTiling, expert_gemv, expert_gemv_tiling
+from model_service.kernels.expert_gemv import ExpertGemvTiling, engine_tilings, expert_gemv
 from model_service.kernels.experts import experts_grouped, experts_path, experts_reference
 from model_service.kernels.fused_moe import (
     ExpertScales,
@@ -189,7 +189,7 @@ def gemv_tilings(hidden: int, inter: int, top_k: int) -> list[tuple[ExpertGemvTi
     """One-token GEMV tilings (kernels/expert_gemv.py): the engine's pair first, then gate_up's
     columns a program (2-16), K step and warps with down's kept, and down's with gate_up's kept;
     tiles of at most 32K weight elements."""
-    engine = (expert_gemv_tiling(hidden, 2), expert_gemv_tiling(inter, triton_next_pow2(top_k)))
+    engine = engine_tilings(hidden, inter, top_k)
 
     def grid(k: int, rows: int) -> list[ExpertGemvTiling]:
         steps = [s for s in (128, 256, 512, 1024, 2048) if s <= triton_next_pow2(k)]

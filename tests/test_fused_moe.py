@@ -205,13 +205,13 @@ def test_fused_experts_match_the_reference_under_the_interpreter(tokens, experts
 
 @interpreter
 def test_one_token_runs_the_experts_as_gemvs_under_the_interpreter(monkeypatch):
-    """Batch-1 decode of e4m3 experts takes the GEMV kernels (kernels/expert_gemv.py; e4m3 ones
+    """Batch-1 decode takes the GEMV kernels (kernels/expert_gemv.py; e4m3 ones
     in the FP8 tests): the reference's result to float32 rounding with K no multiple of the
     tile, a remote slot and a strided x, the same as the tiled kernels; wider batches keep the
     tiles, and weights not contiguous along K too; top_k 6 (a tile of 8 slots) and tilings
     that step along K more than once."""
     assert fused_moe_config(1, 8, 128, 2048, 768, item_bytes=1).gemv  # e4m3 experts at one token
-    assert not fused_moe_config(1, 8, 128, 2048, 768).gemv  # bf16: the tiles were as fast (H100)
+    assert fused_moe_config(1, 8, 128, 2048, 768).gemv  # bf16 too (H100, 2026-12-07 ai: +2.5%)
     assert not fused_moe_config(2, 8, 128, 2048, 768, item_bytes=1).gemv
     x, gate_up, down, ids, weights = _case(1, 16, 6, 48, 40, seed=5)
     ids[0, 2] = 16  # another rank's expert

@@ -4,24 +4,29 @@
 At batch 1 a step reads top_k experts' gate_up and down rows and does a dot product per row.
 The fused kernels (kernels/fused_moe.py) run it through `tl.dot` on 16-row tiles, 15 rows of them
 masked, with each weight tile laid out as a GEMM operand; on an H100 (2026-12-07 ag, Qwen3-30B-A3B's
-shapes) gate_up streamed 2.5 TB/s of its bytes and down 1.6. Here each program reads [BLOCK_N,
-BLOCK_K] tiles of an expert's rows as they lie (runs of 2 KB along K), widens them to float32 and
-sums them against the token's row: no operand layout, no padded rows, and many small programs.
+shapes) gate_up streamed 2.5 TB/s of its bytes and down 1.6. Here each program reads tiles of an
+expert's rows as they lie (contiguous along K), widens them to float32 and sums them against the
+token's row: no operand layout, no padded rows, and many small programs. At one token the time
+is latency, not bytes, so what matters is how many loads each program has in flight at once:
 
-- gate_up: program (pair, column block) computes BLOCK_N gate and up sums of its pair's expert,
-  then SiLU(gate) * up in float32, stored in the activations' type (as the fused kernel rounds h).
-- down: program (token, column block) loops over the token's top_k slots in slot order, adding
-  weight * (h[pair] . down[e, cols]) in float32, and rounds once: deterministic, no arrival
-  counters, no float32 slot rows. Slots whose expert is outside [0, E) (another rank's, under
-  expert parallelism) add nothing, as in `fused_moe`.
+- gate_up: program (pair, column block) loads its BLOCK_N gate rows and BLOCK_N up rows as one
+  [2, BLOCK_N, BLOCK_K] tile a K step, then SiLU(gate) * up in float32, stored in the
+  activations' type (as the fused kernel rounds h).
+- down: program (token, column block) loads every slot's rows as one [SLOTS, BLOCK_N, BLOCK_K]
+  tile a K step (SLOTS: top_k padded to a power of two), weighs each slot's sums and adds them in
+  float32 in a fixed order, rounding once: deterministic, no arrival counters, no float32 slot
+  rows. Slots whose expert is outside [0, E) (another rank's, under expert parallelism) add
+  nothing, as in `fused_moe`.
 
 FP8 experts (`ExpertScales`): one scale an output row, applied after the K loop, or one a row and
 128 input columns, applied per group inside the tile (a tile holds whole groups).
 
-Measured (H100, 2026-12-07 ah, docs/gpu-notebook.md): e4m3 experts at one token 36.5 -> 31.3 us
-a layer (still only ~1.2 TB/s of their 37.7 MB: latency, not bytes, bounds them), the engine
-+8%; bf16 experts no faster than the tiles (19.4 + 17.7 us against 20.2 + 16.1), so
-`fused_moe_config` takes this path for e4m3 only.
+Measured (H100, docs/gpu-notebook.md). 2026-12-07 ah, gate before up and slot after slot, each
+waiting for the one before: e4m3 experts 36.5 -> 31.3 us a layer against the tiles, the engine
++8%; bf16 no faster. 2026-12-07 ai, whole tiles (one layer graph-replayed with a sync each call,
+us: old GEMVs / these / tiles): e4m3 34.2 / 25.7 / 43.0, per 128 columns 33.7 / 27.7 / 44.2, bf16
+48.0 / 44.2 / 47.8; the engine at batch 1 (24 layers) e4m3 590.8-621.3 -> 675 tok/s, bf16 tiles
+483-490 -> 492-502, so `fused_moe_config` takes this path at one token for every weight type.
 """
 
 from __future__ import annotations
@@ -50,13 +55,27 @@ class ExpertGemvTiling:
     num_warps: int = 4
 
 
-def expert_gemv_tiling(k: int, rows_a_column: int, group: int = 0, block_n: int = 4) -> ExpertGemvTiling:
+def expert_gemv_tiling(
+    k: int, rows_a_column: int, group: int = 0, block_n: int = 4, elements: int = TILE_ELEMENTS
+) -> ExpertGemvTiling:
     """`block_n` columns a program, each needing `rows_a_column` weight rows (gate and up: 2; down:
     the padded top_k), and the longest power-of-two K step that keeps the program's tile within
-    TILE_ELEMENTS (one step for a short K). Block scales need whole groups in a step."""
-    block_k = max(16, TILE_ELEMENTS // (rows_a_column * block_n))
+    `elements` (one step for a short K). Block scales need whole groups in a step."""
+    block_k = max(16, elements // (rows_a_column * block_n))
     block_k = min(block_k, triton.next_power_of_2(k))
     return ExpertGemvTiling(block_n, max(block_k, group))
+
+
+def engine_tilings(hidden: int, inter: int, top_k: int, group: int = 0) -> tuple[ExpertGemvTiling, ...]:
+    """gate_up's and down's tilings. gate_up: 8 columns a program, K in 2,048-long steps (tiles of
+    32K elements); down: 4 columns, tiles of 8K (256-long steps at top_k 8). Best or within 1% of
+    it at Qwen3-30B-A3B's shapes in bf16, e4m3 and e4m3 per 128 columns (H100, 2026-12-07 ai,
+    `bench/moe.py --tokens 1 --sweep`; docs/gpu-notebook.md)."""
+    slots = triton.next_power_of_2(top_k)
+    return (
+        expert_gemv_tiling(hidden, 2, group, block_n=8, elements=4 * TILE_ELEMENTS),
+        expert_gemv_tiling(inter, slots, group),
+    )
 
 
 def expert_gemv_applies(tokens: int, gate_up: torch.Tensor, down: torch.Tensor, group: int = 0) -> bool:
@@ -84,7 +103,7 @@ def expert_gemv(
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
     slots = triton.next_power_of_2(top_k)
-    up, dn = tilings or (expert_gemv_tiling(hidden, 2, group), expert_gemv_tiling(inter, slots, group))
+    up, dn = tilings or engine_tilings(hidden, inter, top_k, group)
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     w8 = gate_up_scale is not None

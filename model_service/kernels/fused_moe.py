@@ -88,7 +88,7 @@ class FusedMoeConfig:
     num_stages: int
     num_warps: int = 4
     gate_up_split: int = 1  # K slices of gate_up, summed by the last to arrive (few-program launches)
-    gemv: bool = False  # one token of e4m3 experts: GEMVs (kernels/expert_gemv.py) instead of these tiles
+    gemv: bool = False  # one token: GEMVs (kernels/expert_gemv.py) instead of these tiles
 
 
 def fused_moe_config(
@@ -112,10 +112,12 @@ def fused_moe_config(
     64-row blocks (prefill chunks) of 16-bit weights read K in runs of 64 over 4 stages: at
     2,048 tokens (`--tokens 2048 --sweep`, 2026-12-02 y) 0.815 ms at K 32 / 3 stages, 0.700 at
     K 64 / 4 (128-row blocks 0.687 at 8 warps, 1.4-1.8 ms at 4); e4m3 and float32 keep K 32 / 3.
-    One token of e4m3 experts runs as GEMVs (`gemv`; H100, 2026-12-07 ah, `--tokens 1 --sweep
-    --quantization fp8`): 31.3 us against the best tiles' 36.5, the engine at batch 1 (24
-    layers) 570.2 / 575.8 -> 609.0 / 614.0 / 620.7 tok/s; bf16 experts keep the tiles (GEMVs
-    19.4 + 17.7 us against 20.2 + 16.1, the engine unchanged within its spread)."""
+    One token runs as GEMVs (`gemv`, kernels/expert_gemv.py). First for e4m3 only (H100, 2026-12-07
+    ah: 31.3 us a layer against the best tiles' 36.5; the engine at batch 1, 24 layers, 570.2 /
+    575.8 -> 609.0 / 614.0 / 620.7 tok/s; bf16 no faster). Then with every slot's rows in one
+    tile (2026-12-07 ai, another H100, ABAB one process each, `bench/moe.py --engine --batches 1
+    --layers 24`): e4m3 590.8 / 621.3 / 621.3 -> 675.6 / 674.9 tok/s, and bf16 too, tiles 486.7 /
+    489.7 / 482.7 -> GEMVs 491.6 / 500.5 / 501.9 (+2.5%)."""
     pairs = tokens * top_k
     per_expert = pairs / max(1, min(experts, pairs))
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
@@ -141,7 +143,7 @@ def fused_moe_config(
         num_stages=4 if block_m <= 32 or item_bytes == 2 else 3,
         num_warps=8 if item_bytes == 1 else 4,
         gate_up_split=split,
-        gemv=tokens == 1 and item_bytes == 1,
+        gemv=tokens == 1,
     )
 
 
