@@ -194,6 +194,19 @@ def test_text_format_is_the_chat_paths_structured_output(text, expected):
     )
 
 
+def test_reasoning_effort_reaches_the_template_as_the_chat_paths():
+    """`reasoning.effort` is the chat path's `reasoning_effort` (the template variable gpt-oss
+    reads); it was restated and dropped. A `reasoning` that is no object is refused by name."""
+    assert json.loads(_parsed({"reasoning": {"effort": "low", "summary": "auto"}}).chat.template_kwargs) == {
+        "reasoning_effort": "low"
+    }
+    assert not _parsed({"reasoning": {"summary": "auto"}}).chat.template_kwargs
+    for bad in ("high", {"effort": 1}):
+        with pytest.raises(ApiError) as refused:
+            _parsed({"reasoning": bad})
+        assert refused.value.param == "reasoning"
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -177,7 +177,7 @@ def chat_request(
         raise bad_request("`messages` must be a non-empty list of {role, content} objects", "messages")
     tools, use, forced = read_tools(body, tool_parser)
     chat = pb.ChatMessages(messages=[_message(m, i) for i, m in enumerate(messages)], tools=tools)
-    template_kwargs = _typed(body, "chat_template_kwargs", dict)
+    template_kwargs = _template_kwargs(body)
     if template_kwargs:  # the pod checks the names against its template's call
         chat.template_kwargs = json.dumps(template_kwargs)
     req = pb.GenerateRequest(chat=chat)
@@ -211,6 +211,16 @@ def chat_request(
         call = replace(call, include_reasoning=False)
     _bounded(call)
     return req, call
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`chat_template_kwargs`, and OpenAI's `reasoning_effort` as the template variable of that name:
+    gpt-oss's template writes it into the system message ("Reasoning: high"; "medium" when unset),
+    so dropping it served every effort asked for as medium. A template that does not read it renders
+    as before; a `reasoning_effort` the request's own `chat_template_kwargs` sets wins."""
+    kwargs = _typed(body, "chat_template_kwargs", dict)
+    effort = _typed(body, "reasoning_effort", str)
+    return kwargs if effort is None else {"reasoning_effort": effort, **(kwargs or {})}
 
 
 # Chat-template switches that turn thinking off (Qwen3's `enable_thinking`, DeepSeek-V3.1's

@@ -3,7 +3,8 @@
 A stateless Responses request is a chat: `instructions` and the `input` items are its messages
 (a `function_call` item an assistant's tool call, a `function_call_output` a tool result, a
 `reasoning` item the thinking an assistant turn is sent back with), its flat function tools are
-chat tools, `text.format` is `response_format` and `max_output_tokens` `max_completion_tokens`.
+chat tools, `text.format` is `response_format`, `reasoning.effort` `reasoning_effort` and
+`max_output_tokens` `max_completion_tokens`.
 Only the body is translated: the chat path does the rest (chat template, sampling, adapters
 named as `model`, tool and reasoning parsers, structured output) and refuses what it refuses, so
 the two endpoints cannot drift apart. What needs state Spindle does not keep
@@ -59,6 +60,9 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     response_format = _text_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
+    effort = _effort(body.get("reasoning"))
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     _metadata(body.get("metadata"))
     for name in ("user", "safety_identifier", "prompt_cache_key"):
         if body.get(name) is not None and not isinstance(body[name], str):
@@ -232,6 +236,17 @@ def _text_format(text: Any) -> dict[str, Any] | None:
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name", ""), "schema": fmt["schema"]}}
     raise bad_request('`text.format` must be {"type": "text"}, {"type": "json_object"} or {"type": '
                       '"json_schema", "name": ..., "schema": {...}}', "text.format")  # fmt: skip
+
+
+def _effort(reasoning: Any) -> str | None:
+    """`reasoning.effort`: the chat path's `reasoning_effort` (the template variable gpt-oss's
+    template reads); `reasoning.summary` asks for nothing the reasoning item does not already hold."""
+    if reasoning is None:
+        return None
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if not isinstance(reasoning, dict) or not isinstance(effort, (str, type(None))):
+        raise bad_request('`reasoning` must be an object such as {"effort": "low"}', "reasoning")
+    return effort
 
 
 def _metadata(metadata: Any) -> None:
