@@ -23,7 +23,9 @@ from spindle.openai_api.errors import bad_request
 _SAME = (
     "model", "stream", "temperature", "top_p", "parallel_tool_calls", "stop", "seed", "top_k", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "min_tokens",
-    "ignore_eos", "priority", "chat_template_kwargs", "include_reasoning",
+    "ignore_eos", "priority", "chat_template_kwargs", "include_reasoning", "logit_bias", "allowed_token_ids",
+    "bad_words", "include_stop_str_in_output", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar",
 )  # fmt: skip
 _STATELESS = "responses are not stored here: send the whole conversation as `input`"
 # Fields whose value (anything but null, false or empty) asks for what Spindle cannot do.
@@ -38,7 +40,22 @@ _REFUSED = {
     "context_management": "`context_management` is not supported",
     "moderation": "`moderation` is not supported",
 }
-_DEFAULTS = {"top_logprobs": 0}  # a value of a refused field that asks for nothing
+# Chat completion fields that change the answer, sent to /v1/responses (a client ported from the
+# chat API): the Responses API spells them otherwise or has no such thing. Ignored, `max_tokens`
+# ran to the context and `response_format` answered free text: refused, naming what to send.
+_CHAT_ONLY = {
+    "messages": "send the conversation as `input`",
+    "max_tokens": "send `max_output_tokens`",
+    "max_completion_tokens": "send `max_output_tokens`",
+    "response_format": "send `text.format`",
+    "reasoning_effort": 'send `reasoning: {"effort": ...}`',
+    "n": "a response has one answer: send one request per answer",
+    "best_of": "a response has one answer: send one request per answer",
+    "logprobs": "logprobs are not supported on /v1/responses (ask /v1/chat/completions)",
+    "prompt_logprobs": "logprobs are not supported on /v1/responses (ask /v1/chat/completions)",
+    "functions": "send `tools`",
+}
+_DEFAULTS = {"top_logprobs": 0, "n": 1, "best_of": 1}  # a value of a refused field that asks for nothing
 _TEXT_PARTS = ("input_text", "output_text")  # an assistant's earlier output is sent back as output_text
 
 
@@ -71,7 +88,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _refuse_stateful(body: dict[str, Any]) -> None:
-    for name, why in _REFUSED.items():
+    chat_only = {name: f"`{name}` is a chat completion field: {why}" for name, why in _CHAT_ONLY.items()}
+    for name, why in {**_REFUSED, **chat_only}.items():
         value = body.get(name)
         if not (value is None or value is False or value in ([], {}) or value == _DEFAULTS.get(name)):
             raise bad_request(why, name)
