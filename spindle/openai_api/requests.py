@@ -204,11 +204,12 @@ def chat_request(
         raise bad_request("`best_of` is not supported in chat completions (send it to /v1/completions)",
                           "best_of")  # fmt: skip
     reasoning = _reasoning(req, reasoning_parser, template_kwargs or {})
+    include_reasoning = _typed(body, "include_reasoning", bool) is not False  # vLLM's: false drops it
+    if _harmony_unread(req, use, tool_parser, reasoning):
+        reasoning, include_reasoning = "openai_gptoss", False
     if (use is not None and use.reads_special_tokens) or reasoning_parsers.reads_special_tokens(reasoning):
         req.sampling.skip_special_tokens = False
-    call = replace(call, tools=use, reasoning=reasoning)
-    if _typed(body, "include_reasoning", bool) is False:  # vLLM's: the reasoning read, and dropped
-        call = replace(call, include_reasoning=False)
+    call = replace(call, tools=use, reasoning=reasoning, include_reasoning=include_reasoning)
     _bounded(call)
     return req, call
 
@@ -236,6 +237,17 @@ def _reasoning(req: pb.GenerateRequest, parser: str, template_kwargs: dict[str, 
     answer, having no `</think>`, would be all reasoning and its content null."""
     thinking_off = any(template_kwargs.get(switch) is False for switch in THINKING_SWITCHES)
     return "none" if req.sampling.HasField("structured_output") or thinking_off else parser
+
+
+def _harmony_unread(req: pb.GenerateRequest, use: ToolUse | None, tool_parser: str, reasoning: str) -> bool:
+    """Whether the output is Harmony (`--tool-call-parser openai`: gpt-oss) that neither a tool
+    use nor a reasoning parser reads: a chat without tools, or with `tool_choice` "none", on a
+    server without --reasoning-parser. It is read as the openai parser reads a chat with tools
+    (final and commentary channels the content, the analysis dropped); read as text, its markers
+    skipped, it came as "analysisThinking...assistantfinalThe answer.". An output forced to a
+    schema is the schema's from its first token, no Harmony."""
+    forced = req.sampling.HasField("structured_output")
+    return tool_parser == "openai" and use is None and reasoning == "none" and not forced
 
 
 def _no_function_call(body: dict[str, Any]) -> None:
