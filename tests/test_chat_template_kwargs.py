@@ -18,6 +18,7 @@ from spindle.v1 import generation_pb2 as pb
 from tests.test_tool_calling import _byte_tokenizer
 
 ASK = [{"role": "user", "content": "Why is the sky blue?"}]
+ADA = {"name": "Ada"}
 # Qwen3's switch, as its template spells it: an empty thought when thinking is off.
 THINKING = """{%- for message in messages %}<|im_start|>{{ message.role }}
 {{ message.content }}<|im_end|>
@@ -28,7 +29,8 @@ THINKING = """{%- for message in messages %}<|im_start|>{{ message.role }}
 
 </think>
 {% endif %}{% endif %}
-{%- if persona is defined %}[{{ persona.name }}]{% endif %}"""
+{%- if persona is defined %}[{{ persona.name }}]{% endif %}
+{%- if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}{% endif %}"""
 
 
 def _reader() -> tuple[PromptReader, object]:
@@ -62,6 +64,23 @@ def test_template_variables_reach_the_template_as_transformers_passes_them(templ
     text = hf.decode(ids)
     assert ("<think>" in text) == (template_kwargs.get("enable_thinking") is False)
     assert ("[Ada]" in text) == ("persona" in template_kwargs)
+
+
+@pytest.mark.parametrize(
+    ("body", "rendered"),
+    [
+        ({"reasoning_effort": "high"}, {"reasoning_effort": "high"}),
+        ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high", "persona": ADA}},
+         {"reasoning_effort": "high", "persona": ADA}),
+    ],
+)  # fmt: skip
+def test_reasoning_effort_is_the_template_variable_gpt_oss_reads(body, rendered):
+    """OpenAI's `reasoning_effort` reaches the template as `reasoning_effort` (gpt-oss's template
+    writes "Reasoning: high" from it); it was dropped, so every effort was served as the default."""
+    _, hf = _reader()
+    assert _pod_ids({"messages": ASK, **body}) == _hf_ids(hf, **rendered)
+    with pytest.raises(ApiError, match="reasoning_effort"):
+        chat_request({"messages": ASK, "reasoning_effort": 3}, {"m"})
 
 
 def test_no_variables_and_an_empty_object_render_the_default():

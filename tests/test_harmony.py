@@ -156,11 +156,12 @@ class _Scripted:
         yield pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_STOP, usage=usage))
 
 
-def _asked(text: str, size: int, **asked) -> tuple:
-    """The whole answer, and the stream accumulated: reasoning, content, calls, finish reason."""
+def _asked(text: str, size: int, reasoning: str = "openai_gptoss", **asked) -> tuple:
+    """The whole answer, and the stream accumulated: reasoning, content, calls, finish reason
+    (`reasoning`: the server's --reasoning-parser; its --tool-call-parser is openai)."""
 
     async def run() -> tuple:
-        async with openai_client_of(_Scripted(text, size), BASE, "openai", "openai_gptoss") as client:
+        async with openai_client_of(_Scripted(text, size), BASE, "openai", reasoning) as client:
             whole = await client.chat.completions.create(model=BASE, messages=ASK, **asked)
             got = {"reasoning": "", "content": "", "calls": {}, "finish": None}
             async for chunk in await client.chat.completions.create(
@@ -205,6 +206,20 @@ def test_the_sdk_reads_the_call_as_tool_calls(size):
     assert [(c["name"], json.loads(c["arguments"])) for c in got["calls"].values()] == [
         ("get_weather", {"city": "Paris"})
     ]
+
+
+@pytest.mark.parametrize("asked", [{}, {"tools": TOOLS, "tool_choice": "none"}])
+def test_the_tool_parser_alone_reads_a_chat_without_calls_as_harmony(asked):
+    """`--tool-call-parser openai` without a reasoning parser: a chat without tools (or with
+    `tool_choice` "none") is Harmony all the same, its final channel the content and its analysis
+    dropped, as with tools; it was text, its markers skipped ("analysisUser asks.
+    Easy.assistantfinalSunny.")."""
+    choice, got = _asked(ANSWER, 5, reasoning="none", **asked)
+    assert (choice.message.content, got["content"], got["reasoning"]) == ("Sunny.", "Sunny.", "")
+    req, _ = chat_request({"messages": ASK, **asked}, {BASE}, "openai", "none")
+    assert req.sampling.skip_special_tokens is False
+    forced, _ = chat_request({"messages": ASK, "response_format": {"type": "json_object"}}, {BASE}, "openai")
+    assert not forced.sampling.HasField("skip_special_tokens")  # a schema's output from its first token
 
 
 def test_the_responses_api_shows_the_reasoning_item_and_the_function_call():

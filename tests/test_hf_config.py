@@ -179,3 +179,25 @@ def test_a_layer_types_list_hf_cannot_run_is_refused(types: list[str]):
     raw |= {"use_sliding_window": True, "sliding_window": 8, "layer_types": types}
     with pytest.raises(ModelLoadError, match="layer_types must list 6"):
         ModelConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize(
+    ("arch", "fields", "match"),
+    [
+        ("Gemma3ForCausalLM", {"query_pre_attn_scalar": None}, "query_pre_attn_scalar must be a number"),
+        ("Gemma2ForCausalLM", {"head_dim": "256"}, "head_dim must be an integer, got '256'"),
+        ("Phi3ForCausalLM", {"rms_norm_eps": None}, "rms_norm_eps must be a number"),
+        ("Olmo2ForCausalLM", {"num_key_value_heads": 1.5}, "num_key_value_heads must be an integer"),
+        ("GptOssForCausalLM", {"swiglu_limit": "7"}, "swiglu_limit must be a number"),
+        ("GraniteForCausalLM", {"rope_scaling": "linear"}, "cannot be read"),
+        ("Gemma2ForCausalLM", {"layer_types": 2}, "cannot be read"),
+        ("Olmo2ForCausalLM", {"num_attention_heads": 0}, "cannot be read"),
+    ],
+)  # fmt: skip
+def test_a_field_of_another_type_is_a_model_load_error(arch: str, fields: dict[str, Any], match: str):
+    """A config.json value no reader expects is refused, the numeric ones by name (HF's strict
+    config classes refuse them too): each was a TypeError, ValueError or ZeroDivisionError
+    traceback ending the pod's start, and a numeric string was read as the number."""
+    raw = {**REQUIRED, "num_hidden_layers": LAYERS, "architectures": [arch], "num_local_experts": 4}
+    with pytest.raises(ModelLoadError, match=match):
+        ModelConfig.from_hf({**raw, "num_experts_per_tok": 2, **fields})

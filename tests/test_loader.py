@@ -192,7 +192,9 @@ def test_config_missing_required_field(ckpt: Path):
     assert "'hidden_size'" in load_error(ckpt)
 
 
-@pytest.mark.parametrize("arch, model_type", [("GPT2LMHeadModel", "gpt2"), ("GptOssForCausalLM", "gpt_oss")])
+@pytest.mark.parametrize(
+    "arch, model_type", [("GPT2LMHeadModel", "gpt2"), ("Gemma3ForConditionalGeneration", "gemma3")]
+)
 def test_unknown_architecture(ckpt: Path, arch: str, model_type: str):
     edit_config(ckpt, architectures=[arch], model_type=model_type)
     msg = load_error(ckpt)

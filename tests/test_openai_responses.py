@@ -194,6 +194,29 @@ def test_text_format_is_the_chat_paths_structured_output(text, expected):
     )
 
 
+def test_the_chat_paths_sampling_extras_are_served_as_on_chat():
+    """vLLM's extras the chat path serves (logit_bias, structured-output spellings, ...) act as
+    there (they were dropped); a chat field that asks for nothing (n: 1, logprobs: false) passes."""
+    req = _parsed(
+        {"logit_bias": {"7": 5}, "bad_words": ["no"], "guided_regex": "a+", "n": 1, "logprobs": False}
+    )
+    assert dict(req.sampling.logit_bias) == {7: 5.0} and list(req.sampling.bad_words) == ["no"]
+    assert req.sampling.structured_output == pb.StructuredOutput(regex="a+")
+
+
+def test_reasoning_effort_reaches_the_template_as_the_chat_paths():
+    """`reasoning.effort` is the chat path's `reasoning_effort` (the template variable gpt-oss
+    reads); it was restated and dropped. A `reasoning` that is no object is refused by name."""
+    assert json.loads(_parsed({"reasoning": {"effort": "low", "summary": "auto"}}).chat.template_kwargs) == {
+        "reasoning_effort": "low"
+    }
+    assert not _parsed({"reasoning": {"summary": "auto"}}).chat.template_kwargs
+    for bad in ("high", {"effort": 1}):
+        with pytest.raises(ApiError) as refused:
+            _parsed({"reasoning": bad})
+        assert refused.value.param == "reasoning"
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -217,6 +240,14 @@ def test_text_format_is_the_chat_paths_structured_output(text, expected):
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"metadata": {"k": 1}}, "metadata"),
         ({"input": []}, "input"),
+        # chat completion fields a client ported from the chat API sends: were ignored
+        ({"max_tokens": 5}, "max_tokens"),
+        ({"max_completion_tokens": 5}, "max_completion_tokens"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"reasoning_effort": "high"}, "reasoning_effort"),
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "Hi"}]}, "messages"),
     ],
 )  # fmt: skip
 def test_what_cannot_be_honoured_is_refused_by_name(body, param):

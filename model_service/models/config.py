@@ -296,8 +296,20 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
         """Build from a `config.json` dict; refuse what the engine cannot run, naming the field. A
-        field the dict leaves out means what transformers' config class defaults it to."""
+        field the dict leaves out means what transformers' config class defaults it to. A value
+        of a shape no reader expects (a string for `rope_scaling`, a number for `layer_types`, zero
+        heads) is a ModelLoadError too, never a traceback ending the pod's start."""
+        try:
+            return cls._from_hf(raw, generation_config)
+        except ModelLoadError:
+            raise
+        except (TypeError, ValueError, ArithmeticError, AttributeError, IndexError) as e:
+            raise ModelLoadError(f"config.json cannot be read: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def _from_hf(cls, raw: dict[str, Any], generation_config: dict[str, Any] | None) -> ModelConfig:
         raw = with_hf_defaults(raw)
+        _check_numbers(raw)
         archs = raw.get("architectures") or []
         family = hf_family(raw)
         if family is None:
@@ -363,6 +375,38 @@ class ModelConfig:
         bos = raw.get("bos_token_id")
         cfg.bos_token_id = bos if isinstance(bos, int) else None
         return cfg
+
+
+# config.json's numeric fields, as transformers' config classes type them: an int field takes an
+# integer, a float field any number; a required one (left out: a missing-field error) may not be null.
+_INT_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "original_max_position_embeddings",
+    "sliding_window", "sliding_window_pattern", "num_local_experts", "num_experts_per_tok",
+    "query_pre_attn_scalar", "moe_intermediate_size",
+)  # fmt: skip
+_FLOAT_FIELDS = (
+    "rms_norm_eps", "rope_theta", "rope_local_base_freq", "partial_rotary_factor", "final_logit_softcapping",
+    "attn_logit_softcapping", "swiglu_alpha", "swiglu_limit",
+)  # fmt: skip
+_NOT_NULL = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "rms_norm_eps", "max_position_embeddings", "query_pre_attn_scalar")  # fmt: skip
+
+
+def _check_numbers(raw: dict[str, Any]) -> None:
+    """Refuse a numeric field of another type, naming it: a null, a string or a list read by
+    `int()` / `float()` ended the load in a TypeError traceback naming no field, and a string such
+    as "12" (which transformers' strict config classes refuse) was read as the number."""
+    for name in (*_INT_FIELDS, *_FLOAT_FIELDS):
+        value = raw.get(name)
+        if value is None:
+            if name in raw and name in _NOT_NULL:
+                raise ModelLoadError(f"config.json's {name} must be a number, got null")
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or (name in _INT_FIELDS and value != int(value)):
+            kind = "an integer" if name in _INT_FIELDS else "a number"
+            raise ModelLoadError(f"config.json's {name} must be {kind}, got {value!r:.100}")
 
 
 def _activation(raw: dict[str, Any], family: str) -> str:

@@ -177,7 +177,7 @@ def chat_request(
         raise bad_request("`messages` must be a non-empty list of {role, content} objects", "messages")
     tools, use, forced = read_tools(body, tool_parser)
     chat = pb.ChatMessages(messages=[_message(m, i) for i, m in enumerate(messages)], tools=tools)
-    template_kwargs = _typed(body, "chat_template_kwargs", dict)
+    template_kwargs = _template_kwargs(body)
     if template_kwargs:  # the pod checks the names against its template's call
         chat.template_kwargs = json.dumps(template_kwargs)
     req = pb.GenerateRequest(chat=chat)
@@ -204,13 +204,24 @@ def chat_request(
         raise bad_request("`best_of` is not supported in chat completions (send it to /v1/completions)",
                           "best_of")  # fmt: skip
     reasoning = _reasoning(req, reasoning_parser, template_kwargs or {})
+    include_reasoning = _typed(body, "include_reasoning", bool) is not False  # vLLM's: false drops it
+    if _harmony_unread(req, use, tool_parser, reasoning):
+        reasoning, include_reasoning = "openai_gptoss", False
     if (use is not None and use.reads_special_tokens) or reasoning_parsers.reads_special_tokens(reasoning):
         req.sampling.skip_special_tokens = False
-    call = replace(call, tools=use, reasoning=reasoning)
-    if _typed(body, "include_reasoning", bool) is False:  # vLLM's: the reasoning read, and dropped
-        call = replace(call, include_reasoning=False)
+    call = replace(call, tools=use, reasoning=reasoning, include_reasoning=include_reasoning)
     _bounded(call)
     return req, call
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`chat_template_kwargs`, and OpenAI's `reasoning_effort` as the template variable of that name:
+    gpt-oss's template writes it into the system message ("Reasoning: high"; "medium" when unset),
+    so dropping it served every effort asked for as medium. A template that does not read it renders
+    as before; a `reasoning_effort` the request's own `chat_template_kwargs` sets wins."""
+    kwargs = _typed(body, "chat_template_kwargs", dict)
+    effort = _typed(body, "reasoning_effort", str)
+    return kwargs if effort is None else {"reasoning_effort": effort, **(kwargs or {})}
 
 
 # Chat-template switches that turn thinking off (Qwen3's `enable_thinking`, DeepSeek-V3.1's
@@ -226,6 +237,17 @@ def _reasoning(req: pb.GenerateRequest, parser: str, template_kwargs: dict[str, 
     answer, having no `</think>`, would be all reasoning and its content null."""
     thinking_off = any(template_kwargs.get(switch) is False for switch in THINKING_SWITCHES)
     return "none" if req.sampling.HasField("structured_output") or thinking_off else parser
+
+
+def _harmony_unread(req: pb.GenerateRequest, use: ToolUse | None, tool_parser: str, reasoning: str) -> bool:
+    """Whether the output is Harmony (`--tool-call-parser openai`: gpt-oss) that neither a tool
+    use nor a reasoning parser reads: a chat without tools, or with `tool_choice` "none", on a
+    server without --reasoning-parser. It is read as the openai parser reads a chat with tools
+    (final and commentary channels the content, the analysis dropped); read as text, its markers
+    skipped, it came as "analysisThinking...assistantfinalThe answer.". An output forced to a
+    schema is the schema's from its first token, no Harmony."""
+    forced = req.sampling.HasField("structured_output")
+    return tool_parser == "openai" and use is None and reasoning == "none" and not forced
 
 
 def _no_function_call(body: dict[str, Any]) -> None:

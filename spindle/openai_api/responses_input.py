@@ -3,7 +3,8 @@
 A stateless Responses request is a chat: `instructions` and the `input` items are its messages
 (a `function_call` item an assistant's tool call, a `function_call_output` a tool result, a
 `reasoning` item the thinking an assistant turn is sent back with), its flat function tools are
-chat tools, `text.format` is `response_format` and `max_output_tokens` `max_completion_tokens`.
+chat tools, `text.format` is `response_format`, `reasoning.effort` `reasoning_effort` and
+`max_output_tokens` `max_completion_tokens`.
 Only the body is translated: the chat path does the rest (chat template, sampling, adapters
 named as `model`, tool and reasoning parsers, structured output) and refuses what it refuses, so
 the two endpoints cannot drift apart. What needs state Spindle does not keep
@@ -22,7 +23,9 @@ from spindle.openai_api.errors import bad_request
 _SAME = (
     "model", "stream", "temperature", "top_p", "parallel_tool_calls", "stop", "seed", "top_k", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "min_tokens",
-    "ignore_eos", "priority", "chat_template_kwargs", "include_reasoning",
+    "ignore_eos", "priority", "chat_template_kwargs", "include_reasoning", "logit_bias", "allowed_token_ids",
+    "bad_words", "include_stop_str_in_output", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar",
 )  # fmt: skip
 _STATELESS = "responses are not stored here: send the whole conversation as `input`"
 # Fields whose value (anything but null, false or empty) asks for what Spindle cannot do.
@@ -37,7 +40,22 @@ _REFUSED = {
     "context_management": "`context_management` is not supported",
     "moderation": "`moderation` is not supported",
 }
-_DEFAULTS = {"top_logprobs": 0}  # a value of a refused field that asks for nothing
+# Chat completion fields that change the answer, sent to /v1/responses (a client ported from the
+# chat API): the Responses API spells them otherwise or has no such thing. Ignored, `max_tokens`
+# ran to the context and `response_format` answered free text: refused, naming what to send.
+_CHAT_ONLY = {
+    "messages": "send the conversation as `input`",
+    "max_tokens": "send `max_output_tokens`",
+    "max_completion_tokens": "send `max_output_tokens`",
+    "response_format": "send `text.format`",
+    "reasoning_effort": 'send `reasoning: {"effort": ...}`',
+    "n": "a response has one answer: send one request per answer",
+    "best_of": "a response has one answer: send one request per answer",
+    "logprobs": "logprobs are not supported on /v1/responses (ask /v1/chat/completions)",
+    "prompt_logprobs": "logprobs are not supported on /v1/responses (ask /v1/chat/completions)",
+    "functions": "send `tools`",
+}
+_DEFAULTS = {"top_logprobs": 0, "n": 1, "best_of": 1}  # a value of a refused field that asks for nothing
 _TEXT_PARTS = ("input_text", "output_text")  # an assistant's earlier output is sent back as output_text
 
 
@@ -59,6 +77,9 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     response_format = _text_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
+    effort = _effort(body.get("reasoning"))
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     _metadata(body.get("metadata"))
     for name in ("user", "safety_identifier", "prompt_cache_key"):
         if body.get(name) is not None and not isinstance(body[name], str):
@@ -67,7 +88,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _refuse_stateful(body: dict[str, Any]) -> None:
-    for name, why in _REFUSED.items():
+    chat_only = {name: f"`{name}` is a chat completion field: {why}" for name, why in _CHAT_ONLY.items()}
+    for name, why in {**_REFUSED, **chat_only}.items():
         value = body.get(name)
         if not (value is None or value is False or value in ([], {}) or value == _DEFAULTS.get(name)):
             raise bad_request(why, name)
@@ -232,6 +254,17 @@ def _text_format(text: Any) -> dict[str, Any] | None:
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name", ""), "schema": fmt["schema"]}}
     raise bad_request('`text.format` must be {"type": "text"}, {"type": "json_object"} or {"type": '
                       '"json_schema", "name": ..., "schema": {...}}', "text.format")  # fmt: skip
+
+
+def _effort(reasoning: Any) -> str | None:
+    """`reasoning.effort`: the chat path's `reasoning_effort` (the template variable gpt-oss's
+    template reads); `reasoning.summary` asks for nothing the reasoning item does not already hold."""
+    if reasoning is None:
+        return None
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if not isinstance(reasoning, dict) or not isinstance(effort, (str, type(None))):
+        raise bad_request('`reasoning` must be an object such as {"effort": "low"}', "reasoning")
+    return effort
 
 
 def _metadata(metadata: Any) -> None:
