@@ -104,14 +104,16 @@ def check_cuda_matches_cpu(ours: LoadedModel, graphs: bool) -> None:
     sliding windows, decode steps replayed from CUDA graphs where `graphs`, chunked prefills
     beside decodes) gives the CPU engine's greedy tokens."""
     reqs = [request(ids) for ids in [*PROMPTS, LONG]]
+    hit = [request([*LONG[:24], 7, 9, 11])]  # after LONG: a prefix-cache hit past the window
     config = {"max_num_batched_tokens": 12}
-    want = [o.token_ids for o in make_engine(ours, **config).generate(reqs)]
+    cpu = make_engine(ours, **config)
+    want = [o.token_ids for o in cpu.generate(reqs) + cpu.generate(hit)]
     cuda32 = load_model(ours.name, torch.float32, torch.device("cuda"))
     engine = make_engine(cuda32, device="cuda", **config)
     assert isinstance(engine.executor.attention, TritonBackend)
     assert (engine.executor.graphs is not None) == graphs
     torch.backends.cuda.matmul.allow_tf32 = False
-    assert [o.token_ids for o in engine.generate(reqs)] == want
+    assert [o.token_ids for o in engine.generate(reqs) + engine.generate(hit)] == want
     assert_all_blocks_free(engine)
 
 
