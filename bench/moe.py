@@ -10,7 +10,9 @@ warm-up; "graph" is the grouped path replayed from a CUDA graph, as decode steps
 an expert).
 With `--sweep`, instead: "fused_graph" over a grid of tilings, 16-row ones for decode sizes and
 64- or 128-row ones for prefill sizes (`path`: fused_graph/m<block_m>/n<gate_up block_n>x<down
-block_n>/k<block_k>/s<stages>/w<warps>/split<K slices>), to tune `fused_moe_config`.
+block_n>/k<block_k>/s<stages>/w<warps>/split<K slices>), to tune `fused_moe_config`; at one token
+also the GEMVs (kernels/expert_gemv.py) over their tilings (`path`: gemv/n<columns>k<K step>w<warps>
+for gate_up, then for down), to tune `expert_gemv.engine_tilings`.
 `weight_gbps` = bytes of the experts hit / time: against the card's bandwidth it says how close a
 decode-sized call is to reading its weights once; `tflops` = the experts' matrix FLOPs / time,
 and `fraction_of_bf16_peak` that over the H200's dense bf16 peak (989 TFLOP/s): for prefill-sized
