@@ -142,7 +142,11 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
             await abort(context, Code.INVALID_ARGUMENT, empty)
         directory = self.directory
         if directory is not None and _registered_name(adapter) and not await directory.registered(adapter):
-            await abort(context, Code.NOT_FOUND, f"adapter {adapter!r} is not registered")
+            await abort(
+                context,
+                Code.NOT_FOUND,
+                f"adapter {adapter!r} is not registered (check the name; ListModels lists the adapters)",
+            )
         rid, problem = request_ids.request_id(request.request_id)
         if problem is not None:
             await abort(context, Code.INVALID_ARGUMENT, problem)
