@@ -373,7 +373,7 @@ def test_the_engine_and_the_bench_fake_offer_the_engine_handle(tiny_llama):
 def test_engine_errors_map_to_codes_and_a_bug_is_internal():
     import grpc
 
-    from model_service.errors import CapacityError, ModelLoadError, NotFoundError
+    from model_service.errors import BeyondCapacityError, CapacityError, ModelLoadError, NotFoundError
     from model_service.lora.adapter import AdapterError
     from model_service.lora.pool import AdapterBusyError, AdapterNotFoundError, SlotsBusyError
     from model_service.pod.status import status_for
@@ -387,6 +387,7 @@ def test_engine_errors_map_to_codes_and_a_bug_is_internal():
         (AdapterError("rank too high"), code.INVALID_ARGUMENT),
         (InvalidRequestError("top_p"), code.INVALID_ARGUMENT),
         (CapacityError("queue full"), code.RESOURCE_EXHAUSTED),
+        (BeyondCapacityError("prompt past the whole K/V cache"), code.OUT_OF_RANGE),
         (ModelLoadError("no such file"), code.FAILED_PRECONDITION),
         (TypeError("add_request() got an unexpected keyword argument 'adapter'"), code.INTERNAL),
         (KeyError("x"), code.INTERNAL),
@@ -748,3 +749,49 @@ def test_a_pod_whose_engine_is_stuck_past_the_stall_timeout_ends_its_streams_and
     code, details, pod = asyncio.run(stuck())
     assert code == grpc.StatusCode.UNAVAILABLE and "has not finished a step in" in details
     assert pod.exit_code == 1 and pod.health is not None and not pod.health.serving
+
+
+@pytest.mark.parametrize(
+    "code, pods_tried",
+    [(grpc.StatusCode.RESOURCE_EXHAUSTED, 2), (grpc.StatusCode.OUT_OF_RANGE, 1)],
+)
+def test_a_pod_at_capacity_is_failed_over_and_one_that_can_never_fit_is_not(code, pods_tried):
+    """A pod's RESOURCE_EXHAUSTED (its queue full: transient) sends the request to the next pod,
+    and when every pod is full the caller gets it with a retry hint; OUT_OF_RANGE (larger than the
+    pod can ever hold: permanent) ends the request there with the pod's message, other pods not
+    tried (it was RESOURCE_EXHAUSTED too, tried on every pod, then retried by the client)."""
+    import asyncio
+
+    from gateway.pods import Pod, PodPool, static_discovery
+    from gateway.server import GatewayService
+    from spindle.openai_api.context import HttpCallContext, Refused
+
+    tried = []
+
+    def refusing(address: str):
+        def call(*args, **kwargs):
+            tried.append(address)
+            raise grpc.aio.AioRpcError(
+                code, grpc.aio.Metadata(), grpc.aio.Metadata(), "needs 82 blocks; has 64"
+            )
+
+        return call
+
+    async def go() -> Refused:
+        pool = PodPool(static_discovery([]))
+        for address in ("a:1", "b:1"):
+            pod = pool.pods[address] = Pod(address, [])
+            pod.healthy, pod.generate_raw = True, refusing(address)
+        with pytest.raises(Refused) as e:
+            async for _ in GatewayService(pool, None).Generate(
+                pb.GenerateRequest(text="hi"), HttpCallContext({})
+            ):
+                pass
+        await pool.close()
+        return e.value
+
+    refused = asyncio.run(go())
+    assert refused.code == code and len(tried) == pods_tried and "needs 82 blocks; has 64" in refused.details
+    assert any(k == "retry-after-ms" for k, _ in refused.trailers) == (
+        code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    )

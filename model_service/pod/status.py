@@ -12,6 +12,7 @@ from typing import NoReturn
 import grpc
 
 from model_service.errors import (
+    BeyondCapacityError,
     CapacityError,
     ContextLengthError,
     InvalidRequestError,
@@ -22,10 +23,11 @@ from model_service.errors import (
 )
 from model_service.lora.adapter import AdapterError
 from model_service.lora.pool import AdapterBusyError
-from spindle.grpc_status import PROMPT_TOKENS, abort
+from spindle.grpc_status import PROMPT_TOKENS, abort, abort_exhausted
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
+CAPACITY_RETRY_S = 1.0  # the retry hint of a CapacityError (a full queue drains in about a second)
 
 
 def status_for(e: Exception) -> tuple[grpc.StatusCode, str]:
@@ -34,6 +36,8 @@ def status_for(e: Exception) -> tuple[grpc.StatusCode, str]:
         return Code.NOT_FOUND, str(e)  # an unknown adapter (NotFoundError, AdapterNotFoundError)
     if isinstance(e, (AdapterBusyError, PreconditionError)):
         return Code.FAILED_PRECONDITION, str(e)  # a slot in use or pinned: retry once released
+    if isinstance(e, BeyondCapacityError):
+        return Code.OUT_OF_RANGE, str(e)  # never fits this pod: not retried (RESOURCE_EXHAUSTED is)
     if isinstance(e, (InvalidRequestError, AdapterError)):
         return Code.INVALID_ARGUMENT, str(e)
     if isinstance(e, CapacityError):
@@ -50,5 +54,7 @@ async def abort_for(context: grpc.aio.ServicerContext, e: Exception) -> NoReturn
     code, message = status_for(e)
     if code == Code.INTERNAL:
         log.error("%s", message, exc_info=e)
+    if code == Code.RESOURCE_EXHAUSTED:  # transient (CapacityError): say when to retry
+        await abort_exhausted(context, message, CAPACITY_RETRY_S)
     trailers = ((PROMPT_TOKENS, str(e.prompt_tokens)),) if isinstance(e, ContextLengthError) else ()
     await abort(context, code, message, trailers)
