@@ -1,7 +1,8 @@
 """The one mapping from errors the engine raises to the gRPC status a caller can act on.
 
 A SpindleError says what went wrong on purpose; anything else is a bug in the pod or the engine
-(a TypeError included) and is INTERNAL, with the details in the pod's log.
+(a TypeError included) and is INTERNAL "internal error (id ...)", the details (text, traceback)
+only in the pod's log under that id: an exception's text may carry paths, shapes, a prompt's words.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from model_service.errors import (
 )
 from model_service.lora.adapter import AdapterError
 from model_service.lora.pool import AdapterBusyError
-from spindle.grpc_status import PROMPT_TOKENS, abort, abort_exhausted
+from spindle.grpc_status import PROMPT_TOKENS, abort, abort_exhausted, internal_error
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
@@ -46,14 +47,13 @@ def status_for(e: Exception) -> tuple[grpc.StatusCode, str]:
         return Code.UNAVAILABLE, str(e)
     if isinstance(e, ModelLoadError):
         return Code.FAILED_PRECONDITION, str(e)
-    return Code.INTERNAL, f"internal error ({type(e).__name__}: {e}); see the model pod's log"
+    return Code.INTERNAL, internal_error(e, log)  # logged here with its id and traceback
 
 
 async def abort_for(context: grpc.aio.ServicerContext, e: Exception) -> NoReturn:
-    """End the RPC with the status for `e`; a bug (INTERNAL) is logged with its traceback."""
+    """End the RPC with the status for `e`; a bug (INTERNAL) is logged with its traceback and an
+    id, and the caller gets only the id (`status_for`)."""
     code, message = status_for(e)
-    if code == Code.INTERNAL:
-        log.error("%s", message, exc_info=e)
     if code == Code.RESOURCE_EXHAUSTED:  # transient (CapacityError): say when to retry
         await abort_exhausted(context, message, CAPACITY_RETRY_S)
     trailers = ((PROMPT_TOKENS, str(e.prompt_tokens)),) if isinstance(e, ContextLengthError) else ()
