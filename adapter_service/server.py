@@ -92,7 +92,7 @@ async def _receive(h: apb.RegisterHeader, chunks: AsyncIterator[apb.RegisterChun
                 received += len(chunk.data)
                 if received > h.total_bytes:
                     raise _Refused(
-                        Code.RESOURCE_EXHAUSTED, f"more than the announced {h.total_bytes} bytes were sent"
+                        Code.INVALID_ARGUMENT, f"more than the announced {h.total_bytes} bytes were sent"
                     )
                 digest.update(chunk.data)
                 out.write(chunk.data)
@@ -281,8 +281,13 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
             )
         if not 0 < h.total_bytes <= self.max_bytes:
             raise _Refused(
-                Code.RESOURCE_EXHAUSTED if h.total_bytes > 0 else Code.INVALID_ARGUMENT,
-                f"total_bytes {h.total_bytes} must be in [1, {self.max_bytes}] (--max-adapter-bytes)",
+                Code.OUT_OF_RANGE if h.total_bytes > 0 else Code.INVALID_ARGUMENT,  # retrying cannot help
+                f"total_bytes {h.total_bytes} must be in [1, {self.max_bytes}] (--max-adapter-bytes)"
+                + (
+                    f": {h.total_bytes - self.max_bytes} bytes too many"
+                    if h.total_bytes > self.max_bytes
+                    else ""
+                ),
             )
         if not h.config_json or len(h.config_json) > _MAX_CONFIG:
             raise _Refused(Code.INVALID_ARGUMENT, f"config_json must be 1 byte to {_MAX_CONFIG} bytes")
@@ -304,8 +309,8 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
                 config, path = await asyncio.to_thread(self.s3_import.fetch_uri, request.uri, self.max_bytes)
         except ValueError as e:
             await abort(context, Code.INVALID_ARGUMENT, str(e))
-        except OverflowError as e:
-            await abort(context, Code.RESOURCE_EXHAUSTED, str(e))
+        except OverflowError as e:  # larger than --max-adapter-bytes: retrying cannot help
+            await abort(context, Code.OUT_OF_RANGE, str(e))
         except S3_DOWN as e:
             await abort(context, Code.UNAVAILABLE, f"storage (S3) is unreachable, retry: {e}")
         except Exception as e:  # botocore's ClientError: missing object, access denied

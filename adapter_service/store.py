@@ -341,7 +341,11 @@ class S3Store(Store):
         key = key.rstrip("/") + "/" if key else ""
         head = self.s3.head_object(Bucket=bucket, Key=key + WEIGHTS)
         if head["ContentLength"] > max_bytes:
-            raise OverflowError(f"{uri}{WEIGHTS} is {head['ContentLength']} bytes; the limit is {max_bytes}")
+            size = head["ContentLength"]
+            raise OverflowError(
+                f"{uri}{WEIGHTS} is {size} bytes; the limit is {max_bytes} (--max-adapter-bytes): "
+                f"{size - max_bytes} bytes too many"
+            )
         config = self.s3.get_object(Bucket=bucket, Key=key + CONFIG)["Body"].read()
         fd, tmp = tempfile.mkstemp(prefix="spindle-import-")
         os.close(fd)

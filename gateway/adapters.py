@@ -6,6 +6,12 @@
   the request that started it goes away: a request is never failed for another's placement.
 - catalog: the registered adapters (refreshed with every pod poll), so ListModels shows them
   all, placed or not, and a deleted adapter is refused even while a pod still has its files.
+  A name not in it is looked up again (one catalog fetch shared by every caller waiting, at
+  most one every MISS_REFETCH_S) and, still unknown, remembered as a miss for MISS_TTL_S in a
+  cache of at most MISS_CACHE names: requests for random names (a buggy or hostile client)
+  cost the adapter service at most one catalog a second, not one each. A Register or Import
+  through this gateway forgets the miss and refetches at once; a name registered elsewhere is
+  served after the next pod poll (--health-interval) or at most MISS_TTL_S + MISS_REFETCH_S.
 - admin: spindle.v1.Adapters forwarded unchanged for callers whose API key has the admin scope.
 """
 
@@ -13,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
@@ -20,7 +28,6 @@ import grpc
 
 from gateway.auth import Caller
 from gateway.pods import CHANNEL_OPTIONS, Pod
-from spindle.coalesce import Coalesced
 from spindle.grpc_status import abort
 from spindle.security import PLAINTEXT, Security
 from spindle.v1 import adapters_pb2 as apb
@@ -28,6 +35,9 @@ from spindle.v1 import adapters_pb2_grpc
 
 log = logging.getLogger("spindle.gateway")
 Code = grpc.StatusCode
+MISS_TTL_S = 5.0  # how long an unknown name is answered NOT_FOUND without asking the service
+MISS_REFETCH_S = 1.0  # the least time between two catalog fetches caused by unknown names
+MISS_CACHE = 4096  # names remembered as unknown, the oldest forgotten first (memory is bounded)
 
 
 class AdapterDirectory:
@@ -37,6 +47,7 @@ class AdapterDirectory:
         interceptors: Iterable[Any] = (),
         placement_timeout: float = 60.0,
         security: Security = PLAINTEXT,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.target = target
         options = [*CHANNEL_OPTIONS, ("grpc.max_send_message_length", 64 << 20)]  # reconnect fast, too
@@ -48,9 +59,13 @@ class AdapterDirectory:
         self._placing: dict[str, asyncio.Task] = {}
         # Requests for names not in the catalog (or before it was ever fetched) share one fetch:
         # with 10,000 adapters, one each was a storm the service could not answer in time.
-        self._refresh_now = Coalesced(self.refresh)
+        self._fetching: asyncio.Future[bool] | None = None
+        self.clock = clock
+        self._misses: OrderedDict[str, float] = OrderedDict()  # name -> when it stops being a miss
+        self._fetched_at = -float("inf")  # when the last catalog fetch started
 
     async def refresh(self) -> bool:
+        self._fetched_at = self.clock()
         try:
             reply = await self.placement.Catalog(apb.CatalogRequest(), timeout=2.0)
         except grpc.aio.AioRpcError as e:
@@ -60,11 +75,50 @@ class AdapterDirectory:
         return True
 
     async def registered(self, name: str) -> bool:
-        """Whether the service knows `name` (asks again before saying no; True if it never answered)."""
+        """Whether the service knows `name`: asks again before saying no, unless `name` was
+        unknown less than MISS_TTL_S ago or the catalog is younger than MISS_REFETCH_S (True if
+        the service never answered)."""
         if self.catalog is not None and name in self.catalog:
             return True
-        await self._refresh_now()
-        return self.catalog is None or name in self.catalog
+        if self._missed(name):
+            return False
+        await self._fetch_for_miss()
+        if self.catalog is None or name in self.catalog:
+            return True
+        self._remember_miss(name)
+        return False
+
+    async def _fetch_for_miss(self) -> None:
+        """Wait for the catalog fetch in flight, or start one unless the last began less than
+        MISS_REFETCH_S ago. The fetch is shared: a caller that goes away does not cancel it."""
+        if self._fetching is None:
+            if self.clock() - self._fetched_at < MISS_REFETCH_S:
+                return
+            self._fetching = asyncio.ensure_future(self.refresh())
+            self._fetching.add_done_callback(self._fetched)
+        await asyncio.shield(self._fetching)
+
+    def _fetched(self, _: asyncio.Future[bool]) -> None:
+        self._fetching = None
+
+    def _missed(self, name: str) -> bool:
+        until = self._misses.get(name)
+        if until is not None and until <= self.clock():
+            del self._misses[name]
+            return False
+        return until is not None
+
+    def _remember_miss(self, name: str) -> None:
+        self._misses[name] = self.clock() + MISS_TTL_S
+        self._misses.move_to_end(name)
+        while len(self._misses) > MISS_CACHE:
+            self._misses.popitem(last=False)
+
+    async def registered_now(self, name: str) -> None:
+        """`name` was just registered through this gateway: serve it at once (its miss forgotten,
+        the catalog fetched again)."""
+        self._misses.pop(name, None)
+        await self.refresh()
 
     async def place(self, name: str, pods: list[Pod], timeout: float | None) -> apb.PlaceResponse:
         task = self._placing.get(name)
@@ -147,10 +201,14 @@ class AdminProxy(adapters_pb2_grpc.AdaptersServicer):
             await abort(context, e.code(), e.details() or "adapter service error")
 
     async def Register(self, request_iterator: AsyncIterator[apb.RegisterChunk], context: Any) -> apb.Adapter:
-        return await self._forward(context, "Register", request_iterator)
+        reply = await self._forward(context, "Register", request_iterator)
+        await self.directory.registered_now(reply.name)
+        return reply
 
     async def Import(self, request: apb.ImportRequest, context: Any) -> apb.Adapter:
-        return await self._forward(context, "Import", request)
+        reply = await self._forward(context, "Import", request)
+        await self.directory.registered_now(reply.name)
+        return reply
 
     async def Get(self, request: apb.GetAdapterRequest, context: Any) -> apb.Adapter:
         return await self._forward(context, "Get", request)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from gateway.auth import Caller
 
 STREAM_RETRY_S = 0.5  # the hint when every stream slot is taken
+POD_RETRY_S = 1.0  # the hint when every pod tried was at capacity (their queues were full)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from opentelemetry import trace
 from gateway import prefix, router
 from gateway.adapters import AdapterDirectory, AdminProxy
 from gateway.auth import ANONYMOUS, ApiKeys, AuthError, Caller
-from gateway.limits import STREAM_RETRY_S, Limits
+from gateway.limits import POD_RETRY_S, STREAM_RETRY_S, Limits
 from gateway.metrics import GatewayMetrics, counted, status_code
 from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
 from gateway.relay import Relayed, add_generation_service, client_span
@@ -142,7 +142,11 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
             await abort(context, Code.INVALID_ARGUMENT, empty)
         directory = self.directory
         if directory is not None and _registered_name(adapter) and not await directory.registered(adapter):
-            await abort(context, Code.NOT_FOUND, f"adapter {adapter!r} is not registered")
+            await abort(
+                context,
+                Code.NOT_FOUND,
+                f"adapter {adapter!r} is not registered (check the name; ListModels lists the adapters)",
+            )
         rid, problem = request_ids.request_id(request.request_id)
         if problem is not None:
             await abort(context, Code.INVALID_ARGUMENT, problem)
@@ -276,8 +280,10 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
             except grpc.aio.AioRpcError as e:
                 last_code, last_error = e.code(), f"{pod.address}: {e.code().name}: {e.details()}"
                 await self._after_failure(pod, e, stream, context)
-        code = Code.RESOURCE_EXHAUSTED if last_code == Code.RESOURCE_EXHAUSTED else Code.UNAVAILABLE
-        await abort(context, code, f"no model pod could take the request ({last_error})")
+        message = f"no model pod could take the request ({last_error})"
+        if last_code == Code.RESOURCE_EXHAUSTED:  # every pod tried was full: transient
+            await abort_exhausted(context, message, POD_RETRY_S)
+        await abort(context, Code.UNAVAILABLE, message)
 
     async def _after_failure(
         self, pod: Pod, e: grpc.aio.AioRpcError, stream: Relayed, context: grpc.aio.ServicerContext

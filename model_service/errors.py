@@ -23,7 +23,15 @@ class ContextLengthError(InvalidRequestError):
 
 
 class CapacityError(SpindleError):
-    """The engine cannot take this request now or ever (RESOURCE_EXHAUSTED)."""
+    """The engine cannot take this request now (RESOURCE_EXHAUSTED, with a retry hint): its queue
+    is full, or other requests hold what it needs. Retrying later, or on another pod, may work."""
+
+
+class BeyondCapacityError(InvalidRequestError):
+    """A request larger than this engine can hold however idle it is (OUT_OF_RANGE; HTTP 400):
+    a prompt past the K/V cache's total size, a beam search needing more blocks than there are.
+    Never RESOURCE_EXHAUSTED, which clients and the gateway retry: retrying cannot help. The
+    message names the limit and by how much the request passes it."""
 
 
 class ModelLoadError(SpindleError):

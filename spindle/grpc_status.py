@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import uuid
 from typing import NoReturn
 
 import grpc
@@ -15,6 +17,18 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 MAX_MESSAGE_BYTES = 2_000
 # Trailing metadata of a pod's refusal of a prompt past its context: the prompt's length in tokens.
 PROMPT_TOKENS = "spindle-prompt-tokens"
+
+
+def internal_error(error: BaseException | str, log: logging.Logger, what: str = "") -> str:
+    """What a caller is told of an unexpected failure (a bug): an error id and nothing of the
+    error's own text, which may carry file paths, tensor shapes or a prompt's words. The log line
+    has the id with the error and its traceback, for the operator to find."""
+    error_id = uuid.uuid4().hex[:16]
+    if isinstance(error, BaseException):
+        log.error("internal error (id %s)%s", error_id, f": {what}" if what else "", exc_info=error)
+    else:
+        log.error("internal error (id %s): %s%s", error_id, f"{what}: " if what else "", error)
+    return f"internal error (id {error_id}); the server's log has the details"
 
 
 def bounded(message: str) -> str:

@@ -9,18 +9,27 @@ with `context.write` instead of yielding (grpc's health Watch) keeps that style:
 async generator it ended UNKNOWN ("'async for' requires an object with __aiter__ method").
 A wrapped stream closes the handler's when it is closed (a cancelled call), so the handler's
 cleanup runs then, in the call's task and context, not later when the garbage collector finds it.
+
+The wrapper also ends a handler's unexpected exception (a bug) INTERNAL "internal error (id ...)",
+the id in the log line with the traceback: grpc-python answered UNKNOWN "Unexpected <class>: <the
+exception's text>", which may carry file paths, tensor shapes or a prompt's words.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+
+from spindle.grpc_status import internal_error
+
+log = logging.getLogger("spindle.server")
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,17 @@ async def _checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerConte
         yield request
 
 
+@contextlib.asynccontextmanager
+async def _guarded(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """An exception other than the handler's own abort ends the call INTERNAL with an error id."""
+    try:
+        yield
+    except grpc.aio.AbortError:
+        raise
+    except Exception as e:
+        await context.abort(grpc.StatusCode.INTERNAL, internal_error(e, log, "a handler failed"))
+
+
 def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """The same handler, its deserializer tolerant and its behavior refusing malformed input."""
     deserialize = _tolerant(handler.request_deserializer)
@@ -64,7 +84,8 @@ def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, Malformed):
                 await _refuse(context, request)
-            return await inner_uu(request, context)
+            async with _guarded(context):
+                return await inner_uu(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, serialize)
     if handler.unary_stream is not None and not inspect.isasyncgenfunction(handler.unary_stream):
@@ -73,7 +94,8 @@ def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         async def unary_writes(request: Any, context: grpc.aio.ServicerContext) -> None:
             if isinstance(request, Malformed):
                 await _refuse(context, request)
-            await inner_uw(request, context)
+            async with _guarded(context):
+                await inner_uw(request, context)
 
         return grpc.unary_stream_rpc_method_handler(unary_writes, deserialize, serialize)
     if handler.unary_stream is not None:
@@ -82,7 +104,7 @@ def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             if isinstance(request, Malformed):
                 await _refuse(context, request)
-            async with contextlib.aclosing(inner_us(request, context)) as responses:
+            async with _guarded(context), contextlib.aclosing(inner_us(request, context)) as responses:
                 async for response in responses:
                     yield response
 
@@ -91,7 +113,8 @@ def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner_su = handler.stream_unary
 
         async def stream_unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-            return await inner_su(_checked(requests, context), context)
+            async with _guarded(context):
+                return await inner_su(_checked(requests, context), context)
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, deserialize, serialize)
     inner_ss = handler.stream_stream
@@ -99,7 +122,10 @@ def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     async def stream_stream(
         requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        async with contextlib.aclosing(inner_ss(_checked(requests, context), context)) as responses:
+        async with (
+            _guarded(context),
+            contextlib.aclosing(inner_ss(_checked(requests, context), context)) as responses,
+        ):
             async for response in responses:
                 yield response
 

@@ -414,7 +414,7 @@ def test_bad_uploads_are_refused_and_leave_nothing(cluster, lora_dirs, s3, redis
         ("lying", config, lying, None, Code.INVALID_ARGUMENT, "lies"),
         ("wide", config, struct.pack("<Q", len(json.dumps(wide))) + json.dumps(wide).encode() + good[8 + n :],
          None, Code.INVALID_ARGUMENT, ""),
-        ("too-big", config, good + b"\0" * 2_000_000, None, Code.RESOURCE_EXHAUSTED, "max-adapter-bytes"),
+        ("too-big", config, good + b"\0" * 2_000_000, None, Code.OUT_OF_RANGE, "max-adapter-bytes"),
         ("not-lora", b'{"peft_type": "IA3"}', good, None, Code.INVALID_ARGUMENT, "IA3"),
     ]  # fmt: skip
     for name, cfg, data, sha, code, words in cases:
@@ -450,8 +450,8 @@ def test_an_upload_refused_early_keeps_its_reason_through_the_gateway(cluster, l
 
     cases = [
         ([header("../escape", 1000), *data], Code.INVALID_ARGUMENT, "not allowed"),
-        ([header("early", len(blob)), *data], Code.RESOURCE_EXHAUSTED, "--max-adapter-bytes"),
-        ([header("early", 1000), *data], Code.RESOURCE_EXHAUSTED, "more than the announced 1000 bytes"),
+        ([header("early", len(blob)), *data], Code.OUT_OF_RANGE, "--max-adapter-bytes"),
+        ([header("early", 1000), *data], Code.INVALID_ARGUMENT, "more than the announced 1000 bytes"),
         ([header("early", 1000), header("early", 1000), *data], Code.INVALID_ARGUMENT, "only the first"),
     ]
     before = s3.keys()

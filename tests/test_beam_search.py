@@ -208,12 +208,15 @@ def test_a_beam_search_larger_than_the_kv_cache_ends_with_a_capacity_error(tiny_
     ran waited for siblings that could never be admitted (their blocks
     held by those same beams): the engine stepped forever doing nothing and every other request
     starved. Now the search ends with finish_reason "capacity" (the pod: RESOURCE_EXHAUSTED),
-    every block comes back, and the next request is served."""
+    every block comes back, and the next request is served. A search that cannot even start (its
+    prompt's 5 full blocks + a block a beam > 12) is refused at once, OUT_OF_RANGE at the pod."""
+    from model_service.errors import BeyondCapacityError
+
     engine = make_engine(tiny_llama, block_size=4, num_kv_blocks=12)
-    engine.add_request(
-        prompt_token_ids=list(range(3, 23)), request_id="big",
-        params=SamplingParams(num_beams=8, max_tokens=40, ignore_eos=True),
-    )  # fmt: skip
+    params = SamplingParams(num_beams=8, max_tokens=40, ignore_eos=True)
+    with pytest.raises(BeyondCapacityError, match=r"at least 13 K/V blocks .* has 12 \(1 too many\)"):
+        engine.add_request(prompt_token_ids=list(range(3, 23)), request_id="never", params=params)
+    engine.add_request(prompt_token_ids=list(range(3, 19)), request_id="big", params=params)
     outputs = []
     for _ in range(200):
         outputs += engine.step()

@@ -36,7 +36,9 @@ THINKING = """{%- for message in messages %}<|im_start|>{{ message.role }}
 def _reader() -> tuple[PromptReader, object]:
     hf = _byte_tokenizer()
     hf.chat_template = THINKING
-    return PromptReader(Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, max_kv_tokens=4096), hf
+    return PromptReader(
+        Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, num_blocks=4096, block_size=1
+    ), hf
 
 
 def _pod_ids(body: dict) -> list[int]:

@@ -131,7 +131,7 @@ def test_a_chat_template_rendering_no_tokens_is_an_invalid_request():
     ("engine error: index 0 is out of bounds")."""
     tok = byte_fallback_tokenizer()
     tok.hf.chat_template = "{% for m in messages if m.role == 'user' %}{{ m.content }}{% endfor %}"
-    reader = PromptReader(tok, len(tok.hf), max_model_len=64, max_kv_tokens=1024)
+    reader = PromptReader(tok, len(tok.hf), max_model_len=64, num_blocks=1024, block_size=1)
     assert reader.token_ids(None, [{"role": "user", "content": "Hi"}], None) == tok.encode("Hi")
     with pytest.raises(InvalidRequestError, match="no tokens"):
         reader.token_ids(None, [{"role": "system", "content": "Be brief."}], None)
@@ -144,7 +144,9 @@ def test_a_prompt_spelling_a_token_the_model_has_no_embedding_for_is_refused(for
     tok = byte_fallback_tokenizer()
     tok.hf.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     tool = _id(tok, "<tool>")
-    reader = PromptReader(tok, tool, max_model_len=64, max_kv_tokens=1024)  # embeddings up to <tool>
+    reader = PromptReader(
+        tok, tool, max_model_len=64, num_blocks=1024, block_size=1
+    )  # embeddings up to <tool>
     ask = {"prompt": ("Hi <tool>", None), "messages": (None, [{"role": "user", "content": "Hi <tool>"}])}
     with pytest.raises(InvalidRequestError, match=r"no embedding for \(ids \[\d+\]: \['<tool>'\]\)"):
         reader.token_ids(*ask[form], None)

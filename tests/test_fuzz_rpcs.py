@@ -245,7 +245,7 @@ def test_lying_uploads_are_refused_before_anything_is_stored(adapter_service, lo
         "offset-lie": (config, _with_header(good, _reverse_offsets), Code.INVALID_ARGUMENT),
         "string-offsets": (config, _with_header(good, _string_offsets), Code.INVALID_ARGUMENT),
         "pickle": (config, b"\x80\x04\x95" + good[3:], Code.INVALID_ARGUMENT),
-        "oversized": (config, good + b"\0" * 2_000_000, Code.RESOURCE_EXHAUSTED),
+        "oversized": (config, good + b"\0" * 2_000_000, Code.OUT_OF_RANGE),
     }  # fmt: skip
     index = redis.Redis.from_url(redis_url)
     before = (s3.keys(), sorted(index.hkeys("spindle:adapters:index")))

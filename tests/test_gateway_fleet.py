@@ -264,7 +264,7 @@ def _short(context: int) -> type:
         max_model_len = context
 
         def add_request(self, prompt=None, *, prompt_token_ids=None, **kw) -> str:
-            reader = PromptReader(None, self.vocab_size, self.max_model_len, 1 << 20)
+            reader = PromptReader(None, self.vocab_size, self.max_model_len, 1 << 20, 1)
             reader.token_ids(None, None, prompt_token_ids or [1] * len(prompt or ""))
             return super().add_request(prompt, prompt_token_ids=prompt_token_ids, **kw)
 
@@ -297,7 +297,7 @@ def test_a_prompt_too_long_for_one_pod_goes_to_a_pod_of_its_model_where_it_fits(
 
     asyncio.run(go())
     with pytest.raises(ContextLengthError) as refused:  # the real engine's refusal says the length
-        PromptReader(None, 1000, 32, 1 << 20).token_ids(None, None, [5] * 40)
+        PromptReader(None, 1000, 32, 1 << 20, 1).token_ids(None, None, [5] * 40)
     assert refused.value.prompt_tokens == 40
 
 

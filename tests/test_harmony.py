@@ -274,7 +274,9 @@ def test_a_call_turn_sent_back_renders_its_thinking_through_a_gpt_oss_template()
     kwargs = wire.engine_request(pb.GenerateRequest.FromString(req.SerializeToString()))
     hf = _harmony_tokenizer()
     hf.chat_template = GPT_OSS_TEMPLATE
-    reader = PromptReader(Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, max_kv_tokens=4096)
+    reader = PromptReader(
+        Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, num_blocks=4096, block_size=1
+    )
     ids = reader.token_ids(None, kwargs["messages"], None, kwargs["tools"])
     call = {**answer["tool_calls"][0], "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
     harmony = {"role": "assistant", "content": "", "thinking": "Need the weather.", "tool_calls": [call]}

@@ -301,19 +301,23 @@ def test_sigterm_drains_in_flight_then_exits(tiny_llama, tmp_path):
     assert [results[f"long{i}"] for i in range(4)] == [Code.UNAVAILABLE] * 4  # aborted when it ran out
 
 
-def test_a_beam_search_larger_than_the_kv_cache_is_resource_exhausted(tiny_llama, tmp_path):
+def test_a_beam_search_larger_than_the_kv_cache_is_out_of_range(tiny_llama, tmp_path):
     """A 200-token prompt fills 50 of this pod's 64 blocks of 4 tokens; 32 beams then need a
     block each beside it. Before, the pod stepped forever doing nothing while that search held
     every block (each stream after it waited until its deadline); now the caller gets
-    RESOURCE_EXHAUSTED naming the limit, nothing leaks, and the next request is served exactly."""
+    OUT_OF_RANGE at once naming the limit and by how much (it was RESOURCE_EXHAUSTED, which clients
+    and the gateway retry, after the search had stalled twice), nothing leaks, and the next request
+    is served exactly."""
     small = wait_serving(spawn_pod(tiny_llama.name, tmp_path, "beams", "--block-size", "4"))
     try:
         with small.channel() as ch:
             prompt = [(7 * i) % 200 + 3 for i in range(200)]
             with pytest.raises(grpc.RpcError) as err:
                 collect(stub(ch).Generate(token_request(prompt, 20, num_beams=32), timeout=60))
-            assert err.value.code() == Code.RESOURCE_EXHAUSTED, err.value.details()
-            assert "beam search of 32 beams needs more K/V cache at once" in err.value.details()
+            assert err.value.code() == Code.OUT_OF_RANGE, err.value.details()
+            assert "needs at least 82 K/V blocks of 4 tokens and this engine has 64 (18 too many)" in (
+                err.value.details()
+            )
             wait_idle(small)
             tokens, _ = collect(stub(ch).Generate(token_request(PROMPT, 8, temperature=0.0)))
         want = {"prompt_token_ids": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -483,24 +484,30 @@ class _Servicer:
     ("failure", "message"),
     [
         (Refused(grpc.StatusCode.UNAVAILABLE, "the pod went away", ()), "the pod went away"),
-        (RuntimeError("a bug"), r"internal error \(RuntimeError: a bug\)"),
+        (RuntimeError("a bug at /srv/secret.py"), r"^internal error \(id [0-9a-f]{16}\); the server's log"),
     ],
 )
-def test_a_failure_after_the_stream_began_is_an_error_event(failure, message):
+def test_a_failure_after_the_stream_began_is_an_error_event(failure, message, caplog):
     """Whatever fails once the 200 is sent, the client reads an error event it raises from, not
     a second HTTP response written into the event stream (which it would see as a broken
-    connection)."""
+    connection). A bug's own text (it read "internal error (RuntimeError: a bug at /srv/...)")
+    stays in the log, under the id the client gets."""
 
     async def run() -> list[str]:
         async with openai_client_of(_Servicer(failure), BASE) as client:
             stream = await client.chat.completions.create(model=BASE, messages=QUESTION, stream=True)
             texts = []
-            with pytest.raises(openai.APIError, match=message):
+            with pytest.raises(openai.APIError, match=message) as e:
                 async for chunk in stream:
                     texts.append(chunk.choices[0].delta.content)
+            assert "secret" not in str(e.value.body)
             return texts
 
     assert asyncio.run(run()) == ["Hel"]
+    if isinstance(failure, RuntimeError):
+        error_id = re.search(r"id ([0-9a-f]{16})", caplog.text).group(1)
+        logged = [r for r in caplog.records if error_id in r.getMessage()]
+        assert logged and logged[0].exc_info[1] is failure  # the id, with the traceback
 
 
 def test_the_sdk_retrieves_one_model():

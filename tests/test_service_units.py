@@ -6,6 +6,7 @@ import argparse
 import inspect
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -373,7 +374,7 @@ def test_the_engine_and_the_bench_fake_offer_the_engine_handle(tiny_llama):
 def test_engine_errors_map_to_codes_and_a_bug_is_internal():
     import grpc
 
-    from model_service.errors import CapacityError, ModelLoadError, NotFoundError
+    from model_service.errors import BeyondCapacityError, CapacityError, ModelLoadError, NotFoundError
     from model_service.lora.adapter import AdapterError
     from model_service.lora.pool import AdapterBusyError, AdapterNotFoundError, SlotsBusyError
     from model_service.pod.status import status_for
@@ -387,6 +388,7 @@ def test_engine_errors_map_to_codes_and_a_bug_is_internal():
         (AdapterError("rank too high"), code.INVALID_ARGUMENT),
         (InvalidRequestError("top_p"), code.INVALID_ARGUMENT),
         (CapacityError("queue full"), code.RESOURCE_EXHAUSTED),
+        (BeyondCapacityError("prompt past the whole K/V cache"), code.OUT_OF_RANGE),
         (ModelLoadError("no such file"), code.FAILED_PRECONDITION),
         (TypeError("add_request() got an unexpected keyword argument 'adapter'"), code.INTERNAL),
         (KeyError("x"), code.INTERNAL),
@@ -394,7 +396,10 @@ def test_engine_errors_map_to_codes_and_a_bug_is_internal():
     for error, want in cases:
         got, message = status_for(error)
         assert got == want, (error, got)
-        assert str(error).strip("'") in message
+        if want == code.INTERNAL:  # a bug's text may carry paths, shapes, prompt words: the log only
+            assert str(error).strip("'") not in message and "internal error (id " in message
+        else:
+            assert str(error).strip("'") in message
 
 
 def test_outputs_queued_behind_a_slow_consumer_go_out_as_one_message():
@@ -748,3 +753,109 @@ def test_a_pod_whose_engine_is_stuck_past_the_stall_timeout_ends_its_streams_and
     code, details, pod = asyncio.run(stuck())
     assert code == grpc.StatusCode.UNAVAILABLE and "has not finished a step in" in details
     assert pod.exit_code == 1 and pod.health is not None and not pod.health.serving
+
+
+@pytest.mark.parametrize(
+    "code, pods_tried",
+    [(grpc.StatusCode.RESOURCE_EXHAUSTED, 2), (grpc.StatusCode.OUT_OF_RANGE, 1)],
+)
+def test_a_pod_at_capacity_is_failed_over_and_one_that_can_never_fit_is_not(code, pods_tried):
+    """A pod's RESOURCE_EXHAUSTED (its queue full: transient) sends the request to the next pod,
+    and when every pod is full the caller gets it with a retry hint; OUT_OF_RANGE (larger than the
+    pod can ever hold: permanent) ends the request there with the pod's message, other pods not
+    tried (it was RESOURCE_EXHAUSTED too, tried on every pod, then retried by the client)."""
+    import asyncio
+
+    from gateway.pods import Pod, PodPool, static_discovery
+    from gateway.server import GatewayService
+    from spindle.openai_api.context import HttpCallContext, Refused
+
+    tried = []
+
+    def refusing(address: str):
+        def call(*args, **kwargs):
+            tried.append(address)
+            raise grpc.aio.AioRpcError(
+                code, grpc.aio.Metadata(), grpc.aio.Metadata(), "needs 82 blocks; has 64"
+            )
+
+        return call
+
+    async def go() -> Refused:
+        pool = PodPool(static_discovery([]))
+        for address in ("a:1", "b:1"):
+            pod = pool.pods[address] = Pod(address, [])
+            pod.healthy, pod.generate_raw = True, refusing(address)
+        with pytest.raises(Refused) as e:
+            async for _ in GatewayService(pool, None).Generate(
+                pb.GenerateRequest(text="hi"), HttpCallContext({})
+            ):
+                pass
+        await pool.close()
+        return e.value
+
+    refused = asyncio.run(go())
+    assert refused.code == code and len(tried) == pods_tried and "needs 82 blocks; has 64" in refused.details
+    assert any(k == "retry-after-ms" for k, _ in refused.trailers) == (
+        code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_an_unexpected_exception_reaches_the_caller_as_an_id_and_the_log_has_it(
+    streamed, monkeypatch, caplog
+):
+    """A bug in a handler (the gateway's here, on a server every Spindle service makes with
+    `serving.make_server`) ended UNKNOWN "Unexpected <class 'ValueError'>: <its text>", which
+    may carry file paths, tensor shapes or a prompt's words. Now INTERNAL with an error id; the
+    log line has the id and the traceback. A deliberate refusal keeps its message."""
+    import asyncio
+
+    from gateway.pods import PodPool, static_discovery
+    from gateway.server import GatewayService
+    from spindle import serving
+    from spindle.v1 import generation_pb2_grpc
+
+    secret = "shape (4, 7) at /srv/model/secret.py for prompt 'my password'"
+
+    def broken(*args, **kwargs):
+        raise ValueError(secret)
+
+    async def go() -> list[grpc.aio.AioRpcError]:
+        pool = PodPool(static_discovery([]))
+        gateway = GatewayService(pool, None)
+        monkeypatch.setattr(gateway, "_choose", broken)
+        server = serving.make_server()
+        generation_pb2_grpc.add_GenerationServicer_to_server(gateway, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        errors = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                if streamed:
+                    async for _ in stub.Generate(pb.GenerateRequest(text="hi"), timeout=10):
+                        pass
+                else:
+                    await stub.ListModels(pb.ListModelsRequest(), timeout=10)
+            errors.append(e.value)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.Generate(pb.GenerateRequest(), timeout=10):  # no prompt
+                    pass
+            errors.append(e.value)
+        await server.stop(None)
+        await pool.close()
+        return errors
+
+    if not streamed:
+        monkeypatch.setattr(PodPool, "healthy", broken)  # ListModels reads it first
+    bug, refusal = asyncio.run(go())
+    assert bug.code() == grpc.StatusCode.INTERNAL, bug
+    assert "secret" not in bug.details() and "ValueError" not in bug.details()
+    error_id = re.fullmatch(
+        r"internal error \(id ([0-9a-f]{16})\); the server's log has the details", bug.details()
+    )
+    assert error_id, bug.details()
+    logged = [r for r in caplog.records if error_id.group(1) in r.getMessage()]
+    assert logged and secret in str(logged[0].exc_info[1])  # the id, with the traceback
+    assert refusal.code() == grpc.StatusCode.INVALID_ARGUMENT and "has no prompt" in refusal.details()

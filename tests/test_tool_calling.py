@@ -346,7 +346,9 @@ def test_the_pod_renders_tools_calls_and_results_as_transformers_does():
     req, _ = chat_request({"messages": turns, "tools": TOOLS}, {BASE}, "hermes")
     kwargs = wire.engine_request(pb.GenerateRequest.FromString(req.SerializeToString()))
     hf = _byte_tokenizer()
-    reader = PromptReader(Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, max_kv_tokens=4096)
+    reader = PromptReader(
+        Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, num_blocks=4096, block_size=1
+    )
     ids = reader.token_ids(None, kwargs["messages"], None, kwargs["tools"])
     with_object = {**PARIS, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
     as_objects = [*ASK, {**turns[1], "tool_calls": [with_object]}, turns[2]]
@@ -512,7 +514,9 @@ def test_an_assistant_turns_thinking_sent_back_reaches_the_template():
         kwargs = wire.engine_request(pb.GenerateRequest.FromString(req.SerializeToString()))
         hf = _byte_tokenizer()
         hf.chat_template = THINKING_TEMPLATE
-        reader = PromptReader(Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, max_kv_tokens=4096)
+        reader = PromptReader(
+            Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, num_blocks=4096, block_size=1
+        )
         ids = reader.token_ids(None, kwargs["messages"], None, kwargs["tools"])
         with_object = {**PARIS, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
         sent = {
@@ -567,7 +571,9 @@ def test_a_mistral_servers_calls_go_back_through_a_mistral_template(choice, text
     assert [c.function.name for c in message.tool_calls] == ["get_weather"]
     hf = _byte_tokenizer()
     hf.chat_template = MISTRAL_TEMPLATE
-    reader = PromptReader(Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, max_kv_tokens=4096)
+    reader = PromptReader(
+        Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, num_blocks=4096, block_size=1
+    )
 
     def rendered(call_id: str) -> str:
         call = {**message.tool_calls[0].model_dump(), "id": call_id}

@@ -202,7 +202,7 @@ class Engine:
         self.builder = BatchBuilder(config.block_size, self.executor.device)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.prompts = PromptReader(
-            self.tokenizer, mc.vocab_size, self.max_model_len, num_blocks * config.block_size
+            self.tokenizer, mc.vocab_size, self.max_model_len, num_blocks, config.block_size
         )
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.beams = BeamSearch(self.scheduler, self.tokenizer)
@@ -262,7 +262,7 @@ class Engine:
         self.adapters.check_request(adapter)
         self.grammar_wait.check(params)
         ids = self.prompts.token_ids(prompt, messages, prompt_token_ids, tools, chat_template_kwargs)
-        self.prompts.check_resume(resume, params, len(ids))
+        self.prompts.check_room(resume, params, len(ids))
         detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         arrival, device = next(self._arrivals), self.executor.device
         seq = Sequence(request_id, ids, params, detokenizer, arrival, priority, device, adapter)

@@ -15,7 +15,7 @@ from typing import Any
 from model_service.engine.grammar import Constraint, GrammarCompiler, GrammarError
 from model_service.engine.sampling_params import SamplingParams
 from model_service.engine.sequence import Sequence
-from model_service.errors import CapacityError, ContextLengthError, InvalidRequestError
+from model_service.errors import BeyondCapacityError, ContextLengthError, InvalidRequestError
 from model_service.models.tokenizer import Tokenizer
 
 
@@ -29,9 +29,16 @@ class Resume:
 
 
 class PromptReader:
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int, max_kv_tokens: int):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.max_model_len, self.max_kv_tokens = max_model_len, max_kv_tokens
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        max_model_len: int,
+        num_blocks: int,
+        block_size: int,
+    ):
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.max_kv_tokens, self.block_size = num_blocks * block_size, block_size
         # Tokenizing costs time and memory in the text's length, on the engine thread (a 40 MB
         # prompt: 37 s with every stream of the pod stalled, and 3 GB), so a text too long for the
         # context is refused by its length first. Twice the most a context of the longest tokens
@@ -61,8 +68,32 @@ class PromptReader:
                 len(ids),
             )
         if len(ids) + 1 > self.max_kv_tokens:
-            raise CapacityError(f"prompt of {len(ids)} tokens can never fit in the KV cache")
+            raise BeyondCapacityError(self._past_the_cache(f"prompt of {len(ids)} tokens", len(ids) + 1))
         return ids
+
+    def _past_the_cache(self, what: str, tokens: int) -> str:
+        return (
+            f"{what} needs {tokens} tokens of K/V cache and this engine's whole cache holds "
+            f"{self.max_kv_tokens} ({tokens - self.max_kv_tokens} too many): it can never run here"
+        )
+
+    def check_beams(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """A beam search that can never have all its beams at once is refused now: its beams
+        share the prompt's full blocks and need one block each beside them from the first step
+        (they waited for each other holding every block, and ended only after a restart)."""
+        blocks = num_prompt_tokens // self.block_size + params.num_beams
+        total = self.max_kv_tokens // self.block_size
+        if params.num_beams > 1 and blocks > total:
+            raise BeyondCapacityError(
+                f"beam search of {params.num_beams} beams on a prompt of {num_prompt_tokens} tokens needs "
+                f"at least {blocks} K/V blocks of {self.block_size} tokens and this engine has {total} "
+                f"({blocks - total} too many): ask for fewer beams or a shorter prompt"
+            )
+
+    def check_room(self, resume: Resume | None, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """Refuse now what this engine's K/V cache can never hold: a beam search, a resume."""
+        self.check_beams(params, num_prompt_tokens)
+        self.check_resume(resume, params, num_prompt_tokens)
 
     def check_resume(self, resume: Resume | None, params: SamplingParams, num_prompt_tokens: int) -> None:
         """A resume this request can continue from (if it has one): one stream, ids in the
@@ -84,7 +115,9 @@ class PromptReader:
             raise InvalidRequestError(f"resume.text_chars must be >= 0, got {resume.text_chars}")
         total = num_prompt_tokens + len(resume.output_token_ids)
         if total + 1 > self.max_kv_tokens:
-            raise CapacityError(f"prompt and resumed output ({total} tokens) can never fit in the KV cache")
+            raise BeyondCapacityError(
+                self._past_the_cache(f"prompt and resumed output ({total} tokens)", total + 1)
+            )
 
     def _read(
         self,

@@ -24,7 +24,7 @@ from model_service.pod import wire
 from model_service.pod.state import InFlight, ModelPod
 from model_service.pod.status import abort_for
 from spindle import telemetry
-from spindle.grpc_status import abort
+from spindle.grpc_status import abort, internal_error
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
 
@@ -132,7 +132,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if out.finish_reason == "error" and self.pod.lost is not None:
             await abort(context, Code.UNAVAILABLE, self.pod.lost_message())
         if out.finish_reason == "error":
-            await abort(context, Code.INTERNAL, f"request {req.request_id} failed in the engine: {out.error}")
+            failed = internal_error(out.error or "", log, f"request {req.request_id} failed in the engine")
+            await abort(context, Code.INTERNAL, f"request {req.request_id} failed: {failed}")
         if out.finish_reason == "invalid":  # found once the engine had it: a grammar this vocabulary lacks
             await abort(context, Code.INVALID_ARGUMENT, f"request {req.request_id}: {out.error}")
         if out.finish_reason == "capacity":  # a beam search larger than this pod can ever hold

@@ -29,6 +29,7 @@ from opentelemetry import trace
 
 from spindle import flagtypes, telemetry
 from spindle.errors import ListenError
+from spindle.grpc_status import internal_error
 from spindle.openai_api import fanout, reasoning_parsers, responses
 from spindle.openai_api.context import HttpCallContext, Refused
 from spindle.openai_api.errors import ApiError, bad_request, from_status
@@ -392,5 +393,5 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
 
 def _internal(request: web.Request, e: Exception) -> ApiError:
     """An unexpected failure (a bug), logged with its traceback and answered as a 500."""
-    log.exception("HTTP %s %s failed", request.method, request.path)
-    return ApiError(500, "server_error", "INTERNAL", f"internal error ({type(e).__name__}: {e})")
+    message = internal_error(e, log, f"HTTP {request.method} {request.path} failed")
+    return ApiError(500, "server_error", "INTERNAL", message)  # the exception's text: the log only
