@@ -6,12 +6,14 @@
   the request that started it goes away: a request is never failed for another's placement.
 - catalog: the registered adapters (refreshed with every pod poll), so ListModels shows them
   all, placed or not, and a deleted adapter is refused even while a pod still has its files.
-  A name not in it is looked up again (one catalog fetch shared by every caller waiting, at
-  most one every MISS_REFETCH_S) and, still unknown, remembered as a miss for MISS_TTL_S in a
-  cache of at most MISS_CACHE names: requests for random names (a buggy or hostile client)
-  cost the adapter service at most one catalog a second, not one each. A Register or Import
-  through this gateway forgets the miss and refetches at once; a name registered elsewhere is
-  served after the next pod poll (--health-interval) or at most MISS_TTL_S + MISS_REFETCH_S.
+  A name not in it is looked up again (one catalog fetch shared by every caller waiting; such
+  fetches draw on a bucket of MISS_FETCH_BURST, refilled one every MISS_REFETCH_S) and, still
+  unknown, remembered as a miss for MISS_TTL_S in a cache of at most MISS_CACHE names: requests
+  for random names (a buggy or hostile client) cost the adapter service at most one catalog a
+  second after the burst, not one each, while a name registered a moment ago elsewhere is
+  fetched at its first request. A Register or Import through this gateway forgets the miss and
+  refetches at once; a name that missed is served after the next pod poll (--health-interval)
+  or at most MISS_TTL_S + MISS_REFETCH_S later.
 - admin: spindle.v1.Adapters forwarded unchanged for callers whose API key has the admin scope.
 """
 
@@ -36,7 +38,8 @@ from spindle.v1 import adapters_pb2_grpc
 log = logging.getLogger("spindle.gateway")
 Code = grpc.StatusCode
 MISS_TTL_S = 5.0  # how long an unknown name is answered NOT_FOUND without asking the service
-MISS_REFETCH_S = 1.0  # the least time between two catalog fetches caused by unknown names
+MISS_REFETCH_S = 1.0  # one catalog fetch caused by unknown names a second, past the burst
+MISS_FETCH_BURST = 5.0  # such fetches allowed at once (a quiet gateway answers a new name at once)
 MISS_CACHE = 4096  # names remembered as unknown, the oldest forgotten first (memory is bounded)
 
 
@@ -62,10 +65,9 @@ class AdapterDirectory:
         self._fetching: asyncio.Future[bool] | None = None
         self.clock = clock
         self._misses: OrderedDict[str, float] = OrderedDict()  # name -> when it stops being a miss
-        self._fetched_at = -float("inf")  # when the last catalog fetch started
+        self._fetch_tokens, self._tokens_at = MISS_FETCH_BURST, clock()  # the miss fetches' bucket
 
     async def refresh(self) -> bool:
-        self._fetched_at = self.clock()
         try:
             reply = await self.placement.Catalog(apb.CatalogRequest(), timeout=2.0)
         except grpc.aio.AioRpcError as e:
@@ -76,8 +78,8 @@ class AdapterDirectory:
 
     async def registered(self, name: str) -> bool:
         """Whether the service knows `name`: asks again before saying no, unless `name` was
-        unknown less than MISS_TTL_S ago or the catalog is younger than MISS_REFETCH_S (True if
-        the service never answered)."""
+        unknown less than MISS_TTL_S ago or the miss fetches' bucket is empty (True if the
+        service never answered)."""
         if self.catalog is not None and name in self.catalog:
             return True
         if self._missed(name):
@@ -89,11 +91,15 @@ class AdapterDirectory:
         return False
 
     async def _fetch_for_miss(self) -> None:
-        """Wait for the catalog fetch in flight, or start one unless the last began less than
-        MISS_REFETCH_S ago. The fetch is shared: a caller that goes away does not cancel it."""
+        """Wait for the catalog fetch in flight, or start one if the bucket has a token. The fetch
+        is shared: a caller that goes away does not cancel it."""
         if self._fetching is None:
-            if self.clock() - self._fetched_at < MISS_REFETCH_S:
+            now = self.clock()
+            refill = (now - self._tokens_at) / MISS_REFETCH_S
+            self._fetch_tokens, self._tokens_at = min(MISS_FETCH_BURST, self._fetch_tokens + refill), now
+            if self._fetch_tokens < 1:
                 return
+            self._fetch_tokens -= 1
             self._fetching = asyncio.ensure_future(self.refresh())
             self._fetching.add_done_callback(self._fetched)
         await asyncio.shield(self._fetching)
