@@ -128,6 +128,17 @@ def test_gpt_oss_on_cuda_under_graphs_gives_the_cpu_tokens(gpt_oss):
     check_cuda_matches_cpu(gpt_oss[1], graphs=True)
 
 
+def test_gpt_oss_experts_of_another_shape_are_named_in_the_checkpoints_terms():
+    """The experts are split into the kernels' layout at load: a tensor of the wrong shape is named
+    with HF's shape, not the transposed one the module holds."""
+    from model_service.models.gpt_oss import kernel_layout
+
+    cfg = ModelConfig.from_hf({**SHAPE, "model_type": "gpt_oss"})
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    with pytest.raises(ModelLoadError, match=r"gate_up_proj.*\(4, 64, 48\), expected \(4, 64, 64\)"):
+        kernel_layout({name: torch.zeros(4, 64, 48)}, cfg)
+
+
 def test_gpt_oss_tensor_parallelism_is_refused(gpt_oss):
     from model_service.distributed.sharding import Partition
 

@@ -748,7 +748,7 @@ if triton is not None:
                     up += tl.load(part + s * P * 2 * N + N, mask=out, other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(counter, 0)
                 _activate(gate, up, sg, su, Hout, pairs, cols, col_ok, out, N, W8, GROUP, bias, ALPHA, LIMIT,
-                      HAS_BIAS, CLAMPED)  # fmt: skip
+                          HAS_BIAS, CLAMPED)  # fmt: skip
 
     @triton.jit
     def _activate(
