@@ -25,6 +25,7 @@ from model_service.kernels.experts import (
 )
 from model_service.kernels.fp8_gemm import dequantize_groups
 from model_service.kernels.fused_moe import (
+    ExpertBiases,
     ExpertScales,
     FusedMoeConfig,
     align,
@@ -37,7 +38,7 @@ from model_service.kernels.fused_moe import (
     route_topk,
     triton,
 )
-from model_service.models.config import ModelConfig, Routing
+from model_service.models.config import ClampedSwiGLU, ModelConfig, Routing
 from model_service.models.fp8_linear import quantize_stack
 from model_service.models.moe import SparseMoeBlock, route
 
@@ -297,6 +298,63 @@ def test_block_scaled_fp8_experts_in_the_kernels_match_the_reference_under_the_i
     crossing = FusedMoeConfig(block_m=16, gate_up_block_n=64, down_block_n=64, block_k=256, num_stages=2)
     with pytest.raises(ValueError, match="crosses the scales' groups"):
         fused_moe(x, q_gate_up, q_down, ids, weights, crossing, scales=scales)
+
+
+def _gpt_oss_extras(experts: int, hidden: int, inter: int, seed: int) -> tuple[ExpertBiases, ClampedSwiGLU]:
+    """Biases large enough to matter and a clamp low enough to bind on most sums (limit 0.3)."""
+    gen = torch.Generator().manual_seed(seed)
+    biases = ExpertBiases(
+        torch.randn(experts, 2 * inter, generator=gen), torch.randn(experts, hidden, generator=gen)
+    )
+    return biases, ClampedSwiGLU(alpha=1.702, limit=0.3)
+
+
+def test_the_reference_computes_gpt_oss_experts_as_hf():
+    """The oracle's biases and clamped SwiGLU are HF's `GptOssExperts` (gate and up interleaved
+    there, split here): the same weights give HF's output, the down bias weighted with the rest."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    x, gate_up, down, ids, weights = _case(5, 4, 2, 16, 8, seed=2)
+    biases, act = _gpt_oss_extras(4, 16, 8, seed=2)
+    hf = GptOssExperts(
+        GptOssConfig(num_local_experts=4, hidden_size=16, intermediate_size=8, swiglu_limit=0.3)
+    )
+    with torch.no_grad():
+        interleave = torch.stack(gate_up.chunk(2, dim=1), dim=2).flatten(1, 2)  # [E, 2I, H]: g0 u0 g1 u1 ..
+        hf.gate_up_proj.copy_(interleave.transpose(1, 2))
+        hf.gate_up_proj_bias.copy_(torch.stack(biases.gate_up.chunk(2, dim=1), dim=2).flatten(1, 2))
+        hf.down_proj.copy_(down.transpose(1, 2))
+        hf.down_proj_bias.copy_(biases.down)
+        want = hf(x, router_indices=ids, routing_weights=weights)
+    got = experts_reference(x, gate_up, down, ids, weights, biases=biases, swiglu=act)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@interpreter
+@pytest.mark.parametrize("tokens, used", [(1, None), (6, 3), (37, None)])
+def test_gpt_oss_experts_in_the_kernels_match_the_reference_under_the_interpreter(tokens, used):
+    """Biases on gate_up and down and the clamped SwiGLU (gpt-oss), with a remote slot: the
+    GEMVs at one token, the tiles at one (direct) and several (aligned, wider blocks, K split),
+    each the reference to float32 rounding; SiLU with biases alone too. e4m3 experts are refused
+    with them by name."""
+    x, gate_up, down, ids, weights = _case(tokens, 8, 3, 48, 40, seed=tokens, used=used)
+    ids[0, 1] = 8  # another rank's expert
+    biases, act = _gpt_oss_extras(8, 48, 40, seed=tokens)
+    want = experts_reference(x, gate_up, down, ids, weights, biases=biases, swiglu=act)
+    assert not torch.allclose(want, experts_reference(x, gate_up, down, ids, weights, biases=biases))
+    tiles = FusedMoeConfig(16, 32, 32, block_k=16, num_stages=2)
+    split = FusedMoeConfig(32, 32, 32, block_k=16, num_stages=2, gate_up_split=2)
+    for config in (None, tiles, split):
+        got = fused_moe(x, gate_up, down, ids, weights, config, biases=biases, swiglu=act)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    silu = experts_reference(x, gate_up, down, ids, weights, biases=biases)
+    torch.testing.assert_close(
+        fused_moe(x, gate_up, down, ids, weights, biases=biases), silu, rtol=1e-5, atol=1e-5
+    )
+    q_gate_up, q_down, scales = _fp8(gate_up, down)
+    with pytest.raises(ValueError, match="gpt-oss's experts stay unquantized"):
+        fused_moe(x, q_gate_up, q_down, ids, weights, scales=scales, biases=biases, swiglu=act)
 
 
 @interpreter

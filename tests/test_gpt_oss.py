@@ -95,16 +95,48 @@ def test_gpt_oss_lora_on_attention_matches_peft_and_expert_lora_is_refused(gpt_o
         load_peft_adapter("e", experts, ours.config, max_lora_rank=8)
 
 
-def test_gpt_oss_takes_the_triton_backend_where_kernels_apply(gpt_oss, monkeypatch):
-    """The sinks keep the Triton kernels, and decode HF's tokens through them; no CUDA graphs:
-    the torch experts bring each step's set of experts to the host, which no graph can hold."""
-    check_triton_backend(*gpt_oss, monkeypatch, graphs=False)
+def test_gpt_oss_takes_the_triton_backend_and_graphs_where_kernels_apply(gpt_oss, monkeypatch):
+    """The sinks keep the Triton kernels, and decode HF's tokens through them; CUDA graphs where
+    the fused MoE kernels run the experts (biases and clamped SwiGLU in the kernels, routing on
+    the device: no host sync), none where they do not (the torch reference reads each step's
+    experts on the host). Under Triton's interpreter the experts run the fused kernels on the CPU
+    too, so the tokens checked against HF's are theirs."""
+    import os
+
+    from model_service.engine import executor
+    from model_service.models import gpt_oss as gpt_oss_module
+
+    for supported in (False, True):
+        monkeypatch.setattr(executor, "fused_moe_supported", lambda dtype, device, ok=supported: ok)
+        assert make_engine(gpt_oss[1]).executor._graphs_apply() == supported
+    rows: list[int] = []  # the rows of each fused call: one (the GEMVs) and more (the tiles)
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpreting:
+        fused = gpt_oss_module.fused_moe
+        monkeypatch.setattr(gpt_oss_module, "fused_moe_supported", lambda dtype, device: True)
+        monkeypatch.setattr(
+            gpt_oss_module, "fused_moe", lambda x, *a, **k: rows.append(len(x)) or fused(x, *a, **k)
+        )
+    check_triton_backend(*gpt_oss, monkeypatch, graphs=True)
+    assert (1 in rows and max(rows) > 1) if interpreting else not rows
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpt_oss_on_cuda_gives_the_cpu_tokens(gpt_oss):
-    check_cuda_matches_cpu(gpt_oss[1], graphs=False)
+def test_gpt_oss_on_cuda_under_graphs_gives_the_cpu_tokens(gpt_oss):
+    """The fused MoE kernels (GEMVs at one token, tiles past it) under decode graphs."""
+    check_cuda_matches_cpu(gpt_oss[1], graphs=True)
+
+
+def test_gpt_oss_experts_of_another_shape_are_named_in_the_checkpoints_terms():
+    """The experts are split into the kernels' layout at load: a tensor of the wrong shape is named
+    with HF's shape, not the transposed one the module holds."""
+    from model_service.models.gpt_oss import kernel_layout
+
+    cfg = ModelConfig.from_hf({**SHAPE, "model_type": "gpt_oss"})
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    with pytest.raises(ModelLoadError, match=r"gate_up_proj.*\(4, 64, 48\), expected \(4, 64, 64\)"):
+        kernel_layout({name: torch.zeros(4, 64, 48)}, cfg)
 
 
 def test_gpt_oss_tensor_parallelism_is_refused(gpt_oss):

@@ -26,6 +26,7 @@ from model_service.engine.hidden_taps import HiddenTaps
 from model_service.engine.piecewise_graphs import PiecewiseGraphs
 from model_service.engine.speculation import SpeculativeConfig
 from model_service.kernels.experts import experts_capturable
+from model_service.kernels.fused_moe import fused_moe_supported
 from model_service.kernels.mla_decode import mla_kernel_applies
 from model_service.kernels.paged_attention import triton
 from model_service.lora.adapter import LoraAdapter
@@ -281,12 +282,13 @@ class ModelExecutor:
 
     def _graphs_apply(self) -> bool:
         """MoE experts are capturable on their fused (CUDA with Triton, sm80+; sm89+ in FP8) or
-        grouped path (bf16, sm90+); elsewhere the expert loop reads token counts on the host, so
-        decode steps run eagerly, as gpt-oss's torch experts always do (each step's set of experts
-        comes to the host: no graph can hold it). Hybrid models' recurrent layers run their decode
+        grouped path (bf16, sm90+), gpt-oss's on the fused path alone (biases and clamped
+        SwiGLU: `GptOssExperts.kernels_apply`); elsewhere the expert loop reads token counts on
+        the host, so decode steps run eagerly. Hybrid models' recurrent layers run their decode
         and verify steps through the step kernels, over static state runs (`StaticRuns`): captured
         as dense ones."""
-        if any(isinstance(m, GptOssExperts) for m in self.module.modules()):
+        gpt_oss = {m.gate_up_proj.dtype for m in self.module.modules() if isinstance(m, GptOssExperts)}
+        if not all(fused_moe_supported(dtype, self.device) for dtype in gpt_oss):
             return False
         experts = {m.gate_up_proj.dtype for m in self.module.modules() if isinstance(m, StackedExperts)}
         return all(experts_capturable(dtype, self.device) for dtype in experts)

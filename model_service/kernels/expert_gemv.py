@@ -18,6 +18,10 @@ is latency, not bytes, so what matters is how many loads each program has in fli
   rows. Slots whose expert is outside [0, E) (another rank's, under expert parallelism) add
   nothing, as in `fused_moe`.
 
+gpt-oss's experts (`fused_moe`'s `biases` and `swiglu`, constexpr switches that leave every
+other family's kernels as they were): gate_up's bias added to the gate and up sums before the
+clamped SwiGLU (`glu`), down's to each slot's sums before its routing weight.
+
 FP8 experts (`ExpertScales`): one scale an output row, applied after the K loop, or one a row and
 128 input columns, applied per group inside the tile (a tile holds whole groups).
 
@@ -37,6 +41,7 @@ import torch
 
 from model_service.kernels.paged_attention import triton
 from model_service.kernels.pdl import pdl_args
+from model_service.models.config import ClampedSwiGLU
 
 if triton is not None:
     import triton.language as tl
@@ -95,10 +100,13 @@ def expert_gemv(
     down_scale: torch.Tensor | None = None,
     group: int = 0,
     tilings: tuple[ExpertGemvTiling, ExpertGemvTiling] | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    swiglu: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """`fused_moe`'s result (same arguments; e4m3 weights with their [E, rows, G] float32 scales,
-    `group` input columns a scale, 0 for one a row) in two launches of GEMV programs; `tilings`
-    (gate_up's, down's) for sweeps, else `expert_gemv_tiling`'s."""
+    `group` input columns a scale, 0 for one a row; `biases` gate_up's [E, 2I] and down's [E, H])
+    in two launches of GEMV programs; `tilings` (gate_up's, down's) for sweeps, else
+    `expert_gemv_tiling`'s."""
     tokens, top_k = ids.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
@@ -109,21 +117,45 @@ def expert_gemv(
     w8 = gate_up_scale is not None
     gate_up_scale = gate_up_scale.contiguous() if w8 else weights  # weights: unread stand-ins
     down_scale = down_scale.contiguous() if w8 else weights
+    up_bias, down_bias = (b.contiguous() for b in biases) if biases is not None else (weights, weights)
     _gemv_gate_up_kernel[(tokens * top_k, triton.cdiv(inter, up.block_n))](
         x, gate_up, gate_up_scale, ids, h, top_k, num_experts, inter, hidden, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), gate_up_scale.shape[-1],
-        W8=w8, GROUP=group, BLOCK_N=up.block_n, BLOCK_K=up.block_k, num_warps=up.num_warps,
-        **pdl_args(x.device),
+        up_bias, up_bias.stride(0), *glu_args(biases, swiglu), W8=w8, GROUP=group, BLOCK_N=up.block_n,
+        BLOCK_K=up.block_k, num_warps=up.num_warps, **pdl_args(x.device),
     )  # fmt: skip
     _gemv_down_kernel[(tokens, triton.cdiv(hidden, dn.block_n))](
         h, down, down_scale, ids, weights, out, top_k, num_experts, hidden, inter, down.stride(0),
-        down.stride(1), down_scale.stride(0), down_scale.stride(1), down_scale.shape[-1], W8=w8, GROUP=group,
-        SLOTS=slots, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps, **pdl_args(x.device),
+        down.stride(1), down_scale.stride(0), down_scale.stride(1), down_scale.shape[-1], down_bias,
+        down_bias.stride(0), W8=w8, GROUP=group, HAS_BIAS=biases is not None, SLOTS=slots,
+        BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps, **pdl_args(x.device),
     )  # fmt: skip
     return out
 
 
+def glu_args(biases: object | None, swiglu: ClampedSwiGLU | None) -> tuple[float, float, bool, bool]:
+    """(ALPHA, LIMIT, HAS_BIAS, CLAMPED) of the gate_up kernels: gpt-oss's clamped SwiGLU where
+    `swiglu` is given (else SiLU, the floats unread), its biases where `biases` are."""
+    act = swiglu or ClampedSwiGLU()
+    return act.alpha, act.limit, biases is not None, swiglu is not None
+
+
 if triton is not None:
+
+    @triton.jit
+    def glu(gate, up, Bias, cols, col_ok, N, ALPHA, LIMIT, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr):
+        """The activation of float32 gate and up sums [.., BLOCK_N] of columns `cols` < N: with
+        HAS_BIAS their biases (`Bias`: the expert's [2I] row, gate's first) added, then under
+        CLAMPED gpt-oss's SwiGLU, (clamp(up, -LIMIT, LIMIT) + 1) * g * sigmoid(ALPHA * g) with g
+        the gate clamped above at LIMIT, else SiLU(gate) * up."""
+        if HAS_BIAS:
+            gate += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)
+            up += tl.load(Bias + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if CLAMPED:
+            gate = tl.minimum(gate, LIMIT)
+            up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+            return (up + 1.0) * (gate / (1.0 + tl.exp(-ALPHA * gate)))
+        return gate / (1.0 + tl.exp(-gate)) * up
 
     @triton.jit
     def _tile_dots(
@@ -154,12 +186,14 @@ if triton is not None:
     @triton.jit
     def _gemv_gate_up_kernel(
         X, W, Scale, Ids, Hout, TOP_K, E, N, K, x_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
-        groups, W8: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        groups, Bias, b_stride_e, ALPHA, LIMIT, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+        W8: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
     ):  # fmt: skip
         """h[pair, cols] = SiLU(x[token] . W[e, cols]) * (x[token] . W[e, N + cols]), N = I,
         token = pair // TOP_K (Ids [T, TOP_K] read flat); nothing for another rank's expert.
-        Gate and up rows are one [2, BLOCK_N, BLOCK_K] tile a K step: both in flight at once."""
+        Gate and up rows are one [2, BLOCK_N, BLOCK_K] tile a K step: both in flight at once.
+        gpt-oss's biases and clamped SwiGLU under HAS_BIAS and CLAMPED (`glu`)."""
         wait_for_producers(PDL)
         pair = tl.program_id(0)
         expert = tl.load(Ids + pair).to(tl.int64)
@@ -180,19 +214,19 @@ if triton is not None:
                 acc *= tl.load(Scale + s_rows, mask=ok, other=0.0)
             gate = tl.sum(tl.where(part[:, None] == 0, acc, 0.0), axis=0)
             up = tl.sum(tl.where(part[:, None] == 1, acc, 0.0), axis=0)
-            h = gate / (1.0 + tl.exp(-gate)) * up
+            h = glu(gate, up, Bias + expert * b_stride_e, cols, cols < N, N, ALPHA, LIMIT, HAS_BIAS, CLAMPED)
             tl.store(Hout + pair * N + cols, h.to(Hout.dtype.element_ty), mask=cols < N)
 
     @triton.jit
     def _gemv_down_kernel(
         Hin, W, Scale, Ids, Weights, Out, TOP_K, E, N, K, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
-        groups, W8: tl.constexpr, GROUP: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+        groups, Bias, b_stride_e, W8: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+        SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        """out[token, cols] = sum over the token's slots of weight * (h[pair] . W[e, cols]) in
-        float32, N = H, rounded once; another rank's experts add nothing. Every slot's rows are
-        one [SLOTS, BLOCK_N, BLOCK_K] tile a K step (SLOTS: top_k padded to a power of two),
-        so no slot's loads wait for another's."""
+        """out[token, cols] = sum over the token's slots of weight * (h[pair] . W[e, cols]
+        (+ Bias[e, cols] under HAS_BIAS)) in float32, N = H, rounded once; another rank's experts
+        add nothing. Every slot's rows are one [SLOTS, BLOCK_N, BLOCK_K] tile a K step (SLOTS:
+        top_k padded to a power of two), so no slot's loads wait for another's."""
         wait_for_producers(PDL)
         token = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -215,6 +249,9 @@ if triton is not None:
         admit_dependents(PDL)
         if W8 and GROUP == 0:
             acc *= tl.load(Scale + s_rows, mask=ok, other=0.0)
+        if HAS_BIAS:
+            bias = tl.load(Bias + expert[:, None] * b_stride_e + cols[None, :], mask=ok, other=0.0)
+            acc += bias.to(tl.float32)
         weight = tl.load(Weights + pair, mask=used, other=0.0)
         total = tl.sum(acc * weight[:, None], axis=0)
         tl.store(Out + token * N + cols, total.to(Out.dtype.element_ty), mask=cols < N)

@@ -10,6 +10,11 @@ first) and down [E, H, I]. `ids` are expert indices *local* to these weights: an
 [0, E) is an expert that lives elsewhere (another rank, under expert parallelism) and adds
 nothing here, so the layer's output is the sum of every owner's partial output.
 
+gpt-oss's experts add biases (`ExpertBiases`: gate_up's [E, 2I], down's [E, H], the latter
+weighted by the routing weight with the rest of the expert's output, as HF computes it) and
+activate with the clamped SwiGLU (`ClampedSwiGLU`) instead of SiLU(gate) * up; the reference and
+the fused kernels take both (their `biases` and `swiglu`), the grouped path neither.
+
 FP8 experts (e4m3 weights with `ExpertScales`: float32 scales per expert, output row and, for
 block-quantized checkpoints, 128 input columns) take the fused kernels at every size where the
 device converts e4m3 (sm89+), else the reference, which dequantizes each expert it runs.
@@ -27,7 +32,8 @@ import torch.nn.functional as F
 
 from model_service.kernels.fp8_gemm import dequantize_groups
 from model_service.kernels.fused import silu_and_mul
-from model_service.kernels.fused_moe import ExpertScales, fused_moe, fused_moe_supported
+from model_service.kernels.fused_moe import ExpertBiases, ExpertScales, fused_moe, fused_moe_supported
+from model_service.models.config import ClampedSwiGLU
 
 # Where `grouped_mm` could run too, a call takes the fused kernels while its rows average at most
 # this many an expert (tokens x top-k / local experts), the CUTLASS grouped GEMM past it; without
@@ -98,6 +104,16 @@ def _expert_weight(
     return w if scale is None else dequantize_groups(w, scale[expert], group or w.shape[1]).to(dtype)
 
 
+def clamped_swiglu(gate_up: torch.Tensor, act: ClampedSwiGLU) -> torch.Tensor:
+    """HF's `GptOssExperts._apply_gate` over [rows, 2I] with the gate's columns first, then up's
+    (the kernels' layout; HF interleaves them, `gpt_oss.kernel_layout` splits them at load):
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = gate clamped above at limit."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=act.limit)
+    up = up.clamp(min=-act.limit, max=act.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
+
+
 def experts_reference(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -105,9 +121,13 @@ def experts_reference(
     ids: torch.Tensor,
     weights: torch.Tensor,
     scales: ExpertScales | None = None,
+    biases: ExpertBiases | None = None,
+    swiglu: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """HF's arithmetic (weight in the model's dtype, index_add into the output), with the token
-    rows sorted by expert once instead of a mask per expert; FP8 experts dequantized as used."""
+    rows sorted by expert once instead of a mask per expert; FP8 experts dequantized as used;
+    `biases` added to each projection's output and `swiglu` the activation where given
+    (gpt-oss's experts), SiLU(gate) * up otherwise."""
     num_experts, top_k = gate_up.shape[0], ids.shape[1]
     flat = ids.flatten()
     order = flat.argsort(stable=True)
@@ -123,9 +143,11 @@ def experts_reference(
         rows = order[start : start + n]
         tokens = rows // top_k
         w1 = _expert_weight(gate_up, gate_up_scale, group, expert, x.dtype)
-        h = silu_and_mul(F.linear(x[tokens], w1))
-        y = F.linear(h, _expert_weight(down, down_scale, group, expert, x.dtype)) * row_weights[rows, None]
-        out.index_add_(0, tokens, y)
+        w2 = _expert_weight(down, down_scale, group, expert, x.dtype)
+        b1, b2 = (biases.gate_up[expert], biases.down[expert]) if biases is not None else (None, None)
+        g = F.linear(x[tokens], w1, b1)
+        h = silu_and_mul(g) if swiglu is None else clamped_swiglu(g, swiglu)
+        out.index_add_(0, tokens, F.linear(h, w2, b2) * row_weights[rows, None])
         start += n
     return out
 

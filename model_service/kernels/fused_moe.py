@@ -32,6 +32,10 @@ this engine:
    the float32 sum can be, and no launch of its own (a `_combine_kernel` was ~2.6 us of a ~30 us
    batch-1 layer).
 
+gpt-oss's experts (`ExpertBiases`, `ClampedSwiGLU`): gate_up's biases added to the float32 sums
+before the clamped SwiGLU, down's to each pair's sums before its routing weight, as HF computes
+them; constexpr switches (HAS_BIAS, CLAMPED) that compile every other family's kernels as before.
+
 FP8 experts (`ExpertScales`: e4m3 weights, float32 scales per expert, output row and, for
 block-quantized checkpoints, 128 input columns): each weight tile is widened to the activations'
 type as it is loaded (exactly: every e4m3 value is a bf16 value) and the sums are scaled per
@@ -54,16 +58,17 @@ from dataclasses import dataclass
 
 import torch
 
-from model_service.kernels.expert_gemv import expert_gemv, expert_gemv_applies
+from model_service.kernels.expert_gemv import expert_gemv, expert_gemv_applies, glu_args
 from model_service.kernels.fp8_gemm import E4M3, has_fp8_conversions
 from model_service.kernels.paged_attention import dot_precision, triton
 from model_service.kernels.pdl import pdl_args
-from model_service.models.config import PLAIN_TOP_K, Routing
+from model_service.models.config import PLAIN_TOP_K, ClampedSwiGLU, Routing
 
 if triton is not None:
     import triton.language as tl
 
     from model_service.kernels.arrivals import last_to_arrive
+    from model_service.kernels.expert_gemv import glu
     from model_service.kernels.pdl import admit_dependents, wait_for_producers
 
 ALIGN_CHUNK = 64  # pairs an alignment program takes: [64, 64] and [64, E] tiles in registers
@@ -77,6 +82,15 @@ class ExpertScales:
     gate_up: torch.Tensor
     down: torch.Tensor
     group: int = 0
+
+
+@dataclass(frozen=True)
+class ExpertBiases:
+    """Per-expert output biases (gpt-oss's experts): gate_up's [E, 2I] (gate's columns first, as
+    the weights' rows) and down's [E, H], in any float type (read as float32)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -345,19 +359,24 @@ def fused_moe(
     config: FusedMoeConfig | None = None,
     arrivals: torch.Tensor | None = None,
     scales: ExpertScales | None = None,
+    biases: ExpertBiases | None = None,
+    swiglu: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for the experts held here, as
     `experts.fused_experts` (same arguments: x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; ids
     [T, k] local expert ids, those outside [0, E) adding nothing; weights [T, k] float32;
-    `scales` with e4m3 weights). Returns [T, H] in x's dtype. `arrivals`: the kernels'
-    counters, int32 zeros, at least `fused_counters(T, H)` of them, owned by the caller and left
-    zeroed; None (or too few) allocates zeroed ones, a memset launch more."""
+    `scales` with e4m3 weights; gpt-oss's `biases` and clamped `swiglu`, as
+    `experts.experts_reference` takes them). Returns [T, H] in x's dtype. `arrivals`: the
+    kernels' counters, int32 zeros, at least `fused_counters(T, H)` of them, owned by the caller
+    and left zeroed; None (or too few) allocates zeroed ones, a memset launch more."""
     tokens, top_k = ids.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
     pairs = tokens * top_k
     if (scales is not None) != (gate_up.dtype == E4M3):
         raise ValueError("e4m3 expert weights need their scales, and only they take scales")
+    if scales is not None and (biases is not None or swiglu is not None):
+        raise ValueError("e4m3 experts run without biases and with SiLU: gpt-oss's experts stay unquantized")
     if pairs == 0:
         return x.new_zeros(tokens, hidden)
     if config is None:
@@ -371,7 +390,8 @@ def fused_moe(
     x = x if x.stride(-1) == 1 else x.contiguous()
     if config.gemv and expert_gemv_applies(tokens, gate_up, down, group):
         up_scale, down_scale = (scales.gate_up, scales.down) if scales is not None else (None, None)
-        return expert_gemv(x, gate_up, down, ids, weights, up_scale, down_scale, group)
+        pair = (biases.gate_up, biases.down) if biases is not None else None
+        return expert_gemv(x, gate_up, down, ids, weights, up_scale, down_scale, group, None, pair, swiglu)
     direct = tokens == 1  # top-k experts are distinct: one block a pair, no alignment
     if direct:
         sorted_pairs, block_expert, blocks = ids, ids, pairs  # unused by the kernels but as pointers
@@ -390,16 +410,20 @@ def fused_moe(
     split = triton.cdiv(hidden, k_chunk) if blocks * col_blocks <= GATE_UP_COUNTERS else 1
     k_chunk = k_chunk if split > 1 else hidden
     parts = torch.empty(split if split > 1 else 0, pairs, 2 * inter, dtype=torch.float32, device=x.device)
+    bias = biases.gate_up.contiguous() if biases is not None else weights  # weights: unread
     _gate_up_kernel[(blocks, col_blocks, split)](
         x, gate_up, gate_up_scale, sorted_pairs, block_expert, h, parts, arrivals, pairs, top_k, num_experts,
         inter, hidden, k_chunk, x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
-        gate_up_scale.stride(0), gate_up_scale.stride(1), DIRECT=direct, BLOCK_M=config.block_m,
+        gate_up_scale.stride(0), gate_up_scale.stride(1), bias, bias.stride(0), *glu_args(biases, swiglu),
+        DIRECT=direct, BLOCK_M=config.block_m,
         BLOCK_N=config.gate_up_block_n, BLOCK_K=config.block_k, PRECISION=precision, W8=scales is not None,
         GROUP=group, SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl_args(x.device),
     )  # fmt: skip
+    down_bias = biases.down if biases is not None else None
+    counters = arrivals[GATE_UP_COUNTERS:]
     return _down_and_combine(
-        h, down, scales, sorted_pairs, block_expert, ids, weights, blocks, config, arrivals[GATE_UP_COUNTERS:]
+        h, down, scales, sorted_pairs, block_expert, ids, weights, blocks, config, counters, down_bias
     )
 
 
@@ -414,21 +438,24 @@ def _down_and_combine(
     blocks: int,
     config: FusedMoeConfig,
     arrivals: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The down kernel's launch: `blocks` rows of programs over the blocks (pairs under direct),
     then one a BLOCK_M tokens that arrives for their remote slots; returns [T, H] in h's dtype.
     `scales`: e4m3 weights' (down's read here), else None. `arrivals`: zeroed counters, one a
-    token and column block (`fused_moe` sized them)."""
+    token and column block (`fused_moe` sized them). `bias`: down's [E, H] (gpt-oss), or None."""
     (tokens, top_k), (num_experts, hidden, inter) = ids.shape, down.shape
     pairs = tokens * top_k
     slots = torch.empty(pairs, hidden, dtype=torch.float32, device=h.device)
     out = torch.empty(tokens, hidden, dtype=h.dtype, device=h.device)
     col_blocks = triton.cdiv(hidden, config.down_block_n)
     scale = scales.down.contiguous() if scales is not None else weights  # weights: unread
+    has_bias, bias = bias is not None, bias.contiguous() if bias is not None else weights
     _down_kernel[(blocks + triton.cdiv(tokens, config.block_m), col_blocks)](
         h, down, scale, sorted_pairs, block_expert, ids, weights, slots, out, arrivals, pairs, top_k,
         num_experts, hidden, inter, blocks, down.stride(0), down.stride(1), down.stride(2), scale.stride(0),
-        scale.stride(1), DIRECT=tokens == 1, BLOCK_M=config.block_m, BLOCK_N=config.down_block_n,
+        scale.stride(1), bias, bias.stride(0), HAS_BIAS=has_bias, DIRECT=tokens == 1, BLOCK_M=config.block_m,
+        BLOCK_N=config.down_block_n,
         BLOCK_K=config.block_k, K_P2=triton.next_power_of_2(top_k), PRECISION=dot_precision(h.dtype),
         W8=scales is not None, GROUP=scales.group if scales is not None else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(h.device),
@@ -665,7 +692,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["P"])
     def _gate_up_kernel(
         X, W, Scale, Sorted, BlockExpert, Hout, Parts, Arrivals, P, TOP_K, E, N, K, k_chunk, x_stride,
-        w_stride_e, w_stride_n, w_stride_k, s_stride_e, s_stride_n, DIRECT: tl.constexpr,
+        w_stride_e, w_stride_n, w_stride_k, s_stride_e, s_stride_n, Bias, b_stride_e, ALPHA, LIMIT,
+        HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, DIRECT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
         W8: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
@@ -674,7 +702,8 @@ if triton is not None:
         W8 (e4m3 weights) each sum scaled by its rows' Scale[e, cols] and Scale[e, N + cols]
         (`_tile_product`). Program (block, column block, slice) sums K from slice * k_chunk; with
         SPLIT > 1 each slice stores its partial sums and the last to arrive adds them in slice
-        order (kernels/arrivals.py) before the activation."""
+        order (kernels/arrivals.py) before the activation. gpt-oss's biases and clamped SwiGLU
+        under HAS_BIAS and CLAMPED (`expert_gemv.glu`)."""
         wait_for_producers(PDL)
         expert, pairs, live = _block_rows(Sorted, BlockExpert, tl.program_id(0), P, E, DIRECT, BLOCK_M)
         if expert < 0:
@@ -686,6 +715,7 @@ if triton is not None:
         w = W + expert.to(tl.int64) * w_stride_e
         sg = Scale + expert.to(tl.int64) * s_stride_e + cols * s_stride_n  # W8: gate rows' scales
         su = sg + N * s_stride_n  # and up rows'
+        bias = Bias + expert.to(tl.int64) * b_stride_e
         gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         k_lo = tl.program_id(2) * k_chunk
@@ -703,7 +733,8 @@ if triton is not None:
         admit_dependents(PDL)
         out = live[:, None] & col_ok[None, :]
         if SPLIT == 1:
-            _activate(gate, up, sg, su, Hout, pairs, cols, col_ok, out, N, W8, GROUP)
+            _activate(gate, up, sg, su, Hout, pairs, cols, col_ok, out, N, W8, GROUP, bias, ALPHA, LIMIT,
+                      HAS_BIAS, CLAMPED)  # fmt: skip
         else:
             part = Parts + pairs[:, None] * (2 * N) + cols[None, :]  # slice s at s * P * 2N
             tl.store(part + tl.program_id(2) * P * 2 * N, gate, mask=out)
@@ -716,26 +747,32 @@ if triton is not None:
                     gate += tl.load(part + s * P * 2 * N, mask=out, other=0.0, cache_modifier=".cg")
                     up += tl.load(part + s * P * 2 * N + N, mask=out, other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(counter, 0)
-                _activate(gate, up, sg, su, Hout, pairs, cols, col_ok, out, N, W8, GROUP)
+                _activate(gate, up, sg, su, Hout, pairs, cols, col_ok, out, N, W8, GROUP, bias, ALPHA, LIMIT,
+                          HAS_BIAS, CLAMPED)  # fmt: skip
 
     @triton.jit
-    def _activate(gate, up, sg, su, Hout, pairs, cols, col_ok, out, N, W8: tl.constexpr, GROUP: tl.constexpr):
-        """gate_up's epilogue: the per-row scales (`_row_scaled`), SiLU(gate) * up in float32,
-        stored in h's dtype."""
+    def _activate(
+        gate, up, sg, su, Hout, pairs, cols, col_ok, out, N, W8: tl.constexpr, GROUP: tl.constexpr, Bias,
+        ALPHA, LIMIT, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+    ):  # fmt: skip
+        """gate_up's epilogue: the per-row scales (`_row_scaled`), the activation in float32
+        (`glu`: SiLU(gate) * up, or gpt-oss's biases and clamped SwiGLU), stored in h's dtype."""
         gate = _row_scaled(gate, sg, col_ok, W8, GROUP)
         up = _row_scaled(up, su, col_ok, W8, GROUP)
-        h = gate / (1.0 + tl.exp(-gate)) * up
+        h = glu(gate, up, Bias, cols, col_ok, N, ALPHA, LIMIT, HAS_BIAS, CLAMPED)
         tl.store(Hout + pairs[:, None] * N + cols[None, :], h.to(Hout.dtype.element_ty), mask=out)
 
     @triton.jit(do_not_specialize=["P", "NUM_BLOCKS"])
     def _down_kernel(
         Hin, W, Scale, Sorted, BlockExpert, Ids, Weights, Slots, Out, Arrivals, P, TOP_K, E, N, K,
-        NUM_BLOCKS, w_stride_e, w_stride_n, w_stride_k, s_stride_e, s_stride_n, DIRECT: tl.constexpr,
+        NUM_BLOCKS, w_stride_e, w_stride_n, w_stride_k, s_stride_e, s_stride_n, Bias, b_stride_e,
+        HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_P2: tl.constexpr,
         PRECISION: tl.constexpr, W8: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """slots[pair, cols] = weights[pair] * (h[pair] . down[e, cols]) in float32, N = H (scaled
-        by Scale[e, cols] with W8, `_tile_product`), then each token's arrival (`_arrive`). Blocks
+        by Scale[e, cols] with W8, `_tile_product`; plus Bias[e, cols] under HAS_BIAS, before the
+        weight), then each token's arrival (`_arrive`). Blocks
         past NUM_BLOCKS (one per BLOCK_M tokens) arrive for their tokens' remote slots, which no
         block holds."""
         wait_for_producers(PDL)
@@ -764,6 +801,9 @@ if triton is not None:
             acc += _tile_product(a, b, scale, k0, col_ok, W8, GROUP, PRECISION)
         admit_dependents(PDL)
         acc = _row_scaled(acc, scale, col_ok, W8, GROUP)
+        if HAS_BIAS:
+            bias = Bias + expert.to(tl.int64) * b_stride_e + cols
+            acc += tl.load(bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc *= tl.load(Weights + pairs, mask=live, other=0.0)[:, None]
         tl.store(Slots + pairs[:, None] * N + cols[None, :], acc, mask=live[:, None] & col_ok[None, :])
         one = tl.full([BLOCK_M], 1, tl.int32)

@@ -8,12 +8,15 @@ What differs, each read from `ModelConfig` (config.py's `_gpt_oss_from_hf`) or f
   their `SINKS` switch).
 - Every layer's MLP is a MoE (`GptOssMoe`): a router with a bias, a softmax over the top-k logits
   (Mixtral's renormalized top-k), experts with biases whose activation is the clamped SwiGLU
-  (`ModelConfig.expert_swiglu`) over gate/up columns interleaved as HF stores them. The experts
-  run in torch (one matmul pair per expert with tokens): the fused MoE kernels compute neither
-  the biases nor the clamp, so they are never handed these weights.
-Parameter names and layouts are HF's (`mlp.router`, `mlp.experts.gate_up_proj` [E, H, 2I] and
-its `_bias`, `down_proj` [E, I, H], `self_attn.sinks`); MXFP4 experts are dequantized to them at
-load (mxfp4.py).
+  (`ModelConfig.expert_swiglu`). Where the fused MoE kernels run (CUDA with Triton) the experts
+  take them, biases and clamp under their switches, and the routing kernel (`route_topk`: the
+  softmax over every logit renormalized over the top k is the softmax over the top-k logits):
+  nothing comes to the host, so decode steps replay from CUDA graphs. Elsewhere the torch
+  reference (`experts_reference`).
+Parameter names are HF's (`mlp.router`, `mlp.experts.gate_up_proj` and its `_bias`, `down_proj`
+and its `_bias`, `self_attn.sinks`); the experts' layouts are the kernels' (`StackedExperts`'):
+HF's [E, H, 2I] with gate and up columns interleaved and [E, I, H] are converted once at load
+(`kernel_layout`), after MXFP4 experts are dequantized to HF's layout (mxfp4.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_service.models.config import ClampedSwiGLU, ModelConfig
+from model_service.errors import ModelLoadError
+from model_service.kernels.experts import experts_reference
+from model_service.kernels.fused_moe import ExpertBiases, fused_moe, fused_moe_supported, route_topk
+from model_service.models.config import ModelConfig
 from model_service.models.context import ForwardContext
 from model_service.models.llama import Attention, DecoderLayer, DecoderModel
 
@@ -42,37 +48,31 @@ class SinkAttention(Attention):
         return ctx.attention.forward(self.layer_idx, q, k, v, rope, self.head_norms(), sinks=self.sinks)
 
 
-def clamped_swiglu(gate_up: torch.Tensor, act: ClampedSwiGLU) -> torch.Tensor:
-    """HF's `GptOssExperts._apply_gate` over [rows, 2I] with gate and up interleaved column by
-    column: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = gate clamped above."""
-    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-    gate = gate.clamp(max=act.limit)
-    up = up.clamp(min=-act.limit, max=act.limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
-
-
 class GptOssExperts(nn.Module):
-    """Every expert's weights and biases, stacked as HF keeps them ([in, out] per expert)."""
+    """Every expert's weights and biases in the fused kernels' layout: gate_up [E, 2I, H] (the
+    gate's rows, then up's) and its bias [E, 2I] likewise, down [E, H, I] and its bias [E, H]."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * inter))
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * inter))
-        self.down_proj = nn.Parameter(torch.empty(experts, inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
         self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
         assert cfg.expert_swiglu is not None, "gpt-oss's config sets its experts' activation"
         self.act = cfg.expert_swiglu
 
+    def kernels_apply(self, device: torch.device) -> bool:
+        """Whether the fused kernels run these experts on `device` (no host sync: capturable)."""
+        return fused_moe_supported(self.gate_up_proj.dtype, device)
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]): x [T, H], ids and weights [T, k]."""
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            rows, slots = torch.where(ids == e)
-            h = clamped_swiglu(x[rows] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e], self.act)
-            y = h @ self.down_proj[e] + self.down_proj_bias[e]
-            out.index_add_(0, rows, (y * weights[rows, slots, None]).to(x.dtype))
-        return out
+        args = (x, self.gate_up_proj, self.down_proj, ids, weights)
+        biases = ExpertBiases(self.gate_up_proj_bias, self.down_proj_bias)
+        if self.kernels_apply(x.device):
+            return fused_moe(*args, biases=biases, swiglu=self.act)
+        return experts_reference(*args, biases=biases, swiglu=self.act)
 
 
 class GptOssMoe(nn.Module):
@@ -85,8 +85,38 @@ class GptOssMoe(nn.Module):
         self.experts = GptOssExperts(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        top, ids = torch.topk(self.router(x), self.top_k, dim=-1)
+        logits = self.router(x)
+        if self.experts.kernels_apply(x.device):
+            weights, ids = route_topk(logits, self.top_k, renormalize=True)
+            return self.experts(x, ids, weights)
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
         return self.experts(x, ids, torch.softmax(top, dim=-1))
+
+
+def kernel_layout(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """`tensors` with every layer's experts moved from HF's layout to `GptOssExperts`': gate_up
+    [E, H, 2I] (gate and up columns interleaved) to [E, 2I, H] with the gate's rows first, its
+    bias likewise, down [E, I, H] to [E, H, I]. A tensor of another shape is a ModelLoadError
+    naming it in the checkpoint's terms; a missing one is left for the loader to name."""
+    experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    hf_shapes = {
+        "gate_up_proj": (experts, hidden, 2 * inter), "gate_up_proj_bias": (experts, 2 * inter),
+        "down_proj": (experts, inter, hidden),
+    }  # fmt: skip
+    out = dict(tensors)
+    for name, t in tensors.items():
+        kind = name.rpartition(".experts.")[2] if ".experts." in name else ""
+        if kind not in hf_shapes:
+            continue
+        if tuple(t.shape) != hf_shapes[kind]:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {hf_shapes[kind]}")
+        if kind == "gate_up_proj_bias":
+            out[name] = torch.cat((t[:, 0::2], t[:, 1::2]), dim=1).contiguous()
+        elif kind == "gate_up_proj":
+            out[name] = torch.cat((t[:, :, 0::2], t[:, :, 1::2]), dim=2).transpose(1, 2).contiguous()
+        else:
+            out[name] = t.transpose(1, 2).contiguous()
+    return out
 
 
 class GptOssDecoderLayer(DecoderLayer):

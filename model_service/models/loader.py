@@ -23,6 +23,7 @@ from model_service.models.expert_weights import stack_expert_tensors
 from model_service.models.fp8_linear import fp8_dtypes, quantize_online
 from model_service.models.fp8_weights import fp8_checkpoint
 from model_service.models.gguf_weights import read_gguf
+from model_service.models.gpt_oss import kernel_layout as gpt_oss_kernel_layout
 from model_service.models.layers import checkpoint_layout
 from model_service.models.mxfp4 import dequantize_experts
 from model_service.models.quantization import ONLINE_SCHEMES, QuantizationError
@@ -202,6 +203,8 @@ def build_module(
         tensors = fp8_checkpoint(module, tensors, config.quantization)
     if config.mxfp4_experts:
         tensors = dequantize_experts(tensors, dtype)
+    if config.family == "gpt_oss":
+        tensors = gpt_oss_kernel_layout(tensors, config)
     if any(kind.moe for kind in config.layer_kinds):
         tensors = stack_expert_tensors(tensors, config)
     shared = {"lm_head.weight"} if config.tie_word_embeddings else set()
