@@ -368,3 +368,18 @@ def test_a_blob_that_does_not_open_is_refused_naming_its_item():
         with pytest.raises(ApiError) as refused:
             _sent_back(blob, key)
         assert (refused.value.status, refused.value.param) == (400, "input[1]"), blob
+
+
+def test_the_reasoning_key_file_is_read_whole_and_a_short_key_refused(tmp_path):
+    """--reasoning-key-file: the file's bytes, its trailing newline dropped (a key written with
+    `echo` signs as the same key elsewhere); a key shorter than 32 bytes is refused at start."""
+    import argparse
+
+    from spindle.openai_api.server import reasoning_key
+
+    (tmp_path / "key").write_bytes(KEY + b"\n")
+    (tmp_path / "short").write_bytes(b"secret\n")
+    assert reasoning_key(str(tmp_path / "key")) == KEY
+    for name in ("short", "absent"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            reasoning_key(str(tmp_path / name))
