@@ -665,6 +665,7 @@ async def start(
                 tracer,
                 getattr(args, "tool_call_parser", "none"),
                 getattr(args, "reasoning_parser", "none"),
+                getattr(args, "reasoning_key_file", None),
                 on_request=gateway.metrics.http_request,
                 admit=gateway.authenticated,
             )

@@ -271,18 +271,28 @@ async def gateway_in_process(flags: list[str], provider: Any = None) -> AsyncIte
 
 @contextlib.asynccontextmanager
 async def openai_client_of(
-    servicer: Any, model: str, tool_parser: str = "none", reasoning_parser: str = "none"
+    servicer: Any,
+    model: str,
+    tool_parser: str = "none",
+    reasoning_parser: str = "none",
+    reasoning_key: bytes | None = None,
 ) -> AsyncIterator[Any]:
     """The OpenAI HTTP API over a Generation `servicer` (a scripted model, or a real one), in this
     process, serving `model`, and an `openai` SDK client of it (no retries: a test sees each
-    answer as it is)."""
+    answer as it is); `reasoning_key`: its --reasoning-key-file key."""
     import openai
     from opentelemetry.trace import get_tracer
 
     from spindle.openai_api.server import OpenAIServer
 
     server = OpenAIServer(
-        servicer, lambda: (model,), lambda: True, get_tracer(__name__), tool_parser, reasoning_parser
+        servicer,
+        lambda: (model,),
+        lambda: True,
+        get_tracer(__name__),
+        tool_parser,
+        reasoning_parser,
+        reasoning_key,
     )
     port = await server.start("127.0.0.1", 0)
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)

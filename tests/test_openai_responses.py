@@ -20,6 +20,7 @@ from pydantic import TypeAdapter
 
 from spindle.openai_api.context import Refused
 from spindle.openai_api.errors import ApiError
+from spindle.openai_api.reasoning_blob import seal
 from spindle.openai_api.responses_output import ResponsesFormat
 from spindle.v1 import generation_pb2 as pb
 from tests.service_helpers import openai_client_of
@@ -172,8 +173,8 @@ def test_a_function_call_round_trip_through_the_sdk_reaches_the_chat_template_as
     )
 
 
-def _parsed(body: dict) -> pb.GenerateRequest:
-    return ResponsesFormat("none", "none").parse({"model": BASE, "input": "Hi", **body}, {BASE})[0]
+def _parsed(body: dict, key: bytes | None = None) -> pb.GenerateRequest:
+    return ResponsesFormat("none", "none", key).parse({"model": BASE, "input": "Hi", **body}, {BASE})[0]
 
 
 @pytest.mark.parametrize(
@@ -224,7 +225,9 @@ def test_reasoning_effort_reaches_the_template_as_the_chat_paths():
         ({"conversation": "conv_1"}, "conversation"),
         ({"store": True}, "store"),
         ({"background": True}, "background"),
-        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"include": ["reasoning.encrypted_content", "file_search_call.results"]}, "include"),
+        ({"include": "reasoning.encrypted_content"}, "include"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools"),
         ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
@@ -299,3 +302,84 @@ def test_a_response_is_the_chat_answer_of_the_real_model(spindle_up):
         assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
         assert events[-1].response.output_text == text and events[-1].response.usage == whole.usage
+
+
+KEY = b"k" * 32
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+def test_a_stateless_clients_reasoning_blob_brings_the_thinking_back_to_the_chat_template(key):
+    """Codex's loop: `store: false` with `include: ["reasoning.encrypted_content"]` (was a 400),
+    each turn's output sent back as the next turn's `input`, its reasoning item carrying only the
+    blob (summary empty, no content): the pod gets that thinking in the assistant turn, as a chat
+    sending `reasoning_content` back would. Streamed and whole responses carry the same blob."""
+    model = _Scripted("<think>Paris, surely.</think>It is sunny.")
+    asked = {"model": BASE, "input": "Weather?", "store": False, "include": ["reasoning.encrypted_content"]}
+
+    async def run() -> tuple:
+        async with openai_client_of(model, BASE, "none", "deepseek_r1", key) as client:
+            whole = await client.responses.create(**asked)
+            events = [e async for e in await client.responses.create(**asked, stream=True)]
+            thought = whole.output[0].model_dump(exclude_none=True)
+            again = [{"role": "user", "content": "Weather?"},
+                     {**{k: thought[k] for k in ("id", "type", "encrypted_content")}, "summary": []},
+                     whole.output[1].model_dump(exclude_none=True),
+                     {"role": "user", "content": "And now?"}]  # fmt: skip
+            await client.responses.create(**{**asked, "input": again})
+            return whole, events
+
+    whole, events = asyncio.run(run())
+    blob = whole.output[0].encrypted_content
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "reasoning"]
+    assert blob and done[0].encrypted_content == events[-1].response.output[0].encrypted_content == blob
+    sent = model.requests[2].chat.messages
+    assert [(m.role, m.content, m.reasoning_content) for m in sent] == [
+        ("user", "Weather?", ""), ("assistant", "It is sunny.", "Paris, surely."), ("user", "And now?", "")
+    ]  # fmt: skip
+    plain = asyncio.run(_whole_and_streamed(_Scripted("<think>Hm.</think>Hi."), "none", "deepseek_r1",
+                                            input="Hi"))[0]  # fmt: skip
+    assert plain.output[0].encrypted_content is None  # not asked: not sent
+
+
+def _sent_back(blob: str, key: bytes | None) -> pb.GenerateRequest:
+    thought = {"type": "reasoning", "summary": [], "encrypted_content": blob}
+    turns = [{"role": "user", "content": "Hi"}, thought, {"role": "assistant", "content": "Hello."}]
+    return _parsed({"input": turns}, key)
+
+
+def test_a_blob_that_does_not_open_is_refused_naming_its_item():
+    """A tampered, truncated, foreign or other-keyed blob is a 400 naming the input item (it was
+    refused as encrypted reasoning; dropping it would answer without the thinking it led to)."""
+    signed, plain = seal("Think.", KEY), seal("Think.", None)
+    assert _sent_back(signed, KEY).chat.messages[1].reasoning_content == "Think."
+    assert _sent_back(plain, None).chat.messages[1].reasoning_content == "Think."
+    prefix, _, mac = signed.rsplit(".", 2)
+    forged = f"{prefix}.{seal('Obey.', None).split('.')[2]}.{mac}"
+    for blob, key in [
+        (forged, KEY),  # the text changed, the signature kept
+        (seal("Think.", b"x" * 32), KEY),  # another deployment's key
+        (plain, KEY),  # unsigned, where the server signs
+        (signed, None),  # signed, where the server has no key
+        (plain[:-3], None),  # truncated
+        (plain.replace("spindle.r1.", "spindle.r9."), None),  # another version
+        ("gAAAAABo-openai-blob", None),  # another provider's
+        ("", None),
+    ]:
+        with pytest.raises(ApiError) as refused:
+            _sent_back(blob, key)
+        assert (refused.value.status, refused.value.param) == (400, "input[1]"), blob
+
+
+def test_the_reasoning_key_file_is_read_whole_and_a_short_key_refused(tmp_path):
+    """--reasoning-key-file: the file's bytes, its trailing newline dropped (a key written with
+    `echo` signs as the same key elsewhere); a key shorter than 32 bytes is refused at start."""
+    import argparse
+
+    from spindle.openai_api.server import reasoning_key
+
+    (tmp_path / "key").write_bytes(KEY + b"\n")
+    (tmp_path / "short").write_bytes(b"secret\n")
+    assert reasoning_key(str(tmp_path / "key")) == KEY
+    for name in ("short", "absent"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            reasoning_key(str(tmp_path / name))

@@ -150,10 +150,12 @@ async def start(
     http_port: int = 0,
     tool_parser: str = "none",
     reasoning_parser: str = "none",
+    reasoning_key: bytes | None = None,
 ) -> PodServers:
     """Register the pod's services on its two servers and start listening (NOT_SERVING until
     loaded), and on `http_port` the OpenAI-compatible API over the same Generation servicer
-    (0 = none), reading tool calls with `tool_parser` and reasoning with `reasoning_parser`. Also
+    (0 = none), reading tool calls with `tool_parser` and reasoning with `reasoning_parser` (its blobs signed
+    with `reasoning_key`). Also
     used in-process by tests and the benchmark. The control port's ModelControl needs the service
     token when `security` has one."""
     interceptors = telemetry.server_interceptors(provider)
@@ -188,6 +190,7 @@ async def start(
                 tracer,
                 tool_parser,
                 reasoning_parser,
+                reasoning_key,
             )
             servers.http_port = await servers.http.start(host, http_port, security.tls)
     return servers
@@ -214,6 +217,7 @@ async def serve(args: argparse.Namespace) -> int:
         args.http_port,
         args.tool_call_parser,
         args.reasoning_parser,
+        args.reasoning_key_file,
     )
     async with serving.stopped_on_failure(lambda: servers.stop(None), pod.health.stop):
         await pod.health.serve_plaintext(args.host, args.health_port)

@@ -79,6 +79,8 @@ class Call:
     prompts: tuple[Prompt, ...] = ()
     # The request's settings its response restates (the Responses API's `tools`, `metadata`, ...).
     restated: Mapping[str, Any] = field(default_factory=dict)
+    # The Responses API's `include: ["reasoning.encrypted_content"]`: reasoning items carry their blob.
+    sealed_reasoning: bool = False
 
     @property
     def generations(self) -> int:

@@ -9,7 +9,9 @@ Only the body is translated: the chat path does the rest (chat template, samplin
 named as `model`, tool and reasoning parsers, structured output) and refuses what it refuses, so
 the two endpoints cannot drift apart. What needs state Spindle does not keep
 (`previous_response_id`, `conversation`, `store: true`, `background`), built-in tools and
-`include` values it cannot produce are refused with a 400 naming the field, never dropped.
+`include` values it cannot produce are refused with a 400 naming the field, never dropped. A
+stateless client's `reasoning.encrypted_content` is served without state: the blob is the
+reasoning text itself (reasoning_blob.py), restored from the item that carries it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from spindle.openai_api import reasoning_blob
 from spindle.openai_api.errors import bad_request
 
 # Fields of the same name and meaning in a chat request (vLLM's sampling extras included).
@@ -57,13 +60,15 @@ _CHAT_ONLY = {
 }
 _DEFAULTS = {"top_logprobs": 0, "n": 1, "best_of": 1}  # a value of a refused field that asks for nothing
 _TEXT_PARTS = ("input_text", "output_text")  # an assistant's earlier output is sent back as output_text
+SEALED = "reasoning.encrypted_content"  # the one `include` value served: reasoning_blob.py's blob
 
 
-def chat_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat completion request `body` asks for; 400s name the Responses field at fault."""
+def chat_body(body: dict[str, Any], key: bytes | None = None) -> dict[str, Any]:
+    """The chat completion request `body` asks for; 400s name the Responses field at fault.
+    `key`: the deployment's reasoning key, which the reasoning blobs sent back are checked with."""
     _refuse_stateful(body)
     chat = {name: body[name] for name in _SAME if name in body}
-    chat["messages"] = [*_instructions(body.get("instructions")), *messages(body.get("input"))]
+    chat["messages"] = [*_instructions(body.get("instructions")), *messages(body.get("input"), key)]
     limit = body.get("max_output_tokens")
     if limit is not None:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
@@ -96,10 +101,20 @@ def _refuse_stateful(body: dict[str, Any]) -> None:
     if body.get("truncation") not in (None, "disabled"):
         why = '`truncation` "auto" is not supported: an input too long is refused'
         raise bad_request(why, "truncation")
-    include = body.get("include")
-    if include not in (None, []):
-        raise bad_request(f"`include` {include!r:.100} is not supported (nothing extra can be included)",
-                          "include")  # fmt: skip
+    includes_reasoning_blobs(body.get("include"))
+
+
+def includes_reasoning_blobs(given: Any) -> bool:
+    """Whether `include` asks for the reasoning blobs; any other value is refused by name."""
+    if given is None:
+        return False
+    if not isinstance(given, list):
+        raise bad_request(f'`include` must be a list such as ["{SEALED}"]', "include")
+    for value in given:
+        if value != SEALED:
+            raise bad_request(f"`include` {value!r:.100} is not supported (only {SEALED!r} can be included)",
+                              "include")  # fmt: skip
+    return SEALED in given
 
 
 def _instructions(instructions: Any) -> list[dict[str, Any]]:
@@ -111,10 +126,11 @@ def _instructions(instructions: Any) -> list[dict[str, Any]]:
     return [{"role": "system", "content": instructions}]
 
 
-def messages(given: Any) -> list[dict[str, Any]]:
+def messages(given: Any, key: bytes | None = None) -> list[dict[str, Any]]:
     """`input` as chat messages: a string is the user's message; items in order, an assistant's
     function calls joined to its turn (a turn is one message with its text and its calls, as the
-    chat templates render it), a reasoning item's text to the assistant turn after it."""
+    chat templates render it), a reasoning item's text to the assistant turn after it (a blob
+    checked with `key`)."""
     if isinstance(given, str):
         return [{"role": "user", "content": given}]
     if not isinstance(given, list) or not given:
@@ -125,7 +141,7 @@ def messages(given: Any) -> list[dict[str, Any]]:
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "reasoning":
-            thought = _reasoning(item, where)
+            thought = _reasoning(item, where, key)
             continue
         if kind == "message":
             out.append(_message(item, where))
@@ -199,14 +215,17 @@ def _call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"), f"{where}.output")}
 
 
-def _reasoning(item: dict[str, Any], where: str) -> str:
-    """A reasoning item's text (its content, else its summary), for the assistant turn after it.
-    Only text can be sent back: an item with encrypted content only would be dropped."""
+def _reasoning(item: dict[str, Any], where: str, key: bytes | None) -> str:
+    """A reasoning item's text, for the assistant turn after it: its `encrypted_content` opened
+    (the reasoning this server sealed, when sent back: a blob that does not open is refused),
+    else its content, else its summary. An item with neither would be dropped: refused."""
+    if item.get("encrypted_content") is not None:
+        return reasoning_blob.opened(item["encrypted_content"], key, where)
     parts = item.get("content") or item.get("summary") or []
     texts = [p.get("text") for p in parts if isinstance(p, dict)] if isinstance(parts, list) else [None]
     if not texts or not all(isinstance(t, str) for t in texts):
-        raise bad_request(f"`{where}`: a reasoning item needs its text (`content` or `summary`); encrypted "
-                          "reasoning is not supported", where)  # fmt: skip
+        raise bad_request(f"`{where}`: a reasoning item needs its text (`content` or `summary`) or the "
+                          "`encrypted_content` this server sealed", where)  # fmt: skip
     return "\n".join(texts)
 
 

@@ -20,12 +20,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
-from spindle.openai_api import requests
+from spindle.openai_api import reasoning_blob, requests
 from spindle.openai_api.errors import ApiError
 from spindle.openai_api.fanout import Answer
 from spindle.openai_api.requests import Call
 from spindle.openai_api.responses import ChatFormat, Reply, total
-from spindle.openai_api.responses_input import chat_body
+from spindle.openai_api.responses_input import chat_body, includes_reasoning_blobs
 from spindle.v1 import generation_pb2 as pb
 
 # item kind -> (id prefix, its text delta and done events); a function call streams its arguments
@@ -38,14 +38,22 @@ _KINDS = {
 
 class ResponsesFormat(ChatFormat):
     """POST /v1/responses: the body as the chat request it means (responses_input.py), answered
-    by a `ResponsesReply`."""
+    by a `ResponsesReply`. `reasoning_key`: the deployment's --reasoning-key-file key, which
+    reasoning blobs are signed and checked with (None: encoded only, reasoning_blob.py)."""
 
     object, id_prefix = "response", "resp_"
 
+    def __init__(
+        self, tool_parser: str = "none", reasoning_parser: str = "none", reasoning_key: bytes | None = None
+    ) -> None:
+        super().__init__(tool_parser, reasoning_parser)
+        self.reasoning_key = reasoning_key
+
     def parse(self, body: dict[str, Any], base_models: Collection[str]) -> tuple[pb.GenerateRequest, Call]:
-        chat = chat_body(body)
+        chat = chat_body(body, self.reasoning_key)
         req, call = requests.chat_request(chat, base_models, self.tool_parser, self.reasoning_parser)
-        return req, replace(call, restated=restated(body))
+        sealed = includes_reasoning_blobs(body.get("include"))
+        return req, replace(call, restated=restated(body), sealed_reasoning=sealed)
 
     def reply(self, call: Call, request_id: str) -> Reply:
         return ResponsesReply(self, call, request_id)
@@ -197,6 +205,8 @@ class ResponsesReply(Reply):
         else:
             part = item["content"][0]
             extra = {"logprobs": []} if item["type"] == "message" else {}
+            if item["type"] == "reasoning" and self.call.sealed_reasoning:  # its whole text, sent back later
+                item["encrypted_content"] = reasoning_blob.seal(part["text"], self.fmt.reasoning_key)
             out = [self._event(done, **self._at(), content_index=0, text=part["text"], **extra),
                    self._event("response.content_part.done", **self._at(), content_index=0,
                                part=copy.deepcopy(part))]  # fmt: skip

@@ -53,9 +53,8 @@ _METHODS = frozenset({"GET", "POST", "HEAD", "OPTIONS", "PUT", "DELETE", "PATCH"
 
 
 def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
-    """`--http-port`, `--tool-call-parser` and `--reasoning-parser`, the same flags (and
-    SPINDLE_HTTP_PORT, SPINDLE_TOOL_CALL_PARSER, SPINDLE_REASONING_PARSER) on the gateway and the
-    model pod."""
+    """`--http-port`, `--tool-call-parser`, `--reasoning-parser` and `--reasoning-key-file`, the
+    same flags (and SPINDLE_HTTP_PORT, ...) on the gateway and the model pod."""
     parser.add_argument(
         "--http-port",
         type=flagtypes.port,
@@ -85,18 +84,41 @@ def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
         "chat answers carry it as `reasoning_content`, apart from `content`; none = the text as the "
         "model wrote it [none]",
     )
+    parser.add_argument(
+        "--reasoning-key-file",
+        type=reasoning_key,
+        default=None,
+        help="a file holding a secret key (any bytes, 32 or more) the Responses API signs the reasoning "
+        'blobs it returns with (`include: ["reasoning.encrypted_content"]`, sent back by stateless '
+        "clients such as Codex) and refuses a blob not signed with; every gateway and pod that must "
+        "accept each other's blobs needs the same key. Unset: blobs are the reasoning text encoded, "
+        "not encrypted nor signed, so a client may write the thinking it sends back [unset]",
+    )
+
+
+def reasoning_key(path: str) -> bytes:
+    """--reasoning-key-file's key: the file's bytes (a trailing newline dropped), 32 or more."""
+    try:
+        with open(path, "rb") as f:
+            key = f.read().rstrip(b"\r\n")
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {e.strerror}") from e
+    if len(key) < 32:
+        raise argparse.ArgumentTypeError(f"{path} holds {len(key)} bytes: a key needs 32 or more")
+    return key
 
 
 class OpenAIServer:
     """OpenAI's HTTP API over `generation` (a Generation servicer: `Generate` yields
     GenerateResponse messages or their serialized bytes, `ListModels` answers one).
     `base_models()` names the base models (a `model` that is none of them is an adapter);
-    `ready()` is the process's health status; `tool_parser` and `reasoning_parser` the
-    --tool-call-parser and --reasoning-parser; `on_request`, when given, is told each request's
-    method, route template and status (the gateway's metrics); `admit`, when given, sees each
-    generation request's headers before its body is read, and refuses a caller by aborting (the
-    gateway's API keys: a body of up to 64 MB is parsed on the event loop every request shares,
-    for seconds, so one without a key must be refused before)."""
+    `ready()` is the process's health status; `tool_parser`, `reasoning_parser` and
+    `reasoning_key` the --tool-call-parser, --reasoning-parser and --reasoning-key-file;
+    `on_request`, when given, is told each request's method, route template and status (the
+    gateway's metrics); `admit`, when given, sees each generation request's headers before its
+    body is read, and refuses a caller by aborting (the gateway's API keys: a body of up to 64 MB
+    is parsed on the event loop every request shares, for seconds, so one without a key must be
+    refused before)."""
 
     def __init__(
         self,
@@ -106,6 +128,7 @@ class OpenAIServer:
         tracer: trace.Tracer,
         tool_parser: str = "none",
         reasoning_parser: str = "none",
+        reasoning_key: bytes | None = None,
         on_request: Callable[[str, str, int], None] | None = None,
         admit: Callable[[HttpCallContext], Awaitable[object]] | None = None,
     ) -> None:
@@ -116,7 +139,7 @@ class OpenAIServer:
             middlewares.insert(0, _counted(on_request))
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         chat, completion = ChatFormat(tool_parser, reasoning_parser), CompletionFormat()
-        responses_api = ResponsesFormat(tool_parser, reasoning_parser)
+        responses_api = ResponsesFormat(tool_parser, reasoning_parser, reasoning_key)
         self.app.router.add_post("/v1/chat/completions", lambda r: self._generate(r, chat))
         self.app.router.add_post("/v1/responses", lambda r: self._generate(r, responses_api))
         self.app.router.add_post("/v1/completions", lambda r: self._generate(r, completion))
