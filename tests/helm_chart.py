@@ -67,6 +67,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "mtls-own-token": {
         "tls": {"enabled": True, "existingSecret": "spindle-tls", "gatewayRequiresClientCert": True},
         "controlToken": {"existingSecret": "spindle-token"},
+        "reasoningKey": {"existingSecret": "spindle-reasoning", "key": "signing-key"},
         "networkPolicy": {
             "enabled": True,
             "modelHttpFrom": [{"namespaceSelector": {"matchLabels": {"name": "inference-gateway"}}}],

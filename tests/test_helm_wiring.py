@@ -5,8 +5,10 @@ Service / PDB / ServiceMonitor / NetworkPolicy selectors reach the pods they mea
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import helm_python as helm
@@ -57,8 +59,22 @@ def read_by_code(name: str, variable: str) -> bool:
     return any(variable in f.read_text() for f in package.rglob("*.py"))
 
 
+# Variables naming a file that the parser itself reads (the file is in a Secret, not here): the
+# chart's path is checked against its mounts; the parser gets a file of this content instead.
+READ_WHEN_PARSED = {"SPINDLE_REASONING_KEY_FILE": b"k" * 32}
+
+
+@functools.cache
+def _stand_in(variable: str) -> str:
+    """A file holding READ_WHEN_PARSED[variable], for the parser to read."""
+    path = Path(tempfile.mkdtemp(prefix="helm-wiring-"), variable.lower())
+    path.write_bytes(READ_WHEN_PARSED[variable])
+    return str(path)
+
+
 def parse_env(name: str, env: dict[str, str | None], monkeypatch) -> argparse.Namespace:
     """What the service makes of the container's SPINDLE_* variables (a pending one left out)."""
+    env = {k: _stand_in(k) if k in READ_WHEN_PARSED and v else v for k, v in env.items()}
     accepted = accepted_variables(build_parser(name))
     ours = {k: v for k, v in env.items() if k.startswith(envflags.PREFIX)}
     unknown = sorted(
@@ -490,6 +506,27 @@ def test_tls_and_the_service_token_reach_every_service(name, value_set, monkeypa
         assert Path(args.control_token_file).name == "token"
     else:
         assert not args.control_token_file
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_the_reasoning_key_reaches_the_gateway_and_the_model_pods(value_set, monkeypatch):
+    """reasoningKey.existingSecret: the Secret mounted whole and read-only in the gateway and the
+    model pods (which must share the key to accept each other's reasoning blobs), and
+    --reasoning-key-file naming its key there, read by both into the key; with no Secret, none. A
+    chart user could not set it before: `config` takes no file flags, and the key is a Secret."""
+    wanted = VALUE_SETS[value_set].get("reasoningKey", {})
+    deployed = workloads(render(VALUE_SETS[value_set]))
+    for name, workload in ((n, deployed[n]) for n in PARSERS if n in deployed):
+        container = main_container(workload)
+        path = container_env(container).get("SPINDLE_REASONING_KEY_FILE")
+        if not wanted.get("existingSecret") or name not in ("gateway", "model"):
+            assert path is None and "reasoning-key" not in {m["name"] for m in container["volumeMounts"]}
+            continue
+        assert secret_volumes(workload)[str(Path(path).parent)] == wanted["existingSecret"]
+        assert Path(path).name == wanted["key"]
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(Path(path).parent)]
+        assert mount["readOnly"] is True
+        assert parse_env(name, container_env(container), monkeypatch).reasoning_key_file == b"k" * 32
 
 
 def test_tls_without_its_secret_is_refused_naming_the_value():

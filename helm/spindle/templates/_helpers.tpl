@@ -239,6 +239,29 @@ Call with (list $ REQUIRE_CLIENT_CERT). */}}
 {{- end }}
 {{- end -}}
 
+{{/* The Responses API's reasoning-blob key (reasoningKey), for the gateway and the model pods,
+which must share it: the Secret mounted whole, read-only, and --reasoning-key-file naming its key.
+Nothing while reasoningKey.existingSecret is "". */}}
+{{- define "spindle.reasoningKeyEnv" -}}
+{{- with .Values.reasoningKey }}{{ if .existingSecret }}
+- name: SPINDLE_REASONING_KEY_FILE
+  value: {{ printf "/etc/spindle/reasoning-key/%s" .key | quote }}
+{{- end }}{{ end }}
+{{- end -}}
+
+{{- define "spindle.reasoningKeyMount" -}}
+{{- if .Values.reasoningKey.existingSecret }}
+- {name: reasoning-key, mountPath: /etc/spindle/reasoning-key, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{- define "spindle.reasoningKeyVolume" -}}
+{{- with .Values.reasoningKey.existingSecret }}
+- name: reasoning-key
+  secret: {secretName: {{ . }}}
+{{- end }}
+{{- end -}}
+
 {{- define "spindle.controlTokenSecret" -}}
 {{- default (printf "%s-control-token" (include "spindle.fullname" .)) .Values.controlToken.existingSecret -}}
 {{- end -}}
