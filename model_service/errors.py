@@ -29,7 +29,8 @@ class CapacityError(SpindleError):
 
 class BeyondCapacityError(InvalidRequestError):
     """A request larger than this engine can hold however idle it is (OUT_OF_RANGE; HTTP 400):
-    a prompt past the K/V cache's total size, a beam search needing more blocks than there are.
+    a prompt past the K/V cache's total size, a beam search needing more blocks (or, on a hybrid
+    model, more recurrent-state slots) than there are.
     Never RESOURCE_EXHAUSTED, which clients and the gateway retry: retrying cannot help. The
     message names the limit and by how much the request passes it."""
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from adapter_service import base_model, validate
 from model_service.engine.engine import Engine
 from model_service.engine.speculation import NgramProposer, SpeculativeConfig
-from model_service.errors import ModelLoadError
+from model_service.errors import BeyondCapacityError, ModelLoadError
 from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.models.config import Mixer
 from model_service.models.gated_delta import chunked_scan, recurrent_scan
@@ -215,15 +215,24 @@ def test_a_hybrid_drafting_itself_is_refused_at_start(case: Case):
 def test_beam_search_holds_a_state_slot_per_beam_and_ends_clearly_past_them(case: Case):
     """max_num_seqs 1 gives 2 state slots. Two beams fit: the parents a step drops give their
     slots back before the forks take theirs (forking first failed the search, "no recurrent-state
-    slot is free; check can_allocate() first"). Three beams cannot: the search ends "capacity",
-    saying why, and the slots come back."""
+    slot is free; check can_allocate() first"). Three beams never can: they were queued, computed
+    the prompt and ended "capacity" (RESOURCE_EXHAUSTED: "retry"), however idle the engine; now
+    they are refused at admission as beyond its capacity (OUT_OF_RANGE), saying by how much. A
+    search short of slots only while others hold them still ends "capacity", and the slots come back."""
     engine = make_engine(case.ours, block_size=4, max_num_seqs=1)
     ids = PROMPTS[2]
     req = {"prompt_token_ids": ids, "max_tokens": 8, "num_beams": 2, "ignore_eos": True}
     want = _hf_beams(case.hf, ids, eos=None, num_beams=2, max_new_tokens=8)
     assert engine.generate([req])[0].token_ids == want
-    out = engine.generate([{**req, "num_beams": 3}])[0]
-    assert out.finish_reason == "capacity" and "a recurrent-state slot per beam" in out.error
+    with pytest.raises(BeyondCapacityError, match=r"3 beams .* this engine has 2 \(1 too many; --max-num"):
+        engine.add_request_dict({**req, "num_beams": 3, "request_id": "never"})
+    assert not engine.has_unfinished()
+    busy = make_engine(case.ours, block_size=4, max_num_seqs=2)  # 4 slots, one held by `plain`
+    plain = {"prompt_token_ids": PROMPTS[1], "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+    outs = busy.generate([plain, {**req, "num_beams": 4}])
+    assert outs[0].finish_reason == "length"
+    assert outs[1].finish_reason == "capacity" and "a recurrent-state slot per beam" in outs[1].error
+    _state_slots_all_back(busy)
     _state_slots_all_back(engine)
 
 

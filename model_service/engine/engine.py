@@ -202,7 +202,7 @@ class Engine:
         self.builder = BatchBuilder(config.block_size, self.executor.device)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.prompts = PromptReader(
-            self.tokenizer, mc.vocab_size, self.max_model_len, num_blocks, config.block_size
+            self.tokenizer, mc.vocab_size, self.max_model_len, num_blocks, config.block_size, state_slots
         )
         self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.beams = BeamSearch(self.scheduler, self.tokenizer)

@@ -36,9 +36,12 @@ class PromptReader:
         max_model_len: int,
         num_blocks: int,
         block_size: int,
+        num_state_slots: int = 0,
     ):
+        """`num_state_slots`: a hybrid model's recurrent-state slots (0: none, no recurrent layers)."""
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.max_kv_tokens, self.block_size = num_blocks * block_size, block_size
+        self.num_state_slots = num_state_slots
         # Tokenizing costs time and memory in the text's length, on the engine thread (a 40 MB
         # prompt: 37 s with every stream of the pod stalled, and 3 GB), so a text too long for the
         # context is refused by its length first. Twice the most a context of the longest tokens
@@ -90,9 +93,22 @@ class PromptReader:
                 f"({blocks - total} too many): ask for fewer beams or a shorter prompt"
             )
 
+    def check_state_slots(self, params: SamplingParams) -> None:
+        """A hybrid model's beam search needs a recurrent-state slot per beam at once: more beams
+        than the engine has slots can never run. It was queued, computed its prompt, and ended
+        "capacity" (RESOURCE_EXHAUSTED, "retry") at its first fork, however idle the engine."""
+        if self.num_state_slots and params.num_beams > self.num_state_slots:
+            raise BeyondCapacityError(
+                f"beam search of {params.num_beams} beams needs a recurrent-state slot per beam and "
+                f"this engine has {self.num_state_slots} ({params.num_beams - self.num_state_slots} too "
+                "many; --max-num-seqs sets how many there are): ask for fewer beams"
+            )
+
     def check_room(self, resume: Resume | None, params: SamplingParams, num_prompt_tokens: int) -> None:
-        """Refuse now what this engine's K/V cache can never hold: a beam search, a resume."""
+        """Refuse now what this engine can never hold: a beam search (its K/V blocks, its
+        recurrent-state slots), a resume."""
         self.check_beams(params, num_prompt_tokens)
+        self.check_state_slots(params)
         self.check_resume(resume, params, num_prompt_tokens)
 
     def check_resume(self, resume: Resume | None, params: SamplingParams, num_prompt_tokens: int) -> None:
