@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from gateway.auth import Caller
+from gateway.limits import TokenBucket
 from gateway.pods import CHANNEL_OPTIONS, Pod
 from spindle.grpc_status import abort
 from spindle.security import PLAINTEXT, Security
@@ -65,7 +66,7 @@ class AdapterDirectory:
         self._fetching: asyncio.Future[bool] | None = None
         self.clock = clock
         self._misses: OrderedDict[str, float] = OrderedDict()  # name -> when it stops being a miss
-        self._fetch_tokens, self._tokens_at = MISS_FETCH_BURST, clock()  # the miss fetches' bucket
+        self._miss_fetches = TokenBucket(1 / MISS_REFETCH_S, MISS_FETCH_BURST, MISS_FETCH_BURST, clock())
 
     async def refresh(self) -> bool:
         try:
@@ -94,12 +95,8 @@ class AdapterDirectory:
         """Wait for the catalog fetch in flight, or start one if the bucket has a token. The fetch
         is shared: a caller that goes away does not cancel it."""
         if self._fetching is None:
-            now = self.clock()
-            refill = (now - self._tokens_at) / MISS_REFETCH_S
-            self._fetch_tokens, self._tokens_at = min(MISS_FETCH_BURST, self._fetch_tokens + refill), now
-            if self._fetch_tokens < 1:
+            if self._miss_fetches.take(self.clock()) > 0:
                 return
-            self._fetch_tokens -= 1
             self._fetching = asyncio.ensure_future(self.refresh())
             self._fetching.add_done_callback(self._fetched)
         await asyncio.shield(self._fetching)

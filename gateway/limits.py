@@ -20,17 +20,26 @@ POD_RETRY_S = 1.0  # the hint when every pod tried was at capacity (their queues
 
 
 @dataclass
-class _Bucket:
-    rate: float
-    burst: float
+class TokenBucket:
+    rate: float  # tokens a second
+    burst: float  # the most it holds
     tokens: float
-    last: float
+    last: float  # when `tokens` was counted
+
+    def take(self, now: float) -> float:
+        """Spend one token; 0 when there was one, else seconds until there is."""
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
 
 
 class Limits:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self._buckets: dict[str, _Bucket] = {}
+        self._buckets: dict[str, TokenBucket] = {}
         self._streams: dict[str, int] = {}
         self._holders: dict[object, str] = {}
 
@@ -41,13 +50,8 @@ class Limits:
         now, burst = self.clock(), caller.burst or max(1, math.ceil(caller.rate))
         b = self._buckets.get(caller.name)
         if b is None or (b.rate, b.burst) != (caller.rate, burst):  # new key, or its limits were edited
-            b = self._buckets[caller.name] = _Bucket(caller.rate, burst, burst, now)
-        b.tokens = min(b.burst, b.tokens + (now - b.last) * b.rate)
-        b.last = now
-        if b.tokens >= 1:
-            b.tokens -= 1
-            return 0.0
-        return (1 - b.tokens) / b.rate
+            b = self._buckets[caller.name] = TokenBucket(caller.rate, burst, burst, now)
+        return b.take(now)
 
     def acquire(self, caller: Caller, holder: object) -> bool:
         """Take one of the caller's stream slots for `holder` (released by `release(holder)`)."""
