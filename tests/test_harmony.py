@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 import pytest
 
 from model_service.engine.detokenizer import IncrementalDetokenizer
-from model_service.engine.requests import PromptReader
 from model_service.models.tokenizer import Tokenizer
 from model_service.pod import wire
 from spindle.openai_api.reasoning_parsers import READERS
@@ -24,7 +23,7 @@ from spindle.openai_api.tool_parsers import Arguments, CallStart, HarmonyReader,
 from spindle.v1 import generation_pb2 as pb
 from tests.service_helpers import openai_client_of
 from tests.test_openai_responses import _items, _whole_and_streamed
-from tests.test_tool_calling import _byte_tokenizer
+from tests.test_tool_calling import _byte_tokenizer, pod_prompt_ids
 
 BASE = "m"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -270,14 +269,9 @@ def test_a_call_turn_sent_back_renders_its_thinking_through_a_gpt_oss_template()
               "reasoning_content": choice.message.reasoning_content,
               "tool_calls": [c.model_dump() for c in choice.message.tool_calls]}  # fmt: skip
     turns = [*ASK, answer, {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"], "content": "18 C"}]
-    req, _ = chat_request({"messages": turns, "tools": TOOLS}, {BASE}, "openai", "openai_gptoss")
-    kwargs = wire.engine_request(pb.GenerateRequest.FromString(req.SerializeToString()))
     hf = _harmony_tokenizer()
     hf.chat_template = GPT_OSS_TEMPLATE
-    reader = PromptReader(
-        Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, num_blocks=4096, block_size=1
-    )
-    ids = reader.token_ids(None, kwargs["messages"], None, kwargs["tools"])
+    ids = pod_prompt_ids(hf, turns, TOOLS, "openai", "openai_gptoss")
     call = {**answer["tool_calls"][0], "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
     harmony = {"role": "assistant", "content": "", "thinking": "Need the weather.", "tool_calls": [call]}
     expected = hf.apply_chat_template([*ASK, harmony, turns[2]], tools=TOOLS, add_generation_prompt=True)

@@ -337,19 +337,26 @@ def _byte_tokenizer():
     return hf
 
 
+def pod_prompt_ids(hf, turns: list[dict], tools: list[dict], *parsers: str) -> list[int]:
+    """The prompt the pod renders with `hf`'s chat template for a chat of `turns` and `tools` sent
+    through the HTTP front (`chat_request` with `parsers`: tool, then reasoning) and the wire, as
+    the engine's `PromptReader` reads it."""
+    req, _ = chat_request({"messages": turns, "tools": tools}, {BASE}, *parsers)
+    kwargs = wire.engine_request(pb.GenerateRequest.FromString(req.SerializeToString()))
+    reader = PromptReader(
+        Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, num_blocks=4096, block_size=1
+    )
+    return reader.token_ids(None, kwargs["messages"], None, kwargs["tools"])
+
+
 def test_the_pod_renders_tools_calls_and_results_as_transformers_does():
     """The oracle: transformers' own `apply_chat_template(messages, tools=...)` on the OpenAI
     conversation, with the call's arguments as an object (its documented form: a template writes
     them with tojson, and a JSON text would come out quoted twice)."""
     turns = [*ASK, {"role": "assistant", "content": "Looking.", "tool_calls": [PARIS]},
              {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]  # fmt: skip
-    req, _ = chat_request({"messages": turns, "tools": TOOLS}, {BASE}, "hermes")
-    kwargs = wire.engine_request(pb.GenerateRequest.FromString(req.SerializeToString()))
     hf = _byte_tokenizer()
-    reader = PromptReader(
-        Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, num_blocks=4096, block_size=1
-    )
-    ids = reader.token_ids(None, kwargs["messages"], None, kwargs["tools"])
+    ids = pod_prompt_ids(hf, turns, TOOLS, "hermes")
     with_object = {**PARIS, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
     as_objects = [*ASK, {**turns[1], "tool_calls": [with_object]}, turns[2]]
     expected = hf.apply_chat_template(as_objects, tools=TOOLS, add_generation_prompt=True, tokenize=True)
@@ -510,14 +517,9 @@ def test_an_assistant_turns_thinking_sent_back_reaches_the_template():
     for field in ("reasoning_content", "reasoning"):
         thought = {"role": "assistant", "content": "", field: "Paris, so call it.", "tool_calls": [PARIS]}
         turns = [*ASK, thought, {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
-        req, _ = chat_request({"messages": turns, "tools": TOOLS}, {BASE}, "hermes")
-        kwargs = wire.engine_request(pb.GenerateRequest.FromString(req.SerializeToString()))
         hf = _byte_tokenizer()
         hf.chat_template = THINKING_TEMPLATE
-        reader = PromptReader(
-            Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, num_blocks=4096, block_size=1
-        )
-        ids = reader.token_ids(None, kwargs["messages"], None, kwargs["tools"])
+        ids = pod_prompt_ids(hf, turns, TOOLS, "hermes")
         with_object = {**PARIS, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
         sent = {
             "role": "assistant",
@@ -571,17 +573,12 @@ def test_a_mistral_servers_calls_go_back_through_a_mistral_template(choice, text
     assert [c.function.name for c in message.tool_calls] == ["get_weather"]
     hf = _byte_tokenizer()
     hf.chat_template = MISTRAL_TEMPLATE
-    reader = PromptReader(
-        Tokenizer(hf), vocab_size=len(hf), max_model_len=4096, num_blocks=4096, block_size=1
-    )
 
     def rendered(call_id: str) -> str:
         call = {**message.tool_calls[0].model_dump(), "id": call_id}
         turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
                  {"role": "tool", "tool_call_id": call_id, "content": "18 C"}]  # fmt: skip
-        req, _ = chat_request({"messages": turns, "tools": TOOLS}, {BASE}, "mistral")
-        kwargs = wire.engine_request(pb.GenerateRequest.FromString(req.SerializeToString()))
-        return hf.decode(reader.token_ids(None, kwargs["messages"], None, kwargs["tools"]))
+        return hf.decode(pod_prompt_ids(hf, turns, TOOLS, "mistral"))
 
     given = message.tool_calls[0].id
     assert f'[CALL_ID]{given}[ARGS]{{"city": "Paris"}}' in rendered(given)
