@@ -25,19 +25,16 @@ from model_service.engine.cuda_graphs import DecodeGraphs
 from model_service.engine.hidden_taps import HiddenTaps
 from model_service.engine.piecewise_graphs import PiecewiseGraphs
 from model_service.engine.speculation import SpeculativeConfig
-from model_service.kernels.experts import experts_capturable
-from model_service.kernels.fused_moe import fused_moe_supported
 from model_service.kernels.mla_decode import mla_kernel_applies
 from model_service.kernels.paged_attention import triton
 from model_service.lora.adapter import LoraAdapter
 from model_service.lora.layers import LoraLayers, full_adapter_elements, resident_slots, wrap_lora_layers
 from model_service.models.config import ModelConfig
 from model_service.models.context import ForwardContext
-from model_service.models.gpt_oss import GptOssExperts
 from model_service.models.layers import store_weights_transposed
 from model_service.models.llama import DecoderModel
 from model_service.models.loader import LoadedModel
-from model_service.models.moe import StackedExperts
+from model_service.models.moe import Experts
 from model_service.models.recurrent import RecurrentModel, recurrent_step
 from model_service.models.step import AttentionBackend, CapturableBackend, StepBatch
 
@@ -281,17 +278,14 @@ class ModelExecutor:
         return self.device.type == "cuda" and triton is not None and dim >= 16 and dim & (dim - 1) == 0
 
     def _graphs_apply(self) -> bool:
-        """MoE experts are capturable on their fused (CUDA with Triton, sm80+; sm89+ in FP8) or
-        grouped path (bf16, sm90+), gpt-oss's on the fused path alone (biases and clamped
-        SwiGLU: `GptOssExperts.kernels_apply`); elsewhere the expert loop reads token counts on
-        the host, so decode steps run eagerly. Hybrid models' recurrent layers run their decode
-        and verify steps through the step kernels, over static state runs (`StaticRuns`): captured
-        as dense ones."""
-        gpt_oss = {m.gate_up_proj.dtype for m in self.module.modules() if isinstance(m, GptOssExperts)}
-        if not all(fused_moe_supported(dtype, self.device) for dtype in gpt_oss):
-            return False
-        experts = {m.gate_up_proj.dtype for m in self.module.modules() if isinstance(m, StackedExperts)}
-        return all(experts_capturable(dtype, self.device) for dtype in experts)
+        """MoE experts are capturable where each says so (`Experts.capturable`): on their fused
+        (CUDA with Triton, sm80+; sm89+ in FP8) or grouped path (bf16, sm90+), gpt-oss's on the
+        fused path alone (biases and clamped SwiGLU); elsewhere the expert loop reads token
+        counts on the host, so decode steps run eagerly. Hybrid models' recurrent layers run their
+        decode and verify steps through the step kernels, over static state runs (`StaticRuns`):
+        captured as dense ones."""
+        experts = [m for m in self.module.modules() if isinstance(m, Experts)]
+        return all(m.capturable(self.device) for m in experts)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, fed: torch.Tensor | None = None) -> torch.Tensor:

@@ -30,6 +30,7 @@ from model_service.kernels.fused_moe import ExpertBiases, fused_moe, fused_moe_s
 from model_service.models.config import ModelConfig
 from model_service.models.context import ForwardContext
 from model_service.models.llama import Attention, DecoderLayer, DecoderModel
+from model_service.models.moe import Experts
 
 
 class SinkAttention(Attention):
@@ -48,7 +49,7 @@ class SinkAttention(Attention):
         return ctx.attention.forward(self.layer_idx, q, k, v, rope, self.head_norms(), sinks=self.sinks)
 
 
-class GptOssExperts(nn.Module):
+class GptOssExperts(Experts):
     """Every expert's weights and biases in the fused kernels' layout: gate_up [E, 2I, H] (the
     gate's rows, then up's) and its bias [E, 2I] likewise, down [E, H, I] and its bias [E, H]."""
 
@@ -65,6 +66,11 @@ class GptOssExperts(nn.Module):
     def kernels_apply(self, device: torch.device) -> bool:
         """Whether the fused kernels run these experts on `device` (no host sync: capturable)."""
         return fused_moe_supported(self.gate_up_proj.dtype, device)
+
+    def capturable(self, device: torch.device) -> bool:
+        """The fused kernels are these experts' only capturable path (biases and the clamped
+        SwiGLU are theirs alone; the torch reference reads each step's experts on the host)."""
+        return self.kernels_apply(device)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]): x [T, H], ids and weights [T, k]."""

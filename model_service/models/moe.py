@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_service.kernels.experts import experts_path, fused_experts
+from model_service.kernels.experts import experts_capturable, experts_path, fused_experts
 from model_service.kernels.fused_moe import (
     ROUTER_MAX_ROWS,
     ExpertScales,
@@ -87,7 +87,16 @@ class Router(nn.Linear):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts)) if correction_bias else None
 
 
-class StackedExperts(nn.Module):
+class Experts(nn.Module):
+    """A MoE layer's expert weights, of whatever family: what the executor asks before it
+    captures decode steps in CUDA graphs."""
+
+    def capturable(self, device: torch.device) -> bool:
+        """Whether every call on `device` runs without a host sync (no token counts read back)."""
+        raise NotImplementedError
+
+
+class StackedExperts(Experts):
     """The SwiGLU weights of a contiguous range of experts, one tensor per projection. In FP8
     (quantized online, `fp8_linear.quantize_experts`, or an FP8 checkpoint's) they are e4m3 with
     float32 scales per expert, output row and `scale_group` input columns (0: one a row):
@@ -101,6 +110,9 @@ class StackedExperts(nn.Module):
         self.register_buffer("gate_up_scale", None)
         self.register_buffer("down_scale", None)
         self.scale_group = 0
+
+    def capturable(self, device: torch.device) -> bool:
+        return experts_capturable(self.gate_up_proj.dtype, device)
 
     def scales(self) -> ExpertScales | None:
         """The scales of FP8 weights, None for weights in a float type."""
