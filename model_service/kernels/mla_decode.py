@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from model_service.kernels.paged_attention import cache_rows, dot_precision, triton
+from model_service.kernels.pdl import pdl_args
 
 if triton is not None:
     import triton.language as tl
@@ -135,6 +136,7 @@ def mla_decode_attention(
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs * heads,)](
-            part_out, part_lse, out, num_splits, HEAD_DIM=latent, SPLITS=triton.next_power_of_2(num_splits)
-        )
+            part_out, part_lse, out, num_splits, HEAD_DIM=latent, SPLITS=triton.next_power_of_2(num_splits),
+            **pdl_args(q.device),
+        )  # fmt: skip
     return out
