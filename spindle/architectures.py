@@ -125,10 +125,21 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
 
 def family(raw: dict[str, Any]) -> str | None:
     """The family of a `config.json`: its first supported `architectures` entry, else its
-    `model_type`; None when the engine does not serve it."""
+    `model_type` unless `architectures` names models of another kind; None when the engine does
+    not serve it."""
     archs = raw.get("architectures") or []
     found = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    return found if found is not None else MODEL_TYPES.get(raw.get("model_type", ""))
+    if found is not None or not _may_generate(archs):
+        return found
+    return MODEL_TYPES.get(raw.get("model_type", ""))
+
+
+def _may_generate(archs: list[str]) -> bool:
+    """Whether `architectures` leaves room for a causal LM under an unlisted name (none given, or
+    a fork's *ForCausalLM class). A reward model (`Gemma2ForSequenceClassification`) or an
+    embedding backbone (`Gemma2Model`) shares its family's `model_type` but has no LM head: read
+    by `model_type`, it was loaded as a generator and refused on a tensor it has or lacks."""
+    return not archs or any("ForCausalLM" in a or a.endswith("LMHeadModel") for a in archs)
 
 
 def with_hf_defaults(raw: dict[str, Any]) -> dict[str, Any]:

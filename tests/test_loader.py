@@ -201,6 +201,25 @@ def test_unknown_architecture(ckpt: Path, arch: str, model_type: str):
     assert "unsupported architecture" in msg and arch in msg and "LlamaForCausalLM" in msg
 
 
+@pytest.mark.parametrize(
+    ("arch", "model_type"),
+    [
+        ("Gemma2ForSequenceClassification", "gemma2"),  # reward models (Skywork-Reward-Gemma-2)
+        ("Gemma2Model", "gemma2"),  # embedding models (bge-multilingual-gemma2): no LM head
+        ("Phi3ForTokenClassification", "phi3"),
+    ],
+)
+def test_a_non_generating_head_of_a_served_family_is_refused_by_its_architecture(
+    ckpt: Path, arch: str, model_type: str
+):
+    """`model_type` names the family only when `architectures` names no model of another kind:
+    a classifier or a bare backbone of a served family failed later, on a tensor it has
+    (`score.weight`) or lacks (`lm_head.weight`), with "config.json and the weights disagree"."""
+    edit_config(ckpt, architectures=[arch], model_type=model_type)
+    msg = load_error(ckpt)
+    assert msg.startswith("unsupported architecture") and arch in msg
+
+
 def test_nonexistent_path(tmp_path: Path):
     missing = tmp_path / "no-such-model"
     msg = load_error(missing)
