@@ -364,6 +364,8 @@ def test_a_blob_that_does_not_open_is_refused_naming_its_item():
         (plain.replace("spindle.r1.", "spindle.r9."), None),  # another version
         ("gAAAAABo-openai-blob", None),  # another provider's
         ("", None),
+        (f"{plain.rsplit('.', 1)[0]}.\u00e9", None),  # a check that is no base64url (was a 500)
+        (f"{prefix}.{signed.rsplit('.', 2)[1]}.\u00e9", KEY),
     ]:
         with pytest.raises(ApiError) as refused:
             _sent_back(blob, key)
