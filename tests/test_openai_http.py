@@ -565,6 +565,39 @@ def test_a_body_nested_too_deep_for_the_parser_is_a_400():
     assert error["code"] == "INVALID_ARGUMENT" and "nested" in error["message"]
 
 
+class _Answering:
+    """A Generation servicer that answers "Hi." and stops."""
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        yield pb.GenerateResponse(chunk=pb.Chunk(text="Hi."))
+        yield pb.GenerateResponse(final=pb.Final(finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage()))
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("chat/completions", '{"messages": [{"role": "user", "content": "a \\ud83d"}]}'),
+        ("responses", '{"input": "cut inside an emoji \\ud83d"}'),
+        ("responses", '{"input": "Hi", "metadata": {"k": "\\ud83d"}}'),
+    ],
+)
+def test_a_lone_surrogate_escape_in_the_body_is_a_400(path, body):
+    """`\\ud83d` alone is valid JSON syntax but no text (what JavaScript's JSON.stringify writes
+    for a string cut inside an emoji): it failed the request's encoding to the pod, or the
+    response's after the model had run (a restated `metadata`), as a 500 the SDKs retry. A
+    surrogate pair (what `ensure_ascii` writes for an emoji) is text, and is served."""
+
+    async def run(raw: str) -> httpx.Response:
+        async with openai_client_of(_Answering(), BASE) as client, httpx.AsyncClient() as http:
+            return await http.post(str(client.base_url) + path, content=raw.encode())
+
+    answer = asyncio.run(run(body))
+    assert answer.status_code == 400, answer.text
+    assert "surrogate" in answer.json()["error"]["message"]
+    paired = asyncio.run(run(body.replace("\\ud83d", "\\ud83d\\ude00")))
+    assert paired.status_code == 200, paired.text
+
+
 def test_a_chat_without_max_tokens_runs_to_the_context():
     """OpenAI's chat (and vLLM's) generate to EOS or the context when neither max_completion_tokens
     nor max_tokens is given; the engine's default of 256 would cut every long answer of a client

@@ -259,6 +259,17 @@ def test_what_cannot_be_honoured_is_refused_by_name(body, param):
     assert refused.value.status == 400 and refused.value.param == param
 
 
+def test_a_chat_style_tool_is_refused_naming_the_flat_form():
+    """A tool in chat's nested form (a client ported from chat completions) was refused as
+    "`tools[0].function.name` must be ...: None", though it set that very name; OpenAI names the
+    missing `tools[0].name`."""
+    nested = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+    with pytest.raises(ApiError) as refused:
+        _parsed({"tools": [TOOLS[0], nested]})
+    assert refused.value.param == "tools" and refused.value.message.startswith("`tools[1].name`")
+    assert 'flat here: {"type": "function", "name": ...' in refused.value.message
+
+
 def test_a_refusal_and_a_failure_mid_stream_are_openai_errors():
     """A 400 in OpenAI's error shape before the stream; after its first byte, the `error` event
     and `response.failed` (a client waiting for the response's end is told)."""
@@ -364,6 +375,8 @@ def test_a_blob_that_does_not_open_is_refused_naming_its_item():
         (plain.replace("spindle.r1.", "spindle.r9."), None),  # another version
         ("gAAAAABo-openai-blob", None),  # another provider's
         ("", None),
+        (f"{plain.rsplit('.', 1)[0]}.\u00e9", None),  # a check that is no base64url (was a 500)
+        (f"{prefix}.{signed.rsplit('.', 2)[1]}.\u00e9", KEY),
     ]:
         with pytest.raises(ApiError) as refused:
             _sent_back(blob, key)

@@ -47,7 +47,8 @@ def opened(blob: Any, key: bytes | None, where: str) -> str:
     if not blob.startswith(expected) or not _B64URL.fullmatch(payload):
         raise bad_request(f"{field} is not reasoning this server sealed (a {expected}... blob): another "
                           "provider's, or another version's, cannot be read here", where)  # fmt: skip
-    if not hmac.compare_digest(check, _check(payload, key)):
+    # compare_digest raises on a str that is not ASCII: a check that is no base64url fails first
+    if not (_B64URL.fullmatch(check) and hmac.compare_digest(check, _check(payload, key))):
         why = "its signature is not this server's key's" if key else "it was truncated or changed"
         raise bad_request(f"{field} does not open: {why}", where)
     return _text(payload, field, where)

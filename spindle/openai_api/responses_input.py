@@ -60,6 +60,8 @@ _CHAT_ONLY = {
 }
 _DEFAULTS = {"top_logprobs": 0, "n": 1, "best_of": 1}  # a value of a refused field that asks for nothing
 _TEXT_PARTS = ("input_text", "output_text")  # an assistant's earlier output is sent back as output_text
+# a function tool of chat's nested form ({"function": {...}}, a client ported from chat) names none
+_FLAT_TOOLS = 'tools are flat here: {"type": "function", "name": ..., "parameters": ...}, not chat\'s form'
 SEALED = "reasoning.encrypted_content"  # the one `include` value served: reasoning_blob.py's blob
 
 
@@ -240,6 +242,8 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         if kind != "function":
             raise bad_request(f"`tools[{i}]`: tool type {kind!r:.100} is not supported (only function tools)",
                               "tools")  # fmt: skip
+        if not isinstance(tool.get("name"), str):
+            raise bad_request(f"`tools[{i}].name` must be the function's name: {_FLAT_TOOLS}", "tools")
         function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         out.append({"type": "function", "function": function})
     return out

@@ -19,6 +19,7 @@ import functools
 import json
 import logging
 import math
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
@@ -354,15 +355,39 @@ def _event(obj: dict[str, Any], named: bool) -> bytes:
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
     try:
-        body = json.loads(await request.read())
+        body = json.loads(raw)
     except ValueError as e:
         raise bad_request(f"the request body is not JSON: {e}") from None
     except RecursionError:  # the parser recurses per level: a client's body, not our failure
         raise bad_request("the request body is nested too deeply to parse") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    _no_lone_surrogates(raw, body)
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _no_lone_surrogates(raw: bytes, body: dict[str, Any]) -> None:
+    """A 400 for a string holding half of a UTF-16 surrogate pair (`"\\ud83d"` alone): JSON's
+    syntax allows the escape and Python's parser takes it, but it is no text (JavaScript's
+    JSON.stringify writes it for a string cut inside an emoji), and it failed later, as a 500 the
+    SDKs retry: encoding the request for the pod, or the response after the model ran (a
+    restated field). Only such an escape makes one (raw surrogate bytes are not UTF-8), so a
+    body without any is not walked again."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        where = e.object[max(e.start - 40, 0) : e.start].encode(errors="replace").decode()
+        raise bad_request(
+            f"the request body holds an unpaired UTF-16 surrogate (\\u{ord(e.object[e.start]):04x}, after "
+            f"{where!r}), which is no text: a string cut inside a character?"
+        ) from None
 
 
 def _dumps(obj: Any) -> str:
