@@ -166,12 +166,12 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = _config(args.layers, args.small, args.moe)
+    bandwidth = copy_bandwidth() if device == "cuda" else None  # before the engine takes the free memory
     engine = _engine(  # no prefix cache: every timed run computes its prompts
         cfg, device, dtype, args.quantization == "fp8", max_num_batched_tokens=max(args.prompt_len, 2048),
         block_size=16, enable_prefix_caching=False, enforce_eager=args.eager,
     )  # fmt: skip
     graphs = engine.executor.graphs is not None
-    bandwidth = copy_bandwidth() if device == "cuda" else None
     setup = {
         "device": device,
         "dtype": str(dtype),
