@@ -23,6 +23,7 @@ from model_service.models.step import StepBatch
 
 ALIGN_WORDS = 16  # int64 words: every packed region starts on a 128-byte boundary
 T = TypeVar("T", np.ndarray, torch.Tensor)
+_MAX_CACHED_LAYOUTS = 1024  # `BatchBuilder._device_views`: decode steps repeat a few
 
 
 @dataclass
@@ -71,8 +72,13 @@ class _Staging:
 
 
 class BatchBuilder:
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, keep_batches: bool | None = None) -> None:
+        """`keep_batches`: each batch's device tensors are its own (a fresh copy a step), as on
+        the CPU by default; else views of one device buffer, valid until the next `build`."""
         self.block_size, self.device = block_size, device
+        self.keep_batches = device.type == "cpu" if keep_batches is None else keep_batches
+        # The device buffer's region views by layout (`_device_views`), while it is not regrown.
+        self._views: dict[tuple[int, ...], list[torch.Tensor]] = {}
         # Two host buffers, used in turn, so that packing (or, on a tensor-parallel worker,
         # receiving) the next batch never waits for the device: the copy out of the last one may
         # still be queued behind the running step (async scheduling, engine/overlap.py; a worker
@@ -125,10 +131,10 @@ class BatchBuilder:
     ) -> None:
         if freed.any():
             raise RuntimeError(f"sequence {states[int(freed.argmax())].seq_id} used after free")
-        short = np.flatnonzero(table_lens * self.block_size < ends)
-        if len(short):
+        short = table_lens * self.block_size < ends
+        if short.any():
             raise RuntimeError(
-                f"sequence {states[short[0]].seq_id} has too few KV blocks reserved for this step"
+                f"sequence {states[int(short.argmax())].seq_id} has too few KV blocks reserved for this step"
             )
 
     @staticmethod
@@ -165,8 +171,7 @@ class BatchBuilder:
     def _batch(self, shape: tuple[int, ...], snapshots: np.ndarray, regions: list[np.ndarray]) -> PackedBatch:
         """The batch of `shape` whose host words are `regions` (of the current host buffer)."""
         used = _layout(shape)[1]
-        views = _regions(self._to_device(used), shape)
-        num_seqs, max_blocks, num_fed = shape[1], shape[3], shape[4]
+        views = self._device_views(self._to_device(used), shape)
         return PackedBatch(
             input_ids=views[0],
             positions=views[1],
@@ -176,7 +181,7 @@ class BatchBuilder:
             seq_lens=views[5],
             state_slots=views[6],
             logits_rows=views[7],
-            block_table=views[8].view(num_seqs, max_blocks),
+            block_table=views[8],
             max_query_len=shape[5],
             max_seq_len=shape[6],
             host_lora_slots=regions[3].copy(),
@@ -184,8 +189,23 @@ class BatchBuilder:
             host_state_snapshots=snapshots,
             packed=self._host[:used],
             packed_shape=shape,
-            feed_index=views[9].view(2, num_fed),
+            feed_index=views[9],
         )
+
+    def _device_views(self, flat: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
+        """The region views of `flat` (the device words of a batch of `shape`), the block table
+        [seqs, blocks] and the feed index [2, fed]. Views of the shared device buffer are made
+        once per layout: ten slices and two reshapes were a quarter of a batch-1 `build`."""
+        key = tuple(shape[:5])
+        views = self._views.get(key)  # none kept for a builder that keeps its batches
+        if views is None:
+            views = _regions(flat, shape)
+            views[8], views[9] = views[8].view(shape[1], shape[3]), views[9].view(2, shape[4])
+            if not self.keep_batches:
+                if len(self._views) >= _MAX_CACHED_LAYOUTS:
+                    self._views.clear()
+                self._views[key] = views
+        return views
 
     def _next_host(self, size: int) -> np.ndarray:
         """Switch to the other host buffer, grown to `size` words, once the copy out of it is done."""
@@ -194,14 +214,17 @@ class BatchBuilder:
         if self._device.numel() < size:
             capacity = max(size, 2 * self._device.numel())
             self._device = torch.empty(capacity, dtype=torch.long, device=self.device)
+            self._views.clear()  # views of the buffer it replaces
         return self._host.numpy()
 
     def _to_device(self, used: int) -> torch.Tensor:
-        if self.device.type == "cpu":
+        if self.keep_batches:
             flat = self._host[:used].clone()  # the next step reuses the host buffer
         else:
             flat = self._device[:used]
             flat.copy_(self._host[:used], non_blocking=True)
+            if self.device.type != "cuda":
+                return flat
             copied = torch.cuda.Event()
             copied.record()
             self._staging[self._turn].copied = copied
