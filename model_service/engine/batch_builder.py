@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -23,7 +24,7 @@ from model_service.models.step import StepBatch
 
 ALIGN_WORDS = 16  # int64 words: every packed region starts on a 128-byte boundary
 T = TypeVar("T", np.ndarray, torch.Tensor)
-_MAX_CACHED_LAYOUTS = 1024  # `BatchBuilder._device_views`: decode steps repeat a few
+_MAX_CACHED_LAYOUTS = 1024  # views kept by layout (`_cached`): decode steps repeat a few
 
 
 @dataclass
@@ -54,21 +55,39 @@ class PackedBatch(StepBatch):
 
 
 class _Staging:
-    """A host buffer batches are packed (or received) into, and the event recorded after the last
-    copy out of it to the device, which must be done before the buffer is written again."""
+    """A host buffer batches are packed (or received) into, its region views by layout (made
+    once, while it is not regrown), and the event recorded after the last copy out of it to the
+    device, which must be done before the buffer is written again."""
 
     def __init__(self, pinned: bool) -> None:
         self.tensor, self.pinned = torch.empty(0, dtype=torch.long), pinned
-        self.copied: torch.cuda.Event | None = None
+        self.array = self.tensor.numpy()
+        self.regions: dict[tuple[int, ...], list[np.ndarray]] = {}
+        self.event: torch.cuda.Event | None = None  # one, recorded again after each copy
+        self.copying = False
 
     def reuse(self, size: int) -> torch.Tensor:
-        if self.copied is not None:
-            self.copied.synchronize()
-            self.copied = None
+        if self.copying:
+            assert self.event is not None
+            self.event.synchronize()
+            self.copying = False
         if self.tensor.numel() < size:
             capacity = max(size, 2 * self.tensor.numel())
             self.tensor = torch.empty(capacity, dtype=torch.long, pin_memory=self.pinned)
+            self.array, self.regions = self.tensor.numpy(), {}
         return self.tensor
+
+    def region_views(self, shape: tuple[int, ...]) -> list[np.ndarray]:
+        """`_regions` of the buffer for a batch of `shape`: ten slices a step were a tenth of a
+        batch-1 `build`."""
+        return _cached(self.regions, shape, lambda: _regions(self.array, shape))
+
+    def record_copy(self) -> None:
+        """The copy out of the buffer is queued: the next `reuse` waits for it."""
+        if self.event is None:
+            self.event = torch.cuda.Event()
+        self.event.record()
+        self.copying = True
 
 
 class BatchBuilder:
@@ -103,8 +122,8 @@ class BatchBuilder:
         total, max_blocks = int(lens.sum()), int(table_lens.max())
         fed = np.flatnonzero(fed_from >= 0)
         layout = (total, n, int(num_logits.sum()), max_blocks, len(fed))
-        host = self._next_host(_layout(layout)[1])
-        regions = _regions(host, layout)
+        self._next_host(_layout(layout)[1])
+        regions = self._staging[self._turn].region_views(layout)
         ids, pos, slots, lora, q_start, seq_lens, state_slots, rows, table, feed = regions
         q_start[0] = 0
         np.cumsum(lens, out=q_start[1:])
@@ -166,7 +185,7 @@ class BatchBuilder:
     def from_host(self, shape: tuple[int, ...]) -> PackedBatch:
         """The batch of `shape` packed in the host buffer (by `build`, or received into `host_region`)."""
         no_snapshots = np.full(shape[0], -1, dtype=np.int64)  # no recurrent layers under TP
-        return self._batch(shape, no_snapshots, _regions(self._host.numpy(), shape))
+        return self._batch(shape, no_snapshots, self._staging[self._turn].region_views(shape))
 
     def _batch(self, shape: tuple[int, ...], snapshots: np.ndarray, regions: list[np.ndarray]) -> PackedBatch:
         """The batch of `shape` whose host words are `regions` (of the current host buffer)."""
@@ -196,18 +215,15 @@ class BatchBuilder:
         """The region views of `flat` (the device words of a batch of `shape`), the block table
         [seqs, blocks] and the feed index [2, fed]. Views of the shared device buffer are made
         once per layout: ten slices and two reshapes were a quarter of a batch-1 `build`."""
-        key = tuple(shape[:5])
-        views = self._views.get(key)  # none kept for a builder that keeps its batches
-        if views is None:
+
+        def made() -> list[torch.Tensor]:
             views = _regions(flat, shape)
             views[8], views[9] = views[8].view(shape[1], shape[3]), views[9].view(2, shape[4])
-            if not self.keep_batches:
-                if len(self._views) >= _MAX_CACHED_LAYOUTS:
-                    self._views.clear()
-                self._views[key] = views
-        return views
+            return views
 
-    def _next_host(self, size: int) -> np.ndarray:
+        return made() if self.keep_batches else _cached(self._views, shape, made)
+
+    def _next_host(self, size: int) -> None:
         """Switch to the other host buffer, grown to `size` words, once the copy out of it is done."""
         self._turn ^= 1
         self._host = self._staging[self._turn].reuse(size)
@@ -215,7 +231,6 @@ class BatchBuilder:
             capacity = max(size, 2 * self._device.numel())
             self._device = torch.empty(capacity, dtype=torch.long, device=self.device)
             self._views.clear()  # views of the buffer it replaces
-        return self._host.numpy()
 
     def _to_device(self, used: int) -> torch.Tensor:
         if self.keep_batches:
@@ -223,11 +238,8 @@ class BatchBuilder:
         else:
             flat = self._device[:used]
             flat.copy_(self._host[:used], non_blocking=True)
-            if self.device.type != "cuda":
-                return flat
-            copied = torch.cuda.Event()
-            copied.record()
-            self._staging[self._turn].copied = copied
+            if self.device.type == "cuda":
+                self._staging[self._turn].record_copy()
         return flat
 
 
@@ -259,6 +271,19 @@ def _table_arrays(states: list[SequenceState]) -> np.ndarray:
         if st.table_array is None or len(st.table_array) != len(st.block_table):
             st.table_array = np.array(st.block_table, dtype=np.int64)
     return np.concatenate([st.table_array for st in states])
+
+
+def _cached(
+    views: dict[tuple[int, ...], list[T]], shape: tuple[int, ...], made: Callable[[], list[T]]
+) -> list[T]:
+    """The views of a batch of `shape` kept in `views` by its layout, else `made()`, kept."""
+    key = tuple(shape[:5])
+    found = views.get(key)
+    if found is None:
+        if len(views) >= _MAX_CACHED_LAYOUTS:
+            views.clear()
+        found = views[key] = made()
+    return found
 
 
 def _layout(shape: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], int]:
