@@ -14,7 +14,8 @@ own host side on CUDA (its temperature and seed lists) is outside the figure. `-
 (the default) answers each forward with fixed random logits of its shape instead of running the
 model, and samples by their argmax: the host's figure without the CPU caches a real forward and
 sampler flush (a GPU's host keeps them), in seconds, not minutes; `--forward real` runs both.
-The GPU-only savings (`BatchBuilder`'s cached device views) do not show here. Median of the
+The batch builder works as on a GPU (`keep_batches=False`: one device buffer, its views kept
+by layout; a tree before that flag packs as it did on either device). Median of the
 steps, best of `--repeats` runs (the machine may be shared). One JSON line per (model, batch).
 
     python bench/host_step.py [--models hybrid dense] [--batches 1 64] [--steps 200] [--repeats 5]
@@ -126,6 +127,7 @@ def main() -> None:
         engine = ENGINES[model]()
         forward = stub_forward(engine.vocab_size) if stub else engine.executor.execute
         engine.executor.execute = clock.wrap(forward)
+        engine.builder.keep_batches = False  # as on a GPU: nothing keeps a batch past its step
         for batch in args.batches:
             host_us(engine, clock, batch, 4)  # warm-up at this batch size
             runs = [host_us(engine, clock, batch, args.steps) for _ in range(args.repeats)]
