@@ -120,29 +120,29 @@ class BatchBuilder:
         lens, starts, num_logits, table_lens, lora_of, state_of, has_snapshots, freed, fed_from = columns
         self._check(states, freed, table_lens, starts + lens)
         total, max_blocks = int(lens.sum()), int(table_lens.max())
-        fed = np.flatnonzero(fed_from >= 0)
+        fed = (fed_from >= 0).nonzero()[0]  # array methods, not numpy's wrappers: ~1 us a call
         layout = (total, n, int(num_logits.sum()), max_blocks, len(fed))
         self._next_host(_layout(layout)[1])
         regions = self._staging[self._turn].region_views(layout)
         ids, pos, slots, lora, q_start, seq_lens, state_slots, rows, table, feed = regions
         q_start[0] = 0
-        np.cumsum(lens, out=q_start[1:])
+        lens.cumsum(out=q_start[1:])
         np.add(starts, lens, out=seq_lens)
         table = table.reshape(n, max_blocks)
         table.fill(0)
         table[np.arange(max_blocks) < table_lens[:, None]] = _table_arrays(states)
         ids[:] = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), np.int64, total)
-        pos[:] = np.repeat(starts - q_start[:-1], lens) + np.arange(total)
-        seq_of = np.repeat(np.arange(n), lens)
+        pos[:] = (starts - q_start[:-1]).repeat(lens) + np.arange(total)
+        seq_of = np.arange(n).repeat(lens)
         slots[:] = table[seq_of, pos // self.block_size] * self.block_size + pos % self.block_size
         lora[:] = lora_of[seq_of]
         state_slots[:] = state_of
         # Each sequence's logits rows are its last `num_logits` tokens.
-        first_row = np.cumsum(num_logits) - num_logits
-        rows[:] = np.repeat(q_start[1:] - num_logits - first_row, num_logits) + np.arange(len(rows))
+        first_row = num_logits.cumsum() - num_logits
+        rows[:] = (q_start[1:] - num_logits - first_row).repeat(num_logits) + np.arange(len(rows))
         feed[: len(fed)], feed[len(fed) :] = q_start[fed], fed_from[fed]
         shape = (total, n, len(rows), max_blocks, len(fed), int(lens.max()), int(seq_lens.max()))
-        snapshots = self._snapshots(states, np.flatnonzero(has_snapshots), starts, lens, q_start)
+        snapshots = self._snapshots(states, has_snapshots.nonzero()[0], starts, lens, q_start)
         return self._batch(shape, snapshots, regions)
 
     def _check(
