@@ -5,7 +5,8 @@ sequence lengths, state slots, logits rows, the block table) is written into its
 on a 128-byte boundary, of a single int64 host buffer (pinned on CUDA), and that prefix is copied
 to a device buffer of the same layout with one `copy_`; the batch's tensors are views into it.
 The buffers grow only when a step needs more than any step before, so their addresses are stable
-in steady state.
+in steady state, and each buffer's region views of a layout are made once: a GPU's batch is views
+of the one device buffer, valid until the next `build` (on the CPU each batch has its own copy).
 """
 
 from __future__ import annotations
