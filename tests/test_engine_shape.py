@@ -181,6 +181,28 @@ def test_step_batch_buffers_are_reused_and_each_batch_keeps_its_values():
     assert first.input_ids.tolist() == list(range(8)) and second.input_ids.tolist() == [9]
 
 
+def test_shared_device_buffer_views_are_reused_per_layout_and_remade_when_it_grows():
+    """A GPU's builder (one device buffer, views kept per layout) gives the batches a builder of
+    fresh copies gives: a layout seen again reuses its views, and none outlives a regrown buffer."""
+    cpu = torch.device("cpu")
+    shared, fresh = BatchBuilder(4, cpu, keep_batches=False), BatchBuilder(4, cpu)
+    steps = [
+        [StepItem(_state([1, 2], computed=5), [7], 1)],
+        [StepItem(_state([3], computed=0), [1, 2, 3], 1)],
+        [StepItem(_state([4, 6], computed=6), [9], 1)],  # the first step's layout, other values
+        [StepItem(_state(list(range(40)), computed=0), list(range(150)), 1)],  # grows the buffer
+        [StepItem(_state([8, 5], computed=4), [3], 1)],  # the first layout, on the new buffer
+    ]
+    batches = []
+    for items in steps:
+        got, want = shared.build(items), fresh.build(items)
+        for name in ["input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "feed_index"]:
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        batches.append(got)
+    assert batches[2].input_ids is batches[0].input_ids  # the same views, refilled
+    assert batches[4].input_ids is not batches[0].input_ids
+
+
 # --- the cache manager --------------------------------------------------------------------------
 
 

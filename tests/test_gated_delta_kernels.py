@@ -154,3 +154,54 @@ def test_step_kernels_match_the_torch_recurrence_under_the_interpreter():
     _check("cpu")
     _check_static_runs("cpu")
     _check_gated_norm("cpu", torch.float32)
+
+
+def _runs_batch(query_start: list[int], snapshots: list[int], seq_lens: list[int]) -> StepBatch:
+    """A CPU step of these runs (state slot i for run i), for `StaticRuns`."""
+    dummy = torch.zeros(query_start[-1], dtype=torch.long)
+    seqs = len(seq_lens)
+    return StepBatch(
+        input_ids=dummy, positions=dummy, slot_mapping=dummy, seq_lens=torch.tensor(seq_lens),
+        block_table=dummy[:seqs, None], query_start=torch.tensor(query_start), logits_rows=dummy,
+        state_slots=torch.arange(seqs), lora_slots=dummy, max_query_len=int(np.diff(query_start).max()),
+        max_seq_len=max(seq_lens), host_lora_slots=np.full(len(dummy), -1),
+        host_query_start=np.array(query_start), host_state_snapshots=np.array(snapshots),
+    )  # fmt: skip
+
+
+def test_static_runs_copy_no_offsets_for_a_decode_step_they_hold_and_match_a_fresh_fill(monkeypatch):
+    """Replays of decode steps without checkpoints skip the host copy of offsets the buffers hold
+    already (a hybrid model's batch-1 decode step paid a pinned copy and two device copies for
+    them); every step's buffers still read as a fresh `StaticRuns` filled for that step alone."""
+    import model_service.models.recurrent as recurrent
+
+    copies = []
+
+    def counted(host: np.ndarray, device: torch.device) -> torch.Tensor:
+        copies.append(1)
+        return torch.as_tensor(host)
+
+    monkeypatch.setattr(recurrent, "to_device", counted)
+    decode = _runs_batch([0, 1, 2], [-1, -1], [9, 5])
+    steps = [
+        (decode, 4, 1),  # the first decode step copies
+        (decode, 4, 0),
+        (_runs_batch([0, 1], [-1], [3]), 2, 0),  # a smaller decode step: the same runs' prefix
+        (_runs_batch([0, 1, 2], [-1, 7], [9, 16]), 4, 1),  # a checkpoint
+        (decode, 4, 1),  # the checkpoint's offsets are gone again
+        (_runs_batch([0, 3, 4], [5, 6, -1, -1], [12, 5]), 8, 1),  # a verify run
+        (decode, 8, 1),
+        (decode, 16, 1),  # more rows than the buffers hold as decode runs
+        (decode, 8, 0),
+    ]
+    static = StaticRuns(16, torch.device("cpu"))
+    for batch, size, copied in steps:
+        copies.clear()
+        static.prepare_for_replay(batch, size)
+        assert len(copies) == copied
+        fresh = StaticRuns(16, torch.device("cpu"))
+        fresh.prepare_for_replay(batch, size)
+        for name in ("query_start", "snapshots", "slots"):
+            n = size + (name == "query_start")
+            assert torch.equal(getattr(static, name)[:n], getattr(fresh, name)[:n]), name
+        assert torch.equal(static.fresh[: batch.num_seqs], fresh.fresh[: batch.num_seqs])

@@ -5,13 +5,15 @@ sequence lengths, state slots, logits rows, the block table) is written into its
 on a 128-byte boundary, of a single int64 host buffer (pinned on CUDA), and that prefix is copied
 to a device buffer of the same layout with one `copy_`; the batch's tensors are views into it.
 The buffers grow only when a step needs more than any step before, so their addresses are stable
-in steady state.
+in steady state, and each buffer's region views of a layout are made once: a GPU's batch is views
+of the one device buffer, valid until the next `build` (on the CPU each batch has its own copy).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -23,6 +25,7 @@ from model_service.models.step import StepBatch
 
 ALIGN_WORDS = 16  # int64 words: every packed region starts on a 128-byte boundary
 T = TypeVar("T", np.ndarray, torch.Tensor)
+_MAX_CACHED_LAYOUTS = 1024  # views kept by layout (`_cached`): decode steps repeat a few
 
 
 @dataclass
@@ -53,26 +56,49 @@ class PackedBatch(StepBatch):
 
 
 class _Staging:
-    """A host buffer batches are packed (or received) into, and the event recorded after the last
-    copy out of it to the device, which must be done before the buffer is written again."""
+    """A host buffer batches are packed (or received) into, its region views by layout (made
+    once, while it is not regrown), and the event recorded after the last copy out of it to the
+    device, which must be done before the buffer is written again."""
 
     def __init__(self, pinned: bool) -> None:
         self.tensor, self.pinned = torch.empty(0, dtype=torch.long), pinned
-        self.copied: torch.cuda.Event | None = None
+        self.array = self.tensor.numpy()
+        self.regions: dict[tuple[int, ...], list[np.ndarray]] = {}
+        self.event: torch.cuda.Event | None = None  # one, recorded again after each copy
+        self.copying = False
 
     def reuse(self, size: int) -> torch.Tensor:
-        if self.copied is not None:
-            self.copied.synchronize()
-            self.copied = None
+        if self.copying:
+            assert self.event is not None
+            self.event.synchronize()
+            self.copying = False
         if self.tensor.numel() < size:
             capacity = max(size, 2 * self.tensor.numel())
             self.tensor = torch.empty(capacity, dtype=torch.long, pin_memory=self.pinned)
+            self.array, self.regions = self.tensor.numpy(), {}
         return self.tensor
+
+    def region_views(self, shape: tuple[int, ...]) -> list[np.ndarray]:
+        """`_regions` of the buffer for a batch of `shape`: ten slices a step were a tenth of a
+        batch-1 `build`."""
+        return _cached(self.regions, shape, lambda: _regions(self.array, shape))
+
+    def record_copy(self) -> None:
+        """The copy out of the buffer is queued: the next `reuse` waits for it."""
+        if self.event is None:
+            self.event = torch.cuda.Event()
+        self.event.record()
+        self.copying = True
 
 
 class BatchBuilder:
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, keep_batches: bool | None = None) -> None:
+        """`keep_batches`: each batch's device tensors are its own (a fresh copy a step), as on
+        the CPU by default; else views of one device buffer, valid until the next `build`."""
         self.block_size, self.device = block_size, device
+        self.keep_batches = device.type == "cpu" if keep_batches is None else keep_batches
+        # The device buffer's region views by layout (`_device_views`), while it is not regrown.
+        self._views: dict[tuple[int, ...], list[torch.Tensor]] = {}
         # Two host buffers, used in turn, so that packing (or, on a tensor-parallel worker,
         # receiving) the next batch never waits for the device: the copy out of the last one may
         # still be queued behind the running step (async scheduling, engine/overlap.py; a worker
@@ -95,29 +121,29 @@ class BatchBuilder:
         lens, starts, num_logits, table_lens, lora_of, state_of, has_snapshots, freed, fed_from = columns
         self._check(states, freed, table_lens, starts + lens)
         total, max_blocks = int(lens.sum()), int(table_lens.max())
-        fed = np.flatnonzero(fed_from >= 0)
+        fed = (fed_from >= 0).nonzero()[0]  # array methods, not numpy's wrappers: ~1 us a call
         layout = (total, n, int(num_logits.sum()), max_blocks, len(fed))
-        host = self._next_host(_layout(layout)[1])
-        regions = _regions(host, layout)
+        self._next_host(_layout(layout)[1])
+        regions = self._staging[self._turn].region_views(layout)
         ids, pos, slots, lora, q_start, seq_lens, state_slots, rows, table, feed = regions
         q_start[0] = 0
-        np.cumsum(lens, out=q_start[1:])
+        lens.cumsum(out=q_start[1:])
         np.add(starts, lens, out=seq_lens)
         table = table.reshape(n, max_blocks)
         table.fill(0)
         table[np.arange(max_blocks) < table_lens[:, None]] = _table_arrays(states)
         ids[:] = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items), np.int64, total)
-        pos[:] = np.repeat(starts - q_start[:-1], lens) + np.arange(total)
-        seq_of = np.repeat(np.arange(n), lens)
+        pos[:] = (starts - q_start[:-1]).repeat(lens) + np.arange(total)
+        seq_of = np.arange(n).repeat(lens)
         slots[:] = table[seq_of, pos // self.block_size] * self.block_size + pos % self.block_size
         lora[:] = lora_of[seq_of]
         state_slots[:] = state_of
         # Each sequence's logits rows are its last `num_logits` tokens.
-        first_row = np.cumsum(num_logits) - num_logits
-        rows[:] = np.repeat(q_start[1:] - num_logits - first_row, num_logits) + np.arange(len(rows))
+        first_row = num_logits.cumsum() - num_logits
+        rows[:] = (q_start[1:] - num_logits - first_row).repeat(num_logits) + np.arange(len(rows))
         feed[: len(fed)], feed[len(fed) :] = q_start[fed], fed_from[fed]
         shape = (total, n, len(rows), max_blocks, len(fed), int(lens.max()), int(seq_lens.max()))
-        snapshots = self._snapshots(states, np.flatnonzero(has_snapshots), starts, lens, q_start)
+        snapshots = self._snapshots(states, has_snapshots.nonzero()[0], starts, lens, q_start)
         return self._batch(shape, snapshots, regions)
 
     def _check(
@@ -125,10 +151,10 @@ class BatchBuilder:
     ) -> None:
         if freed.any():
             raise RuntimeError(f"sequence {states[int(freed.argmax())].seq_id} used after free")
-        short = np.flatnonzero(table_lens * self.block_size < ends)
-        if len(short):
+        short = table_lens * self.block_size < ends
+        if short.any():
             raise RuntimeError(
-                f"sequence {states[short[0]].seq_id} has too few KV blocks reserved for this step"
+                f"sequence {states[int(short.argmax())].seq_id} has too few KV blocks reserved for this step"
             )
 
     @staticmethod
@@ -160,13 +186,12 @@ class BatchBuilder:
     def from_host(self, shape: tuple[int, ...]) -> PackedBatch:
         """The batch of `shape` packed in the host buffer (by `build`, or received into `host_region`)."""
         no_snapshots = np.full(shape[0], -1, dtype=np.int64)  # no recurrent layers under TP
-        return self._batch(shape, no_snapshots, _regions(self._host.numpy(), shape))
+        return self._batch(shape, no_snapshots, self._staging[self._turn].region_views(shape))
 
     def _batch(self, shape: tuple[int, ...], snapshots: np.ndarray, regions: list[np.ndarray]) -> PackedBatch:
         """The batch of `shape` whose host words are `regions` (of the current host buffer)."""
         used = _layout(shape)[1]
-        views = _regions(self._to_device(used), shape)
-        num_seqs, max_blocks, num_fed = shape[1], shape[3], shape[4]
+        views = self._device_views(self._to_device(used), shape)
         return PackedBatch(
             input_ids=views[0],
             positions=views[1],
@@ -176,7 +201,7 @@ class BatchBuilder:
             seq_lens=views[5],
             state_slots=views[6],
             logits_rows=views[7],
-            block_table=views[8].view(num_seqs, max_blocks),
+            block_table=views[8],
             max_query_len=shape[5],
             max_seq_len=shape[6],
             host_lora_slots=regions[3].copy(),
@@ -184,27 +209,38 @@ class BatchBuilder:
             host_state_snapshots=snapshots,
             packed=self._host[:used],
             packed_shape=shape,
-            feed_index=views[9].view(2, num_fed),
+            feed_index=views[9],
         )
 
-    def _next_host(self, size: int) -> np.ndarray:
+    def _device_views(self, flat: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
+        """The region views of `flat` (the device words of a batch of `shape`), the block table
+        [seqs, blocks] and the feed index [2, fed]. Views of the shared device buffer are made
+        once per layout: ten slices and two reshapes were a quarter of a batch-1 `build`."""
+
+        def made() -> list[torch.Tensor]:
+            views = _regions(flat, shape)
+            views[8], views[9] = views[8].view(shape[1], shape[3]), views[9].view(2, shape[4])
+            return views
+
+        return made() if self.keep_batches else _cached(self._views, shape, made)
+
+    def _next_host(self, size: int) -> None:
         """Switch to the other host buffer, grown to `size` words, once the copy out of it is done."""
         self._turn ^= 1
         self._host = self._staging[self._turn].reuse(size)
         if self._device.numel() < size:
             capacity = max(size, 2 * self._device.numel())
             self._device = torch.empty(capacity, dtype=torch.long, device=self.device)
-        return self._host.numpy()
+            self._views.clear()  # views of the buffer it replaces
 
     def _to_device(self, used: int) -> torch.Tensor:
-        if self.device.type == "cpu":
+        if self.keep_batches:
             flat = self._host[:used].clone()  # the next step reuses the host buffer
         else:
             flat = self._device[:used]
             flat.copy_(self._host[:used], non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-            self._staging[self._turn].copied = copied
+            if self.device.type == "cuda":
+                self._staging[self._turn].record_copy()
         return flat
 
 
@@ -236,6 +272,19 @@ def _table_arrays(states: list[SequenceState]) -> np.ndarray:
         if st.table_array is None or len(st.table_array) != len(st.block_table):
             st.table_array = np.array(st.block_table, dtype=np.int64)
     return np.concatenate([st.table_array for st in states])
+
+
+def _cached(
+    views: dict[tuple[int, ...], list[T]], shape: tuple[int, ...], made: Callable[[], list[T]]
+) -> list[T]:
+    """The views of a batch of `shape` kept in `views` by its layout, else `made()`, kept."""
+    key = tuple(shape[:5])
+    found = views.get(key)
+    if found is None:
+        if len(views) >= _MAX_CACHED_LAYOUTS:
+            views.clear()
+        found = views[key] = made()
+    return found
 
 
 def _layout(shape: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], int]:

@@ -86,6 +86,8 @@ class CacheManager:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.state_bytes = state_bytes
         self.has_state = num_state_slots > 0
+        # Recurrent states are kept at block boundaries, for the prefix cache (`plan_boundary_checkpoint`).
+        self.keeps_boundaries = self.has_state and blocks.enable_prefix_caching
         self.num_state_slots = num_state_slots
         self._free_state_slots = dict.fromkeys(range(num_state_slots))  # an ordered set, taken LIFO
         self._cached_states: OrderedDict[int, int] = OrderedDict()  # block key -> state slot, LRU first
@@ -208,7 +210,7 @@ class CacheManager:
     def plan_boundary_checkpoint(self, state: SequenceState, num_tokens: int) -> None:
         """Prefix caching with recurrent layers: keep the state at the last block boundary that the
         next `num_tokens` tokens reach, to publish with that block (best effort)."""
-        if not self.has_state or not self.blocks.enable_prefix_caching:
+        if not self.keeps_boundaries:
             return
         boundary = (state.num_computed + num_tokens) // self.block_size * self.block_size
         if boundary > state.num_computed and boundary not in state.snapshots:

@@ -130,8 +130,9 @@ class DecodeGraphs:
         self.positions[:n] = batch.positions
         for buffer, given in zip(self.inputs, inputs, strict=True):
             buffer[:n] = given
-        self.lora_slots[:n] = batch.lora_slots
-        self.lora_slots[n:size] = -1
+        if self.lora is not None:  # only the LoRA kernels read them: two device ops a step saved
+            self.lora_slots[:n] = batch.lora_slots
+            self.lora_slots[n:size] = -1
         self.backend.prepare_for_replay(batch, size)
         graph.replay()
         if len(scheduled.logits_rows) == n:  # every token, in order

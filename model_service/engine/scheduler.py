@@ -155,7 +155,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self._schedule_running(self.token_budget, batch)
         self._admit_waiting(budget, batch)
-        if self.cache.has_state:
+        if self.cache.has_state and (self.proposals or self.cache.keeps_boundaries):  # else none to plan
             batch.work = [(seq, self._plan_checkpoints(seq, n)) for seq, n in batch.work]
         return batch
 

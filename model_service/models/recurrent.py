@@ -109,6 +109,9 @@ class StaticRuns:
         self.slots = torch.full((max_rows,), -1, dtype=torch.long, device=device)
         self.fresh = torch.ones(max_rows, dtype=torch.bool, device=device)
         self.snapshots = torch.full((max_rows,), -1, dtype=torch.long, device=device)
+        # Up to which size the buffers hold one-token runs and no checkpoints (query starts
+        # 0..plain, snapshots -1), as a decode step leaves them: the next such step copies nothing.
+        self.plain = 0
 
     def for_capture(self, size: int) -> StateRuns:
         """`size` one-token padding runs (they write no state), over the buffers' first rows."""
@@ -121,15 +124,19 @@ class StaticRuns:
     def prepare_for_replay(self, batch: StepBatch, size: int) -> None:
         """`batch`'s runs as they are (a verify run stays one run of its sequence, whatever rows
         attention sees), then one-token padding runs over rows T..size-1, then empty ones: `size`
-        runs in all, as captured. No host sync: the host offsets go over in one copy."""
+        runs in all, as captured. No host sync: the host offsets go over in one copy, and none
+        for a decode step without checkpoints whose runs the buffers hold already (`plain`)."""
         seqs, rows = batch.num_seqs, batch.num_tokens
-        host = np.concatenate([
-            batch.host_query_start, np.arange(rows + 1, size + 1), np.full(rows - seqs, size),
-            batch.host_state_snapshots, np.full(size - rows, -1),
-        ])  # fmt: skip
-        copied = to_device(host.astype(np.int64), self.slots.device)
-        self.query_start[: size + 1] = copied[: size + 1]
-        self.snapshots[:size] = copied[size + 1 :]
+        plain = seqs == rows and not (batch.host_state_snapshots >= 0).any()
+        if not (plain and size <= self.plain):
+            host = np.concatenate([
+                batch.host_query_start, np.arange(rows + 1, size + 1), np.full(rows - seqs, size),
+                batch.host_state_snapshots, np.full(size - rows, -1),
+            ])  # fmt: skip
+            copied = to_device(host.astype(np.int64), self.slots.device)
+            self.query_start[: size + 1] = copied[: size + 1]
+            self.snapshots[:size] = copied[size + 1 :]
+            self.plain = size if plain else 0
         self.slots[:seqs] = batch.state_slots
         self.slots[seqs:size] = -1
         self.fresh[:seqs] = starts_fresh(batch)
