@@ -160,7 +160,8 @@ class SparseMoeBlock(nn.Module):
         gate, routing, first = self.gate, self.routing, self.expert_range.start
         bias = gate.e_score_correction_bias
         gate_up = self.experts.gate_up_proj
-        fused = experts_path(x.shape[0], self.top_k, gate_up.shape[0], gate_up.dtype, x.device) == "fused"
+        pairs = self.top_k + self.shared_slots  # a token's, as `fused_experts` will count them
+        fused = experts_path(x.shape[0], pairs, gate_up.shape[0], gate_up.dtype, x.device) == "fused"
         if fused and x.shape[0] <= ROUTER_MAX_ROWS and counters is not None:
             return self._route_in_kernel(x, counters)
         logits = F.linear(x.float(), gate.weight.float()) if routing.float32_logits else gate(x)
