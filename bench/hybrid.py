@@ -41,7 +41,7 @@ from model_service.models import gated_delta
 from model_service.models.config import LayerKind, LinearAttentionShape, Mixer, ModelConfig
 from model_service.models.fp8_linear import quantize_online
 from model_service.models.loader import LoadedModel
-from model_service.models.moe import StackedExperts
+from model_service.models.moe import SparseMoeBlock
 from model_service.models.quantization import ONLINE
 from model_service.models.qwen3_next import HybridDecoderLayer, Qwen3NextModel
 from model_service.startup import configure_process
@@ -126,10 +126,13 @@ def decode_step_bytes(engine: Engine, batch: int, context: int) -> int:
     size = embed.element_size()
     weights = weight_bytes(module) - embed.shape[1] * size  # the row it keeps: `rows` counts the batch's
     experts_hit = hit_fraction(cfg, batch) if cfg.num_experts else 0.0
-    for experts in (m for m in module.modules() if isinstance(m, StackedExperts)):
+    for block in (m for m in module.modules() if isinstance(m, SparseMoeBlock)):
+        experts = block.experts
         stacked = [experts.gate_up_proj, experts.down_proj]
         every = sum(t.numel() * t.element_size() for t in [*stacked, *experts.buffers()])  # + e4m3 scales
-        weights += round(every * experts_hit) - sum(t.numel() * t.element_size() for t in stacked)
+        # The shared expert's slots at the stack's end (`moe.shared_expert_slots`): read every step.
+        read = (len(block.expert_range) * experts_hit + block.shared_slots) / experts.gate_up_proj.shape[0]
+        weights += round(every * read) - sum(t.numel() * t.element_size() for t in stacked)
     rows = batch * embed.shape[1] * size
     states = 2 * 4 * batch * sum(math.prod(shape) for shape in module.recurrent_state_shapes())
     full = sum(kind.mixer == Mixer.FULL_ATTENTION for kind in cfg.layer_kinds)

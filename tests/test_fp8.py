@@ -35,7 +35,7 @@ from model_service.kernels.fp8_gemm import E4M3, E4M3_MAX
 from model_service.models.fp8_linear import Fp8Linear
 from model_service.models.layers import PackedLinear, checkpoint_tensors, store_weights_transposed
 from model_service.models.loader import LoadedModel, load_model
-from model_service.models.quantization import ONLINE_G128, QuantizationError
+from model_service.models.quantization import ONLINE_G128, ONLINE_SCHEMES, QuantizationError
 from tests.conftest import assert_all_blocks_free, forward, make_engine, make_tiny_checkpoint, new_sequence
 
 W8A8_LOGITS_TOL = 1e-3
@@ -820,6 +820,24 @@ def test_deepseek_v3s_hub_format_runs_mla_and_its_mtp_layer_in_fp8(tmp_path: Pat
     assert engine.stats().spec_accepted_tokens > 0  # the FP8 MTP layer proposes what the target picks
 
 
+@pytest.mark.parametrize("flag", list(ONLINE_SCHEMES))
+def test_online_fp8_of_the_deltanets_packed_input_projection_is_its_two_parts(flag: str):
+    """in_proj_qkvz and in_proj_ba share one GEMM (issue 37); `--quantization` quantizes that
+    packed projection per output row (and 128 columns), activations per token: each part's rows
+    keep the scales they had alone, so its outputs are the two projections' own."""
+    gen = torch.Generator().manual_seed(3)
+    packed = PackedLinear(256, {"in_proj_qkvz": 96, "in_proj_ba": 8}, False)
+    packed.weight.data = torch.randn(104, 256, generator=gen) / 16
+    alone = []
+    for name, w in zip(packed.parts, packed.weight.split([96, 8]), strict=True):
+        alone.append(PackedLinear(256, {name: len(w)}, False))
+        alone[-1].weight.data = w.clone()
+    scheme = ONLINE_SCHEMES[flag]
+    x = torch.randn(3, 256, generator=gen)
+    want = torch.cat([Fp8Linear.quantized(part, scheme)(x) for part in alone], dim=-1)
+    torch.testing.assert_close(Fp8Linear.quantized(packed, scheme)(x), want, rtol=1e-6, atol=1e-6)
+
+
 def test_a_sparse_qwen3_next_hybrid_in_block_fp8_with_its_gates_left_in_high_precision(tmp_path: Path):
     """Qwen3-Next's FP8 release names linears it keeps in high precision (`modules_to_not_convert`,
     suffixes here):  the DeltaNet's in_proj_ba, the routers and the shared experts' gates, in a
@@ -837,6 +855,7 @@ def test_a_sparse_qwen3_next_hybrid_in_block_fp8_with_its_gates_left_in_high_pre
     fp8_path, deq_path = write_fp8_checkpoint(src, tmp_path, fmt)
     ours = load_model(str(fp8_path), torch.float32, torch.device("cpu"))
     runs_fp8 = fp8_parts(ours)
+    assert not ours.module.model.layers[0].linear_attn.packed  # in_proj_ba kept: its own GEMM
     assert {"model.layers.0.linear_attn.in_proj_qkvz", "model.layers.1.self_attn.q_proj"} < runs_fp8
     assert "model.layers.0.mlp.shared_expert.up_proj" in runs_fp8
     assert not any(name.endswith(kept) or ".experts." in name for name in runs_fp8)

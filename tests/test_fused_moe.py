@@ -40,7 +40,7 @@ from model_service.kernels.fused_moe import (
 )
 from model_service.models.config import ClampedSwiGLU, ModelConfig, Routing
 from model_service.models.fp8_linear import quantize_stack
-from model_service.models.moe import SparseMoeBlock, route
+from model_service.models.moe import SparseMoeBlock, route, with_shared_slots
 
 interpreter = pytest.mark.skipif(
     triton is None or os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter"
@@ -202,6 +202,29 @@ def test_fused_experts_match_the_reference_under_the_interpreter(tokens, experts
     torch.testing.assert_close(fused_moe(x, gate_up, down, ids, weights), want, rtol=1e-5, atol=1e-5)
     wide = FusedMoeConfig(block_m=32, gate_up_block_n=64, down_block_n=32, block_k=32, num_stages=2)
     torch.testing.assert_close(fused_moe(x, gate_up, down, ids, weights, wide), want, rtol=1e-5, atol=1e-5)
+
+
+@interpreter
+@pytest.mark.parametrize("tokens, slots", [(1, 1), (1, 2), (6, 1), (40, 2)])
+def test_the_shared_expert_as_the_stacks_last_slots_matches_its_mlp_under_the_interpreter(tokens, slots):
+    """The shared expert fused into the experts (`moe.shared_expert_slots`): Qwen3-Next's top-10
+    plus one slot (16 GEMV slots, 5 of them padding) and DeepSeek's two ungated ones, at one token
+    (GEMVs) and more (tiles, where every token hits the shared slots): routed experts plus the
+    shared MLP, scaled by its gate, computed apart; the loader's split of a wide MLP into slots
+    included (`expert_weights._shared_slots`: down's columns a slot each)."""
+    experts, top_k, hidden, inter = 24, 10 if slots == 1 else 4, 48, 16
+    x, gate_up, down, ids, weights = _case(tokens, experts, top_k, hidden, inter, seed=tokens + slots)
+    gen = torch.Generator().manual_seed(slots)
+    mlp_up = torch.randn(2, slots * inter, hidden, generator=gen) / hidden**0.5  # its gate_proj, up_proj
+    mlp_down = torch.randn(hidden, slots * inter, generator=gen) / (slots * inter) ** 0.5
+    gate = torch.sigmoid(torch.randn(tokens, generator=gen)) if slots == 1 else None
+    shared = torch.nn.functional.silu(x @ mlp_up[0].T) * (x @ mlp_up[1].T) @ mlp_down.T
+    want = experts_reference(x, gate_up, down, ids, weights) + shared * (gate[:, None] if slots == 1 else 1)
+    stacked_up = torch.cat([gate_up, torch.cat([m.unflatten(0, (slots, -1)) for m in mlp_up], dim=1)])
+    stacked_down = torch.cat([down, torch.stack(mlp_down.chunk(slots, dim=1))])
+    all_weights, all_ids = with_shared_slots(weights, ids, slots, experts, gate)
+    got = fused_moe(x, stacked_up, stacked_down, all_ids, all_weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @interpreter
@@ -451,6 +474,16 @@ def test_router_kernel_gives_the_shared_experts_gate_under_the_interpreter(token
     want_w, want_ids = route_hidden(x, gate, 4, True, arrivals)
     torch.testing.assert_close((weights, ids), (want_w, want_ids), rtol=0, atol=0)
     assert not arrivals.any()
+    # The shared expert fused into the stack: its slot's id and, as its weight, the gate's sigmoid.
+    gated = {"shared_gate": (shared, scale), "shared_slots": 1, "shared_id": experts}
+    fused = route_hidden(x, gate, 4, True, arrivals, **gated)
+    want = with_shared_slots(want_w, want_ids, 1, experts, scale)
+    torch.testing.assert_close(fused, want, rtol=0, atol=0)
+    # DeepSeek's ungated shared experts, two slots of weight 1 from id 7 on (a rank's local ids).
+    fused = route_hidden(x, gate, 4, True, arrivals, first_expert=3, shared_slots=2, shared_id=7)
+    want = with_shared_slots(want_w, want_ids - 3, 2, 7, None)
+    torch.testing.assert_close(fused, want, rtol=0, atol=0)
+    assert not arrivals.any()
 
 
 DEEPSEEK_ROUTINGS = {
@@ -586,12 +619,16 @@ def test_fp8_experts_match_the_reference_on_cuda_and_replay_from_a_graph(tokens,
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens, shared", [(1, 0), (16, 0), (1, 256), (5, 256)])
+@pytest.mark.parametrize(
+    "tokens, shared", [(1, 0), (16, 0), (1, 256), (5, 256), (20, 256), (1, 384), (5, 384)]
+)
 def test_moe_block_replays_from_a_cuda_graph(tokens, shared):
     """The whole block (router linear, the routing kernel, the experts; with `shared`, Qwen's
-    gated shared expert, its gate computed in the routing kernel) captured and replayed on new
-    hidden states: the replay equals the eager block, and both the torch arithmetic (`route` on
-    the same logits, the float32 reference on the same bf16 weights, the gated shared MLP)."""
+    gated shared expert, its gate computed in the routing kernel: as the stack's last expert at
+    the experts' width 256, `moe.shared_expert_slots`, a separate MLP at 384) captured and
+    replayed on new hidden states: the replay equals the eager block, and both the torch
+    arithmetic (`route` on the same logits, the float32 reference on the same bf16 weights, the
+    gated shared MLP)."""
     cfg = ModelConfig(
         family="qwen3_moe", vocab_size=32, hidden_size=512, intermediate_size=1024, num_layers=1,
         num_heads=4, num_kv_heads=4, head_dim=128, num_experts=32, num_experts_per_tok=4,
@@ -613,11 +650,14 @@ def test_moe_block_replays_from_a_cuda_graph(tokens, shared):
         graph.replay()
         eager = block(x)
         weights, ids = route(block.gate(x), cfg.num_experts_per_tok, True)
+        if block.shared_slots:
+            gate = torch.sigmoid(block.shared_expert_gate(x))[:, 0]
+            weights, ids = with_shared_slots(weights, ids, block.shared_slots, cfg.num_experts, gate)
         experts = block.experts
         want = experts_reference(
             x.float(), experts.gate_up_proj.float(), experts.down_proj.float(), ids, weights
         )
-        if shared:
+        if block.shared_mlp() is not None:
             want += (torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)).float()
     torch.testing.assert_close(captured, eager, rtol=0, atol=0)
     assert ((captured.float() - want).norm() / want.norm()).item() < 1e-2

@@ -30,19 +30,24 @@ CONV = 2 * HK * DK + HV * DV
 
 
 def _inputs(num_rows: int, seed: int, device: str) -> dict[str, torch.Tensor]:
-    """What a layer hands the two kernels: in_proj_qkvz's rows (per key head: q, k, v, z), the
-    conv weight, the gates' inputs (some past softplus's linear threshold), nonzero states."""
+    """What a layer hands the two kernels: in_proj_qkvz's rows (per key head: q, k, v, z) and the
+    gates' inputs (some past softplus's linear threshold) as column views of one GEMM's rows, as
+    `GatedDeltaNet.project` splits its packed projection, the conv weight, nonzero states."""
     gen = torch.Generator().manual_seed(seed)
+    width = HK * (2 * DK + 2 * (HV // HK) * DV)
+    packed = torch.randn(num_rows, width + 2 * HV, generator=gen)
+    packed[:, width:] = packed[:, width:] * 3 + torch.tensor([0, 0, -2, 21] * HK)
     tensors = {
-        "qkvz": torch.randn(num_rows, HK, 2 * DK + 2 * (HV // HK) * DV, generator=gen),
         "weight": torch.randn(CONV, 1, WIDTH, generator=gen) * 0.5,
-        "ba": torch.randn(num_rows, 2 * HV, generator=gen) * 3 + torch.tensor([0, 0, -2, 21] * HK),
         "a_log": torch.empty(HV).uniform_(0.02, 0.5, generator=gen).log(),
         "dt_bias": torch.randn(HV, generator=gen),
         "conv_state": torch.randn(SLOTS, WIDTH - 1, CONV, generator=gen),
         "ssm_state": torch.randn(SLOTS, HV, DK, DV, generator=gen) * 0.3,
     }
-    return {name: t.to(device) for name, t in tensors.items()}
+    qkvz, ba = packed.to(device).split([width, 2 * HV], dim=-1)
+    return {"qkvz": qkvz.view(num_rows, HK, -1), "ba": ba} | {
+        name: t.to(device) for name, t in tensors.items()
+    }
 
 
 def _layer(t: dict[str, torch.Tensor], plan: RecurrentPlan | StateRuns) -> tuple[torch.Tensor, torch.Tensor]:

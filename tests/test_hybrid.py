@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from model_service.errors import BeyondCapacityError, ModelLoadError
 from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.models.config import Mixer
 from model_service.models.gated_delta import chunked_scan, recurrent_scan
-from model_service.models.layers import checkpoint_tensors
+from model_service.models.layers import PackedLinear, checkpoint_tensors
 from model_service.models.loader import load_model
 from model_service.models.step import StepBatch
 from tests.conftest import assert_all_blocks_free, make_engine, prefill_logits
@@ -72,16 +73,32 @@ def test_config_and_weights_match_hf(case: Case):
         torch.testing.assert_close(ours[name], p, rtol=0, atol=0)
 
 
-def test_sparse_moe_layers_match_hf(tmp_path: Path):
+@pytest.mark.parametrize("shared", [48, 32])
+def test_sparse_moe_layers_match_hf(tmp_path: Path, shared: int):
     """Qwen3-Next's sparse-MoE MLPs (router, top-k renormalized, shared expert behind a sigmoid
-    gate) on three of the four layers: logits and greedy tokens as HF's."""
+    gate) on three of the four layers: logits and greedy tokens as HF's. Issue 37's launches (a
+    batch-1 decode step spent a third of its time in few-row GEMMs, ~7 us each): a DeltaNet
+    layer projects x in one GEMM (in_proj_qkvz and in_proj_ba packed), and a shared expert as
+    wide as the experts (32, as Qwen3-Next's 512 / 512) runs as the experts' last slot, so a
+    sparse layer's GEMMs are its mixer's two (were 5 a DeltaNet layer, 4 an attention one)."""
     moe = {"mlp_only_layers": [0], "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-    sparse = Case(make_tiny_hybrid(tmp_path / "ckpt", seed=1, **moe, shared_expert_intermediate_size=48))
+    sparse = Case(make_tiny_hybrid(tmp_path / "ckpt", seed=1, **moe, shared_expert_intermediate_size=shared))
     assert [k.moe for k in sparse.ours.config.layer_kinds] == [False, True, True, True]
+    assert sparse.ours.module.model.layers[1].mlp.shared_slots == (shared == 32)
+    ours = checkpoint_tensors(sparse.ours.module)
+    for name, p in sparse.hf.named_parameters():
+        torch.testing.assert_close(ours[name], p, rtol=0, atol=0)
+    gemms = Counter[int]()
+    for i, layer in enumerate(sparse.ours.module.model.layers):
+        for sub in layer.modules():
+            if isinstance(sub, PackedLinear):
+                sub.register_forward_hook(lambda *_, i=i: gemms.update([i]))
     engine = make_engine(sparse.ours, block_size=4)
     with torch.no_grad():
         ref = sparse.hf(torch.tensor([PROMPTS[0]])).logits[0, -1]
     assert rel_err(prefill_logits(engine, PROMPTS[0]), ref) < 1e-4
+    sparse_gemms = 2 if shared == 32 else 4  # the shared expert's gate_up and down apart
+    assert gemms == {0: 4, 1: sparse_gemms, 2: sparse_gemms, 3: sparse_gemms}  # layer 0: a dense MLP's 2 more
     outs = engine.generate([request(ids) for ids in PROMPTS[:3]])
     assert [o.token_ids for o in outs] == [sparse.hf_greedy(i) for i in range(3)]
     _state_slots_all_back(engine)

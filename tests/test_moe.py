@@ -50,6 +50,12 @@ VARIANTS: dict[str, Variant] = {
         "qwen2_moe",
         {**MOE, "num_experts": 8, "decoder_sparse_step": 2, "shared_expert_intermediate_size": 48},
     ),
+    # A gated shared expert twice the experts' width (Qwen1.5-MoE's is 4 x 1,408): two slots of
+    # the experts' stack (`moe.shared_expert_slots`), its weights moved there at load.
+    "qwen2-moe-shared-slots": Variant(
+        "qwen2_moe",
+        {**MOE, "num_experts": 8, "decoder_sparse_step": 2, "shared_expert_intermediate_size": 64},
+    ),
     "mixtral": Variant(
         "mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}
     ),

@@ -303,19 +303,20 @@ def _moe_share(block: SparseMoeBlock, part: Partition, device: torch.device) -> 
     intermediate rows (`part.expert_inter`), and its columns of the shared expert. The caller
     sums the shares over the ranks (the router and the shared expert's gate stay whole)."""
     e, i = part.experts, part.expert_inter
-    gate_up = block.experts.gate_up_proj.detach()[e.start : e.stop]
-    down = block.experts.down_proj.detach()[e.start : e.stop]
+    held = _held_experts(block, part)
+    gate_up = block.experts.gate_up_proj.detach()[held]
+    down = block.experts.down_proj.detach()[held]
     scales = block.experts.scales()
     inter = down.shape[2]
     rows = [*range(i.start, i.stop), *range(inter + i.start, inter + i.stop)]  # gate rows, then up rows
     with torch.device("meta"):
-        block.experts = StackedExperts(len(e), down.shape[1], len(i))
+        block.experts = StackedExperts(len(held), down.shape[1], len(i))
     block.experts.gate_up_proj = _frozen(gate_up[:, rows], device)
     block.experts.down_proj = _frozen(down[:, :, i.start : i.stop], device)
     if scales is not None:  # FP8 experts: gate_up's rows' scales, down's groups of its columns
-        block.experts.gate_up_scale = scales.gate_up[e.start : e.stop][:, rows].to(device)
+        block.experts.gate_up_scale = scales.gate_up[held][:, rows].to(device)
         groups = _scale_groups(i, inter, scales.group)  # contiguous: the kernels would copy a view each call
-        block.experts.down_scale = scales.down[e.start : e.stop][:, :, groups].to(device).contiguous()
+        block.experts.down_scale = scales.down[held][:, :, groups].to(device).contiguous()
         block.experts.scale_group = scales.group
     block.expert_range = e
     shared = block.shared_mlp()
@@ -327,6 +328,20 @@ def _moe_share(block: SparseMoeBlock, part: Partition, device: torch.device) -> 
         if bias is not None and part.rank == 0:  # added once to the sum
             shared.down_proj.bias = _frozen(bias.detach(), device)
     return block
+
+
+def _held_experts(block: SparseMoeBlock, part: Partition) -> list[int]:
+    """The stack's experts a rank holds: its routed ones, then the shared expert's slots
+    (`moe.shared_expert_slots`), whose columns tensor parallelism cuts as every expert's. Under
+    expert parallelism the last rank holds them whole, as each routed expert lives on one rank:
+    routing appends their ids, `len(experts)` on, on every rank; past another rank's stack they
+    add nothing, and on the last rank no routed expert's local id reaches them (another rank's
+    experts are ids below its first, negative there; on rank 0 they would be these ids)."""
+    routed = block.gate.out_features
+    expert_parallel = len(part.experts) < routed
+    holds = part.rank == part.world - 1 or not expert_parallel
+    shared = range(routed, routed + block.shared_slots) if holds else range(0)
+    return [*part.experts, *shared]
 
 
 def _scale_groups(cols: range, width: int, group: int) -> slice:

@@ -311,13 +311,18 @@ def route_hidden(
     bias: torch.Tensor | None = None,
     first_expert: int = 0,
     shared_gate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared_slots: int = 0,
+    shared_id: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_topk(x @ gate.T, ...)` in one launch for up to ROUTER_MAX_ROWS rows: at batch 1 the
     router's [H -> E] GEMV was a launch of its own (~5 us of a 48-layer step's 48 x ~65 us).
     `shared_gate` = (Qwen's `shared_expert_gate` weight [1, H], out [T] in x's dtype): out is
     also given `sigmoid(x @ weight.T)` as that linear and sigmoid round it, a dot product the
     same programs add to their slices (in cuBLAS and two elementwise launches it was ~7 us of a
-    ~110 us Qwen3-Next layer at batch 1).
+    ~110 us Qwen3-Next layer at batch 1). `shared_slots` pairs more a token (the shared expert
+    fused into the experts' stack, `models.moe.shared_expert_slots`): ids `shared_id` on, weights
+    that sigmoid in float32 with `shared_gate`, else 1 (DeepSeek's ungated shared experts); the
+    results are [T, top_k + shared_slots].
 
     Program (token, K slice) sums one [BLOCK_K, E] tile of the weight against x[token] in
     float32 (the weight by its strides: `store_weights_transposed` leaves it contiguous along E,
@@ -336,12 +341,13 @@ def route_hidden(
     loops = triton.cdiv(tiles, min(tiles, ROUTER_MAX_SLICES))
     slices = triton.cdiv(tiles, loops)
     parts = torch.empty(tokens, slices, experts + 1, dtype=torch.float32, device=x.device)  # + a shared gate
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(tokens, top_k + shared_slots, dtype=torch.float32, device=x.device)
+    ids = torch.empty(tokens, top_k + shared_slots, dtype=torch.int32, device=x.device)
     shared, scale = shared_gate if shared_gate is not None else (gate, weights)  # unread stand-ins
     _router_kernel[(tokens, slices)](
         x, gate, parts, arrivals, weights, ids, shared, scale, x.stride(0), gate.stride(0), gate.stride(1),
-        shared.stride(-1), hidden, experts, top_k, first_expert, SHARED=shared_gate is not None,
+        shared.stride(-1), hidden, experts, top_k, first_expert, shared_id, SHARED=shared_gate is not None,
+        SHARED_SLOTS=shared_slots, S_P2=triton.next_power_of_2(max(shared_slots, 1)),
         ROUND=not routing.float32_logits, BLOCK_K=block_k, LOOPS=loops, SLICES=slices,
         CHUNK_S=min(triton.next_power_of_2(slices), block_k),
         **_routing_args(routing, experts, top_k, renormalize, bias, weights), num_warps=4,
@@ -476,18 +482,18 @@ if triton is not None:
         t = tl.program_id(0)
         experts = tl.arange(0, E_P2)
         logits = tl.load(Logits + t * stride + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
-        _route_row(logits, Weights, Ids, t, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS, SIGMOID,
-                   HAS_BIAS, GROUP_SCORE, RENORMALIZE, E_P2, K_P2, G_P2)  # fmt: skip
+        _route_row(logits, Weights, Ids, t, TOP_K, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
+                   SIGMOID, HAS_BIAS, GROUP_SCORE, RENORMALIZE, E_P2, K_P2, G_P2)  # fmt: skip
 
     @triton.jit
     def _route_row(
-        logits, Weights, Ids, t, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
+        logits, Weights, Ids, t, ROW, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
         SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_SCORE: tl.constexpr, RENORMALIZE: tl.constexpr,
         E_P2: tl.constexpr, K_P2: tl.constexpr, G_P2: tl.constexpr,
     ):  # fmt: skip
         """A token's logits [E_P2] (-inf past E) routed as `models.moe.route`: scores (softmax or
         sigmoid, float32), the choice (scores plus the bias, only within the best groups), the k
-        best choices' scores (`_store_top_k`)."""
+        best choices' scores (`_store_top_k`) in the first TOP_K of the token's ROW slots."""
         experts = tl.arange(0, E_P2)
         real = experts < E
         if SIGMOID:
@@ -502,7 +508,8 @@ if triton is not None:
         if GROUP_SCORE != 0:
             choice = _within_best_groups(choice, experts, PER_GROUP, TOPK_GROUPS, GROUP_SCORE, G_P2)
             choice = tl.where(real, choice, float("-inf"))
-        _store_top_k(scores, choice, Weights, Ids, t, TOP_K, FIRST, SCALING, RENORMALIZE, E_P2, K_P2)
+        _store_top_k(scores, choice, Weights + t * ROW, Ids + t * ROW, TOP_K, FIRST, SCALING, RENORMALIZE,
+                     E_P2, K_P2)  # fmt: skip
 
     @triton.jit
     def _within_best_groups(
@@ -529,7 +536,7 @@ if triton is not None:
         return tl.where(allowed, choice, 0.0 if GROUP_SCORE == 1 else float("-inf"))
 
     @triton.jit
-    def _store_top_k(scores, choice, Weights, Ids, t, TOP_K, FIRST, SCALING, RENORMALIZE: tl.constexpr,
+    def _store_top_k(scores, choice, Weights, Ids, TOP_K, FIRST, SCALING, RENORMALIZE: tl.constexpr,
                      E_P2: tl.constexpr, K_P2: tl.constexpr):  # fmt: skip
         """k rounds of one max each over `choice` packed with the expert ids into int64 keys (the
         value's bits ordered as signed ints above the id counted down, so a tie goes to the lower
@@ -551,21 +558,22 @@ if triton is not None:
         picked = tl.sum(tl.where(hit, scores[None, :], 0.0), axis=1)
         if RENORMALIZE:
             picked = picked / (tl.sum(picked, axis=0) + 1e-20)
-        tl.store(Weights + t * TOP_K + slot, picked * SCALING, mask=live)
-        tl.store(Ids + t * TOP_K + slot, chosen - FIRST, mask=live)
+        tl.store(Weights + slot, picked * SCALING, mask=live)
+        tl.store(Ids + slot, chosen - FIRST, mask=live)
 
     @triton.jit
     def _router_kernel(
         X, Gate, Parts, Arrivals, Weights, Ids, SharedGate, SharedScale, x_stride, g_stride_e, g_stride_k,
-        shared_stride, K, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS, SHARED: tl.constexpr,
-        SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-        GROUP_SCORE: tl.constexpr, RENORMALIZE: tl.constexpr, ROUND: tl.constexpr, E_P2: tl.constexpr,
-        K_P2: tl.constexpr, G_P2: tl.constexpr, BLOCK_K: tl.constexpr, LOOPS: tl.constexpr,
-        SLICES: tl.constexpr, CHUNK_S: tl.constexpr, PDL: tl.constexpr,
+        shared_stride, K, E, TOP_K, FIRST, SHARED_ID, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
+        SHARED: tl.constexpr, SHARED_SLOTS: tl.constexpr, S_P2: tl.constexpr, SIGMOID: tl.constexpr,
+        HAS_BIAS: tl.constexpr, GROUP_SCORE: tl.constexpr, RENORMALIZE: tl.constexpr, ROUND: tl.constexpr,
+        E_P2: tl.constexpr, K_P2: tl.constexpr, G_P2: tl.constexpr, BLOCK_K: tl.constexpr,
+        LOOPS: tl.constexpr, SLICES: tl.constexpr, CHUNK_S: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Program (token, K slice): partial logits of every expert (and, under SHARED, of the
         shared expert's gate, stored after them) over LOOPS x BLOCK_K of the hidden size; the
-        token's last arrival sums the slices in order (CHUNK_S at a time) and routes."""
+        token's last arrival sums the slices in order (CHUNK_S at a time) and routes; the token's
+        SHARED_SLOTS pairs after its TOP_K are the shared expert's (`route_hidden`)."""
         wait_for_producers(PDL)
         t, k_slice = tl.program_id(0), tl.program_id(1)
         experts = tl.arange(0, E_P2)
@@ -595,6 +603,7 @@ if triton is not None:
                 part = tl.load(Parts + (t * SLICES + s[:, None]) * (E + 1) + experts[None, :], mask=mask,
                                other=0.0, cache_modifier=".cg")  # fmt: skip
                 logits += tl.sum(part, axis=0)
+            shared_weight = 1.0
             if SHARED:  # the gate's slices in the same order, rounded as its linear and its sigmoid round
                 gate = tl.zeros([CHUNK_S], tl.float32)
                 for s0 in range(0, SLICES, CHUNK_S):
@@ -602,13 +611,21 @@ if triton is not None:
                     gate += tl.load(Parts + (t * SLICES + s) * (E + 1) + E, mask=s < SLICES, other=0.0,
                                     cache_modifier=".cg")  # fmt: skip
                 gate = tl.sum(gate, axis=0).to(X.dtype.element_ty).to(tl.float32)
-                tl.store(SharedScale + t, (1.0 / (1.0 + tl.exp(-gate))).to(SharedScale.dtype.element_ty))
+                scale = (1.0 / (1.0 + tl.exp(-gate))).to(SharedScale.dtype.element_ty)
+                tl.store(SharedScale + t, scale)
+                shared_weight = scale.to(tl.float32)
             tl.atomic_xchg(Arrivals + t, 0)
             if ROUND:
                 logits = logits.to(X.dtype.element_ty).to(tl.float32)
             logits = tl.where(e_ok, logits, float("-inf"))
-            _route_row(logits, Weights, Ids, t, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
+            row = TOP_K + SHARED_SLOTS
+            _route_row(logits, Weights, Ids, t, row, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
                        SIGMOID, HAS_BIAS, GROUP_SCORE, RENORMALIZE, E_P2, K_P2, G_P2)  # fmt: skip
+            if SHARED_SLOTS > 0:
+                j = tl.arange(0, S_P2)
+                tl.store(Ids + t * row + TOP_K + j, SHARED_ID + j, mask=j < SHARED_SLOTS)
+                w = tl.zeros([S_P2], tl.float32) + shared_weight
+                tl.store(Weights + t * row + TOP_K + j, w, mask=j < SHARED_SLOTS)
 
     @triton.jit
     def _chunk_hits(Ids, chunk, P, E, E_P2: tl.constexpr, CHUNK: tl.constexpr):

@@ -18,6 +18,7 @@ import torch
 
 from model_service.errors import ModelLoadError
 from model_service.models.config import ModelConfig
+from model_service.models.moe import shared_expert_slots
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's tensors, by their hub names
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -28,10 +29,30 @@ def stack_expert_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) 
     """`tensors` with each MoE layer's per-expert tensors replaced by the stacked pair (a layer
     already stacked is left alone). A missing expert tensor, or a layer in both layouts, is an error."""
     out = {hf_expert_name(k): v for k, v in tensors.items()}
+    slots = shared_expert_slots(config)
+    shared_name = "shared_expert" if config.shared_expert_gated else "shared_experts"
     for layer, kind in enumerate(config.layer_kinds):
         if kind.moe:
-            _stack_layer(out, f"model.layers.{layer}.mlp.experts", config.num_experts)
+            mlp = f"model.layers.{layer}.mlp"
+            shared = _shared_slots(out, f"{mlp}.{shared_name}", slots) if slots else ((), (), ())
+            _stack_layer(out, f"{mlp}.experts", config.num_experts, shared)
     return out
+
+
+Slots = tuple[tuple[torch.Tensor, ...], ...]  # (gates, ups, downs): an expert's tensors each
+
+
+def _shared_slots(tensors: dict[str, torch.Tensor], prefix: str, slots: int) -> Slots:
+    """The shared expert's checkpoint tensors (`prefix`.{gate,up,down}_proj.weight) taken out of
+    `tensors` as `slots` experts' (gates, ups, downs), each a run of its width / slots intermediate
+    columns: its MLP down(SiLU(gate x) * up x) is the sum of those experts' outputs
+    (`models.moe.shared_expert_slots`). Views: the stacking copies them once, with the experts."""
+    names = [f"{prefix}.{p}.weight" for p in EXPERT_PROJECTIONS]
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing tensor {missing[0]!r} (the MoE layer's shared expert)")
+    gate, up, down = (tensors.pop(name) for name in names)
+    return gate.chunk(slots), up.chunk(slots), down.chunk(slots, dim=1)
 
 
 def hf_expert_name(name: str) -> str:
@@ -42,7 +63,13 @@ def hf_expert_name(name: str) -> str:
     )
 
 
-def _stack_layer(tensors: dict[str, torch.Tensor], prefix: str, num_experts: int) -> None:
+def _stack_layer(
+    tensors: dict[str, torch.Tensor],
+    prefix: str,
+    num_experts: int,
+    shared: Slots = ((), (), ()),
+) -> None:
+    """The layer's per-expert tensors stacked, then `shared` (the shared expert's slots) after them."""
     per_expert = [k for k in tensors if k.startswith(f"{prefix}.") and k[len(prefix) + 1 :][:1].isdigit()]
     if f"{prefix}.gate_up_proj" in tensors or f"{prefix}.down_proj" in tensors:
         if per_expert:
@@ -50,6 +77,11 @@ def _stack_layer(tensors: dict[str, torch.Tensor], prefix: str, num_experts: int
                 f"checkpoint has both stacked ({prefix}.gate_up_proj/down_proj) and per-expert tensors "
                 f"({per_expert[0]!r}, ...) for the same layer; keep one layout"
             )
+        if shared[0] and f"{prefix}.gate_up_proj" in tensors and f"{prefix}.down_proj" in tensors:
+            gates, ups, downs = shared
+            gate_up = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
+            tensors[f"{prefix}.gate_up_proj"] = torch.cat([tensors[f"{prefix}.gate_up_proj"], gate_up])
+            tensors[f"{prefix}.down_proj"] = torch.cat([tensors[f"{prefix}.down_proj"], torch.stack(downs)])
         return
     if not per_expert:
         return  # nothing of this layer's experts: the loader reports the missing stacked tensors
@@ -67,6 +99,8 @@ def _stack_layer(tensors: dict[str, torch.Tensor], prefix: str, num_experts: int
             *(tuple(take(e, proj, suffix) for proj in EXPERT_PROJECTIONS) for e in range(num_experts)),
             strict=True,
         )
+        if suffix == "weight":  # the shared expert's slots after the routed experts (no FP8 scales then)
+            gates, ups, downs = (a + b for a, b in zip((gates, ups, downs), shared, strict=True))
         try:
             tensors[f"{prefix}.{gate_up}"] = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
             tensors[f"{prefix}.{down}"] = torch.stack(downs)

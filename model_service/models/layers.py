@@ -153,12 +153,17 @@ def checkpoint_layout(module: nn.Module) -> dict[str, list[tuple[str, tuple[int,
 
 
 def checkpoint_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """`module`'s weights under checkpoint names: fused projections split back into their parts."""
+    """`module`'s weights under checkpoint names: fused projections split back into their parts,
+    and whatever a module stores otherwise than its checkpoint names it (its `checkpoint_split`:
+    an MoE block's shared expert kept among its experts)."""
     state = module.state_dict()
     out: dict[str, torch.Tensor] = {}
     for name, parts in checkpoint_layout(module).items():
         pieces = state[name].split([shape[0] for _, shape in parts])
         out.update({part: piece for (part, _), piece in zip(parts, pieces, strict=True)})
+    for prefix, sub in module.named_modules():
+        if (split := getattr(sub, "checkpoint_split", None)) is not None:
+            split(f"{prefix}." if prefix else "", out)
     return out
 
 

@@ -17,6 +17,10 @@ The block is shaped for expert parallelism: it holds the weights of a contiguous
 experts (`experts`, all of them by default), routes over all experts, and returns only its own
 experts' share, so the layer's output is the sum over the ranks that own the ranges
 (distributed/sharding.py, which also splits the shared expert's columns over the ranks).
+
+Where the shared expert is as wide as a whole number of experts, it is kept as the last experts of
+the stack and routed to every token (`shared_expert_slots`): the experts' kernels compute it with
+the routed ones, its GEMM launches gone from every decode step.
 """
 
 from __future__ import annotations
@@ -130,12 +134,15 @@ class SparseMoeBlock(nn.Module):
         self.expert_range = experts
         self.top_k, self.renormalize, self.routing = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routing
         self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.routing.correction_bias)
-        self.experts = StackedExperts(len(experts), cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_slots = shared_expert_slots(cfg)
+        stacked = len(experts) + self.shared_slots
+        self.experts = StackedExperts(stacked, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert_gate: nn.Module | None = None
         # Qwen's `shared_expert` behind `shared_expert_gate`; DeepSeek's `shared_experts`, ungated.
         self.shared_name = "shared_expert" if cfg.shared_expert_gated else "shared_experts"
         if cfg.shared_expert_intermediate_size:
-            setattr(self, self.shared_name, MLP(cfg, cfg.shared_expert_intermediate_size))
+            if not self.shared_slots:
+                setattr(self, self.shared_name, MLP(cfg, cfg.shared_expert_intermediate_size))
             if cfg.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.arrivals: torch.Tensor | None = None  # the fused kernels' counters, made on first use
@@ -143,29 +150,45 @@ class SparseMoeBlock(nn.Module):
     def select_experts(
         self, x: torch.Tensor, counters: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(weights [T, k] float32, this block's local expert ids [T, k], the shared expert's gate
-        [T] where the routing kernel computed it, else None) of x's rows. On the fused path
-        routing is one kernel (instead of ~8 launches, ~20 with DeepSeek's groups, which cost as
-        much as the experts in a decode step): up to ROUTER_MAX_ROWS rows with the router's
-        logits, and Qwen's shared-expert gate, computed inside it (`route_hidden`, given the
-        `counters`), more after the router's cuBLAS GEMM."""
+        """(weights [T, k (+ shared slots)] float32, this block's local expert ids, the shared
+        expert's gate [T] where the routing kernel computed it for a separate shared MLP, else
+        None) of x's rows. On the fused path routing is one kernel (instead of ~8 launches, ~20
+        with DeepSeek's groups, which cost as much as the experts in a decode step): up to
+        ROUTER_MAX_ROWS rows with the router's logits, and Qwen's shared-expert gate, computed
+        inside it (`route_hidden`, given the `counters`), more after the router's cuBLAS GEMM.
+        With `shared_slots` every token's pairs end with the shared expert's slots."""
         gate, routing, first = self.gate, self.routing, self.expert_range.start
         bias = gate.e_score_correction_bias
         gate_up = self.experts.gate_up_proj
-        fused = experts_path(x.shape[0], self.top_k, gate_up.shape[0], gate_up.dtype, x.device) == "fused"
+        pairs = self.top_k + self.shared_slots  # a token's, as `fused_experts` will count them
+        fused = experts_path(x.shape[0], pairs, gate_up.shape[0], gate_up.dtype, x.device) == "fused"
         if fused and x.shape[0] <= ROUTER_MAX_ROWS and counters is not None:
-            shared_gate, scale, gated = self.shared_expert_gate, None, None
-            if type(shared_gate) is nn.Linear:  # a float weight the kernel reads as it is
-                scale = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
-                gated = (shared_gate.weight, scale)
-            args = (self.top_k, self.renormalize, counters[:ROUTER_MAX_ROWS], routing, bias, first, gated)
-            weights, ids = route_hidden(x, gate.weight, *args)
-            return weights, ids, scale
+            return self._route_in_kernel(x, counters)
         logits = F.linear(x.float(), gate.weight.float()) if routing.float32_logits else gate(x)
         if fused:
-            return *route_topk(logits, self.top_k, self.renormalize, routing, bias, first), None
-        weights, ids = route(logits, self.top_k, self.renormalize, routing, bias)
-        return weights, ids - first, None
+            weights, ids = route_topk(logits, self.top_k, self.renormalize, routing, bias, first)
+        else:
+            weights, ids = route(logits, self.top_k, self.renormalize, routing, bias)
+            ids = ids - first
+        if not self.shared_slots:
+            return weights, ids, None
+        gated = F.sigmoid(self.shared_expert_gate(x))[:, 0] if self.shared_expert_gate is not None else None
+        return *with_shared_slots(weights, ids, self.shared_slots, len(self.expert_range), gated), None
+
+    def _route_in_kernel(
+        self, x: torch.Tensor, counters: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`select_experts` in the one routing launch (`route_hidden`), the shared expert's gate
+        and slots included."""
+        shared_gate, scale, gated = self.shared_expert_gate, None, None
+        if type(shared_gate) is nn.Linear:  # a float weight the kernel reads as it is
+            scale = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
+            gated = (shared_gate.weight, scale)
+        gate, first = self.gate, self.expert_range.start
+        args = (self.top_k, self.renormalize, counters[:ROUTER_MAX_ROWS], self.routing)
+        slots = (self.shared_slots, len(self.expert_range))
+        weights, ids = route_hidden(x, gate.weight, *args, gate.e_score_correction_bias, first, gated, *slots)
+        return weights, ids, None if self.shared_slots else scale
 
     def counters(self, x: torch.Tensor) -> torch.Tensor | None:
         """The fused kernels' arrival counters on x's device (the routing kernel's first, then the
@@ -179,6 +202,20 @@ class SparseMoeBlock(nn.Module):
             size = ROUTER_MAX_ROWS + fused_counters(COUNTED_TOKENS, self.gate.in_features)
             self.arrivals = torch.zeros(size, dtype=torch.int32, device=x.device)
         return self.arrivals if self.arrivals is not None and self.arrivals.device == x.device else None
+
+    def checkpoint_split(self, prefix: str, tensors: dict[str, torch.Tensor]) -> None:
+        """`tensors` (`layers.checkpoint_tensors`: checkpoint names, `prefix` this block's) with the
+        shared expert's slots taken back out of the experts' stack under the shared expert's own
+        names: the loader's stacking (`expert_weights._shared_slots`) undone."""
+        if not self.shared_slots:
+            return
+        routed, experts, shared = len(self.expert_range), f"{prefix}experts", f"{prefix}{self.shared_name}"
+        gate_up, down = tensors[f"{experts}.gate_up_proj"], tensors[f"{experts}.down_proj"]
+        tensors[f"{experts}.gate_up_proj"], tensors[f"{experts}.down_proj"] = gate_up[:routed], down[:routed]
+        gate, up = gate_up[routed:].chunk(2, dim=1)
+        tensors[f"{shared}.gate_proj.weight"] = gate.flatten(0, 1)
+        tensors[f"{shared}.up_proj.weight"] = up.flatten(0, 1)
+        tensors[f"{shared}.down_proj.weight"] = torch.cat(down[routed:].unbind(0), dim=1)
 
     def shared_mlp(self) -> nn.Module | None:
         """The always-on expert, if the model has one (under its checkpoint name)."""
@@ -198,6 +235,38 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert_gate is not None:
             return out + F.sigmoid(self.shared_expert_gate(x)) * shared(x)
         return out + shared(x)
+
+
+def shared_expert_slots(cfg: ModelConfig) -> int:
+    """How many expert slots of the stack the shared expert takes (0: it stays a separate MLP).
+    Fused (SGLang's "shared experts fusion"), the shared expert is n more experts of the routed
+    experts' width at the end of `StackedExperts` (the loader moves its weights there,
+    `expert_weights.stack_expert_tensors`) and routing gives every token n more pairs (weight
+    sigmoid(shared gate) for Qwen, 1 for DeepSeek): the experts' kernels compute it with the
+    routed ones, two GEMM launches and the add less a layer, summed with them in float32 before
+    one rounding. It applies where the shared width is a whole number of expert widths (Qwen3-Next
+    512 / 512; DeepSeek n_shared x moe_intermediate; Qwen1.5-MoE 4 x 1,408) and the weights are
+    those of the experts' kind: not for an FP8 checkpoint, whose shared expert may be quantized
+    otherwise than its experts (or not at all); online FP8 quantizes the fused stack as experts
+    are (per row, W8A16). Tensor parallelism cuts every slot's columns as the experts'; expert
+    parallelism keeps the slots on the last rank (`sharding._held_experts`). LoRA on MoE layers' MLPs is
+    refused whatever the layout (`lora.adapter`)."""
+    width, inter = cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size
+    fusable = width and inter and width % inter == 0 and cfg.quantization is None and not cfg.mlp_bias
+    return width // inter if fusable and cfg.hidden_act == "silu" else 0
+
+
+def with_shared_slots(
+    weights: torch.Tensor, ids: torch.Tensor, slots: int, first_id: int, gate: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) [T, k] with `slots` pairs appended to each token: ids first_id.. (the
+    shared expert's slots in the stack), weights `gate` [T] (Qwen's sigmoid, as its linear and
+    sigmoid round it) or 1 (DeepSeek's ungated shared experts)."""
+    tokens = ids.shape[0]
+    extra_ids = torch.arange(first_id, first_id + slots, dtype=ids.dtype, device=ids.device)
+    extra_ids = extra_ids.expand(tokens, -1)
+    extra = gate.float()[:, None] if gate is not None else weights.new_ones(tokens, 1)
+    return torch.cat([weights, extra.expand(-1, slots)], dim=1), torch.cat([ids, extra_ids], dim=1)
 
 
 def mlp_for(cfg: ModelConfig, layer_idx: int) -> nn.Module:

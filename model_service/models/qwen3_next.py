@@ -78,11 +78,13 @@ class GatedDeltaNet(nn.Module):
         group = hv // hk
         # Per key head: q (dk), k (dk), v (group * dv), z (group * dv); then b, a (group each).
         self.qkvz_split = [dk, dk, group * dv, group * dv]
-        # PackedLinear (one part each, the checkpoint's names): decode rows take the few-row kernel.
-        self.in_proj_qkvz = PackedLinear(
-            cfg.hidden_size, {"in_proj_qkvz": 2 * self.key_dim + 2 * self.value_dim}, False
-        )
-        self.in_proj_ba = PackedLinear(cfg.hidden_size, {"in_proj_ba": 2 * hv}, False)
+        parts = {"in_proj_qkvz": 2 * self.key_dim + 2 * self.value_dim, "in_proj_ba": 2 * hv}
+        self.packed = cfg.quantization is None
+        if self.packed:  # both projections of x in one GEMM (a launch less a layer), parts by checkpoint name
+            self.in_proj = PackedLinear(cfg.hidden_size, parts, False)
+        else:  # an FP8 checkpoint may keep in_proj_ba in high precision (Qwen3-Next's release does)
+            self.in_proj_qkvz = PackedLinear(cfg.hidden_size, {"in_proj_qkvz": parts["in_proj_qkvz"]}, False)
+            self.in_proj_ba = PackedLinear(cfg.hidden_size, {"in_proj_ba": parts["in_proj_ba"]}, False)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, shape.conv_kernel, groups=self.conv_dim, bias=False
         )
@@ -95,11 +97,20 @@ class GatedDeltaNet(nn.Module):
         s = self.shape
         return [(s.conv_kernel - 1, self.conv_dim), (s.num_value_heads, s.key_head_dim, s.value_head_dim)]
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(in_proj_qkvz(x), in_proj_ba(x)): column views of one GEMM's rows where they are packed
+        (the kernels read them by their row strides), else two GEMMs."""
+        if self.packed:
+            qkvz, ba = self.in_proj(x).split(self.in_proj.output_sizes, dim=-1)
+            return qkvz, ba
+        return self.in_proj_qkvz(x), self.in_proj_ba(x)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         assert ctx.recurrent is not None, "a linear-attention layer needs the executor's state tensors"
         n, s = x.shape[0], self.shape
         hk, hv = s.num_key_heads, s.num_value_heads
-        q, k, v, z = self.in_proj_qkvz(x).view(n, hk, -1).split(self.qkvz_split, dim=-1)
+        qkvz, ba = self.project(x)
+        q, k, v, z = qkvz.view(n, hk, -1).split(self.qkvz_split, dim=-1)
         conv_state, ssm_state = ctx.recurrent.layer_state(self.state_index, STATE_TENSORS_PER_LAYER)
         mixed = causal_conv((q, k, v), conv_state, self.conv1d.weight, ctx.recurrent.plan)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -107,7 +118,7 @@ class GatedDeltaNet(nn.Module):
             q.reshape(n, hk, s.key_head_dim),
             k.reshape(n, hk, s.key_head_dim),
             v.reshape(n, hv, s.value_head_dim),
-            self.in_proj_ba(x),
+            ba,
             self.A_log,
             self.dt_bias,
             ssm_state,
