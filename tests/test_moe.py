@@ -4,6 +4,7 @@ PEFT, and the expert computation itself: routing by hand, the grouped path again
 
 from __future__ import annotations
 
+import copy
 import math
 import shutil
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from model_service.distributed.sharding import Partition, _moe_share
 from model_service.errors import ModelLoadError
 from model_service.kernels.experts import (
     experts_grouped,
@@ -298,6 +300,33 @@ def test_expert_ranges_sum_to_the_whole_block():
         torch.testing.assert_close(parts[0](x) + parts[1](x), whole(x))
     with pytest.raises(ValueError, match="contiguous"):
         SparseMoeBlock(cfg, range(0, 9))
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_a_fused_shared_expert_is_split_over_every_rank(expert_parallel: bool):
+    """The shared expert as the stack's last slots (`shared_expert_slots`), sharded over two
+    ranks: the shares sum to the block, and every rank computes half of the shared expert (its
+    slots' columns under tensor parallelism; an MLP split by columns again under expert
+    parallelism, where held whole it would be one rank's work for every token)."""
+    sizes = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "norm_topk_prob": True}
+    sizes["shared_expert_intermediate_size"] = 16
+    cfg = ModelConfig("qwen2_moe", 16, 16, 32, 1, 2, 2, 8, 1e-6, 64, **sizes)
+    torch.manual_seed(0)
+    whole = SparseMoeBlock(cfg)
+    assert whole.shared_slots == 2
+    for p in whole.parameters():
+        torch.nn.init.normal_(p, 0, 0.3)
+    x = torch.randn(5, 16)
+    shares = []
+    for rank in range(2):
+        part = Partition.of(cfg, rank, 2, expert_parallel=expert_parallel)
+        share = _moe_share(copy.deepcopy(whole), part, torch.device("cpu"), cfg)
+        shared_columns = share.shared_mlp().down_proj.weight.shape[1] if share.shared_mlp() else 0
+        slot_columns = share.shared_slots * share.experts.down_proj.shape[2]
+        assert shared_columns + slot_columns == 8  # half of the shared expert's 16 on each rank
+        shares.append(share)
+    with torch.no_grad():
+        torch.testing.assert_close(shares[0](x) + shares[1](x), whole(x))
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 64, 513])

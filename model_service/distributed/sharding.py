@@ -254,7 +254,9 @@ def _check_split_parts(attn: nn.Module, mlp: nn.Module, slices: dict[str, range]
         )
 
 
-def _shard_layer(layer: nn.Module, part: Partition, coll: Collectives, device: torch.device) -> None:
+def _shard_layer(
+    layer: nn.Module, part: Partition, coll: Collectives, device: torch.device, cfg: ModelConfig
+) -> None:
     attn, mlp = layer.self_attn, layer.mlp
     by_heads = isinstance(attn, LatentAttention) or (isinstance(attn, Attention) and attn.shardable_by_heads)
     if not by_heads or not isinstance(mlp, MLP | SparseMoeBlock):
@@ -272,7 +274,7 @@ def _shard_layer(layer: nn.Module, part: Partition, coll: Collectives, device: t
         attn.num_heads, attn.num_kv_heads = len(part.q_heads), len(part.kv_heads)
         attn.qkv_sizes = attn.qkv_proj.output_sizes
     if isinstance(mlp, SparseMoeBlock):
-        layer.mlp = SummedOverRanks(_moe_share(mlp, part, device), coll)
+        layer.mlp = SummedOverRanks(_moe_share(mlp, part, device, cfg), coll)
         return
     mlp.gate_up_proj = _column(mlp.gate_up_proj, s, device)
     mlp.down_proj = _row(mlp.down_proj, s["down_proj"], coll, device)
@@ -298,12 +300,17 @@ def _shard_latent_attention(
     attn.num_heads = len(part.q_heads)
 
 
-def _moe_share(block: SparseMoeBlock, part: Partition, device: torch.device) -> SparseMoeBlock:
+def _moe_share(
+    block: SparseMoeBlock, part: Partition, device: torch.device, cfg: ModelConfig
+) -> SparseMoeBlock:
     """`block` computing only this rank's share: its experts (`part.experts`), each over its
-    intermediate rows (`part.expert_inter`), and its columns of the shared expert. The caller
-    sums the shares over the ranks (the router and the shared expert's gate stay whole)."""
+    intermediate rows (`part.expert_inter`), and its columns of the shared expert (fused into the
+    stack, its slots' columns as every expert's; under expert parallelism, an MLP again). The
+    caller sums the shares over the ranks (the router and the shared expert's gate stay whole)."""
     e, i = part.experts, part.expert_inter
-    held = _held_experts(block, part)
+    if len(e) < block.gate.out_features:  # expert parallelism
+        block.unfuse_shared_expert(cfg)
+    held = [*e, *range(block.gate.out_features, block.gate.out_features + block.shared_slots)]
     gate_up = block.experts.gate_up_proj.detach()[held]
     down = block.experts.down_proj.detach()[held]
     scales = block.experts.scales()
@@ -328,20 +335,6 @@ def _moe_share(block: SparseMoeBlock, part: Partition, device: torch.device) -> 
         if bias is not None and part.rank == 0:  # added once to the sum
             shared.down_proj.bias = _frozen(bias.detach(), device)
     return block
-
-
-def _held_experts(block: SparseMoeBlock, part: Partition) -> list[int]:
-    """The stack's experts a rank holds: its routed ones, then the shared expert's slots
-    (`moe.shared_expert_slots`), whose columns tensor parallelism cuts as every expert's. Under
-    expert parallelism the last rank holds them whole, as each routed expert lives on one rank:
-    routing appends their ids, `len(experts)` on, on every rank; past another rank's stack they
-    add nothing, and on the last rank no routed expert's local id reaches them (another rank's
-    experts are ids below its first, negative there; on rank 0 they would be these ids)."""
-    routed = block.gate.out_features
-    expert_parallel = len(part.experts) < routed
-    holds = part.rank == part.world - 1 or not expert_parallel
-    shared = range(routed, routed + block.shared_slots) if holds else range(0)
-    return [*part.experts, *shared]
 
 
 def _scale_groups(cols: range, width: int, group: int) -> slice:
@@ -383,7 +376,7 @@ def shard_module(full: nn.Module, part: Partition, coll: Collectives, device: to
     cfg: ModelConfig = full.config
     shard = own_module_tree(full)
     for layer in shard.model.layers:
-        _shard_layer(layer, part, coll, device)
+        _shard_layer(layer, part, coll, device, cfg)
     embed = _vocab_shard(full.model.embed_tokens.weight, part, device)
     shard.model.embed_tokens = VocabParallelEmbedding(embed, part.vocab.start, coll)
     head = embed if cfg.tie_word_embeddings else _vocab_shard(full.lm_head.weight, part, device)

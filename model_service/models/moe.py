@@ -217,6 +217,31 @@ class SparseMoeBlock(nn.Module):
         tensors[f"{shared}.up_proj.weight"] = up.flatten(0, 1)
         tensors[f"{shared}.down_proj.weight"] = torch.cat(down[routed:].unbind(0), dim=1)
 
+    def unfuse_shared_expert(self, cfg: ModelConfig) -> None:
+        """The shared expert's slots taken out of the stack into its own MLP again (the tensors
+        `checkpoint_split` gives). Expert parallelism needs it: each rank holds whole experts, so
+        fused the shared expert would live on one rank, which would compute it for every token
+        while the others wait; as an MLP it is split by columns over all ranks (sharding)."""
+        if not self.shared_slots:
+            return
+        experts, name = self.experts, self.shared_name
+        tensors = {
+            "experts.gate_up_proj": experts.gate_up_proj.detach(),
+            "experts.down_proj": experts.down_proj.detach(),
+        }
+        self.checkpoint_split("", tensors)
+        with torch.device("meta"):
+            mlp = MLP(cfg, cfg.shared_expert_intermediate_size)
+        gate_up = torch.cat([tensors[f"{name}.gate_proj.weight"], tensors[f"{name}.up_proj.weight"]])
+        mlp.gate_up_proj.weight = nn.Parameter(gate_up, requires_grad=False)
+        mlp.down_proj.weight = nn.Parameter(
+            tensors[f"{name}.down_proj.weight"].contiguous(), requires_grad=False
+        )
+        experts.gate_up_proj = nn.Parameter(tensors["experts.gate_up_proj"], requires_grad=False)
+        experts.down_proj = nn.Parameter(tensors["experts.down_proj"], requires_grad=False)
+        setattr(self, name, mlp)
+        self.shared_slots = 0
+
     def shared_mlp(self) -> nn.Module | None:
         """The always-on expert, if the model has one (under its checkpoint name)."""
         return getattr(self, self.shared_name, None)
@@ -249,8 +274,8 @@ def shared_expert_slots(cfg: ModelConfig) -> int:
     those of the experts' kind: not for an FP8 checkpoint, whose shared expert may be quantized
     otherwise than its experts (or not at all); online FP8 quantizes the fused stack as experts
     are (per row, W8A16). Tensor parallelism cuts every slot's columns as the experts'; expert
-    parallelism keeps the slots on the last rank (`sharding._held_experts`). LoRA on MoE layers' MLPs is
-    refused whatever the layout (`lora.adapter`)."""
+    parallelism takes them back out into the MLP (`SparseMoeBlock.unfuse_shared_expert`). LoRA on
+    MoE layers' MLPs is refused whatever the layout (`lora.adapter`)."""
     width, inter = cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size
     fusable = width and inter and width % inter == 0 and cfg.quantization is None and not cfg.mlp_bias
     return width // inter if fusable and cfg.hidden_act == "silu" else 0
