@@ -780,14 +780,14 @@ def test_fp8_experts_split_over_two_ranks_sum_to_the_whole_block(
     loaded, block = block_of(256)
     x = torch.randn(5, loaded.config.hidden_size, generator=torch.Generator().manual_seed(0))
     parts = [Partition.of(loaded.config, r, 2, expert_parallel) for r in range(2)]
-    shares = [_moe_share(copy.deepcopy(block), part, torch.device("cpu")) for part in parts]
+    shares = [_moe_share(copy.deepcopy(block), part, torch.device("cpu"), loaded.config) for part in parts]
     assert all(share.experts.gate_up_proj.dtype == E4M3 for share in shares)
     with torch.no_grad():
         torch.testing.assert_close(sum(share(x) for share in shares), block(x), atol=1e-5, rtol=1e-5)
     if source != "online" and not expert_parallel:
         loaded, block = block_of(192)  # 96 columns a rank
         with pytest.raises(ModelLoadError, match="128-column blocks"):
-            _moe_share(block, Partition.of(loaded.config, 1, 2), torch.device("cpu"))
+            _moe_share(block, Partition.of(loaded.config, 1, 2), torch.device("cpu"), loaded.config)
 
 
 def test_deepseek_v3s_hub_format_runs_mla_and_its_mtp_layer_in_fp8(tmp_path: Path):
