@@ -18,8 +18,8 @@ real` runs both. The batch builder works as on a GPU (`keep_batches=False`: one 
 its views kept by layout; a tree before that flag packs as it did on either device). Median of
 the steps, best of `--repeats` runs (the machine may be shared). One JSON line per (model, batch).
 
-    python bench/host_step.py [--models hybrid dense] [--batches 1 64] [--steps 200] [--repeats 5]
-                              [--forward stub|real]
+    PYTHONPATH=. python bench/host_step.py [--models hybrid dense] [--batches 1 64] [--steps 200]
+                                           [--repeats 5] [--forward stub|real]
 """
 
 from __future__ import annotations
