@@ -499,6 +499,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, seconds for in-flight streams [30]",
     )
+    serving.add_send_timeout_arg(g, 60.0, "shorter than the pods' 300: a stalled client is no failing pod")
     d = parser.add_argument_group("model pods")
     d.add_argument("--pods", default="", help="static list of model pods, HOST:PORT,HOST:PORT")
     d.add_argument("--pods-dns", default="", help="HOST:PORT of a headless Service; each address is a pod")
@@ -607,7 +608,8 @@ async def start(
         if args.pods_dns
         else static_discovery([a.strip() for a in args.pods.split(",") if a.strip()])
     )
-    server = serving.make_server(telemetry.server_interceptors(provider))
+    send_timeout = getattr(args, "send_timeout", 0.0)
+    server = serving.make_server(telemetry.server_interceptors(provider), send_timeout)
     health = serving.Health(server, SERVICES)
     await health.serve_plaintext(args.host, getattr(args, "health_port", 0))
     gateway: GatewayService
@@ -668,6 +670,7 @@ async def start(
                 getattr(args, "reasoning_key_file", None),
                 on_request=gateway.metrics.http_request,
                 admit=gateway.authenticated,
+                send_timeout=send_timeout,
             )
             gateway.http_port = await gateway.http.start(args.host, args.http_port, security.tls)
             log.info("OpenAI-compatible HTTP API on %s:%d", args.host, gateway.http_port)

@@ -18,8 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from spindle import flagtypes
 from spindle.errors import ListenError
 from spindle.malformed import MalformedRequestInterceptor
+from spindle.send_timeout import SendTimeout
 from spindle.tls import PLAINTEXT, TlsConfig, server_credentials
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,20 @@ def _options() -> list[tuple[str, int]]:
     ]
 
 
+def add_send_timeout_arg(parser: Any, default: float, behind: str) -> None:
+    """`--send-timeout` (SPINDLE_SEND_TIMEOUT): how long one send of a response stream, gRPC or
+    server-sent events, may wait on a client that takes nothing, `behind` saying why this default."""
+    parser.add_argument(
+        "--send-timeout",
+        type=flagtypes.seconds_or_none,
+        default=default,
+        help="seconds a stream's send may wait on a client that reads nothing (its gRPC flow-control "
+        "window or socket full) before the stream is ended (gRPC: DEADLINE_EXCEEDED; HTTP: the "
+        "connection closed) and its request cancelled; a client that keeps reading, however "
+        f"slowly, is never cut; 0 = wait forever ({behind}) [{default:g}]",
+    )
+
+
 def served_model_name(model: str) -> str:
     """The name a pod serves `--model` under unless `--served-model-name` says otherwise: an alias
     as it is, a checkpoint directory's name, a .gguf file's stem. Torch-free, so `spindle up` names
@@ -70,12 +86,17 @@ def served_model_name(model: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def make_server(interceptors: Iterable[Any] = ()) -> grpc.aio.Server:
+def make_server(interceptors: Iterable[Any] = (), send_timeout: float = 0.0) -> grpc.aio.Server:
     """A server whose requests that do not parse end INVALID_ARGUMENT (spindle/malformed.py); that
     interceptor runs last, next to the handlers, so the others see the wrapped handler. Clients'
     keepalive pings are accepted every KEEPALIVE_MIN_PING_S, with or without a call; a client that
-    stops answering pings is cut off (KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S)."""
-    return grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()], options=_options())
+    stops answering pings is cut off (KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S). A response stream
+    whose client reads nothing for `send_timeout` seconds is ended (0: never; send_timeout.py); that
+    interceptor runs first, so it writes what the others yield."""
+    bound = [SendTimeout(send_timeout)] if send_timeout else []
+    return grpc.aio.server(
+        interceptors=[*bound, *interceptors, MalformedRequestInterceptor()], options=_options()
+    )
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig = PLAINTEXT) -> int:

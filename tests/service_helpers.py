@@ -227,10 +227,16 @@ def collect(responses) -> tuple[list[int], list[pb.GenerateResponse]]:
 
 @contextlib.asynccontextmanager
 async def pod_in_process(
-    loaded: Any, name: str, provider: Any = None, security: Any = None, **engine: Any
+    loaded: Any,
+    name: str,
+    provider: Any = None,
+    security: Any = None,
+    send_timeout: float = 0.0,
+    **engine: Any,
 ) -> AsyncIterator[Any]:
     """A model pod in the caller's event loop on `loaded` weights (loaded and SERVING): yields its
-    PodServers (`.port`, `.control_port`). For tests that need to see inside (spans, logs)."""
+    PodServers (`.port`, `.control_port`), its streams ended after `send_timeout` seconds of a
+    client reading nothing (0: never). For tests that need to see inside (spans, logs)."""
     from model_service.engine.config import EngineConfig
     from model_service.engine.engine import Engine
     from model_service.pod import server as pod_server
@@ -238,7 +244,9 @@ async def pod_in_process(
     from spindle.security import PLAINTEXT
 
     pod = ModelPod(name, drain_timeout=1.0)
-    servers = await pod_server.start(pod, "127.0.0.1", 0, 0, provider, None, security or PLAINTEXT)
+    servers = await pod_server.start(
+        pod, "127.0.0.1", 0, 0, provider, None, security or PLAINTEXT, send_timeout=send_timeout
+    )
     try:
         config = EngineConfig(model=loaded.name, device="cpu", dtype="float32", num_kv_blocks=64, **engine)
         await pod.load(lambda: Engine(config, loaded=loaded))

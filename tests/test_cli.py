@@ -284,10 +284,10 @@ def test_ports_counts_and_intervals_out_of_range_are_usage_errors(capsys, monkey
     cases = {
         "serve": [["--port", "70000"], ["--control-port", "-1"], ["--metrics-port", "65536"],
                   ["--http-port", "-1"], ["--health-port", "99999"], ["--stream-interval", "0"],
-                  ["--drain-timeout", "-1"], ["--engine-stall-timeout", "0"]],
+                  ["--drain-timeout", "-1"], ["--engine-stall-timeout", "0"], ["--send-timeout", "-1"]],
         "gateway": [["--port", "70000"], ["--health-interval", "0"], ["--health-timeout", "-1"],
                     ["--discovery-interval", "0"], ["--failure-threshold", "0"], ["--max-attempts", "0"],
-                    ["--placement-timeout", "0"], ["--drain-timeout", "-0.5"]],
+                    ["--placement-timeout", "0"], ["--drain-timeout", "-0.5"], ["--send-timeout", "nan"]],
         "adapter-service": [["--port", "-1"], ["--metrics-port", "70000"], ["--poll-interval", "0"],
                             ["--max-replicas", "0"]],
         "up": [["--gateway-port", "70000"], ["--pod-port", "-1"], ["--startup-timeout", "0"]],

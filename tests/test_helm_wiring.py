@@ -240,6 +240,8 @@ def test_the_model_pod_uses_every_gpu_it_requests(variant, gpus, monkeypatch):
         ({"model": {"config": {"engine-stall-timeout": 600}}}, "model", {"engine_stall_timeout": 600}),
         ({"model": {"config": {"enable-expert-parallel": True}}}, "model", {"enable_expert_parallel": True}),
         ({"gateway": {"config": {"placement-timeout": 120}}}, "gateway", {"placement_timeout": 120}),
+        ({"gateway": {"config": {"send-timeout": 30}}}, "gateway", {"send_timeout": 30}),
+        ({"model": {"config": {"send-timeout": 0}}}, "model", {"send_timeout": 0}),
         ({"gateway": {"config": {"tool-call-parser": "hermes"}}}, "gateway", {"tool_call_parser": "hermes"}),
         ({"model": {"config": {"tool-call-parser": "hermes"}}}, "model", {"tool_call_parser": "hermes"}),
         ({"model": {"config": {"tool-call-parser": "mistral"}}}, "model", {"tool_call_parser": "mistral"}),

@@ -78,6 +78,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, seconds in-flight requests get to finish before they are aborted [30]",
     )
+    serving.add_send_timeout_arg(g, 300.0, "longer than the gateway's 60, which is the pod's reader")
     g.add_argument(
         "--engine-stall-timeout",
         type=flagtypes.seconds,
@@ -151,16 +152,18 @@ async def start(
     tool_parser: str = "none",
     reasoning_parser: str = "none",
     reasoning_key: bytes | None = None,
+    send_timeout: float = 0.0,
 ) -> PodServers:
     """Register the pod's services on its two servers and start listening (NOT_SERVING until
     loaded), and on `http_port` the OpenAI-compatible API over the same Generation servicer
     (0 = none), reading tool calls with `tool_parser` and reasoning with `reasoning_parser` (its blobs signed
-    with `reasoning_key`). Also
-    used in-process by tests and the benchmark. The control port's ModelControl needs the service
-    token when `security` has one."""
+    with `reasoning_key`); a stream whose client reads nothing for `send_timeout` seconds is
+    ended (0: never). Also used in-process by tests and the benchmark. The control port's
+    ModelControl needs the service token when `security` has one."""
     interceptors = telemetry.server_interceptors(provider)
     guard = security.guard(CONTROL_SERVICES, "model pod's control port")
-    server, control = serving.make_server(interceptors), serving.make_server([*guard, *interceptors])
+    server = serving.make_server(interceptors, send_timeout)
+    control = serving.make_server([*guard, *interceptors])
     tracer = telemetry.get_tracer(__name__, provider)
     generation = GenerationService(pod, tracer)
     generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
@@ -191,6 +194,7 @@ async def start(
                 tool_parser,
                 reasoning_parser,
                 reasoning_key,
+                send_timeout=send_timeout,
             )
             servers.http_port = await servers.http.start(host, http_port, security.tls)
     return servers
@@ -218,6 +222,7 @@ async def serve(args: argparse.Namespace) -> int:
         args.tool_call_parser,
         args.reasoning_parser,
         args.reasoning_key_file,
+        args.send_timeout,
     )
     async with serving.stopped_on_failure(lambda: servers.stop(None), pod.health.stop):
         await pod.health.serve_plaintext(args.host, args.health_port)

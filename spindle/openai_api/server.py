@@ -14,6 +14,7 @@ request in the engine, the gateway cancels its call to the pod.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import functools
 import json
@@ -115,6 +116,8 @@ class OpenAIServer:
     `base_models()` names the base models (a `model` that is none of them is an adapter);
     `ready()` is the process's health status; `tool_parser`, `reasoning_parser` and
     `reasoning_key` the --tool-call-parser, --reasoning-parser and --reasoning-key-file;
+    `send_timeout` the --send-timeout (an event stream whose client reads nothing that long is
+    closed, and its requests cancelled; 0: never);
     `on_request`, when given, is told each request's method, route template and status (the
     gateway's metrics); `admit`, when given, sees each generation request's headers before its
     body is read, and refuses a caller by aborting (the gateway's API keys: a body of up to 64 MB
@@ -132,9 +135,10 @@ class OpenAIServer:
         reasoning_key: bytes | None = None,
         on_request: Callable[[str, str, int], None] | None = None,
         admit: Callable[[HttpCallContext], Awaitable[object]] | None = None,
+        send_timeout: float = 0.0,
     ) -> None:
         self.generation, self.base_models, self.ready, self.tracer = generation, base_models, ready, tracer
-        self.admit = admit
+        self.admit, self.send_timeout = admit, send_timeout
         middlewares = [_traced(tracer), _openai_errors]  # the span sees the status of every refusal
         if on_request is not None:  # outermost: it sees every answer's final status
             middlewares.insert(0, _counted(on_request))
@@ -187,7 +191,8 @@ class OpenAIServer:
             reply = fmt.reply(call, (contexts[0].request_id() or rid) if len(parts) == 1 else rid)
             headers = {"x-request-id": reply.request_id}
             if call.stream:
-                return await _stream(request, reply, [p.prompt for p in parts], early, merged, headers)
+                prompts = [p.prompt for p in parts]
+                return await _stream(request, reply, prompts, early, merged, headers, self.send_timeout)
             answers = [fanout.Answer(p.prompt) for p in parts]
             for k, message in [*early, *[m async for m in merged]]:
                 answers[k].messages.append(message)
@@ -246,15 +251,41 @@ async def _stream(
     early: list[tuple[int, pb.GenerateResponse]],
     merged: fanout.Merged,
     headers: dict[str, str],
+    send_timeout: float = 0.0,
 ) -> web.StreamResponse:
     """Server-sent events: the messages read so far, the rest as they come (each generation's
     chunks with its choice's index; `prompts[k]`: the prompt generation k answers), the usage
     chunk when asked for, then [DONE]. A failure after the first byte is an `error` event (what
-    the `openai` SDKs raise from)."""
+    the `openai` SDKs raise from). A client that reads nothing for `send_timeout` seconds (0:
+    never) while events wait is cut off: the connection is closed, and closing the streams
+    cancels the requests (as when it disconnects)."""
     response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
                                            **headers})  # fmt: skip
     await response.prepare(request)
-    send = functools.partial(_send, response, named=reply.named_events)
+    write = functools.partial(_write, response, send_timeout)
+    try:
+        await _events(request, reply, prompts, early, merged, write)
+    except ConnectionResetError:
+        pass  # the client left; closing the streams aborts the requests
+    except Unread:
+        log.info("closed an event stream whose client read nothing for %g s (--send-timeout)", send_timeout)
+        if request.transport is not None:
+            request.transport.abort()  # what it has not read is dropped: its socket is closed now
+    return response
+
+
+async def _events(
+    request: web.Request,
+    reply: Reply,
+    prompts: list[int],
+    early: list[tuple[int, pb.GenerateResponse]],
+    merged: fanout.Merged,
+    write: Callable[[bytes], Awaitable[None]],
+) -> None:
+    async def send(objects: list[dict[str, Any]]) -> None:
+        if objects:  # server-sent events, one an object, each after an `event:` line if named
+            await write(b"".join(_event(o, reply.named_events) for o in objects))
+
     try:
         await send(reply.opening())
         for k, message in early:
@@ -264,12 +295,11 @@ async def _stream(
         await send(reply.usage_chunks())
     except Refused as e:
         await send(reply.failure(_failed(from_status(e.code, e.details, e.trailers))))
-    except ConnectionResetError:
-        return response  # the client left; closing the streams aborts the requests
+    except (ConnectionResetError, Unread):
+        raise
     except Exception as e:  # the status line is sent: an answer now would corrupt the event stream
         await send(reply.failure(_failed(_internal(request, e))))
-    await response.write(reply.done)
-    return response
+    await write(reply.done)
 
 
 def _failed(error: ApiError) -> ApiError:
@@ -343,10 +373,17 @@ def _counted(
     return counted
 
 
-async def _send(response: web.StreamResponse, objects: list[dict[str, Any]], named: bool = False) -> None:
-    """Server-sent events, one an object; `named`: each after an `event:` line naming its `type`."""
-    if objects:
-        await response.write(b"".join(_event(o, named) for o in objects))
+class Unread(Exception):
+    """The client read nothing of an event stream for --send-timeout seconds."""
+
+
+async def _write(response: web.StreamResponse, timeout: float, data: bytes) -> None:
+    """`data` on the stream, waiting at most `timeout` seconds (0: forever) on a client that
+    reads nothing (aiohttp waits while the socket's buffers are full), else Unread."""
+    try:
+        await asyncio.wait_for(response.write(data), timeout or None)
+    except TimeoutError:
+        raise Unread from None
 
 
 def _event(obj: dict[str, Any], named: bool) -> bytes:
