@@ -33,14 +33,27 @@ log = logging.getLogger(__name__)
 Stream = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
 
 
+async def within(send: Awaitable[None], seconds: float) -> None:
+    """`send` awaited at most `seconds` (0: as long as it takes), else `asyncio.TimeoutError`.
+    A send a streamed token: `asyncio.timeout` (3.11+) arms a timer, where `wait_for` wraps each
+    send in a task of its own (~10 us against ~4)."""
+    if not seconds:
+        await send
+    elif hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            await send
+    else:
+        await asyncio.wait_for(send, seconds)
+
+
 async def _sent_in_time(
     responses: AsyncIterator[Any], context: grpc.aio.ServicerContext, seconds: float
 ) -> bool:
     """Write every response, each within `seconds`; False when one was not taken in time."""
     async for response in responses:
         try:
-            await asyncio.wait_for(context.write(response), seconds)
-        except TimeoutError:
+            await within(context.write(response), seconds)
+        except asyncio.TimeoutError:  # on 3.10 not the builtin TimeoutError
             return False
     return True
 

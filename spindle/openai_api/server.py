@@ -38,6 +38,7 @@ from spindle.openai_api.errors import ApiError, bad_request, from_status
 from spindle.openai_api.responses import ChatFormat, CompletionFormat, Format, Reply
 from spindle.openai_api.responses_output import ResponsesFormat
 from spindle.openai_api.tool_parsers import PARSERS
+from spindle.send_timeout import within
 from spindle.tls import PLAINTEXT, ServerSslContext, TlsConfig
 from spindle.traced_streams import callers_context
 from spindle.v1 import generation_pb2 as pb
@@ -381,8 +382,8 @@ async def _write(response: web.StreamResponse, timeout: float, data: bytes) -> N
     """`data` on the stream, waiting at most `timeout` seconds (0: forever) on a client that
     reads nothing (aiohttp waits while the socket's buffers are full), else Unread."""
     try:
-        await asyncio.wait_for(response.write(data), timeout or None)
-    except TimeoutError:
+        await within(response.write(data), timeout)
+    except asyncio.TimeoutError:  # on 3.10 not the builtin TimeoutError
         raise Unread from None
 
 
