@@ -10,8 +10,10 @@ DeltaNet layers per gated-attention layer, Qwen3-Next-80B's mixer sizes, `--laye
   `--eager` runs them without graphs, as before those kernels. `step_mb` is what a decode step
   must move at least (`decode_step_bytes`), and on CUDA `fraction_of_copy_bandwidth` = step_mb x
   steps/s over the card's measured copy bandwidth: 1 / fraction is how far a step is above its
-  bandwidth floor. `--profile B` prints, after the JSON lines, the device time per kernel of
-  8 decode steps at batch B (`bench/gpu.py`'s `kernel_profile`): where a step above its floor goes.
+  bandwidth floor; `host_share` / `host_exposed` (`bench/gpu.py`'s `host_share`): the host's
+  share of a waited step, and of the wall the device waits for it. `--profile B` prints, after
+  the JSON lines, the device time per kernel of 8 decode steps at batch B (`bench/gpu.py`'s
+  `kernel_profile`): where a step above its floor goes.
 `--moe`: Qwen3-Next-80B-A3B's sparse MLPs in every layer instead (512 experts, 10 routed and a
 shared one of width 512; the floor counts the experts a batch is expected to hit), ~3.2 GB a
 layer in bf16: up to ~40 layers fit an H200. `--quantization fp8`: the model quantized as the
@@ -33,7 +35,7 @@ import time
 
 import torch
 
-from bench.gpu import copy_bandwidth, kernel_profile, weight_bytes
+from bench.gpu import copy_bandwidth, host_share, kernel_profile, weight_bytes
 from bench.moe import hit_fraction
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
@@ -211,6 +213,8 @@ def main() -> None:
         result |= {"tokens_per_s": round(rate, 1), "step_mb": round(step_bytes / 1e6, 1)}
         if bandwidth is not None:
             result["fraction_of_copy_bandwidth"] = round(step_bytes * rate / batch / 1e9 / bandwidth, 3)
+            share, exposed = host_share(engine, batch, 16, cfg.vocab_size)
+            result |= {"host_share": round(share, 3), "host_exposed": round(exposed, 3)}
         print(json.dumps({**setup, **result}))
     if args.profile and device == "cuda":
         print(kernel_profile(engine, args.profile, 16, cfg.vocab_size))
