@@ -33,7 +33,7 @@ import torch.distributed as dist
 from model_service.distributed.group import free_port, init_rank
 from model_service.distributed.link import Command, CommandLink
 from model_service.distributed.shm_channel import ShmChannel, Spin, spin_for
-from model_service.engine.batch_builder import BatchBuilder, _sizes
+from model_service.engine.batch_builder import BatchBuilder, _layout
 
 
 def step_shape(rows: int, blocks: int) -> tuple[int, ...]:
@@ -77,7 +77,7 @@ def line(metric: str, times: list[float], spin: str, **fields: object) -> str:
 def timed_steps(
     link: CommandLink, shape: tuple[int, ...], gap_s: float, steps: int, warmup: int
 ) -> list[float]:
-    packed = torch.zeros(sum(_sizes(shape)), dtype=torch.long)
+    packed = torch.zeros(_layout(shape)[1], dtype=torch.long)
     times = []
     for i in range(warmup + steps):
         until = time.perf_counter() + gap_s
@@ -117,7 +117,7 @@ def main() -> None:
         for rows in args.batches:
             shape = step_shape(rows, args.blocks)
             times = timed_steps(link, shape, gap / 1e6, args.steps, args.warmup)
-            bytes_ = 8 * sum(_sizes(shape))
+            bytes_ = 8 * _layout(shape)[1]
             print(line("step_control_us", times, args.spin, batch=rows, payload_bytes=bytes_, gap_us=gap))
     link.send_stop()
     print(line("one_collective_us", bare_collectives(link, args.steps, args.warmup), args.spin))
