@@ -35,6 +35,7 @@ from spindle.client import finish_reason_name
 from spindle.errors import ConfigError
 from spindle.grpc_status import PROMPT_TOKENS, abort, abort_exhausted
 from spindle.openai_api.context import HttpCallContext
+from spindle.openai_api.responses_store import store_of
 from spindle.openai_api.server import OpenAIServer, add_http_args
 from spindle.security import add_security_args, security_from_args
 from spindle.v1 import adapters_pb2_grpc, generation_pb2_grpc
@@ -671,6 +672,7 @@ async def start(
                 on_request=gateway.metrics.http_request,
                 admit=gateway.authenticated,
                 send_timeout=send_timeout,
+                store=store_of(args),
             )
             gateway.http_port = await gateway.http.start(args.host, args.http_port, security.tls)
             log.info("OpenAI-compatible HTTP API on %s:%d", args.host, gateway.http_port)

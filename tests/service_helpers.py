@@ -284,10 +284,12 @@ async def openai_client_of(
     tool_parser: str = "none",
     reasoning_parser: str = "none",
     reasoning_key: bytes | None = None,
+    store: Any = None,
 ) -> AsyncIterator[Any]:
     """The OpenAI HTTP API over a Generation `servicer` (a scripted model, or a real one), in this
     process, serving `model`, and an `openai` SDK client of it (no retries: a test sees each
-    answer as it is); `reasoning_key`: its --reasoning-key-file key."""
+    answer as it is); `reasoning_key`: its --reasoning-key-file key; `store`: where it keeps
+    Responses API responses (None: none is)."""
     import openai
     from opentelemetry.trace import get_tracer
 
@@ -301,6 +303,7 @@ async def openai_client_of(
         tool_parser,
         reasoning_parser,
         reasoning_key,
+        store=store,
     )
     port = await server.start("127.0.0.1", 0)
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)

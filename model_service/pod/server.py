@@ -31,6 +31,7 @@ from model_service.pod.generation import GenerationService, PodStatusService
 from model_service.pod.state import ModelPod
 from spindle import flagtypes, serving, telemetry
 from spindle.errors import SpindleError
+from spindle.openai_api.responses_store import ResponseStore, store_of
 from spindle.openai_api.server import OpenAIServer, add_http_args
 from spindle.security import PLAINTEXT, Security, add_security_args, security_from_args
 from spindle.v1 import generation_pb2_grpc, model_control_pb2_grpc, pod_status_pb2_grpc
@@ -153,12 +154,14 @@ async def start(
     reasoning_parser: str = "none",
     reasoning_key: bytes | None = None,
     send_timeout: float = 0.0,
+    responses_store: ResponseStore | None = None,
 ) -> PodServers:
     """Register the pod's services on its two servers and start listening (NOT_SERVING until
     loaded), and on `http_port` the OpenAI-compatible API over the same Generation servicer
     (0 = none), reading tool calls with `tool_parser` and reasoning with `reasoning_parser` (its blobs signed
     with `reasoning_key`); a stream whose client reads nothing for `send_timeout` seconds is
-    ended (0: never). Also used in-process by tests and the benchmark. The control port's
+    ended (0: never); `responses_store` keeps the Responses API's responses (None: none is).
+    Also used in-process by tests and the benchmark. The control port's
     ModelControl needs the service token when `security` has one."""
     interceptors = telemetry.server_interceptors(provider)
     guard = security.guard(CONTROL_SERVICES, "model pod's control port")
@@ -195,6 +198,7 @@ async def start(
                 reasoning_parser,
                 reasoning_key,
                 send_timeout=send_timeout,
+                store=responses_store,
             )
             servers.http_port = await servers.http.start(host, http_port, security.tls)
     return servers
@@ -223,6 +227,7 @@ async def serve(args: argparse.Namespace) -> int:
         args.reasoning_parser,
         args.reasoning_key_file,
         args.send_timeout,
+        store_of(args),
     )
     async with serving.stopped_on_failure(lambda: servers.stop(None), pod.health.stop):
         await pod.health.serve_plaintext(args.host, args.health_port)

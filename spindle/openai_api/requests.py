@@ -16,6 +16,7 @@ from typing import Any
 
 from spindle.openai_api import reasoning_parsers
 from spindle.openai_api.errors import bad_request
+from spindle.openai_api.responses_store import ToKeep
 from spindle.openai_api.tools import ToolUse, read_tools, tool_calls
 from spindle.v1 import generation_pb2 as pb
 
@@ -81,6 +82,8 @@ class Call:
     restated: Mapping[str, Any] = field(default_factory=dict)
     # The Responses API's `include: ["reasoning.encrypted_content"]`: reasoning items carry their blob.
     sealed_reasoning: bool = False
+    # What of a Responses API response is stored (responses_store.py); None: nothing is.
+    kept: ToKeep | None = None
 
     @property
     def generations(self) -> int:

@@ -55,6 +55,12 @@ class Format(ABC):
         token starts in the choice's text (`TextOffsets`), for a format that says so."""
         return self.choice(text, logprobs, final)
 
+    def parse_as(
+        self, body: dict[str, Any], base_models: Collection[str], owner: str | None
+    ) -> tuple[pb.GenerateRequest, Call]:
+        """`parse`, for the caller `owner` (the API key's name: whose stored responses it sees)."""
+        return self.parse(body, base_models)
+
     def reply(self, call: Call, request_id: str) -> Reply:
         """The answer to one request of this format, whole or streamed."""
         return Reply(self, call, request_id)

@@ -7,9 +7,10 @@ chat tools, `text.format` is `response_format`, `reasoning.effort` `reasoning_ef
 `max_output_tokens` `max_completion_tokens`.
 Only the body is translated: the chat path does the rest (chat template, sampling, adapters
 named as `model`, tool and reasoning parsers, structured output) and refuses what it refuses, so
-the two endpoints cannot drift apart. What needs state Spindle does not keep
-(`previous_response_id`, `conversation`, `store: true`, `background`), built-in tools and
-`include` values it cannot produce are refused with a 400 naming the field, never dropped. A
+the two endpoints cannot drift apart. A `previous_response_id`'s conversation (responses_store.py)
+comes before the input; without a store (its flags at 0) `previous_response_id` and `store: true`
+are refused. What needs state Spindle does not keep (`conversation`, `background`), built-in
+tools and `include` values it cannot produce are refused with a 400 naming the field, never dropped. A
 stateless client's `reasoning.encrypted_content` is served without state: the blob is the
 reasoning text itself (reasoning_blob.py), restored from the item that carries it.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 from spindle.openai_api import reasoning_blob
 from spindle.openai_api.errors import bad_request
+from spindle.openai_api.responses_store import OFF
 
 # Fields of the same name and meaning in a chat request (vLLM's sampling extras included).
 _SAME = (
@@ -30,12 +32,14 @@ _SAME = (
     "bad_words", "include_stop_str_in_output", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar",
 )  # fmt: skip
-_STATELESS = "responses are not stored here: send the whole conversation as `input`"
+# What a store (responses_store.py) serves; refused when the flags keep none.
+_STORED = {
+    "previous_response_id": f"{OFF}: send the whole conversation as `input`",
+    "store": f"{OFF}: send `store: false` (or leave it out)",
+}
 # Fields whose value (anything but null, false or empty) asks for what Spindle cannot do.
 _REFUSED = {
-    "previous_response_id": _STATELESS,
-    "conversation": _STATELESS,
-    "store": "responses are not stored here: send `store: false` (or leave it out)",
+    "conversation": "conversations are not supported: send `previous_response_id`, or the whole conversation",
     "background": "background responses are not supported",
     "prompt": "stored prompt templates are not supported: send `instructions` and `input`",
     "max_tool_calls": "`max_tool_calls` is not supported",
@@ -65,12 +69,20 @@ _FLAT_TOOLS = 'tools are flat here: {"type": "function", "name": ..., "parameter
 SEALED = "reasoning.encrypted_content"  # the one `include` value served: reasoning_blob.py's blob
 
 
-def chat_body(body: dict[str, Any], key: bytes | None = None) -> dict[str, Any]:
+def chat_body(
+    body: dict[str, Any], key: bytes | None = None, earlier: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """The chat completion request `body` asks for; 400s name the Responses field at fault.
-    `key`: the deployment's reasoning key, which the reasoning blobs sent back are checked with."""
-    _refuse_stateful(body)
+    `key`: the deployment's reasoning key, which the reasoning blobs sent back are checked with;
+    `earlier`: the conversation of the response `previous_response_id` names, which the input
+    continues (None: no store, so `store` and `previous_response_id` are refused). Its
+    `instructions` are not carried over (OpenAI's rule): this request's are the system message."""
+    _refuse_stateful(body, earlier is not None)
+    if body.get("store") not in (None, True, False):
+        raise bad_request("`store` must be true or false", "store")
     chat = {name: body[name] for name in _SAME if name in body}
-    chat["messages"] = [*_instructions(body.get("instructions")), *messages(body.get("input"), key)]
+    turns = messages(body.get("input"), key, earlier or [])
+    chat["messages"] = [*_instructions(body.get("instructions")), *turns]
     limit = body.get("max_output_tokens")
     if limit is not None:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
@@ -94,9 +106,9 @@ def chat_body(body: dict[str, Any], key: bytes | None = None) -> dict[str, Any]:
     return chat
 
 
-def _refuse_stateful(body: dict[str, Any]) -> None:
+def _refuse_stateful(body: dict[str, Any], stored: bool) -> None:
     chat_only = {name: f"`{name}` is a chat completion field: {why}" for name, why in _CHAT_ONLY.items()}
-    for name, why in {**_REFUSED, **chat_only}.items():
+    for name, why in {**_REFUSED, **chat_only, **({} if stored else _STORED)}.items():
         value = body.get(name)
         if not (value is None or value is False or value in ([], {}) or value == _DEFAULTS.get(name)):
             raise bad_request(why, name)
@@ -128,19 +140,22 @@ def _instructions(instructions: Any) -> list[dict[str, Any]]:
     return [{"role": "system", "content": instructions}]
 
 
-def messages(given: Any, key: bytes | None = None) -> list[dict[str, Any]]:
-    """`input` as chat messages: a string is the user's message; items in order, an assistant's
-    function calls joined to its turn (a turn is one message with its text and its calls, as the
-    chat templates render it), a reasoning item's text to the assistant turn after it (a blob
-    checked with `key`)."""
+def messages(
+    given: Any, key: bytes | None = None, earlier: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """`input` as chat messages, after the `earlier` conversation's items: a string is the
+    user's message; items in order, an assistant's function calls joined to its turn (a turn is
+    one message with its text and its calls, as the chat templates render it), a reasoning
+    item's text to the assistant turn after it (a blob checked with `key`)."""
     if isinstance(given, str):
-        return [{"role": "user", "content": given}]
+        given = [{"role": "user", "content": given}]
     if not isinstance(given, list) or not given:
         raise bad_request("`input` must be a string or a non-empty list of items", "input")
     out: list[dict[str, Any]] = []
     thought: str | None = None  # a reasoning item's text, waiting for its assistant turn
-    for i, item in enumerate(given):
-        where = f"input[{i}]"
+    before = len(earlier or [])
+    for i, item in enumerate([*(earlier or []), *given]):
+        where = f"input[{i - before}]" if i >= before else f"previous_response_id's item {i}"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "reasoning":
             thought = _reasoning(item, where, key)

@@ -8,7 +8,9 @@ item for `reasoning_content`, a `message` with one `output_text` part for `conte
 content part, its deltas, their `done` events, `output_item.done`), between `response.created` /
 `response.in_progress` and `response.completed` (or `response.incomplete`, with
 `incomplete_details.reason` "max_output_tokens", for an answer cut short). A whole response is
-the same events' final snapshot, so streamed and whole answers cannot differ.
+the same events' final snapshot, so streamed and whole answers cannot differ. A completed or
+incomplete response whose request did not say `store: false` is kept as returned, when the
+process keeps responses (responses_store.py).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from dataclasses import replace
 from typing import Any
 
 from spindle.openai_api import reasoning_blob, requests
-from spindle.openai_api.errors import ApiError
+from spindle.openai_api.errors import ApiError, bad_request
 from spindle.openai_api.fanout import Answer
 from spindle.openai_api.requests import Call
 from spindle.openai_api.responses import ChatFormat, Reply, total
 from spindle.openai_api.responses_input import chat_body, includes_reasoning_blobs
+from spindle.openai_api.responses_store import ResponseStore, ToKeep, input_items, not_found
 from spindle.v1 import generation_pb2 as pb
 
 # item kind -> (id prefix, its text delta and done events); a function call streams its arguments
@@ -39,28 +42,60 @@ _KINDS = {
 class ResponsesFormat(ChatFormat):
     """POST /v1/responses: the body as the chat request it means (responses_input.py), answered
     by a `ResponsesReply`. `reasoning_key`: the deployment's --reasoning-key-file key, which
-    reasoning blobs are signed and checked with (None: encoded only, reasoning_blob.py)."""
+    reasoning blobs are signed and checked with (None: encoded only, reasoning_blob.py);
+    `store`: where responses are kept (None: none is, and what needs one is refused)."""
 
     object, id_prefix = "response", "resp_"
 
     def __init__(
-        self, tool_parser: str = "none", reasoning_parser: str = "none", reasoning_key: bytes | None = None
+        self,
+        tool_parser: str = "none",
+        reasoning_parser: str = "none",
+        reasoning_key: bytes | None = None,
+        store: ResponseStore | None = None,
     ) -> None:
         super().__init__(tool_parser, reasoning_parser)
-        self.reasoning_key = reasoning_key
+        self.reasoning_key, self.store = reasoning_key, store
 
     def parse(self, body: dict[str, Any], base_models: Collection[str]) -> tuple[pb.GenerateRequest, Call]:
-        chat = chat_body(body, self.reasoning_key)
+        return self.parse_as(body, base_models, None)
+
+    def parse_as(
+        self, body: dict[str, Any], base_models: Collection[str], owner: str | None
+    ) -> tuple[pb.GenerateRequest, Call]:
+        """The request, after the conversation of its `previous_response_id` (the caller
+        `owner`'s); what is kept of its response unless it says `store: false`."""
+        earlier = self._earlier(body, owner)
+        chat = chat_body(body, self.reasoning_key, earlier)
         req, call = requests.chat_request(chat, base_models, self.tool_parser, self.reasoning_parser)
         sealed = includes_reasoning_blobs(body.get("include"))
-        return req, replace(call, restated=restated(body), sealed_reasoning=sealed)
+        kept = None
+        if earlier is not None and body.get("store") is not False:
+            kept = ToKeep((*earlier, *input_items(body["input"])), owner)
+        said = restated(body, kept is not None)
+        return req, replace(call, restated=said, sealed_reasoning=sealed, kept=kept)
+
+    def _earlier(self, body: dict[str, Any], owner: str | None) -> list[dict[str, Any]] | None:
+        """The conversation `previous_response_id` continues ([] for none; None: no store)."""
+        if self.store is None:
+            return None
+        previous = body.get("previous_response_id")
+        if previous is None:
+            return []
+        if not isinstance(previous, str):
+            raise bad_request("`previous_response_id` must be a response's id", "previous_response_id")
+        stored = self.store.get(previous, owner)
+        if stored is None:
+            raise not_found(previous, previous=True)
+        return stored.conversation()
 
     def reply(self, call: Call, request_id: str) -> Reply:
         return ResponsesReply(self, call, request_id)
 
 
-def restated(body: dict[str, Any]) -> dict[str, Any]:
-    """The request's settings a response object restates (OpenAI's defaults where unset)."""
+def restated(body: dict[str, Any], stored: bool = False) -> dict[str, Any]:
+    """The request's settings a response object restates (OpenAI's defaults where unset), and
+    whether it is `stored`."""
     return {
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
@@ -73,10 +108,10 @@ def restated(body: dict[str, Any]) -> dict[str, Any]:
         "tools": body.get("tools") or [],
         "top_p": body.get("top_p"),
         "user": body.get("user"),
-        "store": False,
+        "store": stored,
         "background": False,
         "truncation": "disabled",
-        "previous_response_id": None,
+        "previous_response_id": body.get("previous_response_id"),
     }
 
 
@@ -111,7 +146,7 @@ class ResponsesReply(Reply):
 
     def usage_chunks(self) -> list[dict[str, Any]]:
         """The last event: the whole response, completed or incomplete."""
-        response = self._response(self._status())
+        response = self._kept(self._response(self._status()))
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return [self._event(kind, response=response)]
 
@@ -128,7 +163,13 @@ class ResponsesReply(Reply):
         """The response the stream's events would have built (one generation: no `n` here)."""
         for message in answers[0].messages:
             self.chunks(0, answers[0].prompt, message)
-        return self._response(self._status())
+        return self._kept(self._response(self._status()))
+
+    def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
+        """`response` (completed or incomplete), stored when its request asked for that."""
+        if self.call.kept is not None and self.fmt.store is not None:
+            self.fmt.store.put(response, self.call.kept)
+        return response
 
     def _status(self) -> str:
         return "completed" if self._finish in ("stop", "tool_calls") else "incomplete"

@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP server (aiohttp) of the gateway and of each model pod.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (OpenAI's
-Responses API, stateless: a chat underneath; all three with `stream: true` as server-sent
-events), GET /v1/models, GET /v1/models/{model}, and GET /health (200 while the process serves,
-503 while it loads or drains: the readiness Kubernetes and the Gateway API Inference Extension
-probe). A request is handed to the process's own Generation servicer (the
+Responses API: a chat underneath; all three with `stream: true` as server-sent events), GET and
+DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items (the responses this process
+keeps: responses_store.py), GET /v1/models, GET /v1/models/{model}, and GET /health (200 while
+the process serves, 503 while it loads or drains: the readiness Kubernetes and the Gateway API
+Inference Extension probe). A request is handed to the process's own Generation servicer (the
 gateway's `GatewayService` or the pod's `GenerationService`) with an `HttpCallContext`, so it
 takes exactly the path a gRPC request takes. A client that disconnects cancels its handler
 (aiohttp's handler cancellation), which closes the servicer's stream: the pod aborts the
@@ -37,6 +38,7 @@ from spindle.openai_api.context import HttpCallContext, Refused
 from spindle.openai_api.errors import ApiError, bad_request, from_status
 from spindle.openai_api.responses import ChatFormat, CompletionFormat, Format, Reply
 from spindle.openai_api.responses_output import ResponsesFormat
+from spindle.openai_api.responses_store import OFF, ResponseStore, Stored, add_store_args, not_found, page
 from spindle.openai_api.tool_parsers import PARSERS
 from spindle.send_timeout import within
 from spindle.tls import PLAINTEXT, ServerSslContext, TlsConfig
@@ -48,16 +50,19 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20  # as the gRPC servers' largest message
 DEFAULT_PORT = 8000  # vLLM's, and what OpenAI-compatible clients and routers assume
 ROUTES = (
-    "served: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models, "
-    "GET /v1/models/{model}, GET /health"
+    "served: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET and DELETE "
+    "/v1/responses/{id}, GET /v1/responses/{id}/input_items, GET /v1/models, GET /v1/models/{model}, "
+    "GET /health"
 )
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _METHODS = frozenset({"GET", "POST", "HEAD", "OPTIONS", "PUT", "DELETE", "PATCH"})  # others: `other`
 
 
 def add_http_args(parser: argparse.ArgumentParser | Any) -> None:
-    """`--http-port`, `--tool-call-parser`, `--reasoning-parser` and `--reasoning-key-file`, the
-    same flags (and SPINDLE_HTTP_PORT, ...) on the gateway and the model pod."""
+    """`--http-port`, `--tool-call-parser`, `--reasoning-parser`, `--reasoning-key-file` and the
+    Responses API's store (`--responses-store-*`), the same flags (and SPINDLE_HTTP_PORT, ...)
+    on the gateway and the model pod."""
+    add_store_args(parser)
     parser.add_argument(
         "--http-port",
         type=flagtypes.port,
@@ -118,7 +123,8 @@ class OpenAIServer:
     `ready()` is the process's health status; `tool_parser`, `reasoning_parser` and
     `reasoning_key` the --tool-call-parser, --reasoning-parser and --reasoning-key-file;
     `send_timeout` the --send-timeout (an event stream whose client reads nothing that long is
-    closed, and its requests cancelled; 0: never);
+    closed, and its requests cancelled; 0: never); `store` where Responses API responses are
+    kept (None: none is);
     `on_request`, when given, is told each request's method, route template and status (the
     gateway's metrics); `admit`, when given, sees each generation request's headers before its
     body is read, and refuses a caller by aborting (the gateway's API keys: a body of up to 64 MB
@@ -137,17 +143,21 @@ class OpenAIServer:
         on_request: Callable[[str, str, int], None] | None = None,
         admit: Callable[[HttpCallContext], Awaitable[object]] | None = None,
         send_timeout: float = 0.0,
+        store: ResponseStore | None = None,
     ) -> None:
         self.generation, self.base_models, self.ready, self.tracer = generation, base_models, ready, tracer
-        self.admit, self.send_timeout = admit, send_timeout
+        self.admit, self.send_timeout, self.store = admit, send_timeout, store
         middlewares = [_traced(tracer), _openai_errors]  # the span sees the status of every refusal
         if on_request is not None:  # outermost: it sees every answer's final status
             middlewares.insert(0, _counted(on_request))
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         chat, completion = ChatFormat(tool_parser, reasoning_parser), CompletionFormat()
-        responses_api = ResponsesFormat(tool_parser, reasoning_parser, reasoning_key)
+        responses_api = ResponsesFormat(tool_parser, reasoning_parser, reasoning_key, store)
         self.app.router.add_post("/v1/chat/completions", lambda r: self._generate(r, chat))
         self.app.router.add_post("/v1/responses", lambda r: self._generate(r, responses_api))
+        self.app.router.add_get("/v1/responses/{response_id}", self._retrieve)
+        self.app.router.add_delete("/v1/responses/{response_id}", self._delete)
+        self.app.router.add_get("/v1/responses/{response_id}/input_items", self._input_items)
         self.app.router.add_post("/v1/completions", lambda r: self._generate(r, completion))
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/v1/models/{model:.+}", self._model)  # ids may hold a `/`
@@ -177,9 +187,8 @@ class OpenAIServer:
     async def _generate(self, request: web.Request, fmt: Format) -> web.StreamResponse:
         """One request, one generation or several (`n`, a list of prompts, `best_of`: fanout.py),
         each a `Generate` call with its own context (its own stream slot and x-request-id)."""
-        if self.admit is not None:
-            await self.admit(HttpCallContext(request.headers))
-        template, call = fmt.parse(await _json_object(request), self.base_models())
+        owner = await self._owner(request)
+        template, call = fmt.parse_as(await _json_object(request), self.base_models(), owner)
         # the caller's x-request-id is checked as gRPC's request_id is
         rid, parts = fanout.plan(template, call, request.headers.get("x-request-id", ""))
         contexts = [HttpCallContext(request.headers) for _ in parts]
@@ -198,6 +207,39 @@ class OpenAIServer:
             for k, message in [*early, *[m async for m in merged]]:
                 answers[k].messages.append(message)
             return _json(reply.whole(fanout.chosen(answers, call), answers), headers=headers)
+
+    async def _owner(self, request: web.Request) -> str | None:
+        """The caller `admit` lets in (its API key's name: whose stored responses it sees), or a
+        refusal; None without `admit` (the pod's API, or no keys)."""
+        if self.admit is None:
+            return None
+        return getattr(await self.admit(HttpCallContext(request.headers)), "name", None)
+
+    async def _stored(self, request: web.Request) -> Stored:
+        """The stored response the path names, this caller's; else OpenAI's 404."""
+        owner, response_id = await self._owner(request), request.match_info["response_id"]
+        stored = self.store.get(response_id, owner) if self.store is not None else None
+        if stored is None:
+            raise not_found(response_id, why="" if self.store is not None else OFF)
+        return stored
+
+    async def _retrieve(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id} (`client.responses.retrieve`): the response as it was returned."""
+        if request.query.get("stream", "false") != "false":
+            raise bad_request("`stream`: a stored response is retrieved whole here", "stream")
+        return _json((await self._stored(request)).response)
+
+    async def _delete(self, request: web.Request) -> web.Response:
+        """DELETE /v1/responses/{id} (`client.responses.delete`): forgotten."""
+        stored = await self._stored(request)
+        if self.store is not None:  # it is: the response was found there
+            self.store.delete(stored.response["id"], stored.owner)
+        return _json({"id": stored.response["id"], "object": "response", "deleted": True})
+
+    async def _input_items(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}/input_items (`client.responses.input_items.list`): every input
+        item the model was given, earlier turns' included, paged as OpenAI pages them."""
+        return _json(page((await self._stored(request)).input, request.query))
 
     async def _messages(
         self, request: pb.GenerateRequest, context: HttpCallContext, generation: int | None
