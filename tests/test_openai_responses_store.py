@@ -139,3 +139,22 @@ def test_without_a_store_what_needs_one_is_refused_naming_the_flag():
 
     body = asyncio.run(run())
     assert body["param"] == "store" and "--responses-store-max" in json.dumps(body)
+
+
+def test_a_response_cut_while_reasoning_is_continued():
+    """A reasoning model cut by `max_output_tokens` while it thought answers an incomplete
+    response whose output is a reasoning item alone; continuing it ("go on") by its id was a 400
+    blaming the new input's first item, which the client cannot fix. Its turn is the assistant's,
+    saying nothing, with that reasoning."""
+    model, store = _Scripted("<think>Let me think", finish=pb.FINISH_REASON_LENGTH), _store()
+
+    async def run() -> Response:
+        async with openai_client_of(model, BASE, "none", "deepseek_r1", store=store) as client:
+            cut = await client.responses.create(model=BASE, input="Hi", max_output_tokens=3)
+            assert cut.status == "incomplete" and [o.type for o in cut.output] == ["reasoning"]
+            return await client.responses.create(model=BASE, input="Go on.", previous_response_id=cut.id)
+
+    assert asyncio.run(run()).status == "incomplete"
+    assert _said(model.requests[1]) == [
+        ("user", "Hi", ""), ("assistant", "", "Let me think"), ("user", "Go on.", ""),
+    ]  # fmt: skip

@@ -146,7 +146,9 @@ def messages(
     """`input` as chat messages, after the `earlier` conversation's items: a string is the
     user's message; items in order, an assistant's function calls joined to its turn (a turn is
     one message with its text and its calls, as the chat templates render it), a reasoning
-    item's text to the assistant turn after it (a blob checked with `key`)."""
+    item's text to the assistant turn after it (a blob checked with `key`). The `earlier`
+    conversation may end with a reasoning item (a response cut by `max_output_tokens` while it
+    reasoned): that is the assistant's turn, which said nothing."""
     if isinstance(given, str):
         given = [{"role": "user", "content": given}]
     if not isinstance(given, list) or not given:
@@ -157,6 +159,9 @@ def messages(
     for i, item in enumerate([*(earlier or []), *given]):
         where = f"input[{i - before}]" if i >= before else f"previous_response_id's item {i}"
         kind = item.get("type", "message") if isinstance(item, dict) else None
+        if i == before and thought is not None:  # the stored response was cut while it reasoned
+            out.append({"role": "assistant", "content": "", "reasoning_content": thought})
+            thought = None
         if kind == "reasoning":
             thought = _reasoning(item, where, key)
             continue
