@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +32,15 @@ import grpc
 log = logging.getLogger(__name__)
 
 Stream = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+_CUT: contextvars.ContextVar[bool] = contextvars.ContextVar("spindle_send_timed_out", default=False)
+
+
+def cut() -> bool:
+    """Whether the call being cleaned up is one this module ended: its handler's stream is closed
+    as for a caller that left, but the caller is told DEADLINE_EXCEEDED, so spans and metrics must
+    say that too, not CANCELLED (traced_streams.cancelled_code). Each call runs in its own task,
+    with its own copy of this."""
+    return _CUT.get()
 
 
 async def within(send: Awaitable[None], seconds: float) -> None:
@@ -66,6 +76,7 @@ def bounded(stream: Stream, seconds: float) -> Callable[[Any, grpc.aio.ServicerC
         async with contextlib.aclosing(stream(request, context)) as responses:
             if await _sent_in_time(responses, context, seconds):
                 return
+            _CUT.set(True)  # before the close below runs the handler's cleanup
         # closed: its cleanup ran; the status goes out behind what the client has not read
         log.info("ended a stream whose client read nothing for %g s (--send-timeout)", seconds)
         await context.abort(

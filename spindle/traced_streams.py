@@ -24,6 +24,8 @@ from opentelemetry.instrumentation.grpc._aio_server import (
     _OpenTelemetryAioServicerContext,
 )
 
+from spindle import send_timeout
+
 RPC_GRPC_STATUS_CODE = "rpc.grpc.status_code"  # the attribute OpenTelemetry's gRPC interceptors set
 _END = object()
 
@@ -118,7 +120,10 @@ def note_cancelled(span: trace.Span, context: Any) -> None:
 def cancelled_code(context: Any) -> grpc.StatusCode:
     """The status of a call grpc.aio ended by cancelling its handler: DEADLINE_EXCEEDED when its
     deadline has passed (the caller sees that code), else CANCELLED (the caller left). A
-    cancelled handler cannot tell the two apart by its exception; spans and metrics both ask here."""
+    cancelled handler cannot tell the two apart by its exception; spans and metrics both ask here.
+    A stream ended for --send-timeout is DEADLINE_EXCEEDED too: its caller is told so."""
+    if send_timeout.cut():
+        return grpc.StatusCode.DEADLINE_EXCEEDED
     remaining = context.time_remaining()
     late = remaining is not None and remaining <= 0
     return grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED

@@ -46,7 +46,8 @@ def test_a_grpc_client_that_reads_nothing_is_ended_and_its_request_released(edge
     entries, its key's stream slot and a place in the pod's `requests_in_flight` for as long as it
     lived. Now the edge it talks to (the pod, or the gateway in front) ends the stream after
     --send-timeout: everything released, the request cancelled, and the client, reading at last,
-    gets what was already on its way and DEADLINE_EXCEEDED saying why."""
+    gets what was already on its way and DEADLINE_EXCEEDED saying why (counted so, where it was
+    counted CANCELLED, as a client that left)."""
     (tmp_path / "keys").write_text(KEYS)
 
     async def run() -> None:
@@ -87,6 +88,10 @@ def test_a_grpc_client_that_reads_nothing_is_ended_and_its_request_released(edge
             assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert "read nothing of this stream for 0.5 s" in ended.value.details()
             assert 0 < tokens < 480  # cut short: its request was cancelled
+            if gateway is not None:  # counted as the client saw it, not as a client that left
+                labels = {"method": "Generate", "model": "tiny", "code": "DEADLINE_EXCEEDED"}
+                counted = gateway.metrics.registry.get_sample_value("spindle_gateway_requests_total", labels)
+                assert counted == 1
 
     asyncio.run(run())
 
