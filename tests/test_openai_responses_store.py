@@ -158,3 +158,21 @@ def test_a_response_cut_while_reasoning_is_continued():
     assert _said(model.requests[1]) == [
         ("user", "Hi", ""), ("assistant", "", "Let me think"), ("user", "Go on.", ""),
     ]  # fmt: skip
+
+
+def test_input_items_are_the_sdks_typed_items():
+    """Every input item listed has the `status` OpenAI populates on items it returns, which the
+    SDKs' function_call and function_call_output items require (a typed client failed on them)."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    given = [{"role": "user", "content": "Hi"}, call, {"type": "function_call_output", "call_id": "call_1",
+                                                        "output": "4"}]  # fmt: skip
+
+    async def run() -> dict:
+        async with openai_client_of(_Scripted("Hi."), BASE, store=_store()) as client:
+            answer = await client.responses.create(model=BASE, input=given)
+            return (await client.responses.with_raw_response.input_items.list(answer.id)).http_response.json()
+
+    listed = ResponseItemList.model_validate(asyncio.run(run()))
+    assert [(i.type, i.status) for i in listed.data] == [
+        ("function_call_output", "completed"), ("function_call", "completed"), ("message", "completed"),
+    ]  # fmt: skip

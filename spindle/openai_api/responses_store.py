@@ -144,7 +144,8 @@ def store_of(args: argparse.Namespace) -> ResponseStore | None:
 def input_items(given: Any) -> list[dict[str, Any]]:
     """`input` (already checked) as the items input_items lists: a string is a user message,
     a message's string content an `input_text` part (`output_text` for an assistant's), and
-    every item has an id."""
+    every item has an id and a status (OpenAI's on items it returns; the SDKs' function_call and
+    function_call_output items require one)."""
     if isinstance(given, str):
         given = [{"role": "user", "content": given}]
     out = []
@@ -155,6 +156,7 @@ def input_items(given: Any) -> list[dict[str, Any]]:
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             item["content"] = [{"type": part, "text": item["content"]}]
         item.setdefault("id", _ID_PREFIXES.get(kind, "item_") + uuid.uuid4().hex)
+        item.setdefault("status", "completed")
         out.append(item)
     return out
 
