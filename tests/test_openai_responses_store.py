@@ -176,3 +176,24 @@ def test_input_items_are_the_sdks_typed_items():
     assert [(i.type, i.status) for i in listed.data] == [
         ("function_call_output", "completed"), ("function_call", "completed"), ("message", "completed"),
     ]  # fmt: skip
+
+
+def test_an_item_the_conversation_has_already_is_refused():
+    """A client that sends back the previous output along with its `previous_response_id` gave
+    the model that turn twice (a function call was called twice); OpenAI refuses an item id the
+    conversation already holds, and so does this."""
+    model = _Scripted("Hi.")
+
+    async def run() -> dict:
+        async with openai_client_of(model, BASE, store=_store()) as client:
+            first = await client.responses.create(model=BASE, input="Hi")
+            again = [
+                *[o.model_dump(exclude_none=True) for o in first.output],
+                {"role": "user", "content": "And?"},
+            ]
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.responses.create(model=BASE, input=again, previous_response_id=first.id)
+            return refused.value.body
+
+    body = asyncio.run(run())
+    assert body["param"] == "input" and "Duplicate item" in body["message"] and len(model.requests) == 1

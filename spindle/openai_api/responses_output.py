@@ -70,8 +70,10 @@ class ResponsesFormat(ChatFormat):
         req, call = requests.chat_request(chat, base_models, self.tool_parser, self.reasoning_parser)
         sealed = includes_reasoning_blobs(body.get("include"))
         kept = None
-        if earlier is not None and body.get("store") is not False:
-            kept = ToKeep((*earlier, *input_items(body["input"])), owner)
+        if earlier is not None:
+            conversation = (*earlier, *input_items(body["input"]))
+            _unique_ids(conversation)
+            kept = ToKeep(conversation, owner) if body.get("store") is not False else None
         said = restated(body, kept is not None)
         return req, replace(call, restated=said, sealed_reasoning=sealed, kept=kept)
 
@@ -91,6 +93,17 @@ class ResponsesFormat(ChatFormat):
 
     def reply(self, call: Call, request_id: str) -> Reply:
         return ResponsesReply(self, call, request_id)
+
+
+def _unique_ids(items: Sequence[dict[str, Any]]) -> None:
+    """OpenAI's 400 for an input item whose id the conversation holds already: a client that
+    sends the previous output back with `previous_response_id` gave the model that turn twice."""
+    seen: set[str] = set()
+    for item in items:
+        if item["id"] in seen:
+            why = "an item is given once in a conversation, `previous_response_id`'s included: send new ones"
+            raise bad_request(f"Duplicate item found with id {item['id']!r:.100} ({why})", "input")
+        seen.add(item["id"])
 
 
 def restated(body: dict[str, Any], stored: bool = False) -> dict[str, Any]:
