@@ -197,3 +197,12 @@ def test_an_item_the_conversation_has_already_is_refused():
 
     body = asyncio.run(run())
     assert body["param"] == "input" and "Duplicate item" in body["message"] and len(model.requests) == 1
+
+
+def test_a_response_too_large_to_keep_leaves_no_older_one_under_its_id():
+    """A caller's x-request-id given again names a new response; one too large to keep left the
+    older response under that id, which retrieve and `previous_response_id` then answered with."""
+    store, kept = ResponseStore(10, 500, 60.0), ToKeep((), "alice")
+    store.put({"id": "resp_x", "output": []}, kept)
+    store.put({"id": "resp_x", "output": [{"text": "y" * 600}]}, kept)
+    assert store.get("resp_x", "alice") is None and len(store) == 0 and store._bytes == 0

@@ -75,10 +75,10 @@ class ResponseStore:
     def put(self, response: dict[str, Any], kept: ToKeep) -> None:
         """Keep `response`; the least recently used go until it fits (one larger than the whole
         budget is not kept)."""
+        self.delete(response["id"], kept.owner)  # an id a caller gave again (x-request-id): the new one
         size = len(json.dumps([response, kept.input], ensure_ascii=False).encode())
         if size > self.max_bytes:
             return
-        self.delete(response["id"], kept.owner)  # an id a caller gave again (x-request-id)
         entry = Stored(response, kept.input, kept.owner, size, self.clock() + self.ttl_s)
         self._entries[kept.owner, response["id"]] = entry
         self._bytes += size
