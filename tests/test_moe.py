@@ -23,9 +23,11 @@ from model_service.kernels.experts import (
 )
 from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.models.config import ModelConfig
+from model_service.models.fp8_linear import quantize_online
 from model_service.models.layers import checkpoint_tensors
 from model_service.models.loader import load_model
 from model_service.models.moe import SparseMoeBlock, route
+from model_service.models.quantization import ONLINE_SCHEMES
 from tests.conftest import assert_all_blocks_free, make_engine
 from tests.test_lora import make_adapter, peft_greedy
 from tests.test_tiny_models import (
@@ -302,12 +304,15 @@ def test_expert_ranges_sum_to_the_whole_block():
         SparseMoeBlock(cfg, range(0, 9))
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "online-fp8"])
 @pytest.mark.parametrize("expert_parallel", [False, True])
-def test_a_fused_shared_expert_is_split_over_every_rank(expert_parallel: bool):
+def test_a_fused_shared_expert_is_split_over_every_rank(expert_parallel: bool, fp8: bool):
     """The shared expert as the stack's last slots (`shared_expert_slots`), sharded over two
     ranks: the shares sum to the block, and every rank computes half of the shared expert (its
     slots' columns under tensor parallelism; an MLP split by columns again under expert
-    parallelism, where held whole it would be one rank's work for every token)."""
+    parallelism, where held whole it would be one rank's work for every token). Under
+    `--quantization fp8` the slots were quantized with the experts (e4m3 and scales): the MLP
+    taken out of them computes the same dequantized weights (it was given bare e4m3 weights)."""
     sizes = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "norm_topk_prob": True}
     sizes["shared_expert_intermediate_size"] = 16
     cfg = ModelConfig("qwen2_moe", 16, 16, 32, 1, 2, 2, 8, 1e-6, 64, **sizes)
@@ -316,6 +321,9 @@ def test_a_fused_shared_expert_is_split_over_every_rank(expert_parallel: bool):
     assert whole.shared_slots == 2
     for p in whole.parameters():
         torch.nn.init.normal_(p, 0, 0.3)
+    if fp8:  # as the loader's `--quantization fp8`: the built module quantized, then the config marked
+        cfg.quantization = ONLINE_SCHEMES["fp8"]
+        quantize_online(whole, cfg.quantization)
     x = torch.randn(5, 16)
     shares = []
     for rank in range(2):
