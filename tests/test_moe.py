@@ -5,6 +5,7 @@ PEFT, and the expert computation itself: routing by hand, the grouped path again
 from __future__ import annotations
 
 import copy
+import json
 import math
 import shutil
 from pathlib import Path
@@ -173,6 +174,31 @@ def test_broken_expert_checkpoints_are_refused_by_name(qwen3_moe_dir: Path, tmp_
     for name, (edit, message) in cases.items():
         path = _rewrite(qwen3_moe_dir, tmp_path / name, edit)
         with pytest.raises(ModelLoadError, match=message.replace("(", r"\(")):
+            load_model(str(path), torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("layout", ["hub", "transformers5"])
+def test_a_shared_expert_wider_than_its_config_is_refused_by_name(layout: str, tmp_path: Path):
+    """config.json's shared_expert_intermediate_size (here 48: three slots of the experts' 16)
+    against a shared expert 32 wide: the loader names the shared expert's tensor and both shapes,
+    as for any tensor. Its split into slots blamed the routed experts' shapes (in the hub layout)
+    or escaped as torch's RuntimeError (in transformers 5's stacked one, as did stacked experts
+    of another width than the config's moe_intermediate_size)."""
+    from transformers import AutoModelForCausalLM
+
+    sizes = {"num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32}
+    path = save_checkpoint(Variant("qwen2_moe", {**sizes, "num_hidden_layers": 1}), tmp_path)
+    if layout == "transformers5":
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        hf.save_pretrained(path, save_original_format=False)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "shared_expert_intermediate_size": 48}))
+    name = "model.layers.0.mlp.shared_expert.gate_proj.weight"
+    with pytest.raises(ModelLoadError, match=rf"{name}' has shape \(32, 64\), expected \(48, 64\)"):
+        load_model(str(path), torch.float32, torch.device("cpu"))
+    if layout == "transformers5":  # experts 16 wide, the config's 8 (the shared expert: 4 slots)
+        (path / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 8}))
+        with pytest.raises(ModelLoadError, match=r"experts.gate_up_proj' has shape \(4, 32, 64\)"):
             load_model(str(path), torch.float32, torch.device("cpu"))
 
 
