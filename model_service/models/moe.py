@@ -296,8 +296,8 @@ def shared_expert_slots(cfg: ModelConfig) -> int:
     those of the experts' kind: not for an FP8 checkpoint, whose shared expert may be quantized
     otherwise than its experts (or not at all); online FP8 quantizes the fused stack as experts
     are (per row, W8A16). Tensor parallelism cuts every slot's columns as the experts'; expert
-    parallelism takes them back out into the MLP (`SparseMoeBlock.unfuse_shared_expert`). LoRA on
-    MoE layers' MLPs is refused whatever the layout (`lora.adapter`)."""
+    parallelism takes them back out into the MLP (`SparseMoeBlock.unfuse_shared_expert`; online
+    FP8's dequantized). LoRA on MoE layers' MLPs is refused whatever the layout (`lora.adapter`)."""
     width, inter = cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size
     fusable = width and inter and width % inter == 0 and cfg.quantization is None and not cfg.mlp_bias
     return width // inter if fusable and cfg.hidden_act == "silu" else 0
