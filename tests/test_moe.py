@@ -5,6 +5,7 @@ PEFT, and the expert computation itself: routing by hand, the grouped path again
 from __future__ import annotations
 
 import copy
+import json
 import math
 import shutil
 from pathlib import Path
@@ -23,9 +24,11 @@ from model_service.kernels.experts import (
 )
 from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.models.config import ModelConfig
+from model_service.models.fp8_linear import quantize_online
 from model_service.models.layers import checkpoint_tensors
 from model_service.models.loader import load_model
 from model_service.models.moe import SparseMoeBlock, route
+from model_service.models.quantization import ONLINE_SCHEMES
 from tests.conftest import assert_all_blocks_free, make_engine
 from tests.test_lora import make_adapter, peft_greedy
 from tests.test_tiny_models import (
@@ -174,6 +177,31 @@ def test_broken_expert_checkpoints_are_refused_by_name(qwen3_moe_dir: Path, tmp_
             load_model(str(path), torch.float32, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("layout", ["hub", "transformers5"])
+def test_a_shared_expert_wider_than_its_config_is_refused_by_name(layout: str, tmp_path: Path):
+    """config.json's shared_expert_intermediate_size (here 48: three slots of the experts' 16)
+    against a shared expert 32 wide: the loader names the shared expert's tensor and both shapes,
+    as for any tensor. Its split into slots blamed the routed experts' shapes (in the hub layout)
+    or escaped as torch's RuntimeError (in transformers 5's stacked one, as did stacked experts
+    of another width than the config's moe_intermediate_size)."""
+    from transformers import AutoModelForCausalLM
+
+    sizes = {"num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32}
+    path = save_checkpoint(Variant("qwen2_moe", {**sizes, "num_hidden_layers": 1}), tmp_path)
+    if layout == "transformers5":
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        hf.save_pretrained(path, save_original_format=False)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "shared_expert_intermediate_size": 48}))
+    name = "model.layers.0.mlp.shared_expert.gate_proj.weight"
+    with pytest.raises(ModelLoadError, match=rf"{name}' has shape \(32, 64\), expected \(48, 64\)"):
+        load_model(str(path), torch.float32, torch.device("cpu"))
+    if layout == "transformers5":  # experts 16 wide, the config's 8 (the shared expert: 4 slots)
+        (path / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 8}))
+        with pytest.raises(ModelLoadError, match=r"experts.gate_up_proj' has shape \(4, 32, 64\)"):
+            load_model(str(path), torch.float32, torch.device("cpu"))
+
+
 def test_missing_moe_config_field_is_named():
     raw = {
         "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
@@ -302,12 +330,15 @@ def test_expert_ranges_sum_to_the_whole_block():
         SparseMoeBlock(cfg, range(0, 9))
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "online-fp8"])
 @pytest.mark.parametrize("expert_parallel", [False, True])
-def test_a_fused_shared_expert_is_split_over_every_rank(expert_parallel: bool):
+def test_a_fused_shared_expert_is_split_over_every_rank(expert_parallel: bool, fp8: bool):
     """The shared expert as the stack's last slots (`shared_expert_slots`), sharded over two
     ranks: the shares sum to the block, and every rank computes half of the shared expert (its
     slots' columns under tensor parallelism; an MLP split by columns again under expert
-    parallelism, where held whole it would be one rank's work for every token)."""
+    parallelism, where held whole it would be one rank's work for every token). Under
+    `--quantization fp8` the slots were quantized with the experts (e4m3 and scales): the MLP
+    taken out of them computes the same dequantized weights (it was given bare e4m3 weights)."""
     sizes = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "norm_topk_prob": True}
     sizes["shared_expert_intermediate_size"] = 16
     cfg = ModelConfig("qwen2_moe", 16, 16, 32, 1, 2, 2, 8, 1e-6, 64, **sizes)
@@ -316,6 +347,9 @@ def test_a_fused_shared_expert_is_split_over_every_rank(expert_parallel: bool):
     assert whole.shared_slots == 2
     for p in whole.parameters():
         torch.nn.init.normal_(p, 0, 0.3)
+    if fp8:  # as the loader's `--quantization fp8`: the built module quantized, then the config marked
+        cfg.quantization = ONLINE_SCHEMES["fp8"]
+        quantize_online(whole, cfg.quantization)
     x = torch.randn(5, 16)
     shares = []
     for rank in range(2):

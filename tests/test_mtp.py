@@ -114,6 +114,26 @@ def test_greedy_output_is_identical_with_mtp_speculation(target: LoadedModel, k:
     assert_proposer_blocks_free(engine, MtpProposer)
 
 
+def test_mtp_speculation_over_an_online_fp8_target(tmp_path: Path):
+    """`--quantization fp8` on a V3 checkpoint with its MTP layer: the layer, float on disk as the
+    rest, is quantized online as the target was (its experts e4m3; its MoE's shared expert fused
+    into the stack as the target's) and greedy output is the target's without speculation. Its
+    load read the float tensors as an FP8 checkpoint's and refused them ("...is torch.float32,
+    but the quantization_config (online) says ... float8_e4m3fn")."""
+    from model_service.models.moe import SparseMoeBlock
+
+    path = make_mtp_checkpoint(tmp_path / "agree", agree=True)
+    target = load_model(str(path), torch.float32, torch.device("cpu"), quantization="fp8")
+    expected = [o.token_ids for o in make_engine(target, block_size=4).generate(requests(12))]
+    engine = make_engine(target, block_size=4, speculative_config=mtp_config(2))
+    assert [o.token_ids for o in engine.generate(requests(12))] == expected
+    moe = next(
+        m for m in engine.speculation.proposer.executor.module.modules() if isinstance(m, SparseMoeBlock)
+    )
+    assert moe.experts.gate_up_proj.dtype == torch.float8_e4m3fn and moe.shared_slots == 1
+    assert engine.stats().spec_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_greedy_output_is_identical_under_preemption_chunked_prefill_and_a_lora_row(
     target: LoadedModel, tmp_path: Path, mode: str

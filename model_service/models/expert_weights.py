@@ -34,7 +34,7 @@ def stack_expert_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) 
     for layer, kind in enumerate(config.layer_kinds):
         if kind.moe:
             mlp = f"model.layers.{layer}.mlp"
-            shared = _shared_slots(out, f"{mlp}.{shared_name}", slots) if slots else ((), (), ())
+            shared = _shared_slots(out, f"{mlp}.{shared_name}", slots, config) if slots else ((), (), ())
             _stack_layer(out, f"{mlp}.experts", config.num_experts, shared)
     return out
 
@@ -42,15 +42,24 @@ def stack_expert_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) 
 Slots = tuple[tuple[torch.Tensor, ...], ...]  # (gates, ups, downs): an expert's tensors each
 
 
-def _shared_slots(tensors: dict[str, torch.Tensor], prefix: str, slots: int) -> Slots:
+def _shared_slots(tensors: dict[str, torch.Tensor], prefix: str, slots: int, config: ModelConfig) -> Slots:
     """The shared expert's checkpoint tensors (`prefix`.{gate,up,down}_proj.weight) taken out of
     `tensors` as `slots` experts' (gates, ups, downs), each a run of its width / slots intermediate
     columns: its MLP down(SiLU(gate x) * up x) is the sum of those experts' outputs
-    (`models.moe.shared_expert_slots`). Views: the stacking copies them once, with the experts."""
+    (`models.moe.shared_expert_slots`). Views: the stacking copies them once, with the experts.
+    Their shapes are checked against the config first, as the loader checks every tensor: cut
+    into slots, a wrong width would show only as experts of unequal shapes."""
+    width, hidden = config.shared_expert_intermediate_size, config.hidden_size
+    expected = {"gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
     names = [f"{prefix}.{p}.weight" for p in EXPERT_PROJECTIONS]
-    missing = [name for name in names if name not in tensors]
-    if missing:
-        raise ModelLoadError(f"checkpoint is missing tensor {missing[0]!r} (the MoE layer's shared expert)")
+    for name, proj in zip(names, EXPERT_PROJECTIONS, strict=True):
+        shape = expected[proj]
+        if name not in tensors:
+            raise ModelLoadError(f"checkpoint is missing tensor {name!r} (the MoE layer's shared expert)")
+        if tuple(tensors[name].shape) != shape:
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape} from config"
+            )
     gate, up, down = (tensors.pop(name) for name in names)
     return gate.chunk(slots), up.chunk(slots), down.chunk(slots, dim=1)
 
@@ -61,6 +70,23 @@ def hf_expert_name(name: str) -> str:
     return _MIXTRAL_EXPERT.sub(
         lambda m: f".experts.{m.group(1)}.{_MIXTRAL_NAMES[m.group(2)]}.{m.group(3)}", name
     )
+
+
+def _append_slots(tensors: dict[str, torch.Tensor], prefix: str, shared: Slots) -> None:
+    """An already stacked layer's experts (transformers 5's layout) with the shared expert's slots
+    appended. Experts of another width than the config's (the slots' width) are refused by name
+    here: the concatenation would fail as torch's RuntimeError."""
+    gates, ups, downs = shared
+    stacks = {"gate_up_proj": torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)}
+    stacks["down_proj"] = torch.stack(downs)
+    for proj, slots in stacks.items():
+        name, expert = f"{prefix}.{proj}", tuple(slots.shape[1:])
+        if tuple(tensors[name].shape[1:]) != expert:
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(tensors[name].shape)}: experts of {expert} were "
+                "expected from config (moe_intermediate_size, hidden_size)"
+            )
+        tensors[name] = torch.cat([tensors[name], slots])
 
 
 def _stack_layer(
@@ -78,10 +104,7 @@ def _stack_layer(
                 f"({per_expert[0]!r}, ...) for the same layer; keep one layout"
             )
         if shared[0] and f"{prefix}.gate_up_proj" in tensors and f"{prefix}.down_proj" in tensors:
-            gates, ups, downs = shared
-            gate_up = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
-            tensors[f"{prefix}.gate_up_proj"] = torch.cat([tensors[f"{prefix}.gate_up_proj"], gate_up])
-            tensors[f"{prefix}.down_proj"] = torch.cat([tensors[f"{prefix}.down_proj"], torch.stack(downs)])
+            _append_slots(tensors, prefix, shared)
         return
     if not per_expert:
         return  # nothing of this layer's experts: the loader reports the missing stacked tensors

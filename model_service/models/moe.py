@@ -212,34 +212,37 @@ class SparseMoeBlock(nn.Module):
         routed, experts, shared = len(self.expert_range), f"{prefix}experts", f"{prefix}{self.shared_name}"
         gate_up, down = tensors[f"{experts}.gate_up_proj"], tensors[f"{experts}.down_proj"]
         tensors[f"{experts}.gate_up_proj"], tensors[f"{experts}.down_proj"] = gate_up[:routed], down[:routed]
-        gate, up = gate_up[routed:].chunk(2, dim=1)
-        tensors[f"{shared}.gate_proj.weight"] = gate.flatten(0, 1)
-        tensors[f"{shared}.up_proj.weight"] = up.flatten(0, 1)
-        tensors[f"{shared}.down_proj.weight"] = torch.cat(down[routed:].unbind(0), dim=1)
+        mlp = slots_as_mlp(gate_up[routed:], down[routed:])
+        tensors.update({f"{shared}.{p}.weight": w for p, w in zip(SHARED_PROJECTIONS, mlp, strict=True)})
 
     def unfuse_shared_expert(self, cfg: ModelConfig) -> None:
         """The shared expert's slots taken out of the stack into its own MLP again (the tensors
         `checkpoint_split` gives). Expert parallelism needs it: each rank holds whole experts, so
         fused the shared expert would live on one rank, which would compute it for every token
-        while the others wait; as an MLP it is split by columns over all ranks (sharding)."""
+        while the others wait; as an MLP it is split by columns over all ranks (sharding). Slots
+        quantized with the experts (`--quantization fp8`: e4m3, scales a slot's rows) come out
+        dequantized to the router's (the compute) dtype, the values the fused block computed
+        with: an MLP has no scales a slot, and bare e4m3 weights would not run."""
         if not self.shared_slots:
             return
-        experts, name = self.experts, self.shared_name
-        tensors = {
-            "experts.gate_up_proj": experts.gate_up_proj.detach(),
-            "experts.down_proj": experts.down_proj.detach(),
-        }
-        self.checkpoint_split("", tensors)
+        experts, routed = self.experts, len(self.expert_range)
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        slots, scales = (gate_up[routed:], down[routed:]), experts.scales()
+        if scales is not None:
+            dtype = self.gate.weight.dtype
+            slots = tuple(
+                _dequantized(w, s[routed:], scales.group, dtype)
+                for w, s in zip(slots, (scales.gate_up, scales.down), strict=True)
+            )
+            experts.gate_up_scale, experts.down_scale = scales.gate_up[:routed], scales.down[:routed]
+        gate, up, shared_down = slots_as_mlp(*slots)
         with torch.device("meta"):
             mlp = MLP(cfg, cfg.shared_expert_intermediate_size)
-        gate_up = torch.cat([tensors[f"{name}.gate_proj.weight"], tensors[f"{name}.up_proj.weight"]])
-        mlp.gate_up_proj.weight = nn.Parameter(gate_up, requires_grad=False)
-        mlp.down_proj.weight = nn.Parameter(
-            tensors[f"{name}.down_proj.weight"].contiguous(), requires_grad=False
-        )
-        experts.gate_up_proj = nn.Parameter(tensors["experts.gate_up_proj"], requires_grad=False)
-        experts.down_proj = nn.Parameter(tensors["experts.down_proj"], requires_grad=False)
-        setattr(self, name, mlp)
+        mlp.gate_up_proj.weight = nn.Parameter(torch.cat([gate, up]), requires_grad=False)
+        mlp.down_proj.weight = nn.Parameter(shared_down, requires_grad=False)
+        experts.gate_up_proj = nn.Parameter(gate_up[:routed], requires_grad=False)
+        experts.down_proj = nn.Parameter(down[:routed], requires_grad=False)
+        setattr(self, self.shared_name, mlp)
         self.shared_slots = 0
 
     def shared_mlp(self) -> nn.Module | None:
@@ -262,6 +265,25 @@ class SparseMoeBlock(nn.Module):
         return out + shared(x)
 
 
+SHARED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # the shared expert's, by checkpoint name
+
+
+def slots_as_mlp(
+    gate_up: torch.Tensor, down: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shared expert's (gate_proj, up_proj, down_proj) weights from its slots' stacked
+    gate_up [S, 2I, H] and down [S, H, I]: the loader's split (`expert_weights._shared_slots`) undone."""
+    gate, up = gate_up.chunk(2, dim=1)
+    return gate.flatten(0, 1), up.flatten(0, 1), torch.cat(down.unbind(0), dim=1)
+
+
+def _dequantized(w: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 stacked weights w [S, N, K] times their scales [S, N, G] (`group` columns each, 0: a
+    row), in `dtype`."""
+    cols = group or w.shape[2]
+    return (w.float() * scale.repeat_interleave(cols, dim=-1)[..., : w.shape[2]]).to(dtype)
+
+
 def shared_expert_slots(cfg: ModelConfig) -> int:
     """How many expert slots of the stack the shared expert takes (0: it stays a separate MLP).
     Fused (SGLang's "shared experts fusion"), the shared expert is n more experts of the routed
@@ -274,8 +296,8 @@ def shared_expert_slots(cfg: ModelConfig) -> int:
     those of the experts' kind: not for an FP8 checkpoint, whose shared expert may be quantized
     otherwise than its experts (or not at all); online FP8 quantizes the fused stack as experts
     are (per row, W8A16). Tensor parallelism cuts every slot's columns as the experts'; expert
-    parallelism takes them back out into the MLP (`SparseMoeBlock.unfuse_shared_expert`). LoRA on
-    MoE layers' MLPs is refused whatever the layout (`lora.adapter`)."""
+    parallelism takes them back out into the MLP (`SparseMoeBlock.unfuse_shared_expert`; online
+    FP8's dequantized). LoRA on MoE layers' MLPs is refused whatever the layout (`lora.adapter`)."""
     width, inter = cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size
     fusable = width and inter and width % inter == 0 and cfg.quantization is None and not cfg.mlp_bias
     return width // inter if fusable and cfg.hidden_act == "silu" else 0

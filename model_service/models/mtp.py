@@ -22,6 +22,8 @@ from the one before at the same position, a chain with caches of its own that is
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -30,6 +32,7 @@ from model_service.models.config import ModelConfig
 from model_service.models.context import ForwardContext
 from model_service.models.deepseek import DeepseekDecoderLayer
 from model_service.models.expert_weights import stack_expert_tensors
+from model_service.models.fp8_linear import quantize_online
 from model_service.models.fp8_weights import fp8_checkpoint
 from model_service.models.layers import RMSNorm
 from model_service.models.loader import (
@@ -84,8 +87,9 @@ class MtpLayer(nn.Module):
 
 
 def load_mtp_layer(target: LoadedModel) -> MtpLayer:
-    """The first MTP layer of `target`'s checkpoint, on the target's device and in its dtype;
-    read from disk now (the target's load left it there)."""
+    """The first MTP layer of `target`'s checkpoint, on the target's device and in its dtype
+    (and FP8 scheme: an FP8 checkpoint's, or `--quantization`'s applied after the load as to the
+    target); read from disk now (the target's load left it there)."""
     cfg = target.config
     if cfg.qwen3_next_mtp_layers:
         raise ModelLoadError(
@@ -103,14 +107,16 @@ def load_mtp_layer(target: LoadedModel) -> MtpLayer:
     if not path.is_dir():
         raise ModelLoadError(f"MTP speculation reads its layer from an HF checkpoint directory, not {path}")
     prefix = cfg.mtp_prefixes[0]
-    layer_cfg = cfg.mtp_layer_config()
+    # --quantization fp8 quantized the target after its float load: the layer is float on disk too.
+    online = cfg.quantization is not None and cfg.quantization.method == "online"
+    layer_cfg = replace(cfg.mtp_layer_config(), quantization=None) if online else cfg.mtp_layer_config()
     with torch.device("meta"):
         layer = MtpLayer(layer_cfg)
     tensors = {
         _layer_name(k[len(prefix) :]): t
         for k, t in read_tensors(weight_files(path), lambda k: k.startswith(prefix)).items()
     }
-    if cfg.quantization is not None:  # DeepSeek-V3's hub weights: the MTP layer is FP8 as the rest
+    if cfg.quantization is not None and not online:  # DeepSeek-V3's hub weights: FP8 as the rest
         tensors = fp8_checkpoint(layer, tensors, cfg.quantization)
     tensors = _stack_block_experts(tensors, layer_cfg)
     param = next(target.module.parameters())
@@ -121,6 +127,8 @@ def load_mtp_layer(target: LoadedModel) -> MtpLayer:
         owner, _, attr = name.rpartition(".")
         setattr(layer.get_submodule(owner), attr, theirs[name])
     layer.rotary = target.module.rotary
+    if online:  # as the target was quantized (its embedding and LM head, shared here, stay as they are)
+        quantize_online(layer, cfg.quantization)
     return layer.eval()
 
 
