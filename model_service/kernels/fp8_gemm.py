@@ -77,8 +77,9 @@ def quantize_groups(
 
 
 def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    """float32 q * scale, `scale` [M, groups] covering `group` columns each."""
-    return q.float() * scale.repeat_interleave(group, dim=1)[:, : q.shape[1]]
+    """float32 q * scale, `scale` [..., M, groups] covering `group` columns each (any leading
+    dimensions: a stack of experts' weights too)."""
+    return q.float() * scale.repeat_interleave(group, dim=-1)[..., : q.shape[-1]]
 
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

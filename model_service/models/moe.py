@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_service.kernels.experts import experts_capturable, experts_path, fused_experts
+from model_service.kernels.fp8_gemm import dequantize_groups
 from model_service.kernels.fused_moe import (
     ROUTER_MAX_ROWS,
     ExpertScales,
@@ -231,7 +232,7 @@ class SparseMoeBlock(nn.Module):
         if scales is not None:
             dtype = self.gate.weight.dtype
             slots = tuple(
-                _dequantized(w, s[routed:], scales.group, dtype)
+                dequantize_groups(w, s[routed:], scales.group or w.shape[-1]).to(dtype)
                 for w, s in zip(slots, (scales.gate_up, scales.down), strict=True)
             )
             experts.gate_up_scale, experts.down_scale = scales.gate_up[:routed], scales.down[:routed]
@@ -275,13 +276,6 @@ def slots_as_mlp(
     gate_up [S, 2I, H] and down [S, H, I]: the loader's split (`expert_weights._shared_slots`) undone."""
     gate, up = gate_up.chunk(2, dim=1)
     return gate.flatten(0, 1), up.flatten(0, 1), torch.cat(down.unbind(0), dim=1)
-
-
-def _dequantized(w: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """e4m3 stacked weights w [S, N, K] times their scales [S, N, G] (`group` columns each, 0: a
-    row), in `dtype`."""
-    cols = group or w.shape[2]
-    return (w.float() * scale.repeat_interleave(cols, dim=-1)[..., : w.shape[2]]).to(dtype)
 
 
 def shared_expert_slots(cfg: ModelConfig) -> int:
