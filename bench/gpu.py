@@ -145,6 +145,16 @@ def weight_bytes(module: torch.nn.Module) -> int:
 GREEDY = {"temperature": 0}
 
 
+def generate_or_raise(engine: Engine, requests: list[dict[str, Any]]) -> None:
+    """`engine.generate`, raising if a request failed: a failed request ends at once, and a
+    benchmark that timed it would print a rate it never ran at (a kernel that did not compile once
+    read as a negative tok/s)."""
+    failed = [o.error or o.finish_reason for o in engine.generate(requests) if o.error or o.finish_reason
+              not in ("length", "stop")]  # fmt: skip
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(requests)} requests failed: {failed[0]}")
+
+
 def timed_generate(
     engine: Engine,
     prompts: list[list[int]],
@@ -158,10 +168,8 @@ def timed_generate(
     ]
     torch.cuda.synchronize()
     start = time.perf_counter()
-    failed = [o.error for o in engine.generate(reqs) if o.error]
+    generate_or_raise(engine, reqs)
     torch.cuda.synchronize()
-    if failed:
-        raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
     return time.perf_counter() - start
 
 

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from bench.gpu import copy_bandwidth, host_share, kernel_profile, weight_bytes
+from bench.gpu import copy_bandwidth, generate_or_raise, host_share, kernel_profile, weight_bytes
 from bench.moe import hit_fraction
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
@@ -146,7 +146,7 @@ def _timed(engine: Engine, requests: list[dict], device: str) -> float:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     start = time.perf_counter()
-    engine.generate(requests)
+    generate_or_raise(engine, requests)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return time.perf_counter() - start

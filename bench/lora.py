@@ -27,7 +27,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch
 from safetensors.torch import save_file
 
-from bench.gpu import adapter_room
+from bench.gpu import adapter_room, generate_or_raise
 from model_service.engine.config import EngineConfig
 from model_service.engine.engine import Engine
 from model_service.lora.adapter import module_shapes
@@ -71,7 +71,7 @@ def decode_tps(
             for p, a in zip(prompts, adapters, strict=True)
         ]
         t = time.perf_counter()
-        engine.generate(reqs)
+        generate_or_raise(engine, reqs)
         if engine.executor.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t

@@ -618,14 +618,14 @@ if triton is not None:
             if ROUND:
                 logits = logits.to(X.dtype.element_ty).to(tl.float32)
             logits = tl.where(e_ok, logits, float("-inf"))
-            row = TOP_K + SHARED_SLOTS
-            _route_row(logits, Weights, Ids, t, row, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
+            pairs = TOP_K + SHARED_SLOTS
+            _route_row(logits, Weights, Ids, t, pairs, E, TOP_K, FIRST, Bias, SCALING, PER_GROUP, TOPK_GROUPS,
                        SIGMOID, HAS_BIAS, GROUP_SCORE, RENORMALIZE, E_P2, K_P2, G_P2)  # fmt: skip
             if SHARED_SLOTS > 0:
                 j = tl.arange(0, S_P2)
-                tl.store(Ids + t * row + TOP_K + j, SHARED_ID + j, mask=j < SHARED_SLOTS)
-                w = tl.zeros([S_P2], tl.float32) + shared_weight
-                tl.store(Weights + t * row + TOP_K + j, w, mask=j < SHARED_SLOTS)
+                tl.store(Ids + t * pairs + TOP_K + j, SHARED_ID + j, mask=j < SHARED_SLOTS)
+                pair_weight = tl.zeros([S_P2], tl.float32) + shared_weight
+                tl.store(Weights + t * pairs + TOP_K + j, pair_weight, mask=j < SHARED_SLOTS)
 
     @triton.jit
     def _chunk_hits(Ids, chunk, P, E, E_P2: tl.constexpr, CHUNK: tl.constexpr):
