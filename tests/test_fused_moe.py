@@ -170,6 +170,8 @@ def test_few_rows_an_expert_take_the_fused_path_only_on_cuda():
         (37, 16, 4, 16, None),
         (70, 8, 3, 32, None),
         (130, 128, 8, 16, 40),
+        (9, 513, 11, 16, None),  # Qwen3-Next's 512 experts + its fused shared slot: 8 warps
+        (300, 8, 8, 16, None),  # 64 pairs a program (`align_tiles`; the others take 16 or 32)
     ],
 )
 def test_alignment_kernel_matches_the_reference(tokens, experts, top_k, bm, used):
