@@ -16,6 +16,7 @@ zeros, where a dropped norm or bias would go unseen.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,6 +30,7 @@ from model_service.attention.reference import TorchReferenceBackend
 from model_service.attention.triton_latent import TritonLatentBackend
 from model_service.distributed.sharding import Partition
 from model_service.errors import ModelLoadError
+from model_service.kernels import mla_decode
 from model_service.kernels.mla_decode import mla_decode_attention, mla_decode_attention_reference
 from model_service.lora.adapter import AdapterError, load_peft_adapter
 from model_service.models.config import ModelConfig
@@ -476,16 +478,9 @@ def test_mtp_layers_skipped_bad_routing_refused_and_moe_layer_freq(tmp_path: Pat
     assert [k.moe for k in spaced.layer_kinds] == [False, False, True, False, True]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("splits", [1, 4])
-@pytest.mark.parametrize("shape", [(20, 512, 64), (4, 32, 8)], ids=["v3-latent-20-heads", "tiny"])
-def test_mla_decode_kernel_matches_its_reference(
-    dtype: torch.dtype, splits: int, shape: tuple[int, int, int]
-):
+def _check_mla_decode(device: str, dtype: torch.dtype, splits: int, shape: tuple[int, int, int]) -> None:
     """Fresh inputs: contexts of 0 (a padding row), 1, 17 and 300 tokens in shuffled blocks of
-    16, heads not a multiple of the kernel's head block, both the published and the tiny widths."""
+    16, heads not a multiple of the kernel's head block; the reference on the CPU."""
     heads, latent, rope = shape
     gen = torch.Generator().manual_seed(5)
     lens = torch.tensor([0, 1, 17, 300])
@@ -495,11 +490,37 @@ def test_mla_decode_kernel_matches_its_reference(
     q = torch.randn(4, heads, latent + rope, generator=gen).to(dtype)
     scale = (128 + 64) ** -0.5
     want = mla_decode_attention_reference(q, cache, table, lens, 16, scale, latent)
-    cuda = [t.cuda() for t in (q, cache, table, lens)]
-    got = mla_decode_attention(*cuda[:2], cuda[2], cuda[3], 16, scale, latent, num_splits=splits)
+    on = [t.to(device) for t in (q, cache, table, lens)]
+    got = mla_decode_attention(*on[:2], on[2], on[3], 16, scale, latent, num_splits=splits)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.cpu().float(), want.float(), rtol=tol, atol=tol)
     assert got[0].abs().max() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("shape", [(20, 512, 64), (4, 32, 8)], ids=["v3-latent-20-heads", "tiny"])
+def test_mla_decode_kernel_matches_its_reference(
+    dtype: torch.dtype, splits: int, shape: tuple[int, int, int]
+):
+    """Both the published and the tiny widths."""
+    _check_mla_decode("cuda", dtype, splits, shape)
+
+
+@pytest.mark.skipif(
+    mla_decode.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs Triton's interpreter",
+)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_mla_decode_kernel_matches_its_reference_under_the_interpreter(
+    monkeypatch: pytest.MonkeyPatch, splits: int
+):
+    """The tiny widths in float32 on the CPU (the device check bypassed); four splits go through
+    the merge kernel."""
+    monkeypatch.setattr(mla_decode, "mla_kernel_applies", lambda device, latent: True)
+    _check_mla_decode("cpu", torch.float32, splits, (4, 32, 8))
 
 
 @pytest.mark.gpu

@@ -208,6 +208,24 @@ def test_the_group_quantization_kernel_is_the_reference(rows: int, k: int):
 
 
 @interpreter
+@pytest.mark.usefixtures("torch_e4m3_cast")
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+@pytest.mark.parametrize(("rows", "k"), [(5, 256), (2, 2500)])  # 2,500: blocks of 1,024, the last ragged
+def test_the_row_quantization_kernel_is_the_reference(scheme: str, rows: int, k: int):
+    """Activations per token, dynamic (capped or not) or static (`_scaled_mm`'s row-wise input):
+    the Triton kernel's scales are `quantize_rows`' torch ops' to the last bit (CUDA multiplies
+    by 1 / 448 where the CPU divides; a static scale is the checkpoint's), and its e4m3 bytes
+    are torch's rounding of x by those scales, saturated at +-448, bit for bit."""
+    x, acts = rows_of_every_scale(rows, k, k), SCHEMES[scheme](k)
+    q, scale = fp8_gemm.quantize_rows_triton(x, acts)
+    _, want_scale = quantize_rows(x, acts)
+    assert scale.shape == (rows, 1)
+    torch.testing.assert_close(scale, want_scale, atol=0, rtol=3e-7)
+    want_q = (x / scale).clamp(-448, 448).to(fp8_gemm.E4M3)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@interpreter
 @pytest.mark.parametrize("column_major", [False, True])
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 128, 4096), (1, 192, 1024), (1, 64, 2048), (3, 128, 1024)])
 def test_the_few_row_kernels_scale_each_128_columns_of_a_row(

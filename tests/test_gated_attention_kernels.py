@@ -48,20 +48,21 @@ def _check_zero_centered_norm(device: str, dtype: torch.dtype) -> None:
     _close(alone, rms_norm_reference(x, weight, 1e-6, zero_centered=True), dtype)
 
 
-def _check_gated_heads(device: str, dtype: torch.dtype, rotary_dim: int) -> None:
-    """Partial rotary (rotary_dim < DIM, Qwen3-Next's quarter) and full; gate left where qkv has it."""
-    gen = torch.Generator().manual_seed(1)
-    qkv = _randn(gen, 5, 2 * HEADS * DIM + 2 * KV_HEADS * DIM).to(device, dtype)
-    norms = tuple((0.3 * _randn(gen, DIM)).to(device, dtype) for _ in range(2))
-    angles = _randn(gen, 5, rotary_dim // 2).repeat(1, 2)
-    rope = (angles.cos().to(device, dtype), angles.sin().to(device, dtype))
-    shape = (HEADS, KV_HEADS, DIM)
-    got = gated_heads_triton(qkv, norms, 1e-6, rope, shape)
-    want = gated_heads_reference(qkv, norms, 1e-6, rope, shape)
-    for g, w in zip(got, want, strict=True):
-        _close(g, w, dtype)
-    assert all(t.is_contiguous() for t in got[:3])
-    assert got[3].untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+def _check_gated_heads(device: str, dtype: torch.dtype) -> None:
+    """Partial rotary (Qwen3-Next's quarter of DIM) and full; gate left where qkv has it."""
+    for rotary_dim in (4, DIM):
+        gen = torch.Generator().manual_seed(1)
+        qkv = _randn(gen, 5, 2 * HEADS * DIM + 2 * KV_HEADS * DIM).to(device, dtype)
+        norms = tuple((0.3 * _randn(gen, DIM)).to(device, dtype) for _ in range(2))
+        angles = _randn(gen, 5, rotary_dim // 2).repeat(1, 2)
+        rope = (angles.cos().to(device, dtype), angles.sin().to(device, dtype))
+        shape = (HEADS, KV_HEADS, DIM)
+        got = gated_heads_triton(qkv, norms, 1e-6, rope, shape)
+        want = gated_heads_reference(qkv, norms, 1e-6, rope, shape)
+        for g, w in zip(got, want, strict=True):
+            _close(g, w, dtype)
+        assert all(t.is_contiguous() for t in got[:3])
+        assert got[3].untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
 
 
 def _check_sigmoid_gate(device: str, dtype: torch.dtype) -> None:
@@ -72,22 +73,26 @@ def _check_sigmoid_gate(device: str, dtype: torch.dtype) -> None:
     _close(sigmoid_gate_triton(x, gate), sigmoid_gate_reference(x, gate), dtype)
 
 
-def _check_all(device: str, dtype: torch.dtype) -> None:
-    _check_zero_centered_norm(device, dtype)
-    for rotary_dim in (4, DIM):
-        _check_gated_heads(device, dtype, rotary_dim)
-    _check_sigmoid_gate(device, dtype)
+# One test each, so that a failure (or, in scripts/compile_kernels.sh, a kernel that was only
+# compiled and left its outputs unwritten) stops no other kernel's check.
+CHECKS = {
+    "zero_centered_norm": _check_zero_centered_norm,
+    "gated_heads": _check_gated_heads,
+    "sigmoid_gate": _check_sigmoid_gate,
+}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or triton is None, reason="needs CUDA and Triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_attention_glue_matches_the_torch_references_on_cuda(dtype: torch.dtype):
-    _check_all("cuda", dtype)
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_gated_attention_glue_matches_the_torch_references_on_cuda(check: str, dtype: torch.dtype):
+    CHECKS[check]("cuda", dtype)
 
 
 @pytest.mark.skipif(
     triton is None or os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter"
 )
-def test_gated_attention_glue_matches_the_torch_references_under_the_interpreter():
-    _check_all("cpu", torch.float32)
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_gated_attention_glue_matches_the_torch_references_under_the_interpreter(check: str):
+    CHECKS[check]("cpu", torch.float32)

@@ -34,6 +34,8 @@ from model_service.kernels.paged_attention import (
     paged_decode_attention_reference,
     store_kv,
     store_kv_reference,
+    store_kv_triton,
+    triton,
 )
 from model_service.kernels.prefill_attention import paged_prefill_attention_reference
 from model_service.kernels.sampling import (
@@ -51,6 +53,18 @@ from model_service.models.config import attention_layers
 from model_service.models.layers import PackedLinear
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+interpreter = pytest.mark.skipif(
+    triton is None or os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter"
+)
+
+
+@pytest.fixture
+def h100_sms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An H100's 132 SMs for the LoRA launches that size their grids by the device (the CPU has none)."""
+    from model_service.kernels import lora, lora_grouped
+
+    for module in (lora, lora_grouped):
+        monkeypatch.setattr(module, "num_sms", lambda device: 132)
 
 
 def _decode_case(
@@ -149,20 +163,29 @@ def test_triton_decode_attention_matches_reference(shape, window, splits):
         assert _rel(got, want) < 1e-2
 
 
+def _check_store_kv(device: str, dtype: torch.dtype, kv_heads: int, dim: int) -> None:
+    """50 rows into shuffled slots of a pool of 400, every 7th a padding row (slot -1): the kernel
+    writes the reference's pool exactly, the other slots keep their 7s."""
+    k, v = (torch.randn(50, kv_heads, dim, device=device, dtype=dtype) for _ in range(2))
+    slots = torch.randperm(400, device=device)[:50]
+    slots[::7] = -1
+    caches = [torch.full((400, kv_heads, dim), 7.0, device=device, dtype=dtype) for _ in range(4)]
+    store_kv_triton(k, v, caches[0], caches[1], slots)
+    store_kv_reference(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_heads, dim", [(8, 128), (3, 64)])  # 3 x 64: a row that is not a power of 2
 def test_triton_store_kv_matches_reference_and_skips_padding(kv_heads, dim):
-    k, v = (
-        torch.randn(50, kv_heads, dim, device="cuda", dtype=torch.bfloat16),
-        torch.randn(50, kv_heads, dim, device="cuda", dtype=torch.bfloat16),
-    )
-    slots = torch.randperm(400, device="cuda")[:50]
-    slots[::7] = -1
-    caches = [torch.full((400, kv_heads, dim), 7.0, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    store_kv(k, v, caches[0], caches[1], slots)
-    store_kv_reference(k, v, caches[2], caches[3], slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    _check_store_kv("cuda", torch.bfloat16, kv_heads, dim)
+
+
+@interpreter
+@pytest.mark.parametrize("kv_heads, dim", [(8, 128), (3, 64)])
+def test_store_kv_kernel_matches_reference_and_skips_padding_under_the_interpreter(kv_heads, dim):
+    _check_store_kv("cpu", torch.float32, kv_heads, dim)
 
 
 # Ranks of 4 slots' adapters on the three parts of a q/k/v-like projection: one on every part,
@@ -254,6 +277,21 @@ def test_lora_reference_matches_the_lora_layer_over_its_arena_through_loads_move
     assert torch.allclose(layer(x)[slots != 1], want[slots != 1], atol=1e-5)
 
 
+def _check_lora_rows(device: str, dtype: torch.dtype, tokens: int, in_features: int, seed: int) -> None:
+    """The per-row shrink then expand: the reference's delta; base rows and the empty slot's
+    untouched; the split shrink's counters left zeroed."""
+    sizes, x, y, table, slots = _lora_case(tokens, device, dtype, seed, in_features)
+    want, got = y.clone(), y.clone()
+    lora_delta_reference(x, want, table, slots, sizes)
+    starts = (0, sizes[0], sizes[0] + sizes[1])
+    arrivals = shrink_arrivals(x.device)
+    lora_expand(lora_shrink(x, table, slots, arrivals), got, table, slots, starts)
+    assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(got[slots < 0], y[slots < 0])
+    assert torch.equal(got[slots == 2], y[slots == 2])  # an empty slot adds nothing
+    assert not arrivals.any()  # left zeroed for the next call
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 37, 256])
@@ -261,19 +299,17 @@ def test_lora_reference_matches_the_lora_layer_over_its_arena_through_loads_move
 @pytest.mark.parametrize("in_features", [48, 2048])  # 2,048 splits the input dimension at few rows
 def test_triton_lora_matches_reference(tokens, dtype, in_features):
     for seed in range(2):
-        sizes, x, y, table, slots = _lora_case(tokens, "cuda", dtype, seed, in_features)
-        want, got = y.clone(), y.clone()
-        lora_delta_reference(x, want, table, slots, sizes)
-        starts = (0, sizes[0], sizes[0] + sizes[1])
-        arrivals = shrink_arrivals(x.device)
-        lora_expand(lora_shrink(x, table, slots, arrivals), got, table, slots, starts)
-        assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
-        assert torch.equal(got[slots < 0], y[slots < 0])
-        assert torch.equal(got[slots == 2], y[slots == 2])  # an empty slot adds nothing
-        assert not arrivals.any()  # left zeroed for the next call
+        _check_lora_rows("cuda", dtype, tokens, in_features, seed)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+@interpreter
+@pytest.mark.usefixtures("h100_sms")
+def test_lora_expand_kernel_matches_reference_under_the_interpreter():
+    """Rows of every slot and of the base model (float32, CPU)."""
+    _check_lora_rows("cpu", torch.float32, 12, 48, 3)
+
+
+@interpreter
 @pytest.mark.parametrize("split_k", [2, 9, 16])  # 9 over 5,000 columns: the chunks leave 8 slices
 def test_split_shrink_adds_its_slices_in_order_under_the_interpreter(split_k):
     """The last K slice to arrive sums every slice's partial sums: the same xa as no split (float32,
@@ -331,23 +367,32 @@ def test_silu_mul_lora_reference_is_the_expand_then_silu_mul():
     assert _rel(silu_mul_lora_reference(y, xa, table, slots), silu_and_mul(full)) < 1e-6
 
 
+def _check_silu_mul_lora_rows(device: str, dtype: torch.dtype, tokens: int, seed: int) -> None:
+    """Per row (adapter runs, base rows, single rows), against the reference and against the
+    expand kernel followed by the SiLU-mul it replaces (the kernel on CUDA, torch's on the CPU)."""
+    from model_service.kernels.fused import silu_and_mul
+    from model_service.kernels.lora import silu_mul_lora_reference, silu_mul_lora_rows
+
+    y, xa, table, slots = _gate_up_case(tokens, device, dtype, seed)
+    per_row, unfused = silu_mul_lora_rows(y, xa, table, slots), y.clone()
+    lora_expand(xa, unfused, table, slots, (0, 48))
+    fp32 = dtype == torch.float32
+    assert _rel(per_row, silu_and_mul(unfused)) < (1e-6 if fp32 else 1e-2)
+    assert _rel(per_row, silu_mul_lora_reference(y, xa, table, slots)) < (1e-5 if fp32 else 1e-2)
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 70, 2048])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_silu_mul_lora_matches_reference_and_the_unfused_kernels(tokens, dtype):
-    """Per row (adapter runs, base rows, single rows), against the reference and against the
-    expand kernel followed by the SiLU-mul kernel they replace."""
-    from model_service.kernels.fused import silu_and_mul
-    from model_service.kernels.lora import silu_mul_lora_reference, silu_mul_lora_rows
-
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
     for seed in range(2):
-        y, xa, table, slots = _gate_up_case(tokens, "cuda", dtype, seed)
-        per_row, unfused = silu_mul_lora_rows(y, xa, table, slots), y.clone()
-        lora_expand(xa, unfused, table, slots, (0, 48))
-        assert _rel(per_row, silu_and_mul(unfused)) < (1e-6 if dtype == torch.float32 else 1e-2)
-        assert _rel(per_row, silu_mul_lora_reference(y, xa, table, slots)) < tol
+        _check_silu_mul_lora_rows("cuda", dtype, tokens, seed)
+
+
+@interpreter
+def test_silu_mul_lora_rows_kernel_matches_reference_and_the_unfused_expand_under_the_interpreter():
+    _check_silu_mul_lora_rows("cpu", torch.float32, 64, 7)  # every slot, base rows, runs and single rows
 
 
 def _runs_of_slots(tokens: int, seed: int) -> torch.Tensor:
@@ -362,6 +407,19 @@ def _runs_of_slots(tokens: int, seed: int) -> torch.Tensor:
     return torch.cat(runs)
 
 
+def _check_lora_tiles(device: str, dtype: torch.dtype, tokens: int, in_features: int, seed: int) -> None:
+    """The tile kernels over runs of slots: the reference's delta, base rows untouched."""
+    sizes, x, y, table, _ = _lora_case(tokens, device, dtype, seed, in_features)
+    slots = _runs_of_slots(tokens, seed).to(device)
+    want, got = y.clone(), y.clone()
+    lora_delta_reference(x, want, table, slots, sizes)
+    starts = (0, sizes[0], sizes[0] + sizes[1])
+    tiles = torch.from_numpy(lora_tiles(slots.cpu().numpy())).to(device)
+    lora_expand_tiles(lora_shrink_tiles(x, table, tiles), got, table, tiles, starts)
+    assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(got[slots < 0], y[slots < 0])
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [20, 300, 2048])
@@ -369,15 +427,15 @@ def _runs_of_slots(tokens: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("in_features", [48, 2048])
 def test_triton_lora_tiles_match_reference(tokens, dtype, in_features):
     for seed in range(2):
-        sizes, x, y, table, _ = _lora_case(tokens, "cuda", dtype, seed, in_features)
-        slots = _runs_of_slots(tokens, seed).cuda()
-        want, got = y.clone(), y.clone()
-        lora_delta_reference(x, want, table, slots, sizes)
-        starts = (0, sizes[0], sizes[0] + sizes[1])
-        tiles = torch.from_numpy(lora_tiles(slots.cpu().numpy())).cuda()
-        lora_expand_tiles(lora_shrink_tiles(x, table, tiles), got, table, tiles, starts)
-        assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
-        assert torch.equal(got[slots < 0], y[slots < 0])
+        _check_lora_tiles("cuda", dtype, tokens, in_features, seed)
+
+
+@interpreter
+@pytest.mark.usefixtures("h100_sms")
+@pytest.mark.parametrize("in_features", [48, 640])  # 640: the shrink split in two K slices, the last ragged
+def test_lora_tile_kernels_match_reference_under_the_interpreter(in_features):
+    """Runs of every slot (one a whole tile of 64 rows), single rows and a base row, float32 on the CPU."""
+    _check_lora_tiles("cpu", torch.float32, 160, in_features, 7)
 
 
 def _lora_mixed_batch(device: str):
@@ -470,7 +528,7 @@ def _qk_views(tokens: int, heads: int, kv_heads: int, dim: int, device: str, dty
     return q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), wq, wk
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+@interpreter
 @pytest.mark.parametrize("tokens, dim", [(1, 128), (5, 64), (3, 80)])
 def test_head_norm_kernel_matches_two_rms_norms_under_the_interpreter(tokens, dim):
     """Qwen3's q_norm and k_norm in one launch, on the strided heads the projection leaves, in
@@ -498,7 +556,7 @@ def _rope_store_reference(q, k, v, rope, slots, norms, pool_shape, dtype):
     return q, caches
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+@interpreter
 @pytest.mark.parametrize("norm", [False, True])
 def test_rope_store_kernel_matches_torch_under_the_interpreter(norm, monkeypatch):
     """The RoPE / K-V store kernel on the CPU (the device check bypassed), float32: q rotated in
@@ -519,6 +577,23 @@ def test_rope_store_kernel_matches_torch_under_the_interpreter(norm, monkeypatch
     torch.testing.assert_close(got_q, want_q, rtol=1e-6, atol=1e-6)
     for got, want in zip(pool, want_pool, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@interpreter
+def test_rope_kernel_rotates_strided_heads_in_place_under_the_interpreter(monkeypatch):
+    """`apply_rotary`'s kernel on the CPU (the device check bypassed), float32, on q and k as views
+    of one projection's rows (their token and head strides): each rotated in place as the
+    reference rotates it."""
+    from model_service.kernels import fused
+
+    monkeypatch.setattr(fused, "_on_gpu", lambda x: True)
+    q, k, _, _ = _qk_views(5, 4, 2, 32, "cpu", torch.float32)
+    cos, sin = (torch.randn(5, 32, generator=torch.Generator().manual_seed(s)) for s in range(2))
+    want = [fused.apply_rotary_reference(x, cos, sin) for x in (q, k)]
+    got = [fused.apply_rotary(x, cos, sin) for x in (q, k)]
+    for x, g, w in zip((q, k), got, want, strict=True):
+        assert g is x
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
 
 @cuda
@@ -821,17 +896,50 @@ def test_gumbel_max_reference_draws_from_the_tempered_softmax():
     assert (_softmax_frequencies(draws, 6) - (logits / 0.8).softmax(0)).abs().max() < 0.01
 
 
+def _sampling_case(device: str, rows: int, vocab: int, spread: float, temps: tuple[float, float]):
+    """Random logits [rows, vocab] times `spread`, temperatures uniform in [temps), Philox seeds."""
+    g = torch.Generator(device=device).manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab, device=device, generator=g) * spread
+    low, high = temps
+    temps = torch.rand(rows, device=device, generator=g) * (high - low) + low
+    return logits, temps, torch.randint(1 << 62, (rows,), device=device, generator=g)
+
+
+def _check_gumbel_max(device: str, rows: int, vocab: int) -> None:
+    logits, temps, seeds = _sampling_case(device, rows, vocab, 3, (0.3, 2.0))
+    want = gumbel_max_reference(logits, temps, philox_uniforms(seeds, vocab))
+    assert torch.equal(gumbel_max(logits, temps, seeds), want)
+    assert torch.equal(gumbel_max(logits, temps, seeds), want)  # a seed's draw repeats
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, vocab", [(1, 128_256), (5, 1000), (64, 50), (64, 49_152)])
 def test_triton_gumbel_max_matches_reference_on_the_same_uniforms(rows, vocab):
-    g = torch.Generator(device="cuda").manual_seed(rows + vocab)
-    logits = torch.randn(rows, vocab, device="cuda", generator=g) * 3
-    temps = torch.rand(rows, device="cuda", generator=g) * 1.7 + 0.3
-    seeds = torch.randint(1 << 62, (rows,), device="cuda", generator=g)
-    want = gumbel_max_reference(logits, temps, philox_uniforms(seeds, vocab))
-    assert torch.equal(gumbel_max(logits, temps, seeds), want)
-    assert torch.equal(gumbel_max(logits, temps, seeds), want)  # a seed's draw repeats
+    _check_gumbel_max("cuda", rows, vocab)
+
+
+@interpreter
+@pytest.mark.parametrize("rows, vocab", [(1, 9000), (6, 50)])  # 9,000: three chunks, the last ragged
+def test_gumbel_max_kernel_matches_reference_on_the_same_uniforms_under_the_interpreter(rows, vocab):
+    _check_gumbel_max("cpu", rows, vocab)
+
+
+@interpreter
+def test_the_uniforms_are_philox_4x32_10_streams_laid_out_in_rounds_under_the_interpreter():
+    """What every sampling kernel draws (`tl.rand`), read back by `philox_uniforms`: at seed 0,
+    column 0, Random123's known answer for Philox4x32-10 at key 0 and counter 0 (0x6627e8d5, as
+    Triton maps an int32 to [0, 1)); round r of a row at columns r * vocab + c of its seed's
+    stream; the seed's high word in the key; values spread evenly over (0, 1)."""
+    seeds = torch.tensor([0, 1, 1 << 40])
+    rounds = philox_uniforms(seeds, 700, 3)
+    stream = philox_uniforms(seeds, 2100)
+    assert rounds.shape == (3, 3, 700) and torch.equal(rounds.flatten(1), stream)
+    assert stream[0, 0] == torch.tensor(0x6627E8D5, dtype=torch.float32) * 4.6566127342e-10
+    assert not torch.equal(stream[0], stream[2])  # seeds 0 and 1 << 40 share their low word
+    assert ((stream > 0) & (stream < 1)).all()
+    counts = torch.histc(stream, bins=10, min=0, max=1)  # 630 expected in each, sd ~24
+    assert (counts - 630).abs().max() < 120
 
 
 @cuda
@@ -871,11 +979,29 @@ def test_truncated_reference_draws_from_what_the_sorting_sampler_keeps(cut):
     ],
 )
 def test_triton_truncated_sample_matches_reference_on_the_same_uniforms(rows, vocab, cut):
-    g = torch.Generator(device="cuda").manual_seed(rows + vocab)
-    logits = torch.randn(rows, vocab, device="cuda", generator=g) * 4
-    temps = torch.rand(rows, device="cuda", generator=g) + 0.5
-    seeds = torch.randint(1 << 62, (rows,), device="cuda", generator=g)
-    cuts = _cut_tensors(rows, vocab, "cuda", cut)
+    _check_truncated_sample("cuda", rows, vocab, cut)
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "rows, vocab, cut",
+    [
+        (4, 300, {"top_p": 0.5}),
+        (4, 300, {"top_k": 50}),
+        (4, 300, {"min_p": 0.3}),
+        (4, 300, {"top_p": 0.8, "min_p": 0.1}),
+        (1, 9000, {"top_p": 0.3, "min_p": 0.3, "top_k": 5000}),  # two row blocks of 8,192, the last ragged
+    ],
+)
+def test_truncated_kernel_matches_reference_on_the_same_uniforms_under_the_interpreter(rows, vocab, cut):
+    """Flatter logits than on CUDA: with few rows, rejected candidates (and so the later rounds'
+    uniforms, floors and pivots) must still decide some draws, among many eligible tokens."""
+    _check_truncated_sample("cpu", rows, vocab, cut, spread=1)
+
+
+def _check_truncated_sample(device: str, rows: int, vocab: int, cut: dict, spread: float = 4) -> None:
+    logits, temps, seeds = _sampling_case(device, rows, vocab, spread, (0.5, 1.5))
+    cuts = _cut_tensors(rows, vocab, device, cut)
     want = truncated_sample_reference(logits, temps, cuts, philox_uniforms(seeds, vocab, MAX_ROUNDS))
     assert torch.equal(truncated_sample(logits, temps, cuts, seeds), want)
 

@@ -405,13 +405,19 @@ def store_kv(
     """k, v: [T, KVH, D] contiguous; caches: [slots, KVH, D]; slots: [T] (negative = skip)."""
     if triton is None or not k.is_cuda:
         return store_kv_reference(k, v, k_cache, v_cache, slots)
+    return store_kv_triton(k, v, k_cache, v_cache, slots)
+
+
+def store_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """`store_kv`'s kernel, wherever Triton runs (its interpreter included: the CPU tests)."""
     width = k.shape[1] * k.shape[2]
     block = triton.next_power_of_2(width)
     _store_kv_kernel[(k.shape[0],)](
         k, v, k_cache, v_cache, slots, k.stride(0), k_cache.stride(0), width, block, k_cache.dtype == FP8,
         **pdl_args(k.device),
     )  # fmt: skip
-    return None
 
 
 def paged_decode_attention(
