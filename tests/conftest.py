@@ -51,13 +51,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # the Redis and S3 servers of the adapter service tests; the RPC fuzzers' processes and checks;
 # one `spindle up` cluster for the quickstart and HTTP API tests; one tiny pods-and-gateway
-# cluster for the gateway tests; which files share an xdist worker and which start first
+# cluster for the gateway tests; which files share an xdist worker and which start first; the
+# fixtures GPU tests use (apart, for the device machines)
 pytest_plugins = [
     "tests.adapter_helpers",
     "tests.fuzz_harness",
     "tests.up_cluster",
     "tests.service_helpers",
     "tests.xdist_scheduling",
+    "tests.torch_fixtures",
 ]
 
 from model_service.engine.batch_builder import StepItem  # noqa: E402
@@ -120,17 +122,6 @@ def _gguf_parsed_once() -> Iterator[None]:
         for name in ("GGUFReader", "get_tensor_name_map"):
             patch.setattr(gguf, name, functools.cache(getattr(gguf, name)))
         yield
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """One-token decode steps gain little from a second thread, and when other processes share the
-    two cores, torch's threads wait on each other (a module ran 20-50x slower that way). A module
-    asks for it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_engine(loaded: LoadedModel, **overrides: Any) -> Engine:
