@@ -161,7 +161,11 @@ class AdapterControl:
         now = self.clock()
         blocked = self.scheduler.blocked_adapters()
         self._failures = {n: f for n, f in self._failures.items() if n in blocked}
-        unloaded = self._load_in_order(list(blocked), now)
+        # Starving adapters load first: the step's places are kept for them, so an idle resident
+        # adapter waited for longer but held by this loop would keep the memory they need while
+        # its own requests could not be admitted either (a hang the engine fuzz found).
+        starving = [n for n in self.scheduler.starving if n in blocked]
+        unloaded = self._load_in_order(starving + [n for n in blocked if n not in starving], now)
         starving = self._update_starving(blocked, unloaded, now)
         self._plan_drains(starving, unloaded, now)
         if self._end_overdue_drains(now):

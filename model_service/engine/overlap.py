@@ -139,11 +139,12 @@ class Overlap:
         queued before that read, so the device runs it while the host fills the masks: a
         structured-output step no longer waits for its tokens and idles the device while the
         host prepares the next (issue 31; vLLM's async scheduling keeps its grammar bitmask
-        out of the forward the same way). Its tokens are in flight after, as `launch`'s."""
+        out of the forward the same way). Its tokens are in flight after, as `launch`'s. The
+        read may have finished every constrained row (a stop, a complete grammar): the rows
+        left are then sampled with no mask."""
         assert self.inflight is None, "the step before is read before its masks are computed"
         assert grammars is not None  # a constrained row needs them
         allowed = grammars.allowed_tokens([s.sampling.constraint for s, _ in rows])
-        assert allowed is not None  # else the step had overlapped (`launch`)
         self.inflight = launch([s for s, _ in rows], select_rows(logits, [r for _, r in rows]), allowed)
 
     def drain(self, then: InFlight | None = None) -> list[tuple[Sequence, int]]:
