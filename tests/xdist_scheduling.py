@@ -40,6 +40,7 @@ HEAVY_FIRST = [
     "tests/test_adapter_service.py",
     "tests/test_gateway_resume.py",
     "tests/test_tensor_parallel.py",
+    "tests/test_engine_fuzz.py",
 ]
 
 
