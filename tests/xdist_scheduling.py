@@ -19,6 +19,7 @@ import pytest
 RUN_WITH = {
     "tests/test_quickstart.py": "tests/test_openai_http.py",  # `spindle_up`
     "tests/test_openai_fanout.py": "tests/test_openai_http.py",  # `spindle_up`
+    "tests/test_openai_responses.py": "tests/test_openai_http.py",  # `spindle_up`
     "tests/test_gateway_failover.py": "tests/test_gateway.py",  # `tiny_cluster`
     **dict.fromkeys(  # `hf_smollm2`
         ("tests/test_lora.py", "tests/test_sampling_engine.py", "tests/test_smollm2_parity.py"),
