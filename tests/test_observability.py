@@ -28,6 +28,7 @@ from bench.fake_engine import FakeFastEngine
 from model_service.engine.sampling_params import SamplingParams
 from model_service.pod import server as pod_server
 from model_service.pod.state import ModelPod
+from spindle.traced_streams import DEADLINE_SLACK_S, cancelled_code
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc
 from tests.service_helpers import gateway_in_process
@@ -179,6 +180,24 @@ def test_a_cancelled_or_timed_out_call_is_not_traced_as_ok(caplog):
     for _, _, pod_span in (cancelled, late):
         assert pod_span.attributes["gen_ai.response.finish_reasons"] == ("abort",)
         assert pod_span.attributes["gen_ai.usage.output_tokens"] > 0
+
+
+class _Remaining:
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+
+    def time_remaining(self) -> float | None:
+        return self.seconds
+
+
+def test_a_cancel_that_lands_just_before_the_servers_deadline_is_read_as_the_deadline():
+    """The caller's timer starts before the server reads the headers, so its cancel at its own
+    deadline can reach a loaded server a few ms before the server's: CI once read such a call
+    as CANCELLED though its caller had been told DEADLINE_EXCEEDED."""
+    assert cancelled_code(_Remaining(DEADLINE_SLACK_S / 2)) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert cancelled_code(_Remaining(-1.0)) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert cancelled_code(_Remaining(DEADLINE_SLACK_S * 5)) == grpc.StatusCode.CANCELLED
+    assert cancelled_code(_Remaining(None)) == grpc.StatusCode.CANCELLED  # no deadline
 
 
 def test_a_scrape_during_a_long_step_answers_from_the_last_step_boundary():
