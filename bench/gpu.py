@@ -149,10 +149,10 @@ def generate_or_raise(engine: Engine, requests: list[dict[str, Any]]) -> None:
     """`engine.generate`, raising if a request failed: a failed request ends at once, and a
     benchmark that timed it would print a rate it never ran at (a kernel that did not compile once
     read as a negative tok/s)."""
-    failed = [o.error or o.finish_reason for o in engine.generate(requests) if o.error or o.finish_reason
-              not in ("length", "stop")]  # fmt: skip
+    failed = [o for o in engine.generate(requests) if o.error or o.finish_reason not in ("length", "stop")]
     if failed:
-        raise RuntimeError(f"{len(failed)} of {len(requests)} requests failed: {failed[0]}")
+        why = failed[0].error or failed[0].finish_reason
+        raise RuntimeError(f"{len(failed)} of {len(requests)} requests failed: {why}")
 
 
 def timed_generate(

@@ -164,8 +164,8 @@ class AdapterControl:
         # Starving adapters load first: the step's places are kept for them, so an idle resident
         # adapter waited for longer but held by this loop would keep the memory they need while
         # its own requests could not be admitted either (a hang the engine fuzz found).
-        starving = [n for n in self.scheduler.starving if n in blocked]
-        unloaded = self._load_in_order(starving + [n for n in blocked if n not in starving], now)
+        first = [n for n in self.scheduler.starving if n in blocked]
+        unloaded = self._load_in_order(first + [n for n in blocked if n not in first], now)
         starving = self._update_starving(blocked, unloaded, now)
         self._plan_drains(starving, unloaded, now)
         if self._end_overdue_drains(now):
