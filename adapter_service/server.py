@@ -62,6 +62,7 @@ _DRAIN_BYTES = 64 << 20
 _MAX_PAGE = 1000  # adapters in one List answer
 _MAX_PAGE_BYTES = 3 << 20  # one List answer: under the 4 MiB that gRPC clients receive by default
 _MAX_DESCRIPTION = 4096  # bytes (UTF-8): every Get and List answer carries it
+SHUTDOWN_GRACE_S = 5.0  # in-flight RPCs finish within it at SIGTERM; the whole exit gets 10 s more
 
 
 async def _name(context: grpc.aio.ServicerContext, name: str) -> str:
@@ -588,6 +589,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     def shut_down(why: str) -> None:
         log.info("adapter service stopping (%s)", why)
+        serving.exit_if_stuck(SHUTDOWN_GRACE_S + 10.0, "the adapter service")
         stop.set()
 
     serving.on_shutdown_signal(shut_down)
@@ -596,7 +598,7 @@ async def serve(args: argparse.Namespace) -> int:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), 1.0)
     await health.set(False)
-    await server.stop(grace=5.0)
+    await server.stop(grace=SHUTDOWN_GRACE_S)
     await health.stop()
     await controller.close()
     telemetry.shutdown(provider)

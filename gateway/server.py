@@ -580,6 +580,7 @@ async def serve(args: argparse.Namespace) -> int:
     serving.on_shutdown_signal(lambda why: stop.set())
     await stop.wait()
     log.info("draining")
+    serving.exit_if_stuck(args.drain_timeout + 10.0, "the gateway")
     await shutdown(gateway, server, health, args.drain_timeout)
     telemetry.shutdown(provider)
     return 0

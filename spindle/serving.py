@@ -7,7 +7,10 @@ import contextlib
 import faulthandler
 import importlib.util
 import logging
+import os
 import signal
+import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -119,7 +122,6 @@ def serve_metrics(host: str, port: int, registry: Any = None) -> Any:
     """Prometheus /metrics over HTTP on host:port, in a thread (`registry`: the default one when
     None); returns the HTTP server. A port in use is a ListenError, as gRPC's ports are."""
     import socket
-    import threading
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
     from prometheus_client import REGISTRY, make_wsgi_app
@@ -288,6 +290,40 @@ def on_shutdown_signal(callback: Callable[[str], None]) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, callback, sig.name)
+
+
+def exit_if_stuck(seconds: float, what: str) -> None:
+    """Bound a shutdown that has begun: if the process is still here `seconds` from now, write
+    where every thread and asyncio task waits, then exit with status 1. Kubernetes would SIGKILL
+    it at the end of its grace period and say nothing of why; an adapter service once sat 30 s
+    after SIGTERM in the tests, its loop idle on some await that threads' stacks could not name."""
+    loop = asyncio.get_running_loop()
+
+    def give_up() -> None:
+        log.error("%s still running %g s after it began to stop: exiting; its stacks follow", what, seconds)
+        faulthandler.dump_traceback(all_threads=True)
+        for task in asyncio.all_tasks(loop):
+            print(f"{task!r} awaits:", *_awaits(task.get_coro()), sep="\n  ", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True  # a shutdown that ends in time is not held up by it
+    timer.start()
+
+
+def _awaits(coro: Any) -> list[str]:
+    """Where a suspended coroutine waits, outermost first, down its chain of awaits (a task's own
+    stack names only its outermost frame)."""
+    where = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            where.append(repr(coro)[:200])  # a future, or a finished frame
+            break
+        where.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return where
 
 
 def setup_logging(level: str) -> None:

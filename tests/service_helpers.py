@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,18 +162,24 @@ def start_cluster(model: str, tmp: Path) -> tuple[list[Service], Service]:
     return pods, gateway
 
 
+def stop_all(services: Iterable[Service]) -> None:
+    """SIGTERM to every one at once, then wait for each: a service takes a second or more to exit
+    (its drain, its servers' grace), and they need not wait for one another."""
+    services = list(services)
+    for s in services:
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+    for s in services:
+        s.stop()
+
+
 def stop_cluster(pods: list[Service], gateway: Service) -> None:
-    """The gateway, then every pod at once: a pod takes over a second to exit after SIGTERM (its
-    drain, its servers' grace), and the pods need not wait for one another."""
+    """The gateway, then every pod at once."""
     for s in (gateway, *pods):
         if s.proc.poll() is None:
             os.kill(s.proc.pid, signal.SIGCONT)  # a test may have frozen it
     gateway.stop()
-    for pod in pods:
-        if pod.proc.poll() is None:
-            pod.proc.send_signal(signal.SIGTERM)
-    for pod in pods:
-        pod.stop()
+    stop_all(pods)
 
 
 @pytest.fixture(scope="session")

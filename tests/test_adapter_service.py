@@ -37,6 +37,7 @@ from tests.service_helpers import (
     load,
     spawn,
     spawn_pod,
+    stop_all,
     stub,
     token_request,
     wait_serving,
@@ -102,8 +103,8 @@ def cluster(tiny_llama, tmp_path_factory):
         while gateway.output().count("is healthy") < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         yield state
-        for service in (gateway, *state["replicas"], *pods):
-            service.stop()
+        gateway.stop()
+        stop_all([*state["replicas"], *pods])
     redis_proc.stop()
 
 

@@ -9,6 +9,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -859,3 +860,35 @@ def test_an_unexpected_exception_reaches_the_caller_as_an_id_and_the_log_has_it(
     logged = [r for r in caplog.records if error_id.group(1) in r.getMessage()]
     assert logged and secret in str(logged[0].exc_info[1])  # the id, with the traceback
     assert refusal.code() == grpc.StatusCode.INVALID_ARGUMENT and "has no prompt" in refusal.details()
+
+
+_STUCK_SHUTDOWN = """
+import asyncio, time
+from spindle import serving
+
+async def wait_on_a_peer_that_never_answers():
+    await asyncio.Event().wait()
+
+async def main(stuck):
+    serving.exit_if_stuck(STUCK_S if stuck else 30.0, "the test service")
+    if stuck:
+        await wait_on_a_peer_that_never_answers()
+
+asyncio.run(main(STUCK))
+"""
+
+
+@pytest.mark.parametrize("stuck", [True, False])
+def test_a_shutdown_stuck_on_an_await_exits_with_its_stacks_and_one_in_time_is_not_delayed(stuck):
+    """The bound a service puts on its own exit at SIGTERM: a stuck one ends, status 1, naming the
+    coroutine it waited in; one that ends in time is not held up by the timer."""
+    code = _STUCK_SHUTDOWN.replace("STUCK_S", "0.5").replace("STUCK)", f"{stuck})")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert time.monotonic() - started < 15
+    if stuck:
+        assert done.returncode == 1, done.stderr
+        assert "the test service still running 0.5 s after it began to stop" in done.stderr
+        assert "wait_on_a_peer_that_never_answers" in done.stderr
+    else:
+        assert done.returncode == 0 and not done.stderr, done.stderr
