@@ -15,23 +15,29 @@ from __future__ import annotations
 
 import pytest
 
-# A file -> the file whose worker runs it too, because both use a costly session fixture.
+# A file -> the file whose worker runs it too, because both use a costly session fixture. The
+# users of HF's SmolLM2 (`hf_smollm2`) and of `spindle up` (`spindle_up`) are one unit:
+# test_prompt_logprobs.py needs both, and apart they started a second cluster or a second HF load.
+_SMOLLM2_ORACLE_OR_CLUSTER = (
+    "tests/test_lora.py",  # `hf_smollm2`
+    "tests/test_sampling_engine.py",
+    "tests/test_smollm2_parity.py",
+    "tests/test_prompt_logprobs.py",  # both
+    "tests/test_openai_http.py",  # `spindle_up`
+    "tests/test_openai_fanout.py",
+    "tests/test_openai_responses.py",
+    "tests/test_quickstart.py",
+    "tests/test_reasoning.py",
+)
 RUN_WITH = {
-    "tests/test_quickstart.py": "tests/test_openai_http.py",  # `spindle_up`
-    "tests/test_openai_fanout.py": "tests/test_openai_http.py",  # `spindle_up`
-    "tests/test_openai_responses.py": "tests/test_openai_http.py",  # `spindle_up`
+    **dict.fromkeys(_SMOLLM2_ORACLE_OR_CLUSTER, "tests/test_beam_search.py"),
     "tests/test_gateway_failover.py": "tests/test_gateway.py",  # `tiny_cluster`
-    **dict.fromkeys(  # `hf_smollm2`
-        ("tests/test_lora.py", "tests/test_sampling_engine.py", "tests/test_smollm2_parity.py"),
-        "tests/test_beam_search.py",
-    ),
 }
 
 # The units that keep a worker busy 25 s or more in a run of scripts/test.sh, heaviest first
 # (measured on 2 shared cores); every other file follows, in name order.
 HEAVY_FIRST = [
-    "tests/test_beam_search.py",  # and the other users of HF's SmolLM2
-    "tests/test_openai_http.py",  # and test_quickstart.py
+    "tests/test_beam_search.py",  # and the other users of HF's SmolLM2 and of `spindle up`
     "tests/test_gateway.py",  # and test_gateway_failover.py
     "tests/test_fuzz_rpcs.py",
     "tests/test_expert_parallel.py",
