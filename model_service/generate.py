@@ -202,6 +202,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         final, logprobs = _run(engine)
     finally:  # a tensor-parallel engine stops its workers in order and leaves its process group
         engine.executor.teardown()
+    silent = []  # raw prompts answered by an end-of-sequence token alone
     for i, rid in enumerate(ids):
         result = {"index": i, "error": errors[i]} if rid is None else _result(i, final[rid], logprobs[rid])
         if args.json:
@@ -210,7 +211,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"[{i}] error: {result['error']}", file=sys.stderr)
         else:
             print(result["text"] if len(ids) == 1 else f"[{i}] {result['text']}", flush=True)
+            if _ended_at_once(requests[i], final[rid]):
+                silent.append(f"[{i}]")
+    if silent:  # an empty line alone left the user guessing (an instruct model given raw text)
+        which = "the prompt" if len(ids) == 1 else " ".join(silent)
+        print(
+            f"note: {which} ended at once on a stop token, with no text; a chat model given raw text "
+            "often does: --chat applies its chat template",
+            file=sys.stderr,
+        )
     return 1 if errors or any(final[r].error for r in ids if r) else 0
+
+
+def _ended_at_once(request: dict[str, Any], out: RequestOutput) -> bool:
+    """A request without chat messages answered by a stop token alone (its id is the stop reason;
+    a stop string's is the string)."""
+    return "messages" not in request and isinstance(out.stop_reason, int) and len(out.token_ids) == 1
 
 
 def _run(engine: Engine) -> tuple[dict[str, RequestOutput], dict[str, list[TokenLogprobs]]]:

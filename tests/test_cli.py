@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import model_service.engine.engine as engine_module
@@ -57,7 +58,8 @@ def test_requests_file_on_a_checkpoint_without_tokenizer(tiny_llama, tmp_path, c
     assert len(out[3]["token_ids"]) == 3
 
 
-def test_chat_prompts_answer(smollm2, monkeypatch, capsys):
+@pytest.fixture
+def session_smollm2(smollm2, monkeypatch) -> None:
     """The command's engine gets the session's SmolLM2 rather than a second load of it (~10 s on 2
     cores): what it asks `load_model` for must be the call the `smollm2` fixture made."""
 
@@ -69,6 +71,9 @@ def test_chat_prompts_answer(smollm2, monkeypatch, capsys):
         return smollm2
 
     monkeypatch.setattr(engine_module, "load_model", load_model)
+
+
+def test_chat_prompts_answer(session_smollm2, capsys):
     rc = main(
         [
             "generate",
@@ -88,6 +93,18 @@ def test_chat_prompts_answer(smollm2, monkeypatch, capsys):
     assert rc == 0
     assert "Paris" in out[0]["text"] and out[0]["finish_reason"] == "stop"
     assert len(out) == 2 and out[1]["token_ids"]
+
+
+def test_a_raw_prompt_answered_by_a_stop_token_alone_says_what_chat_would_do(session_smollm2, capsys):
+    """SmolLM2-Instruct answers this raw text with its end-of-turn token: the command printed an
+    empty line and nothing else. A stop string that matches at once is what was asked: no note."""
+    argv = ["generate", "--prompt", "Write a haiku about GPUs.", "--max-tokens", "8", "--device", "cpu"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n" and "ended at once on a stop token" in err and "--chat" in err
+    assert main([*argv[:2], "The capital of France is", *argv[3:], "--stop", " Paris"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n" and err == ""
 
 
 def test_unknown_model_is_a_clear_error(capsys):
