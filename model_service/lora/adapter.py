@@ -338,45 +338,9 @@ def _modules(
     """Each module's A, B and scaling, in (layer, module) order, once every tensor's name and
     shape and every module's rank have been checked against the base model and the config."""
     shapes = module_shapes(base)
-    attention = tuple(m for m in shapes if m not in MLP_MODULES)  # what an MoE layer can carry
     pairs: dict[Key, dict[str, TensorEntry]] = {}
     for key, tensor in tensors.items():
-        if "lora_embedding" in key or "lora_magnitude_vector" in key:
-            what = "DoRA magnitude vectors" if "magnitude" in key else "LoRA on embeddings"
-            raise AdapterError(f"adapter {name!r}: {what} ({key}) is not supported")
-        if EXPERTS_KEY.search(key):  # PEFT turns gate/up/down targets on an MoE model into expert LoRA
-            raise AdapterError(
-                f"adapter {name!r}: tensor {key!r} adapts mixture-of-experts experts, which is not "
-                f"supported; target {attention} (and gate/up/down of dense layers only)"
-            )
-        bias = bias_refusal(key, config)
-        if bias is not None:
-            raise AdapterError(f"adapter {name!r}: {bias}")
-        linear = LINEAR_ATTENTION_KEY.search(key)
-        if linear is not None:
-            refusal = linear_attention_refusal(int(linear.group(1)), shapes)
-            raise AdapterError(f"adapter {name!r}: tensor {key!r}: {refusal}")
-        m = _KEY.match(key)
-        if m is None:
-            raise AdapterError(
-                f"adapter {name!r}: tensor {key!r} does not match any module of the base model"
-            )
-        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-        if module not in shapes:
-            raise AdapterError(
-                f"adapter {name!r}: tensor {key!r} targets {module!r}: {untargetable(module, shapes)}"
-            )
-        if layer >= base.num_layers:
-            raise AdapterError(
-                f"adapter {name!r}: tensor {key!r} names layer {layer}; the base model has {base.num_layers}"
-            )
-        if base.layer_kinds[layer].mixer is Mixer.LINEAR_ATTENTION and module not in MLP_MODULES:
-            raise AdapterError(f"adapter {name!r}: tensor {key!r}: {linear_attention_refusal(layer, shapes)}")
-        if base.layer_kinds[layer].moe and module in MLP_MODULES:
-            raise AdapterError(
-                f"adapter {name!r}: tensor {key!r} targets {module!r} of layer {layer}, a mixture-of-experts "
-                f"layer; LoRA on experts is not supported (target {attention} there)"
-            )
+        layer, module, ab = _target(name, key, config, shapes, base)
         pairs.setdefault((layer, module), {})[ab] = tensor
 
     alpha, use_rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
@@ -407,3 +371,46 @@ def _modules(
         scaling = module_alpha / (math.sqrt(rank) if use_rslora else rank)
         out[(layer, module)] = (a, b, scaling)
     return out
+
+
+def _target(
+    name: str, key: str, config: dict[str, Any], shapes: dict[str, tuple[int, int]], base: ModelConfig
+) -> tuple[int, str, str]:
+    """(layer, module, "A" or "B") of one tensor of the adapter, once its name is known to name a
+    module this engine adapts on that layer of the base model."""
+    attention = tuple(m for m in shapes if m not in MLP_MODULES)  # what an MoE layer can carry
+    if "lora_embedding" in key or "lora_magnitude_vector" in key:
+        what = "DoRA magnitude vectors" if "magnitude" in key else "LoRA on embeddings"
+        raise AdapterError(f"adapter {name!r}: {what} ({key}) is not supported")
+    if EXPERTS_KEY.search(key):  # PEFT turns gate/up/down targets on an MoE model into expert LoRA
+        raise AdapterError(
+            f"adapter {name!r}: tensor {key!r} adapts mixture-of-experts experts, which is not "
+            f"supported; target {attention} (and gate/up/down of dense layers only)"
+        )
+    bias = bias_refusal(key, config)
+    if bias is not None:
+        raise AdapterError(f"adapter {name!r}: {bias}")
+    linear = LINEAR_ATTENTION_KEY.search(key)
+    if linear is not None:
+        refusal = linear_attention_refusal(int(linear.group(1)), shapes)
+        raise AdapterError(f"adapter {name!r}: tensor {key!r}: {refusal}")
+    m = _KEY.match(key)
+    if m is None:
+        raise AdapterError(f"adapter {name!r}: tensor {key!r} does not match any module of the base model")
+    layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+    if module not in shapes:
+        raise AdapterError(
+            f"adapter {name!r}: tensor {key!r} targets {module!r}: {untargetable(module, shapes)}"
+        )
+    if layer >= base.num_layers:
+        raise AdapterError(
+            f"adapter {name!r}: tensor {key!r} names layer {layer}; the base model has {base.num_layers}"
+        )
+    if base.layer_kinds[layer].mixer is Mixer.LINEAR_ATTENTION and module not in MLP_MODULES:
+        raise AdapterError(f"adapter {name!r}: tensor {key!r}: {linear_attention_refusal(layer, shapes)}")
+    if base.layer_kinds[layer].moe and module in MLP_MODULES:
+        raise AdapterError(
+            f"adapter {name!r}: tensor {key!r} targets {module!r} of layer {layer}, a mixture-of-experts "
+            f"layer; LoRA on experts is not supported (target {attention} there)"
+        )
+    return layer, module, ab
