@@ -37,7 +37,7 @@ from spindle.grpc_status import PROMPT_TOKENS, abort, abort_exhausted
 from spindle.openai_api.context import HttpCallContext
 from spindle.openai_api.responses_store import store_of
 from spindle.openai_api.server import OpenAIServer, add_http_args
-from spindle.security import add_security_args, security_from_args
+from spindle.security import Security, add_security_args, security_from_args
 from spindle.v1 import adapters_pb2_grpc, generation_pb2_grpc
 from spindle.v1 import generation_pb2 as pb
 
@@ -616,17 +616,7 @@ async def start(
     await health.serve_plaintext(args.host, getattr(args, "health_port", 0))
     gateway: GatewayService
 
-    adapter_service = getattr(args, "adapter_service", "")
-    directory = (
-        AdapterDirectory(
-            adapter_service,
-            telemetry.client_interceptors(provider),
-            getattr(args, "placement_timeout", 60.0),
-            security,
-        )
-        if adapter_service
-        else None
-    )
+    directory = _adapter_directory(args, provider, security)
 
     async def on_change() -> None:
         if keys is not None:
@@ -662,22 +652,46 @@ async def start(
             metrics_port = gateway.metrics.serve(args.host, args.metrics_port)
             log.info("metrics on http://%s:%d/metrics", args.host, metrics_port)
         if getattr(args, "http_port", 0):
-            gateway.http = OpenAIServer(
-                gateway,
-                pool.base_models,
-                lambda: health.serving,
-                tracer,
-                getattr(args, "tool_call_parser", "none"),
-                getattr(args, "reasoning_parser", "none"),
-                getattr(args, "reasoning_key_file", None),
-                on_request=gateway.metrics.http_request,
-                admit=gateway.authenticated,
-                send_timeout=send_timeout,
-                store=store_of(args),
-            )
+            gateway.http = _openai_server(args, gateway, pool, health, tracer, send_timeout)
             gateway.http_port = await gateway.http.start(args.host, args.http_port, security.tls)
             log.info("OpenAI-compatible HTTP API on %s:%d", args.host, gateway.http_port)
     return gateway, server, health
+
+
+def _adapter_directory(
+    args: argparse.Namespace, provider: Any, security: Security
+) -> AdapterDirectory | None:
+    """The adapter service's client, when `--adapter-service` names one."""
+    adapter_service = getattr(args, "adapter_service", "")
+    if not adapter_service:
+        return None
+    interceptors = telemetry.client_interceptors(provider)
+    return AdapterDirectory(adapter_service, interceptors, getattr(args, "placement_timeout", 60.0), security)
+
+
+def _openai_server(
+    args: argparse.Namespace,
+    gateway: GatewayService,
+    pool: PodPool,
+    health: serving.Health,
+    tracer: Any,
+    send_timeout: float,
+) -> OpenAIServer:
+    """OpenAI's HTTP API in front of the same gateway: its callers are admitted by the same keys and
+    routed as gRPC callers are."""
+    return OpenAIServer(
+        gateway,
+        pool.base_models,
+        lambda: health.serving,
+        tracer,
+        getattr(args, "tool_call_parser", "none"),
+        getattr(args, "reasoning_parser", "none"),
+        getattr(args, "reasoning_key_file", None),
+        on_request=gateway.metrics.http_request,
+        admit=gateway.authenticated,
+        send_timeout=send_timeout,
+        store=store_of(args),
+    )
 
 
 async def shutdown(
