@@ -43,7 +43,7 @@ from adapter_service.placement import (
     to_spread,
 )
 from adapter_service.popularity import Popularity
-from adapter_service.registry import Registry
+from adapter_service.registry import Registry, cancel_and_wait
 from adapter_service.store import Store, Version
 from gateway.pods import CHANNEL_OPTIONS  # quick reconnects, keepalive: the same needs as the gateway's
 from spindle.coalesce import Coalesced
@@ -131,8 +131,7 @@ class Controller:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
         for t in self._placing.values():
             t.cancel()
         await asyncio.gather(*(p.channel.close() for p in self.pods.values()), return_exceptions=True)

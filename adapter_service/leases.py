@@ -31,7 +31,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from adapter_service.deadlines import waiting_for
-from adapter_service.registry import Registry
+from adapter_service.registry import Registry, cancel_and_wait
 
 log = logging.getLogger("spindle.adapters")
 
@@ -64,8 +64,7 @@ class Leases:
         try:
             yield token
         finally:
-            renewing.cancel()
-            await asyncio.gather(renewing, return_exceptions=True)
+            await cancel_and_wait(renewing)
             try:
                 await self.registry.release(key, token)
             except Exception as e:  # unreachable registry: the lease expires on its own

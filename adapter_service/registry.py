@@ -24,6 +24,7 @@ alone (a rebuild racing a registration on another replica must not undo it).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -104,6 +105,20 @@ if n then
 end
 return tonumber(redis.call('GET', KEYS[4]) or '0')
 """
+
+
+async def cancel_and_wait(task: asyncio.Task) -> None:
+    """Cancel `task` and wait until it has ended, cancelling it again while it runs on. A loop of
+    registry calls can outlive one cancellation on Python 3.11: redis-py bounds each command's
+    write with `asyncio.wait_for`, which there hands the write's result to a task cancelled while
+    the write finished (python/cpython#86296), and the command goes on as if nothing happened.
+    The controller's poll loop and a lease's renewals then ran on, and whoever awaited them (the
+    service's shutdown, at SIGTERM) waited forever: the likely cause of an adapter service that
+    sat 30 s after SIGTERM in a test run."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    await asyncio.gather(task, return_exceptions=True)  # its exception, retrieved
 
 
 @track

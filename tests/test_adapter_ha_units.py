@@ -1,8 +1,9 @@
 """Several adapter-service replicas on one registry, and bounded backend calls, without a cluster:
 the leases and version scripts against both registries (a real Redis), concurrent registrations
 and placements from two replicas, a registration given up by its bound, a dead replica's lease
-and what it left unindexed, Redis and S3 calls to a server that accepts and never answers, and
-the CLI's --timeout."""
+and what it left unindexed, Redis and S3 calls to a server that accepts and never answers, a
+cancellation that a Redis write drops (the poll loop and a lease's renewals still end), and the
+CLI's --timeout."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -23,7 +25,7 @@ from adapter_service.controller import Controller
 from adapter_service.deadlines import BoundExceeded, Bounds, within
 from adapter_service.leases import Leases
 from adapter_service.registration import register
-from adapter_service.registry import MemoryRegistry, RedisRegistry
+from adapter_service.registry import MemoryRegistry, RedisRegistry, cancel_and_wait
 from adapter_service.store import LocalStore, S3Store, Version
 from spindle import envflags
 from spindle.v1 import model_control_pb2_grpc
@@ -314,6 +316,65 @@ def test_redis_and_s3_calls_to_a_server_that_never_answers_end_within_their_boun
         with pytest.raises(botocore.exceptions.ReadTimeoutError):
             asyncio.run(store.check())
         assert time.monotonic() - started < bounds.s3_call_seconds()
+
+
+@pytest.fixture
+def lose_a_cancel(monkeypatch) -> list[Callable[[], None]]:
+    """Callbacks run (once each) by the next Redis command's write from inside it, just as the write
+    finishes: a cancellation they cause then meets that command where Python 3.11's `wait_for`
+    (around redis-py's writes) drops it, and a loop of registry calls runs on
+    (registry.cancel_and_wait)."""
+    from redis.asyncio.connection import Connection
+
+    write, armed = Connection._send_packed_command, []
+
+    async def write_then(self: Connection, command: Any) -> None:
+        await write(self, command)
+        while armed:
+            armed.pop()()
+
+    monkeypatch.setattr(Connection, "_send_packed_command", write_then)
+    return armed
+
+
+async def _ended_within(seconds: float, task: asyncio.Task) -> bool:
+    """Whether `task` ended within `seconds`; every other task is stopped after, so a loop that
+    outlived its cancel does not hold up `asyncio.run`."""
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    for t in asyncio.all_tasks() - {asyncio.current_task()}:
+        await cancel_and_wait(t)
+    return bool(done)
+
+
+def test_close_ends_the_poll_loop_when_its_cancel_meets_a_redis_write(redis_url, tmp_path, lose_a_cancel):
+    async def go() -> None:
+        c = Controller(
+            RedisRegistry(redis_url), LocalStore(tmp_path), discover=lambda: asyncio.sleep(0, []),
+            advertise="127.0.0.1:1", poll_interval=0.01,
+        )  # fmt: skip
+        await c.start()
+        closing: list[asyncio.Task] = []
+        lose_a_cancel.append(lambda: closing.append(asyncio.ensure_future(c.close())))
+        while not closing:  # the loop's next registry call
+            await asyncio.sleep(0.01)
+        assert await _ended_within(2.0, closing[0]), "Controller.close waited on a poll loop that went on"
+
+    asyncio.run(go())
+
+
+def test_a_hold_ends_when_its_renewals_cancel_meets_a_redis_write(redis_url, lose_a_cancel):
+    async def go() -> None:
+        leases = Leases(RedisRegistry(redis_url), ttl=0.3)  # renewed every 0.1 s
+
+        async def hold() -> None:
+            async with leases.hold("k", "a test"):
+                renewing = asyncio.Event()
+                lose_a_cancel.append(renewing.set)
+                await renewing.wait()  # the block ends as a renewal's write finishes
+
+        assert await _ended_within(2.0, asyncio.create_task(hold())), "the hold waited on its renewals"
+
+    asyncio.run(go())
 
 
 def test_the_adapters_cli_takes_timeout_before_or_after_the_action():
