@@ -588,6 +588,8 @@ async def serve(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
 
     def shut_down(why: str) -> None:
+        if stop.is_set():  # a second signal: the exit is under way, and bounded once
+            return
         log.info("adapter service stopping (%s)", why)
         serving.exit_if_stuck(SHUTDOWN_GRACE_S + 10.0, "the adapter service")
         stop.set()
