@@ -28,6 +28,7 @@ from model_service.kernels.fused_moe import (
     ExpertBiases,
     ExpertScales,
     FusedMoeConfig,
+    RouterLaunch,
     align,
     align_reference,
     fused_counters,
@@ -439,23 +440,25 @@ def test_routing_kernel_matches_route_under_the_interpreter(tokens, experts, top
         (2, 512, 2000, 10, torch.float32, True),  # Qwen3-Next's 512 experts: slices of 2 tiles, one short
     ],
 )
+@pytest.mark.parametrize("launch", [RouterLaunch(), RouterLaunch(max_slices=64, min_rows=16, warps=8)])
 def test_router_logits_kernel_matches_route_under_the_interpreter(
-    tokens, experts, hidden, top_k, dtype, transposed
+    tokens, experts, hidden, top_k, dtype, transposed, launch
 ):
     """`route_hidden` against `route` on the torch logits, twice (the counters are left zeroed,
-    and the result is the same bit for bit)."""
+    and the result is the same bit for bit), under the engine's launch and another
+    (`bench/router.py` sweeps them)."""
     gen = torch.Generator().manual_seed(tokens + experts)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     gate = torch.randn(experts, hidden, generator=gen) / hidden**0.5
     gate = gate.t().contiguous().t() if transposed else gate
     routing = Routing(scaling_factor=2.5, float32_logits=dtype != torch.float32)
     arrivals = torch.zeros(16, dtype=torch.int32)
-    weights, ids = route_hidden(x, gate, top_k, True, arrivals, routing, first_expert=3)
+    weights, ids = route_hidden(x, gate, top_k, True, arrivals, routing, first_expert=3, launch=launch)
     want_w, want_ids = route(torch.nn.functional.linear(x.float(), gate.float()), top_k, True)
     torch.testing.assert_close(ids.long(), want_ids - 3, rtol=0, atol=0)
     torch.testing.assert_close(weights, want_w * 2.5, rtol=1e-5, atol=1e-6)
     assert not arrivals.any()
-    again = route_hidden(x, gate, top_k, True, arrivals, routing, first_expert=3)
+    again = route_hidden(x, gate, top_k, True, arrivals, routing, first_expert=3, launch=launch)
     for g, a in zip((weights, ids), again, strict=True):
         torch.testing.assert_close(a, g, rtol=0, atol=0)
 

@@ -305,14 +305,25 @@ def _routing_args(
 
 
 ROUTER_MAX_ROWS = 16  # rows the router's logits are computed in `route_hidden`; more go to cuBLAS
-# The router's launch (swept on an H200 at one token, 2026-12-02 z): [BLOCK_K, E] weight tiles of
-# 8,192 elements (64 rows of K at Qwen3-30B's 128 experts), but no fewer than 32 rows, and at most
-# 32 K slices, a program each, looping over their tiles: the last program to arrive sums every
-# slice's logits, so at Qwen3-Next's 512 experts 128 slices of 16 rows (~21 us) left it most of
-# the work; 32 slices of 2 x 32 rows take ~13 us.
-ROUTER_TILE = 8192
-ROUTER_MIN_ROWS = 32
-ROUTER_MAX_SLICES = 32
+ROUTER_TILE = 8192  # elements of a [BLOCK_K, E] weight tile: 64 rows of K at Qwen3-30B's 128 experts
+
+
+@dataclass(frozen=True)
+class RouterLaunch:
+    """How `route_hidden` cuts the router's weight: tiles of ROUTER_TILE elements but no fewer than
+    `min_rows` rows of K, at most `max_slices` K slices a token (a program each, looping over its
+    tiles), `warps` a program. The last program to arrive sums every slice's logits, so at
+    Qwen3-Next's 512 experts 128 slices of 16 rows (~21 us, an H200, 2026-12-02 z) left it most
+    of the work; 32 slices of 2 x 32 rows take ~13 us. `bench/router.py` sweeps it per shape and
+    token count (2026-12-07 al, an H100: DeepSeek-V3's shape at one token 21.8 -> 18.5 us with 64
+    slices, 13% slower with them at 8 tokens; 8 warps slower everywhere)."""
+
+    max_slices: int = 32
+    min_rows: int = 32
+    warps: int = 4
+
+
+ROUTER_LAUNCH = RouterLaunch()  # the engine's, at every shape
 
 
 def route_hidden(
@@ -327,6 +338,7 @@ def route_hidden(
     shared_gate: tuple[torch.Tensor, torch.Tensor] | None = None,
     shared_slots: int = 0,
     shared_id: int = 0,
+    launch: RouterLaunch = ROUTER_LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_topk(x @ gate.T, ...)` in one launch for up to ROUTER_MAX_ROWS rows: at batch 1 the
     router's [H -> E] GEMV was a launch of its own (~5 us of a 48-layer step's 48 x ~65 us).
@@ -336,7 +348,8 @@ def route_hidden(
     ~110 us Qwen3-Next layer at batch 1). `shared_slots` pairs more a token (the shared expert
     fused into the experts' stack, `models.moe.shared_expert_slots`): ids `shared_id` on, weights
     that sigmoid in float32 with `shared_gate`, else 1 (DeepSeek's ungated shared experts); the
-    results are [T, top_k + shared_slots].
+    results are [T, top_k + shared_slots]. `launch`: how the weight is cut (`RouterLaunch`; the
+    results do not depend on it).
 
     Program (token, K slice) sums one [BLOCK_K, E] tile of the weight against x[token] in
     float32 (the weight by its strides: `store_weights_transposed` leaves it contiguous along E,
@@ -350,9 +363,9 @@ def route_hidden(
     assert tokens <= arrivals.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
     e_p2 = triton.next_power_of_2(experts)
-    block_k = max(ROUTER_MIN_ROWS, ROUTER_TILE // e_p2)
+    block_k = max(launch.min_rows, ROUTER_TILE // e_p2)
     tiles = triton.cdiv(hidden, block_k)
-    loops = triton.cdiv(tiles, min(tiles, ROUTER_MAX_SLICES))
+    loops = triton.cdiv(tiles, min(tiles, launch.max_slices))
     slices = triton.cdiv(tiles, loops)
     parts = torch.empty(tokens, slices, experts + 1, dtype=torch.float32, device=x.device)  # + a shared gate
     weights = torch.empty(tokens, top_k + shared_slots, dtype=torch.float32, device=x.device)
@@ -364,7 +377,7 @@ def route_hidden(
         SHARED_SLOTS=shared_slots, S_P2=triton.next_power_of_2(max(shared_slots, 1)),
         ROUND=not routing.float32_logits, BLOCK_K=block_k, LOOPS=loops, SLICES=slices,
         CHUNK_S=min(triton.next_power_of_2(slices), block_k),
-        **_routing_args(routing, experts, top_k, renormalize, bias, weights), num_warps=4,
+        **_routing_args(routing, experts, top_k, renormalize, bias, weights), num_warps=launch.warps,
         **pdl_args(x.device),
     )  # fmt: skip
     return weights, ids
