@@ -202,7 +202,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         final, logprobs = _run(engine)
     finally:  # a tensor-parallel engine stops its workers in order and leaves its process group
         engine.executor.teardown()
-    silent = []  # raw prompts answered by an end-of-sequence token alone
+    silent = []  # raw prompts answered by a stop token alone
     for i, rid in enumerate(ids):
         result = {"index": i, "error": errors[i]} if rid is None else _result(i, final[rid], logprobs[rid])
         if args.json:
