@@ -214,17 +214,23 @@ class GatewayService(generation_pb2_grpc.GenerationServicer):
         served = self.pool.base_models()
         if request.HasField("model"):
             if served and request.model not in served:
-                await abort(
-                    context,
-                    Code.NOT_FOUND,
-                    f"model {request.model!r} is not served here (served: {', '.join(sorted(served))})",
-                )
+                name = request.model
+                why = f"model {name!r} is not served here (served: {', '.join(sorted(served))})"
+                if self._is_adapter(name):  # HTTP's `model` may name one; gRPC's may not
+                    why = f"{name!r} is a LoRA adapter, not a base model (name it in `adapter`); {why}"
+                await abort(context, Code.NOT_FOUND, why)
         elif len(served) > 1 and not request.HasField("adapter"):
             await abort(
                 context,
                 Code.INVALID_ARGUMENT,
                 f"this gateway serves several base models ({', '.join(sorted(served))}): name one in `model`",
             )
+
+    def _is_adapter(self, name: str) -> bool:
+        """Whether a pod offers an adapter `name` or the adapter service has one registered."""
+        pods = self.pool.pods.values()
+        offered = any(p.load is not None and name in p.load.available_adapters for p in pods)
+        return offered or (self.directory is not None and name in (self.directory.catalog or {}))
 
     async def _relay(
         self,

@@ -111,6 +111,8 @@ def test_two_base_models_each_request_goes_to_a_pod_of_its_model():
                 assert await _tokens(stub, req) == [first, first + 1, first + 2]
             code, details = await _code(stub, pb.GenerateRequest(text="hi", model="gamma", max_tokens=3))
             assert code == Code.NOT_FOUND and "served: alpha, beta" in details
+            code, details = await _code(stub, pb.GenerateRequest(text="hi", model="sql", max_tokens=3))
+            assert code == Code.NOT_FOUND and "'sql' is a LoRA adapter" in details and "`adapter`" in details
             code, details = await _code(
                 stub, pb.GenerateRequest(text="hi", adapter="gamma")
             )  # HTTP's unknown `model`
