@@ -16,7 +16,8 @@ from pathlib import Path
 
 import grpc
 
-from spindle.client import DEFAULT_GATEWAY
+from spindle import flagtypes
+from spindle.client import DEFAULT_GATEWAY, gateway_target, rpc_error_line
 from spindle.service_token import HEADER as service_token_header
 from spindle.service_token import ServiceToken
 from spindle.tls import PLAINTEXT, TlsConfig, add_tls_args, sync_channel, tls_from_args
@@ -63,6 +64,8 @@ class AdaptersClient:
         weights = d / "adapter_model.safetensors"
         if not (d / "adapter_config.json").is_file() or not weights.is_file():
             found = sorted(p.name for p in d.iterdir()) if d.is_dir() else "not a directory"
+            if not d.exists():
+                found = "no such file or directory"
             raise FileNotFoundError(
                 f"{d} needs adapter_config.json and adapter_model.safetensors (found: {found})"
             )
@@ -127,7 +130,10 @@ def _summary(a: apb.Adapter) -> dict:
 
 def _connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--gateway", default=DEFAULT_GATEWAY, help="HOST:PORT of a gateway or adapter service"
+        "--gateway",
+        type=gateway_target,
+        default=DEFAULT_GATEWAY,
+        help=f"HOST:PORT of a gateway or adapter service [{DEFAULT_GATEWAY}]",
     )
     parser.add_argument("--api-key", default=None, help="an API key with the admin scope")
     add_tls_args(parser, server=False)
@@ -136,7 +142,7 @@ def _connection_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=flagtypes.seconds,
         default=TIMEOUT,
         help=f"seconds to wait for the answer (register: the upload too) [{TIMEOUT:g}]",
     )
@@ -192,8 +198,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"spindle adapters: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:
-        details = e.details()
-        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
-            details = f"no answer within --timeout {args.timeout:g} s (the service or its storage is slow)"
-        print(f"spindle adapters {args.action}: {e.code().name}: {details}", file=sys.stderr)
+        print(rpc_error_line(f"adapters {args.action}", e, args.timeout), file=sys.stderr)
         return 1

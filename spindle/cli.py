@@ -86,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`spindle chat ... | head -1`): stop quietly, as a command killed by
+        # SIGPIPE would (128 + 13), and point stdout at /dev/null so that the interpreter's final
+        # flush of what is left in the buffer does not print a second traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

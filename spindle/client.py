@@ -14,11 +14,44 @@ from typing import Any
 
 import grpc
 
+from spindle import flagtypes
+from spindle.errors import SpindleError
 from spindle.tls import PLAINTEXT, TlsConfig, add_tls_args, sync_channel, tls_from_args
 from spindle.v1 import generation_pb2 as pb
 from spindle.v1 import generation_pb2_grpc
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
+# gRPC's own target schemes (`dns:///host:port`, `unix:/path`, ...): taken as they are.
+_TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def gateway_target(value: str) -> str:
+    """`--gateway`: a gRPC HOST:PORT. Without a port gRPC dials 443 (and reports a refusal there),
+    and an HTTP URL (the OpenAI port `spindle up` prints too) fails as a "misformatted domain name":
+    both are refused here, as usage errors that say what the flag wants."""
+    if value.startswith(_TARGET_SCHEMES):
+        return value
+    if "://" in value:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is a URL; give the gateway's gRPC HOST:PORT (e.g. {DEFAULT_GATEWAY}), "
+            "not its HTTP address"
+        )
+    host, _, port = value.rpartition(":")
+    if not host or host.endswith(":") or not port.isdigit():  # "::1" is an IPv6 address: "[::1]:PORT"
+        raise argparse.ArgumentTypeError(f"{value!r} has no port; give HOST:PORT (e.g. {DEFAULT_GATEWAY})")
+    return value
+
+
+gateway_target.__name__ = "HOST:PORT"
+
+
+def rpc_error_line(command: str, e: grpc.RpcError, timeout: float) -> str:
+    """One line for a failed call: its status and message; a bare "Deadline Exceeded" (gRPC's own,
+    the client's deadline ran out) says which flag set it."""
+    details = e.details()
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
+        details = f"no answer within --timeout {timeout:g} s (raise it, or the service is slow)"
+    return f"spindle {command}: {e.code().name}: {details}"
 
 
 def finish_reason_name(reason: pb.FinishReason) -> str:
@@ -134,10 +167,13 @@ def _with_options(
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--gateway", default=DEFAULT_GATEWAY, help=f"HOST:PORT of a gateway [{DEFAULT_GATEWAY}]"
+        "--gateway",
+        type=gateway_target,
+        default=DEFAULT_GATEWAY,
+        help=f"HOST:PORT of a gateway's gRPC port [{DEFAULT_GATEWAY}]",
     )
     parser.add_argument("--api-key", default=None, help="API key (prefer the environment variable)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds [300]")
+    parser.add_argument("--timeout", type=flagtypes.seconds, default=300.0, help="deadline in seconds [300]")
     add_tls_args(parser, server=False)
 
 
@@ -201,34 +237,52 @@ def _answer(client: Client, req: pb.GenerateRequest, args: argparse.Namespace) -
     if args.json:
         out = client.generate(req, args.timeout)
         print(json.dumps(out.as_dict()), flush=True)
-    else:
+        return out
+    try:
         out = client.generate(req, args.timeout, on_text=_print_stream)
+    except KeyboardInterrupt:  # Ctrl-C mid-answer: end the line, so the shell's prompt starts on its own
         print(flush=True)
+        raise
+    print(flush=True)
     return out
+
+
+def _given_or_stdin(words: list[str], what: str) -> str:
+    """The text of the positional arguments, else all of stdin; refused when empty (an empty
+    message is answered with whatever the model makes of nothing: not what a script meant)."""
+    if words:
+        text = " ".join(words)
+    else:
+        if sys.stdin.isatty():
+            print(f"reading the {what} from stdin; Ctrl-D ends it", file=sys.stderr)
+        text = sys.stdin.read()
+    if not text.strip():
+        raise SpindleError(f"the {what} is empty: give it as arguments or on stdin")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         with Client(args.gateway, args.api_key, tls_from_args(args)) as client:
             if args.command == "models":
-                for m in client.list_models():
+                for m in client.list_models(args.timeout):
                     kind = pb.ModelKind.Name(m.kind).removeprefix("MODEL_KIND_").lower()
                     print(f"{m.id}\t{kind}" + (f"\t(base: {m.base_model})" if m.base_model else ""))
                 return 0
             if args.command == "complete":
-                prompt = " ".join(args.prompt) or sys.stdin.read()
+                prompt = _given_or_stdin(args.prompt, "prompt")
                 _answer(client, completion_request(prompt, **_options(args)), args)
                 return 0
             return _chat(client, args)
     except grpc.RpcError as e:
-        print(f"spindle {args.command}: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(rpc_error_line(args.command, e, args.timeout), file=sys.stderr)
         return 1
 
 
 def _chat(client: Client, args: argparse.Namespace) -> int:
     history = [{"role": "system", "content": args.system}] if args.system else []
     if args.message or not sys.stdin.isatty():
-        history.append({"role": "user", "content": " ".join(args.message) or sys.stdin.read()})
+        history.append({"role": "user", "content": _given_or_stdin(args.message, "message")})
         _answer(client, chat_request(history, **_options(args)), args)
         return 0
     print("chatting; an empty line or Ctrl-D ends", file=sys.stderr)
