@@ -67,7 +67,8 @@ def command_parser(command: str) -> tuple[ModuleType, argparse.ArgumentParser]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        # asked for, it is the answer (stdout, 0); for no command at all, a usage error (stderr, 2)
+        print(_usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in _COMMANDS:

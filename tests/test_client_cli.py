@@ -103,3 +103,12 @@ def test_a_reader_that_goes_away_is_a_quiet_exit_not_a_traceback(monkeypatch):
 def test_registering_a_directory_that_does_not_exist_says_so(tmp_path, capsys):
     assert main(["adapters", "register", "x", str(tmp_path / "typo")]) == 2
     assert "(found: no such file or directory)" in capsys.readouterr().err
+
+
+def test_spindle_without_a_command_is_a_usage_error_on_stderr(capsys):
+    """As argparse does it: the usage goes to stderr, leaving stdout empty for a script's pipe."""
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "usage: spindle COMMAND" in err
+    assert main(["--help"]) == 0
+    assert "usage: spindle COMMAND" in capsys.readouterr().out
