@@ -24,9 +24,13 @@ from spindle.v1 import generation_pb2 as pb
         (["adapters", "list", "--gateway", "gateway.local"], "has no port"),
         (["chat", "--timeout", "0", "hi"], "--timeout: must be more than 0 seconds"),
         (["adapters", "--timeout", "-1", "list"], "--timeout: must be more than 0 seconds"),
+        # past the request's int32/int64 fields: was a protobuf ValueError traceback
+        (["complete", "--max-tokens", "99999999999", "hi"], "--max-tokens: must be in [-2147483648,"),
+        (["chat", "--top-k", "-99999999999", "hi"], "--top-k: must be in"),
+        (["chat", "--seed", str(1 << 64), "hi"], "--seed: must be in"),
     ],
 )
-def test_a_gateway_without_port_or_a_timeout_that_cannot_pass_is_a_usage_error(argv, says, capsys):
+def test_flag_values_that_cannot_work_are_usage_errors(argv, says, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2
