@@ -23,6 +23,8 @@ from typing import Any
 
 import grpc
 
+from spindle.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -226,5 +228,5 @@ def tls_from_args(args: argparse.Namespace) -> TlsConfig:
             server_name=getattr(args, "tls_server_name", ""),
             system_roots=getattr(args, "tls", False),
         ).check()
-    except ValueError as e:
-        raise SystemExit(f"spindle: {e}") from e
+    except ValueError as e:  # a setting to fix, as a usage error is: `spindle` prints it, exit 2
+        raise ConfigError(str(e)) from e

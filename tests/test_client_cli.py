@@ -116,3 +116,17 @@ def test_spindle_without_a_command_is_a_usage_error_on_stderr(capsys):
     assert out == "" and "usage: spindle COMMAND" in err
     assert main(["--help"]) == 0
     assert "usage: spindle COMMAND" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["models"], ["adapters", "list"]])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--tls-ca-file", "/no/such/ca.pem"], "TLS file '/no/such/ca.pem' does not exist"),
+        (["--tls-cert-file", __file__], "give both --tls-cert-file and --tls-key-file"),
+    ],
+)
+def test_tls_files_that_cannot_work_are_usage_errors(command, flags, says, capsys):
+    """Exit 2, as every other setting to fix (it was exit 1: the exit code of a failed call)."""
+    assert main([*command, *flags]) == 2
+    assert says in capsys.readouterr().err
