@@ -546,7 +546,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     serving.setup_logging(args.log_level)
     if args.pods and args.pods_dns:
-        raise SystemExit("spindle adapter-service: give at most one of --pods and --pods-dns")
+        raise ConfigError("give at most one of --pods and --pods-dns")
     return asyncio.run(serve(args))
 
 

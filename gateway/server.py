@@ -573,9 +573,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     serving.setup_logging(args.log_level)
     if bool(args.pods) == bool(args.pods_dns):
-        raise SystemExit("spindle gateway: give exactly one of --pods HOST:PORT,... or --pods-dns HOST:PORT")
+        raise ConfigError("give exactly one of --pods HOST:PORT,... or --pods-dns HOST:PORT")
     if not args.api_keys_file and not args.allow_unauthenticated:
-        raise SystemExit("spindle gateway: give --api-keys-file, or --allow-unauthenticated for local use")
+        raise ConfigError("give --api-keys-file, or --allow-unauthenticated for local use")
     return serving.run_event_loop(serve(args))
 
 

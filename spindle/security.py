@@ -16,6 +16,7 @@ import grpc
 
 from spindle import flagtypes
 from spindle import tls as tls_files
+from spindle.errors import ConfigError
 from spindle.service_token import RequireToken, ServiceToken, send_token
 from spindle.tls_channel import aio_channel
 
@@ -75,6 +76,6 @@ def security_from_args(args: argparse.Namespace) -> Security:
     path = getattr(args, "control_token_file", "")
     try:
         token = ServiceToken(path) if path else None
-    except ValueError as e:
-        raise SystemExit(f"spindle: {e}") from e
+    except ValueError as e:  # a setting to fix: `spindle` prints it, exit 2
+        raise ConfigError(str(e)) from e
     return Security(tls_files.tls_from_args(args), token)

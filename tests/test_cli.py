@@ -393,6 +393,22 @@ def test_gateway_settings_that_cannot_work_are_refused_naming_the_flag(tmp_path)
             asyncio.run(gateway_server.start(args))
 
 
+def test_server_settings_in_conflict_are_usage_errors_not_failed_runs(tmp_path, capfd):
+    """`gateway` without --pods or API keys, `adapter-service` with --pods and --pods-dns, and a
+    --control-token-file that cannot be read exited 1 (a SystemExit message), the code of a failed
+    run: settings to fix, as every other setting's refusal, are exit 2."""
+    local = ["--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--allow-unauthenticated"]
+    token = ["--control-token-file", str(tmp_path / "no")]
+    for argv, said in (
+        (["gateway", "--port", "0"], "spindle: error: give exactly one of --pods"),
+        (["gateway", "--pods", "a:1", "--port", "0"], "--allow-unauthenticated for local use"),
+        (["adapter-service", "--pods", "a:1", "--pods-dns", "b:2"], "give at most one of --pods and"),
+        (["gateway", "--pods", "a:1", *local, *token], "cannot read control token file"),
+    ):
+        assert main(argv) == 2, argv
+        assert said in capfd.readouterr().err, argv
+
+
 def test_adapter_service_settings_that_cannot_work_are_refused_naming_the_flag(tmp_path):
     """`--base-model` missing, without config.json or with a malformed one, `--redis-url` without a
     scheme and `--storage-dir` naming a file were tracebacks from `spindle adapter-service`."""
