@@ -189,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
             elif args.action == "get":
                 print(json.dumps(_summary(client.get(args.name, timeout=t)), indent=2))
             elif args.action == "delete":
-                print(f"deleted {args.name}: {client.delete(args.name, timeout=t)} versions")
+                n = client.delete(args.name, timeout=t)
+                print(f"deleted {args.name}: {n} version{'s' if n != 1 else ''}")
             else:
                 a = client.pin(args.name, not args.off, timeout=t)
                 print(f"{a.name}: {'pinned' if a.pinned else 'not pinned'}")

@@ -375,7 +375,7 @@ class AdaptersService(adapters_pb2_grpc.AdaptersServicer):
                     f"storage failed; {name!r} is no longer served but its files remain: retry the "
                     f"Delete: {e}",
                 )
-        log.info("deleted %s (%d versions)", name, n)
+        log.info("deleted %s (%d version%s)", name, n, "s" if n != 1 else "")
         return apb.DeleteAdapterResponse(versions_deleted=n)
 
     async def _deletable(self, name: str, context: grpc.aio.ServicerContext) -> None:
