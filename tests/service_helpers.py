@@ -60,10 +60,14 @@ class Service:
         return grpc.insecure_channel(self.control_address)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        """Signal, wait, and kill what did not exit in `timeout`, its threads' stacks dumped into
-        its log first (SIGUSR1: `serving.setup_logging`), so a hung shutdown says where it hung."""
+        """Signal, then `wait`."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 30) -> int:
+        """Wait for the exit, and kill what did not exit in `timeout`, its threads' stacks dumped
+        into its log first (SIGUSR1: `serving.setup_logging`), so a hung shutdown says where."""
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -170,7 +174,7 @@ def stop_all(services: Iterable[Service]) -> None:
         if s.proc.poll() is None:
             s.proc.send_signal(signal.SIGTERM)
     for s in services:
-        s.stop()
+        s.wait()
 
 
 def stop_cluster(pods: list[Service], gateway: Service) -> None:
