@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,22 +165,6 @@ def _with_options(
 # --- commands ----------------------------------------------------------------------------------
 
 
-def _fits(bits: int) -> Callable[[str], int]:
-    """An integer that a signed request field of `bits` bits holds. Past it, protobuf raised a
-    ValueError (a traceback) while the request was built; what the value means (max_tokens >= 1,
-    a seed not negative) is the server's to judge, as for any other client."""
-    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-
-    def convert(value: str) -> int:
-        n = int(value)
-        if not low <= n <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {n}")
-        return n
-
-    convert.__name__ = "int"  # argparse's "invalid int value: 'x'" for what is not a number
-    return convert
-
-
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gateway",
@@ -196,7 +180,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter", default=None, help="LoRA adapter name (see `spindle models`)")
     parser.add_argument("--model", default=None, help="base model name [the gateway's]")
-    parser.add_argument("--max-tokens", type=_fits(32), default=None, help="[server default: 256]")
+    parser.add_argument("--max-tokens", type=flagtypes.signed(32), default=None, help="[server default: 256]")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy [server default: 1.0]")
     parser.add_argument(
         "--top-p",
@@ -206,12 +190,15 @@ def _sampling(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--top-k",
-        type=_fits(32),
+        type=flagtypes.signed(32),
         default=None,
         help="sample from the K likeliest tokens; 0 = off [server default: off]",
     )
     parser.add_argument(
-        "--seed", type=_fits(64), default=None, help="the same seed and request give the same sample [random]"
+        "--seed",
+        type=flagtypes.signed(64),
+        default=None,
+        help="the same seed and request give the same sample [random]",
     )
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object with text, tokens, usage")

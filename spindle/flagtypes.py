@@ -30,6 +30,22 @@ def at_least(least: int) -> Callable[[str], int]:
     return convert
 
 
+def signed(bits: int) -> Callable[[str], int]:
+    """An integer a signed field of `bits` bits holds (a request's int32 / int64): past it protobuf
+    raised a ValueError, a traceback, while the request was built; what the value means (max_tokens
+    >= 1, a seed not negative) is the server's to judge, as for any other client."""
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+
+    def convert(value: str) -> int:
+        n = int(value)
+        if not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {n}")
+        return n
+
+    convert.__name__ = "int"
+    return convert
+
+
 def seconds(value: str) -> float:
     """A duration that must pass: more than 0 seconds (an interval, a timeout)."""
     s = float(value)
