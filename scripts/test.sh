@@ -5,7 +5,7 @@ set -euo pipefail
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 # The suite starts Python processes (pods, gateways, `spindle up`, the CLI, tensor-parallel ranks)
 # dozens of times; where the environment turns bytecode caching off, each compiled the project's
-# sources again (a run on 2 cores: 376-388 -> 334 s with the test grouping of this change).
+# sources again (pytest on 2 cores: 376-388 -> 318 s with tests/xdist_scheduling.py's grouping).
 unset PYTHONDONTWRITEBYTECODE
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
