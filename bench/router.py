@@ -22,7 +22,7 @@ import json
 import torch
 
 from bench.allreduce import graph_us
-from model_service.kernels.fused_moe import ROUTER_LAUNCH, ROUTER_MAX_ROWS, RouterLaunch, route_hidden
+from model_service.kernels.fused_moe import ROUTER_MAX_ROWS, RouterLaunch, route_hidden, router_launch
 from model_service.models.config import PLAIN_TOP_K, Routing
 
 V3 = Routing("sigmoid", "top2_sum", 8, 4, True, 2.5, True)
@@ -55,16 +55,18 @@ def sweep(name: str, tokens: int, launches: list[RouterLaunch]) -> dict[str, obj
         slots = (1, experts) if shared else (0, 0)
         return route_hidden(x, gate, top_k, True, arrivals, routing, bias, 0, gated, *slots, launch=launch)
 
-    engine_ids = call(ROUTER_LAUNCH)[1].clone()
+    engine_launch = router_launch(tokens, experts, torch.cuda.get_device_properties(0).multi_processor_count)
+    engine_ids = call(engine_launch)[1].clone()
     times, same = {}, True
     for launch in launches:
         same &= torch.equal(call(launch)[1], engine_ids)
         key = f"slices{launch.max_slices}-rows{launch.min_rows}-warps{launch.warps}"
         times[key] = round(graph_us(lambda launch=launch: call(launch), 20, 10), 2)
     best = min(times, key=times.get)
-    engine = round(graph_us(lambda: call(ROUTER_LAUNCH), 20, 10), 2)
+    engine = round(graph_us(lambda: call(engine_launch), 20, 10), 2)
     return {"bench": "router", "shape": name, "tokens": tokens, "engine_us": engine, "best": best,
-            "best_us": times[best], "same_ids": same, "launches": times}  # fmt: skip
+            "best_us": times[best], "same_ids": same, "engine_launch": dataclasses.asdict(engine_launch),
+            "launches": times}  # fmt: skip
 
 
 def main() -> None:
@@ -83,7 +85,7 @@ def main() -> None:
     launches = [RouterLaunch(*k) for k in itertools.product(args.max_slices, args.min_rows, args.warps)]
     device = torch.cuda.get_device_properties(0)
     setup = {"device": device.name, "sms": device.multi_processor_count}
-    print(json.dumps({"setup": setup | {"engine_launch": dataclasses.asdict(ROUTER_LAUNCH)}}), flush=True)
+    print(json.dumps({"setup": setup}), flush=True)
     for name, tokens in itertools.product(args.shapes, args.tokens):
         print(json.dumps(sweep(name, tokens, launches)), flush=True)
 

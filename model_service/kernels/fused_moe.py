@@ -314,16 +314,27 @@ class RouterLaunch:
     `min_rows` rows of K, at most `max_slices` K slices a token (a program each, looping over its
     tiles), `warps` a program. The last program to arrive sums every slice's logits, so at
     Qwen3-Next's 512 experts 128 slices of 16 rows (~21 us, an H200, 2026-12-02 z) left it most
-    of the work; 32 slices of 2 x 32 rows take ~13 us. `bench/router.py` sweeps it per shape and
-    token count (2026-12-07 al, an H100: DeepSeek-V3's shape at one token 21.8 -> 18.5 us with 64
-    slices, 13% slower with them at 8 tokens; 8 warps slower everywhere)."""
+    of the work; 32 slices of 2 x 32 rows take ~13 us. The engine's launch: `router_launch`."""
 
     max_slices: int = 32
     min_rows: int = 32
     warps: int = 4
 
 
-ROUTER_LAUNCH = RouterLaunch()  # the engine's, at every shape
+def router_launch(tokens: int, experts: int, sms: int) -> RouterLaunch:
+    """The engine's launch for `tokens` rows of `experts` logits on a device of `sms` SMs: about
+    one wave of programs (sms / tokens slices a token, a power of two), no more slices than keep
+    the last program's sum within two tiles of partial logits (slices x experts <= 2 x
+    ROUTER_TILE), no fewer than min(32, ROUTER_TILE / experts). Fit to `bench/router.py` on an H100
+    (2026-12-07 am, six shapes x 1-16 tokens): within 0.5 us of the best launch swept in every
+    cell, where one constant launch was up to 10.7 us behind (Qwen3-Next at 16 tokens: 27.6 ->
+    16.8 us; DeepSeek-V3 at 1-2 tokens 22.3 -> 19.0; Qwen3-235B 8.8 -> 7.7). Eight warps and
+    16-row tiles won nowhere by more than the runs' noise."""
+    e_p2 = 1 << (experts - 1).bit_length()  # triton.next_power_of_2, which a CPU install lacks
+    wave = 1 << ((sms // tokens).bit_length() - 1) if sms >= tokens else 1
+    most = max(1, 2 * ROUTER_TILE // e_p2)
+    fewest = min(32, max(1, ROUTER_TILE // e_p2))
+    return RouterLaunch(max_slices=max(fewest, min(most, wave)))
 
 
 def route_hidden(
@@ -338,7 +349,7 @@ def route_hidden(
     shared_gate: tuple[torch.Tensor, torch.Tensor] | None = None,
     shared_slots: int = 0,
     shared_id: int = 0,
-    launch: RouterLaunch = ROUTER_LAUNCH,
+    launch: RouterLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_topk(x @ gate.T, ...)` in one launch for up to ROUTER_MAX_ROWS rows: at batch 1 the
     router's [H -> E] GEMV was a launch of its own (~5 us of a 48-layer step's 48 x ~65 us).
@@ -349,7 +360,7 @@ def route_hidden(
     fused into the experts' stack, `models.moe.shared_expert_slots`): ids `shared_id` on, weights
     that sigmoid in float32 with `shared_gate`, else 1 (DeepSeek's ungated shared experts); the
     results are [T, top_k + shared_slots]. `launch`: how the weight is cut (`RouterLaunch`; the
-    results do not depend on it).
+    results do not depend on it; None: `router_launch`'s).
 
     Program (token, K slice) sums one [BLOCK_K, E] tile of the weight against x[token] in
     float32 (the weight by its strides: `store_weights_transposed` leaves it contiguous along E,
@@ -363,6 +374,8 @@ def route_hidden(
     assert tokens <= arrivals.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
     e_p2 = triton.next_power_of_2(experts)
+    # Off CUDA (Triton's interpreter) an H100's SM count: the tests then run the launch it would.
+    launch = launch or router_launch(tokens, experts, _sms(x.device) if x.is_cuda else 132)
     block_k = max(launch.min_rows, ROUTER_TILE // e_p2)
     tiles = triton.cdiv(hidden, block_k)
     loops = triton.cdiv(tiles, min(tiles, launch.max_slices))
