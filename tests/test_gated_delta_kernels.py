@@ -22,7 +22,7 @@ from model_service.kernels.gated_delta import (
     triton,
 )
 from model_service.models.gated_delta import causal_conv, gated_delta_rule
-from model_service.models.recurrent import RecurrentPlan, StaticRuns
+from model_service.models.recurrent import RecurrentPlan, StaticRuns, starts_fresh
 from model_service.models.step import StepBatch
 
 interpreter = pytest.mark.skipif(
@@ -205,6 +205,7 @@ def test_static_runs_copy_no_offsets_for_a_decode_step_they_hold_and_match_a_fre
         (decode, 8, 1),
         (decode, 16, 1),  # more rows than the buffers hold as decode runs
         (decode, 8, 0),
+        (_runs_batch([0, 1, 2], [-1, -1], [1, 5]), 8, 0),  # a one-token prompt's first step: fresh
     ]
     static = StaticRuns(16, torch.device("cpu"))
     for batch, size, copied in steps:
@@ -217,3 +218,4 @@ def test_static_runs_copy_no_offsets_for_a_decode_step_they_hold_and_match_a_fre
             n = size + (name == "query_start")
             assert torch.equal(getattr(static, name)[:n], getattr(fresh, name)[:n]), name
         assert torch.equal(static.fresh[: batch.num_seqs], fresh.fresh[: batch.num_seqs])
+        assert torch.equal(static.fresh[: batch.num_seqs], starts_fresh(batch))

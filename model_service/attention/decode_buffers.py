@@ -37,10 +37,11 @@ class DecodeBuffers:
         if width > self.table.shape[1]:
             raise ValueError(f"a context of {width} blocks exceeds the captured {self.table.shape[1]}")
         self.slots[:n] = batch.slot_mapping
-        self.slots[n:padded_num_seqs] = -1
         self.table[:n, :width] = batch.block_table
         self.lens[:n] = batch.seq_lens
-        self.lens[n:padded_num_seqs] = 0
+        if padded_num_seqs > n:  # a device op of no elements still costs the host ~10-20 us
+            self.slots[n:padded_num_seqs] = -1
+            self.lens[n:padded_num_seqs] = 0
 
 
 class StaticDecodeMetadata:

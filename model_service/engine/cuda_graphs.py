@@ -132,7 +132,8 @@ class DecodeGraphs:
             buffer[:n] = given
         if self.lora is not None:  # only the LoRA kernels read them: two device ops a step saved
             self.lora_slots[:n] = batch.lora_slots
-            self.lora_slots[n:size] = -1
+            if size > n:
+                self.lora_slots[n:size] = -1
         self.backend.prepare_for_replay(batch, size)
         graph.replay()
         if len(scheduled.logits_rows) == n:  # every token, in order
