@@ -463,7 +463,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--metrics-port", type=flagtypes.port, default=9091, help="Prometheus /metrics port; 0 = off [9091]"
     )
-    g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]")
+    g.add_argument(
+        "--log-level", type=flagtypes.log_level, default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]"
+    )
     g.add_argument(
         "--advertise-address",
         default="",

@@ -499,7 +499,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=0,
         help="Prometheus /metrics port (the chart sets 9092); 0 = off [0]",
     )
-    g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]")
+    g.add_argument(
+        "--log-level", type=flagtypes.log_level, default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]"
+    )
     g.add_argument(
         "--drain-timeout",
         type=flagtypes.seconds_or_none,

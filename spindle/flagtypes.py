@@ -6,6 +6,7 @@ service takes as given. `--port 70000` listened on port 4464 (gRPC keeps the low
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 
 
@@ -63,3 +64,13 @@ def seconds_or_none(value: str) -> float:
 
 
 seconds.__name__ = seconds_or_none.__name__ = "float"
+
+
+def log_level(value: str) -> str:
+    """A logging level's name, in any case (`info`), as the services' logging takes it: an unknown
+    one was a ValueError traceback from `logging.basicConfig` once the command had begun, and
+    `spindle up` passed it on to its three services, which each died of it."""
+    name = value.strip().upper()
+    if not isinstance(logging.getLevelName(name), int):
+        raise argparse.ArgumentTypeError(f"expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got {value!r}")
+    return name

@@ -110,7 +110,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="the pod's /metrics port; 0 = off [a free port]",
     )
-    parser.add_argument("--log-level", default="WARNING", help="the services' log level [WARNING]")
+    parser.add_argument(
+        "--log-level", type=flagtypes.log_level, default="WARNING", help="the services' log level [WARNING]"
+    )
     parser.add_argument(
         "--startup-timeout", type=flagtypes.seconds, default=600.0, help="seconds to wait for SERVING [600]"
     )

@@ -434,3 +434,20 @@ def test_adapter_service_settings_that_cannot_work_are_refused_naming_the_flag(t
         args = command_parser("adapter-service")[1].parse_args([*base, *flags])
         with pytest.raises(ConfigError, match=said):
             asyncio.run(service_server.start(args))
+
+
+def test_an_unknown_log_level_is_a_usage_error_for_every_service(capsys, monkeypatch):
+    """`--log-level bogus` (or SPINDLE_LOG_LEVEL=bogus) was a ValueError traceback from
+    `logging.basicConfig`, exit 1, once the command had begun; `spindle up` passed it on and all
+    three of its services died of it. Refused naming the flag now; any case is taken, as before."""
+    for command in ("serve", "gateway", "adapter-service", "up"):
+        parser = command_parser(command)[1]
+        assert parser.parse_args(["--log-level", "debug"]).log_level == "DEBUG"
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(["--log-level", "bogus"])
+        assert exit_.value.code == 2
+        assert "argument --log-level: expected DEBUG, INFO" in capsys.readouterr().err, command
+    monkeypatch.setenv("SPINDLE_LOG_LEVEL", "verbose")
+    with pytest.raises(SystemExit):
+        command_parser("gateway")
+    assert "SPINDLE_LOG_LEVEL='verbose': expected DEBUG" in capsys.readouterr().err

@@ -99,7 +99,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="send a stream's tokens N at a time (the first token and the rest at the end at once): "
         "fewer messages for the pod, gateway and client, a burstier stream (vLLM's --stream-interval) [1]",
     )
-    g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]")
+    g.add_argument(
+        "--log-level", type=flagtypes.log_level, default="INFO", help="DEBUG, INFO, WARNING, ERROR [INFO]"
+    )
     add_security_args(parser)
     add_engine_args(parser)
     return parser
