@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from spindle import flagtypes
+
 T = TypeVar("T", bound=type)
 
 
@@ -55,35 +57,38 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     d = Bounds()
     g = parser.add_argument_group("deadlines (docs/reliability.md, the adapter manager)")
     g.add_argument(
-        "--s3-connect-timeout", type=float, default=d.s3_connect, help=f"seconds [{d.s3_connect:g}]"
+        "--s3-connect-timeout",
+        type=flagtypes.seconds,
+        default=d.s3_connect,
+        help=f"seconds [{d.s3_connect:g}]",
     )
     g.add_argument(
         "--s3-read-timeout",
-        type=float,
+        type=flagtypes.seconds,
         default=d.s3_read,
         help=f"seconds an S3 answer may take [{d.s3_read:g}]",
     )
     g.add_argument(
         "--s3-max-attempts",
-        type=int,
+        type=flagtypes.at_least(1),
         default=d.s3_attempts,
         help=f"attempts of one S3 call [{d.s3_attempts}]",
     )
     g.add_argument(
         "--redis-timeout",
-        type=float,
+        type=flagtypes.seconds,
         default=d.redis,
         help=f"connect and read timeout of Redis [{d.redis:g}]",
     )
     g.add_argument(
         "--redis-max-attempts",
-        type=int,
+        type=flagtypes.at_least(1),
         default=d.redis_attempts,
         help=f"attempts of one Redis command [{d.redis_attempts}]",
     )
     g.add_argument(
         "--rpc-timeout",
-        type=float,
+        type=flagtypes.seconds,
         default=d.rpc,
         help=f"server-side bound of every RPC (a Register's, once its upload is received) [{d.rpc:g}]",
     )

@@ -487,7 +487,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="",
         help="redis://HOST:PORT/DB; empty = in-process (password: in the URL or SPINDLE_REDIS_PASSWORD)",
     )
-    r.add_argument("--staging-max-bytes", type=int, default=256 << 20, help="hot copies of weights [256 MiB]")
+    r.add_argument(
+        "--staging-max-bytes",
+        type=flagtypes.at_least(0),
+        default=256 << 20,
+        help="hot copies of weights [256 MiB]",
+    )
     p = parser.add_argument_group("model pods (their ModelControl addresses)")
     p.add_argument("--pods", default="", help="static list HOST:PORT,HOST:PORT of the pods' control ports")
     p.add_argument(
@@ -498,7 +503,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--lease-ttl",
-        type=float,
+        type=flagtypes.seconds,
         default=10.0,
         help="seconds a pod's placement lease lives, and a replica's lease on a name or the policy loop [10]",
     )
@@ -508,11 +513,24 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="smollm2-135m-instruct",
         help="what uploads must fit: an alias, an HF config dir or a .gguf [smollm2-135m-instruct]",
     )
-    v.add_argument("--max-adapter-bytes", type=int, default=1 << 30, help="largest weights file [1 GiB]")
-    v.add_argument("--max-lora-rank", type=int, default=64, help="refuse adapters of a higher rank [64]")
+    v.add_argument(
+        "--max-adapter-bytes",
+        type=flagtypes.at_least(1),
+        default=1 << 30,
+        help="largest weights file [1 GiB]",
+    )
+    v.add_argument(
+        "--max-lora-rank",
+        type=flagtypes.at_least(1),
+        default=64,
+        help="refuse adapters of a higher rank [64]",
+    )
     k = parser.add_argument_group("policy (see docs/adapter_service.md)")
     k.add_argument(
-        "--spread-threshold", type=float, default=8.0, help="running requests per holder that add a pod [8]"
+        "--spread-threshold",
+        type=flagtypes.positive,
+        default=8.0,
+        help="running requests per holder that add a pod [8]",
     )
     k.add_argument(
         "--max-replicas",
@@ -522,21 +540,31 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     k.add_argument(
         "--hot-share",
-        type=float,
+        type=flagtypes.positive,
         default=0.02,
         help="share of recent requests above which an adapter is hot: one pod per this share [0.02]",
     )
     k.add_argument(
         "--popularity-half-life",
-        type=float,
+        type=flagtypes.seconds,
         default=120.0,
         help="seconds after which an adapter's request counts weigh half [120]",
     )
-    k.add_argument("--slot-idle-seconds", type=float, default=300.0, help="idle device slot -> host [300]")
-    k.add_argument("--host-idle-seconds", type=float, default=1800.0, help="idle host copy -> disk [1800]")
+    k.add_argument(
+        "--slot-idle-seconds",
+        type=flagtypes.seconds_or_none,
+        default=300.0,
+        help="idle device slot -> host [300]",
+    )
+    k.add_argument(
+        "--host-idle-seconds",
+        type=flagtypes.seconds_or_none,
+        default=1800.0,
+        help="idle host copy -> disk [1800]",
+    )
     k.add_argument(
         "--disk-idle-seconds",
-        type=float,
+        type=flagtypes.seconds_or_none,
         default=86400.0,
         help="idle disk copy -> forgotten (storage only) [86400]",
     )

@@ -47,6 +47,15 @@ def signed(bits: int) -> Callable[[str], int]:
     return convert
 
 
+def positive(value: str) -> float:
+    """A number more than 0 (a threshold, a share) that a service divides by or compares against:
+    at 0 the adapter service's placement divided by zero every round."""
+    x = float(value)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
+    return x
+
+
 def seconds(value: str) -> float:
     """A duration that must pass: more than 0 seconds (an interval, a timeout)."""
     s = float(value)
@@ -63,7 +72,7 @@ def seconds_or_none(value: str) -> float:
     return s
 
 
-seconds.__name__ = seconds_or_none.__name__ = "float"
+positive.__name__ = seconds.__name__ = seconds_or_none.__name__ = "float"
 
 
 def log_level(value: str) -> str:

@@ -451,3 +451,25 @@ def test_an_unknown_log_level_is_a_usage_error_for_every_service(capsys, monkeyp
     with pytest.raises(SystemExit):
         command_parser("gateway")
     assert "SPINDLE_LOG_LEVEL='verbose': expected DEBUG" in capsys.readouterr().err
+
+
+def test_adapter_service_sizes_timeouts_and_policy_knobs_out_of_range_are_usage_errors(capsys):
+    """The adapter service took any number for these: `--popularity-half-life 0` and `--hot-share
+    0` divided by zero in every policy round (logged, forever), `--rpc-timeout 0` failed every RPC
+    and its health, zero attempts or timeouts of S3 and Redis failed every call, and a zero
+    `--max-adapter-bytes` / `--max-lora-rank` refused every upload. Each is now argparse's usage
+    error naming the flag; the values that mean something (0 bytes staged, idle 0 s) are taken."""
+    parser = command_parser("adapter-service")[1]
+    for flag, value in (
+        ("--popularity-half-life", "0"), ("--hot-share", "0"), ("--spread-threshold", "-1"),
+        ("--lease-ttl", "0"), ("--rpc-timeout", "0"), ("--s3-connect-timeout", "-1"),
+        ("--s3-read-timeout", "0"), ("--redis-timeout", "0"), ("--s3-max-attempts", "0"),
+        ("--redis-max-attempts", "0"), ("--max-adapter-bytes", "0"), ("--max-lora-rank", "0"),
+        ("--staging-max-bytes", "-1"), ("--slot-idle-seconds", "-1"), ("--disk-idle-seconds", "nan"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args([flag, value])
+        assert exit_.value.code == 2
+        assert f"argument {flag}: must be" in capsys.readouterr().err, flag
+    args = parser.parse_args(["--staging-max-bytes", "0", "--slot-idle-seconds", "0", "--hot-share", "1"])
+    assert (args.staging_max_bytes, args.slot_idle_seconds, args.hot_share) == (0, 0.0, 1.0)
