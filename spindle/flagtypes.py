@@ -72,7 +72,16 @@ def seconds_or_none(value: str) -> float:
     return s
 
 
-positive.__name__ = seconds.__name__ = seconds_or_none.__name__ = "float"
+def gib(value: str) -> float:
+    """A size in GiB, 0 or more (`--swap-space`): NaN and infinity were tracebacks when the size
+    became bytes, and a negative one was refused in bytes (-1073741824) rather than as typed."""
+    x = float(value)
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 GiB or more (and finite), got {value}")
+    return x
+
+
+positive.__name__ = seconds.__name__ = seconds_or_none.__name__ = gib.__name__ = "float"
 
 
 def log_level(value: str) -> str:

@@ -211,7 +211,6 @@ def test_out_of_range_engine_flags_are_refused_naming_the_flag(capsys, monkeypat
         (["--max-model-len", "0"], "--max-model-len"),
         (["--max-model-len", "-5"], "--max-model-len"),
         (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes"),
-        (["--swap-space", "-1"], "--swap-space"),
         (["--max-lora-rank", "0"], "--max-lora-rank"),
         (["--max-loras", "-1"], "--max-loras"),
     ):
@@ -473,3 +472,19 @@ def test_adapter_service_sizes_timeouts_and_policy_knobs_out_of_range_are_usage_
         assert f"argument {flag}: must be" in capsys.readouterr().err, flag
     args = parser.parse_args(["--staging-max-bytes", "0", "--slot-idle-seconds", "0", "--hot-share", "1"])
     assert (args.staging_max_bytes, args.slot_idle_seconds, args.hot_share) == (0, 0.0, 1.0)
+
+
+def test_swap_space_that_is_no_size_is_a_usage_error_in_gib(capsys):
+    """`--swap-space nan` and `inf` were tracebacks (ValueError, OverflowError) when the GiB became
+    bytes, and `-1` was refused as "-1073741824" under the field's name: each is now argparse's
+    error naming the flag in the unit it is given in, from `generate` and `serve` alike."""
+    for command in ("generate", "serve"):
+        parser = command_parser(command)[1]
+        for value in ("nan", "inf", "-1"):
+            with pytest.raises(SystemExit) as exit_:
+                parser.parse_args(["--swap-space", value])
+            assert exit_.value.code == 2
+            assert f"argument --swap-space: must be 0 GiB or more (and finite), got {value}" in (
+                capsys.readouterr().err
+            )
+        assert parser.parse_args(["--swap-space", "0.5"]).swap_space_bytes == 0.5

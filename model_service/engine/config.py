@@ -20,6 +20,7 @@ import torch
 
 from model_service.errors import ConfigError
 from model_service.models.quantization import ONLINE_SCHEMES
+from spindle import flagtypes
 from spindle.peft import lora_specs
 
 # The default adapter memory holds this many adapters of --max-lora-rank on every projection
@@ -83,7 +84,7 @@ class EngineConfig:
         "GiB of host memory for swapped-out KV; past it, preemption recomputes",
         flag="swap-space",
         metavar="GIB",
-        type=float,
+        type=flagtypes.gib,
         to_field=lambda gib: int(gib * _GIB),
         shown=4,
     )
