@@ -45,7 +45,7 @@ from adapter_service.placement import Knobs
 from adapter_service.registration import LeaseLost, register
 from adapter_service.registry import MemoryRegistry, RedisRegistry, Registry
 from adapter_service.store import LocalStore, S3Store, Store, Version
-from gateway.pods import dns_discovery, static_discovery
+from gateway.pods import check_target, dns_discovery, static_discovery
 from spindle import flagtypes, serving, telemetry
 from spindle.errors import ConfigError
 from spindle.grpc_status import abort
@@ -663,6 +663,8 @@ async def start(
         if args.pods_dns
         else static_discovery([a.strip() for a in args.pods.split(",") if a.strip()])
     )
+    if args.advertise_address:  # what pods dial for weights: refused before anything listens
+        check_target(args.advertise_address, "--advertise-address")
     security = security_from_args(args)
     guard = security.guard(SERVICES, "adapter service")
     server = serving.make_server([*guard, *telemetry.server_interceptors(provider)])

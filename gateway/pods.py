@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.router import Candidate
+from spindle.client import TARGET_SCHEMES
 from spindle.coalesce import Coalesced
 from spindle.errors import ConfigError
 from spindle.security import PLAINTEXT, Security
@@ -151,6 +152,14 @@ def dns_discovery(target: str) -> Callable[[], Awaitable[list[str]]]:
         return sorted({f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos})
 
     return discover
+
+
+def check_target(target: str, flag: str) -> None:
+    """Refuse a target this service would dial forever without reaching (ConfigError naming
+    `flag`): gRPC's own schemes are taken as given (`ipv4:A:P,B:P` for several replicas), anything
+    else must be HOST:PORT."""
+    if not target.startswith(TARGET_SCHEMES):
+        _split_host_port(target, flag)
 
 
 def _split_host_port(address: str, flag: str) -> tuple[str, int]:

@@ -28,7 +28,7 @@ from gateway.adapters import AdapterDirectory, AdminProxy
 from gateway.auth import ANONYMOUS, ApiKeys, AuthError, Caller
 from gateway.limits import POD_RETRY_S, STREAM_RETRY_S, Limits
 from gateway.metrics import GatewayMetrics, counted, status_code
-from gateway.pods import Pod, PodPool, dns_discovery, static_discovery
+from gateway.pods import Pod, PodPool, check_target, dns_discovery, static_discovery
 from gateway.relay import Relayed, add_generation_service, client_span
 from spindle import flagtypes, request_ids, serving, telemetry
 from spindle.client import finish_reason_name
@@ -620,11 +620,10 @@ async def start(
     )
     send_timeout = getattr(args, "send_timeout", 0.0)
     server = serving.make_server(telemetry.server_interceptors(provider), send_timeout)
+    directory = _adapter_directory(args, provider, security)
     health = serving.Health(server, SERVICES)
     await health.serve_plaintext(args.host, getattr(args, "health_port", 0))
     gateway: GatewayService
-
-    directory = _adapter_directory(args, provider, security)
 
     async def on_change() -> None:
         if keys is not None:
@@ -673,6 +672,7 @@ def _adapter_directory(
     adapter_service = getattr(args, "adapter_service", "")
     if not adapter_service:
         return None
+    check_target(adapter_service, "--adapter-service")  # dialled, and warned of, forever
     interceptors = telemetry.client_interceptors(provider)
     return AdapterDirectory(adapter_service, interceptors, getattr(args, "placement_timeout", 60.0), security)
 

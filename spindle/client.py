@@ -22,14 +22,14 @@ from spindle.v1 import generation_pb2_grpc
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 # gRPC's own target schemes (`dns:///host:port`, `unix:/path`, ...): taken as they are.
-_TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
 
 
 def gateway_target(value: str) -> str:
     """`--gateway`: a gRPC HOST:PORT. Without a port gRPC dials 443 (and reports a refusal there),
     and an HTTP URL (the OpenAI port `spindle up` prints too) fails as a "misformatted domain name":
     both are refused here, as usage errors that say what the flag wants."""
-    if value.startswith(_TARGET_SCHEMES):
+    if value.startswith(TARGET_SCHEMES):
         return value
     if "://" in value:
         raise argparse.ArgumentTypeError(

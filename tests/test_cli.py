@@ -488,3 +488,39 @@ def test_swap_space_that_is_no_size_is_a_usage_error_in_gib(capsys):
                 capsys.readouterr().err
             )
         assert parser.parse_args(["--swap-space", "0.5"]).swap_space_bytes == 0.5
+
+
+def test_an_address_a_service_dials_without_a_port_is_refused_naming_the_flag(tmp_path):
+    """The gateway's `--adapter-service notaport` was taken, then dialled and warned of every
+    second for as long as it ran ("catalog not refreshed: UNAVAILABLE"); the adapter service's
+    `--advertise-address notaport` was handed to every pod as the peer to fetch weights from.
+    Each is a ConfigError naming its flag before anything listens; gRPC's own target schemes
+    (`ipv4:A:P,B:P` for replicas) are still taken."""
+    import asyncio
+
+    from adapter_service import server as service_server
+    from gateway import pods
+    from gateway import server as gateway_server
+    from spindle.errors import ConfigError
+
+    base = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--allow-unauthenticated",
+        "--pods",
+        "a:1",
+    ]
+    args = command_parser("gateway")[1].parse_args([*base, "--adapter-service", "notaport"])
+    with pytest.raises(ConfigError, match="--adapter-service wants HOST:PORT, got 'notaport'"):
+        asyncio.run(gateway_server.start(args))
+    flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--pods", "a:1"]
+    flags += ["--storage-dir", str(tmp_path), "--advertise-address", "10.0.0.1"]
+    args = command_parser("adapter-service")[1].parse_args(flags)
+    with pytest.raises(ConfigError, match=r"--advertise-address wants HOST:PORT, got '10\.0\.0\.1'"):
+        asyncio.run(service_server.start(args))
+    pods.check_target("ipv4:127.0.0.1:1,127.0.0.1:2", "--adapter-service")
+    pods.check_target("[::1]:50060", "--adapter-service")
