@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import json
 import os
 import secrets
@@ -158,7 +159,9 @@ def _ports_in_use(args: argparse.Namespace) -> list[str]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the services bind
             try:
                 sock.bind((args.host, port))
-            except OSError:
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:  # a name that does not resolve, another host's address
+                    raise SpindleError(f"--host {args.host}: cannot listen there: {e.strerror}") from e
                 busy.append(f"{port} ({flag})")
     return busy
 

@@ -10,6 +10,7 @@ import torch
 import model_service.engine.engine as engine_module
 from model_service.models.loader import LoadedModel, resolve_model_path
 from spindle.cli import command_parser, main
+from spindle.errors import SpindleError
 from tests.conftest import make_engine
 
 
@@ -524,3 +525,14 @@ def test_an_address_a_service_dials_without_a_port_is_refused_naming_the_flag(tm
         asyncio.run(service_server.start(args))
     pods.check_target("ipv4:127.0.0.1:1,127.0.0.1:2", "--adapter-service")
     pods.check_target("[::1]:50060", "--adapter-service")
+
+
+def test_up_on_a_host_that_is_not_this_ones_says_so_not_that_ports_are_in_use():
+    """`spindle up --host 8.8.8.8` (or a name that does not resolve) said "port 50051
+    (--gateway-port), 8000 (--http-port) ... is in use (another `spindle up`?)": every failed
+    bind was taken for a port in use. Now only one is; the rest name --host and why."""
+    from spindle import local
+
+    args = command_parser("up")[1].parse_args(["--host", "no-such-host.invalid"])
+    with pytest.raises(SpindleError, match=r"--host no-such-host\.invalid: cannot listen there"):
+        local._ports_in_use(args)
