@@ -83,13 +83,16 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="the pod's and gateway's --reasoning-parser (deepseek_r1, openai_gptoss, qwen3) [none]",
     )
     parser.add_argument(
-        "--pod-port", type=flagtypes.port, default=None, help="the pod's Generation port [a free port]"
+        "--pod-port",
+        type=flagtypes.port,
+        default=None,
+        help="the pod's Generation port; 0 = any free one [a free port]",
     )
     parser.add_argument(
         "--pod-control-port",
         type=flagtypes.port,
         default=None,
-        help="the pod's ModelControl port [a free port]",
+        help="the pod's ModelControl port; 0 = any free one [a free port]",
     )
     parser.add_argument(
         "--pod-http-port",
@@ -98,7 +101,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="the pod's OpenAI-compatible HTTP port [a free port]",
     )
     parser.add_argument(
-        "--adapter-port", type=flagtypes.port, default=None, help="the adapter service's [a free port]"
+        "--adapter-port",
+        type=flagtypes.port,
+        default=None,
+        help="the adapter service's; 0 = any free one [a free port]",
     )
     parser.add_argument(
         "--storage-dir",
@@ -121,15 +127,20 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 _INTERNAL_PORTS = ("pod_port", "pod_control_port", "pod_http_port", "adapter_port", "metrics_port")
+# Internal ports for which 0 means nothing to the service (the pod's HTTP and metrics ports take 0
+# as "off"): 0 there is read as the OS's "any free port", as a socket's bind reads it. It was passed
+# on as is: the gateway or adapter service then refused HOST:0 naming its own flag, not the one
+# typed, and `--adapter-port 0` waited out `--startup-timeout`.
+_ZERO_IS_ANY = ("pod_port", "pod_control_port", "adapter_port")
 
 
 def _pick_free_ports(args: argparse.Namespace) -> None:
-    """A free port for each internal port the user did not name (all held open until every one
-    is picked, so no two are the same)."""
+    """A free port for each internal port the user did not name, or named 0 where 0 means any
+    (all held open until every one is picked, so no two are the same)."""
     held = []
     try:
         for name in _INTERNAL_PORTS:
-            if getattr(args, name) is None:
+            if getattr(args, name) is None or (name in _ZERO_IS_ANY and getattr(args, name) == 0):
                 sock = socket.socket()
                 sock.bind((args.host, 0))
                 held.append(sock)

@@ -175,6 +175,18 @@ def test_up_refuses_ports_in_use_before_starting_anything(monkeypatch, capsys):
         assert f"{busy} (--metrics-port)" in capsys.readouterr().err
 
 
+def test_up_reads_port_0_as_any_free_port_where_0_means_nothing_else():
+    """`up --pod-port 0 --pod-control-port 0 --adapter-port 0` passed 0 on: the gateway and the
+    adapter service were told to dial HOST:0. The pod's HTTP and metrics ports keep 0 as "off"."""
+    _, parser = command_parser("up")
+    flags = ["--pod-port", "--pod-control-port", "--adapter-port", "--pod-http-port", "--metrics-port"]
+    args = parser.parse_args([arg for flag in flags for arg in (flag, "0")])
+    local._pick_free_ports(args)
+    picked = {args.pod_port, args.pod_control_port, args.adapter_port}
+    assert 0 not in picked and len(picked) == 3
+    assert args.pod_http_port == 0 and args.metrics_port == 0
+
+
 def test_up_prints_commands_naming_the_model_as_the_pod_serves_it():
     """`spindle up --model /models/llama` printed a curl line and an SDK snippet with
     `"model": "/models/llama"`, which the gateway answers 404 (the pod serves it as `llama`)."""
