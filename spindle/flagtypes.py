@@ -18,13 +18,16 @@ def port(value: str) -> int:
     return n
 
 
-def at_least(least: int) -> Callable[[str], int]:
-    """An integer of at least `least` (a count: attempts, replicas, failures in a row)."""
+def at_least(least: int, most: int | None = None) -> Callable[[str], int]:
+    """An integer of at least `least` (a count: attempts, replicas, failures in a row), and at most
+    `most` where the value goes into a request's field of that size."""
 
     def convert(value: str) -> int:
         n = int(value)
         if n < least:
             raise argparse.ArgumentTypeError(f"must be at least {least}, got {n}")
+        if most is not None and n > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {n}")
         return n
 
     convert.__name__ = "int"  # argparse's "invalid int value: 'x'" for what is not a number

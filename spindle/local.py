@@ -59,7 +59,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="register a PEFT adapter with the adapter service (repeatable); the prompt is also answered "
         "with each",
     )
-    parser.add_argument("--max-tokens", type=int, default=64, help="for the first request [64]")
+    parser.add_argument(  # checked now: the pod would refuse it only after the model has loaded
+        "--max-tokens", type=flagtypes.at_least(1, 2**31 - 1), default=64, help="for the first request [64]"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address both services listen on [127.0.0.1]")
     parser.add_argument(
         "--gateway-port", type=flagtypes.port, default=50051, help="the gateway's gRPC port [50051]"

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 from grpc_health.v1 import health_pb2
 
 from spindle import local
@@ -220,6 +221,17 @@ def test_up_refuses_a_bad_lora_before_starting_anything(monkeypatch, capsys, tmp
         extra = ["--lora", "a=/y"] if spec == "a=/x" else []
         assert main(["up", *ports, "--lora", spec, *extra]) == 2
         assert said in capsys.readouterr().err
+
+
+def test_up_refuses_max_tokens_no_request_can_carry_before_starting_anything(capsys):
+    """`up --max-tokens 0` was refused by the pod only once the model had loaded, and a value past
+    int32 was a protobuf traceback as the first request was built."""
+    _, parser = command_parser("up")
+    for value, said in (("0", "must be at least 1, got 0"), (str(1 << 31), "must be at most 2147483647")):
+        with pytest.raises(SystemExit) as ended:
+            parser.parse_args(["--max-tokens", value])
+        assert ended.value.code == 2 and said in capsys.readouterr().err
+    assert parser.parse_args(["--max-tokens", str((1 << 31) - 1)]).max_tokens == (1 << 31) - 1
 
 
 def _running(pid: int) -> bool:
