@@ -9,6 +9,7 @@ import importlib.util
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
@@ -22,7 +23,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from spindle import flagtypes
-from spindle.errors import ListenError
+from spindle.errors import ListenError, listen_hint
 from spindle.malformed import MalformedRequestInterceptor
 from spindle.send_timeout import SendTimeout
 from spindle.tls import PLAINTEXT, TlsConfig, server_credentials
@@ -112,10 +113,24 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig = PLAINTE
         else:
             bound = server.add_insecure_port(address)
     except RuntimeError as e:  # grpc's message only says to set GRPC_VERBOSITY
-        raise ListenError(f"cannot listen on {address} (is the port in use?)") from e
+        raise ListenError(f"cannot listen on {address}: {why_not_listen(host, port)}") from e
     if bound == 0:
-        raise ListenError(f"cannot listen on {address} (is the port in use?)")
+        raise ListenError(f"cannot listen on {address}: {why_not_listen(host, port)}")
     return bound
+
+
+def why_not_listen(host: str, port: int) -> str:
+    """The OS's reason host:port cannot be listened on, found by binding a plain socket there as
+    the servers bind: gRPC's failure names none, and "is the port in use?" misled where the host
+    was another machine's address or a name that does not resolve."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            return listen_hint(e)
+    return "refused by gRPC (is the port in use?)"  # free now: taken meanwhile, or gRPC's own
 
 
 def serve_metrics(host: str, port: int, registry: Any = None) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import socket
@@ -153,6 +154,37 @@ def test_a_port_in_use_is_one_line_and_the_ports_taken_before_it_are_freed():
             for port in (grpc_port, control_port):  # stopped, not left to the garbage collector
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port))
+
+
+def test_a_service_that_cannot_listen_gives_the_os_reason():
+    """`gateway --host 8.8.8.8` (another machine's address) or a name that does not resolve said
+    "cannot listen on ... (is the port in use?)": the OS's reason now, the hint only where the port
+    is in use."""
+    import asyncio
+
+    import grpc
+
+    from spindle import serving
+    from spindle.errors import ListenError
+
+    async def bind(host: str, port: int) -> None:
+        server = grpc.aio.server()
+        try:
+            serving.bind(server, host, port)
+        finally:
+            await server.stop(None)
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        cases = [("8.8.8.8", 0, "Cannot assign requested address"),
+                 ("nonexistent.invalid", 0, "cannot listen on nonexistent.invalid:0: "),
+                 ("127.0.0.1", busy, "Address already in use (is the port in use?)")]  # fmt: skip
+        for host, port, said in cases:
+            with pytest.raises(ListenError, match=re.escape(said)) as refused:
+                asyncio.run(bind(host, port))
+            assert ("in use" in str(refused.value)) == (port == busy), refused.value
 
 
 def test_up_refuses_ports_in_use_before_starting_anything(monkeypatch, capsys):

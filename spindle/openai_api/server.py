@@ -31,7 +31,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from spindle import flagtypes, telemetry
-from spindle.errors import ListenError
+from spindle.errors import ListenError, listen_hint
 from spindle.grpc_status import internal_error
 from spindle.openai_api import fanout, reasoning_parsers, responses
 from spindle.openai_api.context import HttpCallContext, Refused
@@ -175,9 +175,7 @@ class OpenAIServer:
             await site.start()
         except OSError as e:
             await self._runner.cleanup()
-            raise ListenError(
-                f"cannot listen for HTTP on {host}:{port}: {e.strerror} (is the port in use?)"
-            ) from e
+            raise ListenError(f"cannot listen for HTTP on {host}:{port}: {listen_hint(e)}") from e
         return self._runner.addresses[0][1]
 
     async def stop(self) -> None:
