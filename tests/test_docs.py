@@ -1,6 +1,6 @@
 """What the docs name is there: every flag a documented `spindle COMMAND ...` line passes is one that
-command parses, every bench script imports, and every test cited by name exists. A platform team
-copies these lines; a renamed flag or function left in them fails at their first try.
+command parses, every bench script imports, every test cited by name and every path named exists.
+A platform team copies these lines; a renamed flag or function left in them fails at their first try.
 
 The dated logs (docs/gpu-notebook.md, docs/performance-notes.md) record what was run then and are
 not checked.
@@ -111,3 +111,25 @@ def test_every_test_the_docs_cite_exists():
                 continue
             missing.append(f"{doc.relative_to(ROOT)}:{text[: m.start()].count(chr(10)) + 1}: {m.group(0)}")
     assert not missing, f"tests the docs cite that do not exist: {missing}"
+
+
+# a path in the repository: a top-level package or folder, then a file with one of these endings or a
+# folder (`gateway/router.py`, `helm/spindle/`); `spindle/peft.target_refusal` (a name) is not one
+REPO_PATH = re.compile(
+    r"(?<![\w./-])((?:model_service|gateway|adapter_service|spindle|bench|scripts|tests|docs|helm|docker|protos|"
+    r"adapters)/[\w./-]*?(?:\.(?:py|sh|md|proto|yaml|json|Dockerfile)|/))(?![\w-])"
+)
+
+
+def test_every_path_the_docs_name_exists():
+    """A file or folder the docs send a reader to (`spindle/openai_api/fanout.py`, `helm/spindle/`)
+    is there, relative to the repository or to the doc itself: a moved or renamed module leaves
+    no dead pointer."""
+    missing = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in REPO_PATH.finditer(text):
+            path = m.group(1)
+            if not ((ROOT / path).exists() or (doc.parent / path).exists()):
+                missing.append(f"{doc.relative_to(ROOT)}:{text[: m.start()].count(chr(10)) + 1}: {path}")
+    assert not missing, f"paths the docs name that do not exist: {missing}"

@@ -310,6 +310,31 @@ def test_top_k_off_is_spelled_alike_on_grpc_and_http(top_k):
         wire.engine_request(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_k=-2)))
 
 
+@pytest.mark.parametrize("top", [-1, 21])
+def test_a_chats_top_logprobs_out_of_range_is_refused_naming_top_logprobs(top):
+    # Regression: it reached the engine as `logprobs` and came back "logprobs must be an integer in
+    # [0, 20], got 21" with no `param`, naming a field the caller had set to `true`.
+    from spindle.openai_api.errors import ApiError
+    from spindle.openai_api.requests import chat_request
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": top}
+    with pytest.raises(ApiError) as refused:
+        chat_request(body, set())
+    assert refused.value.param == "top_logprobs" and "top_logprobs" in str(refused.value)
+    body["top_logprobs"] = 20
+    assert chat_request(body, set())[0].logprobs == 20
+
+
+def test_an_unknown_role_is_refused_naming_developer_among_the_roles_served():
+    # Regression: the message listed "system, user, assistant, tool", though `developer` is served.
+    from spindle.openai_api.errors import ApiError
+    from spindle.openai_api.requests import chat_request
+
+    with pytest.raises(ApiError, match="developer"):
+        chat_request({"messages": [{"role": "narrator", "content": "hi"}]}, set())
+    chat_request({"messages": [{"role": "developer", "content": "Be brief."}]}, set())
+
+
 def test_dns_discovery_turns_every_address_into_a_pod():
     import asyncio
 

@@ -57,6 +57,9 @@ TO_THE_CONTEXT = 2**31 - 1
 # request on the pods, so one request cannot queue thousands of them.
 MAX_CHOICES = 128
 
+# A chat's `top_logprobs` (OpenAI's 0-20): the engine's bound on `logprobs`, which it carries.
+MAX_TOP_LOGPROBS = 20
+
 Prompt = str | tuple[int, ...]  # a completion's prompt: its text or its token ids
 
 
@@ -190,6 +193,8 @@ def chat_request(
     top = _typed(body, "top_logprobs", int)
     if top is not None and not logprobs:
         raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:  # the engine's bound, named as sent
+        raise bad_request(f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
     if logprobs:
         req.logprobs = top or 0
     _no_function_call(body)
@@ -498,7 +503,7 @@ def _message(m: Any, i: int) -> pb.ChatMessage:
         raise bad_request(f"messages[{i}] must be an object with a `role`", "messages")
     role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for system
     if role not in ("system", "user", "assistant", "tool"):
-        roles = "system, user, assistant, tool"
+        roles = "system, developer, user, assistant, tool"
         raise bad_request(f"messages[{i}]: role {m['role']!r} is not supported ({roles})", "messages")
     if m.get("function_call"):  # the template would render an empty turn instead
         raise bad_request(f"messages[{i}].function_call is not supported: send `tool_calls`", "messages")
