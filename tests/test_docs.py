@@ -116,8 +116,8 @@ def test_every_test_the_docs_cite_exists():
 # a path in the repository: a top-level package or folder, then a file with one of these endings or a
 # folder (`gateway/router.py`, `helm/spindle/`); `spindle/peft.target_refusal` (a name) is not one
 REPO_PATH = re.compile(
-    r"(?<![\w./-])((?:model_service|gateway|adapter_service|spindle|bench|scripts|tests|docs|helm|docker|protos|"
-    r"adapters)/[\w./-]*?(?:\.(?:py|sh|md|proto|yaml|json|Dockerfile)|/))(?![\w-])"
+    r"(?<![\w./-])((?:model_service|gateway|adapter_service|spindle|bench|scripts|tests|docs|helm|docker|"
+    r"protos|adapters)/[\w./-]*?(?:\.(?:py|sh|md|proto|yaml|json|Dockerfile)|/))(?![\w-])"
 )
 
 
