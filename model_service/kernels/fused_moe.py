@@ -326,10 +326,10 @@ def router_launch(tokens: int, experts: int, sms: int) -> RouterLaunch:
     one wave of programs (sms / tokens slices a token, a power of two), no more slices than keep
     the last program's sum within two tiles of partial logits (slices x experts <= 2 x
     ROUTER_TILE), no fewer than min(32, ROUTER_TILE / experts). Fit to `bench/router.py` on an H100
-    (2026-12-07 am, six shapes x 1-16 tokens): within 0.5 us of the best launch swept in every
-    cell, where one constant launch was up to 10.7 us behind (Qwen3-Next at 16 tokens: 27.6 ->
-    16.8 us; DeepSeek-V3 at 1-2 tokens 22.3 -> 19.0; Qwen3-235B 8.8 -> 7.7). Eight warps and
-    16-row tiles won nowhere by more than the runs' noise."""
+    (2026-12-07 am, six shapes x 1-16 tokens), then within 0.4 us of the best launch in every cell
+    of a second run, where one constant launch was up to 11.1 us behind (Qwen3-Next at 16 tokens:
+    27.7 -> 16.6 us; DeepSeek-V3 at 1-2 tokens 22-23 -> 19; Qwen3-235B at one 8.8 -> 7.9). Eight
+    warps and 16-row tiles won nowhere by more than the runs' noise."""
     e_p2 = 1 << (experts - 1).bit_length()  # triton.next_power_of_2, which a CPU install lacks
     wave = 1 << ((sms // tokens).bit_length() - 1) if sms >= tokens else 1
     most = max(1, 2 * ROUTER_TILE // e_p2)
