@@ -327,6 +327,30 @@ def exit_if_stuck(seconds: float, what: str) -> None:
     timer.start()
 
 
+async def in_daemon_thread(call: Callable[[], T], name: str) -> T:
+    """`call()` on a daemon thread of its own, as `asyncio.to_thread` runs it but for what may
+    outlast the service's wish to stop: the default executor's threads are joined when the loop
+    ends (with no bound on Python 3.11), so a model pod told to stop while it built a large model
+    could exit only once the whole load was done. This thread is left behind at exit instead."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[Any], None], value: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody awaits it now
+            loop.call_soon_threadsafe(lambda: done.done() or outcome(value))
+
+    def run() -> None:
+        try:
+            value = call()
+        except BaseException as e:  # handed to the awaiting task, as to_thread would
+            settle(done.set_exception, e)
+        else:
+            settle(done.set_result, value)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await done
+
+
 def _awaits(coro: Any) -> list[str]:
     """Where a suspended coroutine waits, outermost first, down its chain of awaits (a task's own
     stack names only its outermost frame)."""

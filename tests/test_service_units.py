@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import inspect
 import os
 import random
@@ -917,3 +918,43 @@ def test_a_shutdown_stuck_on_an_await_exits_with_its_stacks_and_one_in_time_is_n
         assert "wait_on_a_peer_that_never_answers" in done.stderr
     else:
         assert done.returncode == 0 and not done.stderr, done.stderr
+
+
+_STOP_WHILE_BUILDING = """
+import asyncio, threading, time
+from spindle import serving
+
+async def main():
+    build = asyncio.create_task(serving.in_daemon_thread(lambda: time.sleep(30), "engine-build"))
+    await asyncio.sleep(0.2)  # SIGTERM arrives while the engine is being built
+    build.cancel()
+
+asyncio.run(main())
+"""
+
+
+def test_a_process_told_to_stop_while_it_builds_its_engine_does_not_wait_for_the_build():
+    """A model pod SIGTERMed while it loaded exited only once the load ended: `asyncio.to_thread`'s
+    threads are joined when the loop ends. The build's daemon thread is left behind instead; what
+    it returns or raises still reaches the awaiting task."""
+    from spindle import serving
+
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _STOP_WHILE_BUILDING], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    assert time.monotonic() - started < 15  # the build alone takes 30 s
+
+    def broken() -> None:
+        raise ValueError("no such model")
+
+    async def both() -> tuple[int, BaseException | None]:
+        value = await serving.in_daemon_thread(lambda: 7, "t")
+        try:
+            await serving.in_daemon_thread(broken, "t")
+        except ValueError as e:
+            return value, e
+        return value, None
+
+    value, error = asyncio.run(both())
+    assert value == 7 and isinstance(error, ValueError) and "no such model" in str(error)

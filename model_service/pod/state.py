@@ -24,7 +24,7 @@ from model_service.lora.pool import ACTIVE, AdapterInfo
 from model_service.pod.load_stats import LoadStats
 from model_service.pod.metrics import PodMetrics, Residency, Snapshot
 from model_service.pod.wire import TokenTexts
-from spindle.serving import Health
+from spindle.serving import Health, in_daemon_thread
 from spindle.v1 import pod_status_pb2
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class ModelPod:
     async def load(self, build_engine: Callable[[], EngineHandle]) -> None:
         """Build the engine off the event loop, warm it up, then report SERVING."""
         started = time.monotonic()
-        engine = await asyncio.to_thread(build_engine)
+        engine = await in_daemon_thread(build_engine, "engine-build")  # a stop need not wait for it
         self.engine, self.async_engine = engine, AsyncEngine(engine)
         loop = self._loop = asyncio.get_running_loop()
         engine.on_lost(lambda why: loop.call_soon_threadsafe(self._on_lost, why))
