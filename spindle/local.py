@@ -40,7 +40,7 @@ from spindle.errors import SpindleError
 from spindle.openai_api import reasoning_parsers
 from spindle.openai_api.tool_parsers import PARSERS
 from spindle.peft import lora_specs
-from spindle.serving import served_model_name
+from spindle.serving import bind_refusal, served_model_name
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -168,14 +168,12 @@ def _ports_in_use(args: argparse.Namespace) -> list[str]:
         port = getattr(args, name)
         if not port:
             continue
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the services bind
-            try:
-                sock.bind((args.host, port))
-            except OSError as e:
-                if e.errno != errno.EADDRINUSE:  # a name that does not resolve, another host's address
-                    raise SpindleError(f"--host {args.host}: cannot listen there: {e.strerror}") from e
-                busy.append(f"{port} ({flag})")
+        refusal = bind_refusal(args.host, port)
+        if refusal is None:
+            continue
+        if refusal.errno != errno.EADDRINUSE:  # a name that does not resolve, another host's address
+            raise SpindleError(f"--host {args.host}: cannot listen there: {refusal.strerror}") from refusal
+        busy.append(f"{port} ({flag})")
     return busy
 
 

@@ -120,17 +120,26 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig = PLAINTE
 
 
 def why_not_listen(host: str, port: int) -> str:
-    """The OS's reason host:port cannot be listened on, found by binding a plain socket there as
-    the servers bind: gRPC's failure names none, and "is the port in use?" misled where the host
-    was another machine's address or a name that does not resolve."""
+    """The OS's reason host:port cannot be listened on: gRPC's failure names none, and "is the
+    port in use?" misled where the host was another machine's address or a name that does not
+    resolve."""
+    refusal = bind_refusal(host, port)
+    if refusal is None:
+        return "refused by gRPC (is the port in use?)"  # free now: taken meanwhile, or gRPC's own
+    return listen_hint(refusal)
+
+
+def bind_refusal(host: str, port: int) -> OSError | None:
+    """Why a plain socket bound as the servers bind (SO_REUSEADDR) cannot take host:port, or None
+    when it can: in use, another machine's address, a name that does not resolve."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as e:
-            return listen_hint(e)
-    return "refused by gRPC (is the port in use?)"  # free now: taken meanwhile, or gRPC's own
+            return e
+    return None
 
 
 def serve_metrics(host: str, port: int, registry: Any = None) -> Any:
