@@ -101,11 +101,11 @@ class RankExecutor:
             return
         if self.part.rank == 0:
             assert fed is not None, "rank 0 is handed the in-flight tokens its batch's rows take"
-            ids = fed[index[1]]
+            ids = fed.index_select(0, index[1])
         else:
             ids = torch.empty(index.shape[1], dtype=torch.long, device=index.device)
         dist.broadcast(ids, 0, group=self.device_group)
-        batch.input_ids[index[0]] = ids
+        batch.input_ids.index_copy_(0, index[0], ids)  # plain ops, as `ModelExecutor.execute` feeds
 
     def load_blocks(self, saved: torch.Tensor, blocks: list[int]) -> None:
         """`saved` holds every rank's heads (dim 3, rank order); this rank writes its own."""

@@ -140,10 +140,10 @@ class StaticRuns:
         self.slots[:seqs] = batch.state_slots
         if size > seqs:  # each device op, even of no elements, costs the host ~10-20 us a step
             self.slots[seqs:size] = -1
-        if plain:  # one-token runs: fresh where the token is the sequence's first
+        if plain:  # one-token runs: fresh where the token is the sequence's first (no diff op)
             torch.eq(batch.seq_lens, 1, out=self.fresh[:seqs])
         else:
-            torch.eq(batch.seq_lens, batch.query_start.diff(), out=self.fresh[:seqs])
+            starts_fresh(batch, out=self.fresh[:seqs])
 
 
 @dataclass
@@ -179,7 +179,7 @@ def recurrent_step(batch: StepBatch, tensors: list[torch.Tensor]) -> RecurrentSt
     )
 
 
-def starts_fresh(batch: StepBatch) -> torch.Tensor:
+def starts_fresh(batch: StepBatch, out: torch.Tensor | None = None) -> torch.Tensor:
     """[S] bool: the sequence's run starts at position 0, so its state starts at zero, whatever
-    its slot holds (on the device: no sync)."""
-    return batch.seq_lens == batch.query_start.diff()
+    its slot holds (on the device: no sync); written into `out` where given (no copy op)."""
+    return torch.eq(batch.seq_lens, batch.query_start.diff(), out=out)
