@@ -63,9 +63,11 @@ class AdaptersClient:
         d = Path(directory)
         weights = d / "adapter_model.safetensors"
         if not (d / "adapter_config.json").is_file() or not weights.is_file():
-            found = sorted(p.name for p in d.iterdir()) if d.is_dir() else "not a directory"
-            if not d.exists():
-                found = "no such file or directory"
+            found = (
+                sorted(p.name for p in d.iterdir())
+                if d.is_dir()
+                else ("not a directory" if d.exists() else "no such file or directory")
+            )
             raise FileNotFoundError(
                 f"{d} needs adapter_config.json and adapter_model.safetensors (found: {found})"
             )

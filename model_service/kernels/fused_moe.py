@@ -321,6 +321,7 @@ class RouterLaunch:
     warps: int = 4
 
 
+@functools.cache  # called per MoE layer on eager steps: a handful of shapes a process
 def router_launch(tokens: int, experts: int, sms: int) -> RouterLaunch:
     """The engine's launch for `tokens` rows of `experts` logits on a device of `sms` SMs: about
     one wave of programs (sms / tokens slices a token, a power of two), no more slices than keep
