@@ -19,7 +19,7 @@ from model_service.engine.engine import Engine
 from model_service.engine.executor import ModelExecutor
 from model_service.kernels.paged_attention import HeadNorms
 from model_service.models.context import ForwardContext
-from model_service.models.step import StepBatch
+from model_service.models.step import StaticRows, StepBatch
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
 
@@ -96,13 +96,13 @@ class ReplayedReference(TorchReferenceBackend):
 
     rows = 0
 
-    def init_graph_capture(self, max_num_seqs: int, max_seq_len: int) -> None:
+    def init_graph_capture(self, rows: StaticRows, max_seq_len: int) -> None:
         pass
 
     def prepare_for_capture(self, num_seqs: int) -> None:
         self.rows = 0
 
-    def prepare_for_replay(self, batch: StepBatch, padded_num_seqs: int) -> None:
+    def prepare_for_replay(self, batch: StepBatch) -> None:
         self.prepare(batch)
 
     def prepare(self, batch: StepBatch) -> None:
@@ -137,7 +137,8 @@ def _fake_capture(self: DecodeGraphs, size: int, kinds: int) -> tuple[FakeGraph,
     """`DecodeGraphs._capture` for `FakeGraph`s: the same static inputs, no CUDA."""
     self.backend.prepare_for_capture(size)
     ctx = ForwardContext(attention=self.backend, logits_rows=self.rows[:size])
-    args = (self.input_ids[:size], self.positions[:size], *(t[:size] for t in self.inputs), ctx)
+    ids, positions = self.static.input_ids[:size], self.static.positions[:size]
+    args = (ids, positions, *(t[:size] for t in self.inputs), ctx)
 
     def call() -> Outputs:
         out = self.forward(*args)

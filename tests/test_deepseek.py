@@ -38,6 +38,7 @@ from model_service.models.context import ForwardContext
 from model_service.models.layers import checkpoint_tensors
 from model_service.models.loader import load_model
 from model_service.models.moe import route
+from model_service.models.step import StaticRows
 from tests.conftest import (
     assert_all_blocks_free,
     forward,
@@ -373,14 +374,15 @@ def test_the_kernel_backends_bookkeeping_on_the_cpu(case: Case):
     from model_service.engine.batch_builder import StepItem
 
     batch = engine.builder.build([StepItem(s, [9], 1) for s in states])
-    kernel_backend.init_graph_capture(4, 64)
+    rows = StaticRows(4, torch.device("cpu"))
+    kernel_backend.init_graph_capture(rows, 64)
     kernel_backend.prepare_for_capture(4)
-    kernel_backend.prepare_for_replay(batch, 4)
+    rows.fill(batch)
+    kernel_backend.prepare_for_replay(batch)
     pool_before = engine.executor.kv_cache.data.clone()
-    ids, pos = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
-    ids[:2], pos[:2] = batch.input_ids, batch.positions
     with torch.inference_mode():
-        replayed = engine.executor.module(ids, pos, ForwardContext(kernel_backend, torch.arange(4)))[:2]
+        ctx = ForwardContext(kernel_backend, torch.arange(4))
+        replayed = engine.executor.module(rows.input_ids[:4], rows.positions[:4], ctx)[:2]
     written = (engine.executor.kv_cache.data != pool_before).any(dim=(0, 1, 3, 4)).nonzero().flatten()
     assert sorted(written.tolist()) == sorted(batch.slot_mapping.tolist())  # the padding rows wrote nothing
     engine.executor.kv_cache.data.copy_(pool_before)

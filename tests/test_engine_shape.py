@@ -21,6 +21,7 @@ from model_service.engine.scheduler import Scheduler
 from model_service.engine.seq_state import SequenceState
 from model_service.engine.sequence import Sequence
 from model_service.models.config import LayerKind
+from model_service.models.step import ROW_FIELDS, ROW_PADDING, StaticRows
 
 
 class FakeExecutor:
@@ -117,6 +118,31 @@ def test_step_batch_layout_for_decode_chunk_and_multi_row_items():
     views = [batch.input_ids, batch.positions, batch.slot_mapping, batch.lora_slots, batch.query_start,
              batch.seq_lens, batch.state_slots, batch.logits_rows, batch.block_table]  # fmt: skip
     assert all((v.data_ptr() - batch.input_ids.data_ptr()) % 128 == 0 for v in views)
+    assert batch.row_block is None  # runs longer than a token: no row block
+
+
+def test_decode_rows_go_into_static_rows_as_one_block_with_padding_after_them():
+    """A step of one-token rows holds `ROW_FIELDS` as the rows of one view (a graph replay's one
+    copy); `StaticRows` takes it, and puts padding back in the rows a bigger step before it left."""
+    bs = 4
+    states = [_state([5, 2], computed=6, lora=1), _state([7], computed=2), _state([3, 9], computed=5, lora=0)]
+    builder = BatchBuilder(bs, torch.device("cpu"))
+    wide = builder.build([StepItem(st, [10 + i], 1) for i, st in enumerate(states)])
+    narrow = builder.build([StepItem(states[1], [20], 1)])
+    for batch in (wide, narrow):
+        fields = torch.stack([getattr(batch, name) for name in ROW_FIELDS])
+        assert batch.row_block is not None and torch.equal(batch.row_block, fields)
+    static = StaticRows(16, torch.device("cpu"))
+    padding = torch.tensor(ROW_PADDING).view(-1, 1).expand(-1, 16)
+    static.fill(wide)
+    assert torch.equal(static.data[:, :3], torch.stack([getattr(wide, name) for name in ROW_FIELDS]))
+    assert torch.equal(static.data[:, 3:], padding[:, 3:])
+    static.fill(narrow)
+    assert static.input_ids.tolist() == [20] + [0] * 15
+    assert static.slot_mapping.tolist() == [7 * bs + 2] + [-1] * 15
+    assert static.seq_lens.tolist() == [3] + [0] * 15
+    static.fill(narrow.as_token_rows())  # a batch of its own tensors: field by field
+    assert torch.equal(static.data[:, 1:], padding[:, 1:]) and static.positions.tolist()[0] == 2
 
 
 @pytest.mark.parametrize("window", [None, 3])

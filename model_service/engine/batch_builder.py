@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from model_service.engine.seq_state import SequenceState
-from model_service.models.step import StepBatch
+from model_service.models.step import ROW_FIELDS, StepBatch
 
 ALIGN_WORDS = 16  # int64 words: every packed region starts on a 128-byte boundary
 T = TypeVar("T", np.ndarray, torch.Tensor)
+V = TypeVar("V")
 _MAX_CACHED_LAYOUTS = 1024  # views kept by layout (`_cached`): decode steps repeat a few
 
 
@@ -98,7 +99,7 @@ class BatchBuilder:
         self.block_size, self.device = block_size, device
         self.keep_batches = device.type == "cpu" if keep_batches is None else keep_batches
         # The device buffer's region views by layout (`_device_views`), while it is not regrown.
-        self._views: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self._views: dict[tuple[int, ...], list[torch.Tensor | None]] = {}
         # Two host buffers, used in turn, so that packing (or, on a tensor-parallel worker,
         # receiving) the next batch never waits for the device: the copy out of the last one may
         # still be queued behind the running step (async scheduling, engine/overlap.py; a worker
@@ -125,7 +126,7 @@ class BatchBuilder:
         layout = (total, n, int(num_logits.sum()), max_blocks, len(fed))
         self._next_host(_layout(layout)[1])
         regions = self._staging[self._turn].region_views(layout)
-        ids, pos, slots, lora, q_start, seq_lens, state_slots, rows, table, feed = regions
+        ids, pos, slots, lora, seq_lens, q_start, state_slots, rows, table, feed = regions
         q_start[0] = 0
         lens.cumsum(out=q_start[1:])
         np.add(starts, lens, out=seq_lens)
@@ -197,29 +198,32 @@ class BatchBuilder:
             positions=views[1],
             slot_mapping=views[2],
             lora_slots=views[3],
-            query_start=views[4],
-            seq_lens=views[5],
+            seq_lens=views[4],
+            query_start=views[5],
             state_slots=views[6],
             logits_rows=views[7],
             block_table=views[8],
             max_query_len=shape[5],
             max_seq_len=shape[6],
             host_lora_slots=regions[3].copy(),
-            host_query_start=regions[4].copy(),
+            host_query_start=regions[5].copy(),
             host_state_snapshots=snapshots,
             packed=self._host[:used],
             packed_shape=shape,
             feed_index=views[9],
+            row_block=views[10],
         )
 
-    def _device_views(self, flat: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    def _device_views(self, flat: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor | None]:
         """The region views of `flat` (the device words of a batch of `shape`), the block table
-        [seqs, blocks] and the feed index [2, fed]. Views of the shared device buffer are made
-        once per layout: ten slices and two reshapes were a quarter of a batch-1 `build`."""
+        [seqs, blocks] and the feed index [2, fed], then the row block (`StepBatch.row_block`)
+        where every sequence is one token. Views of the shared device buffer are made once per
+        layout: ten slices and two reshapes were a quarter of a batch-1 `build`."""
 
-        def made() -> list[torch.Tensor]:
-            views = _regions(flat, shape)
+        def made() -> list[torch.Tensor | None]:
+            views: list[torch.Tensor | None] = list(_regions(flat, shape))
             views[8], views[9] = views[8].view(shape[1], shape[3]), views[9].view(2, shape[4])
+            views.append(_row_block(flat, shape))
             return views
 
         return made() if self.keep_batches else _cached(self._views, shape, made)
@@ -275,8 +279,8 @@ def _table_arrays(states: list[SequenceState]) -> np.ndarray:
 
 
 def _cached(
-    views: dict[tuple[int, ...], list[T]], shape: tuple[int, ...], made: Callable[[], list[T]]
-) -> list[T]:
+    views: dict[tuple[int, ...], list[V]], shape: tuple[int, ...], made: Callable[[], list[V]]
+) -> list[V]:
     """The views of a batch of `shape` kept in `views` by its layout, else `made()`, kept."""
     key = tuple(shape[:5])
     found = views.get(key)
@@ -295,20 +299,32 @@ def _layout(shape: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], int]:
 @functools.lru_cache(maxsize=1024)
 def _spans(sizes: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], int]:
     """(start, size) of each region of the packed buffer of a batch of (tokens, sequences, logits
-    rows, blocks per sequence, fed rows): ids, positions, slot mapping, LoRA slots, query
-    starts, sequence lengths, state slots, logits rows, block table, feed index; and the words
-    used. Each region starts on a 128-byte boundary: Triton compiles a kernel once per alignment
+    rows, blocks per sequence, fed rows): ids, positions, slot mapping, LoRA slots, sequence
+    lengths (`ROW_FIELDS`' order: where there are as many tokens as sequences, these five are
+    the rows of one strided block, `_row_block`), query starts, state slots, logits rows, block
+    table, feed index; and the words used. Each region starts on a 128-byte boundary: Triton
+    compiles a kernel once per alignment
     of its pointer arguments, so views at arbitrary offsets would compile new variants of every
     kernel under live traffic (seen on an H200: ~20 compiles, ~17 s, in the first serving run).
     Cached: decode steps repeat their sizes, and at batch 1 computing this five times a step
     was a sixth of the host's step (`BatchBuilder.build`)."""
     total, num_seqs, num_logits, max_blocks, num_fed = sizes
-    lengths = [total] * 4 + [num_seqs + 1, num_seqs, num_seqs, num_logits, num_seqs * max_blocks, 2 * num_fed]
+    lengths = [total] * 4 + [num_seqs, num_seqs + 1, num_seqs, num_logits, num_seqs * max_blocks, 2 * num_fed]
     spans, start = [], 0
     for size in lengths:
         spans.append((start, size))
         start += -(-size // ALIGN_WORDS) * ALIGN_WORDS
     return tuple(spans), start
+
+
+def _row_block(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """`ROW_FIELDS` of a batch of one-token sequences as the rows of one view of `flat`: their
+    regions are equally long, so equally far apart. None for a batch with longer runs."""
+    total, num_seqs = shape[:2]
+    if total != num_seqs:
+        return None
+    stride = _layout(shape)[0][1][0]
+    return flat[: len(ROW_FIELDS) * stride].view(len(ROW_FIELDS), stride)[:, :total]
 
 
 def _regions(buffer: T, shape: tuple[int, ...]) -> list[T]:

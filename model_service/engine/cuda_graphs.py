@@ -1,9 +1,10 @@
 """CUDA graphs for decode steps, over a ladder of padded batch sizes (nano-vllm's scheme).
 
 A decode step of n sequences replays the graph captured for the smallest ladder size >= n:
-the step's token ids and positions are copied into static input buffers, the attention
-backend copies its metadata into its static buffers (padding rows write and read nothing), the
-graph replays every kernel of the forward pass with no Python in between, and the first n rows
+the step's per-row inputs (token ids, positions, K/V slots, LoRA slots, lengths) are copied into
+`StaticRows` in one op, the attention backend copies its block table into its static buffer
+(padding rows write and read nothing), the graph replays every kernel of the forward pass with
+no Python in between, and the first n rows
 of the static logits are the step's. A pod captures every size at start-up (`capture_all`,
 largest first, so the smaller graphs fit in the memory the largest left in the shared pool);
 elsewhere a size is captured the first time it is needed. A step with LoRA rows replays a graph
@@ -46,7 +47,7 @@ import torch
 from model_service.lora.layers import LoraStepPlan
 from model_service.models.context import ForwardContext
 from model_service.models.recurrent import RecurrentStep, StaticRuns
-from model_service.models.step import CapturableBackend, StepBatch
+from model_service.models.step import CapturableBackend, StaticRows, StepBatch
 
 # Kinds of projection a warm-up captures for the registered adapters, beyond none, q/k/v and
 # all: each is a graph a ladder size (~0.1-0.5 s each on an 8B model). Steps of other kinds
@@ -97,11 +98,9 @@ class DecodeGraphs:
         self.runs = StaticRuns(max_rows, device) if self.state else None
         self.inputs, self.max_run = inputs, max_run
         self.ladder = batch_ladder(max_rows)
-        backend.init_graph_capture(max_rows, max_seq_len)
-        self.input_ids = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.static = StaticRows(max_rows, device)  # token ids, positions, K/V slots, LoRA slots, lengths
+        backend.init_graph_capture(self.static, max_seq_len)
         self.rows = torch.arange(max_rows, device=device)
-        self.lora_slots = torch.full((max_rows,), -1, dtype=torch.long, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         self.pool: tuple[int, int] | None = None
 
@@ -126,15 +125,10 @@ class DecodeGraphs:
         graph, outputs = self._graph(size, kinds)
         if self.runs is not None:
             self.runs.prepare_for_replay(scheduled, size)
-        self.input_ids[:n] = batch.input_ids
-        self.positions[:n] = batch.positions
+        self.static.fill(batch)
         for buffer, given in zip(self.inputs, inputs, strict=True):
             buffer[:n] = given
-        if self.lora is not None:  # only the LoRA kernels read them: two device ops a step saved
-            self.lora_slots[:n] = batch.lora_slots
-            if size > n:
-                self.lora_slots[n:size] = -1
-        self.backend.prepare_for_replay(batch, size)
+        self.backend.prepare_for_replay(batch)
         graph.replay()
         if len(scheduled.logits_rows) == n:  # every token, in order
             return (outputs[0][:n].clone(), *(out[:n] for out in outputs[1:]))
@@ -167,10 +161,11 @@ class DecodeGraphs:
     def _capture(self, size: int, kinds: int) -> tuple[torch.cuda.CUDAGraph, Outputs]:
         self.backend.prepare_for_capture(size)
         if self.lora is not None:  # the graph records the LoRA kernels of the projections `kinds` names
-            self.lora.for_capture(self.lora_slots[:size], kinds)
+            self.lora.for_capture(self.static.lora_slots[:size], kinds)
         recurrent = RecurrentStep(self.runs.for_capture(size), self.state) if self.runs is not None else None
         ctx = ForwardContext(attention=self.backend, logits_rows=self.rows[:size], recurrent=recurrent)
-        args = (self.input_ids[:size], self.positions[:size], *(t[:size] for t in self.inputs), ctx)
+        ids, positions = self.static.input_ids[:size], self.static.positions[:size]
+        args = (ids, positions, *(t[:size] for t in self.inputs), ctx)
         self.forward(*args)  # warm-up outside the graph: kernel compilation, allocator
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

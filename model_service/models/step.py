@@ -63,6 +63,9 @@ class StepBatch:
     # before sampled and is still on the device, and each one's index among that step's tokens;
     # the executor writes those tokens in (`Executor.execute`'s `fed`). None: no such rows.
     feed_index: torch.Tensor | None = None
+    # [len(ROW_FIELDS), T]: those fields as the rows of one strided view, where the batch builder
+    # laid them out so (a step of one-token rows): a graph replay copies them in with one op.
+    row_block: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -157,18 +160,65 @@ class LatentAttentionBackend(Protocol):
         part and its value from a latent. Returns [T, H, Dv]."""
 
 
+# The per-row fields of a decode step that every captured graph reads, and the value a padding
+# row holds in each (its K/V slot -1 and length 0: it writes and reads nothing).
+ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "lora_slots", "seq_lens")
+ROW_PADDING = (0, 0, -1, -1, 0)
+
+
+class StaticRows:
+    """`ROW_FIELDS` of up to `max_rows` decode rows at fixed addresses, for CUDA graphs: the rows
+    of one int64 tensor, so a replay copies a step's rows in with one op where the batch holds
+    them as one block (`StepBatch.row_block`), and resets rows a bigger step left with one
+    more. Each op, even of no elements, costs the host ~10-20 us, and a batch-1 step is ~0.7 ms
+    of host time (py-spy on an H100, 2026-12-07 am): five copies and two fills a step were the
+    largest part of a replay's own cost."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.padding = torch.tensor(ROW_PADDING, dtype=torch.long, device=device).view(-1, 1)
+        # Rows 128 bytes apart, as the batch builder aligns its regions: Triton compiles a kernel
+        # once per alignment of its pointer arguments.
+        self.data = self.padding.expand(len(ROW_FIELDS), -(-max_rows // 16) * 16).clone()
+        # Views of its rows, in `ROW_FIELDS`' order: what captured graphs read.
+        self.input_ids, self.positions, self.slot_mapping, self.lora_slots, self.seq_lens = self.data
+        self.dirty = 0  # rows at and past this hold padding
+
+    def for_capture(self) -> None:
+        """Padding in every row, as a capture records them."""
+        self._pad(0)
+
+    def fill(self, batch: StepBatch) -> None:
+        """`batch`'s rows (one per token), padding in every row after them, as a graph of any
+        size wants its padding rows."""
+        n = batch.num_tokens
+        if batch.row_block is not None:
+            self.data[:, :n].copy_(batch.row_block)
+        else:
+            for row, name in zip(self.data, ROW_FIELDS, strict=True):
+                row[:n] = getattr(batch, name)
+        self._pad(n)
+        self.dirty = n
+
+    def _pad(self, n: int) -> None:
+        """Padding in rows n.. where an earlier step left its own."""
+        if self.dirty > n:
+            self.data[:, n : self.dirty] = self.padding
+            self.dirty = n
+
+
 @runtime_checkable
 class GraphCapturable(Protocol):
     """A backend whose `forward` can be recorded in a CUDA graph over fixed-address buffers."""
 
-    def init_graph_capture(self, max_num_seqs: int, max_seq_len: int) -> None:
-        """Allocate the static metadata buffers every captured graph reads."""
+    def init_graph_capture(self, rows: StaticRows, max_seq_len: int) -> None:
+        """Allocate the static metadata buffers every captured graph reads beside `rows` (the
+        graphs' per-row inputs, K/V slots and lengths among them, filled by the graph runner)."""
 
     def prepare_for_capture(self, num_seqs: int) -> None:
         """Fill the static buffers with a dummy decode batch of `num_seqs` rows before capture."""
 
-    def prepare_for_replay(self, batch: StepBatch, padded_num_seqs: int) -> None:
-        """Copy `batch`'s metadata into the static buffers (padding rows to `padded_num_seqs`)."""
+    def prepare_for_replay(self, batch: StepBatch) -> None:
+        """Copy `batch`'s metadata beyond `rows` into the static buffers."""
 
 
 @runtime_checkable
