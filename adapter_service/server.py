@@ -540,7 +540,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     k.add_argument(
         "--hot-share",
-        type=flagtypes.positive,
+        type=flagtypes.share,
         default=0.02,
         help="share of recent requests above which an adapter is hot: one pod per this share [0.02]",
     )

@@ -64,6 +64,15 @@ def command_parser(command: str) -> tuple[ModuleType, argparse.ArgumentParser]:
     return module, parser
 
 
+def _every_flag_variable() -> set[str]:
+    """The `SPINDLE_` variable of every flag of every command (imports every command's module)."""
+    names = set()
+    for _, module_name, builder in _COMMANDS.values():
+        module = importlib.import_module(module_name)
+        names |= envflags.flag_variables(getattr(module, builder)(argparse.ArgumentParser()))
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -78,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         configure_process()
     module, parser = command_parser(command)
     args = parser.parse_args(rest)
+    for line in envflags.misspelt(parser, _every_flag_variable):
+        print(f"spindle {command}: warning: {line}", file=sys.stderr)
     args.command = command
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:

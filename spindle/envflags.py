@@ -8,10 +8,14 @@ A flag given on the command line wins over the variable, which wins over the bui
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 PREFIX = "SPINDLE_"
+# The variables read beside the flags' (kernels/pdl.py, models/gguf_cache.py, the adapter
+# service's Redis password, scripts/setup.sh's torch index).
+NOT_FLAGS = frozenset({"SPINDLE_PDL", "SPINDLE_CACHE_DIR", "SPINDLE_REDIS_PASSWORD", "SPINDLE_TORCH_INDEX"})
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
@@ -54,3 +58,35 @@ def _convert(action: argparse.Action, raw: str) -> object:
     if action.choices is not None and any(v not in action.choices for v in values):
         raise ValueError(f"expected one of {sorted(map(str, action.choices))}")
     return values if many else values[0]
+
+
+
+def flag_variables(parser: argparse.ArgumentParser) -> set[str]:
+    """The variables `apply_env` reads for `parser`'s flags."""
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    return {env_name(o) for o in flags if not o.startswith("--no-")}
+
+
+def misspelt(
+    parser: argparse.ArgumentParser,
+    every_flag: Callable[[], set[str]],
+    environ: Mapping[str, str] | None = None,
+) -> list[str]:
+    """A line for each `SPINDLE_` variable that is no flag of `parser` but nearly one of its
+    flags' names: a misspelt variable was ignored in silence, the default served in its place.
+    A shared environment may hold the other commands' variables: one that is a flag of any
+    command (`every_flag()`, asked only when some variable is a near miss: it imports every
+    command's module) passes without a word, as do the few read beside the flags."""
+    environ = os.environ if environ is None else environ
+    names = sorted(flag_variables(parser))
+    near = {}
+    for variable in sorted(v for v in environ if v.startswith(PREFIX) and v not in NOT_FLAGS):
+        close = difflib.get_close_matches(variable, names, n=1, cutoff=0.85)
+        if variable not in names and close:
+            near[variable] = close[0]
+    others = every_flag() if near else set()
+    return [
+        f"{variable} is no flag of this command and was ignored: did you mean {flag}?"
+        for variable, flag in near.items()
+        if variable not in others
+    ]

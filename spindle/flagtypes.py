@@ -59,6 +59,15 @@ def positive(value: str) -> float:
     return x
 
 
+def share(value: str) -> float:
+    """A share of something (of recent requests), more than 0 and at most 1: at 0 the adapter
+    service's placement divided by zero every round, and above 1 no adapter could ever pass it."""
+    x = float(value)
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 1, got {value}")
+    return x
+
+
 def seconds(value: str) -> float:
     """A duration that must pass: more than 0 seconds (an interval, a timeout)."""
     s = float(value)
@@ -84,7 +93,7 @@ def gib(value: str) -> float:
     return x
 
 
-positive.__name__ = seconds.__name__ = seconds_or_none.__name__ = gib.__name__ = "float"
+positive.__name__ = share.__name__ = seconds.__name__ = seconds_or_none.__name__ = gib.__name__ = "float"
 
 
 def log_level(value: str) -> str:

@@ -9,6 +9,7 @@ import torch
 
 import model_service.engine.engine as engine_module
 from model_service.models.loader import LoadedModel, resolve_model_path
+from spindle import cli
 from spindle.cli import command_parser, main
 from spindle.errors import SpindleError
 from tests.conftest import make_engine
@@ -289,6 +290,24 @@ def test_a_refused_environment_value_is_a_usage_error_for_every_flag_type(capsys
     assert "SPINDLE_STREAM_INTERVAL='0': must be at least 1, got 0" in capsys.readouterr().err
 
 
+def test_a_misspelt_environment_variable_is_named_with_the_flag_it_nearly_is(capsys, monkeypatch):
+    """SPINDLE_MAX_NUM_SEQ (no S) was ignored in silence and the default served; a variable near
+    one of the command's flags is now named with it. Other commands' variables (SPINDLE_PODS_DNS,
+    SPINDLE_TIMEOUT: near serve's SPINDLE_SEND_TIMEOUT) and the few read beside the flags pass."""
+    from spindle import envflags
+
+    environ = {
+        "SPINDLE_MAX_NUM_SEQ": "4", "SPINDLE_MAX_NUM_SEQS": "8", "SPINDLE_PDL": "1",
+        "SPINDLE_PODS_DNS": "x", "SPINDLE_TIMEOUT": "3", "SPINDLE_GATEWY": "x", "HOME": "/",
+    }  # fmt: skip
+    lines = envflags.misspelt(command_parser("serve")[1], cli._every_flag_variable, environ)
+    assert len(lines) == 1 and lines[0].startswith("SPINDLE_MAX_NUM_SEQ is no flag of this command")
+    assert lines[0].endswith("did you mean SPINDLE_MAX_NUM_SEQS?")
+    monkeypatch.setenv("SPINDLE_GATEWY", "127.0.0.1:1")
+    assert main(["chat", "--gateway", "127.0.0.1:1", "--timeout", "2", "hi"]) != 0
+    assert "spindle chat: warning: SPINDLE_GATEWY is no flag of this command" in capsys.readouterr().err
+
+
 def test_ports_counts_and_intervals_out_of_range_are_usage_errors(capsys, monkeypatch):
     """`spindle gateway --port 70000` listened on 4464 (gRPC keeps the low 16 bits) and `--port -1`
     on 65535; `--health-interval 0` polled every pod in a busy loop; `--max-attempts 0` tried no
@@ -455,13 +474,15 @@ def test_an_unknown_log_level_is_a_usage_error_for_every_service(capsys, monkeyp
 
 def test_adapter_service_sizes_timeouts_and_policy_knobs_out_of_range_are_usage_errors(capsys):
     """The adapter service took any number for these: `--popularity-half-life 0` and `--hot-share
-    0` divided by zero in every policy round (logged, forever), `--rpc-timeout 0` failed every RPC
-    and its health, zero attempts or timeouts of S3 and Redis failed every call, and a zero
-    `--max-adapter-bytes` / `--max-lora-rank` refused every upload. Each is now argparse's usage
-    error naming the flag; the values that mean something (0 bytes staged, idle 0 s) are taken."""
+    0` divided by zero in every policy round (logged, forever), `--hot-share 1.5` made no adapter
+    hot, `--rpc-timeout 0` failed every RPC and its health, zero attempts or timeouts of S3 and
+    Redis failed every call, and a zero `--max-adapter-bytes` / `--max-lora-rank` refused every
+    upload. Each is now argparse's usage error naming the flag; the values that mean something (0
+    bytes staged, idle 0 s) are taken."""
     parser = command_parser("adapter-service")[1]
     for flag, value in (
-        ("--popularity-half-life", "0"), ("--hot-share", "0"), ("--spread-threshold", "-1"),
+        ("--popularity-half-life", "0"), ("--hot-share", "0"), ("--hot-share", "1.5"),
+        ("--spread-threshold", "-1"),
         ("--lease-ttl", "0"), ("--rpc-timeout", "0"), ("--s3-connect-timeout", "-1"),
         ("--s3-read-timeout", "0"), ("--redis-timeout", "0"), ("--s3-max-attempts", "0"),
         ("--redis-max-attempts", "0"), ("--max-adapter-bytes", "0"), ("--max-lora-rank", "0"),
