@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from spindle import flagtypes
+from spindle import flagtypes, redis_client
 
 T = TypeVar("T", bound=type)
 
@@ -32,8 +32,8 @@ class Bounds:
     s3_connect: float = 3.0
     s3_read: float = 10.0
     s3_attempts: int = 3
-    redis: float = 3.0  # connect and read timeout of one Redis command
-    redis_attempts: int = 2
+    redis: float = redis_client.TIMEOUT_S  # connect and read timeout of one Redis command
+    redis_attempts: int = redis_client.ATTEMPTS
     rpc: float = 30.0
 
     def s3_call_seconds(self) -> float:

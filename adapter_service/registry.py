@@ -32,6 +32,7 @@ from typing import Any
 
 from adapter_service.deadlines import Bounds, track
 from adapter_service.store import Version
+from spindle import redis_client
 
 _P = "spindle:adapters:"
 
@@ -258,25 +259,8 @@ class RedisRegistry:
         max_connections: int = 64,
         bounds: Bounds | None = None,
     ) -> None:
-        import redis.asyncio as redis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import ExponentialBackoff
-
         b = bounds or Bounds()
-        # A burst of placements waits for one of `max_connections` connections rather than
-        # failing (the default pool refuses the 101st with MaxConnectionsError). Every command
-        # is bounded: connect and read timeouts, and `redis_attempts` tries in all (redis-py's
-        # own default backs off up to 10 s between three retries).
-        pool = redis.BlockingConnectionPool.from_url(
-            url,
-            password=password or None,
-            socket_timeout=b.redis,
-            socket_connect_timeout=b.redis,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), max(b.redis_attempts - 1, 0)),
-            max_connections=max_connections,
-            timeout=b.redis,
-        )
-        self.r = redis.Redis.from_pool(pool)  # closed with the client
+        self.r = redis_client.connect(url, password, b.redis, b.redis_attempts, max_connections)
         self.key_ttl = int(lease_key_ttl)
         self._renew, self._release = self.r.register_script(_RENEW), self.r.register_script(_RELEASE)
         self._assign, self._commit = self.r.register_script(_ASSIGN), self.r.register_script(_COMMIT)

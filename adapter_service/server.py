@@ -46,7 +46,7 @@ from adapter_service.registration import LeaseLost, register
 from adapter_service.registry import MemoryRegistry, RedisRegistry, Registry
 from adapter_service.store import LocalStore, S3Store, Store, Version
 from gateway.pods import check_target, dns_discovery, static_discovery
-from spindle import flagtypes, serving, telemetry
+from spindle import flagtypes, redis_client, serving, telemetry
 from spindle.errors import ConfigError
 from spindle.grpc_status import abort
 from spindle.security import add_security_args, security_from_args
@@ -599,7 +599,7 @@ def _backends(args: argparse.Namespace, bounds: deadlines.Bounds) -> tuple[Store
             store = LocalStore(args.storage_dir or Path.home() / ".cache" / "spindle" / "adapters")
     except (OSError, ValueError) as e:
         raise ConfigError(f"--{'s3-bucket' if args.s3_bucket else 'storage-dir'}: {e}") from e
-    password = os.environ.get("SPINDLE_REDIS_PASSWORD", "")
+    password = redis_client.env_password()
     try:
         registry: Registry = (
             RedisRegistry(args.redis_url, password, bounds=bounds) if args.redis_url else MemoryRegistry()

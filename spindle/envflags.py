@@ -13,8 +13,9 @@ import os
 from collections.abc import Callable, Mapping
 
 PREFIX = "SPINDLE_"
-# The variables read beside the flags' (kernels/pdl.py, models/gguf_cache.py, the adapter
-# service's Redis password, scripts/setup.sh's torch index).
+# The variables read beside the flags' (kernels/pdl.py, models/gguf_cache.py, the Redis password
+# of the adapter service and the Responses store: spindle/redis_client.py, scripts/setup.sh's
+# torch index).
 NOT_FLAGS = frozenset({"SPINDLE_PDL", "SPINDLE_CACHE_DIR", "SPINDLE_REDIS_PASSWORD", "SPINDLE_TORCH_INDEX"})
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
