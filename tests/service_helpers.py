@@ -295,11 +295,13 @@ async def openai_client_of(
     reasoning_parser: str = "none",
     reasoning_key: bytes | None = None,
     store: Any = None,
+    admit: Any = None,
 ) -> AsyncIterator[Any]:
     """The OpenAI HTTP API over a Generation `servicer` (a scripted model, or a real one), in this
     process, serving `model`, and an `openai` SDK client of it (no retries: a test sees each
     answer as it is); `reasoning_key`: its --reasoning-key-file key; `store`: where it keeps
-    Responses API responses (None: none is)."""
+    Responses API responses (None: none is; closed with the server); `admit`: the server's
+    (whose stored responses a caller sees)."""
     import openai
     from opentelemetry.trace import get_tracer
 
@@ -314,6 +316,7 @@ async def openai_client_of(
         reasoning_parser,
         reasoning_key,
         store=store,
+        admit=admit,
     )
     port = await server.start("127.0.0.1", 0)
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)

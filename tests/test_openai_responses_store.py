@@ -1,21 +1,28 @@
 """The Responses API's stored responses (responses_store.py) through the `openai` SDK, its typed
 models the schema oracle: a turn chained by `previous_response_id` reaches the model as the
 whole conversation sent statelessly would, and retrieve, delete, input_items, 404s, eviction and
-`store: false` behave as OpenAI's API does."""
+`store: false` behave as OpenAI's API does, in this process's memory and in a real Redis (the
+session's redis-server): two front replicas sharing one Redis serve each other's responses, and
+a Redis that does not answer is a 503 naming it, not a failed answer."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 
 import openai
 import pytest
 from openai.types.responses import Response, ResponseItemList
 
-from spindle.openai_api.responses_store import ResponseStore, ToKeep
+from spindle.openai_api.context import HttpCallContext
+from spindle.openai_api.responses_store import KEY_PREFIX, RedisStore, ResponseStore, ToKeep
 from spindle.v1 import generation_pb2 as pb
+from tests.adapter_helpers import redis_server
 from tests.service_helpers import openai_client_of
 from tests.test_openai_responses import BASE
 from tests.test_openai_responses import _Scripted as _Unnamed
@@ -35,19 +42,35 @@ def _store(count: int = 100) -> ResponseStore:
     return ResponseStore(count, 1 << 20, 60.0)
 
 
+@pytest.fixture(params=["memory", "redis"])
+def new_store(request) -> Callable[..., ResponseStore | RedisStore]:
+    """Makes a store of each kind (made inside the test's event loop: a Redis client is bound to
+    the loop it first runs on); Redis is the session's real redis-server."""
+    if request.param == "memory":
+        return lambda max_bytes=1 << 20, ttl_s=60.0: ResponseStore(100, max_bytes, ttl_s)
+    url = request.getfixturevalue("redis_url")
+    return lambda max_bytes=1 << 20, ttl_s=60.0: RedisStore.from_url(url, max_bytes, ttl_s)
+
+
+async def _by_key(context: HttpCallContext) -> SimpleNamespace:
+    """Every caller admitted, its bearer token its name: whose stored responses it sees (the
+    gateway's API keys' names)."""
+    return SimpleNamespace(name=dict(context.invocation_metadata())["authorization"].removeprefix("Bearer "))
+
+
 def _said(request) -> list[tuple]:
     return [(m.role, m.content, m.reasoning_content) for m in request.chat.messages]
 
 
-def test_a_chained_turn_is_the_whole_conversation_and_is_retrieved_listed_and_deleted():
+def test_a_chained_turn_is_the_whole_conversation_and_is_retrieved_listed_and_deleted(new_store):
     """Turn 2 sends only its new input with turn 1's id: the pod gets the messages the whole
     conversation sent without a store gets (turn 1's reasoning carried, its `instructions` not:
     OpenAI's rule), under turn 2's `model`. The responses are retrieved as returned, their input
     items listed and paged as the SDK pages them, and a deleted one is gone."""
-    model, store = _Scripted("<think>Hm.</think>It is sunny."), _store()
+    model = _Scripted("<think>Hm.</think>It is sunny.")
 
     async def run() -> tuple:
-        async with openai_client_of(model, BASE, "none", "deepseek_r1", store=store) as client:
+        async with openai_client_of(model, BASE, "none", "deepseek_r1", store=new_store()) as client:
             first = await client.responses.create(model=BASE, input="Weather?", instructions="Be brief.")
             chained = {"previous_response_id": first.id, "instructions": "Be kind."}
             second = await client.responses.create(model="pirate", input="And tomorrow?", **chained)
@@ -118,14 +141,48 @@ def test_the_store_forgets_by_age_and_bytes_and_shows_a_response_only_to_its_cal
     now = [0.0]
     store = ResponseStore(10, 500, 60.0, clock=lambda: now[0])  # two of these fit, not three
     kept = ToKeep(({"type": "message", "id": "msg_1", "role": "user", "content": "x" * 100},), "alice")
-    for n in range(3):
-        store.put({"id": f"resp_{n}", "output": []}, kept)
-    assert [store.get(f"resp_{n}", "alice") is not None for n in range(3)] == [False, True, True]  # bytes
-    assert store.get("resp_2", "bob") is None and not store.delete("resp_2", "bob")
-    now[0] = 61.0
-    assert store.get("resp_2", "alice") is None and len(store) == 1  # expired, then dropped
-    store.put({"id": "resp_big", "output": [{"text": "y" * 600}]}, kept)  # larger than all: not kept
-    assert store.get("resp_big", "alice") is None
+
+    async def run() -> None:
+        for n in range(3):
+            await store.put({"id": f"resp_{n}", "output": []}, kept)
+        assert [await store.get(f"resp_{n}", "alice") is not None for n in range(3)] == [False, True, True]
+        assert await store.get("resp_2", "bob") is None and not await store.delete("resp_2", "bob")
+        now[0] = 61.0
+        assert await store.get("resp_2", "alice") is None and len(store) == 1  # expired, then dropped
+        await store.put({"id": "resp_big", "output": [{"text": "y" * 600}]}, kept)  # larger than all
+        assert await store.get("resp_big", "alice") is None
+
+    asyncio.run(run())
+
+
+def test_redis_keeps_a_response_for_its_caller_under_a_hashed_key_until_it_expires(redis_url):
+    """In Redis a response is one key, its caller's name hashed in it (never the name itself), that
+    expires with --responses-store-ttl-s; one larger than --responses-store-max-bytes is not kept;
+    another caller neither sees nor deletes it."""
+    import redis
+
+    kept = ToKeep(({"type": "message", "id": "msg_1", "role": "user", "content": "x"},), "alice's key")
+    rid = f"resp_{uuid.uuid4().hex}"
+
+    async def run() -> tuple:
+        store = RedisStore.from_url(redis_url, 500, 0.5)
+        try:
+            await store.put({"id": rid, "output": []}, kept)
+            await store.put({"id": rid + "big", "output": [{"text": "y" * 600}]}, kept)
+            bobs = (await store.get(rid, "bob"), await store.delete(rid, "bob"))
+            seen = (await store.get(rid, "alice's key"), *bobs)
+            big = await store.get(rid + "big", "alice's key")
+            keys = [k.decode() for k in redis.Redis.from_url(redis_url).keys(f"*{rid}*")]
+            await asyncio.sleep(0.6)
+            return seen, big, keys, await store.get(rid, "alice's key")
+        finally:
+            await store.close()
+
+    (mine, bobs, bob_deleted), big, keys, expired = asyncio.run(run())
+    assert mine is not None and mine.conversation() == list(kept.input) and mine.owner == "alice's key"
+    assert bobs is None and not bob_deleted and big is None and expired is None
+    assert len(keys) == 1 and keys[0].startswith(KEY_PREFIX) and keys[0].endswith(":" + rid)
+    assert "alice" not in keys[0]
 
 
 def test_without_a_store_what_needs_one_is_refused_naming_the_flag():
@@ -141,15 +198,15 @@ def test_without_a_store_what_needs_one_is_refused_naming_the_flag():
     assert body["param"] == "store" and "--responses-store-max" in json.dumps(body)
 
 
-def test_a_response_cut_while_reasoning_is_continued():
+def test_a_response_cut_while_reasoning_is_continued(new_store):
     """A reasoning model cut by `max_output_tokens` while it thought answers an incomplete
     response whose output is a reasoning item alone; continuing it ("go on") by its id was a 400
     blaming the new input's first item, which the client cannot fix. Its turn is the assistant's,
     saying nothing, with that reasoning."""
-    model, store = _Scripted("<think>Let me think", finish=pb.FINISH_REASON_LENGTH), _store()
+    model = _Scripted("<think>Let me think", finish=pb.FINISH_REASON_LENGTH)
 
     async def run() -> Response:
-        async with openai_client_of(model, BASE, "none", "deepseek_r1", store=store) as client:
+        async with openai_client_of(model, BASE, "none", "deepseek_r1", store=new_store()) as client:
             cut = await client.responses.create(model=BASE, input="Hi", max_output_tokens=3)
             assert cut.status == "incomplete" and [o.type for o in cut.output] == ["reasoning"]
             return await client.responses.create(model=BASE, input="Go on.", previous_response_id=cut.id)
@@ -160,7 +217,7 @@ def test_a_response_cut_while_reasoning_is_continued():
     ]  # fmt: skip
 
 
-def test_input_items_are_the_sdks_typed_items():
+def test_input_items_are_the_sdks_typed_items(new_store):
     """Every input item listed has the `status` OpenAI populates on items it returns, which the
     SDKs' function_call and function_call_output items require (a typed client failed on them)."""
     call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
@@ -168,7 +225,7 @@ def test_input_items_are_the_sdks_typed_items():
                                                         "output": "4"}]  # fmt: skip
 
     async def run() -> dict:
-        async with openai_client_of(_Scripted("Hi."), BASE, store=_store()) as client:
+        async with openai_client_of(_Scripted("Hi."), BASE, store=new_store()) as client:
             answer = await client.responses.create(model=BASE, input=given)
             return (await client.responses.with_raw_response.input_items.list(answer.id)).http_response.json()
 
@@ -178,14 +235,14 @@ def test_input_items_are_the_sdks_typed_items():
     ]  # fmt: skip
 
 
-def test_an_item_the_conversation_has_already_is_refused():
+def test_an_item_the_conversation_has_already_is_refused(new_store):
     """A client that sends back the previous output along with its `previous_response_id` gave
     the model that turn twice (a function call was called twice); OpenAI refuses an item id the
     conversation already holds, and so does this."""
     model = _Scripted("Hi.")
 
     async def run() -> dict:
-        async with openai_client_of(model, BASE, store=_store()) as client:
+        async with openai_client_of(model, BASE, store=new_store()) as client:
             first = await client.responses.create(model=BASE, input="Hi")
             again = [
                 *[o.model_dump(exclude_none=True) for o in first.output],
@@ -199,10 +256,88 @@ def test_an_item_the_conversation_has_already_is_refused():
     assert body["param"] == "input" and "Duplicate item" in body["message"] and len(model.requests) == 1
 
 
-def test_a_response_too_large_to_keep_leaves_no_older_one_under_its_id():
+def test_a_response_too_large_to_keep_leaves_no_older_one_under_its_id(new_store):
     """A caller's x-request-id given again names a new response; one too large to keep left the
     older response under that id, which retrieve and `previous_response_id` then answered with."""
-    store, kept = ResponseStore(10, 500, 60.0), ToKeep((), "alice")
-    store.put({"id": "resp_x", "output": []}, kept)
-    store.put({"id": "resp_x", "output": [{"text": "y" * 600}]}, kept)
-    assert store.get("resp_x", "alice") is None and len(store) == 0 and store._bytes == 0
+    kept, rid = ToKeep((), "alice"), f"resp_{uuid.uuid4().hex}"
+
+    async def run() -> None:
+        store = new_store(max_bytes=500)
+        await store.put({"id": rid, "output": []}, kept)
+        await store.put({"id": rid, "output": [{"text": "y" * 600}]}, kept)
+        assert await store.get(rid, "alice") is None
+        if isinstance(store, ResponseStore):
+            assert len(store) == 0 and store._bytes == 0
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_two_replicas_sharing_redis_serve_each_others_responses_to_their_caller_only(redis_url):
+    """The Helm chart's two gateway replicas behind one Service: a response made through one is
+    continued, retrieved, listed and deleted through the other (each kept its own, and about half
+    the chained turns were 404s); another caller sees it through neither."""
+    model = _Scripted("It is sunny.")
+
+    def replica():
+        store = RedisStore.from_url(redis_url, 1 << 20, 60.0)
+        return openai_client_of(model, BASE, store=store, admit=_by_key)
+
+    async def run() -> tuple:
+        async with replica() as one, replica() as other:
+            first = await one.with_options(api_key="alice").responses.create(model=BASE, input="Weather?")
+            alice = other.with_options(api_key="alice").responses
+            bob = other.with_options(api_key="bob").responses
+            second = await alice.create(model=BASE, input="Tomorrow?", previous_response_id=first.id)
+            retrieved = await alice.retrieve(first.id)
+            listed = await alice.input_items.list(second.id, order="asc")
+            hidden = []
+            chained = {"model": BASE, "input": "Hi", "previous_response_id": first.id}
+            for call in (lambda: bob.retrieve(first.id), lambda: bob.delete(first.id),
+                         lambda: bob.create(**chained)):  # fmt: skip
+                with pytest.raises(openai.NotFoundError) as refused:
+                    await call()
+                hidden.append(refused.value.status_code)
+            await alice.delete(first.id)
+            with pytest.raises(openai.NotFoundError):
+                await one.with_options(api_key="alice").responses.retrieve(first.id)
+            return first, retrieved, listed, hidden
+
+    first, retrieved, listed, hidden = asyncio.run(run())
+    assert retrieved == first and hidden == [404, 404, 404]
+    assert _said(model.requests[1]) == [
+        ("user", "Weather?", ""), ("assistant", "It is sunny.", ""), ("user", "Tomorrow?", ""),
+    ]  # fmt: skip
+    assert [getattr(i, "role", None) for i in listed.data] == ["user", "assistant", "user"]
+
+
+def test_a_redis_that_does_not_answer_is_a_503_naming_it_and_answers_go_on(tmp_path, caplog):
+    """Redis gone: what needs a stored response is a 503 in OpenAI's shape naming the store and
+    its address (it was a 500 traceback), a response that cannot be stored is still answered
+    (logged), and the server goes on serving chats."""
+    model, hi = _Scripted("Hi."), [{"role": "user", "content": "Hi"}]
+
+    async def run(url: str, stop: Callable[[], None]) -> tuple:
+        async with openai_client_of(model, BASE, store=RedisStore.from_url(url, 1 << 20, 60.0)) as client:
+            api = client.responses
+            first = await api.create(model=BASE, input="Hi")
+            stop()
+            refused = []
+            chained = {"model": BASE, "input": "Hi", "previous_response_id": first.id}
+            for call in (lambda: api.retrieve(first.id), lambda: api.delete(first.id),
+                         lambda: api.input_items.list(first.id), lambda: api.create(**chained)):  # fmt: skip
+                with pytest.raises(openai.InternalServerError) as e:
+                    await call()
+                refused.append((e.value.status_code, e.value.body))
+            unstored = await api.create(model=BASE, input="Hi")
+            return refused, unstored, await client.chat.completions.create(model=BASE, messages=hi)
+
+    with caplog.at_level(logging.WARNING), contextlib.ExitStack() as redis_up:
+        url = redis_up.enter_context(redis_server(tmp_path))
+        refused, unstored, chat = asyncio.run(run(url, redis_up.close))
+    assert len(refused) == 4
+    for status, body in refused:
+        assert status == 503 and body["type"] == "service_unavailable_error" and body["code"] == "UNAVAILABLE"
+        assert f"response store (Redis at {url})" in body["message"] and "`store: false`" in body["message"]
+    assert unstored.status == "completed" and chat.choices[0].message.content == "Hi."
+    assert f"response {unstored.id} answered but not stored" in caplog.text

@@ -31,7 +31,7 @@ from model_service.pod.generation import GenerationService, PodStatusService
 from model_service.pod.state import ModelPod
 from spindle import flagtypes, serving, telemetry
 from spindle.errors import SpindleError
-from spindle.openai_api.responses_store import ResponseStore, store_of
+from spindle.openai_api.responses_store import Store, store_of
 from spindle.openai_api.server import OpenAIServer, add_http_args
 from spindle.security import PLAINTEXT, Security, add_security_args, security_from_args
 from spindle.v1 import generation_pb2_grpc, model_control_pb2_grpc, pod_status_pb2_grpc
@@ -156,7 +156,7 @@ async def start(
     reasoning_parser: str = "none",
     reasoning_key: bytes | None = None,
     send_timeout: float = 0.0,
-    responses_store: ResponseStore | None = None,
+    responses_store: Store | None = None,
 ) -> PodServers:
     """Register the pod's services on its two servers and start listening (NOT_SERVING until
     loaded), and on `http_port` the OpenAI-compatible API over the same Generation servicer

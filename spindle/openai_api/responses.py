@@ -55,10 +55,11 @@ class Format(ABC):
         token starts in the choice's text (`TextOffsets`), for a format that says so."""
         return self.choice(text, logprobs, final)
 
-    def parse_as(
+    async def parse_as(
         self, body: dict[str, Any], base_models: Collection[str], owner: str | None
     ) -> tuple[pb.GenerateRequest, Call]:
-        """`parse`, for the caller `owner` (the API key's name: whose stored responses it sees)."""
+        """`parse`, for the caller `owner` (the API key's name: whose stored responses it sees);
+        awaited, as the Responses API's reads a stored response (maybe in Redis)."""
         return self.parse(body, base_models)
 
     def reply(self, call: Call, request_id: str) -> Reply:
@@ -357,6 +358,11 @@ class Reply:
     def failure(self, error: ApiError) -> list[dict[str, Any]]:
         """What a stream that failed after its first byte says: the error JSON the SDKs raise from."""
         return [error.body()]
+
+    async def keep(self) -> None:
+        """What the answer leaves behind once it is whole (the Responses API's stored response),
+        awaited before the client reads the answer's end: a next turn sent at once, to any front
+        replica, finds it. Nothing for a chat or a completion."""
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.fmt.id_prefix + self.request_id, "object": obj, "created": self.created,

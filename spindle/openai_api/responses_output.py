@@ -28,7 +28,7 @@ from spindle.openai_api.fanout import Answer
 from spindle.openai_api.requests import Call
 from spindle.openai_api.responses import ChatFormat, Reply, total
 from spindle.openai_api.responses_input import chat_body, includes_reasoning_blobs
-from spindle.openai_api.responses_store import ResponseStore, ToKeep, input_items, not_found
+from spindle.openai_api.responses_store import Store, ToKeep, input_items, kept_or_logged, not_found
 from spindle.v1 import generation_pb2 as pb
 
 # item kind -> (id prefix, its text delta and done events); a function call streams its arguments
@@ -52,20 +52,30 @@ class ResponsesFormat(ChatFormat):
         tool_parser: str = "none",
         reasoning_parser: str = "none",
         reasoning_key: bytes | None = None,
-        store: ResponseStore | None = None,
+        store: Store | None = None,
     ) -> None:
         super().__init__(tool_parser, reasoning_parser)
         self.reasoning_key, self.store = reasoning_key, store
 
     def parse(self, body: dict[str, Any], base_models: Collection[str]) -> tuple[pb.GenerateRequest, Call]:
-        return self.parse_as(body, base_models, None)
+        """The request as without a store (`parse_as` looks its `previous_response_id` up)."""
+        return self._parsed(body, base_models, None, None)
 
-    def parse_as(
+    async def parse_as(
         self, body: dict[str, Any], base_models: Collection[str], owner: str | None
     ) -> tuple[pb.GenerateRequest, Call]:
         """The request, after the conversation of its `previous_response_id` (the caller
         `owner`'s); what is kept of its response unless it says `store: false`."""
-        earlier = self._earlier(body, owner)
+        return self._parsed(body, base_models, owner, await self._earlier(body, owner))
+
+    def _parsed(
+        self,
+        body: dict[str, Any],
+        base_models: Collection[str],
+        owner: str | None,
+        earlier: list[dict[str, Any]] | None,
+    ) -> tuple[pb.GenerateRequest, Call]:
+        """The request after `earlier`, the conversation it continues (None: no store)."""
         chat = chat_body(body, self.reasoning_key, earlier)
         req, call = requests.chat_request(chat, base_models, self.tool_parser, self.reasoning_parser)
         sealed = includes_reasoning_blobs(body.get("include"))
@@ -77,7 +87,7 @@ class ResponsesFormat(ChatFormat):
         said = restated(body, kept is not None)
         return req, replace(call, restated=said, sealed_reasoning=sealed, kept=kept)
 
-    def _earlier(self, body: dict[str, Any], owner: str | None) -> list[dict[str, Any]] | None:
+    async def _earlier(self, body: dict[str, Any], owner: str | None) -> list[dict[str, Any]] | None:
         """The conversation `previous_response_id` continues ([] for none; None: no store)."""
         if self.store is None:
             return None
@@ -86,7 +96,7 @@ class ResponsesFormat(ChatFormat):
             return []
         if not isinstance(previous, str):
             raise bad_request("`previous_response_id` must be a response's id", "previous_response_id")
-        stored = self.store.get(previous, owner)
+        stored = await self.store.get(previous, owner)
         if stored is None:
             raise not_found(previous, previous=True)
         return stored.conversation()
@@ -141,6 +151,7 @@ class ResponsesReply(Reply):
         self._open = False  # whether the last item still streams
         self._finish: str | None = None  # the chat finish reason, once it came
         self._failed: dict[str, str] | None = None  # the error a failed stream ended with
+        self._to_keep: dict[str, Any] | None = None  # the whole response, once its request wants it kept
 
     def opening(self) -> list[dict[str, Any]]:
         response = self._response("in_progress")
@@ -179,10 +190,14 @@ class ResponsesReply(Reply):
         return self._kept(self._response(self._status()))
 
     def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
-        """`response` (completed or incomplete), stored when its request asked for that."""
+        """`response` (completed or incomplete), to be stored by `keep` when its request asked."""
         if self.call.kept is not None and self.fmt.store is not None:
-            self.fmt.store.put(response, self.call.kept)
+            self._to_keep = response
         return response
+
+    async def keep(self) -> None:
+        if self._to_keep is not None:  # set only where the request asked and there is a store
+            await kept_or_logged(self.fmt.store, self._to_keep, self.call.kept)
 
     def _status(self) -> str:
         return "completed" if self._finish in ("stop", "tool_calls") else "incomplete"

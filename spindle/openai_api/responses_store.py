@@ -2,35 +2,53 @@
 `DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items` read.
 
 OpenAI stores a response unless the request says `store: false`, and clients (the Agents SDK,
-LangChain) chain turns by sending only the new input with the previous response's id. Kept here,
-in this front process's memory (as vLLM keeps them): each completed or incomplete response, the
-object as it was returned, with every input item the model was given (an earlier response's
-conversation included), so that the next turn's prompt is that conversation, that response's
-output and the new input, through the same chat path. Bounded by count and by bytes (the least
-recently used go first) and by age (`--responses-store-ttl-s`); a response is seen only by the
-caller (API key) that made it. Several front replicas each keep their own: a chained request
-must reach the same one (sticky sessions), or the client sends the whole conversation.
+LangChain) chain turns by sending only the new input with the previous response's id. Kept here:
+each completed or incomplete response, the object as it was returned, with every input item the
+model was given (an earlier response's conversation included), so that the next turn's prompt is
+that conversation, that response's output and the new input, through the same chat path. A
+response is seen only by the caller (API key) that made it, and kept `--responses-store-ttl-s`.
+
+Where, as `--responses-store-redis-url` says:
+- empty (the default): this front process's memory (as vLLM keeps them), bounded by count and by
+  bytes (the least recently used go first). Several front replicas each keep their own, so a
+  chained request must reach the same one (sticky sessions), or the client sends the whole
+  conversation: behind the Helm chart's two gateway replicas, half the chained turns were 404s.
+- a Redis URL (`RedisStore`; the chart's default when it runs Redis): shared by every replica, so a
+  turn may reach any of them. Each response is one key, `spindle:responses:<owner hash>:<id>`,
+  that expires with the TTL; `--responses-store-max-bytes` bounds one response (one larger is not
+  kept), and Redis's own `maxmemory` (with a `volatile-*` eviction policy, least recently used
+  first) bounds them all: `--responses-store-max` does not apply. Reaching Redis is awaited on
+  the event loop (redis-py's asyncio client, as the adapter service's registry: one client recipe,
+  spindle/redis_client.py). A Redis that does not answer is a 503 naming it for what needs a
+  stored response; a response that cannot be stored is still answered (logged).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
-from spindle import flagtypes
+from spindle import flagtypes, redis_client
+from spindle.errors import ConfigError
 from spindle.openai_api.errors import ApiError, bad_request
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX, DEFAULT_MAX_BYTES, DEFAULT_TTL_S = 10_000, 256 << 20, 3600.0
 OFF = (
     "responses are not stored here (--responses-store-max, --responses-store-max-bytes or "
     "--responses-store-ttl-s is 0)"
 )
+KEY_PREFIX = "spindle:responses:"
 _ID_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
 
 
@@ -43,49 +61,84 @@ class ToKeep:
     owner: str | None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Stored:
     """A kept response: the object as returned, the input items it answered, and for whom."""
 
     response: dict[str, Any]
     input: tuple[dict[str, Any], ...]
     owner: str | None
-    size: int  # bytes, as JSON
-    expires: float
 
     def conversation(self) -> list[dict[str, Any]]:
         """What a response continuing this one follows: its input, then its output."""
         return [*self.input, *self.response["output"]]
 
 
+class StoreUnavailable(ApiError):
+    """A 503: the store does not answer. Says which store, where, and what a client can do
+    meanwhile (a 500 with a traceback told the operator nothing)."""
+
+    def __init__(self, where: str, why: str) -> None:
+        message = (
+            f"the Responses API's response store ({where}) does not answer: {why}. Stored responses "
+            "(`previous_response_id`, /v1/responses/{id}) are out of reach until it does; meanwhile "
+            "send the whole conversation as `input` with `store: false`"
+        )
+        super().__init__(503, "service_unavailable_error", "UNAVAILABLE", message)
+
+
+class Store(Protocol):
+    """Where responses are kept: `ResponseStore` (this process) or `RedisStore` (shared). Any
+    call may raise StoreUnavailable."""
+
+    async def put(self, response: dict[str, Any], kept: ToKeep) -> None: ...
+
+    async def get(self, response_id: str, owner: str | None) -> Stored | None: ...
+
+    async def delete(self, response_id: str, owner: str | None) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+def encoded(response: dict[str, Any], kept: ToKeep) -> bytes:
+    """A response and its input as JSON: what Redis holds, and what the byte bounds count."""
+    return json.dumps([response, kept.input], ensure_ascii=False).encode()
+
+
+class _Entry(NamedTuple):
+    stored: Stored
+    size: int  # bytes, as JSON
+    expires: float
+
+
 class ResponseStore:
-    """Responses by id, at most `max_count` of them and `max_bytes` (as JSON) in all, each for
-    `ttl_s` seconds after it was stored; the least recently used go first."""
+    """Responses by id in this process, at most `max_count` of them and `max_bytes` (as JSON) in
+    all, each for `ttl_s` seconds after it was stored; the least recently used go first."""
 
     def __init__(
         self, max_count: int, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.max_count, self.max_bytes, self.ttl_s, self.clock = max_count, max_bytes, ttl_s, clock
-        self._entries: OrderedDict[tuple[str | None, str], Stored] = OrderedDict()  # by (owner, id)
+        self._entries: OrderedDict[tuple[str | None, str], _Entry] = OrderedDict()  # by (owner, id)
         self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict[str, Any], kept: ToKeep) -> None:
+    async def put(self, response: dict[str, Any], kept: ToKeep) -> None:
         """Keep `response`; the least recently used go until it fits (one larger than the whole
         budget is not kept)."""
-        self.delete(response["id"], kept.owner)  # an id a caller gave again (x-request-id): the new one
-        size = len(json.dumps([response, kept.input], ensure_ascii=False).encode())
+        await self.delete(response["id"], kept.owner)  # an id a caller gave again (x-request-id): the new one
+        size = len(encoded(response, kept))
         if size > self.max_bytes:
             return
-        entry = Stored(response, kept.input, kept.owner, size, self.clock() + self.ttl_s)
-        self._entries[kept.owner, response["id"]] = entry
+        stored = Stored(response, kept.input, kept.owner)
+        self._entries[kept.owner, response["id"]] = _Entry(stored, size, self.clock() + self.ttl_s)
         self._bytes += size
         while len(self._entries) > self.max_count or self._bytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
 
-    def get(self, response_id: str, owner: str | None) -> Stored | None:
+    async def get(self, response_id: str, owner: str | None) -> Stored | None:
         """The response `response_id` kept for `owner`, if it is there and not expired."""
         entry = self._entries.get((owner, response_id))
         if entry is None:
@@ -94,36 +147,111 @@ class ResponseStore:
             self._drop((owner, response_id))
             return None
         self._entries.move_to_end((owner, response_id))
-        return entry
+        return entry.stored
 
-    def delete(self, response_id: str, owner: str | None) -> bool:
+    async def delete(self, response_id: str, owner: str | None) -> bool:
         """Forget response `response_id` of `owner`; whether it was there."""
-        found = self.get(response_id, owner) is not None
+        found = await self.get(response_id, owner) is not None
         if found:
             self._drop((owner, response_id))
         return found
+
+    async def close(self) -> None:
+        """Nothing to let go of: the responses go with the process."""
 
     def _drop(self, key: tuple[str | None, str]) -> None:
         self._bytes -= self._entries.pop(key).size
 
 
+class RedisStore:
+    """Responses in Redis, shared by every front replica: one key a response, expiring `ttl_s`
+    after it was stored, none larger than `max_bytes` (the module's docstring: how the bounds map
+    onto Redis). `client`: a `redis.asyncio.Redis`; `where`: its address, as errors name it."""
+
+    def __init__(self, client: Any, where: str, max_bytes: int, ttl_s: float) -> None:
+        from redis.exceptions import RedisError  # only with a Redis: the gateway runs without it
+
+        self.r, self.where, self.max_bytes, self.ttl_ms = client, where, max_bytes, max(int(ttl_s * 1000), 1)
+        self._failures = (RedisError, OSError)
+
+    @classmethod
+    def from_url(cls, url: str, max_bytes: int, ttl_s: float) -> RedisStore:
+        """The store at `url`, its password there or in SPINDLE_REDIS_PASSWORD."""
+        client = redis_client.connect(url, redis_client.env_password())
+        return cls(client, f"Redis at {redis_client.address(url)}", max_bytes, ttl_s)
+
+    async def put(self, response: dict[str, Any], kept: ToKeep) -> None:
+        """Keep `response`; one larger than `max_bytes` is not kept, and forgets an older one of
+        the same id (an x-request-id given again), as the in-process store does."""
+        raw, key = encoded(response, kept), _key(kept.owner, response["id"])
+        async with self._answering():
+            if len(raw) > self.max_bytes:
+                await self.r.delete(key)
+            else:
+                await self.r.set(key, raw, px=self.ttl_ms)
+
+    async def get(self, response_id: str, owner: str | None) -> Stored | None:
+        """The response `response_id` kept for `owner`, if Redis still holds it."""
+        async with self._answering():
+            raw = await self.r.get(_key(owner, response_id))
+        if raw is None:
+            return None
+        response, items = json.loads(raw)
+        return Stored(response, tuple(items), owner)
+
+    async def delete(self, response_id: str, owner: str | None) -> bool:
+        """Forget response `response_id` of `owner`; whether it was there."""
+        async with self._answering():
+            return bool(await self.r.delete(_key(owner, response_id)))
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+    @contextlib.asynccontextmanager
+    async def _answering(self) -> AsyncIterator[None]:
+        """Redis's failures (refused, timed out, a wrong password) as StoreUnavailable."""
+        try:
+            yield
+        except self._failures as e:
+            raise StoreUnavailable(self.where, f"{type(e).__name__}: {e}") from e
+
+
+def _key(owner: str | None, response_id: str) -> str:
+    """The Redis key of `owner`'s response `response_id`: the owner (an API key's name) hashed,
+    so that no caller's name is readable from the keys nor can collide with another's."""
+    who = "-" if owner is None else hashlib.sha256(owner.encode()).hexdigest()[:32]
+    return f"{KEY_PREFIX}{who}:{response_id}"
+
+
+async def kept_or_logged(store: Store, response: dict[str, Any], kept: ToKeep) -> None:
+    """Store `response`, which its client gets anyway: a store that does not answer fails no
+    answer already produced, it is logged (the client finds it missing when it chains)."""
+    try:
+        await store.put(response, kept)
+    except StoreUnavailable as e:
+        log.warning("response %s answered but not stored: %s", response["id"], e.message)
+
+
 def add_store_args(parser: argparse.ArgumentParser | Any) -> None:
-    """`--responses-store-max`, `--responses-store-max-bytes` and `--responses-store-ttl-s`."""
+    """`--responses-store-max`, `--responses-store-max-bytes`, `--responses-store-ttl-s` and
+    `--responses-store-redis-url`."""
     count, size = flagtypes.at_least(0), flagtypes.at_least(0)
     parser.add_argument(
         "--responses-store-max",
         type=count,
         default=DEFAULT_MAX,
         help="how many Responses API responses this process keeps in memory for `previous_response_id` "
-        "and GET/DELETE /v1/responses/{id} (the least recently used go first); 0 = none is kept, "
-        f"`store: true` and `previous_response_id` are refused [{DEFAULT_MAX}]",
+        "and GET/DELETE /v1/responses/{id} (the least recently used go first; not with "
+        "--responses-store-redis-url); 0 = none is kept, `store: true` and `previous_response_id` are "
+        f"refused [{DEFAULT_MAX}]",
     )
     parser.add_argument(
         "--responses-store-max-bytes",
         type=size,
         default=DEFAULT_MAX_BYTES,
         help="the most bytes (as JSON, each response with its whole conversation) the kept responses take "
-        f"in all; 0 = none is kept [{DEFAULT_MAX_BYTES}]",
+        "in all (in Redis: one response; Redis's maxmemory bounds them all); 0 = none is kept "
+        f"[{DEFAULT_MAX_BYTES}]",
     )
     parser.add_argument(
         "--responses-store-ttl-s",
@@ -131,14 +259,32 @@ def add_store_args(parser: argparse.ArgumentParser | Any) -> None:
         default=DEFAULT_TTL_S,
         help=f"how long a kept response is kept, in seconds; 0 = none is kept [{DEFAULT_TTL_S:g}]",
     )
+    parser.add_argument(
+        "--responses-store-redis-url",
+        default="",
+        help="redis://HOST:PORT/DB (rediss:// for TLS): keep Responses API responses in this Redis, shared "
+        "by every gateway replica, so a chained turn may reach any of them (password: in the URL or "
+        "SPINDLE_REDIS_PASSWORD); empty = in this process's memory [empty]",
+    )
 
 
-def store_of(args: argparse.Namespace) -> ResponseStore | None:
+def store_of(args: argparse.Namespace) -> Store | None:
     """The store the flags ask for (None: responses are not kept)."""
     count = getattr(args, "responses_store_max", DEFAULT_MAX)
     size = getattr(args, "responses_store_max_bytes", DEFAULT_MAX_BYTES)
     ttl = getattr(args, "responses_store_ttl_s", DEFAULT_TTL_S)
-    return ResponseStore(count, size, ttl) if count and size and ttl else None
+    url = getattr(args, "responses_store_redis_url", "")
+    if not (count and size and ttl):
+        return None
+    if not url:
+        return ResponseStore(count, size, ttl)
+    try:
+        return RedisStore.from_url(url, size, ttl)
+    except ImportError as e:
+        why = f"--responses-store-redis-url needs redis-py: pip install 'spindle[gateway]' ({e})"
+        raise ConfigError(why) from e
+    except ValueError as e:  # a URL redis-py refuses (no scheme, a bad port)
+        raise ConfigError(f"--responses-store-redis-url: {e}") from e
 
 
 def input_items(given: Any) -> list[dict[str, Any]]:

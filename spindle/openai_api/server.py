@@ -3,13 +3,13 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (OpenAI's
 Responses API: a chat underneath; all three with `stream: true` as server-sent events), GET and
 DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items (the responses this process
-keeps: responses_store.py), GET /v1/models, GET /v1/models/{model}, and GET /health (200 while
-the process serves, 503 while it loads or drains: the readiness Kubernetes and the Gateway API
-Inference Extension probe). A request is handed to the process's own Generation servicer (the
-gateway's `GatewayService` or the pod's `GenerationService`) with an `HttpCallContext`, so it
-takes exactly the path a gRPC request takes. A client that disconnects cancels its handler
-(aiohttp's handler cancellation), which closes the servicer's stream: the pod aborts the
-request in the engine, the gateway cancels its call to the pod.
+keeps, or the replicas' Redis: responses_store.py), GET /v1/models, GET /v1/models/{model}, and
+GET /health (200 while the process serves, 503 while it loads or drains: the readiness Kubernetes
+and the Gateway API Inference Extension probe). A request is handed to the process's own
+Generation servicer (the gateway's `GatewayService` or the pod's `GenerationService`) with an
+`HttpCallContext`, so it takes exactly the path a gRPC request takes. A client that disconnects
+cancels its handler (aiohttp's handler cancellation), which closes the servicer's stream: the pod
+aborts the request in the engine, the gateway cancels its call to the pod.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from spindle.openai_api.context import HttpCallContext, Refused
 from spindle.openai_api.errors import ApiError, bad_request, from_status
 from spindle.openai_api.responses import ChatFormat, CompletionFormat, Format, Reply
 from spindle.openai_api.responses_output import ResponsesFormat
-from spindle.openai_api.responses_store import OFF, ResponseStore, Stored, add_store_args, not_found, page
+from spindle.openai_api.responses_store import OFF, Store, Stored, add_store_args, not_found, page
 from spindle.openai_api.tool_parsers import PARSERS
 from spindle.send_timeout import within
 from spindle.tls import PLAINTEXT, ServerSslContext, TlsConfig
@@ -124,7 +124,7 @@ class OpenAIServer:
     `reasoning_key` the --tool-call-parser, --reasoning-parser and --reasoning-key-file;
     `send_timeout` the --send-timeout (an event stream whose client reads nothing that long is
     closed, and its requests cancelled; 0: never); `store` where Responses API responses are
-    kept (None: none is);
+    kept (None: none is; closed with the server);
     `on_request`, when given, is told each request's method, route template and status (the
     gateway's metrics); `admit`, when given, sees each generation request's headers before its
     body is read, and refuses a caller by aborting (the gateway's API keys: a body of up to 64 MB
@@ -143,7 +143,7 @@ class OpenAIServer:
         on_request: Callable[[str, str, int], None] | None = None,
         admit: Callable[[HttpCallContext], Awaitable[object]] | None = None,
         send_timeout: float = 0.0,
-        store: ResponseStore | None = None,
+        store: Store | None = None,
     ) -> None:
         self.generation, self.base_models, self.ready, self.tracer = generation, base_models, ready, tracer
         self.admit, self.send_timeout, self.store = admit, send_timeout, store
@@ -181,12 +181,14 @@ class OpenAIServer:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.store is not None:
+            await self.store.close()
 
     async def _generate(self, request: web.Request, fmt: Format) -> web.StreamResponse:
         """One request, one generation or several (`n`, a list of prompts, `best_of`: fanout.py),
         each a `Generate` call with its own context (its own stream slot and x-request-id)."""
         owner = await self._owner(request)
-        template, call = fmt.parse_as(await _json_object(request), self.base_models(), owner)
+        template, call = await fmt.parse_as(await _json_object(request), self.base_models(), owner)
         # the caller's x-request-id is checked as gRPC's request_id is
         rid, parts = fanout.plan(template, call, request.headers.get("x-request-id", ""))
         contexts = [HttpCallContext(request.headers) for _ in parts]
@@ -204,7 +206,9 @@ class OpenAIServer:
             answers = [fanout.Answer(p.prompt) for p in parts]
             for k, message in [*early, *[m async for m in merged]]:
                 answers[k].messages.append(message)
-            return _json(reply.whole(fanout.chosen(answers, call), answers), headers=headers)
+            whole = reply.whole(fanout.chosen(answers, call), answers)
+            await reply.keep()
+            return _json(whole, headers=headers)
 
     async def _owner(self, request: web.Request) -> str | None:
         """The caller `admit` lets in (its API key's name: whose stored responses it sees), or a
@@ -216,7 +220,7 @@ class OpenAIServer:
     async def _stored(self, request: web.Request) -> Stored:
         """The stored response the path names, this caller's; else OpenAI's 404."""
         owner, response_id = await self._owner(request), request.match_info["response_id"]
-        stored = self.store.get(response_id, owner) if self.store is not None else None
+        stored = await self.store.get(response_id, owner) if self.store is not None else None
         if stored is None:
             raise not_found(response_id, why="" if self.store is not None else OFF)
         return stored
@@ -231,7 +235,7 @@ class OpenAIServer:
         """DELETE /v1/responses/{id} (`client.responses.delete`): forgotten."""
         stored = await self._stored(request)
         if self.store is not None:  # it is: the response was found there
-            self.store.delete(stored.response["id"], stored.owner)
+            await self.store.delete(stored.response["id"], stored.owner)
         return _json({"id": stored.response["id"], "object": "response", "deleted": True})
 
     async def _input_items(self, request: web.Request) -> web.Response:
@@ -333,7 +337,9 @@ async def _events(
             await send(reply.chunks(k, prompts[k], message))
         async for k, message in merged:
             await send(reply.chunks(k, prompts[k], message))
-        await send(reply.usage_chunks())
+        last = reply.usage_chunks()
+        await reply.keep()
+        await send(last)
     except Refused as e:
         await send(reply.failure(_failed(from_status(e.code, e.details, e.trailers))))
     except (ConnectionResetError, Unread):
