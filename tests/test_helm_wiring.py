@@ -54,9 +54,12 @@ def accepted_variables(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def read_by_code(name: str, variable: str) -> bool:
-    """A secret such as SPINDLE_REDIS_PASSWORD may be read from the environment, not as a flag."""
+    """A secret such as SPINDLE_REDIS_PASSWORD may be read from the environment, not as a flag:
+    by the service's package, or by the shared code every service builds on (spindle/: the
+    Redis client's password)."""
     package = Path(cli.command_parser(PARSERS[name])[0].__file__).parent
-    return any(variable in f.read_text() for f in package.rglob("*.py"))
+    shared = Path(envflags.__file__).parent
+    return any(variable in f.read_text() for p in (package, shared) for f in p.rglob("*.py"))
 
 
 # Variables naming a file that the parser itself reads (the file is in a Secret, not here): the
@@ -315,6 +318,27 @@ def test_addresses_reach_the_ports_they_mean(value_set):
     else:
         assert adapter_env["SPINDLE_REDIS_URL"] == VALUE_SETS[value_set]["redis"]["external"]["url"]
     assert "SPINDLE_REDIS_PASSWORD" in adapter_env
+    # the gateway's stored responses in the same Redis, shared by its replicas
+    assert gateway_env["SPINDLE_RESPONSES_STORE_REDIS_URL"] == adapter_env["SPINDLE_REDIS_URL"]
+    gateway, adapter = (main_container(deployed[n]) for n in ("gateway", "adapter-service"))
+    assert _env_entry(gateway, "SPINDLE_REDIS_PASSWORD") == _env_entry(adapter, "SPINDLE_REDIS_PASSWORD")
+
+
+def _env_entry(container: dict, name: str) -> dict:
+    (entry,) = [e for e in container["env"] if e["name"] == name]
+    return entry
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{"gateway": {"responsesStoreRedis": False}}, {"adapterService": {"enabled": False}}],
+    ids=["turned-off", "no-redis"],
+)
+def test_the_gateway_keeps_responses_in_its_memory_without_the_charts_redis(values, monkeypatch):
+    gateway = main_container(workloads(render(values))["gateway"])
+    env = container_env(gateway)
+    assert "SPINDLE_RESPONSES_STORE_REDIS_URL" not in env and "SPINDLE_REDIS_PASSWORD" not in env
+    assert parse_env("gateway", env, monkeypatch).responses_store_redis_url == ""
 
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
@@ -425,7 +449,7 @@ def test_network_policies_let_in_only_who_must(value_set):
     if adapter:
         assert allowed_sources(objects, "adapter-service", "grpc") == {"gateway", "model"}  # weight pulls
     if "redis" in deployed:
-        assert allowed_sources(objects, "redis", "redis") == {"adapter-service"}
+        assert allowed_sources(objects, "redis", "redis") == {"adapter-service", "gateway"}
     for name, workload in deployed.items():
         for port in main_container(workload)["ports"]:
             assert allowed_sources(objects, name, port["name"]), f"nobody may reach {name}:{port['name']}"

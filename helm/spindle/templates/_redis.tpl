@@ -15,6 +15,13 @@
 {{- end -}}
 {{- end -}}
 
+{{/* "true" when the gateway keeps Responses API responses in that Redis (the adapter service's:
+the chart has one only with it), else "". */}}
+{{- define "spindle.responsesInRedis" -}}
+{{- $r := .Values.redis -}}
+{{- if and .Values.gateway.responsesStoreRedis .Values.adapterService.enabled (or $r.enabled $r.external.url) -}}true{{- end -}}
+{{- end -}}
+
 {{- define "spindle.redisPasswordKey" -}}
 {{- if .Values.redis.enabled -}}redis-password{{- else -}}{{ .Values.redis.external.passwordKey }}{{- end -}}
 {{- end -}}
