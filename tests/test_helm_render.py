@@ -97,6 +97,7 @@ def test_lint_is_clean():
         ({"model": {"gpu": {"type": "h800"}}}, "/model/gpu/type", "must be one of"),
         ({"adapterService": {"s3": {"enabled": True}}}, "/adapterService/s3/bucket", "pattern"),
         ({"redis": {"enabled": False}}, "/redis/external/url", "minLength"),
+        ({"redis": {"maxmemory": "192M"}}, "/redis/maxmemory", "pattern"),
         ({"s3": {"auth": "irsa"}}, "/s3/irsaRoleArn", "pattern"),
         ({"model": {"source": {"type": "pvc"}}}, "/model/source/pvc/claimName", "minLength"),
         (

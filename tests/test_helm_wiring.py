@@ -341,6 +341,15 @@ def test_the_gateway_keeps_responses_in_its_memory_without_the_charts_redis(valu
     assert parse_env("gateway", env, monkeypatch).responses_store_redis_url == ""
 
 
+def test_the_charts_redis_evicts_stored_responses_before_its_memory_limit():
+    """The gateway's stored responses share the chart's Redis with the adapter registry: past
+    `redis.maxmemory` (below the container's limit) Redis evicts keys that expire, least recently
+    used first, where it would have grown until the container was killed, registry and all."""
+    redis = main_container(workloads(render({"redis": {"maxmemory": "100mb"}}))["redis"])
+    script = redis["command"][-1]
+    assert "--maxmemory 100mb --maxmemory-policy volatile-lru" in script, script
+
+
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
 def test_selectors_match_the_pods_they_mean(value_set):
     objects = render(VALUE_SETS[value_set])
