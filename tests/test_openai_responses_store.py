@@ -7,6 +7,7 @@ a Redis that does not answer is a 503 naming it, not a failed answer."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -19,11 +20,19 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseItemList
 
+from spindle.errors import ConfigError
 from spindle.openai_api.context import HttpCallContext
-from spindle.openai_api.responses_store import KEY_PREFIX, RedisStore, ResponseStore, ToKeep
+from spindle.openai_api.responses_store import (
+    KEY_PREFIX,
+    RedisStore,
+    ResponseStore,
+    ToKeep,
+    add_store_args,
+    store_of,
+)
 from spindle.v1 import generation_pb2 as pb
 from tests.adapter_helpers import redis_server
-from tests.service_helpers import openai_client_of
+from tests.service_helpers import free_port, openai_client_of
 from tests.test_openai_responses import BASE
 from tests.test_openai_responses import _Scripted as _Unnamed
 
@@ -341,3 +350,123 @@ def test_a_redis_that_does_not_answer_is_a_503_naming_it_and_answers_go_on(tmp_p
         assert f"response store (Redis at {url})" in body["message"] and "`store: false`" in body["message"]
     assert unstored.status == "completed" and chat.choices[0].message.content == "Hi."
     assert f"response {unstored.id} answered but not stored" in caplog.text
+
+
+class _MeetingAfterGets(RedisStore):
+    """A Redis store whose reads return only once `n` reads are in: two requests' reads both
+    land before either request's next command (as two replicas' requests may, at any time)."""
+
+    def __init__(self, *args, n: int = 2) -> None:
+        super().__init__(*args)
+        self.n, self.reads, self.met = n, 0, asyncio.Event()
+
+    async def get(self, response_id: str, owner: str | None):
+        found = await super().get(response_id, owner)
+        self.reads += 1
+        if self.reads >= self.n:
+            self.met.set()
+        await asyncio.wait_for(self.met.wait(), 5.0)
+        return found
+
+
+def test_of_two_deletes_of_one_response_only_one_is_told_it_deleted_it(redis_url):
+    """Two DELETEs of one response at once (two replicas, or one): one deletes it, the other is
+    OpenAI's 404 (each found it, then deleted it, and both were told `deleted: true`)."""
+    rid = f"resp_{uuid.uuid4().hex}"
+
+    async def run() -> list:
+        plain = RedisStore.from_url(redis_url, 1 << 20, 60.0)
+        await plain.put({"id": rid, "output": []}, ToKeep((), None))
+        await plain.close()
+        store = RedisStore.from_url(redis_url, 1 << 20, 60.0)
+        meeting = _MeetingAfterGets(store.r, store.where, store.max_bytes, 60.0)
+        async with openai_client_of(_Scripted("Hi."), BASE, store=meeting) as client:
+            deletes = [client.responses.delete(rid) for _ in range(2)]
+            return await asyncio.gather(*deletes, return_exceptions=True)
+
+    answers = asyncio.run(run())
+    assert sum(a is None for a in answers) == 1, answers
+    assert sum(isinstance(a, openai.NotFoundError) for a in answers) == 1, answers
+
+
+def test_a_ttl_redis_cannot_keep_is_refused_at_start_naming_the_flag(redis_url):
+    """`--responses-store-ttl-s inf` (a response kept for ever: right in memory) with a Redis URL
+    was an OverflowError traceback at start, and 1e20 a Redis refusal of every response stored."""
+    parser = argparse.ArgumentParser()
+    add_store_args(parser)
+    for ttl in ("inf", "1e20"):
+        args = parser.parse_args(["--responses-store-ttl-s", ttl, "--responses-store-redis-url", redis_url])
+        with pytest.raises(ConfigError, match="--responses-store-ttl-s"):
+            store_of(args)
+    memory = store_of(parser.parse_args(["--responses-store-ttl-s", "inf"]))
+    assert isinstance(memory, ResponseStore)
+
+
+def test_a_misconfigured_redis_is_reported_at_start_not_at_the_first_chained_turn(tmp_path, caplog):
+    """A Redis URL nobody listens on, a wrong password, a database Redis does not have and a
+    rediss:// URL of a Redis without TLS: the server starts (as the adapter service does, its Redis
+    may come up after it) and says at once, naming the store and the cause; nothing was said
+    until a client's chained turn was a 503."""
+    from opentelemetry.trace import get_tracer
+
+    from spindle.openai_api.server import OpenAIServer
+
+    async def started(url: str) -> None:
+        store = RedisStore.from_url(url, 1 << 20, 60.0)
+        tracer = get_tracer(__name__)
+        server = OpenAIServer(_Scripted("Hi."), lambda: (BASE,), lambda: True, tracer, store=store)
+        await server.start("127.0.0.1", 0)
+        await server.stop()
+
+    with redis_server(tmp_path) as url:
+        import redis
+
+        redis.Redis.from_url(url).config_set("requirepass", "sekret")
+        host = url.removeprefix("redis://").removesuffix("/0")
+        wrong = {
+            f"redis://127.0.0.1:{free_port()}/0": "ConnectionError",
+            f"redis://:wrong@{host}/0": "AuthenticationError",
+            f"redis://:sekret@{host}/99": "DB index is out of range",
+            f"rediss://:sekret@{host}/0": "does this Redis serve TLS?",
+        }
+        for bad, cause in wrong.items():
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                asyncio.run(started(bad))
+            assert "response store (Redis at " in caplog.text and cause in caplog.text, (bad, caplog.text)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            asyncio.run(started(f"redis://:sekret@{host}/0"))
+        assert caplog.text == ""
+
+
+def test_redis_at_maxmemory_evicts_older_responses_or_its_refusal_is_logged_as_one(tmp_path, caplog):
+    """The chart's Redis (volatile-lru) past its maxmemory: every response is answered and stored,
+    the oldest evicted. An operator's Redis with `noeviction`: a response Redis refuses is still
+    answered, and the log says Redis refused it and why (it said the store "does not answer",
+    sending the operator to the network for a Redis that was full)."""
+    import redis
+
+    model, said = _Scripted("Hi."), "x" * 20_000  # each response ~20 kB in Redis: 150 of them, 3 MB
+
+    async def run(url: str) -> tuple:
+        async with openai_client_of(model, BASE, store=RedisStore.from_url(url, 1 << 20, 60.0)) as client:
+            ids = [(await client.responses.create(model=BASE, input=said)).id for _ in range(150)]
+            found = []
+            for rid in (ids[0], ids[-1]):
+                with contextlib.suppress(openai.NotFoundError):
+                    found.append(await client.responses.retrieve(rid))
+            return ids, [r.id for r in found]
+
+    for policy in ("volatile-lru", "noeviction"):
+        with redis_server(tmp_path) as url, caplog.at_level(logging.WARNING):
+            redis.Redis.from_url(url).config_set("maxmemory-policy", policy)
+            redis.Redis.from_url(url).config_set("maxmemory", "3mb")
+            caplog.clear()
+            ids, found = asyncio.run(run(url))
+        if policy == "volatile-lru":
+            assert found == [ids[-1]] and "not stored" not in caplog.text  # the oldest evicted
+        else:
+            assert found == [ids[0]] and f"response {ids[-1]} answered but not stored" in caplog.text
+            assert "refuses it: OutOfMemoryError" in caplog.text and "volatile-lru" in caplog.text
+            assert "does not answer" not in caplog.text

@@ -26,6 +26,7 @@ Where, as `--responses-store-redis-url` says:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -49,6 +50,7 @@ OFF = (
     "--responses-store-ttl-s is 0)"
 )
 KEY_PREFIX = "spindle:responses:"
+MAX_REDIS_TTL_MS = 2**62  # what Redis's PX takes, with room for its clock (its limit: 2**63 - 1 - now)
 _ID_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
 
 
@@ -75,12 +77,15 @@ class Stored:
 
 
 class StoreUnavailable(ApiError):
-    """A 503: the store does not answer. Says which store, where, and what a client can do
-    meanwhile (a 500 with a traceback told the operator nothing)."""
+    """A 503: the store does not answer, or answers with a refusal (`refused`: a Redis out of
+    memory, a read-only replica, a wrong password). Says which store, where, which of the two (a
+    Redis that was full was reported as one that "does not answer", and sent its operator to the
+    network), and what a client can do meanwhile (a 500 with a traceback told the operator nothing)."""
 
-    def __init__(self, where: str, why: str) -> None:
+    def __init__(self, where: str, why: str, refused: bool = False) -> None:
+        state = "refuses it" if refused else "does not answer"
         message = (
-            f"the Responses API's response store ({where}) does not answer: {why}. Stored responses "
+            f"the Responses API's response store ({where}) {state}: {why}. Stored responses "
             "(`previous_response_id`, /v1/responses/{id}) are out of reach until it does; meanwhile "
             "send the whole conversation as `input` with `store: false`"
         )
@@ -98,6 +103,8 @@ class Store(Protocol):
     async def delete(self, response_id: str, owner: str | None) -> bool: ...
 
     async def close(self) -> None: ...
+
+    async def check(self, within: float) -> None: ...
 
 
 def encoded(response: dict[str, Any], kept: ToKeep) -> bytes:
@@ -159,6 +166,9 @@ class ResponseStore:
     async def close(self) -> None:
         """Nothing to let go of: the responses go with the process."""
 
+    async def check(self, within: float) -> None:
+        """Always there: this process's memory."""
+
     def _drop(self, key: tuple[str | None, str]) -> None:
         self._bytes -= self._entries.pop(key).size
 
@@ -169,10 +179,11 @@ class RedisStore:
     onto Redis). `client`: a `redis.asyncio.Redis`; `where`: its address, as errors name it."""
 
     def __init__(self, client: Any, where: str, max_bytes: int, ttl_s: float) -> None:
-        from redis.exceptions import RedisError  # only with a Redis: the gateway runs without it
+        # imported only with a Redis: the gateway runs without redis-py
+        from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
         self.r, self.where, self.max_bytes, self.ttl_ms = client, where, max_bytes, max(int(ttl_s * 1000), 1)
-        self._failures = (RedisError, OSError)
+        self._failures, self._refusals = (RedisError, OSError), (ResponseError, AuthenticationError)
 
     @classmethod
     def from_url(cls, url: str, max_bytes: int, ttl_s: float) -> RedisStore:
@@ -207,13 +218,43 @@ class RedisStore:
     async def close(self) -> None:
         await self.r.aclose()
 
+    async def check(self, within: float) -> None:
+        """Whether Redis answers within `within` s, at start: a wrong URL, password or database
+        was said only at a client's first chained turn, as a 503."""
+        async with self._answering():
+            try:
+                await asyncio.wait_for(self.r.ping(), within)
+            except asyncio.TimeoutError as e:
+                raise TimeoutError(f"no answer within {within:g} s") from e
+
     @contextlib.asynccontextmanager
     async def _answering(self) -> AsyncIterator[None]:
-        """Redis's failures (refused, timed out, a wrong password) as StoreUnavailable."""
+        """Redis's failures (unreachable, timed out, a refusal: out of memory, a wrong password) as
+        StoreUnavailable, with what an operator can do about the cause."""
         try:
             yield
         except self._failures as e:
-            raise StoreUnavailable(self.where, f"{type(e).__name__}: {e}") from e
+            refused = isinstance(e, self._refusals)
+            raise StoreUnavailable(self.where, _why(e, self.where), refused) from e
+
+
+_HINTS = {
+    "OutOfMemoryError": "Redis is at its maxmemory and its maxmemory-policy evicts nothing: give it "
+    "volatile-lru, as the Helm chart's Redis has, so that the least recently used responses go first",
+    "ReadOnlyError": "this Redis is a read-only replica: give the primary's URL",
+}
+
+
+def _why(e: BaseException, where: str) -> str:
+    """`e` as a message says it, with a hint where the error alone misleads (a rediss:// URL of a
+    Redis without TLS is a timeout: the server waits for a command, the client for a handshake)."""
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    hint = _HINTS.get(type(e).__name__)
+    if hint is None and isinstance(e, TimeoutError | RedisTimeoutError) and "rediss://" in where:
+        hint = "a rediss:// URL: does this Redis serve TLS? One without it never answers the TLS handshake"
+    said = f"{type(e).__name__}: {str(e).rstrip('.')}"
+    return f"{said} ({hint})" if hint else said
 
 
 def _key(owner: str | None, response_id: str) -> str:
@@ -278,6 +319,9 @@ def store_of(args: argparse.Namespace) -> Store | None:
         return None
     if not url:
         return ResponseStore(count, size, ttl)
+    if not ttl * 1000 <= MAX_REDIS_TTL_MS:  # inf was an OverflowError traceback, 1e20 every put refused
+        why = "in Redis a response must expire (at most 2**62 ms: a key that never expires is never evicted"
+        raise ConfigError(f"--responses-store-ttl-s: {why} under a volatile-* maxmemory-policy), got {ttl:g}")
     try:
         return RedisStore.from_url(url, size, ttl)
     except ImportError as e:

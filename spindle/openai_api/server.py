@@ -38,7 +38,15 @@ from spindle.openai_api.context import HttpCallContext, Refused
 from spindle.openai_api.errors import ApiError, bad_request, from_status
 from spindle.openai_api.responses import ChatFormat, CompletionFormat, Format, Reply
 from spindle.openai_api.responses_output import ResponsesFormat
-from spindle.openai_api.responses_store import OFF, Store, Stored, add_store_args, not_found, page
+from spindle.openai_api.responses_store import (
+    OFF,
+    Store,
+    Stored,
+    StoreUnavailable,
+    add_store_args,
+    not_found,
+    page,
+)
 from spindle.openai_api.tool_parsers import PARSERS
 from spindle.send_timeout import within
 from spindle.tls import PLAINTEXT, ServerSslContext, TlsConfig
@@ -46,6 +54,7 @@ from spindle.traced_streams import callers_context
 from spindle.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
+STORE_CHECK_S = 2.0  # the start-up check of the response store, as the adapter service's of its Redis
 
 MAX_BODY_BYTES = 64 << 20  # as the gRPC servers' largest message
 DEFAULT_PORT = 8000  # vLLM's, and what OpenAI-compatible clients and routers assume
@@ -176,7 +185,19 @@ class OpenAIServer:
         except OSError as e:
             await self._runner.cleanup()
             raise ListenError(f"cannot listen for HTTP on {host}:{port}: {listen_hint(e)}") from e
+        await self._check_store()
         return self._runner.addresses[0][1]
+
+    async def _check_store(self) -> None:
+        """Says at start whether the store answers (a wrong Redis URL, password or database was
+        seen only as a client's 503). A warning, not a refusal to start, as the adapter service
+        does with its Redis: it may come up after this process, and chats need no store."""
+        if self.store is None:
+            return
+        try:
+            await self.store.check(STORE_CHECK_S)
+        except StoreUnavailable as e:
+            log.warning("at start: %s", e.message)
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -232,10 +253,12 @@ class OpenAIServer:
         return _json((await self._stored(request)).response)
 
     async def _delete(self, request: web.Request) -> web.Response:
-        """DELETE /v1/responses/{id} (`client.responses.delete`): forgotten."""
+        """DELETE /v1/responses/{id} (`client.responses.delete`): forgotten. Of two deletes of one
+        response at once (found by both), the one that did not delete it is a 404, as OpenAI's."""
         stored = await self._stored(request)
-        if self.store is not None:  # it is: the response was found there
-            await self.store.delete(stored.response["id"], stored.owner)
+        gone = self.store is not None and await self.store.delete(stored.response["id"], stored.owner)
+        if not gone:
+            raise not_found(stored.response["id"])
         return _json({"id": stored.response["id"], "object": "response", "deleted": True})
 
     async def _input_items(self, request: web.Request) -> web.Response:
