@@ -350,6 +350,18 @@ def test_the_charts_redis_evicts_stored_responses_before_its_memory_limit():
     assert "--maxmemory 100mb --maxmemory-policy volatile-lru" in script, script
 
 
+def test_a_response_kept_in_the_charts_redis_is_capped_far_below_its_maxmemory(monkeypatch):
+    """One response larger than Redis' free memory had it evict every expiring key, the registry's
+    leases among them, and still refuse the write: the gateway's default cap (256 MB) was above
+    the chart's maxmemory (192mb). The chart now caps one response at 8 MiB; a cap given in
+    gateway.config wins."""
+    env = container_env(main_container(workloads(render({}))["gateway"]))
+    assert parse_env("gateway", env, monkeypatch).responses_store_max_bytes == 8 << 20
+    given = {"gateway": {"config": {"responses-store-max-bytes": 1000}}}
+    env = container_env(main_container(workloads(render(given))["gateway"]))
+    assert parse_env("gateway", env, monkeypatch).responses_store_max_bytes == 1000
+
+
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
 def test_selectors_match_the_pods_they_mean(value_set):
     objects = render(VALUE_SETS[value_set])

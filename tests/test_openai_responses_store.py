@@ -464,8 +464,9 @@ def test_redis_at_maxmemory_evicts_older_responses_or_its_refusal_is_logged_as_o
             redis.Redis.from_url(url).config_set("maxmemory", "3mb")
             caplog.clear()
             ids, found = asyncio.run(run(url))
-        if policy == "volatile-lru":
-            assert found == [ids[-1]] and "not stored" not in caplog.text  # the oldest evicted
+            kept = redis.Redis.from_url(url).dbsize()
+        if policy == "volatile-lru":  # older ones evicted (which: Redis samples, its LRU is approximate)
+            assert ids[-1] in found and kept < len(ids) and "not stored" not in caplog.text
         else:
             assert found == [ids[0]] and f"response {ids[-1]} answered but not stored" in caplog.text
             assert "refuses it: OutOfMemoryError" in caplog.text and "volatile-lru" in caplog.text
