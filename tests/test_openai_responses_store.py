@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
@@ -26,6 +27,7 @@ from spindle.openai_api.responses_store import (
     KEY_PREFIX,
     RedisStore,
     ResponseStore,
+    StoreUnavailable,
     ToKeep,
     add_store_args,
     store_of,
@@ -323,7 +325,7 @@ def test_two_replicas_sharing_redis_serve_each_others_responses_to_their_caller_
 def test_a_redis_that_does_not_answer_is_a_503_naming_it_and_answers_go_on(tmp_path, caplog):
     """Redis gone: what needs a stored response is a 503 in OpenAI's shape naming the store and
     its address (it was a 500 traceback), a response that cannot be stored is still answered
-    (logged), and the server goes on serving chats."""
+    (the outage logged once), and the server goes on serving chats."""
     model, hi = _Scripted("Hi."), [{"role": "user", "content": "Hi"}]
 
     async def run(url: str, stop: Callable[[], None]) -> tuple:
@@ -349,7 +351,9 @@ def test_a_redis_that_does_not_answer_is_a_503_naming_it_and_answers_go_on(tmp_p
         assert status == 503 and body["type"] == "service_unavailable_error" and body["code"] == "UNAVAILABLE"
         assert f"response store (Redis at {url})" in body["message"] and "`store: false`" in body["message"]
     assert unstored.status == "completed" and chat.choices[0].message.content == "Hi."
-    assert f"response {unstored.id} answered but not stored" in caplog.text
+    # One warning for the outage, not one a call: within `QUIET_S` of it the store is not asked.
+    assert caplog.text.count(f"response store (Redis at {url}) does not answer") == 1, caplog.text
+    assert f"response {unstored.id} answered but not stored" not in caplog.text
 
 
 class _MeetingAfterGets(RedisStore):
@@ -471,3 +475,38 @@ def test_redis_at_maxmemory_evicts_older_responses_or_its_refusal_is_logged_as_o
             assert found == [ids[0]] and f"response {ids[-1]} answered but not stored" in caplog.text
             assert "refuses it: OutOfMemoryError" in caplog.text and "volatile-lru" in caplog.text
             assert "does not answer" not in caplog.text
+
+
+def test_a_redis_that_hangs_is_not_asked_again_for_a_while(monkeypatch, caplog):
+    """A Redis that accepts connections and never answers (stopped, a network black hole) held
+    every Responses API answer for the commands' whole bound (~6 s; `store` is true by default)
+    and logged a warning each: after one call times out, the store now fails at once for
+    `QUIET_S`, logging that once, then asks Redis again."""
+    import time
+
+    from spindle import redis_client
+    from spindle.openai_api import responses_store
+
+    monkeypatch.setattr(responses_store, "QUIET_S", 0.5)
+
+    async def run(port: int) -> list[tuple[float, bool]]:
+        url = f"redis://127.0.0.1:{port}/0"
+        client = redis_client.connect(url, timeout=0.2, attempts=1)
+        store = RedisStore(client, f"Redis at {url}", 1 << 20, 60.0)
+        timed = []
+        for pause in (0, 0, 0, 0.6):
+            await asyncio.sleep(pause)
+            start = time.monotonic()
+            with pytest.raises(StoreUnavailable) as e:
+                await store.get("resp_x", None)
+            timed.append((time.monotonic() - start, e.value.logged))
+        await store.close()
+        return timed
+
+    with socket.create_server(("127.0.0.1", 0)) as silent, caplog.at_level(logging.WARNING):
+        silent.listen(16)  # connections are accepted by the kernel, never answered
+        timed = asyncio.run(run(silent.getsockname()[1]))
+    assert timed[0][0] >= 0.15 and all(t < 0.05 for t, _ in timed[1:3]), timed  # not asked again
+    assert timed[3][0] >= 0.15, timed  # asked again after QUIET_S
+    assert all(logged for _, logged in timed)
+    assert caplog.text.count("does not answer") == 2, caplog.text  # once an outage window

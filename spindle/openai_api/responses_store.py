@@ -50,6 +50,7 @@ OFF = (
     "--responses-store-ttl-s is 0)"
 )
 KEY_PREFIX = "spindle:responses:"
+QUIET_S = 5.0  # after Redis did not answer, how long calls fail at once (`RedisStore._answering`)
 MAX_REDIS_TTL_MS = 2**62  # what Redis's PX takes, with room for its clock (its limit: 2**63 - 1 - now)
 _ID_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
 
@@ -82,7 +83,8 @@ class StoreUnavailable(ApiError):
     Redis that was full was reported as one that "does not answer", and sent its operator to the
     network), and what a client can do meanwhile (a 500 with a traceback told the operator nothing)."""
 
-    def __init__(self, where: str, why: str, refused: bool = False) -> None:
+    def __init__(self, where: str, why: str, refused: bool = False, logged: bool = False) -> None:
+        self.logged = logged  # the store logged this outage already (`RedisStore._answering`)
         state = "refuses it" if refused else "does not answer"
         message = (
             f"the Responses API's response store ({where}) {state}: {why}. Stored responses "
@@ -184,6 +186,7 @@ class RedisStore:
 
         self.r, self.where, self.max_bytes, self.ttl_ms = client, where, max_bytes, max(int(ttl_s * 1000), 1)
         self._failures, self._refusals = (RedisError, OSError), (ResponseError, AuthenticationError)
+        self._quiet_until, self._last_failure = 0.0, ""  # the breaker (`_answering`)
 
     @classmethod
     def from_url(cls, url: str, max_bytes: int, ttl_s: float) -> RedisStore:
@@ -230,12 +233,28 @@ class RedisStore:
     @contextlib.asynccontextmanager
     async def _answering(self) -> AsyncIterator[None]:
         """Redis's failures (unreachable, timed out, a refusal: out of memory, a wrong password) as
-        StoreUnavailable, with what an operator can do about the cause."""
+        StoreUnavailable, with what an operator can do about the cause. A breaker: for `QUIET_S`
+        after Redis did not answer, calls fail at once rather than ask again. A hung Redis held
+        every Responses API answer (`store` is true by default) for the commands' bound, ~6 s,
+        and logged a warning for each."""
+        if time.monotonic() < self._quiet_until:
+            why = f"{self._last_failure}; not asked again for {QUIET_S:g} s after that"
+            raise StoreUnavailable(self.where, why, logged=True)
         try:
             yield
         except self._failures as e:
-            refused = isinstance(e, self._refusals)
-            raise StoreUnavailable(self.where, _why(e, self.where), refused) from e
+            why = _why(e, self.where)
+            if isinstance(e, self._refusals):  # a refusal comes at once: nothing to wait out
+                raise StoreUnavailable(self.where, why, refused=True) from e
+            self._quiet_until, self._last_failure = time.monotonic() + QUIET_S, why
+            log.warning(
+                "the Responses API's response store (%s) does not answer: %s; for %g s every call to "
+                "it fails at once (stored responses out of reach, new ones not kept)",
+                self.where,
+                why,
+                QUIET_S,
+            )
+            raise StoreUnavailable(self.where, why, logged=True) from e
 
 
 _HINTS = {
@@ -270,7 +289,8 @@ async def kept_or_logged(store: Store, response: dict[str, Any], kept: ToKeep) -
     try:
         await store.put(response, kept)
     except StoreUnavailable as e:
-        log.warning("response %s answered but not stored: %s", response["id"], e.message)
+        level = logging.DEBUG if e.logged else logging.WARNING  # a warning an outage, not a response
+        log.log(level, "response %s answered but not stored: %s", response["id"], e.message)
 
 
 def add_store_args(parser: argparse.ArgumentParser | Any) -> None:

@@ -197,7 +197,8 @@ class OpenAIServer:
         try:
             await self.store.check(STORE_CHECK_S)
         except StoreUnavailable as e:
-            log.warning("at start: %s", e.message)
+            if not e.logged:  # an outage the store logged itself (its breaker)
+                log.warning("at start: %s", e.message)
 
     async def stop(self) -> None:
         if self._runner is not None:
