@@ -227,13 +227,19 @@ def test_out_of_range_engine_flags_are_refused_naming_the_flag(capsys, monkeypat
         asyncio.run(server.serve(args))
 
 
-def test_a_pod_that_cannot_load_its_model_says_why_in_one_line(caplog):
+def test_a_pod_that_cannot_load_its_model_says_why_in_one_line(caplog, monkeypatch):
     """`spindle serve --model /no/such/dir` logged the ModelLoadError with its whole traceback; the
-    message alone says what to fix. The pod still exits 1 (Kubernetes restarts it)."""
+    message alone says what to fix. The pod still exits 1 (Kubernetes restarts it), its exit
+    bounded as the gateway's and the adapter service's are (`serving.exit_if_stuck`: the pod had
+    none, so a stuck exit waited for Kubernetes' SIGKILL and left no trace)."""
     import asyncio
     import logging
 
     from model_service.pod import server
+    from spindle import serving
+
+    bounds = []
+    monkeypatch.setattr(serving, "exit_if_stuck", lambda seconds, what: bounds.append((seconds, what)))
 
     args = command_parser("serve")[1].parse_args(
         ["--model", "/no/such/model", "--host", "127.0.0.1", "--port", "0", "--control-port", "0",
@@ -243,6 +249,7 @@ def test_a_pod_that_cannot_load_its_model_says_why_in_one_line(caplog):
         assert asyncio.run(server.serve(args)) == 1
     (record,) = [r for r in caplog.records if "could not load the model" in r.getMessage()]
     assert "neither a known alias" in record.getMessage() and record.exc_info is None
+    assert bounds == [(args.drain_timeout + 10.0, "the model pod")]
 
 
 def test_a_requests_file_or_device_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypatch):

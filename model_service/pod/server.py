@@ -248,6 +248,8 @@ async def serve(args: argparse.Namespace) -> int:
     loading = asyncio.create_task(pod.load(lambda: warmed_engine(config)))
     loading.add_done_callback(lambda t: _load_done(t, pod))
     await pod.exit_requested.wait()
+    # Within Kubernetes' grace (drain + 15 s in the chart): a stuck exit says where it waits.
+    serving.exit_if_stuck(args.drain_timeout + 10.0, "the model pod")
     if loading.done() and not loading.cancelled() and loading.exception() is None:
         await pod.drain()
     await servers.stop(grace=1.0)
