@@ -584,7 +584,7 @@ def _advertise(args: argparse.Namespace, port: int) -> str:
     if args.advertise_address:
         return args.advertise_address
     host = args.host if args.host not in ("", "0.0.0.0", "::") else socket.gethostbyname(socket.gethostname())
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return serving.host_port(host, port)
 
 
 def _backends(args: argparse.Namespace, bounds: deadlines.Bounds) -> tuple[Store, Registry]:

@@ -30,6 +30,7 @@ from spindle.client import TARGET_SCHEMES
 from spindle.coalesce import Coalesced
 from spindle.errors import ConfigError
 from spindle.security import PLAINTEXT, Security
+from spindle.serving import host_port
 from spindle.v1 import generation_pb2, generation_pb2_grpc, pod_status_pb2, pod_status_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ def dns_discovery(target: str) -> Callable[[], Awaitable[list[str]]]:
 
     async def discover() -> list[str]:
         infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        return sorted({f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos})
+        return sorted({host_port(i[4][0], port) for i in infos})
 
     return discover
 

@@ -40,7 +40,7 @@ from spindle.errors import SpindleError
 from spindle.openai_api import reasoning_parsers
 from spindle.openai_api.tool_parsers import PARSERS
 from spindle.peft import lora_specs
-from spindle.serving import bind_refusal, served_model_name
+from spindle.serving import bind_refusal, host_port, served_model_name, socket_family
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -143,7 +143,7 @@ def _pick_free_ports(args: argparse.Namespace) -> None:
     try:
         for name in _INTERNAL_PORTS:
             if getattr(args, name) is None or (name in _ZERO_IS_ANY and getattr(args, name) == 0):
-                sock = socket.socket()
+                sock = socket.socket(socket_family(args.host))  # `--host ::1` was a gaierror traceback
                 sock.bind((args.host, 0))
                 held.append(sock)
                 setattr(args, name, sock.getsockname()[1])
@@ -207,15 +207,16 @@ def _commands(args: argparse.Namespace, token_file: str) -> list[list[str]]:
     ]  # fmt: skip
     service_cmd = [
         *me, "adapter-service", "--host", args.host, "--port", str(args.adapter_port),
-        "--pods", f"{args.host}:{args.pod_control_port}", "--base-model", args.model, "--metrics-port", "0",
-        "--log-level", args.log_level, *(["--storage-dir", args.storage_dir] if args.storage_dir else []),
+        "--pods", host_port(args.host, args.pod_control_port), "--base-model", args.model,
+        "--metrics-port", "0", "--log-level", args.log_level,
+        *(["--storage-dir", args.storage_dir] if args.storage_dir else []),
     ]  # fmt: skip
     gateway_cmd = [
         *me, "gateway", "--host", args.host, "--port", str(args.gateway_port),
-        "--http-port", str(args.http_port), "--pods", f"{args.host}:{args.pod_port}",
+        "--http-port", str(args.http_port), "--pods", host_port(args.host, args.pod_port),
         "--tool-call-parser", args.tool_call_parser, "--reasoning-parser", args.reasoning_parser,
         "--allow-unauthenticated", "--health-interval", "0.5",
-        "--adapter-service", f"{args.host}:{args.adapter_port}", "--log-level", args.log_level,
+        "--adapter-service", host_port(args.host, args.adapter_port), "--log-level", args.log_level,
     ]  # fmt: skip
     return [[*cmd, "--control-token-file", token_file] for cmd in (pod_cmd, service_cmd, gateway_cmd)]
 
@@ -239,18 +240,19 @@ def _answer(gateway: str, args: argparse.Namespace) -> None:
 
 def _try_it(args: argparse.Namespace, gateway: str, service: str) -> str:
     """Where everything listens, and commands that work against it as they are."""
-    pod = f"{args.host}:{args.pod_port}"
+    pod, control = host_port(args.host, args.pod_port), host_port(args.host, args.pod_control_port)
+    http = f"http://{host_port(args.host, args.http_port)}/v1"
     lines = [
         f"\nServing: gateway {gateway} (gRPC)"
-        + (f" and http://{args.host}:{args.http_port}/v1 (OpenAI-compatible HTTP)" if args.http_port else ""),
-        f"  model pod {pod} (ModelControl {args.host}:{args.pod_control_port}, HTTP {args.pod_http_port}, "
+        + (f" and {http} (OpenAI-compatible HTTP)" if args.http_port else ""),
+        f"  model pod {pod} (ModelControl {control}, HTTP {args.pod_http_port}, "
         f"metrics {args.metrics_port or 'off'}); adapter service {service}",
         "Try:",
         f'  spindle chat --gateway {gateway} "Tell me a joke."',
     ]
     if args.http_port:
         model = args.lora[0].partition("=")[0] if args.lora else served_model_name(args.model)
-        base_url = f"http://{args.host}:{args.http_port}/v1"
+        base_url = http
         body = {
             "model": model,
             "messages": [{"role": "user", "content": "Tell me a joke."}],
@@ -284,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     token_file = _service_token_file()
     children = start_children(_commands(args, token_file))
-    gateway, service = f"{args.host}:{args.gateway_port}", f"{args.host}:{args.adapter_port}"
+    gateway, service = host_port(args.host, args.gateway_port), host_port(args.host, args.adapter_port)
     try:
         for target in (gateway, service):
             if not _wait_serving(target, children, stop, args.startup_timeout):

@@ -103,10 +103,15 @@ def make_server(interceptors: Iterable[Any] = (), send_timeout: float = 0.0) -> 
     )
 
 
+def host_port(host: str, port: int | str) -> str:
+    """HOST:PORT as gRPC targets and URLs want it: an IPv6 host in brackets ([::1]:50051)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig = PLAINTEXT) -> int:
     """Listen on host:port (port 0 = any free one), with TLS when `tls` has a certificate; returns
     the port, or raises with a clear message."""
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = host_port(host, port)
     try:
         if tls.serves_tls:
             bound = server.add_secure_port(address, server_credentials(tls))
@@ -129,11 +134,15 @@ def why_not_listen(host: str, port: int) -> str:
     return listen_hint(refusal)
 
 
+def socket_family(host: str) -> socket.AddressFamily:
+    """The family a plain socket needs to bind `host` (an IPv6 literal has colons)."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def bind_refusal(host: str, port: int) -> OSError | None:
     """Why a plain socket bound as the servers bind (SO_REUSEADDR) cannot take host:port, or None
     when it can: in use, another machine's address, a name that does not resolve."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
+    with socket.socket(socket_family(host)) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))

@@ -220,6 +220,24 @@ def test_up_reads_port_0_as_any_free_port_where_0_means_nothing_else():
     assert args.pod_http_port == 0 and args.metrics_port == 0
 
 
+def test_up_on_an_ipv6_host_picks_its_ports_and_wires_bracketed_addresses():
+    """`spindle up --host ::1` was a gaierror traceback (its free ports were picked on an IPv4
+    socket), and the services were wired to "::1:PORT", which is no gRPC target."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    _, parser = command_parser("up")
+    args = parser.parse_args(["--host", "::1", "--gateway-port", "1", "--http-port", "2"])
+    local._pick_free_ports(args)
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", args.pod_port))
+    _, service, gateway = local._commands(args, "token")
+    assert service[service.index("--pods") + 1] == f"[::1]:{args.pod_control_port}"
+    assert gateway[gateway.index("--pods") + 1] == f"[::1]:{args.pod_port}"
+    assert gateway[gateway.index("--adapter-service") + 1] == f"[::1]:{args.adapter_port}"
+    text = local._try_it(args, "[::1]:1", f"[::1]:{args.adapter_port}")
+    assert "http://[::1]:2/v1/chat/completions" in text and f"model pod [::1]:{args.pod_port}" in text
+
+
 def test_up_prints_commands_naming_the_model_as_the_pod_serves_it():
     """`spindle up --model /models/llama` printed a curl line and an SDK snippet with
     `"model": "/models/llama"`, which the gateway answers 404 (the pod serves it as `llama`)."""
