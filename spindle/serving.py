@@ -108,6 +108,30 @@ def host_port(host: str, port: int | str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+# --host values meaning every address. gRPC takes 0.0.0.0 and [::] alike as every address of both
+# families (one dual-stack socket, IPv4 alone where the host has no IPv6); the plain-socket servers
+# (HTTP API, /metrics) take them the same way through listen_address.
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def listen_address(host: str, port: int) -> tuple[socket.AddressFamily, str]:
+    """The family and address a plain socket binds for `--host host`. The wildcard is "::" on a
+    dual-stack socket (see listening_socket), as gRPC binds it: 0.0.0.0 taken literally was IPv4
+    alone, and on an IPv6 single-stack cluster the HTTP API, its httpGet readiness probe and
+    /metrics were refused while the gRPC ports of the same --host answered."""
+    if host in WILDCARD_HOSTS:
+        return (socket.AF_INET6, "::") if socket.has_dualstack_ipv6() else (socket.AF_INET, "0.0.0.0")
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0], host
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port (SO_REUSEADDR), the wildcard one socket for both
+    families (IPV6_V6ONLY off, whatever net.ipv6.bindv6only says): the same port on each."""
+    family, address = listen_address(host, port)
+    dual = family == socket.AF_INET6 and address == "::" and host in WILDCARD_HOSTS
+    return socket.create_server((address, port), family=family, dualstack_ipv6=dual)
+
+
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig = PLAINTEXT) -> int:
     """Listen on host:port (port 0 = any free one), with TLS when `tls` has a certificate; returns
     the port, or raises with a clear message."""
@@ -161,17 +185,20 @@ def serve_metrics(host: str, port: int, registry: Any = None) -> Any:
     from prometheus_client.exposition import ThreadingWSGIServer
 
     class Server(ThreadingWSGIServer):
-        pass
+        def server_bind(self) -> None:
+            if self.address_family == socket.AF_INET6 and host in WILDCARD_HOSTS:  # both families
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            super().server_bind()
 
     class Quiet(WSGIRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:  # a scrape every few seconds
             pass
 
-    try:  # IPv4 or IPv6, as `host` is
-        Server.address_family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
-        server = make_server(host, port, _text_format(make_wsgi_app(registry or REGISTRY)), Server, Quiet)
+    try:  # IPv4 or IPv6, as `host` is; the wildcard both
+        Server.address_family, address = listen_address(host, port)
+        server = make_server(address, port, _text_format(make_wsgi_app(registry or REGISTRY)), Server, Quiet)
     except OSError as e:
-        raise ListenError(f"cannot serve /metrics on {host}:{port}: {e.strerror}") from e
+        raise ListenError(f"cannot serve /metrics on {host_port(host, port)}: {e.strerror}") from e
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
 

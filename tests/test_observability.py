@@ -584,3 +584,26 @@ def test_a_prometheus_scrape_keeps_the_vllm_metric_names():
     samples = _strictly_parsed(text)
     assert _value(samples, "vllm:time_to_first_token_seconds_count") == 1
     assert not [line for line in text.splitlines() if line.startswith("vllm_")]
+
+
+def test_metrics_on_the_wildcard_host_are_scraped_over_ipv6_and_ipv4():
+    """/metrics on the default --host 0.0.0.0 listened on IPv4 alone: on an IPv6 single-stack
+    cluster Prometheus (and KEDA's Prometheus trigger) could not scrape any service, whose gRPC
+    ports, bound to the same 0.0.0.0, answered over IPv6. The wildcard is now both families."""
+    import socket
+    import urllib.request
+
+    from model_service.pod.metrics import PodMetrics
+
+    if not socket.has_dualstack_ipv6():
+        import pytest
+
+        pytest.skip("no dual-stack IPv6 here")
+    metrics = PodMetrics("m", lambda: None)
+    port = metrics.serve("0.0.0.0", 0)
+    try:
+        for url in (f"http://[::1]:{port}/metrics", f"http://127.0.0.1:{port}/metrics"):
+            with urllib.request.urlopen(url, timeout=5) as r:
+                assert b"vllm:" in r.read(), url
+    finally:
+        metrics.stop()

@@ -607,3 +607,45 @@ def test_a_chat_without_max_tokens_runs_to_the_context():
     assert req.max_tokens == 2**31 - 1
     req, _ = http_completion_request({"prompt": "Hi"}, {BASE})  # the engine's 256 (OpenAI's: 16)
     assert not req.HasField("max_tokens")
+
+
+def _answers_on(family: int, host: str, port: int) -> bool:
+    """Whether an HTTP GET /health over `family` to host:port is answered."""
+    import socket
+
+    with socket.socket(family) as sock:
+        sock.settimeout(5)
+        try:
+            sock.connect((host, port))
+        except OSError:
+            return False
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        return sock.recv(12).startswith(b"HTTP/1.1")
+
+
+def test_http_api_on_the_wildcard_host_answers_over_ipv6_and_ipv4():
+    """The default --host 0.0.0.0 bound the HTTP API to IPv4 alone (gRPC takes 0.0.0.0 as every
+    address of both families): on an IPv6 single-stack cluster the gateway's OpenAI API, and its
+    httpGet /health readiness probe (kubelet dials the pod's IPv6 address), were refused while its
+    gRPC port answered, so the gateway never became Ready."""
+    import socket
+
+    from opentelemetry.trace import get_tracer
+
+    from spindle.openai_api.server import OpenAIServer
+
+    if not socket.has_dualstack_ipv6():
+        pytest.skip("no dual-stack IPv6 here")
+
+    async def go() -> tuple[bool, bool]:
+        server = OpenAIServer(object(), lambda: ("m",), lambda: True, get_tracer(__name__))
+        port = await server.start("0.0.0.0", 0)
+        try:
+            return await asyncio.gather(
+                asyncio.to_thread(_answers_on, socket.AF_INET6, "::1", port),
+                asyncio.to_thread(_answers_on, socket.AF_INET, "127.0.0.1", port),
+            )
+        finally:
+            await server.stop()
+
+    assert asyncio.run(go()) == [True, True]

@@ -30,7 +30,7 @@ from aiohttp import web
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from spindle import flagtypes, telemetry
+from spindle import flagtypes, serving, telemetry
 from spindle.errors import ListenError, listen_hint
 from spindle.grpc_status import internal_error
 from spindle.openai_api import fanout, reasoning_parsers, responses
@@ -179,12 +179,17 @@ class OpenAIServer:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         ssl_context = ServerSslContext(tls).listening if tls.serves_tls else None
-        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
         try:
+            if host in serving.WILDCARD_HOSTS:  # both families, as gRPC's ports: serving.listen_address
+                sock = serving.listening_socket(host, port)
+                site: web.BaseSite = web.SockSite(self._runner, sock, ssl_context=ssl_context)
+            else:
+                site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
             await site.start()
         except OSError as e:
             await self._runner.cleanup()
-            raise ListenError(f"cannot listen for HTTP on {host}:{port}: {listen_hint(e)}") from e
+            where = serving.host_port(host, port)
+            raise ListenError(f"cannot listen for HTTP on {where}: {listen_hint(e)}") from e
         await self._check_store()
         return self._runner.addresses[0][1]
 
