@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.router import Candidate
+from spindle import flagtypes
 from spindle.client import TARGET_SCHEMES
 from spindle.coalesce import Coalesced
 from spindle.errors import ConfigError
@@ -164,11 +165,13 @@ def check_target(target: str, flag: str) -> None:
 
 
 def _split_host_port(address: str, flag: str) -> tuple[str, int]:
-    """HOST and PORT of `address` (an IPv6 host in brackets), or ConfigError naming `flag`."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{flag} wants HOST:PORT, got {address!r}")
-    return host, int(port)
+    """HOST (an IPv6 one without its brackets, as a resolver wants it) and PORT of `address`, or
+    ConfigError naming `flag`: flagtypes.host_and_port."""
+    try:
+        return flagtypes.host_and_port(address)
+    except ValueError as e:
+        hint = "an IPv6 host in brackets: [::1]:PORT"
+        raise ConfigError(f"{flag} wants HOST:PORT ({hint}), got {address!r}") from e
 
 
 class PodPool:

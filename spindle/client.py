@@ -36,9 +36,10 @@ def gateway_target(value: str) -> str:
             f"{value!r} is a URL; give the gateway's gRPC HOST:PORT (e.g. {DEFAULT_GATEWAY}), "
             "not its HTTP address"
         )
-    host, _, port = value.rpartition(":")
-    if not host or host.endswith(":") or not port.isdigit():  # "::1" is an IPv6 address: "[::1]:PORT"
-        raise argparse.ArgumentTypeError(f"{value!r} has no port; give HOST:PORT (e.g. {DEFAULT_GATEWAY})")
+    try:
+        flagtypes.host_and_port(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e}; give HOST:PORT (e.g. {DEFAULT_GATEWAY})") from e
     return value
 
 

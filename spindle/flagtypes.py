@@ -18,6 +18,19 @@ def port(value: str) -> int:
     return n
 
 
+def host_and_port(address: str) -> tuple[str, int]:
+    """HOST and PORT of a gRPC HOST:PORT target, an IPv6 host's brackets taken off (a resolver
+    wants "::1", not "[::1]"); ValueError saying what is wrong. gRPC reads an IPv6 address out of
+    brackets ("::1:50051", "fd00::5") as one on port 443: taken, it was dialled and never reached."""
+    host, _, port = address.rpartition(":")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"{address!r} has no port, or an IPv6 host out of brackets: give [::1]:PORT")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} has no port")
+    return host, int(port)
+
+
 def at_least(least: int, most: int | None = None) -> Callable[[str], int]:
     """An integer of at least `least` (a count: attempts, replicas, failures in a row), and at most
     `most` where the value goes into a request's field of that size."""

@@ -21,6 +21,9 @@ from spindle.v1 import generation_pb2 as pb
         (["chat", "--gateway", "127.0.0.1", "hi"], "has no port"),  # gRPC dialled :443
         (["chat", "--gateway", "http://127.0.0.1:8000", "hi"], "not its HTTP address"),
         (["models", "--gateway", "::1"], "has no port"),
+        # gRPC reads an unbracketed IPv6 target as an address on port 443: dialled, never reached
+        (["models", "--gateway", "::1:50051"], "[::1]:PORT"),
+        (["chat", "--gateway", "fd00::5", "hi"], "[::1]:PORT"),
         (["adapters", "list", "--gateway", "gateway.local"], "has no port"),
         (["chat", "--timeout", "0", "hi"], "--timeout: must be more than 0 seconds"),
         (["adapters", "--timeout", "-1", "list"], "--timeout: must be more than 0 seconds"),

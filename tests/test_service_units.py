@@ -347,6 +347,30 @@ def test_dns_discovery_turns_every_address_into_a_pod():
         dns_discovery("no-port")
 
 
+@pytest.mark.parametrize("address", ["::1:50052", "fd00::5", "fd00:10:244::7:50051"])
+def test_an_unbracketed_ipv6_address_is_refused_as_no_host_port(address):
+    """`--pods ::1:50052` (or `fd00::5`) was taken as host "::1" port 50052, but gRPC reads an
+    unbracketed IPv6 target as an address on port 443: the gateway and the adapter service
+    health-checked a pod they could never reach, forever. The message says to bracket it."""
+    from gateway.pods import check_target, static_discovery
+
+    with pytest.raises(ValueError, match=r"in brackets: \[::1\]:PORT"):
+        static_discovery([address])
+    with pytest.raises(ValueError, match="--advertise-address"):
+        check_target(address, "--advertise-address")
+    static_discovery(["[::1]:50052", "[fd00:10:244::7]:50051", "pod-0.pods:50051"])
+
+
+def test_dns_discovery_of_a_bracketed_ipv6_literal_finds_its_pod():
+    """`--pods-dns [::1]:50052` asked the resolver for the name "[::1]", which none resolves: the
+    pool stayed empty and each discovery logged a failure."""
+    import asyncio
+
+    from gateway.pods import dns_discovery
+
+    assert asyncio.run(dns_discovery("[::1]:50052")()) == ["[::1]:50052"]
+
+
 def test_the_gateway_client_and_dispatcher_import_no_torch():
     code = (
         "import spindle.cli, gateway.server, spindle.client, spindle.local, spindle.grpc_status; import sys; "
