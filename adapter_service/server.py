@@ -581,10 +581,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _advertise(args: argparse.Namespace, port: int) -> str:
+    """What pods dial for weights: --advertise-address, else --host, else (the wildcard) this
+    host's own address."""
     if args.advertise_address:
         return args.advertise_address
-    host = args.host if args.host not in ("", "0.0.0.0", "::") else socket.gethostbyname(socket.gethostname())
+    host = args.host if args.host not in serving.WILDCARD_HOSTS else _own_address()
     return serving.host_port(host, port)
+
+
+def _own_address() -> str:
+    """The address this host's name resolves to, an IPv4 one if it has one (as before), else IPv6.
+    gethostbyname looked up IPv4 alone: on an IPv6 single-stack cluster, where the pod's name has
+    only its IPv6 address, the service exited at start with a gaierror traceback."""
+    name = socket.gethostname()
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ConfigError(
+            f"this host's name {name!r} resolves to no address ({e}); give --advertise-address HOST:PORT"
+        ) from e
+    ipv4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+    return (ipv4 or [i[4][0] for i in infos])[0]
 
 
 def _backends(args: argparse.Namespace, bounds: deadlines.Bounds) -> tuple[Store, Registry]:
@@ -703,8 +720,8 @@ async def start(
     await controller.start()
     await health.set(await _reachable(controller, bounds.rpc))
     log.info(
-        "adapter service on %s:%d (advertised %s), %s storage, %s registry, %d pods",
-        args.host, port, controller.advertise,
+        "adapter service on %s (advertised %s), %s storage, %s registry, %d pods",
+        serving.host_port(args.host, port), controller.advertise,
         type(store).__name__, type(registry).__name__, len(controller.pods),
     )  # fmt: skip
     return server, health, controller

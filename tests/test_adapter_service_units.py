@@ -748,3 +748,49 @@ def test_a_corrupted_copy_of_the_weights_is_never_sent_to_a_pod(registry_factory
         await c.close()
 
     asyncio.run(go())
+
+
+def _ipv6_only_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as a pod of an IPv6 single-stack cluster sees itself: its name (in
+    /etc/hosts) has an IPv6 address and no IPv4 one, so an IPv4 lookup of it fails."""
+    def getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):
+        if host != "pod-0" or family == socket.AF_INET:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00:10:244::7", 0, 0, 0))]
+
+    def gethostbyname(host):  # glibc's IPv4-only lookup of a name with an IPv6 address alone
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "pod-0")
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket, "gethostbyname", gethostbyname)
+
+
+def test_the_advertised_address_on_an_ipv6_only_pod_is_its_bracketed_ipv6_address(monkeypatch):
+    """The chart runs the service on the default --host 0.0.0.0 with no --advertise-address, so it
+    advertised its host name's address as gethostbyname (IPv4 alone) found it: on an IPv6
+    single-stack cluster that raised gaierror and the service exited at start, a traceback."""
+    import argparse
+
+    from adapter_service import server
+
+    _ipv6_only_host(monkeypatch)
+    for host in ("0.0.0.0", "::", ""):
+        args = argparse.Namespace(advertise_address="", host=host)
+        assert server._advertise(args, 50060) == "[fd00:10:244::7]:50060"
+    args = argparse.Namespace(advertise_address="", host="fd00::9")
+    assert server._advertise(args, 50060) == "[fd00::9]:50060"
+
+
+def test_a_host_name_that_resolves_to_nothing_is_a_config_error_naming_advertise_address(monkeypatch):
+    """Where the host's own name resolves to no address the service can say so, and which flag to
+    give, in one line (it was a gaierror traceback)."""
+    import argparse
+
+    from adapter_service import server
+    from spindle.errors import ConfigError
+
+    _ipv6_only_host(monkeypatch)
+    monkeypatch.setattr(socket, "gethostname", lambda: "nowhere")
+    with pytest.raises(ConfigError, match="--advertise-address"):
+        server._advertise(argparse.Namespace(advertise_address="", host="0.0.0.0"), 50060)
