@@ -654,14 +654,15 @@ async def start(
         gateway.port = serving.bind(server, args.host, args.port, security.tls)
         await server.start()
         await pool.start()
-        log.info("gateway listening on %s:%d in front of %d pods", args.host, gateway.port, len(pool.pods))
+        where = serving.host_port(args.host, gateway.port)  # an IPv6 host in brackets
+        log.info("gateway listening on %s in front of %d pods", where, len(pool.pods))
         if getattr(args, "metrics_port", 0):
             metrics_port = gateway.metrics.serve(args.host, args.metrics_port)
-            log.info("metrics on http://%s:%d/metrics", args.host, metrics_port)
+            log.info("metrics on http://%s/metrics", serving.host_port(args.host, metrics_port))
         if getattr(args, "http_port", 0):
             gateway.http = _openai_server(args, gateway, pool, health, tracer, send_timeout)
             gateway.http_port = await gateway.http.start(args.host, args.http_port, security.tls)
-            log.info("OpenAI-compatible HTTP API on %s:%d", args.host, gateway.http_port)
+            log.info("OpenAI-compatible HTTP API on %s", serving.host_port(args.host, gateway.http_port))
     return gateway, server, health
 
 

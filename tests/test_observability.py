@@ -38,9 +38,11 @@ STEP_S = 0.005
 
 
 @asynccontextmanager
-async def _fake_pod(provider: TracerProvider | None = None) -> AsyncIterator[tuple[ModelPod, int]]:
+async def _fake_pod(
+    provider: TracerProvider | None = None, host: str = "127.0.0.1"
+) -> AsyncIterator[tuple[ModelPod, int]]:
     pod = ModelPod("fake", drain_timeout=1.0)
-    servers = await pod_server.start(pod, "127.0.0.1", 0, 0, provider)
+    servers = await pod_server.start(pod, host, 0, 0, provider)
     try:
         await pod.load(lambda: FakeFastEngine(STEP_S))
         yield pod, servers.port
@@ -607,3 +609,46 @@ def test_metrics_on_the_wildcard_host_are_scraped_over_ipv6_and_ipv4():
                 assert b"vllm:" in r.read(), url
     finally:
         metrics.stop()
+
+
+def test_a_gateway_and_its_pod_on_ipv6_loopback_serve_and_log_bracketed_addresses(caplog):
+    """`--host ::1` in-process: a pod, a gateway dialling it as `--pods [::1]:PORT`, a stream over
+    gRPC and one over HTTP through the gateway, /metrics scraped, and the start-up lines naming
+    each address as a client or a URL takes it ("[::1]:PORT", "http://[::1]:PORT/metrics"): they
+    said "::1:PORT" and "http://::1:PORT/metrics", which no gRPC client or URL parser reads."""
+    import logging
+    import socket
+    import urllib.request
+
+    import aiohttp
+    import pytest
+
+    from tests.service_helpers import free_port
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    caplog.set_level(logging.INFO)
+    metrics_port = free_port()
+
+    async def go() -> tuple[int, int, bytes]:
+        async with _fake_pod(host="::1") as (_, port):
+            flags = ["--host", "::1", "--pods", f"[::1]:{port}", "--allow-unauthenticated",
+                     "--metrics-port", str(metrics_port), "--http-port", str(free_port())]  # fmt: skip
+            async with (
+                gateway_in_process(flags) as gw,
+                grpc.aio.insecure_channel(f"[::1]:{gw.port}") as ch,
+                aiohttp.ClientSession() as http,
+            ):
+                grpc_tokens = await _three_endings(ch)
+                body = {"model": "fake", "prompt": "x", "max_tokens": 3}
+                async with http.post(f"http://[::1]:{gw.http_port}/v1/completions", json=body) as r:
+                    status = r.status
+                url = f"http://[::1]:{metrics_port}/metrics"
+                scrape = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+                return grpc_tokens, status, scrape
+
+    tokens, status, scrape = asyncio.run(go())
+    assert tokens > 0 and status == 200 and b"spindle_gateway" in scrape
+    said = caplog.text
+    assert "gateway listening on [::1]:" in said and "OpenAI-compatible HTTP API on [::1]:" in said
+    assert f"metrics on http://[::1]:{metrics_port}/metrics" in said

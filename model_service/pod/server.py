@@ -235,12 +235,11 @@ async def serve(args: argparse.Namespace) -> int:
         await pod.health.serve_plaintext(args.host, args.health_port)
         if args.metrics_port:
             metrics_port = pod.metrics.serve(args.host, args.metrics_port)
-            log.info("metrics on http://%s:%d/metrics", args.host, metrics_port)
+            log.info("metrics on http://%s/metrics", serving.host_port(args.host, metrics_port))
     serving.on_shutdown_signal(pod.request_exit)
     log.info(
-        "listening on %s:%d (control %d, HTTP %s); loading %s (NOT_SERVING until loaded and warmed)",
-        args.host,
-        servers.port,
+        "listening on %s (control %d, HTTP %s); loading %s (NOT_SERVING until loaded and warmed)",
+        serving.host_port(args.host, servers.port),
         servers.control_port,
         servers.http_port or "off",
         args.model,
