@@ -171,7 +171,7 @@ def _split_host_port(address: str, flag: str) -> tuple[str, int]:
         return flagtypes.host_and_port(address)
     except ValueError as e:
         hint = "an IPv6 host in brackets: [::1]:PORT"
-        raise ConfigError(f"{flag} wants HOST:PORT ({hint}), got {address!r}") from e
+        raise ConfigError(f"{flag} wants HOST:PORT, got {address!r} ({hint})") from e
 
 
 class PodPool:
