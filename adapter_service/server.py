@@ -458,7 +458,11 @@ class WeightsService(model_control_pb2_grpc.ModelControlServicer):
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.description = "Run the adapter service: register adapters once, place them on model pods."
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="0.0.0.0", help="address to listen on [0.0.0.0]")
+    g.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="address to listen on; 0.0.0.0 or :: = every address, IPv4 and IPv6 [0.0.0.0]",
+    )
     g.add_argument("--port", type=flagtypes.port, default=50060, help="gRPC port [50060]")
     g.add_argument(
         "--metrics-port", type=flagtypes.port, default=9091, help="Prometheus /metrics port; 0 = off [9091]"

@@ -490,7 +490,11 @@ def _annotate_final(span: trace.Span, final: pb.Final) -> None:
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.description = "Run the gateway: authenticate, route and relay requests to model pods over gRPC."
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="0.0.0.0", help="address to listen on [0.0.0.0]")
+    g.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="address to listen on; 0.0.0.0 or :: = every address, IPv4 and IPv6 [0.0.0.0]",
+    )
     g.add_argument("--port", type=flagtypes.port, default=50051, help="gRPC port [50051]")
     add_http_args(g)
     g.add_argument(

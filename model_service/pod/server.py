@@ -51,7 +51,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--port; ModelControl on --control-port) and Prometheus /metrics."
     )
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="0.0.0.0", help="address to listen on [0.0.0.0]")
+    g.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="address to listen on; 0.0.0.0 or :: = every address, IPv4 and IPv6 [0.0.0.0]",
+    )
     g.add_argument(
         "--port",
         type=flagtypes.port,
