@@ -146,12 +146,15 @@ def static_discovery(addresses: list[str]) -> Callable[[], Awaitable[list[str]]]
 
 
 def dns_discovery(target: str) -> Callable[[], Awaitable[list[str]]]:
-    """`name:port` of a headless Service: every address it resolves to is a pod."""
+    """`name:port` of a headless Service: every address it resolves to is a pod, of one family
+    (IPv4 where there is any, else IPv6). A dual-stack Service, or `localhost`, resolves to an
+    address of each family for every pod: taking both counted each pod twice."""
     host, port = _split_host_port(target, "--pods-dns")
 
     async def discover() -> list[str]:
         infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        return sorted({host_port(i[4][0], port) for i in infos})
+        ipv4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+        return sorted({host_port(address, port) for address in ipv4 or [i[4][0] for i in infos]})
 
     return discover
 

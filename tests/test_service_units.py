@@ -361,6 +361,26 @@ def test_an_unbracketed_ipv6_address_is_refused_as_no_host_port(address):
     static_discovery(["[::1]:50052", "[fd00:10:244::7]:50051", "pod-0.pods:50051"])
 
 
+def test_dns_discovery_of_a_dual_stack_service_counts_each_pod_once(monkeypatch):
+    """A dual-stack headless Service (or `localhost`) answers an IPv4 and an IPv6 address for every
+    pod: both were taken, so each pod was two pods to route to and place adapters on."""
+    import asyncio
+    import socket
+
+    from gateway.pods import dns_discovery
+
+    records = [(socket.AF_INET, "10.0.0.7"), (socket.AF_INET6, "fd00::7"), (socket.AF_INET, "10.0.0.8"),
+               (socket.AF_INET6, "fd00::8")]  # fmt: skip
+
+    async def resolve(self, host, port, **_):
+        answer = records if host == "pods" else [r for r in records if r[0] == socket.AF_INET6]
+        return [(family, socket.SOCK_STREAM, 6, "", (address, port)) for family, address in answer]
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", resolve)
+    assert asyncio.run(dns_discovery("pods:50051")()) == ["10.0.0.7:50051", "10.0.0.8:50051"]
+    assert asyncio.run(dns_discovery("pods-v6:50051")()) == ["[fd00::7]:50051", "[fd00::8]:50051"]
+
+
 def test_dns_discovery_of_a_bracketed_ipv6_literal_finds_its_pod():
     """`--pods-dns [::1]:50052` asked the resolver for the name "[::1]", which none resolves: the
     pool stayed empty and each discovery logged a failure."""
