@@ -23,7 +23,6 @@ import os
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from spindle.errors import SpindleError
 from spindle.openai_api import reasoning_parsers
 from spindle.openai_api.tool_parsers import PARSERS
 from spindle.peft import lora_specs
-from spindle.serving import bind_refusal, host_port, served_model_name, socket_family
+from spindle.serving import bind_refusal, host_port, listening_socket, served_model_name
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -143,8 +142,7 @@ def _pick_free_ports(args: argparse.Namespace) -> None:
     try:
         for name in _INTERNAL_PORTS:
             if getattr(args, name) is None or (name in _ZERO_IS_ANY and getattr(args, name) == 0):
-                sock = socket.socket(socket_family(args.host))  # `--host ::1` was a gaierror traceback
-                sock.bind((args.host, 0))
+                sock = listening_socket(args.host, 0)  # as the services bind (an IPv4 socket: `::1` failed)
                 held.append(sock)
                 setattr(args, name, sock.getsockname()[1])
     finally:
@@ -252,7 +250,6 @@ def _try_it(args: argparse.Namespace, gateway: str, service: str) -> str:
     ]
     if args.http_port:
         model = args.lora[0].partition("=")[0] if args.lora else served_model_name(args.model)
-        base_url = http
         body = {
             "model": model,
             "messages": [{"role": "user", "content": "Tell me a joke."}],
@@ -260,12 +257,12 @@ def _try_it(args: argparse.Namespace, gateway: str, service: str) -> str:
         }
         sdk = (  # double quotes inside, so the shell's single quotes wrap it cleanly
             "from openai import OpenAI; "
-            f'client = OpenAI(base_url={json.dumps(base_url)}, api_key="none"); '
+            f'client = OpenAI(base_url={json.dumps(http)}, api_key="none"); '
             f"print(client.chat.completions.create(model={json.dumps(model)}, max_tokens=64, "
             f"messages={json.dumps(body['messages'])}).choices[0].message.content)"
         )
         lines += [
-            f"  curl -s {base_url}/chat/completions -H 'Content-Type: application/json' "
+            f"  curl -s {http}/chat/completions -H 'Content-Type: application/json' "
             f"-d {shlex.quote(json.dumps(body))}",
             f"  python -c {shlex.quote(sdk)}   # pip install openai",
         ]

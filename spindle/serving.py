@@ -126,10 +126,20 @@ def listen_address(host: str, port: int) -> tuple[socket.AddressFamily, str]:
 
 def listening_socket(host: str, port: int) -> socket.socket:
     """A TCP socket listening on host:port (SO_REUSEADDR), the wildcard one socket for both
-    families (IPV6_V6ONLY off, whatever net.ipv6.bindv6only says): the same port on each."""
+    families (IPV6_V6ONLY off, whatever net.ipv6.bindv6only says): the same port on each. Built by
+    hand, not by `socket.create_server`, whose errors append the address to the OS's reason."""
     family, address = listen_address(host, port)
-    dual = family == socket.AF_INET6 and address == "::" and host in WILDCARD_HOSTS
-    return socket.create_server((address, port), family=family, dualstack_ipv6=dual)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host in WILDCARD_HOSTS:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((address, port))
+        sock.listen()
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig = PLAINTEXT) -> int:
@@ -158,21 +168,15 @@ def why_not_listen(host: str, port: int) -> str:
     return listen_hint(refusal)
 
 
-def socket_family(host: str) -> socket.AddressFamily:
-    """The family a plain socket needs to bind `host` (an IPv6 literal has colons)."""
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
 def bind_refusal(host: str, port: int) -> OSError | None:
-    """Why a plain socket bound as the servers bind (SO_REUSEADDR) cannot take host:port, or None
-    when it can: in use, another machine's address, a name that does not resolve."""
-    with socket.socket(socket_family(host)) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            return e
-    return None
+    """Why a socket bound as the servers bind (`listening_socket`: SO_REUSEADDR, the wildcard on
+    both families) cannot take host:port, or None when it can: in use, another machine's address,
+    a name that does not resolve."""
+    try:
+        with listening_socket(host, port):
+            return None
+    except OSError as e:
+        return e
 
 
 def serve_metrics(host: str, port: int, registry: Any = None) -> Any:
